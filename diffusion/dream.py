@@ -1,0 +1,270 @@
+"""Dream's `diffusion_generate`, reproduced: a drop-in with the same keyword arguments and returns.
+
+Algorithms: ``origin`` (each mask revealed independently with probability 1 − s/t), ``maskgit_plus``
+(top-1 probability), ``topk_margin`` (p1 − p2), ``entropy`` (Σ p log p), over the schedule
+`t = linspace(1, eps, steps + 1)`; plus Fast-dLLM's ``confidence_threshold`` (a fixed number of
+commits per step, each beyond the first deferred while its confidence is below `threshold`).
+
+Works for any remask diffusion model: the spec supplies mask id, forward inputs and the logit
+shift (Dream's shift is not applied for LLaDA-format models).
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from transformers.utils import ModelOutput
+
+from remask.models.spec import get_spec
+
+from .checks import check_length, check_mask_id, check_prompt
+from .scoring import score_tokens
+from .selection import commit, select_topk
+from .stats import GenerationStats
+
+ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")
+CONFIDENCE_OF = {"maskgit_plus": "prob", "topk_margin": "margin", "entropy": "neg_entropy",
+                 "confidence_threshold": "prob"}
+DEFAULT_MAX_LENGTH = 20  # transformers' model-agnostic default, as in Dream's config
+
+
+@dataclass
+class DreamModelOutput(ModelOutput):
+    """Returned when `return_dict_in_generate=True`: final `sequences` and, with
+    `output_history=True`, the sequence after every step in `history`."""
+
+    sequences: torch.LongTensor | None = None
+    history: list[torch.LongTensor] | None = None
+
+
+@dataclass
+class DreamGenerationConfig:
+    """The fields of Dream's `DreamGenerationConfig` (same names and defaults)."""
+
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    max_length: int | None = DEFAULT_MAX_LENGTH
+    max_new_tokens: int | None = None
+    eps: float = 1e-3
+    steps: int = 512
+    alg: str = "origin"
+    alg_temp: float | None = None
+    num_return_sequences: int = 1
+    return_dict_in_generate: bool = False
+    output_history: bool = False
+    mask_token_id: int | None = None
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    @classmethod
+    def from_any(cls, config: Any) -> "DreamGenerationConfig":
+        """Copy the known fields from a DreamGenerationConfig, a transformers GenerationConfig,
+        the official remote-code config object, or a dict."""
+        if isinstance(config, cls):
+            return copy.deepcopy(config)
+        get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        out = cls()
+        for f in fields(cls):
+            value = get(f.name, None)
+            if value is not None:
+                setattr(out, f.name, value)
+        return out
+
+    def update(self, **kwargs: Any) -> dict[str, Any]:
+        """Set known fields; return the unknown kwargs (as GenerationConfig.update does)."""
+        names = {f.name for f in fields(self)}
+        for k in [k for k in kwargs if k in names]:
+            setattr(self, k, kwargs.pop(k))
+        return kwargs
+
+
+def _resolve_config(model, generation_config, kwargs) -> DreamGenerationConfig:
+    spec = get_spec(model)
+    if generation_config is None:
+        # Dream: DreamGenerationConfig.from_model_config(model.config) — special ids from the model.
+        config = DreamGenerationConfig(mask_token_id=spec.mask_id, pad_token_id=spec.pad_id,
+                                       bos_token_id=getattr(model.config, "bos_token_id", None),
+                                       eos_token_id=spec.eos_id)
+        config.update(**dict(kwargs))
+        return config
+    config = DreamGenerationConfig.from_any(generation_config)
+    config.update(**dict(kwargs))
+    # With an explicit config, unset special tokens fall back to the model's.
+    for name, value in (("mask_token_id", spec.mask_id), ("pad_token_id", spec.pad_id),
+                        ("bos_token_id", getattr(model.config, "bos_token_id", None)), ("eos_token_id", spec.eos_id)):
+        if getattr(config, name) is None:
+            setattr(config, name, value)
+    return config
+
+
+@torch.no_grad()
+def diffusion_generate(
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    generation_config: Any = None,
+    **kwargs: Any,
+) -> torch.LongTensor | DreamModelOutput:
+    """Drop-in for Dream's `model.diffusion_generate(inputs, generation_config=None, **kwargs)`.
+
+    Keyword arguments: every `DreamGenerationConfig` field (`max_new_tokens` or `max_length`,
+    `steps`, `eps`, `alg`, `alg_temp`, `temperature`, `top_p`, `top_k`, `output_history`,
+    `return_dict_in_generate`, `num_return_sequences`, `mask_token_id`, …), `attention_mask`
+    (left padding), `generation_tokens_hook_func(step, x, logits)` and
+    `generation_logits_hook_func(step, x, logits)`, `threshold` (for `alg="confidence_threshold"`,
+    default 0.9), and remask's `generator` and `stats`.
+
+    Returns the `[B, max_length]` sequences, or a `DreamModelOutput` when `return_dict_in_generate`.
+    """
+    tokens_hook: Callable = kwargs.pop("generation_tokens_hook_func", lambda step, x, logits: x)
+    logits_hook: Callable = kwargs.pop("generation_logits_hook_func", lambda step, x, logits: logits)
+    attention_mask = kwargs.pop("attention_mask", None)
+    threshold = kwargs.pop("threshold", 0.9)
+    generator = kwargs.pop("generator", None)
+    stats: GenerationStats | None = kwargs.pop("stats", None)
+    explicit_max_length = kwargs.get("max_length") is not None
+    config = _resolve_config(model, generation_config, kwargs)
+    leftover = config.update(**kwargs)
+    if leftover:
+        raise ValueError(f"unknown keyword arguments for diffusion_generate: {sorted(leftover)}")
+
+    if inputs is None:
+        raise ValueError("inputs must be a LongTensor of prompt ids [batch, length]")
+    check_prompt(model, inputs, attention_mask, name="inputs")
+    spec = get_spec(model, mask_id=config.mask_token_id)
+    check_mask_id(spec)
+    if config.alg not in ALGORITHMS:
+        raise ValueError(f"alg must be one of {list(ALGORITHMS)}, got {config.alg!r}")
+    if not isinstance(config.steps, int) or config.steps <= 0:
+        raise ValueError(f"steps must be a positive int, got {config.steps!r}")
+    if config.alg == "confidence_threshold" and not 0 < threshold <= 1:
+        raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+    if config.temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {config.temperature}")
+
+    # Length: max_new_tokens wins; otherwise an explicit max_length is the total length; otherwise
+    # transformers' default of 20 new tokens (capped by max_position_embeddings), as Dream does.
+    input_len = inputs.shape[-1]
+    if config.max_new_tokens is not None:
+        config.max_length = config.max_new_tokens + input_len
+    elif not explicit_max_length and config.max_length == DEFAULT_MAX_LENGTH:
+        warnings.warn("Using the model-agnostic default `max_length` (=20) to control the generation length; "
+                      "set `max_new_tokens`.", UserWarning)
+        config.max_length = DEFAULT_MAX_LENGTH + input_len
+        if spec.max_length is not None:
+            config.max_length = min(config.max_length, spec.max_length)
+    if input_len >= config.max_length:
+        raise ValueError(f"input length {input_len} must be smaller than max_length={config.max_length}; "
+                         "increase max_length or set max_new_tokens")
+    check_length(spec, config.max_length, "max_length (prompt + new tokens)")
+    if attention_mask is None and config.pad_token_id is not None and bool((inputs == config.pad_token_id).any()):
+        warnings.warn("Padding was detected but no attention mask is passed here. For correct generation results, "
+                      "please set `attention_mask` when batch-padding inputs.", UserWarning)
+    if config.num_return_sequences > 1:
+        inputs = inputs.repeat_interleave(config.num_return_sequences, dim=0)
+        if attention_mask is not None:
+            attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
+
+    if stats is not None:
+        stats.start()
+    sequences, history = _sample(model, spec, inputs, attention_mask, config, tokens_hook, logits_hook,
+                                 threshold, generator, stats)
+    if stats is not None:
+        stats.stop(int(sequences.shape[0] * (config.max_length - input_len)))
+    if config.return_dict_in_generate:
+        return DreamModelOutput(sequences=sequences, history=history)
+    return sequences
+
+
+def _sample(model, spec, input_ids, attention_mask, config: DreamGenerationConfig, tokens_hook, logits_hook,
+            threshold, generator, stats):
+    mask_id, steps, alg = spec.mask_id, config.steps, config.alg
+    histories = [] if (config.return_dict_in_generate and config.output_history) else None
+    x = F.pad(input_ids, (0, config.max_length - input_ids.shape[1]), value=mask_id)
+    forward_inputs = spec.forward_inputs(attention_mask, x.shape[1])
+    timesteps = torch.linspace(1, config.eps, steps + 1, device=x.device)
+    sample = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, sampler="categorical",
+                  exclude_id=mask_id, generator=generator)
+
+    x = tokens_hook(None, x, None)
+    if alg == "confidence_threshold":
+        per_row = (x == mask_id).sum(dim=1)
+        if bool((per_row % steps != 0).any()):
+            raise ValueError(f"alg='confidence_threshold' needs the masked length ({per_row.tolist()}) to be "
+                             f"divisible by steps ({steps})")
+        number_transfer = per_row // steps  # per row: remask runs batches row by row in one tensor
+        deferred = torch.zeros_like(number_transfer)
+    i = 0
+    while i < steps:
+        mask_index = x == mask_id
+        logits = spec.logits(model, x, **forward_inputs)
+        if stats is not None:
+            stats.forward(x.shape[0], x.shape[1])
+        logits = logits_hook(i, x, logits)
+        mask_logits = logits[mask_index]
+        before = mask_index.sum()
+        if alg == "origin":
+            t, s = timesteps[i], timesteps[i + 1]
+            p_transfer = 1 - s / t if i < steps - 1 else 1
+            x0 = torch.zeros_like(x[mask_index], dtype=torch.long) + mask_id
+            reveal = torch.rand(*x0.shape, device=x.device, generator=generator) < p_transfer
+            x0[reveal] = score_tokens(mask_logits[reveal], **sample)[0]
+            x[mask_index] = x0.clone()
+        elif alg == "confidence_threshold":
+            confidence, x0 = _score_masked(mask_logits, "prob", sample)
+            full_conf, proposal = _scatter(x, mask_index, confidence, x0, logits.dtype, mask_id)
+            current = number_transfer + deferred
+            transfer = select_topk(full_conf, current)
+            # The reference keeps the top-1 and defers every other pick below the threshold; at the
+            # last step it adds a step and stops scheduling new picks (`number_transfer = 0`).
+            sorted_conf, order = torch.sort(torch.where(transfer, full_conf, -torch.inf), dim=1, descending=True)
+            rank = torch.arange(x.shape[1], device=x.device)[None]
+            drop_sorted = (rank >= 1) & (rank < current[:, None]) & (sorted_conf < threshold)
+            drop = torch.zeros_like(transfer).scatter(1, order, drop_sorted)
+            deferred = drop.sum(dim=1)
+            transfer &= ~drop
+            if i == steps - 1 and bool((deferred > 0).any()):
+                number_transfer = torch.zeros_like(number_transfer)
+                steps += 1
+            x = commit(x, proposal, transfer)
+        else:
+            confidence, x0 = _score_masked(mask_logits, CONFIDENCE_OF[alg], sample)
+            t, s = timesteps[i], timesteps[i + 1]
+            # One count for the whole batch, from the mean number of masks per row (as upstream).
+            num_mask_token = mask_index.sum() / mask_index.shape[0]
+            n = int(num_mask_token * (1 - s / t)) if i < steps - 1 else int(num_mask_token)
+            full_conf, proposal = _scatter(x, mask_index, confidence, x0, logits.dtype, mask_id)
+            if n > 0:
+                if config.alg_temp is None or config.alg_temp == 0:
+                    index = torch.topk(full_conf, n).indices
+                else:
+                    weights = F.softmax(full_conf / config.alg_temp, dim=-1)
+                    index = torch.multinomial(weights, num_samples=n, generator=generator)
+                rows = torch.arange(x.size(0), device=x.device)[:, None].expand_as(index)
+                x[rows, index] = proposal[rows, index]
+        x = tokens_hook(i, x, logits)
+        if stats is not None:
+            stats.step(int(before - (x == mask_id).sum()))
+        if histories is not None:
+            histories.append(x.clone())
+        i += 1
+    return x, histories
+
+
+def _score_masked(mask_logits, mode, sample):
+    x0, confidence = score_tokens(mask_logits, mode=mode, **sample)
+    return confidence, x0
+
+
+def _scatter(x, mask_index, confidence, x0, dtype, mask_id):
+    """Per-position confidence (−inf off the masks) and proposals (mask id off the masks)."""
+    full_conf = torch.full_like(x, -torch.inf, dtype=dtype)
+    full_conf[mask_index] = confidence.to(dtype)
+    proposal = torch.zeros_like(x) + mask_id
+    proposal[mask_index] = x0
+    return full_conf, proposal

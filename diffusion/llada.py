@@ -1,0 +1,248 @@
+"""LLaDA-style block semi-autoregressive decoding, and Fast-dLLM parallel decoding on top of it.
+
+`generate` reproduces ML-GSAI/LLaDA `generate.py` (integer schedule, top-k commit, CFG, random
+remasking, EOS options, left-padded batches). With `threshold` or `factor` it reproduces
+NVlabs/Fast-dLLM v1 `generate` (threshold / factor rules, loop until the block is decoded, float64
+confidences). Works for any diffusion model with a spec (LLaDA, Dream: the spec aligns logits).
+
+The loop is short on purpose: model forward (`ModelSpec.logits`) → `score_tokens` → a selection
+rule → `commit`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from remask.models.spec import ModelSpec, get_spec
+
+from .checks import check_length, check_mask_id, check_prompt, check_token_id
+from .scoring import score_tokens
+from .selection import commit, schedule_counts, select_factor, select_threshold, select_topk
+from .stats import GenerationStats
+
+REMASKING = ("low_confidence", "random")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Dtypes in which a reference computes confidences: the softmax (None = the logits' dtype)
+    and the uniforms of random remasking. They only matter for bit-exact reproduction."""
+
+    softmax: torch.dtype | None
+    random: torch.dtype
+
+
+LLADA_PRECISION = Precision(softmax=None, random=torch.float32)  # generate.py (f51cb17 dropped float64)
+FAST_DLLM_PRECISION = Precision(softmax=torch.float64, random=torch.float64)  # get_transfer_index
+FAST_DLLM_FACTOR_PRECISION = Precision(softmax=torch.float64, random=torch.float32)  # ..._dynamic
+
+
+def validate_block_args(gen_length: int, block_length: int, steps: int) -> tuple[int, int]:
+    """Return (num_blocks, steps_per_block) or raise a ValueError naming the bad parameter."""
+    for name, value in (("gen_length", gen_length), ("block_length", block_length), ("steps", steps)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if gen_length % block_length:
+        raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
+    num_blocks = gen_length // block_length
+    if steps % num_blocks:
+        raise ValueError(f"steps ({steps}) must be divisible by the number of blocks "
+                         f"gen_length/block_length = {num_blocks}")
+    return num_blocks, steps // num_blocks
+
+
+def validate_rule(threshold: float | None, factor: float | None) -> None:
+    if threshold is not None and factor is not None:
+        raise ValueError("pass either threshold or factor, not both")
+    if threshold is not None and not 0 < threshold <= 1:
+        raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+    if factor is not None and not factor > 0:
+        raise ValueError(f"factor must be > 0, got {factor}")
+
+
+def cfg_logits(spec: ModelSpec, model, x, forward_inputs, prompt_index, cfg_scale, mask_id):
+    """Unsupervised classifier-free guidance: `un + (cfg+1)(cond − un)`, where the unconditional
+    input has every original prompt position (left pads included) replaced by the mask token."""
+    un_x = x.clone()
+    un_x[prompt_index] = mask_id
+    doubled = {k: torch.cat([v, v], dim=0) if torch.is_tensor(v) else v for k, v in forward_inputs.items()}
+    logits, un_logits = torch.chunk(spec.logits(model, torch.cat([x, un_x], dim=0), **doubled), 2, dim=0)
+    return un_logits + (cfg_scale + 1) * (logits - un_logits)
+
+
+@torch.no_grad()
+def block_diffusion_generate(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    steps: int = 128,
+    gen_length: int = 128,
+    block_length: int = 128,
+    temperature: float = 0.0,
+    cfg_scale: float = 0.0,
+    remasking: str = "low_confidence",
+    spec: ModelSpec,
+    logits_eos_inf: bool = False,
+    confidence_eos_eot_inf: bool | str = False,
+    threshold: float | None = None,
+    factor: float | None = None,
+    precision: Precision | None = None,
+    early_stop: bool = False,
+    generator: torch.Generator | None = None,
+    stats: GenerationStats | None = None,
+) -> torch.Tensor:
+    """The shared block loop behind `remask.generate` and `remask.compat.fast_dllm.generate`.
+
+    Returns `[B, prompt_len + gen_length]`; validates every argument first.
+    """
+    check_prompt(model, prompt, attention_mask)
+    check_mask_id(spec)
+    num_blocks, steps_per_block = validate_block_args(gen_length, block_length, steps)
+    validate_rule(threshold, factor)
+    if remasking not in REMASKING:
+        raise ValueError(f"remasking must be one of {list(REMASKING)}, got {remasking!r}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if confidence_eos_eot_inf not in (False, True, "corrected"):
+        raise ValueError(f"confidence_eos_eot_inf must be False, True or 'corrected', got {confidence_eos_eot_inf!r}")
+    if cfg_scale < 0:
+        raise ValueError(f"cfg_scale must be >= 0, got {cfg_scale}")
+    check_length(spec, prompt.shape[1] + gen_length, "prompt length + gen_length")
+    if precision is None:
+        precision = LLADA_PRECISION if threshold is None and factor is None else (
+            FAST_DLLM_FACTOR_PRECISION if factor is not None else FAST_DLLM_PRECISION)
+    mask_id = spec.mask_id
+    suppress = [check_token_id(spec, spec.eos_id, "eos_id")] if logits_eos_inf else None
+    zero_prob_ids = None
+    stop_ids: list[int] = []
+    if confidence_eos_eot_inf:
+        eos = check_token_id(spec, spec.eos_id, "eos_id")
+        eot = check_token_id(spec, spec.eot_id, "eot_id")
+        if confidence_eos_eot_inf is True:
+            # As implemented upstream: the chained assignment after the argmax zeroes p(EOT) in the
+            # confidence softmax; at T=0 the noisy logits alias the logits, so p(EOS) too.
+            zero_prob_ids = [eos, eot] if temperature == 0 else [eot]
+        stop_ids = [eos, eot]
+    if early_stop:
+        stop_ids = [i for i in (spec.eos_id, spec.eot_id) if i is not None]
+        if not stop_ids:
+            raise ValueError("early_stop needs an eos_id in the model spec; pass eos_id explicitly")
+
+    if stats is not None:
+        stats.start()
+    B, P = prompt.shape
+    x = torch.full((B, P + gen_length), mask_id, dtype=torch.long, device=prompt.device)
+    x[:, :P] = prompt
+    forward_inputs = spec.forward_inputs(attention_mask, x.shape[1])
+    prompt_index = x != mask_id
+    finished = torch.zeros(B, dtype=torch.bool, device=x.device)
+    parallel = threshold is not None or factor is not None
+
+    for block in range(num_blocks):
+        start, end = P + block * block_length, P + (block + 1) * block_length
+        schedule = schedule_counts(x[:, start:end] == mask_id, steps_per_block)
+        step = 0
+        while True:
+            if parallel:
+                if not (x[:, start:end] == mask_id).any():
+                    break
+            elif step == steps_per_block:
+                break
+            mask_index = x == mask_id
+            if cfg_scale > 0:
+                logits = cfg_logits(spec, model, x, forward_inputs, prompt_index, cfg_scale, mask_id)
+            else:
+                logits = spec.logits(model, x, **forward_inputs)
+            if stats is not None:
+                stats.forward(B * (2 if cfg_scale > 0 else 1), x.shape[1])
+            x0, conf = score_tokens(logits, temperature=temperature, suppress_ids=suppress,
+                                    zero_prob_ids=zero_prob_ids, softmax_dtype=precision.softmax,
+                                    exclude_id=mask_id, generator=generator)
+            if remasking == "random":
+                conf = torch.rand(x0.shape, dtype=precision.random, device=x.device, generator=generator)
+            if confidence_eos_eot_inf == "corrected":
+                # What the option was meant to do: commit EOS/EOT only when nothing else is left.
+                conf = conf.masked_fill(torch.isin(x0, torch.tensor(stop_ids, device=x.device)), -torch.inf)
+            mask_index[:, end:] = False
+            conf = torch.where(mask_index, conf, -torch.inf)
+            x0 = torch.where(mask_index, x0, x)
+            if threshold is not None:
+                transfer = select_threshold(conf, mask_index, threshold)
+            elif factor is not None:
+                transfer = select_factor(conf, mask_index, factor)
+            else:
+                transfer = select_topk(conf, schedule[:, step]) & mask_index
+            x = commit(x, x0, transfer)
+            if stats is not None:
+                stats.step(int(transfer.sum()))
+            step += 1
+        if early_stop:
+            # A row stops once a fully decoded block contains a stop token; the rest becomes EOS.
+            block_done = (x[:, start:end] != mask_id).all(dim=1)
+            has_stop = torch.isin(x[:, start:end], torch.tensor(stop_ids, device=x.device)).any(dim=1)
+            newly = block_done & has_stop & ~finished
+            x[newly, end:] = stop_ids[0]
+            finished |= newly
+            if bool(finished.all()):
+                break
+    if stats is not None:
+        stats.stop(int(B * gen_length))
+    return x
+
+
+def generate(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    steps: int = 128,
+    gen_length: int = 128,
+    block_length: int = 128,
+    temperature: float = 0.0,
+    cfg_scale: float = 0.0,
+    remasking: str = "low_confidence",
+    mask_id: int | None = None,
+    logits_eos_inf: bool = False,
+    confidence_eos_eot_inf: bool | str = False,
+    *,
+    threshold: float | None = None,
+    factor: float | None = None,
+    early_stop: bool = False,
+    eos_id: int | None = None,
+    eot_id: int | None = None,
+    generator: torch.Generator | None = None,
+    stats: GenerationStats | None = None,
+) -> torch.LongTensor:
+    """Drop-in for ML-GSAI/LLaDA `generate` (same positional order, defaults and output).
+
+    Args:
+        model: a LLaDA (or any remask diffusion) model; `mask_id=None` uses the model's own.
+        prompt: `[B, P]` token ids, left-padded when rows differ in length.
+        attention_mask: `[B, P]` (1 = token, 0 = left pad) or None.
+        steps, gen_length, block_length: `gen_length % block_length == 0` and `steps` divisible by
+            the number of blocks; each block commits its masks on LLaDA's integer schedule.
+        temperature: float64 Gumbel-max sampling (0 = greedy).
+        cfg_scale: unsupervised classifier-free guidance scale (0 = off).
+        remasking: ``"low_confidence"`` (commit the most confident) or ``"random"``.
+        logits_eos_inf: set EOS logits to −inf. confidence_eos_eot_inf: ``True`` reproduces the
+            upstream behaviour (see docs/quirks.md), ``"corrected"`` gives EOS/EOT predictions −inf
+            confidence so they are committed last.
+        threshold / factor: switch to Fast-dLLM parallel decoding (commit every masked position of
+            the block with confidence ≥ threshold, at least one; or the factor rule), looping until
+            the block is decoded (`steps` then only fixes the number of blocks' check).
+        early_stop: stop a row after a fully decoded block containing EOS/EOT (rest filled with EOS).
+        eos_id, eot_id: override the model's ids. generator: RNG for sampling.
+        stats: a `GenerationStats` to fill (NFE, tokens per step, wall time, tokens/s).
+
+    Returns:
+        LongTensor `[B, P + gen_length]` with the prompt unchanged and no mask token left.
+    """
+    spec = get_spec(model, mask_id=mask_id, eos_id=eos_id, eot_id=eot_id)
+    if spec.kind == "ar":
+        raise ValueError("remask.generate decodes diffusion models; for an autoregressive model use remask.ar_generate")
+    return block_diffusion_generate(
+        model, prompt, attention_mask, steps=steps, gen_length=gen_length, block_length=block_length,
+        temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, spec=spec,
+        logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf, threshold=threshold,
+        factor=factor, early_stop=early_stop, generator=generator, stats=stats)

@@ -1,0 +1,156 @@
+"""Vocabulary-wide scoring: logits → (chosen token x0, its confidence), in one function.
+
+Every sampler calls `score_tokens`; nothing else in `remask.diffusion` touches the vocabulary
+axis. This is the seam where the fused Triton confidence kernel plugs in.
+
+Two sampling conventions exist in the references and both are reproduced exactly:
+
+* ``sampler="gumbel"`` (LLaDA `generate.py`, Fast-dLLM): x0 = argmax of the float64 Gumbel-max
+  score ``exp(l) / (-log u)^T`` (plain argmax at T=0); the confidence is taken from the
+  **untempered** softmax of the logits, in ``softmax_dtype`` (LLaDA: the logits' dtype,
+  Fast-dLLM: float64).
+* ``sampler="categorical"`` (Dream `sample_tokens`): logits are divided by T, filtered by top-p
+  and top-k, turned into probabilities in their own dtype, and x0 is drawn from them
+  (max at T=0); the confidence is computed from those **tempered, filtered** probabilities.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+CONFIDENCE_MODES = ("prob", "margin", "neg_entropy")
+
+
+def gumbel_max_scores(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None,
+                      noise: torch.Tensor | None = None) -> torch.Tensor:
+    """LLaDA's float64 Gumbel-max score ``exp(l) / (-log u)^T`` (argmax = a sample of softmax(l/T)).
+
+    Returns `logits` itself at T=0. `noise` (uniforms in (0, 1), float64, logits' shape) may be
+    injected; otherwise it is drawn like the reference's ``torch.rand_like(..., dtype=float64)``.
+    """
+    if temperature == 0:
+        return logits
+    logits = logits.to(torch.float64)
+    if noise is None:
+        noise = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+    return logits.exp() / (-torch.log(noise)) ** temperature
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of tokens whose probability mass exceeds `top_p` (Dream's rule: the
+    token that crosses the threshold is kept; removed tokens get the dtype's minimum)."""
+    sorted_logits, sorted_idx = torch.sort(logits, descending=True)
+    cumulative = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
+    remove = cumulative > top_p
+    remove[..., 1:] = remove[..., :-1].clone()
+    remove[..., 0] = False
+    mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, sorted_idx, remove)
+    return logits.masked_fill(mask, torch.finfo(logits.dtype).min)
+
+
+def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    top_k = min(top_k, logits.size(-1))
+    kth = torch.topk(logits, top_k)[0][..., -1, None]
+    return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
+
+
+def _confidence_from_probs(probs: torch.Tensor, x0: torch.Tensor, mode: str) -> torch.Tensor:
+    if mode == "prob":
+        return torch.gather(probs, -1, x0.unsqueeze(-1)).squeeze(-1)
+    if mode == "margin":
+        top2 = torch.topk(probs, 2, dim=-1).values if probs.shape[-1] > 1 else torch.cat(
+            [probs, torch.zeros_like(probs)], -1)
+        return top2[..., 0] - top2[..., 1]
+    return torch.sum(probs * torch.log(probs + 1e-10), dim=-1)  # neg_entropy, Dream's epsilon
+
+
+def score_tokens(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 0.0,
+    mode: str = "prob",
+    sampler: str = "gumbel",
+    top_p: float | None = None,
+    top_k: int | None = None,
+    suppress_ids: Sequence[int] | None = None,
+    zero_prob_ids: Sequence[int] | None = None,
+    softmax_dtype: torch.dtype | None = None,
+    exclude_id: int | None = None,
+    generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose a token per row of `logits` `[..., V]` and score it.
+
+    Args:
+        temperature: 0 for greedy; >0 samples (Gumbel-max or categorical, see module docstring).
+        mode: confidence of x0 — ``"prob"`` (p(x0)), ``"margin"`` (p1 − p2), ``"neg_entropy"`` (Σ p log p).
+        sampler: ``"gumbel"`` (LLaDA/Fast-dLLM) or ``"categorical"`` (Dream).
+        top_p, top_k: Dream's filters (categorical sampler only).
+        suppress_ids: token ids whose logits are set to −inf before anything else (``logits_eos_inf``).
+        zero_prob_ids: token ids whose logits are set to −inf *after* the argmax and before the
+            confidence softmax (LLaDA's ``confidence_eos_eot_inf`` as implemented).
+        softmax_dtype: dtype of the confidence softmax for the gumbel sampler (None: logits' dtype).
+        exclude_id: a token that must never be chosen (the mask token). Only where the reference
+            would choose it is x0 replaced, by the best other token (Gumbel: the noisy scores'
+            runner-up, i.e. a sample without it; categorical: the most probable other token), with
+            that token's confidence. Everywhere else the result is the reference's, bit for bit.
+        generator / noise: randomness source; `noise` injects the Gumbel uniforms.
+
+    Returns:
+        x0 (int64, `[...]`) and confidence (`[...]`, float).
+    """
+    if mode not in CONFIDENCE_MODES:
+        raise ValueError(f"mode must be one of {list(CONFIDENCE_MODES)}, got {mode!r}")
+    if suppress_ids:
+        logits = logits.clone()
+        logits[..., list(suppress_ids)] = -torch.inf
+    if sampler == "gumbel":
+        if top_p is not None or top_k is not None:
+            raise ValueError("top_p/top_k apply to sampler='categorical' only")
+        scores = gumbel_max_scores(logits, temperature, generator, noise)
+        x0 = _avoid(torch.argmax(scores, dim=-1), scores, exclude_id)
+        if zero_prob_ids:
+            logits = logits.clone()
+            logits[..., list(zero_prob_ids)] = -torch.inf
+        probs = F.softmax(logits if softmax_dtype is None else logits.to(softmax_dtype), dim=-1)
+        return x0, _confidence_from_probs(probs, x0, mode)
+    if sampler != "categorical":
+        raise ValueError(f"sampler must be 'gumbel' or 'categorical', got {sampler!r}")
+    if temperature > 0:
+        logits = logits / temperature
+    if top_p is not None and top_p < 1:
+        logits = top_p_filter(logits, top_p)
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    probs = torch.softmax(logits, dim=-1)
+    x0 = None
+    if temperature > 0:
+        # torch.distributions.Categorical(probs).sample(), spelled out so a generator can be passed.
+        flat = probs.reshape(-1, probs.shape[-1])
+        flat = flat / flat.sum(-1, keepdim=True)
+        try:
+            x0 = torch.multinomial(flat, 1, True, generator=generator).reshape(probs.shape[:-1])
+        except RuntimeError:  # the reference falls back to the argmax when sampling fails
+            x0 = None
+    if x0 is None:
+        conf, x0 = probs.max(dim=-1)
+        if mode == "prob" and (exclude_id is None or not bool((x0 == exclude_id).any())):
+            return x0, conf
+    x0 = _avoid(x0, probs, exclude_id)
+    return x0, _confidence_from_probs(probs, x0, mode)
+
+
+def _avoid(x0: torch.Tensor, scores: torch.Tensor, exclude_id: int | None) -> torch.Tensor:
+    """Replace `exclude_id` in x0 by the highest-scoring other token (untouched rows stay as they are)."""
+    if exclude_id is None:
+        return x0
+    hit = x0 == exclude_id
+    if not bool(hit.any()):
+        return x0
+    masked = scores[hit].clone()
+    masked[..., exclude_id] = -torch.inf
+    x0 = x0.clone()
+    x0[hit] = torch.argmax(masked, dim=-1)
+    return x0

@@ -1,0 +1,47 @@
+"""Opt-in generation statistics: pass `stats=GenerationStats()` to any remask generate call."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """Filled in by a generate call.
+
+    nfe: model forward passes (a CFG step's doubled batch counts once; the AR verifier's and the
+    dLLM's passes are counted separately by the samplers that use both). forward_positions:
+    token positions the model computed, summed over forwards and rows (shows what a cache saves).
+    tokens_per_step: positions committed at each step, summed over the batch.
+    generated_tokens: new tokens produced (never the prompt), summed over the batch.
+    """
+
+    nfe: int = 0
+    forward_positions: int = 0
+    tokens_per_step: list[int] = field(default_factory=list)
+    generated_tokens: int = 0
+    wall_time: float = 0.0
+    _start: float = field(default=0.0, repr=False)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second of wall time (prompt tokens excluded)."""
+        return self.generated_tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+    @property
+    def mean_tokens_per_step(self) -> float:
+        return sum(self.tokens_per_step) / len(self.tokens_per_step) if self.tokens_per_step else 0.0
+
+    def start(self) -> None:
+        self._start = time.perf_counter()
+
+    def stop(self, generated_tokens: int) -> None:
+        self.wall_time += time.perf_counter() - self._start
+        self.generated_tokens += generated_tokens
+
+    def forward(self, batch: int, length: int) -> None:
+        self.nfe += 1
+        self.forward_positions += batch * length
+
+    def step(self, committed: int) -> None:
+        self.tokens_per_step.append(int(committed))

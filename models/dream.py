@@ -1,0 +1,223 @@
+"""Dream, implemented here so that official checkpoints load through current transformers.
+
+Qwen2 layout (`model.embed_tokens`, `model.layers.{i}.self_attn.{q,k,v,o}_proj` with q/k/v bias,
+`model.layers.{i}.mlp.{gate,up,down}_proj`, `model.layers.{i}.{input,post_attention}_layernorm`,
+`model.norm`, `lm_head`), bidirectional attention with an optional 4-D padding mask and
+`position_ids`, exactly as the official remote code computes it.
+
+The model returns *unshifted* logits, like the official one: Dream predicts token i from hidden
+state i-1, and that shift is applied in one place, `remask.models.spec` (`ModelSpec.logits`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .layers import KVCache, RMSNorm, apply_rope, attention, rope_cos_sin
+
+
+class DreamConfig(PreTrainedConfig):
+    """Configuration with the keys of Dream's official `config.json` (defaults: Dream-v0-7B)."""
+
+    model_type = "Dream"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    vocab_size: int = 152064
+    hidden_size: int = 3584
+    intermediate_size: int = 18944
+    num_hidden_layers: int = 28
+    num_attention_heads: int = 28
+    num_key_value_heads: int | None = 4
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 131072
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = False
+    tie_word_embeddings: bool = False
+    rope_theta: float = 1000000.0
+    rope_scaling: dict | None = None
+    use_sliding_window: bool = False
+    sliding_window: int | None = None
+    max_window_layers: int = 28
+    attention_dropout: float = 0.0
+    mask_token_id: int | None = 151666
+    pad_token_id: int | None = 151643
+    bos_token_id: int | None = 151643
+    eos_token_id: int | None = 151643
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        super().__post_init__(**kwargs)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def validate_architecture(self) -> None:
+        if self.hidden_act != "silu":
+            raise ValueError(f"DreamConfig.hidden_act={self.hidden_act!r} is not supported; allowed: ['silu']")
+        if self.rope_scaling not in (None, {}) and self.rope_scaling.get("rope_type", "default") != "default":
+            raise ValueError(f"DreamConfig.rope_scaling={self.rope_scaling!r} is not supported; allowed: [None]")
+        if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads}) and that by num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+
+class DreamAttention(nn.Module):
+    def __init__(self, config: DreamConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=True)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=True)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, cache_start: int) -> torch.Tensor:
+        B, L, _ = x.shape
+        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, cos, sin, full_precision=False)
+        k = apply_rope(k, cos, sin, full_precision=False)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v, cache_start)
+        out = attention(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).contiguous().view(B, L, -1))
+
+
+class DreamMLP(nn.Module):
+    def __init__(self, config: DreamConfig):
+        super().__init__()
+        d, inter = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(d, inter, bias=False)
+        self.up_proj = nn.Linear(d, inter, bias=False)
+        self.down_proj = nn.Linear(inter, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DreamDecoderLayer(nn.Module):
+    def __init__(self, config: DreamConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DreamAttention(config, layer_idx)
+        self.mlp = DreamMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache, cache_start) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DreamBaseModel(nn.Module):
+    def __init__(self, config: DreamConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([DreamDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def dream_attention_mask(attention_mask, q_len: int, k_len: int) -> torch.Tensor | None:
+    """Normalise the masks the official code accepts: None / "full" (attend everywhere), a 4-D
+    bool or additive mask (used as is), or a 2-D `[B, k_len]` padding mask, turned into Dream's
+    own bool `[B, 1, q_len, k_len]` mask (query valid AND key valid, as `diffusion_generate` builds it)."""
+    if attention_mask is None or isinstance(attention_mask, str):
+        return None
+    if attention_mask.dim() == 4:
+        return attention_mask
+    if attention_mask.dim() != 2 or attention_mask.shape[-1] != k_len:
+        raise ValueError(f"attention_mask must be [B, {k_len}] or 4-D, got shape {tuple(attention_mask.shape)}")
+    valid = attention_mask.bool()
+    return torch.logical_and(valid[:, None, None, :], valid[:, None, k_len - q_len:, None])
+
+
+class DreamModel(PreTrainedModel):
+    """Dream mask predictor: `forward(input_ids, attention_mask, position_ids)` → unshifted `.logits`."""
+
+    config_class = DreamConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["DreamDecoderLayer"]
+    _supports_sdpa = True
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: DreamConfig):
+        config.validate_architecture()
+        super().__init__(config)
+        self.model = DreamBaseModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask=None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: KVCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        cache_position: torch.LongTensor | None = None,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """input_ids `[B, L]`; attention_mask None / "full" / `[B, K]` / `[B, 1, L, K]`; position_ids
+        `[B, L]` (default `cache_position`); past_key_values / cache_position as in `LLaDAModelLM`."""
+        cfg = self.config
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        B, L = x.shape[:2]
+        if use_cache and past_key_values is None:
+            past_key_values = KVCache()
+        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if cache_position is None:
+            cache_position = torch.arange(past_len, past_len + L, device=x.device)
+        if position_ids is None:
+            position_ids = cache_position[None].expand(B, L)
+        cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta)
+        k_len = max(past_len, int(cache_position[-1]) + 1) if past_key_values is not None else L
+        mask = dream_attention_mask(attention_mask, L, k_len)
+        start = int(cache_position[0])
+        hidden_states = []
+        for layer in self.model.layers:
+            if output_hidden_states:
+                hidden_states.append(x)
+            x = layer(x, cos, sin, mask, past_key_values, start)
+        x = self.model.norm(x)
+        if output_hidden_states:
+            hidden_states.append(x)
+        return CausalLMOutputWithPast(
+            logits=self.lm_head(x),
+            past_key_values=past_key_values,
+            hidden_states=tuple(hidden_states) if output_hidden_states else None,
+        )

@@ -1,0 +1,258 @@
+"""LLaDA, implemented here so that official checkpoints load through current transformers.
+
+Parameter names equal the official checkpoint's (`model.transformer.wte`,
+`model.transformer.blocks.{i}.{attn_norm, ff_norm, q_proj, k_proj, v_proj, attn_out, ff_proj,
+up_proj, ff_out}`, `model.transformer.ln_f`, `model.transformer.ff_out`), and the config accepts
+the official `config.json` keys, so `AutoModel.from_pretrained(dir)` of a released LLaDA directory
+works without `trust_remote_code` once `remask` is imported.
+
+Differences from the official remote code: the forward takes a KV cache (post-RoPE keys, append
+or overwrite a range; the official forward asserts that no cache is used), explicit
+`position_ids`, and `cache_position`. Without a cache the arithmetic is the reference's.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .layers import KVCache, RMSNorm, apply_rope, attention, rope_cos_sin
+
+
+class LLaDAConfig(PreTrainedConfig):
+    """Configuration with the keys of LLaDA's official `config.json` (defaults: LLaDA-8B)."""
+
+    model_type = "llada"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    d_model: int = 4096
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    n_layers: int = 32
+    mlp_ratio: int = 4
+    mlp_hidden_size: int | None = None
+    activation_type: str = "silu"
+    block_type: str = "llama"
+    block_group_size: int = 1
+    alibi: bool = False
+    rope: bool = True
+    rope_full_precision: bool = True
+    rope_theta: float = 500000.0
+    layer_norm_type: str = "rms"
+    layer_norm_with_affine: bool = True
+    rms_norm_eps: float = 1e-5
+    include_bias: bool = False
+    include_qkv_bias: bool = False
+    weight_tying: bool = False
+    scale_logits: bool = False
+    input_emb_norm: bool = False
+    vocab_size: int = 126464
+    embedding_size: int | None = 126464
+    max_sequence_length: int = 4096
+    init_std: float = 0.02
+    use_cache: bool = False
+    mask_token_id: int | None = 126336
+    eos_token_id: int | None = 126081
+    pad_token_id: int | None = 126081
+    bos_token_id: int | None = None
+
+    @property
+    def effective_n_kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        return self.mlp_hidden_size if self.mlp_hidden_size is not None else self.mlp_ratio * self.d_model
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.embedding_size or self.vocab_size
+
+    def validate_architecture(self) -> None:
+        """Reject variants of the OLMo-derived config that LLaDA checkpoints never use."""
+        checks = {
+            "block_type": (self.block_type, ("llama",)),
+            "activation_type": (self.activation_type, ("silu",)),
+            "layer_norm_type": (self.layer_norm_type, ("rms",)),
+            "alibi": (self.alibi, (False,)),
+            "rope": (self.rope, (True,)),
+            "block_group_size": (self.block_group_size, (1,)),
+        }
+        for name, (value, allowed) in checks.items():
+            if value not in allowed:
+                raise ValueError(f"LLaDAConfig.{name}={value!r} is not supported; allowed: {list(allowed)}")
+        if self.d_model % self.n_heads or self.n_heads % self.effective_n_kv_heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) and n_heads by n_kv_heads "
+                f"({self.effective_n_kv_heads})"
+            )
+
+
+class LLaDABlock(nn.Module):
+    """The official `LLaDALlamaBlock`: pre-norm attention and SiLU-gated MLP."""
+
+    def __init__(self, config: LLaDAConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.effective_n_kv_heads
+        self.head_dim = config.head_dim
+        self.rope_full_precision = config.rope_full_precision
+        d, kv, hidden = config.d_model, config.effective_n_kv_heads * config.head_dim, config.mlp_hidden
+        qkv_bias = config.include_bias or config.include_qkv_bias
+        self.attn_norm = RMSNorm(d, config.rms_norm_eps)
+        self.ff_norm = RMSNorm(d, config.rms_norm_eps)
+        self.q_proj = nn.Linear(d, d, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, kv, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, kv, bias=qkv_bias)
+        self.attn_out = nn.Linear(d, d, bias=config.include_bias)
+        self.ff_proj = nn.Linear(d, hidden, bias=config.include_bias)  # SiLU gate
+        self.up_proj = nn.Linear(d, hidden, bias=config.include_bias)  # linear branch
+        self.ff_out = nn.Linear(hidden, d, bias=config.include_bias)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, cache_start: int) -> torch.Tensor:
+        B, L, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q_proj(h).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, cos, sin, self.rope_full_precision)
+        k = apply_rope(k, cos, sin, self.rope_full_precision)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v, cache_start)
+        att = attention(q, k, v, mask).transpose(1, 2).contiguous().view(B, L, -1)
+        x = x + self.attn_out(att)
+        h = self.ff_norm(x)
+        return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
+
+
+class LLaDABackbone(nn.Module):
+    def __init__(self, config: LLaDAConfig):
+        super().__init__()
+        self.config = config
+        modules = {
+            "wte": nn.Embedding(config.padded_vocab_size, config.d_model),
+            "blocks": nn.ModuleList([LLaDABlock(config, i) for i in range(config.n_layers)]),
+            "ln_f": RMSNorm(config.d_model, config.rms_norm_eps),
+        }
+        if not config.weight_tying:
+            modules["ff_out"] = nn.Linear(config.d_model, config.padded_vocab_size, bias=config.include_bias)
+        self.transformer = nn.ModuleDict(modules)
+
+
+def padding_bias(attention_mask: torch.Tensor | None, q_len: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The official LLaDA padding bias: None unless some key is padded, else an additive
+    `[B, 1, q_len, k_len]` bias with `finfo(float32).min` on padded keys (query rows are not masked)."""
+    if attention_mask is None or not (attention_mask == 0).any():
+        return None
+    B, k_len = attention_mask.shape
+    keep = attention_mask.to(torch.float32)[:, None, None, :]
+    bias = torch.zeros((1, 1, q_len, k_len), dtype=torch.float32, device=attention_mask.device)
+    bias = bias + (1.0 - keep) * torch.finfo(torch.float32).min
+    return bias.to(dtype)
+
+
+class LLaDAModelLM(PreTrainedModel):
+    """LLaDA mask predictor: `forward(input_ids, attention_mask)` → `.logits` `[B, L, embedding_size]`."""
+
+    config_class = LLaDAConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["LLaDABlock"]
+    _supports_sdpa = True
+
+    def __init__(self, config: LLaDAConfig):
+        config.validate_architecture()
+        super().__init__(config)
+        self.model = LLaDABackbone(config)
+        self.post_init()
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.init_std
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.transformer.wte
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.transformer.wte = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: KVCache | None = None,
+        use_cache: bool | None = None,
+        cache_position: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        attention_bias: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Bidirectional forward.
+
+        input_ids `[B, L]`; attention_mask `[B, K]` (1 = real token, 0 = padding; K = cached + new
+        length) or None; position_ids `[B, L]` (default: absolute positions `cache_position`);
+        past_key_values: a `KVCache` to read and write (`use_cache=True` creates one);
+        cache_position `[L]`: absolute positions of the inputs — where the cache is written (appended
+        when it starts at the cache length, overwritten in place when it starts earlier).
+        """
+        cfg = self.config
+        x = self.model.transformer.wte(input_ids) if inputs_embeds is None else inputs_embeds
+        if cfg.input_emb_norm:
+            x = x * (cfg.d_model ** 0.5)
+        B, L = x.shape[:2]
+        if use_cache and past_key_values is None:
+            past_key_values = KVCache()
+        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if cache_position is None:
+            cache_position = torch.arange(past_len, past_len + L, device=x.device)
+        if position_ids is None:
+            position_ids = cache_position[None].expand(B, L)
+        cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta)
+        k_len = max(past_len, int(cache_position[-1]) + 1) if past_key_values is not None else L
+        mask = padding_bias(attention_mask, L, x.dtype)
+        if mask is not None and mask.shape[-1] != k_len:
+            raise ValueError(f"attention_mask covers {mask.shape[-1]} keys, but attention runs over {k_len}")
+        if attention_bias is not None:
+            if attention_bias.dtype == torch.bool:
+                attention_bias = torch.zeros_like(attention_bias, dtype=x.dtype).masked_fill(
+                    ~attention_bias, torch.finfo(x.dtype).min)
+            mask = attention_bias.to(x.dtype) if mask is None else mask + attention_bias.to(x.dtype)
+        start = int(cache_position[0])
+        hidden_states = []
+        for block in self.model.transformer.blocks:
+            if output_hidden_states:
+                hidden_states.append(x)
+            x = block(x, cos, sin, mask, past_key_values, start)
+        x = self.model.transformer.ln_f(x)
+        if output_hidden_states:
+            hidden_states.append(x)
+        if cfg.weight_tying:
+            logits = F.linear(x, self.model.transformer.wte.weight, None)
+        else:
+            logits = self.model.transformer.ff_out(x)
+        if cfg.scale_logits:
+            logits = logits * (1 / math.sqrt(cfg.d_model))
+        return CausalLMOutputWithPast(
+            logits=logits,
+            past_key_values=past_key_values,
+            hidden_states=tuple(hidden_states) if output_hidden_states else None,
+        )

@@ -1,0 +1,151 @@
+"""Model specs: everything a sampler needs to know about a model, found from its config.
+
+A sampler never branches on the model type. It asks the spec for the special ids, for the
+model's forward inputs given a padding mask (`forward_inputs`), and for logits aligned so that
+row i predicts token i (`logits`; Dream's one-position shift lives here and nowhere else).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Special ids and conventions of one model.
+
+    kind: "llada", "dream" or "ar". logit_shift: position i is predicted from hidden state i−1
+    (Dream). bidirectional: attention is not causal. vocab_size: width of the logits.
+    max_length: the longest sequence the model accepts (None: unknown).
+    """
+
+    kind: str
+    mask_id: int | None
+    eos_id: int | None
+    pad_id: int | None
+    eot_id: int | None = None
+    vocab_size: int | None = None
+    max_length: int | None = None
+    logit_shift: bool = False
+    bidirectional: bool = True
+    _inputs: Callable[["ModelSpec", torch.Tensor | None, int], dict[str, Any]] = field(
+        default=None, repr=False, compare=False)
+
+    def forward_inputs(self, attention_mask: torch.Tensor | None, total_len: int) -> dict[str, Any]:
+        """Keyword arguments for `model(x, **kw)` over a sequence of `total_len` positions whose
+        first columns are covered by the left-padded prompt mask `attention_mask` `[B, P]`."""
+        return self._inputs(self, attention_mask, total_len)
+
+    def logits(self, model: torch.nn.Module, x: torch.Tensor, **forward_inputs: Any) -> torch.Tensor:
+        """One model forward; returns logits `[B, L, V]` where row i scores position i."""
+        logits = model(x, **forward_inputs).logits
+        if self.logit_shift:
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        return logits
+
+    def with_overrides(self, **ids: int | None) -> "ModelSpec":
+        """A copy with some ids replaced (None keeps the model's own)."""
+        return replace(self, **{k: v for k, v in ids.items() if v is not None})
+
+
+def _extend_mask(attention_mask: torch.Tensor | None, total_len: int) -> torch.Tensor | None:
+    if attention_mask is None:
+        return None
+    gen = total_len - attention_mask.shape[1]
+    ones = torch.ones((attention_mask.shape[0], gen), dtype=attention_mask.dtype, device=attention_mask.device)
+    return torch.cat([attention_mask, ones], dim=-1)
+
+
+def _llada_inputs(spec: ModelSpec, attention_mask: torch.Tensor | None, total_len: int) -> dict[str, Any]:
+    # LLaDA takes the 2-D padding mask; RoPE positions stay absolute (0..L-1) as in the reference.
+    mask = _extend_mask(attention_mask, total_len)
+    return {} if mask is None else {"attention_mask": mask}
+
+
+def _dream_inputs(spec: ModelSpec, attention_mask: torch.Tensor | None, total_len: int) -> dict[str, Any]:
+    # Dream's diffusion_generate: with padding, a bool [B, 1, N, N] mask (query valid AND key valid)
+    # and positions counted over real tokens (pads get position 1); without padding, "full".
+    if attention_mask is None or not torch.any(attention_mask == 0.0):
+        return {"attention_mask": "full"}
+    mask = _extend_mask(attention_mask, total_len)
+    position_ids = mask.long().cumsum(-1) - 1
+    position_ids.masked_fill_(mask == 0, 1)
+    four_d = torch.logical_and(mask[:, None, None, :].bool(), mask[:, None, :, None].bool())
+    return {"attention_mask": four_d, "position_ids": position_ids}
+
+
+def _ar_inputs(spec: ModelSpec, attention_mask: torch.Tensor | None, total_len: int) -> dict[str, Any]:
+    mask = _extend_mask(attention_mask, total_len)
+    return {} if mask is None else {"attention_mask": mask}
+
+
+def _config_id(config: Any, name: str, default: int | None) -> int | None:
+    value = getattr(config, name, None)
+    if isinstance(value, (list, tuple)):
+        value = value[0] if value else None
+    return default if value is None else int(value)
+
+
+def _llada_spec(config: Any) -> ModelSpec:
+    return ModelSpec(
+        kind="llada",
+        mask_id=_config_id(config, "mask_token_id", 126336),
+        eos_id=_config_id(config, "eos_token_id", 126081),
+        pad_id=_config_id(config, "pad_token_id", 126081),
+        eot_id=_config_id(config, "eot_token_id", 126348),
+        vocab_size=getattr(config, "embedding_size", None) or getattr(config, "vocab_size", None),
+        max_length=getattr(config, "max_sequence_length", None),
+        logit_shift=False,
+        bidirectional=True,
+        _inputs=_llada_inputs,
+    )
+
+
+def _dream_spec(config: Any) -> ModelSpec:
+    return ModelSpec(
+        kind="dream",
+        mask_id=_config_id(config, "mask_token_id", 151666),
+        eos_id=_config_id(config, "eos_token_id", 151643),
+        pad_id=_config_id(config, "pad_token_id", 151643),
+        eot_id=_config_id(config, "eot_token_id", 151645),
+        vocab_size=getattr(config, "vocab_size", None),
+        max_length=getattr(config, "max_position_embeddings", None),
+        logit_shift=True,
+        bidirectional=True,
+        _inputs=_dream_inputs,
+    )
+
+
+def _ar_spec(config: Any) -> ModelSpec:
+    return ModelSpec(
+        kind="ar",
+        mask_id=_config_id(config, "mask_token_id", None),
+        eos_id=_config_id(config, "eos_token_id", None),
+        pad_id=_config_id(config, "pad_token_id", None),
+        vocab_size=getattr(config, "vocab_size", None),
+        max_length=getattr(config, "max_position_embeddings", None),
+        logit_shift=False,
+        bidirectional=False,
+        _inputs=_ar_inputs,
+    )
+
+
+SPEC_BUILDERS: dict[str, Callable[[Any], ModelSpec]] = {"llada": _llada_spec, "dream": _dream_spec}
+
+
+def register_spec(model_type: str, builder: Callable[[Any], ModelSpec]) -> None:
+    """Teach remask a new diffusion model type (matched case-insensitively on `config.model_type`)."""
+    SPEC_BUILDERS[model_type.lower()] = builder
+
+
+def get_spec(model: torch.nn.Module, **overrides: int | None) -> ModelSpec:
+    """The spec of `model`, from its config; `overrides` (mask_id=…, eos_id=…, pad_id=…, eot_id=…)
+    replace the model's own ids when not None. Unknown model types are treated as autoregressive."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError("model has no `.config`; remask needs a transformers model (or an object with a config)")
+    model_type = str(getattr(config, "model_type", "")).lower()
+    builder = SPEC_BUILDERS.get(model_type, _ar_spec)
+    return builder(config).with_overrides(**overrides)

@@ -1,0 +1,236 @@
+"""Tiny random checkpoints in the *official* on-disk formats of LLaDA and Dream.
+
+They exist so that tests, the demo and reference comparisons run offline: a directory written
+here has the same `config.json` keys, `auto_map`, parameter names and safetensors layout (single
+file, or shards plus `model.safetensors.index.json`) as the released checkpoints, only tiny.
+The official remote code loads them with `trust_remote_code=True`; remask loads them through
+`AutoModel.from_pretrained` without it.
+
+Weights are drawn from a seeded `torch.Generator`, so a given (config, seed) always yields the
+same tensors. They are scaled so that logits are spread out (a random model with the usual 0.02
+init has near-uniform logits, which makes greedy decoding decided by rounding noise).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+LLADA_DEFAULTS: dict[str, Any] = {
+    # Keys and values of the released LLaDA-8B-Instruct config.json, shapes shrunk.
+    "activation_type": "silu",
+    "alibi": False,
+    "alibi_bias_max": 8.0,
+    "architectures": ["LLaDAModelLM"],
+    "attention_dropout": 0.0,
+    "attention_layer_norm": False,
+    "attention_layer_norm_with_affine": True,
+    "auto_map": {
+        "AutoConfig": "configuration_llada.LLaDAConfig",
+        "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
+        "AutoModel": "modeling_llada.LLaDAModelLM",
+    },
+    "bias_for_layer_norm": False,
+    "block_group_size": 1,
+    "block_type": "llama",
+    "d_model": 32,
+    "embedding_dropout": 0.0,
+    "embedding_size": 126464,
+    "eos_token_id": 126081,
+    "flash_attention": False,
+    "include_bias": False,
+    "include_qkv_bias": False,
+    "init_cutoff_factor": None,
+    "init_device": "meta",
+    "init_fn": "mitchell",
+    "init_std": 0.02,
+    "input_emb_norm": False,
+    "layer_norm_type": "rms",
+    "layer_norm_with_affine": True,
+    "mask_token_id": 126336,
+    "max_sequence_length": 4096,
+    "mlp_hidden_size": 64,
+    "mlp_ratio": 4,
+    "model_type": "llada",
+    "multi_query_attention": None,
+    "n_heads": 4,
+    "n_kv_heads": 4,
+    "n_layers": 2,
+    "pad_token_id": 126081,
+    "precision": "amp_bf16",
+    "residual_dropout": 0.0,
+    "rms_norm_eps": 1e-05,
+    "rope": True,
+    "rope_full_precision": True,
+    "rope_theta": 500000.0,
+    "scale_logits": False,
+    "transformers_version": "4.46.3",
+    "use_cache": False,
+    "vocab_size": 126464,
+    "weight_tying": False,
+}
+
+DREAM_DEFAULTS: dict[str, Any] = {
+    # Keys of the released Dream-v0-Instruct-7B config.json, shapes shrunk.
+    "architectures": ["DreamModel"],
+    "attention_dropout": 0.0,
+    "auto_map": {
+        "AutoConfig": "configuration_dream.DreamConfig",
+        "AutoModel": "modeling_dream.DreamModel",
+    },
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+    "hidden_act": "silu",
+    "hidden_size": 32,
+    "initializer_range": 0.02,
+    "intermediate_size": 64,
+    "mask_token_id": 151666,
+    "max_position_embeddings": 131072,
+    "max_window_layers": 28,
+    "model_type": "Dream",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "pad_token_id": 151643,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "transformers_version": "4.46.2",
+    "use_cache": False,
+    "use_sliding_window": False,
+    "vocab_size": 152064,
+}
+
+
+def _normal(gen: torch.Generator, shape: tuple[int, ...], std: float) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+
+
+def llada_state_dict(config: dict[str, Any], seed: int = 0, logit_scale: float = 3.0) -> dict[str, torch.Tensor]:
+    """Random weights named exactly as in the official LLaDA checkpoints."""
+    gen = torch.Generator().manual_seed(seed)
+    d = config["d_model"]
+    n_heads = config["n_heads"]
+    n_kv = config.get("n_kv_heads") or n_heads
+    head_dim = d // n_heads
+    hidden = config.get("mlp_hidden_size") or config["mlp_ratio"] * d
+    emb = config.get("embedding_size") or config["vocab_size"]
+    bias = bool(config.get("include_bias")) or bool(config.get("include_qkv_bias"))
+    p = "model.transformer."
+    sd: dict[str, torch.Tensor] = {p + "wte.weight": _normal(gen, (emb, d), 1.0)}
+    for i in range(config["n_layers"]):
+        b = f"{p}blocks.{i}."
+        sd[b + "attn_norm.weight"] = 1.0 + _normal(gen, (d,), 0.1)
+        sd[b + "ff_norm.weight"] = 1.0 + _normal(gen, (d,), 0.1)
+        for name, out in (("q_proj", d), ("k_proj", n_kv * head_dim), ("v_proj", n_kv * head_dim)):
+            sd[b + name + ".weight"] = _normal(gen, (out, d), 1.5 / math.sqrt(d))
+            if bias:
+                sd[b + name + ".bias"] = _normal(gen, (out,), 0.1)
+        sd[b + "attn_out.weight"] = _normal(gen, (d, d), 1.0 / math.sqrt(d))
+        sd[b + "ff_proj.weight"] = _normal(gen, (hidden, d), 1.0 / math.sqrt(d))
+        sd[b + "up_proj.weight"] = _normal(gen, (hidden, d), 1.0 / math.sqrt(d))
+        sd[b + "ff_out.weight"] = _normal(gen, (d, hidden), 1.0 / math.sqrt(hidden))
+        if config.get("include_bias"):
+            sd[b + "attn_out.bias"] = _normal(gen, (d,), 0.1)
+            sd[b + "ff_proj.bias"] = _normal(gen, (hidden,), 0.1)
+            sd[b + "up_proj.bias"] = _normal(gen, (hidden,), 0.1)
+            sd[b + "ff_out.bias"] = _normal(gen, (d,), 0.1)
+    sd[p + "ln_f.weight"] = 1.0 + _normal(gen, (d,), 0.1)
+    if not config.get("weight_tying"):
+        sd[p + "ff_out.weight"] = _normal(gen, (emb, d), logit_scale / math.sqrt(d))
+    else:
+        # Tied head: the embedding doubles as the output projection, so give it the logit scale.
+        sd[p + "wte.weight"] = sd[p + "wte.weight"] * (logit_scale / math.sqrt(d))
+    return sd
+
+
+def dream_state_dict(config: dict[str, Any], seed: int = 0, logit_scale: float = 3.0) -> dict[str, torch.Tensor]:
+    """Random weights named exactly as in the official Dream checkpoints (Qwen2 layout)."""
+    gen = torch.Generator().manual_seed(seed)
+    d = config["hidden_size"]
+    n_heads = config["num_attention_heads"]
+    n_kv = config["num_key_value_heads"]
+    head_dim = d // n_heads
+    inter = config["intermediate_size"]
+    vocab = config["vocab_size"]
+    sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": _normal(gen, (vocab, d), 1.0)}
+    for i in range(config["num_hidden_layers"]):
+        b = f"model.layers.{i}."
+        sd[b + "input_layernorm.weight"] = 1.0 + _normal(gen, (d,), 0.1)
+        sd[b + "post_attention_layernorm.weight"] = 1.0 + _normal(gen, (d,), 0.1)
+        for name, out in (("q_proj", n_heads * head_dim), ("k_proj", n_kv * head_dim), ("v_proj", n_kv * head_dim)):
+            sd[b + f"self_attn.{name}.weight"] = _normal(gen, (out, d), 1.5 / math.sqrt(d))
+            sd[b + f"self_attn.{name}.bias"] = _normal(gen, (out,), 0.1)
+        sd[b + "self_attn.o_proj.weight"] = _normal(gen, (d, n_heads * head_dim), 1.0 / math.sqrt(d))
+        sd[b + "mlp.gate_proj.weight"] = _normal(gen, (inter, d), 1.0 / math.sqrt(d))
+        sd[b + "mlp.up_proj.weight"] = _normal(gen, (inter, d), 1.0 / math.sqrt(d))
+        sd[b + "mlp.down_proj.weight"] = _normal(gen, (d, inter), 1.0 / math.sqrt(inter))
+    sd["model.norm.weight"] = 1.0 + _normal(gen, (d,), 0.1)
+    if not config.get("tie_word_embeddings"):
+        sd["lm_head.weight"] = _normal(gen, (vocab, d), logit_scale / math.sqrt(d))
+    return sd
+
+
+def state_dict_digest(sd: dict[str, torch.Tensor]) -> str:
+    """A short sha256 over names and bytes, so fixtures can tell if the weights they were made from changed."""
+    h = hashlib.sha256()
+    for name in sorted(sd):
+        h.update(name.encode())
+        h.update(sd[name].contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _save(path: str, config: dict[str, Any], sd: dict[str, torch.Tensor], shards: int, extra_files: dict[str, Any]) -> str:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    for name, content in extra_files.items():
+        with open(os.path.join(path, name), "w") as f:
+            json.dump(content, f, indent=2)
+    names = sorted(sd)
+    if shards <= 1:
+        save_file({k: sd[k].contiguous() for k in names}, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        per = math.ceil(len(names) / shards)
+        for s in range(shards):
+            fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            part = names[s * per:(s + 1) * per]
+            save_file({k: sd[k].contiguous() for k in part}, os.path.join(path, fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in part})
+        total = sum(t.numel() * t.element_size() for t in sd.values())
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return state_dict_digest(sd)
+
+
+def write_tiny_llada(path: str, *, seed: int = 0, shards: int = 1, logit_scale: float = 3.0, **overrides: Any) -> str:
+    """Write a tiny random LLaDA checkpoint in the official layout; returns the weights' digest.
+
+    `overrides` replace keys of the official config.json (e.g. `n_kv_heads=2`, `weight_tying=True`,
+    `vocab_size=1000, embedding_size=1000, mask_token_id=999`).
+    """
+    config = {**LLADA_DEFAULTS, **overrides}
+    return _save(path, config, llada_state_dict(config, seed, logit_scale), shards, {})
+
+
+def write_tiny_dream(path: str, *, seed: int = 0, shards: int = 1, logit_scale: float = 3.0, **overrides: Any) -> str:
+    """Write a tiny random Dream checkpoint in the official layout; returns the weights' digest."""
+    config = {**DREAM_DEFAULTS, **overrides}
+    generation_config = {
+        "_from_model_config": True,
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+        "pad_token_id": config["pad_token_id"],
+        "transformers_version": config["transformers_version"],
+    }
+    return _save(path, config, dream_state_dict(config, seed, logit_scale), shards,
+                 {"generation_config.json": generation_config})

@@ -1,0 +1,19 @@
+"""remask: reference-exact samplers and fused kernels for diffusion LLMs (LLaDA, Dream) and AR models.
+
+    import remask
+    from transformers import AutoModel
+    model = AutoModel.from_pretrained("path/to/LLaDA-8B-Instruct")   # no trust_remote_code needed
+    out = remask.generate(model, prompt_ids, steps=128, gen_length=128, block_length=32)
+"""
+from remask import models as _models  # noqa: F401  (registers LLaDA and Dream with transformers)
+from remask.diffusion import (
+    DreamGenerationConfig, DreamModelOutput, GenerationStats, ar_generate, diffusion_generate, generate)
+from remask.models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM, ModelSpec, get_spec
+from remask.patching import patch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DreamConfig", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats", "LLaDAConfig",
+    "LLaDAModelLM", "ModelSpec", "ar_generate", "diffusion_generate", "generate", "get_spec", "patch",
+]

@@ -1,0 +1,1 @@
+"""Signature-compatible entry points for scripts written against upstream repositories."""

@@ -1,0 +1,30 @@
+"""NVlabs/Fast-dLLM v1 entry points with their exact signatures and `(x, nfe)` returns.
+
+Switch a Fast-dLLM script by changing one import::
+
+    from remask.compat.fast_dllm import generate   # was: from generate import generate
+    out, nfe = generate(model, prompt, steps=128, gen_length=256, block_length=32, threshold=0.9)
+
+Confidences are computed in float64, as upstream. The cached variants follow with the caching issue.
+"""
+from __future__ import annotations
+
+import torch
+
+from remask.diffusion.llada import FAST_DLLM_FACTOR_PRECISION, FAST_DLLM_PRECISION, block_diffusion_generate
+from remask.diffusion.stats import GenerationStats
+from remask.models.spec import get_spec
+
+
+@torch.no_grad()
+def generate(model, prompt, steps=128, gen_length=128, block_length=128, temperature=0.,
+             remasking='low_confidence', mask_id=126336, threshold=None, factor=None):
+    """Fast-dLLM `generate`: no cache; `threshold`/`factor` parallel decoding, else LLaDA's
+    schedule. Returns `(x, nfe)` with x `[B, prompt_len + gen_length]`."""
+    stats = GenerationStats()
+    spec = get_spec(model, mask_id=mask_id)
+    x = block_diffusion_generate(
+        model, prompt, None, steps=steps, gen_length=gen_length, block_length=block_length,
+        temperature=temperature, remasking=remasking, spec=spec, threshold=threshold, factor=factor,
+        precision=FAST_DLLM_FACTOR_PRECISION if factor is not None else FAST_DLLM_PRECISION, stats=stats)
+    return x, stats.nfe

@@ -1,0 +1,26 @@
+"""`remask.patch(model)`: attach remask's samplers as methods so existing scripts run unchanged."""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from remask.diffusion import diffusion_generate, generate
+from remask.models.spec import get_spec
+
+
+def patch(model: torch.nn.Module) -> torch.nn.Module:
+    """Give a diffusion model `model.diffusion_generate(inputs, generation_config=None, **kw)` (Dream's
+    method) and `model.generate(prompt, ...)` (LLaDA's `generate` without the model argument).
+
+    Works on remask's own classes and on models loaded with the official remote code. Returns the model.
+    """
+    spec = get_spec(model)
+    if spec.kind == "ar":
+        raise ValueError("remask.patch expects a diffusion model (LLaDA, Dream); an autoregressive model "
+                         "already has generate(), and remask.ar_generate is its remask counterpart")
+    model.diffusion_generate = types.MethodType(
+        lambda self, inputs=None, generation_config=None, **kw: diffusion_generate(self, inputs, generation_config, **kw),
+        model)
+    model.generate = types.MethodType(lambda self, prompt, *args, **kw: generate(self, prompt, *args, **kw), model)
+    return model

@@ -1,0 +1,34 @@
+"""Helpers shared by the tests: the tiny checkpoints' definitions, prompts and padding."""
+from __future__ import annotations
+
+import torch
+
+from remask.models import tiny
+
+# name -> (writer, kwargs). "llada" and "dream" use the official vocabularies and special ids.
+CHECKPOINTS = {
+    "llada": (tiny.write_tiny_llada, dict(seed=0)),
+    "llada_gqa_tied": (tiny.write_tiny_llada, dict(seed=1, shards=2, n_kv_heads=2, weight_tying=True, vocab_size=1000,
+                                                   embedding_size=1000, mask_token_id=999, eos_token_id=998,
+                                                   pad_token_id=998)),
+    "llada_small": (tiny.write_tiny_llada, dict(seed=3, vocab_size=300, embedding_size=300, mask_token_id=299,
+                                                eos_token_id=298, pad_token_id=297, eot_token_id=296)),
+    "dream": (tiny.write_tiny_dream, dict(seed=2)),
+    "dream_small": (tiny.write_tiny_dream, dict(seed=4, vocab_size=300, mask_token_id=299, eos_token_id=298,
+                                                pad_token_id=298, bos_token_id=298)),
+}
+
+
+def random_prompt(batch: int, length: int, seed: int, high: int = 290) -> torch.Tensor:
+    return torch.randint(0, high, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad 1-D id tensors to one length; returns (ids, attention_mask)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = r
+        mask[i, width - len(r):] = 1
+    return ids, mask
