@@ -11,6 +11,7 @@ rule → `commit`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -92,6 +93,7 @@ def block_diffusion_generate(
     early_stop: bool = False,
     generator: torch.Generator | None = None,
     stats: GenerationStats | None = None,
+    on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     """The shared block loop behind `remask.generate` and `remask.compat.fast_dllm.generate`.
 
@@ -175,6 +177,8 @@ def block_diffusion_generate(
             else:
                 transfer = select_topk(conf, schedule[:, step]) & mask_index
             x = commit(x, x0, transfer)
+            if on_step is not None:
+                on_step(block, x, transfer)
             if stats is not None:
                 stats.step(int(transfer.sum()))
             step += 1
@@ -213,6 +217,7 @@ def generate(
     eot_id: int | None = None,
     generator: torch.Generator | None = None,
     stats: GenerationStats | None = None,
+    on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> torch.LongTensor:
     """Drop-in for ML-GSAI/LLaDA `generate` (same positional order, defaults and output).
 
@@ -234,6 +239,7 @@ def generate(
         early_stop: stop a row after a fully decoded block containing EOS/EOT (rest filled with EOS).
         eos_id, eot_id: override the model's ids. generator: RNG for sampling.
         stats: a `GenerationStats` to fill (NFE, tokens per step, wall time, tokens/s).
+        on_step: called after every step as `on_step(block_index, x, transfer_index)` (read-only).
 
     Returns:
         LongTensor `[B, P + gen_length]` with the prompt unchanged and no mask token left.
@@ -245,4 +251,4 @@ def generate(
         model, prompt, attention_mask, steps=steps, gen_length=gen_length, block_length=block_length,
         temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, spec=spec,
         logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf, threshold=threshold,
-        factor=factor, early_stop=early_stop, generator=generator, stats=stats)
+        factor=factor, early_stop=early_stop, generator=generator, stats=stats, on_step=on_step)
