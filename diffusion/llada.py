@@ -165,8 +165,10 @@ def block_diffusion_generate(
             if remasking == "random":
                 conf = torch.rand(x0.shape, dtype=precision.random, device=x.device, generator=generator)
             if confidence_eos_eot_inf == "corrected":
-                # What the option was meant to do: commit EOS/EOT only when nothing else is left.
-                conf = conf.masked_fill(torch.isin(x0, torch.tensor(stop_ids, device=x.device)), -torch.inf)
+                # What the option was meant to do: commit EOS/EOT only when nothing else is left. The
+                # dtype's minimum (not −inf) keeps them ahead of positions that are not candidates.
+                conf = conf.masked_fill(torch.isin(x0, torch.tensor(stop_ids, device=x.device)),
+                                        torch.finfo(conf.dtype).min)
             mask_index[:, end:] = False
             conf = torch.where(mask_index, conf, -torch.inf)
             x0 = torch.where(mask_index, x0, x)

@@ -16,7 +16,7 @@ from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .layers import KVCache, RMSNorm, apply_rope, attention, rope_cos_sin
+from .layers import ForwardPositions, KVCache, RMSNorm, forward_positions, init_weights, rotary_self_attention
 
 
 class DreamConfig(PreTrainedConfig):
@@ -73,26 +73,18 @@ class DreamAttention(nn.Module):
     def __init__(self, config: DreamConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_heads = config.num_attention_heads
-        self.n_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        d = config.hidden_size
-        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=True)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=False)
+        d, q_dim, kv_dim = config.hidden_size, config.hidden_size, config.num_key_value_heads * config.head_dim
+        self.q_proj = nn.Linear(d, q_dim, bias=True)
+        self.k_proj = nn.Linear(d, kv_dim, bias=True)
+        self.v_proj = nn.Linear(d, kv_dim, bias=True)
+        self.o_proj = nn.Linear(q_dim, d, bias=False)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None, cache_start: int) -> torch.Tensor:
-        B, L, _ = x.shape
-        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos, sin, full_precision=False)
-        k = apply_rope(k, cos, sin, full_precision=False)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v, cache_start)
-        out = attention(q, k, v, mask)
-        return self.o_proj(out.transpose(1, 2).contiguous().view(B, L, -1))
+    def forward(self, x, pos: ForwardPositions, mask) -> torch.Tensor:
+        # Dream casts the RoPE tables to the model dtype and rotates in it (no float32 upcast).
+        out = rotary_self_attention(self.q_proj(x), self.k_proj(x), self.v_proj(x), self.head_dim, pos.cos, pos.sin,
+                                    mask, pos.cache, self.layer_idx, pos.cache_start, rope_full_precision=False)
+        return self.o_proj(out)
 
 
 class DreamMLP(nn.Module):
@@ -115,8 +107,8 @@ class DreamDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache, cache_start) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start)
+    def forward(self, x, pos: ForwardPositions, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), pos, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -158,17 +150,8 @@ class DreamModel(PreTrainedModel):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=std)
-        elif isinstance(module, RMSNorm):
-            nn.init.ones_(module.weight)
+        init_weights(module, self.config.initializer_range)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
@@ -197,27 +180,19 @@ class DreamModel(PreTrainedModel):
         cfg = self.config
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, L = x.shape[:2]
-        if use_cache and past_key_values is None:
-            past_key_values = KVCache()
-        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
-        if cache_position is None:
-            cache_position = torch.arange(past_len, past_len + L, device=x.device)
-        if position_ids is None:
-            position_ids = cache_position[None].expand(B, L)
-        cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta)
-        k_len = max(past_len, int(cache_position[-1]) + 1) if past_key_values is not None else L
-        mask = dream_attention_mask(attention_mask, L, k_len)
-        start = int(cache_position[0])
+        pos = forward_positions(B, L, x.device, cfg.head_dim, cfg.rope_theta, past_key_values, use_cache,
+                                cache_position, position_ids)
+        mask = dream_attention_mask(attention_mask, L, pos.k_len)
         hidden_states = []
         for layer in self.model.layers:
             if output_hidden_states:
                 hidden_states.append(x)
-            x = layer(x, cos, sin, mask, past_key_values, start)
+            x = layer(x, pos, mask)
         x = self.model.norm(x)
         if output_hidden_states:
             hidden_states.append(x)
         return CausalLMOutputWithPast(
             logits=self.lm_head(x),
-            past_key_values=past_key_values,
+            past_key_values=pos.cache,
             hidden_states=tuple(hidden_states) if output_hidden_states else None,
         )

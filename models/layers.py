@@ -7,6 +7,8 @@ token-for-token reproduction of greedy decoding needs.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,6 +71,56 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         k = k.repeat_interleave(n_rep, dim=1, output_size=q.shape[1])
         v = v.repeat_interleave(n_rep, dim=1, output_size=q.shape[1])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
+
+
+def rotary_self_attention(q, k, v, head_dim: int, cos, sin, mask, cache: "KVCache | None", layer_idx: int,
+                          cache_start: int, rope_full_precision: bool) -> torch.Tensor:
+    """Projected `q`/`k`/`v` `[B, L, heads*head_dim]` → RoPE → (cache write/read) → attention →
+    `[B, L, Hq*head_dim]`. Keys enter the cache after RoPE."""
+    B, L, _ = q.shape
+    q, k, v = (t.view(B, L, -1, head_dim).transpose(1, 2) for t in (q, k, v))
+    q = apply_rope(q, cos, sin, rope_full_precision)
+    k = apply_rope(k, cos, sin, rope_full_precision)
+    if cache is not None:
+        k, v = cache.update(layer_idx, k, v, cache_start)
+    return attention(q, k, v, mask).transpose(1, 2).contiguous().view(B, L, -1)
+
+
+@dataclass
+class ForwardPositions:
+    """Where a forward's inputs sit: the cache to use, absolute positions, RoPE tables, key length."""
+
+    cache: "KVCache | None"
+    cache_start: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k_len: int
+
+
+def forward_positions(batch: int, length: int, device, head_dim: int, theta: float, past_key_values,
+                      use_cache, cache_position, position_ids) -> ForwardPositions:
+    """Resolve cache and positions for a forward of `length` new tokens (see `LLaDAModelLM.forward`)."""
+    if use_cache and past_key_values is None:
+        past_key_values = KVCache()
+    past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+    if cache_position is None:
+        cache_position = torch.arange(past_len, past_len + length, device=device)
+    if position_ids is None:
+        position_ids = cache_position[None].expand(batch, length)
+    cos, sin = rope_cos_sin(position_ids, head_dim, theta)
+    k_len = max(past_len, int(cache_position[-1]) + 1) if past_key_values is not None else length
+    return ForwardPositions(past_key_values, int(cache_position[0]), cos, sin, k_len)
+
+
+@torch.no_grad()
+def init_weights(module: nn.Module, std: float) -> None:
+    """Fresh weights for modules a checkpoint did not provide (normal(std), zero biases, unit norms)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=std)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, RMSNorm):
+        nn.init.ones_(module.weight)
 
 
 class KVCache:

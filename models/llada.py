@@ -20,7 +20,7 @@ from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .layers import KVCache, RMSNorm, apply_rope, attention, rope_cos_sin
+from .layers import ForwardPositions, KVCache, RMSNorm, forward_positions, init_weights, rotary_self_attention
 
 
 class LLaDAConfig(PreTrainedConfig):
@@ -102,8 +102,6 @@ class LLaDABlock(nn.Module):
     def __init__(self, config: LLaDAConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_heads = config.n_heads
-        self.n_kv_heads = config.effective_n_kv_heads
         self.head_dim = config.head_dim
         self.rope_full_precision = config.rope_full_precision
         d, kv, hidden = config.d_model, config.effective_n_kv_heads * config.head_dim, config.mlp_hidden
@@ -118,17 +116,10 @@ class LLaDABlock(nn.Module):
         self.up_proj = nn.Linear(d, hidden, bias=config.include_bias)  # linear branch
         self.ff_out = nn.Linear(hidden, d, bias=config.include_bias)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None, cache_start: int) -> torch.Tensor:
-        B, L, _ = x.shape
+    def forward(self, x, pos: ForwardPositions, mask) -> torch.Tensor:
         h = self.attn_norm(x)
-        q = self.q_proj(h).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(h).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(h).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos, sin, self.rope_full_precision)
-        k = apply_rope(k, cos, sin, self.rope_full_precision)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v, cache_start)
-        att = attention(q, k, v, mask).transpose(1, 2).contiguous().view(B, L, -1)
+        att = rotary_self_attention(self.q_proj(h), self.k_proj(h), self.v_proj(h), self.head_dim, pos.cos, pos.sin,
+                                    mask, pos.cache, self.layer_idx, pos.cache_start, self.rope_full_precision)
         x = x + self.attn_out(att)
         h = self.ff_norm(x)
         return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
@@ -174,17 +165,8 @@ class LLaDAModelLM(PreTrainedModel):
         self.model = LLaDABackbone(config)
         self.post_init()
 
-    @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.init_std
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=std)
-        elif isinstance(module, RMSNorm):
-            nn.init.ones_(module.weight)
+        init_weights(module, self.config.init_std)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.transformer.wte
@@ -219,29 +201,21 @@ class LLaDAModelLM(PreTrainedModel):
         if cfg.input_emb_norm:
             x = x * (cfg.d_model ** 0.5)
         B, L = x.shape[:2]
-        if use_cache and past_key_values is None:
-            past_key_values = KVCache()
-        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
-        if cache_position is None:
-            cache_position = torch.arange(past_len, past_len + L, device=x.device)
-        if position_ids is None:
-            position_ids = cache_position[None].expand(B, L)
-        cos, sin = rope_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta)
-        k_len = max(past_len, int(cache_position[-1]) + 1) if past_key_values is not None else L
+        pos = forward_positions(B, L, x.device, cfg.head_dim, cfg.rope_theta, past_key_values, use_cache,
+                                cache_position, position_ids)
         mask = padding_bias(attention_mask, L, x.dtype)
-        if mask is not None and mask.shape[-1] != k_len:
-            raise ValueError(f"attention_mask covers {mask.shape[-1]} keys, but attention runs over {k_len}")
+        if mask is not None and mask.shape[-1] != pos.k_len:
+            raise ValueError(f"attention_mask covers {mask.shape[-1]} keys, but attention runs over {pos.k_len}")
         if attention_bias is not None:
             if attention_bias.dtype == torch.bool:
                 attention_bias = torch.zeros_like(attention_bias, dtype=x.dtype).masked_fill(
                     ~attention_bias, torch.finfo(x.dtype).min)
             mask = attention_bias.to(x.dtype) if mask is None else mask + attention_bias.to(x.dtype)
-        start = int(cache_position[0])
         hidden_states = []
         for block in self.model.transformer.blocks:
             if output_hidden_states:
                 hidden_states.append(x)
-            x = block(x, cos, sin, mask, past_key_values, start)
+            x = block(x, pos, mask)
         x = self.model.transformer.ln_f(x)
         if output_hidden_states:
             hidden_states.append(x)
@@ -253,6 +227,6 @@ class LLaDAModelLM(PreTrainedModel):
             logits = logits * (1 / math.sqrt(cfg.d_model))
         return CausalLMOutputWithPast(
             logits=logits,
-            past_key_values=past_key_values,
+            past_key_values=pos.cache,
             hidden_states=tuple(hidden_states) if output_hidden_states else None,
         )

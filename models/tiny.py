@@ -114,8 +114,13 @@ def _normal(gen: torch.Generator, shape: tuple[int, ...], std: float) -> torch.T
     return torch.randn(shape, generator=gen, dtype=torch.float32) * std
 
 
-def llada_state_dict(config: dict[str, Any], seed: int = 0, logit_scale: float = 3.0) -> dict[str, torch.Tensor]:
-    """Random weights named exactly as in the official LLaDA checkpoints."""
+def llada_state_dict(config: dict[str, Any], seed: int = 0, logit_scale: float = 3.0,
+                     logit_bias: dict[int, float] | None = None) -> dict[str, torch.Tensor]:
+    """Random weights named exactly as in the official LLaDA checkpoints.
+
+    `logit_bias` (needs `include_bias=True`, which gives the LM head a bias as in the official
+    code) raises chosen tokens' logits, e.g. to make EOS a frequent prediction.
+    """
     gen = torch.Generator().manual_seed(seed)
     d = config["d_model"]
     n_heads = config["n_heads"]
@@ -144,8 +149,14 @@ def llada_state_dict(config: dict[str, Any], seed: int = 0, logit_scale: float =
             sd[b + "up_proj.bias"] = _normal(gen, (hidden,), 0.1)
             sd[b + "ff_out.bias"] = _normal(gen, (d,), 0.1)
     sd[p + "ln_f.weight"] = 1.0 + _normal(gen, (d,), 0.1)
+    if logit_bias and (config.get("weight_tying") or not config.get("include_bias")):
+        raise ValueError("logit_bias needs include_bias=True and weight_tying=False (an LM head with a bias)")
     if not config.get("weight_tying"):
         sd[p + "ff_out.weight"] = _normal(gen, (emb, d), logit_scale / math.sqrt(d))
+        if config.get("include_bias"):
+            sd[p + "ff_out.bias"] = torch.zeros(emb)
+            for token, value in (logit_bias or {}).items():
+                sd[p + "ff_out.bias"][int(token)] = float(value)
     else:
         # Tied head: the embedding doubles as the output projection, so give it the logit scale.
         sd[p + "wte.weight"] = sd[p + "wte.weight"] * (logit_scale / math.sqrt(d))
@@ -212,14 +223,15 @@ def _save(path: str, config: dict[str, Any], sd: dict[str, torch.Tensor], shards
     return state_dict_digest(sd)
 
 
-def write_tiny_llada(path: str, *, seed: int = 0, shards: int = 1, logit_scale: float = 3.0, **overrides: Any) -> str:
+def write_tiny_llada(path: str, *, seed: int = 0, shards: int = 1, logit_scale: float = 3.0,
+                     logit_bias: dict[int, float] | None = None, **overrides: Any) -> str:
     """Write a tiny random LLaDA checkpoint in the official layout; returns the weights' digest.
 
     `overrides` replace keys of the official config.json (e.g. `n_kv_heads=2`, `weight_tying=True`,
-    `vocab_size=1000, embedding_size=1000, mask_token_id=999`).
+    `vocab_size=1000, embedding_size=1000, mask_token_id=999`); `logit_bias` see `llada_state_dict`.
     """
     config = {**LLADA_DEFAULTS, **overrides}
-    return _save(path, config, llada_state_dict(config, seed, logit_scale), shards, {})
+    return _save(path, config, llada_state_dict(config, seed, logit_scale, logit_bias), shards, {})
 
 
 def write_tiny_dream(path: str, *, seed: int = 0, shards: int = 1, logit_scale: float = 3.0, **overrides: Any) -> str:

@@ -14,6 +14,8 @@ CHECKPOINTS = {
     "llada_small": (tiny.write_tiny_llada, dict(seed=3, vocab_size=300, embedding_size=300, mask_token_id=299,
                                                 eos_token_id=298, pad_token_id=297, eot_token_id=296)),
     "dream": (tiny.write_tiny_dream, dict(seed=2)),
+    # LM-head bias on EOS (126081) and EOT (126348): these become frequent predictions.
+    "llada_eos": (tiny.write_tiny_llada, dict(seed=5, include_bias=True, logit_bias={126081: 11.5, 126348: 11.8})),
     "dream_small": (tiny.write_tiny_dream, dict(seed=4, vocab_size=300, mask_token_id=299, eos_token_id=298,
                                                 pad_token_id=298, bos_token_id=298)),
 }

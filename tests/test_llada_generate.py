@@ -123,6 +123,31 @@ def test_confidence_eos_eot_modes_run(load_model, mode):
     assert not (out == MASK).any()
 
 
+def test_corrected_eos_confidence_commits_eos_last_and_leaves_no_mask(load_model):
+    model = load_model("llada_eos")
+    prompt = random_prompt(2, 7, 14, high=900)
+    kw = dict(steps=16, gen_length=32, block_length=8)
+    faithful = remask.generate(model, prompt, confidence_eos_eot_inf=True, **kw)
+    corrected = remask.generate(model, prompt, confidence_eos_eot_inf="corrected", **kw)
+    assert not (corrected == 126336).any() and not (faithful == 126336).any()
+    plain = remask.generate(model, prompt, **kw)
+    assert (plain[:, 7:] == 126081).sum() > 0  # the checkpoint does predict EOS
+    assert not torch.equal(plain, corrected)
+
+
+def test_model_that_always_predicts_the_mask_terminates(tmp_path):
+    """Fast-dLLM's loop runs until the block has no mask; upstream it never ends when the model keeps
+    predicting the mask token (seen on a tiny random checkpoint). remask never commits the mask."""
+    from transformers import AutoModel
+    from remask.models import tiny
+
+    tiny.write_tiny_llada(str(tmp_path), seed=6, vocab_size=300, embedding_size=300, mask_token_id=299,
+                          eos_token_id=298, pad_token_id=297, include_bias=True, logit_bias={299: 100.0})
+    model = AutoModel.from_pretrained(str(tmp_path))
+    out = remask.generate(model, random_prompt(1, 5, 15), steps=8, gen_length=8, block_length=8, threshold=0.9)
+    assert not (out == 299).any()
+
+
 def test_early_stop_fills_with_eos_after_block_with_eos(load_model):
     model = load_model("llada_small")
     prompt = random_prompt(3, 5, 10)
