@@ -1,0 +1,16 @@
+"""The README's runnable example runs."""
+from __future__ import annotations
+
+import os
+import re
+
+README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+
+
+def test_readme_runnable_example(tmp_path, monkeypatch):
+    text = open(README).read()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    runnable = [b for b in blocks if "tiny.write_tiny_llada" in b]
+    assert runnable, "README lost its runnable example"
+    code = runnable[0].replace("/tmp/tiny-llada", str(tmp_path / "tiny-llada"))
+    exec(compile(code, "README.md", "exec"), {})
