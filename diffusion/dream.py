@@ -216,7 +216,7 @@ def _sample(model, spec, input_ids, attention_mask, config: DreamGenerationConfi
             x0[reveal] = score_tokens(mask_logits[reveal], **sample)[0]
             x[mask_index] = x0.clone()
         elif alg == "confidence_threshold":
-            confidence, x0 = _score_masked(mask_logits, "prob", sample)
+            x0, confidence = score_tokens(mask_logits, mode="prob", **sample)
             full_conf, proposal = _scatter(x, mask_index, confidence, x0, logits.dtype, mask_id)
             current = number_transfer + deferred
             transfer = select_topk(full_conf, current)
@@ -233,7 +233,7 @@ def _sample(model, spec, input_ids, attention_mask, config: DreamGenerationConfi
                 steps += 1
             x = commit(x, proposal, transfer)
         else:
-            confidence, x0 = _score_masked(mask_logits, CONFIDENCE_OF[alg], sample)
+            x0, confidence = score_tokens(mask_logits, mode=CONFIDENCE_OF[alg], **sample)
             t, s = timesteps[i], timesteps[i + 1]
             # One count for the whole batch, from the mean number of masks per row (as upstream).
             num_mask_token = mask_index.sum() / mask_index.shape[0]
@@ -254,11 +254,6 @@ def _sample(model, spec, input_ids, attention_mask, config: DreamGenerationConfi
             histories.append(x.clone())
         i += 1
     return x, histories
-
-
-def _score_masked(mask_logits, mode, sample):
-    x0, confidence = score_tokens(mask_logits, mode=mode, **sample)
-    return confidence, x0
 
 
 def _scatter(x, mask_index, confidence, x0, dtype, mask_id):

@@ -139,6 +139,7 @@ def block_diffusion_generate(
     x[:, :P] = prompt
     forward_inputs = spec.forward_inputs(attention_mask, x.shape[1])
     prompt_index = x != mask_id
+    stop_tensor = torch.tensor(stop_ids, dtype=torch.long, device=x.device)
     finished = torch.zeros(B, dtype=torch.bool, device=x.device)
     parallel = threshold is not None or factor is not None
 
@@ -167,8 +168,7 @@ def block_diffusion_generate(
             if confidence_eos_eot_inf == "corrected":
                 # What the option was meant to do: commit EOS/EOT only when nothing else is left. The
                 # dtype's minimum (not −inf) keeps them ahead of positions that are not candidates.
-                conf = conf.masked_fill(torch.isin(x0, torch.tensor(stop_ids, device=x.device)),
-                                        torch.finfo(conf.dtype).min)
+                conf = conf.masked_fill(torch.isin(x0, stop_tensor), torch.finfo(conf.dtype).min)
             mask_index[:, end:] = False
             conf = torch.where(mask_index, conf, -torch.inf)
             x0 = torch.where(mask_index, x0, x)
@@ -187,7 +187,7 @@ def block_diffusion_generate(
         if early_stop:
             # A row stops once a fully decoded block contains a stop token; the rest becomes EOS.
             block_done = (x[:, start:end] != mask_id).all(dim=1)
-            has_stop = torch.isin(x[:, start:end], torch.tensor(stop_ids, device=x.device)).any(dim=1)
+            has_stop = torch.isin(x[:, start:end], stop_tensor).any(dim=1)
             newly = block_done & has_stop & ~finished
             x[newly, end:] = stop_ids[0]
             finished |= newly

@@ -58,8 +58,8 @@ def _extend_mask(attention_mask: torch.Tensor | None, total_len: int) -> torch.T
     return torch.cat([attention_mask, ones], dim=-1)
 
 
-def _llada_inputs(spec: ModelSpec, attention_mask: torch.Tensor | None, total_len: int) -> dict[str, Any]:
-    # LLaDA takes the 2-D padding mask; RoPE positions stay absolute (0..L-1) as in the reference.
+def _padding_mask_inputs(spec: ModelSpec, attention_mask: torch.Tensor | None, total_len: int) -> dict[str, Any]:
+    # LLaDA (and AR models) take the 2-D padding mask; LLaDA's RoPE positions stay absolute (0..L-1).
     mask = _extend_mask(attention_mask, total_len)
     return {} if mask is None else {"attention_mask": mask}
 
@@ -74,11 +74,6 @@ def _dream_inputs(spec: ModelSpec, attention_mask: torch.Tensor | None, total_le
     position_ids.masked_fill_(mask == 0, 1)
     four_d = torch.logical_and(mask[:, None, None, :].bool(), mask[:, None, :, None].bool())
     return {"attention_mask": four_d, "position_ids": position_ids}
-
-
-def _ar_inputs(spec: ModelSpec, attention_mask: torch.Tensor | None, total_len: int) -> dict[str, Any]:
-    mask = _extend_mask(attention_mask, total_len)
-    return {} if mask is None else {"attention_mask": mask}
 
 
 def _config_id(config: Any, name: str, default: int | None) -> int | None:
@@ -99,7 +94,7 @@ def _llada_spec(config: Any) -> ModelSpec:
         max_length=getattr(config, "max_sequence_length", None),
         logit_shift=False,
         bidirectional=True,
-        _inputs=_llada_inputs,
+        _inputs=_padding_mask_inputs,
     )
 
 
@@ -128,7 +123,7 @@ def _ar_spec(config: Any) -> ModelSpec:
         max_length=getattr(config, "max_position_embeddings", None),
         logit_shift=False,
         bidirectional=False,
-        _inputs=_ar_inputs,
+        _inputs=_padding_mask_inputs,
     )
 
 
