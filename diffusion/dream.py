@@ -22,8 +22,9 @@ from transformers.utils import ModelOutput
 from remask.models.spec import get_spec
 
 from .checks import check_length, check_mask_id, check_prompt
-from .scoring import score_tokens
-from .selection import commit, select_topk
+from remask.kernels import unmask
+
+from .scoring import score_rows, score_tokens
 from .stats import GenerationStats
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")
@@ -190,6 +191,15 @@ def _sample(model, spec, input_ids, attention_mask, config: DreamGenerationConfi
     timesteps = torch.linspace(1, config.eps, steps + 1, device=x.device)
     sample = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, sampler="categorical",
                   exclude_id=mask_id, generator=generator)
+    # Greedy and unfiltered: the confidence is the plain softmax's, so the fused kernel scores it.
+    fused = config.temperature == 0 and (config.top_p is None or config.top_p >= 1) and config.top_k is None
+
+    def score(logits, positions, mode="prob"):
+        """x0 and confidence at the flat `positions` of `logits` (Dream's order: row-major)."""
+        if fused:
+            x0, conf = score_rows(logits, positions, mode=mode, exclude_id=mask_id)
+            return x0, conf.to(logits.dtype)
+        return score_tokens(logits.reshape(-1, logits.shape[-1])[positions], mode=mode, **sample)
 
     x = tokens_hook(None, x, None)
     if alg == "confidence_threshold":
@@ -206,47 +216,42 @@ def _sample(model, spec, input_ids, attention_mask, config: DreamGenerationConfi
         if stats is not None:
             stats.forward(x.shape[0], x.shape[1])
         logits = logits_hook(i, x, logits)
-        mask_logits = logits[mask_index]
+        positions = mask_index.reshape(-1).nonzero().squeeze(1)
         before = mask_index.sum()
         if alg == "origin":
             t, s = timesteps[i], timesteps[i + 1]
             p_transfer = 1 - s / t if i < steps - 1 else 1
             x0 = torch.zeros_like(x[mask_index], dtype=torch.long) + mask_id
             reveal = torch.rand(*x0.shape, device=x.device, generator=generator) < p_transfer
-            x0[reveal] = score_tokens(mask_logits[reveal], **sample)[0]
+            x0[reveal] = score(logits, positions[reveal])[0]
             x[mask_index] = x0.clone()
-        elif alg == "confidence_threshold":
-            x0, confidence = score_tokens(mask_logits, mode="prob", **sample)
-            full_conf, proposal = _scatter(x, mask_index, confidence, x0, logits.dtype, mask_id)
-            current = number_transfer + deferred
-            transfer = select_topk(full_conf, current)
-            # The reference keeps the top-1 and defers every other pick below the threshold; at the
-            # last step it adds a step and stops scheduling new picks (`number_transfer = 0`).
-            sorted_conf, order = torch.sort(torch.where(transfer, full_conf, -torch.inf), dim=1, descending=True)
-            rank = torch.arange(x.shape[1], device=x.device)[None]
-            drop_sorted = (rank >= 1) & (rank < current[:, None]) & (sorted_conf < threshold)
-            drop = torch.zeros_like(transfer).scatter(1, order, drop_sorted)
-            deferred = drop.sum(dim=1)
-            transfer &= ~drop
-            if i == steps - 1 and bool((deferred > 0).any()):
-                number_transfer = torch.zeros_like(number_transfer)
-                steps += 1
-            x = commit(x, proposal, transfer)
         else:
-            x0, confidence = score_tokens(mask_logits, mode=CONFIDENCE_OF[alg], **sample)
-            t, s = timesteps[i], timesteps[i + 1]
-            # One count for the whole batch, from the mean number of masks per row (as upstream).
-            num_mask_token = mask_index.sum() / mask_index.shape[0]
-            n = int(num_mask_token * (1 - s / t)) if i < steps - 1 else int(num_mask_token)
+            x0, confidence = score(logits, positions, CONFIDENCE_OF[alg])
             full_conf, proposal = _scatter(x, mask_index, confidence, x0, logits.dtype, mask_id)
-            if n > 0:
-                if config.alg_temp is None or config.alg_temp == 0:
-                    index = torch.topk(full_conf, n).indices
-                else:
-                    weights = F.softmax(full_conf / config.alg_temp, dim=-1)
-                    index = torch.multinomial(weights, num_samples=n, generator=generator)
-                rows = torch.arange(x.size(0), device=x.device)[:, None].expand_as(index)
-                x[rows, index] = proposal[rows, index]
+            if alg == "confidence_threshold":
+                # The reference keeps the top-1 of each row's budget and defers every other pick below
+                # the threshold; at the last step it adds a step and stops scheduling new picks.
+                current = number_transfer + deferred
+                has_masks = mask_index.any(dim=1)
+                committed = unmask(x, mask_index, proposal, full_conf, k=current, threshold=threshold)
+                # A row with nothing left defers nothing (upstream would write the mask token back).
+                deferred = torch.where(has_masks, current - committed, 0)
+                if i == steps - 1 and bool((deferred > 0).any()):
+                    number_transfer = torch.zeros_like(number_transfer)
+                    steps += 1
+            else:
+                t, s = timesteps[i], timesteps[i + 1]
+                # One count for the whole batch, from the mean number of masks per row (as upstream).
+                num_mask_token = mask_index.sum() / mask_index.shape[0]
+                n = int(num_mask_token * (1 - s / t)) if i < steps - 1 else int(num_mask_token)
+                if n > 0:
+                    if config.alg_temp is None or config.alg_temp == 0:
+                        unmask(x, mask_index, proposal, full_conf, k=n)
+                    else:
+                        weights = F.softmax(full_conf / config.alg_temp, dim=-1)
+                        index = torch.multinomial(weights, num_samples=n, generator=generator)
+                        rows = torch.arange(x.size(0), device=x.device)[:, None].expand_as(index)
+                        x[rows, index] = proposal[rows, index]
         x = tokens_hook(i, x, logits)
         if stats is not None:
             stats.step(int(before - (x == mask_id).sum()))

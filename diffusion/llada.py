@@ -5,8 +5,9 @@ remasking, EOS options, left-padded batches). With `threshold` or `factor` it re
 NVlabs/Fast-dLLM v1 `generate` (threshold / factor rules, loop until the block is decoded, float64
 confidences). Works for any diffusion model with a spec (LLaDA, Dream: the spec aligns logits).
 
-The loop is short on purpose: model forward (`ModelSpec.logits`) → `score_tokens` → a selection
-rule → `commit`.
+The loop is short on purpose: model forward (`ModelSpec.logits`) → `score_rows` (the fused
+confidence kernel over the current block's rows) → `remask.kernels.unmask` (select and commit in
+one launch).
 """
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ import torch
 from remask.models.spec import ModelSpec, get_spec
 
 from .checks import check_length, check_mask_id, check_prompt, check_token_id
-from .scoring import score_tokens
-from .selection import commit, schedule_counts, select_factor, select_threshold, select_topk
+from remask.kernels import unmask
+
+from .scoring import score_rows, score_tokens
+from .selection import schedule_counts
 from .stats import GenerationStats
 
 REMASKING = ("low_confidence", "random")
@@ -91,6 +94,7 @@ def block_diffusion_generate(
     factor: float | None = None,
     precision: Precision | None = None,
     early_stop: bool = False,
+    reference_rng: bool = False,
     generator: torch.Generator | None = None,
     stats: GenerationStats | None = None,
     on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
@@ -135,59 +139,71 @@ def block_diffusion_generate(
     if stats is not None:
         stats.start()
     B, P = prompt.shape
-    x = torch.full((B, P + gen_length), mask_id, dtype=torch.long, device=prompt.device)
+    T = P + gen_length
+    x = torch.full((B, T), mask_id, dtype=torch.long, device=prompt.device)
     x[:, :P] = prompt
-    forward_inputs = spec.forward_inputs(attention_mask, x.shape[1])
+    forward_inputs = spec.forward_inputs(attention_mask, T)
     prompt_index = x != mask_id
     stop_tensor = torch.tensor(stop_ids, dtype=torch.long, device=x.device)
     finished = torch.zeros(B, dtype=torch.bool, device=x.device)
     parallel = threshold is not None or factor is not None
+    reference_sampling = temperature > 0 and reference_rng
+    row_offsets = torch.arange(B, device=x.device)[:, None] * T
 
     for block in range(num_blocks):
         start, end = P + block * block_length, P + (block + 1) * block_length
-        schedule = schedule_counts(x[:, start:end] == mask_id, steps_per_block)
+        block_x = x[:, start:end]  # a view: unmask writes the committed tokens straight into x
+        block_rows = (row_offsets + torch.arange(start, end, device=x.device)).reshape(-1)
+        schedule = schedule_counts(block_x == mask_id, steps_per_block)
         step = 0
         while True:
+            block_mask = block_x == mask_id
             if parallel:
-                if not (x[:, start:end] == mask_id).any():
+                if not block_mask.any():
                     break
             elif step == steps_per_block:
                 break
-            mask_index = x == mask_id
             if cfg_scale > 0:
                 logits = cfg_logits(spec, model, x, forward_inputs, prompt_index, cfg_scale, mask_id)
             else:
                 logits = spec.logits(model, x, **forward_inputs)
             if stats is not None:
-                stats.forward(B * (2 if cfg_scale > 0 else 1), x.shape[1])
-            x0, conf = score_tokens(logits, temperature=temperature, suppress_ids=suppress,
-                                    zero_prob_ids=zero_prob_ids, softmax_dtype=precision.softmax,
-                                    exclude_id=mask_id, generator=generator)
-            if remasking == "random":
-                conf = torch.rand(x0.shape, dtype=precision.random, device=x.device, generator=generator)
-            if confidence_eos_eot_inf == "corrected":
-                # What the option was meant to do: commit EOS/EOT only when nothing else is left. The
-                # dtype's minimum (not −inf) keeps them ahead of positions that are not candidates.
-                conf = conf.masked_fill(torch.isin(x0, stop_tensor), torch.finfo(conf.dtype).min)
-            mask_index[:, end:] = False
-            conf = torch.where(mask_index, conf, -torch.inf)
-            x0 = torch.where(mask_index, x0, x)
-            if threshold is not None:
-                transfer = select_threshold(conf, mask_index, threshold)
-            elif factor is not None:
-                transfer = select_factor(conf, mask_index, factor)
+                stats.forward(B * (2 if cfg_scale > 0 else 1), T)
+            if reference_sampling:
+                # The reference's float64 noise over the whole [B, T, V] logits, for its exact stream.
+                x0, conf = score_tokens(logits, temperature=temperature, suppress_ids=suppress,
+                                        zero_prob_ids=zero_prob_ids, softmax_dtype=precision.softmax,
+                                        exclude_id=mask_id, generator=generator)
+                x0, conf = x0[:, start:end], conf[:, start:end]
             else:
-                transfer = select_topk(conf, schedule[:, step]) & mask_index
-            x = commit(x, x0, transfer)
+                x0, conf = score_rows(logits, block_rows, temperature=temperature, suppress_ids=suppress,
+                                      zero_prob_ids=zero_prob_ids, exclude_id=mask_id, generator=generator)
+                # Rounded to the reference's softmax dtype, so its ties (e.g. p = 1.0) are its ties.
+                x0 = x0.view(B, -1)
+                conf = conf.view(B, -1).to(precision.softmax or logits.dtype)
+            if remasking == "random":
+                conf = torch.rand((B, T), dtype=precision.random, device=x.device, generator=generator)[:, start:end]
+            if confidence_eos_eot_inf == "corrected":
+                # What the option was meant to do: commit EOS/EOT only when nothing else is left.
+                conf = conf.masked_fill(torch.isin(x0, stop_tensor), -torch.inf)
+            before = block_mask.clone() if on_step is not None else None
+            if threshold is not None:
+                committed = unmask(block_x, block_mask, x0, conf, threshold=threshold)
+            elif factor is not None:
+                committed = unmask(block_x, block_mask, x0, conf, factor=factor)
+            else:
+                committed = unmask(block_x, block_mask, x0, conf, k=schedule[:, step])
             if on_step is not None:
+                transfer = torch.zeros_like(x, dtype=torch.bool)
+                transfer[:, start:end] = before & ~block_mask
                 on_step(block, x, transfer)
             if stats is not None:
-                stats.step(int(transfer.sum()))
+                stats.step(int(committed.sum()))
             step += 1
         if early_stop:
             # A row stops once a fully decoded block contains a stop token; the rest becomes EOS.
-            block_done = (x[:, start:end] != mask_id).all(dim=1)
-            has_stop = torch.isin(x[:, start:end], stop_tensor).any(dim=1)
+            block_done = (block_x != mask_id).all(dim=1)
+            has_stop = torch.isin(block_x, stop_tensor).any(dim=1)
             newly = block_done & has_stop & ~finished
             x[newly, end:] = stop_ids[0]
             finished |= newly
@@ -215,6 +231,7 @@ def generate(
     threshold: float | None = None,
     factor: float | None = None,
     early_stop: bool = False,
+    reference_rng: bool = False,
     eos_id: int | None = None,
     eot_id: int | None = None,
     generator: torch.Generator | None = None,
@@ -239,6 +256,9 @@ def generate(
             the block with confidence ≥ threshold, at least one; or the factor rule), looping until
             the block is decoded (`steps` then only fixes the number of blocks' check).
         early_stop: stop a row after a fully decoded block containing EOS/EOT (rest filled with EOS).
+        reference_rng: at temperature > 0, draw the reference's float64 Gumbel noise with torch (over
+            the whole `[B, T, V]` logits, as upstream) so a seeded reference run is reproduced token
+            for token; by default the fused kernel samples with its own stream (same distribution).
         eos_id, eot_id: override the model's ids. generator: RNG for sampling.
         stats: a `GenerationStats` to fill (NFE, tokens per step, wall time, tokens/s).
         on_step: called after every step as `on_step(block_index, x, transfer_index)` (read-only).
@@ -253,4 +273,4 @@ def generate(
         model, prompt, attention_mask, steps=steps, gen_length=gen_length, block_length=block_length,
         temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, spec=spec,
         logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf, threshold=threshold,
-        factor=factor, early_stop=early_stop, generator=generator, stats=stats, on_step=on_step)
+        factor=factor, early_stop=early_stop, reference_rng=reference_rng, generator=generator, stats=stats, on_step=on_step)

@@ -1,7 +1,15 @@
-"""Vocabulary-wide scoring: logits → (chosen token x0, its confidence), in one function.
+"""Vocabulary-wide scoring: logits → (chosen token x0, its confidence).
 
-Every sampler calls `score_tokens`; nothing else in `remask.diffusion` touches the vocabulary
-axis. This is the seam where the fused Triton confidence kernel plugs in.
+Two entry points, and nothing else in `remask.diffusion` touches the vocabulary axis:
+
+* `score_rows` — the fused path: `remask.kernels.confidence` (Triton on CUDA, its float64 torch
+  reference on CPU) over selected rows, no `[N, V]` intermediate. Samplers use it whenever the
+  confidence is the untempered softmax's: greedy decoding, and Gumbel-max sampling with the
+  kernel's own random stream.
+* `score_tokens` — the reference formulations, kept for what the kernel does not cover: sampling
+  with the reference's float64 torch noise (``reference_rng=True``, bit-exact reproduction of a
+  seeded reference run) and Dream's categorical sampling (tempered, top-p/top-k filtered
+  confidences).
 
 Two sampling conventions exist in the references and both are reproduced exactly:
 
@@ -20,7 +28,37 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-CONFIDENCE_MODES = ("prob", "margin", "neg_entropy")
+from remask.kernels import confidence
+from remask.kernels.confidence_ref import CONFIDENCE_MODES
+
+
+def score_rows(
+    logits: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    *,
+    temperature: float = 0.0,
+    mode: str = "prob",
+    suppress_ids: Sequence[int] | None = None,
+    zero_prob_ids: Sequence[int] | None = None,
+    exclude_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused scoring of `logits` `[..., V]` (flattened to `[N, V]`) at the flat positions `rows`.
+
+    x0 = argmax of the logits (T=0) or of ``l + T·g`` with Gumbel noise seeded from `generator`;
+    confidence under the untempered softmax, float64 (the torch path's precision; the Triton
+    kernel's values are float32-accurate). `exclude_id` (the mask token) is never chosen but
+    keeps its probability mass; `suppress_ids` are −inf logits; `zero_prob_ids` leave only the
+    softmax (see `score_tokens`).
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    seed = None
+    if temperature > 0:
+        device = generator.device if generator is not None else "cpu"
+        seed = int(torch.randint(0, 2**31 - 1, (), device=device, generator=generator))
+    return confidence(flat, temperature=temperature, mode=mode, rows=rows, suppress_ids=suppress_ids,
+                      seed=seed, exclude_ids=None if exclude_id is None else [exclude_id],
+                      zero_prob_ids=zero_prob_ids, out_dtype=torch.float64)
 
 
 def gumbel_max_scores(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None,

@@ -1,3 +1,14 @@
-"""Triton kernels with torch references beside them (fused confidence scoring, unmasking, paged KV,
-block-sparse attention). The samplers reach them through `remask.diffusion.scoring.score_tokens`
-and `remask.diffusion.selection`."""
+"""Triton kernels, each with a torch reference beside it (`*_ref.py`), the CPU runtime and the
+tests' oracle.
+
+* `confidence(logits, ...)` → (x0, conf): fused scoring over the vocabulary (`confidence.py`).
+* `unmask(x, mask, x0, conf, k=|threshold=|factor=)` → counts: selection and commit in one launch
+  (`unmask.py`).
+
+Triton runs on CUDA tensors; ``REMASK_TRITON=1`` forces it (CPU tensors under
+``TRITON_INTERPRET=1``), ``REMASK_TRITON=0`` forces the torch references.
+"""
+from .confidence import confidence
+from .unmask import unmask
+
+__all__ = ["confidence", "unmask"]

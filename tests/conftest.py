@@ -6,11 +6,34 @@ import os
 import pytest
 import torch
 
+# Triton kernels are tested on CPU under the interpreter; it must be chosen before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import remask  # noqa: F401  (registers the model classes with transformers)
 from helpers import CHECKPOINTS
 
 # Tiny shapes make every op small; on 2-core machines OpenMP hand-offs then cost more than the work.
 torch.set_num_threads(1)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Every `torch.empty` (kernel outputs and workspaces) comes back filled with NaN, or with
+    -7777 for integer tensors, so a value a kernel forgot to write fails loudly."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        if out.is_floating_point():
+            out.fill_(float("nan"))
+        elif out.dtype != torch.bool:
+            out.fill_(-7777)
+        return out
+
+    monkeypatch.setattr(torch, "empty", empty)
 
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory):

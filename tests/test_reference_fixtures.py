@@ -49,6 +49,8 @@ def _run(case, model):
     kwargs = dict(case["kwargs"])
     if case.get("seed") is not None:
         torch.manual_seed(case["seed"])
+    if kwargs.get("temperature", 0) > 0 and case["api"] != "dream_diffusion_generate":
+        kwargs["reference_rng"] = True  # the reference's torch noise stream (Dream samples with torch anyway)
     if case["api"] == "llada_generate":
         return remask.generate(model, prompt, mask, **kwargs), None, None
     if case["api"] == "fastdllm_generate":

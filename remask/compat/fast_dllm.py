@@ -18,13 +18,16 @@ from remask.models.spec import get_spec
 
 @torch.no_grad()
 def generate(model, prompt, steps=128, gen_length=128, block_length=128, temperature=0.,
-             remasking='low_confidence', mask_id=126336, threshold=None, factor=None):
+             remasking='low_confidence', mask_id=126336, threshold=None, factor=None, *, reference_rng=False,
+             generator=None):
     """Fast-dLLM `generate`: no cache; `threshold`/`factor` parallel decoding, else LLaDA's
-    schedule. Returns `(x, nfe)` with x `[B, prompt_len + gen_length]`."""
+    schedule. Returns `(x, nfe)` with x `[B, prompt_len + gen_length]`. `reference_rng=True` samples
+    (temperature > 0) with upstream's float64 torch noise, for seeded token-for-token reproduction."""
     stats = GenerationStats()
     spec = get_spec(model, mask_id=mask_id)
     x = block_diffusion_generate(
         model, prompt, None, steps=steps, gen_length=gen_length, block_length=block_length,
         temperature=temperature, remasking=remasking, spec=spec, threshold=threshold, factor=factor,
-        precision=FAST_DLLM_FACTOR_PRECISION if factor is not None else FAST_DLLM_PRECISION, stats=stats)
+        precision=FAST_DLLM_FACTOR_PRECISION if factor is not None else FAST_DLLM_PRECISION, stats=stats,
+        reference_rng=reference_rng, generator=generator)
     return x, stats.nfe

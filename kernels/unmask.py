@@ -1,0 +1,156 @@
+"""Select and commit in one launch: which masked positions a step unmasks, written into x.
+
+One program per row holds the row (confidence, mask) and ranks its masked positions: rank(i) =
+the number of masked j with ``c_j > c_i``, or ``c_j == c_i`` and ``j < i``. That is the order of a
+stable descending sort, so the lower index wins ties. `torch.topk` gives the same order in practice
+on CPU and CUDA but does not promise it for equal values; with distinct confidences the two
+always agree. Confidences are compared as monotone int64 keys of their float64 value (fp16/bf16/
+fp32 upcast exactly), so any confidence dtype is ranked exactly.
+
+Rules (per row, n masked positions): a budget ``k`` → ranks < k; ``threshold`` τ → rank 0 plus
+every rank with c ≥ τ (Fast-dLLM; combined with k: only ranks < k, Dream's
+``confidence_threshold``); ``factor`` f → Fast-dLLM's factor rule (see `unmask_ref.unmask_torch`).
+The kernel then writes x0 into x and clears the mask at the chosen positions and stores the
+per-row count: no host synchronisation, no loop over rows on the host.
+
+`unmask` is the dispatcher: Triton on CUDA (or with ``REMASK_TRITON=1``), `unmask_ref` otherwise.
+"""
+from __future__ import annotations
+
+import torch
+
+from .dispatch import HAS_TRITON, next_power_of_2, use_triton
+from .unmask_ref import rule_thresholds, unmask_torch
+
+CONF_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+RULE_NONE, RULE_THRESHOLD, RULE_FACTOR = 0, 1, 2
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _order_key(c):
+        """Monotone int64 image of float64 values (−0.0 mapped to +0.0 first)."""
+        bits = (c + 0.0).to(tl.int64, bitcast=True)
+        return bits ^ ((bits >> 63) & 0x7FFFFFFFFFFFFFFF)
+
+    @triton.jit
+    def unmask_kernel(
+        x_ptr, stride_x, mask_ptr, stride_mask, x0_ptr, stride_x0, conf_ptr, stride_conf,
+        k_ptr, rule_ptr, count_ptr, L,
+        BLOCK_L: tl.constexpr, BLOCK_J: tl.constexpr, HAS_K: tl.constexpr, RULE: tl.constexpr,
+    ):
+        """Program b: row b of x `[B, L]` int64, mask `[B, L]` uint8 (a view of the bool mask),
+        x0 `[B, L]` int64, conf `[B, L]` (any float dtype; rows may be strided, L contiguous),
+        k `[B]` int64 (HAS_K), rule_ptr float64 thresholds (τ, or 1 − f/(r + 2) per rank r).
+        Writes x and mask in place and count `[B]` int64."""
+        b = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, BLOCK_L)
+        in_row = i < L
+        cand = tl.load(mask_ptr + b * stride_mask + i, mask=in_row, other=0) != 0
+        c_i = tl.load(conf_ptr + b * stride_conf + i, mask=in_row, other=0.0).to(tl.float64)
+        key_i = _order_key(c_i)
+        n = tl.sum(cand.to(tl.int64), axis=0)
+        # rank_i = #{masked j ahead of i}, counted over column tiles of j
+        rank = tl.zeros([BLOCK_L], dtype=tl.int64)
+        for j0 in range(0, L, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
+            in_j = j < L
+            cand_j = tl.load(mask_ptr + b * stride_mask + j, mask=in_j, other=0) != 0
+            key_j = _order_key(tl.load(conf_ptr + b * stride_conf + j, mask=in_j, other=0.0).to(tl.float64))
+            ahead = (key_j[None, :] > key_i[:, None]) | ((key_j[None, :] == key_i[:, None]) & (j[None, :] < i[:, None]))
+            rank += tl.sum((ahead & cand_j[None, :]).to(tl.int64), axis=1)
+        limit = n
+        if HAS_K:
+            limit = tl.minimum(n, tl.maximum(tl.load(k_ptr + b), 0))
+        selected = cand & (rank < limit)
+        if RULE == 1:
+            selected = selected & ((rank == 0) | (c_i >= tl.load(rule_ptr)))
+        elif RULE == 2:
+            thresholds = tl.load(rule_ptr + rank, mask=cand & in_row, other=float("-inf"))
+            fails = cand & (rank >= 1) & (c_i < thresholds)
+            first_fail = tl.min(tl.where(fails, rank, n), axis=0)
+            count = tl.where(first_fail >= n - 1, n, first_fail)
+            selected = selected & (rank < count)
+        x0 = tl.load(x0_ptr + b * stride_x0 + i, mask=selected, other=0)
+        tl.store(x_ptr + b * stride_x + i, x0, mask=selected)
+        tl.store(mask_ptr + b * stride_mask + i, tl.zeros([BLOCK_L], dtype=tl.uint8), mask=selected)
+        tl.store(count_ptr + b, tl.sum(selected.to(tl.int64), axis=0))
+
+
+def unmask_triton(x, mask, x0, conf, *, k=None, threshold=None, factor=None) -> torch.Tensor:
+    """Launch the kernel (arguments as `unmask_torch`; checked by `unmask`)."""
+    B, L = conf.shape
+    counts = torch.empty(B, dtype=torch.long, device=conf.device)
+    if B == 0 or L == 0:
+        return counts.zero_()
+    block_l = next_power_of_2(L)
+    block_j = max(1, min(block_l, 16384 // block_l))  # an L × BLOCK_J tile of comparisons per step
+    rule = rule_thresholds(conf.dtype, L, conf.device, threshold=threshold, factor=factor)
+    mask_u8 = mask.view(torch.uint8)
+    unmask_kernel[(B,)](
+        x, x.stride(0), mask_u8, mask_u8.stride(0), x0, x0.stride(0), conf, conf.stride(0),
+        k if k is not None else counts, rule if rule is not None else conf, counts, L,
+        BLOCK_L=block_l, BLOCK_J=block_j, HAS_K=k is not None,
+        RULE=RULE_THRESHOLD if threshold is not None else RULE_FACTOR if factor is not None else RULE_NONE,
+        num_warps=4 if block_l <= 1024 else 8,
+    )
+    return counts
+
+
+def _check(x, mask, x0, conf, k, threshold, factor):
+    for name, t in (("x", x), ("mask", mask), ("x0", x0), ("conf", conf)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D tensor [B, L], got shape {getattr(t, 'shape', None)}")
+        if t.shape != conf.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected conf's {tuple(conf.shape)}")
+        if t.device != conf.device:
+            raise ValueError(f"{name} is on {t.device}, conf on {conf.device}")
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"{name} must be contiguous along L (stride(1) == 1); rows may be strided")
+    if x.dtype != torch.long or x0.dtype != torch.long:
+        raise TypeError(f"x and x0 must be int64 token ids, got {x.dtype} and {x0.dtype}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor, got {mask.dtype}")
+    if conf.dtype not in CONF_DTYPES:
+        raise TypeError(f"conf dtype must be one of {[str(d) for d in CONF_DTYPES]}, got {conf.dtype}")
+    if threshold is not None and factor is not None:
+        raise ValueError("pass either threshold or factor, not both")
+    if factor is not None and k is not None:
+        raise ValueError("factor fixes the count itself; do not pass k with factor")
+    if k is None and threshold is None and factor is None:
+        raise ValueError("pass one of k (per-row budget), threshold or factor")
+    if threshold is not None and not 0 <= threshold <= 1:
+        raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+    if factor is not None and not factor > 0:
+        raise ValueError(f"factor must be > 0, got {factor}")
+
+
+def unmask(x: torch.Tensor, mask: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor, *,
+           k: torch.Tensor | int | None = None, threshold: float | None = None,
+           factor: float | None = None) -> torch.Tensor:
+    """Commit the chosen masked positions of each row: ``x[b, i] = x0[b, i]``, ``mask[b, i] = False``.
+
+    Args:
+        x: `[B, L]` int64 tokens, updated in place (a strided view into a longer sequence is fine).
+        mask: `[B, L]` bool, True where a position may be committed; cleared in place.
+        x0: `[B, L]` int64 proposals. conf: `[B, L]` confidences (float64/32/16 or bfloat16).
+        k: per-row budget `[B]` (or an int for every row); more than the masked count commits all.
+        threshold: Fast-dLLM's rule — the most confident masked position plus every masked position
+            with confidence ≥ threshold (with `k`: only among the k most confident).
+        factor: Fast-dLLM's factor rule (first rank r ≥ 1 with c < 1 − factor/(r + 2) stops it).
+
+    Returns:
+        int64 `[B]`: how many positions each row committed.
+    """
+    if isinstance(k, int) and not isinstance(k, bool):
+        k = torch.full((conf.shape[0],), k, dtype=torch.long, device=conf.device)
+    _check(x, mask, x0, conf, k, threshold, factor)
+    if k is not None:
+        if k.shape != (conf.shape[0],) or k.dtype not in (torch.int32, torch.int64) or k.device != conf.device:
+            raise ValueError(f"k must be an int or an int tensor of shape [{conf.shape[0]}] on {conf.device}")
+        k = k.to(torch.long)
+    if use_triton(conf):
+        return unmask_triton(x, mask, x0, conf, k=k, threshold=threshold, factor=factor)
+    return unmask_torch(x, mask, x0, conf, k=k, threshold=threshold, factor=factor)
