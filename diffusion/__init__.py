@@ -1,17 +1,17 @@
 """Samplers: small functions over tensors composed by short generate loops.
 
-`scoring.score_tokens` (vocabulary-wide: logits → token, confidence) and `selection` (which
-positions to commit) are the two seams the Triton kernels fill.
+Each loop is forward → `scoring.score_rows` (the fused confidence kernel) → `remask.kernels.unmask`
+(select and commit in one launch); `scoring.score_tokens` keeps the reference formulations for
+reference-stream and Dream categorical sampling.
 """
 from .ar import ar_generate
 from .dream import DreamGenerationConfig, DreamModelOutput, diffusion_generate
 from .llada import block_diffusion_generate, generate
-from .scoring import score_tokens
-from .selection import commit, schedule_counts, select_factor, select_threshold, select_topk
+from .scoring import score_rows, score_tokens
+from .selection import schedule_counts
 from .stats import GenerationStats
 
 __all__ = [
     "DreamGenerationConfig", "DreamModelOutput", "GenerationStats", "ar_generate", "block_diffusion_generate",
-    "commit", "diffusion_generate", "generate", "schedule_counts", "score_tokens", "select_factor",
-    "select_threshold", "select_topk",
+    "diffusion_generate", "generate", "schedule_counts", "score_rows", "score_tokens",
 ]

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from .confidence_ref import CONFIDENCE_MODES, confidence_torch
-from .dispatch import HAS_TRITON, INTERPRETING, next_power_of_2, use_triton
+from .dispatch import HAS_TRITON, next_power_of_2, use_triton
 
 LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MODE_CODE = {mode: code for code, mode in enumerate(CONFIDENCE_MODES)}
