@@ -22,17 +22,23 @@ def rule_thresholds(conf_dtype: torch.dtype, length: int, device, *, threshold: 
     return values.to(conf_dtype).to(torch.float64)
 
 
-def candidate_ranks(conf: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Rank `[B, L]` (0 = most confident) of each masked position among its row's masked positions:
-    confidence descending, the lower index first among equal confidences; unmasked positions rank
-    after every masked one."""
-    B, L = conf.shape
-    c = conf.to(torch.float64) + 0.0  # −0.0 and +0.0 compare equal, as in torch.topk
-    order = torch.sort(c, dim=1, descending=True, stable=True).indices
-    order = order.gather(1, torch.sort(mask.gather(1, order).to(torch.int8), dim=1, descending=True,
-                                       stable=True).indices)
-    ranks = torch.empty_like(order)
-    return ranks.scatter_(1, order, torch.arange(L, device=conf.device).expand(B, L).contiguous())
+def _first_true(flags: torch.Tensor) -> torch.Tensor:
+    return flags & (torch.cumsum(flags, dim=1) == 1)
+
+
+def select_top(scores: torch.Tensor, mask: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """The `limit[b]` (≤ masked count) highest-scoring masked positions of each row, the lower
+    index first among equal scores; `scores` is −inf off the mask. One `topk` for the values, then
+    the positions tied with the last value taken are filled in index order."""
+    k_max = int(limit.max()) if limit.numel() else 0  # a host read; this is the CPU path
+    if k_max == 0:
+        return torch.zeros_like(mask)
+    values = torch.topk(scores, k_max, dim=1).values
+    last = values.gather(1, (limit - 1).clamp_min(0))
+    above = mask & (scores > last)
+    tied = mask & (scores == last)
+    quota = limit - above.sum(dim=1, keepdim=True)
+    return (above | (tied & (torch.cumsum(tied, dim=1) <= quota))) & (limit > 0)
 
 
 def unmask_torch(x: torch.Tensor, mask: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor, *,
@@ -40,30 +46,31 @@ def unmask_torch(x: torch.Tensor, mask: torch.Tensor, x0: torch.Tensor, conf: to
                  factor: float | None = None) -> torch.Tensor:
     """Select and commit, in place (x ← x0 at the chosen positions, mask cleared there).
 
-    Per row, with the masked positions ranked by `candidate_ranks` and n of them:
-    budget `k`: ranks < k; `threshold` τ: rank 0, and every rank with confidence ≥ τ (with `k` as
-    well: only among ranks < k, Dream's ``confidence_threshold``); `factor` f: Fast-dLLM's rule —
-    the first c rank-ordered candidates where c is the first rank r ≥ 1 whose confidence is below
-    1 − f/(r + 2), and all n when there is none or it is the last one (the reference's quirk).
+    Per row, the masked positions ordered by confidence (descending, the lower index first among
+    equals; −0.0 equals +0.0) and n of them: budget `k` → the first k; `threshold` τ → the first,
+    and every one with confidence ≥ τ (with `k` as well: only among the first k, Dream's
+    ``confidence_threshold``); `factor` f → Fast-dLLM's rule: the first c, where c is the first
+    rank r ≥ 1 whose confidence is below 1 − f/(r + 2), and all n when there is none or it is the
+    last one (the reference's quirk).
 
     Returns the per-row number committed (int64 `[B]`).
     """
     B, L = conf.shape
-    mask_b = mask.bool()
-    rank = candidate_ranks(conf, mask_b)
-    n = mask_b.sum(dim=1, keepdim=True)
+    scores = torch.where(mask, conf, -torch.inf)
+    n = mask.sum(dim=1, keepdim=True)
     limit = n if k is None else torch.minimum(n, k.reshape(B, 1).to(torch.long).clamp_min(0))
-    selected = mask_b & (rank < limit)
-    c = conf.to(torch.float64)
+    if factor is not None:
+        ranked = torch.topk(scores, int(n.max()), dim=1).values.to(torch.float64) if L else scores
+        rank = torch.arange(ranked.shape[1], device=conf.device)[None]
+        thresholds = rule_thresholds(conf.dtype, L, conf.device, factor=factor)[:ranked.shape[1]]
+        fails = (rank >= 1) & (rank < n) & (ranked < thresholds)
+        first_fail = torch.where(fails, rank, n).amin(dim=1, keepdim=True) if ranked.shape[1] else n
+        limit = torch.where(first_fail >= n - 1, n, first_fail)
+    selected = select_top(scores, mask, limit)
     if threshold is not None:
         tau = rule_thresholds(conf.dtype, 1, conf.device, threshold=threshold)
-        selected &= (rank == 0) | (c >= tau)
-    elif factor is not None:
-        thresholds = rule_thresholds(conf.dtype, L, conf.device, factor=factor)
-        fails = mask_b & (rank >= 1) & (c < thresholds[rank.clamp_max(L - 1)])
-        first_fail = torch.where(fails, rank, n).amin(dim=1, keepdim=True)
-        count = torch.where(first_fail >= n - 1, n, first_fail)
-        selected &= rank < count
+        best = _first_true(mask & (scores == scores.amax(dim=1, keepdim=True)))
+        selected &= best | (conf.to(torch.float64) >= tau)
     x.copy_(torch.where(selected, x0, x))
     mask.masked_fill_(selected, False)
     return selected.sum(dim=1)

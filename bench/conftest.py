@@ -1,0 +1,97 @@
+"""Benchmark fixtures: the device, its measured copy bandwidth, and a timing helper.
+
+Run with `make bench` (see the README). On a GPU the Triton kernels run compiled; on CPU the
+torch paths run (interpreter timings mean nothing, so Triton is never timed there).
+"""
+from __future__ import annotations
+
+import os
+import platform
+
+import pytest
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_GPU = DEVICE.type == "cuda"
+# On CPU the float64 reference formulation materialises rows·V·16 bytes; stop the grid at 256 rows.
+CPU_MAX_ROWS = 256
+
+
+def device_name() -> str:
+    if ON_GPU:
+        return torch.cuda.get_device_name(DEVICE)
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+def sync():
+    if ON_GPU:
+        torch.cuda.synchronize(DEVICE)
+
+
+def run(benchmark, fn, *, rounds: int | None = None, **info):
+    """Time `fn` (synchronised) with pytest-benchmark; `info` goes to the JSON's extra_info."""
+    def call():
+        out = fn()
+        sync()
+        return out
+    call()  # compile / warm caches outside the timing
+    benchmark.extra_info.update(info, device=device_name())
+    if rounds is None:
+        rounds = 20 if ON_GPU else 3
+    return benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=1)
+
+
+def peak_extra_bytes(fn) -> int:
+    """Peak memory a call adds over what was allocated before it: CUDA allocator peak on GPU, the
+    process's peak resident set (Linux VmHWM, reset through /proc/self/clear_refs) on CPU."""
+    if ON_GPU:
+        sync()
+        before = torch.cuda.memory_allocated(DEVICE)
+        torch.cuda.reset_peak_memory_stats(DEVICE)
+        fn()
+        sync()
+        return torch.cuda.max_memory_allocated(DEVICE) - before
+
+    def status(field):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError(f"{field} not in /proc/self/status")
+
+    before = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak-RSS high-water mark
+    fn()
+    return max(0, status("VmHWM") - before)
+
+
+@pytest.fixture(scope="session")
+def copy_bandwidth() -> float:
+    """The device's measured copy bandwidth in bytes/s (read + write of a large tensor), the
+    yardstick for the kernels' effective bandwidth."""
+    n = (1 << 28) if ON_GPU else (1 << 26)  # 1 GiB / 256 MiB of float32
+    src = torch.empty(n, dtype=torch.float32, device=DEVICE).fill_(1.0)
+    dst = torch.empty_like(src)
+    import time
+    best = float("inf")
+    for _ in range(10 if ON_GPU else 4):
+        sync()
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        best = min(best, time.perf_counter() - t)
+    bandwidth = 2 * src.numel() * src.element_size() / best
+    os.environ["REMASK_BENCH_COPY_BW"] = str(bandwidth)
+    return bandwidth
+
+
+def pytest_report_header(config):
+    import transformers
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
+    return (f"remask bench on {device_name()}: torch {torch.__version__}, triton {triton_version}, "
+            f"transformers {transformers.__version__}")
