@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test bench clean
 
 setup: $(VENV)/.installed
 
@@ -20,6 +20,11 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# Kernel microbenchmarks (Triton compiled on a GPU, torch paths on CPU); report in bench/results/.
+bench: setup
+	$(BIN)/python -m pytest bench -q -p no:cacheprovider --benchmark-json=bench/results/latest.json
+	$(BIN)/python bench/report.py bench/results/latest.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .benchmarks

@@ -23,6 +23,16 @@ def device_name() -> str:
     return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
 
 
+def versions() -> str:
+    import transformers
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
+    return f"torch {torch.__version__}, triton {triton_version}, transformers {transformers.__version__}"
+
+
 def sync():
     if ON_GPU:
         torch.cuda.synchronize(DEVICE)
@@ -35,7 +45,7 @@ def run(benchmark, fn, *, rounds: int | None = None, **info):
         sync()
         return out
     call()  # compile / warm caches outside the timing
-    benchmark.extra_info.update(info, device=device_name())
+    benchmark.extra_info.update(info, device=device_name(), versions=versions())
     if rounds is None:
         rounds = 20 if ON_GPU else 3
     return benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=1)
@@ -87,11 +97,4 @@ def copy_bandwidth() -> float:
 
 
 def pytest_report_header(config):
-    import transformers
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "absent"
-    return (f"remask bench on {device_name()}: torch {torch.__version__}, triton {triton_version}, "
-            f"transformers {transformers.__version__}")
+    return f"remask bench on {device_name()}: {versions()}"

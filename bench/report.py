@@ -1,0 +1,86 @@
+"""Turn a pytest-benchmark JSON from `bench/` into a markdown report with ratios against the
+reference measured in the same run, effective bandwidth and its share of the measured copy
+bandwidth.
+
+    python bench/report.py bench/results/latest.json            # prints, and writes
+    bench/results/<device>-<date>.md and .json beside it
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+from collections import defaultdict
+
+
+def _fmt_time(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f} µs" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
+def report(data: dict) -> tuple[str, str]:
+    machine = data.get("machine_info", {})
+    benches = data["benchmarks"]
+    device = benches[0]["extra_info"].get("device", machine.get("cpu", {}).get("brand_raw", "unknown"))
+    date = data.get("datetime", "")[:10]
+    versions = benches[0]["extra_info"].get("versions", "")
+    lines = [f"# remask kernel benchmarks — {device}", "",
+             f"Date {date}; {versions}; command: `make bench` "
+             "(pytest-benchmark, median of the rounds; `ratio` = reference median / this median, same run).", ""]
+    copy_bw = next((b["extra_info"]["copy_bandwidth"] for b in benches if "copy_bandwidth" in b["extra_info"]), None)
+    if copy_bw:
+        lines += [f"Measured copy bandwidth (read + write of a large tensor): **{copy_bw / 1e9:.1f} GB/s**.", ""]
+    groups: dict[str, dict[str, dict]] = defaultdict(dict)
+    for b in benches:
+        groups[b["extra_info"].get("group") or b["name"]][b["extra_info"]["impl"]] = b
+    for kernel in ("confidence", "unmask", "step"):
+        rows = [(g, impls) for g, impls in groups.items()
+                if next(iter(impls.values()))["extra_info"].get("kernel") == kernel]
+        if not rows:
+            continue
+        bandwidth = kernel == "confidence"
+        header = "| case | impl | median | ratio vs reference |" + (" GB/s | % of copy bw | peak extra memory* |" if bandwidth else "")
+        lines += [f"## {kernel}", "", header, "|" + "---|" * (header.count("|") - 1)]
+        for group, impls in sorted(rows, key=lambda r: r[0]):
+            ref = impls.get("reference")
+            for impl, b in sorted(impls.items()):
+                median = b["stats"]["median"]
+                ratio = f"{ref['stats']['median'] / median:.2f}×" if ref else "—"
+                cells = [group, impl, _fmt_time(median), ratio]
+                if bandwidth:
+                    gbs = b["extra_info"]["bytes"] / median / 1e9
+                    share = f"{100 * gbs * 1e9 / copy_bw:.0f}%" if copy_bw else "—"
+                    cells += [f"{gbs:.1f}", share, _fmt_bytes(b["extra_info"].get("peak_extra_bytes", 0))]
+                lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+        if bandwidth:
+            lines += ["*GPU: CUDA allocator peak over the call. CPU: growth of the process's peak resident set, a lower "
+                      "bound (memory the process already holds and reuses is not counted).", ""]
+    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")[:40]
+    return "\n".join(lines), f"{slug}-{date}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("json", help="pytest-benchmark JSON (--benchmark-json) from a run of bench/")
+    parser.add_argument("--out-dir", default=None, help="where to write <device>-<date>.md/.json (default: beside the JSON)")
+    args = parser.parse_args()
+    with open(args.json) as f:
+        data = json.load(f)
+    text, stem = report(data)
+    print(text)
+    out_dir = args.out_dir or os.path.dirname(os.path.abspath(args.json))
+    with open(os.path.join(out_dir, stem + ".md"), "w") as f:
+        f.write(text + "\n")
+    target = os.path.join(out_dir, stem + ".json")
+    if os.path.abspath(target) != os.path.abspath(args.json):
+        shutil.copyfile(args.json, target)
+
+
+if __name__ == "__main__":
+    main()
