@@ -14,3 +14,11 @@ def test_readme_runnable_example(tmp_path, monkeypatch):
     assert runnable, "README lost its runnable example"
     code = runnable[0].replace("/tmp/tiny-llada", str(tmp_path / "tiny-llada"))
     exec(compile(code, "README.md", "exec"), {})
+
+
+def test_kernel_docs_examples_run():
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "kernels.md")).read()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 2, "docs/kernels.md lost its examples"
+    for block in blocks:
+        exec(compile(block, "docs/kernels.md", "exec"), {})
