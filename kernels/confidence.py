@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from .confidence_ref import CONFIDENCE_MODES, confidence_torch
+from .confidence_ref import CONFIDENCE_MODES, confidence_torch, id_tensor
 from .dispatch import HAS_TRITON, next_power_of_2, use_triton
 
 LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -204,13 +204,6 @@ def confidence_config(n_rows: int, V: int, num_sms: int) -> tuple[int, int, int,
     return block, split_blocks, num_splits, 8 if block >= 2048 else 4
 
 
-def _ids(ids, device) -> torch.Tensor | None:
-    if ids is None:
-        return None
-    ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(device)
-    return ids if ids.numel() else None
-
-
 def confidence_triton(
     logits: torch.Tensor,
     *,
@@ -245,7 +238,7 @@ def confidence_triton(
         n_blocks = -(-V // block)
         split_blocks = -(-n_blocks // max(1, min(num_splits or 1, n_blocks)))
         splits = -(-n_blocks // split_blocks)
-    argmax_ids, softmax_ids = _ids(argmax_ids, device), _ids(softmax_ids, device)
+    argmax_ids, softmax_ids = id_tensor(argmax_ids, device), id_tensor(softmax_ids, device)
     noise_kind = NO_NOISE if temperature == 0 else (TENSOR_NOISE if noise is not None else PHILOX_NOISE)
     dummy = x0  # stands in for absent optional pointers (never read: the constexpr flag is off)
     if splits > 1:

@@ -23,7 +23,8 @@ def gumbel(uniform: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(uniform))
 
 
-def _id_tensor(ids: Sequence[int] | torch.Tensor | None, device) -> torch.Tensor | None:
+def id_tensor(ids: Sequence[int] | torch.Tensor | None, device) -> torch.Tensor | None:
+    """Token ids as an int64 tensor on `device`, or None when there are none."""
     if ids is None:
         return None
     ids = torch.as_tensor(ids, dtype=torch.long, device=device).reshape(-1)
@@ -58,8 +59,8 @@ def confidence_torch(
         n_rows = rows.numel()
     x0 = torch.empty(n_rows, dtype=torch.long, device=device)
     conf = torch.empty(n_rows, dtype=torch.float64, device=device)
-    argmax_ids = _id_tensor(argmax_ids, device)
-    softmax_ids = _id_tensor(softmax_ids, device)
+    argmax_ids = id_tensor(argmax_ids, device)
+    softmax_ids = id_tensor(softmax_ids, device)
     sampling = temperature > 0
     generator = None
     if sampling and noise is None:
