@@ -68,13 +68,16 @@ def ar_generate(
     tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=input_ids.device)
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     eos = torch.tensor(eos_ids, dtype=torch.long, device=input_ids.device)
+    generated = 0
     for step in range(max_new_tokens):
         next_token, _ = score_tokens(logits.float(), temperature=temperature, top_k=top_k, top_p=top_p,
                                      sampler="categorical", generator=generator)
         next_token = torch.where(finished, torch.full_like(next_token, pad_token_id), next_token)
         tokens[:, step] = next_token
+        active = int((~finished).sum())
+        generated += active
         if stats is not None:
-            stats.step(int((~finished).sum()))
+            stats.step(active)
         finished |= torch.isin(next_token, eos)
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
@@ -87,5 +90,5 @@ def ar_generate(
         cache = out.past_key_values
         logits = out.logits[:, -1]
     if stats is not None:
-        stats.stop(int(B * max_new_tokens))
+        stats.stop(generated)   # tokens up to and including each row's EOS
     return torch.cat([input_ids, tokens], dim=1)

@@ -246,3 +246,9 @@ def write_tiny_dream(path: str, *, seed: int = 0, shards: int = 1, logit_scale: 
     }
     return _save(path, config, dream_state_dict(config, seed, logit_scale), shards,
                  {"generation_config.json": generation_config})
+
+
+def write_llada_checkpoint(path: str, config: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> str:
+    """Write trained LLaDA weights in the official layout (`config.json` keys of the release,
+    one `model.safetensors` with the release's parameter names); returns the weights' digest."""
+    return _save(path, config, state_dict, 1, {})

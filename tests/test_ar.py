@@ -47,7 +47,12 @@ def test_eos_stops_rows_and_pads(llama):
     first = int((free[0, 5:] == eos).nonzero()[0])
     assert torch.equal(out[0, :5 + first + 1], free[0, :5 + first + 1])
     assert (out[0, 5 + first + 1:] == 118).all()
-    assert stats.generated_tokens == 16 and stats.nfe >= 1
+    # Generated tokens count each row up to and including its EOS (not the padding after it).
+    expected = 0
+    for row in out[:, 5:]:
+        hits = (row == eos).nonzero()
+        expected += int(hits[0]) + 1 if len(hits) else 8
+    assert stats.generated_tokens == expected < 16 and stats.nfe >= 1
 
 
 def test_sampling_seeded_and_filtered(llama):

@@ -1,0 +1,275 @@
+"""Train remask's tiny models on CPU: a LLaDA-format masked-diffusion model and a Llama AR model.
+
+    python -m remask.zoo.train --model both --out remask/zoo/checkpoints
+
+Both models learn the problems of `remask.zoo.tasks` in the chat format of
+`remask.zoo.charset`, answers padded with EOS to `--gen-length` positions.
+
+* `tiny-llada`: LLaDA architecture, saved in the official LLaDA checkpoint format
+  (`config.json` with the released keys, `model.safetensors` with the released parameter names,
+  loadable by `AutoModel.from_pretrained` once remask is imported, or by the official remote
+  code). Objective: LLaDA's SFT loss: per example a mask ratio t ~ U(eps, 1], each answer
+  position (EOS padding included, prompt never) masked with probability t, cross-entropy on
+  the masked positions weighted by 1/t, normalised by the answer length.
+* `tiny-ar`: transformers `LlamaForCausalLM`, next-token loss on the answer and its first EOS.
+
+Seeded and resumable: the batch and the masking noise of step s depend only on (seed, s), and a
+training state (weights, optimiser, step) is written to `<out>/<name>/train_state.pt` every
+`--save-every` steps; `--resume` continues from it and gives the same weights as an
+uninterrupted run. At the end each model is evaluated on the held-out set (one token per step
+for the diffusion model, greedy for the AR model) and the figures are written to
+`<out>/<name>/metrics.json`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from remask.zoo import charset, tasks
+
+GEN_LENGTH = 16
+
+LLADA_SIZE = dict(d_model=128, n_heads=4, n_kv_heads=4, n_layers=4, mlp_hidden_size=384)
+AR_SIZE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3,
+               intermediate_size=384)
+
+
+def llada_config(**size: Any) -> dict[str, Any]:
+    """The official-format config.json of tiny-llada (LLaDA-8B-Instruct's keys, tiny shapes, char vocab)."""
+    from remask.models.tiny import LLADA_DEFAULTS
+
+    return {**LLADA_DEFAULTS, **LLADA_SIZE, **size,
+            "vocab_size": charset.VOCAB_SIZE, "embedding_size": charset.VOCAB_SIZE,
+            "mask_token_id": charset.MASK_ID, "eos_token_id": charset.EOS_ID, "pad_token_id": charset.PAD_ID,
+            "eot_token_id": charset.EOT_ID, "bos_token_id": charset.BOS_ID, "max_sequence_length": 128,
+            "rope_theta": 10000.0, "precision": "fp32", "torch_dtype": "float32"}
+
+
+def ar_config(**size: Any):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=charset.VOCAB_SIZE, **{**AR_SIZE, **size}, max_position_embeddings=128,
+                       rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=charset.BOS_ID,
+                       eos_token_id=charset.EOS_ID, pad_token_id=charset.PAD_ID, mask_token_id=charset.MASK_ID)
+
+
+def build_model(name: str, seed: int, width: int | None = None, layers: int | None = None) -> tuple[torch.nn.Module, Any]:
+    """A freshly initialised model; `width`/`layers` shrink it (smoke tests), default: the shipped sizes."""
+    torch.manual_seed(seed)
+    if name == "tiny-llada":
+        from remask.models import LLaDAConfig, LLaDAModelLM
+
+        size = {} if width is None else dict(d_model=width, n_heads=2, n_kv_heads=2, mlp_hidden_size=2 * width)
+        config = llada_config(**size, **({} if layers is None else {"n_layers": layers}))
+        return LLaDAModelLM(LLaDAConfig(**config)), config
+    from transformers import LlamaForCausalLM
+
+    size = {} if width is None else dict(hidden_size=width, num_attention_heads=2, num_key_value_heads=2,
+                                         intermediate_size=2 * width)
+    config = ar_config(**size, **({} if layers is None else {"num_hidden_layers": layers}))
+    return LlamaForCausalLM(config), config
+
+
+def batch_at(step: int, seed: int, batch_size: int, gen_length: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Training batch of step `step`: left-padded `[B, P + gen_length]` ids, the padding mask and P."""
+    rng = random.Random(seed * 1_000_003 + step)
+    prompts, answers = [], []
+    for _ in range(batch_size):
+        problem = tasks.draw(rng)
+        prompts.append(charset.encode_chat(problem.prompt))
+        answers.append(charset.encode_answer(problem.target, gen_length))
+    P = max(len(p) for p in prompts)
+    ids = torch.full((batch_size, P + gen_length), charset.PAD_ID, dtype=torch.long)
+    mask = torch.zeros((batch_size, P + gen_length), dtype=torch.long)
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        ids[i, P - len(p):P] = torch.tensor(p)
+        ids[i, P:] = torch.tensor(a)
+        mask[i, P - len(p):] = 1
+    return ids, mask, P
+
+
+def llada_sft_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, P: int,
+                   gen: torch.Generator, eps: float = 1e-3) -> torch.Tensor:
+    """LLaDA's SFT objective: mask answer positions with probability t ~ U(eps, 1], CE / t."""
+    B, L = ids.shape
+    t = (1 - eps) * torch.rand(B, generator=gen) + eps
+    masked = torch.rand((B, L), generator=gen) < t[:, None]
+    masked[:, :P] = False
+    noisy = torch.where(masked, torch.full_like(ids, charset.MASK_ID), ids)
+    logits = model(noisy, attention_mask=mask).logits
+    token_loss = F.cross_entropy(logits[masked], ids[masked], reduction="none") / t[:, None].expand(B, L)[masked]
+    answer_length = L - P
+    return token_loss.sum() / (B * answer_length)
+
+
+def ar_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, P: int) -> torch.Tensor:
+    """Next-token cross-entropy on the answer characters and the first EOS (not the EOS padding)."""
+    labels = ids.clone()
+    labels[:, :P] = -100
+    after_first_eos = (ids == charset.EOS_ID).long().cumsum(-1) > 1
+    labels[after_first_eos] = -100
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def save_checkpoint(name: str, model: torch.nn.Module, config: Any, folder: str) -> None:
+    """Write the model folder: weights + config in its release format, plus the tokenizer."""
+    os.makedirs(folder, exist_ok=True)
+    if name == "tiny-llada":
+        from remask.models.tiny import write_llada_checkpoint
+
+        write_llada_checkpoint(folder, config, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    else:
+        model.save_pretrained(folder)
+    charset.build_tokenizer().save_pretrained(folder)
+
+
+def train(name: str, out: str, steps: int, batch_size: int, lr: float, warmup: int, seed: int,
+          save_every: int, resume: bool, log_every: int, gen_length: int, stop_after: int | None = None,
+          width: int | None = None, layers: int | None = None) -> dict[str, Any] | None:
+    """Train one model; returns its record, or None when `stop_after` interrupted it (state saved)."""
+    folder = os.path.join(out, name)
+    state_path = os.path.join(folder, "train_state.pt")
+    model, config = build_model(name, seed, width, layers)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=lr, betas=(0.9, 0.98))
+    start, log = 0, []
+    if resume and os.path.exists(state_path):
+        state = torch.load(state_path, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start, log = state["step"], state["log"]
+        print(f"[{name}] resumed at step {start}", flush=True)
+    os.makedirs(folder, exist_ok=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"[{name}] {n_params / 1e6:.2f}M parameters, steps {start}..{steps}, batch {batch_size}", flush=True)
+    model.train()
+    t0, running = time.time(), 0.0
+    end = steps if stop_after is None else min(steps, start + stop_after)
+    for step in range(start, end):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, steps, lr, warmup)
+        ids, mask, P = batch_at(step, seed, batch_size, gen_length)
+        if name == "tiny-llada":
+            loss = llada_sft_loss(model, ids, mask, P, torch.Generator().manual_seed(seed * 7_919 + step))
+        else:
+            loss = ar_loss(model, ids, mask, P)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        running += float(loss.detach())
+        if (step + 1) % log_every == 0:
+            log.append({"step": step + 1, "loss": running / log_every, "seconds": round(time.time() - t0, 1)})
+            print(f"[{name}] step {step + 1}/{steps} loss {running / log_every:.4f} "
+                  f"lr {optimizer.param_groups[0]['lr']:.2e} {time.time() - t0:.0f}s", flush=True)
+            running = 0.0
+        if (step + 1) % save_every == 0 or step + 1 == end:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1, "log": log},
+                       state_path)
+    if end < steps:
+        print(f"[{name}] stopped at step {end} (--stop-after); continue with --resume", flush=True)
+        return None
+    model.eval()
+    save_checkpoint(name, model, config, folder)
+    return {"parameters": n_params, "steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
+            "train_seconds_this_run": round(time.time() - t0, 1), "log": log}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m remask.zoo.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("llada", "ar", "both"), default="both")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "checkpoints"),
+                        help="parent folder; each model goes to <out>/tiny-llada, <out>/tiny-ar")
+    parser.add_argument("--llada-steps", type=int, default=5000)
+    parser.add_argument("--ar-steps", type=int, default=1500)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=tasks.TRAIN_SEED)
+    parser.add_argument("--gen-length", type=int, default=GEN_LENGTH)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per model; with --model both the two models train at the same time in "
+                             "two processes (2 cores: one thread each), unless --sequential")
+    parser.add_argument("--sequential", action="store_true", help="with --model both: one model after the other")
+    parser.add_argument("--save-every", type=int, default=250)
+    parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--resume", action="store_true", help="continue from <out>/<name>/train_state.pt")
+    parser.add_argument("--eval-problems", type=int, default=350, help="held-out problems for the final evaluation")
+    parser.add_argument("--stop-after", type=int, default=None,
+                        help="train at most this many steps in this run, then save the state and exit (resume later)")
+    parser.add_argument("--width", type=int, default=None, help="override the hidden size of both models (smoke tests)")
+    parser.add_argument("--layers", type=int, default=None, help="override the layer count of both models (smoke tests)")
+    parser.add_argument("--keep-state", action="store_true", help="keep train_state.pt (default: delete it at the end)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.model == "both" and not args.sequential:
+        return _train_both_in_parallel(list(sys.argv[1:] if argv is None else argv))
+
+    names = {"llada": ["tiny-llada"], "ar": ["tiny-ar"], "both": ["tiny-llada", "tiny-ar"]}[args.model]
+    for name in names:
+        steps = args.llada_steps if name == "tiny-llada" else args.ar_steps
+        record = train(name, args.out, steps, args.batch_size, args.lr, args.warmup, args.seed, args.save_every,
+                       args.resume, args.log_every, args.gen_length, args.stop_after, args.width, args.layers)
+        if record is None:
+            continue
+        from remask.zoo.evaluate import held_out_report
+
+        folder = os.path.join(args.out, name)
+        record["held_out"] = held_out_report(folder, args.eval_problems, args.gen_length)
+        print(f"[{name}] held-out: {json.dumps(record['held_out'])}", flush=True)
+        with open(os.path.join(folder, "metrics.json"), "w") as f:
+            json.dump(record, f, indent=1)
+        if not args.keep_state:
+            state_path = os.path.join(folder, "train_state.pt")
+            if os.path.exists(state_path):
+                os.remove(state_path)
+    return 0
+
+
+def _train_both_in_parallel(argv: list[str]) -> int:
+    import multiprocessing
+
+    def without_model(args: list[str]) -> list[str]:
+        out, skip = [], False
+        for a in args:
+            if skip:
+                skip = False
+            elif a == "--model":
+                skip = True
+            elif not a.startswith("--model="):
+                out.append(a)
+        return out
+
+    base = without_model(argv)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=main, args=(base + ["--model", which],)) for which in ("llada", "ar")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    return max(p.exitcode or 0 for p in procs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
