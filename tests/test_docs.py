@@ -22,3 +22,23 @@ def test_kernel_docs_examples_run():
     assert len(blocks) == 2, "docs/kernels.md lost its examples"
     for block in blocks:
         exec(compile(block, "docs/kernels.md", "exec"), {})
+
+
+def test_model_docs_examples_run():
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "models.md")).read()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks, "docs/models.md lost its examples"
+    for block in blocks:
+        exec(compile(block, "docs/models.md", "exec"), {})
+
+
+def test_zoo_doctests():
+    import doctest
+
+    import remask.zoo
+    import remask.zoo.evaluate
+    import remask.zoo.tasks
+
+    for module in (remask.zoo, remask.zoo.tasks, remask.zoo.evaluate):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__

@@ -1,0 +1,182 @@
+"""Ablations on the shipped tiny models: accuracy against NFE for every decoding strategy.
+
+    python bench/ablate.py --out bench/results/ablation.csv --plot docs/img/ablation.png
+
+Sweeps remask's samplers and their parameters over the held-out problems of
+`remask.zoo.tasks` (seed `EVAL_SEED`): LLaDA low-confidence and random remasking over steps and
+block_length, Fast-dLLM threshold and factor decoding, sampling temperature, and the AR model.
+Each row of the CSV is one setting: accuracy (exact match; multi-answer tasks by membership),
+accuracy per task, NFE per answer (batch 1, exact), tokens/s. Seeded: the same command gives
+the same accuracies and NFE (tokens/s depend on the machine). The plot (accuracy vs NFE, one
+line per family) needs matplotlib (`pip install remask[plot]`); without it only the CSV is written.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from remask.zoo import load
+from remask.zoo.evaluate import GEN_LENGTH, Strategy, evaluate
+from remask.zoo.tasks import EVAL_SEED, MULTI_ANSWER_TASKS, TASKS, problems
+
+
+@dataclass(frozen=True)
+class Setting:
+    family: str
+    strategy: Strategy
+    params: dict[str, Any]
+
+
+def sweep(name: str) -> list[Setting]:
+    """The settings of a named sweep ("full": everything in docs/ablations.md; "quick": a few)."""
+    out: list[Setting] = []
+
+    def add(family: str, label: str, **kw: Any) -> None:
+        out.append(Setting(family, Strategy.of(label, **kw), kw))
+
+    if name == "quick":
+        add("low_confidence", "low_confidence steps=16", steps=16)
+        add("low_confidence", "low_confidence steps=4", steps=4)
+        add("threshold", "threshold 0.9", steps=16, threshold=0.9)
+        add("ar", "AR greedy", ar=True)
+        return out
+    for block in (16, 8, 4):
+        for steps in (16, 8, 4, 2):
+            if steps * block >= GEN_LENGTH and steps % (GEN_LENGTH // block) == 0:
+                add("low_confidence" if block == 16 else f"low_confidence block={block}",
+                    f"low_confidence steps={steps} block={block}", steps=steps, block_length=block)
+    add("low_confidence", "low_confidence steps=1", steps=1)
+    for steps in (16, 8, 4, 2):
+        add("random", f"random steps={steps}", steps=steps, remasking="random")
+    for block in (16, 4):
+        for threshold in (0.99, 0.9, 0.7, 0.5, 0.3, 0.1):
+            add("threshold" if block == 16 else f"threshold block={block}",
+                f"threshold {threshold} block={block}", steps=16, block_length=block, threshold=threshold)
+    for factor in (0.5, 1.0, 2.0, 4.0, 8.0):
+        add("factor", f"factor {factor}", steps=16, factor=factor)
+    for temperature in (0.5, 1.0):
+        for steps in (16, 4):
+            add(f"low_confidence T={temperature}", f"low_confidence T={temperature} steps={steps}",
+                steps=steps, temperature=temperature)
+    add("ar", "AR greedy", ar=True)
+    return out
+
+
+FIELDS = ["family", "setting", "steps", "block_length", "remasking", "threshold", "factor", "temperature",
+          "accuracy", "multi_answer_accuracy", "nfe_per_answer", "tokens_per_second"] + [f"acc_{t}" for t in TASKS]
+
+
+def run(settings: list[Setting], n: int, seed: int, show_progress: bool) -> list[dict[str, Any]]:
+    from tqdm.auto import tqdm
+
+    diffusion, _ = load("tiny-llada")
+    ar, _ = load("tiny-ar")
+    held_out = problems(n, EVAL_SEED)
+    rows = []
+    bar = tqdm(total=n * len(settings), disable=not show_progress, file=sys.stderr, desc="ablation")
+    for setting in settings:
+        s = setting.strategy
+        bar.set_postfix_str(s.name)
+        r = evaluate(ar if s.ar else diffusion, held_out, s, seed=seed, progress=bar.update)
+        multi = [r.per_task[t] for t in MULTI_ANSWER_TASKS if t in r.per_task]
+        rows.append({
+            "family": setting.family, "setting": s.name, "steps": s.steps or ("" if s.ar else GEN_LENGTH),
+            "block_length": s.block_length or ("" if s.ar else GEN_LENGTH),
+            "remasking": "" if s.ar else s.options.get("remasking", "low_confidence"),
+            "threshold": s.options.get("threshold", ""), "factor": s.options.get("factor", ""),
+            "temperature": s.options.get("temperature", 0.0),
+            "accuracy": round(r.accuracy, 4), "multi_answer_accuracy": round(sum(multi) / max(1, len(multi)), 4),
+            "nfe_per_answer": round(r.nfe_per_answer, 3), "tokens_per_second": round(r.tokens_per_second, 1),
+            **{f"acc_{t}": round(r.per_task.get(t, float("nan")), 4) for t in TASKS},
+        })
+    bar.close()
+    return rows
+
+
+def write_csv(rows: list[dict[str, Any]], path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def plot(rows: list[dict[str, Any]], path: str, title: str) -> bool:
+    """Accuracy (all tasks, and multi-answer tasks) against NFE per answer; False if no matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'remask[plot]'): no plot written", file=sys.stderr)
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
+    families = list(dict.fromkeys(r["family"] for r in rows))
+    for family in families:
+        pts = sorted((r for r in rows if r["family"] == family), key=lambda r: r["nfe_per_answer"])
+        style = dict(marker="*", markersize=12, linestyle="none") if family == "ar" else dict(marker="o", markersize=4)
+        for ax, key in zip(axes, ("accuracy", "multi_answer_accuracy")):
+            ax.plot([r["nfe_per_answer"] for r in pts], [r[key] for r in pts], label=family, **style)
+    for ax, label in zip(axes, ("exact match, all tasks", "multi-answer tasks (colour, animal)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("NFE per answer (16 answer positions)")
+        ax.set_ylabel(label)
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| setting | accuracy | multi-answer | NFE/answer | tokens/s |", "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['setting']} | {r['accuracy']:.1%} | {r['multi_answer_accuracy']:.1%} | "
+                     f"{r['nfe_per_answer']:.2f} | {r['tokens_per_second']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python bench/ablate.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench/results/ablation.csv", help="CSV to write")
+    parser.add_argument("--plot", default=None, help="PNG to write (needs matplotlib)")
+    parser.add_argument("--sweep", choices=("full", "quick"), default="full")
+    parser.add_argument("--problems", type=int, default=140, help="held-out problems (tasks taken in turn)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling noise (temperature, random remasking)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--markdown", action="store_true", help="also print the table as markdown")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    if args.problems <= 0:
+        parser.error(f"--problems must be positive, got {args.problems}")
+    torch.set_num_threads(args.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()   # transformers' per-load weight bars; ours stay
+    t0 = time.time()
+    rows = run(sweep(args.sweep), args.problems, args.seed, show_progress=not args.no_progress)
+    write_csv(rows, args.out)
+    print(f"{len(rows)} settings × {args.problems} problems in {time.time() - t0:.0f} s → {args.out}")
+    if args.plot:
+        title = f"tiny-llada / tiny-ar, {args.problems} held-out problems (seed {EVAL_SEED}), sampling seed {args.seed}"
+        if plot(rows, args.plot, title):
+            print(f"plot → {args.plot}")
+    if args.markdown:
+        print(markdown_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The shipped tiny models: data, tokenizer, checkpoints, accuracy, training script, demo, ablation CLI."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import remask
+from remask.zoo import CHECKPOINTS, charset, checkpoint_path, load, tasks
+from remask.zoo.evaluate import Strategy, evaluate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LLADA_DIR = os.path.join(CHECKPOINTS, "tiny-llada")
+AR_DIR = os.path.join(CHECKPOINTS, "tiny-ar")
+# Margin between the accuracy documented in metrics.json (350 held-out problems) and what the
+# first 70 of them must reach here: a few problems' worth, not a different model.
+MARGIN = 0.08
+
+
+@pytest.fixture(scope="module")
+def llada():
+    return load("tiny-llada")
+
+
+@pytest.fixture(scope="module")
+def ar():
+    return load("tiny-ar")
+
+
+def documented(folder: str) -> dict:
+    with open(os.path.join(folder, "metrics.json")) as f:
+        return json.load(f)["held_out"]
+
+
+# --- data --------------------------------------------------------------------------------------
+
+def test_problems_are_seeded_and_checkable():
+    a, b = tasks.problems(21, seed=3), tasks.problems(21, seed=3)
+    assert a == b
+    assert a != tasks.problems(21, seed=4)
+    assert [p.task for p in a[:7]] == list(tasks.TASKS)
+    for p in tasks.problems(700, tasks.EVAL_SEED):
+        assert p.target in p.answers and p.is_correct(p.target)
+        assert len(p.target) <= tasks.MAX_ANSWER_CHARS
+        charset.encode_text(p.prompt)   # every character is in the vocabulary
+    sort = [p for p in a if p.task == "sort"][0]
+    assert sort.answers == ("".join(sorted(sort.prompt.split()[1])),)
+
+
+def test_multi_answer_tasks_score_by_membership():
+    colour = tasks.problems(6, seed=0)[5]
+    assert colour.task == "colour" and len(colour.answers) > 1
+    assert colour.is_correct("blue") and colour.is_correct("brown") and not colour.is_correct("bluwn")
+    targets = {p.target for p in tasks.problems(7 * 60, seed=0) if p.task == "colour"}
+    assert len(targets) > 3   # training targets are spread over the valid answers
+
+
+def test_problems_reject_unknown_tasks():
+    with pytest.raises(ValueError, match="tasks must be"):
+        tasks.problems(3, seed=0, tasks=("sort", "chess"))
+
+
+# --- tokenizer ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("folder", [LLADA_DIR, AR_DIR])
+def test_tokenizer_round_trip_and_chat_template(folder):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    for text in ("sort 52814", "Hello, Ada!", "  a+b = {c}; x|y ~", "capital of Peru"):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert ids == charset.encode_text(text) and len(ids) == len(text)
+        assert tok.decode(ids) == text
+    assert tok("x\ty", add_special_tokens=False)["input_ids"][1] == charset.UNK_ID
+    chat = tok.apply_chat_template([{"role": "user", "content": "greet Ada"}], add_generation_prompt=True,
+                                   tokenize=True)
+    chat = chat["input_ids"] if isinstance(chat, dict) or hasattr(chat, "keys") else chat
+    assert list(chat) == charset.encode_chat("greet Ada")
+    assert (tok.mask_token_id, tok.eos_token_id, tok.pad_token_id, tok.bos_token_id) == (
+        charset.MASK_ID, charset.EOS_ID, charset.PAD_ID, charset.BOS_ID)
+    assert tok.convert_tokens_to_ids("<|eot|>") == charset.EOT_ID
+
+
+def test_encode_rejects_unknown_characters():
+    with pytest.raises(ValueError, match="not in the tiny models' vocabulary"):
+        charset.encode_text("naïve")
+    with pytest.raises(ValueError, match="gen_length"):
+        charset.encode_answer("x" * 16, 16)
+
+
+def test_decode_answer_stops_at_eos_and_shows_masks():
+    ids = charset.encode_answer("red", 8)
+    assert charset.decode_answer(ids) == "red"
+    assert charset.decode_answer([charset.MASK_ID] + ids) == "<|mask|>red"
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+
+def test_llada_checkpoint_is_in_the_official_format():
+    with open(os.path.join(LLADA_DIR, "config.json")) as f:
+        config = json.load(f)
+    assert config["model_type"] == "llada" and config["architectures"] == ["LLaDAModelLM"]
+    assert config["auto_map"]["AutoModel"] == "modeling_llada.LLaDAModelLM"
+    assert config["mask_token_id"] == charset.MASK_ID and config["eos_token_id"] == charset.EOS_ID
+    with safe_open(os.path.join(LLADA_DIR, "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.transformer.wte.weight" in names and "model.transformer.ff_out.weight" in names
+    assert {f"model.transformer.blocks.0.{n}.weight" for n in
+            ("attn_norm", "ff_norm", "q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out")} <= names
+    for folder in (LLADA_DIR, AR_DIR):
+        assert os.path.getsize(os.path.join(folder, "model.safetensors")) <= 10 * 2**20
+
+
+def test_checkpoints_load_with_auto_classes_and_by_name(llada, ar):
+    from transformers import AutoModel, AutoModelForCausalLM, LlamaForCausalLM
+
+    model, tok = llada
+    assert isinstance(model, remask.LLaDAModelLM) and not model.training
+    assert remask.get_spec(model).mask_id == charset.MASK_ID == tok.mask_token_id
+    assert remask.get_spec(model).eot_id == charset.EOT_ID
+    assert isinstance(AutoModel.from_pretrained(LLADA_DIR), remask.LLaDAModelLM)
+    ar_model, ar_tok = ar
+    assert isinstance(ar_model, LlamaForCausalLM)
+    assert isinstance(AutoModelForCausalLM.from_pretrained(AR_DIR), LlamaForCausalLM)
+    assert ar_tok.get_vocab() == tok.get_vocab()
+    assert remask.load is load
+    assert checkpoint_path(LLADA_DIR) == LLADA_DIR
+    with pytest.raises(ValueError, match="tiny-llada"):
+        load("tiny-bert")
+
+
+def test_llada_reaches_its_documented_accuracy(llada):
+    doc = documented(LLADA_DIR)
+    assert doc["strategy"] == "1 token/step" and doc["accuracy"] >= 0.8
+    result = evaluate(llada[0], tasks.problems(70, tasks.EVAL_SEED), Strategy.of("1 token/step", steps=16))
+    assert result.nfe_per_answer == 16.0
+    assert result.accuracy >= doc["accuracy"] - MARGIN, (result.per_task, doc)
+
+
+def test_ar_reaches_its_documented_accuracy(ar):
+    doc = documented(AR_DIR)
+    result = evaluate(ar[0], tasks.problems(70, tasks.EVAL_SEED), Strategy.of("greedy", ar=True))
+    assert result.accuracy >= doc["accuracy"] - MARGIN, (result.per_task, doc)
+    assert result.nfe_per_answer < 16   # stops at EOS
+
+
+def test_parallel_decoding_costs_accuracy_on_multi_answer_tasks(llada):
+    held_out = tasks.problems(48, tasks.EVAL_SEED, tasks=tasks.MULTI_ANSWER_TASKS)
+    one = evaluate(llada[0], held_out, Strategy.of("1/step", steps=16))
+    many = evaluate(llada[0], held_out, Strategy.of("8/step", steps=2))
+    assert many.nfe_per_answer == 2.0
+    assert one.accuracy >= 0.9
+    assert many.accuracy <= one.accuracy - 0.2, (one.accuracy, many.accuracy)
+
+
+def test_confidences_mean_something(llada):
+    # A trained model is sure how a greeting starts, unsure which colour it will name.
+    model, _ = llada
+
+    def first_position(prompt: str) -> torch.Tensor:
+        x = torch.tensor([charset.encode_chat(prompt) + [charset.MASK_ID] * 16])
+        with torch.no_grad():
+            return model(x).logits[0, -16].softmax(-1)
+
+    greet, colour = first_position("greet Ada"), first_position("name a colour")
+    assert int(greet.argmax()) == charset.CHAR_TO_ID["H"] and float(greet.max()) > 0.9
+    assert float(colour.max()) < 0.7
+    first_letters = {charset.CHAR_TO_ID[c[0]] for c in tasks.COLOURS}
+    assert float(colour[list(first_letters)].sum()) > 0.9
+
+
+# --- training script ---------------------------------------------------------------------------
+
+def test_training_is_seeded_and_resumable(tmp_path):
+    common = ["--batch-size", "4", "--width", "16", "--layers", "1", "--eval-problems", "7", "--log-every", "2",
+              "--llada-steps", "4", "--ar-steps", "4", "--sequential"]
+    run = [sys.executable, "-m", "remask.zoo.train"]
+    subprocess.run(run + ["--out", str(tmp_path / "a")] + common, check=True, capture_output=True)
+    subprocess.run(run + ["--out", str(tmp_path / "b"), "--stop-after", "3"] + common, check=True, capture_output=True)
+    assert not (tmp_path / "b" / "tiny-llada" / "model.safetensors").exists()
+    subprocess.run(run + ["--out", str(tmp_path / "b"), "--resume"] + common, check=True, capture_output=True)
+    for name in ("tiny-llada", "tiny-ar"):
+        a = (tmp_path / "a" / name / "model.safetensors").read_bytes()
+        b = (tmp_path / "b" / name / "model.safetensors").read_bytes()
+        assert a == b, name
+        assert not (tmp_path / "a" / name / "train_state.pt").exists()
+        assert json.loads((tmp_path / "a" / name / "metrics.json").read_text())["held_out"]["n"] == 7
+    model, tok = load(str(tmp_path / "a" / "tiny-llada"))
+    assert model.config.d_model == 16 and tok.mask_token_id == charset.MASK_ID
+
+
+def test_training_help():
+    out = subprocess.run([sys.executable, "-m", "remask.zoo.train", "--help"], check=True, capture_output=True,
+                         text=True).stdout
+    assert "--resume" in out and "SFT" in out
+
+
+# --- demo and ablation CLI ---------------------------------------------------------------------
+
+def test_demo_runs_non_interactively():
+    out = subprocess.run([sys.executable, "-m", "remask.demo", "--non-interactive", "--problems", "7"],
+                         check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    assert "reveals" in out and "answer: 'Hello, Ada!'" in out
+    for row in ("LLaDA low-confidence, 1 token/step", "LLaDA random remasking", "Fast-dLLM threshold 0.9",
+                "Fast-dLLM factor", "AR model"):
+        assert row in out
+
+
+def test_ablation_cli_writes_a_reproducible_csv(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "ablate.py"), "--sweep", "quick", "--problems", "7",
+           "--no-progress"]
+    subprocess.run(cmd + ["--out", str(tmp_path / "a.csv")], check=True, capture_output=True)
+    subprocess.run(cmd + ["--out", str(tmp_path / "b.csv")], check=True, capture_output=True)
+    rows = [list(csv.DictReader(open(tmp_path / f"{x}.csv"))) for x in ("a", "b")]
+    assert [r["setting"] for r in rows[0]] == ["low_confidence steps=16", "low_confidence steps=4", "threshold 0.9",
+                                               "AR greedy"]
+    drop = ("tokens_per_second",)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in rows[0]] == \
+           [{k: v for k, v in r.items() if k not in drop} for r in rows[1]]
+    assert float(rows[0][1]["nfe_per_answer"]) == 4.0
