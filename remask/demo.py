@@ -84,14 +84,14 @@ def strategy_table(models: dict[str, torch.nn.Module], n: int, show_progress: bo
         with tqdm(total=n, desc=f"{strategy.name[:36]:36s}", leave=False, disable=not show_progress,
                   file=sys.stderr) as bar:
             rows.append(evaluate(model, held_out, strategy, progress=bar.update))
-    multi = [t for t in MULTI_ANSWER_TASKS]
     print(f"\n{n} held-out problems ({', '.join(sorted({p.task for p in held_out}))}); "
           f"exact match (multi-answer tasks: membership)\n")
     header = f"{'strategy':40s} {'accuracy':>8s} {'multi-answer':>12s} {'NFE/answer':>10s} {'tokens/s':>9s}"
     print(header)
     print("-" * len(header))
     for r in rows:
-        multi_acc = sum(r.per_task[t] for t in multi if t in r.per_task) / max(1, sum(t in r.per_task for t in multi))
+        multi_acc = sum(r.per_task[t] for t in MULTI_ANSWER_TASKS if t in r.per_task) / max(
+            1, sum(t in r.per_task for t in MULTI_ANSWER_TASKS))
         print(f"{r.strategy:40s} {r.accuracy:8.1%} {multi_acc:12.1%} {r.nfe_per_answer:10.1f} {r.tokens_per_second:9.0f}")
     print("\nNFE/answer: model forwards per answer (batch 1). tokens/s: answer positions decoded per second "
           "(16 per answer for diffusion; up to EOS for AR), this machine, 1 thread.")

@@ -224,3 +224,23 @@ def test_ablation_cli_writes_a_reproducible_csv(tmp_path):
     assert [{k: v for k, v in r.items() if k not in drop} for r in rows[0]] == \
            [{k: v for k, v in r.items() if k not in drop} for r in rows[1]]
     assert float(rows[0][1]["nfe_per_answer"]) == 4.0
+
+
+# --- the shipped diffusion model through the official code ------------------------------------
+
+def test_tiny_llada_reproduces_the_official_sampler(llada):
+    # Ids from Fast-dLLM v1's generate + the official modeling code on this very checkpoint
+    # (docs/reference-fixtures.md); remask must give the same tokens and NFE.
+    import hashlib
+
+    from remask.compat import fast_dllm
+
+    with open(os.path.join(ROOT, "tests", "fixtures", "tiny_llada_reference.json")) as f:
+        data = json.load(f)
+    with open(os.path.join(LLADA_DIR, "model.safetensors"), "rb") as f:
+        assert hashlib.sha256(f.read()).hexdigest() == data["checkpoint_sha256"], "tiny-llada changed: remake the fixture"
+    assert data["prompts"] == [charset.encode_chat(p.prompt) for p in tasks.problems(21, tasks.EVAL_SEED)]
+    for case in data["cases"]:
+        for prompt, expected in zip(data["prompts"], case["outputs"]):
+            x, nfe = fast_dllm.generate(llada[0], torch.tensor([prompt]), **case["kwargs"])
+            assert x[0, len(prompt):].tolist() == expected["tokens"] and nfe == expected["nfe"], case["name"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 import string
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 TRAIN_SEED = 0
 EVAL_SEED = 1_000_003
@@ -111,10 +111,3 @@ def draw(rng: random.Random, weights: dict[str, float] | None = None) -> Problem
     task = rng.choices(tuple(weights), weights=tuple(weights.values()))[0]
     prompt, answers, target = TASKS[task](rng)
     return Problem(task, prompt, answers, target)
-
-
-def stream(seed: int, weights: dict[str, float] | None = None) -> Iterable[Problem]:
-    """An endless seeded stream of problems drawn from the training mixture."""
-    rng = random.Random(seed)
-    while True:
-        yield draw(rng, weights)
