@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from remask.models.layers import KVCache
 from remask.models.spec import ModelSpec, get_spec
 
 from .checks import check_length, check_mask_id, check_prompt, check_token_id
@@ -26,6 +27,7 @@ from .selection import schedule_counts
 from .stats import GenerationStats
 
 REMASKING = ("low_confidence", "random")
+CACHE_MODES = (None, "prefix", "dual")
 
 
 @dataclass(frozen=True)
@@ -98,8 +100,15 @@ def block_diffusion_generate(
     generator: torch.Generator | None = None,
     stats: GenerationStats | None = None,
     on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+    use_cache: str | None = None,
 ) -> torch.Tensor:
     """The shared block loop behind `remask.generate` and `remask.compat.fast_dllm.generate`.
+
+    `use_cache` (Fast-dLLM v1): None = a full forward every step; "prefix" = a full forward at
+    each block start builds the K/V cache and commits the block's first tokens, then each step
+    feeds the block and everything after it against the cache cut at the block start; "dual" =
+    the same block-start forward keeps K/V of every position and each step feeds only the block,
+    whose fresh K/V overwrite its cache entries in place. Keys are cached after RoPE.
 
     Returns `[B, prompt_len + gen_length]`; validates every argument first.
     """
@@ -116,6 +125,14 @@ def block_diffusion_generate(
     if cfg_scale < 0:
         raise ValueError(f"cfg_scale must be >= 0, got {cfg_scale}")
     check_length(spec, prompt.shape[1] + gen_length, "prompt length + gen_length")
+    if use_cache not in CACHE_MODES:
+        raise ValueError(f"use_cache must be one of {list(CACHE_MODES)}, got {use_cache!r}")
+    if use_cache is not None and cfg_scale > 0:
+        raise ValueError("cfg_scale > 0 cannot be combined with use_cache (Fast-dLLM's caches have no CFG pass); "
+                         "use use_cache=None")
+    if use_cache is not None and spec.logit_shift:
+        raise NotImplementedError(f"use_cache={use_cache!r} in the LLaDA block loop needs unshifted logits; "
+                                  "for Dream use remask.diffusion_generate")
     if precision is None:
         precision = LLADA_PRECISION if threshold is None and factor is None else (
             FAST_DLLM_FACTOR_PRECISION if factor is not None else FAST_DLLM_PRECISION)
@@ -148,12 +165,11 @@ def block_diffusion_generate(
     finished = torch.zeros(B, dtype=torch.bool, device=x.device)
     parallel = threshold is not None or factor is not None
     reference_sampling = temperature > 0 and reference_rng
-    row_offsets = torch.arange(B, device=x.device)[:, None] * T
+    cache: KVCache | None = None
 
     for block in range(num_blocks):
         start, end = P + block * block_length, P + (block + 1) * block_length
         block_x = x[:, start:end]  # a view: unmask writes the committed tokens straight into x
-        block_rows = (row_offsets + torch.arange(start, end, device=x.device)).reshape(-1)
         schedule = schedule_counts(block_x == mask_id, steps_per_block)
         step = 0
         while True:
@@ -163,26 +179,50 @@ def block_diffusion_generate(
                     break
             elif step == steps_per_block:
                 break
+            # Which positions this forward computes: all of them, or (cached steps) the block and
+            # what follows it (prefix) / the block alone (dual). `fed` = first position fed.
+            fed = 0
             if cfg_scale > 0:
                 logits = cfg_logits(spec, model, x, forward_inputs, prompt_index, cfg_scale, mask_id)
-            else:
+            elif use_cache is None:
                 logits = spec.logits(model, x, **forward_inputs)
+            elif step == 0:
+                cache = KVCache()
+                logits = spec.logits(model, x, past_key_values=cache, **forward_inputs)
+                if use_cache == "prefix":
+                    cache.crop(start)
+            else:
+                fed = start
+                fed_end = T if use_cache == "prefix" else end
+                logits = spec.logits(model, x[:, start:fed_end], past_key_values=cache,
+                                     cache_position=torch.arange(start, fed_end, device=x.device), **forward_inputs)
+                if use_cache == "prefix":
+                    cache.crop(start)   # the suffix's K/V are recomputed at every step, never kept
+            L = logits.shape[1]
             if stats is not None:
-                stats.forward(B * (2 if cfg_scale > 0 else 1), T)
+                stats.forward(B * (2 if cfg_scale > 0 else 1), L)
+            local = start - fed   # the block's first row within the logits
+            if reference_sampling and use_cache == "prefix" and step > 0:
+                # Upstream's prefix loop draws (and discards) one extra noise tensor per cached step.
+                torch.rand(logits.shape, dtype=torch.float64, device=x.device, generator=generator)
             if reference_sampling:
                 # The reference's float64 noise over the whole [B, T, V] logits, for its exact stream.
                 x0, conf = score_tokens(logits, temperature=temperature, suppress_ids=suppress,
                                         zero_prob_ids=zero_prob_ids, softmax_dtype=precision.softmax,
                                         exclude_id=mask_id, generator=generator)
-                x0, conf = x0[:, start:end], conf[:, start:end]
+                x0, conf = x0[:, local:local + block_length], conf[:, local:local + block_length]
             else:
+                block_rows = (torch.arange(B, device=x.device)[:, None] * L
+                              + torch.arange(local, local + block_length, device=x.device)).reshape(-1)
                 x0, conf = score_rows(logits, block_rows, temperature=temperature, suppress_ids=suppress,
                                       zero_prob_ids=zero_prob_ids, exclude_id=mask_id, generator=generator)
                 # Rounded to the reference's softmax dtype, so its ties (e.g. p = 1.0) are its ties.
                 x0 = x0.view(B, -1)
                 conf = conf.view(B, -1).to(precision.softmax or logits.dtype)
             if remasking == "random":
-                conf = torch.rand((B, T), dtype=precision.random, device=x.device, generator=generator)[:, start:end]
+                # Drawn over every position the forward computed, as upstream, then cut to the block.
+                conf = torch.rand((B, L), dtype=precision.random, device=x.device,
+                                  generator=generator)[:, local:local + block_length]
             if confidence_eos_eot_inf == "corrected":
                 # What the option was meant to do: commit EOS/EOT only when nothing else is left.
                 conf = conf.masked_fill(torch.isin(x0, stop_tensor), -torch.inf)
@@ -237,6 +277,7 @@ def generate(
     generator: torch.Generator | None = None,
     stats: GenerationStats | None = None,
     on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+    use_cache: str | None = None,
 ) -> torch.LongTensor:
     """Drop-in for ML-GSAI/LLaDA `generate` (same positional order, defaults and output).
 
@@ -262,6 +303,9 @@ def generate(
         eos_id, eot_id: override the model's ids. generator: RNG for sampling.
         stats: a `GenerationStats` to fill (NFE, tokens per step, wall time, tokens/s).
         on_step: called after every step as `on_step(block_index, x, transfer_index)` (read-only).
+        use_cache: None (full forward every step), "prefix" or "dual": Fast-dLLM v1's prefix / dual
+            KV cache (see `block_diffusion_generate`); composes with the schedule, threshold and
+            factor; padded batches use the attention mask throughout.
 
     Returns:
         LongTensor `[B, P + gen_length]` with the prompt unchanged and no mask token left.
@@ -273,4 +317,5 @@ def generate(
         model, prompt, attention_mask, steps=steps, gen_length=gen_length, block_length=block_length,
         temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, spec=spec,
         logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf, threshold=threshold,
-        factor=factor, early_stop=early_stop, reference_rng=reference_rng, generator=generator, stats=stats, on_step=on_step)
+        factor=factor, early_stop=early_stop, reference_rng=reference_rng, generator=generator, stats=stats,
+        on_step=on_step, use_cache=use_cache)
