@@ -4,11 +4,14 @@ tests' oracle.
 * `confidence(logits, ...)` → (x0, conf): fused scoring over the vocabulary (`confidence.py`).
 * `unmask(x, mask, x0, conf, k=|threshold=|factor=)` → counts: selection and commit in one launch
   (`unmask.py`).
+* `paged_store`, `paged_gather`, `paged_attention`: the paged KV cache (`paged.py`; layout
+  `[num_pages, page_size, H_kv, D]` with a block table per sequence).
 
 Triton runs on CUDA tensors; ``REMASK_TRITON=1`` forces it (CPU tensors under
 ``TRITON_INTERPRET=1``), ``REMASK_TRITON=0`` forces the torch references.
 """
 from .confidence import confidence
+from .paged import paged_attention, paged_gather, paged_store
 from .unmask import unmask
 
-__all__ = ["confidence", "unmask"]
+__all__ = ["confidence", "paged_attention", "paged_gather", "paged_store", "unmask"]
