@@ -171,6 +171,7 @@ def block_diffusion_generate(
         start, end = P + block * block_length, P + (block + 1) * block_length
         block_x = x[:, start:end]  # a view: unmask writes the committed tokens straight into x
         schedule = schedule_counts(block_x == mask_id, steps_per_block)
+        block_rows_for: dict[tuple[int, int], torch.Tensor] = {}   # flat logits rows of the block, per (L, local)
         step = 0
         while True:
             block_mask = block_x == mask_id
@@ -212,9 +213,10 @@ def block_diffusion_generate(
                                         exclude_id=mask_id, generator=generator)
                 x0, conf = x0[:, local:local + block_length], conf[:, local:local + block_length]
             else:
-                block_rows = (torch.arange(B, device=x.device)[:, None] * L
-                              + torch.arange(local, local + block_length, device=x.device)).reshape(-1)
-                x0, conf = score_rows(logits, block_rows, temperature=temperature, suppress_ids=suppress,
+                if (L, local) not in block_rows_for:
+                    block_rows_for[L, local] = (torch.arange(B, device=x.device)[:, None] * L
+                                         + torch.arange(local, local + block_length, device=x.device)).reshape(-1)
+                x0, conf = score_rows(logits, block_rows_for[L, local], temperature=temperature, suppress_ids=suppress,
                                       zero_prob_ids=zero_prob_ids, exclude_id=mask_id, generator=generator)
                 # Rounded to the reference's softmax dtype, so its ties (e.g. p = 1.0) are its ties.
                 x0 = x0.view(B, -1)

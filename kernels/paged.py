@@ -56,6 +56,12 @@ if HAS_TRITON:
                  mask=(t[:, None] < max_len) & (e[None, :] < HD))
 
     @triton.jit
+    def _load_rows(ptr, base, idx, stride_row, d, mask):
+        # A [BLOCK_N, BLOCK_D] tile of one KV head: rows `idx` from `base`, upcast to float32.
+        return tl.load(ptr + base + idx[:, None].to(tl.int64) * stride_row + d[None, :], mask=mask,
+                       other=0.0).to(tl.float32)
+
+    @triton.jit
     def _attend_tile(q, k, v, valid, m_i, l_i, acc):
         # One online-softmax update with a [BLOCK_N] tile of keys (invalid ones masked out).
         s = tl.dot(q, tl.trans(k))
@@ -97,20 +103,16 @@ if HAS_TRITON:
             page = tl.load(bt_ptr + b * stride_btb + p).to(tl.int64)
             valid = (cols < PAGE_SIZE) & (p * PAGE_SIZE + cols < seq_len)
             tile = valid[:, None] & d_ok[None, :]
-            k = tl.load(kc_ptr + page * stride_kcp + cols[:, None].to(tl.int64) * stride_kcs + kvh * stride_kch
-                        + d[None, :], mask=tile, other=0.0).to(tl.float32)
-            v = tl.load(vc_ptr + page * stride_vcp + cols[:, None].to(tl.int64) * stride_vcs + kvh * stride_vch
-                        + d[None, :], mask=tile, other=0.0).to(tl.float32)
+            k = _load_rows(kc_ptr, page * stride_kcp + kvh * stride_kch, cols, stride_kcs, d, tile)
+            v = _load_rows(vc_ptr, page * stride_vcp + kvh * stride_vch, cols, stride_vcs, d, tile)
             m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc)
         if HAS_NEW:
             for n0 in range(0, N_NEW, BLOCK_N):
                 n = n0 + cols
                 valid = n < N_NEW
                 tile = valid[:, None] & d_ok[None, :]
-                k = tl.load(kn_ptr + b * stride_knb + n[:, None].to(tl.int64) * stride_knn + kvh * stride_knh
-                            + d[None, :], mask=tile, other=0.0).to(tl.float32)
-                v = tl.load(vn_ptr + b * stride_vnb + n[:, None].to(tl.int64) * stride_vnn + kvh * stride_vnh
-                            + d[None, :], mask=tile, other=0.0).to(tl.float32)
+                k = _load_rows(kn_ptr, b * stride_knb + kvh * stride_knh, n, stride_knn, d, tile)
+                v = _load_rows(vn_ptr, b * stride_vnb + kvh * stride_vnh, n, stride_vnn, d, tile)
                 m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(o_ptr + b * stride_ob + rows[:, None].to(tl.int64) * stride_om + h * stride_oh + d[None, :],

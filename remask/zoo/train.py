@@ -81,20 +81,15 @@ def build_model(name: str, seed: int, width: int | None = None, layers: int | No
 
 def batch_at(step: int, seed: int, batch_size: int, gen_length: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Training batch of step `step`: left-padded `[B, P + gen_length]` ids, the padding mask and P."""
+    from remask.zoo.evaluate import prompt_batch
+
     rng = random.Random(seed * 1_000_003 + step)
-    prompts, answers = [], []
-    for _ in range(batch_size):
-        problem = tasks.draw(rng)
-        prompts.append(charset.encode_chat(problem.prompt))
-        answers.append(charset.encode_answer(problem.target, gen_length))
-    P = max(len(p) for p in prompts)
-    ids = torch.full((batch_size, P + gen_length), charset.PAD_ID, dtype=torch.long)
-    mask = torch.zeros((batch_size, P + gen_length), dtype=torch.long)
-    for i, (p, a) in enumerate(zip(prompts, answers)):
-        ids[i, P - len(p):P] = torch.tensor(p)
-        ids[i, P:] = torch.tensor(a)
-        mask[i, P - len(p):] = 1
-    return ids, mask, P
+    problems = [tasks.draw(rng) for _ in range(batch_size)]
+    prompt_ids, prompt_mask = prompt_batch(problems)
+    answers = torch.tensor([charset.encode_answer(p.target, gen_length) for p in problems], dtype=torch.long)
+    ids = torch.cat([prompt_ids, answers], dim=1)
+    mask = torch.cat([prompt_mask, torch.ones_like(answers)], dim=1)
+    return ids, mask, prompt_ids.shape[1]
 
 
 def llada_sft_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, P: int,
