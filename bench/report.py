@@ -61,8 +61,44 @@ def report(data: dict) -> tuple[str, str]:
         if bandwidth:
             lines += ["*GPU: CUDA allocator peak over the call. CPU: growth of the process's peak resident set, a lower "
                       "bound (memory the process already holds and reuses is not counted).", ""]
+    lines += _cache_sections(groups)
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")[:40]
     return "\n".join(lines), f"{slug}-{date}"
+
+
+def _cache_sections(groups: dict[str, dict[str, dict]]) -> list[str]:
+    """End-to-end KV-cache rows (bench/test_cache.py): per-step time and ratio against no cache,
+    positions computed, tokens/s; and the K/V bytes of a batch sharing one prompt."""
+    lines: list[str] = []
+    rows = [(g, impls) for g, impls in groups.items() if next(iter(impls.values()))["extra_info"].get("kernel") == "cache"]
+    if rows:
+        lines += ["## KV cache, end to end (`remask.generate`, one token per step)", "",
+                  "| case | use_cache | median | NFE | per step | step-time ratio vs no cache | positions computed | tokens/s |",
+                  "|---|---|---|---|---|---|---|---|"]
+        order = {"none": 0, "prefix": 1, "dual": 2, "paged": 3}
+        for group, impls in sorted(rows, key=lambda r: r[0]):
+            base = impls.get("none")
+            for impl, b in sorted(impls.items(), key=lambda kv: order.get(kv[0], 9)):
+                info, median = b["extra_info"], b["stats"]["median"]
+                per_step = median / info["nfe"]
+                ratio = f"{base['stats']['median'] / base['extra_info']['nfe'] / per_step:.2f}×" if base else "—"
+                lines.append(f"| {group} | {impl} | {_fmt_time(median)} | {info['nfe']} | {_fmt_time(per_step)} | "
+                             f"{ratio} | {info['forward_positions']} | {info['generated'] / median:.1f} |")
+        lines.append("")
+    rows = [(g, impls) for g, impls in groups.items()
+            if next(iter(impls.values()))["extra_info"].get("kernel") == "cache_memory"]
+    if rows:
+        lines += ["## KV cache memory, batch sharing one prompt", "",
+                  "| case | use_cache | K/V bytes held | vs dual | one copy of the prompt's K/V |", "|---|---|---|---|---|"]
+        for group, impls in sorted(rows, key=lambda r: r[0]):
+            base = impls.get("dual")
+            for impl, b in sorted(impls.items()):
+                info = b["extra_info"]
+                ratio = f"{info['kv_cache_bytes'] / base['extra_info']['kv_cache_bytes']:.3f}" if base else "—"
+                lines.append(f"| {group} | {impl} | {_fmt_bytes(info['kv_cache_bytes'])} | {ratio} | "
+                             f"{_fmt_bytes(info['prompt_bytes_one_copy'])} |")
+        lines.append("")
+    return lines
 
 
 def main() -> None:

@@ -5,6 +5,9 @@ Algorithms: ``origin`` (each mask revealed independently with probability 1 − 
 `t = linspace(1, eps, steps + 1)`; plus Fast-dLLM's ``confidence_threshold`` (a fixed number of
 commits per step, each beyond the first deferred while its confidence is below `threshold`).
 
+With `use_cache` / `block_length`: Fast-dLLM's Dream block decoder (prefix, dual or paged KV cache,
+`_sample_blocks`).
+
 Works for any remask diffusion model: the spec supplies mask id, forward inputs and the logit
 shift (Dream's shift is not applied for LLaDA-format models).
 """
@@ -21,6 +24,7 @@ from transformers.utils import ModelOutput
 
 from remask.models.spec import get_spec
 
+from .cache import BlockForward, cache_mode, valid_positions
 from .checks import check_length, check_mask_id, check_prompt
 from remask.kernels import unmask
 
@@ -31,6 +35,7 @@ ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_th
 CONFIDENCE_OF = {"maskgit_plus": "prob", "topk_margin": "margin", "entropy": "neg_entropy",
                  "confidence_threshold": "prob"}
 DEFAULT_MAX_LENGTH = 20  # transformers' model-agnostic default, as in Dream's config
+DEFAULT_BLOCK_LENGTH = 32  # Fast-dLLM's Dream block decoder default
 
 
 @dataclass
@@ -120,12 +125,25 @@ def diffusion_generate(
     `generation_logits_hook_func(step, x, logits)`, `threshold` (for `alg="confidence_threshold"`,
     default 0.9), and remask's `generator` and `stats`.
 
+    Block decoding (Fast-dLLM's Dream block decoder, `generation_utils_block.py`): `use_cache`
+    None / "prefix" / "dual" / "paged" (or a `PagedKVCache`) and `block_length` (default 32 once a
+    cache is asked for; with `use_cache=None` and a `block_length` the same algorithm runs with a
+    full forward every step). Each block starts with a full forward that commits its first
+    position; `alg="confidence_threshold"` then commits the top-1 plus every position with
+    confidence ≥ `threshold` until the block is decoded; any other alg commits by negative entropy
+    on a per-block schedule (as upstream). `finish_blocks=False` reproduces upstream's output
+    when a block has one step (its masks stay in the output); remask finishes it by default.
+
     Returns the `[B, max_length]` sequences, or a `DreamModelOutput` when `return_dict_in_generate`.
     """
+    hooks_given = [k for k in ("generation_tokens_hook_func", "generation_logits_hook_func") if k in kwargs]
     tokens_hook: Callable = kwargs.pop("generation_tokens_hook_func", lambda step, x, logits: x)
     logits_hook: Callable = kwargs.pop("generation_logits_hook_func", lambda step, x, logits: logits)
     attention_mask = kwargs.pop("attention_mask", None)
     threshold = kwargs.pop("threshold", 0.9)
+    use_cache = kwargs.pop("use_cache", None)
+    block_length = kwargs.pop("block_length", None)
+    finish_blocks = kwargs.pop("finish_blocks", True)
     generator = kwargs.pop("generator", None)
     stats: GenerationStats | None = kwargs.pop("stats", None)
     explicit_max_length = kwargs.get("max_length") is not None
@@ -147,6 +165,16 @@ def diffusion_generate(
         raise ValueError(f"threshold must be in (0, 1], got {threshold}")
     if config.temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {config.temperature}")
+    mode = cache_mode(use_cache)
+    blocks = mode is not None or block_length is not None
+    if blocks:
+        if block_length is None:
+            block_length = DEFAULT_BLOCK_LENGTH
+        if not isinstance(block_length, int) or block_length <= 0:
+            raise ValueError(f"block_length must be a positive int, got {block_length!r}")
+        if "generation_tokens_hook_func" in hooks_given or "generation_logits_hook_func" in hooks_given:
+            raise ValueError("generation_tokens_hook_func / generation_logits_hook_func are not supported by the "
+                             "block decoder (use_cache / block_length); use use_cache=None without block_length")
 
     # Length: max_new_tokens wins; otherwise an explicit max_length is the total length; otherwise
     # transformers' default of 20 new tokens (capped by max_position_embeddings), as Dream does.
@@ -171,15 +199,44 @@ def diffusion_generate(
         if attention_mask is not None:
             attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
 
+    if blocks:
+        gen_length = config.max_length - input_len
+        if gen_length % block_length:
+            raise ValueError(f"the generation length ({gen_length}) must be divisible by block_length ({block_length})")
+        if config.steps % (gen_length // block_length):
+            raise ValueError(f"steps ({config.steps}) must be divisible by the number of blocks "
+                             f"(generation length / block_length = {gen_length // block_length})")
+
     if stats is not None:
         stats.start()
-    sequences, history = _sample(model, spec, inputs, attention_mask, config, tokens_hook, logits_hook,
-                                 threshold, generator, stats)
+    if blocks:
+        sequences, history = _sample_blocks(model, spec, inputs, attention_mask, config, threshold, block_length,
+                                            use_cache, finish_blocks, generator, stats)
+    else:
+        sequences, history = _sample(model, spec, inputs, attention_mask, config, tokens_hook, logits_hook,
+                                     threshold, generator, stats)
     if stats is not None:
         stats.stop(int(sequences.shape[0] * (config.max_length - input_len)))
     if config.return_dict_in_generate:
         return DreamModelOutput(sequences=sequences, history=history)
     return sequences
+
+
+def _scorer(config: DreamGenerationConfig, mask_id: int, generator):
+    """`score(logits, positions, mode)`: x0 and confidence at the flat `positions` of `logits`
+    (Dream's order: row-major), with Dream's sampling settings."""
+    sample = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, sampler="categorical",
+                  exclude_id=mask_id, generator=generator)
+    # Greedy and unfiltered: the confidence is the plain softmax's, so the fused kernel scores it.
+    fused = config.temperature == 0 and (config.top_p is None or config.top_p >= 1) and config.top_k is None
+
+    def score(logits, positions, mode="prob"):
+        if fused:
+            x0, conf = score_rows(logits, positions, mode=mode, exclude_id=mask_id)
+            return x0, conf.to(logits.dtype)
+        return score_tokens(logits.reshape(-1, logits.shape[-1])[positions], mode=mode, **sample)
+
+    return score
 
 
 def _sample(model, spec, input_ids, attention_mask, config: DreamGenerationConfig, tokens_hook, logits_hook,
@@ -189,17 +246,7 @@ def _sample(model, spec, input_ids, attention_mask, config: DreamGenerationConfi
     x = F.pad(input_ids, (0, config.max_length - input_ids.shape[1]), value=mask_id)
     forward_inputs = spec.forward_inputs(attention_mask, x.shape[1])
     timesteps = torch.linspace(1, config.eps, steps + 1, device=x.device)
-    sample = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, sampler="categorical",
-                  exclude_id=mask_id, generator=generator)
-    # Greedy and unfiltered: the confidence is the plain softmax's, so the fused kernel scores it.
-    fused = config.temperature == 0 and (config.top_p is None or config.top_p >= 1) and config.top_k is None
-
-    def score(logits, positions, mode="prob"):
-        """x0 and confidence at the flat `positions` of `logits` (Dream's order: row-major)."""
-        if fused:
-            x0, conf = score_rows(logits, positions, mode=mode, exclude_id=mask_id)
-            return x0, conf.to(logits.dtype)
-        return score_tokens(logits.reshape(-1, logits.shape[-1])[positions], mode=mode, **sample)
+    score = _scorer(config, mask_id, generator)
 
     x = tokens_hook(None, x, None)
     if alg == "confidence_threshold":
@@ -258,6 +305,86 @@ def _sample(model, spec, input_ids, attention_mask, config: DreamGenerationConfi
         if histories is not None:
             histories.append(x.clone())
         i += 1
+    return x, histories
+
+
+def _sample_blocks(model, spec, input_ids, attention_mask, config: DreamGenerationConfig, threshold, block_length,
+                   use_cache, finish_blocks, generator, stats):
+    """Fast-dLLM's Dream block decoder (`generation_utils_block.py`), any cache mode.
+
+    Per block: a full forward (which builds the cache) commits the block's first position
+    unconditionally; then each step (a cached forward, see `BlockForward`) commits, for
+    ``alg="confidence_threshold"``, the most confident masked position of the block plus every
+    one with confidence ≥ `threshold`, until the block is decoded; for any other alg (upstream
+    scores them all by negative entropy) a count on the per-block schedule
+    `linspace(1, eps, steps_per_block + 1)` starting at its second entry.
+    """
+    mask_id, alg = spec.mask_id, config.alg
+    histories = [] if (config.return_dict_in_generate and config.output_history) else None
+    B, P = input_ids.shape
+    x = F.pad(input_ids, (0, config.max_length - P), value=mask_id)
+    T = x.shape[1]
+    num_blocks = (T - P) // block_length
+    steps_per_block = config.steps // num_blocks
+    timesteps = torch.linspace(1, config.eps, steps_per_block + 1, device=x.device)
+    forward_inputs = spec.forward_inputs(attention_mask, T)
+    forwards = BlockForward(model, spec, use_cache, forward_inputs, valid_positions(attention_mask, T))
+    score = _scorer(config, mask_id, generator)
+    confidence_mode = "prob" if alg == "confidence_threshold" else "neg_entropy"
+    rows = torch.arange(B, device=x.device)[:, None]
+
+    def record(committed):
+        if stats is not None:
+            stats.step(int(committed))
+        if histories is not None:
+            histories.append(x.clone())
+
+    for block in range(num_blocks):
+        start, end = P + block * block_length, P + (block + 1) * block_length
+        block_x = x[:, start:end]   # a view: commits write into x
+        logits = forwards.refresh(x, start, end)
+        if stats is not None:
+            stats.forward(B, T, forwards.cache_nbytes)
+        before = int((block_x == mask_id).sum())
+        x[:, start] = score(logits, rows[:, 0] * T + start)[0]
+        record(before - int((block_x == mask_id).sum()))
+        i = 1
+        while True:
+            logits, fed = forwards.step(x, start, end)
+            L = logits.shape[1]
+            if stats is not None:
+                stats.forward(B, L, forwards.cache_nbytes)
+            block_mask = block_x == mask_id
+            positions = (rows * L + (start - fed) + torch.arange(block_length, device=x.device))[block_mask]
+            if alg == "confidence_threshold":
+                x0, conf = score(logits, positions, confidence_mode)
+                full_conf, proposal = _scatter(block_x, block_mask, conf, x0, logits.dtype, mask_id)
+                committed = int(unmask(block_x, block_mask, proposal, full_conf, threshold=threshold).sum())
+            else:
+                if i == steps_per_block and not finish_blocks:
+                    break   # upstream: one forward too many, and the block's masks stay in the output
+                # One count for the whole batch, from the mean number of masks per row (as upstream);
+                # i == steps_per_block (one step per block) commits the rest: remask finishes the block.
+                num_mask_token = block_mask.sum() / B
+                if i >= steps_per_block - 1:
+                    n = int(num_mask_token)
+                else:
+                    n = int(num_mask_token * (1 - timesteps[i + 1] / timesteps[i]))
+                committed = 0
+                if n > 0:
+                    x0, conf = score(logits, positions, confidence_mode)
+                    full_conf, proposal = _scatter(block_x, block_mask, conf, x0, logits.dtype, mask_id)
+                    if config.alg_temp is None or config.alg_temp == 0:
+                        committed = int(unmask(block_x, block_mask, proposal, full_conf, k=n).sum())
+                    else:
+                        weights = F.softmax(full_conf / config.alg_temp, dim=-1)
+                        index = torch.multinomial(weights, num_samples=n, generator=generator)
+                        block_x[rows.expand_as(index), index] = proposal[rows.expand_as(index), index]
+                        committed = int(block_mask.sum() - (block_x == mask_id).sum())
+                i += 1
+            record(committed)
+            if not (block_x == mask_id).any():
+                break
     return x, histories
 
 

@@ -16,9 +16,9 @@ from typing import Callable
 
 import torch
 
-from remask.models.layers import KVCache
 from remask.models.spec import ModelSpec, get_spec
 
+from .cache import BlockForward, cache_mode, valid_positions
 from .checks import check_length, check_mask_id, check_prompt, check_token_id
 from remask.kernels import unmask
 
@@ -27,7 +27,6 @@ from .selection import schedule_counts
 from .stats import GenerationStats
 
 REMASKING = ("low_confidence", "random")
-CACHE_MODES = (None, "prefix", "dual")
 
 
 @dataclass(frozen=True)
@@ -125,14 +124,13 @@ def block_diffusion_generate(
     if cfg_scale < 0:
         raise ValueError(f"cfg_scale must be >= 0, got {cfg_scale}")
     check_length(spec, prompt.shape[1] + gen_length, "prompt length + gen_length")
-    if use_cache not in CACHE_MODES:
-        raise ValueError(f"use_cache must be one of {list(CACHE_MODES)}, got {use_cache!r}")
-    if use_cache is not None and cfg_scale > 0:
+    mode = cache_mode(use_cache)
+    if mode is not None and cfg_scale > 0:
         raise ValueError("cfg_scale > 0 cannot be combined with use_cache (Fast-dLLM's caches have no CFG pass); "
                          "use use_cache=None")
-    if use_cache is not None and spec.logit_shift:
-        raise NotImplementedError(f"use_cache={use_cache!r} in the LLaDA block loop needs unshifted logits; "
-                                  "for Dream use remask.diffusion_generate")
+    if mode is not None and spec.logit_shift:
+        raise NotImplementedError(f"use_cache={mode!r} in the LLaDA block loop needs unshifted logits; for Dream "
+                                  "use remask.diffusion_generate(..., use_cache=...) (Fast-dLLM's Dream block decoder)")
     if precision is None:
         precision = LLADA_PRECISION if threshold is None and factor is None else (
             FAST_DLLM_FACTOR_PRECISION if factor is not None else FAST_DLLM_PRECISION)
@@ -165,7 +163,7 @@ def block_diffusion_generate(
     finished = torch.zeros(B, dtype=torch.bool, device=x.device)
     parallel = threshold is not None or factor is not None
     reference_sampling = temperature > 0 and reference_rng
-    cache: KVCache | None = None
+    forwards = BlockForward(model, spec, use_cache, forward_inputs, valid_positions(attention_mask, T))
 
     for block in range(num_blocks):
         start, end = P + block * block_length, P + (block + 1) * block_length
@@ -180,30 +178,20 @@ def block_diffusion_generate(
                     break
             elif step == steps_per_block:
                 break
-            # Which positions this forward computes: all of them, or (cached steps) the block and
-            # what follows it (prefix) / the block alone (dual). `fed` = first position fed.
+            # Which positions this forward computes (`fed` = the first): all of them, or (cached
+            # steps) the block and what follows it (prefix) / the block alone (dual, paged).
             fed = 0
             if cfg_scale > 0:
                 logits = cfg_logits(spec, model, x, forward_inputs, prompt_index, cfg_scale, mask_id)
-            elif use_cache is None:
-                logits = spec.logits(model, x, **forward_inputs)
             elif step == 0:
-                cache = KVCache()
-                logits = spec.logits(model, x, past_key_values=cache, **forward_inputs)
-                if use_cache == "prefix":
-                    cache.crop(start)
+                logits = forwards.refresh(x, start, end)
             else:
-                fed = start
-                fed_end = T if use_cache == "prefix" else end
-                logits = spec.logits(model, x[:, start:fed_end], past_key_values=cache,
-                                     cache_position=torch.arange(start, fed_end, device=x.device), **forward_inputs)
-                if use_cache == "prefix":
-                    cache.crop(start)   # the suffix's K/V are recomputed at every step, never kept
+                logits, fed = forwards.step(x, start, end)
             L = logits.shape[1]
             if stats is not None:
-                stats.forward(B * (2 if cfg_scale > 0 else 1), L)
+                stats.forward(B * (2 if cfg_scale > 0 else 1), L, forwards.cache_nbytes)
             local = start - fed   # the block's first row within the logits
-            if reference_sampling and use_cache == "prefix" and step > 0:
+            if reference_sampling and mode == "prefix" and step > 0:
                 # Upstream's prefix loop draws (and discards) one extra noise tensor per cached step.
                 torch.rand(logits.shape, dtype=torch.float64, device=x.device, generator=generator)
             if reference_sampling:

@@ -13,6 +13,8 @@ class GenerationStats:
     dLLM's passes are counted separately by the samplers that use both). forward_positions:
     token positions the model computed, summed over forwards and rows (shows what a cache saves).
     tokens_per_step: positions committed at each step, summed over the batch.
+    kv_cache_bytes: the most K/V bytes a cache held after a forward (0 without a cache; for
+    ``use_cache="paged"`` the pages in use, so shared pages count once).
     generated_tokens: new tokens produced (never the prompt), summed over the batch.
     """
 
@@ -20,6 +22,7 @@ class GenerationStats:
     forward_positions: int = 0
     tokens_per_step: list[int] = field(default_factory=list)
     generated_tokens: int = 0
+    kv_cache_bytes: int = 0
     wall_time: float = 0.0
     _start: float = field(default=0.0, repr=False)
 
@@ -39,9 +42,10 @@ class GenerationStats:
         self.wall_time += time.perf_counter() - self._start
         self.generated_tokens += generated_tokens
 
-    def forward(self, batch: int, length: int) -> None:
+    def forward(self, batch: int, length: int, kv_cache_bytes: int = 0) -> None:
         self.nfe += 1
         self.forward_positions += batch * length
+        self.kv_cache_bytes = max(self.kv_cache_bytes, kv_cache_bytes)
 
     def step(self, committed: int) -> None:
         self.tokens_per_step.append(int(committed))

@@ -64,7 +64,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     """Bidirectional attention. q `[B, Hq, Lq, D]`, k/v `[B, Hkv, Lk, D]` (GQA by repetition).
 
     `mask` is None (attend everywhere), a bool mask or an additive float bias broadcastable to
-    `[B, Hq, Lq, Lk]`. This is the single place where the sparse and paged kernels plug in.
+    `[B, Hq, Lq, Lk]`. Cached forwards go through the cache's `attend` instead, which is where the
+    paged kernel plugs in (`remask.models.paged.PagedKVCache`).
     """
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:
@@ -81,9 +82,8 @@ def rotary_self_attention(q, k, v, head_dim: int, cos, sin, mask, cache: "KVCach
     q, k, v = (t.view(B, L, -1, head_dim).transpose(1, 2) for t in (q, k, v))
     q = apply_rope(q, cos, sin, rope_full_precision)
     k = apply_rope(k, cos, sin, rope_full_precision)
-    if cache is not None:
-        k, v = cache.update(layer_idx, k, v, cache_start)
-    return attention(q, k, v, mask).transpose(1, 2).contiguous().view(B, L, -1)
+    out = attention(q, k, v, mask) if cache is None else cache.attend(layer_idx, q, k, v, cache_start, mask)
+    return out.transpose(1, 2).contiguous().view(B, L, -1)
 
 
 @dataclass
@@ -138,6 +138,11 @@ class KVCache:
     def get_seq_length(self, layer: int = 0) -> int:
         return self.keys[layer].shape[-2] if layer < len(self.keys) else 0
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V held (all layers)."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         if layer == len(self.keys):
             if start != 0:
@@ -156,6 +161,13 @@ class KVCache:
             else:
                 raise ValueError(f"cache_position [{start}, {end}) overruns a cache of length {length}")
         return self.keys[layer], self.values[layer]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """Write the new `k`/`v` `[B, H_kv, L, D]` at `start`, then attend `q` over the whole cache.
+        Other caches (the paged one) override this to attend without a contiguous K/V."""
+        k, v = self.update(layer, k, v, start)
+        return attention(q, k, v, mask)
 
     def crop(self, length: int) -> None:
         """Keep only the first `length` positions of every layer."""

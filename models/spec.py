@@ -38,6 +38,19 @@ class ModelSpec:
         first columns are covered by the left-padded prompt mask `attention_mask` `[B, P]`."""
         return self._inputs(self, attention_mask, total_len)
 
+    @staticmethod
+    def inputs_for_positions(forward_inputs: dict[str, Any], start: int, end: int) -> dict[str, Any]:
+        """`forward_inputs` (built for all `total_len` positions) cut for a cached forward of the
+        positions `[start, end)` against keys of every position: per-query inputs (position ids,
+        the rows of a 4-D mask) are sliced, per-key ones (a 2-D padding mask) are kept."""
+        out = dict(forward_inputs)
+        if torch.is_tensor(out.get("position_ids")):
+            out["position_ids"] = out["position_ids"][:, start:end]
+        mask = out.get("attention_mask")
+        if torch.is_tensor(mask) and mask.dim() == 4:
+            out["attention_mask"] = mask[:, :, start:end]
+        return out
+
     def logits(self, model: torch.nn.Module, x: torch.Tensor, **forward_inputs: Any) -> torch.Tensor:
         """One model forward; returns logits `[B, L, V]` where row i scores position i."""
         logits = model(x, **forward_inputs).logits

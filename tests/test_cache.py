@@ -133,7 +133,7 @@ def test_dual_cache_is_refreshed_in_place_not_grown(tiny_llada):
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
-    (dict(use_cache="paged"), ValueError, "use_cache must be one of"),
+    (dict(use_cache="pages"), ValueError, "use_cache must be one of"),
     (dict(use_cache="prefix", cfg_scale=1.0), ValueError, "cfg_scale"),
 ])
 def test_bad_cache_arguments(kwargs, error, match, tiny_llada):

@@ -19,7 +19,7 @@ def test_readme_runnable_example(tmp_path, monkeypatch):
 def test_kernel_docs_examples_run():
     text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "kernels.md")).read()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) == 2, "docs/kernels.md lost its examples"
+    assert len(blocks) == 3, "docs/kernels.md lost its examples"
     for block in blocks:
         exec(compile(block, "docs/kernels.md", "exec"), {})
 
@@ -37,8 +37,9 @@ def test_zoo_doctests():
 
     import remask.zoo
     import remask.zoo.evaluate
+    import remask.models.paged
     import remask.zoo.tasks
 
-    for module in (remask.zoo, remask.zoo.tasks, remask.zoo.evaluate):
+    for module in (remask.zoo, remask.zoo.tasks, remask.zoo.evaluate, remask.models.paged):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__

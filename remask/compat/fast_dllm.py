@@ -8,11 +8,15 @@ Switch a Fast-dLLM script by changing one import::
 Confidences are computed in float64, as upstream. `generate_with_prefix_cache` and
 `generate_with_dual_cache` are the cached variants (keys cached after RoPE; a dual-cache block is
 always finished, where upstream's `steps`-bounded loop can leave masks — docs/quirks.md).
+
+`dream_diffusion_generate` is Fast-dLLM's Dream block decoder (`dream/model/generation_utils_block.py`),
+with its `threshold`, `block_length` and `dual_cache` keywords.
 """
 from __future__ import annotations
 
 import torch
 
+from remask.diffusion.dream import diffusion_generate
 from remask.diffusion.llada import FAST_DLLM_FACTOR_PRECISION, FAST_DLLM_PRECISION, block_diffusion_generate
 from remask.diffusion.stats import GenerationStats
 from remask.models.spec import get_spec
@@ -61,3 +65,16 @@ def generate_with_dual_cache(model, prompt, steps=128, gen_length=128, block_len
     is always finished (upstream can stop after `steps` with masks left)."""
     return _run(model, prompt, steps, gen_length, block_length, temperature, remasking, mask_id, threshold, factor,
                 reference_rng, generator, "dual")
+
+
+@torch.no_grad()
+def dream_diffusion_generate(model, inputs, generation_config=None, **kwargs):
+    """Fast-dLLM's Dream `diffusion_generate` from `generation_utils_block.py` (a method there):
+    the keywords of Dream's `diffusion_generate` plus `threshold` (0.9), `block_length` (32) and
+    `dual_cache` (False: the prefix cache). Returns what Dream's returns (sequences, or a
+    `DreamModelOutput` with `return_dict_in_generate=True`). Upstream's fixes listed in
+    docs/quirks.md apply (batches decoded row by row, blocks finished)."""
+    dual_cache = kwargs.pop("dual_cache", False)
+    kwargs.setdefault("threshold", 0.9)
+    kwargs.setdefault("block_length", 32)
+    return diffusion_generate(model, inputs, generation_config, use_cache="dual" if dual_cache else "prefix", **kwargs)

@@ -1,0 +1,88 @@
+"""The forwards of a semi-autoregressive block under a KV-cache mode (Fast-dLLM's caches).
+
+Both block loops (LLaDA's in `llada.py`, Dream's in `dream.py`) call `refresh` at a block start
+and `step` for every later step; which positions a forward computes is decided here and nowhere
+else:
+
+* ``None``: every forward is a full forward over all T positions.
+* ``"prefix"``: the block-start forward builds the cache, which is cut at the block start; each
+  step feeds the block and everything after it.
+* ``"dual"``: the block-start forward keeps the K/V of every position; each step feeds only the
+  block, whose fresh K/V overwrite its entries in place.
+* ``"paged"`` (or a `PagedKVCache`): the dual algorithm with the K/V outside the block in pages,
+  attended by the paged-attention kernel.
+
+Keys are cached after RoPE (the references cache them before and rotate every key again at
+every step; the rotated values are the same).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from remask.models.layers import KVCache
+from remask.models.paged import PagedKVCache
+from remask.models.spec import ModelSpec
+
+CACHE_MODES = (None, "prefix", "dual", "paged")
+
+
+def cache_mode(use_cache: Any) -> str | None:
+    """The mode named by `use_cache` (a `PagedKVCache` instance means "paged"); clear error otherwise."""
+    if isinstance(use_cache, PagedKVCache):
+        return "paged"
+    if use_cache not in CACHE_MODES:
+        raise ValueError(f"use_cache must be one of {list(CACHE_MODES)} or a PagedKVCache, got {use_cache!r}")
+    return use_cache
+
+
+def valid_positions(attention_mask: torch.Tensor | None, total_len: int) -> torch.Tensor | None:
+    """`[B, total_len]` bool, False on the left pads of a `[B, P]` prompt mask (None: no padding)."""
+    if attention_mask is None:
+        return None
+    ones = torch.ones((attention_mask.shape[0], total_len - attention_mask.shape[1]), dtype=torch.bool,
+                      device=attention_mask.device)
+    return torch.cat([attention_mask.bool(), ones], dim=1)
+
+
+class BlockForward:
+    """Model forwards of the block loop: `refresh(x, start, end)` → logits `[B, T, V]`;
+    `step(x, start, end)` → (logits of the fed positions, index of the first fed position)."""
+
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec, use_cache: Any, forward_inputs: dict[str, Any],
+                 valid: torch.Tensor | None) -> None:
+        self.model, self.spec, self.forward_inputs, self.valid = model, spec, forward_inputs, valid
+        self.mode = cache_mode(use_cache)
+        self.paged = use_cache if isinstance(use_cache, PagedKVCache) else (
+            PagedKVCache() if self.mode == "paged" else None)
+        self.cache: KVCache | PagedKVCache | None = self.paged
+
+    @property
+    def cache_nbytes(self) -> int:
+        return 0 if self.cache is None else self.cache.nbytes
+
+    def refresh(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        if self.mode is None:
+            return self.spec.logits(self.model, x, **self.forward_inputs)
+        T = x.shape[1]
+        if self.paged is not None:
+            self.paged.begin_block(x, self.valid, start, end)
+        else:
+            self.cache = KVCache()
+        logits = self.spec.logits(self.model, x, past_key_values=self.cache,
+                                  cache_position=torch.arange(T, device=x.device), **self.forward_inputs)
+        if self.mode == "prefix":
+            self.cache.crop(start)
+        return logits
+
+    def step(self, x: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, int]:
+        if self.mode is None:
+            return self.spec.logits(self.model, x, **self.forward_inputs), 0
+        fed_end = x.shape[1] if self.mode == "prefix" else end
+        inputs = self.spec.inputs_for_positions(self.forward_inputs, start, fed_end)
+        logits = self.spec.logits(self.model, x[:, start:fed_end], past_key_values=self.cache,
+                                  cache_position=torch.arange(start, fed_end, device=x.device), **inputs)
+        if self.mode == "prefix":
+            self.cache.crop(start)   # the suffix's K/V are recomputed at every step, never kept
+        return logits, start
