@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from remask.models.paged import PagedKVCache
 from remask.models.spec import ModelSpec, get_spec
 
 from .cache import BlockForward, cache_mode, valid_positions
@@ -99,7 +100,7 @@ def block_diffusion_generate(
     generator: torch.Generator | None = None,
     stats: GenerationStats | None = None,
     on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
-    use_cache: str | None = None,
+    use_cache: str | PagedKVCache | None = None,
 ) -> torch.Tensor:
     """The shared block loop behind `remask.generate` and `remask.compat.fast_dllm.generate`.
 
@@ -107,7 +108,8 @@ def block_diffusion_generate(
     each block start builds the K/V cache and commits the block's first tokens, then each step
     feeds the block and everything after it against the cache cut at the block start; "dual" =
     the same block-start forward keeps K/V of every position and each step feeds only the block,
-    whose fresh K/V overwrite its cache entries in place. Keys are cached after RoPE.
+    whose fresh K/V overwrite its cache entries in place; "paged" = the dual algorithm over pages
+    (`remask.models.paged.PagedKVCache`). Keys are cached after RoPE (`diffusion/cache.py`).
 
     Returns `[B, prompt_len + gen_length]`; validates every argument first.
     """
@@ -267,7 +269,7 @@ def generate(
     generator: torch.Generator | None = None,
     stats: GenerationStats | None = None,
     on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
-    use_cache: str | None = None,
+    use_cache: str | PagedKVCache | None = None,
 ) -> torch.LongTensor:
     """Drop-in for ML-GSAI/LLaDA `generate` (same positional order, defaults and output).
 
@@ -294,8 +296,10 @@ def generate(
         stats: a `GenerationStats` to fill (NFE, tokens per step, wall time, tokens/s).
         on_step: called after every step as `on_step(block_index, x, transfer_index)` (read-only).
         use_cache: None (full forward every step), "prefix" or "dual": Fast-dLLM v1's prefix / dual
-            KV cache (see `block_diffusion_generate`); composes with the schedule, threshold and
-            factor; padded batches use the attention mask throughout.
+            KV cache (see `block_diffusion_generate`); "paged" (or a `PagedKVCache` instance): the
+            dual cache with its K/V in pages, attended by the paged-attention kernel (same tokens;
+            identical rows share pages). Composes with the schedule, threshold and factor; padded
+            batches use the attention mask throughout.
 
     Returns:
         LongTensor `[B, P + gen_length]` with the prompt unchanged and no mask token left.

@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import re
 
+import pytest
+
 README = os.path.join(os.path.dirname(__file__), "..", "README.md")
 
 
@@ -24,12 +26,13 @@ def test_kernel_docs_examples_run():
         exec(compile(block, "docs/kernels.md", "exec"), {})
 
 
-def test_model_docs_examples_run():
-    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "models.md")).read()
+@pytest.mark.parametrize("doc", ["models.md", "caching.md"])
+def test_docs_examples_run(doc):
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", doc)).read()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert blocks, "docs/models.md lost its examples"
+    assert blocks, f"docs/{doc} lost its examples"
     for block in blocks:
-        exec(compile(block, "docs/models.md", "exec"), {})
+        exec(compile(block, f"docs/{doc}", "exec"), {})
 
 
 def test_zoo_doctests():
