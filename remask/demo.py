@@ -28,6 +28,10 @@ STRATEGIES = (
     Strategy.of("LLaDA random remasking, 1 token/step", steps=16, remasking="random"),
     Strategy.of("Fast-dLLM threshold 0.9", steps=16, threshold=0.9),
     Strategy.of("Fast-dLLM factor 1.0", steps=16, factor=1.0),
+    # The dual cache keeps the prompt's K/V from each block start: on this model it turns "fox"
+    # into "cot" on the animal task (Fast-dLLM's own code does the same, tests/test_cache.py).
+    Strategy.of("Fast-dLLM 0.9 + dual cache, blocks of 8", steps=16, block_length=8, threshold=0.9,
+                use_cache="dual"),
     Strategy.of("AR model (tiny-ar), greedy", ar=True),
 )
 
