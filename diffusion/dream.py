@@ -165,16 +165,15 @@ def diffusion_generate(
         raise ValueError(f"threshold must be in (0, 1], got {threshold}")
     if config.temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {config.temperature}")
-    mode = cache_mode(use_cache)
-    blocks = mode is not None or block_length is not None
+    blocks = cache_mode(use_cache) is not None or block_length is not None
     if blocks:
         if block_length is None:
             block_length = DEFAULT_BLOCK_LENGTH
         if not isinstance(block_length, int) or block_length <= 0:
             raise ValueError(f"block_length must be a positive int, got {block_length!r}")
-        if "generation_tokens_hook_func" in hooks_given or "generation_logits_hook_func" in hooks_given:
-            raise ValueError("generation_tokens_hook_func / generation_logits_hook_func are not supported by the "
-                             "block decoder (use_cache / block_length); use use_cache=None without block_length")
+        if hooks_given:
+            raise ValueError(f"{' / '.join(hooks_given)} not supported by the block decoder (use_cache / "
+                             "block_length); use use_cache=None without block_length")
 
     # Length: max_new_tokens wins; otherwise an explicit max_length is the total length; otherwise
     # transformers' default of 20 new tokens (capped by max_position_embeddings), as Dream does.
