@@ -24,6 +24,7 @@ from transformers.utils import ModelOutput
 
 from remask.models.spec import get_spec
 
+from .apd import APDConfig, apd_generate
 from .cache import BlockForward, cache_mode, valid_positions
 from .checks import check_length, check_mask_id, check_prompt
 from remask.kernels import unmask
@@ -134,6 +135,10 @@ def diffusion_generate(
     on a per-block schedule (as upstream). `finish_blocks=False` reproduces upstream's output
     when a block has one step (its masks stay in the output); remask finishes it by default.
 
+    `apd=APDConfig(verifier=..., mixture_weight=..., kv_window=..., max_lookahead=...)`: APD's
+    `apd_sample` (adaptive parallel decoding with an autoregressive verifier), using this call's
+    `max_new_tokens`, `temperature`, `top_p`, `top_k`.
+
     Returns the `[B, max_length]` sequences, or a `DreamModelOutput` when `return_dict_in_generate`.
     """
     hooks_given = [k for k in ("generation_tokens_hook_func", "generation_logits_hook_func") if k in kwargs]
@@ -144,6 +149,7 @@ def diffusion_generate(
     use_cache = kwargs.pop("use_cache", None)
     block_length = kwargs.pop("block_length", None)
     finish_blocks = kwargs.pop("finish_blocks", True)
+    apd: APDConfig | None = kwargs.pop("apd", None)
     generator = kwargs.pop("generator", None)
     stats: GenerationStats | None = kwargs.pop("stats", None)
     explicit_max_length = kwargs.get("max_length") is not None
@@ -205,6 +211,14 @@ def diffusion_generate(
         if config.steps % (gen_length // block_length):
             raise ValueError(f"steps ({config.steps}) must be divisible by the number of blocks "
                              f"(generation length / block_length = {gen_length // block_length})")
+
+    if apd is not None:
+        if blocks or hooks_given:
+            raise ValueError("apd= does not combine with use_cache / block_length or the generation hooks")
+        sequences = apd_generate(model, spec, inputs, config.max_length - input_len, apd,
+                                 temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+                                 generator=generator, stats=stats)
+        return DreamModelOutput(sequences=sequences) if config.return_dict_in_generate else sequences
 
     if stats is not None:
         stats.start()

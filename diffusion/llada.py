@@ -19,6 +19,7 @@ import torch
 from remask.models.paged import PagedKVCache
 from remask.models.spec import ModelSpec, get_spec
 
+from .apd import APDConfig, apd_generate
 from .cache import BlockForward, cache_mode, valid_positions
 from .checks import check_length, check_mask_id, check_prompt, check_token_id
 from remask.kernels import unmask
@@ -270,6 +271,7 @@ def generate(
     stats: GenerationStats | None = None,
     on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
     use_cache: str | PagedKVCache | None = None,
+    apd: APDConfig | None = None,
 ) -> torch.LongTensor:
     """Drop-in for ML-GSAI/LLaDA `generate` (same positional order, defaults and output).
 
@@ -300,6 +302,9 @@ def generate(
             dual cache with its K/V in pages, attended by the paged-attention kernel (same tokens;
             identical rows share pages). Composes with the schedule, threshold and factor; padded
             batches use the attention mask throughout.
+        apd: an `APDConfig(verifier=..., mixture_weight=0.7, kv_window=16, max_lookahead=100)`:
+            adaptive parallel decoding with an autoregressive verifier (`remask.diffusion.apd`);
+            `steps` / `block_length` are then unused.
 
     Returns:
         LongTensor `[B, P + gen_length]` with the prompt unchanged and no mask token left.
@@ -307,6 +312,17 @@ def generate(
     spec = get_spec(model, mask_id=mask_id, eos_id=eos_id, eot_id=eot_id)
     if spec.kind == "ar":
         raise ValueError("remask.generate decodes diffusion models; for an autoregressive model use remask.ar_generate")
+    if apd is not None:
+        clashes = [name for name, value in (("threshold", threshold), ("factor", factor), ("use_cache", use_cache),
+                                            ("cfg_scale", cfg_scale or None), ("on_step", on_step)) if value is not None]
+        if clashes or remasking != "low_confidence":
+            raise ValueError(f"apd= decodes left to right with its verifier; it does not combine with "
+                             f"{clashes or ['remasking']}")
+        check_prompt(model, prompt, attention_mask)
+        check_mask_id(spec)
+        check_length(spec, prompt.shape[1] + gen_length, "prompt length + gen_length")
+        return apd_generate(model, spec, prompt, gen_length, apd, temperature=temperature, generator=generator,
+                            stats=stats)
     return block_diffusion_generate(
         model, prompt, attention_mask, steps=steps, gen_length=gen_length, block_length=block_length,
         temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, spec=spec,

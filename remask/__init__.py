@@ -7,7 +7,7 @@
 """
 from remask import models as _models  # noqa: F401  (registers LLaDA and Dream with transformers)
 from remask.diffusion import (
-    DreamGenerationConfig, DreamModelOutput, GenerationStats, ar_generate, diffusion_generate, generate)
+    APDConfig, DreamGenerationConfig, DreamModelOutput, GenerationStats, ar_generate, diffusion_generate, generate)
 from remask.models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM, ModelSpec, get_spec
 from remask.patching import patch
 from remask.zoo import load
@@ -15,6 +15,6 @@ from remask.zoo import load
 __version__ = "0.1.0"
 
 __all__ = [
-    "DreamConfig", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats", "LLaDAConfig",
+    "APDConfig", "DreamConfig", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats", "LLaDAConfig",
     "LLaDAModelLM", "ModelSpec", "ar_generate", "diffusion_generate", "generate", "get_spec", "load", "patch",
 ]

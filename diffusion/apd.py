@@ -1,0 +1,163 @@
+"""APD: adaptive parallel decoding with an autoregressive verifier (Israel, Van den Broeck, Grover
+2025; danielmisrael/apd `dream/generation_utils.py::apd_sample`), for any remask dLLM.
+
+Left to right from the first mask. Each round:
+
+1. the dLLM (its own KV cache cropped at `curr − kv_window`, the window and the newly accepted
+   tokens recomputed) scores the masked window `[curr, curr + max_lookahead)`; a draft is sampled
+   at every window position from its (aligned) logits;
+2. the verifier scores the draft in one forward with its own croppable KV cache (the whole prefix
+   the first time), logits aligned so that position j conditions on the draft before j;
+3. draft token j is accepted iff it equals `argmax(R·l_dLLM + (1 − R)·l_AR)` over the shared
+   vocabulary; the first is always accepted; the longest accepted prefix is committed;
+4. stop when nothing is masked or an EOS is in the sequence.
+
+`R = mixture_weight`: R → 1 trusts the dLLM, R → 0 demands the verifier's greedy agreement.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from remask.models.layers import KVCache
+from remask.models.spec import ModelSpec
+
+from .scoring import gumbel_max_scores, top_k_filter, top_p_filter
+from .stats import GenerationStats
+
+
+@dataclass
+class APDConfig:
+    """APD's parameters. `verifier`: any `AutoModelForCausalLM` whose vocabulary covers the
+    dLLM's tokens up to its own size (the dLLM's logits are cut to the verifier's vocabulary).
+    `mixture_weight` R in [0, 1]; `kv_window` W (None: no dLLM cache, a full forward each round);
+    `max_lookahead` M (None: the whole rest of the sequence)."""
+
+    verifier: Any
+    mixture_weight: float = 0.7
+    kv_window: int | None = 16
+    max_lookahead: int | None = 100
+
+    def validate(self) -> None:
+        if not 0 <= self.mixture_weight <= 1:
+            raise ValueError(f"mixture_weight must be in [0, 1], got {self.mixture_weight}")
+        for name in ("kv_window", "max_lookahead"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < (0 if name == "kv_window" else 1)):
+                raise ValueError(f"{name} must be None or an int >= {0 if name == 'kv_window' else 1}, got {value!r}")
+        if not callable(self.verifier) or getattr(self.verifier, "config", None) is None:
+            raise ValueError("verifier must be a transformers causal LM (AutoModelForCausalLM)")
+
+
+def draft_tokens(logits: torch.Tensor, temperature: float, top_p: float | None, top_k: int | None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """The reference's draft sample: logits / T, top-p / top-k, then the float64 Gumbel-max score
+    `exp(l) / (−log u)^T` — so the effective temperature is T² (documented quirk). T=0: argmax."""
+    if temperature > 0:
+        logits = logits / temperature
+    if top_p is not None and top_p < 1:
+        logits = top_p_filter(logits, top_p)
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    return torch.argmax(gumbel_max_scores(logits, temperature, generator), dim=-1)
+
+
+def accept_length(draft: torch.Tensor, dllm_logits: torch.Tensor, verifier_logits: torch.Tensor,
+                  mixture_weight: float) -> int:
+    """Longest accepted prefix of `draft` `[N]`: token j is accepted iff it is the argmax of
+    `R·dllm_logits[j] + (1 − R)·verifier_logits[j]` (both `[N, V]`); j = 0 always is."""
+    target = torch.argmax(mixture_weight * dllm_logits + (1 - mixture_weight) * verifier_logits, dim=-1)
+    accept = draft == target
+    accept[0] = True
+    return int(torch.cumprod(accept.long(), dim=0).sum())
+
+
+def _crop(cache, length: int) -> None:
+    """Cut a transformers cache to `length` positions. A negative count of positions to remove is
+    what both transformers 4.x and 5.x accept (5.x refuses an absolute length)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+@torch.no_grad()
+def apd_generate(model: torch.nn.Module, spec: ModelSpec, prompt: torch.Tensor, gen_length: int, apd: APDConfig,
+                 *, temperature: float = 0.0, top_p: float | None = None, top_k: int | None = None,
+                 generator: torch.Generator | None = None, stats: GenerationStats | None = None,
+                 verifier_stats: GenerationStats | None = None) -> torch.LongTensor:
+    """Decode `gen_length` positions after `prompt` `[1, P]` with APD; returns `[1, P + gen_length]`.
+    After an EOS the reference stops and leaves the remaining positions masked; remask fills them
+    with EOS so no mask token is returned."""
+    apd.validate()
+    if prompt.shape[0] != 1:
+        raise ValueError(f"APD decodes one sequence at a time (as the reference); got a batch of {prompt.shape[0]}")
+    verifier = apd.verifier
+    verifier_vocab = verifier.config.vocab_size
+    vocab = min(spec.vocab_size or verifier_vocab, verifier_vocab)
+    # The verifier reads the prompt and scores drafts cut to the shared vocabulary [0, vocab).
+    if int(prompt.max()) >= verifier_vocab:
+        raise ValueError(f"the prompt holds token id {int(prompt.max())}, outside the verifier's vocabulary "
+                         f"(vocab_size={verifier_vocab}); APD needs a verifier that shares the dLLM's tokenizer")
+    if spec.eos_id is not None and spec.eos_id >= vocab:
+        raise ValueError(f"the dLLM's eos_id {spec.eos_id} is outside the shared vocabulary [0, {vocab}) of the "
+                         f"dLLM and the verifier; APD needs a verifier that shares the dLLM's tokenizer")
+    mask_id, R, W, M = spec.mask_id, apd.mixture_weight, apd.kv_window, apd.max_lookahead
+    P = prompt.shape[1]
+    T = P + gen_length
+    x = torch.full((1, T), mask_id, dtype=torch.long, device=prompt.device)
+    x[:, :P] = prompt
+    if stats is not None:
+        stats.start()
+    curr, num_accept = P, 0
+    dllm_cache: KVCache | None = None
+    verifier_cache = None
+    while curr < T:
+        right = T if M is None else min(curr + M, T)
+        left = 0 if (W is None or dllm_cache is None) else max(curr - W - num_accept + 1, 0)
+        if W is not None and dllm_cache is not None:
+            dllm_cache.crop(left)
+            logits = spec.logits(model, x[:, left:right], past_key_values=dllm_cache,
+                                 cache_position=torch.arange(left, right, device=x.device))
+        else:
+            dllm_cache = KVCache() if W is not None else None
+            logits = spec.logits(model, x[:, :right], past_key_values=dllm_cache)
+        if stats is not None:
+            stats.forward(1, right - left)
+        # Every position of [curr, right) is masked. Cut to the shared vocabulary (upstream drafts over
+        # the dLLM's whole vocabulary and crashes the verifier on an id it does not have); the mask
+        # token is never drafted (upstream can commit it and return masks).
+        window = logits[0, curr - left:right - left, :vocab].clone()
+        if mask_id < vocab:
+            window[:, mask_id] = torch.finfo(window.dtype).min
+        draft = draft_tokens(window, temperature, top_p, top_k, generator)
+        # The verifier scores the draft: the whole prefix the first time, then only the draft.
+        if verifier_cache is None:
+            ids = x[:, :right].clone()
+            ids[0, curr:right] = draft
+            out = verifier(ids, use_cache=True)
+            verifier_logits = out.logits[0, curr - 1:right - 1]
+        else:
+            out = verifier(draft[None], past_key_values=verifier_cache, use_cache=True,
+                           cache_position=torch.arange(curr, right, device=x.device),
+                           position_ids=torch.arange(curr, right, device=x.device)[None])
+            # Row j predicts draft j + 1; row 0's own prediction is never needed (j = 0 is accepted).
+            verifier_logits = torch.cat([out.logits[0, :1], out.logits[0, :-1]])
+        verifier_cache = out.past_key_values
+        if verifier_stats is not None:
+            verifier_stats.forward(1, right - curr)
+        num_accept = accept_length(draft, window, verifier_logits[:, :vocab], R)
+        _crop(verifier_cache, curr + num_accept)
+        x[0, curr:curr + num_accept] = draft[:num_accept]
+        curr += num_accept
+        if stats is not None:
+            stats.step(num_accept)
+        # Upstream stops at an EOS anywhere, the prompt included; remask looks at the generated part.
+        if spec.eos_id is not None and bool((x[:, P:curr] == spec.eos_id).any()):
+            break
+    if curr < T:
+        x[0, curr:] = spec.eos_id   # stopped at an EOS: the rest is EOS, never mask tokens
+    if stats is not None:
+        stats.stop(gen_length)
+    return x

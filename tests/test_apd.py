@@ -1,0 +1,143 @@
+"""APD (adaptive parallel decoding with an AR verifier) on the shipped tiny pair and random models."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import remask
+from remask.diffusion.apd import APDConfig, accept_length, apd_generate
+from remask.models.spec import get_spec
+from remask.zoo import charset, tasks
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return remask.load("tiny-llada")[0], remask.load("tiny-ar")[0]
+
+
+def _prompts(n):
+    return [torch.tensor([charset.encode_chat(p.prompt)]) for p in tasks.problems(n, tasks.EVAL_SEED)]
+
+
+def test_accept_length_rule():
+    V = 5
+    dllm = torch.full((4, V), -5.0)
+    ar = torch.full((4, V), -5.0)
+    dllm[:, 1] = 0.0          # the dLLM prefers token 1 everywhere
+    ar[:, 2] = 0.0            # the verifier prefers token 2
+    ar[1, 1] = 0.0            # ... except at position 1, where both like 1
+    draft = torch.tensor([3, 1, 1, 1])
+    assert accept_length(draft, dllm, ar, 1.0) == 4        # R = 1: the dLLM's argmax is the target
+    assert accept_length(draft, dllm, ar, 0.0) == 2        # R = 0: the verifier's (j = 0 is always accepted)
+    assert accept_length(torch.tensor([2, 2, 2, 2]), dllm, ar, 0.0) == 1
+
+
+def test_r1_accepts_the_whole_greedy_window(pair):
+    # R = 1 at T = 0: every draft is the dLLM's argmax, so each round commits its whole window.
+    model, verifier = pair
+    for prompt in _prompts(5):
+        stats = remask.GenerationStats()
+        out = remask.generate(model, prompt, gen_length=16, apd=APDConfig(verifier, 1.0, kv_window=4, max_lookahead=8),
+                              stats=stats)
+        assert stats.tokens_per_step[0] == 8 and not (out == charset.MASK_ID).any()
+
+
+def test_r0_commits_the_verifiers_greedy_continuation(pair):
+    # R = 0: apart from each round's first token (always accepted: the dLLM's draft), every
+    # committed token is the verifier's greedy choice given the committed prefix.
+    model, verifier = pair
+    rounds_with_several = 0
+    for prompt in _prompts(14):
+        stats = remask.GenerationStats()
+        out = remask.generate(model, prompt, gen_length=16, apd=APDConfig(verifier, 0.0, kv_window=4, max_lookahead=16),
+                              stats=stats)
+        greedy = verifier(out).logits[0].argmax(-1)   # greedy[i] predicts position i + 1
+        pos = prompt.shape[1]
+        for n in stats.tokens_per_step:
+            for j in range(pos + 1, pos + n):
+                assert out[0, j] == greedy[j - 1]
+            rounds_with_several += n > 1
+            pos += n
+    assert rounds_with_several > 0
+
+
+class CheckedVerifier(torch.nn.Module):
+    """Wraps a causal LM; every cached call is checked against a forward from scratch over the
+    committed prefix plus the draft (the cache must survive APD's crops intact)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config, self.prefix, self.checked = inner, inner.config, None, 0
+
+    def forward(self, ids, past_key_values=None, cache_position=None, **kw):
+        out = self.inner(ids, past_key_values=past_key_values, cache_position=cache_position, **kw)
+        if past_key_values is not None:
+            start = int(cache_position[0])
+            full = self.inner(torch.cat([self.prefix[:, :start], ids], dim=1)).logits[:, start:]
+            torch.testing.assert_close(out.logits, full, rtol=1e-4, atol=1e-4)
+            self.checked += 1
+        return out
+
+
+def test_verifier_cache_stays_consistent_after_crops(pair):
+    model, verifier = pair
+    checked = CheckedVerifier(verifier)
+    for prompt in _prompts(6):
+        # Committed tokens never change, so the final sequence is the prefix every cached call extends.
+        final = remask.generate(model, prompt, gen_length=16, apd=APDConfig(verifier, 0.5, kv_window=2, max_lookahead=6))
+        checked.prefix = final
+        again = remask.generate(model, prompt, gen_length=16, apd=APDConfig(checked, 0.5, kv_window=2, max_lookahead=6))
+        assert torch.equal(again, final)
+    assert checked.checked > 0
+
+
+def test_eos_stops_and_fills(pair):
+    model, verifier = pair
+    for prompt in _prompts(7):
+        stats = remask.GenerationStats()
+        out = remask.generate(model, prompt, gen_length=16, apd=APDConfig(verifier, 0.7, kv_window=4, max_lookahead=4),
+                              stats=stats)
+        gen = out[0, prompt.shape[1]:]
+        first_eos = int((gen == charset.EOS_ID).nonzero()[0])
+        assert (gen[first_eos:] == charset.EOS_ID).all() and not (gen == charset.MASK_ID).any()
+        assert sum(stats.tokens_per_step) <= first_eos + 4   # stopped in the round that produced EOS
+
+
+def test_dream_entry_point_and_shift(load_model):
+    # A Dream-format dLLM (logit shift) through remask.diffusion_generate with an AR verifier that
+    # shares its vocabulary size.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dream = load_model("dream_small")
+    torch.manual_seed(0)
+    verifier = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2)).eval()
+    prompt = torch.randint(0, 290, (1, 5), generator=torch.Generator().manual_seed(3))
+    out = remask.diffusion_generate(dream, prompt, max_new_tokens=12, apd=APDConfig(verifier, 0.7, 4, 6))
+    assert out.shape == (1, 17) and not (out == 299).any()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(mixture_weight=1.5), "mixture_weight"),
+    (dict(kv_window=-1), "kv_window"),
+    (dict(max_lookahead=0), "max_lookahead"),
+])
+def test_apd_config_errors(kwargs, match, pair):
+    model, verifier = pair
+    with pytest.raises(ValueError, match=match):
+        remask.generate(model, _prompts(1)[0], gen_length=16, apd=APDConfig(verifier, **kwargs))
+
+
+def test_apd_input_errors(pair, load_model):
+    model, verifier = pair
+    prompt = _prompts(1)[0]
+    with pytest.raises(ValueError, match="one sequence at a time"):
+        remask.generate(model, prompt.repeat(2, 1), gen_length=16, apd=APDConfig(verifier))
+    with pytest.raises(ValueError, match="does not combine"):
+        remask.generate(model, prompt, gen_length=16, threshold=0.9, apd=APDConfig(verifier))
+    with pytest.raises(ValueError, match="verifier must be"):
+        remask.generate(model, prompt, gen_length=16, apd=APDConfig(None))
+    with pytest.raises(ValueError, match="vocabulary"):
+        # The official-vocabulary LLaDA's prompt ids do not exist in the 128-token tiny-ar.
+        remask.generate(load_model("llada"), torch.tensor([[5000, 6000]]), steps=8, gen_length=8,
+                        apd=APDConfig(verifier))
