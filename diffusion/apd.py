@@ -33,12 +33,16 @@ class APDConfig:
     """APD's parameters. `verifier`: any `AutoModelForCausalLM` whose vocabulary covers the
     dLLM's tokens up to its own size (the dLLM's logits are cut to the verifier's vocabulary).
     `mixture_weight` R in [0, 1]; `kv_window` W (None: no dLLM cache, a full forward each round);
-    `max_lookahead` M (None: the whole rest of the sequence)."""
+    `max_lookahead` M (None: the whole rest of the sequence). `dllm_cache`: whether the dLLM keeps a
+    KV cache between rounds; None follows the dLLM's `config.use_cache`, as the reference does (a
+    model whose config says `use_cache=False`, like the released Dream, returns no cache there, so
+    every round recomputes from position 0 and `kv_window` has no effect)."""
 
     verifier: Any
     mixture_weight: float = 0.7
     kv_window: int | None = 16
     max_lookahead: int | None = 100
+    dllm_cache: bool | None = None
 
     def validate(self) -> None:
         if not 0 <= self.mixture_weight <= 1:
@@ -52,16 +56,21 @@ class APDConfig:
 
 
 def draft_tokens(logits: torch.Tensor, temperature: float, top_p: float | None, top_k: int | None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None, shared_vocab: int | None = None) -> torch.Tensor:
     """The reference's draft sample: logits / T, top-p / top-k, then the float64 Gumbel-max score
-    `exp(l) / (−log u)^T` — so the effective temperature is T² (documented quirk). T=0: argmax."""
+    `exp(l) / (−log u)^T` — so the effective temperature is T² (documented quirk). T=0: argmax.
+    A draft at or beyond `shared_vocab` is replaced by the best-scoring id below it."""
     if temperature > 0:
         logits = logits / temperature
     if top_p is not None and top_p < 1:
         logits = top_p_filter(logits, top_p)
     if top_k is not None:
         logits = top_k_filter(logits, top_k)
-    return torch.argmax(gumbel_max_scores(logits, temperature, generator), dim=-1)
+    scores = gumbel_max_scores(logits, temperature, generator)
+    draft = torch.argmax(scores, dim=-1)
+    if shared_vocab is not None and shared_vocab < scores.shape[-1]:
+        draft = torch.where(draft < shared_vocab, draft, torch.argmax(scores[:, :shared_vocab], dim=-1))
+    return draft
 
 
 def accept_length(draft: torch.Tensor, dllm_logits: torch.Tensor, verifier_logits: torch.Tensor,
@@ -113,25 +122,28 @@ def apd_generate(model: torch.nn.Module, spec: ModelSpec, prompt: torch.Tensor, 
     curr, num_accept = P, 0
     dllm_cache: KVCache | None = None
     verifier_cache = None
+    use_dllm_cache = W is not None and (apd.dllm_cache if apd.dllm_cache is not None
+                                        else bool(getattr(model.config, "use_cache", False)))
     while curr < T:
         right = T if M is None else min(curr + M, T)
-        left = 0 if (W is None or dllm_cache is None) else max(curr - W - num_accept + 1, 0)
-        if W is not None and dllm_cache is not None:
+        left = 0 if dllm_cache is None else max(curr - W - num_accept + 1, 0)
+        if dllm_cache is not None:
             dllm_cache.crop(left)
             logits = spec.logits(model, x[:, left:right], past_key_values=dllm_cache,
                                  cache_position=torch.arange(left, right, device=x.device))
         else:
-            dllm_cache = KVCache() if W is not None else None
+            dllm_cache = KVCache() if use_dllm_cache else None
             logits = spec.logits(model, x[:, :right], past_key_values=dllm_cache)
         if stats is not None:
             stats.forward(1, right - left)
-        # Every position of [curr, right) is masked. Cut to the shared vocabulary (upstream drafts over
-        # the dLLM's whole vocabulary and crashes the verifier on an id it does not have); the mask
-        # token is never drafted (upstream can commit it and return masks).
-        window = logits[0, curr - left:right - left, :vocab].clone()
-        if mask_id < vocab:
-            window[:, mask_id] = torch.finfo(window.dtype).min
-        draft = draft_tokens(window, temperature, top_p, top_k, generator)
+        # Every position of [curr, right) is masked. Drafts are drawn over the dLLM's whole
+        # vocabulary, as upstream (same noise shape, so seeded runs replay), but never the mask token
+        # (upstream can commit it and return masks) and never an id the verifier lacks (upstream's
+        # verifier crashes on one): such a draft becomes the best id of the shared vocabulary.
+        window = logits[0, curr - left:right - left]
+        proposal = window.clone()
+        proposal[:, mask_id] = torch.finfo(proposal.dtype).min
+        draft = draft_tokens(proposal, temperature, top_p, top_k, generator, shared_vocab=vocab)
         # The verifier scores the draft: the whole prefix the first time, then only the draft.
         if verifier_cache is None:
             ids = x[:, :right].clone()
@@ -147,7 +159,7 @@ def apd_generate(model: torch.nn.Module, spec: ModelSpec, prompt: torch.Tensor, 
         verifier_cache = out.past_key_values
         if verifier_stats is not None:
             verifier_stats.forward(1, right - curr)
-        num_accept = accept_length(draft, window, verifier_logits[:, :vocab], R)
+        num_accept = accept_length(draft, window[:, :vocab], verifier_logits[:, :vocab], R)
         _crop(verifier_cache, curr + num_accept)
         x[0, curr:curr + num_accept] = draft[:num_accept]
         curr += num_accept

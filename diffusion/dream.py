@@ -137,7 +137,7 @@ def diffusion_generate(
 
     `apd=APDConfig(verifier=..., mixture_weight=..., kv_window=..., max_lookahead=...)`: APD's
     `apd_sample` (adaptive parallel decoding with an autoregressive verifier), using this call's
-    `max_new_tokens`, `temperature`, `top_p`, `top_k`.
+    `max_new_tokens`, `temperature`, `top_p`, `top_k`; `verifier_stats` counts the verifier's forwards.
 
     Returns the `[B, max_length]` sequences, or a `DreamModelOutput` when `return_dict_in_generate`.
     """
@@ -150,6 +150,7 @@ def diffusion_generate(
     block_length = kwargs.pop("block_length", None)
     finish_blocks = kwargs.pop("finish_blocks", True)
     apd: APDConfig | None = kwargs.pop("apd", None)
+    verifier_stats: GenerationStats | None = kwargs.pop("verifier_stats", None)
     generator = kwargs.pop("generator", None)
     stats: GenerationStats | None = kwargs.pop("stats", None)
     explicit_max_length = kwargs.get("max_length") is not None
@@ -217,7 +218,7 @@ def diffusion_generate(
             raise ValueError("apd= does not combine with use_cache / block_length or the generation hooks")
         sequences = apd_generate(model, spec, inputs, config.max_length - input_len, apd,
                                  temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                                 generator=generator, stats=stats)
+                                 generator=generator, stats=stats, verifier_stats=verifier_stats)
         return DreamModelOutput(sequences=sequences) if config.return_dict_in_generate else sequences
 
     if stats is not None:

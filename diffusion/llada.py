@@ -272,6 +272,7 @@ def generate(
     on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
     use_cache: str | PagedKVCache | None = None,
     apd: APDConfig | None = None,
+    verifier_stats: GenerationStats | None = None,
 ) -> torch.LongTensor:
     """Drop-in for ML-GSAI/LLaDA `generate` (same positional order, defaults and output).
 
@@ -304,7 +305,7 @@ def generate(
             batches use the attention mask throughout.
         apd: an `APDConfig(verifier=..., mixture_weight=0.7, kv_window=16, max_lookahead=100)`:
             adaptive parallel decoding with an autoregressive verifier (`remask.diffusion.apd`);
-            `steps` / `block_length` are then unused.
+            `steps` / `block_length` are then unused; `verifier_stats` counts the verifier's forwards.
 
     Returns:
         LongTensor `[B, P + gen_length]` with the prompt unchanged and no mask token left.
@@ -322,7 +323,7 @@ def generate(
         check_mask_id(spec)
         check_length(spec, prompt.shape[1] + gen_length, "prompt length + gen_length")
         return apd_generate(model, spec, prompt, gen_length, apd, temperature=temperature, generator=generator,
-                            stats=stats)
+                            stats=stats, verifier_stats=verifier_stats)
     return block_diffusion_generate(
         model, prompt, attention_mask, steps=steps, gen_length=gen_length, block_length=block_length,
         temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, spec=spec,

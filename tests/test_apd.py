@@ -84,11 +84,32 @@ def test_verifier_cache_stays_consistent_after_crops(pair):
     checked = CheckedVerifier(verifier)
     for prompt in _prompts(6):
         # Committed tokens never change, so the final sequence is the prefix every cached call extends.
-        final = remask.generate(model, prompt, gen_length=16, apd=APDConfig(verifier, 0.5, kv_window=2, max_lookahead=6))
+        apd = dict(mixture_weight=0.5, kv_window=2, max_lookahead=6, dllm_cache=True)
+        final = remask.generate(model, prompt, gen_length=16, apd=APDConfig(verifier, **apd))
         checked.prefix = final
-        again = remask.generate(model, prompt, gen_length=16, apd=APDConfig(checked, 0.5, kv_window=2, max_lookahead=6))
+        again = remask.generate(model, prompt, gen_length=16, apd=APDConfig(checked, **apd))
         assert torch.equal(again, final)
     assert checked.checked > 0
+
+
+def test_dllm_cache_follows_the_config_by_default(pair, monkeypatch):
+    # As the reference: a dLLM whose config says use_cache=False recomputes from position 0 every
+    # round (kv_window has no effect); dllm_cache=True keeps the window cache.
+    model, verifier = pair
+    assert model.config.use_cache is False
+    prompt = _prompts(1)[0]
+    seen = {}
+    for dllm_cache in (None, True):
+        stats = remask.GenerationStats()
+        remask.generate(model, prompt, gen_length=16, stats=stats,
+                        apd=APDConfig(verifier, 0.5, kv_window=2, max_lookahead=4, dllm_cache=dllm_cache))
+        seen[dllm_cache] = stats
+    P = prompt.shape[1]
+    rounds = len(seen[None].tokens_per_step)
+    assert rounds >= 2   # windows of 4 until an EOS: each round a forward over positions [0, curr + 4)
+    assert seen[None].forward_positions == sum(min(P + sum(seen[None].tokens_per_step[:i]) + 4, P + 16)
+                                              for i in range(rounds))
+    assert seen[True].forward_positions < seen[None].forward_positions
 
 
 def test_eos_stops_and_fills(pair):
