@@ -24,7 +24,7 @@ import torch
 from remask.models.layers import KVCache
 from remask.models.spec import ModelSpec
 
-from .scoring import gumbel_max_scores, top_k_filter, top_p_filter
+from .scoring import gumbel_max_scores, tempered_filtered
 from .stats import GenerationStats
 
 
@@ -60,13 +60,7 @@ def draft_tokens(logits: torch.Tensor, temperature: float, top_p: float | None, 
     """The reference's draft sample: logits / T, top-p / top-k, then the float64 Gumbel-max score
     `exp(l) / (−log u)^T` — so the effective temperature is T² (documented quirk). T=0: argmax.
     A draft at or beyond `shared_vocab` is replaced by the best-scoring id below it."""
-    if temperature > 0:
-        logits = logits / temperature
-    if top_p is not None and top_p < 1:
-        logits = top_p_filter(logits, top_p)
-    if top_k is not None:
-        logits = top_k_filter(logits, top_k)
-    scores = gumbel_max_scores(logits, temperature, generator)
+    scores = gumbel_max_scores(tempered_filtered(logits, temperature, top_p, top_k), temperature, generator)
     draft = torch.argmax(scores, dim=-1)
     if shared_vocab is not None and shared_vocab < scores.shape[-1]:
         draft = torch.where(draft < shared_vocab, draft, torch.argmax(scores[:, :shared_vocab], dim=-1))

@@ -94,6 +94,18 @@ def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
 
 
+def tempered_filtered(logits: torch.Tensor, temperature: float, top_p: float | None,
+                      top_k: int | None) -> torch.Tensor:
+    """Dream's (and APD's) preprocessing: logits / T (T > 0), then top-p, then top-k."""
+    if temperature > 0:
+        logits = logits / temperature
+    if top_p is not None and top_p < 1:
+        logits = top_p_filter(logits, top_p)
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    return logits
+
+
 def _confidence_from_probs(probs: torch.Tensor, x0: torch.Tensor, mode: str) -> torch.Tensor:
     if mode == "prob":
         return torch.gather(probs, -1, x0.unsqueeze(-1)).squeeze(-1)
@@ -156,12 +168,7 @@ def score_tokens(
         return x0, _confidence_from_probs(probs, x0, mode)
     if sampler != "categorical":
         raise ValueError(f"sampler must be 'gumbel' or 'categorical', got {sampler!r}")
-    if temperature > 0:
-        logits = logits / temperature
-    if top_p is not None and top_p < 1:
-        logits = top_p_filter(logits, top_p)
-    if top_k is not None:
-        logits = top_k_filter(logits, top_k)
+    logits = tempered_filtered(logits, temperature, top_p, top_k)
     probs = torch.softmax(logits, dim=-1)
     x0 = None
     if temperature > 0:
