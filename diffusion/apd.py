@@ -152,7 +152,7 @@ def apd_generate(model: torch.nn.Module, spec: ModelSpec, prompt: torch.Tensor, 
             verifier_logits = torch.cat([out.logits[0, :1], out.logits[0, :-1]])
         verifier_cache = out.past_key_values
         if verifier_stats is not None:
-            verifier_stats.forward(1, right - curr)
+            verifier_stats.forward(1, out.logits.shape[1])   # the prefix too on the first round
         num_accept = accept_length(draft, window[:, :vocab], verifier_logits[:, :vocab], R)
         _crop(verifier_cache, curr + num_accept)
         x[0, curr:curr + num_accept] = draft[:num_accept]
