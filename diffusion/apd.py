@@ -13,6 +13,12 @@ Left to right from the first mask. Each round:
 4. stop when nothing is masked or an EOS is in the sequence.
 
 `R = mixture_weight`: R → 1 trusts the dLLM, R → 0 demands the verifier's greedy agreement.
+
+`coupled_gumbel=True` is the paper's rule instead of the reference's: at T > 0 one set of uniforms u
+per position gives both the draft ``argmax(l_dLLM/T + g)`` (temperature T, not the reference's T²)
+and the target ``argmax((R·l_dLLM + (1 − R)·l_AR)/T + g)``, g = −log(−log u), so the draft is kept
+exactly when the mixture's own sample agrees with it. At T = 0 both rules are the same argmax test.
+The acceptance test runs in the fused `remask.kernels.apd_accept` kernel.
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ from typing import Any
 
 import torch
 
+from remask.kernels import apd_accept
+from remask.kernels.confidence_ref import gumbel
 from remask.models.layers import KVCache
 from remask.models.spec import ModelSpec
 
@@ -36,13 +44,16 @@ class APDConfig:
     `max_lookahead` M (None: the whole rest of the sequence). `dllm_cache`: whether the dLLM keeps a
     KV cache between rounds; None follows the dLLM's `config.use_cache`, as the reference does (a
     model whose config says `use_cache=False`, like the released Dream, returns no cache there, so
-    every round recomputes from position 0 and `kv_window` has no effect)."""
+    every round recomputes from position 0 and `kv_window` has no effect). `coupled_gumbel`: the
+    paper's coupled draft/target sampling at T > 0 (default False: the reference's T² draft and
+    deterministic argmax target)."""
 
     verifier: Any
     mixture_weight: float = 0.7
     kv_window: int | None = 16
     max_lookahead: int | None = 100
     dllm_cache: bool | None = None
+    coupled_gumbel: bool = False
 
     def validate(self) -> None:
         if not 0 <= self.mixture_weight <= 1:
@@ -51,6 +62,8 @@ class APDConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < (0 if name == "kv_window" else 1)):
                 raise ValueError(f"{name} must be None or an int >= {0 if name == 'kv_window' else 1}, got {value!r}")
+        if not isinstance(self.coupled_gumbel, bool):
+            raise ValueError(f"coupled_gumbel must be True or False, got {self.coupled_gumbel!r}")
         if not callable(self.verifier) or getattr(self.verifier, "config", None) is None:
             raise ValueError("verifier must be a transformers causal LM (AutoModelForCausalLM)")
 
@@ -71,10 +84,16 @@ def accept_length(draft: torch.Tensor, dllm_logits: torch.Tensor, verifier_logit
                   mixture_weight: float) -> int:
     """Longest accepted prefix of `draft` `[N]`: token j is accepted iff it is the argmax of
     `R·dllm_logits[j] + (1 − R)·verifier_logits[j]` (both `[N, V]`); j = 0 always is."""
-    target = torch.argmax(mixture_weight * dllm_logits + (1 - mixture_weight) * verifier_logits, dim=-1)
-    accept = draft == target
-    accept[0] = True
-    return int(torch.cumprod(accept.long(), dim=0).sum())
+    return int(apd_accept(draft, dllm_logits, verifier_logits, mixture_weight)[1])
+
+
+def coupled_draft(logits: torch.Tensor, temperature: float, top_p: float | None, top_k: int | None,
+                  uniforms: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The coupled rule's draft: ``argmax_{v < vocab}(filtered(l/T) + g)``, g = −log(−log u), a
+    sample of the (top-p / top-k filtered) dLLM at temperature T from the uniforms `[N, >= vocab]`
+    that the target reuses."""
+    scores = tempered_filtered(logits[:, :vocab], temperature, top_p, top_k).float()
+    return torch.argmax(scores + gumbel(uniforms[:, :vocab].float()), dim=-1)
 
 
 def _crop(cache, length: int) -> None:
@@ -137,7 +156,12 @@ def apd_generate(model: torch.nn.Module, spec: ModelSpec, prompt: torch.Tensor, 
         window = logits[0, curr - left:right - left]
         proposal = window.clone()
         proposal[:, mask_id] = torch.finfo(proposal.dtype).min
-        draft = draft_tokens(proposal, temperature, top_p, top_k, generator, shared_vocab=vocab)
+        uniforms = None
+        if apd.coupled_gumbel and temperature > 0:
+            uniforms = torch.rand((right - curr, vocab), dtype=torch.float32, device=x.device, generator=generator)
+            draft = coupled_draft(proposal, temperature, top_p, top_k, uniforms, vocab)
+        else:
+            draft = draft_tokens(proposal, temperature, top_p, top_k, generator, shared_vocab=vocab)
         # The verifier scores the draft: the whole prefix the first time, then only the draft.
         if verifier_cache is None:
             ids = x[:, :right].clone()
@@ -153,7 +177,8 @@ def apd_generate(model: torch.nn.Module, spec: ModelSpec, prompt: torch.Tensor, 
         verifier_cache = out.past_key_values
         if verifier_stats is not None:
             verifier_stats.forward(1, out.logits.shape[1])   # the prefix too on the first round
-        num_accept = accept_length(draft, window[:, :vocab], verifier_logits[:, :vocab], R)
+        num_accept = int(apd_accept(draft, window, verifier_logits, R, vocab=vocab,
+                                    temperature=temperature if uniforms is not None else 0.0, noise=uniforms)[1])
         _crop(verifier_cache, curr + num_accept)
         x[0, curr:curr + num_accept] = draft[:num_accept]
         curr += num_accept

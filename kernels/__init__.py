@@ -4,14 +4,17 @@ tests' oracle.
 * `confidence(logits, ...)` → (x0, conf): fused scoring over the vocabulary (`confidence.py`).
 * `unmask(x, mask, x0, conf, k=|threshold=|factor=)` → counts: selection and commit in one launch
   (`unmask.py`).
+* `apd_accept(draft, dllm_logits, verifier_logits, R)` → (target, accepted length): APD's mixture
+  argmax and acceptance test in one pass (`accept.py`).
 * `paged_store`, `paged_gather`, `paged_attention`: the paged KV cache (`paged.py`; layout
   `[num_pages, page_size, H_kv, D]` with a block table per sequence).
 
 Triton runs on CUDA tensors; ``REMASK_TRITON=1`` forces it (CPU tensors under
 ``TRITON_INTERPRET=1``), ``REMASK_TRITON=0`` forces the torch references.
 """
+from .accept import apd_accept
 from .confidence import confidence
 from .paged import paged_attention, paged_gather, paged_store
 from .unmask import unmask
 
-__all__ = ["confidence", "paged_attention", "paged_gather", "paged_store", "unmask"]
+__all__ = ["apd_accept", "confidence", "paged_attention", "paged_gather", "paged_store", "unmask"]

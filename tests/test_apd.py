@@ -162,3 +162,63 @@ def test_apd_input_errors(pair, load_model):
         # The official-vocabulary LLaDA's prompt ids do not exist in the 128-token tiny-ar.
         remask.generate(load_model("llada"), torch.tensor([[5000, 6000]]), steps=8, gen_length=8,
                         apd=APDConfig(verifier))
+
+
+def test_coupled_gumbel_at_t0_is_the_reference_rule(pair):
+    model, verifier = pair
+    for prompt in _prompts(4):
+        outs = [remask.generate(model, prompt, gen_length=16,
+                                apd=APDConfig(verifier, 0.6, kv_window=4, max_lookahead=8, coupled_gumbel=c))
+                for c in (False, True)]
+        assert torch.equal(outs[0], outs[1])
+
+
+def test_coupled_gumbel_r1_accepts_every_sampled_draft(pair):
+    # R = 1: the target is the dLLM's own sample under the shared noise, i.e. the draft.
+    model, verifier = pair
+    for i, prompt in enumerate(_prompts(4)):
+        stats = remask.GenerationStats()
+        out = remask.generate(model, prompt, gen_length=16, temperature=0.8,
+                              generator=torch.Generator().manual_seed(i),
+                              apd=APDConfig(verifier, 1.0, kv_window=4, max_lookahead=8, coupled_gumbel=True),
+                              stats=stats)
+        assert stats.tokens_per_step[0] == 8 and not (out == charset.MASK_ID).any()
+
+
+def test_coupled_gumbel_samples_reproducibly_and_keeps_fewer_at_low_r(pair):
+    model, verifier = pair
+    prompts = _prompts(6)
+
+    def run(R, seed):
+        outs, rounds = [], 0
+        for prompt in prompts:
+            stats = remask.GenerationStats()
+            outs.append(remask.generate(model, prompt, gen_length=16, temperature=1.0,
+                                        generator=torch.Generator().manual_seed(seed), stats=stats,
+                                        apd=APDConfig(verifier, R, kv_window=4, max_lookahead=16, coupled_gumbel=True)))
+            rounds += len(stats.tokens_per_step)
+        return outs, rounds
+
+    a, rounds_high = run(0.9, 1)
+    b, _ = run(0.9, 1)
+    c, _ = run(0.9, 2)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))      # it samples
+    assert not any(bool((x == charset.MASK_ID).any()) for x in a)
+    _, rounds_low = run(0.1, 1)
+    assert rounds_low > rounds_high      # trusting the verifier more rejects more drafts
+
+
+def test_triton_accept_kernel_gives_the_same_tokens(pair, monkeypatch):
+    # The whole loop with the acceptance test in the Triton kernel (interpreted on CPU).
+    model, verifier = pair
+    prompt = _prompts(1)[0]
+    config = APDConfig(verifier, 0.7, kv_window=4, max_lookahead=8)
+    want = remask.generate(model, prompt, gen_length=16, apd=config)
+    import remask.kernels.accept as accept_module
+    calls = []
+    real = accept_module.apd_accept_triton
+    monkeypatch.setattr(accept_module, "apd_accept_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("REMASK_TRITON", "1")
+    assert torch.equal(remask.generate(model, prompt, gen_length=16, apd=config), want)
+    assert calls   # the kernel did run
