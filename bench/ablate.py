@@ -4,9 +4,11 @@
 
 Sweeps remask's samplers and their parameters over the held-out problems of
 `remask.zoo.tasks` (seed `EVAL_SEED`): LLaDA low-confidence and random remasking over steps and
-block_length, Fast-dLLM threshold and factor decoding, sampling temperature, and the AR model.
+block_length, Fast-dLLM threshold and factor decoding, sampling temperature, APD (the diffusion
+model drafts, `tiny-ar` verifies) over the mixture weight R and the lookahead, and the AR model.
 Each row of the CSV is one setting: accuracy (exact match; multi-answer tasks by membership),
-accuracy per task, NFE per answer (batch 1, exact), tokens/s. Seeded: the same command gives
+accuracy per task, NFE per answer (batch 1, exact; for APD the diffusion model's forwards, the
+verifier's in `verifier_nfe_per_answer`), tokens/s. Seeded: the same command gives
 the same accuracies and NFE (tokens/s depend on the machine). The plot (accuracy vs NFE, one
 line per family) needs matplotlib (`pip install remask[plot]`); without it only the CSV is written.
 """
@@ -45,6 +47,7 @@ def sweep(name: str) -> list[Setting]:
         add("low_confidence", "low_confidence steps=16", steps=16)
         add("low_confidence", "low_confidence steps=4", steps=4)
         add("threshold", "threshold 0.9", steps=16, threshold=0.9)
+        add("apd", "APD R=0.7 lookahead=16", apd=dict(mixture_weight=0.7, kv_window=16, max_lookahead=16))
         add("ar", "AR greedy", ar=True)
         return out
     for block in (16, 8, 4):
@@ -65,12 +68,22 @@ def sweep(name: str) -> list[Setting]:
         for steps in (16, 4):
             add(f"low_confidence T={temperature}", f"low_confidence T={temperature} steps={steps}",
                 steps=steps, temperature=temperature)
+    # APD: R from "trust the dLLM" (1) to "demand the verifier's greedy agreement" (0); a shorter
+    # lookahead M caps the tokens a round can commit. Coupled Gumbel: the paper's sampling rule.
+    for lookahead in (16, 4):
+        for R in (1.0, 0.9, 0.7, 0.5, 0.3, 0.0):
+            add(f"apd lookahead={lookahead}", f"APD R={R} lookahead={lookahead}",
+                apd=dict(mixture_weight=R, kv_window=16, max_lookahead=lookahead))
+    for R in (0.9, 0.5):
+        add("apd coupled T=1.0", f"APD coupled T=1.0 R={R} lookahead=16", temperature=1.0,
+            apd=dict(mixture_weight=R, kv_window=16, max_lookahead=16, coupled_gumbel=True))
     add("ar", "AR greedy", ar=True)
     return out
 
 
 FIELDS = ["family", "setting", "steps", "block_length", "remasking", "threshold", "factor", "temperature",
-          "accuracy", "multi_answer_accuracy", "nfe_per_answer", "tokens_per_second"] + [f"acc_{t}" for t in TASKS]
+          "mixture_weight", "max_lookahead", "accuracy", "multi_answer_accuracy", "nfe_per_answer",
+          "verifier_nfe_per_answer", "tokens_per_second"] + [f"acc_{t}" for t in TASKS]
 
 
 def run(settings: list[Setting], n: int, seed: int, show_progress: bool) -> list[dict[str, Any]]:
@@ -84,16 +97,21 @@ def run(settings: list[Setting], n: int, seed: int, show_progress: bool) -> list
     for setting in settings:
         s = setting.strategy
         bar.set_postfix_str(s.name)
-        r = evaluate(ar if s.ar else diffusion, held_out, s, seed=seed, progress=bar.update)
+        r = evaluate(ar if s.ar else diffusion, held_out, s, seed=seed, progress=bar.update, verifier=ar)
+        apd = s.options.get("apd", {})
+        fixed_schedule = not s.ar and not apd
         multi = [r.per_task[t] for t in MULTI_ANSWER_TASKS if t in r.per_task]
         rows.append({
-            "family": setting.family, "setting": s.name, "steps": s.steps or ("" if s.ar else GEN_LENGTH),
-            "block_length": s.block_length or ("" if s.ar else GEN_LENGTH),
-            "remasking": "" if s.ar else s.options.get("remasking", "low_confidence"),
+            "family": setting.family, "setting": s.name, "steps": s.steps or (GEN_LENGTH if fixed_schedule else ""),
+            "block_length": s.block_length or (GEN_LENGTH if fixed_schedule else ""),
+            "remasking": s.options.get("remasking", "low_confidence") if fixed_schedule else "",
             "threshold": s.options.get("threshold", ""), "factor": s.options.get("factor", ""),
             "temperature": s.options.get("temperature", 0.0),
+            "mixture_weight": apd.get("mixture_weight", ""), "max_lookahead": apd.get("max_lookahead", ""),
             "accuracy": round(r.accuracy, 4), "multi_answer_accuracy": round(sum(multi) / max(1, len(multi)), 4),
-            "nfe_per_answer": round(r.nfe_per_answer, 3), "tokens_per_second": round(r.tokens_per_second, 1),
+            "nfe_per_answer": round(r.nfe_per_answer, 3),
+            "verifier_nfe_per_answer": round(r.verifier_nfe_per_answer, 3) if apd else "",
+            "tokens_per_second": round(r.tokens_per_second, 1),
             **{f"acc_{t}": round(r.per_task.get(t, float("nan")), 4) for t in TASKS},
         })
     bar.close()
@@ -119,14 +137,21 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> bool:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
     families = list(dict.fromkeys(r["family"] for r in rows))
-    for family in families:
+    colours = plt.get_cmap("tab20").colors   # more families than tab10 has colours
+    for i, family in enumerate(families):
         pts = sorted((r for r in rows if r["family"] == family), key=lambda r: r["nfe_per_answer"])
-        style = dict(marker="*", markersize=12, linestyle="none") if family == "ar" else dict(marker="o", markersize=4)
+        if family == "ar":
+            style = dict(marker="*", markersize=12, linestyle="none")
+        elif family.startswith("apd"):   # APD's frontier: drawn thicker, squares
+            style = dict(marker="s", markersize=5, linewidth=2.2)
+        else:
+            style = dict(marker="o", markersize=4)
+        style["color"] = colours[(2 * i) % 20 + (2 * i) // 20]
         for ax, key in zip(axes, ("accuracy", "multi_answer_accuracy")):
             ax.plot([r["nfe_per_answer"] for r in pts], [r[key] for r in pts], label=family, **style)
     for ax, label in zip(axes, ("exact match, all tasks", "multi-answer tasks (colour, animal)")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("NFE per answer (16 answer positions)")
+        ax.set_xlabel("NFE per answer (16 answer positions; APD: diffusion-model forwards)")
         ax.set_ylabel(label)
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
@@ -140,10 +165,13 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> bool:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| setting | accuracy | multi-answer | NFE/answer | tokens/s |", "|---|---:|---:|---:|---:|"]
+    lines = ["| setting | accuracy | multi-answer | NFE/answer | verifier NFE | tokens/s |",
+             "|---|---:|---:|---:|---:|---:|"]
     for r in rows:
+        verifier = r["verifier_nfe_per_answer"]
         lines.append(f"| {r['setting']} | {r['accuracy']:.1%} | {r['multi_answer_accuracy']:.1%} | "
-                     f"{r['nfe_per_answer']:.2f} | {r['tokens_per_second']:.0f} |")
+                     f"{r['nfe_per_answer']:.2f} | {'' if verifier == '' else f'{verifier:.2f}'} | "
+                     f"{r['tokens_per_second']:.0f} |")
     return "\n".join(lines)
 
 

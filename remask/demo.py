@@ -32,6 +32,9 @@ STRATEGIES = (
     # into "cot" on the animal task (Fast-dLLM's own code does the same, tests/test_cache.py).
     Strategy.of("Fast-dLLM 0.9 + dual cache, blocks of 8", steps=16, block_length=8, threshold=0.9,
                 use_cache="dual"),
+    # APD: the diffusion model drafts the answer left to right, tiny-ar keeps the longest prefix the
+    # mixture R·dLLM + (1 − R)·AR agrees with (the verifier's forwards are the last column).
+    Strategy.of("APD R=0.7 + tiny-ar verifier", apd=dict(mixture_weight=0.7, kv_window=16, max_lookahead=16)),
     Strategy.of("AR model (tiny-ar), greedy", ar=True),
 )
 
@@ -87,18 +90,22 @@ def strategy_table(models: dict[str, torch.nn.Module], n: int, show_progress: bo
         model = models["ar" if strategy.ar else "diffusion"]
         with tqdm(total=n, desc=f"{strategy.name[:36]:36s}", leave=False, disable=not show_progress,
                   file=sys.stderr) as bar:
-            rows.append(evaluate(model, held_out, strategy, progress=bar.update))
+            rows.append(evaluate(model, held_out, strategy, progress=bar.update, verifier=models["ar"]))
     print(f"\n{n} held-out problems ({', '.join(sorted({p.task for p in held_out}))}); "
           f"exact match (multi-answer tasks: membership)\n")
-    header = f"{'strategy':40s} {'accuracy':>8s} {'multi-answer':>12s} {'NFE/answer':>10s} {'tokens/s':>9s}"
+    header = (f"{'strategy':40s} {'accuracy':>8s} {'multi-answer':>12s} {'NFE/answer':>10s} {'tokens/s':>9s}"
+              f" {'verifier NFE':>12s}")
     print(header)
     print("-" * len(header))
     for r in rows:
         multi_acc = sum(r.per_task[t] for t in MULTI_ANSWER_TASKS if t in r.per_task) / max(
             1, sum(t in r.per_task for t in MULTI_ANSWER_TASKS))
-        print(f"{r.strategy:40s} {r.accuracy:8.1%} {multi_acc:12.1%} {r.nfe_per_answer:10.1f} {r.tokens_per_second:9.0f}")
+        verifier_nfe = f"{r.verifier_nfe_per_answer:12.1f}" if r.verifier_nfe_per_answer else f"{'':12s}"
+        print(f"{r.strategy:40s} {r.accuracy:8.1%} {multi_acc:12.1%} {r.nfe_per_answer:10.1f} {r.tokens_per_second:9.0f}"
+              f" {verifier_nfe}")
     print("\nNFE/answer: model forwards per answer (batch 1). tokens/s: answer positions decoded per second "
-          "(16 per answer for diffusion; up to EOS for AR), this machine, 1 thread.")
+          "(16 per answer for diffusion and APD; up to EOS for AR), this machine, 1 thread. verifier NFE: "
+          "the AR verifier's forwards per answer (APD).")
     return rows
 
 

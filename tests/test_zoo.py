@@ -208,7 +208,7 @@ def test_demo_runs_non_interactively():
                          check=True, capture_output=True, text=True, cwd=ROOT).stdout
     assert "reveals" in out and "answer: 'Hello, Ada!'" in out
     for row in ("LLaDA low-confidence, 1 token/step", "LLaDA random remasking", "Fast-dLLM threshold 0.9",
-                "Fast-dLLM factor", "AR model"):
+                "Fast-dLLM factor", "APD R=0.7 + tiny-ar verifier", "AR model"):
         assert row in out
 
 
@@ -219,11 +219,15 @@ def test_ablation_cli_writes_a_reproducible_csv(tmp_path):
     subprocess.run(cmd + ["--out", str(tmp_path / "b.csv")], check=True, capture_output=True)
     rows = [list(csv.DictReader(open(tmp_path / f"{x}.csv"))) for x in ("a", "b")]
     assert [r["setting"] for r in rows[0]] == ["low_confidence steps=16", "low_confidence steps=4", "threshold 0.9",
-                                               "AR greedy"]
+                                               "APD R=0.7 lookahead=16", "AR greedy"]
     drop = ("tokens_per_second",)
     assert [{k: v for k, v in r.items() if k not in drop} for r in rows[0]] == \
            [{k: v for k, v in r.items() if k not in drop} for r in rows[1]]
     assert float(rows[0][1]["nfe_per_answer"]) == 4.0
+    apd = rows[0][3]
+    assert apd["mixture_weight"] == "0.7" and apd["max_lookahead"] == "16" and apd["steps"] == ""
+    # one dLLM and one verifier forward per round, at least one round per answer
+    assert float(apd["nfe_per_answer"]) == float(apd["verifier_nfe_per_answer"]) >= 1.0
 
 
 # --- the shipped diffusion model through the official code ------------------------------------
@@ -244,3 +248,14 @@ def test_tiny_llada_reproduces_the_official_sampler(llada):
         for prompt, expected in zip(data["prompts"], case["outputs"]):
             x, nfe = fast_dllm.generate(llada[0], torch.tensor([prompt]), **case["kwargs"])
             assert x[0, len(prompt):].tolist() == expected["tokens"] and nfe == expected["nfe"], case["name"]
+
+
+def test_evaluate_runs_apd_with_a_verifier(llada, ar):
+    held_out = tasks.problems(14, tasks.EVAL_SEED)
+    strategy = Strategy.of("APD", apd=dict(mixture_weight=0.7, kv_window=16, max_lookahead=16))
+    with pytest.raises(ValueError, match="verifier="):
+        evaluate(llada[0], held_out, strategy)
+    result = evaluate(llada[0], held_out, strategy, verifier=ar[0])
+    assert result.accuracy > 0.7
+    # APD stops at EOS: fewer forwards than answer positions, one verifier forward per round
+    assert 1.0 <= result.nfe_per_answer == result.verifier_nfe_per_answer < 16

@@ -31,7 +31,8 @@ class Strategy:
     """One decoding setting. `ar=True` decodes with `remask.ar_generate` (greedy unless a
     temperature is given); otherwise `remask.generate` with `steps`, `block_length` (default:
     the whole answer) and any other keyword of it in `options` (remasking, threshold, factor,
-    temperature, cfg_scale, …)."""
+    temperature, cfg_scale, …). `apd` in `options` is a dict of `APDConfig` fields other than the
+    verifier (`mixture_weight`, `max_lookahead`, …); `evaluate`'s `verifier` model fills that in."""
 
     name: str
     steps: int | None = None
@@ -55,6 +56,7 @@ class EvalResult:
     tokens_per_second: float
     seconds: float
     outputs: list[str]
+    verifier_nfe_per_answer: float = 0.0
 
 
 def prompt_batch(batch: Sequence[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,10 +73,18 @@ def prompt_batch(batch: Sequence[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def decode_batch(model: torch.nn.Module, batch: Sequence[Problem], strategy: Strategy, gen_length: int,
                  generator: torch.Generator, stats: remask.GenerationStats,
-                 on_step: Callable | None = None) -> torch.Tensor:
-    """Answer ids `[B, gen_length]` of one batch under `strategy`."""
+                 on_step: Callable | None = None, verifier: torch.nn.Module | None = None,
+                 verifier_stats: remask.GenerationStats | None = None) -> torch.Tensor:
+    """Answer ids `[B, gen_length]` of one batch under `strategy` (`verifier`: the AR model of an
+    APD strategy, whose forwards go to `verifier_stats`)."""
     ids, mask = prompt_batch(batch)
     attention_mask = mask if bool((mask == 0).any()) else None
+    options = dict(strategy.options)
+    if isinstance(options.get("apd"), dict):
+        if verifier is None:
+            raise ValueError(f"strategy {strategy.name!r} uses APD: pass verifier= (an AR model with the same tokenizer)")
+        options["apd"] = remask.APDConfig(verifier=verifier, **options["apd"])
+        options["verifier_stats"] = verifier_stats
     if strategy.ar:
         out = remask.ar_generate(model, ids, attention_mask=attention_mask, max_new_tokens=gen_length,
                                  generator=generator, stats=stats, **strategy.options)
@@ -82,27 +92,30 @@ def decode_batch(model: torch.nn.Module, batch: Sequence[Problem], strategy: Str
         steps = strategy.steps or gen_length
         block = strategy.block_length or gen_length
         out = remask.generate(model, ids, attention_mask, steps=steps, gen_length=gen_length, block_length=block,
-                              generator=generator, stats=stats, on_step=on_step, **strategy.options)
+                              generator=generator, stats=stats, on_step=on_step, **options)
     return out[:, ids.shape[1]:]
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, problems: Sequence[Problem], strategy: Strategy, *,
              gen_length: int = GEN_LENGTH, batch_size: int = 1, seed: int = 0,
-             progress: Callable[[int], None] | None = None) -> EvalResult:
+             progress: Callable[[int], None] | None = None, verifier: torch.nn.Module | None = None) -> EvalResult:
     """Decode every problem and score it. With `batch_size=1` (the default) the NFE per answer is
-    exact; with larger batches a batch's forwards count for each of its rows."""
+    exact; with larger batches a batch's forwards count for each of its rows. `verifier`: the AR
+    model of APD strategies; its forwards are counted separately (`verifier_nfe_per_answer`)."""
     generator = torch.Generator().manual_seed(seed)
     outputs: list[str] = []
-    nfe = generated = 0
+    nfe = generated = verifier_nfe = 0
     seconds = 0.0
     for start in range(0, len(problems), batch_size):
         batch = problems[start:start + batch_size]
-        stats = remask.GenerationStats()
+        stats, verifier_stats = remask.GenerationStats(), remask.GenerationStats()
         t0 = time.perf_counter()
-        answer_ids = decode_batch(model, batch, strategy, gen_length, generator, stats)
+        answer_ids = decode_batch(model, batch, strategy, gen_length, generator, stats, verifier=verifier,
+                                  verifier_stats=verifier_stats)
         seconds += time.perf_counter() - t0
         nfe += stats.nfe * len(batch)
+        verifier_nfe += verifier_stats.nfe * len(batch)
         generated += stats.generated_tokens
         outputs.extend(charset.decode_answer(row) for row in answer_ids)
         if progress is not None:
@@ -115,7 +128,7 @@ def evaluate(model: torch.nn.Module, problems: Sequence[Problem], strategy: Stra
                       per_task={t: sum(v) / len(v) for t, v in per_task.items()},
                       nfe_per_answer=nfe / max(1, len(problems)),
                       tokens_per_second=generated / seconds if seconds > 0 else 0.0, seconds=seconds,
-                      outputs=outputs)
+                      outputs=outputs, verifier_nfe_per_answer=verifier_nfe / max(1, len(problems)))
 
 
 def held_out_report(folder: str, n: int, gen_length: int = GEN_LENGTH) -> dict[str, Any]:
