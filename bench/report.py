@@ -38,12 +38,12 @@ def report(data: dict) -> tuple[str, str]:
     groups: dict[str, dict[str, dict]] = defaultdict(dict)
     for b in benches:
         groups[b["extra_info"].get("group") or b["name"]][b["extra_info"]["impl"]] = b
-    for kernel in ("confidence", "unmask", "step"):
+    for kernel in ("confidence", "unmask", "step", "accept"):
         rows = [(g, impls) for g, impls in groups.items()
                 if next(iter(impls.values()))["extra_info"].get("kernel") == kernel]
         if not rows:
             continue
-        bandwidth = kernel == "confidence"
+        bandwidth = kernel in ("confidence", "accept")
         header = "| case | impl | median | ratio vs reference |" + (" GB/s | % of copy bw | peak extra memory* |" if bandwidth else "")
         lines += [f"## {kernel}", "", header, "|" + "---|" * (header.count("|") - 1)]
         for group, impls in sorted(rows, key=lambda r: r[0]):
