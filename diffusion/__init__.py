@@ -10,9 +10,10 @@ from .dream import DreamGenerationConfig, DreamModelOutput, diffusion_generate
 from .llada import block_diffusion_generate, generate
 from .scoring import score_rows, score_tokens
 from .selection import schedule_counts
+from .sparse import SparseConfig
 from .stats import GenerationStats
 
 __all__ = [
     "APDConfig", "apd_generate", "DreamGenerationConfig", "DreamModelOutput", "GenerationStats", "ar_generate", "block_diffusion_generate",
-    "diffusion_generate", "generate", "schedule_counts", "score_rows", "score_tokens",
+    "diffusion_generate", "generate", "schedule_counts", "score_rows", "score_tokens", "SparseConfig",
 ]

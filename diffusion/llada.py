@@ -21,6 +21,7 @@ from remask.models.spec import ModelSpec, get_spec
 
 from .apd import APDConfig, apd_generate
 from .cache import BlockForward, cache_mode, valid_positions
+from .sparse import RetentionForward, SparseConfig
 from .checks import check_length, check_mask_id, check_prompt, check_token_id
 from remask.kernels import unmask
 
@@ -102,6 +103,7 @@ def block_diffusion_generate(
     stats: GenerationStats | None = None,
     on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
     use_cache: str | PagedKVCache | None = None,
+    sparse: SparseConfig | None = None,
 ) -> torch.Tensor:
     """The shared block loop behind `remask.generate` and `remask.compat.fast_dllm.generate`.
 
@@ -111,6 +113,7 @@ def block_diffusion_generate(
     the same block-start forward keeps K/V of every position and each step feeds only the block,
     whose fresh K/V overwrite its cache entries in place; "paged" = the dual algorithm over pages
     (`remask.models.paged.PagedKVCache`). Keys are cached after RoPE (`diffusion/cache.py`).
+    `sparse` (`SparseConfig`): sparse attention (`diffusion/sparse.py`).
 
     Returns `[B, prompt_len + gen_length]`; validates every argument first.
     """
@@ -134,6 +137,17 @@ def block_diffusion_generate(
     if mode is not None and spec.logit_shift:
         raise NotImplementedError(f"use_cache={mode!r} in the LLaDA block loop needs unshifted logits; for Dream "
                                   "use remask.diffusion_generate(..., use_cache=...) (Fast-dLLM's Dream block decoder)")
+    if sparse is not None:
+        if not isinstance(sparse, SparseConfig):
+            raise TypeError(f"sparse must be a remask.SparseConfig, got {type(sparse).__name__}")
+        sparse.validate(block_length)
+        clashes = [name for name, bad in (("use_cache", mode is not None), ("cfg_scale", cfg_scale > 0)) if bad]
+        if clashes:
+            raise ValueError(f"sparse= keeps its own cache and has no CFG pass; it does not combine with {clashes}")
+        if spec.logit_shift:
+            raise NotImplementedError("sparse= in the LLaDA block loop needs unshifted logits (LLaDA-format models)")
+        if sparse.method != "retention":
+            raise NotImplementedError(f"sparse method {sparse.method!r} is not built yet; use method='retention'")
     if precision is None:
         precision = LLADA_PRECISION if threshold is None and factor is None else (
             FAST_DLLM_FACTOR_PRECISION if factor is not None else FAST_DLLM_PRECISION)
@@ -166,7 +180,10 @@ def block_diffusion_generate(
     finished = torch.zeros(B, dtype=torch.bool, device=x.device)
     parallel = threshold is not None or factor is not None
     reference_sampling = temperature > 0 and reference_rng
-    forwards = BlockForward(model, spec, use_cache, forward_inputs, valid_positions(attention_mask, T))
+    if sparse is not None:
+        forwards = RetentionForward(model, spec, sparse, forward_inputs, valid_positions(attention_mask, T))
+    else:
+        forwards = BlockForward(model, spec, use_cache, forward_inputs, valid_positions(attention_mask, T))
 
     for block in range(num_blocks):
         start, end = P + block * block_length, P + (block + 1) * block_length
@@ -273,6 +290,7 @@ def generate(
     use_cache: str | PagedKVCache | None = None,
     apd: APDConfig | None = None,
     verifier_stats: GenerationStats | None = None,
+    sparse: SparseConfig | None = None,
 ) -> torch.LongTensor:
     """Drop-in for ML-GSAI/LLaDA `generate` (same positional order, defaults and output).
 
@@ -306,6 +324,8 @@ def generate(
         apd: an `APDConfig(verifier=..., mixture_weight=0.7, kv_window=16, max_lookahead=100)`:
             adaptive parallel decoding with an autoregressive verifier (`remask.diffusion.apd`);
             `steps` / `block_length` are then unused; `verifier_stats` counts the verifier's forwards.
+        sparse: a `SparseConfig(retention_ratio=0.5, delay_step=1, pool_kernel=3, ...)`: Sparse-dLLM's
+            attention-guided KV retention per block (`remask.diffusion.sparse`).
 
     Returns:
         LongTensor `[B, P + gen_length]` with the prompt unchanged and no mask token left.
@@ -315,7 +335,8 @@ def generate(
         raise ValueError("remask.generate decodes diffusion models; for an autoregressive model use remask.ar_generate")
     if apd is not None:
         clashes = [name for name, value in (("threshold", threshold), ("factor", factor), ("use_cache", use_cache),
-                                            ("cfg_scale", cfg_scale or None), ("on_step", on_step)) if value is not None]
+                                            ("cfg_scale", cfg_scale or None), ("on_step", on_step),
+                                            ("sparse", sparse)) if value is not None]
         if clashes or remasking != "low_confidence":
             raise ValueError(f"apd= decodes left to right with its verifier; it does not combine with "
                              f"{clashes or ['remasking']}")
@@ -329,4 +350,4 @@ def generate(
         temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, spec=spec,
         logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf, threshold=threshold,
         factor=factor, early_stop=early_stop, reference_rng=reference_rng, generator=generator, stats=stats,
-        on_step=on_step, use_cache=use_cache)
+        on_step=on_step, use_cache=use_cache, sparse=sparse)

@@ -8,6 +8,9 @@ tests' oracle.
   argmax and acceptance test in one pass (`accept.py`).
 * `paged_store`, `paged_gather`, `paged_attention`: the paged KV cache (`paged.py`; layout
   `[num_pages, page_size, H_kv, D]` with a block table per sequence).
+* `block_sparse_attention(q, k, v, kv_num_blocks, kv_indices, ...)`: bidirectional attention under a
+  FlexAttention-style block mask (per query block, a list of KV blocks or single tokens), K/V read in
+  place, contiguous or paged (`sparse_attention.py`).
 
 Triton runs on CUDA tensors; ``REMASK_TRITON=1`` forces it (CPU tensors under
 ``TRITON_INTERPRET=1``), ``REMASK_TRITON=0`` forces the torch references.
@@ -15,6 +18,8 @@ Triton runs on CUDA tensors; ``REMASK_TRITON=1`` forces it (CPU tensors under
 from .accept import apd_accept
 from .confidence import confidence
 from .paged import paged_attention, paged_gather, paged_store
+from .sparse_attention import block_sparse_attention
 from .unmask import unmask
 
-__all__ = ["apd_accept", "confidence", "paged_attention", "paged_gather", "paged_store", "unmask"]
+__all__ = ["apd_accept", "block_sparse_attention", "confidence", "paged_attention", "paged_gather", "paged_store",
+           "unmask"]

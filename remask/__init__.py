@@ -7,7 +7,8 @@
 """
 from remask import models as _models  # noqa: F401  (registers LLaDA and Dream with transformers)
 from remask.diffusion import (
-    APDConfig, DreamGenerationConfig, DreamModelOutput, GenerationStats, ar_generate, diffusion_generate, generate)
+    APDConfig, DreamGenerationConfig, DreamModelOutput, GenerationStats, SparseConfig, ar_generate, diffusion_generate,
+    generate)
 from remask.models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM, ModelSpec, get_spec
 from remask.patching import patch
 from remask.zoo import load
@@ -16,5 +17,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "APDConfig", "DreamConfig", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats", "LLaDAConfig",
-    "LLaDAModelLM", "ModelSpec", "ar_generate", "diffusion_generate", "generate", "get_spec", "load", "patch",
+    "LLaDAModelLM", "ModelSpec", "SparseConfig", "ar_generate", "diffusion_generate", "generate", "get_spec", "load", "patch",
 ]

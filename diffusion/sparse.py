@@ -1,0 +1,112 @@
+"""Sparse attention during diffusion decoding: `SparseConfig` and the block forwards it implies.
+
+* ``method="retention"`` — Sparse-dLLM (OpenMOSS/Sparse-dLLM): per semi-autoregressive block,
+  full forwards up to `delay_step`; the forward at `delay_step` stores every layer's K/V and keeps,
+  per layer, the top `retention_ratio` of the positions outside the block (by the block queries'
+  mean attention score, max-pooled over `pool_kernel` neighbours); every later step feeds the block
+  alone and attends over the kept positions plus the block (`remask.models.sparse`).
+  `head_select=True`: per-KV-head selection with an equal budget per head (dLLM-Serve).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from remask.models.sparse import RetentionKVCache
+from remask.models.spec import ModelSpec
+
+SPARSE_METHODS = ("retention", "block_mask")
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Sparse attention for `remask.generate(..., sparse=SparseConfig(...))`.
+
+    `retention_ratio`: fraction of the keys outside the block kept (retention) / of the key blocks
+    kept per query block (block_mask). `delay_step`: the step of each block whose full forward
+    selects (retention; Sparse-dLLM uses 1). `block_len`: the semi-AR block length the method
+    assumes (None: the sampler's `block_length`; upstream's `config.block_len` must equal it).
+    `pool_kernel`: odd max-pooling width over the importance scores, or None. `head_select`:
+    per-KV-head selection. `skip_fraction`: block_mask's share of steps with full attention.
+    `kv_block_size`: granularity of the index lists (retention: 1 = single tokens, as upstream).
+    """
+
+    retention_ratio: float = 0.5
+    delay_step: int = 1
+    block_len: int | None = None
+    pool_kernel: int | None = 3
+    head_select: bool = False
+    method: str = "retention"
+    skip_fraction: float = 0.2
+    kv_block_size: int = 1
+
+    def validate(self, block_length: int | None = None) -> None:
+        if self.method not in SPARSE_METHODS:
+            raise ValueError(f"sparse method must be one of {list(SPARSE_METHODS)}, got {self.method!r}")
+        if not 0 < self.retention_ratio <= 1:
+            raise ValueError(f"retention_ratio must be in (0, 1], got {self.retention_ratio}")
+        if not isinstance(self.delay_step, int) or self.delay_step < 0:
+            raise ValueError(f"delay_step must be an int >= 0, got {self.delay_step!r}")
+        if self.pool_kernel is not None and (not isinstance(self.pool_kernel, int) or self.pool_kernel < 1
+                                             or self.pool_kernel % 2 == 0):
+            raise ValueError(f"pool_kernel must be None or an odd int >= 1 (the pooled scores keep their length), "
+                             f"got {self.pool_kernel!r}")
+        if not isinstance(self.head_select, bool):
+            raise ValueError(f"head_select must be True or False, got {self.head_select!r}")
+        if not 0 <= self.skip_fraction < 1:
+            raise ValueError(f"skip_fraction must be in [0, 1), got {self.skip_fraction}")
+        if not isinstance(self.kv_block_size, int) or self.kv_block_size < 1:
+            raise ValueError(f"kv_block_size must be an int >= 1, got {self.kv_block_size!r}")
+        if self.method == "retention" and self.kv_block_size != 1:
+            raise ValueError(f"method='retention' keeps single tokens (kv_block_size=1, as Sparse-dLLM); got "
+                             f"kv_block_size={self.kv_block_size}")
+        if self.block_len is not None and block_length is not None and self.block_len != block_length:
+            raise ValueError(f"SparseConfig.block_len={self.block_len} must equal block_length={block_length} "
+                             f"(the block whose queries select and whose keys are never evicted)")
+
+
+class RetentionForward:
+    """The forwards of one semi-AR block under Sparse-dLLM retention, with the interface of
+    `remask.diffusion.cache.BlockForward`: `refresh` (step 0) and `step` (later steps) →
+    (logits, index of the first fed position)."""
+
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec, sparse: SparseConfig, forward_inputs: dict[str, Any],
+                 valid: torch.Tensor | None) -> None:
+        self.model, self.spec, self.sparse, self.forward_inputs = model, spec, sparse, forward_inputs
+        self.cache = RetentionKVCache(sparse.retention_ratio, sparse.pool_kernel, sparse.head_select, valid)
+        self.step_index = 0
+        self.kept_fractions: list[float] = []
+
+    @property
+    def cache_nbytes(self) -> int:
+        return self.cache.nbytes
+
+    def _full(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        if self.step_index != self.sparse.delay_step:
+            return self.spec.logits(self.model, x, **self.forward_inputs)
+        self.cache.begin_select(start, end)
+        logits = self.spec.logits(self.model, x, past_key_values=self.cache,
+                                  cache_position=torch.arange(x.shape[1], device=x.device), **self.forward_inputs)
+        self.cache.end_select()
+        self.kept_fractions.append(self.cache.kept_fraction)
+        return logits
+
+    def refresh(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        self.step_index = 0
+        logits = self._full(x, start, end)
+        self.step_index = 1
+        return logits
+
+    def step(self, x: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, int]:
+        index, self.step_index = self.step_index, self.step_index + 1
+        if index <= self.sparse.delay_step:
+            self.step_index = index
+            logits = self._full(x, start, end)
+            self.step_index = index + 1
+            return logits, 0
+        inputs = self.spec.inputs_for_positions(self.forward_inputs, start, end)
+        logits = self.spec.logits(self.model, x[:, start:end], past_key_values=self.cache,
+                                  cache_position=torch.arange(start, end, device=x.device), **inputs)
+        return logits, start

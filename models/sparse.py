@@ -1,0 +1,145 @@
+"""Sparse-dLLM's token-retention cache (OpenMOSS/Sparse-dLLM `CustomCache`; per-head variant of
+dLLM-Serve), plugged into the models through the `attend` seam of `KVCache`.
+
+Per semi-autoregressive block the sampler (`remask.diffusion.sparse`) drives three phases:
+
+* full forwards (no cache) until the delay step;
+* at the delay step, `begin_select(start, end)`: the next forward runs over all T positions with
+  full attention, stores every layer's K/V (after RoPE, `[B, H_kv, T, D]`) and selects, per layer,
+  the positions to keep outside the block `[start, end)` (`retained_positions`);
+* every later step feeds the block alone: its fresh K/V overwrite the block's entries in place and
+  its queries attend over the kept positions plus the block through
+  `remask.kernels.block_sparse_attention` (token-level index lists, `kv_block_size=1`), which reads
+  the kept K/V where they lie — nothing is copied.
+
+Selection (`retention_scores`, `retained_positions`), per layer and row: the non-block keys are
+taken in order (prefix, then suffix, as upstream concatenates them); importance = mean over query
+heads of (mean block query · key), raw dot products (GQA: keys repeated per group); max-pooled
+with `pool_kernel` (stride 1, padding `pool_kernel // 2`, across the block's gap as upstream); the
+top ⌊N·retention_ratio⌋ kept, in `torch.topk` order. `head_select=True` (dLLM-Serve): scores
+scaled by 1/√D, the max over each KV head's query group, and an equal budget per KV head.
+Left pads are never kept and count for nothing, so a padded row keeps what it keeps alone.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from remask.kernels import block_sparse_attention
+
+from .layers import KVCache, attention
+
+
+def retention_scores(q_block: torch.Tensor, keys: torch.Tensor, head_select: bool) -> torch.Tensor:
+    """Importance of `keys` `[B, H_kv, N, D]` for the block queries `q_block` `[B, Hq, L, D]`:
+    `[B, 1, N]` (one set for all heads, upstream) or `[B, H_kv, N]` (`head_select`)."""
+    group = q_block.shape[1] // keys.shape[1]
+    mean_q = q_block.mean(dim=-2)
+    if not head_select:
+        # Upstream's order of operations (float32 here as there): mean query, matmul, head mean.
+        keys_rep = keys.repeat_interleave(group, dim=1) if group > 1 else keys
+        scores = torch.matmul(mean_q.unsqueeze(-2), keys_rep.transpose(-2, -1)).squeeze(-2)
+        return scores.mean(dim=1, keepdim=True)
+    scores = torch.matmul(mean_q.unsqueeze(-2), keys.repeat_interleave(group, dim=1).transpose(-2, -1)).squeeze(-2)
+    scores = scores / keys.shape[-1] ** 0.5
+    return scores.view(scores.shape[0], keys.shape[1], group, -1).amax(dim=2)
+
+
+def retained_positions(q: torch.Tensor, k: torch.Tensor, start: int, end: int, retention_ratio: float,
+                       pool_kernel: int | None, head_select: bool,
+                       valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions to keep outside the block `[start, end)` after a full forward with queries `q`
+    `[B, Hq, T, D]` and keys `k` `[B, H_kv, T, D]` (after RoPE). `valid` `[B, T]` bool marks
+    non-pad positions (None: all).
+
+    Returns (positions `[B, S, n_max]` int64 absolute, in upstream's topk order; counts `[B]`):
+    row b keeps its first `counts[b]` entries (S = 1, or H_kv with `head_select`)."""
+    B, _, T, _ = k.shape
+    outside = torch.cat([torch.arange(start, device=k.device), torch.arange(end, T, device=k.device)])
+    keys = torch.cat([k[:, :, :start], k[:, :, end:]], dim=2)
+    importance = retention_scores(q[:, :, start:end], keys, head_select)   # [B, S, N]
+    S, N = importance.shape[1], importance.shape[2]
+    pads = None
+    if valid is not None and not bool(valid.all()):
+        pads = ~valid[:, outside][:, None, :]
+        importance = importance.masked_fill(pads, -torch.inf)   # a pad lends no score to its neighbours
+    if pool_kernel is not None:
+        importance = F.max_pool1d(importance.reshape(B * S, 1, N), kernel_size=pool_kernel, stride=1,
+                                  padding=pool_kernel // 2).view(B, S, N)
+    if pads is not None:
+        importance = importance.masked_fill(pads, -torch.inf)   # ... and is never kept
+    n_outside = torch.full((B,), N, device=k.device) if valid is None else valid[:, outside].sum(dim=1)
+    # upstream: int(N * keep_ratio) in Python floats
+    counts = torch.tensor([int(n * retention_ratio) for n in n_outside.tolist()], device=k.device)
+    n_max = int(counts.max()) if B else 0
+    _, keep = torch.topk(importance, k=n_max, dim=-1)
+    return outside[keep], counts
+
+
+class RetentionKVCache(KVCache):
+    """Sparse-dLLM's retention cache (see the module docstring). `valid` `[B, T]`: non-pad
+    positions of the sequence (None: no padding)."""
+
+    def __init__(self, retention_ratio: float, pool_kernel: int | None, head_select: bool,
+                 valid: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.retention_ratio, self.pool_kernel, self.head_select, self.valid = (
+            retention_ratio, pool_kernel, head_select, valid)
+        self.block: tuple[int, int] | None = None
+        self.selecting = False
+        self.kept: list[torch.Tensor] = []        # per layer: [B, S, n_max] positions
+        self.kept_counts: list[torch.Tensor] = []
+        self.lists: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def begin_select(self, start: int, end: int) -> None:
+        """The next forward (all T positions) stores the K/V and selects what to keep outside
+        `[start, end)`; call `end_select` after it."""
+        self.keys, self.values, self.kept, self.kept_counts, self.lists = [], [], [], [], {}
+        self.block, self.selecting = (start, end), True
+
+    def end_select(self) -> None:
+        """From now on forwards feed the block alone and attend sparsely."""
+        self.selecting = False
+
+    @property
+    def kept_fraction(self) -> float:
+        """Mean fraction of the stored positions each block query attends to (kept + block)."""
+        if not self.kept or self.block is None:
+            return 1.0
+        T = self.keys[0].shape[-2]
+        block = self.block[1] - self.block[0]
+        return float(sum((c.float().mean() + block) / T for c in self.kept_counts) / len(self.kept_counts))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        if self.selecting:
+            keys, values = self.update(layer, k, v, start)
+            start_b, end_b = self.block
+            positions, counts = retained_positions(q, keys, start_b, end_b, self.retention_ratio, self.pool_kernel,
+                                                   self.head_select, self.valid)
+            self.kept.append(positions)
+            self.kept_counts.append(counts)
+            return attention(q, keys, values, mask)
+        keys, values = self.update(layer, k, v, start)
+        num, idx = self._index_lists(layer, q.shape[1], start, k.shape[-2])
+        return block_sparse_attention(q, keys, values, num, idx, q_block_size=q.shape[-2], kv_block_size=1)
+
+    def _index_lists(self, layer: int, n_heads: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-level index lists `[B, Hq, 1, n]`: the kept positions (upstream's order), then the
+        block's; built once per layer and block."""
+        if layer not in self.lists:
+            positions, counts = self.kept[layer], self.kept_counts[layer]
+            B, S, n_max = positions.shape
+            block = torch.arange(start, start + length, device=positions.device).expand(B, S, length)
+            # Row b's list: its first counts[b] kept positions, then the block; the rest is junk.
+            lists = torch.cat([positions, block], dim=-1)
+            if bool((counts < n_max).any()):
+                order = torch.arange(n_max + length, device=positions.device)
+                shift = (n_max - counts)[:, None, None]
+                src = torch.where(order < counts[:, None, None], order, order + shift).clamp(max=n_max + length - 1)
+                lists = torch.gather(lists, -1, src.expand(B, S, -1))
+            group = n_heads // S
+            lists = lists[:, :, None, :].expand(B, S, group, n_max + length).reshape(B, n_heads, 1, -1)
+            num = (counts + length)[:, None, None].expand(B, n_heads, 1)
+            self.lists[layer] = (num, lists)
+        return self.lists[layer]
