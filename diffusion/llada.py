@@ -26,7 +26,7 @@ from .checks import check_length, check_mask_id, check_prompt, check_token_id
 from remask.kernels import unmask
 
 from .scoring import score_rows, score_tokens
-from .selection import schedule_counts
+from .selection import schedule_counts, topk_commit
 from .stats import GenerationStats
 
 REMASKING = ("low_confidence", "random")
@@ -104,6 +104,7 @@ def block_diffusion_generate(
     on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
     use_cache: str | PagedKVCache | None = None,
     sparse: SparseConfig | None = None,
+    reference_ties: bool = False,
 ) -> torch.Tensor:
     """The shared block loop behind `remask.generate` and `remask.compat.fast_dllm.generate`.
 
@@ -113,7 +114,9 @@ def block_diffusion_generate(
     the same block-start forward keeps K/V of every position and each step feeds only the block,
     whose fresh K/V overwrite its cache entries in place; "paged" = the dual algorithm over pages
     (`remask.models.paged.PagedKVCache`). Keys are cached after RoPE (`diffusion/cache.py`).
-    `sparse` (`SparseConfig`): sparse attention (`diffusion/sparse.py`).
+    `sparse` (`SparseConfig`): sparse attention (`diffusion/sparse.py`). `reference_ties`: commit
+    with `torch.topk` over the forward-length vector the references build (their order among
+    exactly equal confidences) instead of the lower index first (`selection.topk_commit`).
 
     Returns `[B, prompt_len + gen_length]`; validates every argument first.
     """
@@ -214,8 +217,9 @@ def block_diffusion_generate(
             if reference_sampling and mode == "prefix" and step > 0:
                 # Upstream's prefix loop draws (and discards) one extra noise tensor per cached step.
                 torch.rand(logits.shape, dtype=torch.float64, device=x.device, generator=generator)
-            if reference_sampling:
-                # The reference's float64 noise over the whole [B, T, V] logits, for its exact stream.
+            if reference_sampling or reference_ties:
+                # The reference's formulation over the whole [B, T, V] logits: its float64 noise
+                # stream, and its softmax rounding (which decides its ties at p = 1.0).
                 x0, conf = score_tokens(logits, temperature=temperature, suppress_ids=suppress,
                                         zero_prob_ids=zero_prob_ids, softmax_dtype=precision.softmax,
                                         exclude_id=mask_id, generator=generator)
@@ -241,6 +245,8 @@ def block_diffusion_generate(
                 committed = unmask(block_x, block_mask, x0, conf, threshold=threshold)
             elif factor is not None:
                 committed = unmask(block_x, block_mask, x0, conf, factor=factor)
+            elif reference_ties:
+                committed = topk_commit(block_x, block_mask, x0, conf, schedule[:, step], L, local)
             else:
                 committed = unmask(block_x, block_mask, x0, conf, k=schedule[:, step])
             if on_step is not None:
@@ -291,6 +297,7 @@ def generate(
     apd: APDConfig | None = None,
     verifier_stats: GenerationStats | None = None,
     sparse: SparseConfig | None = None,
+    reference_ties: bool = False,
 ) -> torch.LongTensor:
     """Drop-in for ML-GSAI/LLaDA `generate` (same positional order, defaults and output).
 
@@ -326,6 +333,9 @@ def generate(
             `steps` / `block_length` are then unused; `verifier_stats` counts the verifier's forwards.
         sparse: a `SparseConfig(retention_ratio=0.5, delay_step=1, pool_kernel=3, ...)`: Sparse-dLLM's
             attention-guided KV retention per block (`remask.diffusion.sparse`).
+        reference_ties: with the fixed schedule, commit through `torch.topk` as the references do,
+            so their order among exactly equal confidences (common at p = 1.0 in float32) is kept;
+            by default the lower index wins (one kernel launch, the same tokens without exact ties).
 
     Returns:
         LongTensor `[B, P + gen_length]` with the prompt unchanged and no mask token left.
@@ -350,4 +360,4 @@ def generate(
         temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, spec=spec,
         logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf, threshold=threshold,
         factor=factor, early_stop=early_stop, reference_rng=reference_rng, generator=generator, stats=stats,
-        on_step=on_step, use_cache=use_cache, sparse=sparse)
+        on_step=on_step, use_cache=use_cache, sparse=sparse, reference_ties=reference_ties)

@@ -14,3 +14,23 @@ def schedule_counts(block_mask: torch.Tensor, steps: int) -> torch.Tensor:
     remainder = total % steps
     cols = torch.arange(steps, device=block_mask.device)[None]
     return base + (cols < remainder).to(torch.int64)
+
+
+def topk_commit(block_x: torch.Tensor, block_mask: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor,
+                k: torch.Tensor, length: int, offset: int) -> torch.Tensor:
+    """LLaDA-style commit with `torch.topk`'s own order among equal confidences, as the references
+    call it: per row, `topk` over a vector of `length` positions (the forward's) holding the
+    block's confidences at `[offset, offset + block)` and −inf elsewhere and off the mask.
+    `remask.kernels.unmask` commits the lower index first among exact ties; `torch.topk` on CPU
+    does not promise any order, and a trained model's float32 confidences often tie at 1.0.
+    Writes the committed tokens into `block_x` (a view) and returns the counts `[B]`."""
+    B, block = block_x.shape
+    scores = torch.full((B, length), -torch.inf, dtype=conf.dtype, device=conf.device)
+    scores[:, offset:offset + block] = torch.where(block_mask, conf, torch.tensor(-torch.inf, dtype=conf.dtype))
+    committed = torch.zeros_like(block_mask)
+    for row in range(B):
+        picked = torch.topk(scores[row], k=int(k[row])).indices - offset
+        committed[row, picked] = True
+    committed &= block_mask
+    block_x[committed] = x0[committed]
+    return committed.sum(dim=1)

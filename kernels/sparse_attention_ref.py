@@ -103,6 +103,7 @@ def block_sparse_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     h_kv = k.shape[2] if paged else k.shape[1]
     group = Hq // h_kv
     n_qb = kv_num_blocks.shape[2]
+    given_scale = scale
     scale = D ** -0.5 if scale is None else scale
     if paged:
         n_kv_blocks = block_table.shape[1]
@@ -132,6 +133,15 @@ def block_sparse_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         rows = pos.masked_fill(~valid, 0)
         kk, vv = k[batch_index, head_index, rows], v[batch_index, head_index, rows]
     valid = valid.flatten(3, 4)                                    # [B, heads, n_qb, P]
+    if n_qb == 1 and q_block_size >= Lq and bool(valid.all()):
+        # One query block, every listed key valid (token retention): SDPA over the gathered keys in
+        # list order, the computation upstream runs on its copied [kept ; block] K/V.
+        kk, vv = kk.flatten(3, 4)[:, :, 0], vv.flatten(3, 4)[:, :, 0]   # [B, heads, P, D]
+        if heads != Hq:
+            kk = kk.repeat_interleave(group, dim=1)
+            vv = vv.repeat_interleave(group, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, kk.to(q.dtype), vv.to(q.dtype), scale=given_scale)
+        return out
     kk = kk.flatten(3, 4).float()                                  # [B, heads, n_qb, P, D]
     # Padding entries read some row (page 0, position 0) that may hold anything, NaN included;
     # their scores are masked below and their values zeroed so 0 · NaN cannot appear.

@@ -72,7 +72,9 @@ def retained_positions(q: torch.Tensor, k: torch.Tensor, start: int, end: int, r
     # upstream: int(N * keep_ratio) in Python floats
     counts = torch.tensor([int(n * retention_ratio) for n in n_outside.tolist()], device=k.device)
     n_max = int(counts.max()) if B else 0
-    _, keep = torch.topk(importance, k=n_max, dim=-1)
+    # topk over upstream's own shape ([B, N] for one shared set): its order among tied pooled scores
+    keep = torch.topk(importance[:, 0], k=n_max, dim=-1).indices[:, None] if S == 1 else \
+        torch.topk(importance, k=n_max, dim=-1).indices
     return outside[keep], counts
 
 
