@@ -38,16 +38,17 @@ def report(data: dict) -> tuple[str, str]:
     groups: dict[str, dict[str, dict]] = defaultdict(dict)
     for b in benches:
         groups[b["extra_info"].get("group") or b["name"]][b["extra_info"]["impl"]] = b
-    for kernel in ("confidence", "unmask", "step", "accept"):
+    for kernel in ("confidence", "unmask", "step", "accept", "sparse_attention"):
         rows = [(g, impls) for g, impls in groups.items()
                 if next(iter(impls.values()))["extra_info"].get("kernel") == kernel]
         if not rows:
             continue
         bandwidth = kernel in ("confidence", "accept")
-        header = "| case | impl | median | ratio vs reference |" + (" GB/s | % of copy bw | peak extra memory* |" if bandwidth else "")
+        baseline = next(iter(rows[0][1].values()))["extra_info"].get("baseline", "reference")
+        header = f"| case | impl | median | ratio vs {baseline} |" + (" GB/s | % of copy bw | peak extra memory* |" if bandwidth else "")
         lines += [f"## {kernel}", "", header, "|" + "---|" * (header.count("|") - 1)]
         for group, impls in sorted(rows, key=lambda r: r[0]):
-            ref = impls.get("reference")
+            ref = impls.get(next(iter(impls.values()))["extra_info"].get("baseline", "reference"))
             for impl, b in sorted(impls.items()):
                 median = b["stats"]["median"]
                 ratio = f"{ref['stats']['median'] / median:.2f}×" if ref else "—"
@@ -62,6 +63,7 @@ def report(data: dict) -> tuple[str, str]:
             lines += ["*GPU: CUDA allocator peak over the call. CPU: growth of the process's peak resident set, a lower "
                       "bound (memory the process already holds and reuses is not counted).", ""]
     lines += _cache_sections(groups)
+    lines += _sparse_generate_section(groups)
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")[:40]
     return "\n".join(lines), f"{slug}-{date}"
 
@@ -99,6 +101,25 @@ def _cache_sections(groups: dict[str, dict[str, dict]]) -> list[str]:
                              f"{_fmt_bytes(info['prompt_bytes_one_copy'])} |")
         lines.append("")
     return lines
+
+
+def _sparse_generate_section(groups: dict[str, dict[str, dict]]) -> list[str]:
+    """End-to-end Sparse-dLLM retention rows (bench/test_sparse.py): per-step time, ratio vs dense."""
+    rows = [(g, impls) for g, impls in groups.items()
+            if next(iter(impls.values()))["extra_info"].get("kernel") == "sparse_generate"]
+    if not rows:
+        return []
+    lines = ["## Sparse-dLLM retention, end to end (`remask.generate`)", "",
+             "| case | mode | median | NFE | per step | step-time ratio vs dense |", "|---|---|---|---|---|---|"]
+    order = {"dense": 0, "retention 1.0": 1, "retention 0.5": 2, "retention 0.3": 3}
+    for group, impls in sorted(rows, key=lambda r: r[0]):
+        base = impls.get("dense")
+        for impl, b in sorted(impls.items(), key=lambda kv: order.get(kv[0], 9)):
+            info, median = b["extra_info"], b["stats"]["median"]
+            per_step = median / info["nfe"]
+            ratio = f"{base['stats']['median'] / base['extra_info']['nfe'] / per_step:.2f}×" if base else "—"
+            lines.append(f"| {group} | {impl} | {_fmt_time(median)} | {info['nfe']} | {_fmt_time(per_step)} | {ratio} |")
+    return lines + [""]
 
 
 def main() -> None:

@@ -88,6 +88,22 @@ def _same_within_groups(ids: torch.Tensor, ok: torch.Tensor, h_kv: int) -> bool:
     return bool((tagged == tagged[:, :, :1]).all())
 
 
+def _shared_positions(ids: torch.Tensor, ok: torch.Tensor, kv_block_size: int,
+                      limit: torch.Tensor) -> list[torch.Tensor] | None:
+    """Per row, the key positions of a single query block when every head lists the same blocks
+    and every listed position is valid (`[P_b]` int64 each); None otherwise."""
+    if not bool((ids == ids[:, :1]).all()) or not bool((ok == ok[:, :1]).all()):
+        return None
+    within = torch.arange(kv_block_size, device=ids.device)
+    rows = []
+    for b in range(ids.shape[0]):
+        pos = (ids[b, 0, 0][ok[b, 0, 0]][:, None] * kv_block_size + within).reshape(-1)
+        if pos.numel() == 0 or not bool((pos < limit[b]).all()):
+            return None
+        rows.append(pos)
+    return rows
+
+
 def block_sparse_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                  kv_num_blocks: torch.Tensor, kv_indices: torch.Tensor, *,
                                  q_block_size: int, kv_block_size: int, kv_len: torch.Tensor | None = None,
@@ -112,6 +128,20 @@ def block_sparse_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         capacity = k.shape[2]
         n_kv_blocks = -(-capacity // kv_block_size)
     ids, ok = _index_lists(kv_num_blocks, kv_indices, n_kv_blocks)
+    if not paged and n_qb == 1 and q_block_size >= Lq:
+        shared = _shared_positions(ids, ok, kv_block_size, _kv_limit(kv_len, capacity, B, q.device))
+        if shared is not None:
+            # One query block whose positions are all valid and the same for every head (token
+            # retention): gather them once per row with index_select, then SDPA in list order — the
+            # computation upstream runs on its copied [kept ; block] K/V.
+            out = []
+            for b, pos in enumerate(shared):
+                kk, vv = k[b].index_select(1, pos).to(q.dtype), v[b].index_select(1, pos).to(q.dtype)
+                if group > 1:
+                    kk, vv = kk.repeat_interleave(group, dim=0), vv.repeat_interleave(group, dim=0)
+                out.append(torch.nn.functional.scaled_dot_product_attention(q[b:b + 1], kk[None], vv[None],
+                                                                            scale=given_scale))
+            return torch.cat(out)
     if group > 1 and _same_within_groups(ids, ok, h_kv):
         ids, ok = ids[:, ::group], ok[:, ::group]
         heads, kv_head = h_kv, torch.arange(h_kv, device=q.device)
@@ -133,15 +163,6 @@ def block_sparse_attention_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         rows = pos.masked_fill(~valid, 0)
         kk, vv = k[batch_index, head_index, rows], v[batch_index, head_index, rows]
     valid = valid.flatten(3, 4)                                    # [B, heads, n_qb, P]
-    if n_qb == 1 and q_block_size >= Lq and bool(valid.all()):
-        # One query block, every listed key valid (token retention): SDPA over the gathered keys in
-        # list order, the computation upstream runs on its copied [kept ; block] K/V.
-        kk, vv = kk.flatten(3, 4)[:, :, 0], vv.flatten(3, 4)[:, :, 0]   # [B, heads, P, D]
-        if heads != Hq:
-            kk = kk.repeat_interleave(group, dim=1)
-            vv = vv.repeat_interleave(group, dim=1)
-        out = torch.nn.functional.scaled_dot_product_attention(q, kk.to(q.dtype), vv.to(q.dtype), scale=given_scale)
-        return out
     kk = kk.flatten(3, 4).float()                                  # [B, heads, n_qb, P, D]
     # Padding entries read some row (page 0, position 0) that may hold anything, NaN included;
     # their scores are masked below and their values zeroed so 0 · NaN cannot appear.

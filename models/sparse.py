@@ -7,10 +7,12 @@ Per semi-autoregressive block the sampler (`remask.diffusion.sparse`) drives thr
 * at the delay step, `begin_select(start, end)`: the next forward runs over all T positions with
   full attention, stores every layer's K/V (after RoPE, `[B, H_kv, T, D]`) and selects, per layer,
   the positions to keep outside the block `[start, end)` (`retained_positions`);
-* every later step feeds the block alone: its fresh K/V overwrite the block's entries in place and
-  its queries attend over the kept positions plus the block through
+* every later step feeds the block alone. With the Triton kernel (CUDA) its fresh K/V overwrite the
+  block's entries in place and its queries attend over the kept positions plus the block through
   `remask.kernels.block_sparse_attention` (token-level index lists, `kv_block_size=1`), which reads
-  the kept K/V where they lie — nothing is copied.
+  the kept K/V where they lie — nothing is copied. On the torch path (CPU) a gather per step costs
+  as much as dense attention, so the kept K/V are compacted once at the selection (as upstream
+  does) and the full K/V are dropped; each step attends over `[kept ; fresh block]`.
 
 Selection (`retention_scores`, `retained_positions`), per layer and row: the non-block keys are
 taken in order (prefix, then suffix, as upstream concatenates them); importance = mean over query
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from remask.kernels import block_sparse_attention
+from remask.kernels.dispatch import use_triton
 
 from .layers import KVCache, attention
 
@@ -92,11 +95,23 @@ class RetentionKVCache(KVCache):
         self.kept: list[torch.Tensor] = []        # per layer: [B, S, n_max] positions
         self.kept_counts: list[torch.Tensor] = []
         self.lists: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # torch path: per layer, the kept K/V compacted at the selection `[B, H_kv, n_max, D]` and a
+        # key mask `[B, 1, 1, n_max + block]` when rows keep different counts (None otherwise)
+        self.compact: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        self.total_len = 0
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return self.total_len
+
+    @property
+    def nbytes(self) -> int:
+        stored = super().nbytes
+        return stored + sum(t.numel() * t.element_size() for kk, vv, _ in self.compact.values() for t in (kk, vv))
 
     def begin_select(self, start: int, end: int) -> None:
         """The next forward (all T positions) stores the K/V and selects what to keep outside
         `[start, end)`; call `end_select` after it."""
-        self.keys, self.values, self.kept, self.kept_counts, self.lists = [], [], [], [], {}
+        self.keys, self.values, self.kept, self.kept_counts, self.lists, self.compact = [], [], [], [], {}, {}
         self.block, self.selecting = (start, end), True
 
     def end_select(self) -> None:
@@ -108,7 +123,7 @@ class RetentionKVCache(KVCache):
         """Mean fraction of the stored positions each block query attends to (kept + block)."""
         if not self.kept or self.block is None:
             return 1.0
-        T = self.keys[0].shape[-2]
+        T = self.total_len
         block = self.block[1] - self.block[0]
         return float(sum((c.float().mean() + block) / T for c in self.kept_counts) / len(self.kept_counts))
 
@@ -121,10 +136,35 @@ class RetentionKVCache(KVCache):
                                                    self.head_select, self.valid)
             self.kept.append(positions)
             self.kept_counts.append(counts)
-            return attention(q, keys, values, mask)
+            self.total_len = keys.shape[-2]
+            out = attention(q, keys, values, mask)
+            if not use_triton(keys):
+                self._compact(layer, keys, values, positions, counts, end_b - start_b)
+            return out
+        if layer in self.compact:
+            kept_k, kept_v, key_mask = self.compact[layer]
+            # upstream's computation: SDPA over the kept K/V followed by the block's fresh ones
+            return attention(q, torch.cat([kept_k, k], dim=2), torch.cat([kept_v, v], dim=2), key_mask)
         keys, values = self.update(layer, k, v, start)
         num, idx = self._index_lists(layer, q.shape[1], start, k.shape[-2])
         return block_sparse_attention(q, keys, values, num, idx, q_block_size=q.shape[-2], kv_block_size=1)
+
+    def _compact(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                 counts: torch.Tensor, block: int) -> None:
+        """Copy the kept K/V out once (torch path) and drop the layer's full K/V."""
+        B, H_kv, _, D = keys.shape
+        S, n_max = positions.shape[1], positions.shape[2]
+        index = positions.expand(B, H_kv, n_max) if S == 1 else positions
+        index = index[..., None].expand(B, H_kv, n_max, D)
+        kept_k, kept_v = torch.gather(keys, 2, index), torch.gather(values, 2, index)
+        key_mask = None
+        if bool((counts < n_max).any()):   # padded rows keep fewer: hide the tail of their list
+            live = torch.arange(n_max + block, device=keys.device) < (counts[:, None] + 0)
+            live[:, n_max:] = True
+            key_mask = live[:, None, None, :]
+        self.compact[layer] = (kept_k, kept_v, key_mask)
+        self.keys[layer] = keys[:, :, :0]
+        self.values[layer] = values[:, :, :0]
 
     def _index_lists(self, layer: int, n_heads: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Token-level index lists `[B, Hq, 1, n]`: the kept positions (upstream's order), then the

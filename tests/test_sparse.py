@@ -78,26 +78,37 @@ def test_keeping_everything_from_the_block_start_is_the_dual_cache(tiny_llada):
                            remask.generate(tiny_llada, prompt, use_cache="dual", **kw)), problem.prompt
 
 
-def test_sparse_steps_list_the_kept_keys_and_the_block(load_model):
-    # After the selection forward, each layer's block step attends over exactly its kept
-    # positions and the block (the values are checked against upstream in test_sparse_reference.py).
+def test_compacted_and_in_place_sparse_steps_agree(load_model, monkeypatch):
+    # The torch path copies the kept K/V out once; the Triton path reads them in place through
+    # token-level index lists. The block step's logits must agree (float tolerance: different
+    # summation order), and both attend over exactly the kept positions and the block.
     model = load_model("llada_gqa_tied")
     x = torch.cat([random_prompt(1, 19, 0, high=990), torch.full((1, 12), 999)], dim=1)
     start, end = 19, 23
-    cache = RetentionKVCache(0.5, 3, False)
-    cache.begin_select(start, end)
-    model(x, past_key_values=cache, cache_position=torch.arange(x.shape[1]))
-    cache.end_select()
     x2 = x.clone()
     x2[0, start] = 5   # a token committed at the selection step
-    sparse_logits = model(x2[:, start:end], past_key_values=cache, cache_position=torch.arange(start, end)).logits
-    assert cache.kept_fraction < 0.75
-    for layer in range(len(cache.keys)):
-        num, idx = cache.lists[layer]
-        kept = set(idx[0, 0, 0, :num[0, 0, 0]].tolist())
-        assert set(range(start, end)) <= kept
-        assert len(kept) == int(cache.kept_counts[layer][0]) + (end - start)
-    assert torch.isfinite(sparse_logits).all()
+
+    def block_step():
+        cache = RetentionKVCache(0.5, 3, False)
+        cache.begin_select(start, end)
+        model(x, past_key_values=cache, cache_position=torch.arange(x.shape[1]))
+        cache.end_select()
+        logits = model(x2[:, start:end], past_key_values=cache, cache_position=torch.arange(start, end)).logits
+        return cache, logits
+
+    compact, compact_logits = block_step()
+    assert compact.kept_fraction < 0.75 and len(compact.compact) == len(compact.kept)
+    for layer, (kept_k, _, mask) in compact.compact.items():
+        assert kept_k.shape[2] == int(compact.kept_counts[layer][0]) and mask is None
+    monkeypatch.setenv("REMASK_TRITON", "1")
+    in_place, in_place_logits = block_step()
+    assert not in_place.compact
+    for layer in range(len(in_place.kept)):
+        num, idx = in_place.lists[layer]
+        listed = idx[0, 0, 0, :num[0, 0, 0]].tolist()
+        assert listed[-(end - start):] == list(range(start, end))
+        assert listed[:-(end - start)] == in_place.kept[layer][0, 0, :in_place.kept_counts[layer][0]].tolist()
+    torch.testing.assert_close(in_place_logits, compact_logits, rtol=1e-5, atol=1e-5)
 
 
 def test_padded_batch_rows_equal_solo_rows(load_model):
