@@ -44,20 +44,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
-    def _sparse_attend_tile(q, k, v, valid, m_i, l_i, acc):
-        # One online-softmax update with a tile of keys (invalid ones masked out). A row whose
-        # keys are all masked so far keeps m = −inf; exp is then taken against 0, not −inf, so no
-        # exp(−inf − −inf) NaN appears and the row's sum and accumulator stay 0.
-        s = tl.dot(q, tl.trans(k))
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
-        return m_new, l_i, acc
+    # The online-softmax update over a tile of keys is the paged-attention kernel's (one copy).
+    from .paged import _attend_tile
 
     @triton.jit
     def block_sparse_attention_kernel(
@@ -130,7 +118,7 @@ if HAS_TRITON:
                 k = tl.load(k_base + row_off[:, None] + d[None, :], mask=tile, other=0.0).to(tl.float32)
                 row_off = base * stride_vblk + within * stride_vn
                 v = tl.load(v_base + row_off[:, None] + d[None, :], mask=tile, other=0.0).to(tl.float32)
-                m_i, l_i, acc = _sparse_attend_tile(q, k, v, valid, m_i, l_i, acc)
+                m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc)
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(o_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + d[None, :],
