@@ -5,8 +5,7 @@ to end.
    dense SDPA over all T (`dense`, the baseline) against a retention step's attention at
    retention 0.5 / 0.3 / 0.1, as remask runs it on the device: on a GPU the Triton kernel over
    token-level index lists into the full K/V (nothing copied); on CPU SDPA over the kept K/V that
-   `RetentionKVCache` compacted once at the selection, followed by the block's (a per-step gather
-   costs as much as dense attention there).
+   `RetentionKVCache` compacted once at the selection, followed by the block's.
 2. `remask.generate` on random LLaDA-format models (the tiny shape and ~100M parameters), prompt
    of 4000 tokens, one block of 32 decoded in 8 steps: no cache (`dense`, the reference decoding
    Sparse-dLLM is measured against), retention 1.0 (every key kept: dense attention over the same

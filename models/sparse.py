@@ -10,8 +10,8 @@ Per semi-autoregressive block the sampler (`remask.diffusion.sparse`) drives thr
 * every later step feeds the block alone. With the Triton kernel (CUDA) its fresh K/V overwrite the
   block's entries in place and its queries attend over the kept positions plus the block through
   `remask.kernels.block_sparse_attention` (token-level index lists, `kv_block_size=1`), which reads
-  the kept K/V where they lie — nothing is copied. On the torch path (CPU) a gather per step costs
-  as much as dense attention, so the kept K/V are compacted once at the selection (as upstream
+  the kept K/V where they lie — nothing is copied. On the torch path (CPU) a gather would copy
+  the kept rows at every step, so the kept K/V are compacted once at the selection (as upstream
   does) and the full K/V are dropped; each step attends over `[kept ; fresh block]`.
 
 Selection (`retention_scores`, `retained_positions`), per layer and row: the non-block keys are
@@ -159,7 +159,7 @@ class RetentionKVCache(KVCache):
         kept_k, kept_v = torch.gather(keys, 2, index), torch.gather(values, 2, index)
         key_mask = None
         if bool((counts < n_max).any()):   # padded rows keep fewer: hide the tail of their list
-            live = torch.arange(n_max + block, device=keys.device) < (counts[:, None] + 0)
+            live = torch.arange(n_max + block, device=keys.device) < counts[:, None]
             live[:, n_max:] = True
             key_mask = live[:, None, None, :]
         self.compact[layer] = (kept_k, kept_v, key_mask)
