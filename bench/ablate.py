@@ -4,8 +4,9 @@
 
 Sweeps remask's samplers and their parameters over the held-out problems of
 `remask.zoo.tasks` (seed `EVAL_SEED`): LLaDA low-confidence and random remasking over steps and
-block_length, Fast-dLLM threshold and factor decoding, sampling temperature, APD (the diffusion
-model drafts, `tiny-ar` verifies) over the mixture weight R and the lookahead, and the AR model.
+block_length, Fast-dLLM threshold and factor decoding, sampling temperature, Sparse-dLLM retention
+(keep ratio × block), APD (the diffusion model drafts, `tiny-ar` verifies) over the mixture weight R
+and the lookahead, and the AR model.
 Each row of the CSV is one setting: accuracy (exact match; multi-answer tasks by membership),
 accuracy per task, NFE per answer (batch 1, exact; for APD the diffusion model's forwards, the
 verifier's in `verifier_nfe_per_answer`), tokens/s. Seeded: the same command gives
@@ -68,6 +69,12 @@ def sweep(name: str) -> list[Setting]:
         for steps in (16, 4):
             add(f"low_confidence T={temperature}", f"low_confidence T={temperature} steps={steps}",
                 steps=steps, temperature=temperature)
+    # Sparse-dLLM retention (one token per step): the accuracy cost of keeping fewer keys.
+    from remask import SparseConfig
+    for block in (16, 8):
+        for ratio in (1.0, 0.9, 0.5, 0.3, 0.1):
+            add(f"retention block={block}", f"retention {ratio} block={block}", steps=16, block_length=block,
+                sparse=SparseConfig(retention_ratio=ratio))
     # APD: R from "trust the dLLM" (1) to "demand the verifier's greedy agreement" (0); a shorter
     # lookahead M caps the tokens a round can commit. Coupled Gumbel: the paper's sampling rule.
     for lookahead in (16, 4):
@@ -82,7 +89,7 @@ def sweep(name: str) -> list[Setting]:
 
 
 FIELDS = ["family", "setting", "steps", "block_length", "remasking", "threshold", "factor", "temperature",
-          "mixture_weight", "max_lookahead", "accuracy", "multi_answer_accuracy", "nfe_per_answer",
+          "mixture_weight", "max_lookahead", "retention_ratio", "accuracy", "multi_answer_accuracy", "nfe_per_answer",
           "verifier_nfe_per_answer", "tokens_per_second"] + [f"acc_{t}" for t in TASKS]
 
 
@@ -108,6 +115,7 @@ def run(settings: list[Setting], n: int, seed: int, show_progress: bool) -> list
             "threshold": s.options.get("threshold", ""), "factor": s.options.get("factor", ""),
             "temperature": s.options.get("temperature", 0.0),
             "mixture_weight": apd.get("mixture_weight", ""), "max_lookahead": apd.get("max_lookahead", ""),
+            "retention_ratio": s.options["sparse"].retention_ratio if "sparse" in s.options else "",
             "accuracy": round(r.accuracy, 4), "multi_answer_accuracy": round(sum(multi) / max(1, len(multi)), 4),
             "nfe_per_answer": round(r.nfe_per_answer, 3),
             "verifier_nfe_per_answer": round(r.verifier_nfe_per_answer, 3) if apd else "",
