@@ -21,7 +21,7 @@ from remask.models.spec import ModelSpec, get_spec
 
 from .apd import APDConfig, apd_generate
 from .cache import BlockForward, cache_mode, valid_positions
-from .sparse import RetentionForward, SparseConfig
+from .sparse import BlockMaskForward, RetentionForward, SparseConfig
 from .checks import check_length, check_mask_id, check_prompt, check_token_id
 from remask.kernels import unmask
 
@@ -149,8 +149,9 @@ def block_diffusion_generate(
             raise ValueError(f"sparse= keeps its own cache and has no CFG pass; it does not combine with {clashes}")
         if spec.logit_shift:
             raise NotImplementedError("sparse= in the LLaDA block loop needs unshifted logits (LLaDA-format models)")
-        if sparse.method != "retention":
-            raise NotImplementedError(f"sparse method {sparse.method!r} is not built yet; use method='retention'")
+        if sparse.method == "block_mask" and attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("sparse method 'block_mask' decodes unpadded rows (SparseD's block masks cover the "
+                             "whole sequence); pass rows of equal length or decode them one at a time")
     if precision is None:
         precision = LLADA_PRECISION if threshold is None and factor is None else (
             FAST_DLLM_FACTOR_PRECISION if factor is not None else FAST_DLLM_PRECISION)
@@ -183,7 +184,9 @@ def block_diffusion_generate(
     finished = torch.zeros(B, dtype=torch.bool, device=x.device)
     parallel = threshold is not None or factor is not None
     reference_sampling = temperature > 0 and reference_rng
-    if sparse is not None:
+    if sparse is not None and sparse.method == "block_mask":
+        forwards = BlockMaskForward(model, spec, sparse, forward_inputs, steps, gen_length)
+    elif sparse is not None:
         forwards = RetentionForward(model, spec, sparse, forward_inputs, valid_positions(attention_mask, T))
     else:
         forwards = BlockForward(model, spec, use_cache, forward_inputs, valid_positions(attention_mask, T))

@@ -6,6 +6,11 @@
   mean attention score, max-pooled over `pool_kernel` neighbours); every later step feeds the block
   alone and attends over the kept positions plus the block (`remask.models.sparse`).
   `head_select=True`: per-KV-head selection with an equal budget per head (dLLM-Serve).
+* ``method="block_mask"`` — SparseD (INV-WZQ/SparseD): full forwards every step; dense attention
+  for the first `skip_fraction` of the steps; at global step `int(steps·skip_fraction) + 1` each
+  layer picks, per head and query block of `kv_block_size`, the key blocks with the largest mean
+  attention (`retention_ratio` of them, plus one; prompt and generation keys budgeted
+  separately); every later step attends through those block lists (`remask.models.sparse`).
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from typing import Any
 
 import torch
 
-from remask.models.sparse import RetentionKVCache
+from remask.models.sparse import BlockMaskAttention, RetentionKVCache
 from remask.models.spec import ModelSpec
 
 SPARSE_METHODS = ("retention", "block_mask")
@@ -30,7 +35,10 @@ class SparseConfig:
     assumes (None: the sampler's `block_length`; upstream's `config.block_len` must equal it).
     `pool_kernel`: odd max-pooling width over the importance scores, or None. `head_select`:
     per-KV-head selection. `skip_fraction`: block_mask's share of steps with full attention.
-    `kv_block_size`: granularity of the index lists (retention: 1 = single tokens, as upstream).
+    `kv_block_size`: granularity of the index lists (retention: 1 = single tokens, as upstream;
+    block_mask: SparseD's `block_size`, e.g. 32 for short prompts, 128 for long ones).
+    `corrected_scale`: block_mask's selection softmax scaled by 1/√head_dim instead of upstream's
+    1/√n_heads.
     """
 
     retention_ratio: float = 0.5
@@ -41,6 +49,7 @@ class SparseConfig:
     method: str = "retention"
     skip_fraction: float = 0.2
     kv_block_size: int = 1
+    corrected_scale: bool = False
 
     def validate(self, block_length: int | None = None) -> None:
         if self.method not in SPARSE_METHODS:
@@ -62,6 +71,8 @@ class SparseConfig:
         if self.method == "retention" and self.kv_block_size != 1:
             raise ValueError(f"method='retention' keeps single tokens (kv_block_size=1, as Sparse-dLLM); got "
                              f"kv_block_size={self.kv_block_size}")
+        if not isinstance(self.corrected_scale, bool):
+            raise ValueError(f"corrected_scale must be True or False, got {self.corrected_scale!r}")
         if self.block_len is not None and block_length is not None and self.block_len != block_length:
             raise ValueError(f"SparseConfig.block_len={self.block_len} must equal block_length={block_length} "
                              f"(the block whose queries select and whose keys are never evicted)")
@@ -110,3 +121,40 @@ class RetentionForward:
         logits = self.spec.logits(self.model, x[:, start:end], past_key_values=self.cache,
                                   cache_position=torch.arange(start, end, device=x.device), **inputs)
         return logits, start
+
+
+class BlockMaskForward:
+    """SparseD's forwards, with the interface of `BlockForward`: every step is a full forward;
+    the global step (counted across blocks) decides dense, selecting or block-sparse attention."""
+
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec, sparse: SparseConfig, forward_inputs: dict[str, Any],
+                 steps: int, gen_length: int) -> None:
+        self.model, self.spec, self.forward_inputs = model, spec, forward_inputs
+        self.select_step = int(steps * sparse.skip_fraction) + 1
+        self.hook = BlockMaskAttention(sparse.kv_block_size, sparse.retention_ratio, gen_length,
+                                       sparse.corrected_scale)
+        self.global_step = 0
+        self.kept_fractions: list[float] = []
+
+    @property
+    def cache_nbytes(self) -> int:
+        return 0
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        step, self.global_step = self.global_step, self.global_step + 1
+        if step > self.select_step:
+            self.hook.phase = "sparse"
+        else:
+            self.hook.phase = "select" if step == self.select_step else "dense"
+        logits = self.spec.logits(self.model, x, past_key_values=self.hook,
+                                  cache_position=torch.arange(x.shape[1], device=x.device), **self.forward_inputs)
+        if self.hook.phase == "select":
+            self.kept_fractions.append(self.hook.kept_fraction)
+        return logits
+
+    def refresh(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        return self._forward(x)
+
+    def step(self, x: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, int]:
+        return self._forward(x), 0
+

@@ -185,3 +185,90 @@ class RetentionKVCache(KVCache):
             num = (counts + length)[:, None, None].expand(B, n_heads, 1)
             self.lists[layer] = (num, lists)
         return self.lists[layer]
+
+
+def block_importance(attn: torch.Tensor, block_size: int) -> torch.Tensor:
+    """SparseD's tile score: attention weights `[B, H, Lq, Lk]` zero-padded to whole
+    `block_size` tiles, then the mean |weight| of each tile → `[B, H, n_q_blocks, n_kv_blocks]`
+    (a partial tile is averaged over block_size², pads counting as zeros, as upstream)."""
+    Lq, Lk = attn.shape[-2], attn.shape[-1]
+    pad_q, pad_k = (-Lq) % block_size, (-Lk) % block_size
+    tiles = F.pad(attn, (0, pad_k, 0, pad_q)).unfold(2, block_size, block_size).unfold(3, block_size, block_size)
+    return tiles.abs().mean(dim=(-1, -2))
+
+
+def select_key_blocks(q_block: torch.Tensor, keys: torch.Tensor, block_size: int, select: float,
+                      scale: float) -> torch.Tensor:
+    """Key blocks kept for one query block: softmax(q·kᵀ·scale) in float32, tile scores, the top
+    `int(n·select) + 1` (at least 1) per head → bool `[B, H, 1, n_kv_blocks]`."""
+    weights = torch.softmax(torch.matmul(q_block, keys.transpose(2, 3)) * scale, dim=-1, dtype=torch.float32)
+    importance = block_importance(weights.to(q_block.dtype), block_size)
+    keep = max(1, int(importance.shape[-1] * select) + 1)
+    _, top = torch.topk(importance, k=min(keep, importance.shape[-1]), dim=-1, sorted=False)
+    return torch.zeros_like(importance, dtype=torch.bool).scatter_(-1, top, True)
+
+
+def sparsed_block_mask(q: torch.Tensor, k: torch.Tensor, block_size: int, select: float, gen_length: int,
+                       scale: float) -> torch.Tensor:
+    """SparseD's head-specific block mask from one full forward's queries and keys (after RoPE,
+    `[B, H, T, D]`; GQA keys are repeated per group) → bool `[B, H, n_blocks, n_blocks]`.
+
+    Per query block: the top blocks over all keys, with every block from `last` on cleared
+    (`last` = the first query block within the last `gen_length` positions, or the final block);
+    then the top blocks over the generation keys `[last·block_size, T)` alone, OR-ed in."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+    T = q.shape[2]
+    n_blocks = -(-T // block_size)
+    last = next(i for i in range(n_blocks) if T - i * block_size <= gen_length or i == n_blocks - 1)
+    mask = torch.zeros((q.shape[0], q.shape[1], n_blocks, n_blocks), dtype=torch.bool, device=q.device)
+    for i in range(n_blocks):
+        mask[:, :, i:i + 1] = select_key_blocks(q[:, :, i * block_size:(i + 1) * block_size], k, block_size, select,
+                                                scale)
+    mask[:, :, :, last:] = False
+    generation_keys = k[:, :, last * block_size:]
+    for i in range(n_blocks):
+        picked = select_key_blocks(q[:, :, i * block_size:(i + 1) * block_size], generation_keys, block_size, select,
+                                   scale)
+        mask[:, :, i:i + 1, last:] |= picked
+    return mask
+
+
+class BlockMaskAttention(KVCache):
+    """SparseD's attention hook for full forwards (nothing is cached): `dense` forwards attend
+    densely; a `select` forward also builds each layer's block mask (`sparsed_block_mask`); every
+    later forward attends through `remask.kernels.block_sparse_attention` with the layer's mask as
+    FlexAttention-style lists (`kv_num_blocks`, `kv_indices`)."""
+
+    def __init__(self, block_size: int, select: float, gen_length: int, corrected_scale: bool) -> None:
+        super().__init__()
+        self.block_size, self.select, self.gen_length, self.corrected_scale = (
+            block_size, select, gen_length, corrected_scale)
+        self.phase = "dense"
+        self.masks: list[torch.Tensor] = []
+        self.lists: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return 0
+
+    @property
+    def kept_fraction(self) -> float:
+        """Mean fraction of key blocks a query block attends to (over layers, heads, blocks)."""
+        return float(torch.stack([m.float().mean() for m in self.masks]).mean()) if self.masks else 1.0
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        if self.phase == "sparse":
+            num, idx = self.lists[layer]
+            return block_sparse_attention(q, k, v, num, idx, q_block_size=self.block_size,
+                                          kv_block_size=self.block_size)
+        if self.phase == "select":
+            # upstream scales the selection scores by 1/√n_heads (a quirk); corrected: 1/√head_dim
+            scale = (q.shape[-1] if self.corrected_scale else q.shape[1]) ** -0.5
+            block_mask = sparsed_block_mask(q, k, self.block_size, self.select, self.gen_length, scale)
+            self.masks.append(block_mask)
+            # lists: each row's kept block ids first (ascending), then junk past the count
+            order = torch.argsort((~block_mask).to(torch.int8), dim=-1, stable=True)
+            self.lists.append((block_mask.sum(dim=-1).to(torch.int32), order.to(torch.int32)))
+        return attention(q, k, v, mask)

@@ -150,3 +150,69 @@ def test_bad_sparse_arguments(tiny_llada):
         remask.generate(tiny_llada, prompt, sparse=remask.SparseConfig(), use_cache="dual", **kw)
     with pytest.raises(TypeError, match="SparseConfig"):
         remask.generate(tiny_llada, prompt, sparse=dict(retention_ratio=0.5), **kw)
+
+
+# --- SparseD block masks (method="block_mask") ---------------------------------------------------
+
+def _block_mask(**kw):
+    return remask.SparseConfig(method="block_mask", **{"retention_ratio": 0.3, "kv_block_size": 4, **kw})
+
+
+def test_block_mask_before_its_selecting_step_is_dense(load_model):
+    # skip_fraction 0.95 of 12 steps selects at step 12: never used, so dense decoding exactly.
+    model = load_model("llada_small")
+    for seed in range(3):
+        prompt = random_prompt(1, 9 + 4 * seed, seed, high=290)
+        kw = dict(steps=12, gen_length=12, block_length=4)
+        assert torch.equal(remask.generate(model, prompt, sparse=_block_mask(skip_fraction=0.95), **kw),
+                           remask.generate(model, prompt, **kw))
+
+
+def test_keeping_every_block_is_dense_attention(load_model):
+    # select 1.0 keeps int(n) + 1 ≥ n blocks: every key, so the tokens are dense decoding's.
+    model = load_model("llada_small")
+    for seed in range(3):
+        prompt = random_prompt(1, 13 + seed, seed, high=290)
+        kw = dict(steps=16, gen_length=16, block_length=8)
+        assert torch.equal(remask.generate(model, prompt, sparse=_block_mask(retention_ratio=1.0), **kw),
+                           remask.generate(model, prompt, **kw))
+
+
+def test_corrected_scale_changes_the_selection():
+    from remask.models.sparse import sparsed_block_mask
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, 40, 32, generator=g) * 2, torch.randn(1, 4, 40, 32, generator=g) * 2
+    quirk = sparsed_block_mask(q, k, 4, 0.3, 16, 4 ** -0.5)        # 1/√n_heads, upstream
+    corrected = sparsed_block_mask(q, k, 4, 0.3, 16, 32 ** -0.5)   # 1/√head_dim
+    assert not torch.equal(quirk, corrected)
+    for mask in (quirk, corrected):
+        # every query block keeps int(n·0.3)+1 prompt-side picks (minus those cleared at `last`) and
+        # int(n_gen·0.3)+1 generation blocks: at least one generation block per row
+        assert bool(mask[..., 6:].any(dim=-1).all())
+
+
+def test_block_mask_runs_gqa_and_the_kernel_in_the_loop(load_model, monkeypatch):
+    # Upstream's mask construction needs MHA; remask repeats the KV heads for the selection.
+    model = load_model("llada_gqa_tied")
+    prompt = random_prompt(1, 11, 0, high=990)
+    kw = dict(steps=8, gen_length=8, block_length=8, sparse=_block_mask(skip_fraction=0.0))
+    want = remask.generate(model, prompt, **kw)
+    assert not (want == 999).any()
+    import remask.kernels.sparse_attention as sparse_module
+    calls = []
+    real = sparse_module.block_sparse_attention_triton
+    monkeypatch.setattr(sparse_module, "block_sparse_attention_triton",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("REMASK_TRITON", "1")
+    assert torch.equal(remask.generate(model, prompt, **kw), want)
+    assert calls
+
+
+def test_block_mask_refuses_padded_batches(load_model):
+    model = load_model("llada_small")
+    ids, mask = left_pad([random_prompt(1, 5, 0, high=290)[0], random_prompt(1, 8, 1, high=290)[0]], 297)
+    with pytest.raises(ValueError, match="block_mask"):
+        remask.generate(model, ids, mask, steps=8, gen_length=8, block_length=8, sparse=_block_mask())
+    with pytest.raises(ValueError, match="corrected_scale"):
+        remask.generate(model, ids[:1], steps=8, gen_length=8, block_length=8, sparse=_block_mask(corrected_scale=1))

@@ -1,4 +1,5 @@
-"""Sparse-dLLM retention reproduces OpenMOSS/Sparse-dLLM's LLaDA sampler token for token.
+"""Sparse-dLLM retention reproduces OpenMOSS/Sparse-dLLM's LLaDA sampler, and SparseD block masks
+reproduce INV-WZQ/SparseD's, token for token.
 
 `fixtures/sparse_reference.json`: token ids from the reference (`llada_generate.generate` with its
 `modeling_llada.py` / `CustomCache`, commit 3fd8986, transformers 4.49, float32, CPU, 1 thread) on
@@ -11,6 +12,11 @@ confidences, and a trained model's confidences tie at exactly 1.0, where `torch.
 its own. Three cases end with mask tokens in the reference's output (the random `llada_gqa_tied`
 predicts its mask token, which upstream commits); remask never commits the mask token, so those
 are checked for having none (docs/sparse.md).
+
+`fixtures/sparsed_reference.json`: token ids and layer-0 block masks from SparseD's LLaDA
+`generate` with its `modeling_llada.py` (commit 52155b4, flex_attention compiled on CPU) on the MHA
+checkpoints `llada`, `llada_small` and the shipped `tiny-llada`: block sizes 4 / 8 / 16, select
+0.2 / 0.3 / 0.5, skip 0 / 0.2 / 0.5, several block and step splits.
 """
 from __future__ import annotations
 
@@ -23,9 +29,11 @@ import torch
 
 import remask
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "sparse_reference.json")
-with open(FIXTURE) as f:
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+with open(os.path.join(FIXTURES, "sparse_reference.json")) as f:
     DATA = json.load(f)
+with open(os.path.join(FIXTURES, "sparsed_reference.json")) as f:
+    SPARSED = json.load(f)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +41,7 @@ def models(checkpoint_dir):
     from transformers import AutoModel
 
     out = {}
-    for name, info in DATA["checkpoints"].items():
+    for name, info in {**DATA["checkpoints"], **SPARSED["checkpoints"]}.items():
         if name == "tiny-llada":
             model, _ = remask.load("tiny-llada")
             path = os.path.join(os.path.dirname(remask.__file__), "zoo", "checkpoints", "tiny-llada", "model.safetensors")
@@ -74,3 +82,37 @@ def test_reproduces_sparse_dllm(checkpoint, models):
             mismatched.append(case["id"])
     assert not mismatched, mismatched
     assert masked == (3 if checkpoint == "llada_gqa_tied" else 0)
+
+
+def _run_sparsed(model, case, **kw):
+    prompt = torch.tensor([case["prompt"]])
+    sparse = remask.SparseConfig(method="block_mask", retention_ratio=case["select"], skip_fraction=case["skip"],
+                                 kv_block_size=case["block_size"])
+    out = remask.generate(model, prompt, steps=case["steps"], gen_length=case["gen_length"],
+                          block_length=case["block_length"], sparse=sparse, mask_id=case["mask_id"], **kw)
+    return out[0, prompt.shape[1]:].tolist()
+
+
+def test_sparsed_fixture_exercises_the_method():
+    assert len(SPARSED["cases"]) == 218
+    assert sum(c["differs_from_dense"] for c in SPARSED["cases"]) == 178
+
+
+@pytest.mark.parametrize("checkpoint", ["llada", "llada_small", "tiny-llada"])
+def test_reproduces_sparsed(checkpoint, models, monkeypatch):
+    import remask.models.sparse as sparse_module
+
+    masks = []
+    real = sparse_module.sparsed_block_mask
+    monkeypatch.setattr(sparse_module, "sparsed_block_mask", lambda *a, **k: masks.append(real(*a, **k)) or masks[-1])
+    cases = [c for c in SPARSED["cases"] if c["checkpoint"] == checkpoint]
+    mismatched = []
+    for case in cases:
+        masks.clear()
+        got = _run_sparsed(models[checkpoint], case, reference_ties=True)
+        if got != case["output"]:
+            mismatched.append(case["id"])
+        # layer 0's block mask, built at the selecting step, is upstream's fine_mask
+        assert masks[0].int().tolist() == case["fine_mask_layer0"], case["id"]
+    assert not mismatched, mismatched
+
