@@ -5,7 +5,7 @@
 Sweeps remask's samplers and their parameters over the held-out problems of
 `remask.zoo.tasks` (seed `EVAL_SEED`): LLaDA low-confidence and random remasking over steps and
 block_length, Fast-dLLM threshold and factor decoding, sampling temperature, Sparse-dLLM retention
-(keep ratio × block), APD (the diffusion model drafts, `tiny-ar` verifies) over the mixture weight R
+(keep ratio × block), SparseD block masks, APD (the diffusion model drafts, `tiny-ar` verifies) over the mixture weight R
 and the lookahead, and the AR model.
 Each row of the CSV is one setting: accuracy (exact match; multi-answer tasks by membership),
 accuracy per task, NFE per answer (batch 1, exact; for APD the diffusion model's forwards, the
@@ -75,6 +75,11 @@ def sweep(name: str) -> list[Setting]:
         for ratio in (1.0, 0.9, 0.5, 0.3, 0.1):
             add(f"retention block={block}", f"retention {ratio} block={block}", steps=16, block_length=block,
                 sparse=SparseConfig(retention_ratio=ratio))
+    # SparseD block masks (full forwards; masks fixed after skip_fraction of the steps), blocks of 4.
+    for ratio in (0.5, 0.3):
+        for skip in (0.2, 0.5):
+            add("block_mask", f"block_mask {ratio} skip={skip}", steps=16,
+                sparse=SparseConfig(method="block_mask", retention_ratio=ratio, skip_fraction=skip, kv_block_size=4))
     # APD: R from "trust the dLLM" (1) to "demand the verifier's greedy agreement" (0); a shorter
     # lookahead M caps the tokens a round can commit. Coupled Gumbel: the paper's sampling rule.
     for lookahead in (16, 4):
