@@ -123,19 +123,26 @@ def test_padded_batch_rows_equal_solo_rows(load_model):
         assert torch.equal(batch[i, -12:], solo[0, -12:]), i
 
 
-def test_triton_kernel_in_the_loop_gives_the_same_tokens(tiny_llada, monkeypatch):
+def _same_tokens_with_the_kernel(model, prompt, kw, monkeypatch):
+    """Decode with the torch path, then with the Triton kernel (interpreted on CPU): same tokens,
+    and the kernel really ran. Returns the tokens."""
     import remask.kernels.sparse_attention as sparse_module
 
-    prompt = torch.tensor([charset.encode_chat("sort 52814")])
-    kw = dict(steps=16, gen_length=16, block_length=8, sparse=remask.SparseConfig(retention_ratio=0.5))
-    want = remask.generate(tiny_llada, prompt, **kw)
+    want = remask.generate(model, prompt, **kw)
     calls = []
     real = sparse_module.block_sparse_attention_triton
     monkeypatch.setattr(sparse_module, "block_sparse_attention_triton",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setenv("REMASK_TRITON", "1")
-    assert torch.equal(remask.generate(tiny_llada, prompt, **kw), want)
+    assert torch.equal(remask.generate(model, prompt, **kw), want)
     assert calls
+    return want
+
+
+def test_triton_kernel_in_the_loop_gives_the_same_tokens(tiny_llada, monkeypatch):
+    prompt = torch.tensor([charset.encode_chat("sort 52814")])
+    kw = dict(steps=16, gen_length=16, block_length=8, sparse=remask.SparseConfig(retention_ratio=0.5))
+    _same_tokens_with_the_kernel(tiny_llada, prompt, kw, monkeypatch)
 
 
 def test_bad_sparse_arguments(tiny_llada):
@@ -197,16 +204,8 @@ def test_block_mask_runs_gqa_and_the_kernel_in_the_loop(load_model, monkeypatch)
     model = load_model("llada_gqa_tied")
     prompt = random_prompt(1, 11, 0, high=990)
     kw = dict(steps=8, gen_length=8, block_length=8, sparse=_block_mask(skip_fraction=0.0))
-    want = remask.generate(model, prompt, **kw)
+    want = _same_tokens_with_the_kernel(model, prompt, kw, monkeypatch)
     assert not (want == 999).any()
-    import remask.kernels.sparse_attention as sparse_module
-    calls = []
-    real = sparse_module.block_sparse_attention_triton
-    monkeypatch.setattr(sparse_module, "block_sparse_attention_triton",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setenv("REMASK_TRITON", "1")
-    assert torch.equal(remask.generate(model, prompt, **kw), want)
-    assert calls
 
 
 def test_block_mask_refuses_padded_batches(load_model):
