@@ -81,14 +81,14 @@ class SparseConfig:
 class RetentionForward:
     """The forwards of one semi-AR block under Sparse-dLLM retention, with the interface of
     `remask.diffusion.cache.BlockForward`: `refresh` (step 0) and `step` (later steps) →
-    (logits, index of the first fed position)."""
+    (logits, index of the first fed position). Steps before `delay_step` are full forwards, the
+    one at `delay_step` a full forward that selects, later ones feed the block alone."""
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, sparse: SparseConfig, forward_inputs: dict[str, Any],
                  valid: torch.Tensor | None) -> None:
         self.model, self.spec, self.sparse, self.forward_inputs = model, spec, sparse, forward_inputs
         self.cache = RetentionKVCache(sparse.retention_ratio, sparse.pool_kernel, sparse.head_select, valid)
-        self.step_index = 0
-        self.kept_fractions: list[float] = []
+        self.step_index = 0   # within the current block
 
     @property
     def cache_nbytes(self) -> int:
@@ -101,7 +101,6 @@ class RetentionForward:
         logits = self.spec.logits(self.model, x, past_key_values=self.cache,
                                   cache_position=torch.arange(x.shape[1], device=x.device), **self.forward_inputs)
         self.cache.end_select()
-        self.kept_fractions.append(self.cache.kept_fraction)
         return logits
 
     def refresh(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -111,16 +110,15 @@ class RetentionForward:
         return logits
 
     def step(self, x: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, int]:
-        index, self.step_index = self.step_index, self.step_index + 1
-        if index <= self.sparse.delay_step:
-            self.step_index = index
-            logits = self._full(x, start, end)
-            self.step_index = index + 1
-            return logits, 0
-        inputs = self.spec.inputs_for_positions(self.forward_inputs, start, end)
-        logits = self.spec.logits(self.model, x[:, start:end], past_key_values=self.cache,
-                                  cache_position=torch.arange(start, end, device=x.device), **inputs)
-        return logits, start
+        if self.step_index <= self.sparse.delay_step:
+            logits, fed = self._full(x, start, end), 0
+        else:
+            inputs = self.spec.inputs_for_positions(self.forward_inputs, start, end)
+            logits = self.spec.logits(self.model, x[:, start:end], past_key_values=self.cache,
+                                      cache_position=torch.arange(start, end, device=x.device), **inputs)
+            fed = start
+        self.step_index += 1
+        return logits, fed
 
 
 class BlockMaskForward:
@@ -134,7 +132,6 @@ class BlockMaskForward:
         self.hook = BlockMaskAttention(sparse.kv_block_size, sparse.retention_ratio, gen_length,
                                        sparse.corrected_scale)
         self.global_step = 0
-        self.kept_fractions: list[float] = []
 
     @property
     def cache_nbytes(self) -> int:
@@ -146,11 +143,8 @@ class BlockMaskForward:
             self.hook.phase = "sparse"
         else:
             self.hook.phase = "select" if step == self.select_step else "dense"
-        logits = self.spec.logits(self.model, x, past_key_values=self.hook,
-                                  cache_position=torch.arange(x.shape[1], device=x.device), **self.forward_inputs)
-        if self.hook.phase == "select":
-            self.kept_fractions.append(self.hook.kept_fraction)
-        return logits
+        return self.spec.logits(self.model, x, past_key_values=self.hook,
+                                cache_position=torch.arange(x.shape[1], device=x.device), **self.forward_inputs)
 
     def refresh(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         return self._forward(x)

@@ -252,11 +252,6 @@ class BlockMaskAttention(KVCache):
     def get_seq_length(self, layer: int = 0) -> int:
         return 0
 
-    @property
-    def kept_fraction(self) -> float:
-        """Mean fraction of key blocks a query block attends to (over layers, heads, blocks)."""
-        return float(torch.stack([m.float().mean() for m in self.masks]).mean()) if self.masks else 1.0
-
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                mask: torch.Tensor | None) -> torch.Tensor:
         if self.phase == "sparse":
