@@ -2,6 +2,10 @@
 
     python bench/ablate.py --out bench/results/ablation.csv --plot docs/img/ablation.png
 
+regenerates the committed results. Without --out the CSV goes to a new file,
+bench/results/ablation-YYYYMMDD-HHMMSS.csv (time of the run; -2, -3, ... appended if taken), so a
+run never overwrites an existing CSV unless asked to.
+
 Sweeps remask's samplers and their parameters over the held-out problems of
 `remask.zoo.tasks` (seed `EVAL_SEED`): LLaDA low-confidence and random remasking over steps and
 block_length, Fast-dLLM threshold and factor decoding, sampling temperature, Sparse-dLLM retention
@@ -11,7 +15,8 @@ Each row of the CSV is one setting: accuracy (exact match; multi-answer tasks by
 accuracy per task, NFE per answer (batch 1, exact; for APD the diffusion model's forwards, the
 verifier's in `verifier_nfe_per_answer`), tokens/s. Seeded: the same command gives
 the same accuracies and NFE (tokens/s depend on the machine). The plot (accuracy vs NFE, one
-line per family) needs matplotlib (`pip install remask[plot]`); without it only the CSV is written.
+line per family) needs matplotlib (`.venv/bin/pip install -e '.[plot]'`); without it only the CSV
+is written.
 """
 from __future__ import annotations
 
@@ -21,13 +26,17 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 from remask.zoo import load
 from remask.zoo.evaluate import GEN_LENGTH, Strategy, evaluate
 from remask.zoo.tasks import EVAL_SEED, MULTI_ANSWER_TASKS, TASKS, problems
+
+# Next to this script, not the working directory: the default lands in bench/results wherever it runs.
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+PLOT_INSTALL = ".venv/bin/pip install -e '.[plot]'"
 
 
 @dataclass(frozen=True)
@@ -131,12 +140,39 @@ def run(settings: list[Setting], n: int, seed: int, show_progress: bool) -> list
     return rows
 
 
-def write_csv(rows: list[dict[str, Any]], path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", newline="") as f:
+def create_new(stem: str, ext: str) -> tuple[IO[str], str]:
+    """`stem + ext` opened for writing, or `stem-2 + ext`, `stem-3 + ext`, ...: the first that does not
+    exist, created exclusively ("x") so that not even a run started in the same second is overwritten."""
+    os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
+    path, i = stem + ext, 1
+    while True:
+        try:
+            return open(path, "x", newline=""), path
+        except FileExistsError:
+            i += 1
+            path = f"{stem}-{i}{ext}"
+
+
+def write_csv(rows: list[dict[str, Any]], path: str | None, started: float | None = None) -> str:
+    """Writes the CSV to `path` (replacing it), or, if None, to a new
+    `bench/results/ablation-YYYYMMDD-HHMMSS.csv` named by `started` (default: now); returns the path."""
+    if path is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
+        f, path = create_new(os.path.join(RESULTS, f"ablation-{stamp}"), ".csv")
+    else:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        f = open(path, "w", newline="")
+    with f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
         writer.writerows(rows)
+    return path
+
+
+def shown(path: str) -> str:
+    """`path` relative to the working directory when it lies under it (bench/results/...), else absolute."""
+    rel = os.path.relpath(os.path.abspath(path))
+    return path if rel.startswith(os.pardir) else rel
 
 
 def plot(rows: list[dict[str, Any]], path: str, title: str) -> bool:
@@ -146,7 +182,7 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed (pip install 'remask[plot]'): no plot written", file=sys.stderr)
+        print(f"matplotlib is not installed ({PLOT_INSTALL}): no plot written", file=sys.stderr)
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
     families = list(dict.fromkeys(r["family"] for r in rows))
@@ -191,8 +227,10 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python bench/ablate.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="bench/results/ablation.csv", help="CSV to write")
-    parser.add_argument("--plot", default=None, help="PNG to write (needs matplotlib)")
+    parser.add_argument("--out", default=None,
+                        help="CSV to write, replaced if it exists (default: a new "
+                             "bench/results/ablation-YYYYMMDD-HHMMSS.csv; never an existing file)")
+    parser.add_argument("--plot", default=None, help=f"PNG to write (needs matplotlib: {PLOT_INSTALL})")
     parser.add_argument("--sweep", choices=("full", "quick"), default="full")
     parser.add_argument("--problems", type=int, default=140, help="held-out problems (tasks taken in turn)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling noise (temperature, random remasking)")
@@ -208,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()   # transformers' per-load weight bars; ours stay
     t0 = time.time()
     rows = run(sweep(args.sweep), args.problems, args.seed, show_progress=not args.no_progress)
-    write_csv(rows, args.out)
-    print(f"{len(rows)} settings × {args.problems} problems in {time.time() - t0:.0f} s → {args.out}")
+    out = write_csv(rows, args.out, started=t0)
+    print(f"{len(rows)} settings × {args.problems} problems in {time.time() - t0:.0f} s; CSV written to {shown(out)}")
     if args.plot:
         title = f"tiny-llada / tiny-ar, {args.problems} held-out problems (seed {EVAL_SEED}), sampling seed {args.seed}"
         if plot(rows, args.plot, title):

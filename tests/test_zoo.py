@@ -259,3 +259,86 @@ def test_evaluate_runs_apd_with_a_verifier(llada, ar):
     assert result.accuracy > 0.7
     # APD stops at EOS: fewer forwards than answer positions, one verifier forward per round
     assert 1.0 <= result.nfe_per_answer == result.verifier_nfe_per_answer < 16
+
+
+# --- load(): arguments it cannot use are errors before anything is read ------------------------
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Any attempt to read a config, weights or a tokenizer fails the test."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    for auto in (AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer):
+        monkeypatch.setattr(auto, "from_pretrained", lambda *a, **k: pytest.fail("load() read a checkpoint"))
+
+
+@pytest.mark.parametrize("name", [3, None, b"tiny-llada", ["tiny-llada"]])
+def test_load_rejects_a_name_that_is_not_a_str(nothing_loads, name):
+    with pytest.raises(TypeError, match=r"name must be a str.*tiny-llada.*got"):
+        load(name)
+
+
+def test_load_takes_a_path_and_keeps_dtype_and_device():
+    import pathlib
+
+    model, tok = load(pathlib.Path(AR_DIR), dtype=torch.bfloat16, device=torch.device("cpu"))
+    param = next(model.parameters())
+    assert param.dtype == torch.bfloat16 and param.device.type == "cpu" and not model.training
+    assert tok.mask_token_id == charset.MASK_ID
+
+
+@pytest.mark.parametrize("dtype, error", [(torch.int64, ValueError), (torch.bool, ValueError),
+                                          (torch.complex64, ValueError), ("float16", TypeError),
+                                          (None, TypeError), (32, TypeError)])
+def test_load_rejects_a_dtype_that_is_not_floating(nothing_loads, dtype, error):
+    with pytest.raises(error, match=r"dtype must be a floating torch\.dtype .*got"):
+        load("tiny-llada", dtype=dtype)
+
+
+@pytest.mark.parametrize("device", [3.5, 0, None, ["cpu"]])
+def test_load_rejects_a_device_of_the_wrong_type(nothing_loads, device):
+    with pytest.raises(TypeError, match=r"device must be a str .*or a torch\.device, got"):
+        load("tiny-llada", device=device)
+
+
+@pytest.mark.parametrize("device", ["banana", "cuda:x", "", "cuda:-1"])
+def test_load_rejects_a_device_string_torch_does_not_know(nothing_loads, device):
+    with pytest.raises(ValueError, match=rf"device={device!r} is not a torch device .*use device='cpu'"):
+        load("tiny-llada", device=device)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda", 1)])
+def test_load_rejects_cuda_without_cuda(nothing_loads, monkeypatch, device):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device='cuda(:\d)?' is not available here: "
+                                         r"torch\.cuda\.is_available\(\) is False; use device='cpu'"):
+        load("tiny-llada", device=device)
+
+
+def test_load_rejects_a_cuda_index_past_the_last_gpu(nothing_loads, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"device='cuda:7' is not available here: torch\.cuda\.device_count\(\) "
+                                         r"is 1; use device='cpu' or device='cuda:0'"):
+        load("tiny-llada", device="cuda:7")
+
+
+def test_load_rejects_mps_without_mps(nothing_loads, monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device='mps' is not available here: "
+                                         r"torch\.backends\.mps\.is_available\(\) is False; use device='cpu'"):
+        load("tiny-llada", device="mps")
+
+
+def test_load_rejects_a_device_type_this_torch_has_no_backend_for(nothing_loads, monkeypatch):
+    monkeypatch.delattr(torch, "hpu", raising=False)
+    with pytest.raises(ValueError, match=r"device='hpu' is not available here: this torch has no torch\.hpu backend"):
+        load("tiny-llada", device="hpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_load_puts_the_model_on_an_existing_gpu():
+    model, _ = load("tiny-llada", device="cuda")
+    assert next(model.parameters()).device == torch.device("cuda", 0)
+    with pytest.raises(ValueError, match=rf"device_count\(\) is {torch.cuda.device_count()}"):
+        load("tiny-llada", device=f"cuda:{torch.cuda.device_count()}")

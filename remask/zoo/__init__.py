@@ -16,8 +16,13 @@ CHECKPOINTS = os.path.join(os.path.dirname(__file__), "checkpoints")
 SHIPPED = ("tiny-llada", "tiny-ar")
 
 
-def checkpoint_path(name: str) -> str:
+def checkpoint_path(name: str | os.PathLike[str]) -> str:
     """Folder of a shipped checkpoint (`"tiny-llada"`, `"tiny-ar"`), or `name` itself if it is a folder."""
+    # Checked first: os.path.isdir would take an int as a file descriptor and bytes as a path.
+    name = os.fspath(name) if isinstance(name, os.PathLike) else name
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, one of {list(SHIPPED)} or a checkpoint folder, "
+                        f"got {name!r} ({type(name).__name__})")
     if name in SHIPPED:
         return os.path.join(CHECKPOINTS, name)
     if os.path.isdir(name):
@@ -25,17 +30,81 @@ def checkpoint_path(name: str) -> str:
     raise ValueError(f"name must be one of {list(SHIPPED)} or a checkpoint folder, got {name!r}")
 
 
-def load(name: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+def available_devices() -> list[str]:
+    """The devices this machine can put a model on: "cpu", then every CUDA / XPU device, then "mps"."""
+    out = ["cpu"]
+    for kind in ("cuda", "xpu"):
+        backend = getattr(torch, kind, None)   # not every torch build has torch.xpu
+        if backend is not None and backend.is_available():
+            out += [f"{kind}:{i}" for i in range(backend.device_count())]
+    if torch.backends.mps.is_available():
+        out.append("mps")
+    return out
+
+
+def _unavailable(dev: torch.device) -> str | None:
+    """Why `dev` does not exist on this machine (the check that says so), or None if it does."""
+    if dev.type in ("cpu", "meta"):
+        return None
+    if dev.type == "mps":   # torch.backends.mps, not torch.mps, answers on every torch >= 2.4
+        if not torch.backends.mps.is_available():
+            return "torch.backends.mps.is_available() is False"
+        return None if dev.index in (None, 0) else "there is one MPS device, mps:0"
+    backend = getattr(torch, dev.type, None)
+    if backend is None or not hasattr(backend, "is_available"):
+        return f"this torch has no torch.{dev.type} backend"
+    if not backend.is_available():
+        return f"torch.{dev.type}.is_available() is False"
+    if dev.index is not None and hasattr(backend, "device_count") and dev.index >= backend.device_count():
+        return f"torch.{dev.type}.device_count() is {backend.device_count()}"
+    return None
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device if this machine has it; otherwise an error naming what it has
+    (clearer than the CUDA / MPS error `.to(device)` would raise after the weights are read)."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str such as 'cpu' or 'cuda:0', or a torch.device, "
+                        f"got {device!r} ({type(device).__name__})")
+    shown = device if isinstance(device, str) else str(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:   # torch's message lists every device type it knows, most absent here
+        reason = f"is not a torch device ({e})"
+    else:
+        missing = _unavailable(dev)
+        if missing is None:
+            return dev
+        reason = f"is not available here: {missing}"
+    use = " or ".join(f"device={d!r}" for d in available_devices())
+    raise ValueError(f"device={shown!r} {reason}; use {use}")
+
+
+def check_dtype(dtype: torch.dtype) -> torch.dtype:
+    """`dtype` if the weights can be cast to it: a floating torch.dtype."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a floating torch.dtype such as torch.float32 or torch.bfloat16, "
+                        f"got {dtype!r} ({type(dtype).__name__})")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype such as torch.float32 or torch.bfloat16, got {dtype}")
+    return dtype
+
+
+def load(name: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32,
+         device: str | torch.device = "cpu"):
     """(model, tokenizer) of a shipped tiny model or a checkpoint folder, in eval mode.
 
     Diffusion checkpoints load with `AutoModel`, autoregressive ones with `AutoModelForCausalLM`
-    (decided by `config.model_type`); nothing is downloaded."""
+    (decided by `config.model_type`); nothing is downloaded. A `name`, `dtype` or `device` this
+    machine cannot load is an error before anything is read."""
+    path = checkpoint_path(name)
+    dtype = check_dtype(dtype)
+    device = check_device(device)
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     import remask.models  # noqa: F401  (registers LLaDA / Dream with the Auto classes)
     from remask.models.spec import SPEC_BUILDERS
 
-    path = checkpoint_path(name)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"no checkpoint in {path} (config.json missing); train one with "
                                 f"`python -m remask.zoo.train`")
