@@ -30,8 +30,9 @@ import torch
 from remask.kernels import apd_accept
 from remask.kernels.confidence_ref import gumbel
 from remask.models.layers import KVCache
-from remask.models.spec import ModelSpec
+from remask.models.spec import ModelSpec, get_spec
 
+from .checks import check_bool, check_int, check_real, model_device
 from .scoring import gumbel_max_scores, tempered_filtered
 from .stats import GenerationStats
 
@@ -55,17 +56,23 @@ class APDConfig:
     dllm_cache: bool | None = None
     coupled_gumbel: bool = False
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
-        if not 0 <= self.mixture_weight <= 1:
-            raise ValueError(f"mixture_weight must be in [0, 1], got {self.mixture_weight}")
-        for name in ("kv_window", "max_lookahead"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < (0 if name == "kv_window" else 1)):
-                raise ValueError(f"{name} must be None or an int >= {0 if name == 'kv_window' else 1}, got {value!r}")
-        if not isinstance(self.coupled_gumbel, bool):
-            raise ValueError(f"coupled_gumbel must be True or False, got {self.coupled_gumbel!r}")
+        check_real("mixture_weight", self.mixture_weight, low=0, high=1)
+        check_int("kv_window", self.kv_window, minimum=0, allow_none=True)
+        check_int("max_lookahead", self.max_lookahead, minimum=1, allow_none=True)
+        if self.dllm_cache is not None:
+            check_bool("dllm_cache", self.dllm_cache)
+        check_bool("coupled_gumbel", self.coupled_gumbel)
         if not callable(self.verifier) or getattr(self.verifier, "config", None) is None:
-            raise ValueError("verifier must be a transformers causal LM (AutoModelForCausalLM)")
+            raise ValueError(f"verifier must be a transformers causal LM (AutoModelForCausalLM), got "
+                             f"{type(self.verifier).__name__}")
+        kind = get_spec(self.verifier).kind
+        if kind != "ar":
+            raise ValueError(f"verifier must be an autoregressive (causal) model; got a {kind} diffusion model, "
+                             "whose logits do not score a left-to-right continuation")
 
 
 def draft_tokens(logits: torch.Tensor, temperature: float, top_p: float | None, top_k: int | None,
@@ -114,8 +121,11 @@ def apd_generate(model: torch.nn.Module, spec: ModelSpec, prompt: torch.Tensor, 
     with EOS so no mask token is returned."""
     apd.validate()
     if prompt.shape[0] != 1:
-        raise ValueError(f"APD decodes one sequence at a time (as the reference); got a batch of {prompt.shape[0]}")
+        raise ValueError(f"APD decodes one sequence at a time (as the reference); got a batch of {prompt.shape[0]} "
+                         "(prompt rows × num_return_sequences)")
     verifier = apd.verifier
+    if model_device(verifier) != prompt.device:
+        raise ValueError(f"the APD verifier is on {model_device(verifier)} but the prompt is on {prompt.device}")
     verifier_vocab = verifier.config.vocab_size
     vocab = min(spec.vocab_size or verifier_vocab, verifier_vocab)
     # The verifier reads the prompt and scores drafts cut to the shared vocabulary [0, vocab).

@@ -6,9 +6,14 @@ otherwise), like every other sampler in remask.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
-from .checks import check_prompt
+from remask.models.spec import get_spec
+
+from .checks import (ParameterTypeError, check_generator, check_int, check_model_kind, check_prompt, check_real, check_stats,
+                     check_token_id, warn_if_padded_without_mask)
 from .scoring import score_tokens
 from .stats import GenerationStats
 
@@ -33,23 +38,32 @@ def ar_generate(
     Rows that emitted an EOS id continue with `pad_token_id` (default: the first EOS id); decoding
     stops early once every row has finished. Returns `[B, P + max_new_tokens]`.
     """
-    check_prompt(model, input_ids, attention_mask, name="input_ids")
-    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k is not None and top_k <= 0:
-        raise ValueError(f"top_k must be a positive int, got {top_k}")
+    spec = get_spec(model)
+    check_model_kind(spec, diffusion=False, entry="remask.ar_generate")
+    check_prompt(model, input_ids, attention_mask, name="input_ids", spec=spec)
+    check_int("max_new_tokens", max_new_tokens, minimum=1)
+    check_real("temperature", temperature, low=0)
+    check_int("top_k", top_k, minimum=1, allow_none=True)
+    check_real("top_p", top_p, low=0, high=1, low_open=True, allow_none=True)
+    check_generator(generator, input_ids.device)
+    check_stats("stats", stats)
     config = model.config
     if eos_token_id is None:
         eos_token_id = getattr(config, "eos_token_id", None)
-    eos_ids = [] if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+    if eos_token_id is None or isinstance(eos_token_id, numbers.Integral):
+        eos_ids = [] if eos_token_id is None else [eos_token_id]
+    elif isinstance(eos_token_id, (list, tuple)):
+        eos_ids = list(eos_token_id)
+    else:
+        raise ParameterTypeError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
+    for value in eos_ids:
+        check_token_id(spec, value, "eos_token_id")
     if pad_token_id is None:
         pad_token_id = getattr(config, "pad_token_id", None)
         if pad_token_id is None:
             pad_token_id = eos_ids[0] if eos_ids else 0
+    check_token_id(spec, pad_token_id, "pad_token_id")
+    warn_if_padded_without_mask(input_ids, attention_mask, getattr(config, "pad_token_id", None))
     max_positions = getattr(config, "max_position_embeddings", None)
     if max_positions is not None and input_ids.shape[1] + max_new_tokens > max_positions:
         raise ValueError(f"prompt length + max_new_tokens = {input_ids.shape[1] + max_new_tokens} exceeds the "
@@ -70,8 +84,10 @@ def ar_generate(
     eos = torch.tensor(eos_ids, dtype=torch.long, device=input_ids.device)
     generated = 0
     for step in range(max_new_tokens):
+        # A mask token the config declares (a model sharing a diffusion model's tokenizer) is never
+        # emitted: no remask output holds one.
         next_token, _ = score_tokens(logits.float(), temperature=temperature, top_k=top_k, top_p=top_p,
-                                     sampler="categorical", generator=generator)
+                                     sampler="categorical", exclude_id=spec.mask_id, generator=generator)
         next_token = torch.where(finished, torch.full_like(next_token, pad_token_id), next_token)
         tokens[:, step] = next_token
         active = int((~finished).sum())

@@ -32,7 +32,7 @@ def cache_mode(use_cache: Any) -> str | None:
     """The mode named by `use_cache` (a `PagedKVCache` instance means "paged"); clear error otherwise."""
     if isinstance(use_cache, PagedKVCache):
         return "paged"
-    if use_cache not in CACHE_MODES:
+    if not (use_cache is None or isinstance(use_cache, str)) or use_cache not in CACHE_MODES:
         raise ValueError(f"use_cache must be one of {list(CACHE_MODES)} or a PagedKVCache, got {use_cache!r}")
     return use_cache
 

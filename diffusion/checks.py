@@ -1,9 +1,118 @@
-"""Input validation shared by the samplers: every error names the parameter and what is allowed."""
+"""The validation layer: every public entry point (`generate`, `diffusion_generate`, `ar_generate`,
+`compat.fast_dllm`, `APDConfig`, `SparseConfig`, and later `SamplingParams` and the server)
+checks its arguments here, once per call, before anything reaches the model.
+
+Every error names the parameter, the value and what is allowed. A value of the wrong type raises
+`ParameterTypeError`, which is both a `TypeError` and a `ValueError`, so `except ValueError`
+catches every bad argument (as a server turning them into HTTP 400 needs). Tensor checks cost a
+host sync or two per call, never one per step.
+"""
 from __future__ import annotations
+
+import math
+import numbers
+import os
+import sys
+import warnings
+from typing import Any, Iterable
 
 import torch
 
 from remask.models.spec import ModelSpec
+
+
+class ParameterTypeError(TypeError, ValueError):
+    """A parameter of the wrong type (a string or tensor where a number belongs, …)."""
+
+
+def _type_name(value: Any) -> str:
+    if torch.is_tensor(value):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """`value` must be True or False (not 0/1, not a string)."""
+    if not isinstance(value, bool):
+        raise ParameterTypeError(f"{name} must be True or False, got {value!r} ({_type_name(value)})")
+    return value
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
+              allow_none: bool = False) -> int | None:
+    """An integer (not a bool, float or tensor) in [minimum, maximum]."""
+    if value is None and allow_none:
+        return None
+    bounds = "" if minimum is None and maximum is None else (
+        f" >= {minimum}" if maximum is None else (f" <= {maximum}" if minimum is None else f" in [{minimum}, {maximum}]"))
+    allowed = f"an int{bounds}" + (" or None" if allow_none else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ParameterTypeError(f"{name} must be {allowed}, got {value!r} ({_type_name(value)})")
+    value = int(value)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+    return value
+
+
+def check_real(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+               low_open: bool = False, high_open: bool = False, allow_none: bool = False) -> float | None:
+    """A finite real number (int or float, not a bool, string or tensor) in the interval given by
+    `low`/`high`, each end closed unless `low_open`/`high_open`."""
+    if value is None and allow_none:
+        return None
+    interval = ""
+    if low is not None or high is not None:
+        interval = (f" in {'(' if low_open else '['}{'-inf' if low is None else low}, "
+                    f"{'inf' if high is None else high}{')' if high_open or high is None else ']'}")
+    allowed = f"a finite number{interval}" + (" or None" if allow_none else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ParameterTypeError(f"{name} must be {allowed}, got {value!r} ({_type_name(value)})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+    if high is not None and (value > high or (high_open and value == high)):
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: Iterable[Any]) -> Any:
+    """`value` must be one of `choices`, compared by type and value (so 1 is not True)."""
+    choices = list(choices)
+    if not any(type(value) is type(c) and value == c for c in choices):
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def check_instance(name: str, value: Any, cls: type, what: str | None = None, allow_none: bool = True) -> Any:
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, cls):
+        raise ParameterTypeError(f"{name} must be {what or cls.__name__}{' or None' if allow_none else ''}, "
+                                 f"got {_type_name(value)}")
+    return value
+
+
+def check_callable(name: str, value: Any) -> Any:
+    if value is not None and not callable(value):
+        raise ParameterTypeError(f"{name} must be a callable or None, got {_type_name(value)}")
+    return value
+
+
+def check_generator(generator: Any, device: torch.device) -> torch.Generator | None:
+    """None, or a `torch.Generator` on the device the sampling runs on."""
+    check_instance("generator", generator, torch.Generator, "a torch.Generator")
+    if generator is not None and generator.device.type != torch.device(device).type:
+        raise ValueError(f"generator is on {generator.device.type} but decoding runs on {device}; "
+                         f"pass torch.Generator(device={str(torch.device(device).type)!r})")
+    return generator
+
+
+def check_stats(name: str, stats: Any) -> Any:
+    from .stats import GenerationStats
+
+    return check_instance(name, stats, GenerationStats, "a remask.GenerationStats")
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -13,8 +122,24 @@ def model_device(model: torch.nn.Module) -> torch.device:
         return torch.device("cpu")
 
 
-def check_prompt(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None,
-                 name: str = "prompt") -> None:
+def check_model_kind(spec: ModelSpec, *, diffusion: bool, entry: str) -> None:
+    """A diffusion model where one is needed, an autoregressive one where that is needed."""
+    if diffusion and spec.kind == "ar":
+        raise ValueError(f"{entry} decodes diffusion models (LLaDA, Dream); model is autoregressive: "
+                         "use remask.ar_generate")
+    if not diffusion and spec.kind != "ar":
+        raise ValueError(f"{entry} decodes autoregressive (causal) models; model is a {spec.kind} diffusion model: "
+                         "use remask.generate or remask.diffusion_generate")
+
+
+def check_prompt(model: torch.nn.Module, prompt: Any, attention_mask: Any, name: str = "prompt",
+                 spec: ModelSpec | None = None, mask_in_prompt: str = "allow") -> None:
+    """A `[B, P]` integer tensor of token ids inside the vocabulary on the model's device, and an
+    optional `[B, P]` 0/1 `attention_mask`, left-padded with at least one real token per row (a
+    right-padded mask is refused: the samplers append after the last column).
+
+    `mask_in_prompt`: "allow" (the sampler infills masks anywhere, as Dream's) or "refuse" (the
+    sampler decodes only the positions after the prompt, so a mask there would be returned)."""
     if not torch.is_tensor(prompt) or prompt.dim() != 2:
         raise ValueError(f"{name} must be a 2-D LongTensor [batch, length], got "
                          f"{type(prompt).__name__}{tuple(prompt.shape) if torch.is_tensor(prompt) else ''}")
@@ -31,11 +156,42 @@ def check_prompt(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: t
                              f"{tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else attention_mask!r}")
         if attention_mask.device != prompt.device:
             raise ValueError(f"attention_mask is on {attention_mask.device} but {name} is on {prompt.device}")
+        if attention_mask.is_complex():
+            raise ValueError(f"attention_mask must hold 0/1 values, got dtype {attention_mask.dtype}")
+    if spec is None or prompt.device.type == "meta":
+        return
+    # One host sync for every tensor check.
+    facts = [prompt.min(), prompt.max()]
+    if attention_mask is not None:
+        mask = attention_mask
+        facts += [((mask != 0) & (mask != 1)).any(), (mask[:, 1:] < mask[:, :-1]).any(), (mask[:, -1] != 1).any()]
+    if mask_in_prompt == "refuse" and spec.mask_id is not None:
+        facts.append((prompt == spec.mask_id).any())
+    facts = [int(f) for f in torch.stack([f.to(device=prompt.device, dtype=torch.long) for f in facts]).tolist()]
+    low, high = facts[0], facts[1]
+    if spec.vocab_size is not None and (low < 0 or high >= spec.vocab_size):
+        bad = low if low < 0 else high
+        raise ValueError(f"{name} holds token id {bad}, outside the model's vocabulary [0, {spec.vocab_size})")
+    if attention_mask is not None:
+        not_binary, not_left, empty = facts[2:5]
+        if not_binary:
+            raise ValueError("attention_mask must hold only 0 (pad) and 1 (token)")
+        if not_left:
+            raise ValueError("attention_mask must be left-padded (0s, then 1s in every row): remask appends the "
+                             "generation after the last column; set tokenizer.padding_side = 'left'")
+        if empty:
+            raise ValueError("attention_mask has a row with no real token (all 0): every row needs at least one")
+    if mask_in_prompt == "refuse" and spec.mask_id is not None and facts[-1]:
+        where = (prompt == spec.mask_id).nonzero()[0].tolist()
+        raise ValueError(f"{name} holds the mask token id {spec.mask_id} (row {where[0]}, position {where[1]}); "
+                         "this sampler decodes only the positions after the prompt and would return it: remove it, "
+                         "or infill with remask.diffusion_generate (Dream's sampler fills masks anywhere)")
 
 
 def check_mask_id(spec: ModelSpec, prompt: torch.Tensor | None = None) -> None:
     if spec.mask_id is None:
         raise ValueError(f"the model ({spec.kind}) has no mask token: pass mask_id=<id of the mask token>")
+    check_int("mask_id", spec.mask_id)
     if spec.vocab_size is not None and not 0 <= spec.mask_id < spec.vocab_size:
         raise ValueError(f"mask_id={spec.mask_id} is outside the vocabulary [0, {spec.vocab_size})")
     if spec.pad_id is not None and spec.mask_id == spec.pad_id:
@@ -50,6 +206,38 @@ def check_length(spec: ModelSpec, total: int, what: str) -> None:
 def check_token_id(spec: ModelSpec, value: int | None, name: str) -> int:
     if value is None:
         raise ValueError(f"{name} is needed here but the model declares none; pass it explicitly")
+    check_int(name, value)
     if spec.vocab_size is not None and not 0 <= value < spec.vocab_size:
         raise ValueError(f"{name}={value} is outside the vocabulary [0, {spec.vocab_size})")
     return value
+
+
+def check_optional_token_id(spec: ModelSpec, value: Any, name: str) -> int | None:
+    """None, or a token id inside the vocabulary."""
+    return None if value is None else check_token_id(spec, value, name)
+
+
+def warn(message: str) -> None:
+    """A UserWarning attributed to the caller's line, outside remask and torch (whose decorators
+    add frames), so it reads as a warning about the caller's own call."""
+    inner = tuple(os.path.dirname(sys.modules[name].__file__) + os.sep for name in (
+        "torch", "remask", "remask.diffusion", "remask.models", "remask.kernels") if name in sys.modules)
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(inner):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level)
+
+
+def warn_if_padded_without_mask(prompt: torch.Tensor, attention_mask: Any, pad_id: int | None) -> None:
+    """transformers' warning: a batch that holds pad tokens but comes without an attention mask."""
+    if attention_mask is None and pad_id is not None and bool((prompt == pad_id).any()):
+        warn("Padding was detected but no attention mask is passed here. For correct generation results, "
+             "please set `attention_mask` when batch-padding inputs.")
+
+
+def warn_if_longer_than_trained(spec: ModelSpec, gen_length: int) -> None:
+    """Models that declare the answer length they were trained on (remask's tiny models) return
+    confident nonsense beyond it; say so instead of staying silent."""
+    if spec.trained_gen_length is not None and gen_length > spec.trained_gen_length:
+        warn(f"gen_length={gen_length} is longer than the answers this model was trained on "
+             f"({spec.trained_gen_length} positions, config.trained_gen_length): expect nonsense beyond them")

@@ -26,7 +26,9 @@ from remask.models.spec import get_spec
 
 from .apd import APDConfig, apd_generate
 from .cache import BlockForward, cache_mode, valid_positions
-from .checks import check_length, check_mask_id, check_prompt
+from .checks import (check_bool, check_callable, check_choice, check_generator, check_instance, check_int, check_length,
+                     check_mask_id, check_model_kind, check_optional_token_id, check_prompt, check_real, check_stats,
+                     warn_if_longer_than_trained, warn_if_padded_without_mask)
 from remask.kernels import unmask
 
 from .scoring import score_rows, score_tokens
@@ -161,23 +163,26 @@ def diffusion_generate(
 
     if inputs is None:
         raise ValueError("inputs must be a LongTensor of prompt ids [batch, length]")
-    check_prompt(model, inputs, attention_mask, name="inputs")
     spec = get_spec(model, mask_id=config.mask_token_id)
+    check_model_kind(spec, diffusion=True, entry="remask.diffusion_generate")
     check_mask_id(spec)
-    if config.alg not in ALGORITHMS:
-        raise ValueError(f"alg must be one of {list(ALGORITHMS)}, got {config.alg!r}")
-    if not isinstance(config.steps, int) or config.steps <= 0:
-        raise ValueError(f"steps must be a positive int, got {config.steps!r}")
-    if config.alg == "confidence_threshold" and not 0 < threshold <= 1:
-        raise ValueError(f"threshold must be in (0, 1], got {threshold}")
-    if config.temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {config.temperature}")
     blocks = cache_mode(use_cache) is not None or block_length is not None
+    # Dream's sampler fills masks anywhere in the sequence; the block decoder and APD only after the prompt.
+    check_prompt(model, inputs, attention_mask, name="inputs", spec=spec,
+                 mask_in_prompt="refuse" if blocks or apd is not None else "allow")
+    _validate_config(config, spec)
+    check_real("threshold", threshold, low=0, high=1, low_open=True)
+    check_bool("finish_blocks", finish_blocks)
+    check_generator(generator, inputs.device)
+    check_stats("stats", stats)
+    check_stats("verifier_stats", verifier_stats)
+    check_instance("apd", apd, APDConfig, "a remask.APDConfig")
+    check_callable("generation_tokens_hook_func", tokens_hook)
+    check_callable("generation_logits_hook_func", logits_hook)
     if blocks:
         if block_length is None:
             block_length = DEFAULT_BLOCK_LENGTH
-        if not isinstance(block_length, int) or block_length <= 0:
-            raise ValueError(f"block_length must be a positive int, got {block_length!r}")
+        check_int("block_length", block_length, minimum=1)
         if hooks_given:
             raise ValueError(f"{' / '.join(hooks_given)} not supported by the block decoder (use_cache / "
                              "block_length); use use_cache=None without block_length")
@@ -187,7 +192,7 @@ def diffusion_generate(
     input_len = inputs.shape[-1]
     if config.max_new_tokens is not None:
         config.max_length = config.max_new_tokens + input_len
-    elif not explicit_max_length and config.max_length == DEFAULT_MAX_LENGTH:
+    elif not explicit_max_length and config.max_length in (None, DEFAULT_MAX_LENGTH):
         warnings.warn("Using the model-agnostic default `max_length` (=20) to control the generation length; "
                       "set `max_new_tokens`.", UserWarning)
         config.max_length = DEFAULT_MAX_LENGTH + input_len
@@ -197,9 +202,8 @@ def diffusion_generate(
         raise ValueError(f"input length {input_len} must be smaller than max_length={config.max_length}; "
                          "increase max_length or set max_new_tokens")
     check_length(spec, config.max_length, "max_length (prompt + new tokens)")
-    if attention_mask is None and config.pad_token_id is not None and bool((inputs == config.pad_token_id).any()):
-        warnings.warn("Padding was detected but no attention mask is passed here. For correct generation results, "
-                      "please set `attention_mask` when batch-padding inputs.", UserWarning)
+    warn_if_padded_without_mask(inputs, attention_mask, config.pad_token_id)
+    warn_if_longer_than_trained(spec, config.max_length - input_len)
     if config.num_return_sequences > 1:
         inputs = inputs.repeat_interleave(config.num_return_sequences, dim=0)
         if attention_mask is not None:
@@ -234,6 +238,27 @@ def diffusion_generate(
     if config.return_dict_in_generate:
         return DreamModelOutput(sequences=sequences, history=history)
     return sequences
+
+
+def _validate_config(config: DreamGenerationConfig, spec) -> None:
+    """Every `DreamGenerationConfig` field, whichever way it was given (keyword or config object)."""
+    check_real("temperature", config.temperature, low=0)
+    check_real("top_p", config.top_p, low=0, high=1, low_open=True, allow_none=True)
+    check_int("top_k", config.top_k, minimum=1, allow_none=True)
+    check_int("max_length", config.max_length, minimum=1, allow_none=True)
+    check_int("max_new_tokens", config.max_new_tokens, minimum=1, allow_none=True)
+    check_real("eps", config.eps, low=0, high=1, high_open=True)
+    check_int("steps", config.steps, minimum=1)
+    check_choice("alg", config.alg, ALGORITHMS)
+    check_real("alg_temp", config.alg_temp, low=0, allow_none=True)
+    check_int("num_return_sequences", config.num_return_sequences, minimum=1)
+    check_bool("return_dict_in_generate", config.return_dict_in_generate)
+    check_bool("output_history", config.output_history)
+    for name in ("pad_token_id", "bos_token_id"):
+        check_optional_token_id(spec, getattr(config, name), name)
+    eos = config.eos_token_id
+    for value in (eos if isinstance(eos, (list, tuple)) else [eos]):
+        check_optional_token_id(spec, value, "eos_token_id")
 
 
 def _scorer(config: DreamGenerationConfig, mask_id: int, generator):
@@ -303,16 +328,18 @@ def _sample(model, spec, input_ids, attention_mask, config: DreamGenerationConfi
             else:
                 t, s = timesteps[i], timesteps[i + 1]
                 # One count for the whole batch, from the mean number of masks per row (as upstream).
-                num_mask_token = mask_index.sum() / mask_index.shape[0]
+                # Rows differ in masks only when their prompts hold masks (infilled here): then no row
+                # is asked for more than it has, and the last step commits every row's rest, where the
+                # mean would leave masks in the rows above it.
+                per_row = mask_index.sum(dim=1)
+                num_mask_token = per_row.sum() / mask_index.shape[0]
                 n = int(num_mask_token * (1 - s / t)) if i < steps - 1 else int(num_mask_token)
-                if n > 0:
+                last = i == steps - 1
+                if n > 0 or last:
                     if config.alg_temp is None or config.alg_temp == 0:
-                        unmask(x, mask_index, proposal, full_conf, k=n)
+                        unmask(x, mask_index, proposal, full_conf, k=per_row if last else n)
                     else:
-                        weights = F.softmax(full_conf / config.alg_temp, dim=-1)
-                        index = torch.multinomial(weights, num_samples=n, generator=generator)
-                        rows = torch.arange(x.size(0), device=x.device)[:, None].expand_as(index)
-                        x[rows, index] = proposal[rows, index]
+                        _commit_sampled(x, proposal, full_conf, config.alg_temp, per_row, n, last, generator)
         x = tokens_hook(i, x, logits)
         if stats is not None:
             stats.step(int(before - (x == mask_id).sum()))
@@ -391,15 +418,35 @@ def _sample_blocks(model, spec, input_ids, attention_mask, config: DreamGenerati
                     if config.alg_temp is None or config.alg_temp == 0:
                         committed = int(unmask(block_x, block_mask, proposal, full_conf, k=n).sum())
                     else:
-                        weights = F.softmax(full_conf / config.alg_temp, dim=-1)
-                        index = torch.multinomial(weights, num_samples=n, generator=generator)
-                        block_x[rows.expand_as(index), index] = proposal[rows.expand_as(index), index]
+                        _commit_sampled(block_x, proposal, full_conf, config.alg_temp, block_mask.sum(dim=1), n,
+                                        False, generator)
                         committed = int(block_mask.sum() - (block_x == mask_id).sum())
                 i += 1
             record(committed)
             if not (block_x == mask_id).any():
                 break
     return x, histories
+
+
+def _commit_sampled(x, proposal, full_conf, alg_temp, per_row, n, last, generator):
+    """Dream's `alg_temp` commit: `n` positions per row drawn without replacement with weights
+    `softmax(confidence / alg_temp)` (zero off the masks). One draw for the batch, as upstream,
+    when every row has `n` masks to give (and at the last step all of them); row by row otherwise,
+    each row asked for no more than it has (upstream's single draw fails there)."""
+    counts = per_row.tolist()
+    want = counts if last else [min(n, c) for c in counts]
+    weights = F.softmax(full_conf / alg_temp, dim=-1)
+    if all(w == want[0] for w in want) and (last or min(counts) >= n):
+        if want[0] == 0:
+            return
+        index = torch.multinomial(weights, num_samples=want[0], generator=generator)
+        rows = torch.arange(x.size(0), device=x.device)[:, None].expand_as(index)
+        x[rows, index] = proposal[rows, index]
+        return
+    for row, k in enumerate(want):
+        if k > 0:
+            index = torch.multinomial(weights[row], num_samples=k, generator=generator)
+            x[row, index] = proposal[row, index]
 
 
 def _scatter(x, mask_index, confidence, x0, dtype, mask_id):

@@ -22,7 +22,10 @@ from remask.models.spec import ModelSpec, get_spec
 from .apd import APDConfig, apd_generate
 from .cache import BlockForward, cache_mode, valid_positions
 from .sparse import BlockMaskForward, RetentionForward, SparseConfig
-from .checks import check_length, check_mask_id, check_prompt, check_token_id
+from .checks import (check_bool, check_callable, check_choice, check_generator, check_instance, check_int, check_length,
+                     check_model_kind,
+                     check_mask_id, check_optional_token_id, check_prompt, check_real, check_stats, check_token_id,
+                     warn_if_longer_than_trained, warn_if_padded_without_mask)
 from remask.kernels import unmask
 
 from .scoring import score_rows, score_tokens
@@ -49,8 +52,7 @@ FAST_DLLM_FACTOR_PRECISION = Precision(softmax=torch.float64, random=torch.float
 def validate_block_args(gen_length: int, block_length: int, steps: int) -> tuple[int, int]:
     """Return (num_blocks, steps_per_block) or raise a ValueError naming the bad parameter."""
     for name, value in (("gen_length", gen_length), ("block_length", block_length), ("steps", steps)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_int(name, value, minimum=1)
     if gen_length % block_length:
         raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
     num_blocks = gen_length // block_length
@@ -63,10 +65,8 @@ def validate_block_args(gen_length: int, block_length: int, steps: int) -> tuple
 def validate_rule(threshold: float | None, factor: float | None) -> None:
     if threshold is not None and factor is not None:
         raise ValueError("pass either threshold or factor, not both")
-    if threshold is not None and not 0 < threshold <= 1:
-        raise ValueError(f"threshold must be in (0, 1], got {threshold}")
-    if factor is not None and not factor > 0:
-        raise ValueError(f"factor must be > 0, got {factor}")
+    check_real("threshold", threshold, low=0, high=1, low_open=True, allow_none=True)
+    check_real("factor", factor, low=0, low_open=True, allow_none=True)
 
 
 def cfg_logits(spec: ModelSpec, model, x, forward_inputs, prompt_index, cfg_scale, mask_id):
@@ -120,19 +120,23 @@ def block_diffusion_generate(
 
     Returns `[B, prompt_len + gen_length]`; validates every argument first.
     """
-    check_prompt(model, prompt, attention_mask)
     check_mask_id(spec)
+    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
     num_blocks, steps_per_block = validate_block_args(gen_length, block_length, steps)
     validate_rule(threshold, factor)
-    if remasking not in REMASKING:
-        raise ValueError(f"remasking must be one of {list(REMASKING)}, got {remasking!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if confidence_eos_eot_inf not in (False, True, "corrected"):
-        raise ValueError(f"confidence_eos_eot_inf must be False, True or 'corrected', got {confidence_eos_eot_inf!r}")
-    if cfg_scale < 0:
-        raise ValueError(f"cfg_scale must be >= 0, got {cfg_scale}")
+    check_choice("remasking", remasking, REMASKING)
+    check_real("temperature", temperature, low=0)
+    check_choice("confidence_eos_eot_inf", confidence_eos_eot_inf, (False, True, "corrected"))
+    check_real("cfg_scale", cfg_scale, low=0)
+    for name, flag in (("logits_eos_inf", logits_eos_inf), ("early_stop", early_stop),
+                       ("reference_rng", reference_rng), ("reference_ties", reference_ties)):
+        check_bool(name, flag)
+    check_generator(generator, prompt.device)
+    check_stats("stats", stats)
+    check_callable("on_step", on_step)
     check_length(spec, prompt.shape[1] + gen_length, "prompt length + gen_length")
+    warn_if_padded_without_mask(prompt, attention_mask, spec.pad_id)
+    warn_if_longer_than_trained(spec, gen_length)
     mode = cache_mode(use_cache)
     if mode is not None and cfg_scale > 0:
         raise ValueError("cfg_scale > 0 cannot be combined with use_cache (Fast-dLLM's caches have no CFG pass); "
@@ -141,8 +145,7 @@ def block_diffusion_generate(
         raise NotImplementedError(f"use_cache={mode!r} in the LLaDA block loop needs unshifted logits; for Dream "
                                   "use remask.diffusion_generate(..., use_cache=...) (Fast-dLLM's Dream block decoder)")
     if sparse is not None:
-        if not isinstance(sparse, SparseConfig):
-            raise TypeError(f"sparse must be a remask.SparseConfig, got {type(sparse).__name__}")
+        check_instance("sparse", sparse, SparseConfig, "a remask.SparseConfig")
         sparse.validate(block_length)
         clashes = [name for name, bad in (("use_cache", mode is not None), ("cfg_scale", cfg_scale > 0)) if bad]
         if clashes:
@@ -187,7 +190,8 @@ def block_diffusion_generate(
     if sparse is not None and sparse.method == "block_mask":
         forwards = BlockMaskForward(model, spec, sparse, forward_inputs, steps, gen_length)
     elif sparse is not None:
-        forwards = RetentionForward(model, spec, sparse, forward_inputs, valid_positions(attention_mask, T))
+        forwards = RetentionForward(model, spec, sparse, forward_inputs, valid_positions(attention_mask, T),
+                                    topk_ties=reference_ties)
     else:
         forwards = BlockForward(model, spec, use_cache, forward_inputs, valid_positions(attention_mask, T))
 
@@ -343,9 +347,14 @@ def generate(
     Returns:
         LongTensor `[B, P + gen_length]` with the prompt unchanged and no mask token left.
     """
+    for name, value in (("mask_id", mask_id), ("eos_id", eos_id), ("eot_id", eot_id)):
+        check_int(name, value, minimum=0, allow_none=True)
     spec = get_spec(model, mask_id=mask_id, eos_id=eos_id, eot_id=eot_id)
-    if spec.kind == "ar":
-        raise ValueError("remask.generate decodes diffusion models; for an autoregressive model use remask.ar_generate")
+    check_model_kind(spec, diffusion=True, entry="remask.generate")
+    check_optional_token_id(spec, eos_id, "eos_id")
+    check_optional_token_id(spec, eot_id, "eot_id")
+    check_instance("apd", apd, APDConfig, "a remask.APDConfig")
+    check_stats("verifier_stats", verifier_stats)
     if apd is not None:
         clashes = [name for name, value in (("threshold", threshold), ("factor", factor), ("use_cache", use_cache),
                                             ("cfg_scale", cfg_scale or None), ("on_step", on_step),
@@ -353,9 +362,14 @@ def generate(
         if clashes or remasking != "low_confidence":
             raise ValueError(f"apd= decodes left to right with its verifier; it does not combine with "
                              f"{clashes or ['remasking']}")
-        check_prompt(model, prompt, attention_mask)
         check_mask_id(spec)
+        check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
+        check_int("gen_length", gen_length, minimum=1)
+        check_real("temperature", temperature, low=0)
+        check_generator(generator, prompt.device)
+        check_stats("stats", stats)
         check_length(spec, prompt.shape[1] + gen_length, "prompt length + gen_length")
+        warn_if_longer_than_trained(spec, gen_length)
         return apd_generate(model, spec, prompt, gen_length, apd, temperature=temperature, generator=generator,
                             stats=stats, verifier_stats=verifier_stats)
     return block_diffusion_generate(

@@ -22,6 +22,8 @@ import torch
 from remask.models.sparse import BlockMaskAttention, RetentionKVCache
 from remask.models.spec import ModelSpec
 
+from .checks import check_bool, check_choice, check_int, check_real
+
 SPARSE_METHODS = ("retention", "block_mask")
 
 
@@ -51,28 +53,24 @@ class SparseConfig:
     kv_block_size: int = 1
     corrected_scale: bool = False
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self, block_length: int | None = None) -> None:
-        if self.method not in SPARSE_METHODS:
-            raise ValueError(f"sparse method must be one of {list(SPARSE_METHODS)}, got {self.method!r}")
-        if not 0 < self.retention_ratio <= 1:
-            raise ValueError(f"retention_ratio must be in (0, 1], got {self.retention_ratio}")
-        if not isinstance(self.delay_step, int) or self.delay_step < 0:
-            raise ValueError(f"delay_step must be an int >= 0, got {self.delay_step!r}")
-        if self.pool_kernel is not None and (not isinstance(self.pool_kernel, int) or self.pool_kernel < 1
-                                             or self.pool_kernel % 2 == 0):
+        check_choice("sparse method", self.method, SPARSE_METHODS)
+        check_real("retention_ratio", self.retention_ratio, low=0, high=1, low_open=True)
+        check_int("delay_step", self.delay_step, minimum=0)
+        check_int("block_len", self.block_len, minimum=1, allow_none=True)
+        if self.pool_kernel is not None and (check_int("pool_kernel", self.pool_kernel, minimum=1) % 2 == 0):
             raise ValueError(f"pool_kernel must be None or an odd int >= 1 (the pooled scores keep their length), "
                              f"got {self.pool_kernel!r}")
-        if not isinstance(self.head_select, bool):
-            raise ValueError(f"head_select must be True or False, got {self.head_select!r}")
-        if not 0 <= self.skip_fraction < 1:
-            raise ValueError(f"skip_fraction must be in [0, 1), got {self.skip_fraction}")
-        if not isinstance(self.kv_block_size, int) or self.kv_block_size < 1:
-            raise ValueError(f"kv_block_size must be an int >= 1, got {self.kv_block_size!r}")
+        check_bool("head_select", self.head_select)
+        check_real("skip_fraction", self.skip_fraction, low=0, high=1, high_open=True)
+        check_int("kv_block_size", self.kv_block_size, minimum=1)
         if self.method == "retention" and self.kv_block_size != 1:
             raise ValueError(f"method='retention' keeps single tokens (kv_block_size=1, as Sparse-dLLM); got "
                              f"kv_block_size={self.kv_block_size}")
-        if not isinstance(self.corrected_scale, bool):
-            raise ValueError(f"corrected_scale must be True or False, got {self.corrected_scale!r}")
+        check_bool("corrected_scale", self.corrected_scale)
         if self.block_len is not None and block_length is not None and self.block_len != block_length:
             raise ValueError(f"SparseConfig.block_len={self.block_len} must equal block_length={block_length} "
                              f"(the block whose queries select and whose keys are never evicted)")
@@ -85,9 +83,10 @@ class RetentionForward:
     one at `delay_step` a full forward that selects, later ones feed the block alone."""
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, sparse: SparseConfig, forward_inputs: dict[str, Any],
-                 valid: torch.Tensor | None) -> None:
+                 valid: torch.Tensor | None, topk_ties: bool = False) -> None:
         self.model, self.spec, self.sparse, self.forward_inputs = model, spec, sparse, forward_inputs
-        self.cache = RetentionKVCache(sparse.retention_ratio, sparse.pool_kernel, sparse.head_select, valid)
+        self.cache = RetentionKVCache(sparse.retention_ratio, sparse.pool_kernel, sparse.head_select, valid,
+                                      topk_ties)
         self.step_index = 0   # within the current block
 
     @property

@@ -50,12 +50,17 @@ def retention_scores(q_block: torch.Tensor, keys: torch.Tensor, head_select: boo
 
 def retained_positions(q: torch.Tensor, k: torch.Tensor, start: int, end: int, retention_ratio: float,
                        pool_kernel: int | None, head_select: bool,
-                       valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                       valid: torch.Tensor | None, topk_ties: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions to keep outside the block `[start, end)` after a full forward with queries `q`
     `[B, Hq, T, D]` and keys `k` `[B, H_kv, T, D]` (after RoPE). `valid` `[B, T]` bool marks
     non-pad positions (None: all).
 
-    Returns (positions `[B, S, n_max]` int64 absolute, in upstream's topk order; counts `[B]`):
+    Among exactly equal scores (max-pooling copies one score onto its neighbours, so ties are the
+    rule, and the cut often falls inside one) the earlier position is kept: a stable descending
+    sort, so a row keeps the same positions whatever its left padding. `topk_ties=True` keeps
+    `torch.topk`'s order instead (upstream's; it depends on the row's length, pads included).
+
+    Returns (positions `[B, S, n_max]` int64 absolute, in descending score order; counts `[B]`):
     row b keeps its first `counts[b]` entries (S = 1, or H_kv with `head_select`)."""
     B, _, T, _ = k.shape
     outside = torch.cat([torch.arange(start, device=k.device), torch.arange(end, T, device=k.device)])
@@ -75,9 +80,12 @@ def retained_positions(q: torch.Tensor, k: torch.Tensor, start: int, end: int, r
     # upstream: int(N * keep_ratio) in Python floats
     counts = torch.tensor([int(n * retention_ratio) for n in n_outside.tolist()], device=k.device)
     n_max = int(counts.max()) if B else 0
-    # topk over upstream's own shape ([B, N] for one shared set): its order among tied pooled scores
-    keep = torch.topk(importance[:, 0], k=n_max, dim=-1).indices[:, None] if S == 1 else \
-        torch.topk(importance, k=n_max, dim=-1).indices
+    if topk_ties:
+        # topk over upstream's own shape ([B, N] for one shared set): its order among tied pooled scores
+        keep = torch.topk(importance[:, 0], k=n_max, dim=-1).indices[:, None] if S == 1 else \
+            torch.topk(importance, k=n_max, dim=-1).indices
+    else:
+        keep = torch.sort(importance, dim=-1, descending=True, stable=True).indices[..., :n_max]
     return outside[keep], counts
 
 
@@ -86,10 +94,11 @@ class RetentionKVCache(KVCache):
     positions of the sequence (None: no padding)."""
 
     def __init__(self, retention_ratio: float, pool_kernel: int | None, head_select: bool,
-                 valid: torch.Tensor | None = None) -> None:
+                 valid: torch.Tensor | None = None, topk_ties: bool = False) -> None:
         super().__init__()
         self.retention_ratio, self.pool_kernel, self.head_select, self.valid = (
             retention_ratio, pool_kernel, head_select, valid)
+        self.topk_ties = topk_ties
         self.block: tuple[int, int] | None = None
         self.selecting = False
         self.kept: list[torch.Tensor] = []        # per layer: [B, S, n_max] positions
@@ -133,7 +142,7 @@ class RetentionKVCache(KVCache):
             keys, values = self.update(layer, k, v, start)
             start_b, end_b = self.block
             positions, counts = retained_positions(q, keys, start_b, end_b, self.retention_ratio, self.pool_kernel,
-                                                   self.head_select, self.valid)
+                                                   self.head_select, self.valid, self.topk_ties)
             self.kept.append(positions)
             self.kept_counts.append(counts)
             self.total_len = keys.shape[-2]

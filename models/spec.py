@@ -18,7 +18,9 @@ class ModelSpec:
 
     kind: "llada", "dream" or "ar". logit_shift: position i is predicted from hidden state i−1
     (Dream). bidirectional: attention is not causal. vocab_size: width of the logits.
-    max_length: the longest sequence the model accepts (None: unknown).
+    max_length: the longest sequence the model accepts (None: unknown). trained_gen_length: the
+    longest answer the model was trained to produce, where its config declares one
+    (`config.trained_gen_length`, remask's tiny models); the samplers warn beyond it.
     """
 
     kind: str
@@ -30,6 +32,7 @@ class ModelSpec:
     max_length: int | None = None
     logit_shift: bool = False
     bidirectional: bool = True
+    trained_gen_length: int | None = None
     _inputs: Callable[["ModelSpec", torch.Tensor | None, int], dict[str, Any]] = field(
         default=None, repr=False, compare=False)
 
@@ -107,6 +110,7 @@ def _llada_spec(config: Any) -> ModelSpec:
         max_length=getattr(config, "max_sequence_length", None),
         logit_shift=False,
         bidirectional=True,
+        trained_gen_length=getattr(config, "trained_gen_length", None),
         _inputs=_padding_mask_inputs,
     )
 
@@ -122,6 +126,7 @@ def _dream_spec(config: Any) -> ModelSpec:
         max_length=getattr(config, "max_position_embeddings", None),
         logit_shift=True,
         bidirectional=True,
+        trained_gen_length=getattr(config, "trained_gen_length", None),
         _inputs=_dream_inputs,
     )
 
@@ -136,6 +141,7 @@ def _ar_spec(config: Any) -> ModelSpec:
         max_length=getattr(config, "max_position_embeddings", None),
         logit_shift=False,
         bidirectional=False,
+        trained_gen_length=getattr(config, "trained_gen_length", None),
         _inputs=_padding_mask_inputs,
     )
 

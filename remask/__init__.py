@@ -6,16 +6,19 @@
     out = remask.generate(model, prompt_ids, steps=128, gen_length=128, block_length=32)
 """
 from remask import models as _models  # noqa: F401  (registers LLaDA and Dream with transformers)
+from remask.diffusion.checks import ParameterTypeError
 from remask.diffusion import (
     APDConfig, DreamGenerationConfig, DreamModelOutput, GenerationStats, SparseConfig, ar_generate, diffusion_generate,
     generate)
 from remask.models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM, ModelSpec, get_spec
 from remask.patching import patch
+from remask.text import answer_text, stop_token_ids
 from remask.zoo import load
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "APDConfig", "DreamConfig", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats", "LLaDAConfig",
-    "LLaDAModelLM", "ModelSpec", "SparseConfig", "ar_generate", "diffusion_generate", "generate", "get_spec", "load", "patch",
+    "APDConfig", "DreamConfig", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
+    "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "SparseConfig", "answer_text", "ar_generate",
+    "diffusion_generate", "generate", "get_spec", "load", "patch", "stop_token_ids",
 ]

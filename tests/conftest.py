@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
 
 # Triton kernels are tested on CPU under the interpreter; it must be chosen before triton is imported.
 if not torch.cuda.is_available():
@@ -12,6 +13,12 @@ if not torch.cuda.is_available():
 
 import remask  # noqa: F401  (registers the model classes with transformers)
 from helpers import CHECKPOINTS
+
+# Fuzzing (tests/test_fuzz.py): "ci" is the default run (bounded, derandomized so CI is repeatable);
+# HYPOTHESIS_PROFILE=nightly runs hundreds of random examples per property.
+settings.register_profile("ci", max_examples=100, deadline=None, derandomize=True, print_blob=True)
+settings.register_profile("nightly", max_examples=400, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Tiny shapes make every op small; on 2-core machines OpenMP hand-offs then cost more than the work.
 torch.set_num_threads(1)

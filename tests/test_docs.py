@@ -41,8 +41,9 @@ def test_zoo_doctests():
     import remask.zoo
     import remask.zoo.evaluate
     import remask.models.paged
+    import remask.text
     import remask.zoo.tasks
 
-    for module in (remask.zoo, remask.zoo.tasks, remask.zoo.evaluate, remask.models.paged):
+    for module in (remask.zoo, remask.zoo.tasks, remask.zoo.evaluate, remask.models.paged, remask.text):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__

@@ -145,7 +145,7 @@ def test_one_step_blocks_are_finished(load_model):
     (dict(use_cache="pages"), "use_cache must be one of"),
     (dict(use_cache="dual", block_length=5), "divisible by block_length"),
     (dict(use_cache="dual", block_length=4, steps=3), "steps"),
-    (dict(use_cache="dual", block_length=0), "block_length must be a positive int"),
+    (dict(use_cache="dual", block_length=0), "block_length must be an int >= 1"),
     (dict(use_cache="dual", generation_tokens_hook_func=lambda s, x, l: x), "not supported by the block decoder"),
 ])
 def test_block_decoder_argument_errors(kwargs, match, load_model):

@@ -18,8 +18,9 @@ def tiny_llada():
     return remask.load("tiny-llada")[0]
 
 
-def _brute_force(q, k, start, end, ratio, pool, row):
-    """Upstream's CustomCache.filter_cache for one row, spelled out position by position."""
+def _brute_force(q, k, start, end, ratio, pool, row, topk_ties=True):
+    """Upstream's CustomCache.filter_cache for one row, spelled out position by position
+    (`topk_ties=False`: remask's default order among equal scores, the earlier position first)."""
     T = k.shape[2]
     outside = [p for p in range(T) if not start <= p < end]
     group = q.shape[1] // k.shape[1]
@@ -28,19 +29,24 @@ def _brute_force(q, k, start, end, ratio, pool, row):
     importance = torch.stack([(keys[h] @ mean_q[h]) for h in range(q.shape[1])]).mean(0)
     if pool is not None:
         importance = F.max_pool1d(importance[None, None], pool, 1, pool // 2)[0, 0]
-    keep = torch.topk(importance, int(len(outside) * ratio)).indices
-    return sorted(outside[i] for i in keep.tolist())
+    n = int(len(outside) * ratio)
+    if topk_ties:
+        keep = torch.topk(importance, n).indices.tolist()
+    else:
+        keep = sorted(range(len(outside)), key=lambda i: (-float(importance[i]), i))[:n]
+    return sorted(outside[i] for i in keep)
 
 
+@pytest.mark.parametrize("topk_ties", [True, False])
 @pytest.mark.parametrize("ratio,pool", [(0.5, 3), (0.3, None), (0.9, 5), (0.1, 3)])
-def test_selection_matches_upstreams_rule(ratio, pool):
+def test_selection_matches_upstreams_rule(ratio, pool, topk_ties):
     g = torch.Generator().manual_seed(int(ratio * 10))
     q = torch.randn(2, 4, 29, 8, generator=g)
     k = torch.randn(2, 2, 29, 8, generator=g)
-    positions, counts = retained_positions(q, k, 10, 16, ratio, pool, False, None)
+    positions, counts = retained_positions(q, k, 10, 16, ratio, pool, False, None, topk_ties=topk_ties)
     for row in range(2):
         got = sorted(positions[row, 0, :counts[row]].tolist())
-        assert got == _brute_force(q, k, 10, 16, ratio, pool, row)
+        assert got == _brute_force(q, k, 10, 16, ratio, pool, row, topk_ties)
         assert not any(10 <= p < 16 for p in got)
 
 
@@ -64,8 +70,8 @@ def test_pads_are_never_kept_and_rows_keep_what_they_keep_alone():
     valid = torch.cat([torch.zeros(1, pad, dtype=torch.bool), torch.ones(1, 20, dtype=torch.bool)], dim=1)
     padded, n_padded = retained_positions(qp, kp, 12 + pad, 16 + pad, 0.5, 3, False, valid)
     assert int(n_padded[0]) == int(n_alone[0])
-    # the same set (pooled scores tie between neighbours, and topk may order ties differently)
-    assert sorted(padded[0, 0, :n_padded[0]].tolist()) == sorted((alone[0, 0, :n_alone[0]] + pad).tolist())
+    # the same positions in the same order: ties (pooled neighbours) go to the earlier position
+    assert padded[0, 0, :n_padded[0]].tolist() == (alone[0, 0, :n_alone[0]] + pad).tolist()
 
 
 def test_keeping_everything_from_the_block_start_is_the_dual_cache(tiny_llada):

@@ -29,6 +29,8 @@ import torch
 
 import remask
 
+pytestmark = pytest.mark.filterwarnings("ignore:gen_length=.*trained on", "ignore:Padding was detected")
+
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 with open(os.path.join(FIXTURES, "sparse_reference.json")) as f:
     DATA = json.load(f)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from remask.diffusion.checks import check_bool, check_int, check_model_kind
 from remask.diffusion.dream import diffusion_generate
 from remask.diffusion.llada import FAST_DLLM_FACTOR_PRECISION, FAST_DLLM_PRECISION, block_diffusion_generate
 from remask.diffusion.stats import GenerationStats
@@ -25,7 +26,9 @@ from remask.models.spec import get_spec
 def _run(model, prompt, steps, gen_length, block_length, temperature, remasking, mask_id, threshold, factor,
          reference_rng, generator, use_cache):
     stats = GenerationStats()
+    check_int("mask_id", mask_id, minimum=0)
     spec = get_spec(model, mask_id=mask_id)
+    check_model_kind(spec, diffusion=True, entry="remask.compat.fast_dllm")
     x = block_diffusion_generate(
         model, prompt, None, steps=steps, gen_length=gen_length, block_length=block_length,
         temperature=temperature, remasking=remasking, spec=spec, threshold=threshold, factor=factor,
@@ -74,7 +77,7 @@ def dream_diffusion_generate(model, inputs, generation_config=None, **kwargs):
     `dual_cache` (False: the prefix cache). Returns what Dream's returns (sequences, or a
     `DreamModelOutput` with `return_dict_in_generate=True`). Upstream's fixes listed in
     docs/quirks.md apply (batches decoded row by row, blocks finished)."""
-    dual_cache = kwargs.pop("dual_cache", False)
+    dual_cache = check_bool("dual_cache", kwargs.pop("dual_cache", False))
     kwargs.setdefault("threshold", 0.9)
     kwargs.setdefault("block_length", 32)
     return diffusion_generate(model, inputs, generation_config, use_cache="dual" if dual_cache else "prefix", **kwargs)

@@ -185,6 +185,9 @@ def train(name: str, out: str, steps: int, batch_size: int, lr: float, warmup: i
         print(f"[{name}] stopped at step {end} (--stop-after); continue with --resume", flush=True)
         return None
     model.eval()
+    if name == "tiny-llada":
+        # Beyond its training answers' length the model is confidently wrong; the samplers warn there.
+        config = {**config, "trained_gen_length": gen_length}
     save_checkpoint(name, model, config, folder)
     return {"parameters": n_params, "steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
             "train_seconds_this_run": round(time.time() - t0, 1), "log": log}
