@@ -7,6 +7,8 @@ otherwise), like every other sampler in remask.
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -16,6 +18,107 @@ from .checks import (ParameterTypeError, check_generator, check_int, check_model
                      check_token_id, warn_if_padded_without_mask)
 from .scoring import score_tokens
 from .stats import GenerationStats
+
+
+@dataclass
+class ARState:
+    """Rows decoded together: the prompt `[B, P]`, the tokens so far `[B, max_new_tokens]`
+    (`pad_token_id` after a row's EOS), the model's cache and the logits of the next position."""
+
+    input_ids: torch.Tensor
+    tokens: torch.Tensor
+    finished: torch.Tensor
+    mask: torch.Tensor
+    position_ids: torch.Tensor
+    cache: Any
+    logits: torch.Tensor
+    step: int = 0
+    generated: int = 0
+    done: bool = False
+
+
+class ARDecoder:
+    """Autoregressive decoding as a state and a step (`ar_generate` drives one batch, the engine
+    many): `start` runs the prompt's forward, each `step` samples one token per row and, unless
+    that ends the state, runs the next one-token forward. The constructor validates the settings."""
+
+    def __init__(self, model: torch.nn.Module, *, max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
+                 pad_token_id: int | None = None) -> None:
+        spec = get_spec(model)
+        check_model_kind(spec, diffusion=False, entry="remask.ar_generate")
+        check_int("max_new_tokens", max_new_tokens, minimum=1)
+        check_real("temperature", temperature, low=0)
+        check_int("top_k", top_k, minimum=1, allow_none=True)
+        check_real("top_p", top_p, low=0, high=1, low_open=True, allow_none=True)
+        config = model.config
+        if eos_token_id is None:
+            eos_token_id = getattr(config, "eos_token_id", None)
+        if eos_token_id is None or isinstance(eos_token_id, numbers.Integral):
+            eos_ids = [] if eos_token_id is None else [eos_token_id]
+        elif isinstance(eos_token_id, (list, tuple)):
+            eos_ids = list(eos_token_id)
+        else:
+            raise ParameterTypeError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
+        for value in eos_ids:
+            check_token_id(spec, value, "eos_token_id")
+        if pad_token_id is None:
+            pad_token_id = getattr(config, "pad_token_id", None)
+            if pad_token_id is None:
+                pad_token_id = eos_ids[0] if eos_ids else 0
+        check_token_id(spec, pad_token_id, "pad_token_id")
+        self.model, self.spec = model, spec
+        self.max_new_tokens, self.temperature, self.top_k, self.top_p = max_new_tokens, temperature, top_k, top_p
+        self.eos_ids, self.pad_token_id = eos_ids, pad_token_id
+
+    def check_input(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        check_prompt(self.model, input_ids, attention_mask, name="input_ids", spec=self.spec)
+        max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        if max_positions is not None and input_ids.shape[1] + self.max_new_tokens > max_positions:
+            raise ValueError(f"prompt length + max_new_tokens = {input_ids.shape[1] + self.max_new_tokens} exceeds "
+                             f"the model's max_position_embeddings {max_positions}")
+
+    def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+              stats: GenerationStats | None = None) -> ARState:
+        B, P = input_ids.shape
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True)
+        if stats is not None:
+            stats.forward(B, P)
+        device = input_ids.device
+        return ARState(input_ids=input_ids, mask=mask, position_ids=position_ids, cache=out.past_key_values,
+                       logits=out.logits[:, -1],
+                       tokens=torch.full((B, self.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device),
+                       finished=torch.zeros(B, dtype=torch.bool, device=device))
+
+    def step(self, state: ARState, generator: torch.Generator | None = None,
+             stats: GenerationStats | None = None) -> None:
+        B = state.tokens.shape[0]
+        # A mask token the config declares (a model sharing a diffusion model's tokenizer) is never
+        # emitted: no remask output holds one.
+        next_token, _ = score_tokens(state.logits.float(), temperature=self.temperature, top_k=self.top_k,
+                                     top_p=self.top_p, sampler="categorical", exclude_id=self.spec.mask_id,
+                                     generator=generator)
+        next_token = torch.where(state.finished, torch.full_like(next_token, self.pad_token_id), next_token)
+        state.tokens[:, state.step] = next_token
+        active = int((~state.finished).sum())
+        state.generated += active
+        if stats is not None:
+            stats.step(active)
+        state.finished |= torch.isin(next_token, torch.tensor(self.eos_ids, dtype=torch.long, device=next_token.device))
+        state.step += 1
+        if bool(state.finished.all()) or state.step == self.max_new_tokens:
+            state.done = True
+            return
+        mask = state.mask
+        state.mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=mask.device)], dim=-1)
+        state.position_ids = state.position_ids[:, -1:] + 1
+        out = self.model(input_ids=next_token[:, None], attention_mask=state.mask, position_ids=state.position_ids,
+                         past_key_values=state.cache, use_cache=True)
+        if stats is not None:
+            stats.forward(B, 1)
+        state.cache, state.logits = out.past_key_values, out.logits[:, -1]
 
 
 @torch.no_grad()
@@ -38,73 +141,17 @@ def ar_generate(
     Rows that emitted an EOS id continue with `pad_token_id` (default: the first EOS id); decoding
     stops early once every row has finished. Returns `[B, P + max_new_tokens]`.
     """
-    spec = get_spec(model)
-    check_model_kind(spec, diffusion=False, entry="remask.ar_generate")
-    check_prompt(model, input_ids, attention_mask, name="input_ids", spec=spec)
-    check_int("max_new_tokens", max_new_tokens, minimum=1)
-    check_real("temperature", temperature, low=0)
-    check_int("top_k", top_k, minimum=1, allow_none=True)
-    check_real("top_p", top_p, low=0, high=1, low_open=True, allow_none=True)
+    decoder = ARDecoder(model, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    decoder.check_input(input_ids, attention_mask)
     check_generator(generator, input_ids.device)
     check_stats("stats", stats)
-    config = model.config
-    if eos_token_id is None:
-        eos_token_id = getattr(config, "eos_token_id", None)
-    if eos_token_id is None or isinstance(eos_token_id, numbers.Integral):
-        eos_ids = [] if eos_token_id is None else [eos_token_id]
-    elif isinstance(eos_token_id, (list, tuple)):
-        eos_ids = list(eos_token_id)
-    else:
-        raise ParameterTypeError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
-    for value in eos_ids:
-        check_token_id(spec, value, "eos_token_id")
-    if pad_token_id is None:
-        pad_token_id = getattr(config, "pad_token_id", None)
-        if pad_token_id is None:
-            pad_token_id = eos_ids[0] if eos_ids else 0
-    check_token_id(spec, pad_token_id, "pad_token_id")
-    warn_if_padded_without_mask(input_ids, attention_mask, getattr(config, "pad_token_id", None))
-    max_positions = getattr(config, "max_position_embeddings", None)
-    if max_positions is not None and input_ids.shape[1] + max_new_tokens > max_positions:
-        raise ValueError(f"prompt length + max_new_tokens = {input_ids.shape[1] + max_new_tokens} exceeds the "
-                         f"model's max_position_embeddings {max_positions}")
-
+    warn_if_padded_without_mask(input_ids, attention_mask, getattr(model.config, "pad_token_id", None))
     if stats is not None:
         stats.start()
-    B, P = input_ids.shape
-    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True)
+    state = decoder.start(input_ids, attention_mask, stats)
+    while not state.done:
+        decoder.step(state, generator, stats)
     if stats is not None:
-        stats.forward(B, P)
-    cache = out.past_key_values
-    logits = out.logits[:, -1]
-    tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=input_ids.device)
-    finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-    eos = torch.tensor(eos_ids, dtype=torch.long, device=input_ids.device)
-    generated = 0
-    for step in range(max_new_tokens):
-        # A mask token the config declares (a model sharing a diffusion model's tokenizer) is never
-        # emitted: no remask output holds one.
-        next_token, _ = score_tokens(logits.float(), temperature=temperature, top_k=top_k, top_p=top_p,
-                                     sampler="categorical", exclude_id=spec.mask_id, generator=generator)
-        next_token = torch.where(finished, torch.full_like(next_token, pad_token_id), next_token)
-        tokens[:, step] = next_token
-        active = int((~finished).sum())
-        generated += active
-        if stats is not None:
-            stats.step(active)
-        finished |= torch.isin(next_token, eos)
-        if bool(finished.all()) or step == max_new_tokens - 1:
-            break
-        mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=mask.device)], dim=-1)
-        position_ids = position_ids[:, -1:] + 1
-        out = model(input_ids=next_token[:, None], attention_mask=mask, position_ids=position_ids,
-                    past_key_values=cache, use_cache=True)
-        if stats is not None:
-            stats.forward(B, 1)
-        cache = out.past_key_values
-        logits = out.logits[:, -1]
-    if stats is not None:
-        stats.stop(generated)   # tokens up to and including each row's EOS
-    return torch.cat([input_ids, tokens], dim=1)
+        stats.stop(state.generated)   # tokens up to and including each row's EOS
+    return torch.cat([input_ids, state.tokens], dim=1)

@@ -11,8 +11,8 @@ one launch).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -23,9 +23,8 @@ from .apd import APDConfig, apd_generate
 from .cache import BlockForward, cache_mode, valid_positions
 from .sparse import BlockMaskForward, RetentionForward, SparseConfig
 from .checks import (check_bool, check_callable, check_choice, check_generator, check_instance, check_int, check_length,
-                     check_model_kind,
-                     check_mask_id, check_optional_token_id, check_prompt, check_real, check_stats, check_token_id,
-                     warn_if_longer_than_trained, warn_if_padded_without_mask)
+                     check_mask_id, check_model_kind, check_optional_token_id, check_prompt, check_real, check_stats,
+                     check_token_id, warn_if_longer_than_trained, warn_if_padded_without_mask)
 from remask.kernels import unmask
 
 from .scoring import score_rows, score_tokens
@@ -79,6 +78,240 @@ def cfg_logits(spec: ModelSpec, model, x, forward_inputs, prompt_index, cfg_scal
     return un_logits + (cfg_scale + 1) * (logits - un_logits)
 
 
+@dataclass
+class BlockState:
+    """One batch of rows under the block loop: the sequence `x` `[B, T]` (prompt, then the
+    generation, masked until committed), where the loop is (`block`, `step` within it), and the
+    forwards that serve it (`BlockForward` or a sparse variant, with its cache)."""
+
+    x: torch.Tensor
+    prompt_len: int
+    forwards: Any
+    forward_inputs: dict[str, Any]
+    prompt_index: torch.Tensor
+    finished: torch.Tensor
+    block: int = 0
+    step: int = 0
+    schedule: torch.Tensor | None = None
+    done: bool = False
+    block_rows_for: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def batch(self) -> int:
+        return self.x.shape[0]
+
+
+class BlockDecoder:
+    """LLaDA's semi-autoregressive block rule (and Fast-dLLM's threshold / factor rules, caches,
+    sparse attention) as a state and a step: `start` builds a `BlockState`, each `step` runs one
+    model forward and commits, until `state.done`. `block_diffusion_generate` drives one batch;
+    the engine drives many states, sharing forwards where `full_forward(state)` allows (then it
+    calls `commit` with its share of a batched forward's logits).
+
+    The constructor validates every setting (see `block_diffusion_generate` for their meaning).
+    """
+
+    def __init__(self, spec: ModelSpec, *, steps: int = 128, gen_length: int = 128, block_length: int = 128,
+                 temperature: float = 0.0, cfg_scale: float = 0.0, remasking: str = "low_confidence",
+                 logits_eos_inf: bool = False, confidence_eos_eot_inf: bool | str = False,
+                 threshold: float | None = None, factor: float | None = None, precision: Precision | None = None,
+                 early_stop: bool = False, reference_rng: bool = False, use_cache: str | PagedKVCache | None = None,
+                 sparse: SparseConfig | None = None, reference_ties: bool = False) -> None:
+        check_mask_id(spec)
+        self.num_blocks, self.steps_per_block = validate_block_args(gen_length, block_length, steps)
+        validate_rule(threshold, factor)
+        check_choice("remasking", remasking, REMASKING)
+        check_real("temperature", temperature, low=0)
+        check_choice("confidence_eos_eot_inf", confidence_eos_eot_inf, (False, True, "corrected"))
+        check_real("cfg_scale", cfg_scale, low=0)
+        for name, flag in (("logits_eos_inf", logits_eos_inf), ("early_stop", early_stop),
+                           ("reference_rng", reference_rng), ("reference_ties", reference_ties)):
+            check_bool(name, flag)
+        mode = cache_mode(use_cache)
+        if mode is not None and cfg_scale > 0:
+            raise ValueError("cfg_scale > 0 cannot be combined with use_cache (Fast-dLLM's caches have no CFG pass); "
+                             "use use_cache=None")
+        if mode is not None and spec.logit_shift:
+            raise NotImplementedError(f"use_cache={mode!r} in the LLaDA block loop needs unshifted logits; for Dream "
+                                      "use remask.diffusion_generate(..., use_cache=...) (Fast-dLLM's Dream block "
+                                      "decoder)")
+        if sparse is not None:
+            check_instance("sparse", sparse, SparseConfig, "a remask.SparseConfig")
+            sparse.validate(block_length)
+            clashes = [name for name, bad in (("use_cache", mode is not None), ("cfg_scale", cfg_scale > 0)) if bad]
+            if clashes:
+                raise ValueError(f"sparse= keeps its own cache and has no CFG pass; it does not combine with {clashes}")
+            if spec.logit_shift:
+                raise NotImplementedError("sparse= in the LLaDA block loop needs unshifted logits (LLaDA-format models)")
+        if precision is None:
+            precision = LLADA_PRECISION if threshold is None and factor is None else (
+                FAST_DLLM_FACTOR_PRECISION if factor is not None else FAST_DLLM_PRECISION)
+        self.suppress = [check_token_id(spec, spec.eos_id, "eos_id")] if logits_eos_inf else None
+        self.zero_prob_ids = None
+        stop_ids: list[int] = []
+        if confidence_eos_eot_inf:
+            eos = check_token_id(spec, spec.eos_id, "eos_id")
+            eot = check_token_id(spec, spec.eot_id, "eot_id")
+            if confidence_eos_eot_inf is True:
+                # As implemented upstream: the chained assignment after the argmax zeroes p(EOT) in the
+                # confidence softmax; at T=0 the noisy logits alias the logits, so p(EOS) too.
+                self.zero_prob_ids = [eos, eot] if temperature == 0 else [eot]
+            stop_ids = [eos, eot]
+        if early_stop:
+            stop_ids = [i for i in (spec.eos_id, spec.eot_id) if i is not None]
+            if not stop_ids:
+                raise ValueError("early_stop needs an eos_id in the model spec; pass eos_id explicitly")
+        self.spec, self.mode, self.use_cache, self.sparse, self.precision = spec, mode, use_cache, sparse, precision
+        self.gen_length, self.block_length, self.steps = gen_length, block_length, steps
+        self.temperature, self.cfg_scale, self.remasking = temperature, cfg_scale, remasking
+        self.threshold, self.factor, self.early_stop = threshold, factor, early_stop
+        self.confidence_eos_eot_inf, self.reference_ties = confidence_eos_eot_inf, reference_ties
+        self.stop_ids = stop_ids
+        self.parallel = threshold is not None or factor is not None
+        self.reference_sampling = temperature > 0 and reference_rng
+
+    def check_input(self, model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """The prompt checks of this rule (call before `start`)."""
+        spec = self.spec
+        check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
+        check_length(spec, prompt.shape[1] + self.gen_length, "prompt length + gen_length")
+        if self.sparse is not None and self.sparse.method == "block_mask" and attention_mask is not None \
+                and not bool(attention_mask.all()):
+            raise ValueError("sparse method 'block_mask' decodes unpadded rows (SparseD's block masks cover the "
+                             "whole sequence); pass rows of equal length or decode them one at a time")
+
+    def start(self, model: torch.nn.Module, prompt: torch.Tensor,
+              attention_mask: torch.Tensor | None = None) -> BlockState:
+        spec, mask_id = self.spec, self.spec.mask_id
+        B, P = prompt.shape
+        T = P + self.gen_length
+        x = torch.full((B, T), mask_id, dtype=torch.long, device=prompt.device)
+        x[:, :P] = prompt
+        forward_inputs = spec.forward_inputs(attention_mask, T)
+        if self.sparse is not None and self.sparse.method == "block_mask":
+            forwards = BlockMaskForward(model, spec, self.sparse, forward_inputs, self.steps, self.gen_length)
+        elif self.sparse is not None:
+            forwards = RetentionForward(model, spec, self.sparse, forward_inputs, valid_positions(attention_mask, T),
+                                        topk_ties=self.reference_ties)
+        else:
+            forwards = BlockForward(model, spec, self.use_cache, forward_inputs, valid_positions(attention_mask, T))
+        state = BlockState(x=x, prompt_len=P, forwards=forwards, forward_inputs=forward_inputs,
+                           prompt_index=x != mask_id, finished=torch.zeros(B, dtype=torch.bool, device=x.device))
+        self._begin_block(state)
+        return state
+
+    def block_span(self, state: BlockState) -> tuple[int, int]:
+        start = state.prompt_len + state.block * self.block_length
+        return start, start + self.block_length
+
+    def _begin_block(self, state: BlockState) -> None:
+        start, end = self.block_span(state)
+        state.step = 0
+        state.schedule = schedule_counts(state.x[:, start:end] == self.spec.mask_id, self.steps_per_block)
+        state.block_rows_for = {}
+
+    def full_forward(self, state: BlockState) -> bool:
+        """Whether the next forward is a plain full forward of `state.x` with no extra inputs,
+        which rows of other states with the same shape can share."""
+        return (self.mode is None and self.sparse is None and self.cfg_scale == 0
+                and not state.forward_inputs)
+
+    def forward(self, model: torch.nn.Module, state: BlockState) -> tuple[torch.Tensor, int]:
+        """The next forward of `state`: logits of the positions it computes and the first of them."""
+        start, end = self.block_span(state)
+        if self.cfg_scale > 0:
+            return cfg_logits(self.spec, model, state.x, state.forward_inputs, state.prompt_index, self.cfg_scale,
+                              self.spec.mask_id), 0
+        if state.step == 0:
+            return state.forwards.refresh(state.x, start, end), 0
+        return state.forwards.step(state.x, start, end)
+
+    def step(self, model: torch.nn.Module, state: BlockState, generator: torch.Generator | None = None,
+             stats: GenerationStats | None = None, on_step: Callable | None = None) -> None:
+        """One forward and its commit."""
+        logits, fed = self.forward(model, state)
+        self.commit(state, logits, fed, generator, stats, on_step)
+
+    def commit(self, state: BlockState, logits: torch.Tensor, fed: int, generator: torch.Generator | None = None,
+               stats: GenerationStats | None = None, on_step: Callable | None = None) -> None:
+        """Score the block's rows of `logits` (the positions from `fed` on), commit this step's
+        tokens, and move on to the next step, block, or the end."""
+        x, mask_id, precision = state.x, self.spec.mask_id, self.precision
+        B, L = state.batch, logits.shape[1]
+        start, end = self.block_span(state)
+        block_x = x[:, start:end]   # a view: unmask writes the committed tokens straight into x
+        block_mask = block_x == mask_id
+        if stats is not None:
+            stats.forward(B * (2 if self.cfg_scale > 0 else 1), L, state.forwards.cache_nbytes)
+        local = start - fed   # the block's first row within the logits
+        if self.reference_sampling and self.mode == "prefix" and state.step > 0:
+            # Upstream's prefix loop draws (and discards) one extra noise tensor per cached step.
+            torch.rand(logits.shape, dtype=torch.float64, device=x.device, generator=generator)
+        if self.reference_sampling or self.reference_ties:
+            # The reference's formulation over the whole [B, T, V] logits: its float64 noise
+            # stream, and its softmax rounding (which decides its ties at p = 1.0).
+            x0, conf = score_tokens(logits, temperature=self.temperature, suppress_ids=self.suppress,
+                                    zero_prob_ids=self.zero_prob_ids, softmax_dtype=precision.softmax,
+                                    exclude_id=mask_id, generator=generator)
+            x0, conf = x0[:, local:local + self.block_length], conf[:, local:local + self.block_length]
+        else:
+            if (L, local) not in state.block_rows_for:
+                state.block_rows_for[L, local] = (torch.arange(B, device=x.device)[:, None] * L + torch.arange(
+                    local, local + self.block_length, device=x.device)).reshape(-1)
+            x0, conf = score_rows(logits, state.block_rows_for[L, local], temperature=self.temperature,
+                                  suppress_ids=self.suppress, zero_prob_ids=self.zero_prob_ids, exclude_id=mask_id,
+                                  generator=generator)
+            # Rounded to the reference's softmax dtype, so its ties (e.g. p = 1.0) are its ties.
+            x0 = x0.view(B, -1)
+            conf = conf.view(B, -1).to(precision.softmax or logits.dtype)
+        if self.remasking == "random":
+            # Drawn over every position the forward computed, as upstream, then cut to the block.
+            conf = torch.rand((B, L), dtype=precision.random, device=x.device,
+                              generator=generator)[:, local:local + self.block_length]
+        if self.confidence_eos_eot_inf == "corrected":
+            # What the option was meant to do: commit EOS/EOT only when nothing else is left.
+            conf = conf.masked_fill(torch.isin(x0, self._stop_tensor(x)), -torch.inf)
+        before = block_mask.clone() if on_step is not None else None
+        if self.threshold is not None:
+            committed = unmask(block_x, block_mask, x0, conf, threshold=self.threshold)
+        elif self.factor is not None:
+            committed = unmask(block_x, block_mask, x0, conf, factor=self.factor)
+        elif self.reference_ties:
+            committed = topk_commit(block_x, block_mask, x0, conf, state.schedule[:, state.step], L, local)
+        else:
+            committed = unmask(block_x, block_mask, x0, conf, k=state.schedule[:, state.step])
+        if on_step is not None:
+            transfer = torch.zeros_like(x, dtype=torch.bool)
+            transfer[:, start:end] = before & ~block_mask
+            on_step(state.block, x, transfer)
+        if stats is not None:
+            stats.step(int(committed.sum()))
+        state.step += 1
+        block_over = not bool((block_x == mask_id).any()) if self.parallel else state.step == self.steps_per_block
+        if block_over:
+            self._end_block(state, block_x, end)
+
+    def _stop_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(self.stop_ids, dtype=torch.long, device=x.device)
+
+    def _end_block(self, state: BlockState, block_x: torch.Tensor, end: int) -> None:
+        if self.early_stop:
+            # A row stops once a fully decoded block contains a stop token; the rest becomes EOS.
+            block_done = (block_x != self.spec.mask_id).all(dim=1)
+            has_stop = torch.isin(block_x, self._stop_tensor(block_x)).any(dim=1)
+            newly = block_done & has_stop & ~state.finished
+            state.x[newly, end:] = self.stop_ids[0]
+            state.finished |= newly
+            if bool(state.finished.all()):
+                state.done = True
+                return
+        state.block += 1
+        if state.block == self.num_blocks:
+            state.done = True
+        else:
+            self._begin_block(state)
+
+
 @torch.no_grad()
 def block_diffusion_generate(
     model: torch.nn.Module,
@@ -106,7 +339,8 @@ def block_diffusion_generate(
     sparse: SparseConfig | None = None,
     reference_ties: bool = False,
 ) -> torch.Tensor:
-    """The shared block loop behind `remask.generate` and `remask.compat.fast_dllm.generate`.
+    """The shared block loop behind `remask.generate` and `remask.compat.fast_dllm.generate`:
+    `BlockDecoder` over one batch.
 
     `use_cache` (Fast-dLLM v1): None = a full forward every step; "prefix" = a full forward at
     each block start builds the K/V cache and commits the block's first tokens, then each step
@@ -120,161 +354,26 @@ def block_diffusion_generate(
 
     Returns `[B, prompt_len + gen_length]`; validates every argument first.
     """
-    check_mask_id(spec)
-    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
-    num_blocks, steps_per_block = validate_block_args(gen_length, block_length, steps)
-    validate_rule(threshold, factor)
-    check_choice("remasking", remasking, REMASKING)
-    check_real("temperature", temperature, low=0)
-    check_choice("confidence_eos_eot_inf", confidence_eos_eot_inf, (False, True, "corrected"))
-    check_real("cfg_scale", cfg_scale, low=0)
-    for name, flag in (("logits_eos_inf", logits_eos_inf), ("early_stop", early_stop),
-                       ("reference_rng", reference_rng), ("reference_ties", reference_ties)):
-        check_bool(name, flag)
+    decoder = BlockDecoder(spec, steps=steps, gen_length=gen_length, block_length=block_length,
+                           temperature=temperature, cfg_scale=cfg_scale, remasking=remasking,
+                           logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf,
+                           threshold=threshold, factor=factor, precision=precision, early_stop=early_stop,
+                           reference_rng=reference_rng, use_cache=use_cache, sparse=sparse,
+                           reference_ties=reference_ties)
+    decoder.check_input(model, prompt, attention_mask)
     check_generator(generator, prompt.device)
     check_stats("stats", stats)
     check_callable("on_step", on_step)
-    check_length(spec, prompt.shape[1] + gen_length, "prompt length + gen_length")
     warn_if_padded_without_mask(prompt, attention_mask, spec.pad_id)
     warn_if_longer_than_trained(spec, gen_length)
-    mode = cache_mode(use_cache)
-    if mode is not None and cfg_scale > 0:
-        raise ValueError("cfg_scale > 0 cannot be combined with use_cache (Fast-dLLM's caches have no CFG pass); "
-                         "use use_cache=None")
-    if mode is not None and spec.logit_shift:
-        raise NotImplementedError(f"use_cache={mode!r} in the LLaDA block loop needs unshifted logits; for Dream "
-                                  "use remask.diffusion_generate(..., use_cache=...) (Fast-dLLM's Dream block decoder)")
-    if sparse is not None:
-        check_instance("sparse", sparse, SparseConfig, "a remask.SparseConfig")
-        sparse.validate(block_length)
-        clashes = [name for name, bad in (("use_cache", mode is not None), ("cfg_scale", cfg_scale > 0)) if bad]
-        if clashes:
-            raise ValueError(f"sparse= keeps its own cache and has no CFG pass; it does not combine with {clashes}")
-        if spec.logit_shift:
-            raise NotImplementedError("sparse= in the LLaDA block loop needs unshifted logits (LLaDA-format models)")
-        if sparse.method == "block_mask" and attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("sparse method 'block_mask' decodes unpadded rows (SparseD's block masks cover the "
-                             "whole sequence); pass rows of equal length or decode them one at a time")
-    if precision is None:
-        precision = LLADA_PRECISION if threshold is None and factor is None else (
-            FAST_DLLM_FACTOR_PRECISION if factor is not None else FAST_DLLM_PRECISION)
-    mask_id = spec.mask_id
-    suppress = [check_token_id(spec, spec.eos_id, "eos_id")] if logits_eos_inf else None
-    zero_prob_ids = None
-    stop_ids: list[int] = []
-    if confidence_eos_eot_inf:
-        eos = check_token_id(spec, spec.eos_id, "eos_id")
-        eot = check_token_id(spec, spec.eot_id, "eot_id")
-        if confidence_eos_eot_inf is True:
-            # As implemented upstream: the chained assignment after the argmax zeroes p(EOT) in the
-            # confidence softmax; at T=0 the noisy logits alias the logits, so p(EOS) too.
-            zero_prob_ids = [eos, eot] if temperature == 0 else [eot]
-        stop_ids = [eos, eot]
-    if early_stop:
-        stop_ids = [i for i in (spec.eos_id, spec.eot_id) if i is not None]
-        if not stop_ids:
-            raise ValueError("early_stop needs an eos_id in the model spec; pass eos_id explicitly")
-
     if stats is not None:
         stats.start()
-    B, P = prompt.shape
-    T = P + gen_length
-    x = torch.full((B, T), mask_id, dtype=torch.long, device=prompt.device)
-    x[:, :P] = prompt
-    forward_inputs = spec.forward_inputs(attention_mask, T)
-    prompt_index = x != mask_id
-    stop_tensor = torch.tensor(stop_ids, dtype=torch.long, device=x.device)
-    finished = torch.zeros(B, dtype=torch.bool, device=x.device)
-    parallel = threshold is not None or factor is not None
-    reference_sampling = temperature > 0 and reference_rng
-    if sparse is not None and sparse.method == "block_mask":
-        forwards = BlockMaskForward(model, spec, sparse, forward_inputs, steps, gen_length)
-    elif sparse is not None:
-        forwards = RetentionForward(model, spec, sparse, forward_inputs, valid_positions(attention_mask, T),
-                                    topk_ties=reference_ties)
-    else:
-        forwards = BlockForward(model, spec, use_cache, forward_inputs, valid_positions(attention_mask, T))
-
-    for block in range(num_blocks):
-        start, end = P + block * block_length, P + (block + 1) * block_length
-        block_x = x[:, start:end]  # a view: unmask writes the committed tokens straight into x
-        schedule = schedule_counts(block_x == mask_id, steps_per_block)
-        block_rows_for: dict[tuple[int, int], torch.Tensor] = {}   # flat logits rows of the block, per (L, local)
-        step = 0
-        while True:
-            block_mask = block_x == mask_id
-            if parallel:
-                if not block_mask.any():
-                    break
-            elif step == steps_per_block:
-                break
-            # Which positions this forward computes (`fed` = the first): all of them, or (cached
-            # steps) the block and what follows it (prefix) / the block alone (dual, paged).
-            fed = 0
-            if cfg_scale > 0:
-                logits = cfg_logits(spec, model, x, forward_inputs, prompt_index, cfg_scale, mask_id)
-            elif step == 0:
-                logits = forwards.refresh(x, start, end)
-            else:
-                logits, fed = forwards.step(x, start, end)
-            L = logits.shape[1]
-            if stats is not None:
-                stats.forward(B * (2 if cfg_scale > 0 else 1), L, forwards.cache_nbytes)
-            local = start - fed   # the block's first row within the logits
-            if reference_sampling and mode == "prefix" and step > 0:
-                # Upstream's prefix loop draws (and discards) one extra noise tensor per cached step.
-                torch.rand(logits.shape, dtype=torch.float64, device=x.device, generator=generator)
-            if reference_sampling or reference_ties:
-                # The reference's formulation over the whole [B, T, V] logits: its float64 noise
-                # stream, and its softmax rounding (which decides its ties at p = 1.0).
-                x0, conf = score_tokens(logits, temperature=temperature, suppress_ids=suppress,
-                                        zero_prob_ids=zero_prob_ids, softmax_dtype=precision.softmax,
-                                        exclude_id=mask_id, generator=generator)
-                x0, conf = x0[:, local:local + block_length], conf[:, local:local + block_length]
-            else:
-                if (L, local) not in block_rows_for:
-                    block_rows_for[L, local] = (torch.arange(B, device=x.device)[:, None] * L
-                                         + torch.arange(local, local + block_length, device=x.device)).reshape(-1)
-                x0, conf = score_rows(logits, block_rows_for[L, local], temperature=temperature, suppress_ids=suppress,
-                                      zero_prob_ids=zero_prob_ids, exclude_id=mask_id, generator=generator)
-                # Rounded to the reference's softmax dtype, so its ties (e.g. p = 1.0) are its ties.
-                x0 = x0.view(B, -1)
-                conf = conf.view(B, -1).to(precision.softmax or logits.dtype)
-            if remasking == "random":
-                # Drawn over every position the forward computed, as upstream, then cut to the block.
-                conf = torch.rand((B, L), dtype=precision.random, device=x.device,
-                                  generator=generator)[:, local:local + block_length]
-            if confidence_eos_eot_inf == "corrected":
-                # What the option was meant to do: commit EOS/EOT only when nothing else is left.
-                conf = conf.masked_fill(torch.isin(x0, stop_tensor), -torch.inf)
-            before = block_mask.clone() if on_step is not None else None
-            if threshold is not None:
-                committed = unmask(block_x, block_mask, x0, conf, threshold=threshold)
-            elif factor is not None:
-                committed = unmask(block_x, block_mask, x0, conf, factor=factor)
-            elif reference_ties:
-                committed = topk_commit(block_x, block_mask, x0, conf, schedule[:, step], L, local)
-            else:
-                committed = unmask(block_x, block_mask, x0, conf, k=schedule[:, step])
-            if on_step is not None:
-                transfer = torch.zeros_like(x, dtype=torch.bool)
-                transfer[:, start:end] = before & ~block_mask
-                on_step(block, x, transfer)
-            if stats is not None:
-                stats.step(int(committed.sum()))
-            step += 1
-        if early_stop:
-            # A row stops once a fully decoded block contains a stop token; the rest becomes EOS.
-            block_done = (block_x != mask_id).all(dim=1)
-            has_stop = torch.isin(block_x, stop_tensor).any(dim=1)
-            newly = block_done & has_stop & ~finished
-            x[newly, end:] = stop_ids[0]
-            finished |= newly
-            if bool(finished.all()):
-                break
+    state = decoder.start(model, prompt, attention_mask)
+    while not state.done:
+        decoder.step(model, state, generator, stats, on_step)
     if stats is not None:
-        stats.stop(int(B * gen_length))
-    return x
+        stats.stop(int(state.batch * gen_length))
+    return state.x
 
 
 def generate(

@@ -10,6 +10,7 @@ from remask.diffusion.checks import ParameterTypeError
 from remask.diffusion import (
     APDConfig, DreamGenerationConfig, DreamModelOutput, GenerationStats, SparseConfig, ar_generate, diffusion_generate,
     generate)
+from remask.engine import LLM, LLMEngine, RequestOutput, SamplingParams
 from remask.models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM, ModelSpec, get_spec
 from remask.patching import patch
 from remask.text import answer_text, stop_token_ids
@@ -19,6 +20,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "APDConfig", "DreamConfig", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
-    "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "SparseConfig", "answer_text", "ar_generate",
+    "LLM", "LLMEngine", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "RequestOutput", "SamplingParams", "SparseConfig", "answer_text", "ar_generate",
     "diffusion_generate", "generate", "get_spec", "load", "patch", "stop_token_ids",
 ]

@@ -1,0 +1,112 @@
+"""`remask.LLM`: offline batched generation over `LLMEngine`, in the shape vLLM users know.
+
+    >>> import remask
+    >>> llm = remask.LLM("tiny-llada")
+    >>> params = remask.SamplingParams(max_tokens=16, steps=16, block_length=8, seed=0)
+    >>> [out.outputs[0].text for out in llm.generate(["sort 52814", "reverse abcd"], params, use_tqdm=False,
+    ...                                              chat=True)]
+    ['12458', 'dcba']
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence as Seq
+
+import torch
+
+from remask.diffusion.checks import check_bool
+
+from .llm_engine import LLMEngine
+from .sampling_params import SamplingParams
+from .sequence import RequestOutput
+
+Prompt = str | Seq[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """An engine over one model.
+
+    `model`: a shipped name (`"tiny-llada"`, `"tiny-ar"`), a checkpoint folder, or a loaded model
+    (then pass its `tokenizer` for text prompts). `dtype` / `device`: for a name or folder
+    (default float32 on CPU). `max_num_seqs` / `max_num_batched_tokens`: admission limits of one
+    step. `batch_invariant`: every request's tokens independent of its batch-mates (see
+    `remask.engine.batch_invariant`). `seed`: the seed of requests without their own.
+    """
+
+    def __init__(self, model: str | torch.nn.Module, tokenizer: Any = None, *, dtype: torch.dtype | None = None,
+                 device: str | torch.device | None = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 16384, batch_invariant: bool = True, seed: int = 0) -> None:
+        if isinstance(model, torch.nn.Module):
+            if dtype is not None or device is not None:
+                raise ValueError("dtype / device apply when LLM loads the model; move a loaded model yourself")
+        else:
+            from remask.zoo import load
+
+            model, loaded_tokenizer = load(model, dtype=dtype or torch.float32, device=device or "cpu")
+            tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
+        self.tokenizer = tokenizer
+        self.engine = LLMEngine(model, tokenizer, max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens, batch_invariant=batch_invariant,
+                                seed=seed)
+        self._counter = 0
+
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True, chat: bool = False) -> list[RequestOutput]:
+        """One `RequestOutput` per prompt, in input order. `prompts`: a string, token ids, or a list
+        of them; `sampling_params`: one for all or one per prompt. `chat=True` wraps each text
+        prompt as one user message in the tokenizer's chat template (as `LLM.chat` does)."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        check_bool("use_tqdm", use_tqdm)
+        if chat:
+            prompts = [self._chat_ids([{"role": "user", "content": p}]) if isinstance(p, str) else p for p in prompts]
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def chat(self, messages: Seq[Message] | Seq[Seq[Message]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to conversations (one, or a list of them) through the tokenizer's chat
+        template with the generation prompt appended."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self._run([self._chat_ids(c) for c in conversations], sampling_params, use_tqdm)
+
+    def _chat_ids(self, messages: Seq[Message]) -> list[int]:
+        if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("chat needs a tokenizer with a chat template")
+        out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        ids = []
+        for prompt, p in zip(prompts, params):
+            request_id = f"llm-{self._counter}"
+            self._counter += 1
+            self.engine.add_request(request_id, prompt, p)
+            ids.append(request_id)
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        start, tokens = time.perf_counter(), 0
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    tokens += sum(len(o.all_token_ids) for o in out.outputs)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} generated tok/s")
+        if bar is not None:
+            bar.close()
+        return [finished[i] for i in ids]

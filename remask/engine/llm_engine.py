@@ -1,0 +1,250 @@
+"""`LLMEngine`: requests in, one engine step at a time, outputs out — what `LLM` and a server drive.
+
+    engine = LLMEngine(model, tokenizer)
+    engine.add_request("a", "sort 52814", SamplingParams(max_tokens=16))
+    while engine.has_unfinished_requests():
+        for out in engine.step():          # requests with new final tokens (or finished)
+            print(out.request_id, out.outputs[0].text, out.finished)
+
+Reproducibility: every sample draws from its own `torch.Generator`, seeded by
+`SamplingParams.seed` (+ the sample's index), or, without a seed, by the engine's seed and the
+prompt's token ids (never the arrival order). With `batch_invariant=True` a request's tokens are
+bitwise the same whatever else is in the batch, and equal to `remask.generate` /
+`remask.ar_generate` on that prompt alone with `generator=torch.Generator().manual_seed(seed)`.
+"""
+from __future__ import annotations
+
+import enum
+import zlib
+from typing import Any, Sequence as Seq
+
+import torch
+
+from remask.diffusion.ar import ARDecoder
+from remask.diffusion.checks import check_bool, check_int, check_length, check_prompt
+from remask.diffusion.llada import BlockDecoder
+from remask.models.spec import get_spec
+from remask.text import answer_text, stop_token_ids
+
+from .model_runner import ModelRunner
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus, now
+
+# Settings that only the diffusion block rule reads: an AR request that sets one is refused.
+DIFFUSION_ONLY = ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "early_stop",
+                  "logits_eos_inf", "confidence_eos_eot_inf", "reference_rng", "reference_ties")
+
+
+class EngineState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"     # finishes what it has, admits nothing new
+    SHUT_DOWN = "shut_down"
+    ERROR = "error"
+
+
+class LLMEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 16384, batch_invariant: bool = True, seed: int = 0) -> None:
+        self.state = EngineState.LOADING
+        check_int("max_num_seqs", max_num_seqs, minimum=1)
+        check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
+        check_bool("batch_invariant", batch_invariant)
+        check_int("seed", seed, minimum=0)
+        self.model, self.tokenizer, self.seed = model.eval(), tokenizer, seed
+        self.spec = get_spec(model)
+        self.is_ar = self.spec.kind == "ar"
+        self.device = next(model.parameters()).device
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.spec, batch_invariant)
+        self.requests: dict[str, tuple[str | None, list[int], list[Sequence]]] = {}
+        self.stop_ids = sorted(set(stop_token_ids(tokenizer, model) if tokenizer is not None else
+                                   [i for i in (self.spec.eos_id, self.spec.eot_id) if i is not None]))
+        self.state = EngineState.READY
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | Seq[int] | torch.Tensor,
+                    params: SamplingParams | None = None) -> None:
+        """Queue a request (a text prompt, or token ids). Everything is checked here; a bad
+        request raises `ValueError` naming the problem and the engine keeps serving the others."""
+        if self.state is not EngineState.READY:
+            raise RuntimeError(f"the engine is {self.state.value}: it admits no new request")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a remask.SamplingParams, got {type(params).__name__}")
+        text, ids = self._prompt_ids(prompt)
+        prompt_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        unsupported = params.unsupported_by_engine()
+        if unsupported:
+            raise ValueError(f"not served by the engine yet: {', '.join(unsupported)}")
+        if self.is_ar:
+            set_here = [name for name in DIFFUSION_ONLY
+                        if getattr(params, name) != getattr(SamplingParams, name)]
+            if set_here or params.cfg_scale or params.remasking != "low_confidence":
+                raise ValueError(f"the model is autoregressive; these settings are for diffusion models: "
+                                 f"{set_here + (['cfg_scale'] if params.cfg_scale else [])}")
+            decoder = ARDecoder(self.model, **params.ar_kwargs(self._eos_ids()))
+            decoder.check_input(prompt_ids, None)
+        else:
+            if params.top_p is not None or params.top_k is not None:
+                raise ValueError("top_p / top_k filter autoregressive sampling (and Dream's); LLaDA's block rule "
+                                 "samples with Gumbel-max over the full vocabulary: leave them None")
+            decoder = BlockDecoder(self.spec, **params.generate_kwargs())
+            decoder.check_input(self.model, prompt_ids, None)
+        check_length(self.spec, prompt_ids.shape[1] + params.max_tokens, "prompt length + max_tokens")
+        base_seed = params.seed if params.seed is not None else self._default_seed(ids)
+        arrival = now()
+        seqs = [Sequence(request_id=request_id, index=i, prompt_ids=prompt_ids, params=params, decoder=decoder,
+                         generator=torch.Generator(device=self.device).manual_seed(base_seed + i), arrival_time=arrival)
+                for i in range(params.n)]
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self.requests[request_id] = (text, ids, seqs)
+
+    def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer: pass tokenizer= or token ids")
+            ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            text = prompt
+        elif torch.is_tensor(prompt):
+            if prompt.dim() != 1:
+                raise ValueError(f"prompt token ids must be 1-D, got shape {tuple(prompt.shape)}")
+            ids, text = prompt.tolist(), None
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids, text = list(prompt), None
+        else:
+            raise ValueError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        check_prompt(self.model, torch.tensor([ids], dtype=torch.long, device=self.device), None, spec=self.spec,
+                     mask_in_prompt="allow" if self.is_ar else "refuse")
+        return text, ids
+
+    def _eos_ids(self) -> list[int]:
+        eos = getattr(self.model.config, "eos_token_id", None)
+        return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+    def _default_seed(self, ids: list[int]) -> int:
+        # From the engine seed and the prompt, not the arrival order: a request decodes the same
+        # whenever and among whatever it arrives.
+        return (self.seed * 1_000_003 + zlib.crc32(str(ids).encode())) % (2**31)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now (waiting or running) and free its cache; returns its last output
+        (what was final so far, finish reason "abort"), or None for an unknown or finished id (a
+        request may finish while its abort is on the way)."""
+        if request_id not in self.requests:
+            return None
+        for seq in self.requests[request_id][2]:
+            if not seq.is_finished:
+                seq.output_ids = self._generated(seq)
+        for seq in self.scheduler.abort(request_id):
+            seq.finish_time = now()
+        out = self.output(request_id)
+        del self.requests[request_id]
+        return out
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def drain(self) -> None:
+        """Admit nothing new; `step` finishes the requests already queued."""
+        self.state = EngineState.DRAINING
+
+    def shutdown(self) -> None:
+        for request_id in list(self.requests):
+            self.abort_request(request_id)
+        self.state = EngineState.SHUT_DOWN
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Admit waiting requests, run one step of every running sequence, retire the finished.
+        Returns an output for every request whose final tokens grew or that finished."""
+        _, running = self.scheduler.schedule()
+        failed = self.runner.step(running)
+        touched: dict[str, None] = {}
+        for seq in running:
+            if seq in failed:
+                seq.error, seq.finish_reason, seq.finish_time = failed[seq], "error", now()
+                seq.output_ids = self._generated(seq)
+                self.scheduler.finish(seq, SequenceStatus.ABORTED)
+                touched[seq.request_id] = None
+                continue
+            if self._advance(seq):
+                touched[seq.request_id] = None
+        outputs = [self.output(request_id) for request_id in touched]
+        for out in outputs:
+            if out.finished:
+                del self.requests[out.request_id]
+        return outputs
+
+    def _advance(self, seq: Sequence) -> bool:
+        """Update what is final; finish the sequence when its decoder is done. True if it changed."""
+        state = seq.state
+        if isinstance(seq.decoder, ARDecoder):
+            final = state.step
+        else:
+            final = seq.params.max_tokens if state.done else state.block * seq.decoder.block_length
+        grew = final > seq.final_len
+        if grew and seq.first_final_time is None:
+            seq.first_final_time = now()
+        seq.final_len = final
+        if not state.done and seq.params.stop and isinstance(seq.decoder, ARDecoder) and grew:
+            text = answer_text(self.tokenizer, self._generated(seq), stop_ids=self._stop_ids(seq))
+            if any(s in text for s in seq.params.stop):
+                state.done = True
+        if state.done:
+            seq.stats.stop(seq.final_len if isinstance(seq.decoder, ARDecoder) else seq.params.max_tokens)
+            seq.finish_time = now()
+            seq.output_ids = self._generated(seq)
+            self.scheduler.finish(seq)
+            return True
+        return grew
+
+    def _generated(self, seq: Sequence) -> list[int]:
+        state = seq.state
+        if state is None:
+            return seq.output_ids or []
+        if isinstance(seq.decoder, ARDecoder):
+            return state.tokens[0, :state.step].tolist()
+        return state.x[0, seq.prompt_len:seq.prompt_len + seq.final_len].tolist()
+
+    def _stop_ids(self, seq: Sequence) -> list[int]:
+        return sorted(set(self.stop_ids) | set(seq.params.stop_token_ids))
+
+    def output(self, request_id: str) -> RequestOutput:
+        text, ids, seqs = self.requests[request_id]
+        outputs = []
+        for seq in seqs:
+            generated = self._generated(seq)
+            stops = set(self._stop_ids(seq))
+            cut = next((i + 1 for i, t in enumerate(generated) if t in stops), None)
+            answer = generated if cut is None else generated[:cut]
+            body = answer_text(self.tokenizer, answer, stop_ids=stops) if self.tokenizer is not None else ""
+            reason = seq.finish_reason
+            if seq.is_finished and reason is None:
+                reason = "stop" if cut is not None else "length"
+            for s in seq.params.stop:
+                if s in body:
+                    body, reason = body[:body.index(s)], "stop" if seq.is_finished else reason
+            outputs.append(CompletionOutput(index=seq.index, text=body, token_ids=answer, all_token_ids=generated,
+                                            finish_reason=reason if seq.is_finished else None, nfe=seq.stats.nfe,
+                                            tokens_per_step=list(seq.stats.tokens_per_step), error=seq.error))
+        first = [s.first_final_time for s in seqs if s.first_final_time is not None]
+        done = [s.finish_time for s in seqs if s.finish_time is not None]
+        arrival = seqs[0].arrival_time
+        finished = all(s.is_finished for s in seqs)
+        metrics = {"arrival_time": arrival, "first_token_time": min(first) if first else None,
+                   "time_to_first_token": (min(first) - arrival) if first else None,
+                   "finish_time": max(done) if finished and done else None,
+                   "latency": (max(done) - arrival) if finished and done else None}
+        return RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=ids, outputs=outputs,
+                             finished=finished, metrics=metrics)

@@ -1,0 +1,135 @@
+"""`SamplingParams`: every decoding setting of one request, validated when it is built.
+
+The checks are the ones `remask.generate` / `ar_generate` run (`remask/diffusion/checks.py`, the
+one validation layer), so a request that would fail there fails here, before it reaches the
+engine; model-dependent checks (token ids, context length) run at `LLMEngine.add_request`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from remask.diffusion.apd import APDConfig
+from remask.diffusion.cache import CACHE_MODES
+from remask.diffusion.checks import (ParameterTypeError, check_bool, check_choice, check_instance, check_int,
+                                     check_real)
+from remask.diffusion.dream import ALGORITHMS
+from remask.diffusion.llada import REMASKING, validate_block_args, validate_rule
+from remask.diffusion.sparse import SparseConfig
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding settings of one request (vLLM's names where vLLM has the setting).
+
+    Common: `max_tokens` (the generation length: diffusion models fill exactly this many
+    positions), `n` (samples per prompt; sample i draws from `seed + i`), `seed` (None: the
+    engine's seed plus the request's index), `temperature`, `stop` (strings that end the answer's
+    text), `stop_token_ids` (ids that end it, besides the model's EOS/EOT).
+
+    Diffusion (LLaDA's block rule, `remask.generate`'s keywords): `steps` (None: `max_tokens`, one
+    token per step), `block_length` (None: `max_tokens`), `remasking`, `threshold` / `factor`
+    (Fast-dLLM), `cfg_scale`, `use_cache` (None, "prefix", "dual", "paged"), `early_stop`,
+    `logits_eos_inf`, `confidence_eos_eot_inf`, `reference_rng`, `reference_ties`, `sparse`.
+
+    Autoregressive: `top_p`, `top_k` (also Dream's). Dream's sampler (`alg`, `alg_temp`, `eps`) and
+    APD (`apd`) are validated here but not served by the engine yet (`add_request` says so).
+    """
+
+    max_tokens: int = 16
+    n: int = 1
+    seed: int | None = None
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    steps: int | None = None
+    block_length: int | None = None
+    remasking: str = "low_confidence"
+    threshold: float | None = None
+    factor: float | None = None
+    cfg_scale: float = 0.0
+    use_cache: str | None = None
+    early_stop: bool = False
+    logits_eos_inf: bool = False
+    confidence_eos_eot_inf: bool | str = False
+    reference_rng: bool = False
+    reference_ties: bool = False
+    sparse: SparseConfig | None = None
+    alg: str | None = None
+    alg_temp: float | None = None
+    eps: float = 1e-3
+    apd: APDConfig | None = None
+
+    def __post_init__(self) -> None:
+        check_int("max_tokens", self.max_tokens, minimum=1)
+        check_int("n", self.n, minimum=1)
+        check_int("seed", self.seed, minimum=0, allow_none=True)
+        check_real("temperature", self.temperature, low=0)
+        check_real("top_p", self.top_p, low=0, high=1, low_open=True, allow_none=True)
+        check_int("top_k", self.top_k, minimum=1, allow_none=True)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ParameterTypeError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)):
+            raise ParameterTypeError(f"stop_token_ids must be a list of ints, got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(check_int("stop_token_ids", i, minimum=0) for i in ids))
+        check_int("steps", self.steps, minimum=1, allow_none=True)
+        check_int("block_length", self.block_length, minimum=1, allow_none=True)
+        validate_block_args(self.max_tokens, self.block_length or self.max_tokens, self.steps or self.max_tokens)
+        check_choice("remasking", self.remasking, REMASKING)
+        validate_rule(self.threshold, self.factor)
+        check_real("cfg_scale", self.cfg_scale, low=0)
+        if not (self.use_cache is None or isinstance(self.use_cache, str)) or self.use_cache not in CACHE_MODES:
+            raise ValueError(f"use_cache must be one of {list(CACHE_MODES)}, got {self.use_cache!r}")
+        if self.use_cache is not None and self.cfg_scale > 0:
+            raise ValueError("cfg_scale > 0 cannot be combined with use_cache")
+        for name in ("early_stop", "logits_eos_inf", "reference_rng", "reference_ties"):
+            check_bool(name, getattr(self, name))
+        check_choice("confidence_eos_eot_inf", self.confidence_eos_eot_inf, (False, True, "corrected"))
+        check_instance("sparse", self.sparse, SparseConfig, "a remask.SparseConfig")
+        if self.sparse is not None:
+            self.sparse.validate(self.block_length or self.max_tokens)
+            if self.use_cache is not None or self.cfg_scale > 0:
+                raise ValueError("sparse keeps its own cache and has no CFG pass: not with use_cache or cfg_scale")
+        if self.alg is not None:
+            check_choice("alg", self.alg, ALGORITHMS)
+        check_real("alg_temp", self.alg_temp, low=0, allow_none=True)
+        check_real("eps", self.eps, low=0, high=1, high_open=True)
+        check_instance("apd", self.apd, APDConfig, "a remask.APDConfig")
+
+    @property
+    def gen_length(self) -> int:
+        return self.max_tokens
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of `remask.generate` that decode like these params (the engine
+        builds its block decoder from the same mapping)."""
+        return dict(steps=self.steps or self.max_tokens, gen_length=self.max_tokens,
+                    block_length=self.block_length or self.max_tokens, temperature=self.temperature,
+                    cfg_scale=self.cfg_scale, remasking=self.remasking, logits_eos_inf=self.logits_eos_inf,
+                    confidence_eos_eot_inf=self.confidence_eos_eot_inf, threshold=self.threshold,
+                    factor=self.factor, early_stop=self.early_stop, reference_rng=self.reference_rng,
+                    use_cache=self.use_cache, sparse=self.sparse, reference_ties=self.reference_ties)
+
+    def ar_kwargs(self, eos_ids: list[int]) -> dict[str, Any]:
+        """The keyword arguments of `remask.ar_generate` (EOS ids: the model's plus `stop_token_ids`)."""
+        return dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                    eos_token_id=sorted(set(eos_ids) | set(self.stop_token_ids)))
+
+    def unsupported_by_engine(self) -> list[str]:
+        """Fields set to something the engine does not serve yet (each with where to go instead)."""
+        out = []
+        if self.alg is not None or self.alg_temp is not None:
+            out.append("alg / alg_temp (Dream's sampler: use remask.diffusion_generate)")
+        if self.apd is not None:
+            out.append("apd (use remask.generate / remask.diffusion_generate with apd=)")
+        return out
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return SamplingParams(**values)

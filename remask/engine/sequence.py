@@ -1,0 +1,93 @@
+"""A request's state in the engine: one `Sequence` per sample (a request with `n=4` has four),
+and the `RequestOutput` the engine returns for it."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from remask.diffusion.stats import GenerationStats
+
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of a request: its prompt, settings, decoder state and per-sample generator.
+
+    `decoder` / `state` are a `BlockDecoder` / `BlockState` (diffusion) or an `ARDecoder` /
+    `ARState` (autoregressive); `state` is None until the sequence is scheduled."""
+
+    request_id: str
+    index: int
+    prompt_ids: torch.Tensor           # [1, P]
+    params: SamplingParams
+    decoder: Any
+    generator: torch.Generator
+    arrival_time: float
+    status: SequenceStatus = SequenceStatus.WAITING
+    state: Any = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    final_len: int = 0                 # generated positions that are final (whole decoded blocks / AR tokens)
+    first_final_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    output_ids: list[int] | None = None   # the generated ids, kept when the state is freed
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prompt_ids.shape[1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (SequenceStatus.FINISHED, SequenceStatus.ABORTED)
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions the sequence occupies in a forward (its admission cost)."""
+        return self.prompt_len + self.params.max_tokens
+
+
+@dataclass
+class CompletionOutput:
+    """One sample's answer. `token_ids`: the generated ids up to and including the first stop
+    token (EOS/EOT or `stop_token_ids`), the answer `text` without it (cut at a `stop` string);
+    `all_token_ids`: every generated position (a diffusion model fills all `max_tokens`).
+    `finish_reason`: "stop", "length", "abort" or "error"."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    all_token_ids: list[int]
+    finish_reason: str | None
+    nfe: int
+    tokens_per_step: list[int]
+    error: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What `LLM.generate` returns per prompt, and what `LLMEngine.step` reports per request.
+    `metrics`: arrival, first final block (`first_token_time`), finish, `latency` (seconds)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict[str, float | None] = field(default_factory=dict)
+
+
+def now() -> float:
+    return time.perf_counter()

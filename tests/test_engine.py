@@ -1,0 +1,287 @@
+"""`remask.LLM` / `LLMEngine`: batched, continuously scheduled decoding whose tokens never depend on
+the batch — each request's tokens are exactly those of `remask.generate` / `ar_generate` on its
+prompt alone with the same seed, whether it is submitted with 63 others, in shuffled order, or
+alone; requests join and leave between steps; bad requests and failing requests stay local."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import remask
+from remask.engine import EngineState, LLMEngine, SamplingParams, SequenceStatus
+from remask.zoo import charset, tasks
+
+PROBLEMS = [charset.encode_chat(p.prompt) for p in tasks.problems(64, tasks.EVAL_SEED)]
+
+
+@pytest.fixture(scope="module")
+def llada():
+    return remask.load("tiny-llada")
+
+
+@pytest.fixture(scope="module")
+def ar():
+    return remask.load("tiny-ar")
+
+
+def mixed_params(i: int) -> SamplingParams:
+    """Request i's settings: the LLaDA rules, caches and sampling, cycled."""
+    kinds = [
+        dict(steps=16, block_length=8),                                           # low-confidence
+        dict(steps=8, block_length=16),
+        dict(steps=16, block_length=8, threshold=0.9),                             # Fast-dLLM threshold
+        dict(steps=16, block_length=4, factor=1.0),                                # Fast-dLLM factor
+        dict(steps=16, block_length=8, threshold=0.9, use_cache="dual"),           # dual cache
+        dict(steps=16, block_length=8, use_cache="prefix"),
+        dict(steps=16, block_length=8, temperature=0.7),                           # seeded sampling
+        dict(steps=16, block_length=16, remasking="random"),
+        dict(steps=16, block_length=8, early_stop=True),
+        dict(steps=8, block_length=8, cfg_scale=0.5),
+        dict(steps=16, block_length=8, sparse=remask.SparseConfig(retention_ratio=0.5)),
+    ]
+    return SamplingParams(max_tokens=16, seed=1000 + i, **kinds[i % len(kinds)])
+
+
+def alone_llada(model, ids, params: SamplingParams, index: int = 0) -> list[int]:
+    prompt = torch.tensor([ids])
+    out = remask.generate(model, prompt, generator=torch.Generator().manual_seed(params.seed + index),
+                          **params.generate_kwargs())
+    return out[0, prompt.shape[1]:].tolist()
+
+
+def run_engine(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]]) -> dict[str, list[int]]:
+    for request_id, ids, params in requests:
+        engine.add_request(request_id, ids, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def test_64_mixed_requests_equal_generate_alone_together_shuffled_and_one_by_one(llada):
+    model, tokenizer = llada
+    requests = [(f"r{i}", PROBLEMS[i], mixed_params(i)) for i in range(64)]
+    expected = {rid: alone_llada(model, ids, p) for rid, ids, p in requests}
+
+    together = run_engine(LLMEngine(model, tokenizer), requests)
+    shuffled_requests = list(requests)
+    random.Random(0).shuffle(shuffled_requests)
+    shuffled = run_engine(LLMEngine(model, tokenizer, max_num_seqs=17), shuffled_requests)
+    again = run_engine(LLMEngine(model, tokenizer), requests)
+    for rid, _, _ in requests:
+        assert together[rid].outputs[0].all_token_ids == expected[rid], rid
+        assert shuffled[rid].outputs[0].all_token_ids == expected[rid], rid
+        assert again[rid].outputs[0].all_token_ids == expected[rid], rid
+    for rid, ids, p in requests[:12]:   # one by one
+        single = run_engine(LLMEngine(model, tokenizer), [(rid, ids, p)])
+        assert single[rid].outputs[0].all_token_ids == expected[rid], rid
+    # the answers are the model's (not garbage): most of the greedy schedule ones are right
+    problems = tasks.problems(64, tasks.EVAL_SEED)
+    right = sum(problems[i].is_correct(together[f"r{i}"].outputs[0].text) for i in range(0, 64, 11))
+    assert right >= 4
+
+
+def test_same_request_in_batches_of_every_size_is_bitwise_the_same(llada):
+    model, tokenizer = llada
+    params = SamplingParams(max_tokens=16, steps=16, block_length=8, temperature=1.0, seed=7)
+    target = PROBLEMS[3]
+    results = []
+    for size in (1, 2, 5, 16, 33):
+        engine = LLMEngine(model, tokenizer)
+        others = [(f"o{i}", PROBLEMS[(i + 10) % 64], params.replace(seed=i)) for i in range(size - 1)]
+        position = size // 2
+        batch = others[:position] + [("target", target, params)] + others[position:]
+        results.append(run_engine(engine, batch)["target"].outputs[0].all_token_ids)
+    assert all(r == results[0] for r in results)
+    assert results[0] == alone_llada(model, target, params)
+
+
+def test_n_samples_draw_from_seed_plus_index(llada):
+    model, tokenizer = llada
+    params = SamplingParams(max_tokens=16, steps=16, block_length=16, temperature=1.0, n=3, seed=11)
+    out = run_engine(LLMEngine(model, tokenizer), [("a", PROBLEMS[5], params)])["a"]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    for i, o in enumerate(out.outputs):
+        assert o.all_token_ids == alone_llada(model, PROBLEMS[5], params, index=i)
+
+
+def test_ar_requests_equal_ar_generate_alone(ar):
+    model, tokenizer = ar
+    engine = LLMEngine(model, tokenizer)
+    requests = [(f"a{i}", PROBLEMS[i], SamplingParams(max_tokens=12, seed=i, temperature=[0.0, 0.8][i % 2],
+                                                      top_k=[None, 5][i % 2])) for i in range(16)]
+    done = run_engine(engine, requests)
+    eos = [charset.EOS_ID]
+    for rid, ids, p in requests:
+        prompt = torch.tensor([ids])
+        alone = remask.ar_generate(model, prompt, generator=torch.Generator().manual_seed(p.seed), **p.ar_kwargs(eos))
+        row = alone[0, prompt.shape[1]:].tolist()
+        got = done[rid].outputs[0]
+        assert got.all_token_ids == row[:len(got.all_token_ids)], rid
+        if charset.EOS_ID in row:   # the engine stops at EOS, ar_generate pads after it
+            assert got.token_ids == row[:row.index(charset.EOS_ID) + 1] and got.finish_reason == "stop"
+        else:
+            assert got.all_token_ids == row and got.finish_reason == "length"
+
+
+def test_requests_join_while_others_run_and_abort_frees(llada):
+    model, tokenizer = llada
+    engine = LLMEngine(model, tokenizer)
+    slow = SamplingParams(max_tokens=16, steps=16, block_length=4, seed=0)
+    engine.add_request("first", PROBLEMS[0], slow)
+    engine.step()
+    engine.step()
+    engine.add_request("late", PROBLEMS[1], SamplingParams(max_tokens=16, steps=16, block_length=4, seed=1))
+    engine.add_request("gone", PROBLEMS[2], SamplingParams(max_tokens=16, steps=16, block_length=4, seed=2,
+                                                           use_cache="dual"))
+    engine.step()
+    running = {s.request_id: s for s in engine.scheduler.running}
+    assert {"first", "late", "gone"} <= set(running)
+    assert running["late"].stats.nfe == 1 and running["first"].stats.nfe == 3   # joined without waiting
+    gone = running["gone"]
+    out = engine.abort_request("gone")
+    assert out.outputs[0].finish_reason == "abort" and gone.status is SequenceStatus.ABORTED
+    assert gone.state is None and gone not in engine.scheduler.running   # its cache is dropped
+    assert engine.abort_request("gone") is None
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert set(done) == {"first", "late"}
+    assert done["late"].outputs[0].all_token_ids == alone_llada(model, PROBLEMS[1], SamplingParams(
+        max_tokens=16, steps=16, block_length=4, seed=1))
+
+
+def test_step_reports_final_blocks_as_they_complete(llada):
+    model, tokenizer = llada
+    engine = LLMEngine(model, tokenizer)
+    engine.add_request("s", PROBLEMS[4], SamplingParams(max_tokens=16, steps=16, block_length=4, seed=0))
+    seen = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.append(len(out.outputs[0].all_token_ids))
+    assert seen == [4, 8, 12, 16]   # a block's tokens are reported once the block is decoded
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: SamplingParams(max_tokens=0), "max_tokens"),
+    (lambda: SamplingParams(max_tokens=16, block_length=5), "block_length"),
+    (lambda: SamplingParams(max_tokens=16, steps=3, block_length=8), "steps"),
+    (lambda: SamplingParams(temperature=float("inf")), "temperature"),
+    (lambda: SamplingParams(use_cache="dual", sparse=remask.SparseConfig()), "sparse"),
+    (lambda: SamplingParams(stop=[""]), "stop"),
+    (lambda: SamplingParams(stop_token_ids=[-1]), "stop_token_ids"),
+    (lambda: SamplingParams(seed=-1), "seed"),
+    (lambda: SamplingParams(n=0), "n must"),
+])
+def test_bad_sampling_params(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_bad_requests_are_refused_at_add_request_and_the_engine_keeps_serving(llada, ar):
+    model, tokenizer = llada
+    engine = LLMEngine(model, tokenizer, max_num_batched_tokens=64)
+    engine.add_request("ok", PROBLEMS[0], SamplingParams(max_tokens=16, steps=16, block_length=8, seed=0))
+    bad = [
+        ("long", list(range(8, 8 + 120)), SamplingParams(max_tokens=16), "maximum sequence length"),
+        ("big", PROBLEMS[1], SamplingParams(max_tokens=64, steps=64, block_length=64), "max_num_batched_tokens"),
+        ("oov", [1, 500], SamplingParams(), "vocabulary"),
+        ("masked", [1, charset.MASK_ID, 6], SamplingParams(), "mask token"),
+        ("empty", [], SamplingParams(), "empty"),
+        ("topk", PROBLEMS[1], SamplingParams(top_k=5), "top_k"),
+        ("dream", PROBLEMS[1], SamplingParams(alg="entropy"), "alg"),
+        ("ok", PROBLEMS[1], SamplingParams(), "already in use"),
+    ]
+    for request_id, ids, params, match in bad:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request(request_id, ids, params)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        engine.add_request("typed", PROBLEMS[1], dict(max_tokens=4))
+    with pytest.raises(ValueError, match="tiny-llada"):
+        remask.LLM("no-such-model")
+    ar_engine = LLMEngine(*ar)
+    with pytest.raises(ValueError, match="threshold"):
+        ar_engine.add_request("x", PROBLEMS[0], SamplingParams(threshold=0.9))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert list(done) == ["ok"] and done["ok"].outputs[0].finish_reason in ("stop", "length")
+
+
+def test_a_failing_request_fails_alone(llada, monkeypatch):
+    model, tokenizer = llada
+    engine = LLMEngine(model, tokenizer)
+    params = SamplingParams(max_tokens=16, steps=16, block_length=8, seed=0)
+    engine.add_request("good", PROBLEMS[0], params)
+    engine.add_request("bad", PROBLEMS[1], params.replace(use_cache="dual"))
+    engine.step()
+    bad = next(s for s in engine.scheduler.running if s.request_id == "bad")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(bad.decoder, "step", broken)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["bad"].outputs[0].finish_reason == "error" and "simulated" in done["bad"].outputs[0].error
+    assert done["good"].outputs[0].all_token_ids == alone_llada(model, PROBLEMS[0], params)
+
+
+def test_stop_strings_and_token_ids(llada):
+    model, tokenizer = llada
+    llm = remask.LLM(model, tokenizer)
+    params = SamplingParams(max_tokens=16, steps=16, block_length=8, seed=0)
+    full = llm.generate("greet Hugo", params, use_tqdm=False, chat=True)[0].outputs[0]
+    assert full.text == "Hello, Hugo!" and full.finish_reason == "stop"
+    cut = llm.generate("greet Hugo", params.replace(stop=[", "]), use_tqdm=False, chat=True)[0].outputs[0]
+    assert cut.text == "Hello" and cut.finish_reason == "stop"
+    comma = charset.CHAR_TO_ID[","]
+    by_id = llm.generate("greet Hugo", params.replace(stop_token_ids=[comma]), use_tqdm=False, chat=True)[0].outputs[0]
+    assert by_id.text == "Hello" and by_id.token_ids[-1] == comma
+
+
+def test_llm_chat_and_text_prompts(llada):
+    llm = remask.LLM("tiny-llada")
+    params = SamplingParams(max_tokens=16, steps=16, block_length=8, seed=0)
+    a = llm.chat([{"role": "user", "content": "sort 52814"}], params, use_tqdm=False)
+    b = llm.generate("sort 52814", params, use_tqdm=False, chat=True)
+    c = llm.generate([charset.encode_chat("sort 52814")], params, use_tqdm=False)
+    assert a[0].outputs[0].text == b[0].outputs[0].text == c[0].outputs[0].text == "12458"
+    assert c[0].prompt is None and b[0].prompt_token_ids == charset.encode_chat("sort 52814")
+    m = a[0].metrics
+    assert 0 <= m["time_to_first_token"] <= m["latency"]
+
+
+def test_engine_states(llada):
+    engine = LLMEngine(*llada)
+    assert engine.state is EngineState.READY
+    engine.add_request("a", PROBLEMS[0], SamplingParams(max_tokens=16, steps=16, block_length=16, seed=0))
+    engine.drain()
+    with pytest.raises(RuntimeError, match="draining"):
+        engine.add_request("b", PROBLEMS[1], SamplingParams())
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.shutdown()
+    assert engine.state is EngineState.SHUT_DOWN
+
+
+@pytest.mark.parametrize("length", [2, 3, 5, 17])
+@pytest.mark.parametrize("batch", [2, 7])
+def test_batch_invariant_forward_is_bitwise_the_forward_alone(llada, length, batch):
+    """The model's logits for a sequence in a batched forward, under `batch_invariant_linear`,
+    are bitwise its logits alone — also for the shortest sequences, where a plain batched GEMM
+    takes another kernel path than the 1–3-row GEMM of the sequence alone."""
+    from remask.engine.batch_invariant import batch_invariant_linear
+
+    model = llada[0]
+    x = torch.randint(8, 100, (batch, length), generator=torch.Generator().manual_seed(length))
+    with torch.no_grad():
+        with batch_invariant_linear():
+            batched = model(x).logits
+        alone = torch.cat([model(x[i:i + 1]).logits for i in range(batch)])
+    assert torch.equal(batched, alone)
