@@ -257,6 +257,17 @@ def test_llm_chat_and_text_prompts(llada):
     assert 0 <= m["time_to_first_token"] <= m["latency"]
 
 
+def test_llm_generate_is_all_or_nothing(llada):
+    llm = remask.LLM(*llada)
+    params = SamplingParams(max_tokens=16, steps=16, block_length=8, seed=0)
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([PROBLEMS[0], PROBLEMS[1], [1, 500]], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+    assert llm.generate([], params, use_tqdm=False) == []
+    with pytest.raises(ValueError, match="2 entries for 1 prompts"):
+        llm.generate([PROBLEMS[0]], [params, params], use_tqdm=False)
+
+
 def test_engine_states(llada):
     engine = LLMEngine(*llada)
     assert engine.state is EngineState.READY

@@ -87,11 +87,16 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         ids = []
-        for prompt, p in zip(prompts, params):
-            request_id = f"llm-{self._counter}"
-            self._counter += 1
-            self.engine.add_request(request_id, prompt, p)
-            ids.append(request_id)
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = f"llm-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:      # all or nothing: no half-submitted call left in the engine
+                self.engine.abort_request(request_id)
+            raise
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
