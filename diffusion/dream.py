@@ -231,8 +231,11 @@ def diffusion_generate(
         sequences, history = _sample_blocks(model, spec, inputs, attention_mask, config, threshold, block_length,
                                             use_cache, finish_blocks, generator, stats)
     else:
-        sequences, history = _sample(model, spec, inputs, attention_mask, config, tokens_hook, logits_hook,
-                                     threshold, generator, stats)
+        decoder = DreamDecoder(spec, config, threshold, tokens_hook, logits_hook)
+        state = decoder.start(model, inputs, attention_mask)
+        while not state.done:
+            decoder.step(model, state, generator, stats)
+        sequences, history = state.x, state.histories
     if stats is not None:
         stats.stop(int(sequences.shape[0] * (config.max_length - input_len)))
     if config.return_dict_in_generate:
@@ -261,92 +264,134 @@ def _validate_config(config: DreamGenerationConfig, spec) -> None:
         check_optional_token_id(spec, value, "eos_token_id")
 
 
-def _scorer(config: DreamGenerationConfig, mask_id: int, generator):
-    """`score(logits, positions, mode)`: x0 and confidence at the flat `positions` of `logits`
-    (Dream's order: row-major), with Dream's sampling settings."""
+def _scorer(config: DreamGenerationConfig, mask_id: int):
+    """`score(logits, positions, mode, generator)`: x0 and confidence at the flat `positions` of
+    `logits` (Dream's order: row-major), with Dream's sampling settings."""
     sample = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, sampler="categorical",
-                  exclude_id=mask_id, generator=generator)
+                  exclude_id=mask_id)
     # Greedy and unfiltered: the confidence is the plain softmax's, so the fused kernel scores it.
     fused = config.temperature == 0 and (config.top_p is None or config.top_p >= 1) and config.top_k is None
 
-    def score(logits, positions, mode="prob"):
+    def score(logits, positions, mode="prob", generator=None):
         if fused:
             x0, conf = score_rows(logits, positions, mode=mode, exclude_id=mask_id)
             return x0, conf.to(logits.dtype)
-        return score_tokens(logits.reshape(-1, logits.shape[-1])[positions], mode=mode, **sample)
+        return score_tokens(logits.reshape(-1, logits.shape[-1])[positions], mode=mode, generator=generator, **sample)
 
     return score
 
 
-def _sample(model, spec, input_ids, attention_mask, config: DreamGenerationConfig, tokens_hook, logits_hook,
-            threshold, generator, stats):
-    mask_id, steps, alg = spec.mask_id, config.steps, config.alg
-    histories = [] if (config.return_dict_in_generate and config.output_history) else None
-    x = F.pad(input_ids, (0, config.max_length - input_ids.shape[1]), value=mask_id)
-    forward_inputs = spec.forward_inputs(attention_mask, x.shape[1])
-    timesteps = torch.linspace(1, config.eps, steps + 1, device=x.device)
-    score = _scorer(config, mask_id, generator)
+@dataclass
+class DreamState:
+    """Rows under Dream's loop: the sequence `x`, the step `i` of `steps` (Fast-dLLM's
+    `confidence_threshold` may add one), its per-row budgets, and the history if asked for."""
 
-    x = tokens_hook(None, x, None)
-    if alg == "confidence_threshold":
-        per_row = (x == mask_id).sum(dim=1)
-        if bool((per_row % steps != 0).any()):
-            raise ValueError(f"alg='confidence_threshold' needs the masked length ({per_row.tolist()}) to be "
-                             f"divisible by steps ({steps})")
-        number_transfer = per_row // steps  # per row: remask runs batches row by row in one tensor
-        deferred = torch.zeros_like(number_transfer)
-    i = 0
-    while i < steps:
-        mask_index = x == mask_id
-        logits = spec.logits(model, x, **forward_inputs)
+    x: torch.Tensor
+    forward_inputs: dict[str, Any]
+    timesteps: torch.Tensor
+    steps: int
+    i: int = 0
+    number_transfer: torch.Tensor | None = None
+    deferred: torch.Tensor | None = None
+    histories: list[torch.Tensor] | None = None
+    done: bool = False
+
+
+class DreamDecoder:
+    """Dream's `diffusion_generate` loop (and Fast-dLLM's `confidence_threshold`) as a state and a
+    step, like `BlockDecoder`: `diffusion_generate` drives one batch, the engine many states.
+    `config` is a resolved, validated `DreamGenerationConfig` (`max_length` set)."""
+
+    def __init__(self, spec, config: DreamGenerationConfig, threshold: float = 0.9, tokens_hook: Callable | None = None,
+                 logits_hook: Callable | None = None) -> None:
+        self.spec, self.config, self.threshold = spec, config, threshold
+        self.tokens_hook = tokens_hook or (lambda step, x, logits: x)
+        self.logits_hook = logits_hook or (lambda step, x, logits: logits)
+        self.score = _scorer(config, spec.mask_id)
+        self.history = config.return_dict_in_generate and config.output_history
+
+    def start(self, model: torch.nn.Module, input_ids: torch.Tensor,
+              attention_mask: torch.Tensor | None = None) -> DreamState:
+        config, mask_id = self.config, self.spec.mask_id
+        x = F.pad(input_ids, (0, config.max_length - input_ids.shape[1]), value=mask_id)
+        state = DreamState(x=x, forward_inputs=self.spec.forward_inputs(attention_mask, x.shape[1]),
+                           timesteps=torch.linspace(1, config.eps, config.steps + 1, device=x.device),
+                           steps=config.steps, histories=[] if self.history else None)
+        state.x = self.tokens_hook(None, state.x, None)
+        if config.alg == "confidence_threshold":
+            per_row = (state.x == mask_id).sum(dim=1)
+            if bool((per_row % state.steps != 0).any()):
+                raise ValueError(f"alg='confidence_threshold' needs the masked length ({per_row.tolist()}) to be "
+                                 f"divisible by steps ({state.steps})")
+            state.number_transfer = per_row // state.steps  # per row: remask runs batches row by row in one tensor
+            state.deferred = torch.zeros_like(state.number_transfer)
+        return state
+
+    def full_forward(self, state: DreamState) -> bool:
+        """Whether the next forward is a plain full forward whose inputs do not depend on the row
+        (no padding), so equal-length states can share it."""
+        return all(isinstance(v, str) for v in state.forward_inputs.values())
+
+    def forward(self, model: torch.nn.Module, state: DreamState) -> tuple[torch.Tensor, int]:
+        return self.spec.logits(model, state.x, **state.forward_inputs), 0
+
+    def step(self, model: torch.nn.Module, state: DreamState, generator: torch.Generator | None = None,
+             stats: GenerationStats | None = None) -> None:
+        logits, fed = self.forward(model, state)
+        self.commit(state, logits, fed, generator, stats)
+
+    def commit(self, state: DreamState, logits: torch.Tensor, fed: int = 0, generator: torch.Generator | None = None,
+               stats: GenerationStats | None = None) -> None:
+        config, mask_id, alg, i, x = self.config, self.spec.mask_id, self.config.alg, state.i, state.x
         if stats is not None:
             stats.forward(x.shape[0], x.shape[1])
-        logits = logits_hook(i, x, logits)
+        mask_index = x == mask_id
+        logits = self.logits_hook(i, x, logits)
         positions = mask_index.reshape(-1).nonzero().squeeze(1)
         before = mask_index.sum()
         if alg == "origin":
-            t, s = timesteps[i], timesteps[i + 1]
-            p_transfer = 1 - s / t if i < steps - 1 else 1
+            t, s = state.timesteps[i], state.timesteps[i + 1]
+            p_transfer = 1 - s / t if i < state.steps - 1 else 1
             x0 = torch.zeros_like(x[mask_index], dtype=torch.long) + mask_id
             reveal = torch.rand(*x0.shape, device=x.device, generator=generator) < p_transfer
-            x0[reveal] = score(logits, positions[reveal])[0]
+            x0[reveal] = self.score(logits, positions[reveal], generator=generator)[0]
             x[mask_index] = x0.clone()
         else:
-            x0, confidence = score(logits, positions, CONFIDENCE_OF[alg])
+            x0, confidence = self.score(logits, positions, CONFIDENCE_OF[alg], generator)
             full_conf, proposal = _scatter(x, mask_index, confidence, x0, logits.dtype, mask_id)
             if alg == "confidence_threshold":
                 # The reference keeps the top-1 of each row's budget and defers every other pick below
                 # the threshold; at the last step it adds a step and stops scheduling new picks.
-                current = number_transfer + deferred
+                current = state.number_transfer + state.deferred
                 has_masks = mask_index.any(dim=1)
-                committed = unmask(x, mask_index, proposal, full_conf, k=current, threshold=threshold)
+                committed = unmask(x, mask_index, proposal, full_conf, k=current, threshold=self.threshold)
                 # A row with nothing left defers nothing (upstream would write the mask token back).
-                deferred = torch.where(has_masks, current - committed, 0)
-                if i == steps - 1 and bool((deferred > 0).any()):
-                    number_transfer = torch.zeros_like(number_transfer)
-                    steps += 1
+                state.deferred = torch.where(has_masks, current - committed, 0)
+                if i == state.steps - 1 and bool((state.deferred > 0).any()):
+                    state.number_transfer = torch.zeros_like(state.number_transfer)
+                    state.steps += 1
             else:
-                t, s = timesteps[i], timesteps[i + 1]
+                t, s = state.timesteps[i], state.timesteps[i + 1]
                 # One count for the whole batch, from the mean number of masks per row (as upstream).
                 # Rows differ in masks only when their prompts hold masks (infilled here): then no row
                 # is asked for more than it has, and the last step commits every row's rest, where the
                 # mean would leave masks in the rows above it.
                 per_row = mask_index.sum(dim=1)
                 num_mask_token = per_row.sum() / mask_index.shape[0]
-                n = int(num_mask_token * (1 - s / t)) if i < steps - 1 else int(num_mask_token)
-                last = i == steps - 1
+                n = int(num_mask_token * (1 - s / t)) if i < state.steps - 1 else int(num_mask_token)
+                last = i == state.steps - 1
                 if n > 0 or last:
                     if config.alg_temp is None or config.alg_temp == 0:
                         unmask(x, mask_index, proposal, full_conf, k=per_row if last else n)
                     else:
                         _commit_sampled(x, proposal, full_conf, config.alg_temp, per_row, n, last, generator)
-        x = tokens_hook(i, x, logits)
+        state.x = self.tokens_hook(i, x, logits)
         if stats is not None:
-            stats.step(int(before - (x == mask_id).sum()))
-        if histories is not None:
-            histories.append(x.clone())
-        i += 1
-    return x, histories
+            stats.step(int(before - (state.x == mask_id).sum()))
+        if state.histories is not None:
+            state.histories.append(state.x.clone())
+        state.i += 1
+        state.done = state.i >= state.steps
 
 
 def _sample_blocks(model, spec, input_ids, attention_mask, config: DreamGenerationConfig, threshold, block_length,
@@ -370,7 +415,7 @@ def _sample_blocks(model, spec, input_ids, attention_mask, config: DreamGenerati
     timesteps = torch.linspace(1, config.eps, steps_per_block + 1, device=x.device)
     forward_inputs = spec.forward_inputs(attention_mask, T)
     forwards = BlockForward(model, spec, use_cache, forward_inputs, valid_positions(attention_mask, T))
-    score = _scorer(config, mask_id, generator)
+    score = _scorer(config, mask_id)
     confidence_mode = "prob" if alg == "confidence_threshold" else "neg_entropy"
     rows = torch.arange(B, device=x.device)[:, None]
 
@@ -387,7 +432,7 @@ def _sample_blocks(model, spec, input_ids, attention_mask, config: DreamGenerati
         if stats is not None:
             stats.forward(B, T, forwards.cache_nbytes)
         before = int((block_x == mask_id).sum())
-        x[:, start] = score(logits, rows[:, 0] * T + start)[0]
+        x[:, start] = score(logits, rows[:, 0] * T + start, generator=generator)[0]
         record(before - int((block_x == mask_id).sum()))
         i = 1
         while True:
@@ -398,7 +443,7 @@ def _sample_blocks(model, spec, input_ids, attention_mask, config: DreamGenerati
             block_mask = block_x == mask_id
             positions = (rows * L + (start - fed) + torch.arange(block_length, device=x.device))[block_mask]
             if alg == "confidence_threshold":
-                x0, conf = score(logits, positions, confidence_mode)
+                x0, conf = score(logits, positions, confidence_mode, generator)
                 full_conf, proposal = _scatter(block_x, block_mask, conf, x0, logits.dtype, mask_id)
                 committed = int(unmask(block_x, block_mask, proposal, full_conf, threshold=threshold).sum())
             else:
@@ -413,7 +458,7 @@ def _sample_blocks(model, spec, input_ids, attention_mask, config: DreamGenerati
                     n = int(num_mask_token * (1 - timesteps[i + 1] / timesteps[i]))
                 committed = 0
                 if n > 0:
-                    x0, conf = score(logits, positions, confidence_mode)
+                    x0, conf = score(logits, positions, confidence_mode, generator)
                     full_conf, proposal = _scatter(block_x, block_mask, conf, x0, logits.dtype, mask_id)
                     if config.alg_temp is None or config.alg_temp == 0:
                         committed = int(unmask(block_x, block_mask, proposal, full_conf, k=n).sum())

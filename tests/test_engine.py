@@ -193,7 +193,7 @@ def test_bad_requests_are_refused_at_add_request_and_the_engine_keeps_serving(ll
         ("masked", [1, charset.MASK_ID, 6], SamplingParams(), "mask token"),
         ("empty", [], SamplingParams(), "empty"),
         ("topk", PROBLEMS[1], SamplingParams(top_k=5), "top_k"),
-        ("dream", PROBLEMS[1], SamplingParams(alg="entropy"), "alg"),
+        ("dream-blocks", PROBLEMS[1], SamplingParams(alg="entropy", block_length=8), "block decoder"),
         ("ok", PROBLEMS[1], SamplingParams(), "already in use"),
     ]
     for request_id, ids, params, match in bad:
@@ -296,3 +296,39 @@ def test_batch_invariant_forward_is_bitwise_the_forward_alone(llada, length, bat
             batched = model(x).logits
         alone = torch.cat([model(x[i:i + 1]).logits for i in range(batch)])
     assert torch.equal(batched, alone)
+
+
+DREAM_KINDS = [dict(alg="entropy"), dict(alg="maskgit_plus", temperature=0.6, top_p=0.9),
+               dict(alg="topk_margin", temperature=0.8, top_k=20), dict(alg="origin", temperature=0.5),
+               dict(alg="entropy", alg_temp=0.4, temperature=0.3), dict(alg="confidence_threshold", threshold=0.8),
+               dict(alg="maskgit_plus", eps=0.2, steps=4)]
+
+
+@pytest.mark.parametrize("which", ["tiny-llada", "dream_small"])
+def test_dream_sampler_requests_equal_diffusion_generate_alone(llada, load_model, which):
+    """Dream's sampler (`alg=`) in the engine, on tiny-llada and on a random Dream checkpoint
+    (logit shift, "full" attention inputs): each request's tokens are `diffusion_generate`'s alone."""
+    model, tokenizer = llada if which == "tiny-llada" else (load_model("dream_small"), None)
+    high = 100 if which == "tiny-llada" else 290
+    g = torch.Generator().manual_seed(5)
+    prompts = [PROBLEMS[i] if which == "tiny-llada" else torch.randint(0, high, (5 + i % 4,), generator=g).tolist()
+               for i in range(21)]
+    requests = [(f"d{i}", prompts[i], SamplingParams(max_tokens=8, seed=50 + i, **{"steps": 8, **DREAM_KINDS[i % 7]}))
+                for i in range(21)]
+    done = run_engine(LLMEngine(model, tokenizer), requests)
+    for rid, ids, p in requests:
+        prompt = torch.tensor([ids])
+        alone = remask.diffusion_generate(model, prompt, generator=torch.Generator().manual_seed(p.seed),
+                                          **p.diffusion_generate_kwargs())
+        assert done[rid].outputs[0].all_token_ids == alone[0, prompt.shape[1]:].tolist(), rid
+
+
+def test_dream_sampler_params_are_checked():
+    with pytest.raises(ValueError, match="factor"):
+        SamplingParams(alg="entropy", factor=1.0)
+    with pytest.raises(ValueError, match="threshold"):
+        SamplingParams(alg="entropy", threshold=0.9)
+    with pytest.raises(ValueError, match="alg="):
+        SamplingParams(alg_temp=0.5)
+    with pytest.raises(ValueError, match="alg"):
+        SamplingParams(alg="greedy")

@@ -21,6 +21,7 @@ from typing import Any, Sequence as Seq
 import torch
 
 from remask.diffusion.ar import ARDecoder
+from remask.diffusion.dream import DreamDecoder, DreamGenerationConfig, _validate_config
 from remask.diffusion.checks import check_bool, check_int, check_length, check_prompt
 from remask.diffusion.llada import BlockDecoder
 from remask.models.spec import get_spec
@@ -33,7 +34,8 @@ from .sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus,
 
 # Settings that only the diffusion block rule reads: an AR request that sets one is refused.
 DIFFUSION_ONLY = ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "early_stop",
-                  "logits_eos_inf", "confidence_eos_eot_inf", "reference_rng", "reference_ties")
+                  "logits_eos_inf", "confidence_eos_eot_inf", "reference_rng", "reference_ties", "alg", "alg_temp",
+                  "eps")
 
 
 class EngineState(enum.Enum):
@@ -91,10 +93,12 @@ class LLMEngine:
                                  f"{set_here + (['cfg_scale'] if params.cfg_scale else [])}")
             decoder = ARDecoder(self.model, **params.ar_kwargs(self._eos_ids()))
             decoder.check_input(prompt_ids, None)
+        elif params.alg is not None:
+            decoder = self._dream_decoder(params, prompt_ids)
         else:
             if params.top_p is not None or params.top_k is not None:
-                raise ValueError("top_p / top_k filter autoregressive sampling (and Dream's); LLaDA's block rule "
-                                 "samples with Gumbel-max over the full vocabulary: leave them None")
+                raise ValueError("top_p / top_k filter autoregressive sampling and Dream's (alg=...); LLaDA's block "
+                                 "rule samples with Gumbel-max over the full vocabulary: leave them None")
             decoder = BlockDecoder(self.spec, **params.generate_kwargs())
             decoder.check_input(self.model, prompt_ids, None)
         check_length(self.spec, prompt_ids.shape[1] + params.max_tokens, "prompt length + max_tokens")
@@ -106,6 +110,18 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
         self.requests[request_id] = (text, ids, seqs)
+
+    def _dream_decoder(self, params: SamplingParams, prompt_ids: torch.Tensor) -> DreamDecoder:
+        """Dream's sampler for these params, configured as `remask.diffusion_generate` would."""
+        kw = params.diffusion_generate_kwargs()
+        threshold = kw.pop("threshold", 0.9)
+        config = DreamGenerationConfig(mask_token_id=self.spec.mask_id, pad_token_id=self.spec.pad_id,
+                                       eos_token_id=self.spec.eos_id)
+        config.update(**{k: v for k, v in kw.items() if k != "max_new_tokens"})
+        config.max_length = prompt_ids.shape[1] + params.max_tokens
+        _validate_config(config, self.spec)
+        check_prompt(self.model, prompt_ids, None, spec=self.spec)
+        return DreamDecoder(self.spec, config, threshold)
 
     def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -191,8 +207,10 @@ class LLMEngine:
         state = seq.state
         if isinstance(seq.decoder, ARDecoder):
             final = state.step
-        else:
+        elif isinstance(seq.decoder, BlockDecoder):
             final = seq.params.max_tokens if state.done else state.block * seq.decoder.block_length
+        else:   # Dream's sampler: any position may change until the last step
+            final = seq.params.max_tokens if state.done else 0
         grew = final > seq.final_len
         if grew and seq.first_final_time is None:
             seq.first_final_time = now()

@@ -1,12 +1,14 @@
 """The model runner computes one engine step for the running sequences.
 
 Diffusion sequences whose next forward is a plain full forward (`BlockDecoder.full_forward`: no
-cache, no CFG, no sparse attention) and whose sequences have the same length share one batched
+cache, no CFG, no sparse attention; every step of Dream's sampler, `DreamDecoder`) and whose
+sequences have the same length share one batched
 forward — their rows are independent in a bidirectional forward of equal-length, unpadded
 sequences, and with `batch_invariant` each row is computed with the shapes it has alone
 (`batch_invariant.py`). Every other sequence (cached or sparse diffusion, CFG, autoregressive)
 runs its own forward in the same step. Each sequence then commits its own tokens with its own
-rule and generator (`BlockDecoder.commit`, `ARDecoder.step`): no sampling rule lives here.
+rule and generator (`BlockDecoder.commit`, `DreamDecoder.commit`, `ARDecoder.step`): no
+sampling rule lives here.
 
 A failure inside one sequence's forward or commit fails that sequence only (`failed`).
 """
@@ -36,7 +38,7 @@ class ModelRunner:
     def step(self, seqs: list[Sequence]) -> dict[Sequence, str]:
         """Advance every sequence by one step; returns the failed ones with their error."""
         failed: dict[Sequence, str] = {}
-        shared: dict[int, list[Sequence]] = defaultdict(list)
+        shared: dict[tuple, list[Sequence]] = defaultdict(list)
         for seq in seqs:
             try:
                 if seq.state is None:
@@ -44,15 +46,16 @@ class ModelRunner:
                     if isinstance(seq.decoder, ARDecoder):
                         continue          # its prompt forward was this step's work
                 if not isinstance(seq.decoder, ARDecoder) and seq.decoder.full_forward(seq.state):
-                    shared[seq.state.x.shape[1]].append(seq)
+                    # equal lengths and the same row-independent inputs (none, or Dream's "full")
+                    shared[seq.state.x.shape[1], tuple(sorted(seq.state.forward_inputs.items()))].append(seq)
                 else:
                     self._own_step(seq)
             except Exception as err:  # noqa: BLE001 - one request's failure must not stop the others
                 failed[seq] = f"{type(err).__name__}: {err}"
-        for group in shared.values():
+        for (_, inputs), group in shared.items():
             try:
                 with self._invariant(len(group)):
-                    logits = self.spec.logits(self.model, torch.cat([seq.state.x for seq in group]))
+                    logits = self.spec.logits(self.model, torch.cat([seq.state.x for seq in group]), **dict(inputs))
                 self.forwards += 1
             except Exception as err:  # noqa: BLE001
                 failed.update({seq: f"{type(err).__name__}: {err}" for seq in group})

@@ -18,6 +18,11 @@ from remask.diffusion.llada import REMASKING, validate_block_args, validate_rule
 from remask.diffusion.sparse import SparseConfig
 
 
+# Settings only LLaDA's block rule reads, with their defaults (refused with Dream's `alg`).
+LLADA_RULE_DEFAULTS = dict(remasking="low_confidence", factor=None, cfg_scale=0.0, early_stop=False, logits_eos_inf=False,
+                           confidence_eos_eot_inf=False, reference_rng=False, reference_ties=False, sparse=None)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Decoding settings of one request (vLLM's names where vLLM has the setting).
@@ -32,8 +37,13 @@ class SamplingParams:
     (Fast-dLLM), `cfg_scale`, `use_cache` (None, "prefix", "dual", "paged"), `early_stop`,
     `logits_eos_inf`, `confidence_eos_eot_inf`, `reference_rng`, `reference_ties`, `sparse`.
 
-    Autoregressive: `top_p`, `top_k` (also Dream's). Dream's sampler (`alg`, `alg_temp`, `eps`) and
-    APD (`apd`) are validated here but not served by the engine yet (`add_request` says so).
+    Dream's sampler (`remask.diffusion_generate`'s keywords), chosen by setting `alg`: `alg`,
+    `alg_temp`, `eps`, `steps`, `temperature`, `top_p`, `top_k`, `threshold` (for
+    `alg="confidence_threshold"`); LLaDA-only settings are refused with it.
+
+    Autoregressive: `top_p`, `top_k`. APD (`apd`) and Dream's block decoder (`alg` with
+    `block_length` / `use_cache`) are validated here but not served by the engine yet
+    (`add_request` says so).
     """
 
     max_tokens: int = 16
@@ -95,10 +105,18 @@ class SamplingParams:
             self.sparse.validate(self.block_length or self.max_tokens)
             if self.use_cache is not None or self.cfg_scale > 0:
                 raise ValueError("sparse keeps its own cache and has no CFG pass: not with use_cache or cfg_scale")
-        if self.alg is not None:
-            check_choice("alg", self.alg, ALGORITHMS)
         check_real("alg_temp", self.alg_temp, low=0, allow_none=True)
         check_real("eps", self.eps, low=0, high=1, high_open=True)
+        if self.alg is not None:
+            check_choice("alg", self.alg, ALGORITHMS)
+            llada_only = [name for name, default in LLADA_RULE_DEFAULTS.items() if getattr(self, name) != default]
+            if self.threshold is not None and self.alg != "confidence_threshold":
+                llada_only.append("threshold")
+            if llada_only:
+                raise ValueError(f"alg={self.alg!r} selects Dream's sampler, which does not read {llada_only} "
+                                 "(LLaDA's block rule does)")
+        elif self.alg_temp is not None or self.eps != 1e-3:
+            raise ValueError("alg_temp and eps belong to Dream's sampler: set alg= (e.g. 'entropy') to use them")
         check_instance("apd", self.apd, APDConfig, "a remask.APDConfig")
 
     @property
@@ -115,6 +133,15 @@ class SamplingParams:
                     factor=self.factor, early_stop=self.early_stop, reference_rng=self.reference_rng,
                     use_cache=self.use_cache, sparse=self.sparse, reference_ties=self.reference_ties)
 
+    def diffusion_generate_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of `remask.diffusion_generate` (Dream's sampler, `alg` set) that
+        decode like these params."""
+        kw = dict(max_new_tokens=self.max_tokens, steps=self.steps or self.max_tokens, eps=self.eps, alg=self.alg,
+                  alg_temp=self.alg_temp, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+        if self.threshold is not None:
+            kw["threshold"] = self.threshold
+        return kw
+
     def ar_kwargs(self, eos_ids: list[int]) -> dict[str, Any]:
         """The keyword arguments of `remask.ar_generate` (EOS ids: the model's plus `stop_token_ids`)."""
         return dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
@@ -123,8 +150,9 @@ class SamplingParams:
     def unsupported_by_engine(self) -> list[str]:
         """Fields set to something the engine does not serve yet (each with where to go instead)."""
         out = []
-        if self.alg is not None or self.alg_temp is not None:
-            out.append("alg / alg_temp (Dream's sampler: use remask.diffusion_generate)")
+        if self.alg is not None and (self.block_length is not None or self.use_cache is not None):
+            out.append("alg with block_length / use_cache (Fast-dLLM's Dream block decoder: use "
+                       "remask.diffusion_generate)")
         if self.apd is not None:
             out.append("apd (use remask.generate / remask.diffusion_generate with apd=)")
         return out
