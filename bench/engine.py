@@ -1,11 +1,11 @@
 """Offline engine benchmark: `remask.LLMEngine` against sequential `remask.generate` /
-`remask.ar_generate` calls in the same run, on the shipped tiny models.
+`remask.ar_generate` / `remask.diffusion_generate` calls in the same run, on the shipped tiny models.
 
     python bench/engine.py --out bench/results/engine-<machine>-<date>.md
 
 For 1…256 requests (held-out problems: mixed prompt lengths) with mixed settings — LLaDA
-low-confidence, Fast-dLLM threshold and factor, seeded sampling, the dual and prefix caches; and
-tiny-ar greedy / sampled — all submitted at t = 0, it reports generated tokens/s, requests/s,
+low-confidence, Fast-dLLM threshold and factor, seeded sampling, the dual and prefix caches; Dream's
+sampler (entropy, maskgit_plus, confidence_threshold, origin); and tiny-ar greedy / sampled — all submitted at t = 0, it reports generated tokens/s, requests/s,
 NFE per generated token, p50/p99 latency (from t = 0; sequential: when its call returns), model
 forwards, and whether every request's tokens are identical to its sequential call's. Rows for the
 engine with `batch_invariant=False` show what invariance costs. One intra-op thread by default
@@ -37,6 +37,12 @@ LLADA_MIX = [
     ("prefix cache", dict(steps=16, block_length=8, use_cache="prefix")),
 ]
 UNCACHED_MIX = LLADA_MIX[:4]
+DREAM_MIX = [  # Dream's sampler (diffusion_generate's keywords) on tiny-llada: every step a full forward
+    ("entropy", dict(alg="entropy")),
+    ("maskgit_plus T=0.6 top_p=0.9", dict(alg="maskgit_plus", temperature=0.6, top_p=0.9)),
+    ("confidence_threshold 0.8", dict(alg="confidence_threshold", threshold=0.8)),
+    ("origin T=0.5", dict(alg="origin", temperature=0.5)),
+]
 AR_MIX = [("greedy", dict()), ("T=0.8 top_k=5", dict(temperature=0.8, top_k=5))]
 
 
@@ -56,6 +62,9 @@ def sequential(model, reqs, ar: bool) -> dict[str, Any]:
         generator = torch.Generator().manual_seed(params.seed)
         if ar:
             out = remask.ar_generate(model, prompt, generator=generator, stats=stats, **params.ar_kwargs(eos))
+        elif params.alg is not None:
+            out = remask.diffusion_generate(model, prompt, generator=generator, stats=stats,
+                                            **params.diffusion_generate_kwargs())
         else:
             out = remask.generate(model, prompt, generator=generator, stats=stats, **params.generate_kwargs())
         row = out[0, prompt.shape[1]:].tolist()
@@ -84,6 +93,47 @@ def engine_run(model, tokenizer, reqs, batch_invariant: bool) -> dict[str, Any]:
                 nfe=sum(o.outputs[0].nfe for o in outs))
 
 
+def step_overhead(rounds: int = 3) -> list[dict[str, Any]]:
+    """Host time per step where compute is negligible: a random LLaDA of 84.6k parameters
+    (2 layers, d_model 64), batch 1, prompt 32, gen 128, blocks of 32 — `remask.generate` and the
+    engine (one request), without a cache and with the dual cache at threshold 0.9."""
+    import tempfile
+
+    from transformers import AutoModel
+
+    from remask.models import tiny
+
+    with tempfile.TemporaryDirectory() as folder:
+        tiny.write_tiny_llada(folder, vocab_size=1000, embedding_size=1000, mask_token_id=999, eos_token_id=998,
+                              pad_token_id=997)
+        model = AutoModel.from_pretrained(folder).eval()
+    prompt = torch.randint(0, 990, (1, 32), generator=torch.Generator().manual_seed(0))
+    out = []
+    for label, kw in (("no cache, 1 token/step", dict(steps=128, block_length=32)),
+                      ("dual cache, threshold 0.9", dict(steps=128, block_length=32, threshold=0.9, use_cache="dual"))):
+        params = SamplingParams(max_tokens=128, seed=0, **kw)
+        for how in ("remask.generate", "engine"):
+            best = float("inf")
+            for _ in range(rounds):
+                if how == "engine":
+                    engine = LLMEngine(model, None)
+                    start = time.perf_counter()
+                    engine.add_request("x", prompt[0].tolist(), params)
+                    while engine.has_unfinished_requests():
+                        outs = engine.step()
+                    seconds, steps = time.perf_counter() - start, outs[0].outputs[0].nfe
+                else:
+                    stats = remask.GenerationStats()
+                    start = time.perf_counter()
+                    remask.generate(model, prompt, generator=torch.Generator().manual_seed(0), stats=stats,
+                                    **params.generate_kwargs())
+                    seconds, steps = time.perf_counter() - start, stats.nfe
+                best = min(best, seconds / steps)
+            out.append(dict(setting=label, how=how, ms_per_step=best * 1e3, steps=steps,
+                            parameters=sum(p.numel() for p in model.parameters())))
+    return out
+
+
 def summarize(name: str, n: int, result: dict[str, Any], reference_rows: list[list[int]]) -> dict[str, Any]:
     tokens = sum(len(r) for r in result["rows"])
     lat = sorted(result["latencies"])
@@ -109,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for label, model, tokenizer, mix, is_ar in (("tiny-llada, mixed (incl. caches)", llada, llada_tok, LLADA_MIX, False),
                                                 ("tiny-llada, uncached rules", llada, llada_tok, UNCACHED_MIX, False),
+                                                ("tiny-llada, Dream's sampler", llada, llada_tok, DREAM_MIX, False),
                                                 ("tiny-ar", ar, ar_tok, AR_MIX, True)):
         for n in counts:
             reqs = requests(n, mix, args.max_tokens)
@@ -133,6 +184,13 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['workload']} | {r['requests']} | {r['run']} | {r['tokens_per_s']:.0f} | {r['speedup']:.2f} | "
                      f"{r['requests_per_s']:.1f} | {r['nfe_per_token']:.3f} | {r['p50_latency_s']:.3f} | "
                      f"{r['p99_latency_s']:.3f} | {r['forwards']} | {'yes' if r['identical'] else 'NO'} |")
+    overhead = step_overhead()
+    lines += ["", f"Per-step host time, compute negligible ({overhead[0]['parameters']} parameters, batch 1, gen 128, "
+              "blocks of 32; best of 3; the issue's aim: <= 0.5 ms):", "",
+              "| setting | run | steps | ms per step |", "| --- | --- | ---: | ---: |"]
+    for r in overhead:
+        lines.append(f"| {r['setting']} | {r['how']} | {r['steps']} | {r['ms_per_step']:.3f} |")
+        print(f"{r['setting']:28s} {r['how']:16s} {r['ms_per_step']:.3f} ms/step", flush=True)
     text = "\n".join(lines) + "\n"
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
