@@ -78,28 +78,44 @@ class ARDecoder:
             raise ValueError(f"prompt length + max_new_tokens = {input_ids.shape[1] + self.max_new_tokens} exceeds "
                              f"the model's max_position_embeddings {max_positions}")
 
+    def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """The prompt's forward: (cache, next-position logits `[B, V]`, position ids of the last column)."""
+        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True)
+        return out.past_key_values, out.logits[:, -1], position_ids[:, -1:]
+
+    def decode(self, cache: Any, tokens: torch.Tensor, mask: torch.Tensor,
+               position_ids: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """One token per row `[B]` at `position_ids` `[B, 1]` against `cache`; `mask` covers every
+        position so far, this one included. Returns (cache, next-position logits `[B, V]`)."""
+        out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=position_ids,
+                         past_key_values=cache, use_cache=True)
+        return out.past_key_values, out.logits[:, -1]
+
+    def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The next token of each row from its next-position logits `[B, V]` (greedy at T=0;
+        temperature, top-k, top-p otherwise)."""
+        # A mask token the config declares (a model sharing a diffusion model's tokenizer) is never
+        # emitted: no remask output holds one.
+        return score_tokens(logits.float(), temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                            sampler="categorical", exclude_id=self.spec.mask_id, generator=generator)[0]
+
     def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
               stats: GenerationStats | None = None) -> ARState:
         B, P = input_ids.shape
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True)
+        cache, logits, position_ids = self.prefill(input_ids, mask)
         if stats is not None:
             stats.forward(B, P)
         device = input_ids.device
-        return ARState(input_ids=input_ids, mask=mask, position_ids=position_ids, cache=out.past_key_values,
-                       logits=out.logits[:, -1],
+        return ARState(input_ids=input_ids, mask=mask, position_ids=position_ids, cache=cache, logits=logits,
                        tokens=torch.full((B, self.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device),
                        finished=torch.zeros(B, dtype=torch.bool, device=device))
 
     def step(self, state: ARState, generator: torch.Generator | None = None,
              stats: GenerationStats | None = None) -> None:
         B = state.tokens.shape[0]
-        # A mask token the config declares (a model sharing a diffusion model's tokenizer) is never
-        # emitted: no remask output holds one.
-        next_token, _ = score_tokens(state.logits.float(), temperature=self.temperature, top_k=self.top_k,
-                                     top_p=self.top_p, sampler="categorical", exclude_id=self.spec.mask_id,
-                                     generator=generator)
+        next_token = self.sample(state.logits, generator)
         next_token = torch.where(state.finished, torch.full_like(next_token, self.pad_token_id), next_token)
         state.tokens[:, state.step] = next_token
         active = int((~state.finished).sum())
@@ -113,12 +129,10 @@ class ARDecoder:
             return
         mask = state.mask
         state.mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=mask.device)], dim=-1)
-        state.position_ids = state.position_ids[:, -1:] + 1
-        out = self.model(input_ids=next_token[:, None], attention_mask=state.mask, position_ids=state.position_ids,
-                         past_key_values=state.cache, use_cache=True)
+        state.position_ids = state.position_ids + 1
+        state.cache, state.logits = self.decode(state.cache, next_token, state.mask, state.position_ids)
         if stats is not None:
             stats.forward(B, 1)
-        state.cache, state.logits = out.past_key_values, out.logits[:, -1]
 
 
 @torch.no_grad()

@@ -332,3 +332,41 @@ def test_dream_sampler_params_are_checked():
         SamplingParams(alg_temp=0.5)
     with pytest.raises(ValueError, match="alg"):
         SamplingParams(alg="greedy")
+
+
+def test_ar_requests_of_one_prompt_length_share_forwards_and_leave_as_they_finish(ar, monkeypatch):
+    """Lockstep groups: 12 same-length prompts, mixed settings and budgets (members finish at
+    different steps), one aborted and one failing mid-run: the rest equal `ar_generate` alone,
+    with far fewer forwards than their NFE."""
+    model, tokenizer = ar
+    same_length = [p for p in PROBLEMS if len(p) == len(PROBLEMS[0])][:4]
+    engine = LLMEngine(model, tokenizer)
+    requests = []
+    for i in range(12):
+        params = SamplingParams(max_tokens=[3, 8, 16][i % 3], seed=i, temperature=[0.0, 0.9][i % 2],
+                                top_p=[None, 0.8][i % 2])
+        requests.append((f"g{i}", same_length[i % len(same_length)], params))
+        engine.add_request(*requests[-1])
+    engine.step()                                     # the prefill of the one group
+    assert len(engine.runner.ar_groups) == 1 and len(engine.runner.ar_groups[0].members) == 12
+    engine.step()
+    engine.abort_request("g4")
+    failing = next(s for s in engine.scheduler.running if s.request_id == "g5")
+    monkeypatch.setattr(failing.decoder, "sample", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done["g5"].outputs[0].finish_reason == "error" and "boom" in done["g5"].outputs[0].error
+    assert "g4" not in done and not engine.runner.ar_groups
+    nfe = 0
+    for rid, ids, p in requests:
+        if rid in ("g4", "g5"):
+            continue
+        prompt = torch.tensor([ids])
+        alone = remask.ar_generate(model, prompt, generator=torch.Generator().manual_seed(p.seed),
+                                   **p.ar_kwargs([charset.EOS_ID]))[0, prompt.shape[1]:].tolist()
+        got = done[rid].outputs[0]
+        assert got.all_token_ids == alone[:len(got.all_token_ids)], rid
+        assert len(got.all_token_ids) == len(alone) or alone[len(got.all_token_ids) - 1] == charset.EOS_ID, rid
+        nfe += got.nfe
+    assert engine.runner.forwards <= 17 < nfe

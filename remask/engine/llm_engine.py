@@ -232,7 +232,7 @@ class LLMEngine:
         if state is None:
             return seq.output_ids or []
         if isinstance(seq.decoder, ARDecoder):
-            return state.tokens[0, :state.step].tolist()
+            return list(state.tokens)
         return state.x[0, seq.prompt_len:seq.prompt_len + seq.final_len].tolist()
 
     def _stop_ids(self, seq: Sequence) -> list[int]:
