@@ -195,6 +195,7 @@ def test_bad_requests_are_refused_at_add_request_and_the_engine_keeps_serving(ll
         ("topk", PROBLEMS[1], SamplingParams(top_k=5), "top_k"),
         ("dream-blocks", PROBLEMS[1], SamplingParams(alg="entropy", block_length=8), "block decoder"),
         ("ok", PROBLEMS[1], SamplingParams(), "already in use"),
+        ("stop-oov", PROBLEMS[1], SamplingParams(stop_token_ids=[128]), "stop_token_ids"),
     ]
     for request_id, ids, params, match in bad:
         with pytest.raises(ValueError, match=match):
@@ -358,6 +359,11 @@ def test_ar_requests_of_one_prompt_length_share_forwards_and_leave_as_they_finis
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert done["g5"].outputs[0].finish_reason == "error" and "boom" in done["g5"].outputs[0].error
     assert "g4" not in done and not engine.runner.ar_groups
+    lone = LLMEngine(model, tokenizer)
+    lone.add_request("x", same_length[0], SamplingParams(max_tokens=8))
+    lone.step()
+    lone.abort_request("x")                           # aborted between steps: its cache rows go at once
+    assert not lone.runner.ar_groups and not lone.has_unfinished_requests()
     nfe = 0
     for rid, ids, p in requests:
         if rid in ("g4", "g5"):

@@ -22,7 +22,7 @@ import torch
 
 from remask.diffusion.ar import ARDecoder
 from remask.diffusion.dream import DreamDecoder, DreamGenerationConfig, _validate_config
-from remask.diffusion.checks import check_bool, check_int, check_length, check_prompt
+from remask.diffusion.checks import check_bool, check_int, check_length, check_prompt, check_token_id
 from remask.diffusion.llada import BlockDecoder
 from remask.models.spec import get_spec
 from remask.text import answer_text, stop_token_ids
@@ -102,6 +102,8 @@ class LLMEngine:
             decoder = BlockDecoder(self.spec, **params.generate_kwargs())
             decoder.check_input(self.model, prompt_ids, None)
         check_length(self.spec, prompt_ids.shape[1] + params.max_tokens, "prompt length + max_tokens")
+        for token in params.stop_token_ids:
+            check_token_id(self.spec, token, "stop_token_ids")
         base_seed = params.seed if params.seed is not None else self._default_seed(ids)
         arrival = now()
         seqs = [Sequence(request_id=request_id, index=i, prompt_ids=prompt_ids, params=params, decoder=decoder,
@@ -163,6 +165,7 @@ class LLMEngine:
                 seq.output_ids = self._generated(seq)
         for seq in self.scheduler.abort(request_id):
             seq.finish_time = now()
+        self.runner.prune()
         out = self.output(request_id)
         del self.requests[request_id]
         return out

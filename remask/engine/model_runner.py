@@ -114,6 +114,13 @@ class ModelRunner:
 
     # ---- autoregressive groups: `ARDecoder`'s prefill / sample / decode, one forward per group ----
 
+    def prune(self) -> None:
+        """Drop the cache rows of sequences that left their group (aborted between steps)."""
+        for group in list(self.ar_groups):
+            group.keep([i for i, seq in enumerate(group.members) if seq.state is not None and not seq.state.done])
+            if not group.members:
+                self.ar_groups.remove(group)
+
     def _start_ar(self, seqs: list[Sequence], failed: dict[Sequence, str]) -> None:
         by_length: dict[int, list[Sequence]] = defaultdict(list)
         for seq in seqs:
