@@ -65,24 +65,66 @@ class BlockForward:
     def refresh(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         if self.mode is None:
             return self.spec.logits(self.model, x, **self.forward_inputs)
-        T = x.shape[1]
         if self.paged is not None:
             self.paged.begin_block(x, self.valid, start, end)
         else:
             self.cache = KVCache()
-        logits = self.spec.logits(self.model, x, past_key_values=self.cache,
-                                  cache_position=torch.arange(T, device=x.device), **self.forward_inputs)
-        if self.mode == "prefix":
-            self.cache.crop(start)
-        return logits
+        return self._cached_forward(self.cache, x, start, end, refresh=True)[0]
 
     def step(self, x: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, int]:
         if self.mode is None:
             return self.spec.logits(self.model, x, **self.forward_inputs), 0
-        fed_end = x.shape[1] if self.mode == "prefix" else end
-        inputs = self.spec.inputs_for_positions(self.forward_inputs, start, fed_end)
-        logits = self.spec.logits(self.model, x[:, start:fed_end], past_key_values=self.cache,
-                                  cache_position=torch.arange(start, fed_end, device=x.device), **inputs)
+        return self._cached_forward(self.cache, x, start, end, refresh=False)
+
+    def _cached_forward(self, cache: KVCache | PagedKVCache, x: torch.Tensor, start: int, end: int,
+                        refresh: bool) -> tuple[torch.Tensor, int]:
+        """The block-start forward over every position (it fills `cache`), or a cached step over
+        the block (dual, paged) or the block and what follows it (prefix); (logits, first fed)."""
+        if refresh:
+            fed, fed_end, inputs = 0, x.shape[1], self.forward_inputs
+        else:
+            fed, fed_end = start, (x.shape[1] if self.mode == "prefix" else end)
+            inputs = self.spec.inputs_for_positions(self.forward_inputs, start, fed_end)
+        logits = self.spec.logits(self.model, x[:, fed:fed_end], past_key_values=cache,
+                                  cache_position=torch.arange(fed, fed_end, device=x.device), **inputs)
         if self.mode == "prefix":
-            self.cache.crop(start)   # the suffix's K/V are recomputed at every step, never kept
-        return logits, start
+            cache.crop(start)   # the suffix's K/V are recomputed at every step, never kept
+        return logits, fed
+
+    @staticmethod
+    def run_shared(forwards: list["BlockForward"], xs: list[torch.Tensor], start: int, end: int,
+                   refresh: bool) -> tuple[torch.Tensor, int]:
+        """`refresh` (refresh=True) or `step` of several sequences' prefix / dual caches in one
+        model call: same mode, length and block, no padding. Each sequence's own cache is filled
+        and updated exactly as its own call would (`StackedKVCache`); returns (logits `[G, L, V]`,
+        first fed position)."""
+        head = forwards[0]
+        if refresh:
+            for f in forwards:
+                f.cache = KVCache()
+        stacked = StackedKVCache([f.cache for f in forwards])
+        logits, fed = head._cached_forward(stacked, torch.cat(xs), start, end, refresh)
+        return logits, fed
+
+
+class StackedKVCache(KVCache):
+    """The contiguous caches of several sequences (one row each, the same length) seen as one
+    batch by a shared forward: each layer's fresh K/V row goes into its own sequence's cache (as
+    that sequence's own forward would write it), and attention runs over the member caches
+    stacked along the batch."""
+
+    def __init__(self, members: list[KVCache]) -> None:
+        super().__init__()
+        self.members = members
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return self.members[0].get_seq_length(layer)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        for i, member in enumerate(self.members):
+            member.update(layer, k[i:i + 1], v[i:i + 1], start)
+        return (torch.cat([m.keys[layer] for m in self.members]), torch.cat([m.values[layer] for m in self.members]))
+
+    def crop(self, length: int) -> None:
+        for member in self.members:
+            member.crop(length)

@@ -327,10 +327,15 @@ class DreamDecoder:
             state.deferred = torch.zeros_like(state.number_transfer)
         return state
 
-    def full_forward(self, state: DreamState) -> bool:
-        """Whether the next forward is a plain full forward whose inputs do not depend on the row
-        (no padding), so equal-length states can share it."""
-        return all(isinstance(v, str) for v in state.forward_inputs.values())
+    def shared_forward_key(self, state: DreamState) -> tuple | None:
+        """Equal for states one model call can serve (every step is a full forward: unpadded
+        sequences of one length, the same row-independent inputs); None with padding."""
+        if not all(isinstance(v, str) for v in state.forward_inputs.values()):
+            return None
+        return ("full", state.x.shape[1], tuple(sorted(state.forward_inputs.items())))
+
+    def forward_shared(self, model: torch.nn.Module, states: list[DreamState]) -> tuple[torch.Tensor, int]:
+        return self.spec.logits(model, torch.cat([s.x for s in states]), **states[0].forward_inputs), 0
 
     def forward(self, model: torch.nn.Module, state: DreamState) -> tuple[torch.Tensor, int]:
         return self.spec.logits(model, state.x, **state.forward_inputs), 0

@@ -105,7 +105,7 @@ class BlockDecoder:
     """LLaDA's semi-autoregressive block rule (and Fast-dLLM's threshold / factor rules, caches,
     sparse attention) as a state and a step: `start` builds a `BlockState`, each `step` runs one
     model forward and commits, until `state.done`. `block_diffusion_generate` drives one batch;
-    the engine drives many states, sharing forwards where `full_forward(state)` allows (then it
+    the engine drives many states, sharing forwards where `shared_forward_key` allows (then it
     calls `commit` with its share of a batched forward's logits).
 
     The constructor validates every setting (see `block_diffusion_generate` for their meaning).
@@ -210,11 +210,28 @@ class BlockDecoder:
         state.schedule = schedule_counts(state.x[:, start:end] == self.spec.mask_id, self.steps_per_block)
         state.block_rows_for = {}
 
-    def full_forward(self, state: BlockState) -> bool:
-        """Whether the next forward is a plain full forward of `state.x` with no extra inputs,
-        which rows of other states with the same shape can share."""
-        return (self.mode is None and self.sparse is None and self.cfg_scale == 0
-                and not state.forward_inputs)
+    def shared_forward_key(self, state: BlockState) -> tuple | None:
+        """Equal for states whose next forwards one model call can serve, row by row as each
+        alone (unpadded sequences of one length; for the prefix / dual caches, at the same block
+        and both at its start or both past it); None when the next forward runs alone (CFG,
+        sparse attention, the paged cache, padding)."""
+        if state.forward_inputs or self.cfg_scale > 0 or self.sparse is not None:
+            return None
+        T = state.x.shape[1]
+        if self.mode is None:
+            return ("full", T)
+        if self.mode in ("prefix", "dual") and not isinstance(self.use_cache, PagedKVCache):
+            return (self.mode, T, *self.block_span(state), state.step == 0)
+        return None
+
+    def forward_shared(self, model: torch.nn.Module, states: list[BlockState]) -> tuple[torch.Tensor, int]:
+        """The next forward of `states` (one `shared_forward_key`) in one call: (logits `[G, L, V]`,
+        first fed position)."""
+        if self.mode is None:
+            return self.spec.logits(model, torch.cat([s.x for s in states])), 0
+        start, end = self.block_span(states[0])
+        return BlockForward.run_shared([s.forwards for s in states], [s.x for s in states], start, end,
+                                       refresh=states[0].step == 0)
 
     def forward(self, model: torch.nn.Module, state: BlockState) -> tuple[torch.Tensor, int]:
         """The next forward of `state`: logits of the positions it computes and the first of them."""

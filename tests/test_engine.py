@@ -225,7 +225,7 @@ def test_a_failing_request_fails_alone(llada, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory (simulated)")
 
-    monkeypatch.setattr(bad.decoder, "step", broken)
+    monkeypatch.setattr(bad.decoder, "commit", broken)
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
@@ -376,3 +376,21 @@ def test_ar_requests_of_one_prompt_length_share_forwards_and_leave_as_they_finis
         assert len(got.all_token_ids) == len(alone) or alone[len(got.all_token_ids) - 1] == charset.EOS_ID, rid
         nfe += got.nfe
     assert engine.runner.forwards <= 17 < nfe
+
+
+@pytest.mark.parametrize("use_cache", ["dual", "prefix"])
+def test_cached_block_steps_are_shared(llada, use_cache):
+    """Prefix / dual cache requests of one prompt length share their block-start forwards and
+    their cached block steps (each sequence's cache updated as alone), with alone's tokens."""
+    model, tokenizer = llada
+    same_length = [p for p in PROBLEMS if len(p) == len(PROBLEMS[0])][:4]
+    rules = [dict(), dict(threshold=0.9), dict(factor=1.0), dict(temperature=0.8)]
+    requests = [(f"c{i}", same_length[i % len(same_length)],
+                 SamplingParams(max_tokens=16, steps=16, block_length=8, use_cache=use_cache, seed=i, **rules[i % 4]))
+                for i in range(8)]
+    engine = LLMEngine(model, tokenizer)
+    done = run_engine(engine, requests)
+    for rid, ids, p in requests:
+        assert done[rid].outputs[0].all_token_ids == alone_llada(model, ids, p), rid
+    nfe = sum(o.outputs[0].nfe for o in done.values())
+    assert engine.runner.forwards * 3 < nfe     # shared: far fewer model calls than forwards counted

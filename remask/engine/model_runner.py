@@ -1,13 +1,13 @@
 """The model runner computes one engine step for the running sequences.
 
-Diffusion sequences whose next forward is a plain full forward (`BlockDecoder.full_forward`: no
-cache, no CFG, no sparse attention; every step of Dream's sampler, `DreamDecoder`) and whose
-sequences have the same length share one batched forward: their rows are independent in a
-bidirectional forward of equal-length, unpadded sequences, and with `batch_invariant` each row is
-computed with the shapes it has alone (`batch_invariant.py`). Autoregressive sequences admitted
+Diffusion sequences whose next forwards have the same `shared_forward_key` share one batched
+forward (`forward_shared`): unpadded sequences of one length — full forwards, and the prefix /
+dual caches' block-start and block steps at the same block, each sequence's own cache updated as
+its own call would (`StackedKVCache`). Their rows are independent in a bidirectional forward, and
+with `batch_invariant` each row is computed with the shapes it has alone (`batch_invariant.py`). Autoregressive sequences admitted
 in the same step with prompts of the same length decode in lockstep (`ARGroup`): one prefill,
-then one forward per step for the group. Every other sequence (cached or sparse diffusion, CFG)
-runs its own forward in the same step. Each sequence commits its own tokens with its own rule
+then one forward per step for the group. Every other sequence (CFG, sparse attention, the paged
+cache) runs its own forward in the same step. Each sequence commits its own tokens with its own rule
 and generator (`BlockDecoder.commit`, `DreamDecoder.commit`, `ARDecoder.sample`): no sampling
 rule lives here.
 
@@ -86,24 +86,24 @@ class ModelRunner:
                 if seq.state is None:
                     seq.stats.start()
                     seq.state = seq.decoder.start(self.model, seq.prompt_ids)
-                if seq.decoder.full_forward(seq.state):
-                    # equal lengths and the same row-independent inputs (none, or Dream's "full")
-                    shared[seq.state.x.shape[1], tuple(sorted(seq.state.forward_inputs.items()))].append(seq)
+                key = seq.decoder.shared_forward_key(seq.state)
+                if key is not None:
+                    shared[type(seq.decoder), key].append(seq)
                 else:
                     self._own_step(seq)
             except Exception as err:  # noqa: BLE001 - one request's failure must not stop the others
                 failed[seq] = f"{type(err).__name__}: {err}"
-        for (_, inputs), group in shared.items():
+        for group in shared.values():
             try:
                 with self._invariant(len(group)):
-                    logits = self.spec.logits(self.model, torch.cat([seq.state.x for seq in group]), **dict(inputs))
+                    logits, fed = group[0].decoder.forward_shared(self.model, [seq.state for seq in group])
                 self.forwards += 1
             except Exception as err:  # noqa: BLE001
                 failed.update({seq: f"{type(err).__name__}: {err}" for seq in group})
                 continue
             for i, seq in enumerate(group):
                 try:
-                    seq.decoder.commit(seq.state, logits[i:i + 1], 0, seq.generator, seq.stats)
+                    seq.decoder.commit(seq.state, logits[i:i + 1], fed, seq.generator, seq.stats)
                 except Exception as err:  # noqa: BLE001
                     failed[seq] = f"{type(err).__name__}: {err}"
         return failed
