@@ -26,6 +26,7 @@ class ARState:
     (`pad_token_id` after a row's EOS), the model's cache and the logits of the next position."""
 
     input_ids: torch.Tensor
+    eos: torch.Tensor              # the EOS ids, on the prompt's device
     tokens: torch.Tensor
     finished: torch.Tensor
     mask: torch.Tensor
@@ -108,7 +109,8 @@ class ARDecoder:
         if stats is not None:
             stats.forward(B, P)
         device = input_ids.device
-        return ARState(input_ids=input_ids, mask=mask, position_ids=position_ids, cache=cache, logits=logits,
+        return ARState(input_ids=input_ids, eos=torch.tensor(self.eos_ids, dtype=torch.long, device=device),
+                       mask=mask, position_ids=position_ids, cache=cache, logits=logits,
                        tokens=torch.full((B, self.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device),
                        finished=torch.zeros(B, dtype=torch.bool, device=device))
 
@@ -122,7 +124,7 @@ class ARDecoder:
         state.generated += active
         if stats is not None:
             stats.step(active)
-        state.finished |= torch.isin(next_token, torch.tensor(self.eos_ids, dtype=torch.long, device=next_token.device))
+        state.finished |= torch.isin(next_token, state.eos)
         state.step += 1
         if bool(state.finished.all()) or state.step == self.max_new_tokens:
             state.done = True

@@ -103,8 +103,7 @@ class BlockForward:
             for f in forwards:
                 f.cache = KVCache()
         stacked = StackedKVCache([f.cache for f in forwards])
-        logits, fed = head._cached_forward(stacked, torch.cat(xs), start, end, refresh)
-        return logits, fed
+        return head._cached_forward(stacked, torch.cat(xs), start, end, refresh)
 
 
 class StackedKVCache(KVCache):

@@ -90,6 +90,7 @@ class BlockState:
     forward_inputs: dict[str, Any]
     prompt_index: torch.Tensor
     finished: torch.Tensor
+    stop_ids: torch.Tensor            # EOS/EOT ids of early stop and the corrected rule, on x's device
     block: int = 0
     step: int = 0
     schedule: torch.Tensor | None = None
@@ -196,7 +197,8 @@ class BlockDecoder:
         else:
             forwards = BlockForward(model, spec, self.use_cache, forward_inputs, valid_positions(attention_mask, T))
         state = BlockState(x=x, prompt_len=P, forwards=forwards, forward_inputs=forward_inputs,
-                           prompt_index=x != mask_id, finished=torch.zeros(B, dtype=torch.bool, device=x.device))
+                           prompt_index=x != mask_id, finished=torch.zeros(B, dtype=torch.bool, device=x.device),
+                           stop_ids=torch.tensor(self.stop_ids, dtype=torch.long, device=x.device))
         self._begin_block(state)
         return state
 
@@ -287,7 +289,7 @@ class BlockDecoder:
                               generator=generator)[:, local:local + self.block_length]
         if self.confidence_eos_eot_inf == "corrected":
             # What the option was meant to do: commit EOS/EOT only when nothing else is left.
-            conf = conf.masked_fill(torch.isin(x0, self._stop_tensor(x)), -torch.inf)
+            conf = conf.masked_fill(torch.isin(x0, state.stop_ids), -torch.inf)
         before = block_mask.clone() if on_step is not None else None
         if self.threshold is not None:
             committed = unmask(block_x, block_mask, x0, conf, threshold=self.threshold)
@@ -308,14 +310,11 @@ class BlockDecoder:
         if block_over:
             self._end_block(state, block_x, end)
 
-    def _stop_tensor(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(self.stop_ids, dtype=torch.long, device=x.device)
-
     def _end_block(self, state: BlockState, block_x: torch.Tensor, end: int) -> None:
         if self.early_stop:
             # A row stops once a fully decoded block contains a stop token; the rest becomes EOS.
             block_done = (block_x != self.spec.mask_id).all(dim=1)
-            has_stop = torch.isin(block_x, self._stop_tensor(block_x)).any(dim=1)
+            has_stop = torch.isin(block_x, state.stop_ids).any(dim=1)
             newly = block_done & has_stop & ~state.finished
             state.x[newly, end:] = self.stop_ids[0]
             state.finished |= newly
