@@ -46,9 +46,14 @@ DREAM_MIX = [  # Dream's sampler (diffusion_generate's keywords) on tiny-llada: 
 AR_MIX = [("greedy", dict()), ("T=0.8 top_k=5", dict(temperature=0.8, top_k=5))]
 
 
-def requests(n: int, mix: list[tuple[str, dict[str, Any]]], max_tokens: int) -> list[tuple[list[int], SamplingParams]]:
+SYSTEM_PROMPT = [(7 * i + 3) % 100 + 8 for i in range(48)]   # 48 shared tokens: 3 pages of 16
+
+
+def requests(n: int, mix: list[tuple[str, dict[str, Any]]], max_tokens: int,
+             system: list[int] | None = None) -> list[tuple[list[int], SamplingParams]]:
     problems = tasks.problems(n, tasks.EVAL_SEED)
-    return [(charset.encode_chat(p.prompt), SamplingParams(max_tokens=max_tokens, seed=i, **mix[i % len(mix)][1]))
+    return [((system or []) + charset.encode_chat(p.prompt),
+             SamplingParams(max_tokens=max_tokens, seed=i, **mix[i % len(mix)][1]))
             for i, p in enumerate(problems)]
 
 
@@ -76,8 +81,9 @@ def sequential(model, reqs, ar: bool) -> dict[str, Any]:
     return dict(seconds=time.perf_counter() - start, rows=rows, latencies=latencies, forwards=nfe, nfe=nfe)
 
 
-def engine_run(model, tokenizer, reqs, batch_invariant: bool) -> dict[str, Any]:
-    engine = LLMEngine(model, tokenizer, max_num_seqs=256, batch_invariant=batch_invariant)
+def engine_run(model, tokenizer, reqs, batch_invariant: bool, prefix_caching: bool = True) -> dict[str, Any]:
+    kw = {} if remask.get_spec(model).kind != "ar" else dict(enable_prefix_caching=prefix_caching)
+    engine = LLMEngine(model, tokenizer, max_num_seqs=256, batch_invariant=batch_invariant, **kw)
     start = time.perf_counter()
     for i, (ids, params) in enumerate(reqs):
         engine.add_request(str(i), ids, params)
@@ -90,7 +96,7 @@ def engine_run(model, tokenizer, reqs, batch_invariant: bool) -> dict[str, Any]:
     outs = [done[i] for i in range(len(reqs))]
     return dict(seconds=seconds, rows=[o.outputs[0].all_token_ids for o in outs],
                 latencies=[o.metrics["finish_time"] - start for o in outs], forwards=engine.runner.forwards,
-                nfe=sum(o.outputs[0].nfe for o in outs))
+                nfe=sum(o.outputs[0].nfe for o in outs), peak_pages=engine.kv_stats()["peak_pages_in_use"])
 
 
 def step_overhead(rounds: int = 3) -> list[dict[str, Any]]:
@@ -141,7 +147,7 @@ def summarize(name: str, n: int, result: dict[str, Any], reference_rows: list[li
     return dict(run=name, requests=n, seconds=result["seconds"], tokens_per_s=tokens / result["seconds"],
                 requests_per_s=n / result["seconds"], nfe_per_token=result["nfe"] / tokens,
                 p50_latency_s=statistics.median(lat), p99_latency_s=p99, forwards=result["forwards"],
-                identical=result["rows"] == reference_rows)
+                identical=result["rows"] == reference_rows, peak_pages=result.get("peak_pages"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,15 +164,19 @@ def main(argv: list[str] | None = None) -> int:
     llada, llada_tok = remask.load("tiny-llada")
     ar, ar_tok = remask.load("tiny-ar")
     rows = []
-    for label, model, tokenizer, mix, is_ar in (("tiny-llada, mixed (incl. caches)", llada, llada_tok, LLADA_MIX, False),
-                                                ("tiny-llada, uncached rules", llada, llada_tok, UNCACHED_MIX, False),
-                                                ("tiny-llada, Dream's sampler", llada, llada_tok, DREAM_MIX, False),
-                                                ("tiny-ar", ar, ar_tok, AR_MIX, True)):
+    for label, model, tokenizer, mix, is_ar, system in (
+            ("tiny-llada, mixed (incl. caches)", llada, llada_tok, LLADA_MIX, False, None),
+            ("tiny-llada, uncached rules", llada, llada_tok, UNCACHED_MIX, False, None),
+            ("tiny-llada, Dream's sampler", llada, llada_tok, DREAM_MIX, False, None),
+            ("tiny-ar", ar, ar_tok, AR_MIX, True, None),
+            ("tiny-ar, 48-token shared system prompt", ar, ar_tok, AR_MIX, True, SYSTEM_PROMPT)):
         for n in counts:
-            reqs = requests(n, mix, args.max_tokens)
+            reqs = requests(n, mix, args.max_tokens, system)
             runs = {"sequential": lambda: sequential(model, reqs, is_ar),
                     "engine": lambda: engine_run(model, tokenizer, reqs, True),
                     "engine, batch_invariant=False": lambda: engine_run(model, tokenizer, reqs, False)}
+            if system is not None:
+                runs["engine, no prefix caching"] = lambda: engine_run(model, tokenizer, reqs, True, False)
             best: dict[str, dict[str, Any]] = {}
             for _ in range(args.repeats):      # interleaved, the fastest of each kept: the machine is shared
                 for name, fn in runs.items():
@@ -182,17 +192,20 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{label:34s} n={n:4d} {name:30s} {row['tokens_per_s']:8.0f} tok/s  x{row['speedup']:.2f}  "
                       f"identical={row['identical']}", flush=True)
     header = ("| workload | requests | run | generated tok/s | × sequential | requests/s | NFE/token | p50 latency (s) "
-              "| p99 latency (s) | model forwards | tokens identical |")
+              "| p99 latency (s) | model forwards | peak KV pages | tokens identical |")
     lines = [f"# Engine benchmark: {platform.machine()} CPU, {args.threads} thread(s), "
              f"{datetime.date.today().isoformat()}", "",
              f"torch {torch.__version__}, Python {sys.version.split()[0]}; max_tokens={args.max_tokens}; "
              f"command: `python bench/engine.py --requests {args.requests} --threads {args.threads} "
              f"--repeats {args.repeats}` (fastest of the repeats, run interleaved)", "",
-             header, "|" + " --- |" * 11]
+             "Peak KV pages: the autoregressive page store's (pages of 16 positions); a diffusion request "
+             "keeps its own cache, so there is none.", "",
+             header, "|" + " --- |" * 12]
     for r in rows:
         lines.append(f"| {r['workload']} | {r['requests']} | {r['run']} | {r['tokens_per_s']:.0f} | {r['speedup']:.2f} | "
                      f"{r['requests_per_s']:.1f} | {r['nfe_per_token']:.3f} | {r['p50_latency_s']:.3f} | "
-                     f"{r['p99_latency_s']:.3f} | {r['forwards']} | {'yes' if r['identical'] else 'NO'} |")
+                     f"{r['p99_latency_s']:.3f} | {r['forwards']} | "
+                     f"{r['peak_pages'] if r['peak_pages'] else '-'} | {'yes' if r['identical'] else 'NO'} |")
     overhead = step_overhead(max(3, args.repeats))
     lines += ["", f"Per-step host time, compute negligible ({overhead[0]['parameters']} parameters, batch 1, gen 128, "
               "blocks of 32; best of 3; the issue's aim: <= 0.5 ms):", "",

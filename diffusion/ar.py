@@ -6,6 +6,7 @@ otherwise), like every other sampler in remask.
 """
 from __future__ import annotations
 
+import inspect
 import numbers
 from dataclasses import dataclass
 from typing import Any
@@ -71,6 +72,10 @@ class ARDecoder:
         self.model, self.spec = model, spec
         self.max_new_tokens, self.temperature, self.top_k, self.top_p = max_new_tokens, temperature, top_k, top_p
         self.eos_ids, self.pad_token_id = eos_ids, pad_token_id
+        # Only the last position's logits are needed, as in transformers' `generate`: the LM head
+        # then runs on one row per sequence, the shape the engine's flat forward gives it too.
+        forward_params = inspect.signature(model.forward).parameters
+        self.keep_last = {"logits_to_keep": 1} if "logits_to_keep" in forward_params else {}
 
     def check_input(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         check_prompt(self.model, input_ids, attention_mask, name="input_ids", spec=self.spec)
@@ -82,7 +87,8 @@ class ARDecoder:
     def prefill(self, input_ids: torch.Tensor, mask: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """The prompt's forward: (cache, next-position logits `[B, V]`, position ids of the last column)."""
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                         **self.keep_last)
         return out.past_key_values, out.logits[:, -1], position_ids[:, -1:]
 
     def decode(self, cache: Any, tokens: torch.Tensor, mask: torch.Tensor,
@@ -90,7 +96,7 @@ class ARDecoder:
         """One token per row `[B]` at `position_ids` `[B, 1]` against `cache`; `mask` covers every
         position so far, this one included. Returns (cache, next-position logits `[B, V]`)."""
         out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True)
+                         past_key_values=cache, use_cache=True, **self.keep_last)
         return out.past_key_values, out.logits[:, -1]
 
     def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

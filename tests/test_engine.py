@@ -335,21 +335,33 @@ def test_dream_sampler_params_are_checked():
         SamplingParams(alg="greedy")
 
 
-def test_ar_requests_of_one_prompt_length_share_forwards_and_leave_as_they_finish(ar, monkeypatch):
-    """Lockstep groups: 12 same-length prompts, mixed settings and budgets (members finish at
-    different steps), one aborted and one failing mid-run: the rest equal `ar_generate` alone,
-    with far fewer forwards than their NFE."""
+def alone_ar(model, ids: list[int], params: SamplingParams) -> list[int]:
+    prompt = torch.tensor([ids])
+    return remask.ar_generate(model, prompt, generator=torch.Generator().manual_seed(params.seed),
+                              **params.ar_kwargs([charset.EOS_ID]))[0, prompt.shape[1]:].tolist()
+
+
+def assert_ar_equal(got, alone: list[int], rid: str) -> None:
+    """The engine stops at EOS; `ar_generate` pads after it."""
+    assert got.all_token_ids == alone[:len(got.all_token_ids)], rid
+    assert len(got.all_token_ids) == len(alone) or alone[len(got.all_token_ids) - 1] == charset.EOS_ID, rid
+
+
+def test_ar_requests_of_mixed_lengths_run_as_one_flat_forward_per_step(ar, monkeypatch):
+    """12 prompts of different lengths, mixed settings and budgets (they finish at different
+    steps), one aborted and one failing mid-run: one model call per step for all of them (no
+    padding), the rest equal `ar_generate` alone, and every page comes back."""
     model, tokenizer = ar
-    same_length = [p for p in PROBLEMS if len(p) == len(PROBLEMS[0])][:4]
     engine = LLMEngine(model, tokenizer)
     requests = []
     for i in range(12):
         params = SamplingParams(max_tokens=[3, 8, 16][i % 3], seed=i, temperature=[0.0, 0.9][i % 2],
                                 top_p=[None, 0.8][i % 2])
-        requests.append((f"g{i}", same_length[i % len(same_length)], params))
+        requests.append((f"g{i}", PROBLEMS[i], params))
         engine.add_request(*requests[-1])
-    engine.step()                                     # the prefill of the one group
-    assert len(engine.runner.ar_groups) == 1 and len(engine.runner.ar_groups[0].members) == 12
+    assert len({len(ids) for _, ids, _ in requests}) > 3
+    engine.step()                                     # every prompt in one forward
+    assert engine.runner.forwards == 1 and engine.kv_stats()["pages_in_use"] > 0
     engine.step()
     engine.abort_request("g4")
     failing = next(s for s in engine.scheduler.running if s.request_id == "g5")
@@ -358,24 +370,116 @@ def test_ar_requests_of_one_prompt_length_share_forwards_and_leave_as_they_finis
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert done["g5"].outputs[0].finish_reason == "error" and "boom" in done["g5"].outputs[0].error
-    assert "g4" not in done and not engine.runner.ar_groups
-    lone = LLMEngine(model, tokenizer)
-    lone.add_request("x", same_length[0], SamplingParams(max_tokens=8))
-    lone.step()
-    lone.abort_request("x")                           # aborted between steps: its cache rows go at once
-    assert not lone.runner.ar_groups and not lone.has_unfinished_requests()
+    assert "g4" not in done and engine.kv_stats()["pages_in_use"] == 0
     nfe = 0
     for rid, ids, p in requests:
-        if rid in ("g4", "g5"):
-            continue
-        prompt = torch.tensor([ids])
-        alone = remask.ar_generate(model, prompt, generator=torch.Generator().manual_seed(p.seed),
-                                   **p.ar_kwargs([charset.EOS_ID]))[0, prompt.shape[1]:].tolist()
-        got = done[rid].outputs[0]
-        assert got.all_token_ids == alone[:len(got.all_token_ids)], rid
-        assert len(got.all_token_ids) == len(alone) or alone[len(got.all_token_ids) - 1] == charset.EOS_ID, rid
-        nfe += got.nfe
+        if rid not in ("g4", "g5"):
+            assert_ar_equal(done[rid].outputs[0], alone_ar(model, ids, p), rid)
+            nfe += done[rid].outputs[0].nfe
     assert engine.runner.forwards <= 17 < nfe
+    lone = LLMEngine(model, tokenizer)
+    lone.add_request("x", PROBLEMS[0], SamplingParams(max_tokens=8))
+    lone.step()
+    assert lone.kv_stats()["pages_in_use"] == 1
+    lone.abort_request("x")                           # aborted between steps: its pages go back at once
+    assert lone.kv_stats()["pages_in_use"] == 0 and not lone.has_unfinished_requests()
+
+
+SYSTEM = [(7 * i + 3) % 100 + 8 for i in range(32)]   # a 32-token "system prompt": two pages of 16
+
+
+def test_ar_requests_with_a_shared_system_prompt_store_it_once(ar):
+    model, tokenizer = ar
+    requests = [(f"s{i}", SYSTEM + PROBLEMS[i], SamplingParams(max_tokens=8, seed=i, temperature=[0.0, 0.9][i % 2]))
+                for i in range(4)]
+    own_pages = sum(-(-len(ids) // 16) for _, ids, _ in requests)
+
+    engine = LLMEngine(model, tokenizer, page_size=16)
+    for request in requests:
+        engine.add_request(*request)
+    engine.step()                                     # the four prompts, in one forward
+    stats = engine.kv_stats()
+    assert stats["pages_in_use"] == own_pages - 3 * 2          # the system prompt's two pages once, not four times
+    assert stats["prefix_hits"] == 6 and stats["pages_unshared"] == 0
+    unshared = LLMEngine(model, tokenizer, page_size=16, enable_prefix_caching=False)
+    for request in requests:
+        unshared.add_request(*request)
+    unshared.step()
+    assert unshared.kv_stats()["pages_in_use"] == own_pages and unshared.kv_stats()["prefix_hits"] == 0
+
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    for rid, ids, p in requests:
+        assert_ar_equal(done[rid].outputs[0], alone_ar(model, ids, p), rid)
+    # A later request finds the pages kept (nobody holds them, nobody took them since).
+    assert engine.kv_stats()["pages_in_use"] == 0
+    late = run_engine(engine, [("late", SYSTEM + PROBLEMS[9], SamplingParams(max_tokens=8, seed=9))])
+    assert engine.kv_stats()["prefix_hits"] == 8
+    assert_ar_equal(late["late"].outputs[0], alone_ar(model, SYSTEM + PROBLEMS[9], SamplingParams(max_tokens=8,
+                                                                                                   seed=9)), "late")
+
+
+def test_a_shared_page_that_differs_is_never_used(ar):
+    """Sharing is verified: a request that finds a page by prefix hash compares, layer by layer,
+    what it computes with what the page holds. Here the kept pages are corrupted after their
+    writer finished: the next request takes private pages (copy-on-write) and its tokens are its own."""
+    model, tokenizer = ar
+    engine = LLMEngine(model, tokenizer, page_size=16)
+    run_engine(engine, [("a", SYSTEM + PROBLEMS[1], SamplingParams(max_tokens=4))])
+    first_page = engine.pages.hash_to_page[engine.pages.chain_hash(None, SYSTEM[:16])]
+    engine.runner.store.values[1][first_page * 16 + 3] += 1.0        # layer 1 of the first page
+    params = SamplingParams(max_tokens=12, seed=2)
+    done = run_engine(engine, [("b", SYSTEM + PROBLEMS[2], params)])
+    stats = engine.kv_stats()
+    assert stats["prefix_hits"] == 2 and stats["pages_unshared"] == 2
+    assert_ar_equal(done["b"].outputs[0], alone_ar(model, SYSTEM + PROBLEMS[2], params), "b")
+
+
+def test_ar_preemption_when_pages_run_out_recomputes_the_same_tokens(ar):
+    """A store too small for every request at once: the newest running sequences give their
+    pages back and start again later from their seed; nothing reported ever changes, every
+    request ends with the tokens it has alone, and every page comes back."""
+    model, tokenizer = ar
+    requests = [(f"p{i}", PROBLEMS[i], SamplingParams(max_tokens=40, seed=i, temperature=[0.0, 0.9][i % 2],
+                                                      stop_token_ids=[99]))
+                for i in range(8)]
+    engine = LLMEngine(model, tokenizer, kv_cache_pages=12, page_size=8)
+    for request in requests:
+        engine.add_request(*request)
+    seen: dict[str, list[int]] = {}
+    done = {}
+    while engine.has_unfinished_requests():
+        assert engine.kv_stats()["pages_in_use"] <= 12
+        for out in engine.step():
+            ids = out.outputs[0].all_token_ids
+            before = seen.get(out.request_id, [])
+            assert ids[:len(before)] == before, out.request_id      # reports only ever grow
+            seen[out.request_id] = ids
+            if out.finished:
+                done[out.request_id] = out
+    assert sum(o.metrics["preemptions"] for o in done.values()) > 0
+    for rid, ids, p in requests:
+        assert_ar_equal(done[rid].outputs[0], alone_ar(model, ids, p), rid)
+    assert engine.kv_stats()["pages_in_use"] == 0
+    assert engine.kv_stats()["peak_pages_in_use"] <= 12
+
+
+def test_page_store_knobs_are_checked(ar, llada):
+    model, tokenizer = ar
+    small = LLMEngine(model, tokenizer, kv_cache_pages=2, page_size=8)
+    with pytest.raises(ValueError, match="kv_cache_pages=2"):
+        small.add_request("big", PROBLEMS[0], SamplingParams(max_tokens=16))   # more than the whole store
+    for kwargs, match in [(dict(kv_cache_pages=0), "kv_cache_pages"), (dict(page_size=0), "page_size"),
+                          (dict(kv_cache_memory_fraction=1.5), "kv_cache_memory_fraction"),
+                          (dict(kv_cache_memory_fraction=0.5), "CUDA|cpu|kv_cache_pages"),
+                          (dict(kv_cache_pages=4, kv_cache_memory_fraction=0.5), "not both|cpu"),
+                          (dict(enable_prefix_caching="yes"), "enable_prefix_caching")]:
+        with pytest.raises(ValueError, match=match):
+            LLMEngine(model, tokenizer, **kwargs)
+    with pytest.raises(ValueError, match="kv_cache_pages"):
+        LLMEngine(*llada, kv_cache_pages=64)       # a diffusion request keeps its own cache
+    assert LLMEngine(*llada).kv_stats()["pages"] == 0
 
 
 @pytest.mark.parametrize("use_cache", ["dual", "prefix"])

@@ -1,12 +1,28 @@
 """The engine: many requests decoded together, step by step (nano-vllm's shape).
 
 `SamplingParams` (validated settings) → `LLMEngine.add_request` → `Scheduler` (who runs this
-step) → `ModelRunner` (the forwards, shared where shapes allow) → the samplers' own commit
-(`BlockDecoder.commit`, `ARDecoder.step`) → `RequestOutput`. `LLM` drives it offline.
+step, admission by sequences / positions / KV pages, preemption) → `ModelRunner` (the forwards,
+shared where shapes allow; AR sequences as one flat forward over the paged KV store) → the
+samplers' own commit (`BlockDecoder.commit`, `ARDecoder.sample`) → `RequestOutput`. `LLM` drives
+it offline. `PageManager` is the page allocator (also used by the diffusion paged cache).
 """
-from .llm import LLM
-from .llm_engine import EngineState, LLMEngine
-from .sampling_params import SamplingParams
-from .sequence import CompletionOutput, RequestOutput, SequenceStatus
+from __future__ import annotations
 
-__all__ = ["CompletionOutput", "EngineState", "LLM", "LLMEngine", "RequestOutput", "SamplingParams", "SequenceStatus"]
+import importlib
+from typing import Any
+
+# Imported on first use: `remask.models` imports the page allocator from here, and the engine
+# itself imports the models.
+_EXPORTS = {
+    "LLM": ".llm", "LLMEngine": ".llm_engine", "EngineState": ".llm_engine", "SamplingParams": ".sampling_params",
+    "CompletionOutput": ".sequence", "RequestOutput": ".sequence", "SequenceStatus": ".sequence",
+    "PageManager": ".page_manager",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,24 +19,56 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 
+def _batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`[B, L, K]` → `[B, L, N]`, each of the B problems the GEMM `[L, K]·[K, N]` it is alone."""
+    w_t = weight.t().expand(x.shape[0], *weight.t().shape)
+    if bias is None:
+        return torch.bmm(x, w_t)
+    # addmm alone adds the bias inside the GEMM (C = bias; C += x·Wᵀ): the same here
+    return torch.baddbmm(bias.expand(x.shape[0], x.shape[1], -1), x, w_t)
+
+
 class _PerSequenceLinear(TorchFunctionMode):
+    """`token_groups`: for a flat (varlen) forward `[1, T, K]`, the rows of each group of
+    equal-length sequences `(length, row indices)`; a `[1, S, K]` input with one row per sequence
+    (the LM head over each sequence's last position) is S problems of one row."""
+
+    def __init__(self, token_groups: list[tuple[int, torch.Tensor]] | None = None) -> None:
+        super().__init__()
+        self.token_groups = token_groups
+        self.total = sum(len(rows) for _, rows in token_groups) if token_groups else 0
+        self.num_seqs = sum(len(rows) // length for length, rows in token_groups) if token_groups else 0
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
             x, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if x.dim() == 3 and x.shape[0] > 1:
-                w_t = weight.t().expand(x.shape[0], *weight.t().shape)
-                if bias is None:
-                    return torch.bmm(x, w_t)
-                # addmm alone adds the bias inside the GEMM (C = bias; C += x·Wᵀ): the same here
-                return torch.baddbmm(bias.expand(x.shape[0], x.shape[1], -1), x, w_t)
+                return _batched_linear(x, weight, bias)
+            if x.dim() == 3 and self.token_groups is not None:
+                if x.shape[1] == self.total and len(self.token_groups) == 1:
+                    length = self.token_groups[0][0]   # one group, rows in order: a reshape
+                    if x.shape[1] == length:
+                        return func(*args, **kwargs)
+                    return _batched_linear(x.view(-1, length, x.shape[2]), weight, bias).view(1, x.shape[1], -1)
+                if x.shape[1] == self.total:
+                    out = x.new_empty(1, x.shape[1], weight.shape[0])
+                    for length, rows in self.token_groups:
+                        part = x[0].index_select(0, rows).view(-1, length, x.shape[2])
+                        y = func(part, weight, bias) if part.shape[0] == 1 else _batched_linear(part, weight, bias)
+                        out[0].index_copy_(0, rows, y.reshape(-1, y.shape[-1]))
+                    return out
+                if x.shape[1] == self.num_seqs and x.shape[1] > 1:
+                    return _batched_linear(x.view(-1, 1, x.shape[2]), weight, bias).view(1, x.shape[1], -1)
         return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def batch_invariant_linear(enabled: bool = True, single_thread: bool = True) -> Iterator[None]:
-    """Run the block's forwards with per-sequence linear layers (and, on CPU, one intra-op thread)."""
+def batch_invariant_linear(enabled: bool = True, single_thread: bool = True,
+                           token_groups: list[tuple[int, torch.Tensor]] | None = None) -> Iterator[None]:
+    """Run the block's forwards with per-sequence linear layers (and, on CPU, one intra-op thread).
+    `token_groups`: the layout of a flat forward (see `_PerSequenceLinear`)."""
     if not enabled:
         yield
         return
@@ -44,7 +76,7 @@ def batch_invariant_linear(enabled: bool = True, single_thread: bool = True) -> 
     if single_thread and threads != 1:
         torch.set_num_threads(1)
     try:
-        with _PerSequenceLinear():
+        with _PerSequenceLinear(token_groups):
             yield
     finally:
         if single_thread and threads != 1:

@@ -30,13 +30,17 @@ class LLM:
     `model`: a shipped name (`"tiny-llada"`, `"tiny-ar"`), a checkpoint folder, or a loaded model
     (then pass its `tokenizer` for text prompts). `dtype` / `device`: for a name or folder
     (default float32 on CPU). `max_num_seqs` / `max_num_batched_tokens`: admission limits of one
-    step. `batch_invariant`: every request's tokens independent of its batch-mates (see
+    step. `kv_cache_pages` (or `kv_cache_memory_fraction` of free GPU memory), `page_size`,
+    `enable_prefix_caching`: the KV page store of autoregressive models (default: room for every
+    admitted sequence at full length; fewer pages preempt and recompute). `batch_invariant`: every request's tokens independent of its batch-mates (see
     `remask.engine.batch_invariant`). `seed`: the seed of requests without their own.
     """
 
     def __init__(self, model: str | torch.nn.Module, tokenizer: Any = None, *, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 16384, batch_invariant: bool = True, seed: int = 0) -> None:
+                 max_num_batched_tokens: int = 16384, kv_cache_pages: int | None = None,
+                 kv_cache_memory_fraction: float | None = None, page_size: int = 16,
+                 enable_prefix_caching: bool = True, batch_invariant: bool = True, seed: int = 0) -> None:
         if isinstance(model, torch.nn.Module):
             if dtype is not None or device is not None:
                 raise ValueError("dtype / device apply when LLM loads the model; move a loaded model yourself")
@@ -47,7 +51,9 @@ class LLM:
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         self.tokenizer = tokenizer
         self.engine = LLMEngine(model, tokenizer, max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=max_num_batched_tokens, batch_invariant=batch_invariant,
+                                max_num_batched_tokens=max_num_batched_tokens, kv_cache_pages=kv_cache_pages,
+                                kv_cache_memory_fraction=kv_cache_memory_fraction, page_size=page_size,
+                                enable_prefix_caching=enable_prefix_caching, batch_invariant=batch_invariant,
                                 seed=seed)
         self._counter = 0
 

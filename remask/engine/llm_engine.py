@@ -22,12 +22,13 @@ import torch
 
 from remask.diffusion.ar import ARDecoder
 from remask.diffusion.dream import DreamDecoder, DreamGenerationConfig, _validate_config
-from remask.diffusion.checks import check_bool, check_int, check_length, check_prompt, check_token_id
+from remask.diffusion.checks import check_bool, check_int, check_length, check_prompt, check_real, check_token_id
 from remask.diffusion.llada import BlockDecoder
 from remask.models.spec import get_spec
 from remask.text import answer_text, stop_token_ids
 
 from .model_runner import ModelRunner
+from .page_manager import PageManager
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus, now
@@ -48,22 +49,75 @@ class EngineState(enum.Enum):
 
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 16384, batch_invariant: bool = True, seed: int = 0) -> None:
+                 max_num_batched_tokens: int = 16384, kv_cache_pages: int | None = None,
+                 kv_cache_memory_fraction: float | None = None, page_size: int = 16,
+                 enable_prefix_caching: bool = True, batch_invariant: bool = True, seed: int = 0) -> None:
         self.state = EngineState.LOADING
         check_int("max_num_seqs", max_num_seqs, minimum=1)
         check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
+        check_int("kv_cache_pages", kv_cache_pages, minimum=1, allow_none=True)
+        check_real("kv_cache_memory_fraction", kv_cache_memory_fraction, low=0, high=1, low_open=True,
+                   allow_none=True)
+        check_int("page_size", page_size, minimum=1)
+        check_bool("enable_prefix_caching", enable_prefix_caching)
         check_bool("batch_invariant", batch_invariant)
         check_int("seed", seed, minimum=0)
         self.model, self.tokenizer, self.seed = model.eval(), tokenizer, seed
         self.spec = get_spec(model)
         self.is_ar = self.spec.kind == "ar"
         self.device = next(model.parameters()).device
-        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.spec, batch_invariant)
+        self.pages = self._page_manager(max_num_seqs, max_num_batched_tokens, kv_cache_pages,
+                                        kv_cache_memory_fraction, page_size, enable_prefix_caching)
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.pages)
+        self.runner = ModelRunner(model, self.spec, batch_invariant, self.pages)
         self.requests: dict[str, tuple[str | None, list[int], list[Sequence]]] = {}
         self.stop_ids = sorted(set(stop_token_ids(tokenizer, model) if tokenizer is not None else
                                    [i for i in (self.spec.eos_id, self.spec.eot_id) if i is not None]))
         self.state = EngineState.READY
+
+    def _page_manager(self, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_pages: int | None,
+                      memory_fraction: float | None, page_size: int, prefix_caching: bool) -> PageManager | None:
+        """The page store of autoregressive models. A diffusion request keeps its cache to itself
+        (its K/V depend on its whole canvas), so the knobs are refused there rather than ignored."""
+        if not self.is_ar:
+            set_here = [name for name, value, default in (
+                ("kv_cache_pages", kv_cache_pages, None), ("kv_cache_memory_fraction", memory_fraction, None),
+                ("page_size", page_size, 16), ("enable_prefix_caching", prefix_caching, True)) if value != default]
+            if set_here:
+                raise ValueError(f"{', '.join(set_here)}: the KV page store serves autoregressive models; a diffusion "
+                                 f"request keeps its own cache (use_cache='paged' pages it per request)")
+            return None
+        if kv_cache_pages is not None and memory_fraction is not None:
+            raise ValueError("pass kv_cache_pages or kv_cache_memory_fraction, not both")
+        if memory_fraction is not None:
+            if self.device.type != "cuda":
+                raise ValueError(f"kv_cache_memory_fraction sizes the store from free GPU memory; the model is on "
+                                 f"{self.device.type}: pass kv_cache_pages")
+            free, _ = torch.cuda.mem_get_info(self.device)
+            kv_cache_pages = max(1, int(free * memory_fraction) // self._page_bytes(page_size))
+        elif kv_cache_pages is None:
+            # Enough for every admitted sequence at full length: no preemption unless asked for.
+            kv_cache_pages = -(-max_num_batched_tokens // page_size) + max_num_seqs
+        return PageManager(kv_cache_pages, page_size, enable_prefix_caching=prefix_caching)
+
+    def _page_bytes(self, page_size: int) -> int:
+        config = self.model.config
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dtype = next(self.model.parameters()).dtype
+        return 2 * config.num_hidden_layers * page_size * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def kv_stats(self) -> dict[str, int]:
+        """The page store's figures (all zero for a diffusion model, which has none): pages in
+        total / in use / at peak, page size, prefix-cache lookups and hits (full prompt pages
+        found stored), and shared pages found different and made private."""
+        pages = self.pages
+        if pages is None:
+            return {"pages": 0, "pages_in_use": 0, "peak_pages_in_use": 0, "page_size": 0, "prefix_lookups": 0,
+                    "prefix_hits": 0, "pages_unshared": 0}
+        return {"pages": pages.num_pages, "pages_in_use": pages.pages_in_use, "peak_pages_in_use": pages.peak_in_use,
+                "page_size": pages.page_size, "prefix_lookups": pages.lookups, "prefix_hits": pages.shared_hits,
+                "pages_unshared": self.runner.unshared_pages}
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -107,7 +161,8 @@ class LLMEngine:
         base_seed = params.seed if params.seed is not None else self._default_seed(ids)
         arrival = now()
         seqs = [Sequence(request_id=request_id, index=i, prompt_ids=prompt_ids, params=params, decoder=decoder,
-                         generator=torch.Generator(device=self.device).manual_seed(base_seed + i), arrival_time=arrival)
+                         generator=torch.Generator(device=self.device).manual_seed(base_seed + i), arrival_time=arrival,
+                         seed=base_seed + i, paged=self.is_ar)
                 for i in range(params.n)]
         for seq in seqs:
             self.scheduler.add(seq)
@@ -165,7 +220,6 @@ class LLMEngine:
                 seq.output_ids = self._generated(seq)
         for seq in self.scheduler.abort(request_id):
             seq.finish_time = now()
-        self.runner.prune()
         out = self.output(request_id)
         del self.requests[request_id]
         return out
@@ -187,7 +241,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests, run one step of every running sequence, retire the finished.
         Returns an output for every request whose final tokens grew or that finished."""
-        _, running = self.scheduler.schedule()
+        _, running, _ = self.scheduler.schedule()
         failed = self.runner.step(running)
         touched: dict[str, None] = {}
         for seq in running:
@@ -235,7 +289,8 @@ class LLMEngine:
         if state is None:
             return seq.output_ids or []
         if isinstance(seq.decoder, ARDecoder):
-            return list(state.tokens)
+            # A preempted sequence decoding again reports what it had until it catches up.
+            return list(state.tokens) if len(state.tokens) >= len(seq.output_ids or []) else list(seq.output_ids)
         return state.x[0, seq.prompt_len:seq.prompt_len + seq.final_len].tolist()
 
     def _stop_ids(self, seq: Sequence) -> list[int]:
@@ -266,6 +321,7 @@ class LLMEngine:
         metrics = {"arrival_time": arrival, "first_token_time": min(first) if first else None,
                    "time_to_first_token": (min(first) - arrival) if first else None,
                    "finish_time": max(done) if finished and done else None,
-                   "latency": (max(done) - arrival) if finished and done else None}
+                   "latency": (max(done) - arrival) if finished and done else None,
+                   "preemptions": sum(s.preemptions for s in seqs)}
         return RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=ids, outputs=outputs,
                              finished=finished, metrics=metrics)

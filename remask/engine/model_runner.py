@@ -1,24 +1,26 @@
 """The model runner computes one engine step for the running sequences.
 
+Autoregressive sequences: each samples its next token with its own settings and generator
+(`ARDecoder.sample`); then the prompts of newly admitted sequences and the new token of every
+sequence that goes on run as **one flat forward** (`[1, T]`, no padding) over the paged KV store,
+each sequence with its own positions and page table (`paged_kv.py`).
+
 Diffusion sequences whose next forwards have the same `shared_forward_key` share one batched
 forward (`forward_shared`): unpadded sequences of one length — full forwards, and the prefix /
 dual caches' block-start and block steps at the same block, each sequence's own cache updated as
-its own call would (`StackedKVCache`). Their rows are independent in a bidirectional forward, and
-with `batch_invariant` each row is computed with the shapes it has alone (`batch_invariant.py`). Autoregressive sequences admitted
-in the same step with prompts of the same length decode in lockstep (`ARGroup`): one prefill,
-then one forward per step for the group. Every other sequence (CFG, sparse attention, the paged
-cache) runs its own forward in the same step. Each sequence commits its own tokens with its own rule
-and generator (`BlockDecoder.commit`, `DreamDecoder.commit`, `ARDecoder.sample`): no sampling
-rule lives here.
+its own call would (`StackedKVCache`). Their rows are independent in a bidirectional forward.
+Every other diffusion sequence (CFG, sparse attention, the paged cache) runs its own forward in
+the same step. Each sequence commits its own tokens with its own rule and generator
+(`BlockDecoder.commit`, `DreamDecoder.commit`): no sampling rule lives here.
 
-A failure inside one sequence's forward or commit fails that sequence only (`failed`); a failed
-shared forward fails the sequences that shared it.
+With `batch_invariant` each sequence's rows are computed with the shapes they have alone
+(`batch_invariant.py`). A failure inside one sequence's forward or commit fails that sequence
+only (`failed`); a failed shared forward fails the sequences that shared it.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -26,59 +28,43 @@ from remask.diffusion.ar import ARDecoder
 from remask.models.spec import ModelSpec
 
 from .batch_invariant import batch_invariant_linear
+from .page_manager import PageManager
+from .paged_kv import ForwardBatch, PagedKVStore, SequenceSlice, paged_forward
 from .sequence import Sequence
 
 
 @dataclass(eq=False)
-class ARGroup:
-    """Autoregressive sequences decoding in lockstep: admitted in the same step with prompts of
-    the same length, so their caches always have the same length and one forward serves them
-    all. A member that finishes leaves the group (its rows are dropped from the cache)."""
-
-    members: list[Sequence]
-    cache: Any
-    logits: torch.Tensor          # [G, V] next-position logits
-    mask: torch.Tensor            # [G, positions so far]
-    position_ids: torch.Tensor    # [G, 1]
-
-    def keep(self, rows: list[int]) -> None:
-        if len(rows) == len(self.members):
-            return
-        index = torch.tensor(rows, dtype=torch.long, device=self.logits.device)
-        self.cache.batch_select_indices(index)
-        self.members = [self.members[i] for i in rows]
-        self.logits, self.mask, self.position_ids = self.logits[index], self.mask[index], self.position_ids[index]
-
-
-@dataclass(eq=False)
 class ARRow:
-    """A sequence's own part of its `ARGroup`: its tokens so far, and whether it is done."""
+    """An autoregressive sequence's state: its pages, tokens so far and next-position logits."""
 
-    group: ARGroup
+    table: list[int]                       # its pages: prompt, then generated tokens
+    shared: int = 0                        # leading prompt pages stored once for several sequences
     tokens: list[int] = field(default_factory=list)
     step: int = 0
     done: bool = False
+    logits: torch.Tensor | None = None     # [1, V]
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, spec: ModelSpec, batch_invariant: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec, batch_invariant: bool = True,
+                 pages: PageManager | None = None) -> None:
         self.model, self.spec, self.batch_invariant = model, spec, batch_invariant
         self.device = next(model.parameters()).device
         self.forwards = 0      # model calls, for the benchmark
-        self.ar_groups: list[ARGroup] = []
+        self.pages = pages
+        self.store = PagedKVStore(pages) if pages is not None else None
+        self.unshared_pages = 0   # shared prompt pages found to differ and made private
 
-    def _invariant(self, batch: int):
-        return batch_invariant_linear(self.batch_invariant and batch > 1, single_thread=self.device.type == "cpu")
+    def _invariant(self, batch: int, token_groups=None):
+        return batch_invariant_linear(self.batch_invariant and batch > 1, single_thread=self.device.type == "cpu",
+                                      token_groups=token_groups)
 
     @torch.no_grad()
     def step(self, seqs: list[Sequence]) -> dict[Sequence, str]:
         """Advance every sequence by one step; returns the failed ones with their error."""
         failed: dict[Sequence, str] = {}
         shared: dict[tuple, list[Sequence]] = defaultdict(list)
-        ar_groups = list(self.ar_groups)      # the groups started this step only ran their prompts
-        self._start_ar([seq for seq in seqs if seq.state is None and isinstance(seq.decoder, ARDecoder)], failed)
-        for group in ar_groups:
-            self._ar_step(group, failed)
+        self._ar_step([seq for seq in seqs if isinstance(seq.decoder, ARDecoder)], failed)
         for seq in seqs:
             if isinstance(seq.decoder, ARDecoder):
                 continue
@@ -112,72 +98,60 @@ class ModelRunner:
         seq.decoder.step(self.model, seq.state, seq.generator, seq.stats)
         self.forwards += 1
 
-    # ---- autoregressive groups: `ARDecoder`'s prefill / sample / decode, one forward per group ----
+    # ---- autoregressive sequences: one flat forward over the paged store ----
 
-    def prune(self) -> None:
-        """Drop the cache rows of sequences that left their group (aborted between steps)."""
-        for group in list(self.ar_groups):
-            group.keep([i for i, seq in enumerate(group.members) if seq.state is not None and not seq.state.done])
-            if not group.members:
-                self.ar_groups.remove(group)
-
-    def _start_ar(self, seqs: list[Sequence], failed: dict[Sequence, str]) -> None:
-        by_length: dict[int, list[Sequence]] = defaultdict(list)
+    def _ar_step(self, seqs: list[Sequence], failed: dict[Sequence, str]) -> None:
+        if not seqs:
+            return
+        assert self.pages is not None and self.store is not None
+        slices: list[SequenceSlice] = []
+        members: list[Sequence] = []
+        ids: list[int] = []
+        positions: list[int] = []
         for seq in seqs:
-            by_length[seq.prompt_len].append(seq)
-        for members in by_length.values():
             try:
-                ids = torch.cat([seq.prompt_ids for seq in members])
-                with self._invariant(len(members)):
-                    cache, logits, position_ids = members[0].decoder.prefill(ids, torch.ones_like(ids))
-                self.forwards += 1
-            except Exception as err:  # noqa: BLE001
-                failed.update({seq: f"{type(err).__name__}: {err}" for seq in members})
-                continue
-            group = ARGroup(members=members, cache=cache, logits=logits, mask=torch.ones_like(ids),
-                            position_ids=position_ids)
-            for seq in members:
-                seq.stats.start()
-                seq.stats.forward(1, seq.prompt_len)
-                seq.state = ARRow(group)
-            self.ar_groups.append(group)
-
-    def _ar_step(self, group: ARGroup, failed: dict[Sequence, str]) -> None:
-        """Each member samples its token with its own settings and generator (what
-        `ARDecoder.step` does for one row); the members that go on share the next forward."""
-        group.keep([i for i, seq in enumerate(group.members) if seq.state is not None and not seq.state.done])
-        tokens = []
-        for i, seq in enumerate(group.members):
-            try:
-                token = int(seq.decoder.sample(group.logits[i:i + 1], seq.generator)[0])
+                if seq.state is None:       # admitted this step: its prompt's forward
+                    prompt = seq.prompt_ids[0].tolist()
+                    seq.stats.start()
+                    table = self.pages.allocate(prompt)
+                    seq.state = ARRow(table=table, shared=self.pages.last_hits)
+                    q_len, ctx_len, new = len(prompt), len(prompt), prompt
+                    seq.stats.forward(1, len(prompt))
+                else:                       # sample this step's token; the forward stores it
+                    row = seq.state
+                    token = int(seq.decoder.sample(row.logits, seq.generator)[0])
+                    row.tokens.append(token)
+                    row.step += 1
+                    seq.stats.step(1)
+                    row.done = token in seq.decoder.eos_ids or row.step == seq.decoder.max_new_tokens
+                    if row.done:
+                        continue
+                    q_len, ctx_len, new = 1, seq.prompt_len + row.step, [token]
+                    self.pages.extend(row.table, ctx_len)
+                    seq.stats.forward(1, 1)
             except Exception as err:  # noqa: BLE001
                 failed[seq] = f"{type(err).__name__}: {err}"
-                seq.state.done = True
-                tokens.append(None)
                 continue
-            row = seq.state
-            row.tokens.append(token)
-            row.step += 1
-            seq.stats.step(1)
-            row.done = token in seq.decoder.eos_ids or row.step == seq.decoder.max_new_tokens
-            tokens.append(token)
-        going = [i for i, seq in enumerate(group.members) if not seq.state.done]
-        next_tokens = [tokens[i] for i in going]
-        group.keep(going)
-        if not group.members:
-            self.ar_groups.remove(group)
+            slices.append(SequenceSlice(start=len(ids), q_len=q_len, ctx_len=ctx_len, table=seq.state.table,
+                                        shared=seq.state.shared if q_len == ctx_len else 0))
+            ids.extend(new)
+            positions.extend(range(ctx_len - q_len, ctx_len))
+            members.append(seq)
+        if not members:
             return
         try:
-            mask = torch.cat([group.mask, torch.ones_like(group.mask[:, :1])], dim=-1)
-            position_ids = group.position_ids + 1
-            token_tensor = torch.tensor(next_tokens, dtype=torch.long, device=group.logits.device)
-            with self._invariant(len(group.members)):
-                group.cache, group.logits = group.members[0].decoder.decode(group.cache, token_tensor, mask,
-                                                                            position_ids)
-            group.mask, group.position_ids = mask, position_ids
+            batch = ForwardBatch(slices, self.store, self.device)
+            input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+            position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
+            last = torch.tensor([s.start + s.q_len - 1 for s in slices], dtype=torch.long, device=self.device)
+            with self._invariant(len(slices), batch.token_groups), paged_forward(self.model, batch):
+                logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                    logits_to_keep=last).logits[0]
             self.forwards += 1
-            for seq in group.members:
-                seq.stats.forward(1, 1)
         except Exception as err:  # noqa: BLE001
-            failed.update({seq: f"{type(err).__name__}: {err}" for seq in group.members})
-            self.ar_groups.remove(group)
+            failed.update({seq: f"{type(err).__name__}: {err}" for seq in members})
+            return
+        for i, (seq, s) in enumerate(zip(members, slices)):
+            seq.state.logits = logits[i:i + 1]
+            seq.state.shared = s.shared
+            self.unshared_pages += s.unshared

@@ -35,6 +35,9 @@ class Sequence:
     decoder: Any
     generator: torch.Generator
     arrival_time: float
+    seed: int = 0                      # the generator's seed (a preempted sequence restarts from it)
+    paged: bool = False                # its K/V live in the engine's page store (autoregressive)
+    preemptions: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     state: Any = None
     stats: GenerationStats = field(default_factory=GenerationStats)
@@ -44,6 +47,18 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     output_ids: list[int] | None = None   # the generated ids, kept when the state is freed
+
+    def restart(self) -> None:
+        """Back to its first step (preempted: its pages were taken back). Decoding again from the
+        same seed gives the same tokens, so what was already reported stays true."""
+        tokens = getattr(self.state, "tokens", None)
+        if tokens is not None and len(tokens) > len(self.output_ids or []):
+            self.output_ids = list(tokens[:self.final_len])   # reported until the new run catches up
+        self.state = None
+        self.generator.manual_seed(self.seed)
+        self.stats = GenerationStats()
+        self.preemptions += 1
+        self.status = SequenceStatus.WAITING
 
     @property
     def prompt_len(self) -> int:
@@ -79,7 +94,8 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """What `LLM.generate` returns per prompt, and what `LLMEngine.step` reports per request.
-    `metrics`: arrival, first final block (`first_token_time`), finish, `latency` (seconds)."""
+    `metrics`: arrival, first final block (`first_token_time`), finish, `latency` (seconds),
+    `preemptions` (restarts because KV pages ran out)."""
 
     request_id: str
     prompt: str | None

@@ -1,0 +1,220 @@
+"""The engine's paged KV store for autoregressive models, and one flat (varlen) forward over it.
+
+Every engine step runs all the autoregressive work — prompts of newly admitted sequences and one
+new token of each running one — as a single forward over the sequences' tokens laid back to
+back (`[1, T]`, no padding), each sequence with its own positions and page table. The model is
+transformers' own (`AutoModelForCausalLM`); only its attention is swapped, for the duration of
+the forward, for `paged_attention_forward`, which writes the new keys/values into the pages and
+attends each sequence over its own pages.
+
+Exactness: a sequence's attention is computed with the call and the shapes it has alone (its
+prompt: causal attention over the prompt's own fresh keys; a new token: one query over its
+gathered keys), so its tokens equal `remask.ar_generate` on it alone; with `batch_invariant` the
+linear layers also see each sequence's rows as their own problem (`batch_invariant.py`).
+
+Prefix sharing stores a prompt page once when its keys and values are *bitwise* those the
+sequence computes itself. A causal model's K/V of a prefix do not depend on what follows, but the
+GEMM and attention kernels may round a row differently for another prompt length; so a sequence
+that found pages by prefix hash still computes its whole prompt (its tokens never depend on who
+stored the page) and compares, layer by layer, what it computed with what the shared page holds;
+on the first difference it takes private pages for the rest of the prompt (copy-on-write). Pages
+are saved, prompt compute is not.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from .page_manager import PageManager
+
+ATTN_IMPLEMENTATION = "remask_paged"
+_CURRENT: contextvars.ContextVar["ForwardBatch | None"] = contextvars.ContextVar("remask_forward_batch", default=None)
+
+
+class PagedKVStore:
+    """Per-layer key/value pages `[num_pages · page_size, H_kv, D]`, allocated at the first forward
+    (the layer shapes come from the model's own projections)."""
+
+    def __init__(self, manager: PageManager) -> None:
+        self.manager = manager
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`like`: this layer's new keys `[1, H_kv, T, D]`."""
+        while len(self.keys) <= index:
+            shape = (self.manager.num_pages * self.manager.page_size, like.shape[1], like.shape[3])
+            self.keys.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
+            self.values.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
+        return self.keys[index], self.values[index]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+@dataclass(eq=False)
+class SequenceSlice:
+    """One sequence's part of a flat forward."""
+
+    start: int                  # first of its rows in the flat batch
+    q_len: int                  # its new tokens
+    ctx_len: int                # positions with K/V once this forward is done (its own included)
+    table: list[int]            # its pages (may be rewritten by copy-on-write)
+    shared: int = 0             # leading prompt pages held with others, to verify (prefill only)
+    unshared: int = 0           # pages found different and made private, this forward
+    new_slots: torch.Tensor | None = None   # where a decode's new K/V go
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.q_len == self.ctx_len
+
+
+@dataclass(eq=False)
+class ForwardBatch:
+    """The layout of one flat forward: the sequences' slices in order, the store and allocator."""
+
+    slices: list[SequenceSlice]
+    store: PagedKVStore
+    device: torch.device
+    # decodes grouped by context length: (slice indices, slots of their context `[G, ctx]`)
+    decode_groups: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
+    # rows of equal-length slices, for the batch-invariant linear layers (one batched GEMM each)
+    token_groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        by_len: dict[int, list[int]] = {}
+        for s in self.slices:
+            by_len.setdefault(s.q_len, []).extend(range(s.start, s.start + s.q_len))
+        self.token_groups = [(length, torch.tensor(rows, dtype=torch.long, device=self.device))
+                             for length, rows in by_len.items()]
+        # Slots are computed once per forward, not once per layer.
+        ps = self.store.manager.page_size
+        by_ctx: dict[int, list[int]] = {}
+        for i, s in enumerate(self.slices):
+            if not s.is_prefill:
+                by_ctx.setdefault(s.ctx_len, []).append(i)
+        for ctx_len, members in by_ctx.items():
+            pos = torch.arange(ctx_len)
+            slots = torch.stack([torch.tensor(self.slices[i].table, dtype=torch.long)[pos // ps] * ps + pos % ps
+                                 for i in members]).to(self.device)
+            for j, i in enumerate(members):
+                self.slices[i].new_slots = slots[j, ctx_len - self.slices[i].q_len:]
+            self.decode_groups.append((members, slots))
+
+    @property
+    def segment_lengths(self) -> list[int]:
+        return [s.q_len for s in self.slices]
+
+
+def _sdpa():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    return sdpa_attention_forward
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                            **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-interface signature: q `[1, Hq, T, D]`, k/v `[1, H_kv, T, D]` (after
+    RoPE) → `[1, T, Hq, D]`. Outside an engine forward it is plain SDPA."""
+    batch = _CURRENT.get()
+    sdpa = _sdpa()
+    if batch is None:
+        return sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    layer = module.layer_idx
+    k_store, v_store = batch.store.layer(layer, key)
+    ps = batch.store.manager.page_size
+    new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)        # [T, H_kv, D]
+    outputs: list[torch.Tensor | None] = [None] * len(batch.slices)
+    for i, s in enumerate(batch.slices):
+        rows = slice(s.start, s.start + s.q_len)
+        if s.is_prefill:
+            _store_prompt(batch, s, layer, k_store, v_store, new_k[rows], new_v[rows], ps)
+            # The prompt attends over its own fresh keys, exactly as it does alone.
+            outputs[i] = sdpa(module, query[:, :, rows], key[:, :, rows], value[:, :, rows], None,
+                              scaling=scaling, dropout=0.0)[0]
+        else:
+            k_store.index_copy_(0, s.new_slots, new_k[rows])
+            v_store.index_copy_(0, s.new_slots, new_v[rows])
+    for members, slots in batch.decode_groups:
+        # Sequences with as many positions attend together: SDPA's rows are independent.
+        k = k_store[slots].permute(0, 2, 1, 3)                                                # [G, H_kv, ctx, D]
+        v = v_store[slots].permute(0, 2, 1, 3)
+        q = torch.cat([query[:, :, batch.slices[i].start:batch.slices[i].start + batch.slices[i].q_len]
+                       for i in members])
+        out = sdpa(module, q, k, v, None, scaling=scaling, dropout=0.0)[0]                   # [G, q, Hq, D]
+        for j, i in enumerate(members):
+            outputs[i] = out[j:j + 1]
+    return torch.cat(outputs, dim=1), None
+
+
+def _store_prompt(batch: ForwardBatch, s: SequenceSlice, layer: int, k_store: torch.Tensor, v_store: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor, ps: int) -> None:
+    """Write a prompt's K/V `[P, H_kv, D]` into its pages; a shared page is compared instead, and
+    made private (with the layers already written copied over) on the first difference."""
+    manager = batch.store.manager
+    for index in range(len(s.table)):
+        lo, hi = index * ps, min((index + 1) * ps, s.q_len)
+        if lo >= hi:
+            break
+        page = s.table[index]
+        rows = slice(page * ps, page * ps + (hi - lo))
+        if index < s.shared:
+            if torch.equal(k_store[rows], k[lo:hi]) and torch.equal(v_store[rows], v[lo:hi]):
+                continue
+            # Differs: this page and every later shared one become private (a page's K/V depend on
+            # all before it). The earlier layers matched, so their content is copied.
+            for later in range(index, s.shared):
+                old = s.table[later]
+                new = manager.unshare(s.table, later)
+                for l in range(layer):
+                    batch.store.keys[l][new * ps:(new + 1) * ps] = batch.store.keys[l][old * ps:(old + 1) * ps]
+                    batch.store.values[l][new * ps:(new + 1) * ps] = batch.store.values[l][old * ps:(old + 1) * ps]
+                s.unshared += 1
+            s.shared = index
+            page = s.table[index]
+            rows = slice(page * ps, page * ps + (hi - lo))
+        k_store[rows] = k[lo:hi]
+        v_store[rows] = v[lo:hi]
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    return None   # each sequence's attention builds its own (causal prompt, full decode)
+
+
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+    _registered = True
+
+
+@contextlib.contextmanager
+def paged_forward(model: torch.nn.Module, batch: ForwardBatch) -> Iterator[None]:
+    """Run the model's forwards inside with `paged_attention_forward` over `batch`; the model's
+    own attention setting is restored afterwards."""
+    register()
+    configs = [m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")]
+    configs = list({id(c): c for c in configs}.values())
+    saved = [c._attn_implementation for c in configs]
+    token = _CURRENT.set(batch)
+    try:
+        for c in configs:
+            c._attn_implementation = ATTN_IMPLEMENTATION
+        yield
+    finally:
+        _CURRENT.reset(token)
+        for c, impl in zip(configs, saved):
+            c._attn_implementation = impl
