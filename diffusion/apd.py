@@ -111,52 +111,84 @@ def _crop(cache, length: int) -> None:
         cache.crop(-extra)
 
 
-@torch.no_grad()
-def apd_generate(model: torch.nn.Module, spec: ModelSpec, prompt: torch.Tensor, gen_length: int, apd: APDConfig,
-                 *, temperature: float = 0.0, top_p: float | None = None, top_k: int | None = None,
-                 generator: torch.Generator | None = None, stats: GenerationStats | None = None,
-                 verifier_stats: GenerationStats | None = None) -> torch.LongTensor:
-    """Decode `gen_length` positions after `prompt` `[1, P]` with APD; returns `[1, P + gen_length]`.
-    After an EOS the reference stops and leaves the remaining positions masked; remask fills them
-    with EOS so no mask token is returned."""
-    apd.validate()
-    if prompt.shape[0] != 1:
-        raise ValueError(f"APD decodes one sequence at a time (as the reference); got a batch of {prompt.shape[0]} "
-                         "(prompt rows × num_return_sequences)")
-    verifier = apd.verifier
-    if model_device(verifier) != prompt.device:
-        raise ValueError(f"the APD verifier is on {model_device(verifier)} but the prompt is on {prompt.device}")
-    verifier_vocab = verifier.config.vocab_size
-    vocab = min(spec.vocab_size or verifier_vocab, verifier_vocab)
-    # The verifier reads the prompt and scores drafts cut to the shared vocabulary [0, vocab).
-    if int(prompt.max()) >= verifier_vocab:
-        raise ValueError(f"the prompt holds token id {int(prompt.max())}, outside the verifier's vocabulary "
-                         f"(vocab_size={verifier_vocab}); APD needs a verifier that shares the dLLM's tokenizer")
-    if spec.eos_id is not None and spec.eos_id >= vocab:
-        raise ValueError(f"the dLLM's eos_id {spec.eos_id} is outside the shared vocabulary [0, {vocab}) of the "
-                         f"dLLM and the verifier; APD needs a verifier that shares the dLLM's tokenizer")
-    mask_id, R, W, M = spec.mask_id, apd.mixture_weight, apd.kv_window, apd.max_lookahead
-    P = prompt.shape[1]
-    T = P + gen_length
-    x = torch.full((1, T), mask_id, dtype=torch.long, device=prompt.device)
-    x[:, :P] = prompt
-    if stats is not None:
-        stats.start()
-    curr, num_accept = P, 0
+@dataclass(eq=False)
+class APDState:
+    """One sequence under APD: the canvas `[1, T]`, the first masked position `curr`, the
+    tokens accepted in the last round, and both models' caches."""
+
+    x: torch.Tensor
+    prompt_len: int
+    curr: int
+    num_accept: int = 0
     dllm_cache: KVCache | None = None
-    verifier_cache = None
-    use_dllm_cache = W is not None and (apd.dllm_cache if apd.dllm_cache is not None
-                                        else bool(getattr(model.config, "use_cache", False)))
-    while curr < T:
+    verifier_cache: Any = None
+    started: bool = False
+    done: bool = False
+
+
+class APDDecoder:
+    """APD as a state and a step (`apd_generate` drives one sequence, the engine many, each its
+    own sub-batch of one — APD decodes one sequence at a time, as the reference): each `step` is
+    one round (dLLM draft, verifier score, accept the longest agreeing prefix). Tokens accepted
+    are final."""
+
+    def __init__(self, spec: ModelSpec, apd: APDConfig, *, gen_length: int, temperature: float = 0.0,
+                 top_p: float | None = None, top_k: int | None = None) -> None:
+        apd.validate()
+        check_int("gen_length", gen_length, minimum=1)
+        check_real("temperature", temperature, low=0)
+        self.spec, self.apd, self.gen_length = spec, apd, gen_length
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        verifier_vocab = apd.verifier.config.vocab_size
+        self.vocab = min(spec.vocab_size or verifier_vocab, verifier_vocab)
+        if spec.eos_id is not None and spec.eos_id >= self.vocab:
+            raise ValueError(f"the dLLM's eos_id {spec.eos_id} is outside the shared vocabulary [0, {self.vocab}) of "
+                             f"the dLLM and the verifier; APD needs a verifier that shares the dLLM's tokenizer")
+
+    def check_input(self, prompt: torch.Tensor) -> None:
+        if prompt.shape[0] != 1:
+            raise ValueError(f"APD decodes one sequence at a time (as the reference); got a batch of "
+                             f"{prompt.shape[0]} (prompt rows × num_return_sequences)")
+        verifier = self.apd.verifier
+        if model_device(verifier) != prompt.device:
+            raise ValueError(f"the APD verifier is on {model_device(verifier)} but the prompt is on {prompt.device}")
+        # The verifier reads the prompt and scores drafts cut to the shared vocabulary [0, vocab).
+        if int(prompt.max()) >= verifier.config.vocab_size:
+            raise ValueError(f"the prompt holds token id {int(prompt.max())}, outside the verifier's vocabulary "
+                             f"(vocab_size={verifier.config.vocab_size}); APD needs a verifier that shares the "
+                             f"dLLM's tokenizer")
+
+    def start(self, model: torch.nn.Module, prompt: torch.Tensor) -> APDState:
+        P = prompt.shape[1]
+        x = torch.full((1, P + self.gen_length), self.spec.mask_id, dtype=torch.long, device=prompt.device)
+        x[:, :P] = prompt
+        return APDState(x=x, prompt_len=P, curr=P)
+
+    def shared_forward_key(self, state: APDState) -> None:
+        return None   # its own forwards: windows and caches differ per sequence
+
+    def num_final(self, state: APDState) -> int:
+        return self.gen_length if state.done else state.curr - state.prompt_len
+
+    def step(self, model: torch.nn.Module, state: APDState, generator: torch.Generator | None = None,
+             stats: GenerationStats | None = None, verifier_stats: GenerationStats | None = None) -> None:
+        apd, spec, x = self.apd, self.spec, state.x
+        verifier, vocab, T, P = apd.verifier, self.vocab, x.shape[1], state.prompt_len
+        mask_id, R, W, M = spec.mask_id, apd.mixture_weight, apd.kv_window, apd.max_lookahead
+        temperature, top_p, top_k = self.temperature, self.top_p, self.top_k
+        curr = state.curr
         right = T if M is None else min(curr + M, T)
-        left = 0 if dllm_cache is None else max(curr - W - num_accept + 1, 0)
-        if dllm_cache is not None:
-            dllm_cache.crop(left)
-            logits = spec.logits(model, x[:, left:right], past_key_values=dllm_cache,
+        cache = state.dllm_cache
+        left = 0 if cache is None else max(curr - W - state.num_accept + 1, 0)
+        if cache is not None:
+            cache.crop(left)
+            logits = spec.logits(model, x[:, left:right], past_key_values=cache,
                                  cache_position=torch.arange(left, right, device=x.device))
         else:
-            dllm_cache = KVCache() if use_dllm_cache else None
-            logits = spec.logits(model, x[:, :right], past_key_values=dllm_cache)
+            use_dllm_cache = W is not None and (apd.dllm_cache if apd.dllm_cache is not None
+                                                else bool(getattr(model.config, "use_cache", False)))
+            state.dllm_cache = KVCache() if use_dllm_cache else None
+            logits = spec.logits(model, x[:, :right], past_key_values=state.dllm_cache)
         if stats is not None:
             stats.forward(1, right - left)
         # Every position of [curr, right) is masked. Drafts are drawn over the dLLM's whole
@@ -173,32 +205,51 @@ def apd_generate(model: torch.nn.Module, spec: ModelSpec, prompt: torch.Tensor, 
         else:
             draft = draft_tokens(proposal, temperature, top_p, top_k, generator, shared_vocab=vocab)
         # The verifier scores the draft: the whole prefix the first time, then only the draft.
-        if verifier_cache is None:
+        if state.verifier_cache is None:
             ids = x[:, :right].clone()
             ids[0, curr:right] = draft
             out = verifier(ids, use_cache=True)
             verifier_logits = out.logits[0, curr - 1:right - 1]
         else:
-            out = verifier(draft[None], past_key_values=verifier_cache, use_cache=True,
+            out = verifier(draft[None], past_key_values=state.verifier_cache, use_cache=True,
                            cache_position=torch.arange(curr, right, device=x.device),
                            position_ids=torch.arange(curr, right, device=x.device)[None])
             # Row j predicts draft j + 1; row 0's own prediction is never needed (j = 0 is accepted).
             verifier_logits = torch.cat([out.logits[0, :1], out.logits[0, :-1]])
-        verifier_cache = out.past_key_values
+        state.verifier_cache = out.past_key_values
         if verifier_stats is not None:
             verifier_stats.forward(1, out.logits.shape[1])   # the prefix too on the first round
         num_accept = int(apd_accept(draft, window, verifier_logits, R, vocab=vocab,
                                     temperature=temperature if uniforms is not None else 0.0, noise=uniforms)[1])
-        _crop(verifier_cache, curr + num_accept)
+        _crop(state.verifier_cache, curr + num_accept)
         x[0, curr:curr + num_accept] = draft[:num_accept]
-        curr += num_accept
+        state.curr = curr = curr + num_accept
+        state.num_accept = num_accept
         if stats is not None:
             stats.step(num_accept)
         # Upstream stops at an EOS anywhere, the prompt included; remask looks at the generated part.
-        if spec.eos_id is not None and bool((x[:, P:curr] == spec.eos_id).any()):
-            break
-    if curr < T:
-        x[0, curr:] = spec.eos_id   # stopped at an EOS: the rest is EOS, never mask tokens
+        eos_seen = spec.eos_id is not None and bool((x[:, P:curr] == spec.eos_id).any())
+        if curr >= T or eos_seen:
+            if curr < T:
+                x[0, curr:] = spec.eos_id   # stopped at an EOS: the rest is EOS, never mask tokens
+            state.done = True
+
+
+@torch.no_grad()
+def apd_generate(model: torch.nn.Module, spec: ModelSpec, prompt: torch.Tensor, gen_length: int, apd: APDConfig,
+                 *, temperature: float = 0.0, top_p: float | None = None, top_k: int | None = None,
+                 generator: torch.Generator | None = None, stats: GenerationStats | None = None,
+                 verifier_stats: GenerationStats | None = None) -> torch.LongTensor:
+    """Decode `gen_length` positions after `prompt` `[1, P]` with APD; returns `[1, P + gen_length]`.
+    After an EOS the reference stops and leaves the remaining positions masked; remask fills them
+    with EOS so no mask token is returned."""
+    decoder = APDDecoder(spec, apd, gen_length=gen_length, temperature=temperature, top_p=top_p, top_k=top_k)
+    decoder.check_input(prompt)
+    if stats is not None:
+        stats.start()
+    state = decoder.start(model, prompt)
+    while not state.done:
+        decoder.step(model, state, generator, stats, verifier_stats)
     if stats is not None:
         stats.stop(gen_length)
-    return x
+    return state.x

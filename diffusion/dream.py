@@ -210,12 +210,7 @@ def diffusion_generate(
             attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
 
     if blocks:
-        gen_length = config.max_length - input_len
-        if gen_length % block_length:
-            raise ValueError(f"the generation length ({gen_length}) must be divisible by block_length ({block_length})")
-        if config.steps % (gen_length // block_length):
-            raise ValueError(f"steps ({config.steps}) must be divisible by the number of blocks "
-                             f"(generation length / block_length = {gen_length // block_length})")
+        check_block_layout(config.max_length - input_len, block_length, config.steps)
 
     if apd is not None:
         if blocks or hooks_given:
@@ -241,6 +236,15 @@ def diffusion_generate(
     if config.return_dict_in_generate:
         return DreamModelOutput(sequences=sequences, history=history)
     return sequences
+
+
+def check_block_layout(gen_length: int, block_length: int, steps: int) -> None:
+    """The block decoder's layout: whole blocks, and as many steps in each."""
+    if gen_length % block_length:
+        raise ValueError(f"the generation length ({gen_length}) must be divisible by block_length ({block_length})")
+    if steps % (gen_length // block_length):
+        raise ValueError(f"steps ({steps}) must be divisible by the number of blocks "
+                         f"(generation length / block_length = {gen_length // block_length})")
 
 
 def _validate_config(config: DreamGenerationConfig, spec) -> None:
@@ -290,6 +294,7 @@ class DreamState:
     forward_inputs: dict[str, Any]
     timesteps: torch.Tensor
     steps: int
+    prompt_len: int = 0
     i: int = 0
     number_transfer: torch.Tensor | None = None
     deferred: torch.Tensor | None = None
@@ -314,7 +319,8 @@ class DreamDecoder:
               attention_mask: torch.Tensor | None = None) -> DreamState:
         config, mask_id = self.config, self.spec.mask_id
         x = F.pad(input_ids, (0, config.max_length - input_ids.shape[1]), value=mask_id)
-        state = DreamState(x=x, forward_inputs=self.spec.forward_inputs(attention_mask, x.shape[1]),
+        state = DreamState(x=x, prompt_len=input_ids.shape[1],
+                           forward_inputs=self.spec.forward_inputs(attention_mask, x.shape[1]),
                            timesteps=torch.linspace(1, config.eps, config.steps + 1, device=x.device),
                            steps=config.steps, histories=[] if self.history else None)
         state.x = self.tokens_hook(None, state.x, None)
@@ -326,6 +332,10 @@ class DreamDecoder:
             state.number_transfer = per_row // state.steps  # per row: remask runs batches row by row in one tensor
             state.deferred = torch.zeros_like(state.number_transfer)
         return state
+
+    def num_final(self, state: DreamState) -> int:
+        """Generated positions that no later step changes: any may until the last step."""
+        return state.x.shape[1] - state.prompt_len if state.done else 0
 
     def shared_forward_key(self, state: DreamState) -> tuple | None:
         """Equal for states one model call can serve (every step is a full forward: unpadded
@@ -399,9 +409,25 @@ class DreamDecoder:
         state.done = state.i >= state.steps
 
 
-def _sample_blocks(model, spec, input_ids, attention_mask, config: DreamGenerationConfig, threshold, block_length,
-                   use_cache, finish_blocks, generator, stats):
-    """Fast-dLLM's Dream block decoder (`generation_utils_block.py`), any cache mode.
+@dataclass(eq=False)
+class DreamBlockState:
+    """Rows under Fast-dLLM's Dream block decoder: the canvas, the block, and the step within it
+    (`i == 0`: the block's refresh forward is next)."""
+
+    x: torch.Tensor
+    prompt_len: int
+    forwards: Any
+    rows: torch.Tensor
+    histories: list | None = None
+    block: int = 0
+    i: int = 0
+    done: bool = False
+
+
+class DreamBlockDecoder:
+    """Fast-dLLM's Dream block decoder (`generation_utils_block.py`), any cache mode, as a state and
+    a step (one forward each): `diffusion_generate(use_cache=... / block_length=...)` drives one
+    batch, the engine many (each its own forward).
 
     Per block: a full forward (which builds the cache) commits the block's first position
     unconditionally; then each step (a cached forward, see `BlockForward`) commits, for
@@ -410,72 +436,109 @@ def _sample_blocks(model, spec, input_ids, attention_mask, config: DreamGenerati
     scores them all by negative entropy) a count on the per-block schedule
     `linspace(1, eps, steps_per_block + 1)` starting at its second entry.
     """
-    mask_id, alg = spec.mask_id, config.alg
-    histories = [] if (config.return_dict_in_generate and config.output_history) else None
-    B, P = input_ids.shape
-    x = F.pad(input_ids, (0, config.max_length - P), value=mask_id)
-    T = x.shape[1]
-    num_blocks = (T - P) // block_length
-    steps_per_block = config.steps // num_blocks
-    timesteps = torch.linspace(1, config.eps, steps_per_block + 1, device=x.device)
-    forward_inputs = spec.forward_inputs(attention_mask, T)
-    forwards = BlockForward(model, spec, use_cache, forward_inputs, valid_positions(attention_mask, T))
-    score = _scorer(config, mask_id)
-    confidence_mode = "prob" if alg == "confidence_threshold" else "neg_entropy"
-    rows = torch.arange(B, device=x.device)[:, None]
 
-    def record(committed):
+    def __init__(self, spec, config: DreamGenerationConfig, threshold: float, block_length: int, use_cache: Any,
+                 finish_blocks: bool = True) -> None:
+        self.spec, self.config, self.threshold = spec, config, threshold
+        self.block_length, self.use_cache, self.finish_blocks = block_length, use_cache, finish_blocks
+        self.score = _scorer(config, spec.mask_id)
+        self.confidence_mode = "prob" if config.alg == "confidence_threshold" else "neg_entropy"
+
+    def start(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+              histories: list | None = None) -> DreamBlockState:
+        B, P = input_ids.shape
+        x = F.pad(input_ids, (0, self.config.max_length - P), value=self.spec.mask_id)
+        T = x.shape[1]
+        self.num_blocks = (T - P) // self.block_length
+        self.steps_per_block = self.config.steps // self.num_blocks
+        self.timesteps = torch.linspace(1, self.config.eps, self.steps_per_block + 1, device=x.device)
+        forwards = BlockForward(model, self.spec, self.use_cache, self.spec.forward_inputs(attention_mask, T),
+                                valid_positions(attention_mask, T))
+        return DreamBlockState(x=x, prompt_len=P, forwards=forwards, rows=torch.arange(B, device=x.device)[:, None],
+                               histories=histories)
+
+    def shared_forward_key(self, state: DreamBlockState) -> None:
+        return None   # its own forwards (each sequence's cache)
+
+    def num_final(self, state: DreamBlockState) -> int:
+        return state.x.shape[1] - state.prompt_len if state.done else state.block * self.block_length
+
+    def _record(self, state: DreamBlockState, committed: int, stats) -> None:
         if stats is not None:
             stats.step(int(committed))
-        if histories is not None:
-            histories.append(x.clone())
+        if state.histories is not None:
+            state.histories.append(state.x.clone())
 
-    for block in range(num_blocks):
-        start, end = P + block * block_length, P + (block + 1) * block_length
+    def _next_block(self, state: DreamBlockState) -> None:
+        state.block += 1
+        state.i = 0
+        state.done = state.block == self.num_blocks
+
+    def step(self, model: torch.nn.Module, state: DreamBlockState, generator: torch.Generator | None = None,
+             stats=None) -> None:
+        mask_id, alg, x, rows = self.spec.mask_id, self.config.alg, state.x, state.rows
+        B, T = x.shape
+        block_length = self.block_length
+        start = state.prompt_len + state.block * block_length
+        end = start + block_length
         block_x = x[:, start:end]   # a view: commits write into x
-        logits = forwards.refresh(x, start, end)
-        if stats is not None:
-            stats.forward(B, T, forwards.cache_nbytes)
-        before = int((block_x == mask_id).sum())
-        x[:, start] = score(logits, rows[:, 0] * T + start, generator=generator)[0]
-        record(before - int((block_x == mask_id).sum()))
-        i = 1
-        while True:
-            logits, fed = forwards.step(x, start, end)
-            L = logits.shape[1]
+        forwards = state.forwards
+        if state.i == 0:
+            logits = forwards.refresh(x, start, end)
             if stats is not None:
-                stats.forward(B, L, forwards.cache_nbytes)
-            block_mask = block_x == mask_id
-            positions = (rows * L + (start - fed) + torch.arange(block_length, device=x.device))[block_mask]
-            if alg == "confidence_threshold":
-                x0, conf = score(logits, positions, confidence_mode, generator)
-                full_conf, proposal = _scatter(block_x, block_mask, conf, x0, logits.dtype, mask_id)
-                committed = int(unmask(block_x, block_mask, proposal, full_conf, threshold=threshold).sum())
+                stats.forward(B, T, forwards.cache_nbytes)
+            before = int((block_x == mask_id).sum())
+            x[:, start] = self.score(logits, rows[:, 0] * T + start, generator=generator)[0]
+            self._record(state, before - int((block_x == mask_id).sum()), stats)
+            state.i = 1
+            return
+        logits, fed = forwards.step(x, start, end)
+        L = logits.shape[1]
+        if stats is not None:
+            stats.forward(B, L, forwards.cache_nbytes)
+        block_mask = block_x == mask_id
+        positions = (rows * L + (start - fed) + torch.arange(block_length, device=x.device))[block_mask]
+        i = state.i
+        if alg == "confidence_threshold":
+            x0, conf = self.score(logits, positions, self.confidence_mode, generator)
+            full_conf, proposal = _scatter(block_x, block_mask, conf, x0, logits.dtype, mask_id)
+            committed = int(unmask(block_x, block_mask, proposal, full_conf, threshold=self.threshold).sum())
+        else:
+            if i == self.steps_per_block and not self.finish_blocks:
+                self._next_block(state)   # upstream: one forward too many, and the block's masks stay
+                return
+            # One count for the whole batch, from the mean number of masks per row (as upstream);
+            # i == steps_per_block (one step per block) commits the rest: remask finishes the block.
+            num_mask_token = block_mask.sum() / B
+            if i >= self.steps_per_block - 1:
+                n = int(num_mask_token)
             else:
-                if i == steps_per_block and not finish_blocks:
-                    break   # upstream: one forward too many, and the block's masks stay in the output
-                # One count for the whole batch, from the mean number of masks per row (as upstream);
-                # i == steps_per_block (one step per block) commits the rest: remask finishes the block.
-                num_mask_token = block_mask.sum() / B
-                if i >= steps_per_block - 1:
-                    n = int(num_mask_token)
+                n = int(num_mask_token * (1 - self.timesteps[i + 1] / self.timesteps[i]))
+            committed = 0
+            if n > 0:
+                x0, conf = self.score(logits, positions, self.confidence_mode, generator)
+                full_conf, proposal = _scatter(block_x, block_mask, conf, x0, logits.dtype, mask_id)
+                if self.config.alg_temp is None or self.config.alg_temp == 0:
+                    committed = int(unmask(block_x, block_mask, proposal, full_conf, k=n).sum())
                 else:
-                    n = int(num_mask_token * (1 - timesteps[i + 1] / timesteps[i]))
-                committed = 0
-                if n > 0:
-                    x0, conf = score(logits, positions, confidence_mode, generator)
-                    full_conf, proposal = _scatter(block_x, block_mask, conf, x0, logits.dtype, mask_id)
-                    if config.alg_temp is None or config.alg_temp == 0:
-                        committed = int(unmask(block_x, block_mask, proposal, full_conf, k=n).sum())
-                    else:
-                        _commit_sampled(block_x, proposal, full_conf, config.alg_temp, block_mask.sum(dim=1), n,
-                                        False, generator)
-                        committed = int(block_mask.sum() - (block_x == mask_id).sum())
-                i += 1
-            record(committed)
-            if not (block_x == mask_id).any():
-                break
-    return x, histories
+                    _commit_sampled(block_x, proposal, full_conf, self.config.alg_temp, block_mask.sum(dim=1), n,
+                                    False, generator)
+                    committed = int(block_mask.sum() - (block_x == mask_id).sum())
+            state.i = i + 1
+        self._record(state, committed, stats)
+        if not (block_x == mask_id).any():
+            self._next_block(state)
+
+
+def _sample_blocks(model, spec, input_ids, attention_mask, config: DreamGenerationConfig, threshold, block_length,
+                   use_cache, finish_blocks, generator, stats):
+    """Drive `DreamBlockDecoder` over one batch; returns (sequences, histories)."""
+    decoder = DreamBlockDecoder(spec, config, threshold, block_length, use_cache, finish_blocks)
+    histories = [] if (config.return_dict_in_generate and config.output_history) else None
+    state = decoder.start(model, input_ids, attention_mask, histories)
+    while not state.done:
+        decoder.step(model, state, generator, stats)
+    return state.x, state.histories
 
 
 def _commit_sampled(x, proposal, full_conf, alg_temp, per_row, n, last, generator):

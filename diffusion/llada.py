@@ -212,6 +212,10 @@ class BlockDecoder:
         state.schedule = schedule_counts(state.x[:, start:end] == self.spec.mask_id, self.steps_per_block)
         state.block_rows_for = {}
 
+    def num_final(self, state: BlockState) -> int:
+        """Generated positions that no later step changes: the blocks already decoded."""
+        return self.gen_length if state.done else state.block * self.block_length
+
     def shared_forward_key(self, state: BlockState) -> tuple | None:
         """Equal for states whose next forwards one model call can serve, row by row as each
         alone (unpadded sequences of one length; for the prefix / dual caches, at the same block

@@ -193,7 +193,6 @@ def test_bad_requests_are_refused_at_add_request_and_the_engine_keeps_serving(ll
         ("masked", [1, charset.MASK_ID, 6], SamplingParams(), "mask token"),
         ("empty", [], SamplingParams(), "empty"),
         ("topk", PROBLEMS[1], SamplingParams(top_k=5), "top_k"),
-        ("dream-blocks", PROBLEMS[1], SamplingParams(alg="entropy", block_length=8), "block decoder"),
         ("ok", PROBLEMS[1], SamplingParams(), "already in use"),
         ("stop-oov", PROBLEMS[1], SamplingParams(stop_token_ids=[128]), "stop_token_ids"),
     ]
@@ -302,20 +301,26 @@ def test_batch_invariant_forward_is_bitwise_the_forward_alone(llada, length, bat
 DREAM_KINDS = [dict(alg="entropy"), dict(alg="maskgit_plus", temperature=0.6, top_p=0.9),
                dict(alg="topk_margin", temperature=0.8, top_k=20), dict(alg="origin", temperature=0.5),
                dict(alg="entropy", alg_temp=0.4, temperature=0.3), dict(alg="confidence_threshold", threshold=0.8),
-               dict(alg="maskgit_plus", eps=0.2, steps=4)]
+               dict(alg="maskgit_plus", eps=0.2, steps=4),
+               # Fast-dLLM's Dream block decoder
+               dict(alg="confidence_threshold", threshold=0.8, block_length=4, use_cache="dual"),
+               dict(alg="entropy", block_length=4), dict(alg="maskgit_plus", temperature=0.5, block_length=4,
+                                                         use_cache="prefix")]
 
 
 @pytest.mark.parametrize("which", ["tiny-llada", "dream_small"])
 def test_dream_sampler_requests_equal_diffusion_generate_alone(llada, load_model, which):
-    """Dream's sampler (`alg=`) in the engine, on tiny-llada and on a random Dream checkpoint
-    (logit shift, "full" attention inputs): each request's tokens are `diffusion_generate`'s alone."""
+    """Dream's sampler (`alg=`) and Fast-dLLM's Dream block decoder (`alg=` with `block_length` /
+    `use_cache`) in the engine, on tiny-llada and on a random Dream checkpoint (logit shift, "full"
+    attention inputs): each request's tokens are `diffusion_generate`'s alone."""
     model, tokenizer = llada if which == "tiny-llada" else (load_model("dream_small"), None)
     high = 100 if which == "tiny-llada" else 290
     g = torch.Generator().manual_seed(5)
     prompts = [PROBLEMS[i] if which == "tiny-llada" else torch.randint(0, high, (5 + i % 4,), generator=g).tolist()
-               for i in range(21)]
-    requests = [(f"d{i}", prompts[i], SamplingParams(max_tokens=8, seed=50 + i, **{"steps": 8, **DREAM_KINDS[i % 7]}))
-                for i in range(21)]
+               for i in range(30)]
+    requests = [(f"d{i}", prompts[i], SamplingParams(max_tokens=8, seed=50 + i,
+                                                     **{"steps": 8, **DREAM_KINDS[i % len(DREAM_KINDS)]}))
+                for i in range(30)]
     done = run_engine(LLMEngine(model, tokenizer), requests)
     for rid, ids, p in requests:
         prompt = torch.tensor([ids])
@@ -498,3 +503,41 @@ def test_cached_block_steps_are_shared(llada, use_cache):
         assert done[rid].outputs[0].all_token_ids == alone_llada(model, ids, p), rid
     nfe = sum(o.outputs[0].nfe for o in done.values())
     assert engine.runner.forwards * 3 < nfe     # shared: far fewer model calls than forwards counted
+
+
+def test_apd_requests_run_in_the_engine_as_their_own_sub_batch(llada, ar):
+    """APD (a verifier, one sequence at a time) beside block-rule requests: each APD request's
+    tokens equal `remask.generate(apd=...)` alone, its accepted tokens are reported as they are
+    final, and it refuses the settings it does not read."""
+    model, tokenizer = llada
+    verifier = ar[0]
+    configs = [remask.APDConfig(verifier, 0.7, kv_window=4, max_lookahead=8),
+               remask.APDConfig(verifier, 0.3, kv_window=None, max_lookahead=None),
+               remask.APDConfig(verifier, 0.9, kv_window=4, max_lookahead=8, coupled_gumbel=True)]
+    requests = [(f"apd{i}", PROBLEMS[i], SamplingParams(max_tokens=16, seed=i, apd=configs[i % 3],
+                                                        temperature=[0.0, 0.0, 0.8][i % 3])) for i in range(6)]
+    requests += [(f"blk{i}", PROBLEMS[10 + i], mixed_params(i)) for i in range(4)]
+    engine = LLMEngine(model, tokenizer)
+    for request in requests:
+        engine.add_request(*request)
+    seen: dict[str, list[int]] = {}
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ids = out.outputs[0].all_token_ids
+            assert ids[:len(seen.get(out.request_id, []))] == seen.get(out.request_id, [])
+            seen[out.request_id] = ids
+            if out.finished:
+                done[out.request_id] = out
+    for rid, ids, p in requests:
+        if rid.startswith("apd"):
+            prompt = torch.tensor([ids])
+            alone = remask.generate(model, prompt, gen_length=16, apd=p.apd, temperature=p.temperature,
+                                    generator=torch.Generator().manual_seed(p.seed))[0, prompt.shape[1]:].tolist()
+        else:
+            alone = alone_llada(model, ids, p)
+        assert done[rid].outputs[0].all_token_ids == alone, rid
+    with pytest.raises(ValueError, match="block_length"):
+        engine.add_request("bad", PROBLEMS[0], SamplingParams(max_tokens=16, block_length=8, apd=configs[0]))
+    with pytest.raises(ValueError, match="apd"):
+        LLMEngine(*ar).add_request("bad", PROBLEMS[0], SamplingParams(max_tokens=8, apd=configs[0]))

@@ -20,8 +20,10 @@ from typing import Any, Sequence as Seq
 
 import torch
 
+from remask.diffusion.apd import APDDecoder
 from remask.diffusion.ar import ARDecoder
-from remask.diffusion.dream import DreamDecoder, DreamGenerationConfig, _validate_config
+from remask.diffusion.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder, DreamGenerationConfig,
+                                   _validate_config, check_block_layout)
 from remask.diffusion.checks import check_bool, check_int, check_length, check_prompt, check_real, check_token_id
 from remask.diffusion.llada import BlockDecoder
 from remask.models.spec import get_spec
@@ -36,7 +38,7 @@ from .sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus,
 # Settings that only the diffusion block rule reads: an AR request that sets one is refused.
 DIFFUSION_ONLY = ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "early_stop",
                   "logits_eos_inf", "confidence_eos_eot_inf", "reference_rng", "reference_ties", "alg", "alg_temp",
-                  "eps")
+                  "eps", "apd")
 
 
 class EngineState(enum.Enum):
@@ -136,9 +138,6 @@ class LLMEngine:
             raise TypeError(f"params must be a remask.SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
         prompt_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-        unsupported = params.unsupported_by_engine()
-        if unsupported:
-            raise ValueError(f"not served by the engine yet: {', '.join(unsupported)}")
         if self.is_ar:
             set_here = [name for name in DIFFUSION_ONLY
                         if getattr(params, name) != getattr(SamplingParams, name)]
@@ -147,6 +146,8 @@ class LLMEngine:
                                  f"{set_here + (['cfg_scale'] if params.cfg_scale else [])}")
             decoder = ARDecoder(self.model, **params.ar_kwargs(self._eos_ids()))
             decoder.check_input(prompt_ids, None)
+        elif params.apd is not None:
+            decoder = self._apd_decoder(params, prompt_ids)
         elif params.alg is not None:
             decoder = self._dream_decoder(params, prompt_ids)
         else:
@@ -168,17 +169,40 @@ class LLMEngine:
             self.scheduler.add(seq)
         self.requests[request_id] = (text, ids, seqs)
 
-    def _dream_decoder(self, params: SamplingParams, prompt_ids: torch.Tensor) -> DreamDecoder:
-        """Dream's sampler for these params, configured as `remask.diffusion_generate` would."""
+    def _apd_decoder(self, params: SamplingParams, prompt_ids: torch.Tensor) -> APDDecoder:
+        """APD as `remask.generate(apd=...)` / `diffusion_generate(apd=...)` run it: left to right
+        with its verifier, so the block and remasking settings do not apply."""
+        clashes = [name for name in ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "alg",
+                                     "alg_temp", "early_stop", "reference_rng", "reference_ties")
+                   if getattr(params, name) != getattr(SamplingParams, name)]
+        if params.cfg_scale:
+            clashes.append("cfg_scale")
+        if params.remasking != "low_confidence":
+            clashes.append("remasking")
+        if clashes:
+            raise ValueError(f"apd decodes left to right with its verifier; it does not combine with {clashes}")
+        decoder = APDDecoder(self.spec, params.apd, gen_length=params.max_tokens, temperature=params.temperature,
+                             top_p=params.top_p, top_k=params.top_k)
+        decoder.check_input(prompt_ids)
+        return decoder
+
+    def _dream_decoder(self, params: SamplingParams, prompt_ids: torch.Tensor) -> DreamDecoder | DreamBlockDecoder:
+        """Dream's sampler for these params — or, with `block_length` / `use_cache`, Fast-dLLM's
+        Dream block decoder — configured as `remask.diffusion_generate` would."""
         kw = params.diffusion_generate_kwargs()
         threshold = kw.pop("threshold", 0.9)
+        block_length, use_cache = kw.pop("block_length", None), kw.pop("use_cache", None)
         config = DreamGenerationConfig(mask_token_id=self.spec.mask_id, pad_token_id=self.spec.pad_id,
                                        eos_token_id=self.spec.eos_id)
         config.update(**{k: v for k, v in kw.items() if k != "max_new_tokens"})
         config.max_length = prompt_ids.shape[1] + params.max_tokens
         _validate_config(config, self.spec)
         check_prompt(self.model, prompt_ids, None, spec=self.spec)
-        return DreamDecoder(self.spec, config, threshold)
+        if block_length is None and use_cache is None:
+            return DreamDecoder(self.spec, config, threshold)
+        block_length = DEFAULT_BLOCK_LENGTH if block_length is None else block_length
+        check_block_layout(params.max_tokens, block_length, config.steps)
+        return DreamBlockDecoder(self.spec, config, threshold, block_length, use_cache)
 
     def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -262,12 +286,7 @@ class LLMEngine:
     def _advance(self, seq: Sequence) -> bool:
         """Update what is final; finish the sequence when its decoder is done. True if it changed."""
         state = seq.state
-        if isinstance(seq.decoder, ARDecoder):
-            final = state.step
-        elif isinstance(seq.decoder, BlockDecoder):
-            final = seq.params.max_tokens if state.done else state.block * seq.decoder.block_length
-        else:   # Dream's sampler: any position may change until the last step
-            final = seq.params.max_tokens if state.done else 0
+        final = state.step if isinstance(seq.decoder, ARDecoder) else seq.decoder.num_final(state)
         grew = final > seq.final_len
         if grew and seq.first_final_time is None:
             seq.first_final_time = now()

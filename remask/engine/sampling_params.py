@@ -41,9 +41,8 @@ class SamplingParams:
     `alg_temp`, `eps`, `steps`, `temperature`, `top_p`, `top_k`, `threshold` (for
     `alg="confidence_threshold"`); LLaDA-only settings are refused with it.
 
-    Autoregressive: `top_p`, `top_k`. APD (`apd`) and Dream's block decoder (`alg` with
-    `block_length` / `use_cache`) are validated here but not served by the engine yet
-    (`add_request` says so).
+    Autoregressive: `top_p`, `top_k`. APD (`apd`, with `temperature`, `top_p`, `top_k`): as
+    `remask.generate(apd=...)`. Dream's block decoder: `alg` with `block_length` / `use_cache`.
     """
 
     max_tokens: int = 16
@@ -140,22 +139,16 @@ class SamplingParams:
                   alg_temp=self.alg_temp, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
         if self.threshold is not None:
             kw["threshold"] = self.threshold
+        if self.block_length is not None:        # Fast-dLLM's Dream block decoder
+            kw["block_length"] = self.block_length
+        if self.use_cache is not None:
+            kw["use_cache"] = self.use_cache
         return kw
 
     def ar_kwargs(self, eos_ids: list[int]) -> dict[str, Any]:
         """The keyword arguments of `remask.ar_generate` (EOS ids: the model's plus `stop_token_ids`)."""
         return dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                     eos_token_id=sorted(set(eos_ids) | set(self.stop_token_ids)))
-
-    def unsupported_by_engine(self) -> list[str]:
-        """Fields set to something the engine does not serve yet (each with where to go instead)."""
-        out = []
-        if self.alg is not None and (self.block_length is not None or self.use_cache is not None):
-            out.append("alg with block_length / use_cache (Fast-dLLM's Dream block decoder: use "
-                       "remask.diffusion_generate)")
-        if self.apd is not None:
-            out.append("apd (use remask.generate / remask.diffusion_generate with apd=)")
-        return out
 
     def replace(self, **changes: Any) -> "SamplingParams":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
