@@ -12,7 +12,11 @@ from remask.models.paged import BlockManager
 
 
 def test_doctest():
+    import remask.engine.page_manager
+
     assert doctest.testmod(remask.models.paged).failed == 0
+    assert doctest.testmod(remask.engine.page_manager).attempted > 0
+    assert doctest.testmod(remask.engine.page_manager).failed == 0
 
 
 def test_shared_system_prompt_is_stored_once():
@@ -66,3 +70,30 @@ def test_extend_and_slot_mapping_feed_the_store_kernel():
     torch.testing.assert_close(back[0], rows)
     with pytest.raises(ValueError, match="exceed"):
         bm.slot_mapping(table, torch.tensor([16]))
+
+
+def test_page_manager_counts_what_an_allocation_takes_and_copy_on_write():
+    from remask.engine.page_manager import PageManager
+
+    pm = PageManager(num_pages=6, page_size=4)
+    system = list(range(8))
+    assert pm.pages_needed(system + [50], extra_positions=1) == 3
+    a = pm.allocate(system + [50])
+    assert pm.last_hits == 0 and pm.pages_needed(system + [60]) == 1      # two pages found, one fresh
+    b = pm.allocate(system + [60])
+    assert pm.last_hits == 2 and pm.num_shared(b) == 2 and pm.pages_in_use == 4
+    new = pm.unshare(b, 1)                                                 # b's second page made private
+    assert b[1] == new != a[1] and pm.ref_count[a[1]] == 1 and pm.num_shared(b) == 1
+    assert not pm.can_allocate(list(range(100, 112)))                      # 3 fresh pages, 1 free
+    with pytest.raises(RuntimeError, match="full"):
+        pm.allocate(list(range(100, 112)))
+    assert pm.num_free == 1                                                # a refused allocation takes nothing
+    pm.free(a)
+    pm.free(b)
+    assert pm.pages_in_use == 0 and pm.peak_in_use == 5
+    # Freed pages keep their content: the system prompt is found again, the hit leaves the free list.
+    c = pm.allocate(system + [70])
+    assert pm.last_hits == 2 and c[:2] == a[:2]
+    off = PageManager(num_pages=6, page_size=4, enable_prefix_caching=False)
+    off.allocate(system)
+    assert off.allocate(system) and off.last_hits == 0 and off.pages_in_use == 4
