@@ -29,7 +29,7 @@ from remask.models.spec import ModelSpec
 
 from .batch_invariant import batch_invariant_linear
 from .page_manager import PageManager
-from .paged_kv import ForwardBatch, PagedKVStore, SequenceSlice, paged_forward
+from .paged_kv import ForwardBatch, PagedKVStore, SequenceSlice, attention_configs, paged_forward
 from .sequence import Sequence
 
 
@@ -53,6 +53,7 @@ class ModelRunner:
         self.forwards = 0      # model calls, for the benchmark
         self.pages = pages
         self.store = PagedKVStore(pages) if pages is not None else None
+        self.attention_configs = attention_configs(model) if pages is not None else []
         self.unshared_pages = 0   # shared prompt pages found to differ and made private
 
     def _invariant(self, batch: int, token_groups=None):
@@ -144,7 +145,7 @@ class ModelRunner:
             input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
             position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
             last = torch.tensor([s.start + s.q_len - 1 for s in slices], dtype=torch.long, device=self.device)
-            with self._invariant(len(slices), batch.token_groups), paged_forward(self.model, batch):
+            with self._invariant(len(slices), batch.token_groups), paged_forward(self.model, batch, self.attention_configs):
                 logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                     logits_to_keep=last).logits[0]
             self.forwards += 1

@@ -201,13 +201,19 @@ def register() -> None:
     _registered = True
 
 
-@contextlib.contextmanager
-def paged_forward(model: torch.nn.Module, batch: ForwardBatch) -> Iterator[None]:
-    """Run the model's forwards inside with `paged_attention_forward` over `batch`; the model's
-    own attention setting is restored afterwards."""
-    register()
+def attention_configs(model: torch.nn.Module) -> list[Any]:
+    """The distinct configs whose `_attn_implementation` the model's attention layers read."""
     configs = [m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")]
-    configs = list({id(c): c for c in configs}.values())
+    return list({id(c): c for c in configs}.values())
+
+
+@contextlib.contextmanager
+def paged_forward(model: torch.nn.Module, batch: ForwardBatch, configs: list[Any] | None = None) -> Iterator[None]:
+    """Run the model's forwards inside with `paged_attention_forward` over `batch`; the model's
+    own attention setting is restored afterwards. `configs`: `attention_configs(model)`, computed
+    once by the caller (not every step)."""
+    register()
+    configs = attention_configs(model) if configs is None else configs
     saved = [c._attn_implementation for c in configs]
     token = _CURRENT.set(batch)
     try:
