@@ -418,6 +418,9 @@ class DreamBlockState:
     prompt_len: int
     forwards: Any
     rows: torch.Tensor
+    num_blocks: int
+    steps_per_block: int
+    timesteps: torch.Tensor         # the per-block schedule linspace(1, eps, steps_per_block + 1)
     histories: list | None = None
     block: int = 0
     i: int = 0
@@ -449,12 +452,13 @@ class DreamBlockDecoder:
         B, P = input_ids.shape
         x = F.pad(input_ids, (0, self.config.max_length - P), value=self.spec.mask_id)
         T = x.shape[1]
-        self.num_blocks = (T - P) // self.block_length
-        self.steps_per_block = self.config.steps // self.num_blocks
-        self.timesteps = torch.linspace(1, self.config.eps, self.steps_per_block + 1, device=x.device)
+        num_blocks = (T - P) // self.block_length
+        steps_per_block = self.config.steps // num_blocks
         forwards = BlockForward(model, self.spec, self.use_cache, self.spec.forward_inputs(attention_mask, T),
                                 valid_positions(attention_mask, T))
         return DreamBlockState(x=x, prompt_len=P, forwards=forwards, rows=torch.arange(B, device=x.device)[:, None],
+                               num_blocks=num_blocks, steps_per_block=steps_per_block,
+                               timesteps=torch.linspace(1, self.config.eps, steps_per_block + 1, device=x.device),
                                histories=histories)
 
     def shared_forward_key(self, state: DreamBlockState) -> None:
@@ -472,7 +476,7 @@ class DreamBlockDecoder:
     def _next_block(self, state: DreamBlockState) -> None:
         state.block += 1
         state.i = 0
-        state.done = state.block == self.num_blocks
+        state.done = state.block == state.num_blocks
 
     def step(self, model: torch.nn.Module, state: DreamBlockState, generator: torch.Generator | None = None,
              stats=None) -> None:
@@ -504,16 +508,16 @@ class DreamBlockDecoder:
             full_conf, proposal = _scatter(block_x, block_mask, conf, x0, logits.dtype, mask_id)
             committed = int(unmask(block_x, block_mask, proposal, full_conf, threshold=self.threshold).sum())
         else:
-            if i == self.steps_per_block and not self.finish_blocks:
+            if i == state.steps_per_block and not self.finish_blocks:
                 self._next_block(state)   # upstream: one forward too many, and the block's masks stay
                 return
             # One count for the whole batch, from the mean number of masks per row (as upstream);
             # i == steps_per_block (one step per block) commits the rest: remask finishes the block.
             num_mask_token = block_mask.sum() / B
-            if i >= self.steps_per_block - 1:
+            if i >= state.steps_per_block - 1:
                 n = int(num_mask_token)
             else:
-                n = int(num_mask_token * (1 - self.timesteps[i + 1] / self.timesteps[i]))
+                n = int(num_mask_token * (1 - state.timesteps[i + 1] / state.timesteps[i]))
             committed = 0
             if n > 0:
                 x0, conf = self.score(logits, positions, self.confidence_mode, generator)

@@ -19,7 +19,7 @@ import torch
 from remask.models.paged import PagedKVCache
 from remask.models.spec import ModelSpec, get_spec
 
-from .apd import APDConfig, apd_generate
+from .apd import APDConfig, apd_generate, check_apd_alone
 from .cache import BlockForward, cache_mode, valid_positions
 from .sparse import BlockMaskForward, RetentionForward, SparseConfig
 from .checks import (check_bool, check_callable, check_choice, check_generator, check_instance, check_int, check_length,
@@ -478,9 +478,7 @@ def generate(
         clashes = [name for name, value in (("threshold", threshold), ("factor", factor), ("use_cache", use_cache),
                                             ("cfg_scale", cfg_scale or None), ("on_step", on_step),
                                             ("sparse", sparse)) if value is not None]
-        if clashes or remasking != "low_confidence":
-            raise ValueError(f"apd= decodes left to right with its verifier; it does not combine with "
-                             f"{clashes or ['remasking']}")
+        check_apd_alone(clashes + (["remasking"] if remasking != "low_confidence" else []))
         check_mask_id(spec)
         check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
         check_int("gen_length", gen_length, minimum=1)

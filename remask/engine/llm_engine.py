@@ -170,17 +170,8 @@ class LLMEngine:
         self.requests[request_id] = (text, ids, seqs)
 
     def _apd_decoder(self, params: SamplingParams, prompt_ids: torch.Tensor) -> APDDecoder:
-        """APD as `remask.generate(apd=...)` / `diffusion_generate(apd=...)` run it: left to right
-        with its verifier, so the block and remasking settings do not apply."""
-        clashes = [name for name in ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "alg",
-                                     "alg_temp", "early_stop", "reference_rng", "reference_ties")
-                   if getattr(params, name) != getattr(SamplingParams, name)]
-        if params.cfg_scale:
-            clashes.append("cfg_scale")
-        if params.remasking != "low_confidence":
-            clashes.append("remasking")
-        if clashes:
-            raise ValueError(f"apd decodes left to right with its verifier; it does not combine with {clashes}")
+        """APD as `remask.generate(apd=...)` / `diffusion_generate(apd=...)` run it (the settings it
+        does not read were refused when the params were built)."""
         decoder = APDDecoder(self.spec, params.apd, gen_length=params.max_tokens, temperature=params.temperature,
                              top_p=params.top_p, top_k=params.top_k)
         decoder.check_input(prompt_ids)

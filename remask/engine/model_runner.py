@@ -38,7 +38,6 @@ class ARRow:
     """An autoregressive sequence's state: its pages, tokens so far and next-position logits."""
 
     table: list[int]                       # its pages: prompt, then generated tokens
-    shared: int = 0                        # leading prompt pages stored once for several sequences
     tokens: list[int] = field(default_factory=list)
     step: int = 0
     done: bool = False
@@ -114,9 +113,8 @@ class ModelRunner:
                 if seq.state is None:       # admitted this step: its prompt's forward
                     prompt = seq.prompt_ids[0].tolist()
                     seq.stats.start()
-                    table = self.pages.allocate(prompt)
-                    seq.state = ARRow(table=table, shared=self.pages.last_hits)
-                    q_len, ctx_len, new = len(prompt), len(prompt), prompt
+                    seq.state = ARRow(table=self.pages.allocate(prompt))
+                    q_len, ctx_len, new, shared = len(prompt), len(prompt), prompt, self.pages.last_hits
                     seq.stats.forward(1, len(prompt))
                 else:                       # sample this step's token; the forward stores it
                     row = seq.state
@@ -127,14 +125,14 @@ class ModelRunner:
                     row.done = token in seq.decoder.eos_ids or row.step == seq.decoder.max_new_tokens
                     if row.done:
                         continue
-                    q_len, ctx_len, new = 1, seq.prompt_len + row.step, [token]
+                    q_len, ctx_len, new, shared = 1, seq.prompt_len + row.step, [token], 0
                     self.pages.extend(row.table, ctx_len)
                     seq.stats.forward(1, 1)
             except Exception as err:  # noqa: BLE001
                 failed[seq] = f"{type(err).__name__}: {err}"
                 continue
             slices.append(SequenceSlice(start=len(ids), q_len=q_len, ctx_len=ctx_len, table=seq.state.table,
-                                        shared=seq.state.shared if q_len == ctx_len else 0))
+                                        shared=shared))
             ids.extend(new)
             positions.extend(range(ctx_len - q_len, ctx_len))
             members.append(seq)
@@ -154,5 +152,4 @@ class ModelRunner:
             return
         for i, (seq, s) in enumerate(zip(members, slices)):
             seq.state.logits = logits[i:i + 1]
-            seq.state.shared = s.shared
             self.unshared_pages += s.unshared

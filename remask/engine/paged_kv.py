@@ -52,10 +52,6 @@ class PagedKVStore:
             self.values.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
         return self.keys[index], self.values[index]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
-
 
 @dataclass(eq=False)
 class SequenceSlice:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from remask.diffusion.apd import APDConfig
+from remask.diffusion.apd import APDConfig, check_apd_alone
 from remask.diffusion.cache import CACHE_MODES
 from remask.diffusion.checks import (ParameterTypeError, check_bool, check_choice, check_instance, check_int,
                                      check_real)
@@ -21,6 +21,9 @@ from remask.diffusion.sparse import SparseConfig
 # Settings only LLaDA's block rule reads, with their defaults (refused with Dream's `alg`).
 LLADA_RULE_DEFAULTS = dict(remasking="low_confidence", factor=None, cfg_scale=0.0, early_stop=False, logits_eos_inf=False,
                            confidence_eos_eot_inf=False, reference_rng=False, reference_ties=False, sparse=None)
+# Settings APD does not read (it decodes left to right with its verifier): refused with `apd`.
+APD_UNREAD = ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "alg", "alg_temp", "early_stop",
+              "reference_rng", "reference_ties", "cfg_scale", "remasking")
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,8 @@ class SamplingParams:
         elif self.alg_temp is not None or self.eps != 1e-3:
             raise ValueError("alg_temp and eps belong to Dream's sampler: set alg= (e.g. 'entropy') to use them")
         check_instance("apd", self.apd, APDConfig, "a remask.APDConfig")
+        if self.apd is not None:
+            check_apd_alone([name for name in APD_UNREAD if getattr(self, name) != getattr(SamplingParams, name)])
 
     @property
     def gen_length(self) -> int:
