@@ -17,7 +17,7 @@ import torch
 import remask
 from conftest import DEVICE, ON_GPU, run
 from remask.models import LLaDAConfig, LLaDAModelLM
-from remask.models.paged import PagedKVCache
+from remask.caches import PagedKVCache
 from remask.models.tiny import LLADA_DEFAULTS
 
 SHAPES = {

@@ -29,7 +29,7 @@ import torch
 
 from remask.kernels import apd_accept
 from remask.kernels.confidence_ref import gumbel
-from remask.models.layers import KVCache
+from remask.caches import KVCache
 from remask.models.spec import ModelSpec, get_spec
 
 from .checks import check_bool, check_int, check_real, model_device

@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from remask.models.layers import KVCache
-from remask.models.paged import PagedKVCache
+from remask.caches import KVCache, PagedKVCache
 from remask.models.spec import ModelSpec
 
 CACHE_MODES = (None, "prefix", "dual", "paged")

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from remask.models.paged import PagedKVCache
+from remask.caches import PagedKVCache
 from remask.models.spec import ModelSpec, get_spec
 
 from .apd import APDConfig, apd_generate, check_apd_alone
@@ -367,7 +367,7 @@ def block_diffusion_generate(
     feeds the block and everything after it against the cache cut at the block start; "dual" =
     the same block-start forward keeps K/V of every position and each step feeds only the block,
     whose fresh K/V overwrite its cache entries in place; "paged" = the dual algorithm over pages
-    (`remask.models.paged.PagedKVCache`). Keys are cached after RoPE (`diffusion/cache.py`).
+    (`remask.caches.PagedKVCache`). Keys are cached after RoPE (`diffusion/cache.py`).
     `sparse` (`SparseConfig`): sparse attention (`diffusion/sparse.py`). `reference_ties`: commit
     with `torch.topk` over the forward-length vector the references build (their order among
     exactly equal confidences) instead of the lower index first (`selection.topk_commit`).

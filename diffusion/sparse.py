@@ -4,13 +4,13 @@
   full forwards up to `delay_step`; the forward at `delay_step` stores every layer's K/V and keeps,
   per layer, the top `retention_ratio` of the positions outside the block (by the block queries'
   mean attention score, max-pooled over `pool_kernel` neighbours); every later step feeds the block
-  alone and attends over the kept positions plus the block (`remask.models.sparse`).
+  alone and attends over the kept positions plus the block (`remask.caches.sparse`).
   `head_select=True`: per-KV-head selection with an equal budget per head (dLLM-Serve).
 * ``method="block_mask"`` — SparseD (INV-WZQ/SparseD): full forwards every step; dense attention
   for the first `skip_fraction` of the steps; at global step `int(steps·skip_fraction) + 1` each
   layer picks, per head and query block of `kv_block_size`, the key blocks with the largest mean
   attention (`retention_ratio` of them, plus one; prompt and generation keys budgeted
-  separately); every later step attends through those block lists (`remask.models.sparse`).
+  separately); every later step attends through those block lists (`remask.caches.sparse`).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from remask.models.sparse import BlockMaskAttention, RetentionKVCache
+from remask.caches.sparse import BlockMaskAttention, RetentionKVCache
 from remask.models.spec import ModelSpec
 
 from .checks import check_bool, check_choice, check_int, check_real

@@ -120,7 +120,7 @@ def test_cache_computes_fewer_positions_and_counts_them(tiny_llada):
 
 
 def test_dual_cache_is_refreshed_in_place_not_grown(tiny_llada):
-    from remask.models.layers import KVCache
+    from remask.caches import KVCache
 
     x = torch.tensor([charset.encode_chat("greet Ada") + [charset.MASK_ID] * 8])
     cache = KVCache()

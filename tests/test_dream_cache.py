@@ -17,7 +17,7 @@ import remask
 from helpers import left_pad, random_prompt
 from remask.compat.fast_dllm import dream_diffusion_generate
 from remask.models import tiny
-from remask.models.paged import PagedKVCache
+from remask.caches import PagedKVCache
 from remask.zoo import charset, tasks
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "dream_cache_reference.json")

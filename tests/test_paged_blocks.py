@@ -6,15 +6,15 @@ import doctest
 import pytest
 import torch
 
-import remask.models.paged
+import remask.caches.paged
 from remask.kernels import paged_gather, paged_store
-from remask.models.paged import BlockManager
+from remask.models.paged import BlockManager  # the old name, still importable
 
 
 def test_doctest():
     import remask.engine.page_manager
 
-    assert doctest.testmod(remask.models.paged).failed == 0
+    assert doctest.testmod(remask.caches.paged).failed == 0
     assert doctest.testmod(remask.engine.page_manager).attempted > 0
     assert doctest.testmod(remask.engine.page_manager).failed == 0
 

@@ -7,7 +7,8 @@ import torch
 
 import remask
 from helpers import left_pad, random_prompt
-from remask.models.paged import BlockManager, PagedKVCache
+from remask.caches import PagedKVCache
+from remask.models.paged import BlockManager
 from remask.zoo import charset, tasks
 
 
@@ -45,7 +46,7 @@ def test_paged_equals_dual_on_random_checkpoints(name, page_size, load_model):
 def test_paged_logits_match_dual_logits(load_model):
     # The block step's logits: pages + fresh block K/V through the paged-attention path vs the
     # contiguous dual cache (float tolerance: different summation order).
-    from remask.models.layers import KVCache
+    from remask.caches import KVCache
 
     model = load_model("llada_gqa_tied")
     x = torch.cat([random_prompt(2, 7, 0, high=990), torch.full((2, 8), 999)], dim=1)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import remask
 from helpers import left_pad, random_prompt
-from remask.models.sparse import RetentionKVCache, retained_positions
+from remask.caches.sparse import RetentionKVCache, retained_positions
 from remask.zoo import charset, tasks
 
 
@@ -192,7 +192,7 @@ def test_keeping_every_block_is_dense_attention(load_model):
 
 
 def test_corrected_scale_changes_the_selection():
-    from remask.models.sparse import sparsed_block_mask
+    from remask.caches.sparse import sparsed_block_mask
 
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 4, 40, 32, generator=g) * 2, torch.randn(1, 4, 40, 32, generator=g) * 2

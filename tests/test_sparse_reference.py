@@ -113,7 +113,7 @@ def test_sparsed_fixture_exercises_the_method():
 
 @pytest.mark.parametrize("checkpoint", ["llada", "llada_small", "tiny-llada"])
 def test_reproduces_sparsed(checkpoint, models, monkeypatch):
-    import remask.models.sparse as sparse_module
+    import remask.caches.sparse as sparse_module
 
     masks = []
     real = sparse_module.sparsed_block_mask

@@ -1,0 +1,16 @@
+"""The caches' room: every KV cache the samplers plug into a model's `attend` seam.
+
+* `KVCache` (`kv.py`): contiguous per-layer K/V after RoPE — prefix and dual caching;
+* `PagedKVCache` (`paged.py`): the dual cache kept in pages (`use_cache="paged"`), pages from
+  `remask.engine.page_manager.PageManager`, read by the paged-attention kernel;
+* `RetentionKVCache`, `BlockMaskAttention` (`sparse.py`): Sparse-dLLM's retention and SparseD's
+  block masks.
+
+How a sampler drives them over a block (refresh, then cached steps) is `remask.diffusion.cache`;
+the engine's AR page store is `remask.engine.paged_kv`.
+"""
+from .kv import KVCache, attention
+from .paged import PagedKVCache
+from .sparse import BlockMaskAttention, RetentionKVCache
+
+__all__ = ["BlockMaskAttention", "KVCache", "PagedKVCache", "RetentionKVCache", "attention"]

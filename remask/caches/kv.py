@@ -1,0 +1,78 @@
+"""The contiguous KV cache of the bidirectional models, and their attention.
+
+A model's attention layer hands its projected, rotated `q`/`k`/`v` to the cache's `attend`
+(`rotary_self_attention` in `remask.models.layers`): `KVCache` writes the new keys/values at
+their positions and attends over everything it holds; the paged and sparse caches
+(`remask.caches.paged`, `remask.caches.sparse`) override `attend` to attend without a
+contiguous K/V. Without a cache the layer calls `attention` directly.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Bidirectional attention. q `[B, Hq, Lq, D]`, k/v `[B, Hkv, Lk, D]` (GQA by repetition).
+
+    `mask` is None (attend everywhere), a bool mask or an additive float bias broadcastable to
+    `[B, Hq, Lq, Lk]`. Cached forwards go through the cache's `attend` instead, which is where the
+    paged kernel plugs in (`remask.caches.paged.PagedKVCache`).
+    """
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        k = k.repeat_interleave(n_rep, dim=1, output_size=q.shape[1])
+        v = v.repeat_interleave(n_rep, dim=1, output_size=q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
+
+
+class KVCache:
+    """Per-layer keys/values of a bidirectional model, stored after RoPE.
+
+    `update` either appends the new positions (prefix caching) or overwrites a contiguous range
+    in place (dual caching, where the block's entries are refreshed every step). Positions are
+    absolute, given by `cache_position` on the model's forward.
+    """
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return self.keys[layer].shape[-2] if layer < len(self.keys) else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V held (all layers)."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer == len(self.keys):
+            if start != 0:
+                raise ValueError(f"cache_position must start at 0 for an empty cache, got {start}")
+            self.keys.append(k)
+            self.values.append(v)
+        else:
+            length = self.keys[layer].shape[-2]
+            end = start + k.shape[-2]
+            if start == length:
+                self.keys[layer] = torch.cat([self.keys[layer], k], dim=-2)
+                self.values[layer] = torch.cat([self.values[layer], v], dim=-2)
+            elif end <= length:
+                self.keys[layer][:, :, start:end] = k
+                self.values[layer][:, :, start:end] = v
+            else:
+                raise ValueError(f"cache_position [{start}, {end}) overruns a cache of length {length}")
+        return self.keys[layer], self.values[layer]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """Write the new `k`/`v` `[B, H_kv, L, D]` at `start`, then attend `q` over the whole cache.
+        Other caches (the paged one) override this to attend without a contiguous K/V."""
+        k, v = self.update(layer, k, v, start)
+        return attention(q, k, v, mask)
+
+    def crop(self, length: int) -> None:
+        """Keep only the first `length` positions of every layer."""
+        self.keys = [k[:, :, :length] for k in self.keys]
+        self.values = [v[:, :, :length] for v in self.values]

@@ -1,0 +1,137 @@
+"""The paged KV cache of the diffusion samplers (`use_cache="paged"`): a block refresh's K/V
+stored in pages, read back by the paged-attention kernel.
+
+Which page holds which positions is decided by `remask.engine.page_manager.PageManager`
+(reference-counted pages, prefix sharing by chained hash).
+"""
+from __future__ import annotations
+
+import torch
+
+from remask.engine.page_manager import PageManager
+from remask.kernels import paged_attention, paged_store
+from .kv import attention
+
+
+# The allocator moved to the engine, where it lives as long as the engine does; `PagedKVCache` builds
+# one per block refresh. `BlockManager` is the old name ("block" now means the semi-autoregressive
+# block only).
+BlockManager = PageManager
+
+
+class PagedKVCache:
+    """Fast-dLLM's dual cache kept in pages: `use_cache="paged"` (or pass an instance to read its
+    memory figures afterwards).
+
+    At each block start the sampler calls `begin_block`; the full forward that follows attends as
+    usual and stores, per layer, the K/V (after RoPE) of every position outside the block into
+    pages `[num_pages, page_size, H_kv, D]` through a slot mapping (pads and the block: −1, not
+    stored). Each later step feeds the block alone: its queries attend over the pages and the
+    block's own fresh K/V (`remask.kernels.paged_attention`, no contiguous copy), which is the
+    key set the contiguous dual cache attends over, so the tokens are the same.
+
+    Sharing: the pages of a block are allocated by a `PageManager` whose hash chain is seeded
+    with a digest of the row's whole input (tokens, padding, block), because in a bidirectional
+    model every position's K/V depend on every token. Rows with the same input — a prompt
+    repeated for several samples, `num_return_sequences` — store their K/V once; for a causal
+    model the same manager shares any common prefix (nano-vllm's rule).
+
+        >>> cache = PagedKVCache(page_size=4)
+        >>> cache.page_size, cache.pages_in_use
+        (4, 0)
+    """
+
+    def __init__(self, page_size: int = 16, num_pages: int | None = None) -> None:
+        if not isinstance(page_size, int) or page_size <= 0:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        if num_pages is not None and (not isinstance(num_pages, int) or num_pages <= 0):
+            raise ValueError(f"num_pages must be a positive int or None (grow as needed), got {num_pages!r}")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.manager: PageManager | None = None
+        self.k_pages: list[torch.Tensor] = []
+        self.v_pages: list[torch.Tensor] = []
+        self.tables: list[list[int]] = []
+        self.block_table: torch.Tensor | None = None
+        self.seq_lens: torch.Tensor | None = None
+        self.slot_mapping: torch.Tensor | None = None
+        self.total_len = 0
+        self.stored = False
+        self.peak_pages = 0
+        self.peak_shared_hits = 0
+
+    @property
+    def pages_in_use(self) -> int:
+        return 0 if self.manager is None else self.manager.num_pages - self.manager.num_free
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pages in use, all layers, K and V."""
+        return sum(self.pages_in_use * t[0].numel() * t.element_size() for t in self.k_pages + self.v_pages)
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return self.total_len if self.stored else 0
+
+    def begin_block(self, x: torch.Tensor, valid: torch.Tensor | None, start: int, end: int) -> None:
+        """Lay out pages for a refresh of `x` `[B, T]` (`valid`: `[B, T]` bool, False on left pads)
+        whose current block is `[start, end)`; the next forward (over all T positions) fills them."""
+        B, T = x.shape
+        per_row = -(-T // self.page_size)
+        self.manager = PageManager(self.num_pages or B * per_row, self.page_size)
+        if valid is None:
+            valid = torch.ones((B, T), dtype=torch.bool, device=x.device)
+        context = valid.clone()
+        context[:, start:end] = False
+        tokens = x.masked_fill(~context, -1).tolist()
+        slots = torch.full((B, T), -1, dtype=torch.long)
+        written: set[int] = set()
+        self.tables = []
+        for b in range(B):
+            ids = [t for t in tokens[b] if t >= 0]
+            seed = hash((tuple(x[b].tolist()), tuple(valid[b].tolist()), start, end))
+            table = self.manager.allocate(ids, seed=seed, share_last=True)
+            positions = context[b].nonzero().squeeze(1).cpu()
+            page_of = torch.tensor(table, dtype=torch.long)[torch.arange(len(ids)) // self.page_size]
+            row = page_of * self.page_size + torch.arange(len(ids)) % self.page_size
+            fresh = torch.tensor([p not in written for p in page_of.tolist()], dtype=torch.bool)
+            slots[b, positions] = torch.where(fresh, row, -1)   # a shared page is written once
+            written.update(table)
+            self.tables.append(table)
+        self.peak_pages = max(self.peak_pages, self.pages_in_use)
+        self.peak_shared_hits = max(self.peak_shared_hits, self.manager.shared_hits)
+        self.slot_mapping = slots.reshape(-1).to(x.device)
+        self.block_table = self.manager.block_tables(self.tables, x.device)
+        self.seq_lens = context.sum(dim=1).to(torch.int32)
+        self.total_len = T
+        self.stored = False
+
+    def _pages_for(self, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        need = self.pages_in_use if self.num_pages is None else self.num_pages
+        if layer == len(self.k_pages):
+            shape = (need, self.page_size, k.shape[1], k.shape[3])
+            self.k_pages.append(torch.zeros(shape, dtype=k.dtype, device=k.device))
+            self.v_pages.append(torch.zeros(shape, dtype=k.dtype, device=k.device))
+        elif self.k_pages[layer].shape[0] < need:   # more distinct pages than the pool has: grow it
+            extra = need - self.k_pages[layer].shape[0]
+            pad = torch.zeros((extra,) + tuple(self.k_pages[layer].shape[1:]), dtype=k.dtype, device=k.device)
+            self.k_pages[layer] = torch.cat([self.k_pages[layer], pad])
+            self.v_pages[layer] = torch.cat([self.v_pages[layer], pad.clone()])
+        return self.k_pages[layer], self.v_pages[layer]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """q `[B, Hq, L, D]`, k/v `[B, H_kv, L, D]` → `[B, Hq, L, D]`. The refresh forward (all
+        positions from 0) attends as usual and stores; a block forward attends over the pages."""
+        if self.slot_mapping is None:
+            raise RuntimeError("PagedKVCache.begin_block must be called before the first forward")
+        B, H_kv, L, D = k.shape
+        k_pages, v_pages = self._pages_for(layer, k)
+        if start == 0 and L == self.total_len:
+            paged_store(k.transpose(1, 2).reshape(B * L, H_kv, D), v.transpose(1, 2).reshape(B * L, H_kv, D),
+                        k_pages, v_pages, self.slot_mapping)
+            self.stored = True
+            return attention(q, k, v, mask)
+        # Pads and the block are not in the pages: the context needs no mask.
+        out = paged_attention(q.transpose(1, 2), k_pages, v_pages, self.block_table, self.seq_lens,
+                              k.transpose(1, 2), v.transpose(1, 2))
+        return out.transpose(1, 2)

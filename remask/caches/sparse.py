@@ -1,0 +1,278 @@
+"""Sparse-dLLM's token-retention cache (OpenMOSS/Sparse-dLLM `CustomCache`; per-head variant of
+dLLM-Serve), plugged into the models through the `attend` seam of `KVCache`.
+
+Per semi-autoregressive block the sampler (`remask.diffusion.sparse`) drives three phases:
+
+* full forwards (no cache) until the delay step;
+* at the delay step, `begin_select(start, end)`: the next forward runs over all T positions with
+  full attention, stores every layer's K/V (after RoPE, `[B, H_kv, T, D]`) and selects, per layer,
+  the positions to keep outside the block `[start, end)` (`retained_positions`);
+* every later step feeds the block alone. With the Triton kernel (CUDA) its fresh K/V overwrite the
+  block's entries in place and its queries attend over the kept positions plus the block through
+  `remask.kernels.block_sparse_attention` (token-level index lists, `kv_block_size=1`), which reads
+  the kept K/V where they lie — nothing is copied. On the torch path (CPU) a gather would copy
+  the kept rows at every step, so the kept K/V are compacted once at the selection (as upstream
+  does) and the full K/V are dropped; each step attends over `[kept ; fresh block]`.
+
+Selection (`retention_scores`, `retained_positions`), per layer and row: the non-block keys are
+taken in order (prefix, then suffix, as upstream concatenates them); importance = mean over query
+heads of (mean block query · key), raw dot products (GQA: keys repeated per group); max-pooled
+with `pool_kernel` (stride 1, padding `pool_kernel // 2`, across the block's gap as upstream); the
+top ⌊N·retention_ratio⌋ kept, in `torch.topk` order. `head_select=True` (dLLM-Serve): scores
+scaled by 1/√D, the max over each KV head's query group, and an equal budget per KV head.
+Left pads are never kept and count for nothing, so a padded row keeps what it keeps alone.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from remask.kernels import block_sparse_attention
+from remask.kernels.dispatch import use_triton
+
+from .kv import KVCache, attention
+
+
+def retention_scores(q_block: torch.Tensor, keys: torch.Tensor, head_select: bool) -> torch.Tensor:
+    """Importance of `keys` `[B, H_kv, N, D]` for the block queries `q_block` `[B, Hq, L, D]`:
+    `[B, 1, N]` (one set for all heads, upstream) or `[B, H_kv, N]` (`head_select`)."""
+    group = q_block.shape[1] // keys.shape[1]
+    mean_q = q_block.mean(dim=-2)
+    if not head_select:
+        # Upstream's order of operations (float32 here as there): mean query, matmul, head mean.
+        keys_rep = keys.repeat_interleave(group, dim=1) if group > 1 else keys
+        scores = torch.matmul(mean_q.unsqueeze(-2), keys_rep.transpose(-2, -1)).squeeze(-2)
+        return scores.mean(dim=1, keepdim=True)
+    scores = torch.matmul(mean_q.unsqueeze(-2), keys.repeat_interleave(group, dim=1).transpose(-2, -1)).squeeze(-2)
+    scores = scores / keys.shape[-1] ** 0.5
+    return scores.view(scores.shape[0], keys.shape[1], group, -1).amax(dim=2)
+
+
+def retained_positions(q: torch.Tensor, k: torch.Tensor, start: int, end: int, retention_ratio: float,
+                       pool_kernel: int | None, head_select: bool,
+                       valid: torch.Tensor | None, topk_ties: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions to keep outside the block `[start, end)` after a full forward with queries `q`
+    `[B, Hq, T, D]` and keys `k` `[B, H_kv, T, D]` (after RoPE). `valid` `[B, T]` bool marks
+    non-pad positions (None: all).
+
+    Among exactly equal scores (max-pooling copies one score onto its neighbours, so ties are the
+    rule, and the cut often falls inside one) the earlier position is kept: a stable descending
+    sort, so a row keeps the same positions whatever its left padding. `topk_ties=True` keeps
+    `torch.topk`'s order instead (upstream's; it depends on the row's length, pads included).
+
+    Returns (positions `[B, S, n_max]` int64 absolute, in descending score order; counts `[B]`):
+    row b keeps its first `counts[b]` entries (S = 1, or H_kv with `head_select`)."""
+    B, _, T, _ = k.shape
+    outside = torch.cat([torch.arange(start, device=k.device), torch.arange(end, T, device=k.device)])
+    keys = torch.cat([k[:, :, :start], k[:, :, end:]], dim=2)
+    importance = retention_scores(q[:, :, start:end], keys, head_select)   # [B, S, N]
+    S, N = importance.shape[1], importance.shape[2]
+    pads = None
+    if valid is not None and not bool(valid.all()):
+        pads = ~valid[:, outside][:, None, :]
+        importance = importance.masked_fill(pads, -torch.inf)   # a pad lends no score to its neighbours
+    if pool_kernel is not None:
+        importance = F.max_pool1d(importance.reshape(B * S, 1, N), kernel_size=pool_kernel, stride=1,
+                                  padding=pool_kernel // 2).view(B, S, N)
+    if pads is not None:
+        importance = importance.masked_fill(pads, -torch.inf)   # ... and is never kept
+    n_outside = torch.full((B,), N, device=k.device) if valid is None else valid[:, outside].sum(dim=1)
+    # upstream: int(N * keep_ratio) in Python floats
+    counts = torch.tensor([int(n * retention_ratio) for n in n_outside.tolist()], device=k.device)
+    n_max = int(counts.max()) if B else 0
+    if topk_ties:
+        # topk over upstream's own shape ([B, N] for one shared set): its order among tied pooled scores
+        keep = torch.topk(importance[:, 0], k=n_max, dim=-1).indices[:, None] if S == 1 else \
+            torch.topk(importance, k=n_max, dim=-1).indices
+    else:
+        keep = torch.sort(importance, dim=-1, descending=True, stable=True).indices[..., :n_max]
+    return outside[keep], counts
+
+
+class RetentionKVCache(KVCache):
+    """Sparse-dLLM's retention cache (see the module docstring). `valid` `[B, T]`: non-pad
+    positions of the sequence (None: no padding)."""
+
+    def __init__(self, retention_ratio: float, pool_kernel: int | None, head_select: bool,
+                 valid: torch.Tensor | None = None, topk_ties: bool = False) -> None:
+        super().__init__()
+        self.retention_ratio, self.pool_kernel, self.head_select, self.valid = (
+            retention_ratio, pool_kernel, head_select, valid)
+        self.topk_ties = topk_ties
+        self.block: tuple[int, int] | None = None
+        self.selecting = False
+        self.kept: list[torch.Tensor] = []        # per layer: [B, S, n_max] positions
+        self.kept_counts: list[torch.Tensor] = []
+        self.lists: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # torch path: per layer, the kept K/V compacted at the selection `[B, H_kv, n_max, D]` and a
+        # key mask `[B, 1, 1, n_max + block]` when rows keep different counts (None otherwise)
+        self.compact: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        self.total_len = 0
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return self.total_len
+
+    @property
+    def nbytes(self) -> int:
+        stored = super().nbytes
+        return stored + sum(t.numel() * t.element_size() for kk, vv, _ in self.compact.values() for t in (kk, vv))
+
+    def begin_select(self, start: int, end: int) -> None:
+        """The next forward (all T positions) stores the K/V and selects what to keep outside
+        `[start, end)`; call `end_select` after it."""
+        self.keys, self.values, self.kept, self.kept_counts, self.lists, self.compact = [], [], [], [], {}, {}
+        self.block, self.selecting = (start, end), True
+
+    def end_select(self) -> None:
+        """From now on forwards feed the block alone and attend sparsely."""
+        self.selecting = False
+
+    @property
+    def kept_fraction(self) -> float:
+        """Mean fraction of the stored positions each block query attends to (kept + block)."""
+        if not self.kept or self.block is None:
+            return 1.0
+        T = self.total_len
+        block = self.block[1] - self.block[0]
+        return float(sum((c.float().mean() + block) / T for c in self.kept_counts) / len(self.kept_counts))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        if self.selecting:
+            keys, values = self.update(layer, k, v, start)
+            start_b, end_b = self.block
+            positions, counts = retained_positions(q, keys, start_b, end_b, self.retention_ratio, self.pool_kernel,
+                                                   self.head_select, self.valid, self.topk_ties)
+            self.kept.append(positions)
+            self.kept_counts.append(counts)
+            self.total_len = keys.shape[-2]
+            out = attention(q, keys, values, mask)
+            if not use_triton(keys):
+                self._compact(layer, keys, values, positions, counts, end_b - start_b)
+            return out
+        if layer in self.compact:
+            kept_k, kept_v, key_mask = self.compact[layer]
+            # upstream's computation: SDPA over the kept K/V followed by the block's fresh ones
+            return attention(q, torch.cat([kept_k, k], dim=2), torch.cat([kept_v, v], dim=2), key_mask)
+        keys, values = self.update(layer, k, v, start)
+        num, idx = self._index_lists(layer, q.shape[1], start, k.shape[-2])
+        return block_sparse_attention(q, keys, values, num, idx, q_block_size=q.shape[-2], kv_block_size=1)
+
+    def _compact(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                 counts: torch.Tensor, block: int) -> None:
+        """Copy the kept K/V out once (torch path) and drop the layer's full K/V."""
+        B, H_kv, _, D = keys.shape
+        S, n_max = positions.shape[1], positions.shape[2]
+        index = positions.expand(B, H_kv, n_max) if S == 1 else positions
+        index = index[..., None].expand(B, H_kv, n_max, D)
+        kept_k, kept_v = torch.gather(keys, 2, index), torch.gather(values, 2, index)
+        key_mask = None
+        if bool((counts < n_max).any()):   # padded rows keep fewer: hide the tail of their list
+            live = torch.arange(n_max + block, device=keys.device) < counts[:, None]
+            live[:, n_max:] = True
+            key_mask = live[:, None, None, :]
+        self.compact[layer] = (kept_k, kept_v, key_mask)
+        self.keys[layer] = keys[:, :, :0]
+        self.values[layer] = values[:, :, :0]
+
+    def _index_lists(self, layer: int, n_heads: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-level index lists `[B, Hq, 1, n]`: the kept positions (upstream's order), then the
+        block's; built once per layer and block."""
+        if layer not in self.lists:
+            positions, counts = self.kept[layer], self.kept_counts[layer]
+            B, S, n_max = positions.shape
+            block = torch.arange(start, start + length, device=positions.device).expand(B, S, length)
+            # Row b's list: its first counts[b] kept positions, then the block; the rest is junk.
+            lists = torch.cat([positions, block], dim=-1)
+            if bool((counts < n_max).any()):
+                order = torch.arange(n_max + length, device=positions.device)
+                shift = (n_max - counts)[:, None, None]
+                src = torch.where(order < counts[:, None, None], order, order + shift).clamp(max=n_max + length - 1)
+                lists = torch.gather(lists, -1, src.expand(B, S, -1))
+            group = n_heads // S
+            lists = lists[:, :, None, :].expand(B, S, group, n_max + length).reshape(B, n_heads, 1, -1)
+            num = (counts + length)[:, None, None].expand(B, n_heads, 1)
+            self.lists[layer] = (num, lists)
+        return self.lists[layer]
+
+
+def block_importance(attn: torch.Tensor, block_size: int) -> torch.Tensor:
+    """SparseD's tile score: attention weights `[B, H, Lq, Lk]` zero-padded to whole
+    `block_size` tiles, then the mean |weight| of each tile → `[B, H, n_q_blocks, n_kv_blocks]`
+    (a partial tile is averaged over block_size², pads counting as zeros, as upstream)."""
+    Lq, Lk = attn.shape[-2], attn.shape[-1]
+    pad_q, pad_k = (-Lq) % block_size, (-Lk) % block_size
+    tiles = F.pad(attn, (0, pad_k, 0, pad_q)).unfold(2, block_size, block_size).unfold(3, block_size, block_size)
+    return tiles.abs().mean(dim=(-1, -2))
+
+
+def select_key_blocks(q_block: torch.Tensor, keys: torch.Tensor, block_size: int, select: float,
+                      scale: float) -> torch.Tensor:
+    """Key blocks kept for one query block: softmax(q·kᵀ·scale) in float32, tile scores, the top
+    `int(n·select) + 1` (at least 1) per head → bool `[B, H, 1, n_kv_blocks]`."""
+    weights = torch.softmax(torch.matmul(q_block, keys.transpose(2, 3)) * scale, dim=-1, dtype=torch.float32)
+    importance = block_importance(weights.to(q_block.dtype), block_size)
+    keep = max(1, int(importance.shape[-1] * select) + 1)
+    _, top = torch.topk(importance, k=min(keep, importance.shape[-1]), dim=-1, sorted=False)
+    return torch.zeros_like(importance, dtype=torch.bool).scatter_(-1, top, True)
+
+
+def sparsed_block_mask(q: torch.Tensor, k: torch.Tensor, block_size: int, select: float, gen_length: int,
+                       scale: float) -> torch.Tensor:
+    """SparseD's head-specific block mask from one full forward's queries and keys (after RoPE,
+    `[B, H, T, D]`; GQA keys are repeated per group) → bool `[B, H, n_blocks, n_blocks]`.
+
+    Per query block: the top blocks over all keys, with every block from `last` on cleared
+    (`last` = the first query block within the last `gen_length` positions, or the final block);
+    then the top blocks over the generation keys `[last·block_size, T)` alone, OR-ed in."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+    T = q.shape[2]
+    n_blocks = -(-T // block_size)
+    last = next(i for i in range(n_blocks) if T - i * block_size <= gen_length or i == n_blocks - 1)
+    mask = torch.zeros((q.shape[0], q.shape[1], n_blocks, n_blocks), dtype=torch.bool, device=q.device)
+    for i in range(n_blocks):
+        mask[:, :, i:i + 1] = select_key_blocks(q[:, :, i * block_size:(i + 1) * block_size], k, block_size, select,
+                                                scale)
+    mask[:, :, :, last:] = False
+    generation_keys = k[:, :, last * block_size:]
+    for i in range(n_blocks):
+        picked = select_key_blocks(q[:, :, i * block_size:(i + 1) * block_size], generation_keys, block_size, select,
+                                   scale)
+        mask[:, :, i:i + 1, last:] |= picked
+    return mask
+
+
+class BlockMaskAttention(KVCache):
+    """SparseD's attention hook for full forwards (nothing is cached): `dense` forwards attend
+    densely; a `select` forward also builds each layer's block mask (`sparsed_block_mask`); every
+    later forward attends through `remask.kernels.block_sparse_attention` with the layer's mask as
+    FlexAttention-style lists (`kv_num_blocks`, `kv_indices`)."""
+
+    def __init__(self, block_size: int, select: float, gen_length: int, corrected_scale: bool) -> None:
+        super().__init__()
+        self.block_size, self.select, self.gen_length, self.corrected_scale = (
+            block_size, select, gen_length, corrected_scale)
+        self.phase = "dense"
+        self.masks: list[torch.Tensor] = []
+        self.lists: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return 0
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        if self.phase == "sparse":
+            num, idx = self.lists[layer]
+            return block_sparse_attention(q, k, v, num, idx, q_block_size=self.block_size,
+                                          kv_block_size=self.block_size)
+        if self.phase == "select":
+            # upstream scales the selection scores by 1/√n_heads (a quirk); corrected: 1/√head_dim
+            scale = (q.shape[-1] if self.corrected_scale else q.shape[1]) ** -0.5
+            block_mask = sparsed_block_mask(q, k, self.block_size, self.select, self.gen_length, scale)
+            self.masks.append(block_mask)
+            # lists: each row's kept block ids first (ascending), then junk past the count
+            order = torch.argsort((~block_mask).to(torch.int8), dim=-1, stable=True)
+            self.lists.append((block_mask.sum(dim=-1).to(torch.int32), order.to(torch.int32)))
+        return attention(q, k, v, mask)
