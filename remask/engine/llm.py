@@ -68,7 +68,7 @@ class LLM:
         prompts = list(prompts)
         check_bool("use_tqdm", use_tqdm)
         if chat:
-            prompts = [self._chat_ids([{"role": "user", "content": p}]) if isinstance(p, str) else p for p in prompts]
+            prompts = [self.chat_ids([{"role": "user", "content": p}]) if isinstance(p, str) else p for p in prompts]
         return self._run(prompts, sampling_params, use_tqdm)
 
     def chat(self, messages: Seq[Message] | Seq[Seq[Message]],
@@ -77,9 +77,10 @@ class LLM:
         """Generate replies to conversations (one, or a list of them) through the tokenizer's chat
         template with the generation prompt appended."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self._run([self._chat_ids(c) for c in conversations], sampling_params, use_tqdm)
+        return self._run([self.chat_ids(c) for c in conversations], sampling_params, use_tqdm)
 
-    def _chat_ids(self, messages: Seq[Message]) -> list[int]:
+    def chat_ids(self, messages: Seq[Message]) -> list[int]:
+        """Token ids of a conversation through the tokenizer's chat template, generation prompt appended."""
         if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("chat needs a tokenizer with a chat template")
         out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)

@@ -1,0 +1,5 @@
+import sys
+
+from remask.cli import main
+
+sys.exit(main())

@@ -1,0 +1,74 @@
+"""The `remask` command (also `python -m remask`).
+
+    remask serve tiny-llada                       # the shipped model on 127.0.0.1:8000
+    remask serve --model fast=./my-llada --model ar=tiny-ar --api-key-file key.txt --port 9000
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+
+def _model_arg(value: str) -> tuple[str, str]:
+    name, _, path = value.partition("=")
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"--model takes NAME=PATH (a shipped name or a checkpoint folder), got {value!r}")
+    return name, path
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from remask.serve import AsyncEngine, build_app, serve
+    except ImportError as err:
+        print(f"remask serve needs the serve extra: pip install 'remask[serve]' ({err})", file=sys.stderr)
+        return 2
+    import remask
+
+    models = list(args.model or [])
+    if args.name:
+        models.insert(0, (args.name, args.name))
+    if not models:
+        print("remask serve: give a model (e.g. `remask serve tiny-llada`) or --model NAME=PATH", file=sys.stderr)
+        return 2
+    if len({name for name, _ in models}) != len(models):
+        print("remask serve: each --model NAME must be unique", file=sys.stderr)
+        return 2
+    api_key = args.api_key
+    if args.api_key_file:
+        with open(args.api_key_file) as f:
+            api_key = f.read().strip()
+    engines = {name: AsyncEngine(remask.LLM(path, max_num_seqs=args.max_num_seqs, seed=args.seed),
+                                 max_queue=args.max_queue)
+               for name, path in models}
+    app = build_app(engines, api_key=api_key)
+    print(json.dumps({"serving": {name: path for name, path in models}, "host": args.host, "port": args.port}),
+          flush=True)
+    serve(app, engines, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="remask", description="remask: fast, exact diffusion LLM decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_parser = sub.add_parser("serve", help="an OpenAI-compatible server (needs the serve extra)")
+    serve_parser.add_argument("name", nargs="?", help="a shipped model name or checkpoint folder, served under that name")
+    serve_parser.add_argument("--model", action="append", type=_model_arg, metavar="NAME=PATH",
+                       help="serve PATH under NAME (repeatable)")
+    serve_parser.add_argument("--host", default="127.0.0.1")
+    serve_parser.add_argument("--port", type=int, default=8000)
+    serve_parser.add_argument("--api-key", default=None)
+    serve_parser.add_argument("--api-key-file", default=None)
+    serve_parser.add_argument("--max-queue", type=int, default=256, help="requests held per model; more get 503")
+    serve_parser.add_argument("--max-num-seqs", type=int, default=64)
+    serve_parser.add_argument("--seed", type=int, default=0)
+    serve_parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

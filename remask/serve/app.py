@@ -1,0 +1,281 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one `AsyncEngine` per served model.
+
+    app = build_app({"tiny-llada": AsyncEngine(remask.LLM("tiny-llada"))}, api_key="secret")
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or SSE with `stream=true`,
+ended by `data: [DONE]`), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus). Errors
+have OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`: 400 for a bad body
+(naming the field), 401 for a missing or wrong key, 404 for an unknown model or route, 413 for
+an oversized body, 503 with `Retry-After` when the queue is full or the server drains.
+
+Streaming sends text only when it is final — a diffusion block once it is decoded, an AR token
+at once — so a delta never holds a mask and is never taken back; text that could still be the
+start of a `stop` string is held until it is decided.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from remask.engine import EngineState, RequestOutput
+
+from .async_engine import AsyncEngine, QueueFull
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+MAX_BODY_BYTES = 1 << 20
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status, headers=headers)
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own (one per app)."""
+
+    def __init__(self, engines: dict[str, AsyncEngine]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("remask_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
+        self.latency = Histogram("remask_request_latency_seconds", "Time to the last token", ["model"], registry=r)
+        self.ttft = Histogram("remask_time_to_first_token_seconds", "Time to the first final text", ["model"],
+                              registry=r)
+        self.generated = Counter("remask_generated_tokens", "Generated tokens", ["model"], registry=r)
+        self.nfe = Counter("remask_model_forwards", "Forwards counted per request (NFE)", ["model"], registry=r)
+        queue = Gauge("remask_queue_depth", "Requests waiting for admission", ["model"], registry=r)
+        running = Gauge("remask_running_requests", "Requests being decoded", ["model"], registry=r)
+        pages = Gauge("remask_kv_pages_in_use", "KV pages in use (autoregressive page store)", ["model"], registry=r)
+        hits = Gauge("remask_prefix_cache_hit_rate", "Full prompt pages found stored / looked up", ["model"],
+                     registry=r)
+        for name, engine in engines.items():
+            inner = engine.engine
+            queue.labels(name).set_function(lambda e=inner: len(e.scheduler.waiting))
+            running.labels(name).set_function(lambda e=inner: len(e.scheduler.running))
+            pages.labels(name).set_function(lambda e=inner: e.kv_stats()["pages_in_use"])
+            hits.labels(name).set_function(
+                lambda e=inner: e.kv_stats()["prefix_hits"] / max(1, e.kv_stats()["prefix_lookups"]))
+
+
+def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, request_timeout: float | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The app for `engines` (served name → engine). `api_key`: required as `Authorization:
+    Bearer <key>` on `/v1/*` when set. `request_timeout`: seconds after which a request is aborted
+    (504)."""
+    if not engines:
+        raise ValueError("engines: serve at least one model")
+    app = FastAPI(title="remask", docs_url=None, redoc_url=None)
+    metrics = Metrics(engines)
+    app.state.engines, app.state.metrics = engines, metrics
+    created = int(time.time())
+
+    @app.middleware("http")
+    async def request_id_and_limits(request: Request, call_next):
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request.state.request_id = request_id
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body_bytes:
+            response = error_response(413, f"the request body is {length} bytes, more than {max_body_bytes}")
+        elif request.url.path.startswith("/v1/") and api_key is not None and not secrets.compare_digest(
+                request.headers.get("authorization", ""), f"Bearer {api_key}"):
+            response = error_response(401, "a valid API key is needed: Authorization: Bearer <key>",
+                                      kind="authentication_error")
+        else:
+            response = await call_next(request)
+        response.headers["X-Request-ID"] = request_id
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        response.headers["X-Frame-Options"] = "DENY"
+        response.headers["Referrer-Policy"] = "no-referrer"
+        route = request.scope.get("route")
+        metrics.requests.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, err: APIError):
+        return error_response(err.status, err.message, err.kind, err.param, err.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, err: RequestValidationError):
+        first = err.errors()[0] if err.errors() else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(loc) or None
+        return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException):
+        return error_response(err.status_code, str(err.detail), kind="not_found_error" if err.status_code == 404
+                              else "invalid_request_error")
+
+    @app.get("/health")
+    async def health():
+        states = {name: engine.state.value for name, engine in engines.items()}
+        ready = all(engine.state is EngineState.READY for engine in engines.values())
+        return JSONResponse({"status": "ready" if ready else "unavailable", "models": states},
+                            status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "remask"}
+                                           for name in engines]}
+
+    def engine_for(name: str) -> AsyncEngine:
+        if name not in engines:
+            raise APIError(404, f"model {name!r} is not served here; /v1/models lists {sorted(engines)}",
+                           kind="not_found_error", param="model")
+        return engines[name]
+
+    def params_for(body: CompletionRequest | ChatCompletionRequest):
+        try:
+            return body.sampling_params()
+        except (ValueError, TypeError) as err:
+            raise APIError(400, str(err), param=_param_named(str(err), body)) from None
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        engine = engine_for(body.model)
+        params = params_for(body)
+        return await _respond(engine, body, body.prompt, params, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        engine = engine_for(body.model)
+        params = params_for(body)
+        try:
+            prompt = engine.llm.chat_ids([m.model_dump(exclude_none=True) for m in body.messages])
+        except ValueError as err:
+            raise APIError(400, str(err), param="messages") from None
+        return await _respond(engine, body, prompt, params, request, chat=True)
+
+    async def _respond(engine: AsyncEngine, body, prompt, params, request: Request, chat: bool):
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}"
+        start = time.perf_counter()
+        stream = engine.generate(request_id, prompt, params)
+        try:
+            first = await _first(stream)           # a bad request or a full queue surfaces here
+        except QueueFull as err:
+            raise APIError(503, str(err), kind="server_unavailable", headers={"Retry-After": "1"}) from None
+        except (ValueError, TypeError) as err:
+            raise APIError(400, str(err), param=_param_named(str(err), body)) from None
+        model = body.model
+        if body.stream:
+            return EventSourceResponse(_sse(first, stream, body, params, request_id, model, chat, start),
+                                       ping=15, sep="\n")
+        out = first
+        async for out in stream:
+            pass
+        _observe(metrics, model, out, start, None)
+        if any(o.finish_reason == "error" for o in out.outputs):
+            message = next(o.error for o in out.outputs if o.finish_reason == "error")
+            raise APIError(500, f"the request failed: {message}", kind="server_error")
+        return _full_response(out, request_id, model, chat, created=int(time.time()))
+
+    async def _sse(first: RequestOutput, stream: AsyncIterator[RequestOutput], body, params, request_id: str,
+                   model: str, chat: bool, start: float):
+        sent = {i: "" for i in range(params.n)}
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        now = int(time.time())
+        ttft = None
+        last = first
+        try:
+            if chat:
+                yield json.dumps(_chunk(request_id, model, now, chat, [
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                    for i in range(params.n)]))
+            out: RequestOutput | None = first
+            while out is not None:
+                last = out
+                choices = []
+                for o in out.outputs:
+                    text = o.text
+                    if o.finish_reason is None and hold:
+                        text = text[:max(len(sent[o.index]), len(text) - hold)]
+                    if not text.startswith(sent[o.index]):
+                        continue        # never take back text already sent
+                    delta = text[len(sent[o.index]):]
+                    if delta or o.finish_reason is not None:
+                        sent[o.index] = text
+                        choices.append(_choice(o.index, delta, o.finish_reason, chat))
+                if choices:
+                    if ttft is None:
+                        ttft = time.perf_counter() - start
+                    yield json.dumps(_chunk(request_id, model, now, chat, choices))
+                out = await anext(stream, None)
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield json.dumps({**_chunk(request_id, model, now, chat, []), "usage": _usage(last)})
+            yield "[DONE]"
+            _observe(metrics, model, last, start, ttft)
+        finally:
+            await stream.aclose()                  # a disconnect aborts the request and frees its pages
+
+    return app
+
+
+async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    return await anext(stream)
+
+
+def _param_named(message: str, body: Any) -> str | None:
+    """The body field an error message names first (SamplingParams' messages start with it)."""
+    fields = type(body).model_fields
+    head = message.split(" ", 1)[0].rstrip(":,")
+    return head if head in fields else None
+
+
+def _choice(index: int, text: str, finish_reason: str | None, chat: bool) -> dict[str, Any]:
+    if chat:
+        return {"index": index, "delta": {"content": text} if text else {}, "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def _chunk(request_id: str, model: str, created: int, chat: bool, choices: list) -> dict[str, Any]:
+    return {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": choices}
+
+
+def _usage(out: RequestOutput) -> dict[str, int]:
+    completion = sum(len(o.token_ids) for o in out.outputs)
+    prompt = len(out.prompt_token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _full_response(out: RequestOutput, request_id: str, model: str, chat: bool, created: int) -> dict[str, Any]:
+    if chat:
+        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
+                    "finish_reason": o.finish_reason, "logprobs": None} for o in out.outputs]
+    else:
+        choices = [{"index": o.index, "text": o.text, "finish_reason": o.finish_reason, "logprobs": None}
+                   for o in out.outputs]
+    return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": choices, "usage": _usage(out)}
+
+
+def _observe(metrics: Metrics, model: str, out: RequestOutput, start: float, ttft: float | None) -> None:
+    metrics.latency.labels(model).observe(time.perf_counter() - start)
+    first = out.metrics.get("time_to_first_token") if ttft is None else ttft
+    if first is not None:
+        metrics.ttft.labels(model).observe(first)
+    metrics.generated.labels(model).inc(sum(len(o.token_ids) for o in out.outputs))
+    metrics.nfe.labels(model).inc(sum(o.nfe for o in out.outputs))

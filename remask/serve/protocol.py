@@ -1,0 +1,120 @@
+"""The OpenAI request bodies the server accepts, and how they become `SamplingParams`.
+
+Fields are OpenAI's (`/v1/completions`, `/v1/chat/completions`) plus remask's decoding settings,
+which the `openai` client sends through `extra_body`. Unknown fields are refused (400 naming
+them), and so are OpenAI fields remask does not implement when they are set — nothing is
+silently ignored. Values are checked by `SamplingParams`, the validation layer `remask.generate`
+and `LLM` share.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from remask.engine import SamplingParams
+
+# OpenAI fields remask does not implement: refused when set to anything but their default.
+UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": False, "presence_penalty": 0.0,
+               "frequency_penalty": 0.0, "logit_bias": None, "best_of": None, "suffix": None, "tools": None,
+               "tool_choice": None, "response_format": None}
+# remask's settings, passed to SamplingParams as they are.
+REMASK_FIELDS = ("top_k", "steps", "block_length", "threshold", "factor", "remasking", "use_cache", "cfg_scale", "alg",
+                 "alg_temp", "eps", "early_stop", "stop_token_ids")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    # OpenAI fields not implemented (refused when set)
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = False
+    presence_penalty: Any = 0.0
+    frequency_penalty: Any = 0.0
+    logit_bias: Any = None
+    best_of: Any = None
+    suffix: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    response_format: Any = None
+    # remask's decoding settings (the client's `extra_body`)
+    top_k: int | None = None
+    steps: int | None = None
+    block_length: int | None = None
+    threshold: float | None = None
+    factor: float | None = None
+    remasking: str | None = None
+    use_cache: str | None = None
+    cfg_scale: float | None = None
+    alg: str | None = None
+    alg_temp: float | None = None
+    eps: float | None = None
+    early_stop: bool | None = None
+    stop_token_ids: list[int] | None = None
+
+    def unsupported(self) -> list[str]:
+        return [name for name, default in UNSUPPORTED.items() if getattr(self, name) != default]
+
+    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The request's settings over the server's defaults for the model; `ValueError` naming
+        the field when a value or a combination is not allowed."""
+        unsupported = self.unsupported()
+        if unsupported:
+            raise ValueError(f"not supported by remask: {', '.join(unsupported)}")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only with stream=true")
+        values: dict[str, Any] = dict(defaults or {})
+        for name in ("temperature", "top_p", "seed", *REMASK_FIELDS):
+            value = getattr(self, name)
+            if value is not None:
+                values[name] = value
+        max_tokens = self.requested_max_tokens()
+        if max_tokens is not None:
+            values["max_tokens"] = max_tokens
+        values["n"] = self.n
+        if self.stop is not None:
+            values["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if "stop_token_ids" in values:
+            values["stop_token_ids"] = list(values["stop_token_ids"])
+        return SamplingParams(**values)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree: give one")
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

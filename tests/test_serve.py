@@ -1,0 +1,243 @@
+"""`remask serve`: the OpenAI-compatible server, checked with the official `openai` client against a
+real uvicorn server on 127.0.0.1 (each test bounded; the server stops with the module)."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+import uvicorn  # noqa: E402
+
+import remask  # noqa: E402
+from remask.serve import AsyncEngine, build_app  # noqa: E402
+
+KEY = "test-key"
+PROMPT = "sort 52814"
+DIFFUSION = dict(steps=16, block_length=8)
+
+
+class Server:
+    def __init__(self, app) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    timeout_graceful_shutdown=10))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served():
+    engines = {"tiny-llada": AsyncEngine(remask.LLM("tiny-llada")), "tiny-ar": AsyncEngine(remask.LLM("tiny-ar"))}
+    server = Server(build_app(engines, api_key=KEY))
+    yield server, engines
+    server.stop()
+    for engine in engines.values():
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return {"tiny-llada": remask.LLM("tiny-llada"), "tiny-ar": remask.LLM("tiny-ar")}
+
+
+def client(server: Server, key: str = KEY) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, timeout=60, max_retries=0)
+
+
+def test_completions_and_chat_equal_the_offline_llm(served, offline):
+    server, _ = served
+    c = client(server)
+    got = c.completions.create(model="tiny-llada", prompt=PROMPT, max_tokens=16, seed=3, temperature=0.0,
+                               extra_body=DIFFUSION)
+    params = remask.SamplingParams(max_tokens=16, seed=3, **DIFFUSION)
+    want = offline["tiny-llada"].generate(PROMPT, params, use_tqdm=False)[0]
+    assert got.choices[0].text == want.outputs[0].text
+    assert got.choices[0].finish_reason == want.outputs[0].finish_reason
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert got.usage.completion_tokens == len(want.outputs[0].token_ids)
+
+    messages = [{"role": "user", "content": "reverse abcd"}]
+    chat = c.chat.completions.create(model="tiny-llada", messages=messages, max_tokens=16, seed=1,
+                                     extra_body=dict(threshold=0.9, **DIFFUSION))
+    want = offline["tiny-llada"].chat(messages, remask.SamplingParams(max_tokens=16, seed=1, threshold=0.9,
+                                                                      **DIFFUSION), use_tqdm=False)[0]
+    assert chat.choices[0].message.content == want.outputs[0].text == "dcba"
+    assert chat.choices[0].message.role == "assistant"
+
+    ar = c.chat.completions.create(model="tiny-ar", messages=messages, max_tokens=12, seed=5, temperature=0.8)
+    want = offline["tiny-ar"].chat(messages, remask.SamplingParams(max_tokens=12, seed=5, temperature=0.8),
+                                   use_tqdm=False)[0]
+    assert ar.choices[0].message.content == want.outputs[0].text
+
+
+@pytest.mark.parametrize("model,extra", [("tiny-llada", DIFFUSION), ("tiny-ar", {})])
+def test_streaming_sends_final_text_in_order_and_equals_the_whole_answer(served, model, extra):
+    server, _ = served
+    c = client(server)
+    messages = [{"role": "user", "content": "sort 97531"}]
+    whole = c.chat.completions.create(model=model, messages=messages, max_tokens=16, seed=2, n=2, temperature=0.7,
+                                      extra_body=extra)
+    chunks = list(c.chat.completions.create(model=model, messages=messages, max_tokens=16, seed=2, n=2,
+                                            temperature=0.7, stream=True, stream_options={"include_usage": True},
+                                            extra_body=extra))
+    texts, reasons = {0: "", 1: ""}, {}
+    for chunk in chunks[:-1]:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    assert [texts[i] for i in (0, 1)] == [ch.message.content for ch in sorted(whole.choices, key=lambda c: c.index)]
+    assert reasons == {ch.index: ch.finish_reason for ch in whole.choices}
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens and not chunks[-1].choices
+
+    text = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=model, prompt=PROMPT, max_tokens=16, seed=4, stream=True, extra_body=extra) if ch.choices)
+    assert text == c.completions.create(model=model, prompt=PROMPT, max_tokens=16, seed=4,
+                                        extra_body=extra).choices[0].text
+
+
+def test_models_health_and_metrics(served):
+    server, _ = served
+    assert sorted(m.id for m in client(server).models.list().data) == ["tiny-ar", "tiny-llada"]
+    health = httpx.get(f"{server.url}/health")
+    assert health.status_code == 200 and health.json()["status"] == "ready"
+    assert health.headers["x-request-id"]
+    client(server).completions.create(model="tiny-ar", prompt=PROMPT, max_tokens=4)
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("remask_requests_total", "remask_request_latency_seconds", "remask_generated_tokens_total",
+                 "remask_queue_depth", "remask_kv_pages_in_use", "remask_prefix_cache_hit_rate"):
+        assert name in text, name
+    assert 'route="/v1/completions",status="200"' in text
+
+
+def post(server: Server, body, key: str | None = KEY, path: str = "/v1/completions", **kw) -> "httpx.Response":
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers.update(kw.pop("headers", {}))
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=60, **kw)
+
+
+def test_errors_have_openai_shape_and_name_the_field(served):
+    server, engines = served
+    ok = {"model": "tiny-llada", "prompt": PROMPT, "max_tokens": 16}
+    cases = [
+        ({**ok, "steps": 0}, None, 400, "steps"),
+        ({**ok, "block_length": 5}, None, 400, "block_length"),
+        ({**ok, "temperature": -1}, None, 400, "temperature"),
+        ({**ok, "mystery": 1}, None, 400, "mystery"),
+        ({**ok, "logprobs": 2}, None, 400, "logprobs"),
+        ({**ok, "max_tokens": "many"}, None, 400, "max_tokens"),
+        ({k: v for k, v in ok.items() if k != "prompt"}, None, 400, "prompt"),
+        ({**ok, "prompt": [1, 100000]}, None, 400, "vocabulary"),
+        ({**ok, "model": "gpt-4"}, None, 404, "gpt-4"),
+        (ok, "wrong", 401, "API key"),
+        (ok, "", 401, "API key"),
+    ]
+    for body, key, status, needle in cases:
+        response = post(server, body, key=KEY if key is None else key)
+        assert response.status_code == status, (body, response.text)
+        error = response.json()["error"]
+        assert needle in error["message"] and error["code"] == status, (needle, error)
+    big = post(server, {**ok, "prompt": "x" * (2 << 20)})
+    assert big.status_code == 413 and "bytes" in big.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/nowhere").status_code == 404
+    with pytest.raises(openai.BadRequestError, match="steps"):
+        client(server).completions.create(model="tiny-llada", prompt=PROMPT, extra_body={"steps": 0})
+    # the server still serves
+    assert client(server).completions.create(model="tiny-ar", prompt=PROMPT, max_tokens=4).choices[0].text is not None
+    assert not engines["tiny-llada"].engine.has_unfinished_requests()
+
+
+def test_a_full_queue_answers_503_and_a_disconnect_frees_the_request():
+    llm = remask.LLM("tiny-ar")
+    engine = AsyncEngine(llm, max_queue=1)
+    server = Server(build_app({"tiny-ar": engine}))
+    try:
+        body = {"model": "tiny-ar", "prompt": PROMPT, "max_tokens": 100, "stream": True, "stop_token_ids": [127],
+                "temperature": 1.0, "seed": 0}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            assert json.loads(first[5:])["object"] == "text_completion"
+            busy = post(server, {**body, "stream": False}, key=None)
+            assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+            assert "queue" in busy.json()["error"]["message"]
+        deadline = time.time() + 20     # the client went away: the engine aborts the request
+        while llm.engine.has_unfinished_requests() or llm.engine.kv_stats()["pages_in_use"]:
+            assert time.time() < deadline, "the disconnected request was not aborted"
+            time.sleep(0.05)
+        assert post(server, {**body, "stream": False, "max_tokens": 4}, key=None).status_code == 200
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+def test_remask_serve_drains_on_sigterm_answering_all_16_in_flight(tmp_path):
+    """`python -m remask serve` with two models, a key file, on the loopback address: 16 requests in
+    flight when SIGTERM arrives are all answered, a new one meanwhile gets 503, and the process
+    exits 0."""
+    import concurrent.futures
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    key_file = tmp_path / "key"
+    key_file.write_text("file-key\n")
+    process = subprocess.Popen([sys.executable, "-m", "remask", "serve", "--model", "llada=tiny-llada",
+                                "--model", "ar=tiny-ar", "--port", str(port), "--api-key-file", str(key_file),
+                                "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "remask serve did not come up"
+            time.sleep(0.2)
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="file-key", timeout=120, max_retries=0)
+        slow = dict(max_tokens=64, extra_body=dict(steps=64, block_length=8))
+
+        def ask(i: int) -> str:
+            out = c.completions.create(model="llada", prompt=f"sort {52814 + i}", seed=i, stream=i % 2 == 0, **slow)
+            if i % 2 == 0:
+                return "".join(ch.choices[0].text for ch in out if ch.choices)
+            return out.choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            futures = [pool.submit(ask, i) for i in range(16)]
+            time.sleep(1.0)                    # all 16 admitted and decoding
+            assert not any(f.done() for f in futures)
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            late = httpx.post(f"{url}/v1/completions", json={"model": "ar", "prompt": PROMPT},
+                              headers={"Authorization": "Bearer file-key"}, timeout=30)
+            assert late.status_code == 503 and late.headers["retry-after"]
+            answers = [f.result(timeout=120) for f in futures]
+        assert len(answers) == 16 and all(isinstance(a, str) for a in answers)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
