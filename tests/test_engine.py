@@ -550,3 +550,25 @@ def test_apd_params_refuse_the_settings_apd_does_not_read_when_built(ar):
         with pytest.raises(ValueError, match=f"apd.*{name}"):
             SamplingParams(max_tokens=16, apd=config, **{name: value})
     assert SamplingParams(max_tokens=16, apd=config, temperature=0.5, top_p=0.9, seed=1).apd is config
+
+
+def test_drafts_report_the_canvas_every_step_without_changing_the_tokens(llada, ar):
+    model, tokenizer = llada
+    params = SamplingParams(max_tokens=16, steps=16, block_length=8, seed=4, temperature=0.5)
+    engine = LLMEngine(model, tokenizer)
+    engine.add_request("d", PROBLEMS[3], params, drafts=True)
+    reports = []
+    while engine.has_unfinished_requests():
+        reports += [o.outputs[0] for o in engine.step()]
+    assert len(reports) == 16                                  # one per step
+    final = reports[-1].all_token_ids
+    assert final == alone_llada(model, PROBLEMS[3], params) and reports[-1].draft == final
+    for r in reports[:-1]:
+        assert len(r.draft) == 16 and None in r.draft
+        assert r.draft[:len(r.all_token_ids)] == r.all_token_ids           # final blocks are in the canvas
+        assert all(t is None or t == f for t, f in zip(r.draft, final))    # committed tokens stay (no remasking)
+    with pytest.raises(ValueError, match="drafts"):
+        engine.add_request("x", PROBLEMS[0], params, drafts="yes")
+    ar_engine = LLMEngine(*ar)
+    ar_engine.add_request("a", PROBLEMS[0], SamplingParams(max_tokens=4), drafts=True)   # AR: final tokens only
+    assert all(o.outputs[0].draft is None for o in ar_engine.step())

@@ -241,3 +241,28 @@ def test_remask_serve_drains_on_sigterm_answering_all_16_in_flight(tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_draft_stream_shows_the_canvas_forming_and_never_changes_the_answer(served):
+    server, _ = served
+    body = {"model": "tiny-llada", "prompt": PROMPT, "max_tokens": 16, "seed": 7, "steps": 16, "block_length": 8,
+            "stream": True, "stream_options": {"include_drafts": True}}
+    drafts, text = [], ""
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if "draft" in chunk:
+                assert chunk["choices"] == []
+                drafts.append(chunk["draft"])
+            else:
+                text += "".join(c["text"] for c in chunk["choices"])
+    assert len(drafts) >= 15                       # one per denoising step (the last is the answer itself)
+    masked = [sum(t is None for t in d["token_ids"]) for d in drafts]
+    assert masked == sorted(masked, reverse=True) and masked[0] > masked[-1]   # low-confidence never remasks
+    assert all(len(d["canvas"]) == 16 for d in drafts)
+    plain = client(server).completions.create(model="tiny-llada", prompt=PROMPT, max_tokens=16, seed=7,
+                                              extra_body=dict(steps=16, block_length=8))
+    assert text == plain.choices[0].text

@@ -124,11 +124,14 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | Seq[int] | torch.Tensor,
-                    params: SamplingParams | None = None) -> None:
+                    params: SamplingParams | None = None, *, drafts: bool = False) -> None:
         """Queue a request (a text prompt, or token ids). Everything is checked here; a bad
-        request raises `ValueError` naming the problem and the engine keeps serving the others."""
+        request raises `ValueError` naming the problem and the engine keeps serving the others.
+        `drafts=True`: `step` reports the request after every step with its provisional canvas
+        (`CompletionOutput.draft`; diffusion models), to show the answer forming."""
         if self.state is not EngineState.READY:
             raise RuntimeError(f"the engine is {self.state.value}: it admits no new request")
+        check_bool("drafts", drafts)
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self.requests:
@@ -163,7 +166,7 @@ class LLMEngine:
         arrival = now()
         seqs = [Sequence(request_id=request_id, index=i, prompt_ids=prompt_ids, params=params, decoder=decoder,
                          generator=torch.Generator(device=self.device).manual_seed(base_seed + i), arrival_time=arrival,
-                         seed=base_seed + i, paged=self.is_ar)
+                         seed=base_seed + i, paged=self.is_ar, drafts=drafts and not self.is_ar)
                 for i in range(params.n)]
         for seq in seqs:
             self.scheduler.add(seq)
@@ -266,7 +269,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, SequenceStatus.ABORTED)
                 touched[seq.request_id] = None
                 continue
-            if self._advance(seq):
+            if self._advance(seq) or seq.drafts:
                 touched[seq.request_id] = None
         outputs = [self.output(request_id) for request_id in touched]
         for out in outputs:
@@ -303,6 +306,13 @@ class LLMEngine:
             return list(state.tokens) if len(state.tokens) >= len(seq.output_ids or []) else list(seq.output_ids)
         return state.x[0, seq.prompt_len:seq.prompt_len + seq.final_len].tolist()
 
+    def _draft(self, seq: Sequence) -> list[int | None] | None:
+        state = seq.state
+        if state is None or not hasattr(state, "x"):
+            return None if not seq.is_finished else list(seq.output_ids or [])
+        canvas = state.x[0, seq.prompt_len:seq.prompt_len + seq.params.max_tokens].tolist()
+        return [None if t == self.spec.mask_id else t for t in canvas]
+
     def _stop_ids(self, seq: Sequence) -> list[int]:
         return sorted(set(self.stop_ids) | set(seq.params.stop_token_ids))
 
@@ -323,7 +333,8 @@ class LLMEngine:
                     body, reason = body[:body.index(s)], "stop" if seq.is_finished else reason
             outputs.append(CompletionOutput(index=seq.index, text=body, token_ids=answer, all_token_ids=generated,
                                             finish_reason=reason if seq.is_finished else None, nfe=seq.stats.nfe,
-                                            tokens_per_step=list(seq.stats.tokens_per_step), error=seq.error))
+                                            tokens_per_step=list(seq.stats.tokens_per_step), error=seq.error,
+                                            draft=self._draft(seq) if seq.drafts else None))
         first = [s.first_final_time for s in seqs if s.first_final_time is not None]
         done = [s.finish_time for s in seqs if s.finish_time is not None]
         arrival = seqs[0].arrival_time

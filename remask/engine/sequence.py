@@ -38,6 +38,7 @@ class Sequence:
     seed: int = 0                      # the generator's seed (a preempted sequence restarts from it)
     paged: bool = False                # its K/V live in the engine's page store (autoregressive)
     preemptions: int = 0
+    drafts: bool = False               # report the provisional canvas after every step
     status: SequenceStatus = SequenceStatus.WAITING
     state: Any = None
     stats: GenerationStats = field(default_factory=GenerationStats)
@@ -79,7 +80,10 @@ class CompletionOutput:
     """One sample's answer. `token_ids`: the generated ids up to and including the first stop
     token (EOS/EOT or `stop_token_ids`), the answer `text` without it (cut at a `stop` string);
     `all_token_ids`: every generated position (a diffusion model fills all `max_tokens`).
-    `finish_reason`: "stop", "length", "abort" or "error"."""
+    `finish_reason`: "stop", "length", "abort" or "error". `draft` (requests added with
+    `drafts=True`, diffusion models): the provisional canvas after the last step, every generated
+    position's id or None where it is still masked — not final, any position may still change
+    until its block is decoded."""
 
     index: int
     text: str
@@ -89,6 +93,7 @@ class CompletionOutput:
     nfe: int
     tokens_per_step: list[int]
     error: str | None = None
+    draft: list[int | None] | None = None
 
 
 @dataclass

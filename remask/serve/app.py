@@ -172,7 +172,8 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
     async def _respond(engine: AsyncEngine, body, prompt, params, request: Request, chat: bool):
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}"
         start = time.perf_counter()
-        stream = engine.generate(request_id, prompt, params)
+        drafts = bool(body.stream and body.stream_options is not None and body.stream_options.include_drafts)
+        stream = engine.generate(request_id, prompt, params, drafts=drafts)
         try:
             first = await _first(stream)           # a bad request or a full queue surfaces here
         except QueueFull as err:
@@ -181,8 +182,8 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
             raise APIError(400, str(err), param=_param_named(str(err), body)) from None
         model = body.model
         if body.stream:
-            return EventSourceResponse(_sse(first, stream, body, params, request_id, model, chat, start),
-                                       ping=15, sep="\n")
+            return EventSourceResponse(_sse(first, stream, body, params, request_id, model, chat, start,
+                                            engine.llm.tokenizer if drafts else None), ping=15, sep="\n")
         out = first
         async for out in stream:
             pass
@@ -193,7 +194,7 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
         return _full_response(out, request_id, model, chat, created=int(time.time()))
 
     async def _sse(first: RequestOutput, stream: AsyncIterator[RequestOutput], body, params, request_id: str,
-                   model: str, chat: bool, start: float):
+                   model: str, chat: bool, start: float, draft_tokenizer: Any = None):
         sent = {i: "" for i in range(params.n)}
         hold = max((len(s) for s in params.stop), default=1) - 1
         now = int(time.time())
@@ -207,6 +208,11 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
             out: RequestOutput | None = first
             while out is not None:
                 last = out
+                if draft_tokenizer is not None:
+                    for o in out.outputs:
+                        if o.draft is not None and o.finish_reason is None:
+                            yield json.dumps({**_chunk(request_id, model, now, chat, []),
+                                              "draft": _draft(o, draft_tokenizer)})
                 choices = []
                 for o in out.outputs:
                     text = o.text
@@ -242,6 +248,12 @@ def _param_named(message: str, body: Any) -> str | None:
     fields = type(body).model_fields
     head = message.split(" ", 1)[0].rstrip(":,")
     return head if head in fields else None
+
+
+def _draft(o, tokenizer) -> dict[str, Any]:
+    """A provisional canvas: each generated position's text, or None while it is masked."""
+    return {"index": o.index, "nfe": o.nfe, "token_ids": o.draft,
+            "canvas": [None if t is None else tokenizer.decode([t]) for t in o.draft]}
 
 
 def _choice(index: int, text: str, finish_reason: str | None, chat: bool) -> dict[str, Any]:

@@ -64,10 +64,11 @@ class AsyncEngine:
     def new_request_id(self, prefix: str = "req") -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       drafts: bool = False) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs as the engine reports them (the last one is
-        finished). Leaving the iteration early (a disconnect, a timeout) aborts the request."""
+        finished; with `drafts`, one after every step). Leaving the iteration early (a
+        disconnect, a timeout) aborts the request."""
         loop = asyncio.get_running_loop()
         with self._lock:
             if self.engine.state is not EngineState.READY:
@@ -76,7 +77,7 @@ class AsyncEngine:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests)")
             pending = self._pending[request_id] = _Pending(loop)
         added: asyncio.Future = loop.create_future()
-        self._commands.put(("add", request_id, prompt, params, added))
+        self._commands.put(("add", request_id, prompt, params, drafts, added))
         done = False
         try:
             await added                                  # a bad request raises here (ValueError)
@@ -112,10 +113,10 @@ class AsyncEngine:
     def _command(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt, params, added = command
+            _, request_id, prompt, params, drafts, added = command
             loop = added.get_loop()
             try:
-                self.engine.add_request(request_id, prompt, params)
+                self.engine.add_request(request_id, prompt, params, drafts=drafts)
             except Exception as err:  # noqa: BLE001 - the caller answers it (400 for a ValueError)
                 loop.call_soon_threadsafe(_settle, added, err)
                 return

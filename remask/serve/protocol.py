@@ -24,8 +24,12 @@ REMASK_FIELDS = ("top_k", "steps", "block_length", "threshold", "factor", "remas
 
 
 class StreamOptions(BaseModel):
+    """`include_usage` (OpenAI); `include_drafts` (remask): also send the provisional canvas after
+    every denoising step, in chunks with no choices and a `draft` field."""
+
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_drafts: bool = False
 
 
 class _Common(BaseModel):
