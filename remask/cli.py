@@ -18,6 +18,15 @@ def _model_arg(value: str) -> tuple[str, str]:
     return name, path
 
 
+def _cache_arg(value: str) -> tuple[int, float]:
+    size, _, ttl = value.partition(",")
+    try:
+        return int(size), float(ttl)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--response-cache takes SIZE,TTL_SECONDS (e.g. 1024,600), got {value!r}") \
+            from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         from remask.serve import AsyncEngine, build_app, serve
@@ -42,7 +51,9 @@ def _serve(args: argparse.Namespace) -> int:
     engines = {name: AsyncEngine(remask.LLM(path, max_num_seqs=args.max_num_seqs, seed=args.seed),
                                  max_queue=args.max_queue)
                for name, path in models}
-    app = build_app(engines, api_key=api_key)
+    app = build_app(engines, api_key=api_key, rate_limit=args.rate_limit, request_timeout=args.request_timeout,
+                    response_cache=args.response_cache,
+                    cors_origins=[o for o in (args.cors_origins or "").split(",") if o] or None)
     print(json.dumps({"serving": {name: path for name, path in models}, "host": args.host, "port": args.port}),
           flush=True)
     serve(app, engines, host=args.host, port=args.port, log_level=args.log_level)
@@ -63,6 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_parser.add_argument("--max-queue", type=int, default=256, help="requests held per model; more get 503")
     serve_parser.add_argument("--max-num-seqs", type=int, default=64)
     serve_parser.add_argument("--seed", type=int, default=0)
+    serve_parser.add_argument("--rate-limit", type=int, default=None, help="requests per minute per API key")
+    serve_parser.add_argument("--request-timeout", type=float, default=None, help="seconds; longer requests get 504")
+    serve_parser.add_argument("--response-cache", type=_cache_arg, default=None, metavar="SIZE,TTL",
+                              help="cache deterministic responses (LRU of SIZE, TTL seconds)")
+    serve_parser.add_argument("--cors-origins", default=None, help="comma-separated origins allowed by CORS")
     serve_parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     if args.command == "serve":

@@ -266,3 +266,49 @@ def test_draft_stream_shows_the_canvas_forming_and_never_changes_the_answer(serv
     plain = client(server).completions.create(model="tiny-llada", prompt=PROMPT, max_tokens=16, seed=7,
                                               extra_body=dict(steps=16, block_length=8))
     assert text == plain.choices[0].text
+
+
+def test_request_timeout_aborts_with_504():
+    llm = remask.LLM("tiny-llada")
+    engine = AsyncEngine(llm)
+    server = Server(build_app({"m": engine}, request_timeout=0.01))
+    try:
+        slow = post(server, {"model": "m", "prompt": PROMPT, "max_tokens": 64, "steps": 64}, key=None)
+        assert slow.status_code == 504 and "request_timeout" in slow.json()["error"]["message"]
+        deadline = time.time() + 10          # aborted in the engine, not left running
+        while llm.engine.has_unfinished_requests():
+            assert time.time() < deadline
+            time.sleep(0.02)
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+def test_rate_limit_response_cache_and_cors():
+    engine = AsyncEngine(remask.LLM("tiny-llada"))
+    server = Server(build_app({"m": engine}, api_key="k", rate_limit=6, response_cache=(2, 60),
+                              cors_origins=["https://example.org"]))
+    try:
+        # The response cache: a deterministic request answered twice, the second from the cache.
+        quick = {"model": "m", "prompt": PROMPT, "max_tokens": 8, "steps": 8, "seed": 1}
+        first, second = post(server, quick, key="k"), post(server, quick, key="k")
+        assert first.status_code == second.status_code == 200
+        assert first.json()["choices"] == second.json()["choices"] and first.json()["id"] != second.json()["id"]
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'remask_response_cache_total{result="hit"} 1.0' in metrics
+        assert 'remask_response_cache_total{result="miss"} 1.0' in metrics
+        # CORS: the allowed origin only.
+        allowed = httpx.options(f"{server.url}/v1/completions", headers={
+            "Origin": "https://example.org", "Access-Control-Request-Method": "POST"})
+        assert allowed.headers.get("access-control-allow-origin") == "https://example.org"
+        other = httpx.options(f"{server.url}/v1/completions", headers={
+            "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in other.headers
+        # Six requests a minute per key (two so far): four more pass, the next gets 429 with Retry-After.
+        assert [post(server, {"model": "m"}, key="k").status_code for _ in range(4)] == [400] * 4
+        limited = post(server, {"model": "m"}, key="k")
+        assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
+        assert limited.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        server.stop()
+        engine.shutdown()

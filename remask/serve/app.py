@@ -15,14 +15,18 @@ start of a `stop` string is held until it is decided.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
+import threading
 import time
 import uuid
+from collections import OrderedDict, deque
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -62,6 +66,7 @@ class Metrics:
                               registry=r)
         self.generated = Counter("remask_generated_tokens", "Generated tokens", ["model"], registry=r)
         self.nfe = Counter("remask_model_forwards", "Forwards counted per request (NFE)", ["model"], registry=r)
+        self.cache = Counter("remask_response_cache", "Response cache lookups", ["result"], registry=r)
         queue = Gauge("remask_queue_depth", "Requests waiting for admission", ["model"], registry=r)
         running = Gauge("remask_running_requests", "Requests being decoded", ["model"], registry=r)
         pages = Gauge("remask_kv_pages_in_use", "KV pages in use (autoregressive page store)", ["model"], registry=r)
@@ -76,15 +81,79 @@ class Metrics:
                 lambda e=inner: e.kv_stats()["prefix_hits"] / max(1, e.kv_stats()["prefix_lookups"]))
 
 
+class ResponseCache:
+    """Complete responses of deterministic requests (temperature 0, or an explicit seed), keyed by
+    model, prompt and every setting; least recently used out beyond `size`, stale after `ttl`
+    seconds. A hit returns exactly what a miss computed."""
+
+    def __init__(self, size: int, ttl: float) -> None:
+        if not isinstance(size, int) or size < 1 or not ttl > 0:
+            raise ValueError(f"response_cache: size must be an int >= 1 and ttl > 0 seconds, got {size!r}, {ttl!r}")
+        self.size, self.ttl = size, ttl
+        self.entries: OrderedDict[str, tuple[float, dict]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def key(body: Any, params: Any) -> str | None:
+        if params.temperature > 0 and params.seed is None:
+            return None          # sampled without a seed: a new answer each time
+        return json.dumps([type(body).__name__, body.model_dump(exclude={"stream", "stream_options", "user"}),
+                           repr(params)], sort_keys=True, default=str)
+
+    def get(self, key: str) -> dict | None:
+        with self.lock:
+            hit = self.entries.get(key)
+            if hit is None or time.monotonic() - hit[0] > self.ttl:
+                self.entries.pop(key, None)
+                return None
+            self.entries.move_to_end(key)
+            return hit[1]
+
+    def put(self, key: str, response: dict) -> None:
+        with self.lock:
+            self.entries[key] = (time.monotonic(), response)
+            self.entries.move_to_end(key)
+            while len(self.entries) > self.size:
+                self.entries.popitem(last=False)
+
+
+class RateLimiter:
+    """At most `per_minute` requests per API key (or client address) in any 60 s window."""
+
+    def __init__(self, per_minute: int) -> None:
+        if not isinstance(per_minute, int) or per_minute < 1:
+            raise ValueError(f"rate_limit must be an int >= 1 (requests per minute), got {per_minute!r}")
+        self.per_minute = per_minute
+        self.seen: dict[str, deque] = {}
+
+    def retry_after(self, who: str) -> float:
+        """0 when the request may go now (and it is counted), else the seconds to wait."""
+        now = time.monotonic()
+        window = self.seen.setdefault(who, deque())
+        while window and now - window[0] >= 60:
+            window.popleft()
+        if len(window) >= self.per_minute:
+            return 60 - (now - window[0])
+        window.append(now)
+        return 0.0
+
+
 def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, request_timeout: float | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = MAX_BODY_BYTES, rate_limit: int | None = None,
+              response_cache: tuple[int, float] | None = None, cors_origins: list[str] | None = None) -> FastAPI:
     """The app for `engines` (served name → engine). `api_key`: required as `Authorization:
     Bearer <key>` on `/v1/*` when set. `request_timeout`: seconds after which a request is aborted
-    (504)."""
+    (504). `rate_limit`: requests per minute per key (429 beyond). `response_cache`: (size, ttl
+    seconds) of the cache of deterministic responses. `cors_origins`: origins allowed by CORS
+    (none by default)."""
     if not engines:
         raise ValueError("engines: serve at least one model")
+    if request_timeout is not None and not request_timeout > 0:
+        raise ValueError(f"request_timeout must be > 0 seconds or None, got {request_timeout!r}")
     app = FastAPI(title="remask", docs_url=None, redoc_url=None)
     metrics = Metrics(engines)
+    limiter = RateLimiter(rate_limit) if rate_limit is not None else None
+    cache = ResponseCache(*response_cache) if response_cache is not None else None
     app.state.engines, app.state.metrics = engines, metrics
     created = int(time.time())
 
@@ -99,6 +168,11 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
                 request.headers.get("authorization", ""), f"Bearer {api_key}"):
             response = error_response(401, "a valid API key is needed: Authorization: Bearer <key>",
                                       kind="authentication_error")
+        elif limiter is not None and request.method == "POST" and request.url.path.startswith("/v1/") and (
+                wait := limiter.retry_after(request.headers.get("authorization")
+                                            or (request.client.host if request.client else "?"))):
+            response = error_response(429, f"rate limit: {limiter.per_minute} requests per minute",
+                                      kind="rate_limit_error", headers={"Retry-After": str(max(1, round(wait)))})
         else:
             response = await call_next(request)
         response.headers["X-Request-ID"] = request_id
@@ -172,10 +246,20 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
     async def _respond(engine: AsyncEngine, body, prompt, params, request: Request, chat: bool):
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}"
         start = time.perf_counter()
+        cache_key = cache.key(body, params) if cache is not None and not body.stream else None
+        if cache_key is not None:
+            hit = cache.get(cache_key)
+            metrics.cache.labels("hit" if hit is not None else "miss").inc()
+            if hit is not None:
+                return {**hit, "id": request_id, "created": int(time.time())}
         drafts = bool(body.stream and body.stream_options is not None and body.stream_options.include_drafts)
         stream = engine.generate(request_id, prompt, params, drafts=drafts)
-        try:
-            first = await _first(stream)           # a bad request or a full queue surfaces here
+        try:                                       # a bad request or a full queue surfaces here
+            first = await asyncio.wait_for(anext(stream), timeout=request_timeout)
+        except asyncio.TimeoutError:
+            await stream.aclose()
+            raise APIError(504, f"the request took longer than request_timeout={request_timeout} s and was "
+                                "aborted", kind="timeout_error") from None
         except QueueFull as err:
             raise APIError(503, str(err), kind="server_unavailable", headers={"Retry-After": "1"}) from None
         except (ValueError, TypeError) as err:
@@ -185,13 +269,29 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
             return EventSourceResponse(_sse(first, stream, body, params, request_id, model, chat, start,
                                             engine.llm.tokenizer if drafts else None), ping=15, sep="\n")
         out = first
-        async for out in stream:
-            pass
+
+        async def rest() -> RequestOutput:
+            last = first
+            async for last in stream:
+                pass
+            return last
+
+        if not first.finished:
+            try:
+                left = None if request_timeout is None else request_timeout - (time.perf_counter() - start)
+                out = await asyncio.wait_for(rest(), timeout=left)
+            except asyncio.TimeoutError:
+                await stream.aclose()             # aborts the request in the engine
+                raise APIError(504, f"the request took longer than request_timeout={request_timeout} s and was "
+                                    "aborted", kind="timeout_error") from None
         _observe(metrics, model, out, start, None)
         if any(o.finish_reason == "error" for o in out.outputs):
             message = next(o.error for o in out.outputs if o.finish_reason == "error")
             raise APIError(500, f"the request failed: {message}", kind="server_error")
-        return _full_response(out, request_id, model, chat, created=int(time.time()))
+        response = _full_response(out, request_id, model, chat, created=int(time.time()))
+        if cache_key is not None:
+            cache.put(cache_key, response)
+        return response
 
     async def _sse(first: RequestOutput, stream: AsyncIterator[RequestOutput], body, params, request_id: str,
                    model: str, chat: bool, start: float, draft_tokenizer: Any = None):
@@ -228,7 +328,14 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
                     if ttft is None:
                         ttft = time.perf_counter() - start
                     yield json.dumps(_chunk(request_id, model, now, chat, choices))
-                out = await anext(stream, None)
+                left = None if request_timeout is None else request_timeout - (time.perf_counter() - start)
+                try:
+                    out = await asyncio.wait_for(anext(stream, None), timeout=left)
+                except asyncio.TimeoutError:
+                    yield json.dumps({"error": {"message": f"the request took longer than request_timeout="
+                                                          f"{request_timeout} s and was aborted",
+                                                "type": "timeout_error", "param": None, "code": 504}})
+                    return
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield json.dumps({**_chunk(request_id, model, now, chat, []), "usage": _usage(last)})
             yield "[DONE]"
@@ -236,11 +343,10 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
         finally:
             await stream.aclose()                  # a disconnect aborts the request and frees its pages
 
+    if cors_origins:     # outermost (added last): preflights are answered before the key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-ID"])
     return app
-
-
-async def _first(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-    return await anext(stream)
 
 
 def _param_named(message: str, body: Any) -> str | None:
