@@ -312,3 +312,58 @@ def test_rate_limit_response_cache_and_cors():
     finally:
         server.stop()
         engine.shutdown()
+
+
+def _browser():
+    """Headless Debian chromium through selenium, or None (install: `apt-get install chromium
+    chromium-driver`; `.ci/run` does when it can)."""
+    import shutil
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if browser is None or driver is None:
+        return None
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--window-size=1100,760"):
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(driver), options=options)
+
+
+def test_playground_in_headless_chromium_shows_the_answer_forming(served):
+    """Load the page, submit a prompt to tiny-llada, wait for the final answer; the screenshot goes
+    to docs/img/playground.png (docs/serving.md shows it)."""
+    import pathlib
+
+    server, _ = served
+    driver = _browser()
+    if driver is None:
+        pytest.skip("no chromium + chromedriver: apt-get install chromium chromium-driver")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        driver.set_page_load_timeout(30)
+        driver.get(server.url + "/")
+        key = driver.find_element(By.ID, "key")
+        key.send_keys(KEY)
+        driver.execute_script("document.getElementById('key').dispatchEvent(new Event('change'))")
+        WebDriverWait(driver, 20).until(lambda d: "tiny-llada" in d.find_element(By.ID, "model").text)
+        driver.find_element(By.ID, "prompt").clear()
+        driver.find_element(By.ID, "prompt").send_keys("sort 52814")
+        driver.find_element(By.ID, "go").click()
+        WebDriverWait(driver, 60).until(lambda d: d.find_element(By.ID, "stats").get_attribute("data-done") == "1")
+        assert driver.find_element(By.ID, "error").text == ""
+        assert driver.find_element(By.ID, "answer").text == "12458"
+        cells = driver.find_elements(By.CSS_SELECTOR, "#canvas span")
+        assert len(cells) == 16 and not driver.find_elements(By.CSS_SELECTOR, "#canvas .masked")
+        assert "NFE" in driver.find_element(By.ID, "stats").text
+        out = pathlib.Path(__file__).resolve().parents[1] / "docs" / "img" / "playground.png"
+        driver.save_screenshot(str(out))
+        assert out.stat().st_size > 10_000
+    finally:
+        driver.quit()

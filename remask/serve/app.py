@@ -3,7 +3,7 @@
     app = build_app({"tiny-llada": AsyncEngine(remask.LLM("tiny-llada"))}, api_key="secret")
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or SSE with `stream=true`,
+Routes: `GET /` (the playground page), `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or SSE with `stream=true`,
 ended by `data: [DONE]`), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus). Errors
 have OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`: 400 for a bad body
 (naming the field), 401 for a missing or wrong key, 404 for an unknown model or route, 413 for
@@ -16,6 +16,7 @@ start of a `stop` string is held until it is decided.
 from __future__ import annotations
 
 import asyncio
+import importlib.resources
 import json
 import secrets
 import threading
@@ -27,7 +28,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette.sse import EventSourceResponse
@@ -39,6 +40,8 @@ from .async_engine import AsyncEngine, QueueFull
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 MAX_BODY_BYTES = 1 << 20
+# The playground: one static page (no build step) that streams drafts from the routes below.
+PLAYGROUND = (importlib.resources.files("remask.serve") / "static" / "playground.html").read_text(encoding="utf-8")
 
 
 class APIError(Exception):
@@ -199,6 +202,10 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
         return error_response(err.status_code, str(err.detail), kind="not_found_error" if err.status_code == 404
                               else "invalid_request_error")
 
+    @app.get("/", response_class=HTMLResponse)
+    async def playground():
+        return HTMLResponse(PLAYGROUND)
+
     @app.get("/health")
     async def health():
         states = {name: engine.state.value for name, engine in engines.items()}
@@ -310,7 +317,7 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
                 last = out
                 if draft_tokenizer is not None:
                     for o in out.outputs:
-                        if o.draft is not None and o.finish_reason is None:
+                        if o.draft is not None:
                             yield json.dumps({**_chunk(request_id, model, now, chat, []),
                                               "draft": _draft(o, draft_tokenizer)})
                 choices = []
@@ -358,7 +365,7 @@ def _param_named(message: str, body: Any) -> str | None:
 
 def _draft(o, tokenizer) -> dict[str, Any]:
     """A provisional canvas: each generated position's text, or None while it is masked."""
-    return {"index": o.index, "nfe": o.nfe, "token_ids": o.draft,
+    return {"index": o.index, "nfe": o.nfe, "final": o.finish_reason is not None, "token_ids": o.draft,
             "canvas": [None if t is None else tokenizer.decode([t]) for t in o.draft]}
 
 
