@@ -51,8 +51,13 @@ def _serve(args: argparse.Namespace) -> int:
     engines = {name: AsyncEngine(remask.LLM(path, max_num_seqs=args.max_num_seqs, seed=args.seed),
                                  max_queue=args.max_queue)
                for name, path in models}
+    admin_key = args.admin_key
+    if args.admin_key_file:
+        with open(args.admin_key_file) as f:
+            admin_key = f.read().strip()
     app = build_app(engines, api_key=api_key, rate_limit=args.rate_limit, request_timeout=args.request_timeout,
-                    response_cache=args.response_cache,
+                    response_cache=args.response_cache, admin_key=admin_key,
+                    load_model=lambda path: remask.LLM(path, max_num_seqs=args.max_num_seqs, seed=args.seed),
                     cors_origins=[o for o in (args.cors_origins or "").split(",") if o] or None)
     print(json.dumps({"serving": {name: path for name, path in models}, "host": args.host, "port": args.port}),
           flush=True)
@@ -71,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_parser.add_argument("--port", type=int, default=8000)
     serve_parser.add_argument("--api-key", default=None)
     serve_parser.add_argument("--api-key-file", default=None)
+    serve_parser.add_argument("--admin-key", default=None, help="enables POST /admin/models (load, swap, unload)")
+    serve_parser.add_argument("--admin-key-file", default=None)
     serve_parser.add_argument("--max-queue", type=int, default=256, help="requests held per model; more get 503")
     serve_parser.add_argument("--max-num-seqs", type=int, default=64)
     serve_parser.add_argument("--seed", type=int, default=0)

@@ -367,3 +367,66 @@ def test_playground_in_headless_chromium_shows_the_answer_forming(served):
         assert out.stat().st_size > 10_000
     finally:
         driver.quit()
+
+
+def test_hot_swap_load_and_unload_without_failing_a_request(tmp_path):
+    """`POST /admin/models`: a request running when its model is swapped finishes on the old
+    weights; requests after the swap get the new ones; none fails; /v1/models follows; unload."""
+    import concurrent.futures
+    import pathlib
+    import shutil
+
+    import remask.zoo
+    from remask.models import tiny
+
+    other = tmp_path / "other-llada"
+    tiny.write_tiny_llada(str(other), seed=5, vocab_size=128, embedding_size=128, mask_token_id=4, eos_token_id=2,
+                          pad_token_id=0)
+    shipped = pathlib.Path(remask.zoo.__file__).parent / "checkpoints" / "tiny-llada"
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):   # the shipped tokenizer
+        shutil.copy(shipped / name, other / name)
+    old_llm = remask.LLM("tiny-llada")
+    engine = AsyncEngine(old_llm)
+    server = Server(build_app({"m": engine}, admin_key="admin"))
+    admin = {"Authorization": "Bearer admin"}
+    prompt = [1, 20, 21, 22, 23]
+    body = {"model": "m", "prompt": prompt, "max_tokens": 64, "steps": 64, "block_length": 8, "seed": 0}
+    try:
+        assert post(server, {"action": "load", "name": "x", "path": "tiny-ar"}, key=None,
+                    path="/admin/models").status_code == 401
+        assert httpx.post(f"{server.url}/admin/models", json={"action": "load", "name": "x", "path": "tiny-ar"},
+                          headers={"Authorization": "Bearer nope"}).status_code == 401
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(post, server, body, None)
+            deadline = time.time() + 20
+            while not old_llm.engine.has_unfinished_requests():     # the request is decoding on the old model
+                assert time.time() < deadline
+                time.sleep(0.01)
+            swap = httpx.post(f"{server.url}/admin/models", json={"action": "load", "name": "m",
+                                                                  "path": str(other)}, headers=admin, timeout=60)
+            assert swap.status_code == 200 and swap.json()["swapped"] is True
+            after = post(server, body, key=None)
+            before = running.result(timeout=60)
+        assert before.status_code == after.status_code == 200
+        params = remask.SamplingParams(max_tokens=64, steps=64, block_length=8, seed=0)
+        want_old = remask.LLM("tiny-llada").generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+        want_new = remask.LLM(str(other)).generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+        assert want_old != want_new
+        assert before.json()["choices"][0]["text"] == want_old
+        assert after.json()["choices"][0]["text"] == want_new
+        # load a second name, serve it, unload it
+        loaded = httpx.post(f"{server.url}/admin/models", json={"action": "load", "name": "ar", "path": "tiny-ar"},
+                            headers=admin, timeout=60)
+        assert loaded.status_code == 200 and loaded.json()["models"] == ["ar", "m"]
+        assert post(server, {"model": "ar", "prompt": PROMPT, "max_tokens": 4}, key=None).status_code == 200
+        assert httpx.post(f"{server.url}/admin/models", json={"action": "unload", "name": "ar"},
+                          headers=admin).json()["models"] == ["m"]
+        assert post(server, {"model": "ar", "prompt": PROMPT}, key=None).status_code == 404
+        bad = httpx.post(f"{server.url}/admin/models", json={"action": "load", "name": "y", "path": "no-such-model"},
+                         headers=admin, timeout=60)
+        assert bad.status_code == 400 and "no-such-model" in bad.json()["error"]["message"]
+        assert httpx.post(f"{server.url}/admin/models", json={"action": "unload", "name": "m"},
+                          headers=admin).status_code == 400            # the last model stays
+    finally:
+        server.stop()
+        engine.shutdown()

@@ -23,13 +23,14 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict
 from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -70,90 +71,67 @@ class Metrics:
         self.generated = Counter("remask_generated_tokens", "Generated tokens", ["model"], registry=r)
         self.nfe = Counter("remask_model_forwards", "Forwards counted per request (NFE)", ["model"], registry=r)
         self.cache = Counter("remask_response_cache", "Response cache lookups", ["result"], registry=r)
-        queue = Gauge("remask_queue_depth", "Requests waiting for admission", ["model"], registry=r)
-        running = Gauge("remask_running_requests", "Requests being decoded", ["model"], registry=r)
-        pages = Gauge("remask_kv_pages_in_use", "KV pages in use (autoregressive page store)", ["model"], registry=r)
-        hits = Gauge("remask_prefix_cache_hit_rate", "Full prompt pages found stored / looked up", ["model"],
-                     registry=r)
+        self.queue = Gauge("remask_queue_depth", "Requests waiting for admission", ["model"], registry=r)
+        self.running = Gauge("remask_running_requests", "Requests being decoded", ["model"], registry=r)
+        self.pages = Gauge("remask_kv_pages_in_use", "KV pages in use (autoregressive page store)", ["model"],
+                           registry=r)
+        self.hits = Gauge("remask_prefix_cache_hit_rate", "Full prompt pages found stored / looked up", ["model"],
+                          registry=r)
         for name, engine in engines.items():
-            inner = engine.engine
-            queue.labels(name).set_function(lambda e=inner: len(e.scheduler.waiting))
-            running.labels(name).set_function(lambda e=inner: len(e.scheduler.running))
-            pages.labels(name).set_function(lambda e=inner: e.kv_stats()["pages_in_use"])
-            hits.labels(name).set_function(
-                lambda e=inner: e.kv_stats()["prefix_hits"] / max(1, e.kv_stats()["prefix_lookups"]))
+            self.watch(name, engine)
+
+    def watch(self, name: str, engine: AsyncEngine) -> None:
+        """Report `engine`'s gauges under `name` (again after a swap: the new engine's)."""
+        inner = engine.engine
+        self.queue.labels(name).set_function(lambda: len(inner.scheduler.waiting))
+        self.running.labels(name).set_function(lambda: len(inner.scheduler.running))
+        self.pages.labels(name).set_function(lambda: inner.kv_stats()["pages_in_use"])
+        self.hits.labels(name).set_function(
+            lambda: inner.kv_stats()["prefix_hits"] / max(1, inner.kv_stats()["prefix_lookups"]))
+
+    def forget(self, name: str) -> None:
+        for gauge in (self.queue, self.running, self.pages, self.hits):
+            gauge.remove(name)
 
 
-class ResponseCache:
-    """Complete responses of deterministic requests (temperature 0, or an explicit seed), keyed by
-    model, prompt and every setting; least recently used out beyond `size`, stale after `ttl`
-    seconds. A hit returns exactly what a miss computed."""
+class AdminModelRequest(BaseModel):
+    """`POST /admin/models`: load a model under a name (or swap the name to new weights), or
+    unload a name."""
 
-    def __init__(self, size: int, ttl: float) -> None:
-        if not isinstance(size, int) or size < 1 or not ttl > 0:
-            raise ValueError(f"response_cache: size must be an int >= 1 and ttl > 0 seconds, got {size!r}, {ttl!r}")
-        self.size, self.ttl = size, ttl
-        self.entries: OrderedDict[str, tuple[float, dict]] = OrderedDict()
-        self.lock = threading.Lock()
-
-    @staticmethod
-    def key(body: Any, params: Any) -> str | None:
-        if params.temperature > 0 and params.seed is None:
-            return None          # sampled without a seed: a new answer each time
-        return json.dumps([type(body).__name__, body.model_dump(exclude={"stream", "stream_options", "user"}),
-                           repr(params)], sort_keys=True, default=str)
-
-    def get(self, key: str) -> dict | None:
-        with self.lock:
-            hit = self.entries.get(key)
-            if hit is None or time.monotonic() - hit[0] > self.ttl:
-                self.entries.pop(key, None)
-                return None
-            self.entries.move_to_end(key)
-            return hit[1]
-
-    def put(self, key: str, response: dict) -> None:
-        with self.lock:
-            self.entries[key] = (time.monotonic(), response)
-            self.entries.move_to_end(key)
-            while len(self.entries) > self.size:
-                self.entries.popitem(last=False)
+    model_config = ConfigDict(extra="forbid")
+    action: Literal["load", "unload"]
+    name: str
+    path: str | None = None
+    max_queue: int = 256
 
 
-class RateLimiter:
-    """At most `per_minute` requests per API key (or client address) in any 60 s window."""
+def retire(engine: AsyncEngine) -> None:
+    """Drain `engine` (its requests in flight finish on it), then shut it down, in the background."""
+    def wait_and_stop() -> None:
+        engine.drain()
+        while engine.num_requests:
+            time.sleep(0.05)
+        engine.shutdown()
 
-    def __init__(self, per_minute: int) -> None:
-        if not isinstance(per_minute, int) or per_minute < 1:
-            raise ValueError(f"rate_limit must be an int >= 1 (requests per minute), got {per_minute!r}")
-        self.per_minute = per_minute
-        self.seen: dict[str, deque] = {}
-
-    def retry_after(self, who: str) -> float:
-        """0 when the request may go now (and it is counted), else the seconds to wait."""
-        now = time.monotonic()
-        window = self.seen.setdefault(who, deque())
-        while window and now - window[0] >= 60:
-            window.popleft()
-        if len(window) >= self.per_minute:
-            return 60 - (now - window[0])
-        window.append(now)
-        return 0.0
+    threading.Thread(target=wait_and_stop, daemon=True, name="remask-retire").start()
 
 
 def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, request_timeout: float | None = None,
               max_body_bytes: int = MAX_BODY_BYTES, rate_limit: int | None = None,
-              response_cache: tuple[int, float] | None = None, cors_origins: list[str] | None = None) -> FastAPI:
+              response_cache: tuple[int, float] | None = None, cors_origins: list[str] | None = None,
+              admin_key: str | None = None, load_model: Callable[[str], Any] | None = None) -> FastAPI:
     """The app for `engines` (served name → engine). `api_key`: required as `Authorization:
     Bearer <key>` on `/v1/*` when set. `request_timeout`: seconds after which a request is aborted
     (504). `rate_limit`: requests per minute per key (429 beyond). `response_cache`: (size, ttl
     seconds) of the cache of deterministic responses. `cors_origins`: origins allowed by CORS
-    (none by default)."""
+    (none by default). `admin_key`: enables `POST /admin/models` for requests bearing it;
+    `load_model(path)` builds the `remask.LLM` it loads (default: `remask.LLM(path)`)."""
     if not engines:
         raise ValueError("engines: serve at least one model")
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout must be > 0 seconds or None, got {request_timeout!r}")
     app = FastAPI(title="remask", docs_url=None, redoc_url=None)
+    engines = dict(engines)   # this app's own table: swaps replace entries, requests in flight keep theirs
     metrics = Metrics(engines)
     limiter = RateLimiter(rate_limit) if rate_limit is not None else None
     cache = ResponseCache(*response_cache) if response_cache is not None else None
@@ -167,6 +145,12 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > max_body_bytes:
             response = error_response(413, f"the request body is {length} bytes, more than {max_body_bytes}")
+        elif request.url.path.startswith("/admin/") and (admin_key is None or not secrets.compare_digest(
+                request.headers.get("authorization", ""), f"Bearer {admin_key}")):
+            response = error_response(401 if admin_key is not None else 403,
+                                      "the admin key is needed: Authorization: Bearer <admin key>" if admin_key
+                                      else "admin routes are off: start the server with an admin key",
+                                      kind="authentication_error" if admin_key else "permission_error")
         elif request.url.path.startswith("/v1/") and api_key is not None and not secrets.compare_digest(
                 request.headers.get("authorization", ""), f"Bearer {api_key}"):
             response = error_response(401, "a valid API key is needed: Authorization: Bearer <key>",
@@ -221,6 +205,38 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "remask"}
                                            for name in engines]}
+
+    swap_lock = asyncio.Lock()
+
+    @app.post("/admin/models")
+    async def admin_models(body: AdminModelRequest):
+        """Load (or atomically swap) / unload a served model. A swap builds the new engine first,
+        then replaces the name's entry in one assignment: requests already running finish on the
+        old weights (which are then freed), new ones go to the new; none fails in between."""
+        async with swap_lock:
+            if body.action == "unload":
+                if body.name not in engines:
+                    raise APIError(404, f"model {body.name!r} is not served", kind="not_found_error", param="name")
+                if len(engines) == 1:
+                    raise APIError(400, "the last model cannot be unloaded", param="name")
+                old = engines.pop(body.name)
+                metrics.forget(body.name)
+                retire(old)
+                return {"unloaded": body.name, "models": sorted(engines)}
+            if not body.path:
+                raise APIError(400, "path: a shipped model name or a checkpoint folder is needed to load", param="path")
+            build = load_model or _default_loader
+            try:
+                llm = await asyncio.to_thread(build, body.path)
+                new = AsyncEngine(llm, max_queue=body.max_queue)
+            except (ValueError, OSError, TypeError) as err:
+                raise APIError(400, f"cannot load {body.path!r}: {err}", param="path") from None
+            old = engines.get(body.name)
+            engines[body.name] = new                      # the swap: one assignment
+            metrics.watch(body.name, new)
+            if old is not None:
+                retire(old)
+            return {"loaded": body.name, "path": body.path, "swapped": old is not None, "models": sorted(engines)}
 
     def engine_for(name: str) -> AsyncEngine:
         if name not in engines:
@@ -361,6 +377,12 @@ def _param_named(message: str, body: Any) -> str | None:
     fields = type(body).model_fields
     head = message.split(" ", 1)[0].rstrip(":,")
     return head if head in fields else None
+
+
+def _default_loader(path: str) -> Any:
+    import remask
+
+    return remask.LLM(path)
 
 
 def _draft(o, tokenizer) -> dict[str, Any]:
