@@ -94,6 +94,63 @@ class Metrics:
             gauge.remove(name)
 
 
+class ResponseCache:
+    """Complete responses of deterministic requests (temperature 0, or an explicit seed), keyed by
+    model, prompt and every setting; least recently used out beyond `size`, stale after `ttl`
+    seconds. A hit returns exactly what a miss computed."""
+
+    def __init__(self, size: int, ttl: float) -> None:
+        if not isinstance(size, int) or size < 1 or not ttl > 0:
+            raise ValueError(f"response_cache: size must be an int >= 1 and ttl > 0 seconds, got {size!r}, {ttl!r}")
+        self.size, self.ttl = size, ttl
+        self.entries: OrderedDict[str, tuple[float, dict]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def key(body: Any, params: Any) -> str | None:
+        if params.temperature > 0 and params.seed is None:
+            return None          # sampled without a seed: a new answer each time
+        return json.dumps([type(body).__name__, body.model_dump(exclude={"stream", "stream_options", "user"}),
+                           repr(params)], sort_keys=True, default=str)
+
+    def get(self, key: str) -> dict | None:
+        with self.lock:
+            hit = self.entries.get(key)
+            if hit is None or time.monotonic() - hit[0] > self.ttl:
+                self.entries.pop(key, None)
+                return None
+            self.entries.move_to_end(key)
+            return hit[1]
+
+    def put(self, key: str, response: dict) -> None:
+        with self.lock:
+            self.entries[key] = (time.monotonic(), response)
+            self.entries.move_to_end(key)
+            while len(self.entries) > self.size:
+                self.entries.popitem(last=False)
+
+
+class RateLimiter:
+    """At most `per_minute` requests per API key (or client address) in any 60 s window."""
+
+    def __init__(self, per_minute: int) -> None:
+        if not isinstance(per_minute, int) or per_minute < 1:
+            raise ValueError(f"rate_limit must be an int >= 1 (requests per minute), got {per_minute!r}")
+        self.per_minute = per_minute
+        self.seen: dict[str, deque] = {}
+
+    def retry_after(self, who: str) -> float:
+        """0 when the request may go now (and it is counted), else the seconds to wait."""
+        now = time.monotonic()
+        window = self.seen.setdefault(who, deque())
+        while window and now - window[0] >= 60:
+            window.popleft()
+        if len(window) >= self.per_minute:
+            return 60 - (now - window[0])
+        window.append(now)
+        return 0.0
+
+
 class AdminModelRequest(BaseModel):
     """`POST /admin/models`: load a model under a name (or swap the name to new weights), or
     unload a name."""
