@@ -430,3 +430,17 @@ def test_hot_swap_load_and_unload_without_failing_a_request(tmp_path):
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_a_failing_request_gets_500_the_others_go_on_and_admin_is_off_without_a_key(served, monkeypatch):
+    server, _ = served
+    assert post(server, {"action": "unload", "name": "tiny-ar"}, path="/admin/models").status_code == 403
+    from remask.diffusion.ar import ARDecoder
+
+    real = ARDecoder.sample
+    monkeypatch.setattr(ARDecoder, "sample", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    failed = post(server, {"model": "tiny-ar", "prompt": PROMPT, "max_tokens": 4})
+    assert failed.status_code == 500 and "boom" in failed.json()["error"]["message"]
+    monkeypatch.setattr(ARDecoder, "sample", real)
+    assert post(server, {"model": "tiny-ar", "prompt": PROMPT, "max_tokens": 4}).status_code == 200
+    assert post(server, {"model": "tiny-llada", "prompt": PROMPT, "max_tokens": 8, "steps": 8}).status_code == 200
