@@ -18,6 +18,18 @@ def _model_arg(value: str) -> tuple[str, str]:
     return name, path
 
 
+def _defaults_arg(value: str) -> tuple[str, dict]:
+    name, _, text = value.partition("=")
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"--defaults takes NAME=JSON, e.g. tiny-llada='{{\"steps\": 16}}': {err}") \
+            from None
+    if not name or not isinstance(values, dict):
+        raise argparse.ArgumentTypeError(f"--defaults takes NAME=JSON object, got {value!r}")
+    return name, values
+
+
 def _cache_arg(value: str) -> tuple[int, float]:
     size, _, ttl = value.partition(",")
     try:
@@ -56,7 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
         with open(args.admin_key_file) as f:
             admin_key = f.read().strip()
     app = build_app(engines, api_key=api_key, rate_limit=args.rate_limit, request_timeout=args.request_timeout,
-                    response_cache=args.response_cache, admin_key=admin_key,
+                    response_cache=args.response_cache, admin_key=admin_key, defaults=dict(args.defaults or []),
                     load_model=lambda path: remask.LLM(path, max_num_seqs=args.max_num_seqs, seed=args.seed),
                     cors_origins=[o for o in (args.cors_origins or "").split(",") if o] or None)
     print(json.dumps({"serving": {name: path for name, path in models}, "host": args.host, "port": args.port}),
@@ -81,6 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_parser.add_argument("--max-queue", type=int, default=256, help="requests held per model; more get 503")
     serve_parser.add_argument("--max-num-seqs", type=int, default=64)
     serve_parser.add_argument("--seed", type=int, default=0)
+    serve_parser.add_argument("--defaults", action="append", type=_defaults_arg, metavar="NAME=JSON",
+                              help="default sampling settings of a served model (SamplingParams fields)")
     serve_parser.add_argument("--rate-limit", type=int, default=None, help="requests per minute per API key")
     serve_parser.add_argument("--request-timeout", type=float, default=None, help="seconds; longer requests get 504")
     serve_parser.add_argument("--response-cache", type=_cache_arg, default=None, metavar="SIZE,TTL",

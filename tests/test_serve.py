@@ -444,3 +444,30 @@ def test_a_failing_request_gets_500_the_others_go_on_and_admin_is_off_without_a_
     monkeypatch.setattr(ARDecoder, "sample", real)
     assert post(server, {"model": "tiny-ar", "prompt": PROMPT, "max_tokens": 4}).status_code == 200
     assert post(server, {"model": "tiny-llada", "prompt": PROMPT, "max_tokens": 8, "steps": 8}).status_code == 200
+
+
+def test_per_model_default_settings_and_access_log(caplog):
+    import logging
+
+    engine = AsyncEngine(remask.LLM("tiny-llada"))
+    with pytest.raises(ValueError, match="steps"):
+        build_app({"m": engine}, defaults={"m": {"steps": 0}})
+    with pytest.raises(ValueError, match="not a served model"):
+        build_app({"m": engine}, defaults={"other": {"steps": 8}})
+    server = Server(build_app({"m": engine}, defaults={"m": {"steps": 8, "block_length": 4, "max_tokens": 8}}))
+    try:
+        with caplog.at_level(logging.INFO, logger="remask.serve.access"):
+            got = post(server, {"model": "m", "prompt": PROMPT, "seed": 2}, key=None,
+                       headers={"X-Request-ID": "trace-123"})
+            overridden = post(server, {"model": "m", "prompt": PROMPT, "seed": 2, "steps": 4}, key=None)
+        assert got.status_code == overridden.status_code == 200
+        assert got.headers["x-request-id"] == "trace-123" and got.json()["id"].endswith("trace-123")
+        want = remask.LLM("tiny-llada").generate(PROMPT, remask.SamplingParams(max_tokens=8, steps=8, block_length=4,
+                                                                               seed=2), use_tqdm=False)[0]
+        assert got.json()["choices"][0]["text"] == want.outputs[0].text
+        assert got.json()["usage"]["completion_tokens"] == len(want.outputs[0].token_ids)
+        logged = [json.loads(r.getMessage()) for r in caplog.records if r.name == "remask.serve.access"]
+        assert {"request_id": "trace-123", "route": "/v1/completions", "status": 200}.items() <= logged[0].items()
+    finally:
+        server.stop()
+        engine.shutdown()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import importlib.resources
 import json
+import logging
 import secrets
 import threading
 import time
@@ -35,12 +36,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from remask.engine import EngineState, RequestOutput
+from remask.engine import EngineState, RequestOutput, SamplingParams
 
 from .async_engine import AsyncEngine, QueueFull
 from .protocol import ChatCompletionRequest, CompletionRequest
 
 MAX_BODY_BYTES = 1 << 20
+# One JSON line per request (request id, route, status, milliseconds); the streamed body may go on after.
+access_log = logging.getLogger("remask.serve.access")
 # The playground: one static page (no build step) that streams drafts from the routes below.
 PLAYGROUND = (importlib.resources.files("remask.serve") / "static" / "playground.html").read_text(encoding="utf-8")
 
@@ -176,19 +179,30 @@ def retire(engine: AsyncEngine) -> None:
 def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, request_timeout: float | None = None,
               max_body_bytes: int = MAX_BODY_BYTES, rate_limit: int | None = None,
               response_cache: tuple[int, float] | None = None, cors_origins: list[str] | None = None,
-              admin_key: str | None = None, load_model: Callable[[str], Any] | None = None) -> FastAPI:
+              admin_key: str | None = None, load_model: Callable[[str], Any] | None = None,
+              defaults: dict[str, dict[str, Any]] | None = None) -> FastAPI:
     """The app for `engines` (served name → engine). `api_key`: required as `Authorization:
     Bearer <key>` on `/v1/*` when set. `request_timeout`: seconds after which a request is aborted
     (504). `rate_limit`: requests per minute per key (429 beyond). `response_cache`: (size, ttl
     seconds) of the cache of deterministic responses. `cors_origins`: origins allowed by CORS
     (none by default). `admin_key`: enables `POST /admin/models` for requests bearing it;
-    `load_model(path)` builds the `remask.LLM` it loads (default: `remask.LLM(path)`)."""
+    `load_model(path)` builds the `remask.LLM` it loads (default: `remask.LLM(path)`).
+    `defaults`: per served name, `SamplingParams` fields used where a request sets nothing (checked
+    here: a bad default fails at start, not on the first request)."""
     if not engines:
         raise ValueError("engines: serve at least one model")
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout must be > 0 seconds or None, got {request_timeout!r}")
     app = FastAPI(title="remask", docs_url=None, redoc_url=None)
     engines = dict(engines)   # this app's own table: swaps replace entries, requests in flight keep theirs
+    defaults = {name: dict(values) for name, values in (defaults or {}).items()}
+    for name, values in defaults.items():
+        if name not in engines:
+            raise ValueError(f"defaults: {name!r} is not a served model ({sorted(engines)})")
+        try:
+            SamplingParams(**values)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"defaults for {name!r}: {err}") from None
     metrics = Metrics(engines)
     limiter = RateLimiter(rate_limit) if rate_limit is not None else None
     cache = ResponseCache(*response_cache) if response_cache is not None else None
@@ -197,6 +211,7 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
 
     @app.middleware("http")
     async def request_id_and_limits(request: Request, call_next):
+        started = time.perf_counter()
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         request.state.request_id = request_id
         length = request.headers.get("content-length")
@@ -223,8 +238,12 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
         response.headers["X-Content-Type-Options"] = "nosniff"
         response.headers["X-Frame-Options"] = "DENY"
         response.headers["Referrer-Policy"] = "no-referrer"
-        route = request.scope.get("route")
-        metrics.requests.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
+        route = getattr(request.scope.get("route"), "path", "unmatched")
+        metrics.requests.labels(route, str(response.status_code)).inc()
+        access_log.info(json.dumps({"request_id": request_id, "method": request.method, "path": request.url.path,
+                                    "route": route, "status": response.status_code,
+                                    "ms": round((time.perf_counter() - started) * 1e3, 2),
+                                    "client": request.client.host if request.client else None}))
         return response
 
     @app.exception_handler(APIError)
@@ -303,7 +322,7 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
 
     def params_for(body: CompletionRequest | ChatCompletionRequest):
         try:
-            return body.sampling_params()
+            return body.sampling_params(defaults.get(body.model))
         except (ValueError, TypeError) as err:
             raise APIError(400, str(err), param=_param_named(str(err), body)) from None
 
