@@ -387,7 +387,7 @@ def test_hot_swap_load_and_unload_without_failing_a_request(tmp_path):
         shutil.copy(shipped / name, other / name)
     old_llm = remask.LLM("tiny-llada")
     engine = AsyncEngine(old_llm)
-    server = Server(build_app({"m": engine}, admin_key="admin"))
+    server = Server(build_app({"m": engine}, admin_key="admin", response_cache=(8, 600)))
     admin = {"Authorization": "Bearer admin"}
     prompt = [1, 20, 21, 22, 23]
     body = {"model": "m", "prompt": prompt, "max_tokens": 64, "steps": 64, "block_length": 8, "seed": 0}
@@ -396,6 +396,7 @@ def test_hot_swap_load_and_unload_without_failing_a_request(tmp_path):
                     path="/admin/models").status_code == 401
         assert httpx.post(f"{server.url}/admin/models", json={"action": "load", "name": "x", "path": "tiny-ar"},
                           headers={"Authorization": "Bearer nope"}).status_code == 401
+        cached = post(server, {**body, "max_tokens": 8, "steps": 8}, key=None).json()["choices"]   # cached, old
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             running = pool.submit(post, server, body, None)
             deadline = time.time() + 20
@@ -414,6 +415,12 @@ def test_hot_swap_load_and_unload_without_failing_a_request(tmp_path):
         assert want_old != want_new
         assert before.json()["choices"][0]["text"] == want_old
         assert after.json()["choices"][0]["text"] == want_new
+        # the swap dropped the cached answers of the model: the same request now gets the new weights
+        fresh = post(server, {**body, "max_tokens": 8, "steps": 8}, key=None).json()["choices"]
+        assert fresh != cached
+        small = remask.SamplingParams(max_tokens=8, steps=8, block_length=8, seed=0)
+        assert fresh[0]["text"] == remask.LLM(str(other)).generate(prompt, small, use_tqdm=False)[0].outputs[0].text
+        assert cached[0]["text"] == remask.LLM("tiny-llada").generate(prompt, small, use_tqdm=False)[0].outputs[0].text
         # load a second name, serve it, unload it
         loaded = httpx.post(f"{server.url}/admin/models", json={"action": "load", "name": "ar", "path": "tiny-ar"},
                             headers=admin, timeout=60)

@@ -106,17 +106,23 @@ class ResponseCache:
         if not isinstance(size, int) or size < 1 or not ttl > 0:
             raise ValueError(f"response_cache: size must be an int >= 1 and ttl > 0 seconds, got {size!r}, {ttl!r}")
         self.size, self.ttl = size, ttl
-        self.entries: OrderedDict[str, tuple[float, dict]] = OrderedDict()
+        self.entries: OrderedDict[tuple[str, str], tuple[float, dict]] = OrderedDict()
         self.lock = threading.Lock()
 
     @staticmethod
-    def key(body: Any, params: Any) -> str | None:
+    def key(body: Any, params: Any) -> tuple[str, str] | None:
         if params.temperature > 0 and params.seed is None:
             return None          # sampled without a seed: a new answer each time
-        return json.dumps([type(body).__name__, body.model_dump(exclude={"stream", "stream_options", "user"}),
-                           repr(params)], sort_keys=True, default=str)
+        settings = body.model_dump(exclude={"stream", "stream_options", "user"})
+        return body.model, json.dumps([type(body).__name__, settings, repr(params)], sort_keys=True, default=str)
 
-    def get(self, key: str) -> dict | None:
+    def forget(self, model: str) -> None:
+        """Drop a model's entries (it was swapped to other weights, or unloaded)."""
+        with self.lock:
+            for key in [k for k in self.entries if k[0] == model]:
+                del self.entries[key]
+
+    def get(self, key: tuple[str, str]) -> dict | None:
         with self.lock:
             hit = self.entries.get(key)
             if hit is None or time.monotonic() - hit[0] > self.ttl:
@@ -125,7 +131,7 @@ class ResponseCache:
             self.entries.move_to_end(key)
             return hit[1]
 
-    def put(self, key: str, response: dict) -> None:
+    def put(self, key: tuple[str, str], response: dict) -> None:
         with self.lock:
             self.entries[key] = (time.monotonic(), response)
             self.entries.move_to_end(key)
@@ -297,6 +303,8 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
                     raise APIError(400, "the last model cannot be unloaded", param="name")
                 old = engines.pop(body.name)
                 metrics.forget(body.name)
+                if cache is not None:
+                    cache.forget(body.name)
                 retire(old)
                 return {"unloaded": body.name, "models": sorted(engines)}
             if not body.path:
@@ -310,6 +318,8 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
             old = engines.get(body.name)
             engines[body.name] = new                      # the swap: one assignment
             metrics.watch(body.name, new)
+            if cache is not None:
+                cache.forget(body.name)                   # cached answers came from the old weights
             if old is not None:
                 retire(old)
             return {"loaded": body.name, "path": body.path, "swapped": old is not None, "models": sorted(engines)}
