@@ -14,7 +14,8 @@ from typing import Sequence
 def _model_arg(value: str) -> tuple[str, str]:
     name, _, path = value.partition("=")
     if not name or not path:
-        raise argparse.ArgumentTypeError(f"--model takes NAME=PATH (a shipped name or a checkpoint folder), got {value!r}")
+        raise argparse.ArgumentTypeError(f"--model takes NAME=PATH (a shipped name or a checkpoint folder), "
+                                         f"got {value!r}")
     return name, path
 
 
@@ -81,7 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="remask", description="remask: fast, exact diffusion LLM decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser = sub.add_parser("serve", help="an OpenAI-compatible server (needs the serve extra)")
-    serve_parser.add_argument("name", nargs="?", help="a shipped model name or checkpoint folder, served under that name")
+    serve_parser.add_argument("name", nargs="?",
+                              help="a shipped model name or checkpoint folder, served under that name")
     serve_parser.add_argument("--model", action="append", type=_model_arg, metavar="NAME=PATH",
                        help="serve PATH under NAME (repeatable)")
     serve_parser.add_argument("--host", default="127.0.0.1")

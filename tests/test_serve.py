@@ -478,3 +478,26 @@ def test_per_model_default_settings_and_access_log(caplog):
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_a_client_that_leaves_a_non_streamed_request_frees_it():
+    llm = remask.LLM("tiny-llada")
+    aborted = []
+    real_abort = llm.engine.abort_request
+    llm.engine.abort_request = lambda request_id: aborted.append(real_abort(request_id)) or aborted[-1]
+    engine = AsyncEngine(llm)
+    server = Server(build_app({"m": engine}))
+    try:
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 96, "steps": 96, "block_length": 8}   # ~100 forwards
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.1))
+        deadline = time.time() + 20
+        while not aborted:
+            assert time.time() < deadline, "the abandoned request was not aborted"
+            time.sleep(0.02)
+        out = aborted[0]
+        assert out is not None and out.outputs[0].finish_reason == "abort"     # stopped before it was done
+        assert not llm.engine.has_unfinished_requests()
+    finally:
+        server.stop()
+        engine.shutdown()

@@ -143,7 +143,8 @@ class ModelRunner:
             input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
             position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
             last = torch.tensor([s.start + s.q_len - 1 for s in slices], dtype=torch.long, device=self.device)
-            with self._invariant(len(slices), batch.token_groups), paged_forward(self.model, batch, self.attention_configs):
+            with self._invariant(len(slices), batch.token_groups), \
+                    paged_forward(self.model, batch, self.attention_configs):
                 logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                     logits_to_keep=last).logits[0]
             self.forwards += 1

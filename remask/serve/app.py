@@ -3,8 +3,8 @@
     app = build_app({"tiny-llada": AsyncEngine(remask.LLM("tiny-llada"))}, api_key="secret")
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-Routes: `GET /` (the playground page), `POST /v1/completions`, `POST /v1/chat/completions` (JSON, or SSE with `stream=true`,
-ended by `data: [DONE]`), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus). Errors
+Routes: `GET /` (the playground page), `POST /v1/completions`, `POST /v1/chat/completions` (JSON,
+or SSE with `stream=true`, ended by `data: [DONE]`), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus). Errors
 have OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`: 400 for a bad body
 (naming the field), 401 for a missing or wrong key, 404 for an unknown model or route, 413 for
 an oversized body, 503 with `Retry-After` when the queue is full or the server drains.
@@ -46,6 +46,10 @@ MAX_BODY_BYTES = 1 << 20
 access_log = logging.getLogger("remask.serve.access")
 # The playground: one static page (no build step) that streams drafts from the routes below.
 PLAYGROUND = (importlib.resources.files("remask.serve") / "static" / "playground.html").read_text(encoding="utf-8")
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its (non-streamed) answer was ready."""
 
 
 class APIError(Exception):
@@ -215,42 +219,71 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
     app.state.engines, app.state.metrics = engines, metrics
     created = int(time.time())
 
-    @app.middleware("http")
-    async def request_id_and_limits(request: Request, call_next):
-        started = time.perf_counter()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        request.state.request_id = request_id
+    def rejection(request: Request) -> JSONResponse | None:
+        """What the gate answers itself: an oversized body, a missing key, a rate limit."""
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > max_body_bytes:
-            response = error_response(413, f"the request body is {length} bytes, more than {max_body_bytes}")
-        elif request.url.path.startswith("/admin/") and (admin_key is None or not secrets.compare_digest(
-                request.headers.get("authorization", ""), f"Bearer {admin_key}")):
-            response = error_response(401 if admin_key is not None else 403,
-                                      "the admin key is needed: Authorization: Bearer <admin key>" if admin_key
-                                      else "admin routes are off: start the server with an admin key",
-                                      kind="authentication_error" if admin_key else "permission_error")
-        elif request.url.path.startswith("/v1/") and api_key is not None and not secrets.compare_digest(
-                request.headers.get("authorization", ""), f"Bearer {api_key}"):
-            response = error_response(401, "a valid API key is needed: Authorization: Bearer <key>",
-                                      kind="authentication_error")
-        elif limiter is not None and request.method == "POST" and request.url.path.startswith("/v1/") and (
-                wait := limiter.retry_after(request.headers.get("authorization")
-                                            or (request.client.host if request.client else "?"))):
-            response = error_response(429, f"rate limit: {limiter.per_minute} requests per minute",
+            return error_response(413, f"the request body is {length} bytes, more than {max_body_bytes}")
+        path, auth = request.url.path, request.headers.get("authorization", "")
+        if path.startswith("/admin/") and (admin_key is None or not secrets.compare_digest(auth,
+                                                                                          f"Bearer {admin_key}")):
+            if admin_key is None:
+                return error_response(403, "admin routes are off: start the server with an admin key",
+                                      kind="permission_error")
+            return error_response(401, "the admin key is needed: Authorization: Bearer <admin key>",
+                                  kind="authentication_error")
+        if path.startswith("/v1/") and api_key is not None and not secrets.compare_digest(auth, f"Bearer {api_key}"):
+            return error_response(401, "a valid API key is needed: Authorization: Bearer <key>",
+                                  kind="authentication_error")
+        if limiter is not None and request.method == "POST" and path.startswith("/v1/"):
+            wait = limiter.retry_after(auth or (request.client.host if request.client else "?"))
+            if wait:
+                return error_response(429, f"rate limit: {limiter.per_minute} requests per minute",
                                       kind="rate_limit_error", headers={"Retry-After": str(max(1, round(wait)))})
-        else:
-            response = await call_next(request)
-        response.headers["X-Request-ID"] = request_id
-        response.headers["X-Content-Type-Options"] = "nosniff"
-        response.headers["X-Frame-Options"] = "DENY"
-        response.headers["Referrer-Policy"] = "no-referrer"
-        route = getattr(request.scope.get("route"), "path", "unmatched")
-        metrics.requests.labels(route, str(response.status_code)).inc()
-        access_log.info(json.dumps({"request_id": request_id, "method": request.method, "path": request.url.path,
-                                    "route": route, "status": response.status_code,
-                                    "ms": round((time.perf_counter() - started) * 1e3, 2),
-                                    "client": request.client.host if request.client else None}))
-        return response
+        return None
+
+    class Gate:
+        """Pure ASGI (so a handler still sees its client disconnect): request IDs, the checks of
+        `rejection`, security headers, the requests metric and the access log."""
+
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send) -> None:
+            if scope["type"] != "http":
+                await self.inner(scope, receive, send)
+                return
+            started = time.perf_counter()
+            request = Request(scope)
+            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            scope.setdefault("state", {})["request_id"] = request_id
+            extra = [(b"x-request-id", request_id.encode("latin-1", "replace")),
+                     (b"x-content-type-options", b"nosniff"), (b"x-frame-options", b"DENY"),
+                     (b"referrer-policy", b"no-referrer")]
+            status = 500
+
+            async def send_with_headers(message) -> None:
+                nonlocal status
+                if message["type"] == "http.response.start":
+                    status = message["status"]
+                    message = {**message, "headers": [*message.get("headers", []), *extra]}
+                await send(message)
+
+            try:
+                refused = rejection(request)
+                if refused is not None:
+                    await refused(scope, receive, send_with_headers)
+                else:
+                    await self.inner(scope, receive, send_with_headers)
+            finally:
+                route = getattr(scope.get("route"), "path", "unmatched")
+                metrics.requests.labels(route, str(status)).inc()
+                access_log.info(json.dumps({"request_id": request_id, "method": request.method,
+                                            "path": request.url.path, "route": route, "status": status,
+                                            "ms": round((time.perf_counter() - started) * 1e3, 2),
+                                            "client": request.client.host if request.client else None}))
+
+    app.add_middleware(Gate)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError):
@@ -382,7 +415,8 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
         async def rest() -> RequestOutput:
             last = first
             async for last in stream:
-                pass
+                if await request.is_disconnected():
+                    raise ClientGone
             return last
 
         if not first.finished:
@@ -393,6 +427,9 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
                 await stream.aclose()             # aborts the request in the engine
                 raise APIError(504, f"the request took longer than request_timeout={request_timeout} s and was "
                                     "aborted", kind="timeout_error") from None
+            except ClientGone:
+                await stream.aclose()             # nobody to answer: abort, free its pages
+                return Response(status_code=499)
         _observe(metrics, model, out, start, None)
         if any(o.finish_reason == "error" for o in out.outputs):
             message = next(o.error for o in out.outputs if o.finish_reason == "error")
