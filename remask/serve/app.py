@@ -4,10 +4,10 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Routes: `GET /` (the playground page), `POST /v1/completions`, `POST /v1/chat/completions` (JSON,
-or SSE with `stream=true`, ended by `data: [DONE]`), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus). Errors
-have OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`: 400 for a bad body
-(naming the field), 401 for a missing or wrong key, 404 for an unknown model or route, 413 for
-an oversized body, 503 with `Retry-After` when the queue is full or the server drains.
+or SSE with `stream=true`, ended by `data: [DONE]`), `GET /v1/models`, `GET /health`,
+`GET /metrics` (Prometheus), `POST /admin/models` (admin key: load, swap, unload). Errors have
+OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}` (docs/serving.md lists
+every status).
 
 Streaming sends text only when it is final — a diffusion block once it is decoded, an AR token
 at once — so a delta never holds a mask and is never taken back; text that could still be the
