@@ -572,3 +572,38 @@ def test_drafts_report_the_canvas_every_step_without_changing_the_tokens(llada, 
     ar_engine = LLMEngine(*ar)
     ar_engine.add_request("a", PROBLEMS[0], SamplingParams(max_tokens=4), drafts=True)   # AR: final tokens only
     assert all(o.outputs[0].draft is None for o in ar_engine.step())
+
+
+def test_the_swapped_attention_is_plain_sdpa_for_other_threads(ar):
+    """While an engine forward has the model's attention swapped, another thread using the same
+    model (its own `ar_generate`, with padding and a cache) gets exactly transformers' SDPA."""
+    import threading
+
+    from remask.engine.page_manager import PageManager
+    from remask.engine.paged_kv import ForwardBatch, PagedKVStore, paged_forward
+
+    model, _ = ar
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    expected = remask.ar_generate(model, ids, mask, max_new_tokens=6, eos_token_id=[])
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    inside, release = threading.Event(), threading.Event()
+
+    def hold_the_swap() -> None:
+        batch = ForwardBatch([], PagedKVStore(PageManager(4, 4)), torch.device("cpu"))
+        with paged_forward(model, batch):
+            inside.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=hold_the_swap)
+    thread.start()
+    try:
+        assert inside.wait(30) and model.config._attn_implementation == "remask_paged"
+        assert torch.equal(remask.ar_generate(model, ids, mask, max_new_tokens=6, eos_token_id=[]), expected)
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, logits)   # the pads stay masked
+    finally:
+        release.set()
+        thread.join()
+    assert model.config._attn_implementation == "sdpa"

@@ -178,8 +178,14 @@ def _store_prompt(batch: ForwardBatch, s: SequenceSlice, layer: int, k_store: to
         v_store[rows] = v[lo:hi]
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    return None   # each sequence's attention builds its own (causal prompt, full decode)
+def _mask(*args: Any, **kwargs: Any) -> Any:
+    """Inside an engine forward: no mask (each sequence's attention builds its own: causal over a
+    prompt, full for a new token). Anywhere else — another thread using the same model while the
+    engine's forward has the implementation swapped — transformers' own SDPA mask."""
+    if _CURRENT.get() is not None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+    return sdpa_mask(*args, **kwargs)
 
 
 _registered = False
@@ -193,7 +199,7 @@ def register() -> None:
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _mask)
     _registered = True
 
 
