@@ -607,3 +607,38 @@ def test_the_swapped_attention_is_plain_sdpa_for_other_threads(ar):
         release.set()
         thread.join()
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_one_thread_switch_is_shared_by_engines_in_several_threads():
+    """Two threads inside batch-invariant forwards at once: the intra-op thread count is restored
+    only when the last one leaves (never under the other's forward)."""
+    import threading
+
+    from remask.engine.batch_invariant import batch_invariant_linear
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+        seen = []
+
+        def a() -> None:
+            with batch_invariant_linear():
+                a_in.set()
+                b_in.wait(10)
+            a_out.set()
+
+        def b() -> None:
+            a_in.wait(10)
+            with batch_invariant_linear():
+                b_in.set()
+                a_out.wait(10)
+                seen.append(torch.get_num_threads())     # a has left; b is still inside
+        threads = [threading.Thread(target=a), threading.Thread(target=b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

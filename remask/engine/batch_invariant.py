@@ -12,6 +12,7 @@ its batched forwards on one thread when `batch_invariant=True` on CPU.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator
 
 import torch
@@ -72,12 +73,39 @@ def batch_invariant_linear(enabled: bool = True, single_thread: bool = True,
     if not enabled:
         yield
         return
-    threads = torch.get_num_threads()
-    if single_thread and threads != 1:
-        torch.set_num_threads(1)
+    if single_thread:
+        _one_thread.enter()
     try:
-        with _PerSequenceLinear(token_groups):
+        with _PerSequenceLinear(token_groups):   # a mode stack is per thread: other threads are untouched
             yield
     finally:
-        if single_thread and threads != 1:
-            torch.set_num_threads(threads)
+        if single_thread:
+            _one_thread.exit()
+
+
+class _OneThread:
+    """`torch.set_num_threads` is process-wide: with several engines (a server with several models)
+    in one process, the first to enter sets one thread and the last to leave restores the count,
+    so no engine restores it under another's forward."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.saved = 1
+
+    def enter(self) -> None:
+        with self.lock:
+            if self.depth == 0:
+                self.saved = torch.get_num_threads()
+                if self.saved != 1:
+                    torch.set_num_threads(1)
+            self.depth += 1
+
+    def exit(self) -> None:
+        with self.lock:
+            self.depth -= 1
+            if self.depth == 0 and self.saved != 1:
+                torch.set_num_threads(self.saved)
+
+
+_one_thread = _OneThread()
