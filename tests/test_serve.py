@@ -501,3 +501,36 @@ def test_a_client_that_leaves_a_non_streamed_request_frees_it():
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_apd_with_a_served_verifier(served, offline):
+    """`apd: {"verifier": <a served AR model>, ...}` in the body: APD with that model as verifier,
+    equal to offline `LLM.generate` with `APDConfig(verifier=the model)`."""
+    server, _ = served
+    apd = {"verifier": "tiny-ar", "mixture_weight": 0.7, "kv_window": 4, "max_lookahead": 8}
+    got = client(server).completions.create(model="tiny-llada", prompt=PROMPT, max_tokens=16, seed=0,
+                                            extra_body={"apd": apd})
+    config = remask.APDConfig(offline["tiny-ar"].engine.model, 0.7, kv_window=4, max_lookahead=8)
+    want = offline["tiny-llada"].generate(PROMPT, remask.SamplingParams(max_tokens=16, seed=0, apd=config),
+                                          use_tqdm=False)[0]
+    assert got.choices[0].text == want.outputs[0].text
+    for bad, needle in [({**apd, "verifier": "nobody"}, "apd.verifier"), ({**apd, "verifier": "tiny-llada"},
+                                                                           "autoregressive"),
+                        ({**apd, "mixture_weight": 2}, "mixture_weight"), ({**apd, "extra": 1}, "extra")]:
+        response = post(server, {"model": "tiny-llada", "prompt": PROMPT, "apd": bad})
+        assert response.status_code == 400 and needle in response.json()["error"]["message"], (bad, response.text)
+    response = post(server, {"model": "tiny-llada", "prompt": PROMPT, "apd": apd, "steps": 8})
+    assert response.status_code == 400 and "steps" in response.json()["error"]["message"]
+
+
+def test_sparse_attention_settings_over_http(served, offline):
+    server, _ = served
+    sparse = {"retention_ratio": 0.5, "pool_kernel": 3}
+    got = client(server).completions.create(model="tiny-llada", prompt=PROMPT, max_tokens=16, seed=0,
+                                            extra_body={"sparse": sparse, "steps": 16, "block_length": 8})
+    params = remask.SamplingParams(max_tokens=16, seed=0, steps=16, block_length=8,
+                                   sparse=remask.SparseConfig(**sparse))
+    assert got.choices[0].text == offline["tiny-llada"].generate(PROMPT, params, use_tqdm=False)[0].outputs[0].text
+    for bad, needle in [({"retention_ratio": 2.0}, "retention_ratio"), ({"nonsense": 1}, "nonsense")]:
+        response = post(server, {"model": "tiny-llada", "prompt": PROMPT, "sparse": bad})
+        assert response.status_code == 400 and needle in response.json()["error"]["message"], response.text

@@ -115,8 +115,8 @@ class ResponseCache:
 
     @staticmethod
     def key(body: Any, params: Any) -> tuple[str, str] | None:
-        if params.temperature > 0 and params.seed is None:
-            return None          # sampled without a seed: a new answer each time
+        if (params.temperature > 0 and params.seed is None) or params.apd is not None:
+            return None          # sampled without a seed (a new answer each time), or another model's verdict
         settings = body.model_dump(exclude={"stream", "stream_options", "user"})
         return body.model, json.dumps([type(body).__name__, settings, repr(params)], sort_keys=True, default=str)
 
@@ -363,9 +363,14 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
                            kind="not_found_error", param="model")
         return engines[name]
 
+    def verifier(name: str) -> Any:
+        if name not in engines:
+            raise ValueError(f"apd.verifier: {name!r} is not a served model ({sorted(engines)})")
+        return engines[name].llm.engine.model
+
     def params_for(body: CompletionRequest | ChatCompletionRequest):
         try:
-            return body.sampling_params(defaults.get(body.model))
+            return body.sampling_params(defaults.get(body.model), verifier)
         except (ValueError, TypeError) as err:
             raise APIError(400, str(err), param=_param_named(str(err), body)) from None
 

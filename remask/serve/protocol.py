@@ -8,10 +8,12 @@ and `LLM` share.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from remask.diffusion.apd import APDConfig
+from remask.diffusion.sparse import SparseConfig
 from remask.engine import SamplingParams
 
 # OpenAI fields remask does not implement: refused when set to anything but their default.
@@ -21,6 +23,18 @@ UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": False, "presence_
 # remask's settings, passed to SamplingParams as they are.
 REMASK_FIELDS = ("top_k", "steps", "block_length", "threshold", "factor", "remasking", "use_cache", "cfg_scale", "alg",
                  "alg_temp", "eps", "early_stop", "stop_token_ids")
+
+
+class APDSettings(BaseModel):
+    """APD over HTTP: `verifier` names a served autoregressive model; the rest are `APDConfig`'s."""
+
+    model_config = ConfigDict(extra="forbid")
+    verifier: str
+    mixture_weight: float = 0.7
+    kv_window: int | None = 16
+    max_lookahead: int | None = 100
+    dllm_cache: bool | None = None
+    coupled_gumbel: bool = False
 
 
 class StreamOptions(BaseModel):
@@ -71,13 +85,17 @@ class _Common(BaseModel):
     eps: float | None = None
     early_stop: bool | None = None
     stop_token_ids: list[int] | None = None
+    apd: APDSettings | None = None
+    sparse: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         return [name for name, default in UNSUPPORTED.items() if getattr(self, name) != default]
 
-    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, Any] | None = None,
+                        verifier: Callable[[str], Any] | None = None) -> SamplingParams:
         """The request's settings over the server's defaults for the model; `ValueError` naming
-        the field when a value or a combination is not allowed."""
+        the field when a value or a combination is not allowed. `verifier(name)`: the loaded model
+        served under `name` (APD's verifier)."""
         unsupported = self.unsupported()
         if unsupported:
             raise ValueError(f"not supported by remask: {', '.join(unsupported)}")
@@ -96,6 +114,16 @@ class _Common(BaseModel):
             values["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if "stop_token_ids" in values:
             values["stop_token_ids"] = list(values["stop_token_ids"])
+        if self.sparse is not None:
+            try:
+                values["sparse"] = SparseConfig(**self.sparse)
+            except TypeError as err:     # an unknown field
+                raise ValueError(f"sparse: {err}") from None
+        if self.apd is not None:
+            if verifier is None:
+                raise ValueError("apd: no verifier can be served here")
+            settings = self.apd.model_dump(exclude={"verifier"})
+            values["apd"] = APDConfig(verifier=verifier(self.apd.verifier), **settings)
         return SamplingParams(**values)
 
     def requested_max_tokens(self) -> int | None:
