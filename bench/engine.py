@@ -28,6 +28,9 @@ import remask
 from remask.engine import LLMEngine, SamplingParams
 from remask.zoo import charset, tasks
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import write_markdown  # noqa: E402  (bench/report.py)
+
 LLADA_MIX = [
     ("low_confidence", dict(steps=16, block_length=8)),
     ("threshold 0.9", dict(steps=16, block_length=8, threshold=0.9)),
@@ -214,13 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['setting']} | {r['how']} | {r['steps']} | {r['ms_per_step']:.3f} |")
         print(f"{r['setting']:28s} {r['how']:16s} {r['ms_per_step']:.3f} ms/step", flush=True)
     text = "\n".join(lines) + "\n"
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
-        print(f"written to {args.out}")
-    else:
-        print(text)
+    write_markdown(text, args.out)
     return 0 if all(r["identical"] for r in rows) else 1
 
 

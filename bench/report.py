@@ -15,6 +15,17 @@ import shutil
 from collections import defaultdict
 
 
+def write_markdown(text: str, out: str | None) -> None:
+    """A benchmark script's table: into `out` (folders made as needed), or printed without one."""
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            f.write(text)
+        print(f"written to {out}")
+    else:
+        print(text)
+
+
 def _fmt_time(seconds: float) -> str:
     return f"{seconds * 1e6:.1f} µs" if seconds < 1e-3 else f"{seconds * 1e3:.2f} ms"
 

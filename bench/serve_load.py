@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import os
 import platform
@@ -20,7 +21,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import openai
 import torch
@@ -28,22 +29,34 @@ import uvicorn
 
 import remask
 from remask.serve import AsyncEngine, build_app
-from remask.zoo import charset, tasks
+from remask.zoo import tasks
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import write_markdown  # noqa: E402  (bench/report.py)
 
 SETTINGS = [dict(steps=16, block_length=8), dict(steps=16, block_length=8, threshold=0.9),
             dict(steps=16, block_length=8, threshold=0.9, use_cache="dual"), dict(steps=16, block_length=4)]
 
 
-def start_server(app) -> tuple[uvicorn.Server, threading.Thread, str]:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+@contextlib.contextmanager
+def serving(max_queue: int) -> Iterator[str]:
+    """A tiny-llada server on 127.0.0.1 in a thread; yields its /v1 URL, stops it afterwards."""
+    engine = AsyncEngine(remask.LLM("tiny-llada"), max_queue=max_queue)
+    server = uvicorn.Server(uvicorn.Config(build_app({"tiny-llada": engine}), host="127.0.0.1", port=0,
+                                           log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        if time.time() > deadline:
-            raise RuntimeError("the server did not start")
-        time.sleep(0.02)
-    return server, thread, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
+    try:
+        deadline = time.time() + 30
+        while not server.started:
+            if time.time() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        engine.shutdown()
 
 
 def workload(n: int, max_tokens: int) -> list[dict[str, Any]]:
@@ -114,28 +127,15 @@ def main(argv: list[str] | None = None) -> int:
                              remask.SamplingParams(max_tokens=r["max_tokens"], seed=r["seed"], **r["extra"]),
                              use_tqdm=False)[0].outputs[0].text for r in reqs]
     rows = []
-    engine = AsyncEngine(remask.LLM("tiny-llada"), max_queue=max(256, args.requests))
-    server, thread, url = start_server(build_app({"tiny-llada": engine}))
-    try:
+    with serving(max(256, args.requests)) as url:
         for concurrency in [int(c) for c in args.concurrency.split(",")]:
             results, seconds = asyncio.run(run_level(url, reqs, concurrency))
             rows.append(summarize(f"{concurrency}", results, seconds, expected, reqs))
             print(rows[-1], flush=True)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        engine.shutdown()
-    # Overload: a queue of --max-queue, 64 at once; only 503s may fail, and every answer is right.
-    engine = AsyncEngine(remask.LLM("tiny-llada"), max_queue=args.max_queue)
-    server, thread, url = start_server(build_app({"tiny-llada": engine}))
-    try:
+    with serving(args.max_queue) as url:      # overload: only 503s may fail, and every answer is right
         results, seconds = asyncio.run(run_level(url, reqs, 64))
         rows.append(summarize(f"64, queue of {args.max_queue}", results, seconds, expected, reqs))
         print(rows[-1], flush=True)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        engine.shutdown()
     lines = [f"# Serving load test: {platform.machine()} CPU, {args.threads} thread(s), "
              f"{datetime.date.today().isoformat()}", "",
              f"torch {torch.__version__}, Python {sys.version.split()[0]}; tiny-llada, {args.requests} chat requests "
@@ -150,13 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['p99']:.3f} | {r['ttft50']:.3f} | {r['ttft99']:.3f} | {r['errors']} | {r['busy']} | "
                      f"{'yes' if r['equal'] else 'NO'} |")
     text = "\n".join(lines) + "\n"
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
-        print(f"written to {args.out}")
-    else:
-        print(text)
+    write_markdown(text, args.out)
     ok = all(r["equal"] and r["errors"] == 0 for r in rows)
     return 0 if ok else 1
 
