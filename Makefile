@@ -7,12 +7,12 @@ BIN := $(VENV)/bin
 
 setup: $(VENV)/.installed
 
-# CPU torch first (an unpinned torch pulls GBs of CUDA packages), then remask with its dev and serve extras.
+# CPU torch first (an unpinned torch pulls GBs of CUDA packages), then remask with its dev, serve and eval extras.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev,serve]"
+	$(BIN)/pip install --quiet -e ".[dev,serve,eval]"
 	touch $@
 
 demo: setup

@@ -2,6 +2,8 @@
 
     remask serve tiny-llada                       # the shipped model on 127.0.0.1:8000
     remask serve --model fast=./my-llada --model ar=tiny-ar --api-key-file key.txt --port 9000
+    remask eval --model remask --model_args pretrained=tiny-llada,steps=16,block_length=8 \
+        --tasks remask_tiny --apply_chat_template          # lm-eval's flags, offline
 """
 from __future__ import annotations
 
@@ -78,9 +80,45 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(rest: list[str]) -> int:
+    """lm-eval's own command line, with the `remask` model registered and the shipped tasks on the
+    task path (`--include_path` added; a user's own is kept too)."""
+    try:
+        from lm_eval.__main__ import cli_evaluate
+
+        from remask.integrations import lmeval
+    except ImportError as err:
+        print(f"remask eval needs the eval extra: pip install 'remask[eval]' ({err})", file=sys.stderr)
+        return 2
+    import os
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")     # the shipped task needs no download
+    argv = list(rest)
+    if "--include_path" in argv:
+        i = argv.index("--include_path")
+        argv[i + 1] = f"{argv[i + 1]},{lmeval.task_dir()}" if i + 1 < len(argv) else lmeval.task_dir()
+    else:
+        argv += ["--include_path", lmeval.task_dir()]
+    saved = sys.argv
+    sys.argv = ["remask eval", *argv]
+    try:
+        cli_evaluate()
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    finally:
+        sys.argv = saved
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["eval"]:      # every other argument is lm-eval's own
+        return _eval(argv[1:])
     parser = argparse.ArgumentParser(prog="remask", description="remask: fast, exact diffusion LLM decoding")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("eval", help="lm-evaluation-harness with the remask model and the shipped tasks (needs the eval "
+                                "extra); takes exactly lm_eval's flags, e.g. remask eval --model remask --model_args "
+                                "pretrained=tiny-llada,steps=16 --tasks remask_tiny --apply_chat_template")
     serve_parser = sub.add_parser("serve", help="an OpenAI-compatible server (needs the serve extra)")
     serve_parser.add_argument("name", nargs="?",
                               help="a shipped model name or checkpoint folder, served under that name")

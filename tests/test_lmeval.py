@@ -1,0 +1,91 @@
+"""The lm-evaluation-harness adapter: `remask eval` / `simple_evaluate` on the shipped offline task
+give exactly `remask.zoo.evaluate`'s accuracy and answers; likelihoods are defined and seeded."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval")
+import torch  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+import remask  # noqa: E402
+from remask.integrations.lmeval import RemaskLM, task_dir  # noqa: E402
+from remask.zoo.evaluate import Strategy, evaluate  # noqa: E402
+from remask.zoo.tasks import EVAL_SEED, problems  # noqa: E402
+
+N = 40
+
+
+@pytest.mark.parametrize("pretrained,model_args,strategy", [
+    ("tiny-llada", dict(steps=16, block_length=8, max_tokens=16), Strategy.of("blocks of 8", steps=16, block_length=8)),
+    ("tiny-llada", dict(steps=16, block_length=16, threshold=0.9, max_tokens=16),
+     Strategy.of("threshold", steps=16, threshold=0.9)),
+    ("tiny-ar", dict(max_tokens=16), Strategy.of("greedy", ar=True)),
+])
+def test_accuracy_and_answers_equal_the_zoo_evaluation(pretrained, model_args, strategy):
+    lm = RemaskLM(pretrained=pretrained, **model_args)
+    results = lm_eval.simple_evaluate(model=lm, tasks=["remask_tiny"], limit=N, apply_chat_template=True,
+                                      task_manager=TaskManager(include_path=task_dir()), log_samples=True,
+                                      random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+    accuracy = results["results"]["remask_tiny"]["exact_match,none"]
+    model, _ = remask.load(pretrained)
+    expected = evaluate(model, problems(N, EVAL_SEED), strategy)
+    assert accuracy == expected.accuracy
+    answers = [s["resps"][0][0] for s in sorted(results["samples"]["remask_tiny"], key=lambda s: s["doc_id"])]
+    assert answers == expected.outputs
+
+
+def test_remask_eval_command_runs_offline_and_twice_the_same(tmp_path):
+    """`python -m remask eval` with lm-eval's own flags, on a clean environment without network."""
+    outs = []
+    for run in range(2):
+        out = tmp_path / f"run{run}"
+        done = subprocess.run([sys.executable, "-m", "remask", "eval", "--model", "remask", "--model_args",
+                               "pretrained=tiny-llada,steps=16,block_length=8,max_tokens=16,temperature=0.7,seed=3",
+                               "--tasks", "remask_tiny", "--apply_chat_template", "--limit", "12", "--output_path",
+                               str(out), "--device", "cpu"], capture_output=True, text=True, timeout=300,
+                              env={"PATH": "/usr/bin:/bin", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+                                   "HOME": str(tmp_path)})
+        assert done.returncode == 0, done.stderr[-3000:]
+        [result] = list(out.rglob("results_*.json"))
+        outs.append(json.loads(result.read_text()))
+    first, second = (o["results"]["remask_tiny"]["exact_match,none"] for o in outs)
+    assert first == second and 0 < first <= 1
+    assert "sampling_params" in json.dumps(outs[0])       # remask's settings logged beside the numbers
+
+
+def test_loglikelihoods():
+    def requests(pairs, kind="loglikelihood"):
+        return [Instance(request_type=kind, doc={}, arguments=pair, idx=i) for i, pair in enumerate(pairs)]
+
+    ar = RemaskLM(pretrained="tiny-ar")
+    tok = ar.tokenizer
+    chat = ar.apply_chat_template([{"role": "user", "content": "sort 52814"}])
+    (right, greedy_right), (wrong, greedy_wrong) = ar.loglikelihood(requests([(chat, "12458"), (chat, "99999")]))
+    assert right > wrong and greedy_right and not greedy_wrong
+    # exact: the sum of the model's own log-probabilities
+    ids = tok(chat + "12458", add_special_tokens=False)["input_ids"]
+    context = len(tok(chat, add_special_tokens=False)["input_ids"])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(ar.model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+    assert right == pytest.approx(float(sum(logprobs[i - 1, ids[i]] for i in range(context, len(ids)))), abs=1e-4)
+    [rolling] = ar.loglikelihood_rolling(requests([("sort 52814",)], "loglikelihood_rolling"))
+    assert rolling < 0
+
+    llada = RemaskLM(pretrained="tiny-llada", mc_num=32, mc_batch_size=8, is_check_greedy=True)
+    chat = llada.apply_chat_template([{"role": "user", "content": "sort 52814"}])
+    first = llada.loglikelihood(requests([(chat, "12458"), (chat, "99999")]))
+    again = llada.loglikelihood(requests([(chat, "12458"), (chat, "99999")]))
+    assert first == again                                   # seeded Monte-Carlo draws
+    assert first[0][0] > first[1][0] and first[0][1] and not first[1][1]
+    with pytest.raises(NotImplementedError, match="diffusion"):
+        llada.loglikelihood_rolling(requests([("x",)], "loglikelihood_rolling"))
+    with pytest.raises(ValueError, match="mc_num"):
+        RemaskLM(pretrained="tiny-llada", mc_num=10, mc_batch_size=4)
+    with pytest.raises(ValueError, match="steps"):
+        RemaskLM(pretrained="tiny-llada", steps=0)
