@@ -110,6 +110,154 @@ def _eval(rest: list[str]) -> int:
     return 0
 
 
+def describe_checkpoint(name: str) -> dict:
+    """What a checkpoint folder (or shipped name) holds, without loading its weights: model type,
+    remask's kind, special ids, vocabulary, context, parameters (from the safetensors headers)."""
+    import glob
+    import os
+    import types
+
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    import remask  # noqa: F401  (registers LLaDA and Dream with transformers)
+    from remask.models.spec import get_spec
+    from remask.zoo import checkpoint_path
+
+    path = checkpoint_path(name)
+    config = AutoConfig.from_pretrained(path)
+    spec = get_spec(types.SimpleNamespace(config=config))
+    parameters, dtypes = 0, set()
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                piece = f.get_slice(key)
+                count = 1
+                for size in piece.get_shape():
+                    count *= size
+                parameters += count
+                dtypes.add(piece.get_dtype())
+    return {"name": name, "path": os.path.abspath(path), "model_type": config.model_type, "kind": spec.kind,
+            "mask_id": spec.mask_id, "eos_id": spec.eos_id, "eot_id": spec.eot_id, "vocab_size": spec.vocab_size,
+            "max_length": spec.max_length, "parameters": parameters, "dtypes": sorted(dtypes),
+            "tokenizer": os.path.exists(os.path.join(path, "tokenizer.json")),
+            "chat_template": os.path.exists(os.path.join(path, "chat_template.jinja"))}
+
+
+def _models(args: argparse.Namespace) -> int:
+    from remask.zoo import SHIPPED
+
+    rows = []
+    for name in args.paths or SHIPPED:
+        try:
+            rows.append(describe_checkpoint(name))
+        except (ValueError, OSError) as err:
+            print(f"remask models: {name}: {err}", file=sys.stderr)
+            return 2
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'name':24s} {'kind':6s} {'type':8s} {'parameters':>11s} {'vocab':>7s} {'context':>8s} {'mask id':>8s} "
+          f"{'eos id':>7s}  chat")
+    for r in rows:
+        print(f"{r['name']:24s} {r['kind']:6s} {r['model_type']:8s} {r['parameters']:>11,d} {r['vocab_size'] or '-':>7} "
+              f"{r['max_length'] or '-':>8} {'-' if r['mask_id'] is None else r['mask_id']:>8} "
+              f"{'-' if r['eos_id'] is None else r['eos_id']:>7}  {'yes' if r['chat_template'] else 'no'}")
+    return 0
+
+
+def _sampling_flags(parser: argparse.ArgumentParser) -> list[str]:
+    """One flag per plain `SamplingParams` field (--max-tokens, --steps, ...); returns the names."""
+    import dataclasses
+    import typing
+
+    from remask.engine import SamplingParams
+
+    hints = typing.get_type_hints(SamplingParams)
+    names = []
+    for field in dataclasses.fields(SamplingParams):
+        hint = str(hints[field.name])
+        if field.name in ("apd", "sparse"):
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        if "tuple" in hint:
+            kind = int if "int" in hint else str
+            parser.add_argument(flag, dest=field.name, type=kind, action="append", default=None,
+                                help=f"(repeatable) SamplingParams.{field.name}")
+        elif hint in ("bool",):
+            parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None)
+        elif "bool" in hint and "str" in hint:      # confidence_eos_eot_inf: False / True / "corrected"
+            parser.add_argument(flag, dest=field.name, default=None,
+                                type=lambda v: {"false": False, "true": True}.get(v.lower(), v))
+        else:
+            kind = int if "int" in hint else float if "float" in hint else str
+            parser.add_argument(flag, dest=field.name, type=kind, default=None)
+        names.append(field.name)
+    return names
+
+
+def _generate(args: argparse.Namespace, sampling_names: list[str]) -> int:
+    import remask
+
+    settings = {name: getattr(args, name) for name in sampling_names if getattr(args, name) is not None}
+    try:
+        params = remask.SamplingParams(**settings)
+    except (TypeError, ValueError) as err:
+        print(f"remask generate: {err}", file=sys.stderr)
+        return 2
+    requests = []      # (prompt or messages, params)
+    for text in args.prompt or []:
+        requests.append(({"prompt": text}, params))
+    if args.input:
+        with (sys.stdin if args.input == "-" else open(args.input)) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    own = {k: v for k, v in row.items() if k not in ("prompt", "messages", "id")}
+                    if ("prompt" in row) == ("messages" in row):
+                        raise ValueError("each line needs exactly one of prompt / messages")
+                    requests.append((row, params.replace(**own) if own else params))
+                except (ValueError, TypeError) as err:
+                    print(f"remask generate: --input line {number}: {err}", file=sys.stderr)
+                    return 2
+    if not requests:
+        print("remask generate: give --prompt TEXT (repeatable) or --input FILE.jsonl ('-' for stdin)", file=sys.stderr)
+        return 2
+    try:
+        llm = remask.LLM(args.model, max_num_seqs=args.max_num_seqs)   # --seed is the requests' (SamplingParams)
+    except (ValueError, OSError) as err:
+        print(f"remask generate: {err}", file=sys.stderr)
+        return 2
+    prompts = []
+    for row, _ in requests:
+        if "messages" in row:
+            prompts.append(llm.chat_ids(row["messages"]))
+        elif args.chat:
+            prompts.append(llm.chat_ids([{"role": "user", "content": row["prompt"]}]))
+        else:
+            prompts.append(row["prompt"])
+    try:
+        outs = llm.generate(prompts, [p for _, p in requests], use_tqdm=not args.quiet)
+    except ValueError as err:
+        print(f"remask generate: {err}", file=sys.stderr)
+        return 2
+    sink = sys.stdout if args.output in (None, "-") else open(args.output, "w")
+    try:
+        for (row, _), out in zip(requests, outs):
+            for o in out.outputs:
+                sink.write(json.dumps({**({"id": row["id"]} if "id" in row else {}),
+                                       **({"messages": row["messages"]} if "messages" in row
+                                          else {"prompt": row["prompt"]}),
+                                       "index": o.index, "text": o.text, "token_ids": o.token_ids,
+                                       "finish_reason": o.finish_reason, "nfe": o.nfe}) + "\n")
+    finally:
+        if sink is not sys.stdout:
+            sink.close()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["eval"]:      # every other argument is lm-eval's own
@@ -141,9 +289,33 @@ def main(argv: Sequence[str] | None = None) -> int:
                               help="cache deterministic responses (LRU of SIZE, TTL seconds)")
     serve_parser.add_argument("--cors-origins", default=None, help="comma-separated origins allowed by CORS")
     serve_parser.add_argument("--log-level", default="info")
+    models_parser = sub.add_parser("models", help="the shipped models, or what checkpoint folders hold",
+                                   description="remask models              # the shipped ones\n"
+                                               "remask models ./my-llada   # kind, ids, size of a folder",
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    models_parser.add_argument("paths", nargs="*", help="checkpoint folders or shipped names (default: the zoo)")
+    models_parser.add_argument("--json", action="store_true")
+    gen_parser = sub.add_parser(
+        "generate", help="decode prompts (text or JSONL) to JSONL",
+        description="remask generate tiny-llada --prompt 'sort 52814' --chat --steps 16 --block-length 8\n"
+                    "remask generate tiny-ar --input requests.jsonl --output answers.jsonl --temperature 0.7\n"
+                    "  (a line: {\"prompt\": ...} or {\"messages\": [...]}, optional \"id\" and SamplingParams fields)",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    gen_parser.add_argument("model", help="a shipped name or a checkpoint folder")
+    gen_parser.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen_parser.add_argument("--input", help="JSONL requests ('-': stdin)")
+    gen_parser.add_argument("--output", help="JSONL answers (default: stdout)")
+    gen_parser.add_argument("--chat", action="store_true", help="wrap each --prompt / prompt line in the chat template")
+    gen_parser.add_argument("--max-num-seqs", type=int, default=64)
+    gen_parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    sampling_names = _sampling_flags(gen_parser)
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "models":
+        return _models(args)
+    if args.command == "generate":
+        return _generate(args, sampling_names)
     return 2
 
 
