@@ -160,7 +160,8 @@ def _models(args: argparse.Namespace) -> int:
     print(f"{'name':24s} {'kind':6s} {'type':8s} {'parameters':>11s} {'vocab':>7s} {'context':>8s} {'mask id':>8s} "
           f"{'eos id':>7s}  chat")
     for r in rows:
-        print(f"{r['name']:24s} {r['kind']:6s} {r['model_type']:8s} {r['parameters']:>11,d} {r['vocab_size'] or '-':>7} "
+        print(f"{r['name']:24s} {r['kind']:6s} {r['model_type']:8s} {r['parameters']:>11,d} "
+              f"{r['vocab_size'] or '-':>7} "
               f"{r['max_length'] or '-':>8} {'-' if r['mask_id'] is None else r['mask_id']:>8} "
               f"{'-' if r['eos_id'] is None else r['eos_id']:>7}  {'yes' if r['chat_template'] else 'no'}")
     return 0

@@ -134,8 +134,9 @@ class RemaskLM(LM):
                 changes["max_tokens"] = int(gen_kwargs["max_gen_toks"])
         if gen_kwargs.get("do_sample") is False:
             changes["temperature"] = 0.0
+        greedy = gen_kwargs.get("do_sample") is False
         for name in ("temperature", "top_p", "top_k"):
-            if gen_kwargs.get(name) is not None and not (name == "temperature" and gen_kwargs.get("do_sample") is False):
+            if gen_kwargs.get(name) is not None and not (name == "temperature" and greedy):
                 changes[name] = gen_kwargs[name]
         return self.params.replace(**changes) if changes else self.params
 
