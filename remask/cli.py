@@ -239,24 +239,57 @@ def _generate(args: argparse.Namespace, sampling_names: list[str]) -> int:
             prompts.append(llm.chat_ids([{"role": "user", "content": row["prompt"]}]))
         else:
             prompts.append(row["prompt"])
+    # Data parallel under torchrun / accelerate launch: rank r decodes requests r, r + world, ...;
+    # rank 0 writes all of them in input order. A request's tokens do not depend on its batch, so
+    # the output equals one process's.
+    rank, world = _distributed()
+    mine = list(range(rank, len(requests), world))
     try:
-        outs = llm.generate(prompts, [p for _, p in requests], use_tqdm=not args.quiet)
+        outs = llm.generate([prompts[i] for i in mine], [requests[i][1] for i in mine],
+                            use_tqdm=not args.quiet and rank == 0)
     except ValueError as err:
         print(f"remask generate: {err}", file=sys.stderr)
         return 2
+    lines = []
+    for i, out in zip(mine, outs):
+        row = requests[i][0]
+        for o in out.outputs:
+            lines.append((i, o.index, json.dumps({**({"id": row["id"]} if "id" in row else {}),
+                                                  **({"messages": row["messages"]} if "messages" in row
+                                                     else {"prompt": row["prompt"]}),
+                                                  "index": o.index, "text": o.text, "token_ids": o.token_ids,
+                                                  "finish_reason": o.finish_reason, "nfe": o.nfe})))
+    if world > 1:
+        import torch.distributed as dist
+
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, lines)
+        lines = sorted(line for part in gathered for line in part)
+        dist.destroy_process_group()
+        if rank != 0:
+            return 0
     sink = sys.stdout if args.output in (None, "-") else open(args.output, "w")
     try:
-        for (row, _), out in zip(requests, outs):
-            for o in out.outputs:
-                sink.write(json.dumps({**({"id": row["id"]} if "id" in row else {}),
-                                       **({"messages": row["messages"]} if "messages" in row
-                                          else {"prompt": row["prompt"]}),
-                                       "index": o.index, "text": o.text, "token_ids": o.token_ids,
-                                       "finish_reason": o.finish_reason, "nfe": o.nfe}) + "\n")
+        for _, _, line in lines:
+            sink.write(line + "\n")
     finally:
         if sink is not sys.stdout:
             sink.close()
     return 0
+
+
+def _distributed() -> tuple[int, int]:
+    """(rank, world size) under torchrun / accelerate launch (a gloo group is started), else (0, 1)."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
