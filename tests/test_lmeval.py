@@ -89,3 +89,27 @@ def test_loglikelihoods():
         RemaskLM(pretrained="tiny-llada", mc_num=10, mc_batch_size=4)
     with pytest.raises(ValueError, match="steps"):
         RemaskLM(pretrained="tiny-llada", steps=0)
+
+
+def test_data_parallel_under_torchrun_equals_one_process(tmp_path):
+    """`torchrun --nproc_per_node 2 -m remask eval`: lm-eval shards the requests over two processes
+    (gloo); every sampled answer and the accuracy equal one process's."""
+    import pathlib
+    import shutil
+
+    torchrun = shutil.which("torchrun", path=str(pathlib.Path(sys.executable).parent))
+    if torchrun is None:
+        pytest.skip("torchrun not installed beside this python")
+    args = ["-m", "remask", "eval", "--model", "remask", "--model_args",
+            "pretrained=tiny-llada,steps=16,block_length=8,max_tokens=16,temperature=0.8,seed=5",
+            "--tasks", "remask_tiny", "--apply_chat_template", "--limit", "16", "--device", "cpu", "--log_samples"]
+    env = {"PATH": "/usr/bin:/bin", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)}
+    answers = []
+    for name, launcher in (("one", [sys.executable]), ("two", [torchrun, "--nproc_per_node", "2"])):
+        done = subprocess.run([*launcher, *args, "--output_path", str(tmp_path / name)], capture_output=True,
+                              text=True, timeout=600, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        [samples] = list((tmp_path / name).rglob("samples_remask_tiny_*.jsonl"))
+        rows = sorted((json.loads(line) for line in samples.read_text().splitlines()), key=lambda r: r["doc_id"])
+        answers.append([r["resps"][0][0] for r in rows])
+    assert len(answers[0]) == 16 and answers[0] == answers[1]

@@ -21,6 +21,9 @@ task_manager=lm_eval.tasks.TaskManager(include_path=remask.integrations.lmeval.t
   defined rolling likelihood (as the reference) and say so.
 * Every other `--model_args` key is a `remask.SamplingParams` field, validated when the model is
   built.
+* Data parallel: under `torchrun --nproc_per_node N -m remask eval ...` (or `accelerate launch`)
+  each process builds its own `LLM`, lm-eval shards the requests by rank and gathers the results:
+  the numbers equal one process's (requests are seeded and batch-invariant).
 """
 from __future__ import annotations
 
@@ -100,6 +103,42 @@ class RemaskLM(LM):
         self.name, self.seed = str(pretrained), seed
         self.mc_num, self.mc_batch_size, self.is_check_greedy = mc_num, mc_batch_size, bool(is_check_greedy)
         self._warned_length = False
+        # Data parallel under torchrun / accelerate launch: lm-eval shards the requests by rank and
+        # gathers the results through the methods below (a gloo group on CPU).
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group("gloo" if self.llm.engine.device.type == "cpu" else "nccl")
+            self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        else:
+            self._rank, self._world_size = 0, 1
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._world_size == 1:
+            return tensor
+        import torch.distributed as dist
+
+        tensor = tensor.reshape(-1) if tensor.dim() == 0 else tensor     # lm-eval gathers scalar counts too
+        parts = [torch.zeros_like(tensor) for _ in range(self._world_size)]
+        dist.all_gather(parts, tensor)
+        return torch.cat(parts)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list | None:
+        if self._world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        parts: list | None = [None] * self._world_size if self._rank == dst else None
+        dist.gather_object(obj, parts, dst=dst)
+        return parts
+
+    def barrier(self) -> None:
+        if self._world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
 
     # ---- chat ----
 
