@@ -7,12 +7,12 @@ BIN := $(VENV)/bin
 
 setup: $(VENV)/.installed
 
-# CPU torch first (an unpinned torch pulls GBs of CUDA packages), then remask with its dev, serve and eval extras.
+# CPU torch first (an unpinned torch pulls GBs of CUDA packages), then remask with the extras its tests use.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev,serve,eval]"
+	$(BIN)/pip install --quiet -e ".[dev,serve,eval,quant]"
 	touch $@
 
 demo: setup

@@ -22,6 +22,10 @@ from torch.overrides import TorchFunctionMode
 
 def _batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`[B, L, K]` → `[B, L, N]`, each of the B problems the GEMM `[L, K]·[K, N]` it is alone."""
+    if type(weight) not in (torch.Tensor, torch.nn.Parameter):
+        # A quantized weight (a tensor subclass: torchao's int8, ...) has its own kernel, which a
+        # batched GEMM would bypass: each problem runs through it as alone, one after another.
+        return torch.cat([F.linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
     w_t = weight.t().expand(x.shape[0], *weight.t().shape)
     if bias is None:
         return torch.bmm(x, w_t)

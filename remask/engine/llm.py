@@ -32,7 +32,8 @@ class LLM:
     (default float32 on CPU). `max_num_seqs` / `max_num_batched_tokens`: admission limits of one
     step. `kv_cache_pages` (or `kv_cache_memory_fraction` of free GPU memory), `page_size`,
     `enable_prefix_caching`: the KV page store of autoregressive models (default: room for every
-    admitted sequence at full length; fewer pages preempt and recompute). `batch_invariant`: every request's tokens independent of its batch-mates (see
+    admitted sequence at full length; fewer pages preempt and recompute). `quantization`: "int8"
+    (torchao weight-only) or a transformers quantization config, for a name or folder. `batch_invariant`: every request's tokens independent of its batch-mates (see
     `remask.engine.batch_invariant`). `seed`: the seed of requests without their own.
     """
 
@@ -40,14 +41,17 @@ class LLM:
                  device: str | torch.device | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 16384, kv_cache_pages: int | None = None,
                  kv_cache_memory_fraction: float | None = None, page_size: int = 16,
-                 enable_prefix_caching: bool = True, batch_invariant: bool = True, seed: int = 0) -> None:
+                 enable_prefix_caching: bool = True, batch_invariant: bool = True, seed: int = 0,
+                 quantization: Any = None) -> None:
         if isinstance(model, torch.nn.Module):
-            if dtype is not None or device is not None:
-                raise ValueError("dtype / device apply when LLM loads the model; move a loaded model yourself")
+            if dtype is not None or device is not None or quantization is not None:
+                raise ValueError("dtype / device / quantization apply when LLM loads the model; prepare a loaded "
+                                 "model yourself")
         else:
             from remask.zoo import load
 
-            model, loaded_tokenizer = load(model, dtype=dtype or torch.float32, device=device or "cpu")
+            model, loaded_tokenizer = load(model, dtype=dtype or torch.float32, device=device or "cpu",
+                                           quantization=quantization)
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
         self.tokenizer = tokenizer
         self.engine = LLMEngine(model, tokenizer, max_num_seqs=max_num_seqs,

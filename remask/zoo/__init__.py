@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -90,16 +91,39 @@ def check_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+QUANTIZATIONS = ("int8",)
+
+
+def quantization_config(quantization: Any) -> Any:
+    """A transformers quantization config for `quantization`: "int8" (torchao int8 weight-only,
+    which runs on CPU), a transformers config object (bitsandbytes, FP8, torchao, ...) as it is,
+    or None."""
+    if quantization is None or not isinstance(quantization, str):
+        return quantization
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, a transformers quantization config "
+                         f"or None, got {quantization!r}")
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig
+    except ImportError as err:
+        raise ValueError(f"quantization='int8' needs torchao: pip install torchao ({err})") from None
+    from transformers import TorchAoConfig
+
+    return TorchAoConfig(Int8WeightOnlyConfig())
+
+
 def load(name: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32,
-         device: str | torch.device = "cpu"):
+         device: str | torch.device = "cpu", quantization: Any = None):
     """(model, tokenizer) of a shipped tiny model or a checkpoint folder, in eval mode.
 
     Diffusion checkpoints load with `AutoModel`, autoregressive ones with `AutoModelForCausalLM`
     (decided by `config.model_type`); nothing is downloaded. A `name`, `dtype` or `device` this
-    machine cannot load is an error before anything is read."""
+    machine cannot load is an error before anything is read. `quantization`: "int8" (torchao
+    weight-only, CPU or GPU) or any transformers quantization config (bitsandbytes, FP8 on GPU)."""
     path = checkpoint_path(name)
     dtype = check_dtype(dtype)
     device = check_device(device)
+    qconfig = quantization_config(quantization)
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     import remask.models  # noqa: F401  (registers LLaDA / Dream with the Auto classes)
@@ -110,6 +134,9 @@ def load(name: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32,
                                 f"`python -m remask.zoo.train`")
     config = AutoConfig.from_pretrained(path)
     auto = AutoModel if str(config.model_type).lower() in SPEC_BUILDERS else AutoModelForCausalLM
-    model = auto.from_pretrained(path, dtype=dtype).to(device).eval()
+    if qconfig is None:
+        model = auto.from_pretrained(path, dtype=dtype).to(device).eval()
+    else:   # quantized weights are placed by from_pretrained (they may not support .to())
+        model = auto.from_pretrained(path, dtype=dtype, quantization_config=qconfig, device_map=str(device)).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
