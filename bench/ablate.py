@@ -1,6 +1,7 @@
 """Ablations on the shipped tiny models: accuracy against NFE for every decoding strategy.
 
     python bench/ablate.py --out bench/results/ablation.csv --plot docs/img/ablation.png
+    python bench/ablate.py            # a new CSV in bench/results/, its plot beside it (matplotlib)
 
 regenerates the committed results. Without --out the CSV goes to a new file,
 bench/results/ablation-YYYYMMDD-HHMMSS.csv (time of the run; -2, -3, ... appended if taken), so a
@@ -15,12 +16,13 @@ Each row of the CSV is one setting: accuracy (exact match; multi-answer tasks by
 accuracy per task, NFE per answer (batch 1, exact; for APD the diffusion model's forwards, the
 verifier's in `verifier_nfe_per_answer`), tokens/s. Seeded: the same command gives
 the same accuracies and NFE (tokens/s depend on the machine). The plot (accuracy vs NFE, one
-line per family) needs matplotlib (`.venv/bin/pip install -e '.[plot]'`); without it only the CSV
-is written.
+line per family) is written beside the CSV without a flag when matplotlib is installed
+(`.venv/bin/pip install -e '.[plot]'`; `--no-plot` to skip it); without it only the CSV is written.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import csv
 import os
 import sys
@@ -230,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None,
                         help="CSV to write, replaced if it exists (default: a new "
                              "bench/results/ablation-YYYYMMDD-HHMMSS.csv; never an existing file)")
-    parser.add_argument("--plot", default=None, help=f"PNG to write (needs matplotlib: {PLOT_INSTALL})")
+    parser.add_argument("--plot", default=None,
+                        help=f"PNG to write (default: beside the CSV, same name, when matplotlib is installed: "
+                             f"{PLOT_INSTALL})")
+    parser.add_argument("--no-plot", action="store_true", help="write no plot")
     parser.add_argument("--sweep", choices=("full", "quick"), default="full")
     parser.add_argument("--problems", type=int, default=140, help="held-out problems (tasks taken in turn)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling noise (temperature, random remasking)")
@@ -248,10 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = run(sweep(args.sweep), args.problems, args.seed, show_progress=not args.no_progress)
     out = write_csv(rows, args.out, started=t0)
     print(f"{len(rows)} settings × {args.problems} problems in {time.time() - t0:.0f} s; CSV written to {shown(out)}")
-    if args.plot:
+    plot_path = args.plot
+    if plot_path is None and not args.no_plot and importlib.util.find_spec("matplotlib") is not None:
+        plot_path = os.path.splitext(out)[0] + ".png"      # where people look: beside the CSV
+    if plot_path and not args.no_plot:
         title = f"tiny-llada / tiny-ar, {args.problems} held-out problems (seed {EVAL_SEED}), sampling seed {args.seed}"
-        if plot(rows, args.plot, title):
-            print(f"plot → {args.plot}")
+        if plot(rows, plot_path, title):
+            print(f"plot → {shown(plot_path)}")
     if args.markdown:
         print(markdown_table(rows))
     return 0

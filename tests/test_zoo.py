@@ -228,6 +228,12 @@ def test_ablation_cli_writes_a_reproducible_csv(tmp_path):
     assert apd["mixture_weight"] == "0.7" and apd["max_lookahead"] == "16" and apd["steps"] == ""
     # one dLLM and one verifier forward per round, at least one round per answer
     assert float(apd["nfe_per_answer"]) == float(apd["verifier_nfe_per_answer"]) >= 1.0
+    # the accuracy-vs-NFE plot lands beside the CSV without a flag when matplotlib is there
+    import importlib.util
+
+    assert (tmp_path / "a.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
+    subprocess.run(cmd + ["--out", str(tmp_path / "c.csv"), "--no-plot"], check=True, capture_output=True)
+    assert not (tmp_path / "c.png").exists()
 
 
 # --- the shipped diffusion model through the official code ------------------------------------
