@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev,serve,eval,quant,plot]"
+	$(BIN)/pip install --quiet -e ".[dev,serve,eval,quant,plot,ray]"
 	touch $@
 
 demo: setup
