@@ -5,6 +5,7 @@
     model = AutoModel.from_pretrained("path/to/LLaDA-8B-Instruct")   # no trust_remote_code needed
     out = remask.generate(model, prompt_ids, steps=128, gen_length=128, block_length=32)
 """
+from remask import _noise  # noqa: F401  (first: quiets two third-party import messages, see the module)
 from remask import models as _models  # noqa: F401  (registers LLaDA and Dream with transformers)
 from remask.diffusion.checks import ParameterTypeError
 from remask.diffusion import (

@@ -292,12 +292,61 @@ def _distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+BENCHES = {"engine": "engine.py", "serve": "serve_load.py", "quantized": "quantized.py", "ablate": "ablate.py"}
+
+
+def _bench(rest: list[str]) -> int:
+    """The benchmarks of a source checkout (bench/ is not installed): `remask bench kernels` runs the
+    kernel microbenchmarks and their report, `remask bench engine|serve|quantized|ablate [flags]` the
+    script of that name with its own flags."""
+    import os
+    import runpy
+    import subprocess
+
+    usage = f"remask bench {{kernels,{','.join(BENCHES)}}} [the script's flags; --help for them]"
+    if not rest or rest[0] in ("-h", "--help"):
+        print(usage)
+        return 0 if rest else 2
+    candidates = [os.path.join(os.getcwd(), "bench"),
+                  os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")]
+    folder = next((c for c in candidates if os.path.isfile(os.path.join(c, "engine.py"))), None)
+    if folder is None:
+        print("remask bench: the benchmarks live in the source checkout's bench/ folder; run it from a clone "
+              "(git clone ... && cd remask)", file=sys.stderr)
+        return 2
+    which, args = rest[0], rest[1:]
+    if which == "kernels":
+        out = os.path.join(folder, "results", "latest.json")
+        done = subprocess.run([sys.executable, "-m", "pytest", folder, "-q", "-p", "no:cacheprovider",
+                               f"--benchmark-json={out}", *args])
+        if done.returncode:
+            return done.returncode
+        return subprocess.run([sys.executable, os.path.join(folder, "report.py"), out]).returncode
+    if which not in BENCHES:
+        print(f"remask bench: unknown benchmark {which!r}; {usage}", file=sys.stderr)
+        return 2
+    script = os.path.join(folder, BENCHES[which])
+    saved = sys.argv
+    sys.argv = [script, *args]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    finally:
+        sys.argv = saved
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["eval"]:      # every other argument is lm-eval's own
         return _eval(argv[1:])
+    if argv[:1] == ["bench"]:     # every other argument is the benchmark script's own
+        return _bench(argv[1:])
     parser = argparse.ArgumentParser(prog="remask", description="remask: fast, exact diffusion LLM decoding")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("bench", help="the benchmarks of a source checkout: kernels, engine, serve, quantized, ablate "
+                                 "(each takes its script's flags)")
     sub.add_parser("eval", help="lm-evaluation-harness with the remask model and the shipped tasks (needs the eval "
                                 "extra); takes exactly lm_eval's flags, e.g. remask eval --model remask --model_args "
                                 "pretrained=tiny-llada,steps=16 --tasks remask_tiny --apply_chat_template")

@@ -92,3 +92,17 @@ def test_generate_data_parallel_under_torchrun_equals_one_process(tmp_path):
     assert two.returncode == 0, two.stderr[-2000:]
     assert (tmp_path / "one.jsonl").read_bytes() == (tmp_path / "two.jsonl").read_bytes()
     assert len((tmp_path / "two.jsonl").read_text().splitlines()) == 6
+
+
+def test_importing_remask_prints_nothing():
+    """Not even the messages torchao's import would print on a CPU machine (remask/_noise.py)."""
+    done = subprocess.run([sys.executable, "-c", "import remask, remask.zoo; remask.load('tiny-ar')"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "" and "Failed to load" not in done.stderr
+    assert "register_constant" not in done.stderr
+
+
+def test_bench_dispatches_to_the_checkout_scripts(capsys):
+    assert main(["bench", "no-such"]) == 2 and "unknown benchmark" in capsys.readouterr().err
+    assert main(["bench", "quantized", "--problems", "2"]) == 0
+    assert "| tiny-ar | greedy |" in capsys.readouterr().out
