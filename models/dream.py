@@ -139,6 +139,17 @@ class DreamModel(PreTrainedModel):
 
     config_class = DreamConfig
     base_model_prefix = "model"
+    # Tensor parallel: Qwen2's plan (see LLaDAModelLM), on the model class (the base is a plain module).
+    _tp_plan = {
+        "model.layers.*.self_attn.q_proj": "colwise",
+        "model.layers.*.self_attn.k_proj": "colwise",
+        "model.layers.*.self_attn.v_proj": "colwise",
+        "model.layers.*.self_attn.o_proj": "rowwise",
+        "model.layers.*.mlp.gate_proj": "colwise",
+        "model.layers.*.mlp.up_proj": "colwise",
+        "model.layers.*.mlp.down_proj": "rowwise",
+        "lm_head": "colwise_gather_output",
+    }
     _no_split_modules = ["DreamDecoderLayer"]
     _supports_sdpa = True
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}

@@ -157,6 +157,20 @@ class LLaDAModelLM(PreTrainedModel):
     config_class = LLaDAConfig
     base_model_prefix = "model"
     _no_split_modules = ["LLaDABlock"]
+    # Tensor parallel (`from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))`
+    # under torchrun): Megatron's split — q/k/v and the MLP's inputs by output columns (whole heads
+    # per rank), the attention output and the MLP's output by rows (one all-reduce each); the LM
+    # head by vocabulary, gathered. On the model class: the backbone is a plain module.
+    _tp_plan = {
+        "model.transformer.blocks.*.q_proj": "colwise",
+        "model.transformer.blocks.*.k_proj": "colwise",
+        "model.transformer.blocks.*.v_proj": "colwise",
+        "model.transformer.blocks.*.attn_out": "rowwise",
+        "model.transformer.blocks.*.ff_proj": "colwise",
+        "model.transformer.blocks.*.up_proj": "colwise",
+        "model.transformer.blocks.*.ff_out": "rowwise",
+        "model.transformer.ff_out": "colwise_gather_output",
+    }
     _supports_sdpa = True
 
     def __init__(self, config: LLaDAConfig):
