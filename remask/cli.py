@@ -350,7 +350,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("eval", help="lm-evaluation-harness with the remask model and the shipped tasks (needs the eval "
                                 "extra); takes exactly lm_eval's flags, e.g. remask eval --model remask --model_args "
                                 "pretrained=tiny-llada,steps=16 --tasks remask_tiny --apply_chat_template")
-    serve_parser = sub.add_parser("serve", help="an OpenAI-compatible server (needs the serve extra)")
+    serve_parser = sub.add_parser(
+        "serve", help="an OpenAI-compatible server (needs the serve extra)",
+        description="remask serve tiny-llada                      # 127.0.0.1:8000, playground at /\n"
+                    "remask serve --model llada=tiny-llada --model ar=tiny-ar --api-key-file key.txt \\\n"
+                    "    --defaults 'llada={\"steps\": 16, \"block_length\": 8}' --response-cache 1024,600\n"
+                    "(docs/serving.md: routes, errors, metrics, drafts, hot swap)",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     serve_parser.add_argument("name", nargs="?",
                               help="a shipped model name or checkpoint folder, served under that name")
     serve_parser.add_argument("--model", action="append", type=_model_arg, metavar="NAME=PATH",
