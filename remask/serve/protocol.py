@@ -26,15 +26,16 @@ REMASK_FIELDS = ("top_k", "steps", "block_length", "threshold", "factor", "remas
 
 
 class APDSettings(BaseModel):
-    """APD over HTTP: `verifier` names a served autoregressive model; the rest are `APDConfig`'s."""
+    """APD over HTTP: `verifier` names a served autoregressive model; the others are `APDConfig`'s
+    fields, passed only when given (so `APDConfig`'s defaults and checks apply)."""
 
     model_config = ConfigDict(extra="forbid")
     verifier: str
-    mixture_weight: float = 0.7
-    kv_window: int | None = 16
-    max_lookahead: int | None = 100
-    dllm_cache: bool | None = None
-    coupled_gumbel: bool = False
+    mixture_weight: Any = None
+    kv_window: Any = None
+    max_lookahead: Any = None
+    dllm_cache: Any = None
+    coupled_gumbel: Any = None
 
 
 class StreamOptions(BaseModel):
@@ -122,7 +123,7 @@ class _Common(BaseModel):
         if self.apd is not None:
             if verifier is None:
                 raise ValueError("apd: no verifier can be served here")
-            settings = self.apd.model_dump(exclude={"verifier"})
+            settings = self.apd.model_dump(exclude={"verifier"}, exclude_unset=True)
             values["apd"] = APDConfig(verifier=verifier(self.apd.verifier), **settings)
         return SamplingParams(**values)
 
