@@ -196,9 +196,11 @@ class RemaskLM(LM):
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
-        encode = lambda text: list(self.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-        whole, head = encode(context + continuation), encode(context)
+        whole, head = self._encode(context + continuation), self._encode(context)
         return head, whole[len(head):]
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     @torch.no_grad()
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -287,7 +289,7 @@ class RemaskLM(LM):
         prefix = prefix if prefix is not None else self.spec.eos_id
         out = []
         for req in requests:
-            tokens = list(self.tokenizer(req.args[0], add_special_tokens=False)["input_ids"])
+            tokens = self._encode(req.args[0])
             total = 0.0
             for window in get_rolling_token_windows(tokens, prefix, max_len, 1):
                 context, target = make_disjoint_window(window)
