@@ -113,3 +113,23 @@ def test_data_parallel_under_torchrun_equals_one_process(tmp_path):
         rows = sorted((json.loads(line) for line in samples.read_text().splitlines()), key=lambda r: r["doc_id"])
         answers.append([r["resps"][0][0] for r in rows])
     assert len(answers[0]) == 16 and answers[0] == answers[1]
+
+
+def test_mc_loglikelihood_replays_llada_eval_code_with_reference_rng():
+    """16 cases (right and wrong continuations, CFG 0 and 0.5) from LLaDA's own `eval_llada.py`
+    estimator run with `torch.manual_seed(seed)`: `reference_rng=True` gives the same values, bit
+    for bit (docs/reference-fixtures.md)."""
+    import pathlib
+
+    data = json.loads((pathlib.Path(__file__).parent / "fixtures" / "llada_mc_loglikelihood.json").read_text())
+    tok = None
+    for case in data["cases"]:
+        lm = RemaskLM(pretrained="tiny-llada", mc_num=case["mc_num"], mc_batch_size=case["mc_batch_size"],
+                      cfg_scale=case["cfg"], reference_rng=True)
+        tok = tok or lm.tokenizer
+        context, continuation = tok.decode(case["context"]), tok.decode(case["continuation"])
+        assert lm._encode_pair(context, continuation) == (case["context"], case["continuation"])
+        torch.manual_seed(case["seed"])
+        [(value, _)] = lm.loglikelihood([Instance(request_type="loglikelihood", doc={},
+                                                  arguments=(context, continuation), idx=0)])
+        assert value == case["reference"], case

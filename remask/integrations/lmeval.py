@@ -16,7 +16,9 @@ task_manager=lm_eval.tasks.TaskManager(include_path=remask.integrations.lmeval.t
   batch), the cross-entropy of the masked positions weighted by 1/(k/L); optional CFG
   (`cfg_scale`); `is_check_greedy` decodes the continuation one token per step (lowest index
   among equal confidences) to say whether it is the greedy answer. Draws come from a generator
-  seeded by `seed` and the request, so the same command gives the same numbers.
+  seeded by `seed` and the request, so the same command gives the same numbers;
+  `reference_rng=True` draws from the global RNG in the reference's order instead, which replays a
+  seeded run of LLaDA's `eval_llada.py` value for value (checked against its code).
 * `loglikelihood_rolling`: autoregressive models (rolling windows); diffusion models have no
   defined rolling likelihood (as the reference) and say so.
 * Every other `--model_args` key is a `remask.SamplingParams` field, validated when the model is
@@ -77,7 +79,7 @@ class RemaskLM(LM):
     def __init__(self, pretrained: str = "tiny-llada", dtype: str | None = None, device: str | None = None,
                  batch_size: int | str = 64, max_batch_size: int | None = None, max_num_seqs: int | None = None,
                  seed: int = 0, mc_num: int = 128, mc_batch_size: int = 32, is_check_greedy: bool = False,
-                 trust_remote_code: bool = False, **sampling: Any) -> None:
+                 reference_rng: bool = False, trust_remote_code: bool = False, **sampling: Any) -> None:
         super().__init__()
         if isinstance(batch_size, str) and batch_size.startswith("auto"):
             batch_size = 1
@@ -102,6 +104,7 @@ class RemaskLM(LM):
         self.spec = self.llm.engine.spec
         self.name, self.seed = str(pretrained), seed
         self.mc_num, self.mc_batch_size, self.is_check_greedy = mc_num, mc_batch_size, bool(is_check_greedy)
+        self.reference_rng = bool(reference_rng)
         self._warned_length = False
         # Data parallel under torchrun / accelerate launch: lm-eval shards the requests by rank and
         # gathers the results through the methods below (a gloo group on CPU).
@@ -212,8 +215,8 @@ class RemaskLM(LM):
             if self.spec.kind == "ar":
                 out.append(self._ar_loglikelihood(context, continuation))
             else:
-                generator = torch.Generator().manual_seed((self.seed * 1_000_003 + zlib.crc32(
-                    repr((context, continuation)).encode())) % 2**31)
+                generator = None if self.reference_rng else torch.Generator().manual_seed(
+                    (self.seed * 1_000_003 + zlib.crc32(repr((context, continuation)).encode())) % 2**31)
                 logprob = self._mc_loglikelihood(context, continuation, generator)
                 out.append((logprob, self._greedy_suffix(context, continuation) if self.is_check_greedy else False))
         return out
@@ -244,13 +247,17 @@ class RemaskLM(LM):
             logits = unconditional + (cfg + 1) * (conditional - unconditional)
         return logits
 
-    def _mc_loglikelihood(self, context: list[int], continuation: list[int], generator: torch.Generator) -> float:
-        """LLaDA's estimator: E over k of the masked positions' cross-entropy weighted by L/k."""
+    def _mc_loglikelihood(self, context: list[int], continuation: list[int],
+                          generator: torch.Generator | None) -> float:
+        """LLaDA's estimator: E over k of the masked positions' cross-entropy weighted by L/k.
+        `generator=None` (`reference_rng=True`): the global RNG, drawn in the reference's order, so a
+        run seeded like the reference's replays its numbers."""
         B, L, P = self.mc_batch_size, len(continuation), len(context)
         seq = self._device_ids(context + continuation).repeat(B, 1)
         losses = []
         for _ in range(self.mc_num // B):
-            k = int(torch.randint(1, L + 1, (), generator=generator))
+            # k stays a tensor, as in the reference: the end of the linspace is then float32
+            k = torch.randint(1, L + 1, (), generator=generator)
             counts = torch.round(torch.linspace(float(k), k + (B - 1) * (L / B), steps=B)).long()
             counts = (counts - 1) % L + 1                                 # k spread evenly over the batch
             masked = torch.arange(L).repeat(B, 1) < counts[:, None]
@@ -261,7 +268,7 @@ class RemaskLM(LM):
             weight = (counts.to(seq.device).float() / L)[:, None].expand(B, P + L)
             logits = self._logits(noisy, P)
             loss = F.cross_entropy(logits[masked].float(), seq[masked], reduction="none") / weight[masked]
-            losses.append(float(loss.sum()) / B)
+            losses.append(float(loss.sum() / B))     # divided in the logits' dtype, as the reference
         return -sum(losses) / len(losses)
 
     def _greedy_suffix(self, context: list[int], continuation: list[int]) -> bool:
