@@ -30,6 +30,7 @@ import torch
 from remask.kernels import apd_accept
 from remask.kernels.confidence_ref import gumbel
 from remask.caches import KVCache
+from remask.models.parallel import full_logits
 from remask.models.spec import ModelSpec, get_spec
 
 from .checks import check_bool, check_int, check_real, model_device
@@ -202,7 +203,7 @@ class APDDecoder:
         # vocabulary, as upstream (same noise shape, so seeded runs replay), but never the mask token
         # (upstream can commit it and return masks) and never an id the verifier lacks (upstream's
         # verifier crashes on one): such a draft becomes the best id of the shared vocabulary.
-        window = logits[0, curr - left:right - left]
+        window = full_logits(logits)[0, curr - left:right - left]   # APD's verifier mixes whole rows
         proposal = window.clone()
         proposal[:, mask_id] = torch.finfo(proposal.dtype).min
         uniforms = None

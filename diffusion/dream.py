@@ -30,6 +30,7 @@ from .checks import (check_bool, check_callable, check_choice, check_generator, 
                      check_mask_id, check_model_kind, check_optional_token_id, check_prompt, check_real, check_stats,
                      warn_if_longer_than_trained, warn_if_padded_without_mask)
 from remask.kernels import unmask
+from remask.models.parallel import full_logits
 
 from .scoring import score_rows, score_tokens
 from .stats import GenerationStats
@@ -280,6 +281,7 @@ def _scorer(config: DreamGenerationConfig, mask_id: int):
         if fused:
             x0, conf = score_rows(logits, positions, mode=mode, exclude_id=mask_id)
             return x0, conf.to(logits.dtype)
+        logits = full_logits(logits)   # Dream's sampling filters whole rows
         return score_tokens(logits.reshape(-1, logits.shape[-1])[positions], mode=mode, generator=generator, **sample)
 
     return score

@@ -29,7 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from remask.kernels import confidence
+from remask.kernels.confidence import confidence_vocab_parallel
 from remask.kernels.confidence_ref import CONFIDENCE_MODES
+from remask.models.parallel import full_logits, vocab_shard
 
 
 def score_rows(
@@ -50,15 +52,24 @@ def score_rows(
     kernel's values are float32-accurate). `exclude_id` (the mask token) is never chosen but
     keeps its probability mass; `suppress_ids` are −inf logits; `zero_prob_ids` leave only the
     softmax (see `score_tokens`).
+
+    Logits sharded on the vocabulary (a tensor-parallel LM head, `models/parallel.py`) are scored
+    where they lie: each rank its columns, the ranks combining a few numbers per row — the same
+    tokens as one process, and full logits are never gathered.
     """
-    flat = logits.reshape(-1, logits.shape[-1])
     seed = None
     if temperature > 0:
         device = generator.device if generator is not None else "cpu"
         seed = int(torch.randint(0, 2**31 - 1, (), device=device, generator=generator))
-    return confidence(flat, temperature=temperature, mode=mode, rows=rows, suppress_ids=suppress_ids,
-                      seed=seed, exclude_ids=None if exclude_id is None else [exclude_id],
-                      zero_prob_ids=zero_prob_ids, out_dtype=torch.float64)
+    kwargs = dict(temperature=temperature, mode=mode, rows=rows, suppress_ids=suppress_ids, seed=seed,
+                  exclude_ids=None if exclude_id is None else [exclude_id], zero_prob_ids=zero_prob_ids,
+                  out_dtype=torch.float64)
+    shard = vocab_shard(logits)
+    if shard is not None:
+        local, vocab_start, vocab_size, group = shard
+        return confidence_vocab_parallel(local.reshape(-1, local.shape[-1]), vocab_start=vocab_start,
+                                         vocab_size=vocab_size, group=group, **kwargs)
+    return confidence(logits.reshape(-1, logits.shape[-1]), **kwargs)
 
 
 def gumbel_max_scores(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None,
@@ -68,6 +79,7 @@ def gumbel_max_scores(logits: torch.Tensor, temperature: float, generator: torch
     Returns `logits` itself at T=0. `noise` (uniforms in (0, 1), float64, logits' shape) may be
     injected; otherwise it is drawn like the reference's ``torch.rand_like(..., dtype=float64)``.
     """
+    logits = full_logits(logits)
     if temperature == 0:
         return logits
     logits = logits.to(torch.float64)
@@ -97,6 +109,7 @@ def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
 def tempered_filtered(logits: torch.Tensor, temperature: float, top_p: float | None,
                       top_k: int | None) -> torch.Tensor:
     """Dream's (and APD's) preprocessing: logits / T (T > 0), then top-p, then top-k."""
+    logits = full_logits(logits)   # top-p sorts whole rows
     if temperature > 0:
         logits = logits / temperature
     if top_p is not None and top_p < 1:
@@ -153,6 +166,8 @@ def score_tokens(
     """
     if mode not in CONFIDENCE_MODES:
         raise ValueError(f"mode must be one of {list(CONFIDENCE_MODES)}, got {mode!r}")
+    # The reference formulations need whole rows (their noise is drawn over [.., V]): gathered here.
+    logits = full_logits(logits)
     if suppress_ids:
         logits = logits.clone()
         logits[..., list(suppress_ids)] = -torch.inf

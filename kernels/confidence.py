@@ -24,7 +24,8 @@ from typing import Sequence
 
 import torch
 
-from .confidence_ref import CONFIDENCE_MODES, confidence_torch, id_tensor
+from .confidence_ref import (CONFIDENCE_MODES, combine_partials_torch, confidence_partials_torch, confidence_torch,
+                             id_tensor)
 from .dispatch import HAS_TRITON, next_power_of_2, use_triton
 
 LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -55,7 +56,7 @@ if HAS_TRITON:
 
     @triton.jit
     def confidence_fwd_kernel(
-        logits_ptr, stride_row, V,
+        logits_ptr, stride_row, V, vocab_start, vocab_size,
         rows_ptr,
         noise_ptr, stride_noise, seed, temperature,
         argmax_ids_ptr, n_argmax_ids, softmax_ids_ptr, n_softmax_ids,
@@ -63,14 +64,17 @@ if HAS_TRITON:
         x0_ptr, conf_ptr,
         BLOCK: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, NUM_SPLITS: tl.constexpr, MODE: tl.constexpr,
         HAS_ROWS: tl.constexpr, NOISE: tl.constexpr, HAS_ARGMAX_IDS: tl.constexpr, HAS_SOFTMAX_IDS: tl.constexpr,
+        WRITE_PARTIAL: tl.constexpr,
     ):
         """Program (i, j): output row i, vocabulary split j.
 
         logits `[*, V]` (row stride `stride_row`, V contiguous; fp32/fp16/bf16, upcast on load),
         rows `[n_rows]` int64 (HAS_ROWS), noise `[*, V]` uniforms (NOISE == 1), id lists int64.
-        NUM_SPLITS == 1: writes x0 `[n_rows]` int64 and conf `[n_rows]`; otherwise writes the
+        Not WRITE_PARTIAL: writes x0 `[n_rows]` int64 and conf `[n_rows]`; otherwise writes the
         partial state part `[6, n_rows, NUM_SPLITS]` fp32 (m, Σe, Σe(l−m), best score, logit at
         best, runner-up) and part_idx `[n_rows, NUM_SPLITS]` int32 for the combine kernel.
+        A vocabulary shard (tensor parallel) holds the global columns `vocab_start + [0, V)` of
+        `vocab_size`: ids, indices and Philox offsets are global, so the draws are the whole row's.
         """
         i_row = tl.program_id(0).to(tl.int64)
         i_split = tl.program_id(1)
@@ -91,25 +95,26 @@ if HAS_TRITON:
         for b in range(SPLIT_BLOCKS):
             cols = start + b * BLOCK + tl.arange(0, BLOCK)
             in_v = cols < V
+            gcols = cols + vocab_start   # global token ids
             l = tl.load(p_row + cols, mask=in_v, other=neg_inf).to(tl.float32)  # upcast first (bf16)
             l_arg = l
             l_soft = l
             if HAS_ARGMAX_IDS:
-                l_arg = tl.where(_hits(cols, argmax_ids_ptr, n_argmax_ids), neg_inf, l)
+                l_arg = tl.where(_hits(gcols, argmax_ids_ptr, n_argmax_ids), neg_inf, l)
             if HAS_SOFTMAX_IDS:
-                l_soft = tl.where(_hits(cols, softmax_ids_ptr, n_softmax_ids), neg_inf, l)
+                l_soft = tl.where(_hits(gcols, softmax_ids_ptr, n_softmax_ids), neg_inf, l)
             # Selection: running argmax of l + T·g, lowest index first (strict > across chunks).
             if NOISE == 1:
                 u = tl.load(noise_ptr + row * stride_noise + cols, mask=in_v, other=0.5).to(tl.float32)
                 score = tl.where(in_v, l_arg - temperature * tl.log(-tl.log(u)), neg_inf)
             elif NOISE == 2:
-                u = tl.rand(seed, row * V + cols)
+                u = tl.rand(seed, row * vocab_size + gcols)
                 score = tl.where(in_v, l_arg - temperature * tl.log(-tl.log(u)), neg_inf)
             else:
                 score = l_arg
             c_best = tl.max(score, axis=0)
-            c_idx = tl.min(tl.where((score == c_best) & in_v, cols, 2147483647), axis=0)
-            c_logit = tl.max(tl.where(cols == c_idx, l_soft, neg_inf), axis=0)
+            c_idx = tl.min(tl.where((score == c_best) & in_v, gcols, 2147483647), axis=0)
+            c_logit = tl.max(tl.where(gcols == c_idx, l_soft, neg_inf), axis=0)
             take = (c_best > best) | (best_idx < 0)
             best = tl.where(take, c_best, best)
             best_idx = tl.where(take, c_idx, best_idx)
@@ -131,7 +136,7 @@ if HAS_TRITON:
                 t = alpha * (t + dm * s) + tl.sum(e * shifted, axis=0)
             s = alpha * s + tl.sum(e, axis=0)
             m = m_new
-        if NUM_SPLITS == 1:
+        if not WRITE_PARTIAL:
             tl.store(x0_ptr + i_row, best_idx.to(tl.int64))
             conf = _finalize(m, s, t, best_logit, second, MODE)
             tl.store(conf_ptr + i_row, conf.to(conf_ptr.dtype.element_ty))
@@ -225,42 +230,84 @@ def confidence_triton(
     """
     n_rows = rows.numel() if rows is not None else logits.shape[0]
     V = logits.shape[1]
-    device = logits.device
-    x0 = torch.empty(n_rows, dtype=torch.long, device=device)
-    conf = torch.empty(n_rows, dtype=out_dtype, device=device)
+    x0 = torch.empty(n_rows, dtype=torch.long, device=logits.device)
+    conf = torch.empty(n_rows, dtype=out_dtype, device=logits.device)
     if n_rows == 0:
         return x0, conf
-    block_cfg, split_blocks, splits, num_warps = confidence_config(n_rows, V, sm_count(device))
-    if block is None and num_splits is None:
-        block = block_cfg
-    else:
+    block_cfg, split_blocks, splits, _ = confidence_config(n_rows, V, sm_count(logits.device))
+    if block is not None or num_splits is not None:
         block = block or block_cfg
         n_blocks = -(-V // block)
         split_blocks = -(-n_blocks // max(1, min(num_splits or 1, n_blocks)))
         splits = -(-n_blocks // split_blocks)
+    part, part_idx = _launch(logits, temperature, mode, rows, argmax_ids, softmax_ids, noise, seed,
+                             block or block_cfg, split_blocks, splits, x0, conf, partial=splits > 1)
+    if splits > 1:
+        confidence_combine_kernel[(n_rows,)](part, part_idx, n_rows, x0, conf, NUM_SPLITS=splits,
+                                             SPLITS_P2=next_power_of_2(splits), MODE=MODE_CODE[mode])
+    return x0, conf
+
+
+def _launch(logits, temperature, mode, rows, argmax_ids, softmax_ids, noise, seed, block, split_blocks, splits,
+            x0=None, conf=None, vocab_start: int = 0, vocab_size: int | None = None, partial: bool = False):
+    """One launch of `confidence_fwd_kernel` over `splits` programs per row of `split_blocks`
+    blocks each; returns the partial state (part, part_idx) when `partial`, else dummies."""
+    n_rows = rows.numel() if rows is not None else logits.shape[0]
+    device = logits.device
     argmax_ids, softmax_ids = id_tensor(argmax_ids, device), id_tensor(softmax_ids, device)
     noise_kind = NO_NOISE if temperature == 0 else (TENSOR_NOISE if noise is not None else PHILOX_NOISE)
-    dummy = x0  # stands in for absent optional pointers (never read: the constexpr flag is off)
-    if splits > 1:
+    dummy = torch.empty(1, dtype=torch.long, device=device)   # absent optional pointers (never read)
+    if partial:
         part = torch.empty((6, n_rows, splits), dtype=torch.float32, device=device)
         part_idx = torch.empty((n_rows, splits), dtype=torch.int32, device=device)
     else:
         part, part_idx = dummy, dummy
     confidence_fwd_kernel[(n_rows, splits)](
-        logits, logits.stride(0), V,
+        logits, logits.stride(0), logits.shape[1], int(vocab_start),
+        int(vocab_size if vocab_size is not None else logits.shape[1]),
         rows if rows is not None else dummy,
         noise if noise_kind == TENSOR_NOISE else dummy,
         noise.stride(0) if noise_kind == TENSOR_NOISE else 0,
         int(seed) if noise_kind == PHILOX_NOISE else 0, float(temperature),
         argmax_ids if argmax_ids is not None else dummy, 0 if argmax_ids is None else argmax_ids.numel(),
         softmax_ids if softmax_ids is not None else dummy, 0 if softmax_ids is None else softmax_ids.numel(),
-        part, part_idx, n_rows, x0, conf,
+        part, part_idx, n_rows, x0 if x0 is not None else dummy, conf if conf is not None else dummy,
         BLOCK=block, SPLIT_BLOCKS=split_blocks, NUM_SPLITS=splits, MODE=MODE_CODE[mode],
         HAS_ROWS=rows is not None, NOISE=noise_kind, HAS_ARGMAX_IDS=argmax_ids is not None,
-        HAS_SOFTMAX_IDS=softmax_ids is not None, num_warps=num_warps,
+        HAS_SOFTMAX_IDS=softmax_ids is not None, WRITE_PARTIAL=partial,
+        num_warps=8 if block >= 2048 else 4,
     )
-    if splits > 1:
-        confidence_combine_kernel[(n_rows,)](part, part_idx, n_rows, x0, conf, NUM_SPLITS=splits,
+    return part, part_idx
+
+
+def confidence_partials_triton(
+    logits: torch.Tensor, *, vocab_start: int, vocab_size: int, temperature: float = 0.0, mode: str = "prob",
+    rows: torch.Tensor | None = None, argmax_ids=None, softmax_ids=None, noise: torch.Tensor | None = None,
+    seed: int | None = None, num_splits: int = 1, block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial state of a vocabulary shard (see `confidence_partials_torch`): part
+    `[6, R, num_splits]` float32 and part_idx `[R, num_splits]` int32, split j covering the shard's
+    j-th run of blocks. `num_splits` is the caller's, so every rank sends the same shape (splits
+    past the shard's end report an empty state)."""
+    n_rows = rows.numel() if rows is not None else logits.shape[0]
+    if n_rows == 0:
+        return (torch.empty((6, 0, num_splits), dtype=torch.float32, device=logits.device),
+                torch.empty((0, num_splits), dtype=torch.int32, device=logits.device))
+    block = block or confidence_config(n_rows, max(logits.shape[1], 1), sm_count(logits.device))[0]
+    split_blocks = max(1, -(-(-(-logits.shape[1] // block)) // max(1, num_splits)))
+    return _launch(logits, temperature, mode, rows, argmax_ids, softmax_ids, noise, seed, block, split_blocks,
+                   num_splits, vocab_start=vocab_start, vocab_size=vocab_size, partial=True)
+
+
+def combine_partials_triton(part: torch.Tensor, part_idx: torch.Tensor, mode: str = "prob",
+                            out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial states `[6, R, S]` (ascending columns) with the combine kernel."""
+    n_rows, splits = part_idx.shape
+    x0 = torch.empty(n_rows, dtype=torch.long, device=part.device)
+    conf = torch.empty(n_rows, dtype=out_dtype, device=part.device)
+    if n_rows:
+        confidence_combine_kernel[(n_rows,)](part.float().contiguous(), part_idx.to(torch.int32).contiguous(),
+                                             n_rows, x0, conf, NUM_SPLITS=splits,
                                              SPLITS_P2=next_power_of_2(splits), MODE=MODE_CODE[mode])
     return x0, conf
 
@@ -344,3 +391,59 @@ def confidence(
     if use_triton(logits):
         return confidence_triton(logits, **kwargs)
     return confidence_torch(logits, **kwargs)
+
+
+def confidence_vocab_parallel(
+    logits: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    group=None,
+    temperature: float = 0.0,
+    mode: str = "prob",
+    rows: torch.Tensor | None = None,
+    suppress_ids: Sequence[int] | None = None,
+    seed: int | None = None,
+    exclude_ids: Sequence[int] | None = None,
+    zero_prob_ids: Sequence[int] | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`confidence` for tensor parallel: this rank holds the logit columns
+    ``[vocab_start, vocab_start + logits.shape[1])`` of `vocab_size` (a vocabulary-parallel LM
+    head, shards in rank order); every rank of `group` calls it with the same rows and ids.
+
+    Each rank scores its shard in one pass (the kernel, or its torch reference off CUDA) into a
+    few numbers per row — max, Σ e^(l−m), Σ e^(l−m)(l−m), best score and index, the logit there,
+    the runner-up — and the ranks all-gather those (7 values per row and rank; never the logits)
+    and combine them: max, argmax with the lowest index on ties, log-sum-exp. The Gumbel draws are
+    the unsharded call's (Philox at the global offset; the torch stream over the whole row), so
+    the tokens equal one process's. Returns x0 `[R]` int64 and confidence `[R]` on every rank.
+    """
+    import torch.distributed as dist
+
+    _check(logits, temperature, mode, rows, None, seed, out_dtype)
+    world = dist.get_world_size(group)
+    if temperature > 0 and seed is None:   # one seed for every rank: rank 0's draw
+        pick = torch.randint(0, 2**31 - 1, (1,), dtype=torch.long).to(logits.device)
+        dist.broadcast(pick, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        seed = int(pick.item())
+    suppress = list(suppress_ids or [])
+    kwargs = dict(vocab_start=vocab_start, vocab_size=vocab_size, temperature=temperature, mode=mode, rows=rows,
+                  argmax_ids=suppress + list(exclude_ids or []) or None,
+                  softmax_ids=suppress + list(zero_prob_ids or []) or None, seed=seed)
+    triton_path = use_triton(logits)
+    if triton_path:
+        n_rows = rows.numel() if rows is not None else logits.shape[0]
+        widest = -(-vocab_size // world)   # the same split count on every rank (equal shapes to gather)
+        num_splits = confidence_config(n_rows, widest, sm_count(logits.device))[2]
+        part, part_idx = confidence_partials_triton(logits, num_splits=num_splits, **kwargs)
+    else:
+        part, part_idx = confidence_partials_torch(logits, **kwargs)
+    parts = [torch.empty_like(part) for _ in range(world)]
+    idxs = [torch.empty_like(part_idx) for _ in range(world)]
+    dist.all_gather(parts, part.contiguous(), group=group)
+    dist.all_gather(idxs, part_idx.contiguous(), group=group)
+    part, part_idx = torch.cat(parts, dim=2), torch.cat(idxs, dim=1)   # rank order = column order
+    if triton_path:
+        return combine_partials_triton(part, part_idx, mode, out_dtype)
+    return combine_partials_torch(part, part_idx, mode, out_dtype)

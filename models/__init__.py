@@ -5,6 +5,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from .dream import DreamConfig, DreamModel
 from .layers import KVCache
 from .llada import LLaDAConfig, LLaDAModelLM
+from .parallel import register_tp_styles
 from .spec import ModelSpec, get_spec, register_spec
 
 
@@ -18,6 +19,7 @@ def register_with_transformers() -> None:
 
 
 register_with_transformers()
+register_tp_styles()
 
 __all__ = [
     "DreamConfig", "DreamModel", "KVCache", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "get_spec",

@@ -148,7 +148,7 @@ class DreamModel(PreTrainedModel):
         "model.layers.*.mlp.gate_proj": "colwise",
         "model.layers.*.mlp.up_proj": "colwise",
         "model.layers.*.mlp.down_proj": "rowwise",
-        "lm_head": "colwise_gather_output",
+        "lm_head": "vocab_parallel",
     }
     _no_split_modules = ["DreamDecoderLayer"]
     _supports_sdpa = True

@@ -160,7 +160,8 @@ class LLaDAModelLM(PreTrainedModel):
     # Tensor parallel (`from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))`
     # under torchrun): Megatron's split — q/k/v and the MLP's inputs by output columns (whole heads
     # per rank), the attention output and the MLP's output by rows (one all-reduce each); the LM
-    # head by vocabulary, gathered. On the model class: the backbone is a plain module.
+    # head by vocabulary, its logits left sharded (`models/parallel.py`: scoring combines a few
+    # numbers per row across ranks). On the model class: the backbone is a plain module.
     _tp_plan = {
         "model.transformer.blocks.*.q_proj": "colwise",
         "model.transformer.blocks.*.k_proj": "colwise",
@@ -169,7 +170,7 @@ class LLaDAModelLM(PreTrainedModel):
         "model.transformer.blocks.*.ff_proj": "colwise",
         "model.transformer.blocks.*.up_proj": "colwise",
         "model.transformer.blocks.*.ff_out": "rowwise",
-        "model.transformer.ff_out": "colwise_gather_output",
+        "model.transformer.ff_out": "vocab_parallel",
     }
     _supports_sdpa = True
 

@@ -201,3 +201,51 @@ def test_bad_input_names_the_parameter(bad, match):
     kwargs.update(bad)
     with pytest.raises((ValueError, TypeError, IndexError), match=match):
         confidence(kwargs.pop("logits"), **kwargs)
+
+
+def _shards(V, world):
+    chunk = -(-V // world)   # torch.chunk's split, as a Shard(-1) DTensor holds it
+    return [(min(r * chunk, V), min((r + 1) * chunk, V)) for r in range(world)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_vocab_shards_combine_to_the_unsharded_result(poisoned_outputs, world, mode, temperature):
+    """Tensor parallel scoring: each rank's partial state over its columns, merged in rank order,
+    is the unsharded call — same x0 (ties to the lowest id across shards, ids and noise global),
+    same confidence — for the float64 torch path and for the kernel."""
+    from remask.kernels.confidence import combine_partials_triton, confidence_partials_triton
+    from remask.kernels.confidence_ref import combine_partials_torch, confidence_partials_torch
+
+    V = 1001
+    logits = _logits(9, V, torch.float32, 40 + world)
+    logits[2, 5] = logits[2, 900] = 40.0   # an exact tie between the first and the last shard
+    rows = torch.tensor([0, 2, 3, 8], device=DEVICE)
+    ids = dict(argmax_ids=[7, 600], softmax_ids=[3, 999])
+    kw = dict(temperature=temperature, mode=mode, rows=rows, seed=5, **ids)
+    shards = _shards(V, world)
+    for partials, combine, whole in ((confidence_partials_torch, combine_partials_torch, confidence_torch),
+                                     (confidence_partials_triton, combine_partials_triton, confidence_triton)):
+        extra = {} if partials is confidence_partials_torch else dict(num_splits=2, block=128)
+        parts = [partials(logits[:, a:b], vocab_start=a, vocab_size=V, **kw, **extra) for a, b in shards]
+        got = combine(torch.cat([p for p, _ in parts], 2), torch.cat([i for _, i in parts], 1), mode)
+        want = whole(logits, **kw)
+        assert torch.equal(got[0].cpu(), want[0].cpu()), (partials.__name__, got[0], want[0])
+        torch.testing.assert_close(got[1].double().cpu(), want[1].double().cpu(), atol=1e-6, rtol=1e-6)
+    if temperature == 0:
+        assert int(want[0][1]) == 5
+
+
+def test_an_empty_vocab_shard_takes_no_part():
+    """More ranks than vocabulary chunks: the last rank holds no column and reports nothing."""
+    from remask.kernels.confidence_ref import combine_partials_torch, confidence_partials_torch
+
+    logits = torch.randn(3, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    parts = [confidence_partials_torch(logits[:, a:b], vocab_start=a, vocab_size=4, mode="margin")
+             for a, b in _shards(4, 3)]
+    assert parts[-1][0].shape == (6, 3, 1) and int(parts[-1][1][0, 0]) == 2**31 - 1
+    got = combine_partials_torch(torch.cat([p for p, _ in parts], 2), torch.cat([i for _, i in parts], 1), "margin")
+    want = confidence_torch(logits, mode="margin")
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])

@@ -45,6 +45,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 import remask
 from remask.engine import SamplingParams
+from remask.models.parallel import full_logits
 
 ADAPTER_ARGS = ("pretrained", "dtype", "device", "batch_size", "max_batch_size", "max_num_seqs", "seed", "mc_num",
                 "mc_batch_size", "is_check_greedy", "trust_remote_code")
@@ -241,7 +242,7 @@ class RemaskLM(LM):
             unconditional = batch.clone()
             unconditional[:, :prompt_len] = self.spec.mask_id
             batch = torch.cat([batch, unconditional])
-        logits = self.spec.logits(self.model, batch)
+        logits = full_logits(self.spec.logits(self.model, batch))   # log-likelihoods need whole rows
         if cfg > 0:
             conditional, unconditional = logits.chunk(2)
             logits = unconditional + (cfg + 1) * (conditional - unconditional)
