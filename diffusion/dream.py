@@ -143,7 +143,15 @@ def diffusion_generate(
     `max_new_tokens`, `temperature`, `top_p`, `top_k`; `verifier_stats` counts the verifier's forwards.
 
     Returns the `[B, max_length]` sequences, or a `DreamModelOutput` when `return_dict_in_generate`.
+
+    A uniform-noise model (DiffusionGemma, `spec.noise == "uniform"`) is decoded by
+    `remask.diffusion.canvas.canvas_generate`, the drop-in for its own `generate` (its keyword
+    arguments and return type).
     """
+    if get_spec(model).noise == "uniform":   # no mask token: canvases renoised (DiffusionGemma's generate)
+        from .canvas import canvas_generate
+
+        return canvas_generate(model, inputs, generation_config, **kwargs)
     hooks_given = [k for k in ("generation_tokens_hook_func", "generation_logits_hook_func") if k in kwargs]
     tokens_hook: Callable = kwargs.pop("generation_tokens_hook_func", lambda step, x, logits: x)
     logits_hook: Callable = kwargs.pop("generation_logits_hook_func", lambda step, x, logits: logits)

@@ -2,6 +2,7 @@
 when `remask` is imported), plus the spec lookup samplers use for any model."""
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from . import diffusion_gemma   # registers the DiffusionGemma spec (transformers' own classes)
 from .dream import DreamConfig, DreamModel
 from .layers import KVCache
 from .llada import LLaDAConfig, LLaDAModelLM

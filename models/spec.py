@@ -21,6 +21,10 @@ class ModelSpec:
     max_length: the longest sequence the model accepts (None: unknown). trained_gen_length: the
     longest answer the model was trained to produce, where its config declares one
     (`config.trained_gen_length`, remask's tiny models); the samplers warn beyond it.
+    noise: how positions are corrupted — ``"mask"`` (a mask token: LLaDA, Dream) or ``"uniform"``
+    (random tokens re-drawn from the vocabulary: DiffusionGemma; `mask_id` is None). layout:
+    ``"decoder-only"`` or ``"encoder-decoder"`` (an encoder writes the cache, a decoder denoises a
+    canvas against it). block_length: the model's fixed canvas, where it has one.
     """
 
     kind: str
@@ -33,6 +37,9 @@ class ModelSpec:
     logit_shift: bool = False
     bidirectional: bool = True
     trained_gen_length: int | None = None
+    noise: str = "mask"
+    layout: str = "decoder-only"
+    block_length: int | None = None
     _inputs: Callable[["ModelSpec", torch.Tensor | None, int], dict[str, Any]] = field(
         default=None, repr=False, compare=False)
 

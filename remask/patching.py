@@ -13,9 +13,18 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
     """Give a diffusion model `model.diffusion_generate(inputs, generation_config=None, **kw)` (Dream's
     method) and `model.generate(prompt, ...)` (LLaDA's `generate` without the model argument).
 
-    Works on remask's own classes and on models loaded with the official remote code. Returns the model.
+    Works on remask's own classes and on models loaded with the official remote code. For
+    DiffusionGemma, `model.generate(input_ids, **kw)` runs `canvas_generate` (the same arguments).
+    Returns the model.
     """
     spec = get_spec(model)
+    if spec.noise == "uniform":   # DiffusionGemma: its `generate` (same arguments) runs remask's canvas loop
+        from remask.diffusion.canvas import canvas_generate
+
+        model.generate = types.MethodType(lambda self, input_ids=None, **kw: canvas_generate(self, input_ids, **kw),
+                                          model)
+        model.diffusion_generate = model.generate
+        return model
     if spec.kind == "ar":
         raise ValueError("remask.patch expects a diffusion model (LLaDA, Dream); an autoregressive model "
                          "already has generate(), and remask.ar_generate is its remask counterpart")

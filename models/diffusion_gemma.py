@@ -1,0 +1,98 @@
+"""DiffusionGemma: transformers' own `DiffusionGemmaForBlockDiffusion` (transformers >= 5.11), not a
+reimplementation. This module holds what remask needs to know about it: its spec (uniform noise,
+no mask token, an encoder–decoder layout with canvases of `config.canvas_length`) and the adapter
+the canvas loop (`remask.diffusion.canvas`) drives — encoder into the KV cache, decoder over a
+canvas against it — so the loop itself never touches the model's classes.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .spec import ModelSpec, _config_id, register_spec
+
+MODEL_TYPE = "diffusion_gemma"
+MIN_TRANSFORMERS = "5.11"
+
+
+def require_diffusion_gemma():
+    """transformers' DiffusionGemma module, or an ImportError naming the version needed."""
+    try:
+        from transformers.models.diffusion_gemma import generation_diffusion_gemma
+    except ImportError as error:   # pragma: no cover - the pinned transformers has it
+        import transformers
+
+        raise ImportError(f"DiffusionGemma needs transformers >= {MIN_TRANSFORMERS} "
+                          f"(installed: {transformers.__version__})") from error
+    return generation_diffusion_gemma
+
+
+def _generation_id(model_config: Any, name: str) -> int | None:
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return _config_id(model_config, name, None) if getattr(model_config, name, None) is not None else \
+        _config_id(text, name, None)
+
+
+def diffusion_gemma_spec(config: Any) -> ModelSpec:
+    text = config.get_text_config()
+    return ModelSpec(
+        kind=MODEL_TYPE,
+        mask_id=None,
+        eos_id=_generation_id(config, "eos_token_id"),
+        pad_id=_generation_id(config, "pad_token_id"),
+        vocab_size=text.vocab_size,
+        max_length=getattr(text, "max_position_embeddings", None),
+        bidirectional=True,
+        noise="uniform",
+        layout="encoder-decoder",
+        block_length=config.canvas_length,
+    )
+
+
+register_spec(MODEL_TYPE, diffusion_gemma_spec)
+
+
+class CanvasModel:
+    """The calls of DiffusionGemma's generation loop, one method each, with the arguments
+    transformers' `generate` passes (so the same forwards run on the same tensors)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.config = model.config
+        self.canvas_length = int(model.config.canvas_length)
+        self.vocab_size = int(model.config.get_text_config().vocab_size)
+
+    @property
+    def embedding_dtype(self) -> torch.dtype:
+        return self.model.model.decoder.embed_tokens.weight.dtype
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config.get_text_config(decoder=True))
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache):
+        """Run the encoder over `input_ids` (uncached tokens), writing their keys and values into `cache`."""
+        encoder = self.model.model.encoder
+        input_ids = input_ids.clone(memory_format=torch.contiguous_format)
+        shape_only = torch.empty((input_ids.shape[0], input_ids.shape[1], 0), dtype=self.model.dtype,
+                                 device=input_ids.device)
+        masks = encoder.create_masks_for_generate(config=self.config, inputs_embeds=shape_only,
+                                                  attention_mask=attention_mask, past_key_values=cache,
+                                                  position_ids=position_ids, mm_token_type_ids=None)
+        return encoder(input_ids=input_ids, attention_mask=masks, past_key_values=cache,
+                       position_ids=position_ids).past_key_values
+
+    def decoder_masks(self, canvas: torch.Tensor, cache, decoder_attention_mask: torch.Tensor) -> dict:
+        """The decoder's attention masks for a canvas over the cache (computed once per canvas)."""
+        return self.model.model.decoder.create_diffusion_decoder_attention_mask(
+            config=self.config, inputs_embeds=canvas.unsqueeze(-1), past_key_values=cache,
+            decoder_attention_mask=decoder_attention_mask)
+
+    def denoise(self, canvas: torch.Tensor, self_conditioning_logits: torch.Tensor | None, masks: dict, cache,
+                position_ids: torch.Tensor) -> torch.Tensor:
+        """One decoder forward: logits `[B, canvas_length, V]` (float32, soft-capped)."""
+        return self.model(decoder_input_ids=canvas, self_conditioning_logits=self_conditioning_logits,
+                          decoder_attention_mask=masks, past_key_values=cache,
+                          decoder_position_ids=position_ids).logits

@@ -1,0 +1,166 @@
+"""DiffusionGemma through remask: transformers' own `DiffusionGemmaForBlockDiffusion` (tiny random
+checkpoints in the official format, written by `save_pretrained` and loaded back with the Auto
+class), decoded by remask's canvas loop, against `model.generate` run side by side.
+
+With ``reference_rng=True`` remask makes transformers' random draws in its order, so under the same
+seed the tokens (and `tokens_per_forward`) are `model.generate`'s: single rows and left-padded
+batches, several sampler settings, adaptive stopping on and off, EOS and padding after it,
+`decoder_input_ids`, `max_length`, a generation_config.json round trip.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import remask
+from remask.diffusion import canvas
+from remask.models import get_spec, tiny
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DiffusionGemmaForBlockDiffusion"):   # pragma: no cover
+    pytest.skip("DiffusionGemma needs transformers >= 5.11", allow_module_level=True)
+from transformers import AutoModelForImageTextToText  # noqa: E402
+from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig  # noqa: E402
+
+V, L = 301, 8
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("diffusion_gemma")
+    tiny.write_tiny_diffusion_gemma(str(path), seed=0, vocab_size=V, canvas_length=L,
+                                    generation={"max_denoising_steps": 6, "t_min": 0.5, "t_max": 0.9})
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
+
+
+PROMPT = torch.tensor([[2, 17, 42, 99, 5]])
+PADDED = torch.tensor([[0, 0, 2, 17, 42], [2, 17, 42, 99, 5], [0, 2, 9, 8, 7]])
+PADDED_MASK = (torch.arange(5)[None] >= torch.tensor([2, 0, 1])[:, None]).long()
+
+SETTINGS = {
+    "defaults": dict(max_new_tokens=16),
+    "adaptive-stop": dict(max_new_tokens=24, max_denoising_steps=8, confidence_threshold=4.0),
+    "wide-bound-no-stability": dict(max_new_tokens=16, sampler_config=EntropyBoundSamplerConfig(entropy_bound=3.0),
+                                    confidence_threshold=4.0, stability_threshold=0),
+    "stability-2": dict(max_new_tokens=16, max_denoising_steps=10, stability_threshold=2, confidence_threshold=5.0,
+                        sampler_config=EntropyBoundSamplerConfig(entropy_bound=1.5)),
+    "no-schedule-no-stop": dict(max_new_tokens=12, t_min=None, t_max=None, stability_threshold=None),
+    "max_length": dict(max_length=21, max_denoising_steps=3),
+}
+
+
+def both(model, inputs, seed, **kw):
+    torch.manual_seed(seed)
+    want = model.generate(inputs, **kw)
+    torch.manual_seed(seed)
+    got = remask.diffusion_generate(model, inputs, reference_rng=True, **kw)
+    return want, got
+
+
+def assert_same(want, got):
+    assert torch.equal(got.sequences, want.sequences), (got.sequences, want.sequences)
+    assert torch.equal(got.tokens_per_forward, want.tokens_per_forward)
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_single_row_reproduces_model_generate(model, name):
+    want, got = both(model, PROMPT, 1234, **SETTINGS[name])
+    assert_same(want, got)
+    assert type(got).__name__ == "DiffusionGemmaGenerationOutput"
+    assert torch.equal(got.sequences[:, :PROMPT.shape[1]], PROMPT)
+
+
+@pytest.mark.parametrize("name", ["defaults", "adaptive-stop", "stability-2"])
+def test_left_padded_batch_reproduces_model_generate(model, name):
+    want, got = both(model, PADDED, 7, attention_mask=PADDED_MASK, **SETTINGS[name])
+    assert_same(want, got)
+    assert torch.equal(got.sequences[:, :5], PADDED)
+
+
+def test_eos_pads_the_rest_and_stops_finished_rows(model):
+    """EOS ids taken from a run's first canvas: that row ends there, pad follows its first EOS, its
+    later canvases are all pad, and the loop stops once every row has finished."""
+    kw = dict(max_new_tokens=24, attention_mask=PADDED_MASK)
+    torch.manual_seed(3)
+    free = model.generate(PADDED, **kw).sequences
+    eos = [int(free[0, 5 + 2]), int(free[2, 5 + 4])]
+    want, got = both(model, PADDED, 3, eos_token_id=eos, **kw)
+    assert_same(want, got)
+    out = got.sequences
+    assert (out[0, 5 + 3:] == 0).all() and (out[2, 5 + 5:] == 0).all()
+    assert bool((out[1, 5:] == 0).sum() < out.shape[1] - 5)
+
+
+def test_decoder_input_ids_and_return_dict_off(model):
+    start = torch.randint(0, V, (3, L), generator=torch.Generator().manual_seed(3))
+    want, got = both(model, PADDED, 11, attention_mask=PADDED_MASK, decoder_input_ids=start, max_new_tokens=16,
+                     return_dict_in_generate=False)
+    assert torch.is_tensor(got) and torch.equal(got, want)
+
+
+def test_generation_config_round_trip(model, checkpoint):
+    """The checkpoint's generation_config.json (with the sampler config) drives both loops alike."""
+    assert model.generation_config.max_denoising_steps == 6 and model.generation_config.t_max == 0.9
+    want, got = both(model, PROMPT, 5, max_new_tokens=24)
+    assert_same(want, got)
+    stats = remask.GenerationStats()
+    remask.diffusion_generate(model, PROMPT, max_new_tokens=24, stability_threshold=None, stats=stats)
+    assert stats.nfe == 3 * 6   # three canvases of the checkpoint's 6 denoising steps
+    assert stats.generated_tokens == 24 and len(stats.tokens_per_step) == 18
+
+
+def test_spec_and_patch(model):
+    spec = get_spec(model)
+    assert (spec.kind, spec.noise, spec.layout, spec.mask_id, spec.block_length) == (
+        "diffusion_gemma", "uniform", "encoder-decoder", None, L)
+    patched = remask.patch(AutoModelForImageTextToText.from_pretrained(model.name_or_path).eval())
+    torch.manual_seed(9)
+    want = model.generate(PROMPT, max_new_tokens=8)
+    torch.manual_seed(9)
+    got = patched.generate(PROMPT, max_new_tokens=8, reference_rng=True)
+    assert_same(want, got)
+
+
+def test_fused_default_path_keeps_the_prompt_and_is_seeded(model):
+    """Without reference_rng the step is scored by the fused kernel (its own stream): the same seed
+    gives the same tokens, the prompt comes back unchanged, tokens are in the vocabulary."""
+    runs = [remask.diffusion_generate(model, PADDED, attention_mask=PADDED_MASK, max_new_tokens=16,
+                                      generator=torch.Generator().manual_seed(4)).sequences for _ in range(2)]
+    assert torch.equal(runs[0], runs[1])
+    assert torch.equal(runs[0][:, :5], PADDED)
+    assert int(runs[0].max()) < V and int(runs[0].min()) >= 0
+
+
+def test_step_functions():
+    entropy = torch.tensor([[0.5, 0.1, 0.3, 2.0], [3.0, 0.0, 0.0, 0.2]])
+    accepted = canvas.entropy_bound_accept(entropy, 0.5)
+    # row 0: sorted 0.1, 0.3, 0.5, 2.0 → sums before each: 0, 0.1, 0.4, 0.9 → three accepted;
+    # row 1: 0, 0, 0.2, 3.0 → 0, 0, 0, 0.2: all (the largest entropy is not counted against the bound)
+    assert accepted.tolist() == [[True, True, True, False], [True, True, True, True]]
+    assert canvas.entropy_bound_accept(torch.tensor([[0.9, 0.8, 0.7]]), 0.5).tolist() == [[False, False, True]]
+    out = canvas.commit_and_renoise(torch.tensor([[5, 6, 7, 8]]), torch.tensor([[True, False, True, False]]),
+                                    torch.tensor([[1, 2, 3, 4]]))
+    assert out.tolist() == [[5, 2, 7, 4]]
+    tracker = canvas.StabilityTracker(2, 1.0)
+    a = torch.tensor([[1, 2]])
+    low = torch.tensor([0.5])
+    assert [bool(tracker(a, low)) for _ in range(3)] == [False, False, True]
+    assert not bool(tracker(torch.tensor([[1, 3]]), low))
+
+
+def test_bad_arguments_name_the_parameter(model):
+    with pytest.raises(ValueError, match="top_k|Unexpected|unexpected"):
+        remask.diffusion_generate(model, PROMPT, top_k=5)
+    with pytest.raises(ValueError, match="past_key_values"):
+        remask.diffusion_generate(model, PROMPT, past_key_values=object())
+    with pytest.raises(ValueError, match="attention_mask"):
+        remask.diffusion_generate(model, PROMPT, attention_mask=torch.ones(1, 3))
+    with pytest.raises(TypeError, match="reference_rng"):
+        remask.diffusion_generate(model, PROMPT, reference_rng=1)
+    with pytest.raises(ValueError, match="pixel_values"):
+        remask.diffusion_generate(model, PROMPT, pixel_values=torch.zeros(1))
