@@ -7,6 +7,7 @@ reference-stream and Dream categorical sampling.
 """
 from .apd import APDConfig, apd_generate
 from .ar import ARDecoder, ar_generate
+from .canvas import CanvasSampler, canvas_generate
 from .dream import DreamDecoder, DreamGenerationConfig, DreamModelOutput, diffusion_generate
 from .llada import BlockDecoder, block_diffusion_generate, generate
 from .scoring import score_rows, score_tokens
@@ -15,7 +16,7 @@ from .sparse import SparseConfig
 from .stats import GenerationStats
 
 __all__ = [
-    "APDConfig", "ARDecoder", "BlockDecoder", "DreamDecoder", "DreamGenerationConfig", "DreamModelOutput",
-    "GenerationStats", "SparseConfig", "apd_generate", "ar_generate", "block_diffusion_generate", "diffusion_generate",
+    "APDConfig", "ARDecoder", "BlockDecoder", "CanvasSampler", "DreamDecoder", "DreamGenerationConfig", "DreamModelOutput",
+    "GenerationStats", "SparseConfig", "apd_generate", "ar_generate", "block_diffusion_generate", "canvas_generate", "diffusion_generate",
     "generate", "schedule_counts", "score_rows", "score_tokens",
 ]

@@ -13,24 +13,26 @@ errors) and the same return type. It drives the model through `models.diffusion_
 (the model's own encoder, decoder and cache). With ``reference_rng=True`` it makes transformers'
 random draws in transformers' order (`torch.randint` for each canvas, `torch.multinomial` then
 `torch.randint` per step, over the whole batch), so a seeded call returns `model.generate`'s tokens.
-By default the step is scored by the fused kernel (`remask.kernels.confidence`: the sample, by
-Gumbel-max over the tempered logits, and the entropy in one pass; see docs/diffusion-gemma.md).
+By default the step runs on the fused kernels (`remask.kernels.canvas`): the sample (Gumbel-max
+over the tempered logits), argmax and entropy in one pass over the vocabulary, then the EB decision
+and the renoise in one launch; see docs/diffusion-gemma.md.
 """
 from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from remask.kernels import confidence
+from remask.kernels.canvas import canvas_score, canvas_update
 from remask.models.diffusion_gemma import CanvasModel, require_diffusion_gemma
 
-from .checks import check_bool, check_generator, check_stats
+from .checks import check_bool, check_choice, check_generator, check_instance, check_int, check_real, check_stats
 from .stats import GenerationStats
 
-REMASK_KWARGS = ("reference_rng", "generator", "stats")
+REMASK_KWARGS = ("reference_rng", "generator", "stats", "canvas_sampler")
 MODEL_KWARGS = ("attention_mask", "decoder_input_ids", "self_conditioning_logits")
 
 
@@ -81,26 +83,77 @@ class StabilityTracker:
         return stable & (mean_entropy < self.confidence_threshold)
 
 
-def score_canvas(processed_logits: torch.Tensor, *, reference_rng: bool,
-                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sample, argmax, entropy) per position of the processed (tempered) logits `[B, L, V]`.
+@dataclass(frozen=True)
+class CanvasSampler:
+    """remask's decisions for uniform-noise canvases (DiffusionGemma), next to the reference's.
+
+    rule: which positions a step accepts (the others are renoised) —
+      ``"entropy_bound"`` the EB-sampler (transformers'; its bound is `sampler_config.entropy_bound`),
+      ``"threshold"`` every position whose most probable token has probability ≥ `threshold`
+      (Fast-dLLM's rule on the maximum probability; at least the most confident position),
+      ``"top_k"`` the `top_k` lowest-entropy positions.
+    freeze_after: a position whose argmax has come out the same at this many consecutive steps after
+      the first (1: equal to the previous step's) is committed to it for good (never renoised again; a mask-free early commit), and a canvas whose
+      positions are all frozen is finished. None: off (the reference).
+    """
+
+    rule: str = "entropy_bound"
+    threshold: float | None = None
+    top_k: int | None = None
+    freeze_after: int | None = None
+
+    def __post_init__(self):
+        check_choice("rule", self.rule, CANVAS_RULES)
+        if self.rule == "threshold":
+            check_real("threshold", self.threshold, low=0, high=1, low_open=True)
+        elif self.threshold is not None:
+            raise ValueError(f"threshold applies to rule='threshold' only (rule={self.rule!r})")
+        if self.rule == "top_k":
+            check_int("top_k", self.top_k, minimum=1)
+        elif self.top_k is not None:
+            raise ValueError(f"top_k applies to rule='top_k' only (rule={self.rule!r})")
+        if self.freeze_after is not None:
+            check_int("freeze_after", self.freeze_after, minimum=1)
+
+
+CANVAS_RULES = ("entropy_bound", "threshold", "top_k")
+
+
+def accept_positions(sampler: CanvasSampler, entropy: torch.Tensor, top_prob: torch.Tensor,
+                     entropy_bound: float) -> torch.Tensor:
+    """The decision of `sampler`'s rule: a bool mask over `[B, L]`."""
+    if sampler.rule == "entropy_bound":
+        return entropy_bound_accept(entropy, entropy_bound)
+    if sampler.rule == "threshold":
+        best = torch.zeros_like(top_prob, dtype=torch.bool).scatter(-1, top_prob.argmax(-1, keepdim=True), True)
+        return (top_prob >= sampler.threshold) | best
+    k = min(sampler.top_k, entropy.shape[-1])
+    order = torch.sort(entropy, dim=-1, stable=True).indices[..., :k]
+    return torch.zeros_like(entropy, dtype=torch.bool).scatter(-1, order, True)
+
+
+def _seed(generator: torch.Generator | None) -> int:
+    device = generator.device if generator is not None else "cpu"
+    return int(torch.randint(0, 2**31 - 1, (), device=device, generator=generator))
+
+
+def score_canvas(processed_logits: torch.Tensor, *, reference_rng: bool, generator: torch.Generator | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sample, argmax, entropy, top_prob) per position of the processed (tempered) logits `[B, L, V]`.
 
     reference_rng: transformers' formulation — float32 softmax, `torch.multinomial` over the
     flattened batch (its draws), `torch.argmax`, `Categorical(...).entropy()`. Otherwise the fused
-    scoring kernel draws the sample by Gumbel-max (a sample of the same distribution from the
-    kernel's own stream) and returns Σ p log p in the same pass.
+    kernel (`remask.kernels.canvas.canvas_score`) draws the sample by Gumbel-max (the same
+    distribution, from the kernel's own stream) and returns all four in one pass.
     """
     B, L, V = processed_logits.shape
-    argmax = torch.argmax(processed_logits, dim=-1)
     if reference_rng:
         probs = torch.softmax(processed_logits, dim=-1, dtype=torch.float32)
         sample = torch.multinomial(probs.view(-1, V), num_samples=1, generator=generator).view(B, L)
-        return sample, argmax, token_entropy(processed_logits)
-    device = generator.device if generator is not None else "cpu"
-    seed = int(torch.randint(0, 2**31 - 1, (), device=device, generator=generator))
-    sample, neg_entropy = confidence(processed_logits.reshape(B * L, V), temperature=1.0, mode="neg_entropy",
-                                     seed=seed, out_dtype=torch.float32)
-    return sample.view(B, L), argmax, (-neg_entropy).view(B, L).clamp_min(0.0)
+        argmax = torch.argmax(processed_logits, dim=-1)
+        return sample, argmax, token_entropy(processed_logits), probs.max(dim=-1).values
+    out = canvas_score(processed_logits.reshape(B * L, V), 1.0, seed=_seed(generator))
+    return tuple(t.view(B, L) for t in out)
 
 
 # --- the loop ----------------------------------------------------------------------------------------
@@ -136,6 +189,7 @@ def canvas_generate(
     reference_rng: bool = False,
     generator: torch.Generator | None = None,
     stats: GenerationStats | None = None,
+    canvas_sampler: CanvasSampler | None = None,
     **kwargs: Any,
 ):
     """Drop-in for `DiffusionGemmaForBlockDiffusion.generate(input_ids, **kwargs)`.
@@ -147,8 +201,9 @@ def canvas_generate(
     (the first canvas), `self_conditioning_logits` (for the first step), `logits_processor` and
     `stopping_criteria` (applied first, as transformers does), `streamer` (`put`, and `put_draft`
     with each step's argmax canvas). remask adds `reference_rng` (replay transformers' random
-    draws), `generator` (the random source; default torch's global one, as transformers) and
-    `stats` (forwards and tokens).
+    draws), `generator` (the random source; default torch's global one, as transformers),
+    `stats` (forwards and tokens) and `canvas_sampler` (a `CanvasSampler`: remask's accept rules
+    and early commit; default the reference's EB-sampler).
 
     Returns a `DiffusionGemmaGenerationOutput` (`sequences`, `tokens_per_forward`,
     `past_key_values`), or the `[B, T]` sequences when `return_dict_in_generate=False`.
@@ -161,6 +216,8 @@ def canvas_generate(
     check_bool("reference_rng", reference_rng)
     check_generator(generator, input_ids.device)
     check_stats("stats", stats)
+    check_instance("canvas_sampler", canvas_sampler, CanvasSampler, "a remask.CanvasSampler")
+    sampler = canvas_sampler or CanvasSampler()
     if past_key_values is not None:
         raise ValueError("past_key_values: remask's canvas loop builds its own cache; pass the whole prompt")
     if not torch.is_tensor(input_ids) or input_ids.dim() != 2:
@@ -224,6 +281,8 @@ def canvas_generate(
         if tracker is not None:
             tracker.reset()
         argmax_canvas = canvas
+        frozen = torch.zeros((B, L), dtype=torch.bool, device=device)
+        stable_steps = torch.zeros((B, L), dtype=torch.long, device=device)
         for cur_step in reversed(range(1, config.max_denoising_steps + 1)):
             running = ~(finished_denoising | finished_sequences)
             decoder_forwards += running
@@ -233,18 +292,34 @@ def canvas_generate(
             # transformers passes the step as an int32 tensor: the temperature is computed in float32
             processed = processors(input_ids, logits, cur_step=torch.tensor(cur_step, dtype=torch.int32,
                                                                             device=device))
-            sample, new_argmax, entropy = score_canvas(processed, reference_rng=reference_rng, generator=generator)
-            accepted = entropy_bound_accept(entropy, entropy_bound)
-            noise_tokens = torch.randint(0, V, (B, L), device=device, generator=generator)
-            new_canvas = commit_and_renoise(sample, accepted, noise_tokens)
-            if tracker is not None:
-                if finished_denoising.any():   # finished rows keep their state
-                    new_argmax = torch.where(finished_denoising[:, None], argmax_canvas, new_argmax)
-                    new_canvas = torch.where(finished_denoising[:, None], canvas, new_canvas)
-                    processed = torch.where(finished_denoising[:, None, None], self_conditioning, processed)
+            sample, new_argmax, entropy, top_prob = score_canvas(processed, reference_rng=reference_rng,
+                                                                 generator=generator)
+            if sampler.rule == "entropy_bound" and not reference_rng:   # decide + renoise: one launch
+                new_canvas, accepted = canvas_update(sample, entropy, entropy_bound, vocab_size=V,
+                                                     seed=_seed(generator))
+            else:
+                accepted = accept_positions(sampler, entropy, top_prob, entropy_bound)
+                noise_tokens = torch.randint(0, V, (B, L), device=device, generator=generator)
+                new_canvas = commit_and_renoise(sample, accepted, noise_tokens)
+            if sampler.freeze_after is not None:   # early commit: a stable argmax is kept for good
+                new_argmax = torch.where(frozen, argmax_canvas, new_argmax)
+                if cur_step < config.max_denoising_steps:   # from the second step: a previous argmax exists
+                    stable_steps = torch.where(new_argmax == argmax_canvas, stable_steps + 1, 0)
+                    frozen = frozen | (stable_steps >= sampler.freeze_after)
+                new_canvas = torch.where(frozen, new_argmax, new_canvas)
+                accepted = accepted | frozen
+            if finished_denoising.any():   # finished rows keep their state (and self-conditioning logits)
+                keep = finished_denoising
+                new_argmax = torch.where(keep[:, None], argmax_canvas, new_argmax)
+                new_canvas = torch.where(keep[:, None], canvas, new_canvas)
+                processed = torch.where(keep[:, None, None], self_conditioning, processed)
+                if tracker is not None:   # transformers recomputes the entropy of what it kept
                     entropy = token_entropy(processed) if reference_rng else torch.where(
-                        finished_denoising[:, None], token_entropy(processed), entropy)
+                        keep[:, None], token_entropy(processed), entropy)
+            if tracker is not None:
                 finished_denoising |= tracker(new_argmax, entropy.mean(dim=-1))
+            if sampler.freeze_after is not None:
+                finished_denoising |= frozen.all(dim=-1)
             if stats is not None:
                 stats.step(int(accepted[running].sum()))
             canvas, argmax_canvas = new_canvas, new_argmax

@@ -6,6 +6,9 @@ tests' oracle.
   (`unmask.py`).
 * `apd_accept(draft, dllm_logits, verifier_logits, R)` → (target, accepted length): APD's mixture
   argmax and acceptance test in one pass (`accept.py`).
+* `canvas_score(logits, T)` → (sample, argmax, entropy, top_prob) and `canvas_update(sample,
+  entropy, bound, vocab_size=)` → (canvas, accepted): uniform-noise diffusion's step (DiffusionGemma:
+  one pass over V; the EB decision and the renoise in one launch) (`canvas.py`).
 * `paged_store`, `paged_gather`, `paged_attention`: the paged KV cache (`paged.py`; layout
   `[num_pages, page_size, H_kv, D]` with a block table per sequence).
 * `block_sparse_attention(q, k, v, kv_num_blocks, kv_indices, ...)`: bidirectional attention under a
@@ -16,10 +19,11 @@ Triton runs on CUDA tensors; ``REMASK_TRITON=1`` forces it (CPU tensors under
 ``TRITON_INTERPRET=1``), ``REMASK_TRITON=0`` forces the torch references.
 """
 from .accept import apd_accept
+from .canvas import canvas_score, canvas_update
 from .confidence import confidence
 from .paged import paged_attention, paged_gather, paged_store
 from .sparse_attention import block_sparse_attention
 from .unmask import unmask
 
-__all__ = ["apd_accept", "block_sparse_attention", "confidence", "paged_attention", "paged_gather", "paged_store",
+__all__ = ["apd_accept", "block_sparse_attention", "canvas_score", "canvas_update", "confidence", "paged_attention", "paged_gather", "paged_store",
            "unmask"]

@@ -1,4 +1,4 @@
-"""remask: reference-exact samplers and fused kernels for diffusion LLMs (LLaDA, Dream) and AR models.
+"""remask: reference-exact samplers and fused kernels for diffusion LLMs (LLaDA, Dream, DiffusionGemma) and AR models.
 
     import remask
     from transformers import AutoModel
@@ -9,7 +9,7 @@ from remask import _noise  # noqa: F401  (first: quiets two third-party import m
 from remask import models as _models  # noqa: F401  (registers LLaDA and Dream with transformers)
 from remask.diffusion.checks import ParameterTypeError
 from remask.diffusion import (
-    APDConfig, DreamGenerationConfig, DreamModelOutput, GenerationStats, SparseConfig, ar_generate, diffusion_generate,
+    APDConfig, CanvasSampler, DreamGenerationConfig, DreamModelOutput, GenerationStats, SparseConfig, ar_generate, diffusion_generate,
     generate)
 from remask.engine import LLM, LLMEngine, RequestOutput, SamplingParams
 from remask.models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM, ModelSpec, get_spec
@@ -20,7 +20,7 @@ from remask.zoo import load
 __version__ = "0.1.0"
 
 __all__ = [
-    "APDConfig", "DreamConfig", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
+    "APDConfig", "CanvasSampler", "DreamConfig", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
     "LLM", "LLMEngine", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "RequestOutput", "SamplingParams", "SparseConfig", "answer_text", "ar_generate",
     "diffusion_generate", "generate", "get_spec", "load", "patch", "stop_token_ids",
 ]

@@ -36,6 +36,8 @@ def poisoned_outputs(monkeypatch):
         out = real_empty(*args, **kwargs)
         if out.is_floating_point():
             out.fill_(float("nan"))
+        elif out.dtype in (torch.int8, torch.uint8):
+            out.fill_(77 if out.dtype == torch.uint8 else -77)
         elif out.dtype != torch.bool:
             out.fill_(-7777)
         return out

@@ -164,3 +164,62 @@ def test_bad_arguments_name_the_parameter(model):
         remask.diffusion_generate(model, PROMPT, reference_rng=1)
     with pytest.raises(ValueError, match="pixel_values"):
         remask.diffusion_generate(model, PROMPT, pixel_values=torch.zeros(1))
+
+
+def test_remask_rules_keep_the_invariants_and_count_their_steps(model):
+    """remask's accept rules on DiffusionGemma: top_k=L accepts every position at every step; the
+    threshold rule accepts at least one; the explicit reference rule under reference_rng is the
+    reference; every run keeps the prompt, stays in the vocabulary and repeats under its seed."""
+    kw = dict(attention_mask=PADDED_MASK, max_new_tokens=16, stability_threshold=None)
+    stats = remask.GenerationStats()
+    remask.diffusion_generate(model, PADDED, canvas_sampler=remask.CanvasSampler(rule="top_k", top_k=L), stats=stats,
+                              generator=torch.Generator().manual_seed(0), **kw)
+    assert stats.tokens_per_step == [3 * L] * (2 * 6)
+    stats = remask.GenerationStats()
+    remask.diffusion_generate(model, PADDED, canvas_sampler=remask.CanvasSampler(rule="threshold", threshold=0.99),
+                              stats=stats, generator=torch.Generator().manual_seed(0), **kw)
+    assert min(stats.tokens_per_step) >= 3
+    want, got = both(model, PADDED, 2, canvas_sampler=remask.CanvasSampler(), **kw)
+    assert_same(want, got)
+    for sampler in (remask.CanvasSampler(rule="top_k", top_k=3), remask.CanvasSampler(freeze_after=2),
+                    remask.CanvasSampler(rule="threshold", threshold=0.5, freeze_after=1)):
+        runs = [remask.diffusion_generate(model, PADDED, canvas_sampler=sampler,
+                                          generator=torch.Generator().manual_seed(8), **kw).sequences for _ in range(2)]
+        assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0][:, :5], PADDED)
+        assert 0 <= int(runs[0].min()) and int(runs[0].max()) < V
+
+
+def test_freezing_commits_stable_positions_and_ends_the_canvas(model):
+    """freeze_after=1: a position whose argmax repeats is kept for good; once a row's canvas is all
+    frozen it stops (fewer forwards than the full schedule) and outputs the frozen tokens."""
+    drafts = []
+
+    class Drafts:
+        def put(self, value):
+            pass
+
+        def put_draft(self, value):
+            drafts.append(value.clone())
+
+        def end(self):
+            pass
+
+    stats = remask.GenerationStats()
+    out = remask.diffusion_generate(model, PROMPT, max_new_tokens=8, max_denoising_steps=40, stability_threshold=None,
+                                    canvas_sampler=remask.CanvasSampler(freeze_after=1), stats=stats,
+                                    streamer=Drafts(), generator=torch.Generator().manual_seed(1))
+    assert stats.nfe < 40 and len(drafts) == stats.nfe
+    assert torch.equal(out.sequences[0, 5:], drafts[-1][0])
+    # once frozen a position's draft never changes again: the last two drafts agree everywhere
+    assert torch.equal(drafts[-1], drafts[-2])
+
+
+def test_canvas_sampler_validates_its_fields():
+    with pytest.raises(ValueError, match="rule"):
+        remask.CanvasSampler(rule="nope")
+    with pytest.raises((ValueError, TypeError), match="threshold"):
+        remask.CanvasSampler(rule="threshold")
+    with pytest.raises(ValueError, match="top_k"):
+        remask.CanvasSampler(top_k=3)
+    with pytest.raises((ValueError, TypeError), match="freeze_after"):
+        remask.CanvasSampler(freeze_after=0)

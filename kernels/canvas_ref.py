@@ -1,0 +1,79 @@
+"""Torch reference for the canvas kernels (uniform-noise diffusion: DiffusionGemma): the CPU
+runtime and the oracle of tests and benchmarks.
+
+* `canvas_score_torch(logits, temperature, ...)` → (sample, argmax, entropy, top_prob) per row of
+  `[N, V]` logits under the tempered distribution softmax(l / T): a Gumbel-max sample, the argmax
+  (lowest index on ties), the entropy and the argmax's probability, in float64 a few rows at a time (never `[N, V]` float64).
+* `canvas_update_torch(sample, entropy, entropy_bound, ...)` → (new canvas, accepted): the
+  EB-sampler's decision per row (accept the lowest-entropy positions while the sum of the accepted
+  entropies minus the largest stays ≤ the bound; ties in entropy ordered by position) and the
+  update (accepted positions take their sample, the others a uniform random token).
+
+The Triton kernels (`remask.kernels.canvas`) compute the same in float32 with Philox noise.
+"""
+from __future__ import annotations
+
+import torch
+
+from .confidence_ref import CHUNK_ELEMENTS, gumbel
+
+
+def canvas_score_torch(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    *,
+    noise: torch.Tensor | None = None,
+    seed: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of `logits` `[N, V]`: x = l / T (`temperature`, a float or 0-dim tensor, divided in
+    the logits' float32 as transformers' schedule does), then the sample argmax(x + g) (g Gumbel
+    noise from the uniforms `noise` `[N, V]` or a float64 stream seeded with `seed`), the argmax
+    of x, the entropy −Σ p log p of softmax(x) and p(argmax).
+
+    Returns sample and argmax (int64 `[N]`), entropy (float32 `[N]`, ≥ 0) and top_prob (float32).
+    """
+    n_rows, V = logits.shape
+    device = logits.device
+    sample = torch.empty(n_rows, dtype=torch.long, device=device)
+    argmax = torch.empty(n_rows, dtype=torch.long, device=device)
+    entropy = torch.empty(n_rows, dtype=torch.float32, device=device)
+    top_prob = torch.empty(n_rows, dtype=torch.float32, device=device)
+    generator = None
+    if noise is None:
+        generator = torch.Generator(device=device).manual_seed(int(seed if seed is not None else 0))
+    chunk = max(1, CHUNK_ELEMENTS // max(V, 1))
+    for r0 in range(0, n_rows, chunk):
+        rows = slice(r0, min(r0 + chunk, n_rows))
+        x = (logits[rows].to(torch.float32) / temperature).to(torch.float64)
+        u = noise[rows].to(torch.float64) if noise is not None else torch.rand(
+            x.shape, dtype=torch.float64, device=device, generator=generator)
+        sample[rows] = torch.argmax(x + gumbel(u), dim=1)
+        argmax[rows] = torch.max(x, dim=1).indices   # the first maximal index
+        log_p = torch.log_softmax(x, dim=1)
+        entropy[rows] = (-(log_p.exp() * log_p).sum(dim=1)).clamp_min(0.0).to(torch.float32)
+        top_prob[rows] = log_p.max(dim=1).values.exp().to(torch.float32)
+    return sample, argmax, entropy, top_prob
+
+
+def canvas_update_torch(
+    sample: torch.Tensor,
+    entropy: torch.Tensor,
+    entropy_bound: float,
+    *,
+    vocab_size: int,
+    noise_tokens: torch.Tensor | None = None,
+    seed: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The EB-sampler step on a `[B, L]` canvas: returns (new canvas int64 `[B, L]`, accepted bool).
+
+    A position is accepted when the entropies before it in ascending order (position order among
+    equal entropies) sum to ≤ `entropy_bound`; the others get `noise_tokens` (`[B, L]` ids) or
+    uniform draws in [0, vocab_size) from a generator seeded with `seed`.
+    """
+    sorted_entropy, order = torch.sort(entropy.to(torch.float32), dim=-1, stable=True)
+    before = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy
+    accepted = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before <= entropy_bound)
+    if noise_tokens is None:
+        generator = torch.Generator(device=sample.device).manual_seed(int(seed if seed is not None else 0))
+        noise_tokens = torch.randint(0, vocab_size, sample.shape, device=sample.device, generator=generator)
+    return torch.where(accepted, sample, noise_tokens.to(sample.dtype)), accepted
