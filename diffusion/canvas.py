@@ -29,7 +29,8 @@ import torch
 from remask.kernels.canvas import canvas_score, canvas_update
 from remask.models.diffusion_gemma import CanvasModel, require_diffusion_gemma
 
-from .checks import check_bool, check_choice, check_generator, check_instance, check_int, check_real, check_stats
+from .checks import (ParameterTypeError, check_bool, check_choice, check_generator, check_instance, check_int,
+                     check_real, check_stats)
 from .stats import GenerationStats
 
 REMASK_KWARGS = ("reference_rng", "generator", "stats", "canvas_sampler")
@@ -117,6 +118,42 @@ class CanvasSampler:
 
 
 CANVAS_RULES = ("entropy_bound", "threshold", "top_k")
+# The generation settings a request may set (`SamplingParams.canvas`, the server's `canvas`).
+CANVAS_SETTINGS = ("max_denoising_steps", "t_min", "t_max", "entropy_bound", "stability_threshold",
+                   "confidence_threshold")
+
+
+def check_canvas_settings(settings: Any) -> dict[str, Any]:
+    """A request's canvas settings: a dict with keys from CANVAS_SETTINGS, each of its type and
+    range (transformers' config checks the rest against the checkpoint); returns a copy."""
+    if not isinstance(settings, dict):
+        raise ParameterTypeError(f"canvas must be a dict of {list(CANVAS_SETTINGS)}, got {type(settings).__name__}")
+    unknown = sorted(set(settings) - set(CANVAS_SETTINGS))
+    if unknown:
+        raise ValueError(f"canvas: unknown setting(s) {unknown}; allowed: {list(CANVAS_SETTINGS)}")
+    out = dict(settings)
+    if "max_denoising_steps" in out:
+        check_int("canvas.max_denoising_steps", out["max_denoising_steps"], minimum=1)
+    for name in ("t_min", "t_max"):
+        if name in out:
+            check_real(f"canvas.{name}", out[name], low=0, low_open=True, allow_none=True)
+    if "entropy_bound" in out:
+        out["entropy_bound"] = float(check_real("canvas.entropy_bound", out["entropy_bound"], low=0, low_open=True))
+    if "stability_threshold" in out:
+        check_int("canvas.stability_threshold", out["stability_threshold"], minimum=0, allow_none=True)
+    if "confidence_threshold" in out:
+        check_real("canvas.confidence_threshold", out["confidence_threshold"], low=0, low_open=True, allow_none=True)
+    return out
+
+
+def generation_kwargs(settings: dict[str, Any] | None) -> dict[str, Any]:
+    """`canvas_generate` keyword arguments for checked canvas settings (`entropy_bound` becomes
+    transformers' `sampler_config`)."""
+    kw = dict(settings or {})
+    if "entropy_bound" in kw:
+        module = require_diffusion_gemma()
+        kw["sampler_config"] = module.EntropyBoundSamplerConfig(entropy_bound=kw.pop("entropy_bound"))
+    return kw
 
 
 def accept_positions(sampler: CanvasSampler, entropy: torch.Tensor, top_prob: torch.Tensor,
@@ -158,6 +195,15 @@ def score_canvas(processed_logits: torch.Tensor, *, reference_rng: bool, generat
 
 # --- the loop ----------------------------------------------------------------------------------------
 
+def resolve_generation_config(model, generation_config, kwargs: dict[str, Any]):
+    """transformers' own config handling: its defaults, its `update`, its `validate` (errors name
+    the parameter); returns the config. Keyword arguments that are not config fields are refused."""
+    config, model_kwargs = _generation_config(model, generation_config, kwargs)
+    if model_kwargs:
+        raise ValueError(f"unexpected setting(s) {sorted(model_kwargs)} for DiffusionGemma generation")
+    return config
+
+
 def _generation_config(model, generation_config, kwargs: dict[str, Any]):
     """transformers' own config handling: its defaults, its `update`, its `validate` (errors name
     the parameter); returns (config, model_kwargs)."""
@@ -175,6 +221,235 @@ def _generation_config(model, generation_config, kwargs: dict[str, Any]):
                          f"DiffusionGemmaGenerationConfig field, {list(MODEL_KWARGS)} and remask's "
                          f"{list(REMASK_KWARGS)} (images, `pixel_values`, are not supported by remask's loop)")
     return config, model_kwargs
+
+
+@dataclass(eq=False)
+class CanvasState:
+    """Rows under the canvas loop. `input_ids`: the prompt and the finished canvases (`[B, T]`);
+    `canvas` / `argmax_canvas`: the canvas being denoised and its last argmax; `cur_step`: the
+    denoising step to run next (counting down from `max_denoising_steps`, as transformers)."""
+
+    input_ids: torch.Tensor
+    prompt_length: int
+    max_new_tokens: int
+    attention_mask: torch.Tensor
+    decoder_attention_mask: torch.Tensor
+    encoder_positions: torch.Tensor
+    decoder_positions: torch.Tensor
+    cache: Any
+    finished_sequences: torch.Tensor
+    decoder_forwards: torch.Tensor
+    first_canvas: dict[str, Any]           # decoder_input_ids / self_conditioning_logits for canvas 1
+    tracker: StabilityTracker | None
+    canvases_left: int
+    canvas: torch.Tensor | None = None
+    argmax_canvas: torch.Tensor | None = None
+    self_conditioning: torch.Tensor | None = None
+    masks: Any = None
+    finished_denoising: torch.Tensor | None = None
+    frozen: torch.Tensor | None = None
+    stable_steps: torch.Tensor | None = None
+    cur_step: int = 0
+    done: bool = False
+
+    @property
+    def batch(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def x(self) -> torch.Tensor:
+        """The sequences so far, with the current canvas's argmax after them (the draft)."""
+        if self.done or self.argmax_canvas is None:
+            return self.input_ids
+        return torch.cat([self.input_ids, self.argmax_canvas], dim=-1)
+
+
+class CanvasDecoder:
+    """The canvas loop as a decoder: `start` encodes the prompt and opens the first canvas; each
+    `step` is one denoising step of every row (one decoder forward), and closes the canvas (EOS,
+    padding) and opens the next when the canvas is done. `canvas_generate` drives it for a batch,
+    the engine for each request.
+
+    config: a resolved `DiffusionGemmaGenerationConfig`; sampler: a `CanvasSampler`;
+    reference_rng: transformers' draws in its order (see the module docstring).
+    """
+
+    def __init__(self, model: torch.nn.Module, config: Any, sampler: CanvasSampler | None = None, *,
+                 reference_rng: bool = False, logits_processor: Any = None, stopping_criteria: Any = None):
+        module = require_diffusion_gemma()
+        from transformers.generation.logits_process import LogitsProcessorList
+        from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria,
+                                                               StoppingCriteriaList)
+
+        self.module, self.config = module, config
+        self.sampler = sampler or CanvasSampler()
+        self.reference_rng = reference_rng
+        self.canvas_model = CanvasModel(model)
+        self.processors = LogitsProcessorList(logits_processor or [])
+        if config.t_min is not None and config.t_max is not None:
+            self.processors.append(module.LinearTemperatureScheduleLogitsProcessor(config.t_min, config.t_max,
+                                                                                   config.max_denoising_steps))
+        self.criteria = StoppingCriteriaList(stopping_criteria or [])
+        if config.max_length is not None:
+            self.criteria.append(MaxLengthCriteria(config.max_length))
+        self.eos_ids = None
+        if config.eos_token_id is not None:
+            self.criteria.append(EosTokenCriteria(config.eos_token_id))
+            self.eos_ids = config.eos_token_id
+        self.entropy_bound = config.sampler_config.entropy_bound
+
+    # -- the engine's interface --------------------------------------------------------------------
+
+    def shared_forward_key(self, state: CanvasState) -> None:
+        return None   # each request runs its own decoder forward (the shapes it has alone)
+
+    def num_final(self, state: CanvasState) -> int:
+        """Generated positions that are final: those of finished canvases."""
+        return min(state.input_ids.shape[1] - state.prompt_length, state.max_new_tokens)
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def start(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+              *, decoder_input_ids: torch.Tensor | None = None,
+              self_conditioning_logits: torch.Tensor | None = None) -> CanvasState:
+        config, L = self.config, self.canvas_model.canvas_length
+        B, cur_len = input_ids.shape
+        device = input_ids.device
+        if config.max_length and config.max_new_tokens == 256:   # transformers' rule: max_new_tokens wins
+            max_new_tokens = config.max_length - cur_len
+        else:
+            max_new_tokens = config.max_new_tokens
+        if attention_mask is None:
+            attention_mask = torch.ones((B, cur_len), dtype=torch.bool, device=device)
+        elif attention_mask.dim() != 2 or tuple(attention_mask.shape) != (B, cur_len):
+            raise ValueError(f"attention_mask must be 2-D with input_ids' shape {(B, cur_len)}, "
+                             f"got {tuple(attention_mask.shape)}")
+        attention_mask = attention_mask.bool()
+        first_canvas = {}
+        if decoder_input_ids is not None:
+            first_canvas["decoder_input_ids"] = decoder_input_ids
+        if self_conditioning_logits is not None:
+            first_canvas["self_conditioning_logits"] = self_conditioning_logits
+        tracker = None
+        if config.stability_threshold is not None and config.confidence_threshold is not None:
+            tracker = StabilityTracker(config.stability_threshold, config.confidence_threshold)
+        state = CanvasState(
+            input_ids=input_ids, prompt_length=cur_len, max_new_tokens=max_new_tokens,
+            attention_mask=attention_mask,
+            decoder_attention_mask=torch.nn.functional.pad(attention_mask, (0, L), value=True),
+            encoder_positions=torch.arange(0, cur_len, dtype=torch.int32, device=device)[None],
+            decoder_positions=torch.arange(cur_len, cur_len + L, dtype=torch.int32, device=device)[None],
+            cache=self.canvas_model.new_cache(),
+            finished_sequences=torch.zeros(B, dtype=torch.bool, device=device),
+            decoder_forwards=torch.zeros(B, dtype=torch.int, device=device),
+            first_canvas=first_canvas, tracker=tracker, canvases_left=math.ceil(max_new_tokens / L))
+        state.done = state.canvases_left <= 0
+        return state   # the first step opens the first canvas (encoder, random canvas: transformers' order)
+
+    def _open_canvas(self, state: CanvasState, generator: torch.Generator | None, first: bool = False) -> None:
+        """Encode what the cache lacks (the prompt, or the last canvas) and draw a fresh canvas."""
+        L, V = self.canvas_model.canvas_length, self.canvas_model.vocab_size
+        B, device = state.batch, state.input_ids.device
+        state.cache = self.canvas_model.encode(state.input_ids if first else state.input_ids[:, -L:],
+                                               state.attention_mask, state.encoder_positions, state.cache)
+        # transformers draws the random canvas even when `decoder_input_ids` replaces it (an eager default)
+        random_canvas = torch.randint(0, V, (B, L), device=device, generator=generator)
+        state.canvas = state.first_canvas.pop("decoder_input_ids", random_canvas)
+        state.self_conditioning = state.first_canvas.pop("self_conditioning_logits", None)
+        state.masks = self.canvas_model.decoder_masks(state.canvas, state.cache, state.decoder_attention_mask)
+        state.finished_denoising = torch.zeros(B, dtype=torch.bool, device=device)
+        if state.tracker is not None:
+            state.tracker.reset()
+        state.argmax_canvas = state.canvas
+        state.frozen = torch.zeros((B, L), dtype=torch.bool, device=device)
+        state.stable_steps = torch.zeros((B, L), dtype=torch.long, device=device)
+        state.cur_step = self.config.max_denoising_steps
+        state.canvases_left -= 1
+
+    def step(self, model: torch.nn.Module, state: CanvasState, generator: torch.Generator | None = None,
+             stats: GenerationStats | None = None, streamer: Any = None) -> None:
+        """One denoising step of every row; closes the canvas (and opens the next) when it is done."""
+        cm, sampler, L, V = self.canvas_model, self.sampler, self.canvas_model.canvas_length, \
+            self.canvas_model.vocab_size
+        B, device = state.batch, state.input_ids.device
+        if state.canvas is None:
+            self._open_canvas(state, generator, first=True)
+        canvas, argmax_canvas, finished = state.canvas, state.argmax_canvas, state.finished_denoising
+        running = ~(finished | state.finished_sequences)
+        state.decoder_forwards += running
+        logits = cm.denoise(canvas, state.self_conditioning, state.masks, state.cache, state.decoder_positions)
+        if stats is not None:
+            stats.forward(B, L)
+        # transformers passes the step as an int32 tensor: the temperature is computed in float32
+        processed = self.processors(state.input_ids, logits,
+                                    cur_step=torch.tensor(state.cur_step, dtype=torch.int32, device=device))
+        sample, new_argmax, entropy, top_prob = score_canvas(processed, reference_rng=self.reference_rng,
+                                                             generator=generator)
+        if sampler.rule == "entropy_bound" and not self.reference_rng:   # decide + renoise: one launch
+            new_canvas, accepted = canvas_update(sample, entropy, self.entropy_bound, vocab_size=V,
+                                                 seed=_seed(generator))
+        else:
+            accepted = accept_positions(sampler, entropy, top_prob, self.entropy_bound)
+            noise_tokens = torch.randint(0, V, (B, L), device=device, generator=generator)
+            new_canvas = commit_and_renoise(sample, accepted, noise_tokens)
+        if sampler.freeze_after is not None:   # early commit: a stable argmax is kept for good
+            new_argmax = torch.where(state.frozen, argmax_canvas, new_argmax)
+            if state.cur_step < self.config.max_denoising_steps:   # from the second step: a previous argmax
+                state.stable_steps = torch.where(new_argmax == argmax_canvas, state.stable_steps + 1, 0)
+                state.frozen = state.frozen | (state.stable_steps >= sampler.freeze_after)
+            new_canvas = torch.where(state.frozen, new_argmax, new_canvas)
+            accepted = accepted | state.frozen
+        if finished.any():   # finished rows keep their state (and self-conditioning logits)
+            new_argmax = torch.where(finished[:, None], argmax_canvas, new_argmax)
+            new_canvas = torch.where(finished[:, None], canvas, new_canvas)
+            processed = torch.where(finished[:, None, None], state.self_conditioning, processed)
+            if state.tracker is not None:   # transformers recomputes the entropy of what it kept
+                entropy = token_entropy(processed) if self.reference_rng else torch.where(
+                    finished[:, None], token_entropy(processed), entropy)
+        if state.tracker is not None:
+            finished |= state.tracker(new_argmax, entropy.mean(dim=-1))
+        if sampler.freeze_after is not None:
+            finished |= state.frozen.all(dim=-1)
+        if stats is not None:
+            stats.step(int(accepted[running].sum()))
+        state.canvas, state.argmax_canvas = new_canvas, new_argmax
+        state.self_conditioning = processed.to(cm.embedding_dtype)
+        state.cur_step -= 1
+        if streamer is not None and hasattr(streamer, "put_draft"):
+            streamer.put_draft(value=new_argmax.cpu())
+        if state.cur_step == 0 or bool(finished.all()):
+            self._close_canvas(state, generator, streamer)
+
+    def _close_canvas(self, state: CanvasState, generator: torch.Generator | None, streamer: Any = None) -> None:
+        L = self.canvas_model.canvas_length
+        state.input_ids = torch.cat([state.input_ids, state.argmax_canvas], dim=-1)
+        state.input_ids, state.finished_sequences = _finish_canvas(
+            state.input_ids, state.finished_sequences, self.criteria, self.config, L,
+            None if self.eos_ids is None else torch.tensor(self.eos_ids, device=state.input_ids.device))
+        if streamer is not None:
+            streamer.put(state.input_ids[:, -L:].cpu())
+        if bool(state.finished_sequences.all()) or state.canvases_left == 0:
+            state.done = True
+            state.argmax_canvas = None
+            return
+        cur_len = state.input_ids.shape[1]
+        state.decoder_attention_mask = torch.nn.functional.pad(state.decoder_attention_mask, (0, L), value=True)
+        state.attention_mask = torch.nn.functional.pad(state.attention_mask, (0, L), value=True)
+        state.encoder_positions = state.decoder_positions
+        state.decoder_positions = torch.arange(cur_len, cur_len + L, dtype=torch.int32,
+                                               device=state.input_ids.device)[None]
+        self._open_canvas(state, generator)
+
+    def output(self, state: CanvasState, return_dict: bool = True):
+        """transformers' return value: the sequences, or a `DiffusionGemmaGenerationOutput`."""
+        if not return_dict:
+            return state.input_ids
+        new_tokens = state.input_ids[:, state.prompt_length:]
+        pad = self.config.pad_token_id
+        valid = (new_tokens != pad).sum(dim=-1) if pad is not None else new_tokens.shape[1]
+        return self.module.DiffusionGemmaGenerationOutput(
+            sequences=state.input_ids, tokens_per_forward=valid / state.decoder_forwards,
+            past_key_values=state.cache)
 
 
 def canvas_generate(
@@ -208,148 +483,31 @@ def canvas_generate(
     Returns a `DiffusionGemmaGenerationOutput` (`sequences`, `tokens_per_forward`,
     `past_key_values`), or the `[B, T]` sequences when `return_dict_in_generate=False`.
     """
-    module = require_diffusion_gemma()
-    from transformers.generation.logits_process import LogitsProcessorList
-    from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria,
-                                                           StoppingCriteriaList)
-
     check_bool("reference_rng", reference_rng)
-    check_generator(generator, input_ids.device)
     check_stats("stats", stats)
     check_instance("canvas_sampler", canvas_sampler, CanvasSampler, "a remask.CanvasSampler")
-    sampler = canvas_sampler or CanvasSampler()
     if past_key_values is not None:
         raise ValueError("past_key_values: remask's canvas loop builds its own cache; pass the whole prompt")
     if not torch.is_tensor(input_ids) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a 2-D tensor [batch, length], got {getattr(input_ids, 'shape', None)}")
+    check_generator(generator, input_ids.device)
     config, model_kwargs = _generation_config(model, generation_config, kwargs)
-    canvas_model = CanvasModel(model)
-    L, V = canvas_model.canvas_length, canvas_model.vocab_size
-    B, cur_len = input_ids.shape
-    device = input_ids.device
-    if config.max_length and config.max_new_tokens == 256:   # transformers' rule: max_new_tokens wins unless default
-        max_length, max_new_tokens = config.max_length, config.max_length - cur_len
-    else:
-        max_new_tokens, max_length = config.max_new_tokens, config.max_new_tokens + cur_len
-    prompt_length = cur_len
-
-    attention_mask = model_kwargs.pop("attention_mask", None)
-    if attention_mask is None:
-        attention_mask = torch.ones((B, cur_len), dtype=torch.bool, device=device)
-    elif attention_mask.dim() != 2 or tuple(attention_mask.shape) != (B, cur_len):
-        raise ValueError(f"attention_mask must be 2-D with input_ids' shape {(B, cur_len)}, "
-                         f"got {tuple(attention_mask.shape)}")
-    attention_mask = attention_mask.bool()
-    decoder_attention_mask = torch.nn.functional.pad(attention_mask, (0, L), value=True)
-    encoder_positions = torch.arange(0, cur_len, dtype=torch.int32, device=device)[None]
-    decoder_positions = torch.arange(cur_len, cur_len + L, dtype=torch.int32, device=device)[None]
-
-    processors = LogitsProcessorList(logits_processor or [])
-    if config.t_min is not None and config.t_max is not None:
-        processors.append(module.LinearTemperatureScheduleLogitsProcessor(config.t_min, config.t_max,
-                                                                          config.max_denoising_steps))
-    criteria = StoppingCriteriaList(stopping_criteria or [])
-    if config.max_length is not None:
-        criteria.append(MaxLengthCriteria(config.max_length))
-    eos = None
-    if config.eos_token_id is not None:
-        criteria.append(EosTokenCriteria(config.eos_token_id))
-        eos = torch.tensor(config.eos_token_id, device=device)
-    tracker = None
-    if config.stability_threshold is not None and config.confidence_threshold is not None:
-        tracker = StabilityTracker(config.stability_threshold, config.confidence_threshold)
-    entropy_bound = config.sampler_config.entropy_bound
-
+    decoder = CanvasDecoder(model, config, canvas_sampler, reference_rng=reference_rng,
+                            logits_processor=logits_processor, stopping_criteria=stopping_criteria)
     if stats is not None:
         stats.start()
-    cache = canvas_model.new_cache()
-    finished_sequences = torch.zeros(B, dtype=torch.bool, device=device)
-    decoder_forwards = torch.zeros(B, dtype=torch.int, device=device)
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    first = True
-    for _ in range(math.ceil(max_new_tokens / L)):
-        cache = canvas_model.encode(input_ids if first else input_ids[:, -L:], attention_mask, encoder_positions,
-                                    cache)
-        first = False
-        # transformers draws the random canvas even when `decoder_input_ids` replaces it (an eager default)
-        random_canvas = torch.randint(0, V, (B, L), device=device, generator=generator)
-        canvas = model_kwargs.pop("decoder_input_ids", random_canvas)
-        self_conditioning = model_kwargs.pop("self_conditioning_logits", None)
-        masks = canvas_model.decoder_masks(canvas, cache, decoder_attention_mask)
-        finished_denoising = torch.zeros(B, dtype=torch.bool, device=device)
-        if tracker is not None:
-            tracker.reset()
-        argmax_canvas = canvas
-        frozen = torch.zeros((B, L), dtype=torch.bool, device=device)
-        stable_steps = torch.zeros((B, L), dtype=torch.long, device=device)
-        for cur_step in reversed(range(1, config.max_denoising_steps + 1)):
-            running = ~(finished_denoising | finished_sequences)
-            decoder_forwards += running
-            logits = canvas_model.denoise(canvas, self_conditioning, masks, cache, decoder_positions)
-            if stats is not None:
-                stats.forward(B, L)
-            # transformers passes the step as an int32 tensor: the temperature is computed in float32
-            processed = processors(input_ids, logits, cur_step=torch.tensor(cur_step, dtype=torch.int32,
-                                                                            device=device))
-            sample, new_argmax, entropy, top_prob = score_canvas(processed, reference_rng=reference_rng,
-                                                                 generator=generator)
-            if sampler.rule == "entropy_bound" and not reference_rng:   # decide + renoise: one launch
-                new_canvas, accepted = canvas_update(sample, entropy, entropy_bound, vocab_size=V,
-                                                     seed=_seed(generator))
-            else:
-                accepted = accept_positions(sampler, entropy, top_prob, entropy_bound)
-                noise_tokens = torch.randint(0, V, (B, L), device=device, generator=generator)
-                new_canvas = commit_and_renoise(sample, accepted, noise_tokens)
-            if sampler.freeze_after is not None:   # early commit: a stable argmax is kept for good
-                new_argmax = torch.where(frozen, argmax_canvas, new_argmax)
-                if cur_step < config.max_denoising_steps:   # from the second step: a previous argmax exists
-                    stable_steps = torch.where(new_argmax == argmax_canvas, stable_steps + 1, 0)
-                    frozen = frozen | (stable_steps >= sampler.freeze_after)
-                new_canvas = torch.where(frozen, new_argmax, new_canvas)
-                accepted = accepted | frozen
-            if finished_denoising.any():   # finished rows keep their state (and self-conditioning logits)
-                keep = finished_denoising
-                new_argmax = torch.where(keep[:, None], argmax_canvas, new_argmax)
-                new_canvas = torch.where(keep[:, None], canvas, new_canvas)
-                processed = torch.where(keep[:, None, None], self_conditioning, processed)
-                if tracker is not None:   # transformers recomputes the entropy of what it kept
-                    entropy = token_entropy(processed) if reference_rng else torch.where(
-                        keep[:, None], token_entropy(processed), entropy)
-            if tracker is not None:
-                finished_denoising |= tracker(new_argmax, entropy.mean(dim=-1))
-            if sampler.freeze_after is not None:
-                finished_denoising |= frozen.all(dim=-1)
-            if stats is not None:
-                stats.step(int(accepted[running].sum()))
-            canvas, argmax_canvas = new_canvas, new_argmax
-            self_conditioning = processed.to(canvas_model.embedding_dtype)
-            if streamer is not None and hasattr(streamer, "put_draft"):
-                streamer.put_draft(value=argmax_canvas.cpu())
-            if bool(finished_denoising.all()):
-                break
-        input_ids = torch.cat([input_ids, argmax_canvas], dim=-1)
-        input_ids, finished_sequences = _finish_canvas(input_ids, finished_sequences, criteria, config, L, eos)
-        if streamer is not None:
-            streamer.put(input_ids[:, -L:].cpu())
-        if bool(finished_sequences.all()):
-            break
-        cur_len += L
-        decoder_attention_mask = torch.nn.functional.pad(decoder_attention_mask, (0, L), value=True)
-        attention_mask = torch.nn.functional.pad(attention_mask, (0, L), value=True)
-        encoder_positions = decoder_positions
-        decoder_positions = torch.arange(cur_len, cur_len + L, dtype=torch.int32, device=device)[None]
+    state = decoder.start(model, input_ids, model_kwargs.pop("attention_mask", None), **model_kwargs)
+    while not state.done:
+        decoder.step(model, state, generator, stats, streamer)
     if streamer is not None:
         streamer.end()
-    new_tokens = input_ids[:, prompt_length:]
-    valid = (new_tokens != config.pad_token_id).sum(dim=-1) if config.pad_token_id is not None else \
-        torch.full((B,), new_tokens.shape[1], device=device)
     if stats is not None:
-        stats.stop(int(valid.sum()))
-    if not getattr(config, "return_dict_in_generate", True):
-        return input_ids
-    return module.DiffusionGemmaGenerationOutput(sequences=input_ids, tokens_per_forward=valid / decoder_forwards,
-                                                 past_key_values=cache)
+        pad = config.pad_token_id
+        new_tokens = state.input_ids[:, state.prompt_length:]
+        stats.stop(int((new_tokens != pad).sum()) if pad is not None else new_tokens.numel())
+    return decoder.output(state, getattr(config, "return_dict_in_generate", True))
 
 
 def _finish_canvas(input_ids, finished_sequences, criteria, config, L, eos):

@@ -1,28 +1,26 @@
-"""Model implementations and specs: LLaDA and Dream (registered with transformers' Auto classes
-when `remask` is imported), plus the spec lookup samplers use for any model."""
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
-from . import diffusion_gemma   # registers the DiffusionGemma spec (transformers' own classes)
+"""Model families: LLaDA and Dream (remask's implementations, registered with transformers' Auto
+classes when `remask` is imported, so official checkpoints load without trust_remote_code) and
+DiffusionGemma (transformers' own classes). Each module registers its family in one call at its
+end (`registry.register_family`); `get_spec` gives the spec samplers use for any model."""
+from . import diffusion_gemma   # noqa: F401  (transformers' own classes: only its family)
 from .dream import DreamConfig, DreamModel
 from .layers import KVCache
 from .llada import LLaDAConfig, LLaDAModelLM
 from .parallel import register_tp_styles
+from .registry import FAMILIES, Family, family_of, register_family
 from .spec import ModelSpec, get_spec, register_spec
 
 
 def register_with_transformers() -> None:
-    """Map `model_type` "llada" / "Dream" to remask's classes in AutoConfig, AutoModel and
-    AutoModelForCausalLM, so official checkpoint directories load without trust_remote_code."""
-    for config_cls, model_cls in ((LLaDAConfig, LLaDAModelLM), (DreamConfig, DreamModel)):
-        AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
-        AutoModel.register(config_cls, model_cls, exist_ok=True)
-        AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
+    """Register every family's classes with transformers' Auto classes again (they are registered
+    at import; this is for a transformers whose registries were reset)."""
+    for family in list(FAMILIES.values()):
+        register_family(family)
 
 
-register_with_transformers()
 register_tp_styles()
 
 __all__ = [
-    "DreamConfig", "DreamModel", "KVCache", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "get_spec",
-    "register_spec", "register_with_transformers",
+    "DreamConfig", "DreamModel", "FAMILIES", "Family", "KVCache", "LLaDAConfig", "LLaDAModelLM", "ModelSpec",
+    "family_of", "get_spec", "register_family", "register_spec", "register_with_transformers",
 ]

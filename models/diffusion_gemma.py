@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from .spec import ModelSpec, _config_id, register_spec
+from .registry import Family, register_family
+from .spec import ModelSpec, config_id
 
 MODEL_TYPE = "diffusion_gemma"
 MIN_TRANSFORMERS = "5.11"
@@ -30,8 +31,8 @@ def require_diffusion_gemma():
 
 def _generation_id(model_config: Any, name: str) -> int | None:
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    return _config_id(model_config, name, None) if getattr(model_config, name, None) is not None else \
-        _config_id(text, name, None)
+    return config_id(model_config, name, None) if getattr(model_config, name, None) is not None else \
+        config_id(text, name, None)
 
 
 def diffusion_gemma_spec(config: Any) -> ModelSpec:
@@ -43,14 +44,15 @@ def diffusion_gemma_spec(config: Any) -> ModelSpec:
         pad_id=_generation_id(config, "pad_token_id"),
         vocab_size=text.vocab_size,
         max_length=getattr(text, "max_position_embeddings", None),
-        bidirectional=True,
+        attention="bidirectional",   # the decoder over its canvas; the encoder is causal
         noise="uniform",
         layout="encoder-decoder",
         block_length=config.canvas_length,
     )
 
 
-register_spec(MODEL_TYPE, diffusion_gemma_spec)
+# transformers ships the classes; AutoModel would give the backbone without the LM head
+register_family(Family(MODEL_TYPE, diffusion_gemma_spec, load_class="AutoModelForImageTextToText"))
 
 
 class CanvasModel:

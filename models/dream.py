@@ -17,6 +17,8 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .layers import ForwardPositions, KVCache, RMSNorm, forward_positions, init_weights, rotary_self_attention
+from .registry import Family, register_family
+from .spec import ModelSpec, config_id, extend_mask
 
 
 class DreamConfig(PreTrainedConfig):
@@ -207,3 +209,35 @@ class DreamModel(PreTrainedModel):
             past_key_values=pos.cache,
             hidden_states=tuple(hidden_states) if output_hidden_states else None,
         )
+
+
+def dream_inputs(spec: ModelSpec, attention_mask: torch.Tensor | None, total_len: int) -> dict:
+    """Dream's diffusion_generate: with padding, a bool [B, 1, N, N] mask (query valid AND key
+    valid) and positions counted over real tokens (pads get position 1); without padding, "full"."""
+    if attention_mask is None or not torch.any(attention_mask == 0.0):
+        return {"attention_mask": "full"}
+    mask = extend_mask(attention_mask, total_len)
+    position_ids = mask.long().cumsum(-1) - 1
+    position_ids.masked_fill_(mask == 0, 1)
+    four_d = torch.logical_and(mask[:, None, None, :].bool(), mask[:, None, :, None].bool())
+    return {"attention_mask": four_d, "position_ids": position_ids}
+
+
+def dream_spec(config: DreamConfig) -> ModelSpec:
+    """Dream: a mask predictor whose logits are shifted by one position; the official ids as defaults."""
+    return ModelSpec(
+        kind="dream",
+        mask_id=config_id(config, "mask_token_id", 151666),
+        eos_id=config_id(config, "eos_token_id", 151643),
+        pad_id=config_id(config, "pad_token_id", 151643),
+        eot_id=config_id(config, "eot_token_id", 151645),
+        vocab_size=getattr(config, "vocab_size", None),
+        max_length=getattr(config, "max_position_embeddings", None),
+        logit_shift=True,
+        attention="bidirectional",
+        trained_gen_length=getattr(config, "trained_gen_length", None),
+        _inputs=dream_inputs,
+    )
+
+
+register_family(Family("dream", dream_spec, DreamConfig, DreamModel, auto_classes=("AutoModel", "AutoModelForCausalLM")))

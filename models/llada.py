@@ -21,6 +21,8 @@ from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .layers import ForwardPositions, KVCache, RMSNorm, forward_positions, init_weights, rotary_self_attention
+from .registry import Family, register_family
+from .spec import ModelSpec, config_id, padding_mask_inputs
 
 
 class LLaDAConfig(PreTrainedConfig):
@@ -245,3 +247,24 @@ class LLaDAModelLM(PreTrainedModel):
             past_key_values=pos.cache,
             hidden_states=tuple(hidden_states) if output_hidden_states else None,
         )
+
+
+def llada_spec(config: LLaDAConfig) -> ModelSpec:
+    """LLaDA: a mask predictor without logit shift; the official ids as defaults."""
+    return ModelSpec(
+        kind="llada",
+        mask_id=config_id(config, "mask_token_id", 126336),
+        eos_id=config_id(config, "eos_token_id", 126081),
+        pad_id=config_id(config, "pad_token_id", 126081),
+        eot_id=config_id(config, "eot_token_id", 126348),
+        vocab_size=getattr(config, "embedding_size", None) or getattr(config, "vocab_size", None),
+        max_length=getattr(config, "max_sequence_length", None),
+        logit_shift=False,
+        attention="bidirectional",
+        trained_gen_length=getattr(config, "trained_gen_length", None),
+        _inputs=padding_mask_inputs,   # the 2-D padding mask; RoPE positions stay absolute (0..L-1)
+    )
+
+
+register_family(Family("llada", llada_spec, LLaDAConfig, LLaDAModelLM,
+                       auto_classes=("AutoModel", "AutoModelForCausalLM")))

@@ -17,7 +17,8 @@ class ModelSpec:
     """Special ids and conventions of one model.
 
     kind: "llada", "dream" or "ar". logit_shift: position i is predicted from hidden state i−1
-    (Dream). bidirectional: attention is not causal. vocab_size: width of the logits.
+    (Dream). attention: ``"bidirectional"``, ``"causal"`` or ``"block-causal"`` (causal across
+    blocks, bidirectional inside one). vocab_size: width of the logits.
     max_length: the longest sequence the model accepts (None: unknown). trained_gen_length: the
     longest answer the model was trained to produce, where its config declares one
     (`config.trained_gen_length`, remask's tiny models); the samplers warn beyond it.
@@ -35,7 +36,7 @@ class ModelSpec:
     vocab_size: int | None = None
     max_length: int | None = None
     logit_shift: bool = False
-    bidirectional: bool = True
+    attention: str = "bidirectional"
     trained_gen_length: int | None = None
     noise: str = "mask"
     layout: str = "decoder-only"
@@ -68,12 +69,17 @@ class ModelSpec:
             logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
         return logits
 
+    @property
+    def bidirectional(self) -> bool:
+        """Positions may attend to later ones (every attention kind but causal)."""
+        return self.attention != "causal"
+
     def with_overrides(self, **ids: int | None) -> "ModelSpec":
         """A copy with some ids replaced (None keeps the model's own)."""
         return replace(self, **{k: v for k, v in ids.items() if v is not None})
 
 
-def _extend_mask(attention_mask: torch.Tensor | None, total_len: int) -> torch.Tensor | None:
+def extend_mask(attention_mask: torch.Tensor | None, total_len: int) -> torch.Tensor | None:
     if attention_mask is None:
         return None
     gen = total_len - attention_mask.shape[1]
@@ -81,84 +87,41 @@ def _extend_mask(attention_mask: torch.Tensor | None, total_len: int) -> torch.T
     return torch.cat([attention_mask, ones], dim=-1)
 
 
-def _padding_mask_inputs(spec: ModelSpec, attention_mask: torch.Tensor | None, total_len: int) -> dict[str, Any]:
+def padding_mask_inputs(spec: ModelSpec, attention_mask: torch.Tensor | None, total_len: int) -> dict[str, Any]:
     # LLaDA (and AR models) take the 2-D padding mask; LLaDA's RoPE positions stay absolute (0..L-1).
-    mask = _extend_mask(attention_mask, total_len)
+    mask = extend_mask(attention_mask, total_len)
     return {} if mask is None else {"attention_mask": mask}
 
 
-def _dream_inputs(spec: ModelSpec, attention_mask: torch.Tensor | None, total_len: int) -> dict[str, Any]:
-    # Dream's diffusion_generate: with padding, a bool [B, 1, N, N] mask (query valid AND key valid)
-    # and positions counted over real tokens (pads get position 1); without padding, "full".
-    if attention_mask is None or not torch.any(attention_mask == 0.0):
-        return {"attention_mask": "full"}
-    mask = _extend_mask(attention_mask, total_len)
-    position_ids = mask.long().cumsum(-1) - 1
-    position_ids.masked_fill_(mask == 0, 1)
-    four_d = torch.logical_and(mask[:, None, None, :].bool(), mask[:, None, :, None].bool())
-    return {"attention_mask": four_d, "position_ids": position_ids}
-
-
-def _config_id(config: Any, name: str, default: int | None) -> int | None:
+def config_id(config: Any, name: str, default: int | None) -> int | None:
+    """An id from a config (the first of a list), or `default` when it has none."""
     value = getattr(config, name, None)
     if isinstance(value, (list, tuple)):
         value = value[0] if value else None
     return default if value is None else int(value)
 
 
-def _llada_spec(config: Any) -> ModelSpec:
-    return ModelSpec(
-        kind="llada",
-        mask_id=_config_id(config, "mask_token_id", 126336),
-        eos_id=_config_id(config, "eos_token_id", 126081),
-        pad_id=_config_id(config, "pad_token_id", 126081),
-        eot_id=_config_id(config, "eot_token_id", 126348),
-        vocab_size=getattr(config, "embedding_size", None) or getattr(config, "vocab_size", None),
-        max_length=getattr(config, "max_sequence_length", None),
-        logit_shift=False,
-        bidirectional=True,
-        trained_gen_length=getattr(config, "trained_gen_length", None),
-        _inputs=_padding_mask_inputs,
-    )
-
-
-def _dream_spec(config: Any) -> ModelSpec:
-    return ModelSpec(
-        kind="dream",
-        mask_id=_config_id(config, "mask_token_id", 151666),
-        eos_id=_config_id(config, "eos_token_id", 151643),
-        pad_id=_config_id(config, "pad_token_id", 151643),
-        eot_id=_config_id(config, "eot_token_id", 151645),
-        vocab_size=getattr(config, "vocab_size", None),
-        max_length=getattr(config, "max_position_embeddings", None),
-        logit_shift=True,
-        bidirectional=True,
-        trained_gen_length=getattr(config, "trained_gen_length", None),
-        _inputs=_dream_inputs,
-    )
-
-
 def _ar_spec(config: Any) -> ModelSpec:
     return ModelSpec(
         kind="ar",
-        mask_id=_config_id(config, "mask_token_id", None),
-        eos_id=_config_id(config, "eos_token_id", None),
-        pad_id=_config_id(config, "pad_token_id", None),
+        mask_id=config_id(config, "mask_token_id", None),
+        eos_id=config_id(config, "eos_token_id", None),
+        pad_id=config_id(config, "pad_token_id", None),
         vocab_size=getattr(config, "vocab_size", None),
         max_length=getattr(config, "max_position_embeddings", None),
         logit_shift=False,
-        bidirectional=False,
+        attention="causal",
         trained_gen_length=getattr(config, "trained_gen_length", None),
-        _inputs=_padding_mask_inputs,
+        _inputs=padding_mask_inputs,
     )
 
 
-SPEC_BUILDERS: dict[str, Callable[[Any], ModelSpec]] = {"llada": _llada_spec, "dream": _dream_spec}
-
-
 def register_spec(model_type: str, builder: Callable[[Any], ModelSpec]) -> None:
-    """Teach remask a new diffusion model type (matched case-insensitively on `config.model_type`)."""
-    SPEC_BUILDERS[model_type.lower()] = builder
+    """Teach remask a new diffusion model type (matched case-insensitively on `config.model_type`):
+    a family with only a spec (`registry.register_family` is the full form)."""
+    from .registry import Family, register_family
+
+    register_family(Family(model_type, builder))
 
 
 def get_spec(model: torch.nn.Module, **overrides: int | None) -> ModelSpec:
@@ -167,6 +130,8 @@ def get_spec(model: torch.nn.Module, **overrides: int | None) -> ModelSpec:
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError("model has no `.config`; remask needs a transformers model (or an object with a config)")
-    model_type = str(getattr(config, "model_type", "")).lower()
-    builder = SPEC_BUILDERS.get(model_type, _ar_spec)
+    from .registry import family_of
+
+    family = family_of(getattr(config, "model_type", ""))
+    builder = _ar_spec if family is None else family.spec
     return builder(config).with_overrides(**overrides)

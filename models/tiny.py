@@ -256,7 +256,7 @@ def write_llada_checkpoint(path: str, config: dict[str, Any], state_dict: dict[s
 
 def write_tiny_diffusion_gemma(path: str, *, seed: int = 0, vocab_size: int = 301, canvas_length: int = 8,
                                sliding_window: int = 8, embedding_scale: float = 20.0,
-                               generation: dict[str, Any] | None = None) -> str:
+                               generation: dict[str, Any] | None = None, with_tokenizer: bool = False) -> str:
     """Write a tiny random DiffusionGemma checkpoint in the official format (transformers'
     `save_pretrained` of `DiffusionGemmaForBlockDiffusion`, plus `generation_config.json` from a
     `DiffusionGemmaGenerationConfig`); returns the weights' digest.
@@ -264,16 +264,23 @@ def write_tiny_diffusion_gemma(path: str, *, seed: int = 0, vocab_size: int = 30
     Two layers (sliding + full), 4 experts of which 2 routed, a one-layer vision tower (the config
     needs one). The tied embedding is scaled by `embedding_scale` so the tiny model's
     distributions are peaked enough for the entropy-bound sampler to accept several positions.
-    Special ids: pad 0, eos 1, bos 2; the last three ids are the image markers.
+    Special ids: pad 0, eos 1, bos 2; the last three ids are the image markers. `with_tokenizer`:
+    the zoo's character tokenizer is saved beside it (vocabulary 128, its pad/bos/eos ids), so
+    text prompts work (the random model's answers are noise).
     """
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DiffusionGemmaTextConfig
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
 
+    pad, eos, bos = 0, 1, 2
+    if with_tokenizer:
+        from remask.zoo import charset
+
+        vocab_size, pad, eos, bos = charset.VOCAB_SIZE, charset.PAD_ID, charset.EOS_ID, charset.BOS_ID
     text = DiffusionGemmaTextConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, global_head_dim=16, sliding_window=sliding_window,
         max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"], num_experts=4,
-        top_k_experts=2, moe_intermediate_size=32, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+        top_k_experts=2, moe_intermediate_size=32, pad_token_id=pad, eos_token_id=eos, bos_token_id=bos)
     vision = dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=2, num_key_value_heads=2, head_dim=16)
     config = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=canvas_length,
@@ -285,7 +292,9 @@ def write_tiny_diffusion_gemma(path: str, *, seed: int = 0, vocab_size: int = 30
         model = DiffusionGemmaForBlockDiffusion(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(embedding_scale)   # tied: the embeddings of encoder and decoder too
-    model.generation_config = DiffusionGemmaGenerationConfig(**{"pad_token_id": 0, "eos_token_id": 1,
-                                                                "bos_token_id": 2, **(generation or {})})
+    model.generation_config = DiffusionGemmaGenerationConfig(**{"pad_token_id": pad, "eos_token_id": eos,
+                                                                "bos_token_id": bos, **(generation or {})})
     model.save_pretrained(path)
+    if with_tokenizer:
+        charset.build_tokenizer().save_pretrained(path)
     return state_dict_digest(model.state_dict())

@@ -181,7 +181,10 @@ def _sampling_flags(parser: argparse.ArgumentParser) -> list[str]:
         if field.name in ("apd", "sparse"):
             continue
         flag = "--" + field.name.replace("_", "-")
-        if "tuple" in hint:
+        if field.name in ("canvas", "canvas_sampler"):   # JSON objects (uniform-noise models)
+            parser.add_argument(flag, dest=field.name, type=_json_object(flag), default=None,
+                                help=f"a JSON object: SamplingParams.{field.name}")
+        elif "tuple" in hint:
             kind = int if "int" in hint else str
             parser.add_argument(flag, dest=field.name, type=kind, action="append", default=None,
                                 help=f"(repeatable) SamplingParams.{field.name}")
@@ -197,12 +200,33 @@ def _sampling_flags(parser: argparse.ArgumentParser) -> list[str]:
     return names
 
 
+def _json_object(flag: str):
+    def parse(value: str) -> dict:
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON object: {err}") from None
+        if not isinstance(parsed, dict):
+            raise argparse.ArgumentTypeError(f"{flag} takes a JSON object, got {value!r}")
+        return parsed
+    return parse
+
+
+def _objects(settings: dict) -> dict:
+    """JSON settings as SamplingParams takes them (`canvas_sampler` → a `CanvasSampler`)."""
+    import remask
+
+    if isinstance(settings.get("canvas_sampler"), dict):
+        settings = dict(settings, canvas_sampler=remask.CanvasSampler(**settings["canvas_sampler"]))
+    return settings
+
+
 def _generate(args: argparse.Namespace, sampling_names: list[str]) -> int:
     import remask
 
     settings = {name: getattr(args, name) for name in sampling_names if getattr(args, name) is not None}
     try:
-        params = remask.SamplingParams(**settings)
+        params = remask.SamplingParams(**_objects(settings))
     except (TypeError, ValueError) as err:
         print(f"remask generate: {err}", file=sys.stderr)
         return 2
@@ -219,7 +243,7 @@ def _generate(args: argparse.Namespace, sampling_names: list[str]) -> int:
                     own = {k: v for k, v in row.items() if k not in ("prompt", "messages", "id")}
                     if ("prompt" in row) == ("messages" in row):
                         raise ValueError("each line needs exactly one of prompt / messages")
-                    requests.append((row, params.replace(**own) if own else params))
+                    requests.append((row, params.replace(**_objects(own)) if own else params))
                 except (ValueError, TypeError) as err:
                     print(f"remask generate: --input line {number}: {err}", file=sys.stderr)
                     return 2

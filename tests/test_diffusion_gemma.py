@@ -223,3 +223,93 @@ def test_canvas_sampler_validates_its_fields():
         remask.CanvasSampler(top_k=3)
     with pytest.raises((ValueError, TypeError), match="freeze_after"):
         remask.CanvasSampler(freeze_after=0)
+
+
+# ---- the engine and the server ------------------------------------------------------------------
+
+def test_engine_request_equals_model_generate_and_ignores_its_batch(model):
+    """A request with `reference_rng` and seed s decodes what `model.generate` does after
+    torch.manual_seed(s) (its own generator replays the global stream); every request runs its
+    own forwards, so together, alone or in another order the tokens are the same."""
+    llm = remask.LLM(model)
+    prompts = [[2, 17, 42, 99, 5], [2, 9, 8], [2, 5, 6, 7, 8, 9, 10]]
+    params = remask.SamplingParams(max_tokens=16, seed=3, reference_rng=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        torch.manual_seed(3)
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=16).sequences[0, len(prompt):].tolist()
+        assert out.outputs[0].all_token_ids == want
+        assert out.outputs[0].nfe <= 2 * 6
+    params = remask.SamplingParams(max_tokens=12, seed=4, canvas={"entropy_bound": 1.0, "max_denoising_steps": 5},
+                                   canvas_sampler=remask.CanvasSampler(freeze_after=2))
+    together = llm.generate(prompts, params, use_tqdm=False)
+    alone = [llm.generate([p], params, use_tqdm=False)[0] for p in reversed(prompts)][::-1]
+    for a, b in zip(together, alone):
+        assert a.outputs[0].all_token_ids == b.outputs[0].all_token_ids
+        assert len(a.outputs[0].all_token_ids) == 12   # max_tokens caps the two canvases' 16 positions
+    direct = remask.diffusion_generate(model, torch.tensor([prompts[0]]), max_new_tokens=12, max_denoising_steps=5,
+                                       sampler_config=EntropyBoundSamplerConfig(entropy_bound=1.0),
+                                       canvas_sampler=remask.CanvasSampler(freeze_after=2),
+                                       generator=torch.Generator().manual_seed(4))
+    assert direct.sequences[0, 5:17].tolist() == together[0].outputs[0].all_token_ids
+
+
+def test_engine_refuses_what_the_model_does_not_read(model):
+    llm = remask.LLM(model)
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate([[2, 5]], remask.SamplingParams(temperature=0.5), use_tqdm=False)
+    with pytest.raises(ValueError, match="canvas"):
+        remask.SamplingParams(canvas={"steps": 3})
+    with pytest.raises(ValueError, match="canvas.entropy_bound"):
+        remask.SamplingParams(canvas={"entropy_bound": 0})
+    with pytest.raises(ValueError, match="uniform-noise"):
+        remask.LLM("tiny-llada").generate([[1, 5]], remask.SamplingParams(canvas={"t_min": 0.3}), use_tqdm=False)
+
+
+def test_served_over_http_with_drafts(tmp_path):
+    """`remask serve`'s app with a DiffusionGemma checkpoint (the zoo's character tokenizer beside
+    it): completions equal the offline LLM, canvas settings over HTTP, drafts stream the canvas."""
+    import httpx
+
+    from test_serve import Server
+    from remask.serve import AsyncEngine, build_app
+
+    path = tmp_path / "dg"
+    tiny.write_tiny_diffusion_gemma(str(path), seed=1, with_tokenizer=True, generation={"max_denoising_steps": 4})
+    llm = remask.LLM(str(path))
+    engine = AsyncEngine(remask.LLM(str(path)))
+    server = Server(build_app({"dg": engine}))
+    try:
+        body = dict(model="dg", prompt="sort 52814", max_tokens=8, seed=5,
+                    canvas={"entropy_bound": 2.0}, canvas_sampler={"rule": "top_k", "top_k": 3})
+        got = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        want = llm.generate("sort 52814", remask.SamplingParams(
+            max_tokens=8, seed=5, canvas={"entropy_bound": 2.0},
+            canvas_sampler=remask.CanvasSampler(rule="top_k", top_k=3)), use_tqdm=False)[0]
+        assert got["choices"][0]["text"] == want.outputs[0].text
+        bad = httpx.post(f"{server.url}/v1/completions", json=dict(body, canvas_sampler={"rule": "x"}), timeout=60)
+        assert bad.status_code == 400 and "rule" in bad.text
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                          json=dict(body, stream=True, stream_options={"include_drafts": True})) as response:
+            lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+        assert sum('"draft"' in line for line in lines) >= 4   # one per denoising step of the canvas
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+def test_cli_generate_takes_canvas_settings(tmp_path, capsys):
+    import json
+
+    from remask.cli import main
+
+    path = tmp_path / "dg"
+    tiny.write_tiny_diffusion_gemma(str(path), seed=1, with_tokenizer=True, generation={"max_denoising_steps": 3})
+    argv = ["generate", str(path), "--prompt", "sort 123", "--max-tokens", "8", "--seed", "1", "--quiet",
+            "--canvas", '{"entropy_bound": 1.0}', "--canvas-sampler", '{"rule": "top_k", "top_k": 2}']
+    assert main(argv) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["nfe"] == 3 and len(row["token_ids"]) <= 8
+    assert main(argv[:-2] + ["--canvas-sampler", '{"rule": "nope"}']) == 2
+    assert "rule" in capsys.readouterr().err
+    assert main(["models", str(path)]) == 0 and "diffusion_gemma" in capsys.readouterr().out

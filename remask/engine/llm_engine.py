@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import enum
 import zlib
+from dataclasses import fields
 from typing import Any, Sequence as Seq
 
 import torch
 
 from remask.diffusion.apd import APDDecoder
 from remask.diffusion.ar import ARDecoder
+from remask.diffusion.canvas import CanvasDecoder, generation_kwargs, resolve_generation_config
 from remask.diffusion.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder, DreamGenerationConfig,
                                    _validate_config, check_block_layout)
 from remask.diffusion.checks import check_bool, check_int, check_length, check_prompt, check_real, check_token_id
@@ -141,7 +143,12 @@ class LLMEngine:
             raise TypeError(f"params must be a remask.SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
         prompt_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-        if self.is_ar:
+        if (params.canvas is not None or params.canvas_sampler is not None) and self.spec.noise != "uniform":
+            raise ValueError("canvas / canvas_sampler are settings of uniform-noise models (DiffusionGemma); "
+                             f"this model ({self.spec.kind}) does not read them")
+        if self.spec.noise == "uniform":
+            decoder = self._canvas_decoder(params)
+        elif self.is_ar:
             set_here = [name for name in DIFFUSION_ONLY
                         if getattr(params, name) != getattr(SamplingParams, name)]
             if set_here or params.cfg_scale or params.remasking != "low_confidence":
@@ -171,6 +178,20 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
         self.requests[request_id] = (text, ids, seqs)
+
+    def _canvas_decoder(self, params: SamplingParams) -> CanvasDecoder:
+        """DiffusionGemma's canvas loop for these params, configured as `remask.diffusion_generate`
+        would be with the checkpoint's generation config and the request's `canvas` settings."""
+        read = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "reference_rng", "canvas", "canvas_sampler")
+        set_here = [f.name for f in fields(SamplingParams)
+                    if f.name not in read and getattr(params, f.name) != f.default]
+        if set_here:
+            raise ValueError(f"a uniform-noise model (DiffusionGemma) does not read {set_here}; its settings are "
+                             "canvas={...} (max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold, "
+                             "confidence_threshold) and canvas_sampler")
+        config = resolve_generation_config(self.model, None, dict(generation_kwargs(params.canvas),
+                                                                   max_new_tokens=params.max_tokens))
+        return CanvasDecoder(self.model, config, params.canvas_sampler, reference_rng=params.reference_rng)
 
     def _apd_decoder(self, params: SamplingParams, prompt_ids: torch.Tensor) -> APDDecoder:
         """APD as `remask.generate(apd=...)` / `diffusion_generate(apd=...)` run it (the settings it

@@ -11,6 +11,7 @@ from typing import Any
 
 from remask.diffusion.apd import APDConfig, check_apd_alone
 from remask.diffusion.cache import CACHE_MODES
+from remask.diffusion.canvas import CANVAS_SETTINGS, CanvasSampler, check_canvas_settings
 from remask.diffusion.checks import (ParameterTypeError, check_bool, check_choice, check_instance, check_int,
                                      check_real)
 from remask.diffusion.dream import ALGORITHMS
@@ -46,6 +47,12 @@ class SamplingParams:
 
     Autoregressive: `top_p`, `top_k`. APD (`apd`, with `temperature`, `top_p`, `top_k`): as
     `remask.generate(apd=...)`. Dream's block decoder: `alg` with `block_length` / `use_cache`.
+
+    Uniform-noise models (DiffusionGemma): `canvas` (a dict of its generation settings:
+    `max_denoising_steps`, `t_min`, `t_max`, `entropy_bound`, `stability_threshold`,
+    `confidence_threshold`; the rest from the checkpoint's generation_config.json),
+    `canvas_sampler` (a `remask.CanvasSampler`), `reference_rng`. `max_tokens` caps the answer
+    (canvases are decoded whole; the tokens past `max_tokens` are not returned).
     """
 
     max_tokens: int = 16
@@ -73,6 +80,8 @@ class SamplingParams:
     alg_temp: float | None = None
     eps: float = 1e-3
     apd: APDConfig | None = None
+    canvas: dict[str, Any] | None = None
+    canvas_sampler: CanvasSampler | None = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, minimum=1)
@@ -119,6 +128,9 @@ class SamplingParams:
                                  "(LLaDA's block rule does)")
         elif self.alg_temp is not None or self.eps != 1e-3:
             raise ValueError("alg_temp and eps belong to Dream's sampler: set alg= (e.g. 'entropy') to use them")
+        if self.canvas is not None:
+            object.__setattr__(self, "canvas", check_canvas_settings(self.canvas))
+        check_instance("canvas_sampler", self.canvas_sampler, CanvasSampler, "a remask.CanvasSampler")
         check_instance("apd", self.apd, APDConfig, "a remask.APDConfig")
         if self.apd is not None:
             check_apd_alone([name for name in APD_UNREAD if getattr(self, name) != getattr(SamplingParams, name)])

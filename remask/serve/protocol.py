@@ -13,6 +13,7 @@ from typing import Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict
 
 from remask.diffusion.apd import APDConfig
+from remask.diffusion.canvas import CanvasSampler
 from remask.diffusion.sparse import SparseConfig
 from remask.engine import SamplingParams
 
@@ -88,6 +89,8 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     apd: APDSettings | None = None
     sparse: dict[str, Any] | None = None
+    canvas: dict[str, Any] | None = None
+    canvas_sampler: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         return [name for name, default in UNSUPPORTED.items() if getattr(self, name) != default]
@@ -120,6 +123,13 @@ class _Common(BaseModel):
                 values["sparse"] = SparseConfig(**self.sparse)
             except TypeError as err:     # an unknown field
                 raise ValueError(f"sparse: {err}") from None
+        if self.canvas is not None:
+            values["canvas"] = self.canvas
+        if self.canvas_sampler is not None:
+            try:
+                values["canvas_sampler"] = CanvasSampler(**self.canvas_sampler)
+            except TypeError as err:     # an unknown field
+                raise ValueError(f"canvas_sampler: {err}") from None
         if self.apd is not None:
             if verifier is None:
                 raise ValueError("apd: no verifier can be served here")

@@ -118,25 +118,34 @@ def load(name: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32,
 
     Diffusion checkpoints load with `AutoModel`, autoregressive ones with `AutoModelForCausalLM`
     (decided by `config.model_type`); nothing is downloaded. A `name`, `dtype` or `device` this
-    machine cannot load is an error before anything is read. `quantization`: "int8" (torchao
+    machine cannot load is an error before anything is read. A folder without tokenizer files gives
+    tokenizer None (prompts are then token ids). `quantization`: "int8" (torchao
     weight-only, CPU or GPU) or any transformers quantization config (bitsandbytes, FP8 on GPU)."""
     path = checkpoint_path(name)
     dtype = check_dtype(dtype)
     device = check_device(device)
     qconfig = quantization_config(quantization)
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     import remask.models  # noqa: F401  (registers LLaDA / Dream with the Auto classes)
-    from remask.models.spec import SPEC_BUILDERS
+    from remask.models.registry import family_of
 
     if not os.path.exists(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"no checkpoint in {path} (config.json missing); train one with "
                                 f"`python -m remask.zoo.train`")
     config = AutoConfig.from_pretrained(path)
-    auto = AutoModel if str(config.model_type).lower() in SPEC_BUILDERS else AutoModelForCausalLM
+    family = family_of(config.model_type)
+    if family is None:
+        auto = AutoModelForCausalLM
+    else:   # a diffusion family: AutoModel, or its own Auto class (DiffusionGemma)
+        import transformers
+
+        auto = getattr(transformers, family.load_class)
     if qconfig is None:
         model = auto.from_pretrained(path, dtype=dtype).to(device).eval()
     else:   # quantized weights are placed by from_pretrained (they may not support .to())
         model = auto.from_pretrained(path, dtype=dtype, quantization_config=qconfig, device_map=str(device)).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    has_tokenizer = any(os.path.exists(os.path.join(path, f)) for f in
+                        ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
+    tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None   # None: token ids only
     return model, tokenizer
