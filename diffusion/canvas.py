@@ -32,6 +32,7 @@ from remask.models.diffusion_gemma import CanvasModel, require_diffusion_gemma
 from .checks import (ParameterTypeError, check_bool, check_choice, check_generator, check_instance, check_int,
                      check_real, check_stats)
 from .stats import GenerationStats
+from .step import Decision, apply_decision
 
 REMASK_KWARGS = ("reference_rng", "generator", "stats", "canvas_sampler")
 MODEL_KWARGS = ("attention_mask", "decoder_input_ids", "self_conditioning_logits")
@@ -52,11 +53,6 @@ def entropy_bound_accept(entropy: torch.Tensor, entropy_bound: float) -> torch.T
     sorted_entropy, order = torch.sort(entropy, dim=-1, descending=False)
     within = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= entropy_bound
     return torch.scatter(torch.zeros_like(within), -1, order, within)
-
-
-def commit_and_renoise(sample: torch.Tensor, accepted: torch.Tensor, noise_tokens: torch.Tensor) -> torch.Tensor:
-    """The update: accepted positions take their sample, every other one a fresh uniform token."""
-    return torch.where(accepted, sample, noise_tokens)
 
 
 class StabilityTracker:
@@ -271,11 +267,13 @@ class CanvasDecoder:
     the engine for each request.
 
     config: a resolved `DiffusionGemmaGenerationConfig`; sampler: a `CanvasSampler`;
-    reference_rng: transformers' draws in its order (see the module docstring).
+    reference_rng: transformers' draws in its order (see the module docstring); prompt_cache: a
+    `remask.caches.PromptCache` (single unpadded rows take the prompt's encoder cache from it).
     """
 
     def __init__(self, model: torch.nn.Module, config: Any, sampler: CanvasSampler | None = None, *,
-                 reference_rng: bool = False, logits_processor: Any = None, stopping_criteria: Any = None):
+                 reference_rng: bool = False, logits_processor: Any = None, stopping_criteria: Any = None,
+                 prompt_cache: Any = None):
         module = require_diffusion_gemma()
         from transformers.generation.logits_process import LogitsProcessorList
         from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria,
@@ -297,6 +295,7 @@ class CanvasDecoder:
             self.criteria.append(EosTokenCriteria(config.eos_token_id))
             self.eos_ids = config.eos_token_id
         self.entropy_bound = config.sampler_config.entropy_bound
+        self.prompt_cache = prompt_cache   # a `remask.caches.PromptCache` shared by the engine's requests
 
     # -- the engine's interface --------------------------------------------------------------------
 
@@ -350,8 +349,17 @@ class CanvasDecoder:
         """Encode what the cache lacks (the prompt, or the last canvas) and draw a fresh canvas."""
         L, V = self.canvas_model.canvas_length, self.canvas_model.vocab_size
         B, device = state.batch, state.input_ids.device
-        state.cache = self.canvas_model.encode(state.input_ids if first else state.input_ids[:, -L:],
-                                               state.attention_mask, state.encoder_positions, state.cache)
+        key = None
+        if first and self.prompt_cache is not None and B == 1 and bool(state.attention_mask.all()):
+            key = tuple(state.input_ids[0].tolist())
+            cached = self.prompt_cache.get(key)
+            if cached is not None:   # bitwise the cache this prompt's encoder forward writes
+                state.cache, key = cached, None
+        if not first or state.cache.get_seq_length() == 0:
+            state.cache = self.canvas_model.encode(state.input_ids if first else state.input_ids[:, -L:],
+                                                   state.attention_mask, state.encoder_positions, state.cache)
+            if key is not None:
+                self.prompt_cache.put(key, state.cache)
         # transformers draws the random canvas even when `decoder_input_ids` replaces it (an eager default)
         random_canvas = torch.randint(0, V, (B, L), device=device, generator=generator)
         state.canvas = state.first_canvas.pop("decoder_input_ids", random_canvas)
@@ -391,7 +399,7 @@ class CanvasDecoder:
         else:
             accepted = accept_positions(sampler, entropy, top_prob, self.entropy_bound)
             noise_tokens = torch.randint(0, V, (B, L), device=device, generator=generator)
-            new_canvas = commit_and_renoise(sample, accepted, noise_tokens)
+            new_canvas = apply_decision(canvas, sample, Decision(commit=accepted, renoise=~accepted), noise_tokens)
         if sampler.freeze_after is not None:   # early commit: a stable argmax is kept for good
             new_argmax = torch.where(state.frozen, argmax_canvas, new_argmax)
             if state.cur_step < self.config.max_denoising_steps:   # from the second step: a previous argmax

@@ -143,9 +143,6 @@ def test_step_functions():
     # row 1: 0, 0, 0.2, 3.0 → 0, 0, 0, 0.2: all (the largest entropy is not counted against the bound)
     assert accepted.tolist() == [[True, True, True, False], [True, True, True, True]]
     assert canvas.entropy_bound_accept(torch.tensor([[0.9, 0.8, 0.7]]), 0.5).tolist() == [[False, False, True]]
-    out = canvas.commit_and_renoise(torch.tensor([[5, 6, 7, 8]]), torch.tensor([[True, False, True, False]]),
-                                    torch.tensor([[1, 2, 3, 4]]))
-    assert out.tolist() == [[5, 2, 7, 4]]
     tracker = canvas.StabilityTracker(2, 1.0)
     a = torch.tensor([[1, 2]])
     low = torch.tensor([0.5])
@@ -313,3 +310,17 @@ def test_cli_generate_takes_canvas_settings(tmp_path, capsys):
     assert main(argv[:-2] + ["--canvas-sampler", '{"rule": "nope"}']) == 2
     assert "rule" in capsys.readouterr().err
     assert main(["models", str(path)]) == 0 and "diffusion_gemma" in capsys.readouterr().out
+
+
+def test_requests_with_one_prompt_share_its_encoder_cache(model):
+    """n samples and repeated prompts copy the prompt's encoder cache instead of encoding it again;
+    the tokens are bitwise those of an engine that never shares (and of each request alone)."""
+    prompts = [[2, 17, 42, 99, 5], [2, 9, 8], [2, 17, 42, 99, 5]]
+    params = remask.SamplingParams(max_tokens=16, n=2, seed=6)
+    sharing = remask.LLM(model)
+    shared = sharing.generate(prompts, params, use_tqdm=False)
+    stats = sharing.engine.kv_stats()
+    assert stats["prefix_lookups"] == 6 and stats["prefix_hits"] == 4   # 2 distinct prompts, 6 samples
+    alone = remask.LLM(model, enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(shared, alone):
+        assert [o.all_token_ids for o in a.outputs] == [o.all_token_ids for o in b.outputs]

@@ -4,13 +4,16 @@
 * `PagedKVCache` (`paged.py`): the dual cache kept in pages (`use_cache="paged"`), pages from
   `remask.engine.page_manager.PageManager`, read by the paged-attention kernel;
 * `RetentionKVCache`, `BlockMaskAttention` (`sparse.py`): Sparse-dLLM's retention and SparseD's
-  block masks.
+  block masks;
+* `PromptCache` (`prompt.py`): an encoder's cache of a whole prompt, copied to the requests that
+  send the same prompt (DiffusionGemma in the engine).
 
 How a sampler drives them over a block (refresh, then cached steps) is `remask.diffusion.cache`;
 the engine's AR page store is `remask.engine.paged_kv`.
 """
 from .kv import KVCache, attention
 from .paged import PagedKVCache
+from .prompt import PromptCache
 from .sparse import BlockMaskAttention, RetentionKVCache
 
-__all__ = ["BlockMaskAttention", "KVCache", "PagedKVCache", "RetentionKVCache", "attention"]
+__all__ = ["BlockMaskAttention", "KVCache", "PagedKVCache", "PromptCache", "RetentionKVCache", "attention"]

@@ -21,6 +21,7 @@ from typing import Any, Sequence as Seq
 
 import torch
 
+from remask.caches import PromptCache
 from remask.diffusion.apd import APDDecoder
 from remask.diffusion.ar import ARDecoder
 from remask.diffusion.canvas import CanvasDecoder, generation_kwargs, resolve_generation_config
@@ -74,6 +75,9 @@ class LLMEngine:
                                         kv_cache_memory_fraction, page_size, enable_prefix_caching)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.pages)
         self.runner = ModelRunner(model, self.spec, batch_invariant, self.pages)
+        # Encoder–decoder models: requests with the same prompt share its encoder cache (copied).
+        self.prompt_cache = PromptCache(max(64, max_num_seqs)) if (
+            self.spec.layout == "encoder-decoder" and enable_prefix_caching) else None
         self.requests: dict[str, tuple[str | None, list[int], list[Sequence]]] = {}
         self.stop_ids = sorted(set(stop_token_ids(tokenizer, model) if tokenizer is not None else
                                    [i for i in (self.spec.eos_id, self.spec.eot_id) if i is not None]))
@@ -84,9 +88,11 @@ class LLMEngine:
         """The page store of autoregressive models. A diffusion request keeps its cache to itself
         (its K/V depend on its whole canvas), so the knobs are refused there rather than ignored."""
         if not self.is_ar:
+            sharing = self.spec.layout == "encoder-decoder"   # whole prompts' encoder caches (PromptCache)
             set_here = [name for name, value, default in (
                 ("kv_cache_pages", kv_cache_pages, None), ("kv_cache_memory_fraction", memory_fraction, None),
-                ("page_size", page_size, 16), ("enable_prefix_caching", prefix_caching, True)) if value != default]
+                ("page_size", page_size, 16), ("enable_prefix_caching", prefix_caching, True))
+                if value != default and not (sharing and name == "enable_prefix_caching")]
             if set_here:
                 raise ValueError(f"{', '.join(set_here)}: the KV page store serves autoregressive models; a diffusion "
                                  f"request keeps its own cache (use_cache='paged' pages it per request)")
@@ -114,11 +120,14 @@ class LLMEngine:
     def kv_stats(self) -> dict[str, int]:
         """The page store's figures (all zero for a diffusion model, which has none): pages in
         total / in use / at peak, page size, prefix-cache lookups and hits (full prompt pages
-        found stored), and shared pages found different and made private."""
+        found stored; for an encoder–decoder model, whole prompts whose encoder cache was
+        found), and shared pages found different and made private."""
         pages = self.pages
-        if pages is None:
-            return {"pages": 0, "pages_in_use": 0, "peak_pages_in_use": 0, "page_size": 0, "prefix_lookups": 0,
-                    "prefix_hits": 0, "pages_unshared": 0}
+        if pages is None:   # an encoder–decoder model counts its whole-prompt encoder cache lookups
+            shared = self.prompt_cache
+            return {"pages": 0, "pages_in_use": 0, "peak_pages_in_use": 0, "page_size": 0,
+                    "prefix_lookups": 0 if shared is None else shared.hits + shared.misses,
+                    "prefix_hits": 0 if shared is None else shared.hits, "pages_unshared": 0}
         return {"pages": pages.num_pages, "pages_in_use": pages.pages_in_use, "peak_pages_in_use": pages.peak_in_use,
                 "page_size": pages.page_size, "prefix_lookups": pages.lookups, "prefix_hits": pages.shared_hits,
                 "pages_unshared": self.runner.unshared_pages}
@@ -191,7 +200,8 @@ class LLMEngine:
                              "confidence_threshold) and canvas_sampler")
         config = resolve_generation_config(self.model, None, dict(generation_kwargs(params.canvas),
                                                                    max_new_tokens=params.max_tokens))
-        return CanvasDecoder(self.model, config, params.canvas_sampler, reference_rng=params.reference_rng)
+        return CanvasDecoder(self.model, config, params.canvas_sampler, reference_rng=params.reference_rng,
+                             prompt_cache=self.prompt_cache)
 
     def _apd_decoder(self, params: SamplingParams, prompt_ids: torch.Tensor) -> APDDecoder:
         """APD as `remask.generate(apd=...)` / `diffusion_generate(apd=...)` run it (the settings it
