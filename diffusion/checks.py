@@ -127,6 +127,9 @@ def check_model_kind(spec: ModelSpec, *, diffusion: bool, entry: str) -> None:
     if diffusion and spec.kind == "ar":
         raise ValueError(f"{entry} decodes diffusion models (LLaDA, Dream); model is autoregressive: "
                          "use remask.ar_generate")
+    if diffusion and spec.attention == "block-causal":
+        raise ValueError(f"{entry} decodes bidirectional mask models (LLaDA, Dream); the {spec.kind} model is "
+                         "block-causal: use remask.compat.sdar.block_diffusion_generate")
     if not diffusion and spec.kind != "ar":
         raise ValueError(f"{entry} decodes autoregressive (causal) models; model is a {spec.kind} diffusion model: "
                          "use remask.generate or remask.diffusion_generate")

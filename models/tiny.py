@@ -298,3 +298,45 @@ def write_tiny_diffusion_gemma(path: str, *, seed: int = 0, vocab_size: int = 30
     if with_tokenizer:
         charset.build_tokenizer().save_pretrained(path)
     return state_dict_digest(model.state_dict())
+
+
+SDAR_DEFAULTS: dict[str, Any] = {
+    "architectures": ["SDARForCausalLM"],
+    "auto_map": {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
+                 "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"},
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 298, "eos_token_id": 298,
+    "block_size": 4, "mask_token_id": 299, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64,
+    "initializer_range": 0.02, "intermediate_size": 128, "max_position_embeddings": 512, "max_window_layers": 2,
+    "model_type": "sdar", "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "float32", "use_cache": False, "use_sliding_window": False,
+    "vocab_size": 300, "transformers_version": "4.52.4",
+    # keys of the official config.json that its remote code reads (fuse_cross_entropy) or carries
+    "fuse_cross_entropy": True, "debug": False, "ep_size": 1, "micro_forward": False, "skip_checkpoint": False,
+    "use_deepep": False,
+}
+
+
+def write_tiny_sdar(path: str, *, seed: int = 0, logit_scale: float = 40.0, **overrides: Any) -> str:
+    """Write a tiny random SDAR checkpoint in the official layout (`config.json` with the release's
+    keys and `auto_map`, `model.safetensors` with its parameter names, `generation_config.json`);
+    returns the weights' digest. Weights are drawn from a seeded generator (normal, std 0.02; the
+    LM head scaled by `logit_scale` so that predictions are peaked enough to exercise thresholds)."""
+    from .sdar import SDARConfig, SDARForCausalLM
+
+    config = {**SDAR_DEFAULTS, **overrides}
+    init = {k: v for k, v in config.items() if k not in ("architectures", "auto_map", "model_type", "torch_dtype",
+                                                          "transformers_version", "fuse_cross_entropy", "debug",
+                                                          "ep_size", "micro_forward", "skip_checkpoint", "use_deepep")}
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = SDARForCausalLM(SDARConfig(**init))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+        # a trained model practically never predicts the mask token (it is never a target): logit 0
+        # among logits of spread ~logit_scale·0.8 makes it negligible, as there
+        model.lm_head.weight[config["mask_token_id"]].zero_()
+    sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+                  "transformers_version": config["transformers_version"]}
+    return _save(path, config, sd, 1, {"generation_config.json": generation})

@@ -69,6 +69,9 @@ class LLMEngine:
         check_int("seed", seed, minimum=0)
         self.model, self.tokenizer, self.seed = model.eval(), tokenizer, seed
         self.spec = get_spec(model)
+        if self.spec.attention == "block-causal":
+            raise ValueError(f"the engine does not serve block-causal models ({self.spec.kind}) yet: decode them with "
+                             "remask.compat.sdar.block_diffusion_generate")
         self.is_ar = self.spec.kind == "ar"
         self.device = next(model.parameters()).device
         self.pages = self._page_manager(max_num_seqs, max_num_batched_tokens, kv_cache_pages,
