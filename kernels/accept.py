@@ -26,6 +26,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .reductions import argmax_lowest, running_argmax
+
     @triton.jit
     def _commit(i_row, target, draft_ptr, target_ptr, n_accept_ptr):
         """Store row i's target and shorten the accepted length if the draft disagrees (row 0 never)."""
@@ -61,11 +63,8 @@ if HAS_TRITON:
                 u = tl.load(noise_ptr + i_row * stride_noise + cols, mask=in_v, other=0.5).to(tl.float32)
                 score = score - temperature * tl.log(-tl.log(u))
             score = tl.where(in_v, score, neg_inf)
-            c_best = tl.max(score, axis=0)
-            c_idx = tl.min(tl.where((score == c_best) & in_v, cols, 2147483647), axis=0)
-            take = (c_best > best) | (best_idx < 0)
-            best = tl.where(take, c_best, best)
-            best_idx = tl.where(take, c_idx, best_idx)
+            c_best, c_idx = argmax_lowest(score, cols, in_v)
+            best, best_idx = running_argmax(best, best_idx, c_best, c_idx)
         if NUM_SPLITS == 1:
             _commit(i_row, best_idx, draft_ptr, target_ptr, n_accept_ptr)
         else:
@@ -81,8 +80,7 @@ if HAS_TRITON:
         valid = j < NUM_SPLITS
         best_j = tl.load(part_best_ptr + i_row * NUM_SPLITS + j, mask=valid, other=float("-inf"))
         idx_j = tl.load(part_idx_ptr + i_row * NUM_SPLITS + j, mask=valid, other=2147483647)
-        best = tl.max(best_j, axis=0)
-        target = tl.min(tl.where((best_j == best) & valid, idx_j, 2147483647), axis=0)
+        target = argmax_lowest(best_j, idx_j, valid)[1]   # splits cover ascending ranges
         _commit(i_row, target, draft_ptr, target_ptr, n_accept_ptr)
 
 

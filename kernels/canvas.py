@@ -31,6 +31,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .reductions import argmax_lowest, online_softmax, running_argmax
+
     @triton.jit
     def canvas_score_kernel(
         logits_ptr, stride_row, V, temperature,
@@ -61,26 +63,11 @@ if HAS_TRITON:
                 u = tl.rand(seed, row * V + cols)
             score = tl.where(in_v, x - tl.log(-tl.log(u)), neg_inf)
             # running Gumbel-max and plain argmax, the lower index first (strict > across chunks)
-            c_best = tl.max(score, axis=0)
-            c_idx = tl.min(tl.where((score == c_best) & in_v, cols, 2147483647), axis=0)
-            take = (c_best > best) | (best_idx < 0)
-            best = tl.where(take, c_best, best)
-            best_idx = tl.where(take, c_idx, best_idx)
-            c_top = tl.max(x, axis=0)
-            c_top_idx = tl.min(tl.where((x == c_top) & in_v, cols, 2147483647), axis=0)
-            take = (c_top > top) | (top_idx < 0)
-            top = tl.where(take, c_top, top)
-            top_idx = tl.where(take, c_top_idx, top_idx)
-            # online softmax statistics of x (see kernels/confidence.py)
-            m_new = tl.maximum(m, c_top)
-            dm = tl.where(s > 0, m - m_new, 0.0)
-            alpha = tl.exp(dm)
-            finite = x > neg_inf
-            shifted = tl.where(finite, x - tl.where(finite, m_new, 0.0), 0.0)
-            e = tl.where(finite, tl.exp(shifted), 0.0)
-            t = alpha * (t + dm * s) + tl.sum(e * shifted, axis=0)
-            s = alpha * s + tl.sum(e, axis=0)
-            m = m_new
+            c_best, c_idx = argmax_lowest(score, cols, in_v)
+            best, best_idx = running_argmax(best, best_idx, c_best, c_idx)
+            c_top, c_top_idx = argmax_lowest(x, cols, in_v)
+            top, top_idx = running_argmax(top, top_idx, c_top, c_top_idx)
+            m, s, t = online_softmax(m, s, t, x, c_top, True)
         tl.store(sample_ptr + row, best_idx.to(tl.int64))
         tl.store(argmax_ptr + row, top_idx.to(tl.int64))
         tl.store(entropy_ptr + row, tl.maximum(tl.log(s) - t / s, 0.0))

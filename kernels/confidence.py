@@ -36,6 +36,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .reductions import argmax_lowest, online_softmax, running_argmax
+
     @triton.jit
     def _hits(cols, ids_ptr, n_ids):
         """[BLOCK] bool: which of `cols` are in the id list."""
@@ -112,30 +114,18 @@ if HAS_TRITON:
                 score = tl.where(in_v, l_arg - temperature * tl.log(-tl.log(u)), neg_inf)
             else:
                 score = l_arg
-            c_best = tl.max(score, axis=0)
-            c_idx = tl.min(tl.where((score == c_best) & in_v, gcols, 2147483647), axis=0)
+            c_best, c_idx = argmax_lowest(score, gcols, in_v)
             c_logit = tl.max(tl.where(gcols == c_idx, l_soft, neg_inf), axis=0)
-            take = (c_best > best) | (best_idx < 0)
-            best = tl.where(take, c_best, best)
-            best_idx = tl.where(take, c_idx, best_idx)
+            take = (c_best > best) | (best_idx < 0)   # running_argmax's rule, carrying the logit too
+            best, best_idx = running_argmax(best, best_idx, c_best, c_idx)
             best_logit = tl.where(take, c_logit, best_logit)
             # Online softmax statistics of the untempered logits.
             c_max = tl.max(l_soft, axis=0)
             if MODE == 1:
-                c_arg = tl.min(tl.where((l_soft == c_max) & in_v, cols, 2147483647), axis=0)
+                c_arg = argmax_lowest(l_soft, cols, in_v)[1]
                 c_second = tl.max(tl.where(cols == c_arg, neg_inf, l_soft), axis=0)
                 second = tl.maximum(tl.minimum(m, c_max), tl.maximum(second, c_second))
-            m_new = tl.maximum(m, c_max)
-            # While nothing finite has been seen (s == 0) the old max is −inf: rescale by 1, shift 0.
-            dm = tl.where(s > 0, m - m_new, 0.0)
-            alpha = tl.exp(dm)
-            finite = l_soft > neg_inf
-            shifted = tl.where(finite, l_soft - tl.where(finite, m_new, 0.0), 0.0)
-            e = tl.where(finite, tl.exp(shifted), 0.0)
-            if MODE == 2:  # Σ e'(l − m') = α(Σ e(l − m) + (m − m')Σ e) for the new max m'
-                t = alpha * (t + dm * s) + tl.sum(e * shifted, axis=0)
-            s = alpha * s + tl.sum(e, axis=0)
-            m = m_new
+            m, s, t = online_softmax(m, s, t, l_soft, c_max, MODE == 2)
         if not WRITE_PARTIAL:
             tl.store(x0_ptr + i_row, best_idx.to(tl.int64))
             conf = _finalize(m, s, t, best_logit, second, MODE)
@@ -169,8 +159,7 @@ if HAS_TRITON:
         second_j = tl.load(p + 5 * plane, mask=valid, other=neg_inf)
         idx_j = tl.load(part_idx_ptr + i_row * NUM_SPLITS + j, mask=valid, other=2147483647)
         # argmax: the best score, the lowest index among equal scores (splits cover ascending ranges)
-        best = tl.max(best_j, axis=0)
-        x0 = tl.min(tl.where((best_j == best) & valid, idx_j, 2147483647), axis=0)
+        x0 = argmax_lowest(best_j, idx_j, valid)[1]
         x0_logit = tl.max(tl.where(idx_j == x0, logit_j, neg_inf), axis=0)
         # softmax statistics rescaled to the global max
         m = tl.max(m_j, axis=0)
