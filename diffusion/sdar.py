@@ -23,6 +23,7 @@ the loop then fails with an IndexError).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -107,6 +108,167 @@ def select_positions(strategy: str, mask_index: torch.Tensor, x0_p: torch.Tensor
     return transfer
 
 
+def validate_sdar_args(mask_id: int, gen_length: int, block_length: int, denoising_steps: int, temperature: float,
+                       top_k: int, top_p: float, remasking_strategy: str, confidence_threshold: float | None,
+                       eb_threshold: float | None) -> None:
+    """The checks of SDAR's settings (shared by the function, the engine and `SamplingParams`)."""
+    check_int("mask_id", mask_id, minimum=0)
+    check_int("gen_length", gen_length, minimum=1)
+    check_int("block_length", block_length, minimum=1)
+    check_int("denoising_steps", denoising_steps, minimum=1)
+    check_real("temperature", temperature, low=0)
+    check_int("top_k", top_k, minimum=0)
+    check_real("top_p", top_p, low=0, high=1, low_open=True)
+    check_choice("remasking_strategy", remasking_strategy, REMASKING_STRATEGIES)
+    if remasking_strategy == "low_confidence_dynamic":
+        check_real("confidence_threshold", confidence_threshold, low=0, high=1)
+    if remasking_strategy == "entropy_bounded":
+        check_real("eb_threshold", eb_threshold, low=0, low_open=True)
+
+
+SDAR_SETTINGS = ("block_length", "denoising_steps", "remasking_strategy", "confidence_threshold", "eb_threshold")
+
+
+def check_sdar_settings(settings) -> dict:
+    """A request's SDAR settings (`SamplingParams.sdar`): a dict with keys from SDAR_SETTINGS."""
+    from .checks import ParameterTypeError
+
+    if not isinstance(settings, dict):
+        raise ParameterTypeError(f"sdar must be a dict of {list(SDAR_SETTINGS)}, got {type(settings).__name__}")
+    unknown = sorted(set(settings) - set(SDAR_SETTINGS))
+    if unknown:
+        raise ValueError(f"sdar: unknown setting(s) {unknown}; allowed: {list(SDAR_SETTINGS)}")
+    out = dict(settings)
+    for name in ("block_length", "denoising_steps"):
+        if name in out:
+            check_int(f"sdar.{name}", out[name], minimum=1)
+    if "remasking_strategy" in out:
+        check_choice("sdar.remasking_strategy", out["remasking_strategy"], REMASKING_STRATEGIES)
+    if "confidence_threshold" in out:
+        check_real("sdar.confidence_threshold", out["confidence_threshold"], low=0, high=1)
+    if out.get("eb_threshold") is not None:
+        check_real("sdar.eb_threshold", out["eb_threshold"], low=0, low_open=True)
+    return out
+
+
+@dataclass(eq=False)
+class SDARState:
+    """One prompt under SDAR's loop: `x` `[1, total]` (prompt, then masks), the cache, the block
+    being denoised and its step; `prefilled` once the prompt's whole blocks are in the cache."""
+
+    x: torch.Tensor
+    prompt_length: int
+    cache: DynamicCache
+    attention: torch.Tensor
+    position_ids: torch.Tensor
+    block: int
+    num_blocks: int
+    prefilled: bool = False
+    step: int = 0
+    done: bool = False
+    stopped_at: int | None = None
+
+    @property
+    def batch(self) -> int:
+        return 1
+
+
+class SDARDecoder:
+    """SDAR's loop as a state and a step: each `step` is one model forward — the prefill, a
+    denoising step of the current block (sample, select, commit), or the forward that stores a
+    finished block in the cache and moves on. `sdar_generate` drives it for one prompt, the engine
+    for each request (its own forwards: the shapes it has alone)."""
+
+    def __init__(self, *, mask_id: int, gen_length: int, block_length: int, denoising_steps: int,
+                 temperature: float, top_k: int, top_p: float, remasking_strategy: str,
+                 confidence_threshold: float | None, eb_threshold: float | None, stop_ids: Sequence[int] = (),
+                 fill_after_stop: bool = True):
+        validate_sdar_args(mask_id, gen_length, block_length, denoising_steps, temperature, top_k, top_p,
+                           remasking_strategy, confidence_threshold, eb_threshold)
+        for stop in stop_ids:
+            check_int("stopping_criteria_idx", stop, minimum=0)
+        self.mask_id, self.gen_length, self.block_length = mask_id, gen_length, block_length
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.strategy, self.confidence_threshold, self.eb_threshold = (remasking_strategy, confidence_threshold,
+                                                                       eb_threshold)
+        self.stop_ids, self.fill_after_stop = list(stop_ids), fill_after_stop
+        self.schedule = num_transfer_schedule(block_length, denoising_steps).tolist()
+
+    def shared_forward_key(self, state: SDARState) -> None:
+        return None
+
+    def num_final(self, state: SDARState) -> int:
+        """Generated positions that are final: those of the finished blocks (all of them once done)."""
+        if state.done:
+            return state.x.shape[1] - state.prompt_length
+        return max(0, state.block * self.block_length - state.prompt_length)
+
+    def start(self, model: torch.nn.Module, input_ids: torch.Tensor) -> SDARState:
+        if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+            raise ValueError(f"prompt input_ids must be a LongTensor [1, length], got "
+                             f"{getattr(input_ids, 'shape', None)}")
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"SDAR's block_diffusion_generate decodes one prompt (batch 1), got batch "
+                             f"{input_ids.shape[0]}; use remask.LLM for many")
+        if bool((input_ids == self.mask_id).any()):
+            raise ValueError(f"the prompt holds the mask id {self.mask_id}: SDAR decodes only after the prompt")
+        device, L = input_ids.device, self.block_length
+        prompt_length = input_ids.shape[1]
+        num_blocks = (prompt_length + self.gen_length + L - 1) // L
+        total = num_blocks * L
+        blocks = torch.tril(torch.ones(num_blocks, num_blocks, device=device))
+        x = torch.full((1, total), self.mask_id, dtype=torch.long, device=device)
+        x[:, :prompt_length] = input_ids
+        return SDARState(x=x, prompt_length=prompt_length, cache=DynamicCache(),
+                         attention=blocks.repeat_interleave(L, 0).repeat_interleave(L, 1)[None],
+                         position_ids=torch.arange(total, device=device)[None], block=prompt_length // L,
+                         num_blocks=num_blocks, prefilled=prompt_length < L)
+
+    def step(self, model: torch.nn.Module, state: SDARState, generator: torch.Generator | None = None,
+             stats: GenerationStats | None = None) -> None:
+        L = self.block_length
+        if not state.prefilled:   # the prompt's whole blocks, stored
+            n = state.block * L
+            model(state.x[:, :n], attention_mask=state.attention[:, :n, :n], position_ids=state.position_ids[:, :n],
+                  past_key_values=state.cache, use_cache=True, store_kv=True)
+            state.prefilled = True
+            if stats is not None:
+                stats.forward(1, n)
+            return
+        span = slice(state.block * L, (state.block + 1) * L)
+        cur_x = state.x[:, span]   # a view: commits write into x
+        mask = state.attention[:, span, :(state.block + 1) * L]
+        positions = state.position_ids[:, span]
+        mask_index = cur_x == self.mask_id
+        if stats is not None:
+            stats.forward(1, L)
+        if not bool(mask_index.any()):   # the finished block joins the cache; on to the next
+            model(cur_x, attention_mask=mask, position_ids=positions, past_key_values=state.cache, use_cache=True,
+                  store_kv=True)
+            state.block += 1
+            state.step = 0
+            if self.stop_ids and any(stop in state.x[:, state.prompt_length:] for stop in self.stop_ids):
+                state.stopped_at = state.block * L
+                if self.fill_after_stop:
+                    state.x[:, state.stopped_at:] = self.stop_ids[0]
+                state.done = True
+            elif state.block == state.num_blocks:
+                state.done = True
+            return
+        logits = model(cur_x, attention_mask=mask, position_ids=positions, past_key_values=state.cache,
+                       use_cache=True, store_kv=False).logits
+        x0, x0_p, probs = sample_block(logits, self.temperature, self.top_k, self.top_p, generator, self.mask_id)
+        # The schedule commits every mask within `denoising_steps` steps; only the entropy-bounded
+        # rule (its own count) can need more, and then at least one position per step.
+        count = self.schedule[state.step] if state.step < len(self.schedule) else 1
+        transfer = select_positions(self.strategy, mask_index, x0_p, probs, count, self.confidence_threshold,
+                                    self.eb_threshold)
+        cur_x[transfer] = x0[transfer]
+        state.step += 1
+        if stats is not None:
+            stats.step(int(transfer.sum()))
+
+
 @torch.no_grad()
 def sdar_generate(
     model: torch.nn.Module,
@@ -122,92 +284,25 @@ def sdar_generate(
     remasking_strategy: str = "low_confidence_dynamic",
     confidence_threshold: float = 0.85,
     eb_threshold: float | None = None,
-    stopping_criteria_idx: Sequence[int] | None = None,
+    stopping_criteria_idx: Sequence[int] | int | None = None,
     fill_after_stop: bool = True,
     generator: torch.Generator | None = None,
     stats: GenerationStats | None = None,
 ) -> torch.LongTensor:
     """SDAR's loop on one prompt `[1, P]`; returns x `[1, ceil((P + gen_length) / block_length) · block_length]`."""
-    if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-        raise ValueError(f"prompt input_ids must be a LongTensor [1, length], got {getattr(input_ids, 'shape', None)}")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"SDAR's block_diffusion_generate decodes one prompt (batch 1), got batch {input_ids.shape[0]}; "
-                         "use remask.LLM for many")
-    check_int("mask_id", mask_id, minimum=0)
-    check_int("gen_length", gen_length, minimum=1)
-    check_int("block_length", block_length, minimum=1)
-    check_int("denoising_steps", denoising_steps, minimum=1)
-    check_real("temperature", temperature, low=0)
-    check_int("top_k", top_k, minimum=0)
-    check_real("top_p", top_p, low=0, high=1, low_open=True)
-    check_choice("remasking_strategy", remasking_strategy, REMASKING_STRATEGIES)
-    if remasking_strategy == "low_confidence_dynamic":
-        check_real("confidence_threshold", confidence_threshold, low=0, high=1)
-    if remasking_strategy == "entropy_bounded":
-        check_real("eb_threshold", eb_threshold, low=0, low_open=True)
-    check_generator(generator, input_ids.device)
-    check_stats("stats", stats)
     stops = [] if stopping_criteria_idx is None else (
         [stopping_criteria_idx] if isinstance(stopping_criteria_idx, int) else list(stopping_criteria_idx))
-    for stop in stops:
-        check_int("stopping_criteria_idx", stop, minimum=0)
-    if bool((input_ids == mask_id).any()):
-        raise ValueError(f"the prompt holds the mask id {mask_id}: SDAR decodes only after the prompt")
-    device = input_ids.device
-    prompt_length = input_ids.shape[1]
-    cache = DynamicCache()
-    num_blocks = (prompt_length + gen_length + block_length - 1) // block_length
-    total_length = num_blocks * block_length
-    block_mask = torch.tril(torch.ones(num_blocks, num_blocks, device=device))
-    attention = block_mask.repeat_interleave(block_length, 0).repeat_interleave(block_length, 1)[None]
-    position_ids = torch.arange(total_length, device=device)[None]
-    x = torch.full((1, total_length), mask_id, dtype=torch.long, device=device)
-    x[:, :prompt_length] = input_ids
-    prefill_blocks = prompt_length // block_length
-    prefill = prefill_blocks * block_length
+    decoder = SDARDecoder(mask_id=mask_id, gen_length=gen_length, block_length=block_length,
+                          denoising_steps=denoising_steps, temperature=temperature, top_k=top_k, top_p=top_p,
+                          remasking_strategy=remasking_strategy, confidence_threshold=confidence_threshold,
+                          eb_threshold=eb_threshold, stop_ids=stops, fill_after_stop=fill_after_stop)
+    check_generator(generator, input_ids.device if torch.is_tensor(input_ids) else "cpu")
+    check_stats("stats", stats)
+    state = decoder.start(model, input_ids)
     if stats is not None:
         stats.start()
-    if prefill > 0:
-        model(x[:, :prefill], attention_mask=attention[:, :prefill, :prefill], position_ids=position_ids[:, :prefill],
-              past_key_values=cache, use_cache=True, store_kv=True)
-        if stats is not None:
-            stats.forward(1, prefill)
-    schedule = num_transfer_schedule(block_length, denoising_steps).tolist()
-    stopped = None
-    for block in range(prefill_blocks, num_blocks):
-        span = slice(block * block_length, (block + 1) * block_length)
-        cur_x = x[:, span].clone()
-        cur_mask = attention[:, span, :(block + 1) * block_length]
-        cur_positions = position_ids[:, span]
-        step = 0
-        while True:
-            mask_index = cur_x == mask_id
-            if not bool(mask_index.any()):
-                model(cur_x, attention_mask=cur_mask, position_ids=cur_positions, past_key_values=cache,
-                      use_cache=True, store_kv=True)   # the finished block joins the cache
-                if stats is not None:
-                    stats.forward(1, block_length)
-                break
-            # The schedule commits every mask within `denoising_steps` steps; only the entropy-bounded
-            # rule (its own count) can need more, and then at least one position per step.
-            count = schedule[step] if step < len(schedule) else 1
-            logits = model(cur_x, attention_mask=cur_mask, position_ids=cur_positions, past_key_values=cache,
-                           use_cache=True, store_kv=False).logits
-            if stats is not None:
-                stats.forward(1, block_length)
-            x0, x0_p, probs = sample_block(logits, temperature, top_k, top_p, generator, mask_id)
-            transfer = select_positions(remasking_strategy, mask_index, x0_p, probs, count,
-                                        confidence_threshold, eb_threshold)
-            cur_x[transfer] = x0[transfer]
-            if stats is not None:
-                stats.step(int(transfer.sum()))
-            step += 1
-        x[:, span] = cur_x
-        if stops and any(stop in x[:, prompt_length:] for stop in stops):
-            stopped = (block + 1) * block_length
-            break
-    if stopped is not None and fill_after_stop:
-        x[:, stopped:] = stops[0]
+    while not state.done:
+        decoder.step(model, state, generator, stats)
     if stats is not None:
-        stats.stop(int(total_length - prompt_length))
-    return x
+        stats.stop(int(state.x.shape[1] - state.prompt_length))
+    return state.x

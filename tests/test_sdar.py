@@ -134,5 +134,40 @@ def test_reproduces_the_official_generate_token_for_token(tmp_path):
 def test_entry_points_for_bidirectional_models_refuse_it(model):
     with pytest.raises(ValueError, match="block-causal"):
         remask.generate(model, PROMPT["input_ids"], steps=4, gen_length=4, block_length=4)
-    with pytest.raises(ValueError, match="block-causal"):
-        remask.LLM(model)
+
+
+def test_engine_requests_equal_the_function_and_ignore_their_batch(model):
+    """`remask.LLM` runs SDAR per request (its own forwards): a request with seed s decodes what
+    `block_diffusion_generate` does with a generator seeded s; together, alone or reordered the
+    tokens are the same; stop ids end a request after their block."""
+    llm = remask.LLM(model)
+    prompts = [[5, 17, 42, 99, 7, 8], [9, 8, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    params = remask.SamplingParams(max_tokens=10, seed=3, temperature=1.0, top_k=50,
+                                   sdar={"denoising_steps": 2, "remasking_strategy": "low_confidence_dynamic",
+                                         "confidence_threshold": 0.6})
+    together = llm.generate(prompts, params, use_tqdm=False)
+    alone = [llm.generate([p], params, use_tqdm=False)[0] for p in reversed(prompts)][::-1]
+    for prompt, a, b in zip(prompts, together, alone):
+        assert a.outputs[0].all_token_ids == b.outputs[0].all_token_ids
+        x = block_diffusion_generate(model, {"input_ids": torch.tensor([prompt])}, MASK, gen_length=10,
+                                     block_length=4, denoising_steps=2, temperature=1.0, top_k=50,
+                                     remasking_strategy="low_confidence_dynamic", confidence_threshold=0.6,
+                                     stopping_criteria_idx=[298], generator=torch.Generator().manual_seed(3))
+        assert a.outputs[0].all_token_ids == x[0, len(prompt):].tolist()
+        assert MASK not in a.outputs[0].all_token_ids
+    greedy = llm.generate(prompts[:1], remask.SamplingParams(max_tokens=8, threshold=0.9), use_tqdm=False)[0]
+    assert greedy.outputs[0].nfe > 0
+    with pytest.raises(ValueError, match="steps"):
+        llm.generate(prompts[:1], remask.SamplingParams(max_tokens=8, steps=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="sdar"):
+        remask.LLM("tiny-llada").generate([[1, 5]], remask.SamplingParams(sdar={"denoising_steps": 2}), use_tqdm=False)
+
+
+def test_http_request_fields_reach_sampling_params():
+    from remask.serve.protocol import CompletionRequest
+
+    request = CompletionRequest(model="m", prompt=[1, 2], max_tokens=8, temperature=0.0,
+                                sdar={"denoising_steps": 2, "remasking_strategy": "sequential"})
+    assert request.sampling_params().sdar == {"denoising_steps": 2, "remasking_strategy": "sequential"}
+    with pytest.raises(ValueError, match="sdar.remasking_strategy"):
+        CompletionRequest(model="m", prompt=[1], sdar={"remasking_strategy": "x"}).sampling_params()

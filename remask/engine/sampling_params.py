@@ -16,6 +16,7 @@ from remask.diffusion.checks import (ParameterTypeError, check_bool, check_choic
                                      check_real)
 from remask.diffusion.dream import ALGORITHMS
 from remask.diffusion.llada import REMASKING, validate_block_args, validate_rule
+from remask.diffusion.sdar import check_sdar_settings
 from remask.diffusion.sparse import SparseConfig
 
 
@@ -53,6 +54,13 @@ class SamplingParams:
     `confidence_threshold`; the rest from the checkpoint's generation_config.json),
     `canvas_sampler` (a `remask.CanvasSampler`), `reference_rng`. `max_tokens` caps the answer
     (canvases are decoded whole; the tokens past `max_tokens` are not returned).
+
+    Block-causal models (SDAR): `temperature` (0: greedy), `top_k`, `top_p`, `threshold`
+    (shorthand for `low_confidence_dynamic` with that confidence threshold), `sdar` (a dict of
+    `block_diffusion_generate`'s settings: `block_length` (default the model's `block_size`),
+    `denoising_steps` per block (default `block_length`: one token per step), `remasking_strategy`
+    (default `low_confidence_static`, or `low_confidence_dynamic` with `threshold`),
+    `confidence_threshold`, `eb_threshold`).
     """
 
     max_tokens: int = 16
@@ -82,6 +90,7 @@ class SamplingParams:
     apd: APDConfig | None = None
     canvas: dict[str, Any] | None = None
     canvas_sampler: CanvasSampler | None = None
+    sdar: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, minimum=1)
@@ -131,6 +140,8 @@ class SamplingParams:
         if self.canvas is not None:
             object.__setattr__(self, "canvas", check_canvas_settings(self.canvas))
         check_instance("canvas_sampler", self.canvas_sampler, CanvasSampler, "a remask.CanvasSampler")
+        if self.sdar is not None:
+            object.__setattr__(self, "sdar", check_sdar_settings(self.sdar))
         check_instance("apd", self.apd, APDConfig, "a remask.APDConfig")
         if self.apd is not None:
             check_apd_alone([name for name in APD_UNREAD if getattr(self, name) != getattr(SamplingParams, name)])

@@ -91,6 +91,7 @@ class _Common(BaseModel):
     sparse: dict[str, Any] | None = None
     canvas: dict[str, Any] | None = None
     canvas_sampler: dict[str, Any] | None = None
+    sdar: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         return [name for name, default in UNSUPPORTED.items() if getattr(self, name) != default]
@@ -125,6 +126,8 @@ class _Common(BaseModel):
                 raise ValueError(f"sparse: {err}") from None
         if self.canvas is not None:
             values["canvas"] = self.canvas
+        if self.sdar is not None:
+            values["sdar"] = self.sdar
         if self.canvas_sampler is not None:
             try:
                 values["canvas_sampler"] = CanvasSampler(**self.canvas_sampler)
