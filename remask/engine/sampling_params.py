@@ -11,7 +11,7 @@ from typing import Any
 
 from remask.diffusion.apd import APDConfig, check_apd_alone
 from remask.diffusion.cache import CACHE_MODES
-from remask.diffusion.canvas import CANVAS_SETTINGS, CanvasSampler, check_canvas_settings
+from remask.diffusion.canvas import CanvasSampler, check_canvas_settings
 from remask.diffusion.checks import (ParameterTypeError, check_bool, check_choice, check_instance, check_int,
                                      check_real)
 from remask.diffusion.dream import ALGORITHMS
