@@ -32,6 +32,7 @@ from remask.models.diffusion_gemma import CanvasModel, require_diffusion_gemma
 from .checks import (ParameterTypeError, check_bool, check_choice, check_generator, check_instance, check_int,
                      check_real, check_stats)
 from .stats import GenerationStats
+from .scoring import draw_seed
 from .step import Decision, apply_decision
 
 REMASK_KWARGS = ("reference_rng", "generator", "stats", "canvas_sampler")
@@ -165,11 +166,6 @@ def accept_positions(sampler: CanvasSampler, entropy: torch.Tensor, top_prob: to
     return torch.zeros_like(entropy, dtype=torch.bool).scatter(-1, order, True)
 
 
-def _seed(generator: torch.Generator | None) -> int:
-    device = generator.device if generator is not None else "cpu"
-    return int(torch.randint(0, 2**31 - 1, (), device=device, generator=generator))
-
-
 def score_canvas(processed_logits: torch.Tensor, *, reference_rng: bool, generator: torch.Generator | None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sample, argmax, entropy, top_prob) per position of the processed (tempered) logits `[B, L, V]`.
@@ -185,7 +181,7 @@ def score_canvas(processed_logits: torch.Tensor, *, reference_rng: bool, generat
         sample = torch.multinomial(probs.view(-1, V), num_samples=1, generator=generator).view(B, L)
         argmax = torch.argmax(processed_logits, dim=-1)
         return sample, argmax, token_entropy(processed_logits), probs.max(dim=-1).values
-    out = canvas_score(processed_logits.reshape(B * L, V), 1.0, seed=_seed(generator))
+    out = canvas_score(processed_logits.reshape(B * L, V), 1.0, seed=draw_seed(generator))
     return tuple(t.view(B, L) for t in out)
 
 
@@ -395,7 +391,7 @@ class CanvasDecoder:
                                                              generator=generator)
         if sampler.rule == "entropy_bound" and not self.reference_rng:   # decide + renoise: one launch
             new_canvas, accepted = canvas_update(sample, entropy, self.entropy_bound, vocab_size=V,
-                                                 seed=_seed(generator))
+                                                 seed=draw_seed(generator))
         else:
             accepted = accept_positions(sampler, entropy, top_prob, self.entropy_bound)
             noise_tokens = torch.randint(0, V, (B, L), device=device, generator=generator)

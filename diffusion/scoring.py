@@ -34,6 +34,12 @@ from remask.kernels.confidence_ref import CONFIDENCE_MODES
 from remask.models.parallel import full_logits, vocab_shard
 
 
+def draw_seed(generator: torch.Generator | None) -> int:
+    """A seed for a kernel's own random stream, drawn from `generator` (torch's global one if None)."""
+    device = generator.device if generator is not None else "cpu"
+    return int(torch.randint(0, 2**31 - 1, (), device=device, generator=generator))
+
+
 def score_rows(
     logits: torch.Tensor,
     rows: torch.Tensor | None = None,
@@ -57,10 +63,7 @@ def score_rows(
     where they lie: each rank its columns, the ranks combining a few numbers per row — the same
     tokens as one process, and full logits are never gathered.
     """
-    seed = None
-    if temperature > 0:
-        device = generator.device if generator is not None else "cpu"
-        seed = int(torch.randint(0, 2**31 - 1, (), device=device, generator=generator))
+    seed = draw_seed(generator) if temperature > 0 else None
     kwargs = dict(temperature=temperature, mode=mode, rows=rows, suppress_ids=suppress_ids, seed=seed,
                   exclude_ids=None if exclude_id is None else [exclude_id], zero_prob_ids=zero_prob_ids,
                   out_dtype=torch.float64)

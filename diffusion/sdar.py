@@ -168,10 +168,6 @@ class SDARState:
     done: bool = False
     stopped_at: int | None = None
 
-    @property
-    def batch(self) -> int:
-        return 1
-
 
 class SDARDecoder:
     """SDAR's loop as a state and a step: each `step` is one model forward — the prefill, a
