@@ -24,13 +24,13 @@ the loop then fails with an IndexError).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
-from .checks import check_choice, check_generator, check_int, check_real, check_stats
+from .checks import check_bool, check_choice, check_generator, check_int, check_real, check_stats
 from .stats import GenerationStats
 
 REMASKING_STRATEGIES = ("sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded")
@@ -178,7 +178,7 @@ class SDARDecoder:
     def __init__(self, *, mask_id: int, gen_length: int, block_length: int, denoising_steps: int,
                  temperature: float, top_k: int, top_p: float, remasking_strategy: str,
                  confidence_threshold: float | None, eb_threshold: float | None, stop_ids: Sequence[int] = (),
-                 fill_after_stop: bool = True):
+                 fill_after_stop: bool = True, block_store: Any = None, use_cache: bool = True):
         validate_sdar_args(mask_id, gen_length, block_length, denoising_steps, temperature, top_k, top_p,
                            remasking_strategy, confidence_threshold, eb_threshold)
         for stop in stop_ids:
@@ -189,9 +189,70 @@ class SDARDecoder:
                                                                        eb_threshold)
         self.stop_ids, self.fill_after_stop = list(stop_ids), fill_after_stop
         self.schedule = num_transfer_schedule(block_length, denoising_steps).tolist()
+        # the engine's page store (`remask.engine.paged_kv.PagedKVStore`): each state's cache is then
+        # a `BlockKVCache` in its pages; None: a contiguous DynamicCache, as upstream
+        self.block_store = block_store
+        # False: no cache at all — every step forwards the whole sequence up to the current block under
+        # the block-causal mask (the check that the exact cache changes nothing)
+        check_bool("use_cache", use_cache)
+        self.use_cache = use_cache
 
-    def shared_forward_key(self, state: SDARState) -> None:
-        return None
+    def _sizes(self, prompt_length: int) -> tuple[int, int]:
+        """(positions of the prompt's whole blocks, positions of the whole sequence)."""
+        L = self.block_length
+        return prompt_length // L * L, (prompt_length + self.gen_length + L - 1) // L * L
+
+    def pages_needed(self, manager: Any, prompt_ids: torch.Tensor) -> int:
+        """Free pages a request with this prompt takes in the engine's store (all allocated at start)."""
+        from remask.caches.block import BlockKVCache
+
+        prefix, total = self._sizes(prompt_ids.shape[1])
+        return BlockKVCache.pages_needed(manager, prompt_ids[0, :prefix].tolist(), total, self.block_length)
+
+    def shared_forward_key(self, state: SDARState) -> tuple | None:
+        """Requests whose next forward is a block step (denoise or store) of the same length share
+        one batched forward (`forward_shared`); each row attends over its own cache. A prefill runs
+        alone (its length is the prompt's)."""
+        if state.done or not state.prefilled or not self.use_cache:
+            return None
+        return ("block", self.block_length)
+
+    def _block(self, state: SDARState) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The current block's tokens (a view of x), positions, and whether it is finished (the
+        forward then stores its K/V)."""
+        span = slice(state.block * self.block_length, (state.block + 1) * self.block_length)
+        cur_x = state.x[:, span]
+        return cur_x, state.position_ids[:, span], not bool((cur_x == self.mask_id).any())
+
+    def forward_shared(self, model: torch.nn.Module, states: list[SDARState]) -> tuple[torch.Tensor, list[bool]]:
+        """One forward over the current blocks of `states` `[B, L]`, each row against its own cache
+        (`remask.caches.BlockBatch`); returns the logits and which rows stored their block."""
+        from remask.caches.block import BlockBatch
+
+        blocks = [self._block(state) for state in states]
+        stores = [finished for _, _, finished in blocks]
+        logits = model(torch.cat([x for x, _, _ in blocks]), attention_mask=None,
+                       position_ids=torch.cat([p for _, p, _ in blocks]),
+                       past_key_values=BlockBatch([state.cache for state in states], stores), use_cache=True,
+                       store_kv=False).logits
+        return logits, stores
+
+    def commit(self, state: SDARState, logits: torch.Tensor, stored: list[bool] | bool,
+               generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> None:
+        """The step's decision for one row of `forward_shared` (its logits `[1, L, V]`)."""
+        if stats is not None:
+            stats.forward(1, self.block_length)
+        cur_x, _, finished = self._block(state)
+        if finished:
+            self._next_block(state)
+        else:
+            self._denoise(state, cur_x, logits, generator, stats)
+
+    def release(self, state: SDARState) -> None:
+        """Give back the state's cache pages (the engine's paged cache), if it has any."""
+        release = getattr(state.cache, "release", None)
+        if release is not None:
+            release()
 
     def num_final(self, state: SDARState) -> int:
         """Generated positions that are final: those of the finished blocks (all of them once done)."""
@@ -215,10 +276,17 @@ class SDARDecoder:
         blocks = torch.tril(torch.ones(num_blocks, num_blocks, device=device))
         x = torch.full((1, total), self.mask_id, dtype=torch.long, device=device)
         x[:, :prompt_length] = input_ids
-        return SDARState(x=x, prompt_length=prompt_length, cache=DynamicCache(),
+        if self.block_store is None:
+            cache = DynamicCache()
+        else:
+            from remask.caches.block import BlockKVCache
+
+            prefix, _ = self._sizes(prompt_length)
+            cache = BlockKVCache(self.block_store, input_ids[0, :prefix].tolist(), total, L)
+        return SDARState(x=x, prompt_length=prompt_length, cache=cache,
                          attention=blocks.repeat_interleave(L, 0).repeat_interleave(L, 1)[None],
                          position_ids=torch.arange(total, device=device)[None], block=prompt_length // L,
-                         num_blocks=num_blocks, prefilled=prompt_length < L)
+                         num_blocks=num_blocks, prefilled=prompt_length < L or not self.use_cache)
 
     def step(self, model: torch.nn.Module, state: SDARState, generator: torch.Generator | None = None,
              stats: GenerationStats | None = None) -> None:
@@ -231,28 +299,43 @@ class SDARDecoder:
             if stats is not None:
                 stats.forward(1, n)
             return
-        span = slice(state.block * L, (state.block + 1) * L)
-        cur_x = state.x[:, span]   # a view: commits write into x
-        mask = state.attention[:, span, :(state.block + 1) * L]
-        positions = state.position_ids[:, span]
-        mask_index = cur_x == self.mask_id
+        cur_x, positions, finished = self._block(state)
+        mask = state.attention[:, state.block * L:(state.block + 1) * L, :(state.block + 1) * L]
         if stats is not None:
             stats.forward(1, L)
-        if not bool(mask_index.any()):   # the finished block joins the cache; on to the next
+        if not self.use_cache:
+            end = (state.block + 1) * L
+            if finished:
+                self._next_block(state)
+                return
+            logits = model(state.x[:, :end], attention_mask=state.attention[:, :end, :end],
+                           position_ids=state.position_ids[:, :end]).logits[:, -L:]
+            self._denoise(state, cur_x, logits, generator, stats)
+            return
+        if finished:   # the finished block joins the cache; on to the next
             model(cur_x, attention_mask=mask, position_ids=positions, past_key_values=state.cache, use_cache=True,
                   store_kv=True)
-            state.block += 1
-            state.step = 0
-            if self.stop_ids and any(stop in state.x[:, state.prompt_length:] for stop in self.stop_ids):
-                state.stopped_at = state.block * L
-                if self.fill_after_stop:
-                    state.x[:, state.stopped_at:] = self.stop_ids[0]
-                state.done = True
-            elif state.block == state.num_blocks:
-                state.done = True
+            self._next_block(state)
             return
         logits = model(cur_x, attention_mask=mask, position_ids=positions, past_key_values=state.cache,
                        use_cache=True, store_kv=False).logits
+        self._denoise(state, cur_x, logits, generator, stats)
+
+    def _next_block(self, state: SDARState) -> None:
+        L = self.block_length
+        state.block += 1
+        state.step = 0
+        if self.stop_ids and any(stop in state.x[:, state.prompt_length:] for stop in self.stop_ids):
+            state.stopped_at = state.block * L
+            if self.fill_after_stop:
+                state.x[:, state.stopped_at:] = self.stop_ids[0]
+            state.done = True
+        elif state.block == state.num_blocks:
+            state.done = True
+
+    def _denoise(self, state: SDARState, cur_x: torch.Tensor, logits: torch.Tensor,
+                 generator: torch.Generator | None, stats: GenerationStats | None) -> None:
+        mask_index = cur_x == self.mask_id
         x0, x0_p, probs = sample_block(logits, self.temperature, self.top_k, self.top_p, generator, self.mask_id)
         # The schedule commits every mask within `denoising_steps` steps; only the entropy-bounded
         # rule (its own count) can need more, and then at least one position per step.
@@ -284,6 +367,7 @@ def sdar_generate(
     fill_after_stop: bool = True,
     generator: torch.Generator | None = None,
     stats: GenerationStats | None = None,
+    use_cache: bool = True,
 ) -> torch.LongTensor:
     """SDAR's loop on one prompt `[1, P]`; returns x `[1, ceil((P + gen_length) / block_length) · block_length]`."""
     stops = [] if stopping_criteria_idx is None else (
@@ -291,7 +375,8 @@ def sdar_generate(
     decoder = SDARDecoder(mask_id=mask_id, gen_length=gen_length, block_length=block_length,
                           denoising_steps=denoising_steps, temperature=temperature, top_k=top_k, top_p=top_p,
                           remasking_strategy=remasking_strategy, confidence_threshold=confidence_threshold,
-                          eb_threshold=eb_threshold, stop_ids=stops, fill_after_stop=fill_after_stop)
+                          eb_threshold=eb_threshold, stop_ids=stops, fill_after_stop=fill_after_stop,
+                          use_cache=use_cache)
     check_generator(generator, input_ids.device if torch.is_tensor(input_ids) else "cpu")
     check_stats("stats", stats)
     state = decoder.start(model, input_ids)

@@ -18,7 +18,10 @@ from .spec import ModelSpec
 class Family:
     """model_type: `config.model_type` (matched case-insensitively). spec: config → `ModelSpec`.
     config_class / model_class: remask's classes, registered with AutoConfig and `auto_classes`
-    (None for models transformers ships itself). load_class: the Auto class `remask.load` uses."""
+    (None for models transformers ships itself). load_class: the Auto class `remask.load` uses.
+    generate: ``"module:function"`` of the family's drop-in entry point, called as
+    `function(model, *args, **kwargs)`; `remask.patch(model)` attaches it as `model.generate`
+    (None: the diffusion models' `generate` / `diffusion_generate` pair)."""
 
     model_type: str
     spec: Callable[[Any], ModelSpec]
@@ -26,6 +29,16 @@ class Family:
     model_class: type | None = None
     auto_classes: tuple[str, ...] = ()
     load_class: str = "AutoModel"
+    generate: str | None = None
+
+    def entry_point(self) -> Callable[..., Any] | None:
+        """The function named by `generate`, imported on first use (it lives outside `models`)."""
+        if self.generate is None:
+            return None
+        import importlib
+
+        module, _, name = self.generate.partition(":")
+        return getattr(importlib.import_module(module), name)
 
 
 FAMILIES: dict[str, Family] = {}

@@ -133,6 +133,8 @@ class SDARRotaryEmbedding(nn.Module):
 
 def _cached_layer(cache: Cache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The stored keys and values of one layer, or None while it has none."""
+    if hasattr(cache, "cached"):   # remask.caches.BlockKVCache: the engine's paged block cache
+        return cache.cached(layer_idx)
     layers = getattr(cache, "layers", None)
     if layers is not None:   # transformers 5: per-layer objects
         if layer_idx >= len(layers) or getattr(layers[layer_idx], "keys", None) is None:
@@ -166,6 +168,12 @@ class SDARAttention(nn.Module):
         cos, sin = position_embeddings
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         query, key = query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+        rows_attend = getattr(past_key_values, "attend", None)
+        if rows_attend is not None:
+            # remask.caches.BlockBatch: a forward shared by requests at different blocks; each row
+            # attends over its own cache (and stores, if its block is finished) as alone
+            out = rows_attend(self.layer_idx, query, key, value, self._full_attention)
+            return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
         if past_key_values is not None and store_kv:
             key, value = past_key_values.update(key, value, self.layer_idx)
         elif past_key_values is not None:
@@ -175,16 +183,19 @@ class SDARAttention(nn.Module):
                 key, value = torch.cat([cached[0], key], dim=-2), torch.cat([cached[1], value], dim=-2)
         mask = attention_mask.bool() if attention_mask is not None else None
         if mask is None or bool(mask.all()):
-            # the official code calls flash_attn_func(causal=False) here: full attention, no mask
-            key = key.repeat_interleave(self.num_key_value_groups, dim=1)   # flash-attn's GQA, spelled out
-            value = value.repeat_interleave(self.num_key_value_groups, dim=1)
-            out = F.scaled_dot_product_attention(query, key, value, is_causal=False, scale=self.scaling)
+            out = self._full_attention(query, key, value)
         else:
             if mask.dim() == 3:
                 mask = mask[:, None]
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=False,
                                                  scale=self.scaling, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+
+    def _full_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        # the official code calls flash_attn_func(causal=False) here: full attention, no mask
+        key = key.repeat_interleave(self.num_key_value_groups, dim=1)   # flash-attn's GQA, spelled out
+        value = value.repeat_interleave(self.num_key_value_groups, dim=1)
+        return F.scaled_dot_product_attention(query, key, value, is_causal=False, scale=self.scaling)
 
 
 class SDARDecoderLayer(nn.Module):
@@ -291,4 +302,5 @@ def sdar_spec(config: SDARConfig) -> ModelSpec:
 
 
 register_family(Family("sdar", sdar_spec, SDARConfig, SDARForCausalLM,
-                       auto_classes=("AutoModel", "AutoModelForCausalLM")))
+                       auto_classes=("AutoModel", "AutoModelForCausalLM"),
+                       generate="remask.compat.sdar:block_diffusion_generate"))

@@ -6,6 +6,7 @@ import types
 import torch
 
 from remask.diffusion import diffusion_generate, generate
+from remask.models.registry import family_of
 from remask.models.spec import get_spec
 
 
@@ -14,10 +15,16 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
     method) and `model.generate(prompt, ...)` (LLaDA's `generate` without the model argument).
 
     Works on remask's own classes and on models loaded with the official remote code. For
-    DiffusionGemma, `model.generate(input_ids, **kw)` runs `canvas_generate` (the same arguments).
-    Returns the model.
+    DiffusionGemma, `model.generate(input_ids, **kw)` runs `canvas_generate` (the same arguments). For
+    a block-diffusion family, `model.generate(...)` is its drop-in entry point (`Family.generate`, e.g.
+    SDAR's `remask.compat.sdar.block_diffusion_generate` without the model argument). Returns the model.
     """
     spec = get_spec(model)
+    family = family_of(getattr(getattr(model, "config", None), "model_type", ""))
+    entry = family.entry_point() if family is not None else None
+    if entry is not None:   # a block-diffusion family: its drop-in entry point (same arguments as upstream's)
+        model.generate = types.MethodType(lambda self, *args, **kw: entry(self, *args, **kw), model)
+        return model
     if spec.noise == "uniform":   # DiffusionGemma: its `generate` (same arguments) runs remask's canvas loop
         from remask.diffusion.canvas import canvas_generate
 

@@ -171,3 +171,72 @@ def test_http_request_fields_reach_sampling_params():
     assert request.sampling_params().sdar == {"denoising_steps": 2, "remasking_strategy": "sequential"}
     with pytest.raises(ValueError, match="sdar.remasking_strategy"):
         CompletionRequest(model="m", prompt=[1], sdar={"remasking_strategy": "x"}).sampling_params()
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(temperature=0.0, remasking_strategy="low_confidence_dynamic", confidence_threshold=0.7),
+    dict(temperature=0.0, remasking_strategy="low_confidence_static", denoising_steps=2),
+    dict(temperature=1.0, top_k=40, remasking_strategy="sequential", seed=5),
+    dict(temperature=0.8, remasking_strategy="low_confidence_dynamic", confidence_threshold=0.5, seed=7),
+])
+def test_cached_decoding_equals_uncached(model, kwargs):
+    """The exact cache changes nothing: the prompt's blocks prefilled and each finished block stored
+    once give the tokens of forwarding the whole sequence up to the current block at every step."""
+    kwargs = dict(kwargs)
+    seed = kwargs.pop("seed", 0)
+    for prompt in ([5, 17, 42, 99, 7, 8], [9, 8, 7, 6], [3]):
+        runs = [block_diffusion_generate(model, {"input_ids": torch.tensor([prompt])}, MASK, gen_length=13,
+                                         block_length=4, generator=torch.Generator().manual_seed(seed),
+                                         use_cache=use_cache, **kwargs)
+                for use_cache in (True, False)]
+        assert runs[0].tolist() == runs[1].tolist()
+        assert MASK not in runs[0].tolist()[0]
+
+
+def test_engine_block_cache_shares_forwards_pages_and_prefixes(model):
+    """In the engine, finished blocks live in its page store (`remask.caches.BlockKVCache`):
+    requests at different blocks share one forward per step (each row against its own cache),
+    prompts with the same whole blocks share their pages (verified bitwise), pages go back when a
+    request ends, and the tokens are those of `block_diffusion_generate` on each request alone."""
+    common = [11, 12, 13, 14, 15, 16, 17, 18]
+    prompts = [common + [21, 22], common + [31], common + [41, 42, 43, 44, 45], [7, 6, 5]]
+    params = remask.SamplingParams(max_tokens=9, seed=2, temperature=0.9,
+                                   sdar={"denoising_steps": 2, "remasking_strategy": "low_confidence_dynamic",
+                                         "confidence_threshold": 0.6})
+    expected = [block_diffusion_generate(model, {"input_ids": torch.tensor([p])}, MASK, gen_length=9, block_length=4,
+                                         denoising_steps=2, temperature=0.9, confidence_threshold=0.6,
+                                         stopping_criteria_idx=[298], generator=torch.Generator().manual_seed(2)
+                                         )[0, len(p):].tolist() for p in prompts]
+    for sharing in (True, False):
+        llm = remask.LLM(model, page_size=4, enable_prefix_caching=sharing)
+        engine = llm.engine
+        outputs, nfe = {}, 0
+        for i, prompt in enumerate(prompts):   # staggered arrivals: requests run at different blocks
+            engine.add_request(str(i), prompt, params)
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out
+        got = [outputs[str(i)].outputs[0].all_token_ids for i in range(len(prompts))]
+        assert got == expected
+        nfe = sum(outputs[str(i)].outputs[0].nfe for i in range(len(prompts)))
+        assert engine.runner.forwards < nfe            # forwards were shared
+        stats = engine.kv_stats()
+        assert stats["pages_in_use"] == 0 and stats["peak_pages_in_use"] > 0
+        assert (stats["prefix_hits"] > 0) == sharing   # the common 8 tokens: two pages of 4, found twice
+    with pytest.raises(ValueError, match="kv_cache_pages"):
+        remask.LLM(model, kv_cache_pages=1).generate([prompts[0]], params, use_tqdm=False)
+
+
+def test_patch_attaches_the_official_entry_point(model):
+    """`remask.patch(model)`: `model.generate` is the family's drop-in entry point (upstream's
+    `block_diffusion_generate` without the model argument)."""
+    import copy
+
+    patched = remask.patch(copy.copy(model))
+    kwargs = dict(gen_length=8, block_length=4, denoising_steps=4, temperature=0.0)
+    assert patched.generate(PROMPT, MASK, **kwargs).tolist() == block_diffusion_generate(model, PROMPT, MASK,
+                                                                                         **kwargs).tolist()

@@ -88,7 +88,7 @@ class LLMEngine:
                       memory_fraction: float | None, page_size: int, prefix_caching: bool) -> PageManager | None:
         """The page store of autoregressive models. A diffusion request keeps its cache to itself
         (its K/V depend on its whole canvas), so the knobs are refused there rather than ignored."""
-        if not self.is_ar:
+        if not self.is_ar and self.spec.attention != "block-causal":
             sharing = self.spec.layout == "encoder-decoder"   # whole prompts' encoder caches (PromptCache)
             set_here = [name for name, value, default in (
                 ("kv_cache_pages", kv_cache_pages, None), ("kv_cache_memory_fraction", memory_fraction, None),
@@ -98,6 +98,7 @@ class LLMEngine:
                 raise ValueError(f"{', '.join(set_here)}: the KV page store serves autoregressive models; a diffusion "
                                  f"request keeps its own cache (use_cache='paged' pages it per request)")
             return None
+        # Block-causal models keep their finished blocks here too (`remask.caches.BlockKVCache`).
         if kv_cache_pages is not None and memory_fraction is not None:
             raise ValueError("pass kv_cache_pages or kv_cache_memory_fraction, not both")
         if memory_fraction is not None:
@@ -108,7 +109,9 @@ class LLMEngine:
             kv_cache_pages = max(1, int(free * memory_fraction) // self._page_bytes(page_size))
         elif kv_cache_pages is None:
             # Enough for every admitted sequence at full length: no preemption unless asked for.
-            kv_cache_pages = -(-max_num_batched_tokens // page_size) + max_num_seqs
+            # A block-causal request rounds its length up to whole blocks: a block's worth more each.
+            rounding = 1 + -(-(self.spec.block_length or 0) // page_size)
+            kv_cache_pages = -(-max_num_batched_tokens // page_size) + max_num_seqs * rounding
         return PageManager(kv_cache_pages, page_size, enable_prefix_caching=prefix_caching)
 
     def _page_bytes(self, page_size: int) -> int:
@@ -131,7 +134,7 @@ class LLMEngine:
                     "prefix_hits": 0 if shared is None else shared.hits, "pages_unshared": 0}
         return {"pages": pages.num_pages, "pages_in_use": pages.pages_in_use, "peak_pages_in_use": pages.peak_in_use,
                 "page_size": pages.page_size, "prefix_lookups": pages.lookups, "prefix_hits": pages.shared_hits,
-                "pages_unshared": self.runner.unshared_pages}
+                "pages_unshared": self.runner.unshared_pages + self.runner.store.unshared_pages}
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -228,7 +231,8 @@ class LLMEngine:
                 raise ValueError("threshold is the shorthand for sdar={'remasking_strategy': "
                                  "'low_confidence_dynamic', 'confidence_threshold': ...}: give one of them")
             settings.update(remasking_strategy="low_confidence_dynamic", confidence_threshold=params.threshold)
-        return SDARDecoder(mask_id=self.spec.mask_id, gen_length=params.max_tokens, block_length=block_length,
+        return SDARDecoder(block_store=self.runner.store, mask_id=self.spec.mask_id, gen_length=params.max_tokens,
+                           block_length=block_length,
                            denoising_steps=settings.get("denoising_steps", block_length),
                            temperature=params.temperature,
                            top_k=params.top_k or 0, top_p=1.0 if params.top_p is None else params.top_p,

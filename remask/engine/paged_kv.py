@@ -41,6 +41,7 @@ class PagedKVStore:
 
     def __init__(self, manager: PageManager) -> None:
         self.manager = manager
+        self.unshared_pages = 0   # shared block-cache pages found different and made private
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 

@@ -37,7 +37,20 @@ class Scheduler:
                              f"{self.pages.page_size} positions (prompt {seq.prompt_len} + max_tokens "
                              f"{seq.params.max_tokens}), more than the whole store (kv_cache_pages="
                              f"{self.pages.num_pages})")
+        need = self._block_pages(seq)
+        if need is not None and need > self.pages.num_pages:
+            raise ValueError(f"the request needs {need} KV pages of {self.pages.page_size} positions (its "
+                             f"whole blocks: prompt {seq.prompt_len} + max_tokens {seq.params.max_tokens}), more "
+                             f"than the whole store (kv_cache_pages={self.pages.num_pages})")
         self.waiting.append(seq)
+
+    def _block_pages(self, seq: Sequence) -> int | None:
+        """Pages a block-causal request takes at its start (its decoder allocates them all then:
+        it never waits for a page while running), or None for other requests."""
+        pages_needed = getattr(seq.decoder, "pages_needed", None)
+        if self.pages is None or pages_needed is None or getattr(seq.decoder, "block_store", None) is None:
+            return None
+        return pages_needed(self.pages, seq.prompt_ids)
 
     @property
     def has_unfinished(self) -> bool:
@@ -78,6 +91,10 @@ class Scheduler:
                 if reserved + need > self.pages.num_free:
                     break
                 reserved += need
+            elif (need := self._block_pages(seq)) is not None:
+                if reserved + need > self.pages.num_free:
+                    break
+                reserved += need
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             tokens += seq.num_tokens
@@ -89,6 +106,9 @@ class Scheduler:
         seq.status = status
         if seq.paged and seq.state is not None and self.pages is not None:
             self.pages.free(seq.state.table)
+        release = getattr(seq.decoder, "release", None)
+        if release is not None and seq.state is not None:
+            release(seq.state)    # a block-causal request's pages
         seq.state = None          # drops its cache
         if seq in self.running:
             self.running.remove(seq)
