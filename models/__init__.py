@@ -1,13 +1,13 @@
 """Model families: LLaDA and Dream (remask's implementations, registered with transformers' Auto
 classes when `remask` is imported, so official checkpoints load without trust_remote_code) and
-DiffusionGemma (transformers' own classes), SDAR (block diffusion on a Qwen3 backbone). Each module registers its family in one call at its
+DiffusionGemma (transformers' own classes), SDAR and SDAR-MoE (block diffusion on Qwen3 / Qwen3-MoE backbones). Each module registers its family in one call at its
 end (`registry.register_family`); `get_spec` gives the spec samplers use for any model."""
 from . import diffusion_gemma   # noqa: F401  (transformers' own classes: only its family)
 from .dream import DreamConfig, DreamModel
 from .layers import KVCache
 from .llada import LLaDAConfig, LLaDAModelLM
 from .parallel import register_tp_styles
-from .sdar import SDARConfig, SDARForCausalLM
+from .sdar import SDARConfig, SDARForCausalLM, SDARMoeConfig, SDARMoeForCausalLM
 from .registry import FAMILIES, Family, family_of, register_family
 from .spec import ModelSpec, get_spec, register_spec
 
@@ -23,5 +23,5 @@ register_tp_styles()
 
 __all__ = [
     "DreamConfig", "DreamModel", "FAMILIES", "Family", "KVCache", "LLaDAConfig", "LLaDAModelLM", "ModelSpec",
-    "SDARConfig", "SDARForCausalLM", "family_of", "get_spec", "register_family", "register_spec", "register_with_transformers",
+    "SDARConfig", "SDARForCausalLM", "SDARMoeConfig", "SDARMoeForCausalLM", "family_of", "get_spec", "register_family", "register_spec", "register_with_transformers",
 ]

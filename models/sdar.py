@@ -81,6 +81,36 @@ class SDARConfig(PreTrainedConfig):
                              f"num_key_value_heads ({self.num_key_value_heads})")
 
 
+class SDARMoeConfig(SDARConfig):
+    """SDAR-MoE (`model_type: "sdar_moe"`, `SDARMoeForCausalLM`): SDAR on a Qwen3-MoE backbone. The
+    MoE keys are Qwen3-MoE's: `num_experts`, `num_experts_per_tok`, `moe_intermediate_size`,
+    `decoder_sparse_step` (every n-th layer is sparse), `mlp_only_layers` (dense anyway),
+    `norm_topk_prob`; `intermediate_size` sizes the dense layers."""
+
+    model_type = "sdar_moe"
+
+    num_experts: int = 128
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list | None = None
+    norm_topk_prob: bool = True
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
+
+    def validate_architecture(self) -> None:
+        super().validate_architecture()
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"SDARMoeConfig.num_experts_per_tok={self.num_experts_per_tok} must be in "
+                             f"[1, num_experts={self.num_experts}]")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"SDARMoeConfig.decoder_sparse_step={self.decoder_sparse_step} must be ≥ 1")
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        return (layer_idx not in (self.mlp_only_layers or []) and self.num_experts > 0
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+
 class SDARRMSNorm(nn.Module):
     """flash-attn's `rms_norm_fn` (which the official code calls): float32 math, `x · rstd · w`."""
 
@@ -96,15 +126,45 @@ class SDARRMSNorm(nn.Module):
 
 
 class SDARMLP(nn.Module):
-    def __init__(self, config: SDARConfig):
+    def __init__(self, config: SDARConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        intermediate_size = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SDARMoeSparseMoeBlock(nn.Module):
+    """Qwen3-MoE's sparse block with the checkpoints' names (`gate`, `experts.N.{gate,up,down}_proj`):
+    softmax router in float32, top-k, renormalised when `norm_topk_prob`; each expert runs on its
+    tokens and adds its weighted output in expert order (the reference implementation's order)."""
+
+    def __init__(self, config: SDARMoeConfig):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = (config.num_experts, config.num_experts_per_tok,
+                                                             config.norm_topk_prob)
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList([SDARMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts)])
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        flat = hidden_states.reshape(-1, shape[-1])
+        routing = F.softmax(self.gate(flat), dim=-1, dtype=torch.float)
+        weights, experts = torch.topk(routing, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(flat.dtype)
+        out = torch.zeros_like(flat)
+        hits = F.one_hot(experts, num_classes=self.num_experts).permute(2, 1, 0)   # [E, k, tokens]
+        for expert in torch.nonzero(hits.sum(dim=(1, 2))).flatten().tolist():
+            slot, token = torch.where(hits[expert])
+            y = self.experts[expert](flat[token]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out.reshape(shape)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -202,7 +262,8 @@ class SDARDecoderLayer(nn.Module):
     def __init__(self, config: SDARConfig, layer_idx: int):
         super().__init__()
         self.self_attn = SDARAttention(config, layer_idx)
-        self.mlp = SDARMLP(config)
+        sparse = isinstance(config, SDARMoeConfig) and config.is_sparse(layer_idx)
+        self.mlp = SDARMoeSparseMoeBlock(config) if sparse else SDARMLP(config)
         self.input_layernorm = SDARRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = SDARRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -301,6 +362,16 @@ def sdar_spec(config: SDARConfig) -> ModelSpec:
     )
 
 
+class SDARMoeForCausalLM(SDARForCausalLM):
+    """SDAR-MoE: `SDARForCausalLM` whose feed-forward layers are Qwen3-MoE sparse blocks where
+    `SDARMoeConfig.is_sparse` says so (the same attention, cache and decoding)."""
+
+    config_class = SDARMoeConfig
+
+
+register_family(Family("sdar_moe", sdar_spec, SDARMoeConfig, SDARMoeForCausalLM,
+                       auto_classes=("AutoModel", "AutoModelForCausalLM"),
+                       generate="remask.compat.sdar:block_diffusion_generate"))
 register_family(Family("sdar", sdar_spec, SDARConfig, SDARForCausalLM,
                        auto_classes=("AutoModel", "AutoModelForCausalLM"),
                        generate="remask.compat.sdar:block_diffusion_generate"))

@@ -322,15 +322,17 @@ def write_tiny_sdar(path: str, *, seed: int = 0, logit_scale: float = 40.0, **ov
     keys and `auto_map`, `model.safetensors` with its parameter names, `generation_config.json`);
     returns the weights' digest. Weights are drawn from a seeded generator (normal, std 0.02; the
     LM head scaled by `logit_scale` so that predictions are peaked enough to exercise thresholds)."""
-    from .sdar import SDARConfig, SDARForCausalLM
+    from .sdar import SDARConfig, SDARForCausalLM, SDARMoeConfig, SDARMoeForCausalLM
 
     config = {**SDAR_DEFAULTS, **overrides}
     init = {k: v for k, v in config.items() if k not in ("architectures", "auto_map", "model_type", "torch_dtype",
                                                           "transformers_version", "fuse_cross_entropy", "debug",
                                                           "ep_size", "micro_forward", "skip_checkpoint", "use_deepep")}
+    config_class, model_class = ((SDARMoeConfig, SDARMoeForCausalLM) if config["model_type"] == "sdar_moe"
+                                 else (SDARConfig, SDARForCausalLM))
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = SDARForCausalLM(SDARConfig(**init))
+        model = model_class(config_class(**init))
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
         # a trained model practically never predicts the mask token (it is never a target): logit 0
@@ -340,3 +342,18 @@ def write_tiny_sdar(path: str, *, seed: int = 0, logit_scale: float = 40.0, **ov
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
                   "transformers_version": config["transformers_version"]}
     return _save(path, config, sd, 1, {"generation_config.json": generation})
+
+
+SDAR_MOE_DEFAULTS: dict[str, Any] = {
+    **SDAR_DEFAULTS,
+    "architectures": ["SDARMoeForCausalLM"], "model_type": "sdar_moe",
+    "auto_map": {"AutoConfig": "configuration_sdar_moe.SDARMoeConfig", "AutoModel": "modeling_sdar_moe.SDARMoeModel",
+                 "AutoModelForCausalLM": "modeling_sdar_moe.SDARMoeForCausalLM"},
+    "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "norm_topk_prob": True, "output_router_logits": False, "router_aux_loss_coef": 0.001,
+}
+
+
+def write_tiny_sdar_moe(path: str, *, seed: int = 0, logit_scale: float = 40.0, **overrides: Any) -> str:
+    """`write_tiny_sdar` for SDAR-MoE (Qwen3-MoE keys and names: `mlp.gate`, `mlp.experts.N.*`)."""
+    return write_tiny_sdar(path, seed=seed, logit_scale=logit_scale, **{**SDAR_MOE_DEFAULTS, **overrides})

@@ -240,3 +240,38 @@ def test_patch_attaches_the_official_entry_point(model):
     kwargs = dict(gen_length=8, block_length=4, denoising_steps=4, temperature=0.0)
     assert patched.generate(PROMPT, MASK, **kwargs).tolist() == block_diffusion_generate(model, PROMPT, MASK,
                                                                                          **kwargs).tolist()
+
+
+def test_sdar_moe_loads_and_its_sparse_block_is_qwen3_moe(tmp_path):
+    """SDAR-MoE (`sdar_moe`): official names load without remote code; its sparse block computes
+    transformers' own Qwen3-MoE block on the same weights; it decodes through the same loop, cached
+    equal to uncached, and in the engine."""
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    tiny.write_tiny_sdar_moe(str(tmp_path), seed=3, mlp_only_layers=[1])
+    moe = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert type(moe).__name__ == "SDARMoeForCausalLM"
+    names = set(moe.state_dict())
+    assert {"model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.5.down_proj.weight",
+            "model.layers.1.mlp.gate_proj.weight"} <= names                # layer 1 is dense (mlp_only_layers)
+    block = moe.model.layers[0].mlp
+    ref = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=64, num_experts=6, num_experts_per_tok=2,
+                                                moe_intermediate_size=32, norm_topk_prob=True))
+    with torch.no_grad():
+        ref.gate.weight.copy_(block.gate.weight)
+        ref.experts.gate_up_proj.copy_(torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight])
+                                                    for e in block.experts]))
+        ref.experts.down_proj.copy_(torch.stack([e.down_proj.weight for e in block.experts]))
+        h = torch.randn(2, 5, 64)
+        torch.testing.assert_close(block(h), ref(h), atol=1e-6, rtol=1e-5)
+    kwargs = dict(gen_length=9, block_length=4, denoising_steps=2, temperature=0.0,
+                  remasking_strategy="low_confidence_static", stopping_criteria_idx=[298])
+    cached = block_diffusion_generate(moe, PROMPT, MASK, **kwargs)
+    assert cached.tolist() == block_diffusion_generate(moe, PROMPT, MASK, use_cache=False, **kwargs).tolist()
+    out = remask.LLM(moe).generate([PROMPT["input_ids"][0].tolist()],
+                                   remask.SamplingParams(max_tokens=9, temperature=0.0,
+                                                         sdar={"denoising_steps": 2,
+                                                               "remasking_strategy": "low_confidence_static"}),
+                                   use_tqdm=False)[0]
+    assert out.outputs[0].all_token_ids == cached[0, 6:].tolist()
