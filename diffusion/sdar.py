@@ -387,3 +387,35 @@ def sdar_generate(
     if stats is not None:
         stats.stop(int(state.x.shape[1] - state.prompt_length))
     return state.x
+
+
+def engine_decoder(engine: Any, params: Any) -> SDARDecoder:
+    """One engine request's SDAR loop (`Family.engine_decoder`): the loop
+    `remask.compat.sdar.block_diffusion_generate` runs with `gen_length=max_tokens`, its finished
+    blocks in the engine's pages; it stops after a block holding EOS or a `stop_token_ids` id.
+    Reads `temperature`, `top_k`, `top_p`, `threshold` (shorthand for `low_confidence_dynamic` with
+    that confidence threshold) and `params.sdar`; refuses every other decoding setting by name."""
+    from dataclasses import fields
+
+    read = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "temperature", "top_k", "top_p", "threshold", "sdar")
+    set_here = [f.name for f in fields(type(params)) if f.name not in read and getattr(params, f.name) != f.default]
+    if set_here:
+        raise ValueError(f"a block-causal model (SDAR) does not read {set_here}; its settings are temperature, "
+                         "top_k, top_p, threshold and sdar={block_length, denoising_steps, remasking_strategy, "
+                         "confidence_threshold, eb_threshold}")
+    settings = dict(params.sdar or {})
+    block_length = settings.get("block_length", engine.spec.block_length)
+    if params.threshold is not None:
+        if settings.get("remasking_strategy", "low_confidence_dynamic") != "low_confidence_dynamic" or \
+                "confidence_threshold" in settings:
+            raise ValueError("threshold is the shorthand for sdar={'remasking_strategy': "
+                             "'low_confidence_dynamic', 'confidence_threshold': ...}: give one of them")
+        settings.update(remasking_strategy="low_confidence_dynamic", confidence_threshold=params.threshold)
+    return SDARDecoder(block_store=engine.runner.store, mask_id=engine.spec.mask_id, gen_length=params.max_tokens,
+                       block_length=block_length, denoising_steps=settings.get("denoising_steps", block_length),
+                       temperature=params.temperature,
+                       top_k=params.top_k or 0, top_p=1.0 if params.top_p is None else params.top_p,
+                       remasking_strategy=settings.get("remasking_strategy", "low_confidence_static"),
+                       confidence_threshold=settings.get("confidence_threshold", 0.85),
+                       eb_threshold=settings.get("eb_threshold"),
+                       stop_ids=sorted(set(engine.stop_ids) | set(params.stop_token_ids)))

@@ -21,7 +21,11 @@ class Family:
     (None for models transformers ships itself). load_class: the Auto class `remask.load` uses.
     generate: ``"module:function"`` of the family's drop-in entry point, called as
     `function(model, *args, **kwargs)`; `remask.patch(model)` attaches it as `model.generate`
-    (None: the diffusion models' `generate` / `diffusion_generate` pair)."""
+    (None: the diffusion models' `generate` / `diffusion_generate` pair).
+    settings: the `SamplingParams` field holding a request's settings for this family's decoder
+    (e.g. ``"sdar"``); the engine refuses it for models of other families.
+    engine_decoder: ``"module:function"`` building the decoder of one engine request,
+    `function(engine, params)`; None: the engine's own choice by the spec (LLaDA, Dream, AR, ...)."""
 
     model_type: str
     spec: Callable[[Any], ModelSpec]
@@ -30,15 +34,25 @@ class Family:
     auto_classes: tuple[str, ...] = ()
     load_class: str = "AutoModel"
     generate: str | None = None
+    settings: str | None = None
+    engine_decoder: str | None = None
 
     def entry_point(self) -> Callable[..., Any] | None:
         """The function named by `generate`, imported on first use (it lives outside `models`)."""
-        if self.generate is None:
-            return None
-        import importlib
+        return _resolve(self.generate)
 
-        module, _, name = self.generate.partition(":")
-        return getattr(importlib.import_module(module), name)
+    def decoder_factory(self) -> Callable[..., Any] | None:
+        """The function named by `engine_decoder`, imported on first use."""
+        return _resolve(self.engine_decoder)
+
+
+def _resolve(target: str | None) -> Callable[..., Any] | None:
+    if target is None:
+        return None
+    import importlib
+
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 FAMILIES: dict[str, Family] = {}

@@ -29,7 +29,7 @@ from remask.diffusion.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, Dre
                                    _validate_config, check_block_layout)
 from remask.diffusion.checks import check_bool, check_int, check_length, check_prompt, check_real, check_token_id
 from remask.diffusion.llada import BlockDecoder
-from remask.diffusion.sdar import SDARDecoder
+from remask.models.registry import FAMILIES, family_of
 from remask.models.spec import get_spec
 from remask.text import answer_text, stop_token_ids
 
@@ -43,6 +43,15 @@ from .sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus,
 DIFFUSION_ONLY = ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "early_stop",
                   "logits_eos_inf", "confidence_eos_eot_inf", "reference_rng", "reference_ties", "alg", "alg_temp",
                   "eps", "apd")
+
+
+def _FAMILY_SETTINGS() -> dict[str, list[str]]:
+    """`SamplingParams` fields of the families' own decoders → the model types that read them."""
+    out: dict[str, list[str]] = {}
+    for family in FAMILIES.values():
+        if family.settings is not None:
+            out.setdefault(family.settings, []).append(family.model_type)
+    return out
 
 
 class EngineState(enum.Enum):
@@ -70,6 +79,7 @@ class LLMEngine:
         check_int("seed", seed, minimum=0)
         self.model, self.tokenizer, self.seed = model.eval(), tokenizer, seed
         self.spec = get_spec(model)
+        self.family = family_of(getattr(model.config, "model_type", ""))
         self.is_ar = self.spec.kind == "ar"
         self.device = next(model.parameters()).device
         self.pages = self._page_manager(max_num_seqs, max_num_batched_tokens, kv_cache_pages,
@@ -156,16 +166,17 @@ class LLMEngine:
             raise TypeError(f"params must be a remask.SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
         prompt_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-        if params.sdar is not None and self.spec.attention != "block-causal":
-            raise ValueError(f"sdar: settings of block-causal models (SDAR); this model ({self.spec.kind}) does not "
-                             "read them")
+        for name, owners in _FAMILY_SETTINGS().items():
+            if getattr(params, name) is not None and (self.family is None or self.family.settings != name):
+                raise ValueError(f"{name}: settings of {'/'.join(owners)} models (block-causal); this model "
+                                 f"({self.spec.kind}) does not read them")
         if (params.canvas is not None or params.canvas_sampler is not None) and self.spec.noise != "uniform":
             raise ValueError("canvas / canvas_sampler are settings of uniform-noise models (DiffusionGemma); "
                              f"this model ({self.spec.kind}) does not read them")
         if self.spec.noise == "uniform":
             decoder = self._canvas_decoder(params)
-        elif self.spec.attention == "block-causal":
-            decoder = self._sdar_decoder(params)
+        elif self.family is not None and self.family.engine_decoder is not None:
+            decoder = self.family.decoder_factory()(self, params)   # the family's own loop (SDAR, ...)
         elif self.is_ar:
             set_here = [name for name in DIFFUSION_ONLY
                         if getattr(params, name) != getattr(SamplingParams, name)]
@@ -211,35 +222,6 @@ class LLMEngine:
                                                                    max_new_tokens=params.max_tokens))
         return CanvasDecoder(self.model, config, params.canvas_sampler, reference_rng=params.reference_rng,
                              prompt_cache=self.prompt_cache)
-
-    def _sdar_decoder(self, params: SamplingParams) -> SDARDecoder:
-        """SDAR's block loop for these params, as `remask.compat.sdar.block_diffusion_generate` runs it
-        with `gen_length=max_tokens`; it stops after a block holding EOS or a `stop_token_ids` id."""
-        read = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "temperature", "top_k", "top_p", "threshold",
-                "sdar")
-        set_here = [f.name for f in fields(SamplingParams)
-                    if f.name not in read and getattr(params, f.name) != f.default]
-        if set_here:
-            raise ValueError(f"a block-causal model (SDAR) does not read {set_here}; its settings are temperature, "
-                             "top_k, top_p, threshold and sdar={block_length, denoising_steps, remasking_strategy, "
-                             "confidence_threshold, eb_threshold}")
-        settings = dict(params.sdar or {})
-        block_length = settings.get("block_length", self.spec.block_length)
-        if params.threshold is not None:
-            if settings.get("remasking_strategy", "low_confidence_dynamic") != "low_confidence_dynamic" or \
-                    "confidence_threshold" in settings:
-                raise ValueError("threshold is the shorthand for sdar={'remasking_strategy': "
-                                 "'low_confidence_dynamic', 'confidence_threshold': ...}: give one of them")
-            settings.update(remasking_strategy="low_confidence_dynamic", confidence_threshold=params.threshold)
-        return SDARDecoder(block_store=self.runner.store, mask_id=self.spec.mask_id, gen_length=params.max_tokens,
-                           block_length=block_length,
-                           denoising_steps=settings.get("denoising_steps", block_length),
-                           temperature=params.temperature,
-                           top_k=params.top_k or 0, top_p=1.0 if params.top_p is None else params.top_p,
-                           remasking_strategy=settings.get("remasking_strategy", "low_confidence_static"),
-                           confidence_threshold=settings.get("confidence_threshold", 0.85),
-                           eb_threshold=settings.get("eb_threshold"),
-                           stop_ids=sorted(set(self.stop_ids) | set(params.stop_token_ids)))
 
     def _apd_decoder(self, params: SamplingParams, prompt_ids: torch.Tensor) -> APDDecoder:
         """APD as `remask.generate(apd=...)` / `diffusion_generate(apd=...)` run it (the settings it
