@@ -301,17 +301,19 @@ class SDARDecoder:
             return
         cur_x, positions, finished = self._block(state)
         mask = state.attention[:, state.block * L:(state.block + 1) * L, :(state.block + 1) * L]
-        if stats is not None:
-            stats.forward(1, L)
         if not self.use_cache:
             end = (state.block + 1) * L
-            if finished:
+            if finished:   # nothing to store: no forward
                 self._next_block(state)
                 return
+            if stats is not None:
+                stats.forward(1, end)
             logits = model(state.x[:, :end], attention_mask=state.attention[:, :end, :end],
                            position_ids=state.position_ids[:, :end]).logits[:, -L:]
             self._denoise(state, cur_x, logits, generator, stats)
             return
+        if stats is not None:
+            stats.forward(1, L)
         if finished:   # the finished block joins the cache; on to the next
             model(cur_x, attention_mask=mask, position_ids=positions, past_key_values=state.cache, use_cache=True,
                   store_kv=True)
