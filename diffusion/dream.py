@@ -127,7 +127,9 @@ def diffusion_generate(
     `return_dict_in_generate`, `num_return_sequences`, `mask_token_id`, …), `attention_mask`
     (left padding), `generation_tokens_hook_func(step, x, logits)` and
     `generation_logits_hook_func(step, x, logits)`, `threshold` (for `alg="confidence_threshold"`,
-    default 0.9), and remask's `generator` and `stats`.
+    default 0.9), and remask's `generator`, `stats` and `reference_ties` (default True: the schedule's
+    count is committed through `torch.topk` as Dream does, so exact ties — many confidences of 1.0
+    under a nucleus of one with `top_p` — fall in the reference's order; False: the lower index first).
 
     Block decoding (Fast-dLLM's Dream block decoder, `generation_utils_block.py`): `use_cache`
     None / "prefix" / "dual" / "paged" (or a `PagedKVCache`) and `block_length` (default 32 once a
@@ -160,6 +162,7 @@ def diffusion_generate(
     use_cache = kwargs.pop("use_cache", None)
     block_length = kwargs.pop("block_length", None)
     finish_blocks = kwargs.pop("finish_blocks", True)
+    reference_ties = kwargs.pop("reference_ties", True)
     apd: APDConfig | None = kwargs.pop("apd", None)
     verifier_stats: GenerationStats | None = kwargs.pop("verifier_stats", None)
     generator = kwargs.pop("generator", None)
@@ -182,6 +185,7 @@ def diffusion_generate(
     _validate_config(config, spec)
     check_real("threshold", threshold, low=0, high=1, low_open=True)
     check_bool("finish_blocks", finish_blocks)
+    check_bool("reference_ties", reference_ties)
     check_generator(generator, inputs.device)
     check_stats("stats", stats)
     check_stats("verifier_stats", verifier_stats)
@@ -235,7 +239,7 @@ def diffusion_generate(
         sequences, history = _sample_blocks(model, spec, inputs, attention_mask, config, threshold, block_length,
                                             use_cache, finish_blocks, generator, stats)
     else:
-        decoder = DreamDecoder(spec, config, threshold, tokens_hook, logits_hook)
+        decoder = DreamDecoder(spec, config, threshold, tokens_hook, logits_hook, reference_ties=reference_ties)
         state = decoder.start(model, inputs, attention_mask)
         while not state.done:
             decoder.step(model, state, generator, stats)
@@ -318,8 +322,12 @@ class DreamDecoder:
     `config` is a resolved, validated `DreamGenerationConfig` (`max_length` set)."""
 
     def __init__(self, spec, config: DreamGenerationConfig, threshold: float = 0.9, tokens_hook: Callable | None = None,
-                 logits_hook: Callable | None = None) -> None:
+                 logits_hook: Callable | None = None, reference_ties: bool = False) -> None:
         self.spec, self.config, self.threshold = spec, config, threshold
+        # Commit the schedule's count through `torch.topk` over the [B, T] confidences, as Dream does:
+        # among exact ties (a nucleus of one gives many confidences of exactly 1.0) its order is the
+        # reference's; False: the lower index first (remask's rule, independent of the library).
+        self.reference_ties = reference_ties
         self.tokens_hook = tokens_hook or (lambda step, x, logits: x)
         self.logits_hook = logits_hook or (lambda step, x, logits: logits)
         self.score = _scorer(config, spec.mask_id)
@@ -406,7 +414,13 @@ class DreamDecoder:
                 n = int(num_mask_token * (1 - s / t)) if i < state.steps - 1 else int(num_mask_token)
                 last = i == state.steps - 1
                 if n > 0 or last:
-                    if config.alg_temp is None or config.alg_temp == 0:
+                    if (config.alg_temp is None or config.alg_temp == 0) and self.reference_ties and not last:
+                        # Dream's own call; a row with fewer masks than n keeps its other positions
+                        # (upstream would write the mask id over them).
+                        picked = torch.zeros_like(mask_index).scatter_(1, torch.topk(full_conf, n).indices, True)
+                        picked &= mask_index
+                        x[picked] = proposal[picked]
+                    elif config.alg_temp is None or config.alg_temp == 0:
                         unmask(x, mask_index, proposal, full_conf, k=per_row if last else n)
                     else:
                         _commit_sampled(x, proposal, full_conf, config.alg_temp, per_row, n, last, generator)

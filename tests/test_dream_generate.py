@@ -137,3 +137,38 @@ def test_mask_token_is_never_chosen():
     untouched = torch.randn(4, 10)
     untouched[:, 7] = -5
     assert torch.equal(score_tokens(untouched, exclude_id=7)[0], score_tokens(untouched)[0])
+
+
+def test_top_p_ties_follow_torch_topk_by_default(load_model):
+    """With top_p at temperature 0 the nucleus of one makes every confidence exactly 1.0: Dream
+    commits through `torch.topk`, whose order among ties is its own (not the lowest index).
+    `diffusion_generate` reproduces it by default; `reference_ties=False` commits the lower index
+    first (remask's library-independent rule); the engine uses its `reference_ties` field."""
+    model = load_model("dream_small")
+    prompt = random_prompt(1, 5, 7)
+    seen = []
+    kwargs = dict(max_new_tokens=40, steps=8, alg="maskgit_plus", temperature=0.0, top_p=0.01)
+
+    def capture(step, x, logits):
+        seen.append(x.clone())
+        return x
+
+    remask.diffusion_generate(model, prompt, generation_tokens_hook_func=capture, **kwargs)
+    first = (seen[1][0, 5:] != MASK).nonzero().flatten()           # seen[0]: before the first step
+    conf = torch.full((1, 45), -torch.inf)
+    conf[0, 5:] = 1.0
+    n = len(first)
+    assert sorted((torch.topk(conf, n).indices[0] - 5).tolist()) == first.tolist()
+    assert first.tolist() != list(range(n))                           # not the lowest indices here
+    seen.clear()
+    remask.diffusion_generate(model, prompt, generation_tokens_hook_func=capture, reference_ties=False, **kwargs)
+    assert (seen[1][0, 5:] != MASK).nonzero().flatten().tolist() == list(range(n))
+    llm = remask.LLM(model)
+    for ties in (True, False):
+        engine = llm.generate([prompt[0].tolist()], remask.SamplingParams(
+            max_tokens=40, steps=8, alg="maskgit_plus", temperature=0.0, top_p=0.01, reference_ties=ties),
+            use_tqdm=False)[0].outputs[0].all_token_ids
+        direct = remask.diffusion_generate(model, prompt, reference_ties=ties, **kwargs)[0, 5:].tolist()
+        assert engine == direct
+    with pytest.raises(ValueError, match="reference_ties"):
+        remask.diffusion_generate(model, prompt, reference_ties="yes", **kwargs)

@@ -236,6 +236,7 @@ class LLMEngine:
         Dream block decoder — configured as `remask.diffusion_generate` would."""
         kw = params.diffusion_generate_kwargs()
         threshold = kw.pop("threshold", 0.9)
+        kw.pop("reference_ties", None)   # the decoder's, not the generation config's
         block_length, use_cache = kw.pop("block_length", None), kw.pop("use_cache", None)
         config = DreamGenerationConfig(mask_token_id=self.spec.mask_id, pad_token_id=self.spec.pad_id,
                                        eos_token_id=self.spec.eos_id)
@@ -244,7 +245,7 @@ class LLMEngine:
         _validate_config(config, self.spec)
         check_prompt(self.model, prompt_ids, None, spec=self.spec)
         if block_length is None and use_cache is None:
-            return DreamDecoder(self.spec, config, threshold)
+            return DreamDecoder(self.spec, config, threshold, reference_ties=params.reference_ties)
         block_length = DEFAULT_BLOCK_LENGTH if block_length is None else block_length
         check_block_layout(params.max_tokens, block_length, config.steps)
         return DreamBlockDecoder(self.spec, config, threshold, block_length, use_cache)

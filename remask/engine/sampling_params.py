@@ -22,7 +22,7 @@ from remask.diffusion.sparse import SparseConfig
 
 # Settings only LLaDA's block rule reads, with their defaults (refused with Dream's `alg`).
 LLADA_RULE_DEFAULTS = dict(remasking="low_confidence", factor=None, cfg_scale=0.0, early_stop=False, logits_eos_inf=False,
-                           confidence_eos_eot_inf=False, reference_rng=False, reference_ties=False, sparse=None)
+                           confidence_eos_eot_inf=False, reference_rng=False, sparse=None)
 # Settings APD does not read (it decodes left to right with its verifier): refused with `apd`.
 APD_UNREAD = ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "alg", "alg_temp", "early_stop",
               "reference_rng", "reference_ties", "cfg_scale", "remasking")
@@ -132,6 +132,8 @@ class SamplingParams:
             llada_only = [name for name, default in LLADA_RULE_DEFAULTS.items() if getattr(self, name) != default]
             if self.threshold is not None and self.alg != "confidence_threshold":
                 llada_only.append("threshold")
+            if self.reference_ties and (self.block_length is not None or self.use_cache is not None):
+                llada_only.append("reference_ties")   # Dream's own sampler reads it; its block decoder does not
             if llada_only:
                 raise ValueError(f"alg={self.alg!r} selects Dream's sampler, which does not read {llada_only} "
                                  "(LLaDA's block rule does)")
@@ -171,6 +173,8 @@ class SamplingParams:
             kw["block_length"] = self.block_length
         if self.use_cache is not None:
             kw["use_cache"] = self.use_cache
+        if self.block_length is None and self.use_cache is None:   # Dream's own sampler: its tie order
+            kw["reference_ties"] = self.reference_ties
         return kw
 
     def ar_kwargs(self, eos_ids: list[int]) -> dict[str, Any]:
