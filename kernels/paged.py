@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import HAS_TRITON, next_power_of_2, use_triton
-from .paged_ref import paged_attention_torch, paged_gather_torch, paged_store_torch
+from .paged_ref import check_block_size, paged_attention_torch, paged_gather_torch, paged_store_torch
 
 if HAS_TRITON:
     import triton
@@ -75,15 +75,28 @@ if HAS_TRITON:
         return m_new, l_i, acc
 
     @triton.jit
+    def _attend_tile_masked(q, k, v, visible, m_i, l_i, acc):
+        # `_attend_tile` under a [BLOCK_M, BLOCK_N] mask (block-causal diagonal tiles).
+        s = tl.dot(q, tl.trans(k))
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+        return m_new, l_i, acc
+
+    @triton.jit
     def paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, len_ptr, kn_ptr, vn_ptr, o_ptr,
                                stride_qb, stride_qm, stride_qh,
                                stride_kcp, stride_kcs, stride_kch, stride_vcp, stride_vcs, stride_vch,
                                stride_btb,
                                stride_knb, stride_knn, stride_knh, stride_vnb, stride_vnn, stride_vnh,
                                stride_ob, stride_om, stride_oh,
-                               M, N_NEW, Hq, D, PAGE_SIZE, scale,
-                               GROUP: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                               M, N_NEW, Hq, D, PAGE_SIZE, DIFF_BLOCK, scale,
+                               GROUP: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_CAUSAL: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         pid = tl.program_id(0)
         b = (pid // Hq).to(tl.int64)
         h = (pid % Hq).to(tl.int64)
@@ -106,7 +119,33 @@ if HAS_TRITON:
             k = _load_rows(kc_ptr, page * stride_kcp + kvh * stride_kch, cols, stride_kcs, d, tile)
             v = _load_rows(vc_ptr, page * stride_vcp + kvh * stride_vch, cols, stride_vcs, d, tile)
             m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc)
-        if HAS_NEW:
+        if BLOCK_CAUSAL:
+            # Fresh key j / query i sit at seq_len + j / seq_len + i (M == N_NEW); i sees j when
+            # (seq_len + j) // DIFF_BLOCK <= (seq_len + i) // DIFF_BLOCK. Keys below `n_all` are
+            # visible to every row of this tile (no mask), keys from `n_end` on to none (skipped).
+            row0 = (tl.program_id(1) * BLOCK_M).to(tl.int64)
+            row_last = tl.minimum(row0 + BLOCK_M, M) - 1
+            n_all = tl.minimum(((seq_len + row0) // DIFF_BLOCK + 1) * DIFF_BLOCK - seq_len, N_NEW)
+            n_end = tl.minimum(((seq_len + row_last) // DIFF_BLOCK + 1) * DIFF_BLOCK - seq_len, N_NEW)
+            n_full = (n_all // BLOCK_N) * BLOCK_N
+            for n0 in range(0, n_full, BLOCK_N):
+                n = n0 + cols
+                valid = n < N_NEW
+                tile = valid[:, None] & d_ok[None, :]
+                k = _load_rows(kn_ptr, b * stride_knb + kvh * stride_knh, n, stride_knn, d, tile)
+                v = _load_rows(vn_ptr, b * stride_vnb + kvh * stride_vnh, n, stride_vnn, d, tile)
+                m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc)
+            q_block = (seq_len + rows.to(tl.int64)) // DIFF_BLOCK
+            for n0 in range(n_full, n_end, BLOCK_N):
+                n = n0 + cols
+                valid = n < n_end
+                tile = valid[:, None] & d_ok[None, :]
+                k = _load_rows(kn_ptr, b * stride_knb + kvh * stride_knh, n, stride_knn, d, tile)
+                v = _load_rows(vn_ptr, b * stride_vnb + kvh * stride_vnh, n, stride_vnn, d, tile)
+                k_block = (seq_len + n.to(tl.int64)) // DIFF_BLOCK
+                visible = valid[None, :] & (k_block[None, :] <= q_block[:, None])
+                m_i, l_i, acc = _attend_tile_masked(q, k, v, visible, m_i, l_i, acc)
+        elif HAS_NEW:
             for n0 in range(0, N_NEW, BLOCK_N):
                 n = n0 + cols
                 valid = n < N_NEW
@@ -187,10 +226,17 @@ def paged_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                    scale: float | None = None) -> torch.Tensor:
+                    scale: float | None = None, *, block_size: int | None = None) -> torch.Tensor:
     """Bidirectional attention of `q` `[B, M, Hq, D]` over each sequence's paged K/V (first
     `seq_lens[b]` positions) and the block's fresh `k_new`, `v_new` `[B, N, H_kv, D]`; GQA when
-    Hq is a multiple of H_kv. Online softmax in float32; returns `[B, M, Hq, D]` in q's dtype."""
+    Hq is a multiple of H_kv. Online softmax in float32; returns `[B, M, Hq, D]` in q's dtype.
+
+    `block_size` (block diffusion: SDAR, LLaDA2, Fast-dLLM v2): block-causal instead. The fresh
+    tokens are consecutive positions right after the cached ones (query i and fresh key j at
+    `seq_lens[b] + i` and `seq_lens[b] + j`; M == N, k_new required); query i sees every cached
+    key and fresh key j when `(seq_lens[b] + j) // block_size <= (seq_lens[b] + i) // block_size`,
+    so one call can prefill several blocks, or finish a partially filled first block. Fresh-key
+    tiles entirely in a query tile's future are skipped."""
     _check_cache(k_cache, v_cache)
     if q.dim() != 4:
         raise ValueError(f"q must be [B, M, Hq, D], got {tuple(q.shape)}")
@@ -205,9 +251,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if k_new is not None and (k_new.shape != v_new.shape or k_new.dim() != 4 or k_new.shape[0] != B
                               or k_new.shape[2:] != (H_kv, D)):
         raise ValueError(f"k_new and v_new must be [B={B}, N, H_kv={H_kv}, D={D}], got {tuple(k_new.shape)}")
+    block_size = check_block_size(block_size, q, k_new)
     scale = D ** -0.5 if scale is None else float(scale)
     if not use_triton(q):
-        return paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, k_new, v_new, scale)
+        return paged_attention_torch(q, k_cache, v_cache, block_table, seq_lens, k_new, v_new, scale,
+                                     block_size=block_size)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if B == 0 or M == 0:
         return out
@@ -228,6 +276,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_table.stride(0),
         kn.stride(0), kn.stride(1), kn.stride(2), vn.stride(0), vn.stride(1), vn.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        M, kn.shape[1] if has_new else 0, Hq, D, page_size, scale,
-        GROUP=Hq // H_kv, HAS_NEW=has_new, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, next_power_of_2(D)))
+        M, kn.shape[1] if has_new else 0, Hq, D, page_size, 1 if block_size is None else block_size, scale,
+        GROUP=Hq // H_kv, HAS_NEW=has_new, BLOCK_CAUSAL=block_size is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, next_power_of_2(D)))
     return out

@@ -6,7 +6,28 @@ a sequence's position p lives in page `block_table[b, p // page_size]` at offset
 """
 from __future__ import annotations
 
+import operator
+
 import torch
+
+
+def check_block_size(block_size, q: torch.Tensor, k_new: torch.Tensor | None) -> int | None:
+    """Validate paged attention's `block_size` (None, or a positive int with fresh K/V of q's
+    length); returns it as an int."""
+    if block_size is None:
+        return None
+    try:
+        size = None if isinstance(block_size, bool) else operator.index(block_size)
+    except TypeError:
+        size = None
+    if size is None or size <= 0:
+        raise ValueError(f"block_size must be a positive int or None, got {block_size!r}")
+    if k_new is None:
+        raise ValueError("block_size needs the block's fresh keys: pass k_new and v_new")
+    if k_new.dim() < 2 or q.dim() < 2 or k_new.shape[1] != q.shape[1]:
+        raise ValueError(f"block_size needs as many fresh keys as queries (k_new N == q M), got k_new "
+                         f"{tuple(k_new.shape)} and q {tuple(q.shape)}")
+    return size
 
 
 def paged_store_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -39,11 +60,17 @@ def paged_gather_torch(cache: torch.Tensor, block_table: torch.Tensor, seq_lens:
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                           seq_lens: torch.Tensor, k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                          scale: float | None = None) -> torch.Tensor:
+                          scale: float | None = None, *, block_size: int | None = None) -> torch.Tensor:
     """Bidirectional attention of a block of queries `q` `[B, M, Hq, D]` over each sequence's
     paged K/V (its first `seq_lens[b]` positions) followed by the block's own fresh K/V
     `k_new`, `v_new` `[B, N, H_kv, D]` (optional). GQA: Hq is a multiple of H_kv. Computed in
-    float32 over a gathered copy (the reference; the kernel never gathers). Returns q's dtype."""
+    float32 over a gathered copy (the reference; the kernel never gathers). Returns q's dtype.
+
+    `block_size` (block diffusion: causal across blocks, bidirectional inside one): query i and
+    fresh key j sit at absolute positions `seq_lens[b] + i` and `seq_lens[b] + j` (M == N, k_new
+    required); query i sees every cached key and fresh key j only when
+    `(seq_lens[b] + j) // block_size <= (seq_lens[b] + i) // block_size`. None: bidirectional."""
+    block_size = check_block_size(block_size, q, k_new)
     B, M, Hq, D = q.shape
     max_len = int(seq_lens.max()) if seq_lens.numel() else 0
     k = paged_gather_torch(k_cache, block_table, seq_lens, max_len).float()
@@ -58,6 +85,14 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     v = v.repeat_interleave(group, dim=2)
     scale = D ** -0.5 if scale is None else scale
     scores = torch.einsum("bmhd,bnhd->bhmn", q.float(), k) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    if block_size is None:
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    else:   # [B, M, max_len + N]: every valid cached key, and the fresh keys of this or an earlier block
+        start = seq_lens.long().to(q.device)[:, None, None]
+        q_block = (start + torch.arange(M, device=q.device)[None, :, None]) // block_size
+        k_block = (start + torch.arange(k_new.shape[1], device=q.device)[None, None, :]) // block_size
+        visible = torch.cat([valid[:, None, :max_len].expand(B, M, max_len),
+                             k_block <= q_block], dim=2)
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)   # a sequence with no keys attends to nothing
     return torch.einsum("bhmn,bnhd->bmhd", probs, v).to(q.dtype)

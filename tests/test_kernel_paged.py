@@ -153,3 +153,144 @@ def test_bad_input_names_the_parameter(call, match):
     lens = torch.tensor([6], dtype=torch.int32)
     with pytest.raises(ValueError, match=match):
         call(cache, table, lens)
+
+
+# --- block-causal (block diffusion: SDAR, LLaDA2, Fast-dLLM v2) ---------------------------------
+
+def block_inputs(gen, seq_lens, M, Hq, H_kv, D, page_size, dtype=torch.float32):
+    """Random paged caches, a block table for `seq_lens`, and M queries with M fresh K/V rows."""
+    num_pages = sum(-(-n // page_size) for n in seq_lens) + 3
+    table, lens = random_tables(gen, seq_lens, page_size, num_pages)
+    k_cache, v_cache = (torch.randn(num_pages, page_size, H_kv, D, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(len(seq_lens), M, Hq, D, generator=gen).to(dtype)
+    k_new, v_new = (torch.randn(len(seq_lens), M, H_kv, D, generator=gen).to(dtype) for _ in range(2))
+    return q, k_cache, v_cache, table, lens, k_new, v_new
+
+
+def dense_block_causal(q, k_cache, v_cache, table, lens, k_new, v_new, block_size):
+    """SDPA per sequence over its gathered keys + the fresh ones, under an explicit boolean mask
+    built from absolute positions: key at p visible to the query at r iff p // bs <= r // bs."""
+    outs = []
+    group = q.shape[2] // k_cache.shape[2]
+    for b, s in enumerate(lens.tolist()):
+        k = torch.cat([paged_gather_torch(k_cache, table[b:b + 1], lens[b:b + 1], s)[0], k_new[b]]).float()
+        v = torch.cat([paged_gather_torch(v_cache, table[b:b + 1], lens[b:b + 1], s)[0], v_new[b]]).float()
+        q_pos = s + torch.arange(q.shape[1])
+        k_pos = torch.arange(s + k_new.shape[1])
+        mask = (k_pos[None, :] // block_size) <= (q_pos[:, None] // block_size)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[b].float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
+        outs.append(o.transpose(0, 1))
+    return torch.stack(outs).to(q.dtype)
+
+
+BLOCK_CASES = [
+    # (seq_lens, M = N, Hq, H_kv, D, page_size): seq_lens off every block size, 0 included
+    ([0, 5, 13], 7, 4, 2, 24, 4),
+    ([2, 0, 9, 30], 11, 3, 1, 40, 5),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 3, 4, 8])
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=lambda c: f"lens{c[0]}-M{c[1]}-Hq{c[2]}-Hkv{c[3]}-D{c[4]}-P{c[5]}")
+def test_block_causal_kernel_matches_reference(case, block_size, dtype, triton_path, poisoned_outputs):
+    seq_lens, M, Hq, H_kv, D, page_size = case
+    gen = torch.Generator().manual_seed(block_size * 100 + M)
+    inputs = block_inputs(gen, seq_lens, M, Hq, H_kv, D, page_size, dtype)
+    out = paged_attention(*inputs, block_size=block_size)
+    ref = paged_attention_torch(*(t.float() if t.is_floating_point() else t for t in inputs), block_size=block_size)
+    assert out.dtype == dtype and not out.isnan().any()
+    assert rel_rms(out, ref) < {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+
+
+@pytest.mark.parametrize("block_size", [4, 32])
+def test_block_causal_kernel_skips_and_masks_across_tiles(block_size, triton_path, poisoned_outputs):
+    # M = N = 70: two query tiles (BLOCK_M 64) and five fresh-key tiles (BLOCK_N 16), so some key
+    # tiles are fully visible (no mask), some diagonal (masked) and some skipped per query tile.
+    gen = torch.Generator().manual_seed(block_size)
+    inputs = block_inputs(gen, [5, 0], 70, 2, 1, 16, 16)
+    out = paged_attention(*inputs, block_size=block_size)
+    ref = paged_attention_torch(*inputs, block_size=block_size)
+    assert not out.isnan().any() and rel_rms(out, ref) < 1e-5
+
+
+def test_block_causal_kernel_never_reads_future_tiles(triton_path, poisoned_outputs):
+    # block_size 16, M = N = 70 after 16 cached positions: the first query tile (rows 0..63) ends
+    # its loop at fresh key 64, so NaN fresh rows 64..69 (seen only by rows 64..69) cannot reach
+    # it; a tile that were loaded would (0 · NaN in the P·V product).
+    gen = torch.Generator().manual_seed(16)
+    q, k_cache, v_cache, table, lens, k_new, v_new = block_inputs(gen, [16], 70, 2, 1, 16, 8)
+    ref = paged_attention_torch(q, k_cache, v_cache, table, lens, k_new, v_new, block_size=16)
+    k_bad, v_bad = k_new.clone(), v_new.clone()
+    k_bad[:, 64:] = float("nan")
+    v_bad[:, 64:] = float("nan")
+    out = paged_attention(q, k_cache, v_cache, table, lens, k_bad, v_bad, block_size=16)
+    assert not out[:, :64].isnan().any() and rel_rms(out[:, :64], ref[:, :64]) < 1e-5
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4, 8])
+def test_block_causal_reference_equals_dense_masked_sdpa(block_size):
+    gen = torch.Generator().manual_seed(block_size)
+    inputs = block_inputs(gen, [0, 7, 13, 2], 9, 4, 2, 16, 5)
+    ref = paged_attention_torch(*inputs, block_size=block_size)
+    assert rel_rms(ref, dense_block_causal(*inputs, block_size)) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["kernel", "torch"])
+def test_block_size_covering_everything_is_bidirectional(impl, monkeypatch):
+    monkeypatch.setenv("REMASK_TRITON", "1" if impl == "kernel" else "0")
+    gen = torch.Generator().manual_seed(4)
+    seq_lens, M = [3, 11, 0], 6
+    inputs = block_inputs(gen, seq_lens, M, 2, 2, 16, 4)
+    bidirectional = paged_attention(*inputs)
+    for block_size in (max(seq_lens) + M, 1000):
+        torch.testing.assert_close(paged_attention(*inputs, block_size=block_size), bidirectional,
+                                   rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["kernel", "torch"])
+def test_block_size_one_is_causal_attention(impl, monkeypatch):
+    monkeypatch.setenv("REMASK_TRITON", "1" if impl == "kernel" else "0")
+    gen = torch.Generator().manual_seed(5)
+    inputs = q, k_cache, v_cache, table, lens, k_new, v_new = block_inputs(gen, [6, 1], 5, 2, 1, 16, 4)
+    out = paged_attention(*inputs, block_size=1)
+    for b, s in enumerate(lens.tolist()):
+        k = torch.cat([paged_gather_torch(k_cache, table[b:b + 1], lens[b:b + 1], s)[0], k_new[b]])
+        v = torch.cat([paged_gather_torch(v_cache, table[b:b + 1], lens[b:b + 1], s)[0], v_new[b]])
+        # causal over absolute positions: query i (at s + i) sees keys 0 .. s + i
+        mask = torch.ones(5, s + 5, dtype=torch.bool).tril(diagonal=s)
+        k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        causal = torch.nn.functional.scaled_dot_product_attention(
+            q[b].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask).transpose(0, 1)
+        assert rel_rms(out[b], causal) < 1e-5
+        # and the last query sees everything: the bidirectional result for that row
+        assert rel_rms(out[b, -1], paged_attention_torch(*(t[b:b + 1] for t in (q,)), k_cache, v_cache, table[b:b + 1],
+                                                         lens[b:b + 1], k_new[b:b + 1], v_new[b:b + 1])[0, -1]) < 1e-5
+
+
+def test_block_size_none_is_unchanged(triton_path):
+    gen = torch.Generator().manual_seed(6)
+    inputs = block_inputs(gen, [9, 2], 7, 2, 1, 16, 4)
+    torch.testing.assert_close(paged_attention(*inputs, block_size=None), paged_attention(*inputs), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("impl", [paged_attention, paged_attention_torch], ids=["dispatch", "torch"])
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block_size=0), "block_size must be a positive int"),
+    (dict(block_size=-2), "block_size must be a positive int"),
+    (dict(block_size=2.0), "block_size must be a positive int"),
+    (dict(block_size=True), "block_size must be a positive int"),
+    (dict(block_size=4, n_new=3), "block_size.*k_new N == q M"),
+    (dict(block_size=4, n_new=None), "block_size.*k_new"),
+])
+def test_block_size_bad_input_names_the_parameter(impl, kwargs, match):
+    cache = torch.randn(4, 4, 2, 16)
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    lens = torch.tensor([6], dtype=torch.int32)
+    kwargs = dict(kwargs)   # the parametrized dict is shared between the two impls
+    n_new = kwargs.pop("n_new", 2)
+    kv = (None, None) if n_new is None else (torch.randn(1, n_new, 2, 16), torch.randn(1, n_new, 2, 16))
+    with pytest.raises(ValueError, match=match):
+        impl(torch.randn(1, 2, 2, 16), cache, cache, table, lens, *kv, **kwargs)
