@@ -49,7 +49,7 @@ def report(data: dict) -> tuple[str, str]:
     groups: dict[str, dict[str, dict]] = defaultdict(dict)
     for b in benches:
         groups[b["extra_info"].get("group") or b["name"]][b["extra_info"]["impl"]] = b
-    for kernel in ("confidence", "unmask", "step", "accept", "sparse_attention"):
+    for kernel in ("confidence", "unmask", "step", "accept", "sparse_attention", "block_attention"):
         rows = [(g, impls) for g, impls in groups.items()
                 if next(iter(impls.values()))["extra_info"].get("kernel") == kernel]
         if not rows:
