@@ -55,10 +55,35 @@ def sdar_case(moe: bool) -> dict[str, Any]:
             "setting": "blocks of 4, 4 steps, low_confidence_dynamic 0.9, greedy"}
 
 
+def llada2_case(editing: bool) -> dict[str, Any]:
+    from remask.compat.llada2 import generate
+
+    def build(folder: str, hidden: int) -> torch.nn.Module:
+        tiny.write_tiny_llada2(folder, seed=0, hidden_size=hidden, intermediate_size=2 * hidden, head_dim=hidden // 4,
+                               rotary_dim=hidden // 8, moe_intermediate_size=hidden // 2, num_hidden_layers=4,
+                               vocab_size=2048, mask_token_id=2047, eos_token_id=2046, pad_token_id=2046)
+        return AutoModelForCausalLM.from_pretrained(folder).eval()
+
+    extra = dict(editing_threshold=0.5, max_post_steps=4) if editing else {}
+
+    def run(model, prompt: torch.Tensor, gen_length: int, use_cache: bool, stats) -> torch.Tensor:
+        # eos_id outside what a random model predicts: every run decodes gen_length tokens
+        return generate(model, prompt, gen_length=gen_length, block_length=8, steps=8, threshold=0.7,
+                        eos_id=2046, use_cache=use_cache, stats=stats, **extra)
+
+    return {"name": "LLaDA2.1 (editing)" if editing else "LLaDA2.0", "build": build, "run": run,
+            "engine_params": remask.SamplingParams(temperature=0.0, threshold=0.7,
+                                                   llada2=dict(block_length=8, steps=8, **extra)),
+            "setting": "blocks of 8, 8 steps, threshold 0.7" + (", editing 0.5, 4 post steps" if editing else "")
+            + ", greedy"}
+
+
 # family name → case builder; other block-diffusion families add theirs here
 CASES: dict[str, Callable[[], dict[str, Any]]] = {
     "sdar": lambda: sdar_case(False),
     "sdar_moe": lambda: sdar_case(True),
+    "llada2": lambda: llada2_case(False),
+    "llada2_editing": lambda: llada2_case(True),
 }
 
 

@@ -6,8 +6,10 @@ from . import diffusion_gemma   # noqa: F401  (transformers' own classes: only i
 from .dream import DreamConfig, DreamModel
 from .layers import KVCache
 from .llada import LLaDAConfig, LLaDAModelLM
+from .llada2 import LLaDA2MoeConfig, LLaDA2MoeModelLM
 from .parallel import register_tp_styles
 from .sdar import SDARConfig, SDARForCausalLM, SDARMoeConfig, SDARMoeForCausalLM
+from .fast_dllm_v2 import FastDLLMV2Config, FastDLLMV2ForCausalLM
 from .registry import FAMILIES, Family, family_of, register_family
 from .spec import ModelSpec, get_spec, register_spec
 
@@ -22,6 +24,7 @@ def register_with_transformers() -> None:
 register_tp_styles()
 
 __all__ = [
-    "DreamConfig", "DreamModel", "FAMILIES", "Family", "KVCache", "LLaDAConfig", "LLaDAModelLM", "ModelSpec",
+    "DreamConfig", "DreamModel", "FAMILIES", "FastDLLMV2Config", "FastDLLMV2ForCausalLM", "Family", "KVCache", "LLaDAConfig", "LLaDAModelLM", "LLaDA2MoeConfig", "LLaDA2MoeModelLM",
+    "ModelSpec",
     "SDARConfig", "SDARForCausalLM", "SDARMoeConfig", "SDARMoeForCausalLM", "family_of", "get_spec", "register_family", "register_spec", "register_with_transformers",
 ]

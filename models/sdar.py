@@ -151,6 +151,10 @@ class SDARMoeSparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList([SDARMLP(config, config.moe_intermediate_size) for _ in range(config.num_experts)])
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dim() == 3 and hidden_states.shape[0] > 1:
+            # Row by row: an expert's GEMM over the tokens routed to it would otherwise have a shape
+            # (and a rounding) that depends on the other rows of the batch.
+            return torch.cat([self(hidden_states[b:b + 1]) for b in range(hidden_states.shape[0])])
         shape = hidden_states.shape
         flat = hidden_states.reshape(-1, shape[-1])
         routing = F.softmax(self.gate(flat), dim=-1, dtype=torch.float)

@@ -357,3 +357,102 @@ SDAR_MOE_DEFAULTS: dict[str, Any] = {
 def write_tiny_sdar_moe(path: str, *, seed: int = 0, logit_scale: float = 40.0, **overrides: Any) -> str:
     """`write_tiny_sdar` for SDAR-MoE (Qwen3-MoE keys and names: `mlp.gate`, `mlp.experts.N.*`)."""
     return write_tiny_sdar(path, seed=seed, logit_scale=logit_scale, **{**SDAR_MOE_DEFAULTS, **overrides})
+
+
+LLADA2_DEFAULTS: dict[str, Any] = {
+    # Keys of the released LLaDA2.0-mini / 2.1-mini config.json, shapes shrunk; the special ids (the
+    # release's come from its tokenizer, outside a 300-token vocabulary) are set in the config.
+    "architectures": ["LLaDA2MoeModelLM"],
+    "auto_map": {"AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
+                 "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
+                 "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM"},
+    "attention_dropout": 0.0, "embedding_dropout": 0.0, "first_k_dense_replace": 1, "head_dim": 16,
+    "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128,
+    "max_position_embeddings": 512, "max_window_layers": 28, "model_type": "llada2_moe",
+    "moe_intermediate_size": 32, "moe_router_enable_expert_bias": True, "n_group": 2, "norm_head": False,
+    "norm_softmax": False, "norm_topk_prob": True, "num_attention_heads": 4, "num_experts": 8,
+    "num_experts_per_tok": 2, "num_hidden_layers": 3, "num_key_value_heads": 2, "num_shared_experts": 1,
+    "output_dropout": 0.0, "output_router_logits": False, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 600000, "rotary_dim": 8, "routed_scaling_factor": 2.5,
+    "router_dtype": "fp32", "score_function": "sigmoid", "tie_word_embeddings": False, "topk_group": 1,
+    "torch_dtype": "float32", "transformers_version": "4.52.3", "use_bias": False, "use_cache": False,
+    "use_qk_norm": True, "use_qkv_bias": False, "use_rmsnorm": True, "use_sliding_window": False,
+    "using_split_qkv_in_self_attention": False, "vocab_size": 300,
+    "pad_token_id": 298, "eos_token_id": 298, "mask_token_id": 299,
+}
+
+
+def write_tiny_llada2(path: str, *, seed: int = 0, logit_scale: float = 40.0, router_scale: float = 50.0,
+                      **overrides: Any) -> str:
+    """Write a tiny random LLaDA2 (MoE) checkpoint in the official layout (`config.json` with the
+    release's keys and `auto_map`, `model.safetensors` with its parameter names including each
+    router's `expert_bias`, `generation_config.json`); returns the weights' digest. Weights are drawn
+    from a seeded generator (normal, std 0.02); the LM head is scaled by `logit_scale` (peaked
+    predictions exercise the thresholds) and the routers by `router_scale` with a random expert bias
+    (so routing is decided by the weights, not by rounding)."""
+    from .llada2 import LLaDA2MoeConfig, LLaDA2MoeModelLM
+
+    config = {**LLADA2_DEFAULTS, **overrides}
+    init = {k: v for k, v in config.items() if k not in ("architectures", "auto_map", "model_type", "torch_dtype",
+                                                          "transformers_version")}
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LLaDA2MoeModelLM(LLaDA2MoeConfig(**init))
+        with torch.no_grad():
+            model.lm_head.weight.mul_(logit_scale)
+            # a trained model practically never predicts the mask token (never a target): logit 0
+            model.lm_head.weight[config["mask_token_id"]].zero_()
+            for name, buffer in model.named_buffers():
+                if name.endswith("mlp.gate.expert_bias"):
+                    buffer.copy_(torch.randn(buffer.shape) * 0.05)
+            for name, param in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    param.mul_(router_scale)
+    sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    generation = {"bos_token_id": None, "eos_token_id": config["eos_token_id"], "pad_token_id": config["pad_token_id"],
+                  "transformers_version": config["transformers_version"]}
+    return _save(path, config, sd, 1, {"generation_config.json": generation})
+
+
+FAST_DLLM_V2_DEFAULTS: dict[str, Any] = {
+    # Keys of the released Fast_dLLM_v2_7B config.json (Qwen2.5 backbone), shapes shrunk; the special
+    # ids moved inside a 300-token vocabulary. `mask_token_id` is remask's addition (the release's code
+    # uses the constant 151665 and ignores the key), so remask's spec finds the tiny mask id.
+    "architectures": ["Fast_dLLM_QwenForCausalLM"],
+    "auto_map": {"AutoConfig": "configuration.Fast_dLLM_QwenConfig", "AutoModel": "modeling.Fast_dLLM_QwenModel",
+                 "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM"},
+    "attention_dropout": 0.0, "bd_size": 8, "bos_token_id": 297, "conplemenrary_mask": True, "eos_token_id": 298,
+    "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128,
+    "layer_types": ["full_attention", "full_attention"], "mask_token_id": 299, "max_position_embeddings": 512,
+    "max_window_layers": 2, "model_type": "Fast_dLLM_Qwen", "num_attention_heads": 4, "num_hidden_layers": 2,
+    "num_key_value_heads": 2, "pad_token_id": 298, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000.0,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "float32", "transformers_version": "4.53.1",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 300,
+}
+
+
+def write_tiny_fast_dllm_v2(path: str, *, seed: int = 0, logit_scale: float = 40.0, **overrides: Any) -> str:
+    """Write a tiny random Fast-dLLM v2 checkpoint in the official layout (`config.json` with the
+    release's keys and `auto_map`, `model.safetensors` with its parameter names, `generation_config.json`);
+    returns the weights' digest. Weights are drawn from a seeded generator (normal, std 0.02; the q/k/v
+    biases normal, std 0.1; the LM head scaled by `logit_scale` so predictions are peaked enough to
+    exercise the thresholds, and the mask token's row zeroed: a trained model never predicts it)."""
+    from .fast_dllm_v2 import FastDLLMV2Config, FastDLLMV2ForCausalLM
+
+    config = {**FAST_DLLM_V2_DEFAULTS, **overrides}
+    init = {k: v for k, v in config.items() if k not in ("architectures", "auto_map", "model_type", "torch_dtype",
+                                                          "transformers_version")}
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = FastDLLMV2ForCausalLM(FastDLLMV2Config(**init))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("_proj.bias"):
+                param.copy_(_normal(gen, tuple(param.shape), 0.1))
+        model.lm_head.weight.mul_(logit_scale)
+        model.lm_head.weight[config["mask_token_id"]].zero_()
+    sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": [config["eos_token_id"], config["bos_token_id"]],
+                  "pad_token_id": config["bos_token_id"], "transformers_version": config["transformers_version"]}
+    return _save(path, config, sd, 1, {"generation_config.json": generation})

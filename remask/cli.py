@@ -181,7 +181,7 @@ def _sampling_flags(parser: argparse.ArgumentParser) -> list[str]:
         if field.name in ("apd", "sparse"):
             continue
         flag = "--" + field.name.replace("_", "-")
-        if field.name in ("canvas", "canvas_sampler", "sdar"):   # JSON objects (DiffusionGemma, SDAR)
+        if field.name in ("canvas", "canvas_sampler", "sdar", "llada2", "fast_dllm_v2"):   # JSON objects
             parser.add_argument(flag, dest=field.name, type=_json_object(flag), default=None,
                                 help=f"a JSON object: SamplingParams.{field.name}")
         elif "tuple" in hint:

@@ -16,6 +16,7 @@ from remask.diffusion.checks import (ParameterTypeError, check_bool, check_choic
                                      check_real)
 from remask.diffusion.dream import ALGORITHMS
 from remask.diffusion.llada import REMASKING, validate_block_args, validate_rule
+from remask.diffusion.llada2 import check_llada2_settings
 from remask.diffusion.sdar import check_sdar_settings
 from remask.diffusion.sparse import SparseConfig
 
@@ -60,7 +61,11 @@ class SamplingParams:
     `block_diffusion_generate`'s settings: `block_length` (default the model's `block_size`),
     `denoising_steps` per block (default `block_length`: one token per step), `remasking_strategy`
     (default `low_confidence_static`, or `low_confidence_dynamic` with `threshold`),
-    `confidence_threshold`, `eb_threshold`).
+    `confidence_threshold`, `eb_threshold`). LLaDA2.x: `temperature`, `top_k`, `top_p`,
+    `threshold` (mask → token, default 0.95) and `llada2` (a dict of its `generate`'s settings:
+    `block_length`, `steps`, `minimal_topk`, `eos_early_stop`, and 2.1's `editing_threshold`,
+    `max_post_steps`, `num_to_transfer`). Fast-dLLM v2: `temperature`, `top_p`, `threshold` and
+    `fast_dllm_v2` (its `batch_sample`'s settings). docs/block-diffusion.md maps each.
     """
 
     max_tokens: int = 16
@@ -91,6 +96,8 @@ class SamplingParams:
     canvas: dict[str, Any] | None = None
     canvas_sampler: CanvasSampler | None = None
     sdar: dict[str, Any] | None = None
+    llada2: dict[str, Any] | None = None
+    fast_dllm_v2: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, minimum=1)
@@ -144,6 +151,12 @@ class SamplingParams:
         check_instance("canvas_sampler", self.canvas_sampler, CanvasSampler, "a remask.CanvasSampler")
         if self.sdar is not None:
             object.__setattr__(self, "sdar", check_sdar_settings(self.sdar))
+        if self.llada2 is not None:
+            object.__setattr__(self, "llada2", check_llada2_settings(self.llada2))
+        if self.fast_dllm_v2 is not None:
+            from remask.diffusion.fast_dllm_v2 import check_fast_dllm_v2_settings
+
+            object.__setattr__(self, "fast_dllm_v2", check_fast_dllm_v2_settings(self.fast_dllm_v2))
         check_instance("apd", self.apd, APDConfig, "a remask.APDConfig")
         if self.apd is not None:
             check_apd_alone([name for name in APD_UNREAD if getattr(self, name) != getattr(SamplingParams, name)])

@@ -92,6 +92,8 @@ class _Common(BaseModel):
     canvas: dict[str, Any] | None = None
     canvas_sampler: dict[str, Any] | None = None
     sdar: dict[str, Any] | None = None
+    llada2: dict[str, Any] | None = None
+    fast_dllm_v2: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         return [name for name, default in UNSUPPORTED.items() if getattr(self, name) != default]
@@ -126,8 +128,9 @@ class _Common(BaseModel):
                 raise ValueError(f"sparse: {err}") from None
         if self.canvas is not None:
             values["canvas"] = self.canvas
-        if self.sdar is not None:
-            values["sdar"] = self.sdar
+        for family_settings in ("sdar", "llada2", "fast_dllm_v2"):   # block-diffusion families' own settings
+            if getattr(self, family_settings) is not None:
+                values[family_settings] = getattr(self, family_settings)
         if self.canvas_sampler is not None:
             try:
                 values["canvas_sampler"] = CanvasSampler(**self.canvas_sampler)

@@ -1,0 +1,407 @@
+"""LLaDA2's block diffusion decoders: LLaDA2.0's `generate` and LLaDA2.1's token-editing `generate`.
+
+Autoregressive over blocks, parallel inside one. LLaDA2.0 (`editing_threshold=None`): each block
+(the first holds the prompt's tail) gets up to `steps` forwards; each samples every position of the
+block (temperature, top-k, top-p; the confidence is the sampled token's probability) and commits the
+masked positions above `threshold` when there are at least the schedule's count (`block_length` split
+over `steps`, remainder first), else the count most confident. LLaDA2.1 (`editing_threshold` set):
+a block loops until it has no masks and no edits, or more than `max_post_steps` forwards ran after
+its masks were gone; each forward commits masks as above with the fixed count `num_to_transfer`
+(mask → token) and replaces every generated, unmasked token of the block whose argmax differs and
+whose probability exceeds `editing_threshold` (token → token). Both stop after a block holding EOS
+(2.0 always, 2.1 with `eos_early_stop`); 2.0 with `eos_early_stop` also stops inside a block once an
+EOS is committed with nothing masked before it. The output is cut after the first EOS.
+
+Upstream has no KV cache in these loops (each forward covers the sequence up to the current block
+under the block-causal mask). Block-causal attention makes a cache exact: the prompt's whole blocks
+are prefilled (`store_kv=True`), each step forwards the block against the cache (`store_kv=False`),
+and a finished block is forwarded once more to store it. `use_cache=False` runs upstream's forwards.
+
+Departures (each where upstream breaks its own output; docs/block-diffusion.md): temperature 0 is
+greedy (dFactory's sampler always draws from the softmax; the 2.0 remote code draws too once top-k
+or top-p is set); a drawn mask token becomes the most probable other token (upstream commits it and
+may return it); the output never holds a mask token; 2.0's in-block EOS stop returns the
+continuation like every other exit (upstream returns the prompt with it there only); upstream reads
+only row 0 of a batch, so one prompt at a time is accepted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicCache
+
+from .checks import check_bool, check_int, check_real
+from .sdar import num_transfer_schedule
+from .stats import GenerationStats
+
+__all__ = ["LLaDA2Decoder", "LLaDA2State", "num_transfer_schedule", "sample_tokens", "select_mask_to_token",
+           "select_token_edits", "validate_llada2_args"]
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """LLaDA2's preprocessing: logits / T (T > 0, T ≠ 1), then top-k (k > 0) and top-p (p < 1) to −inf."""
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    if top_k is not None and top_k > 0:
+        kth = torch.topk(logits, top_k).values[..., -1, None]
+        logits = torch.where(logits < kth, torch.full_like(logits, float("-inf")), logits)
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        remove = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1) > top_p
+        remove[..., 1:] = remove[..., :-1].clone()
+        remove[..., 0] = False
+        logits = logits.masked_fill(torch.zeros_like(remove).scatter(-1, order, remove), float("-inf"))
+    return logits
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+                  generator: torch.Generator | None, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, their probabilities) for logits `[1, L, V]`: T > 0 is upstream's multinomial draw
+    over the filtered softmax (its draws, from `generator` or torch's global one); T = 0 the argmax
+    with its probability. A drawn `mask_id` becomes the most probable other token."""
+    shape, V = logits.shape[:-1], logits.shape[-1]
+    probs = F.softmax(filter_logits(logits.reshape(-1, V), temperature, top_k, top_p), dim=-1)
+    if temperature > 0:
+        token = torch.multinomial(probs, num_samples=1, generator=generator)
+    else:
+        token = probs.argmax(dim=-1, keepdim=True)
+    if bool((token == mask_id).any()):
+        other = probs.index_fill(-1, torch.tensor([mask_id], device=probs.device), -1.0).argmax(dim=-1, keepdim=True)
+        token = torch.where(token == mask_id, other, token)
+    return token.view(shape), torch.gather(probs, -1, token).view(shape)
+
+
+def select_mask_to_token(masked: torch.Tensor, confidence: torch.Tensor, count: int, threshold: float) -> torch.Tensor:
+    """Masked positions of a `[1, L]` block to commit: those above `threshold` when there are at
+    least `count`, else the `count` most confident (never more than there are masks)."""
+    transfer = torch.zeros_like(masked)
+    masks = int(masked.sum())
+    if masks == 0:
+        return transfer
+    conf = torch.where(masked, confidence, -torch.inf)
+    high = (conf[0] > threshold) & masked[0]
+    if int(high.sum()) >= count:
+        transfer[0] = high
+    else:
+        transfer[0, torch.topk(conf[0], k=min(count, masks)).indices] = True
+    return transfer
+
+
+def select_token_edits(block: torch.Tensor, masked: torch.Tensor, prompt_in_block: torch.Tensor,
+                       tokens: torch.Tensor, confidence: torch.Tensor, editing_threshold: float) -> torch.Tensor:
+    """LLaDA2.1's token-to-token edits: generated, unmasked positions whose prediction differs from
+    the current token with probability above `editing_threshold`."""
+    editable = ~masked & ~prompt_in_block[None, :]
+    return editable & (confidence > editing_threshold) & (tokens != block)
+
+
+def validate_llada2_args(*, mask_id: int, eos_id: int | None, gen_length: int, block_length: int, steps: int,
+                         temperature: float, top_k: int | None, top_p: float | None, minimal_topk: int,
+                         threshold: float, editing_threshold: float | None, max_post_steps: int,
+                         num_to_transfer: int, eos_early_stop: bool) -> None:
+    check_int("mask_id", mask_id, minimum=0)
+    check_int("eos_id", eos_id, minimum=0, allow_none=True)
+    check_int("gen_length", gen_length, minimum=1)
+    check_int("block_length", block_length, minimum=1)
+    check_int("steps", steps, minimum=1)
+    check_real("temperature", temperature, low=0)
+    check_int("top_k", top_k, minimum=0, allow_none=True)
+    check_real("top_p", top_p, low=0, high=1, low_open=True, allow_none=True)
+    check_int("minimal_topk", minimal_topk, minimum=1)
+    if gen_length // minimal_topk < 1:
+        raise ValueError(f"minimal_topk ({minimal_topk}) must not exceed gen_length ({gen_length}): upstream "
+                         f"runs min(steps, gen_length // minimal_topk) steps per block")
+    check_real("threshold", threshold)
+    check_real("editing_threshold", editing_threshold, allow_none=True)
+    check_int("max_post_steps", max_post_steps, minimum=0)
+    check_int("num_to_transfer", num_to_transfer, minimum=1)
+    check_bool("eos_early_stop", eos_early_stop)
+
+
+@dataclass(eq=False)
+class LLaDA2State:
+    """One prompt under LLaDA2's loop: `x` `[1, total]` (prompt, then masks), the cache, the block
+    being decoded, its step and post-mask step counts; `stored` once the blocks before it are cached."""
+
+    x: torch.Tensor
+    prompt_length: int
+    cache: DynamicCache | None
+    attention: torch.Tensor
+    position_ids: torch.Tensor
+    block: int
+    num_blocks: int
+    stored: bool = False
+    step: int = 0
+    post_steps: int = 0
+    done: bool = False
+    end: int | None = None   # where the output ends (after the first EOS), once done
+
+
+class LLaDA2Decoder:
+    """LLaDA2's loop as a state and a step: each `step` is one model forward — the prefill, a
+    decoding step of the current block, or the forward that stores a finished block."""
+
+    def __init__(self, *, mask_id: int, eos_id: int | None, gen_length: int = 2048, block_length: int = 32,
+                 steps: int = 32, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 minimal_topk: int = 1, threshold: float = 0.95, editing_threshold: float | None = None,
+                 max_post_steps: int = 16, num_to_transfer: int = 1, eos_early_stop: bool = False,
+                 use_cache: bool = True, block_store: Any = None):
+        validate_llada2_args(mask_id=mask_id, eos_id=eos_id, gen_length=gen_length, block_length=block_length,
+                             steps=steps, temperature=temperature, top_k=top_k, top_p=top_p,
+                             minimal_topk=minimal_topk, threshold=threshold, editing_threshold=editing_threshold,
+                             max_post_steps=max_post_steps, num_to_transfer=num_to_transfer,
+                             eos_early_stop=eos_early_stop)
+        check_bool("use_cache", use_cache)
+        self.mask_id, self.eos_id, self.gen_length, self.block_length = mask_id, eos_id, gen_length, block_length
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.threshold, self.editing_threshold = threshold, editing_threshold
+        self.max_post_steps, self.num_to_transfer = max_post_steps, num_to_transfer
+        self.eos_early_stop, self.use_cache = eos_early_stop, use_cache
+        self.steps = min(steps, gen_length // minimal_topk)
+        self.schedule = num_transfer_schedule(block_length, self.steps).tolist()
+        # the engine's page store: each state's cache is then a `remask.caches.BlockKVCache` in its pages
+        self.block_store = block_store if use_cache else None
+
+    def _sizes(self, prompt_length: int) -> tuple[int, int]:
+        """(positions of the prompt's whole blocks, positions of the whole sequence)."""
+        L = self.block_length
+        return prompt_length // L * L, (prompt_length + self.gen_length + L - 1) // L * L
+
+    def pages_needed(self, manager: Any, prompt_ids: torch.Tensor) -> int:
+        """Free pages a request with this prompt takes in the engine's store (all allocated at start)."""
+        from remask.caches.block import BlockKVCache
+
+        prefix, total = self._sizes(prompt_ids.shape[1])
+        return BlockKVCache.pages_needed(manager, prompt_ids[0, :prefix].tolist(), total, self.block_length)
+
+    def release(self, state: "LLaDA2State") -> None:
+        """Give back the state's cache pages (the engine's paged cache), if it has any."""
+        release = getattr(state.cache, "release", None)
+        if release is not None:
+            release()
+
+    @property
+    def editing(self) -> bool:
+        """LLaDA2.1's loop (token editing) rather than LLaDA2.0's."""
+        return self.editing_threshold is not None
+
+    def start(self, model: torch.nn.Module, input_ids: torch.Tensor) -> LLaDA2State:
+        if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+            raise ValueError(f"inputs must be a LongTensor [1, length], got {getattr(input_ids, 'shape', None)}")
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"inputs: LLaDA2's generate decodes one prompt (batch 1; upstream reads row 0 only), "
+                             f"got batch {input_ids.shape[0]}")
+        if input_ids.shape[1] == 0:
+            raise ValueError("inputs: the prompt is empty")
+        if bool((input_ids == self.mask_id).any()):
+            raise ValueError(f"inputs hold the mask id {self.mask_id}: LLaDA2 decodes only after the prompt")
+        L, device = self.block_length, input_ids.device
+        prompt_length = input_ids.shape[1]
+        num_blocks = (prompt_length + self.gen_length + L - 1) // L
+        x = torch.full((1, num_blocks * L), self.mask_id, dtype=torch.long, device=device)
+        x[:, :prompt_length] = input_ids
+        blocks = torch.tril(torch.ones(num_blocks, num_blocks, dtype=torch.bool, device=device))
+        first = prompt_length // L
+        if not self.use_cache:
+            cache = None
+        elif self.block_store is None:
+            cache = DynamicCache()
+        else:
+            from remask.caches.block import BlockKVCache
+
+            prefix, total = self._sizes(prompt_length)
+            cache = BlockKVCache(self.block_store, input_ids[0, :prefix].tolist(), total, L)
+        return LLaDA2State(x=x, prompt_length=prompt_length, cache=cache,
+                           attention=blocks.repeat_interleave(L, 0).repeat_interleave(L, 1)[None, None],
+                           position_ids=torch.arange(num_blocks * L, device=device)[None], block=first,
+                           num_blocks=num_blocks, stored=first == 0 or not self.use_cache)
+
+    def num_final(self, state: LLaDA2State) -> int:
+        """Generated positions that are final: those of the finished blocks (the output once done)."""
+        if state.done:
+            return state.end - state.prompt_length
+        return max(0, state.block * self.block_length - state.prompt_length)
+
+    def _pending(self, state: LLaDA2State) -> tuple[int, int, bool]:
+        """(start, end, store) of the state's next forward: the store of what is finished (the
+        prompt's whole blocks, or the block just decoded), else a step of the current block."""
+        L, b = self.block_length, state.block
+        if not state.stored:
+            return state.cache.get_seq_length(), b * L, True
+        return b * L, (b + 1) * L, False
+
+    def shared_forward_key(self, state: LLaDA2State) -> tuple | None:
+        """Requests whose next forward is one block against their cache (a decoding step, or the
+        store of the block just finished) share one batched forward (`forward_shared`), whatever
+        block each one is at; the prefill (the prompt's length) and uncached forwards run alone."""
+        if state.done or not self.use_cache:
+            return None
+        start, end, _ = self._pending(state)
+        return ("block", self.block_length) if end - start == self.block_length else None
+
+    def forward_shared(self, model: torch.nn.Module, states: list[LLaDA2State]) -> tuple[torch.Tensor, list[bool]]:
+        """One forward over each state's pending block `[B, L]`, each row against its own cache
+        (`remask.caches.BlockBatch`); returns the logits and which rows stored their block."""
+        from remask.caches.block import BlockBatch
+
+        spans = [self._pending(state) for state in states]
+        x = torch.cat([state.x[:, a:e] for state, (a, e, _) in zip(states, spans)])
+        positions = torch.cat([state.position_ids[:, a:e] for state, (a, e, _) in zip(states, spans)])
+        stores = [store for _, _, store in spans]
+        logits = model(x, attention_mask=None, position_ids=positions,
+                       past_key_values=BlockBatch([state.cache for state in states], stores), use_cache=True,
+                       store_kv=False).logits
+        return logits, stores
+
+    def commit(self, state: LLaDA2State, logits: torch.Tensor, stored: Any = None,
+               generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> None:
+        """The step's decision for one row of `forward_shared` (its logits `[1, L, V]`)."""
+        if stats is not None:
+            stats.forward(1, self.block_length)
+        if not state.stored:   # this row's forward stored its finished block
+            state.stored = True
+            return
+        self._decide(state, logits, generator, stats)
+
+    def output(self, state: LLaDA2State) -> torch.Tensor:
+        """The continuation `[1, n]`: up to and including the first EOS, at most `gen_length`."""
+        end = state.end if state.end is not None else state.prompt_length + self.gen_length
+        return state.x[:, state.prompt_length:end]
+
+    def step(self, model: torch.nn.Module, state: LLaDA2State, generator: torch.Generator | None = None,
+             stats: GenerationStats | None = None) -> None:
+        L, b = self.block_length, state.block
+        if not state.stored:   # the prompt's whole blocks, or the block just finished
+            start = 0 if state.cache.get_seq_length() == 0 else state.cache.get_seq_length()
+            model(state.x[:, start:b * L], attention_mask=state.attention[:, :, start:b * L, :b * L],
+                  position_ids=state.position_ids[:, start:b * L], past_key_values=state.cache, use_cache=True,
+                  store_kv=True)
+            state.stored = True
+            if stats is not None:
+                stats.forward(1, b * L - start)
+            return
+        span = slice(b * L, (b + 1) * L)
+        if self.use_cache:
+            logits = model(state.x[:, span], attention_mask=None, position_ids=state.position_ids[:, span],
+                           past_key_values=state.cache, use_cache=True, store_kv=False).logits
+        else:
+            end = (b + 1) * L
+            logits = model(state.x[:, :end], attention_mask=state.attention[:, :, :end, :end],
+                           position_ids=state.position_ids[:, :end]).logits[:, -L:]
+        if stats is not None:
+            stats.forward(1, L if self.use_cache else (b + 1) * L)
+        self._decide(state, logits, generator, stats)
+
+    def _decide(self, state: LLaDA2State, logits: torch.Tensor, generator: torch.Generator | None,
+                stats: GenerationStats | None) -> None:
+        L, b = self.block_length, state.block
+        block = state.x[:, b * L:(b + 1) * L]   # a view: commits write into x
+        masked = block == self.mask_id
+        tokens, confidence = sample_tokens(logits, self.temperature, self.top_k, self.top_p, generator, self.mask_id)
+        count = self.num_to_transfer if self.editing else self.schedule[state.step]
+        transfer = select_mask_to_token(masked, confidence, count, self.threshold)
+        edits = torch.zeros_like(masked)
+        if self.editing:
+            prompt_in_block = torch.arange(b * L, (b + 1) * L, device=block.device) < state.prompt_length
+            edits = select_token_edits(block, masked, prompt_in_block, tokens, confidence, self.editing_threshold)
+        change = transfer | edits
+        block[change] = tokens[change]
+        state.step += 1
+        if stats is not None:
+            stats.step(int(transfer.sum()))
+        if self.editing:
+            finished = (not bool(masked.any()) and not bool(edits.any())) or self._post_steps_spent(state)
+        else:
+            if self.eos_early_stop and self.eos_id is not None and bool((tokens[transfer] == self.eos_id).any()):
+                gen = state.x[0, state.prompt_length:(b + 1) * L]
+                eos = (gen == self.eos_id).nonzero(as_tuple=True)[0]
+                if len(eos) and not bool((gen[:int(eos[0])] == self.mask_id).any()):
+                    state.done, state.end = True, state.prompt_length + int(eos[0]) + 1
+                    return
+            finished = not bool((block == self.mask_id).any()) or state.step >= self.steps
+        if finished:
+            self._finish_block(state)
+
+    def _post_steps_spent(self, state: LLaDA2State) -> bool:
+        """2.1: upstream counts the forwards that start with no mask in the block and stops the block
+        when that count would exceed `max_post_steps` — decided here, before the next forward."""
+        block = state.x[:, state.block * self.block_length:(state.block + 1) * self.block_length]
+        if bool((block == self.mask_id).any()):
+            return False
+        state.post_steps += 1   # the next forward would start mask-free
+        return state.post_steps > self.max_post_steps
+
+    def _finish_block(self, state: LLaDA2State) -> None:
+        L = self.block_length
+        end = (state.block + 1) * L
+        gen = state.x[0, state.prompt_length:end]
+        has_eos = self.eos_id is not None and bool((gen == self.eos_id).any())
+        stop = has_eos and (not self.editing or (self.eos_early_stop and not bool((gen == self.mask_id).any())))
+        state.block += 1
+        state.step, state.post_steps = 0, 0
+        if stop or state.block == state.num_blocks:
+            state.done = True
+            limit = state.prompt_length + self.gen_length
+            answer = state.x[0, state.prompt_length:limit]
+            eos = (answer == self.eos_id).nonzero(as_tuple=True)[0] if self.eos_id is not None else answer[:0]
+            state.end = state.prompt_length + int(eos[0]) + 1 if len(eos) else limit
+            # positions left masked (a block cut short) become EOS — upstream returns the mask token
+            tail = state.x[0, state.prompt_length:state.end]
+            if bool((tail == self.mask_id).any()):
+                tail[tail == self.mask_id] = self.eos_id if self.eos_id is not None else tail[tail != self.mask_id][0]
+        else:
+            state.stored = not self.use_cache
+
+
+LLADA2_SETTINGS = ("block_length", "steps", "minimal_topk", "eos_early_stop", "editing_threshold", "max_post_steps",
+                   "num_to_transfer")
+
+
+def check_llada2_settings(settings: Any) -> dict:
+    """A request's LLaDA2 settings (`SamplingParams.llada2`): a dict with keys from LLADA2_SETTINGS."""
+    from .checks import ParameterTypeError
+
+    if not isinstance(settings, dict):
+        raise ParameterTypeError(f"llada2 must be a dict of {list(LLADA2_SETTINGS)}, got {type(settings).__name__}")
+    unknown = sorted(set(settings) - set(LLADA2_SETTINGS))
+    if unknown:
+        raise ValueError(f"llada2: unknown setting(s) {unknown}; allowed: {list(LLADA2_SETTINGS)}")
+    out = dict(settings)
+    for name in ("block_length", "steps", "minimal_topk", "num_to_transfer"):
+        if name in out:
+            check_int(f"llada2.{name}", out[name], minimum=1)
+    if "max_post_steps" in out:
+        check_int("llada2.max_post_steps", out["max_post_steps"], minimum=0)
+    if "eos_early_stop" in out:
+        check_bool("llada2.eos_early_stop", out["eos_early_stop"])
+    if out.get("editing_threshold") is not None:
+        check_real("llada2.editing_threshold", out["editing_threshold"])
+    return out
+
+
+def engine_decoder(engine: Any, params: Any) -> LLaDA2Decoder:
+    """One engine request's LLaDA2 loop (`Family.engine_decoder`): the loop
+    `remask.compat.llada2.generate` runs with `gen_length=max_tokens`, its finished blocks in the
+    engine's pages. Reads `temperature`, `top_k`, `top_p`, `threshold` (mask → token) and
+    `params.llada2` (`block_length`, `steps`, `minimal_topk`, `eos_early_stop`, and 2.1's
+    `editing_threshold`, `max_post_steps`, `num_to_transfer`); refuses every other decoding setting."""
+    from dataclasses import fields
+
+    read = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "temperature", "top_k", "top_p", "threshold",
+            "llada2")
+    set_here = [f.name for f in fields(type(params)) if f.name not in read and getattr(params, f.name) != f.default]
+    if set_here:
+        raise ValueError(f"a block-causal model (LLaDA2) does not read {set_here}; its settings are temperature, "
+                         f"top_k, top_p, threshold and llada2={{{', '.join(LLADA2_SETTINGS)}}}")
+    if params.stop_token_ids:
+        raise ValueError("stop_token_ids: LLaDA2's loop stops at its EOS id only (the model's)")
+    settings = dict(params.llada2 or {})
+    block_length = settings.pop("block_length", engine.spec.block_length or 32)
+    return LLaDA2Decoder(mask_id=engine.spec.mask_id, eos_id=engine.spec.eos_id, gen_length=params.max_tokens,
+                         block_length=block_length, steps=settings.pop("steps", block_length),
+                         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                         threshold=0.95 if params.threshold is None else params.threshold,
+                         block_store=engine.runner.store, **settings)
