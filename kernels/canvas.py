@@ -16,7 +16,8 @@
   back by position.
 
 `canvas_score` / `canvas_update` dispatch: Triton on CUDA (or ``REMASK_TRITON=1``), the torch
-reference otherwise.
+reference otherwise; seeded, the reference draws the same Philox numbers (`remask.kernels.philox`)
+at the same offsets, so a seed gives the same samples and canvas on either path.
 """
 from __future__ import annotations
 
@@ -133,8 +134,8 @@ def canvas_score(
         logits: `[N, V]` float32/float16/bfloat16, V contiguous (rows may be strided).
         temperature: T > 0 (a float, or a 0-dim tensor as transformers' schedule makes it).
         noise: uniforms in (0, 1) of logits' shape for exact tests; otherwise Philox noise from
-            `seed` (Triton) or a float64 stream seeded with `seed` (torch). None draws a seed from
-            torch's global generator.
+            `seed` at ``row·V + col`` (`tl.rand`, or its torch twin on the torch path: the same
+            draws and float32 score). None draws a seed from torch's global generator.
 
     Returns:
         sample, argmax (int64 `[N]`; the lower index on ties), entropy and the argmax's
@@ -180,7 +181,7 @@ def canvas_update(
             before each one sum to ≤ this (> 0).
         vocab_size: renoised positions draw uniformly from [0, vocab_size).
         noise_tokens: `[B, L]` ids to use instead of draws (exact tests); otherwise Philox from
-            `seed` (Triton; ``randint % V``) or a torch generator seeded with `seed`.
+            `seed`, ``randint(seed, b·L + position) % V`` on either path.
 
     Returns:
         the new canvas (int64 `[B, L]`) and the accepted mask (bool `[B, L]`).

@@ -9,13 +9,18 @@ runtime and the oracle of tests and benchmarks.
   entropies minus the largest stays ≤ the bound; ties in entropy ordered by position) and the
   update (accepted positions take their sample, the others a uniform random token).
 
-The Triton kernels (`remask.kernels.canvas`) compute the same in float32 with Philox noise.
+The Triton kernels (`remask.kernels.canvas`) compute the same in float32. Seeded calls (a `seed`,
+no injected noise) draw the kernels' own random numbers here too: Philox (`remask.kernels.philox`,
+bit-identical to `tl.rand` / `tl.randint`) at the kernels' offsets, the sample's score formed in
+float32 as the kernel forms it, so a seed gives the same canvas on any device through either path
+(up to the last bit of the kernels' float32 logs: see `philox.gumbel_from_uniform`).
 """
 from __future__ import annotations
 
 import torch
 
 from .confidence_ref import CHUNK_ELEMENTS, gumbel
+from .philox import grid_offsets, gumbel_from_uniform, philox_randint, philox_uniform
 
 
 def canvas_score_torch(
@@ -27,8 +32,9 @@ def canvas_score_torch(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row of `logits` `[N, V]`: x = l / T (`temperature`, a float or 0-dim tensor, divided in
     the logits' float32 as transformers' schedule does), then the sample argmax(x + g) (g Gumbel
-    noise from the uniforms `noise` `[N, V]` or a float64 stream seeded with `seed`), the argmax
-    of x, the entropy −Σ p log p of softmax(x) and p(argmax).
+    noise from the uniforms `noise` `[N, V]`, summed in float64; or, with `seed`, the kernel's
+    Philox uniforms at ``row·V + col`` and its float32 sum x + g), the argmax of x, the entropy
+    −Σ p log p of softmax(x) and p(argmax). `seed=None` without `noise` means seed 0.
 
     Returns sample and argmax (int64 `[N]`), entropy (float32 `[N]`, ≥ 0) and top_prob (float32).
     """
@@ -38,16 +44,19 @@ def canvas_score_torch(
     argmax = torch.empty(n_rows, dtype=torch.long, device=device)
     entropy = torch.empty(n_rows, dtype=torch.float32, device=device)
     top_prob = torch.empty(n_rows, dtype=torch.float32, device=device)
-    generator = None
-    if noise is None:
-        generator = torch.Generator(device=device).manual_seed(int(seed if seed is not None else 0))
+    seed = int(seed if seed is not None else 0)
+    cols = torch.arange(V, dtype=torch.int64, device=device)
     chunk = max(1, CHUNK_ELEMENTS // max(V, 1))
     for r0 in range(0, n_rows, chunk):
         rows = slice(r0, min(r0 + chunk, n_rows))
-        x = (logits[rows].to(torch.float32) / temperature).to(torch.float64)
-        u = noise[rows].to(torch.float64) if noise is not None else torch.rand(
-            x.shape, dtype=torch.float64, device=device, generator=generator)
-        sample[rows] = torch.argmax(x + gumbel(u), dim=1)
+        x32 = logits[rows].to(torch.float32) / temperature
+        x = x32.to(torch.float64)
+        if noise is not None:
+            sample[rows] = torch.argmax(x + gumbel(noise[rows].to(torch.float64)), dim=1)
+        else:   # the kernel's draws and its float32 score x + g (it forms x − log(−log u): the same number)
+            row_ids = torch.arange(rows.start, rows.stop, dtype=torch.int64, device=device)
+            g = gumbel_from_uniform(philox_uniform(seed, grid_offsets(row_ids, V, cols)))
+            sample[rows] = torch.argmax(x32 + g, dim=1)
         argmax[rows] = torch.max(x, dim=1).indices   # the first maximal index
         log_p = torch.log_softmax(x, dim=1)
         entropy[rows] = (-(log_p.exp() * log_p).sum(dim=1)).clamp_min(0.0).to(torch.float32)
@@ -68,12 +77,13 @@ def canvas_update_torch(
 
     A position is accepted when the entropies before it in ascending order (position order among
     equal entropies) sum to ≤ `entropy_bound`; the others get `noise_tokens` (`[B, L]` ids) or
-    uniform draws in [0, vocab_size) from a generator seeded with `seed`.
+    the kernel's draws ``philox_randint(seed, b·L + position) % vocab_size`` (`seed=None`: 0).
     """
     sorted_entropy, order = torch.sort(entropy.to(torch.float32), dim=-1, stable=True)
     before = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy
     accepted = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before <= entropy_bound)
     if noise_tokens is None:
-        generator = torch.Generator(device=sample.device).manual_seed(int(seed if seed is not None else 0))
-        noise_tokens = torch.randint(0, vocab_size, sample.shape, device=sample.device, generator=generator)
+        B, L = sample.shape
+        offsets = grid_offsets(torch.arange(B, device=sample.device), L, torch.arange(L, device=sample.device))
+        noise_tokens = philox_randint(int(seed if seed is not None else 0), offsets) % vocab_size
     return torch.where(accepted, sample, noise_tokens.to(sample.dtype)), accepted

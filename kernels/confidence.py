@@ -16,7 +16,8 @@ a small combine kernel merges them (flash-decoding style). Configurations are a 
 the shape (`confidence_config`), never autotuned.
 
 `confidence` is the dispatcher: Triton on CUDA (or when ``REMASK_TRITON=1``), the float64 torch
-reference of `confidence_ref` otherwise.
+reference of `confidence_ref` otherwise. Seeded, both draw the same Philox numbers
+(`remask.kernels.philox`) at the same offsets and form the same float32 selection score.
 """
 from __future__ import annotations
 
@@ -359,8 +360,9 @@ def confidence(
         suppress_ids: token ids treated as −inf logits (never chosen, no probability mass).
         noise: uniforms in (0, 1) of logits' shape (indexed by logits row, like the logits) for
             exact tests; otherwise, at T > 0, Philox noise from `seed` at offset ``row·V + col``
-            (Triton) or a float64 stream from `torch.Generator().manual_seed(seed)` (torch path).
-            `seed=None` draws one from torch's global generator.
+            (`tl.rand` in the kernel, its torch twin `philox.philox_uniform` on the torch path:
+            the same draws and float32 score, so the same x0 on any device). `seed=None` draws
+            one from torch's global generator.
         exclude_ids: ids that may not be chosen but keep their probability mass (the mask token).
         zero_prob_ids: ids removed from the confidence softmax only (LLaDA's EOS/EOT quirk).
         out_dtype: float32 or float64 confidences (the Triton kernel accumulates in float32, the
@@ -405,8 +407,8 @@ def confidence_vocab_parallel(
     few numbers per row — max, Σ e^(l−m), Σ e^(l−m)(l−m), best score and index, the logit there,
     the runner-up — and the ranks all-gather those (7 values per row and rank; never the logits)
     and combine them: max, argmax with the lowest index on ties, log-sum-exp. The Gumbel draws are
-    the unsharded call's (Philox at the global offset; the torch stream over the whole row), so
-    the tokens equal one process's. Returns x0 `[R]` int64 and confidence `[R]` on every rank.
+    the unsharded call's (Philox at the global offset ``row·vocab_size + column``, in the kernel
+    and the torch reference alike), so the tokens equal one process's. Returns x0 `[R]` int64 and confidence `[R]` on every rank.
     """
     import torch.distributed as dist
 

@@ -4,6 +4,13 @@ Same contract as `remask.kernels.confidence.confidence_triton`, computed by the 
 float64 (softmax, gather / top-2 / Σ p log p) a few rows at a time, so the extra memory is a few
 float64 chunks of about `CHUNK_ELEMENTS` logits, never `[N, V]`.
 
+Seeded sampling (a `seed`, no injected `noise`) draws the kernel's own random numbers: Philox
+(`remask.kernels.philox`, bit-identical to `tl.rand`) at the kernel's offsets ``row·vocab_size +
+global column`` (row: the logits row), and forms the selection score as the kernel does, in
+float32: ``l + T·g`` with the logits upcast to float32 and g the float32 Gumbel noise. A seed
+therefore picks the same tokens on CPU and GPU, through torch or Triton (up to the last bit of the
+kernels' float32 logs: see `philox.gumbel_from_uniform`). Injected `noise` keeps the float64 score.
+
 Also holds the reference *formulation* (`confidence_reference_formulation`): how the LLaDA and
 Fast-dLLM code compute the same quantity (float64 Gumbel score and softmax over the whole `[N, V]`
 tensor, then a gather). Benchmarks use it as the baseline; tests check both agree.
@@ -14,6 +21,8 @@ from typing import Sequence
 
 import torch
 
+from .philox import grid_offsets, gumbel_from_uniform, philox_uniform
+
 CONFIDENCE_MODES = ("prob", "margin", "neg_entropy")
 CHUNK_ELEMENTS = 1 << 19  # float64 logits per chunk: 4 MB (a few rows, cache-sized)
 
@@ -21,6 +30,25 @@ CHUNK_ELEMENTS = 1 << 19  # float64 logits per chunk: 4 MB (a few rows, cache-si
 def gumbel(uniform: torch.Tensor) -> torch.Tensor:
     """Gumbel noise ``-log(-log u)`` (u in (0, 1))."""
     return -torch.log(-torch.log(uniform))
+
+
+def seeded_score(l32: torch.Tensor, temperature: float, seed: int, rows: torch.Tensor, row_width: int,
+                 col_start: int = 0) -> torch.Tensor:
+    """The kernels' seeded selection score ``l + T·g`` in float32 for the float32 logits `l32`
+    `[R, C]` (already −inf where a token may not be chosen) of the logits rows `rows` `[R]`, whose
+    columns are the global ids ``col_start + [0, C)`` of rows `row_width` wide: g from Philox at
+    ``row·row_width + column``, T rounded to float32 as the kernel's argument is."""
+    cols = torch.arange(col_start, col_start + l32.shape[1], dtype=torch.int64, device=l32.device)
+    g = gumbel_from_uniform(philox_uniform(seed, grid_offsets(rows, row_width, cols)))
+    t32 = torch.tensor(float(temperature), dtype=torch.float32, device=l32.device)
+    return l32 + t32 * g   # two float32 roundings, the product first, as the kernel's l − T·c
+
+
+def chunk_rows(index: slice | torch.Tensor, device) -> torch.Tensor:
+    """The logits row ids of a chunk (a slice of rows or an index tensor) as int64 on `device`."""
+    if isinstance(index, slice):
+        return torch.arange(index.start, index.stop, dtype=torch.int64, device=device)
+    return index.to(device=device, dtype=torch.int64)
 
 
 def id_tensor(ids: Sequence[int] | torch.Tensor | None, device) -> torch.Tensor | None:
@@ -46,7 +74,8 @@ def confidence_torch(
     """x0 and its confidence for each selected row of `logits` `[N, V]`, in float64.
 
     x0 = argmax of ``l + T·g`` over the tokens not in `argmax_ids` (g: Gumbel noise from the
-    uniforms `noise` `[N, V]`, or from a generator seeded with `seed`; plain argmax at T=0), the
+    uniforms `noise` `[N, V]`, in float64; or, with `seed`, the kernel's Philox draws at offset
+    ``row·V + col`` and its float32 score, see the module docstring; plain argmax at T=0), the
     lowest index winning ties as `torch.argmax` does. The confidence of x0 is taken under the
     untempered softmax of `l` with the `softmax_ids` removed: ``prob`` p(x0), ``margin`` p1 − p2
     (the two largest probabilities), ``neg_entropy`` Σ p log p.
@@ -62,19 +91,18 @@ def confidence_torch(
     argmax_ids = id_tensor(argmax_ids, device)
     softmax_ids = id_tensor(softmax_ids, device)
     sampling = temperature > 0
-    generator = None
-    if sampling and noise is None:
-        generator = torch.Generator(device=device).manual_seed(int(seed))
     chunk = max(1, CHUNK_ELEMENTS // max(V, 1))
     for r0 in range(0, n_rows, chunk):
         index = slice(r0, min(r0 + chunk, n_rows)) if rows is None else rows[r0:r0 + chunk]
         l = logits[index].to(torch.float64)
-        if sampling or argmax_ids is not None:
+        if sampling and noise is None:   # the kernel's draws and float32 score (bf16/fp16 → fp32 is exact)
+            l32 = logits[index].to(torch.float32)
+            l32 = l32 if argmax_ids is None else l32.index_fill(1, argmax_ids, -torch.inf)
+            x0_chunk = torch.argmax(seeded_score(l32, temperature, int(seed), chunk_rows(index, device), V), dim=1)
+        elif sampling or argmax_ids is not None:
             score = l if argmax_ids is None else l.index_fill(1, argmax_ids, -torch.inf)
             if sampling:
-                u = (noise[index].to(torch.float64) if noise is not None else
-                     torch.rand(l.shape, dtype=torch.float64, device=device, generator=generator))
-                score = score + temperature * gumbel(u)
+                score = score + temperature * gumbel(noise[index].to(torch.float64))
             x0_chunk = torch.argmax(score, dim=1)
             del score
         else:
@@ -141,8 +169,9 @@ def confidence_partials_torch(
     Returns part `[6, R, 1]` float64 (PARTIAL_FIELDS: max m and Σ e^(l−m), Σ e^(l−m)(l−m) of the
     softmax logits, the best selection score, the softmax logit at that token, the runner-up
     softmax logit) and part_idx `[R, 1]` int64 (the best token's global id). Ids are global;
-    `noise` is the shard's columns of the uniforms; with `seed` the draws are `confidence_torch`'s
-    over the whole vocabulary (same chunks, same generator), cut to the shard.
+    `noise` is the shard's columns of the uniforms (a float64 score); with `seed` the draws are
+    Philox at the global offsets ``row·vocab_size + vocab_start + col``, the unsharded call's, and
+    the best score is the kernel's float32 one (stored as float64, exactly).
     """
     n_rows, V = logits.shape
     device = logits.device
@@ -150,7 +179,6 @@ def confidence_partials_torch(
         n_rows = rows.numel()
     part = torch.empty((6, n_rows, 1), dtype=torch.float64, device=device)
     part_idx = torch.empty((n_rows, 1), dtype=torch.long, device=device)
-    shard = slice(vocab_start, vocab_start + V)
 
     def local(ids):
         ids = id_tensor(ids, device)
@@ -161,20 +189,21 @@ def confidence_partials_torch(
 
     argmax_ids, softmax_ids = local(argmax_ids), local(softmax_ids)
     sampling = temperature > 0
-    generator = None
-    if sampling and noise is None:
-        generator = torch.Generator(device=device).manual_seed(int(seed))
-    chunk = max(1, CHUNK_ELEMENTS // max(vocab_size, 1))   # the unsharded call's chunks: its draws
+    chunk = max(1, CHUNK_ELEMENTS // max(V, 1))
     neg_inf = torch.tensor(-torch.inf, dtype=torch.float64, device=device)
     for r0 in range(0, n_rows, chunk):
         index = slice(r0, min(r0 + chunk, n_rows)) if rows is None else rows[r0:r0 + chunk]
         l = logits[index].to(torch.float64)
         out = slice(r0, r0 + l.shape[0])
-        score = l if argmax_ids is None else l.index_fill(1, argmax_ids, -torch.inf)
-        if sampling:
-            u = (noise[index].to(torch.float64) if noise is not None else torch.rand(
-                (l.shape[0], vocab_size), dtype=torch.float64, device=device, generator=generator)[:, shard])
-            score = score + temperature * gumbel(u)
+        if sampling and noise is None:   # the kernel's draws at global offsets, its float32 score
+            l32 = logits[index].to(torch.float32)
+            l32 = l32 if argmax_ids is None else l32.index_fill(1, argmax_ids, -torch.inf)
+            score = seeded_score(l32, temperature, int(seed), chunk_rows(index, device), vocab_size,
+                                 vocab_start).to(torch.float64)   # float32 → float64 is exact
+        else:
+            score = l if argmax_ids is None else l.index_fill(1, argmax_ids, -torch.inf)
+            if sampling:
+                score = score + temperature * gumbel(noise[index].to(torch.float64))
         best, best_idx = torch.max(score, dim=1) if V else (neg_inf.expand(l.shape[0]), None)
         soft = l if softmax_ids is None else l.index_fill(1, softmax_ids, -torch.inf)
         if V:
