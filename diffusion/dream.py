@@ -127,7 +127,9 @@ def diffusion_generate(
     `return_dict_in_generate`, `num_return_sequences`, `mask_token_id`, …), `attention_mask`
     (left padding), `generation_tokens_hook_func(step, x, logits)` and
     `generation_logits_hook_func(step, x, logits)`, `threshold` (for `alg="confidence_threshold"`,
-    default 0.9), and remask's `generator`, `stats` and `reference_ties` (default True: the schedule's
+    default 0.9), and remask's `generator`, `stats`, `decoder` (`remask.FreeDave(...)`: the tokens of
+    the Dream block decoder at one token per step — `alg="confidence_threshold"`, `threshold=1.0`,
+    `steps=max_new_tokens`, the same `block_length` / `use_cache` — in fewer forwards) and `reference_ties` (default True: the schedule's
     count is committed through `torch.topk` as Dream does, so exact ties — many confidences of 1.0
     under a nucleus of one with `top_p` — fall in the reference's order; False: the lower index first).
 
@@ -163,6 +165,8 @@ def diffusion_generate(
     block_length = kwargs.pop("block_length", None)
     finish_blocks = kwargs.pop("finish_blocks", True)
     reference_ties = kwargs.pop("reference_ties", True)
+    decoder = kwargs.pop("decoder", None)
+    alg_given = kwargs.get("alg")   # FreeDave runs its own rule: an explicit other alg is refused
     apd: APDConfig | None = kwargs.pop("apd", None)
     verifier_stats: GenerationStats | None = kwargs.pop("verifier_stats", None)
     generator = kwargs.pop("generator", None)
@@ -233,6 +237,27 @@ def diffusion_generate(
                                  generator=generator, stats=stats, verifier_stats=verifier_stats)
         return DreamModelOutput(sequences=sequences) if config.return_dict_in_generate else sequences
 
+    if decoder is not None:
+        from .freedave import FreeDave, freedave_generate
+
+        check_instance("decoder", decoder, FreeDave, "a remask decoder config (remask.FreeDave)")
+        unread = [name for name, value in (("alg", alg_given not in (None, "confidence_threshold")),
+                                           ("temperature", config.temperature > 0), ("top_p", config.top_p is not None),
+                                           ("top_k", config.top_k is not None), ("apd", apd is not None),
+                                           ("generation hooks", bool(hooks_given)),
+                                           ("output_history", config.output_history),
+                                           ("steps", config.steps != config.max_length - input_len),
+                                           ("reference_ties", not reference_ties),
+                                           ("finish_blocks", not finish_blocks)) if value]
+        if unread:
+            raise ValueError(f"decoder=FreeDave decodes greedily one token per step (Fast-dLLM's Dream block decoder "
+                             f"with alg='confidence_threshold', threshold=1.0, steps=max_new_tokens); it does not read "
+                             f"{unread}")
+        sequences = freedave_generate(model, inputs, attention_mask, config=decoder,
+                                      gen_length=config.max_length - input_len,
+                                      block_length=DEFAULT_BLOCK_LENGTH if block_length is None else block_length,
+                                      use_cache=use_cache, mask_id=config.mask_token_id, stats=stats)
+        return DreamModelOutput(sequences=sequences) if config.return_dict_in_generate else sequences
     if stats is not None:
         stats.start()
     if blocks:

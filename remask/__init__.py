@@ -12,6 +12,7 @@ from remask.diffusion import (
     APDConfig, CanvasSampler, DreamGenerationConfig, DreamModelOutput, GenerationStats, SparseConfig, ar_generate, diffusion_generate,
     generate)
 from remask.engine import LLM, LLMEngine, RequestOutput, SamplingParams
+from remask.diffusion.freedave import FreeDave
 from remask.models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM, ModelSpec, get_spec
 from remask.patching import patch
 from remask.text import answer_text, stop_token_ids
@@ -20,7 +21,7 @@ from remask.zoo import load
 __version__ = "0.1.0"
 
 __all__ = [
-    "APDConfig", "CanvasSampler", "DreamConfig", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
+    "APDConfig", "CanvasSampler", "DreamConfig", "FreeDave", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
     "LLM", "LLMEngine", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "RequestOutput", "SamplingParams", "SparseConfig", "answer_text", "ar_generate",
     "diffusion_generate", "generate", "get_spec", "load", "patch", "stop_token_ids",
 ]

@@ -27,7 +27,7 @@ def test_kernel_docs_examples_run():
 
 
 @pytest.mark.parametrize("doc", ["models.md", "caching.md", "apd.md", "sparse.md", "engine.md", "serving.md",
-                                 "evaluation.md", "diffusion-gemma.md", "block-diffusion.md"])
+                                 "evaluation.md", "diffusion-gemma.md", "block-diffusion.md", "decoders.md"])
 def test_docs_examples_run(doc):
     text = open(os.path.join(os.path.dirname(__file__), "..", "docs", doc)).read()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)

@@ -40,7 +40,7 @@ from .scheduler import Scheduler
 from .sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus, now
 
 # Settings that only the diffusion block rule reads: an AR request that sets one is refused.
-DIFFUSION_ONLY = ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "early_stop",
+DIFFUSION_ONLY = ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "early_stop", "decoder",
                   "logits_eos_inf", "confidence_eos_eot_inf", "reference_rng", "reference_ties", "alg", "alg_temp",
                   "eps", "apd")
 
@@ -185,6 +185,13 @@ class LLMEngine:
                                  f"{set_here + (['cfg_scale'] if params.cfg_scale else [])}")
             decoder = ARDecoder(self.model, **params.ar_kwargs(self._eos_ids()))
             decoder.check_input(prompt_ids, None)
+        elif params.decoder is not None:
+            from remask.diffusion.freedave import FreeDaveDecoder
+
+            check_prompt(self.model, prompt_ids, None, spec=self.spec, mask_in_prompt="refuse")
+            decoder = FreeDaveDecoder(params.decoder, gen_length=params.max_tokens,
+                                      block_length=params.block_length or params.max_tokens, use_cache=params.use_cache,
+                                      mask_id=self.spec.mask_id)
         elif params.apd is not None:
             decoder = self._apd_decoder(params, prompt_ids)
         elif params.alg is not None:

@@ -24,6 +24,9 @@ from remask.diffusion.sparse import SparseConfig
 # Settings only LLaDA's block rule reads, with their defaults (refused with Dream's `alg`).
 LLADA_RULE_DEFAULTS = dict(remasking="low_confidence", factor=None, cfg_scale=0.0, early_stop=False, logits_eos_inf=False,
                            confidence_eos_eot_inf=False, reference_rng=False, sparse=None)
+# Settings FreeDave does not read (greedy, one token per step, its own verification): refused with `decoder`.
+FREEDAVE_UNREAD = ("threshold", "factor", "sparse", "alg", "alg_temp", "early_stop", "reference_rng", "reference_ties",
+                   "cfg_scale", "remasking", "top_p", "top_k", "apd", "logits_eos_inf", "confidence_eos_eot_inf")
 # Settings APD does not read (it decodes left to right with its verifier): refused with `apd`.
 APD_UNREAD = ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "alg", "alg_temp", "early_stop",
               "reference_rng", "reference_ties", "cfg_scale", "remasking")
@@ -66,6 +69,10 @@ class SamplingParams:
     `block_length`, `steps`, `minimal_topk`, `eos_early_stop`, and 2.1's `editing_threshold`,
     `max_post_steps`, `num_to_transfer`). Fast-dLLM v2: `temperature`, `top_p`, `threshold` and
     `fast_dllm_v2` (its `batch_sample`'s settings). docs/block-diffusion.md maps each.
+
+    `decoder=remask.FreeDave(...)` (LLaDA and Dream): lossless FreeDave decoding — the tokens of
+    greedy one-token-per-step decoding with `block_length` / `use_cache`, in fewer forwards; each
+    request runs whole in one engine step.
     """
 
     max_tokens: int = 16
@@ -98,6 +105,7 @@ class SamplingParams:
     sdar: dict[str, Any] | None = None
     llada2: dict[str, Any] | None = None
     fast_dllm_v2: dict[str, Any] | None = None
+    decoder: Any = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, minimum=1)
@@ -157,6 +165,18 @@ class SamplingParams:
             from remask.diffusion.fast_dllm_v2 import check_fast_dllm_v2_settings
 
             object.__setattr__(self, "fast_dllm_v2", check_fast_dllm_v2_settings(self.fast_dllm_v2))
+        if self.decoder is not None:
+            from remask.diffusion.freedave import FreeDave
+
+            check_instance("decoder", self.decoder, FreeDave, "a remask decoder config (remask.FreeDave)")
+            unread = [name for name in FREEDAVE_UNREAD if getattr(self, name) != getattr(SamplingParams, name)]
+            if self.temperature > 0:
+                unread.append("temperature")
+            if self.steps not in (None, self.max_tokens):
+                unread.append("steps")
+            if unread:
+                raise ValueError(f"decoder=FreeDave decodes greedily, one verified token chain per forward; it does "
+                                 f"not read {unread}")
         check_instance("apd", self.apd, APDConfig, "a remask.APDConfig")
         if self.apd is not None:
             check_apd_alone([name for name in APD_UNREAD if getattr(self, name) != getattr(SamplingParams, name)])

@@ -1,0 +1,494 @@
+"""FreeDave: lossless parallel decoding by free draft-and-verification (arXiv 2510.00294).
+
+One-token-per-step greedy decoding commits, at every step, the single most confident masked
+position of the current block. FreeDave runs the same decoding with fewer model forwards: from the
+predictions it already holds for the current state it drafts the next K states a one-token step
+could reach (draft k = the state plus the k+1 most confident predictions, cumulative), runs the
+model once over all K drafts, applies the one-token rule to each draft with its own logits
+(target k), and keeps the longest chain in which each draft is the target of the one before
+(draft k+1 == target k). The last draft of that chain is committed and its logits are the
+predictions of the next round, so no forward is spent twice. Draft 0 is exactly the next state
+(the rule applied to exact logits), so every round advances at least one token, and the committed
+sequence is the one-token-per-step sequence, token for token.
+
+Baselines (what `freedave_generate` equals, token for token, with the same cache schedule):
+
+* LLaDA-format models (unshifted logits): ``remask.generate(model, prompt, steps=gen_length,
+  gen_length=..., block_length=..., use_cache=...)`` — LLaDA's low-confidence remasking with one
+  commit per step. With ``confidence_threshold=τ`` and ``match_rule="exact"``:
+  ``remask.generate(..., threshold=τ)`` (Fast-dLLM's threshold rule).
+* Dream (logits shifted by one position): Fast-dLLM's Dream block decoder, which commits each
+  block's first position from the block-start forward and then one token per step:
+  ``remask.diffusion_generate(model, prompt, max_new_tokens=gen_length, steps=gen_length,
+  alg="confidence_threshold", threshold=1.0, block_length=..., use_cache=...)`` (a threshold of 1.0
+  commits only the most confident position unless another one's probability rounds to exactly 1.0,
+  where the two rules could part); with ``confidence_threshold=τ``, ``match_rule="exact"``: the same
+  call with ``threshold=τ``. This is FreeDave's own Dream convention (`block_decode_with_full_attention`).
+
+Cache schedule (as the baselines): every block starts with a full forward (``use_cache`` "prefix"
+/ "dual": it builds the cache) whose logits are the first predictions; the verification forwards
+of the block run against that cache: ``"prefix"`` feeds each draft's block and everything after
+it, ``"dual"`` only the draft's block, None a full sequence per draft.
+
+Draft modes (one model call per verification either way):
+
+* ``"batch_expanding"``: the drafts are K rows of a batch; the cache is copied along the batch.
+* ``"tree_attention"``: the drafts are concatenated along the sequence of one row (positions
+  repeated per draft); the cache is shared: each draft's queries attend to the cached prefix /
+  suffix and to their own draft only.
+
+Exactness: a draft must get the bits the baseline's single-sequence forward gives its state. GEMMs
+are therefore run per draft (`remask.engine.batch_invariant`'s batched GEMM: each draft the
+problem it poses alone), and tree attention is not a masked attention over all drafts' keys (an
+online softmax over a longer, partly masked key list rounds differently): each draft's queries are
+attended, in one batched SDPA call, against exactly the key list the baseline attends —
+[prefix | own draft | suffix] — gathered per layer from the shared cache (transient, one layer at
+a time; the cache itself is never copied).
+
+FreeDave++ (``confidence_threshold=τ``): draft 0 is the threshold rule's next state, later drafts
+add the most confident remaining predictions one at a time, targets apply the threshold rule.
+Upstream verifies with its ``"subset"`` rule (a draft is accepted when its tokens are a subset of
+the target's), which is not lossless w.r.t. threshold decoding (a draft may commit fewer tokens than
+the threshold step would); ``match_rule="exact"`` accepts only drafts equal to the target and is
+lossless. Without a threshold both rules accept the same drafts.
+
+Greedy only (temperature 0). Batches of any size: each row keeps its own chain length.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from remask.caches import KVCache
+from remask.caches.kv import attention
+from remask.engine.batch_invariant import _batched_linear
+from remask.kernels import unmask
+from remask.models.spec import ModelSpec, get_spec
+
+from .cache import BlockForward, cache_mode, valid_positions
+from .checks import (check_choice, check_instance, check_int, check_length, check_mask_id, check_model_kind,
+                     check_prompt, check_real, check_stats, warn_if_longer_than_trained, warn_if_padded_without_mask)
+from .llada import validate_block_args
+from .scoring import score_rows
+from .stats import GenerationStats
+
+DRAFT_MODES = ("tree_attention", "batch_expanding")
+MATCH_RULES = ("subset", "exact")
+FREEDAVE_CACHES = (None, "prefix", "dual")
+
+
+@dataclass(frozen=True)
+class FreeDave:
+    """FreeDave's settings.
+
+    draft_steps: drafts verified per forward (K ≥ 1; 1 = plain one-token-per-step decoding).
+    draft_mode: ``"tree_attention"`` (drafts along the sequence, shared cache) or
+        ``"batch_expanding"`` (drafts along the batch, cache copied per draft).
+    confidence_threshold: None (FreeDave, lossless w.r.t. one token per step) or τ in (0, 1]
+        (FreeDave++: drafts and targets from Fast-dLLM's threshold rule).
+    match_rule: ``"subset"`` (upstream's verification) or ``"exact"`` (draft == target; lossless
+        w.r.t. threshold decoding under FreeDave++). The same without a threshold.
+    """
+
+    draft_steps: int = 4
+    draft_mode: str = "tree_attention"
+    confidence_threshold: float | None = None
+    match_rule: str = "subset"
+
+    def __post_init__(self) -> None:
+        check_int("draft_steps", self.draft_steps, minimum=1)
+        check_choice("draft_mode", self.draft_mode, DRAFT_MODES)
+        check_real("confidence_threshold", self.confidence_threshold, low=0, high=1, low_open=True, allow_none=True)
+        check_choice("match_rule", self.match_rule, MATCH_RULES)
+
+
+# --- exact per-draft forwards ---------------------------------------------------------------------
+
+class _PerSequenceLinear(TorchFunctionMode):
+    """`F.linear` on `[N, L, K]` inputs runs as the batched GEMM of N·L/`length` problems
+    `[length, K]`: each sequence (a batch row, or a draft within a concatenated row) gets the
+    product it gets alone."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        self.length = length
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if x.dim() == 3 and x.shape[1] % self.length == 0 and x.shape[0] * x.shape[1] > self.length:
+                y = _batched_linear(x.reshape(-1, self.length, x.shape[2]), weight, bias)
+                return y.view(x.shape[0], x.shape[1], -1)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _per_sequence(length: int, enabled: bool = True) -> Iterator[None]:
+    if not enabled:
+        yield
+        return
+    with _PerSequenceLinear(length):
+        yield
+
+
+class _TreeCache(KVCache):
+    """The shared cache seen by drafts concatenated along the sequence: K segments of `length`
+    queries each; segment k attends to [cached prefix | its own keys | cached suffix] (the key
+    list of the baseline's single-draft forward), all segments in one batched attention call."""
+
+    def __init__(self, base: KVCache | None, rows: torch.Tensor | None, prefix: int, suffix_start: int,
+                 total: int, drafts: int, length: int) -> None:
+        super().__init__()
+        self.base, self.rows, self.prefix, self.suffix_start = base, rows, prefix, suffix_start
+        self.total, self.drafts, self.length = total, drafts, length
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return self.total
+
+    def _side(self, t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        part = t[:, :, lo:hi]
+        if self.rows is not None:
+            part = part.index_select(0, self.rows)
+        return part.repeat_interleave(self.drafts, dim=0)
+
+    def _keys(self, cached: list[torch.Tensor], layer: int, own: torch.Tensor) -> torch.Tensor:
+        parts = []
+        if self.base is not None and self.prefix > 0:
+            parts.append(self._side(cached[layer], 0, self.prefix))
+        parts.append(own)
+        if self.base is not None and self.suffix_start < self.total:
+            parts.append(self._side(cached[layer], self.suffix_start, self.total))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+    def _split(self, t: torch.Tensor) -> torch.Tensor:
+        A, H, _, D = t.shape
+        return t.view(A, H, self.drafts, self.length, D).transpose(1, 2).reshape(A * self.drafts, H, self.length, D)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        A, H, _, D = q.shape
+        K, L = self.drafts, self.length
+        qs, ks, vs = self._split(q), self._split(k), self._split(v)
+        keys = self._keys(self.base.keys if self.base is not None else [], layer, ks)
+        values = self._keys(self.base.values if self.base is not None else [], layer, vs)
+        if mask is not None:
+            mask = mask.expand(A, *mask.shape[1:])
+            if mask.shape[2] == K * L:
+                mask = mask.reshape(A, mask.shape[1], K, L, mask.shape[3]).transpose(1, 2).reshape(
+                    A * K, mask.shape[1], L, mask.shape[3])
+            else:
+                mask = mask.repeat_interleave(K, dim=0)
+        out = attention(qs, keys, values, mask)
+        return out.view(A, K, H, L, D).transpose(1, 2).reshape(A, H, K * L, D)
+
+
+def _select_rows(value: Any, rows: torch.Tensor | None, batch: int) -> Any:
+    if rows is None or not torch.is_tensor(value) or value.shape[0] != batch:
+        return value
+    return value.index_select(0, rows)
+
+
+class _Forwards:
+    """The block-start forward (baseline `BlockForward.refresh`, per-row GEMMs for batches) and
+    the verification forward over drafts."""
+
+    def __init__(self, model, spec: ModelSpec, use_cache: str | None, forward_inputs: dict[str, Any],
+                 attention_mask: torch.Tensor | None, total: int, draft_mode: str) -> None:
+        self.model, self.spec, self.mode, self.draft_mode = model, spec, use_cache, draft_mode
+        self.forward_inputs, self.total = forward_inputs, total
+        self.block = BlockForward(model, spec, use_cache, forward_inputs, valid_positions(attention_mask, total))
+
+    @property
+    def cache_nbytes(self) -> int:
+        return self.block.cache_nbytes
+
+    def refresh(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        with _per_sequence(x.shape[1], enabled=x.shape[0] > 1):
+            return self.block.refresh(x, start, end)
+
+    def drafts(self, x: torch.Tensor, rows: torch.Tensor | None, drafts: torch.Tensor, start: int,
+               end: int) -> tuple[torch.Tensor, int, int]:
+        """Logits of every draft `[A·K, L, V]` (draft-minor), the block's first row in them, and L
+        (positions fed per draft). `drafts` `[A, K, block]` are the blocks of the rows `rows` of `x`
+        (None: all rows)."""
+        A, K, _ = drafts.shape
+        B, T = x.shape
+        mode = self.mode
+        fed, fed_end = (0, T) if mode is None else (start, T if mode == "prefix" else end)
+        L = fed_end - fed
+        sel = x if rows is None else x.index_select(0, rows)
+        seqs = sel[:, fed:fed_end].unsqueeze(1).repeat(1, K, 1)
+        seqs[:, :, start - fed:end - fed] = drafts
+        inputs = self.forward_inputs if mode is None else self.spec.inputs_for_positions(self.forward_inputs, start,
+                                                                                         fed_end)
+        inputs = {k: _select_rows(v, rows, B) for k, v in inputs.items()}
+        positions = torch.arange(fed, fed_end, device=x.device)
+        base = self.block.cache if mode is not None else None
+        if self.draft_mode == "batch_expanding":
+            inputs = {k: v.repeat_interleave(K, dim=0) if torch.is_tensor(v) else v for k, v in inputs.items()}
+            kw: dict[str, Any] = {}
+            if base is not None:
+                cache = KVCache()
+                expand = (lambda t: t.index_select(0, rows)) if rows is not None else (lambda t: t)
+                cache.keys = [expand(t).repeat_interleave(K, dim=0) for t in base.keys]
+                cache.values = [expand(t).repeat_interleave(K, dim=0) for t in base.values]
+                kw = dict(past_key_values=cache, cache_position=positions)
+            with _per_sequence(L):
+                raw = self.model(seqs.reshape(A * K, L), **kw, **inputs).logits
+        else:
+            for key, value in list(inputs.items()):
+                if not torch.is_tensor(value):
+                    continue
+                if key == "position_ids":
+                    inputs[key] = value.repeat(1, K)
+                elif key == "attention_mask" and value.dim() == 4:
+                    inputs[key] = value.repeat(1, 1, K, 1)
+            prefix, suffix_start = (0, T) if mode is None else (start, T if mode == "prefix" else end)
+            cache = _TreeCache(base, rows, prefix, suffix_start, T, K, L)
+            with _per_sequence(L):
+                raw = self.model(seqs.reshape(A, K * L), past_key_values=cache, cache_position=positions.repeat(K),
+                                 **inputs).logits
+            raw = raw.view(A * K, L, raw.shape[-1])
+        if self.spec.logit_shift:   # per draft, as `ModelSpec.logits` shifts one sequence
+            raw = torch.cat([raw[:, :1], raw[:, :-1]], dim=1)
+        return raw, start - fed, L
+
+
+# --- the decoding loop --------------------------------------------------------------------------
+
+def _verify(drafts: torch.Tensor, targets: torch.Tensor, counts: torch.Tensor, mask_id: int,
+            rule: str) -> torch.Tensor:
+    """Upstream's chain: from best = 0, repeatedly move to the largest j > best (j < counts[a])
+    whose draft agrees with target[best] (``"subset"``: every decoded position of the draft equals
+    the target there; ``"exact"``: equal) until nothing moves. `drafts`, `targets` `[A, K, L]`."""
+    A, K, _ = drafts.shape
+    best = torch.zeros(A, dtype=torch.long, device=drafts.device)
+    if K == 1:
+        return best
+    same = drafts[:, None, :, :] == targets[:, :, None, :]          # [A, i, j, L]
+    if rule == "subset":
+        same = same | (drafts[:, None, :, :] == mask_id)
+    agree = same.all(dim=-1)                                          # agree[a, i, j]
+    j = torch.arange(K, device=drafts.device)
+    agree &= (j[None, :, None] < j[None, None, :]) & (j[None, None, :] < counts[:, None, None])
+    for _ in range(K - 1):
+        row = agree.gather(1, best.view(A, 1, 1).expand(A, 1, K)).squeeze(1)
+        cand = torch.where(row, j.expand(A, K), -1).max(dim=1).values
+        best = torch.maximum(best, cand)
+    return best
+
+
+class _Decoder:
+    def __init__(self, spec: ModelSpec, config: FreeDave, block_length: int, conf_dtype: torch.dtype | None) -> None:
+        self.spec, self.config, self.block_length = spec, config, block_length
+        self.conf_dtype = conf_dtype   # None: the logits' dtype
+
+    def score(self, logits: torch.Tensor, local: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x0 and confidence of the block rows of `logits` `[N, L, V]` → `[N, block]` each (the
+        baselines' scoring: `score_rows`, greedy, never the mask token, rounded as they round)."""
+        N, L, _ = logits.shape
+        bl = self.block_length
+        rows = (torch.arange(N, device=logits.device)[:, None] * L + local
+                + torch.arange(bl, device=logits.device)).reshape(-1)
+        x0, conf = score_rows(logits, rows, exclude_id=self.spec.mask_id)
+        return x0.view(N, bl), conf.view(N, bl).to(self.conf_dtype or logits.dtype)
+
+    def rule(self, tokens: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
+        """The baseline's step on `tokens` `[N, block]` from its own predictions (a new tensor)."""
+        out = tokens.clone()
+        mask = out == self.spec.mask_id
+        if self.config.confidence_threshold is None:
+            unmask(out, mask, x0, conf, k=1)
+        else:
+            unmask(out, mask, x0, conf, threshold=self.config.confidence_threshold)
+        return out
+
+    def make_drafts(self, base: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor, K: int) -> torch.Tensor:
+        """`[N, K, block]`: draft k = `base` plus its k most confident masked predictions."""
+        mask = base == self.spec.mask_id
+        scores = torch.where(mask, conf.to(torch.float64), -torch.inf)
+        order = torch.sort(scores, dim=1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(
+            order).contiguous())
+        k = torch.arange(K, device=base.device)
+        take = mask[:, None, :] & (rank[:, None, :] < k[None, :, None])
+        return torch.where(take, x0[:, None, :], base[:, None, :])
+
+    def block(self, forwards: _Forwards, x: torch.Tensor, start: int, end: int,
+              stats: GenerationStats | None) -> None:
+        spec, mask_id, K_max = self.spec, self.spec.mask_id, self.config.draft_steps
+        B, T = x.shape
+        blk = x[:, start:end]   # a view: commits write into x
+        logits = forwards.refresh(x, start, end)
+        if stats is not None:
+            stats.forward(B, T, forwards.cache_nbytes)
+        # The block-start logits are the first predictions (upstream's "stale logits").
+        x0, conf = self.score(logits, start)
+        fresh = torch.ones(B, dtype=torch.bool, device=x.device)
+        if spec.logit_shift:
+            # Dream: the block's first position is committed from this forward; the predictions are
+            # then stale (made before it), so draft 0 is the state itself.
+            before = int((blk == mask_id).sum())
+            blk[:, 0] = x0[:, 0]
+            fresh[:] = False
+            if stats is not None:
+                stats.step(before - int((blk == mask_id).sum()))
+        del logits
+        while True:
+            masks = (blk == mask_id).sum(dim=1)
+            active = masks > 0
+            if not bool(active.any()):
+                return
+            before = int(masks.sum())
+            base = blk.clone()
+            if bool(fresh.any()):
+                f = fresh.nonzero().squeeze(1)
+                base[f] = self.rule(blk[f], x0[f], conf[f])
+            # A fresh row whose next state finishes the block needs no forward (upstream: the last step).
+            free = active & fresh & ~(base == mask_id).any(dim=1)
+            blk[free] = base[free]
+            run = active & ~free
+            if bool(run.any()):
+                rows = run.nonzero().squeeze(1)
+                counts = masks[rows].clamp(max=K_max)
+                K = int(counts.max())
+                drafts = self.make_drafts(base[rows], x0[rows], conf[rows], K)
+                logits, local, L = forwards.drafts(x, None if len(rows) == B else rows, drafts, start, end)
+                if stats is not None:
+                    stats.forward(len(rows) * K, L, forwards.cache_nbytes)
+                dx0, dconf = self.score(logits, local)
+                del logits
+                flat = drafts.reshape(-1, self.block_length)
+                targets = self.rule(flat, dx0, dconf).view_as(drafts)
+                best = _verify(drafts, targets, counts, mask_id, self.config.match_rule)
+                pick = torch.arange(len(rows), device=x.device) * K + best
+                blk[rows] = flat.index_select(0, pick)
+                x0[rows] = dx0.index_select(0, pick)
+                conf[rows] = dconf.index_select(0, pick)
+                fresh[rows] = True
+            if stats is not None:
+                stats.step(before - int((blk == mask_id).sum()))
+
+
+@torch.no_grad()
+def freedave_generate(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    config: FreeDave | None = None,
+    steps: int | None = None,
+    gen_length: int = 128,
+    block_length: int = 128,
+    use_cache: str | None = None,
+    mask_id: int | None = None,
+    stats: GenerationStats | None = None,
+) -> torch.LongTensor:
+    """FreeDave decoding (greedy): the tokens of one-token-per-step decoding with fewer forwards.
+
+    Args:
+        model: a LLaDA-format or Dream model (see the module docstring for the baseline each equals).
+        prompt: `[B, P]` token ids, left-padded when rows differ in length; attention_mask `[B, P]`.
+        config: a `FreeDave` (default `FreeDave()`: 4 drafts, tree attention, no threshold).
+        steps: None, or `gen_length` (one token per step; FreeDave has no other schedule).
+        gen_length, block_length: `gen_length % block_length == 0`.
+        use_cache: None, "prefix" or "dual" (Fast-dLLM v1's caches, refreshed at every block start).
+        mask_id: override the model's mask token. stats: a `GenerationStats` to fill (`nfe`:
+            block-start forwards plus verification forwards; `tokens_per_step`: per round).
+
+    Returns:
+        LongTensor `[B, P + gen_length]`, as `remask.generate`.
+    """
+    if config is None:
+        config = FreeDave()
+    check_instance("config", config, FreeDave, "a remask FreeDave config", allow_none=False)
+    check_int("mask_id", mask_id, minimum=0, allow_none=True)
+    spec = get_spec(model, mask_id=mask_id)
+    check_model_kind(spec, diffusion=True, entry="freedave_generate")
+    check_mask_id(spec)
+    if spec.noise != "mask":
+        raise ValueError("freedave_generate decodes mask-diffusion models (LLaDA, Dream)")
+    check_int("gen_length", gen_length, minimum=1)
+    check_int("block_length", block_length, minimum=1)
+    check_int("steps", steps, minimum=1, allow_none=True)
+    if steps is not None and steps != gen_length:
+        raise ValueError(f"steps must be None or gen_length ({gen_length}): FreeDave decodes one token per step, "
+                         f"got {steps}")
+    validate_block_args(gen_length, block_length, gen_length)
+    mode = cache_mode(use_cache)
+    if mode not in FREEDAVE_CACHES:
+        raise ValueError(f"use_cache must be one of {list(FREEDAVE_CACHES)} for freedave_generate, got {use_cache!r}")
+    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
+    check_length(spec, prompt.shape[1] + gen_length, "prompt length + gen_length")
+    check_stats("stats", stats)
+    warn_if_padded_without_mask(prompt, attention_mask, spec.pad_id)
+    warn_if_longer_than_trained(spec, gen_length)
+    if stats is not None:
+        stats.start()
+    B, P = prompt.shape
+    T = P + gen_length
+    x = torch.full((B, T), spec.mask_id, dtype=torch.long, device=prompt.device)
+    x[:, :P] = prompt
+    forwards = _Forwards(model, spec, mode, spec.forward_inputs(attention_mask, T), attention_mask, T,
+                         config.draft_mode)
+    # The baselines' confidence dtypes: LLaDA's loop keeps float64 under a threshold (Fast-dLLM's
+    # precision) and the logits' dtype otherwise; Dream's block decoder the logits' dtype.
+    conf_dtype = torch.float64 if (config.confidence_threshold is not None and not spec.logit_shift) else None
+    decoder = _Decoder(spec, config, block_length, conf_dtype)
+    for block in range(gen_length // block_length):
+        start = P + block * block_length
+        decoder.block(forwards, x, start, start + block_length, stats)
+    if stats is not None:
+        stats.stop(B * gen_length)
+    return x
+
+
+@dataclass(eq=False)
+class FreeDaveState:
+    """One engine request under FreeDave: the prompt `[1, P]`, then its output `x` once decoded."""
+
+    prompt: torch.Tensor
+    x: torch.Tensor
+    prompt_length: int
+    done: bool = False
+
+
+class FreeDaveDecoder:
+    """FreeDave for the engine (`SamplingParams(decoder=remask.FreeDave(...))`): a request's whole
+    generation is one engine step — `freedave_generate` on its prompt alone, so its tokens are
+    that call's (and the baseline's). Its drafts are verified in forwards of its own; requests are
+    not interleaved block by block (each runs its blocks in the step it gets)."""
+
+    def __init__(self, config: FreeDave, *, gen_length: int, block_length: int, use_cache: str | None,
+                 mask_id: int | None) -> None:
+        check_instance("decoder", config, FreeDave, "a remask FreeDave config", allow_none=False)
+        self.config, self.gen_length, self.block_length = config, gen_length, block_length
+        self.use_cache, self.mask_id = use_cache, mask_id
+
+    def start(self, model: torch.nn.Module, input_ids: torch.Tensor) -> FreeDaveState:
+        return FreeDaveState(prompt=input_ids, x=input_ids, prompt_length=input_ids.shape[1])
+
+    def shared_forward_key(self, state: FreeDaveState) -> None:
+        return None
+
+    def num_final(self, state: FreeDaveState) -> int:
+        return state.x.shape[1] - state.prompt_length if state.done else 0
+
+    def step(self, model: torch.nn.Module, state: FreeDaveState, generator: torch.Generator | None = None,
+             stats: GenerationStats | None = None) -> None:
+        counted = GenerationStats()
+        state.x = freedave_generate(model, state.prompt, config=self.config, gen_length=self.gen_length,
+                                    block_length=self.block_length, use_cache=self.use_cache, mask_id=self.mask_id,
+                                    stats=counted)
+        if stats is not None:   # its forwards and commits (the engine times the request itself)
+            stats.nfe += counted.nfe
+            stats.forward_positions += counted.forward_positions
+            stats.tokens_per_step.extend(counted.tokens_per_step)
+        state.done = True
