@@ -463,9 +463,11 @@ def generate(
         reference_ties: with the fixed schedule, commit through `torch.topk` as the references do,
             so their order among exactly equal confidences (common at p = 1.0 in float32) is kept;
             by default the lower index wins (one kernel launch, the same tokens without exact ties).
-        decoder: a decoder config that replaces the block rule: `remask.FreeDave(draft_steps=4, ...)`
-            (lossless: the tokens of `steps=gen_length` greedy decoding with the same `use_cache`, in
-            fewer forwards; `remask.diffusion.freedave`).
+        decoder: a decoder config that replaces the block rule (docs/decoders.md):
+            `remask.FreeDave(draft_steps=4, ...)` (lossless: the tokens of `steps=gen_length` greedy
+            decoding with the same `use_cache`, in fewer forwards), or dInfer's
+            `remask.ThresholdDecoding`, `remask.CreditDecoding`, `remask.HierarchicalDecoding` (with
+            `use_cache` None, "prefix", "dual" or `remask.VicinityCache(...)`).
 
     Returns:
         LongTensor `[B, P + gen_length]` with the prompt unchanged and no mask token left.
@@ -478,23 +480,18 @@ def generate(
     check_optional_token_id(spec, eot_id, "eot_id")
     check_instance("apd", apd, APDConfig, "a remask.APDConfig")
     check_stats("verifier_stats", verifier_stats)
-    if decoder is not None:
-        from .freedave import FreeDave, freedave_generate
+    if decoder is not None or (use_cache is not None and not isinstance(use_cache, (str, PagedKVCache))):
+        from .decoders import run_decoder
 
-        check_instance("decoder", decoder, FreeDave, "a remask decoder config (remask.FreeDave)")
-        unread = [name for name, value, default in (
-            ("temperature", temperature, 0.0), ("cfg_scale", cfg_scale, 0.0), ("remasking", remasking, "low_confidence"),
-            ("logits_eos_inf", logits_eos_inf, False), ("confidence_eos_eot_inf", confidence_eos_eot_inf, False),
-            ("threshold", threshold, None), ("factor", factor, None), ("early_stop", early_stop, False),
-            ("reference_rng", reference_rng, False), ("eos_id", eos_id, None), ("eot_id", eot_id, None),
-            ("generator", generator, None), ("on_step", on_step, None), ("apd", apd, None),
-            ("verifier_stats", verifier_stats, None), ("sparse", sparse, None), ("reference_ties", reference_ties, False))
-            if value is not default and value != default]
-        if unread:
-            raise ValueError(f"decoder=FreeDave decodes greedily, one verified token chain per forward; it does not "
-                             f"read {unread} (its threshold variant is FreeDave(confidence_threshold=...))")
-        return freedave_generate(model, prompt, attention_mask, config=decoder, steps=steps, gen_length=gen_length,
-                                 block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats)
+        settings = {"steps": (steps, None), "temperature": (temperature, 0.0), "cfg_scale": (cfg_scale, 0.0),
+                    "remasking": (remasking, "low_confidence"), "logits_eos_inf": (logits_eos_inf, False),
+                    "confidence_eos_eot_inf": (confidence_eos_eot_inf, False), "threshold": (threshold, None),
+                    "factor": (factor, None), "early_stop": (early_stop, False), "reference_rng": (reference_rng, False),
+                    "eos_id": (eos_id, None), "eot_id": (eot_id, None), "generator": (generator, None),
+                    "on_step": (on_step, None), "apd": (apd, None), "verifier_stats": (verifier_stats, None),
+                    "sparse": (sparse, None), "reference_ties": (reference_ties, False)}
+        return run_decoder(model, prompt, attention_mask, decoder, gen_length=gen_length, block_length=block_length,
+                           use_cache=use_cache, mask_id=mask_id, stats=stats, settings=settings)
     if apd is not None:
         clashes = [name for name, value in (("threshold", threshold), ("factor", factor), ("use_cache", use_cache),
                                             ("cfg_scale", cfg_scale or None), ("on_step", on_step),

@@ -12,7 +12,10 @@ from remask.diffusion import (
     APDConfig, CanvasSampler, DreamGenerationConfig, DreamModelOutput, GenerationStats, SparseConfig, ar_generate, diffusion_generate,
     generate)
 from remask.engine import LLM, LLMEngine, RequestOutput, SamplingParams
+from remask.diffusion.dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding, VicinityCache
+from remask.diffusion.dkv import DKVCache
 from remask.diffusion.freedave import FreeDave
+from remask.diffusion.wino import WINO
 from remask.models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM, ModelSpec, get_spec
 from remask.patching import patch
 from remask.text import answer_text, stop_token_ids
@@ -21,7 +24,8 @@ from remask.zoo import load
 __version__ = "0.1.0"
 
 __all__ = [
-    "APDConfig", "CanvasSampler", "DreamConfig", "FreeDave", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
+    "APDConfig", "CanvasSampler", "CreditDecoding", "DKVCache", "DreamConfig", "FreeDave", "HierarchicalDecoding", "ThresholdDecoding",
+    "VicinityCache", "WINO", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
     "LLM", "LLMEngine", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "RequestOutput", "SamplingParams", "SparseConfig", "answer_text", "ar_generate",
     "diffusion_generate", "generate", "get_spec", "load", "patch", "stop_token_ids",
 ]

@@ -185,13 +185,13 @@ class LLMEngine:
                                  f"{set_here + (['cfg_scale'] if params.cfg_scale else [])}")
             decoder = ARDecoder(self.model, **params.ar_kwargs(self._eos_ids()))
             decoder.check_input(prompt_ids, None)
-        elif params.decoder is not None:
-            from remask.diffusion.freedave import FreeDaveDecoder
+        elif params.decoder is not None or (params.use_cache is not None and not isinstance(params.use_cache, str)):
+            from remask.diffusion.decoders import RunToEndDecoder
 
             check_prompt(self.model, prompt_ids, None, spec=self.spec, mask_in_prompt="refuse")
-            decoder = FreeDaveDecoder(params.decoder, gen_length=params.max_tokens,
+            decoder = RunToEndDecoder(params.decoder, gen_length=params.max_tokens,
                                       block_length=params.block_length or params.max_tokens, use_cache=params.use_cache,
-                                      mask_id=self.spec.mask_id)
+                                      mask_id=self.spec.mask_id, steps=params.steps, remasking=params.remasking)
         elif params.apd is not None:
             decoder = self._apd_decoder(params, prompt_ids)
         elif params.alg is not None:

@@ -24,8 +24,8 @@ from remask.diffusion.sparse import SparseConfig
 # Settings only LLaDA's block rule reads, with their defaults (refused with Dream's `alg`).
 LLADA_RULE_DEFAULTS = dict(remasking="low_confidence", factor=None, cfg_scale=0.0, early_stop=False, logits_eos_inf=False,
                            confidence_eos_eot_inf=False, reference_rng=False, sparse=None)
-# Settings FreeDave does not read (greedy, one token per step, its own verification): refused with `decoder`.
-FREEDAVE_UNREAD = ("threshold", "factor", "sparse", "alg", "alg_temp", "early_stop", "reference_rng", "reference_ties",
+# Settings the decoder configs (FreeDave, dInfer's) do not read: refused with `decoder`.
+DECODER_UNREAD = ("threshold", "factor", "sparse", "alg", "alg_temp", "early_stop", "reference_rng", "reference_ties",
                    "cfg_scale", "remasking", "top_p", "top_k", "apd", "logits_eos_inf", "confidence_eos_eot_inf")
 # Settings APD does not read (it decodes left to right with its verifier): refused with `apd`.
 APD_UNREAD = ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "alg", "alg_temp", "early_stop",
@@ -70,9 +70,10 @@ class SamplingParams:
     `max_post_steps`, `num_to_transfer`). Fast-dLLM v2: `temperature`, `top_p`, `threshold` and
     `fast_dllm_v2` (its `batch_sample`'s settings). docs/block-diffusion.md maps each.
 
-    `decoder=remask.FreeDave(...)` (LLaDA and Dream): lossless FreeDave decoding — the tokens of
-    greedy one-token-per-step decoding with `block_length` / `use_cache`, in fewer forwards; each
-    request runs whole in one engine step.
+    `decoder=` (docs/decoders.md): `remask.FreeDave(...)` (lossless: the tokens of greedy
+    one-token-per-step decoding with `block_length` / `use_cache`, in fewer forwards), dInfer's
+    `remask.ThresholdDecoding` / `CreditDecoding` / `HierarchicalDecoding`, and `use_cache=
+    remask.VicinityCache(...)`; each such request runs whole in one engine step.
     """
 
     max_tokens: int = 16
@@ -89,7 +90,7 @@ class SamplingParams:
     threshold: float | None = None
     factor: float | None = None
     cfg_scale: float = 0.0
-    use_cache: str | None = None
+    use_cache: Any = None
     early_stop: bool = False
     logits_eos_inf: bool = False
     confidence_eos_eot_inf: bool | str = False
@@ -128,8 +129,12 @@ class SamplingParams:
         check_choice("remasking", self.remasking, REMASKING)
         validate_rule(self.threshold, self.factor)
         check_real("cfg_scale", self.cfg_scale, low=0)
-        if not (self.use_cache is None or isinstance(self.use_cache, str)) or self.use_cache not in CACHE_MODES:
-            raise ValueError(f"use_cache must be one of {list(CACHE_MODES)}, got {self.use_cache!r}")
+        from remask.diffusion.decoders import is_cache_config
+
+        if not is_cache_config(self.use_cache) and (
+                not (self.use_cache is None or isinstance(self.use_cache, str)) or self.use_cache not in CACHE_MODES):
+            raise ValueError(f"use_cache must be one of {list(CACHE_MODES)} or a remask cache config "
+                             f"(remask.VicinityCache, remask.DKVCache), got {self.use_cache!r}")
         if self.use_cache is not None and self.cfg_scale > 0:
             raise ValueError("cfg_scale > 0 cannot be combined with use_cache")
         for name in ("early_stop", "logits_eos_inf", "reference_rng", "reference_ties"):
@@ -165,18 +170,26 @@ class SamplingParams:
             from remask.diffusion.fast_dllm_v2 import check_fast_dllm_v2_settings
 
             object.__setattr__(self, "fast_dllm_v2", check_fast_dllm_v2_settings(self.fast_dllm_v2))
-        if self.decoder is not None:
-            from remask.diffusion.freedave import FreeDave
+        if self.decoder is not None or (self.use_cache is not None and not isinstance(self.use_cache, str)):
+            from remask.diffusion.decoders import check_decoder, is_cache_config
 
-            check_instance("decoder", self.decoder, FreeDave, "a remask decoder config (remask.FreeDave)")
-            unread = [name for name in FREEDAVE_UNREAD if getattr(self, name) != getattr(SamplingParams, name)]
+            if self.decoder is not None:
+                check_decoder(self.decoder)
+            if self.use_cache is not None and not isinstance(self.use_cache, str) and not is_cache_config(self.use_cache):
+                raise ValueError(f"use_cache must be None, a cache name or a remask cache config "
+                                 f"(remask.VicinityCache), got {type(self.use_cache).__name__}")
+            from remask.diffusion.dkv import DKVCache
+
+            dkv = isinstance(self.use_cache, DKVCache)   # LLaDA's own schedule, cached: it reads steps and remasking
+            unread = [name for name in DECODER_UNREAD if getattr(self, name) != getattr(SamplingParams, name)
+                      and not (dkv and name == "remasking")]
             if self.temperature > 0:
                 unread.append("temperature")
-            if self.steps not in (None, self.max_tokens):
+            if self.steps not in (None, self.max_tokens) and not dkv:
                 unread.append("steps")
             if unread:
-                raise ValueError(f"decoder=FreeDave decodes greedily, one verified token chain per forward; it does "
-                                 f"not read {unread}")
+                method = type(self.decoder if self.decoder is not None else self.use_cache).__name__
+                raise ValueError(f"{method} runs its own rule (greedy) and does not read {unread}")
         check_instance("apd", self.apd, APDConfig, "a remask.APDConfig")
         if self.apd is not None:
             check_apd_alone([name for name in APD_UNREAD if getattr(self, name) != getattr(SamplingParams, name)])

@@ -1,0 +1,144 @@
+"""One interface for the decoders that replace the block rule: `decoder=` in `remask.generate`,
+`remask.diffusion_generate` and `remask.SamplingParams`, and cache configs in `use_cache=`.
+
+* `remask.FreeDave` — lossless draft-and-verify (`diffusion/freedave.py`);
+* `remask.ThresholdDecoding`, `remask.CreditDecoding`, `remask.HierarchicalDecoding` and the cache
+  `remask.VicinityCache` — inclusionAI/dInfer's rules and its vicinity-refresh cache (`diffusion/dinfer.py`);
+* `remask.WINO` — revocable wide-in, narrow-out decoding (`diffusion/wino.py`);
+* the cache `remask.DKVCache` — dKV-Cache-Decode's delayed cache under LLaDA's own schedule (`diffusion/dkv.py`).
+
+`run_decoder` maps a call's arguments onto the method's own function and refuses, by name, the
+settings the method does not read; `RunToEndDecoder` serves a request with it in the engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .stats import GenerationStats
+
+
+def decoder_types() -> tuple[type, ...]:
+    from .dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding
+    from .freedave import FreeDave
+    from .wino import WINO
+
+    return FreeDave, ThresholdDecoding, CreditDecoding, HierarchicalDecoding, WINO
+
+
+def cache_types() -> tuple[type, ...]:
+    from .dinfer import VicinityCache
+    from .dkv import DKVCache
+
+    return VicinityCache, DKVCache
+
+
+def is_cache_config(value: Any) -> bool:
+    return isinstance(value, cache_types())
+
+
+def check_decoder(decoder: Any) -> None:
+    if not isinstance(decoder, decoder_types()):
+        names = ", ".join(f"remask.{t.__name__}" for t in decoder_types())
+        raise ValueError(f"decoder must be one of {names}, got {type(decoder).__name__}")
+
+
+# What each method reads of an entry point's settings besides the lengths, the cache and `stats`.
+READS = {"FreeDave": ("steps",), "ThresholdDecoding": (), "CreditDecoding": (), "HierarchicalDecoding": (),
+         "WINO": (), "DKVCache": ("steps", "remasking", "generator")}
+
+
+def run_decoder(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None, decoder: Any, *,
+                gen_length: int, block_length: int, use_cache: Any, mask_id: int | None,
+                stats: GenerationStats | None, settings: dict[str, tuple[Any, Any]] | None = None) -> torch.LongTensor:
+    """Decode with `decoder` and / or a cache config. `settings`: the calling entry point's other
+    settings as ``name: (value, default)``; every one set away from its default that the method does
+    not read is refused by name. A cache config without a decoder: `VicinityCache` runs dInfer's
+    threshold rule (0.9), `DKVCache` LLaDA's own schedule (`steps`, `remasking`)."""
+    from .dinfer import ThresholdDecoding, VicinityCache, dinfer_generate
+    from .dkv import DKVCache, dkv_generate
+    from .freedave import FreeDave, freedave_generate
+    from .wino import WINO, wino_generate
+
+    if decoder is not None:
+        check_decoder(decoder)
+    if use_cache is not None and not isinstance(use_cache, str) and not is_cache_config(use_cache):
+        raise ValueError(f"use_cache must be None, a cache name or a remask cache config, got {type(use_cache).__name__}")
+    if isinstance(use_cache, DKVCache) and decoder is not None:
+        raise ValueError("use_cache=DKVCache caches LLaDA's own schedule: it does not combine with decoder=")
+    if decoder is None and isinstance(use_cache, VicinityCache):
+        decoder = ThresholdDecoding()
+    method = type(use_cache).__name__ if isinstance(use_cache, DKVCache) else type(decoder).__name__
+    settings = dict(settings or {})
+    steps = settings.get("steps", (None, None))[0]
+    unread = [name for name, (value, default) in settings.items()
+              if name != "steps" and name not in READS[method] and value is not default and value != default]
+    if method != "DKVCache" and steps is not None and steps != gen_length:
+        unread.append("steps")
+    if unread:
+        raise ValueError(f"{method} runs its own rule (greedy) and does not read {sorted(set(unread))}")
+    if isinstance(use_cache, DKVCache):
+        return dkv_generate(model, prompt, config=use_cache, steps=gen_length if steps is None else steps,
+                            gen_length=gen_length, block_length=block_length,
+                            remasking=settings.get("remasking", ("low_confidence", None))[0],
+                            attention_mask=attention_mask, generator=settings.get("generator", (None, None))[0],
+                            mask_id=mask_id, stats=stats)
+    if isinstance(decoder, FreeDave):
+        if is_cache_config(use_cache):
+            raise ValueError("use_cache: FreeDave takes None, 'prefix' or 'dual'")
+        return freedave_generate(model, prompt, attention_mask, config=decoder, steps=steps, gen_length=gen_length,
+                                 block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats)
+    if isinstance(decoder, WINO):
+        if use_cache is not None:
+            raise ValueError("use_cache: WINO forwards the whole sequence with its shadow block (no cache)")
+        return wino_generate(model, prompt, config=decoder, gen_length=gen_length, block_length=block_length,
+                             attention_mask=attention_mask, mask_id=mask_id, stats=stats)[0]
+    return dinfer_generate(model, prompt, decoder=decoder, gen_length=gen_length, block_length=block_length,
+                           use_cache=use_cache, attention_mask=attention_mask, mask_id=mask_id, stats=stats)
+
+
+@dataclass(eq=False)
+class RunToEndState:
+    """One engine request under a run-to-end decoder: its prompt, then its output `x` once decoded."""
+
+    prompt: torch.Tensor
+    x: torch.Tensor
+    prompt_length: int
+    done: bool = False
+
+
+class RunToEndDecoder:
+    """A request decoded by `run_decoder` in one engine step, on its prompt alone, so its tokens
+    are that call's. Its forwards are its own; it is not interleaved with others block by block."""
+
+    def __init__(self, decoder: Any, *, gen_length: int, block_length: int, use_cache: Any, mask_id: int | None,
+                 steps: int | None = None, remasking: str = "low_confidence") -> None:
+        self.steps, self.remasking = steps, remasking
+        self.decoder, self.gen_length, self.block_length = decoder, gen_length, block_length
+        self.use_cache, self.mask_id = use_cache, mask_id
+
+    def start(self, model: torch.nn.Module, input_ids: torch.Tensor) -> RunToEndState:
+        return RunToEndState(prompt=input_ids, x=input_ids, prompt_length=input_ids.shape[1])
+
+    def shared_forward_key(self, state: RunToEndState) -> None:
+        return None
+
+    def num_final(self, state: RunToEndState) -> int:
+        return state.x.shape[1] - state.prompt_length if state.done else 0
+
+    def step(self, model: torch.nn.Module, state: RunToEndState, generator: torch.Generator | None = None,
+             stats: GenerationStats | None = None) -> None:
+        counted = GenerationStats()
+        state.x = run_decoder(model, state.prompt, None, self.decoder, gen_length=self.gen_length,
+                              block_length=self.block_length, use_cache=self.use_cache, mask_id=self.mask_id,
+                              # checked by SamplingParams already: passed as values, never refused here
+                              stats=counted, settings={"steps": (self.steps, None),
+                                                       "remasking": (self.remasking, self.remasking),
+                                                       "generator": (generator, generator)})
+        if stats is not None:   # its forwards and commits (the engine times the request itself)
+            stats.nfe += counted.nfe
+            stats.forward_positions += counted.forward_positions
+            stats.tokens_per_step.extend(counted.tokens_per_step)
+        state.done = True

@@ -1,0 +1,434 @@
+"""dInfer's parallel decoders and caches for LLaDA-style models (inclusionAI/dInfer, arXiv 2510.08666).
+
+`dinfer_generate` reproduces dInfer's `BlockWiseDiffusionLLM` / `VicinityCacheDiffusionLLM` loop at
+temperature 0, token for token (reference fixtures: tests/fixtures/dinfer_reference.json):
+
+* blocks start at ``floor(P / block_length) * block_length`` (dInfer's ``start_block_align=True``):
+  the first block may overlap the prompt tail (its prompt tokens are never touched) and the last
+  block may be shorter; ``P + gen_length`` positions in all, no multiple-of-block requirement;
+* a block is iterated while any row has a mask in it, in groups of
+  ``max(min(masks // expected_tpf, maximum_unroll), 1)`` iterations (dInfer's loop unrolling: the
+  extra iterations of a finished block cost forwards and change nothing);
+* ``use_cache="prefix"`` / ``"dual"``: the first iteration of a block is a full forward that
+  decodes and builds the cache, then, in the same iteration, a cached forward (prefix: the block
+  and everything after it; dual: the block alone) that decodes again; later iterations are cached
+  forwards only;
+* ``use_cache=VicinityCache(...)``: the first ``warmup_steps`` iterations (counted over the whole
+  sequence) are full forwards without a cache; the cache is built by a full forward (which also
+  decodes) when there is none and again on entering every block but the first; every iteration
+  then recomputes the window ``[start - prefix_look, end + after_look)`` against it;
+* ``early_stop``: after a block, rows holding EOS anywhere in it have every later position set to
+  EOS; decoding ends when every row has.
+
+Decoding rules (`ThresholdDecoding`, `CreditDecoding`, `HierarchicalDecoding`) are described on
+their classes. Departures from upstream, each only where upstream breaks its own output, are listed
+in `dinfer_generate`'s docstring.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from remask.caches import KVCache
+from remask.models.spec import get_spec
+
+from .cache import BlockForward
+from .checks import (check_bool, check_instance, check_int, check_model_kind, check_prompt, check_real,
+                     check_stats, check_mask_id)
+from .stats import GenerationStats
+
+__all__ = ["ThresholdDecoding", "CreditDecoding", "HierarchicalDecoding", "VicinityCache", "dinfer_generate"]
+
+
+def _check_unit(name: str, value: Any, *, allow_none: bool = False, low_open: bool = True) -> None:
+    check_real(name, value, low=0, high=1, low_open=low_open, allow_none=allow_none)
+
+
+@dataclass(frozen=True)
+class ThresholdDecoding:
+    """dInfer's `ThresholdParallelDecoder` at temperature 0.
+
+    Per row: x0 = argmax of the logits, confidence = its float32 softmax probability; positions whose
+    x0 is the mask token are not candidates; every masked candidate with confidence ≥
+    ``min(threshold, max_confidence − 1e-5)`` is committed, i.e. all above `threshold`, or else the
+    most confident one together with any within 1e-5 of it.
+
+    Not the same rule as remask's ``generate(threshold=)`` (Fast-dLLM's): that one commits exactly
+    the single top position when none reaches the threshold, never excludes mask-token
+    predictions, and compares float64 confidences.
+    """
+
+    threshold: float = 0.9
+
+    def __post_init__(self) -> None:
+        _check_unit("threshold", self.threshold)
+
+
+@dataclass(frozen=True)
+class CreditDecoding:
+    """dInfer's `CreditThresholdParallelDecoder`: the threshold rule on credit-fused logits.
+
+    Each block keeps a float32 credit matrix C `[B, L, V]` (zeros on entering it). At every decode
+    of the block: C ← decay_beta · C (except the first), then C[b, l, top1] += p_top1 ** boost_gamma
+    on the masked positions (top1 and p_top1 from the softmax of the raw logits), and the threshold
+    rule runs on ``logits + credit_alpha · log(1 + C)``.
+    """
+
+    threshold: float = 0.9
+    credit_alpha: float = 0.7
+    boost_gamma: float = 0.2
+    decay_beta: float = 0.8
+
+    def __post_init__(self) -> None:
+        _check_unit("threshold", self.threshold)
+        check_real("credit_alpha", self.credit_alpha, low=0)
+        check_real("boost_gamma", self.boost_gamma, low=0)
+        _check_unit("decay_beta", self.decay_beta, low_open=False)
+
+
+@dataclass(frozen=True)
+class HierarchicalDecoding:
+    """dInfer's `HierarchyDecoder` at temperature 0.
+
+    Confidence = softmax probability of the argmax on masked positions. The block's masked
+    positions are split into maximal contiguous runs; in every run the most confident position(s)
+    (all that tie the run's maximum) are committed if their confidence is > `low_threshold`; every
+    position with confidence > `threshold` is committed too, and so is the single most confident
+    masked position (the first among equals), so each step commits at least one. `threshold` or
+    `low_threshold` None switches that part off (as upstream). Upstream supports one row only;
+    here each row is decoded on its own.
+    """
+
+    threshold: float | None = 0.9
+    low_threshold: float | None = 0.4
+
+    def __post_init__(self) -> None:
+        _check_unit("threshold", self.threshold, allow_none=True, low_open=False)
+        _check_unit("low_threshold", self.low_threshold, allow_none=True, low_open=False)
+
+
+@dataclass(frozen=True)
+class VicinityCache:
+    """dInfer's vicinity cache refresh (`VicinityCacheDiffusionLLM`, dual cache): every iteration
+    recomputes the K/V of the window ``[block_start − prefix_look, block_end + after_look)`` and
+    attends over the cached rest; the whole cache is rebuilt on entering a block. The first
+    `warmup_steps` iterations of a sequence run without a cache."""
+
+    prefix_look: int = 16
+    after_look: int = 16
+    warmup_steps: int = 4
+
+    def __post_init__(self) -> None:
+        check_int("prefix_look", self.prefix_look, minimum=0)
+        check_int("after_look", self.after_look, minimum=0)
+        check_int("warmup_steps", self.warmup_steps, minimum=0)
+
+
+_DECODERS = (ThresholdDecoding, CreditDecoding, HierarchicalDecoding)
+
+
+# ----------------------------------------------------------------------------------------------
+# decoding rules (in place on x[:, start:end]); each returns the [B] bool "made progress" flags
+
+
+def _threshold_commit(x_block: torch.Tensor, logits: torch.Tensor, threshold: float, mask_id: int) -> None:
+    x0 = logits.argmax(dim=-1)
+    p = F.softmax(logits.to(torch.float32), dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1)
+    masked = x_block == mask_id
+    candidates = masked & (x0 != mask_id)
+    conf = torch.where(candidates, p, -math.inf)
+    bar = (conf.max(dim=1).values - 1e-5).clamp(-1000, threshold).unsqueeze(-1)
+    commit = (conf >= bar) & candidates
+    x_block.copy_(torch.where(commit, x0, x_block))
+
+
+def _hierarchy_commit(x_block: torch.Tensor, logits: torch.Tensor, rule: HierarchicalDecoding,
+                      mask_id: int) -> None:
+    B, L = x_block.shape
+    masked = x_block == mask_id
+    x0 = logits.argmax(dim=-1)
+    p = F.log_softmax(logits, dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1).exp()
+    floor = torch.finfo(p.dtype).min
+    conf = torch.where(masked, p, torch.full_like(p, floor))
+    prev = torch.cat([masked.new_zeros((B, 1)), masked[:, :-1]], dim=1)
+    run = torch.where(masked, torch.cumsum((masked & ~prev).long(), dim=1) - 1, 0)
+    run_max = torch.full_like(conf, floor).scatter_reduce(1, run, conf, reduce="amax", include_self=True)
+    commit = conf == run_max.gather(1, run)
+    if rule.low_threshold is not None:
+        commit &= conf > rule.low_threshold
+    if rule.threshold is not None:
+        commit |= conf > rule.threshold
+    commit |= F.one_hot(conf.argmax(dim=1), num_classes=L).bool()
+    commit &= masked
+    # a committed mask-token prediction leaves the position masked, as upstream
+    x_block.copy_(torch.where(commit, x0, x_block))
+
+
+class _Credit:
+    """Per-block credit state of `CreditDecoding` (reset on entering a block)."""
+
+    def __init__(self, rule: CreditDecoding) -> None:
+        self.rule, self.matrix, self.calls = rule, None, 0
+
+    def reset(self) -> None:
+        self.matrix, self.calls = None, 0
+
+    def fuse(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        r = self.rule
+        if self.matrix is None or self.matrix.shape != logits.shape:
+            self.matrix, self.calls = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device), 0
+        if self.calls > 0:
+            self.matrix.mul_(r.decay_beta)
+        top_p, top_i = F.softmax(logits.to(torch.float32), dim=-1).max(dim=-1)
+        boost = top_p.pow(r.boost_gamma) * masked.to(torch.float32)
+        self.matrix.scatter_add_(2, top_i.unsqueeze(-1), boost.unsqueeze(-1))
+        self.calls += 1
+        return logits + r.credit_alpha * torch.log(self.matrix + 1)
+
+
+def _fallback(x_block: torch.Tensor, before: torch.Tensor, logits: torch.Tensor, mask_id: int) -> int:
+    """Rows whose step committed nothing real while masks remain (every candidate predicted the
+    mask token: upstream repeats the same step forever) commit their most confident masked
+    position with its best non-mask token. Returns the number of such commits."""
+    masked = x_block == mask_id
+    stuck = masked.any(dim=1) & (masked == before).all(dim=1)
+    if not bool(stuck.any()):
+        return 0
+    rows = stuck.nonzero().squeeze(1)
+    lg = logits[rows].to(torch.float32).clone()
+    lg[..., mask_id] = -math.inf
+    p, tok = F.softmax(lg, dim=-1).max(dim=-1)
+    p = torch.where(masked[rows], p, -math.inf)
+    pos = p.argmax(dim=1)
+    x_block[rows, pos] = tok[torch.arange(len(rows)), pos]
+    return len(rows)
+
+
+class _Decoder:
+    def __init__(self, rule: Any, mask_id: int) -> None:
+        self.rule, self.mask_id = rule, mask_id
+        self.credit = _Credit(rule) if isinstance(rule, CreditDecoding) else None
+
+    def block_start(self) -> None:
+        if self.credit is not None:
+            self.credit.reset()
+
+    def decode(self, x: torch.Tensor, logits: torch.Tensor, start: int, end: int) -> int:
+        """Commit in x[:, start:end] from the block's logits `[B, end-start, V]`; committed count."""
+        block = x[:, start:end]
+        before = block == self.mask_id
+        logits = logits.to(torch.float32) if logits.dtype != torch.float32 else logits
+        if isinstance(self.rule, HierarchicalDecoding):
+            _hierarchy_commit(block, logits, self.rule, self.mask_id)
+        else:
+            used = self.credit.fuse(logits, before) if self.credit is not None else logits
+            _threshold_commit(block, used, self.rule.threshold, self.mask_id)
+        _fallback(block, before, logits, self.mask_id)
+        return int((before & (block != self.mask_id)).sum())
+
+
+# ----------------------------------------------------------------------------------------------
+# the block loop
+
+
+@dataclass
+class _Run:
+    model: torch.nn.Module
+    spec: Any
+    decoder: _Decoder
+    forward_inputs: dict[str, Any]
+    valid: torch.Tensor | None
+    stats: GenerationStats | None
+    maximum_unroll: int
+    expected_tpf: int
+    iter_no: int = 0
+    cache: KVCache | None = None
+    cache_block: tuple[int, int] | None = None
+    block_forward: BlockForward | None = None
+    refreshed: set = field(default_factory=set)
+
+    def logits(self, x: torch.Tensor, lo: int, hi: int, cache: KVCache | None) -> torch.Tensor:
+        if cache is None:
+            out = self.spec.logits(self.model, x, **self.forward_inputs)
+        else:
+            inputs = self.forward_inputs if lo == 0 and hi == x.shape[1] else \
+                self.spec.inputs_for_positions(self.forward_inputs, lo, hi)
+            out = self.spec.logits(self.model, x[:, lo:hi], past_key_values=cache,
+                                   cache_position=torch.arange(lo, hi, device=x.device), **inputs)
+        if self.stats is not None:
+            self.stats.forward(x.shape[0], hi - lo, 0 if cache is None else cache.nbytes)
+        return out
+
+    def decode(self, x: torch.Tensor, logits: torch.Tensor, start: int, end: int) -> None:
+        committed = self.decoder.decode(x, logits, start, end)
+        if self.stats is not None:
+            self.stats.step(committed)
+
+    # BaseDiffusionIteration (no cache / prefix / dual)
+    def iterate(self, x: torch.Tensor, start: int, end: int, block_id: int) -> None:
+        bf = self.block_forward
+        if bf.mode is None:
+            self.decode(x, self.logits(x, 0, x.shape[1], None)[:, start:end], start, end)
+        else:
+            if block_id not in self.refreshed:
+                self.refreshed.add(block_id)
+                full = bf.refresh(x, start, end)
+                self._count(x.shape[0], x.shape[1], bf)
+                self.decode(x, full[:, start:end], start, end)
+            logits, fed = bf.step(x, start, end)
+            self._count(x.shape[0], logits.shape[1], bf)
+            self.decode(x, logits[:, start - fed:end - fed], start, end)
+        self.iter_no += 1
+
+    def _count(self, batch: int, length: int, bf: BlockForward) -> None:
+        if self.stats is not None:
+            self.stats.forward(batch, length, bf.cache_nbytes)
+
+    # VicinityCacheIteration
+    def iterate_vicinity(self, x: torch.Tensor, start: int, end: int, block_id: int, vc: VicinityCache) -> None:
+        T = x.shape[1]
+        if self.iter_no < vc.warmup_steps:
+            self.decode(x, self.logits(x, 0, T, None)[:, start:end], start, end)
+            self.iter_no += 1
+            return
+        rebuild = self.cache is None
+        if not rebuild:
+            # dInfer's cache manager: "a new block" is judged against the block of its previous query,
+            # which it has not seen when the cache was first built
+            changed = self.cache_block != (start, end)
+            self.cache_block = (start, end)
+            rebuild = changed and block_id > 0
+        if rebuild:
+            self.cache = KVCache()
+            self.decode(x, self.logits(x, 0, T, self.cache)[:, start:end], start, end)
+            self.iter_no += 1
+        lo, hi = max(0, start - vc.prefix_look), min(T, end + vc.after_look)
+        logits = self.logits(x, lo, hi, self.cache)
+        self.decode(x, logits[:, start - lo:end - lo], start, end)
+        self.iter_no += 1
+
+    def run_block(self, x: torch.Tensor, start: int, end: int, block_id: int, vicinity: VicinityCache | None) -> None:
+        mask_id = self.decoder.mask_id
+        self.decoder.block_start()
+        while True:
+            left = int((x[:, start:end] == mask_id).sum())
+            if left == 0:
+                break
+            for _ in range(int(max(min(left // self.expected_tpf, self.maximum_unroll), 1))):
+                if vicinity is None:
+                    self.iterate(x, start, end, block_id)
+                else:
+                    self.iterate_vicinity(x, start, end, block_id, vicinity)
+
+
+def dinfer_generate(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    *,
+    decoder: ThresholdDecoding | CreditDecoding | HierarchicalDecoding = ThresholdDecoding(),
+    gen_length: int = 128,
+    block_length: int = 128,
+    use_cache: str | VicinityCache | None = None,
+    early_stop: bool = True,
+    attention_mask: torch.Tensor | None = None,
+    mask_id: int | None = None,
+    eos_id: int | None = None,
+    maximum_unroll: int = 4,
+    expected_tpf: int = 8,
+    stats: GenerationStats | None = None,
+) -> torch.LongTensor:
+    """dInfer's block-wise decoding (greedy) with one of its decoders and caches.
+
+    Args:
+        model: a remask LLaDA-style diffusion model (mask predictor, bidirectional attention).
+        prompt: `[B, P]` token ids (left-padded with `attention_mask` when rows differ).
+        decoder: `ThresholdDecoding`, `CreditDecoding` or `HierarchicalDecoding`.
+        gen_length, block_length: `gen_length` new positions; blocks of `block_length` aligned to
+            multiples of it from position 0 (the first block may overlap the prompt, the last may be
+            shorter).
+        use_cache: None, "prefix", "dual" or a `VicinityCache`.
+        early_stop: after a block with EOS in a row, fill the rest of that row with EOS; stop when
+            every row has EOS.
+        maximum_unroll, expected_tpf: dInfer's loop unrolling (affects NFE, and with a
+            `VicinityCache` the iteration count that ends the warmup).
+        stats: a `GenerationStats` (NFE, tokens committed per decode, cache bytes).
+
+    Returns:
+        `[B, P + gen_length]`: the prompt unchanged, no mask token left (upstream returns the
+        batch-1 sequence with every EOS removed; here the full sequence is returned).
+
+    Departures from dInfer (fce4e32), each only where upstream breaks its own output:
+        * a decode where every masked position predicts the mask token commits nothing upstream and
+          the loop repeats it forever; here the most confident masked position takes its best
+          non-mask token instead;
+        * upstream stops after a block where every row has EOS even with early_stop=False, leaving
+          the later blocks masked; here early_stop=False decodes every block;
+        * batches: rows are decoded exactly as alone (hierarchical decoding is batch-1 upstream;
+          a `VicinityCache` run, whose warmup and unrolling count iterations over the whole batch
+          upstream, decodes row by row); `attention_mask` keeps left pads out of attention
+          (upstream has no padding support);
+        * the credit state lives for one call (upstream's can leak into the next call when a
+          generation ends with masks left in later blocks).
+    """
+    check_instance("decoder", decoder, _DECODERS,
+                   "remask ThresholdDecoding, CreditDecoding or HierarchicalDecoding", allow_none=False)
+    check_int("gen_length", gen_length, minimum=1)
+    check_int("block_length", block_length, minimum=1)
+    check_int("maximum_unroll", maximum_unroll, minimum=1)
+    check_int("expected_tpf", expected_tpf, minimum=1)
+    check_bool("early_stop", early_stop)
+    check_stats("stats", stats)
+    vicinity = use_cache if isinstance(use_cache, VicinityCache) else None
+    if vicinity is None and use_cache not in (None, "prefix", "dual"):
+        raise ValueError(f"use_cache must be None, 'prefix', 'dual' or a remask VicinityCache, got {use_cache!r}")
+    for name, value in (("mask_id", mask_id), ("eos_id", eos_id)):
+        check_int(name, value, minimum=0, allow_none=True)
+    spec = get_spec(model, mask_id=mask_id, eos_id=eos_id)
+    check_model_kind(spec, diffusion=True, entry="remask.dinfer_generate")
+    check_mask_id(spec)
+    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
+    if spec.eos_id is None and early_stop:
+        raise ValueError("early_stop needs an EOS id: the model has none, pass eos_id=")
+
+    rows = [slice(b, b + 1) for b in range(prompt.shape[0])] if vicinity is not None else [slice(None)]
+    if stats is not None:
+        stats.start()
+    outs = []
+    with torch.no_grad():
+        for rs in rows:
+            mask = None if attention_mask is None else attention_mask[rs]
+            outs.append(_generate(model, spec, prompt[rs], mask, decoder, gen_length, block_length, use_cache,
+                                  vicinity, early_stop, maximum_unroll, expected_tpf, stats))
+    out = torch.cat(outs, dim=0)
+    if stats is not None:
+        stats.stop(int(gen_length * prompt.shape[0]))
+    return out
+
+
+def _generate(model, spec, prompt, attention_mask, rule, gen_length, block_length, use_cache, vicinity,
+              early_stop, maximum_unroll, expected_tpf, stats) -> torch.Tensor:
+    B, P = prompt.shape
+    T = P + gen_length
+    mask_id, eos_id = spec.mask_id, spec.eos_id
+    x = torch.full((B, T), mask_id, dtype=torch.long, device=prompt.device)
+    x[:, :P] = prompt
+    forward_inputs = spec.forward_inputs(attention_mask, T)
+    valid = None
+    if attention_mask is not None:
+        valid = torch.cat([attention_mask.bool(), attention_mask.new_ones((B, gen_length), dtype=torch.bool)], 1)
+    run = _Run(model, spec, _Decoder(rule, mask_id), forward_inputs, valid, stats, maximum_unroll, expected_tpf)
+    run.block_forward = BlockForward(model, spec, None if vicinity is not None else use_cache, forward_inputs, valid)
+    first = (P // block_length) * block_length
+    for block_id, start in enumerate(range(first, T, block_length)):
+        end = min(start + block_length, T)
+        run.run_block(x, start, end, block_id, vicinity)
+        if early_stop:
+            has_eos = (x[:, start:end] == eos_id).any(dim=1)
+            x[has_eos, end:] = eos_id
+            if bool(has_eos.all()):
+                break
+    return x

@@ -1,0 +1,267 @@
+"""dKV-Cache-Decode for LLaDA (horseee/dKV-Cache `generation_utils/llada_dkv_cache_decode.py` with
+its `models/modeling_llada_dkv_cache_decode.py`): LLaDA's block schedule with a delayed K/V cache.
+
+The decoding rule is LLaDA's (`steps` split over the blocks, the block's masks split evenly over
+its steps, remainder first; commit the top-k by confidence, `low_confidence` or `random`). What
+changes is what each forward computes. Inside a block, with R = `cache_reloading_step`:
+- step 0: a full forward, nothing cached;
+- step 1 and every step i with i % R == 0: a full forward that (re)builds the cache: the keys and
+  values of every position decoded before this step (prompt included);
+- any other step i: a forward of only the positions still masked after step i − 2 (every masked
+  position of the whole generation plus the positions decoded at step i − 1), attending over
+  themselves and the cached keys/values; the cache then takes the keys/values of the positions
+  decoded at step i − 1 from this forward (a token enters the cache one step after it is decoded:
+  the delay) and keeps the others. Skipped positions get confidence −inf.
+The cache is dropped at each block's start. Keys attend in the reference's order (forwarded
+positions, then cached ones, each ascending), so float32 logits are the reference's.
+
+The cache (`DelayedKVCache`) plugs into remask's LLaDA through the model's KV-cache seam
+(`attend`): no model code changes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from remask.caches.kv import KVCache, attention
+from remask.models.spec import get_spec
+
+from .checks import (check_bool, check_choice, check_generator, check_int, check_mask_id, check_prompt, check_stats,
+                     model_device)
+from .stats import GenerationStats
+
+REMASKING = ("low_confidence", "random")
+
+
+@dataclass(frozen=True)
+class DKVCache:
+    """dKV-Cache-Decode's parameter (upstream `cache_reloading_step`; its README uses 8).
+
+    `commit_mask_token=True` reproduces upstream when the argmax is the mask token (it is committed,
+    the position stays masked and may be returned masked); by default the most probable other token
+    is committed instead."""
+
+    cache_reloading_step: int = 8
+    commit_mask_token: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("cache_reloading_step", self.cache_reloading_step, minimum=1)
+        check_bool("commit_mask_token", self.commit_mask_token)
+
+
+class DelayedKVCache(KVCache):
+    """Keys/values (after RoPE) of a chosen set of positions per row, for dKV-Cache's forwards.
+
+    Before each forward the decoder calls `fill(store)` (the forward covers every position; keep
+    those in `store` `[B, T]`) or `reuse(forwarded, store)` (the forward covers the positions in
+    `forwarded`; the others must be the cached ones; afterwards keep those in `store`, fresh where
+    forwarded, else from the cache). `key_ok` `[B, T]` (False = padding key) hides keys."""
+
+    def __init__(self, key_ok: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.key_ok = key_ok
+        self.cached: torch.Tensor | None = None          # [B, T] bool: positions held
+        self.k: dict[int, torch.Tensor] = {}             # layer -> [B, H, n_cached, D]
+        self.v: dict[int, torch.Tensor] = {}
+        self._mode: str | None = None
+        self._forwarded: torch.Tensor | None = None
+        self._store: torch.Tensor | None = None
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return 0   # positions are passed explicitly; nothing is appended
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in list(self.k.values()) + list(self.v.values()))
+
+    def fill(self, store: torch.Tensor) -> None:
+        self._mode, self._forwarded, self._store = "fill", None, store
+
+    def reuse(self, forwarded: torch.Tensor, store: torch.Tensor) -> None:
+        if self.cached is None or not bool((self.cached == ~forwarded).all()):
+            raise RuntimeError("dKV cache: the forwarded positions must be exactly the uncached ones")
+        self._mode, self._forwarded, self._store = "reuse", forwarded, store
+
+    def finish(self) -> None:
+        self.cached = self._store
+        self._mode = None
+
+    @staticmethod
+    def _select(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Rows' kept positions of `t` `[B, H, T, D]` (equal counts per row), ascending."""
+        B, H, _, D = t.shape
+        idx = keep.nonzero()[:, 1].view(B, -1)
+        return torch.gather(t, 2, idx[:, None, :, None].expand(B, H, idx.shape[1], D))
+
+    def _bias(self, keep_order: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        if keep_order is None:
+            return None
+        return torch.zeros(keep_order.shape, dtype=dtype, device=keep_order.device).masked_fill(
+            ~keep_order, torch.finfo(dtype).min)[:, None, None, :]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        B, H, _, D = k.shape
+        if self._mode == "fill":
+            ok = None
+            if self.key_ok is not None and not bool(self.key_ok.all()):
+                ok = self.key_ok
+            out = attention(q, k, v, self._bias(ok, q.dtype))
+            self.k[layer], self.v[layer] = self._select(k, self._store), self._select(v, self._store)
+            return out
+        if self._mode != "reuse":
+            raise RuntimeError("dKV cache: call fill() or reuse() before the forward")
+        keys = torch.cat([k, self.k[layer]], dim=2)
+        values = torch.cat([v, self.v[layer]], dim=2)
+        ok = None
+        if self.key_ok is not None and not bool(self.key_ok.all()):
+            fwd_ok = self.key_ok[self._forwarded].view(B, -1)
+            old_ok = self.key_ok[self.cached].view(B, -1)
+            ok = torch.cat([fwd_ok, old_ok], dim=1)
+        out = attention(q, keys, values, self._bias(ok, q.dtype))
+        # Back to sequence order, then keep the `store` positions.
+        T = self._forwarded.shape[1]
+        order = torch.cat([self._forwarded.nonzero()[:, 1].view(B, -1), self.cached.nonzero()[:, 1].view(B, -1)], 1)
+        index = order[:, None, :, None].expand(B, H, T, D)
+        full_k = torch.empty((B, H, T, D), dtype=k.dtype, device=k.device).scatter_(2, index, keys)
+        full_v = torch.empty((B, H, T, D), dtype=v.dtype, device=v.device).scatter_(2, index, values)
+        self.k[layer], self.v[layer] = self._select(full_k, self._store), self._select(full_v, self._store)
+        return out
+
+
+def _schedule(masks: torch.Tensor, steps: int) -> torch.Tensor:
+    """`[B, steps]` commits per step: each row's masks split evenly, the remainder first."""
+    base, remainder = masks // steps, masks % steps
+    counts = base[:, None].repeat(1, steps)
+    counts += torch.arange(steps, device=masks.device)[None] < remainder[:, None]
+    return counts
+
+
+def _forward(model, x: torch.Tensor, forwarded: torch.Tensor | None, cache: DelayedKVCache | None,
+             store: torch.Tensor | None, key_ok: torch.Tensor | None) -> torch.Tensor:
+    """Logits of the forwarded positions `[B, n, V]` (all positions when `forwarded` is None)."""
+    B, T = x.shape
+    if cache is None:    # step 0: a plain forward
+        bias = None
+        if key_ok is not None and not bool(key_ok.all()):
+            bias = torch.zeros((B, 1, 1, T), dtype=torch.float32, device=x.device).masked_fill(
+                ~key_ok[:, None, None, :], torch.finfo(torch.float32).min)
+        return model(x, attention_bias=bias).logits
+    if forwarded is None:
+        cache.fill(store)
+        logits = model(x, past_key_values=cache,
+                       position_ids=torch.arange(T, device=x.device)[None].expand(B, T)).logits
+    else:
+        cache.reuse(forwarded, store)
+        positions = forwarded.nonzero()[:, 1].view(B, -1)
+        logits = model(x[forwarded].view(B, -1), past_key_values=cache, position_ids=positions).logits
+    cache.finish()
+    return logits
+
+
+@torch.no_grad()
+def dkv_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCache | None = None,
+                 steps: int = 128, gen_length: int = 128, block_length: int = 128,
+                 remasking: str = "low_confidence", attention_mask: torch.Tensor | None = None,
+                 generator: torch.Generator | None = None, mask_id: int | None = None,
+                 stats: GenerationStats | None = None) -> torch.Tensor:
+    """dKV-Cache-Decode (greedy tokens). Returns `[B, P + gen_length]`.
+
+    `remasking="random"` draws the uniforms as upstream (`torch.rand` over the forwarded positions,
+    float32) from `generator` (None: torch's global generator). `attention_mask` `[B, P]` (left
+    padding) hides pad keys (upstream has none). Rows whose forwarded sets differ in size (only
+    with `commit_mask_token`) are forwarded one by one, each with its own cache."""
+    config = DKVCache() if config is None else config
+    if not isinstance(config, DKVCache):
+        raise ValueError(f"config must be a remask DKVCache, got {type(config).__name__}")
+    for name, value in (("steps", steps), ("gen_length", gen_length), ("block_length", block_length)):
+        check_int(name, value, minimum=1)
+    if gen_length % block_length:
+        raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
+    num_blocks = gen_length // block_length
+    if steps % num_blocks:
+        raise ValueError(f"steps ({steps}) must be divisible by the number of blocks ({num_blocks})")
+    check_choice("remasking", remasking, REMASKING)
+    check_stats("stats", stats)
+    spec = get_spec(model) if mask_id is None else get_spec(model, mask_id=mask_id)
+    check_mask_id(spec)
+    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
+    device = model_device(model)
+    check_generator(generator, device)
+    mask_id = spec.mask_id
+    steps_per_block = steps // num_blocks
+    R = config.cache_reloading_step
+    B, P = prompt.shape
+    T = P + gen_length
+    x = torch.full((B, T), mask_id, dtype=torch.long, device=device)
+    x[:, :P] = prompt
+    key_ok = None
+    if attention_mask is not None:
+        key_ok = torch.ones((B, T), dtype=torch.bool, device=device)
+        key_ok[:, :P] = attention_mask != 0
+    if stats is not None:
+        stats.start()
+    for num_block in range(num_blocks):
+        end = P + (num_block + 1) * block_length
+        counts = _schedule((x[:, end - block_length:end] == mask_id).sum(dim=1), steps_per_block)
+        caches: list[DelayedKVCache] = []
+        groups: list[list[int]] = []
+        prv = cur = None    # decoded positions after step i-2 / after step i-1
+        for i in range(steps_per_block):
+            mask_index = x == mask_id
+            cached_step = i % R != 0 and i > 1
+            # One batched forward while every row forwards and caches as many positions (always,
+            # unless commit_mask_token leaves some rows a mask more); else one forward per row.
+            uniform = i == 0 or bool((cur.sum(dim=1) == cur[0].sum()).all())
+            if cached_step:
+                uniform = uniform and bool(((~prv).sum(dim=1) == (~prv[0]).sum()).all())
+            if not cached_step:
+                groups = [list(range(B))] if uniform else [[b] for b in range(B)]
+                caches = [DelayedKVCache(None if key_ok is None else key_ok[g]) for g in groups]
+            elif len(caches) == 1 and not uniform:
+                whole = caches[0]
+                groups = [[b] for b in range(B)]
+                caches = [DelayedKVCache(None if key_ok is None else key_ok[g]) for g in groups]
+                for b, c in enumerate(caches):
+                    c.cached = whole.cached[b:b + 1]
+                    c.k = {layer: t[b:b + 1] for layer, t in whole.k.items()}
+                    c.v = {layer: t[b:b + 1] for layer, t in whole.v.items()}
+            x0 = torch.full_like(x, mask_id)
+            x0_p = torch.full(x.shape, -torch.inf, dtype=torch.float64, device=device)
+            for cache, g in zip(caches, groups):
+                rows = torch.tensor(g, device=device)
+                forwarded = (~prv[rows]) if cached_step else None
+                logits = _forward(model, x[rows], forwarded, None if i == 0 else cache,
+                                  None if i == 0 else cur[rows], None if key_ok is None else key_ok[rows])
+                n = logits.shape[1]
+                if stats is not None:
+                    stats.forward(len(g), n, sum(c.nbytes for c in caches))
+                tokens = torch.argmax(logits, dim=-1)
+                if remasking == "low_confidence" or not config.commit_mask_token:
+                    p = F.softmax(logits.to(torch.float64), dim=-1)
+                if not config.commit_mask_token and bool((tokens == mask_id).any()):
+                    others = p.index_fill(-1, torch.tensor([mask_id], device=device), -1.0).argmax(dim=-1)
+                    tokens = torch.where(tokens == mask_id, others, tokens)
+                if remasking == "low_confidence":
+                    conf = torch.gather(p, -1, tokens[..., None]).squeeze(-1)
+                else:
+                    conf = torch.rand((len(g), n), generator=generator, device=device).to(torch.float64)
+                where = forwarded if forwarded is not None else torch.ones((len(g), T), dtype=torch.bool,
+                                                                          device=device)
+                x0[rows] = x0[rows].masked_scatter(where, tokens)
+                x0_p[rows] = x0_p[rows].masked_scatter(where, conf)
+            x0_p[:, end:] = -torch.inf
+            x0 = torch.where(mask_index, x0, x)
+            confidence = torch.where(mask_index, x0_p, torch.full_like(x0_p, -torch.inf))
+            transfer = torch.zeros_like(mask_index)
+            for j in range(B):
+                transfer[j, torch.topk(confidence[j], k=int(counts[j, i])).indices] = True
+            x[transfer] = x0[transfer]
+            if stats is not None:
+                stats.step(int(transfer.sum()))
+            prv, cur = cur, x != mask_id
+    if stats is not None:
+        stats.stop(B * gen_length)
+    return x

@@ -1,0 +1,190 @@
+"""WINO: wide-in, narrow-out revocable decoding for LLaDA (Feng-Hong/WINO-DLLM `decoding_wino`).
+
+Each forward sees `[prompt | generation | shadow]`, where the shadow is one extra block of mask
+tokens placed at the current block's positions (same RoPE positions). Every query attends every
+real position; the shadow keys are visible only to shadow queries, and shadow position i does not
+see its twin, current-block position i. So the shadow's prediction at i is the model's opinion of
+position i with that position's own token hidden.
+
+Per forward (greedy, float64 softmax confidences):
+- wide in: in the current block, commit every masked position whose confidence exceeds
+  `threshold`; when more than `max_accept = min(max(int(masks * accept_ratio), accept_floor),
+  accept_cap)` pass (masks counted before the forward), keep the `max_accept` most confident; when
+  none passes, commit the single most confident masked position;
+- narrow out: only when this forward committed more than one position, every position committed
+  by an earlier forward of the block whose shadow confidence (the probability of its own token with
+  the token hidden) is below `threshold_back` is masked again; when that is at least as many as
+  the previous forward committed (`initial_last_accept` at a block's first forward), only that
+  count minus one of the least confident are.
+The block ends when it holds no mask; the returned step count is the number of forwards.
+
+Rows of a batch are decided alone (each row accepts and re-masks its own counts, and keeps its
+own forward count); a row that finished its block waits (it is not forwarded) until every row has.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from remask.models.spec import get_spec
+
+from .checks import check_bool, check_int, check_mask_id, check_prompt, check_real, check_stats, model_device
+from .stats import GenerationStats
+
+
+@dataclass(frozen=True)
+class WINO:
+    """WINO's parameters (upstream: `threshold`, `threshold_back`; the accept cap
+    `min(max(int(#mask * 0.7), 5), 20)` and the initial `last_accept = 30` are constants there)."""
+
+    threshold: float = 0.6
+    threshold_back: float = 0.9
+    accept_ratio: float = 0.7
+    accept_floor: int = 5
+    accept_cap: int = 20
+    initial_last_accept: int = 30
+    commit_mask_token: bool = False
+
+    def __post_init__(self) -> None:
+        check_bool("commit_mask_token", self.commit_mask_token)
+        check_real("threshold", self.threshold, low=0, high=1)
+        check_real("threshold_back", self.threshold_back, low=0, high=1)
+        check_real("accept_ratio", self.accept_ratio, low=0, low_open=True)
+        check_int("accept_floor", self.accept_floor, minimum=1)
+        check_int("accept_cap", self.accept_cap, minimum=1)
+        check_int("initial_last_accept", self.initial_last_accept, minimum=1)
+        if self.accept_floor > self.accept_cap:
+            raise ValueError(f"accept_floor ({self.accept_floor}) must not exceed accept_cap ({self.accept_cap})")
+
+    def max_accept(self, masks: int) -> int:
+        return min(max(int(masks * self.accept_ratio), self.accept_floor), self.accept_cap)
+
+
+def shadow_attention(prompt_length: int, gen_length: int, start: int, block_length: int,
+                     device: torch.device) -> torch.Tensor:
+    """Bool `[1, 1, T, T]` (T = prompt + gen + block): True where a query may attend a key."""
+    real = prompt_length + gen_length
+    total = real + block_length
+    allowed = torch.ones((total, total), dtype=torch.bool, device=device)
+    allowed[:, real:] = False
+    allowed[real:, real:] = True
+    allowed[real:, start:start + block_length] = ~torch.eye(block_length, dtype=torch.bool, device=device)
+    return allowed[None, None]
+
+
+def predict(logits: torch.Tensor, mask_id: int, commit_mask_token: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens `[L]` and the float64 softmax `[L, V]` of one row's logits. Unless
+    `commit_mask_token`, an argmax equal to the mask token becomes the most probable other token."""
+    x0 = torch.argmax(logits, dim=-1)
+    p = F.softmax(logits.to(torch.float64), dim=-1)
+    if not commit_mask_token and bool((x0 == mask_id).any()):
+        others = p.index_fill(-1, torch.tensor([mask_id], device=p.device), -1.0).argmax(dim=-1)
+        x0 = torch.where(x0 == mask_id, others, x0)
+    return x0, p
+
+
+def _decide_row(config: WINO, confidence: torch.Tensor, confidence_back: torch.Tensor, last_accept: int,
+                max_accept: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's commit and re-mask index sets (positions of the block, 0-based) from the block's
+    confidences (−inf off the masks) and shadow confidences (+inf off the earlier commits)."""
+    accept = confidence > config.threshold
+    count = int(accept.sum())
+    if count > max_accept:
+        accept = torch.topk(confidence, k=max_accept, largest=True).indices
+    elif count == 0:
+        accept = torch.argmax(confidence).reshape(1)
+    else:
+        accept = accept.nonzero().flatten()
+    if accept.numel() > 1:
+        remask = confidence_back < config.threshold_back
+        if int(remask.sum()) >= last_accept:
+            remask = torch.topk(confidence_back, k=last_accept - 1, largest=False).indices
+        else:
+            remask = remask.nonzero().flatten()
+    else:
+        remask = accept.new_empty(0)
+    return accept, remask
+
+
+@torch.no_grad()
+def wino_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | None = None,
+                  gen_length: int = 128, block_length: int = 128, attention_mask: torch.Tensor | None = None,
+                  mask_id: int | None = None, stats: GenerationStats | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """WINO decoding (greedy). Returns `(x [B, P + gen_length], forwards [B])`: the prompt and the
+    generation, and each row's number of forwards (upstream's returned `step`).
+
+    `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad keys; RoPE positions stay absolute.
+    """
+    config = WINO() if config is None else config
+    if not isinstance(config, WINO):
+        raise ValueError(f"config must be a remask WINO, got {type(config).__name__}")
+    check_int("gen_length", gen_length, minimum=1)
+    check_int("block_length", block_length, minimum=1)
+    if gen_length % block_length:
+        raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
+    check_stats("stats", stats)
+    spec = get_spec(model) if mask_id is None else get_spec(model, mask_id=mask_id)
+    check_mask_id(spec)
+    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
+    mask_id = spec.mask_id
+    device = model_device(model)
+    B, P = prompt.shape
+    real = P + gen_length
+    x = torch.full((B, real + block_length), mask_id, dtype=torch.long, device=device)
+    x[:, :P] = prompt
+    keys = None
+    if attention_mask is not None and bool((attention_mask == 0).any()):
+        keys = torch.ones((B, real + block_length), dtype=torch.bool, device=device)
+        keys[:, :P] = attention_mask != 0
+    forwards = torch.zeros(B, dtype=torch.long)
+    if stats is not None:
+        stats.start()
+    for num_block in range(gen_length // block_length):
+        start = P + num_block * block_length
+        end = start + block_length
+        position_ids = torch.cat([torch.arange(real, device=device), torch.arange(start, end, device=device)])
+        allowed = shadow_attention(P, gen_length, start, block_length, device)
+        if keys is not None:
+            allowed = allowed & keys[:, None, None, :]
+        # Per row: which block positions are decoded-and-revocable (their shadow twin is scored).
+        decoded = torch.zeros((B, block_length), dtype=torch.bool, device=device)
+        # The block's undecided positions, kept apart from the tokens as upstream keeps them (with
+        # commit_mask_token a committed mask token counts as decoded, as upstream).
+        masked = x[:, start:end] == mask_id
+        last_accept = [config.initial_last_accept] * B
+        while True:
+            active = masked.any(dim=1).nonzero().flatten().tolist()
+            if not active:
+                break
+            rows = torch.tensor(active, device=device)
+            bias = allowed if allowed.shape[0] == 1 else allowed[rows]
+            logits = model(x[rows], attention_bias=bias,
+                           position_ids=position_ids[None].expand(len(active), -1)).logits
+            if stats is not None:
+                stats.forward(len(active), x.shape[1])
+            committed = 0
+            for i, b in enumerate(active):
+                max_accept = config.max_accept(int(masked[b].sum()))
+                x0, p = predict(logits[i], mask_id, config.commit_mask_token)
+                x0[real:] = torch.where(decoded[b], x[b, start:end], x0[real:])
+                x0_p = torch.gather(p, -1, x0[:, None]).squeeze(-1)
+                confidence = torch.where(masked[b], x0_p[start:end], torch.full_like(x0_p[start:end], -torch.inf))
+                confidence_back = torch.where(decoded[b], x0_p[real:], torch.full_like(x0_p[real:], torch.inf))
+                accept, remask = _decide_row(config, confidence, confidence_back, last_accept[b], max_accept)
+                x[b, start + accept] = x0[start + accept]
+                x[b, start + remask] = mask_id
+                decoded[b, accept] = True
+                decoded[b, remask] = False
+                masked[b, accept] = False
+                masked[b, remask] = True
+                last_accept[b] = int(accept.numel())
+                forwards[b] += 1
+                committed += int(accept.numel()) - int(remask.numel())
+            if stats is not None:
+                stats.step(committed)
+    if stats is not None:
+        stats.stop(B * gen_length)
+    return x[:, :real], forwards
