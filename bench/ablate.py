@@ -100,12 +100,36 @@ def sweep(name: str) -> list[Setting]:
     for R in (0.9, 0.5):
         add("apd coupled T=1.0", f"APD coupled T=1.0 R={R} lookahead=16", temperature=1.0,
             apd=dict(mixture_weight=R, kv_window=16, max_lookahead=16, coupled_gumbel=True))
+    # Decoders II (docs/decoders.md). FreeDave is lossless: its outputs are checked identical to
+    # one-token-per-step decoding (low_confidence steps=16, the same cache) in the same run.
+    from remask import (CreditDecoding, DKVCache, FreeDave, HierarchicalDecoding, ThresholdDecoding, VicinityCache,
+                        WINO)
+    for cache in (None, "dual"):
+        for draft_steps in (2, 4, 8):
+            add(f"freedave (lossless) cache={cache}", f"FreeDave K={draft_steps} cache={cache}", steps=GEN_LENGTH,
+                use_cache=cache, decoder=FreeDave(draft_steps=draft_steps))
+    add("low_confidence dual", "low_confidence steps=16 cache=dual", steps=GEN_LENGTH, use_cache="dual")
+    for threshold in (0.9, 0.7, 0.5):
+        add("dinfer threshold", f"dInfer threshold {threshold}", decoder=ThresholdDecoding(threshold=threshold))
+        add("dinfer credit", f"dInfer credit {threshold}", decoder=CreditDecoding(threshold=threshold))
+        add("dinfer hierarchy", f"dInfer hierarchy {threshold}", decoder=HierarchicalDecoding(threshold=threshold))
+        add("dinfer threshold vicinity", f"dInfer threshold {threshold} vicinity",
+            use_cache=VicinityCache(prefix_look=4, after_look=4, warmup_steps=2),
+            decoder=ThresholdDecoding(threshold=threshold))
+    for threshold in (0.9, 0.6, 0.3):
+        add("wino", f"WINO {threshold}/0.9", decoder=WINO(threshold=threshold, threshold_back=0.9))
+    for reload in (2, 4, 8):
+        add("dkv-cache", f"dKV-Cache R={reload} steps=16", steps=GEN_LENGTH, use_cache=DKVCache(cache_reloading_step=reload))
     add("ar", "AR greedy", ar=True)
     return out
 
 
+LOSSLESS_BASELINE = {"freedave (lossless) cache=None": "low_confidence steps=16 block=16",
+                     "freedave (lossless) cache=dual": "low_confidence steps=16 cache=dual"}
+
+
 FIELDS = ["family", "setting", "steps", "block_length", "remasking", "threshold", "factor", "temperature",
-          "mixture_weight", "max_lookahead", "retention_ratio", "accuracy", "multi_answer_accuracy", "nfe_per_answer",
+          "mixture_weight", "max_lookahead", "retention_ratio", "decoder", "cache", "lossless_verified", "accuracy", "multi_answer_accuracy", "nfe_per_answer",
           "verifier_nfe_per_answer", "tokens_per_second"] + [f"acc_{t}" for t in TASKS]
 
 
@@ -115,7 +139,7 @@ def run(settings: list[Setting], n: int, seed: int, show_progress: bool) -> list
     diffusion, _ = load("tiny-llada")
     ar, _ = load("tiny-ar")
     held_out = problems(n, EVAL_SEED)
-    rows = []
+    rows, outputs = [], {}
     bar = tqdm(total=n * len(settings), disable=not show_progress, file=sys.stderr, desc="ablation")
     for setting in settings:
         s = setting.strategy
@@ -132,13 +156,23 @@ def run(settings: list[Setting], n: int, seed: int, show_progress: bool) -> list
             "temperature": s.options.get("temperature", 0.0),
             "mixture_weight": apd.get("mixture_weight", ""), "max_lookahead": apd.get("max_lookahead", ""),
             "retention_ratio": s.options["sparse"].retention_ratio if "sparse" in s.options else "",
+            "decoder": repr(s.options["decoder"]) if s.options.get("decoder") is not None else "",
+            "cache": str(s.options["use_cache"]) if s.options.get("use_cache") is not None else "",
+            "lossless_verified": "",
             "accuracy": round(r.accuracy, 4), "multi_answer_accuracy": round(sum(multi) / max(1, len(multi)), 4),
             "nfe_per_answer": round(r.nfe_per_answer, 3),
             "verifier_nfe_per_answer": round(r.verifier_nfe_per_answer, 3) if apd else "",
             "tokens_per_second": round(r.tokens_per_second, 1),
             **{f"acc_{t}": round(r.per_task.get(t, float("nan")), 4) for t in TASKS},
         })
+        outputs[s.name] = r.outputs
     bar.close()
+    for row in rows:   # lossless methods: the same answers as their baseline, verified here
+        baseline = LOSSLESS_BASELINE.get(row["family"])
+        if baseline is not None and baseline in outputs:
+            if outputs[row["setting"]] != outputs[baseline]:
+                raise AssertionError(f"{row['setting']} is not identical to {baseline}")
+            row["lossless_verified"] = f"identical to {baseline}"
     return rows
 
 

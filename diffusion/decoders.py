@@ -74,7 +74,9 @@ def run_decoder(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: to
     settings = dict(settings or {})
     steps = settings.get("steps", (None, None))[0]
     unread = [name for name, (value, default) in settings.items()
-              if name != "steps" and name not in READS[method] and value is not default and value != default]
+              # a generator is the randomness of sampling: harmless (unused) with a greedy method
+              if name not in ("steps", "generator") and name not in READS[method] and value is not default
+              and value != default]
     if method != "DKVCache" and steps is not None and steps != gen_length:
         unread.append("steps")
     if unread:
