@@ -14,7 +14,7 @@ import numbers
 import os
 import sys
 import warnings
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -244,3 +244,14 @@ def warn_if_longer_than_trained(spec: ModelSpec, gen_length: int) -> None:
     if spec.trained_gen_length is not None and gen_length > spec.trained_gen_length:
         warn(f"gen_length={gen_length} is longer than the answers this model was trained on "
              f"({spec.trained_gen_length} positions, config.trained_gen_length): expect nonsense beyond them")
+
+
+def check_settings(field: str, settings: Any, allowed: Sequence[str]) -> dict:
+    """A dict of a decoder's settings (e.g. `SamplingParams.sdar`): a dict whose keys are in
+    `allowed`; returns a copy for the caller's per-key checks (named ``field.key``)."""
+    if not isinstance(settings, dict):
+        raise ParameterTypeError(f"{field} must be a dict of {list(allowed)}, got {type(settings).__name__}")
+    unknown = sorted(set(settings) - set(allowed))
+    if unknown:
+        raise ValueError(f"{field}: unknown setting(s) {unknown}; allowed: {list(allowed)}")
+    return dict(settings)

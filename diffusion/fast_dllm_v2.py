@@ -34,7 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .checks import ParameterTypeError, check_bool, check_choice, check_generator, check_int, check_real, check_stats
+from .checks import (ParameterTypeError, check_bool, check_choice, check_generator, check_int, check_real, check_settings,
+                     check_stats)
 from .stats import GenerationStats
 
 STOP_MODES = ("generate", "batch_sample")
@@ -391,13 +392,7 @@ FAST_DLLM_V2_SETTINGS = ("block_size", "small_block_size", "use_block_cache")
 
 def check_fast_dllm_v2_settings(settings: Any) -> dict:
     """A request's Fast-dLLM v2 settings (`SamplingParams.fast_dllm_v2`): keys from FAST_DLLM_V2_SETTINGS."""
-    if not isinstance(settings, dict):
-        raise ParameterTypeError(f"fast_dllm_v2 must be a dict of {list(FAST_DLLM_V2_SETTINGS)}, got "
-                                 f"{type(settings).__name__}")
-    unknown = sorted(set(settings) - set(FAST_DLLM_V2_SETTINGS))
-    if unknown:
-        raise ValueError(f"fast_dllm_v2: unknown setting(s) {unknown}; allowed: {list(FAST_DLLM_V2_SETTINGS)}")
-    out = dict(settings)
+    out = check_settings("fast_dllm_v2", settings, FAST_DLLM_V2_SETTINGS)
     for name in ("block_size", "small_block_size"):
         if name in out:
             check_int(f"fast_dllm_v2.{name}", out[name], minimum=1)

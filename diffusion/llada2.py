@@ -33,7 +33,9 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
-from .checks import check_bool, check_int, check_real
+from remask.caches.block import PagedBlocks
+
+from .checks import check_bool, check_int, check_real, check_settings
 from .sdar import num_transfer_schedule
 from .stats import GenerationStats
 
@@ -140,7 +142,7 @@ class LLaDA2State:
     end: int | None = None   # where the output ends (after the first EOS), once done
 
 
-class LLaDA2Decoder:
+class LLaDA2Decoder(PagedBlocks):
     """LLaDA2's loop as a state and a step: each `step` is one model forward — the prefill, a
     decoding step of the current block, or the forward that stores a finished block."""
 
@@ -165,23 +167,7 @@ class LLaDA2Decoder:
         # the engine's page store: each state's cache is then a `remask.caches.BlockKVCache` in its pages
         self.block_store = block_store if use_cache else None
 
-    def _sizes(self, prompt_length: int) -> tuple[int, int]:
-        """(positions of the prompt's whole blocks, positions of the whole sequence)."""
-        L = self.block_length
-        return prompt_length // L * L, (prompt_length + self.gen_length + L - 1) // L * L
 
-    def pages_needed(self, manager: Any, prompt_ids: torch.Tensor) -> int:
-        """Free pages a request with this prompt takes in the engine's store (all allocated at start)."""
-        from remask.caches.block import BlockKVCache
-
-        prefix, total = self._sizes(prompt_ids.shape[1])
-        return BlockKVCache.pages_needed(manager, prompt_ids[0, :prefix].tolist(), total, self.block_length)
-
-    def release(self, state: "LLaDA2State") -> None:
-        """Give back the state's cache pages (the engine's paged cache), if it has any."""
-        release = getattr(state.cache, "release", None)
-        if release is not None:
-            release()
 
     @property
     def editing(self) -> bool:
@@ -205,16 +191,7 @@ class LLaDA2Decoder:
         x[:, :prompt_length] = input_ids
         blocks = torch.tril(torch.ones(num_blocks, num_blocks, dtype=torch.bool, device=device))
         first = prompt_length // L
-        if not self.use_cache:
-            cache = None
-        elif self.block_store is None:
-            cache = DynamicCache()
-        else:
-            from remask.caches.block import BlockKVCache
-
-            prefix, total = self._sizes(prompt_length)
-            cache = BlockKVCache(self.block_store, input_ids[0, :prefix].tolist(), total, L)
-        return LLaDA2State(x=x, prompt_length=prompt_length, cache=cache,
+        return LLaDA2State(x=x, prompt_length=prompt_length, cache=self.new_cache(input_ids) if self.use_cache else None,
                            attention=blocks.repeat_interleave(L, 0).repeat_interleave(L, 1)[None, None],
                            position_ids=torch.arange(num_blocks * L, device=device)[None], block=first,
                            num_blocks=num_blocks, stored=first == 0 or not self.use_cache)
@@ -362,14 +339,7 @@ LLADA2_SETTINGS = ("block_length", "steps", "minimal_topk", "eos_early_stop", "e
 
 def check_llada2_settings(settings: Any) -> dict:
     """A request's LLaDA2 settings (`SamplingParams.llada2`): a dict with keys from LLADA2_SETTINGS."""
-    from .checks import ParameterTypeError
-
-    if not isinstance(settings, dict):
-        raise ParameterTypeError(f"llada2 must be a dict of {list(LLADA2_SETTINGS)}, got {type(settings).__name__}")
-    unknown = sorted(set(settings) - set(LLADA2_SETTINGS))
-    if unknown:
-        raise ValueError(f"llada2: unknown setting(s) {unknown}; allowed: {list(LLADA2_SETTINGS)}")
-    out = dict(settings)
+    out = check_settings("llada2", settings, LLADA2_SETTINGS)
     for name in ("block_length", "steps", "minimal_topk", "num_to_transfer"):
         if name in out:
             check_int(f"llada2.{name}", out[name], minimum=1)

@@ -30,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
-from .checks import check_bool, check_choice, check_generator, check_int, check_real, check_stats
+from remask.caches.block import PagedBlocks
+
+from .checks import check_bool, check_choice, check_generator, check_int, check_real, check_settings, check_stats
 from .stats import GenerationStats
 
 REMASKING_STRATEGIES = ("sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded")
@@ -131,14 +133,7 @@ SDAR_SETTINGS = ("block_length", "denoising_steps", "remasking_strategy", "confi
 
 def check_sdar_settings(settings) -> dict:
     """A request's SDAR settings (`SamplingParams.sdar`): a dict with keys from SDAR_SETTINGS."""
-    from .checks import ParameterTypeError
-
-    if not isinstance(settings, dict):
-        raise ParameterTypeError(f"sdar must be a dict of {list(SDAR_SETTINGS)}, got {type(settings).__name__}")
-    unknown = sorted(set(settings) - set(SDAR_SETTINGS))
-    if unknown:
-        raise ValueError(f"sdar: unknown setting(s) {unknown}; allowed: {list(SDAR_SETTINGS)}")
-    out = dict(settings)
+    out = check_settings("sdar", settings, SDAR_SETTINGS)
     for name in ("block_length", "denoising_steps"):
         if name in out:
             check_int(f"sdar.{name}", out[name], minimum=1)
@@ -169,7 +164,7 @@ class SDARState:
     stopped_at: int | None = None
 
 
-class SDARDecoder:
+class SDARDecoder(PagedBlocks):
     """SDAR's loop as a state and a step: each `step` is one model forward — the prefill, a
     denoising step of the current block (sample, select, commit), or the forward that stores a
     finished block in the cache and moves on. `sdar_generate` drives it for one prompt, the engine
@@ -197,17 +192,6 @@ class SDARDecoder:
         check_bool("use_cache", use_cache)
         self.use_cache = use_cache
 
-    def _sizes(self, prompt_length: int) -> tuple[int, int]:
-        """(positions of the prompt's whole blocks, positions of the whole sequence)."""
-        L = self.block_length
-        return prompt_length // L * L, (prompt_length + self.gen_length + L - 1) // L * L
-
-    def pages_needed(self, manager: Any, prompt_ids: torch.Tensor) -> int:
-        """Free pages a request with this prompt takes in the engine's store (all allocated at start)."""
-        from remask.caches.block import BlockKVCache
-
-        prefix, total = self._sizes(prompt_ids.shape[1])
-        return BlockKVCache.pages_needed(manager, prompt_ids[0, :prefix].tolist(), total, self.block_length)
 
     def shared_forward_key(self, state: SDARState) -> tuple | None:
         """Requests whose next forward is a block step (denoise or store) of the same length share
@@ -248,11 +232,6 @@ class SDARDecoder:
         else:
             self._denoise(state, cur_x, logits, generator, stats)
 
-    def release(self, state: SDARState) -> None:
-        """Give back the state's cache pages (the engine's paged cache), if it has any."""
-        release = getattr(state.cache, "release", None)
-        if release is not None:
-            release()
 
     def num_final(self, state: SDARState) -> int:
         """Generated positions that are final: those of the finished blocks (all of them once done)."""
@@ -276,14 +255,7 @@ class SDARDecoder:
         blocks = torch.tril(torch.ones(num_blocks, num_blocks, device=device))
         x = torch.full((1, total), self.mask_id, dtype=torch.long, device=device)
         x[:, :prompt_length] = input_ids
-        if self.block_store is None:
-            cache = DynamicCache()
-        else:
-            from remask.caches.block import BlockKVCache
-
-            prefix, _ = self._sizes(prompt_length)
-            cache = BlockKVCache(self.block_store, input_ids[0, :prefix].tolist(), total, L)
-        return SDARState(x=x, prompt_length=prompt_length, cache=cache,
+        return SDARState(x=x, prompt_length=prompt_length, cache=self.new_cache(input_ids),
                          attention=blocks.repeat_interleave(L, 0).repeat_interleave(L, 1)[None],
                          position_ids=torch.arange(total, device=device)[None], block=prompt_length // L,
                          num_blocks=num_blocks, prefilled=prompt_length < L or not self.use_cache)

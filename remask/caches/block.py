@@ -157,3 +157,38 @@ def _cached(cache: Any, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | N
             return None
         return layers[layer_idx].keys, layers[layer_idx].values
     return cache[layer_idx] if len(cache) > layer_idx else None
+
+
+class PagedBlocks:
+    """What a block decoder needs to keep its requests' finished blocks in the engine's pages
+    (SDAR's and LLaDA2's decoders mix it in): `block_length`, `gen_length` and `block_store` (the
+    engine's `PagedKVStore`, or None for a contiguous `DynamicCache`) are the decoder's own."""
+
+    block_length: int
+    gen_length: int
+    block_store: Any = None
+
+    def block_sizes(self, prompt_length: int) -> tuple[int, int]:
+        """(positions of the prompt's whole blocks, positions of the whole sequence)."""
+        L = self.block_length
+        return prompt_length // L * L, (prompt_length + self.gen_length + L - 1) // L * L
+
+    def pages_needed(self, manager: Any, prompt_ids: torch.Tensor) -> int:
+        """Free pages a request with this prompt takes in the engine's store (all allocated at start)."""
+        prefix, total = self.block_sizes(prompt_ids.shape[1])
+        return BlockKVCache.pages_needed(manager, prompt_ids[0, :prefix].tolist(), total, self.block_length)
+
+    def new_cache(self, input_ids: torch.Tensor) -> Any:
+        """A new request's cache: pages of the engine's store, or a contiguous `DynamicCache`."""
+        if self.block_store is None:
+            from transformers.cache_utils import DynamicCache
+
+            return DynamicCache()
+        prefix, total = self.block_sizes(input_ids.shape[1])
+        return BlockKVCache(self.block_store, input_ids[0, :prefix].tolist(), total, self.block_length)
+
+    def release(self, state: Any) -> None:
+        """Give back the state's cache pages (the engine's paged cache), if it has any."""
+        release = getattr(state.cache, "release", None)
+        if release is not None:
+            release()
