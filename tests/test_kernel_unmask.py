@@ -2,13 +2,18 @@
 of the rules (LLaDA's top-k, Fast-dLLM's threshold and factor, Dream's confidence_threshold)."""
 from __future__ import annotations
 
+import functools
+import importlib
+
 import pytest
 import torch
 
 from conftest import DEVICE
 from remask.kernels import unmask
-from remask.kernels.unmask import unmask_triton
+from remask.kernels.unmask import SORT_MAX_L_F64, SORT_MIN_L, sort_path, unmask_triton
 from remask.kernels.unmask_ref import unmask_reference_loop, unmask_torch
+
+unmask_module = importlib.import_module("remask.kernels.unmask")  # `remask.kernels.unmask` is also the function
 
 RULES = [
     pytest.param(dict(k="random"), id="budget"),
@@ -67,6 +72,155 @@ def test_kernel_writes_through_strided_views(poisoned_outputs):
     count = unmask_triton(block, mask, x0, conf, k=torch.tensor([1, 2, 0], device=DEVICE))
     assert count.tolist() == [1, 2, 0]
     assert (x_full == -1).nonzero().tolist() == [[0, 11], [1, 10], [1, 11]]
+
+
+# --- the sort path (rows of L ≥ SORT_MIN_L). Under the interpreter `tl.sort` costs about a second
+# per 512-lane row (its xor reductions run element by element), so these cases are few and small.
+
+TIES = [-0.0, 0.0, 0.25, 0.5, 0.7, 1.0]  # −0.0 and +0.0 are equal; 0.7 is not exact in any dtype
+
+
+def _long_case(seed, dtype, B, L, pad=0):
+    """Rows of tied confidences (a handful of values) as views `[:, pad : pad + L]` into longer
+    rows; row 0 has no masks and row 1 is all masked when B ≥ 3. float64 rows add offsets of 2⁻¹⁸
+    (the key's high word) and 2⁻⁴⁵ (its low word only) to 0.25, 0.5 and 0.7 (same exponent), so
+    equal high words with different low words are common and both passes matter."""
+    g = torch.Generator().manual_seed(seed)
+    W = L + 2 * pad
+    conf = torch.tensor(TIES, dtype=torch.float64)[torch.randint(0, len(TIES), (B, W), generator=g)]
+    if dtype == torch.float64:
+        offsets = torch.tensor([0.0, 2.0 ** -45, 2.0 ** -18, 2.0 ** -18 + 2.0 ** -45], dtype=torch.float64)
+        conf = torch.where((conf > 0) & (conf < 1), conf + offsets[torch.randint(0, 4, (B, W), generator=g)], conf)
+    mask = torch.rand(B, W, generator=g) < 0.6
+    if B >= 3:
+        mask[0], mask[1] = False, True
+    x = torch.randint(0, 100, (B, W), generator=g)
+    x0 = torch.randint(100, 200, (B, W), generator=g)
+    k = torch.randint(0, L + 4, (B,), generator=g)
+    return [t.to(DEVICE) for t in (x, mask, x0, conf.to(dtype))] + [k.to(DEVICE), pad, L]
+
+
+def _run_views(fn, case, rule, **kw):
+    """`fn` on the `[:, pad : pad + L]` views of fresh copies; returns the whole rows and the count."""
+    x, mask, x0, conf, k, pad, L = case
+    x, mask = x.clone(), mask.clone()
+    view = slice(pad, pad + L)
+    kwargs = {name: (k if value == "random" else value) for name, value in rule.items()}
+    count = fn(x[:, view], mask[:, view], x0[:, view], conf[:, view], **kwargs, **kw)
+    return x, mask, count
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Which kernel each `unmask_triton` call launched: "count" or "sort", in order."""
+    seen = []
+
+    class Spy:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            seen.append(self.name)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(unmask_module, "unmask_kernel", Spy("count", unmask_module.unmask_kernel))
+    monkeypatch.setattr(unmask_module, "unmask_sort_kernel", Spy("sort", unmask_module.unmask_sort_kernel))
+    return seen
+
+
+def _assert_paths_agree(case, rule, sort_fn, launches):
+    """`sort_fn` launches the sort path; it, the counting path and the reference agree."""
+    got = _run_views(sort_fn, case, rule)
+    assert launches[-1] == "sort"
+    counted = _run_views(unmask_triton, case, rule, path="count")
+    assert launches[-1] == "count"
+    want = _run_views(unmask_torch, case, rule)
+    for a, b, c in zip(got, counted, want):
+        assert torch.equal(a, c) and torch.equal(b, c), (a, b, c)
+    x, mask = case[0], case[1]
+    assert torch.equal(got[2], (mask & ~got[1]).sum(1))  # count = positions cleared
+    assert torch.equal(got[0] != x, (mask & ~got[1]) & (case[2] != x))  # only cleared positions written
+    return got
+
+
+LONG_RULES = [
+    (torch.float32, dict(k="random", threshold=0.7)), (torch.float32, dict(factor=1.0)),
+    (torch.float32, dict(k="random")),
+    (torch.float16, dict(k="random", threshold=0.7)), (torch.float16, dict(factor=0.2)),
+    (torch.float16, dict(threshold=0.5)),
+    (torch.bfloat16, dict(k="random", threshold=0.7)), (torch.bfloat16, dict(factor=1.0)),
+    (torch.float64, dict(k="random", threshold=0.7)), (torch.float64, dict(factor=0.2)),
+]
+
+
+@pytest.mark.parametrize("seed, dtype, rule", [(seed, *case) for seed, case in enumerate(LONG_RULES)],
+                         ids=[f"{str(d)[6:]}-{'+'.join(r)}" for d, r in LONG_RULES])
+def test_sort_path_equals_reference_and_counting(poisoned_outputs, launches, monkeypatch, seed, dtype, rule):
+    """L = 512 through the dispatcher (`unmask`), which picks the sort path."""
+    monkeypatch.setenv("REMASK_TRITON", "1")
+    _assert_paths_agree(_long_case(seed, dtype, 1, SORT_MIN_L), rule, unmask, launches)
+
+
+@pytest.mark.parametrize("dtype, B, L, rule", [
+    (torch.bfloat16, 3, 601, dict(k="random", threshold=0.7)),   # strided rows: none / all / some masked
+    (torch.float64, 1, 1031, dict(k="random")),
+    (torch.float16, 1, 1031, dict(factor=1.0)),
+], ids=["bf16-B3-L601", "f64-L1031", "f16-L1031"])
+def test_sort_path_long_odd_rows(poisoned_outputs, launches, dtype, B, L, rule):
+    case = _long_case(L, dtype, B, L, pad=9)
+    x_full, got_x = case[0], _assert_paths_agree(case, rule, unmask_triton, launches)[0]
+    assert torch.equal(got_x[:, :9], x_full[:, :9]) and torch.equal(got_x[:, 9 + L:], x_full[:, 9 + L:])
+    if B >= 3:  # row 0 had nothing to commit; row 1 everything the rule takes
+        assert torch.equal(got_x[0], x_full[0]) and (got_x[1] != x_full[1]).any()
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_sort_path_forced_on_short_rows(poisoned_outputs, launches, rule):
+    """The same kernel on short rows (cheap under the interpreter), every rule, each dtype once."""
+    for seed, dtype in enumerate((torch.float64, torch.float32, torch.float16, torch.bfloat16)):
+        x, mask, x0, conf, k = _case(seed, dtype, ties=seed != 1)
+        case = [x, mask, x0, conf, k, 0, conf.shape[1]]
+        _assert_paths_agree(case, rule, functools.partial(unmask_triton, path="sort"), launches)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_sort_path_order_is_exact(poisoned_outputs, launches, dtype):
+    """Every prefix of one row's order: rows share one confidence row (stride 0) and take k = 0 … n,
+    so any slip in the order (ties, −0.0, float64's low word) changes some row's selection."""
+    g = torch.Generator().manual_seed(4)
+    L = 27
+    conf = torch.tensor(TIES, dtype=torch.float64)[torch.randint(0, len(TIES), (L,), generator=g)]
+    if dtype == torch.float64:  # equal high words, different low words, and the reverse
+        offsets = torch.tensor([0.0, 2.0 ** -45, 2.0 ** -18, 2.0 ** -18 + 2.0 ** -45], dtype=torch.float64)
+        conf = torch.where((conf > 0) & (conf < 1), conf + offsets[torch.randint(0, 4, (L,), generator=g)], conf)
+    row_mask = torch.rand(L, generator=g) < 0.8
+    if dtype == torch.float64:  # the data holds what pass 1 is for: equal high words, the lower index smaller
+        words = conf.view(torch.int64) >> 32
+        assert any(words[i] == words[j] and conf[i] < conf[j] and row_mask[i] and row_mask[j]
+                   for i in range(L) for j in range(i + 1, L))
+    n = int(row_mask.sum())
+    B = n + 2
+    case = [torch.zeros(B, L, dtype=torch.long, device=DEVICE), row_mask.expand(B, L).clone().to(DEVICE),
+            torch.arange(1, L + 1, device=DEVICE).expand(B, L), conf.to(dtype).to(DEVICE).expand(B, L),
+            torch.arange(B, device=DEVICE), 0, L]
+    got = _assert_paths_agree(case, dict(k="random"), functools.partial(unmask_triton, path="sort"), launches)
+    assert got[2].tolist() == list(range(n + 1)) + [n]
+    order = [int(torch.nonzero(got[0][r] != got[0][r - 1])[0]) for r in range(1, n + 1)]
+    keys = conf.to(dtype).double()
+    assert order == sorted((i for i in range(L) if row_mask[i]), key=lambda i: (-float(keys[i]), i))
+
+
+def test_sort_path_choice():
+    assert SORT_MIN_L == 512
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        assert not sort_path(dtype, SORT_MIN_L - 1) and sort_path(dtype, SORT_MIN_L) and sort_path(dtype, 4096)
+    assert sort_path(torch.float64, SORT_MAX_L_F64) and not sort_path(torch.float64, SORT_MAX_L_F64 + 1)
+    assert sort_path(torch.float32, SORT_MAX_L_F64 + 1)
+    x = torch.zeros(1, SORT_MAX_L_F64 + 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="at most"):
+        unmask_triton(x, x.bool(), x, x.double(), k=torch.ones(1, dtype=torch.long), path="sort")
+    with pytest.raises(ValueError, match="path"):
+        unmask_triton(x, x.bool(), x, x.float(), k=torch.ones(1, dtype=torch.long), path="radix")
 
 
 def _oracle_threshold(conf, cand, tau):
