@@ -220,7 +220,7 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> bool:
     except ImportError:
         print(f"matplotlib is not installed ({PLOT_INSTALL}): no plot written", file=sys.stderr)
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 6.4), sharex=True)
     families = list(dict.fromkeys(r["family"] for r in rows))
     colours = plt.get_cmap("tab20").colors   # more families than tab10 has colours
     for i, family in enumerate(families):
@@ -229,9 +229,11 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> bool:
             style = dict(marker="*", markersize=12, linestyle="none")
         elif family.startswith("apd"):   # APD's frontier: drawn thicker, squares
             style = dict(marker="s", markersize=5, linewidth=2.2)
-        else:
-            style = dict(marker="o", markersize=4)
-        style["color"] = colours[(2 * i) % 20 + (2 * i) // 20]
+        elif "lossless" in family:       # verified identical to its baseline: diamonds, dashed
+            style = dict(marker="D", markersize=5, linestyle="--")
+        else:   # more families than colours: the marker changes with each pass over the palette
+            style = dict(marker="o^vP"[(i // 20) % 4], markersize=4)
+        style["color"] = colours[(2 * i) % 20 + ((2 * i) // 20) % 2]
         for ax, key in zip(axes, ("accuracy", "multi_answer_accuracy")):
             ax.plot([r["nfe_per_answer"] for r in pts], [r[key] for r in pts], label=family, **style)
     for ax, label in zip(axes, ("exact match, all tasks", "multi-answer tasks (colour, animal)")):
@@ -240,9 +242,10 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> bool:
         ax.set_ylabel(label)
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7, loc="lower right")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=5, frameon=False)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.24, 1, 1))   # the legend below the two panels
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
