@@ -156,8 +156,53 @@ class FastDLLMV2Decoder:
         self.stop_mode, self.prefill_whole_block_prompt = stop_mode, prefill_whole_block_prompt
 
     def shared_forward_key(self, state: FastDLLMV2State) -> tuple | None:
-        """Every forward runs alone (None): a state's forwards have its own shapes and caches."""
-        return None
+        """Requests whose next forward is a whole block against their prefix cache (a denoising
+        forward, or the store of a finished block) share one batched forward (`forward_shared`),
+        whatever block each is at. The prefill, the sub-block cache's forwards and `batch_sample`'s
+        loop run alone. Opens the next block first when the state is between blocks (as `step` would)."""
+        if state.done or not state.prefilled or self.use_block_cache or self.stop_mode != "generate":
+            return None
+        if not state.in_block:
+            self._open_block(state)
+            if state.done:
+                return None
+        block = state.x[:, state.block_start:]
+        masked = block == self.mask_id
+        if bool(masked.any()):
+            S = self.small_block_size
+            while not bool(masked[:, state.sub_block * S:(state.sub_block + 1) * S].any()):
+                state.sub_block += 1
+        return ("block", self.block_size)
+
+    def forward_shared(self, model: torch.nn.Module, states: list[FastDLLMV2State]) -> tuple[torch.Tensor, list[bool]]:
+        """One forward over each state's current block `[B, L]` (`models.fast_dllm_v2.RowBatch`):
+        each row with its own cache, positions and official block mask (the store's `block_size` is
+        the block's, a denoising forward's the official default 32), as its own forward."""
+        from transformers.cache_utils import DynamicCache
+
+        from remask.models.fast_dllm_v2 import RowBatch
+
+        blocks = [state.x[:, state.block_start:] for state in states]
+        stores = [not bool((block == self.mask_id).any()) for block in blocks]
+        for state in states:
+            if state.cache is None:
+                state.cache = DynamicCache()
+        rows = RowBatch([state.cache for state in states], stores, [self.block_size if store else 32 for store in stores])
+        return model(input_ids=torch.cat(blocks), past_key_values=rows).logits, stores
+
+    def commit(self, state: FastDLLMV2State, logits: torch.Tensor, stored: Any = None,
+               generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> None:
+        """The step's decision for one row of `forward_shared` (its logits `[1, L, V]`)."""
+        block = state.x[:, state.block_start:]
+        masked = block == self.mask_id
+        if not bool(masked.any()):
+            self._after_store(state, logits, stats)
+            return
+        S = self.small_block_size
+        start, end = state.sub_block * S, (state.sub_block + 1) * S
+        if stats is not None:
+            stats.forward(1, self.block_size)
+        self._commit_sub_block(state, shift_logits(logits)[:, start:end], masked, start, end, generator, stats)
 
     def num_final(self, state: FastDLLMV2State) -> int:
         """Generated positions that are final: everything before the block being decoded (all once done)."""
@@ -216,13 +261,7 @@ class FastDLLMV2Decoder:
             out = model(input_ids=block, use_cache=True, past_key_values=state.cache, update_past_key_values=True,
                         block_size=L)
             state.cache = out.past_key_values
-            if stats is not None:
-                stats.forward(1, L)
-            state.x = torch.cat([state.x, out.logits[:, -1:].argmax(dim=-1)], dim=1)
-            state.block_start = -1
-            state.blocks_left -= 1
-            if state.blocks_left <= 0:
-                self._finish(state)
+            self._after_store(state, out.logits, stats)
             return
         S = self.small_block_size
         while not bool(masked[:, state.sub_block * S:(state.sub_block + 1) * S].any()):
@@ -243,6 +282,22 @@ class FastDLLMV2Decoder:
             length = L
         if stats is not None:
             stats.forward(1, length)
+        self._commit_sub_block(state, logits, masked, start, end, generator, stats)
+
+    def _after_store(self, state: FastDLLMV2State, logits: torch.Tensor, stats: GenerationStats | None) -> None:
+        """A finished block was stored: the argmax of its last position opens the next block."""
+        if stats is not None:
+            stats.forward(1, self.block_size)
+        state.x = torch.cat([state.x, logits[:, -1:].argmax(dim=-1)], dim=1)
+        state.block_start = -1
+        state.blocks_left -= 1
+        if state.blocks_left <= 0:
+            self._finish(state)
+
+    def _commit_sub_block(self, state: FastDLLMV2State, logits: torch.Tensor, masked: torch.Tensor, start: int,
+                          end: int, generator: torch.Generator | None, stats: GenerationStats | None) -> None:
+        """One denoising step of the sub-block `[start, end)` from its (shifted) logits."""
+        block = state.x[:, state.block_start:]
         tokens, token_probs = choose_tokens(logits, self.top_p, self.temperature, self.mask_id, generator)
         commit = select_to_commit(token_probs, masked[:, start:end], self.threshold)
         sub = block[:, start:end]
@@ -251,7 +306,7 @@ class FastDLLMV2Decoder:
             stats.step(int(commit.sum()))
         if bool(((tokens == self.stop_token) & commit).any()) and not state.finished:
             state.finished = True
-            state.finished_block = state.block_start // L
+            state.finished_block = state.block_start // self.block_size
         if self.stop_mode == "generate" and self._stop_reached(state):
             self._finish(state)
 

@@ -29,6 +29,8 @@ storing a block, and remask's do the same).
 """
 from __future__ import annotations
 
+import contextvars
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,6 +127,37 @@ def eval_block_mask(query_length: int, block_size: int, cached_length: int,
     return (q[:, None] // block_size) >= (k[None, :] // block_size)
 
 
+ROWS_ATTENTION = "remask_fast_dllm_rows"
+_ROWS: contextvars.ContextVar["RowBatch | None"] = contextvars.ContextVar("remask_fast_dllm_rows", default=None)
+
+
+@dataclass(eq=False)
+class RowBatch:
+    """The cache argument of one forward shared by several requests' whole blocks `[B, L]` (the
+    engine's continuous batching): row b attends over `caches[b]` (a prefix cache; appended to when
+    `stores[b]`) under its own official block mask (`block_sizes[b]`), exactly as its own forward."""
+
+    caches: list[Cache]
+    stores: list[bool]
+    block_sizes: list[int]
+    masks: list[torch.Tensor] | None = None
+
+
+def rows_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The attention of a `RowBatch` forward: per row, the cache rule (`OfficialCacheView`'s
+    prefix part) and transformers' SDPA attention with the row's own mask — its alone call."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch = _ROWS.get()
+    outputs = []
+    for b, (cache, store) in enumerate(zip(batch.caches, batch.stores)):
+        view = OfficialCacheView(cache, store, None, None)
+        k, v = view.update(key[b:b + 1], value[b:b + 1], module.layer_idx)
+        outputs.append(sdpa_attention_forward(module, query[b:b + 1], k, v, batch.masks[b], **kwargs)[0])
+    return torch.cat(outputs), None
+
+
 class FastDLLMV2Backbone(nn.Module):
     def __init__(self, config: FastDLLMV2Config):
         super().__init__()
@@ -194,6 +227,8 @@ class FastDLLMV2ForCausalLM(PreTrainedModel):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         # attention_mask: the official inference forward overwrites it with its block mask
         hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if isinstance(past_key_values, RowBatch):
+            return self._rows_forward(hidden, past_key_values, logits_to_keep)
         length = hidden.shape[1]
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache()
@@ -222,6 +257,32 @@ class FastDLLMV2ForCausalLM(PreTrainedModel):
         return FastDLLMV2Output(logits=self.lm_head(hidden[:, keep, :]),
                                 past_key_values=past_key_values if use_cache else None, hidden_states=hidden,
                                 block_past_key_values=block_past_key_values if use_block_cache else None)
+
+    def _rows_forward(self, hidden: torch.Tensor, rows: RowBatch, logits_to_keep: int | torch.Tensor
+                      ) -> FastDLLMV2Output:
+        """A forward over several requests' whole blocks (`RowBatch`): each row with the positions,
+        mask and cache rule of its own forward; attention row by row (`rows_attention_forward`)."""
+        from transformers import AttentionInterface
+
+        B, length = hidden.shape[:2]
+        cached = [cache.get_seq_length() for cache in rows.caches]
+        position_ids = torch.stack([torch.arange(c, c + length, device=hidden.device) for c in cached])
+        rows.masks = [eval_block_mask(length, size, c, device=hidden.device)
+                      for size, c in zip(rows.block_sizes, cached)]
+        AttentionInterface.register(ROWS_ATTENTION, rows_attention_forward)
+        saved, token = self.config._attn_implementation, _ROWS.set(rows)
+        try:
+            self.config._attn_implementation = ROWS_ATTENTION
+            position_embeddings = self.model.rotary_emb(hidden, position_ids)
+            for layer in self.model.layers:
+                hidden = layer(hidden, attention_mask=None, position_ids=position_ids, past_key_values=None,
+                               position_embeddings=position_embeddings, is_causal=False)
+        finally:
+            self.config._attn_implementation = saved
+            _ROWS.reset(token)
+        hidden = self.model.norm(hidden)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return FastDLLMV2Output(logits=self.lm_head(hidden[:, keep, :]), hidden_states=hidden)
 
     def sample_with_top_p(self, logits: torch.Tensor, top_p: float = 0.95, temperature: float = 1.0):
         """The official model's sampling helper (its decoders call it as a method); see

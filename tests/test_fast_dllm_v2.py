@@ -156,7 +156,8 @@ def test_batch_sample_checks_its_lengths(models):
 ])
 def test_engine_requests_equal_generate_alone(models, settings):
     """`remask.LLM` serves Fast-dLLM v2: each request equals the official `generate` on it alone
-    (`max_new_tokens` = max_tokens rounded up to whole blocks) with its seed, whatever arrives with it."""
+    (`max_new_tokens` = max_tokens rounded up to whole blocks) with its seed, whatever arrives with it;
+    without the sub-block cache, requests at different blocks share their whole-block forwards."""
     model = models["fd"]
     fast = settings["fast"]
     params = remask.SamplingParams(max_tokens=14, seed=5, fast_dllm_v2=fast, **settings["params"])
@@ -169,6 +170,7 @@ def test_engine_requests_equal_generate_alone(models, settings):
     while engine.has_unfinished_requests():
         outputs.update({o.request_id: o for o in engine.step() if o.finished})
     p = settings["params"]
+    nfe = 0
     for i, prompt in enumerate(prompts):
         expected = generate(model, torch.tensor([prompt]), max_new_tokens=16, mask_id=MASK, stop_token=STOP,
                             block_size=8, threshold=p.get("threshold", 0.9), temperature=p["temperature"],
@@ -176,6 +178,9 @@ def test_engine_requests_equal_generate_alone(models, settings):
         got = outputs[str(i)].outputs[0]
         assert got.all_token_ids == expected[0, len(prompt):].tolist(), i
         assert MASK not in got.all_token_ids
+        nfe += got.nfe
+    if not fast.get("use_block_cache"):   # whole-block forwards of requests at different blocks were shared
+        assert engine.runner.forwards < nfe
     with pytest.raises(ValueError, match="fast_dllm_v2"):
         remask.SamplingParams(fast_dllm_v2={"block": 3})
     with pytest.raises(ValueError, match="top_k"):
