@@ -5,7 +5,9 @@
 * `remask.ThresholdDecoding`, `remask.CreditDecoding`, `remask.HierarchicalDecoding` and the cache
   `remask.VicinityCache` — inclusionAI/dInfer's rules and its vicinity-refresh cache (`diffusion/dinfer.py`);
 * `remask.WINO` — revocable wide-in, narrow-out decoding (`diffusion/wino.py`);
-* the cache `remask.DKVCache` — dKV-Cache-Decode's delayed cache under LLaDA's own schedule (`diffusion/dkv.py`).
+* the cache `remask.DKVCache` — dKV-Cache-Decode's delayed cache under LLaDA's own schedule (`diffusion/dkv.py`);
+* the cache `remask.D2Cache` — d2Cache's selective row recompute with its certainty-prior decoding
+  (`diffusion/d2cache.py`).
 
 `run_decoder` maps a call's arguments onto the method's own function and refuses, by name, the
 settings the method does not read; `RunToEndDecoder` serves a request with it in the engine.
@@ -29,10 +31,11 @@ def decoder_types() -> tuple[type, ...]:
 
 
 def cache_types() -> tuple[type, ...]:
+    from .d2cache import D2Cache
     from .dinfer import VicinityCache
     from .dkv import DKVCache
 
-    return VicinityCache, DKVCache
+    return VicinityCache, DKVCache, D2Cache
 
 
 def is_cache_config(value: Any) -> bool:
@@ -47,7 +50,7 @@ def check_decoder(decoder: Any) -> None:
 
 # What each method reads of an entry point's settings besides the lengths, the cache and `stats`.
 READS = {"FreeDave": ("steps",), "ThresholdDecoding": (), "CreditDecoding": (), "HierarchicalDecoding": (),
-         "WINO": (), "DKVCache": ("steps", "remasking", "generator")}
+         "WINO": (), "DKVCache": ("steps", "remasking", "generator"), "D2Cache": ("steps",)}
 
 
 def run_decoder(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None, decoder: Any, *,
@@ -57,6 +60,7 @@ def run_decoder(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: to
     settings as ``name: (value, default)``; every one set away from its default that the method does
     not read is refused by name. A cache config without a decoder: `VicinityCache` runs dInfer's
     threshold rule (0.9), `DKVCache` LLaDA's own schedule (`steps`, `remasking`)."""
+    from .d2cache import D2Cache, d2cache_generate
     from .dinfer import ThresholdDecoding, VicinityCache, dinfer_generate
     from .dkv import DKVCache, dkv_generate
     from .freedave import FreeDave, freedave_generate
@@ -66,21 +70,26 @@ def run_decoder(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: to
         check_decoder(decoder)
     if use_cache is not None and not isinstance(use_cache, str) and not is_cache_config(use_cache):
         raise ValueError(f"use_cache must be None, a cache name or a remask cache config, got {type(use_cache).__name__}")
-    if isinstance(use_cache, DKVCache) and decoder is not None:
-        raise ValueError("use_cache=DKVCache caches LLaDA's own schedule: it does not combine with decoder=")
+    if isinstance(use_cache, (DKVCache, D2Cache)) and decoder is not None:
+        raise ValueError(f"use_cache={type(use_cache).__name__} runs its own schedule: it does not combine with "
+                         f"decoder=")
     if decoder is None and isinstance(use_cache, VicinityCache):
         decoder = ThresholdDecoding()
-    method = type(use_cache).__name__ if isinstance(use_cache, DKVCache) else type(decoder).__name__
+    method = type(use_cache).__name__ if isinstance(use_cache, (DKVCache, D2Cache)) else type(decoder).__name__
     settings = dict(settings or {})
     steps = settings.get("steps", (None, None))[0]
     unread = [name for name, (value, default) in settings.items()
               # a generator is the randomness of sampling: harmless (unused) with a greedy method
               if name not in ("steps", "generator") and name not in READS[method] and value is not default
               and value != default]
-    if method != "DKVCache" and steps is not None and steps != gen_length:
+    if method not in ("DKVCache", "D2Cache") and steps is not None and steps != gen_length:
         unread.append("steps")
     if unread:
         raise ValueError(f"{method} runs its own rule (greedy) and does not read {sorted(set(unread))}")
+    if isinstance(use_cache, D2Cache):
+        return d2cache_generate(model, prompt, config=use_cache, steps=gen_length if steps is None else steps,
+                                gen_length=gen_length, block_length=block_length, attention_mask=attention_mask,
+                                mask_id=mask_id, stats=stats)
     if isinstance(use_cache, DKVCache):
         return dkv_generate(model, prompt, config=use_cache, steps=gen_length if steps is None else steps,
                             gen_length=gen_length, block_length=block_length,

@@ -13,6 +13,7 @@ from remask.diffusion import (
     generate)
 from remask.engine import LLM, LLMEngine, RequestOutput, SamplingParams
 from remask.diffusion.dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding, VicinityCache
+from remask.diffusion.d2cache import D2Cache
 from remask.diffusion.dkv import DKVCache
 from remask.diffusion.freedave import FreeDave
 from remask.diffusion.wino import WINO
@@ -24,7 +25,7 @@ from remask.zoo import load
 __version__ = "0.1.0"
 
 __all__ = [
-    "APDConfig", "CanvasSampler", "CreditDecoding", "DKVCache", "DreamConfig", "FreeDave", "HierarchicalDecoding", "ThresholdDecoding",
+    "APDConfig", "CanvasSampler", "CreditDecoding", "D2Cache", "DKVCache", "DreamConfig", "FreeDave", "HierarchicalDecoding", "ThresholdDecoding",
     "VicinityCache", "WINO", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
     "LLM", "LLMEngine", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "RequestOutput", "SamplingParams", "SparseConfig", "answer_text", "ar_generate",
     "diffusion_generate", "generate", "get_spec", "load", "patch", "stop_token_ids",

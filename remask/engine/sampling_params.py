@@ -134,7 +134,7 @@ class SamplingParams:
         if not is_cache_config(self.use_cache) and (
                 not (self.use_cache is None or isinstance(self.use_cache, str)) or self.use_cache not in CACHE_MODES):
             raise ValueError(f"use_cache must be one of {list(CACHE_MODES)} or a remask cache config "
-                             f"(remask.VicinityCache, remask.DKVCache), got {self.use_cache!r}")
+                             f"(remask.VicinityCache, remask.DKVCache, remask.D2Cache), got {self.use_cache!r}")
         if self.use_cache is not None and self.cfg_scale > 0:
             raise ValueError("cfg_scale > 0 cannot be combined with use_cache")
         for name in ("early_stop", "logits_eos_inf", "reference_rng", "reference_ties"):
@@ -178,14 +178,16 @@ class SamplingParams:
             if self.use_cache is not None and not isinstance(self.use_cache, str) and not is_cache_config(self.use_cache):
                 raise ValueError(f"use_cache must be None, a cache name or a remask cache config "
                                  f"(remask.VicinityCache), got {type(self.use_cache).__name__}")
+            from remask.diffusion.d2cache import D2Cache
             from remask.diffusion.dkv import DKVCache
 
             dkv = isinstance(self.use_cache, DKVCache)   # LLaDA's own schedule, cached: it reads steps and remasking
+            own_steps = dkv or isinstance(self.use_cache, D2Cache)
             unread = [name for name in DECODER_UNREAD if getattr(self, name) != getattr(SamplingParams, name)
                       and not (dkv and name == "remasking")]
             if self.temperature > 0:
                 unread.append("temperature")
-            if self.steps not in (None, self.max_tokens) and not dkv:
+            if self.steps not in (None, self.max_tokens) and not own_steps:
                 unread.append("steps")
             if unread:
                 method = type(self.decoder if self.decoder is not None else self.use_cache).__name__

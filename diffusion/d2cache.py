@@ -1,0 +1,375 @@
+"""d2Cache for LLaDA (Kamichanw/d2Cache `src/cache/d2cache.py::d2Cache`, run by its default decoding loop
+`src/generation/vanilla.py::vanilla_generate`): greedy low-confidence decoding, optionally with the
+certainty prior, where each step after the first recomputes only a chosen set of rows.
+
+Decoding rule (the reference's `vanilla` strategy, `alg="maskgit_plus"`, temperature 0): blocks of
+`block_length` left to right; each step commits `gen_length // steps` positions of the current block
+(fewer when the block has fewer masks left) with the highest score, where the score is the softmax
+max-probability (`confidence`), times the certainty density of the decoded positions when
+`prior_sigma` is set ("certainty prior" decoding; the reference's d2Cache preset uses sigma 10 with
+one block spanning the whole generation). A committed argmax equal to the mask id leaves the position
+masked (upstream), costing an extra step.
+
+Cache rule (`D2Cache`): the first forward computes every position and keeps every layer's keys and
+values. Every later forward recomputes only the rows selected at the end of the previous step; their
+fresh keys/values overwrite the cache in place and all queries attend over the whole cached sequence.
+Rows not recomputed get all-zero logits (as upstream: uniform probabilities, argmax token 0), so they
+stay eligible with confidence 1/V. The rows for the next step are, per sequence:
+1. up to `current_k` still-masked positions with the highest first-step confidence × certainty density
+   (`sigma`) of the decoded positions, searched from the block's first open position up to a boundary
+   (a multiple of the block's open-position count, upstream narrows the block mask in place) that covers
+   `current_k` masks, with a bias that puts the open block positions first;
+2. the positions committed this step;
+3. the nucleus (`rollout_p`) of the remaining positions by attention-rollout importance (head-mean
+   attention of the recomputed rows, identity elsewhere, plus the residual identity, row-normalised and
+   multiplied through the layers, summed over queries);
+4. every gap of at most `inflate_w` positions between two selected positions.
+Rows of a batch with different counts are topped up to the largest count (masked positions by the
+step-1 score first, then rollout importance), as upstream: a batch's rows are coupled (also through
+the global maximum used for the block bias), so a row in a batch may decode differently than alone.
+
+The cache (`D2KVCache`) plugs into remask's LLaDA through the model's KV-cache seam (`attend`) and
+computes attention eagerly (the weights are needed for the rollout), in the reference's order of
+operations, so float32 logits are the reference's; no model code changes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from remask.caches.kv import KVCache
+from remask.models.spec import get_spec
+
+from .checks import check_bool, check_int, check_mask_id, check_prompt, check_real, check_stats, model_device
+from .stats import GenerationStats
+
+
+@dataclass(frozen=True)
+class D2Cache:
+    """d2Cache's parameters (upstream `d2Cache.__init__` defaults; `configs/cache/d2cache.yaml` and
+    `configs/gen_args.py` run it with `inflate_w=0` and one block over the whole generation)."""
+
+    rollout_p: float = 0.1
+    current_k: int = 32
+    sigma: float = 10.0
+    inflate_w: int = 4
+
+    def __post_init__(self) -> None:
+        check_real("rollout_p", self.rollout_p, low=0.0, high=1.0)
+        check_int("current_k", self.current_k, minimum=1)
+        check_real("sigma", self.sigma, low=0.0, low_open=True)
+        check_int("inflate_w", self.inflate_w, minimum=0)
+
+
+def certainty_density(decoded: torch.Tensor, sigma: float) -> torch.Tensor:
+    """Gaussian-smoothed density `[B, L]` of `decoded` `[B, L]` (bool): sum of exp(-d²/2σ²) over decoded
+    positions, over the kernel's total mass. Outside the row the signal is 1 on the left (the prompt) and
+    repeats the last position on the right. Computed by FFT convolution on a 6L circle in float32, as the
+    reference does, so that near-equal scores order the same way."""
+    B, L = decoded.shape
+    device = decoded.device
+    n = 6 * L
+    signal = torch.ones((B, 3 * L), device=device)
+    signal[:, L:2 * L] = decoded.float()
+    signal[~decoded[:, -1], 2 * L:] = 0.0
+    signal = torch.cat([signal, torch.zeros((B, 3 * L), device=device)], dim=1)
+    offsets = torch.cat((torch.arange(3 * L, device=device), torch.arange(-3 * L, 0, device=device)))
+    kernel = torch.fft.fft(torch.exp(-(offsets ** 2) / (2 * sigma ** 2)), n=n)
+    weighted = torch.fft.ifft(torch.fft.fft(signal, n=n) * kernel, n=n).real
+    total = torch.fft.ifft(torch.fft.fft(torch.ones((B, n), device=device), n=n) * kernel, n=n).real
+    return weighted[:, L:2 * L] / total[:, L:2 * L].clamp_min(1e-8)
+
+
+def nucleus(scores: torch.Tensor, p: float, allowed: torch.Tensor) -> torch.Tensor:
+    """Positions `[B, L]` (bool) among `allowed` whose normalised `scores`, taken largest first, stay within
+    cumulative mass `p`; always the largest one."""
+    scores = torch.where(allowed, scores, 0.0)
+    probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-9)
+    ordered, order = torch.sort(probs, dim=-1, descending=True)
+    keep = torch.cumsum(ordered, dim=-1) <= p
+    keep[:, 0] = True
+    keep &= torch.gather(allowed, 1, order)
+    return torch.zeros_like(allowed).scatter_(1, order, keep)
+
+
+def inflate(selected: torch.Tensor, width: int) -> torch.Tensor:
+    """`selected` `[B, T]` plus every position between two selected ones at most `width` apart."""
+    if width <= 0:
+        return selected
+    B, T = selected.shape
+    idx = torch.arange(T, device=selected.device).expand(B, T)
+    prev = torch.cummax(torch.where(selected, idx, -1), dim=1).values
+    nxt = torch.cummin(torch.where(selected, idx, T).flip(1), dim=1).values.flip(1)
+    return selected | ((nxt - prev <= width) & (prev >= 0) & (nxt < T))
+
+
+def top_up(rows: torch.Tensor, priority: torch.Tensor, count: int) -> torch.Tensor:
+    """Add to each row of `rows` `[B, T]` its highest-`priority` unselected positions up to `count`."""
+    need = (count - rows.sum(dim=-1)).clamp(min=0)
+    if int(need.sum()) == 0:
+        return rows
+    rows = rows.clone()
+    order = torch.topk(torch.where(rows, -torch.inf, priority), k=int(need.max()), dim=-1).indices
+    take = torch.arange(order.shape[1], device=rows.device)[None] < need[:, None]
+    rows[torch.arange(rows.shape[0], device=rows.device)[:, None].expand_as(order)[take], order[take]] = True
+    return rows
+
+
+class D2KVCache(KVCache):
+    """Every layer's keys/values (after RoPE) of the whole sequence `[B, H, T, D]`, refreshed row by row,
+    plus the attention rollout of the last forward.
+
+    Before each forward call `full()` (the forward covers every position; the cache is (re)filled) or
+    `partial(rows)` (`rows` `[B, T]` bool, equal counts per row: the forwarded positions, in order).
+    `key_bias` `[B, 1, 1, T]` (additive; padding keys) or None."""
+
+    def __init__(self, key_bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.key_bias = key_bias
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self.rows: torch.Tensor | None = None
+        self.rollout: torch.Tensor | None = None     # [B, T, T] after the last forward
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return 0   # positions are passed explicitly; nothing is appended
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in list(self.k.values()) + list(self.v.values()))
+
+    def full(self) -> None:
+        self.rows = None
+
+    def partial(self, rows: torch.Tensor) -> None:
+        if not self.k:
+            raise RuntimeError("d2Cache: the first forward must be a full one")
+        self.rows = rows
+
+    def _rollout(self, layer: int, weights: torch.Tensor) -> None:
+        B, _, _, T = weights.shape
+        if layer == 0:
+            self.rollout = torch.eye(T, dtype=weights.dtype, device=weights.device).expand(B, -1, -1)
+        if self.rows is None:
+            step = weights.mean(dim=1)
+        else:
+            step = torch.eye(T, dtype=weights.dtype, device=weights.device).repeat(B, 1, 1)
+            step[self.rows] = weights.mean(dim=1).reshape(-1, T)
+        step = step + torch.eye(T, dtype=weights.dtype, device=weights.device)
+        step = step / step.sum(dim=-1, keepdim=True)
+        self.rollout = step @ self.rollout
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        if self.rows is None:
+            self.k[layer], self.v[layer] = k, v
+        else:
+            B, H, n, D = k.shape
+            index = self.rows.nonzero()[:, 1].view(B, 1, n, 1).expand(B, H, n, D)
+            self.k[layer] = self.k[layer].scatter(2, index, k)
+            self.v[layer] = self.v[layer].scatter(2, index, v)
+        keys, values = self.k[layer], self.v[layer]
+        n_rep = q.shape[1] // keys.shape[1]
+        if n_rep > 1:
+            keys = keys.repeat_interleave(n_rep, dim=1)
+            values = values.repeat_interleave(n_rep, dim=1)
+        weights = torch.matmul(q, keys.transpose(2, 3)) / math.sqrt(q.shape[-1])
+        if self.key_bias is not None:
+            weights = weights + self.key_bias
+        weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
+        self._rollout(layer, weights)
+        return torch.matmul(weights, values)
+
+
+class _Selector:
+    """The rows each forward recomputes (upstream `d2Cache.on_step_end` / `top_up_mask`)."""
+
+    def __init__(self, config: D2Cache, prompt_length: int) -> None:
+        self.config = config
+        self.P = prompt_length
+        self.first_conf: torch.Tensor | None = None   # [B, G] step-1 confidence (never refreshed upstream)
+        self.next_rows: torch.Tensor | None = None    # [B, T]
+        self.importance: torch.Tensor | None = None   # [B, T]
+        self.density: torch.Tensor | None = None      # [B, G] biased step-end scores
+
+    def rows_for(self, active: torch.Tensor) -> torch.Tensor | None:
+        if self.next_rows is None:
+            return None
+        rows = self.next_rows[active]
+        counts = rows.sum(dim=-1)
+        if bool((counts != counts.max()).any()):
+            G = self.density.shape[1]
+            priority = torch.where(rows, -torch.inf, self.importance[active])
+            priority[:, -G:] += priority.max() + self.density[active]
+            rows = top_up(rows, priority, int(counts.max()))
+        return rows
+
+    def step_end(self, active: torch.Tensor, open_block: torch.Tensor, confidence: torch.Tensor,
+                 still_masked: torch.Tensor, committed: list[torch.Tensor], rollout: torch.Tensor) -> None:
+        """`open_block` `[Ba, G]`: block positions masked before the step; `confidence` `[Ba, G]`;
+        `still_masked` `[Ba, G]` after the step; `committed`: committed columns per active row."""
+        cfg, P = self.config, self.P
+        Ba, G = confidence.shape
+        device = confidence.device
+        if self.first_conf is None:
+            self.first_conf = confidence
+        # 1. masked positions with the highest certainty, inside a block-aligned search window
+        size = open_block.sum(dim=1, keepdim=True)
+        enough = torch.cumsum(still_masked.int(), dim=1) >= cfg.current_k
+        end = torch.argmax(enough.int(), dim=1, keepdim=True)
+        end[~enough.any(dim=1, keepdim=True)] = G - 1
+        end = (end // size + 1) * size - 1
+        begin = torch.argmax(open_block.int(), dim=1, keepdim=True)
+        cols = torch.arange(G, device=device)
+        window = (cols >= begin) & (cols <= end)
+        scores = self.first_conf[active] * certainty_density(~still_masked, cfg.sigma)
+        scores[open_block] += scores.max()
+        top = torch.topk(torch.where(window & still_masked, scores, -torch.inf),
+                         k=min(cfg.current_k, G), dim=-1).indices
+        rows = torch.zeros_like(still_masked).scatter_(1, top, True) & still_masked
+        # 2. the positions just committed
+        for r, c in enumerate(committed):
+            rows[r, c] = True
+        rows = torch.cat([torch.zeros((Ba, P), dtype=torch.bool, device=device), rows], dim=1)
+        # 3. rollout-importance nucleus of the rest
+        importance = rollout.sum(dim=1)
+        rows |= nucleus(importance, cfg.rollout_p, ~rows)
+        # 4. fill short gaps
+        rows = inflate(rows, cfg.inflate_w)
+        if self.next_rows is None:
+            self.next_rows, self.importance, self.density = rows, importance, scores
+        else:
+            self.next_rows[active], self.importance[active], self.density[active] = rows, importance, scores
+
+
+@torch.no_grad()
+def d2cache_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cache | None = None,
+                     steps: int = 128, gen_length: int = 128, block_length: int = 128,
+                     prior_sigma: float | None = 10.0, commit_mask_token: bool = True,
+                     independent_rows: bool = True, attention_mask: torch.Tensor | None = None,
+                     mask_id: int | None = None, stats: GenerationStats | None = None) -> torch.Tensor:
+    """d2Cache decoding of LLaDA (greedy). Returns `[B, P + gen_length]`.
+
+    `steps` must divide `gen_length`: each step commits `gen_length // steps` positions (upstream
+    `num_transfer_tokens`), and that must divide `block_length`. `prior_sigma`: certainty-prior decoding
+    (upstream `generation.sigma`, 10.0 in its d2Cache preset); None = plain low-confidence order.
+    `commit_mask_token=True` is upstream (an argmax equal to the mask id is committed and the position
+    stays masked); False commits the most probable other token instead. `independent_rows=True`
+    (remask's default: upstream mixes a batch's rows) decodes every row alone (its own cache), so a
+    batch equals its rows run one by one; False is upstream's batch (rows coupled by the top-up and the
+    block bias). `attention_mask` `[B, P]` (left padding): pad
+    keys hidden and positions counted over real tokens, as the reference's LLaDA."""
+    config = D2Cache() if config is None else config
+    if not isinstance(config, D2Cache):
+        raise ValueError(f"config must be a remask D2Cache, got {type(config).__name__}")
+    for name, value in (("steps", steps), ("gen_length", gen_length), ("block_length", block_length)):
+        check_int(name, value, minimum=1)
+    check_real("prior_sigma", prior_sigma, low=0.0, low_open=True, allow_none=True)
+    check_bool("commit_mask_token", commit_mask_token)
+    check_bool("independent_rows", independent_rows)
+    if block_length > gen_length or gen_length % block_length:
+        raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
+    if gen_length % steps:
+        raise ValueError(f"steps ({steps}) must divide gen_length ({gen_length})")
+    per_step = gen_length // steps
+    if block_length % per_step:
+        raise ValueError(f"gen_length // steps ({per_step} positions per step) must divide block_length "
+                         f"({block_length})")
+    check_stats("stats", stats)
+    spec = get_spec(model) if mask_id is None else get_spec(model, mask_id=mask_id)
+    if spec.kind != "llada":
+        raise ValueError(f"d2cache_generate decodes LLaDA; model is a {spec.kind} model")
+    check_mask_id(spec)
+    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
+    device = model_device(model)
+    mask_id = spec.mask_id
+    B, P = prompt.shape
+    if independent_rows and B > 1:
+        return torch.cat([d2cache_generate(
+            model, prompt[b:b + 1], config=config, steps=steps, gen_length=gen_length, block_length=block_length,
+            prior_sigma=prior_sigma, commit_mask_token=commit_mask_token,
+            attention_mask=None if attention_mask is None else attention_mask[b:b + 1], mask_id=mask_id,
+            stats=stats) for b in range(B)])
+    G, T = gen_length, P + gen_length
+    x = torch.full((B, T), mask_id, dtype=torch.long, device=device)
+    x[:, :P] = prompt
+    if attention_mask is None:
+        positions = torch.arange(T, device=device)[None].expand(B, T)
+        key_ok = None
+    else:
+        key_ok = torch.ones((B, T), dtype=torch.long, device=device)
+        key_ok[:, :P] = (attention_mask != 0).long()
+        positions = (key_ok.cumsum(dim=-1) - 1).masked_fill(key_ok == 0, 0)
+    cache: D2KVCache | None = None
+    selector = _Selector(config, P)
+    if stats is not None:
+        stats.start()
+    for b in range(G // block_length):
+        block = torch.zeros((B, G), dtype=torch.bool, device=device)
+        block[:, b * block_length:(b + 1) * block_length] = True
+        block_steps = 0
+        while True:
+            masked = x[:, P:] == mask_id
+            block &= masked                    # upstream narrows the block mask to its open positions
+            active = block.any(dim=-1)
+            if not bool(active.any()):
+                break
+            block_steps += 1
+            allow_mask = commit_mask_token and block_steps <= 4 * block_length   # guard against endless loops
+            xa = x[active]
+            Ba = xa.shape[0]
+            rows = selector.rows_for(active)
+            if cache is None:
+                bias = None
+                if key_ok is not None:
+                    bias = (1.0 - key_ok.float())[:, None, None, :] * torch.finfo(torch.float32).min
+                cache = D2KVCache(bias)
+            sub = D2KVCache(None if cache.key_bias is None else cache.key_bias[active])
+            sub.k = {layer: t[active] for layer, t in cache.k.items()}
+            sub.v = {layer: t[active] for layer, t in cache.v.items()}
+            if rows is None:
+                sub.full()
+                logits = model(xa, past_key_values=sub, position_ids=positions[active]).logits
+                n = T
+            else:
+                sub.partial(rows)
+                n = int(rows[0].sum())
+                part = model(xa[rows].view(Ba, n), past_key_values=sub,
+                             position_ids=positions[active][rows].view(Ba, n)).logits
+                logits = torch.zeros((Ba, T, part.shape[-1]), dtype=part.dtype, device=device)
+                logits = logits.masked_scatter(rows[..., None], part)
+            for layer in sub.k:
+                if layer not in cache.k:
+                    cache.k[layer] = sub.k[layer].new_zeros((B,) + sub.k[layer].shape[1:])
+                    cache.v[layer] = sub.v[layer].new_zeros((B,) + sub.v[layer].shape[1:])
+                cache.k[layer][active] = sub.k[layer]
+                cache.v[layer][active] = sub.v[layer]
+            if stats is not None:
+                stats.forward(Ba, n, cache.nbytes)
+            probs = torch.softmax(logits[:, P:], dim=-1)
+            conf, x0 = probs.max(dim=-1)
+            if not allow_mask and bool((x0 == mask_id).any()):
+                others = probs.index_fill(-1, torch.tensor([mask_id], device=device), -1.0).max(dim=-1)
+                hit = x0 == mask_id
+                conf, x0 = torch.where(hit, others.values, conf), torch.where(hit, others.indices, x0)
+            open_ = masked[active]
+            conf = torch.where(open_, conf, -torch.inf)
+            scores = conf if prior_sigma is None else conf * certainty_density(~open_, prior_sigma)
+            open_block = block[active]
+            candidates = torch.where(open_block, scores, -torch.inf)
+            committed = []
+            for r in range(Ba):
+                k = min(per_step, int(open_block[r].sum()))
+                committed.append(torch.topk(candidates[r], k).indices)
+            new = xa[:, P:].clone()
+            for r, c in enumerate(committed):
+                new[r, c] = x0[r, c]
+            selector.step_end(active, open_block, conf, new == mask_id, committed, sub.rollout)
+            x[active, P:] = new
+            if stats is not None:
+                stats.step(sum(int(c.numel()) for c in committed))
+    if stats is not None:
+        stats.stop(B * gen_length)
+    return x
