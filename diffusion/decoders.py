@@ -7,7 +7,9 @@
 * `remask.WINO` — revocable wide-in, narrow-out decoding (`diffusion/wino.py`);
 * the cache `remask.DKVCache` — dKV-Cache-Decode's delayed cache under LLaDA's own schedule (`diffusion/dkv.py`);
 * the cache `remask.D2Cache` — d2Cache's selective row recompute with its certainty-prior decoding
-  (`diffusion/d2cache.py`).
+  (`diffusion/d2cache.py`);
+* the cache `remask.ElasticCache` — Elastic-Cache's attention-drift triggered recompute over a
+  sliding window (`diffusion/elastic.py`).
 
 `run_decoder` maps a call's arguments onto the method's own function and refuses, by name, the
 settings the method does not read; `RunToEndDecoder` serves a request with it in the engine.
@@ -34,8 +36,9 @@ def cache_types() -> tuple[type, ...]:
     from .d2cache import D2Cache
     from .dinfer import VicinityCache
     from .dkv import DKVCache
+    from .elastic import ElasticCache
 
-    return VicinityCache, DKVCache, D2Cache
+    return VicinityCache, DKVCache, D2Cache, ElasticCache
 
 
 def is_cache_config(value: Any) -> bool:
@@ -50,7 +53,7 @@ def check_decoder(decoder: Any) -> None:
 
 # What each method reads of an entry point's settings besides the lengths, the cache and `stats`.
 READS = {"FreeDave": ("steps",), "ThresholdDecoding": (), "CreditDecoding": (), "HierarchicalDecoding": (),
-         "WINO": (), "DKVCache": ("steps", "remasking", "generator"), "D2Cache": ("steps",)}
+         "WINO": (), "DKVCache": ("steps", "remasking", "generator"), "D2Cache": ("steps",), "ElasticCache": ()}
 
 
 def run_decoder(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None, decoder: Any, *,
@@ -63,6 +66,7 @@ def run_decoder(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: to
     from .d2cache import D2Cache, d2cache_generate
     from .dinfer import ThresholdDecoding, VicinityCache, dinfer_generate
     from .dkv import DKVCache, dkv_generate
+    from .elastic import ElasticCache, elastic_generate
     from .freedave import FreeDave, freedave_generate
     from .wino import WINO, wino_generate
 
@@ -70,12 +74,13 @@ def run_decoder(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: to
         check_decoder(decoder)
     if use_cache is not None and not isinstance(use_cache, str) and not is_cache_config(use_cache):
         raise ValueError(f"use_cache must be None, a cache name or a remask cache config, got {type(use_cache).__name__}")
-    if isinstance(use_cache, (DKVCache, D2Cache)) and decoder is not None:
+    if isinstance(use_cache, (DKVCache, D2Cache, ElasticCache)) and decoder is not None:
         raise ValueError(f"use_cache={type(use_cache).__name__} runs its own schedule: it does not combine with "
                          f"decoder=")
     if decoder is None and isinstance(use_cache, VicinityCache):
         decoder = ThresholdDecoding()
-    method = type(use_cache).__name__ if isinstance(use_cache, (DKVCache, D2Cache)) else type(decoder).__name__
+    method = type(use_cache).__name__ if isinstance(use_cache, (DKVCache, D2Cache, ElasticCache)) else \
+        type(decoder).__name__
     settings = dict(settings or {})
     steps = settings.get("steps", (None, None))[0]
     unread = [name for name, (value, default) in settings.items()
@@ -86,6 +91,13 @@ def run_decoder(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: to
         unread.append("steps")
     if unread:
         raise ValueError(f"{method} runs its own rule (greedy) and does not read {sorted(set(unread))}")
+    if isinstance(use_cache, ElasticCache):
+        if block_length != gen_length:
+            raise ValueError(f"block_length: ElasticCache decodes over a sliding window of "
+                             f"{use_cache.window_length} masked positions (no blocks); leave block_length at "
+                             f"gen_length ({gen_length}), got {block_length}")
+        return elastic_generate(model, prompt, config=use_cache, gen_length=gen_length, attention_mask=attention_mask,
+                                mask_id=mask_id, stats=stats)
     if isinstance(use_cache, D2Cache):
         return d2cache_generate(model, prompt, config=use_cache, steps=gen_length if steps is None else steps,
                                 gen_length=gen_length, block_length=block_length, attention_mask=attention_mask,

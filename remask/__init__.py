@@ -15,6 +15,7 @@ from remask.engine import LLM, LLMEngine, RequestOutput, SamplingParams
 from remask.diffusion.dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding, VicinityCache
 from remask.diffusion.d2cache import D2Cache
 from remask.diffusion.dkv import DKVCache
+from remask.diffusion.elastic import ElasticCache
 from remask.diffusion.freedave import FreeDave
 from remask.diffusion.wino import WINO
 from remask.models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM, ModelSpec, get_spec
@@ -25,7 +26,7 @@ from remask.zoo import load
 __version__ = "0.1.0"
 
 __all__ = [
-    "APDConfig", "CanvasSampler", "CreditDecoding", "D2Cache", "DKVCache", "DreamConfig", "FreeDave", "HierarchicalDecoding", "ThresholdDecoding",
+    "APDConfig", "CanvasSampler", "CreditDecoding", "D2Cache", "DKVCache", "DreamConfig", "ElasticCache", "FreeDave", "HierarchicalDecoding", "ThresholdDecoding",
     "VicinityCache", "WINO", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
     "LLM", "LLMEngine", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "RequestOutput", "SamplingParams", "SparseConfig", "answer_text", "ar_generate",
     "diffusion_generate", "generate", "get_spec", "load", "patch", "stop_token_ids",

@@ -134,7 +134,7 @@ class SamplingParams:
         if not is_cache_config(self.use_cache) and (
                 not (self.use_cache is None or isinstance(self.use_cache, str)) or self.use_cache not in CACHE_MODES):
             raise ValueError(f"use_cache must be one of {list(CACHE_MODES)} or a remask cache config "
-                             f"(remask.VicinityCache, remask.DKVCache, remask.D2Cache), got {self.use_cache!r}")
+                             f"(remask.VicinityCache, remask.DKVCache, remask.D2Cache, remask.ElasticCache), got {self.use_cache!r}")
         if self.use_cache is not None and self.cfg_scale > 0:
             raise ValueError("cfg_scale > 0 cannot be combined with use_cache")
         for name in ("early_stop", "logits_eos_inf", "reference_rng", "reference_ties"):

@@ -1,0 +1,295 @@
+"""Elastic-Cache for LLaDA (Nguyen-Tri, Ranjan, Shen, arXiv 2510.14973; loop
+`llada/generate.py::generate_with_elastic_cache` with the trigger in `llada/model/modeling_llada.py`'s
+attention, github.com/yxu-dev/Elastic-Cache): attention-aware, layer-aware K/V refresh.
+
+No blocks and no step budget: each step decodes inside a sliding window over the first
+`window_length` positions still masked, until no masked position is left. Per step:
+- step 0: a full forward; every layer keeps its input hidden states, queries, keys and values for
+  every position.
+- later steps: only the queried positions are forwarded: the tracked tokens, the positions decoded
+  at the previous step and the window (with `block_caching=False` every masked position; the
+  window is then the first `window_length` of them). In each layer their fresh q/k/v overwrite the
+  layer's caches and they attend over all cached keys. The tracked tokens' attention is recomputed
+  from their cached (old) queries and keys; if the cosine of old and new attention (over heads,
+  averaged) falls below `gamma`, every later layer is recomputed for ALL positions: the layer's
+  cached input hidden states, with the fresh rows written in, run through the layer and refresh
+  its caches (the layers before keep theirs).
+- tracked tokens for the next step: per layer, the `track_num` positions receiving the most
+  attention from the window's queries (summed over heads and queries; masked positions excluded),
+  united over layers.
+- commit: p = softmax(float64) of the window's logits; keep the argmax where its probability is
+  >= min(`threshold`, the window's best); `threshold=None` commits the `tokens_per_iter` most
+  confident instead. Once an EOS is committed, masked positions after the first EOS are dropped
+  (they are returned as EOS here; upstream returns them masked).
+
+The attention runs through remask's LLaDA `attend` seam (`ElasticKVCache`); the layer loop (a
+recompute changes how many rows the next layers see) is driven here over
+`model.model.transformer.blocks`, with the model's own embedding, blocks and head: no model code
+changes. Upstream decodes one row; rows of a batch are decoded one by one, each with its cache.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from remask.caches.kv import KVCache
+from remask.models.layers import ForwardPositions, rope_cos_sin
+from remask.models.spec import get_spec
+
+from .checks import (check_bool, check_int, check_mask_id, check_model_kind, check_optional_token_id, check_prompt,
+                     check_real, check_stats, model_device)
+from .stats import GenerationStats
+
+
+@dataclass(frozen=True)
+class ElasticCache:
+    """Elastic-Cache's parameters (upstream defaults; the README runs gen_length 512).
+
+    `threshold=None` switches to upstream's top-k mode (`tokens_per_iter` per step).
+    `commit_mask_token=True` reproduces upstream when the argmax is the mask token (it is
+    committed: the position leaves the masked set but holds the mask token); by default the most
+    probable other token is committed instead, with its probability as the confidence."""
+
+    window_length: int = 16
+    threshold: float | None = 0.9
+    gamma: float = 0.9
+    track_num: int = 1
+    block_caching: bool = True
+    tokens_per_iter: int = 1
+    commit_mask_token: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("window_length", self.window_length, minimum=1)
+        check_real("threshold", self.threshold, low=0.0, high=1.0, low_open=True, allow_none=True)
+        check_real("gamma", self.gamma, low=-1.0, high=1.0)
+        check_int("track_num", self.track_num, minimum=1)
+        check_bool("block_caching", self.block_caching)
+        check_int("tokens_per_iter", self.tokens_per_iter, minimum=1)
+        check_bool("commit_mask_token", self.commit_mask_token)
+
+
+class ElasticKVCache(KVCache):
+    """Per-layer queries, keys and values (after RoPE) of every position of one row, and the
+    Elastic-Cache drift check, behind remask's `attend` seam.
+
+    Before each layer the driver calls `plan(full=...)`: `full=True` (the layer runs on all
+    positions in order: its caches are replaced) or `full=False` (the layer runs on the rows
+    `query`, ordered tracked tokens first and the `window` last: their q/k/v overwrite the caches,
+    they attend over all cached keys, and the tracked tokens' old-vs-new attention cosine is
+    checked against `gamma`; `triggered` tells the driver to recompute the following layers).
+    After every layer `track[layer]` holds the layer's most attended non-masked positions.
+    `key_ok` `[1, T]` (False = padding key) hides keys."""
+
+    def __init__(self, key_ok: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.bias = None
+        if key_ok is not None and not bool(key_ok.all()):
+            self.bias = torch.zeros(key_ok.shape, dtype=torch.float32, device=key_ok.device).masked_fill(
+                ~key_ok, torch.finfo(torch.float32).min)[:, None, None, :]
+        self.q: dict[int, torch.Tensor] = {}
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self.track: dict[int, torch.Tensor] = {}
+        self.triggered = False
+        self._plan: dict | None = None
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return 0   # positions are passed explicitly; nothing is appended
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.q, self.k, self.v) for t in d.values())
+
+    def plan(self, *, full: bool, query: torch.Tensor, track: torch.Tensor, window: torch.Tensor,
+             masked: torch.Tensor, gamma: float, track_num: int) -> None:
+        self._plan = dict(full=full, query=query, track=track, window=window, masked=masked, gamma=gamma,
+                          track_num=track_num)
+
+    def _weights(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        if q.shape[1] != k.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1, output_size=q.shape[1])
+        w = q @ k.transpose(-2, -1) * (1 / math.sqrt(q.size(-1)))
+        if self.bias is not None:
+            w = w + self.bias.to(w.dtype)
+        return torch.softmax(w, dim=-1)
+
+    def _values(self, w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if w.shape[1] != v.shape[1]:
+            v = v.repeat_interleave(w.shape[1] // v.shape[1], dim=1, output_size=w.shape[1])
+        return w @ v
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("elastic cache: call plan() before each layer")
+        self._plan = None
+        if plan["full"]:
+            self.q[layer], self.k[layer], self.v[layer] = q, k, v
+            weights = self._weights(q, k)
+            out = self._values(weights, v)
+            window_rows = weights[:, :, plan["window"], :]
+        else:
+            query, track = plan["query"], plan["track"]
+            past_k = self.k[layer].clone()
+            self.k[layer][:, :, query, :] = k
+            self.v[layer][:, :, query, :] = v
+            past_q = self.q[layer][:, :, track, :].clone()
+            self.q[layer][:, :, query, :] = q
+            weights = self._weights(q, self.k[layer])
+            out = self._values(weights, self.v[layer])
+            window_rows = weights[:, :, -plan["window"].shape[0]:, :]
+            sim = F.cosine_similarity(self._weights(past_q, past_k), weights[:, :, :track.shape[0], :], dim=1).mean()
+            if sim < plan["gamma"]:
+                self.triggered = True
+        mass = window_rows.sum(dim=(0, 1, 2))
+        mass[plan["masked"]] = 0.0
+        self.track[layer] = mass.topk(k=plan["track_num"], dim=0, largest=True)[1]
+        return out
+
+
+def _embed(model, ids: torch.Tensor) -> torch.Tensor:
+    h = model.model.transformer.wte(ids)
+    if model.config.input_emb_norm:
+        h = h * (model.config.d_model ** 0.5)
+    return h
+
+
+def _head(model, h: torch.Tensor) -> torch.Tensor:
+    cfg, tr = model.config, model.model.transformer
+    h = tr.ln_f(h)
+    logits = F.linear(h, tr.wte.weight, None) if cfg.weight_tying else tr.ff_out(h)
+    if cfg.scale_logits:
+        logits = logits * (1 / math.sqrt(cfg.d_model))
+    return logits
+
+
+def _decode_row(model, x: torch.Tensor, P: int, config: ElasticCache, mask_id: int, eos_id: int | None,
+                key_ok: torch.Tensor | None, stats: GenerationStats | None, trace: list | None) -> torch.Tensor:
+    """Elastic-Cache decoding of one row `x` `[1, T]` (prompt then masks), in place."""
+    cfg = model.config
+    blocks = model.model.transformer.blocks
+    L, T, device = len(blocks), x.shape[1], x.device
+    W = config.window_length
+    cache = ElasticKVCache(key_ok)
+    x_cache: list[torch.Tensor | None] = [None] * L
+    everything = torch.arange(T, device=device)
+    query_position = everything
+    track_position = everything[:0].clone()
+    new_decoded = everything[:P].clone()
+    masked = everything[P:].clone()
+    decoded_eos = False
+    i = 0
+    while True:
+        window = masked[:W] if config.block_caching else masked
+        if i == 0:
+            query_position, start_reset = everything, -1
+        else:
+            query_position, start_reset = torch.cat([track_position, new_decoded, window]), L
+        h = _embed(model, x[:, query_position])
+        cache.triggered = False
+        for layer, block in enumerate(blocks):
+            if layer > start_reset:
+                x_cache[layer] = h
+            else:
+                x_cache[layer][:, query_position, :] = h
+                if layer == start_reset:
+                    h = x_cache[layer]
+            # upstream's RoPE: the query positions when the rows are as many, else 0..T-1
+            rope = query_position if h.shape[1] == query_position.shape[0] else everything
+            cos, sin = rope_cos_sin(rope[None], cfg.head_dim, cfg.rope_theta)
+            cache.plan(full=layer >= start_reset, query=query_position, track=track_position, window=window,
+                       masked=masked, gamma=config.gamma, track_num=config.track_num)
+            h = block(h, ForwardPositions(cache, 0, cos, sin, T), None)
+            if cache.triggered and start_reset == L:
+                start_reset = layer + 1
+        logits = _head(model, h)
+        if stats is not None:   # positions computed, averaged over the layers (a recomputed layer: all T)
+            computed = max(start_reset, 0) * query_position.shape[0] + (L - max(start_reset, 0)) * T
+            stats.forward(1, -(-computed // L), cache.nbytes)
+        if trace is not None:
+            trace.append((int(query_position.shape[0]), int(start_reset)))
+        logits = logits[:, window, :] if logits.shape[1] == T else logits[:, -window.shape[0]:, :]
+        if not config.block_caching:
+            window = window[:W]
+            logits = logits[:, :W]
+        track_position = torch.cat([cache.track[layer] for layer in range(L)], dim=0).unique(sorted=False)
+
+        p = F.softmax(logits.to(torch.float64), dim=-1)
+        conf, tokens = torch.max(p, dim=-1)
+        if not config.commit_mask_token and bool((tokens == mask_id).any()):
+            others = p.index_fill(-1, torch.tensor([mask_id], device=device), -1.0)
+            conf, tokens = torch.max(others, dim=-1)
+        if config.threshold is not None:
+            keep = (conf >= min(config.threshold, conf.max()))[0]
+        else:
+            keep = torch.topk(conf[0], k=min(config.tokens_per_iter, tokens.shape[1]), largest=True)[1]
+        decoded = window[keep]
+        tokens = tokens[:, keep]
+        x[:, decoded] = tokens
+        new_decoded = decoded
+        masked = masked[~torch.isin(masked, decoded)]
+        if stats is not None:
+            stats.step(int(decoded.shape[0]))
+        if eos_id is not None and not decoded_eos:
+            eos_pos = decoded[tokens.eq(eos_id)[0]]
+            if eos_pos.shape[0] > 0:
+                decoded_eos = True
+                masked = masked[masked <= eos_pos.min().item()]
+        if masked.shape[0] == 0:
+            break
+        i += 1
+    if decoded_eos:   # positions dropped after the first EOS: EOS (upstream leaves them masked)
+        first = int(((x[0, P:] == eos_id).nonzero()[0, 0]) + P)
+        tail = x[:, first:]
+        tail[tail == mask_id] = eos_id
+    return x
+
+
+@torch.no_grad()
+def elastic_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: ElasticCache | None = None,
+                     gen_length: int = 512, attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
+                     eos_id: int | None = None, stats: GenerationStats | None = None,
+                     trace: list | None = None) -> torch.Tensor:
+    """Elastic-Cache decoding (greedy). Returns `[B, P + gen_length]`.
+
+    `eos_id` (default: the model's): once committed, the masked positions after the first EOS are
+    dropped and returned as EOS. `attention_mask` `[B, P]` (left padding) hides pad keys (upstream
+    has none). `trace`: a list that receives `(queried positions, first recomputed layer)` per row
+    and step (the layer count when nothing was recomputed; -1 for the first, full forward)."""
+    config = ElasticCache() if config is None else config
+    if not isinstance(config, ElasticCache):
+        raise ValueError(f"config must be a remask ElasticCache, got {type(config).__name__}")
+    check_int("gen_length", gen_length, minimum=1)
+    check_stats("stats", stats)
+    for name, value in (("mask_id", mask_id), ("eos_id", eos_id)):
+        check_int(name, value, minimum=0, allow_none=True)
+    spec = get_spec(model, mask_id=mask_id, eos_id=eos_id)
+    check_model_kind(spec, diffusion=True, entry="remask.elastic_generate")
+    if spec.kind != "llada":
+        raise ValueError(f"elastic_generate drives LLaDA's layers; got a {spec.kind} model")
+    check_mask_id(spec)
+    check_optional_token_id(spec, spec.eos_id, "eos_id")
+    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
+    if trace is not None and not isinstance(trace, list):
+        raise ValueError(f"trace must be a list or None, got {type(trace).__name__}")
+    device = model_device(model)
+    B, P = prompt.shape
+    T = P + gen_length
+    x = torch.full((B, T), spec.mask_id, dtype=torch.long, device=device)
+    x[:, :P] = prompt
+    key_ok = None
+    if attention_mask is not None:
+        key_ok = torch.ones((B, T), dtype=torch.bool, device=device)
+        key_ok[:, :P] = attention_mask != 0
+    if stats is not None:
+        stats.start()
+    for b in range(B):
+        x[b:b + 1] = _decode_row(model, x[b:b + 1].clone(), P, config, spec.mask_id, spec.eos_id,
+                                 None if key_ok is None else key_ok[b:b + 1], stats, trace)
+    if stats is not None:
+        stats.stop(B * gen_length)
+    return x
