@@ -102,8 +102,8 @@ def sweep(name: str) -> list[Setting]:
             apd=dict(mixture_weight=R, kv_window=16, max_lookahead=16, coupled_gumbel=True))
     # Decoders II (docs/decoders.md). FreeDave is lossless: its outputs are checked identical to
     # one-token-per-step decoding (low_confidence steps=16, the same cache) in the same run.
-    from remask import (CreditDecoding, DKVCache, FreeDave, HierarchicalDecoding, ThresholdDecoding, VicinityCache,
-                        WINO)
+    from remask import (CreditDecoding, D2Cache, DKVCache, ElasticCache, FreeDave, HierarchicalDecoding,
+                        ThresholdDecoding, VicinityCache, WINO)
     for cache in (None, "dual"):
         for draft_steps in (2, 4, 8):
             add(f"freedave (lossless) cache={cache}", f"FreeDave K={draft_steps} cache={cache}", steps=GEN_LENGTH,
@@ -120,6 +120,12 @@ def sweep(name: str) -> list[Setting]:
         add("wino", f"WINO {threshold}/0.9", decoder=WINO(threshold=threshold, threshold_back=0.9))
     for reload in (2, 4, 8):
         add("dkv-cache", f"dKV-Cache R={reload} steps=16", steps=GEN_LENGTH, use_cache=DKVCache(cache_reloading_step=reload))
+    for current_k in (8, 4):
+        add("d2cache", f"d2Cache current_k={current_k} steps=16", steps=GEN_LENGTH, use_cache=D2Cache(current_k=current_k))
+    for gamma in (0.9, 0.5):
+        for threshold in (0.9, 0.5):
+            add(f"elastic gamma={gamma}", f"Elastic-Cache gamma={gamma} threshold {threshold}",
+                use_cache=ElasticCache(window_length=8, threshold=threshold, gamma=gamma))
     add("ar", "AR greedy", ar=True)
     return out
 
