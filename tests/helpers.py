@@ -34,3 +34,20 @@ def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch
         ids[i, width - len(r):] = r
         mask[i, width - len(r):] = 1
     return ids, mask
+
+
+_FIXTURE_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def load_fixture_checkpoint(tmp_path_factory, checkpoints: dict, name: str) -> torch.nn.Module:
+    """The tiny LLaDA checkpoint a reference fixture names (`meta.checkpoints[name]`: the writer's
+    kwargs and the weights' digest), written and loaded once per session and shared by every test
+    file that names the same weights."""
+    from transformers import AutoModel
+
+    ck = checkpoints[name]
+    if ck["digest"] not in _FIXTURE_MODELS:
+        path = tmp_path_factory.mktemp(name)
+        assert tiny.write_tiny_llada(str(path), **ck["kwargs"]) == ck["digest"], "the tiny writer changed"
+        _FIXTURE_MODELS[ck["digest"]] = AutoModel.from_pretrained(str(path)).eval()
+    return _FIXTURE_MODELS[ck["digest"]]

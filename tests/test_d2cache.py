@@ -15,21 +15,13 @@ from remask.diffusion.d2cache import (D2Cache, D2KVCache, certainty_density, d2c
 from remask.diffusion.stats import GenerationStats
 from remask.models import tiny
 
+from helpers import load_fixture_checkpoint
+
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "d2cache_reference.json").read_text())
 MASK = 299
-_MODELS: dict[str, torch.nn.Module] = {}
-
-
 @pytest.fixture(scope="module")
 def load(tmp_path_factory):
-    def get(name: str) -> torch.nn.Module:
-        if name not in _MODELS:
-            ck = FIXTURE["meta"]["checkpoints"][name]
-            path = tmp_path_factory.mktemp(name)
-            assert tiny.write_tiny_llada(str(path), **ck["kwargs"]) == ck["digest"]
-            _MODELS[name] = AutoModel.from_pretrained(str(path)).eval()
-        return _MODELS[name]
-    return get
+    return lambda name: load_fixture_checkpoint(tmp_path_factory, FIXTURE["meta"]["checkpoints"], name)
 
 
 def run(model, case, **extra):

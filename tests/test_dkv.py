@@ -8,27 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModel
 
 from remask.diffusion.dkv import DelayedKVCache, DKVCache, dkv_generate
 from remask.diffusion.stats import GenerationStats
-from remask.models import tiny
+
+from helpers import load_fixture_checkpoint
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "dkv_reference.json").read_text())
 MASK = 299
-_MODELS: dict[str, torch.nn.Module] = {}
-
-
 @pytest.fixture(scope="module")
 def load(tmp_path_factory):
-    def get(name: str) -> torch.nn.Module:
-        if name not in _MODELS:
-            ck = FIXTURE["meta"]["checkpoints"][name]
-            path = tmp_path_factory.mktemp(name)
-            assert tiny.write_tiny_llada(str(path), **ck["kwargs"]) == ck["digest"]
-            _MODELS[name] = AutoModel.from_pretrained(str(path)).eval()
-        return _MODELS[name]
-    return get
+    return lambda name: load_fixture_checkpoint(tmp_path_factory, FIXTURE["meta"]["checkpoints"], name)
 
 
 def run(model, prompt, kwargs, seed=0, commit_mask_token=False, **extra):
