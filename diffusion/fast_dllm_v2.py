@@ -140,7 +140,7 @@ class FastDLLMV2Decoder:
     def __init__(self, *, mask_id: int, num_blocks: int, block_size: int = 32, small_block_size: int = 8,
                  threshold: float = 0.9, stop_token: int = 151645, pad_token: int | None = None, top_p: float = 0.95,
                  temperature: float = 0.0, use_block_cache: bool = False, stop_mode: str = "generate",
-                 prefill_whole_block_prompt: bool = True):
+                 prefill_whole_block_prompt: bool = True, use_cache: bool = True):
         validate_fast_dllm_v2_args(mask_id, block_size, small_block_size, threshold, stop_token, top_p, temperature,
                                    use_block_cache)
         check_int("num_blocks", num_blocks, minimum=0)
@@ -154,13 +154,21 @@ class FastDLLMV2Decoder:
         self.threshold, self.stop_token, self.pad_token = threshold, stop_token, pad_token
         self.top_p, self.temperature, self.use_block_cache = top_p, temperature, use_block_cache
         self.stop_mode, self.prefill_whole_block_prompt = stop_mode, prefill_whole_block_prompt
+        # False: no cache at all — every forward covers the sequence up to the current block (the
+        # check that the prefix cache is exact: the same tokens when block_size is the official 32)
+        check_bool("use_cache", use_cache)
+        if not use_cache and (use_block_cache or not prefill_whole_block_prompt):
+            raise ValueError("use_cache=False runs without any cache: not with use_block_cache=True or "
+                             "prefill_whole_block_prompt=False")
+        self.use_cache = use_cache
 
     def shared_forward_key(self, state: FastDLLMV2State) -> tuple | None:
         """Requests whose next forward is a whole block against their prefix cache (a denoising
         forward, or the store of a finished block) share one batched forward (`forward_shared`),
         whatever block each is at. The prefill, the sub-block cache's forwards and `batch_sample`'s
         loop run alone. Opens the next block first when the state is between blocks (as `step` would)."""
-        if state.done or not state.prefilled or self.use_block_cache or self.stop_mode != "generate":
+        if state.done or not state.prefilled or self.use_block_cache or self.stop_mode != "generate" \
+                or not self.use_cache:
             return None
         if not state.in_block:
             self._open_block(state)
@@ -239,6 +247,13 @@ class FastDLLMV2Decoder:
         if not state.prefilled:
             state.prefilled = True
             first, end = self._prefill_span(state)
+            if end > first and not self.use_cache:   # only the next token, when the prompt ends on a block
+                if state.prompt_length % L == 0:
+                    logits = model(input_ids=state.x[:, :end], block_size=L).logits
+                    if stats is not None:
+                        stats.forward(1, end)
+                    state.x = torch.cat([state.x, logits[:, -1:].argmax(dim=-1)], dim=1)
+                return
             if end > first:   # the prompt's whole blocks, stored (positions count from the cache: 0)
                 out = model(input_ids=state.x[:, first:end], use_cache=True, update_past_key_values=True,
                             block_size=L)
@@ -258,6 +273,10 @@ class FastDLLMV2Decoder:
             if self.stop_mode == "batch_sample" and state.finished:
                 self._finish(state)
                 return
+            if not self.use_cache:   # the next block's first token from the sequence's own forward
+                end = state.block_start + L
+                self._after_store(state, model(input_ids=state.x[:, :end], block_size=L).logits, stats, end)
+                return
             out = model(input_ids=block, use_cache=True, past_key_values=state.cache, update_past_key_values=True,
                         block_size=L)
             state.cache = out.past_key_values
@@ -267,7 +286,12 @@ class FastDLLMV2Decoder:
         while not bool(masked[:, state.sub_block * S:(state.sub_block + 1) * S].any()):
             state.sub_block += 1
         start, end = state.sub_block * S, (state.sub_block + 1) * S
-        if self.use_block_cache and state.block_cache is not None and not bool(block[0, start] == self.mask_id):
+        if not self.use_cache:
+            end_of_block = state.block_start + L
+            logits = model(input_ids=state.x[:, :end_of_block]).logits[:, state.block_start:]
+            logits = shift_logits(logits)[:, start:end]
+            length = end_of_block
+        elif self.use_block_cache and state.block_cache is not None and not bool(block[0, start] == self.mask_id):
             logits = model(input_ids=block[:, start:end], use_cache=True, past_key_values=state.cache,
                            update_past_key_values=False, use_block_cache=True,
                            block_past_key_values=state.block_cache, replace_position=start).logits
@@ -284,10 +308,11 @@ class FastDLLMV2Decoder:
             stats.forward(1, length)
         self._commit_sub_block(state, logits, masked, start, end, generator, stats)
 
-    def _after_store(self, state: FastDLLMV2State, logits: torch.Tensor, stats: GenerationStats | None) -> None:
+    def _after_store(self, state: FastDLLMV2State, logits: torch.Tensor, stats: GenerationStats | None,
+                     positions: int | None = None) -> None:
         """A finished block was stored: the argmax of its last position opens the next block."""
         if stats is not None:
-            stats.forward(1, self.block_size)
+            stats.forward(1, self.block_size if positions is None else positions)
         state.x = torch.cat([state.x, logits[:, -1:].argmax(dim=-1)], dim=1)
         state.block_start = -1
         state.blocks_left -= 1
@@ -360,7 +385,7 @@ def fast_dllm_v2_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, ma
                           block_size: int = 32, stop_token: int = 151645, top_p: float = 0.95,
                           temperature: float = 0.0, use_block_cache: bool = False,
                           prefill_whole_block_prompt: bool = True, generator: torch.Generator | None = None,
-                          stats: GenerationStats | None = None) -> torch.LongTensor:
+                          stats: GenerationStats | None = None, use_cache: bool = True) -> torch.LongTensor:
     """The official `generate` loop on prompts `[B, P]`; each row is decoded alone (upstream's stop
     test and truncation read the whole batch). Returns `[B, n]`: each row truncated after its first
     stop as upstream truncates a batch of one, shorter rows right-padded with `stop_token`."""
@@ -373,7 +398,8 @@ def fast_dllm_v2_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, ma
     decoder = FastDLLMV2Decoder(mask_id=mask_id, num_blocks=max_new_tokens // block_size, block_size=block_size,
                                 small_block_size=small_block_size, threshold=threshold, stop_token=stop_token,
                                 top_p=top_p, temperature=temperature, use_block_cache=use_block_cache,
-                                stop_mode="generate", prefill_whole_block_prompt=prefill_whole_block_prompt)
+                                stop_mode="generate", prefill_whole_block_prompt=prefill_whole_block_prompt,
+                                use_cache=use_cache)
     if stats is not None:
         stats.start()
     rows = [decode(model, decoder, input_ids[b:b + 1], generator, stats).x for b in range(input_ids.shape[0])]

@@ -185,3 +185,24 @@ def test_engine_requests_equal_generate_alone(models, settings):
         remask.SamplingParams(fast_dllm_v2={"block": 3})
     with pytest.raises(ValueError, match="top_k"):
         remask.LLM(model).generate([[1, 5]], remask.SamplingParams(top_k=3), use_tqdm=False)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(temperature=0.0, threshold=0.9, small_block_size=8),
+    dict(temperature=0.0, threshold=0.5, small_block_size=4),
+    dict(temperature=0.9, top_p=0.9, threshold=0.9, small_block_size=8),
+])
+def test_cached_decoding_equals_uncached(models, kwargs):
+    """The prefix cache is exact: without any cache (every forward covers the sequence up to the
+    current block) the tokens are the same, with the released block size 32 (upstream's denoising
+    forwards always build their mask with 32, so other block sizes differ between the two by design)."""
+    model = models["fd"]
+    for prompt in ([5, 17, 42, 99, 7, 8], list(range(3, 35)), list(range(40, 77))):
+        runs = [generate(model, torch.tensor([prompt]), max_new_tokens=64, mask_id=MASK, stop_token=STOP,
+                         block_size=32, generator=torch.Generator().manual_seed(3), use_cache=use_cache, **kwargs)
+                for use_cache in (True, False)]
+        assert runs[0].tolist() == runs[1].tolist()
+        assert MASK not in runs[0].tolist()[0]
+    with pytest.raises(ValueError, match="use_cache"):
+        generate(model, torch.tensor([[5, 6]]), max_new_tokens=32, mask_id=MASK, block_size=32, use_cache=False,
+                 use_block_cache=True)

@@ -66,7 +66,7 @@ def generate(model: torch.nn.Module, input_ids: torch.LongTensor, max_new_tokens
              top_p: float = 0.95, temperature: float = 0, use_block_cache: bool = False,
              return_dict_in_generate: bool = False, output_scores: bool = False, output_hidden_states: bool = False,
              *, prefill_whole_block_prompt: bool = True, generator: torch.Generator | None = None, stats: Any = None,
-             **kwargs: Any):
+             use_cache: bool = True, **kwargs: Any):
     """The official model's `generate(input_ids, max_new_tokens=None, max_length=None, tokenizer=None,
     mask_id=151665, threshold=1, small_block_size=8, block_size=32, stop_token=151645, ...)`: returns
     the token ids `[B, n]` (the prompt, the answer up to and including its first stop), or with
@@ -96,7 +96,7 @@ def generate(model: torch.nn.Module, input_ids: torch.LongTensor, max_new_tokens
         model, input_ids, max_new_tokens=max_new_tokens, mask_id=mask_id, threshold=threshold,
         small_block_size=small_block_size, block_size=block_size, stop_token=stop_token, top_p=top_p,
         temperature=temperature, use_block_cache=use_block_cache, prefill_whole_block_prompt=prefill_whole_block_prompt,
-        generator=generator, stats=stats)
+        generator=generator, stats=stats, use_cache=use_cache)
     if return_dict_in_generate:
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
