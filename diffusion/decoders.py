@@ -82,7 +82,9 @@ def run_decoder(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: to
     method = type(use_cache).__name__ if isinstance(use_cache, (DKVCache, D2Cache, ElasticCache)) else \
         type(decoder).__name__
     settings = dict(settings or {})
-    steps = settings.get("steps", (None, None))[0]
+    steps, steps_default = settings.get("steps", (None, None))
+    if steps == steps_default:   # not given (the entry point's default): one token per step, or the method's own
+        steps = None
     unread = [name for name, (value, default) in settings.items()
               # a generator is the randomness of sampling: harmless (unused) with a greedy method
               if name not in ("steps", "generator") and name not in READS[method] and value is not default

@@ -483,7 +483,7 @@ def generate(
     if decoder is not None or (use_cache is not None and not isinstance(use_cache, (str, PagedKVCache))):
         from .decoders import run_decoder
 
-        settings = {"steps": (steps, None), "temperature": (temperature, 0.0), "cfg_scale": (cfg_scale, 0.0),
+        settings = {"steps": (steps, 128), "temperature": (temperature, 0.0), "cfg_scale": (cfg_scale, 0.0),
                     "remasking": (remasking, "low_confidence"), "logits_eos_inf": (logits_eos_inf, False),
                     "confidence_eos_eot_inf": (confidence_eos_eot_inf, False), "threshold": (threshold, None),
                     "factor": (factor, None), "early_stop": (early_stop, False), "reference_rng": (reference_rng, False),

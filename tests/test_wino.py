@@ -112,6 +112,10 @@ def test_one_interface_generate_and_the_engine():
             max_tokens=32, block_length=16, temperature=0.0, decoder=config), use_tqdm=False)[0]
     assert got.tolist() == expected.tolist()
     assert served.outputs[0].all_token_ids == expected[0, prompt.shape[1]:].tolist()
+    # `steps` left at generate's default is not a setting the caller gave: accepted
+    assert remask.generate(model, prompt, gen_length=32, block_length=16, decoder=config).tolist() == got.tolist()
+    with pytest.raises(ValueError, match="steps"):
+        remask.generate(model, prompt, steps=8, gen_length=32, block_length=16, decoder=config)
     with pytest.raises(ValueError, match="use_cache"):
         remask.generate(model, prompt, steps=32, gen_length=32, block_length=16, decoder=config, use_cache="dual")
     with pytest.raises(ValueError, match="threshold"):
