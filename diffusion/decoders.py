@@ -45,6 +45,34 @@ def is_cache_config(value: Any) -> bool:
     return isinstance(value, cache_types())
 
 
+def config_names() -> dict[str, dict[str, type]]:
+    """The names of the configs in JSON form (HTTP bodies, the CLI): `{"name": ..., fields...}`."""
+    from .d2cache import D2Cache
+    from .dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding, VicinityCache
+    from .dkv import DKVCache
+    from .elastic import ElasticCache
+    from .freedave import FreeDave
+    from .wino import WINO
+
+    return {"decoder": {"freedave": FreeDave, "threshold": ThresholdDecoding, "credit": CreditDecoding,
+                        "hierarchical": HierarchicalDecoding, "wino": WINO},
+            "use_cache": {"vicinity": VicinityCache, "dkv": DKVCache, "d2cache": D2Cache, "elastic": ElasticCache}}
+
+
+def config_from_json(field: str, value: dict) -> Any:
+    """A decoder / cache config from its JSON form `{"name": "freedave", "draft_steps": 4}`; errors
+    name the field (`decoder.name`, `decoder: unknown field ...`)."""
+    names = config_names()[field]
+    settings = dict(value)
+    name = settings.pop("name", None)
+    if name not in names:
+        raise ValueError(f"{field}.name must be one of {sorted(names)}, got {name!r}")
+    try:
+        return names[name](**settings)
+    except TypeError as err:   # an unknown field
+        raise ValueError(f"{field} ({name}): {err}") from None
+
+
 def check_decoder(decoder: Any) -> None:
     if not isinstance(decoder, decoder_types()):
         names = ", ".join(f"remask.{t.__name__}" for t in decoder_types())

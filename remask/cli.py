@@ -181,9 +181,13 @@ def _sampling_flags(parser: argparse.ArgumentParser) -> list[str]:
         if field.name in ("apd", "sparse"):
             continue
         flag = "--" + field.name.replace("_", "-")
-        if field.name in ("canvas", "canvas_sampler", "sdar", "llada2", "fast_dllm_v2"):   # JSON objects
+        if field.name in ("canvas", "canvas_sampler", "sdar", "llada2", "fast_dllm_v2", "decoder"):   # JSON objects
             parser.add_argument(flag, dest=field.name, type=_json_object(flag), default=None,
                                 help=f"a JSON object: SamplingParams.{field.name}")
+        elif field.name == "use_cache":   # a cache name, or a cache config as a JSON object
+            parser.add_argument(flag, dest=field.name, default=None,
+                                type=lambda v, f=flag: _json_object(f)(v) if v.lstrip().startswith("{") else v,
+                                help="a cache name (prefix, dual, paged) or a JSON object {\"name\": \"dkv\", ...}")
         elif "tuple" in hint:
             kind = int if "int" in hint else str
             parser.add_argument(flag, dest=field.name, type=kind, action="append", default=None,

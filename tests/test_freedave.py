@@ -298,3 +298,42 @@ def test_one_interface_generate_diffusion_generate_and_the_engine(name, model_of
         remask.SamplingParams(decoder="freedave")
     with pytest.raises(ValueError, match="threshold"):
         remask.SamplingParams(decoder=config, threshold=0.9)
+
+
+def test_json_forms_over_http_and_the_command_line():
+    """Decoder and cache configs in JSON form — `{"name": ..., fields...}` — are built by
+    `SamplingParams` (the one validation layer), so HTTP bodies and `remask generate` flags take them;
+    an unknown name or field is refused naming the field."""
+    import argparse
+
+    from remask.cli import _sampling_flags
+    from remask.serve.protocol import CompletionRequest
+
+    def build_parser():   # `remask generate`'s SamplingParams flags
+        parser = argparse.ArgumentParser()
+        _sampling_flags(parser)
+        return parser
+
+    params = remask.SamplingParams(decoder={"name": "freedave", "draft_steps": 2}, use_cache="dual")
+    assert params.decoder == remask.FreeDave(draft_steps=2)
+    params = remask.SamplingParams(use_cache={"name": "dkv", "cache_reloading_step": 4}, steps=8, max_tokens=8)
+    assert params.use_cache == remask.DKVCache(cache_reloading_step=4)
+    request = CompletionRequest(model="m", prompt=[1, 2], max_tokens=16, temperature=0.0,
+                                decoder={"name": "credit", "threshold": 0.8},
+                                use_cache={"name": "vicinity", "prefix_look": 4})
+    sampled = request.sampling_params()
+    assert sampled.decoder == remask.CreditDecoding(threshold=0.8)
+    assert sampled.use_cache == remask.VicinityCache(prefix_look=4)
+    with pytest.raises(ValueError, match="decoder.name"):
+        remask.SamplingParams(decoder={"name": "freedav"})
+    with pytest.raises(ValueError, match="decoder"):
+        CompletionRequest(model="m", prompt=[1], decoder={"name": "wino", "treshold": 0.5}).sampling_params()
+    with pytest.raises(ValueError, match="use_cache.name"):
+        remask.SamplingParams(use_cache={"name": "lru"})
+    args = build_parser().parse_args(["--decoder", '{"name": "freedave", "draft_steps": 3}', "--use-cache",
+                                      '{"name": "d2cache", "current_k": 8}'])
+    assert args.decoder == {"name": "freedave", "draft_steps": 3}
+    assert args.use_cache == {"name": "d2cache", "current_k": 8}
+    assert build_parser().parse_args(["--use-cache", "dual"]).use_cache == "dual"
+    assert remask.SamplingParams(**{k: v for k, v in vars(args).items() if v is not None}).decoder == \
+        remask.FreeDave(draft_steps=3)

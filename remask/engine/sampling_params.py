@@ -129,8 +129,13 @@ class SamplingParams:
         check_choice("remasking", self.remasking, REMASKING)
         validate_rule(self.threshold, self.factor)
         check_real("cfg_scale", self.cfg_scale, low=0)
-        from remask.diffusion.decoders import is_cache_config
+        from remask.diffusion.decoders import config_from_json, is_cache_config
 
+        # JSON forms (HTTP bodies, the CLI): {"name": ..., fields...} → the config objects
+        if isinstance(self.decoder, dict):
+            object.__setattr__(self, "decoder", config_from_json("decoder", self.decoder))
+        if isinstance(self.use_cache, dict):
+            object.__setattr__(self, "use_cache", config_from_json("use_cache", self.use_cache))
         if not is_cache_config(self.use_cache) and (
                 not (self.use_cache is None or isinstance(self.use_cache, str)) or self.use_cache not in CACHE_MODES):
             raise ValueError(f"use_cache must be one of {list(CACHE_MODES)} or a remask cache config "

@@ -80,7 +80,8 @@ class _Common(BaseModel):
     threshold: float | None = None
     factor: float | None = None
     remasking: str | None = None
-    use_cache: str | None = None
+    use_cache: str | dict[str, Any] | None = None   # a name, or a cache config {"name": "dkv", ...}
+    decoder: dict[str, Any] | None = None           # a decoder config {"name": "freedave", ...}
     cfg_scale: float | None = None
     alg: str | None = None
     alg_temp: float | None = None
@@ -128,6 +129,8 @@ class _Common(BaseModel):
                 raise ValueError(f"sparse: {err}") from None
         if self.canvas is not None:
             values["canvas"] = self.canvas
+        if self.decoder is not None:
+            values["decoder"] = self.decoder   # SamplingParams builds the config (docs/decoders.md)
         for family_settings in ("sdar", "llada2", "fast_dllm_v2"):   # block-diffusion families' own settings
             if getattr(self, family_settings) is not None:
                 values[family_settings] = getattr(self, family_settings)
