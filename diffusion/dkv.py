@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from remask.caches.kv import KVCache, attention
 from remask.models.spec import get_spec
 
+from .cache import valid_positions
 from .checks import (check_bool, check_choice, check_generator, check_int, check_mask_id, check_prompt, check_stats,
                      model_device)
 from .stats import GenerationStats
@@ -197,10 +198,7 @@ def dkv_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCac
     T = P + gen_length
     x = torch.full((B, T), mask_id, dtype=torch.long, device=device)
     x[:, :P] = prompt
-    key_ok = None
-    if attention_mask is not None:
-        key_ok = torch.ones((B, T), dtype=torch.bool, device=device)
-        key_ok[:, :P] = attention_mask != 0
+    key_ok = valid_positions(attention_mask, T)   # False on the left pads
     if stats is not None:
         stats.start()
     for num_block in range(num_blocks):

@@ -39,6 +39,7 @@ from remask.caches.kv import KVCache
 from remask.models.layers import ForwardPositions, rope_cos_sin
 from remask.models.spec import get_spec
 
+from .cache import valid_positions
 from .checks import (check_bool, check_int, check_mask_id, check_model_kind, check_optional_token_id, check_prompt,
                      check_real, check_stats, model_device)
 from .stats import GenerationStats
@@ -281,10 +282,7 @@ def elastic_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: El
     T = P + gen_length
     x = torch.full((B, T), spec.mask_id, dtype=torch.long, device=device)
     x[:, :P] = prompt
-    key_ok = None
-    if attention_mask is not None:
-        key_ok = torch.ones((B, T), dtype=torch.bool, device=device)
-        key_ok[:, :P] = attention_mask != 0
+    key_ok = valid_positions(attention_mask, T)   # False on the left pads
     if stats is not None:
         stats.start()
     for b in range(B):
