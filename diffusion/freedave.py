@@ -285,6 +285,19 @@ def _verify(drafts: torch.Tensor, targets: torch.Tensor, counts: torch.Tensor, m
     return best
 
 
+def make_drafts(base: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor, K: int, mask_id: int) -> torch.Tensor:
+    """`[N, K, block]`: draft k = `base` plus its k most confident masked predictions (ties: lower
+    position first)."""
+    mask = base == mask_id
+    scores = torch.where(mask, conf.to(torch.float64), -torch.inf)
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(
+        order).contiguous())
+    k = torch.arange(K, device=base.device)
+    take = mask[:, None, :] & (rank[:, None, :] < k[None, :, None])
+    return torch.where(take, x0[:, None, :], base[:, None, :])
+
+
 class _Decoder:
     def __init__(self, spec: ModelSpec, config: FreeDave, block_length: int, conf_dtype: torch.dtype | None) -> None:
         self.spec, self.config, self.block_length = spec, config, block_length
@@ -311,15 +324,8 @@ class _Decoder:
         return out
 
     def make_drafts(self, base: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor, K: int) -> torch.Tensor:
-        """`[N, K, block]`: draft k = `base` plus its k most confident masked predictions."""
-        mask = base == self.spec.mask_id
-        scores = torch.where(mask, conf.to(torch.float64), -torch.inf)
-        order = torch.sort(scores, dim=1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(
-            order).contiguous())
-        k = torch.arange(K, device=base.device)
-        take = mask[:, None, :] & (rank[:, None, :] < k[None, :, None])
-        return torch.where(take, x0[:, None, :], base[:, None, :])
+        return make_drafts(base, x0, conf, K, self.spec.mask_id)
+
 
     def block(self, forwards: _Forwards, x: torch.Tensor, start: int, end: int,
               stats: GenerationStats | None) -> None:

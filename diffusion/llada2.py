@@ -26,7 +26,8 @@ only row 0 of a batch, so one prompt at a time is accepted.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -35,7 +36,9 @@ from transformers.cache_utils import DynamicCache
 
 from remask.caches.block import PagedBlocks
 
-from .checks import check_bool, check_int, check_real, check_settings
+from .checks import check_bool, check_instance, check_int, check_real, check_settings
+from .freedave import FreeDave
+from .freedave_blocks import BlockFreeDave, check_freedave_loop
 from .sdar import num_transfer_schedule
 from .stats import GenerationStats
 
@@ -140,6 +143,7 @@ class LLaDA2State:
     post_steps: int = 0
     done: bool = False
     end: int | None = None   # where the output ends (after the first EOS), once done
+    predictions: Any = None   # FreeDave's predictions for the current block (`LLaDA2FreeDave`)
 
 
 class LLaDA2Decoder(PagedBlocks):
@@ -333,6 +337,68 @@ class LLaDA2Decoder(PagedBlocks):
             state.stored = not self.use_cache
 
 
+class LLaDA2FreeDave(BlockFreeDave, LLaDA2Decoder):
+    """LLaDA2.0's loop with FreeDave (`diffusion/freedave_blocks.py`): the tokens of the same loop
+    without it — greedy, one token per step (`steps == block_length`), committing the masked positions
+    above `threshold` or else the most confident one (`threshold=1.0`: exactly one per step, lossless;
+    below 1 lossless with ``match_rule="exact"``) — with fewer forwards. Not LLaDA2.1's editing."""
+
+    def __init__(self, freedave: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        check_freedave_loop(freedave, "LLaDA2", temperature=self.temperature,
+                            one_per_step=all(count == 1 for count in self.schedule), steps_name="steps",
+                            rule_ok=not self.editing,
+                            rule="editing_threshold: LLaDA2.1's token editing revises committed tokens; it does "
+                                 "not combine")
+        self.freedave = freedave
+
+    def _fd_pending(self, state: LLaDA2State) -> bool:
+        return not state.stored
+
+    def _fd_scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return sample_tokens(logits, 0.0, self.top_k, self.top_p, None, self.mask_id)
+
+    def _fd_rule(self, tokens: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
+        out = tokens.clone()
+        for n in range(out.shape[0]):   # the loop's selection, one block at a time, count 1
+            row = out[n:n + 1]
+            transfer = select_mask_to_token(row == self.mask_id, conf[n:n + 1], 1, self.threshold)
+            row[transfer] = x0[n:n + 1][transfer]
+        return out
+
+    def _fd_forward(self, model: torch.nn.Module, state: LLaDA2State, blocks: torch.Tensor) -> torch.Tensor:
+        from remask.caches.block import BlockBatch
+
+        K, L = blocks.shape
+        start, end = self._span(state)
+        if not self.use_cache:   # the sequence up to the block, under the block-causal mask
+            seqs = state.x[:, :end].repeat(K, 1)
+            seqs[:, start:end] = blocks
+            with self._per_draft(K, end):
+                return model(seqs, attention_mask=state.attention[:, :, :end, :end].expand(K, -1, -1, -1),
+                             position_ids=state.position_ids[:, :end].expand(K, -1)).logits[:, -L:]
+        positions = state.position_ids[:, start:end]
+        if K == 1:   # the loop's own forward
+            return model(blocks, attention_mask=None, position_ids=positions, past_key_values=state.cache,
+                         use_cache=True, store_kv=False).logits
+        with self._per_draft(K, L):
+            return model(blocks, attention_mask=None, position_ids=positions.expand(K, -1),
+                         past_key_values=BlockBatch([state.cache] * K, [False] * K), use_cache=True,
+                         store_kv=False).logits
+
+    def _fd_committed(self, state: LLaDA2State) -> None:
+        """2.0's in-block EOS stop (`eos_early_stop`): an EOS with nothing masked before it."""
+        if not self.eos_early_stop or self.eos_id is None:
+            return
+        gen = state.x[0, state.prompt_length:(state.block + 1) * self.block_length]
+        eos = (gen == self.eos_id).nonzero(as_tuple=True)[0]
+        if len(eos) and not bool((gen[:int(eos[0])] == self.mask_id).any()):
+            state.done, state.end = True, state.prompt_length + int(eos[0]) + 1
+
+    def _fd_block_done(self, state: LLaDA2State) -> None:
+        self._finish_block(state)
+
+
 LLADA2_SETTINGS = ("block_length", "steps", "minimal_topk", "eos_early_stop", "editing_threshold", "max_post_steps",
                    "num_to_transfer")
 
@@ -361,17 +427,25 @@ def engine_decoder(engine: Any, params: Any) -> LLaDA2Decoder:
     from dataclasses import fields
 
     read = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "temperature", "top_k", "top_p", "threshold",
-            "llada2")
+            "llada2", "decoder")
     set_here = [f.name for f in fields(type(params)) if f.name not in read and getattr(params, f.name) != f.default]
     if set_here:
         raise ValueError(f"a block-causal model (LLaDA2) does not read {set_here}; its settings are temperature, "
-                         f"top_k, top_p, threshold and llada2={{{', '.join(LLADA2_SETTINGS)}}}")
+                         f"top_k, top_p, threshold, decoder (remask.FreeDave) and llada2={{{', '.join(LLADA2_SETTINGS)}}}")
     if params.stop_token_ids:
         raise ValueError("stop_token_ids: LLaDA2's loop stops at its EOS id only (the model's)")
     settings = dict(params.llada2 or {})
     block_length = settings.pop("block_length", engine.spec.block_length or 32)
-    return LLaDA2Decoder(mask_id=engine.spec.mask_id, eos_id=engine.spec.eos_id, gen_length=params.max_tokens,
-                         block_length=block_length, steps=settings.pop("steps", block_length),
-                         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                         threshold=0.95 if params.threshold is None else params.threshold,
-                         block_store=engine.runner.store, **settings)
+    kind, threshold = LLaDA2Decoder, 0.95 if params.threshold is None else params.threshold
+    if params.decoder is not None:
+        # FreeDave sets the rule: one token per step (threshold 1.0: never above), or its threshold rule
+        check_instance("decoder", params.decoder, FreeDave, "remask.FreeDave (the decoder block-causal models take)")
+        if "steps" in settings:
+            raise ValueError("llada2.steps: with decoder=FreeDave a block takes one token per step: leave it unset")
+        fd = params.decoder
+        threshold = 1.0 if fd.confidence_threshold is None else fd.confidence_threshold
+        kind = partial(LLaDA2FreeDave, replace(fd, confidence_threshold=None))
+    return kind(mask_id=engine.spec.mask_id, eos_id=engine.spec.eos_id, gen_length=params.max_tokens,
+                block_length=block_length, steps=settings.pop("steps", block_length),
+                temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, threshold=threshold,
+                block_store=engine.runner.store, **settings)

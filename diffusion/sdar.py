@@ -23,7 +23,8 @@ the loop then fails with an IndexError).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Sequence
 
 import torch
@@ -32,7 +33,10 @@ from transformers.cache_utils import DynamicCache
 
 from remask.caches.block import PagedBlocks
 
-from .checks import check_bool, check_choice, check_generator, check_int, check_real, check_settings, check_stats
+from .checks import (check_bool, check_choice, check_generator, check_instance, check_int, check_real, check_settings,
+                     check_stats)
+from .freedave import FreeDave
+from .freedave_blocks import BlockFreeDave, check_freedave_loop
 from .stats import GenerationStats
 
 REMASKING_STRATEGIES = ("sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded")
@@ -162,6 +166,7 @@ class SDARState:
     step: int = 0
     done: bool = False
     stopped_at: int | None = None
+    predictions: Any = None   # FreeDave's predictions for the current block (`SDARFreeDave`)
 
 
 class SDARDecoder(PagedBlocks):
@@ -322,6 +327,63 @@ class SDARDecoder(PagedBlocks):
             stats.step(int(transfer.sum()))
 
 
+class SDARFreeDave(BlockFreeDave, SDARDecoder):
+    """SDAR's loop with FreeDave (`diffusion/freedave_blocks.py`): the tokens of the same loop
+    without it — greedy, one token per step (`denoising_steps == block_length`), committed by
+    ``low_confidence_static`` (lossless) or ``low_confidence_dynamic`` (its threshold rule; lossless
+    with ``match_rule="exact"``) — with fewer forwards."""
+
+    def __init__(self, freedave: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        check_freedave_loop(freedave, "SDAR", temperature=self.temperature,
+                            one_per_step=kwargs["denoising_steps"] == self.block_length,
+                            steps_name="denoising_steps", rule_ok=self.strategy in FREEDAVE_STRATEGIES,
+                            rule=f"remasking_strategy must be one of {list(FREEDAVE_STRATEGIES)}, got {self.strategy!r}")
+        self.freedave = freedave
+
+    def _fd_pending(self, state: SDARState) -> bool:
+        return not state.prefilled or self._block(state)[2]
+
+    def _fd_scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x0, x0_p, _ = sample_block(logits, 0.0, self.top_k, self.top_p, None, self.mask_id)
+        return x0, x0_p
+
+    def _fd_rule(self, tokens: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
+        out = tokens.clone()
+        for n in range(out.shape[0]):   # the loop's selection, one block at a time, count 1
+            row = out[n:n + 1]
+            transfer = select_positions(self.strategy, row == self.mask_id, conf[n:n + 1], None, 1,
+                                        self.confidence_threshold, self.eb_threshold)
+            row[transfer] = x0[n:n + 1][transfer]
+        return out
+
+    def _fd_forward(self, model: torch.nn.Module, state: SDARState, blocks: torch.Tensor) -> torch.Tensor:
+        from remask.caches.block import BlockBatch
+
+        K, L = blocks.shape
+        start, end = self._span(state)
+        if not self.use_cache:   # the sequence up to the block, under the block-causal mask
+            seqs = state.x[:, :end].repeat(K, 1)
+            seqs[:, start:end] = blocks
+            with self._per_draft(K, end):
+                return model(seqs, attention_mask=state.attention[:, :end, :end].expand(K, -1, -1),
+                             position_ids=state.position_ids[:, :end].expand(K, -1)).logits[:, -L:]
+        positions = state.position_ids[:, start:end]
+        if K == 1:   # the loop's own forward
+            return model(blocks, attention_mask=state.attention[:, start:end, :end], position_ids=positions,
+                         past_key_values=state.cache, use_cache=True, store_kv=False).logits
+        with self._per_draft(K, L):
+            return model(blocks, attention_mask=None, position_ids=positions.expand(K, -1),
+                         past_key_values=BlockBatch([state.cache] * K, [False] * K), use_cache=True,
+                         store_kv=False).logits
+
+    def _fd_block_done(self, state: SDARState) -> None:
+        pass   # the next step stores the full block and moves on (the loop's own step)
+
+
+FREEDAVE_STRATEGIES = ("low_confidence_static", "low_confidence_dynamic")
+
+
 @torch.no_grad()
 def sdar_generate(
     model: torch.nn.Module,
@@ -342,15 +404,17 @@ def sdar_generate(
     generator: torch.Generator | None = None,
     stats: GenerationStats | None = None,
     use_cache: bool = True,
+    decoder: Any = None,
 ) -> torch.LongTensor:
-    """SDAR's loop on one prompt `[1, P]`; returns x `[1, ceil((P + gen_length) / block_length) · block_length]`."""
+    """SDAR's loop on one prompt `[1, P]`; returns x `[1, ceil((P + gen_length) / block_length) · block_length]`.
+    `decoder=remask.FreeDave(...)`: the same tokens with fewer forwards (`SDARFreeDave`)."""
     stops = [] if stopping_criteria_idx is None else (
         [stopping_criteria_idx] if isinstance(stopping_criteria_idx, int) else list(stopping_criteria_idx))
-    decoder = SDARDecoder(mask_id=mask_id, gen_length=gen_length, block_length=block_length,
-                          denoising_steps=denoising_steps, temperature=temperature, top_k=top_k, top_p=top_p,
-                          remasking_strategy=remasking_strategy, confidence_threshold=confidence_threshold,
-                          eb_threshold=eb_threshold, stop_ids=stops, fill_after_stop=fill_after_stop,
-                          use_cache=use_cache)
+    kwargs = dict(mask_id=mask_id, gen_length=gen_length, block_length=block_length,
+                  denoising_steps=denoising_steps, temperature=temperature, top_k=top_k, top_p=top_p,
+                  remasking_strategy=remasking_strategy, confidence_threshold=confidence_threshold,
+                  eb_threshold=eb_threshold, stop_ids=stops, fill_after_stop=fill_after_stop, use_cache=use_cache)
+    decoder = SDARDecoder(**kwargs) if decoder is None else SDARFreeDave(decoder, **kwargs)
     check_generator(generator, input_ids.device if torch.is_tensor(input_ids) else "cpu")
     check_stats("stats", stats)
     state = decoder.start(model, input_ids)
@@ -363,6 +427,21 @@ def sdar_generate(
     return state.x
 
 
+def _freedave_rule(freedave: Any, settings: dict) -> FreeDave:
+    """A request's `decoder=FreeDave` sets the loop's rule: one token per step by confidence, or with
+    `confidence_threshold=τ` the threshold rule (``low_confidence_dynamic`` at τ); `settings` gets
+    them, and those the request set itself are refused."""
+    check_instance("decoder", freedave, FreeDave, "remask.FreeDave (the decoder block-causal models take)")
+    given = sorted(set(settings) & {"denoising_steps", "remasking_strategy", "confidence_threshold", "eb_threshold"})
+    if given:
+        raise ValueError(f"sdar.{given[0]}: with decoder=FreeDave the rule is FreeDave's (one token per step, or "
+                         f"its confidence_threshold): leave {given} unset")
+    threshold = freedave.confidence_threshold
+    settings.update(remasking_strategy="low_confidence_static" if threshold is None else "low_confidence_dynamic",
+                    **({} if threshold is None else {"confidence_threshold": threshold}))
+    return replace(freedave, confidence_threshold=None)
+
+
 def engine_decoder(engine: Any, params: Any) -> SDARDecoder:
     """One engine request's SDAR loop (`Family.engine_decoder`): the loop
     `remask.compat.sdar.block_diffusion_generate` runs with `gen_length=max_tokens`, its finished
@@ -371,12 +450,13 @@ def engine_decoder(engine: Any, params: Any) -> SDARDecoder:
     that confidence threshold) and `params.sdar`; refuses every other decoding setting by name."""
     from dataclasses import fields
 
-    read = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "temperature", "top_k", "top_p", "threshold", "sdar")
+    read = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "temperature", "top_k", "top_p", "threshold", "sdar",
+            "decoder")
     set_here = [f.name for f in fields(type(params)) if f.name not in read and getattr(params, f.name) != f.default]
     if set_here:
         raise ValueError(f"a block-causal model (SDAR) does not read {set_here}; its settings are temperature, "
-                         "top_k, top_p, threshold and sdar={block_length, denoising_steps, remasking_strategy, "
-                         "confidence_threshold, eb_threshold}")
+                         "top_k, top_p, threshold, decoder (remask.FreeDave) and sdar={block_length, denoising_steps, "
+                         "remasking_strategy, confidence_threshold, eb_threshold}")
     settings = dict(params.sdar or {})
     block_length = settings.get("block_length", engine.spec.block_length)
     if params.threshold is not None:
@@ -385,11 +465,14 @@ def engine_decoder(engine: Any, params: Any) -> SDARDecoder:
             raise ValueError("threshold is the shorthand for sdar={'remasking_strategy': "
                              "'low_confidence_dynamic', 'confidence_threshold': ...}: give one of them")
         settings.update(remasking_strategy="low_confidence_dynamic", confidence_threshold=params.threshold)
-    return SDARDecoder(block_store=engine.runner.store, mask_id=engine.spec.mask_id, gen_length=params.max_tokens,
-                       block_length=block_length, denoising_steps=settings.get("denoising_steps", block_length),
-                       temperature=params.temperature,
-                       top_k=params.top_k or 0, top_p=1.0 if params.top_p is None else params.top_p,
-                       remasking_strategy=settings.get("remasking_strategy", "low_confidence_static"),
-                       confidence_threshold=settings.get("confidence_threshold", 0.85),
-                       eb_threshold=settings.get("eb_threshold"),
-                       stop_ids=sorted(set(engine.stop_ids) | set(params.stop_token_ids)))
+    kind = SDARDecoder
+    if params.decoder is not None:
+        kind = partial(SDARFreeDave, _freedave_rule(params.decoder, settings))
+    return kind(block_store=engine.runner.store, mask_id=engine.spec.mask_id, gen_length=params.max_tokens,
+                block_length=block_length, denoising_steps=settings.get("denoising_steps", block_length),
+                temperature=params.temperature,
+                top_k=params.top_k or 0, top_p=1.0 if params.top_p is None else params.top_p,
+                remasking_strategy=settings.get("remasking_strategy", "low_confidence_static"),
+                confidence_threshold=settings.get("confidence_threshold", 0.85),
+                eb_threshold=settings.get("eb_threshold"),
+                stop_ids=sorted(set(engine.stop_ids) | set(params.stop_token_ids)))

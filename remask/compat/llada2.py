@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from remask.diffusion.checks import check_bool, check_generator, check_stats
-from remask.diffusion.llada2 import LLaDA2Decoder
+from remask.diffusion.llada2 import LLaDA2Decoder, LLaDA2FreeDave
 from remask.models.llada2 import LLADA2_EOS_ID, LLADA2_MASK_ID
 
 
@@ -31,9 +31,11 @@ def generate(model: torch.nn.Module, inputs: Any = None, temperature: float = 0.
              editing_threshold: float | None = None, max_post_steps: int = 16, eos_id: int | None = None,
              mask_id: int | None = None, num_to_transfer: int = 1, *, use_cache: bool = True,
              reference_rng: bool = True, generator: torch.Generator | None = None, stats: Any = None,
-             **unsupported: Any) -> torch.LongTensor:
+             decoder: Any = None, **unsupported: Any) -> torch.LongTensor:
     """LLaDA2's generate: upstream's arguments in upstream's order (2.0's, then 2.1's). `eos_id` /
-    `mask_id` default to the model config's ids, then to the release's (156892 / 156895)."""
+    `mask_id` default to the model config's ids, then to the release's (156892 / 156895).
+    `decoder=remask.FreeDave(...)` (remask's): the tokens of the same call with fewer forwards
+    (greedy, `steps == block_length`; `remask.diffusion.llada2.LLaDA2FreeDave`)."""
     if unsupported:
         raise ValueError(f"generate: unknown argument(s) {sorted(unsupported)}")
     if inputs is None:
@@ -52,11 +54,12 @@ def generate(model: torch.nn.Module, inputs: Any = None, temperature: float = 0.
         raise ValueError("generator: reference_rng=True replays upstream's draws from torch's global generator; "
                          "pass reference_rng=False to draw from a generator of your own")
     check_stats("stats", stats)
-    decoder = LLaDA2Decoder(mask_id=mask_id, eos_id=eos_id, gen_length=gen_length, block_length=block_length,
-                            steps=steps, temperature=temperature, top_k=top_k, top_p=top_p,
-                            minimal_topk=minimal_topk, threshold=threshold, editing_threshold=editing_threshold,
-                            max_post_steps=max_post_steps, num_to_transfer=num_to_transfer,
-                            eos_early_stop=eos_early_stop, use_cache=use_cache)
+    kwargs = dict(mask_id=mask_id, eos_id=eos_id, gen_length=gen_length, block_length=block_length,
+                  steps=steps, temperature=temperature, top_k=top_k, top_p=top_p,
+                  minimal_topk=minimal_topk, threshold=threshold, editing_threshold=editing_threshold,
+                  max_post_steps=max_post_steps, num_to_transfer=num_to_transfer,
+                  eos_early_stop=eos_early_stop, use_cache=use_cache)
+    decoder = LLaDA2Decoder(**kwargs) if decoder is None else LLaDA2FreeDave(decoder, **kwargs)
     if torch.is_tensor(input_ids):
         check_generator(generator, input_ids.device)
         vocab = getattr(config, "vocab_size", None)

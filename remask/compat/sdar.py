@@ -40,15 +40,19 @@ def block_diffusion_generate(
         generator: torch.Generator | None = None,
         stats: Any = None,
         use_cache: bool = True,
+        decoder: Any = None,
 ) -> torch.LongTensor:
     """Upstream's arguments, in upstream's order; returns x `[1, ceil((P + gen_length) / block_length) ·
     block_length]` (the prompt, then the decoded blocks; after a stop, the stop id where upstream
     leaves masks unless `fill_after_stop=False`). `use_cache=False` (remask's): no KV cache, every step
-    forwards the sequence up to the current block under the block-causal mask — the same tokens."""
+    forwards the sequence up to the current block under the block-causal mask — the same tokens.
+    `decoder=remask.FreeDave(...)` (remask's): the tokens of the same call with fewer forwards (greedy,
+    `denoising_steps == block_length`; `remask.diffusion.sdar.SDARFreeDave`)."""
     input_ids = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
     model.eval()
     return sdar_generate(model, input_ids, mask_id=mask_id, gen_length=gen_length, block_length=block_length,
                          denoising_steps=denoising_steps, temperature=temperature, top_k=top_k, top_p=top_p,
                          remasking_strategy=remasking_strategy, confidence_threshold=confidence_threshold,
                          eb_threshold=eb_threshold, stopping_criteria_idx=stopping_criteria_idx,
-                         fill_after_stop=fill_after_stop, generator=generator, stats=stats, use_cache=use_cache)
+                         fill_after_stop=fill_after_stop, generator=generator, stats=stats, use_cache=use_cache,
+                         decoder=decoder)

@@ -1,0 +1,143 @@
+"""FreeDave for block-causal models (SDAR, SDAR-MoE, LLaDA2.0): the family's own block loop at
+one token per step, with fewer forwards.
+
+A block-causal family decodes block after block against the cache of the finished ones (its decoder
+in `diffusion/sdar.py` / `diffusion/llada2.py`). Its one-token-per-step greedy loop forwards the
+current block, commits the most confident masked position (the family's own rule, count 1), and
+repeats until the block is full, then stores the block. `BlockFreeDave` runs that loop with
+FreeDave's draft-and-verify (arXiv 2510.00294, upstream `block_decode_with_block_attention_FreeDave`):
+
+* block start: one forward of the block as it is — its logits are the first predictions;
+* each round: draft k = the rule's next state plus the k most confident remaining predictions
+  (draft 0 is exactly the next state); all K drafts are forwarded at once against the shared cache
+  (one row each, the cache read by every row, never copied: `remask.caches.BlockBatch`); each
+  draft's own logits give its target (the rule applied to it); the longest chain draft k+1 ==
+  target k is committed and its logits are the next round's predictions (no forward spent twice);
+* when the rule's next state fills the block it is committed without a forward (upstream's last
+  step), and the family's loop stores the block and moves on.
+
+Token for token the family's loop with `temperature=0` and one token per step (SDAR:
+``remasking_strategy="low_confidence_static", denoising_steps=block_length``; LLaDA2.0:
+``steps=block_length, threshold=1.0``). FreeDave++ (``confidence_threshold=τ``) follows the threshold
+rule instead (SDAR: ``low_confidence_dynamic`` with ``confidence_threshold=τ``; LLaDA2.0:
+``threshold=τ``; equal under ``match_rule="exact"``). Exact because each draft's forward computes
+what the loop's single forward computes for that state: GEMMs per draft (the batched GEMM of
+`remask.engine.batch_invariant`), attention per row over the row's cache, MoE layers row by row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .freedave import FreeDave, _per_sequence, _verify, make_drafts
+from .stats import GenerationStats
+
+
+@dataclass(eq=False)
+class Predictions:
+    """What the last forward predicted for the current block `[1, L]`: tokens and confidences."""
+
+    x0: torch.Tensor
+    conf: torch.Tensor
+
+
+class BlockFreeDave:
+    """Mixin over a block-causal decoder (`SDARDecoder`, `LLaDA2Decoder`). The family supplies
+    `_fd_pending(state)` (a prefill or store forward, or the next block, is due: its own step runs),
+    `_fd_scores(logits)` (greedy tokens and confidences `[N, L]`), `_fd_rule(tokens, x0, conf)`
+    (its commit rule with a count of 1, on `[N, L]`), `_fd_forward(model, state, blocks)` (logits
+    `[K, L, V]` of K versions of the current block) and `_fd_block_done(state)` (after the block
+    is full); `_fd_committed(state)` optionally (an in-block stop). The state carries `predictions` (None at a block's start)."""
+
+    freedave: FreeDave
+    mask_id: int
+    block_length: int
+
+    def shared_forward_key(self, state: Any) -> None:
+        return None   # each request runs its own draft forwards
+
+    def _span(self, state: Any) -> tuple[int, int]:
+        return state.block * self.block_length, (state.block + 1) * self.block_length
+
+    def step(self, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
+             stats: GenerationStats | None = None) -> None:
+        if state.done:
+            return
+        if self._fd_pending(state):
+            state.predictions = None
+            super().step(model, state, generator, stats)   # type: ignore[misc]
+            return
+        start, end = self._span(state)
+        block = state.x[:, start:end]   # a view: commits write into x
+        if state.predictions is None:   # the block's first forward: the block as it is
+            logits = self._fd_forward(model, state, block)
+            self._count(stats, 1, state)
+            x0, conf = self._fd_scores(logits)
+            state.predictions = Predictions(x0, conf)
+        else:
+            self._round(model, state, block, stats)
+            self._fd_committed(state)
+            if state.done:
+                return
+        # the rule's next state fills the block: committed from the predictions (no forward)
+        nxt = self._fd_rule(block, state.predictions.x0, state.predictions.conf)
+        if not bool((nxt == self.mask_id).any()):
+            before = int((block == self.mask_id).sum())
+            block.copy_(nxt)
+            if stats is not None:
+                stats.step(before)
+            state.predictions = None
+            self._fd_committed(state)
+            if not state.done:
+                self._fd_block_done(state)
+
+    def _fd_committed(self, state: Any) -> None:
+        """After a commit: the family's in-block stop, if it has one (sets `state.done`)."""
+
+    def _count(self, stats: GenerationStats | None, rows: int, state: Any) -> None:
+        if stats is not None:
+            stats.forward(rows, self.block_length if self.use_cache else self._span(state)[1])
+
+    def _round(self, model: torch.nn.Module, state: Any, block: torch.Tensor, stats: GenerationStats | None) -> None:
+        """One verification forward: drafts of the next states, the longest verified chain committed."""
+        pred = state.predictions
+        masks = int((block == self.mask_id).sum())
+        K = min(self.freedave.draft_steps, masks)
+        base = self._fd_rule(block, pred.x0, pred.conf)
+        drafts = make_drafts(base, pred.x0, pred.conf, K, self.mask_id)[0]    # [K, L]
+        logits = self._fd_forward(model, state, drafts)
+        self._count(stats, K, state)
+        dx0, dconf = self._fd_scores(logits)
+        targets = self._fd_rule(drafts, dx0, dconf)
+        best = int(_verify(drafts[None], targets[None], torch.tensor([K], device=block.device), self.mask_id,
+                           self.freedave.match_rule)[0])
+        block.copy_(drafts[best:best + 1])
+        state.predictions = Predictions(dx0[best:best + 1], dconf[best:best + 1])
+        if stats is not None:
+            stats.step(masks - int((block == self.mask_id).sum()))
+
+    def _per_draft(self, rows: int, length: int):
+        """Each draft's GEMMs as the problem it poses alone (`[length, K]`)."""
+        return _per_sequence(length, enabled=rows > 1)
+
+
+def check_freedave_loop(freedave: Any, family: str, *, temperature: float, one_per_step: bool, steps_name: str,
+                        rule_ok: bool, rule: str) -> None:
+    """`decoder=FreeDave` on a block-causal family's loop: greedy, one token per step, a rule FreeDave
+    can draft (each refusal names the setting)."""
+    from .checks import check_instance
+
+    check_instance("decoder", freedave, FreeDave, "a remask FreeDave config", allow_none=False)
+    if temperature != 0:
+        raise ValueError(f"temperature: {family}'s loop with decoder=FreeDave decodes greedily (temperature 0), "
+                         f"got {temperature}")
+    if not one_per_step:
+        raise ValueError(f"{steps_name}: {family}'s loop with decoder=FreeDave commits one token per step "
+                         f"({steps_name} == block_length)")
+    if not rule_ok:
+        raise ValueError(f"{rule} with decoder=FreeDave")
+    if freedave.confidence_threshold is not None:
+        raise ValueError(f"confidence_threshold: on {family}'s loop FreeDave drafts the loop's own rule; set its "
+                         f"threshold there, not in FreeDave")
