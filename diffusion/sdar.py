@@ -239,10 +239,12 @@ class SDARDecoder(PagedBlocks):
 
 
     def num_final(self, state: SDARState) -> int:
-        """Generated positions that are final: those of the finished blocks (all of them once done)."""
+        """Generated positions that are final: those of the finished blocks (all of them once done),
+        never more than `gen_length` (the last block's positions past it are decoded, not returned:
+        a request's `max_tokens` caps its answer)."""
         if state.done:
-            return state.x.shape[1] - state.prompt_length
-        return max(0, state.block * self.block_length - state.prompt_length)
+            return min(state.x.shape[1] - state.prompt_length, self.gen_length)
+        return min(max(0, state.block * self.block_length - state.prompt_length), self.gen_length)
 
     def start(self, model: torch.nn.Module, input_ids: torch.Tensor) -> SDARState:
         if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype != torch.long:

@@ -153,7 +153,7 @@ def test_engine_requests_equal_the_function_and_ignore_their_batch(model):
                                      block_length=4, denoising_steps=2, temperature=1.0, top_k=50,
                                      remasking_strategy="low_confidence_dynamic", confidence_threshold=0.6,
                                      stopping_criteria_idx=[298], generator=torch.Generator().manual_seed(3))
-        assert a.outputs[0].all_token_ids == x[0, len(prompt):].tolist()
+        assert a.outputs[0].all_token_ids == x[0, len(prompt):len(prompt) + 10].tolist()   # max_tokens caps it
         assert MASK not in a.outputs[0].all_token_ids
     greedy = llm.generate(prompts[:1], remask.SamplingParams(max_tokens=8, threshold=0.9), use_tqdm=False)[0]
     assert greedy.outputs[0].nfe > 0
@@ -206,7 +206,7 @@ def test_engine_block_cache_shares_forwards_pages_and_prefixes(model):
     expected = [block_diffusion_generate(model, {"input_ids": torch.tensor([p])}, MASK, gen_length=9, block_length=4,
                                          denoising_steps=2, temperature=0.9, confidence_threshold=0.6,
                                          stopping_criteria_idx=[298], generator=torch.Generator().manual_seed(2)
-                                         )[0, len(p):].tolist() for p in prompts]
+                                         )[0, len(p):len(p) + 9].tolist() for p in prompts]   # max_tokens caps it
     for sharing in (True, False):
         llm = remask.LLM(model, page_size=4, enable_prefix_caching=sharing)
         engine = llm.engine
@@ -274,4 +274,4 @@ def test_sdar_moe_loads_and_its_sparse_block_is_qwen3_moe(tmp_path):
                                                          sdar={"denoising_steps": 2,
                                                                "remasking_strategy": "low_confidence_static"}),
                                    use_tqdm=False)[0]
-    assert out.outputs[0].all_token_ids == cached[0, 6:].tolist()
+    assert out.outputs[0].all_token_ids == cached[0, 6:15].tolist()   # max_tokens caps it
