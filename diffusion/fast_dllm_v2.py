@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from .checks import (ParameterTypeError, check_bool, check_choice, check_generator, check_int, check_real, check_settings,
                      check_stats)
+from .freedave_blocks import BlockFreeDave, check_freedave_loop
 from .stats import GenerationStats
 
 STOP_MODES = ("generate", "batch_sample")
@@ -123,6 +124,7 @@ class FastDLLMV2State:
     done: bool = False
     finished: bool = False
     finished_block: int | None = None
+    predictions: Any = None   # FreeDave's predictions for the current block (`FastDLLMV2FreeDave`)
 
     @property
     def in_block(self) -> bool:
@@ -369,6 +371,80 @@ class FastDLLMV2Decoder:
         state.block_start = -1
 
 
+class FastDLLMV2FreeDave(BlockFreeDave, FastDLLMV2Decoder):
+    """Fast-dLLM v2's `generate` loop with FreeDave (`diffusion/freedave_blocks.py`): the tokens of
+    the same loop without it — greedy, its sub-block rule (`threshold >= 1`: one token per step,
+    lossless; below 1 the threshold rule, lossless with ``match_rule="exact"``), the prefix cache or
+    none — with fewer forwards. Drafts may run into the next sub-blocks; verification decides."""
+
+    def __init__(self, freedave: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        check_freedave_loop(freedave, "Fast-dLLM v2", temperature=self.temperature, one_per_step=True,
+                            steps_name="threshold",
+                            rule_ok=not self.use_block_cache and self.stop_mode == "generate",
+                            rule="use_block_cache / batch_sample: FreeDave runs generate's loop with the prefix cache "
+                                 "(use_block_cache=False)")
+        self.freedave = freedave
+
+    @property
+    def block_length(self) -> int:
+        return self.block_size
+
+    def _span(self, state: FastDLLMV2State) -> tuple[int, int]:
+        return state.block_start, state.block_start + self.block_size
+
+    def _fd_pending(self, state: FastDLLMV2State) -> bool:
+        if state.prefilled and not state.in_block:
+            self._open_block(state)   # as the loop's own step would, before its first forward
+            if state.done:
+                return True
+        return not state.prefilled or not bool((state.x[:, state.block_start:] == self.mask_id).any())
+
+    def _fd_scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return choose_tokens(logits, self.top_p, 0.0, self.mask_id, None)
+
+    def _fd_rule(self, tokens: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
+        out = tokens.clone()
+        S = self.small_block_size
+        for n in range(out.shape[0]):   # the loop's step: the first sub-block holding a mask
+            masked = out[n:n + 1] == self.mask_id
+            if not bool(masked.any()):
+                continue
+            start = int(masked[0].nonzero()[0]) // S * S
+            sub = out[n:n + 1, start:start + S]
+            commit = select_to_commit(conf[n:n + 1, start:start + S], masked[:, start:start + S], self.threshold)
+            sub[commit] = x0[n:n + 1, start:start + S][commit]
+        return out
+
+    def _fd_forward(self, model: torch.nn.Module, state: FastDLLMV2State, blocks: torch.Tensor) -> torch.Tensor:
+        from remask.models.fast_dllm_v2 import RowBatch
+
+        K, L = blocks.shape
+        start, end = self._span(state)
+        if not self.use_cache:   # the sequence up to the block's end, as the loop's own forward
+            seqs = state.x[:, :end].repeat(K, 1)
+            seqs[:, start:end] = blocks
+            with self._per_draft(K, end):
+                return shift_logits(model(input_ids=seqs).logits[:, start:])
+        if K == 1:   # the loop's own forward
+            return shift_logits(model(input_ids=blocks, use_cache=True, past_key_values=state.cache,
+                                      update_past_key_values=False, use_block_cache=False).logits)
+        if state.cache is None:   # nothing prefilled (a prompt shorter than a block): an empty cache
+            from transformers.cache_utils import DynamicCache
+
+            state.cache = DynamicCache()
+        with self._per_draft(K, L):   # each row its own forward against the one prefix cache
+            rows = RowBatch([state.cache] * K, [False] * K, [32] * K)
+            return shift_logits(model(input_ids=blocks, past_key_values=rows).logits)
+
+    def _fd_committed(self, state: FastDLLMV2State) -> None:
+        if self._stop_reached(state):   # generate's stop: a stop with no mask before it
+            self._finish(state)
+
+    def _fd_block_done(self, state: FastDLLMV2State) -> None:
+        pass   # the next step stores the block and takes the next block's first token (the loop's step)
+
+
 def decode(model: torch.nn.Module, decoder: FastDLLMV2Decoder, input_ids: torch.Tensor,
            generator: torch.Generator | None = None, stats: GenerationStats | None = None,
            skip_first_block: bool | None = None) -> FastDLLMV2State:
@@ -385,24 +461,26 @@ def fast_dllm_v2_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, ma
                           block_size: int = 32, stop_token: int = 151645, top_p: float = 0.95,
                           temperature: float = 0.0, use_block_cache: bool = False,
                           prefill_whole_block_prompt: bool = True, generator: torch.Generator | None = None,
-                          stats: GenerationStats | None = None, use_cache: bool = True) -> torch.LongTensor:
+                          stats: GenerationStats | None = None, use_cache: bool = True,
+                          decoder: Any = None) -> torch.LongTensor:
     """The official `generate` loop on prompts `[B, P]`; each row is decoded alone (upstream's stop
     test and truncation read the whole batch). Returns `[B, n]`: each row truncated after its first
-    stop as upstream truncates a batch of one, shorter rows right-padded with `stop_token`."""
+    stop as upstream truncates a batch of one, shorter rows right-padded with `stop_token`.
+    `decoder=remask.FreeDave(...)`: the same tokens with fewer forwards (`FastDLLMV2FreeDave`)."""
     check_int("max_new_tokens", max_new_tokens, minimum=0)
     check_int("block_size", block_size, minimum=1)
     check_generator(generator, input_ids.device if torch.is_tensor(input_ids) else "cpu")
     check_stats("stats", stats)
     if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.shape[0] == 0:
         raise ValueError(f"input_ids must be a LongTensor [batch, length], got {getattr(input_ids, 'shape', None)}")
-    decoder = FastDLLMV2Decoder(mask_id=mask_id, num_blocks=max_new_tokens // block_size, block_size=block_size,
-                                small_block_size=small_block_size, threshold=threshold, stop_token=stop_token,
-                                top_p=top_p, temperature=temperature, use_block_cache=use_block_cache,
-                                stop_mode="generate", prefill_whole_block_prompt=prefill_whole_block_prompt,
-                                use_cache=use_cache)
+    kwargs = dict(mask_id=mask_id, num_blocks=max_new_tokens // block_size, block_size=block_size,
+                  small_block_size=small_block_size, threshold=threshold, stop_token=stop_token,
+                  top_p=top_p, temperature=temperature, use_block_cache=use_block_cache,
+                  stop_mode="generate", prefill_whole_block_prompt=prefill_whole_block_prompt, use_cache=use_cache)
+    loop = FastDLLMV2Decoder(**kwargs) if decoder is None else FastDLLMV2FreeDave(decoder, **kwargs)
     if stats is not None:
         stats.start()
-    rows = [decode(model, decoder, input_ids[b:b + 1], generator, stats).x for b in range(input_ids.shape[0])]
+    rows = [decode(model, loop, input_ids[b:b + 1], generator, stats).x for b in range(input_ids.shape[0])]
     width = max(row.shape[1] for row in rows)
     out = torch.full((len(rows), width), stop_token, dtype=torch.long, device=input_ids.device)
     for b, row in enumerate(rows):
@@ -490,7 +568,8 @@ def engine_decoder(engine: Any, params: Any) -> FastDLLMV2Decoder:
     `small_block_size` (8), `use_block_cache`); refuses every other decoding setting by name."""
     from dataclasses import fields
 
-    read = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "temperature", "top_p", "threshold", "fast_dllm_v2")
+    read = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "temperature", "top_p", "threshold", "fast_dllm_v2",
+            "decoder")
     set_here = [f.name for f in fields(type(params)) if f.name not in read and getattr(params, f.name) != f.default]
     if set_here:
         raise ValueError(f"a block-causal model (Fast-dLLM v2) does not read {set_here}; its settings are "
@@ -499,8 +578,21 @@ def engine_decoder(engine: Any, params: Any) -> FastDLLMV2Decoder:
         raise ValueError("stop_token_ids: Fast-dLLM v2's loop stops at one stop token (the model's EOS)")
     settings = dict(params.fast_dllm_v2 or {})
     block_size = settings.pop("block_size", engine.spec.block_length or 32)
-    return FastDLLMV2Decoder(mask_id=engine.spec.mask_id, num_blocks=-(-params.max_tokens // block_size),
-                             block_size=block_size, small_block_size=settings.pop("small_block_size", 8),
-                             threshold=0.9 if params.threshold is None else params.threshold,
-                             stop_token=engine.spec.eos_id, top_p=0.95 if params.top_p is None else params.top_p,
-                             temperature=params.temperature, stop_mode="generate", **settings)
+    kind, threshold = FastDLLMV2Decoder, 0.9 if params.threshold is None else params.threshold
+    if params.decoder is not None:
+        # FreeDave sets the rule: one token per step (threshold 1.0: only the most probable), or its
+        # threshold rule
+        from dataclasses import replace
+        from functools import partial
+
+        from .checks import check_instance
+        from .freedave import FreeDave
+
+        check_instance("decoder", params.decoder, FreeDave, "remask.FreeDave (the decoder block-causal models take)")
+        fd = params.decoder
+        threshold = 1.0 if fd.confidence_threshold is None else fd.confidence_threshold
+        kind = partial(FastDLLMV2FreeDave, replace(fd, confidence_threshold=None))
+    return kind(mask_id=engine.spec.mask_id, num_blocks=-(-params.max_tokens // block_size),
+                block_size=block_size, small_block_size=settings.pop("small_block_size", 8), threshold=threshold,
+                stop_token=engine.spec.eos_id, top_p=0.95 if params.top_p is None else params.top_p,
+                temperature=params.temperature, stop_mode="generate", **settings)

@@ -1,5 +1,5 @@
-"""FreeDave for block-causal models (SDAR, SDAR-MoE, LLaDA2.0): the family's own block loop at
-one token per step, with fewer forwards.
+"""FreeDave for block-causal models (SDAR, SDAR-MoE, LLaDA2.0, Fast-dLLM v2): the family's own block
+loop at one token per step, with fewer forwards.
 
 A block-causal family decodes block after block against the cache of the finished ones (its decoder
 in `diffusion/sdar.py` / `diffusion/llada2.py`). Its one-token-per-step greedy loop forwards the
@@ -8,8 +8,8 @@ repeats until the block is full, then stores the block. `BlockFreeDave` runs tha
 FreeDave's draft-and-verify (arXiv 2510.00294, upstream `block_decode_with_block_attention_FreeDave`):
 
 * block start: one forward of the block as it is — its logits are the first predictions;
-* each round: draft k = the rule's next state plus the k most confident remaining predictions
-  (draft 0 is exactly the next state); all K drafts are forwarded at once against the shared cache
+* each round: draft k = the rule applied k + 1 times with the predictions held (draft 0 is exactly
+  the next state; for a one-token rule, the k + 1 most confident predictions); all K drafts are forwarded at once against the shared cache
   (one row each, the cache read by every row, never copied: `remask.caches.BlockBatch`); each
   draft's own logits give its target (the rule applied to it); the longest chain draft k+1 ==
   target k is committed and its logits are the next round's predictions (no forward spent twice);
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .freedave import FreeDave, _per_sequence, _verify, make_drafts
+from .freedave import FreeDave, _per_sequence, _verify
 from .stats import GenerationStats
 
 
@@ -105,8 +105,11 @@ class BlockFreeDave:
         pred = state.predictions
         masks = int((block == self.mask_id).sum())
         K = min(self.freedave.draft_steps, masks)
-        base = self._fd_rule(block, pred.x0, pred.conf)
-        drafts = make_drafts(base, pred.x0, pred.conf, K, self.mask_id)[0]    # [K, L]
+        # draft k: the rule applied k + 1 times with these predictions (draft 0 is the next state)
+        drafts = [self._fd_rule(block, pred.x0, pred.conf)]
+        for _ in range(K - 1):
+            drafts.append(self._fd_rule(drafts[-1], pred.x0, pred.conf))
+        drafts = torch.cat(drafts)    # [K, L]
         logits = self._fd_forward(model, state, drafts)
         self._count(stats, K, state)
         dx0, dconf = self._fd_scores(logits)

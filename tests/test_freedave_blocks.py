@@ -1,4 +1,4 @@
-"""FreeDave on block-causal models (SDAR, SDAR-MoE, LLaDA2.0): `decoder=remask.FreeDave(...)` on the
+"""FreeDave on block-causal models (SDAR, SDAR-MoE, LLaDA2.0, Fast-dLLM v2): `decoder=remask.FreeDave(...)` on the
 family's drop-in loop gives the tokens of the same call without it — greedy, one token per step —
 with fewer forwards, with and without the cache, in the engine with several requests at once, and
 with the loop's threshold rule under ``match_rule="exact"`` (`diffusion/freedave_blocks.py`)."""
@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import remask
+from remask.compat.fast_dllm_v2 import generate as fast_dllm_v2_generate
 from remask.compat.llada2 import generate as llada2_generate
 from remask.compat.sdar import block_diffusion_generate
 from remask.diffusion.stats import GenerationStats
@@ -36,6 +37,11 @@ def sdar_moe(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llada2(tmp_path_factory):
     return _load(tmp_path_factory, tiny.write_tiny_llada2, "llada2")
+
+
+@pytest.fixture(scope="module")
+def fast_dllm_v2(tmp_path_factory):
+    return _load(tmp_path_factory, tiny.write_tiny_fast_dllm_v2, "fast_dllm_v2")
 
 
 def _pair(run, **kw):
@@ -90,6 +96,30 @@ def test_llada2_freedave_equals_one_token_per_step(llada2, use_cache):
     assert saved > 0.1 * total
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_fast_dllm_v2_freedave_equals_its_generate(fast_dllm_v2, use_cache):
+    """Fast-dLLM v2's `generate` loop (sub-blocks, shifted logits, stop truncation) with a batch of
+    three prompts (each row decoded alone): the same tokens, fewer forwards."""
+    L = fast_dllm_v2.config.bd_size
+    prompts = torch.cat([torch.cat([p[0], p.new_full((8 - p.shape[1],), 5)])[None] for p in PROMPTS])
+    saved = total = 0
+    for sub_block in (L // 2, L):
+        for threshold, rule in ((1.0, "subset"), (0.6, "exact")):
+            base, base_nfe, runs = _pair(
+                lambda **kw: fast_dllm_v2_generate(fast_dllm_v2, prompts, **kw), max_new_tokens=24, block_size=L,
+                small_block_size=sub_block, threshold=threshold, mask_id=299, stop_token=298, use_cache=use_cache,
+                decoders=[remask.FreeDave(draft_steps=k, match_rule=rule) for k in (2, 4)])
+            assert base.shape[0] == 3 and not bool((base == 299).any())
+            for tokens, nfe in runs:
+                assert torch.equal(tokens, base), (sub_block, threshold)
+                assert nfe <= base_nfe
+                saved, total = saved + base_nfe - nfe, total + base_nfe
+    assert saved > 0.05 * total
+    with pytest.raises(ValueError, match="use_block_cache"):
+        fast_dllm_v2_generate(fast_dllm_v2, prompts, max_new_tokens=8, block_size=L, mask_id=299, stop_token=298,
+                              use_block_cache=True, decoder=remask.FreeDave())
+
+
 @pytest.mark.parametrize("early", [False, True])
 def test_llada2_freedave_stops_at_eos_as_the_loop(llada2, early):
     """With an EOS id the model predicts, the loop stops after its block (or, with `eos_early_stop`,
@@ -105,7 +135,7 @@ def test_llada2_freedave_stops_at_eos_as_the_loop(llada2, early):
     assert torch.equal(runs[0][0], base)
 
 
-def test_engine_requests_equal_the_loop_alone(sdar, llada2):
+def test_engine_requests_equal_the_loop_alone(sdar, llada2, fast_dllm_v2):
     """`remask.LLM` with `decoder=FreeDave`: several requests at once (each its own draft forwards,
     finished blocks in the engine's pages) give each request the loop's tokens for it alone."""
     prompts = [p[0].tolist() for p in PROMPTS]
@@ -142,6 +172,14 @@ def test_engine_requests_equal_the_loop_alone(sdar, llada2):
             expected = llada2_generate(llada2, torch.tensor([prompt]), gen_length=12, block_length=4, steps=4,
                                        threshold=threshold)
             assert got.outputs[0].all_token_ids == expected[0].tolist()
+
+    spec = get_spec(fast_dllm_v2)
+    params3 = remask.SamplingParams(max_tokens=16, temperature=0.0, decoder=remask.FreeDave(draft_steps=3))
+    for prompt, got in zip(prompts, remask.LLM(fast_dllm_v2).generate(prompts, params3, use_tqdm=False)):
+        expected = fast_dllm_v2_generate(fast_dllm_v2, torch.tensor([prompt]), max_new_tokens=16,
+                                         block_size=spec.block_length, threshold=1.0, mask_id=spec.mask_id,
+                                         stop_token=spec.eos_id)
+        assert got.outputs[0].all_token_ids == expected[0, len(prompt):].tolist()
 
 
 def test_refusals_name_the_setting(sdar, llada2):
