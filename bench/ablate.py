@@ -120,6 +120,9 @@ def sweep(name: str) -> list[Setting]:
         add("wino", f"WINO {threshold}/0.9", decoder=WINO(threshold=threshold, threshold_back=0.9))
     for reload in (2, 4, 8):
         add("dkv-cache", f"dKV-Cache R={reload} steps=16", steps=GEN_LENGTH, use_cache=DKVCache(cache_reloading_step=reload))
+    for reload in (2, 4):   # dKV-Cache-Greedy: its random order, the window of 4 (its CLI's)
+        add("dkv-cache greedy", f"dKV-Greedy R={reload} window=4 steps=16", steps=GEN_LENGTH, remasking="random",
+            use_cache=DKVCache(cache_reloading_step=reload, variant="greedy", window_size=4))
     for current_k in (8, 4):
         add("d2cache", f"d2Cache current_k={current_k} steps=16", steps=GEN_LENGTH, use_cache=D2Cache(current_k=current_k))
     for gamma in (0.9, 0.5):

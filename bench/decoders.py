@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         ("dInfer threshold + vicinity cache", dict(use_cache=remask.VicinityCache(prefix_look=8, after_look=8))),
         ("WINO 0.6 / 0.9", dict(decoder=remask.WINO())),
         ("dKV-Cache R=8", dict(steps=G, use_cache=remask.DKVCache(cache_reloading_step=8))),
+        ("dKV-Cache-Greedy R=2, window 4 (random order)",
+         dict(steps=G, remasking="random", generator=torch.Generator().manual_seed(0),
+              use_cache=remask.DKVCache(cache_reloading_step=2, variant="greedy", window_size=4))),
         ("d2Cache (current_k 8)", dict(steps=G, use_cache=remask.D2Cache(current_k=8))),
         ("Elastic-Cache (window 16)", dict(use_cache=remask.ElasticCache(), block_length=G)),
     ]

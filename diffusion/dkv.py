@@ -36,9 +36,16 @@ from .stats import GenerationStats
 REMASKING = ("low_confidence", "random")
 
 
+VARIANTS = ("decode", "greedy")
+
+
 @dataclass(frozen=True)
 class DKVCache:
-    """dKV-Cache-Decode's parameter (upstream `cache_reloading_step`; its README uses 8).
+    """dKV-Cache's parameters: `cache_reloading_step` (upstream's; its README uses 8 for Decode,
+    the Greedy CLI `--cache-steps 2`), `variant` ``"decode"`` (dKV-Cache-Decode: delayed caching,
+    LLaDA's own schedule) or ``"greedy"`` (dKV-Cache-Greedy: `remasking="random"` only — the order
+    is drawn once per block — each cached step forwards only the positions it decodes, those decoded
+    the step before and `window_size` masked neighbours, and caches them at once).
 
     `commit_mask_token=True` reproduces upstream when the argmax is the mask token (it is committed,
     the position stays masked and may be returned masked); by default the most probable other token
@@ -46,10 +53,17 @@ class DKVCache:
 
     cache_reloading_step: int = 8
     commit_mask_token: bool = False
+    variant: str = "decode"
+    window_size: int = 0
 
     def __post_init__(self) -> None:
         check_int("cache_reloading_step", self.cache_reloading_step, minimum=1)
         check_bool("commit_mask_token", self.commit_mask_token)
+        check_choice("variant", self.variant, VARIANTS)
+        check_int("window_size", self.window_size, minimum=0)
+        if self.window_size and self.variant != "greedy":
+            raise ValueError(f"window_size: only dKV-Cache-Greedy (variant='greedy') forwards a window, got "
+                             f"{self.window_size} with variant={self.variant!r}")
 
 
 class DelayedKVCache(KVCache):
@@ -81,8 +95,8 @@ class DelayedKVCache(KVCache):
         self._mode, self._forwarded, self._store = "fill", None, store
 
     def reuse(self, forwarded: torch.Tensor, store: torch.Tensor) -> None:
-        if self.cached is None or not bool((self.cached == ~forwarded).all()):
-            raise RuntimeError("dKV cache: the forwarded positions must be exactly the uncached ones")
+        if self.cached is None or not bool((self.cached | forwarded).all()):
+            raise RuntimeError("dKV cache: every position not forwarded must be cached")
         self._mode, self._forwarded, self._store = "reuse", forwarded, store
 
     def finish(self) -> None:
@@ -114,17 +128,25 @@ class DelayedKVCache(KVCache):
             return out
         if self._mode != "reuse":
             raise RuntimeError("dKV cache: call fill() or reuse() before the forward")
-        keys = torch.cat([k, self.k[layer]], dim=2)
-        values = torch.cat([v, self.v[layer]], dim=2)
+        # keys: the forwarded positions' fresh ones, then the cached ones of the other positions
+        # (each ascending), the reference's order
+        old = ~self._forwarded
+        old_in_cache = old[self.cached].view(B, -1)          # which cached entries are not forwarded
+        if bool(old_in_cache.all()):
+            old_k, old_v = self.k[layer], self.v[layer]
+        else:
+            old_k, old_v = self._select(self.k[layer], old_in_cache), self._select(self.v[layer], old_in_cache)
+        keys = torch.cat([k, old_k], dim=2)
+        values = torch.cat([v, old_v], dim=2)
         ok = None
         if self.key_ok is not None and not bool(self.key_ok.all()):
             fwd_ok = self.key_ok[self._forwarded].view(B, -1)
-            old_ok = self.key_ok[self.cached].view(B, -1)
+            old_ok = self.key_ok[old].view(B, -1)
             ok = torch.cat([fwd_ok, old_ok], dim=1)
         out = attention(q, keys, values, self._bias(ok, q.dtype))
-        # Back to sequence order, then keep the `store` positions.
+        # Back to sequence order (fresh where forwarded, else cached), then keep the `store` positions.
         T = self._forwarded.shape[1]
-        order = torch.cat([self._forwarded.nonzero()[:, 1].view(B, -1), self.cached.nonzero()[:, 1].view(B, -1)], 1)
+        order = torch.cat([self._forwarded.nonzero()[:, 1].view(B, -1), old.nonzero()[:, 1].view(B, -1)], 1)
         index = order[:, None, :, None].expand(B, H, T, D)
         full_k = torch.empty((B, H, T, D), dtype=k.dtype, device=k.device).scatter_(2, index, keys)
         full_v = torch.empty((B, H, T, D), dtype=v.dtype, device=v.device).scatter_(2, index, values)
@@ -193,6 +215,12 @@ def dkv_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCac
     check_generator(generator, device)
     mask_id = spec.mask_id
     steps_per_block = steps // num_blocks
+    if config.variant == "greedy":
+        if remasking != "random":
+            raise ValueError(f"remasking: dKV-Cache-Greedy decodes in a random order drawn per block "
+                             f"(remasking='random'), got {remasking!r}")
+        return _generate_greedy(model, prompt, config, spec, steps_per_block, gen_length, block_length,
+                                attention_mask, generator, stats)
     R = config.cache_reloading_step
     B, P = prompt.shape
     T = P + gen_length
@@ -263,3 +291,129 @@ def dkv_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCac
     if stats is not None:
         stats.stop(B * gen_length)
     return x
+
+
+def _window(chosen: torch.Tensor, around: list[int], masked: torch.Tensor, size: int) -> None:
+    """dKV-Cache-Greedy's window, in place on `chosen` `[T]`: for each position of `around` (in its
+    order) the `size` nearest masked positions not chosen yet, alternating left and right."""
+    T = chosen.shape[0]
+    for pos in around:
+        left, right, found, go_left = pos - 1, pos + 1, 0, True
+        while found < size:
+            if go_left:
+                if left >= 0 and not chosen[left] and masked[left]:
+                    chosen[left] = True
+                    found += 1
+                left -= 1
+            else:
+                if right < T and not chosen[right] and masked[right]:
+                    chosen[right] = True
+                    found += 1
+                right += 1
+            go_left = not go_left
+            if left < 0 and right >= T:
+                break
+
+
+def _generate_greedy(model, prompt: torch.Tensor, config: DKVCache, spec, steps_per_block: int, gen_length: int,
+                     block_length: int, attention_mask: torch.Tensor | None, generator: torch.Generator | None,
+                     stats: GenerationStats | None) -> torch.Tensor:
+    """dKV-Cache-Greedy (horseee/dKV-Cache `llada_dkv_cache_greedy.py`). Per block: one uniform per
+    position (`torch.rand` over the sequence, float32) fixes the decoding order of the block's
+    positions; the block's masks are split evenly over its steps (remainder first). Step i with
+    i % R == 0 forwards the whole sequence and caches every position's keys/values; any other step
+    forwards only the positions chosen at step i − 1 (those it decodes, those decoded at i − 1 and
+    the window), attends over them and the cache of the rest, and writes their fresh keys/values
+    into the cache. The decoded tokens are each position's argmax."""
+    mask_id, device = spec.mask_id, model_device(model)
+    R = config.cache_reloading_step
+    B, P = prompt.shape
+    T = P + gen_length
+    x = torch.full((B, T), mask_id, dtype=torch.long, device=device)
+    x[:, :P] = prompt
+    key_ok = valid_positions(attention_mask, T)
+    everything = torch.ones((1, T), dtype=torch.bool, device=device)
+    if stats is not None:
+        stats.start()
+    for num_block in range(gen_length // block_length):
+        start, end = P + num_block * block_length, P + (num_block + 1) * block_length
+        counts = _schedule((x[:, start:end] == mask_id).sum(dim=1), steps_per_block)
+        done = torch.cat([counts.new_zeros((B, 1)), counts.cumsum(dim=1)], dim=1)
+        order_p = torch.rand((B, T), generator=generator, device=device)
+        order_p[:, end:] = -torch.inf
+        order_p[:, :start] = -torch.inf
+        order = torch.sort(order_p, descending=True).indices
+        caches: list[DelayedKVCache | None] = [None] * B
+        chosen = None
+        for i in range(steps_per_block):
+            mask_index = x == mask_id
+            cached_step = i % R != 0
+            x0 = torch.full_like(x, mask_id)
+            # one forward for the batch when every row forwards as many positions, else row by row
+            same = not cached_step or bool((chosen.sum(dim=1) == chosen[0].sum()).all())
+            groups = [list(range(B))] if same else [[b] for b in range(B)]
+            if cached_step and same and len({id(c) for c in caches}) > 1:
+                caches = _merge(caches)
+            elif cached_step and not same and len({id(c) for c in caches}) == 1 and B > 1:
+                caches = _split(caches[0], B)
+            for g in groups:
+                rows = torch.tensor(g, device=device)
+                ok = None if key_ok is None else key_ok[rows]
+                if not cached_step:
+                    cache = DelayedKVCache(ok)
+                    logits = _forward(model, x[rows], None, cache, everything.expand(len(g), T), ok)
+                    forwarded = everything.expand(len(g), T)
+                else:
+                    cache = caches[g[0]]
+                    forwarded = chosen[rows]
+                    logits = _forward(model, x[rows], forwarded, cache, everything.expand(len(g), T), ok)
+                for b in g:
+                    caches[b] = cache
+                if stats is not None:
+                    stats.forward(len(g), logits.shape[1], cache.nbytes)
+                tokens = torch.argmax(logits, dim=-1)
+                if not config.commit_mask_token and bool((tokens == mask_id).any()):
+                    p = F.softmax(logits.to(torch.float64), dim=-1)
+                    others = p.index_fill(-1, torch.tensor([mask_id], device=device), -1.0).argmax(dim=-1)
+                    tokens = torch.where(tokens == mask_id, others, tokens)
+                x0[rows] = x0[rows].masked_scatter(forwarded, tokens)
+            x0 = torch.where(mask_index, x0, x)
+            transfer = torch.zeros_like(mask_index)
+            nxt = torch.zeros_like(mask_index)
+            for j in range(B):
+                now = order[j, int(done[j, i]):int(done[j, i + 1])]
+                transfer[j, now] = True
+                if i < steps_per_block - 1:
+                    ahead = order[j, int(done[j, i + 1]):int(done[j, i + 1]) + int(counts[j, i + 1])]
+                    nxt[j, ahead] = True
+                    nxt[j, now] = True
+                    if config.window_size > 0:
+                        _window(nxt[j], ahead.tolist(), mask_index[j], config.window_size)
+            x[transfer] = x0[transfer]
+            if stats is not None:
+                stats.step(int(transfer.sum()))
+            chosen = nxt
+    if stats is not None:
+        stats.stop(B * gen_length)
+    return x
+
+
+def _merge(caches: list) -> list:
+    """Rows' own caches (the same positions held) as one batched cache."""
+    merged = DelayedKVCache(None if caches[0].key_ok is None else torch.cat([c.key_ok for c in caches]))
+    merged.cached = torch.cat([c.cached for c in caches])
+    merged.k = {layer: torch.cat([c.k[layer] for c in caches]) for layer in caches[0].k}
+    merged.v = {layer: torch.cat([c.v[layer] for c in caches]) for layer in caches[0].v}
+    return [merged] * len(caches)
+
+
+def _split(cache: DelayedKVCache, B: int) -> list:
+    """A batched cache as one cache per row."""
+    out = []
+    for b in range(B):
+        row = DelayedKVCache(None if cache.key_ok is None else cache.key_ok[b:b + 1])
+        row.cached = cache.cached[b:b + 1]
+        row.k = {layer: t[b:b + 1] for layer, t in cache.k.items()}
+        row.v = {layer: t[b:b + 1] for layer, t in cache.v.items()}
+        out.append(row)
+    return out

@@ -59,8 +59,11 @@ def test_cached_forward_equals_full_forward_on_fresh_cache(load):
         cache.finish()
     torch.testing.assert_close(part, full[forwarded][None], rtol=1e-5, atol=1e-5)
     assert bool(cache.cached.all()) and cache.k[0].shape[2] == 12
-    with pytest.raises(RuntimeError, match="uncached"):
-        cache.reuse(forwarded, store)
+    # every position not forwarded must be cached (dKV-Greedy's cache holds all; Decode's the rest)
+    partial = DelayedKVCache()
+    partial.cached = store
+    with pytest.raises(RuntimeError, match="must be cached"):
+        partial.reuse(forwarded & (torch.arange(12) != 7)[None], store)
 
 
 def test_batch_rows_alone_and_savings(load):
