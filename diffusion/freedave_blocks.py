@@ -44,12 +44,13 @@ class Predictions:
 
 
 class BlockFreeDave:
-    """Mixin over a block-causal decoder (`SDARDecoder`, `LLaDA2Decoder`). The family supplies
-    `_fd_pending(state)` (a prefill or store forward, or the next block, is due: its own step runs),
-    `_fd_scores(logits)` (greedy tokens and confidences `[N, L]`), `_fd_rule(tokens, x0, conf)`
-    (its commit rule with a count of 1, on `[N, L]`), `_fd_forward(model, state, blocks)` (logits
-    `[K, L, V]` of K versions of the current block) and `_fd_block_done(state)` (after the block
-    is full); `_fd_committed(state)` optionally (an in-block stop). The state carries `predictions` (None at a block's start)."""
+    """Mixin over a block-causal decoder (`SDARDecoder`, `LLaDA2Decoder`, `FastDLLMV2Decoder`). The
+    family supplies `_fd_pending(state)` (a prefill or store forward, or the next block, is due: its
+    own step runs), `_fd_scores(logits)` (greedy tokens and confidences `[N, L]`), `_fd_select(masked,
+    conf)` (its selection on one `[1, L]` row with a count of 1; or a whole `_fd_rule`),
+    `_fd_cached_mask(state)` (the mask of its own cached block forward; or a whole `_fd_forward`)
+    and `_fd_block_done(state)` (after the block is full); `_fd_committed(state)` optionally (an
+    in-block stop). The state carries `predictions` (None at a block's start)."""
 
     freedave: FreeDave
     mask_id: int
@@ -124,6 +125,40 @@ class BlockFreeDave:
     def _per_draft(self, rows: int, length: int):
         """Each draft's GEMMs as the problem it poses alone (`[length, K]`)."""
         return _per_sequence(length, enabled=rows > 1)
+
+    def _fd_rule(self, tokens: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
+        """The loop's commit on each row of `tokens` `[N, L]` with a count of 1 (its `_fd_select`)."""
+        out = tokens.clone()
+        for n in range(out.shape[0]):
+            row = out[n:n + 1]
+            transfer = self._fd_select(row == self.mask_id, conf[n:n + 1])
+            row[transfer] = x0[n:n + 1][transfer]
+        return out
+
+    def _fd_forward(self, model: torch.nn.Module, state: Any, blocks: torch.Tensor) -> torch.Tensor:
+        """Logits `[K, L, V]` of K versions of the current block, for models taking remask's
+        block-causal conventions (`store_kv`, `BlockBatch`; SDAR, LLaDA2): without the cache, the
+        sequence up to the block under `state.attention`; with it, the loop's own forward for one
+        version (`_fd_cached_mask`), else one row per version reading the same cache."""
+        from remask.caches.block import BlockBatch
+
+        K, L = blocks.shape
+        start, end = self._span(state)
+        if not self.use_cache:
+            seqs = state.x[:, :end].repeat(K, 1)
+            seqs[:, start:end] = blocks
+            mask = state.attention[..., :end, :end]
+            with self._per_draft(K, end):
+                return model(seqs, attention_mask=mask.expand(K, *mask.shape[1:]),
+                             position_ids=state.position_ids[:, :end].expand(K, -1)).logits[:, -L:]
+        positions = state.position_ids[:, start:end]
+        if K == 1:
+            return model(blocks, attention_mask=self._fd_cached_mask(state), position_ids=positions,
+                         past_key_values=state.cache, use_cache=True, store_kv=False).logits
+        with self._per_draft(K, L):
+            return model(blocks, attention_mask=None, position_ids=positions.expand(K, -1),
+                         past_key_values=BlockBatch([state.cache] * K, [False] * K), use_cache=True,
+                         store_kv=False).logits
 
 
 def check_freedave_loop(freedave: Any, family: str, *, temperature: float, one_per_step: bool, steps_name: str,

@@ -350,34 +350,12 @@ class SDARFreeDave(BlockFreeDave, SDARDecoder):
         x0, x0_p, _ = sample_block(logits, 0.0, self.top_k, self.top_p, None, self.mask_id)
         return x0, x0_p
 
-    def _fd_rule(self, tokens: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
-        out = tokens.clone()
-        for n in range(out.shape[0]):   # the loop's selection, one block at a time, count 1
-            row = out[n:n + 1]
-            transfer = select_positions(self.strategy, row == self.mask_id, conf[n:n + 1], None, 1,
-                                        self.confidence_threshold, self.eb_threshold)
-            row[transfer] = x0[n:n + 1][transfer]
-        return out
+    def _fd_select(self, masked: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
+        return select_positions(self.strategy, masked, conf, None, 1, self.confidence_threshold, self.eb_threshold)
 
-    def _fd_forward(self, model: torch.nn.Module, state: SDARState, blocks: torch.Tensor) -> torch.Tensor:
-        from remask.caches.block import BlockBatch
-
-        K, L = blocks.shape
+    def _fd_cached_mask(self, state: SDARState) -> torch.Tensor:
         start, end = self._span(state)
-        if not self.use_cache:   # the sequence up to the block, under the block-causal mask
-            seqs = state.x[:, :end].repeat(K, 1)
-            seqs[:, start:end] = blocks
-            with self._per_draft(K, end):
-                return model(seqs, attention_mask=state.attention[:, :end, :end].expand(K, -1, -1),
-                             position_ids=state.position_ids[:, :end].expand(K, -1)).logits[:, -L:]
-        positions = state.position_ids[:, start:end]
-        if K == 1:   # the loop's own forward
-            return model(blocks, attention_mask=state.attention[:, start:end, :end], position_ids=positions,
-                         past_key_values=state.cache, use_cache=True, store_kv=False).logits
-        with self._per_draft(K, L):
-            return model(blocks, attention_mask=None, position_ids=positions.expand(K, -1),
-                         past_key_values=BlockBatch([state.cache] * K, [False] * K), use_cache=True,
-                         store_kv=False).logits
+        return state.attention[:, start:end, :end]
 
     def _fd_block_done(self, state: SDARState) -> None:
         pass   # the next step stores the full block and moves on (the loop's own step)

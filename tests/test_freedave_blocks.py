@@ -18,30 +18,37 @@ from remask.models import get_spec, tiny
 PROMPTS = [torch.randint(0, 250, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 6, 8)]
 
 
-def _load(tmp_path_factory, writer, name):
-    path = tmp_path_factory.mktemp(name)
-    writer(str(path), seed=0)
-    return AutoModelForCausalLM.from_pretrained(str(path)).eval()
+WRITERS = {"sdar": tiny.write_tiny_sdar, "sdar_moe": tiny.write_tiny_sdar_moe, "llada2": tiny.write_tiny_llada2,
+           "fast_dllm_v2": tiny.write_tiny_fast_dllm_v2}
 
 
 @pytest.fixture(scope="module")
-def sdar(tmp_path_factory):
-    return _load(tmp_path_factory, tiny.write_tiny_sdar, "sdar")
+def models(tmp_path_factory):
+    """Tiny random checkpoints of each family (official layouts), loaded on first use."""
+    loaded = {}
+
+    def get(name):
+        if name not in loaded:
+            path = tmp_path_factory.mktemp(name)
+            WRITERS[name](str(path), seed=0)
+            loaded[name] = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+        return loaded[name]
+    return get
 
 
 @pytest.fixture(scope="module")
-def sdar_moe(tmp_path_factory):
-    return _load(tmp_path_factory, tiny.write_tiny_sdar_moe, "sdar_moe")
+def sdar(models):
+    return models("sdar")
 
 
 @pytest.fixture(scope="module")
-def llada2(tmp_path_factory):
-    return _load(tmp_path_factory, tiny.write_tiny_llada2, "llada2")
+def llada2(models):
+    return models("llada2")
 
 
 @pytest.fixture(scope="module")
-def fast_dllm_v2(tmp_path_factory):
-    return _load(tmp_path_factory, tiny.write_tiny_fast_dllm_v2, "fast_dllm_v2")
+def fast_dllm_v2(models):
+    return models("fast_dllm_v2")
 
 
 def _pair(run, **kw):
@@ -59,8 +66,8 @@ def _pair(run, **kw):
 @pytest.mark.parametrize("which", ["sdar", "sdar_moe"])
 @pytest.mark.parametrize("use_cache", [True, False])
 @pytest.mark.parametrize("block_length", [4, 8])
-def test_sdar_freedave_equals_one_token_per_step(request, which, use_cache, block_length):
-    model = request.getfixturevalue(which)
+def test_sdar_freedave_equals_one_token_per_step(models, which, use_cache, block_length):
+    model = models(which)
     mask = get_spec(model).mask_id
     saved = total = 0
     for prompt in PROMPTS:
