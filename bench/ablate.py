@@ -185,6 +185,39 @@ def run(settings: list[Setting], n: int, seed: int, show_progress: bool) -> list
     return rows
 
 
+def select(settings: list[Setting], families: list[str]) -> list[Setting]:
+    """The settings of `families`, in sweep order, with the baseline of each lossless family (its
+    answers are checked identical in the same run)."""
+    known = list(dict.fromkeys(s.family for s in settings))
+    unknown = [f for f in families if f not in known]
+    if unknown:
+        raise ValueError(f"--only: unknown families {unknown}; the sweep has {known}")
+    wanted = set(families)
+    baselines = {LOSSLESS_BASELINE[f] for f in families if f in LOSSLESS_BASELINE}
+    return [s for s in settings if s.family in wanted or s.strategy.name in baselines]
+
+
+def read_csv(path: str) -> list[dict[str, Any]]:
+    """Rows of an ablation CSV, numbers as numbers (what `write_csv` wrote)."""
+    def value(text: str) -> Any:
+        if text.lstrip("-").isdigit():
+            return int(text)
+        try:
+            return float(text)
+        except ValueError:
+            return text
+    with open(path, newline="") as f:
+        return [{k: value(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def merge(old: list[dict[str, Any]], new: list[dict[str, Any]], order: list[str]) -> list[dict[str, Any]]:
+    """`old` with `new`'s rows in place of the same settings (added where missing), in sweep order;
+    rows of settings no longer in the sweep are dropped."""
+    by_name = {r["setting"]: r for r in old}
+    by_name.update({r["setting"]: r for r in new})
+    return [by_name[name] for name in order if name in by_name]
+
+
 def create_new(stem: str, ext: str) -> tuple[IO[str], str]:
     """`stem + ext` opened for writing, or `stem-2 + ext`, `stem-3 + ext`, ...: the first that does not
     exist, created exclusively ("x") so that not even a run started in the same second is overwritten."""
@@ -288,17 +321,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--markdown", action="store_true", help="also print the table as markdown")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated families of the sweep to run (a lossless family brings its baseline)")
+    parser.add_argument("--merge", default=None,
+                        help="a CSV of an earlier run: its rows are kept, those of the settings run now replaced, "
+                             "in sweep order (with --only: add or refresh a few families without the whole sweep)")
     args = parser.parse_args(argv)
     if args.problems <= 0:
         parser.error(f"--problems must be positive, got {args.problems}")
+    settings = sweep(args.sweep)
+    if args.only is not None:
+        try:
+            settings = select(settings, [f.strip() for f in args.only.split(",") if f.strip()])
+        except ValueError as e:
+            parser.error(str(e))
+    if args.merge is not None and not os.path.isfile(args.merge):
+        parser.error(f"--merge: no such CSV {args.merge}")
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()   # transformers' per-load weight bars; ours stay
     t0 = time.time()
-    rows = run(sweep(args.sweep), args.problems, args.seed, show_progress=not args.no_progress)
+    rows = run(settings, args.problems, args.seed, show_progress=not args.no_progress)
+    ran = len(rows)
+    if args.merge is not None:
+        rows = merge(read_csv(args.merge), rows, [s.strategy.name for s in sweep(args.sweep)])
     out = write_csv(rows, args.out, started=t0)
-    print(f"{len(rows)} settings × {args.problems} problems in {time.time() - t0:.0f} s; CSV written to {shown(out)}")
+    print(f"{ran} settings × {args.problems} problems in {time.time() - t0:.0f} s; CSV written to {shown(out)}")
     plot_path = args.plot
     if plot_path is None and not args.no_plot and importlib.util.find_spec("matplotlib") is not None:
         plot_path = os.path.splitext(out)[0] + ".png"      # where people look: beside the CSV

@@ -234,6 +234,14 @@ def test_ablation_cli_writes_a_reproducible_csv(tmp_path):
     assert (tmp_path / "a.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
     subprocess.run(cmd + ["--out", str(tmp_path / "c.csv"), "--no-plot"], check=True, capture_output=True)
     assert not (tmp_path / "c.png").exists()
+    # --only reruns some families; --merge puts their rows back into an earlier CSV, in sweep order
+    subprocess.run(cmd + ["--only", "threshold", "--merge", str(tmp_path / "a.csv"), "--out", str(tmp_path / "d.csv"),
+                          "--no-plot"], check=True, capture_output=True)
+    merged = list(csv.DictReader(open(tmp_path / "d.csv")))
+    assert [{k: v for k, v in r.items() if k not in drop} for r in merged] == \
+           [{k: v for k, v in r.items() if k not in drop} for r in rows[0]]
+    bad = subprocess.run(cmd + ["--only", "nope", "--no-plot"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "--only" in bad.stderr and "nope" in bad.stderr
 
 
 # --- the shipped diffusion model through the official code ------------------------------------
