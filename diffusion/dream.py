@@ -6,7 +6,8 @@ Algorithms: ``origin`` (each mask revealed independently with probability 1 − 
 commits per step, each beyond the first deferred while its confidence is below `threshold`).
 
 With `use_cache` / `block_length`: Fast-dLLM's Dream block decoder (prefix, dual or paged KV cache,
-`_sample_blocks`).
+`_sample_blocks`). With `sparse=`: Sparse-dLLM's Dream sampler (retention, on the block decoder) or
+SparseD's (block masks, on the whole-canvas loop); see `remask.diffusion.sparse`.
 
 Works for any remask diffusion model: the spec supplies mask id, forward inputs and the logit
 shift (Dream's shift is not applied for LLaDA-format models).
@@ -33,6 +34,7 @@ from remask.kernels import unmask
 from remask.models.parallel import full_logits
 
 from .scoring import score_rows, score_tokens
+from .sparse import BlockMaskForward, RetentionForward, SparseConfig
 from .stats import GenerationStats
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")
@@ -142,6 +144,13 @@ def diffusion_generate(
     on a per-block schedule (as upstream). `finish_blocks=False` reproduces upstream's output
     when a block has one step (its masks stay in the output); remask finishes it by default.
 
+    `sparse=SparseConfig(...)` (`remask.diffusion.sparse`, docs/sparse.md "Dream"): Sparse-dLLM's
+    Dream sampler (`method="retention"`: the block decoder above, `block_length` default 32, with
+    the selecting forward at `delay_step` and the block fed alone after it; commits scored by `alg`
+    as upstream, which has no ``origin``) or SparseD's (`method="block_mask"`: Dream's whole-canvas
+    loop with block-sparse attention from global step `int(steps · skip_fraction) + 1` on, selection
+    scaled by 1/√head_dim as upstream's Dream). Not with `use_cache`, `apd=` or `decoder=`.
+
     `apd=APDConfig(verifier=..., mixture_weight=..., kv_window=..., max_lookahead=...)`: APD's
     `apd_sample` (adaptive parallel decoding with an autoregressive verifier), using this call's
     `max_new_tokens`, `temperature`, `top_p`, `top_k`; `verifier_stats` counts the verifier's forwards.
@@ -166,6 +175,7 @@ def diffusion_generate(
     finish_blocks = kwargs.pop("finish_blocks", True)
     reference_ties = kwargs.pop("reference_ties", True)
     decoder = kwargs.pop("decoder", None)
+    sparse: SparseConfig | None = kwargs.pop("sparse", None)
     alg_given = kwargs.get("alg")   # FreeDave runs its own rule: an explicit other alg is refused
     apd: APDConfig | None = kwargs.pop("apd", None)
     verifier_stats: GenerationStats | None = kwargs.pop("verifier_stats", None)
@@ -182,7 +192,9 @@ def diffusion_generate(
     spec = get_spec(model, mask_id=config.mask_token_id)
     check_model_kind(spec, diffusion=True, entry="remask.diffusion_generate")
     check_mask_id(spec)
-    blocks = cache_mode(use_cache) is not None or block_length is not None
+    check_instance("sparse", sparse, SparseConfig, "a remask.SparseConfig")
+    blocks = cache_mode(use_cache) is not None or block_length is not None \
+        or (sparse is not None and sparse.method == "retention")
     # Dream's sampler fills masks anywhere in the sequence; the block decoder and APD only after the prompt.
     check_prompt(model, inputs, attention_mask, name="inputs", spec=spec,
                  mask_in_prompt="refuse" if blocks or apd is not None else "allow")
@@ -196,10 +208,14 @@ def diffusion_generate(
     check_instance("apd", apd, APDConfig, "a remask.APDConfig")
     check_callable("generation_tokens_hook_func", tokens_hook)
     check_callable("generation_logits_hook_func", logits_hook)
+    if sparse is not None:
+        _check_sparse(sparse, config, use_cache, block_length, apd, decoder, attention_mask)
     if blocks:
         if block_length is None:
-            block_length = DEFAULT_BLOCK_LENGTH
+            block_length = DEFAULT_BLOCK_LENGTH if sparse is None or sparse.block_len is None else sparse.block_len
         check_int("block_length", block_length, minimum=1)
+        if sparse is not None:
+            sparse.validate(block_length)
         if hooks_given:
             raise ValueError(f"{' / '.join(hooks_given)} not supported by the block decoder (use_cache / "
                              "block_length); use use_cache=None without block_length")
@@ -262,9 +278,10 @@ def diffusion_generate(
         stats.start()
     if blocks:
         sequences, history = _sample_blocks(model, spec, inputs, attention_mask, config, threshold, block_length,
-                                            use_cache, finish_blocks, generator, stats)
+                                            use_cache, finish_blocks, generator, stats, sparse, reference_ties)
     else:
-        decoder = DreamDecoder(spec, config, threshold, tokens_hook, logits_hook, reference_ties=reference_ties)
+        decoder = DreamDecoder(spec, config, threshold, tokens_hook, logits_hook, reference_ties=reference_ties,
+                               sparse=sparse)
         state = decoder.start(model, inputs, attention_mask)
         while not state.done:
             decoder.step(model, state, generator, stats)
@@ -283,6 +300,27 @@ def check_block_layout(gen_length: int, block_length: int, steps: int) -> None:
     if steps % (gen_length // block_length):
         raise ValueError(f"steps ({steps}) must be divisible by the number of blocks "
                          f"(generation length / block_length = {gen_length // block_length})")
+
+
+def _check_sparse(sparse: SparseConfig, config: DreamGenerationConfig, use_cache, block_length, apd, decoder,
+                  attention_mask) -> None:
+    """What `sparse=` does not combine with in Dream's sampler (each named)."""
+    clashes = [name for name, value in (("use_cache", cache_mode(use_cache) is not None), ("apd", apd is not None),
+                                        ("decoder", decoder is not None)) if value]
+    if clashes:
+        raise ValueError(f"sparse= keeps its own attention (and cache); it does not combine with {clashes}")
+    if sparse.method == "retention":
+        if config.alg == "origin":
+            raise ValueError("sparse method 'retention' commits by confidence (Sparse-dLLM's Dream sampler does not "
+                             "implement alg='origin'); choose alg='maskgit_plus', 'topk_margin', 'entropy' or "
+                             "'confidence_threshold'")
+        return
+    if block_length is not None:
+        raise ValueError("sparse method 'block_mask' runs Dream's whole-canvas loop (SparseD's Dream sampler); "
+                         "it does not combine with block_length")
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError("sparse method 'block_mask' decodes unpadded rows (SparseD's block masks cover the whole "
+                         "sequence); got a padded attention_mask")
 
 
 def _validate_config(config: DreamGenerationConfig, spec) -> None:
@@ -339,6 +377,7 @@ class DreamState:
     deferred: torch.Tensor | None = None
     histories: list[torch.Tensor] | None = None
     done: bool = False
+    forwards: BlockMaskForward | None = None   # sparse=SparseConfig(method="block_mask")
 
 
 class DreamDecoder:
@@ -347,8 +386,10 @@ class DreamDecoder:
     `config` is a resolved, validated `DreamGenerationConfig` (`max_length` set)."""
 
     def __init__(self, spec, config: DreamGenerationConfig, threshold: float = 0.9, tokens_hook: Callable | None = None,
-                 logits_hook: Callable | None = None, reference_ties: bool = False) -> None:
+                 logits_hook: Callable | None = None, reference_ties: bool = False,
+                 sparse: SparseConfig | None = None) -> None:
         self.spec, self.config, self.threshold = spec, config, threshold
+        self.sparse = sparse
         # Commit the schedule's count through `torch.topk` over the [B, T] confidences, as Dream does:
         # among exact ties (a nucleus of one gives many confidences of exactly 1.0) its order is the
         # reference's; False: the lower index first (remask's rule, independent of the library).
@@ -366,6 +407,11 @@ class DreamDecoder:
                            forward_inputs=self.spec.forward_inputs(attention_mask, x.shape[1]),
                            timesteps=torch.linspace(1, config.eps, config.steps + 1, device=x.device),
                            steps=config.steps, histories=[] if self.history else None)
+        if self.sparse is not None:
+            # SparseD's Dream sampler: the global step decides dense / selecting / block-sparse
+            # attention; its selection is scaled by 1/√head_dim (its LLaDA one by 1/√n_heads)
+            state.forwards = BlockMaskForward(model, self.spec, self.sparse, state.forward_inputs, config.steps,
+                                              x.shape[1] - input_ids.shape[1], head_dim_scale=True)
         state.x = self.tokens_hook(None, state.x, None)
         if config.alg == "confidence_threshold":
             per_row = (state.x == mask_id).sum(dim=1)
@@ -383,7 +429,7 @@ class DreamDecoder:
     def shared_forward_key(self, state: DreamState) -> tuple | None:
         """Equal for states one model call can serve (every step is a full forward: unpadded
         sequences of one length, the same row-independent inputs); None with padding."""
-        if not all(isinstance(v, str) for v in state.forward_inputs.values()):
+        if state.forwards is not None or not all(isinstance(v, str) for v in state.forward_inputs.values()):
             return None
         return ("full", state.x.shape[1], tuple(sorted(state.forward_inputs.items())))
 
@@ -391,6 +437,8 @@ class DreamDecoder:
         return self.spec.logits(model, torch.cat([s.x for s in states]), **states[0].forward_inputs), 0
 
     def forward(self, model: torch.nn.Module, state: DreamState) -> tuple[torch.Tensor, int]:
+        if state.forwards is not None:
+            return state.forwards.step(state.x, 0, state.x.shape[1])
         return self.spec.logits(model, state.x, **state.forward_inputs), 0
 
     def step(self, model: torch.nn.Module, state: DreamState, generator: torch.Generator | None = None,
@@ -490,11 +538,15 @@ class DreamBlockDecoder:
     """
 
     def __init__(self, spec, config: DreamGenerationConfig, threshold: float, block_length: int, use_cache: Any,
-                 finish_blocks: bool = True) -> None:
+                 finish_blocks: bool = True, sparse: SparseConfig | None = None, reference_ties: bool = False) -> None:
         self.spec, self.config, self.threshold = spec, config, threshold
         self.block_length, self.use_cache, self.finish_blocks = block_length, use_cache, finish_blocks
+        self.sparse, self.reference_ties = sparse, reference_ties
         self.score = _scorer(config, spec.mask_id)
-        self.confidence_mode = "prob" if config.alg == "confidence_threshold" else "neg_entropy"
+        if sparse is not None:   # Sparse-dLLM's Dream sampler scores by its alg (Fast-dLLM's: neg. entropy)
+            self.confidence_mode = CONFIDENCE_OF[config.alg]
+        else:
+            self.confidence_mode = "prob" if config.alg == "confidence_threshold" else "neg_entropy"
 
     def start(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
               histories: list | None = None) -> DreamBlockState:
@@ -503,8 +555,12 @@ class DreamBlockDecoder:
         T = x.shape[1]
         num_blocks = (T - P) // self.block_length
         steps_per_block = self.config.steps // num_blocks
-        forwards = BlockForward(model, self.spec, self.use_cache, self.spec.forward_inputs(attention_mask, T),
-                                valid_positions(attention_mask, T))
+        forward_inputs, valid = self.spec.forward_inputs(attention_mask, T), valid_positions(attention_mask, T)
+        if self.sparse is not None:
+            forwards = RetentionForward(model, self.spec, self.sparse, forward_inputs, valid,
+                                        topk_ties=self.reference_ties)
+        else:
+            forwards = BlockForward(model, self.spec, self.use_cache, forward_inputs, valid)
         return DreamBlockState(x=x, prompt_len=P, forwards=forwards, rows=torch.arange(B, device=x.device)[:, None],
                                num_blocks=num_blocks, steps_per_block=steps_per_block,
                                timesteps=torch.linspace(1, self.config.eps, steps_per_block + 1, device=x.device),
@@ -584,9 +640,10 @@ class DreamBlockDecoder:
 
 
 def _sample_blocks(model, spec, input_ids, attention_mask, config: DreamGenerationConfig, threshold, block_length,
-                   use_cache, finish_blocks, generator, stats):
+                   use_cache, finish_blocks, generator, stats, sparse=None, reference_ties=False):
     """Drive `DreamBlockDecoder` over one batch; returns (sequences, histories)."""
-    decoder = DreamBlockDecoder(spec, config, threshold, block_length, use_cache, finish_blocks)
+    decoder = DreamBlockDecoder(spec, config, threshold, block_length, use_cache, finish_blocks, sparse,
+                                reference_ties)
     histories = [] if (config.return_dict_in_generate and config.output_history) else None
     state = decoder.start(model, input_ids, attention_mask, histories)
     while not state.done:

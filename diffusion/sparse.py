@@ -11,6 +11,10 @@
   layer picks, per head and query block of `kv_block_size`, the key blocks with the largest mean
   attention (`retention_ratio` of them, plus one; prompt and generation keys budgeted
   separately); every later step attends through those block lists (`remask.caches.sparse`).
+
+Both plug into LLaDA's block loop (`remask.generate`) and Dream's sampler
+(`remask.diffusion_generate`: retention on its block decoder, block masks on its whole-canvas loop,
+as the two repositories' Dream samplers do).
 """
 from __future__ import annotations
 
@@ -39,8 +43,9 @@ class SparseConfig:
     per-KV-head selection. `skip_fraction`: block_mask's share of steps with full attention.
     `kv_block_size`: granularity of the index lists (retention: 1 = single tokens, as upstream;
     block_mask: SparseD's `block_size`, e.g. 32 for short prompts, 128 for long ones).
-    `corrected_scale`: block_mask's selection softmax scaled by 1/√head_dim instead of upstream's
-    1/√n_heads.
+    `corrected_scale`: block_mask's selection softmax scaled by 1/√head_dim (True) or by 1/√n_heads
+    (False); None: as the sampler's upstream does (SparseD's LLaDA `generate`: 1/√n_heads; its Dream
+    `diffusion_generate`: 1/√head_dim).
     """
 
     retention_ratio: float = 0.5
@@ -51,7 +56,7 @@ class SparseConfig:
     method: str = "retention"
     skip_fraction: float = 0.2
     kv_block_size: int = 1
-    corrected_scale: bool = False
+    corrected_scale: bool | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -70,7 +75,8 @@ class SparseConfig:
         if self.method == "retention" and self.kv_block_size != 1:
             raise ValueError(f"method='retention' keeps single tokens (kv_block_size=1, as Sparse-dLLM); got "
                              f"kv_block_size={self.kv_block_size}")
-        check_bool("corrected_scale", self.corrected_scale)
+        if self.corrected_scale is not None:
+            check_bool("corrected_scale", self.corrected_scale)
         if self.block_len is not None and block_length is not None and self.block_len != block_length:
             raise ValueError(f"SparseConfig.block_len={self.block_len} must equal block_length={block_length} "
                              f"(the block whose queries select and whose keys are never evicted)")
@@ -125,11 +131,13 @@ class BlockMaskForward:
     the global step (counted across blocks) decides dense, selecting or block-sparse attention."""
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, sparse: SparseConfig, forward_inputs: dict[str, Any],
-                 steps: int, gen_length: int) -> None:
+                 steps: int, gen_length: int, head_dim_scale: bool = False) -> None:
+        # head_dim_scale: the sampler's upstream scale when `corrected_scale` is None (LLaDA's
+        # generate: 1/√n_heads, False; Dream's diffusion_generate: 1/√head_dim, True)
         self.model, self.spec, self.forward_inputs = model, spec, forward_inputs
         self.select_step = int(steps * sparse.skip_fraction) + 1
-        self.hook = BlockMaskAttention(sparse.kv_block_size, sparse.retention_ratio, gen_length,
-                                       sparse.corrected_scale)
+        corrected = head_dim_scale if sparse.corrected_scale is None else sparse.corrected_scale
+        self.hook = BlockMaskAttention(sparse.kv_block_size, sparse.retention_ratio, gen_length, corrected)
         self.global_step = 0
 
     @property
