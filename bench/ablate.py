@@ -103,7 +103,7 @@ def sweep(name: str) -> list[Setting]:
     # Decoders II (docs/decoders.md). FreeDave is lossless: its outputs are checked identical to
     # one-token-per-step decoding (low_confidence steps=16, the same cache) in the same run.
     from remask import (CreditDecoding, D2Cache, DKVCache, ElasticCache, FreeDave, HierarchicalDecoding,
-                        ThresholdDecoding, VicinityCache, WINO)
+                        IterationSmoothing, ThresholdDecoding, VicinityCache, WINO)
     for cache in (None, "dual"):
         for draft_steps in (2, 4, 8):
             add(f"freedave (lossless) cache={cache}", f"FreeDave K={draft_steps} cache={cache}", steps=GEN_LENGTH,
@@ -116,6 +116,9 @@ def sweep(name: str) -> list[Setting]:
         add("dinfer threshold vicinity", f"dInfer threshold {threshold} vicinity",
             use_cache=VicinityCache(prefix_look=4, after_look=4, warmup_steps=2),
             decoder=ThresholdDecoding(threshold=threshold))
+    for threshold in (0.9, 0.7, 0.5):   # iteration smoothing (soft inputs, threshold decaying from 1)
+        add("dinfer threshold smoothing", f"dInfer threshold {threshold} smoothing",
+            decoder=ThresholdDecoding(threshold=threshold, smoothing=IterationSmoothing()))
     for threshold in (0.9, 0.6, 0.3):
         add("wino", f"WINO {threshold}/0.9", decoder=WINO(threshold=threshold, threshold_back=0.9))
     for reload in (2, 4, 8):

@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         ("dInfer credit 0.9", dict(decoder=remask.CreditDecoding())),
         ("dInfer hierarchy 0.9 / 0.4", dict(decoder=remask.HierarchicalDecoding())),
         ("dInfer threshold + vicinity cache", dict(use_cache=remask.VicinityCache(prefix_look=8, after_look=8))),
+        ("dInfer threshold 0.9 + iteration smoothing",
+         dict(decoder=remask.ThresholdDecoding(smoothing=remask.IterationSmoothing()))),
         ("WINO 0.6 / 0.9", dict(decoder=remask.WINO())),
         ("dKV-Cache R=8", dict(steps=G, use_cache=remask.DKVCache(cache_reloading_step=8))),
         ("dKV-Cache-Greedy R=2, window 4 (random order)",

@@ -27,7 +27,7 @@ in `dinfer_generate`'s docstring.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -41,11 +41,43 @@ from .checks import (check_bool, check_instance, check_int, check_model_kind, ch
                      check_stats, check_mask_id)
 from .stats import GenerationStats
 
-__all__ = ["ThresholdDecoding", "CreditDecoding", "HierarchicalDecoding", "VicinityCache", "dinfer_generate"]
+__all__ = ["ThresholdDecoding", "CreditDecoding", "HierarchicalDecoding", "VicinityCache", "IterationSmoothing",
+           "dinfer_generate"]
 
 
 def _check_unit(name: str, value: Any, *, allow_none: bool = False, low_open: bool = True) -> None:
     check_real(name, value, low=0, high=1, low_open=low_open, allow_none=allow_none)
+
+
+@dataclass(frozen=True)
+class IterationSmoothing:
+    """dInfer's iteration smoothing (`IterationSmooth`, `IterSmoothWithVicinityCache`): the model is
+    fed embeddings, not ids. After each forward, every position still masked gets
+    ``E[mask] + w · softmax(logits) @ E`` (its discrete embedding plus w times the expected
+    embedding of its prediction), every other position its plain embedding; the next forward reads
+    those. With the iteration count n (over the sequence; a cache-building forward counts too),
+    ``w = min(cont_weight_init + cont_weight_growth · n, cont_weight)`` and the decoder's threshold
+    is ``max(1 − n · threshold_decay, threshold)``: it starts at 1 and decays to the decoder's own.
+    Set on a dInfer decoder: ``ThresholdDecoding(smoothing=IterationSmoothing())``."""
+
+    cont_weight: float = 0.3
+    cont_weight_init: float = 0.15
+    cont_weight_growth: float = 0.02
+    threshold_decay: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("cont_weight", "cont_weight_init", "cont_weight_growth", "threshold_decay"):
+            check_real(name, getattr(self, name), low=0)
+
+
+def _check_smoothing(rule: Any) -> None:
+    """A decoder's `smoothing`: None, an `IterationSmoothing`, or its fields as a dict (the JSON form)."""
+    if isinstance(rule.smoothing, dict):
+        try:
+            object.__setattr__(rule, "smoothing", IterationSmoothing(**rule.smoothing))
+        except TypeError as e:
+            raise ValueError(f"smoothing: {e}") from None
+    check_instance("smoothing", rule.smoothing, IterationSmoothing, "a remask.IterationSmoothing")
 
 
 @dataclass(frozen=True)
@@ -63,9 +95,11 @@ class ThresholdDecoding:
     """
 
     threshold: float = 0.9
+    smoothing: IterationSmoothing | None = None
 
     def __post_init__(self) -> None:
         _check_unit("threshold", self.threshold)
+        _check_smoothing(self)
 
 
 @dataclass(frozen=True)
@@ -82,12 +116,14 @@ class CreditDecoding:
     credit_alpha: float = 0.7
     boost_gamma: float = 0.2
     decay_beta: float = 0.8
+    smoothing: IterationSmoothing | None = None
 
     def __post_init__(self) -> None:
         _check_unit("threshold", self.threshold)
         check_real("credit_alpha", self.credit_alpha, low=0)
         check_real("boost_gamma", self.boost_gamma, low=0)
         _check_unit("decay_beta", self.decay_beta, low_open=False)
+        _check_smoothing(self)
 
 
 @dataclass(frozen=True)
@@ -105,10 +141,16 @@ class HierarchicalDecoding:
 
     threshold: float | None = 0.9
     low_threshold: float | None = 0.4
+    smoothing: IterationSmoothing | None = None
 
     def __post_init__(self) -> None:
         _check_unit("threshold", self.threshold, allow_none=True, low_open=False)
         _check_unit("low_threshold", self.low_threshold, allow_none=True, low_open=False)
+        _check_smoothing(self)
+        if self.smoothing is not None and self.threshold is None:
+            # upstream computes max(1 - n * decay, None) and raises a TypeError
+            raise ValueError("threshold: iteration smoothing decays the threshold towards the decoder's own; "
+                             "HierarchicalDecoding(threshold=None) has none")
 
 
 @dataclass(frozen=True)
@@ -217,16 +259,19 @@ class _Decoder:
         if self.credit is not None:
             self.credit.reset()
 
-    def decode(self, x: torch.Tensor, logits: torch.Tensor, start: int, end: int) -> int:
-        """Commit in x[:, start:end] from the block's logits `[B, end-start, V]`; committed count."""
+    def decode(self, x: torch.Tensor, logits: torch.Tensor, start: int, end: int,
+               threshold: float | None = None) -> int:
+        """Commit in x[:, start:end] from the block's logits `[B, end-start, V]`; committed count.
+        `threshold`: this iteration's (iteration smoothing), else the rule's."""
         block = x[:, start:end]
         before = block == self.mask_id
         logits = logits.to(torch.float32) if logits.dtype != torch.float32 else logits
-        if isinstance(self.rule, HierarchicalDecoding):
-            _hierarchy_commit(block, logits, self.rule, self.mask_id)
+        rule = self.rule if threshold is None else replace(self.rule, threshold=threshold)
+        if isinstance(rule, HierarchicalDecoding):
+            _hierarchy_commit(block, logits, rule, self.mask_id)
         else:
             used = self.credit.fuse(logits, before) if self.credit is not None else logits
-            _threshold_commit(block, used, self.rule.threshold, self.mask_id)
+            _threshold_commit(block, used, rule.threshold, self.mask_id)
         _fallback(block, before, logits, self.mask_id)
         return int((before & (block != self.mask_id)).sum())
 
@@ -250,6 +295,8 @@ class _Run:
     cache_block: tuple[int, int] | None = None
     block_forward: BlockForward | None = None
     refreshed: set = field(default_factory=set)
+    smoothing: IterationSmoothing | None = None
+    embeds: torch.Tensor | None = None   # the smoothed inputs `[B, T, d]` (iteration smoothing)
 
     def logits(self, x: torch.Tensor, lo: int, hi: int, cache: KVCache | None) -> torch.Tensor:
         if cache is None:
@@ -263,10 +310,74 @@ class _Run:
             self.stats.forward(x.shape[0], hi - lo, 0 if cache is None else cache.nbytes)
         return out
 
-    def decode(self, x: torch.Tensor, logits: torch.Tensor, start: int, end: int) -> None:
-        committed = self.decoder.decode(x, logits, start, end)
+    def decode(self, x: torch.Tensor, logits: torch.Tensor, start: int, end: int,
+               threshold: float | None = None) -> None:
+        committed = self.decoder.decode(x, logits, start, end, threshold)
         if self.stats is not None:
             self.stats.step(committed)
+
+    # --- iteration smoothing (IterationSmooth / IterSmoothWithVicinityCache) --------------------
+    def _smoothing_now(self) -> tuple[float, float]:
+        """This iteration's continuous weight and threshold (upstream's expressions)."""
+        sm = self.smoothing
+        weight = min(sm.cont_weight_init + sm.cont_weight_growth * self.iter_no, sm.cont_weight)
+        return weight, max(1 - self.iter_no * sm.threshold_decay, self.decoder.rule.threshold)
+
+    def _embed(self, ids: torch.Tensor, logits: torch.Tensor | None = None, weight: float = 0.0) -> torch.Tensor:
+        """Plain embeddings of `ids`; with `logits`, masked positions add `weight` times the expected
+        embedding of their prediction (dInfer's H2Embed, tau 1)."""
+        table = self.model.get_input_embeddings()
+        out = table(ids)
+        if logits is None:
+            return out
+        expected = torch.softmax(logits / 1.0, dim=-1) @ table.weight
+        return torch.where((ids == self.decoder.mask_id).unsqueeze(-1), weight * expected + 1 * out, out)
+
+    def _embeds_forward(self, lo: int, hi: int, cache: KVCache | None) -> torch.Tensor:
+        """A forward of the smoothed inputs of positions `[lo, hi)` (all of them without a cache)."""
+        T = self.embeds.shape[1]
+        if cache is None:
+            out = self.spec.logits(self.model, None, inputs_embeds=self.embeds, **self.forward_inputs)
+        else:
+            inputs = self.forward_inputs if lo == 0 and hi == T else \
+                self.spec.inputs_for_positions(self.forward_inputs, lo, hi)
+            out = self.spec.logits(self.model, None, inputs_embeds=self.embeds[:, lo:hi], past_key_values=cache,
+                                   cache_position=torch.arange(lo, hi, device=self.embeds.device), **inputs)
+        if self.stats is not None:
+            self.stats.forward(self.embeds.shape[0], hi - lo, 0 if cache is None else cache.nbytes)
+        return out
+
+    def _smooth_step(self, x: torch.Tensor, lo: int, hi: int, cache: KVCache | None, start: int, end: int) -> None:
+        """One smoothed iteration over `[lo, hi)`: forward, decode the block, new inputs there."""
+        weight, threshold = self._smoothing_now()
+        logits = self._embeds_forward(lo, hi, cache)
+        self.iter_no += 1
+        self.decode(x, logits[:, start - lo:end - lo], start, end, threshold)
+        self.embeds[:, lo:hi] = self._embed(x[:, lo:hi], logits, weight)
+
+    def iterate_smooth(self, x: torch.Tensor, start: int, end: int, block_id: int) -> None:
+        T, mode = x.shape[1], self.block_forward.mode
+        if mode is not None and block_id not in self.refreshed:   # the cache-building forward
+            self.refreshed.add(block_id)
+            self.cache = KVCache()
+            self._smooth_step(x, 0, T, self.cache, start, end)
+        if mode is None:
+            self._smooth_step(x, 0, T, None, start, end)
+        else:
+            self._smooth_step(x, start, T if mode == "prefix" else end, self.cache, start, end)
+            if mode == "prefix":
+                self.cache.crop(start)   # the suffix's K/V are recomputed at every step
+
+    def iterate_vicinity_smooth(self, x: torch.Tensor, start: int, end: int, block_id: int,
+                                vc: VicinityCache) -> None:
+        T = x.shape[1]
+        if self.iter_no < vc.warmup_steps:
+            self._smooth_step(x, 0, T, None, start, end)
+            return
+        if self._vicinity_rebuild(start, end, block_id):
+            self.cache = KVCache()
+            self._smooth_step(x, 0, T, self.cache, start, end)
+        self._smooth_step(x, max(0, start - vc.prefix_look), min(T, end + vc.after_look), self.cache, start, end)
 
     # BaseDiffusionIteration (no cache / prefix / dual)
     def iterate(self, x: torch.Tensor, start: int, end: int, block_id: int) -> None:
@@ -295,14 +406,7 @@ class _Run:
             self.decode(x, self.logits(x, 0, T, None)[:, start:end], start, end)
             self.iter_no += 1
             return
-        rebuild = self.cache is None
-        if not rebuild:
-            # dInfer's cache manager: "a new block" is judged against the block of its previous query,
-            # which it has not seen when the cache was first built
-            changed = self.cache_block != (start, end)
-            self.cache_block = (start, end)
-            rebuild = changed and block_id > 0
-        if rebuild:
+        if self._vicinity_rebuild(start, end, block_id):
             self.cache = KVCache()
             self.decode(x, self.logits(x, 0, T, self.cache)[:, start:end], start, end)
             self.iter_no += 1
@@ -310,6 +414,16 @@ class _Run:
         logits = self.logits(x, lo, hi, self.cache)
         self.decode(x, logits[:, start - lo:end - lo], start, end)
         self.iter_no += 1
+
+    def _vicinity_rebuild(self, start: int, end: int, block_id: int) -> bool:
+        """Whether the vicinity cache is (re)built before this iteration's window forward."""
+        if self.cache is None:
+            return True
+        # dInfer's cache manager: "a new block" is judged against the block of its previous query,
+        # which it has not seen when the cache was first built
+        changed = self.cache_block != (start, end)
+        self.cache_block = (start, end)
+        return changed and block_id > 0
 
     def run_block(self, x: torch.Tensor, start: int, end: int, block_id: int, vicinity: VicinityCache | None) -> None:
         mask_id = self.decoder.mask_id
@@ -320,9 +434,11 @@ class _Run:
                 break
             for _ in range(int(max(min(left // self.expected_tpf, self.maximum_unroll), 1))):
                 if vicinity is None:
-                    self.iterate(x, start, end, block_id)
-                else:
+                    (self.iterate if self.smoothing is None else self.iterate_smooth)(x, start, end, block_id)
+                elif self.smoothing is None:
                     self.iterate_vicinity(x, start, end, block_id, vicinity)
+                else:
+                    self.iterate_vicinity_smooth(x, start, end, block_id, vicinity)
 
 
 def dinfer_generate(
@@ -394,7 +510,10 @@ def dinfer_generate(
     if spec.eos_id is None and early_stop:
         raise ValueError("early_stop needs an EOS id: the model has none, pass eos_id=")
 
-    rows = [slice(b, b + 1) for b in range(prompt.shape[0])] if vicinity is not None else [slice(None)]
+    # decoded row by row where upstream couples a batch's rows (the vicinity warmup and unrolling,
+    # iteration smoothing's iteration count): each row as alone
+    alone = vicinity is not None or decoder.smoothing is not None
+    rows = [slice(b, b + 1) for b in range(prompt.shape[0])] if alone else [slice(None)]
     if stats is not None:
         stats.start()
     outs = []
@@ -422,6 +541,9 @@ def _generate(model, spec, prompt, attention_mask, rule, gen_length, block_lengt
         valid = torch.cat([attention_mask.bool(), attention_mask.new_ones((B, gen_length), dtype=torch.bool)], 1)
     run = _Run(model, spec, _Decoder(rule, mask_id), forward_inputs, valid, stats, maximum_unroll, expected_tpf)
     run.block_forward = BlockForward(model, spec, None if vicinity is not None else use_cache, forward_inputs, valid)
+    if rule.smoothing is not None:
+        run.smoothing = rule.smoothing
+        run.embeds = run._embed(x)
     first = (P // block_length) * block_length
     for block_id, start in enumerate(range(first, T, block_length)):
         end = min(start + block_length, T)

@@ -12,7 +12,8 @@ from remask.diffusion import (
     APDConfig, CanvasSampler, DreamGenerationConfig, DreamModelOutput, GenerationStats, SparseConfig, ar_generate, diffusion_generate,
     generate)
 from remask.engine import LLM, LLMEngine, RequestOutput, SamplingParams
-from remask.diffusion.dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding, VicinityCache
+from remask.diffusion.dinfer import (CreditDecoding, HierarchicalDecoding, IterationSmoothing, ThresholdDecoding,
+                                     VicinityCache)
 from remask.diffusion.d2cache import D2Cache
 from remask.diffusion.dkv import DKVCache
 from remask.diffusion.elastic import ElasticCache
@@ -27,7 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "APDConfig", "CanvasSampler", "CreditDecoding", "D2Cache", "DKVCache", "DreamConfig", "ElasticCache", "FreeDave", "HierarchicalDecoding", "ThresholdDecoding",
-    "VicinityCache", "WINO", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
+    "VicinityCache", "IterationSmoothing", "WINO", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
     "LLM", "LLMEngine", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "RequestOutput", "SamplingParams", "SparseConfig", "answer_text", "ar_generate",
     "diffusion_generate", "generate", "get_spec", "load", "patch", "stop_token_ids",
 ]
