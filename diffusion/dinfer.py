@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from remask.caches import KVCache
+from remask.kernels.dinfer import credit_confidence, dinfer_select
 from remask.models.spec import get_spec
 
 from .cache import BlockForward
@@ -180,34 +181,15 @@ _DECODERS = (ThresholdDecoding, CreditDecoding, HierarchicalDecoding)
 def _threshold_commit(x_block: torch.Tensor, logits: torch.Tensor, threshold: float, mask_id: int) -> None:
     x0 = logits.argmax(dim=-1)
     p = F.softmax(logits.to(torch.float32), dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1)
-    masked = x_block == mask_id
-    candidates = masked & (x0 != mask_id)
-    conf = torch.where(candidates, p, -math.inf)
-    bar = (conf.max(dim=1).values - 1e-5).clamp(-1000, threshold).unsqueeze(-1)
-    commit = (conf >= bar) & candidates
-    x_block.copy_(torch.where(commit, x0, x_block))
+    dinfer_select(x_block, x0, p, mask_id, "threshold", threshold)
 
 
 def _hierarchy_commit(x_block: torch.Tensor, logits: torch.Tensor, rule: HierarchicalDecoding,
                       mask_id: int) -> None:
-    B, L = x_block.shape
-    masked = x_block == mask_id
     x0 = logits.argmax(dim=-1)
     p = F.log_softmax(logits, dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1).exp()
-    floor = torch.finfo(p.dtype).min
-    conf = torch.where(masked, p, torch.full_like(p, floor))
-    prev = torch.cat([masked.new_zeros((B, 1)), masked[:, :-1]], dim=1)
-    run = torch.where(masked, torch.cumsum((masked & ~prev).long(), dim=1) - 1, 0)
-    run_max = torch.full_like(conf, floor).scatter_reduce(1, run, conf, reduce="amax", include_self=True)
-    commit = conf == run_max.gather(1, run)
-    if rule.low_threshold is not None:
-        commit &= conf > rule.low_threshold
-    if rule.threshold is not None:
-        commit |= conf > rule.threshold
-    commit |= F.one_hot(conf.argmax(dim=1), num_classes=L).bool()
-    commit &= masked
     # a committed mask-token prediction leaves the position masked, as upstream
-    x_block.copy_(torch.where(commit, x0, x_block))
+    dinfer_select(x_block, x0, p, mask_id, "hierarchy", rule.threshold, rule.low_threshold)
 
 
 class _Credit:
@@ -219,17 +201,15 @@ class _Credit:
     def reset(self) -> None:
         self.matrix, self.calls = None, 0
 
-    def fuse(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    def step(self, logits: torch.Tensor, masked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Update the credit and return (x0, confidence) of the credit-fused logits (one launch on GPU)."""
         r = self.rule
         if self.matrix is None or self.matrix.shape != logits.shape:
             self.matrix, self.calls = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device), 0
-        if self.calls > 0:
-            self.matrix.mul_(r.decay_beta)
-        top_p, top_i = F.softmax(logits.to(torch.float32), dim=-1).max(dim=-1)
-        boost = top_p.pow(r.boost_gamma) * masked.to(torch.float32)
-        self.matrix.scatter_add_(2, top_i.unsqueeze(-1), boost.unsqueeze(-1))
+        out = credit_confidence(logits, self.matrix, masked, self.calls == 0, r.credit_alpha, r.boost_gamma,
+                                r.decay_beta)
         self.calls += 1
-        return logits + r.credit_alpha * torch.log(self.matrix + 1)
+        return out
 
 
 def _fallback(x_block: torch.Tensor, before: torch.Tensor, logits: torch.Tensor, mask_id: int) -> int:
@@ -269,9 +249,11 @@ class _Decoder:
         rule = self.rule if threshold is None else replace(self.rule, threshold=threshold)
         if isinstance(rule, HierarchicalDecoding):
             _hierarchy_commit(block, logits, rule, self.mask_id)
+        elif self.credit is not None:
+            x0, conf = self.credit.step(logits, before)
+            dinfer_select(block, x0, conf, self.mask_id, "threshold", rule.threshold)
         else:
-            used = self.credit.fuse(logits, before) if self.credit is not None else logits
-            _threshold_commit(block, used, rule.threshold, self.mask_id)
+            _threshold_commit(block, logits, rule.threshold, self.mask_id)
         _fallback(block, before, logits, self.mask_id)
         return int((before & (block != self.mask_id)).sum())
 

@@ -9,6 +9,10 @@ tests' oracle.
 * `canvas_score(logits, T)` → (sample, argmax, entropy, top_prob) and `canvas_update(sample,
   entropy, bound, vocab_size=)` → (canvas, accepted): uniform-noise diffusion's step (DiffusionGemma:
   one pass over V; the EB decision and the renoise in one launch) (`canvas.py`).
+* `credit_confidence(logits, credit, masked, first, alpha, gamma, beta)` → (x0, conf) and
+  `dinfer_select(x, x0, conf, mask_id, rule, threshold, low_threshold)`: dInfer's credit update and
+  fusion in one pass pair over V, and its threshold / hierarchical commit in one launch per block
+  (`dinfer.py`).
 * `paged_store`, `paged_gather`, `paged_attention`: the paged KV cache (`paged.py`; layout
   `[num_pages, page_size, H_kv, D]` with a block table per sequence).
 * `block_sparse_attention(q, k, v, kv_num_blocks, kv_indices, ...)`: bidirectional attention under a
@@ -21,9 +25,10 @@ Triton runs on CUDA tensors; ``REMASK_TRITON=1`` forces it (CPU tensors under
 from .accept import apd_accept
 from .canvas import canvas_score, canvas_update
 from .confidence import confidence
+from .dinfer import credit_confidence, dinfer_select
 from .paged import paged_attention, paged_gather, paged_store
 from .sparse_attention import block_sparse_attention
 from .unmask import unmask
 
-__all__ = ["apd_accept", "block_sparse_attention", "canvas_score", "canvas_update", "confidence", "paged_attention", "paged_gather", "paged_store",
-           "unmask"]
+__all__ = ["apd_accept", "block_sparse_attention", "canvas_score", "canvas_update", "confidence", "credit_confidence",
+           "dinfer_select", "paged_attention", "paged_gather", "paged_store", "unmask"]

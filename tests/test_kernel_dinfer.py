@@ -1,0 +1,121 @@
+"""dInfer's decoding kernels (`kernels/dinfer.py`) under the interpreter against their torch
+references (`kernels/dinfer_ref.py`), and the references against `diffusion/dinfer.py`'s rules
+(which reproduce dInfer's fixtures)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from remask.kernels.dinfer import credit_confidence, credit_confidence_triton, dinfer_select, dinfer_select_triton
+from remask.kernels.dinfer_ref import credit_confidence_torch, dinfer_select_torch
+
+MASK = 7
+
+
+def _block(seed, B, L, V, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, V, (B, L), generator=g)
+    x[torch.rand(B, L, generator=g) < 0.6] = MASK
+    if B > 1:
+        x[0] = 3                       # a row with nothing masked
+    x0 = torch.randint(0, V, (B, L), generator=g)
+    x0[torch.rand(B, L, generator=g) < 0.1] = MASK    # the mask token predicted
+    if ties:
+        conf = torch.randint(1, 5, (B, L), generator=g).float() / 4
+    else:
+        conf = torch.rand(B, L, generator=g) ** 0.3
+    return [t.to(DEVICE) for t in (x, x0, conf)]
+
+
+@pytest.mark.parametrize("rule, threshold, low", [("threshold", 0.9, None), ("threshold", 0.3, None),
+                                                  ("hierarchy", 0.9, 0.4), ("hierarchy", None, 0.4),
+                                                  ("hierarchy", 0.7, None), ("hierarchy", None, None)])
+@pytest.mark.parametrize("L", [1, 7, 32, 37])
+def test_select_kernel_equals_reference(rule, threshold, low, L):
+    for seed in range(4):
+        x, x0, conf = _block(seed, 3, L, 50, ties=seed % 2 == 1)
+        got = dinfer_select_triton(x.clone(), x0, conf, MASK, rule, threshold, low)
+        want = dinfer_select_torch(x.clone(), x0, conf, MASK, rule, threshold, low)
+        assert torch.equal(got, want), (seed, got, want)
+
+
+def test_select_kernel_strided_rows_and_all_masked():
+    wide_x, wide_x0, wide_conf = _block(5, 4, 80, 50)
+    x, x0, conf = wide_x[:, 3:40], wide_x0[:, 3:40], wide_conf[:, 3:40]   # row stride 80, unit column stride
+    x[1] = MASK                                                            # one run over the whole row
+    for rule, thr, low in (("threshold", 0.8, None), ("hierarchy", 0.9, 0.4)):
+        got, want = x.clone(), x.clone()
+        dinfer_select_triton(got, x0, conf, MASK, rule, thr, low)
+        dinfer_select_torch(want, x0, conf, MASK, rule, thr, low)
+        assert torch.equal(got, want)
+
+
+def test_select_kernel_catches_a_broken_rule():
+    """The test can fail: the run rule applied to every position (no runs) differs."""
+    x, x0, conf = _block(1, 2, 32, 50)
+    got = dinfer_select_triton(x.clone(), x0, conf, MASK, "hierarchy", 0.99, 0.0)
+    flat = dinfer_select_torch(x.clone(), x0, conf, MASK, "threshold", 0.99)
+    assert not torch.equal(got, flat)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("V", [1000, 1031])
+def test_credit_kernel_equals_reference_over_calls(dtype, V):
+    g = torch.Generator().manual_seed(V)
+    B, L = 2, 5
+    credit_k = torch.zeros(B, L, V, device=DEVICE)
+    credit_r = credit_k.clone()
+    for call in range(4):
+        logits = (torch.randn(B, L, V, generator=g) * 3).to(dtype).to(DEVICE)
+        logits[0, 1, 17] = logits[0, 1, 900] = logits[0, 1].max() + 1   # a tie across chunks
+        masked = torch.rand(B, L, generator=g).to(DEVICE) < 0.7
+        x0_k, conf_k = credit_confidence_triton(logits, credit_k, masked, call == 0, 0.7, 0.2, 0.8)
+        x0_r, conf_r = credit_confidence_torch(logits.float(), credit_r, masked, call == 0, 0.7, 0.2, 0.8)
+        assert torch.equal(x0_k, x0_r), call
+        torch.testing.assert_close(conf_k, conf_r, rtol=2e-5, atol=1e-6)
+        torch.testing.assert_close(credit_k, credit_r, rtol=2e-5, atol=1e-6)
+    assert float(credit_r.max()) > 1.0   # boosts accumulated: the decay path ran
+
+
+def test_dispatchers_validate_and_default_to_torch_on_cpu():
+    x, x0, conf = _block(0, 2, 8, 50)
+    with pytest.raises(ValueError, match="rule"):
+        dinfer_select(x, x0, conf, MASK, "top_k", 0.9)
+    with pytest.raises(ValueError, match="conf"):
+        dinfer_select(x, x0, conf.double(), MASK, "threshold", 0.9)
+    with pytest.raises(ValueError, match="credit"):
+        credit_confidence(torch.zeros(1, 2, 5), torch.zeros(1, 2, 4), torch.zeros(1, 2, dtype=torch.bool), True,
+                          0.7, 0.2, 0.8)
+
+
+def test_references_are_the_dinfer_rules():
+    """`diffusion/dinfer.py` decides with these references (its fixtures pin them to dInfer)."""
+    from remask.diffusion.dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding, _Decoder
+
+    g = torch.Generator().manual_seed(3)
+    for rule in (ThresholdDecoding(0.6), HierarchicalDecoding(0.8, 0.3), CreditDecoding(0.6)):
+        dec = _Decoder(rule, MASK)
+        x = torch.randint(0, 50, (2, 24), generator=g)
+        x[:, 4:] = MASK
+        credit = torch.zeros(2, 20, 50)
+        for call in range(3):
+            logits = torch.randn(2, 20, 50, generator=g) * 4
+            masked = x[:, 4:] == MASK
+            want = x[:, 4:].clone()
+            if isinstance(rule, CreditDecoding):
+                x0, conf = credit_confidence_torch(logits, credit, masked, call == 0, 0.7, 0.2, 0.8)
+                dinfer_select_torch(want, x0, conf, MASK, "threshold", rule.threshold)
+            else:
+                x0 = logits.argmax(-1)
+                p = torch.softmax(logits, -1) if isinstance(rule, ThresholdDecoding) else \
+                    torch.log_softmax(logits, -1).exp()
+                conf = p.gather(-1, x0[..., None])[..., 0]
+                kind = "threshold" if isinstance(rule, ThresholdDecoding) else "hierarchy"
+                dinfer_select_torch(want, x0, conf, MASK, kind, rule.threshold,
+                                    getattr(rule, "low_threshold", None))
+            before = x[:, 4:] == MASK
+            dec.decode(x, logits, 4, 24)
+            # a row where the rule committed nothing gets dInfer-remask's fallback (one position)
+            stuck = before.any(dim=1) & ((want == MASK) == before).all(dim=1)
+            assert torch.equal(x[~stuck, 4:], want[~stuck]), call
