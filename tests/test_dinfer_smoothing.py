@@ -11,13 +11,13 @@ import warnings
 
 import pytest
 import torch
-from transformers import AutoModel
 
 import remask
 from remask.diffusion.dinfer import (CreditDecoding, HierarchicalDecoding, IterationSmoothing, ThresholdDecoding,
                                      VicinityCache, dinfer_generate)
 from remask.diffusion.stats import GenerationStats
-from remask.models import tiny
+
+from helpers import load_fixture_checkpoint
 
 with open(os.path.join(os.path.dirname(__file__), "fixtures", "dinfer_smoothing_reference.json")) as f:
     DATA = json.load(f)
@@ -30,13 +30,8 @@ RULES = {"threshold": ThresholdDecoding, "credit": CreditDecoding, "hierarchy": 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dinfer_smoothing")
-    out = {}
-    for name, spec in DATA["meta"]["checkpoints"].items():
-        path = str(root / name)
-        assert tiny.write_tiny_llada(path, **spec["kwargs"]) == spec["digest"], f"{name}: weights differ"
-        out[name] = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
-    return out
+    return {name: load_fixture_checkpoint(tmp_path_factory, DATA["meta"]["checkpoints"], name)
+            for name in DATA["meta"]["checkpoints"]}
 
 
 def _args(case, smoothing=True):
