@@ -32,7 +32,7 @@ def _block(seed, B, L, V, ties=False):
                                                   ("hierarchy", 0.9, 0.4), ("hierarchy", None, 0.4),
                                                   ("hierarchy", 0.7, None), ("hierarchy", None, None)])
 @pytest.mark.parametrize("L", [1, 7, 32, 37])
-def test_select_kernel_equals_reference(rule, threshold, low, L):
+def test_select_kernel_equals_reference(poisoned_outputs, rule, threshold, low, L):
     for seed in range(4):
         x, x0, conf = _block(seed, 3, L, 50, ties=seed % 2 == 1)
         got = dinfer_select_triton(x.clone(), x0, conf, MASK, rule, threshold, low)
@@ -61,7 +61,7 @@ def test_select_kernel_catches_a_broken_rule():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("V", [1000, 1031])
-def test_credit_kernel_equals_reference_over_calls(dtype, V):
+def test_credit_kernel_equals_reference_over_calls(poisoned_outputs, dtype, V):
     g = torch.Generator().manual_seed(V)
     B, L = 2, 5
     credit_k = torch.zeros(B, L, V, device=DEVICE)
