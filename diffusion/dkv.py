@@ -37,6 +37,8 @@ REMASKING = ("low_confidence", "random")
 
 
 VARIANTS = ("decode", "greedy")
+DREAM_CACHE_TYPES = ("decoded", "prefill")
+DREAM_SHIFT_TYPES = ("un", "un_right", "right")
 
 
 @dataclass(frozen=True)
@@ -49,12 +51,21 @@ class DKVCache:
 
     `commit_mask_token=True` reproduces upstream when the argmax is the mask token (it is committed,
     the position stays masked and may be returned masked); by default the most probable other token
-    is committed instead."""
+    is committed instead.
+
+    Dream (`remask.diffusion.dkv_dream.dkv_dream_generate`, upstream's Dream `_sample`) reads two more
+    fields, None for LLaDA: `cache_type` ``"decoded"`` (the default there: decoded tokens are cached,
+    the cache rebuilt every `cache_reloading_step` steps — upstream's `cache_steps`) or ``"prefill"``
+    (the prompt is cached once, `cache_reloading_step` unused), and `shift_type` (``"decoded"`` only)
+    ``"un"`` (the default: position i is cached once token i + 1 is decoded, the logit shift),
+    ``"un_right"`` (once tokens i and i + 1 are) or ``"right"`` (once token i is)."""
 
     cache_reloading_step: int = 8
     commit_mask_token: bool = False
     variant: str = "decode"
     window_size: int = 0
+    cache_type: str | None = None
+    shift_type: str | None = None
 
     def __post_init__(self) -> None:
         check_int("cache_reloading_step", self.cache_reloading_step, minimum=1)
@@ -64,6 +75,25 @@ class DKVCache:
         if self.window_size and self.variant != "greedy":
             raise ValueError(f"window_size: only dKV-Cache-Greedy (variant='greedy') forwards a window, got "
                              f"{self.window_size} with variant={self.variant!r}")
+        if self.cache_type is not None:
+            check_choice("cache_type", self.cache_type, DREAM_CACHE_TYPES)
+        if self.shift_type is not None:
+            check_choice("shift_type", self.shift_type, DREAM_SHIFT_TYPES)
+        dream = self.dream_fields
+        if dream and self.variant != "decode":
+            raise ValueError(f"{dream[0]}: Dream's dKV-Cache (cache_type / shift_type) has no "
+                             f"variant={self.variant!r}; it is dKV-Cache-Decode's (variant='decode')")
+        if self.shift_type is not None and self.cache_type == "prefill":
+            raise ValueError(f"shift_type: the prefill cache holds the prompt only; shift_type={self.shift_type!r} "
+                             "applies to cache_type='decoded'")
+        if self.commit_mask_token and dream:
+            raise ValueError("commit_mask_token: Dream's sampler never commits the mask token in remask; "
+                             f"commit_mask_token=True is LLaDA-only (got {dream[0]}={getattr(self, dream[0])!r})")
+
+    @property
+    def dream_fields(self) -> list[str]:
+        """The Dream-only fields set (empty for a LLaDA configuration)."""
+        return [name for name in ("cache_type", "shift_type") if getattr(self, name) is not None]
 
 
 class DelayedKVCache(KVCache):
@@ -199,6 +229,11 @@ def dkv_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCac
     config = DKVCache() if config is None else config
     if not isinstance(config, DKVCache):
         raise ValueError(f"config must be a remask DKVCache, got {type(config).__name__}")
+    if config.dream_fields:
+        name = config.dream_fields[0]
+        raise ValueError(f"{name}: a Dream-only field (dkv_dream_generate); LLaDA's dKV-Cache takes "
+                         f"cache_reloading_step, variant, window_size, commit_mask_token (got {name}="
+                         f"{getattr(config, name)!r})")
     for name, value in (("steps", steps), ("gen_length", gen_length), ("block_length", block_length)):
         check_int(name, value, minimum=1)
     if gen_length % block_length:
