@@ -1,25 +1,53 @@
 # Two entry points for a fresh machine: `make demo` and `make test` (each sets up .venv first).
+# `make test` installs exactly constraints.txt (what CI last passed with: the lower ends of
+# pyproject.toml's ranges); `make test-latest` installs the newest versions the ranges allow into
+# .venv-latest and runs the same suite, so upstream drift shows the day it lands.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+LATEST_VENV ?= .venv-latest
+EXTRAS := dev,serve,eval,quant,plot,ray
+# CPU torch first (an unpinned torch pulls GBs of CUDA packages); the machine's newest CPU build.
+TORCH := torch==2.13.0
+# Both cores: test files run whole on one worker each (module fixtures are built once per file).
+PYTEST := -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-latest lock bench clean
 
 setup: $(VENV)/.installed
 
-# CPU torch first (an unpinned torch pulls GBs of CUDA packages), then remask with the extras its tests use.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev,serve,eval,quant,plot,ray]"
+	$(BIN)/pip install --quiet -c constraints.txt $(TORCH)
+	$(BIN)/pip install --quiet -c constraints.txt -e ".[$(EXTRAS)]"
 	touch $@
 
 demo: setup
 	$(BIN)/python -m remask.demo $(DEMO_ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python $(PYTEST)
+
+# The newest versions the ranges allow (torch stays the CPU build above), from a fresh environment;
+# the versions it ran with are printed and kept in $(LATEST_VENV)/versions.txt.
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/pip install --quiet --upgrade pip
+	$(LATEST_VENV)/bin/pip install --quiet $(TORCH)
+	$(LATEST_VENV)/bin/pip install --quiet --upgrade --upgrade-strategy eager -e ".[$(EXTRAS)]"
+	$(LATEST_VENV)/bin/pip freeze --exclude-editable > $(LATEST_VENV)/versions.txt
+	grep -iE '^(torch|transformers|accelerate|lm.eval|fastapi)==' $(LATEST_VENV)/versions.txt
+	$(LATEST_VENV)/bin/python $(PYTEST)
+
+# Rewrite constraints.txt from the passing $(LATEST_VENV) (run `make test-latest` first), then raise
+# pyproject.toml's lower bounds to match (tests/test_packaging.py says which).
+lock:
+	test -f $(LATEST_VENV)/versions.txt
+	{ sed -n '/^#/p' constraints.txt; sed -e 's/^torch==\([0-9.]*\)+cpu$$/torch==\1/' $(LATEST_VENV)/versions.txt; } \
+		> constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 # Kernel microbenchmarks (Triton compiled on a GPU, torch paths on CPU); report in bench/results/.
 bench: setup
@@ -27,4 +55,4 @@ bench: setup
 	$(BIN)/python bench/report.py bench/results/latest.json
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .benchmarks
+	rm -rf $(VENV) $(LATEST_VENV) build *.egg-info .pytest_cache .benchmarks

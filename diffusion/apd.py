@@ -30,6 +30,7 @@ import torch
 from remask.kernels import apd_accept
 from remask.kernels.confidence_ref import gumbel
 from remask.caches import KVCache
+from remask.models.hf_compat import cache_arg, output_cache
 from remask.models.parallel import full_logits
 from remask.models.spec import ModelSpec, get_spec
 
@@ -219,12 +220,12 @@ class APDDecoder:
             out = verifier(ids, use_cache=True)
             verifier_logits = out.logits[0, curr - 1:right - 1]
         else:
-            out = verifier(draft[None], past_key_values=state.verifier_cache, use_cache=True,
+            out = verifier(draft[None], **cache_arg(verifier.forward, state.verifier_cache), use_cache=True,
                            cache_position=torch.arange(curr, right, device=x.device),
                            position_ids=torch.arange(curr, right, device=x.device)[None])
             # Row j predicts draft j + 1; row 0's own prediction is never needed (j = 0 is accepted).
             verifier_logits = torch.cat([out.logits[0, :1], out.logits[0, :-1]])
-        state.verifier_cache = out.past_key_values
+        state.verifier_cache = output_cache(out)
         if verifier_stats is not None:
             verifier_stats.forward(1, out.logits.shape[1])   # the prefix too on the first round
         num_accept = int(apd_accept(draft, window, verifier_logits, R, vocab=vocab,

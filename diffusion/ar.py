@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from remask.models.hf_compat import cache_arg, output_cache
 from remask.models.spec import get_spec
 
 from .checks import (ParameterTypeError, check_generator, check_int, check_model_kind, check_prompt, check_real, check_stats,
@@ -89,15 +90,15 @@ class ARDecoder:
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                          **self.keep_last)
-        return out.past_key_values, out.logits[:, -1], position_ids[:, -1:]
+        return output_cache(out), out.logits[:, -1], position_ids[:, -1:]
 
     def decode(self, cache: Any, tokens: torch.Tensor, mask: torch.Tensor,
                position_ids: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """One token per row `[B]` at `position_ids` `[B, 1]` against `cache`; `mask` covers every
         position so far, this one included. Returns (cache, next-position logits `[B, V]`)."""
         out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True, **self.keep_last)
-        return out.past_key_values, out.logits[:, -1]
+                         **cache_arg(self.model.forward, cache), use_cache=True, **self.keep_last)
+        return output_cache(out), out.logits[:, -1]
 
     def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """The next token of each row from its next-position logits `[B, V]` (greedy at T=0;

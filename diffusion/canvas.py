@@ -28,6 +28,7 @@ import torch
 
 from remask.kernels.canvas import canvas_score, canvas_update
 from remask.models.diffusion_gemma import CanvasModel, require_diffusion_gemma
+from remask.models.hf_compat import with_cache_field
 
 from .checks import (ParameterTypeError, check_bool, check_choice, check_generator, check_instance, check_int,
                      check_real, check_stats)
@@ -451,9 +452,8 @@ class CanvasDecoder:
         new_tokens = state.input_ids[:, state.prompt_length:]
         pad = self.config.pad_token_id
         valid = (new_tokens != pad).sum(dim=-1) if pad is not None else new_tokens.shape[1]
-        return self.module.DiffusionGemmaGenerationOutput(
-            sequences=state.input_ids, tokens_per_forward=valid / state.decoder_forwards,
-            past_key_values=state.cache)
+        return self.module.DiffusionGemmaGenerationOutput(**with_cache_field(dict(
+            sequences=state.input_ids, tokens_per_forward=valid / state.decoder_forwards, cache=state.cache)))
 
 
 def canvas_generate(

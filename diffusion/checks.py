@@ -54,6 +54,15 @@ def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int
     return value
 
 
+def check_min_tokens(min_tokens: Any, max_tokens: int) -> int:
+    """`min_tokens` (vLLM's): an int in [0, max_tokens] — the tokens an answer has before an end
+    token (EOS/EOT, `stop_token_ids`) or a `stop` string may end it."""
+    check_int("min_tokens", min_tokens, minimum=0)
+    if min_tokens > max_tokens:
+        raise ValueError(f"min_tokens must be <= max_tokens ({max_tokens}), got {min_tokens}")
+    return int(min_tokens)
+
+
 def check_real(name: str, value: Any, *, low: float | None = None, high: float | None = None,
                low_open: bool = False, high_open: bool = False, allow_none: bool = False) -> float | None:
     """A finite real number (int or float, not a bool, string or tensor) in the interval given by

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from remask.models.hf_compat import output_cache
+
 from .checks import (ParameterTypeError, check_bool, check_choice, check_generator, check_int, check_real, check_settings,
                      check_stats)
 from .freedave_blocks import BlockFreeDave, check_freedave_loop
@@ -259,7 +261,7 @@ class FastDLLMV2Decoder:
             if end > first:   # the prompt's whole blocks, stored (positions count from the cache: 0)
                 out = model(input_ids=state.x[:, first:end], use_cache=True, update_past_key_values=True,
                             block_size=L)
-                state.cache = out.past_key_values
+                state.cache = output_cache(out)
                 if stats is not None:
                     stats.forward(1, end - first)
                 if state.prompt_length % L == 0:
@@ -281,7 +283,7 @@ class FastDLLMV2Decoder:
                 return
             out = model(input_ids=block, use_cache=True, past_key_values=state.cache, update_past_key_values=True,
                         block_size=L)
-            state.cache = out.past_key_values
+            state.cache = output_cache(out)
             self._after_store(state, out.logits, stats)
             return
         S = self.small_block_size

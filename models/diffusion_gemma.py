@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .hf_compat import cache_arg, output_cache
 from .registry import Family, register_family
 from .spec import ModelSpec, config_id
 
@@ -81,20 +82,21 @@ class CanvasModel:
         shape_only = torch.empty((input_ids.shape[0], input_ids.shape[1], 0), dtype=self.model.dtype,
                                  device=input_ids.device)
         masks = encoder.create_masks_for_generate(config=self.config, inputs_embeds=shape_only,
-                                                  attention_mask=attention_mask, past_key_values=cache,
-                                                  position_ids=position_ids, mm_token_type_ids=None)
-        return encoder(input_ids=input_ids, attention_mask=masks, past_key_values=cache,
-                       position_ids=position_ids).past_key_values
+                                                  attention_mask=attention_mask, position_ids=position_ids,
+                                                  mm_token_type_ids=None,
+                                                  **cache_arg(encoder.create_masks_for_generate, cache))
+        return output_cache(encoder(input_ids=input_ids, attention_mask=masks, position_ids=position_ids,
+                                    **cache_arg(encoder.forward, cache)))
 
     def decoder_masks(self, canvas: torch.Tensor, cache, decoder_attention_mask: torch.Tensor) -> dict:
         """The decoder's attention masks for a canvas over the cache (computed once per canvas)."""
-        return self.model.model.decoder.create_diffusion_decoder_attention_mask(
-            config=self.config, inputs_embeds=canvas.unsqueeze(-1), past_key_values=cache,
-            decoder_attention_mask=decoder_attention_mask)
+        create = self.model.model.decoder.create_diffusion_decoder_attention_mask
+        return create(config=self.config, inputs_embeds=canvas.unsqueeze(-1),
+                      decoder_attention_mask=decoder_attention_mask, **cache_arg(create, cache))
 
     def denoise(self, canvas: torch.Tensor, self_conditioning_logits: torch.Tensor | None, masks: dict, cache,
                 position_ids: torch.Tensor) -> torch.Tensor:
         """One decoder forward: logits `[B, canvas_length, V]` (float32, soft-capped)."""
         return self.model(decoder_input_ids=canvas, self_conditioning_logits=self_conditioning_logits,
-                          decoder_attention_mask=masks, past_key_values=cache,
-                          decoder_position_ids=position_ids).logits
+                          decoder_attention_mask=masks, decoder_position_ids=position_ids,
+                          **cache_arg(self.model.forward, cache)).logits

@@ -16,8 +16,9 @@ from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .hf_compat import lm_output
 from .layers import ForwardPositions, KVCache, RMSNorm, forward_positions, init_weights, rotary_self_attention
-from .registry import Family, register_family
+from .registry import Family, accept_attn_implementation, register_family
 from .spec import ModelSpec, config_id, extend_mask
 
 
@@ -51,6 +52,7 @@ class DreamConfig(PreTrainedConfig):
     eos_token_id: int | None = 151643
 
     def __post_init__(self, **kwargs):
+        accept_attn_implementation(type(self).__name__, kwargs)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         super().__post_init__(**kwargs)
@@ -204,9 +206,9 @@ class DreamModel(PreTrainedModel):
         x = self.model.norm(x)
         if output_hidden_states:
             hidden_states.append(x)
-        return CausalLMOutputWithPast(
+        return lm_output(
             logits=self.lm_head(x),
-            past_key_values=pos.cache,
+            cache=pos.cache,
             hidden_states=tuple(hidden_states) if output_hidden_states else None,
         )
 

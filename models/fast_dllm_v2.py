@@ -42,7 +42,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.qwen2.configuration_qwen2 import Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
 
-from .registry import Family, register_family
+from .hf_compat import cache_arg, with_cache_field
+from .registry import Family, accept_attn_implementation, register_family
 from .spec import ModelSpec, config_id, padding_mask_inputs
 
 # The official decoders' constants (`generation_functions.py`, `modeling.py` defaults): the
@@ -61,6 +62,10 @@ class FastDLLMV2Config(Qwen2Config):
 
     bd_size: int = 32
     conplemenrary_mask: bool = False
+
+    def __post_init__(self, **kwargs):
+        accept_attn_implementation(type(self).__name__, kwargs)
+        super().__post_init__(**kwargs)
 
     def validate_architecture(self) -> None:
         if self.hidden_act != "silu":
@@ -250,13 +255,13 @@ class FastDLLMV2ForCausalLM(PreTrainedModel):
                                      block_past_key_values if use_block_cache else None, replace_position)
         position_embeddings = self.model.rotary_emb(hidden, position_ids)
         for layer in self.model.layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=view,
+            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, **cache_arg(layer.forward, view),
                            position_embeddings=position_embeddings, is_causal=False)
         hidden = self.model.norm(hidden)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return FastDLLMV2Output(logits=self.lm_head(hidden[:, keep, :]),
-                                past_key_values=past_key_values if use_cache else None, hidden_states=hidden,
-                                block_past_key_values=block_past_key_values if use_block_cache else None)
+        return FastDLLMV2Output(**with_cache_field(dict(
+            logits=self.lm_head(hidden[:, keep, :]), cache=past_key_values if use_cache else None,
+            hidden_states=hidden, block_past_key_values=block_past_key_values if use_block_cache else None)))
 
     def _rows_forward(self, hidden: torch.Tensor, rows: RowBatch, logits_to_keep: int | torch.Tensor
                       ) -> FastDLLMV2Output:
@@ -275,7 +280,7 @@ class FastDLLMV2ForCausalLM(PreTrainedModel):
             self.config._attn_implementation = ROWS_ATTENTION
             position_embeddings = self.model.rotary_emb(hidden, position_ids)
             for layer in self.model.layers:
-                hidden = layer(hidden, attention_mask=None, position_ids=position_ids, past_key_values=None,
+                hidden = layer(hidden, attention_mask=None, position_ids=position_ids,
                                position_embeddings=position_embeddings, is_causal=False)
         finally:
             self.config._attn_implementation = saved

@@ -20,8 +20,9 @@ from torch import nn
 from transformers import PreTrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .hf_compat import lm_output
 from .layers import ForwardPositions, KVCache, RMSNorm, forward_positions, init_weights, rotary_self_attention
-from .registry import Family, register_family
+from .registry import Family, accept_attn_implementation, register_family
 from .spec import ModelSpec, config_id, padding_mask_inputs
 
 
@@ -61,6 +62,10 @@ class LLaDAConfig(PreTrainedConfig):
     eos_token_id: int | None = 126081
     pad_token_id: int | None = 126081
     bos_token_id: int | None = None
+
+    def __post_init__(self, **kwargs):
+        accept_attn_implementation(type(self).__name__, kwargs)
+        super().__post_init__(**kwargs)
 
     @property
     def effective_n_kv_heads(self) -> int:
@@ -242,9 +247,9 @@ class LLaDAModelLM(PreTrainedModel):
             logits = self.model.transformer.ff_out(x)
         if cfg.scale_logits:
             logits = logits * (1 / math.sqrt(cfg.d_model))
-        return CausalLMOutputWithPast(
+        return lm_output(
             logits=logits,
-            past_key_values=pos.cache,
+            cache=pos.cache,
             hidden_states=tuple(hidden_states) if output_hidden_states else None,
         )
 

@@ -38,7 +38,8 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, repeat_kv, rotate_half
 
-from .registry import Family, register_family
+from .hf_compat import lm_output
+from .registry import Family, accept_attn_implementation, register_family
 from .sdar import _cached_layer
 from .spec import ModelSpec, config_id, padding_mask_inputs
 
@@ -100,6 +101,7 @@ class LLaDA2MoeConfig(PreTrainedConfig):
     mask_token_id: int | None = None
 
     def __post_init__(self, **kwargs):
+        accept_attn_implementation(type(self).__name__, kwargs)
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         super().__post_init__(**kwargs)
@@ -382,8 +384,7 @@ class LLaDA2MoeModelLM(PreTrainedModel):
             hidden = layer(hidden, position_embeddings, attention_mask, past_key_values, store_kv)
         hidden = self.model.norm(hidden)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return CausalLMOutputWithPast(logits=self.lm_head(hidden[:, keep, :]).float(),
-                                      past_key_values=past_key_values)
+        return lm_output(logits=self.lm_head(hidden[:, keep, :]).float(), cache=past_key_values)
 
 
 def llada2_spec(config: LLaDA2MoeConfig) -> ModelSpec:

@@ -8,10 +8,32 @@ samplers read the spec, never the family.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from .spec import ModelSpec
+
+logger = logging.getLogger("remask.models")
+
+# The attention implementations remask's own model classes run (SDPA, or the same maths eagerly).
+ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
+_NOTIFIED: set[tuple[str, str]] = set()
+
+
+def accept_attn_implementation(config_name: str, kwargs: dict[str, Any]) -> None:
+    """Drop an `attn_implementation` key of a checkpoint's config.json that remask's model class
+    does not offer (SDAR's released configs name `flex_attention`): a key a loader does not use is
+    accepted, never an exception, and the model runs the attention it has (SDPA), with a one-line
+    notice. Called from each family config's `__post_init__`, before transformers reads the key."""
+    requested = kwargs.get("attn_implementation")
+    if requested is not None and requested not in ATTENTION_IMPLEMENTATIONS:
+        kwargs.pop("attn_implementation")
+        if (config_name, requested) in _NOTIFIED:   # configs are rebuilt while loading: say it once
+            return
+        _NOTIFIED.add((config_name, requested))
+        logger.warning("%s: config.json names attn_implementation=%r, which remask's implementation does not "
+                       "offer; using sdpa (same outputs)", config_name, requested)
 
 
 @dataclass(frozen=True)

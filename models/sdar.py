@@ -26,7 +26,8 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .registry import Family, register_family
+from .hf_compat import lm_output
+from .registry import Family, accept_attn_implementation, register_family
 from .spec import ModelSpec, config_id, padding_mask_inputs
 
 
@@ -64,6 +65,7 @@ class SDARConfig(PreTrainedConfig):
     eos_token_id: int | list[int] | None = 151643
 
     def __post_init__(self, **kwargs):
+        accept_attn_implementation(type(self).__name__, kwargs)
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         super().__post_init__(**kwargs)
@@ -345,7 +347,7 @@ class SDARForCausalLM(PreTrainedModel):
             hidden = layer(hidden, position_embeddings, attention_mask, past_key_values, store_kv)
         hidden = self.model.norm(hidden)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return CausalLMOutputWithPast(logits=self.lm_head(hidden[:, keep, :]), past_key_values=past_key_values)
+        return lm_output(logits=self.lm_head(hidden[:, keep, :]), cache=past_key_values)
 
 
 def sdar_spec(config: SDARConfig) -> ModelSpec:

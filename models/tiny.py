@@ -21,93 +21,37 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-LLADA_DEFAULTS: dict[str, Any] = {
-    # Keys and values of the released LLaDA-8B-Instruct config.json, shapes shrunk.
-    "activation_type": "silu",
-    "alibi": False,
-    "alibi_bias_max": 8.0,
-    "architectures": ["LLaDAModelLM"],
-    "attention_dropout": 0.0,
-    "attention_layer_norm": False,
-    "attention_layer_norm_with_affine": True,
-    "auto_map": {
-        "AutoConfig": "configuration_llada.LLaDAConfig",
-        "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
-        "AutoModel": "modeling_llada.LLaDAModelLM",
-    },
-    "bias_for_layer_norm": False,
-    "block_group_size": 1,
-    "block_type": "llama",
-    "d_model": 32,
-    "embedding_dropout": 0.0,
-    "embedding_size": 126464,
-    "eos_token_id": 126081,
-    "flash_attention": False,
-    "include_bias": False,
-    "include_qkv_bias": False,
-    "init_cutoff_factor": None,
-    "init_device": "meta",
-    "init_fn": "mitchell",
-    "init_std": 0.02,
-    "input_emb_norm": False,
-    "layer_norm_type": "rms",
-    "layer_norm_with_affine": True,
-    "mask_token_id": 126336,
-    "max_sequence_length": 4096,
-    "mlp_hidden_size": 64,
-    "mlp_ratio": 4,
-    "model_type": "llada",
-    "multi_query_attention": None,
-    "n_heads": 4,
-    "n_kv_heads": 4,
-    "n_layers": 2,
-    "pad_token_id": 126081,
-    "precision": "amp_bf16",
-    "residual_dropout": 0.0,
-    "rms_norm_eps": 1e-05,
-    "rope": True,
-    "rope_full_precision": True,
-    "rope_theta": 500000.0,
-    "scale_logits": False,
-    "transformers_version": "4.46.3",
-    "use_cache": False,
-    "vocab_size": 126464,
-    "weight_tying": False,
-}
+OFFICIAL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "official")
 
-DREAM_DEFAULTS: dict[str, Any] = {
-    # Keys of the released Dream-v0-Instruct-7B config.json, shapes shrunk.
-    "architectures": ["DreamModel"],
-    "attention_dropout": 0.0,
-    "auto_map": {
-        "AutoConfig": "configuration_dream.DreamConfig",
-        "AutoModel": "modeling_dream.DreamModel",
-    },
-    "bos_token_id": 151643,
-    "eos_token_id": 151643,
-    "hidden_act": "silu",
-    "hidden_size": 32,
-    "initializer_range": 0.02,
-    "intermediate_size": 64,
-    "mask_token_id": 151666,
-    "max_position_embeddings": 131072,
-    "max_window_layers": 28,
-    "model_type": "Dream",
-    "num_attention_heads": 4,
-    "num_hidden_layers": 2,
-    "num_key_value_heads": 2,
-    "pad_token_id": 151643,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": None,
-    "rope_theta": 1000000.0,
-    "sliding_window": None,
-    "tie_word_embeddings": False,
-    "torch_dtype": "float32",
-    "transformers_version": "4.46.2",
-    "use_cache": False,
-    "use_sliding_window": False,
-    "vocab_size": 152064,
-}
+
+def official_config(family: str, kind: str = "config") -> dict[str, Any]:
+    """A released checkpoint's `config.json` (`kind="config"`) or `generation_config.json`
+    (`kind="generation_config"`), as published (models/official/README.md names each source)."""
+    with open(os.path.join(OFFICIAL_DIR, f"{family}.{kind}.json")) as f:
+        return json.load(f)
+
+
+def _shrunk(family: str, shrink: dict[str, Any], added: dict[str, Any] | None = None,
+            kind: str = "config") -> dict[str, Any]:
+    """The official file of `family` with `shrink` applied to keys it has (sizes, special ids, and
+    the few values listed with each family) and `added` keys it lacks (ids the release keeps in its
+    tokenizer or code, which a tiny vocabulary must move): every other key as released."""
+    config = official_config(family, kind)
+    unknown = sorted(set(shrink) - set(config))
+    if unknown:
+        raise KeyError(f"{family} {kind}: {unknown} are not keys of the official file")
+    return {**config, **shrink, **(added or {})}
+
+
+# Every tiny checkpoint loads in float32, whatever dtype the release names: the fixtures are the
+# reference code's float32 outputs, and transformers 5 loads a config's dtype by default.
+LLADA_DEFAULTS: dict[str, Any] = _shrunk("llada", {
+    "d_model": 32, "mlp_hidden_size": 64, "n_heads": 4, "n_kv_heads": 4, "n_layers": 2})
+
+# Dream: the fixtures were made with these; `use_cache` is not read by the forward (an argument).
+DREAM_DEFAULTS: dict[str, Any] = _shrunk("dream", {
+    "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+    "num_key_value_heads": 2, "torch_dtype": "float32", "use_cache": False})
 
 
 def _normal(gen: torch.Generator, shape: tuple[int, ...], std: float) -> torch.Tensor:
@@ -231,19 +175,18 @@ def write_tiny_llada(path: str, *, seed: int = 0, shards: int = 1, logit_scale: 
     `vocab_size=1000, embedding_size=1000, mask_token_id=999`); `logit_bias` see `llada_state_dict`.
     """
     config = {**LLADA_DEFAULTS, **overrides}
-    return _save(path, config, llada_state_dict(config, seed, logit_scale, logit_bias), shards, {})
+    # the release's bos is the id below its eos (126080, 126081); a tiny vocabulary keeps that relation
+    generation = _shrunk("llada", {"bos_token_id": config["eos_token_id"] - 1, "eos_token_id": config["eos_token_id"]},
+                         kind="generation_config")
+    return _save(path, config, llada_state_dict(config, seed, logit_scale, logit_bias), shards,
+                 {"generation_config.json": generation})
 
 
 def write_tiny_dream(path: str, *, seed: int = 0, shards: int = 1, logit_scale: float = 3.0, **overrides: Any) -> str:
     """Write a tiny random Dream checkpoint in the official layout; returns the weights' digest."""
     config = {**DREAM_DEFAULTS, **overrides}
-    generation_config = {
-        "_from_model_config": True,
-        "bos_token_id": config["bos_token_id"],
-        "eos_token_id": config["eos_token_id"],
-        "pad_token_id": config["pad_token_id"],
-        "transformers_version": config["transformers_version"],
-    }
+    generation_config = _shrunk("dream", {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+                                           "pad_token_id": config["pad_token_id"]}, kind="generation_config")
     return _save(path, config, dream_state_dict(config, seed, logit_scale), shards,
                  {"generation_config.json": generation_config})
 
@@ -285,36 +228,38 @@ def write_tiny_diffusion_gemma(path: str, *, seed: int = 0, vocab_size: int = 30
                   num_attention_heads=2, num_key_value_heads=2, head_dim=16)
     config = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=canvas_length,
                                   image_token_id=vocab_size - 1, boi_token_id=vocab_size - 3,
-                                  eoi_token_id=vocab_size - 2)
+                                  eoi_token_id=vocab_size - 2,
+                                  # top-level keys of the release's config.json (its end ids shrunk to one)
+                                  eos_token_id=[eos], vision_soft_tokens_per_image=280)
     fork = torch.random.fork_rng()
     with fork:
         torch.manual_seed(seed)
         model = DiffusionGemmaForBlockDiffusion(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(embedding_scale)   # tied: the embeddings of encoder and decoder too
-    model.generation_config = DiffusionGemmaGenerationConfig(**{"pad_token_id": pad, "eos_token_id": eos,
-                                                                "bos_token_id": bos, **(generation or {})})
+    # the release's generation_config.json (its entropy-bound sampler, 48 steps, t in [0.4, 0.8]);
+    # its three end ids shrink to the tiny vocabulary's one
+    released = _shrunk("diffusion_gemma", {"eos_token_id": [eos], "pad_token_id": pad}, kind="generation_config")
+    released.pop("transformers_version")
+    model.generation_config = DiffusionGemmaGenerationConfig(**{**released, **(generation or {})})
     model.save_pretrained(path)
     if with_tokenizer:
         charset.build_tokenizer().save_pretrained(path)
     return state_dict_digest(model.state_dict())
 
 
-SDAR_DEFAULTS: dict[str, Any] = {
-    "architectures": ["SDARForCausalLM"],
-    "auto_map": {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
-                 "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"},
-    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 298, "eos_token_id": 298,
-    "block_size": 4, "mask_token_id": 299, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64,
-    "initializer_range": 0.02, "intermediate_size": 128, "max_position_embeddings": 512, "max_window_layers": 2,
-    "model_type": "sdar", "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000, "sliding_window": None,
-    "tie_word_embeddings": False, "torch_dtype": "float32", "use_cache": False, "use_sliding_window": False,
-    "vocab_size": 300, "transformers_version": "4.52.4",
-    # keys of the official config.json that its remote code reads (fuse_cross_entropy) or carries
-    "fuse_cross_entropy": True, "debug": False, "ep_size": 1, "micro_forward": False, "skip_checkpoint": False,
-    "use_deepep": False,
-}
+# SDAR-4B-Chat's config.json (with its `attn_implementation: flex_attention`, which remask answers
+# with SDPA). Shrunk besides sizes and ids: `rope_theta` (the fixtures were made with 10000).
+# Added: `block_size` and `mask_token_id`, which the release keeps in its code (4, and 151669, outside
+# a 300-token vocabulary); remask's spec reads them, with the release's values as defaults.
+SDAR_DEFAULTS: dict[str, Any] = _shrunk("sdar", {
+    "bos_token_id": 298, "eos_token_id": 298, "head_dim": 16, "hidden_size": 64, "intermediate_size": 128,
+    "max_position_embeddings": 512, "max_window_layers": 2, "num_attention_heads": 4, "num_hidden_layers": 2,
+    "num_key_value_heads": 2, "rope_theta": 10000, "torch_dtype": "float32", "vocab_size": 300,
+}, added={"block_size": 4, "mask_token_id": 299})
+# Keys of the release's config.json that its remote code reads or carries and remask's classes do not.
+_SDAR_UNREAD = ("architectures", "auto_map", "model_type", "torch_dtype", "transformers_version", "fuse_cross_entropy",
+                "debug", "ep_size", "micro_forward", "skip_checkpoint", "use_deepep", "attn_implementation")
 
 
 def write_tiny_sdar(path: str, *, seed: int = 0, logit_scale: float = 40.0, **overrides: Any) -> str:
@@ -322,12 +267,14 @@ def write_tiny_sdar(path: str, *, seed: int = 0, logit_scale: float = 40.0, **ov
     keys and `auto_map`, `model.safetensors` with its parameter names, `generation_config.json`);
     returns the weights' digest. Weights are drawn from a seeded generator (normal, std 0.02; the
     LM head scaled by `logit_scale` so that predictions are peaked enough to exercise thresholds)."""
+    return _write_sdar(path, {**SDAR_DEFAULTS, **overrides}, seed, logit_scale)
+
+
+def _write_sdar(path: str, config: dict[str, Any], seed: int, logit_scale: float) -> str:
     from .sdar import SDARConfig, SDARForCausalLM, SDARMoeConfig, SDARMoeForCausalLM
 
-    config = {**SDAR_DEFAULTS, **overrides}
-    init = {k: v for k, v in config.items() if k not in ("architectures", "auto_map", "model_type", "torch_dtype",
-                                                          "transformers_version", "fuse_cross_entropy", "debug",
-                                                          "ep_size", "micro_forward", "skip_checkpoint", "use_deepep")}
+    official = "sdar_moe" if config["model_type"] == "sdar_moe" else "sdar"
+    init = {k: v for k, v in config.items() if k not in _SDAR_UNREAD}
     config_class, model_class = ((SDARMoeConfig, SDARMoeForCausalLM) if config["model_type"] == "sdar_moe"
                                  else (SDARConfig, SDARForCausalLM))
     with torch.random.fork_rng():
@@ -339,47 +286,36 @@ def write_tiny_sdar(path: str, *, seed: int = 0, logit_scale: float = 40.0, **ov
         # among logits of spread ~logit_scale·0.8 makes it negligible, as there
         model.lm_head.weight[config["mask_token_id"]].zero_()
     sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-                  "transformers_version": config["transformers_version"]}
+    # the release's generation_config.json (Qwen3's): eos [<|im_end|>, <|endoftext|>], pad <|endoftext|>
+    eos = config["eos_token_id"]
+    generation = _shrunk(official, {"bos_token_id": config["bos_token_id"], "eos_token_id": [eos - 2, eos],
+                                    "pad_token_id": eos}, kind="generation_config")
     return _save(path, config, sd, 1, {"generation_config.json": generation})
 
 
-SDAR_MOE_DEFAULTS: dict[str, Any] = {
-    **SDAR_DEFAULTS,
-    "architectures": ["SDARMoeForCausalLM"], "model_type": "sdar_moe",
-    "auto_map": {"AutoConfig": "configuration_sdar_moe.SDARMoeConfig", "AutoModel": "modeling_sdar_moe.SDARMoeModel",
-                 "AutoModelForCausalLM": "modeling_sdar_moe.SDARMoeForCausalLM"},
-    "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
-    "mlp_only_layers": [], "norm_topk_prob": True, "output_router_logits": False, "router_aux_loss_coef": 0.001,
-}
+# SDAR-30B-A3B-Chat's config.json, shrunk as SDAR's (its `rope_theta` too).
+SDAR_MOE_DEFAULTS: dict[str, Any] = _shrunk("sdar_moe", {
+    "bos_token_id": 298, "eos_token_id": 298, "head_dim": 16, "hidden_size": 64, "intermediate_size": 128,
+    "max_position_embeddings": 512, "max_window_layers": 2, "moe_intermediate_size": 32, "num_attention_heads": 4,
+    "num_experts": 6, "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_key_value_heads": 2, "rope_theta": 10000,
+    "torch_dtype": "float32", "vocab_size": 300,
+}, added={"block_size": 4, "mask_token_id": 299})
 
 
 def write_tiny_sdar_moe(path: str, *, seed: int = 0, logit_scale: float = 40.0, **overrides: Any) -> str:
     """`write_tiny_sdar` for SDAR-MoE (Qwen3-MoE keys and names: `mlp.gate`, `mlp.experts.N.*`)."""
-    return write_tiny_sdar(path, seed=seed, logit_scale=logit_scale, **{**SDAR_MOE_DEFAULTS, **overrides})
+    return _write_sdar(path, {**SDAR_MOE_DEFAULTS, **overrides}, seed, logit_scale)
 
 
-LLADA2_DEFAULTS: dict[str, Any] = {
-    # Keys of the released LLaDA2.0-mini / 2.1-mini config.json, shapes shrunk; the special ids (the
-    # release's come from its tokenizer, outside a 300-token vocabulary) are set in the config.
-    "architectures": ["LLaDA2MoeModelLM"],
-    "auto_map": {"AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
-                 "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
-                 "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM"},
-    "attention_dropout": 0.0, "embedding_dropout": 0.0, "first_k_dense_replace": 1, "head_dim": 16,
-    "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128,
-    "max_position_embeddings": 512, "max_window_layers": 28, "model_type": "llada2_moe",
-    "moe_intermediate_size": 32, "moe_router_enable_expert_bias": True, "n_group": 2, "norm_head": False,
-    "norm_softmax": False, "norm_topk_prob": True, "num_attention_heads": 4, "num_experts": 8,
-    "num_experts_per_tok": 2, "num_hidden_layers": 3, "num_key_value_heads": 2, "num_shared_experts": 1,
-    "output_dropout": 0.0, "output_router_logits": False, "partial_rotary_factor": 0.5, "rms_norm_eps": 1e-06,
-    "rope_scaling": None, "rope_theta": 600000, "rotary_dim": 8, "routed_scaling_factor": 2.5,
-    "router_dtype": "fp32", "score_function": "sigmoid", "tie_word_embeddings": False, "topk_group": 1,
-    "torch_dtype": "float32", "transformers_version": "4.52.3", "use_bias": False, "use_cache": False,
-    "use_qk_norm": True, "use_qkv_bias": False, "use_rmsnorm": True, "use_sliding_window": False,
-    "using_split_qkv_in_self_attention": False, "vocab_size": 300,
-    "pad_token_id": 298, "eos_token_id": 298, "mask_token_id": 299,
-}
+# LLaDA2.0-mini's config.json (2.1-mini's is the same file), shrunk; `dtype` as every tiny's. Added:
+# `eos_token_id` and `mask_token_id`, which the release keeps in its tokenizer (outside a 300-token
+# vocabulary); `use_qk_norm` is absent as released (remask's default, True, is the released model's).
+LLADA2_DEFAULTS: dict[str, Any] = _shrunk("llada2", {
+    "dtype": "float32", "head_dim": 16, "hidden_size": 64, "intermediate_size": 128, "max_position_embeddings": 512,
+    "moe_intermediate_size": 32, "n_group": 2, "num_attention_heads": 4, "num_experts": 8, "num_experts_per_tok": 2,
+    "num_hidden_layers": 3, "num_key_value_heads": 2, "pad_token_id": 298, "rotary_dim": 8, "topk_group": 1,
+    "vocab_size": 300,
+}, added={"eos_token_id": 298, "mask_token_id": 299})
 
 
 def write_tiny_llada2(path: str, *, seed: int = 0, logit_scale: float = 40.0, router_scale: float = 50.0,
@@ -393,7 +329,7 @@ def write_tiny_llada2(path: str, *, seed: int = 0, logit_scale: float = 40.0, ro
     from .llada2 import LLaDA2MoeConfig, LLaDA2MoeModelLM
 
     config = {**LLADA2_DEFAULTS, **overrides}
-    init = {k: v for k, v in config.items() if k not in ("architectures", "auto_map", "model_type", "torch_dtype",
+    init = {k: v for k, v in config.items() if k not in ("architectures", "auto_map", "model_type", "dtype",
                                                           "transformers_version")}
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -409,26 +345,20 @@ def write_tiny_llada2(path: str, *, seed: int = 0, logit_scale: float = 40.0, ro
                 if name.endswith("mlp.gate.weight"):
                     param.mul_(router_scale)
     sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    generation = {"bos_token_id": None, "eos_token_id": config["eos_token_id"], "pad_token_id": config["pad_token_id"],
-                  "transformers_version": config["transformers_version"]}
-    return _save(path, config, sd, 1, {"generation_config.json": generation})
+    # the release ships no generation_config.json (its ids live in the tokenizer)
+    return _save(path, config, sd, 1, {})
 
 
-FAST_DLLM_V2_DEFAULTS: dict[str, Any] = {
-    # Keys of the released Fast_dLLM_v2_7B config.json (Qwen2.5 backbone), shapes shrunk; the special
-    # ids moved inside a 300-token vocabulary. `mask_token_id` is remask's addition (the release's code
-    # uses the constant 151665 and ignores the key), so remask's spec finds the tiny mask id.
-    "architectures": ["Fast_dLLM_QwenForCausalLM"],
-    "auto_map": {"AutoConfig": "configuration.Fast_dLLM_QwenConfig", "AutoModel": "modeling.Fast_dLLM_QwenModel",
-                 "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM"},
-    "attention_dropout": 0.0, "bd_size": 8, "bos_token_id": 297, "conplemenrary_mask": True, "eos_token_id": 298,
-    "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128,
-    "layer_types": ["full_attention", "full_attention"], "mask_token_id": 299, "max_position_embeddings": 512,
-    "max_window_layers": 2, "model_type": "Fast_dLLM_Qwen", "num_attention_heads": 4, "num_hidden_layers": 2,
-    "num_key_value_heads": 2, "pad_token_id": 298, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 10000.0,
-    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "float32", "transformers_version": "4.53.1",
-    "use_cache": True, "use_sliding_window": False, "vocab_size": 300,
-}
+# Fast_dLLM_v2_7B's config.json (Qwen2.5 backbone, the misspelled `conplemenrary_mask` included),
+# shrunk: sizes (`bd_size` and `layer_types` too), ids inside a 300-token vocabulary, `rope_theta`
+# (the fixtures were made with 10000). Added: `mask_token_id` (the release's code uses the constant
+# 151665 and has no such key), so remask's spec finds the tiny mask id.
+FAST_DLLM_V2_DEFAULTS: dict[str, Any] = _shrunk("fast_dllm_v2", {
+    "bd_size": 8, "bos_token_id": 297, "eos_token_id": 298, "hidden_size": 64, "intermediate_size": 128,
+    "layer_types": ["full_attention", "full_attention"], "max_position_embeddings": 512, "max_window_layers": 2,
+    "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2, "pad_token_id": 298,
+    "rope_theta": 10000.0, "torch_dtype": "float32", "vocab_size": 300,
+}, added={"mask_token_id": 299})
 
 
 def write_tiny_fast_dllm_v2(path: str, *, seed: int = 0, logit_scale: float = 40.0, **overrides: Any) -> str:
@@ -453,6 +383,8 @@ def write_tiny_fast_dllm_v2(path: str, *, seed: int = 0, logit_scale: float = 40
         model.lm_head.weight.mul_(logit_scale)
         model.lm_head.weight[config["mask_token_id"]].zero_()
     sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": [config["eos_token_id"], config["bos_token_id"]],
-                  "pad_token_id": config["bos_token_id"], "transformers_version": config["transformers_version"]}
+    # the release's generation_config.json (Qwen2.5's): eos [<|im_end|>, <|endoftext|>], pad <|endoftext|>
+    generation = _shrunk("fast_dllm_v2", {"bos_token_id": config["bos_token_id"],
+                                          "eos_token_id": [config["eos_token_id"], config["bos_token_id"]],
+                                          "pad_token_id": config["bos_token_id"]}, kind="generation_config")
     return _save(path, config, sd, 1, {"generation_config.json": generation})

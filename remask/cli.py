@@ -4,13 +4,122 @@
     remask serve --model fast=./my-llada --model ar=tiny-ar --api-key-file key.txt --port 9000
     remask eval --model remask --model_args pretrained=tiny-llada,steps=16,block_length=8 \
         --tasks remask_tiny --apply_chat_template          # lm-eval's flags, offline
+
+The parsers are built from the constants below and import nothing heavy: `--help` runs without
+torch, transformers or remask's own submodules, which the subcommands import when they run.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from typing import Sequence
+import textwrap
+from typing import Any, Callable, Sequence
+
+# Written out rather than imported from remask.diffusion so that building the parser imports nothing;
+# tests/test_cli.py checks each against the library's own list.
+REMASKING = ("low_confidence", "random")                                      # remask.diffusion.llada.REMASKING
+ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")   # ...dream.ALGORITHMS
+CACHE_NAMES = ("prefix", "dual", "paged")                      # remask.diffusion.cache.CACHE_MODES, less None
+CACHE_CONFIGS = ("vicinity", "dkv", "d2cache", "elastic")      # remask.diffusion.decoders.config_names()
+DECODERS = ("freedave", "threshold", "credit", "hierarchical", "wino")
+
+# One `remask generate` flag per plain `SamplingParams` field: (field, kind, help). Written out for
+# the same reason (the dataclass lives behind torch); tests/test_cli.py checks the names and kinds
+# against `SamplingParams`. `apd` and `sparse` take a model / config object and have no flag.
+# Kinds: int, float, str; bool (--x / --no-x); ints / strs (repeatable); json (a JSON object);
+# cache (a name or a JSON object); bool_or_str (false / true / a word).
+SAMPLING_FLAGS: tuple[tuple[str, str, str], ...] = (
+    ("max_tokens", "int", "answer length in tokens (default 16): diffusion models decode exactly this many "
+                          "positions, AR ones stop at EOS; all models"),
+    ("n", "int", "samples per prompt (default 1; sample i draws from seed + i); all models"),
+    ("seed", "int", "seed of the request's draws (default: the engine's seed plus the request's index); all models"),
+    ("temperature", "float", "sampling temperature (default 0: greedy); all models"),
+    ("top_p", "float", "nucleus sampling: keep the smallest set of tokens holding this probability, in (0, 1] "
+                       "(default off); AR, Dream (--alg), APD, SDAR, LLaDA2.x, Fast-dLLM v2"),
+    ("top_k", "int", "sample among the k most probable tokens (default off); AR, Dream (--alg), APD, SDAR, LLaDA2.x"),
+    ("stop", "strs", "(repeatable) a string that ends the answer's text, not included (default none); all models"),
+    ("stop_token_ids", "ints", "(repeatable) a token id that ends the answer, besides the model's EOS/EOT "
+                               "(default none); all models"),
+    ("ignore_eos", "bool", "the model's EOS/EOT are ordinary tokens: the answer runs to --max-tokens unless --stop / "
+                           "--stop-token-ids end it (vLLM's; default off; not with --early-stop); the decoders "
+                           "docs/engine.md lists"),
+    ("min_tokens", "int", "no EOS/EOT, --stop-token-ids id or --stop string ends the answer before this many tokens "
+                          "(vLLM's; default 0); the decoders docs/engine.md lists"),
+    ("steps", "int", "denoising steps over the whole answer, divisible by its blocks (default: --max-tokens, one "
+                     "token per step); LLaDA's block rule, Dream (--alg)"),
+    ("block_length", "int", "semi-autoregressive block size, dividing --max-tokens (default: --max-tokens, one "
+                            "block); LLaDA's block rule, Dream's block decoder (--alg with --use-cache)"),
+    ("remasking", "str", f"which masked positions each step commits: {' or '.join(REMASKING)} (default "
+                         f"{REMASKING[0]}); LLaDA's block rule"),
+    ("threshold", "float", "Fast-dLLM parallel decoding: commit every masked position of the block with confidence "
+                           ">= this, at least one per step (default off); LLaDA, Dream (--alg "
+                           "confidence_threshold), SDAR, LLaDA2.x, Fast-dLLM v2"),
+    ("factor", "float", "Fast-dLLM's factor rule instead of --threshold (default off); LLaDA's block rule"),
+    ("cfg_scale", "float", "unsupervised classifier-free guidance scale (default 0: off; not with --use-cache); "
+                           "LLaDA's block rule"),
+    ("use_cache", "cache", f"KV cache: {', '.join(CACHE_NAMES)} (Fast-dLLM's), or a JSON cache config "
+                           f"{{\"name\": \"dkv\", ...}} ({', '.join(CACHE_CONFIGS)}; docs/decoders.md) (default none: "
+                           "a full forward every step); LLaDA's block rule, Dream's block decoder"),
+    ("early_stop", "bool", "stop a row after a fully decoded block holding EOS/EOT (default off); LLaDA's block rule"),
+    ("logits_eos_inf", "bool", "set the EOS logit to -inf, so EOS is never chosen (default off); LLaDA's block rule"),
+    ("confidence_eos_eot_inf", "bool_or_str", "false (default), true (upstream LLaDA's behaviour) or corrected "
+                                              "(EOS/EOT predictions committed last; docs/quirks.md); LLaDA's block "
+                                              "rule"),
+    ("reference_rng", "bool", "draw the sampling noise as the reference code does, replaying its seeded runs token "
+                              "for token (default off); LLaDA at --temperature > 0, DiffusionGemma"),
+    ("reference_ties", "bool", "commit through torch.topk as the references do, keeping their order among exactly "
+                               "equal confidences (default off: the lower index first); LLaDA's fixed schedule, "
+                               "Dream's own sampler"),
+    ("alg", "str", f"use Dream's sampler with this rule: {', '.join(ALGORITHMS)} (default none: LLaDA's block "
+                   "rule); diffusion models"),
+    ("alg_temp", "float", "randomness of Dream's choice of positions to commit (default none: the most "
+                          "confident); Dream (--alg)"),
+    ("eps", "float", "smallest noise level of Dream's time schedule, in [0, 1) (default 0.001); Dream (--alg)"),
+    ("canvas", "json", "a JSON object of generation settings (max_denoising_steps, t_min, t_max, entropy_bound, "
+                       "stability_threshold, confidence_threshold; default: the checkpoint's); DiffusionGemma"),
+    ("canvas_sampler", "json", "a JSON object of remask.CanvasSampler's fields, e.g. {\"rule\": \"threshold\", "
+                               "\"threshold\": 0.9} (default: the reference's rule); DiffusionGemma"),
+    ("sdar", "json", "a JSON object of block_diffusion_generate's settings (block_length, denoising_steps, "
+                     "remasking_strategy, confidence_threshold, eb_threshold; default: the model's); SDAR"),
+    ("llada2", "json", "a JSON object of its generate's settings (block_length, steps, minimal_topk, eos_early_stop, "
+                       "editing_threshold, max_post_steps, num_to_transfer; default: the official ones); LLaDA2.x"),
+    ("fast_dllm_v2", "json", "a JSON object of batch_sample's settings (block_size, small_block_size, "
+                             "use_block_cache; default: the model's); Fast-dLLM v2"),
+    ("decoder", "json", f"a JSON decoder config {{\"name\": \"freedave\", ...}} ({', '.join(DECODERS)}) that "
+                        "replaces the block rule (default none; docs/decoders.md says which models each runs on)"),
+)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Wraps help text without breaking a flag's name at its hyphens (`--max-` / `tokens`)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+BENCHES = {"engine": "engine.py", "serve": "serve_load.py", "quantized": "quantized.py", "ablate": "ablate.py"}
+
+BENCH_HELP = """\
+usage: remask bench {kernels,engine,serve,quantized,ablate} [the benchmark's own flags]
+
+The benchmarks of a source checkout (bench/ is not installed: run from a clone). Each prints a
+report (--out FILE also writes it); `remask bench NAME --help` lists that benchmark's flags.
+
+  kernels     pytest-benchmark microbenchmarks of the kernels against their reference
+              formulations (Triton on a GPU, the torch paths on CPU), then bench/report.py's
+              report of bench/results/latest.json; extra flags go to pytest (e.g. -k unmask)
+  engine      remask.LLMEngine against sequential generate calls on the tiny models: tokens/s,
+              requests/s, NFE per token, p50/p99 latency, identical tokens
+              (--requests 1,8,32,64,256  --max-tokens 16  --threads 1  --repeats 2  --out FILE.md)
+  serve       load test of `remask serve` on 127.0.0.1 with the openai client: requests/s,
+              tokens/s, latency, time to first text, then an overload phase
+              (--requests 128  --concurrency 1,8,32,64  --max-tokens 16  --max-queue 16  --out FILE.md)
+  quantized   the tiny models with int8 weights against float32: accuracy and speed
+              (--problems 140  --threads 1  --out FILE.md)
+  ablate      accuracy against NFE for every decoding strategy on the tiny models: CSV and plot
+              (--sweep full|quick  --problems 140  --seed 0  --out FILE.csv  --plot FILE.png  --only ...)
+"""
 
 
 def _model_arg(value: str) -> tuple[str, str]:
@@ -80,13 +189,26 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _eval(rest: list[str]) -> int:
-    """lm-eval's own command line, with the `remask` model registered and the shipped tasks on the
-    task path (`--include_path` added; a user's own is kept too)."""
-    try:
-        from lm_eval.__main__ import cli_evaluate
+EVAL_HELP = """\
+remask eval: lm-evaluation-harness's own command line (the eval extra), with
+  * the model `remask` registered: --model remask --model_args pretrained=tiny-llada,steps=16,...
+    (every other key a remask.SamplingParams field; docs/evaluation.md);
+  * the shipped task remask_tiny on the task path, beside every --include_path folder (repeatable
+    here; a folder's task overrides a shipped one of the same name);
+  * --device cpu where there is no CUDA and no --device is given (lm-eval's default is cuda:0).
+lm-eval's flags (`run`; `remask eval ls tasks` and `remask eval validate` work too):
 
-        from remask.integrations import lmeval
+"""
+
+
+def _eval(rest: list[str]) -> int:
+    """lm-eval's own command line, with the `remask` model registered, the shipped tasks beside every
+    `--include_path` given, and the CPU as the device where there is no CUDA and none was asked for."""
+    try:
+        # lm-eval's `cli_evaluate` is these three lines; they are run here so that the parsed
+        # arguments can be completed (a list of task folders, the device) before they execute.
+        from lm_eval._cli import HarnessCLI
+        from lm_eval.utils import setup_logging
     except ImportError as err:
         print(f"remask eval needs the eval extra: pip install 'remask[eval]' ({err})", file=sys.stderr)
         return 2
@@ -94,20 +216,56 @@ def _eval(rest: list[str]) -> int:
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")     # the shipped task needs no download
     argv = list(rest)
-    if "--include_path" in argv:
-        i = argv.index("--include_path")
-        argv[i + 1] = f"{argv[i + 1]},{lmeval.task_dir()}" if i + 1 < len(argv) else lmeval.task_dir()
-    else:
-        argv += ["--include_path", lmeval.task_dir()]
+    if argv in (["-h"], ["--help"]):     # lm-eval's top-level help lists its subcommands; the flags are run's
+        print(EVAL_HELP, end="")
+        argv = ["run", "--help"]
     saved = sys.argv
     sys.argv = ["remask eval", *argv]
     try:
-        cli_evaluate()
+        setup_logging()
+        cli = HarnessCLI()
+        args = cli.parse_args()          # --help exits here, before torch and the adapter are imported
+        try:
+            from remask.integrations import lmeval     # registers the model `remask`
+        except ImportError as err:
+            print(f"remask eval needs the eval extra: pip install 'remask[eval]' ({err})", file=sys.stderr)
+            return 2
+        config = _eval_config(args)
+        if hasattr(args, "include_path"):            # run, ls and validate
+            args.include_path = _include_paths(argv, config, lmeval.task_dir())
+        if getattr(args, "command", None) == "run" and args.device is None and "device" not in config:
+            import torch
+
+            # lm-eval's default, cuda:0, where it exists; otherwise the CPU rather than a warning
+            if not torch.cuda.is_available():
+                args.device = "cpu"
+        cli.execute(args)
     except SystemExit as exit_:
-        return int(exit_.code or 0)
+        return exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
     finally:
         sys.argv = saved
     return 0
+
+
+def _eval_config(args: argparse.Namespace) -> dict:
+    """The settings of lm-eval's `--config` YAML, if one is given (its values yield to the flags)."""
+    if not getattr(args, "config", None):
+        return {}
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    return EvaluatorConfig.load_yaml_config(args.config)
+
+
+def _include_paths(argv: list[str], config: dict, shipped: str) -> list[str]:
+    """Every task folder for lm-eval's `TaskManager(include_path=[...])`: the shipped tasks first, then
+    the `--config` YAML's `include_path`, then each `--include_path` in order (lm-eval's own parser
+    keeps only the last; a later folder's task overrides an earlier one's of the same name)."""
+    given = argparse.ArgumentParser(add_help=False)      # lm-eval has validated argv already
+    given.add_argument("--include_path", action="append", default=[])
+    from_config = config.get("include_path") or []
+    paths = [shipped, *([from_config] if isinstance(from_config, str) else from_config),
+             *given.parse_known_args(argv)[0].include_path]
+    return list(dict.fromkeys(str(p) for p in paths))
 
 
 def describe_checkpoint(name: str) -> dict:
@@ -168,43 +326,29 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _sampling_flags(parser: argparse.ArgumentParser) -> list[str]:
-    """One flag per plain `SamplingParams` field (--max-tokens, --steps, ...); returns the names."""
-    import dataclasses
-    import typing
-
-    from remask.engine import SamplingParams
-
-    hints = typing.get_type_hints(SamplingParams)
-    names = []
-    for field in dataclasses.fields(SamplingParams):
-        hint = str(hints[field.name])
-        if field.name in ("apd", "sparse"):
-            continue
-        flag = "--" + field.name.replace("_", "-")
-        if field.name in ("canvas", "canvas_sampler", "sdar", "llada2", "fast_dllm_v2", "decoder"):   # JSON objects
-            parser.add_argument(flag, dest=field.name, type=_json_object(flag), default=None,
-                                help=f"a JSON object: SamplingParams.{field.name}")
-        elif field.name == "use_cache":   # a cache name, or a cache config as a JSON object
-            parser.add_argument(flag, dest=field.name, default=None,
-                                type=lambda v, f=flag: _json_object(f)(v) if v.lstrip().startswith("{") else v,
-                                help="a cache name (prefix, dual, paged) or a JSON object {\"name\": \"dkv\", ...}")
-        elif "tuple" in hint:
-            kind = int if "int" in hint else str
-            parser.add_argument(flag, dest=field.name, type=kind, action="append", default=None,
-                                help=f"(repeatable) SamplingParams.{field.name}")
-        elif hint in ("bool",):
-            parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=None)
-        elif "bool" in hint and "str" in hint:      # confidence_eos_eot_inf: False / True / "corrected"
-            parser.add_argument(flag, dest=field.name, default=None,
-                                type=lambda v: {"false": False, "true": True}.get(v.lower(), v))
+    """One flag per `SAMPLING_FLAGS` field (--max-tokens, --steps, ...), each None unless given, so
+    that an unset field keeps `SamplingParams`' default; returns the field names."""
+    group = parser.add_argument_group("decoding settings (remask.SamplingParams fields; a JSONL line's own win)")
+    for name, kind, text in SAMPLING_FLAGS:
+        flag = "--" + name.replace("_", "-")
+        options: dict[str, Any] = dict(dest=name, default=None, help=text)
+        if kind == "bool":
+            options["action"] = argparse.BooleanOptionalAction
+        elif kind in ("ints", "strs"):
+            options.update(action="append", type=int if kind == "ints" else str)
+        elif kind == "json":
+            options.update(type=_json_object(flag), metavar="JSON")
+        elif kind == "cache":        # a cache name, or a cache config as a JSON object
+            options.update(type=_cache_or_json(flag), metavar="NAME|JSON")
+        elif kind == "bool_or_str":  # confidence_eos_eot_inf: False / True / "corrected"
+            options["type"] = _bool_or_word
         else:
-            kind = int if "int" in hint else float if "float" in hint else str
-            parser.add_argument(flag, dest=field.name, type=kind, default=None)
-        names.append(field.name)
-    return names
+            options["type"] = {"int": int, "float": float, "str": str}[kind]
+        group.add_argument(flag, **options)
+    return [name for name, _, _ in SAMPLING_FLAGS]
 
 
-def _json_object(flag: str):
+def _json_object(flag: str) -> Callable[[str], dict]:
     def parse(value: str) -> dict:
         try:
             parsed = json.loads(value)
@@ -214,6 +358,16 @@ def _json_object(flag: str):
             raise argparse.ArgumentTypeError(f"{flag} takes a JSON object, got {value!r}")
         return parsed
     return parse
+
+
+def _cache_or_json(flag: str) -> Callable[[str], Any]:
+    def parse(value: str) -> Any:
+        return _json_object(flag)(value) if value.lstrip().startswith("{") else value
+    return parse
+
+
+def _bool_or_word(value: str) -> bool | str:
+    return {"false": False, "true": True}.get(value.lower(), value)
 
 
 def _objects(settings: dict) -> dict:
@@ -320,9 +474,6 @@ def _distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-BENCHES = {"engine": "engine.py", "serve": "serve_load.py", "quantized": "quantized.py", "ablate": "ablate.py"}
-
-
 def _bench(rest: list[str]) -> int:
     """The benchmarks of a source checkout (bench/ is not installed): `remask bench kernels` runs the
     kernel microbenchmarks and their report, `remask bench engine|serve|quantized|ablate [flags]` the
@@ -331,9 +482,9 @@ def _bench(rest: list[str]) -> int:
     import runpy
     import subprocess
 
-    usage = f"remask bench {{kernels,{','.join(BENCHES)}}} [the script's flags; --help for them]"
+    usage = f"remask bench {{kernels,{','.join(BENCHES)}}} [the benchmark's flags; --help for them]"
     if not rest or rest[0] in ("-h", "--help"):
-        print(usage)
+        print(BENCH_HELP, end="", file=sys.stdout if rest else sys.stderr)
         return 0 if rest else 2
     candidates = [os.path.join(os.getcwd(), "bench"),
                   os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")]
@@ -365,16 +516,14 @@ def _bench(rest: list[str]) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["eval"]:      # every other argument is lm-eval's own
-        return _eval(argv[1:])
-    if argv[:1] == ["bench"]:     # every other argument is the benchmark script's own
-        return _bench(argv[1:])
-    parser = argparse.ArgumentParser(prog="remask", description="remask: fast, exact diffusion LLM decoding")
+def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
+    """The `remask` parser (`eval` and `bench` pass their arguments on: `main` routes them first) and the
+    `SamplingParams` fields that `generate` has flags for. Imports nothing beyond the standard library."""
+    parser = argparse.ArgumentParser(prog="remask", description="remask: fast, exact diffusion LLM decoding",
+                                     formatter_class=_HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="the benchmarks of a source checkout: kernels, engine, serve, quantized, ablate "
-                                 "(each takes its script's flags)")
+                                 "(each takes its script's flags; remask bench --help)")
     sub.add_parser("eval", help="lm-evaluation-harness with the remask model and the shipped tasks (needs the eval "
                                 "extra); takes exactly lm_eval's flags, e.g. remask eval --model remask --model_args "
                                 "pretrained=tiny-llada,steps=16 --tasks remask_tiny --apply_chat_template")
@@ -384,20 +533,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "remask serve --model llada=tiny-llada --model ar=tiny-ar --api-key-file key.txt \\\n"
                     "    --defaults 'llada={\"steps\": 16, \"block_length\": 8}' --response-cache 1024,600\n"
                     "(docs/serving.md: routes, errors, metrics, drafts, hot swap)",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=_HelpFormatter)
     serve_parser.add_argument("name", nargs="?",
                               help="a shipped model name or checkpoint folder, served under that name")
     serve_parser.add_argument("--model", action="append", type=_model_arg, metavar="NAME=PATH",
-                       help="serve PATH under NAME (repeatable)")
-    serve_parser.add_argument("--host", default="127.0.0.1")
-    serve_parser.add_argument("--port", type=int, default=8000)
-    serve_parser.add_argument("--api-key", default=None)
-    serve_parser.add_argument("--api-key-file", default=None)
+                              help="serve PATH under NAME (repeatable)")
+    serve_parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve_parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve_parser.add_argument("--api-key", default=None,
+                              help="require `Authorization: Bearer KEY` on the /v1 routes (default: no key)")
+    serve_parser.add_argument("--api-key-file", default=None, help="read --api-key from this file")
     serve_parser.add_argument("--admin-key", default=None, help="enables POST /admin/models (load, swap, unload)")
-    serve_parser.add_argument("--admin-key-file", default=None)
-    serve_parser.add_argument("--max-queue", type=int, default=256, help="requests held per model; more get 503")
-    serve_parser.add_argument("--max-num-seqs", type=int, default=64)
-    serve_parser.add_argument("--seed", type=int, default=0)
+    serve_parser.add_argument("--admin-key-file", default=None, help="read --admin-key from this file")
+    serve_parser.add_argument("--max-queue", type=int, default=256,
+                              help="requests held per model; more get 503 (default 256)")
+    serve_parser.add_argument("--max-num-seqs", type=int, default=64,
+                              help="sequences each engine decodes at once (default 64)")
+    serve_parser.add_argument("--seed", type=int, default=0,
+                              help="engine seed: an unseeded request draws from it plus its index (default 0)")
     serve_parser.add_argument("--defaults", action="append", type=_defaults_arg, metavar="NAME=JSON",
                               help="default sampling settings of a served model (SamplingParams fields)")
     serve_parser.add_argument("--rate-limit", type=int, default=None, help="requests per minute per API key")
@@ -405,27 +558,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve_parser.add_argument("--response-cache", type=_cache_arg, default=None, metavar="SIZE,TTL",
                               help="cache deterministic responses (LRU of SIZE, TTL seconds)")
     serve_parser.add_argument("--cors-origins", default=None, help="comma-separated origins allowed by CORS")
-    serve_parser.add_argument("--log-level", default="info")
+    serve_parser.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
     models_parser = sub.add_parser("models", help="the shipped models, or what checkpoint folders hold",
                                    description="remask models              # the shipped ones\n"
                                                "remask models ./my-llada   # kind, ids, size of a folder",
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   formatter_class=_HelpFormatter)
     models_parser.add_argument("paths", nargs="*", help="checkpoint folders or shipped names (default: the zoo)")
-    models_parser.add_argument("--json", action="store_true")
+    models_parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     gen_parser = sub.add_parser(
         "generate", help="decode prompts (text or JSONL) to JSONL",
-        description="remask generate tiny-llada --prompt 'sort 52814' --chat --steps 16 --block-length 8\n"
-                    "remask generate tiny-ar --input requests.jsonl --output answers.jsonl --temperature 0.7\n"
-                    "  (a line: {\"prompt\": ...} or {\"messages\": [...]}, optional \"id\" and SamplingParams fields)",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    gen_parser.add_argument("model", help="a shipped name or a checkpoint folder")
+        description="Decode prompts with a shipped model or a checkpoint folder and write one JSON line per "
+                    "sample:\n{\"prompt\" or \"messages\", \"index\", \"text\", \"token_ids\", \"finish_reason\", "
+                    "\"nfe\"}. Decoding flags are\nremask.SamplingParams fields; an unset one keeps the field's "
+                    "default.",
+        epilog="examples:\n"
+               "  remask generate tiny-llada --prompt 'sort 52814' --chat --steps 16 --block-length 8\n"
+               "  remask generate tiny-ar --input requests.jsonl --output answers.jsonl --chat --temperature 0.7 "
+               "--seed 1\n"
+               "    (a line: {\"prompt\": ...} or {\"messages\": [...]}, optional \"id\" and SamplingParams fields;\n"
+               "     the shipped tiny models are chat-trained: give their prompts --chat)\n"
+               "  torchrun --nproc_per_node 2 -m remask generate tiny-llada --input requests.jsonl --chat"
+               "   # data parallel",
+        formatter_class=_HelpFormatter)
+    gen_parser.add_argument("model", help="a shipped name (remask models) or a checkpoint folder")
     gen_parser.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen_parser.add_argument("--input", help="JSONL requests ('-': stdin)")
     gen_parser.add_argument("--output", help="JSONL answers (default: stdout)")
-    gen_parser.add_argument("--chat", action="store_true", help="wrap each --prompt / prompt line in the chat template")
-    gen_parser.add_argument("--max-num-seqs", type=int, default=64)
+    gen_parser.add_argument("--chat", action="store_true",
+                            help="wrap each --prompt / prompt line in the tokenizer's chat template "
+                                 "(\"messages\" lines always are)")
+    gen_parser.add_argument("--max-num-seqs", type=int, default=64,
+                            help="sequences the engine decodes at once (default 64; answers do not depend on it)")
     gen_parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    sampling_names = _sampling_flags(gen_parser)
+    return parser, _sampling_flags(gen_parser)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["eval"]:      # every other argument is lm-eval's own
+        return _eval(argv[1:])
+    if argv[:1] == ["bench"]:     # every other argument is the benchmark script's own
+        return _bench(argv[1:])
+    parser, sampling_names = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)

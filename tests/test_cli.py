@@ -1,7 +1,8 @@
-"""The `remask` command: --help lists the subcommands; `models` and `generate` on the shipped models;
-errors are one line naming the flag."""
+"""The `remask` command: --help lists the subcommands, gives every flag a line and imports no torch;
+`models` and `generate` on the shipped models; errors are one line naming the flag."""
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import subprocess
@@ -106,3 +107,126 @@ def test_bench_dispatches_to_the_checkout_scripts(capsys):
     assert main(["bench", "no-such"]) == 2 and "unknown benchmark" in capsys.readouterr().err
     assert main(["bench", "quantized", "--problems", "2"]) == 0
     assert "| tiny-ar | greedy |" in capsys.readouterr().out
+
+
+# What `--help` may not import: `python -c` with the package `remask` stood in by a bare module on its
+# path, so that cli.py's own imports are measured whatever remask/__init__.py imports.
+HEAVY = ("torch", "transformers", "remask.engine", "remask.diffusion", "remask.models", "remask.integrations")
+HELP_ARGVS = (["--help"], ["generate", "--help"], ["serve", "--help"], ["models", "--help"], ["eval", "--help"],
+              ["bench", "--help"])
+
+
+def test_help_imports_neither_torch_nor_remask_submodules():
+    code = ("import contextlib, importlib.util, io, json, sys, types\n"
+            "spec = importlib.util.find_spec('remask')\n"
+            "package = types.ModuleType('remask')\n"
+            "package.__path__ = list(spec.submodule_search_locations)\n"
+            "sys.modules['remask'] = package\n"
+            "from remask.cli import main\n"
+            "out = {}\n"
+            f"for argv in {list(HELP_ARGVS)!r}:\n"
+            "    text = io.StringIO()\n"
+            "    with contextlib.redirect_stdout(text):\n"
+            "        try:\n"
+            "            main(argv)\n"
+            "        except SystemExit:\n"
+            "            pass\n"
+            "    out[' '.join(argv)] = text.getvalue()\n"
+            f"print(json.dumps({{'heavy': [m for m in {HEAVY!r} if m in sys.modules], 'out': out}}))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert result["heavy"] == []
+    out = result["out"]
+    assert "--ignore-eos" in out["generate --help"] and "lm-eval run" in out["eval --help"]
+    assert all(name in out["bench --help"] for name in ("kernels", "engine", "serve", "quantized", "ablate"))
+
+
+def test_help_through_the_entry_point_imports_no_torch():
+    """`python -m remask --help` end to end: the package `remask` is imported first (the entry point
+    `remask.cli:main` does the same)."""
+    package = subprocess.run([sys.executable, "-c", "import sys, remask; print('torch' in sys.modules)"],
+                             capture_output=True, text=True, timeout=120)
+    assert package.returncode == 0, package.stderr[-2000:]
+    if package.stdout.strip() == "True":
+        pytest.xfail("`import remask` itself imports torch (remask/__init__.py -> remask.models -> torch, "
+                     "transformers): the CLI cannot help that")
+    code = ("import runpy, sys\n"
+            "sys.argv = ['remask', '--help']\n"
+            "try:\n"
+            "    runpy.run_module('remask', run_name='__main__')\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "generate" in done.stdout
+
+
+def test_every_flag_has_help_and_the_batch_example_uses_chat():
+    from remask.cli import build_parser
+
+    parser, _ = build_parser()
+    [commands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, sub in commands.choices.items():
+        for action in sub._actions:
+            assert action.help, f"remask {name} {'/'.join(action.option_strings) or action.dest} has no help"
+    generate = commands.choices["generate"].format_help()
+    [batch] = [line for line in generate.splitlines() if "--input requests.jsonl" in line and "tiny-ar" in line]
+    assert "--chat" in batch
+
+
+def test_the_flags_are_the_sampling_params_fields():
+    """cli.SAMPLING_FLAGS is written out (the dataclass sits behind torch): the same fields, each
+    with the kind of flag its type asks for."""
+    import dataclasses
+    import typing
+
+    from remask.cli import SAMPLING_FLAGS
+
+    hints = typing.get_type_hints(remask.SamplingParams)
+    expected = {}
+    for field in dataclasses.fields(remask.SamplingParams):
+        hint = str(hints[field.name])
+        if field.name in ("apd", "sparse"):        # objects holding a model / a config: no flag
+            continue
+        if field.name in ("canvas", "canvas_sampler", "sdar", "llada2", "fast_dllm_v2", "decoder"):
+            expected[field.name] = "json"
+        elif field.name == "use_cache":
+            expected[field.name] = "cache"
+        elif "tuple" in hint:
+            expected[field.name] = "ints" if "int" in hint else "strs"
+        elif hints[field.name] is bool:
+            expected[field.name] = "bool"
+        elif "bool" in hint and "str" in hint:
+            expected[field.name] = "bool_or_str"
+        else:
+            expected[field.name] = "int" if "int" in hint else "float" if "float" in hint else "str"
+    assert {name: kind for name, kind, _ in SAMPLING_FLAGS} == expected
+    assert all(text for _, _, text in SAMPLING_FLAGS)
+
+
+def test_the_choice_lists_equal_the_library_s():
+    from remask import cli
+    from remask.diffusion.cache import CACHE_MODES
+    from remask.diffusion.decoders import config_names
+    from remask.diffusion.dream import ALGORITHMS
+    from remask.diffusion.llada import REMASKING
+
+    assert cli.REMASKING == REMASKING and cli.ALGORITHMS == ALGORITHMS
+    assert cli.CACHE_NAMES == tuple(m for m in CACHE_MODES if m is not None)
+    names = config_names()
+    assert cli.DECODERS == tuple(names["decoder"]) and cli.CACHE_CONFIGS == tuple(names["use_cache"])
+
+
+def test_generate_ignore_eos_and_min_tokens(capsys):
+    """--ignore-eos and --min-tokens reach SamplingParams: the command's answers are the LLM's."""
+    llm = remask.LLM("tiny-ar")
+    for flags, settings in ((["--ignore-eos"], dict(ignore_eos=True)), (["--min-tokens", "10"], dict(min_tokens=10))):
+        assert main(["generate", "tiny-ar", "--prompt", "sort 52814", "--chat", "--max-tokens", "24", "--quiet",
+                     *flags]) == 0
+        [row] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        want = llm.generate("sort 52814", remask.SamplingParams(max_tokens=24, **settings), use_tqdm=False,
+                            chat=True)[0].outputs[0]
+        assert row["token_ids"] == want.token_ids and row["finish_reason"] == want.finish_reason
+        assert len(row["token_ids"]) == 24 if "ignore_eos" in settings else len(row["token_ids"]) >= 10

@@ -642,3 +642,294 @@ def test_one_thread_switch_is_shared_by_engines_in_several_threads():
         assert seen == [1] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+# ---- vLLM's prompt dicts (TextPrompt / TokensPrompt) ----------------------------------------------
+
+def test_prompt_dicts_decode_as_the_plain_forms(llada, ar):
+    """{"prompt": text} is the text, {"prompt_token_ids": ids} the ids, token for token: alone, as
+    one dict, and in a list mixing every form; a TokensPrompt's optional text is reported, not
+    tokenized (vLLM's meaning)."""
+    llm = remask.LLM(*llada)
+    params = SamplingParams(max_tokens=16, steps=16, block_length=8, seed=0)
+    ids = charset.encode_chat("sort 52814")
+    plain = llm.generate([ids, "sort 52814", "reverse abcd"], params, use_tqdm=False)
+    mixed = llm.generate([{"prompt_token_ids": ids}, {"prompt": "sort 52814"}, "reverse abcd", ids],
+                         params, use_tqdm=False)
+    assert [o.outputs[0].all_token_ids for o in mixed] == [o.outputs[0].all_token_ids for o in plain + plain[:1]]
+    assert [o.outputs[0].text for o in mixed] == [o.outputs[0].text for o in plain + plain[:1]]
+    assert mixed[0].outputs[0].text == "12458"
+    assert [o.prompt for o in mixed] == [None, "sort 52814", "reverse abcd", None]
+    assert mixed[1].prompt_token_ids == plain[1].prompt_token_ids
+    one = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)      # a single dict: one prompt
+    assert len(one) == 1 and one[0].outputs[0].all_token_ids == plain[0].outputs[0].all_token_ids
+    chat = llm.generate({"prompt": "sort 52814"}, params, use_tqdm=False, chat=True)
+    assert chat[0].outputs[0].all_token_ids == plain[0].outputs[0].all_token_ids
+    both = llm.generate({"prompt_token_ids": ids, "prompt": "sort 52814 (chat)"}, params, use_tqdm=False)[0]
+    assert both.prompt == "sort 52814 (chat)" and both.prompt_token_ids == ids
+    assert both.outputs[0].all_token_ids == plain[0].outputs[0].all_token_ids
+    engine = LLMEngine(*ar)                                                     # the engine takes them too
+    got = run_engine(engine, [("d", {"prompt_token_ids": ids}, SamplingParams(max_tokens=8)),
+                              ("p", ids, SamplingParams(max_tokens=8))])
+    assert got["d"].outputs[0].all_token_ids == got["p"].outputs[0].all_token_ids
+
+
+@pytest.mark.parametrize("prompt,match", [
+    ({"prompt": "sort 52814", "multi_modal_data": {"image": None}}, "'multi_modal_data'"),
+    ({"prompt_token_ids": [1, 5], "prompt_embeds": None}, "'prompt_embeds'"),
+    ({"prompt": "sort 52814", "mm_processor_kwargs": {}}, "'mm_processor_kwargs'"),
+    ({"prompt": "sort 52814", "cache_salt": "a"}, "'cache_salt'"),
+    ({"encoder_prompt": "a", "decoder_prompt": None}, "'encoder_prompt'"),
+    ({"prompt": "sort 52814", "promt": "x"}, "unknown key 'promt'.*'prompt', 'prompt_token_ids'"),
+    ({"text": "sort 52814"}, "unknown key 'text'"),
+    ({}, "needs 'prompt'"),
+    ({"prompt": 5}, r"prompt\['prompt'\]"),
+    ({"prompt_token_ids": "1 5"}, r"prompt\['prompt_token_ids'\]"),
+    ({"prompt_token_ids": [1, 500]}, "vocabulary"),
+])
+def test_prompt_dicts_refuse_bad_keys_by_name(llada, prompt, match):
+    """vLLM's keys remask cannot honour and unknown keys are refused naming the key and the
+    accepted ones, never dropped; the call is all or nothing."""
+    llm = remask.LLM(*llada)
+    with pytest.raises(ValueError, match=match):
+        llm.generate([PROBLEMS[0], prompt], SamplingParams(max_tokens=8), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+    with pytest.raises(ValueError, match=match):
+        llm.engine.add_request("x", prompt, SamplingParams(max_tokens=8))
+
+
+def test_llm_chat_takes_messages_not_prompts(llada):
+    llm = remask.LLM(*llada)
+    with pytest.raises(ValueError, match="LLM.generate"):
+        llm.chat({"prompt": "sort 52814"}, SamplingParams(max_tokens=8), use_tqdm=False)
+
+
+# ---- ignore_eos and min_tokens -----------------------------------------------------------------------
+
+# tiny-llada's answers to these end with EOS within 10 tokens; max_tokens 16.
+END_PROMPTS = [charset.encode_chat(p) for p in ("sort 52814", "reverse abcd", "greet Hugo", "name a colour")]
+# every path that takes min_tokens: LLaDA's block rule (Fast-dLLM's rules, the caches, CFG,
+# sparse attention, sampling), Dream's sampler and Dream's block decoder
+MIN_TOKENS_KINDS = [
+    dict(steps=16, block_length=8),
+    dict(block_length=8, threshold=0.9, use_cache="dual"),
+    dict(steps=16, block_length=4, factor=1.0, use_cache="prefix"),
+    dict(steps=8, block_length=8, cfg_scale=0.5),
+    dict(steps=16, block_length=8, sparse=remask.SparseConfig(retention_ratio=0.5)),
+    dict(steps=16, block_length=8, temperature=0.7),
+    dict(steps=16, block_length=8, early_stop=True),
+    dict(steps=16, alg="entropy"),
+    dict(steps=16, alg="confidence_threshold", block_length=8, use_cache="dual"),
+]
+
+
+def finished_outputs(engine: LLMEngine, requests) -> dict:
+    return {rid: out.outputs[0] for rid, out in run_engine(engine, requests).items()}
+
+
+def test_ignore_eos_diffusion_decodes_the_same_and_keeps_every_position(llada, load_model):
+    """A diffusion model decodes its whole window anyway: ignore_eos changes no token, only where
+    the answer ends — it keeps all max_tokens positions (EOS included, as an ordinary token), with
+    finish reason "length"; stop_token_ids still end it (vLLM's rule). On tiny-llada and on a
+    checkpoint whose LM head favours EOS/EOT (llada_eos), where EOS comes early."""
+    model, tokenizer = llada
+    eos_model = load_model("llada_eos")
+    eos_prompts = [[int(t) for t in torch.randint(0, 900, (7,), generator=torch.Generator().manual_seed(20 + i))]
+                   for i in range(2)]
+    cases = [(LLMEngine(model, tokenizer), END_PROMPTS, [MIN_TOKENS_KINDS[i] for i in (0, 1, 7)]),
+             (LLMEngine(eos_model), eos_prompts, [dict(steps=16, block_length=8), dict(steps=16, alg="entropy")])]
+    for engine, prompts, kinds in cases:
+        requests = []
+        for i, ids in enumerate(prompts):
+            for k, kind in enumerate(kinds):
+                params = SamplingParams(max_tokens=16, seed=i, **kind)
+                requests += [(f"p{i}-{k}", ids, params), (f"i{i}-{k}", ids, params.replace(ignore_eos=True))]
+        got = finished_outputs(engine, requests)
+        early = 0
+        for rid, _, params in requests[::2]:
+            plain, ignored = got[rid], got["i" + rid[1:]]
+            assert ignored.all_token_ids == plain.all_token_ids, rid
+            assert ignored.token_ids == ignored.all_token_ids and len(ignored.token_ids) == 16, rid
+            assert ignored.finish_reason == "length", rid
+            early += plain.finish_reason == "stop" and len(plain.token_ids) < 16
+            assert plain.token_ids == ignored.all_token_ids[:len(plain.token_ids)], rid
+        assert early >= len(requests) // 4, "the answers should end early without ignore_eos"
+    llm = remask.LLM(model, tokenizer)
+    params = SamplingParams(max_tokens=16, steps=16, block_length=8, seed=0, ignore_eos=True)
+    out = llm.generate("greet Hugo", params, use_tqdm=False, chat=True)[0].outputs[0]
+    assert out.text == "Hello, Hugo!" and len(out.token_ids) == 16    # EOS is special: not in the text
+    comma = charset.CHAR_TO_ID[","]
+    cut = llm.generate("greet Hugo", params.replace(stop_token_ids=[comma]), use_tqdm=False, chat=True)[0].outputs[0]
+    assert cut.text == "Hello" and cut.token_ids[-1] == comma and cut.finish_reason == "stop"
+
+
+def test_ignore_eos_ar_runs_to_max_tokens_past_the_first_eos(ar):
+    """As in vLLM: decoding goes on after EOS; the tokens up to and including the first EOS are
+    the plain request's (the same logits and draws), the output has exactly max_tokens tokens, and
+    it equals ar_generate with no EOS id (the only stop ids left: stop_token_ids)."""
+    model, tokenizer = ar
+    requests = []
+    for i, ids in enumerate(END_PROMPTS):
+        params = SamplingParams(max_tokens=16, seed=i, temperature=[0.0, 0.8][i % 2])
+        requests += [(f"p{i}", ids, params), (f"i{i}", ids, params.replace(ignore_eos=True))]
+    got = finished_outputs(LLMEngine(model, tokenizer), requests)
+    for rid, ids, params in requests[::2]:
+        plain, ignored = got[rid], got["i" + rid[1:]]
+        assert plain.finish_reason == "stop" and plain.token_ids[-1] == charset.EOS_ID, rid
+        assert ignored.all_token_ids[:len(plain.token_ids)] == plain.token_ids, rid
+        assert len(ignored.token_ids) == 16 and ignored.finish_reason == "length", rid
+        assert ignored.all_token_ids == alone_ar(model, ids, params.replace(ignore_eos=True)), rid
+    params = SamplingParams(max_tokens=16, ignore_eos=True, stop_token_ids=[charset.EOS_ID])
+    stopped = finished_outputs(LLMEngine(model, tokenizer), [("s", END_PROMPTS[0], params)])["s"]
+    assert stopped.token_ids == got["p0"].token_ids and stopped.finish_reason == "stop"   # stop_token_ids still stop
+
+
+def test_min_tokens_diffusion_no_end_token_before_n_and_batch_invariant(llada):
+    """min_tokens=N: the end ids' logits are −inf at the answer's first N positions, at every step
+    and whatever the rule, so the answer has at least N tokens before its end; a request's tokens are
+    the same alone and among requests with other settings (with and without min_tokens)."""
+    model, tokenizer = llada
+    engine = LLMEngine(model, tokenizer)
+    ends = set(engine.stop_ids)
+    N = 10
+    requests = []
+    for i, ids in enumerate(END_PROMPTS):
+        for k, kind in enumerate(MIN_TOKENS_KINDS):
+            params = SamplingParams(max_tokens=16, seed=10 * i + k, **kind)
+            requests += [(f"p{i}-{k}", ids, params), (f"m{i}-{k}", ids, params.replace(min_tokens=N))]
+    together = finished_outputs(engine, requests)
+    shortened = 0
+    for rid, ids, params in requests:
+        out = together[rid]
+        if rid.startswith("m"):
+            assert not ends & set(out.all_token_ids[:N]), rid
+            assert len(out.token_ids) > N or len(out.token_ids) == 16, rid
+            shortened += len(together["p" + rid[1:]].token_ids) <= N
+    assert shortened >= len(requests) // 4, "most plain answers should end before N"
+    for rid, ids, params in requests[1::2][::3]:                     # a third of them, each alone
+        alone = finished_outputs(LLMEngine(model, tokenizer), [(rid, ids, params)])[rid]
+        assert alone.all_token_ids == together[rid].all_token_ids, rid
+    shuffled = list(requests)
+    random.Random(1).shuffle(shuffled)
+    again = finished_outputs(LLMEngine(model, tokenizer, max_num_seqs=7), shuffled)
+    assert all(again[rid].all_token_ids == together[rid].all_token_ids for rid, _, _ in requests)
+
+
+def test_min_tokens_on_a_checkpoint_that_favours_eos(load_model):
+    """llada_eos (an LM-head bias on EOS/EOT) ends its answers within a few tokens; with
+    min_tokens no EOS/EOT lands before position N, ignore_eos on top keeps every position."""
+    model = load_model("llada_eos")
+    engine = LLMEngine(model)
+    ids = [int(t) for t in torch.randint(0, 900, (7,), generator=torch.Generator().manual_seed(20))]
+    kinds = [dict(steps=16, block_length=8), dict(steps=16, alg="entropy")]
+    requests = []
+    for k, kind in enumerate(kinds):
+        params = SamplingParams(max_tokens=16, seed=k, **kind)
+        requests += [(f"p{k}", ids, params), (f"m{k}", ids, params.replace(min_tokens=10)),
+                     (f"b{k}", ids, params.replace(min_tokens=10, ignore_eos=True))]
+    got = finished_outputs(engine, requests)
+    for k in range(len(kinds)):
+        assert len(got[f"p{k}"].token_ids) < 10                       # EOS/EOT early without min_tokens
+        assert not {126081, 126348} & set(got[f"m{k}"].all_token_ids[:10]) and len(got[f"m{k}"].token_ids) > 10
+        assert got[f"b{k}"].all_token_ids == got[f"m{k}"].all_token_ids and len(got[f"b{k}"].token_ids) == 16
+
+
+def ar_alone_with_min_tokens(model, ids: list[int], params: SamplingParams, ends: list[int]) -> list[int]:
+    """`ar_generate`'s loop with vLLM's min_tokens rule written out: end ids at −inf while fewer
+    than min_tokens tokens exist."""
+    from remask.diffusion.ar import ARDecoder
+
+    decoder = ARDecoder(model, **params.ar_kwargs([charset.EOS_ID]))
+    generator = torch.Generator().manual_seed(params.seed)
+    state = decoder.start(torch.tensor([ids]))
+    with torch.no_grad():
+        while not state.done:
+            if state.step < params.min_tokens:
+                state.logits = state.logits.clone()
+                state.logits[:, ends] = -torch.inf
+            decoder.step(state, generator)
+    return state.tokens[0].tolist()
+
+
+def test_min_tokens_ar_masks_end_ids_until_n_tokens_as_vllm(ar):
+    """AR: exactly vLLM's rule (the end ids masked while fewer than N tokens exist), batch-invariant:
+    greedy and sampled requests among plain ones equal the rule applied to ar_generate's loop alone."""
+    model, tokenizer = ar
+    engine = LLMEngine(model, tokenizer)
+    ends = sorted(set(engine.stop_ids) | {charset.EOS_ID})
+    requests = []
+    for i, ids in enumerate(END_PROMPTS):
+        params = SamplingParams(max_tokens=16, seed=i, temperature=[0.0, 0.8][i % 2])
+        requests += [(f"p{i}", ids, params), (f"m{i}", ids, params.replace(min_tokens=9)),
+                     (f"b{i}", ids, params.replace(min_tokens=9, ignore_eos=True))]
+    got = finished_outputs(engine, requests)
+    for rid, ids, params in requests:
+        out = got[rid]
+        if params.min_tokens:
+            assert not set(ends) & set(out.all_token_ids[:9]) and len(out.token_ids) >= 10 or \
+                len(out.token_ids) == 16, rid
+            assert_ar_equal(out, ar_alone_with_min_tokens(model, ids, params, ends), rid)
+        if params.ignore_eos:
+            assert len(out.token_ids) == 16 and out.finish_reason == "length", rid
+
+
+def test_min_tokens_holds_back_stop_strings_and_stop_token_ids_as_vllm(llada, ar):
+    """A stop string ends the answer only where it ends past the text of the first min_tokens
+    tokens (vLLM checks stop strings from there on): tiny-ar answers 'sort 52814' with 12458. And
+    stop_token_ids are end ids like EOS: held back at the first min_tokens tokens / positions."""
+    llm = remask.LLM(*ar)
+    params = SamplingParams(max_tokens=16, stop=["45"])
+    outs = [llm.generate("sort 52814", params.replace(min_tokens=n), use_tqdm=False, chat=True)[0].outputs[0]
+            for n in (0, 3, 4)]
+    assert [(o.text, o.finish_reason) for o in outs] == [("12", "stop"), ("12", "stop"), ("12458", "stop")]
+    assert outs[2].token_ids[-1] == charset.EOS_ID          # not stopped by "45" (within the first 4 tokens)
+    comma = charset.CHAR_TO_ID[","]
+    for model, kind in ((llada, dict(steps=16, block_length=8, seed=0)), (ar, {})):
+        params = SamplingParams(max_tokens=16, stop_token_ids=[comma], **kind)
+        gen = remask.LLM(*model)
+        plain, held = (gen.generate("greet Hugo", params.replace(min_tokens=n), use_tqdm=False, chat=True)[0].outputs[0]
+                       for n in (0, 8))
+        assert plain.text == "Hello" and plain.token_ids[-1] == comma    # "Hello, Hugo!" cut at the comma
+        assert comma not in held.token_ids[:8] and len(held.token_ids) > 8 and held.finish_reason == "stop"
+
+
+def test_ignore_eos_and_min_tokens_are_refused_where_the_loop_cannot_honour_them(llada, ar, tmp_path):
+    model, tokenizer = llada
+    llm = remask.LLM(model, tokenizer)
+    ids = END_PROMPTS[0]
+    refused = [
+        (SamplingParams(max_tokens=16, block_length=8, min_tokens=4, decoder=remask.FreeDave()),
+         "min_tokens: .*FreeDave"),
+        (SamplingParams(max_tokens=16, block_length=8, ignore_eos=True, decoder=remask.ThresholdDecoding()),
+         "ignore_eos: .*ThresholdDecoding"),
+        (SamplingParams(max_tokens=16, ignore_eos=True, use_cache=remask.VicinityCache()),
+         "ignore_eos: .*VicinityCache"),
+        (SamplingParams(max_tokens=16, min_tokens=4, apd=remask.APDConfig(ar[0])), "min_tokens: .*apd"),
+        (SamplingParams(max_tokens=16, ignore_eos=True, min_tokens=2, apd=remask.APDConfig(ar[0])),
+         "ignore_eos / min_tokens: .*apd"),
+    ]
+    for params, match in refused:
+        with pytest.raises(ValueError, match=match):
+            llm.engine.add_request("x", ids, params)
+    assert not llm.engine.requests
+    ok = llm.generate("sort 52814", SamplingParams(max_tokens=16, block_length=8, ignore_eos=True,
+                                                   decoder=remask.FreeDave()), use_tqdm=False, chat=True)[0].outputs[0]
+    assert len(ok.token_ids) == 16 and ok.finish_reason == "length" and ok.text == "12458"
+    from transformers import AutoModelForCausalLM
+    from remask.models import tiny
+
+    tiny.write_tiny_sdar(str(tmp_path), seed=0)
+    sdar = remask.LLM(AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval())
+    for name, value in (("ignore_eos", True), ("min_tokens", 2)):
+        with pytest.raises(ValueError, match=f"{name}: not supported with a block-causal model"):
+            sdar.generate([[5, 17, 42]], SamplingParams(max_tokens=8, **{name: value}), use_tqdm=False)
+
+
+def test_ignore_eos_and_min_tokens_are_checked_when_built():
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(ignore_eos=1)
+    with pytest.raises(ValueError, match="min_tokens must be <= max_tokens"):
+        SamplingParams(max_tokens=8, min_tokens=9)
+    with pytest.raises(ValueError, match="ignore_eos.*early_stop"):
+        SamplingParams(ignore_eos=True, early_stop=True)
+    assert SamplingParams(max_tokens=8, min_tokens=8).min_tokens == 8

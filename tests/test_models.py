@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from remask.models import DreamModel, KVCache, LLaDAModelLM
+from remask.models.hf_compat import output_cache
 from remask.models.llada import LLaDAConfig
 
 from helpers import random_prompt
@@ -118,7 +119,7 @@ def test_kv_cache_prefix_and_in_place_overwrite(load_model, name):
     model = load_model(name)
     ids = random_prompt(2, 12, 4)
     full_out = model(ids, use_cache=True)
-    full, cache = full_out.logits, full_out.past_key_values
+    full, cache = full_out.logits, output_cache(full_out)
     assert isinstance(cache, KVCache) and cache.get_seq_length() == 12
     cache.crop(5)
     tail = model(ids[:, 5:], past_key_values=cache, use_cache=True).logits
@@ -129,6 +130,6 @@ def test_kv_cache_prefix_and_in_place_overwrite(load_model, name):
     changed = ids.clone()
     changed[:, 5:8] = (changed[:, 5:8] + 3) % 200
     model(changed[:, 5:8], past_key_values=cache, cache_position=torch.arange(5, 8))
-    fresh = model(changed, use_cache=True).past_key_values
+    fresh = output_cache(model(changed, use_cache=True))
     torch.testing.assert_close(cache.keys[0][:, :, 5:8], fresh.keys[0][:, :, 5:8], rtol=1e-6, atol=1e-6)
     assert cache.get_seq_length() == 12

@@ -133,32 +133,70 @@ def post(server: Server, body, key: str | None = KEY, path: str = "/v1/completio
 def test_errors_have_openai_shape_and_name_the_field(served):
     server, engines = served
     ok = {"model": "tiny-llada", "prompt": PROMPT, "max_tokens": 16}
+    # OpenAI's `code` is a string or null (never the status): OpenAI's own code where it has the case
     cases = [
-        ({**ok, "steps": 0}, None, 400, "steps"),
-        ({**ok, "block_length": 5}, None, 400, "block_length"),
-        ({**ok, "temperature": -1}, None, 400, "temperature"),
-        ({**ok, "mystery": 1}, None, 400, "mystery"),
-        ({**ok, "logprobs": 2}, None, 400, "logprobs"),
-        ({**ok, "max_tokens": "many"}, None, 400, "max_tokens"),
-        ({k: v for k, v in ok.items() if k != "prompt"}, None, 400, "prompt"),
-        ({**ok, "prompt": [1, 100000]}, None, 400, "vocabulary"),
-        ({**ok, "model": "gpt-4"}, None, 404, "gpt-4"),
-        (ok, "wrong", 401, "API key"),
-        (ok, "", 401, "API key"),
+        ({**ok, "steps": 0}, None, 400, "steps", "invalid_value"),
+        ({**ok, "block_length": 5}, None, 400, "block_length", "invalid_value"),
+        ({**ok, "temperature": -1}, None, 400, "temperature", "invalid_value"),
+        ({**ok, "min_tokens": 17}, None, 400, "min_tokens", "invalid_value"),
+        ({**ok, "ignore_eos": 1}, None, 400, "ignore_eos", "invalid_value"),
+        ({**ok, "mystery": 1}, None, 400, "mystery", "unknown_parameter"),
+        ({**ok, "logprobs": 2}, None, 400, "logprobs", "unsupported_parameter"),
+        ({**ok, "max_tokens": "many"}, None, 400, "max_tokens", "invalid_type"),
+        ({k: v for k, v in ok.items() if k != "prompt"}, None, 400, "prompt", "missing_required_parameter"),
+        ({**ok, "prompt": [1, 100000]}, None, 400, "vocabulary", "invalid_value"),
+        ({**ok, "model": "gpt-4"}, None, 404, "gpt-4", "model_not_found"),
+        (ok, "wrong", 401, "API key", "invalid_api_key"),
+        (ok, "", 401, "API key", "invalid_api_key"),
     ]
-    for body, key, status, needle in cases:
+    for body, key, status, needle, code in cases:
         response = post(server, body, key=KEY if key is None else key)
         assert response.status_code == status, (body, response.text)
         error = response.json()["error"]
-        assert needle in error["message"] and error["code"] == status, (needle, error)
+        assert needle in error["message"] and error["code"] == code, (needle, error)
+        assert set(error) == {"message", "type", "param", "code"}
+    assert post(server, {**ok, "logprobs": 2}).json()["error"]["param"] == "logprobs"
+    assert post(server, {**ok, "min_tokens": 17}).json()["error"]["param"] == "min_tokens"
     big = post(server, {**ok, "prompt": "x" * (2 << 20)})
     assert big.status_code == 413 and "bytes" in big.json()["error"]["message"]
-    assert httpx.get(f"{server.url}/nowhere").status_code == 404
+    assert big.json()["error"]["code"] == "request_too_large"
+    nowhere = httpx.get(f"{server.url}/nowhere")
+    assert nowhere.status_code == 404 and nowhere.json()["error"]["code"] == "not_found"
+    with pytest.raises(openai.NotFoundError) as info:       # the official client reads the string code
+        client(server).completions.create(model="gpt-4", prompt=PROMPT)
+    assert info.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError, match="steps"):
         client(server).completions.create(model="tiny-llada", prompt=PROMPT, extra_body={"steps": 0})
     # the server still serves
     assert client(server).completions.create(model="tiny-ar", prompt=PROMPT, max_tokens=4).choices[0].text is not None
     assert not engines["tiny-llada"].engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("model,extra", [("tiny-llada", DIFFUSION), ("tiny-ar", {})])
+def test_ignore_eos_and_min_tokens_in_the_body_equal_the_offline_llm(served, offline, model, extra):
+    """vLLM's extra body fields: the answer the offline `LLM` gives with the same SamplingParams,
+    in /v1/completions and /v1/chat/completions, streamed or not."""
+    server, _ = served
+    c = client(server)
+    messages = [{"role": "user", "content": "sort 52814"}]
+    for fields in ({"ignore_eos": True}, {"min_tokens": 9}, {"min_tokens": 9, "ignore_eos": True}):
+        params = remask.SamplingParams(max_tokens=16, seed=0, **extra, **fields)
+        got = c.completions.create(model=model, prompt=PROMPT, max_tokens=16, seed=0, extra_body={**extra, **fields})
+        want = offline[model].generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+        assert (got.choices[0].text, got.choices[0].finish_reason) == (want.text, want.finish_reason), fields
+        assert got.usage.completion_tokens == len(want.token_ids)
+        chat = c.chat.completions.create(model=model, messages=messages, max_tokens=16, seed=0,
+                                         extra_body={**extra, **fields})
+        want = offline[model].chat(messages, params, use_tqdm=False)[0].outputs[0]
+        assert chat.choices[0].message.content == want.text and chat.choices[0].finish_reason == want.finish_reason
+        if fields.get("ignore_eos"):
+            assert chat.usage.completion_tokens == 16 and want.finish_reason == "length"
+        else:
+            assert len(want.token_ids) >= 10
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model=model, messages=messages, max_tokens=16, seed=0, stream=True, extra_body={**extra, **fields})
+            if ch.choices)
+        assert streamed == want.text
 
 
 def test_a_full_queue_answers_503_and_a_disconnect_frees_the_request():
@@ -175,7 +213,7 @@ def test_a_full_queue_answers_503_and_a_disconnect_frees_the_request():
             assert json.loads(first[5:])["object"] == "text_completion"
             busy = post(server, {**body, "stream": False}, key=None)
             assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
-            assert "queue" in busy.json()["error"]["message"]
+            assert "queue" in busy.json()["error"]["message"] and busy.json()["error"]["code"] == "server_unavailable"
         deadline = time.time() + 20     # the client went away: the engine aborts the request
         while llm.engine.has_unfinished_requests() or llm.engine.kv_stats()["pages_in_use"]:
             assert time.time() < deadline, "the disconnected request was not aborted"
@@ -275,6 +313,7 @@ def test_request_timeout_aborts_with_504():
     try:
         slow = post(server, {"model": "m", "prompt": PROMPT, "max_tokens": 64, "steps": 64}, key=None)
         assert slow.status_code == 504 and "request_timeout" in slow.json()["error"]["message"]
+        assert slow.json()["error"]["code"] == "timeout"
         deadline = time.time() + 10          # aborted in the engine, not left running
         while llm.engine.has_unfinished_requests():
             assert time.time() < deadline
@@ -309,6 +348,7 @@ def test_rate_limit_response_cache_and_cors():
         limited = post(server, {"model": "m"}, key="k")
         assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
         assert limited.json()["error"]["type"] == "rate_limit_error"
+        assert limited.json()["error"]["code"] == "rate_limit_exceeded"
     finally:
         server.stop()
         engine.shutdown()
@@ -452,6 +492,7 @@ def test_a_failing_request_gets_500_the_others_go_on_and_admin_is_off_without_a_
     monkeypatch.setattr(ARDecoder, "sample", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     failed = post(server, {"model": "tiny-ar", "prompt": PROMPT, "max_tokens": 4})
     assert failed.status_code == 500 and "boom" in failed.json()["error"]["message"]
+    assert failed.json()["error"]["code"] == "server_error"
     monkeypatch.setattr(ARDecoder, "sample", real)
     assert post(server, {"model": "tiny-ar", "prompt": PROMPT, "max_tokens": 4}).status_code == 200
     assert post(server, {"model": "tiny-llada", "prompt": PROMPT, "max_tokens": 8, "steps": 8}).status_code == 200

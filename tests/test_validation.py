@@ -181,6 +181,22 @@ def test_sparse_config_bad(kwargs, name):
     _raises_naming(lambda: remask.SparseConfig(**kwargs), name)
 
 
+SAMPLING_PARAMS_BAD = [
+    (dict(ignore_eos=1), "ignore_eos"), (dict(ignore_eos="true"), "ignore_eos"), (dict(ignore_eos=None), "ignore_eos"),
+    (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=1.0), "min_tokens"), (dict(min_tokens=True), "min_tokens"),
+    (dict(min_tokens="2"), "min_tokens"), (dict(min_tokens=None), "min_tokens"),
+    (dict(max_tokens=16, min_tokens=17), "min_tokens"), (dict(ignore_eos=True, early_stop=True), "ignore_eos"),
+]
+
+
+@pytest.mark.parametrize("kwargs,name", SAMPLING_PARAMS_BAD,
+                         ids=[f"{n}-{i}" for i, (_, n) in enumerate(SAMPLING_PARAMS_BAD)])
+def test_sampling_params_bad(kwargs, name):
+    """vLLM's ignore_eos (True/False only) and min_tokens (an int in [0, max_tokens]): the layer
+    `LLM`, the CLI and the server share refuses anything else, naming the field."""
+    _raises_naming(lambda: remask.SamplingParams(**kwargs), name)
+
+
 def test_masks_in_the_prompt_bad(tiny):
     """Samplers that decode only after the prompt refuse a mask there (it would come back)."""
     model, _, ar = tiny

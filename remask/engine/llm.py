@@ -20,7 +20,9 @@ from .llm_engine import LLMEngine
 from .sampling_params import SamplingParams
 from .sequence import RequestOutput
 
-Prompt = str | Seq[int]
+# A prompt: text, token ids, or vLLM's dicts {"prompt": text} (TextPrompt) and
+# {"prompt_token_ids": ids} (TokensPrompt, optionally with the "prompt" text the ids came from).
+Prompt = str | Seq[int] | dict[str, Any]
 Message = dict[str, str]
 
 
@@ -63,23 +65,38 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, chat: bool = False) -> list[RequestOutput]:
-        """One `RequestOutput` per prompt, in input order. `prompts`: a string, token ids, or a list
-        of them; `sampling_params`: one for all or one per prompt. `chat=True` wraps each text
-        prompt as one user message in the tokenizer's chat template (as `LLM.chat` does)."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and all(isinstance(t, int) for t in prompts)):
+        """One `RequestOutput` per prompt, in input order. `prompts`: one prompt or a list of them
+        (mixed forms allowed) — a string, token ids, `{"prompt": text}` or `{"prompt_token_ids":
+        ids}` (vLLM's TextPrompt / TokensPrompt; other keys are refused by name); `sampling_params`:
+        one for all or one per prompt. `chat=True` wraps each text prompt (a string or a
+        TextPrompt) as one user message in the tokenizer's chat template (as `LLM.chat` does)."""
+        # One prompt (a string, an id list, a dict) or a list of them: a dict is one prompt, never
+        # iterated as a list of keys.
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
         prompts = list(prompts)
         check_bool("use_tqdm", use_tqdm)
         if chat:
-            prompts = [self.chat_ids([{"role": "user", "content": p}]) if isinstance(p, str) else p for p in prompts]
+            prompts = [self._chat_prompt(p) for p in prompts]
         return self._run(prompts, sampling_params, use_tqdm)
+
+    def _chat_prompt(self, prompt: Prompt) -> Prompt:
+        """A text prompt as the ids of one user message in the chat template (ids as they are; a
+        dict with other keys goes on unchanged for the engine to check and refuse)."""
+        if isinstance(prompt, dict) and set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+            prompt = prompt["prompt"]
+        return self.chat_ids([{"role": "user", "content": prompt}]) if isinstance(prompt, str) else prompt
 
     def chat(self, messages: Seq[Message] | Seq[Seq[Message]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate replies to conversations (one, or a list of them) through the tokenizer's chat
-        template with the generation prompt appended."""
+        template with the generation prompt appended. Prompts (`{"prompt": ...}`, text, ids) go to
+        `generate`."""
+        if isinstance(messages, (str, dict)):
+            raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts or a list of such lists, got a "
+                             f"{type(messages).__name__}; prompts go to LLM.generate")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         return self._run([self.chat_ids(c) for c in conversations], sampling_params, use_tqdm)
 

@@ -27,8 +27,10 @@ from remask.diffusion.ar import ARDecoder
 from remask.diffusion.canvas import CanvasDecoder, generation_kwargs, resolve_generation_config
 from remask.diffusion.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder, DreamGenerationConfig,
                                    _validate_config, check_block_layout)
-from remask.diffusion.checks import check_bool, check_int, check_length, check_prompt, check_real, check_token_id
+from remask.diffusion.checks import (ParameterTypeError, check_bool, check_int, check_length, check_prompt, check_real,
+                                     check_token_id)
 from remask.diffusion.llada import BlockDecoder
+from remask.models.parallel import full_logits
 from remask.models.registry import FAMILIES, family_of
 from remask.models.spec import get_spec
 from remask.text import answer_text, stop_token_ids
@@ -43,6 +45,89 @@ from .sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus,
 DIFFUSION_ONLY = ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "early_stop", "decoder",
                   "logits_eos_inf", "confidence_eos_eot_inf", "reference_rng", "reference_ties", "alg", "alg_temp",
                   "eps", "apd")
+
+
+# vLLM's prompt dicts: TextPrompt {"prompt": str}; TokensPrompt {"prompt_token_ids": [...]} with an
+# optional "prompt" (the text the ids came from: reported, not tokenized). vLLM's other keys ask
+# for inputs remask has no use for: refused by name, never dropped.
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+VLLM_PROMPT_KEYS = {"multi_modal_data": "multimodal inputs", "mm_processor_kwargs": "multimodal processor settings",
+                    "multi_modal_uuids": "multimodal item ids", "cache_salt": "a prefix-cache salt",
+                    "prompt_embeds": "prompt embeddings (EmbedsPrompt)", "token_type_ids": "cross-encoder token types",
+                    "encoder_prompt": "encoder-decoder prompts", "decoder_prompt": "encoder-decoder prompts"}
+
+
+def hold_end_ids(logits: torch.Tensor, fed: int, until: int, ids: torch.Tensor) -> torch.Tensor:
+    """`logits` `[B, L, V]` of positions `fed`, `fed + 1`, … with `ids` at −inf at the positions
+    before `until` (`min_tokens`: no end token can be chosen there). A copy where anything changes;
+    the caller's tensor (a shared forward's) is never written."""
+    cut = min(until - fed, logits.shape[1])
+    if cut <= 0:
+        return logits
+    logits = full_logits(logits).clone()     # whole rows: the ids are global vocabulary ids
+    logits[:, :cut].index_fill_(-1, ids, -torch.inf)
+    return logits
+
+
+class _HoldEnds:
+    """`min_tokens` for the decoders whose `commit(state, logits, fed, …)` gets the logits of
+    positions `fed`, `fed + 1`, … (`BlockDecoder`, `DreamDecoder`). vLLM masks the end tokens while
+    fewer than `min_tokens` tokens exist; a diffusion model writes its positions in any order, so
+    here the end tokens are masked at the answer's first `min_tokens` positions, at every step,
+    before the rule scores them: whatever it commits, no end token lands there. The rule itself is
+    the decoder's, unchanged."""
+
+    min_tokens: int = 0
+    end_ids: torch.Tensor
+
+    def hold_ends(self, min_tokens: int, end_ids: torch.Tensor) -> Any:
+        self.min_tokens, self.end_ids = min_tokens, end_ids
+        return self
+
+    def commit(self, state: Any, logits: torch.Tensor, fed: int = 0, *args: Any, **kwargs: Any) -> None:
+        logits = hold_end_ids(logits, fed, state.prompt_len + self.min_tokens, self.end_ids)
+        return super().commit(state, logits, fed, *args, **kwargs)
+
+
+class _HeldBlockDecoder(_HoldEnds, BlockDecoder):
+    pass
+
+
+class _HeldDreamDecoder(_HoldEnds, DreamDecoder):
+    pass
+
+
+class _HeldForwards:
+    """The forwards of one Dream block-decoder state (`BlockForward`), their logits with the end
+    ids held back at the answer's first positions (its `step` scores what `refresh` / `step` return)."""
+
+    def __init__(self, inner: Any, until: int, ids: torch.Tensor) -> None:
+        self.inner, self.until, self.ids = inner, until, ids
+
+    def __getattr__(self, name: str) -> Any:      # cache_nbytes, …
+        return getattr(self.inner, name)
+
+    def refresh(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        return hold_end_ids(self.inner.refresh(x, start, end), 0, self.until, self.ids)
+
+    def step(self, x: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, int]:
+        logits, fed = self.inner.step(x, start, end)
+        return hold_end_ids(logits, fed, self.until, self.ids), fed
+
+
+class _HeldDreamBlockDecoder(DreamBlockDecoder):
+    """Fast-dLLM's Dream block decoder with `min_tokens` (see `_HoldEnds`)."""
+
+    min_tokens: int = 0
+    end_ids: torch.Tensor
+
+    hold_ends = _HoldEnds.hold_ends
+
+    def start(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+              histories: list | None = None) -> Any:
+        state = super().start(model, input_ids, attention_mask, histories)
+        state.forwards = _HeldForwards(state.forwards, state.prompt_len + self.min_tokens, self.end_ids)
+        return state
 
 
 def _FAMILY_SETTINGS() -> dict[str, list[str]]:
@@ -148,10 +233,13 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | Seq[int] | torch.Tensor,
+    def add_request(self, request_id: str, prompt: str | Seq[int] | torch.Tensor | dict[str, Any],
                     params: SamplingParams | None = None, *, drafts: bool = False) -> None:
-        """Queue a request (a text prompt, or token ids). Everything is checked here; a bad
-        request raises `ValueError` naming the problem and the engine keeps serving the others.
+        """Queue a request: a text prompt, token ids, or vLLM's dicts — `{"prompt": text}`
+        (TextPrompt), `{"prompt_token_ids": ids}` (TokensPrompt; an optional `"prompt"` there is the
+        text the ids came from, reported as `RequestOutput.prompt`, not tokenized). Everything is
+        checked here; a bad request raises `ValueError` naming the problem and the engine keeps
+        serving the others.
         `drafts=True`: `step` reports the request after every step with its provisional canvas
         (`CompletionOutput.draft`; diffusion models), to show the answer forming."""
         if self.state is not EngineState.READY:
@@ -173,6 +261,8 @@ class LLMEngine:
         if (params.canvas is not None or params.canvas_sampler is not None) and self.spec.noise != "uniform":
             raise ValueError("canvas / canvas_sampler are settings of uniform-noise models (DiffusionGemma); "
                              f"this model ({self.spec.kind}) does not read them")
+        if params.ignore_eos or params.min_tokens:
+            self._check_end_settings(params)
         if self.spec.noise == "uniform":
             decoder = self._canvas_decoder(params)
         elif self.family is not None and self.family.engine_decoder is not None:
@@ -200,20 +290,63 @@ class LLMEngine:
             if params.top_p is not None or params.top_k is not None:
                 raise ValueError("top_p / top_k filter autoregressive sampling and Dream's (alg=...); LLaDA's block "
                                  "rule samples with Gumbel-max over the full vocabulary: leave them None")
-            decoder = BlockDecoder(self.spec, **params.generate_kwargs())
+            decoder = (_HeldBlockDecoder if params.min_tokens else BlockDecoder)(self.spec, **params.generate_kwargs())
             decoder.check_input(self.model, prompt_ids, None)
         check_length(self.spec, prompt_ids.shape[1] + params.max_tokens, "prompt length + max_tokens")
         for token in params.stop_token_ids:
             check_token_id(self.spec, token, "stop_token_ids")
+        hold_ids = None
+        if params.min_tokens:
+            # The ids that could end the answer: the model's EOS/EOT, the tokenizer's end tokens and
+            # stop_token_ids — EOS too under ignore_eos, as vLLM (its min_tokens masks every stop id).
+            hold_ids = torch.tensor(sorted(set(self.stop_ids) | set(self._eos_ids()) | set(params.stop_token_ids)),
+                                    dtype=torch.long, device=self.device)
+            if not self.is_ar:
+                decoder.hold_ends(params.min_tokens, hold_ids)
         base_seed = params.seed if params.seed is not None else self._default_seed(ids)
         arrival = now()
         seqs = [Sequence(request_id=request_id, index=i, prompt_ids=prompt_ids, params=params, decoder=decoder,
                          generator=torch.Generator(device=self.device).manual_seed(base_seed + i), arrival_time=arrival,
-                         seed=base_seed + i, paged=self.is_ar, drafts=drafts and not self.is_ar)
+                         seed=base_seed + i, paged=self.is_ar, drafts=drafts and not self.is_ar,
+                         hold_ids=hold_ids if self.is_ar else None)
                 for i in range(params.n)]
         for seq in seqs:
             self.scheduler.add(seq)
         self.requests[request_id] = (text, ids, seqs)
+
+    def _check_end_settings(self, params: SamplingParams) -> None:
+        """`ignore_eos` / `min_tokens` where the request's loop can honour them, refused by name
+        where it cannot (never ignored). Both work for autoregressive models, LLaDA's block rule
+        (every `generate` setting: Fast-dLLM's rules, the caches, CFG, sparse attention) and Dream's
+        sampler and block decoder (`alg`); `ignore_eos` also with the decoders that have no EOS rule of
+        their own (FreeDave, WINO, DKVCache, D2Cache). docs/engine.md has the table."""
+        from remask.diffusion.decoders import is_cache_config
+
+        reason = None
+        if self.spec.noise == "uniform":
+            reason = "a uniform-noise model (DiffusionGemma): its canvas loop ends at the first canvas holding EOS"
+        elif self.family is not None and self.family.engine_decoder is not None:
+            reason = (f"a block-causal model ({self.family.model_type}): its loop stops after the block holding EOS, "
+                      "and its rule scores inside the family's own step")
+        elif self.is_ar:
+            return
+        elif params.decoder is not None or is_cache_config(params.use_cache):
+            from remask.diffusion.dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding, VicinityCache
+            from remask.diffusion.elastic import ElasticCache
+
+            method = type(params.decoder if params.decoder is not None else params.use_cache).__name__
+            if params.min_tokens:
+                reason = f"{method}: it runs its own loop to the end in one call, with no logits step the engine " \
+                         "reaches"
+            elif isinstance(params.decoder, (ThresholdDecoding, CreditDecoding, HierarchicalDecoding)) or \
+                    isinstance(params.use_cache, (VicinityCache, ElasticCache)):
+                reason = f"{method}: it fills the rest of a row with EOS after the first EOS it decodes"
+        elif params.apd is not None:
+            reason = "apd: APD stops at the first EOS it accepts and drafts with the AR verifier's logits too"
+        if reason is not None:
+            names = [name for name in ("ignore_eos", "min_tokens")
+                     if getattr(params, name) != getattr(SamplingParams, name)]
+            raise ValueError(f"{' / '.join(names)}: not supported with {reason}")
 
     def _canvas_decoder(self, params: SamplingParams) -> CanvasDecoder:
         """DiffusionGemma's canvas loop for these params, configured as `remask.diffusion_generate`
@@ -252,12 +385,16 @@ class LLMEngine:
         _validate_config(config, self.spec)
         check_prompt(self.model, prompt_ids, None, spec=self.spec)
         if block_length is None and use_cache is None:
-            return DreamDecoder(self.spec, config, threshold, reference_ties=params.reference_ties)
+            return (_HeldDreamDecoder if params.min_tokens else DreamDecoder)(
+                self.spec, config, threshold, reference_ties=params.reference_ties)
         block_length = DEFAULT_BLOCK_LENGTH if block_length is None else block_length
         check_block_layout(params.max_tokens, block_length, config.steps)
-        return DreamBlockDecoder(self.spec, config, threshold, block_length, use_cache)
+        return (_HeldDreamBlockDecoder if params.min_tokens else DreamBlockDecoder)(
+            self.spec, config, threshold, block_length, use_cache)
 
     def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            return self._prompt_dict(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer: pass tokenizer= or token ids")
@@ -270,12 +407,35 @@ class LLMEngine:
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids, text = list(prompt), None
         else:
-            raise ValueError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+            raise ValueError(f"prompt must be a str, a list of token ids, {{'prompt': str}} or "
+                             f"{{'prompt_token_ids': [ids]}}, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt is empty: at least one token is needed")
         check_prompt(self.model, torch.tensor([ids], dtype=torch.long, device=self.device), None, spec=self.spec,
                      mask_in_prompt="allow" if self.is_ar else "refuse")
         return text, ids
+
+    def _prompt_dict(self, prompt: dict[str, Any]) -> tuple[str | None, list[int]]:
+        """vLLM's TextPrompt / TokensPrompt: (text, ids) as the plain forms give them."""
+        for key in prompt:
+            if key in VLLM_PROMPT_KEYS:
+                raise ValueError(f"prompt: the key {key!r} ({VLLM_PROMPT_KEYS[key]}) is not supported by remask; a "
+                                 f"prompt dict takes {list(PROMPT_KEYS)}")
+            if key not in PROMPT_KEYS:
+                raise ValueError(f"prompt: unknown key {key!r}; a prompt dict takes {list(PROMPT_KEYS)} (vLLM's "
+                                 "TextPrompt / TokensPrompt)")
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise ParameterTypeError(f"prompt['prompt'] must be a str, got {type(text).__name__}")
+        if "prompt_token_ids" not in prompt:
+            if text is None:
+                raise ValueError(f"prompt: a prompt dict needs 'prompt' (text) or 'prompt_token_ids', got {prompt!r}")
+            return self._prompt_ids(text)
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ParameterTypeError(f"prompt['prompt_token_ids'] must be a list of token ids, got {ids!r}")
+        # A TokensPrompt's text is the text its ids came from (vLLM's meaning): reported, not tokenized.
+        return text, self._prompt_ids(list(ids))[1]
 
     def _eos_ids(self) -> list[int]:
         eos = getattr(self.model.config, "eos_token_id", None)
@@ -345,8 +505,9 @@ class LLMEngine:
             seq.first_final_time = now()
         seq.final_len = final
         if not state.done and seq.params.stop and isinstance(seq.decoder, ARDecoder) and grew:
-            text = answer_text(self.tokenizer, self._generated(seq), stop_ids=self._stop_ids(seq))
-            if any(s in text for s in seq.params.stop):
+            generated = self._generated(seq)
+            text = answer_text(self.tokenizer, generated, stop_ids=self._stop_ids(seq))
+            if self._stop_string_at(seq, text, generated) is not None:
                 state.done = True
         if state.done:
             seq.stats.stop(seq.final_len if isinstance(seq.decoder, ARDecoder) else seq.params.max_tokens)
@@ -354,6 +515,10 @@ class LLMEngine:
             seq.output_ids = self._generated(seq)
             self.scheduler.finish(seq)
             return True
+        if seq.hold_ids is not None and state.step < seq.params.min_tokens:
+            # min_tokens, vLLM's rule: the next token is sampled from these logits (the next step),
+            # and while fewer than min_tokens tokens exist it may not be an end token.
+            state.logits = hold_end_ids(state.logits[:, None], 0, 1, seq.hold_ids)[:, 0]
         return grew
 
     def _generated(self, seq: Sequence) -> list[int]:
@@ -373,7 +538,22 @@ class LLMEngine:
         return [None if t == self.spec.mask_id else t for t in canvas]
 
     def _stop_ids(self, seq: Sequence) -> list[int]:
-        return sorted(set(self.stop_ids) | set(seq.params.stop_token_ids))
+        """The ids that end the answer: the model's end tokens (not with `ignore_eos`: then they are
+        ordinary tokens) and the request's `stop_token_ids` (always, as in vLLM)."""
+        ends = () if seq.params.ignore_eos else self.stop_ids
+        return sorted(set(ends) | set(seq.params.stop_token_ids))
+
+    def _stop_string_at(self, seq: Sequence, text: str, answer: list[int]) -> int | None:
+        """Where the answer's `text` is cut: at the first `stop` string that ends past the text of
+        the answer's first `min_tokens` tokens (vLLM looks for stop strings only from there on, so one
+        that ends earlier never stops the answer, though a later occurrence does), or None."""
+        if not seq.params.stop:
+            return None
+        floor = 0
+        if seq.params.min_tokens:
+            floor = len(answer_text(self.tokenizer, answer[:seq.params.min_tokens], stop_ids=self._stop_ids(seq)))
+        found = [i for s in seq.params.stop if (i := text.find(s, max(0, floor - len(s) + 1))) >= 0]
+        return min(found) if found else None
 
     def output(self, request_id: str) -> RequestOutput:
         text, ids, seqs = self.requests[request_id]
@@ -387,9 +567,9 @@ class LLMEngine:
             reason = seq.finish_reason
             if seq.is_finished and reason is None:
                 reason = "stop" if cut is not None else "length"
-            for s in seq.params.stop:
-                if s in body:
-                    body, reason = body[:body.index(s)], "stop" if seq.is_finished else reason
+            at = self._stop_string_at(seq, body, answer) if self.tokenizer is not None else None
+            if at is not None:
+                body, reason = body[:at], "stop" if seq.is_finished else reason
             outputs.append(CompletionOutput(index=seq.index, text=body, token_ids=answer, all_token_ids=generated,
                                             finish_reason=reason if seq.is_finished else None, nfe=seq.stats.nfe,
                                             tokens_per_step=list(seq.stats.tokens_per_step), error=seq.error,

@@ -13,7 +13,7 @@ from remask.diffusion.apd import APDConfig, check_apd_alone
 from remask.diffusion.cache import CACHE_MODES
 from remask.diffusion.canvas import CanvasSampler, check_canvas_settings
 from remask.diffusion.checks import (ParameterTypeError, check_bool, check_choice, check_instance, check_int,
-                                     check_real)
+                                     check_min_tokens, check_real)
 from remask.diffusion.dream import ALGORITHMS
 from remask.diffusion.llada import REMASKING, validate_block_args, validate_rule
 from remask.diffusion.llada2 import check_llada2_settings
@@ -39,7 +39,11 @@ class SamplingParams:
     Common: `max_tokens` (the generation length: diffusion models fill exactly this many
     positions), `n` (samples per prompt; sample i draws from `seed + i`), `seed` (None: the
     engine's seed plus the request's index), `temperature`, `stop` (strings that end the answer's
-    text), `stop_token_ids` (ids that end it, besides the model's EOS/EOT).
+    text), `stop_token_ids` (ids that end it, besides the model's EOS/EOT), `ignore_eos` (the
+    model's EOS/EOT are ordinary tokens: the answer runs to `max_tokens` unless `stop_token_ids` /
+    `stop` end it), `min_tokens` (no end token or `stop` string ends the answer before this many
+    tokens: their logits are −inf there, vLLM's rule; diffusion models: at the answer's first
+    `min_tokens` positions). docs/engine.md lists which decoders take the last two.
 
     Diffusion (LLaDA's block rule, `remask.generate`'s keywords): `steps` (None: `max_tokens`, one
     token per step), `block_length` (None: `max_tokens`), `remasking`, `threshold` / `factor`
@@ -107,6 +111,9 @@ class SamplingParams:
     llada2: dict[str, Any] | None = None
     fast_dllm_v2: dict[str, Any] | None = None
     decoder: Any = None
+    # vLLM's (last, so positional use of the fields above is unchanged)
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, minimum=1)
@@ -123,6 +130,8 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)):
             raise ParameterTypeError(f"stop_token_ids must be a list of ints, got {ids!r}")
         object.__setattr__(self, "stop_token_ids", tuple(check_int("stop_token_ids", i, minimum=0) for i in ids))
+        check_bool("ignore_eos", self.ignore_eos)
+        check_min_tokens(self.min_tokens, self.max_tokens)
         check_int("steps", self.steps, minimum=1, allow_none=True)
         check_int("block_length", self.block_length, minimum=1, allow_none=True)
         validate_block_args(self.max_tokens, self.block_length or self.max_tokens, self.steps or self.max_tokens)
@@ -144,6 +153,9 @@ class SamplingParams:
             raise ValueError("cfg_scale > 0 cannot be combined with use_cache")
         for name in ("early_stop", "logits_eos_inf", "reference_rng", "reference_ties"):
             check_bool(name, getattr(self, name))
+        if self.ignore_eos and self.early_stop:
+            raise ValueError("ignore_eos makes EOS an ordinary token; early_stop ends a row at the first block holding "
+                             "EOS: not both")
         check_choice("confidence_eos_eot_inf", self.confidence_eos_eot_inf, (False, True, "corrected"))
         check_instance("sparse", self.sparse, SparseConfig, "a remask.SparseConfig")
         if self.sparse is not None:
@@ -231,9 +243,11 @@ class SamplingParams:
         return kw
 
     def ar_kwargs(self, eos_ids: list[int]) -> dict[str, Any]:
-        """The keyword arguments of `remask.ar_generate` (EOS ids: the model's plus `stop_token_ids`)."""
+        """The keyword arguments of `remask.ar_generate` (EOS ids: the model's plus `stop_token_ids`;
+        with `ignore_eos` only `stop_token_ids`, which still end the answer, as in vLLM)."""
+        ends = set(self.stop_token_ids) if self.ignore_eos else set(eos_ids) | set(self.stop_token_ids)
         return dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                    eos_token_id=sorted(set(eos_ids) | set(self.stop_token_ids)))
+                    eos_token_id=sorted(ends))
 
     def replace(self, **changes: Any) -> "SamplingParams":
         values = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -39,6 +39,7 @@ class Sequence:
     paged: bool = False                # its K/V live in the engine's page store (autoregressive)
     preemptions: int = 0
     drafts: bool = False               # report the provisional canvas after every step
+    hold_ids: torch.Tensor | None = None   # min_tokens (AR): ids whose logits are −inf until min_tokens tokens exist
     status: SequenceStatus = SequenceStatus.WAITING
     state: Any = None
     stats: GenerationStats = field(default_factory=GenerationStats)

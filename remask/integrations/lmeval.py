@@ -93,9 +93,9 @@ class RemaskLM(LM):
         if dtype is not None and not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"dtype must name a torch dtype (float32, bfloat16, ...), got {dtype!r}")
         if isinstance(device, str) and device.startswith("cuda") and not torch.cuda.is_available():
-            # lm-eval passes its --device, whose default is cuda:0, whether the user gave it or not
-            warnings.warn(f"device={device!r} (lm-eval's --device; its default is cuda:0) but CUDA is not available "
-                          "here: running on cpu")
+            # `remask eval` passes --device cpu where there is no CUDA and none was given, so this is a
+            # cuda device asked for by name (or lm-eval's own default, cuda:0, through `lm_eval`)
+            warnings.warn(f"device={device!r} but CUDA is not available here: running on cpu")
             device = "cpu"
         self.params = SamplingParams(**{"seed": seed, **sampling})   # every other key, validated now
         self.max_tokens_set = "max_tokens" in sampling

@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from remask.engine import EngineState, RequestOutput, SamplingParams
 
 from .async_engine import AsyncEngine, QueueFull
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, UnsupportedParameter
 
 MAX_BODY_BYTES = 1 << 20
 # One JSON line per request (request id, route, status, milliseconds); the streamed body may go on after.
@@ -52,16 +52,28 @@ class ClientGone(Exception):
     """The client closed the connection before its (non-streamed) answer was ready."""
 
 
+# OpenAI's error `code` is a string or null (the `openai` client types it `str | None`), never the
+# HTTP status: OpenAI's own codes where OpenAI has the case (invalid_api_key, model_not_found,
+# rate_limit_exceeded, unknown_parameter, unsupported_parameter, invalid_type,
+# missing_required_parameter, invalid_value), otherwise a name for the status.
+ERROR_CODES = {400: "invalid_value", 401: "invalid_api_key", 403: "permission_denied", 404: "not_found",
+               413: "request_too_large", 429: "rate_limit_exceeded", 500: "server_error", 503: "server_unavailable",
+               504: "timeout"}
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers
+        self.code = code
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                   headers: dict[str, str] | None = None, code: str | None = None) -> JSONResponse:
+    """OpenAI's error body; `code` defaults to the status's name in `ERROR_CODES`."""
+    code = code if code is not None else ERROR_CODES.get(status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status, headers=headers)
 
 
@@ -287,14 +299,17 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, err: APIError):
-        return error_response(err.status, err.message, err.kind, err.param, err.headers)
+        return error_response(err.status, err.message, err.kind, err.param, err.headers, err.code)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, err: RequestValidationError):
         first = err.errors()[0] if err.errors() else {}
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = ".".join(loc) or None
-        return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param=param)
+        kind = first.get("type", "")
+        code = ("unknown_parameter" if kind == "extra_forbidden" else "missing_required_parameter" if kind == "missing"
+                else "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value")
+        return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param=param, code=code)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException):
@@ -331,7 +346,8 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
         async with swap_lock:
             if body.action == "unload":
                 if body.name not in engines:
-                    raise APIError(404, f"model {body.name!r} is not served", kind="not_found_error", param="name")
+                    raise APIError(404, f"model {body.name!r} is not served", kind="not_found_error", param="name",
+                                   code="model_not_found")
                 if len(engines) == 1:
                     raise APIError(400, "the last model cannot be unloaded", param="name")
                 old = engines.pop(body.name)
@@ -360,7 +376,7 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
     def engine_for(name: str) -> AsyncEngine:
         if name not in engines:
             raise APIError(404, f"model {name!r} is not served here; /v1/models lists {sorted(engines)}",
-                           kind="not_found_error", param="model")
+                           kind="not_found_error", param="model", code="model_not_found")
         return engines[name]
 
     def verifier(name: str) -> Any:
@@ -371,6 +387,8 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
     def params_for(body: CompletionRequest | ChatCompletionRequest):
         try:
             return body.sampling_params(defaults.get(body.model), verifier)
+        except UnsupportedParameter as err:
+            raise APIError(400, str(err), param=err.names[0], code="unsupported_parameter") from None
         except (ValueError, TypeError) as err:
             raise APIError(400, str(err), param=_param_named(str(err), body)) from None
 
@@ -485,7 +503,8 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
                 except asyncio.TimeoutError:
                     yield json.dumps({"error": {"message": f"the request took longer than request_timeout="
                                                           f"{request_timeout} s and was aborted",
-                                                "type": "timeout_error", "param": None, "code": 504}})
+                                                "type": "timeout_error", "param": None,
+                                                "code": ERROR_CODES[504]}})
                     return
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield json.dumps({**_chunk(request_id, model, now, chat, []), "usage": _usage(last)})

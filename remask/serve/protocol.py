@@ -1,10 +1,10 @@
 """The OpenAI request bodies the server accepts, and how they become `SamplingParams`.
 
-Fields are OpenAI's (`/v1/completions`, `/v1/chat/completions`) plus remask's decoding settings,
-which the `openai` client sends through `extra_body`. Unknown fields are refused (400 naming
-them), and so are OpenAI fields remask does not implement when they are set — nothing is
-silently ignored. Values are checked by `SamplingParams`, the validation layer `remask.generate`
-and `LLM` share.
+Fields are OpenAI's (`/v1/completions`, `/v1/chat/completions`) plus remask's decoding settings
+and vLLM's `ignore_eos` / `min_tokens`, which the `openai` client sends through `extra_body`.
+Unknown fields are refused (400 naming them), and so are OpenAI fields remask does not implement
+when they are set — nothing is silently ignored. Values are checked by `SamplingParams`, the
+validation layer `remask.generate` and `LLM` share.
 """
 from __future__ import annotations
 
@@ -23,7 +23,15 @@ UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": False, "presence_
                "tool_choice": None, "response_format": None}
 # remask's settings, passed to SamplingParams as they are.
 REMASK_FIELDS = ("top_k", "steps", "block_length", "threshold", "factor", "remasking", "use_cache", "cfg_scale", "alg",
-                 "alg_temp", "eps", "early_stop", "stop_token_ids")
+                 "alg_temp", "eps", "early_stop", "stop_token_ids", "ignore_eos", "min_tokens")
+
+
+class UnsupportedParameter(ValueError):
+    """OpenAI fields remask does not implement, set in a request (`names`: the fields)."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(f"not supported by remask: {', '.join(names)}")
+        self.names = names
 
 
 class APDSettings(BaseModel):
@@ -88,6 +96,9 @@ class _Common(BaseModel):
     eps: float | None = None
     early_stop: bool | None = None
     stop_token_ids: list[int] | None = None
+    # vLLM's extra body fields; typed loosely so SamplingParams alone judges them (1 is no bool)
+    ignore_eos: Any = None
+    min_tokens: Any = None
     apd: APDSettings | None = None
     sparse: dict[str, Any] | None = None
     canvas: dict[str, Any] | None = None
@@ -106,7 +117,7 @@ class _Common(BaseModel):
         served under `name` (APD's verifier)."""
         unsupported = self.unsupported()
         if unsupported:
-            raise ValueError(f"not supported by remask: {', '.join(unsupported)}")
+            raise UnsupportedParameter(unsupported)
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only with stream=true")
         values: dict[str, Any] = dict(defaults or {})

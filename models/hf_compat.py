@@ -1,0 +1,81 @@
+"""The one place that knows how transformers names the KV cache, on every version in the tested range.
+
+transformers 5.24 renamed the cache keyword of model forwards, layers and mask helpers, and the
+cache field of model outputs, from `past_key_values` to `cache` (the old name warns, and is removed
+in 5.40); 5.23 and older know only `past_key_values`. remask binds by what the installed code
+declares — the parameter names of the function it calls, the fields of the output class — never by
+comparing version strings, so a backport or a later rename of one function is followed too.
+
+remask's own model families (LLaDA, Dream, SDAR, LLaDA2, Fast-dLLM v2) keep the official remote
+code's `past_key_values` keyword in their `forward`; `cache_arg(model.forward, cache)` gives each
+callee the name it declares, whichever family it is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable
+
+CACHE_NAMES = ("cache", "past_key_values")   # the current name first
+
+
+@functools.lru_cache(maxsize=None)
+def _output_cache_field() -> str:
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    names = {field.name for field in dataclasses.fields(CausalLMOutputWithPast)}
+    return next(name for name in CACHE_NAMES if name in names)
+
+
+def output_cache_field() -> str:
+    """The name of the cache field of transformers' model outputs (`cache` or `past_key_values`)."""
+    return _output_cache_field()
+
+
+@functools.lru_cache(maxsize=256)
+def _cache_parameter(fn: Callable) -> str:
+    # inspect.signature follows `__wrapped__`, so transformers' `deprecate_kwarg` wrappers report
+    # the wrapped function's own parameters (the current name), not the deprecated alias.
+    parameters = inspect.signature(fn).parameters
+    for name in CACHE_NAMES:
+        if name in parameters:
+            return name
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        # a forward that takes `**kwargs` only (a wrapper): the name of the installed transformers,
+        # which renamed its outputs' field in the same release as its keywords
+        return output_cache_field()
+    raise TypeError(f"{getattr(fn, '__qualname__', fn)} takes no KV cache argument "
+                    f"(none of {', '.join(CACHE_NAMES)} in its signature)")
+
+
+def cache_parameter(fn: Callable) -> str:
+    """The name under which `fn` takes the KV cache, read from its signature."""
+    # bound methods are new objects at each attribute access: key the cache on the function
+    return _cache_parameter(getattr(fn, "__func__", fn))
+
+
+def cache_arg(fn: Callable, cache: Any) -> dict[str, Any]:
+    """`{name: cache}` with the cache keyword `fn` declares: `fn(x, **cache_arg(fn, cache))`."""
+    return {cache_parameter(fn): cache}
+
+
+def output_cache(output: Any) -> Any:
+    """The KV cache a model output carries (None when it has none), under either name."""
+    return getattr(output, output_cache_field(), None)
+
+
+def lm_output(**fields: Any):
+    """transformers' `CausalLMOutputWithPast` with `cache=` stored under the installed field name."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return CausalLMOutputWithPast(**with_cache_field(fields))
+
+
+def with_cache_field(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` with its `cache` entry renamed to the installed output field name (for output
+    classes derived from transformers' `ModelOutput`)."""
+    fields = dict(fields)
+    if "cache" in fields:
+        fields[output_cache_field()] = fields.pop("cache")
+    return fields
