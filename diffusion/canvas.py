@@ -30,7 +30,7 @@ from remask.kernels.canvas import canvas_score, canvas_update
 from remask.models.diffusion_gemma import CanvasModel, require_diffusion_gemma
 from remask.models.hf_compat import with_cache_field
 
-from .checks import (ParameterTypeError, check_bool, check_choice, check_generator, check_instance, check_int,
+from .checks import (MAX_LOOP_STEPS, ParameterTypeError, check_bool, check_choice, check_generator, check_instance, check_int,
                      check_real, check_stats)
 from .stats import GenerationStats
 from .scoring import draw_seed
@@ -131,7 +131,8 @@ def check_canvas_settings(settings: Any) -> dict[str, Any]:
         raise ValueError(f"canvas: unknown setting(s) {unknown}; allowed: {list(CANVAS_SETTINGS)}")
     out = dict(settings)
     if "max_denoising_steps" in out:
-        check_int("canvas.max_denoising_steps", out["max_denoising_steps"], minimum=1)
+        # no token count bounds this loop (canvases are redrawn whole): a cap, ~20x the checkpoint's 48
+        check_int("canvas.max_denoising_steps", out["max_denoising_steps"], minimum=1, maximum=MAX_LOOP_STEPS)
     for name in ("t_min", "t_max"):
         if name in out:
             check_real(f"canvas.{name}", out[name], low=0, low_open=True, allow_none=True)

@@ -54,6 +54,36 @@ def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int
     return value
 
 
+# Work bounds (docs/parameters.md, "Work bounds"): the largest value of each setting that sizes a
+# request's work which can still change the answer. Beyond them a request only burns memory and
+# time (`steps=10**9` allocated O(steps) and OOM-killed a server), so they are refused by name.
+MAX_N = 128                 # samples per prompt: OpenAI's cap (a server may set its own: build_app(max_n=...))
+SEED_LIMIT = 1 << 64        # torch.Generator.manual_seed takes [0, 2**64) (it wraps negatives, overflows beyond)
+MAX_TEMPERATURE = 100.0     # far past uniform sampling already (logits are O(10)); 1e308 is a typo, not a setting
+MAX_LOOP_STEPS = 1024       # loops with no token count to bound them (DiffusionGemma's max_denoising_steps,
+                            # default 48; LLaDA2.1's max_post_steps, default 16): ~20x their defaults
+
+
+def check_seed(seed: Any, n: int = 1) -> int | None:
+    """None, or an int seed with `seed + n - 1` (sample i draws from `seed + i`) below 2**64, the
+    range `torch.Generator.manual_seed` takes — named here rather than as torch's "Overflow when
+    unpacking long long"."""
+    check_int("seed", seed, minimum=0, allow_none=True)
+    if seed is not None and seed + n - 1 >= SEED_LIMIT:
+        raise ValueError(f"seed must be an int in [0, 2**64 - n] (sample i draws from seed + i; n = {n}), got {seed}")
+    return seed
+
+
+def check_steps(name: str, steps: Any, maximum: int, what: str, allow_none: bool = True) -> int | None:
+    """A step count ≥ 1 and ≤ `maximum`: each step of the rule commits at least one token, so more
+    steps than `what` (the tokens there are to commit) cannot change the answer."""
+    check_int(name, steps, minimum=1, allow_none=allow_none)
+    if steps is not None and steps > maximum:
+        raise ValueError(f"{name} must be <= {what} ({maximum}): each step commits at least one token, so more "
+                         f"steps only repeat forwards; got {steps}")
+    return steps
+
+
 def check_min_tokens(min_tokens: Any, max_tokens: int) -> int:
     """`min_tokens` (vLLM's): an int in [0, max_tokens] — the tokens an answer has before an end
     token (EOS/EOT, `stop_token_ids`) or a `stop` string may end it."""
@@ -213,6 +243,27 @@ def check_mask_id(spec: ModelSpec, prompt: torch.Tensor | None = None) -> None:
 def check_length(spec: ModelSpec, total: int, what: str) -> None:
     if spec.max_length is not None and total > spec.max_length:
         raise ValueError(f"{what} = {total} exceeds the model's maximum sequence length {spec.max_length}")
+
+
+def check_context(spec: ModelSpec, prompt_length: int, max_tokens: int) -> None:
+    """The prompt and `max_tokens` within the model's context, checked before anything is sized by
+    `max_tokens` (a canvas, a schedule), so `max_tokens=10**9` costs nothing; the error names
+    `max_tokens` (or the prompt, when it alone leaves no room)."""
+    if spec.max_length is None:
+        return
+    if prompt_length >= spec.max_length:
+        raise ValueError(f"prompt has {prompt_length} tokens; the model's maximum sequence length is "
+                         f"{spec.max_length}, which leaves no room for an answer")
+    if prompt_length + max_tokens > spec.max_length:
+        raise ValueError(f"max_tokens = {max_tokens} with a prompt of {prompt_length} tokens exceeds the model's "
+                         f"maximum sequence length {spec.max_length}: max_tokens <= {spec.max_length - prompt_length} "
+                         "here")
+
+
+def check_block_within_context(spec: ModelSpec, name: str, block_length: int | None) -> None:
+    """A block-causal family's block (canvases are whole blocks) fits in the model's context."""
+    if block_length is not None and spec.max_length is not None and block_length > spec.max_length:
+        raise ValueError(f"{name} must be <= the model's maximum sequence length {spec.max_length}, got {block_length}")
 
 
 def check_token_id(spec: ModelSpec, value: int | None, name: str) -> int:

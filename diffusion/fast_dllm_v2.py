@@ -36,8 +36,8 @@ import torch.nn.functional as F
 
 from remask.models.hf_compat import output_cache
 
-from .checks import (ParameterTypeError, check_bool, check_choice, check_generator, check_int, check_real, check_settings,
-                     check_stats)
+from .checks import (ParameterTypeError, check_block_within_context, check_bool, check_choice, check_generator,
+                     check_int, check_real, check_settings, check_stats)
 from .freedave_blocks import BlockFreeDave, check_freedave_loop
 from .stats import GenerationStats
 
@@ -557,6 +557,9 @@ def check_fast_dllm_v2_settings(settings: Any) -> dict:
     for name in ("block_size", "small_block_size"):
         if name in out:
             check_int(f"fast_dllm_v2.{name}", out[name], minimum=1)
+    if "block_size" in out and out.get("small_block_size", 1) > out["block_size"]:
+        raise ValueError(f"fast_dllm_v2.small_block_size must be <= fast_dllm_v2.block_size ({out['block_size']}), "
+                         f"got {out['small_block_size']}")
     if "use_block_cache" in out:
         check_bool("fast_dllm_v2.use_block_cache", out["use_block_cache"])
     return out
@@ -580,6 +583,7 @@ def engine_decoder(engine: Any, params: Any) -> FastDLLMV2Decoder:
         raise ValueError("stop_token_ids: Fast-dLLM v2's loop stops at one stop token (the model's EOS)")
     settings = dict(params.fast_dllm_v2 or {})
     block_size = settings.pop("block_size", engine.spec.block_length or 32)
+    check_block_within_context(engine.spec, "fast_dllm_v2.block_size", block_size)   # the canvas is whole blocks
     kind, threshold = FastDLLMV2Decoder, 0.9 if params.threshold is None else params.threshold
     if params.decoder is not None:
         # FreeDave sets the rule: one token per step (threshold 1.0: only the most probable), or its

@@ -36,7 +36,8 @@ from transformers.cache_utils import DynamicCache
 
 from remask.caches.block import PagedBlocks
 
-from .checks import check_bool, check_instance, check_int, check_real, check_settings
+from .checks import (MAX_LOOP_STEPS, check_block_within_context, check_bool, check_instance, check_int, check_real,
+                     check_settings, check_steps)
 from .freedave import FreeDave
 from .freedave_blocks import BlockFreeDave, check_freedave_loop
 from .sdar import num_transfer_schedule
@@ -387,8 +388,11 @@ def check_llada2_settings(settings: Any) -> dict:
     for name in ("block_length", "steps", "minimal_topk", "num_to_transfer"):
         if name in out:
             check_int(f"llada2.{name}", out[name], minimum=1)
-    if "max_post_steps" in out:
-        check_int("llada2.max_post_steps", out["max_post_steps"], minimum=0)
+    if "max_post_steps" in out:      # no token count bounds this loop: a cap (docs/parameters.md, work bounds)
+        check_int("llada2.max_post_steps", out["max_post_steps"], minimum=0, maximum=MAX_LOOP_STEPS)
+    for name in ("steps", "num_to_transfer"):   # else at the engine, with the model's block size
+        if "block_length" in out and name in out:
+            check_steps(f"llada2.{name}", out[name], out["block_length"], "llada2.block_length")
     if "eos_early_stop" in out:
         check_bool("llada2.eos_early_stop", out["eos_early_stop"])
     if out.get("editing_threshold") is not None:
@@ -414,6 +418,10 @@ def engine_decoder(engine: Any, params: Any) -> LLaDA2Decoder:
         raise ValueError("stop_token_ids: LLaDA2's loop stops at its EOS id only (the model's)")
     settings = dict(params.llada2 or {})
     block_length = settings.pop("block_length", engine.spec.block_length or 32)
+    # work bounds, before the schedule (O(steps)) or the canvas (whole blocks) is built
+    check_block_within_context(engine.spec, "llada2.block_length", block_length)
+    for name in ("steps", "num_to_transfer"):
+        check_steps(f"llada2.{name}", settings.get(name), block_length, "the block length")
     kind, threshold = LLaDA2Decoder, 0.95 if params.threshold is None else params.threshold
     if params.decoder is not None:
         # FreeDave sets the rule: one token per step (threshold 1.0: never above), or its threshold rule

@@ -33,8 +33,8 @@ from transformers.cache_utils import DynamicCache
 
 from remask.caches.block import PagedBlocks
 
-from .checks import (check_bool, check_choice, check_generator, check_instance, check_int, check_real, check_settings,
-                     check_stats)
+from .checks import (check_block_within_context, check_bool, check_choice, check_generator, check_instance, check_int,
+                     check_real, check_settings, check_stats, check_steps)
 from .freedave import FreeDave
 from .freedave_blocks import BlockFreeDave, check_freedave_loop
 from .stats import GenerationStats
@@ -141,6 +141,8 @@ def check_sdar_settings(settings) -> dict:
     for name in ("block_length", "denoising_steps"):
         if name in out:
             check_int(f"sdar.{name}", out[name], minimum=1)
+    if "block_length" in out and "denoising_steps" in out:   # else at the engine, with the model's block size
+        check_steps("sdar.denoising_steps", out["denoising_steps"], out["block_length"], "sdar.block_length")
     if "remasking_strategy" in out:
         check_choice("sdar.remasking_strategy", out["remasking_strategy"], REMASKING_STRATEGIES)
     if "confidence_threshold" in out:
@@ -439,6 +441,10 @@ def engine_decoder(engine: Any, params: Any) -> SDARDecoder:
                          "remasking_strategy, confidence_threshold, eb_threshold}")
     settings = dict(params.sdar or {})
     block_length = settings.get("block_length", engine.spec.block_length)
+    # work bounds, before the schedule (O(denoising_steps)) or the canvas (whole blocks) is built
+    check_block_within_context(engine.spec, "sdar.block_length", block_length)
+    if block_length is not None:
+        check_steps("sdar.denoising_steps", settings.get("denoising_steps"), block_length, "the block length")
     if params.threshold is not None:
         if settings.get("remasking_strategy", "low_confidence_dynamic") != "low_confidence_dynamic" or \
                 "confidence_threshold" in settings:

@@ -13,64 +13,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .configs import DreamConfig
 from .hf_compat import lm_output
 from .layers import ForwardPositions, KVCache, RMSNorm, forward_positions, init_weights, rotary_self_attention
-from .registry import Family, accept_attn_implementation, register_family
+from .registry import Family, register_family
 from .spec import ModelSpec, config_id, extend_mask
-
-
-class DreamConfig(PreTrainedConfig):
-    """Configuration with the keys of Dream's official `config.json` (defaults: Dream-v0-7B)."""
-
-    model_type = "Dream"
-    keys_to_ignore_at_inference = ["past_key_values"]
-
-    vocab_size: int = 152064
-    hidden_size: int = 3584
-    intermediate_size: int = 18944
-    num_hidden_layers: int = 28
-    num_attention_heads: int = 28
-    num_key_value_heads: int | None = 4
-    hidden_act: str = "silu"
-    max_position_embeddings: int = 131072
-    initializer_range: float = 0.02
-    rms_norm_eps: float = 1e-6
-    use_cache: bool = False
-    tie_word_embeddings: bool = False
-    rope_theta: float = 1000000.0
-    rope_scaling: dict | None = None
-    use_sliding_window: bool = False
-    sliding_window: int | None = None
-    max_window_layers: int = 28
-    attention_dropout: float = 0.0
-    mask_token_id: int | None = 151666
-    pad_token_id: int | None = 151643
-    bos_token_id: int | None = 151643
-    eos_token_id: int | None = 151643
-
-    def __post_init__(self, **kwargs):
-        accept_attn_implementation(type(self).__name__, kwargs)
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        super().__post_init__(**kwargs)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    def validate_architecture(self) -> None:
-        if self.hidden_act != "silu":
-            raise ValueError(f"DreamConfig.hidden_act={self.hidden_act!r} is not supported; allowed: ['silu']")
-        if self.rope_scaling not in (None, {}) and self.rope_scaling.get("rope_type", "default") != "default":
-            raise ValueError(f"DreamConfig.rope_scaling={self.rope_scaling!r} is not supported; allowed: [None]")
-        if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                f"({self.num_attention_heads}) and that by num_key_value_heads ({self.num_key_value_heads})"
-            )
 
 
 class DreamAttention(nn.Module):

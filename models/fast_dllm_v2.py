@@ -39,44 +39,17 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.models.qwen2.configuration_qwen2 import Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
 
+from .configs import FastDLLMV2Config
 from .hf_compat import cache_arg, with_cache_field
-from .registry import Family, accept_attn_implementation, register_family
+from .registry import Family, register_family
 from .spec import ModelSpec, config_id, padding_mask_inputs
 
 # The official decoders' constants (`generation_functions.py`, `modeling.py` defaults): the
 # released config.json declares no mask id, so the code's constant is the fallback.
 FAST_DLLM_V2_MASK_ID = 151665
 FAST_DLLM_V2_STOP_ID = 151645
-
-
-class FastDLLMV2Config(Qwen2Config):
-    """Configuration with the keys of Fast-dLLM v2's official `config.json`: Qwen2's, plus
-    `bd_size` (the block size it was trained with) and `conplemenrary_mask` (the training-time
-    complementary masking flag, spelled as released; inference ignores it). Defaults: the official
-    configuration file's (the released checkpoints set their own sizes)."""
-
-    model_type = "Fast_dLLM_Qwen"
-
-    bd_size: int = 32
-    conplemenrary_mask: bool = False
-
-    def __post_init__(self, **kwargs):
-        accept_attn_implementation(type(self).__name__, kwargs)
-        super().__post_init__(**kwargs)
-
-    def validate_architecture(self) -> None:
-        if self.hidden_act != "silu":
-            raise ValueError(f"FastDLLMV2Config.hidden_act={self.hidden_act!r} is not supported; allowed: ['silu']")
-        if self.use_sliding_window:
-            raise ValueError("FastDLLMV2Config.use_sliding_window=True is not supported (the released model has none)")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads})")
-        if not isinstance(self.bd_size, int) or self.bd_size < 1:
-            raise ValueError(f"FastDLLMV2Config.bd_size must be an int >= 1, got {self.bd_size!r}")
 
 
 def cached_layer(cache: Cache | None, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:

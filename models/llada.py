@@ -17,90 +17,14 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .configs import LLaDAConfig
 from .hf_compat import lm_output
 from .layers import ForwardPositions, KVCache, RMSNorm, forward_positions, init_weights, rotary_self_attention
-from .registry import Family, accept_attn_implementation, register_family
+from .registry import Family, register_family
 from .spec import ModelSpec, config_id, padding_mask_inputs
-
-
-class LLaDAConfig(PreTrainedConfig):
-    """Configuration with the keys of LLaDA's official `config.json` (defaults: LLaDA-8B)."""
-
-    model_type = "llada"
-    keys_to_ignore_at_inference = ["past_key_values"]
-
-    d_model: int = 4096
-    n_heads: int = 32
-    n_kv_heads: int | None = None
-    n_layers: int = 32
-    mlp_ratio: int = 4
-    mlp_hidden_size: int | None = None
-    activation_type: str = "silu"
-    block_type: str = "llama"
-    block_group_size: int = 1
-    alibi: bool = False
-    rope: bool = True
-    rope_full_precision: bool = True
-    rope_theta: float = 500000.0
-    layer_norm_type: str = "rms"
-    layer_norm_with_affine: bool = True
-    rms_norm_eps: float = 1e-5
-    include_bias: bool = False
-    include_qkv_bias: bool = False
-    weight_tying: bool = False
-    scale_logits: bool = False
-    input_emb_norm: bool = False
-    vocab_size: int = 126464
-    embedding_size: int | None = 126464
-    max_sequence_length: int = 4096
-    init_std: float = 0.02
-    use_cache: bool = False
-    mask_token_id: int | None = 126336
-    eos_token_id: int | None = 126081
-    pad_token_id: int | None = 126081
-    bos_token_id: int | None = None
-
-    def __post_init__(self, **kwargs):
-        accept_attn_implementation(type(self).__name__, kwargs)
-        super().__post_init__(**kwargs)
-
-    @property
-    def effective_n_kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
-    def mlp_hidden(self) -> int:
-        return self.mlp_hidden_size if self.mlp_hidden_size is not None else self.mlp_ratio * self.d_model
-
-    @property
-    def padded_vocab_size(self) -> int:
-        return self.embedding_size or self.vocab_size
-
-    def validate_architecture(self) -> None:
-        """Reject variants of the OLMo-derived config that LLaDA checkpoints never use."""
-        checks = {
-            "block_type": (self.block_type, ("llama",)),
-            "activation_type": (self.activation_type, ("silu",)),
-            "layer_norm_type": (self.layer_norm_type, ("rms",)),
-            "alibi": (self.alibi, (False,)),
-            "rope": (self.rope, (True,)),
-            "block_group_size": (self.block_group_size, (1,)),
-        }
-        for name, (value, allowed) in checks.items():
-            if value not in allowed:
-                raise ValueError(f"LLaDAConfig.{name}={value!r} is not supported; allowed: {list(allowed)}")
-        if self.d_model % self.n_heads or self.n_heads % self.effective_n_kv_heads:
-            raise ValueError(
-                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) and n_heads by n_kv_heads "
-                f"({self.effective_n_kv_heads})"
-            )
 
 
 class LLaDABlock(nn.Module):

@@ -32,14 +32,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, repeat_kv, rotate_half
 
+from .configs import LLaDA2MoeConfig
 from .hf_compat import lm_output
-from .registry import Family, accept_attn_implementation, register_family
+from .registry import Family, register_family
 from .sdar import _cached_layer
 from .spec import ModelSpec, config_id, padding_mask_inputs
 
@@ -47,92 +48,6 @@ from .spec import ModelSpec, config_id, padding_mask_inputs
 LLADA2_MASK_ID = 156895
 LLADA2_EOS_ID = 156892
 LLADA2_BLOCK_LENGTH = 32
-
-
-class LLaDA2MoeConfig(PreTrainedConfig):
-    """Configuration with the keys of the official LLaDA2 `config.json`; defaults are LLaDA2.0-mini's
-    values (the official configuration class's own defaults describe no released model)."""
-
-    model_type = "llada2_moe"
-    keys_to_ignore_at_inference = ["past_key_values"]
-
-    vocab_size: int = 157184
-    hidden_size: int = 2048
-    intermediate_size: int | None = 5120
-    num_hidden_layers: int = 20
-    num_attention_heads: int = 16
-    num_key_value_heads: int | None = 4
-    head_dim: int | None = 128
-    hidden_act: str = "silu"
-    use_qkv_bias: bool = False
-    use_bias: bool = False
-    use_qk_norm: bool = True
-    rms_norm_eps: float = 1e-6
-    norm_head: bool = False
-    tie_word_embeddings: bool = False
-    embedding_dropout: float = 0.0
-    attention_dropout: float = 0.0
-    output_dropout: float = 0.0
-    initializer_range: float = 0.02
-    max_position_embeddings: int = 16384
-    rope_theta: float = 600000.0
-    rope_scaling: dict | None = None
-    partial_rotary_factor: float = 0.5
-    rotary_dim: int | None = 64
-    use_cache: bool = False
-    use_sliding_window: bool = False
-    sliding_window: int | None = 4096
-    max_window_layers: int = 28
-    num_experts: int | None = 256
-    num_shared_experts: int | None = 1
-    num_experts_per_tok: int = 8
-    n_group: int = 8
-    topk_group: int = 4
-    routed_scaling_factor: float = 2.5
-    moe_intermediate_size: int | None = 512
-    first_k_dense_replace: int = 1
-    norm_topk_prob: bool = True
-    score_function: str = "sigmoid"
-    router_dtype: str = "fp32"
-    moe_router_enable_expert_bias: bool = True
-    output_router_logits: bool = False
-    pad_token_id: int | None = 156892
-    eos_token_id: int | list[int] | None = None
-    mask_token_id: int | None = None
-
-    def __post_init__(self, **kwargs):
-        accept_attn_implementation(type(self).__name__, kwargs)
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        super().__post_init__(**kwargs)
-
-    def validate_architecture(self) -> None:
-        """Refuse settings the official forward would compute differently from this one."""
-        def refuse(name: str, allowed: str) -> None:
-            raise ValueError(f"LLaDA2MoeConfig.{name}={getattr(self, name)!r} is not supported; allowed: {allowed}")
-
-        if self.hidden_act != "silu":
-            refuse("hidden_act", "['silu']")
-        if self.rope_scaling not in (None, {}) and self.rope_scaling.get("rope_type", "default") != "default":
-            refuse("rope_scaling", "[None] (default RoPE)")
-        if self.score_function != "sigmoid":
-            refuse("score_function", "['sigmoid'] (the official router is sigmoid-only)")
-        if not self.num_key_value_heads or self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads})")
-        if self.num_experts is not None:
-            if self.num_experts % self.n_group:
-                raise ValueError(f"num_experts ({self.num_experts}) must be a multiple of n_group ({self.n_group})")
-            if not 1 <= self.topk_group <= self.n_group:
-                refuse("topk_group", f"an int in [1, n_group={self.n_group}]")
-            if self.num_experts // self.n_group < 2:
-                raise ValueError("each expert group needs at least 2 experts (groups are ranked by their top-2 sum)")
-            if not 1 <= self.num_experts_per_tok <= self.topk_group * (self.num_experts // self.n_group):
-                refuse("num_experts_per_tok", "an int ≥ 1 no larger than the experts of the chosen groups")
-
-    @property
-    def rope_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
 
 
 class LLaDA2MoeRotaryEmbedding(nn.Module):

@@ -3,12 +3,19 @@
 A family is what remask needs to know to take a `config.model_type`: how to build its `ModelSpec`
 from a config, which of remask's own classes (if any) transformers' Auto classes should map it to
 (so official checkpoints load without `trust_remote_code`), and which Auto class loads a whole
-checkpoint of it (`remask.load`). Adding a family touches its own module and nothing else;
-samplers read the spec, never the family.
+checkpoint of it (`remask.load`). Adding a family touches its own module (and, for one of remask's
+own, `FAMILY_MODULES` and `configs.py`); samplers read the spec, never the family.
+
+Family modules are imported on demand, so that `import remask` stays light: `family_of` imports
+the module of a known model type the first time it is asked, and each config class of
+`configs.py` imports its family module when it is built (which registers the model classes with
+the Auto classes before transformers looks them up).
 """
 from __future__ import annotations
 
+import importlib
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -71,18 +78,49 @@ class Family:
 def _resolve(target: str | None) -> Callable[..., Any] | None:
     if target is None:
         return None
-    import importlib
-
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
 
 
 FAMILIES: dict[str, Family] = {}
 
+# Where each of remask's families lives: `config.model_type` (lower case) → the module whose
+# `register_family` call registers it. `family_of` imports the module the first time it is asked.
+FAMILY_MODULES: dict[str, str] = {
+    "llada": "remask.models.llada",
+    "dream": "remask.models.dream",
+    "sdar": "remask.models.sdar",
+    "sdar_moe": "remask.models.sdar",
+    "llada2_moe": "remask.models.llada2",
+    "fast_dllm_qwen": "remask.models.fast_dllm_v2",
+    "diffusion_gemma": "remask.models.diffusion_gemma",
+}
+
+
+def load_family_module(model_type: str) -> bool:
+    """Import the module of `model_type`'s family, if remask has one (a no-op once it is imported;
+    a module in the middle of its own import is returned as it is). True if there is one."""
+    module = FAMILY_MODULES.get(str(model_type).lower())
+    if module is None:
+        return False
+    importlib.import_module(module)
+    return True
+
+
+def all_families() -> dict[str, Family]:
+    """`FAMILIES` with every family module imported (for code that iterates over all families)."""
+    for module in dict.fromkeys(FAMILY_MODULES.values()):
+        importlib.import_module(module)
+    return FAMILIES
+
 
 def register_family(family: Family) -> Family:
     """Make `family` known: its spec to `get_spec`, its loader to `remask.load`, and its classes
-    (when remask provides them) to transformers' Auto classes. Returns the family."""
+    (when remask provides them) to transformers' Auto classes (with the tensor-parallel style
+    their `_tp_plan` names). Returns the family."""
+    module = FAMILY_MODULES.get(family.model_type.lower())
+    if module is not None and module not in sys.modules:
+        importlib.import_module(module)   # remask's own registration first, so that this one replaces it
     FAMILIES[family.model_type.lower()] = family
     if family.config_class is not None:
         import transformers
@@ -90,9 +128,18 @@ def register_family(family: Family) -> Family:
         transformers.AutoConfig.register(family.config_class.model_type, family.config_class, exist_ok=True)
         for name in family.auto_classes:
             getattr(transformers, name).register(family.config_class, family.model_class, exist_ok=True)
+        if family.model_class is not None:
+            from .parallel import register_tp_styles
+
+            register_tp_styles()   # the "vocab_parallel" style remask's models name in their _tp_plan
     return family
 
 
 def family_of(model_type: str) -> Family | None:
-    """The registered family of a `config.model_type`, or None (an autoregressive model)."""
-    return FAMILIES.get(str(model_type).lower())
+    """The registered family of a `config.model_type`, or None (an autoregressive model). A family
+    of remask's whose module is not imported yet is imported first (`FAMILY_MODULES`)."""
+    key = str(model_type).lower()
+    family = FAMILIES.get(key)
+    if family is None and load_family_module(key):
+        family = FAMILIES.get(key)
+    return family

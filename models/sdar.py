@@ -21,96 +21,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .configs import SDARConfig, SDARMoeConfig
 from .hf_compat import lm_output
-from .registry import Family, accept_attn_implementation, register_family
+from .registry import Family, register_family
 from .spec import ModelSpec, config_id, padding_mask_inputs
-
-
-class SDARConfig(PreTrainedConfig):
-    """Configuration with the keys of SDAR's official `config.json` (defaults: its configuration
-    file's; the released checkpoints set their own sizes, `block_size` and `mask_token_id`)."""
-
-    model_type = "sdar"
-    keys_to_ignore_at_inference = ["past_key_values"]
-
-    vocab_size: int = 151936
-    hidden_size: int = 4096
-    intermediate_size: int = 22016
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
-    num_key_value_heads: int | None = 32
-    head_dim: int = 128
-    hidden_act: str = "silu"
-    max_position_embeddings: int = 32768
-    initializer_range: float = 0.02
-    rms_norm_eps: float = 1e-6
-    use_cache: bool = True
-    tie_word_embeddings: bool = False
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    attention_bias: bool = False
-    use_sliding_window: bool = False
-    sliding_window: int | None = 4096
-    max_window_layers: int = 28
-    attention_dropout: float = 0.0
-    block_size: int = 4
-    mask_token_id: int | None = 151669
-    pad_token_id: int | None = None
-    bos_token_id: int | None = 151643
-    eos_token_id: int | list[int] | None = 151643
-
-    def __post_init__(self, **kwargs):
-        accept_attn_implementation(type(self).__name__, kwargs)
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        super().__post_init__(**kwargs)
-
-    def validate_architecture(self) -> None:
-        if self.hidden_act != "silu":
-            raise ValueError(f"SDARConfig.hidden_act={self.hidden_act!r} is not supported; allowed: ['silu']")
-        if self.rope_scaling not in (None, {}) and self.rope_scaling.get("rope_type", "default") != "default":
-            raise ValueError(f"SDARConfig.rope_scaling={self.rope_scaling!r} is not supported; allowed: [None]")
-        if self.use_sliding_window:
-            raise ValueError("SDARConfig.use_sliding_window=True is not supported (the official inference path "
-                             "ignores it too)")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads})")
-
-
-class SDARMoeConfig(SDARConfig):
-    """SDAR-MoE (`model_type: "sdar_moe"`, `SDARMoeForCausalLM`): SDAR on a Qwen3-MoE backbone. The
-    MoE keys are Qwen3-MoE's: `num_experts`, `num_experts_per_tok`, `moe_intermediate_size`,
-    `decoder_sparse_step` (every n-th layer is sparse), `mlp_only_layers` (dense anyway),
-    `norm_topk_prob`; `intermediate_size` sizes the dense layers."""
-
-    model_type = "sdar_moe"
-
-    num_experts: int = 128
-    num_experts_per_tok: int = 8
-    moe_intermediate_size: int = 768
-    decoder_sparse_step: int = 1
-    mlp_only_layers: list | None = None
-    norm_topk_prob: bool = True
-    output_router_logits: bool = False
-    router_aux_loss_coef: float = 0.001
-
-    def validate_architecture(self) -> None:
-        super().validate_architecture()
-        if not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"SDARMoeConfig.num_experts_per_tok={self.num_experts_per_tok} must be in "
-                             f"[1, num_experts={self.num_experts}]")
-        if self.decoder_sparse_step < 1:
-            raise ValueError(f"SDARMoeConfig.decoder_sparse_step={self.decoder_sparse_step} must be ≥ 1")
-
-    def is_sparse(self, layer_idx: int) -> bool:
-        return (layer_idx not in (self.mlp_only_layers or []) and self.num_experts > 0
-                and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
 
 class SDARRMSNorm(nn.Module):

@@ -4,27 +4,60 @@
     from transformers import AutoModel
     model = AutoModel.from_pretrained("path/to/LLaDA-8B-Instruct")   # no trust_remote_code needed
     out = remask.generate(model, prompt_ids, steps=128, gen_length=128, block_length=32)
+
+`import remask` imports neither torch nor transformers: the public names below are imported on
+first use, and remask's model families are registered with transformers' Auto classes as soon as
+those are imported (remask/_registration.py).
 """
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from remask import _noise  # noqa: F401  (first: quiets two third-party import messages, see the module)
-from remask import models as _models  # noqa: F401  (registers LLaDA and Dream with transformers)
-from remask.diffusion.checks import ParameterTypeError
-from remask.diffusion import (
-    APDConfig, CanvasSampler, DreamGenerationConfig, DreamModelOutput, GenerationStats, SparseConfig, ar_generate, diffusion_generate,
-    generate)
-from remask.engine import LLM, LLMEngine, RequestOutput, SamplingParams
-from remask.diffusion.dinfer import (CreditDecoding, HierarchicalDecoding, IterationSmoothing, ThresholdDecoding,
-                                     VicinityCache)
-from remask.diffusion.d2cache import D2Cache
-from remask.diffusion.dkv import DKVCache
-from remask.diffusion.elastic import ElasticCache
-from remask.diffusion.freedave import FreeDave
-from remask.diffusion.wino import WINO
-from remask.models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM, ModelSpec, get_spec
-from remask.patching import patch
-from remask.text import answer_text, stop_token_ids
-from remask.zoo import load
+from remask import _registration
+
+_registration.install()   # registers LLaDA, Dream, ... with transformers' Auto classes (when they are imported)
 
 __version__ = "0.1.0"
+
+# The public names, each imported from its module on first use (PEP 562).
+_EXPORTS = {
+    "ParameterTypeError": "remask.diffusion.checks",
+    **dict.fromkeys(("APDConfig", "CanvasSampler", "DreamGenerationConfig", "DreamModelOutput", "GenerationStats",
+                     "SparseConfig", "ar_generate", "diffusion_generate", "generate"), "remask.diffusion"),
+    **dict.fromkeys(("LLM", "LLMEngine", "RequestOutput", "SamplingParams"), "remask.engine"),
+    **dict.fromkeys(("CreditDecoding", "HierarchicalDecoding", "IterationSmoothing", "ThresholdDecoding",
+                     "VicinityCache"), "remask.diffusion.dinfer"),
+    "D2Cache": "remask.diffusion.d2cache",
+    "DKVCache": "remask.diffusion.dkv",
+    "ElasticCache": "remask.diffusion.elastic",
+    "FreeDave": "remask.diffusion.freedave",
+    "WINO": "remask.diffusion.wino",
+    **dict.fromkeys(("DreamConfig", "DreamModel", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "get_spec"),
+                    "remask.models"),
+    "patch": "remask.patching",
+    **dict.fromkeys(("answer_text", "stop_token_ids"), "remask.text"),
+    "load": "remask.zoo",
+}
+# Subpackages `import remask` used to import, reachable as attributes (`remask.diffusion.llada`).
+_SUBMODULES = ("caches", "diffusion", "engine", "kernels", "models", "patching", "text", "zoo")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | set(_SUBMODULES))
+
 
 __all__ = [
     "APDConfig", "CanvasSampler", "CreditDecoding", "D2Cache", "DKVCache", "DreamConfig", "ElasticCache", "FreeDave", "HierarchicalDecoding", "ThresholdDecoding",

@@ -98,6 +98,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
+SERVE_DEFAULTS = {"max_n": 128, "body_timeout": 10.0, "max_body_bytes": 1 << 20}
+
 BENCHES = {"engine": "engine.py", "serve": "serve_load.py", "quantized": "quantized.py", "ablate": "ablate.py"}
 
 BENCH_HELP = """\
@@ -182,7 +184,8 @@ def _serve(args: argparse.Namespace) -> int:
     app = build_app(engines, api_key=api_key, rate_limit=args.rate_limit, request_timeout=args.request_timeout,
                     response_cache=args.response_cache, admin_key=admin_key, defaults=dict(args.defaults or []),
                     load_model=lambda path: remask.LLM(path, max_num_seqs=args.max_num_seqs, seed=args.seed),
-                    cors_origins=[o for o in (args.cors_origins or "").split(",") if o] or None)
+                    cors_origins=[o for o in (args.cors_origins or "").split(",") if o] or None,
+                    max_n=args.max_n, body_timeout=args.body_timeout, max_body_bytes=args.max_body_bytes)
     print(json.dumps({"serving": {name: path for name, path in models}, "host": args.host, "port": args.port}),
           flush=True)
     serve(app, engines, host=args.host, port=args.port, log_level=args.log_level)
@@ -555,6 +558,17 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
                               help="default sampling settings of a served model (SamplingParams fields)")
     serve_parser.add_argument("--rate-limit", type=int, default=None, help="requests per minute per API key")
     serve_parser.add_argument("--request-timeout", type=float, default=None, help="seconds; longer requests get 504")
+    # defaults written out (remask.serve.app's MAX_N, BODY_TIMEOUT, MAX_BODY_BYTES) so --help imports nothing;
+    # tests/test_cli.py checks they are the app's
+    serve_parser.add_argument("--max-n", type=int, default=SERVE_DEFAULTS["max_n"],
+                              help=f"most samples (n) one request may ask for (default {SERVE_DEFAULTS['max_n']}, "
+                                   "OpenAI's cap); more get 400 naming n")
+    serve_parser.add_argument("--body-timeout", type=float, default=SERVE_DEFAULTS["body_timeout"],
+                              help=f"seconds a request body may take to arrive (default "
+                                   f"{SERVE_DEFAULTS['body_timeout']:g}); slower ones get 408")
+    serve_parser.add_argument("--max-body-bytes", type=int, default=SERVE_DEFAULTS["max_body_bytes"],
+                              help=f"largest request body, chunked or not (default {SERVE_DEFAULTS['max_body_bytes']}); "
+                                   "larger ones get 413 and are not read past the limit")
     serve_parser.add_argument("--response-cache", type=_cache_arg, default=None, metavar="SIZE,TTL",
                               help="cache deterministic responses (LRU of SIZE, TTL seconds)")
     serve_parser.add_argument("--cors-origins", default=None, help="comma-separated origins allowed by CORS")

@@ -2,6 +2,7 @@
 real uvicorn server on 127.0.0.1 (each test bounded; the server stops with the module)."""
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -513,13 +514,15 @@ def test_per_model_default_settings_and_access_log(caplog):
                        headers={"X-Request-ID": "trace-123"})
             overridden = post(server, {"model": "m", "prompt": PROMPT, "seed": 2, "steps": 4}, key=None)
         assert got.status_code == overridden.status_code == 200
-        assert got.headers["x-request-id"] == "trace-123" and got.json()["id"].endswith("trace-123")
+        # the client's id is echoed and logged, never the request's own (issue 29: ids are the server's)
+        assert got.headers["x-request-id"] == "trace-123" and "trace-123" not in got.json()["id"]
         want = remask.LLM("tiny-llada").generate(PROMPT, remask.SamplingParams(max_tokens=8, steps=8, block_length=4,
                                                                                seed=2), use_tqdm=False)[0]
         assert got.json()["choices"][0]["text"] == want.outputs[0].text
         assert got.json()["usage"]["completion_tokens"] == len(want.outputs[0].token_ids)
         logged = [json.loads(r.getMessage()) for r in caplog.records if r.name == "remask.serve.access"]
-        assert {"request_id": "trace-123", "route": "/v1/completions", "status": 200}.items() <= logged[0].items()
+        assert {"client_request_id": "trace-123", "route": "/v1/completions", "status": 200}.items() <= logged[0].items()
+        assert got.json()["id"] == f"cmpl-{logged[0]['request_id']}"
     finally:
         server.stop()
         engine.shutdown()
@@ -579,3 +582,248 @@ def test_sparse_attention_settings_over_http(served, offline):
     for bad, needle in [({"retention_ratio": 2.0}, "retention_ratio"), ({"nonsense": 1}, "nonsense")]:
         response = post(server, {"model": "tiny-llada", "prompt": PROMPT, "sparse": bad})
         assert response.status_code == 400 and needle in response.json()["error"]["message"], response.text
+
+
+# ---- issue 29: a hostile client (bounded; 127.0.0.1 only) ----
+
+def _rss_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _raw_request(port: int, head: str, body_pieces, timeout: float = 10.0) -> tuple[bytes, float]:
+    """Send `head` and the body pieces on a raw socket while reading the answer in another thread
+    (the server may answer, and close, before the body ends); (the answer's bytes, seconds to it)."""
+    import socket
+
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    answer, got = bytearray(), threading.Event()
+    started = time.perf_counter()
+    took = [None]
+
+    def read() -> None:
+        try:
+            while True:
+                data = sock.recv(65536)
+                if not data:
+                    break
+                if took[0] is None:
+                    took[0] = time.perf_counter() - started
+                answer.extend(data)
+                got.set()
+                if b"\r\n\r\n" in answer and (b"content-length: 0" in answer.lower() or answer.endswith(b"}")):
+                    break
+        except OSError:
+            pass
+        got.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        sock.sendall(head.encode("latin-1"))
+        for piece in body_pieces:
+            if got.is_set():
+                break
+            sock.sendall(piece)
+    except OSError:            # the server answered and closed: expected past a limit
+        pass
+    reader.join(timeout=timeout)
+    sock.close()
+    return bytes(answer), took[0] if took[0] is not None else float("inf")
+
+
+def _head(path: str, extra: str) -> str:
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\n{extra}\r\n")
+
+
+def test_work_bounds_get_400_naming_the_parameter_within_a_second(served):
+    """`steps=10**9`, `steps=10**6`, `n=10000`, `max_tokens=10**9`, `max_tokens=true`,
+    `temperature=1e308`, `seed=2**70`: each a 400 naming the parameter, answered at once (they used
+    to OOM-kill the server, pin the engine, flood the queue, be taken as 1, or give torch's raw
+    "Overflow when unpacking long long")."""
+    server, engines = served
+    ok = {"model": "tiny-llada", "prompt": PROMPT, "max_tokens": 16}
+    chat = {"model": "tiny-llada", "messages": [{"role": "user", "content": "sort 52814"}], "max_tokens": 16}
+    cases = [({**ok, "steps": 10**9}, "steps"), ({**ok, "steps": 10**6}, "steps"), ({**ok, "n": 10000}, "n"),
+             ({**ok, "n": 129}, "n"), ({**ok, "max_tokens": 10**9}, "max_tokens"),
+             ({**chat, "max_tokens": 10**9}, "max_tokens"), ({**ok, "max_tokens": True}, "max_tokens"),
+             ({**ok, "temperature": 1e308}, "temperature"), ({**ok, "seed": 2**70}, "seed"),
+             ({**ok, "seed": 2**64 - 1, "n": 2}, "seed"), ({**ok, "n": True}, "n"), ({**ok, "stream": 1}, "stream"),
+             ({**ok, "temperature": True}, "temperature"), ({**ok, "prompt": [1, True]}, "prompt"),
+             ({**ok, "sdar": {"block_length": 4, "denoising_steps": 10**9}}, "sdar"),
+             ({**ok, "canvas": {"max_denoising_steps": 10**9}}, "canvas")]
+    for body, param in cases:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        started = time.perf_counter()
+        response = post(server, body, path=path)
+        assert time.perf_counter() - started < 1.0, (param, "took", time.perf_counter() - started)
+        assert response.status_code == 400, (body, response.text)
+        error = response.json()["error"]
+        assert error["param"].split(".")[0] == param and param in error["message"], (body, error)
+        assert isinstance(error["code"], str) and "Overflow" not in error["message"]
+    assert post(server, {**ok, "n": 128, "max_tokens": 1, "steps": 1}).status_code == 200   # the cap itself passes
+    assert not engines["tiny-llada"].engine.has_unfinished_requests()
+
+
+def test_a_50mb_chunked_body_gets_413_without_the_server_growing(served):
+    """The body limit holds without a Content-Length: bytes are counted as they stream and reading
+    stops at the limit (413 in OpenAI's shape), nothing past it is buffered or tokenized."""
+    server, _ = served
+    baseline, peak, done = _rss_bytes(), [0], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_bytes())
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    prefix = b'{"model": "tiny-llada", "prompt": "'
+    chunk = b"x" * 65536
+    pieces = itertools.chain([b"%x\r\n%s\r\n" % (len(prefix), prefix)],          # 50 MiB, made as sent
+                             (b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(50 * 16)))
+    try:
+        answer, took = _raw_request(server.port, _head("/v1/completions", "Transfer-Encoding: chunked\r\n"), pieces)
+    finally:
+        done.set()
+        watcher.join(timeout=5)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
+    error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == "request_too_large" and "bytes" in error["message"]
+    assert peak[0] - baseline < 20 << 20, f"the server grew by {(peak[0] - baseline) >> 20} MiB"
+    assert post(server, {"model": "tiny-ar", "prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_a_lone_surrogate_or_failed_tokenization_is_a_400_and_keeps_the_connection(served):
+    """`"a\\ud800b"` in chat content or a completion prompt: a 400 in OpenAI's shape naming
+    `messages` / `prompt` (not a plain-text 500), and the keep-alive connection serves the next
+    request (one httpx client, one connection)."""
+    server, _ = served
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    bad_chat = {"model": "tiny-llada", "messages": [{"role": "user", "content": "a\ud800b"}], "max_tokens": 8}
+    bad_prompt = {"model": "tiny-llada", "prompt": "a\ud800b", "max_tokens": 8}
+    good = {"model": "tiny-ar", "prompt": PROMPT, "max_tokens": 2}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=30) as http:
+        for path, body, param in [("/v1/chat/completions", bad_chat, "messages"),
+                                  ("/v1/completions", bad_prompt, "prompt")]:
+            bad = http.post(path, content=json.dumps(body).encode())       # json.dumps escapes it as \ud800
+            assert bad.status_code == 400, bad.text
+            assert bad.json()["error"]["param"] == param and bad.json()["error"]["code"] == "invalid_value"
+            assert bad.headers.get("connection") != "close"
+            first = bad.extensions["network_stream"].get_extra_info("client_addr")
+            ok = http.post("/v1/completions", content=json.dumps(good).encode())
+            assert ok.status_code == 200
+            assert ok.extensions["network_stream"].get_extra_info("client_addr") == first   # the same connection
+
+
+def test_prompt_length_is_checked_in_characters_before_tokenizing(served, monkeypatch):
+    """A text prompt longer than the context could hold (context x 32 characters) is refused before
+    the tokenizer runs; one within that but over the context in tokens is refused after, by name."""
+    server, engines = served
+    llm = engines["tiny-llada"].llm
+    calls = []
+    real = type(llm.tokenizer).__call__
+    monkeypatch.setattr(type(llm.tokenizer), "__call__", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    long = "9" * (128 * 32 + 1)
+    response = post(server, {"model": "tiny-llada", "prompt": long, "max_tokens": 8})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    assert "characters" in response.json()["error"]["message"] and not calls
+    chat = post(server, {"model": "tiny-llada", "messages": [{"role": "user", "content": long}]},
+                path="/v1/chat/completions")
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages" and not calls
+    over = post(server, {"model": "tiny-llada", "prompt": "9" * 200, "max_tokens": 8})    # 200 tokens > 128
+    assert over.status_code == 400 and over.json()["error"]["param"] == "prompt", over.text
+    over = post(server, {"model": "tiny-llada", "messages": [{"role": "user", "content": "9" * 200}],
+                         "max_tokens": 8}, path="/v1/chat/completions")
+    assert over.status_code == 400 and over.json()["error"]["param"] == "messages", over.text
+
+
+def test_malformed_json_names_no_byte_offset(served):
+    server, _ = served
+    response = httpx.post(f"{server.url}/v1/completions", content=b'{"model": "tiny-llada", "prompt": ',
+                          headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] is None and isinstance(error["code"], str) and "JSON" in error["message"]
+
+
+def test_openai_text_content_parts_are_accepted(served, offline):
+    server, _ = served
+    parts = [{"type": "text", "text": "sort"}, {"type": "text", "text": "52814"}]
+    got = client(server).chat.completions.create(model="tiny-llada", messages=[{"role": "user", "content": parts}],
+                                                 max_tokens=16, seed=0, extra_body=DIFFUSION)
+    want = offline["tiny-llada"].chat([{"role": "user", "content": "sort\n52814"}],
+                                      remask.SamplingParams(max_tokens=16, seed=0, **DIFFUSION), use_tqdm=False)[0]
+    assert got.choices[0].message.content == want.outputs[0].text
+    image = [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    response = post(server, {"model": "tiny-llada", "messages": [{"role": "user", "content": image}]},
+                    path="/v1/chat/completions")
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+    assert "image_url" in response.json()["error"]["message"] and "content[1]" in response.json()["error"]["message"]
+
+
+def test_two_concurrent_requests_with_one_x_request_id_both_complete(served):
+    """The client's X-Request-ID is echoed, never the engine's id: a second request reusing it while
+    the first streams no longer gets a 400 and aborts the first."""
+    import concurrent.futures
+
+    server, engines = served
+    body = {"model": "tiny-llada", "prompt": PROMPT, "max_tokens": 64, "steps": 64, "block_length": 8, "seed": 0,
+            "stream": True}
+
+    def stream() -> tuple[str, list[str]]:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30),
+                          headers={"Authorization": f"Bearer {KEY}", "X-Request-ID": "same-id"}) as response:
+            assert response.status_code == 200, response.read()
+            assert response.headers["x-request-id"] == "same-id"
+            return response.headers["x-request-id"], [line for line in response.iter_lines() if line.startswith("data:")]
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = [f.result(timeout=60) for f in [pool.submit(stream), pool.submit(stream)]]
+    for _, lines in results:
+        assert lines[-1] == "data: [DONE]"
+    ids = [json.loads(lines[0][5:])["id"] for _, lines in results]
+    assert ids[0] != ids[1] and not any("same-id" in i for i in ids)
+    assert not engines["tiny-llada"].engine.has_unfinished_requests()
+
+
+def test_playground_renders_server_strings_as_text_and_asks_for_the_key(served):
+    server, _ = served
+    page = httpx.get(f"{server.url}/").text
+    assert "innerHTML" not in page and "insertAdjacentHTML" not in page and "outerHTML" not in page
+    assert "textContent = m.id" in page or "option.textContent" in page
+    assert "needs an API key" in page      # a keyed server: ask for the key, not a stale "models: 401"
+
+
+def test_refusals_are_counted_under_their_route(served):
+    server, _ = served
+    body = {"model": "tiny-llada", "prompt": PROMPT}
+    assert post(server, body, key="wrong").status_code == 401
+    assert post(server, {"action": "unload", "name": "x"}, path="/admin/models").status_code == 403
+    assert post(server, {**body, "prompt": "x" * (2 << 20)}).status_code == 413
+    text = httpx.get(f"{server.url}/metrics").text
+    for route, status in [("/v1/completions", 401), ("/admin/models", 403), ("/v1/completions", 413)]:
+        assert f'route="{route}",status="{status}"' in text, (route, status)
+
+
+def test_a_body_shorter_than_its_content_length_gets_408_in_bounded_time():
+    """Headers announcing 100 bytes, then 50 and silence: answered 408 once `body_timeout` runs out
+    (it used to be held open 40 s+), and `max_n` is the server's own."""
+    engine = AsyncEngine(remask.LLM("tiny-ar"))
+    server = Server(build_app({"m": engine}, body_timeout=1.0, max_n=2))
+    try:
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: 100\r\n\r\n")
+        answer, took = _raw_request(server.port, head, [b"{" + b" " * 49], timeout=10)
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+        assert 0.9 < took < 5, took
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+        many = post(server, {"model": "m", "prompt": PROMPT, "max_tokens": 2, "n": 3}, key=None)
+        assert many.status_code == 400 and many.json()["error"]["param"] == "n" and "2" in many.json()["error"]["message"]
+        assert post(server, {"model": "m", "prompt": PROMPT, "max_tokens": 2, "n": 2}, key=None).status_code == 200
+    finally:
+        server.stop()
+        engine.shutdown()

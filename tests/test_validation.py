@@ -197,6 +197,66 @@ def test_sampling_params_bad(kwargs, name):
     _raises_naming(lambda: remask.SamplingParams(**kwargs), name)
 
 
+# Work bounds (issue 29): settings that size a request's work, refused past the value that can still
+# change the answer, so one request cannot allocate O(steps) buffers or pin the engine.
+WORK_BOUNDS_BAD = [
+    (dict(max_tokens=16, steps=10**9), "steps"), (dict(max_tokens=16, steps=17), "steps"),
+    (dict(max_tokens=16, steps=32, alg="entropy"), "steps"),                       # Dream's sampler too
+    (dict(seed=2**70), "seed"), (dict(seed=2**64), "seed"), (dict(seed=2**64 - 1, n=2), "seed"),
+    (dict(seed=-1), "seed"), (dict(temperature=1e308), "temperature"), (dict(temperature=100.5), "temperature"),
+    (dict(alg="entropy", alg_temp=1e308), "alg_temp"),
+    (dict(max_tokens=True), "max_tokens"), (dict(n=True), "n"), (dict(seed=True), "seed"), (dict(steps=True), "steps"),
+    (dict(temperature=True), "temperature"), (dict(top_p=True), "top_p"), (dict(top_k=True), "top_k"),
+    (dict(block_length=True), "block_length"), (dict(threshold=True), "threshold"), (dict(cfg_scale=True), "cfg_scale"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"),
+    (dict(sdar={"block_length": 4, "denoising_steps": 5}), "sdar.denoising_steps"),
+    (dict(sdar={"denoising_steps": True}), "sdar.denoising_steps"),
+    (dict(llada2={"block_length": 32, "steps": 33}), "llada2.steps"),
+    (dict(llada2={"block_length": 32, "num_to_transfer": 10**9}), "llada2.num_to_transfer"),
+    (dict(llada2={"max_post_steps": 10**9}), "llada2.max_post_steps"),
+    (dict(canvas={"max_denoising_steps": 10**9}), "canvas.max_denoising_steps"),
+    (dict(fast_dllm_v2={"block_size": 8, "small_block_size": 16}), "fast_dllm_v2.small_block_size"),
+]
+
+
+@pytest.mark.parametrize("kwargs,name", WORK_BOUNDS_BAD, ids=[f"{n}-{i}" for i, (_, n) in enumerate(WORK_BOUNDS_BAD)])
+def test_sampling_params_work_bounds_bad(kwargs, name):
+    """`steps` past `max_tokens` (LLaDA's block rule, Dream's sampler: a step commits at least one
+    token), a block-causal family's steps past its block, uncapped loops, seeds outside torch's
+    64-bit range (named, never torch's "Overflow when unpacking long long"), temperatures past 100
+    and booleans where numbers belong: each refused by name when SamplingParams is built."""
+    _raises_naming(lambda: remask.SamplingParams(**kwargs), name)
+
+
+def test_work_bounds_allow_their_maximum():
+    """The bounds are the largest meaningful values, not below them."""
+    remask.SamplingParams(max_tokens=16, steps=16)
+    remask.SamplingParams(max_tokens=16, steps=16, alg="entropy")
+    remask.SamplingParams(seed=2**64 - 1)
+    remask.SamplingParams(seed=2**64 - 2, n=2)
+    remask.SamplingParams(temperature=100)
+    remask.SamplingParams(sdar={"block_length": 4, "denoising_steps": 4})
+    remask.SamplingParams(canvas={"max_denoising_steps": 1024})
+
+
+def test_max_tokens_past_the_context_is_refused_at_add_request_naming_max_tokens():
+    """`max_tokens=10**9`: refused by the engine before any decoder sizes a buffer by it, with an
+    error naming `max_tokens` (it used to name the decoder's `gen_length`)."""
+    import resource
+
+    llm = remask.LLM("tiny-llada")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ValueError, match=r"^max_tokens = 1000000000 .*maximum sequence length 128"):
+        llm.engine.add_request("r", "sort 52814", remask.SamplingParams(max_tokens=10**9))
+    with pytest.raises(ValueError, match=r"^max_tokens"):
+        llm.engine.add_request("r", "sort 52814", remask.SamplingParams(max_tokens=10**9, steps=10**9))
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000     # KiB: nothing was allocated
+    assert not llm.engine.has_unfinished_requests()
+    ar = remask.LLM("tiny-ar")
+    with pytest.raises(ValueError, match=r"^max_tokens"):
+        ar.engine.add_request("r", "sort 52814", remask.SamplingParams(max_tokens=10**9))
+
+
 def test_masks_in_the_prompt_bad(tiny):
     """Samplers that decode only after the prompt refuse a mask there (it would come back)."""
     model, _, ar = tiny

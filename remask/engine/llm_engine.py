@@ -27,11 +27,11 @@ from remask.diffusion.ar import ARDecoder
 from remask.diffusion.canvas import CanvasDecoder, generation_kwargs, resolve_generation_config
 from remask.diffusion.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder, DreamGenerationConfig,
                                    _validate_config, check_block_layout)
-from remask.diffusion.checks import (ParameterTypeError, check_bool, check_int, check_length, check_prompt, check_real,
-                                     check_token_id)
+from remask.diffusion.checks import (ParameterTypeError, check_bool, check_context, check_int, check_length, check_prompt,
+                                     check_real, check_token_id)
 from remask.diffusion.llada import BlockDecoder
 from remask.models.parallel import full_logits
-from remask.models.registry import FAMILIES, family_of
+from remask.models.registry import all_families, family_of
 from remask.models.spec import get_spec
 from remask.text import answer_text, stop_token_ids
 
@@ -133,7 +133,7 @@ class _HeldDreamBlockDecoder(DreamBlockDecoder):
 def _FAMILY_SETTINGS() -> dict[str, list[str]]:
     """`SamplingParams` fields of the families' own decoders → the model types that read them."""
     out: dict[str, list[str]] = {}
-    for family in FAMILIES.values():
+    for family in all_families().values():
         if family.settings is not None:
             out.setdefault(family.settings, []).append(family.model_type)
     return out
@@ -253,6 +253,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a remask.SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
+        check_context(self.spec, len(ids), params.max_tokens)   # before any decoder sizes its buffers by it
         prompt_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         for name, owners in _FAMILY_SETTINGS().items():
             if getattr(params, name) is not None and (self.family is None or self.family.settings != name):

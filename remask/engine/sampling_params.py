@@ -12,8 +12,8 @@ from typing import Any
 from remask.diffusion.apd import APDConfig, check_apd_alone
 from remask.diffusion.cache import CACHE_MODES
 from remask.diffusion.canvas import CanvasSampler, check_canvas_settings
-from remask.diffusion.checks import (ParameterTypeError, check_bool, check_choice, check_instance, check_int,
-                                     check_min_tokens, check_real)
+from remask.diffusion.checks import (MAX_TEMPERATURE, ParameterTypeError, check_bool, check_choice, check_instance,
+                                     check_int, check_min_tokens, check_real, check_seed, check_steps)
 from remask.diffusion.dream import ALGORITHMS
 from remask.diffusion.llada import REMASKING, validate_block_args, validate_rule
 from remask.diffusion.llada2 import check_llada2_settings
@@ -118,8 +118,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, minimum=1)
         check_int("n", self.n, minimum=1)
-        check_int("seed", self.seed, minimum=0, allow_none=True)
-        check_real("temperature", self.temperature, low=0)
+        check_seed(self.seed, self.n)
+        check_real("temperature", self.temperature, low=0, high=MAX_TEMPERATURE)
         check_real("top_p", self.top_p, low=0, high=1, low_open=True, allow_none=True)
         check_int("top_k", self.top_k, minimum=1, allow_none=True)
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -132,7 +132,9 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(check_int("stop_token_ids", i, minimum=0) for i in ids))
         check_bool("ignore_eos", self.ignore_eos)
         check_min_tokens(self.min_tokens, self.max_tokens)
-        check_int("steps", self.steps, minimum=1, allow_none=True)
+        # LLaDA's block rule and Dream's sampler commit at least one token a step: more steps than
+        # max_tokens only repeat forwards (and sized O(steps) buffers: steps=10**9 was an OOM kill)
+        check_steps("steps", self.steps, self.max_tokens, "max_tokens")
         check_int("block_length", self.block_length, minimum=1, allow_none=True)
         validate_block_args(self.max_tokens, self.block_length or self.max_tokens, self.steps or self.max_tokens)
         check_choice("remasking", self.remasking, REMASKING)
@@ -162,7 +164,7 @@ class SamplingParams:
             self.sparse.validate(self.block_length or self.max_tokens)
             if self.use_cache is not None or self.cfg_scale > 0:
                 raise ValueError("sparse keeps its own cache and has no CFG pass: not with use_cache or cfg_scale")
-        check_real("alg_temp", self.alg_temp, low=0, allow_none=True)
+        check_real("alg_temp", self.alg_temp, low=0, high=MAX_TEMPERATURE, allow_none=True)
         check_real("eps", self.eps, low=0, high=1, high_open=True)
         if self.alg is not None:
             check_choice("alg", self.alg, ALGORITHMS)

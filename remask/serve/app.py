@@ -35,13 +35,23 @@ from pydantic import BaseModel, ConfigDict
 from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+from starlette.routing import Match
 
+from remask.diffusion.checks import MAX_N, check_int
 from remask.engine import EngineState, RequestOutput, SamplingParams
 
 from .async_engine import AsyncEngine, QueueFull
 from .protocol import ChatCompletionRequest, CompletionRequest, UnsupportedParameter
 
 MAX_BODY_BYTES = 1 << 20
+# Seconds a request's whole body may take to arrive (a client that announces more than it sends is
+# answered 408 then, not held open): 1 MiB in 10 s is ~100 KB/s.
+BODY_TIMEOUT = 10.0
+# A text prompt longer than context x this many characters cannot fit the context in any tokenizer
+# remask serves (tokens average ~4 characters; the longest are runs of ~16-32), so it is refused
+# before the tokenizer spends time and memory on it; the token count is checked after.
+MAX_CHARS_PER_TOKEN = 32
 # One JSON line per request (request id, route, status, milliseconds); the streamed body may go on after.
 access_log = logging.getLogger("remask.serve.access")
 # The playground: one static page (no build step) that streams drafts from the routes below.
@@ -57,7 +67,7 @@ class ClientGone(Exception):
 # rate_limit_exceeded, unknown_parameter, unsupported_parameter, invalid_type,
 # missing_required_parameter, invalid_value), otherwise a name for the status.
 ERROR_CODES = {400: "invalid_value", 401: "invalid_api_key", 403: "permission_denied", 404: "not_found",
-               413: "request_too_large", 429: "rate_limit_exceeded", 500: "server_error", 503: "server_unavailable",
+               408: "request_timeout", 413: "request_too_large", 429: "rate_limit_exceeded", 500: "server_error", 503: "server_unavailable",
                504: "timeout"}
 
 
@@ -202,7 +212,8 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
               max_body_bytes: int = MAX_BODY_BYTES, rate_limit: int | None = None,
               response_cache: tuple[int, float] | None = None, cors_origins: list[str] | None = None,
               admin_key: str | None = None, load_model: Callable[[str], Any] | None = None,
-              defaults: dict[str, dict[str, Any]] | None = None) -> FastAPI:
+              defaults: dict[str, dict[str, Any]] | None = None, max_n: int = MAX_N,
+              body_timeout: float = BODY_TIMEOUT) -> FastAPI:
     """The app for `engines` (served name → engine). `api_key`: required as `Authorization:
     Bearer <key>` on `/v1/*` when set. `request_timeout`: seconds after which a request is aborted
     (504). `rate_limit`: requests per minute per key (429 beyond). `response_cache`: (size, ttl
@@ -210,11 +221,18 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
     (none by default). `admin_key`: enables `POST /admin/models` for requests bearing it;
     `load_model(path)` builds the `remask.LLM` it loads (default: `remask.LLM(path)`).
     `defaults`: per served name, `SamplingParams` fields used where a request sets nothing (checked
-    here: a bad default fails at start, not on the first request)."""
+    here: a bad default fails at start, not on the first request). `max_n`: the most samples one
+    request may ask for (`n`; OpenAI's 128 by default): one request's samples share the engine with
+    everyone's. `max_body_bytes`: the largest request body, counted as it streams (chunked bodies
+    too), 413 beyond. `body_timeout`: seconds a request's body may take to arrive, 408 beyond."""
     if not engines:
         raise ValueError("engines: serve at least one model")
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout must be > 0 seconds or None, got {request_timeout!r}")
+    check_int("max_n", max_n, minimum=1)
+    check_int("max_body_bytes", max_body_bytes, minimum=1)
+    if isinstance(body_timeout, bool) or not isinstance(body_timeout, (int, float)) or not body_timeout > 0:
+        raise ValueError(f"body_timeout must be > 0 seconds, got {body_timeout!r}")
     app = FastAPI(title="remask", docs_url=None, redoc_url=None)
     engines = dict(engines)   # this app's own table: swaps replace entries, requests in flight keep theirs
     defaults = {name: dict(values) for name, values in (defaults or {}).items()}
@@ -254,9 +272,21 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
                                       kind="rate_limit_error", headers={"Retry-After": str(max(1, round(wait)))})
         return None
 
+    def route_of(scope) -> str:
+        """The route a request is for, also when the gate answers before routing (401, 403, 413),
+        so /metrics counts those under their route."""
+        for route in app.router.routes:
+            if route.matches(scope)[0] is Match.FULL:
+                return getattr(route, "path", "unmatched")
+        return "unmatched"
+
     class Gate:
         """Pure ASGI (so a handler still sees its client disconnect): request IDs, the checks of
-        `rejection`, security headers, the requests metric and the access log."""
+        `rejection`, the body-read deadline, security headers, the requests metric and the access log.
+
+        Request IDs are the server's own (a fresh uuid): a client's `X-Request-ID` is echoed in the
+        response header and logged beside it, never used to name the request in the engine, where a
+        reused or guessed id could collide with (and abort) another client's request."""
 
         def __init__(self, inner) -> None:
             self.inner = inner
@@ -267,12 +297,34 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
                 return
             started = time.perf_counter()
             request = Request(scope)
-            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            request_id = uuid.uuid4().hex
+            client_id = request.headers.get("x-request-id")
+            if client_id is not None:
+                client_id = client_id[:200]        # echoed and logged: bounded
             scope.setdefault("state", {})["request_id"] = request_id
-            extra = [(b"x-request-id", request_id.encode("latin-1", "replace")),
+            extra = [(b"x-request-id", (client_id or request_id).encode("latin-1", "replace")),
                      (b"x-content-type-options", b"nosniff"), (b"x-frame-options", b"DENY"),
                      (b"referrer-policy", b"no-referrer")]
             status = 500
+            deadline = time.monotonic() + body_timeout
+            body_done = False
+
+            async def receive_body_in_time():
+                """The body must arrive by the deadline (a client that announces more than it sends
+                gets 408, not a connection held open); after the body, waiting (for a disconnect)
+                is not bounded."""
+                nonlocal body_done
+                if body_done:
+                    return await receive()
+                try:
+                    message = await asyncio.wait_for(receive(), timeout=max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    body_done = True
+                    raise StarletteHTTPException(408, f"the request body did not arrive within {body_timeout} s") \
+                        from None
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    body_done = True
+                return message
 
             async def send_with_headers(message) -> None:
                 nonlocal status
@@ -286,15 +338,21 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
                 if refused is not None:
                     await refused(scope, receive, send_with_headers)
                 else:
-                    await self.inner(scope, receive, send_with_headers)
+                    await self.inner(scope, receive_body_in_time, send_with_headers)
             finally:
-                route = getattr(scope.get("route"), "path", "unmatched")
+                route = getattr(scope.get("route"), "path", None) or route_of(scope)
                 metrics.requests.labels(route, str(status)).inc()
-                access_log.info(json.dumps({"request_id": request_id, "method": request.method,
-                                            "path": request.url.path, "route": route, "status": status,
-                                            "ms": round((time.perf_counter() - started) * 1e3, 2),
+                access_log.info(json.dumps({"request_id": request_id, "client_request_id": client_id,
+                                            "method": request.method, "path": request.url.path, "route": route,
+                                            "status": status, "ms": round((time.perf_counter() - started) * 1e3, 2),
                                             "client": request.client.host if request.client else None}))
 
+    # Starlette's RequestBodyLimitMiddleware, inside the gate: it counts a body's bytes as they are
+    # received and stops reading at the limit, raising a 413 HTTPException the handlers below answer in
+    # OpenAI's shape, so a chunked body (no Content-Length for the gate to refuse) is bounded too, and
+    # never buffered or tokenized past the limit. (FastAPI's own max_body_size sits outside the gate
+    # and would turn the gate's 413 into plain text.)
+    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=max_body_bytes)
     app.add_middleware(Gate)
 
     @app.exception_handler(APIError)
@@ -304,17 +362,28 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, err: RequestValidationError):
         first = err.errors()[0] if err.errors() else {}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        param = ".".join(loc) or None
         kind = first.get("type", "")
+        if kind == "json_invalid":    # its loc holds the byte offset, not a field: no param
+            position = next((part for part in first.get("loc", ()) if isinstance(part, int)), None)
+            reason = (first.get("ctx") or {}).get("error", "invalid JSON")
+            return error_response(400, f"the body is not valid JSON: {reason}"
+                                  + (f" (at character {position})" if position is not None else ""), param=None,
+                                  code="invalid_value")
+        # pydantic names the member of a union it tried ("str", "list[int]", "function-after[...]"): not a field
+        loc = [str(part) for part in first.get("loc", ()) if part != "body" and not (isinstance(part, str) and (
+            part in ("str", "int", "float", "bool", "none", "dict", "list") or "[" in part))]
+        param = ".".join(loc) or None
         code = ("unknown_parameter" if kind == "extra_forbidden" else "missing_required_parameter" if kind == "missing"
                 else "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value")
         return error_response(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param=param, code=code)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException):
-        return error_response(err.status_code, str(err.detail), kind="not_found_error" if err.status_code == 404
-                              else "invalid_request_error")
+        message = str(err.detail)
+        if err.status_code == 413:   # Starlette's body limit, on a body without (or with a false) Content-Length
+            message = f"the request body is more than {max_body_bytes} bytes"
+        return error_response(err.status_code, message, kind="not_found_error" if err.status_code == 404
+                              else "timeout_error" if err.status_code == 408 else "invalid_request_error")
 
     @app.get("/", response_class=HTMLResponse)
     async def playground():
@@ -385,6 +454,9 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
         return engines[name].llm.engine.model
 
     def params_for(body: CompletionRequest | ChatCompletionRequest):
+        if body.n > max_n:       # one request's samples share the engine with everyone's requests
+            raise APIError(400, f"n must be <= {max_n} (this server's maximum samples per request), got {body.n}",
+                           param="n")
         try:
             return body.sampling_params(defaults.get(body.model), verifier)
         except UnsupportedParameter as err:
@@ -392,10 +464,29 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
         except (ValueError, TypeError) as err:
             raise APIError(400, str(err), param=_param_named(str(err), body)) from None
 
+    def check_text(engine: AsyncEngine, texts: list[tuple[str, str]], param: str) -> None:
+        """Prompt text before the tokenizer sees it: valid Unicode (a lone surrogate, which JSON's
+        \\ud800 escapes can carry, makes tokenizers raise), and no more characters than the model's
+        context could hold at `MAX_CHARS_PER_TOKEN` (the token count is checked after tokenizing)."""
+        for where, text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise APIError(400, f"{where} is not valid Unicode: a lone surrogate {text[err.start]!r} at character "
+                                    f"{err.start} (send UTF-8 text)", param=param) from None
+        context = engine.llm.engine.spec.max_length
+        total = sum(len(text) for _, text in texts)
+        if context is not None and total > context * MAX_CHARS_PER_TOKEN:
+            raise APIError(400, f"{param} has {total} characters, more than the model's context ({context} tokens) "
+                                f"can hold (at most {context * MAX_CHARS_PER_TOKEN} characters are tokenized)",
+                           param=param)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         engine = engine_for(body.model)
         params = params_for(body)
+        if isinstance(body.prompt, str):
+            check_text(engine, [("prompt", body.prompt)], "prompt")
         return await _respond(engine, body, body.prompt, params, request, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -403,9 +494,17 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
         engine = engine_for(body.model)
         params = params_for(body)
         try:
-            prompt = engine.llm.chat_ids([m.model_dump(exclude_none=True) for m in body.messages])
+            texts = [(f"messages[{i}].content", m.text(f"messages[{i}]")) for i, m in enumerate(body.messages)]
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from None
+        check_text(engine, texts, "messages")
+        messages = [{**m.model_dump(exclude_none=True), "content": text} for m, (_, text) in zip(body.messages, texts)]
+        try:
+            prompt = engine.llm.chat_ids(messages)
+        except Exception as err:  # noqa: BLE001 - the messages are all that varies here: the template or the
+            # tokenizer refusing them (jinja's raise_exception, a tokenizer's TypeError) is the client's 400
+            raise APIError(400, f"messages: the chat template or tokenizer refused them: {type(err).__name__}: {err}",
+                           param="messages") from None
         return await _respond(engine, body, prompt, params, request, chat=True)
 
     async def _respond(engine: AsyncEngine, body, prompt, params, request: Request, chat: bool):
@@ -429,6 +528,8 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
             raise APIError(503, str(err), kind="server_unavailable", headers={"Retry-After": "1"}) from None
         except (ValueError, TypeError) as err:
             raise APIError(400, str(err), param=_param_named(str(err), body)) from None
+        except Exception as err:  # noqa: BLE001 - a JSON 500 keeps the connection (an escaping error drops it)
+            raise APIError(500, f"the request failed: {type(err).__name__}: {err}", kind="server_error") from None
         model = body.model
         if body.stream:
             return EventSourceResponse(_sse(first, stream, body, params, request_id, model, chat, start,
@@ -523,7 +624,9 @@ def _param_named(message: str, body: Any) -> str | None:
     """The body field an error message names first (SamplingParams' messages start with it)."""
     fields = type(body).model_fields
     head = message.split(" ", 1)[0].rstrip(":,")
-    return head if head in fields else None
+    if head == "prompt" and "messages" in fields:    # the engine's word for a chat's tokenized messages
+        return "messages"
+    return head if head.split(".", 1)[0] in fields else None     # "sdar.denoising_steps": a field's key
 
 
 def _default_loader(path: str) -> Any:

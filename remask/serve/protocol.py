@@ -3,14 +3,15 @@
 Fields are OpenAI's (`/v1/completions`, `/v1/chat/completions`) plus remask's decoding settings
 and vLLM's `ignore_eos` / `min_tokens`, which the `openai` client sends through `extra_body`.
 Unknown fields are refused (400 naming them), and so are OpenAI fields remask does not implement
-when they are set — nothing is silently ignored. Values are checked by `SamplingParams`, the
-validation layer `remask.generate` and `LLM` share.
+when they are set — nothing is silently ignored. Numbers and booleans are strict (`true` is no 1,
+`1` no `true`, `"1"` neither): pydantic's lax mode would turn `max_tokens: true` into 1. Values are
+then checked by `SamplingParams`, the validation layer `remask.generate` and `LLM` share.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Strict, StrictBool, StrictInt
 
 from remask.diffusion.apd import APDConfig
 from remask.diffusion.canvas import CanvasSampler
@@ -24,6 +25,10 @@ UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": False, "presence_
 # remask's settings, passed to SamplingParams as they are.
 REMASK_FIELDS = ("top_k", "steps", "block_length", "threshold", "factor", "remasking", "use_cache", "cfg_scale", "alg",
                  "alg_temp", "eps", "early_stop", "stop_token_ids", "ignore_eos", "min_tokens")
+
+
+# A JSON number where a float belongs: an int or a float, never a bool (strict mode keeps ints).
+StrictNumber = Annotated[float, Strict()]
 
 
 class UnsupportedParameter(ValueError):
@@ -52,22 +57,22 @@ class StreamOptions(BaseModel):
     every denoising step, in chunks with no choices and a `draft` field."""
 
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
-    include_drafts: bool = False
+    include_usage: StrictBool = False
+    include_drafts: StrictBool = False
 
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
-    stream: bool = False
+    max_tokens: StrictInt | None = None
+    temperature: StrictNumber | None = None
+    top_p: StrictNumber | None = None
+    n: StrictInt = 1
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: StrictInt | None = None
     user: str | None = None
     # OpenAI fields not implemented (refused when set)
     logprobs: Any = None
@@ -82,20 +87,20 @@ class _Common(BaseModel):
     tool_choice: Any = None
     response_format: Any = None
     # remask's decoding settings (the client's `extra_body`)
-    top_k: int | None = None
-    steps: int | None = None
-    block_length: int | None = None
-    threshold: float | None = None
-    factor: float | None = None
+    top_k: StrictInt | None = None
+    steps: StrictInt | None = None
+    block_length: StrictInt | None = None
+    threshold: StrictNumber | None = None
+    factor: StrictNumber | None = None
     remasking: str | None = None
     use_cache: str | dict[str, Any] | None = None   # a name, or a cache config {"name": "dkv", ...}
     decoder: dict[str, Any] | None = None           # a decoder config {"name": "freedave", ...}
-    cfg_scale: float | None = None
+    cfg_scale: StrictNumber | None = None
     alg: str | None = None
-    alg_temp: float | None = None
-    eps: float | None = None
-    early_stop: bool | None = None
-    stop_token_ids: list[int] | None = None
+    alg_temp: StrictNumber | None = None
+    eps: StrictNumber | None = None
+    early_stop: StrictBool | None = None
+    stop_token_ids: list[StrictInt] | None = None
     # vLLM's extra body fields; typed loosely so SamplingParams alone judges them (1 is no bool)
     ignore_eos: Any = None
     min_tokens: Any = None
@@ -162,19 +167,44 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int]
+    prompt: str | list[StrictInt]
+
+
+class ContentPart(BaseModel):
+    """One part of OpenAI's array form of `content` (`[{"type": "text", "text": ...}, ...]`, which
+    the SDKs' helpers send). Other types (`image_url`, `input_audio`, `file`, …) are read only to be
+    refused by name (`ChatMessage.text`), so their fields pass here."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: str | list[ContentPart]
     name: str | None = None
+
+    def text(self, where: str) -> str:
+        """The message's text: `content` itself, or its text parts joined by newlines (as vLLM
+        joins them); `ValueError` naming the part (`where`: "messages[i]") for any other part."""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text":
+                raise ValueError(f"{where}.content[{j}]: content parts of type {part.type!r} are not supported "
+                                 "(remask's models read text: only {'type': 'text', 'text': ...} parts)")
+            if part.text is None:
+                raise ValueError(f"{where}.content[{j}]: a text part needs its 'text'")
+            texts.append(part.text)
+        return "\n".join(texts)
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: StrictInt | None = None
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None \
