@@ -99,6 +99,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 SERVE_DEFAULTS = {"max_n": 128, "body_timeout": 10.0, "max_body_bytes": 1 << 20}
+SHUTDOWN_GRACE = 30.0   # remask.serve.server.SHUTDOWN_GRACE (tests/test_cli.py checks)
 
 BENCHES = {"engine": "engine.py", "serve": "serve_load.py", "quantized": "quantized.py", "ablate": "ablate.py"}
 
@@ -188,8 +189,8 @@ def _serve(args: argparse.Namespace) -> int:
                     max_n=args.max_n, body_timeout=args.body_timeout, max_body_bytes=args.max_body_bytes)
     print(json.dumps({"serving": {name: path for name, path in models}, "host": args.host, "port": args.port}),
           flush=True)
-    serve(app, engines, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    return serve(app, engines, host=args.host, port=args.port, log_level=args.log_level,
+                 shutdown_grace=args.shutdown_grace)
 
 
 EVAL_HELP = """\
@@ -569,6 +570,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     serve_parser.add_argument("--max-body-bytes", type=int, default=SERVE_DEFAULTS["max_body_bytes"],
                               help=f"largest request body, chunked or not (default {SERVE_DEFAULTS['max_body_bytes']}); "
                                    "larger ones get 413 and are not read past the limit")
+    serve_parser.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE,
+                              help=f"seconds the requests in flight get to finish after SIGTERM (default "
+                                   f"{SHUTDOWN_GRACE:g}); then they are aborted (503) and the server exits 1; a "
+                                   "second SIGTERM exits at once")
     serve_parser.add_argument("--response-cache", type=_cache_arg, default=None, metavar="SIZE,TTL",
                               help="cache deterministic responses (LRU of SIZE, TTL seconds)")
     serve_parser.add_argument("--cors-origins", default=None, help="comma-separated origins allowed by CORS")

@@ -225,20 +225,24 @@ def test_serve_limits_are_the_app_s_and_reach_it(monkeypatch):
     from remask import cli
     from remask.serve import app
 
+    from remask.serve import server
+
     signature = inspect.signature(app.build_app).parameters
     assert {name: signature[name].default for name in cli.SERVE_DEFAULTS} == cli.SERVE_DEFAULTS
+    assert cli.SHUTDOWN_GRACE == server.SHUTDOWN_GRACE
     seen = {}
     monkeypatch.setattr(app, "build_app", lambda engines, **kw: seen.update(kw) or "app")
     import remask.serve
 
     monkeypatch.setattr(remask.serve, "build_app", app.build_app)
-    monkeypatch.setattr(remask.serve, "serve", lambda *a, **kw: None)
+    monkeypatch.setattr(remask.serve, "serve", lambda *a, **kw: seen.update(kw) or 0)
     monkeypatch.setattr(remask.serve, "AsyncEngine", lambda llm, **kw: llm)
     import remask as package
 
     monkeypatch.setattr(package, "LLM", lambda *a, **kw: "llm", raising=False)
-    assert cli.main(["serve", "tiny-llada", "--max-n", "4", "--body-timeout", "2.5", "--max-body-bytes", "4096"]) == 0
-    assert (seen["max_n"], seen["body_timeout"], seen["max_body_bytes"]) == (4, 2.5, 4096)
+    assert cli.main(["serve", "tiny-llada", "--max-n", "4", "--body-timeout", "2.5", "--max-body-bytes", "4096",
+                     "--shutdown-grace", "7"]) == 0
+    assert (seen["max_n"], seen["body_timeout"], seen["max_body_bytes"], seen["shutdown_grace"]) == (4, 2.5, 4096, 7)
 
 
 def test_generate_ignore_eos_and_min_tokens(capsys):

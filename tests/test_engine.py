@@ -933,3 +933,127 @@ def test_ignore_eos_and_min_tokens_are_checked_when_built():
     with pytest.raises(ValueError, match="ignore_eos.*early_stop"):
         SamplingParams(ignore_eos=True, early_stop=True)
     assert SamplingParams(max_tokens=8, min_tokens=8).min_tokens == 8
+
+
+def test_a_passed_deadline_aborts_the_request_between_steps_and_frees_it(llada):
+    """`set_deadline`: the engine itself ends a request whose deadline passed, at the next step,
+    waiting or running, with finish reason "timeout"; the others go on."""
+    from remask.engine.sequence import now
+
+    model, tokenizer = llada
+    engine = LLMEngine(model, tokenizer, max_num_seqs=1)
+    one_block = SamplingParams(max_tokens=32, steps=32, block_length=32, seed=0)
+    engine.add_request("late", PROBLEMS[0], one_block)
+    engine.add_request("queued", PROBLEMS[1], one_block)     # waiting: max_num_seqs=1
+    engine.add_request("fine", PROBLEMS[2], SamplingParams(max_tokens=8, steps=8, block_length=8, seed=1))
+    engine.step()
+    engine.step()
+    seq = engine.requests["late"][2][0]
+    nfe = seq.stats.nfe
+    assert nfe >= 1 and not seq.is_finished
+    engine.set_deadline("late", now())
+    engine.set_deadline("queued", now() - 1)
+    engine.set_deadline("fine", now() + 3600)
+    outs = {o.request_id: o for o in engine.step()}
+    for name in ("late", "queued"):
+        assert outs[name].finished and outs[name].outputs[0].finish_reason == "timeout"
+    assert outs["late"].outputs[0].nfe == nfe                # aborted before another forward
+    assert seq.state is None and seq not in engine.scheduler.running
+    assert set(engine.requests) == {"fine"}
+    while engine.has_unfinished_requests():
+        done = [o for o in engine.step() if o.finished]
+    assert done[0].request_id == "fine" and done[0].outputs[0].finish_reason in ("stop", "length")
+    with pytest.raises(ValueError, match="not in flight"):
+        engine.set_deadline("fine", now())
+    engine.add_request("x", PROBLEMS[0], one_block)
+    with pytest.raises(ValueError, match="deadline"):
+        engine.set_deadline("x", float("nan"))
+    with pytest.raises(ValueError, match="reason"):
+        engine.abort_request("x", reason="bored")
+
+
+def test_a_small_request_beside_an_n128_request_finishes_within_its_own_steps(llada):
+    """Fairness (issue 29): one request's 128 samples used to hold a later request back until they
+    were all done (first come, first served over sequences). Now each step is shared round-robin
+    over requests: the small request is in the very next step's batch and finishes in its own
+    number of steps, with its tokens alone; the big request loses one slot per step, not more."""
+    model, tokenizer = llada
+    engine = LLMEngine(model, tokenizer, max_num_seqs=64)
+    tiny = dict(max_tokens=4, steps=4, block_length=4)
+    engine.add_request("big", PROBLEMS[0], SamplingParams(n=128, seed=0, **tiny))
+    engine.step()
+    small = SamplingParams(seed=7, **tiny)
+    engine.add_request("small", PROBLEMS[1], small)
+    done, steps, batches = {}, 0, []
+    schedule = engine.scheduler.schedule
+
+    def counted():
+        admitted, batch, preempted = schedule()
+        batches.append(batch)
+        return admitted, batch, preempted
+
+    engine.scheduler.schedule = counted
+    while "small" not in done:
+        steps += 1
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert steps <= small.steps + 1, steps                       # its first step at once, then its own steps
+    assert all(len(b) == 64 and sum(s.request_id == "small" for s in b) == 1 for b in batches)
+    assert done["small"].outputs[0].all_token_ids == alone_llada(model, PROBLEMS[1], small)
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    big = done["big"].outputs
+    assert len(big) == 128 and big[5].all_token_ids == alone_llada(model, PROBLEMS[0], SamplingParams(n=128, seed=0,
+                                                                                                     **tiny), 5)
+
+
+def test_steps_are_shared_round_robin_over_owners_then_requests(llada):
+    """Owner "a" floods the engine with three n=8 requests; owner "b"'s one request still gets half
+    of every step it can use (owners first, then each owner's requests), and everything finishes
+    with its tokens alone."""
+    model, tokenizer = llada
+    engine = LLMEngine(model, tokenizer, max_num_seqs=4)
+    params = SamplingParams(max_tokens=4, steps=4, block_length=4, seed=3, n=8)
+    for i in range(3):
+        engine.add_request(f"a{i}", PROBLEMS[i], params, owner="a")
+    engine.add_request("b", PROBLEMS[3], params, owner="b")
+    with pytest.raises(ValueError, match="owner"):
+        engine.add_request("c", PROBLEMS[4], params, owner=7)
+    _, batch, _ = engine.scheduler.schedule()
+    assert sum(s.owner == "b" for s in batch) == 2 and sum(s.owner == "a" for s in batch) == 2
+    assert len({s.request_id for s in batch if s.owner == "a"}) == 2   # a's share, split over its requests
+    done = run_engine(engine, [])
+    assert set(done) == {"a0", "a1", "a2", "b"}
+    assert done["b"].outputs[3].all_token_ids == alone_llada(model, PROBLEMS[3], params, 3)
+
+
+def test_a_request_over_the_memory_budget_is_refused_by_name_before_allocation(llada, ar, monkeypatch):
+    """Admission (issue 29): a request's memory (its samples' positions × logits, activations and
+    cache, plus each sample's bookkeeping) is estimated before any sample, decoder or buffer exists
+    and refused against `max_request_bytes`, naming the parameter that drives it; the default
+    budget admits every ordinary request (n=128 included) and refuses a flood of samples."""
+    import remask.engine.llm_engine as llm_engine
+
+    model, tokenizer = llada
+    engine = LLMEngine(model, tokenizer)
+    ok = SamplingParams(max_tokens=64, steps=64, n=128, use_cache="dual", block_length=32)
+    assert engine.request_bytes(len(PROBLEMS[0]), ok)[0] <= engine.max_request_bytes
+    engine.add_request("ok", PROBLEMS[0], ok)                  # the server's cap, the context's length
+    with pytest.raises(ValueError, match="^n: .*max_request_bytes"):
+        engine.add_request("flood", PROBLEMS[0], SamplingParams(max_tokens=16, n=100_000))
+    total, one = engine.request_bytes(len(PROBLEMS[0]), SamplingParams(max_tokens=16, n=8))
+    small = LLMEngine(model, tokenizer, max_request_bytes=one * 2)
+
+    def no_sample(*args, **kwargs):
+        raise AssertionError("a sample was made before the admission check")
+
+    monkeypatch.setattr(llm_engine, "Sequence", no_sample)
+    for params, name in ((SamplingParams(max_tokens=16, n=8), "n"), (SamplingParams(max_tokens=96), "max_tokens")):
+        with pytest.raises(ValueError, match=f"^{name}: .*max_request_bytes={one * 2}"):
+            small.add_request("x", PROBLEMS[0], params)
+    assert not small.requests and not small.has_unfinished_requests()
+    monkeypatch.undo()
+    small.add_request("fits", PROBLEMS[0], SamplingParams(max_tokens=16, n=2))
+    with pytest.raises(ValueError, match="max_request_bytes"):
+        LLMEngine(model, tokenizer, max_request_bytes=0)
+    ar_engine = LLMEngine(*ar)
+    ar_engine.add_request("ar", PROBLEMS[0], SamplingParams(max_tokens=16, n=128))

@@ -827,3 +827,214 @@ def test_a_body_shorter_than_its_content_length_gets_408_in_bounded_time():
     finally:
         server.stop()
         engine.shutdown()
+
+
+def slow_steps(llm, seconds: float) -> None:
+    """Every engine step of `llm` takes at least `seconds`: a long generation on a tiny model,
+    with timings that do not depend on the machine."""
+    runner = llm.engine.runner
+    real = runner.step
+    runner.step = lambda running: time.sleep(seconds) or real(running)
+
+
+def running_requests(server: Server, model: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return float(next(line for line in text.splitlines()
+                      if line.startswith(f'remask_running_requests{{model="{model}"}}')).split()[-1])
+
+
+# One block of 64 steps: the engine reports nothing until the last step (>= 6.4 s with slow_steps 0.1).
+ONE_BLOCK = {"prompt": PROMPT, "max_tokens": 64, "steps": 64, "block_length": 64}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_a_one_block_request_frees_it_within_a_step(stream):
+    """Issue 29: the disconnect is watched apart from the outputs, so a request that reports nothing
+    for a long time (one big block) is aborted, and its sequence freed, at the next step after its
+    client leaves (streaming or not), not when it would have finished."""
+    llm = remask.LLM("tiny-llada")
+    slow_steps(llm, 0.1)
+    aborted = []
+    real_abort = llm.engine.abort_request
+    llm.engine.abort_request = lambda request_id, reason="abort": aborted.append(
+        real_abort(request_id, reason)) or aborted[-1]
+    engine = AsyncEngine(llm)
+    server = Server(build_app({"m": engine}))
+    try:
+        with pytest.raises(httpx.ReadTimeout):     # the client gives up after 1 s and closes the connection
+            httpx.post(f"{server.url}/v1/completions", json={"model": "m", **ONE_BLOCK, "stream": stream},
+                       timeout=httpx.Timeout(5, read=1.0))
+        left = time.time()
+        while llm.engine.has_unfinished_requests() or running_requests(server, "m"):
+            assert time.time() < left + 2.0, "the abandoned request was not aborted within a step or so"
+            time.sleep(0.05)
+        out = aborted[0]
+        assert out is not None and out.outputs[0].finish_reason == "abort" and out.outputs[0].nfe < 40
+        assert post(server, {"model": "m", "prompt": PROMPT, "max_tokens": 8, "steps": 8}, key=None).status_code == 200
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+def test_a_deadline_aborts_in_the_engine_between_steps_with_504():
+    """`request_timeout` and a request's own `timeout` travel into the engine, which aborts the
+    request between steps once its deadline passed (finish reason "timeout"): 504 in OpenAI's
+    shape, also as a stream's error event; `timeout` is validated against the server's limit."""
+    llm = remask.LLM("tiny-llada")
+    slow_steps(llm, 0.1)
+    reasons = []
+    real_abort = llm.engine.abort_request
+    llm.engine.abort_request = lambda request_id, reason="abort": reasons.append(reason) or real_abort(request_id,
+                                                                                                      reason)
+    engine = AsyncEngine(llm)
+    server = Server(build_app({"m": engine}, request_timeout=1.0))
+    try:
+        for extra, name, param in (({}, "request_timeout=1.0", None), ({"timeout": 0.3}, "timeout=0.3", "timeout")):
+            start = time.time()
+            got = post(server, {"model": "m", **ONE_BLOCK, **extra}, key=None)
+            assert time.time() - start < 3.0
+            assert got.status_code == 504, got.text
+            error = got.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert error["code"] == "timeout" and error["type"] == "timeout_error" and error["param"] == param
+            assert name in error["message"] and "in the engine" in error["message"]
+            assert reasons[-1] == "timeout"
+            deadline = time.time() + 5
+            while llm.engine.has_unfinished_requests():
+                assert time.time() < deadline
+                time.sleep(0.02)
+        events = []
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=10,
+                          json={"model": "m", "prompt": PROMPT, "max_tokens": 64, "steps": 64, "block_length": 2,
+                                "timeout": 0.9, "stream": True}) as response:       # a first block, then the deadline
+            assert response.status_code == 200
+            events = [json.loads(line[5:]) for line in response.iter_lines() if line.startswith("data:")
+                      and line[5:].strip() != "[DONE]"]
+        assert events and events[-1]["error"]["code"] == "timeout" and "in the engine" in events[-1]["error"]["message"]
+        for bad in (0, -1, 2.0, True, "1"):
+            got = post(server, {"model": "m", "prompt": PROMPT, "max_tokens": 8, "steps": 8, "timeout": bad}, key=None)
+            assert got.status_code == 400 and got.json()["error"]["param"] == "timeout", (bad, got.text)
+        ok = post(server, {"model": "m", "prompt": PROMPT, "max_tokens": 8, "steps": 8, "timeout": 0.9}, key=None)
+        assert ok.status_code == 200
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+# `serve(...)` as `remask serve` runs it, in a process of its own (signals reach a main thread only),
+# with every engine step slowed to 0.1 s so that a request is long whatever the machine.
+SLOW_SERVER = """
+import sys, time
+import remask
+from remask.serve import AsyncEngine, build_app, serve
+llm = remask.LLM("tiny-llada")
+real = llm.engine.runner.step
+llm.engine.runner.step = lambda running: time.sleep(0.1) or real(running)
+engines = {"m": AsyncEngine(llm)}
+sys.exit(serve(build_app(engines), engines, port=int(sys.argv[1]), log_level="info", shutdown_grace=float(sys.argv[2])))
+"""
+
+
+def start_slow_server(tmp_path, grace: float):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "slow_server.py"
+    script.write_text(SLOW_SERVER)
+    process = subprocess.Popen([sys.executable, str(script), str(port), str(grace)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while True:
+        assert process.poll() is None, process.communicate()
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, "the server did not come up"
+        time.sleep(0.2)
+
+
+def exits_within(process, seconds: float) -> tuple[int, float, str]:
+    """(exit code, seconds it took, stderr) of a process that must exit within `seconds`."""
+    start = time.time()
+    _, err = process.communicate(timeout=seconds)
+    return process.returncode, time.time() - start, err
+
+
+def test_sigterm_with_an_abandoned_long_request_exits_within_the_grace_period(tmp_path):
+    """Issue 29: an abandoned request (its client gone) does not hold the drain: it was aborted when
+    its client left, so SIGTERM exits at once, 0 (the drain completed), well inside the grace."""
+    import signal
+
+    process, url = start_slow_server(tmp_path, grace=3.0)
+    try:
+        with pytest.raises(httpx.ReadTimeout):     # >= 6.4 s of work; the client leaves after 1 s
+            httpx.post(f"{url}/v1/completions", json={"model": "m", **ONE_BLOCK}, timeout=httpx.Timeout(5, read=1.0))
+        process.send_signal(signal.SIGTERM)
+        code, took, err = exits_within(process, 3.0 + 5)
+        assert code == 0 and took < 3.0, (code, took, err)
+        assert "Traceback" not in err and "Exception in ASGI application" not in err, err
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+def test_the_grace_period_bounds_the_drain_and_a_second_sigterm_exits_at_once(tmp_path):
+    """The drain waits for requests someone is waiting for, at most the grace period: then they
+    are aborted (503) and the process exits 1. A second SIGTERM aborts at once (a stream gets an
+    error event), with no traceback; new requests meanwhile get 503."""
+    import concurrent.futures
+    import signal
+
+    process, url = start_slow_server(tmp_path, grace=1.0)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(httpx.post, f"{url}/v1/completions", json={"model": "m", **ONE_BLOCK}, timeout=30)
+            time.sleep(0.5)
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            assert httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": PROMPT},
+                              timeout=10).status_code == 503
+            got = waiting.result(timeout=10)
+        assert got.status_code == 503 and got.json()["error"]["code"] == "server_unavailable", got.text
+        code, took, err = exits_within(process, 10)
+        assert code == 1 and took < 3.0, (code, took, err)
+        assert "Traceback" not in err and "Exception in ASGI application" not in err, err
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+    process, url = start_slow_server(tmp_path, grace=60.0)
+    try:
+        events = []
+
+        def read_stream() -> None:
+            body = {"model": "m", **ONE_BLOCK, "block_length": 2, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+                events.extend(json.loads(line[5:]) for line in response.iter_lines()
+                              if line.startswith("data:") and line[5:].strip() != "[DONE]")
+
+        reader = threading.Thread(target=read_stream, daemon=True)
+        reader.start()
+        time.sleep(1.0)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert process.poll() is None                        # draining: the stream is still wanted
+        process.send_signal(signal.SIGTERM)
+        code, took, err = exits_within(process, 10)
+        assert code == 1 and took < 2.0, (code, took, err)
+        assert "Traceback" not in err and "Exception in ASGI application" not in err, err
+        reader.join(timeout=10)
+        assert events and events[-1]["error"]["code"] == "server_unavailable", events[-1:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()

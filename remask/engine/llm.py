@@ -44,7 +44,7 @@ class LLM:
                  max_num_batched_tokens: int = 16384, kv_cache_pages: int | None = None,
                  kv_cache_memory_fraction: float | None = None, page_size: int = 16,
                  enable_prefix_caching: bool = True, batch_invariant: bool = True, seed: int = 0,
-                 quantization: Any = None) -> None:
+                 quantization: Any = None, max_request_bytes: int | None = None) -> None:
         if isinstance(model, torch.nn.Module):
             if dtype is not None or device is not None or quantization is not None:
                 raise ValueError("dtype / device / quantization apply when LLM loads the model; prepare a loaded "
@@ -60,7 +60,7 @@ class LLM:
                                 max_num_batched_tokens=max_num_batched_tokens, kv_cache_pages=kv_cache_pages,
                                 kv_cache_memory_fraction=kv_cache_memory_fraction, page_size=page_size,
                                 enable_prefix_caching=enable_prefix_caching, batch_invariant=batch_invariant,
-                                seed=seed)
+                                seed=seed, max_request_bytes=max_request_bytes)
         self._counter = 0
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

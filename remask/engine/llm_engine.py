@@ -151,7 +151,8 @@ class LLMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 16384, kv_cache_pages: int | None = None,
                  kv_cache_memory_fraction: float | None = None, page_size: int = 16,
-                 enable_prefix_caching: bool = True, batch_invariant: bool = True, seed: int = 0) -> None:
+                 enable_prefix_caching: bool = True, batch_invariant: bool = True, seed: int = 0,
+                 max_request_bytes: int | None = None) -> None:
         self.state = EngineState.LOADING
         check_int("max_num_seqs", max_num_seqs, minimum=1)
         check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
@@ -162,6 +163,7 @@ class LLMEngine:
         check_bool("enable_prefix_caching", enable_prefix_caching)
         check_bool("batch_invariant", batch_invariant)
         check_int("seed", seed, minimum=0)
+        check_int("max_request_bytes", max_request_bytes, minimum=1, allow_none=True)
         self.model, self.tokenizer, self.seed = model.eval(), tokenizer, seed
         self.spec = get_spec(model)
         self.family = family_of(getattr(model.config, "model_type", ""))
@@ -171,6 +173,14 @@ class LLMEngine:
                                         kv_cache_memory_fraction, page_size, enable_prefix_caching)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.pages)
         self.runner = ModelRunner(model, self.spec, batch_invariant, self.pages)
+        self._generator_bytes = torch.Generator(device=self.device).get_state().numel()
+        # Admission's memory budget per request (`request_bytes`). Default: one full step at this
+        # engine's own limits (max_num_batched_tokens positions, with a cache and CFG) plus the
+        # bookkeeping of 1024 samples at the model's context length — every request the scheduler
+        # could run fits, and only a flood of samples (n in the thousands) does not.
+        self.max_request_bytes = max_request_bytes if max_request_bytes is not None else (
+            2 * max_num_batched_tokens * self._position_bytes(cached=True)
+            + 1024 * self._sample_bytes(self.spec.max_length or max_num_batched_tokens))
         # Encoder–decoder models: requests with the same prompt share its encoder cache (copied).
         self.prompt_cache = PromptCache(max(64, max_num_seqs)) if (
             self.spec.layout == "encoder-decoder" and enable_prefix_caching) else None
@@ -234,17 +244,23 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | Seq[int] | torch.Tensor | dict[str, Any],
-                    params: SamplingParams | None = None, *, drafts: bool = False) -> None:
+                    params: SamplingParams | None = None, *, drafts: bool = False, owner: str | None = None) -> None:
         """Queue a request: a text prompt, token ids, or vLLM's dicts — `{"prompt": text}`
         (TextPrompt), `{"prompt_token_ids": ids}` (TokensPrompt; an optional `"prompt"` there is the
         text the ids came from, reported as `RequestOutput.prompt`, not tokenized). Everything is
         checked here; a bad request raises `ValueError` naming the problem and the engine keeps
         serving the others.
         `drafts=True`: `step` reports the request after every step with its provisional canvas
-        (`CompletionOutput.draft`; diffusion models), to show the answer forming."""
+        (`CompletionOutput.draft`; diffusion models), to show the answer forming.
+        `owner`: who asked (a server passes an API key's identity, never the key): the scheduler
+        shares each step round-robin over owners, then their requests (docs/engine.md, Fairness).
+        A request whose estimated memory (`request_bytes`) is over `max_request_bytes` is refused,
+        naming `max_tokens` / `prompt` (one sample is too large) or `n`, before anything is allocated."""
         if self.state is not EngineState.READY:
             raise RuntimeError(f"the engine is {self.state.value}: it admits no new request")
         check_bool("drafts", drafts)
+        if owner is not None and not isinstance(owner, str):
+            raise ParameterTypeError(f"owner must be a str or None, got {type(owner).__name__}")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self.requests:
@@ -254,6 +270,7 @@ class LLMEngine:
             raise TypeError(f"params must be a remask.SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
         check_context(self.spec, len(ids), params.max_tokens)   # before any decoder sizes its buffers by it
+        self._check_request_bytes(len(ids), params)            # before any sample, decoder or buffer exists
         prompt_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         for name, owners in _FAMILY_SETTINGS().items():
             if getattr(params, name) is not None and (self.family is None or self.family.settings != name):
@@ -308,12 +325,67 @@ class LLMEngine:
         arrival = now()
         seqs = [Sequence(request_id=request_id, index=i, prompt_ids=prompt_ids, params=params, decoder=decoder,
                          generator=torch.Generator(device=self.device).manual_seed(base_seed + i), arrival_time=arrival,
-                         seed=base_seed + i, paged=self.is_ar, drafts=drafts and not self.is_ar,
+                         seed=base_seed + i, paged=self.is_ar, owner=owner, drafts=drafts and not self.is_ar,
                          hold_ids=hold_ids if self.is_ar else None)
                 for i in range(params.n)]
         for seq in seqs:
             self.scheduler.add(seq)
         self.requests[request_id] = (text, ids, seqs)
+
+    def _position_bytes(self, cached: bool) -> int:
+        """Estimated bytes one position of a decoding sequence holds during a step: its canvas id
+        (int64), its logits and the rule's probabilities (2 × vocabulary float32), the forward's
+        activations (hidden, attention q/k/v/o and the MLP's intermediate, in the model's dtype),
+        and with `cached` the K/V of every layer its cache keeps."""
+        config = self.model.config
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+
+        def read(*names: str, default: int = 0) -> int:
+            return next((v for name in names if isinstance(v := getattr(config, name, None), int) and v > 0), default)
+
+        hidden = read("hidden_size", "d_model", "n_embd", "dim", default=1024)
+        intermediate = read("intermediate_size", "mlp_hidden_size", "ffn_dim", "n_inner", default=4 * hidden)
+        layers = read("num_hidden_layers", "n_layers", "num_layers", "n_layer", default=1)
+        heads = read("num_attention_heads", "n_heads", "n_head", default=1)
+        kv_width = read("num_key_value_heads", "n_kv_heads", default=heads) * read("head_dim", default=hidden // heads)
+        width = torch.empty((), dtype=next(self.model.parameters()).dtype).element_size()
+        vocab = self.spec.vocab_size or read("vocab_size", "embedding_size", default=hidden)
+        plain = 8 + 2 * vocab * 4 + (5 * hidden + intermediate) * width
+        return plain + (2 * layers * kv_width * width if cached else 0)
+
+    def _sample_bytes(self, max_tokens: int) -> int:
+        """A sample's own bookkeeping while it waits or runs: its generator's state, the `Sequence`
+        and its kept token ids."""
+        return self._generator_bytes + 1024 + 8 * max_tokens
+
+    def request_bytes(self, prompt_len: int, params: SamplingParams) -> tuple[int, int]:
+        """(estimated bytes of the whole request, of one sample alone): the samples that can decode
+        at once — min(n, max_num_seqs, ⌈positions budget / positions⌉) — × their positions (prompt +
+        max_tokens) × `_position_bytes` (× 2 with CFG's second forward), plus every sample's
+        bookkeeping (× n). AR K/V and block-causal blocks live in the page store, checked there."""
+        sched = self.scheduler
+        positions = prompt_len + params.max_tokens
+        cached = not self.is_ar and (params.use_cache is not None or params.sparse is not None)
+        one = positions * self._position_bytes(cached) * (2 if params.cfg_scale else 1)
+        live = min(params.n, sched.max_num_seqs, max(1, sched.max_num_batched_tokens // positions))
+        book = self._sample_bytes(params.max_tokens)
+        return live * one + params.n * book, one + book
+
+    def _check_request_bytes(self, prompt_len: int, params: SamplingParams) -> None:
+        if prompt_len + params.max_tokens > self.scheduler.max_num_batched_tokens:
+            return    # the scheduler refuses it by its positions (max_num_batched_tokens), also before allocation
+        total, one = self.request_bytes(prompt_len, params)
+        if total <= self.max_request_bytes:
+            return
+        mib = 1 << 20
+        if one > self.max_request_bytes:
+            name = "prompt" if prompt_len > params.max_tokens else "max_tokens"
+            raise ValueError(f"{name}: one sample of this request needs about {one / mib:.1f} MiB (prompt {prompt_len} "
+                             f"+ max_tokens {params.max_tokens} positions), more than this engine's "
+                             f"max_request_bytes={self.max_request_bytes} ({self.max_request_bytes / mib:.1f} MiB)")
+        raise ValueError(f"n: the request's {params.n} samples need about {total / mib:.1f} MiB (one alone "
+                         f"{one / mib:.2f} MiB), more than this engine's max_request_bytes={self.max_request_bytes} "
+                         f"({self.max_request_bytes / mib:.1f} MiB): lower n")
 
     def _check_end_settings(self, params: SamplingParams) -> None:
         """`ignore_eos` / `min_tokens` where the request's loop can honour them, refused by name
@@ -447,20 +519,41 @@ class LLMEngine:
         # whenever and among whatever it arrives.
         return (self.seed * 1_000_003 + zlib.crc32(str(ids).encode())) % (2**31)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         """Stop a request now (waiting or running) and free its cache; returns its last output
-        (what was final so far, finish reason "abort"), or None for an unknown or finished id (a
-        request may finish while its abort is on the way)."""
+        (what was final so far, finish reason `reason`: "abort", or "timeout" for a passed
+        deadline), or None for an unknown or finished id (a request may finish while its abort
+        is on the way)."""
+        if reason not in ("abort", "timeout"):
+            raise ValueError(f"reason must be 'abort' or 'timeout', got {reason!r}")
         if request_id not in self.requests:
             return None
         for seq in self.requests[request_id][2]:
             if not seq.is_finished:
                 seq.output_ids = self._generated(seq)
         for seq in self.scheduler.abort(request_id):
-            seq.finish_time = now()
+            seq.finish_time, seq.finish_reason = now(), reason
         out = self.output(request_id)
         del self.requests[request_id]
         return out
+
+    def set_deadline(self, request_id: str, deadline: float | None) -> None:
+        """Abort the request between steps once `deadline` (a `time.perf_counter()` value, the
+        clock of `RequestOutput.metrics`) has passed: the next `step` reports it finished with
+        reason "timeout" and its cache is freed then. None: no deadline. The deadline is the
+        engine's own, so a request whose caller stopped watching cannot hold the engine past it."""
+        if request_id not in self.requests:
+            raise ValueError(f"request_id {request_id!r} is not in flight")
+        check_real("deadline", deadline, allow_none=True)
+        for seq in self.requests[request_id][2]:
+            seq.deadline = deadline
+
+    def _expire(self) -> list[RequestOutput]:
+        """Abort the requests whose deadline has passed (checked between steps)."""
+        t = now()
+        late = [request_id for request_id, (_, _, seqs) in self.requests.items()
+                if seqs[0].deadline is not None and seqs[0].deadline <= t]
+        return [out for request_id in late if (out := self.abort_request(request_id, "timeout")) is not None]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -478,7 +571,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests, run one step of every running sequence, retire the finished.
-        Returns an output for every request whose final tokens grew or that finished."""
+        Returns an output for every request whose final tokens grew or that finished (a request
+        whose deadline passed is aborted first, reported with finish reason "timeout")."""
+        expired = self._expire()
         _, running, _ = self.scheduler.schedule()
         failed = self.runner.step(running)
         touched: dict[str, None] = {}
@@ -495,7 +590,7 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 del self.requests[out.request_id]
-        return outputs
+        return expired + outputs
 
     def _advance(self, seq: Sequence) -> bool:
         """Update what is final; finish the sequence when its decoder is done. True if it changed."""

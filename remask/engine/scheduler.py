@@ -1,20 +1,31 @@
 """The scheduler decides which sequences run in the next engine step.
 
-WAITING → RUNNING when admitted (first come, first served, within `max_num_seqs` sequences,
-`max_num_batched_tokens` positions — a diffusion sequence's forward covers its prompt and its
-whole generation window — and, for sequences in the page store, free KV pages for the prompt
-and its first token), → FINISHED when its decoder is done, → ABORTED on `abort`. Admission
-happens at every step, so a request added while others run joins at the next step; a finished
-sequence leaves at once and its pages go back.
+WAITING → RUNNING when admitted (within `max_num_batched_tokens` positions of all admitted
+sequences — a diffusion sequence's forward covers its prompt and its whole generation window — and,
+for sequences in the page store, free KV pages for the prompt and its first token), → FINISHED when
+its decoder is done, → ABORTED on `abort`. A finished sequence leaves at once and its pages go back.
 
-Preemption: before each step the pages the running sequences need for this step's tokens are
+Fairness: each step's batch (at most `max_num_seqs` sequences) is filled one sequence at a time,
+round-robin over owners (`add_request(owner=...)`: an API key's identity), then over each owner's
+requests; a request gives its admitted (resident) sequences first, then its waiting ones, which are
+admitted only when picked. Owners and requests take their turns least recently served first (a
+new request before one that ran last step), so the batch is a water-filling of `max_num_seqs`: a
+request with `n` samples gets min(its demand, its share) — about ⌈max_num_seqs / active requests⌉
+— and what others leave. A resident sequence that is not picked is paused: it keeps its state and
+goes on at a later step with the same tokens (its tokens depend only on its own state and
+generator). So a new request is in the batch of the very next step when there are at most
+`max_num_seqs` owners and requests ahead of it in the round, and its positions / pages fit;
+docs/engine.md has the bound.
+
+Preemption: before each step the pages every resident paged sequence needs for its next token are
 reserved; when too few are free, the most recently admitted paged sequence gives its pages back
-and returns to the head of the queue (`Sequence.restart`: it decodes again from its seed, so its
-tokens are the same; vLLM's recompute preemption).
+and returns to the head of its request's queue (`Sequence.restart`: it decodes again from its
+seed, so its tokens are the same; vLLM's recompute preemption).
 """
 from __future__ import annotations
 
 from collections import deque
+from itertools import count
 
 from .page_manager import PageManager
 from .sequence import Sequence, SequenceStatus
@@ -24,8 +35,25 @@ class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, pages: PageManager | None = None) -> None:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.pages = pages
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []          # admitted (resident: holding state), in admission order
+        self.steps = 0                             # schedule() calls: the clock of "last served"
+        self._waiting: dict[str, deque[Sequence]] = {}   # request id → its waiting sequences
+        self._num_waiting = 0
+        self._owner: dict[str, str | None] = {}
+        self._arrival: dict[str, int] = {}
+        self._arrivals = count()
+        self._served: dict[str, int] = {}          # request id → the last step it was in the batch
+        self._owner_served: dict[str | None, int] = {}
+        self._seq_served: dict[Sequence, int] = {}
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        """The waiting sequences, request by request in arrival order."""
+        return [seq for rid in sorted(self._waiting, key=self._arrival.__getitem__) for seq in self._waiting[rid]]
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
 
     def add(self, seq: Sequence) -> None:
         if seq.num_tokens > self.max_num_batched_tokens:
@@ -42,7 +70,11 @@ class Scheduler:
             raise ValueError(f"the request needs {need} KV pages of {self.pages.page_size} positions (its "
                              f"whole blocks: prompt {seq.prompt_len} + max_tokens {seq.params.max_tokens}), more "
                              f"than the whole store (kv_cache_pages={self.pages.num_pages})")
-        self.waiting.append(seq)
+        if seq.request_id not in self._arrival:
+            self._arrival[seq.request_id] = next(self._arrivals)
+            self._owner[seq.request_id] = seq.owner
+        self._queue(seq).append(seq)
+        self._num_waiting += 1
 
     def _block_pages(self, seq: Sequence) -> int | None:
         """Pages a block-causal request takes at its start (its decoder allocates them all then:
@@ -54,7 +86,7 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self._num_waiting or self.running)
 
     def _growth(self, seq: Sequence) -> int:
         """Fresh pages a running paged sequence needs for the token it stores this step."""
@@ -64,11 +96,15 @@ class Scheduler:
         return max(0, self.pages.pages_for(seq.prompt_len + row.step + 1) - len(row.table))
 
     def schedule(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
-        """Reserve this step's pages (preempting if needed), admit what fits; returns (newly
-        admitted, all running, preempted)."""
+        """Reserve this step's pages (preempting if needed), then pick this step's batch round-robin
+        over owners, then requests (module docstring); returns (newly admitted, this step's batch in
+        admission order, preempted)."""
+        self.steps += 1
         preempted: list[Sequence] = []
         reserved = 0
         if self.pages is not None:
+            # Every resident sequence's growth is reserved, scheduled this step or not: a paused one
+            # can always go on, and preemption stays the only way a sequence loses its pages.
             reserved = sum(self._growth(seq) for seq in self.running)
             while reserved > self.pages.num_free:
                 victim = next((s for s in reversed(self.running) if s.paged and s.state is not None), None)
@@ -78,29 +114,88 @@ class Scheduler:
                 self.running.remove(victim)
                 self.pages.free(victim.state.table)
                 victim.restart()
+                self._seq_served.pop(victim, None)
                 preempted.append(victim)
-            for victim in preempted:   # oldest first at the head of the queue
-                self.waiting.appendleft(victim)
-        admitted = []
+            for victim in preempted:             # newest first: the oldest ends at the head of its queue
+                self._queue(victim).appendleft(victim)
+                self._num_waiting += 1
+        resident: dict[str, deque[Sequence]] = {}
+        # A request's paused sequences go first: its samples progress evenly and finish together,
+        # so its next waiting ones are admitted in whole waves (no straggler decoding alone).
+        for seq in sorted(self.running, key=lambda s: self._seq_served.get(s, -1)):
+            resident.setdefault(seq.request_id, deque()).append(seq)
+        active = set(resident) | {rid for rid, queue in self._waiting.items() if queue}
+        for rid in [rid for rid in self._arrival if rid not in active]:
+            self._forget(rid)
+        owners: dict[str | None, list[str]] = {}
+        for rid in sorted(active, key=self._turn):
+            owners.setdefault(self._owner[rid], []).append(rid)
+        # Owners in the order they were last served (never served first), each owner's requests too.
+        self._owner_served = {owner: step for owner, step in self._owner_served.items() if owner in owners}
+        order = sorted(owners, key=lambda owner: (self._owner_served.get(owner, -1), self._turn(owners[owner][0])))
         tokens = sum(seq.num_tokens for seq in self.running)
-        while self.waiting and len(self.running) < self.max_num_seqs \
-                and tokens + self.waiting[0].num_tokens <= self.max_num_batched_tokens:
-            seq = self.waiting[0]
-            if seq.paged and self.pages is not None:
-                need = self.pages.pages_needed(seq.prompt_ids[0].tolist(), extra_positions=1)
-                if reserved + need > self.pages.num_free:
+        admitted: list[Sequence] = []
+        picked: set[Sequence] = set()
+        blocked: set[str] = set()                 # waiting sequences that do not fit this step
+        cursor = {owner: 0 for owner in order}
+        slots = self.max_num_seqs
+        while slots and order:
+            for owner in list(order):
+                if not slots:
                     break
-                reserved += need
-            elif (need := self._block_pages(seq)) is not None:
-                if reserved + need > self.pages.num_free:
-                    break
-                reserved += need
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            tokens += seq.num_tokens
-            self.running.append(seq)
-            admitted.append(seq)
-        return admitted, list(self.running), preempted
+                rids = owners[owner]
+                seq = None
+                while rids and seq is None:
+                    rid = rids[cursor[owner] % len(rids)]
+                    if resident.get(rid):
+                        seq = resident[rid].popleft()
+                    elif rid not in blocked and self._waiting.get(rid):
+                        candidate = self._waiting[rid][0]
+                        need = self._admission_pages(candidate)
+                        if tokens + candidate.num_tokens > self.max_num_batched_tokens or \
+                                (need and reserved + need > self.pages.num_free):
+                            blocked.add(rid)
+                        else:
+                            seq = self._waiting[rid].popleft()
+                            self._num_waiting -= 1
+                            reserved += need
+                            tokens += seq.num_tokens
+                            seq.status = SequenceStatus.RUNNING
+                            self.running.append(seq)
+                            admitted.append(seq)
+                    if seq is None:
+                        rids.remove(rid)          # nothing more from this request this step
+                    else:
+                        cursor[owner] += 1
+                if seq is None:
+                    order.remove(owner)
+                    continue
+                picked.add(seq)
+                slots -= 1
+                self._seq_served[seq] = self.steps
+                self._served[seq.request_id] = self.steps
+                self._owner_served[owner] = self.steps
+        return admitted, [seq for seq in self.running if seq in picked], preempted
+
+    def _admission_pages(self, seq: Sequence) -> int:
+        """Pages a waiting sequence takes when admitted: an AR sequence's prompt and first token,
+        a block-causal request's whole table; 0 for the others."""
+        if seq.paged and self.pages is not None:
+            return self.pages.pages_needed(seq.prompt_ids[0].tolist(), extra_positions=1)
+        need = self._block_pages(seq)
+        return 0 if need is None else need
+
+    def _turn(self, request_id: str) -> tuple[int, int]:
+        """A request's place in its owner's round: least recently served first, then arrival."""
+        return self._served.get(request_id, -1), self._arrival[request_id]
+
+    def _queue(self, seq: Sequence) -> deque[Sequence]:
+        return self._waiting.setdefault(seq.request_id, deque())
+
+    def _forget(self, request_id: str) -> None:
+        """Drop a request's bookkeeping once none of its sequences waits or runs."""
+        for table in (self._waiting, self._served, self._arrival, self._owner):
+            table.pop(request_id, None)
 
     def finish(self, seq: Sequence, status: SequenceStatus = SequenceStatus.FINISHED) -> None:
         seq.status = status
@@ -110,13 +205,16 @@ class Scheduler:
         if release is not None and seq.state is not None:
             release(seq.state)    # a block-causal request's pages
         seq.state = None          # drops its cache
+        self._seq_served.pop(seq, None)
         if seq in self.running:
             self.running.remove(seq)
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Remove every sequence of the request, waiting or running; returns them."""
-        hit = [s for s in (*self.waiting, *self.running) if s.request_id == request_id]
-        self.waiting = deque(s for s in self.waiting if s.request_id != request_id)
+        queue = self._waiting.pop(request_id, deque())
+        self._num_waiting -= len(queue)
+        hit = [*queue, *(s for s in self.running if s.request_id == request_id)]
+        self._forget(request_id)
         for seq in hit:
             self.finish(seq, SequenceStatus.ABORTED)
             seq.finish_reason = "abort"

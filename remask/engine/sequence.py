@@ -37,6 +37,7 @@ class Sequence:
     arrival_time: float
     seed: int = 0                      # the generator's seed (a preempted sequence restarts from it)
     paged: bool = False                # its K/V live in the engine's page store (autoregressive)
+    owner: str | None = None           # who asked (an API key's identity): the scheduler's fairness unit
     preemptions: int = 0
     drafts: bool = False               # report the provisional canvas after every step
     hold_ids: torch.Tensor | None = None   # min_tokens (AR): ids whose logits are −inf until min_tokens tokens exist
@@ -49,6 +50,7 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     output_ids: list[int] | None = None   # the generated ids, kept when the state is freed
+    deadline: float | None = None      # `now()` past which the engine aborts it (finish reason "timeout")
 
     def restart(self) -> None:
         """Back to its first step (preempted: its pages were taken back). Decoding again from the
@@ -81,7 +83,8 @@ class CompletionOutput:
     """One sample's answer. `token_ids`: the generated ids up to and including the first stop
     token (EOS/EOT or `stop_token_ids`), the answer `text` without it (cut at a `stop` string);
     `all_token_ids`: every generated position (a diffusion model fills all `max_tokens`).
-    `finish_reason`: "stop", "length", "abort" or "error". `draft` (requests added with
+    `finish_reason`: "stop", "length", "abort", "timeout" (its deadline passed: aborted between
+    steps) or "error". `draft` (requests added with
     `drafts=True`, diffusion models): the provisional canvas after the last step, every generated
     position's id or None where it is still masked — not final, any position may still change
     until its block is decoded."""

@@ -19,6 +19,7 @@ import asyncio
 import importlib.resources
 import json
 import logging
+import math
 import secrets
 import threading
 import time
@@ -58,8 +59,38 @@ access_log = logging.getLogger("remask.serve.access")
 PLAYGROUND = (importlib.resources.files("remask.serve") / "static" / "playground.html").read_text(encoding="utf-8")
 
 
+# The engine aborts a request at its deadline, between steps; the HTTP layer answers 504 itself only
+# this many seconds later (one step that runs long), so the engine's abort is what normally ends it.
+DEADLINE_SLACK = 0.5
+
+
 class ClientGone(Exception):
     """The client closed the connection before its (non-streamed) answer was ready."""
+
+
+async def client_gone(request: Request) -> None:
+    """Returns once the client has closed the connection. Once the body is read, the ASGI server's
+    next message is `http.disconnect` (uvicorn sends it when the connection closes), so this
+    notices a client that leaves while the engine has nothing to report (one long block), not
+    only when an output arrives."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.05)       # not expected after the body; never a busy loop
+
+
+async def next_or_gone(awaitable: Any, gone: asyncio.Task, timeout: float | None) -> Any:
+    """`await awaitable` unless the client goes first (`ClientGone`) or `timeout` seconds pass
+    (`asyncio.TimeoutError`); either way the awaitable is cancelled (an engine stream's
+    cancellation aborts its request)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        raise ClientGone if gone in done else asyncio.TimeoutError
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})    # its cleanup (the abort) runs before the caller answers
 
 
 # OpenAI's error `code` is a string or null (the `openai` client types it `str | None`), never the
@@ -112,7 +143,7 @@ class Metrics:
     def watch(self, name: str, engine: AsyncEngine) -> None:
         """Report `engine`'s gauges under `name` (again after a swap: the new engine's)."""
         inner = engine.engine
-        self.queue.labels(name).set_function(lambda: len(inner.scheduler.waiting))
+        self.queue.labels(name).set_function(lambda: inner.scheduler.num_waiting)
         self.running.labels(name).set_function(lambda: len(inner.scheduler.running))
         self.pages.labels(name).set_function(lambda: inner.kv_stats()["pages_in_use"])
         self.hits.labels(name).set_function(
@@ -139,7 +170,7 @@ class ResponseCache:
     def key(body: Any, params: Any) -> tuple[str, str] | None:
         if (params.temperature > 0 and params.seed is None) or params.apd is not None:
             return None          # sampled without a seed (a new answer each time), or another model's verdict
-        settings = body.model_dump(exclude={"stream", "stream_options", "user"})
+        settings = body.model_dump(exclude={"stream", "stream_options", "user", "timeout"})
         return body.model, json.dumps([type(body).__name__, settings, repr(params)], sort_keys=True, default=str)
 
     def forget(self, model: str) -> None:
@@ -507,9 +538,38 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
                            param="messages") from None
         return await _respond(engine, body, prompt, params, request, chat=True)
 
+    def timeout_for(body: CompletionRequest | ChatCompletionRequest) -> tuple[float | None, str]:
+        """The request's time limit in seconds (its `timeout` field, or the server's
+        request_timeout) and the name to report it under."""
+        if body.timeout is None:
+            return request_timeout, "request_timeout"
+        if not math.isfinite(body.timeout) or not body.timeout > 0:
+            raise APIError(400, f"timeout must be a finite number of seconds > 0, got {body.timeout!r}",
+                           param="timeout")
+        if request_timeout is not None and body.timeout > request_timeout:
+            raise APIError(400, f"timeout must be <= {request_timeout} (this server's request_timeout), got "
+                                f"{body.timeout!r}", param="timeout")
+        return body.timeout, "timeout"
+
+    def timed_out(timeout: float | None, name: str, where: str) -> APIError:
+        return APIError(504, f"the request took longer than {name}={timeout} s and was aborted{where}",
+                        kind="timeout_error", param="timeout" if name == "timeout" else None)
+
+    def ended_early(out: RequestOutput, timeout: float | None, name: str) -> APIError | None:
+        """The error for a request the engine ended before its answer: its deadline passed (504),
+        or everything in flight was aborted because the server is shutting down (503)."""
+        reasons = {o.finish_reason for o in out.outputs}
+        if "timeout" in reasons:
+            return timed_out(timeout, name, " in the engine")
+        if "abort" in reasons:
+            return APIError(503, "the request was aborted: the server is shutting down", kind="server_unavailable",
+                            headers={"Retry-After": "1"})
+        return None
+
     async def _respond(engine: AsyncEngine, body, prompt, params, request: Request, chat: bool):
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}"
         start = time.perf_counter()
+        timeout, timeout_name = timeout_for(body)
         cache_key = cache.key(body, params) if cache is not None and not body.stream else None
         if cache_key is not None:
             hit = cache.get(cache_key)
@@ -517,43 +577,67 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
             if hit is not None:
                 return {**hit, "id": request_id, "created": int(time.time())}
         drafts = bool(body.stream and body.stream_options is not None and body.stream_options.include_drafts)
-        stream = engine.generate(request_id, prompt, params, drafts=drafts)
-        try:                                       # a bad request or a full queue surfaces here
-            first = await asyncio.wait_for(anext(stream), timeout=request_timeout)
-        except asyncio.TimeoutError:
-            await stream.aclose()
-            raise APIError(504, f"the request took longer than request_timeout={request_timeout} s and was "
-                                "aborted", kind="timeout_error") from None
-        except QueueFull as err:
-            raise APIError(503, str(err), kind="server_unavailable", headers={"Retry-After": "1"}) from None
-        except (ValueError, TypeError) as err:
-            raise APIError(400, str(err), param=_param_named(str(err), body)) from None
-        except Exception as err:  # noqa: BLE001 - a JSON 500 keeps the connection (an escaping error drops it)
-            raise APIError(500, f"the request failed: {type(err).__name__}: {err}", kind="server_error") from None
-        model = body.model
-        if body.stream:
-            return EventSourceResponse(_sse(first, stream, body, params, request_id, model, chat, start,
-                                            engine.llm.tokenizer if drafts else None), ping=15, sep="\n")
-        out = first
+        # The deadline goes into the engine, which aborts the request between steps once it has
+        # passed; waiting here ends DEADLINE_SLACK later, for a step that runs long.
+        deadline = None if timeout is None else start + timeout
 
-        async def rest() -> RequestOutput:
-            last = first
-            async for last in stream:
-                if await request.is_disconnected():
-                    raise ClientGone
-            return last
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline + DEADLINE_SLACK - time.perf_counter())
 
-        if not first.finished:
-            try:
-                left = None if request_timeout is None else request_timeout - (time.perf_counter() - start)
-                out = await asyncio.wait_for(rest(), timeout=left)
+        stream = engine.generate(request_id, prompt, params, drafts=drafts, deadline=deadline)
+        # Watched from the start, apart from outputs: a request with one long block reports nothing
+        # until it is done, and its client may leave before (streaming or not).
+        gone = asyncio.create_task(client_gone(request))
+        streaming = False
+        try:
+            try:                                   # a bad request or a full queue surfaces here
+                first = await next_or_gone(anext(stream), gone, left())
             except asyncio.TimeoutError:
-                await stream.aclose()             # aborts the request in the engine
-                raise APIError(504, f"the request took longer than request_timeout={request_timeout} s and was "
-                                    "aborted", kind="timeout_error") from None
+                raise timed_out(timeout, timeout_name, "") from None
             except ClientGone:
-                await stream.aclose()             # nobody to answer: abort, free its pages
-                return Response(status_code=499)
+                return Response(status_code=499)  # nobody to answer; the request was aborted, its pages freed
+            except QueueFull as err:
+                raise APIError(503, str(err), kind="server_unavailable", headers={"Retry-After": "1"}) from None
+            except (ValueError, TypeError) as err:
+                raise APIError(400, str(err), param=_param_named(str(err), body)) from None
+            except Exception as err:  # noqa: BLE001 - a JSON 500 keeps the connection (an escaping error drops it)
+                raise APIError(500, f"the request failed: {type(err).__name__}: {err}", kind="server_error") from None
+            model = body.model
+            if body.stream:
+                early = ended_early(first, timeout, timeout_name) if first.finished else None
+                if early is not None:
+                    raise early
+                # sse-starlette watches for the disconnect from here on (it cancels the generator,
+                # whose `finally` aborts the request)
+                gone.cancel()
+                await asyncio.wait({gone})
+                streaming = True                   # the stream is the response's now
+                return EventSourceResponse(_sse(first, stream, body, params, request_id, model, chat, start,
+                                                engine.llm.tokenizer if drafts else None, left, timeout, timeout_name),
+                                           ping=15, sep="\n")
+            out = first
+
+            async def rest() -> RequestOutput:
+                last = first
+                async for last in stream:
+                    pass
+                return last
+
+            if not first.finished:
+                try:
+                    out = await next_or_gone(rest(), gone, left())
+                except asyncio.TimeoutError:
+                    raise timed_out(timeout, timeout_name, "") from None
+                except ClientGone:
+                    return Response(status_code=499)   # nobody to answer: aborted, its pages freed
+        finally:
+            if not gone.done():
+                gone.cancel()
+            if not streaming:
+                await stream.aclose()              # left early (an error): abort it in the engine
+        early = ended_early(out, timeout, timeout_name)
+        if early is not None:
+            raise early
         _observe(metrics, model, out, start, None)
         if any(o.finish_reason == "error" for o in out.outputs):
             message = next(o.error for o in out.outputs if o.finish_reason == "error")
@@ -564,12 +648,18 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
         return response
 
     async def _sse(first: RequestOutput, stream: AsyncIterator[RequestOutput], body, params, request_id: str,
-                   model: str, chat: bool, start: float, draft_tokenizer: Any = None):
+                   model: str, chat: bool, start: float, draft_tokenizer: Any, left: Callable[[], float | None],
+                   timeout: float | None, timeout_name: str):
         sent = {i: "" for i in range(params.n)}
         hold = max((len(s) for s in params.stop), default=1) - 1
         now = int(time.time())
         ttft = None
         last = first
+
+        def error_event(err: APIError) -> str:
+            return json.dumps({"error": {"message": err.message, "type": err.kind, "param": err.param,
+                                         "code": err.code or ERROR_CODES.get(err.status)}})
+
         try:
             if chat:
                 yield json.dumps(_chunk(request_id, model, now, chat, [
@@ -578,6 +668,10 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
             out: RequestOutput | None = first
             while out is not None:
                 last = out
+                early = ended_early(out, timeout, timeout_name) if out.finished else None
+                if early is not None:              # the engine ended it: its deadline, or a shutdown
+                    yield error_event(early)
+                    return
                 if draft_tokenizer is not None:
                     for o in out.outputs:
                         if o.draft is not None:
@@ -598,14 +692,10 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
                     if ttft is None:
                         ttft = time.perf_counter() - start
                     yield json.dumps(_chunk(request_id, model, now, chat, choices))
-                left = None if request_timeout is None else request_timeout - (time.perf_counter() - start)
                 try:
-                    out = await asyncio.wait_for(anext(stream, None), timeout=left)
+                    out = await asyncio.wait_for(anext(stream, None), timeout=left())
                 except asyncio.TimeoutError:
-                    yield json.dumps({"error": {"message": f"the request took longer than request_timeout="
-                                                          f"{request_timeout} s and was aborted",
-                                                "type": "timeout_error", "param": None,
-                                                "code": ERROR_CODES[504]}})
+                    yield error_event(timed_out(timeout, timeout_name, ""))
                     return
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield json.dumps({**_chunk(request_id, model, now, chat, []), "usage": _usage(last)})

@@ -5,6 +5,10 @@ commands (add a request, abort one, drain) through a queue, and the thread runs 
 there is work, handing each `RequestOutput` back to the waiting coroutine's `asyncio.Queue`
 through `loop.call_soon_threadsafe`. A request's settings are validated by `add_request` on the
 thread and a `ValueError` comes back to the caller, who answers 400.
+
+A request's deadline travels with it into the engine (`LLMEngine.set_deadline`), which aborts it
+between steps once it has passed (finish reason "timeout"), whether or not anyone is still
+waiting on it; `abort_all` ends everything in flight (a shutdown's grace period ran out).
 """
 from __future__ import annotations
 
@@ -65,10 +69,12 @@ class AsyncEngine:
         return f"{prefix}-{next(self._ids)}"
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       drafts: bool = False) -> AsyncIterator[RequestOutput]:
+                       drafts: bool = False, deadline: float | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs as the engine reports them (the last one is
         finished; with `drafts`, one after every step). Leaving the iteration early (a
-        disconnect, a timeout) aborts the request."""
+        disconnect, a timeout) aborts the request. `deadline`: a `time.perf_counter()` value
+        after which the engine aborts the request between steps (its last output is finished
+        with reason "timeout")."""
         loop = asyncio.get_running_loop()
         with self._lock:
             if self.engine.state is not EngineState.READY:
@@ -77,7 +83,7 @@ class AsyncEngine:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests)")
             pending = self._pending[request_id] = _Pending(loop)
         added: asyncio.Future = loop.create_future()
-        self._commands.put(("add", request_id, prompt, params, drafts, added))
+        self._commands.put(("add", request_id, prompt, params, drafts, deadline, added))
         done = False
         try:
             await added                                  # a bad request raises here (ValueError)
@@ -98,6 +104,11 @@ class AsyncEngine:
         """No new requests (503); the ones in flight finish."""
         self._commands.put(("drain",))
 
+    def abort_all(self) -> None:
+        """Abort every request in flight (waiting or running) at the next step boundary; each
+        caller gets a last output with finish reason "abort"."""
+        self._commands.put(("abort_all",))
+
     def shutdown(self) -> None:
         self._stop = True
         self._commands.put(("stop",))
@@ -113,16 +124,26 @@ class AsyncEngine:
     def _command(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt, params, drafts, added = command
+            _, request_id, prompt, params, drafts, deadline, added = command
             loop = added.get_loop()
+            if self.engine.state is not EngineState.READY:     # it began draining after the caller checked
+                loop.call_soon_threadsafe(_settle, added, QueueFull(f"the engine is {self.engine.state.value}"))
+                return
             try:
                 self.engine.add_request(request_id, prompt, params, drafts=drafts)
+                if deadline is not None:
+                    self.engine.set_deadline(request_id, deadline)
             except Exception as err:  # noqa: BLE001 - the caller answers it (400 for a ValueError)
                 loop.call_soon_threadsafe(_settle, added, err)
                 return
             loop.call_soon_threadsafe(_settle, added, None)
         elif kind == "abort":
             self.engine.abort_request(command[1])
+        elif kind == "abort_all":
+            for request_id in list(self.engine.requests):
+                out = self.engine.abort_request(request_id)
+                if out is not None:
+                    self._deliver(request_id, out)
         elif kind == "drain":
             self.engine.drain()
 

@@ -74,6 +74,8 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
     user: str | None = None
+    # remask's: seconds after which the request is aborted (504), at most the server's request_timeout
+    timeout: StrictNumber | None = None
     # OpenAI fields not implemented (refused when set)
     logprobs: Any = None
     top_logprobs: Any = None
