@@ -171,10 +171,11 @@ def _serve(args: argparse.Namespace) -> int:
     if len({name for name, _ in models}) != len(models):
         print("remask serve: each --model NAME must be unique", file=sys.stderr)
         return 2
-    api_key = args.api_key
+    api_keys = list(args.api_key or [])
     if args.api_key_file:
-        with open(args.api_key_file) as f:
-            api_key = f.read().strip()
+        with open(args.api_key_file) as f:   # one key per line (blank lines and # comments skipped)
+            api_keys += [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    api_key = api_keys or None
     engines = {name: AsyncEngine(remask.LLM(path, max_num_seqs=args.max_num_seqs, seed=args.seed),
                                  max_queue=args.max_queue)
                for name, path in models}
@@ -544,9 +545,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
                               help="serve PATH under NAME (repeatable)")
     serve_parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve_parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    serve_parser.add_argument("--api-key", default=None,
-                              help="require `Authorization: Bearer KEY` on the /v1 routes (default: no key)")
-    serve_parser.add_argument("--api-key-file", default=None, help="read --api-key from this file")
+    serve_parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                              help="require `Authorization: Bearer KEY` on the /v1 routes (repeatable: any of the "
+                                   "keys; requests are scheduled fairly across keys) (default: no key)")
+    serve_parser.add_argument("--api-key-file", default=None,
+                              help="read API keys from this file, one per line (with any --api-key)")
     serve_parser.add_argument("--admin-key", default=None, help="enables POST /admin/models (load, swap, unload)")
     serve_parser.add_argument("--admin-key-file", default=None, help="read --admin-key from this file")
     serve_parser.add_argument("--max-queue", type=int, default=256,

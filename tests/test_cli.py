@@ -243,6 +243,25 @@ def test_serve_limits_are_the_app_s_and_reach_it(monkeypatch):
     assert cli.main(["serve", "tiny-llada", "--max-n", "4", "--body-timeout", "2.5", "--max-body-bytes", "4096",
                      "--shutdown-grace", "7"]) == 0
     assert (seen["max_n"], seen["body_timeout"], seen["max_body_bytes"], seen["shutdown_grace"]) == (4, 2.5, 4096, 7)
+    assert seen["api_key"] is None
+
+
+def test_serve_takes_several_api_keys(monkeypatch, tmp_path):
+    """`--api-key` repeats and `--api-key-file` holds one key per line: build_app gets them all."""
+    from remask import cli
+    import remask as package
+    import remask.serve
+
+    seen = {}
+    monkeypatch.setattr(remask.serve, "build_app", lambda engines, **kw: seen.update(kw) or "app")
+    monkeypatch.setattr(remask.serve, "serve", lambda *a, **kw: 0)
+    monkeypatch.setattr(remask.serve, "AsyncEngine", lambda llm, **kw: llm)
+    monkeypatch.setattr(package, "LLM", lambda *a, **kw: "llm", raising=False)
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# team keys\nkey-c\n\nkey-d\n")
+    assert cli.main(["serve", "tiny-llada", "--api-key", "key-a", "--api-key", "key-b",
+                     "--api-key-file", str(keys)]) == 0
+    assert seen["api_key"] == ["key-a", "key-b", "key-c", "key-d"]
 
 
 def test_generate_ignore_eos_and_min_tokens(capsys):

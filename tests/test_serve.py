@@ -819,7 +819,7 @@ def test_a_body_shorter_than_its_content_length_gets_408_in_bounded_time():
                 f"Content-Length: 100\r\n\r\n")
         answer, took = _raw_request(server.port, head, [b"{" + b" " * 49], timeout=10)
         assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
-        assert 0.9 < took < 5, took
+        assert 0.9 < took < 9, took   # the 1 s body timeout, not a hang (40 s+ before)
         assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
         many = post(server, {"model": "m", "prompt": PROMPT, "max_tokens": 2, "n": 3}, key=None)
         assert many.status_code == 400 and many.json()["error"]["param"] == "n" and "2" in many.json()["error"]["message"]
@@ -892,7 +892,7 @@ def test_a_deadline_aborts_in_the_engine_between_steps_with_504():
         for extra, name, param in (({}, "request_timeout=1.0", None), ({"timeout": 0.3}, "timeout=0.3", "timeout")):
             start = time.time()
             got = post(server, {"model": "m", **ONE_BLOCK, **extra}, key=None)
-            assert time.time() - start < 3.0
+            assert time.time() - start < 5.0   # the deadline, not the ~6 s the block would take
             assert got.status_code == 504, got.text
             error = got.json()["error"]
             assert set(error) == {"message", "type", "param", "code"}
@@ -972,13 +972,15 @@ def test_sigterm_with_an_abandoned_long_request_exits_within_the_grace_period(tm
     its client left, so SIGTERM exits at once, 0 (the drain completed), well inside the grace."""
     import signal
 
-    process, url = start_slow_server(tmp_path, grace=3.0)
+    # Bounds far from the machine's speed (no timed asserts): a drain that waited for the abandoned
+    # request would run into the 30 s grace and exit 1.
+    process, url = start_slow_server(tmp_path, grace=30.0)
     try:
         with pytest.raises(httpx.ReadTimeout):     # >= 6.4 s of work; the client leaves after 1 s
             httpx.post(f"{url}/v1/completions", json={"model": "m", **ONE_BLOCK}, timeout=httpx.Timeout(5, read=1.0))
         process.send_signal(signal.SIGTERM)
-        code, took, err = exits_within(process, 3.0 + 5)
-        assert code == 0 and took < 3.0, (code, took, err)
+        code, took, err = exits_within(process, 30.0 + 10)
+        assert code == 0 and took < 15.0, (code, took, err)
         assert "Traceback" not in err and "Exception in ASGI application" not in err, err
     finally:
         if process.poll() is None:
@@ -1004,8 +1006,8 @@ def test_the_grace_period_bounds_the_drain_and_a_second_sigterm_exits_at_once(tm
                               timeout=10).status_code == 503
             got = waiting.result(timeout=10)
         assert got.status_code == 503 and got.json()["error"]["code"] == "server_unavailable", got.text
-        code, took, err = exits_within(process, 10)
-        assert code == 1 and took < 3.0, (code, took, err)
+        code, took, err = exits_within(process, 30)
+        assert code == 1 and took < 1.0 + 5 + 4, (code, took, err)   # grace + the handlers' answer + slack
         assert "Traceback" not in err and "Exception in ASGI application" not in err, err
     finally:
         if process.poll() is None:
@@ -1029,8 +1031,8 @@ def test_the_grace_period_bounds_the_drain_and_a_second_sigterm_exits_at_once(tm
         time.sleep(0.5)
         assert process.poll() is None                        # draining: the stream is still wanted
         process.send_signal(signal.SIGTERM)
-        code, took, err = exits_within(process, 10)
-        assert code == 1 and took < 2.0, (code, took, err)
+        code, took, err = exits_within(process, 30)
+        assert code == 1 and took < 10.0, (code, took, err)   # at once: nowhere near the 60 s grace
         assert "Traceback" not in err and "Exception in ASGI application" not in err, err
         reader.join(timeout=10)
         assert events and events[-1]["error"]["code"] == "server_unavailable", events[-1:]
@@ -1038,3 +1040,34 @@ def test_the_grace_period_bounds_the_drain_and_a_second_sigterm_exits_at_once(tm
         if process.poll() is None:
             process.kill()
             process.communicate()
+
+
+def test_several_api_keys_each_work_and_are_scheduled_as_owners_by_digest():
+    """`api_key=[...]` (`remask serve --api-key A --api-key B`): any key is accepted, a wrong one is
+    401, and each request reaches the engine tagged with its key's digest (the fairness owner),
+    never the key itself."""
+    from remask.serve.app import owner_of
+
+    engine = AsyncEngine(remask.LLM("tiny-llada"))
+    owners = []
+    add = engine.engine.add_request
+
+    def recording_add(*args, **kwargs):
+        owners.append(kwargs.get("owner"))
+        return add(*args, **kwargs)
+
+    engine.engine.add_request = recording_add
+    server = Server(build_app({"tiny-llada": engine}, api_key=["key-a", "key-b"]))
+    try:
+        body = {"model": "tiny-llada", "prompt": PROMPT, "max_tokens": 8, **DIFFUSION, "steps": 8}
+        for key in ("key-a", "key-b"):
+            assert post(server, body, key=key).status_code == 200
+        wrong = post(server, body, key="key-c")
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    finally:
+        server.stop()
+        engine.shutdown()
+    assert owners == [owner_of("key-a"), owner_of("key-b")]
+    assert all("key-" not in owner for owner in owners)
+    with pytest.raises(ValueError, match="api_key"):
+        build_app({"tiny-llada": engine}, api_key=["key-a", ""])

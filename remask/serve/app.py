@@ -16,6 +16,7 @@ start of a `stop` string is held until it is decided.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib.resources
 import json
 import logging
@@ -25,7 +26,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from typing import Any, AsyncIterator, Callable, Literal
+from typing import Any, AsyncIterator, Callable, Literal, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -239,14 +240,22 @@ def retire(engine: AsyncEngine) -> None:
     threading.Thread(target=wait_and_stop, daemon=True, name="remask-retire").start()
 
 
-def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, request_timeout: float | None = None,
+def owner_of(api_key: str) -> str:
+    """The scheduler's owner tag of an API key: a digest, so the key itself never leaves the gate
+    (logs, engine state)."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+def build_app(engines: dict[str, AsyncEngine], *, api_key: str | Sequence[str] | None = None,
+              request_timeout: float | None = None,
               max_body_bytes: int = MAX_BODY_BYTES, rate_limit: int | None = None,
               response_cache: tuple[int, float] | None = None, cors_origins: list[str] | None = None,
               admin_key: str | None = None, load_model: Callable[[str], Any] | None = None,
               defaults: dict[str, dict[str, Any]] | None = None, max_n: int = MAX_N,
               body_timeout: float = BODY_TIMEOUT) -> FastAPI:
-    """The app for `engines` (served name → engine). `api_key`: required as `Authorization:
-    Bearer <key>` on `/v1/*` when set. `request_timeout`: seconds after which a request is aborted
+    """The app for `engines` (served name → engine). `api_key`: a key, or several, one of which is
+    required as `Authorization: Bearer <key>` on `/v1/*` when set; the engine schedules fairly
+    across keys (docs/engine.md, "Fairness"). `request_timeout`: seconds after which a request is aborted
     (504). `rate_limit`: requests per minute per key (429 beyond). `response_cache`: (size, ttl
     seconds) of the cache of deterministic responses. `cors_origins`: origins allowed by CORS
     (none by default). `admin_key`: enables `POST /admin/models` for requests bearing it;
@@ -258,6 +267,9 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
     too), 413 beyond. `body_timeout`: seconds a request's body may take to arrive, 408 beyond."""
     if not engines:
         raise ValueError("engines: serve at least one model")
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if not all(isinstance(key, str) and key for key in api_keys):
+        raise ValueError("api_key must be a non-empty string or a list of them")
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout must be > 0 seconds or None, got {request_timeout!r}")
     check_int("max_n", max_n, minimum=1)
@@ -293,9 +305,13 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
                                       kind="permission_error")
             return error_response(401, "the admin key is needed: Authorization: Bearer <admin key>",
                                   kind="authentication_error")
-        if path.startswith("/v1/") and api_key is not None and not secrets.compare_digest(auth, f"Bearer {api_key}"):
-            return error_response(401, "a valid API key is needed: Authorization: Bearer <key>",
-                                  kind="authentication_error")
+        if path.startswith("/v1/") and api_keys:
+            # every key compared (constant time each), so the time does not tell which key was close
+            matches = [secrets.compare_digest(auth, f"Bearer {key}") for key in api_keys]
+            if not any(matches):
+                return error_response(401, "a valid API key is needed: Authorization: Bearer <key>",
+                                      kind="authentication_error")
+            request.state.owner = owner_of(api_keys[matches.index(True)]) if len(api_keys) > 1 else None
         if limiter is not None and request.method == "POST" and path.startswith("/v1/"):
             wait = limiter.retry_after(auth or (request.client.host if request.client else "?"))
             if wait:
@@ -584,7 +600,8 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | None = None, re
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline + DEADLINE_SLACK - time.perf_counter())
 
-        stream = engine.generate(request_id, prompt, params, drafts=drafts, deadline=deadline)
+        stream = engine.generate(request_id, prompt, params, drafts=drafts, deadline=deadline,
+                                 owner=getattr(request.state, "owner", None))
         # Watched from the start, apart from outputs: a request with one long block reports nothing
         # until it is done, and its client may leave before (streaming or not).
         gone = asyncio.create_task(client_gone(request))

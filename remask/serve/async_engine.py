@@ -69,12 +69,13 @@ class AsyncEngine:
         return f"{prefix}-{next(self._ids)}"
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       drafts: bool = False, deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+                       drafts: bool = False, deadline: float | None = None,
+                       owner: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs as the engine reports them (the last one is
         finished; with `drafts`, one after every step). Leaving the iteration early (a
         disconnect, a timeout) aborts the request. `deadline`: a `time.perf_counter()` value
         after which the engine aborts the request between steps (its last output is finished
-        with reason "timeout")."""
+        with reason "timeout"). `owner`: the scheduler's fairness tag (an API key's digest)."""
         loop = asyncio.get_running_loop()
         with self._lock:
             if self.engine.state is not EngineState.READY:
@@ -83,7 +84,7 @@ class AsyncEngine:
                 raise QueueFull(f"the queue is full ({self.max_queue} requests)")
             pending = self._pending[request_id] = _Pending(loop)
         added: asyncio.Future = loop.create_future()
-        self._commands.put(("add", request_id, prompt, params, drafts, deadline, added))
+        self._commands.put(("add", request_id, prompt, params, drafts, deadline, owner, added))
         done = False
         try:
             await added                                  # a bad request raises here (ValueError)
@@ -124,13 +125,13 @@ class AsyncEngine:
     def _command(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt, params, drafts, deadline, added = command
+            _, request_id, prompt, params, drafts, deadline, owner, added = command
             loop = added.get_loop()
             if self.engine.state is not EngineState.READY:     # it began draining after the caller checked
                 loop.call_soon_threadsafe(_settle, added, QueueFull(f"the engine is {self.engine.state.value}"))
                 return
             try:
-                self.engine.add_request(request_id, prompt, params, drafts=drafts)
+                self.engine.add_request(request_id, prompt, params, drafts=drafts, owner=owner)
                 if deadline is not None:
                     self.engine.set_deadline(request_id, deadline)
             except Exception as err:  # noqa: BLE001 - the caller answers it (400 for a ValueError)
