@@ -21,16 +21,12 @@ CACHE_NAMES = ("cache", "past_key_values")   # the current name first
 
 
 @functools.lru_cache(maxsize=None)
-def _output_cache_field() -> str:
+def output_cache_field() -> str:
+    """The name of the cache field of transformers' model outputs (`cache` or `past_key_values`)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     names = {field.name for field in dataclasses.fields(CausalLMOutputWithPast)}
     return next(name for name in CACHE_NAMES if name in names)
-
-
-def output_cache_field() -> str:
-    """The name of the cache field of transformers' model outputs (`cache` or `past_key_values`)."""
-    return _output_cache_field()
 
 
 @functools.lru_cache(maxsize=256)

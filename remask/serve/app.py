@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.routing import Match
 
-from remask.diffusion.checks import MAX_N, check_int
+from remask.diffusion.checks import MAX_N, check_int, check_real
 from remask.engine import EngineState, RequestOutput, SamplingParams
 
 from .async_engine import AsyncEngine, QueueFull
@@ -274,8 +274,7 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | Sequence[str] |
         raise ValueError(f"request_timeout must be > 0 seconds or None, got {request_timeout!r}")
     check_int("max_n", max_n, minimum=1)
     check_int("max_body_bytes", max_body_bytes, minimum=1)
-    if isinstance(body_timeout, bool) or not isinstance(body_timeout, (int, float)) or not body_timeout > 0:
-        raise ValueError(f"body_timeout must be > 0 seconds, got {body_timeout!r}")
+    check_real("body_timeout", body_timeout, low=0, low_open=True)
     app = FastAPI(title="remask", docs_url=None, redoc_url=None)
     engines = dict(engines)   # this app's own table: swaps replace entries, requests in flight keep theirs
     defaults = {name: dict(values) for name, values in (defaults or {}).items()}
