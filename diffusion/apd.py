@@ -35,7 +35,7 @@ from remask.models.parallel import full_logits
 from remask.models.spec import ModelSpec, get_spec
 
 from .checks import check_bool, check_int, check_real, model_device
-from .scoring import gumbel_max_scores, tempered_filtered
+from .scoring import filter_logits, gumbel_max_scores
 from .stats import GenerationStats
 
 
@@ -86,10 +86,12 @@ def check_apd_alone(clashes: list[str]) -> None:
 
 def draft_tokens(logits: torch.Tensor, temperature: float, top_p: float | None, top_k: int | None,
                  generator: torch.Generator | None = None, shared_vocab: int | None = None) -> torch.Tensor:
-    """The reference's draft sample: logits / T, top-p / top-k, then the float64 Gumbel-max score
+    """The reference's draft sample: logits / T, top-p then top-k (Dream's filter order,
+    `scoring.filter_logits(order="top_p_first", removed="dtype_min")`), then the float64 Gumbel-max score
     `exp(l) / (−log u)^T` — so the effective temperature is T² (documented quirk). T=0: argmax.
     A draft at or beyond `shared_vocab` is replaced by the best-scoring id below it."""
-    scores = gumbel_max_scores(tempered_filtered(logits, temperature, top_p, top_k), temperature, generator)
+    filtered = filter_logits(logits, temperature, top_k, top_p, order="top_p_first", removed="dtype_min")
+    scores = gumbel_max_scores(filtered, temperature, generator)
     draft = torch.argmax(scores, dim=-1)
     if shared_vocab is not None and shared_vocab < scores.shape[-1]:
         draft = torch.where(draft < shared_vocab, draft, torch.argmax(scores[:, :shared_vocab], dim=-1))
@@ -108,7 +110,8 @@ def coupled_draft(logits: torch.Tensor, temperature: float, top_p: float | None,
     """The coupled rule's draft: ``argmax_{v < vocab}(filtered(l/T) + g)``, g = −log(−log u), a
     sample of the (top-p / top-k filtered) dLLM at temperature T from the uniforms `[N, >= vocab]`
     that the target reuses."""
-    scores = tempered_filtered(logits[:, :vocab], temperature, top_p, top_k).float()
+    scores = filter_logits(logits[:, :vocab], temperature, top_k, top_p, order="top_p_first",
+                           removed="dtype_min").float()
     return torch.argmax(scores + gumbel(uniforms[:, :vocab].float()), dim=-1)
 
 

@@ -78,6 +78,10 @@ class ARDecoder:
         forward_params = inspect.signature(model.forward).parameters
         self.keep_last = {"logits_to_keep": 1} if "logits_to_keep" in forward_params else {}
 
+    def num_final(self, state: Any) -> int:
+        """Tokens that no later step changes: every token sampled so far (the engine's protocol)."""
+        return state.step
+
     def check_input(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         check_prompt(self.model, input_ids, attention_mask, name="input_ids", spec=self.spec)
         max_positions = getattr(self.model.config, "max_position_embeddings", None)

@@ -21,6 +21,12 @@ import torch
 from remask.models.spec import ModelSpec
 
 
+class CombinationError(ValueError, NotImplementedError):
+    """Parts that do not combine (a method and a model layout, a cache and a rule): the message
+    names both. A ValueError (bad input, refused at the call or at `add_request`) and, for callers
+    that caught it before, a NotImplementedError."""
+
+
 class ParameterTypeError(TypeError, ValueError):
     """A parameter of the wrong type (a string or tensor where a number belongs, …)."""
 

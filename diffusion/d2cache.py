@@ -44,6 +44,7 @@ from remask.models.spec import get_spec
 
 from .checks import check_bool, check_int, check_mask_id, check_prompt, check_real, check_stats, model_device
 from .stats import GenerationStats
+from .stepper import Progress, StepGenerator, drive
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,21 @@ def d2cache_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2
     batch equals its rows run one by one; False is upstream's batch (rows coupled by the top-up and the
     block bias). `attention_mask` `[B, P]` (left padding): pad
     keys hidden and positions counted over real tokens, as the reference's LLaDA."""
+    return drive(d2cache_steps(model, prompt, config=config, steps=steps, gen_length=gen_length,
+                               block_length=block_length, prior_sigma=prior_sigma, commit_mask_token=commit_mask_token,
+                               independent_rows=independent_rows, attention_mask=attention_mask, mask_id=mask_id,
+                               stats=stats))
+
+
+def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cache | None = None,
+                  steps: int = 128, gen_length: int = 128, block_length: int = 128,
+                  prior_sigma: float | None = 10.0, commit_mask_token: bool = True,
+                  independent_rows: bool = True, attention_mask: torch.Tensor | None = None,
+                  mask_id: int | None = None, stats: GenerationStats | None = None) -> StepGenerator:
+    """`d2cache_generate` as a step generator (`remask.diffusion.stepper`): the arguments are checked
+    now; the returned generator yields a `Progress` after every forward (`final`: the decoded blocks)
+    and returns `d2cache_generate`'s tensor. With `independent_rows` the rows run one after another,
+    the canvas showing each row as it stands."""
     config = D2Cache() if config is None else config
     if not isinstance(config, D2Cache):
         raise ValueError(f"config must be a remask D2Cache, got {type(config).__name__}")
@@ -287,11 +303,41 @@ def d2cache_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2
     mask_id = spec.mask_id
     B, P = prompt.shape
     if independent_rows and B > 1:
-        return torch.cat([d2cache_generate(
+        return _rows_steps([d2cache_steps(
             model, prompt[b:b + 1], config=config, steps=steps, gen_length=gen_length, block_length=block_length,
             prior_sigma=prior_sigma, commit_mask_token=commit_mask_token,
             attention_mask=None if attention_mask is None else attention_mask[b:b + 1], mask_id=mask_id,
-            stats=stats) for b in range(B)])
+            stats=stats) for b in range(B)], prompt, gen_length, mask_id, device)
+    return _steps(model, prompt, config, gen_length, block_length, per_step, prior_sigma, commit_mask_token,
+                  attention_mask, mask_id, device, stats)
+
+
+def _rows_steps(rows: list, prompt: torch.Tensor, gen_length: int, mask_id: int,
+                device: torch.device) -> StepGenerator:
+    """The rows' step generators one after another (`independent_rows`), yielding the whole canvas
+    (`final`: the last row's, 0 before it), returning the rows stacked."""
+    B, P = prompt.shape
+    canvas = torch.full((B, P + gen_length), mask_id, dtype=torch.long, device=device)
+    canvas[:, :P] = prompt
+    out = []
+    for b, row in enumerate(rows):
+        while True:
+            try:
+                progress = next(row)
+            except StopIteration as stop:
+                out.append(stop.value)
+                break
+            canvas[b] = progress.x[0]
+            yield Progress(canvas, progress.final if b == B - 1 else 0)
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def _steps(model, prompt: torch.Tensor, config: D2Cache, gen_length: int, block_length: int, per_step: int,
+           prior_sigma: float | None, commit_mask_token: bool, attention_mask: torch.Tensor | None, mask_id: int,
+           device: torch.device, stats: GenerationStats | None) -> StepGenerator:
+    """d2Cache's loop over a batch decoded together (the arguments checked by `d2cache_steps`)."""
+    B, P = prompt.shape
     G, T = gen_length, P + gen_length
     x = torch.full((B, T), mask_id, dtype=torch.long, device=device)
     x[:, :P] = prompt
@@ -304,6 +350,7 @@ def d2cache_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2
         positions = (key_ok.cumsum(dim=-1) - 1).masked_fill(key_ok == 0, 0)
     cache: D2KVCache | None = None
     selector = _Selector(config, P)
+    final = 0
     if stats is not None:
         stats.start()
     for b in range(G // block_length):
@@ -370,6 +417,9 @@ def d2cache_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2
             x[active, P:] = new
             if stats is not None:
                 stats.step(sum(int(c.numel()) for c in committed))
+            if not bool((x[:, P + b * block_length:P + (b + 1) * block_length] == mask_id).any()):
+                final = (b + 1) * block_length   # this block is done (earlier blocks are)
+            yield Progress(x, final)
     if stats is not None:
         stats.stop(B * gen_length)
     return x

@@ -11,17 +11,22 @@
 * the cache `remask.ElasticCache` — Elastic-Cache's attention-drift triggered recompute over a
   sliding window (`diffusion/elastic.py`).
 
-`run_decoder` maps a call's arguments onto the method's own function and refuses, by name, the
-settings the method does not read; `RunToEndDecoder` serves a request with it in the engine.
+`decoder_steps` maps a call's arguments onto the method's step generator (`diffusion/stepper.py`)
+and refuses, by name, the settings the method does not read: `run_decoder` drives it to the end
+(the drop-in functions), the engine one forward per step (`StepwiseDecoder`), so both give the
+same tokens.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from remask.models.spec import get_spec
+
+from .checks import CombinationError
 from .stats import GenerationStats
+from .stepper import StepGenerator, drive
 
 
 def decoder_types() -> tuple[type, ...]:
@@ -73,10 +78,40 @@ def config_from_json(field: str, value: dict) -> Any:
         raise ValueError(f"{field} ({name}): {err}") from None
 
 
+def is_dinfer_method(decoder: Any, use_cache: Any) -> bool:
+    """A request for dInfer's rules: `ThresholdDecoding` / `CreditDecoding` / `HierarchicalDecoding`,
+    or the `VicinityCache` (with one of them or alone)."""
+    from .dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding, VicinityCache
+
+    return isinstance(decoder, (ThresholdDecoding, CreditDecoding, HierarchicalDecoding)) or (
+        decoder is None and isinstance(use_cache, VicinityCache))
+
+
+# The methods whose loops read unshifted logits (LLaDA's layout: position i scored from itself) and
+# drive LLaDA's attention themselves: refused on a model whose logits are shifted (Dream).
+UNSHIFTED_ONLY = {"WINO": "WINO's shadow-block forward", "DKVCache": "LLaDA's dKV-Cache schedule",
+                  "D2Cache": "d2Cache's row recompute", "ElasticCache": "Elastic-Cache's sliding window"}
+
+
 def check_decoder(decoder: Any) -> None:
     if not isinstance(decoder, decoder_types()):
         names = ", ".join(f"remask.{t.__name__}" for t in decoder_types())
         raise ValueError(f"decoder must be one of {names}, got {type(decoder).__name__}")
+
+
+def end_settings_refusal(method: Any, *, min_tokens: bool) -> str | None:
+    """Why `method` (a decoder or cache config) cannot honour `ignore_eos` / `min_tokens`, or None.
+    The methods' loops score inside their own step, so no logits hook reaches them (`min_tokens`);
+    dInfer's rules and Elastic-Cache end a row at its first EOS by their own rule (`ignore_eos`)."""
+    from .dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding, VicinityCache
+    from .elastic import ElasticCache
+
+    name = type(method).__name__
+    if min_tokens:
+        return f"{name}: its loop scores the logits inside its own step, with no logits hook the engine reaches"
+    if isinstance(method, (ThresholdDecoding, CreditDecoding, HierarchicalDecoding, VicinityCache, ElasticCache)):
+        return f"{name}: it fills the rest of a row with EOS after the first EOS it decodes"
+    return None
 
 
 # What each method reads of an entry point's settings besides the lengths, the cache and `stats`.
@@ -87,16 +122,26 @@ READS = {"FreeDave": ("steps",), "ThresholdDecoding": (), "CreditDecoding": (), 
 def run_decoder(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None, decoder: Any, *,
                 gen_length: int, block_length: int, use_cache: Any, mask_id: int | None,
                 stats: GenerationStats | None, settings: dict[str, tuple[Any, Any]] | None = None) -> torch.LongTensor:
+    """Decode with `decoder` and / or a cache config to the end (the drop-in functions): `drive`
+    over `decoder_steps`, the step generator the engine advances one forward at a time."""
+    return drive(decoder_steps(model, prompt, attention_mask, decoder, gen_length=gen_length,
+                               block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats,
+                               settings=settings))
+
+
+def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None, decoder: Any, *,
+                  gen_length: int, block_length: int, use_cache: Any, mask_id: int | None,
+                  stats: GenerationStats | None, settings: dict[str, tuple[Any, Any]] | None = None) -> StepGenerator:
     """Decode with `decoder` and / or a cache config. `settings`: the calling entry point's other
     settings as ``name: (value, default)``; every one set away from its default that the method does
     not read is refused by name. A cache config without a decoder: `VicinityCache` runs dInfer's
     threshold rule (0.9), `DKVCache` LLaDA's own schedule (`steps`, `remasking`)."""
-    from .d2cache import D2Cache, d2cache_generate
-    from .dinfer import ThresholdDecoding, VicinityCache, dinfer_generate
-    from .dkv import DKVCache, dkv_generate
-    from .elastic import ElasticCache, elastic_generate
-    from .freedave import FreeDave, freedave_generate
-    from .wino import WINO, wino_generate
+    from .d2cache import D2Cache, d2cache_steps
+    from .dinfer import ThresholdDecoding, VicinityCache, dinfer_steps
+    from .dkv import DKVCache, dkv_steps
+    from .elastic import ElasticCache, elastic_steps
+    from .freedave import FreeDave, freedave_steps
+    from .wino import WINO, wino_steps
 
     if decoder is not None:
         check_decoder(decoder)
@@ -109,6 +154,12 @@ def run_decoder(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: to
         decoder = ThresholdDecoding()
     method = type(use_cache).__name__ if isinstance(use_cache, (DKVCache, D2Cache, ElasticCache)) else \
         type(decoder).__name__
+    if method in UNSHIFTED_ONLY and get_spec(model, **({} if mask_id is None else {"mask_id": mask_id})).logit_shift:
+        field = "use_cache" if method != "WINO" else "decoder"
+        hint = " (Dream's own dKV-Cache: remask.diffusion.dkv_dream.dkv_dream_generate)" if method == "DKVCache" else ""
+        raise CombinationError(f"{field}={method}: {UNSHIFTED_ONLY[method]} reads unshifted logits (position i scored from "
+                         f"itself, LLaDA's layout); this model shifts its logits by one position (Dream's layout, "
+                         f"ModelSpec.logit_shift){hint}")
     settings = dict(settings or {})
     steps, steps_default = settings.get("steps", (None, None))
     if steps == steps_default:   # not given (the entry point's default): one token per step, or the method's own
@@ -126,14 +177,14 @@ def run_decoder(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: to
             raise ValueError(f"block_length: ElasticCache decodes over a sliding window of "
                              f"{use_cache.window_length} masked positions (no blocks); leave block_length at "
                              f"gen_length ({gen_length}), got {block_length}")
-        return elastic_generate(model, prompt, config=use_cache, gen_length=gen_length, attention_mask=attention_mask,
+        return elastic_steps(model, prompt, config=use_cache, gen_length=gen_length, attention_mask=attention_mask,
                                 mask_id=mask_id, stats=stats)
     if isinstance(use_cache, D2Cache):
-        return d2cache_generate(model, prompt, config=use_cache, steps=gen_length if steps is None else steps,
+        return d2cache_steps(model, prompt, config=use_cache, steps=gen_length if steps is None else steps,
                                 gen_length=gen_length, block_length=block_length, attention_mask=attention_mask,
                                 mask_id=mask_id, stats=stats)
     if isinstance(use_cache, DKVCache):
-        return dkv_generate(model, prompt, config=use_cache, steps=gen_length if steps is None else steps,
+        return dkv_steps(model, prompt, config=use_cache, steps=gen_length if steps is None else steps,
                             gen_length=gen_length, block_length=block_length,
                             remasking=settings.get("remasking", ("low_confidence", None))[0],
                             attention_mask=attention_mask, generator=settings.get("generator", (None, None))[0],
@@ -141,57 +192,18 @@ def run_decoder(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: to
     if isinstance(decoder, FreeDave):
         if is_cache_config(use_cache):
             raise ValueError("use_cache: FreeDave takes None, 'prefix' or 'dual'")
-        return freedave_generate(model, prompt, attention_mask, config=decoder, steps=steps, gen_length=gen_length,
+        return freedave_steps(model, prompt, attention_mask, config=decoder, steps=steps, gen_length=gen_length,
                                  block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats)
     if isinstance(decoder, WINO):
         if use_cache is not None:
             raise ValueError("use_cache: WINO forwards the whole sequence with its shadow block (no cache)")
-        return wino_generate(model, prompt, config=decoder, gen_length=gen_length, block_length=block_length,
-                             attention_mask=attention_mask, mask_id=mask_id, stats=stats)[0]
-    return dinfer_generate(model, prompt, decoder=decoder, gen_length=gen_length, block_length=block_length,
+        return _first(wino_steps(model, prompt, config=decoder, gen_length=gen_length, block_length=block_length,
+                                 attention_mask=attention_mask, mask_id=mask_id, stats=stats))
+    return dinfer_steps(model, prompt, decoder=decoder, gen_length=gen_length, block_length=block_length,
                            use_cache=use_cache, attention_mask=attention_mask, mask_id=mask_id, stats=stats)
 
 
-@dataclass(eq=False)
-class RunToEndState:
-    """One engine request under a run-to-end decoder: its prompt, then its output `x` once decoded."""
-
-    prompt: torch.Tensor
-    x: torch.Tensor
-    prompt_length: int
-    done: bool = False
-
-
-class RunToEndDecoder:
-    """A request decoded by `run_decoder` in one engine step, on its prompt alone, so its tokens
-    are that call's. Its forwards are its own; it is not interleaved with others block by block."""
-
-    def __init__(self, decoder: Any, *, gen_length: int, block_length: int, use_cache: Any, mask_id: int | None,
-                 steps: int | None = None, remasking: str = "low_confidence") -> None:
-        self.steps, self.remasking = steps, remasking
-        self.decoder, self.gen_length, self.block_length = decoder, gen_length, block_length
-        self.use_cache, self.mask_id = use_cache, mask_id
-
-    def start(self, model: torch.nn.Module, input_ids: torch.Tensor) -> RunToEndState:
-        return RunToEndState(prompt=input_ids, x=input_ids, prompt_length=input_ids.shape[1])
-
-    def shared_forward_key(self, state: RunToEndState) -> None:
-        return None
-
-    def num_final(self, state: RunToEndState) -> int:
-        return state.x.shape[1] - state.prompt_length if state.done else 0
-
-    def step(self, model: torch.nn.Module, state: RunToEndState, generator: torch.Generator | None = None,
-             stats: GenerationStats | None = None) -> None:
-        counted = GenerationStats()
-        state.x = run_decoder(model, state.prompt, None, self.decoder, gen_length=self.gen_length,
-                              block_length=self.block_length, use_cache=self.use_cache, mask_id=self.mask_id,
-                              # checked by SamplingParams already: passed as values, never refused here
-                              stats=counted, settings={"steps": (self.steps, None),
-                                                       "remasking": (self.remasking, self.remasking),
-                                                       "generator": (generator, generator)})
-        if stats is not None:   # its forwards and commits (the engine times the request itself)
-            stats.nfe += counted.nfe
-            stats.forward_positions += counted.forward_positions
-            stats.tokens_per_step.extend(counted.tokens_per_step)
-        state.done = True
+def _first(steps: StepGenerator) -> StepGenerator:
+    """A step generator that returns a tuple, returning its first item (WINO's `(x, forwards)`)."""
+    out = yield from steps
+    return out[0]

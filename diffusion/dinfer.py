@@ -41,9 +41,10 @@ from .cache import BlockForward
 from .checks import (check_bool, check_instance, check_int, check_model_kind, check_prompt, check_real,
                      check_stats, check_mask_id)
 from .stats import GenerationStats
+from .stepper import Progress, StepGenerator, drive
 
 __all__ = ["ThresholdDecoding", "CreditDecoding", "HierarchicalDecoding", "VicinityCache", "IterationSmoothing",
-           "dinfer_generate"]
+           "dinfer_generate", "dinfer_steps"]
 
 
 def _check_unit(name: str, value: Any, *, allow_none: bool = False, low_open: bool = True) -> None:
@@ -279,6 +280,18 @@ class _Run:
     refreshed: set = field(default_factory=set)
     smoothing: IterationSmoothing | None = None
     embeds: torch.Tensor | None = None   # the smoothed inputs `[B, T, d]` (iteration smoothing)
+    # step reporting: the whole canvas `[B, T]` (x may be one row of it), the prompt length, the
+    # masks left in the current block (all rows) and its end, the generated positions final so far,
+    # and whether to report them (decoding row by row, only the last row's are the minimum)
+    canvas: torch.Tensor | None = None
+    prompt_len: int = 0
+    left: int = 0
+    block_end: int = 0
+    final: int = 0
+    report_final: bool = True
+
+    def progress(self) -> Progress:
+        return Progress(self.canvas, self.final if self.report_final else 0)
 
     def logits(self, x: torch.Tensor, lo: int, hi: int, cache: KVCache | None) -> torch.Tensor:
         if cache is None:
@@ -297,6 +310,9 @@ class _Run:
         committed = self.decoder.decode(x, logits, start, end, threshold)
         if self.stats is not None:
             self.stats.step(committed)
+        self.left -= committed
+        if self.left == 0:   # the block is decoded: no later step changes it
+            self.final = max(self.final, self.block_end - self.prompt_len)
 
     # --- iteration smoothing (IterationSmooth / IterSmoothWithVicinityCache) --------------------
     def _smoothing_now(self) -> tuple[float, float]:
@@ -329,52 +345,62 @@ class _Run:
             self.stats.forward(self.embeds.shape[0], hi - lo, 0 if cache is None else cache.nbytes)
         return out
 
-    def _smooth_step(self, x: torch.Tensor, lo: int, hi: int, cache: KVCache | None, start: int, end: int) -> None:
-        """One smoothed iteration over `[lo, hi)`: forward, decode the block, new inputs there."""
+    def _smooth_step(self, x: torch.Tensor, lo: int, hi: int, cache: KVCache | None, start: int,
+                     end: int) -> StepGenerator:
+        """One smoothed iteration over `[lo, hi)`: forward, decode the block, new inputs there; then
+        a `Progress`."""
         weight, threshold = self._smoothing_now()
         logits = self._embeds_forward(lo, hi, cache)
         self.iter_no += 1
         self.decode(x, logits[:, start - lo:end - lo], start, end, threshold)
         self.embeds[:, lo:hi] = self._embed(x[:, lo:hi], logits, weight)
+        del logits
+        yield self.progress()
 
-    def iterate_smooth(self, x: torch.Tensor, start: int, end: int, block_id: int) -> None:
+    def iterate_smooth(self, x: torch.Tensor, start: int, end: int, block_id: int) -> StepGenerator:
         T, mode = x.shape[1], self.block_forward.mode
         if mode is not None and block_id not in self.refreshed:   # the cache-building forward
             self.refreshed.add(block_id)
             self.cache = KVCache()
-            self._smooth_step(x, 0, T, self.cache, start, end)
+            yield from self._smooth_step(x, 0, T, self.cache, start, end)
         if mode is None:
-            self._smooth_step(x, 0, T, None, start, end)
+            yield from self._smooth_step(x, 0, T, None, start, end)
         else:
-            self._smooth_step(x, start, T if mode == "prefix" else end, self.cache, start, end)
+            yield from self._smooth_step(x, start, T if mode == "prefix" else end, self.cache, start, end)
             if mode == "prefix":
                 self.cache.crop(start)   # the suffix's K/V are recomputed at every step
 
     def iterate_vicinity_smooth(self, x: torch.Tensor, start: int, end: int, block_id: int,
-                                vc: VicinityCache) -> None:
+                                vc: VicinityCache) -> StepGenerator:
         T = x.shape[1]
         if self.iter_no < vc.warmup_steps:
-            self._smooth_step(x, 0, T, None, start, end)
+            yield from self._smooth_step(x, 0, T, None, start, end)
             return
         if self._vicinity_rebuild(start, end, block_id):
             self.cache = KVCache()
-            self._smooth_step(x, 0, T, self.cache, start, end)
-        self._smooth_step(x, max(0, start - vc.prefix_look), min(T, end + vc.after_look), self.cache, start, end)
+            yield from self._smooth_step(x, 0, T, self.cache, start, end)
+        yield from self._smooth_step(x, max(0, start - vc.prefix_look), min(T, end + vc.after_look), self.cache,
+                                     start, end)
 
-    # BaseDiffusionIteration (no cache / prefix / dual)
-    def iterate(self, x: torch.Tensor, start: int, end: int, block_id: int) -> None:
+    # BaseDiffusionIteration (no cache / prefix / dual); a `Progress` after every forward
+    def iterate(self, x: torch.Tensor, start: int, end: int, block_id: int) -> StepGenerator:
         bf = self.block_forward
         if bf.mode is None:
             self.decode(x, self.logits(x, 0, x.shape[1], None)[:, start:end], start, end)
+            yield self.progress()
         else:
             if block_id not in self.refreshed:
                 self.refreshed.add(block_id)
                 full = bf.refresh(x, start, end)
                 self._count(x.shape[0], x.shape[1], bf)
                 self.decode(x, full[:, start:end], start, end)
+                del full
+                yield self.progress()
             logits, fed = bf.step(x, start, end)
             self._count(x.shape[0], logits.shape[1], bf)
             self.decode(x, logits[:, start - fed:end - fed], start, end)
+            del logits
+            yield self.progress()
         self.iter_no += 1
 
     def _count(self, batch: int, length: int, bf: BlockForward) -> None:
@@ -382,20 +408,25 @@ class _Run:
             self.stats.forward(batch, length, bf.cache_nbytes)
 
     # VicinityCacheIteration
-    def iterate_vicinity(self, x: torch.Tensor, start: int, end: int, block_id: int, vc: VicinityCache) -> None:
+    def iterate_vicinity(self, x: torch.Tensor, start: int, end: int, block_id: int,
+                         vc: VicinityCache) -> StepGenerator:
         T = x.shape[1]
         if self.iter_no < vc.warmup_steps:
             self.decode(x, self.logits(x, 0, T, None)[:, start:end], start, end)
             self.iter_no += 1
+            yield self.progress()
             return
         if self._vicinity_rebuild(start, end, block_id):
             self.cache = KVCache()
             self.decode(x, self.logits(x, 0, T, self.cache)[:, start:end], start, end)
             self.iter_no += 1
+            yield self.progress()
         lo, hi = max(0, start - vc.prefix_look), min(T, end + vc.after_look)
         logits = self.logits(x, lo, hi, self.cache)
         self.decode(x, logits[:, start - lo:end - lo], start, end)
+        del logits
         self.iter_no += 1
+        yield self.progress()
 
     def _vicinity_rebuild(self, start: int, end: int, block_id: int) -> bool:
         """Whether the vicinity cache is (re)built before this iteration's window forward."""
@@ -407,20 +438,24 @@ class _Run:
         self.cache_block = (start, end)
         return changed and block_id > 0
 
-    def run_block(self, x: torch.Tensor, start: int, end: int, block_id: int, vicinity: VicinityCache | None) -> None:
+    def run_block(self, x: torch.Tensor, start: int, end: int, block_id: int,
+                  vicinity: VicinityCache | None) -> StepGenerator:
         mask_id = self.decoder.mask_id
         self.decoder.block_start()
+        self.block_end = end
         while True:
             left = int((x[:, start:end] == mask_id).sum())
             if left == 0:
                 break
+            self.left = left
             for _ in range(int(max(min(left // self.expected_tpf, self.maximum_unroll), 1))):
                 if vicinity is None:
-                    (self.iterate if self.smoothing is None else self.iterate_smooth)(x, start, end, block_id)
+                    yield from (self.iterate if self.smoothing is None else self.iterate_smooth)(x, start, end,
+                                                                                                  block_id)
                 elif self.smoothing is None:
-                    self.iterate_vicinity(x, start, end, block_id, vicinity)
+                    yield from self.iterate_vicinity(x, start, end, block_id, vicinity)
                 else:
-                    self.iterate_vicinity_smooth(x, start, end, block_id, vicinity)
+                    yield from self.iterate_vicinity_smooth(x, start, end, block_id, vicinity)
 
 
 def dinfer_generate(
@@ -472,6 +507,31 @@ def dinfer_generate(
         * the credit state lives for one call (upstream's can leak into the next call when a
           generation ends with masks left in later blocks).
     """
+    return drive(dinfer_steps(model, prompt, decoder=decoder, gen_length=gen_length, block_length=block_length,
+                              use_cache=use_cache, early_stop=early_stop, attention_mask=attention_mask,
+                              mask_id=mask_id, eos_id=eos_id, maximum_unroll=maximum_unroll,
+                              expected_tpf=expected_tpf, stats=stats))
+
+
+def dinfer_steps(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    *,
+    decoder: ThresholdDecoding | CreditDecoding | HierarchicalDecoding = ThresholdDecoding(),
+    gen_length: int = 128,
+    block_length: int = 128,
+    use_cache: str | VicinityCache | None = None,
+    early_stop: bool = True,
+    attention_mask: torch.Tensor | None = None,
+    mask_id: int | None = None,
+    eos_id: int | None = None,
+    maximum_unroll: int = 4,
+    expected_tpf: int = 8,
+    stats: GenerationStats | None = None,
+) -> StepGenerator:
+    """`dinfer_generate` as a step generator (`remask.diffusion.stepper`): the arguments are checked
+    here, at the call; the generator yields a `Progress` after every model forward (with `final` the
+    decoded blocks) and returns the `[B, P + gen_length]` tokens of `dinfer_generate`."""
     check_instance("decoder", decoder, _DECODERS,
                    "remask ThresholdDecoding, CreditDecoding or HierarchicalDecoding", allow_none=False)
     check_int("gen_length", gen_length, minimum=1)
@@ -492,36 +552,46 @@ def dinfer_generate(
     if spec.eos_id is None and early_stop:
         raise ValueError("early_stop needs an EOS id: the model has none, pass eos_id=")
 
+    return _dinfer_loop(model, spec, prompt, attention_mask, decoder, gen_length, block_length, use_cache,
+                        vicinity, early_stop, maximum_unroll, expected_tpf, stats)
+
+
+@torch.no_grad()
+def _dinfer_loop(model, spec, prompt, attention_mask, decoder, gen_length, block_length, use_cache, vicinity,
+                 early_stop, maximum_unroll, expected_tpf, stats) -> StepGenerator:
     # decoded row by row where upstream couples a batch's rows (the vicinity warmup and unrolling,
-    # iteration smoothing's iteration count): each row as alone
+    # iteration smoothing's iteration count): each row as alone, in its row of the canvas
     alone = vicinity is not None or decoder.smoothing is not None
     rows = [slice(b, b + 1) for b in range(prompt.shape[0])] if alone else [slice(None)]
     if stats is not None:
         stats.start()
-    outs = []
-    with torch.no_grad():
-        for rs in rows:
-            mask = None if attention_mask is None else attention_mask[rs]
-            outs.append(_generate(model, spec, prompt[rs], mask, decoder, gen_length, block_length, use_cache,
-                                  vicinity, early_stop, maximum_unroll, expected_tpf, stats))
-    out = torch.cat(outs, dim=0)
+    B, P = prompt.shape
+    x = torch.full((B, P + gen_length), spec.mask_id, dtype=torch.long, device=prompt.device)
+    x[:, :P] = prompt
+    for i, rs in enumerate(rows):
+        mask = None if attention_mask is None else attention_mask[rs]
+        # rows decoded earlier are final; rows after this one are not started (0 final)
+        yield from _generate(x[rs], model, spec, mask, decoder, gen_length, block_length, use_cache, vicinity,
+                             early_stop, maximum_unroll, expected_tpf, stats, canvas=x,
+                             report_final=i == len(rows) - 1)
     if stats is not None:
         stats.stop(int(gen_length * prompt.shape[0]))
-    return out
+    return x
 
 
-def _generate(model, spec, prompt, attention_mask, rule, gen_length, block_length, use_cache, vicinity,
-              early_stop, maximum_unroll, expected_tpf, stats) -> torch.Tensor:
-    B, P = prompt.shape
-    T = P + gen_length
+def _generate(x, model, spec, attention_mask, rule, gen_length, block_length, use_cache, vicinity, early_stop,
+              maximum_unroll, expected_tpf, stats, *, canvas, report_final) -> StepGenerator:
+    """Decode `x` `[B, P + gen_length]` (the prompt, then masks) in place: a generator yielding a
+    `Progress` of `canvas` (x's rows or all of them) after every forward."""
+    B, T = x.shape
+    P = T - gen_length
     mask_id, eos_id = spec.mask_id, spec.eos_id
-    x = torch.full((B, T), mask_id, dtype=torch.long, device=prompt.device)
-    x[:, :P] = prompt
     forward_inputs = spec.forward_inputs(attention_mask, T)
     valid = None
     if attention_mask is not None:
         valid = torch.cat([attention_mask.bool(), attention_mask.new_ones((B, gen_length), dtype=torch.bool)], 1)
-    run = _Run(model, spec, _Decoder(rule, mask_id), forward_inputs, valid, stats, maximum_unroll, expected_tpf)
+    run = _Run(model, spec, _Decoder(rule, mask_id), forward_inputs, valid, stats, maximum_unroll, expected_tpf,
+               canvas=canvas, prompt_len=P, report_final=report_final)
     run.block_forward = BlockForward(model, spec, None if vicinity is not None else use_cache, forward_inputs, valid)
     if rule.smoothing is not None:
         run.smoothing = rule.smoothing
@@ -529,7 +599,7 @@ def _generate(model, spec, prompt, attention_mask, rule, gen_length, block_lengt
     first = (P // block_length) * block_length
     for block_id, start in enumerate(range(first, T, block_length)):
         end = min(start + block_length, T)
-        run.run_block(x, start, end, block_id, vicinity)
+        yield from run.run_block(x, start, end, block_id, vicinity)
         if early_stop:
             has_eos = (x[:, start:end] == eos_id).any(dim=1)
             x[has_eos, end:] = eos_id

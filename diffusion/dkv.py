@@ -32,6 +32,7 @@ from .cache import valid_positions
 from .checks import (check_bool, check_choice, check_generator, check_int, check_mask_id, check_prompt, check_stats,
                      model_device)
 from .stats import GenerationStats
+from .stepper import Progress, StepGenerator, drive
 
 REMASKING = ("low_confidence", "random")
 
@@ -214,6 +215,15 @@ def _forward(model, x: torch.Tensor, forwarded: torch.Tensor | None, cache: Dela
     return logits
 
 
+def _final(x: torch.Tensor, P: int, upto: int, mask_id: int) -> int:
+    """Generated positions no later step changes once the first `upto` are decoded: `upto`, less
+    any position left masked (only with `commit_mask_token`; a later block may still decode it),
+    the minimum over rows."""
+    masked = x[:, P:P + upto] == mask_id
+    first = torch.where(masked.any(dim=1), masked.int().argmax(dim=1), upto)
+    return int(first.min())
+
+
 @torch.no_grad()
 def dkv_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCache | None = None,
                  steps: int = 128, gen_length: int = 128, block_length: int = 128,
@@ -226,6 +236,19 @@ def dkv_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCac
     float32) from `generator` (None: torch's global generator). `attention_mask` `[B, P]` (left
     padding) hides pad keys (upstream has none). Rows whose forwarded sets differ in size (only
     with `commit_mask_token`) are forwarded one by one, each with its own cache."""
+    return drive(dkv_steps(model, prompt, config=config, steps=steps, gen_length=gen_length,
+                           block_length=block_length, remasking=remasking, attention_mask=attention_mask,
+                           generator=generator, mask_id=mask_id, stats=stats))
+
+
+def dkv_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCache | None = None,
+              steps: int = 128, gen_length: int = 128, block_length: int = 128,
+              remasking: str = "low_confidence", attention_mask: torch.Tensor | None = None,
+              generator: torch.Generator | None = None, mask_id: int | None = None,
+              stats: GenerationStats | None = None) -> StepGenerator:
+    """`dkv_generate` as a step generator (`remask.diffusion.stepper`): the arguments are checked
+    now; the returned generator yields a `Progress` after every forward (`final`: the decoded
+    blocks) and returns `dkv_generate`'s tensor. Both variants (decode and greedy)."""
     config = DKVCache() if config is None else config
     if not isinstance(config, DKVCache):
         raise ValueError(f"config must be a remask DKVCache, got {type(config).__name__}")
@@ -254,14 +277,25 @@ def dkv_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCac
         if remasking != "random":
             raise ValueError(f"remasking: dKV-Cache-Greedy decodes in a random order drawn per block "
                              f"(remasking='random'), got {remasking!r}")
-        return _generate_greedy(model, prompt, config, spec, steps_per_block, gen_length, block_length,
-                                attention_mask, generator, stats)
+        return _greedy_steps(model, prompt, config, spec, steps_per_block, gen_length, block_length,
+                             attention_mask, generator, stats)
+    return _decode_steps(model, prompt, config, mask_id, device, steps_per_block, num_blocks, block_length,
+                         gen_length, remasking, attention_mask, generator, stats)
+
+
+@torch.no_grad()
+def _decode_steps(model, prompt: torch.Tensor, config: DKVCache, mask_id: int, device: torch.device,
+                  steps_per_block: int, num_blocks: int, block_length: int, gen_length: int, remasking: str,
+                  attention_mask: torch.Tensor | None, generator: torch.Generator | None,
+                  stats: GenerationStats | None) -> StepGenerator:
+    """dKV-Cache-Decode's loop (the arguments checked by `dkv_steps`)."""
     R = config.cache_reloading_step
     B, P = prompt.shape
     T = P + gen_length
     x = torch.full((B, T), mask_id, dtype=torch.long, device=device)
     x[:, :P] = prompt
     key_ok = valid_positions(attention_mask, T)   # False on the left pads
+    final = 0
     if stats is not None:
         stats.start()
     for num_block in range(num_blocks):
@@ -291,7 +325,9 @@ def dkv_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCac
                     c.v = {layer: t[b:b + 1] for layer, t in whole.v.items()}
             x0 = torch.full_like(x, mask_id)
             x0_p = torch.full(x.shape, -torch.inf, dtype=torch.float64, device=device)
-            for cache, g in zip(caches, groups):
+            for gi, (cache, g) in enumerate(zip(caches, groups)):
+                if gi:
+                    yield Progress(x, final)   # the previous row's forward (rows forwarded one by one)
                 rows = torch.tensor(g, device=device)
                 forwarded = (~prv[rows]) if cached_step else None
                 logits = _forward(model, x[rows], forwarded, None if i == 0 else cache,
@@ -323,6 +359,9 @@ def dkv_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCac
             if stats is not None:
                 stats.step(int(transfer.sum()))
             prv, cur = cur, x != mask_id
+            if i == steps_per_block - 1:
+                final = _final(x, P, end - P, mask_id)
+            yield Progress(x, final)
     if stats is not None:
         stats.stop(B * gen_length)
     return x
@@ -350,16 +389,18 @@ def _window(chosen: torch.Tensor, around: list[int], masked: torch.Tensor, size:
                 break
 
 
-def _generate_greedy(model, prompt: torch.Tensor, config: DKVCache, spec, steps_per_block: int, gen_length: int,
-                     block_length: int, attention_mask: torch.Tensor | None, generator: torch.Generator | None,
-                     stats: GenerationStats | None) -> torch.Tensor:
+@torch.no_grad()
+def _greedy_steps(model, prompt: torch.Tensor, config: DKVCache, spec, steps_per_block: int, gen_length: int,
+                  block_length: int, attention_mask: torch.Tensor | None, generator: torch.Generator | None,
+                  stats: GenerationStats | None) -> StepGenerator:
     """dKV-Cache-Greedy (horseee/dKV-Cache `llada_dkv_cache_greedy.py`). Per block: one uniform per
     position (`torch.rand` over the sequence, float32) fixes the decoding order of the block's
     positions; the block's masks are split evenly over its steps (remainder first). Step i with
     i % R == 0 forwards the whole sequence and caches every position's keys/values; any other step
     forwards only the positions chosen at step i − 1 (those it decodes, those decoded at i − 1 and
     the window), attends over them and the cache of the rest, and writes their fresh keys/values
-    into the cache. The decoded tokens are each position's argmax."""
+    into the cache. The decoded tokens are each position's argmax. A step generator (a `Progress`
+    after every forward); the arguments are checked by `dkv_steps`."""
     mask_id, device = spec.mask_id, model_device(model)
     R = config.cache_reloading_step
     B, P = prompt.shape
@@ -368,6 +409,7 @@ def _generate_greedy(model, prompt: torch.Tensor, config: DKVCache, spec, steps_
     x[:, :P] = prompt
     key_ok = valid_positions(attention_mask, T)
     everything = torch.ones((1, T), dtype=torch.bool, device=device)
+    final = 0
     if stats is not None:
         stats.start()
     for num_block in range(gen_length // block_length):
@@ -391,7 +433,9 @@ def _generate_greedy(model, prompt: torch.Tensor, config: DKVCache, spec, steps_
                 caches = _merge(caches)
             elif cached_step and not same and len({id(c) for c in caches}) == 1 and B > 1:
                 caches = _split(caches[0], B)
-            for g in groups:
+            for gi, g in enumerate(groups):
+                if gi:
+                    yield Progress(x, final)   # the previous row's forward (rows forwarded one by one)
                 rows = torch.tensor(g, device=device)
                 ok = None if key_ok is None else key_ok[rows]
                 if not cached_step:
@@ -428,6 +472,9 @@ def _generate_greedy(model, prompt: torch.Tensor, config: DKVCache, spec, steps_
             if stats is not None:
                 stats.step(int(transfer.sum()))
             chosen = nxt
+            if i == steps_per_block - 1:
+                final = _final(x, P, end - P, mask_id)
+            yield Progress(x, final)
     if stats is not None:
         stats.stop(B * gen_length)
     return x

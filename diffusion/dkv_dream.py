@@ -41,6 +41,7 @@ from .checks import check_generator, check_int, check_length, check_mask_id, che
 from .dkv import DKVCache, DelayedKVCache, _split
 from .dream import DreamDecoder, DreamGenerationConfig, _validate_config
 from .stats import GenerationStats
+from .stepper import Progress, StepGenerator, drive
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
@@ -100,6 +101,22 @@ def dkv_dream_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     padding, hidden as Dream hides it (positions counted over real tokens). Prompts must not hold
     the mask token. The model must shift its logits (`ModelSpec.logit_shift`, Dream's layout).
     """
+    return drive(dkv_dream_steps(model, input_ids, attention_mask, config=config, steps=steps,
+                                 max_new_tokens=max_new_tokens, alg=alg, alg_temp=alg_temp, temperature=temperature,
+                                 top_p=top_p, top_k=top_k, eps=eps, mask_id=mask_id, generator=generator,
+                                 stats=stats))
+
+
+def dkv_dream_steps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    *, config: DKVCache | None = None, steps: int = 512, max_new_tokens: int,
+                    alg: str = "origin", alg_temp: float | None = None, temperature: float = 0.0,
+                    top_p: float | None = None, top_k: int | None = None, eps: float = 1e-3,
+                    mask_id: int | None = None, generator: torch.Generator | None = None,
+                    stats: GenerationStats | None = None) -> StepGenerator:
+    """`dkv_dream_generate` as a step generator (`remask.diffusion.stepper`): the arguments are
+    checked now; the returned generator yields a `Progress` after every forward and returns
+    `dkv_dream_generate`'s tensor. `Progress.final` is 0 until the end (the whole canvas is one
+    block: any masked position may be decoded at any step)."""
     config = DKVCache(cache_type="decoded") if config is None else config
     if not isinstance(config, DKVCache):
         raise ValueError(f"config must be a remask DKVCache, got {type(config).__name__}")
@@ -134,9 +151,19 @@ def dkv_dream_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     check_stats("stats", stats)
     check_generator(generator, input_ids.device)
 
-    mask_id, R = spec.mask_id, config.cache_reloading_step
     decoder = DreamDecoder(spec, gen, reference_ties=True)
     state = decoder.start(model, input_ids, attention_mask)
+    return _steps(model, decoder, state, config, cache_type, shift_type, steps, attention_mask, generator, stats)
+
+
+@torch.no_grad()
+def _steps(model, decoder: DreamDecoder, state, config: DKVCache, cache_type: str, shift_type: str, steps: int,
+           attention_mask: torch.Tensor | None, generator: torch.Generator | None,
+           stats: GenerationStats | None) -> StepGenerator:
+    """dKV-Cache's Dream loop (the arguments checked by `dkv_dream_steps`)."""
+    mask_id, R = decoder.spec.mask_id, config.cache_reloading_step
+    B, T = state.x.shape
+    max_new_tokens = T - state.prompt_len
     x = state.x
     positions = state.forward_inputs.get("position_ids")
     if not torch.is_tensor(positions):
@@ -161,7 +188,9 @@ def dkv_dream_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
             logits = _forward(model, x, positions, None if prev is None else ~prev, caches[0], keep)
         else:
             logits = None
-            for g, cache in zip(groups, caches):
+            for gi, (g, cache) in enumerate(zip(groups, caches)):
+                if gi:
+                    yield Progress(x, 0)   # the previous row's forward (rows forwarded one by one)
                 part = _forward(model, x[g], positions[g], None if prev is None else ~prev[g], cache, keep[g])
                 if logits is None:
                     logits = part.new_empty((B,) + part.shape[1:])
@@ -185,6 +214,7 @@ def dkv_dream_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
                 prev, store = store, None
         else:
             prev, store = store, _store(x, mask_id, shift_type)
+        yield Progress(x, 0)
     if stats is not None:
         stats.stop(B * max_new_tokens)
     return x

@@ -182,6 +182,7 @@ def diffusion_generate(
     generator = kwargs.pop("generator", None)
     stats: GenerationStats | None = kwargs.pop("stats", None)
     explicit_max_length = kwargs.get("max_length") is not None
+    given = set(kwargs)   # the generation-config fields the caller set
     config = _resolve_config(model, generation_config, kwargs)
     leftover = config.update(**kwargs)
     if leftover:
@@ -192,8 +193,11 @@ def diffusion_generate(
     spec = get_spec(model, mask_id=config.mask_token_id)
     check_model_kind(spec, diffusion=True, entry="remask.diffusion_generate")
     check_mask_id(spec)
+    from .decoders import is_dinfer_method
+
+    dinfer = is_dinfer_method(decoder, use_cache)
     check_instance("sparse", sparse, SparseConfig, "a remask.SparseConfig")
-    blocks = cache_mode(use_cache) is not None or block_length is not None \
+    blocks = dinfer or cache_mode(use_cache) is not None or block_length is not None \
         or (sparse is not None and sparse.method == "retention")
     # Dream's sampler fills masks anywhere in the sequence; the block decoder and APD only after the prompt.
     check_prompt(model, inputs, attention_mask, name="inputs", spec=spec,
@@ -242,6 +246,13 @@ def diffusion_generate(
         if attention_mask is not None:
             attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
 
+    if dinfer:
+        return _dinfer_on_dream(model, inputs, attention_mask, config, decoder=decoder, use_cache=use_cache,
+                                block_length=block_length, stats=stats, given=given, unread={
+                                    "alg": alg_given is not None, "threshold": threshold != 0.9,
+                                    "apd": apd is not None, "sparse": sparse is not None,
+                                    "generation hooks": bool(hooks_given), "output_history": config.output_history,
+                                    "finish_blocks": not finish_blocks, "reference_ties": not reference_ties})
     if blocks:
         check_block_layout(config.max_length - input_len, block_length, config.steps)
 
@@ -300,6 +311,29 @@ def check_block_layout(gen_length: int, block_length: int, steps: int) -> None:
     if steps % (gen_length // block_length):
         raise ValueError(f"steps ({steps}) must be divisible by the number of blocks "
                          f"(generation length / block_length = {gen_length // block_length})")
+
+
+def _dinfer_on_dream(model, inputs, attention_mask, config: DreamGenerationConfig, *, decoder, use_cache,
+                     block_length, stats, given: set[str], unread: dict[str, bool]) -> Any:
+    """dInfer's rules (`ThresholdDecoding` / `CreditDecoding` / `HierarchicalDecoding`, and the
+    `VicinityCache`) over Fast-dLLM's Dream blocks: the same step generator as on LLaDA
+    (`dinfer_steps`), on Dream's shifted logits (`ModelSpec.logits`). A combination no paper
+    shipped; greedy, so the sampling settings are refused by name."""
+    from .decoders import run_decoder
+
+    gen_length = config.max_length - inputs.shape[1]
+    set_here = sorted(name for name, on in unread.items() if on)
+    set_here += sorted(name for name in ("alg_temp", "steps", "eps") if name in given)
+    set_here += [name for name, on in (("temperature", config.temperature > 0), ("top_p", config.top_p is not None),
+                                       ("top_k", config.top_k is not None)) if on]
+    if set_here:
+        method = type(decoder if decoder is not None else use_cache).__name__
+        raise ValueError(f"decoder/use_cache={method} on Dream runs dInfer's greedy rule over blocks; it does not "
+                         f"read {set_here}")
+    sequences = run_decoder(model, inputs, attention_mask, decoder, gen_length=gen_length,
+                            block_length=DEFAULT_BLOCK_LENGTH if block_length is None else block_length,
+                            use_cache=use_cache, mask_id=config.mask_token_id, stats=stats)
+    return DreamModelOutput(sequences=sequences) if config.return_dict_in_generate else sequences
 
 
 def _check_sparse(sparse: SparseConfig, config: DreamGenerationConfig, use_cache, block_length, apd, decoder,

@@ -43,6 +43,7 @@ from .cache import valid_positions
 from .checks import (check_bool, check_int, check_mask_id, check_model_kind, check_optional_token_id, check_prompt,
                      check_real, check_stats, model_device)
 from .stats import GenerationStats
+from .stepper import Progress, StepGenerator, drive
 
 
 @dataclass(frozen=True)
@@ -168,9 +169,29 @@ def _head(model, h: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def _final_prefix(x: torch.Tensor, P: int, masked: torch.Tensor, mask_id: int, eos_id: int | None) -> int:
+    """How many leading generated positions of the row `x` `[1, T]` no later step changes: those
+    before the first still-masked position (a decoded position is never revisited; the window only
+    holds masked ones), up to a committed mask token after an EOS (the end turns it into EOS)."""
+    n = x.shape[1] - P if masked.shape[0] == 0 else int(masked[0]) - P
+    if eos_id is not None and n > 0:
+        row = x[0, P:P + n]
+        eos = (row == eos_id).nonzero()
+        if eos.shape[0] > 0:
+            first = int(eos[0, 0])
+            later = (row[first + 1:] == mask_id).nonzero()
+            if later.shape[0] > 0:
+                n = first + 1 + int(later[0, 0])
+    return n
+
+
 def _decode_row(model, x: torch.Tensor, P: int, config: ElasticCache, mask_id: int, eos_id: int | None,
-                key_ok: torch.Tensor | None, stats: GenerationStats | None, trace: list | None) -> torch.Tensor:
-    """Elastic-Cache decoding of one row `x` `[1, T]` (prompt then masks), in place."""
+                key_ok: torch.Tensor | None, stats: GenerationStats | None, trace: list | None,
+                canvas: torch.Tensor, row: int) -> StepGenerator:
+    """Elastic-Cache decoding of one row `x` `[1, T]` (prompt then masks), in place, as a step
+    generator: after every forward the row is written back into `canvas[row]` and the whole
+    `canvas` is yielded (`final`: the row's final prefix on the last row, else 0 — later rows are
+    undecoded); returns `x`."""
     cfg = model.config
     blocks = model.model.transformer.blocks
     L, T, device = len(blocks), x.shape[1], x.device
@@ -240,6 +261,8 @@ def _decode_row(model, x: torch.Tensor, P: int, config: ElasticCache, mask_id: i
             if eos_pos.shape[0] > 0:
                 decoded_eos = True
                 masked = masked[masked <= eos_pos.min().item()]
+        canvas[row:row + 1] = x
+        yield Progress(canvas, _final_prefix(x, P, masked, mask_id, eos_id) if row == canvas.shape[0] - 1 else 0)
         if masked.shape[0] == 0:
             break
         i += 1
@@ -261,6 +284,19 @@ def elastic_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: El
     dropped and returned as EOS. `attention_mask` `[B, P]` (left padding) hides pad keys (upstream
     has none). `trace`: a list that receives `(queried positions, first recomputed layer)` per row
     and step (the layer count when nothing was recomputed; -1 for the first, full forward)."""
+    return drive(elastic_steps(model, prompt, config=config, gen_length=gen_length, attention_mask=attention_mask,
+                               mask_id=mask_id, eos_id=eos_id, stats=stats, trace=trace))
+
+
+def elastic_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: ElasticCache | None = None,
+                  gen_length: int = 512, attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
+                  eos_id: int | None = None, stats: GenerationStats | None = None,
+                  trace: list | None = None) -> StepGenerator:
+    """`elastic_generate`'s loop as a step generator (`diffusion/stepper.py`): the arguments are
+    checked here, at the call; it yields a `Progress` after every forward (rows are decoded one by
+    one; `final`: for one row, the leading generated positions already decoded — the sliding
+    window only ever holds masked positions, so they never change; for several rows 0 until the
+    last row) and returns `[B, P + gen_length]`."""
     config = ElasticCache() if config is None else config
     if not isinstance(config, ElasticCache):
         raise ValueError(f"config must be a remask ElasticCache, got {type(config).__name__}")
@@ -283,11 +319,19 @@ def elastic_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: El
     x = torch.full((B, T), spec.mask_id, dtype=torch.long, device=device)
     x[:, :P] = prompt
     key_ok = valid_positions(attention_mask, T)   # False on the left pads
+    return _elastic_loop(model, x, P, config, spec.mask_id, spec.eos_id, key_ok, gen_length, stats, trace)
+
+
+@torch.no_grad()
+def _elastic_loop(model: torch.nn.Module, x: torch.Tensor, P: int, config: ElasticCache, mask_id: int,
+                  eos_id: int | None, key_ok: torch.Tensor | None, gen_length: int, stats: GenerationStats | None,
+                  trace: list | None) -> StepGenerator:
+    B = x.shape[0]
     if stats is not None:
         stats.start()
     for b in range(B):
-        x[b:b + 1] = _decode_row(model, x[b:b + 1].clone(), P, config, spec.mask_id, spec.eos_id,
-                                 None if key_ok is None else key_ok[b:b + 1], stats, trace)
+        x[b:b + 1] = yield from _decode_row(model, x[b:b + 1].clone(), P, config, mask_id, eos_id,
+                                            None if key_ok is None else key_ok[b:b + 1], stats, trace, x, b)
     if stats is not None:
         stats.stop(B * gen_length)
     return x

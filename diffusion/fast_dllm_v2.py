@@ -32,39 +32,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from remask.models.hf_compat import output_cache
 
 from .checks import (ParameterTypeError, check_block_within_context, check_bool, check_choice, check_generator,
                      check_int, check_real, check_settings, check_stats)
 from .freedave_blocks import BlockFreeDave, check_freedave_loop
+from .scoring import sample_categorical
 from .stats import GenerationStats
 
 STOP_MODES = ("generate", "batch_sample")
-
-
-def sample_with_top_p(logits: torch.Tensor, top_p: float = 0.95, temperature: float = 1.0,
-                      generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens `[B, L]`, distributions `[B, L, V]`) for logits `[B, L, V]`, as the official
-    `sample_with_top_p`: T = 0 → the softmax and its argmax; T > 0 → softmax(logits / T), tokens
-    beyond the top-p nucleus zeroed, renormalized, one `torch.multinomial` draw per position. Upstream
-    draws only for row 0 (and then crashes on a batch); here each row draws in turn, so a batch of
-    one makes exactly upstream's draws."""
-    if temperature <= 0:
-        probs = torch.softmax(logits, dim=-1)
-        return probs.argmax(dim=-1), probs
-    probs = F.softmax(logits / temperature, dim=-1)
-    sorted_probs, sorted_indices = torch.sort(probs, descending=True)
-    remove_sorted = torch.cumsum(sorted_probs, dim=-1) > top_p
-    remove_sorted[..., 1:] = remove_sorted[..., :-1].clone()
-    remove_sorted[..., 0] = 0
-    remove = torch.zeros_like(probs, dtype=torch.bool).scatter_(dim=-1, index=sorted_indices, src=remove_sorted)
-    probs[remove] = 0
-    probs = probs / torch.sum(probs, dim=-1, keepdim=True)
-    tokens = torch.stack([torch.multinomial(probs[row], num_samples=1, generator=generator).squeeze(-1)
-                          for row in range(probs.shape[0])])
-    return tokens, probs
 
 
 def shift_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -72,15 +49,17 @@ def shift_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
 
 
-def choose_tokens(logits: torch.Tensor, top_p: float, temperature: float, mask_id: int,
-                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, their probabilities) for a sub-block's logits `[1, L, V]`. A chosen mask token (which
-    upstream commits, leaving the position masked) becomes the most probable other token."""
-    tokens, probs = sample_with_top_p(logits, top_p=top_p, temperature=temperature, generator=generator)
-    if bool((tokens == mask_id).any()):
-        others = probs.index_fill(-1, torch.tensor([mask_id], device=probs.device), -1.0).argmax(dim=-1)
-        tokens = torch.where(tokens == mask_id, others, tokens)
-    return tokens, torch.gather(probs, -1, tokens.unsqueeze(-1)).squeeze(-1)
+def choose_tokens(logits: torch.Tensor, top_p: float, temperature: float, mask_id: int | None,
+                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens `[B, L]`, their probabilities, the distributions `[B, L, V]`) for a sub-block's logits
+    `[B, L, V]`, as the official `sample_with_top_p` (`remask.diffusion.scoring.sample_categorical`
+    with its flags: T = 0 → the raw softmax and its argmax; T > 0 → softmax(logits / T), tokens
+    beyond the top-p nucleus zeroed, renormalized, one `torch.multinomial` draw per batch row —
+    upstream draws only for row 0 and then crashes on a batch, so a batch of one makes exactly
+    upstream's draws). A chosen mask token (which upstream commits, leaving the position masked)
+    becomes the most probable other token."""
+    return sample_categorical(logits, temperature, None, top_p, generator=generator, exclude_id=mask_id,
+                              top_p_on="probs", filter_greedy=False, per_row=True)
 
 
 def select_to_commit(token_probs: torch.Tensor, masked: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -327,7 +306,7 @@ class FastDLLMV2Decoder:
                           end: int, generator: torch.Generator | None, stats: GenerationStats | None) -> None:
         """One denoising step of the sub-block `[start, end)` from its (shifted) logits."""
         block = state.x[:, state.block_start:]
-        tokens, token_probs = choose_tokens(logits, self.top_p, self.temperature, self.mask_id, generator)
+        tokens, token_probs, _ = choose_tokens(logits, self.top_p, self.temperature, self.mask_id, generator)
         commit = select_to_commit(token_probs, masked[:, start:end], self.threshold)
         sub = block[:, start:end]
         sub[commit] = tokens[commit]
@@ -403,7 +382,7 @@ class FastDLLMV2FreeDave(BlockFreeDave, FastDLLMV2Decoder):
         return not state.prefilled or not bool((state.x[:, state.block_start:] == self.mask_id).any())
 
     def _fd_scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return choose_tokens(logits, self.top_p, 0.0, self.mask_id, None)
+        return choose_tokens(logits, self.top_p, 0.0, self.mask_id, None)[:2]
 
     def _fd_rule(self, tokens: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
         out = tokens.clone()

@@ -76,6 +76,7 @@ from .checks import (check_choice, check_instance, check_int, check_length, chec
 from .llada import validate_block_args
 from .scoring import score_rows
 from .stats import GenerationStats
+from .stepper import Progress, StepGenerator, drive
 
 DRAFT_MODES = ("tree_attention", "batch_expanding")
 MATCH_RULES = ("subset", "exact")
@@ -327,8 +328,10 @@ class _Decoder:
         return make_drafts(base, x0, conf, K, self.spec.mask_id)
 
 
-    def block(self, forwards: _Forwards, x: torch.Tensor, start: int, end: int,
-              stats: GenerationStats | None) -> None:
+    def block(self, forwards: _Forwards, x: torch.Tensor, start: int, end: int, prompt_len: int,
+              stats: GenerationStats | None) -> Iterator[Progress]:
+        """Decode `x[:, start:end]` in place: a generator yielding a `Progress` after each forward
+        (`final`: the generated positions before this block, or through `end` once it is decoded)."""
         spec, mask_id, K_max = self.spec, self.spec.mask_id, self.config.draft_steps
         B, T = x.shape
         blk = x[:, start:end]   # a view: commits write into x
@@ -347,6 +350,7 @@ class _Decoder:
             if stats is not None:
                 stats.step(before - int((blk == mask_id).sum()))
         del logits
+        yield self._progress(x, blk, start, end, prompt_len)
         while True:
             masks = (blk == mask_id).sum(dim=1)
             active = masks > 0
@@ -381,6 +385,12 @@ class _Decoder:
                 fresh[rows] = True
             if stats is not None:
                 stats.step(before - int((blk == mask_id).sum()))
+            if bool(run.any()):
+                yield self._progress(x, blk, start, end, prompt_len)
+
+    def _progress(self, x: torch.Tensor, blk: torch.Tensor, start: int, end: int, prompt_len: int) -> Progress:
+        done = not bool((blk == self.spec.mask_id).any())
+        return Progress(x, (end if done else start) - prompt_len)
 
 
 @torch.no_grad()
@@ -412,6 +422,27 @@ def freedave_generate(
     Returns:
         LongTensor `[B, P + gen_length]`, as `remask.generate`.
     """
+    return drive(freedave_steps(model, prompt, attention_mask, config=config, steps=steps, gen_length=gen_length,
+                                block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats))
+
+
+def freedave_steps(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    config: FreeDave | None = None,
+    steps: int | None = None,
+    gen_length: int = 128,
+    block_length: int = 128,
+    use_cache: str | None = None,
+    mask_id: int | None = None,
+    stats: GenerationStats | None = None,
+) -> StepGenerator:
+    """`freedave_generate` as a step generator (`remask.diffusion.stepper`): the arguments are
+    checked here, at the call; the generator yields a `Progress` after every model forward (block
+    start and verification), with `final` the decoded blocks, and returns the `[B, P + gen_length]`
+    tokens of `freedave_generate`."""
     if config is None:
         config = FreeDave()
     check_instance("config", config, FreeDave, "a remask FreeDave config", allow_none=False)
@@ -436,6 +467,13 @@ def freedave_generate(
     check_stats("stats", stats)
     warn_if_padded_without_mask(prompt, attention_mask, spec.pad_id)
     warn_if_longer_than_trained(spec, gen_length)
+    return _freedave_loop(model, prompt, attention_mask, spec, config, gen_length, block_length, mode, stats)
+
+
+@torch.no_grad()
+def _freedave_loop(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None,
+                   spec: ModelSpec, config: FreeDave, gen_length: int, block_length: int, mode: str | None,
+                   stats: GenerationStats | None) -> StepGenerator:
     if stats is not None:
         stats.start()
     B, P = prompt.shape
@@ -450,7 +488,7 @@ def freedave_generate(
     decoder = _Decoder(spec, config, block_length, conf_dtype)
     for block in range(gen_length // block_length):
         start = P + block * block_length
-        decoder.block(forwards, x, start, start + block_length, stats)
+        yield from decoder.block(forwards, x, start, start + block_length, P, stats)
     if stats is not None:
         stats.stop(B * gen_length)
     return x

@@ -22,7 +22,7 @@ from remask.models.spec import ModelSpec, get_spec
 from .apd import APDConfig, apd_generate, check_apd_alone
 from .cache import BlockForward, cache_mode, valid_positions
 from .sparse import BlockMaskForward, RetentionForward, SparseConfig
-from .checks import (check_bool, check_callable, check_choice, check_generator, check_instance, check_int, check_length,
+from .checks import (CombinationError, check_bool, check_callable, check_choice, check_generator, check_instance, check_int, check_length,
                      check_mask_id, check_model_kind, check_optional_token_id, check_prompt, check_real, check_stats,
                      check_token_id, warn_if_longer_than_trained, warn_if_padded_without_mask)
 from remask.kernels import unmask
@@ -133,9 +133,9 @@ class BlockDecoder:
             raise ValueError("cfg_scale > 0 cannot be combined with use_cache (Fast-dLLM's caches have no CFG pass); "
                              "use use_cache=None")
         if mode is not None and spec.logit_shift:
-            raise NotImplementedError(f"use_cache={mode!r} in the LLaDA block loop needs unshifted logits; for Dream "
-                                      "use remask.diffusion_generate(..., use_cache=...) (Fast-dLLM's Dream block "
-                                      "decoder)")
+            raise CombinationError(f"use_cache={mode!r} in the LLaDA block loop needs unshifted logits; for Dream "
+                                   "use remask.diffusion_generate(..., use_cache=...) or, in the engine, "
+                                   "SamplingParams(alg=..., use_cache=...) (Fast-dLLM's Dream block decoder)")
         if sparse is not None:
             check_instance("sparse", sparse, SparseConfig, "a remask.SparseConfig")
             sparse.validate(block_length)
@@ -143,7 +143,7 @@ class BlockDecoder:
             if clashes:
                 raise ValueError(f"sparse= keeps its own cache and has no CFG pass; it does not combine with {clashes}")
             if spec.logit_shift:
-                raise NotImplementedError("sparse= in the LLaDA block loop needs unshifted logits (LLaDA-format models)")
+                raise CombinationError("sparse= in the LLaDA block loop needs unshifted logits (LLaDA-format models)")
         if precision is None:
             precision = LLADA_PRECISION if threshold is None and factor is None else (
                 FAST_DLLM_FACTOR_PRECISION if factor is not None else FAST_DLLM_PRECISION)

@@ -31,53 +31,21 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
 from remask.caches.block import PagedBlocks
 
 from .checks import (MAX_LOOP_STEPS, check_block_within_context, check_bool, check_instance, check_int, check_real,
                      check_settings, check_steps)
+from .dinfer import CreditDecoding
 from .freedave import FreeDave
 from .freedave_blocks import BlockFreeDave, check_freedave_loop
-from .sdar import num_transfer_schedule
+from .rules import RULES, check_rule_on_loop, is_rule, new_credit, rule_commit
+from .sdar import num_transfer_schedule, sample_block
 from .stats import GenerationStats
 
-__all__ = ["LLaDA2Decoder", "LLaDA2State", "num_transfer_schedule", "sample_tokens", "select_mask_to_token",
+__all__ = ["LLaDA2Decoder", "LLaDA2State", "num_transfer_schedule", "select_mask_to_token",
            "select_token_edits", "validate_llada2_args"]
-
-
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
-    """LLaDA2's preprocessing: logits / T (T > 0, T ≠ 1), then top-k (k > 0) and top-p (p < 1) to −inf."""
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    if top_k is not None and top_k > 0:
-        kth = torch.topk(logits, top_k).values[..., -1, None]
-        logits = torch.where(logits < kth, torch.full_like(logits, float("-inf")), logits)
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        remove = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1) > top_p
-        remove[..., 1:] = remove[..., :-1].clone()
-        remove[..., 0] = False
-        logits = logits.masked_fill(torch.zeros_like(remove).scatter(-1, order, remove), float("-inf"))
-    return logits
-
-
-def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
-                  generator: torch.Generator | None, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, their probabilities) for logits `[1, L, V]`: T > 0 is upstream's multinomial draw
-    over the filtered softmax (its draws, from `generator` or torch's global one); T = 0 the argmax
-    with its probability. A drawn `mask_id` becomes the most probable other token."""
-    shape, V = logits.shape[:-1], logits.shape[-1]
-    probs = F.softmax(filter_logits(logits.reshape(-1, V), temperature, top_k, top_p), dim=-1)
-    if temperature > 0:
-        token = torch.multinomial(probs, num_samples=1, generator=generator)
-    else:
-        token = probs.argmax(dim=-1, keepdim=True)
-    if bool((token == mask_id).any()):
-        other = probs.index_fill(-1, torch.tensor([mask_id], device=probs.device), -1.0).argmax(dim=-1, keepdim=True)
-        token = torch.where(token == mask_id, other, token)
-    return token.view(shape), torch.gather(probs, -1, token).view(shape)
 
 
 def select_mask_to_token(masked: torch.Tensor, confidence: torch.Tensor, count: int, threshold: float) -> torch.Tensor:
@@ -145,6 +113,7 @@ class LLaDA2State:
     done: bool = False
     end: int | None = None   # where the output ends (after the first EOS), once done
     predictions: Any = None   # FreeDave's predictions for the current block (`LLaDA2FreeDave`)
+    credit: Any = None        # (block, credit state) of `CreditDecoding` (`LLaDA2Rules`)
 
 
 class LLaDA2Decoder(PagedBlocks):
@@ -282,7 +251,9 @@ class LLaDA2Decoder(PagedBlocks):
         L, b = self.block_length, state.block
         block = state.x[:, b * L:(b + 1) * L]   # a view: commits write into x
         masked = block == self.mask_id
-        tokens, confidence = sample_tokens(logits, self.temperature, self.top_k, self.top_p, generator, self.mask_id)
+        # upstream's sampler is SDAR's (`remask.diffusion.scoring.sample_categorical`, its defaults)
+        tokens, confidence, _ = sample_block(logits, self.temperature, self.top_k, self.top_p, generator,
+                                             self.mask_id)
         count = self.num_to_transfer if self.editing else self.schedule[state.step]
         transfer = select_mask_to_token(masked, confidence, count, self.threshold)
         edits = torch.zeros_like(masked)
@@ -357,7 +328,7 @@ class LLaDA2FreeDave(BlockFreeDave, LLaDA2Decoder):
         return not state.stored
 
     def _fd_scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return sample_tokens(logits, 0.0, self.top_k, self.top_p, None, self.mask_id)
+        return sample_block(logits, 0.0, self.top_k, self.top_p, None, self.mask_id)[:2]
 
     def _fd_select(self, masked: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
         return select_mask_to_token(masked, conf, 1, self.threshold)
@@ -376,6 +347,51 @@ class LLaDA2FreeDave(BlockFreeDave, LLaDA2Decoder):
 
     def _fd_block_done(self, state: LLaDA2State) -> None:
         self._finish_block(state)
+
+
+class LLaDA2Rules(LLaDA2Decoder):
+    """LLaDA2.0's loop with one of dInfer's commit rules (`remask.diffusion.rules`): the same
+    forwards, cache, blocks and EOS stops (`eos_early_stop` included), but each step of a block
+    commits the masked positions the rule chooses from the block's logits (greedy) instead of the
+    threshold / schedule rule, until the block has no mask (every step commits at least one: no
+    `steps` cap). Not LLaDA2.1's editing. A combination no paper shipped."""
+
+    def __init__(self, rule: Any, **kwargs: Any) -> None:
+        check_instance("decoder", rule, RULES, "remask ThresholdDecoding, CreditDecoding or HierarchicalDecoding")
+        super().__init__(**kwargs)
+        check_rule_on_loop(rule, "LLaDA2", temperature=self.temperature,
+                           unread={"editing_threshold": self.editing_threshold} if self.editing else {},
+                           replaces="token editing")
+        self.rule = rule
+
+    def _decide(self, state: LLaDA2State, logits: torch.Tensor, generator: torch.Generator | None,
+                stats: GenerationStats | None) -> None:
+        L, b = self.block_length, state.block
+        block = state.x[:, b * L:(b + 1) * L]   # a view: commits write into x
+        credit = None
+        if isinstance(self.rule, CreditDecoding):
+            if state.credit is None or state.credit[0] != b:   # a fresh credit per block
+                state.credit = (b, new_credit(self.rule))
+            credit = state.credit[1]
+        commit, tokens = rule_commit(block, logits, self.mask_id, self.rule, credit)
+        block[commit] = tokens[commit]
+        state.step += 1
+        if stats is not None:
+            stats.step(int(commit.sum()))
+        if self.eos_early_stop and self.eos_id is not None and bool((tokens[commit] == self.eos_id).any()):
+            gen = state.x[0, state.prompt_length:(b + 1) * L]   # 2.0's in-block stop, as `_decide`
+            eos = (gen == self.eos_id).nonzero(as_tuple=True)[0]
+            if len(eos) and not bool((gen[:int(eos[0])] == self.mask_id).any()):
+                state.done, state.end = True, state.prompt_length + int(eos[0]) + 1
+                return
+        if not bool((block == self.mask_id).any()):
+            self._finish_block(state)
+
+
+# generate's settings that a dInfer rule replaces, with their defaults (given ones are refused)
+RULE_UNREAD = dict(steps=32, top_p=None, top_k=None, minimal_topk=1, threshold=0.95, editing_threshold=None,
+                   max_post_steps=16, num_to_transfer=1)
+RULE_SETTINGS = ("steps", "minimal_topk", "editing_threshold", "max_post_steps", "num_to_transfer")
 
 
 LLADA2_SETTINGS = ("block_length", "steps", "minimal_topk", "eos_early_stop", "editing_threshold", "max_post_steps",
@@ -405,7 +421,8 @@ def engine_decoder(engine: Any, params: Any) -> LLaDA2Decoder:
     `remask.compat.llada2.generate` runs with `gen_length=max_tokens`, its finished blocks in the
     engine's pages. Reads `temperature`, `top_k`, `top_p`, `threshold` (mask → token) and
     `params.llada2` (`block_length`, `steps`, `minimal_topk`, `eos_early_stop`, and 2.1's
-    `editing_threshold`, `max_post_steps`, `num_to_transfer`); refuses every other decoding setting."""
+    `editing_threshold`, `max_post_steps`, `num_to_transfer`); refuses every other decoding setting.
+    `decoder=` a dInfer rule runs `LLaDA2Rules` (reads `llada2.block_length`, `eos_early_stop`)."""
     from dataclasses import fields
 
     read = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "temperature", "top_k", "top_p", "threshold",
@@ -413,7 +430,8 @@ def engine_decoder(engine: Any, params: Any) -> LLaDA2Decoder:
     set_here = [f.name for f in fields(type(params)) if f.name not in read and getattr(params, f.name) != f.default]
     if set_here:
         raise ValueError(f"a block-causal model (LLaDA2) does not read {set_here}; its settings are temperature, "
-                         f"top_k, top_p, threshold, decoder (remask.FreeDave) and llada2={{{', '.join(LLADA2_SETTINGS)}}}")
+                         f"top_k, top_p, threshold, decoder (remask.FreeDave or dInfer's rules) and "
+                         f"llada2={{{', '.join(LLADA2_SETTINGS)}}}")
     if params.stop_token_ids:
         raise ValueError("stop_token_ids: LLaDA2's loop stops at its EOS id only (the model's)")
     settings = dict(params.llada2 or {})
@@ -423,9 +441,16 @@ def engine_decoder(engine: Any, params: Any) -> LLaDA2Decoder:
     for name in ("steps", "num_to_transfer"):
         check_steps(f"llada2.{name}", settings.get(name), block_length, "the block length")
     kind, threshold = LLaDA2Decoder, 0.95 if params.threshold is None else params.threshold
-    if params.decoder is not None:
+    if is_rule(params.decoder):
+        # SamplingParams refuses temperature > 0, threshold, top_k, top_p with a decoder
+        check_rule_on_loop(params.decoder, "LLaDA2", temperature=params.temperature,
+                           replaces="threshold rule and schedule",
+                           unread={f"llada2.{name}": settings[name] for name in RULE_SETTINGS if name in settings})
+        kind = partial(LLaDA2Rules, params.decoder)
+    elif params.decoder is not None:
         # FreeDave sets the rule: one token per step (threshold 1.0: never above), or its threshold rule
-        check_instance("decoder", params.decoder, FreeDave, "remask.FreeDave (the decoder block-causal models take)")
+        check_instance("decoder", params.decoder, FreeDave, "remask.FreeDave, ThresholdDecoding, CreditDecoding or "
+                       "HierarchicalDecoding (the decoders block-causal models take)")
         if "steps" in settings:
             raise ValueError("llada2.steps: with decoder=FreeDave a block takes one token per step: leave it unset")
         fd = params.decoder

@@ -1,6 +1,8 @@
 """Vocabulary-wide scoring: logits → (chosen token x0, its confidence).
 
-Two entry points, and nothing else in `remask.diffusion` touches the vocabulary axis:
+Two entry points for scoring, and the one implementation of filtering (temperature, top-k, top-p)
+and tempered categorical sampling that every family's sampler calls (`filter_logits`,
+`sample_categorical`; their flags, one per difference between the references, are tabled below):
 
 * `score_rows` — the fused path: `remask.kernels.confidence` (Triton on CUDA, its float64 torch
   reference on CPU) over selected rows, no `[N, V]` intermediate. Samplers use it whenever the
@@ -91,35 +93,151 @@ def gumbel_max_scores(logits: torch.Tensor, temperature: float, generator: torch
     return logits.exp() / (-torch.log(noise)) ** temperature
 
 
-def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of tokens whose probability mass exceeds `top_p` (Dream's rule: the
-    token that crosses the threshold is kept; removed tokens get the dtype's minimum)."""
+# --- filtering and tempered categorical sampling: the one implementation -------------------------
+#
+# Every family's sampler is this code with its reference's flags (tests/test_sampling_once.py checks
+# each against a direct torch formulation, and the families' reference fixtures pin their tokens):
+#
+# ======================  ===========  ==========  ============  =======  ============  ============
+# caller (reference)      filter order removed to  top-p on      greedy   draw          others
+# ======================  ===========  ==========  ============  =======  ============  ============
+# SDAR, LLaDA2            top_k→top_p  −inf        logits        filtered multinomial   flat
+# Dream, APD (draft)      top_p→top_k  dtype min   logits        filtered multinomial*  renormalized
+# Fast-dLLM v2            top_p only   —           probabilities raw      multinomial   per batch row
+# ======================  ===========  ==========  ============  =======  ============  ============
+#
+# (* APD's draft is a Gumbel-max draw: `gumbel_max_scores` over the filtered logits.) What they all
+# share, and so has no flag: temperature first (T > 0 divides; T = 1 divides too, which is exact);
+# top-k keeps every token tied with the k-th; top-p keeps the token whose mass crosses `top_p` (the
+# cumulative mask shifted by one, the most probable token always kept); top_k None or ≤ 0 and, on
+# logits, top_p None or ≥ 1 are off (Dream and APD refuse top_k 0 at validation, SDAR means "off"
+# by it: one convention covers both); a top_k above the vocabulary keeps everything. What differs,
+# and why each flag exists:
+#
+# * `order`: SDAR's and LLaDA2's `generate.py` filter top-k, then top-p over the renormalized
+#   survivors; Dream's `sample_tokens` (and APD, which copies it) top-p, then top-k. The two differ
+#   whenever both are set.
+# * `removed`: SDAR/LLaDA2 write −inf, Dream/APD transformers' `torch.finfo(dtype).min`. The
+#   probabilities are the same (exp underflows to 0 either way); the filtered logits are not, and
+#   APD's draft and the kernels' tests read them.
+# * `top_p_on="probs"`: Fast-dLLM v2's `sample_with_top_p` takes the nucleus of softmax(logits / T)
+#   itself, zeroes the rest and divides by the kept mass (float sums in another order than a
+#   softmax of masked logits), and does so even at top_p = 1 (the cumulative sum can exceed 1 by an
+#   ulp, and the division changes bits).
+# * `filter_greedy`: at T = 0 SDAR/LLaDA2 still filter (the confidence is the filtered softmax's);
+#   Fast-dLLM v2 returns the raw softmax and its argmax.
+# * `per_row`: Fast-dLLM v2 draws `torch.multinomial` once per batch row (its loop), SDAR/LLaDA2
+#   once over all rows: torch's CPU draw takes one seed per call, so the two spend the generator
+#   differently.
+# * `renormalize`: Dream samples `Categorical(probs)`, which divides by the row sum first.
+#
+# Sampling with the kernel's own random stream, or the float64 Gumbel-max of LLaDA / Fast-dLLM v1,
+# is `score_rows` / `score_tokens(sampler="gumbel")` above and below.
+
+FILTER_ORDERS = ("top_k_first", "top_p_first")
+REMOVED = ("-inf", "dtype_min")
+TOP_P_ON = ("logits", "probs")
+
+
+def _removed_value(logits: torch.Tensor, removed: str) -> float:
+    if removed == "-inf":
+        return float("-inf")
+    if removed == "dtype_min":
+        return torch.finfo(logits.dtype).min
+    raise ValueError(f"removed must be one of {list(REMOVED)}, got {removed!r}")
+
+
+def top_k_filter(logits: torch.Tensor, top_k: int | None, *, removed: str = "-inf") -> torch.Tensor:
+    """Keep the `top_k` largest logits of each row (and every one tied with the k-th); the rest get
+    `removed`. None or ≤ 0: unchanged; more than the vocabulary: unchanged."""
+    if top_k is None or top_k <= 0:
+        return logits
+    top_k = min(top_k, logits.size(-1))
+    kth = torch.topk(logits, top_k).values[..., -1, None]
+    return logits.masked_fill(logits < kth, _removed_value(logits, removed))
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float | None, *, removed: str = "-inf") -> torch.Tensor:
+    """Keep the smallest set of most probable tokens whose probability mass exceeds `top_p` (the
+    token that crosses it is kept; removed tokens get `removed`). None or ≥ 1: unchanged."""
+    if top_p is None or top_p >= 1:
+        return logits
     sorted_logits, sorted_idx = torch.sort(logits, descending=True)
-    cumulative = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
-    remove = cumulative > top_p
+    remove = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1) > top_p
     remove[..., 1:] = remove[..., :-1].clone()
     remove[..., 0] = False
     mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, sorted_idx, remove)
-    return logits.masked_fill(mask, torch.finfo(logits.dtype).min)
+    return logits.masked_fill(mask, _removed_value(logits, removed))
 
 
-def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    top_k = min(top_k, logits.size(-1))
-    kth = torch.topk(logits, top_k)[0][..., -1, None]
-    return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
+def top_p_probs(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Fast-dLLM v2's nucleus over probabilities: zero every token outside the top-`top_p` mass
+    (the crossing token kept) and divide by the kept mass — applied at any `top_p`, 1 included."""
+    sorted_probs, sorted_idx = torch.sort(probs, descending=True)
+    remove = torch.cumsum(sorted_probs, dim=-1) > top_p
+    remove[..., 1:] = remove[..., :-1].clone()
+    remove[..., 0] = False
+    probs = probs.masked_fill(torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, sorted_idx, remove), 0)
+    return probs / torch.sum(probs, dim=-1, keepdim=True)
 
 
-def tempered_filtered(logits: torch.Tensor, temperature: float, top_p: float | None,
-                      top_k: int | None) -> torch.Tensor:
-    """Dream's (and APD's) preprocessing: logits / T (T > 0), then top-p, then top-k."""
+def filter_logits(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+                  top_p: float | None = None, *, order: str = "top_k_first", removed: str = "-inf") -> torch.Tensor:
+    """Tempered, filtered logits: ``logits / T`` (T > 0), then top-k and top-p in `order`
+    (``"top_k_first"``: SDAR, LLaDA2; ``"top_p_first"``: Dream, APD), removed tokens set to
+    `removed` (``"-inf"`` or ``"dtype_min"``). See the table above."""
+    if order not in FILTER_ORDERS:
+        raise ValueError(f"order must be one of {list(FILTER_ORDERS)}, got {order!r}")
+    _removed_value(logits, removed)
     logits = full_logits(logits)   # top-p sorts whole rows
     if temperature > 0:
         logits = logits / temperature
-    if top_p is not None and top_p < 1:
-        logits = top_p_filter(logits, top_p)
-    if top_k is not None:
-        logits = top_k_filter(logits, top_k)
-    return logits
+    if order == "top_k_first":
+        return top_p_filter(top_k_filter(logits, top_k, removed=removed), top_p, removed=removed)
+    return top_k_filter(top_p_filter(logits, top_p, removed=removed), top_k, removed=removed)
+
+
+def draw_categorical(probs: torch.Tensor, generator: torch.Generator | None = None, *, per_row: bool = False,
+                     renormalize: bool = False) -> torch.Tensor:
+    """One `torch.multinomial` draw per row of `probs` `[..., V]` from `generator` (torch's global one
+    if None); returns `[...]`. `per_row`: one call per index of the leading axis (Fast-dLLM v2's
+    loop), else one call over all rows; `renormalize`: divide by the row sums first (Dream's
+    ``Categorical(probs).sample()``)."""
+    V = probs.shape[-1]
+    if per_row:
+        return torch.stack([draw_categorical(probs[row], generator, renormalize=renormalize)
+                            for row in range(probs.shape[0])])
+    flat = probs.reshape(-1, V)
+    if renormalize:
+        flat = flat / flat.sum(-1, keepdim=True)
+    return torch.multinomial(flat, 1, True, generator=generator).reshape(probs.shape[:-1])
+
+
+def sample_categorical(logits: torch.Tensor, temperature: float, top_k: int | None = None,
+                       top_p: float | None = None, *, generator: torch.Generator | None = None,
+                       exclude_id: int | None = None, order: str = "top_k_first", removed: str = "-inf",
+                       top_p_on: str = "logits", filter_greedy: bool = True, per_row: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens `[...]`, their probabilities `[...]`, the distributions `[..., V]`) for `logits`
+    `[..., V]`: the tempered, filtered softmax (`filter_logits`, or with ``top_p_on="probs"`` the
+    softmax of logits / T and `top_p_probs`), then at T > 0 a `torch.multinomial` draw
+    (`draw_categorical`), at T = 0 the argmax. `exclude_id` (the mask token): where it is drawn, the
+    most probable other token instead, with its probability (only there: every other draw is the
+    reference's). Defaults are SDAR's / LLaDA2's formulation; the flags are described above."""
+    if top_p_on not in TOP_P_ON:
+        raise ValueError(f"top_p_on must be one of {list(TOP_P_ON)}, got {top_p_on!r}")
+    greedy = temperature <= 0
+    if greedy and not filter_greedy:
+        probs = F.softmax(full_logits(logits), dim=-1)
+    elif top_p_on == "probs":
+        probs = F.softmax(filter_logits(logits, temperature, top_k, None, order=order, removed=removed), dim=-1)
+        if top_p is not None:
+            probs = top_p_probs(probs, top_p)
+    else:
+        probs = F.softmax(filter_logits(logits, temperature, top_k, top_p, order=order, removed=removed), dim=-1)
+    tokens = probs.argmax(dim=-1) if greedy else draw_categorical(probs, generator, per_row=per_row)
+    tokens = _avoid(tokens, probs, exclude_id)
+    return tokens, torch.gather(probs, -1, tokens.unsqueeze(-1)).squeeze(-1), probs
 
 
 def _confidence_from_probs(probs: torch.Tensor, x0: torch.Tensor, mode: str) -> torch.Tensor:
@@ -186,15 +304,13 @@ def score_tokens(
         return x0, _confidence_from_probs(probs, x0, mode)
     if sampler != "categorical":
         raise ValueError(f"sampler must be 'gumbel' or 'categorical', got {sampler!r}")
-    logits = tempered_filtered(logits, temperature, top_p, top_k)
+    logits = filter_logits(logits, temperature, top_k, top_p, order="top_p_first", removed="dtype_min")
     probs = torch.softmax(logits, dim=-1)
     x0 = None
     if temperature > 0:
         # torch.distributions.Categorical(probs).sample(), spelled out so a generator can be passed.
-        flat = probs.reshape(-1, probs.shape[-1])
-        flat = flat / flat.sum(-1, keepdim=True)
         try:
-            x0 = torch.multinomial(flat, 1, True, generator=generator).reshape(probs.shape[:-1])
+            x0 = draw_categorical(probs, generator, renormalize=True)
         except RuntimeError:  # the reference falls back to the argmax when sampling fails
             x0 = None
     if x0 is None:

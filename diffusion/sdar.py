@@ -28,15 +28,17 @@ from functools import partial
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
 from remask.caches.block import PagedBlocks
 
 from .checks import (check_block_within_context, check_bool, check_choice, check_generator, check_instance, check_int,
                      check_real, check_settings, check_stats, check_steps)
+from .dinfer import CreditDecoding
 from .freedave import FreeDave
 from .freedave_blocks import BlockFreeDave, check_freedave_loop
+from .rules import RULES, check_block_decoder, check_rule_on_loop, is_rule, new_credit, rule_commit, unread_settings
+from .scoring import sample_categorical
 from .stats import GenerationStats
 
 REMASKING_STRATEGIES = ("sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded")
@@ -50,39 +52,17 @@ def num_transfer_schedule(block_length: int, steps: int) -> torch.Tensor:
     return counts
 
 
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """SDAR's preprocessing: logits / T (T ≠ 1), top-k (k > 0), top-p (p < 1); removed tokens get −inf."""
-    if temperature != 1.0 and temperature > 0:
-        logits = logits / temperature
-    if top_k > 0:
-        kth = torch.topk(logits, top_k).values[..., -1, None]
-        logits = torch.where(logits < kth, torch.full_like(logits, float("-inf")), logits)
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        remove = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1) > top_p
-        remove[..., 1:] = remove[..., :-1].clone()
-        remove[..., 0] = False
-        logits = logits.masked_fill(torch.zeros_like(remove).scatter(-1, order, remove), float("-inf"))
-    return logits
-
-
 def sample_block(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                  generator: torch.Generator | None, mask_id: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens, their probabilities, the distributions) for logits `[1, L, V]`. T > 0: upstream's
-    multinomial draw over the filtered softmax (its draws); T = 0: the argmax (upstream divides by 0).
-    A draw of `mask_id` (which upstream commits, leaving the position masked) becomes the most
-    probable other token — only there, so every other draw is upstream's."""
+    """(tokens, their probabilities, the distributions) for logits `[1, L, V]`: upstream's sampler,
+    `remask.diffusion.scoring.sample_categorical` with its defaults (top-k then top-p to −inf, one
+    multinomial draw over the block's rows; T = 0: the argmax, where upstream divides by 0). A draw
+    of `mask_id` (which upstream commits, leaving the position masked) becomes the most probable
+    other token — only there, so every other draw is upstream's."""
     shape, V = logits.shape[:-1], logits.shape[-1]
-    probs = F.softmax(filter_logits(logits.reshape(-1, V), temperature, top_k, top_p), dim=-1)
-    if temperature > 0:
-        token = torch.multinomial(probs, num_samples=1, generator=generator)
-    else:
-        token = probs.argmax(dim=-1, keepdim=True)
-    if mask_id is not None and bool((token == mask_id).any()):
-        other = probs.index_fill(-1, torch.tensor([mask_id], device=probs.device), -1.0).argmax(dim=-1, keepdim=True)
-        token = torch.where(token == mask_id, other, token)
-    token_prob = torch.gather(probs, -1, token)
+    token, token_prob, probs = sample_categorical(logits.reshape(-1, V), temperature, top_k, top_p,
+                                                  generator=generator, exclude_id=mask_id)
     return token.view(*shape), token_prob.view(*shape), probs.view(*shape, V)
 
 
@@ -169,6 +149,7 @@ class SDARState:
     done: bool = False
     stopped_at: int | None = None
     predictions: Any = None   # FreeDave's predictions for the current block (`SDARFreeDave`)
+    credit: Any = None        # (block, credit state) of `CreditDecoding` (`SDARRules`)
 
 
 class SDARDecoder(PagedBlocks):
@@ -366,6 +347,37 @@ class SDARFreeDave(BlockFreeDave, SDARDecoder):
 FREEDAVE_STRATEGIES = ("low_confidence_static", "low_confidence_dynamic")
 
 
+class SDARRules(SDARDecoder):
+    """SDAR's loop with one of dInfer's commit rules (`remask.diffusion.rules`): the same forwards,
+    cache, blocks and stop, but each step of a block commits the masked positions the rule chooses
+    from the block's logits (greedy) instead of `remasking_strategy`'s, until the block has no mask
+    (every step commits at least one). A combination no paper shipped."""
+
+    def __init__(self, rule: Any, **kwargs: Any) -> None:
+        check_instance("decoder", rule, RULES, "remask ThresholdDecoding, CreditDecoding or HierarchicalDecoding")
+        super().__init__(**kwargs)
+        check_rule_on_loop(rule, "SDAR", temperature=self.temperature)
+        self.rule = rule
+
+    def _denoise(self, state: SDARState, cur_x: torch.Tensor, logits: torch.Tensor,
+                 generator: torch.Generator | None, stats: GenerationStats | None) -> None:
+        credit = None
+        if isinstance(self.rule, CreditDecoding):
+            if state.credit is None or state.credit[0] != state.block:   # a fresh credit per block
+                state.credit = (state.block, new_credit(self.rule))
+            credit = state.credit[1]
+        commit, tokens = rule_commit(cur_x, logits, self.mask_id, self.rule, credit)
+        cur_x[commit] = tokens[commit]
+        state.step += 1
+        if stats is not None:
+            stats.step(int(commit.sum()))
+
+
+# sdar_generate's settings that a dInfer rule replaces, with their defaults (given ones are refused)
+RULE_UNREAD = dict(denoising_steps=8, top_k=0, top_p=1.0, remasking_strategy="low_confidence_dynamic",
+                   confidence_threshold=0.85, eb_threshold=None)
+
+
 @torch.no_grad()
 def sdar_generate(
     model: torch.nn.Module,
@@ -389,14 +401,28 @@ def sdar_generate(
     decoder: Any = None,
 ) -> torch.LongTensor:
     """SDAR's loop on one prompt `[1, P]`; returns x `[1, ceil((P + gen_length) / block_length) · block_length]`.
-    `decoder=remask.FreeDave(...)`: the same tokens with fewer forwards (`SDARFreeDave`)."""
+    `decoder=remask.FreeDave(...)`: the same tokens with fewer forwards (`SDARFreeDave`).
+    `decoder=remask.ThresholdDecoding(...)` / `HierarchicalDecoding(...)` / `CreditDecoding(...)`:
+    dInfer's rule chooses each step's commits in SDAR's loop (`SDARRules`; greedy: temperature=0;
+    `denoising_steps`, `top_k`, `top_p`, `remasking_strategy`, `confidence_threshold`,
+    `eb_threshold` are not read and must stay at their defaults)."""
     stops = [] if stopping_criteria_idx is None else (
         [stopping_criteria_idx] if isinstance(stopping_criteria_idx, int) else list(stopping_criteria_idx))
     kwargs = dict(mask_id=mask_id, gen_length=gen_length, block_length=block_length,
                   denoising_steps=denoising_steps, temperature=temperature, top_k=top_k, top_p=top_p,
                   remasking_strategy=remasking_strategy, confidence_threshold=confidence_threshold,
                   eb_threshold=eb_threshold, stop_ids=stops, fill_after_stop=fill_after_stop, use_cache=use_cache)
-    decoder = SDARDecoder(**kwargs) if decoder is None else SDARFreeDave(decoder, **kwargs)
+    if decoder is None:
+        decoder = SDARDecoder(**kwargs)
+    elif is_rule(decoder):
+        given = dict(denoising_steps=denoising_steps, top_k=top_k, top_p=top_p, remasking_strategy=remasking_strategy,
+                     confidence_threshold=confidence_threshold, eb_threshold=eb_threshold)
+        check_rule_on_loop(decoder, "SDAR", temperature=temperature, replaces="remasking_strategy",
+                           unread=unread_settings(given, RULE_UNREAD))
+        decoder = SDARRules(decoder, **kwargs)
+    else:
+        check_block_decoder(decoder)
+        decoder = SDARFreeDave(decoder, **kwargs)
     check_generator(generator, input_ids.device if torch.is_tensor(input_ids) else "cpu")
     check_stats("stats", stats)
     state = decoder.start(model, input_ids)
@@ -413,7 +439,8 @@ def _freedave_rule(freedave: Any, settings: dict) -> FreeDave:
     """A request's `decoder=FreeDave` sets the loop's rule: one token per step by confidence, or with
     `confidence_threshold=τ` the threshold rule (``low_confidence_dynamic`` at τ); `settings` gets
     them, and those the request set itself are refused."""
-    check_instance("decoder", freedave, FreeDave, "remask.FreeDave (the decoder block-causal models take)")
+    check_instance("decoder", freedave, FreeDave, "remask.FreeDave, ThresholdDecoding, CreditDecoding or "
+                   "HierarchicalDecoding (the decoders block-causal models take)")
     given = sorted(set(settings) & {"denoising_steps", "remasking_strategy", "confidence_threshold", "eb_threshold"})
     if given:
         raise ValueError(f"sdar.{given[0]}: with decoder=FreeDave the rule is FreeDave's (one token per step, or "
@@ -424,12 +451,16 @@ def _freedave_rule(freedave: Any, settings: dict) -> FreeDave:
     return replace(freedave, confidence_threshold=None)
 
 
+RULE_SETTINGS = ("denoising_steps", "remasking_strategy", "confidence_threshold", "eb_threshold")
+
+
 def engine_decoder(engine: Any, params: Any) -> SDARDecoder:
     """One engine request's SDAR loop (`Family.engine_decoder`): the loop
     `remask.compat.sdar.block_diffusion_generate` runs with `gen_length=max_tokens`, its finished
     blocks in the engine's pages; it stops after a block holding EOS or a `stop_token_ids` id.
     Reads `temperature`, `top_k`, `top_p`, `threshold` (shorthand for `low_confidence_dynamic` with
-    that confidence threshold) and `params.sdar`; refuses every other decoding setting by name."""
+    that confidence threshold) and `params.sdar`; refuses every other decoding setting by name.
+    `decoder=` a dInfer rule runs `SDARRules` (reads `sdar.block_length` only)."""
     from dataclasses import fields
 
     read = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "temperature", "top_k", "top_p", "threshold", "sdar",
@@ -437,8 +468,8 @@ def engine_decoder(engine: Any, params: Any) -> SDARDecoder:
     set_here = [f.name for f in fields(type(params)) if f.name not in read and getattr(params, f.name) != f.default]
     if set_here:
         raise ValueError(f"a block-causal model (SDAR) does not read {set_here}; its settings are temperature, "
-                         "top_k, top_p, threshold, decoder (remask.FreeDave) and sdar={block_length, denoising_steps, "
-                         "remasking_strategy, confidence_threshold, eb_threshold}")
+                         "top_k, top_p, threshold, decoder (remask.FreeDave or dInfer's rules) and sdar={block_length, "
+                         "denoising_steps, remasking_strategy, confidence_threshold, eb_threshold}")
     settings = dict(params.sdar or {})
     block_length = settings.get("block_length", engine.spec.block_length)
     # work bounds, before the schedule (O(denoising_steps)) or the canvas (whole blocks) is built
@@ -452,7 +483,12 @@ def engine_decoder(engine: Any, params: Any) -> SDARDecoder:
                              "'low_confidence_dynamic', 'confidence_threshold': ...}: give one of them")
         settings.update(remasking_strategy="low_confidence_dynamic", confidence_threshold=params.threshold)
     kind = SDARDecoder
-    if params.decoder is not None:
+    if is_rule(params.decoder):
+        # SamplingParams refuses temperature > 0, threshold, top_k, top_p with a decoder
+        check_rule_on_loop(params.decoder, "SDAR", temperature=params.temperature, replaces="remasking_strategy",
+                           unread={f"sdar.{name}": settings[name] for name in RULE_SETTINGS if name in settings})
+        kind = partial(SDARRules, params.decoder)
+    elif params.decoder is not None:
         kind = partial(SDARFreeDave, _freedave_rule(params.decoder, settings))
     return kind(block_store=engine.runner.store, mask_id=engine.spec.mask_id, gen_length=params.max_tokens,
                 block_length=block_length, denoising_steps=settings.get("denoising_steps", block_length),

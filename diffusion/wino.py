@@ -32,6 +32,7 @@ from remask.models.spec import get_spec
 
 from .checks import check_bool, check_int, check_mask_id, check_prompt, check_real, check_stats, model_device
 from .stats import GenerationStats
+from .stepper import Progress, StepGenerator, drive
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,18 @@ def wino_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO 
 
     `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad keys; RoPE positions stay absolute.
     """
+    return drive(wino_steps(model, prompt, config=config, gen_length=gen_length, block_length=block_length,
+                            attention_mask=attention_mask, mask_id=mask_id, stats=stats))
+
+
+def wino_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | None = None,
+               gen_length: int = 128, block_length: int = 128, attention_mask: torch.Tensor | None = None,
+               mask_id: int | None = None, stats: GenerationStats | None = None
+               ) -> StepGenerator:
+    """`wino_generate`'s loop as a step generator (`diffusion/stepper.py`): the arguments are
+    checked here, at the call; it yields a `Progress` after every forward (the canvas without the
+    shadow block; `final`: the blocks every row has decoded — a block's positions stay revocable
+    until it holds no mask) and returns the tuple `(x [B, P + gen_length], forwards [B])`."""
     config = WINO() if config is None else config
     if not isinstance(config, WINO):
         raise ValueError(f"config must be a remask WINO, got {type(config).__name__}")
@@ -139,6 +152,15 @@ def wino_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO 
     if attention_mask is not None and bool((attention_mask == 0).any()):
         keys = torch.ones((B, real + block_length), dtype=torch.bool, device=device)
         keys[:, :P] = attention_mask != 0
+    return _wino_loop(model, config, x, keys, P, gen_length, block_length, mask_id, stats)
+
+
+@torch.no_grad()
+def _wino_loop(model: torch.nn.Module, config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
+               gen_length: int, block_length: int, mask_id: int, stats: GenerationStats | None
+               ) -> StepGenerator:
+    B, device = x.shape[0], x.device
+    real = P + gen_length
     forwards = torch.zeros(B, dtype=torch.long)
     if stats is not None:
         stats.start()
@@ -185,6 +207,8 @@ def wino_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO 
                 committed += int(accept.numel()) - int(remask.numel())
             if stats is not None:
                 stats.step(committed)
+            # a block is final once no row holds a mask in it (later blocks never touch it)
+            yield Progress(x[:, :real], end - P if not bool(masked.any()) else start - P)
     if stats is not None:
         stats.stop(B * gen_length)
     return x[:, :real], forwards

@@ -263,11 +263,13 @@ class FastDLLMV2ForCausalLM(PreTrainedModel):
         return FastDLLMV2Output(logits=self.lm_head(hidden[:, keep, :]), hidden_states=hidden)
 
     def sample_with_top_p(self, logits: torch.Tensor, top_p: float = 0.95, temperature: float = 1.0):
-        """The official model's sampling helper (its decoders call it as a method); see
-        `remask.diffusion.fast_dllm_v2.sample_with_top_p`."""
-        from remask.diffusion.fast_dllm_v2 import sample_with_top_p
+        """The official model's sampling helper (its decoders call it as a method): (tokens `[B, L]`,
+        distributions `[B, L, V]`) — `remask.diffusion.fast_dllm_v2.choose_tokens` without the
+        mask-token fix (`remask.diffusion.scoring.sample_categorical` with Fast-dLLM v2's flags)."""
+        from remask.diffusion.fast_dllm_v2 import choose_tokens
 
-        return sample_with_top_p(logits, top_p=top_p, temperature=temperature)
+        tokens, _, probs = choose_tokens(logits, top_p, temperature, None, None)
+        return tokens, probs
 
     def generate(self, input_ids: torch.LongTensor, **kwargs: Any):
         """The official model's `generate` (`remask.compat.fast_dllm_v2.generate`)."""

@@ -209,8 +209,8 @@ def test_refusals_name_the_setting(sdar, llada2):
         llada2_generate(llada2, PROMPTS[0], gen_length=8, block_length=4, steps=2, decoder=fd)
     llm = remask.LLM(sdar)
     with pytest.raises(ValueError, match="decoder"):
-        llm.generate([[1, 2, 3]], remask.SamplingParams(max_tokens=4, decoder=remask.ThresholdDecoding()),
-                     use_tqdm=False)
+        llm.generate([[1, 2, 3]], remask.SamplingParams(max_tokens=4, decoder=remask.WINO()),   # dInfer's rules:
+                     use_tqdm=False)                                              # tests/test_rules_on_blocks.py
     with pytest.raises(ValueError, match="temperature"):
         remask.SamplingParams(max_tokens=4, temperature=0.5, decoder=fd)
     with pytest.raises(ValueError, match="sdar.remasking_strategy"):

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from remask.diffusion.checks import check_bool, check_generator, check_stats
-from remask.diffusion.llada2 import LLaDA2Decoder, LLaDA2FreeDave
+from remask.diffusion.llada2 import RULE_UNREAD, LLaDA2Decoder, LLaDA2FreeDave, LLaDA2Rules
+from remask.diffusion.rules import check_block_decoder, check_rule_on_loop, is_rule, unread_settings
 from remask.models.llada2 import LLADA2_EOS_ID, LLADA2_MASK_ID
 
 
@@ -35,7 +36,11 @@ def generate(model: torch.nn.Module, inputs: Any = None, temperature: float = 0.
     """LLaDA2's generate: upstream's arguments in upstream's order (2.0's, then 2.1's). `eos_id` /
     `mask_id` default to the model config's ids, then to the release's (156892 / 156895).
     `decoder=remask.FreeDave(...)` (remask's): the tokens of the same call with fewer forwards
-    (greedy, `steps == block_length`; `remask.diffusion.llada2.LLaDA2FreeDave`)."""
+    (greedy, `steps == block_length`; `remask.diffusion.llada2.LLaDA2FreeDave`).
+    `decoder=remask.ThresholdDecoding(...)` / `HierarchicalDecoding(...)` / `CreditDecoding(...)`
+    (remask's): dInfer's rule chooses each step's commits in LLaDA2.0's loop (greedy; `steps`,
+    `top_p`, `top_k`, `minimal_topk`, `threshold` and 2.1's settings are not read and must stay at
+    their defaults; `remask.diffusion.llada2.LLaDA2Rules`)."""
     if unsupported:
         raise ValueError(f"generate: unknown argument(s) {sorted(unsupported)}")
     if inputs is None:
@@ -59,7 +64,15 @@ def generate(model: torch.nn.Module, inputs: Any = None, temperature: float = 0.
                   minimal_topk=minimal_topk, threshold=threshold, editing_threshold=editing_threshold,
                   max_post_steps=max_post_steps, num_to_transfer=num_to_transfer,
                   eos_early_stop=eos_early_stop, use_cache=use_cache)
-    decoder = LLaDA2Decoder(**kwargs) if decoder is None else LLaDA2FreeDave(decoder, **kwargs)
+    if decoder is None:
+        decoder = LLaDA2Decoder(**kwargs)
+    elif is_rule(decoder):
+        check_rule_on_loop(decoder, "LLaDA2", temperature=temperature, replaces="threshold rule and schedule",
+                           unread=unread_settings({name: kwargs[name] for name in RULE_UNREAD}, RULE_UNREAD))
+        decoder = LLaDA2Rules(decoder, **kwargs)
+    else:
+        check_block_decoder(decoder)
+        decoder = LLaDA2FreeDave(decoder, **kwargs)
     if torch.is_tensor(input_ids):
         check_generator(generator, input_ids.device)
         vocab = getattr(config, "vocab_size", None)

@@ -16,21 +16,14 @@ from __future__ import annotations
 
 import enum
 import zlib
-from dataclasses import fields
 from typing import Any, Sequence as Seq
 
 import torch
 
 from remask.caches import PromptCache
-from remask.diffusion.apd import APDDecoder
-from remask.diffusion.ar import ARDecoder
-from remask.diffusion.canvas import CanvasDecoder, generation_kwargs, resolve_generation_config
-from remask.diffusion.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder, DreamGenerationConfig,
-                                   _validate_config, check_block_layout)
 from remask.diffusion.checks import (ParameterTypeError, check_bool, check_context, check_int, check_length, check_prompt,
                                      check_real, check_token_id)
-from remask.diffusion.llada import BlockDecoder
-from remask.models.parallel import full_logits
+from remask.diffusion.presets import decoder_for, hold_end_ids
 from remask.models.registry import all_families, family_of
 from remask.models.spec import get_spec
 from remask.text import answer_text, stop_token_ids
@@ -41,12 +34,6 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus, now
 
-# Settings that only the diffusion block rule reads: an AR request that sets one is refused.
-DIFFUSION_ONLY = ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "early_stop", "decoder",
-                  "logits_eos_inf", "confidence_eos_eot_inf", "reference_rng", "reference_ties", "alg", "alg_temp",
-                  "eps", "apd")
-
-
 # vLLM's prompt dicts: TextPrompt {"prompt": str}; TokensPrompt {"prompt_token_ids": [...]} with an
 # optional "prompt" (the text the ids came from: reported, not tokenized). vLLM's other keys ask
 # for inputs remask has no use for: refused by name, never dropped.
@@ -55,79 +42,6 @@ VLLM_PROMPT_KEYS = {"multi_modal_data": "multimodal inputs", "mm_processor_kwarg
                     "multi_modal_uuids": "multimodal item ids", "cache_salt": "a prefix-cache salt",
                     "prompt_embeds": "prompt embeddings (EmbedsPrompt)", "token_type_ids": "cross-encoder token types",
                     "encoder_prompt": "encoder-decoder prompts", "decoder_prompt": "encoder-decoder prompts"}
-
-
-def hold_end_ids(logits: torch.Tensor, fed: int, until: int, ids: torch.Tensor) -> torch.Tensor:
-    """`logits` `[B, L, V]` of positions `fed`, `fed + 1`, … with `ids` at −inf at the positions
-    before `until` (`min_tokens`: no end token can be chosen there). A copy where anything changes;
-    the caller's tensor (a shared forward's) is never written."""
-    cut = min(until - fed, logits.shape[1])
-    if cut <= 0:
-        return logits
-    logits = full_logits(logits).clone()     # whole rows: the ids are global vocabulary ids
-    logits[:, :cut].index_fill_(-1, ids, -torch.inf)
-    return logits
-
-
-class _HoldEnds:
-    """`min_tokens` for the decoders whose `commit(state, logits, fed, …)` gets the logits of
-    positions `fed`, `fed + 1`, … (`BlockDecoder`, `DreamDecoder`). vLLM masks the end tokens while
-    fewer than `min_tokens` tokens exist; a diffusion model writes its positions in any order, so
-    here the end tokens are masked at the answer's first `min_tokens` positions, at every step,
-    before the rule scores them: whatever it commits, no end token lands there. The rule itself is
-    the decoder's, unchanged."""
-
-    min_tokens: int = 0
-    end_ids: torch.Tensor
-
-    def hold_ends(self, min_tokens: int, end_ids: torch.Tensor) -> Any:
-        self.min_tokens, self.end_ids = min_tokens, end_ids
-        return self
-
-    def commit(self, state: Any, logits: torch.Tensor, fed: int = 0, *args: Any, **kwargs: Any) -> None:
-        logits = hold_end_ids(logits, fed, state.prompt_len + self.min_tokens, self.end_ids)
-        return super().commit(state, logits, fed, *args, **kwargs)
-
-
-class _HeldBlockDecoder(_HoldEnds, BlockDecoder):
-    pass
-
-
-class _HeldDreamDecoder(_HoldEnds, DreamDecoder):
-    pass
-
-
-class _HeldForwards:
-    """The forwards of one Dream block-decoder state (`BlockForward`), their logits with the end
-    ids held back at the answer's first positions (its `step` scores what `refresh` / `step` return)."""
-
-    def __init__(self, inner: Any, until: int, ids: torch.Tensor) -> None:
-        self.inner, self.until, self.ids = inner, until, ids
-
-    def __getattr__(self, name: str) -> Any:      # cache_nbytes, …
-        return getattr(self.inner, name)
-
-    def refresh(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return hold_end_ids(self.inner.refresh(x, start, end), 0, self.until, self.ids)
-
-    def step(self, x: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, int]:
-        logits, fed = self.inner.step(x, start, end)
-        return hold_end_ids(logits, fed, self.until, self.ids), fed
-
-
-class _HeldDreamBlockDecoder(DreamBlockDecoder):
-    """Fast-dLLM's Dream block decoder with `min_tokens` (see `_HoldEnds`)."""
-
-    min_tokens: int = 0
-    end_ids: torch.Tensor
-
-    hold_ends = _HoldEnds.hold_ends
-
-    def start(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-              histories: list | None = None) -> Any:
-        state = super().start(model, input_ids, attention_mask, histories)
-        state.forwards = _HeldForwards(state.forwards, state.prompt_len + self.min_tokens, self.end_ids)
-        return state
 
 
 def _FAMILY_SETTINGS() -> dict[str, list[str]]:
@@ -152,7 +66,7 @@ class LLMEngine:
                  max_num_batched_tokens: int = 16384, kv_cache_pages: int | None = None,
                  kv_cache_memory_fraction: float | None = None, page_size: int = 16,
                  enable_prefix_caching: bool = True, batch_invariant: bool = True, seed: int = 0,
-                 max_request_bytes: int | None = None) -> None:
+                 max_request_bytes: int | None = None, cost_stride: bool = True) -> None:
         self.state = EngineState.LOADING
         check_int("max_num_seqs", max_num_seqs, minimum=1)
         check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
@@ -164,6 +78,7 @@ class LLMEngine:
         check_bool("batch_invariant", batch_invariant)
         check_int("seed", seed, minimum=0)
         check_int("max_request_bytes", max_request_bytes, minimum=1, allow_none=True)
+        check_bool("cost_stride", cost_stride)
         self.model, self.tokenizer, self.seed = model.eval(), tokenizer, seed
         self.spec = get_spec(model)
         self.family = family_of(getattr(model.config, "model_type", ""))
@@ -171,7 +86,7 @@ class LLMEngine:
         self.device = next(model.parameters()).device
         self.pages = self._page_manager(max_num_seqs, max_num_batched_tokens, kv_cache_pages,
                                         kv_cache_memory_fraction, page_size, enable_prefix_caching)
-        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.pages)
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.pages, cost_stride)
         self.runner = ModelRunner(model, self.spec, batch_invariant, self.pages)
         self._generator_bytes = torch.Generator(device=self.device).get_state().numel()
         # Admission's memory budget per request (`request_bytes`). Default: one full step at this
@@ -279,37 +194,7 @@ class LLMEngine:
         if (params.canvas is not None or params.canvas_sampler is not None) and self.spec.noise != "uniform":
             raise ValueError("canvas / canvas_sampler are settings of uniform-noise models (DiffusionGemma); "
                              f"this model ({self.spec.kind}) does not read them")
-        if params.ignore_eos or params.min_tokens:
-            self._check_end_settings(params)
-        if self.spec.noise == "uniform":
-            decoder = self._canvas_decoder(params)
-        elif self.family is not None and self.family.engine_decoder is not None:
-            decoder = self.family.decoder_factory()(self, params)   # the family's own loop (SDAR, ...)
-        elif self.is_ar:
-            set_here = [name for name in DIFFUSION_ONLY
-                        if getattr(params, name) != getattr(SamplingParams, name)]
-            if set_here or params.cfg_scale or params.remasking != "low_confidence":
-                raise ValueError(f"the model is autoregressive; these settings are for diffusion models: "
-                                 f"{set_here + (['cfg_scale'] if params.cfg_scale else [])}")
-            decoder = ARDecoder(self.model, **params.ar_kwargs(self._eos_ids()))
-            decoder.check_input(prompt_ids, None)
-        elif params.decoder is not None or (params.use_cache is not None and not isinstance(params.use_cache, str)):
-            from remask.diffusion.decoders import RunToEndDecoder
-
-            check_prompt(self.model, prompt_ids, None, spec=self.spec, mask_in_prompt="refuse")
-            decoder = RunToEndDecoder(params.decoder, gen_length=params.max_tokens,
-                                      block_length=params.block_length or params.max_tokens, use_cache=params.use_cache,
-                                      mask_id=self.spec.mask_id, steps=params.steps, remasking=params.remasking)
-        elif params.apd is not None:
-            decoder = self._apd_decoder(params, prompt_ids)
-        elif params.alg is not None:
-            decoder = self._dream_decoder(params, prompt_ids)
-        else:
-            if params.top_p is not None or params.top_k is not None:
-                raise ValueError("top_p / top_k filter autoregressive sampling and Dream's (alg=...); LLaDA's block "
-                                 "rule samples with Gumbel-max over the full vocabulary: leave them None")
-            decoder = (_HeldBlockDecoder if params.min_tokens else BlockDecoder)(self.spec, **params.generate_kwargs())
-            decoder.check_input(self.model, prompt_ids, None)
+        decoder = decoder_for(self, params, prompt_ids)   # the parts this request asks for
         check_length(self.spec, prompt_ids.shape[1] + params.max_tokens, "prompt length + max_tokens")
         for token in params.stop_token_ids:
             check_token_id(self.spec, token, "stop_token_ids")
@@ -317,7 +202,7 @@ class LLMEngine:
         if params.min_tokens:
             # The ids that could end the answer: the model's EOS/EOT, the tokenizer's end tokens and
             # stop_token_ids — EOS too under ignore_eos, as vLLM (its min_tokens masks every stop id).
-            hold_ids = torch.tensor(sorted(set(self.stop_ids) | set(self._eos_ids()) | set(params.stop_token_ids)),
+            hold_ids = torch.tensor(sorted(set(self.stop_ids) | set(self.eos_ids()) | set(params.stop_token_ids)),
                                     dtype=torch.long, device=self.device)
             if not self.is_ar:
                 decoder.hold_ends(params.min_tokens, hold_ids)
@@ -387,84 +272,6 @@ class LLMEngine:
                          f"{one / mib:.2f} MiB), more than this engine's max_request_bytes={self.max_request_bytes} "
                          f"({self.max_request_bytes / mib:.1f} MiB): lower n")
 
-    def _check_end_settings(self, params: SamplingParams) -> None:
-        """`ignore_eos` / `min_tokens` where the request's loop can honour them, refused by name
-        where it cannot (never ignored). Both work for autoregressive models, LLaDA's block rule
-        (every `generate` setting: Fast-dLLM's rules, the caches, CFG, sparse attention) and Dream's
-        sampler and block decoder (`alg`); `ignore_eos` also with the decoders that have no EOS rule of
-        their own (FreeDave, WINO, DKVCache, D2Cache). docs/engine.md has the table."""
-        from remask.diffusion.decoders import is_cache_config
-
-        reason = None
-        if self.spec.noise == "uniform":
-            reason = "a uniform-noise model (DiffusionGemma): its canvas loop ends at the first canvas holding EOS"
-        elif self.family is not None and self.family.engine_decoder is not None:
-            reason = (f"a block-causal model ({self.family.model_type}): its loop stops after the block holding EOS, "
-                      "and its rule scores inside the family's own step")
-        elif self.is_ar:
-            return
-        elif params.decoder is not None or is_cache_config(params.use_cache):
-            from remask.diffusion.dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding, VicinityCache
-            from remask.diffusion.elastic import ElasticCache
-
-            method = type(params.decoder if params.decoder is not None else params.use_cache).__name__
-            if params.min_tokens:
-                reason = f"{method}: it runs its own loop to the end in one call, with no logits step the engine " \
-                         "reaches"
-            elif isinstance(params.decoder, (ThresholdDecoding, CreditDecoding, HierarchicalDecoding)) or \
-                    isinstance(params.use_cache, (VicinityCache, ElasticCache)):
-                reason = f"{method}: it fills the rest of a row with EOS after the first EOS it decodes"
-        elif params.apd is not None:
-            reason = "apd: APD stops at the first EOS it accepts and drafts with the AR verifier's logits too"
-        if reason is not None:
-            names = [name for name in ("ignore_eos", "min_tokens")
-                     if getattr(params, name) != getattr(SamplingParams, name)]
-            raise ValueError(f"{' / '.join(names)}: not supported with {reason}")
-
-    def _canvas_decoder(self, params: SamplingParams) -> CanvasDecoder:
-        """DiffusionGemma's canvas loop for these params, configured as `remask.diffusion_generate`
-        would be with the checkpoint's generation config and the request's `canvas` settings."""
-        read = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "reference_rng", "canvas", "canvas_sampler")
-        set_here = [f.name for f in fields(SamplingParams)
-                    if f.name not in read and getattr(params, f.name) != f.default]
-        if set_here:
-            raise ValueError(f"a uniform-noise model (DiffusionGemma) does not read {set_here}; its settings are "
-                             "canvas={...} (max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold, "
-                             "confidence_threshold) and canvas_sampler")
-        config = resolve_generation_config(self.model, None, dict(generation_kwargs(params.canvas),
-                                                                   max_new_tokens=params.max_tokens))
-        return CanvasDecoder(self.model, config, params.canvas_sampler, reference_rng=params.reference_rng,
-                             prompt_cache=self.prompt_cache)
-
-    def _apd_decoder(self, params: SamplingParams, prompt_ids: torch.Tensor) -> APDDecoder:
-        """APD as `remask.generate(apd=...)` / `diffusion_generate(apd=...)` run it (the settings it
-        does not read were refused when the params were built)."""
-        decoder = APDDecoder(self.spec, params.apd, gen_length=params.max_tokens, temperature=params.temperature,
-                             top_p=params.top_p, top_k=params.top_k)
-        decoder.check_input(prompt_ids)
-        return decoder
-
-    def _dream_decoder(self, params: SamplingParams, prompt_ids: torch.Tensor) -> DreamDecoder | DreamBlockDecoder:
-        """Dream's sampler for these params — or, with `block_length` / `use_cache`, Fast-dLLM's
-        Dream block decoder — configured as `remask.diffusion_generate` would."""
-        kw = params.diffusion_generate_kwargs()
-        threshold = kw.pop("threshold", 0.9)
-        kw.pop("reference_ties", None)   # the decoder's, not the generation config's
-        block_length, use_cache = kw.pop("block_length", None), kw.pop("use_cache", None)
-        config = DreamGenerationConfig(mask_token_id=self.spec.mask_id, pad_token_id=self.spec.pad_id,
-                                       eos_token_id=self.spec.eos_id)
-        config.update(**{k: v for k, v in kw.items() if k != "max_new_tokens"})
-        config.max_length = prompt_ids.shape[1] + params.max_tokens
-        _validate_config(config, self.spec)
-        check_prompt(self.model, prompt_ids, None, spec=self.spec)
-        if block_length is None and use_cache is None:
-            return (_HeldDreamDecoder if params.min_tokens else DreamDecoder)(
-                self.spec, config, threshold, reference_ties=params.reference_ties)
-        block_length = DEFAULT_BLOCK_LENGTH if block_length is None else block_length
-        check_block_layout(params.max_tokens, block_length, config.steps)
-        return (_HeldDreamBlockDecoder if params.min_tokens else DreamBlockDecoder)(
-            self.spec, config, threshold, block_length, use_cache)
-
     def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             return self._prompt_dict(prompt)
@@ -510,7 +317,7 @@ class LLMEngine:
         # A TokensPrompt's text is the text its ids came from (vLLM's meaning): reported, not tokenized.
         return text, self._prompt_ids(list(ids))[1]
 
-    def _eos_ids(self) -> list[int]:
+    def eos_ids(self) -> list[int]:
         eos = getattr(self.model.config, "eos_token_id", None)
         return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
@@ -595,18 +402,18 @@ class LLMEngine:
     def _advance(self, seq: Sequence) -> bool:
         """Update what is final; finish the sequence when its decoder is done. True if it changed."""
         state = seq.state
-        final = state.step if isinstance(seq.decoder, ARDecoder) else seq.decoder.num_final(state)
+        final = seq.decoder.num_final(state)
         grew = final > seq.final_len
         if grew and seq.first_final_time is None:
             seq.first_final_time = now()
         seq.final_len = final
-        if not state.done and seq.params.stop and isinstance(seq.decoder, ARDecoder) and grew:
+        if not state.done and seq.params.stop and seq.paged and grew:   # token by token: stop strings end it early
             generated = self._generated(seq)
             text = answer_text(self.tokenizer, generated, stop_ids=self._stop_ids(seq))
             if self._stop_string_at(seq, text, generated) is not None:
                 state.done = True
         if state.done:
-            seq.stats.stop(seq.final_len if isinstance(seq.decoder, ARDecoder) else seq.params.max_tokens)
+            seq.stats.stop(seq.final_len if seq.paged else seq.params.max_tokens)
             seq.finish_time = now()
             seq.output_ids = self._generated(seq)
             self.scheduler.finish(seq)
@@ -621,7 +428,7 @@ class LLMEngine:
         state = seq.state
         if state is None:
             return seq.output_ids or []
-        if isinstance(seq.decoder, ARDecoder):
+        if seq.paged:
             # A preempted sequence decoding again reports what it had until it catches up.
             return list(state.tokens) if len(state.tokens) >= len(seq.output_ids or []) else list(seq.output_ids)
         return state.x[0, seq.prompt_len:seq.prompt_len + seq.final_len].tolist()

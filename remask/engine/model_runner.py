@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from remask.diffusion.ar import ARDecoder
 from remask.models.spec import ModelSpec
 
 from .batch_invariant import batch_invariant_linear
@@ -64,9 +63,9 @@ class ModelRunner:
         """Advance every sequence by one step; returns the failed ones with their error."""
         failed: dict[Sequence, str] = {}
         shared: dict[tuple, list[Sequence]] = defaultdict(list)
-        self._ar_step([seq for seq in seqs if isinstance(seq.decoder, ARDecoder)], failed)
+        self._ar_step([seq for seq in seqs if seq.paged], failed)
         for seq in seqs:
-            if isinstance(seq.decoder, ARDecoder):
+            if seq.paged:
                 continue
             try:
                 if seq.state is None:

@@ -32,9 +32,12 @@ from .sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, pages: PageManager | None = None) -> None:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, pages: PageManager | None = None,
+                 cost_stride: bool = True) -> None:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.pages = pages
+        self.cost_stride = cost_stride
+        self._seq_steps: dict[Sequence, int] = {}   # steps each resident sequence has run
         self.running: list[Sequence] = []          # admitted (resident: holding state), in admission order
         self.steps = 0                             # schedule() calls: the clock of "last served"
         self._waiting: dict[str, deque[Sequence]] = {}   # request id → its waiting sequences
@@ -115,16 +118,20 @@ class Scheduler:
                 self.pages.free(victim.state.table)
                 victim.restart()
                 self._seq_served.pop(victim, None)
+                self._seq_steps.pop(victim, None)
                 preempted.append(victim)
             for victim in preempted:             # newest first: the oldest ends at the head of its queue
                 self._queue(victim).appendleft(victim)
                 self._num_waiting += 1
         resident: dict[str, deque[Sequence]] = {}
+        resting = self._resting() if self.cost_stride else set()
         # A request's paused sequences go first: its samples progress evenly and finish together,
         # so its next waiting ones are admitted in whole waves (no straggler decoding alone).
         for seq in sorted(self.running, key=lambda s: self._seq_served.get(s, -1)):
-            resident.setdefault(seq.request_id, deque()).append(seq)
-        active = set(resident) | {rid for rid, queue in self._waiting.items() if queue}
+            if seq not in resting:
+                resident.setdefault(seq.request_id, deque()).append(seq)
+        active = set(resident) | {rid for rid, queue in self._waiting.items() if queue} | \
+            {seq.request_id for seq in resting}
         for rid in [rid for rid in self._arrival if rid not in active]:
             self._forget(rid)
         owners: dict[str | None, list[str]] = {}
@@ -173,9 +180,27 @@ class Scheduler:
                 picked.add(seq)
                 slots -= 1
                 self._seq_served[seq] = self.steps
+                self._seq_steps[seq] = self._seq_steps.get(seq, 0) + 1
                 self._served[seq.request_id] = self.steps
                 self._owner_served[owner] = self.steps
         return admitted, [seq for seq in self.running if seq in picked], preempted
+
+    def _resting(self) -> set[Sequence]:
+        """Cost stride: the resident sequences that sit this step out because their steps are
+        expensive. A sequence's cost is the positions its forwards computed per step so far; one
+        that costs r ≥ 2 times the cheapest running sequence's runs once every ⌊r⌋ steps (stride
+        scheduling), so requests progress in proportion to the compute they take and a cheap
+        request beside an expensive one (a full-sequence forward, FreeDave's drafts, WINO's shadow
+        block) is not slowed by its forwards. Sequences of similar cost are never held, sequences
+        in the page store (autoregressive: one flat forward for all) are never held, and a held
+        sequence keeps its state and tokens (it is paused, as in the round-robin)."""
+        costs = {seq: seq.stats.forward_positions / self._seq_steps[seq] for seq in self.running
+                 if not seq.paged and self._seq_steps.get(seq, 0) > 0 and seq.stats.forward_positions > 0}
+        if len(costs) < 2:
+            return set()
+        base = min(costs.values())
+        return {seq for seq, cost in costs.items()
+                if self.steps - self._seq_served.get(seq, -1) < int(cost // base)}
 
     def _admission_pages(self, seq: Sequence) -> int:
         """Pages a waiting sequence takes when admitted: an AR sequence's prompt and first token,
@@ -206,6 +231,7 @@ class Scheduler:
             release(seq.state)    # a block-causal request's pages
         seq.state = None          # drops its cache
         self._seq_served.pop(seq, None)
+        self._seq_steps.pop(seq, None)
         if seq in self.running:
             self.running.remove(seq)
 

@@ -1,0 +1,232 @@
+"""Presets: which parts a request's settings ask for — the decoder the engine steps for it.
+
+`decoder_for(engine, params, prompt_ids)` reads the model (`engine.spec`, `engine.family`) and the
+request's `SamplingParams` and returns the request's decoder: a family's own loop (SDAR, LLaDA2,
+Fast-dLLM v2: `Family.engine_decoder`), DiffusionGemma's canvas loop, autoregressive decoding,
+LLaDA's block rule (with Fast-dLLM's rules and caches), Dream's sampler or block decoder, APD, or
+a method's step generator (`decoder=` / a cache config, `decoders.decoder_steps`). Each is built
+as the drop-in function would build it, so the engine's tokens are the drop-in call's. This is the
+one place that maps settings to methods: the engine itself has no branch on a method or a model type.
+
+`min_tokens` is a part too (`hold_end_ids`): the end ids are held back at the answer's first
+`min_tokens` positions in the logits a decoder scores, wrapped around the decoders that expose
+their logits (`BlockDecoder.commit`, `DreamDecoder.commit`, the Dream block decoder's forwards).
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import torch
+
+from remask.engine.sampling_params import SamplingParams
+from remask.models.parallel import full_logits
+
+from .apd import APDDecoder
+from .ar import ARDecoder
+from .canvas import CanvasDecoder, generation_kwargs, resolve_generation_config
+from .checks import check_prompt
+from .decoders import decoder_steps, end_settings_refusal
+from .dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder, DreamGenerationConfig, _validate_config,
+                    check_block_layout)
+from .llada import BlockDecoder
+from .stepper import StepwiseDecoder
+
+# Settings that only the diffusion block rule reads: an AR request that sets one is refused.
+DIFFUSION_ONLY = ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "early_stop", "decoder",
+                  "logits_eos_inf", "confidence_eos_eot_inf", "reference_rng", "reference_ties", "alg", "alg_temp",
+                  "eps", "apd")
+
+
+def hold_end_ids(logits: torch.Tensor, fed: int, until: int, ids: torch.Tensor) -> torch.Tensor:
+    """`logits` `[B, L, V]` of positions `fed`, `fed + 1`, … with `ids` at −inf at the positions
+    before `until` (`min_tokens`: no end token can be chosen there). A copy where anything changes;
+    the caller's tensor (a shared forward's) is never written."""
+    cut = min(until - fed, logits.shape[1])
+    if cut <= 0:
+        return logits
+    logits = full_logits(logits).clone()     # whole rows: the ids are global vocabulary ids
+    logits[:, :cut].index_fill_(-1, ids, -torch.inf)
+    return logits
+
+
+class _HoldEnds:
+    """`min_tokens` for the decoders whose `commit(state, logits, fed, …)` gets the logits of
+    positions `fed`, `fed + 1`, … (`BlockDecoder`, `DreamDecoder`). vLLM masks the end tokens while
+    fewer than `min_tokens` tokens exist; a diffusion model writes its positions in any order, so
+    here the end tokens are masked at the answer's first `min_tokens` positions, at every step,
+    before the rule scores them: whatever it commits, no end token lands there. The rule itself is
+    the decoder's, unchanged."""
+
+    min_tokens: int = 0
+    end_ids: torch.Tensor
+
+    def hold_ends(self, min_tokens: int, end_ids: torch.Tensor) -> Any:
+        self.min_tokens, self.end_ids = min_tokens, end_ids
+        return self
+
+    def commit(self, state: Any, logits: torch.Tensor, fed: int = 0, *args: Any, **kwargs: Any) -> None:
+        logits = hold_end_ids(logits, fed, state.prompt_len + self.min_tokens, self.end_ids)
+        return super().commit(state, logits, fed, *args, **kwargs)
+
+
+class _HeldBlockDecoder(_HoldEnds, BlockDecoder):
+    pass
+
+
+class _HeldDreamDecoder(_HoldEnds, DreamDecoder):
+    pass
+
+
+class _HeldForwards:
+    """The forwards of one Dream block-decoder state (`BlockForward`), their logits with the end
+    ids held back at the answer's first positions (its `step` scores what `refresh` / `step` return)."""
+
+    def __init__(self, inner: Any, until: int, ids: torch.Tensor) -> None:
+        self.inner, self.until, self.ids = inner, until, ids
+
+    def __getattr__(self, name: str) -> Any:      # cache_nbytes, …
+        return getattr(self.inner, name)
+
+    def refresh(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        return hold_end_ids(self.inner.refresh(x, start, end), 0, self.until, self.ids)
+
+    def step(self, x: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, int]:
+        logits, fed = self.inner.step(x, start, end)
+        return hold_end_ids(logits, fed, self.until, self.ids), fed
+
+
+class _HeldDreamBlockDecoder(DreamBlockDecoder):
+    """Fast-dLLM's Dream block decoder with `min_tokens` (see `_HoldEnds`)."""
+
+    min_tokens: int = 0
+    end_ids: torch.Tensor
+
+    hold_ends = _HoldEnds.hold_ends
+
+    def start(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+              histories: list | None = None) -> Any:
+        state = super().start(model, input_ids, attention_mask, histories)
+        state.forwards = _HeldForwards(state.forwards, state.prompt_len + self.min_tokens, self.end_ids)
+        return state
+
+
+def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -> Any:
+    """The decoder of a request with `params` on `engine`'s model (module docstring); refuses by
+    name what that decoder cannot honour."""
+    if params.ignore_eos or params.min_tokens:
+        check_end_settings(engine, params)
+    if engine.spec.noise == "uniform":
+        decoder = canvas_decoder(engine, params)
+    elif engine.family is not None and engine.family.engine_decoder is not None:
+        decoder = engine.family.decoder_factory()(engine, params)   # the family's own loop (SDAR, ...)
+    elif engine.is_ar:
+        set_here = [name for name in DIFFUSION_ONLY
+                    if getattr(params, name) != getattr(SamplingParams, name)]
+        if set_here or params.cfg_scale or params.remasking != "low_confidence":
+            raise ValueError(f"the model is autoregressive; these settings are for diffusion models: "
+                             f"{set_here + (['cfg_scale'] if params.cfg_scale else [])}")
+        decoder = ARDecoder(engine.model, **params.ar_kwargs(engine.eos_ids()))
+        decoder.check_input(prompt_ids, None)
+    elif params.decoder is not None or (params.use_cache is not None and not isinstance(params.use_cache, str)):
+        check_prompt(engine.model, prompt_ids, None, spec=engine.spec, mask_in_prompt="refuse")
+        decoder = method_decoder(engine, params, prompt_ids)
+    elif params.apd is not None:
+        decoder = apd_decoder(engine, params, prompt_ids)
+    elif params.alg is not None:
+        decoder = dream_decoder(engine, params, prompt_ids)
+    else:
+        if params.top_p is not None or params.top_k is not None:
+            raise ValueError("top_p / top_k filter autoregressive sampling and Dream's (alg=...); LLaDA's block "
+                             "rule samples with Gumbel-max over the full vocabulary: leave them None")
+        decoder = (_HeldBlockDecoder if params.min_tokens else BlockDecoder)(engine.spec, **params.generate_kwargs())
+        decoder.check_input(engine.model, prompt_ids, None)
+    return decoder
+
+
+def check_end_settings(engine: Any, params: SamplingParams) -> None:
+    """`ignore_eos` / `min_tokens` where the request's loop can honour them, refused by name
+    where it cannot (never ignored). Both work for autoregressive models, LLaDA's block rule
+    (every `generate` setting: Fast-dLLM's rules, the caches, CFG, sparse attention) and Dream's
+    sampler and block decoder (`alg`); `ignore_eos` also with the decoders that have no EOS rule of
+    their own (FreeDave, WINO, DKVCache, D2Cache). docs/engine.md has the table."""
+    from remask.diffusion.decoders import is_cache_config
+
+    reason = None
+    if engine.spec.noise == "uniform":
+        reason = "a uniform-noise model (DiffusionGemma): its canvas loop ends at the first canvas holding EOS"
+    elif engine.family is not None and engine.family.engine_decoder is not None:
+        reason = (f"a block-causal model ({engine.family.model_type}): its loop stops after the block holding EOS, "
+                  "and its rule scores inside the family's own step")
+    elif engine.is_ar:
+        return
+    elif params.decoder is not None or is_cache_config(params.use_cache):
+        method = params.decoder if params.decoder is not None else params.use_cache
+        reason = end_settings_refusal(method, min_tokens=bool(params.min_tokens))
+    elif params.apd is not None:
+        reason = "apd: APD stops at the first EOS it accepts and drafts with the AR verifier's logits too"
+    if reason is not None:
+        names = [name for name in ("ignore_eos", "min_tokens")
+                 if getattr(params, name) != getattr(SamplingParams, name)]
+        raise ValueError(f"{' / '.join(names)}: not supported with {reason}")
+
+def canvas_decoder(engine: Any, params: SamplingParams) -> CanvasDecoder:
+    """DiffusionGemma's canvas loop for these params, configured as `remask.diffusion_generate`
+    would be with the checkpoint's generation config and the request's `canvas` settings."""
+    read = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "reference_rng", "canvas", "canvas_sampler")
+    set_here = [f.name for f in fields(SamplingParams)
+                if f.name not in read and getattr(params, f.name) != f.default]
+    if set_here:
+        raise ValueError(f"a uniform-noise model (DiffusionGemma) does not read {set_here}; its settings are "
+                         "canvas={...} (max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold, "
+                         "confidence_threshold) and canvas_sampler")
+    config = resolve_generation_config(engine.model, None, dict(generation_kwargs(params.canvas),
+                                                               max_new_tokens=params.max_tokens))
+    return CanvasDecoder(engine.model, config, params.canvas_sampler, reference_rng=params.reference_rng,
+                         prompt_cache=engine.prompt_cache)
+
+def method_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -> StepwiseDecoder:
+    """`decoder=` / a cache config: the method's step generator (`decoder_steps`), advanced one
+    forward per engine step. Its arguments are checked here, before the request is queued."""
+    settings = {"steps": (params.steps, None), "remasking": (params.remasking, params.remasking)}
+    kwargs = dict(gen_length=params.max_tokens, block_length=params.block_length or params.max_tokens,
+                  use_cache=params.use_cache, mask_id=engine.spec.mask_id)
+    # Checked now (the settings as values; SamplingParams refused the unread ones already).
+    decoder_steps(engine.model, prompt_ids, None, params.decoder, stats=None, settings=settings, **kwargs).close()
+
+    def make_steps(model: torch.nn.Module, prompt: torch.Tensor, generator: torch.Generator | None,
+                   stats: Any) -> Any:
+        return decoder_steps(model, prompt, None, params.decoder, stats=stats,
+                             settings={**settings, "generator": (generator, generator)}, **kwargs)
+
+    name = type(params.use_cache if params.decoder is None else params.decoder).__name__
+    return StepwiseDecoder(make_steps, gen_length=params.max_tokens, name=name)
+
+def apd_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -> APDDecoder:
+    """APD as `remask.generate(apd=...)` / `diffusion_generate(apd=...)` run it (the settings it
+    does not read were refused when the params were built)."""
+    decoder = APDDecoder(engine.spec, params.apd, gen_length=params.max_tokens, temperature=params.temperature,
+                         top_p=params.top_p, top_k=params.top_k)
+    decoder.check_input(prompt_ids)
+    return decoder
+
+def dream_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -> DreamDecoder | DreamBlockDecoder:
+    """Dream's sampler for these params — or, with `block_length` / `use_cache`, Fast-dLLM's
+    Dream block decoder — configured as `remask.diffusion_generate` would."""
+    kw = params.diffusion_generate_kwargs()
+    threshold = kw.pop("threshold", 0.9)
+    kw.pop("reference_ties", None)   # the decoder's, not the generation config's
+    block_length, use_cache = kw.pop("block_length", None), kw.pop("use_cache", None)
+    config = DreamGenerationConfig(mask_token_id=engine.spec.mask_id, pad_token_id=engine.spec.pad_id,
+                                   eos_token_id=engine.spec.eos_id)
+    config.update(**{k: v for k, v in kw.items() if k != "max_new_tokens"})
+    config.max_length = prompt_ids.shape[1] + params.max_tokens
+    _validate_config(config, engine.spec)
+    check_prompt(engine.model, prompt_ids, None, spec=engine.spec)
+    if block_length is None and use_cache is None:
+        return (_HeldDreamDecoder if params.min_tokens else DreamDecoder)(
+            engine.spec, config, threshold, reference_ties=params.reference_ties)
+    block_length = DEFAULT_BLOCK_LENGTH if block_length is None else block_length
+    check_block_layout(params.max_tokens, block_length, config.steps)
+    return (_HeldDreamBlockDecoder if params.min_tokens else DreamBlockDecoder)(
+        engine.spec, config, threshold, block_length, use_cache)

@@ -1,0 +1,153 @@
+"""The compatibility matrix of methods × model families, generated from the code (docs/compatibility.md).
+
+    python -m remask.engine.compatibility --out docs/compatibility.md
+
+Each cell is what `LLMEngine.add_request` says about a request of that method on a tiny checkpoint
+of that family, written in the released format (`remask.models.tiny`): "yes" when the request is
+accepted (the engine then decodes it step by step, `diffusion/stepper.py`), or the refusal's own
+message, which names the conflicting parts. Nothing here is written by hand: a method that starts
+working (or stops) changes the file, and `tests/test_compatibility.py` checks that the committed
+file is what the code says.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from typing import Any, Callable
+
+import torch
+
+FAMILIES = ("llada", "Dream", "sdar", "llada2_moe", "fast_dllm_v2", "diffusion_gemma")
+
+
+def methods() -> dict[str, dict[str, Any]]:
+    """Method name → the `SamplingParams` keywords that ask for it (besides `max_tokens` and the
+    layout keywords of `layout`)."""
+    import remask
+
+    return {
+        "the family's own rule (LLaDA: low-confidence blocks)": {},
+        "threshold (Fast-dLLM)": dict(threshold=0.9),
+        "threshold + dual cache (Fast-dLLM)": dict(threshold=0.9, use_cache="dual"),
+        "Dream's sampler (alg=entropy)": dict(alg="entropy"),
+        "FreeDave": dict(decoder=remask.FreeDave()),
+        "FreeDave + dual cache": dict(decoder=remask.FreeDave(), use_cache="dual"),
+        "dInfer ThresholdDecoding": dict(decoder=remask.ThresholdDecoding()),
+        "dInfer CreditDecoding": dict(decoder=remask.CreditDecoding()),
+        "dInfer HierarchicalDecoding": dict(decoder=remask.HierarchicalDecoding()),
+        "dInfer VicinityCache": dict(use_cache=remask.VicinityCache()),
+        "WINO": dict(decoder=remask.WINO()),
+        "dKV-Cache": dict(use_cache=remask.DKVCache()),
+        "d2Cache": dict(use_cache=remask.D2Cache()),
+        "Elastic-Cache": dict(use_cache=remask.ElasticCache()),
+    }
+
+
+# The methods that read `steps` (the rest pick their own number of steps).
+READS_STEPS = ("the family's own rule (LLaDA: low-confidence blocks)", "Dream's sampler (alg=entropy)", "dKV-Cache",
+               "d2Cache")
+
+
+def layout(name: str, spec: Any) -> dict[str, Any]:
+    """The layout keywords a request of method `name` sets on a model of `spec`: blocks of 16 and
+    32 steps on the bidirectional mask models (LLaDA's and Dream's layout; Elastic-Cache has a
+    sliding window instead of blocks, Dream's sampler no blocks); none on the families that fix
+    their own blocks (block-causal) or canvas (uniform noise)."""
+    if spec.attention == "block-causal" or spec.noise == "uniform":
+        return {}
+    out = {} if name in ("Elastic-Cache", "Dream's sampler (alg=entropy)") else dict(block_length=16)
+    if name in READS_STEPS:
+        out["steps"] = 32
+    return out
+
+
+def _writers() -> dict[str, Callable[[str], Any]]:
+    from remask.models import tiny
+
+    return {"llada": tiny.write_tiny_llada, "Dream": tiny.write_tiny_dream, "sdar": tiny.write_tiny_sdar,
+            "llada2_moe": tiny.write_tiny_llada2, "fast_dllm_v2": tiny.write_tiny_fast_dllm_v2,
+            "diffusion_gemma": tiny.write_tiny_diffusion_gemma}
+
+
+def _load(family: str, path: str) -> torch.nn.Module:
+    from remask.models.registry import family_of
+
+    import transformers
+
+    _writers()[family](path)
+    found = family_of(family)
+    auto = getattr(transformers, found.load_class if found is not None else "AutoModel")
+    return auto.from_pretrained(path).eval()
+
+
+def cell(engine: Any, params: dict[str, Any], prompt: list[int]) -> str:
+    """What `add_request` says of one request: "yes", or "no: " and its refusal."""
+    from remask.engine import SamplingParams
+
+    try:
+        engine.add_request("probe", prompt, SamplingParams(max_tokens=32, **params))
+    except (ValueError, TypeError) as err:
+        return "no: " + " ".join(str(err).split()).replace("|", "/")
+    engine.abort_request("probe")
+    return "yes"
+
+
+def matrix() -> dict[str, dict[str, str]]:
+    """Method → family → "yes" or "no: <the refusal>"."""
+    from remask.engine import LLMEngine
+    from remask.models.spec import get_spec
+
+    out: dict[str, dict[str, str]] = {name: {} for name in methods()}
+    with tempfile.TemporaryDirectory() as root:
+        for family in FAMILIES:
+            model = _load(family, f"{root}/{family}")
+            engine = LLMEngine(model, None)
+            spec = get_spec(model)
+            prompt = [i for i in range(5, 13) if i not in (spec.mask_id, spec.eos_id, spec.pad_id)]
+            for name, params in methods().items():
+                out[name][family] = cell(engine, {**params, **layout(name, spec)}, prompt)
+    return out
+
+
+def markdown(table: dict[str, dict[str, str]]) -> str:
+    lines = ["# Compatibility: methods × model families", "",
+             "Generated by `python -m remask.engine.compatibility --out docs/compatibility.md` from what",
+             "`LLMEngine.add_request` accepts on a tiny checkpoint of each family (max_tokens=32; on LLaDA / Dream",
+             "blocks of 16, and 32 steps where the method reads steps); do not edit by",
+             "hand (`tests/test_compatibility.py` checks it). \"yes\": the engine decodes it step by step, with the",
+             "same tokens as the drop-in function; \"no\": the refusal, naming the parts that conflict. Footnotes",
+             "hold the refusals.", "",
+             "| method | " + " | ".join(FAMILIES) + " |", "| --- |" + " :---: |" * len(FAMILIES)]
+    notes: dict[str, int] = {}
+    for name, row in table.items():
+        cells = []
+        for family in FAMILIES:
+            value = row[family]
+            if value == "yes":
+                cells.append("yes")
+            else:
+                index = notes.setdefault(value[4:], len(notes) + 1)
+                cells.append(f"no [{index}]")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Refusals:", ""]
+    lines += [f"{index}. {message}" for message, index in notes.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m remask.engine.compatibility", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None, help="markdown file to write (default: print)")
+    args = parser.parse_args(argv)
+    text = markdown(matrix())
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
