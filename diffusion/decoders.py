@@ -30,11 +30,11 @@ from .stepper import StepGenerator, drive
 
 
 def decoder_types() -> tuple[type, ...]:
-    from .dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding
     from .freedave import FreeDave
+    from .rules import rule_types
     from .wino import WINO
 
-    return FreeDave, ThresholdDecoding, CreditDecoding, HierarchicalDecoding, WINO
+    return FreeDave, *rule_types(), WINO
 
 
 def cache_types() -> tuple[type, ...]:
@@ -51,16 +51,17 @@ def is_cache_config(value: Any) -> bool:
 
 
 def config_names() -> dict[str, dict[str, type]]:
-    """The names of the configs in JSON form (HTTP bodies, the CLI): `{"name": ..., fields...}`."""
+    """The names of the configs in JSON form (HTTP bodies, the CLI): `{"name": ..., fields...}`;
+    every registered commit rule under its own `name`."""
     from .d2cache import D2Cache
-    from .dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding, VicinityCache
+    from .dinfer import VicinityCache
     from .dkv import DKVCache
     from .elastic import ElasticCache
     from .freedave import FreeDave
+    from .rules import rule_types
     from .wino import WINO
 
-    return {"decoder": {"freedave": FreeDave, "threshold": ThresholdDecoding, "credit": CreditDecoding,
-                        "hierarchical": HierarchicalDecoding, "wino": WINO},
+    return {"decoder": {"freedave": FreeDave, **{rule.name: rule for rule in rule_types()}, "wino": WINO},
             "use_cache": {"vicinity": VicinityCache, "dkv": DKVCache, "d2cache": D2Cache, "elastic": ElasticCache}}
 
 
@@ -79,12 +80,12 @@ def config_from_json(field: str, value: dict) -> Any:
 
 
 def is_dinfer_method(decoder: Any, use_cache: Any) -> bool:
-    """A request for dInfer's rules: `ThresholdDecoding` / `CreditDecoding` / `HierarchicalDecoding`,
-    or the `VicinityCache` (with one of them or alone)."""
-    from .dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding, VicinityCache
+    """A request for dInfer's block loop: a commit rule (`CommitRule`: dInfer's three, any other
+    registered), or the `VicinityCache` alone (its threshold rule)."""
+    from .dinfer import VicinityCache
+    from .step import CommitRule
 
-    return isinstance(decoder, (ThresholdDecoding, CreditDecoding, HierarchicalDecoding)) or (
-        decoder is None and isinstance(use_cache, VicinityCache))
+    return isinstance(decoder, CommitRule) or (decoder is None and isinstance(use_cache, VicinityCache))
 
 
 # The methods whose loops read unshifted logits (LLaDA's layout: position i scored from itself) and
@@ -103,13 +104,14 @@ def end_settings_refusal(method: Any, *, min_tokens: bool) -> str | None:
     """Why `method` (a decoder or cache config) cannot honour `ignore_eos` / `min_tokens`, or None.
     The methods' loops score inside their own step, so no logits hook reaches them (`min_tokens`);
     dInfer's rules and Elastic-Cache end a row at its first EOS by their own rule (`ignore_eos`)."""
-    from .dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding, VicinityCache
+    from .dinfer import VicinityCache
     from .elastic import ElasticCache
+    from .step import CommitRule
 
     name = type(method).__name__
     if min_tokens:
         return f"{name}: its loop scores the logits inside its own step, with no logits hook the engine reaches"
-    if isinstance(method, (ThresholdDecoding, CreditDecoding, HierarchicalDecoding, VicinityCache, ElasticCache)):
+    if isinstance(method, (CommitRule, VicinityCache, ElasticCache)):
         return f"{name}: it fills the rest of a row with EOS after the first EOS it decodes"
     return None
 
@@ -166,7 +168,7 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
         steps = None
     unread = [name for name, (value, default) in settings.items()
               # a generator is the randomness of sampling: harmless (unused) with a greedy method
-              if name not in ("steps", "generator") and name not in READS[method] and value is not default
+              if name not in ("steps", "generator") and name not in READS.get(method, ()) and value is not default
               and value != default]
     if method not in ("DKVCache", "D2Cache") and steps is not None and steps != gen_length:
         unread.append("steps")

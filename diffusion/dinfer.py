@@ -41,6 +41,7 @@ from .cache import BlockForward
 from .checks import (check_bool, check_instance, check_int, check_model_kind, check_prompt, check_real,
                      check_stats, check_mask_id)
 from .stats import GenerationStats
+from .step import CommitRule
 from .stepper import Progress, StepGenerator, drive
 
 __all__ = ["ThresholdDecoding", "CreditDecoding", "HierarchicalDecoding", "VicinityCache", "IterationSmoothing",
@@ -83,7 +84,7 @@ def _check_smoothing(rule: Any) -> None:
 
 
 @dataclass(frozen=True)
-class ThresholdDecoding:
+class ThresholdDecoding(CommitRule):
     """dInfer's `ThresholdParallelDecoder` at temperature 0.
 
     Per row: x0 = argmax of the logits, confidence = its float32 softmax probability; positions whose
@@ -96,6 +97,7 @@ class ThresholdDecoding:
     predictions, and compares float64 confidences.
     """
 
+    name = "threshold"
     threshold: float = 0.9
     smoothing: IterationSmoothing | None = None
 
@@ -103,9 +105,15 @@ class ThresholdDecoding:
         _check_unit("threshold", self.threshold)
         _check_smoothing(self)
 
+    def commit(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int,
+               state: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        proposal, logits, before = _proposal(block, logits, mask_id)
+        _threshold_commit(proposal, logits, self.threshold, mask_id)
+        return _committed(proposal, before, logits, mask_id)
+
 
 @dataclass(frozen=True)
-class CreditDecoding:
+class CreditDecoding(CommitRule):
     """dInfer's `CreditThresholdParallelDecoder`: the threshold rule on credit-fused logits.
 
     Each block keeps a float32 credit matrix C `[B, L, V]` (zeros on entering it). At every decode
@@ -114,6 +122,7 @@ class CreditDecoding:
     rule runs on ``logits + credit_alpha · log(1 + C)``.
     """
 
+    name = "credit"
     threshold: float = 0.9
     credit_alpha: float = 0.7
     boost_gamma: float = 0.2
@@ -127,9 +136,21 @@ class CreditDecoding:
         _check_unit("decay_beta", self.decay_beta, low_open=False)
         _check_smoothing(self)
 
+    def new_state(self) -> _Credit:
+        return _Credit(self)
+
+    def commit(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int,
+               state: _Credit | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if state is None:
+            raise ValueError("CreditDecoding keeps a credit state over a block's steps: pass state=rule.new_state()")
+        proposal, logits, before = _proposal(block, logits, mask_id)
+        x0, conf = state.step(logits, before)
+        dinfer_select(proposal, x0, conf, mask_id, "threshold", self.threshold)
+        return _committed(proposal, before, logits, mask_id)
+
 
 @dataclass(frozen=True)
-class HierarchicalDecoding:
+class HierarchicalDecoding(CommitRule):
     """dInfer's `HierarchyDecoder` at temperature 0.
 
     Confidence = softmax probability of the argmax on masked positions. The block's masked
@@ -141,6 +162,7 @@ class HierarchicalDecoding:
     here each row is decoded on its own.
     """
 
+    name = "hierarchical"
     threshold: float | None = 0.9
     low_threshold: float | None = 0.4
     smoothing: IterationSmoothing | None = None
@@ -153,6 +175,12 @@ class HierarchicalDecoding:
             # upstream computes max(1 - n * decay, None) and raises a TypeError
             raise ValueError("threshold: iteration smoothing decays the threshold towards the decoder's own; "
                              "HierarchicalDecoding(threshold=None) has none")
+
+    def commit(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int,
+               state: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        proposal, logits, before = _proposal(block, logits, mask_id)
+        _hierarchy_commit(proposal, logits, self, mask_id)
+        return _committed(proposal, before, logits, mask_id)
 
 
 @dataclass(frozen=True)
@@ -170,9 +198,6 @@ class VicinityCache:
         check_int("prefix_look", self.prefix_look, minimum=0)
         check_int("after_look", self.after_look, minimum=0)
         check_int("warmup_steps", self.warmup_steps, minimum=0)
-
-
-_DECODERS = (ThresholdDecoding, CreditDecoding, HierarchicalDecoding)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,32 +256,45 @@ def _fallback(x_block: torch.Tensor, before: torch.Tensor, logits: torch.Tensor,
     return len(rows)
 
 
+def _proposal(block: torch.Tensor, logits: torch.Tensor,
+              mask_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a copy of the block to commit into, the logits in float32 as dInfer's decode reads them,
+    the block's masked positions before the step)."""
+    if block.dim() != 2 or logits.dim() != 3 or logits.shape[:2] != block.shape:
+        raise ValueError(f"a block [B, L] and its logits [B, L, V], got {tuple(block.shape)} and "
+                         f"{tuple(logits.shape)}")
+    logits = logits if logits.dtype == torch.float32 else logits.to(torch.float32)
+    return block.clone(), logits, block == mask_id
+
+
+def _committed(proposal: torch.Tensor, before: torch.Tensor, logits: torch.Tensor,
+               mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fallback (a step where every candidate predicts the mask token commits the most
+    confident masked position with its best other token), then (commit, tokens)."""
+    _fallback(proposal, before, logits, mask_id)
+    return before & (proposal != mask_id), proposal
+
+
 class _Decoder:
+    """A `CommitRule` in dInfer's block loop: its state made again at each block, its commits
+    written into the block."""
+
     def __init__(self, rule: Any, mask_id: int) -> None:
         self.rule, self.mask_id = rule, mask_id
-        self.credit = _Credit(rule) if isinstance(rule, CreditDecoding) else None
+        self.state = rule.new_state()
 
     def block_start(self) -> None:
-        if self.credit is not None:
-            self.credit.reset()
+        self.state = self.rule.new_state()
 
     def decode(self, x: torch.Tensor, logits: torch.Tensor, start: int, end: int,
                threshold: float | None = None) -> int:
         """Commit in x[:, start:end] from the block's logits `[B, end-start, V]`; committed count.
         `threshold`: this iteration's (iteration smoothing), else the rule's."""
         block = x[:, start:end]
-        before = block == self.mask_id
-        logits = logits.to(torch.float32) if logits.dtype != torch.float32 else logits
         rule = self.rule if threshold is None else replace(self.rule, threshold=threshold)
-        if isinstance(rule, HierarchicalDecoding):
-            _hierarchy_commit(block, logits, rule, self.mask_id)
-        elif self.credit is not None:
-            x0, conf = self.credit.step(logits, before)
-            dinfer_select(block, x0, conf, self.mask_id, "threshold", rule.threshold)
-        else:
-            _threshold_commit(block, logits, rule.threshold, self.mask_id)
-        _fallback(block, before, logits, self.mask_id)
-        return int((before & (block != self.mask_id)).sum())
+        commit, tokens = rule.commit(block, logits, self.mask_id, self.state)
+        block[commit] = tokens[commit]
+        return int(commit.sum())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -532,8 +570,8 @@ def dinfer_steps(
     """`dinfer_generate` as a step generator (`remask.diffusion.stepper`): the arguments are checked
     here, at the call; the generator yields a `Progress` after every model forward (with `final` the
     decoded blocks) and returns the `[B, P + gen_length]` tokens of `dinfer_generate`."""
-    check_instance("decoder", decoder, _DECODERS,
-                   "remask ThresholdDecoding, CreditDecoding or HierarchicalDecoding", allow_none=False)
+    check_instance("decoder", decoder, CommitRule, "a remask commit rule (ThresholdDecoding, CreditDecoding, "
+                   "HierarchicalDecoding or another CommitRule)", allow_none=False)
     check_int("gen_length", gen_length, minimum=1)
     check_int("block_length", block_length, minimum=1)
     check_int("maximum_unroll", maximum_unroll, minimum=1)

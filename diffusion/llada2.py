@@ -37,10 +37,9 @@ from remask.caches.block import PagedBlocks
 
 from .checks import (MAX_LOOP_STEPS, check_block_within_context, check_bool, check_instance, check_int, check_real,
                      check_settings, check_steps)
-from .dinfer import CreditDecoding
 from .freedave import FreeDave
 from .freedave_blocks import BlockFreeDave, check_freedave_loop
-from .rules import RULES, check_rule_on_loop, is_rule, new_credit, rule_commit
+from .rules import CommitRule, check_rule_on_loop, is_rule, rule_commit, rule_types
 from .sdar import num_transfer_schedule, sample_block
 from .stats import GenerationStats
 
@@ -113,7 +112,7 @@ class LLaDA2State:
     done: bool = False
     end: int | None = None   # where the output ends (after the first EOS), once done
     predictions: Any = None   # FreeDave's predictions for the current block (`LLaDA2FreeDave`)
-    credit: Any = None        # (block, credit state) of `CreditDecoding` (`LLaDA2Rules`)
+    credit: Any = None        # (block, the rule's per-block state: `CreditDecoding`'s credit) (`LLaDA2Rules`)
 
 
 class LLaDA2Decoder(PagedBlocks):
@@ -357,7 +356,7 @@ class LLaDA2Rules(LLaDA2Decoder):
     `steps` cap). Not LLaDA2.1's editing. A combination no paper shipped."""
 
     def __init__(self, rule: Any, **kwargs: Any) -> None:
-        check_instance("decoder", rule, RULES, "remask ThresholdDecoding, CreditDecoding or HierarchicalDecoding")
+        check_instance("decoder", rule, CommitRule, "a remask commit rule (" + ", ".join(t.__name__ for t in rule_types()) + ")")
         super().__init__(**kwargs)
         check_rule_on_loop(rule, "LLaDA2", temperature=self.temperature,
                            unread={"editing_threshold": self.editing_threshold} if self.editing else {},
@@ -368,11 +367,9 @@ class LLaDA2Rules(LLaDA2Decoder):
                 stats: GenerationStats | None) -> None:
         L, b = self.block_length, state.block
         block = state.x[:, b * L:(b + 1) * L]   # a view: commits write into x
-        credit = None
-        if isinstance(self.rule, CreditDecoding):
-            if state.credit is None or state.credit[0] != b:   # a fresh credit per block
-                state.credit = (b, new_credit(self.rule))
-            credit = state.credit[1]
+        if state.credit is None or state.credit[0] != b:   # the rule's state, fresh per block
+            state.credit = (b, self.rule.new_state())
+        credit = state.credit[1]
         commit, tokens = rule_commit(block, logits, self.mask_id, self.rule, credit)
         block[commit] = tokens[commit]
         state.step += 1

@@ -1,115 +1,57 @@
-"""dInfer's commit rules as small pure functions over one block's scores, for any step-wise loop.
+"""Commit rules: small pure functions over one block's scores, for any step-wise loop.
 
-`ThresholdDecoding`, `HierarchicalDecoding` and `CreditDecoding` (`remask.diffusion.dinfer`) decide,
-from a block's logits, which of its masked positions to commit at a step. Here each is a function
+A rule is a `CommitRule` (`diffusion/step.py`): a config whose
 
-    commit, tokens = rule_commit(block, logits, mask_id, rule, credit=None)
+    commit, tokens = rule.commit(block, logits, mask_id, state)
 
-over the block's tokens `[B, L]` and logits `[B, L, V]`: `commit` (bool `[B, L]`) is the masked
-positions the rule commits this step, `tokens` the block with them written (the caller writes
-``block[commit] = tokens[commit]``). Nothing is changed in place. The maths is dInfer's own, imported
-from `remask.diffusion.dinfer` and not copied (`_threshold_commit`, `_hierarchy_commit`, `_Credit`,
-`_fallback`, the `dinfer_select` kernel): the logits are read in float32, x0 is their argmax, and a
-step where every candidate predicts the mask token commits the most confident masked position with
-its best other token (dInfer's loop repeats such a step forever; `dinfer_generate` does the same) —
-so every step on a block with masks commits at least one position.
-
-`CreditDecoding` keeps a credit matrix over a block's steps: `new_credit(rule)` makes it (one per
-block and prompt), and `rule_commit` updates it; the function is pure given that state.
-
-The block-causal families' loops take them as `decoder=` (new combinations, no paper shipped
-them): SDAR (`sdar_generate`, `remask.compat.sdar.block_diffusion_generate`, the engine) and
-LLaDA2.0 (`remask.compat.llada2.generate`, the engine) run their own block loop — their forwards,
-cache, block order and stop rule — with the rule choosing each step's commits instead of their
-remasking strategy, greedily (temperature 0), until the block has no mask. `check_rule_on_loop`
-refuses by name every setting of the family's that the combination does not read.
+decides, from a block's tokens `[B, L]` and logits `[B, L, V]`, which masked positions take which
+token this step (`commit` bool `[B, L]`; the caller writes ``block[commit] = tokens[commit]``;
+nothing is changed in place). `rule_commit` is that call with its shapes checked. dInfer's three
+rules are `ThresholdDecoding`, `CreditDecoding` (its credit matrix is the rule's per-block state,
+`rule.new_state()`) and `HierarchicalDecoding` (`remask.diffusion.dinfer`, where their maths is);
+a new rule is a `CommitRule` subclass with a `name` here, and every loop that takes `decoder=` runs
+it: dInfer's block loop on LLaDA and Dream (`dinfer_steps`), SDAR's and LLaDA2.0's own loops (their
+forwards, cache, block order and stop rule, with the rule choosing each step's commits instead of
+their remasking strategy, greedily, until the block has no mask), the engine, the JSON form
+`{"name": ...}` and docs/compatibility.md. `check_rule_on_loop` refuses by name every setting of a
+family's loop that the combination does not read.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
-from remask.kernels.dinfer import dinfer_select
+from .checks import check_instance, check_real
+from .dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding
+from .step import CommitRule
 
-from .checks import check_instance
-from .dinfer import (CreditDecoding, HierarchicalDecoding, ThresholdDecoding, _Credit, _fallback, _hierarchy_commit,
-                     _threshold_commit)
+__all__ = ["CommitRule", "CreditDecoding", "HierarchicalDecoding", "MarginDecoding", "ThresholdDecoding", "is_rule", "rule_types",
+           "rule_commit", "check_rule_on_loop", "check_block_decoder", "unread_settings"]
 
-__all__ = ["RULES", "is_rule", "new_credit", "threshold_commit", "hierarchy_commit", "credit_commit", "rule_commit",
-           "check_rule_on_loop", "check_block_decoder", "unread_settings"]
 
-RULES = (ThresholdDecoding, CreditDecoding, HierarchicalDecoding)
+def rule_types() -> tuple[type, ...]:
+    """Every registered commit rule (dInfer's three and any defined since)."""
+    return tuple(CommitRule.registry.values())
 
 
 def is_rule(decoder: Any) -> bool:
-    """Whether `decoder` is one of dInfer's commit rules."""
-    return isinstance(decoder, RULES)
+    """Whether `decoder` is a commit rule (`CommitRule`)."""
+    return isinstance(decoder, CommitRule)
 
 
-def new_credit(rule: CreditDecoding) -> _Credit:
-    """A fresh credit state (zeros) for one block of one prompt."""
-    return _Credit(rule)
-
-
-def _scores(block: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rule_commit(block: torch.Tensor, logits: torch.Tensor, mask_id: int, rule: CommitRule,
+                state: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(commit `[B, L]` bool, tokens `[B, L]`) of `rule` on a block and its logits; `state` is the
+    rule's per-block state (`rule.new_state()`, None for the rules without one)."""
+    if not is_rule(rule):
+        raise ValueError(f"rule must be a remask commit rule ({', '.join(t.__name__ for t in rule_types())}), got "
+                         f"{type(rule).__name__}")
     if block.dim() != 2 or logits.dim() != 3 or logits.shape[:2] != block.shape:
         raise ValueError(f"a block [B, L] and its logits [B, L, V], got {tuple(block.shape)} and "
                          f"{tuple(logits.shape)}")
-    logits = logits if logits.dtype == torch.float32 else logits.to(torch.float32)   # dInfer's decode
-    return block.clone(), logits, block
-
-
-def _committed(proposal: torch.Tensor, before: torch.Tensor, logits: torch.Tensor,
-               mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    _fallback(proposal, before, logits, mask_id)
-    return before & (proposal != mask_id), proposal
-
-
-def threshold_commit(block: torch.Tensor, logits: torch.Tensor, mask_id: int,
-                     threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ThresholdDecoding`: every masked position whose argmax (not the mask token) has float32
-    probability ≥ min(threshold, the block's best − 1e-5)."""
-    proposal, logits, block = _scores(block, logits)
-    before = block == mask_id
-    _threshold_commit(proposal, logits, threshold, mask_id)
-    return _committed(proposal, before, logits, mask_id)
-
-
-def hierarchy_commit(block: torch.Tensor, logits: torch.Tensor, mask_id: int,
-                     rule: HierarchicalDecoding) -> tuple[torch.Tensor, torch.Tensor]:
-    """`HierarchicalDecoding`: the best of every contiguous masked run above `low_threshold`, every
-    position above `threshold`, and the single most confident masked position."""
-    proposal, logits, block = _scores(block, logits)
-    before = block == mask_id
-    _hierarchy_commit(proposal, logits, rule, mask_id)
-    return _committed(proposal, before, logits, mask_id)
-
-
-def credit_commit(block: torch.Tensor, logits: torch.Tensor, mask_id: int, rule: CreditDecoding,
-                  credit: _Credit) -> tuple[torch.Tensor, torch.Tensor]:
-    """`CreditDecoding`: the threshold rule on ``logits + credit_alpha · log(1 + C)``; `credit`
-    (`new_credit(rule)`, one per block) is updated."""
-    proposal, logits, block = _scores(block, logits)
-    before = block == mask_id
-    x0, conf = credit.step(logits, before)
-    dinfer_select(proposal, x0, conf, mask_id, "threshold", rule.threshold)
-    return _committed(proposal, before, logits, mask_id)
-
-
-def rule_commit(block: torch.Tensor, logits: torch.Tensor, mask_id: int, rule: Any,
-                credit: _Credit | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(commit `[B, L]` bool, tokens `[B, L]`) of `rule` on a block and its logits (see the module
-    docstring); `credit` is required by `CreditDecoding` and ignored otherwise."""
-    if isinstance(rule, HierarchicalDecoding):
-        return hierarchy_commit(block, logits, mask_id, rule)
-    if isinstance(rule, CreditDecoding):
-        if credit is None:
-            raise ValueError("CreditDecoding keeps a credit state over a block's steps: pass credit=new_credit(rule)")
-        return credit_commit(block, logits, mask_id, rule, credit)
-    if isinstance(rule, ThresholdDecoding):
-        return threshold_commit(block, logits, mask_id, rule.threshold)
-    raise ValueError(f"rule must be one of {', '.join(t.__name__ for t in RULES)}, got {type(rule).__name__}")
+    return rule.commit(block, logits, mask_id, state)
 
 
 def check_rule_on_loop(rule: Any, family: str, *, temperature: float, unread: Mapping[str, Any] = (),
@@ -136,10 +78,42 @@ def check_block_decoder(decoder: Any) -> None:
     """`decoder=` on a block-causal family's drop-in function: FreeDave or one of dInfer's rules."""
     from .freedave import FreeDave
 
-    check_instance("decoder", decoder, (FreeDave, *RULES), "remask.FreeDave, ThresholdDecoding, CreditDecoding or "
-                   "HierarchicalDecoding (the decoders block-causal models take)")
+    check_instance("decoder", decoder, (FreeDave, CommitRule), "remask.FreeDave or a commit rule ("
+                   + ", ".join(t.__name__ for t in rule_types()) + ": the decoders block-causal models take)")
 
 
 def unread_settings(given: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
     """The settings in `given` that differ from their `defaults` (those a caller set)."""
     return {name: value for name, value in given.items() if value != defaults[name]}
+
+
+@dataclass(frozen=True)
+class MarginDecoding(CommitRule):
+    """The margin rule: commit every masked position whose top-1 − top-2 probability margin is at
+    least `margin`, or, when none is, the one with the largest margin (ties: the first). Greedy:
+    each committed position takes its argmax. The mask token is never proposed (its probability is
+    set aside before the top two are taken). The margin is LLaDA's `margin` confidence (the gap
+    between the two most likely tokens) used as a threshold rule, as dInfer uses the probability;
+    a combination no paper shipped, written as a `CommitRule` so every loop that takes
+    `decoder=` runs it (`decoder={"name": "margin", "margin": 0.5}` in JSON)."""
+
+    name = "margin"
+    margin: float = 0.5
+
+    def __post_init__(self) -> None:
+        check_real("margin", self.margin, low=0, high=1)
+
+    def commit(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int,
+               state: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(logits.float(), dim=-1)
+        if 0 <= mask_id < probs.shape[-1]:
+            probs = probs.index_fill(-1, torch.tensor([mask_id], device=probs.device), 0.0)
+        top = probs.topk(2, dim=-1)
+        x0, gap = top.indices[..., 0], top.values[..., 0] - top.values[..., 1]
+        masked = block == mask_id
+        gap = torch.where(masked, gap, torch.full_like(gap, -1.0))
+        commit = masked & (gap >= self.margin)
+        best = torch.zeros_like(commit).scatter_(-1, gap.argmax(dim=-1, keepdim=True), True)
+        stuck = masked.any(dim=-1, keepdim=True) & ~commit.any(dim=-1, keepdim=True)
+        commit = commit | (best & masked & stuck)
+        return commit, torch.where(commit, x0, block)

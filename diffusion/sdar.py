@@ -34,10 +34,9 @@ from remask.caches.block import PagedBlocks
 
 from .checks import (check_block_within_context, check_bool, check_choice, check_generator, check_instance, check_int,
                      check_real, check_settings, check_stats, check_steps)
-from .dinfer import CreditDecoding
 from .freedave import FreeDave
 from .freedave_blocks import BlockFreeDave, check_freedave_loop
-from .rules import RULES, check_block_decoder, check_rule_on_loop, is_rule, new_credit, rule_commit, unread_settings
+from .rules import CommitRule, check_block_decoder, check_rule_on_loop, is_rule, rule_commit, rule_types, unread_settings
 from .scoring import sample_categorical
 from .stats import GenerationStats
 
@@ -149,7 +148,7 @@ class SDARState:
     done: bool = False
     stopped_at: int | None = None
     predictions: Any = None   # FreeDave's predictions for the current block (`SDARFreeDave`)
-    credit: Any = None        # (block, credit state) of `CreditDecoding` (`SDARRules`)
+    credit: Any = None        # (block, the rule's per-block state: `CreditDecoding`'s credit) (`SDARRules`)
 
 
 class SDARDecoder(PagedBlocks):
@@ -354,18 +353,16 @@ class SDARRules(SDARDecoder):
     (every step commits at least one). A combination no paper shipped."""
 
     def __init__(self, rule: Any, **kwargs: Any) -> None:
-        check_instance("decoder", rule, RULES, "remask ThresholdDecoding, CreditDecoding or HierarchicalDecoding")
+        check_instance("decoder", rule, CommitRule, "a remask commit rule (" + ", ".join(t.__name__ for t in rule_types()) + ")")
         super().__init__(**kwargs)
         check_rule_on_loop(rule, "SDAR", temperature=self.temperature)
         self.rule = rule
 
     def _denoise(self, state: SDARState, cur_x: torch.Tensor, logits: torch.Tensor,
                  generator: torch.Generator | None, stats: GenerationStats | None) -> None:
-        credit = None
-        if isinstance(self.rule, CreditDecoding):
-            if state.credit is None or state.credit[0] != state.block:   # a fresh credit per block
-                state.credit = (state.block, new_credit(self.rule))
-            credit = state.credit[1]
+        if state.credit is None or state.credit[0] != state.block:   # the rule's state, fresh per block
+            state.credit = (state.block, self.rule.new_state())
+        credit = state.credit[1]
         commit, tokens = rule_commit(cur_x, logits, self.mask_id, self.rule, credit)
         cur_x[commit] = tokens[commit]
         state.step += 1

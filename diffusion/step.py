@@ -16,6 +16,7 @@ same decision; the rules that run in torch build a `Decision` and call it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -61,3 +62,34 @@ def apply_decision(tokens: torch.Tensor, proposal: torch.Tensor, decision: Decis
             raise ValueError("a Decision that renoises needs noise_tokens")
         out = torch.where(decision.renoise, noise_tokens, out)
     return out
+
+
+class CommitRule:
+    """A commit rule that `decoder=` takes: a small config whose `commit` decides, from one block's
+    tokens `[B, L]` and logits `[B, L, V]`, which masked positions take which token this step.
+
+    `commit(block, logits, mask_id, state)` returns `(commit, tokens)`: `commit` a bool `[B, L]` of
+    masked positions, `tokens` `[B, L]` holding their tokens; nothing is changed in place, and a
+    block with a masked position gets at least one commit (so every loop ends). `new_state()` is the
+    rule's memory over one block's steps (None: none; `CreditDecoding`'s credit matrix), made again
+    at each block. Defining a subclass with a `name` registers it in `CommitRule.registry`: every
+    loop that takes `decoder=` (dInfer's block loop on LLaDA and Dream, SDAR's, LLaDA2's), the
+    `SamplingParams` check, the JSON form `{"name": ...}` and docs/compatibility.md find it there —
+    a new rule is one class in `diffusion/rules.py` and its test.
+    """
+
+    name: ClassVar[str] = ""
+    registry: ClassVar[dict[str, type]] = {}
+    smoothing: Any = None     # dInfer's iteration smoothing (its own loop only); None for other rules
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("name"):
+            CommitRule.registry[cls.name] = cls
+
+    def new_state(self) -> Any:
+        return None
+
+    def commit(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int,
+               state: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError

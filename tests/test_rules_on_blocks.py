@@ -16,7 +16,7 @@ import remask.diffusion.sdar as sdar_module
 from remask.compat.llada2 import generate as llada2_generate
 from remask.compat.sdar import block_diffusion_generate
 from remask.diffusion.llada2 import LLaDA2Rules
-from remask.diffusion.rules import new_credit, rule_commit
+from remask.diffusion.rules import rule_commit
 from remask.diffusion.sdar import sdar_generate
 from remask.diffusion.stats import GenerationStats
 from remask.models import get_spec, tiny
@@ -51,7 +51,7 @@ def test_rules_are_pure_functions_of_a_blocks_scores(name):
     block = torch.tensor([[1, mask, mask, 4, mask, mask, mask, 2]])
     logits = torch.randn(1, 8, 12, generator=g) * 2
     kept_block, kept_logits = block.clone(), logits.clone()
-    credit = new_credit(rule) if name == "credit" else None
+    credit = rule.new_state()
     commit, tokens = rule_commit(block, logits, mask, rule, credit)
     assert torch.equal(block, kept_block) and torch.equal(logits, kept_logits)   # nothing in place
     assert commit.dtype == torch.bool and commit.shape == block.shape
@@ -61,7 +61,7 @@ def test_rules_are_pure_functions_of_a_blocks_scores(name):
     # every candidate predicts the mask token: the fallback still commits one, with another token
     stuck = logits.clone()
     stuck[..., mask] = 100.0
-    commit, tokens = rule_commit(block, stuck, mask, rule, new_credit(rule) if name == "credit" else None)
+    commit, tokens = rule_commit(block, stuck, mask, rule, rule.new_state())
     assert int(commit.sum()) == 1 and int(tokens[commit]) != mask
     if name == "credit":
         with pytest.raises(ValueError, match="credit"):

@@ -25,8 +25,9 @@ def methods() -> dict[str, dict[str, Any]]:
     """Method name → the `SamplingParams` keywords that ask for it (besides `max_tokens` and the
     layout keywords of `layout`)."""
     import remask
+    from remask.diffusion.rules import rule_types
 
-    return {
+    listed = {
         "the family's own rule (LLaDA: low-confidence blocks)": {},
         "threshold (Fast-dLLM)": dict(threshold=0.9),
         "threshold + dual cache (Fast-dLLM)": dict(threshold=0.9, use_cache="dual"),
@@ -42,6 +43,11 @@ def methods() -> dict[str, dict[str, Any]]:
         "d2Cache": dict(use_cache=remask.D2Cache()),
         "Elastic-Cache": dict(use_cache=remask.ElasticCache()),
     }
+    # Every other registered commit rule (diffusion/rules.py), with its defaults.
+    shipped = (remask.ThresholdDecoding, remask.CreditDecoding, remask.HierarchicalDecoding)
+    extra = {f"rule {rule.name} ({rule.__name__})": dict(decoder=rule()) for rule in rule_types()
+             if rule not in shipped}
+    return {**listed, **extra}
 
 
 # The methods that read `steps` (the rest pick their own number of steps).
