@@ -57,8 +57,9 @@ def long_methods(tokens: int) -> dict[str, dict[str, Any]]:
     }
 
 
-def scenario(model, tokenizer, prompts: list[list[int]], long: dict[str, Any] | None, tokens: int) -> dict[str, Any]:
-    engine = LLMEngine(model, tokenizer, max_num_seqs=64)
+def scenario(model, tokenizer, prompts: list[list[int]], long: dict[str, Any] | None, tokens: int,
+             cost_stride: bool = True) -> dict[str, Any]:
+    engine = LLMEngine(model, tokenizer, max_num_seqs=64, cost_stride=cost_stride)
     start = time.perf_counter()
     if long is not None:
         engine.add_request("long", prompts[0], SamplingParams(max_tokens=tokens, seed=0, **long))
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=None, help="semicolon-separated subset of the methods (default: all)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-cost-stride", action="store_true",
+                        help="LLMEngine(cost_stride=False): every picked sequence steps every engine step")
     parser.add_argument("--out", default=None, help="markdown table to write (default: print only)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     best: dict[str, dict[str, Any]] = {}
     for _ in range(args.repeats):   # interleaved, the fastest of each kept: the machine is shared
         for name, long in [("alone", None), *methods.items()]:
-            result = scenario(model, tokenizer, prompts, long, args.long_tokens)
+            result = scenario(model, tokenizer, prompts, long, args.long_tokens, not args.no_cost_stride)
             if name not in best or result["seconds"] < best[name]["seconds"]:
                 best[name] = result
     alone = best.pop("alone")
@@ -114,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
              f"torch {torch.__version__}, Python {sys.version.split()[0]}; tiny-llada; {args.short} short requests "
              f"({SHORT}) alone, and beside one {args.long_tokens}-token request of each method queued first. Command: "
              f"`python bench/head_of_line.py --short {args.short} --long-tokens {args.long_tokens} --threads "
-             f"{args.threads} --repeats {args.repeats}` (fastest of the repeats).", "",
+             f"{args.threads} --repeats {args.repeats}{' --no-cost-stride' if args.no_cost_stride else ''}` (fastest of "
+             f"the repeats; engine cost_stride={not args.no_cost_stride}).", "",
              f"Alone: the last short request finishes after {alone['seconds']:.3f} s, {alone['steps']} engine steps.",
              "", "| long request's method | short makespan (s) | ratio to alone | short steps | long request (s) "
              "| long request steps | short tokens unchanged |", "| --- |" + " ---: |" * 5 + " --- |"]
