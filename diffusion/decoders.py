@@ -149,9 +149,16 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
         check_decoder(decoder)
     if use_cache is not None and not isinstance(use_cache, str) and not is_cache_config(use_cache):
         raise ValueError(f"use_cache must be None, a cache name or a remask cache config, got {type(use_cache).__name__}")
-    if isinstance(use_cache, (DKVCache, D2Cache, ElasticCache)) and decoder is not None:
-        raise ValueError(f"use_cache={type(use_cache).__name__} runs its own schedule: it does not combine with "
-                         f"decoder=")
+    from .step import CommitRule
+
+    if isinstance(use_cache, ElasticCache) and decoder is not None and not isinstance(decoder, CommitRule):
+        raise CombinationError(f"decoder={type(decoder).__name__} with use_cache=ElasticCache: Elastic-Cache's window "
+                               f"takes a commit rule (ThresholdDecoding, CreditDecoding, HierarchicalDecoding, "
+                               f"MarginDecoding, ...) as decoder=, not a decoder with its own loop")
+    if isinstance(use_cache, (DKVCache, D2Cache)) and decoder is not None:
+        raise CombinationError(f"decoder={type(decoder).__name__} with use_cache={type(use_cache).__name__}: "
+                               f"{type(use_cache).__name__} runs its own schedule (its commits are part of its "
+                               f"cache policy); it does not combine with decoder=")
     if decoder is None and isinstance(use_cache, VicinityCache):
         decoder = ThresholdDecoding()
     method = type(use_cache).__name__ if isinstance(use_cache, (DKVCache, D2Cache, ElasticCache)) else \
@@ -159,9 +166,9 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
     if method in UNSHIFTED_ONLY and get_spec(model, **({} if mask_id is None else {"mask_id": mask_id})).logit_shift:
         field = "use_cache" if method != "WINO" else "decoder"
         hint = " (Dream's own dKV-Cache: remask.diffusion.dkv_dream.dkv_dream_generate)" if method == "DKVCache" else ""
-        raise CombinationError(f"{field}={method}: {UNSHIFTED_ONLY[method]} reads unshifted logits (position i scored from "
-                         f"itself, LLaDA's layout); this model shifts its logits by one position (Dream's layout, "
-                         f"ModelSpec.logit_shift){hint}")
+        raise CombinationError(f"{field}={method}: {UNSHIFTED_ONLY[method]} reads unshifted logits (position i "
+                               f"scored from itself, LLaDA's layout); this model shifts its logits by one position "
+                               f"(Dream's layout, ModelSpec.logit_shift){hint}")
     settings = dict(settings or {})
     steps, steps_default = settings.get("steps", (None, None))
     if steps == steps_default:   # not given (the entry point's default): one token per step, or the method's own
@@ -180,29 +187,29 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
                              f"{use_cache.window_length} masked positions (no blocks); leave block_length at "
                              f"gen_length ({gen_length}), got {block_length}")
         return elastic_steps(model, prompt, config=use_cache, gen_length=gen_length, attention_mask=attention_mask,
-                                mask_id=mask_id, stats=stats)
+                             mask_id=mask_id, stats=stats, rule=decoder)
     if isinstance(use_cache, D2Cache):
         return d2cache_steps(model, prompt, config=use_cache, steps=gen_length if steps is None else steps,
-                                gen_length=gen_length, block_length=block_length, attention_mask=attention_mask,
-                                mask_id=mask_id, stats=stats)
+                             gen_length=gen_length, block_length=block_length, attention_mask=attention_mask,
+                             mask_id=mask_id, stats=stats)
     if isinstance(use_cache, DKVCache):
         return dkv_steps(model, prompt, config=use_cache, steps=gen_length if steps is None else steps,
-                            gen_length=gen_length, block_length=block_length,
-                            remasking=settings.get("remasking", ("low_confidence", None))[0],
-                            attention_mask=attention_mask, generator=settings.get("generator", (None, None))[0],
-                            mask_id=mask_id, stats=stats)
+                         gen_length=gen_length, block_length=block_length,
+                         remasking=settings.get("remasking", ("low_confidence", None))[0],
+                         attention_mask=attention_mask, generator=settings.get("generator", (None, None))[0],
+                         mask_id=mask_id, stats=stats)
     if isinstance(decoder, FreeDave):
         if is_cache_config(use_cache):
             raise ValueError("use_cache: FreeDave takes None, 'prefix' or 'dual'")
         return freedave_steps(model, prompt, attention_mask, config=decoder, steps=steps, gen_length=gen_length,
-                                 block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats)
+                              block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats)
     if isinstance(decoder, WINO):
         if use_cache is not None:
             raise ValueError("use_cache: WINO forwards the whole sequence with its shadow block (no cache)")
         return _first(wino_steps(model, prompt, config=decoder, gen_length=gen_length, block_length=block_length,
                                  attention_mask=attention_mask, mask_id=mask_id, stats=stats))
     return dinfer_steps(model, prompt, decoder=decoder, gen_length=gen_length, block_length=block_length,
-                           use_cache=use_cache, attention_mask=attention_mask, mask_id=mask_id, stats=stats)
+                        use_cache=use_cache, attention_mask=attention_mask, mask_id=mask_id, stats=stats)
 
 
 def _first(steps: StepGenerator) -> StepGenerator:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -185,9 +186,28 @@ def _final_prefix(x: torch.Tensor, P: int, masked: torch.Tensor, mask_id: int, e
     return n
 
 
+def _check_rule(rule: Any, config: ElasticCache) -> None:
+    """`rule` with Elastic-Cache: a commit rule without iteration smoothing, and none of Elastic's
+    own commit settings (the rule replaces them), each refused naming both parts."""
+    from .step import CommitRule
+
+    if not isinstance(rule, CommitRule):
+        raise ValueError(f"decoder: Elastic-Cache takes a commit rule (a remask CommitRule: ThresholdDecoding, "
+                         f"CreditDecoding, HierarchicalDecoding, MarginDecoding, ...), got {type(rule).__name__}")
+    if rule.smoothing is not None:
+        raise ValueError(f"smoothing: decoder={type(rule).__name__}(smoothing=...) feeds embeddings to dInfer's own "
+                         "loop; Elastic-Cache's loop feeds token ids: leave smoothing None")
+    default = ElasticCache()
+    set_here = [name for name in ("threshold", "tokens_per_iter", "commit_mask_token")
+                if getattr(config, name) != getattr(default, name)]
+    if set_here:
+        raise ValueError(f"decoder={type(rule).__name__} replaces Elastic-Cache's commit rule and does not read "
+                         f"ElasticCache's {set_here}: leave them at their defaults")
+
+
 def _decode_row(model, x: torch.Tensor, P: int, config: ElasticCache, mask_id: int, eos_id: int | None,
                 key_ok: torch.Tensor | None, stats: GenerationStats | None, trace: list | None,
-                canvas: torch.Tensor, row: int) -> StepGenerator:
+                canvas: torch.Tensor, row: int, rule: Any = None) -> StepGenerator:
     """Elastic-Cache decoding of one row `x` `[1, T]` (prompt then masks), in place, as a step
     generator: after every forward the row is written back into `canvas[row]` and the whole
     `canvas` is yielded (`final`: the row's final prefix on the last row, else 0 — later rows are
@@ -204,6 +224,7 @@ def _decode_row(model, x: torch.Tensor, P: int, config: ElasticCache, mask_id: i
     new_decoded = everything[:P].clone()
     masked = everything[P:].clone()
     decoded_eos = False
+    rule_state = rule.new_state() if rule is not None else None
     i = 0
     while True:
         window = masked[:W] if config.block_caching else masked
@@ -240,15 +261,20 @@ def _decode_row(model, x: torch.Tensor, P: int, config: ElasticCache, mask_id: i
             logits = logits[:, :W]
         track_position = torch.cat([cache.track[layer] for layer in range(L)], dim=0).unique(sorted=False)
 
-        p = F.softmax(logits.to(torch.float64), dim=-1)
-        conf, tokens = torch.max(p, dim=-1)
-        if not config.commit_mask_token and bool((tokens == mask_id).any()):
-            others = p.index_fill(-1, torch.tensor([mask_id], device=device), -1.0)
-            conf, tokens = torch.max(others, dim=-1)
-        if config.threshold is not None:
-            keep = (conf >= min(config.threshold, conf.max()))[0]
+        if rule is not None:   # a commit rule over the window (all masked): its commits and tokens
+            commit, proposal = rule.commit(x[:, window], logits, mask_id, rule_state)
+            keep = commit[0]
+            tokens = proposal
         else:
-            keep = torch.topk(conf[0], k=min(config.tokens_per_iter, tokens.shape[1]), largest=True)[1]
+            p = F.softmax(logits.to(torch.float64), dim=-1)
+            conf, tokens = torch.max(p, dim=-1)
+            if not config.commit_mask_token and bool((tokens == mask_id).any()):
+                others = p.index_fill(-1, torch.tensor([mask_id], device=device), -1.0)
+                conf, tokens = torch.max(others, dim=-1)
+            if config.threshold is not None:
+                keep = (conf >= min(config.threshold, conf.max()))[0]
+            else:
+                keep = torch.topk(conf[0], k=min(config.tokens_per_iter, tokens.shape[1]), largest=True)[1]
         decoded = window[keep]
         tokens = tokens[:, keep]
         x[:, decoded] = tokens
@@ -277,21 +303,25 @@ def _decode_row(model, x: torch.Tensor, P: int, config: ElasticCache, mask_id: i
 def elastic_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: ElasticCache | None = None,
                      gen_length: int = 512, attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
                      eos_id: int | None = None, stats: GenerationStats | None = None,
-                     trace: list | None = None) -> torch.Tensor:
+                     trace: list | None = None, rule: Any = None) -> torch.Tensor:
     """Elastic-Cache decoding (greedy). Returns `[B, P + gen_length]`.
 
     `eos_id` (default: the model's): once committed, the masked positions after the first EOS are
     dropped and returned as EOS. `attention_mask` `[B, P]` (left padding) hides pad keys (upstream
     has none). `trace`: a list that receives `(queried positions, first recomputed layer)` per row
-    and step (the layer count when nothing was recomputed; -1 for the first, full forward)."""
+    and step (the layer count when nothing was recomputed; -1 for the first, full forward).
+    `rule`: a commit rule (`remask.diffusion.step.CommitRule`: dInfer's, `MarginDecoding`, …) that
+    decides each step's commits in the window instead of Elastic-Cache's own threshold / top-k rule
+    (a combination no paper shipped; Elastic's `threshold`, `tokens_per_iter` and
+    `commit_mask_token` are then not read and refused when set)."""
     return drive(elastic_steps(model, prompt, config=config, gen_length=gen_length, attention_mask=attention_mask,
-                               mask_id=mask_id, eos_id=eos_id, stats=stats, trace=trace))
+                               mask_id=mask_id, eos_id=eos_id, stats=stats, trace=trace, rule=rule))
 
 
 def elastic_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: ElasticCache | None = None,
                   gen_length: int = 512, attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
                   eos_id: int | None = None, stats: GenerationStats | None = None,
-                  trace: list | None = None) -> StepGenerator:
+                  trace: list | None = None, rule: Any = None) -> StepGenerator:
     """`elastic_generate`'s loop as a step generator (`diffusion/stepper.py`): the arguments are
     checked here, at the call; it yields a `Progress` after every forward (rows are decoded one by
     one; `final`: for one row, the leading generated positions already decoded — the sliding
@@ -313,25 +343,27 @@ def elastic_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Elast
     check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
     if trace is not None and not isinstance(trace, list):
         raise ValueError(f"trace must be a list or None, got {type(trace).__name__}")
+    if rule is not None:
+        _check_rule(rule, config)
     device = model_device(model)
     B, P = prompt.shape
     T = P + gen_length
     x = torch.full((B, T), spec.mask_id, dtype=torch.long, device=device)
     x[:, :P] = prompt
     key_ok = valid_positions(attention_mask, T)   # False on the left pads
-    return _elastic_loop(model, x, P, config, spec.mask_id, spec.eos_id, key_ok, gen_length, stats, trace)
+    return _elastic_loop(model, x, P, config, spec.mask_id, spec.eos_id, key_ok, gen_length, stats, trace, rule)
 
 
 @torch.no_grad()
 def _elastic_loop(model: torch.nn.Module, x: torch.Tensor, P: int, config: ElasticCache, mask_id: int,
                   eos_id: int | None, key_ok: torch.Tensor | None, gen_length: int, stats: GenerationStats | None,
-                  trace: list | None) -> StepGenerator:
+                  trace: list | None, rule: Any = None) -> StepGenerator:
     B = x.shape[0]
     if stats is not None:
         stats.start()
     for b in range(B):
         x[b:b + 1] = yield from _decode_row(model, x[b:b + 1].clone(), P, config, mask_id, eos_id,
-                                            None if key_ok is None else key_ok[b:b + 1], stats, trace, x, b)
+                                            None if key_ok is None else key_ok[b:b + 1], stats, trace, x, b, rule)
     if stats is not None:
         stats.stop(B * gen_length)
     return x

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import remask
+import remask.diffusion.rules
 from remask.diffusion.decoders import decoder_steps
 from remask.engine import LLMEngine, SamplingParams
 from remask.models import tiny
@@ -93,3 +94,59 @@ def test_unshifted_methods_are_refused_on_dream_naming_both_parts(dream, setting
         engine.add_request("a", random_prompt(1, 7, seed=3)[0].tolist(),
                            SamplingParams(max_tokens=16, **block, **settings))
     assert not engine.has_unfinished_requests()
+
+
+# --- Elastic-Cache's window × a commit rule (cache policy × rule) ---------------------------------
+
+@pytest.fixture(scope="module")
+def llada_small(tmp_path_factory):
+    from transformers import AutoModel
+
+    path = tmp_path_factory.mktemp("llada_small")
+    tiny.write_tiny_llada(str(path), seed=3, vocab_size=300, embedding_size=300, mask_token_id=299, eos_token_id=298,
+                          pad_token_id=297, eot_token_id=296)
+    return AutoModel.from_pretrained(str(path)).eval()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_elastic_with_the_one_best_rule_equals_elastics_own_top1_mode(llada_small, seed):
+    """The rule decides the window's commits: HierarchicalDecoding with both thresholds off commits
+    the single most confident masked position, which is Elastic-Cache's own top-1 mode."""
+    from remask.diffusion.elastic import elastic_generate
+
+    prompt = random_prompt(1, 6, seed)
+    own = elastic_generate(llada_small, prompt, config=remask.ElasticCache(window_length=8, threshold=None),
+                           gen_length=24)
+    ruled = elastic_generate(llada_small, prompt, config=remask.ElasticCache(window_length=8), gen_length=24,
+                             rule=remask.HierarchicalDecoding(threshold=None, low_threshold=None))
+    assert ruled.tolist() == own.tolist()
+
+
+@pytest.mark.parametrize("rule", [remask.HierarchicalDecoding(), remask.CreditDecoding(threshold=0.3),
+                                  remask.diffusion.rules.MarginDecoding(margin=0.2)], ids=lambda r: type(r).__name__)
+def test_elastic_with_a_rule_drop_in_equals_engine(llada_small, rule):
+    prompt = random_prompt(1, 6, seed=1)
+    stats = remask.GenerationStats()
+    cache = remask.ElasticCache(window_length=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = remask.generate(llada_small, prompt, gen_length=24, block_length=24, use_cache=cache, decoder=rule,
+                              stats=stats)
+        served = remask.LLM(llada_small).generate([prompt[0].tolist()], SamplingParams(
+            max_tokens=24, use_cache=cache, decoder=rule), use_tqdm=False)[0]
+    assert out[0, :6].tolist() == prompt[0].tolist() and not (out == 299).any()
+    assert stats.nfe > 1 and all(n >= 1 for n in stats.tokens_per_step)
+    assert served.outputs[0].all_token_ids == out[0, 6:].tolist()
+
+
+def test_elastic_with_a_rule_refuses_what_it_does_not_read(llada_small):
+    prompt = random_prompt(1, 6, seed=1)
+    with pytest.raises(ValueError, match=r"HierarchicalDecoding replaces Elastic-Cache's commit rule.*threshold"):
+        remask.generate(llada_small, prompt, gen_length=24, block_length=24,
+                        use_cache=remask.ElasticCache(threshold=0.5), decoder=remask.HierarchicalDecoding())
+    with pytest.raises(ValueError, match="decoder=FreeDave with use_cache=ElasticCache"):
+        remask.generate(llada_small, prompt, gen_length=24, block_length=24, use_cache=remask.ElasticCache(),
+                        decoder=remask.FreeDave())
+    with pytest.raises(ValueError, match="decoder=ThresholdDecoding with use_cache=DKVCache"):
+        remask.generate(llada_small, prompt, gen_length=24, block_length=24, use_cache=remask.DKVCache(),
+                        decoder=remask.ThresholdDecoding())

@@ -33,7 +33,10 @@ def test_every_refusal_names_what_conflicts(table):
 
 def test_each_method_runs_on_its_own_family_and_each_family_runs_its_own_rule(table):
     assert all(value == "yes" for value in table["the family's own rule (LLaDA: low-confidence blocks)"].values())
-    assert all(row["llada"] == "yes" for row in table.values())      # every method's paper used LLaDA
+    # every method's paper used LLaDA; a refused pair of parts is refused on every family
+    assert all(row["llada"] == "yes" for name, row in table.items() if name != "dKV-Cache + dInfer ThresholdDecoding")
+    assert all(value.startswith("no: ") for value in table["dKV-Cache + dInfer ThresholdDecoding"].values())
+    assert table["Elastic-Cache + dInfer HierarchicalDecoding"]["llada"] == "yes"
     # The combinations no paper shipped (tests/test_combinations.py, tests/test_rules_on_blocks.py).
     for rule in ("dInfer ThresholdDecoding", "dInfer CreditDecoding", "dInfer HierarchicalDecoding"):
         assert table[rule]["Dream"] == table[rule]["sdar"] == table[rule]["llada2_moe"] == "yes"

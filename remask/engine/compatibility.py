@@ -42,6 +42,9 @@ def methods() -> dict[str, dict[str, Any]]:
         "dKV-Cache": dict(use_cache=remask.DKVCache()),
         "d2Cache": dict(use_cache=remask.D2Cache()),
         "Elastic-Cache": dict(use_cache=remask.ElasticCache()),
+        "Elastic-Cache + dInfer HierarchicalDecoding": dict(use_cache=remask.ElasticCache(),
+                                                           decoder=remask.HierarchicalDecoding()),
+        "dKV-Cache + dInfer ThresholdDecoding": dict(use_cache=remask.DKVCache(), decoder=remask.ThresholdDecoding()),
     }
     # Every other registered commit rule (diffusion/rules.py), with its defaults.
     shipped = (remask.ThresholdDecoding, remask.CreditDecoding, remask.HierarchicalDecoding)
@@ -52,7 +55,7 @@ def methods() -> dict[str, dict[str, Any]]:
 
 # The methods that read `steps` (the rest pick their own number of steps).
 READS_STEPS = ("the family's own rule (LLaDA: low-confidence blocks)", "Dream's sampler (alg=entropy)", "dKV-Cache",
-               "d2Cache")
+               "d2Cache", "dKV-Cache + dInfer ThresholdDecoding")
 
 
 def layout(name: str, spec: Any) -> dict[str, Any]:
@@ -62,7 +65,7 @@ def layout(name: str, spec: Any) -> dict[str, Any]:
     their own blocks (block-causal) or canvas (uniform noise)."""
     if spec.attention == "block-causal" or spec.noise == "uniform":
         return {}
-    out = {} if name in ("Elastic-Cache", "Dream's sampler (alg=entropy)") else dict(block_length=16)
+    out = {} if name.startswith("Elastic-Cache") or name == "Dream's sampler (alg=entropy)" else dict(block_length=16)
     if name in READS_STEPS:
         out["steps"] = 32
     return out
