@@ -500,7 +500,7 @@ def dinfer_generate(
     model: torch.nn.Module,
     prompt: torch.Tensor,
     *,
-    decoder: ThresholdDecoding | CreditDecoding | HierarchicalDecoding = ThresholdDecoding(),
+    decoder: CommitRule = ThresholdDecoding(),
     gen_length: int = 128,
     block_length: int = 128,
     use_cache: str | VicinityCache | None = None,
@@ -517,7 +517,8 @@ def dinfer_generate(
     Args:
         model: a remask LLaDA-style diffusion model (mask predictor, bidirectional attention).
         prompt: `[B, P]` token ids (left-padded with `attention_mask` when rows differ).
-        decoder: `ThresholdDecoding`, `CreditDecoding` or `HierarchicalDecoding`.
+        decoder: a commit rule: `ThresholdDecoding`, `CreditDecoding`, `HierarchicalDecoding` or any other
+            `CommitRule` (`remask.diffusion.rules`).
         gen_length, block_length: `gen_length` new positions; blocks of `block_length` aligned to
             multiples of it from position 0 (the first block may overlap the prompt, the last may be
             shorter).
@@ -555,7 +556,7 @@ def dinfer_steps(
     model: torch.nn.Module,
     prompt: torch.Tensor,
     *,
-    decoder: ThresholdDecoding | CreditDecoding | HierarchicalDecoding = ThresholdDecoding(),
+    decoder: CommitRule = ThresholdDecoding(),
     gen_length: int = 128,
     block_length: int = 128,
     use_cache: str | VicinityCache | None = None,

@@ -22,7 +22,7 @@ REMASKING = ("low_confidence", "random")                                      # 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")   # ...dream.ALGORITHMS
 CACHE_NAMES = ("prefix", "dual", "paged")                      # remask.diffusion.cache.CACHE_MODES, less None
 CACHE_CONFIGS = ("vicinity", "dkv", "d2cache", "elastic")      # remask.diffusion.decoders.config_names()
-DECODERS = ("freedave", "threshold", "credit", "hierarchical", "wino")
+DECODERS = ("freedave", "threshold", "credit", "hierarchical", "margin", "wino")   # ...decoders.config_names()
 
 # One `remask generate` flag per plain `SamplingParams` field: (field, kind, help). Written out for
 # the same reason (the dataclass lives behind torch); tests/test_cli.py checks the names and kinds
