@@ -12,7 +12,7 @@ TORCH := torch==2.13.0
 # Both cores: test files run whole on one worker each (module fixtures are built once per file).
 PYTEST := -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
 
-.PHONY: setup demo test test-latest lock bench clean
+.PHONY: setup demo test test-latest lock bench compiled-report clean
 
 setup: $(VENV)/.installed
 
@@ -53,6 +53,11 @@ lock:
 bench: setup
 	$(BIN)/python -m pytest bench -q -p no:cacheprovider --benchmark-json=bench/results/latest.json
 	$(BIN)/python bench/report.py bench/results/latest.json
+
+# The compiled-code gate (kernels/aot.py): every launched Triton kernel compiled for sm_80/90/100 on
+# this CPU; recompiles what changed, rewrites kernels/aot_results.json and docs/compiled-kernels.md.
+compiled-report: setup
+	$(BIN)/python -m remask.kernels.aot --report docs/compiled-kernels.md
 
 clean:
 	rm -rf $(VENV) $(LATEST_VENV) build *.egg-info .pytest_cache .benchmarks
