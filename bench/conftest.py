@@ -11,6 +11,8 @@ import platform
 import pytest
 import torch
 
+from remask.kernels import roofline
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
 # On CPU the float64 reference formulation materialises rows·V·16 bytes; stop the grid at 256 rows.
@@ -38,14 +40,39 @@ def sync():
         torch.cuda.synchronize(DEVICE)
 
 
-def run(benchmark, fn, *, rounds: int | None = None, **info):
-    """Time `fn` (synchronised) with pytest-benchmark; `info` goes to the JSON's extra_info."""
+def record_cost(benchmark, cost: roofline.Cost) -> None:
+    """The roofline of one call (`remask.kernels.roofline`) into the JSON's extra_info: bytes,
+    flops, flop_kind, bound_us_a100 / bound_us_h100 and which side binds (limit_a100 / limit_h100);
+    `bench/report.py` prints the measured time over each bound."""
+    benchmark.extra_info.update(roofline.extra_info(cost))
+
+
+def forward_cost(model: torch.nn.Module, stats) -> roofline.Cost:
+    """The roofline of an end-to-end generate call from its `GenerationStats`: each forward reads
+    every weight it multiplies by (the linear layers, and the embedding when it is the tied LM head)
+    and spends 2 flops per weight per position computed (`roofline.cost_forward`)."""
+    n = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    if getattr(model.config, "weight_tying", False):
+        n += model.get_input_embeddings().weight.numel()
+    return roofline.cost_forward(n, stats.forward_positions, stats.nfe, next(model.parameters()).dtype)
+
+
+def no_roofline(benchmark, reason: str) -> None:
+    """Say why a case has no roofline (end-to-end runs with no per-call cost model)."""
+    benchmark.extra_info["roofline"] = reason
+
+
+def run(benchmark, fn, *, rounds: int | None = None, cost: roofline.Cost | None = None, **info):
+    """Time `fn` (synchronised) with pytest-benchmark; `info` goes to the JSON's extra_info, and
+    `cost` (one call's bytes and flops) its roofline (`record_cost`)."""
     def call():
         out = fn()
         sync()
         return out
     call()  # compile / warm caches outside the timing
     benchmark.extra_info.update(info, device=device_name(), versions=versions())
+    if cost is not None:
+        record_cost(benchmark, cost)
     if rounds is None:
         rounds = 20 if ON_GPU else 3
     return benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=1)

@@ -1,6 +1,7 @@
 """Turn a pytest-benchmark JSON from `bench/` into a markdown report with ratios against the
 reference measured in the same run, effective bandwidth and its share of the measured copy
-bandwidth.
+bandwidth, and every case's roofline: its lower bound on an A100 and an H100 (bytes and flops of
+one call, `remask.kernels.roofline`) and the measured time over it.
 
     python bench/report.py bench/results/latest.json            # prints, and writes
     bench/results/<device>-<date>.md and .json beside it
@@ -48,7 +49,7 @@ def report(data: dict) -> tuple[str, str]:
         lines += [f"Measured copy bandwidth (read + write of a large tensor): **{copy_bw / 1e9:.1f} GB/s**.", ""]
     groups: dict[str, dict[str, dict]] = defaultdict(dict)
     for b in benches:
-        groups[b["extra_info"].get("group") or b["name"]][b["extra_info"]["impl"]] = b
+        groups[b["extra_info"].get("group") or b["name"]][b["extra_info"].get("impl", b["name"])] = b
     for kernel in ("confidence", "unmask", "step", "accept", "sparse_attention", "block_attention"):
         rows = [(g, impls) for g, impls in groups.items()
                 if next(iter(impls.values()))["extra_info"].get("kernel") == kernel]
@@ -75,6 +76,7 @@ def report(data: dict) -> tuple[str, str]:
                       "bound (memory the process already holds and reuses is not counted).", ""]
     lines += _cache_sections(groups)
     lines += _sparse_generate_section(groups)
+    lines += _roofline_section(groups)
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")[:40]
     return "\n".join(lines), f"{slug}-{date}"
 
@@ -131,6 +133,67 @@ def _sparse_generate_section(groups: dict[str, dict[str, dict]]) -> list[str]:
             ratio = f"{base['stats']['median'] / base['extra_info']['nfe'] / per_step:.2f}×" if base else "—"
             lines.append(f"| {group} | {impl} | {_fmt_time(median)} | {info['nfe']} | {_fmt_time(per_step)} | {ratio} |")
     return lines + [""]
+
+
+def _fmt_count(n: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.3g} {prefix}{unit}"
+    return f"{n:.0f} {unit}".rstrip()
+
+
+def _fmt_bound(seconds: float) -> str:
+    if seconds < 1e-6:
+        return f"{seconds * 1e9:.3g} ns"
+    return f"{seconds * 1e6:.3g} µs" if seconds < 1e-3 else f"{seconds * 1e3:.3g} ms"
+
+
+def _fmt_ratio(r: float) -> str:
+    return f"{r:.2f}×" if r < 10 else f"{r:.0f}×"
+
+
+def _roofline_section(groups: dict[str, dict[str, dict]]) -> list[str]:
+    """Every case with a roofline (bench/conftest.py `record_cost`): bytes and flops of one call,
+    the lower bound on each GPU of `remask.kernels.roofline.GPUS` and measured median / bound."""
+    from remask.kernels.roofline import GPUS
+
+    rows = [(g, impl, b) for g, impls in groups.items() for impl, b in impls.items()]
+    with_bound = [r for r in rows if "bound_us_a100" in r[2]["extra_info"]]
+    without = sorted({(r[2]["extra_info"].get("kernel") or r[0], r[2]["extra_info"]["roofline"]) for r in rows
+                      if "bound_us_a100" not in r[2]["extra_info"] and "roofline" in r[2]["extra_info"]})
+    if not with_bound and not without:
+        return []
+    a100, h100 = GPUS["a100"], GPUS["h100"]
+    lines = ["## Roofline", "",
+             "Lower bound of one call = max(bytes / HBM bandwidth, flops / peak rate of their kind), "
+             f"{a100.name}: {a100.hbm_bytes_per_s / 1e12:.3g} TB/s, {a100.flops_per_s['bf16'] / 1e12:.3g} / "
+             f"{a100.flops_per_s['tf32'] / 1e12:.3g} / {a100.flops_per_s['fp32'] / 1e12:.3g} TFLOP/s bf16 / tf32 / "
+             f"fp32; {h100.name}: {h100.hbm_bytes_per_s / 1e12:.3g} TB/s, {h100.flops_per_s['bf16'] / 1e12:.3g} / "
+             f"{h100.flops_per_s['tf32'] / 1e12:.3g} / {h100.flops_per_s['fp32'] / 1e12:.3g} TFLOP/s "
+             "(`remask.kernels.roofline`: dense tensor rates, each byte moved once, useful flops only). "
+             "`× A100` / `× H100` = measured median / that bound; mem / compute says which side binds. "
+             "**On a CPU the ratios run from hundreds to millions, as expected: the bound is a "
+             "GPU's.** On a GPU the ratio is the figure that matters (1× = at the roofline; a bound "
+             "under ~5 µs is below a launch's overhead).", "",
+             "| case | impl | median | bytes | flops | A100 bound | × A100 | H100 bound | × H100 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    order = {k: i for i, k in enumerate(("confidence", "unmask", "step", "accept", "dinfer", "philox",
+                                          "sparse_attention", "block_attention", "cache", "cache_memory",
+                                          "sparse_generate"))}
+    with_bound.sort(key=lambda r: (order.get(r[2]["extra_info"].get("kernel"), 99), r[0], r[1]))
+    for group, impl, b in with_bound:
+        info, median = b["extra_info"], b["stats"]["median"]
+        cells = [group, impl, _fmt_time(median), _fmt_count(info["bytes"], "B"),
+                 f"{_fmt_count(info['flops'], '')} {info['flop_kind']}"]
+        for key in ("a100", "h100"):
+            bound = info[f"bound_us_{key}"] * 1e-6
+            side = "mem" if info.get(f"limit_{key}") == "memory" else "compute"
+            cells += [f"{_fmt_bound(bound)} ({side})", _fmt_ratio(median / bound) if bound > 0 else "—"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for kernel, reason in without:
+        lines += [f"No roofline for `{kernel}`: {reason}.", ""]
+    return lines
 
 
 def main() -> None:

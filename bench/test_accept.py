@@ -4,7 +4,8 @@ CPU) against the reference formulation (danielmisrael/apd `apd_accept_criterion`
 
 Shapes: Dream's 152 064-id dLLM logits against Qwen2.5's 151 936-id verifier logits (the shared
 vocabulary is the verifier's), N ∈ {16, 100, 200} draft positions (APD's lookahead M is 100 or
-200), bf16 logits. Effective bandwidth counts the one necessary read of both logit rows.
+200), bf16 logits. Effective bandwidth and the roofline (`remask.kernels.roofline`) count the one
+necessary read of both logit rows over the shared vocabulary, the draft read and the target written.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, peak_extra_bytes, run
-from remask.kernels import apd_accept
+from remask.kernels import apd_accept, roofline
 
 V_DLLM, V_AR = 152064, 151936
 R = 0.7
@@ -51,5 +52,5 @@ def test_accept(benchmark, copy_bandwidth, impl, N):
     assert int(got[1]) == int(want[1]) == N // 2
     extra = peak_extra_bytes(lambda: fn(draft, dllm_logits, verifier_logits))
     run(benchmark, lambda: fn(draft, dllm_logits, verifier_logits), group=f"apd accept N{N}", kernel="accept",
-        impl=impl, baseline="reference", rows=N, V=V_AR, bytes=2 * N * V_AR * dllm_logits.element_size(),
-        copy_bandwidth=copy_bandwidth, peak_extra_bytes=extra)
+        impl=impl, baseline="reference", rows=N, V=V_AR, copy_bandwidth=copy_bandwidth, peak_extra_bytes=extra,
+        cost=roofline.cost_accept(N, V_AR, dllm_logits.dtype, verifier_logits.dtype))

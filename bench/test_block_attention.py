@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, ON_GPU, run
-from remask.kernels import paged_attention
+from remask.kernels import paged_attention, roofline
 from remask.kernels.paged_ref import paged_attention_torch
 
 SEQ_LENS, M, HQ, H_KV, D, PAGE, BLOCK = [61, 200, 333, 517], 64, 16, 4, 64, 16, 32
@@ -49,7 +49,10 @@ def inputs(dtype):
 def test_block_causal_paged_attention(benchmark, impl):
     args = inputs(torch.bfloat16 if ON_GPU else torch.float32)
     fn = IMPLS[impl]
-    run(benchmark, lambda: fn(*args),
+    # The block-causal impls' work (the reference computes the same output); bidirectional: every fresh key.
+    cost = roofline.cost_paged_attention(SEQ_LENS, M, HQ, H_KV, D, args[0].dtype, page_size=PAGE,
+                                         block_size=None if impl == "remask bidirectional" else BLOCK)
+    run(benchmark, lambda: fn(*args), cost=cost,
         group=f"block-causal paged attention, {len(SEQ_LENS)} seqs × {M} fresh, block {BLOCK}, "
               f"{HQ}/{H_KV} heads × {D}, page {PAGE}",
         kernel="block_attention", impl=impl, baseline="reference", seq_lens=SEQ_LENS, block_size=BLOCK)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import remask
-from conftest import DEVICE, ON_GPU, run
+from conftest import DEVICE, ON_GPU, forward_cost, record_cost, run
 from remask.models import LLaDAConfig, LLaDAModelLM
 from remask.caches import PagedKVCache
 from remask.models.tiny import LLADA_DEFAULTS
@@ -65,6 +65,7 @@ def test_generate_with_cache(benchmark, shape, mode):
         kernel="cache", impl=mode, baseline="none", shape=shape, generated=gen_length)
     benchmark.extra_info.update(nfe=stats.nfe, forward_positions=stats.forward_positions,
                                 kv_cache_bytes=stats.kv_cache_bytes)   # filled by the timed calls
+    record_cost(benchmark, forward_cost(model, stats))
 
 
 @pytest.mark.parametrize("mode", ["dual", "paged"])
@@ -83,6 +84,7 @@ def test_batch_of_one_shared_prompt_memory(benchmark, mode):
     run(benchmark, call, rounds=1, group="batch 8 × one 1024-token prompt, gen 32 (tiny shape)",
         kernel="cache_memory", impl=mode, baseline="dual", prompt_bytes_one_copy=_prompt_bytes(model, 1024))
     benchmark.extra_info.update(kv_cache_bytes=stats.kv_cache_bytes)
+    record_cost(benchmark, forward_cost(model, stats))
 
 
 def _prompt_bytes(model, length: int) -> int:

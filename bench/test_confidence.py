@@ -3,7 +3,8 @@
 (b) the best plain-torch formulation (float32 logsumexp, argmax and gather: two reads of the logits).
 
 Shapes: LLaDA (V = 126464) and Dream (V = 152064) vocabularies, B ∈ {1, 8} rows of N ∈ {32, 256,
-1024} positions, bf16 logits. Effective bandwidth counts the one necessary read of the logits.
+1024} positions, bf16 logits. Effective bandwidth and the roofline (`remask.kernels.roofline`) count
+the one necessary read of the logits and the x0 / conf writes.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from conftest import CPU_MAX_ROWS, DEVICE, ON_GPU, peak_extra_bytes, run
-from remask.kernels import confidence
+from remask.kernels import confidence, roofline
 from remask.kernels.confidence_ref import confidence_reference_formulation, gumbel
 
 VOCABS = {"llada": 126464, "dream": 152064}
@@ -49,4 +50,5 @@ def test_confidence(benchmark, copy_bandwidth, impl, model, B, N, temperature):
     extra = peak_extra_bytes(lambda: fn(logits, temperature))
     run(benchmark, lambda: fn(logits, temperature), group=f"confidence {model} B{B} N{N} T{temperature:g}",
         kernel="confidence", impl=impl, baseline="reference", rows=rows, V=V,
-        bytes=rows * V * logits.element_size(), copy_bandwidth=copy_bandwidth, peak_extra_bytes=extra)
+        copy_bandwidth=copy_bandwidth, peak_extra_bytes=extra,
+        cost=roofline.cost_confidence(rows, V, logits.dtype, temperature=temperature))

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import DEVICE, run
-from remask.kernels import credit_confidence, dinfer_select
+from remask.kernels import credit_confidence, dinfer_select, roofline
 
 SHAPES = [(1, 32, 32768), (4, 32, 126464)]
 
@@ -39,5 +39,6 @@ def test_credit_step(benchmark, impl, B, L, V):
         return dinfer_select(x.clone(), x0, conf, 0, "threshold", 0.9)
 
     fn = remask_step if impl == "remask" else (lambda: _dinfer_reference(logits, credit, masked, x))
+    cost = roofline.cost_credit_confidence(B, L, V, logits.dtype) + roofline.cost_dinfer_select(B, L, "threshold")
     run(benchmark, fn, group=f"dinfer credit step B{B} L{L} V{V}", kernel="dinfer", impl=impl,
-        baseline="reference", B=B, L=L, V=V)
+        baseline="reference", B=B, L=L, V=V, cost=cost)

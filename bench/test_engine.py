@@ -11,7 +11,7 @@ import torch
 import remask
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import run  # noqa: E402
+from conftest import no_roofline, run  # noqa: E402
 from engine import LLADA_MIX, UNCACHED_MIX, engine_run, requests, sequential  # noqa: E402
 
 
@@ -27,8 +27,11 @@ def test_engine_64_requests(benchmark, tiny_llada, how, mix_name, mix):
     model, tokenizer = tiny_llada
     reqs = requests(64, mix, 16)
     reference = sequential(model, reqs, ar=False)["rows"]
+    info = dict(group=f"engine 64 requests, {mix_name} mix", kernel="engine", impl=how, baseline="sequential",
+                requests=64, mix=mix_name)
     if how == "sequential":
-        result = run(benchmark, lambda: sequential(model, reqs, ar=False), requests=64, mix=mix_name)
+        result = run(benchmark, lambda: sequential(model, reqs, ar=False), **info)
     else:
-        result = run(benchmark, lambda: engine_run(model, tokenizer, reqs, how == "engine"), requests=64, mix=mix_name)
+        result = run(benchmark, lambda: engine_run(model, tokenizer, reqs, how == "engine"), **info)
     assert result["rows"] == reference     # identical tokens: the comparison is of equal work
+    no_roofline(benchmark, "end to end: 64 requests through the scheduler, no per-call cost model")

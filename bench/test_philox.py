@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, run
+from remask.kernels import roofline
 from remask.kernels.philox import grid_offsets, gumbel_from_uniform, philox_uniform
 
 SHAPES = [(B, V) for B in (1, 8) for V in (32768, 126464)]
@@ -28,5 +29,8 @@ def test_seeded_gumbel_noise(benchmark, impl, B, V):
             return -torch.log(-torch.log(u))
     noise = fn()
     assert noise.shape == (B, V) and bool(torch.isfinite(noise).float().mean() > 0.99)
+    # Roofline: B·V float32 written; Philox4x32-10 per draw (one word kept per counter, as tl.rand),
+    # or per four draws (torch's generator keeps all four words).
+    cost = roofline.cost_philox(B * V, draws_per_philox=1 if impl == "philox" else 4)
     run(benchmark, fn, rounds=20 if DEVICE.type == "cuda" else 5, group=f"seeded gumbel B{B} V{V}",
-        kernel="philox", impl=impl, baseline="torch_generator", B=B, V=V)
+        kernel="philox", impl=impl, baseline="torch_generator", B=B, V=V, cost=cost)

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import remask
-from conftest import DEVICE, ON_GPU, run
-from remask.kernels import block_sparse_attention
+from conftest import DEVICE, ON_GPU, forward_cost, record_cost, run
+from remask.kernels import block_sparse_attention, roofline
 from remask.models import LLaDAConfig, LLaDAModelLM
 from remask.models.tiny import LLADA_DEFAULTS
 
@@ -48,9 +48,12 @@ def test_sparse_attention(benchmark, T, impl):
     v = torch.randn(1, H, T, D, generator=g).to(DEVICE, dtype)
     if impl == "dense":
         fn = lambda: F.scaled_dot_product_attention(q, k, v)   # noqa: E731
+        cost = roofline.cost_attention(1, H, BLOCK, T, D, dtype)
     else:
         ratio = float(impl.split()[1])
         num, idx = kept_lists(T, ratio, g)
+        cost = roofline.cost_block_sparse_attention(q.shape, H, T, num, idx, q_block_size=BLOCK, kv_block_size=1,
+                                                    dtype=dtype)
         if ON_GPU:
             fn = lambda: block_sparse_attention(q, k, v, num, idx, q_block_size=BLOCK, kv_block_size=1)  # noqa: E731
         else:
@@ -59,7 +62,7 @@ def test_sparse_attention(benchmark, T, impl):
             vv = torch.cat([v[:, :, kept], v[:, :, -BLOCK:]], dim=2)
             fn = lambda: F.scaled_dot_product_attention(q, kk, vv)   # noqa: E731
     run(benchmark, fn, group=f"attention 32 queries × {T} keys, {H} heads × {D}", kernel="sparse_attention",
-        impl=impl, baseline="dense", T=T)
+        impl=impl, baseline="dense", T=T, cost=cost)
 
 
 SHAPES = {
@@ -102,3 +105,5 @@ def test_generate_sparse(benchmark, shape, mode):
         group=f"generate {shape} ({n_params / 1e6:.0f}M) prompt {PROMPT}, {GEN} tokens in {STEPS} steps",
         kernel="sparse_generate", impl=mode, baseline="dense", shape=shape)
     benchmark.extra_info.update(nfe=stats.nfe, kv_cache_bytes=stats.kv_cache_bytes)
+    record_cost(benchmark, forward_cost(model, stats))
+

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import CPU_MAX_ROWS, DEVICE, ON_GPU, run
-from remask.kernels import confidence, unmask
+from remask.kernels import confidence, roofline, unmask
 from remask.kernels.confidence_ref import confidence_reference_formulation
 from remask.kernels.unmask_ref import unmask_reference_loop
 
@@ -44,5 +44,9 @@ def test_sampler_step(benchmark, impl, B):
     mask = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
     k = torch.full((B,), 4, dtype=torch.long, device=DEVICE)
     step = remask_step if impl == "remask" else reference_step
+    # The step's necessary work, whichever impl: score the block's B·32 rows (the others never read),
+    # then commit k = 4 of each row's 32 (both impls compute the same tokens).
+    cost = (roofline.cost_confidence(B * BLOCK, V, logits.dtype, row_index=True)
+            + roofline.cost_unmask(B, BLOCK, torch.float32, committed=B * 4))
     run(benchmark, lambda: step(logits, x, mask, k), group=f"sampler step B{B} T{T} block{BLOCK}",
-        kernel="step", impl=impl, baseline="reference", B=B)
+        kernel="step", impl=impl, baseline="reference", B=B, cost=cost)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, ON_GPU, run
-from remask.kernels import unmask
+from remask.kernels import roofline, unmask
 from remask.kernels.unmask import unmask_triton
 from remask.kernels.unmask_ref import unmask_reference_loop, unmask_torch
 
@@ -29,8 +29,9 @@ def test_unmask(benchmark, impl, B, L):
         fn = lambda: unmask(x, mask, x0, conf, k=k)  # noqa: E731
     else:
         fn = lambda: unmask_reference_loop(x, mask, x0, conf, k)  # noqa: E731
+    committed = int(torch.minimum(mask.sum(1), k).sum())   # the first call's; later calls commit fewer
     run(benchmark, fn, rounds=50 if DEVICE.type == "cuda" else 20, group=f"unmask B{B} L{L}", kernel="unmask",
-        impl=impl, baseline="reference", B=B, L=L)
+        impl=impl, baseline="reference", B=B, L=L, cost=roofline.cost_unmask(B, L, conf.dtype, committed=committed))
 
 
 @pytest.mark.parametrize("impl", ["count", "sort", "torch"])
@@ -59,5 +60,8 @@ def test_unmask_long_rows(benchmark, impl, B):
     def fn():
         mask.copy_(mask0)
         return step()
+    committed = int(torch.minimum(mask0.sum(1), k).sum())
+    cost = roofline.cost_unmask(B, L, conf.dtype, committed=committed, path=None if impl == "torch" else impl)
+    cost += roofline.Cost(2 * B * L)   # the mask restore: B·L bytes read and written
     run(benchmark, fn, rounds=50 if ON_GPU else 20, group=f"unmask long B{B} L{L}", kernel="unmask",
-        impl=impl, baseline="torch", B=B, L=L, kernel_timed=ON_GPU and impl != "torch")
+        impl=impl, baseline="torch", B=B, L=L, kernel_timed=ON_GPU and impl != "torch", cost=cost)

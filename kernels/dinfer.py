@@ -8,8 +8,9 @@
   upcast right after loading), no probabilities materialised.
 * `dinfer_select(x, x0, conf, mask_id, rule, threshold, low_threshold)` — one program per row of a
   block: dInfer's threshold rule (clamped to the row's best) or its hierarchical rule (the best of
-  every contiguous masked run, by a run-id cumsum and a [L, L] run comparison, blocks up to 1024
-  positions), written into x in place.
+  every contiguous masked run: a run-id cumsum, then a forward and a reverse running max of (run id,
+  confidence) packed into one int64 — a segmented max scan in O(L), blocks up to 1024 positions),
+  written into x in place.
 
 Each dispatcher runs Triton on CUDA (or with ``REMASK_TRITON=1``) and the torch reference otherwise.
 Interpreter-tested against the references (tests/test_kernel_dinfer.py); never compiled or timed on
@@ -30,7 +31,11 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .reductions import argmax_lowest, online_softmax, running_argmax
+    from .reductions import argmax_lowest, online_softmax, order_key32, running_argmax
+
+    @triton.jit
+    def _max_combine(a, b):
+        return tl.maximum(a, b)
 
     @triton.jit
     def credit_confidence_kernel(logits_ptr, stride_row, credit_ptr, masked_ptr, x0_ptr, conf_ptr, V,
@@ -90,13 +95,19 @@ if HAS_TRITON:
         if HIERARCHY:
             floor = -3.4028234663852886e38   # torch.finfo(float32).min, as the reference
             c = tl.where(masked, conf, floor)
-            # run id of each masked position: the number of runs started at or before it, minus one
+            # run id of each position: the number of masked runs started at or before it
             prev = tl.load(x_ptr + row * stride_x + idx - 1, mask=ok & (idx > 0), other=-1) == mask_id
             starts = (masked & ~prev).to(tl.int32)
-            run = tl.cumsum(starts, axis=0) - 1
-            same = (run[:, None] == run[None, :]) & masked[:, None] & masked[None, :]
-            run_max = tl.max(tl.where(same, c[None, :], float("-inf")), axis=1)
-            commit = masked & (c == run_max)
+            # segmented running maxima as plain ones: (run id, c's order key) packed into one int64
+            # (run ids ascend along the row, so a max over a prefix stays in the position's run;
+            # reversed ids for the suffix). Unmasked lanes carry key 0, below every masked one.
+            run = tl.cumsum(starts, axis=0)
+            low = tl.where(masked, order_key32(c).to(tl.int64) + 2147483648, 0)
+            pre = tl.associative_scan((run.to(tl.int64) << 32) | low, 0, _max_combine)
+            suf = tl.associative_scan(((BLOCK_L - run).to(tl.int64) << 32) | low, 0, _max_combine, reverse=True)
+            run_max = tl.maximum(pre & 4294967295, suf & 4294967295)
+            # the reference's max also holds the float32 floor: a -inf confidence never commits here
+            commit = masked & (low == run_max) & (c > float("-inf"))
             if HAS_LOW:
                 commit = commit & (c > low_threshold)
             if HAS_HIGH:

@@ -7,8 +7,11 @@ confidences the two always agree. Two paths, bit-identical (`sort_path` chooses;
 rules through one `_select`):
 
 * counting (rows shorter than `SORT_MIN_L`): rank(i) = the number of masked j with ``c_j > c_i``,
-  or ``c_j == c_i`` and ``j < i`` — O(L²) comparisons, in tiles; confidences are compared as
-  monotone int64 keys of their float64 value (fp16/bf16/fp32 upcast exactly).
+  or ``c_j == c_i`` and ``j < i`` — O(L²) comparisons, the row in registers and j in BLOCK_J-wide
+  chunks, so that one step compares a BLOCK_L × BLOCK_J tile of at most `COUNT_TILE` lanes (a
+  whole L × L comparison spilled from L = 64 on); float64 confidences are compared as monotone
+  int64 keys with the index as the tie-break, fp16/bf16/fp32 (exactly float32) as the sort path's
+  packed (float32 key, index complement) int64, one comparison.
 * sort (L ≥ `SORT_MIN_L`): fp16/bf16/fp32 confidences are exactly float32, whose monotone int32
   key packs with the index's complement into one int64 (`reductions.pack_desc`); one descending
   `tl.sort` puts the candidates in rank order in slots 0 … n − 1 (everything else is packed below
@@ -40,6 +43,7 @@ CONF_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 RULE_NONE, RULE_THRESHOLD, RULE_FACTOR = 0, 1, 2
 SORT_MIN_L = 512          # rows this long take the sort path
 SORT_MAX_L_F64 = 32768    # float64's second sort packs slot and index into 16 bits each
+COUNT_TILE = 2048         # the counting path's comparisons per step (BLOCK_L × BLOCK_J), to stay in registers
 
 if HAS_TRITON:
     import triton
@@ -76,31 +80,55 @@ if HAS_TRITON:
         x_ptr, stride_x, mask_ptr, stride_mask, x0_ptr, stride_x0, conf_ptr, stride_conf,
         k_ptr, rule_ptr, count_ptr, L,
         BLOCK_L: tl.constexpr, BLOCK_J: tl.constexpr, HAS_K: tl.constexpr, RULE: tl.constexpr,
+        KEY64: tl.constexpr,
     ):
         """The counting path. Program b: row b of x `[B, L]` int64, mask `[B, L]` uint8 (a view of
         the bool mask), x0 `[B, L]` int64, conf `[B, L]` (any float dtype; rows may be strided, L
         contiguous), k `[B]` int64 (HAS_K), rule_ptr float64 thresholds (τ, or 1 − f/(r + 2) per
-        rank r). Writes x and mask in place and count `[B]` int64."""
+        rank r). Writes x and mask in place and count `[B]` int64.
+
+        The row stays in registers ([BLOCK_L] lanes); rank(i) is counted over BLOCK_J-wide chunks
+        of j, so one step compares a BLOCK_L × BLOCK_J tile (the launcher keeps it at
+        `COUNT_TILE` lanes at most, whatever L). KEY64 (float64 confidences): the int64 keys,
+        ties broken by the index, a position off the mask (or past L) never ahead; otherwise the
+        float32 key packed with the index's complement (`reductions.pack_desc`, what the sort path
+        sorts), a position off the mask packed below every candidate: one int64 comparison."""
         b = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, BLOCK_L)
         in_row = i < L
-        cand = tl.load(mask_ptr + b * stride_mask + i, mask=in_row, other=0) != 0
-        c_i = tl.load(conf_ptr + b * stride_conf + i, mask=in_row, other=0.0).to(tl.float64)
-        key_i = _order_key(c_i)
+        row_mask = mask_ptr + b * stride_mask
+        row_conf = conf_ptr + b * stride_conf
+        cand = tl.load(row_mask + i, mask=in_row, other=0) != 0
         n = tl.sum(cand.to(tl.int64), axis=0)
-        # rank_i = #{masked j ahead of i}, counted over column tiles of j
-        rank = tl.zeros([BLOCK_L], dtype=tl.int64)
-        for j0 in range(0, L, BLOCK_J):
-            j = j0 + tl.arange(0, BLOCK_J)
-            in_j = j < L
-            cand_j = tl.load(mask_ptr + b * stride_mask + j, mask=in_j, other=0) != 0
-            key_j = _order_key(tl.load(conf_ptr + b * stride_conf + j, mask=in_j, other=0.0).to(tl.float64))
-            ahead = (key_j[None, :] > key_i[:, None]) | ((key_j[None, :] == key_i[:, None]) & (j[None, :] < i[:, None]))
-            rank += tl.sum((ahead & cand_j[None, :]).to(tl.int64), axis=1)
+        rank = tl.zeros([BLOCK_L], dtype=tl.int32)
+        if KEY64:
+            c_i = tl.load(row_conf + i, mask=in_row, other=0.0).to(tl.float64)
+            key_i = _order_key(c_i)
+            for j0 in range(0, L, BLOCK_J):
+                j = j0 + tl.arange(0, BLOCK_J)
+                in_j = j < L
+                cand_j = tl.load(row_mask + j, mask=in_j, other=0) != 0
+                key_j = _order_key(tl.load(row_conf + j, mask=in_j, other=0.0).to(tl.float64))
+                key_j = tl.where(cand_j, key_j, -9223372036854775808)   # never strictly ahead
+                tie_j = tl.where(cand_j, j, BLOCK_L)                      # never ahead on a tie
+                ahead = (key_j[None, :] > key_i[:, None]) | (
+                    (key_j[None, :] == key_i[:, None]) & (tie_j[None, :] < i[:, None]))
+                rank += tl.sum(ahead.to(tl.int32), axis=1)
+        else:
+            c32 = tl.load(row_conf + i, mask=in_row, other=0.0).to(tl.float32)
+            c_i = c32.to(tl.float64)
+            packed_i = pack_desc(order_key32(c32), i, in_row)
+            for j0 in range(0, L, BLOCK_J):
+                j = j0 + tl.arange(0, BLOCK_J)
+                in_j = j < L
+                cand_j = tl.load(row_mask + j, mask=in_j, other=0) != 0
+                key_j = order_key32(tl.load(row_conf + j, mask=in_j, other=0.0).to(tl.float32))
+                packed_j = pack_desc(key_j, j, cand_j)
+                rank += tl.sum((packed_j[None, :] > packed_i[:, None]).to(tl.int32), axis=1)
         selected = _select(rank, cand, c_i, n, k_ptr, rule_ptr, b, HAS_K, RULE)
         x0 = tl.load(x0_ptr + b * stride_x0 + i, mask=selected, other=0)
         tl.store(x_ptr + b * stride_x + i, x0, mask=selected)
-        tl.store(mask_ptr + b * stride_mask + i, tl.zeros([BLOCK_L], dtype=tl.uint8), mask=selected)
+        tl.store(row_mask + i, tl.zeros([BLOCK_L], dtype=tl.uint8), mask=selected)
         tl.store(count_ptr + b, tl.sum(selected.to(tl.int64), axis=0))
 
     @triton.jit
@@ -171,8 +199,8 @@ def unmask_triton(x, mask, x0, conf, *, k=None, threshold=None, factor=None, pat
     if sort:
         unmask_sort_kernel[(B,)](*args, KEY64=conf.dtype == torch.float64, **meta)
     else:
-        block_j = max(1, min(block_l, 16384 // block_l))  # an L × BLOCK_J tile of comparisons per step
-        unmask_kernel[(B,)](*args, BLOCK_J=block_j, **meta)
+        block_j = max(1, min(block_l, COUNT_TILE // block_l))  # a BLOCK_L × BLOCK_J tile per step
+        unmask_kernel[(B,)](*args, BLOCK_J=block_j, KEY64=conf.dtype == torch.float64, **meta)
     return counts
 
 

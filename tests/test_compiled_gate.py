@@ -29,19 +29,6 @@ from remask.kernels import aot  # noqa: E402
 # id → the measured reason (Triton 3.9.0, ptxas -v; docs/compiled-kernels.md has every figure).
 # Issue 31 re-tiles these; each must keep failing the way recorded until it is fixed and removed.
 KNOWN_OVER_BUDGET: dict[str, str] = {
-    # dinfer_select_kernel
-    "dinfer_select_kernel[L=1024,rule=hierarchy,sm80]":
-        "compile took > 60 s (killed at the limit; an earlier trial: 164 s on sm_90, ~20 min / 3.8 GB on sm_80)",
-    "dinfer_select_kernel[L=1024,rule=hierarchy,sm90]":
-        "compile took > 60 s (killed at the limit; an earlier trial: 164 s on sm_90, ~20 min / 3.8 GB on sm_80)",
-    "dinfer_select_kernel[L=1024,rule=hierarchy,sm100]":
-        "compile took > 60 s (killed at the limit; an earlier trial: 164 s on sm_90, ~20 min / 3.8 GB on sm_80)",
-    "dinfer_select_kernel[L=256,rule=hierarchy,sm80]":
-        "spills 14.2 KB st / 18.1 KB ld per thread at 32 registers",
-    "dinfer_select_kernel[L=256,rule=hierarchy,sm90]":
-        "spills 2.5 KB st / 2.5 KB ld per thread at 255 registers",
-    "dinfer_select_kernel[L=256,rule=hierarchy,sm100]":
-        "spills 7.5 KB st / 7.6 KB ld per thread at 32 registers",
     # paged_attention_kernel
     "paged_attention_kernel[d64,D=64,page=32,M=32,sm80]":
         "spills 8 B st / 8 B ld per thread at 128 registers",
@@ -107,41 +94,6 @@ KNOWN_OVER_BUDGET: dict[str, str] = {
         "spills 148 B st / 136 B ld per thread at 255 registers",
     "block_sparse_attention_kernel[sdar,D=128,block=64,sm100]":
         "spills 312 B st / 308 B ld per thread at 255 registers",
-    # unmask_kernel
-    "unmask_kernel[L=256,conf=fp32,rule=k,sm80]":
-        "spills 3.9 KB st / 3.9 KB ld per thread at 32 registers",
-    "unmask_kernel[L=256,conf=fp32,rule=k,sm90]":
-        "spills 3.8 KB st / 3.8 KB ld per thread at 32 registers",
-    "unmask_kernel[L=256,conf=fp32,rule=k,sm100]":
-        "spills 3.8 KB st / 3.8 KB ld per thread at 32 registers",
-    "unmask_kernel[L=256,conf=fp32,rule=k+threshold,sm80]":
-        "spills 3.9 KB st / 3.9 KB ld per thread at 32 registers",
-    "unmask_kernel[L=256,conf=fp32,rule=k+threshold,sm90]":
-        "spills 3.8 KB st / 3.8 KB ld per thread at 32 registers",
-    "unmask_kernel[L=256,conf=fp32,rule=k+threshold,sm100]":
-        "spills 3.8 KB st / 3.8 KB ld per thread at 32 registers",
-    "unmask_kernel[L=256,conf=fp64,rule=factor,sm80]":
-        "spills 4.2 KB st / 4.2 KB ld per thread at 32 registers",
-    "unmask_kernel[L=256,conf=fp64,rule=factor,sm90]":
-        "spills 3.8 KB st / 3.8 KB ld per thread at 32 registers",
-    "unmask_kernel[L=256,conf=fp64,rule=factor,sm100]":
-        "spills 3.8 KB st / 3.8 KB ld per thread at 32 registers",
-    "unmask_kernel[L=256,conf=fp64,rule=k,sm80]":
-        "spills 3.9 KB st / 3.9 KB ld per thread at 32 registers",
-    "unmask_kernel[L=256,conf=fp64,rule=k,sm90]":
-        "spills 3.8 KB st / 3.8 KB ld per thread at 32 registers",
-    "unmask_kernel[L=256,conf=fp64,rule=k,sm100]":
-        "spills 3.8 KB st / 3.8 KB ld per thread at 32 registers",
-    "unmask_kernel[L=256,conf=fp64,rule=threshold,sm80]":
-        "spills 3.9 KB st / 3.9 KB ld per thread at 32 registers",
-    "unmask_kernel[L=256,conf=fp64,rule=threshold,sm90]":
-        "spills 3.8 KB st / 3.8 KB ld per thread at 32 registers",
-    "unmask_kernel[L=256,conf=fp64,rule=threshold,sm100]":
-        "spills 3.8 KB st / 3.8 KB ld per thread at 32 registers",
-    "unmask_kernel[L=64,conf=fp32,rule=k,sm100]":
-        "spills 4 B st / 4 B ld per thread at 168 registers",
-    "unmask_kernel[L=64,conf=fp64,rule=k,sm90]":
-        "spills 4 B st / 4 B ld per thread at 168 registers",
 }
 
 SPECS = aot.all_specs()

@@ -119,3 +119,54 @@ def test_references_are_the_dinfer_rules():
             # a row where the rule committed nothing gets dInfer-remask's fallback (one position)
             stuck = before.any(dim=1) & ((want == MASK) == before).all(dim=1)
             assert torch.equal(x[~stuck, 4:], want[~stuck]), call
+
+
+def _runs_block(seed, L, pattern):
+    """Rows of length `L` with masked runs laid out by `pattern`, confidences with many ties."""
+    g = torch.Generator().manual_seed(seed)
+    B = 4
+    x = torch.randint(0, 50, (B, L), generator=g)
+    x[x == MASK] = 3
+    pos = torch.arange(L)
+    if pattern == "alternating":                         # L // 2 runs of one position each
+        x[:, pos % 2 == 0] = MASK
+        x[1, pos % 3 != 2] = MASK                        # runs of two
+    elif pattern == "random":
+        x[torch.rand(B, L, generator=g) < 0.7] = MASK
+    else:                                                # long runs across any chunking, one per whole row
+        x[0] = MASK
+        x[1, 5:L - 3] = MASK
+        x[2, : L // 2] = MASK
+        x[3, L // 3:] = MASK
+    x0 = torch.randint(0, 50, (B, L), generator=g)
+    conf = torch.randint(0, 6, (B, L), generator=g).float() / 5     # ties everywhere, 0.0 included
+    conf[conf == 0] = -0.0 if seed % 2 else 0.0
+    conf[3, ::7] = float("-inf")
+    return [t.to(DEVICE) for t in (x, x0, conf)]
+
+
+@pytest.mark.parametrize("pattern", ["alternating", "random", "long"])
+@pytest.mark.parametrize("L", [2, 15, 129, 300, 1024])
+def test_select_kernel_hierarchy_long_blocks_many_runs_ties(pattern, L):
+    for seed, (threshold, low) in enumerate(((0.9, 0.4), (None, None), (0.7, None), (None, 0.5))):
+        x, x0, conf = _runs_block(seed, L, pattern)
+        got = dinfer_select_triton(x.clone(), x0, conf, MASK, "hierarchy", threshold, low)
+        want = dinfer_select_torch(x.clone(), x0, conf, MASK, "hierarchy", threshold, low)
+        assert torch.equal(got, want), (seed, (got != want).nonzero())
+    if L > 2:
+        assert not torch.equal(got, x)    # something committed
+
+
+def test_select_kernel_hierarchy_all_masked_minus_inf():
+    """A run whose confidences are all -inf commits nothing by the run rule (the reference's max
+    holds the float32 floor); the row's top is then an unmasked position, and nothing commits."""
+    x = torch.full((2, 40), MASK)
+    x[1, 10:] = 3
+    x0 = torch.arange(80).view(2, 40) % 50
+    conf = torch.full((2, 40), float("-inf"))
+    conf[0, 17] = 0.25
+    for threshold, low in ((None, None), (0.9, 0.4)):
+        got = dinfer_select_triton(x.clone(), x0, conf, MASK, "hierarchy", threshold, low)
+        want = dinfer_select_torch(x.clone(), x0, conf, MASK, "hierarchy", threshold, low)
+        assert torch.equal(got, want)
+        assert got[0, 17] == x0[0, 17] and torch.equal(got[1], x[1])

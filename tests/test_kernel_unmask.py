@@ -10,7 +10,7 @@ import torch
 
 from conftest import DEVICE
 from remask.kernels import unmask
-from remask.kernels.unmask import SORT_MAX_L_F64, SORT_MIN_L, sort_path, unmask_triton
+from remask.kernels.unmask import COUNT_TILE, SORT_MAX_L_F64, SORT_MIN_L, sort_path, unmask_triton
 from remask.kernels.unmask_ref import unmask_reference_loop, unmask_torch
 
 unmask_module = importlib.import_module("remask.kernels.unmask")  # `remask.kernels.unmask` is also the function
@@ -222,6 +222,89 @@ def test_sort_path_choice():
     with pytest.raises(ValueError, match="path"):
         unmask_triton(x, x.bool(), x, x.float(), k=torch.ones(1, dtype=torch.long), path="radix")
 
+
+
+# --- the counting path in chunks: rank(i) counted over BLOCK_J-wide chunks of j, a BLOCK_L × BLOCK_J
+# tile of at most COUNT_TILE comparisons per step (rows of 256 take 32 chunks of 8).
+
+def _assert_count_equals_reference(case, rule, launches):
+    got = _run_views(unmask_triton, case, rule, path="count")
+    assert launches[-1] == "count"
+    want = _run_views(unmask_torch, case, rule)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), (a, b)
+    x, mask = case[0], case[1]
+    assert torch.equal(got[2], (mask & ~got[1]).sum(1))  # count = positions cleared
+    assert torch.equal(got[0] != x, (mask & ~got[1]) & (case[2] != x))  # only cleared positions written
+    return got
+
+
+@pytest.mark.parametrize("L", [4, 8, 32, 64, 256, 1024, 5, 255, 257, 4097])
+def test_count_launch_keeps_the_tile_small(monkeypatch, L):
+    """Every block length (the shipped 4 … 1024 and odd ones): one step compares at most COUNT_TILE
+    lanes (256 × 64 spilled on every arch), one column when the row alone is longer; the float64
+    keys only for float64 rows."""
+    seen = []
+
+    class Record:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: seen.append(meta)
+
+    monkeypatch.setattr(unmask_module, "unmask_kernel", Record())
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        x = torch.zeros(2, L, dtype=torch.long)
+        unmask_triton(x, x.bool(), x, x.to(dtype), k=torch.ones(2, dtype=torch.long), path="count")
+        meta = seen[-1]
+        assert meta["BLOCK_L"] >= L and 1 <= meta["BLOCK_J"] <= meta["BLOCK_L"]
+        assert meta["BLOCK_L"] * meta["BLOCK_J"] <= max(COUNT_TILE, meta["BLOCK_L"])
+        assert meta["KEY64"] == (dtype == torch.float64)
+
+
+@pytest.mark.parametrize("dtype, B, L, rule", [
+    (torch.float64, 3, 257, dict(k="random", threshold=0.7)),   # strided rows: none / all / some masked
+    (torch.float64, 1, 255, dict(factor=0.2)),
+    (torch.float32, 3, 257, dict(k="random")),
+    (torch.float32, 1, 129, dict(factor=1.0)),
+    (torch.float16, 1, 131, dict(threshold=0.5)),
+    (torch.bfloat16, 3, 200, dict(k="random", threshold=0.7)),
+], ids=["f64-B3-L257", "f64-L255", "f32-B3-L257", "f32-L129", "f16-L131", "bf16-B3-L200"])
+def test_count_path_long_odd_rows(poisoned_outputs, launches, dtype, B, L, rule):
+    """Rows of many chunks (the last one partly past L), tied confidences (float64: equal high
+    words, different low words) in strided views; the padding around the views is left alone."""
+    case = _long_case(L + 1, dtype, B, L, pad=5)
+    got_x = _assert_count_equals_reference(case, rule, launches)[0]
+    x_full = case[0]
+    assert torch.equal(got_x[:, :5], x_full[:, :5]) and torch.equal(got_x[:, 5 + L:], x_full[:, 5 + L:])
+    if B >= 3:  # row 0 had nothing to commit; row 1 everything the rule takes
+        assert torch.equal(got_x[0], x_full[0]) and (got_x[1] != x_full[1]).any()
+
+
+@pytest.mark.parametrize("dtype, tile", [(torch.float64, 32), (torch.float32, 32), (torch.float16, 64),
+                                         (torch.bfloat16, 64), (torch.float64, 64)],
+                         ids=["f64-chunks-of-1", "f32-chunks-of-1", "f16-chunks-of-2", "bf16-chunks-of-2",
+                              "f64-chunks-of-2"])
+def test_count_path_order_is_exact_across_chunks(poisoned_outputs, launches, monkeypatch, dtype, tile):
+    """Every prefix of one row's order (k = 0 … n over rows sharing one confidence row) with the
+    tile shrunk so that the 27 positions span 27 or 14 chunks: ties (−0.0 = +0.0, float64's low
+    word) split across chunks still go to the lower index."""
+    monkeypatch.setattr(unmask_module, "COUNT_TILE", tile)
+    g = torch.Generator().manual_seed(5)
+    L = 27
+    conf = torch.tensor(TIES, dtype=torch.float64)[torch.randint(0, len(TIES), (L,), generator=g)]
+    if dtype == torch.float64:
+        offsets = torch.tensor([0.0, 2.0 ** -45, 2.0 ** -18, 2.0 ** -18 + 2.0 ** -45], dtype=torch.float64)
+        conf = torch.where((conf > 0) & (conf < 1), conf + offsets[torch.randint(0, 4, (L,), generator=g)], conf)
+    row_mask = torch.rand(L, generator=g) < 0.8
+    n = int(row_mask.sum())
+    B = n + 2
+    case = [torch.zeros(B, L, dtype=torch.long, device=DEVICE), row_mask.expand(B, L).clone().to(DEVICE),
+            torch.arange(1, L + 1, device=DEVICE).expand(B, L), conf.to(dtype).to(DEVICE).expand(B, L),
+            torch.arange(B, device=DEVICE), 0, L]
+    got = _assert_count_equals_reference(case, dict(k="random"), launches)
+    assert got[2].tolist() == list(range(n + 1)) + [n]
+    order = [int(torch.nonzero(got[0][r] != got[0][r - 1])[0]) for r in range(1, n + 1)]
+    keys = conf.to(dtype).double()
+    assert order == sorted((i for i in range(L) if row_mask[i]), key=lambda i: (-float(keys[i]), i))
 
 def _oracle_threshold(conf, cand, tau):
     idx = [i for i in range(len(conf)) if cand[i]]
