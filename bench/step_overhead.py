@@ -5,7 +5,7 @@
 On the shipped tiny-llada (compute negligible), for LLaDA's block rule without a cache, with the
 dual cache, and Fast-dLLM's threshold rule with the dual cache: the time of one `BlockDecoder.step`
 (forward + commit) against a bare model forward of the same shape in the same run; overhead =
-step − forward. And the host synchronisations one step makes, counted by `SyncCounter`
+step − forward. And the host synchronisations one step makes, counted by `remask.diffusion.stats.SyncCounter`
 (`.item()`, `.tolist()`, `.cpu()`, `bool(tensor)`, `nonzero`, `int(tensor)` / `float(tensor)` on
 a tensor): each is a device→host round trip on a GPU, and a step that has any cannot be captured
 whole in a CUDA graph. Reported: median of `--repeats` steps (fresh states, every step of a
@@ -24,38 +24,15 @@ from collections import Counter
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 import remask
 from remask.diffusion.llada import BlockDecoder
+from remask.diffusion.stats import SyncCounter
 from remask.models.spec import get_spec
 from remask.zoo import charset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import write_markdown  # noqa: E402  (bench/report.py)
-
-SYNCING = {torch.Tensor.item: "item", torch.Tensor.tolist: "tolist", torch.Tensor.cpu: "cpu",
-           torch.Tensor.__bool__: "bool", torch.Tensor.nonzero: "nonzero", torch.nonzero: "nonzero",
-           torch.Tensor.__int__: "int", torch.Tensor.__float__: "float", torch.Tensor.__index__: "index"}
-
-
-class SyncCounter(TorchFunctionMode):
-    """Counts the calls that make the host wait for the device (by kind) while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kind = SYNCING.get(func)
-        if kind is not None:
-            self.counts[kind] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
 
 CASES = {
     "low-confidence, no cache": dict(steps=32, gen_length=32, block_length=8),
@@ -107,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
              f"command: `python bench/step_overhead.py --repeats {args.repeats} --threads {args.threads}` (medians "
              f"over {args.repeats} steps). overhead = step − a bare full-sequence forward measured just before it "
              "(with a cache the step's own forward is smaller than that, so this overstates the forward and "
-             "understates the overhead). Syncs: host waits per step (bench/step_overhead.py `SyncCounter`).", "",
+             "understates the overhead). Syncs: host waits per step (`remask.diffusion.stats.SyncCounter`).", "",
              "| case | step (ms) | bare forward (ms) | overhead (ms) | ratio step / forward | syncs per step | "
              "sync calls (all steps) |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for name, settings in CASES.items():

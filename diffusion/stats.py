@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
 
 
 @dataclass
@@ -49,3 +53,30 @@ class GenerationStats:
 
     def step(self, committed: int) -> None:
         self.tokens_per_step.append(int(committed))
+
+
+# The calls that make the host wait for the device (on a GPU each is a round trip, and a step that
+# makes one cannot be captured whole in a CUDA graph), by kind.
+SYNCING = {torch.Tensor.item: "item", torch.Tensor.tolist: "tolist", torch.Tensor.cpu: "cpu",
+           torch.Tensor.__bool__: "bool", torch.Tensor.nonzero: "nonzero", torch.nonzero: "nonzero",
+           torch.Tensor.__int__: "int", torch.Tensor.__float__: "float", torch.Tensor.__index__: "index"}
+
+
+class SyncCounter(TorchFunctionMode):
+    """Counts, while active (`with SyncCounter() as c:`), the calls in `SYNCING` — `.item()`,
+    `.tolist()`, `.cpu()`, `bool(t)`, `nonzero`, `int(t)` / `float(t)` / `t.__index__()` on a
+    tensor: `c.counts` by kind, `c.total`. bench/step_overhead.py reports them per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kind = SYNCING.get(func)
+        if kind is not None:
+            self.counts[kind] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
