@@ -39,7 +39,7 @@ from .checks import (MAX_LOOP_STEPS, check_block_within_context, check_bool, che
                      check_settings, check_steps)
 from .freedave import FreeDave
 from .freedave_blocks import BlockFreeDave, check_freedave_loop
-from .rules import CommitRule, check_rule_on_loop, is_rule, rule_commit, rule_types
+from .rules import CommitRule, check_rule_on_loop, commit_block, is_rule, rule_types
 from .sdar import num_transfer_schedule, sample_block
 from .stats import GenerationStats
 
@@ -112,7 +112,7 @@ class LLaDA2State:
     done: bool = False
     end: int | None = None   # where the output ends (after the first EOS), once done
     predictions: Any = None   # FreeDave's predictions for the current block (`LLaDA2FreeDave`)
-    credit: Any = None        # (block, the rule's per-block state: `CreditDecoding`'s credit) (`LLaDA2Rules`)
+    rule_state: Any = None    # (block, the commit rule's per-block state), `commit_block`'s (`LLaDA2Rules`)
 
 
 class LLaDA2Decoder(PagedBlocks):
@@ -367,15 +367,11 @@ class LLaDA2Rules(LLaDA2Decoder):
                 stats: GenerationStats | None) -> None:
         L, b = self.block_length, state.block
         block = state.x[:, b * L:(b + 1) * L]   # a view: commits write into x
-        if state.credit is None or state.credit[0] != b:   # the rule's state, fresh per block
-            state.credit = (b, self.rule.new_state())
-        credit = state.credit[1]
-        commit, tokens = rule_commit(block, logits, self.mask_id, self.rule, credit)
-        block[commit] = tokens[commit]
+        commit, state.rule_state = commit_block(self.rule, block, logits, self.mask_id, state.rule_state, b)
         state.step += 1
         if stats is not None:
             stats.step(int(commit.sum()))
-        if self.eos_early_stop and self.eos_id is not None and bool((tokens[commit] == self.eos_id).any()):
+        if self.eos_early_stop and self.eos_id is not None and bool((block[commit] == self.eos_id).any()):
             gen = state.x[0, state.prompt_length:(b + 1) * L]   # 2.0's in-block stop, as `_decide`
             eos = (gen == self.eos_id).nonzero(as_tuple=True)[0]
             if len(eos) and not bool((gen[:int(eos[0])] == self.mask_id).any()):

@@ -28,7 +28,7 @@ from .dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding
 from .step import CommitRule
 
 __all__ = ["CommitRule", "CreditDecoding", "HierarchicalDecoding", "MarginDecoding", "ThresholdDecoding", "is_rule", "rule_types",
-           "rule_commit", "check_rule_on_loop", "check_block_decoder", "unread_settings"]
+           "rule_commit", "commit_block", "check_rule_on_loop", "check_block_decoder", "unread_settings"]
 
 
 def rule_types() -> tuple[type, ...]:
@@ -52,6 +52,19 @@ def rule_commit(block: torch.Tensor, logits: torch.Tensor, mask_id: int, rule: C
         raise ValueError(f"a block [B, L] and its logits [B, L, V], got {tuple(block.shape)} and "
                          f"{tuple(logits.shape)}")
     return rule.commit(block, logits, mask_id, state)
+
+
+def commit_block(rule: CommitRule, block: torch.Tensor, logits: torch.Tensor, mask_id: int, held: Any,
+                 block_id: int) -> tuple[torch.Tensor, tuple[int, Any]]:
+    """One step of `rule` on `block` (a view: the commits are written into it), for the loops that
+    take a rule. `held` is what the previous call returned for this request — `(block id, the rule's
+    state)` or None — and the state is made fresh when the block changes. Returns (the commit mask,
+    what to hold for the next call)."""
+    if held is None or held[0] != block_id:
+        held = (block_id, rule.new_state())
+    commit, tokens = rule_commit(block, logits, mask_id, rule, held[1])
+    block[commit] = tokens[commit]
+    return commit, held
 
 
 def check_rule_on_loop(rule: Any, family: str, *, temperature: float, unread: Mapping[str, Any] = (),

@@ -36,7 +36,7 @@ from .checks import (check_block_within_context, check_bool, check_choice, check
                      check_real, check_settings, check_stats, check_steps)
 from .freedave import FreeDave
 from .freedave_blocks import BlockFreeDave, check_freedave_loop
-from .rules import CommitRule, check_block_decoder, check_rule_on_loop, is_rule, rule_commit, rule_types, unread_settings
+from .rules import CommitRule, check_block_decoder, check_rule_on_loop, commit_block, is_rule, rule_types, unread_settings
 from .scoring import sample_categorical
 from .stats import GenerationStats
 
@@ -148,7 +148,7 @@ class SDARState:
     done: bool = False
     stopped_at: int | None = None
     predictions: Any = None   # FreeDave's predictions for the current block (`SDARFreeDave`)
-    credit: Any = None        # (block, the rule's per-block state: `CreditDecoding`'s credit) (`SDARRules`)
+    rule_state: Any = None    # (block, the commit rule's per-block state), `commit_block`'s (`SDARRules`)
 
 
 class SDARDecoder(PagedBlocks):
@@ -360,11 +360,8 @@ class SDARRules(SDARDecoder):
 
     def _denoise(self, state: SDARState, cur_x: torch.Tensor, logits: torch.Tensor,
                  generator: torch.Generator | None, stats: GenerationStats | None) -> None:
-        if state.credit is None or state.credit[0] != state.block:   # the rule's state, fresh per block
-            state.credit = (state.block, self.rule.new_state())
-        credit = state.credit[1]
-        commit, tokens = rule_commit(cur_x, logits, self.mask_id, self.rule, credit)
-        cur_x[commit] = tokens[commit]
+        commit, state.rule_state = commit_block(self.rule, cur_x, logits, self.mask_id, state.rule_state,
+                                                state.block)
         state.step += 1
         if stats is not None:
             stats.step(int(commit.sum()))

@@ -147,7 +147,7 @@ def _runs_block(seed, L, pattern):
 
 @pytest.mark.parametrize("pattern", ["alternating", "random", "long"])
 @pytest.mark.parametrize("L", [2, 15, 129, 300, 1024])
-def test_select_kernel_hierarchy_long_blocks_many_runs_ties(pattern, L):
+def test_select_kernel_hierarchy_long_blocks_many_runs_ties(poisoned_outputs, pattern, L):
     for seed, (threshold, low) in enumerate(((0.9, 0.4), (None, None), (0.7, None), (None, 0.5))):
         x, x0, conf = _runs_block(seed, L, pattern)
         got = dinfer_select_triton(x.clone(), x0, conf, MASK, "hierarchy", threshold, low)
@@ -170,3 +170,19 @@ def test_select_kernel_hierarchy_all_masked_minus_inf():
         want = dinfer_select_torch(x.clone(), x0, conf, MASK, "hierarchy", threshold, low)
         assert torch.equal(got, want)
         assert got[0, 17] == x0[0, 17] and torch.equal(got[1], x[1])
+
+
+@pytest.mark.parametrize("L", [129, 1024])
+def test_select_kernel_hierarchy_writes_only_its_block(poisoned_outputs, L):
+    """A block that is a view into a longer row (the loops pass `x[:, start:end]`): the kernel
+    writes inside it exactly what the reference writes, and nothing around it."""
+    sentinel = 4321
+    for seed, (threshold, low) in enumerate(((0.9, 0.4), (None, None))):
+        x, x0, conf = _runs_block(seed, L, "random")
+        row = torch.full((x.shape[0], L + 11), sentinel, dtype=x.dtype, device=x.device)
+        row[:, 5:5 + L] = x
+        block = row[:, 5:5 + L]
+        got = dinfer_select_triton(block, x0, conf, MASK, "hierarchy", threshold, low)
+        want = dinfer_select_torch(x.clone(), x0, conf, MASK, "hierarchy", threshold, low)
+        assert torch.equal(got, want) and torch.equal(row[:, 5:5 + L], want)
+        assert bool((row[:, :5] == sentinel).all()) and bool((row[:, 5 + L:] == sentinel).all())

@@ -11,8 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import remask
-import remask.diffusion.llada2 as llada2_module
-import remask.diffusion.sdar as sdar_module
+import remask.diffusion.rules as rules_module
 from remask.compat.llada2 import generate as llada2_generate
 from remask.compat.sdar import block_diffusion_generate
 from remask.diffusion.llada2 import LLaDA2Rules
@@ -107,7 +106,7 @@ def test_threshold_on_sdar_commits_above_the_threshold_or_the_best(sdar, monkeyp
         seen.append(int(commit.sum()))
         return commit, tokens
 
-    monkeypatch.setattr(sdar_module, "rule_commit", recording)
+    monkeypatch.setattr(rules_module, "rule_commit", recording)   # what commit_block calls
     stats = GenerationStats()
     x = sdar_generate(sdar, PROMPTS[1], mask_id=mask, gen_length=16, block_length=8, temperature=0.0, stats=stats,
                       decoder=remask.ThresholdDecoding(threshold=threshold))
