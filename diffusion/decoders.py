@@ -134,10 +134,12 @@ def run_decoder(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: to
 def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None, decoder: Any, *,
                   gen_length: int, block_length: int, use_cache: Any, mask_id: int | None,
                   stats: GenerationStats | None, settings: dict[str, tuple[Any, Any]] | None = None) -> StepGenerator:
-    """Decode with `decoder` and / or a cache config. `settings`: the calling entry point's other
-    settings as ``name: (value, default)``; every one set away from its default that the method does
-    not read is refused by name. A cache config without a decoder: `VicinityCache` runs dInfer's
-    threshold rule (0.9), `DKVCache` LLaDA's own schedule (`steps`, `remasking`)."""
+    """The step generator of `decoder` and / or a cache config (`diffusion/stepper.py`); every
+    argument is checked here, at the call. `settings`: the calling entry point's other settings as
+    ``name: (value, default)``; every one set away from its default that the method does not read is
+    refused by name. A cache config without a decoder: `VicinityCache` runs dInfer's threshold rule
+    (0.9), `DKVCache` LLaDA's own schedule (`steps`, `remasking`); `ElasticCache` takes a commit rule
+    as `decoder` (its window's commits)."""
     from .d2cache import D2Cache, d2cache_steps
     from .dinfer import ThresholdDecoding, VicinityCache, dinfer_steps
     from .dkv import DKVCache, dkv_steps
