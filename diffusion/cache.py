@@ -84,6 +84,7 @@ class BlockForward:
         else:
             fed, fed_end = start, (x.shape[1] if self.mode == "prefix" else end)
             inputs = self.spec.inputs_for_positions(self.forward_inputs, start, fed_end)
+        cache.write_start = fed   # the model reads it instead of cache_position[0] (no host sync)
         logits = self.spec.logits(self.model, x[:, fed:fed_end], past_key_values=cache,
                                   cache_position=torch.arange(fed, fed_end, device=x.device), **inputs)
         if self.mode == "prefix":

@@ -417,7 +417,7 @@ class CanvasDecoder:
         if sampler.freeze_after is not None:
             finished |= state.frozen.all(dim=-1)
         if stats is not None:
-            stats.step(int(accepted[running].sum()))
+            stats.step(accepted[running].sum())
         state.canvas, state.argmax_canvas = new_canvas, new_argmax
         state.self_conditioning = processed.to(cm.embedding_dtype)
         state.cur_step -= 1

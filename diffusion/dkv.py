@@ -357,7 +357,7 @@ def _decode_steps(model, prompt: torch.Tensor, config: DKVCache, mask_id: int, d
                 transfer[j, torch.topk(confidence[j], k=int(counts[j, i])).indices] = True
             x[transfer] = x0[transfer]
             if stats is not None:
-                stats.step(int(transfer.sum()))
+                stats.step(transfer.sum())
             prv, cur = cur, x != mask_id
             if i == steps_per_block - 1:
                 final = _final(x, P, end - P, mask_id)
@@ -470,7 +470,7 @@ def _greedy_steps(model, prompt: torch.Tensor, config: DKVCache, spec, steps_per
                         _window(nxt[j], ahead.tolist(), mask_index[j], config.window_size)
             x[transfer] = x0[transfer]
             if stats is not None:
-                stats.step(int(transfer.sum()))
+                stats.step(transfer.sum())
             chosen = nxt
             if i == steps_per_block - 1:
                 final = _final(x, P, end - P, mask_id)

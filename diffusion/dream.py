@@ -470,6 +470,16 @@ class DreamDecoder:
     def forward_shared(self, model: torch.nn.Module, states: list[DreamState]) -> tuple[torch.Tensor, int]:
         return self.spec.logits(model, torch.cat([s.x for s in states]), **states[0].forward_inputs), 0
 
+    def static_forward(self, model: torch.nn.Module, states: list[DreamState]):
+        """`forward_shared` as (input `[G, T]`, a function of an input of that shape alone, a key
+        naming that function), for a runner that captures it in a CUDA graph; None when the next
+        forward is not one (a cache)."""
+        key = self.shared_forward_key(states[0])
+        if key is None:
+            return None
+        inputs = states[0].forward_inputs      # strings only (the key checks): row-independent
+        return torch.cat([s.x for s in states]), lambda x: self.spec.logits(model, x, **inputs), ("dream",) + key[2:]
+
     def forward(self, model: torch.nn.Module, state: DreamState) -> tuple[torch.Tensor, int]:
         if state.forwards is not None:
             return state.forwards.step(state.x, 0, state.x.shape[1])

@@ -311,7 +311,7 @@ class FastDLLMV2Decoder:
         sub = block[:, start:end]
         sub[commit] = tokens[commit]
         if stats is not None:
-            stats.step(int(commit.sum()))
+            stats.step(commit.sum())
         if bool(((tokens == self.stop_token) & commit).any()) and not state.finished:
             state.finished = True
             state.finished_block = state.block_start // self.block_size

@@ -239,6 +239,14 @@ class BlockDecoder:
         return BlockForward.run_shared([s.forwards for s in states], [s.x for s in states], start, end,
                                        refresh=states[0].step == 0)
 
+    def static_forward(self, model: torch.nn.Module, states: list[BlockState]):
+        """The next shared forward of `states` as (input `[G, T]`, a function of an input of that
+        shape alone, a key naming that function) when it is one (no cache: the whole canvas from
+        position 0), so a runner may capture it in a CUDA graph; None otherwise."""
+        if self.shared_forward_key(states[0]) != ("full", states[0].x.shape[1]):
+            return None
+        return torch.cat([s.x for s in states]), lambda x: self.spec.logits(model, x), ("llada-full",)
+
     def forward(self, model: torch.nn.Module, state: BlockState) -> tuple[torch.Tensor, int]:
         """The next forward of `state`: logits of the positions it computes and the first of them."""
         start, end = self.block_span(state)
@@ -283,7 +291,7 @@ class BlockDecoder:
                     local, local + self.block_length, device=x.device)).reshape(-1)
             x0, conf = score_rows(logits, state.block_rows_for[L, local], temperature=self.temperature,
                                   suppress_ids=self.suppress, zero_prob_ids=self.zero_prob_ids, exclude_id=mask_id,
-                                  generator=generator)
+                                  generator=generator, rows_in_bounds=True)
             # Rounded to the reference's softmax dtype, so its ties (e.g. p = 1.0) are its ties.
             x0 = x0.view(B, -1)
             conf = conf.view(B, -1).to(precision.softmax or logits.dtype)
@@ -308,11 +316,61 @@ class BlockDecoder:
             transfer[:, start:end] = before & ~block_mask
             on_step(state.block, x, transfer)
         if stats is not None:
-            stats.step(int(committed.sum()))
+            stats.step(committed.sum())
         state.step += 1
-        block_over = not bool((block_x == mask_id).any()) if self.parallel else state.step == self.steps_per_block
+        # unmask cleared the committed positions of block_mask in place; with a parallel rule the
+        # block ends when none is left (the step's one host wait)
+        block_over = not bool(block_mask.any()) if self.parallel else state.step == self.steps_per_block
         if block_over:
             self._end_block(state, block_x, end)
+
+    def commit_key(self) -> tuple | None:
+        """Equal for decoders whose commits after one shared forward a single batched call can
+        make (`commit_shared`), each row's tokens what its own `commit` gives: greedy scoring with
+        the same rule and scoring settings. None when this decoder commits alone (sampling draws
+        from each request's own generator; the reference formulations; random remasking; the
+        corrected EOS rule)."""
+        if self.temperature > 0 or self.reference_sampling or self.reference_ties or self.remasking != "low_confidence" \
+                or self.confidence_eos_eot_inf == "corrected" or self.cfg_scale > 0:
+            return None
+        return (BlockDecoder, self.spec.mask_id, self.block_length, self.threshold, self.factor,
+                tuple(self.suppress or ()), tuple(self.zero_prob_ids or ()), self.precision.softmax)
+
+    @staticmethod
+    def commit_shared(decoders: list["BlockDecoder"], states: list[BlockState], logits: torch.Tensor,
+                      rows: list[int], fed: int, stats: list[GenerationStats | None]) -> None:
+        """`decoders[i].commit(states[i], logits[rows[i]:rows[i] + 1], fed, stats=stats[i])` for
+        every i, in one scoring call and one unmask over the stacked blocks (decoders of one
+        `commit_key`, states of one row each). Scoring and selection work row by row, so each
+        row's tokens are its own commit's; a parallel rule's "block over?" is one host read for
+        the group rather than one per state."""
+        head = decoders[0]
+        mask_id, L, block = head.spec.mask_id, logits.shape[1], head.block_length
+        spans = [d.block_span(s) for d, s in zip(decoders, states)]
+        first = torch.tensor([r * L + start - fed for r, (start, _) in zip(rows, spans)], device=logits.device)
+        flat_rows = (first[:, None] + torch.arange(block, device=logits.device)).reshape(-1)
+        x0, conf = score_rows(logits, flat_rows, suppress_ids=head.suppress, zero_prob_ids=head.zero_prob_ids,
+                              exclude_id=mask_id, rows_in_bounds=True)
+        G = len(states)
+        x0, conf = x0.view(G, block), conf.view(G, block).to(head.precision.softmax or logits.dtype)
+        block_x = torch.cat([s.x[:, start:end] for s, (start, end) in zip(states, spans)])
+        block_mask = block_x == mask_id
+        if head.threshold is not None:
+            committed = unmask(block_x, block_mask, x0, conf, threshold=head.threshold)
+        elif head.factor is not None:
+            committed = unmask(block_x, block_mask, x0, conf, factor=head.factor)
+        else:
+            k = torch.cat([s.schedule[:, s.step] for s in states])
+            committed = unmask(block_x, block_mask, x0, conf, k=k)
+        left = block_mask.any(dim=1).tolist() if head.parallel else None   # the group's one host wait
+        for i, (decoder, state, (start, end)) in enumerate(zip(decoders, states, spans)):
+            state.x[:, start:end] = block_x[i:i + 1]
+            if stats[i] is not None:
+                stats[i].forward(1, L, state.forwards.cache_nbytes)
+                stats[i].step(committed[i])
+            state.step += 1
+            if (not left[i]) if decoder.parallel else state.step == decoder.steps_per_block:
+                decoder._end_block(state, state.x[:, start:end], end)
 
     def _end_block(self, state: BlockState, block_x: torch.Tensor, end: int) -> None:
         if self.early_stop:

@@ -263,7 +263,7 @@ class LLaDA2Decoder(PagedBlocks):
         block[change] = tokens[change]
         state.step += 1
         if stats is not None:
-            stats.step(int(transfer.sum()))
+            stats.step(transfer.sum())
         if self.editing:
             finished = (not bool(masked.any()) and not bool(edits.any())) or self._post_steps_spent(state)
         else:
@@ -370,7 +370,7 @@ class LLaDA2Rules(LLaDA2Decoder):
         commit, state.rule_state = commit_block(self.rule, block, logits, self.mask_id, state.rule_state, b)
         state.step += 1
         if stats is not None:
-            stats.step(int(commit.sum()))
+            stats.step(commit.sum())
         if self.eos_early_stop and self.eos_id is not None and bool((block[commit] == self.eos_id).any()):
             gen = state.x[0, state.prompt_length:(b + 1) * L]   # 2.0's in-block stop, as `_decide`
             eos = (gen == self.eos_id).nonzero(as_tuple=True)[0]

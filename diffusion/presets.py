@@ -69,6 +69,9 @@ class _HoldEnds:
         logits = hold_end_ids(logits, fed, state.prompt_len + self.min_tokens, self.end_ids)
         return super().commit(state, logits, fed, *args, **kwargs)
 
+    def commit_key(self) -> None:
+        return None   # its logits differ per request (the held positions): it commits alone
+
 
 class _HeldBlockDecoder(_HoldEnds, BlockDecoder):
     pass

@@ -52,8 +52,10 @@ def score_rows(
     zero_prob_ids: Sequence[int] | None = None,
     exclude_id: int | None = None,
     generator: torch.Generator | None = None,
+    rows_in_bounds: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused scoring of `logits` `[..., V]` (flattened to `[N, V]`) at the flat positions `rows`.
+    """Fused scoring of `logits` `[..., V]` (flattened to `[N, V]`) at the flat positions `rows`
+    (`rows_in_bounds`: the caller built them in range, so they are not read back to check).
 
     x0 = argmax of the logits (T=0) or of ``l + T·g`` with Gumbel noise seeded from `generator`;
     confidence under the untempered softmax, float64 (the torch path's precision; the Triton
@@ -74,7 +76,7 @@ def score_rows(
         local, vocab_start, vocab_size, group = shard
         return confidence_vocab_parallel(local.reshape(-1, local.shape[-1]), vocab_start=vocab_start,
                                          vocab_size=vocab_size, group=group, **kwargs)
-    return confidence(logits.reshape(-1, logits.shape[-1]), **kwargs)
+    return confidence(logits.reshape(-1, logits.shape[-1]), rows_in_bounds=rows_in_bounds, **kwargs)
 
 
 def gumbel_max_scores(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None,

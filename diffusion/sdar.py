@@ -308,7 +308,7 @@ class SDARDecoder(PagedBlocks):
         cur_x[transfer] = x0[transfer]
         state.step += 1
         if stats is not None:
-            stats.step(int(transfer.sum()))
+            stats.step(transfer.sum())
 
 
 class SDARFreeDave(BlockFreeDave, SDARDecoder):
@@ -364,7 +364,7 @@ class SDARRules(SDARDecoder):
                                                 state.block)
         state.step += 1
         if stats is not None:
-            stats.step(int(commit.sum()))
+            stats.step(commit.sum())
 
 
 # sdar_generate's settings that a dInfer rule replaces, with their defaults (given ones are refused)

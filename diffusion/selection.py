@@ -23,7 +23,8 @@ def topk_commit(block_x: torch.Tensor, block_mask: torch.Tensor, x0: torch.Tenso
     block's confidences at `[offset, offset + block)` and −inf elsewhere and off the mask.
     `remask.kernels.unmask` commits the lower index first among exact ties; `torch.topk` on CPU
     does not promise any order, and a trained model's float32 confidences often tie at 1.0.
-    Writes the committed tokens into `block_x` (a view) and returns the counts `[B]`."""
+    Writes the committed tokens into `block_x` (a view), clears them in `block_mask` and returns
+    the counts `[B]`."""
     B, block = block_x.shape
     scores = torch.full((B, length), -torch.inf, dtype=conf.dtype, device=conf.device)
     scores[:, offset:offset + block] = torch.where(block_mask, conf, torch.tensor(-torch.inf, dtype=conf.dtype))
@@ -33,4 +34,5 @@ def topk_commit(block_x: torch.Tensor, block_mask: torch.Tensor, x0: torch.Tenso
         committed[row, picked] = True
     committed &= block_mask
     block_x[committed] = x0[committed]
+    block_mask &= ~committed   # cleared in place, as `unmask` does
     return committed.sum(dim=1)

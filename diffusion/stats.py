@@ -24,7 +24,7 @@ class GenerationStats:
 
     nfe: int = 0
     forward_positions: int = 0
-    tokens_per_step: list[int] = field(default_factory=list)
+    _tokens_per_step: list = field(default_factory=list, repr=False)
     generated_tokens: int = 0
     kv_cache_bytes: int = 0
     wall_time: float = 0.0
@@ -34,6 +34,17 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         """Generated tokens per second of wall time (prompt tokens excluded)."""
         return self.generated_tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+    @property
+    def tokens_per_step(self) -> list[int]:
+        """Positions committed at each step (read from the device here, once, not at every step)."""
+        counts = self._tokens_per_step
+        pending = [i for i, c in enumerate(counts) if isinstance(c, torch.Tensor)]
+        if pending:
+            values = torch.stack([counts[i].reshape(()) for i in pending]).tolist()
+            for i, value in zip(pending, values):
+                counts[i] = int(value)
+        return counts
 
     @property
     def mean_tokens_per_step(self) -> float:
@@ -51,8 +62,20 @@ class GenerationStats:
         self.forward_positions += batch * length
         self.kv_cache_bytes = max(self.kv_cache_bytes, kv_cache_bytes)
 
-    def step(self, committed: int) -> None:
-        self.tokens_per_step.append(int(committed))
+    @property
+    def num_steps(self) -> int:
+        """Steps counted so far (without reading any count from the device)."""
+        return len(self._tokens_per_step)
+
+    def add_steps(self, other: "GenerationStats", since: int = 0) -> None:
+        """Append `other`'s step counts from its step `since` on, as they are (device counts stay
+        unread until `tokens_per_step` is)."""
+        self._tokens_per_step.extend(other._tokens_per_step[since:])
+
+    def step(self, committed: int | torch.Tensor) -> None:
+        """Count one step's commits: an int, or a tensor kept on its device until `tokens_per_step`
+        is read (a step that counts does not wait for the device)."""
+        self._tokens_per_step.append(committed.detach() if isinstance(committed, torch.Tensor) else int(committed))
 
 
 # The calls that make the host wait for the device (on a GPU each is a round trip, and a step that

@@ -88,7 +88,7 @@ class StepwiseDecoder:
         if state.steps is None:
             state.steps = self.make_steps(model, state.prompt, generator, state.counted)
         counted = state.counted
-        nfe, positions, commits = counted.nfe, counted.forward_positions, len(counted.tokens_per_step)
+        nfe, positions, commits = counted.nfe, counted.forward_positions, counted.num_steps
         try:
             progress = next(state.steps)
         except StopIteration as stop:
@@ -100,7 +100,7 @@ class StepwiseDecoder:
         if stats is not None:
             stats.nfe += counted.nfe - nfe
             stats.forward_positions += counted.forward_positions - positions
-            stats.tokens_per_step.extend(counted.tokens_per_step[commits:])
+            stats.add_steps(counted, commits)
             stats.kv_cache_bytes = max(stats.kv_cache_bytes, counted.kv_cache_bytes)
 
     def __repr__(self) -> str:

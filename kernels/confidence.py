@@ -302,7 +302,7 @@ def combine_partials_triton(part: torch.Tensor, part_idx: torch.Tensor, mode: st
     return x0, conf
 
 
-def _check(logits, temperature, mode, rows, noise, seed, out_dtype):
+def _check(logits, temperature, mode, rows, noise, seed, out_dtype, rows_in_bounds=False):
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"logits must be a 2-D tensor [N, V], got shape {getattr(logits, 'shape', None)}")
     if logits.dtype not in LOGIT_DTYPES:
@@ -322,7 +322,10 @@ def _check(logits, temperature, mode, rows, noise, seed, out_dtype):
             raise ValueError(f"rows must be a 1-D int32/int64 index tensor, got {rows.dtype} of shape {tuple(rows.shape)}")
         if rows.device != logits.device:
             raise ValueError(f"rows is on {rows.device} but logits on {logits.device}")
-        if not rows.is_cuda and rows.numel() and not (0 <= int(rows.min()) and int(rows.max()) < logits.shape[0]):
+        # Off CUDA a bad row would be read silently (the interpreter) or wrap (negative indices), so
+        # the values are checked there, unless the caller built `rows` itself (a decoder's block rows).
+        if not rows_in_bounds and not rows.is_cuda and rows.numel() and \
+                not (0 <= int(rows.min()) and int(rows.max()) < logits.shape[0]):
             raise IndexError(f"rows must index logits' {logits.shape[0]} rows, got values in "
                              f"[{int(rows.min())}, {int(rows.max())}]")
     if noise is not None:
@@ -347,6 +350,7 @@ def confidence(
     exclude_ids: Sequence[int] | None = None,
     zero_prob_ids: Sequence[int] | None = None,
     out_dtype: torch.dtype = torch.float32,
+    rows_in_bounds: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose a token per row and score it, in one pass over the vocabulary.
 
@@ -367,11 +371,13 @@ def confidence(
         zero_prob_ids: ids removed from the confidence softmax only (LLaDA's EOS/EOT quirk).
         out_dtype: float32 or float64 confidences (the Triton kernel accumulates in float32, the
             torch path in float64).
+        rows_in_bounds: the caller built `rows` within ``[0, N)`` itself; skips reading their
+            values back to check them (a host read in every decoding step otherwise).
 
     Returns:
         x0 `[R]` int64 and confidence `[R]` (`out_dtype`), R = len(rows) or N.
     """
-    _check(logits, temperature, mode, rows, noise, seed, out_dtype)
+    _check(logits, temperature, mode, rows, noise, seed, out_dtype, rows_in_bounds)
     if temperature > 0 and noise is None and seed is None:
         seed = int(torch.randint(0, 2**31 - 1, ()).item())
     suppress = list(suppress_ids or [])

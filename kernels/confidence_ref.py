@@ -17,6 +17,7 @@ tensor, then a gather). Benchmarks use it as the baseline; tests check both agre
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -55,8 +56,16 @@ def id_tensor(ids: Sequence[int] | torch.Tensor | None, device) -> torch.Tensor 
     """Token ids as an int64 tensor on `device`, or None when there are none."""
     if ids is None:
         return None
+    if not isinstance(ids, torch.Tensor):   # a list of ids: the same few every decoding step
+        return _ids_on(tuple(int(i) for i in ids), torch.device(device))
     ids = torch.as_tensor(ids, dtype=torch.long, device=device).reshape(-1)
     return ids if ids.numel() else None
+
+
+@functools.lru_cache(maxsize=256)
+def _ids_on(ids: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+    """`ids` as an int64 tensor on `device`, made once (callers only read it)."""
+    return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
 
 
 def confidence_torch(
@@ -86,40 +95,53 @@ def confidence_torch(
     device = logits.device
     if rows is not None:
         n_rows = rows.numel()
-    x0 = torch.empty(n_rows, dtype=torch.long, device=device)
-    conf = torch.empty(n_rows, dtype=torch.float64, device=device)
     argmax_ids = id_tensor(argmax_ids, device)
     softmax_ids = id_tensor(softmax_ids, device)
-    sampling = temperature > 0
     chunk = max(1, CHUNK_ELEMENTS // max(V, 1))
+    if n_rows <= chunk:   # one chunk (a decoding step's block): its results are the outputs
+        x0, conf = _score_chunk(logits, slice(0, n_rows) if rows is None else rows, temperature, mode,
+                                argmax_ids, softmax_ids, noise, seed)
+        return x0, conf.to(out_dtype)
+    x0 = torch.empty(n_rows, dtype=torch.long, device=device)
+    conf = torch.empty(n_rows, dtype=torch.float64, device=device)
     for r0 in range(0, n_rows, chunk):
         index = slice(r0, min(r0 + chunk, n_rows)) if rows is None else rows[r0:r0 + chunk]
-        l = logits[index].to(torch.float64)
-        if sampling and noise is None:   # the kernel's draws and float32 score (bf16/fp16 → fp32 is exact)
-            l32 = logits[index].to(torch.float32)
-            l32 = l32 if argmax_ids is None else l32.index_fill(1, argmax_ids, -torch.inf)
-            x0_chunk = torch.argmax(seeded_score(l32, temperature, int(seed), chunk_rows(index, device), V), dim=1)
-        elif sampling or argmax_ids is not None:
-            score = l if argmax_ids is None else l.index_fill(1, argmax_ids, -torch.inf)
-            if sampling:
-                score = score + temperature * gumbel(noise[index].to(torch.float64))
-            x0_chunk = torch.argmax(score, dim=1)
-            del score
-        else:
-            x0_chunk = torch.max(l, dim=1).indices  # the first maximal index, like argmax (and faster)
-        if softmax_ids is not None:
-            l = l.index_fill(1, softmax_ids, -torch.inf)
-        p = torch.softmax(l, dim=1)  # one fused pass per row; rows are cache-sized
-        if mode == "prob":
-            c = p.gather(1, x0_chunk[:, None])[:, 0]
-        elif mode == "margin":
-            top2 = torch.topk(p, min(2, V), dim=1).values
-            c = top2[:, 0] - (top2[:, 1] if V > 1 else 0.0)
-        else:
-            c = torch.special.xlogy(p, p).sum(dim=1)
+        x0_chunk, c = _score_chunk(logits, index, temperature, mode, argmax_ids, softmax_ids, noise, seed)
         x0[r0:r0 + len(x0_chunk)] = x0_chunk
         conf[r0:r0 + len(c)] = c
     return x0, conf.to(out_dtype)
+
+
+def _score_chunk(logits: torch.Tensor, index: slice | torch.Tensor, temperature: float, mode: str,
+                 argmax_ids: torch.Tensor | None, softmax_ids: torch.Tensor | None, noise: torch.Tensor | None,
+                 seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`confidence_torch` on the logits rows `index` (a few, cache-sized): x0 and float64 confidence."""
+    V = logits.shape[1]
+    sampling = temperature > 0
+    l = logits[index].to(torch.float64)
+    if sampling and noise is None:   # the kernel's draws and float32 score (bf16/fp16 → fp32 is exact)
+        l32 = logits[index].to(torch.float32)
+        l32 = l32 if argmax_ids is None else l32.index_fill(1, argmax_ids, -torch.inf)
+        x0 = torch.argmax(seeded_score(l32, temperature, int(seed), chunk_rows(index, logits.device), V), dim=1)
+    elif sampling or argmax_ids is not None:
+        score = l if argmax_ids is None else l.index_fill(1, argmax_ids, -torch.inf)
+        if sampling:
+            score = score + temperature * gumbel(noise[index].to(torch.float64))
+        x0 = torch.argmax(score, dim=1)
+        del score
+    else:
+        x0 = torch.max(l, dim=1).indices  # the first maximal index, like argmax (and faster)
+    if softmax_ids is not None:
+        l = l.index_fill(1, softmax_ids, -torch.inf)
+    p = torch.softmax(l, dim=1)  # one fused pass per row; rows are cache-sized
+    if mode == "prob":
+        c = p.gather(1, x0[:, None])[:, 0]
+    elif mode == "margin":
+        top2 = torch.topk(p, min(2, V), dim=1).values
+        c = top2[:, 0] - (top2[:, 1] if V > 1 else 0.0)
+    else:
+        c = torch.special.xlogy(p, p).sum(dim=1)
+    return x0, c
 
 
 def confidence_reference_formulation(

@@ -19,6 +19,7 @@ from .paged_ref import check_block_size, paged_attention_torch, paged_gather_tor
 if HAS_TRITON:
     import triton
     import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
 
     @triton.jit
     def paged_store_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
@@ -44,9 +45,11 @@ if HAS_TRITON:
     @triton.jit
     def paged_gather_kernel(c_ptr, bt_ptr, len_ptr, o_ptr, stride_cp, stride_cs, stride_btb, stride_ob, stride_ot,
                             max_len, HD, PAGE_SIZE, BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr):
+        # Program (b, BLOCK_T positions, BLOCK_HD columns of the H_kv·D row): the row is tiled over
+        # the grid's third axis, so a wide row (32 heads × 128) never sits in one program's registers.
         b = tl.program_id(0).to(tl.int64)
         t = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-        e = tl.arange(0, BLOCK_HD)
+        e = tl.program_id(2) * BLOCK_HD + tl.arange(0, BLOCK_HD)
         seq_len = tl.load(len_ptr + b).to(tl.int64)
         in_seq = t < seq_len
         page = tl.load(bt_ptr + b * stride_btb + t // PAGE_SIZE, mask=in_seq, other=0).to(tl.int64)
@@ -56,35 +59,57 @@ if HAS_TRITON:
                  mask=(t[:, None] < max_len) & (e[None, :] < HD))
 
     @triton.jit
-    def _load_rows(ptr, base, idx, stride_row, d, mask):
-        # A [BLOCK_N, BLOCK_D] tile of one KV head: rows `idx` from `base`, upcast to float32.
-        return tl.load(ptr + base + idx[:, None].to(tl.int64) * stride_row + d[None, :], mask=mask,
-                       other=0.0).to(tl.float32)
+    def _mma_operand(x, LOW_PRECISION_DOT: tl.constexpr):
+        # A loaded tile as a tl.dot operand: kept in its (fp16/bf16) dtype for a 16-bit MMA, else
+        # upcast to float32 (the launcher's `low_precision_dot` picks).
+        if not LOW_PRECISION_DOT:
+            x = x.to(tl.float32)
+        return x
 
     @triton.jit
-    def _attend_tile(q, k, v, valid, m_i, l_i, acc):
-        # One online-softmax update with a [BLOCK_N] tile of keys (invalid ones masked out).
-        s = tl.dot(q, tl.trans(k))
+    def _load_q(ptr, mask, scale, LOW_PRECISION_DOT: tl.constexpr):
+        # The query tile and the factor the scores still need: float32 queries are pre-scaled (the
+        # scores need none); 16-bit ones stay unrounded operands and the scores are scaled in float32.
+        q = tl.load(ptr, mask=mask, other=0.0)
+        if LOW_PRECISION_DOT:
+            qk_scale = scale
+        else:
+            q = q.to(tl.float32) * scale
+            qk_scale = 1.0
+        return q, qk_scale
+
+    @triton.jit
+    def _load_rows(ptr, base, idx, stride_row, d, mask, LOW_PRECISION_DOT: tl.constexpr):
+        # A [BLOCK_N, BLOCK_D] tile of one KV head: rows `idx` from `base`, as an MMA operand.
+        return _mma_operand(tl.load(ptr + base + idx[:, None].to(tl.int64) * stride_row + d[None, :], mask=mask,
+                                    other=0.0), LOW_PRECISION_DOT)
+
+    @triton.jit
+    def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale):
+        # One online-softmax update with a [BLOCK_N] tile of keys (invalid ones masked out). The
+        # dots accumulate in float32 whatever the operands' dtype; p is cast to v's for p·v, and the
+        # softmax statistics stay float32.
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
         return m_new, l_i, acc
 
     @triton.jit
-    def _attend_tile_masked(q, k, v, visible, m_i, l_i, acc):
+    def _attend_tile_masked(q, k, v, visible, m_i, l_i, acc, qk_scale):
         # `_attend_tile` under a [BLOCK_M, BLOCK_N] mask (block-causal diagonal tiles).
-        s = tl.dot(q, tl.trans(k))
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * qk_scale
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
         return m_new, l_i, acc
 
     @triton.jit
@@ -96,7 +121,8 @@ if HAS_TRITON:
                                stride_ob, stride_om, stride_oh,
                                M, N_NEW, Hq, D, PAGE_SIZE, DIFF_BLOCK, scale,
                                GROUP: tl.constexpr, HAS_NEW: tl.constexpr, BLOCK_CAUSAL: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                               LOW_PRECISION_DOT: tl.constexpr):
         pid = tl.program_id(0)
         b = (pid // Hq).to(tl.int64)
         h = (pid % Hq).to(tl.int64)
@@ -104,8 +130,8 @@ if HAS_TRITON:
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
-        q = tl.load(q_ptr + b * stride_qb + rows[:, None].to(tl.int64) * stride_qm + h * stride_qh + d[None, :],
-                    mask=(rows[:, None] < M) & d_ok[None, :], other=0.0).to(tl.float32) * scale
+        q, qk_scale = _load_q(q_ptr + b * stride_qb + rows[:, None].to(tl.int64) * stride_qm + h * stride_qh
+                              + d[None, :], (rows[:, None] < M) & d_ok[None, :], scale, LOW_PRECISION_DOT)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -116,9 +142,11 @@ if HAS_TRITON:
             page = tl.load(bt_ptr + b * stride_btb + p).to(tl.int64)
             valid = (cols < PAGE_SIZE) & (p * PAGE_SIZE + cols < seq_len)
             tile = valid[:, None] & d_ok[None, :]
-            k = _load_rows(kc_ptr, page * stride_kcp + kvh * stride_kch, cols, stride_kcs, d, tile)
-            v = _load_rows(vc_ptr, page * stride_vcp + kvh * stride_vch, cols, stride_vcs, d, tile)
-            m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc)
+            k = _load_rows(kc_ptr, page * stride_kcp + kvh * stride_kch, cols, stride_kcs, d, tile,
+                           LOW_PRECISION_DOT)
+            v = _load_rows(vc_ptr, page * stride_vcp + kvh * stride_vch, cols, stride_vcs, d, tile,
+                           LOW_PRECISION_DOT)
+            m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale)
         if BLOCK_CAUSAL:
             # Fresh key j / query i sit at seq_len + j / seq_len + i (M == N_NEW); i sees j when
             # (seq_len + j) // DIFF_BLOCK <= (seq_len + i) // DIFF_BLOCK. Keys below `n_all` are
@@ -132,30 +160,58 @@ if HAS_TRITON:
                 n = n0 + cols
                 valid = n < N_NEW
                 tile = valid[:, None] & d_ok[None, :]
-                k = _load_rows(kn_ptr, b * stride_knb + kvh * stride_knh, n, stride_knn, d, tile)
-                v = _load_rows(vn_ptr, b * stride_vnb + kvh * stride_vnh, n, stride_vnn, d, tile)
-                m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc)
+                k = _load_rows(kn_ptr, b * stride_knb + kvh * stride_knh, n, stride_knn, d, tile,
+                               LOW_PRECISION_DOT)
+                v = _load_rows(vn_ptr, b * stride_vnb + kvh * stride_vnh, n, stride_vnn, d, tile,
+                               LOW_PRECISION_DOT)
+                m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale)
             q_block = (seq_len + rows.to(tl.int64)) // DIFF_BLOCK
             for n0 in range(n_full, n_end, BLOCK_N):
                 n = n0 + cols
                 valid = n < n_end
                 tile = valid[:, None] & d_ok[None, :]
-                k = _load_rows(kn_ptr, b * stride_knb + kvh * stride_knh, n, stride_knn, d, tile)
-                v = _load_rows(vn_ptr, b * stride_vnb + kvh * stride_vnh, n, stride_vnn, d, tile)
+                k = _load_rows(kn_ptr, b * stride_knb + kvh * stride_knh, n, stride_knn, d, tile,
+                               LOW_PRECISION_DOT)
+                v = _load_rows(vn_ptr, b * stride_vnb + kvh * stride_vnh, n, stride_vnn, d, tile,
+                               LOW_PRECISION_DOT)
                 k_block = (seq_len + n.to(tl.int64)) // DIFF_BLOCK
                 visible = valid[None, :] & (k_block[None, :] <= q_block[:, None])
-                m_i, l_i, acc = _attend_tile_masked(q, k, v, visible, m_i, l_i, acc)
+                m_i, l_i, acc = _attend_tile_masked(q, k, v, visible, m_i, l_i, acc, qk_scale)
         elif HAS_NEW:
             for n0 in range(0, N_NEW, BLOCK_N):
                 n = n0 + cols
                 valid = n < N_NEW
                 tile = valid[:, None] & d_ok[None, :]
-                k = _load_rows(kn_ptr, b * stride_knb + kvh * stride_knh, n, stride_knn, d, tile)
-                v = _load_rows(vn_ptr, b * stride_vnb + kvh * stride_vnh, n, stride_vnn, d, tile)
-                m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc)
+                k = _load_rows(kn_ptr, b * stride_knb + kvh * stride_knh, n, stride_knn, d, tile,
+                               LOW_PRECISION_DOT)
+                v = _load_rows(vn_ptr, b * stride_vnb + kvh * stride_vnh, n, stride_vnn, d, tile,
+                               LOW_PRECISION_DOT)
+                m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(o_ptr + b * stride_ob + rows[:, None].to(tl.int64) * stride_om + h * stride_oh + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=(rows[:, None] < M) & d_ok[None, :])
+
+
+GATHER_MAX_COLUMNS = 1024
+LOW_PRECISION_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def interpreted(kernel) -> bool:
+    """True when `kernel` runs under Triton's interpreter (TRITON_INTERPRET=1), whose tl.dot is
+    wrong on bfloat16 operands; a compiled kernel (or the compiled-code gate's recorder) is not."""
+    return HAS_TRITON and isinstance(kernel, InterpretedFunction)
+
+
+def low_precision_dot(kernel, *tensors: torch.Tensor) -> bool:
+    """The attention kernels' `LOW_PRECISION_DOT`: True when every operand is float16, or every one
+    bfloat16, so q·kᵀ and p·v run as 16-bit MMAs (HMMA/HGMMA/tcgen05 kind::f16, accumulated in
+    float32) instead of float32 (TF32) ones. Mixed or float32 operands keep the float32 dots;
+    so do bfloat16 ones under the interpreter (`interpreted`: its bf16 tl.dot is wrong; its fp16
+    one is right, so fp16 runs the 16-bit path there too)."""
+    dtype = tensors[0].dtype
+    if dtype not in LOW_PRECISION_DTYPES or any(t.dtype != dtype for t in tensors):
+        return False
+    return not (dtype == torch.bfloat16 and interpreted(kernel))
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -217,11 +273,19 @@ def paged_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch
     if B == 0 or max_len == 0:
         return out
     BLOCK_T = 16
-    paged_gather_kernel[(B, triton.cdiv(max_len, BLOCK_T))](
+    # ≤ 16 × 1024 elements per program (≤ 64 registers of bf16 per thread at 4 warps).
+    block_hd = min(GATHER_MAX_COLUMNS, next_power_of_2(H * D))
+    paged_gather_kernel[(B, triton.cdiv(max_len, BLOCK_T), triton.cdiv(H * D, block_hd))](
         cache, block_table, seq_lens, out, cache.stride(0), cache.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1), max_len, H * D, cache.shape[1], BLOCK_T=BLOCK_T,
-        BLOCK_HD=next_power_of_2(H * D))
+        out.stride(0), out.stride(1), max_len, H * D, cache.shape[1], BLOCK_T=BLOCK_T, BLOCK_HD=block_hd)
     return out
+
+
+def paged_attention_warps(block_n: int, block_d: int) -> int:
+    """`num_warps` of the attention kernel (no result depends on it): 8 once a key tile holds 64 × 128
+    values (page 64 at D = 128), where 4 warps need 251 of the 255 registers on sm_100 (block-causal);
+    else 4."""
+    return 8 if block_n * block_d >= 64 * 128 else 4
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -229,7 +293,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float | None = None, *, block_size: int | None = None) -> torch.Tensor:
     """Bidirectional attention of `q` `[B, M, Hq, D]` over each sequence's paged K/V (first
     `seq_lens[b]` positions) and the block's fresh `k_new`, `v_new` `[B, N, H_kv, D]`; GQA when
-    Hq is a multiple of H_kv. Online softmax in float32; returns `[B, M, Hq, D]` in q's dtype.
+    Hq is a multiple of H_kv. Online softmax in float32 (q·kᵀ and p·v as bf16 / fp16 MMAs when q
+    and every K/V share that dtype, accumulated in float32: `low_precision_dot`); returns
+    `[B, M, Hq, D]` in q's dtype.
 
     `block_size` (block diffusion: SDAR, LLaDA2, Fast-dLLM v2): block-causal instead. The fresh
     tokens are consecutive positions right after the cached ones (query i and fresh key j at
@@ -262,6 +328,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     page_size = k_cache.shape[1]
     block_m = min(64, max(16, next_power_of_2(M)))
     block_n = max(16, next_power_of_2(page_size))
+    block_d = max(16, next_power_of_2(D))
     has_new = k_new is not None
     kn = k_new if has_new else q
     vn = v_new if has_new else q
@@ -269,6 +336,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         kn, vn = kn.contiguous(), vn.contiguous()
     if q.stride(3) != 1:
         q = q.contiguous()
+    low_precision = low_precision_dot(paged_attention_kernel, q, k_cache, v_cache, *((kn, vn) if has_new else ()))
     paged_attention_kernel[(B * Hq, triton.cdiv(M, block_m))](
         q, k_cache, v_cache, block_table, seq_lens, kn, vn, out,
         q.stride(0), q.stride(1), q.stride(2),
@@ -278,5 +346,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out.stride(0), out.stride(1), out.stride(2),
         M, kn.shape[1] if has_new else 0, Hq, D, page_size, 1 if block_size is None else block_size, scale,
         GROUP=Hq // H_kv, HAS_NEW=has_new, BLOCK_CAUSAL=block_size is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, next_power_of_2(D)))
+        BLOCK_D=block_d, LOW_PRECISION_DOT=low_precision, num_warps=paged_attention_warps(block_n, block_d))
     return out

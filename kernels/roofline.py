@@ -22,8 +22,9 @@ Assumptions, all of which make the bound lower (never higher) than what is achie
   passes over the logits, `logit_passes`). Peak HBM bandwidth is not reachable in practice (a
   large copy gets less of it: `bench/conftest.py` measures the device's copy bandwidth).
 * Tensor-core flops count 2 per multiply-add of useful work only (keys a mask hides, padding of
-  partial tiles and pages are not counted). The attention kernels upcast Q/K/V to float32 before
-  `tl.dot`, so their MMAs are TF32 (docs/kernels.md, compiled-code gate): their kind is ``tf32``.
+  partial tiles and pages are not counted). The attention kernels feed bf16 / fp16 Q, K, V (and
+  P) to `tl.dot` as they are, accumulating in float32 (kind ``bf16``), and float32 inputs as TF32
+  (kind ``tf32``): `attention_flop_kind` (docs/kernels.md, compiled-code gate).
 * CUDA-core work (``fp32``: the streaming kernels' max / compare / select / exp / log and the
   integer ops of Philox and of sorting) counts one op per Triton vector operation in the kernel's
   source, against the FMA-counted (2 per lane-cycle) FP32 peak; int64 ops, transcendentals (¼ rate
@@ -132,6 +133,12 @@ def flop_kind_for(dtype: torch.dtype) -> str:
     """The tensor-core kind a torch matmul of `dtype` runs at: bf16/fp16 → "bf16"; float32 →
     "fp32" (torch's default leaves TF32 off for matmuls; Triton's `tl.dot` turns it on: "tf32")."""
     return "bf16" if dtype in (torch.bfloat16, torch.float16) else "fp32"
+
+
+def attention_flop_kind(dtype: torch.dtype) -> str:
+    """The MMA kind of remask's attention kernels for q/k/v of `dtype`: bf16 / fp16 operands go to
+    the tensor cores as they are ("bf16": the 16-bit rate), float32 ones as TF32 ("tf32")."""
+    return "bf16" if dtype in (torch.bfloat16, torch.float16) else "tf32"
 
 
 def _size(dtype: torch.dtype | int) -> int:
@@ -319,15 +326,15 @@ def cost_attention(batch: int, q_heads: int, q_len: int, k_len: int, head_dim: i
 def cost_paged_attention(seq_lens: Sequence[int], q_len: int, q_heads: int, kv_heads: int, head_dim: int,
                          dtype: torch.dtype = torch.bfloat16, *, n_new: int | None = None,
                          block_size: int | None = None, page_size: int = 16, cache_dtype: torch.dtype | None = None,
-                         table_itemsize: int = 4, flop_kind: str = "tf32") -> Cost:
+                         table_itemsize: int = 4, flop_kind: str | None = None) -> Cost:
     """`paged_attention` (`paged_attention_kernel`) of `q_len` queries per sequence over its
     `seq_lens[b]` cached positions and `n_new` fresh keys (default: q_len; 0 for none): Q read and
     O written once, each KV head's cached rows (only the valid ones of its pages, `cache_dtype`)
     and fresh rows read once, the block table's entries for the pages used and seq_lens read.
     Flops: 4·D per visible (query, key) pair and query head — every cached key, and the fresh keys
     (all of them; with `block_size`, block-causal: fresh key j is visible to query i when
-    ``(len + j) // block_size <= (len + i) // block_size``). TF32: the kernel's `tl.dot` on
-    upcast float32 tiles."""
+    ``(len + j) // block_size <= (len + i) // block_size``). Kind: `attention_flop_kind(dtype)`
+    unless `flop_kind` says otherwise."""
     n_new = q_len if n_new is None else n_new
     size, csize = _size(dtype), _size(cache_dtype or dtype)
     B = len(seq_lens)
@@ -342,13 +349,13 @@ def cost_paged_attention(seq_lens: Sequence[int], q_len: int, q_heads: int, kv_h
             pairs += q_len * (n + n_new)
         else:
             pairs += sum(n + min(n_new, ((n + i) // block_size + 1) * block_size - n) for i in range(q_len))
-    return Cost(nbytes, 4 * head_dim * q_heads * pairs, flop_kind)
+    return Cost(nbytes, 4 * head_dim * q_heads * pairs, flop_kind or attention_flop_kind(dtype))
 
 
 def cost_block_sparse_attention(q_shape: Sequence[int], kv_heads: int, k_len: int, kv_num_blocks: torch.Tensor,
                                 kv_indices: torch.Tensor, *, q_block_size: int, kv_block_size: int,
                                 dtype: torch.dtype = torch.bfloat16, kv_len: Sequence[int] | None = None,
-                                paged: bool = False, table_itemsize: int = 4, flop_kind: str = "tf32") -> Cost:
+                                paged: bool = False, table_itemsize: int = 4, flop_kind: str | None = None) -> Cost:
     """`block_sparse_attention` (`block_sparse_attention_kernel`) for q `[B, Hq, Lq, D]` over K/V of
     `k_len` positions (paged: the logical capacity, block table width × kv_block_size) and the
     block lists (`kv_num_blocks` `[B, Hq, n_q_blocks]`, `kv_indices` `[B, Hq, n_q_blocks, max]`,
@@ -356,7 +363,8 @@ def cost_block_sparse_attention(q_shape: Sequence[int], kv_heads: int, k_len: in
     listed for each (sequence, KV head) — over its query heads and query blocks — read once
     (positions ≥ kv_len or k_len never); the counts and the listed index entries read once per
     distinct list in memory (lists shared through stride 0 count once), and with `paged` one block
-    table entry (`table_itemsize`) per listed block. Flops: 4·D per (query row, listed key position) pair, TF32."""
+    table entry (`table_itemsize`) per listed block. Flops: 4·D per (query row, listed key position)
+    pair, of `attention_flop_kind(dtype)` unless `flop_kind` says otherwise."""
     B, Hq, Lq, D = q_shape
     size = _size(dtype)
     group = Hq // kv_heads
@@ -393,7 +401,7 @@ def cost_block_sparse_attention(q_shape: Sequence[int], kv_heads: int, k_len: in
     nbytes += 2 * size * kv_positions * D
     nbytes += kv_indices.element_size() * sum(lists.values()) + kv_num_blocks.element_size() * len(seen_counts)
     nbytes += table_itemsize * table_entries
-    return Cost(nbytes, 4 * D * pairs, flop_kind)
+    return Cost(nbytes, 4 * D * pairs, flop_kind or attention_flop_kind(dtype))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,7 +24,8 @@ A query attending to nothing outputs zeros (FlexAttention's convention), never N
 The kernel: one program per (query block, b·Hq + h, BLOCK_M rows of the block) loads its queries
 once and walks its index list in tiles of ENTRIES list entries × BLOCK_W positions, reading K/V
 rows in place from the block id (through the block table when paged) with an online softmax in
-float32; nothing is gathered. Index arithmetic is int64. Configurations are a plain function of
+float32 (q·kᵀ and p·v as bf16 / fp16 MMAs when q, k and v share that dtype, accumulated in float32:
+`paged.low_precision_dot`); nothing is gathered. Index arithmetic is int64. Configurations are a plain function of
 the shape (`block_sparse_config`), never autotuned.
 
 `block_sparse_attention` is the dispatcher: Triton on CUDA (or with `REMASK_TRITON=1`), the torch
@@ -35,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import HAS_TRITON, next_power_of_2, use_triton
+from .paged import low_precision_dot
 from .sparse_attention_ref import block_sparse_attention_torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -45,7 +47,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     # The online-softmax update over a tile of keys is the paged-attention kernel's (one copy).
-    from .paged import _attend_tile
+    from .paged import _attend_tile, _load_q, _mma_operand
 
     @triton.jit
     def block_sparse_attention_kernel(
@@ -60,6 +62,7 @@ if HAS_TRITON:
         Hq, Lq, D, Q_BLOCK, KV_BLOCK, MAX_ENTRIES, N_KV_BLOCKS, KV_LIMIT, scale,
         GROUP: tl.constexpr, PAGED: tl.constexpr, HAS_KV_LEN: tl.constexpr,
         BLOCK_M: tl.constexpr, ENTRIES: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
+        LOW_PRECISION_DOT: tl.constexpr,
     ):
         """Program (query block i, b·Hq + h, row chunk c).
 
@@ -79,8 +82,8 @@ if HAS_TRITON:
         row_ok = (in_block < Q_BLOCK) & (rows < Lq)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
-        q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32) * scale
+        q, qk_scale = _load_q(q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qm + d[None, :],
+                              row_ok[:, None] & d_ok[None, :], scale, LOW_PRECISION_DOT)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -115,10 +118,12 @@ if HAS_TRITON:
                 valid = listed & (within < KV_BLOCK) & (blk * KV_BLOCK + within < limit)
                 row_off = base * stride_kblk + within * stride_kn
                 tile = valid[:, None] & d_ok[None, :]
-                k = tl.load(k_base + row_off[:, None] + d[None, :], mask=tile, other=0.0).to(tl.float32)
+                k = _mma_operand(tl.load(k_base + row_off[:, None] + d[None, :], mask=tile, other=0.0),
+                                 LOW_PRECISION_DOT)
                 row_off = base * stride_vblk + within * stride_vn
-                v = tl.load(v_base + row_off[:, None] + d[None, :], mask=tile, other=0.0).to(tl.float32)
-                m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc)
+                v = _mma_operand(tl.load(v_base + row_off[:, None] + d[None, :], mask=tile, other=0.0),
+                                 LOW_PRECISION_DOT)
+                m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale)
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(o_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + d[None, :],
@@ -130,12 +135,22 @@ def block_sparse_config(q_block_size: int, kv_block_size: int, D: int) -> dict[s
 
     BLOCK_W ≥ kv_block_size (capped at 64: wider blocks are walked in passes) and ENTRIES list
     entries per tile, so a tile always holds 64 key positions whatever the block size (tl.dot
-    wants ≥ 16, token-level lists would otherwise run one key per step, and a wider fp32 tile
-    only adds register pressure). BLOCK_M covers the query block up to 64 rows; larger query
-    blocks are split over the grid's third axis."""
+    wants ≥ 16, token-level lists would otherwise run one key per step, and a wider tile only
+    adds register pressure). BLOCK_M covers the query block up to 64 rows; larger query blocks
+    are split over the grid's third axis."""
     block_w = min(64, next_power_of_2(kv_block_size))
     return dict(BLOCK_M=min(64, max(16, next_power_of_2(q_block_size))), ENTRIES=max(1, 64 // block_w),
                 BLOCK_W=block_w, BLOCK_D=max(16, next_power_of_2(D)))
+
+
+def block_sparse_launch_options(cfg: dict[str, int]) -> dict[str, int]:
+    """`num_warps` / `num_stages` for a `block_sparse_config` (they change no result). A 64-row
+    tile runs on 8 warps with a 2-stage pipeline: at 4 warps, or with the default 3 stages (the
+    next 64-key K/V tiles prefetched into registers, one list entry per tile), it spills at D = 128
+    (and at D = 64 on sm_80) — `python -m remask.kernels.aot`. Smaller tiles keep 4 warps, 3 stages."""
+    if cfg["BLOCK_M"] >= 64:
+        return dict(num_warps=8, num_stages=2)
+    return dict(num_warps=4)
 
 
 def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num_blocks: torch.Tensor,
@@ -186,7 +201,9 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         *bt_strides,
         out.stride(0), out.stride(1), out.stride(2),
         Hq, Lq, D, q_block_size, kv_block_size, kv_indices.shape[3], n_kv_blocks, kv_limit, scale,
-        GROUP=Hq // h_kv, PAGED=paged, HAS_KV_LEN=kv_len is not None, **cfg)
+        GROUP=Hq // h_kv, PAGED=paged, HAS_KV_LEN=kv_len is not None,
+        LOW_PRECISION_DOT=low_precision_dot(block_sparse_attention_kernel, q, k, v),
+        **block_sparse_launch_options(cfg), **cfg)
     return out
 
 

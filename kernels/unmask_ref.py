@@ -5,6 +5,8 @@ loop over `torch.topk`, the baseline of the benchmarks.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -26,15 +28,18 @@ def _first_true(flags: torch.Tensor) -> torch.Tensor:
     return flags & (torch.cumsum(flags, dim=1) == 1)
 
 
-def select_top(scores: torch.Tensor, mask: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+def select_top(scores: torch.Tensor, mask: torch.Tensor, limit: torch.Tensor,
+               ordered: torch.Tensor | None = None) -> torch.Tensor:
     """The `limit[b]` (≤ masked count) highest-scoring masked positions of each row, the lower
-    index first among equal scores; `scores` is −inf off the mask. One `topk` for the values, then
-    the positions tied with the last value taken are filled in index order."""
-    k_max = int(limit.max()) if limit.numel() else 0  # a host read; this is the CPU path
-    if k_max == 0:
+    index first among equal scores; `scores` is −inf off the mask. The value of the last one taken
+    comes from the row sorted in descending order (`ordered`, as `torch.topk` ranks: NaN first),
+    then the positions tied with it are filled in index order. No host read: the sort is over the
+    whole row rather than a `topk` of the largest budget."""
+    if ordered is None:
+        ordered = torch.sort(scores, dim=1, descending=True).values
+    if scores.shape[1] == 0:
         return torch.zeros_like(mask)
-    values = torch.topk(scores, k_max, dim=1).values
-    last = values.gather(1, (limit - 1).clamp_min(0))
+    last = ordered.gather(1, (limit - 1).clamp_min(0))
     above = mask & (scores > last)
     tied = mask & (scores == last)
     quota = limit - above.sum(dim=1, keepdim=True)
@@ -53,27 +58,42 @@ def unmask_torch(x: torch.Tensor, mask: torch.Tensor, x0: torch.Tensor, conf: to
     rank r ≥ 1 whose confidence is below 1 − f/(r + 2), and all n when there is none or it is the
     last one (the reference's quirk).
 
-    Returns the per-row number committed (int64 `[B]`).
+    No host synchronisation (one sort of each row instead of a `topk` of the largest budget), so a
+    step that commits through it runs ahead of the device. Returns the per-row number committed
+    (int64 `[B]`).
     """
     B, L = conf.shape
     scores = torch.where(mask, conf, -torch.inf)
+    ordered = torch.sort(scores, dim=1, descending=True).values
     n = mask.sum(dim=1, keepdim=True)
-    limit = n if k is None else torch.minimum(n, k.reshape(B, 1).to(torch.long).clamp_min(0))
+    limit = n if k is None else torch.minimum(n, k.reshape(B, 1).clamp_min(0))
     if factor is not None:
-        ranked = torch.topk(scores, int(n.max()), dim=1).values.to(torch.float64) if L else scores
-        rank = torch.arange(ranked.shape[1], device=conf.device)[None]
-        thresholds = rule_thresholds(conf.dtype, L, conf.device, factor=factor)[:ranked.shape[1]]
+        ranked = ordered.to(torch.float64)
+        rank = _positions(L, conf.device)[None]
+        thresholds = rule_thresholds(conf.dtype, L, conf.device, factor=factor)
         fails = (rank >= 1) & (rank < n) & (ranked < thresholds)
-        first_fail = torch.where(fails, rank, n).amin(dim=1, keepdim=True) if ranked.shape[1] else n
+        first_fail = torch.where(fails, rank, n).amin(dim=1, keepdim=True) if L else n
         limit = torch.where(first_fail >= n - 1, n, first_fail)
-    selected = select_top(scores, mask, limit)
+    selected = select_top(scores, mask, limit, ordered)
     if threshold is not None:
-        tau = rule_thresholds(conf.dtype, 1, conf.device, threshold=threshold)
+        tau = _threshold(conf.dtype, conf.device, threshold)
         best = _first_true(mask & (scores == scores.amax(dim=1, keepdim=True)))
         selected &= best | (conf.to(torch.float64) >= tau)
     x.copy_(torch.where(selected, x0, x))
     mask.masked_fill_(selected, False)
     return selected.sum(dim=1)
+
+
+@functools.lru_cache(maxsize=64)
+def _threshold(conf_dtype: torch.dtype, device: torch.device, threshold: float) -> torch.Tensor:
+    """`rule_thresholds` for a threshold, made once per (dtype, device, τ) rather than every step."""
+    return rule_thresholds(conf_dtype, 1, device, threshold=threshold)
+
+
+@functools.lru_cache(maxsize=64)
+def _positions(length: int, device: torch.device) -> torch.Tensor:
+    """0 … length−1 as int64 on `device` (made once per length)."""
+    return torch.arange(length, device=device)
 
 
 def unmask_reference_loop(x: torch.Tensor, mask: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor,

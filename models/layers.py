@@ -91,13 +91,25 @@ def forward_positions(batch: int, length: int, device, head_dim: int, theta: flo
     if use_cache and past_key_values is None:
         past_key_values = KVCache()
     past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+    # Where the cache is written, as a Python int. A caller that knows it sets `write_start` on
+    # the cache (read once here), so the step does not read `cache_position` back from the device.
+    write_start = getattr(past_key_values, "write_start", None)
+    if write_start is not None:
+        past_key_values.write_start = None
     if cache_position is None:
+        start, end = past_len, past_len + length
         cache_position = torch.arange(past_len, past_len + length, device=device)
+    elif past_key_values is None:
+        start, end = 0, length     # no cache: nothing is written
+    elif write_start is not None:
+        start, end = write_start, write_start + length   # the caller's contiguous range
+    else:
+        start, end = int(cache_position[0]), int(cache_position[-1]) + 1   # may not be contiguous (dKV)
     if position_ids is None:
         position_ids = cache_position[None].expand(batch, length)
     cos, sin = rope_cos_sin(position_ids, head_dim, theta)
-    k_len = max(past_len, int(cache_position[-1]) + 1) if past_key_values is not None else length
-    return ForwardPositions(past_key_values, int(cache_position[0]), cos, sin, k_len)
+    k_len = max(past_len, end) if past_key_values is not None else length
+    return ForwardPositions(past_key_values, start, cos, sin, k_len)
 
 
 @torch.no_grad()

@@ -9,6 +9,8 @@ formulations, log-likelihoods) calls `full_logits`, the one place that gathers.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 VOCAB_PARALLEL = "vocab_parallel"
@@ -27,6 +29,7 @@ def register_tp_styles() -> None:
             input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False))
 
 
+@functools.cache
 def _dtensor_type():
     try:
         from torch.distributed.tensor import DTensor

@@ -236,3 +236,13 @@ def test_bench_cases_carry_bounds_and_the_report_prints_them(tmp_path):
     rows = [line for line in section.splitlines() if line.startswith("| ") and "×" in line and "case" not in line]
     assert len(rows) == len(FAST_CASES), section
     assert "A100-SXM4-80GB" in section and "H100-SXM5-80GB" in section and "On a CPU the ratios" in section
+
+
+def test_attention_flops_are_bf16_for_16_bit_inputs_and_tf32_for_float32():
+    """The attention kernels' MMAs: bf16 / fp16 operands as they are, float32 as TF32 (the gate's SASS)."""
+    for dtype, kind in ((torch.bfloat16, "bf16"), (torch.float16, "bf16"), (torch.float32, "tf32")):
+        assert rl.cost_paged_attention([3, 5], 2, 2, 1, 4, dtype, page_size=4).flop_kind == kind
+        num = torch.ones(1, 1, 1, dtype=torch.int32)
+        idx = torch.zeros(1, 1, 1, 1, dtype=torch.int32)
+        assert rl.cost_block_sparse_attention((1, 1, 2, 4), 1, 4, num, idx, q_block_size=2, kv_block_size=4,
+                                              dtype=dtype).flop_kind == kind

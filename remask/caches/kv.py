@@ -37,6 +37,9 @@ class KVCache:
     def __init__(self) -> None:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        # The first position the next forward writes, when its caller knows it as a Python int;
+        # the model reads it (once) instead of `cache_position[0]`, a host sync per forward.
+        self.write_start: int | None = None
 
     def get_seq_length(self, layer: int = 0) -> int:
         return self.keys[layer].shape[-2] if layer < len(self.keys) else 0

@@ -37,6 +37,8 @@ class LLM:
     admitted sequence at full length; fewer pages preempt and recompute). `quantization`: "int8"
     (torchao weight-only) or a transformers quantization config, for a name or folder. `batch_invariant`: every request's tokens independent of its batch-mates (see
     `remask.engine.batch_invariant`). `seed`: the seed of requests without their own.
+    `cuda_graphs`: replay CUDA graphs for the uncached full diffusion forwards (model on CUDA only;
+    see `remask.engine.cuda_graphs`).
     """
 
     def __init__(self, model: str | torch.nn.Module, tokenizer: Any = None, *, dtype: torch.dtype | None = None,
@@ -44,7 +46,7 @@ class LLM:
                  max_num_batched_tokens: int = 16384, kv_cache_pages: int | None = None,
                  kv_cache_memory_fraction: float | None = None, page_size: int = 16,
                  enable_prefix_caching: bool = True, batch_invariant: bool = True, seed: int = 0,
-                 quantization: Any = None, max_request_bytes: int | None = None) -> None:
+                 quantization: Any = None, max_request_bytes: int | None = None, cuda_graphs: bool = False) -> None:
         if isinstance(model, torch.nn.Module):
             if dtype is not None or device is not None or quantization is not None:
                 raise ValueError("dtype / device / quantization apply when LLM loads the model; prepare a loaded "
@@ -60,7 +62,7 @@ class LLM:
                                 max_num_batched_tokens=max_num_batched_tokens, kv_cache_pages=kv_cache_pages,
                                 kv_cache_memory_fraction=kv_cache_memory_fraction, page_size=page_size,
                                 enable_prefix_caching=enable_prefix_caching, batch_invariant=batch_invariant,
-                                seed=seed, max_request_bytes=max_request_bytes)
+                                seed=seed, max_request_bytes=max_request_bytes, cuda_graphs=cuda_graphs)
         self._counter = 0
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -66,7 +66,7 @@ class LLMEngine:
                  max_num_batched_tokens: int = 16384, kv_cache_pages: int | None = None,
                  kv_cache_memory_fraction: float | None = None, page_size: int = 16,
                  enable_prefix_caching: bool = True, batch_invariant: bool = True, seed: int = 0,
-                 max_request_bytes: int | None = None, cost_stride: bool = True) -> None:
+                 max_request_bytes: int | None = None, cost_stride: bool = True, cuda_graphs: bool = False) -> None:
         self.state = EngineState.LOADING
         check_int("max_num_seqs", max_num_seqs, minimum=1)
         check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
@@ -79,6 +79,7 @@ class LLMEngine:
         check_int("seed", seed, minimum=0)
         check_int("max_request_bytes", max_request_bytes, minimum=1, allow_none=True)
         check_bool("cost_stride", cost_stride)
+        check_bool("cuda_graphs", cuda_graphs)
         self.model, self.tokenizer, self.seed = model.eval(), tokenizer, seed
         self.spec = get_spec(model)
         self.family = family_of(getattr(model.config, "model_type", ""))
@@ -87,7 +88,10 @@ class LLMEngine:
         self.pages = self._page_manager(max_num_seqs, max_num_batched_tokens, kv_cache_pages,
                                         kv_cache_memory_fraction, page_size, enable_prefix_caching)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.pages, cost_stride)
-        self.runner = ModelRunner(model, self.spec, batch_invariant, self.pages)
+        # cuda_graphs: uncached full diffusion forwards replay CUDA graphs (engine/cuda_graphs.py);
+        # refused (ValueError) for a model off CUDA
+        self.runner = ModelRunner(model, self.spec, batch_invariant, self.pages, cuda_graphs=cuda_graphs,
+                                  max_num_seqs=max_num_seqs)
         self._generator_bytes = torch.Generator(device=self.device).get_state().numel()
         # Admission's memory budget per request (`request_bytes`). Default: one full step at this
         # engine's own limits (max_num_batched_tokens positions, with a cache and CFG) plus the

@@ -14,18 +14,22 @@ the same step. Each sequence commits its own tokens with its own rule and genera
 (`BlockDecoder.commit`, `DreamDecoder.commit`): no sampling rule lives here.
 
 With `batch_invariant` each sequence's rows are computed with the shapes they have alone
-(`batch_invariant.py`). A failure inside one sequence's forward or commit fails that sequence
+(`batch_invariant.py`). With `cuda_graphs` the uncached full forwards (LLaDA's and Dream's
+`("full", T)` key) replay a CUDA graph captured per batch bucket and length (`cuda_graphs.py`);
+every other forward runs eagerly. A failure inside one sequence's forward or commit fails that sequence
 only (`failed`); a failed shared forward fails the sequences that shared it.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from remask.models.spec import ModelSpec
 
+from . import cuda_graphs as graphing
 from .batch_invariant import batch_invariant_linear
 from .page_manager import PageManager
 from .paged_kv import ForwardBatch, PagedKVStore, SequenceSlice, attention_configs, paged_forward
@@ -45,7 +49,7 @@ class ARRow:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, batch_invariant: bool = True,
-                 pages: PageManager | None = None) -> None:
+                 pages: PageManager | None = None, cuda_graphs: bool = False, max_num_seqs: int = 64) -> None:
         self.model, self.spec, self.batch_invariant = model, spec, batch_invariant
         self.device = next(model.parameters()).device
         self.forwards = 0      # model calls, for the benchmark
@@ -53,6 +57,9 @@ class ModelRunner:
         self.store = PagedKVStore(pages) if pages is not None else None
         self.attention_configs = attention_configs(model) if pages is not None else []
         self.unshared_pages = 0   # shared prompt pages found to differ and made private
+        # make_backend refuses a model off CUDA (ValueError naming cuda_graphs)
+        self.graphs = graphing.GraphedForward(graphing.make_backend(self.device), max_num_seqs) \
+            if cuda_graphs else None
 
     def _invariant(self, batch: int, token_groups=None):
         return batch_invariant_linear(self.batch_invariant and batch > 1, single_thread=self.device.type == "cpu",
@@ -78,20 +85,51 @@ class ModelRunner:
                     self._own_step(seq)
             except Exception as err:  # noqa: BLE001 - one request's failure must not stop the others
                 failed[seq] = f"{type(err).__name__}: {err}"
-        for group in shared.values():
+        for (_, key), group in shared.items():
             try:
-                with self._invariant(len(group)):
-                    logits, fed = group[0].decoder.forward_shared(self.model, [seq.state for seq in group])
+                logits, fed = self._forward_shared(key, group)
                 self.forwards += 1
             except Exception as err:  # noqa: BLE001
                 failed.update({seq: f"{type(err).__name__}: {err}" for seq in group})
                 continue
-            for i, seq in enumerate(group):
-                try:
-                    seq.decoder.commit(seq.state, logits[i:i + 1], fed, seq.generator, seq.stats)
-                except Exception as err:  # noqa: BLE001
-                    failed[seq] = f"{type(err).__name__}: {err}"
+            self._commit(group, logits, fed, failed)
         return failed
+
+    def _commit(self, group: list[Sequence], logits: torch.Tensor, fed: int, failed: dict[Sequence, str]) -> None:
+        """Each sequence of a shared forward commits from its row of `logits`. Decoders that say
+        their commits batch (equal `commit_key`) commit together in one call (`commit_shared`:
+        one scoring and one selection for the lot, row by row as each alone); the rest alone."""
+        batched: dict[Any, list[int]] = defaultdict(list)
+        for i, seq in enumerate(group):
+            commit_key = getattr(seq.decoder, "commit_key", None)
+            key = commit_key() if commit_key is not None else None
+            batched[key if key is not None else ("alone", i)].append(i)
+        for key, rows in batched.items():
+            if len(rows) > 1:
+                members = [group[i] for i in rows]
+                try:
+                    members[0].decoder.commit_shared([seq.decoder for seq in members], [seq.state for seq in members],
+                                                     logits, rows, fed, [seq.stats for seq in members])
+                except Exception as err:  # noqa: BLE001
+                    failed.update({seq: f"{type(err).__name__}: {err}" for seq in members})
+                continue
+            seq = group[rows[0]]
+            try:
+                seq.decoder.commit(seq.state, logits[rows[0]:rows[0] + 1], fed, seq.generator, seq.stats)
+            except Exception as err:  # noqa: BLE001
+                failed[seq] = f"{type(err).__name__}: {err}"
+
+    def _forward_shared(self, key: tuple, group: list[Sequence]) -> tuple[torch.Tensor, Any]:
+        decoder, states = group[0].decoder, [seq.state for seq in group]
+        # A decoder whose next forward is a pure function of one static-shape input says so
+        # (`static_forward`: the uncached full forwards); that forward replays a CUDA graph.
+        static = getattr(decoder, "static_forward", None) if self.graphs is not None else None
+        graphable = static(self.model, states) if static is not None else None
+        if graphable is not None:
+            x, forward, name = graphable
+            return self.graphs(x, forward, key=(type(decoder).__name__, *name), context=self._invariant), 0
+        with self._invariant(len(group)):
+            return decoder.forward_shared(self.model, states)
 
     def _own_step(self, seq: Sequence) -> None:
         seq.decoder.step(self.model, seq.state, seq.generator, seq.stats)
