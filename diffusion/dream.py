@@ -33,6 +33,7 @@ from .checks import (check_bool, check_callable, check_choice, check_generator, 
 from remask.kernels import unmask
 from remask.models.parallel import full_logits
 
+from .varlen import segmented_logits
 from .scoring import score_rows, score_tokens
 from .sparse import BlockMaskForward, RetentionForward, SparseConfig
 from .stats import GenerationStats
@@ -469,6 +470,18 @@ class DreamDecoder:
 
     def forward_shared(self, model: torch.nn.Module, states: list[DreamState]) -> tuple[torch.Tensor, int]:
         return self.spec.logits(model, torch.cat([s.x for s in states]), **states[0].forward_inputs), 0
+
+    def varlen_forward_key(self, state: DreamState) -> tuple | None:
+        """Equal for states whose next forwards one segmented forward can serve whatever their
+        lengths (`diffusion/varlen.py`): no cache, the same row-independent inputs, a model that
+        runs segmented forwards; None otherwise."""
+        key = self.shared_forward_key(state)
+        return None if key is None or not self.spec.segmented else ("full", *key[2:])
+
+    def forward_varlen(self, model: torch.nn.Module, states: list[DreamState]) -> tuple[torch.Tensor, list[int]]:
+        """The next forwards of `states` (one `varlen_forward_key`) as one segmented forward:
+        (logits `[1, ΣT, V]`, each state's first row), each over its whole canvas."""
+        return segmented_logits(self.spec, model, [s.x for s in states], **states[0].forward_inputs)
 
     def static_forward(self, model: torch.nn.Module, states: list[DreamState]):
         """`forward_shared` as (input `[G, T]`, a function of an input of that shape alone, a key

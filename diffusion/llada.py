@@ -27,6 +27,7 @@ from .checks import (CombinationError, check_bool, check_callable, check_choice,
                      check_token_id, warn_if_longer_than_trained, warn_if_padded_without_mask)
 from remask.kernels import unmask
 
+from .varlen import segmented_logits
 from .scoring import score_rows, score_tokens
 from .selection import schedule_counts, topk_commit
 from .stats import GenerationStats
@@ -239,6 +240,19 @@ class BlockDecoder:
         return BlockForward.run_shared([s.forwards for s in states], [s.x for s in states], start, end,
                                        refresh=states[0].step == 0)
 
+    def varlen_forward_key(self, state: BlockState) -> tuple | None:
+        """Equal for states whose next forwards one segmented forward can serve whatever their
+        lengths (`diffusion/varlen.py`): the whole canvas with no cache, on a model that runs
+        segmented forwards; None otherwise."""
+        if not self.spec.segmented or self.shared_forward_key(state) != ("full", state.x.shape[1]):
+            return None
+        return ("full",)
+
+    def forward_varlen(self, model: torch.nn.Module, states: list[BlockState]) -> tuple[torch.Tensor, list[int]]:
+        """The next forwards of `states` (one `varlen_forward_key`) as one segmented forward:
+        (logits `[1, ΣT, V]`, each state's first row); each covers its whole canvas from position 0."""
+        return segmented_logits(self.spec, model, [s.x for s in states])
+
     def static_forward(self, model: torch.nn.Module, states: list[BlockState]):
         """The next shared forward of `states` as (input `[G, T]`, a function of an input of that
         shape alone, a key naming that function) when it is one (no cache: the whole canvas from
@@ -338,16 +352,19 @@ class BlockDecoder:
 
     @staticmethod
     def commit_shared(decoders: list["BlockDecoder"], states: list[BlockState], logits: torch.Tensor,
-                      rows: list[int], fed: int, stats: list[GenerationStats | None]) -> None:
-        """`decoders[i].commit(states[i], logits[rows[i]:rows[i] + 1], fed, stats=stats[i])` for
-        every i, in one scoring call and one unmask over the stacked blocks (decoders of one
-        `commit_key`, states of one row each). Scoring and selection work row by row, so each
-        row's tokens are its own commit's; a parallel rule's "block over?" is one host read for
-        the group rather than one per state."""
+                      first_rows: list[int], lengths: list[int], fed: int,
+                      stats: list[GenerationStats | None]) -> None:
+        """`decoders[i].commit(states[i], <its logits>, fed, stats=stats[i])` for every i, in one
+        scoring call and one unmask over the stacked blocks (decoders of one `commit_key`, states
+        of one row each). State i's logits are the `lengths[i]` rows of `logits` (`[..., V]`, seen
+        flat as `[N, V]`) from flat row `first_rows[i]` on: a stacked forward's `[G, L, V]` (row i·L)
+        or a segmented one's `[1, ΣT, V]`. Scoring and selection work row by row, so each row's
+        tokens are its own commit's; a parallel rule's "block over?" is one host read for the group
+        rather than one per state."""
         head = decoders[0]
-        mask_id, L, block = head.spec.mask_id, logits.shape[1], head.block_length
+        mask_id, block = head.spec.mask_id, head.block_length
         spans = [d.block_span(s) for d, s in zip(decoders, states)]
-        first = torch.tensor([r * L + start - fed for r, (start, _) in zip(rows, spans)], device=logits.device)
+        first = torch.tensor([r + start - fed for r, (start, _) in zip(first_rows, spans)], device=logits.device)
         flat_rows = (first[:, None] + torch.arange(block, device=logits.device)).reshape(-1)
         x0, conf = score_rows(logits, flat_rows, suppress_ids=head.suppress, zero_prob_ids=head.zero_prob_ids,
                               exclude_id=mask_id, rows_in_bounds=True)
@@ -366,7 +383,7 @@ class BlockDecoder:
         for i, (decoder, state, (start, end)) in enumerate(zip(decoders, states, spans)):
             state.x[:, start:end] = block_x[i:i + 1]
             if stats[i] is not None:
-                stats[i].forward(1, L, state.forwards.cache_nbytes)
+                stats[i].forward(1, lengths[i], state.forwards.cache_nbytes)
                 stats[i].step(committed[i])
             state.step += 1
             if (not left[i]) if decoder.parallel else state.step == decoder.steps_per_block:

@@ -188,6 +188,7 @@ def dream_spec(config: DreamConfig) -> ModelSpec:
         logit_shift=True,
         attention="bidirectional",
         trained_gen_length=getattr(config, "trained_gen_length", None),
+        segmented=True,       # attention through `cache.attend`, positions from `position_ids`
         _inputs=dream_inputs,
     )
 

@@ -191,6 +191,7 @@ def llada_spec(config: LLaDAConfig) -> ModelSpec:
         logit_shift=False,
         attention="bidirectional",
         trained_gen_length=getattr(config, "trained_gen_length", None),
+        segmented=True,       # attention through `cache.attend`, positions from `position_ids`
         _inputs=padding_mask_inputs,   # the 2-D padding mask; RoPE positions stay absolute (0..L-1)
     )
 

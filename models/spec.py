@@ -26,6 +26,9 @@ class ModelSpec:
     (random tokens re-drawn from the vocabulary: DiffusionGemma; `mask_id` is None). layout:
     ``"decoder-only"`` or ``"encoder-decoder"`` (an encoder writes the cache, a decoder denoises a
     canvas against it). block_length: the model's fixed canvas, where it has one.
+    segmented: the model attends through the KV-cache seam (`cache.attend`) and takes
+    `position_ids`, so one flat forward `[1, ΣT]` can hold several sequences, each attending only
+    to itself (`remask.diffusion.varlen`).
     """
 
     kind: str
@@ -41,6 +44,7 @@ class ModelSpec:
     noise: str = "mask"
     layout: str = "decoder-only"
     block_length: int | None = None
+    segmented: bool = False
     _inputs: Callable[["ModelSpec", torch.Tensor | None, int], dict[str, Any]] = field(
         default=None, repr=False, compare=False)
 

@@ -49,8 +49,10 @@ def test_each_row_commits_what_its_own_commit_would(tiny, rule):
                 decoders[i].commit(alone[j], logits[j:j + 1], 0, stats=alone_stats[j])
             stats = [GenerationStats() for _ in live]
             with SyncCounter() as counter:
-                BlockDecoder.commit_shared([decoders[i] for i in live], [states[i] for i in live], logits,
-                                           list(range(len(live))), 0, stats)
+                L = logits.shape[1]
+                BlockDecoder.commit_shared([decoders[i] for i in live], [states[i] for i in live],
+                                           logits.reshape(-1, logits.shape[-1]), [j * L for j in range(len(live))],
+                                           [L] * len(live), 0, stats)
             assert counter.total <= 1       # one host read for the whole group (a parallel rule's)
             for j, i in enumerate(live):
                 assert torch.equal(states[i].x, alone[j].x), (rule, steps, i)

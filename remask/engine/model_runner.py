@@ -29,6 +29,8 @@ import torch
 
 from remask.models.spec import ModelSpec
 
+from remask.diffusion import varlen
+
 from . import cuda_graphs as graphing
 from .batch_invariant import batch_invariant_linear
 from .page_manager import PageManager
@@ -57,6 +59,10 @@ class ModelRunner:
         self.store = PagedKVStore(pages) if pages is not None else None
         self.attention_configs = attention_configs(model) if pages is not None else []
         self.unshared_pages = 0   # shared prompt pages found to differ and made private
+        # diffusion forwards of different lengths in one segmented forward (diffusion/varlen.py);
+        # off with batch invariance, where per-length linears over the flat layout measured slower
+        # than stacking each length (the tokens are the same either way)
+        self.segmented_forwards = not batch_invariant
         # make_backend refuses a model off CUDA (ValueError naming cuda_graphs)
         self.graphs = graphing.GraphedForward(graphing.make_backend(self.device), max_num_seqs) \
             if cuda_graphs else None
@@ -78,8 +84,16 @@ class ModelRunner:
                 if seq.state is None:
                     seq.stats.start()
                     seq.state = seq.decoder.start(self.model, seq.prompt_ids)
+                # Forwards of different lengths share one segmented forward where the decoder
+                # says so (`segmented_forwards`, not with graphs: static shapes); otherwise those
+                # of one key and length stack.
+                varlen = getattr(seq.decoder, "varlen_forward_key", None) \
+                    if self.graphs is None and self.segmented_forwards else None
+                varlen_key = varlen(seq.state) if varlen is not None else None
                 key = seq.decoder.shared_forward_key(seq.state)
-                if key is not None:
+                if varlen_key is not None:
+                    shared[type(seq.decoder), ("varlen", *varlen_key)].append(seq)
+                elif key is not None:
                     shared[type(seq.decoder), key].append(seq)
                 else:
                     self._own_step(seq)
@@ -87,18 +101,21 @@ class ModelRunner:
                 failed[seq] = f"{type(err).__name__}: {err}"
         for (_, key), group in shared.items():
             try:
-                logits, fed = self._forward_shared(key, group)
+                logits, fed, first_rows, lengths = self._forward_shared(key, group)
                 self.forwards += 1
             except Exception as err:  # noqa: BLE001
                 failed.update({seq: f"{type(err).__name__}: {err}" for seq in group})
                 continue
-            self._commit(group, logits, fed, failed)
+            self._commit(group, logits, fed, first_rows, lengths, failed)
         return failed
 
-    def _commit(self, group: list[Sequence], logits: torch.Tensor, fed: int, failed: dict[Sequence, str]) -> None:
-        """Each sequence of a shared forward commits from its row of `logits`. Decoders that say
-        their commits batch (equal `commit_key`) commit together in one call (`commit_shared`:
-        one scoring and one selection for the lot, row by row as each alone); the rest alone."""
+    def _commit(self, group: list[Sequence], logits: torch.Tensor, fed: int, first_rows: list[int],
+                lengths: list[int], failed: dict[Sequence, str]) -> None:
+        """Each sequence of a shared forward commits from its rows of `logits` (seen flat as
+        `[N, V]`: `lengths[i]` rows from `first_rows[i]`). Decoders that say their commits batch
+        (equal `commit_key`) commit together in one call (`commit_shared`: one scoring and one
+        selection for the lot, row by row as each alone); the rest alone."""
+        flat = logits.reshape(-1, logits.shape[-1])
         batched: dict[Any, list[int]] = defaultdict(list)
         for i, seq in enumerate(group):
             commit_key = getattr(seq.decoder, "commit_key", None)
@@ -109,27 +126,43 @@ class ModelRunner:
                 members = [group[i] for i in rows]
                 try:
                     members[0].decoder.commit_shared([seq.decoder for seq in members], [seq.state for seq in members],
-                                                     logits, rows, fed, [seq.stats for seq in members])
+                                                     flat, [first_rows[i] for i in rows], [lengths[i] for i in rows],
+                                                     fed, [seq.stats for seq in members])
                 except Exception as err:  # noqa: BLE001
                     failed.update({seq: f"{type(err).__name__}: {err}" for seq in members})
                 continue
-            seq = group[rows[0]]
+            i = rows[0]
+            seq = group[i]
             try:
-                seq.decoder.commit(seq.state, logits[rows[0]:rows[0] + 1], fed, seq.generator, seq.stats)
+                own = flat[first_rows[i]:first_rows[i] + lengths[i]][None]
+                seq.decoder.commit(seq.state, own, fed, seq.generator, seq.stats)
             except Exception as err:  # noqa: BLE001
                 failed[seq] = f"{type(err).__name__}: {err}"
 
-    def _forward_shared(self, key: tuple, group: list[Sequence]) -> tuple[torch.Tensor, Any]:
+    def _forward_shared(self, key: tuple, group: list[Sequence]) -> tuple[torch.Tensor, int, list[int], list[int]]:
+        """The group's one forward: (logits, first fed position, each sequence's first row in the
+        logits seen flat as `[N, V]`, its number of rows)."""
         decoder, states = group[0].decoder, [seq.state for seq in group]
+        lengths = [seq.state.x.shape[1] for seq in group]
+        if key[0] == "varlen" and len(set(lengths)) > 1:
+            # Different lengths: one flat forward, each sequence's linear rows as alone
+            # (`token_groups`), its attention over itself (`diffusion/varlen.py`).
+            with self._invariant(len(group), varlen.token_groups(lengths, self.device)):
+                logits, offsets = decoder.forward_varlen(self.model, states)
+            return logits, 0, offsets, lengths
         # A decoder whose next forward is a pure function of one static-shape input says so
         # (`static_forward`: the uncached full forwards); that forward replays a CUDA graph.
         static = getattr(decoder, "static_forward", None) if self.graphs is not None else None
         graphable = static(self.model, states) if static is not None else None
         if graphable is not None:
             x, forward, name = graphable
-            return self.graphs(x, forward, key=(type(decoder).__name__, *name), context=self._invariant), 0
-        with self._invariant(len(group)):
-            return decoder.forward_shared(self.model, states)
+            logits = self.graphs(x, forward, key=(type(decoder).__name__, *name), context=self._invariant)
+            fed = 0
+        else:
+            with self._invariant(len(group)):
+                logits, fed = decoder.forward_shared(self.model, states)
+        L = logits.shape[1]
+        return logits, fed, [i * L for i in range(len(group))], [L] * len(group)
 
     def _own_step(self, seq: Sequence) -> None:
         seq.decoder.step(self.model, seq.state, seq.generator, seq.stats)
