@@ -317,14 +317,10 @@ class BlockDecoder:
             # What the option was meant to do: commit EOS/EOT only when nothing else is left.
             conf = conf.masked_fill(torch.isin(x0, state.stop_ids), -torch.inf)
         before = block_mask.clone() if on_step is not None else None
-        if self.threshold is not None:
-            committed = unmask(block_x, block_mask, x0, conf, threshold=self.threshold)
-        elif self.factor is not None:
-            committed = unmask(block_x, block_mask, x0, conf, factor=self.factor)
-        elif self.reference_ties:
+        if self.reference_ties and not self.parallel:
             committed = topk_commit(block_x, block_mask, x0, conf, state.schedule[:, state.step], L, local)
         else:
-            committed = unmask(block_x, block_mask, x0, conf, k=state.schedule[:, state.step])
+            committed = self._select(block_x, block_mask, x0, conf, None if self.parallel else state.schedule[:, state.step])
         if on_step is not None:
             transfer = torch.zeros_like(x, dtype=torch.bool)
             transfer[:, start:end] = before & ~block_mask
@@ -372,13 +368,8 @@ class BlockDecoder:
         x0, conf = x0.view(G, block), conf.view(G, block).to(head.precision.softmax or logits.dtype)
         block_x = torch.cat([s.x[:, start:end] for s, (start, end) in zip(states, spans)])
         block_mask = block_x == mask_id
-        if head.threshold is not None:
-            committed = unmask(block_x, block_mask, x0, conf, threshold=head.threshold)
-        elif head.factor is not None:
-            committed = unmask(block_x, block_mask, x0, conf, factor=head.factor)
-        else:
-            k = torch.cat([s.schedule[:, s.step] for s in states])
-            committed = unmask(block_x, block_mask, x0, conf, k=k)
+        committed = head._select(block_x, block_mask, x0, conf,
+                                 None if head.parallel else torch.cat([s.schedule[:, s.step] for s in states]))
         left = block_mask.any(dim=1).tolist() if head.parallel else None   # the group's one host wait
         for i, (decoder, state, (start, end)) in enumerate(zip(decoders, states, spans)):
             state.x[:, start:end] = block_x[i:i + 1]
@@ -388,6 +379,16 @@ class BlockDecoder:
             state.step += 1
             if (not left[i]) if decoder.parallel else state.step == decoder.steps_per_block:
                 decoder._end_block(state, state.x[:, start:end], end)
+
+    def _select(self, block_x: torch.Tensor, block_mask: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor,
+                k: torch.Tensor | None) -> torch.Tensor:
+        """Commit this rule's picks into `block_x` (clearing them in `block_mask`): Fast-dLLM's
+        threshold or factor rule, else the schedule's budget `k` per row; the counts `[B]`."""
+        if self.threshold is not None:
+            return unmask(block_x, block_mask, x0, conf, threshold=self.threshold)
+        if self.factor is not None:
+            return unmask(block_x, block_mask, x0, conf, factor=self.factor)
+        return unmask(block_x, block_mask, x0, conf, k=k)
 
     def _end_block(self, state: BlockState, block_x: torch.Tensor, end: int) -> None:
         if self.early_stop:

@@ -51,10 +51,11 @@ def test_store_scatters_rows_and_skips_minus_one(dtype, H, D, page_size, triton_
     assert int(written.sum()) == int((slots >= 0).sum())   # only the kept slots changed
 
 
+@pytest.mark.parametrize("heads", [(2, 24), (3, 401)])     # H·D = 1203: two column tiles, the last partial
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gather_matches_reference(dtype, triton_path, poisoned_outputs):
+def test_gather_matches_reference(dtype, heads, triton_path, poisoned_outputs):
     gen = torch.Generator().manual_seed(3)
-    page_size, H, D = 6, 2, 24
+    page_size, (H, D) = 6, heads
     table, lens = random_tables(gen, [13, 1, 30, 6], page_size, num_pages=20)
     cache = torch.randn(20, page_size, H, D, generator=gen).to(dtype)
     out = paged_gather(cache, table, lens, max_len=31)

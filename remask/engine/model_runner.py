@@ -90,10 +90,8 @@ class ModelRunner:
                 varlen = getattr(seq.decoder, "varlen_forward_key", None) \
                     if self.graphs is None and self.segmented_forwards else None
                 varlen_key = varlen(seq.state) if varlen is not None else None
-                key = seq.decoder.shared_forward_key(seq.state)
-                if varlen_key is not None:
-                    shared[type(seq.decoder), ("varlen", *varlen_key)].append(seq)
-                elif key is not None:
+                key = ("varlen", *varlen_key) if varlen_key is not None else seq.decoder.shared_forward_key(seq.state)
+                if key is not None:
                     shared[type(seq.decoder), key].append(seq)
                 else:
                     self._own_step(seq)
@@ -143,8 +141,8 @@ class ModelRunner:
         """The group's one forward: (logits, first fed position, each sequence's first row in the
         logits seen flat as `[N, V]`, its number of rows)."""
         decoder, states = group[0].decoder, [seq.state for seq in group]
-        lengths = [seq.state.x.shape[1] for seq in group]
-        if key[0] == "varlen" and len(set(lengths)) > 1:
+        lengths = [state.x.shape[1] for state in states] if key[0] == "varlen" else None
+        if lengths is not None and len(set(lengths)) > 1:
             # Different lengths: one flat forward, each sequence's linear rows as alone
             # (`token_groups`), its attention over itself (`diffusion/varlen.py`).
             with self._invariant(len(group), varlen.token_groups(lengths, self.device)):
