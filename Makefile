@@ -12,7 +12,7 @@ TORCH := torch==2.13.0
 # Both cores: test files run whole on one worker each (module fixtures are built once per file).
 PYTEST := -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
 
-.PHONY: setup demo test test-latest lock bench compiled-report clean
+.PHONY: setup demo test test-portable test-latest lock bench compiled-report gpu-day clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,16 @@ demo: setup
 
 test: setup
 	$(BIN)/python $(PYTEST)
+
+# The reference-fixture tests (marked `reference`) as other CPUs compute them: ATen's AVX2 kernels
+# (what an AVX2-only machine runs, seen from an AVX-512 one) and its scalar ones (`default`, a
+# stand-in for CPUs without x86 SIMD, ARM's included). docs/reference-fixtures.md: the margin rule.
+PORTABLE_CAPABILITIES ?= avx2 default
+test-portable: setup
+	@for cap in $(PORTABLE_CAPABILITIES); do \
+		echo "== ATEN_CPU_CAPABILITY=$$cap"; \
+		ATEN_CPU_CAPABILITY=$$cap $(BIN)/python $(PYTEST) -m "reference or portable" || exit 1; \
+	done
 
 # The newest versions the ranges allow (torch stays the CPU build above), from a fresh environment;
 # the versions it ran with are printed and kept in $(LATEST_VENV)/versions.txt.
@@ -53,6 +63,11 @@ lock:
 bench: setup
 	$(BIN)/python -m pytest bench -q -p no:cacheprovider --benchmark-json=bench/results/latest.json
 	$(BIN)/python bench/report.py bench/results/latest.json
+
+# A lent GPU's first command (docs/benchmarks.md): every part time-boxed, <= 8 minutes on one H100 / H200;
+# report in bench/results/gpu-<device>-<date>.md. GPU_DAY_ARGS=--dry-run runs every part's CPU form.
+gpu-day: setup
+	$(BIN)/python bench/gpu_day.py $(GPU_DAY_ARGS)
 
 # The compiled-code gate (kernels/aot.py): every launched Triton kernel compiled for sm_80/90/100 on
 # this CPU; recompiles what changed, rewrites kernels/aot_results.json and docs/compiled-kernels.md.

@@ -30,8 +30,8 @@ from remask.kernels.canvas import canvas_score, canvas_update
 from remask.models.diffusion_gemma import CanvasModel, require_diffusion_gemma
 from remask.models.hf_compat import with_cache_field
 
-from .checks import (MAX_LOOP_STEPS, ParameterTypeError, check_bool, check_choice, check_generator, check_instance, check_int,
-                     check_real, check_stats)
+from .checks import (MAX_LOOP_STEPS, ParameterTypeError, check_at_most, check_bool, check_choice, check_generator,
+                     check_instance, check_int, check_real, check_stats)
 from .stats import GenerationStats
 from .scoring import draw_seed
 from .step import Decision, apply_decision
@@ -121,6 +121,13 @@ CANVAS_SETTINGS = ("max_denoising_steps", "t_min", "t_max", "entropy_bound", "st
                    "confidence_threshold")
 
 
+def check_stability(stability_threshold: int | None, max_denoising_steps: int, what: str) -> None:
+    """`stability_threshold` (the canvases a stable one must equal, kept as a history of that many):
+    a canvas runs at most `max_denoising_steps` steps, so a larger one never stops a canvas early
+    and only sizes the history (10**9 of them was an out-of-memory kill)."""
+    check_at_most("canvas.stability_threshold", stability_threshold, max_denoising_steps, what)
+
+
 def check_canvas_settings(settings: Any) -> dict[str, Any]:
     """A request's canvas settings: a dict with keys from CANVAS_SETTINGS, each of its type and
     range (transformers' config checks the rest against the checkpoint); returns a copy."""
@@ -139,7 +146,11 @@ def check_canvas_settings(settings: Any) -> dict[str, Any]:
     if "entropy_bound" in out:
         out["entropy_bound"] = float(check_real("canvas.entropy_bound", out["entropy_bound"], low=0, low_open=True))
     if "stability_threshold" in out:
+        # the canvas must equal each of the last `stability_threshold` ones (a history of that many canvases):
+        # never more than a canvas has steps (the checkpoint's max_denoising_steps: checked at the engine)
         check_int("canvas.stability_threshold", out["stability_threshold"], minimum=0, allow_none=True)
+        check_stability(out["stability_threshold"], out.get("max_denoising_steps", MAX_LOOP_STEPS),
+                        "canvas.max_denoising_steps" if "max_denoising_steps" in out else "MAX_LOOP_STEPS")
     if "confidence_threshold" in out:
         check_real("canvas.confidence_threshold", out["confidence_threshold"], low=0, low_open=True, allow_none=True)
     return out

@@ -9,9 +9,11 @@ host sync or two per call, never one per step.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
+import reprlib
 import sys
 import warnings
 from typing import Any, Iterable, Sequence
@@ -68,6 +70,43 @@ SEED_LIMIT = 1 << 64        # torch.Generator.manual_seed takes [0, 2**64) (it w
 MAX_TEMPERATURE = 100.0     # far past uniform sampling already (logits are O(10)); 1e308 is a typo, not a setting
 MAX_LOOP_STEPS = 1024       # loops with no token count to bound them (DiffusionGemma's max_denoising_steps,
                             # default 48; LLaDA2.1's max_post_steps, default 16): ~20x their defaults
+MAX_STOP_STRINGS = 64       # `stop` strings per request: each is searched in every sample's text as it grows
+                            # (OpenAI takes 4; 20,000 of them is a denial of service, not a setting)
+MAX_STOP_LENGTH = 256       # characters per `stop` string: a marker that ends the text, not a document
+
+
+def check_stop(stop: Any) -> tuple[str, ...]:
+    """`stop`: a non-empty string or a list of them, at most MAX_STOP_STRINGS strings of at most
+    MAX_STOP_LENGTH characters each; returns them as a tuple."""
+    strings = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) and s for s in strings):
+        raise ParameterTypeError(f"stop must be a non-empty string or a list of them, got {reprlib.repr(stop)}")
+    if len(strings) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop must hold at most {MAX_STOP_STRINGS} strings (MAX_STOP_STRINGS), got {len(strings)}")
+    longest = max(range(len(strings)), key=lambda i: len(strings[i]), default=None)
+    if longest is not None and len(strings[longest]) > MAX_STOP_LENGTH:
+        raise ValueError(f"stop strings must have at most {MAX_STOP_LENGTH} characters (MAX_STOP_LENGTH); "
+                         f"stop[{longest}] has {len(strings[longest])}")
+    return tuple(strings)
+
+
+def check_at_most(name: str, value: int | None, maximum: int, what: str, default: int | None = None) -> None:
+    """A config's int setting (already checked as an int) at most `maximum`, the largest value that
+    can still change the decoding (`what` names it: "the block length"): past it the setting would
+    act as `maximum` (a silent clamp), so it is refused by name. The config's `default` passes
+    whatever the request (it reads "up to default"): the bound is then max(maximum, default)."""
+    bound = maximum if default is None else max(maximum, default)
+    if value is not None and value > bound:
+        also = "" if bound == maximum else f"; its default {default} always passes"
+        raise ValueError(f"{name} must be <= {maximum} ({what}{also}), got {value}: a larger value acts as {maximum}")
+
+
+def check_config_bounds(config: Any, prefix: str, bounds: dict[str, tuple[int, str]]) -> None:
+    """`check_at_most` for fields of a dataclass config, `bounds` mapping each field to (maximum,
+    what the maximum is); errors name ``prefix.field`` (`decoder.draft_steps`)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    for field, (maximum, what) in bounds.items():
+        check_at_most(f"{prefix}.{field}", getattr(config, field), maximum, what, defaults[field])
 
 
 def check_seed(seed: Any, n: int = 1) -> int | None:

@@ -42,7 +42,8 @@ import torch
 from remask.caches.kv import KVCache
 from remask.models.spec import get_spec
 
-from .checks import check_bool, check_int, check_mask_id, check_prompt, check_real, check_stats, model_device
+from .checks import (check_bool, check_config_bounds, check_int, check_mask_id, check_prompt, check_real, check_stats,
+                     model_device)
 from .stats import GenerationStats
 from .stepper import Progress, StepGenerator, drive
 
@@ -62,6 +63,16 @@ class D2Cache:
         check_int("current_k", self.current_k, minimum=1)
         check_real("sigma", self.sigma, low=0.0, low_open=True)
         check_int("inflate_w", self.inflate_w, minimum=0)
+
+    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
+                      steps: int | None = None, prompt_length: int | None = None) -> None:
+        """The work bounds of a request (docs/parameters.md, "Work bounds"): at most the
+        `gen_length` masked positions are selected, and no gap between two selected positions is
+        wider than the sequence (`prompt + gen_length − 1`). `prompt_length` None: not known yet."""
+        bounds = {"current_k": (gen_length, "gen_length: the masked positions")}
+        if prompt_length is not None:
+            bounds["inflate_w"] = (prompt_length + gen_length - 1, "prompt + gen_length − 1")
+        check_config_bounds(self, "use_cache", bounds)
 
 
 def certainty_density(decoded: torch.Tensor, sigma: float) -> torch.Tensor:
@@ -302,6 +313,7 @@ def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cac
     device = model_device(model)
     mask_id = spec.mask_id
     B, P = prompt.shape
+    config.check_request(gen_length=gen_length, prompt_length=P)
     if independent_rows and B > 1:
         return _rows_steps([d2cache_steps(
             model, prompt[b:b + 1], config=config, steps=steps, gen_length=gen_length, block_length=block_length,

@@ -38,8 +38,8 @@ from remask.kernels.dinfer import credit_confidence, dinfer_select
 from remask.models.spec import get_spec
 
 from .cache import BlockForward
-from .checks import (check_bool, check_instance, check_int, check_model_kind, check_prompt, check_real,
-                     check_stats, check_mask_id)
+from .checks import (check_bool, check_config_bounds, check_instance, check_int, check_model_kind, check_prompt,
+                     check_real, check_stats, check_mask_id)
 from .stats import GenerationStats
 from .step import CommitRule
 from .stepper import Progress, StepGenerator, drive
@@ -198,6 +198,26 @@ class VicinityCache:
         check_int("prefix_look", self.prefix_look, minimum=0)
         check_int("after_look", self.after_look, minimum=0)
         check_int("warmup_steps", self.warmup_steps, minimum=0)
+
+    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
+                      steps: int | None = None, prompt_length: int | None = None, maximum_unroll: int = 4) -> None:
+        """The work bounds of a request (docs/parameters.md, "Work bounds"), with dInfer's blocks
+        (aligned to `block_length` from position 0, so they depend on the prompt): the window's
+        start `block_start − prefix_look` is 0 from the last block's start on, its end
+        `block_end + after_look` the sequence's end from `T − the first block's end` on; and a
+        sequence runs at most `gen_length + blocks × maximum_unroll` iterations (at least one token
+        each, plus a rebuild and the unrolled tail per block), past which every one is a warmup.
+        `prompt_length` None: not known yet (checked where the loop is built)."""
+        if prompt_length is None:
+            return
+        T = prompt_length + gen_length
+        first = (prompt_length // block_length) * block_length
+        starts = range(first, T, block_length)
+        check_config_bounds(self, "use_cache", {
+            "prefix_look": (starts[-1], "the last block's start"),
+            "after_look": (T - min(first + block_length, T), "the positions after the first block"),
+            "warmup_steps": (gen_length + len(starts) * maximum_unroll,
+                             "the most iterations the loop runs: gen_length + blocks × maximum_unroll")})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -590,6 +610,9 @@ def dinfer_steps(
     check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
     if spec.eos_id is None and early_stop:
         raise ValueError("early_stop needs an EOS id: the model has none, pass eos_id=")
+    if vicinity is not None:
+        vicinity.check_request(gen_length=gen_length, block_length=block_length, prompt_length=prompt.shape[1],
+                               maximum_unroll=maximum_unroll)
 
     return _dinfer_loop(model, spec, prompt, attention_mask, decoder, gen_length, block_length, use_cache,
                         vicinity, early_stop, maximum_unroll, expected_tpf, stats)

@@ -29,8 +29,8 @@ from remask.caches.kv import KVCache, attention
 from remask.models.spec import get_spec
 
 from .cache import valid_positions
-from .checks import (check_bool, check_choice, check_generator, check_int, check_mask_id, check_prompt, check_stats,
-                     model_device)
+from .checks import (check_bool, check_choice, check_config_bounds, check_generator, check_int, check_mask_id,
+                     check_prompt, check_stats, model_device)
 from .stats import GenerationStats
 from .stepper import Progress, StepGenerator, drive
 
@@ -95,6 +95,18 @@ class DKVCache:
     def dream_fields(self) -> list[str]:
         """The Dream-only fields set (empty for a LLaDA configuration)."""
         return [name for name in ("cache_type", "shift_type") if getattr(self, name) is not None]
+
+    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
+                      steps: int | None = None, prompt_length: int | None = None) -> None:
+        """The work bounds of a LLaDA request (docs/parameters.md, "Work bounds"): the cache is
+        reloaded at the block's steps i with i % `cache_reloading_step` == 0, i below the steps per
+        block; the greedy window takes at most the `gen_length` masked positions. `block_length` /
+        `steps` None: LLaDA's defaults (`gen_length`)."""
+        blocks = gen_length // (gen_length if block_length is None else block_length)
+        per_block = (gen_length if steps is None else steps) // max(blocks, 1)
+        check_config_bounds(self, "use_cache", {
+            "cache_reloading_step": (per_block, "the steps per block: steps // blocks"),
+            "window_size": (gen_length, "gen_length: the masked positions")})
 
 
 class DelayedKVCache(KVCache):
@@ -273,6 +285,7 @@ def dkv_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCache 
     check_generator(generator, device)
     mask_id = spec.mask_id
     steps_per_block = steps // num_blocks
+    config.check_request(gen_length=gen_length, block_length=block_length, steps=steps)
     if config.variant == "greedy":
         if remasking != "random":
             raise ValueError(f"remasking: dKV-Cache-Greedy decodes in a random order drawn per block "

@@ -41,8 +41,8 @@ from remask.models.layers import ForwardPositions, rope_cos_sin
 from remask.models.spec import get_spec
 
 from .cache import valid_positions
-from .checks import (check_bool, check_int, check_mask_id, check_model_kind, check_optional_token_id, check_prompt,
-                     check_real, check_stats, model_device)
+from .checks import (check_bool, check_config_bounds, check_int, check_mask_id, check_model_kind,
+                     check_optional_token_id, check_prompt, check_real, check_stats, model_device)
 from .stats import GenerationStats
 from .stepper import Progress, StepGenerator, drive
 
@@ -72,6 +72,19 @@ class ElasticCache:
         check_bool("block_caching", self.block_caching)
         check_int("tokens_per_iter", self.tokens_per_iter, minimum=1)
         check_bool("commit_mask_token", self.commit_mask_token)
+
+    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
+                      steps: int | None = None, prompt_length: int | None = None) -> None:
+        """The work bounds of a request (docs/parameters.md, "Work bounds"): the window holds at
+        most the `gen_length` masked positions and a top-k step commits at most the window; a
+        layer tracks at most the sequence's `prompt + gen_length` positions (beyond, torch's topk
+        raised). `prompt_length` None: not known yet (checked again where the loop is built)."""
+        window = min(self.window_length, gen_length)
+        bounds = {"window_length": (gen_length, "gen_length: the masked positions"),
+                  "tokens_per_iter": (window, "the window: min(window_length, gen_length)")}
+        if prompt_length is not None:
+            bounds["track_num"] = (prompt_length + gen_length, "the sequence: prompt + gen_length")
+        check_config_bounds(self, "use_cache", bounds)
 
 
 class ElasticKVCache(KVCache):
@@ -347,6 +360,7 @@ def elastic_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Elast
         _check_rule(rule, config)
     device = model_device(model)
     B, P = prompt.shape
+    config.check_request(gen_length=gen_length, prompt_length=P)
     T = P + gen_length
     x = torch.full((B, T), spec.mask_id, dtype=torch.long, device=device)
     x[:, :P] = prompt

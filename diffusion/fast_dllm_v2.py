@@ -364,7 +364,7 @@ class FastDLLMV2FreeDave(BlockFreeDave, FastDLLMV2Decoder):
                             steps_name="threshold",
                             rule_ok=not self.use_block_cache and self.stop_mode == "generate",
                             rule="use_block_cache / batch_sample: FreeDave runs generate's loop with the prefix cache "
-                                 "(use_block_cache=False)")
+                                 "(use_block_cache=False)", block_length=self.block_length)
         self.freedave = freedave
 
     @property

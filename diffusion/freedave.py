@@ -71,8 +71,9 @@ from remask.kernels import unmask
 from remask.models.spec import ModelSpec, get_spec
 
 from .cache import BlockForward, cache_mode, valid_positions
-from .checks import (check_choice, check_instance, check_int, check_length, check_mask_id, check_model_kind,
-                     check_prompt, check_real, check_stats, warn_if_longer_than_trained, warn_if_padded_without_mask)
+from .checks import (check_choice, check_config_bounds, check_instance, check_int, check_length, check_mask_id,
+                     check_model_kind, check_prompt, check_real, check_stats, warn_if_longer_than_trained,
+                     warn_if_padded_without_mask)
 from .llada import validate_block_args
 from .scoring import score_rows
 from .stats import GenerationStats
@@ -106,6 +107,15 @@ class FreeDave:
         check_choice("draft_mode", self.draft_mode, DRAFT_MODES)
         check_real("confidence_threshold", self.confidence_threshold, low=0, high=1, low_open=True, allow_none=True)
         check_choice("match_rule", self.match_rule, MATCH_RULES)
+
+    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
+                      steps: int | None = None, prompt_length: int | None = None) -> None:
+        """The work bound of a request (docs/parameters.md, "Work bounds"): a round drafts at most
+        as many states as the block has masked positions, so `draft_steps` past the block length
+        acts as the block length. `block_length` None: not known yet (a block-causal family decodes
+        the model's block); checked where the loop is built."""
+        if block_length is not None:
+            check_config_bounds(self, "decoder", {"draft_steps": (block_length, "the block length")})
 
 
 # --- exact per-draft forwards ---------------------------------------------------------------------
@@ -459,6 +469,7 @@ def freedave_steps(
         raise ValueError(f"steps must be None or gen_length ({gen_length}): FreeDave decodes one token per step, "
                          f"got {steps}")
     validate_block_args(gen_length, block_length, gen_length)
+    config.check_request(gen_length=gen_length, block_length=block_length)
     mode = cache_mode(use_cache)
     if mode not in FREEDAVE_CACHES:
         raise ValueError(f"use_cache must be one of {list(FREEDAVE_CACHES)} for freedave_generate, got {use_cache!r}")

@@ -162,12 +162,13 @@ class BlockFreeDave:
 
 
 def check_freedave_loop(freedave: Any, family: str, *, temperature: float, one_per_step: bool, steps_name: str,
-                        rule_ok: bool, rule: str) -> None:
+                        rule_ok: bool, rule: str, block_length: int) -> None:
     """`decoder=FreeDave` on a block-causal family's loop: greedy, one token per step, a rule FreeDave
-    can draft (each refusal names the setting)."""
+    can draft, `draft_steps` within the family's block (each refusal names the setting)."""
     from .checks import check_instance
 
     check_instance("decoder", freedave, FreeDave, "a remask FreeDave config", allow_none=False)
+    freedave.check_request(block_length=block_length)
     if temperature != 0:
         raise ValueError(f"temperature: {family}'s loop with decoder=FreeDave decodes greedily (temperature 0), "
                          f"got {temperature}")

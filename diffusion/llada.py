@@ -177,6 +177,9 @@ class BlockDecoder:
         spec = self.spec
         check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
         check_length(spec, prompt.shape[1] + self.gen_length, "prompt length + gen_length")
+        if self.sparse is not None:
+            self.sparse.check_request(gen_length=self.gen_length, block_length=self.block_length, steps=self.steps,
+                                      prompt_length=prompt.shape[1])
         if self.sparse is not None and self.sparse.method == "block_mask" and attention_mask is not None \
                 and not bool(attention_mask.all()):
             raise ValueError("sparse method 'block_mask' decodes unpadded rows (SparseD's block masks cover the "

@@ -320,7 +320,7 @@ class LLaDA2FreeDave(BlockFreeDave, LLaDA2Decoder):
                             one_per_step=all(count == 1 for count in self.schedule), steps_name="steps",
                             rule_ok=not self.editing,
                             rule="editing_threshold: LLaDA2.1's token editing revises committed tokens; it does "
-                                 "not combine")
+                                 "not combine", block_length=self.block_length)
         self.freedave = freedave
 
     def _fd_pending(self, state: LLaDA2State) -> bool:

@@ -24,7 +24,7 @@ from remask.models.parallel import full_logits
 
 from .apd import APDDecoder
 from .ar import ARDecoder
-from .canvas import CanvasDecoder, generation_kwargs, resolve_generation_config
+from .canvas import CanvasDecoder, check_stability, generation_kwargs, resolve_generation_config
 from .checks import check_prompt
 from .decoders import decoder_steps, end_settings_refusal
 from .dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder, DreamGenerationConfig, _validate_config,
@@ -185,6 +185,8 @@ def canvas_decoder(engine: Any, params: SamplingParams) -> CanvasDecoder:
                          "confidence_threshold) and canvas_sampler")
     config = resolve_generation_config(engine.model, None, dict(generation_kwargs(params.canvas),
                                                                max_new_tokens=params.max_tokens))
+    if "stability_threshold" in (params.canvas or {}):   # against the checkpoint's max_denoising_steps
+        check_stability(config.stability_threshold, config.max_denoising_steps, "max_denoising_steps")
     return CanvasDecoder(engine.model, config, params.canvas_sampler, reference_rng=params.reference_rng,
                          prompt_cache=engine.prompt_cache)
 

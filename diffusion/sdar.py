@@ -322,7 +322,8 @@ class SDARFreeDave(BlockFreeDave, SDARDecoder):
         check_freedave_loop(freedave, "SDAR", temperature=self.temperature,
                             one_per_step=kwargs["denoising_steps"] == self.block_length,
                             steps_name="denoising_steps", rule_ok=self.strategy in FREEDAVE_STRATEGIES,
-                            rule=f"remasking_strategy must be one of {list(FREEDAVE_STRATEGIES)}, got {self.strategy!r}")
+                            rule=f"remasking_strategy must be one of {list(FREEDAVE_STRATEGIES)}, got {self.strategy!r}",
+                            block_length=self.block_length)
         self.freedave = freedave
 
     def _fd_pending(self, state: SDARState) -> bool:

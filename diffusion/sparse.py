@@ -26,7 +26,7 @@ import torch
 from remask.caches.sparse import BlockMaskAttention, RetentionKVCache
 from remask.models.spec import ModelSpec
 
-from .checks import check_bool, check_choice, check_int, check_real
+from .checks import check_bool, check_choice, check_config_bounds, check_int, check_real
 
 SPARSE_METHODS = ("retention", "block_mask")
 
@@ -80,6 +80,28 @@ class SparseConfig:
         if self.block_len is not None and block_length is not None and self.block_len != block_length:
             raise ValueError(f"SparseConfig.block_len={self.block_len} must equal block_length={block_length} "
                              f"(the block whose queries select and whose keys are never evicted)")
+
+    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
+                      steps: int | None = None, prompt_length: int | None = None) -> None:
+        """The work bounds of a request in LLaDA's block loop (docs/parameters.md, "Work bounds"):
+        a block runs at most max(steps per block, block length) steps, so a later `delay_step` is
+        never reached; max-pooling over the N = T − block keys outside the block sees all of them
+        from a width of 2N − 1 on; SparseD's tiles cover the T = prompt + gen_length positions from
+        `kv_block_size` T on (beyond, its padding grows as kv_block_size²). `block_length` / `steps`
+        None: LLaDA's defaults (`gen_length`); `prompt_length` None: not known yet."""
+        block = gen_length if block_length is None else block_length
+        per_block = (gen_length if steps is None else steps) // max(gen_length // block, 1)
+        bounds = {}
+        if self.method == "retention":
+            bounds["delay_step"] = (max(per_block, block), "the most steps a block runs: max(steps per block, "
+                                                           "block_length)")
+        if prompt_length is not None:
+            T = prompt_length + gen_length
+            if self.method == "retention" and self.pool_kernel is not None:
+                bounds["pool_kernel"] = (2 * (T - block) - 1, "2 × the keys outside the block − 1")
+            if self.method == "block_mask":
+                bounds["kv_block_size"] = (T, "the sequence: prompt + gen_length")
+        check_config_bounds(self, "sparse", bounds)
 
 
 class RetentionForward:

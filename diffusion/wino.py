@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 from remask.models.spec import get_spec
 
-from .checks import check_bool, check_int, check_mask_id, check_prompt, check_real, check_stats, model_device
+from .checks import (check_bool, check_config_bounds, check_int, check_mask_id, check_prompt, check_real, check_stats,
+                     model_device)
 from .stats import GenerationStats
 from .stepper import Progress, StepGenerator, drive
 
@@ -52,12 +53,22 @@ class WINO:
         check_bool("commit_mask_token", self.commit_mask_token)
         check_real("threshold", self.threshold, low=0, high=1)
         check_real("threshold_back", self.threshold_back, low=0, high=1)
-        check_real("accept_ratio", self.accept_ratio, low=0, low_open=True)
+        # int(masks * ratio) >= masks for any ratio >= 1 (and overflows at 1e308): (0, 1] is every rule
+        check_real("accept_ratio", self.accept_ratio, low=0, high=1, low_open=True)
         check_int("accept_floor", self.accept_floor, minimum=1)
         check_int("accept_cap", self.accept_cap, minimum=1)
         check_int("initial_last_accept", self.initial_last_accept, minimum=1)
         if self.accept_floor > self.accept_cap:
             raise ValueError(f"accept_floor ({self.accept_floor}) must not exceed accept_cap ({self.accept_cap})")
+
+    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
+                      steps: int | None = None, prompt_length: int | None = None) -> None:
+        """The work bounds of a request (docs/parameters.md, "Work bounds"): a forward accepts at
+        most the block's masked positions, so the accept floor and cap past the block length act as
+        it. `block_length` None: LLaDA's default (`gen_length`)."""
+        block = gen_length if block_length is None else block_length
+        check_config_bounds(self, "decoder", {"accept_floor": (block, "the block length"),
+                                              "accept_cap": (block, "the block length")})
 
     def max_accept(self, masks: int) -> int:
         return min(max(int(masks * self.accept_ratio), self.accept_floor), self.accept_cap)
@@ -138,6 +149,7 @@ def wino_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | N
     check_int("block_length", block_length, minimum=1)
     if gen_length % block_length:
         raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
+    config.check_request(gen_length=gen_length, block_length=block_length)
     check_stats("stats", stats)
     spec = get_spec(model) if mask_id is None else get_spec(model, mask_id=mask_id)
     check_mask_id(spec)

@@ -13,6 +13,10 @@ tests' oracle.
   `dinfer_select(x, x0, conf, mask_id, rule, threshold, low_threshold)`: dInfer's credit update and
   fusion in one pass pair over V, and its threshold / hierarchical commit in one launch per block
   (`dinfer.py`).
+* `invariant_linear(x, weight, bias)` and `invariant_rms_norm(x, weight, eps)`: batch-invariant GEMM
+  and RMSNorm, each output row bitwise independent of the other rows of the launch (tile shape and
+  reduction order fixed by the weight's shape, never by the row count) (`invariant_matmul.py`,
+  `invariant_norm.py`).
 * `paged_store`, `paged_gather`, `paged_attention`: the paged KV cache (`paged.py`; layout
   `[num_pages, page_size, H_kv, D]` with a block table per sequence).
 * `block_sparse_attention(q, k, v, kv_num_blocks, kv_indices, ...)`: bidirectional attention under a
@@ -26,9 +30,12 @@ from .accept import apd_accept
 from .canvas import canvas_score, canvas_update
 from .confidence import confidence
 from .dinfer import credit_confidence, dinfer_select
+from .invariant_matmul import invariant_linear
+from .invariant_norm import invariant_rms_norm
 from .paged import paged_attention, paged_gather, paged_store
 from .sparse_attention import block_sparse_attention
 from .unmask import unmask
 
 __all__ = ["apd_accept", "block_sparse_attention", "canvas_score", "canvas_update", "confidence", "credit_confidence",
-           "dinfer_select", "paged_attention", "paged_gather", "paged_store", "unmask"]
+           "dinfer_select", "invariant_linear", "invariant_rms_norm", "paged_attention", "paged_gather", "paged_store",
+           "unmask"]

@@ -7,9 +7,11 @@ ships (vocabularies of LLaDA 126464, Dream 152064, LLaDA2 157184, SDAR 151936; b
 head dims 64/128 with the shipped models' head counts; KV blocks of 32/64, and token-level lists)
 while the module's kernels are replaced by recorders; each recorded launch is specialised by
 Triton's own binder for the target (argument types, which integers are 1 or divisible by 16,
-16-byte-aligned pointers, constexprs, `num_warps` / `num_stages`) — so when a launcher changes its
-block sizes, warps or dtypes, the gate compiles the new choice. Launchers that size by the SM count
-(`confidence_config`) see the target's (A100 108, H100 132, B200 148).
+16-byte-aligned pointers, constexprs, `num_warps` / `num_stages`; an argument the kernel declares
+``do_not_specialize``, such as the batch-invariant GEMM's row count, stays unspecialised as it does
+at run time) — so when a launcher changes its block sizes, warps or dtypes, the gate compiles the
+new choice. Launchers that size by the SM count (`confidence_config`) see the target's (A100 108,
+H100 132, B200 148).
 
 `compile_one(spec, arch)` compiles one specialisation with `triton.compiler.compile` for
 ``GPUTarget("cuda", cap, 32)`` in a worker subprocess with a time limit (`COMPILE_TIMEOUT_S`; a
@@ -68,7 +70,8 @@ WORKER_START_TIMEOUT_S = 240
 ANALYSIS_VERSION = 1
 
 # Modules holding launched kernels (reductions.py only has device helpers, inlined into these).
-KERNEL_MODULES = ("accept", "canvas", "confidence", "dinfer", "paged", "sparse_attention", "unmask")
+KERNEL_MODULES = ("accept", "canvas", "confidence", "dinfer", "invariant_matmul", "invariant_norm", "paged",
+                  "sparse_attention", "unmask")
 
 VOCABS = {"llada": 126464, "dream": 152064, "llada2": 157184, "sdar": 151936}
 MASK_IDS = {"llada": 126336, "dream": 151666, "llada2": 156895, "sdar": 151669}
@@ -108,6 +111,16 @@ class Spec:
 
     def request(self) -> dict:
         return dict(self.content(), module=f"{PACKAGE}.{self.module}", arch=self.arch)
+
+
+# (d_model, mlp hidden, vocabulary, KV projection width, qkv bias) of the models whose linear
+# layers the batch-invariant GEMM runs: LLaDA-8B, Dream-7B / Qwen2.5-7B (4 KV heads of 128, q/k/v
+# biases), and the tiny test checkpoints (tiny LLaDA: d 32; tiny Dream: d 32, 2 KV heads of 8;
+# the 64-wide tiny models with a 300-token vocabulary).
+LINEAR_MODELS = {"llada-8b": (4096, 12288, 126464, 4096, False), "dream-7b": (3584, 18944, 152064, 512, True),
+                 "tiny-llada": (32, 64, 126464, 32, False), "tiny-dream": (32, 64, 300, 16, True),
+                 "tiny-64": (64, 128, 300, 32, False)}
+LINEAR_ROWS = 8 * 32           # rows of a scenario (8 sequences of a 32-token block); M is not specialised
 
 
 class _Recorder:
@@ -153,6 +166,7 @@ def _recording(arch: str) -> Iterator[list]:
         for short in KERNEL_MODULES:
             mod = _module(short)
             for name, kernel in _jit_kernels(mod).items():
+                _UNSPECIALISED[kernel.fn] = _jit_options(kernel)
                 patch(mod, name, _Recorder(name, kernel.fn, log))
             if hasattr(mod, "use_triton"):
                 patch(mod, "use_triton", lambda *a, **k: True)
@@ -165,6 +179,18 @@ def _recording(arch: str) -> Iterator[list]:
 
 
 _BINDERS: dict = {}
+_UNSPECIALISED: dict = {}       # kernel function → its `do_not_specialize*` options, as `triton.jit` got them
+
+
+def _jit_options(kernel) -> dict:
+    """The `triton.jit(do_not_specialize=..., do_not_specialize_on_alignment=...)` a kernel was
+    declared with (a compiled `JITFunction` keeps them as attributes, the interpreter's function
+    in `kwargs`), so that the gate specialises its arguments as its launches are specialised."""
+    found = dict(getattr(kernel, "kwargs", None) or {})
+    for name in ("do_not_specialize", "do_not_specialize_on_alignment"):
+        value = getattr(kernel, name, None) or found.get(name)
+        found[name] = list(value) if value else None
+    return {name: found[name] for name in ("do_not_specialize", "do_not_specialize_on_alignment") if found[name]}
 
 
 def _specialise(fn, args, kwargs, arch: str) -> tuple[dict, dict, dict, dict]:
@@ -177,7 +203,7 @@ def _specialise(fn, args, kwargs, arch: str) -> tuple[dict, dict, dict, dict]:
     backend = make_backend(GPUTarget("cuda", ARCHS[arch], 32))
     key = (fn, arch)
     if key not in _BINDERS:
-        jf = JITFunction(fn)
+        jf = JITFunction(fn, **_UNSPECIALISED.get(fn, {}))
         _BINDERS[key] = (jf, create_function_from_signature(jf.signature, jf.params, backend))
     jf, binder = _BINDERS[key]
     bound, specialization, options = binder(*args, **kwargs)
@@ -368,9 +394,31 @@ def _sparse_scenarios():
     yield "sparse_attention", "sdar,D=128,block=32,paged", lambda: blocks("sdar", 32, paged=True)
 
 
+def _invariant_scenarios():
+    """The batch-invariant GEMM on every linear layer shape of the shipped models (q, k/v, o, the
+    MLP's up and down projections, the LM head), bf16 and fp32, with the biases Qwen2's q/k/v have;
+    the RMSNorm at each model width. The tile depends on (N, K, dtype) only, so the big models'
+    layers share a few specialisations (listed as aliases)."""
+    matmul, norm = _module("invariant_matmul"), _module("invariant_norm")
+    for model, (d, mlp, vocab, kv, qkv_bias) in LINEAR_MODELS.items():
+        layers = {"q": (d, d, qkv_bias), "kv": (kv, d, qkv_bias), "o": (d, d, False), "up": (mlp, d, False),
+                  "down": (d, mlp, False), "lm_head": (vocab, d, False)}
+        for dtype in (torch.bfloat16, torch.float32):
+            for layer, (N, K, bias) in layers.items():
+                if layer == "kv" and kv == d and not bias:
+                    continue        # the same shape as q
+                def run(N=N, K=K, bias=bias, dtype=dtype):
+                    matmul.invariant_linear_triton(_t((LINEAR_ROWS, K), dtype), _t((N, K), dtype),
+                                                   _t(N, dtype) if bias else None)
+                yield "invariant_matmul", f"{model},{layer},N={N},K={K},{DTYPE_NAMES[dtype]}" + \
+                    (",bias" if bias else ""), run
+            yield "invariant_norm", f"{model},D={d},{DTYPE_NAMES[dtype]}", \
+                lambda d=d, dtype=dtype: norm.invariant_rms_norm_triton(_t((LINEAR_ROWS, d), dtype), _t(d, dtype), 1e-6)
+
+
 SCENARIOS: tuple[Callable[[], Iterable], ...] = (
-    _accept_scenarios, _canvas_scenarios, _confidence_scenarios, _dinfer_scenarios, _paged_scenarios,
-    _sparse_scenarios, _unmask_scenarios)
+    _accept_scenarios, _canvas_scenarios, _confidence_scenarios, _dinfer_scenarios, _invariant_scenarios,
+    _paged_scenarios, _sparse_scenarios, _unmask_scenarios)
 
 
 def specs_for(arch: str) -> list[Spec]:

@@ -43,8 +43,11 @@ def dinfer_select_torch(x: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor, m
     if rule == "threshold":
         candidates = masked & (x0 != mask_id)
         c = torch.where(candidates, conf, -math.inf)
-        bar = (c.max(dim=1).values - 1e-5).clamp(-1000, threshold).unsqueeze(-1)
-        commit = (c >= bar) & candidates
+        best = c.amax(dim=1, keepdim=True)
+        bar = (best - 1e-5).clamp(-1000, threshold)
+        # the most confident always clears its own bar: compared apart, so a decision-margin
+        # recorder (remask.margins) sees only the others against the bar, not a constant 1e-5
+        commit = ((c == best) | (torch.where(c == best, -math.inf, c) >= bar)) & candidates
     else:
         B, L = x.shape
         floor = torch.finfo(conf.dtype).min

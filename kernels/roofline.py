@@ -13,6 +13,11 @@ datasheets' larger starred figures are 2:4 structured sparsity, which no kernel 
   BF16/FP16 tensor 312 TFLOP/s, TF32 tensor 156 TFLOP/s, FP32 (CUDA cores) 19.5 TFLOP/s.
 * H100-SXM5-80GB (H100 Tensor Core GPU datasheet, "H100 SXM" column): HBM3 3.35 TB/s;
   BF16/FP16 tensor 989 TFLOP/s, TF32 tensor 494 TFLOP/s, FP32 67 TFLOP/s.
+* H200-SXM-141GB (H200 Tensor Core GPU datasheet, "H200 SXM" column): HBM3e 4.8 TB/s;
+  BF16/FP16 tensor 989 TFLOP/s, TF32 tensor 494 TFLOP/s, FP32 67 TFLOP/s (the H100's compute).
+
+`gpu_for_device(torch.cuda.get_device_name())` picks the entry of the device a run is on (None for
+any other device: PCIe and NVL boards have other peaks).
 
 Assumptions, all of which make the bound lower (never higher) than what is achievable:
 
@@ -48,10 +53,10 @@ from typing import Mapping, Sequence
 
 import torch
 
-__all__ = ["GPU", "GPUS", "Cost", "bound_us", "limit", "extra_info", "flop_kind_for", "cost_confidence",
-           "cost_unmask", "cost_accept", "cost_canvas_score", "cost_canvas_update", "cost_credit_confidence",
-           "cost_dinfer_select", "cost_paged_attention", "cost_attention", "cost_block_sparse_attention",
-           "cost_philox", "cost_forward"]
+__all__ = ["GPU", "GPUS", "gpu_for_device", "Cost", "bound_us", "limit", "extra_info", "flop_kind_for",
+           "cost_confidence", "cost_unmask", "cost_accept", "cost_canvas_score", "cost_canvas_update",
+           "cost_credit_confidence", "cost_dinfer_select", "cost_paged_attention", "cost_attention",
+           "cost_block_sparse_attention", "cost_philox", "cost_forward"]
 
 FLOP_KINDS = ("bf16", "tf32", "fp32")
 
@@ -66,7 +71,25 @@ class GPU:
 GPUS: dict[str, GPU] = {
     "a100": GPU("A100-SXM4-80GB", 2.039e12, {"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
     "h100": GPU("H100-SXM5-80GB", 3.35e12, {"bf16": 989e12, "tf32": 494e12, "fp32": 67e12}),
+    "h200": GPU("H200-SXM-141GB", 4.8e12, {"bf16": 989e12, "tf32": 494e12, "fp32": 67e12}),
 }
+
+
+def gpu_for_device(name: str) -> str | None:
+    """The `GPUS` key of a device by its CUDA name (`torch.cuda.get_device_name`): the SXM boards
+    ("NVIDIA A100-SXM4-80GB", "NVIDIA H100 80GB HBM3", "NVIDIA H200"); None for any other device,
+    PCIe and NVL boards included (their bandwidth and clocks differ from the SXM datasheet's)."""
+    upper = name.upper()
+    if any(tag in upper for tag in ("PCIE", "NVL")):
+        return None
+    if "H200" in upper:
+        return "h200"
+    if "H100" in upper:
+        return "h100"
+    if "A100" in upper and "80GB" in upper:
+        return "a100"
+    return None
+
 
 # CUDA-core ops per element, one per Triton vector operation of the kernel source (module docstring).
 OPS_ARGMAX = 6        # reductions.argmax_lowest: where, max, ==, &, where, min

@@ -7,8 +7,12 @@ The official remote code loads them with `trust_remote_code=True`; remask loads 
 `AutoModel.from_pretrained` without it.
 
 Weights are drawn from a seeded `torch.Generator`, so a given (config, seed) always yields the
-same tensors. They are scaled so that logits are spread out (a random model with the usual 0.02
-init has near-uniform logits, which makes greedy decoding decided by rounding noise).
+same tensors, on every CPU: torch's own normal (and uniform) draws depend on the CPU's vector
+capability (AVX2/AVX512 take a vectorised Box-Muller, `ATEN_CPU_CAPABILITY=default` and ARM libm),
+so the writers draw through `portable_random`, which recomputes torch's AVX2 result exactly on any
+CPU; the digests, and the fixtures made on these weights, are the same everywhere. They are scaled
+so that logits are spread out (a random model with the usual 0.02 init has near-uniform logits,
+which makes greedy decoding decided by rounding noise).
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
+from . import portable_random
 
 OFFICIAL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "official")
 
@@ -55,7 +61,7 @@ DREAM_DEFAULTS: dict[str, Any] = _shrunk("dream", {
 
 
 def _normal(gen: torch.Generator, shape: tuple[int, ...], std: float) -> torch.Tensor:
-    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+    return portable_random.randn(shape, generator=gen) * std
 
 
 def llada_state_dict(config: dict[str, Any], seed: int = 0, logit_scale: float = 3.0,
@@ -231,8 +237,7 @@ def write_tiny_diffusion_gemma(path: str, *, seed: int = 0, vocab_size: int = 30
                                   eoi_token_id=vocab_size - 2,
                                   # top-level keys of the release's config.json (its end ids shrunk to one)
                                   eos_token_id=[eos], vision_soft_tokens_per_image=280)
-    fork = torch.random.fork_rng()
-    with fork:
+    with torch.random.fork_rng(), portable_random.portable_init():
         torch.manual_seed(seed)
         model = DiffusionGemmaForBlockDiffusion(config).eval()
     with torch.no_grad():
@@ -277,7 +282,7 @@ def _write_sdar(path: str, config: dict[str, Any], seed: int, logit_scale: float
     init = {k: v for k, v in config.items() if k not in _SDAR_UNREAD}
     config_class, model_class = ((SDARMoeConfig, SDARMoeForCausalLM) if config["model_type"] == "sdar_moe"
                                  else (SDARConfig, SDARForCausalLM))
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(), portable_random.portable_init():
         torch.manual_seed(seed)
         model = model_class(config_class(**init))
     with torch.no_grad():
@@ -331,7 +336,7 @@ def write_tiny_llada2(path: str, *, seed: int = 0, logit_scale: float = 40.0, ro
     config = {**LLADA2_DEFAULTS, **overrides}
     init = {k: v for k, v in config.items() if k not in ("architectures", "auto_map", "model_type", "dtype",
                                                           "transformers_version")}
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(), portable_random.portable_init():
         torch.manual_seed(seed)
         model = LLaDA2MoeModelLM(LLaDA2MoeConfig(**init))
         with torch.no_grad():
@@ -340,7 +345,7 @@ def write_tiny_llada2(path: str, *, seed: int = 0, logit_scale: float = 40.0, ro
             model.lm_head.weight[config["mask_token_id"]].zero_()
             for name, buffer in model.named_buffers():
                 if name.endswith("mlp.gate.expert_bias"):
-                    buffer.copy_(torch.randn(buffer.shape) * 0.05)
+                    buffer.copy_(portable_random.randn(buffer.shape) * 0.05)
             for name, param in model.named_parameters():
                 if name.endswith("mlp.gate.weight"):
                     param.mul_(router_scale)
@@ -372,7 +377,7 @@ def write_tiny_fast_dllm_v2(path: str, *, seed: int = 0, logit_scale: float = 40
     config = {**FAST_DLLM_V2_DEFAULTS, **overrides}
     init = {k: v for k, v in config.items() if k not in ("architectures", "auto_map", "model_type", "torch_dtype",
                                                           "transformers_version")}
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(), portable_random.portable_init():
         torch.manual_seed(seed)
         model = FastDLLMV2ForCausalLM(FastDLLMV2Config(**init))
     gen = torch.Generator().manual_seed(seed)

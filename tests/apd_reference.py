@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from remask.models import tiny
+from remask.models import portable_random, tiny
 
 EOS, MASK, VERIFIER_VOCAB = 151643, 151666, 151936
 PRIOR = dict(C=4.0, b0=5.0, step=0.05)
@@ -65,8 +65,8 @@ def _verifier_draw(seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     cfg = VERIFIER_CONFIG
 
-    def normal(shape, std):
-        return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+    def normal(shape, std):   # the AVX2 draw on every CPU (models/portable_random.py)
+        return portable_random.randn(shape, generator=gen) * std
 
     d, nh, nkv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd, inter, vocab = d // nh, cfg["intermediate_size"], cfg["vocab_size"]

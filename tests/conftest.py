@@ -26,6 +26,15 @@ torch.set_num_threads(1)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def pytest_collection_modifyitems(items):
+    """The tests that run reference fixtures' cases carry the `reference` mark (`make test-portable`)."""
+    from fixture_margins import REFERENCE_TESTS
+
+    for item in items:
+        if item.nodeid.split("[")[0] in REFERENCE_TESTS:
+            item.add_marker(pytest.mark.reference)
+
+
 @pytest.fixture
 def poisoned_outputs(monkeypatch):
     """Every `torch.empty` (kernel outputs and workspaces) comes back filled with NaN, or with
@@ -75,3 +84,20 @@ def load_model(checkpoint_dir):
     return get
 
 
+
+
+# REMASK_MARGINS_OUT=FILE: every test's decision margins (remask.margins.DecisionMargins), one JSON
+# line per test, for tests/fixture_margins.py (which writes them into the reference fixtures).
+if os.environ.get("REMASK_MARGINS_OUT"):
+    import json
+
+    from remask.margins import DecisionMargins
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(item):
+        with DecisionMargins() as margins:
+            yield
+        # one file per xdist worker (FILE.gw0, …): lines from two processes never interleave
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        with open(os.environ["REMASK_MARGINS_OUT"] + (f".{worker}" if worker else ""), "a") as f:
+            f.write(json.dumps({"test": item.nodeid, "decisions": margins.decisions}) + "\n")

@@ -51,3 +51,24 @@ def load_fixture_checkpoint(tmp_path_factory, checkpoints: dict, name: str) -> t
         assert tiny.write_tiny_llada(str(path), **ck["kwargs"]) == ck["digest"], "the tiny writer changed"
         _FIXTURE_MODELS[ck["digest"]] = AutoModel.from_pretrained(str(path)).eval()
     return _FIXTURE_MODELS[ck["digest"]]
+
+
+def margin_case(fixture: str, case: dict) -> None:
+    """Marks the start of a reference case for the decision-margin recorder (a no-op unless
+    REMASK_MARGINS_OUT is set; tests/fixture_margins.py writes the margins into the fixture)."""
+    from remask.margins import DecisionMargins
+
+    if DecisionMargins._active:
+        DecisionMargins.mark(f"{fixture}:{case_key(case)}")
+
+
+# Keys a margin run adds to a case: left out of its key, so a case keeps its key once they are in.
+MARGIN_KEYS = ("min_margin",)
+
+
+def case_key(case: dict) -> str:
+    import hashlib
+    import json
+
+    body = {k: v for k, v in case.items() if k not in MARGIN_KEYS}
+    return hashlib.sha1(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]

@@ -15,6 +15,7 @@ import torch
 
 import remask
 from apd_reference import DREAMS, EOS, MASK, build_verifier, write_dream
+from helpers import margin_case
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "apd_reference.json")
 with open(FIXTURE) as f:
@@ -45,6 +46,7 @@ def _case_id(case):
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_reproduces_apd_sample(case, models):
+    margin_case("apd_reference.json", case)
     kw = case["kw"]
     prompt = torch.tensor([DATA["prompts"][case["prompt"]]])
     apd = remask.APDConfig(models["verifier"], mixture_weight=kw["apd_mixture_weight"], kv_window=kw["kv_window"],

@@ -11,7 +11,7 @@ import torch
 import remask
 from remask.compat import fast_dllm
 from remask.zoo import charset, tasks
-from helpers import CHECKPOINTS, left_pad, random_prompt
+from helpers import CHECKPOINTS, left_pad, margin_case, random_prompt
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "cache_reference.json")
 with open(FIXTURE) as f:
@@ -43,6 +43,7 @@ def _case_id(case):
 
 @pytest.mark.parametrize("case", DATA["random"]["cases"], ids=_case_id)
 def test_reproduces_fast_dllm_cache_on_random_checkpoints(case, random_models):
+    margin_case("cache_reference.json", case)
     model = random_models[case["checkpoint"]]
     mask_id = case["mask_id"]
     torch.manual_seed(case["seed"])
@@ -83,6 +84,9 @@ def test_reproduces_fast_dllm_cache_on_tiny_llada(mode, setting, tiny_llada):
     prompts = [charset.encode_chat(p.prompt) for p in tasks.problems(21, tasks.EVAL_SEED)]
     kw = DATA["tiny_llada"]["settings"][setting]
     for prompt, expected in zip(prompts, DATA["tiny_llada"][mode][setting]):
+        if expected is None:   # dropped: a decision on a near-tie (docs/reference-fixtures.md)
+            continue
+        margin_case("cache_reference.json", expected)
         x, nfe = CACHED[mode](tiny_llada, torch.tensor([prompt]), gen_length=16, mask_id=charset.MASK_ID, **kw)
         assert x[0, len(prompt):].tolist() == expected["tokens"] and nfe == expected["nfe"]
 

@@ -15,7 +15,7 @@ from remask.diffusion.d2cache import (D2Cache, D2KVCache, certainty_density, d2c
 from remask.diffusion.stats import GenerationStats
 from remask.models import tiny
 
-from helpers import load_fixture_checkpoint
+from helpers import load_fixture_checkpoint, margin_case
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "d2cache_reference.json").read_text())
 MASK = 299
@@ -35,6 +35,7 @@ def run(model, case, **extra):
 
 @pytest.mark.parametrize("case", FIXTURE["cases"], ids=[c["name"] for c in FIXTURE["cases"]])
 def test_reproduces_the_official_d2cache(load, case):
+    margin_case("d2cache_reference.json", case)
     model = load(case["checkpoint"])
     stats = GenerationStats()
     x = run(model, case, stats=stats, independent_rows=False)   # upstream's coupled batch

@@ -261,6 +261,14 @@ def test_engine_refuses_what_the_model_does_not_read(model):
         remask.SamplingParams(canvas={"entropy_bound": 0})
     with pytest.raises(ValueError, match="uniform-noise"):
         remask.LLM("tiny-llada").generate([[1, 5]], remask.SamplingParams(canvas={"t_min": 0.3}), use_tqdm=False)
+    # issue 37: a stable canvas equals the last `stability_threshold` ones, kept as a history of that many;
+    # past the checkpoint's max_denoising_steps no canvas could be stable, so it is refused, not allocated
+    steps = model.generation_config.max_denoising_steps
+    with pytest.raises(ValueError, match=rf"canvas.stability_threshold must be <= {steps} "):
+        llm.generate([[2, 5]], remask.SamplingParams(canvas={"stability_threshold": steps + 1,
+                                                             "confidence_threshold": 1.0}), use_tqdm=False)
+    llm.generate([[2, 5]], remask.SamplingParams(max_tokens=4, canvas={"stability_threshold": steps,
+                                                                       "confidence_threshold": 1.0}), use_tqdm=False)
 
 
 def test_served_over_http_with_drafts(tmp_path):

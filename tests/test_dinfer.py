@@ -16,6 +16,7 @@ from remask.diffusion.dinfer import (CreditDecoding, HierarchicalDecoding, Thres
                                      _threshold_commit, dinfer_generate)
 from remask.diffusion.stats import GenerationStats
 from remask.models import tiny
+from helpers import margin_case
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "dinfer_reference.json")
 with open(FIXTURE) as f:
@@ -49,6 +50,7 @@ def _args(case):
 def test_matches_dinfer(models, name):
     case = CASES[name]
     prompt = torch.tensor(case["prompt"])
+    margin_case("dinfer_reference.json", case)
     stats = GenerationStats()
     out = dinfer_generate(models[case["checkpoint"]], prompt, stats=stats, **_args(case))
     assert out.shape == (prompt.shape[0], prompt.shape[1] + case["gen_length"])

@@ -17,7 +17,7 @@ from remask.diffusion.dinfer import (CreditDecoding, HierarchicalDecoding, Itera
                                      VicinityCache, dinfer_generate)
 from remask.diffusion.stats import GenerationStats
 
-from helpers import load_fixture_checkpoint
+from helpers import load_fixture_checkpoint, margin_case
 
 with open(os.path.join(os.path.dirname(__file__), "fixtures", "dinfer_smoothing_reference.json")) as f:
     DATA = json.load(f)
@@ -53,6 +53,7 @@ def _run(models, case, smoothing=True, stats=None):
 @pytest.mark.parametrize("name", SINGLE)
 def test_matches_dinfer(models, name):
     case = CASES[name]
+    margin_case("dinfer_smoothing_reference.json", case)
     stats = GenerationStats()
     out = _run(models, case, stats=stats)
     P = len(case["prompt"][0])
@@ -70,6 +71,7 @@ def test_a_batch_decodes_each_row_as_alone(models, name):
     """Upstream counts iterations over the whole batch (and finished rows keep iterating), so its
     rows change each other; remask decodes each row as dInfer decodes it alone (the `_row<i>` cases)."""
     case = CASES[name]
+    margin_case("dinfer_smoothing_reference.json", case)
     out = _run(models, case)
     for i in range(len(case["prompt"])):
         alone = CASES[f"{name}_row{i}"]

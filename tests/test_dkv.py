@@ -12,7 +12,7 @@ import torch
 from remask.diffusion.dkv import DelayedKVCache, DKVCache, dkv_generate
 from remask.diffusion.stats import GenerationStats
 
-from helpers import load_fixture_checkpoint
+from helpers import load_fixture_checkpoint, margin_case
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "dkv_reference.json").read_text())
 MASK = 299
@@ -30,6 +30,7 @@ def run(model, prompt, kwargs, seed=0, commit_mask_token=False, **extra):
 
 @pytest.mark.parametrize("case", FIXTURE["cases"], ids=[c["name"] for c in FIXTURE["cases"]])
 def test_reproduces_the_official_dkv_cache_decode(load, case):
+    margin_case("dkv_reference.json", case)
     model = load(case["checkpoint"])
     prompt = torch.tensor(case["prompt"])
     x = run(model, prompt, case["kwargs"], case["seed"], commit_mask_token=True)

@@ -14,7 +14,7 @@ import remask
 from remask.diffusion.dkv import DKVCache, _window, dkv_generate
 from remask.diffusion.stats import GenerationStats
 
-from helpers import load_fixture_checkpoint
+from helpers import load_fixture_checkpoint, margin_case
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "dkv_greedy_reference.json").read_text())
 MASK = 299
@@ -36,6 +36,7 @@ def run(model, prompt, kwargs, seed=0, commit_mask_token=False, reload=None, **e
 
 @pytest.mark.parametrize("case", FIXTURE["cases"], ids=[c["name"] for c in FIXTURE["cases"]])
 def test_reproduces_the_official_dkv_cache_greedy(load, case):
+    margin_case("dkv_greedy_reference.json", case)
     model = load(case["checkpoint"])
     prompt = torch.tensor(case["prompt"])
     x = run(model, prompt, case["kwargs"], case["seed"], commit_mask_token=True)

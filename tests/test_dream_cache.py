@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import remask
-from helpers import left_pad, random_prompt
+from helpers import left_pad, margin_case, random_prompt
 from remask.compat.fast_dllm import dream_diffusion_generate
 from remask.models import tiny
 from remask.caches import PagedKVCache
@@ -46,6 +46,7 @@ def _case_id(case):
 
 @pytest.mark.parametrize("case", DATA["cases"], ids=_case_id)
 def test_reproduces_fast_dllm_dream_block_decoder(case, reference_models):
+    margin_case("dream_cache_reference.json", case)
     model = reference_models[case["ckpt"]]
     prompt = torch.tensor([DATA["prompts"][case["ckpt"]][case["prompt"]]])
     kw = dict(case["kw"])

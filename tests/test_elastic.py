@@ -13,7 +13,7 @@ import torch
 from remask.diffusion.elastic import ElasticCache, ElasticKVCache, elastic_generate
 from remask.diffusion.stats import GenerationStats
 
-from helpers import load_fixture_checkpoint
+from helpers import load_fixture_checkpoint, margin_case
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "elastic_reference.json").read_text())
 MASK = 299
@@ -40,6 +40,7 @@ def expected(case) -> list[int]:
 
 @pytest.mark.parametrize("case", FIXTURE["cases"], ids=[c["name"] for c in FIXTURE["cases"]])
 def test_reproduces_the_official_elastic_cache(load, case):
+    margin_case("elastic_reference.json", case)
     model = load(case["checkpoint"])
     prompt = torch.tensor(case["prompt"])
     trace: list = []

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 import remask
 from remask.compat.fast_dllm_v2 import batch_sample, generate
 from remask.models import get_spec, tiny
+from helpers import margin_case
 
 MASK, STOP, PAD = 299, 298, 297
 FIXTURE = json.load(open(os.path.join(os.path.dirname(__file__), "fixtures", "fast_dllm_v2_reference.json")))
@@ -62,6 +63,7 @@ REPRODUCED = [c for c in FIXTURE["cases"] if c.get("reproduced_by")]
 
 @pytest.mark.parametrize("case", REPRODUCED, ids=[c["name"] for c in REPRODUCED])
 def test_reproduces_the_official_code_token_for_token(models, case):
+    margin_case("fast_dllm_v2_reference.json", case)
     got = run_case(models[case["ckpt"]], case, faithful=case["reproduced_by"] == ["faithful"])
     if case["fn"] == "generate":
         assert got == case["official"]

@@ -224,3 +224,20 @@ def test_refusals_name_the_setting(sdar, llada2):
     with pytest.raises(ValueError, match="threshold"):
         remask.LLM("tiny-llada").generate([[1, 5]], remask.SamplingParams(max_tokens=4, temperature=0.0,
                                                                           threshold=0.9, decoder=fd), use_tqdm=False)
+
+
+def test_draft_steps_past_the_block_is_refused_naming_it(sdar):
+    """`draft_steps` acts as the block's masked positions at most (issue 37: no silent clamp): past
+    the family's block it is refused, at the call and at add_request, naming it and the block; the
+    block itself passes."""
+    mask = get_spec(sdar).mask_id
+    prompt = {"input_ids": PROMPTS[0]}
+    base = dict(gen_length=8, block_length=8, denoising_steps=8, temperature=0.0,
+                remasking_strategy="low_confidence_static")
+    with pytest.raises(ValueError, match=r"decoder\.draft_steps must be <= 8 \(the block length\), got 9"):
+        block_diffusion_generate(sdar, prompt, mask, decoder=remask.FreeDave(draft_steps=9), **base)
+    block_diffusion_generate(sdar, prompt, mask, decoder=remask.FreeDave(draft_steps=8), **base)
+    params = remask.SamplingParams(max_tokens=8, temperature=0.0, sdar={"block_length": 4},
+                                   decoder={"name": "freedave", "draft_steps": 10**9})
+    with pytest.raises(ValueError, match=r"decoder\.draft_steps must be <= 4 "):
+        remask.LLM(sdar).generate([[1, 2, 3]], params, use_tqdm=False)

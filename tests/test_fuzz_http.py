@@ -52,9 +52,18 @@ common = {
     "block_length": small_or([10**9], low=-1, high=12),
     "threshold": st.one_of(st.floats(0, 1), junk),
     "stream": st.one_of(st.booleans(), junk),
-    "stop": st.one_of(st.lists(text, max_size=3), text, junk),
+    "stop": st.one_of(st.lists(text, max_size=3), text, junk,
+                      st.sampled_from([["#"] * 20_000, ["#" * 10_000], ["#" * 256] * 64])),   # issue 37
     "ignore_eos": st.one_of(st.booleans(), junk),
     "min_tokens": small_or([10**9], low=-1, high=4),
+    # decoder / cache configs past their meaningful maximum, at it, or with a crash-prone value (issue 37)
+    "decoder": st.one_of(st.fixed_dictionaries({"name": st.just("freedave"), "draft_steps": small_or([10**9])}),
+                         st.sampled_from([{"name": "wino", "accept_ratio": 1e308}, {"name": "wino", "accept_cap": 10**9}]),
+                         junk),
+    "use_cache": st.one_of(st.fixed_dictionaries({"name": st.just("elastic"),
+                                                  "window_length": small_or([10**9], low=1)}),
+                           st.sampled_from([{"name": "elastic", "track_num": 10**9}, {"name": "d2cache", "inflate_w": 10**9},
+                                            {"name": "vicinity", "prefix_look": 10**9}]), junk),
     "frobnicate": junk,   # an unknown field
 }
 

@@ -17,6 +17,7 @@ from transformers import AutoModel
 import remask
 from remask.compat import fast_dllm
 from remask.models import tiny
+from helpers import margin_case
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "reference_tokens.json")
 WRITERS = {"llada": tiny.write_tiny_llada, "dream": tiny.write_tiny_dream}
@@ -70,6 +71,7 @@ def _mask_id(case, model):
 
 @pytest.mark.parametrize("case", DATA["cases"], ids=[c["id"] for c in DATA["cases"]])
 def test_reproduces_reference(reference_model, case):
+    margin_case("reference_tokens.json", case)
     model = reference_model(case["checkpoint"])
     output, nfe, history = _run(case, model)
     mask_id = _mask_id(case, model)

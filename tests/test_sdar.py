@@ -14,6 +14,7 @@ from transformers.cache_utils import DynamicCache
 import remask
 from remask.compat.sdar import block_diffusion_generate
 from remask.models import get_spec, tiny
+from helpers import margin_case
 
 MASK = 299
 PROMPT = {"input_ids": torch.tensor([[5, 17, 42, 99, 7, 8]])}
@@ -123,6 +124,7 @@ def test_reproduces_the_official_generate_token_for_token(tmp_path):
         assert tiny.write_tiny_sdar(str(folder), **info["kwargs"]) == info["digest"]   # the same weights
         models[name] = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
     for case in fixtures["cases"]:
+        margin_case("sdar_reference.json", case)
         torch.manual_seed(case["seed"])
         got = block_diffusion_generate(models[case["checkpoint"]], {"input_ids": torch.tensor([case["prompt"]])},
                                        **case["kwargs"])[0].tolist()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import remask
-from helpers import left_pad, random_prompt
+from helpers import left_pad, margin_case, random_prompt
 from remask.models import tiny
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "sparse_dream_reference.json")
@@ -60,6 +60,7 @@ def _case_id(case):
 
 @pytest.mark.parametrize("case", DATA["cases"], ids=_case_id)
 def test_reproduces_the_official_dream_samplers(case, models):
+    margin_case("sparse_dream_reference.json", case)
     model = models[case["ckpt"]]
     tokens = _run(model, case, sparse=_config(case))
     if case["has_mask"]:

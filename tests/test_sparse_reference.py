@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import remask
+from helpers import margin_case
 
 pytestmark = pytest.mark.filterwarnings("ignore:gen_length=.*trained on", "ignore:Padding was detected")
 
@@ -76,6 +77,7 @@ def test_reproduces_sparse_dllm(checkpoint, models):
     cases = [c for c in DATA["cases"] if c["checkpoint"] == checkpoint]
     mismatched, masked = [], 0
     for case in cases:
+        margin_case("sparse_reference.json", case)
         got = _run(models[checkpoint], case, reference_ties=True)
         if case["mask_id"] in case["output"]:
             masked += 1
@@ -121,6 +123,7 @@ def test_reproduces_sparsed(checkpoint, models, monkeypatch):
     cases = [c for c in SPARSED["cases"] if c["checkpoint"] == checkpoint]
     mismatched = []
     for case in cases:
+        margin_case("sparsed_reference.json", case)
         masks.clear()
         got = _run_sparsed(models[checkpoint], case, reference_ties=True)
         if got != case["output"]:

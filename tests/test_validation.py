@@ -239,6 +239,132 @@ def test_work_bounds_allow_their_maximum():
     remask.SamplingParams(canvas={"max_denoising_steps": 1024})
 
 
+# No silent clamps (issue 37): a decoder / cache / APD / sparse / canvas setting past the largest value
+# that can still change the decoding (the block's masked positions, the answer's, the sequence's) used to
+# act as that value; it is refused, naming the setting and the maximum, as the work bounds above.
+CONFIG_BOUNDS_BAD = [   # (SamplingParams keywords, the setting, its maximum there)
+    (dict(max_tokens=16, block_length=16, decoder={"name": "freedave", "draft_steps": 10**9}), "decoder.draft_steps",
+     16),
+    (dict(max_tokens=16, block_length=16, decoder=remask.FreeDave(draft_steps=17)), "decoder.draft_steps", 16),
+    (dict(max_tokens=16, use_cache={"name": "elastic", "window_length": 10**9}), "use_cache.window_length", 16),
+    (dict(max_tokens=16, use_cache=remask.ElasticCache(window_length=17)), "use_cache.window_length", 16),
+    (dict(max_tokens=16, use_cache=remask.ElasticCache(window_length=8, threshold=None, tokens_per_iter=9)),
+     "use_cache.tokens_per_iter", 8),
+    (dict(max_tokens=16, use_cache=remask.D2Cache(current_k=33)), "use_cache.current_k", 16),
+    (dict(max_tokens=16, block_length=8, use_cache=remask.DKVCache(cache_reloading_step=9)),
+     "use_cache.cache_reloading_step", 8),
+    (dict(max_tokens=16, remasking="random", use_cache=remask.DKVCache(variant="greedy", window_size=17)),
+     "use_cache.window_size", 16),
+    (dict(max_tokens=16, block_length=8, decoder=remask.WINO(accept_cap=21)), "decoder.accept_cap", 8),
+    (dict(max_tokens=16, block_length=8, decoder=remask.WINO(accept_floor=9)), "decoder.accept_floor", 8),
+    (dict(max_tokens=16, decoder={"name": "wino", "accept_ratio": 1e308}), "accept_ratio", 1),
+    (dict(max_tokens=16, block_length=8, sparse=remask.SparseConfig(delay_step=9)), "sparse.delay_step", 8),
+    (dict(canvas={"stability_threshold": 10**9}), "canvas.stability_threshold", 1024),
+    (dict(canvas={"max_denoising_steps": 8, "stability_threshold": 9}), "canvas.stability_threshold", 8),
+    (dict(stop=["x"] * 20_000), "stop", 64), (dict(stop=["x"] * 65), "stop", 64), (dict(stop=["x" * 257]), "stop", 256),
+    (dict(stop=["a", "x" * 10**6]), "stop[1]", 256),
+]
+
+
+@pytest.mark.parametrize("kwargs,name,maximum", CONFIG_BOUNDS_BAD,
+                         ids=[f"{n}-{i}" for i, (_, n, _) in enumerate(CONFIG_BOUNDS_BAD)])
+def test_sampling_params_config_bounds_bad(kwargs, name, maximum):
+    """Each refused when SamplingParams is built (LLM, the CLI, the server), naming the setting and
+    its maximum."""
+    with pytest.raises(ValueError) as info:
+        remask.SamplingParams(**kwargs)
+    assert name in str(info.value) and str(maximum) in str(info.value), str(info.value)
+    assert len(str(info.value)) < 400   # 20,000 stop strings are counted, not echoed
+
+
+def test_config_bounds_allow_their_maximum_and_the_defaults():
+    """The maximum itself passes (max + 1 is refused above), and so does each config's default at
+    any length (it reads "up to": `ElasticCache()` with 8 tokens, `FreeDave()` with blocks of 2)."""
+    sp = remask.SamplingParams
+    sp(max_tokens=16, block_length=16, decoder={"name": "freedave", "draft_steps": 16})
+    sp(max_tokens=16, use_cache={"name": "elastic", "window_length": 16})
+    sp(max_tokens=16, use_cache=remask.ElasticCache(window_length=8, threshold=None, tokens_per_iter=8))
+    sp(max_tokens=16, use_cache=remask.D2Cache(current_k=16))
+    sp(max_tokens=16, block_length=8, use_cache=remask.DKVCache(cache_reloading_step=8))
+    sp(max_tokens=16, remasking="random", use_cache=remask.DKVCache(variant="greedy", window_size=16))
+    sp(max_tokens=16, block_length=8, decoder=remask.WINO(accept_floor=8, accept_cap=8))
+    sp(max_tokens=16, decoder=remask.WINO(accept_ratio=1.0))
+    sp(max_tokens=16, block_length=8, sparse=remask.SparseConfig(delay_step=8))
+    sp(canvas={"stability_threshold": 1024})
+    sp(canvas={"max_denoising_steps": 8, "stability_threshold": 8})
+    sp(stop=["x" * 256] * 64)
+    sp(max_tokens=8, use_cache=remask.ElasticCache())                       # window_length 16
+    sp(max_tokens=4, block_length=2, decoder=remask.FreeDave())             # draft_steps 4
+    sp(max_tokens=8, use_cache=remask.D2Cache())                            # current_k 32
+    sp(max_tokens=8, block_length=4, decoder=remask.WINO())                 # accept_floor 5, accept_cap 20
+    sp(max_tokens=4, use_cache=remask.DKVCache())                           # cache_reloading_step 8
+
+
+def _config_bounds_calls(model, ar):
+    """(remask.generate keywords, the setting, its maximum) with PROMPT's 14 tokens: the bounds that
+    need the prompt (T = 14 + gen_length) or the block of the drop-in call."""
+    return [
+        (dict(gen_length=16, block_length=16, decoder=remask.FreeDave(draft_steps=17)), "decoder.draft_steps", 16),
+        (dict(gen_length=16, block_length=8, decoder=remask.FreeDave(draft_steps=10**9)), "decoder.draft_steps", 8),
+        (dict(gen_length=16, block_length=16, use_cache=remask.ElasticCache(window_length=10**9)),
+         "use_cache.window_length", 16),
+        (dict(gen_length=16, block_length=16, use_cache=remask.ElasticCache(track_num=31)), "use_cache.track_num", 30),
+        (dict(gen_length=16, block_length=16, use_cache=remask.D2Cache(inflate_w=30)), "use_cache.inflate_w", 29),
+        (dict(gen_length=16, block_length=8, steps=16, use_cache=remask.DKVCache(cache_reloading_step=9)),
+         "use_cache.cache_reloading_step", 8),
+        (dict(gen_length=16, block_length=8, decoder=remask.WINO(accept_cap=21)), "decoder.accept_cap", 8),
+        # dInfer's blocks from position 0: [0, 16) [16, 32) [32, 46)
+        (dict(gen_length=32, block_length=16, use_cache=remask.VicinityCache(prefix_look=33)),
+         "use_cache.prefix_look", 32),
+        (dict(gen_length=32, block_length=16, use_cache=remask.VicinityCache(after_look=31)),
+         "use_cache.after_look", 30),
+        (dict(gen_length=32, block_length=16, use_cache=remask.VicinityCache(warmup_steps=45)),
+         "use_cache.warmup_steps", 44),
+        (dict(gen_length=16, block_length=8, steps=16, sparse=remask.SparseConfig(pool_kernel=45)),
+         "sparse.pool_kernel", 43),
+        (dict(gen_length=16, block_length=8, steps=16, sparse=remask.SparseConfig(method="block_mask",
+                                                                                  kv_block_size=10**9)),
+         "sparse.kv_block_size", 30),
+        (dict(gen_length=8, apd=remask.APDConfig(ar, max_lookahead=101)), "apd.max_lookahead", 8),   # default 100
+        (dict(gen_length=8, apd=remask.APDConfig(ar, kv_window=22)), "apd.kv_window", 21),
+    ]
+
+
+@pytest.mark.parametrize("case", range(14))
+def test_drop_in_config_bounds_bad(tiny, case):
+    """The drop-in call runs the same checks (with the prompt and the call's block), before any
+    forward: a ValueError naming the setting and its maximum."""
+    model, _, ar = tiny
+    kwargs, name, maximum = _config_bounds_calls(model, ar)[case]
+    with pytest.raises(ValueError) as info:
+        remask.generate(model, PROMPT, **kwargs)
+    assert name in str(info.value) and f"<= {maximum} " in str(info.value), str(info.value)
+
+
+def test_drop_in_config_bounds_allow_their_maximum(tiny):
+    """The maximum itself decodes (draft_steps = the block, window_length = gen_length, track_num =
+    the sequence: torch's topk used to raise one past it)."""
+    model = tiny[0]
+    T = PROMPT.shape[1] + 8
+    for kwargs in (dict(block_length=8, decoder=remask.FreeDave(draft_steps=8)),
+                   dict(block_length=8, use_cache=remask.ElasticCache(window_length=8, track_num=T))):
+        out = remask.generate(model, PROMPT, gen_length=8, **kwargs)
+        assert out.shape == (1, T)
+
+
+def test_config_bounds_through_the_engine_name_the_setting():
+    """A bound SamplingParams cannot check alone (FreeDave's block: a block-causal model's own;
+    VicinityCache's windows: the prompt's) is refused at add_request, naming it."""
+    llm = remask.LLM("tiny-llada")
+    for params, name in ((remask.SamplingParams(max_tokens=16, decoder={"name": "freedave", "draft_steps": 10**9}),
+                          "decoder.draft_steps must be <= 16 "),
+                         (remask.SamplingParams(max_tokens=16, use_cache=remask.VicinityCache(prefix_look=10**9)),
+                          "use_cache.prefix_look")):
+        with pytest.raises(ValueError, match=name):
+            llm.generate("sort 52814", params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_max_tokens_past_the_context_is_refused_at_add_request_naming_max_tokens():
     """`max_tokens=10**9`: refused by the engine before any decoder sizes a buffer by it, with an
     error naming `max_tokens` (it used to name the decoder's `gen_length`)."""

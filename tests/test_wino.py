@@ -12,7 +12,7 @@ import torch
 from remask.diffusion.stats import GenerationStats
 from remask.diffusion.wino import WINO, shadow_attention, wino_generate
 
-from helpers import load_fixture_checkpoint
+from helpers import load_fixture_checkpoint, margin_case
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "wino_reference.json").read_text())
 MASK = 299
@@ -30,6 +30,7 @@ def run(model, prompt, kwargs, commit_mask_token=False, **extra):
 
 @pytest.mark.parametrize("case", FIXTURE["cases"], ids=[c["name"] for c in FIXTURE["cases"]])
 def test_reproduces_the_official_decoding_wino(load, case):
+    margin_case("wino_reference.json", case)
     model = load(case["checkpoint"])
     prompt = torch.tensor([case["prompt"]])
     x, forwards = run(model, prompt, case["kwargs"], commit_mask_token=True)

@@ -14,6 +14,7 @@ from safetensors import safe_open
 import remask
 from remask.zoo import CHECKPOINTS, charset, checkpoint_path, load, tasks
 from remask.zoo.evaluate import Strategy, evaluate
+from helpers import margin_case
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLADA_DIR = os.path.join(CHECKPOINTS, "tiny-llada")
@@ -260,6 +261,9 @@ def test_tiny_llada_reproduces_the_official_sampler(llada):
     assert data["prompts"] == [charset.encode_chat(p.prompt) for p in tasks.problems(21, tasks.EVAL_SEED)]
     for case in data["cases"]:
         for prompt, expected in zip(data["prompts"], case["outputs"]):
+            if expected is None:   # dropped: a decision on a near-tie (docs/reference-fixtures.md)
+                continue
+            margin_case("tiny_llada_reference.json", expected)
             x, nfe = fast_dllm.generate(llada[0], torch.tensor([prompt]), **case["kwargs"])
             assert x[0, len(prompt):].tolist() == expected["tokens"] and nfe == expected["nfe"], case["name"]
 

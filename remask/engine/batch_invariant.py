@@ -8,6 +8,16 @@ sequence's result is the one `remask.generate` computes for it alone, whatever e
 Measured bitwise on the shipped tiny models at one intra-op thread (`tests/test_engine.py`); with
 several threads a batched GEMM may split the work otherwise than a single one, so the engine runs
 its batched forwards on one thread when `batch_invariant=True` on CPU.
+
+On CUDA (with Triton; not with ``REMASK_TRITON=0``) a plain-tensor weight's linear instead runs as
+ONE `remask.kernels.invariant_matmul.invariant_linear` over all the rows, flattened to `[B·L, K]`:
+that kernel's tile shape and K order do not depend on the number of rows, so each row's result is
+bitwise the same in any batch, and every weight is read once per step rather than once per
+sequence. It does not equal cuBLAS's `F.linear` bit for bit, so a forward is invariant only against
+other forwards under this mode (the engine enters it for batched forwards; a batch of one must
+enter it as well to give the same bits). Quantized weights (tensor subclasses) and dtypes the
+kernel does not take keep the per-sequence path; what the kernel costs against cuBLAS is for a GPU
+to measure (`make gpu-day`).
 """
 from __future__ import annotations
 
@@ -33,6 +43,31 @@ def _batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return torch.baddbmm(bias.expand(x.shape[0], x.shape[1], -1), x, w_t)
 
 
+def _kernel_device(x: torch.Tensor) -> bool:
+    """Where the batch-invariant kernel replaces the per-sequence GEMMs: CUDA tensors (the tests
+    widen it to CPU tensors under the Triton interpreter)."""
+    return x.is_cuda
+
+
+def _invariant_kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """`F.linear` as one row-invariant launch over all of x's rows (`[..., K]` → `[..., N]`), or
+    None where the kernel does not apply (off CUDA, Triton off, a quantized weight, other dtypes,
+    or a forward that records gradients: the kernel has no backward)."""
+    if not _kernel_device(x) or type(weight) not in (torch.Tensor, torch.nn.Parameter) or x.dim() < 2:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return None
+    from remask.kernels.dispatch import use_triton
+    from remask.kernels.invariant_matmul import LINEAR_DTYPES, invariant_linear_triton
+
+    if (not use_triton(x) or x.dtype not in LINEAR_DTYPES or weight.dtype != x.dtype or weight.dim() != 2
+            or (bias is not None and (bias.dtype != x.dtype or type(bias) not in (torch.Tensor, torch.nn.Parameter)))):
+        return None
+    y = invariant_linear_triton(x.reshape(-1, x.shape[-1]), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
 class _PerSequenceLinear(TorchFunctionMode):
     """`token_groups`: for a flat (varlen) forward `[1, T, K]`, the rows of each group of
     equal-length sequences `(length, row indices)`; a `[1, S, K]` input with one row per sequence
@@ -49,6 +84,9 @@ class _PerSequenceLinear(TorchFunctionMode):
         if func is F.linear:
             x, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            y = _invariant_kernel_linear(x, weight, bias)
+            if y is not None:          # CUDA: every row in one launch, whatever the layout
+                return y
             if x.dim() == 3 and x.shape[0] > 1:
                 return _batched_linear(x, weight, bias)
             if x.dim() == 3 and self.token_groups is not None:

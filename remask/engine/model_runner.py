@@ -68,7 +68,10 @@ class ModelRunner:
             if cuda_graphs else None
 
     def _invariant(self, batch: int, token_groups=None):
-        return batch_invariant_linear(self.batch_invariant and batch > 1, single_thread=self.device.type == "cpu",
+        # on CUDA a lone sequence runs the invariant GEMM too: cuBLAS and it differ in their bits,
+        # so a request alone and the same request batched must take the same kernel
+        on = self.batch_invariant and (batch > 1 or self.device.type == "cuda")
+        return batch_invariant_linear(on, single_thread=self.device.type == "cpu",
                                       token_groups=token_groups)
 
     @torch.no_grad()

@@ -13,7 +13,7 @@ from remask.diffusion.apd import APDConfig, check_apd_alone
 from remask.diffusion.cache import CACHE_MODES
 from remask.diffusion.canvas import CanvasSampler, check_canvas_settings
 from remask.diffusion.checks import (MAX_TEMPERATURE, ParameterTypeError, check_bool, check_choice, check_instance,
-                                     check_int, check_min_tokens, check_real, check_seed, check_steps)
+                                     check_int, check_min_tokens, check_real, check_seed, check_steps, check_stop)
 from remask.diffusion.dream import ALGORITHMS
 from remask.diffusion.llada import REMASKING, validate_block_args, validate_rule
 from remask.diffusion.llada2 import check_llada2_settings
@@ -39,9 +39,10 @@ class SamplingParams:
     Common: `max_tokens` (the generation length: diffusion models fill exactly this many
     positions), `n` (samples per prompt; sample i draws from `seed + i`), `seed` (None: the
     engine's seed plus the request's index), `temperature`, `stop` (strings that end the answer's
-    text), `stop_token_ids` (ids that end it, besides the model's EOS/EOT), `ignore_eos` (the
-    model's EOS/EOT are ordinary tokens: the answer runs to `max_tokens` unless `stop_token_ids` /
-    `stop` end it), `min_tokens` (no end token or `stop` string ends the answer before this many
+    text: at most 64 of at most 256 characters each, `MAX_STOP_STRINGS` / `MAX_STOP_LENGTH`),
+    `stop_token_ids` (ids that end it, besides the model's EOS/EOT), `ignore_eos` (the model's
+    EOS/EOT are ordinary tokens: the answer runs to `max_tokens` unless `stop_token_ids` / `stop`
+    end it), `min_tokens` (no end token or `stop` string ends the answer before this many
     tokens: their logits are −inf there, vLLM's rule; diffusion models: at the answer's first
     `min_tokens` positions). docs/engine.md lists which decoders take the last two.
 
@@ -122,10 +123,7 @@ class SamplingParams:
         check_real("temperature", self.temperature, low=0, high=MAX_TEMPERATURE)
         check_real("top_p", self.top_p, low=0, high=1, low_open=True, allow_none=True)
         check_int("top_k", self.top_k, minimum=1, allow_none=True)
-        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise ParameterTypeError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop", check_stop(self.stop))
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)):
             raise ParameterTypeError(f"stop_token_ids must be a list of ints, got {ids!r}")
@@ -214,6 +212,11 @@ class SamplingParams:
         check_instance("apd", self.apd, APDConfig, "a remask.APDConfig")
         if self.apd is not None:
             check_apd_alone([name for name in APD_UNREAD if getattr(self, name) != getattr(SamplingParams, name)])
+        # the configs' work bounds that the lengths set here fix (docs/parameters.md, "Work bounds"); the
+        # method's own checks run them again at add_request, with the prompt and the model's block
+        for config in (self.decoder, self.use_cache, self.apd, self.sparse):
+            if hasattr(config, "check_request"):
+                config.check_request(gen_length=self.max_tokens, block_length=self.block_length, steps=self.steps)
 
     @property
     def gen_length(self) -> int:

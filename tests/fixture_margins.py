@@ -1,0 +1,251 @@
+"""Decision margins of the reference fixtures: record them, measure the spread between CPUs, write them.
+
+Every reference test marks the start of each fixture case (`helpers.margin_case`); with
+REMASK_MARGINS_OUT set, tests/conftest.py records each test's decisions (remask.margins). This
+script turns such runs into the per-case `min_margin` of every fixture file
+(docs/reference-fixtures.md has the rule):
+
+    python tests/fixture_margins.py record /tmp/m avx512 avx2 default   # one run per ATen capability
+    python tests/fixture_margins.py spread /tmp/m/avx512.jsonl /tmp/m/avx2.jsonl /tmp/m/default.jsonl
+    python tests/fixture_margins.py apply /tmp/m/avx512.jsonl --drop     # writes min_margin, drops the cases under their bounds
+
+`spread` compares the runs decision by decision wherever a case took the same trajectory, and
+lists the cases whose trajectory differed (each must sit under the bound); `apply --drop` removes
+the cases under the bound from their fixture files.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+from collections import defaultdict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from helpers import MARGIN_KEYS, case_key  # noqa: E402
+
+from remask.margins import CASE  # noqa: E402
+
+FIXTURES = os.path.join(HERE, "fixtures")
+
+# The bound a decision's margin must clear is per decision site (the rule's code, which fixes the
+# quantity and dtype it compares): FACTOR × the largest change of that site's margins measured between
+# ATen's AVX-512, AVX2 and scalar (default) kernels over every fixture case whose trajectory stayed the
+# same (`spread`, written to SPREAD_FILE), and at least FACTOR × FLOOR (a site whose margins never
+# moved). docs/reference-fixtures.md records the measurement.
+SPREAD_FILE = os.path.join(HERE, "decision_spread.json")
+FACTOR = 10.0
+FLOOR = 1e-9
+
+# Sites that are numerics, not decisions (a value reduction written as a ranking, a guard): their
+# margins say nothing about whether the case's tokens can flip.
+NOT_DECISIONS: tuple[str, ...] = ()
+
+# The tests that run the fixture cases: tests/conftest.py marks them `reference`, the set
+# `make test-portable` runs under other CPU capabilities.
+REFERENCE_TESTS = [
+    "tests/test_apd_reference.py::test_reproduces_apd_sample",
+    "tests/test_cache.py::test_reproduces_fast_dllm_cache_on_random_checkpoints",
+    "tests/test_cache.py::test_reproduces_fast_dllm_cache_on_tiny_llada",
+    "tests/test_d2cache.py::test_reproduces_the_official_d2cache",
+    "tests/test_dinfer.py::test_matches_dinfer",
+    "tests/test_dinfer_smoothing.py::test_matches_dinfer",
+    "tests/test_dinfer_smoothing.py::test_a_batch_decodes_each_row_as_alone",
+    "tests/test_dkv_dream.py::test_reproduces_the_official_dkv_cache_dream",
+    "tests/test_dkv_greedy.py::test_reproduces_the_official_dkv_cache_greedy",
+    "tests/test_dkv.py::test_reproduces_the_official_dkv_cache_decode",
+    "tests/test_dream_cache.py::test_reproduces_fast_dllm_dream_block_decoder",
+    "tests/test_elastic.py::test_reproduces_the_official_elastic_cache",
+    "tests/test_fast_dllm_v2.py::test_reproduces_the_official_code_token_for_token",
+    "tests/test_llada2.py::test_reproduces_the_official_decoders",
+    "tests/test_llada2.py::test_logits_top5_equal_the_official_model",
+    "tests/test_reference_fixtures.py::test_reproduces_reference",
+    "tests/test_sdar.py::test_reproduces_the_official_generate_token_for_token",
+    "tests/test_sparse_dream.py::test_reproduces_the_official_dream_samplers",
+    "tests/test_sparse_reference.py::test_reproduces_sparse_dllm",
+    "tests/test_sparse_reference.py::test_reproduces_sparsed",
+    "tests/test_wino.py::test_reproduces_the_official_decoding_wino",
+    "tests/test_zoo.py::test_tiny_llada_reproduces_the_official_sampler",
+]
+
+
+def read_run(path: str) -> dict[str, list]:
+    """test id → its decisions, from one run's files (FILE and FILE.gw* of xdist workers)."""
+    tests: dict[str, list] = {}
+    for name in sorted(glob.glob(path) + glob.glob(path + ".gw*")):
+        with open(name) as f:
+            for line in f:
+                row = json.loads(line)
+                tests[row["test"]] = row["decisions"]
+    return tests
+
+
+def split_cases(decisions: list) -> dict[str, list]:
+    """Case label → its decisions (one label may run several times: all of them)."""
+    cases: dict[str, list] = defaultdict(list)
+    label = None
+    for site, margin in decisions:
+        if site == CASE:
+            label = margin
+            cases[label]   # a case with no decision still counts
+        elif label is not None and not any(p in site for p in NOT_DECISIONS):
+            cases[label].append((site, margin))
+    return cases
+
+
+def record(args) -> None:
+    os.makedirs(args.dir, exist_ok=True)
+    for cap in args.capabilities:
+        out = os.path.join(args.dir, f"{cap}.jsonl")
+        for old in glob.glob(out) + glob.glob(out + ".gw*"):
+            os.remove(old)
+        env = dict(os.environ, REMASK_MARGINS_OUT=out, ATEN_CPU_CAPABILITY=cap)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(args.workers),
+               "--dist", "loadfile", "-m", "reference", "tests"]
+        print(cap, subprocess.run(cmd, env=env, cwd=os.path.dirname(HERE)).returncode)
+
+
+def spread(args) -> None:
+    """Per decision site, the largest change of a margin between the base run and the others, over
+    the cases that took the same trajectory; written to SPREAD_FILE. The cases whose trajectory
+    differed are listed: each must fall under its bounds (`apply` drops them)."""
+    base = read_run(args.runs[0])
+    sites: dict[str, list] = defaultdict(lambda: [0.0, 0])   # site -> [largest change, decisions compared]
+    flipped = []
+    for other_path in args.runs[1:]:
+        other = read_run(other_path)
+        for test, decisions in base.items():
+            if test not in other:
+                continue
+            mine, theirs = split_cases(decisions), split_cases(other[test])
+            for label, ds in mine.items():
+                es = theirs.get(label)
+                if es is None:
+                    continue
+                if len(es) != len(ds) or any(a[0] != b[0] for a, b in zip(ds, es)):
+                    flipped.append(label)
+                    continue
+                for (site, a), (_, b) in zip(ds, es):
+                    if math.isfinite(a) and math.isfinite(b):
+                        sites[site][0] = max(sites[site][0], abs(a - b))
+                        sites[site][1] += 1
+    data = {"runs": [os.path.basename(r) for r in args.runs], "factor": FACTOR, "floor": FLOOR,
+            "flipped": sorted(set(flipped)),
+            "sites": {site: {"spread": worst, "decisions": n} for site, (worst, n) in sorted(sites.items())}}
+    with open(SPREAD_FILE, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    for site, (worst, n) in sorted(sites.items(), key=lambda kv: -kv[1][0]):
+        print(f"{worst:10.3e} {n:8d}  {site}")
+    print(f"{len(set(flipped))} cases took another trajectory under another capability")
+
+
+def site_bounds() -> dict[str, float]:
+    """Each decision site's bound: FACTOR × its measured spread, at least FACTOR × FLOOR."""
+    with open(SPREAD_FILE) as f:
+        data = json.load(f)
+    return {site: data["factor"] * max(v["spread"], data["floor"]) for site, v in data["sites"].items()}
+
+
+def clearance(decisions: list, bounds: dict[str, float]) -> float:
+    """min over a case's decisions of margin / its site's bound (a site never measured: the
+    largest bound of any site); ≥ 1 clears."""
+    worst = max(bounds.values())
+    return min((m / bounds.get(site, worst) for site, m in decisions), default=math.inf)
+
+
+def _fixture_cases(data) -> list[dict]:
+    """Every case dict of a fixture file (what `margin_case` was given)."""
+    found = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            found.append(node)
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+    walk(data)
+    return found
+
+
+def apply(args) -> None:
+    bounds = site_bounds()
+    per_case: dict[str, list] = defaultdict(list)
+    for decisions in read_run(args.run).values():
+        for label, ds in split_cases(decisions).items():
+            per_case[label].extend(ds)
+    by_file: dict[str, dict[str, tuple[float, float]]] = defaultdict(dict)
+    for label, ds in per_case.items():
+        fixture, key = label.split(":", 1)
+        by_file[fixture][key] = (min((m for _, m in ds), default=math.inf), clearance(ds, bounds))
+    for fixture, keys in sorted(by_file.items()):
+        path = os.path.join(FIXTURES, fixture)
+        with open(path) as f:
+            text = f.read()
+        data = json.loads(text)
+        cases = {case_key(c): c for c in _fixture_cases(data)}
+        missing = sorted(set(keys) - set(cases))
+        if missing:
+            raise SystemExit(f"{fixture}: {len(missing)} recorded cases are not in the file (changed since the run?)")
+        low = []
+        for key, (m, clear) in keys.items():
+            finite = math.isfinite(m)   # None: no decision at all
+            cases[key]["min_margin"] = float(f"{m:.4g}") if finite else None
+            cases[key]["margin_clearance"] = float(f"{clear:.4g}") if finite else None
+            if clear < 1:
+                low.append(key)
+        # a batch case is checked against its rows decoded alone (`<name>_row<i>`): it goes with them
+        named = {c["name"]: k for k, c in cases.items() if isinstance(c.get("name"), str)}
+        low_names = {cases[k].get("name") for k in low}
+        for name, key in named.items():
+            if key not in low and any(n.startswith(f"{name}_row") for n in low_names if isinstance(n, str)):
+                low.append(key)
+        if args.drop and low:
+            drop_ids = {id(cases[k]) for k in low}
+
+            def prune(node, key=None):
+                # a list of cases loses them; a list read by position (outputs zipped with the
+                # file's prompts) keeps its length, with null where a case was dropped
+                if isinstance(node, dict):
+                    return {k: prune(v, k) for k, v in node.items()}
+                if isinstance(node, list):
+                    if key == "cases":
+                        return [prune(v) for v in node if id(v) not in drop_ids]
+                    return [None if id(v) in drop_ids else prune(v) for v in node]
+                return node
+            data = prune(data)
+        data["margins"] = {"rule": "docs/reference-fixtures.md", "bounds": "tests/decision_spread.json",
+                           "cases": len(keys),
+                           "under_bound": len(low),
+                           "dropped": data.get("margins", {}).get("dropped", 0) + (len(low) if args.drop else 0)}
+        with open(path, "w") as f:
+            # one-line files stay one line; the others get one level of indent per nesting level
+            json.dump(data, f, indent=None if "\n" not in text.strip() else 1)
+            f.write("\n")
+        print(f"{fixture}: {len(keys)} cases, {len(low)} under their bounds" + (" (dropped)" if args.drop else ""))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("record")
+    r.add_argument("dir")
+    r.add_argument("capabilities", nargs="+")
+    r.add_argument("--workers", type=int, default=2)
+    s = sub.add_parser("spread")
+    s.add_argument("runs", nargs="+")
+    a = sub.add_parser("apply")
+    a.add_argument("run")
+    a.add_argument("--drop", action="store_true")
+    args = parser.parse_args()
+    {"record": record, "spread": spread, "apply": apply}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""`remask.margins.DecisionMargins` and the margins the reference fixtures record (docs/reference-fixtures.md)."""
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from fixture_margins import FIXTURES, SPREAD_FILE, clearance, site_bounds, split_cases
+from remask.margins import CASE, DecisionMargins, ranking_margin, threshold_margin
+
+
+def test_a_ranking_margin_is_the_best_minus_the_next_best_relative_to_the_slice():
+    x = torch.tensor([[0.1, 0.7, 0.4], [0.5, 0.45, -math.inf]])
+    assert ranking_margin(x, 1, 1) == pytest.approx(0.05 / 0.5)
+    # topk(k): only the boundary of the chosen set decides; argmin ranks from below
+    assert ranking_margin(torch.tensor([[5.0, 4.0, 1.0, 0.9]]), 1, 2) == pytest.approx(3.0 / 5.0)
+    assert ranking_margin(torch.tensor([[0.3, 0.1, 0.2]]), 1, 1, largest=False) == pytest.approx(0.1 / 0.3)
+    # relative: a flat distribution's probabilities (1e-5) rank as finely as a peaked one's
+    assert ranking_margin(torch.tensor([[2e-5, 1e-5]], dtype=torch.float64), 1, 1) == pytest.approx(0.5)
+    assert ranking_margin(torch.tensor([[20.0, 19.0]]), 1, 1) == pytest.approx(1 / 20)
+
+
+def test_exact_ties_and_sentinels_are_passed_over():
+    # copies of one number stay tied on every CPU: the next distinct value decides
+    assert ranking_margin(torch.tensor([[0.9, 0.9, 0.2]]), 1, 1) == pytest.approx(0.7 / 0.9)
+    floor = torch.finfo(torch.float32).min
+    assert ranking_margin(torch.tensor([[0.9, floor, floor]]), 1, 1) == math.inf
+    assert threshold_margin(torch.tensor([0.5, -math.inf, 0.9]), 0.9) == pytest.approx(0.4 / 0.9)
+
+
+def test_the_recorder_sees_rankings_and_thresholds_not_numerics():
+    x = torch.tensor([[0.2, 0.9, 0.85]], dtype=torch.float64)
+    with DecisionMargins() as margins:
+        x.argmax(-1)
+        torch.topk(x, 2, dim=1)
+        _ = x > 0.8
+        x.max()                       # a value reduction
+        torch.maximum(x, x)           # elementwise
+        x.amax(dim=1)                 # values only
+        _ = torch.tensor([1, 2]) > 1  # integers
+    ops = [site.rsplit(":", 1)[1] for site, _ in margins.decisions]
+    assert ops == ["argmax", "topk", "gt"]
+    assert [m for _, m in margins.decisions] == pytest.approx([0.05 / 0.9, 0.65 / 0.9, 0.05 / 0.85])
+    assert margins.minimum() == pytest.approx(0.05 / 0.9)
+    assert all(site.startswith("tests/test_margins.py:") for site in margins.by_site())
+
+
+def test_marks_split_a_run_per_case():
+    x = torch.tensor([[0.2, 0.9, 0.3]])
+    DecisionMargins.mark("nobody listens")   # no recorder: nothing happens
+    with DecisionMargins() as margins:
+        DecisionMargins.mark("a.json:1")
+        x.argmax(-1)
+        DecisionMargins.mark("a.json:2")
+        DecisionMargins.mark("a.json:1")
+        _ = x > 0.25
+    assert margins.decisions[0] == (CASE, "a.json:1")
+    cases = split_cases(margins.decisions)
+    assert sorted(cases) == ["a.json:1", "a.json:2"] and cases["a.json:2"] == []
+    assert [m for _, m in cases["a.json:1"]] == pytest.approx([0.6 / 0.9, 0.05 / 0.3])
+
+
+def _cases_with_margins(node) -> list[dict]:
+    if isinstance(node, dict):
+        return ([node] if "min_margin" in node else []) + [c for v in node.values() for c in _cases_with_margins(v)]
+    if isinstance(node, list):
+        return [c for v in node for c in _cases_with_margins(v)]
+    return []
+
+
+def test_a_case_clears_when_each_decision_clears_its_sites_bound():
+    bounds = {"a.py:f:argmax": 1e-5, "b.py:g:gt": 1e-9}
+    assert clearance([("a.py:f:argmax", 2e-5), ("b.py:g:gt", 1e-8)], bounds) == pytest.approx(2.0)
+    assert clearance([("a.py:f:argmax", 2e-5), ("b.py:g:gt", 5e-10)], bounds) == pytest.approx(0.5)
+    # a site the spread run never saw gets the largest bound
+    assert clearance([("c.py:h:topk", 5e-6)], bounds) == pytest.approx(0.5)
+    assert clearance([], bounds) == math.inf
+
+
+def test_the_measured_spread_is_recorded():
+    with open(SPREAD_FILE) as f:
+        data = json.load(f)
+    assert data["runs"][0] == "avx512.jsonl" and {"avx2.jsonl", "default.jsonl"} <= set(data["runs"])
+    assert data["factor"] >= 10 and all(v["decisions"] > 0 for v in data["sites"].values())
+    assert all(bound >= data["factor"] * data["floor"] for bound in site_bounds().values())
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(FIXTURES, "*.json"))), ids=os.path.basename)
+def test_every_fixture_case_clears_its_bounds(path):
+    """Each fixture file records its cases' smallest decision margins (tests/fixture_margins.py),
+    and every kept case clears each decision site's bound: a case under one can flip on another CPU."""
+    with open(path) as f:
+        data = json.load(f)
+    summary = data["margins"]
+    assert summary["rule"] == "docs/reference-fixtures.md" and summary["bounds"] == "tests/decision_spread.json"
+    cases = _cases_with_margins(data)
+    assert len(cases) == summary["cases"] - summary["dropped"]
+    low = [c["margin_clearance"] for c in cases if c["margin_clearance"] is not None and c["margin_clearance"] < 1]
+    assert not low, f"{len(low)} cases under their bounds"
