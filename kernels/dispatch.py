@@ -35,5 +35,13 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return HAS_TRITON and tensor.is_cuda
 
 
+def check_like(name: str, operand: torch.Tensor, x: torch.Tensor) -> None:
+    """A kernel operand on x's device in x's dtype, or a ValueError naming it."""
+    if operand.dtype != x.dtype:
+        raise ValueError(f"{name} dtype {operand.dtype} differs from x's {x.dtype}")
+    if operand.device != x.device:
+        raise ValueError(f"{name} is on {operand.device}, x on {x.device}")
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()

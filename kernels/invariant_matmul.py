@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .dispatch import HAS_TRITON, next_power_of_2, use_triton
+from .dispatch import HAS_TRITON, check_like, next_power_of_2, use_triton
 
 LINEAR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK_M = 64           # rows per tile, whatever M is
@@ -126,18 +126,12 @@ def _check(x, weight, bias) -> None:
         raise ValueError(f"x dtype must be one of {[str(d) for d in LINEAR_DTYPES]}, got {x.dtype}")
     if weight.shape[1] != x.shape[1]:
         raise ValueError(f"weight has shape {tuple(weight.shape)}: expected [N, K={x.shape[1]}] for x {tuple(x.shape)}")
-    if weight.dtype != x.dtype:
-        raise ValueError(f"weight dtype {weight.dtype} differs from x's {x.dtype}")
-    if weight.device != x.device:
-        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
+    check_like("weight", weight, x)
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
             raise ValueError(f"bias must be a 1-D tensor [N={weight.shape[0]}], got shape "
                              f"{tuple(getattr(bias, 'shape', ())) or None}")
-        if bias.dtype != x.dtype:
-            raise ValueError(f"bias dtype {bias.dtype} differs from x's {x.dtype}")
-        if bias.device != x.device:
-            raise ValueError(f"bias is on {bias.device}, x on {x.device}")
+        check_like("bias", bias, x)
 
 
 def invariant_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import HAS_TRITON, next_power_of_2, use_triton
+from .dispatch import HAS_TRITON, check_like, next_power_of_2, use_triton
 from .invariant_norm_ref import rms_norm_torch
 
 NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -66,10 +66,7 @@ def _check(x, weight, eps) -> None:
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.shape[0] != x.shape[1]:
         raise ValueError(f"weight must be a 1-D tensor [D={x.shape[1]}], got shape "
                          f"{tuple(getattr(weight, 'shape', ())) or None}")
-    if weight.dtype != x.dtype:
-        raise ValueError(f"weight dtype {weight.dtype} differs from x's {x.dtype}")
-    if weight.device != x.device:
-        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
+    check_like("weight", weight, x)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps must be a float >= 0, got {eps!r}")
 

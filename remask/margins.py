@@ -73,14 +73,24 @@ def ranking_margin(values: torch.Tensor, dim: int, k: int, largest: bool = True)
     stay equal, which values that are copies of one number (pooling, repeated scores) do everywhere."""
     if values.numel() == 0 or values.dim() == 0 or values.shape[dim] <= k:
         return math.inf
-    v = values.movedim(dim, -1).reshape(-1, values.shape[dim])
+    n = values.shape[dim]
+    v = values.movedim(dim, -1).reshape(-1, n)
     v = v if largest else -v
     real = _real(v)
     v = torch.where(real, v, torch.full_like(v, -math.inf))
-    scale = torch.where(real, v.abs(), torch.zeros_like(v)).amax(dim=1)
-    ordered = torch.sort(v, dim=1, descending=True).values
+    smallest = torch.where(real, v, torch.full_like(v, math.inf)).amin(dim=1)
+    scale = torch.maximum(v.amax(dim=1).abs(), smallest.abs())
+    scale = torch.where(torch.isfinite(scale), scale, torch.zeros_like(scale))
+    # the k-th and what follows it, from a short top-k (a full sort of a 126k vocabulary is slow);
+    # rows whose window holds only ties of the k-th look further, down the whole sorted row
+    window = min(n, k + 8)
+    ordered = torch.topk(v, window, dim=1).values
     kth = ordered[:, k - 1:k]
-    below = torch.where(ordered < kth, ordered, torch.full_like(ordered, -math.inf)).max(dim=1).values
+    below = torch.where(ordered < kth, ordered, torch.full_like(ordered, -math.inf)).amax(dim=1)
+    open_rows = (below == -math.inf) & torch.isfinite(kth[:, 0])
+    if window < n and bool(open_rows.any()):
+        rest = torch.sort(v[open_rows], dim=1, descending=True).values
+        below[open_rows] = torch.where(rest < kth[open_rows], rest, torch.full_like(rest, -math.inf)).amax(dim=1)
     return _scaled_gap(kth[:, 0], below, scale)
 
 

@@ -15,7 +15,7 @@ from remask.diffusion.d2cache import (D2Cache, D2KVCache, certainty_density, d2c
 from remask.diffusion.stats import GenerationStats
 from remask.models import tiny
 
-from helpers import load_fixture_checkpoint, margin_case
+from helpers import left_pad, load_fixture_checkpoint, margin_case
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "d2cache_reference.json").read_text())
 MASK = 299
@@ -95,21 +95,23 @@ def test_selection_helpers():
 
 
 def test_batches(load):
-    """Upstream couples a batch's rows (top-up to equal counts, a batch-wide block bias): the fixture's
-    batch cases hold the reference's coupled output (independent_rows=False) and differ from the rows
-    alone; by default (independent_rows=True) each row is decoded alone."""
-    case = next(c for c in FIXTURE["cases"] if c["name"] == "llada_small_peaked_batch2_g32_b32")
-    model = load(case["checkpoint"])
-    alone = [run(model, dict(case, prompt=[row]))[0].tolist() for row in case["prompt"]]
-    assert alone != case["output_ids"]
-    assert run(model, case).tolist() == alone
-    assert run(model, case, independent_rows=False).tolist() == case["output_ids"]
-    padded = next(c for c in FIXTURE["cases"] if c["name"] == "llada_small_peaked_padded_batch2_g32_b32")
-    x = run(model, padded, independent_rows=True)
+    """Upstream couples a batch's rows (top-up to equal counts, a batch-wide block bias); by default
+    (independent_rows=True) remask decodes each row alone: a batch holding a fixture prompt twice
+    gives the reference's tokens for it alone in both rows, and in a left-padded batch each row is
+    the same row decoded alone. (The fixture's batch cases, which held upstream's coupled output,
+    sat under their decision margins: docs/reference-fixtures.md.)"""
+    rows = [next(c for c in FIXTURE["cases"] if c["name"] == f"llada_small_peaked_g64_b32_n2_s3.0_current_k8_sigma3.0_inflate_w2_{p}")
+            for p in ("p0", "p2")]
+    model = load(rows[0]["checkpoint"])
+    twice = run(model, dict(rows[0], prompt=rows[0]["prompt"] * 2))
+    assert twice.tolist() == rows[0]["output_ids"] * 2
+    ids, mask = left_pad([torch.tensor(c["prompt"][0]) for c in rows], pad_id=297)
+    padded = dict(rows[0], prompt=ids.tolist(), attention_mask=mask.tolist())
+    x = run(model, padded)
     for b in range(2):
         one = dict(padded, prompt=[padded["prompt"][b]], attention_mask=[padded["attention_mask"][b]])
         assert torch.equal(x[b], run(model, one)[0])
-    assert not bool((x == MASK).any()) and x[:, :12].tolist() == padded["prompt"]
+    assert not bool((x == MASK).any()) and x[:, :ids.shape[1]].tolist() == padded["prompt"]
 
 
 def test_without_committing_the_mask_token(load):

@@ -68,11 +68,12 @@ def _run(model, case, **kw):
 
 def test_fixture_exercises_the_method():
     # most cases differ from dense decoding, so the sparse path decides the tokens
-    assert len(DATA["cases"]) == 222
-    assert sum(c["differs_from_dense"] for c in DATA["cases"]) == 169
+    # 102 of the reference's 222 cases clear their decision margins (docs/reference-fixtures.md)
+    assert len(DATA["cases"]) == 102
+    assert sum(c["differs_from_dense"] for c in DATA["cases"]) == 86
 
 
-@pytest.mark.parametrize("checkpoint", ["llada", "llada_gqa_tied", "tiny-llada"])
+@pytest.mark.parametrize("checkpoint", sorted({c["checkpoint"] for c in DATA["cases"]}))
 def test_reproduces_sparse_dllm(checkpoint, models):
     cases = [c for c in DATA["cases"] if c["checkpoint"] == checkpoint]
     mismatched, masked = [], 0
@@ -85,10 +86,10 @@ def test_reproduces_sparse_dllm(checkpoint, models):
         elif got != case["output"]:
             mismatched.append(case["id"])
     assert not mismatched, mismatched
-    assert masked == (3 if checkpoint == "llada_gqa_tied" else 0)
+    assert masked == (2 if checkpoint == "llada_gqa_tied" else 0)
 
 
-@pytest.mark.parametrize("checkpoint,identical", [("llada", 45), ("llada_gqa_tied", 39), ("tiny-llada", 71)])
+@pytest.mark.parametrize("checkpoint,identical", [("llada", 36), ("llada_gqa_tied", 34)])
 def test_default_tie_rule_departs_only_at_ties(checkpoint, identical, models):
     """Without `reference_ties`, remask keeps (and commits) the earlier position among exactly
     equal scores, where upstream's `torch.topk` order depends on the row's length: these counts
@@ -109,11 +110,11 @@ def _run_sparsed(model, case, **kw):
 
 
 def test_sparsed_fixture_exercises_the_method():
-    assert len(SPARSED["cases"]) == 218
-    assert sum(c["differs_from_dense"] for c in SPARSED["cases"]) == 178
+    assert len(SPARSED["cases"]) == 67   # of the reference's 218: those clearing their margins
+    assert sum(c["differs_from_dense"] for c in SPARSED["cases"]) == 64
 
 
-@pytest.mark.parametrize("checkpoint", ["llada", "llada_small", "tiny-llada"])
+@pytest.mark.parametrize("checkpoint", sorted({c["checkpoint"] for c in SPARSED["cases"]}))
 def test_reproduces_sparsed(checkpoint, models, monkeypatch):
     import remask.caches.sparse as sparse_module
 

@@ -135,7 +135,7 @@ def test_one_forward_per_step_and_same_tokens(models, config, batch, early_stop)
 
 @pytest.mark.parametrize("name", ["llada_peaked_hierarchy_prefix_p13_g48_b16",
                                   "llada_peaked_threshold_vicinity1_p21_g64_b32",
-                                  "llada_peaked_credit_dual_batch3"])
+                                  "llada_peaked_hierarchy_vicinity0_p13_g48_b16"])
 def test_early_stop_cases(models, name):
     """Fixture cases whose output holds EOS: the early stop's fill and break under the generator."""
     case = next(c for c in FIXTURE["cases"] if c["name"] == name)
