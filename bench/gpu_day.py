@@ -152,6 +152,9 @@ def run_command(cmd: list[str], timeout: float, log_path: str, env: dict[str, st
                 cwd: str = ROOT) -> int | None:
     """Run `cmd` with its output into `log_path`; its exit code, or None when it ran past `timeout`
     seconds (then it and every process it started are killed: it runs in its own process group)."""
+    # an xdist worker's variables (this script run from the test suite) would make a pytest child
+    # think it is a worker too, and pytest-benchmark then turns its benchmarks off
+    env = {k: v for k, v in (os.environ if env is None else env).items() if not k.startswith("PYTEST_XDIST")}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
         try:
