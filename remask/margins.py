@@ -14,8 +14,9 @@ active and records, for each decision, its margin:
 
 in the dtype the rule compares in, relative to the magnitude of what is compared (a ranking's
 largest value in its slice, a threshold's larger side): the spread between CPUs is a few units in
-the last place of those values, so a relative margin is comparable across logits, probabilities of
-a flat distribution (1e-5) and peaked ones. Non-finite values and sentinels past `SENTINEL` (masked-out
+the last place of logits, so a relative margin is comparable across logits and the probabilities of
+flat (1e-5) and peaked distributions. It overstates the risk of probabilities saturated near 1,
+whose rounding moves them far less than their relative gaps (a log-odds margin would not). Non-finite values and sentinels past `SENTINEL` (masked-out
 positions at -inf or finfo.min) never count.
 
 It works on any code, the official reference implementations included (it sees torch calls, not
