@@ -46,10 +46,6 @@ SPREAD_FILE = os.path.join(HERE, "decision_spread.json")
 # (a flip, or dInfer's soft inputs drifting), and compare different values from there on.
 DIVERGED = 1e-3
 
-# Sites that are numerics, not decisions (a value reduction written as a ranking, a guard): their
-# margins say nothing about whether the case's tokens can flip.
-NOT_DECISIONS: tuple[str, ...] = ()
-
 # The tests that run the fixture cases: tests/conftest.py marks them `reference`, the set
 # `make test-portable` runs under other CPU capabilities.
 REFERENCE_TESTS = [
@@ -97,7 +93,7 @@ def split_cases(decisions: list) -> dict[str, list]:
         if site == CASE:
             label = margin
             cases[label]   # a case with no decision still counts
-        elif label is not None and not any(p in site for p in NOT_DECISIONS):
+        elif label is not None:
             cases[label].append((site, margin))
     return cases
 
