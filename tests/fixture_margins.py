@@ -9,9 +9,10 @@ script turns such runs into the per-case `min_margin` of every fixture file
     python tests/fixture_margins.py spread /tmp/m/avx512.jsonl /tmp/m/avx2.jsonl /tmp/m/default.jsonl
     python tests/fixture_margins.py apply /tmp/m/avx512.jsonl --drop     # writes min_margin, drops the cases under their bounds
 
-`spread` compares the runs decision by decision wherever a case took the same trajectory, and
-lists the cases whose trajectory differed (each must sit under the bound); `apply --drop` removes
-the cases under the bound from their fixture files.
+`spread` compares the runs decision by decision up to where a case's runs went different ways,
+sets each fixture file's bound from what it measured, and lists the cases that went another way;
+`apply --drop` removes from their fixture files the cases under their file's bound and those that
+went another way, whatever their margin.
 """
 from __future__ import annotations
 
