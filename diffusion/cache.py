@@ -17,12 +17,14 @@ every step; the rotated values are the same).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Generator
 
 import torch
 
 from remask.caches import KVCache, PagedKVCache
 from remask.models.spec import ModelSpec
+
+from .stepper import ForwardRequest
 
 CACHE_MODES = (None, "prefix", "dual", "paged")
 
@@ -46,8 +48,10 @@ def valid_positions(attention_mask: torch.Tensor | None, total_len: int) -> torc
 
 
 class BlockForward:
-    """Model forwards of the block loop: `refresh(x, start, end)` → logits `[B, T, V]`;
-    `step(x, start, end)` → (logits of the fed positions, index of the first fed position)."""
+    """The forwards of the block loop, as sub-generators of `ForwardRequest`s (``yield from``):
+    `refresh(x, start, end)` → logits `[B, T, V]`; `step(x, start, end)` → (logits of the fed
+    positions, index of the first fed position). The cache's bookkeeping (a new cache at the block
+    start, the prefix cache's crop) happens around the request, so either driver gets the same."""
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, use_cache: Any, forward_inputs: dict[str, Any],
                  valid: torch.Tensor | None) -> None:
@@ -61,22 +65,22 @@ class BlockForward:
     def cache_nbytes(self) -> int:
         return 0 if self.cache is None else self.cache.nbytes
 
-    def refresh(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    def refresh(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, torch.Tensor]:
         if self.mode is None:
-            return self.spec.logits(self.model, x, **self.forward_inputs)
+            return (yield ForwardRequest.call(x, self.forward_inputs, spec=self.spec))
         if self.paged is not None:
             self.paged.begin_block(x, self.valid, start, end)
         else:
             self.cache = KVCache()
-        return self._cached_forward(self.cache, x, start, end, refresh=True)[0]
+        return (yield from self._cached_forward(self.cache, x, start, end, refresh=True))[0]
 
-    def step(self, x: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, int]:
+    def step(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
         if self.mode is None:
-            return self.spec.logits(self.model, x, **self.forward_inputs), 0
-        return self._cached_forward(self.cache, x, start, end, refresh=False)
+            return (yield ForwardRequest.call(x, self.forward_inputs, spec=self.spec)), 0
+        return (yield from self._cached_forward(self.cache, x, start, end, refresh=False))
 
     def _cached_forward(self, cache: KVCache | PagedKVCache, x: torch.Tensor, start: int, end: int,
-                        refresh: bool) -> tuple[torch.Tensor, int]:
+                        refresh: bool) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
         """The block-start forward over every position (it fills `cache`), or a cached step over
         the block (dual, paged) or the block and what follows it (prefix); (logits, first fed)."""
         if refresh:
@@ -85,45 +89,8 @@ class BlockForward:
             fed, fed_end = start, (x.shape[1] if self.mode == "prefix" else end)
             inputs = self.spec.inputs_for_positions(self.forward_inputs, start, fed_end)
         cache.write_start = fed   # the model reads it instead of cache_position[0] (no host sync)
-        logits = self.spec.logits(self.model, x[:, fed:fed_end], past_key_values=cache,
-                                  cache_position=torch.arange(fed, fed_end, device=x.device), **inputs)
+        logits = yield ForwardRequest.call(x[:, fed:fed_end], inputs, spec=self.spec, cache=cache,
+                                           cache_position=torch.arange(fed, fed_end, device=x.device))
         if self.mode == "prefix":
             cache.crop(start)   # the suffix's K/V are recomputed at every step, never kept
         return logits, fed
-
-    @staticmethod
-    def run_shared(forwards: list["BlockForward"], xs: list[torch.Tensor], start: int, end: int,
-                   refresh: bool) -> tuple[torch.Tensor, int]:
-        """`refresh` (refresh=True) or `step` of several sequences' prefix / dual caches in one
-        model call: same mode, length and block, no padding. Each sequence's own cache is filled
-        and updated exactly as its own call would (`StackedKVCache`); returns (logits `[G, L, V]`,
-        first fed position)."""
-        head = forwards[0]
-        if refresh:
-            for f in forwards:
-                f.cache = KVCache()
-        stacked = StackedKVCache([f.cache for f in forwards])
-        return head._cached_forward(stacked, torch.cat(xs), start, end, refresh)
-
-
-class StackedKVCache(KVCache):
-    """The contiguous caches of several sequences (one row each, the same length) seen as one
-    batch by a shared forward: each layer's fresh K/V row goes into its own sequence's cache (as
-    that sequence's own forward would write it), and attention runs over the member caches
-    stacked along the batch."""
-
-    def __init__(self, members: list[KVCache]) -> None:
-        super().__init__()
-        self.members = members
-
-    def get_seq_length(self, layer: int = 0) -> int:
-        return self.members[0].get_seq_length(layer)
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        for i, member in enumerate(self.members):
-            member.update(layer, k[i:i + 1], v[i:i + 1], start)
-        return (torch.cat([m.keys[layer] for m in self.members]), torch.cat([m.values[layer] for m in self.members]))
-
-    def crop(self, length: int) -> None:
-        for member in self.members:
-            member.crop(length)

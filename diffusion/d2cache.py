@@ -276,7 +276,7 @@ def d2cache_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2
     return drive(d2cache_steps(model, prompt, config=config, steps=steps, gen_length=gen_length,
                                block_length=block_length, prior_sigma=prior_sigma, commit_mask_token=commit_mask_token,
                                independent_rows=independent_rows, attention_mask=attention_mask, mask_id=mask_id,
-                               stats=stats))
+                               stats=stats), model)
 
 
 def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cache | None = None,

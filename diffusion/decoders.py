@@ -128,7 +128,7 @@ def run_decoder(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: to
     over `decoder_steps`, the step generator the engine advances one forward at a time."""
     return drive(decoder_steps(model, prompt, attention_mask, decoder, gen_length=gen_length,
                                block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats,
-                               settings=settings))
+                               settings=settings), model)
 
 
 def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None, decoder: Any, *,

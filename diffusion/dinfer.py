@@ -569,7 +569,7 @@ def dinfer_generate(
     return drive(dinfer_steps(model, prompt, decoder=decoder, gen_length=gen_length, block_length=block_length,
                               use_cache=use_cache, early_stop=early_stop, attention_mask=attention_mask,
                               mask_id=mask_id, eos_id=eos_id, maximum_unroll=maximum_unroll,
-                              expected_tpf=expected_tpf, stats=stats))
+                              expected_tpf=expected_tpf, stats=stats), model)
 
 
 def dinfer_steps(

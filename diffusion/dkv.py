@@ -250,7 +250,7 @@ def dkv_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCac
     with `commit_mask_token`) are forwarded one by one, each with its own cache."""
     return drive(dkv_steps(model, prompt, config=config, steps=steps, gen_length=gen_length,
                            block_length=block_length, remasking=remasking, attention_mask=attention_mask,
-                           generator=generator, mask_id=mask_id, stats=stats))
+                           generator=generator, mask_id=mask_id, stats=stats), model)
 
 
 def dkv_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCache | None = None,

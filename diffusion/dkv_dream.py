@@ -104,7 +104,7 @@ def dkv_dream_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     return drive(dkv_dream_steps(model, input_ids, attention_mask, config=config, steps=steps,
                                  max_new_tokens=max_new_tokens, alg=alg, alg_temp=alg_temp, temperature=temperature,
                                  top_p=top_p, top_k=top_k, eps=eps, mask_id=mask_id, generator=generator,
-                                 stats=stats))
+                                 stats=stats), model)
 
 
 def dkv_dream_steps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

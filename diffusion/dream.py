@@ -37,6 +37,7 @@ from .varlen import segmented_logits
 from .scoring import score_rows, score_tokens
 from .sparse import BlockMaskForward, RetentionForward, SparseConfig
 from .stats import GenerationStats
+from .stepper import drive
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")
 CONFIDENCE_OF = {"maskgit_plus": "prob", "topk_margin": "margin", "entropy": "neg_entropy",
@@ -495,7 +496,7 @@ class DreamDecoder:
 
     def forward(self, model: torch.nn.Module, state: DreamState) -> tuple[torch.Tensor, int]:
         if state.forwards is not None:
-            return state.forwards.step(state.x, 0, state.x.shape[1])
+            return drive(state.forwards.step(state.x, 0, state.x.shape[1]), model)
         return self.spec.logits(model, state.x, **state.forward_inputs), 0
 
     def step(self, model: torch.nn.Module, state: DreamState, generator: torch.Generator | None = None,
@@ -650,7 +651,7 @@ class DreamBlockDecoder:
         block_x = x[:, start:end]   # a view: commits write into x
         forwards = state.forwards
         if state.i == 0:
-            logits = forwards.refresh(x, start, end)
+            logits = drive(forwards.refresh(x, start, end), model)
             if stats is not None:
                 stats.forward(B, T, forwards.cache_nbytes)
             before = int((block_x == mask_id).sum())
@@ -658,7 +659,7 @@ class DreamBlockDecoder:
             self._record(state, before - int((block_x == mask_id).sum()), stats)
             state.i = 1
             return
-        logits, fed = forwards.step(x, start, end)
+        logits, fed = drive(forwards.step(x, start, end), model)
         L = logits.shape[1]
         if stats is not None:
             stats.forward(B, L, forwards.cache_nbytes)

@@ -328,7 +328,7 @@ def elastic_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: El
     (a combination no paper shipped; Elastic's `threshold`, `tokens_per_iter` and
     `commit_mask_token` are then not read and refused when set)."""
     return drive(elastic_steps(model, prompt, config=config, gen_length=gen_length, attention_mask=attention_mask,
-                               mask_id=mask_id, eos_id=eos_id, stats=stats, trace=trace, rule=rule))
+                               mask_id=mask_id, eos_id=eos_id, stats=stats, trace=trace, rule=rule), model)
 
 
 def elastic_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: ElasticCache | None = None,

@@ -433,7 +433,7 @@ def freedave_generate(
         LongTensor `[B, P + gen_length]`, as `remask.generate`.
     """
     return drive(freedave_steps(model, prompt, attention_mask, config=config, steps=steps, gen_length=gen_length,
-                                block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats))
+                                block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats), model)
 
 
 def freedave_steps(

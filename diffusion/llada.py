@@ -31,6 +31,7 @@ from .varlen import segmented_logits
 from .scoring import score_rows, score_tokens
 from .selection import schedule_counts, topk_commit
 from .stats import GenerationStats
+from .stepper import drive, drive_packed
 
 REMASKING = ("low_confidence", "random")
 
@@ -240,8 +241,10 @@ class BlockDecoder:
         if self.mode is None:
             return self.spec.logits(model, torch.cat([s.x for s in states])), 0
         start, end = self.block_span(states[0])
-        return BlockForward.run_shared([s.forwards for s in states], [s.x for s in states], start, end,
-                                       refresh=states[0].step == 0)
+        refresh = states[0].step == 0
+        out = drive_packed(model, [s.forwards.refresh(s.x, start, end) if refresh else s.forwards.step(s.x, start, end)
+                                   for s in states])
+        return (torch.cat(out), 0) if refresh else (torch.cat([logits for logits, _ in out]), out[0][1])
 
     def varlen_forward_key(self, state: BlockState) -> tuple | None:
         """Equal for states whose next forwards one segmented forward can serve whatever their
@@ -271,8 +274,8 @@ class BlockDecoder:
             return cfg_logits(self.spec, model, state.x, state.forward_inputs, state.prompt_index, self.cfg_scale,
                               self.spec.mask_id), 0
         if state.step == 0:
-            return state.forwards.refresh(state.x, start, end), 0
-        return state.forwards.step(state.x, start, end)
+            return drive(state.forwards.refresh(state.x, start, end), model), 0
+        return drive(state.forwards.step(state.x, start, end), model)
 
     def step(self, model: torch.nn.Module, state: BlockState, generator: torch.Generator | None = None,
              stats: GenerationStats | None = None, on_step: Callable | None = None) -> None:

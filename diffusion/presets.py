@@ -91,11 +91,11 @@ class _HeldForwards:
     def __getattr__(self, name: str) -> Any:      # cache_nbytes, …
         return getattr(self.inner, name)
 
-    def refresh(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return hold_end_ids(self.inner.refresh(x, start, end), 0, self.until, self.ids)
+    def refresh(self, x: torch.Tensor, start: int, end: int) -> Any:
+        return hold_end_ids((yield from self.inner.refresh(x, start, end)), 0, self.until, self.ids)
 
-    def step(self, x: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, int]:
-        logits, fed = self.inner.step(x, start, end)
+    def step(self, x: torch.Tensor, start: int, end: int) -> Any:
+        logits, fed = yield from self.inner.step(x, start, end)
         return hold_end_ids(logits, fed, self.until, self.ids), fed
 
 

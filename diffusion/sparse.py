@@ -19,7 +19,7 @@ as the two repositories' Dream samplers do).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generator
 
 import torch
 
@@ -27,6 +27,7 @@ from remask.caches.sparse import BlockMaskAttention, RetentionKVCache
 from remask.models.spec import ModelSpec
 
 from .checks import check_bool, check_choice, check_config_bounds, check_int, check_real
+from .stepper import ForwardRequest
 
 SPARSE_METHODS = ("retention", "block_mask")
 
@@ -121,28 +122,28 @@ class RetentionForward:
     def cache_nbytes(self) -> int:
         return self.cache.nbytes
 
-    def _full(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    def _full(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, torch.Tensor]:
         if self.step_index != self.sparse.delay_step:
-            return self.spec.logits(self.model, x, **self.forward_inputs)
+            return (yield ForwardRequest.call(x, self.forward_inputs, spec=self.spec))
         self.cache.begin_select(start, end)
-        logits = self.spec.logits(self.model, x, past_key_values=self.cache,
-                                  cache_position=torch.arange(x.shape[1], device=x.device), **self.forward_inputs)
+        logits = yield ForwardRequest.call(x, self.forward_inputs, spec=self.spec, cache=self.cache,
+                                           cache_position=torch.arange(x.shape[1], device=x.device))
         self.cache.end_select()
         return logits
 
-    def refresh(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    def refresh(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, torch.Tensor]:
         self.step_index = 0
-        logits = self._full(x, start, end)
+        logits = yield from self._full(x, start, end)
         self.step_index = 1
         return logits
 
-    def step(self, x: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, int]:
+    def step(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
         if self.step_index <= self.sparse.delay_step:
-            logits, fed = self._full(x, start, end), 0
+            logits, fed = (yield from self._full(x, start, end)), 0
         else:
             inputs = self.spec.inputs_for_positions(self.forward_inputs, start, end)
-            logits = self.spec.logits(self.model, x[:, start:end], past_key_values=self.cache,
-                                      cache_position=torch.arange(start, end, device=x.device), **inputs)
+            logits = yield ForwardRequest.call(x[:, start:end], inputs, spec=self.spec, cache=self.cache,
+                                               cache_position=torch.arange(start, end, device=x.device))
             fed = start
         self.step_index += 1
         return logits, fed
@@ -166,18 +167,18 @@ class BlockMaskForward:
     def cache_nbytes(self) -> int:
         return 0
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor) -> Generator[ForwardRequest, Any, torch.Tensor]:
         step, self.global_step = self.global_step, self.global_step + 1
         if step > self.select_step:
             self.hook.phase = "sparse"
         else:
             self.hook.phase = "select" if step == self.select_step else "dense"
-        return self.spec.logits(self.model, x, past_key_values=self.hook,
-                                cache_position=torch.arange(x.shape[1], device=x.device), **self.forward_inputs)
+        return (yield ForwardRequest.call(x, self.forward_inputs, spec=self.spec, cache=self.hook,
+                                          cache_position=torch.arange(x.shape[1], device=x.device)))
 
-    def refresh(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return self._forward(x)
+    def refresh(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, torch.Tensor]:
+        return (yield from self._forward(x))
 
-    def step(self, x: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, int]:
-        return self._forward(x), 0
+    def step(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
+        return (yield from self._forward(x)), 0
 

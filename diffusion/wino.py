@@ -33,7 +33,7 @@ from remask.models.spec import get_spec
 from .checks import (check_bool, check_config_bounds, check_int, check_mask_id, check_prompt, check_real, check_stats,
                      model_device)
 from .stats import GenerationStats
-from .stepper import Progress, StepGenerator, drive
+from .stepper import ForwardRequest, Progress, StepGenerator, drive
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def wino_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO 
     `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad keys; RoPE positions stay absolute.
     """
     return drive(wino_steps(model, prompt, config=config, gen_length=gen_length, block_length=block_length,
-                            attention_mask=attention_mask, mask_id=mask_id, stats=stats))
+                            attention_mask=attention_mask, mask_id=mask_id, stats=stats), model)
 
 
 def wino_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | None = None,
@@ -164,11 +164,11 @@ def wino_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | N
     if attention_mask is not None and bool((attention_mask == 0).any()):
         keys = torch.ones((B, real + block_length), dtype=torch.bool, device=device)
         keys[:, :P] = attention_mask != 0
-    return _wino_loop(model, config, x, keys, P, gen_length, block_length, mask_id, stats)
+    return _wino_loop(config, x, keys, P, gen_length, block_length, mask_id, stats)
 
 
 @torch.no_grad()
-def _wino_loop(model: torch.nn.Module, config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
+def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
                gen_length: int, block_length: int, mask_id: int, stats: GenerationStats | None
                ) -> StepGenerator:
     B, device = x.shape[0], x.device
@@ -195,8 +195,7 @@ def _wino_loop(model: torch.nn.Module, config: WINO, x: torch.Tensor, keys: torc
                 break
             rows = torch.tensor(active, device=device)
             bias = allowed if allowed.shape[0] == 1 else allowed[rows]
-            logits = model(x[rows], attention_bias=bias,
-                           position_ids=position_ids[None].expand(len(active), -1)).logits
+            logits = yield ForwardRequest(x[rows], per_row=dict(attention_bias=bias, position_ids=position_ids[None].expand(len(active), -1)))
             if stats is not None:
                 stats.forward(len(active), x.shape[1])
             committed = 0

@@ -72,3 +72,22 @@ def case_key(case: dict) -> str:
 
     body = {k: v for k, v in case.items() if k not in MARGIN_KEYS}
     return hashlib.sha1(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def as_progress(steps, model):
+    """A step generator seen as before forwards became requests: it yields each `Progress` (one
+    forward at most between two of them) and returns the output; every `ForwardRequest` is answered
+    alone by the drop-in driver (`stepper.run_forwards`), so a hook on the model counts forwards."""
+    from remask.diffusion.stepper import ForwardRequest, run_forwards
+
+    answer = None
+    while True:
+        try:
+            item = steps.send(answer)
+        except StopIteration as stop:
+            return stop.value
+        if isinstance(item, ForwardRequest):
+            answer = run_forwards(model, [item])[0]
+        else:
+            answer = None
+            yield item

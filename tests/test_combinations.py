@@ -14,7 +14,7 @@ from remask.diffusion.decoders import decoder_steps
 from remask.engine import LLMEngine, SamplingParams
 from remask.models import tiny
 
-from helpers import random_prompt
+from helpers import as_progress, random_prompt
 
 RULES = {"threshold": remask.ThresholdDecoding(threshold=0.7), "credit": remask.CreditDecoding(),
          "hierarchical": remask.HierarchicalDecoding()}
@@ -61,9 +61,10 @@ def test_dinfer_rules_on_dream_are_batch_invariant_and_stream_final_blocks(dream
     seen = []
     steps = decoder_steps(dream, prompts[:1], None, RULES[rule], gen_length=16, block_length=8, use_cache=None,
                           mask_id=None, stats=None)
+    view = as_progress(steps, dream)
     try:
         while True:
-            progress = next(steps)
+            progress = next(view)
             seen.append((progress.x[0, 7:].clone(), progress.final))
     except StopIteration as stop:
         out = stop.value[0, 7:]

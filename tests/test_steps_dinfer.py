@@ -14,6 +14,7 @@ from remask.diffusion.dinfer import (CreditDecoding, HierarchicalDecoding, Itera
                                      VicinityCache, dinfer_generate, dinfer_steps)
 from remask.diffusion.stats import GenerationStats
 from remask.models import tiny
+from helpers import as_progress
 
 with open(os.path.join(os.path.dirname(__file__), "fixtures", "dinfer_reference.json")) as f:
     FIXTURE = json.load(f)
@@ -68,11 +69,12 @@ def _drive(model, prompt, **kw):
     try:
         steps = dinfer_steps(model, prompt, stats=stats, **kw)
         assert counter.n == 0
+        view = as_progress(steps, model)
         progresses, per_next = [], []
         while True:
             before = counter.n
             try:
-                p = next(steps)
+                p = next(view)
             except StopIteration as stop:
                 per_next.append(counter.n - before)
                 out = stop.value

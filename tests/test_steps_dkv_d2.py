@@ -16,7 +16,7 @@ from remask.diffusion.stats import GenerationStats
 from remask.diffusion.stepper import Progress, StepwiseDecoder
 from remask.models import tiny
 
-from helpers import load_fixture_checkpoint
+from helpers import as_progress, load_fixture_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures"
 LLADA_CHECKPOINTS = json.loads((FIXTURES / "dkv_reference.json").read_text())["meta"]["checkpoints"]
@@ -50,11 +50,12 @@ def step_through(model, steps, prompt_len: int, gen_length: int):
     calls = []
     hook = model.register_forward_hook(lambda *_: calls.append(1))
     seen: list[tuple[int, torch.Tensor]] = []
+    view = as_progress(steps, model)
     try:
         while True:
             before = len(calls)
             try:
-                progress = next(steps)
+                progress = next(view)
             except StopIteration as stop:
                 assert len(calls) == before, "a forward between the last yield and the return"
                 out = stop.value

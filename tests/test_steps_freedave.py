@@ -13,7 +13,7 @@ import remask
 from remask.diffusion.freedave import FreeDave, freedave_generate, freedave_steps
 from remask.diffusion.stepper import Progress
 from remask.zoo import charset
-from helpers import random_prompt
+from helpers import as_progress, random_prompt
 
 GEN, BLOCK = 32, 8
 
@@ -47,10 +47,11 @@ def drive_by_hand(model, prompt, **kw):
             warnings.simplefilter("ignore")
             steps = freedave_steps(model, prompt, stats=stats, gen_length=GEN, block_length=BLOCK, **kw)
             assert forwards[0] == 0   # nothing runs before the first next()
+            view = as_progress(steps, model)
             while True:
                 before = forwards[0]
                 try:
-                    progress = next(steps)
+                    progress = next(view)
                 except StopIteration as stop:
                     per_next.append(forwards[0] - before)
                     out = stop.value

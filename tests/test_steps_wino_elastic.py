@@ -14,7 +14,7 @@ from remask.diffusion.stats import GenerationStats
 from remask.diffusion.stepper import Progress, drive
 from remask.diffusion.wino import WINO, wino_generate, wino_steps
 
-from helpers import load_fixture_checkpoint
+from helpers import as_progress, load_fixture_checkpoint
 
 FIXTURES = Path(__file__).parent / "fixtures"
 WINO_FIXTURE = json.loads((FIXTURES / "wino_reference.json").read_text())
@@ -48,11 +48,12 @@ def step_through(model, steps, P, gen_length):
     """Drive `steps` by hand: the output and every `Progress`, checking one forward per `next()`."""
     counter = Forwards(model)
     seen: list[tuple[torch.Tensor, int]] = []
+    view = as_progress(steps, model)
     try:
         while True:
             before = counter.count
             try:
-                progress = next(steps)
+                progress = next(view)
             except StopIteration as stop:
                 assert counter.count == before, "a forward ran after the last yield"
                 out = stop.value
@@ -102,7 +103,7 @@ def test_wino_steps_reproduce_the_fixture(load):
         kwargs = case["kwargs"]
         config = WINO(threshold=kwargs["threshold"], threshold_back=kwargs["threshold_back"], commit_mask_token=True)
         x, forwards = drive(wino_steps(model, torch.tensor([case["prompt"]]), config=config,
-                                       gen_length=kwargs["gen_length"], block_length=kwargs["block_length"]))
+                                       gen_length=kwargs["gen_length"], block_length=kwargs["block_length"]), model)
         assert x[0].tolist() == case["output_ids"] and forwards.tolist() == [case["steps"]]
 
 

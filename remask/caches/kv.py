@@ -79,3 +79,42 @@ class KVCache:
         """Keep only the first `length` positions of every layer."""
         self.keys = [k[:, :, :length] for k in self.keys]
         self.values = [v[:, :, :length] for v in self.values]
+
+    def pack_key(self) -> tuple | None:
+        """Equal for caches that one forward can serve together (`pack`): the same length in every
+        layer and the same next write. None for a subclass (it attends otherwise), unless it says."""
+        if type(self) is not KVCache:
+            return None
+        return ("kv", tuple(k.shape[-2] for k in self.keys), self.write_start)
+
+    @classmethod
+    def pack(cls, members: list["KVCache"], sizes: list[int]) -> "KVCache":
+        return StackedKVCache(members, sizes)
+
+
+class StackedKVCache(KVCache):
+    """The contiguous caches of several requests (each of one or more rows, one length) seen as one
+    batch by a packed forward: each layer's fresh K/V rows go into their own request's cache (as
+    its own forward would write them), and attention runs over the member caches stacked along the
+    batch."""
+
+    def __init__(self, members: list[KVCache], sizes: list[int]) -> None:
+        super().__init__()
+        self.members, self.sizes = members, sizes
+        self.write_start = members[0].write_start
+        for member in members:
+            member.write_start = None
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return self.members[0].get_seq_length(layer)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        row = 0
+        for member, rows in zip(self.members, self.sizes):
+            member.update(layer, k[row:row + rows], v[row:row + rows], start)
+            row += rows
+        return (torch.cat([m.keys[layer] for m in self.members]), torch.cat([m.values[layer] for m in self.members]))
+
+    def crop(self, length: int) -> None:
+        for member in self.members:
+            member.crop(length)

@@ -30,6 +30,7 @@ import torch
 from remask.models.spec import ModelSpec
 
 from remask.diffusion import varlen
+from remask.diffusion.stepper import ForwardRequest, run_forwards
 
 from . import cuda_graphs as graphing
 from .batch_invariant import batch_invariant_linear
@@ -79,6 +80,7 @@ class ModelRunner:
         """Advance every sequence by one step; returns the failed ones with their error."""
         failed: dict[Sequence, str] = {}
         shared: dict[tuple, list[Sequence]] = defaultdict(list)
+        packed: dict[Any, list[tuple[Sequence, ForwardRequest]]] = defaultdict(list)
         self._ar_step([seq for seq in seqs if seq.paged], failed)
         for seq in seqs:
             if seq.paged:
@@ -87,6 +89,13 @@ class ModelRunner:
                 if seq.state is None:
                     seq.stats.start()
                     seq.state = seq.decoder.start(self.model, seq.prompt_ids)
+                if hasattr(seq.decoder, "next_forward"):
+                    # The decoder describes its forward; requests of one layout share a model call.
+                    request = seq.decoder.next_forward(self.model, seq.state, seq.generator, seq.stats)
+                    if request is not None:
+                        key = request.pack_key()
+                        packed[("pack", key) if key is not None else ("alone", id(seq))].append((seq, request))
+                    continue
                 # Forwards of different lengths share one segmented forward where the decoder
                 # says so (`segmented_forwards`, not with graphs: static shapes); otherwise those
                 # of one key and length stack.
@@ -108,6 +117,18 @@ class ModelRunner:
                 failed.update({seq: f"{type(err).__name__}: {err}" for seq in group})
                 continue
             self._commit(group, logits, fed, first_rows, lengths, failed)
+        for members in packed.values():
+            try:
+                answers = run_forwards(self.model, [request for _, request in members], self._invariant)
+                self.forwards += 1
+            except Exception as err:  # noqa: BLE001
+                failed.update({seq: f"{type(err).__name__}: {err}" for seq, _ in members})
+                continue
+            for (seq, _), answer in zip(members, answers):
+                try:
+                    seq.decoder.receive(seq.state, answer, seq.stats)
+                except Exception as err:  # noqa: BLE001
+                    failed[seq] = f"{type(err).__name__}: {err}"
         return failed
 
     def _commit(self, group: list[Sequence], logits: torch.Tensor, fed: int, first_rows: list[int],
