@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 import remask
+from remask.diffusion.rules import MarginDecoding
 from remask.engine import LLMEngine, SamplingParams
 from remask.zoo import charset, tasks
 
@@ -143,6 +144,134 @@ def step_overhead(rounds: int = 3) -> list[dict[str, Any]]:
     return out
 
 
+def method_settings(verifier) -> list[tuple[str, dict[str, Any]]]:
+    """docs/compatibility.md's rows on tiny-llada (SamplingParams keywords), plus APD; AR is run on
+    tiny-ar. Blocks of 16, 32 steps where the method reads steps (the compatibility table's setting)."""
+    return [
+        ("LLaDA low-confidence", dict(block_length=16)),
+        ("threshold 0.9", dict(block_length=16, threshold=0.9)),
+        ("threshold 0.9 + dual cache", dict(block_length=16, threshold=0.9, use_cache="dual")),
+        ("Dream's sampler (entropy)", dict(alg="entropy")),
+        ("FreeDave", dict(block_length=16, decoder=remask.FreeDave())),
+        ("FreeDave + dual cache", dict(block_length=16, decoder=remask.FreeDave(), use_cache="dual")),
+        ("dInfer threshold", dict(block_length=16, decoder=remask.ThresholdDecoding())),
+        ("dInfer credit", dict(block_length=16, decoder=remask.CreditDecoding())),
+        ("dInfer hierarchical", dict(block_length=16, decoder=remask.HierarchicalDecoding())),
+        ("dInfer vicinity cache", dict(block_length=16, use_cache=remask.VicinityCache())),
+        ("WINO", dict(block_length=16, decoder=remask.WINO())),
+        ("dKV-Cache", dict(block_length=16, use_cache=remask.DKVCache())),
+        ("d2Cache", dict(block_length=16, use_cache=remask.D2Cache())),
+        ("Elastic-Cache", dict(use_cache=remask.ElasticCache())),
+        ("Elastic-Cache + hierarchical", dict(use_cache=remask.ElasticCache(),
+                                              decoder=remask.HierarchicalDecoding())),
+        ("rule margin", dict(block_length=16, decoder=MarginDecoding())),
+        ("APD", dict(apd=remask.APDConfig(verifier=verifier))),
+    ]
+
+
+def drop_in(model, ids: list[int], params: SamplingParams, ar: bool) -> list[int]:
+    """The drop-in call whose tokens the engine's request has (one request, alone)."""
+    prompt = torch.tensor([ids])
+    generator = torch.Generator().manual_seed(params.seed)
+    if ar:
+        out = remask.ar_generate(model, prompt, generator=generator, **params.ar_kwargs([charset.EOS_ID]))
+        row = out[0, len(ids):].tolist()
+        return row[:row.index(charset.EOS_ID) + 1] if charset.EOS_ID in row else row
+    if params.alg is not None:
+        out = remask.diffusion_generate(model, prompt, generator=generator, **params.diffusion_generate_kwargs())
+    elif params.apd is not None:
+        out = remask.generate(model, prompt, gen_length=params.max_tokens, apd=params.apd, generator=generator)
+    else:
+        kw = params.generate_kwargs()
+        if params.decoder is not None:
+            kw["decoder"] = params.decoder
+        out = remask.generate(model, prompt, generator=generator, **kw)
+    return out[0, len(ids):].tolist()
+
+
+class ForwardClock:
+    """Seconds spent inside the model's forward (its own arithmetic), by hooks on the top module."""
+
+    def __init__(self, model) -> None:
+        self.seconds, self.calls, self._t = 0.0, 0, 0.0
+        self.handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+
+    def _pre(self, *_):
+        self._t = time.perf_counter()
+
+    def _post(self, *_):
+        self.seconds += time.perf_counter() - self._t
+        self.calls += 1
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def per_method(counts: list[int], max_tokens: int, repeats: int) -> list[dict[str, Any]]:
+    """Each method alone: n requests through the engine (default settings: batch invariance on)
+    against the n drop-in calls one by one, in the same run; model calls per engine step."""
+    import warnings
+
+    llada, llada_tok = remask.load("tiny-llada")
+    ar, ar_tok = remask.load("tiny-ar")
+    rows = []
+    settings = [(label, kw, llada, llada_tok, False) for label, kw in method_settings(ar)]
+    settings.append(("AR (tiny-ar)", dict(), ar, ar_tok, True))
+    for label, kw, model, tokenizer, is_ar in settings:
+        for n in counts:
+            problems = tasks.problems(n, tasks.EVAL_SEED)
+            reqs = [(charset.encode_chat(p.prompt), SamplingParams(max_tokens=max_tokens, seed=i, **kw))
+                    for i, p in enumerate(problems)]
+            best: dict[str, Any] = {}
+            for _ in range(repeats):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    clock = ForwardClock(model)
+                    start = time.perf_counter()
+                    seq_rows = [drop_in(model, ids, params, is_ar) for ids, params in reqs]
+                    seq = time.perf_counter() - start
+                    clock.close()
+                    engine = LLMEngine(model, tokenizer, max_num_seqs=256)
+                    start = time.perf_counter()
+                    for i, (ids, params) in enumerate(reqs):
+                        engine.add_request(str(i), ids, params)
+                    done, steps = {}, 0
+                    while engine.has_unfinished_requests():
+                        steps += 1
+                        for out in engine.step():
+                            if out.finished:
+                                done[int(out.request_id)] = out
+                    eng = time.perf_counter() - start
+                if not best or seq / eng > best["speedup"]:
+                    best = dict(method=label, requests=n, sequential_s=seq, engine_s=eng, speedup=seq / eng,
+                                arithmetic_s=clock.seconds, arithmetic_share=clock.seconds / seq,
+                                engine_vs_arithmetic=eng / clock.seconds, steps=steps,
+                                calls_per_step=engine.runner.forwards / steps,
+                                identical=[done[i].outputs[0].all_token_ids for i in range(n)] == seq_rows)
+            rows.append(best)
+            print(f"{label:30s} n={n:3d} seq {best['sequential_s']:6.2f}s engine {best['engine_s']:6.2f}s "
+                  f"x{best['speedup']:.2f} arithmetic {best['arithmetic_share']:.0%} "
+                  f"calls/step {best['calls_per_step']:.2f} identical={best['identical']}", flush=True)
+    return rows
+
+
+def per_method_table(rows: list[dict[str, Any]], command: str) -> str:
+    lines = [f"# Engine throughput per method: {platform.machine()} CPU, 1 thread, {datetime.date.today().isoformat()}",
+             "", f"torch {torch.__version__}; command: `{command}`. Each method alone: n requests through "
+             "`LLMEngine` (default settings, batch invariance on) against the n drop-in calls one by one, "
+             "in the same run (best ratio of the repeats). Arithmetic: the seconds the sequential calls spent "
+             "inside the model's forward.", "",
+             "| method | requests | sequential (s) | engine (s) | engine ÷ sequential speed-up | arithmetic share "
+             "of sequential | engine ÷ arithmetic | engine steps | model calls per step | tokens identical |",
+             "|" + " --- |" * 10]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['requests']} | {r['sequential_s']:.2f} | {r['engine_s']:.2f} | "
+                     f"{r['speedup']:.2f}× | {r['arithmetic_share']:.0%} | {r['engine_vs_arithmetic']:.2f} | "
+                     f"{r['steps']} | {r['calls_per_step']:.2f} | {'yes' if r['identical'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
 def summarize(name: str, n: int, result: dict[str, Any], reference_rows: list[list[int]]) -> dict[str, Any]:
     tokens = sum(len(r) for r in result["rows"])
     lat = sorted(result["latencies"])
@@ -161,8 +290,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each measurement (the fastest is kept)")
     parser.add_argument("--out", default=None, help="markdown table to write (default: print only)")
+    parser.add_argument("--per-method", action="store_true",
+                        help="each method alone (docs/compatibility.md's rows, APD, AR): engine ÷ sequential "
+                             "and model calls per engine step (default --requests 8,32,64 --max-tokens 32)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.per_method:
+        counts = [int(c) for c in (args.requests if args.requests != parser.get_default("requests")
+                                   else "8,32,64").split(",")]
+        max_tokens = args.max_tokens if args.max_tokens != parser.get_default("max_tokens") else 32
+        rows = per_method(counts, max_tokens, args.repeats)
+        command = (f"python bench/engine.py --per-method --requests {','.join(map(str, counts))} "
+                   f"--max-tokens {max_tokens} --repeats {args.repeats}")
+        write_markdown(per_method_table(rows, command), args.out)
+        return 0 if all(r["identical"] for r in rows) else 1
     counts = [int(c) for c in args.requests.split(",")]
     llada, llada_tok = remask.load("tiny-llada")
     ar, ar_tok = remask.load("tiny-ar")

@@ -30,7 +30,10 @@ the global maximum used for the block bias), so a row in a batch may decode diff
 
 The cache (`D2KVCache`) plugs into remask's LLaDA through the model's KV-cache seam (`attend`) and
 computes attention eagerly (the weights are needed for the rollout), in the reference's order of
-operations, so float32 logits are the reference's; no model code changes.
+operations, so float32 logits are the reference's; no model code changes. Every forward is a
+`ForwardRequest` the driver computes (`diffusion/stepper.py`); in the engine the requests of
+several sequences share one packed model call, each sequence attending through its own cache
+(`varlen.PackedAttention`), whatever the rows it recomputes.
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ from remask.models.spec import get_spec
 from .checks import (check_bool, check_config_bounds, check_int, check_mask_id, check_prompt, check_real, check_stats,
                      model_device)
 from .stats import GenerationStats
-from .stepper import Progress, StepGenerator, drive
+from .stepper import ForwardRequest, Progress, StepGenerator, drive
 
 
 @dataclass(frozen=True)
@@ -285,8 +288,8 @@ def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cac
                   independent_rows: bool = True, attention_mask: torch.Tensor | None = None,
                   mask_id: int | None = None, stats: GenerationStats | None = None) -> StepGenerator:
     """`d2cache_generate` as a step generator (`remask.diffusion.stepper`): the arguments are checked
-    now; the returned generator yields a `Progress` after every forward (`final`: the decoded blocks)
-    and returns `d2cache_generate`'s tensor. With `independent_rows` the rows run one after another,
+    now; the returned generator yields a `ForwardRequest` per forward and a `Progress` after it
+    (`final`: the decoded blocks) and returns `d2cache_generate`'s tensor. With `independent_rows` the rows run one after another,
     the canvas showing each row as it stands."""
     config = D2Cache() if config is None else config
     if not isinstance(config, D2Cache):
@@ -333,14 +336,19 @@ def _rows_steps(rows: list, prompt: torch.Tensor, gen_length: int, mask_id: int,
     canvas[:, :P] = prompt
     out = []
     for b, row in enumerate(rows):
+        answer = None
         while True:
             try:
-                progress = next(row)
+                item = row.send(answer)
             except StopIteration as stop:
                 out.append(stop.value)
                 break
-            canvas[b] = progress.x[0]
-            yield Progress(canvas, progress.final if b == B - 1 else 0)
+            if isinstance(item, ForwardRequest):   # the row's forward: the driver's to answer
+                answer = yield item
+                continue
+            answer = None
+            canvas[b] = item.x[0]
+            yield Progress(canvas, item.final if b == B - 1 else 0)
     return torch.cat(out)
 
 
@@ -390,13 +398,13 @@ def _steps(model, prompt: torch.Tensor, config: D2Cache, gen_length: int, block_
             sub.v = {layer: t[active] for layer, t in cache.v.items()}
             if rows is None:
                 sub.full()
-                logits = model(xa, past_key_values=sub, position_ids=positions[active]).logits
+                logits = yield ForwardRequest(xa, per_row={"position_ids": positions[active]}, cache=sub)
                 n = T
             else:
                 sub.partial(rows)
                 n = int(rows[0].sum())
-                part = model(xa[rows].view(Ba, n), past_key_values=sub,
-                             position_ids=positions[active][rows].view(Ba, n)).logits
+                part = yield ForwardRequest(xa[rows].view(Ba, n),
+                                            per_row={"position_ids": positions[active][rows].view(Ba, n)}, cache=sub)
                 logits = torch.zeros((Ba, T, part.shape[-1]), dtype=part.dtype, device=device)
                 logits = logits.masked_scatter(rows[..., None], part)
             for layer in sub.k:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Generator
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ from .checks import (check_bool, check_config_bounds, check_instance, check_int,
                      check_real, check_stats, check_mask_id)
 from .stats import GenerationStats
 from .step import CommitRule
-from .stepper import Progress, StepGenerator, drive
+from .stepper import ForwardRequest, Progress, StepGenerator, drive
 
 __all__ = ["ThresholdDecoding", "CreditDecoding", "HierarchicalDecoding", "VicinityCache", "IterationSmoothing",
            "dinfer_generate", "dinfer_steps"]
@@ -351,14 +351,26 @@ class _Run:
     def progress(self) -> Progress:
         return Progress(self.canvas, self.final if self.report_final else 0)
 
-    def logits(self, x: torch.Tensor, lo: int, hi: int, cache: KVCache | None) -> torch.Tensor:
+    def _request(self, ids: torch.Tensor | None, embeds: torch.Tensor | None, lo: int, hi: int, T: int,
+                 cache: KVCache | None) -> ForwardRequest:
+        """The request for positions `[lo, hi)` of a canvas of `T` (all T without a cache): the ids
+        `ids` or the smoothed inputs `embeds` `[B, hi - lo, d]`, reading and writing `cache`. In the
+        engine every such request joins the step's packed forward (`varlen.PackedAttention`): full
+        forwards, the vicinity cache's rebuilds and windows, as prefix / dual's steps."""
+        per_row = {} if embeds is None else {"inputs_embeds": embeds}
         if cache is None:
-            out = self.spec.logits(self.model, x, **self.forward_inputs)
-        else:
-            inputs = self.forward_inputs if lo == 0 and hi == x.shape[1] else \
-                self.spec.inputs_for_positions(self.forward_inputs, lo, hi)
-            out = self.spec.logits(self.model, x[:, lo:hi], past_key_values=cache,
-                                   cache_position=torch.arange(lo, hi, device=x.device), **inputs)
+            return ForwardRequest.call(ids, {**self.forward_inputs, **per_row}, spec=self.spec)
+        inputs = self.forward_inputs if lo == 0 and hi == T else \
+            self.spec.inputs_for_positions(self.forward_inputs, lo, hi)
+        cache.write_start = lo   # the model reads it instead of cache_position[0] (no host sync)
+        device = (ids if ids is not None else embeds).device
+        return ForwardRequest.call(ids, {**inputs, **per_row}, spec=self.spec, cache=cache,
+                                   cache_position=torch.arange(lo, hi, device=device))
+
+    def logits(self, x: torch.Tensor, lo: int, hi: int,
+               cache: KVCache | None) -> Generator[ForwardRequest, Any, torch.Tensor]:
+        """Sub-generator: the logits of positions `[lo, hi)` of `x` (every position without a cache)."""
+        out = yield self._request(x if cache is None else x[:, lo:hi], None, lo, hi, x.shape[1], cache)
         if self.stats is not None:
             self.stats.forward(x.shape[0], hi - lo, 0 if cache is None else cache.nbytes)
         return out
@@ -389,16 +401,12 @@ class _Run:
         expected = torch.softmax(logits / 1.0, dim=-1) @ table.weight
         return torch.where((ids == self.decoder.mask_id).unsqueeze(-1), weight * expected + 1 * out, out)
 
-    def _embeds_forward(self, lo: int, hi: int, cache: KVCache | None) -> torch.Tensor:
-        """A forward of the smoothed inputs of positions `[lo, hi)` (all of them without a cache)."""
-        T = self.embeds.shape[1]
-        if cache is None:
-            out = self.spec.logits(self.model, None, inputs_embeds=self.embeds, **self.forward_inputs)
-        else:
-            inputs = self.forward_inputs if lo == 0 and hi == T else \
-                self.spec.inputs_for_positions(self.forward_inputs, lo, hi)
-            out = self.spec.logits(self.model, None, inputs_embeds=self.embeds[:, lo:hi], past_key_values=cache,
-                                   cache_position=torch.arange(lo, hi, device=self.embeds.device), **inputs)
+    def _embeds_forward(self, lo: int, hi: int,
+                        cache: KVCache | None) -> Generator[ForwardRequest, Any, torch.Tensor]:
+        """Sub-generator: a forward of the smoothed inputs of positions `[lo, hi)` (all of them
+        without a cache)."""
+        embeds = self.embeds if cache is None else self.embeds[:, lo:hi]
+        out = yield self._request(None, embeds, lo, hi, self.embeds.shape[1], cache)
         if self.stats is not None:
             self.stats.forward(self.embeds.shape[0], hi - lo, 0 if cache is None else cache.nbytes)
         return out
@@ -408,7 +416,7 @@ class _Run:
         """One smoothed iteration over `[lo, hi)`: forward, decode the block, new inputs there; then
         a `Progress`."""
         weight, threshold = self._smoothing_now()
-        logits = self._embeds_forward(lo, hi, cache)
+        logits = yield from self._embeds_forward(lo, hi, cache)
         self.iter_no += 1
         self.decode(x, logits[:, start - lo:end - lo], start, end, threshold)
         self.embeds[:, lo:hi] = self._embed(x[:, lo:hi], logits, weight)
@@ -444,17 +452,19 @@ class _Run:
     def iterate(self, x: torch.Tensor, start: int, end: int, block_id: int) -> StepGenerator:
         bf = self.block_forward
         if bf.mode is None:
-            self.decode(x, self.logits(x, 0, x.shape[1], None)[:, start:end], start, end)
+            logits = yield from self.logits(x, 0, x.shape[1], None)
+            self.decode(x, logits[:, start:end], start, end)
+            del logits
             yield self.progress()
         else:
             if block_id not in self.refreshed:
                 self.refreshed.add(block_id)
-                full = bf.refresh(x, start, end)
+                full = yield from bf.refresh(x, start, end)
                 self._count(x.shape[0], x.shape[1], bf)
                 self.decode(x, full[:, start:end], start, end)
                 del full
                 yield self.progress()
-            logits, fed = bf.step(x, start, end)
+            logits, fed = yield from bf.step(x, start, end)
             self._count(x.shape[0], logits.shape[1], bf)
             self.decode(x, logits[:, start - fed:end - fed], start, end)
             del logits
@@ -470,17 +480,21 @@ class _Run:
                          vc: VicinityCache) -> StepGenerator:
         T = x.shape[1]
         if self.iter_no < vc.warmup_steps:
-            self.decode(x, self.logits(x, 0, T, None)[:, start:end], start, end)
+            logits = yield from self.logits(x, 0, T, None)
+            self.decode(x, logits[:, start:end], start, end)
+            del logits
             self.iter_no += 1
             yield self.progress()
             return
         if self._vicinity_rebuild(start, end, block_id):
             self.cache = KVCache()
-            self.decode(x, self.logits(x, 0, T, self.cache)[:, start:end], start, end)
+            logits = yield from self.logits(x, 0, T, self.cache)
+            self.decode(x, logits[:, start:end], start, end)
+            del logits
             self.iter_no += 1
             yield self.progress()
         lo, hi = max(0, start - vc.prefix_look), min(T, end + vc.after_look)
-        logits = self.logits(x, lo, hi, self.cache)
+        logits = yield from self.logits(x, lo, hi, self.cache)
         self.decode(x, logits[:, start - lo:end - lo], start, end)
         del logits
         self.iter_no += 1
@@ -589,8 +603,9 @@ def dinfer_steps(
     stats: GenerationStats | None = None,
 ) -> StepGenerator:
     """`dinfer_generate` as a step generator (`remask.diffusion.stepper`): the arguments are checked
-    here, at the call; the generator yields a `Progress` after every model forward (with `final` the
-    decoded blocks) and returns the `[B, P + gen_length]` tokens of `dinfer_generate`."""
+    here, at the call; the generator yields a `ForwardRequest` for every model forward (it calls no
+    model: `drive` or the engine's runner answers with the logits), a `Progress` after each (with
+    `final` the decoded blocks), and returns the `[B, P + gen_length]` tokens of `dinfer_generate`."""
     check_instance("decoder", decoder, CommitRule, "a remask commit rule (ThresholdDecoding, CreditDecoding, "
                    "HierarchicalDecoding or another CommitRule)", allow_none=False)
     check_int("gen_length", gen_length, minimum=1)

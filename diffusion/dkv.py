@@ -16,11 +16,14 @@ The cache is dropped at each block's start. Keys attend in the reference's order
 positions, then cached ones, each ascending), so float32 logits are the reference's.
 
 The cache (`DelayedKVCache`) plugs into remask's LLaDA through the model's KV-cache seam
-(`attend`): no model code changes.
+(`attend`): no model code changes. Every forward is a `ForwardRequest` the driver computes
+(`diffusion/stepper.py`); in the engine the requests of several sequences share one packed model
+call, each sequence attending through its own cache (`varlen.PackedAttention`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Generator
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +35,7 @@ from .cache import valid_positions
 from .checks import (check_bool, check_choice, check_config_bounds, check_generator, check_int, check_mask_id,
                      check_prompt, check_stats, model_device)
 from .stats import GenerationStats
-from .stepper import Progress, StepGenerator, drive
+from .stepper import ForwardRequest, Progress, StepGenerator, drive
 
 REMASKING = ("low_confidence", "random")
 
@@ -205,24 +208,26 @@ def _schedule(masks: torch.Tensor, steps: int) -> torch.Tensor:
     return counts
 
 
-def _forward(model, x: torch.Tensor, forwarded: torch.Tensor | None, cache: DelayedKVCache | None,
-             store: torch.Tensor | None, key_ok: torch.Tensor | None) -> torch.Tensor:
-    """Logits of the forwarded positions `[B, n, V]` (all positions when `forwarded` is None)."""
+def _forward(x: torch.Tensor, forwarded: torch.Tensor | None, cache: DelayedKVCache | None,
+             store: torch.Tensor | None, key_ok: torch.Tensor | None) -> Generator[ForwardRequest, Any, torch.Tensor]:
+    """Logits of the forwarded positions `[B, n, V]` (all positions when `forwarded` is None): one
+    `ForwardRequest`, used with ``yield from``. The cache is told its part before the request and
+    takes its new positions after the answer."""
     B, T = x.shape
     if cache is None:    # step 0: a plain forward
-        bias = None
+        inputs = {}
         if key_ok is not None and not bool(key_ok.all()):
-            bias = torch.zeros((B, 1, 1, T), dtype=torch.float32, device=x.device).masked_fill(
+            inputs["attention_bias"] = torch.zeros((B, 1, 1, T), dtype=torch.float32, device=x.device).masked_fill(
                 ~key_ok[:, None, None, :], torch.finfo(torch.float32).min)
-        return model(x, attention_bias=bias).logits
+        return (yield ForwardRequest(x, per_row=inputs))
     if forwarded is None:
         cache.fill(store)
-        logits = model(x, past_key_values=cache,
-                       position_ids=torch.arange(T, device=x.device)[None].expand(B, T)).logits
+        logits = yield ForwardRequest(x, per_row={"position_ids": torch.arange(T, device=x.device)[None].expand(B, T)},
+                                      cache=cache)
     else:
         cache.reuse(forwarded, store)
         positions = forwarded.nonzero()[:, 1].view(B, -1)
-        logits = model(x[forwarded].view(B, -1), past_key_values=cache, position_ids=positions).logits
+        logits = yield ForwardRequest(x[forwarded].view(B, -1), per_row={"position_ids": positions}, cache=cache)
     cache.finish()
     return logits
 
@@ -259,8 +264,9 @@ def dkv_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCache 
               generator: torch.Generator | None = None, mask_id: int | None = None,
               stats: GenerationStats | None = None) -> StepGenerator:
     """`dkv_generate` as a step generator (`remask.diffusion.stepper`): the arguments are checked
-    now; the returned generator yields a `Progress` after every forward (`final`: the decoded
-    blocks) and returns `dkv_generate`'s tensor. Both variants (decode and greedy)."""
+    now; the returned generator yields a `ForwardRequest` per forward and a `Progress` after it
+    (`final`: the decoded blocks) and returns `dkv_generate`'s tensor. Both variants (decode and
+    greedy)."""
     config = DKVCache() if config is None else config
     if not isinstance(config, DKVCache):
         raise ValueError(f"config must be a remask DKVCache, got {type(config).__name__}")
@@ -343,8 +349,8 @@ def _decode_steps(model, prompt: torch.Tensor, config: DKVCache, mask_id: int, d
                     yield Progress(x, final)   # the previous row's forward (rows forwarded one by one)
                 rows = torch.tensor(g, device=device)
                 forwarded = (~prv[rows]) if cached_step else None
-                logits = _forward(model, x[rows], forwarded, None if i == 0 else cache,
-                                  None if i == 0 else cur[rows], None if key_ok is None else key_ok[rows])
+                logits = yield from _forward(x[rows], forwarded, None if i == 0 else cache,
+                                             None if i == 0 else cur[rows], None if key_ok is None else key_ok[rows])
                 n = logits.shape[1]
                 if stats is not None:
                     stats.forward(len(g), n, sum(c.nbytes for c in caches))
@@ -453,12 +459,12 @@ def _greedy_steps(model, prompt: torch.Tensor, config: DKVCache, spec, steps_per
                 ok = None if key_ok is None else key_ok[rows]
                 if not cached_step:
                     cache = DelayedKVCache(ok)
-                    logits = _forward(model, x[rows], None, cache, everything.expand(len(g), T), ok)
+                    logits = yield from _forward(x[rows], None, cache, everything.expand(len(g), T), ok)
                     forwarded = everything.expand(len(g), T)
                 else:
                     cache = caches[g[0]]
                     forwarded = chosen[rows]
-                    logits = _forward(model, x[rows], forwarded, cache, everything.expand(len(g), T), ok)
+                    logits = yield from _forward(x[rows], forwarded, cache, everything.expand(len(g), T), ok)
                 for b in g:
                     caches[b] = cache
                 if stats is not None:

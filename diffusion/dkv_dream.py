@@ -24,13 +24,16 @@ Positions without a forward have no logits (upstream fills −inf). Under ``"un"
 masked position right after a cached one is not: its confidence is NaN, which `torch.topk` ranks
 first, and its token id is 0, as upstream.
 
-The cache (`DelayedKVCache`) plugs into the model through its KV-cache seam (`attend`): keys
+Every forward is a `ForwardRequest` the driver computes (`diffusion/stepper.py`); none is computed
+here. The cache (`DelayedKVCache`) plugs into the model through its KV-cache seam (`attend`): keys
 enter it after RoPE (upstream re-rotates cached pre-RoPE keys at the same positions: the same
 numbers). A batch runs as one forward while its rows forward and cache equally many positions
 (always, except with ``"un_right"``); otherwise row by row, each row its own cache (upstream
 would fail there).
 """
 from __future__ import annotations
+
+from typing import Any, Generator
 
 import torch
 
@@ -41,7 +44,7 @@ from .checks import check_generator, check_int, check_length, check_mask_id, che
 from .dkv import DKVCache, DelayedKVCache, _split
 from .dream import DreamDecoder, DreamGenerationConfig, _validate_config
 from .stats import GenerationStats
-from .stepper import Progress, StepGenerator, drive
+from .stepper import ForwardRequest, Progress, StepGenerator, drive
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
@@ -67,17 +70,19 @@ def _counts_equal(*sets: torch.Tensor) -> bool:
     return all(bool((s.sum(dim=1) == s[0].sum()).all()) for s in sets)
 
 
-def _forward(model, x: torch.Tensor, positions: torch.Tensor, forwarded: torch.Tensor | None,
-             cache: DelayedKVCache, store: torch.Tensor) -> torch.Tensor:
-    """Unshifted logits `[B, T, V]` (−inf where not forwarded) of one cached or caching forward."""
+def _forward(x: torch.Tensor, positions: torch.Tensor, forwarded: torch.Tensor | None, cache: DelayedKVCache,
+             store: torch.Tensor) -> Generator[ForwardRequest, Any, torch.Tensor]:
+    """Unshifted logits `[B, T, V]` (−inf where not forwarded) of one cached or caching forward: one
+    `ForwardRequest`, used with ``yield from`` (packable with other requests' of its shape:
+    `DelayedKVCache.pack`)."""
     B, T = x.shape
     if forwarded is None:
         cache.fill(store)
-        logits = model(x, past_key_values=cache, position_ids=positions).logits
+        logits = yield ForwardRequest(x, per_row={"position_ids": positions}, cache=cache)
     else:
         cache.reuse(forwarded, store)
-        part = model(x[forwarded].view(B, -1), past_key_values=cache,
-                     position_ids=positions[forwarded].view(B, -1)).logits
+        part = yield ForwardRequest(x[forwarded].view(B, -1),
+                                    per_row={"position_ids": positions[forwarded].view(B, -1)}, cache=cache)
         logits = torch.full((B, T, part.shape[-1]), -torch.inf, dtype=part.dtype, device=part.device)
         logits[forwarded] = part.reshape(-1, part.shape[-1])
     cache.finish()
@@ -114,9 +119,9 @@ def dkv_dream_steps(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
                     mask_id: int | None = None, generator: torch.Generator | None = None,
                     stats: GenerationStats | None = None) -> StepGenerator:
     """`dkv_dream_generate` as a step generator (`remask.diffusion.stepper`): the arguments are
-    checked now; the returned generator yields a `Progress` after every forward and returns
-    `dkv_dream_generate`'s tensor. `Progress.final` is 0 until the end (the whole canvas is one
-    block: any masked position may be decoded at any step)."""
+    checked now; the returned generator yields a `ForwardRequest` per forward, a `Progress` after
+    it, and returns `dkv_dream_generate`'s tensor. `Progress.final` is 0 until the end (the whole
+    canvas is one block: any masked position may be decoded at any step)."""
     config = DKVCache(cache_type="decoded") if config is None else config
     if not isinstance(config, DKVCache):
         raise ValueError(f"config must be a remask DKVCache, got {type(config).__name__}")
@@ -185,13 +190,13 @@ def _steps(model, decoder: DreamDecoder, state, config: DKVCache, cache_type: st
         elif len(groups) == 1 and B > 1 and not _counts_equal(~prev, keep):
             groups, caches = [[b] for b in everything], _split(caches[0], B)
         if len(groups) == 1:
-            logits = _forward(model, x, positions, None if prev is None else ~prev, caches[0], keep)
+            logits = yield from _forward(x, positions, None if prev is None else ~prev, caches[0], keep)
         else:
             logits = None
             for gi, (g, cache) in enumerate(zip(groups, caches)):
                 if gi:
                     yield Progress(x, 0)   # the previous row's forward (rows forwarded one by one)
-                part = _forward(model, x[g], positions[g], None if prev is None else ~prev[g], cache, keep[g])
+                part = yield from _forward(x[g], positions[g], None if prev is None else ~prev[g], cache, keep[g])
                 if logits is None:
                     logits = part.new_empty((B,) + part.shape[1:])
                 logits[g] = part

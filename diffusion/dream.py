@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import warnings
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import Any, Callable, Generator
 
 import torch
 import torch.nn.functional as F
@@ -33,11 +33,10 @@ from .checks import (check_bool, check_callable, check_choice, check_generator, 
 from remask.kernels import unmask
 from remask.models.parallel import full_logits
 
-from .varlen import segmented_logits
 from .scoring import score_rows, score_tokens
 from .sparse import BlockMaskForward, RetentionForward, SparseConfig
 from .stats import GenerationStats
-from .stepper import drive
+from .stepper import ForwardRequest, ForwardThenCommit
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")
 CONFIDENCE_OF = {"maskgit_plus": "prob", "topk_margin": "margin", "entropy": "neg_entropy",
@@ -413,10 +412,11 @@ class DreamState:
     deferred: torch.Tensor | None = None
     histories: list[torch.Tensor] | None = None
     done: bool = False
+    pending: Any = None    # the forward asked for and not yet answered
     forwards: BlockMaskForward | None = None   # sparse=SparseConfig(method="block_mask")
 
 
-class DreamDecoder:
+class DreamDecoder(ForwardThenCommit):
     """Dream's `diffusion_generate` loop (and Fast-dLLM's `confidence_threshold`) as a state and a
     step, like `BlockDecoder`: `diffusion_generate` drives one batch, the engine many states.
     `config` is a resolved, validated `DreamGenerationConfig` (`max_length` set)."""
@@ -462,47 +462,10 @@ class DreamDecoder:
         """Generated positions that no later step changes: any may until the last step."""
         return state.x.shape[1] - state.prompt_len if state.done else 0
 
-    def shared_forward_key(self, state: DreamState) -> tuple | None:
-        """Equal for states one model call can serve (every step is a full forward: unpadded
-        sequences of one length, the same row-independent inputs); None with padding."""
-        if state.forwards is not None or not all(isinstance(v, str) for v in state.forward_inputs.values()):
-            return None
-        return ("full", state.x.shape[1], tuple(sorted(state.forward_inputs.items())))
-
-    def forward_shared(self, model: torch.nn.Module, states: list[DreamState]) -> tuple[torch.Tensor, int]:
-        return self.spec.logits(model, torch.cat([s.x for s in states]), **states[0].forward_inputs), 0
-
-    def varlen_forward_key(self, state: DreamState) -> tuple | None:
-        """Equal for states whose next forwards one segmented forward can serve whatever their
-        lengths (`diffusion/varlen.py`): no cache, the same row-independent inputs, a model that
-        runs segmented forwards; None otherwise."""
-        key = self.shared_forward_key(state)
-        return None if key is None or not self.spec.segmented else ("full", *key[2:])
-
-    def forward_varlen(self, model: torch.nn.Module, states: list[DreamState]) -> tuple[torch.Tensor, list[int]]:
-        """The next forwards of `states` (one `varlen_forward_key`) as one segmented forward:
-        (logits `[1, ΣT, V]`, each state's first row), each over its whole canvas."""
-        return segmented_logits(self.spec, model, [s.x for s in states], **states[0].forward_inputs)
-
-    def static_forward(self, model: torch.nn.Module, states: list[DreamState]):
-        """`forward_shared` as (input `[G, T]`, a function of an input of that shape alone, a key
-        naming that function), for a runner that captures it in a CUDA graph; None when the next
-        forward is not one (a cache)."""
-        key = self.shared_forward_key(states[0])
-        if key is None:
-            return None
-        inputs = states[0].forward_inputs      # strings only (the key checks): row-independent
-        return torch.cat([s.x for s in states]), lambda x: self.spec.logits(model, x, **inputs), ("dream",) + key[2:]
-
-    def forward(self, model: torch.nn.Module, state: DreamState) -> tuple[torch.Tensor, int]:
+    def _forward(self, state: DreamState) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
         if state.forwards is not None:
-            return drive(state.forwards.step(state.x, 0, state.x.shape[1]), model)
-        return self.spec.logits(model, state.x, **state.forward_inputs), 0
-
-    def step(self, model: torch.nn.Module, state: DreamState, generator: torch.Generator | None = None,
-             stats: GenerationStats | None = None) -> None:
-        logits, fed = self.forward(model, state)
-        self.commit(state, logits, fed, generator, stats)
+            return (yield from state.forwards.step(state.x, 0, state.x.shape[1]))
+        return (yield ForwardRequest.call(state.x, state.forward_inputs, spec=self.spec)), 0
 
     def commit(self, state: DreamState, logits: torch.Tensor, fed: int = 0, generator: torch.Generator | None = None,
                stats: GenerationStats | None = None) -> None:
@@ -580,9 +543,10 @@ class DreamBlockState:
     block: int = 0
     i: int = 0
     done: bool = False
+    pending: Any = None
 
 
-class DreamBlockDecoder:
+class DreamBlockDecoder(ForwardThenCommit):
     """Fast-dLLM's Dream block decoder (`generation_utils_block.py`), any cache mode, as a state and
     a step (one forward each): `diffusion_generate(use_cache=... / block_length=...)` drives one
     batch, the engine many (each its own forward).
@@ -624,9 +588,6 @@ class DreamBlockDecoder:
                                timesteps=torch.linspace(1, self.config.eps, steps_per_block + 1, device=x.device),
                                histories=histories)
 
-    def shared_forward_key(self, state: DreamBlockState) -> None:
-        return None   # its own forwards (each sequence's cache)
-
     def num_final(self, state: DreamBlockState) -> int:
         return state.x.shape[1] - state.prompt_len if state.done else state.block * self.block_length
 
@@ -641,8 +602,15 @@ class DreamBlockDecoder:
         state.i = 0
         state.done = state.block == state.num_blocks
 
-    def step(self, model: torch.nn.Module, state: DreamBlockState, generator: torch.Generator | None = None,
-             stats=None) -> None:
+    def _forward(self, state: DreamBlockState) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
+        start = state.prompt_len + state.block * self.block_length
+        end = start + self.block_length
+        if state.i == 0:
+            return (yield from state.forwards.refresh(state.x, start, end)), 0
+        return (yield from state.forwards.step(state.x, start, end))
+
+    def commit(self, state: DreamBlockState, logits: torch.Tensor, fed: int, generator: torch.Generator | None = None,
+               stats=None) -> None:
         mask_id, alg, x, rows = self.spec.mask_id, self.config.alg, state.x, state.rows
         B, T = x.shape
         block_length = self.block_length
@@ -651,7 +619,6 @@ class DreamBlockDecoder:
         block_x = x[:, start:end]   # a view: commits write into x
         forwards = state.forwards
         if state.i == 0:
-            logits = drive(forwards.refresh(x, start, end), model)
             if stats is not None:
                 stats.forward(B, T, forwards.cache_nbytes)
             before = int((block_x == mask_id).sum())
@@ -659,7 +626,6 @@ class DreamBlockDecoder:
             self._record(state, before - int((block_x == mask_id).sum()), stats)
             state.i = 1
             return
-        logits, fed = drive(forwards.step(x, start, end), model)
         L = logits.shape[1]
         if stats is not None:
             stats.forward(B, L, forwards.cache_nbytes)

@@ -22,16 +22,23 @@ No blocks and no step budget: each step decodes inside a sliding window over the
   confident instead. Once an EOS is committed, masked positions after the first EOS are dropped
   (they are returned as EOS here; upstream returns them masked).
 
-The attention runs through remask's LLaDA `attend` seam (`ElasticKVCache`); the layer loop (a
-recompute changes how many rows the next layers see) is driven here over
-`model.model.transformer.blocks`, with the model's own embedding, blocks and head: no model code
-changes. Upstream decodes one row; rows of a batch are decoded one by one, each with its cache.
+The attention runs through remask's LLaDA `attend` seam (`ElasticKVCache`). Every forward is a
+`ForwardRequest` the driver computes (`diffusion/stepper.py`): the model's own forward over the
+queried positions (its embedding, every block, its head), with the request's `context`
+(`ElasticLayers`) around the call: hooks on the model's blocks that do the per-layer work between
+them — keep each layer's input hidden states, swap in the cached ones of all positions from the
+first recomputed layer on (a recompute changes how many rows the next layers see), the layer's
+RoPE tables and the cache's plan — so no model code changes and nothing here calls the model. A
+request with a context runs alone (its rows and recomputed layers are its own: requests of several
+sequences do not share a call). Upstream decodes one row; rows of a batch are decoded one by one,
+each with its cache.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +51,7 @@ from .cache import valid_positions
 from .checks import (check_bool, check_config_bounds, check_int, check_mask_id, check_model_kind,
                      check_optional_token_id, check_prompt, check_real, check_stats, model_device)
 from .stats import GenerationStats
-from .stepper import Progress, StepGenerator, drive
+from .stepper import ForwardRequest, Progress, StepGenerator, drive
 
 
 @dataclass(frozen=True)
@@ -167,20 +174,57 @@ class ElasticKVCache(KVCache):
         return out
 
 
-def _embed(model, ids: torch.Tensor) -> torch.Tensor:
-    h = model.model.transformer.wte(ids)
-    if model.config.input_emb_norm:
-        h = h * (model.config.d_model ** 0.5)
-    return h
+class ElasticLayers:
+    """The per-layer work of one Elastic-Cache forward, around the model's own forward of the
+    queried positions (`installed`: the request's `context`). Before each block: its input hidden
+    states are kept (all positions) or written into the kept ones at the queried rows, and from the
+    first recomputed layer on the block runs on the kept states of all positions; the block gets
+    its RoPE tables (the queried positions when the rows are as many, else 0..T-1, upstream's) and
+    the cache its plan. After each block: a drift trigger (`ElasticKVCache.triggered`) makes the
+    following layers recompute. `start_reset`: the first recomputed layer (-1: every layer runs on
+    all positions; the layer count: none)."""
 
+    def __init__(self, model: torch.nn.Module, cache: "ElasticKVCache", x_cache: list, query: torch.Tensor,
+                 track: torch.Tensor, window: torch.Tensor, masked: torch.Tensor, start_reset: int,
+                 config: ElasticCache, T: int) -> None:
+        self.blocks = model.model.transformer.blocks
+        self.head_dim, self.rope_theta = model.config.head_dim, model.config.rope_theta
+        self.cache, self.x_cache, self.query, self.track, self.window, self.masked = \
+            cache, x_cache, query, track, window, masked
+        self.start_reset, self.config, self.T = start_reset, config, T
+        self.everything = torch.arange(T, device=query.device)
 
-def _head(model, h: torch.Tensor) -> torch.Tensor:
-    cfg, tr = model.config, model.model.transformer
-    h = tr.ln_f(h)
-    logits = F.linear(h, tr.wte.weight, None) if cfg.weight_tying else tr.ff_out(h)
-    if cfg.scale_logits:
-        logits = logits * (1 / math.sqrt(cfg.d_model))
-    return logits
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        handles = []
+        try:
+            for layer, block in enumerate(self.blocks):
+                handles.append(block.register_forward_pre_hook(
+                    lambda module, args, layer=layer: self._before(layer, *args)))
+                handles.append(block.register_forward_hook(
+                    lambda module, args, output, layer=layer: self._after(layer)))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _before(self, layer: int, h: torch.Tensor, pos: ForwardPositions, mask: Any) -> tuple:
+        if layer > self.start_reset:
+            self.x_cache[layer] = h
+        else:
+            self.x_cache[layer][:, self.query, :] = h
+            if layer == self.start_reset:
+                h = self.x_cache[layer]
+        # upstream's RoPE: the query positions when the rows are as many, else 0..T-1
+        rope = self.query if h.shape[1] == self.query.shape[0] else self.everything
+        cos, sin = rope_cos_sin(rope[None], self.head_dim, self.rope_theta)
+        self.cache.plan(full=layer >= self.start_reset, query=self.query, track=self.track, window=self.window,
+                        masked=self.masked, gamma=self.config.gamma, track_num=self.config.track_num)
+        return h, ForwardPositions(self.cache, 0, cos, sin, self.T), None
+
+    def _after(self, layer: int) -> None:
+        if self.cache.triggered and self.start_reset == len(self.blocks):
+            self.start_reset = layer + 1
 
 
 def _final_prefix(x: torch.Tensor, P: int, masked: torch.Tensor, mask_id: int, eos_id: int | None) -> int:
@@ -225,9 +269,7 @@ def _decode_row(model, x: torch.Tensor, P: int, config: ElasticCache, mask_id: i
     generator: after every forward the row is written back into `canvas[row]` and the whole
     `canvas` is yielded (`final`: the row's final prefix on the last row, else 0 — later rows are
     undecoded); returns `x`."""
-    cfg = model.config
-    blocks = model.model.transformer.blocks
-    L, T, device = len(blocks), x.shape[1], x.device
+    L, T, device = len(model.model.transformer.blocks), x.shape[1], x.device
     W = config.window_length
     cache = ElasticKVCache(key_ok)
     x_cache: list[torch.Tensor | None] = [None] * L
@@ -245,24 +287,11 @@ def _decode_row(model, x: torch.Tensor, P: int, config: ElasticCache, mask_id: i
             query_position, start_reset = everything, -1
         else:
             query_position, start_reset = torch.cat([track_position, new_decoded, window]), L
-        h = _embed(model, x[:, query_position])
         cache.triggered = False
-        for layer, block in enumerate(blocks):
-            if layer > start_reset:
-                x_cache[layer] = h
-            else:
-                x_cache[layer][:, query_position, :] = h
-                if layer == start_reset:
-                    h = x_cache[layer]
-            # upstream's RoPE: the query positions when the rows are as many, else 0..T-1
-            rope = query_position if h.shape[1] == query_position.shape[0] else everything
-            cos, sin = rope_cos_sin(rope[None], cfg.head_dim, cfg.rope_theta)
-            cache.plan(full=layer >= start_reset, query=query_position, track=track_position, window=window,
-                       masked=masked, gamma=config.gamma, track_num=config.track_num)
-            h = block(h, ForwardPositions(cache, 0, cos, sin, T), None)
-            if cache.triggered and start_reset == L:
-                start_reset = layer + 1
-        logits = _head(model, h)
+        layers = ElasticLayers(model, cache, x_cache, query_position, track_position, window, masked, start_reset,
+                               config, T)
+        logits = yield ForwardRequest(x[:, query_position], cache=cache, context=layers.installed)
+        start_reset = layers.start_reset
         if stats is not None:   # positions computed, averaged over the layers (a recomputed layer: all T)
             computed = max(start_reset, 0) * query_position.shape[0] + (L - max(start_reset, 0)) * T
             stats.forward(1, -(-computed // L), cache.nbytes)
@@ -336,10 +365,11 @@ def elastic_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Elast
                   eos_id: int | None = None, stats: GenerationStats | None = None,
                   trace: list | None = None, rule: Any = None) -> StepGenerator:
     """`elastic_generate`'s loop as a step generator (`diffusion/stepper.py`): the arguments are
-    checked here, at the call; it yields a `Progress` after every forward (rows are decoded one by
-    one; `final`: for one row, the leading generated positions already decoded — the sliding
-    window only ever holds masked positions, so they never change; for several rows 0 until the
-    last row) and returns `[B, P + gen_length]`."""
+    checked here, at the call; it yields a `ForwardRequest` per forward (it runs alone: the
+    request's context drives the layers, `ElasticLayers`) and a `Progress` after it (rows are
+    decoded one by one; `final`: for one row, the leading generated positions already decoded —
+    the sliding window only ever holds masked positions, so they never change; for several rows 0
+    until the last row) and returns `[B, P + gen_length]`."""
     config = ElasticCache() if config is None else config
     if not isinstance(config, ElasticCache):
         raise ValueError(f"config must be a remask ElasticCache, got {type(config).__name__}")

@@ -33,17 +33,24 @@ it, ``"dual"`` only the draft's block, None a full sequence per draft.
 Draft modes (one model call per verification either way):
 
 * ``"batch_expanding"``: the drafts are K rows of a batch; the cache is copied along the batch.
-* ``"tree_attention"``: the drafts are concatenated along the sequence of one row (positions
-  repeated per draft); the cache is shared: each draft's queries attend to the cached prefix /
-  suffix and to their own draft only.
+* ``"tree_attention"`` (upstream's name: drafts along one sequence under a tree mask): the drafts
+  are K rows of a batch too, but the cache is shared, never copied: each draft's queries attend to
+  the cached prefix / suffix and to their own draft only (`_TreeCache`). Each draft is computed
+  as alone either way, so the layout changes no bit.
+
+No forward is computed here: the loop is a step generator (`diffusion/stepper.py`) that yields a
+`ForwardRequest` for each forward (the block start through `BlockForward.refresh`). A verification
+forward is a plain request (`rows_alone`, the block's cache copied or shared): the engine packs the
+forwards of its FreeDave requests into one model call per step.
 
 Exactness: a draft must get the bits the baseline's single-sequence forward gives its state. GEMMs
 are therefore run per draft (`remask.engine.batch_invariant`'s batched GEMM: each draft the
-problem it poses alone), and tree attention is not a masked attention over all drafts' keys (an
-online softmax over a longer, partly masked key list rounds differently): each draft's queries are
-attended, in one batched SDPA call, against exactly the key list the baseline attends —
-[prefix | own draft | suffix] — gathered per layer from the shared cache (transient, one layer at
-a time; the cache itself is never copied).
+problem it poses alone: the request's `rows_alone`, answered by `batch_invariant_linear` in the
+drop-in driver and by the engine's batch invariance), and the shared cache is not a masked
+attention over all drafts' keys (an online softmax over a longer, partly masked key list rounds
+differently): each draft's queries are attended, in one batched SDPA call, against exactly the key
+list the baseline attends — [prefix | own draft | suffix] — gathered per layer from the shared
+cache (transient, one layer at a time; the cache itself is never copied).
 
 FreeDave++ (``confidence_threshold=τ``): draft 0 is the threshold rule's next state, later drafts
 add the most confident remaining predictions one at a time, targets apply the threshold rule.
@@ -58,7 +65,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Generator, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +84,7 @@ from .checks import (check_choice, check_config_bounds, check_instance, check_in
 from .llada import validate_block_args
 from .scoring import score_rows
 from .stats import GenerationStats
-from .stepper import Progress, StepGenerator, drive
+from .stepper import ForwardRequest, Progress, StepGenerator, drive
 
 DRAFT_MODES = ("tree_attention", "batch_expanding")
 MATCH_RULES = ("subset", "exact")
@@ -123,7 +130,8 @@ class FreeDave:
 class _PerSequenceLinear(TorchFunctionMode):
     """`F.linear` on `[N, L, K]` inputs runs as the batched GEMM of N·L/`length` problems
     `[length, K]`: each sequence (a batch row, or a draft within a concatenated row) gets the
-    product it gets alone."""
+    product it gets alone. FreeDave's own requests say this with `rows_alone`; it stays for a
+    block family's forward of its own (`BlockFreeDave._per_draft`: Fast-dLLM v2's)."""
 
     def __init__(self, length: int) -> None:
         super().__init__()
@@ -150,15 +158,17 @@ def _per_sequence(length: int, enabled: bool = True) -> Iterator[None]:
 
 
 class _TreeCache(KVCache):
-    """The shared cache seen by drafts concatenated along the sequence: K segments of `length`
-    queries each; segment k attends to [cached prefix | its own keys | cached suffix] (the key
-    list of the baseline's single-draft forward), all segments in one batched attention call."""
+    """The block's cache shared by the drafts (never copied): the drafts run as rows, K per row of
+    the batch (row a·K + k: draft k of `rows[a]`), and each draft's queries attend to [cached prefix
+    | its own keys | cached suffix] of its row's cache — the key list of the baseline's
+    single-draft forward — gathered per layer (transient, one layer at a time), all drafts in one
+    batched attention call. It writes nothing."""
 
-    def __init__(self, base: KVCache | None, rows: torch.Tensor | None, prefix: int, suffix_start: int,
-                 total: int, drafts: int, length: int) -> None:
+    def __init__(self, base: KVCache, rows: torch.Tensor | None, prefix: int, suffix_start: int,
+                 total: int, drafts: int) -> None:
         super().__init__()
         self.base, self.rows, self.prefix, self.suffix_start = base, rows, prefix, suffix_start
-        self.total, self.drafts, self.length = total, drafts, length
+        self.total, self.drafts = total, drafts
 
     def get_seq_length(self, layer: int = 0) -> int:
         return self.total
@@ -171,33 +181,21 @@ class _TreeCache(KVCache):
 
     def _keys(self, cached: list[torch.Tensor], layer: int, own: torch.Tensor) -> torch.Tensor:
         parts = []
-        if self.base is not None and self.prefix > 0:
+        if self.prefix > 0:
             parts.append(self._side(cached[layer], 0, self.prefix))
         parts.append(own)
-        if self.base is not None and self.suffix_start < self.total:
+        if self.suffix_start < self.total:
             parts.append(self._side(cached[layer], self.suffix_start, self.total))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
-    def _split(self, t: torch.Tensor) -> torch.Tensor:
-        A, H, _, D = t.shape
-        return t.view(A, H, self.drafts, self.length, D).transpose(1, 2).reshape(A * self.drafts, H, self.length, D)
-
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                mask: torch.Tensor | None) -> torch.Tensor:
-        A, H, _, D = q.shape
-        K, L = self.drafts, self.length
-        qs, ks, vs = self._split(q), self._split(k), self._split(v)
-        keys = self._keys(self.base.keys if self.base is not None else [], layer, ks)
-        values = self._keys(self.base.values if self.base is not None else [], layer, vs)
+        """`q`, `k`, `v` `[A·K, H, L, D]`: each draft's own; `mask` (if any) per draft row."""
+        keys = self._keys(self.base.keys, layer, k)
+        values = self._keys(self.base.values, layer, v)
         if mask is not None:
-            mask = mask.expand(A, *mask.shape[1:])
-            if mask.shape[2] == K * L:
-                mask = mask.reshape(A, mask.shape[1], K, L, mask.shape[3]).transpose(1, 2).reshape(
-                    A * K, mask.shape[1], L, mask.shape[3])
-            else:
-                mask = mask.repeat_interleave(K, dim=0)
-        out = attention(qs, keys, values, mask)
-        return out.view(A, K, H, L, D).transpose(1, 2).reshape(A, H, K * L, D)
+            mask = mask.expand(q.shape[0], *mask.shape[1:])
+        return attention(q, keys, values, mask)
 
 
 def _select_rows(value: Any, rows: torch.Tensor | None, batch: int) -> Any:
@@ -206,13 +204,27 @@ def _select_rows(value: Any, rows: torch.Tensor | None, batch: int) -> Any:
     return value.index_select(0, rows)
 
 
+def _rows_alone(forward: Generator[ForwardRequest, Any, Any], alone: bool) -> Generator[ForwardRequest, Any, Any]:
+    """`forward` (a sub-generator of requests) with each request's rows computed as alone when
+    `alone` (`ForwardRequest.rows_alone`: the rows of a batch get the bits each gets by itself)."""
+    answer = None
+    while True:
+        try:
+            request = forward.send(answer)
+        except StopIteration as stop:
+            return stop.value
+        if alone and isinstance(request, ForwardRequest):
+            request.rows_alone = True
+        answer = yield request
+
+
 class _Forwards:
-    """The block-start forward (baseline `BlockForward.refresh`, per-row GEMMs for batches) and
-    the verification forward over drafts."""
+    """The block-start forward (baseline `BlockForward.refresh`, each row's linears as alone for
+    batches) and the verification forward over drafts, as sub-generators of `ForwardRequest`s."""
 
     def __init__(self, model, spec: ModelSpec, use_cache: str | None, forward_inputs: dict[str, Any],
                  attention_mask: torch.Tensor | None, total: int, draft_mode: str) -> None:
-        self.model, self.spec, self.mode, self.draft_mode = model, spec, use_cache, draft_mode
+        self.spec, self.mode, self.draft_mode = spec, use_cache, draft_mode
         self.forward_inputs, self.total = forward_inputs, total
         self.block = BlockForward(model, spec, use_cache, forward_inputs, valid_positions(attention_mask, total))
 
@@ -220,15 +232,20 @@ class _Forwards:
     def cache_nbytes(self) -> int:
         return self.block.cache_nbytes
 
-    def refresh(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        with _per_sequence(x.shape[1], enabled=x.shape[0] > 1):
-            return self.block.refresh(x, start, end)
+    def refresh(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, torch.Tensor]:
+        return (yield from _rows_alone(self.block.refresh(x, start, end), x.shape[0] > 1))
 
     def drafts(self, x: torch.Tensor, rows: torch.Tensor | None, drafts: torch.Tensor, start: int,
-               end: int) -> tuple[torch.Tensor, int, int]:
+               end: int) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int, int]]:
         """Logits of every draft `[A·K, L, V]` (draft-minor), the block's first row in them, and L
         (positions fed per draft). `drafts` `[A, K, block]` are the blocks of the rows `rows` of `x`
-        (None: all rows)."""
+        (None: all rows).
+
+        One plain request of A·K rows (draft-minor), each row's linears as alone (`rows_alone`: the
+        GEMM problems `[L, hidden]`), against the block's cache: copied along the batch
+        (``"batch_expanding"``, a `KVCache`) or shared (``"tree_attention"``, `_TreeCache`). Either
+        packs with other requests' forwards in the engine.
+        """
         A, K, _ = drafts.shape
         B, T = x.shape
         mode = self.mode
@@ -240,36 +257,22 @@ class _Forwards:
         inputs = self.forward_inputs if mode is None else self.spec.inputs_for_positions(self.forward_inputs, start,
                                                                                          fed_end)
         inputs = {k: _select_rows(v, rows, B) for k, v in inputs.items()}
-        positions = torch.arange(fed, fed_end, device=x.device)
-        base = self.block.cache if mode is not None else None
-        if self.draft_mode == "batch_expanding":
-            inputs = {k: v.repeat_interleave(K, dim=0) if torch.is_tensor(v) else v for k, v in inputs.items()}
-            kw: dict[str, Any] = {}
-            if base is not None:
+        inputs = {k: v.repeat_interleave(K, dim=0) if torch.is_tensor(v) else v for k, v in inputs.items()}
+        kw: dict[str, Any] = {}
+        base = self.block.cache
+        if mode is not None:   # without a cache both modes are the same full forward per draft
+            if self.draft_mode == "batch_expanding":
                 cache = KVCache()
                 expand = (lambda t: t.index_select(0, rows)) if rows is not None else (lambda t: t)
                 cache.keys = [expand(t).repeat_interleave(K, dim=0) for t in base.keys]
                 cache.values = [expand(t).repeat_interleave(K, dim=0) for t in base.values]
-                kw = dict(past_key_values=cache, cache_position=positions)
-            with _per_sequence(L):
-                raw = self.model(seqs.reshape(A * K, L), **kw, **inputs).logits
-        else:
-            for key, value in list(inputs.items()):
-                if not torch.is_tensor(value):
-                    continue
-                if key == "position_ids":
-                    inputs[key] = value.repeat(1, K)
-                elif key == "attention_mask" and value.dim() == 4:
-                    inputs[key] = value.repeat(1, 1, K, 1)
-            prefix, suffix_start = (0, T) if mode is None else (start, T if mode == "prefix" else end)
-            cache = _TreeCache(base, rows, prefix, suffix_start, T, K, L)
-            with _per_sequence(L):
-                raw = self.model(seqs.reshape(A, K * L), past_key_values=cache, cache_position=positions.repeat(K),
-                                 **inputs).logits
-            raw = raw.view(A * K, L, raw.shape[-1])
-        if self.spec.logit_shift:   # per draft, as `ModelSpec.logits` shifts one sequence
-            raw = torch.cat([raw[:, :1], raw[:, :-1]], dim=1)
-        return raw, start - fed, L
+            else:
+                cache = _TreeCache(base, rows, start, T if mode == "prefix" else end, T, K)
+            cache.write_start = fed
+            kw = dict(cache=cache, cache_position=torch.arange(fed, fed_end, device=x.device))
+        # `spec`: the family's logit shift within each draft's row (`ModelSpec.logits`)
+        logits = yield ForwardRequest.call(seqs.reshape(A * K, L), inputs, spec=self.spec, rows_alone=True, **kw)
+        return logits, start - fed, L
 
 
 # --- the decoding loop --------------------------------------------------------------------------
@@ -339,13 +342,14 @@ class _Decoder:
 
 
     def block(self, forwards: _Forwards, x: torch.Tensor, start: int, end: int, prompt_len: int,
-              stats: GenerationStats | None) -> Iterator[Progress]:
-        """Decode `x[:, start:end]` in place: a generator yielding a `Progress` after each forward
-        (`final`: the generated positions before this block, or through `end` once it is decoded)."""
+              stats: GenerationStats | None) -> StepGenerator:
+        """Decode `x[:, start:end]` in place: a step generator (its forwards as `ForwardRequest`s)
+        yielding a `Progress` after each forward (`final`: the generated positions before this
+        block, or through `end` once it is decoded)."""
         spec, mask_id, K_max = self.spec, self.spec.mask_id, self.config.draft_steps
         B, T = x.shape
         blk = x[:, start:end]   # a view: commits write into x
-        logits = forwards.refresh(x, start, end)
+        logits = yield from forwards.refresh(x, start, end)
         if stats is not None:
             stats.forward(B, T, forwards.cache_nbytes)
         # The block-start logits are the first predictions (upstream's "stale logits").
@@ -380,7 +384,8 @@ class _Decoder:
                 counts = masks[rows].clamp(max=K_max)
                 K = int(counts.max())
                 drafts = self.make_drafts(base[rows], x0[rows], conf[rows], K)
-                logits, local, L = forwards.drafts(x, None if len(rows) == B else rows, drafts, start, end)
+                logits, local, L = yield from forwards.drafts(x, None if len(rows) == B else rows, drafts, start,
+                                                              end)
                 if stats is not None:
                     stats.forward(len(rows) * K, L, forwards.cache_nbytes)
                 dx0, dconf = self.score(logits, local)

@@ -23,16 +23,22 @@ rule instead (SDAR: ``low_confidence_dynamic`` with ``confidence_threshold=τ``;
 ``threshold=τ``; equal under ``match_rule="exact"``). Exact because each draft's forward computes
 what the loop's single forward computes for that state: GEMMs per draft (the batched GEMM of
 `remask.engine.batch_invariant`), attention per row over the row's cache, MoE layers row by row.
+
+No forward is computed here: FreeDave's forwards are `ForwardRequest`s (`_fd_forwards`, a
+sub-generator) answered by `stepper.drive` inside the family's step (its loop is a step method whose
+own forwards — prefill, store — are its file's). They carry the request's own cache (or a
+`BlockBatch` over it), so the engine runs each request's drafts in their own model call.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generator
 
 import torch
 
 from .freedave import FreeDave, _per_sequence, _verify
 from .stats import GenerationStats
+from .stepper import ForwardRequest, drive
 
 
 @dataclass(eq=False)
@@ -136,10 +142,19 @@ class BlockFreeDave:
         return out
 
     def _fd_forward(self, model: torch.nn.Module, state: Any, blocks: torch.Tensor) -> torch.Tensor:
-        """Logits `[K, L, V]` of K versions of the current block, for models taking remask's
-        block-causal conventions (`store_kv`, `BlockBatch`; SDAR, LLaDA2): without the cache, the
-        sequence up to the block under `state.attention`; with it, the loop's own forward for one
-        version (`_fd_cached_mask`), else one row per version reading the same cache."""
+        """Logits `[K, L, V]` of K versions of the current block: `_fd_forwards`' request answered
+        alone (`stepper.drive`). A family whose model takes other conventions overrides this
+        (Fast-dLLM v2) or `_fd_forwards`."""
+        return drive(self._fd_forwards(state, blocks), model)
+
+    def _fd_forwards(self, state: Any, blocks: torch.Tensor) -> Generator[ForwardRequest, Any, torch.Tensor]:
+        """`_fd_forward` as a sub-generator (``logits = yield from ...``): one `ForwardRequest`, for
+        models taking remask's block-causal conventions (`store_kv`, `BlockBatch`; SDAR, LLaDA2):
+        without the cache, the sequence up to the block under `state.attention`; with it, the loop's
+        own forward for one version (`_fd_cached_mask`), else one row per version reading the same
+        cache. Several drafts ask for each row's linears as alone (`rows_alone`: the batched GEMM of
+        `_per_draft`). The request carries the request's own cache (a `DynamicCache` / paged
+        `BlockKVCache`, or a `BlockBatch` over it): it does not pack with other requests'."""
         from remask.caches.block import BlockBatch
 
         K, L = blocks.shape
@@ -148,17 +163,18 @@ class BlockFreeDave:
             seqs = state.x[:, :end].repeat(K, 1)
             seqs[:, start:end] = blocks
             mask = state.attention[..., :end, :end]
-            with self._per_draft(K, end):
-                return model(seqs, attention_mask=mask.expand(K, *mask.shape[1:]),
-                             position_ids=state.position_ids[:, :end].expand(K, -1)).logits[:, -L:]
+            logits = yield ForwardRequest.call(seqs, dict(attention_mask=mask.expand(K, *mask.shape[1:]),
+                                                          position_ids=state.position_ids[:, :end].expand(K, -1)),
+                                               rows_alone=True)
+            return logits[:, -L:]
         positions = state.position_ids[:, start:end]
         if K == 1:
-            return model(blocks, attention_mask=self._fd_cached_mask(state), position_ids=positions,
-                         past_key_values=state.cache, use_cache=True, store_kv=False).logits
-        with self._per_draft(K, L):
-            return model(blocks, attention_mask=None, position_ids=positions.expand(K, -1),
-                         past_key_values=BlockBatch([state.cache] * K, [False] * K), use_cache=True,
-                         store_kv=False).logits
+            return (yield ForwardRequest.call(blocks, dict(attention_mask=self._fd_cached_mask(state),
+                                                           position_ids=positions),
+                                              cache=state.cache, use_cache=True, store_kv=False))
+        return (yield ForwardRequest.call(blocks, dict(attention_mask=None, position_ids=positions.expand(K, -1)),
+                                          cache=BlockBatch([state.cache] * K, [False] * K), rows_alone=True,
+                                          use_cache=True, store_kv=False))
 
 
 def check_freedave_loop(freedave: Any, family: str, *, temperature: float, one_per_step: bool, steps_name: str,

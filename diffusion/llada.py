@@ -12,7 +12,7 @@ one launch).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Generator
 
 import torch
 
@@ -27,11 +27,10 @@ from .checks import (CombinationError, check_bool, check_callable, check_choice,
                      check_token_id, warn_if_longer_than_trained, warn_if_padded_without_mask)
 from remask.kernels import unmask
 
-from .varlen import segmented_logits
 from .scoring import score_rows, score_tokens
 from .selection import schedule_counts, topk_commit
 from .stats import GenerationStats
-from .stepper import drive, drive_packed
+from .stepper import ForwardRequest, ForwardThenCommit
 
 REMASKING = ("low_confidence", "random")
 
@@ -70,13 +69,15 @@ def validate_rule(threshold: float | None, factor: float | None) -> None:
     check_real("factor", factor, low=0, low_open=True, allow_none=True)
 
 
-def cfg_logits(spec: ModelSpec, model, x, forward_inputs, prompt_index, cfg_scale, mask_id):
+def cfg_logits(spec: ModelSpec, x, forward_inputs, prompt_index, cfg_scale, mask_id):
     """Unsupervised classifier-free guidance: `un + (cfg+1)(cond − un)`, where the unconditional
-    input has every original prompt position (left pads included) replaced by the mask token."""
+    input has every original prompt position (left pads included) replaced by the mask token.
+    A sub-generator: one forward of the conditional and unconditional rows together."""
     un_x = x.clone()
     un_x[prompt_index] = mask_id
     doubled = {k: torch.cat([v, v], dim=0) if torch.is_tensor(v) else v for k, v in forward_inputs.items()}
-    logits, un_logits = torch.chunk(spec.logits(model, torch.cat([x, un_x], dim=0), **doubled), 2, dim=0)
+    logits, un_logits = torch.chunk((yield ForwardRequest.call(torch.cat([x, un_x], dim=0), doubled, spec=spec)),
+                                    2, dim=0)
     return un_logits + (cfg_scale + 1) * (logits - un_logits)
 
 
@@ -98,18 +99,19 @@ class BlockState:
     schedule: torch.Tensor | None = None
     done: bool = False
     block_rows_for: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    pending: Any = None               # the forward asked for and not yet answered (a sub-generator)
 
     @property
     def batch(self) -> int:
         return self.x.shape[0]
 
 
-class BlockDecoder:
+class BlockDecoder(ForwardThenCommit):
     """LLaDA's semi-autoregressive block rule (and Fast-dLLM's threshold / factor rules, caches,
     sparse attention) as a state and a step: `start` builds a `BlockState`, each `step` runs one
     model forward and commits, until `state.done`. `block_diffusion_generate` drives one batch;
-    the engine drives many states, sharing forwards where `shared_forward_key` allows (then it
-    calls `commit` with its share of a batched forward's logits).
+    the engine packs the forwards of many states (`next_forward`) into one model call and hands
+    each its rows (`receive`).
 
     The constructor validates every setting (see `block_diffusion_generate` for their meaning).
     """
@@ -221,61 +223,14 @@ class BlockDecoder:
         """Generated positions that no later step changes: the blocks already decoded."""
         return self.gen_length if state.done else state.block * self.block_length
 
-    def shared_forward_key(self, state: BlockState) -> tuple | None:
-        """Equal for states whose next forwards one model call can serve, row by row as each
-        alone (unpadded sequences of one length; for the prefix / dual caches, at the same block
-        and both at its start or both past it); None when the next forward runs alone (CFG,
-        sparse attention, the paged cache, padding)."""
-        if state.forward_inputs or self.cfg_scale > 0 or self.sparse is not None:
-            return None
-        T = state.x.shape[1]
-        if self.mode is None:
-            return ("full", T)
-        if self.mode in ("prefix", "dual") and not isinstance(self.use_cache, PagedKVCache):
-            return (self.mode, T, *self.block_span(state), state.step == 0)
-        return None
-
-    def forward_shared(self, model: torch.nn.Module, states: list[BlockState]) -> tuple[torch.Tensor, int]:
-        """The next forward of `states` (one `shared_forward_key`) in one call: (logits `[G, L, V]`,
-        first fed position)."""
-        if self.mode is None:
-            return self.spec.logits(model, torch.cat([s.x for s in states])), 0
-        start, end = self.block_span(states[0])
-        refresh = states[0].step == 0
-        out = drive_packed(model, [s.forwards.refresh(s.x, start, end) if refresh else s.forwards.step(s.x, start, end)
-                                   for s in states])
-        return (torch.cat(out), 0) if refresh else (torch.cat([logits for logits, _ in out]), out[0][1])
-
-    def varlen_forward_key(self, state: BlockState) -> tuple | None:
-        """Equal for states whose next forwards one segmented forward can serve whatever their
-        lengths (`diffusion/varlen.py`): the whole canvas with no cache, on a model that runs
-        segmented forwards; None otherwise."""
-        if not self.spec.segmented or self.shared_forward_key(state) != ("full", state.x.shape[1]):
-            return None
-        return ("full",)
-
-    def forward_varlen(self, model: torch.nn.Module, states: list[BlockState]) -> tuple[torch.Tensor, list[int]]:
-        """The next forwards of `states` (one `varlen_forward_key`) as one segmented forward:
-        (logits `[1, ΣT, V]`, each state's first row); each covers its whole canvas from position 0."""
-        return segmented_logits(self.spec, model, [s.x for s in states])
-
-    def static_forward(self, model: torch.nn.Module, states: list[BlockState]):
-        """The next shared forward of `states` as (input `[G, T]`, a function of an input of that
-        shape alone, a key naming that function) when it is one (no cache: the whole canvas from
-        position 0), so a runner may capture it in a CUDA graph; None otherwise."""
-        if self.shared_forward_key(states[0]) != ("full", states[0].x.shape[1]):
-            return None
-        return torch.cat([s.x for s in states]), lambda x: self.spec.logits(model, x), ("llada-full",)
-
-    def forward(self, model: torch.nn.Module, state: BlockState) -> tuple[torch.Tensor, int]:
-        """The next forward of `state`: logits of the positions it computes and the first of them."""
+    def _forward(self, state: BlockState) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
         start, end = self.block_span(state)
         if self.cfg_scale > 0:
-            return cfg_logits(self.spec, model, state.x, state.forward_inputs, state.prompt_index, self.cfg_scale,
-                              self.spec.mask_id), 0
+            return (yield from cfg_logits(self.spec, state.x, state.forward_inputs, state.prompt_index,
+                                          self.cfg_scale, self.spec.mask_id)), 0
         if state.step == 0:
-            return drive(state.forwards.refresh(state.x, start, end), model), 0
-        return drive(state.forwards.step(state.x, start, end), model)
+            return (yield from state.forwards.refresh(state.x, start, end)), 0
+        return (yield from state.forwards.step(state.x, start, end))
 
     def step(self, model: torch.nn.Module, state: BlockState, generator: torch.Generator | None = None,
              stats: GenerationStats | None = None, on_step: Callable | None = None) -> None:
@@ -354,7 +309,7 @@ class BlockDecoder:
 
     @staticmethod
     def commit_shared(decoders: list["BlockDecoder"], states: list[BlockState], logits: torch.Tensor,
-                      first_rows: list[int], lengths: list[int], fed: int,
+                      first_rows: list[int], lengths: list[int], fed: int | list[int],
                       stats: list[GenerationStats | None]) -> None:
         """`decoders[i].commit(states[i], <its logits>, fed, stats=stats[i])` for every i, in one
         scoring call and one unmask over the stacked blocks (decoders of one `commit_key`, states
@@ -366,7 +321,8 @@ class BlockDecoder:
         head = decoders[0]
         mask_id, block = head.spec.mask_id, head.block_length
         spans = [d.block_span(s) for d, s in zip(decoders, states)]
-        first = torch.tensor([r + start - fed for r, (start, _) in zip(first_rows, spans)], device=logits.device)
+        feds = fed if isinstance(fed, list) else [fed] * len(states)   # each state's first fed position
+        first = torch.tensor([r + start - f for r, (start, _), f in zip(first_rows, spans, feds)], device=logits.device)
         flat_rows = (first[:, None] + torch.arange(block, device=logits.device)).reshape(-1)
         x0, conf = score_rows(logits, flat_rows, suppress_ids=head.suppress, zero_prob_ids=head.zero_prob_ids,
                               exclude_id=mask_id, rows_in_bounds=True)

@@ -43,8 +43,8 @@ class ForwardRequest:
       model's, narrowed by these masks.
     * `shared`: inputs the same for every row (`cache_position`, `block_size`, ...).
     * `cache`: the K/V it reads and writes back (`past_key_values`): prefix / dual / paged /
-      retention / the methods' own caches; a cache class that can serve several requests in one
-      call says so with `pack_key()` and `pack(members)` (`remask.caches`).
+      retention / the methods' own caches. Any cache with an `attend` joins a packed forward: it
+      attends its own request's rows as in that request's own forward (`varlen.PackedAttention`).
     * `spec`: answer with `spec.logits` (the family's logit shift); None: the raw `.logits`.
     * `rows`: the slice of positions whose logits it wants (None: all).
     * `rows_alone`: each batch row's linears are computed as that row alone (drafts that must get
@@ -80,34 +80,36 @@ class ForwardRequest:
         return x.shape[0]
 
     def pack_key(self) -> tuple | None:
-        """Equal for requests one model call can serve row by row as each alone; None: alone."""
+        """Equal for requests that one packed forward can serve, each as alone (`run_forwards`);
+        None: this one runs alone (a mode of its own, the whole output wanted, inputs the packed
+        forward does not take)."""
         if self.context is not None or self.output != "logits":
             return None
-        cache_key = None
-        if self.cache is not None:
-            key = getattr(self.cache, "pack_key", None)
-            cache_key = key() if key is not None else None
-            if cache_key is None:
-                return None
-        x = self.input_ids if self.input_ids is not None else self.per_row["inputs_embeds"]
-        shared = []
-        for name, value in sorted(self.shared.items()):
-            if torch.is_tensor(value):
-                if value.is_cuda or value.numel() > 4096:
-                    return None      # compared by value only where that costs no device sync
-                value = (tuple(value.shape), tuple(value.flatten().tolist()))
-            shared.append((name, value))
-        per_row = tuple((name, tuple(v.shape[1:]), v.dtype) for name, v in sorted(self.per_row.items()))
-        return (tuple(x.shape[1:]), x.dtype, self.input_ids is None, self.spec is not None, self.rows,
-                per_row, tuple(shared), cache_key)
+        if not set(self.per_row) <= PACKED_PER_ROW or not set(self.shared) <= PACKED_SHARED:
+            return None
+        if isinstance(self.shared.get("attention_mask"), torch.Tensor):
+            return None
+        if self.cache is not None and not hasattr(self.cache, "attend"):
+            return None
+        if self.input_ids is None:
+            embeds = self.per_row["inputs_embeds"]
+            return ("embeds", embeds.dtype, embeds.shape[-1])
+        return ("ids",)
+
+
+# What a packed forward takes: per-row positions and masks (each request's own, through its
+# segment), a shared cache position, the string masks ("full").
+PACKED_PER_ROW = frozenset({"position_ids", "attention_mask", "attention_bias", "inputs_embeds"})
+PACKED_SHARED = frozenset({"cache_position", "attention_mask"})
 
 
 StepGenerator = Generator["ForwardRequest | Progress", Any, Any]
 
 
-def _call(model: torch.nn.Module, request: ForwardRequest, input_ids: torch.Tensor | None,
-          per_row: dict[str, torch.Tensor], cache: Any) -> Any:
-    kwargs = {**per_row, **request.shared}
+def call_model(model: torch.nn.Module, request: ForwardRequest, input_ids: torch.Tensor | None,
+               per_row: dict[str, torch.Tensor] | None = None, cache: Any = None) -> Any:
+    """The model call of `request` on `input_ids` (a CUDA graph's body replays it on its static input)."""
+    kwargs = {**(per_row or {}), **request.shared}
     if cache is not None:
         kwargs["past_key_values"] = cache
     if request.output == "model":
@@ -121,33 +123,73 @@ def _call(model: torch.nn.Module, request: ForwardRequest, input_ids: torch.Tens
 
 @torch.no_grad()
 def run_forwards(model: torch.nn.Module, requests: list[ForwardRequest],
-                 invariant: Callable[[int], ContextManager] | None = None) -> list[Any]:
-    """Answer `requests` (one `pack_key`, or a single one) with ONE model call: their rows are
-    stacked along the batch, each cache joins the call through its class's `pack`, and each gets
-    back its own rows. `invariant(rows)`: the runner's batch-invariance context; without it (the
-    drop-in driver) a `rows_alone` request of several rows runs its linears row by row."""
-    head = requests[0]
-    sizes = [r.batch for r in requests]
-    if len(requests) == 1:
-        input_ids, per_row, cache = head.input_ids, head.per_row, head.cache
-    else:
-        input_ids = None if head.input_ids is None else torch.cat([r.input_ids for r in requests])
-        per_row = {name: torch.cat([r.per_row[name].expand(n, *r.per_row[name].shape[1:])
-                                    for r, n in zip(requests, sizes)]) for name in head.per_row}
-        cache = None if head.cache is None else type(head.cache).pack([r.cache for r in requests], sizes)
-    rows = sum(sizes)
+                 invariant: Callable[..., ContextManager] | None = None) -> list[Any]:
+    """Answer `requests` (one `pack_key`, or a single one) with ONE model call, each with what its
+    own forward gives it. Several go into one flat forward `[1, N]` (`_packed`); `invariant(rows,
+    token_groups)`: the runner's batch-invariance context. Without it (the drop-in driver) a
+    `rows_alone` request of several rows runs its linears row by row."""
+    if len(requests) > 1:
+        return _packed(model, requests, invariant)
+    request = requests[0]
     if invariant is not None:
-        context = invariant(rows)
-    elif any(r.rows_alone for r in requests) and rows > 1:
+        context = invariant(request.batch if request.rows_alone else 1)
+    elif request.rows_alone and request.batch > 1:
         from remask.engine.batch_invariant import batch_invariant_linear
         context = batch_invariant_linear(True, single_thread=False)
     else:
         context = contextlib.nullcontext()
-    with context, (head.context() if head.context is not None else contextlib.nullcontext()):
-        out = _call(model, head, input_ids, per_row, cache)
-    if len(requests) == 1:
-        return [out]
-    return list(torch.split(out, sizes))
+    with context, (request.context() if request.context is not None else contextlib.nullcontext()):
+        return [call_model(model, request, request.input_ids, request.per_row, request.cache)]
+
+
+def _packed(model: torch.nn.Module, requests: list[ForwardRequest],
+            invariant: Callable[..., ContextManager] | None) -> list[torch.Tensor]:
+    """Requests of different lengths, caches and masks in one flat forward: each request's rows
+    one after another, RoPE at the positions its own forward uses, its attention through its own
+    cache and mask (`varlen.PackedAttention`), its linears the GEMM problems its own forward poses
+    (`token_groups`: one of rows × length, or one per row with `rows_alone`)."""
+    from remask.models.layers import cache_span
+    from remask.models.spec import get_spec
+
+    from .varlen import PackedAttention, Segment
+
+    spec = get_spec(model)
+    if not spec.segmented:
+        raise ValueError(f"the {spec.kind!r} model does not run packed forwards (spec.segmented is False)")
+    param = next(model.parameters())
+    segments, inputs, positions = [], [], []
+    problems: dict[int, list[torch.Tensor]] = {}
+    start = 0
+    for r in requests:
+        x = r.input_ids if r.input_ids is not None else r.per_row["inputs_embeds"]
+        B, T = x.shape[:2]
+        cache_position, cache_start, end, past_len = cache_span(r.cache, T, x.device, r.shared.get("cache_position"))
+        pos = r.per_row.get("position_ids")
+        positions.append((cache_position[None] if pos is None else pos).expand(B, T).reshape(1, -1))
+        masks = {k: v for k, v in (*r.per_row.items(), *r.shared.items()) if k in ("attention_mask", "attention_bias")}
+        k_len = max(past_len, end) if r.cache is not None else T
+        mask = spec.attend_mask(masks, T, k_len, param.dtype) if masks else None
+        segments.append(Segment(start, B, T, r.cache, cache_start, mask, r.rows_alone))
+        inputs.append(x.reshape(1, B * T, *x.shape[2:]))
+        length = T if r.rows_alone else B * T
+        problems.setdefault(length, []).append(torch.arange(start, start + B * T, device=x.device))
+        start += B * T
+    flat = torch.cat(inputs, dim=1)
+    kwargs = dict(position_ids=torch.cat(positions, dim=1), past_key_values=PackedAttention(segments))
+    groups = [(length, torch.cat(rows)) for length, rows in problems.items()]
+    context = invariant(sum(s.rows for s in segments), groups) if invariant is not None else contextlib.nullcontext()
+    with context:
+        if requests[0].input_ids is None:
+            logits = model(None, inputs_embeds=flat, **kwargs).logits[0]
+        else:
+            logits = model(flat, **kwargs).logits[0]
+    out = []
+    for r, seg in zip(requests, segments):
+        own = logits[seg.start:seg.end].view(seg.rows, seg.length, -1)
+        if r.spec is not None and r.spec.logit_shift:   # within each row, as `ModelSpec.logits` shifts
+            own = torch.cat([own[:, :1], own[:, :-1]], dim=1)
+        out.append(own if r.rows is None else own[:, r.rows])
+    return out
 
 
 def drive(steps: StepGenerator, model: torch.nn.Module | None = None) -> Any:
@@ -169,19 +211,39 @@ def drive(steps: StepGenerator, model: torch.nn.Module | None = None) -> Any:
             answer = None
 
 
-def drive_packed(model: torch.nn.Module, forwards: list[Generator[ForwardRequest, Any, Any]]) -> list[Any]:
-    """Run one forward of each of several sub-generators (one `pack_key`) as one model call and
-    return what each returns (the block decoders' shared forwards in the engine)."""
-    requests = [next(f) for f in forwards]
-    results = []
-    for f, answer in zip(forwards, run_forwards(model, requests)):
+class ForwardThenCommit:
+    """A decoder whose step is one forward then a commit: `_forward(state)` (a sub-generator of
+    one `ForwardRequest`, returning `(logits, first fed position)`) and `commit(state, logits, fed,
+    generator, stats)`. The runner asks `next_forward`, packs, and hands the logits to `receive`;
+    the drop-in loops call `step`. Its state has `done` and `pending`."""
+
+    def next_forward(self, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
+                     stats: GenerationStats | None = None) -> ForwardRequest | None:
+        if state.done:
+            return None
+        state.pending = self._forward(state)
+        return next(state.pending)
+
+    def finish_forward(self, state: Any, logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Hand the pending forward its logits: (the logits of the positions it computed, the first)."""
         try:
-            f.send(answer)
+            state.pending.send(logits)
         except StopIteration as stop:
-            results.append(stop.value)
-        else:
-            raise RuntimeError("a packed forward asked for a second forward")
-    return results
+            state.pending = None
+            return stop.value
+        raise RuntimeError(f"{type(self).__name__}: one step asked for a second forward")
+
+    def receive(self, state: Any, logits: torch.Tensor, generator: torch.Generator | None = None,
+                stats: GenerationStats | None = None) -> None:
+        self.commit(state, *self.finish_forward(state, logits), generator, stats)
+
+    def forward(self, model: torch.nn.Module, state: Any) -> tuple[torch.Tensor, int]:
+        """The next forward of `state`, alone."""
+        return drive(self._forward(state), model)
+
+    def step(self, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
+             stats: GenerationStats | None = None) -> None:
+        self.commit(state, *self.forward(model, state), generator, stats)
 
 
 @dataclass(eq=False)
@@ -230,7 +292,8 @@ class StepwiseDecoder:
             self._advance(state, None, stats)
         return state.pending
 
-    def receive(self, state: StepwiseState, logits: Any, stats: GenerationStats | None = None) -> None:
+    def receive(self, state: StepwiseState, logits: Any, generator: torch.Generator | None = None,
+                stats: GenerationStats | None = None) -> None:
         self._advance(state, logits, stats)
 
     def _advance(self, state: StepwiseState, answer: Any, stats: GenerationStats | None) -> None:
@@ -261,7 +324,7 @@ class StepwiseDecoder:
         """One forward of this request alone and what follows it (the runner packs instead)."""
         request = self.next_forward(model, state, generator, stats)
         if request is not None:
-            self.receive(state, run_forwards(model, [request])[0], stats)
+            self.receive(state, run_forwards(model, [request])[0], generator, stats)
 
     def __repr__(self) -> str:
         return f"StepwiseDecoder({self.name})"

@@ -13,6 +13,7 @@ through `cache.attend` and they take `position_ids`) are run this way.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,6 +57,78 @@ class SegmentedAttention(KVCache):
             for j, (a, b) in enumerate(spans):
                 out[:, :, a:b] = o[j:j + 1]
         return out
+
+
+@dataclass(eq=False)
+class Segment:
+    """One request in a packed forward: its `rows` sequences of `length` tokens from flat row
+    `start`; its own cache (None: none), where its forward writes (`cache_start`), the mask its
+    own forward would attend with, and whether its rows' linears are separate problems."""
+
+    start: int
+    rows: int
+    length: int
+    cache: Any = None
+    cache_start: int = 0
+    mask: torch.Tensor | None = None
+    rows_alone: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows * self.length
+
+
+class PackedAttention(KVCache):
+    """The cache seam of a packed forward `[1, N]` holding several requests: each layer's attention
+    runs per request, as its own forward runs it — over its own keys, through its own cache's
+    `attend` (which writes its K/V) with its own mask. Requests whose attention is the same call
+    (no cache or a contiguous `KVCache`, one query and key length, no mask) attend as one batch."""
+
+    def __init__(self, segments: list[Segment]) -> None:
+        super().__init__()
+        self.segments = segments
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return 0
+
+    @staticmethod
+    def _rows(t: torch.Tensor, seg: Segment) -> torch.Tensor:
+        # flat [1, H, N, D] → the request's [rows, H, length, D]
+        return t[0, :, seg.start:seg.end].unflatten(1, (seg.rows, seg.length)).transpose(0, 1)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        if mask is not None:
+            raise ValueError("a packed forward takes each request's mask through its segment")
+        out = torch.empty_like(q)
+        batched: dict[tuple, list[tuple[Segment, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        for seg in self.segments:
+            q_, k_, v_ = (self._rows(t, seg) for t in (q, k, v))
+            if seg.cache is not None and type(seg.cache) is not KVCache:   # its own attention
+                self._put(out, seg, seg.cache.attend(layer, q_, k_, v_, seg.cache_start, seg.mask))
+                continue
+            if seg.cache is not None:
+                k_, v_ = seg.cache.update(layer, k_, v_, seg.cache_start)
+            shape = None if seg.mask is None else (seg.mask.dtype, tuple(seg.mask.shape[1:]))
+            batched.setdefault((seg.length, k_.shape[-2], shape), []).append((seg, q_, k_, v_))
+        for members in batched.values():
+            masks = None if members[0][0].mask is None else \
+                [m[0].mask.expand(m[0].rows, *m[0].mask.shape[1:]) for m in members]
+            if len(members) == 1:
+                seg, q_, k_, v_ = members[0]
+                self._put(out, seg, attention(q_, k_, v_, seg.mask))
+                continue
+            o = attention(*(torch.cat([m[i] for m in members]) for i in (1, 2, 3)),
+                          None if masks is None else torch.cat(masks))
+            row = 0
+            for seg, *_ in members:
+                self._put(out, seg, o[row:row + seg.rows])
+                row += seg.rows
+        return out
+
+    @staticmethod
+    def _put(out: torch.Tensor, seg: Segment, o: torch.Tensor) -> None:
+        out[0, :, seg.start:seg.end] = o.transpose(0, 1).flatten(1, 2)
 
 
 def token_groups(lengths: list[int], device: torch.device | str) -> list[tuple[int, torch.Tensor]]:

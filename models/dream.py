@@ -189,6 +189,8 @@ def dream_spec(config: DreamConfig) -> ModelSpec:
         attention="bidirectional",
         trained_gen_length=getattr(config, "trained_gen_length", None),
         segmented=True,       # attention through `cache.attend`, positions from `position_ids`
+        attend_mask=lambda inputs, q_len, k_len, dtype: dream_attention_mask(inputs.get("attention_mask"), q_len,
+                                                                             k_len),
         _inputs=dream_inputs,
     )
 

@@ -85,11 +85,9 @@ class ForwardPositions:
     k_len: int
 
 
-def forward_positions(batch: int, length: int, device, head_dim: int, theta: float, past_key_values,
-                      use_cache, cache_position, position_ids) -> ForwardPositions:
-    """Resolve cache and positions for a forward of `length` new tokens (see `LLaDAModelLM.forward`)."""
-    if use_cache and past_key_values is None:
-        past_key_values = KVCache()
+def cache_span(past_key_values, length: int, device, cache_position) -> tuple[torch.Tensor, int, int, int]:
+    """Where a forward of `length` new tokens goes: (`cache_position`, first and end written
+    position, the cache's length before it). Reads and clears the cache's `write_start`."""
     past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
     # Where the cache is written, as a Python int. A caller that knows it sets `write_start` on
     # the cache (read once here), so the step does not read `cache_position` back from the device.
@@ -105,6 +103,15 @@ def forward_positions(batch: int, length: int, device, head_dim: int, theta: flo
         start, end = write_start, write_start + length   # the caller's contiguous range
     else:
         start, end = int(cache_position[0]), int(cache_position[-1]) + 1   # may not be contiguous (dKV)
+    return cache_position, start, end, past_len
+
+
+def forward_positions(batch: int, length: int, device, head_dim: int, theta: float, past_key_values,
+                      use_cache, cache_position, position_ids) -> ForwardPositions:
+    """Resolve cache and positions for a forward of `length` new tokens (see `LLaDAModelLM.forward`)."""
+    if use_cache and past_key_values is None:
+        past_key_values = KVCache()
+    cache_position, start, end, past_len = cache_span(past_key_values, length, device, cache_position)
     if position_ids is None:
         position_ids = cache_position[None].expand(batch, length)
     cos, sin = rope_cos_sin(position_ids, head_dim, theta)

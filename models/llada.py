@@ -149,14 +149,8 @@ class LLaDAModelLM(PreTrainedModel):
         B, L = x.shape[:2]
         pos = forward_positions(B, L, x.device, cfg.head_dim, cfg.rope_theta, past_key_values, use_cache,
                                 cache_position, position_ids)
-        mask = padding_bias(attention_mask, L, x.dtype)
-        if mask is not None and mask.shape[-1] != pos.k_len:
-            raise ValueError(f"attention_mask covers {mask.shape[-1]} keys, but attention runs over {pos.k_len}")
-        if attention_bias is not None:
-            if attention_bias.dtype == torch.bool:
-                attention_bias = torch.zeros_like(attention_bias, dtype=x.dtype).masked_fill(
-                    ~attention_bias, torch.finfo(x.dtype).min)
-            mask = attention_bias.to(x.dtype) if mask is None else mask + attention_bias.to(x.dtype)
+        mask = llada_attend_mask(dict(attention_mask=attention_mask, attention_bias=attention_bias), L, pos.k_len,
+                                 x.dtype)
         hidden_states = []
         for block in self.model.transformer.blocks:
             if output_hidden_states:
@@ -178,6 +172,21 @@ class LLaDAModelLM(PreTrainedModel):
         )
 
 
+def llada_attend_mask(inputs: dict, q_len: int, k_len: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """The mask the layers attend with, from the forward's `attention_mask` (2-D padding) and
+    `attention_bias` (bool or additive, `[B, 1, L, K]`)."""
+    mask = padding_bias(inputs.get("attention_mask"), q_len, dtype)
+    if mask is not None and mask.shape[-1] != k_len:
+        raise ValueError(f"attention_mask covers {mask.shape[-1]} keys, but attention runs over {k_len}")
+    attention_bias = inputs.get("attention_bias")
+    if attention_bias is not None:
+        if attention_bias.dtype == torch.bool:
+            attention_bias = torch.zeros_like(attention_bias, dtype=dtype).masked_fill(
+                ~attention_bias, torch.finfo(dtype).min)
+        mask = attention_bias.to(dtype) if mask is None else mask + attention_bias.to(dtype)
+    return mask
+
+
 def llada_spec(config: LLaDAConfig) -> ModelSpec:
     """LLaDA: a mask predictor without logit shift; the official ids as defaults."""
     return ModelSpec(
@@ -192,6 +201,7 @@ def llada_spec(config: LLaDAConfig) -> ModelSpec:
         attention="bidirectional",
         trained_gen_length=getattr(config, "trained_gen_length", None),
         segmented=True,       # attention through `cache.attend`, positions from `position_ids`
+        attend_mask=llada_attend_mask,
         _inputs=padding_mask_inputs,   # the 2-D padding mask; RoPE positions stay absolute (0..L-1)
     )
 

@@ -28,7 +28,9 @@ class ModelSpec:
     canvas against it). block_length: the model's fixed canvas, where it has one.
     segmented: the model attends through the KV-cache seam (`cache.attend`) and takes
     `position_ids`, so one flat forward `[1, ΣT]` can hold several sequences, each attending only
-    to itself (`remask.diffusion.varlen`).
+    to itself (`remask.diffusion.varlen`). attend_mask: `(inputs, q_len, k_len, dtype)` → the
+    mask its layers attend with, from a forward's mask inputs (`attention_mask`, `attention_bias`),
+    so a packed forward gives each sequence the mask its own forward would.
     """
 
     kind: str
@@ -45,6 +47,8 @@ class ModelSpec:
     layout: str = "decoder-only"
     block_length: int | None = None
     segmented: bool = False
+    attend_mask: Callable[[dict, int, int, torch.dtype], torch.Tensor | None] | None = field(
+        default=None, repr=False, compare=False)
     _inputs: Callable[["ModelSpec", torch.Tensor | None, int], dict[str, Any]] = field(
         default=None, repr=False, compare=False)
 

@@ -11,6 +11,7 @@ import remask
 from remask.diffusion.cache import BlockForward
 from remask.diffusion.freedave import FreeDave, freedave_generate
 from remask.diffusion.scoring import score_rows
+from remask.diffusion.stepper import drive
 from remask.kernels import unmask
 from remask.models.spec import get_spec
 from remask.zoo import charset
@@ -151,7 +152,7 @@ def sequential_reference(model, prompt, use_cache, draft_steps, threshold):
 
     for block in range(GEN // BLOCK):
         start, end = P + block * BLOCK, P + (block + 1) * BLOCK
-        x0, conf = score(forwards.refresh(x, start, end), start)
+        x0, conf = score(drive(forwards.refresh(x, start, end), model), start)
         stale = shift
         if shift:
             x[0, start] = x0[0]
@@ -168,7 +169,7 @@ def sequential_reference(model, prompt, use_cache, draft_steps, threshold):
             for d in drafts:
                 xd = x.clone()
                 xd[0, start:end] = d
-                logits, fed = forwards.step(xd, start, end)
+                logits, fed = drive(forwards.step(xd, start, end), model)
                 p = score(logits, start - fed)
                 preds.append(p)
                 targets.append(rule(d, *p, threshold))

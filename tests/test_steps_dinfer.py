@@ -186,3 +186,47 @@ def test_bad_arguments_raise_at_the_call(models, kwargs, field):
         assert counter.n == 0
     finally:
         counter.close()
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_requests_of_one_layout_share_a_forward(models, config):
+    """The generator calls no model: every forward is a `ForwardRequest`, and two requests at one
+    layout (the same prompt, in lockstep) pack — prefix / dual / the vicinity cache's plain
+    `KVCache`, inputs_embeds under smoothing — into ONE model call (`run_forwards`, as the engine's
+    runner) whose rows give each the drop-in tokens."""
+    from remask.diffusion.stepper import ForwardRequest, run_forwards
+    from remask.engine.batch_invariant import batch_invariant_linear
+
+    decoder, cache = CONFIGS[config]
+    model = models["llada_peaked"]
+    prompt, _ = _prompt(1)
+    kw = dict(decoder=decoder, use_cache=cache, gen_length=29, block_length=8)
+    expected = dinfer_generate(model, prompt, **kw)
+    counter = _Counter(model)
+    try:
+        pair = [dinfer_steps(model, prompt, **kw) for _ in range(2)]
+        answers, outs, requests = [None, None], [None, None], 0
+        while outs[0] is None:
+            items = []
+            for i, steps in enumerate(pair):
+                try:
+                    items.append(steps.send(answers[i]))
+                except StopIteration as stop:
+                    outs[i] = stop.value
+            assert (outs[0] is None) == (outs[1] is None)
+            if outs[0] is not None:
+                break
+            assert type(items[0]) is type(items[1])
+            answers = [None, None]
+            if isinstance(items[0], ForwardRequest):
+                key = items[0].pack_key()
+                assert key is not None and key == items[1].pack_key()
+                before = counter.n
+                answers = run_forwards(model, items, lambda rows, groups=None: batch_invariant_linear(
+                    True, single_thread=True, token_groups=groups))
+                assert counter.n == before + 1
+                requests += 1
+    finally:
+        counter.close()
+    assert requests > 1 and counter.n == requests
+    assert torch.equal(outs[0], expected) and torch.equal(outs[1], expected)

@@ -30,8 +30,8 @@ def load(tmp_path_factory):
 
 
 class Forwards:
-    """Counts model forwards: the token embedding runs once per forward (WINO calls the model;
-    Elastic-Cache drives the embedding, blocks and head itself)."""
+    """Counts model forwards: the token embedding runs once per forward (both methods' requests
+    are the model's own forward; Elastic-Cache's does its per-layer work in hooks around it)."""
 
     def __init__(self, model):
         self.count = 0

@@ -68,6 +68,51 @@ def _invariant_kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+# Rows per flat GEMM call at most: the probe measures every size up to it, so a longer flat batch
+# is cut into calls of at most this many rows (each at least half of it: above any threshold).
+FLAT_ROWS = 1024
+_PROBE_SIZES = tuple(range(1, 65)) + (80, 96, 127, 128, 160, 200, 255, 256, 300, 384, 500, 512, 640, 768, 900,
+                                       1000, 1023, 1024)
+_flat_thresholds: dict[tuple, int | None] = {}
+
+
+def flat_threshold(weight: torch.Tensor, bias: torch.Tensor | None) -> int | None:
+    """The smallest M from which this CPU's `F.linear` gives every row the same bits whatever the
+    number of rows M (up to `FLAT_ROWS`), measured once per (shape, dtype, bias, threads) on random
+    data; None where no such M was found (the per-sequence GEMMs are then the only invariant path).
+
+    BLAS libraries pick a kernel by the problem's shape: small M takes another path (measured here:
+    M < 16 differs, M >= 16 agrees, under oneDNN/MKL on AVX-512, AVX2 and the default capability).
+    Above that threshold a flat GEMM over every sequence's rows is row-invariant, so sequences of at
+    least that many rows share one GEMM and read each weight once per step."""
+    if weight.device.type != "cpu" or type(weight) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    key = (tuple(weight.shape), weight.dtype, bias is not None, torch.get_num_threads())
+    if key not in _flat_thresholds:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(weight.shape, generator=g).to(weight.dtype)
+        b = torch.randn(weight.shape[0], generator=g).to(weight.dtype) if bias is not None else None
+        x = torch.randn(FLAT_ROWS + 37, weight.shape[1], generator=g).to(weight.dtype)
+        full = F.linear(x[:FLAT_ROWS], w, b)
+        threshold = None
+        for m in reversed(_PROBE_SIZES):
+            if not all(torch.equal(F.linear(x[o:o + m], w, b), full[o:o + m]) for o in (0, 37) if o + m <= FLAT_ROWS):
+                break
+            threshold = m
+        _flat_thresholds[key] = threshold if threshold is not None and threshold <= 64 else None
+    return _flat_thresholds[key]
+
+
+def _flat_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`[M, K]` rows, M at least the threshold: one GEMM, or calls of at most `FLAT_ROWS` rows."""
+    M = x.shape[0]
+    if M <= FLAT_ROWS:
+        return F.linear(x, weight, bias)
+    parts = -(-M // FLAT_ROWS)
+    size = -(-M // parts)
+    return torch.cat([F.linear(x[i:i + size], weight, bias) for i in range(0, M, size)])
+
+
 class _PerSequenceLinear(TorchFunctionMode):
     """`token_groups`: for a flat (varlen) forward `[1, T, K]`, the rows of each group of
     equal-length sequences `(length, row indices)`; a `[1, S, K]` input with one row per sequence
@@ -88,23 +133,39 @@ class _PerSequenceLinear(TorchFunctionMode):
             if y is not None:          # CUDA: every row in one launch, whatever the layout
                 return y
             if x.dim() == 3 and x.shape[0] > 1:
-                return _batched_linear(x, weight, bias)
+                return self._problems(x.reshape(-1, x.shape[-1]), weight, bias,
+                                      [(x.shape[1], None)]).view(*x.shape[:2], -1)
             if x.dim() == 3 and self.token_groups is not None:
-                if x.shape[1] == self.total and len(self.token_groups) == 1:
-                    length = self.token_groups[0][0]   # one group, rows in order: a reshape
-                    if x.shape[1] == length:
-                        return func(*args, **kwargs)
-                    return _batched_linear(x.view(-1, length, x.shape[2]), weight, bias).view(1, x.shape[1], -1)
                 if x.shape[1] == self.total:
-                    out = x.new_empty(1, x.shape[1], weight.shape[0])
-                    for length, rows in self.token_groups:
-                        part = x[0].index_select(0, rows).view(-1, length, x.shape[2])
-                        y = func(part, weight, bias) if part.shape[0] == 1 else _batched_linear(part, weight, bias)
-                        out[0].index_copy_(0, rows, y.reshape(-1, y.shape[-1]))
-                    return out
+                    return self._problems(x[0], weight, bias, self.token_groups)[None]
                 if x.shape[1] == self.num_seqs and x.shape[1] > 1:
                     return _batched_linear(x.view(-1, 1, x.shape[2]), weight, bias).view(1, x.shape[1], -1)
         return func(*args, **kwargs)
+
+    @staticmethod
+    def _problems(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  groups: list[tuple[int, torch.Tensor | None]]) -> torch.Tensor:
+        """`[N, K]` rows made of GEMM problems of `length` consecutive rows each (per group: its
+        rows, None for all), each computed with the bits it has alone: the problems of at least
+        `flat_threshold` rows in one flat GEMM, the shorter ones as a batched GEMM per length."""
+        threshold = flat_threshold(weight, bias)
+        flat = [(length, rows) for length, rows in groups if threshold is not None and length >= threshold]
+        if len(flat) == len(groups):     # every problem long enough (the groups cover every row)
+            return _flat_linear(x, weight, bias)
+        out = x.new_empty(x.shape[0], weight.shape[0])
+        if flat:
+            rows = torch.cat([r for _, r in flat]) if len(flat) > 1 else flat[0][1]
+            out.index_copy_(0, rows, _flat_linear(x.index_select(0, rows), weight, bias))
+        for length, rows in groups:
+            if threshold is not None and length >= threshold:
+                continue
+            part = x if rows is None else x.index_select(0, rows)
+            part = part.view(-1, length, x.shape[1])
+            y = F.linear(part, weight, bias) if part.shape[0] == 1 else _batched_linear(part, weight, bias)
+            if rows is None:
+                return y.reshape(x.shape[0], -1)
+            out.index_copy_(0, rows, y.reshape(-1, y.shape[-1]))
+        return out
 
 
 @contextlib.contextmanager

@@ -5,18 +5,23 @@ Autoregressive sequences: each samples its next token with its own settings and 
 sequence that goes on run as **one flat forward** (`[1, T]`, no padding) over the paged KV store,
 each sequence with its own positions and page table (`paged_kv.py`).
 
-Diffusion sequences whose next forwards have the same `shared_forward_key` share one batched
-forward (`forward_shared`): unpadded sequences of one length — full forwards, and the prefix /
-dual caches' block-start and block steps at the same block, each sequence's own cache updated as
-its own call would (`StackedKVCache`). Their rows are independent in a bidirectional forward.
-Every other diffusion sequence (CFG, sparse attention, the paged cache) runs its own forward in
-the same step. Each sequence commits its own tokens with its own rule and generator
-(`BlockDecoder.commit`, `DreamDecoder.commit`): no sampling rule lives here.
+Diffusion sequences: each decoder describes its next forward as a `ForwardRequest`
+(`next_forward`; `diffusion/stepper.py`) — the tokens and positions, its cache, its mask, the rows
+it wants. The requests of every running sequence go into **one packed forward** `[1, N]`
+(`stepper.run_forwards`): each request attends over its own keys, through its own cache (prefix,
+dual, paged, retention, dKV, d2, vicinity…) and with its own mask (`varlen.PackedAttention`), its
+RoPE at its own positions; the runner hands each its rows (`receive`), and each sequence commits
+its own tokens with its own rule and generator. Greedy block decoders of one rule commit together
+(`commit_shared`, row by row as alone). A request that needs a mode of its own (`context`: FreeDave's
+tree attention, Elastic-Cache's layer hooks) runs alone in the same step. The block-causal
+families' loops (SDAR, LLaDA2, Fast-dLLM v2, DiffusionGemma's canvas) still share forwards by
+`shared_forward_key` (`forward_shared`); APD runs its own step.
 
-With `batch_invariant` each sequence's rows are computed with the shapes they have alone
-(`batch_invariant.py`). With `cuda_graphs` the uncached full forwards (LLaDA's and Dream's
-`("full", T)` key) replay a CUDA graph captured per batch bucket and length (`cuda_graphs.py`);
-every other forward runs eagerly. A failure inside one sequence's forward or commit fails that sequence
+With `batch_invariant` each request's linears are the GEMM problems its own forward poses
+(`batch_invariant.py`: one flat GEMM where this CPU's BLAS is measured row-invariant, per-sequence
+GEMMs below that size; on CUDA a row-invariant Triton GEMM). With `cuda_graphs` the uncached
+full forwards of one length replay a CUDA graph captured per batch bucket and length
+(`cuda_graphs.py`); every other forward runs eagerly. A failure inside one sequence's forward or commit fails that sequence
 only (`failed`); a failed shared forward fails the sequences that shared it.
 """
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 from remask.models.spec import ModelSpec
 
 from remask.diffusion import varlen
-from remask.diffusion.stepper import ForwardRequest, run_forwards
+from remask.diffusion.stepper import ForwardRequest, call_model, run_forwards
 
 from . import cuda_graphs as graphing
 from .batch_invariant import batch_invariant_linear
@@ -93,7 +98,9 @@ class ModelRunner:
                     # The decoder describes its forward; requests of one layout share a model call.
                     request = seq.decoder.next_forward(self.model, seq.state, seq.generator, seq.stats)
                     if request is not None:
-                        key = request.pack_key()
+                        key = self._graph_key(seq, request)
+                        if key is None:
+                            key = request.pack_key() if self.spec.segmented else None
                         packed[("pack", key) if key is not None else ("alone", id(seq))].append((seq, request))
                     continue
                 # Forwards of different lengths share one segmented forward where the decoder
@@ -117,19 +124,65 @@ class ModelRunner:
                 failed.update({seq: f"{type(err).__name__}: {err}" for seq in group})
                 continue
             self._commit(group, logits, fed, first_rows, lengths, failed)
-        for members in packed.values():
+        for key, members in packed.items():
             try:
-                answers = run_forwards(self.model, [request for _, request in members], self._invariant)
+                requests = [request for _, request in members]
+                if key[0] == "pack" and key[1] is not None and key[1][0] == "graph":
+                    # uncached full forwards of one length: one captured graph per (bucket, length)
+                    x = torch.cat([r.input_ids for r in requests])
+                    logits = self.graphs(x, lambda x: call_model(self.model, requests[0], x), key=key[1][1:],
+                                         context=self._invariant)
+                    answers = list(logits.split([r.batch for r in requests]))
+                else:
+                    answers = run_forwards(self.model, requests, self._invariant if self.batch_invariant else None)
                 self.forwards += 1
             except Exception as err:  # noqa: BLE001
                 failed.update({seq: f"{type(err).__name__}: {err}" for seq, _ in members})
                 continue
-            for (seq, _), answer in zip(members, answers):
-                try:
-                    seq.decoder.receive(seq.state, answer, seq.stats)
-                except Exception as err:  # noqa: BLE001
-                    failed[seq] = f"{type(err).__name__}: {err}"
+            self._receive([seq for seq, _ in members], answers, failed)
         return failed
+
+    def _graph_key(self, seq: Sequence, request: ForwardRequest) -> tuple | None:
+        """With `cuda_graphs`: a key for a forward a CUDA graph can replay — a pure function of one
+        static-shape input (no cache, no tensor inputs but the tokens) — else None."""
+        if (self.graphs is None or request.cache is not None or request.per_row or request.input_ids is None
+                or request.rows is not None or request.context is not None or request.output != "logits"
+                or any(torch.is_tensor(v) for v in request.shared.values())):
+            return None
+        return ("graph", type(seq.decoder).__name__, request.input_ids.shape[1], request.spec is not None,
+                tuple(sorted(request.shared.items())))
+
+    def _receive(self, group: list[Sequence], answers: list[torch.Tensor], failed: dict[Sequence, str]) -> None:
+        """Each sequence takes its answer. Decoders that say their commits batch (equal
+        `commit_key`, the same first fed position) commit together in one call (`commit_shared`:
+        one scoring and one selection for the lot, row by row as each alone); the rest alone."""
+        batched: dict[Any, list[tuple[Sequence, torch.Tensor, int]]] = defaultdict(list)
+        for seq, answer in zip(group, answers):
+            try:
+                commit_key = getattr(seq.decoder, "commit_key", None)
+                key = commit_key() if commit_key is not None else None
+                if key is None:
+                    seq.decoder.receive(seq.state, answer, seq.generator, seq.stats)
+                    continue
+                logits, fed = seq.decoder.finish_forward(seq.state, answer)
+                batched[type(seq.decoder), key].append((seq, logits, fed))
+            except Exception as err:  # noqa: BLE001
+                failed[seq] = f"{type(err).__name__}: {err}"
+        for members in batched.values():
+            try:
+                if len(members) == 1:
+                    seq, logits, fed = members[0]
+                    seq.decoder.commit(seq.state, logits, fed, seq.generator, seq.stats)
+                    continue
+                flat = torch.cat([logits.reshape(-1, logits.shape[-1]) for _, logits, _ in members])
+                rows = [logits.shape[0] * logits.shape[1] for _, logits, _ in members]
+                members[0][0].decoder.commit_shared([seq.decoder for seq, _, _ in members],
+                                                    [seq.state for seq, _, _ in members], flat,
+                                                    [sum(rows[:i]) for i in range(len(rows))],
+                                                    [logits.shape[1] for _, logits, _ in members],
+                                                    [fed for _, _, fed in members], [seq.stats for seq, _, _ in members])
+            except Exception as err:  # noqa: BLE001
+                failed.update({seq: f"{type(err).__name__}: {err}" for seq, _, _ in members})
 
     def _commit(self, group: list[Sequence], logits: torch.Tensor, fed: int, first_rows: list[int],
                 lengths: list[int], failed: dict[Sequence, str]) -> None:
