@@ -12,7 +12,7 @@ tokens are the same in both runs (they must be: a request's tokens never depend 
 batch-mates). Each scenario runs `--repeats` times interleaved and the fastest run is kept (the
 machine is shared). One intra-op thread by default (the tests' setting).
 
-Every method runs step by step in the engine (`diffusion/stepper.py`): the long request takes one
+Every method runs step by step in the engine (`diffusion/parts/stepper.py`): the long request takes one
 forward per engine step, so the short ones wait for at most one of its forwards per step instead
 of its whole generation.
 """

@@ -1,19 +1,72 @@
-"""Samplers: small functions over tensors composed by short generate loops.
+"""Decoding, in three rooms that read as the architecture (docs/architecture.md):
 
-Each sampler is a decoder with a state and a step (`BlockDecoder`, `DreamDecoder`, `ARDecoder`),
-which the generate functions drive for one batch and the engine for many. Each step is forward → `scoring.score_rows` (the fused confidence kernel) → `remask.kernels.unmask`
-(select and commit in one launch); `scoring.score_tokens` keeps the reference formulations for
-reference-stream and Dream categorical sampling.
+* `parts/` — the protocol and the parts every method is made of: `stepper` (a decoder describes
+  each forward as a `ForwardRequest`; `drive` / the engine's runner answer it), `step` (the
+  step's shape), `scoring` and `selection` (the only copy of filtering, sampling and choosing),
+  `rules` (commit rules), `cache` (the block loop's cache schedule), `varlen` (packed forwards),
+  `checks` (the one validation layer), `stats`;
+* `families/` — each model family's loop as a state + a step: `llada`, `dream`, `sdar`,
+  `llada2`, `fast_dllm_v2`, `canvas` (DiffusionGemma), `ar`, `apd`;
+* `methods/` — the published methods as step generators over those parts (`freedave`,
+  `dinfer`, `wino`, `dkv`, `d2cache`, `elastic`, `sparse`, ...), `decoders` (configs → method)
+  and `presets` (engine settings → decoder).
+
+A step is: the decoder's `ForwardRequest` → one model call (alone, or packed with every other
+request of an engine step) → logits → `scoring.score_rows` → a rule's commit. The modules keep
+their flat import paths (`remask.diffusion.llada`, `remask.diffusion.stepper`, ...).
 """
-from .apd import APDConfig, apd_generate
-from .ar import ARDecoder, ar_generate
-from .canvas import CanvasSampler, canvas_generate
-from .dream import DreamDecoder, DreamGenerationConfig, DreamModelOutput, diffusion_generate
-from .llada import BlockDecoder, block_diffusion_generate, generate
-from .scoring import score_rows, score_tokens
-from .selection import schedule_counts
-from .sparse import SparseConfig
-from .stats import GenerationStats
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
+# The flat names of the modules, each in its room: `remask.diffusion.llada` is
+# `remask.diffusion.families.llada` (the same module object).
+ROOMS = {
+    "parts": ("step", "stepper", "scoring", "selection", "rules", "cache", "varlen", "stats", "checks", "constrain"),
+    "families": ("llada", "dream", "sdar", "llada2", "fast_dllm_v2", "canvas", "ar", "apd"),
+    "methods": ("freedave", "freedave_blocks", "dinfer", "wino", "dkv", "dkv_dream", "d2cache", "elastic", "sparse",
+                "presets", "decoders"),
+}
+_FLAT = {f"{__name__}.{module}": f"{__name__}.{room}.{module}" for room, modules in ROOMS.items() for module in modules}
+
+
+class _FlatNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports `remask.diffusion.<module>` as the module in its room."""
+
+    def find_spec(self, fullname, path, target=None):
+        return importlib.util.spec_from_loader(fullname, self) if fullname in _FLAT else None
+
+    def create_module(self, spec):
+        return importlib.import_module(_FLAT[spec.name])
+
+    def exec_module(self, module):
+        pass
+
+
+if not any(isinstance(finder, _FlatNames) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _FlatNames())
+
+from .families.apd import APDConfig, apd_generate  # noqa: E402
+from .families.ar import ARDecoder, ar_generate  # noqa: E402
+from .families.canvas import CanvasSampler, canvas_generate  # noqa: E402
+from .families.dream import DreamDecoder, DreamGenerationConfig, DreamModelOutput, diffusion_generate  # noqa: E402
+from .families.llada import BlockDecoder, block_diffusion_generate, generate  # noqa: E402
+from .methods.sparse import SparseConfig  # noqa: E402
+from .parts.scoring import score_rows, score_tokens  # noqa: E402
+from .parts.selection import schedule_counts  # noqa: E402
+from .parts.stats import GenerationStats  # noqa: E402
+
+def __getattr__(name: str):
+    """`remask.diffusion.llada` as an attribute: the module in its room."""
+    if f"{__name__}.{name}" in _FLAT:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+for _flat in _FLAT:   # the flat names of the modules imported above
+    if _FLAT[_flat] in sys.modules:
+        sys.modules.setdefault(_flat, sys.modules[_FLAT[_flat]])
 
 __all__ = [
     "APDConfig", "ARDecoder", "BlockDecoder", "CanvasSampler", "DreamDecoder", "DreamGenerationConfig", "DreamModelOutput",

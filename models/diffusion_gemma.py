@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .hf_compat import cache_arg, output_cache
+from .hf_compat import cache_arg
 from .registry import Family, register_family
 from .spec import ModelSpec, config_id
 
@@ -58,7 +58,9 @@ register_family(Family(MODEL_TYPE, diffusion_gemma_spec, load_class="AutoModelFo
 
 class CanvasModel:
     """The calls of DiffusionGemma's generation loop, one method each, with the arguments
-    transformers' `generate` passes (so the same forwards run on the same tensors)."""
+    transformers' `generate` passes (so the same forwards run on the same tensors). The two forwards
+    are described, not run: `encoder_forward` and `decoder_forward` return the
+    `ForwardRequest` (`remask.diffusion.stepper`) a driver computes."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -75,8 +77,13 @@ class CanvasModel:
 
         return DynamicCache(config=self.config.get_text_config(decoder=True))
 
-    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, cache):
-        """Run the encoder over `input_ids` (uncached tokens), writing their keys and values into `cache`."""
+    def encoder_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                        cache):
+        """The encoder over `input_ids` (uncached tokens), writing their keys and values into
+        `cache`: a request for the encoder's whole output (`output_cache(answer)` is the cache).
+        The encoder is a module of its own (`module=`), so the request runs alone."""
+        from remask.diffusion.parts.stepper import ForwardRequest
+
         encoder = self.model.model.encoder
         input_ids = input_ids.clone(memory_format=torch.contiguous_format)
         shape_only = torch.empty((input_ids.shape[0], input_ids.shape[1], 0), dtype=self.model.dtype,
@@ -85,8 +92,9 @@ class CanvasModel:
                                                   attention_mask=attention_mask, position_ids=position_ids,
                                                   mm_token_type_ids=None,
                                                   **cache_arg(encoder.create_masks_for_generate, cache))
-        return output_cache(encoder(input_ids=input_ids, attention_mask=masks, position_ids=position_ids,
-                                    **cache_arg(encoder.forward, cache)))
+        return ForwardRequest(input_ids, per_row=dict(position_ids=position_ids),
+                              shared=dict(attention_mask=masks, **cache_arg(encoder.forward, cache)),
+                              output="model", module=encoder)
 
     def decoder_masks(self, canvas: torch.Tensor, cache, decoder_attention_mask: torch.Tensor) -> dict:
         """The decoder's attention masks for a canvas over the cache (computed once per canvas)."""
@@ -94,9 +102,16 @@ class CanvasModel:
         return create(config=self.config, inputs_embeds=canvas.unsqueeze(-1),
                       decoder_attention_mask=decoder_attention_mask, **cache_arg(create, cache))
 
-    def denoise(self, canvas: torch.Tensor, self_conditioning_logits: torch.Tensor | None, masks: dict, cache,
-                position_ids: torch.Tensor) -> torch.Tensor:
-        """One decoder forward: logits `[B, canvas_length, V]` (float32, soft-capped)."""
-        return self.model(decoder_input_ids=canvas, self_conditioning_logits=self_conditioning_logits,
-                          decoder_attention_mask=masks, decoder_position_ids=position_ids,
-                          **cache_arg(self.model.forward, cache)).logits
+    def decoder_forward(self, canvas: torch.Tensor, self_conditioning_logits: torch.Tensor | None, masks: dict,
+                        cache, position_ids: torch.Tensor):
+        """One decoder forward of the model (no encoder input): a request answered with the logits
+        `[B, canvas_length, V]` (float32, soft-capped)."""
+        from remask.diffusion.parts.stepper import ForwardRequest
+
+        per_row = dict(decoder_input_ids=canvas, decoder_position_ids=position_ids)
+        shared = dict(decoder_attention_mask=masks, **cache_arg(self.model.forward, cache))
+        if self_conditioning_logits is None:
+            shared["self_conditioning_logits"] = None
+        else:
+            per_row["self_conditioning_logits"] = self_conditioning_logits
+        return ForwardRequest(None, per_row=per_row, shared=shared)

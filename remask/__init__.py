@@ -39,9 +39,10 @@ _EXPORTS = {
     "patch": "remask.patching",
     **dict.fromkeys(("answer_text", "stop_token_ids"), "remask.text"),
     "load": "remask.zoo",
+    "StructuredOutputsParams": "remask.structured",
 }
 # Subpackages `import remask` used to import, reachable as attributes (`remask.diffusion.llada`).
-_SUBMODULES = ("caches", "diffusion", "engine", "kernels", "models", "patching", "text", "zoo")
+_SUBMODULES = ("caches", "diffusion", "engine", "kernels", "models", "patching", "structured", "text", "zoo")
 
 
 def __getattr__(name: str) -> Any:
@@ -62,6 +63,6 @@ def __dir__() -> list[str]:
 __all__ = [
     "APDConfig", "CanvasSampler", "CreditDecoding", "D2Cache", "DKVCache", "DreamConfig", "ElasticCache", "FreeDave", "HierarchicalDecoding", "ThresholdDecoding",
     "VicinityCache", "IterationSmoothing", "WINO", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
-    "LLM", "LLMEngine", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "RequestOutput", "SamplingParams", "SparseConfig", "answer_text", "ar_generate",
+    "LLM", "LLMEngine", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "RequestOutput", "SamplingParams", "SparseConfig", "StructuredOutputsParams", "answer_text", "ar_generate",
     "diffusion_generate", "generate", "get_spec", "load", "patch", "stop_token_ids",
 ]

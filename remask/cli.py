@@ -88,6 +88,10 @@ SAMPLING_FLAGS: tuple[tuple[str, str, str], ...] = (
                              "use_block_cache; default: the model's); Fast-dLLM v2"),
     ("decoder", "json", f"a JSON decoder config {{\"name\": \"freedave\", ...}} ({', '.join(DECODERS)}) that "
                         "replaces the block rule (default none; docs/decoders.md says which models each runs on)"),
+    ("structured_outputs", "json", "the answer's structure, vLLM's StructuredOutputsParams as a JSON object: "
+                                   "{\"json\": schema}, {\"regex\": ...}, {\"choice\": [...]}, {\"grammar\": ...} or "
+                                   "{\"json_object\": true} (default none; see also --json-schema); AR models, "
+                                   "LLaDA's block rule"),
 )
 
 
@@ -388,6 +392,16 @@ def _generate(args: argparse.Namespace, sampling_names: list[str]) -> int:
     import remask
 
     settings = {name: getattr(args, name) for name in sampling_names if getattr(args, name) is not None}
+    if args.json_schema is not None:
+        if "structured_outputs" in settings:
+            print("remask generate: --json-schema and --structured-outputs: give one", file=sys.stderr)
+            return 2
+        try:
+            with open(args.json_schema) as f:
+                settings["structured_outputs"] = {"json": json.load(f)}
+        except (OSError, ValueError) as err:
+            print(f"remask generate: --json-schema {args.json_schema}: {err}", file=sys.stderr)
+            return 2
     try:
         params = remask.SamplingParams(**_objects(settings))
     except (TypeError, ValueError) as err:
@@ -612,6 +626,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     gen_parser.add_argument("--max-num-seqs", type=int, default=64,
                             help="sequences the engine decodes at once (default 64; answers do not depend on it)")
     gen_parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    gen_parser.add_argument("--json-schema", metavar="FILE", default=None,
+                            help="a JSON Schema file: every answer is a JSON value it validates "
+                                 "(structured_outputs={\"json\": schema}; AR models, LLaDA's block rule)")
     return parser, _sampling_flags(gen_parser)
 
 

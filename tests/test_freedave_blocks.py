@@ -1,7 +1,7 @@
 """FreeDave on block-causal models (SDAR, SDAR-MoE, LLaDA2.0, Fast-dLLM v2): `decoder=remask.FreeDave(...)` on the
 family's drop-in loop gives the tokens of the same call without it — greedy, one token per step —
 with fewer forwards, with and without the cache, in the engine with several requests at once, and
-with the loop's threshold rule under ``match_rule="exact"`` (`diffusion/freedave_blocks.py`)."""
+with the loop's threshold rule under ``match_rule="exact"`` (`diffusion/methods/freedave_blocks.py`)."""
 from __future__ import annotations
 
 import pytest

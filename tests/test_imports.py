@@ -87,7 +87,7 @@ def test_public_names_and_families_resolve_on_demand():
         assert set(remask.__all__) <= set(dir(remask)) and set(remask.models.__all__) <= set(dir(remask.models))
         print(json.dumps([missing, remask.diffusion.llada.__name__, sorted(remask.models.FAMILIES)]))
     """))
-    assert out[0] == [] and out[1] == "remask.diffusion.llada"
+    assert out[0] == [] and out[1] == "remask.diffusion.families.llada"   # the flat name, its room's module
     assert out[2] == ["diffusion_gemma", "dream", "fast_dllm_qwen", "llada", "llada2_moe", "sdar", "sdar_moe"]
 
 

@@ -1,5 +1,5 @@
 """dInfer's decoding kernels (`kernels/dinfer.py`) under the interpreter against their torch
-references (`kernels/dinfer_ref.py`), and the references against `diffusion/dinfer.py`'s rules
+references (`kernels/dinfer_ref.py`), and the references against `diffusion/methods/dinfer.py`'s rules
 (which reproduce dInfer's fixtures)."""
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def test_dispatchers_validate_and_default_to_torch_on_cpu():
 
 
 def test_references_are_the_dinfer_rules():
-    """`diffusion/dinfer.py` decides with these references (its fixtures pin them to dInfer)."""
+    """`diffusion/methods/dinfer.py` decides with these references (its fixtures pin them to dInfer)."""
     from remask.diffusion.dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding, _Decoder
 
     g = torch.Generator().manual_seed(3)

@@ -10,10 +10,12 @@ they live in the engine's pages (`remask.engine.page_manager.PageManager`, the s
   loop uses: `update` stores the forward's K/V and returns the cached ones followed by them,
   `cached` returns what is stored; both are gathered from the pages, so the attention that follows
   is the very call the contiguous cache makes (the tokens are the same).
-* `BlockBatch` is the cache argument of a forward shared by several requests (each at its own
-  block, each with its own cache length): the model's attention runs row by row against each
-  row's cache, storing for the rows whose block is finished (`store`), exactly as each row's own
-  forward would.
+* `BlockBatch` is the cache argument of a block's forward: the model's attention runs row by row
+  against each row's cache, storing for the rows whose block is finished (`store`), exactly as
+  each row's own forward would. A request's one-block forward carries a `BlockBatch` of its own
+  rows (its block, or FreeDave's drafts of it); the engine stacks the requests of one step into one
+  call (`stepper.run_forwards`, its stacked route: `BlockBatch.pack_key` / `BlockBatch.pack`), each
+  at its own block, each with its own cache length.
 
 Prefix sharing: the pages of the prompt's whole blocks are found by the hash of their tokens
 (seeded with the block length: the same tokens in blocks of another size give other K/V). The
@@ -145,6 +147,20 @@ class BlockBatch:
                     k, v = torch.cat([cached[0], k], dim=-2), torch.cat([cached[1], v], dim=-2)
             outputs.append(attention(query[b:b + 1], k, v))
         return torch.cat(outputs)
+
+    def pack_key(self) -> tuple:
+        """Any `BlockBatch`es join in one stacked forward (`stepper.run_forwards`): each row keeps
+        its own cache and store flag."""
+        return ()
+
+    @classmethod
+    def pack(cls, members: list["BlockBatch"], sizes: list[int]) -> "BlockBatch":
+        """The cache of one forward over the members' rows stacked in order (`sizes[i]` rows of
+        member i): every row attends over its own cache and stores as its member asked."""
+        for member, size in zip(members, sizes):
+            if len(member.row_caches) != size:
+                raise ValueError(f"a BlockBatch of {len(member.row_caches)} rows packed as {size}")
+        return cls([cache for m in members for cache in m.row_caches], [store for m in members for store in m.store])
 
 
 def _cached(cache: Any, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:

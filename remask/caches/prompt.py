@@ -24,6 +24,9 @@ class PromptCache:
         self.entries: OrderedDict[tuple[int, ...], Any] = OrderedDict()
         self.hits = 0
         self.misses = 0
+        # prompts whose encoder forward a request has asked for and not yet stored (`put`): another
+        # request with the prompt waits for it one engine step instead of encoding it again
+        self.encoding: set[tuple[int, ...]] = set()
 
     def get(self, prompt_ids: tuple[int, ...]) -> Any | None:
         """A private copy of the cache written for `prompt_ids`, or None."""
@@ -44,3 +47,4 @@ class PromptCache:
 
     def clear(self) -> None:
         self.entries.clear()
+        self.encoding.clear()

@@ -74,6 +74,9 @@ FLAT_ROWS = 1024
 _PROBE_SIZES = tuple(range(1, 65)) + (80, 96, 127, 128, 160, 200, 255, 256, 300, 384, 500, 512, 640, 768, 900,
                                        1000, 1023, 1024)
 _flat_thresholds: dict[tuple, int | None] = {}
+# Weights up to this many elements are probed (a few seconds at most on one core); a larger one
+# keeps the per-sequence GEMMs (its rows are compute-bound: one flat GEMM would save little).
+PROBE_MAX_WEIGHT = 1 << 22
 
 
 def flat_threshold(weight: torch.Tensor, bias: torch.Tensor | None) -> int | None:
@@ -85,7 +88,8 @@ def flat_threshold(weight: torch.Tensor, bias: torch.Tensor | None) -> int | Non
     M < 16 differs, M >= 16 agrees, under oneDNN/MKL on AVX-512, AVX2 and the default capability).
     Above that threshold a flat GEMM over every sequence's rows is row-invariant, so sequences of at
     least that many rows share one GEMM and read each weight once per step."""
-    if weight.device.type != "cpu" or type(weight) not in (torch.Tensor, torch.nn.Parameter):
+    if weight.device.type != "cpu" or type(weight) not in (torch.Tensor, torch.nn.Parameter) \
+            or weight.numel() > PROBE_MAX_WEIGHT:
         return None
     key = (tuple(weight.shape), weight.dtype, bias is not None, torch.get_num_threads())
     if key not in _flat_thresholds:

@@ -4,7 +4,7 @@
 
 Each cell is what `LLMEngine.add_request` says about a request of that method on a tiny checkpoint
 of that family, written in the released format (`remask.models.tiny`): "yes" when the request is
-accepted (the engine then decodes it step by step, `diffusion/stepper.py`), or the refusal's own
+accepted (the engine then decodes it step by step, `diffusion/parts/stepper.py`), or the refusal's own
 message, which names the conflicting parts. Nothing here is written by hand: a method that starts
 working (or stops) changes the file, and `tests/test_compatibility.py` checks that the committed
 file is what the code says.
@@ -46,7 +46,7 @@ def methods() -> dict[str, dict[str, Any]]:
                                                            decoder=remask.HierarchicalDecoding()),
         "dKV-Cache + dInfer ThresholdDecoding": dict(use_cache=remask.DKVCache(), decoder=remask.ThresholdDecoding()),
     }
-    # Every other registered commit rule (diffusion/rules.py), with its defaults.
+    # Every other registered commit rule (diffusion/parts/rules.py), with its defaults.
     shipped = (remask.ThresholdDecoding, remask.CreditDecoding, remask.HierarchicalDecoding)
     extra = {f"rule {rule.name} ({rule.__name__})": dict(decoder=rule()) for rule in rule_types()
              if rule not in shipped}

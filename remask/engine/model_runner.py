@@ -6,23 +6,25 @@ sequence that goes on run as **one flat forward** (`[1, T]`, no padding) over th
 each sequence with its own positions and page table (`paged_kv.py`).
 
 Diffusion sequences: each decoder describes its next forward as a `ForwardRequest`
-(`next_forward`; `diffusion/stepper.py`) — the tokens and positions, its cache, its mask, the rows
+(`next_forward`; `diffusion/parts/stepper.py`) — the tokens and positions, its cache, its mask, the rows
 it wants. The requests of every running sequence go into **one packed forward** `[1, N]`
 (`stepper.run_forwards`): each request attends over its own keys, through its own cache (prefix,
 dual, paged, retention, dKV, d2, vicinity…) and with its own mask (`varlen.PackedAttention`), its
 RoPE at its own positions; the runner hands each its rows (`receive`), and each sequence commits
 its own tokens with its own rule and generator. Greedy block decoders of one rule commit together
 (`commit_shared`, row by row as alone). A request that needs a mode of its own (`context`: FreeDave's
-tree attention, Elastic-Cache's layer hooks) runs alone in the same step. The block-causal
-families' loops (SDAR, LLaDA2, Fast-dLLM v2, DiffusionGemma's canvas) still share forwards by
-`shared_forward_key` (`forward_shared`); APD runs its own step.
+tree attention, Elastic-Cache's layer hooks) runs alone in the same step. The block-causal models
+(SDAR, LLaDA2, Fast-dLLM v2: not `spec.segmented`) take the stacked route: requests whose caches
+pack (`ForwardRequest.stacks`: a `BlockBatch` / `RowBatch` of the request's rows, each at its own
+block against its own cache) run as one call on their rows stacked; their other forwards (a
+prefill of several blocks, the sub-block cache's) run alone.
 
 With `batch_invariant` each request's linears are the GEMM problems its own forward poses
 (`batch_invariant.py`: one flat GEMM where this CPU's BLAS is measured row-invariant, per-sequence
 GEMMs below that size; on CUDA a row-invariant Triton GEMM). With `cuda_graphs` the uncached
 full forwards of one length replay a CUDA graph captured per batch bucket and length
-(`cuda_graphs.py`); every other forward runs eagerly. A failure inside one sequence's forward or commit fails that sequence
-only (`failed`); a failed shared forward fails the sequences that shared it.
+(`cuda_graphs.py`); every other forward runs eagerly. A failure inside one sequence's forward or
+commit fails that sequence only (`failed`); a failed packed forward fails the sequences in it.
 """
 from __future__ import annotations
 
@@ -34,7 +36,6 @@ import torch
 
 from remask.models.spec import ModelSpec
 
-from remask.diffusion import varlen
 from remask.diffusion.stepper import ForwardRequest, call_model, run_forwards
 
 from . import cuda_graphs as graphing
@@ -53,6 +54,7 @@ class ARRow:
     step: int = 0
     done: bool = False
     logits: torch.Tensor | None = None     # [1, V]
+    matchers: Any = None                   # structured output: its matcher (`ARDecoder.sample` makes it)
 
 
 class ModelRunner:
@@ -65,10 +67,6 @@ class ModelRunner:
         self.store = PagedKVStore(pages) if pages is not None else None
         self.attention_configs = attention_configs(model) if pages is not None else []
         self.unshared_pages = 0   # shared prompt pages found to differ and made private
-        # diffusion forwards of different lengths in one segmented forward (diffusion/varlen.py);
-        # off with batch invariance, where per-length linears over the flat layout measured slower
-        # than stacking each length (the tokens are the same either way)
-        self.segmented_forwards = not batch_invariant
         # make_backend refuses a model off CUDA (ValueError naming cuda_graphs)
         self.graphs = graphing.GraphedForward(graphing.make_backend(self.device), max_num_seqs) \
             if cuda_graphs else None
@@ -84,7 +82,6 @@ class ModelRunner:
     def step(self, seqs: list[Sequence]) -> dict[Sequence, str]:
         """Advance every sequence by one step; returns the failed ones with their error."""
         failed: dict[Sequence, str] = {}
-        shared: dict[tuple, list[Sequence]] = defaultdict(list)
         packed: dict[Any, list[tuple[Sequence, ForwardRequest]]] = defaultdict(list)
         self._ar_step([seq for seq in seqs if seq.paged], failed)
         for seq in seqs:
@@ -94,36 +91,15 @@ class ModelRunner:
                 if seq.state is None:
                     seq.stats.start()
                     seq.state = seq.decoder.start(self.model, seq.prompt_ids)
-                if hasattr(seq.decoder, "next_forward"):
-                    # The decoder describes its forward; requests of one layout share a model call.
-                    request = seq.decoder.next_forward(self.model, seq.state, seq.generator, seq.stats)
-                    if request is not None:
-                        key = self._graph_key(seq, request)
-                        if key is None:
-                            key = request.pack_key() if self.spec.segmented else None
-                        packed[("pack", key) if key is not None else ("alone", id(seq))].append((seq, request))
-                    continue
-                # Forwards of different lengths share one segmented forward where the decoder
-                # says so (`segmented_forwards`, not with graphs: static shapes); otherwise those
-                # of one key and length stack.
-                varlen = getattr(seq.decoder, "varlen_forward_key", None) \
-                    if self.graphs is None and self.segmented_forwards else None
-                varlen_key = varlen(seq.state) if varlen is not None else None
-                key = ("varlen", *varlen_key) if varlen_key is not None else seq.decoder.shared_forward_key(seq.state)
-                if key is not None:
-                    shared[type(seq.decoder), key].append(seq)
-                else:
-                    self._own_step(seq)
+                # The decoder describes its forward; the requests that pack share one model call.
+                request = seq.decoder.next_forward(self.model, seq.state, seq.generator, seq.stats)
+                if request is not None:
+                    key = self._graph_key(seq, request)
+                    if key is None:
+                        key = request.pack_key() if self.spec.segmented or request.stacks else None
+                    packed[("pack", key) if key is not None else ("alone", id(seq))].append((seq, request))
             except Exception as err:  # noqa: BLE001 - one request's failure must not stop the others
                 failed[seq] = f"{type(err).__name__}: {err}"
-        for (_, key), group in shared.items():
-            try:
-                logits, fed, first_rows, lengths = self._forward_shared(key, group)
-                self.forwards += 1
-            except Exception as err:  # noqa: BLE001
-                failed.update({seq: f"{type(err).__name__}: {err}" for seq in group})
-                continue
-            self._commit(group, logits, fed, first_rows, lengths, failed)
         for key, members in packed.items():
             try:
                 requests = [request for _, request in members]
@@ -184,65 +160,6 @@ class ModelRunner:
             except Exception as err:  # noqa: BLE001
                 failed.update({seq: f"{type(err).__name__}: {err}" for seq, _, _ in members})
 
-    def _commit(self, group: list[Sequence], logits: torch.Tensor, fed: int, first_rows: list[int],
-                lengths: list[int], failed: dict[Sequence, str]) -> None:
-        """Each sequence of a shared forward commits from its rows of `logits` (seen flat as
-        `[N, V]`: `lengths[i]` rows from `first_rows[i]`). Decoders that say their commits batch
-        (equal `commit_key`) commit together in one call (`commit_shared`: one scoring and one
-        selection for the lot, row by row as each alone); the rest alone."""
-        flat = logits.reshape(-1, logits.shape[-1])
-        batched: dict[Any, list[int]] = defaultdict(list)
-        for i, seq in enumerate(group):
-            commit_key = getattr(seq.decoder, "commit_key", None)
-            key = commit_key() if commit_key is not None else None
-            batched[key if key is not None else ("alone", i)].append(i)
-        for key, rows in batched.items():
-            if len(rows) > 1:
-                members = [group[i] for i in rows]
-                try:
-                    members[0].decoder.commit_shared([seq.decoder for seq in members], [seq.state for seq in members],
-                                                     flat, [first_rows[i] for i in rows], [lengths[i] for i in rows],
-                                                     fed, [seq.stats for seq in members])
-                except Exception as err:  # noqa: BLE001
-                    failed.update({seq: f"{type(err).__name__}: {err}" for seq in members})
-                continue
-            i = rows[0]
-            seq = group[i]
-            try:
-                own = flat[first_rows[i]:first_rows[i] + lengths[i]][None]
-                seq.decoder.commit(seq.state, own, fed, seq.generator, seq.stats)
-            except Exception as err:  # noqa: BLE001
-                failed[seq] = f"{type(err).__name__}: {err}"
-
-    def _forward_shared(self, key: tuple, group: list[Sequence]) -> tuple[torch.Tensor, int, list[int], list[int]]:
-        """The group's one forward: (logits, first fed position, each sequence's first row in the
-        logits seen flat as `[N, V]`, its number of rows)."""
-        decoder, states = group[0].decoder, [seq.state for seq in group]
-        lengths = [state.x.shape[1] for state in states] if key[0] == "varlen" else None
-        if lengths is not None and len(set(lengths)) > 1:
-            # Different lengths: one flat forward, each sequence's linear rows as alone
-            # (`token_groups`), its attention over itself (`diffusion/varlen.py`).
-            with self._invariant(len(group), varlen.token_groups(lengths, self.device)):
-                logits, offsets = decoder.forward_varlen(self.model, states)
-            return logits, 0, offsets, lengths
-        # A decoder whose next forward is a pure function of one static-shape input says so
-        # (`static_forward`: the uncached full forwards); that forward replays a CUDA graph.
-        static = getattr(decoder, "static_forward", None) if self.graphs is not None else None
-        graphable = static(self.model, states) if static is not None else None
-        if graphable is not None:
-            x, forward, name = graphable
-            logits = self.graphs(x, forward, key=(type(decoder).__name__, *name), context=self._invariant)
-            fed = 0
-        else:
-            with self._invariant(len(group)):
-                logits, fed = decoder.forward_shared(self.model, states)
-        L = logits.shape[1]
-        return logits, fed, [i * L for i in range(len(group))], [L] * len(group)
-
-    def _own_step(self, seq: Sequence) -> None:
-        seq.decoder.step(self.model, seq.state, seq.generator, seq.stats)
-        self.forwards += 1
-
     # ---- autoregressive sequences: one flat forward over the paged store ----
 
     def _ar_step(self, seqs: list[Sequence], failed: dict[Sequence, str]) -> None:
@@ -263,7 +180,7 @@ class ModelRunner:
                     seq.stats.forward(1, len(prompt))
                 else:                       # sample this step's token; the forward stores it
                     row = seq.state
-                    token = int(seq.decoder.sample(row.logits, seq.generator)[0])
+                    token = int(seq.decoder.sample(row.logits, seq.generator, row)[0])
                     row.tokens.append(token)
                     row.step += 1
                     seq.stats.step(1)

@@ -1,6 +1,6 @@
 """`SamplingParams`: every decoding setting of one request, validated when it is built.
 
-The checks are the ones `remask.generate` / `ar_generate` run (`remask/diffusion/checks.py`, the
+The checks are the ones `remask.generate` / `ar_generate` run (`remask/diffusion/parts/checks.py`, the
 one validation layer), so a request that would fail there fails here, before it reaches the
 engine; model-dependent checks (token ids, context length) run at `LLMEngine.add_request`.
 """
@@ -75,6 +75,12 @@ class SamplingParams:
     `max_post_steps`, `num_to_transfer`). Fast-dLLM v2: `temperature`, `top_p`, `threshold` and
     `fast_dllm_v2` (its `batch_sample`'s settings). docs/block-diffusion.md maps each.
 
+    `structured_outputs` (vLLM's name): a `remask.StructuredOutputsParams` (or its JSON form, a
+    dict with one of `json`, `regex`, `choice`, `grammar`, `json_object`): the answer is held to
+    it (remask/structured.py). Enforced for autoregressive models and LLaDA's block rule (any
+    schedule, threshold / factor, caches); not with `ignore_eos`, `min_tokens` or `stop` strings
+    (each could end or cut the answer where the structure is incomplete).
+
     `decoder=` (docs/decoders.md): `remask.FreeDave(...)` (lossless: the tokens of greedy
     one-token-per-step decoding with `block_length` / `use_cache`, in fewer forwards), dInfer's
     `remask.ThresholdDecoding` / `CreditDecoding` / `HierarchicalDecoding`, and `use_cache=
@@ -115,6 +121,7 @@ class SamplingParams:
     # vLLM's (last, so positional use of the fields above is unchanged)
     ignore_eos: bool = False
     min_tokens: int = 0
+    structured_outputs: Any = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, minimum=1)
@@ -130,6 +137,15 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(check_int("stop_token_ids", i, minimum=0) for i in ids))
         check_bool("ignore_eos", self.ignore_eos)
         check_min_tokens(self.min_tokens, self.max_tokens)
+        if self.structured_outputs is not None:
+            from remask.structured import StructuredOutputsParams
+
+            object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_json(self.structured_outputs))
+            clashes = [name for name, on in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens > 0),
+                                             ("stop", bool(self.stop))) if on]
+            if clashes:
+                raise ValueError(f"structured_outputs does not combine with {clashes}: the answer ends where its "
+                                 "structure is complete, and these could end or cut it elsewhere")
         # LLaDA's block rule and Dream's sampler commit at least one token a step: more steps than
         # max_tokens only repeat forwards (and sized O(steps) buffers: steps=10**9 was an OOM kill)
         check_steps("steps", self.steps, self.max_tokens, "max_tokens")

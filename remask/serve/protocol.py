@@ -1,7 +1,9 @@
 """The OpenAI request bodies the server accepts, and how they become `SamplingParams`.
 
 Fields are OpenAI's (`/v1/completions`, `/v1/chat/completions`) plus remask's decoding settings
-and vLLM's `ignore_eos` / `min_tokens`, which the `openai` client sends through `extra_body`.
+and vLLM's `ignore_eos` / `min_tokens` / `structured_outputs`, which the `openai` client sends
+through `extra_body`. `response_format` (`json_object`, `json_schema`) and `structured_outputs`
+become `SamplingParams.structured_outputs` (remask/structured.py).
 Unknown fields are refused (400 naming them), and so are OpenAI fields remask does not implement
 when they are set — nothing is silently ignored. Numbers and booleans are strict (`true` is no 1,
 `1` no `true`, `"1"` neither): pydantic's lax mode would turn `max_tokens: true` into 1. Values are
@@ -21,7 +23,7 @@ from remask.engine import SamplingParams
 # OpenAI fields remask does not implement: refused when set to anything but their default.
 UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": False, "presence_penalty": 0.0,
                "frequency_penalty": 0.0, "logit_bias": None, "best_of": None, "suffix": None, "tools": None,
-               "tool_choice": None, "response_format": None}
+               "tool_choice": None}
 # remask's settings, passed to SamplingParams as they are.
 REMASK_FIELDS = ("top_k", "steps", "block_length", "threshold", "factor", "remasking", "use_cache", "cfg_scale", "alg",
                  "alg_temp", "eps", "early_stop", "stop_token_ids", "ignore_eos", "min_tokens")
@@ -87,7 +89,9 @@ class _Common(BaseModel):
     suffix: Any = None
     tools: Any = None
     tool_choice: Any = None
+    # structured output: OpenAI's response_format, or vLLM's structured_outputs body field
     response_format: Any = None
+    structured_outputs: Any = None
     # remask's decoding settings (the client's `extra_body`)
     top_k: StrictInt | None = None
     steps: StrictInt | None = None
@@ -157,6 +161,9 @@ class _Common(BaseModel):
                 values["canvas_sampler"] = CanvasSampler(**self.canvas_sampler)
             except TypeError as err:     # an unknown field
                 raise ValueError(f"canvas_sampler: {err}") from None
+        structured = self.structured()
+        if structured is not None:
+            values["structured_outputs"] = structured
         if self.apd is not None:
             if verifier is None:
                 raise ValueError("apd: no verifier can be served here")
@@ -166,6 +173,19 @@ class _Common(BaseModel):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def structured(self) -> Any:
+        """`response_format` (OpenAI) or `structured_outputs` (vLLM) as a `StructuredOutputsParams`,
+        or None; a ValueError naming the field (`response_format…` / `structured_outputs…`)."""
+        if self.response_format is None and self.structured_outputs is None:
+            return None
+        from remask.structured import StructuredOutputsParams
+
+        if self.structured_outputs is not None:
+            if self.response_format is not None and self.response_format != {"type": "text"}:
+                raise ValueError("response_format: give response_format or structured_outputs, not both")
+            return StructuredOutputsParams.from_json(self.structured_outputs)
+        return StructuredOutputsParams.from_response_format(self.response_format)
 
 
 class CompletionRequest(_Common):

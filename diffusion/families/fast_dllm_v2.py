@@ -29,17 +29,20 @@ other token (upstream commits it, which at temperature 0 loops forever).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generator
 
 import torch
+from transformers.cache_utils import DynamicCache
 
-from remask.models.hf_compat import output_cache
+from remask.models.fast_dllm_v2 import RowBatch
 
-from .checks import (ParameterTypeError, check_block_within_context, check_bool, check_choice, check_generator,
+from ..parts.checks import (ParameterTypeError, check_block_within_context, check_bool, check_choice, check_generator,
                      check_int, check_real, check_settings, check_stats)
-from .freedave_blocks import BlockFreeDave, check_freedave_loop
-from .scoring import sample_categorical
-from .stats import GenerationStats
+from ..methods.freedave_blocks import BlockFreeDave, check_freedave_loop
+from ..parts.scoring import sample_categorical
+from ..parts.stats import GenerationStats
+from ..parts.stepper import ForwardRequest
+from .sdar import BlockLoop
 
 STOP_MODES = ("generate", "batch_sample")
 
@@ -86,6 +89,25 @@ def validate_fast_dllm_v2_args(mask_id: int, block_size: int, small_block_size: 
     check_bool("use_block_cache", use_block_cache)
 
 
+class BlockRows(RowBatch):
+    """A request's cache argument for a whole-block forward (`models.fast_dllm_v2.RowBatch`: each row
+    over its own prefix cache, storing when its `stores` says, under its official block mask): its
+    block's row (`block_size` the store's block size, a denoising forward's the official default 32)
+    or FreeDave's drafts. The engine stacks such requests of one step into one call
+    (`stepper.run_forwards`: `pack_key` / `pack`), as `BlockBatch` does for SDAR and LLaDA2."""
+
+    def pack_key(self) -> tuple:
+        return ()
+
+    @classmethod
+    def pack(cls, members: list["BlockRows"], sizes: list[int]) -> "BlockRows":
+        for member, size in zip(members, sizes):
+            if len(member.caches) != size:
+                raise ValueError(f"a RowBatch of {len(member.caches)} rows packed as {size}")
+        return cls([c for m in members for c in m.caches], [s for m in members for s in m.stores],
+                   [b for m in members for b in m.block_sizes])
+
+
 @dataclass(eq=False)
 class FastDLLMV2State:
     """One prompt under the loop: `x` `[1, n]` (prompt, decoded blocks, the current block with its
@@ -106,19 +128,23 @@ class FastDLLMV2State:
     finished: bool = False
     finished_block: int | None = None
     predictions: Any = None   # FreeDave's predictions for the current block (`FastDLLMV2FreeDave`)
+    pending: Any = None       # the forward asked for and not yet answered (a sub-generator)
 
     @property
     def in_block(self) -> bool:
         return self.block_start >= 0
 
 
-class FastDLLMV2Decoder:
+class FastDLLMV2Decoder(BlockLoop):
     """Fast-dLLM v2's loop as a state and a step: each `step` is one model forward — the prefill,
     a denoising forward of the current sub-block (then the commit), or the forward that stores a
     finished block and yields the next block's first token. `stop_mode` "generate" ends like the
     official `generate` (at the first stop with no mask before it, then truncates after it),
     "batch_sample" like `batch_sample` (at the end of the block holding a committed stop, pad after
-    the first stop). `num_blocks`: how many blocks to decode (upstream's loop count)."""
+    the first stop). `num_blocks`: how many blocks to decode (upstream's loop count). In the engine
+    the whole-block forwards against the prefix cache (a one-block prefill, a denoising forward, a
+    store: `BlockRows` requests) of the running requests, each at its own block, are stacked into
+    one call; the sub-block cache's forwards run alone."""
 
     def __init__(self, *, mask_id: int, num_blocks: int, block_size: int = 32, small_block_size: int = 8,
                  threshold: float = 0.9, stop_token: int = 151645, pad_token: int | None = None, top_p: float = 0.95,
@@ -144,56 +170,6 @@ class FastDLLMV2Decoder:
             raise ValueError("use_cache=False runs without any cache: not with use_block_cache=True or "
                              "prefill_whole_block_prompt=False")
         self.use_cache = use_cache
-
-    def shared_forward_key(self, state: FastDLLMV2State) -> tuple | None:
-        """Requests whose next forward is a whole block against their prefix cache (a denoising
-        forward, or the store of a finished block) share one batched forward (`forward_shared`),
-        whatever block each is at. The prefill, the sub-block cache's forwards and `batch_sample`'s
-        loop run alone. Opens the next block first when the state is between blocks (as `step` would)."""
-        if state.done or not state.prefilled or self.use_block_cache or self.stop_mode != "generate" \
-                or not self.use_cache:
-            return None
-        if not state.in_block:
-            self._open_block(state)
-            if state.done:
-                return None
-        block = state.x[:, state.block_start:]
-        masked = block == self.mask_id
-        if bool(masked.any()):
-            S = self.small_block_size
-            while not bool(masked[:, state.sub_block * S:(state.sub_block + 1) * S].any()):
-                state.sub_block += 1
-        return ("block", self.block_size)
-
-    def forward_shared(self, model: torch.nn.Module, states: list[FastDLLMV2State]) -> tuple[torch.Tensor, list[bool]]:
-        """One forward over each state's current block `[B, L]` (`models.fast_dllm_v2.RowBatch`):
-        each row with its own cache, positions and official block mask (the store's `block_size` is
-        the block's, a denoising forward's the official default 32), as its own forward."""
-        from transformers.cache_utils import DynamicCache
-
-        from remask.models.fast_dllm_v2 import RowBatch
-
-        blocks = [state.x[:, state.block_start:] for state in states]
-        stores = [not bool((block == self.mask_id).any()) for block in blocks]
-        for state in states:
-            if state.cache is None:
-                state.cache = DynamicCache()
-        rows = RowBatch([state.cache for state in states], stores, [self.block_size if store else 32 for store in stores])
-        return model(input_ids=torch.cat(blocks), past_key_values=rows).logits, stores
-
-    def commit(self, state: FastDLLMV2State, logits: torch.Tensor, stored: Any = None,
-               generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> None:
-        """The step's decision for one row of `forward_shared` (its logits `[1, L, V]`)."""
-        block = state.x[:, state.block_start:]
-        masked = block == self.mask_id
-        if not bool(masked.any()):
-            self._after_store(state, logits, stats)
-            return
-        S = self.small_block_size
-        start, end = state.sub_block * S, (state.sub_block + 1) * S
-        if stats is not None:
-            stats.forward(1, self.block_size)
-        self._commit_sub_block(state, shift_logits(logits)[:, start:end], masked, start, end, generator, stats)
 
     def num_final(self, state: FastDLLMV2State) -> int:
         """Generated positions that are final: everything before the block being decoded (all once done)."""
@@ -222,80 +198,112 @@ class FastDLLMV2Decoder:
         first = self.block_size if state.skip_first_block else 0
         return first, state.prompt_length // self.block_size * self.block_size
 
-    def step(self, model: torch.nn.Module, state: FastDLLMV2State, generator: torch.Generator | None = None,
-             stats: GenerationStats | None = None) -> None:
-        if state.done:
+    def _settle(self, state: FastDLLMV2State) -> None:
+        """The loop's moves that take no forward: a prefill with nothing to forward (no whole block
+        in the prompt; without the cache, a prompt not ending on a block: no first token to take),
+        the next block opened (or the end: a stop, the block budget), `batch_sample`'s end of the
+        block holding its stop."""
+        while not state.done:
+            if not state.prefilled:
+                first, end = self._prefill_span(state)
+                if end > first and (self.use_cache or state.prompt_length % self.block_size == 0):
+                    return   # the prefill's forward
+                state.prefilled = True
+                continue
+            if not state.in_block:
+                self._open_block(state)
+                continue
+            if self.stop_mode == "batch_sample" and state.finished and \
+                    not bool((state.x[:, state.block_start:] == self.mask_id).any()):
+                self._finish(state)
             return
+
+    def _block_rows(self, state: FastDLLMV2State, blocks: torch.Tensor, store: bool) -> ForwardRequest:
+        """The whole-block forward of `blocks` `[K, L]` against the state's prefix cache (storing
+        when `store`, under the block's mask; else the official default block size 32)."""
+        K = blocks.shape[0]
+        if state.cache is None:   # nothing prefilled (a prompt shorter than a block): an empty cache
+            state.cache = DynamicCache()
+        return ForwardRequest.call(blocks, {}, cache=BlockRows([state.cache] * K, [store] * K,
+                                                               [self.block_size if store else 32] * K),
+                                   rows_alone=K > 1)
+
+    def _forward(self, state: FastDLLMV2State) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, tuple]]:
+        """The step's forward (after `_settle`): the prefill (the prompt's whole blocks, stored; without
+        the cache the prompt, for the next token only), the store of a finished block (its last
+        logit opens the next block), or a denoising forward of the current sub-block (the whole
+        block against the prefix cache; with the sub-block cache the sub-block alone where the
+        block's keys are stored; without a cache the sequence up to the block's end). Returns
+        (logits: a denoising forward's shifted and cut to the sub-block, (kind, positions))."""
         L = self.block_size
         if not state.prefilled:
-            state.prefilled = True
             first, end = self._prefill_span(state)
-            if end > first and not self.use_cache:   # only the next token, when the prompt ends on a block
-                if state.prompt_length % L == 0:
-                    logits = model(input_ids=state.x[:, :end], block_size=L).logits
-                    if stats is not None:
-                        stats.forward(1, end)
-                    state.x = torch.cat([state.x, logits[:, -1:].argmax(dim=-1)], dim=1)
-                return
-            if end > first:   # the prompt's whole blocks, stored (positions count from the cache: 0)
-                out = model(input_ids=state.x[:, first:end], use_cache=True, update_past_key_values=True,
-                            block_size=L)
-                state.cache = output_cache(out)
-                if stats is not None:
-                    stats.forward(1, end - first)
-                if state.prompt_length % L == 0:
-                    state.x = torch.cat([state.x, out.logits[:, -1:].argmax(dim=-1)], dim=1)
-                return
-        if not state.in_block:
-            self._open_block(state)
-            if state.done:
-                return
+            if not self.use_cache:
+                logits = yield ForwardRequest.call(state.x[:, :end], {}, rows=slice(-1, None), block_size=L)
+                return logits, ("prefill", end)
+            if end - first == L:   # one block: a store like any other (positions count from the cache: 0)
+                logits = yield self._block_rows(state, state.x[:, first:end], True)
+            else:
+                state.cache = DynamicCache()
+                logits = yield ForwardRequest.call(state.x[:, first:end], {}, cache=state.cache, rows=slice(-1, None),
+                                                   use_cache=True, update_past_key_values=True, block_size=L)
+            return logits, ("prefill", end - first)
         block = state.x[:, state.block_start:]
         masked = block == self.mask_id
         if not bool(masked.any()):   # finished block: store it, the next block's first token
-            if self.stop_mode == "batch_sample" and state.finished:
-                self._finish(state)
-                return
             if not self.use_cache:   # the next block's first token from the sequence's own forward
                 end = state.block_start + L
-                self._after_store(state, model(input_ids=state.x[:, :end], block_size=L).logits, stats, end)
-                return
-            out = model(input_ids=block, use_cache=True, past_key_values=state.cache, update_past_key_values=True,
-                        block_size=L)
-            state.cache = output_cache(out)
-            self._after_store(state, out.logits, stats)
-            return
+                return (yield ForwardRequest.call(state.x[:, :end], {}, rows=slice(-1, None), block_size=L)), \
+                    ("store", end)
+            return (yield self._block_rows(state, block, True)), ("store", L)
         S = self.small_block_size
         while not bool(masked[:, state.sub_block * S:(state.sub_block + 1) * S].any()):
             state.sub_block += 1
         start, end = state.sub_block * S, (state.sub_block + 1) * S
         if not self.use_cache:
             end_of_block = state.block_start + L
-            logits = model(input_ids=state.x[:, :end_of_block]).logits[:, state.block_start:]
-            logits = shift_logits(logits)[:, start:end]
-            length = end_of_block
-        elif self.use_block_cache and state.block_cache is not None and not bool(block[0, start] == self.mask_id):
-            logits = model(input_ids=block[:, start:end], use_cache=True, past_key_values=state.cache,
-                           update_past_key_values=False, use_block_cache=True,
-                           block_past_key_values=state.block_cache, replace_position=start).logits
-            logits = shift_logits(logits)
-            length = end - start
+            logits = yield ForwardRequest.call(state.x[:, :end_of_block], {}, rows=slice(state.block_start, None))
+            return shift_logits(logits)[:, start:end], ("denoise", end_of_block)
+        if self.use_block_cache and state.block_cache is not None and not bool(block[0, start] == self.mask_id):
+            logits = yield ForwardRequest.call(block[:, start:end], {}, cache=state.cache, use_cache=True,
+                                               update_past_key_values=False, use_block_cache=True,
+                                               block_past_key_values=state.block_cache, replace_position=start)
+            return shift_logits(logits), ("denoise", end - start)
+        if self.use_block_cache:   # the whole block, its keys and values kept in a new sub-block cache
+            state.block_cache = DynamicCache()
+            logits = yield ForwardRequest.call(block, {}, cache=state.cache, use_cache=True,
+                                               update_past_key_values=False, use_block_cache=True,
+                                               block_past_key_values=state.block_cache)
         else:
-            out = model(input_ids=block, use_cache=True, past_key_values=state.cache, update_past_key_values=False,
-                        use_block_cache=self.use_block_cache)
-            if self.use_block_cache:
-                state.block_cache = out.block_past_key_values
-            logits = shift_logits(out.logits)[:, start:end]
-            length = L
+            logits = yield self._block_rows(state, block, False)
+        return shift_logits(logits)[:, start:end], ("denoise", L)
+
+    def commit(self, state: FastDLLMV2State, logits: torch.Tensor, kind: tuple,
+               generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> None:
+        """The step's decision from its forward's logits (`kind`: which forward it was, its positions)."""
+        what, positions = kind
+        if what == "prefill":
+            state.prefilled = True
+            if stats is not None:
+                stats.forward(1, positions)
+            if state.prompt_length % self.block_size == 0:   # the next token, as an AR model picks it
+                state.x = torch.cat([state.x, logits[:, -1:].argmax(dim=-1)], dim=1)
+            return
+        if what == "store":
+            self._after_store(state, logits, stats, positions)
+            return
         if stats is not None:
-            stats.forward(1, length)
+            stats.forward(1, positions)
+        S = self.small_block_size
+        start, end = state.sub_block * S, (state.sub_block + 1) * S
+        masked = state.x[:, state.block_start:] == self.mask_id
         self._commit_sub_block(state, logits, masked, start, end, generator, stats)
 
     def _after_store(self, state: FastDLLMV2State, logits: torch.Tensor, stats: GenerationStats | None,
-                     positions: int | None = None) -> None:
+                     positions: int) -> None:
         """A finished block was stored: the argmax of its last position opens the next block."""
         if stats is not None:
-            stats.forward(1, self.block_size if positions is None else positions)
+            stats.forward(1, positions)
         state.x = torch.cat([state.x, logits[:, -1:].argmax(dim=-1)], dim=1)
         state.block_start = -1
         state.blocks_left -= 1
@@ -353,7 +361,7 @@ class FastDLLMV2Decoder:
 
 
 class FastDLLMV2FreeDave(BlockFreeDave, FastDLLMV2Decoder):
-    """Fast-dLLM v2's `generate` loop with FreeDave (`diffusion/freedave_blocks.py`): the tokens of
+    """Fast-dLLM v2's `generate` loop with FreeDave (`diffusion/methods/freedave_blocks.py`): the tokens of
     the same loop without it — greedy, its sub-block rule (`threshold >= 1`: one token per step,
     lossless; below 1 the threshold rule, lossless with ``match_rule="exact"``), the prefix cache or
     none — with fewer forwards. Drafts may run into the next sub-blocks; verification decides."""
@@ -375,10 +383,7 @@ class FastDLLMV2FreeDave(BlockFreeDave, FastDLLMV2Decoder):
         return state.block_start, state.block_start + self.block_size
 
     def _fd_pending(self, state: FastDLLMV2State) -> bool:
-        if state.prefilled and not state.in_block:
-            self._open_block(state)   # as the loop's own step would, before its first forward
-            if state.done:
-                return True
+        # after `_settle`: prefilled means inside a block
         return not state.prefilled or not bool((state.x[:, state.block_start:] == self.mask_id).any())
 
     def _fd_scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -397,26 +402,20 @@ class FastDLLMV2FreeDave(BlockFreeDave, FastDLLMV2Decoder):
             sub[commit] = x0[n:n + 1, start:start + S][commit]
         return out
 
-    def _fd_forward(self, model: torch.nn.Module, state: FastDLLMV2State, blocks: torch.Tensor) -> torch.Tensor:
-        from remask.models.fast_dllm_v2 import RowBatch
-
+    def _fd_forwards(self, state: FastDLLMV2State, blocks: torch.Tensor
+                     ) -> Generator[ForwardRequest, Any, torch.Tensor]:
+        """Shifted logits `[K, L, V]` of K versions of the current block: without the cache the
+        sequence up to the block's end, as the loop's own forward; with it the loop's own
+        whole-block forward for each version, one row each against the one prefix cache."""
         K, L = blocks.shape
         start, end = self._span(state)
-        if not self.use_cache:   # the sequence up to the block's end, as the loop's own forward
+        if not self.use_cache:
             seqs = state.x[:, :end].repeat(K, 1)
             seqs[:, start:end] = blocks
-            with self._per_draft(K, end):
-                return shift_logits(model(input_ids=seqs).logits[:, start:])
-        if K == 1:   # the loop's own forward
-            return shift_logits(model(input_ids=blocks, use_cache=True, past_key_values=state.cache,
-                                      update_past_key_values=False, use_block_cache=False).logits)
-        if state.cache is None:   # nothing prefilled (a prompt shorter than a block): an empty cache
-            from transformers.cache_utils import DynamicCache
-
-            state.cache = DynamicCache()
-        with self._per_draft(K, L):   # each row its own forward against the one prefix cache
-            rows = RowBatch([state.cache] * K, [False] * K, [32] * K)
-            return shift_logits(model(input_ids=blocks, past_key_values=rows).logits)
+            logits = yield ForwardRequest.call(seqs, {}, rows=slice(start, None), rows_alone=K > 1)
+        else:
+            logits = yield self._block_rows(state, blocks, False)
+        return shift_logits(logits)
 
     def _fd_committed(self, state: FastDLLMV2State) -> None:
         if self._stop_reached(state):   # generate's stop: a stop with no mask before it
@@ -570,8 +569,8 @@ def engine_decoder(engine: Any, params: Any) -> FastDLLMV2Decoder:
         from dataclasses import replace
         from functools import partial
 
-        from .checks import check_instance
-        from .freedave import FreeDave
+        from ..parts.checks import check_instance
+        from ..methods.freedave import FreeDave
 
         check_instance("decoder", params.decoder, FreeDave, "remask.FreeDave (the decoder block-causal models take)")
         fd = params.decoder

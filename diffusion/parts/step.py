@@ -75,7 +75,7 @@ class CommitRule:
     at each block. Defining a subclass with a `name` registers it in `CommitRule.registry`: every
     loop that takes `decoder=` (dInfer's block loop on LLaDA and Dream, SDAR's, LLaDA2's), the
     `SamplingParams` check, the JSON form `{"name": ...}` and docs/compatibility.md find it there —
-    a new rule is one class in `diffusion/rules.py` and its test.
+    a new rule is one class in `diffusion/parts/rules.py` and its test.
     """
 
     name: ClassVar[str] = ""

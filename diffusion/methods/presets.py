@@ -22,15 +22,15 @@ import torch
 from remask.engine.sampling_params import SamplingParams
 from remask.models.parallel import full_logits
 
-from .apd import APDDecoder
-from .ar import ARDecoder
-from .canvas import CanvasDecoder, check_stability, generation_kwargs, resolve_generation_config
-from .checks import check_prompt
+from ..families.apd import APDDecoder
+from ..families.ar import ARDecoder
+from ..families.canvas import CanvasDecoder, check_stability, generation_kwargs, resolve_generation_config
+from ..parts.checks import CombinationError, check_prompt
 from .decoders import decoder_steps, end_settings_refusal
-from .dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder, DreamGenerationConfig, _validate_config,
+from ..families.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder, DreamGenerationConfig, _validate_config,
                     check_block_layout)
-from .llada import BlockDecoder
-from .stepper import StepwiseDecoder
+from ..families.llada import BlockDecoder
+from ..parts.stepper import StepwiseDecoder
 
 # Settings that only the diffusion block rule reads: an AR request that sets one is refused.
 DIFFUSION_ONLY = ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "early_stop", "decoder",
@@ -119,6 +119,12 @@ def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -
     name what that decoder cannot honour."""
     if params.ignore_eos or params.min_tokens:
         check_end_settings(engine, params)
+    structure = structure_for_request(engine, params)
+    if structure is not None and not (engine.is_ar or _is_block_rule(engine, params)):
+        raise CombinationError("structured_outputs is enforced for autoregressive models and LLaDA's block rule "
+                               "(schedule, threshold / factor, prefix / dual / paged caches) so far; this request "
+                               "decodes with another method (a family's own loop, Dream's alg, decoder=, apd, a "
+                               "cache config or a canvas)")
     if engine.spec.noise == "uniform":
         decoder = canvas_decoder(engine, params)
     elif engine.family is not None and engine.family.engine_decoder is not None:
@@ -129,7 +135,7 @@ def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -
         if set_here or params.cfg_scale or params.remasking != "low_confidence":
             raise ValueError(f"the model is autoregressive; these settings are for diffusion models: "
                              f"{set_here + (['cfg_scale'] if params.cfg_scale else [])}")
-        decoder = ARDecoder(engine.model, **params.ar_kwargs(engine.eos_ids()))
+        decoder = ARDecoder(engine.model, **params.ar_kwargs(engine.eos_ids()), structure=structure)
         decoder.check_input(prompt_ids, None)
     elif params.decoder is not None or (params.use_cache is not None and not isinstance(params.use_cache, str)):
         check_prompt(engine.model, prompt_ids, None, spec=engine.spec, mask_in_prompt="refuse")
@@ -142,9 +148,35 @@ def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -
         if params.top_p is not None or params.top_k is not None:
             raise ValueError("top_p / top_k filter autoregressive sampling and Dream's (alg=...); LLaDA's block "
                              "rule samples with Gumbel-max over the full vocabulary: leave them None")
-        decoder = (_HeldBlockDecoder if params.min_tokens else BlockDecoder)(engine.spec, **params.generate_kwargs())
+        ends = sorted(set(engine.stop_ids) | set(params.stop_token_ids)) if structure is not None else ()
+        decoder = (_HeldBlockDecoder if params.min_tokens else BlockDecoder)(engine.spec, **params.generate_kwargs(),
+                                                                           structure=structure, end_ids=ends)
         decoder.check_input(engine.model, prompt_ids, None)
     return decoder
+
+
+def _is_block_rule(engine: Any, params: SamplingParams) -> bool:
+    """Whether `decoder_for` gives this (diffusion) request LLaDA's `BlockDecoder`."""
+    return (engine.spec.noise != "uniform" and not (engine.family is not None and engine.family.engine_decoder is not None)
+            and not engine.is_ar and params.decoder is None
+            and (params.use_cache is None or isinstance(params.use_cache, str)) and params.apd is None and params.alg is None)
+
+
+def structure_for_request(engine: Any, params: SamplingParams) -> Any:
+    """The request's `structured_outputs` compiled against the engine's tokenizer (cached), its
+    `max_tokens` checked against the shortest valid answer; None without one."""
+    if params.structured_outputs is None:
+        return None
+    from remask.structured import compile_structure, model_vocab_size
+
+    if engine.tokenizer is None:
+        raise ValueError("structured_outputs needs the engine's tokenizer (the structure is compiled against its "
+                         "vocabulary): build the LLMEngine with tokenizer=")
+    mask_id = engine.spec.mask_id
+    structure = compile_structure(params.structured_outputs, engine.tokenizer, model_vocab_size(engine.model),
+                                  () if mask_id is None else (mask_id,))
+    structure.check_budget(params.max_tokens)
+    return structure
 
 
 def check_end_settings(engine: Any, params: SamplingParams) -> None:

@@ -1,17 +1,17 @@
 """One interface for the decoders that replace the block rule: `decoder=` in `remask.generate`,
 `remask.diffusion_generate` and `remask.SamplingParams`, and cache configs in `use_cache=`.
 
-* `remask.FreeDave` — lossless draft-and-verify (`diffusion/freedave.py`);
+* `remask.FreeDave` — lossless draft-and-verify (`diffusion/methods/freedave.py`);
 * `remask.ThresholdDecoding`, `remask.CreditDecoding`, `remask.HierarchicalDecoding` and the cache
-  `remask.VicinityCache` — inclusionAI/dInfer's rules and its vicinity-refresh cache (`diffusion/dinfer.py`);
-* `remask.WINO` — revocable wide-in, narrow-out decoding (`diffusion/wino.py`);
-* the cache `remask.DKVCache` — dKV-Cache-Decode's delayed cache under LLaDA's own schedule (`diffusion/dkv.py`);
+  `remask.VicinityCache` — inclusionAI/dInfer's rules and its vicinity-refresh cache (`diffusion/methods/dinfer.py`);
+* `remask.WINO` — revocable wide-in, narrow-out decoding (`diffusion/methods/wino.py`);
+* the cache `remask.DKVCache` — dKV-Cache-Decode's delayed cache under LLaDA's own schedule (`diffusion/methods/dkv.py`);
 * the cache `remask.D2Cache` — d2Cache's selective row recompute with its certainty-prior decoding
-  (`diffusion/d2cache.py`);
+  (`diffusion/methods/d2cache.py`);
 * the cache `remask.ElasticCache` — Elastic-Cache's attention-drift triggered recompute over a
-  sliding window (`diffusion/elastic.py`).
+  sliding window (`diffusion/methods/elastic.py`).
 
-`decoder_steps` maps a call's arguments onto the method's step generator (`diffusion/stepper.py`)
+`decoder_steps` maps a call's arguments onto the method's step generator (`diffusion/parts/stepper.py`)
 and refuses, by name, the settings the method does not read: `run_decoder` drives it to the end
 (the drop-in functions), the engine one forward per step (`StepwiseDecoder`), so both give the
 same tokens.
@@ -24,14 +24,14 @@ import torch
 
 from remask.models.spec import get_spec
 
-from .checks import CombinationError
-from .stats import GenerationStats
-from .stepper import StepGenerator, drive
+from ..parts.checks import CombinationError
+from ..parts.stats import GenerationStats
+from ..parts.stepper import StepGenerator, drive
 
 
 def decoder_types() -> tuple[type, ...]:
     from .freedave import FreeDave
-    from .rules import rule_types
+    from ..parts.rules import rule_types
     from .wino import WINO
 
     return FreeDave, *rule_types(), WINO
@@ -58,7 +58,7 @@ def config_names() -> dict[str, dict[str, type]]:
     from .dkv import DKVCache
     from .elastic import ElasticCache
     from .freedave import FreeDave
-    from .rules import rule_types
+    from ..parts.rules import rule_types
     from .wino import WINO
 
     return {"decoder": {"freedave": FreeDave, **{rule.name: rule for rule in rule_types()}, "wino": WINO},
@@ -83,7 +83,7 @@ def is_dinfer_method(decoder: Any, use_cache: Any) -> bool:
     """A request for dInfer's block loop: a commit rule (`CommitRule`: dInfer's three, any other
     registered), or the `VicinityCache` alone (its threshold rule)."""
     from .dinfer import VicinityCache
-    from .step import CommitRule
+    from ..parts.step import CommitRule
 
     return isinstance(decoder, CommitRule) or (decoder is None and isinstance(use_cache, VicinityCache))
 
@@ -106,7 +106,7 @@ def end_settings_refusal(method: Any, *, min_tokens: bool) -> str | None:
     dInfer's rules and Elastic-Cache end a row at its first EOS by their own rule (`ignore_eos`)."""
     from .dinfer import VicinityCache
     from .elastic import ElasticCache
-    from .step import CommitRule
+    from ..parts.step import CommitRule
 
     name = type(method).__name__
     if min_tokens:
@@ -134,7 +134,7 @@ def run_decoder(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: to
 def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None, decoder: Any, *,
                   gen_length: int, block_length: int, use_cache: Any, mask_id: int | None,
                   stats: GenerationStats | None, settings: dict[str, tuple[Any, Any]] | None = None) -> StepGenerator:
-    """The step generator of `decoder` and / or a cache config (`diffusion/stepper.py`); every
+    """The step generator of `decoder` and / or a cache config (`diffusion/parts/stepper.py`); every
     argument is checked here, at the call. `settings`: the calling entry point's other settings as
     ``name: (value, default)``; every one set away from its default that the method does not read is
     refused by name. A cache config without a decoder: `VicinityCache` runs dInfer's threshold rule
@@ -151,7 +151,7 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
         check_decoder(decoder)
     if use_cache is not None and not isinstance(use_cache, str) and not is_cache_config(use_cache):
         raise ValueError(f"use_cache must be None, a cache name or a remask cache config, got {type(use_cache).__name__}")
-    from .step import CommitRule
+    from ..parts.step import CommitRule
 
     if isinstance(use_cache, ElasticCache) and decoder is not None and not isinstance(decoder, CommitRule):
         raise CombinationError(f"decoder={type(decoder).__name__} with use_cache=ElasticCache: Elastic-Cache's window "

@@ -52,6 +52,7 @@ class ForwardRequest:
     * `context`: a mode of the method's own around the call (FreeDave's tree attention); such a
       request runs alone.
     * `output`: "logits", or "model" for the whole model output (its `past_key_values`).
+    * `module`: a model other than the driver's to call (APD's verifier); such a request runs alone.
     """
 
     input_ids: torch.Tensor | None
@@ -63,6 +64,7 @@ class ForwardRequest:
     rows_alone: bool = False
     context: Callable[[], ContextManager] | None = None
     output: str = "logits"
+    module: Any = None
 
     @classmethod
     def call(cls, input_ids: torch.Tensor | None, inputs: dict[str, Any], **fields: Any) -> "ForwardRequest":
@@ -79,12 +81,21 @@ class ForwardRequest:
         x = self.input_ids if self.input_ids is not None else self.per_row["inputs_embeds"]
         return x.shape[0]
 
+    @property
+    def stacks(self) -> bool:
+        """Its cache's class packs several requests' caches into one (`pack_key()` and the
+        classmethod `pack(members, sizes)`: a `BlockBatch`): such requests go the stacked route."""
+        return self.cache is not None and hasattr(type(self.cache), "pack") and hasattr(self.cache, "pack_key")
+
     def pack_key(self) -> tuple | None:
         """Equal for requests that one packed forward can serve, each as alone (`run_forwards`);
         None: this one runs alone (a mode of its own, the whole output wanted, inputs the packed
-        forward does not take)."""
-        if self.context is not None or self.output != "logits":
+        forward does not take). A request whose cache packs (`stacks`) gets a stacked key
+        (`stacked_key`), which models without the flat route (not `spec.segmented`) take too."""
+        if self.context is not None or self.output != "logits" or self.module is not None:
             return None
+        if self.stacks:
+            return stacked_key(self)
         if not set(self.per_row) <= PACKED_PER_ROW or not set(self.shared) <= PACKED_SHARED:
             return None
         if isinstance(self.shared.get("attention_mask"), torch.Tensor):
@@ -125,11 +136,12 @@ def call_model(model: torch.nn.Module, request: ForwardRequest, input_ids: torch
 def run_forwards(model: torch.nn.Module, requests: list[ForwardRequest],
                  invariant: Callable[..., ContextManager] | None = None) -> list[Any]:
     """Answer `requests` (one `pack_key`, or a single one) with ONE model call, each with what its
-    own forward gives it. Several go into one flat forward `[1, N]` (`_packed`); `invariant(rows,
+    own forward gives it. Several go into one flat forward `[1, N]` (`_packed`), or, where their
+    caches pack (`ForwardRequest.stacks`), into one call on their rows stacked (`_stacked`); `invariant(rows,
     token_groups)`: the runner's batch-invariance context. Without it (the drop-in driver) a
     `rows_alone` request of several rows runs its linears row by row."""
     if len(requests) > 1:
-        return _packed(model, requests, invariant)
+        return (_stacked if requests[0].stacks else _packed)(model, requests, invariant)
     request = requests[0]
     if invariant is not None:
         context = invariant(request.batch if request.rows_alone else 1)
@@ -139,7 +151,8 @@ def run_forwards(model: torch.nn.Module, requests: list[ForwardRequest],
     else:
         context = contextlib.nullcontext()
     with context, (request.context() if request.context is not None else contextlib.nullcontext()):
-        return [call_model(model, request, request.input_ids, request.per_row, request.cache)]
+        return [call_model(request.module if request.module is not None else model, request, request.input_ids,
+                           request.per_row, request.cache)]
 
 
 def _packed(model: torch.nn.Module, requests: list[ForwardRequest],
@@ -186,6 +199,49 @@ def _packed(model: torch.nn.Module, requests: list[ForwardRequest],
     out = []
     for r, seg in zip(requests, segments):
         own = logits[seg.start:seg.end].view(seg.rows, seg.length, -1)
+        if r.spec is not None and r.spec.logit_shift:   # within each row, as `ModelSpec.logits` shifts
+            own = torch.cat([own[:, :1], own[:, :-1]], dim=1)
+        out.append(own if r.rows is None else own[:, r.rows])
+    return out
+
+
+def stacked_key(request: ForwardRequest) -> tuple | None:
+    """The stacked route's key: requests whose caches pack (`ForwardRequest.stacks`; equal
+    `cache.pack_key()`), whose inputs stack (the same shapes and dtypes past the batch dim, the
+    same shared inputs) and whose rows are each computed as alone (one row, or `rows_alone`) run
+    as ONE call on their rows stacked (`_stacked`). None: it runs alone."""
+    if request.batch > 1 and not request.rows_alone:
+        return None
+    if any(torch.is_tensor(v) for v in request.shared.values()):
+        return None
+    shared = tuple(sorted(request.shared.items()))
+    try:
+        hash(shared)
+    except TypeError:
+        return None
+    inputs = {"input_ids": request.input_ids, **request.per_row}
+    shapes = tuple((name, tuple(t.shape[1:]), t.dtype, t.device) for name, t in sorted(inputs.items()) if t is not None)
+    return ("stacked", type(request.cache), request.cache.pack_key(), shapes, shared)
+
+
+def _stacked(model: torch.nn.Module, requests: list[ForwardRequest],
+             invariant: Callable[..., ContextManager] | None) -> list[torch.Tensor]:
+    """Requests of one `stacked_key` in one call on their rows stacked `[ΣB, T]` (non-segmented
+    models: SDAR, LLaDA2, Fast-dLLM v2): the call's cache is `type(cache).pack(caches, batches)`,
+    through which each row attends over its own request's cache as in that request's own forward;
+    each row's linears are the problem it poses alone (`invariant(rows)`: the runner's batch
+    invariance). Each request gets its rows, shifted by its `spec`, cut to its `rows`."""
+    head = requests[0]
+    sizes = [r.batch for r in requests]
+    ids = None if head.input_ids is None else torch.cat([r.input_ids for r in requests])
+    per_row = {name: torch.cat([r.per_row[name].expand(r.batch, *r.per_row[name].shape[1:]) for r in requests])
+               for name in head.per_row}
+    cache = type(head.cache).pack([r.cache for r in requests], sizes)
+    context = invariant(sum(sizes)) if invariant is not None else contextlib.nullcontext()
+    with context:
+        logits = model(ids, **per_row, **head.shared, past_key_values=cache).logits
+    out = []
+    for r, own in zip(requests, logits.split(sizes)):
         if r.spec is not None and r.spec.logit_shift:   # within each row, as `ModelSpec.logits` shifts
             own = torch.cat([own[:, :1], own[:, :-1]], dim=1)
         out.append(own if r.rows is None else own[:, r.rows])

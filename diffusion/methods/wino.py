@@ -30,10 +30,10 @@ import torch.nn.functional as F
 
 from remask.models.spec import get_spec
 
-from .checks import (check_bool, check_config_bounds, check_int, check_mask_id, check_prompt, check_real, check_stats,
+from ..parts.checks import (check_bool, check_config_bounds, check_int, check_mask_id, check_prompt, check_real, check_stats,
                      model_device)
-from .stats import GenerationStats
-from .stepper import ForwardRequest, Progress, StepGenerator, drive
+from ..parts.stats import GenerationStats
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def wino_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | N
                gen_length: int = 128, block_length: int = 128, attention_mask: torch.Tensor | None = None,
                mask_id: int | None = None, stats: GenerationStats | None = None
                ) -> StepGenerator:
-    """`wino_generate`'s loop as a step generator (`diffusion/stepper.py`): the arguments are
+    """`wino_generate`'s loop as a step generator (`diffusion/parts/stepper.py`): the arguments are
     checked here, at the call; it yields a `Progress` after every forward (the canvas without the
     shadow block; `final`: the blocks every row has decoded — a block's positions stay revocable
     until it holds no mask) and returns the tuple `(x [B, P + gen_length], forwards [B])`."""

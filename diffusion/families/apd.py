@@ -19,11 +19,16 @@ per position gives both the draft ``argmax(l_dLLM/T + g)`` (temperature T, not t
 and the target ``argmax((R·l_dLLM + (1 − R)·l_AR)/T + g)``, g = −log(−log u), so the draft is kept
 exactly when the mixture's own sample agrees with it. At T = 0 both rules are the same argmax test.
 The acceptance test runs in the fused `remask.kernels.apd_accept` kernel.
+
+No forward is computed here: a round (`APDDecoder.round`) is a step generator that yields the dLLM's
+window forward and then the verifier's (`ForwardRequest(module=verifier)`, the whole output for its
+cache). `apd_generate` drives the rounds with `drive`; the engine asks `next_forward` / `receive`
+(one forward per engine step), packing the dLLM's forward with the other requests' forwards.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generator
 
 import torch
 
@@ -34,9 +39,10 @@ from remask.models.hf_compat import cache_arg, output_cache
 from remask.models.parallel import full_logits
 from remask.models.spec import ModelSpec, get_spec
 
-from .checks import check_bool, check_config_bounds, check_int, check_real, model_device
-from .scoring import filter_logits, gumbel_max_scores
-from .stats import GenerationStats
+from ..parts.checks import check_bool, check_config_bounds, check_int, check_real, model_device
+from ..parts.scoring import filter_logits, gumbel_max_scores
+from ..parts.stats import GenerationStats
+from ..parts.stepper import ForwardRequest, drive
 
 
 @dataclass
@@ -137,23 +143,28 @@ def _crop(cache, length: int) -> None:
 @dataclass(eq=False)
 class APDState:
     """One sequence under APD: the canvas `[1, T]`, the first masked position `curr`, the
-    tokens accepted in the last round, and both models' caches."""
+    tokens accepted in the last round, both models' caches (`use_dllm_cache`: whether the dLLM
+    keeps one), and under the engine the round under way with its pending request."""
 
     x: torch.Tensor
     prompt_len: int
     curr: int
     num_accept: int = 0
+    use_dllm_cache: bool = False
     dllm_cache: KVCache | None = None
     verifier_cache: Any = None
     started: bool = False
     done: bool = False
+    pending: Any = None                   # the round under way (a step generator) ...
+    request: ForwardRequest | None = None  # ... and the forward it waits for
 
 
 class APDDecoder:
-    """APD as a state and a step (`apd_generate` drives one sequence, the engine many, each its
-    own sub-batch of one — APD decodes one sequence at a time, as the reference): each `step` is
-    one round (dLLM draft, verifier score, accept the longest agreeing prefix). Tokens accepted
-    are final."""
+    """APD as a state and a round (`apd_generate` drives one sequence, the engine many, each its
+    own sub-batch of one — APD decodes one sequence at a time, as the reference): each `round` is
+    a step generator of two forwards (dLLM draft, verifier score) that accepts the longest
+    agreeing prefix; `step` drives one alone, the engine one forward per engine step
+    (`next_forward` / `receive`). Tokens accepted are final."""
 
     def __init__(self, spec: ModelSpec, apd: APDConfig, *, gen_length: int, temperature: float = 0.0,
                  top_p: float | None = None, top_k: int | None = None) -> None:
@@ -186,16 +197,44 @@ class APDDecoder:
         P = prompt.shape[1]
         x = torch.full((1, P + self.gen_length), self.spec.mask_id, dtype=torch.long, device=prompt.device)
         x[:, :P] = prompt
-        return APDState(x=x, prompt_len=P, curr=P)
-
-    def shared_forward_key(self, state: APDState) -> None:
-        return None   # its own forwards: windows and caches differ per sequence
+        apd = self.apd
+        use_dllm_cache = apd.kv_window is not None and (apd.dllm_cache if apd.dllm_cache is not None
+                                                        else bool(getattr(model.config, "use_cache", False)))
+        return APDState(x=x, prompt_len=P, curr=P, use_dllm_cache=use_dllm_cache)
 
     def num_final(self, state: APDState) -> int:
         return self.gen_length if state.done else state.curr - state.prompt_len
 
+    # -- the engine's interface: one forward per engine step ------------------------------------
+
+    def next_forward(self, model: torch.nn.Module, state: APDState, generator: torch.Generator | None = None,
+                     stats: GenerationStats | None = None) -> ForwardRequest | None:
+        """The forward `state` waits for (its dLLM window, or its verifier's: `module=verifier`,
+        which runs alone); a round starts when the last one is done. None once decoded."""
+        if state.pending is None:
+            if state.done:
+                return None
+            state.pending = self.round(state, generator, stats)
+            state.request = next(state.pending)
+        return state.request
+
+    def receive(self, state: APDState, answer: Any, generator: torch.Generator | None = None,
+                stats: GenerationStats | None = None) -> None:
+        """Hand the pending forward its answer and run the round to its next forward (or its end)."""
+        try:
+            state.request = state.pending.send(answer)
+        except StopIteration:
+            state.pending = state.request = None
+
     def step(self, model: torch.nn.Module, state: APDState, generator: torch.Generator | None = None,
              stats: GenerationStats | None = None, verifier_stats: GenerationStats | None = None) -> None:
+        """One round, its forwards computed alone."""
+        drive(self.round(state, generator, stats, verifier_stats), model)
+
+    def round(self, state: APDState, generator: torch.Generator | None = None, stats: GenerationStats | None = None,
+              verifier_stats: GenerationStats | None = None) -> Generator[ForwardRequest, Any, APDState]:
+        """One round as a step generator: the dLLM's forward over the window, the draft, the
+        verifier's forward over it, the accepted prefix committed. Returns the state."""
         apd, spec, x = self.apd, self.spec, state.x
         verifier, vocab, T, P = apd.verifier, self.vocab, x.shape[1], state.prompt_len
         mask_id, R, W, M = spec.mask_id, apd.mixture_weight, apd.kv_window, apd.max_lookahead
@@ -206,13 +245,12 @@ class APDDecoder:
         left = 0 if cache is None else max(curr - W - state.num_accept + 1, 0)
         if cache is not None:
             cache.crop(left)
-            logits = spec.logits(model, x[:, left:right], past_key_values=cache,
-                                 cache_position=torch.arange(left, right, device=x.device))
-        else:
-            use_dllm_cache = W is not None and (apd.dllm_cache if apd.dllm_cache is not None
-                                                else bool(getattr(model.config, "use_cache", False)))
-            state.dllm_cache = KVCache() if use_dllm_cache else None
-            logits = spec.logits(model, x[:, :right], past_key_values=state.dllm_cache)
+            logits = yield ForwardRequest(x[:, left:right], shared=dict(cache_position=torch.arange(left, right,
+                                                                                               device=x.device)),
+                                          cache=cache, spec=spec)
+        else:   # the first round (or every round without a dLLM cache): from position 0
+            state.dllm_cache = KVCache() if state.use_dllm_cache else None
+            logits = yield ForwardRequest(x[:, :right], cache=state.dllm_cache, spec=spec)
         if stats is not None:
             stats.forward(1, right - left)
         # Every position of [curr, right) is masked. Drafts are drawn over the dLLM's whole
@@ -229,15 +267,19 @@ class APDDecoder:
         else:
             draft = draft_tokens(proposal, temperature, top_p, top_k, generator, shared_vocab=vocab)
         # The verifier scores the draft: the whole prefix the first time, then only the draft.
+        # A model of its own (`module`): the request runs alone, its whole output wanted (the cache).
         if state.verifier_cache is None:
             ids = x[:, :right].clone()
             ids[0, curr:right] = draft
-            out = verifier(ids, use_cache=True)
+            out = yield ForwardRequest(ids, shared=dict(use_cache=True), output="model", module=verifier)
             verifier_logits = out.logits[0, curr - 1:right - 1]
         else:
-            out = verifier(draft[None], **cache_arg(verifier.forward, state.verifier_cache), use_cache=True,
-                           cache_position=torch.arange(curr, right, device=x.device),
-                           position_ids=torch.arange(curr, right, device=x.device)[None])
+            positions = torch.arange(curr, right, device=x.device)
+            # the cache under the keyword the verifier's forward declares (`cache` or `past_key_values`)
+            out = yield ForwardRequest(draft[None], per_row=dict(position_ids=positions[None]),
+                                       shared=dict(cache_arg(verifier.forward, state.verifier_cache), use_cache=True,
+                                                   cache_position=positions),
+                                       output="model", module=verifier)
             # Row j predicts draft j + 1; row 0's own prediction is never needed (j = 0 is accepted).
             verifier_logits = torch.cat([out.logits[0, :1], out.logits[0, :-1]])
         state.verifier_cache = output_cache(out)
@@ -257,6 +299,7 @@ class APDDecoder:
             if curr < T:
                 x[0, curr:] = spec.eos_id   # stopped at an EOS: the rest is EOS, never mask tokens
             state.done = True
+        return state
 
 
 @torch.no_grad()
@@ -269,11 +312,19 @@ def apd_generate(model: torch.nn.Module, spec: ModelSpec, prompt: torch.Tensor, 
     with EOS so no mask token is returned."""
     decoder = APDDecoder(spec, apd, gen_length=gen_length, temperature=temperature, top_p=top_p, top_k=top_k)
     decoder.check_input(prompt)
+    return drive(apd_steps(decoder, model, prompt, generator, stats, verifier_stats), model)
+
+
+def apd_steps(decoder: APDDecoder, model: torch.nn.Module, prompt: torch.Tensor,
+              generator: torch.Generator | None = None, stats: GenerationStats | None = None,
+              verifier_stats: GenerationStats | None = None) -> Generator[ForwardRequest, Any, torch.Tensor]:
+    """`apd_generate`'s loop as a step generator (the input checked by the caller): its rounds'
+    forwards as `ForwardRequest`s; returns `[1, P + gen_length]`."""
     if stats is not None:
         stats.start()
     state = decoder.start(model, prompt)
     while not state.done:
-        decoder.step(model, state, generator, stats, verifier_stats)
+        yield from decoder.round(state, generator, stats, verifier_stats)
     if stats is not None:
-        stats.stop(gen_length)
+        stats.stop(decoder.gen_length)
     return state.x

@@ -26,17 +26,17 @@ from transformers.utils import ModelOutput
 from remask.models.spec import get_spec
 
 from .apd import APDConfig, apd_generate
-from .cache import BlockForward, cache_mode, valid_positions
-from .checks import (check_bool, check_callable, check_choice, check_generator, check_instance, check_int, check_length,
+from ..parts.cache import BlockForward, cache_mode, valid_positions
+from ..parts.checks import (check_bool, check_callable, check_choice, check_generator, check_instance, check_int, check_length,
                      check_mask_id, check_model_kind, check_optional_token_id, check_prompt, check_real, check_stats,
                      warn_if_longer_than_trained, warn_if_padded_without_mask)
 from remask.kernels import unmask
 from remask.models.parallel import full_logits
 
-from .scoring import score_rows, score_tokens
-from .sparse import BlockMaskForward, RetentionForward, SparseConfig
-from .stats import GenerationStats
-from .stepper import ForwardRequest, ForwardThenCommit
+from ..parts.scoring import score_rows, score_tokens
+from ..methods.sparse import BlockMaskForward, RetentionForward, SparseConfig
+from ..parts.stats import GenerationStats
+from ..parts.stepper import ForwardRequest, ForwardThenCommit
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")
 CONFIDENCE_OF = {"maskgit_plus": "prob", "topk_margin": "margin", "entropy": "neg_entropy",
@@ -194,7 +194,7 @@ def diffusion_generate(
     spec = get_spec(model, mask_id=config.mask_token_id)
     check_model_kind(spec, diffusion=True, entry="remask.diffusion_generate")
     check_mask_id(spec)
-    from .decoders import is_dinfer_method
+    from ..methods.decoders import is_dinfer_method
 
     dinfer = is_dinfer_method(decoder, use_cache)
     check_instance("sparse", sparse, SparseConfig, "a remask.SparseConfig")
@@ -266,7 +266,7 @@ def diffusion_generate(
         return DreamModelOutput(sequences=sequences) if config.return_dict_in_generate else sequences
 
     if decoder is not None:
-        from .freedave import FreeDave, freedave_generate
+        from ..methods.freedave import FreeDave, freedave_generate
 
         check_instance("decoder", decoder, FreeDave, "a remask decoder config (remask.FreeDave)")
         unread = [name for name, value in (("alg", alg_given not in (None, "confidence_threshold")),
@@ -320,7 +320,7 @@ def _dinfer_on_dream(model, inputs, attention_mask, config: DreamGenerationConfi
     `VicinityCache`) over Fast-dLLM's Dream blocks: the same step generator as on LLaDA
     (`dinfer_steps`), on Dream's shifted logits (`ModelSpec.logits`). A combination no paper
     shipped; greedy, so the sampling settings are refused by name."""
-    from .decoders import run_decoder
+    from ..methods.decoders import run_decoder
 
     gen_length = config.max_length - inputs.shape[1]
     set_here = sorted(name for name, on in unread.items() if on)

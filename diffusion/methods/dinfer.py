@@ -37,12 +37,12 @@ from remask.caches import KVCache
 from remask.kernels.dinfer import credit_confidence, dinfer_select
 from remask.models.spec import get_spec
 
-from .cache import BlockForward
-from .checks import (check_bool, check_config_bounds, check_instance, check_int, check_model_kind, check_prompt,
+from ..parts.cache import BlockForward
+from ..parts.checks import (check_bool, check_config_bounds, check_instance, check_int, check_model_kind, check_prompt,
                      check_real, check_stats, check_mask_id)
-from .stats import GenerationStats
-from .step import CommitRule
-from .stepper import ForwardRequest, Progress, StepGenerator, drive
+from ..parts.stats import GenerationStats
+from ..parts.step import CommitRule
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
 
 __all__ = ["ThresholdDecoding", "CreditDecoding", "HierarchicalDecoding", "VicinityCache", "IterationSmoothing",
            "dinfer_generate", "dinfer_steps"]

@@ -23,7 +23,7 @@ No blocks and no step budget: each step decodes inside a sliding window over the
   (they are returned as EOS here; upstream returns them masked).
 
 The attention runs through remask's LLaDA `attend` seam (`ElasticKVCache`). Every forward is a
-`ForwardRequest` the driver computes (`diffusion/stepper.py`): the model's own forward over the
+`ForwardRequest` the driver computes (`diffusion/parts/stepper.py`): the model's own forward over the
 queried positions (its embedding, every block, its head), with the request's `context`
 (`ElasticLayers`) around the call: hooks on the model's blocks that do the per-layer work between
 them — keep each layer's input hidden states, swap in the cached ones of all positions from the
@@ -47,11 +47,11 @@ from remask.caches.kv import KVCache
 from remask.models.layers import ForwardPositions, rope_cos_sin
 from remask.models.spec import get_spec
 
-from .cache import valid_positions
-from .checks import (check_bool, check_config_bounds, check_int, check_mask_id, check_model_kind,
+from ..parts.cache import valid_positions
+from ..parts.checks import (check_bool, check_config_bounds, check_int, check_mask_id, check_model_kind,
                      check_optional_token_id, check_prompt, check_real, check_stats, model_device)
-from .stats import GenerationStats
-from .stepper import ForwardRequest, Progress, StepGenerator, drive
+from ..parts.stats import GenerationStats
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
 
 
 @dataclass(frozen=True)
@@ -246,7 +246,7 @@ def _final_prefix(x: torch.Tensor, P: int, masked: torch.Tensor, mask_id: int, e
 def _check_rule(rule: Any, config: ElasticCache) -> None:
     """`rule` with Elastic-Cache: a commit rule without iteration smoothing, and none of Elastic's
     own commit settings (the rule replaces them), each refused naming both parts."""
-    from .step import CommitRule
+    from ..parts.step import CommitRule
 
     if not isinstance(rule, CommitRule):
         raise ValueError(f"decoder: Elastic-Cache takes a commit rule (a remask CommitRule: ThresholdDecoding, "
@@ -364,7 +364,7 @@ def elastic_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Elast
                   gen_length: int = 512, attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
                   eos_id: int | None = None, stats: GenerationStats | None = None,
                   trace: list | None = None, rule: Any = None) -> StepGenerator:
-    """`elastic_generate`'s loop as a step generator (`diffusion/stepper.py`): the arguments are
+    """`elastic_generate`'s loop as a step generator (`diffusion/parts/stepper.py`): the arguments are
     checked here, at the call; it yields a `ForwardRequest` per forward (it runs alone: the
     request's context drives the layers, `ElasticLayers`) and a `Progress` after it (rows are
     decoded one by one; `final`: for one row, the leading generated positions already decoded —

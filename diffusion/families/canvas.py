@@ -16,25 +16,31 @@ random draws in transformers' order (`torch.randint` for each canvas, `torch.mul
 By default the step runs on the fused kernels (`remask.kernels.canvas`): the sample (Gumbel-max
 over the tempered logits), argmax and entropy in one pass over the vocabulary, then the EB decision
 and the renoise in one launch; see docs/diffusion-gemma.md.
+
+No forward is computed here: a denoising step (`CanvasDecoder.denoising_step`) is a step generator
+that yields the decoder's forward and, when a canvas opens, the encoder's (`CanvasModel`'s
+`ForwardRequest`s). `canvas_generate` drives it with `drive`; the engine asks `next_forward` /
+`receive`, one forward per engine step.
 """
 from __future__ import annotations
 
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generator
 
 import torch
 
 from remask.kernels.canvas import canvas_score, canvas_update
 from remask.models.diffusion_gemma import CanvasModel, require_diffusion_gemma
-from remask.models.hf_compat import with_cache_field
+from remask.models.hf_compat import output_cache, with_cache_field
 
-from .checks import (MAX_LOOP_STEPS, ParameterTypeError, check_at_most, check_bool, check_choice, check_generator,
+from ..parts.checks import (MAX_LOOP_STEPS, ParameterTypeError, check_at_most, check_bool, check_choice, check_generator,
                      check_instance, check_int, check_real, check_stats)
-from .stats import GenerationStats
-from .scoring import draw_seed
-from .step import Decision, apply_decision
+from ..parts.stats import GenerationStats
+from ..parts.scoring import draw_seed
+from ..parts.step import Decision, apply_decision
+from ..parts.stepper import ForwardRequest, drive
 
 REMASK_KWARGS = ("reference_rng", "generator", "stats", "canvas_sampler")
 MODEL_KWARGS = ("attention_mask", "decoder_input_ids", "self_conditioning_logits")
@@ -256,6 +262,8 @@ class CanvasState:
     stable_steps: torch.Tensor | None = None
     cur_step: int = 0
     done: bool = False
+    pending: Any = None                    # under the engine: the step under way (a step generator) ...
+    request: ForwardRequest | None = None  # ... and the forward it waits for (None: a pause)
 
     @property
     def batch(self) -> int:
@@ -270,10 +278,11 @@ class CanvasState:
 
 
 class CanvasDecoder:
-    """The canvas loop as a decoder: `start` encodes the prompt and opens the first canvas; each
-    `step` is one denoising step of every row (one decoder forward), and closes the canvas (EOS,
-    padding) and opens the next when the canvas is done. `canvas_generate` drives it for a batch,
-    the engine for each request.
+    """The canvas loop as a decoder: the first step encodes the prompt and opens the first canvas;
+    each step is one denoising step of every row (one decoder forward), and closes the canvas (EOS,
+    padding) and opens the next (one encoder forward) when the canvas is done. `denoising_step` is
+    a step as a generator of those forwards; `step` computes them alone (`canvas_generate` drives
+    it for a batch), the engine one forward per engine step (`next_forward` / `receive`).
 
     config: a resolved `DiffusionGemmaGenerationConfig`; sampler: a `CanvasSampler`;
     reference_rng: transformers' draws in its order (see the module docstring); prompt_cache: a
@@ -307,9 +316,6 @@ class CanvasDecoder:
         self.prompt_cache = prompt_cache   # a `remask.caches.PromptCache` shared by the engine's requests
 
     # -- the engine's interface --------------------------------------------------------------------
-
-    def shared_forward_key(self, state: CanvasState) -> None:
-        return None   # each request runs its own decoder forward (the shapes it has alone)
 
     def num_final(self, state: CanvasState) -> int:
         """Generated positions that are final: those of finished canvases."""
@@ -354,21 +360,59 @@ class CanvasDecoder:
         state.done = state.canvases_left <= 0
         return state   # the first step opens the first canvas (encoder, random canvas: transformers' order)
 
-    def _open_canvas(self, state: CanvasState, generator: torch.Generator | None, first: bool = False) -> None:
-        """Encode what the cache lacks (the prompt, or the last canvas) and draw a fresh canvas."""
+    # -- the engine's interface: one forward per engine step ------------------------------------
+
+    def next_forward(self, model: torch.nn.Module, state: CanvasState, generator: torch.Generator | None = None,
+                     stats: GenerationStats | None = None) -> ForwardRequest | None:
+        """The forward `state` waits for (the decoder's over its canvas, or the encoder's: a module
+        of its own, which runs alone); a step starts when the last one is done. None once decoded,
+        or for one engine step while another request encodes this request's prompt (its cache is
+        then taken from the prompt cache)."""
+        if state.pending is None:
+            if state.done:
+                return None
+            state.pending = self.denoising_step(state, generator, stats)
+            self._advance(state, None)
+        elif state.request is None:   # paused a step
+            self._advance(state, None)
+        return state.request
+
+    def receive(self, state: CanvasState, answer: Any, generator: torch.Generator | None = None,
+                stats: GenerationStats | None = None) -> None:
+        """Hand the pending forward its answer and run the step to its next forward (or its end)."""
+        self._advance(state, answer)
+
+    def _advance(self, state: CanvasState, answer: Any) -> None:
+        try:
+            state.request = state.pending.send(answer)
+        except StopIteration:
+            state.pending = state.request = None
+
+    def _open_canvas(self, state: CanvasState, generator: torch.Generator | None,
+                     first: bool = False) -> Generator[ForwardRequest | None, Any, None]:
+        """Encode what the cache lacks (the prompt, or the last canvas: one encoder forward) and
+        draw a fresh canvas. A sub-generator; it yields None (a pause) while another request's
+        encoder forward of the same prompt is under way (the engine: that cache is in the prompt
+        cache after this step)."""
         L, V = self.canvas_model.canvas_length, self.canvas_model.vocab_size
         B, device = state.batch, state.input_ids.device
         key = None
         if first and self.prompt_cache is not None and B == 1 and bool(state.attention_mask.all()):
             key = tuple(state.input_ids[0].tolist())
+            if key in self.prompt_cache.encoding:
+                yield None   # one step: the other request's forward is computed in the same one
             cached = self.prompt_cache.get(key)
             if cached is not None:   # bitwise the cache this prompt's encoder forward writes
                 state.cache, key = cached, None
+            else:
+                self.prompt_cache.encoding.add(key)
         if not first or state.cache.get_seq_length() == 0:
-            state.cache = self.canvas_model.encode(state.input_ids if first else state.input_ids[:, -L:],
-                                                   state.attention_mask, state.encoder_positions, state.cache)
+            out = yield self.canvas_model.encoder_forward(state.input_ids if first else state.input_ids[:, -L:],
+                                                          state.attention_mask, state.encoder_positions, state.cache)
+            state.cache = output_cache(out)
             if key is not None:
                 self.prompt_cache.put(key, state.cache)
+                self.prompt_cache.encoding.discard(key)
         # transformers draws the random canvas even when `decoder_input_ids` replaces it (an eager default)
         random_canvas = torch.randint(0, V, (B, L), device=device, generator=generator)
         state.canvas = state.first_canvas.pop("decoder_input_ids", random_canvas)
@@ -385,16 +429,25 @@ class CanvasDecoder:
 
     def step(self, model: torch.nn.Module, state: CanvasState, generator: torch.Generator | None = None,
              stats: GenerationStats | None = None, streamer: Any = None) -> None:
-        """One denoising step of every row; closes the canvas (and opens the next) when it is done."""
+        """One denoising step of every row, its forwards computed alone (`denoising_step`)."""
+        drive(self.denoising_step(state, generator, stats, streamer), model)
+
+    def denoising_step(self, state: CanvasState, generator: torch.Generator | None = None,
+                       stats: GenerationStats | None = None,
+                       streamer: Any = None) -> Generator[ForwardRequest | None, Any, CanvasState]:
+        """One denoising step of every row as a step generator (the decoder's forward; the
+        encoder's where a canvas opens); closes the canvas (and opens the next) when it is done.
+        Returns the state."""
         cm, sampler, L, V = self.canvas_model, self.sampler, self.canvas_model.canvas_length, \
             self.canvas_model.vocab_size
         B, device = state.batch, state.input_ids.device
         if state.canvas is None:
-            self._open_canvas(state, generator, first=True)
+            yield from self._open_canvas(state, generator, first=True)
         canvas, argmax_canvas, finished = state.canvas, state.argmax_canvas, state.finished_denoising
         running = ~(finished | state.finished_sequences)
         state.decoder_forwards += running
-        logits = cm.denoise(canvas, state.self_conditioning, state.masks, state.cache, state.decoder_positions)
+        logits = yield cm.decoder_forward(canvas, state.self_conditioning, state.masks, state.cache,
+                                          state.decoder_positions)
         if stats is not None:
             stats.forward(B, L)
         # transformers passes the step as an int32 tensor: the temperature is computed in float32
@@ -435,9 +488,13 @@ class CanvasDecoder:
         if streamer is not None and hasattr(streamer, "put_draft"):
             streamer.put_draft(value=new_argmax.cpu())
         if state.cur_step == 0 or bool(finished.all()):
-            self._close_canvas(state, generator, streamer)
+            yield from self._close_canvas(state, generator, streamer)
+        return state
 
-    def _close_canvas(self, state: CanvasState, generator: torch.Generator | None, streamer: Any = None) -> None:
+    def _close_canvas(self, state: CanvasState, generator: torch.Generator | None,
+                      streamer: Any = None) -> Generator[ForwardRequest | None, Any, None]:
+        """Append the argmax canvas; unless every row is finished, open the next canvas (a
+        sub-generator: the encoder's forward over the canvas just closed)."""
         L = self.canvas_model.canvas_length
         state.input_ids = torch.cat([state.input_ids, state.argmax_canvas], dim=-1)
         state.input_ids, state.finished_sequences = _finish_canvas(
@@ -455,7 +512,8 @@ class CanvasDecoder:
         state.encoder_positions = state.decoder_positions
         state.decoder_positions = torch.arange(cur_len, cur_len + L, dtype=torch.int32,
                                                device=state.input_ids.device)[None]
-        self._open_canvas(state, generator)
+        state.argmax_canvas = None   # the sequences so far (`x`) until the next canvas is drawn
+        yield from self._open_canvas(state, generator)
 
     def output(self, state: CanvasState, return_dict: bool = True):
         """transformers' return value: the sequences, or a `DiffusionGemmaGenerationOutput`."""

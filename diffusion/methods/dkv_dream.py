@@ -24,7 +24,7 @@ Positions without a forward have no logits (upstream fills −inf). Under ``"un"
 masked position right after a cached one is not: its confidence is NaN, which `torch.topk` ranks
 first, and its token id is 0, as upstream.
 
-Every forward is a `ForwardRequest` the driver computes (`diffusion/stepper.py`); none is computed
+Every forward is a `ForwardRequest` the driver computes (`diffusion/parts/stepper.py`); none is computed
 here. The cache (`DelayedKVCache`) plugs into the model through its KV-cache seam (`attend`): keys
 enter it after RoPE (upstream re-rotates cached pre-RoPE keys at the same positions: the same
 numbers). A batch runs as one forward while its rows forward and cache equally many positions
@@ -39,12 +39,12 @@ import torch
 
 from remask.models.spec import get_spec
 
-from .cache import valid_positions
-from .checks import check_generator, check_int, check_length, check_mask_id, check_model_kind, check_prompt, check_stats
+from ..parts.cache import valid_positions
+from ..parts.checks import check_generator, check_int, check_length, check_mask_id, check_model_kind, check_prompt, check_stats
 from .dkv import DKVCache, DelayedKVCache, _split
-from .dream import DreamDecoder, DreamGenerationConfig, _validate_config
-from .stats import GenerationStats
-from .stepper import ForwardRequest, Progress, StepGenerator, drive
+from ..families.dream import DreamDecoder, DreamGenerationConfig, _validate_config
+from ..parts.stats import GenerationStats
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 

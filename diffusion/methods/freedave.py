@@ -38,7 +38,7 @@ Draft modes (one model call per verification either way):
   the cached prefix / suffix and to their own draft only (`_TreeCache`). Each draft is computed
   as alone either way, so the layout changes no bit.
 
-No forward is computed here: the loop is a step generator (`diffusion/stepper.py`) that yields a
+No forward is computed here: the loop is a step generator (`diffusion/parts/stepper.py`) that yields a
 `ForwardRequest` for each forward (the block start through `BlockForward.refresh`). A verification
 forward is a plain request (`rows_alone`, the block's cache copied or shared): the engine packs the
 forwards of its FreeDave requests into one model call per step.
@@ -63,28 +63,24 @@ Greedy only (temperature 0). Batches of any size: each row keeps its own chain l
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Any, Generator, Iterator
+from typing import Any, Generator
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from remask.caches import KVCache
 from remask.caches.kv import attention
-from remask.engine.batch_invariant import _batched_linear
 from remask.kernels import unmask
 from remask.models.spec import ModelSpec, get_spec
 
-from .cache import BlockForward, cache_mode, valid_positions
-from .checks import (check_choice, check_config_bounds, check_instance, check_int, check_length, check_mask_id,
+from ..parts.cache import BlockForward, cache_mode, valid_positions
+from ..parts.checks import (check_choice, check_config_bounds, check_instance, check_int, check_length, check_mask_id,
                      check_model_kind, check_prompt, check_real, check_stats, warn_if_longer_than_trained,
                      warn_if_padded_without_mask)
-from .llada import validate_block_args
-from .scoring import score_rows
-from .stats import GenerationStats
-from .stepper import ForwardRequest, Progress, StepGenerator, drive
+from ..families.llada import validate_block_args
+from ..parts.scoring import score_rows
+from ..parts.stats import GenerationStats
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
 
 DRAFT_MODES = ("tree_attention", "batch_expanding")
 MATCH_RULES = ("subset", "exact")
@@ -123,38 +119,6 @@ class FreeDave:
         the model's block); checked where the loop is built."""
         if block_length is not None:
             check_config_bounds(self, "decoder", {"draft_steps": (block_length, "the block length")})
-
-
-# --- exact per-draft forwards ---------------------------------------------------------------------
-
-class _PerSequenceLinear(TorchFunctionMode):
-    """`F.linear` on `[N, L, K]` inputs runs as the batched GEMM of N·L/`length` problems
-    `[length, K]`: each sequence (a batch row, or a draft within a concatenated row) gets the
-    product it gets alone. FreeDave's own requests say this with `rows_alone`; it stays for a
-    block family's forward of its own (`BlockFreeDave._per_draft`: Fast-dLLM v2's)."""
-
-    def __init__(self, length: int) -> None:
-        super().__init__()
-        self.length = length
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if x.dim() == 3 and x.shape[1] % self.length == 0 and x.shape[0] * x.shape[1] > self.length:
-                y = _batched_linear(x.reshape(-1, self.length, x.shape[2]), weight, bias)
-                return y.view(x.shape[0], x.shape[1], -1)
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _per_sequence(length: int, enabled: bool = True) -> Iterator[None]:
-    if not enabled:
-        yield
-        return
-    with _PerSequenceLinear(length):
-        yield
 
 
 class _TreeCache(KVCache):

@@ -1,6 +1,6 @@
 """Commit rules: small pure functions over one block's scores, for any step-wise loop.
 
-A rule is a `CommitRule` (`diffusion/step.py`): a config whose
+A rule is a `CommitRule` (`diffusion/parts/step.py`): a config whose
 
     commit, tokens = rule.commit(block, logits, mask_id, state)
 
@@ -24,7 +24,7 @@ from typing import Any, Mapping
 import torch
 
 from .checks import check_instance, check_real
-from .dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding
+from ..methods.dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding
 from .step import CommitRule
 
 __all__ = ["CommitRule", "CreditDecoding", "HierarchicalDecoding", "MarginDecoding", "ThresholdDecoding", "is_rule", "rule_types",
@@ -89,7 +89,7 @@ def check_rule_on_loop(rule: Any, family: str, *, temperature: float, unread: Ma
 
 def check_block_decoder(decoder: Any) -> None:
     """`decoder=` on a block-causal family's drop-in function: FreeDave or one of dInfer's rules."""
-    from .freedave import FreeDave
+    from ..methods.freedave import FreeDave
 
     check_instance("decoder", decoder, (FreeDave, CommitRule), "remask.FreeDave or a commit rule ("
                    + ", ".join(t.__name__ for t in rule_types()) + ": the decoders block-causal models take)")

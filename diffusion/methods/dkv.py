@@ -17,7 +17,7 @@ positions, then cached ones, each ascending), so float32 logits are the referenc
 
 The cache (`DelayedKVCache`) plugs into remask's LLaDA through the model's KV-cache seam
 (`attend`): no model code changes. Every forward is a `ForwardRequest` the driver computes
-(`diffusion/stepper.py`); in the engine the requests of several sequences share one packed model
+(`diffusion/parts/stepper.py`); in the engine the requests of several sequences share one packed model
 call, each sequence attending through its own cache (`varlen.PackedAttention`).
 """
 from __future__ import annotations
@@ -31,11 +31,11 @@ import torch.nn.functional as F
 from remask.caches.kv import KVCache, attention
 from remask.models.spec import get_spec
 
-from .cache import valid_positions
-from .checks import (check_bool, check_choice, check_config_bounds, check_generator, check_int, check_mask_id,
+from ..parts.cache import valid_positions
+from ..parts.checks import (check_bool, check_choice, check_config_bounds, check_generator, check_int, check_mask_id,
                      check_prompt, check_stats, model_device)
-from .stats import GenerationStats
-from .stepper import ForwardRequest, Progress, StepGenerator, drive
+from ..parts.stats import GenerationStats
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
 
 REMASKING = ("low_confidence", "random")
 

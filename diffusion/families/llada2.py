@@ -28,20 +28,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
+from typing import Any, Generator
 
 import torch
 from transformers.cache_utils import DynamicCache
 
 from remask.caches.block import PagedBlocks
 
-from .checks import (MAX_LOOP_STEPS, check_block_within_context, check_bool, check_instance, check_int, check_real,
+from ..parts.checks import (MAX_LOOP_STEPS, check_block_within_context, check_bool, check_instance, check_int, check_real,
                      check_settings, check_steps)
-from .freedave import FreeDave
-from .freedave_blocks import BlockFreeDave, check_freedave_loop
-from .rules import CommitRule, check_rule_on_loop, commit_block, is_rule, rule_types
-from .sdar import num_transfer_schedule, sample_block
-from .stats import GenerationStats
+from ..methods.freedave import FreeDave
+from ..methods.freedave_blocks import BlockFreeDave, check_freedave_loop
+from ..parts.rules import CommitRule, check_rule_on_loop, commit_block, is_rule, rule_types
+from .sdar import BlockLoop, block_request, num_transfer_schedule, sample_block
+from ..parts.stats import GenerationStats
+from ..parts.stepper import ForwardRequest
 
 __all__ = ["LLaDA2Decoder", "LLaDA2State", "num_transfer_schedule", "select_mask_to_token",
            "select_token_edits", "validate_llada2_args"]
@@ -113,11 +114,14 @@ class LLaDA2State:
     end: int | None = None   # where the output ends (after the first EOS), once done
     predictions: Any = None   # FreeDave's predictions for the current block (`LLaDA2FreeDave`)
     rule_state: Any = None    # (block, the commit rule's per-block state), `commit_block`'s (`LLaDA2Rules`)
+    pending: Any = None       # the forward asked for and not yet answered (a sub-generator)
 
 
-class LLaDA2Decoder(PagedBlocks):
+class LLaDA2Decoder(BlockLoop, PagedBlocks):
     """LLaDA2's loop as a state and a step: each `step` is one model forward — the prefill, a
-    decoding step of the current block, or the forward that stores a finished block."""
+    decoding step of the current block, or the forward that stores a finished block. In the engine
+    every one-block forward of the running requests (`block_request`: a decoding step or a store,
+    each at its own block against its own cache) is stacked into one call."""
 
     def __init__(self, *, mask_id: int, eos_id: int | None, gen_length: int = 2048, block_length: int = 32,
                  steps: int = 32, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
@@ -139,8 +143,6 @@ class LLaDA2Decoder(PagedBlocks):
         self.schedule = num_transfer_schedule(block_length, self.steps).tolist()
         # the engine's page store: each state's cache is then a `remask.caches.BlockKVCache` in its pages
         self.block_store = block_store if use_cache else None
-
-
 
     @property
     def editing(self) -> bool:
@@ -175,75 +177,48 @@ class LLaDA2Decoder(PagedBlocks):
             return state.end - state.prompt_length
         return max(0, state.block * self.block_length - state.prompt_length)
 
-    def _pending(self, state: LLaDA2State) -> tuple[int, int, bool]:
-        """(start, end, store) of the state's next forward: the store of what is finished (the
-        prompt's whole blocks, or the block just decoded), else a step of the current block."""
+    def _forward(self, state: LLaDA2State) -> Generator[ForwardRequest, Any, tuple[torch.Tensor | None, Any]]:
+        """The step's forward: the store of what is finished (the prompt's whole blocks, or the
+        block just decoded: one block is a block forward like the others), else a decoding step of
+        the current block (against the cache, or without one the sequence up to it under the
+        block-causal mask). Returns (logits `[1, L, V]`, ("store", positions) or "decide")."""
         L, b = self.block_length, state.block
         if not state.stored:
-            return state.cache.get_seq_length(), b * L, True
-        return b * L, (b + 1) * L, False
+            start = state.cache.get_seq_length()
+            if b * L - start == L:
+                yield block_request(state.x[:, start:b * L], state.position_ids[:, start:b * L], state.cache, True)
+            else:
+                yield ForwardRequest.call(state.x[:, start:b * L],
+                                          dict(attention_mask=state.attention[:, :, start:b * L, :b * L],
+                                               position_ids=state.position_ids[:, start:b * L]),
+                                          cache=state.cache, use_cache=True, store_kv=True)
+            return None, ("store", b * L - start)
+        span = slice(b * L, (b + 1) * L)
+        if self.use_cache:
+            logits = yield block_request(state.x[:, span], state.position_ids[:, span], state.cache, False)
+        else:
+            end = (b + 1) * L
+            logits = yield ForwardRequest.call(state.x[:, :end], dict(attention_mask=state.attention[:, :, :end, :end],
+                                                                      position_ids=state.position_ids[:, :end]),
+                                               rows=slice(-L, None))
+        return logits, "decide"
 
-    def shared_forward_key(self, state: LLaDA2State) -> tuple | None:
-        """Requests whose next forward is one block against their cache (a decoding step, or the
-        store of the block just finished) share one batched forward (`forward_shared`), whatever
-        block each one is at; the prefill (the prompt's length) and uncached forwards run alone."""
-        if state.done or not self.use_cache:
-            return None
-        start, end, _ = self._pending(state)
-        return ("block", self.block_length) if end - start == self.block_length else None
-
-    def forward_shared(self, model: torch.nn.Module, states: list[LLaDA2State]) -> tuple[torch.Tensor, list[bool]]:
-        """One forward over each state's pending block `[B, L]`, each row against its own cache
-        (`remask.caches.BlockBatch`); returns the logits and which rows stored their block."""
-        from remask.caches.block import BlockBatch
-
-        spans = [self._pending(state) for state in states]
-        x = torch.cat([state.x[:, a:e] for state, (a, e, _) in zip(states, spans)])
-        positions = torch.cat([state.position_ids[:, a:e] for state, (a, e, _) in zip(states, spans)])
-        stores = [store for _, _, store in spans]
-        logits = model(x, attention_mask=None, position_ids=positions,
-                       past_key_values=BlockBatch([state.cache for state in states], stores), use_cache=True,
-                       store_kv=False).logits
-        return logits, stores
-
-    def commit(self, state: LLaDA2State, logits: torch.Tensor, stored: Any = None,
+    def commit(self, state: LLaDA2State, logits: torch.Tensor | None, kind: Any,
                generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> None:
-        """The step's decision for one row of `forward_shared` (its logits `[1, L, V]`)."""
-        if stats is not None:
-            stats.forward(1, self.block_length)
-        if not state.stored:   # this row's forward stored its finished block
+        """The step's decision from its forward's logits `[1, L, V]` (`kind`: which forward it was)."""
+        if kind != "decide":   # the forward stored the finished blocks
             state.stored = True
+            if stats is not None:
+                stats.forward(1, kind[1])
             return
+        if stats is not None:
+            stats.forward(1, self.block_length if self.use_cache else (state.block + 1) * self.block_length)
         self._decide(state, logits, generator, stats)
 
     def output(self, state: LLaDA2State) -> torch.Tensor:
         """The continuation `[1, n]`: up to and including the first EOS, at most `gen_length`."""
         end = state.end if state.end is not None else state.prompt_length + self.gen_length
         return state.x[:, state.prompt_length:end]
-
-    def step(self, model: torch.nn.Module, state: LLaDA2State, generator: torch.Generator | None = None,
-             stats: GenerationStats | None = None) -> None:
-        L, b = self.block_length, state.block
-        if not state.stored:   # the prompt's whole blocks, or the block just finished
-            start = 0 if state.cache.get_seq_length() == 0 else state.cache.get_seq_length()
-            model(state.x[:, start:b * L], attention_mask=state.attention[:, :, start:b * L, :b * L],
-                  position_ids=state.position_ids[:, start:b * L], past_key_values=state.cache, use_cache=True,
-                  store_kv=True)
-            state.stored = True
-            if stats is not None:
-                stats.forward(1, b * L - start)
-            return
-        span = slice(b * L, (b + 1) * L)
-        if self.use_cache:
-            logits = model(state.x[:, span], attention_mask=None, position_ids=state.position_ids[:, span],
-                           past_key_values=state.cache, use_cache=True, store_kv=False).logits
-        else:
-            end = (b + 1) * L
-            logits = model(state.x[:, :end], attention_mask=state.attention[:, :, :end, :end],
-                           position_ids=state.position_ids[:, :end]).logits[:, -L:]
-        if stats is not None:
-            stats.forward(1, L if self.use_cache else (b + 1) * L)
-        self._decide(state, logits, generator, stats)
 
     def _decide(self, state: LLaDA2State, logits: torch.Tensor, generator: torch.Generator | None,
                 stats: GenerationStats | None) -> None:
@@ -309,7 +284,7 @@ class LLaDA2Decoder(PagedBlocks):
 
 
 class LLaDA2FreeDave(BlockFreeDave, LLaDA2Decoder):
-    """LLaDA2.0's loop with FreeDave (`diffusion/freedave_blocks.py`): the tokens of the same loop
+    """LLaDA2.0's loop with FreeDave (`diffusion/methods/freedave_blocks.py`): the tokens of the same loop
     without it — greedy, one token per step (`steps == block_length`), committing the masked positions
     above `threshold` or else the most confident one (`threshold=1.0`: exactly one per step, lossless;
     below 1 lossless with ``match_rule="exact"``) — with fewer forwards. Not LLaDA2.1's editing."""
@@ -331,9 +306,6 @@ class LLaDA2FreeDave(BlockFreeDave, LLaDA2Decoder):
 
     def _fd_select(self, masked: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
         return select_mask_to_token(masked, conf, 1, self.threshold)
-
-    def _fd_cached_mask(self, state: LLaDA2State) -> None:
-        return None   # its cached block forward attends to everything it is given
 
     def _fd_committed(self, state: LLaDA2State) -> None:
         """2.0's in-block EOS stop (`eos_early_stop`): an EOS with nothing masked before it."""

@@ -12,7 +12,7 @@ one launch).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator
+from typing import Any, Callable, Generator, Sequence
 
 import torch
 
@@ -20,17 +20,18 @@ from remask.caches import PagedKVCache
 from remask.models.spec import ModelSpec, get_spec
 
 from .apd import APDConfig, apd_generate, check_apd_alone
-from .cache import BlockForward, cache_mode, valid_positions
-from .sparse import BlockMaskForward, RetentionForward, SparseConfig
-from .checks import (CombinationError, check_bool, check_callable, check_choice, check_generator, check_instance, check_int, check_length,
+from ..parts.cache import BlockForward, cache_mode, valid_positions
+from ..methods.sparse import BlockMaskForward, RetentionForward, SparseConfig
+from ..parts.checks import (CombinationError, check_bool, check_callable, check_choice, check_generator, check_instance, check_int, check_length,
                      check_mask_id, check_model_kind, check_optional_token_id, check_prompt, check_real, check_stats,
                      check_token_id, warn_if_longer_than_trained, warn_if_padded_without_mask)
 from remask.kernels import unmask
 
-from .scoring import score_rows, score_tokens
-from .selection import schedule_counts, topk_commit
-from .stats import GenerationStats
-from .stepper import ForwardRequest, ForwardThenCommit
+from ..parts.scoring import score_rows, score_tokens
+from ..parts.selection import schedule_counts, topk_commit
+from ..parts.stats import GenerationStats
+from ..parts.constrain import CommitFilter
+from ..parts.stepper import ForwardRequest, ForwardThenCommit
 
 REMASKING = ("low_confidence", "random")
 
@@ -100,6 +101,7 @@ class BlockState:
     done: bool = False
     block_rows_for: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     pending: Any = None               # the forward asked for and not yet answered (a sub-generator)
+    constraint: Any = None            # structured output: a `CommitFilter` (one matcher per row), or None
 
     @property
     def batch(self) -> int:
@@ -121,7 +123,8 @@ class BlockDecoder(ForwardThenCommit):
                  logits_eos_inf: bool = False, confidence_eos_eot_inf: bool | str = False,
                  threshold: float | None = None, factor: float | None = None, precision: Precision | None = None,
                  early_stop: bool = False, reference_rng: bool = False, use_cache: str | PagedKVCache | None = None,
-                 sparse: SparseConfig | None = None, reference_ties: bool = False) -> None:
+                 sparse: SparseConfig | None = None, reference_ties: bool = False, structure: Any = None,
+                 end_ids: Sequence[int] = ()) -> None:
         check_mask_id(spec)
         self.num_blocks, self.steps_per_block = validate_block_args(gen_length, block_length, steps)
         validate_rule(threshold, factor)
@@ -174,6 +177,11 @@ class BlockDecoder(ForwardThenCommit):
         self.stop_ids = stop_ids
         self.parallel = threshold is not None or factor is not None
         self.reference_sampling = temperature > 0 and reference_rng
+        # structured output (remask/structured.py): a CompiledStructure, and the ids that end an answer
+        self.structure = structure
+        self.end_ids = sorted({int(i) for i in end_ids} or {i for i in (spec.eos_id, spec.eot_id) if i is not None})
+        if structure is not None and not self.end_ids:
+            raise ValueError("structured_outputs needs an end token: the model spec has no eos_id; pass eos_id")
 
     def check_input(self, model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """The prompt checks of this rule (call before `start`)."""
@@ -206,6 +214,9 @@ class BlockDecoder(ForwardThenCommit):
         state = BlockState(x=x, prompt_len=P, forwards=forwards, forward_inputs=forward_inputs,
                            prompt_index=x != mask_id, finished=torch.zeros(B, dtype=torch.bool, device=x.device),
                            stop_ids=torch.tensor(self.stop_ids, dtype=torch.long, device=x.device))
+        if self.structure is not None:
+            state.constraint = CommitFilter([self.structure.matcher(self.end_ids) for _ in range(B)], mask_id, P,
+                                            self.gen_length)
         self._begin_block(state)
         return state
 
@@ -250,6 +261,11 @@ class BlockDecoder(ForwardThenCommit):
         if stats is not None:
             stats.forward(B * (2 if self.cfg_scale > 0 else 1), L, state.forwards.cache_nbytes)
         local = start - fed   # the block's first row within the logits
+        constraint = state.constraint
+        if constraint is not None:
+            # the first undecided position's logits hold only what the structure allows (before the rule)
+            logits = constraint.mask_frontier(logits, start, end, local)
+            prior = block_x.clone()
         if self.reference_sampling and self.mode == "prefix" and state.step > 0:
             # Upstream's prefix loop draws (and discards) one extra noise tensor per cached step.
             torch.rand(logits.shape, dtype=torch.float64, device=x.device, generator=generator)
@@ -278,10 +294,15 @@ class BlockDecoder(ForwardThenCommit):
             # What the option was meant to do: commit EOS/EOT only when nothing else is left.
             conf = conf.masked_fill(torch.isin(x0, state.stop_ids), -torch.inf)
         before = block_mask.clone() if on_step is not None else None
+        k = None if self.parallel else self._budget(state)
         if self.reference_ties and not self.parallel:
-            committed = topk_commit(block_x, block_mask, x0, conf, state.schedule[:, state.step], L, local)
+            committed = topk_commit(block_x, block_mask, x0, conf, k, L, local)
         else:
-            committed = self._select(block_x, block_mask, x0, conf, None if self.parallel else state.schedule[:, state.step])
+            committed = self._select(block_x, block_mask, x0, conf, k)
+        if constraint is not None:
+            # keep what the structure accepts, advance the matchers (parts/constrain.py)
+            committed = torch.tensor(constraint.filter(x, prior, x0, logits, start, end, local), device=x.device)
+            block_mask = block_x == mask_id
         if on_step is not None:
             transfer = torch.zeros_like(x, dtype=torch.bool)
             transfer[:, start:end] = before & ~block_mask
@@ -290,10 +311,22 @@ class BlockDecoder(ForwardThenCommit):
             stats.step(committed.sum())
         state.step += 1
         # unmask cleared the committed positions of block_mask in place; with a parallel rule the
-        # block ends when none is left (the step's one host wait)
-        block_over = not bool(block_mask.any()) if self.parallel else state.step == self.steps_per_block
+        # block ends when none is left (the step's one host wait); under a structure, too (its
+        # filter may leave more holes than the schedule planned: one-token steps follow it)
+        if constraint is not None and all(constraint.finished):
+            state.done = True
+            return
+        block_over = not bool(block_mask.any()) if self.parallel or constraint is not None \
+            else state.step == self.steps_per_block
         if block_over:
             self._end_block(state, block_x, end)
+
+    def _budget(self, state: BlockState) -> torch.Tensor:
+        """The schedule's commits per row this step; past the schedule (a structure's filter left
+        holes) one per row."""
+        if state.step < self.steps_per_block:
+            return state.schedule[:, state.step]
+        return torch.ones(state.batch, dtype=state.schedule.dtype, device=state.schedule.device)
 
     def commit_key(self) -> tuple | None:
         """Equal for decoders whose commits after one shared forward a single batched call can
@@ -302,7 +335,7 @@ class BlockDecoder(ForwardThenCommit):
         from each request's own generator; the reference formulations; random remasking; the
         corrected EOS rule)."""
         if self.temperature > 0 or self.reference_sampling or self.reference_ties or self.remasking != "low_confidence" \
-                or self.confidence_eos_eot_inf == "corrected" or self.cfg_scale > 0:
+                or self.confidence_eos_eot_inf == "corrected" or self.cfg_scale > 0 or self.structure is not None:
             return None
         return (BlockDecoder, self.spec.mask_id, self.block_length, self.threshold, self.factor,
                 tuple(self.suppress or ()), tuple(self.zero_prob_ids or ()), self.precision.softmax)
@@ -396,6 +429,8 @@ def block_diffusion_generate(
     use_cache: str | PagedKVCache | None = None,
     sparse: SparseConfig | None = None,
     reference_ties: bool = False,
+    structure: Any = None,
+    end_ids: Sequence[int] = (),
 ) -> torch.Tensor:
     """The shared block loop behind `remask.generate` and `remask.compat.fast_dllm.generate`:
     `BlockDecoder` over one batch.
@@ -405,8 +440,8 @@ def block_diffusion_generate(
     feeds the block and everything after it against the cache cut at the block start; "dual" =
     the same block-start forward keeps K/V of every position and each step feeds only the block,
     whose fresh K/V overwrite its cache entries in place; "paged" = the dual algorithm over pages
-    (`remask.caches.PagedKVCache`). Keys are cached after RoPE (`diffusion/cache.py`).
-    `sparse` (`SparseConfig`): sparse attention (`diffusion/sparse.py`). `reference_ties`: commit
+    (`remask.caches.PagedKVCache`). Keys are cached after RoPE (`diffusion/parts/cache.py`).
+    `sparse` (`SparseConfig`): sparse attention (`diffusion/methods/sparse.py`). `reference_ties`: commit
     with `torch.topk` over the forward-length vector the references build (their order among
     exactly equal confidences) instead of the lower index first (`selection.topk_commit`).
 
@@ -417,7 +452,7 @@ def block_diffusion_generate(
                            logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf,
                            threshold=threshold, factor=factor, precision=precision, early_stop=early_stop,
                            reference_rng=reference_rng, use_cache=use_cache, sparse=sparse,
-                           reference_ties=reference_ties)
+                           reference_ties=reference_ties, structure=structure, end_ids=end_ids)
     decoder.check_input(model, prompt, attention_mask)
     check_generator(generator, prompt.device)
     check_stats("stats", stats)
@@ -463,6 +498,8 @@ def generate(
     sparse: SparseConfig | None = None,
     reference_ties: bool = False,
     decoder: Any = None,
+    structured_outputs: Any = None,
+    tokenizer: Any = None,
 ) -> torch.LongTensor:
     """Drop-in for ML-GSAI/LLaDA `generate` (same positional order, defaults and output).
 
@@ -506,6 +543,12 @@ def generate(
             decoding with the same `use_cache`, in fewer forwards), or dInfer's
             `remask.ThresholdDecoding`, `remask.CreditDecoding`, `remask.HierarchicalDecoding` (with
             `use_cache` None, "prefix", "dual" or `remask.VicinityCache(...)`).
+        structured_outputs: a `remask.StructuredOutputsParams` (JSON schema, regex, choice, grammar):
+            every row's answer is held to it at each commit (`diffusion/parts/constrain.py`); a row
+            that completes it ends with EOS (then EOS to `gen_length`), one that runs out of positions
+            holds a valid prefix. With the block rule (any schedule, threshold / factor, caches).
+        tokenizer: the model's tokenizer, which `structured_outputs` is compiled against (default:
+            the one saved in the model's checkpoint folder).
 
     Returns:
         LongTensor `[B, P + gen_length]` with the prompt unchanged and no mask token left.
@@ -518,8 +561,21 @@ def generate(
     check_optional_token_id(spec, eot_id, "eot_id")
     check_instance("apd", apd, APDConfig, "a remask.APDConfig")
     check_stats("verifier_stats", verifier_stats)
+    structure = None
+    if structured_outputs is not None:
+        from remask.structured import StructuredOutputsParams, compile_structure, model_vocab_size, tokenizer_for
+
+        structured_outputs = StructuredOutputsParams.from_json(structured_outputs)
+        clashes = [name for name, on in (("decoder", decoder is not None), ("apd", apd is not None),
+                                         ("use_cache", use_cache is not None and not isinstance(use_cache, (str, PagedKVCache))))
+                   if on]
+        if clashes:
+            raise CombinationError(f"structured_outputs is enforced in the block rule's commit; not yet with {clashes}")
+        structure = compile_structure(structured_outputs, tokenizer_for(model, tokenizer), model_vocab_size(model),
+                                      (spec.mask_id,) if spec.mask_id is not None else ())
+        structure.check_budget(gen_length)
     if decoder is not None or (use_cache is not None and not isinstance(use_cache, (str, PagedKVCache))):
-        from .decoders import run_decoder
+        from ..methods.decoders import run_decoder
 
         settings = {"steps": (steps, 128), "temperature": (temperature, 0.0), "cfg_scale": (cfg_scale, 0.0),
                     "remasking": (remasking, "low_confidence"), "logits_eos_inf": (logits_eos_inf, False),
@@ -550,4 +606,4 @@ def generate(
         temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, spec=spec,
         logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf, threshold=threshold,
         factor=factor, early_stop=early_stop, reference_rng=reference_rng, generator=generator, stats=stats,
-        on_step=on_step, use_cache=use_cache, sparse=sparse, reference_ties=reference_ties)
+        on_step=on_step, use_cache=use_cache, sparse=sparse, reference_ties=reference_ties, structure=structure)

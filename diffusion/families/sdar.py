@@ -25,20 +25,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Sequence
+from typing import Any, Generator, Sequence
 
 import torch
 from transformers.cache_utils import DynamicCache
 
-from remask.caches.block import PagedBlocks
+from remask.caches.block import BlockBatch, PagedBlocks
 
-from .checks import (check_block_within_context, check_bool, check_choice, check_generator, check_instance, check_int,
+from ..parts.checks import (check_block_within_context, check_bool, check_choice, check_generator, check_instance, check_int,
                      check_real, check_settings, check_stats, check_steps)
-from .freedave import FreeDave
-from .freedave_blocks import BlockFreeDave, check_freedave_loop
-from .rules import CommitRule, check_block_decoder, check_rule_on_loop, commit_block, is_rule, rule_types, unread_settings
-from .scoring import sample_categorical
-from .stats import GenerationStats
+from ..methods.freedave import FreeDave
+from ..methods.freedave_blocks import BlockFreeDave, check_freedave_loop
+from ..parts.rules import CommitRule, check_block_decoder, check_rule_on_loop, commit_block, is_rule, rule_types, unread_settings
+from ..parts.scoring import sample_categorical
+from ..parts.stats import GenerationStats
+from ..parts.stepper import ForwardRequest, ForwardThenCommit
 
 REMASKING_STRATEGIES = ("sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded")
 
@@ -131,6 +132,42 @@ def check_sdar_settings(settings) -> dict:
     return out
 
 
+def block_request(blocks: torch.Tensor, positions: torch.Tensor, cache: Any, store: bool) -> ForwardRequest:
+    """The forward of one block `[K, L]` (K versions of it: FreeDave's drafts) against `cache`
+    (SDAR's and LLaDA2's `store_kv` models), storing the block when `store`: its cache argument is
+    a `BlockBatch` of K rows over the one cache (never copied), each row's attention as its own
+    forward's — the forward's mask is all ones (a block sees itself and every earlier block), so
+    none is passed — and each row's linears as alone (`rows_alone`). The engine stacks such
+    requests of one step into one call (`stepper.run_forwards`)."""
+    K = blocks.shape[0]
+    return ForwardRequest.call(blocks, dict(position_ids=positions.expand(K, -1)),
+                               cache=BlockBatch([cache] * K, [store] * K), rows_alone=K > 1, use_cache=True,
+                               store_kv=False)
+
+
+class BlockLoop(ForwardThenCommit):
+    """A block-causal family's loop (SDAR, LLaDA2, Fast-dLLM v2) as a `ForwardThenCommit`:
+    `_forward(state)` (a sub-generator of the step's one `ForwardRequest`, returning `(logits,
+    kind)`: which forward it was), `commit(state, logits, kind, generator, stats)`, and
+    `_settle(state)`: the loop's moves that take no forward (a block that ends with nothing to
+    store, the next block opened), made before each forward. The drop-in loops call `step`; the
+    engine asks `next_forward` and hands the logits to `receive`."""
+
+    def _settle(self, state: Any) -> None:
+        """The moves before the next forward that take none (none here)."""
+
+    def next_forward(self, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
+                     stats: GenerationStats | None = None) -> ForwardRequest | None:
+        self._settle(state)
+        return super().next_forward(model, state, generator, stats)
+
+    def step(self, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
+             stats: GenerationStats | None = None) -> None:
+        self._settle(state)
+        if not state.done:
+            super().step(model, state, generator, stats)
+
+
 @dataclass(eq=False)
 class SDARState:
     """One prompt under SDAR's loop: `x` `[1, total]` (prompt, then masks), the cache, the block
@@ -149,13 +186,15 @@ class SDARState:
     stopped_at: int | None = None
     predictions: Any = None   # FreeDave's predictions for the current block (`SDARFreeDave`)
     rule_state: Any = None    # (block, the commit rule's per-block state), `commit_block`'s (`SDARRules`)
+    pending: Any = None       # the forward asked for and not yet answered (a sub-generator)
 
 
-class SDARDecoder(PagedBlocks):
+class SDARDecoder(BlockLoop, PagedBlocks):
     """SDAR's loop as a state and a step: each `step` is one model forward — the prefill, a
     denoising step of the current block (sample, select, commit), or the forward that stores a
-    finished block in the cache and moves on. `sdar_generate` drives it for one prompt, the engine
-    for each request (its own forwards: the shapes it has alone)."""
+    finished block in the cache and moves on. `sdar_generate` drives it for one prompt; in the
+    engine every block forward (a `BlockBatch` request: `block_request`) of the running requests,
+    each at its own block against its own cache, is stacked into one call."""
 
     def __init__(self, *, mask_id: int, gen_length: int, block_length: int, denoising_steps: int,
                  temperature: float, top_k: int, top_p: float, remasking_strategy: str,
@@ -179,15 +218,6 @@ class SDARDecoder(PagedBlocks):
         check_bool("use_cache", use_cache)
         self.use_cache = use_cache
 
-
-    def shared_forward_key(self, state: SDARState) -> tuple | None:
-        """Requests whose next forward is a block step (denoise or store) of the same length share
-        one batched forward (`forward_shared`); each row attends over its own cache. A prefill runs
-        alone (its length is the prompt's)."""
-        if state.done or not state.prefilled or not self.use_cache:
-            return None
-        return ("block", self.block_length)
-
     def _block(self, state: SDARState) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The current block's tokens (a view of x), positions, and whether it is finished (the
         forward then stores its K/V)."""
@@ -195,30 +225,52 @@ class SDARDecoder(PagedBlocks):
         cur_x = state.x[:, span]
         return cur_x, state.position_ids[:, span], not bool((cur_x == self.mask_id).any())
 
-    def forward_shared(self, model: torch.nn.Module, states: list[SDARState]) -> tuple[torch.Tensor, list[bool]]:
-        """One forward over the current blocks of `states` `[B, L]`, each row against its own cache
-        (`remask.caches.BlockBatch`); returns the logits and which rows stored their block."""
-        from remask.caches.block import BlockBatch
+    def _settle(self, state: SDARState) -> None:
+        """Without a cache a finished block has nothing to store: on to the next one, no forward."""
+        if not state.done and state.prefilled and not self.use_cache and self._block(state)[2]:
+            self._next_block(state)
 
-        blocks = [self._block(state) for state in states]
-        stores = [finished for _, _, finished in blocks]
-        logits = model(torch.cat([x for x, _, _ in blocks]), attention_mask=None,
-                       position_ids=torch.cat([p for _, p, _ in blocks]),
-                       past_key_values=BlockBatch([state.cache for state in states], stores), use_cache=True,
-                       store_kv=False).logits
-        return logits, stores
+    def _forward(self, state: SDARState) -> Generator[ForwardRequest, Any, tuple[torch.Tensor | None, str]]:
+        """The step's forward: the prefill (the prompt's whole blocks, stored; one block is a block
+        forward like the others), a denoising forward of the current block (against the cache, or
+        without one the sequence up to it under the block-causal mask), or the store of the
+        finished block. Returns (logits `[1, L, V]`, "prefill" / "denoise" / "store")."""
+        L = self.block_length
+        if not state.prefilled:   # the prompt's whole blocks, stored
+            n = state.block * L
+            if n == L:
+                yield block_request(state.x[:, :L], state.position_ids[:, :L], state.cache, True)
+            else:
+                yield ForwardRequest.call(state.x[:, :n], dict(attention_mask=state.attention[:, :n, :n],
+                                                               position_ids=state.position_ids[:, :n]),
+                                          cache=state.cache, use_cache=True, store_kv=True)
+            return None, "prefill"
+        cur_x, positions, finished = self._block(state)
+        if not self.use_cache:
+            end = (state.block + 1) * L
+            logits = yield ForwardRequest.call(state.x[:, :end], dict(attention_mask=state.attention[:, :end, :end],
+                                                                      position_ids=state.position_ids[:, :end]),
+                                               rows=slice(-L, None))
+            return logits, "denoise"
+        # a finished block joins the cache (and the loop moves on); else a denoising step
+        logits = yield block_request(cur_x, positions, state.cache, finished)
+        return logits, "store" if finished else "denoise"
 
-    def commit(self, state: SDARState, logits: torch.Tensor, stored: list[bool] | bool,
+    def commit(self, state: SDARState, logits: torch.Tensor | None, kind: str,
                generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> None:
-        """The step's decision for one row of `forward_shared` (its logits `[1, L, V]`)."""
+        """The step's decision from its forward's logits `[1, L, V]` (`kind`: which forward it was)."""
+        L = self.block_length
+        if kind == "prefill":
+            state.prefilled = True
+            if stats is not None:
+                stats.forward(1, state.block * L)
+            return
         if stats is not None:
-            stats.forward(1, self.block_length)
-        cur_x, _, finished = self._block(state)
-        if finished:
+            stats.forward(1, L if self.use_cache else (state.block + 1) * L)
+        if kind == "store":
             self._next_block(state)
         else:
-            self._denoise(state, cur_x, logits, generator, stats)
-
+            self._denoise(state, self._block(state)[0], logits, generator, stats)
 
     def num_final(self, state: SDARState) -> int:
         """Generated positions that are final: those of the finished blocks (all of them once done),
@@ -249,41 +301,6 @@ class SDARDecoder(PagedBlocks):
                          position_ids=torch.arange(total, device=device)[None], block=prompt_length // L,
                          num_blocks=num_blocks, prefilled=prompt_length < L or not self.use_cache)
 
-    def step(self, model: torch.nn.Module, state: SDARState, generator: torch.Generator | None = None,
-             stats: GenerationStats | None = None) -> None:
-        L = self.block_length
-        if not state.prefilled:   # the prompt's whole blocks, stored
-            n = state.block * L
-            model(state.x[:, :n], attention_mask=state.attention[:, :n, :n], position_ids=state.position_ids[:, :n],
-                  past_key_values=state.cache, use_cache=True, store_kv=True)
-            state.prefilled = True
-            if stats is not None:
-                stats.forward(1, n)
-            return
-        cur_x, positions, finished = self._block(state)
-        mask = state.attention[:, state.block * L:(state.block + 1) * L, :(state.block + 1) * L]
-        if not self.use_cache:
-            end = (state.block + 1) * L
-            if finished:   # nothing to store: no forward
-                self._next_block(state)
-                return
-            if stats is not None:
-                stats.forward(1, end)
-            logits = model(state.x[:, :end], attention_mask=state.attention[:, :end, :end],
-                           position_ids=state.position_ids[:, :end]).logits[:, -L:]
-            self._denoise(state, cur_x, logits, generator, stats)
-            return
-        if stats is not None:
-            stats.forward(1, L)
-        if finished:   # the finished block joins the cache; on to the next
-            model(cur_x, attention_mask=mask, position_ids=positions, past_key_values=state.cache, use_cache=True,
-                  store_kv=True)
-            self._next_block(state)
-            return
-        logits = model(cur_x, attention_mask=mask, position_ids=positions, past_key_values=state.cache,
-                       use_cache=True, store_kv=False).logits
-        self._denoise(state, cur_x, logits, generator, stats)
-
     def _next_block(self, state: SDARState) -> None:
         L = self.block_length
         state.block += 1
@@ -312,7 +329,7 @@ class SDARDecoder(PagedBlocks):
 
 
 class SDARFreeDave(BlockFreeDave, SDARDecoder):
-    """SDAR's loop with FreeDave (`diffusion/freedave_blocks.py`): the tokens of the same loop
+    """SDAR's loop with FreeDave (`diffusion/methods/freedave_blocks.py`): the tokens of the same loop
     without it — greedy, one token per step (`denoising_steps == block_length`), committed by
     ``low_confidence_static`` (lossless) or ``low_confidence_dynamic`` (its threshold rule; lossless
     with ``match_rule="exact"``) — with fewer forwards."""
@@ -335,10 +352,6 @@ class SDARFreeDave(BlockFreeDave, SDARDecoder):
 
     def _fd_select(self, masked: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
         return select_positions(self.strategy, masked, conf, None, 1, self.confidence_threshold, self.eb_threshold)
-
-    def _fd_cached_mask(self, state: SDARState) -> torch.Tensor:
-        start, end = self._span(state)
-        return state.attention[:, start:end, :end]
 
     def _fd_block_done(self, state: SDARState) -> None:
         pass   # the next step stores the full block and moves on (the loop's own step)

@@ -31,7 +31,7 @@ the global maximum used for the block bias), so a row in a batch may decode diff
 The cache (`D2KVCache`) plugs into remask's LLaDA through the model's KV-cache seam (`attend`) and
 computes attention eagerly (the weights are needed for the rollout), in the reference's order of
 operations, so float32 logits are the reference's; no model code changes. Every forward is a
-`ForwardRequest` the driver computes (`diffusion/stepper.py`); in the engine the requests of
+`ForwardRequest` the driver computes (`diffusion/parts/stepper.py`); in the engine the requests of
 several sequences share one packed model call, each sequence attending through its own cache
 (`varlen.PackedAttention`), whatever the rows it recomputes.
 """
@@ -45,10 +45,10 @@ import torch
 from remask.caches.kv import KVCache
 from remask.models.spec import get_spec
 
-from .checks import (check_bool, check_config_bounds, check_int, check_mask_id, check_prompt, check_real, check_stats,
+from ..parts.checks import (check_bool, check_config_bounds, check_int, check_mask_id, check_prompt, check_real, check_stats,
                      model_device)
-from .stats import GenerationStats
-from .stepper import ForwardRequest, Progress, StepGenerator, drive
+from ..parts.stats import GenerationStats
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
 
 
 @dataclass(frozen=True)

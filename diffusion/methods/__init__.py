@@ -1,0 +1,1 @@
+"""The published methods as step generators over the parts (see `remask.diffusion`)."""

@@ -1,0 +1,1 @@
+"""The protocol and the parts every method is made of (see `remask.diffusion`)."""

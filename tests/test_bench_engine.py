@@ -1,0 +1,23 @@
+"""`bench/engine.py --per-method` runs (a smoke test on two methods and two requests): every
+method's engine tokens equal its drop-in calls', and the table holds the columns the issue asks."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import remask
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import engine as bench  # noqa: E402
+
+
+def test_per_method_bench_runs_and_its_tokens_match(monkeypatch):
+    ar, _ = remask.load("tiny-ar")
+    names = {"WINO", "threshold 0.9 + dual cache"}
+    chosen = [s for s in bench.method_settings(ar) if s[0] in names]
+    monkeypatch.setattr(bench, "method_settings", lambda verifier: chosen)
+    rows = bench.per_method([2], 16, 1)
+    assert {r["method"] for r in rows} == names | {"AR (tiny-ar)"}
+    assert all(r["identical"] and r["calls_per_step"] <= 1.0 + 1e-9 for r in rows)
+    table = bench.per_method_table(rows, "python bench/engine.py --per-method")
+    assert "model calls per step" in table and "invariance cost" in table and table.count("\n|") == len(rows) + 2

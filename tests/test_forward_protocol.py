@@ -1,0 +1,148 @@
+"""Forwards as data (issue 38): decoders describe each forward as a `ForwardRequest`; only the two
+drivers — the drop-in `stepper.run_forwards` and the engine's `ModelRunner` — call a model. The
+runner packs the requests of every running sequence into one flat forward, each request with its
+own cache, mask and positions, and each gets the logits its own forward gives it."""
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import remask
+from remask.diffusion.rules import MarginDecoding
+from remask.diffusion.stepper import ForwardRequest, run_forwards
+from remask.engine import LLMEngine, SamplingParams
+from remask.engine.batch_invariant import batch_invariant_linear, flat_threshold
+from remask.zoo import charset, tasks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A model forward written out: the model (or APD's verifier) called, its `forward`, `spec.logits`.
+CALL = re.compile(r"(?<![\w.])(model|verifier|self\.model|self\.verifier)\(|\b(model|verifier|module)\.forward\(|spec\.logits\(")
+
+
+def test_only_the_drivers_call_a_model():
+    """No decoder in `diffusion/` calls a model: the one place is `parts/stepper.py`'s
+    `call_model` (the drop-in driver, which the engine's runner shares)."""
+    offenders = []
+    for path in sorted((ROOT / "diffusion").rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            if CALL.search(code) and not code.strip().startswith(('"', "'", ">>>")):
+                offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    drivers = [o for o in offenders if o.startswith("diffusion/parts/stepper.py")]
+    assert [o for o in offenders if o not in drivers] == []
+    assert drivers, "the drop-in driver's call was not found: the pattern is stale"
+
+
+# Every LLaDA method of docs/compatibility.md (SamplingParams keywords), blocks of 16.
+LLADA_METHODS = [
+    dict(block_length=16),
+    dict(block_length=16, threshold=0.9),
+    dict(block_length=16, threshold=0.9, use_cache="dual"),
+    dict(alg="entropy"),
+    dict(block_length=16, decoder=remask.FreeDave()),
+    dict(block_length=16, decoder=remask.FreeDave(), use_cache="dual"),
+    dict(block_length=16, decoder=remask.ThresholdDecoding()),
+    dict(block_length=16, decoder=remask.CreditDecoding()),
+    dict(block_length=16, decoder=remask.HierarchicalDecoding()),
+    dict(block_length=16, use_cache=remask.VicinityCache()),
+    dict(block_length=16, decoder=remask.WINO()),
+    dict(block_length=16, use_cache=remask.DKVCache()),
+    dict(block_length=16, use_cache=remask.D2Cache()),
+    dict(block_length=16, decoder=MarginDecoding()),
+    dict(use_cache=remask.ElasticCache()),
+]
+
+
+@pytest.fixture(scope="module")
+def llada():
+    return remask.load("tiny-llada")
+
+
+def _drop_in(model, ids, params):
+    prompt = torch.tensor([ids])
+    generator = torch.Generator().manual_seed(params.seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if params.alg is not None:
+            out = remask.diffusion_generate(model, prompt, generator=generator, **params.diffusion_generate_kwargs())
+        else:
+            kw = params.generate_kwargs()
+            if params.decoder is not None:
+                kw["decoder"] = params.decoder
+            out = remask.generate(model, prompt, generator=generator, **kw)
+    return out[0, len(ids):].tolist()
+
+
+def test_thirty_two_requests_of_every_llada_method_share_one_model_call_per_step(llada):
+    """32 requests over the LLaDA methods (prompts of different lengths, each method's own cache)
+    make one model call per engine step — Elastic-Cache's requests, whose forward changes its rows
+    between layers (its own layer hooks), one more each — and every request gets its drop-in tokens."""
+    model, tokenizer = llada
+    problems = tasks.problems(32, tasks.EVAL_SEED)
+    requests = [(charset.encode_chat(p.prompt), SamplingParams(max_tokens=32, seed=i, **LLADA_METHODS[i % len(LLADA_METHODS)]))
+                for i, p in enumerate(problems)]
+    assert len({len(ids) for ids, _ in requests}) > 3
+    engine = LLMEngine(model, tokenizer, max_num_seqs=64, cost_stride=False)
+    for i, (ids, params) in enumerate(requests):
+        engine.add_request(str(i), ids, params)
+    done, steps = {}, 0
+    elastic = {str(i) for i, (_, p) in enumerate(requests) if isinstance(p.use_cache, remask.ElasticCache)}
+    while engine.has_unfinished_requests():
+        before, alone = engine.runner.forwards, len(elastic - set(done))
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].all_token_ids
+        steps += 1
+        calls = engine.runner.forwards - before
+        assert calls <= 1 + alone, f"step {steps}: {calls} model calls"
+    assert steps > 4
+    for i, (ids, params) in enumerate(requests):
+        assert done[str(i)] == _drop_in(model, ids, params), f"request {i}: {LLADA_METHODS[i % len(LLADA_METHODS)]}"
+
+
+def test_a_packed_forward_gives_each_request_its_own_logits(llada):
+    """Requests of different lengths, with and without caches and masks, several rows or one, in
+    one `run_forwards` call: each request's logits are bitwise those of its own forward."""
+    model, _ = llada
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n, b=1: torch.randint(0, 100, (b, n), generator=g)  # noqa: E731
+    cache = remask.caches.KVCache()
+    filled = ForwardRequest(ids(20), cache=cache, shared=dict(cache_position=torch.arange(20)))
+    run_forwards(model, [filled])
+    bias = torch.ones(1, 1, 17, 17, dtype=torch.bool)
+    bias[..., 12:] = False
+
+    def make():
+        c = remask.caches.KVCache()
+        c.keys, c.values = [k.clone() for k in cache.keys], [v.clone() for v in cache.values]
+        return [ForwardRequest(ids(23)), ForwardRequest(ids(17), per_row=dict(attention_bias=bias)),
+                ForwardRequest(ids(9, 3), rows_alone=True),
+                ForwardRequest(ids(6), cache=c, shared=dict(cache_position=torch.arange(14, 20))),
+                ForwardRequest(ids(31), spec=remask.get_spec(model), rows=slice(4, 20))]
+
+    state = g.get_state()
+    alone = [run_forwards(model, [r])[0] for r in make()]
+    g.set_state(state)
+    packed = run_forwards(model, make(), lambda rows, groups=None: batch_invariant_linear(
+        True, single_thread=True, token_groups=groups))
+    for a, p in zip(alone, packed):
+        assert a.shape == p.shape and torch.equal(a, p)
+
+
+def test_the_flat_gemm_threshold_is_measured_and_holds():
+    """Where this CPU's GEMM gives every row the same bits from some row count on, rows of
+    problems at least that long share one GEMM; any such row count agrees with any other."""
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    threshold = flat_threshold(weight, bias)
+    if threshold is None:
+        pytest.skip("this CPU's GEMM is not row-invariant above a size: the per-sequence GEMMs serve")
+    x = torch.randn(700, 64)
+    full = torch.nn.functional.linear(x, weight, bias)
+    for m in (threshold, threshold + 1, 33, 129, 333, 699):
+        if m >= threshold:
+            assert torch.equal(torch.nn.functional.linear(x[1:1 + m], weight, bias), full[1:1 + m])
