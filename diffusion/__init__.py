@@ -23,7 +23,7 @@ import sys
 # The flat names of the modules, each in its room: `remask.diffusion.llada` is
 # `remask.diffusion.families.llada` (the same module object).
 ROOMS = {
-    "parts": ("step", "stepper", "scoring", "selection", "rules", "cache", "varlen", "stats", "checks", "constrain"),
+    "parts": ("step", "stepper", "scoring", "selection", "rules", "cache", "varlen", "stats", "checks", "constrain", "constrain_loops"),
     "families": ("llada", "dream", "sdar", "llada2", "fast_dllm_v2", "canvas", "ar", "apd"),
     "methods": ("freedave", "freedave_blocks", "dinfer", "wino", "dkv", "dkv_dream", "d2cache", "elastic", "sparse",
                 "presets", "decoders"),

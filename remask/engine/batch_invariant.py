@@ -108,13 +108,21 @@ def flat_threshold(weight: torch.Tensor, bias: torch.Tensor | None) -> int | Non
 
 
 def _flat_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`[M, K]` rows, M at least the threshold: one GEMM, or calls of at most `FLAT_ROWS` rows."""
+    """`[M, K]` rows, M at least the threshold: one GEMM, or GEMMs of at most `FLAT_ROWS` rows
+    written straight into the output (the kernel `F.linear` calls: addmm, or mm without a bias)."""
     M = x.shape[0]
     if M <= FLAT_ROWS:
         return F.linear(x, weight, bias)
     parts = -(-M // FLAT_ROWS)
     size = -(-M // parts)
-    return torch.cat([F.linear(x[i:i + size], weight, bias) for i in range(0, M, size)])
+    x = x.contiguous()
+    out = x.new_empty(M, weight.shape[0])
+    for i in range(0, M, size):
+        if bias is None:
+            torch.mm(x[i:i + size], weight.t(), out=out[i:i + size])
+        else:
+            torch.addmm(bias, x[i:i + size], weight.t(), out=out[i:i + size])
+    return out
 
 
 class _PerSequenceLinear(TorchFunctionMode):
