@@ -676,3 +676,200 @@ def tokenizer_for(model: Any, tokenizer: Any = None) -> Any:
         return _MODEL_TOKENIZERS[path]
     raise ValueError("structured_outputs needs the model's tokenizer (the structure is compiled against its "
                      "vocabulary): pass tokenizer=")
+
+
+# ---- tool calls (OpenAI's `tools` / `tool_choice`) ----------------------------------------------
+
+TOOL_CALL_TAG = "<tool_call>"     # what starts a call in an `auto` answer (Hermes / Qwen's tag)
+MAX_TOOLS = 128                   # OpenAI's limit on `tools`
+_TOOL_NAME = __import__("re").compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+@dataclass(frozen=True)
+class ToolCallSpec:
+    """A chat request's `tools` and `tool_choice`, checked, and the structure that enforces them.
+
+    * `mode`: `none` (plain text, the tools only checked), `named` (one call of `name`; the answer
+      is the call's arguments, a JSON object held to that function's `parameters`), `required` (one
+      call of any listed tool: the answer is `{"name": ..., "arguments": {...}}`, a JSON Schema
+      `anyOf` over the tools, each `name` a `const` and its `arguments` that tool's parameters) or
+      `auto` (free text or a call: the Lark grammar `start: TEXT | "<tool_call>" %json{call}`, where
+      `TEXT` is any non-empty text that does not begin with `<tool_call>`; an answer that begins
+      with the tag is a call);
+    * `structure`: the `StructuredOutputsParams` the answer is held to (None for `none`);
+    * `tools`: name → parameters schema, in the request's order.
+    """
+
+    mode: str
+    tools: tuple[tuple[str, Any], ...]
+    name: str | None = None
+    structure: StructuredOutputsParams | None = None
+
+    def call_of(self, text: str) -> dict[str, Any] | None:
+        """The call a finished answer holds, `{"name", "arguments"}` (arguments as compact JSON
+        text), or None when it holds text (`none`, or `auto` answered in text)."""
+        if self.mode == "none":
+            return None
+        if self.mode == "named":
+            return {"name": self.name, "arguments": text}   # the answer is the arguments (what streaming sent)
+        if self.mode == "auto":
+            if not text.startswith(TOOL_CALL_TAG):
+                return None
+            text = text[len(TOOL_CALL_TAG):]
+        value = _json.loads(text)
+        return {"name": value["name"], "arguments": _json.dumps(value["arguments"], separators=(",", ":"),
+                                                                 ensure_ascii=False)}
+
+    def is_call(self, text: str) -> bool | None:
+        """Whether an answer that begins with `text` is a call: True / False, or None while it
+        cannot be told yet (`auto`, `text` a proper prefix of the tag)."""
+        if self.mode in ("named", "required"):
+            return True
+        if self.mode == "none":
+            return False
+        if text.startswith(TOOL_CALL_TAG):
+            return True
+        return None if TOOL_CALL_TAG.startswith(text) else False
+
+
+def _tool_error(field: str, message: str) -> StructuredOutputsError:
+    return StructuredOutputsError(field, f"{field}: {message}" if not message.startswith(field) else message)
+
+
+def _rebase_refs(schema: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
+    """A tool's parameters schema with its local definitions (`$defs` / `definitions`, and the
+    root itself for `"$ref": "#"`) renamed under `prefix`, so several tools' schemas can sit in one
+    document (`{"$defs": {...}, "anyOf": [...]}`): (the schema, its definitions)."""
+    defs: dict[str, Any] = {}
+    for key in ("$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                defs[f"{prefix}{name}"] = sub
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {}
+            for k, v in node.items():
+                if k in ("$defs", "definitions") and node is schema:
+                    continue
+                if k == "$ref" and isinstance(v, str):
+                    if v == "#":
+                        v = f"#/$defs/{prefix}_root"
+                        defs.setdefault(f"{prefix}_root", None)
+                    else:
+                        for head in ("#/$defs/", "#/definitions/"):
+                            if v.startswith(head):
+                                v = f"#/$defs/{prefix}{v[len(head):]}"
+                out[k] = rewrite(v)
+            return out
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    body = rewrite(schema)
+    defs = {name: (body if sub is None else rewrite(sub)) for name, sub in defs.items()}
+    return body, defs
+
+
+def _call_schema(tools: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """`{"name": const, "arguments": parameters}` for each tool, as one JSON Schema (`anyOf`)."""
+    options, defs = [], {}
+    for i, (name, params) in enumerate(tools):
+        body, own = _rebase_refs(params, f"t{i}_")
+        defs.update(own)
+        options.append({"type": "object", "properties": {"name": {"const": name}, "arguments": body},
+                        "required": ["name", "arguments"], "additionalProperties": False})
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    if defs:
+        schema = {**schema, "$defs": defs}
+    return schema
+
+
+def tool_call_spec(tools: Any, tool_choice: Any, parallel_tool_calls: Any = None,
+                   disable_any_whitespace: bool = True) -> ToolCallSpec | None:
+    """OpenAI's `tools` (`[{"type": "function", "function": {"name", "description", "parameters",
+    "strict"}}]`) and `tool_choice` (`"none"`, `"auto"` (the default with tools), `"required"`, or
+    `{"type": "function", "function": {"name": ...}}`) checked and turned into a `ToolCallSpec`
+    (None when neither is given). A bad value raises `StructuredOutputsError` whose `field` (and
+    message's start) is `tools…` or `tool_choice`. `parallel_tool_calls` (true / false) is accepted;
+    an answer holds at most one call either way."""
+    if tools is None:
+        if tool_choice not in (None, "none"):
+            raise _tool_error("tool_choice", f"tool_choice {tool_choice!r} needs tools")
+        return None
+    if parallel_tool_calls not in (None, True, False):
+        raise _tool_error("parallel_tool_calls", f"parallel_tool_calls must be true or false, got {parallel_tool_calls!r}")
+    if not isinstance(tools, list) or not tools:
+        raise _tool_error("tools", "tools must be a non-empty list of {\"type\": \"function\", \"function\": {...}}")
+    if len(tools) > MAX_TOOLS:
+        raise _tool_error("tools", f"{len(tools)} tools; at most {MAX_TOOLS}")
+    table: list[tuple[str, Any]] = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise _tool_error("tools", f"{where}: must be {{\"type\": \"function\", \"function\": {{\"name\", "
+                                       f"\"parameters\", ...}}}}, got {tool!r}"[:400])
+        extra = sorted(set(tool) - {"type", "function"})
+        if extra:
+            raise _tool_error("tools", f"{where}: unknown fields {extra}")
+        function = tool["function"]
+        extra = sorted(set(function) - {"name", "description", "parameters", "strict"})
+        if extra:
+            raise _tool_error("tools", f"{where}.function: unknown fields {extra}")
+        name = function.get("name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise _tool_error("tools", f"{where}.function.name: 1 to 64 letters, digits, '_' or '-', got {name!r}")
+        if any(name == seen for seen, _ in table):
+            raise _tool_error("tools", f"{where}.function.name: {name!r} is listed twice")
+        if function.get("description") is not None and not isinstance(function["description"], str):
+            raise _tool_error("tools", f"{where}.function.description must be a str")
+        if function.get("strict") not in (None, True, False):
+            raise _tool_error("tools", f"{where}.function.strict must be true or false")
+        params = function.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}, "additionalProperties": False}
+        try:
+            checked = StructuredOutputsParams(json=params, disable_any_whitespace=disable_any_whitespace)
+        except StructuredOutputsError as err:
+            raise _tool_error("tools", f"{where}.function.parameters: {str(err).split(': ', 1)[-1]}") from None
+        table.append((name, checked.json))
+    if tool_choice is None:
+        tool_choice = "auto"
+    if tool_choice == "none":
+        return ToolCallSpec("none", tuple(table))
+    if isinstance(tool_choice, dict):
+        function = tool_choice.get("function")
+        if tool_choice.get("type") != "function" or not isinstance(function, dict) or set(tool_choice) != {
+                "type", "function"} or set(function) != {"name"}:
+            raise _tool_error("tool_choice", "tool_choice must be 'none', 'auto', 'required' or "
+                                             "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+        name = function["name"]
+        params = dict(table).get(name) if isinstance(name, str) else None
+        if params is None:
+            raise _tool_error("tool_choice", f"tool_choice names the function {name!r}, which is not in tools "
+                                             f"({[n for n, _ in table]})")
+        return ToolCallSpec("named", tuple(table), name,
+                            StructuredOutputsParams(json=params, disable_any_whitespace=disable_any_whitespace))
+    if tool_choice == "required":
+        return ToolCallSpec("required", tuple(table), None,
+                            StructuredOutputsParams(json=_call_schema(table),
+                                                    disable_any_whitespace=disable_any_whitespace))
+    if tool_choice == "auto":
+        schema = _call_schema(table)
+        schema["x-guidance"] = {"whitespace_flexible": not disable_any_whitespace}
+        grammar = ("start: TEXT | call\n"
+                   f"TEXT: /(.|\\n)+/ & ~/{_lark_regex_literal(TOOL_CALL_TAG)}(.|\\n)*/\n"
+                   f"call: {_json.dumps(TOOL_CALL_TAG)} %json {_json.dumps(schema)}\n")
+        try:
+            structure = StructuredOutputsParams(grammar=grammar)
+        except StructuredOutputsError as err:
+            raise _tool_error("tools", f"tools: {str(err).split(': ', 1)[-1]}") from None
+        return ToolCallSpec("auto", tuple(table), None, structure)
+    raise _tool_error("tool_choice", f"tool_choice must be 'none', 'auto', 'required' or {{\"type\": \"function\", "
+                                     f"\"function\": {{\"name\": ...}}}}, got {tool_choice!r}")
+
+
+def _lark_regex_literal(text: str) -> str:
+    import re
+
+    return re.escape(text).replace("/", "\\/")

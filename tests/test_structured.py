@@ -388,12 +388,14 @@ def test_engine_finish_reasons(name):
 def test_structured_outputs_refused_where_not_enforced(llada):
     model, _ = llada
     prompt = torch.tensor([encode_chat("hi")])
-    with pytest.raises(ValueError, match="not yet with"):
-        remask.generate(model, prompt, gen_length=16, decoder=remask.FreeDave(), structured_outputs=S(regex="a+"))
+    # FreeDave, dInfer's rules, WINO and Dream's decoders enforce it (tests/test_structured_methods.py);
+    # dKV-Cache, d2Cache and Elastic-Cache not yet: refused by name, in the drop-in and the engine
+    with pytest.raises(ValueError, match="not enforced with use_cache=DKVCache"):
+        remask.generate(model, prompt, gen_length=16, use_cache=remask.DKVCache(), structured_outputs=S(regex="a+"))
     llm = remask.LLM("tiny-llada")
-    with pytest.raises(ValueError, match="structured_outputs is enforced for"):
-        llm.generate(["x"], remask.SamplingParams(max_tokens=16, alg="entropy", structured_outputs=S(regex="a+")),
-                     use_tqdm=False)
+    with pytest.raises(ValueError, match="not enforced with use_cache=D2Cache"):
+        llm.generate(["x"], remask.SamplingParams(max_tokens=16, use_cache=remask.D2Cache(),
+                                                  structured_outputs=S(regex="a+")), use_tqdm=False)
 
 
 # ---- HTTP ---------------------------------------------------------------------------------------

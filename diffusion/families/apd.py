@@ -157,6 +157,7 @@ class APDState:
     done: bool = False
     pending: Any = None                   # the round under way (a step generator) ...
     request: ForwardRequest | None = None  # ... and the forward it waits for
+    matcher: Any = None                   # structured output: the answer's matcher (`APDDecoder.constrain`)
 
 
 class APDDecoder:
@@ -179,6 +180,22 @@ class APDDecoder:
             raise ValueError(f"the dLLM's eos_id {spec.eos_id} is outside the shared vocabulary [0, {self.vocab}) of "
                              f"the dLLM and the verifier; APD needs a verifier that shares the dLLM's tokenizer")
 
+    structure: Any = None   # structured output (`constrain`)
+    end_ids: tuple = ()
+
+    def constrain(self, structure: Any, end_ids: Any = None) -> "APDDecoder":
+        """Hold the answer to `structure` (`diffusion/parts/constrain_loops.py`): every draft is drawn
+        from scores masked by a clone that walked the drafts before it, the accepted run is cut at
+        the first token the matcher refuses and consumed; `end_ids` (default: the dLLM's EOS, APD's
+        stop) are allowed only where the structure is complete. Returns the decoder."""
+        from ..parts.constrain_loops import end_ids_or_refuse
+
+        self.structure = structure
+        if structure is not None:
+            self.end_ids = tuple(end_ids_or_refuse([self.spec.eos_id] if end_ids is None else end_ids,
+                                                   "the dLLM's spec has no eos_id"))
+        return self
+
     def check_input(self, prompt: torch.Tensor) -> None:
         self.apd.check_request(gen_length=self.gen_length, prompt_length=prompt.shape[1])
         if prompt.shape[0] != 1:
@@ -200,7 +217,8 @@ class APDDecoder:
         apd = self.apd
         use_dllm_cache = apd.kv_window is not None and (apd.dllm_cache if apd.dllm_cache is not None
                                                         else bool(getattr(model.config, "use_cache", False)))
-        return APDState(x=x, prompt_len=P, curr=P, use_dllm_cache=use_dllm_cache)
+        return APDState(x=x, prompt_len=P, curr=P, use_dllm_cache=use_dllm_cache,
+                        matcher=None if self.structure is None else self.structure.matcher(self.end_ids))
 
     def num_final(self, state: APDState) -> int:
         return self.gen_length if state.done else state.curr - state.prompt_len
@@ -263,9 +281,21 @@ class APDDecoder:
         uniforms = None
         if apd.coupled_gumbel and temperature > 0:
             uniforms = torch.rand((right - curr, vocab), dtype=torch.float32, device=x.device, generator=generator)
-            draft = coupled_draft(proposal, temperature, top_p, top_k, uniforms, vocab)
-        else:
+            if state.matcher is None:
+                draft = coupled_draft(proposal, temperature, top_p, top_k, uniforms, vocab)
+            else:   # the same scores, each draft masked by the lookahead over the drafts before it
+                from ..parts.constrain_loops import draft_under
+
+                scores = filter_logits(proposal[:, :vocab], temperature, top_k, top_p, order="top_p_first",
+                                       removed="dtype_min").float() + gumbel(uniforms[:, :vocab].float())
+                draft = draft_under(state.matcher, scores, vocab)
+        elif state.matcher is None:
             draft = draft_tokens(proposal, temperature, top_p, top_k, generator, shared_vocab=vocab)
+        else:   # draft_tokens' scores (the same draws), each draft masked by the lookahead
+            from ..parts.constrain_loops import draft_under
+
+            filtered = filter_logits(proposal, temperature, top_k, top_p, order="top_p_first", removed="dtype_min")
+            draft = draft_under(state.matcher, gumbel_max_scores(filtered, temperature, generator), vocab)
         # The verifier scores the draft: the whole prefix the first time, then only the draft.
         # A model of its own (`module`): the request runs alone, its whole output wanted (the cache).
         if state.verifier_cache is None:
@@ -287,6 +317,9 @@ class APDDecoder:
             verifier_stats.forward(1, out.logits.shape[1])   # the prefix too on the first round
         num_accept = int(apd_accept(draft, window, verifier_logits, R, vocab=vocab,
                                     temperature=temperature if uniforms is not None else 0.0, noise=uniforms)[1])
+        if state.matcher is not None:   # the accepted run, cut at the first token the structure refuses
+            num_accept = max(1, state.matcher.accepts(draft[:num_accept].tolist()))
+            state.matcher.advance(draft[:num_accept].tolist())
         _crop(state.verifier_cache, curr + num_accept)
         x[0, curr:curr + num_accept] = draft[:num_accept]
         state.curr = curr = curr + num_accept
@@ -306,11 +339,14 @@ class APDDecoder:
 def apd_generate(model: torch.nn.Module, spec: ModelSpec, prompt: torch.Tensor, gen_length: int, apd: APDConfig,
                  *, temperature: float = 0.0, top_p: float | None = None, top_k: int | None = None,
                  generator: torch.Generator | None = None, stats: GenerationStats | None = None,
-                 verifier_stats: GenerationStats | None = None) -> torch.LongTensor:
+                 verifier_stats: GenerationStats | None = None, structure: Any = None) -> torch.LongTensor:
     """Decode `gen_length` positions after `prompt` `[1, P]` with APD; returns `[1, P + gen_length]`.
+    `structure`: a compiled structured output the answer is held to (`APDDecoder.constrain`).
     After an EOS the reference stops and leaves the remaining positions masked; remask fills them
     with EOS so no mask token is returned."""
     decoder = APDDecoder(spec, apd, gen_length=gen_length, temperature=temperature, top_p=top_p, top_k=top_k)
+    if structure is not None:
+        decoder.constrain(structure)
     decoder.check_input(prompt)
     return drive(apd_steps(decoder, model, prompt, generator, stats, verifier_stats), model)
 

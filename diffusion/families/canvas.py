@@ -264,6 +264,7 @@ class CanvasState:
     done: bool = False
     pending: Any = None                    # under the engine: the step under way (a step generator) ...
     request: ForwardRequest | None = None  # ... and the forward it waits for (None: a pause)
+    matchers: Any = None                   # structured output: one matcher per row (`CanvasDecoder.constrain`)
 
     @property
     def batch(self) -> int:
@@ -315,6 +316,26 @@ class CanvasDecoder:
         self.entropy_bound = config.sampler_config.entropy_bound
         self.prompt_cache = prompt_cache   # a `remask.caches.PromptCache` shared by the engine's requests
 
+    structure: Any = None   # structured output (`constrain`)
+    end_ids: tuple = ()
+
+    def constrain(self, structure: Any, end_ids: Any = None) -> "CanvasDecoder":
+        """Hold every row's answer to `structure` (`diffusion/parts/constrain_loops.py`,
+        `constrain_canvas`): each step's committed canvas is checked by a clone of the row's matcher
+        and renoised from its first refused position; the argmax canvas (the output) keeps the
+        model's argmax while the structure accepts it and is the masked argmax from there on, so a
+        canvas closed at any step is valid; the matcher consumes each closed canvas. `end_ids`
+        (default: the generation config's EOS ids) are allowed only where the structure is complete.
+        Returns the decoder."""
+        from ..parts.constrain_loops import end_ids_or_refuse
+
+        self.structure = structure
+        if structure is not None:
+            ids = self.eos_ids if end_ids is None else end_ids
+            ids = [ids] if isinstance(ids, int) else list(ids or [])
+            self.end_ids = tuple(end_ids_or_refuse(ids, "the generation config has no eos_token_id"))
+        return self
+
     # -- the engine's interface --------------------------------------------------------------------
 
     def num_final(self, state: CanvasState) -> int:
@@ -358,6 +379,8 @@ class CanvasDecoder:
             decoder_forwards=torch.zeros(B, dtype=torch.int, device=device),
             first_canvas=first_canvas, tracker=tracker, canvases_left=math.ceil(max_new_tokens / L))
         state.done = state.canvases_left <= 0
+        if self.structure is not None:
+            state.matchers = [self.structure.matcher(self.end_ids) for _ in range(B)]
         return state   # the first step opens the first canvas (encoder, random canvas: transformers' order)
 
     # -- the engine's interface: one forward per engine step ------------------------------------
@@ -482,6 +505,12 @@ class CanvasDecoder:
             finished |= state.frozen.all(dim=-1)
         if stats is not None:
             stats.step(accepted[running].sum())
+        if state.matchers is not None:   # structured output: the commit checked, the output held valid
+            from ..parts.constrain_loops import constrain_canvas
+
+            noise = torch.randint(0, V, (B, L), device=device, generator=generator)
+            new_canvas, new_argmax, _ = constrain_canvas(state.matchers, new_canvas, new_argmax, processed, noise,
+                                                         ~state.finished_sequences)
         state.canvas, state.argmax_canvas = new_canvas, new_argmax
         state.self_conditioning = processed.to(cm.embedding_dtype)
         state.cur_step -= 1
@@ -496,6 +525,10 @@ class CanvasDecoder:
         """Append the argmax canvas; unless every row is finished, open the next canvas (a
         sub-generator: the encoder's forward over the canvas just closed)."""
         L = self.canvas_model.canvas_length
+        if state.matchers is not None:   # each running row's matcher consumes its canvas (valid by construction)
+            for b, matcher in enumerate(state.matchers):
+                if not bool(state.finished_sequences[b]):
+                    matcher.advance(state.argmax_canvas[b].tolist())
         state.input_ids = torch.cat([state.input_ids, state.argmax_canvas], dim=-1)
         state.input_ids, state.finished_sequences = _finish_canvas(
             state.input_ids, state.finished_sequences, self.criteria, self.config, L,
@@ -539,6 +572,8 @@ def canvas_generate(
     generator: torch.Generator | None = None,
     stats: GenerationStats | None = None,
     canvas_sampler: CanvasSampler | None = None,
+    structured_outputs: Any = None,
+    tokenizer: Any = None,
     **kwargs: Any,
 ):
     """Drop-in for `DiffusionGemmaForBlockDiffusion.generate(input_ids, **kwargs)`.
@@ -552,7 +587,9 @@ def canvas_generate(
     with each step's argmax canvas). remask adds `reference_rng` (replay transformers' random
     draws), `generator` (the random source; default torch's global one, as transformers),
     `stats` (forwards and tokens) and `canvas_sampler` (a `CanvasSampler`: remask's accept rules
-    and early commit; default the reference's EB-sampler).
+    and early commit; default the reference's EB-sampler), `structured_outputs` (a
+    `remask.StructuredOutputsParams`, compiled against `tokenizer`, default the one saved beside
+    the model: every row's answer is held to it, `CanvasDecoder.constrain`).
 
     Returns a `DiffusionGemmaGenerationOutput` (`sequences`, `tokens_per_forward`,
     `past_key_values`), or the `[B, T]` sequences when `return_dict_in_generate=False`.
@@ -568,6 +605,10 @@ def canvas_generate(
     config, model_kwargs = _generation_config(model, generation_config, kwargs)
     decoder = CanvasDecoder(model, config, canvas_sampler, reference_rng=reference_rng,
                             logits_processor=logits_processor, stopping_criteria=stopping_criteria)
+    if structured_outputs is not None:
+        from ..parts.constrain_loops import compile_for
+
+        decoder.constrain(compile_for(structured_outputs, model, tokenizer, None))
     if stats is not None:
         stats.start()
     if streamer is not None:

@@ -35,6 +35,7 @@ from remask.models.parallel import full_logits
 
 from ..parts.scoring import score_rows, score_tokens
 from ..methods.sparse import BlockMaskForward, RetentionForward, SparseConfig
+from ..parts.constrain import CommitFilter, end_ids_of, structure_for_call
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest, ForwardThenCommit
 
@@ -158,6 +159,13 @@ def diffusion_generate(
 
     Returns the `[B, max_length]` sequences, or a `DreamModelOutput` when `return_dict_in_generate`.
 
+    `structured_outputs` (a `remask.StructuredOutputsParams` or its JSON form; `tokenizer`: the
+    model's, default the one saved beside its checkpoint): every row's answer is held to it at each
+    commit (`diffusion/parts/constrain.py`) — Dream's sampler (any alg; the whole answer is the
+    window, steps after the schedule until the filter's holes are decided), the block decoder (block
+    by block), `decoder=FreeDave(...)` and dInfer's rules. A completed answer ends with EOS to
+    `max_length`; one that runs out of positions holds a valid prefix. With `apd=`: APD's own filter.
+
     A uniform-noise model (DiffusionGemma, `spec.noise == "uniform"`) is decoded by
     `remask.diffusion.canvas.canvas_generate`, the drop-in for its own `generate` (its keyword
     arguments and return type).
@@ -182,6 +190,8 @@ def diffusion_generate(
     verifier_stats: GenerationStats | None = kwargs.pop("verifier_stats", None)
     generator = kwargs.pop("generator", None)
     stats: GenerationStats | None = kwargs.pop("stats", None)
+    structured_outputs = kwargs.pop("structured_outputs", None)
+    tokenizer = kwargs.pop("tokenizer", None)
     explicit_max_length = kwargs.get("max_length") is not None
     given = set(kwargs)   # the generation-config fields the caller set
     config = _resolve_config(model, generation_config, kwargs)
@@ -242,6 +252,10 @@ def diffusion_generate(
     check_length(spec, config.max_length, "max_length (prompt + new tokens)")
     warn_if_padded_without_mask(inputs, attention_mask, config.pad_token_id)
     warn_if_longer_than_trained(spec, config.max_length - input_len)
+    structure = None
+    if structured_outputs is not None:
+        # the checks SamplingParams runs (remask/structured.py), then compiled against the tokenizer
+        structure = structure_for_call(structured_outputs, model, tokenizer, spec.mask_id, config.max_length - input_len)
     if config.num_return_sequences > 1:
         inputs = inputs.repeat_interleave(config.num_return_sequences, dim=0)
         if attention_mask is not None:
@@ -253,7 +267,8 @@ def diffusion_generate(
                                     "alg": alg_given is not None, "threshold": threshold != 0.9,
                                     "apd": apd is not None, "sparse": sparse is not None,
                                     "generation hooks": bool(hooks_given), "output_history": config.output_history,
-                                    "finish_blocks": not finish_blocks, "reference_ties": not reference_ties})
+                                    "finish_blocks": not finish_blocks, "reference_ties": not reference_ties},
+                                structure=structure)
     if blocks:
         check_block_layout(config.max_length - input_len, block_length, config.steps)
 
@@ -262,7 +277,7 @@ def diffusion_generate(
             raise ValueError("apd= does not combine with use_cache / block_length or the generation hooks")
         sequences = apd_generate(model, spec, inputs, config.max_length - input_len, apd,
                                  temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                                 generator=generator, stats=stats, verifier_stats=verifier_stats)
+                                 generator=generator, stats=stats, verifier_stats=verifier_stats, structure=structure)
         return DreamModelOutput(sequences=sequences) if config.return_dict_in_generate else sequences
 
     if decoder is not None:
@@ -284,16 +299,18 @@ def diffusion_generate(
         sequences = freedave_generate(model, inputs, attention_mask, config=decoder,
                                       gen_length=config.max_length - input_len,
                                       block_length=DEFAULT_BLOCK_LENGTH if block_length is None else block_length,
-                                      use_cache=use_cache, mask_id=config.mask_token_id, stats=stats)
+                                      use_cache=use_cache, mask_id=config.mask_token_id, stats=stats,
+                                      structure=structure)
         return DreamModelOutput(sequences=sequences) if config.return_dict_in_generate else sequences
     if stats is not None:
         stats.start()
     if blocks:
         sequences, history = _sample_blocks(model, spec, inputs, attention_mask, config, threshold, block_length,
-                                            use_cache, finish_blocks, generator, stats, sparse, reference_ties)
+                                            use_cache, finish_blocks, generator, stats, sparse, reference_ties,
+                                            structure)
     else:
         decoder = DreamDecoder(spec, config, threshold, tokens_hook, logits_hook, reference_ties=reference_ties,
-                               sparse=sparse)
+                               sparse=sparse, structure=structure)
         state = decoder.start(model, inputs, attention_mask)
         while not state.done:
             decoder.step(model, state, generator, stats)
@@ -315,7 +332,7 @@ def check_block_layout(gen_length: int, block_length: int, steps: int) -> None:
 
 
 def _dinfer_on_dream(model, inputs, attention_mask, config: DreamGenerationConfig, *, decoder, use_cache,
-                     block_length, stats, given: set[str], unread: dict[str, bool]) -> Any:
+                     block_length, stats, given: set[str], unread: dict[str, bool], structure: Any = None) -> Any:
     """dInfer's rules (`ThresholdDecoding` / `CreditDecoding` / `HierarchicalDecoding`, and the
     `VicinityCache`) over Fast-dLLM's Dream blocks: the same step generator as on LLaDA
     (`dinfer_steps`), on Dream's shifted logits (`ModelSpec.logits`). A combination no paper
@@ -333,7 +350,7 @@ def _dinfer_on_dream(model, inputs, attention_mask, config: DreamGenerationConfi
                          f"read {set_here}")
     sequences = run_decoder(model, inputs, attention_mask, decoder, gen_length=gen_length,
                             block_length=DEFAULT_BLOCK_LENGTH if block_length is None else block_length,
-                            use_cache=use_cache, mask_id=config.mask_token_id, stats=stats)
+                            use_cache=use_cache, mask_id=config.mask_token_id, stats=stats, structure=structure)
     return DreamModelOutput(sequences=sequences) if config.return_dict_in_generate else sequences
 
 
@@ -414,6 +431,7 @@ class DreamState:
     done: bool = False
     pending: Any = None    # the forward asked for and not yet answered
     forwards: BlockMaskForward | None = None   # sparse=SparseConfig(method="block_mask")
+    constraint: Any = None  # structured output: a `CommitFilter` over the answer, or None
 
 
 class DreamDecoder(ForwardThenCommit):
@@ -423,9 +441,11 @@ class DreamDecoder(ForwardThenCommit):
 
     def __init__(self, spec, config: DreamGenerationConfig, threshold: float = 0.9, tokens_hook: Callable | None = None,
                  logits_hook: Callable | None = None, reference_ties: bool = False,
-                 sparse: SparseConfig | None = None) -> None:
+                 sparse: SparseConfig | None = None, structure: Any = None, end_ids: Any = ()) -> None:
         self.spec, self.config, self.threshold = spec, config, threshold
         self.sparse = sparse
+        # structured output (remask/structured.py): a CompiledStructure and the ids that end an answer
+        self.structure, self.end_ids = structure, end_ids_of(spec, end_ids)
         # Commit the schedule's count through `torch.topk` over the [B, T] confidences, as Dream does:
         # among exact ties (a nucleus of one gives many confidences of exactly 1.0) its order is the
         # reference's; False: the lower index first (remask's rule, independent of the library).
@@ -456,6 +476,8 @@ class DreamDecoder(ForwardThenCommit):
                                  f"divisible by steps ({state.steps})")
             state.number_transfer = per_row // state.steps  # per row: remask runs batches row by row in one tensor
             state.deferred = torch.zeros_like(state.number_transfer)
+        state.constraint = CommitFilter.start(self.structure, self.end_ids, x.shape[0], mask_id, state.prompt_len,
+                                              x.shape[1] - state.prompt_len)
         return state
 
     def num_final(self, state: DreamState) -> int:
@@ -476,13 +498,30 @@ class DreamDecoder(ForwardThenCommit):
         logits = self.logits_hook(i, x, logits)
         positions = mask_index.reshape(-1).nonzero().squeeze(1)
         before = mask_index.sum()
-        if alg == "origin":
+        constraint, P, T = state.constraint, state.prompt_len, x.shape[1]
+        if constraint is not None:
+            # the answer is the window: its first undecided position holds only what the structure
+            # allows before the rule scores it (diffusion/parts/constrain.py)
+            logits = constraint.mask_frontier(logits, P, T, P - fed)
+            prior = x[:, P:].clone()
+            candidates = None
+        if constraint is not None and i >= state.steps:
+            # past the schedule (the filter left holes): every mask is committed, the filter keeps
+            # what the structure accepts; each such step commits at least the frontier
+            x0, _ = self.score(logits, positions, generator=generator)
+            proposal = torch.full_like(x, mask_id)
+            proposal[mask_index] = x0
+            x[mask_index] = x0
+            candidates = proposal[:, P:]
+        elif alg == "origin":
             t, s = state.timesteps[i], state.timesteps[i + 1]
             p_transfer = 1 - s / t if i < state.steps - 1 else 1
             x0 = torch.zeros_like(x[mask_index], dtype=torch.long) + mask_id
             reveal = torch.rand(*x0.shape, device=x.device, generator=generator) < p_transfer
             x0[reveal] = self.score(logits, positions[reveal], generator=generator)[0]
             x[mask_index] = x0.clone()
+            if constraint is not None:
+                candidates = x[:, P:]
         else:
             x0, confidence = self.score(logits, positions, CONFIDENCE_OF[alg], generator)
             full_conf, proposal = _scatter(x, mask_index, confidence, x0, logits.dtype, mask_id)
@@ -518,13 +557,22 @@ class DreamDecoder(ForwardThenCommit):
                         unmask(x, mask_index, proposal, full_conf, k=per_row if last else n)
                     else:
                         _commit_sampled(x, proposal, full_conf, config.alg_temp, per_row, n, last, generator)
+            if constraint is not None:
+                candidates = proposal[:, P:]
         state.x = self.tokens_hook(i, x, logits)
+        if constraint is not None:
+            # keep what the structure accepts, advance the matchers (a hook's rewrite of a consumed
+            # position rolls its matcher back)
+            constraint.filter(state.x, prior, candidates, logits, P, T, P - fed)
         if stats is not None:
             stats.step(int(before - (state.x == mask_id).sum()))
         if state.histories is not None:
             state.histories.append(state.x.clone())
         state.i += 1
         state.done = state.i >= state.steps
+        if constraint is not None:
+            # until every mask is decided: the schedule, then (the filter left holes) more steps
+            state.done = not bool((state.x == mask_id).any())
 
 
 @dataclass(eq=False)
@@ -544,6 +592,7 @@ class DreamBlockState:
     i: int = 0
     done: bool = False
     pending: Any = None
+    constraint: Any = None          # structured output: a `CommitFilter` over the answer, or None
 
 
 class DreamBlockDecoder(ForwardThenCommit):
@@ -560,8 +609,14 @@ class DreamBlockDecoder(ForwardThenCommit):
     """
 
     def __init__(self, spec, config: DreamGenerationConfig, threshold: float, block_length: int, use_cache: Any,
-                 finish_blocks: bool = True, sparse: SparseConfig | None = None, reference_ties: bool = False) -> None:
+                 finish_blocks: bool = True, sparse: SparseConfig | None = None, reference_ties: bool = False,
+                 structure: Any = None, end_ids: Any = ()) -> None:
         self.spec, self.config, self.threshold = spec, config, threshold
+        # structured output: each block is the filter's window (diffusion/parts/constrain.py)
+        self.structure, self.end_ids = structure, end_ids_of(spec, end_ids)
+        if structure is not None and not finish_blocks:
+            raise ValueError("finish_blocks=False leaves masks in the output; structured_outputs needs every block "
+                             "decoded")
         self.block_length, self.use_cache, self.finish_blocks = block_length, use_cache, finish_blocks
         self.sparse, self.reference_ties = sparse, reference_ties
         self.score = _scorer(config, spec.mask_id)
@@ -586,7 +641,9 @@ class DreamBlockDecoder(ForwardThenCommit):
         return DreamBlockState(x=x, prompt_len=P, forwards=forwards, rows=torch.arange(B, device=x.device)[:, None],
                                num_blocks=num_blocks, steps_per_block=steps_per_block,
                                timesteps=torch.linspace(1, self.config.eps, steps_per_block + 1, device=x.device),
-                               histories=histories)
+                               histories=histories,
+                               constraint=CommitFilter.start(self.structure, self.end_ids, B, self.spec.mask_id, P,
+                                                             T - P))
 
     def num_final(self, state: DreamBlockState) -> int:
         return state.x.shape[1] - state.prompt_len if state.done else state.block * self.block_length
@@ -618,13 +675,26 @@ class DreamBlockDecoder(ForwardThenCommit):
         end = start + block_length
         block_x = x[:, start:end]   # a view: commits write into x
         forwards = state.forwards
+        constraint = state.constraint
+        if constraint is not None:
+            logits = constraint.mask_frontier(logits, start, end, start - fed)
+            prior = block_x.clone()
         if state.i == 0:
             if stats is not None:
                 stats.forward(B, T, forwards.cache_nbytes)
             before = int((block_x == mask_id).sum())
-            x[:, start] = self.score(logits, rows[:, 0] * T + start, generator=generator)[0]
+            first = self.score(logits, rows[:, 0] * T + start, generator=generator)[0]
+            if constraint is None:
+                x[:, start] = first
+            else:   # a row that ended its answer holds its end fill here: nothing is committed there
+                x[:, start] = torch.where(x[:, start] == mask_id, first, x[:, start])
+                candidates = torch.full_like(block_x, mask_id)
+                candidates[:, 0] = first
+                constraint.filter(x, prior, candidates, logits, start, end, start - fed)
             self._record(state, before - int((block_x == mask_id).sum()), stats)
             state.i = 1
+            if constraint is not None:
+                self._end_if_decoded(state, block_x)
             return
         L = logits.shape[1]
         if stats is not None:
@@ -632,6 +702,7 @@ class DreamBlockDecoder(ForwardThenCommit):
         block_mask = block_x == mask_id
         positions = (rows * L + (start - fed) + torch.arange(block_length, device=x.device))[block_mask]
         i = state.i
+        proposal = None
         if alg == "confidence_threshold":
             x0, conf = self.score(logits, positions, self.confidence_mode, generator)
             full_conf, proposal = _scatter(block_x, block_mask, conf, x0, logits.dtype, mask_id)
@@ -648,26 +719,42 @@ class DreamBlockDecoder(ForwardThenCommit):
             else:
                 n = int(num_mask_token * (1 - state.timesteps[i + 1] / state.timesteps[i]))
             committed = 0
-            if n > 0:
+            if n > 0 or constraint is not None:   # a structure's filter reads the candidates every step
                 x0, conf = self.score(logits, positions, self.confidence_mode, generator)
                 full_conf, proposal = _scatter(block_x, block_mask, conf, x0, logits.dtype, mask_id)
-                if self.config.alg_temp is None or self.config.alg_temp == 0:
+                if n == 0:
+                    pass
+                elif self.config.alg_temp is None or self.config.alg_temp == 0:
                     committed = int(unmask(block_x, block_mask, proposal, full_conf, k=n).sum())
                 else:
                     _commit_sampled(block_x, proposal, full_conf, self.config.alg_temp, block_mask.sum(dim=1), n,
                                     False, generator)
                     committed = int(block_mask.sum() - (block_x == mask_id).sum())
             state.i = i + 1
+        if constraint is not None:
+            # keep what the structure accepts, advance the matchers; the block runs until it is decoded
+            constraint.filter(x, prior, proposal, logits, start, end, start - fed)
+            committed = int((prior == mask_id).sum() - (block_x == mask_id).sum())
+            self._record(state, committed, stats)
+            self._end_if_decoded(state, block_x)
+            return
         self._record(state, committed, stats)
         if not (block_x == mask_id).any():
             self._next_block(state)
 
+    def _end_if_decoded(self, state: DreamBlockState, block_x: torch.Tensor) -> None:
+        """Under a structure: the answer ends when every row's has; a block when it holds no mask."""
+        if all(state.constraint.finished):
+            state.done = True
+        elif not bool((block_x == self.spec.mask_id).any()):
+            self._next_block(state)
+
 
 def _sample_blocks(model, spec, input_ids, attention_mask, config: DreamGenerationConfig, threshold, block_length,
-                   use_cache, finish_blocks, generator, stats, sparse=None, reference_ties=False):
+                   use_cache, finish_blocks, generator, stats, sparse=None, reference_ties=False, structure=None):
     """Drive `DreamBlockDecoder` over one batch; returns (sequences, histories)."""
     decoder = DreamBlockDecoder(spec, config, threshold, block_length, use_cache, finish_blocks, sparse,
-                                reference_ties)
+                                reference_ties, structure=structure)
     histories = [] if (config.return_dict_in_generate and config.output_history) else None
     state = decoder.start(model, input_ids, attention_mask, histories)
     while not state.done:

@@ -129,6 +129,7 @@ class FastDLLMV2State:
     finished_block: int | None = None
     predictions: Any = None   # FreeDave's predictions for the current block (`FastDLLMV2FreeDave`)
     pending: Any = None       # the forward asked for and not yet answered (a sub-generator)
+    constraint: Any = None    # structured output: a `CommitFilter` of one row (`BlockLoop.constrain`)
 
     @property
     def in_block(self) -> bool:
@@ -191,8 +192,23 @@ class FastDLLMV2Decoder(BlockLoop):
         prompt_length = input_ids.shape[1]
         if skip_first_block is None:
             skip_first_block = not self.prefill_whole_block_prompt and prompt_length == self.block_size
+        if self.structure is not None and self.stop_mode != "generate":
+            raise ValueError("structured_outputs: enforced in generate's loop (stop_mode='generate'), not batch_sample's")
         return FastDLLMV2State(x=input_ids.clone(), prompt_length=prompt_length, blocks_left=self.num_blocks,
-                               skip_first_block=skip_first_block)
+                               skip_first_block=skip_first_block,
+                               constraint=self._constraint(prompt_length, (self.num_blocks + 1) * self.block_size))
+
+    def _default_end_ids(self) -> list:
+        return [self.stop_token]
+
+    def _next_token(self, state: FastDLLMV2State, logits_row: torch.Tensor) -> torch.Tensor:
+        """The token the loop picks by argmax (a block's first), `[1, 1]`; under a structure the best
+        one it allows there (the matcher consumes it)."""
+        if state.constraint is None or state.constraint.matchers[0].ended:
+            return logits_row.argmax(dim=-1).view(1, 1)
+        from ..parts.constrain_loops import next_token
+
+        return torch.tensor([[next_token(state.constraint, logits_row.reshape(-1))]], device=state.x.device)
 
     def _prefill_span(self, state: FastDLLMV2State) -> tuple[int, int]:
         first = self.block_size if state.skip_first_block else 0
@@ -287,7 +303,7 @@ class FastDLLMV2Decoder(BlockLoop):
             if stats is not None:
                 stats.forward(1, positions)
             if state.prompt_length % self.block_size == 0:   # the next token, as an AR model picks it
-                state.x = torch.cat([state.x, logits[:, -1:].argmax(dim=-1)], dim=1)
+                state.x = torch.cat([state.x, self._next_token(state, logits[0, -1])], dim=1)
             return
         if what == "store":
             self._after_store(state, logits, stats, positions)
@@ -304,7 +320,7 @@ class FastDLLMV2Decoder(BlockLoop):
         """A finished block was stored: the argmax of its last position opens the next block."""
         if stats is not None:
             stats.forward(1, positions)
-        state.x = torch.cat([state.x, logits[:, -1:].argmax(dim=-1)], dim=1)
+        state.x = torch.cat([state.x, self._next_token(state, logits[0, -1])], dim=1)
         state.block_start = -1
         state.blocks_left -= 1
         if state.blocks_left <= 0:
@@ -314,12 +330,22 @@ class FastDLLMV2Decoder(BlockLoop):
                           end: int, generator: torch.Generator | None, stats: GenerationStats | None) -> None:
         """One denoising step of the sub-block `[start, end)` from its (shifted) logits."""
         block = state.x[:, state.block_start:]
+        constraint = state.constraint
+        if constraint is not None:   # structured output: the frontier masked before the rule
+            from ..parts.constrain_loops import filter_block, mask_frontier_rows
+
+            window = (state.block_start + start, state.block_start + end)
+            logits = mask_frontier_rows(constraint, logits, *window)
+            prior = state.x[:, window[0]:window[1]].clone()
         tokens, token_probs, _ = choose_tokens(logits, self.top_p, self.temperature, self.mask_id, generator)
         commit = select_to_commit(token_probs, masked[:, start:end], self.threshold)
         sub = block[:, start:end]
         sub[commit] = tokens[commit]
         if stats is not None:
             stats.step(commit.sum())
+        if constraint is not None:   # ... and the sub-block filtered after it
+            filter_block(constraint, state.x, prior, tokens, logits, *window)
+            commit = (sub != self.mask_id) & (prior != self.mask_id).logical_not()
         if bool(((tokens == self.stop_token) & commit).any()) and not state.finished:
             state.finished = True
             state.finished_block = state.block_start // self.block_size
@@ -442,11 +468,14 @@ def fast_dllm_v2_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, ma
                           temperature: float = 0.0, use_block_cache: bool = False,
                           prefill_whole_block_prompt: bool = True, generator: torch.Generator | None = None,
                           stats: GenerationStats | None = None, use_cache: bool = True,
-                          decoder: Any = None) -> torch.LongTensor:
+                          decoder: Any = None, structured_outputs: Any = None,
+                          tokenizer: Any = None) -> torch.LongTensor:
     """The official `generate` loop on prompts `[B, P]`; each row is decoded alone (upstream's stop
     test and truncation read the whole batch). Returns `[B, n]`: each row truncated after its first
     stop as upstream truncates a batch of one, shorter rows right-padded with `stop_token`.
-    `decoder=remask.FreeDave(...)`: the same tokens with fewer forwards (`FastDLLMV2FreeDave`)."""
+    `decoder=remask.FreeDave(...)`: the same tokens with fewer forwards (`FastDLLMV2FreeDave`).
+    `structured_outputs`: each answer held to it (compiled against `tokenizer`, default the one saved
+    beside the model; `stop_token` ends it, only where it is complete)."""
     check_int("max_new_tokens", max_new_tokens, minimum=0)
     check_int("block_size", block_size, minimum=1)
     check_generator(generator, input_ids.device if torch.is_tensor(input_ids) else "cpu")
@@ -458,6 +487,11 @@ def fast_dllm_v2_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, ma
                   top_p=top_p, temperature=temperature, use_block_cache=use_block_cache,
                   stop_mode="generate", prefill_whole_block_prompt=prefill_whole_block_prompt, use_cache=use_cache)
     loop = FastDLLMV2Decoder(**kwargs) if decoder is None else FastDLLMV2FreeDave(decoder, **kwargs)
+    if structured_outputs is not None:
+        from ..parts.constrain_loops import compile_for
+
+        loop.constrain(compile_for(structured_outputs, model, tokenizer, mask_id))
+        loop.structure.check_budget(max_new_tokens)
     if stats is not None:
         stats.start()
     rows = [decode(model, loop, input_ids[b:b + 1], generator, stats).x for b in range(input_ids.shape[0])]
@@ -552,7 +586,7 @@ def engine_decoder(engine: Any, params: Any) -> FastDLLMV2Decoder:
     from dataclasses import fields
 
     read = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "temperature", "top_p", "threshold", "fast_dllm_v2",
-            "decoder")
+            "decoder", "structured_outputs")
     set_here = [f.name for f in fields(type(params)) if f.name not in read and getattr(params, f.name) != f.default]
     if set_here:
         raise ValueError(f"a block-causal model (Fast-dLLM v2) does not read {set_here}; its settings are "

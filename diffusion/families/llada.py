@@ -546,7 +546,9 @@ def generate(
         structured_outputs: a `remask.StructuredOutputsParams` (JSON schema, regex, choice, grammar):
             every row's answer is held to it at each commit (`diffusion/parts/constrain.py`); a row
             that completes it ends with EOS (then EOS to `gen_length`), one that runs out of positions
-            holds a valid prefix. With the block rule (any schedule, threshold / factor, caches).
+            holds a valid prefix. With the block rule (any schedule, threshold / factor, caches) and
+            `decoder=` FreeDave, dInfer's rules (and `VicinityCache`), WINO; DKVCache, D2Cache and
+            ElasticCache refuse it by name.
         tokenizer: the model's tokenizer, which `structured_outputs` is compiled against (default:
             the one saved in the model's checkpoint folder).
 
@@ -563,17 +565,12 @@ def generate(
     check_stats("verifier_stats", verifier_stats)
     structure = None
     if structured_outputs is not None:
-        from remask.structured import StructuredOutputsParams, compile_structure, model_vocab_size, tokenizer_for
+        from ..parts.constrain import structure_for_call
 
-        structured_outputs = StructuredOutputsParams.from_json(structured_outputs)
-        clashes = [name for name, on in (("decoder", decoder is not None), ("apd", apd is not None),
-                                         ("use_cache", use_cache is not None and not isinstance(use_cache, (str, PagedKVCache))))
-                   if on]
-        if clashes:
-            raise CombinationError(f"structured_outputs is enforced in the block rule's commit; not yet with {clashes}")
-        structure = compile_structure(structured_outputs, tokenizer_for(model, tokenizer), model_vocab_size(model),
-                                      (spec.mask_id,) if spec.mask_id is not None else ())
-        structure.check_budget(gen_length)
+        # the checks SamplingParams runs (remask/structured.py), compiled against the tokenizer; the
+        # decoders and cache configs not enforced yet (DKVCache, D2Cache, ElasticCache) refuse it
+        # by name in `decoder_steps`
+        structure = structure_for_call(structured_outputs, model, tokenizer, spec.mask_id, gen_length)
     if decoder is not None or (use_cache is not None and not isinstance(use_cache, (str, PagedKVCache))):
         from ..methods.decoders import run_decoder
 
@@ -585,7 +582,7 @@ def generate(
                     "on_step": (on_step, None), "apd": (apd, None), "verifier_stats": (verifier_stats, None),
                     "sparse": (sparse, None), "reference_ties": (reference_ties, False)}
         return run_decoder(model, prompt, attention_mask, decoder, gen_length=gen_length, block_length=block_length,
-                           use_cache=use_cache, mask_id=mask_id, stats=stats, settings=settings)
+                           use_cache=use_cache, mask_id=mask_id, stats=stats, settings=settings, structure=structure)
     if apd is not None:
         clashes = [name for name, value in (("threshold", threshold), ("factor", factor), ("use_cache", use_cache),
                                             ("cfg_scale", cfg_scale or None), ("on_step", on_step),
@@ -600,7 +597,7 @@ def generate(
         check_length(spec, prompt.shape[1] + gen_length, "prompt length + gen_length")
         warn_if_longer_than_trained(spec, gen_length)
         return apd_generate(model, spec, prompt, gen_length, apd, temperature=temperature, generator=generator,
-                            stats=stats, verifier_stats=verifier_stats)
+                            stats=stats, verifier_stats=verifier_stats, structure=structure)
     return block_diffusion_generate(
         model, prompt, attention_mask, steps=steps, gen_length=gen_length, block_length=block_length,
         temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, spec=spec,

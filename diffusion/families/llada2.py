@@ -115,6 +115,7 @@ class LLaDA2State:
     predictions: Any = None   # FreeDave's predictions for the current block (`LLaDA2FreeDave`)
     rule_state: Any = None    # (block, the commit rule's per-block state), `commit_block`'s (`LLaDA2Rules`)
     pending: Any = None       # the forward asked for and not yet answered (a sub-generator)
+    constraint: Any = None    # structured output: a `CommitFilter` of one row (`BlockLoop.constrain`)
 
 
 class LLaDA2Decoder(BlockLoop, PagedBlocks):
@@ -169,7 +170,38 @@ class LLaDA2Decoder(BlockLoop, PagedBlocks):
         return LLaDA2State(x=x, prompt_length=prompt_length, cache=self.new_cache(input_ids) if self.use_cache else None,
                            attention=blocks.repeat_interleave(L, 0).repeat_interleave(L, 1)[None, None],
                            position_ids=torch.arange(num_blocks * L, device=device)[None], block=first,
-                           num_blocks=num_blocks, stored=first == 0 or not self.use_cache)
+                           num_blocks=num_blocks, stored=first == 0 or not self.use_cache,
+                           constraint=self._constraint(prompt_length, num_blocks * L - prompt_length))
+
+    def _default_end_ids(self) -> list:
+        return [] if self.eos_id is None else [self.eos_id]
+
+    def _constrain_before(self, state: LLaDA2State, logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Structured output, before the rule: the frontier's logits masked; the block as it was."""
+        if state.constraint is None:
+            return logits, None
+        from ..parts.constrain_loops import mask_frontier_rows
+
+        L, b = self.block_length, state.block
+        return mask_frontier_rows(state.constraint, logits, b * L, (b + 1) * L), state.x[:, b * L:(b + 1) * L].clone()
+
+    def _constrain_after(self, state: LLaDA2State, prior: torch.Tensor, tokens: torch.Tensor | None,
+                         logits: torch.Tensor) -> bool:
+        """Structured output, after the rule (and 2.1's edits): edits of consumed tokens kept only
+        where the prefix stays valid, the block filtered. True when the answer is complete (the
+        loop is then done, its output cut after the end token)."""
+        from ..parts.constrain_loops import filter_block, keep_valid_edits
+
+        L, b, constraint = self.block_length, state.block, state.constraint
+        if self.editing:
+            keep_valid_edits(constraint, state.x, prior, b * L, (b + 1) * L)
+        filter_block(constraint, state.x, prior, tokens, logits, b * L, (b + 1) * L)
+        matcher = constraint.matchers[0]
+        if not matcher.ended:
+            return False
+        state.done = True
+        state.end = min(state.prompt_length + matcher._ended_at + 1, state.prompt_length + self.gen_length)
+        return True
 
     def num_final(self, state: LLaDA2State) -> int:
         """Generated positions that are final: those of the finished blocks (the output once done)."""
@@ -225,10 +257,13 @@ class LLaDA2Decoder(BlockLoop, PagedBlocks):
         L, b = self.block_length, state.block
         block = state.x[:, b * L:(b + 1) * L]   # a view: commits write into x
         masked = block == self.mask_id
+        logits, prior = self._constrain_before(state, logits)
         # upstream's sampler is SDAR's (`remask.diffusion.scoring.sample_categorical`, its defaults)
         tokens, confidence, _ = sample_block(logits, self.temperature, self.top_k, self.top_p, generator,
                                              self.mask_id)
-        count = self.num_to_transfer if self.editing else self.schedule[state.step]
+        # under a structure the filter may leave holes past the schedule: one more token per step
+        count = self.num_to_transfer if self.editing else (self.schedule[state.step] if state.step < len(self.schedule)
+                                                           else 1)
         transfer = select_mask_to_token(masked, confidence, count, self.threshold)
         edits = torch.zeros_like(masked)
         if self.editing:
@@ -239,8 +274,12 @@ class LLaDA2Decoder(BlockLoop, PagedBlocks):
         state.step += 1
         if stats is not None:
             stats.step(transfer.sum())
+        if prior is not None and self._constrain_after(state, prior, tokens, logits):
+            return
         if self.editing:
             finished = (not bool(masked.any()) and not bool(edits.any())) or self._post_steps_spent(state)
+            if prior is not None:   # a structure's block ends only without holes
+                finished = finished and not bool((block == self.mask_id).any())
         else:
             if self.eos_early_stop and self.eos_id is not None and bool((tokens[transfer] == self.eos_id).any()):
                 gen = state.x[0, state.prompt_length:(b + 1) * L]
@@ -248,7 +287,7 @@ class LLaDA2Decoder(BlockLoop, PagedBlocks):
                 if len(eos) and not bool((gen[:int(eos[0])] == self.mask_id).any()):
                     state.done, state.end = True, state.prompt_length + int(eos[0]) + 1
                     return
-            finished = not bool((block == self.mask_id).any()) or state.step >= self.steps
+            finished = not bool((block == self.mask_id).any()) or (prior is None and state.step >= self.steps)
         if finished:
             self._finish_block(state)
 
@@ -339,10 +378,13 @@ class LLaDA2Rules(LLaDA2Decoder):
                 stats: GenerationStats | None) -> None:
         L, b = self.block_length, state.block
         block = state.x[:, b * L:(b + 1) * L]   # a view: commits write into x
+        logits, prior = self._constrain_before(state, logits)
         commit, state.rule_state = commit_block(self.rule, block, logits, self.mask_id, state.rule_state, b)
         state.step += 1
         if stats is not None:
             stats.step(commit.sum())
+        if prior is not None and self._constrain_after(state, prior, None, logits):
+            return
         if self.eos_early_stop and self.eos_id is not None and bool((block[commit] == self.eos_id).any()):
             gen = state.x[0, state.prompt_length:(b + 1) * L]   # 2.0's in-block stop, as `_decide`
             eos = (gen == self.eos_id).nonzero(as_tuple=True)[0]
@@ -391,7 +433,7 @@ def engine_decoder(engine: Any, params: Any) -> LLaDA2Decoder:
     from dataclasses import fields
 
     read = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "temperature", "top_k", "top_p", "threshold",
-            "llada2", "decoder")
+            "llada2", "decoder", "structured_outputs")
     set_here = [f.name for f in fields(type(params)) if f.name not in read and getattr(params, f.name) != f.default]
     if set_here:
         raise ValueError(f"a block-causal model (LLaDA2) does not read {set_here}; its settings are temperature, "

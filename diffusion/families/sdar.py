@@ -153,6 +153,32 @@ class BlockLoop(ForwardThenCommit):
     store, the next block opened), made before each forward. The drop-in loops call `step`; the
     engine asks `next_forward` and hands the logits to `receive`."""
 
+    structure: Any = None   # structured output: a `remask.structured.CompiledStructure` (`constrain`)
+    end_ids: tuple = ()
+
+    def constrain(self, structure: Any, end_ids: Any = None) -> "BlockLoop":
+        """Hold every answer to `structure` (`diffusion/parts/constrain_loops.py`): the block being
+        denoised is the commit filter's window; `end_ids` (default: the loop's own stop ids) end an
+        answer, allowed exactly where the structure is complete. Returns the decoder."""
+        from ..parts.constrain_loops import end_ids_or_refuse
+
+        self.structure = structure
+        if structure is not None:
+            self.end_ids = tuple(end_ids_or_refuse(self._default_end_ids() if end_ids is None else end_ids,
+                                                   "the loop has no stop id (pass one)"))
+        return self
+
+    def _default_end_ids(self) -> list:
+        return list(getattr(self, "stop_ids", ()))
+
+    def _constraint(self, prompt_length: int, answer_len: int) -> Any:
+        """A new state's commit filter (None without a structure)."""
+        if self.structure is None:
+            return None
+        from ..parts.constrain_loops import block_filter
+
+        return block_filter(self.structure, self.end_ids, self.mask_id, prompt_length, answer_len)
+
     def _settle(self, state: Any) -> None:
         """The moves before the next forward that take none (none here)."""
 
@@ -187,6 +213,7 @@ class SDARState:
     predictions: Any = None   # FreeDave's predictions for the current block (`SDARFreeDave`)
     rule_state: Any = None    # (block, the commit rule's per-block state), `commit_block`'s (`SDARRules`)
     pending: Any = None       # the forward asked for and not yet answered (a sub-generator)
+    constraint: Any = None    # structured output: a `CommitFilter` of one row (`BlockLoop.constrain`)
 
 
 class SDARDecoder(BlockLoop, PagedBlocks):
@@ -269,8 +296,16 @@ class SDARDecoder(BlockLoop, PagedBlocks):
             stats.forward(1, L if self.use_cache else (state.block + 1) * L)
         if kind == "store":
             self._next_block(state)
-        else:
+        elif state.constraint is None:
             self._denoise(state, self._block(state)[0], logits, generator, stats)
+        else:   # structured output: the frontier masked before the rule, the block filtered after it
+            from ..parts.constrain_loops import filter_block, mask_frontier_rows
+
+            cur_x, start = self._block(state)[0], state.block * L
+            logits = mask_frontier_rows(state.constraint, logits, start, start + L)
+            prior = cur_x.clone()
+            self._denoise(state, cur_x, logits, generator, stats)
+            filter_block(state.constraint, state.x, prior, None, logits, start, start + L)
 
     def num_final(self, state: SDARState) -> int:
         """Generated positions that are final: those of the finished blocks (all of them once done),
@@ -299,7 +334,8 @@ class SDARDecoder(BlockLoop, PagedBlocks):
         return SDARState(x=x, prompt_length=prompt_length, cache=self.new_cache(input_ids),
                          attention=blocks.repeat_interleave(L, 0).repeat_interleave(L, 1)[None],
                          position_ids=torch.arange(total, device=device)[None], block=prompt_length // L,
-                         num_blocks=num_blocks, prefilled=prompt_length < L or not self.use_cache)
+                         num_blocks=num_blocks, prefilled=prompt_length < L or not self.use_cache,
+                         constraint=self._constraint(prompt_length, total - prompt_length))
 
     def _next_block(self, state: SDARState) -> None:
         L = self.block_length
@@ -407,13 +443,18 @@ def sdar_generate(
     stats: GenerationStats | None = None,
     use_cache: bool = True,
     decoder: Any = None,
+    structured_outputs: Any = None,
+    tokenizer: Any = None,
 ) -> torch.LongTensor:
     """SDAR's loop on one prompt `[1, P]`; returns x `[1, ceil((P + gen_length) / block_length) · block_length]`.
     `decoder=remask.FreeDave(...)`: the same tokens with fewer forwards (`SDARFreeDave`).
     `decoder=remask.ThresholdDecoding(...)` / `HierarchicalDecoding(...)` / `CreditDecoding(...)`:
     dInfer's rule chooses each step's commits in SDAR's loop (`SDARRules`; greedy: temperature=0;
     `denoising_steps`, `top_k`, `top_p`, `remasking_strategy`, `confidence_threshold`,
-    `eb_threshold` are not read and must stay at their defaults)."""
+    `eb_threshold` are not read and must stay at their defaults).
+    `structured_outputs`: a `remask.StructuredOutputsParams`, compiled against `tokenizer` (default:
+    the one saved beside the model); the stop ids end the answer, allowed only where it is
+    complete (`diffusion/parts/constrain_loops.py`)."""
     stops = [] if stopping_criteria_idx is None else (
         [stopping_criteria_idx] if isinstance(stopping_criteria_idx, int) else list(stopping_criteria_idx))
     kwargs = dict(mask_id=mask_id, gen_length=gen_length, block_length=block_length,
@@ -431,6 +472,11 @@ def sdar_generate(
     else:
         check_block_decoder(decoder)
         decoder = SDARFreeDave(decoder, **kwargs)
+    if structured_outputs is not None:
+        from ..parts.constrain_loops import compile_for
+
+        decoder.constrain(compile_for(structured_outputs, model, tokenizer, mask_id))
+        decoder.structure.check_budget(gen_length)
     check_generator(generator, input_ids.device if torch.is_tensor(input_ids) else "cpu")
     check_stats("stats", stats)
     state = decoder.start(model, input_ids)
@@ -472,7 +518,7 @@ def engine_decoder(engine: Any, params: Any) -> SDARDecoder:
     from dataclasses import fields
 
     read = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "temperature", "top_k", "top_p", "threshold", "sdar",
-            "decoder")
+            "decoder", "structured_outputs")
     set_here = [f.name for f in fields(type(params)) if f.name not in read and getattr(params, f.name) != f.default]
     if set_here:
         raise ValueError(f"a block-causal model (SDAR) does not read {set_here}; its settings are temperature, "

@@ -123,23 +123,27 @@ READS = {"FreeDave": ("steps",), "ThresholdDecoding": (), "CreditDecoding": (), 
 
 def run_decoder(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None, decoder: Any, *,
                 gen_length: int, block_length: int, use_cache: Any, mask_id: int | None,
-                stats: GenerationStats | None, settings: dict[str, tuple[Any, Any]] | None = None) -> torch.LongTensor:
+                stats: GenerationStats | None, settings: dict[str, tuple[Any, Any]] | None = None,
+                structure: Any = None, end_ids: Any = ()) -> torch.LongTensor:
     """Decode with `decoder` and / or a cache config to the end (the drop-in functions): `drive`
     over `decoder_steps`, the step generator the engine advances one forward at a time."""
     return drive(decoder_steps(model, prompt, attention_mask, decoder, gen_length=gen_length,
                                block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats,
-                               settings=settings), model)
+                               settings=settings, structure=structure, end_ids=end_ids), model)
 
 
 def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None, decoder: Any, *,
                   gen_length: int, block_length: int, use_cache: Any, mask_id: int | None,
-                  stats: GenerationStats | None, settings: dict[str, tuple[Any, Any]] | None = None) -> StepGenerator:
+                  stats: GenerationStats | None, settings: dict[str, tuple[Any, Any]] | None = None,
+                  structure: Any = None, end_ids: Any = ()) -> StepGenerator:
     """The step generator of `decoder` and / or a cache config (`diffusion/parts/stepper.py`); every
     argument is checked here, at the call. `settings`: the calling entry point's other settings as
     ``name: (value, default)``; every one set away from its default that the method does not read is
     refused by name. A cache config without a decoder: `VicinityCache` runs dInfer's threshold rule
     (0.9), `DKVCache` LLaDA's own schedule (`steps`, `remasking`); `ElasticCache` takes a commit rule
-    as `decoder` (its window's commits)."""
+    as `decoder` (its window's commits). `structure` (a compiled `remask.structured` structure) and
+    `end_ids`: structured output, enforced in FreeDave's, dInfer's and WINO's commits
+    (`diffusion/parts/constrain.py`); refused by name with DKVCache, D2Cache and ElasticCache."""
     from .d2cache import D2Cache, d2cache_steps
     from .dinfer import ThresholdDecoding, VicinityCache, dinfer_steps
     from .dkv import DKVCache, dkv_steps
@@ -161,6 +165,10 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
         raise CombinationError(f"decoder={type(decoder).__name__} with use_cache={type(use_cache).__name__}: "
                                f"{type(use_cache).__name__} runs its own schedule (its commits are part of its "
                                f"cache policy); it does not combine with decoder=")
+    if structure is not None and isinstance(use_cache, (DKVCache, D2Cache, ElasticCache)):
+        raise CombinationError(f"structured_outputs is not enforced with use_cache={type(use_cache).__name__} yet "
+                               f"(its cache policy commits inside its own schedule); it is with FreeDave, dInfer's "
+                               f"rules (and VicinityCache) and WINO")
     if decoder is None and isinstance(use_cache, VicinityCache):
         decoder = ThresholdDecoding()
     method = type(use_cache).__name__ if isinstance(use_cache, (DKVCache, D2Cache, ElasticCache)) else \
@@ -204,14 +212,17 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
         if is_cache_config(use_cache):
             raise ValueError("use_cache: FreeDave takes None, 'prefix' or 'dual'")
         return freedave_steps(model, prompt, attention_mask, config=decoder, steps=steps, gen_length=gen_length,
-                              block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats)
+                              block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats,
+                              structure=structure, end_ids=end_ids)
     if isinstance(decoder, WINO):
         if use_cache is not None:
             raise ValueError("use_cache: WINO forwards the whole sequence with its shadow block (no cache)")
         return _first(wino_steps(model, prompt, config=decoder, gen_length=gen_length, block_length=block_length,
-                                 attention_mask=attention_mask, mask_id=mask_id, stats=stats))
+                                 attention_mask=attention_mask, mask_id=mask_id, stats=stats, structure=structure,
+                                 end_ids=end_ids))
     return dinfer_steps(model, prompt, decoder=decoder, gen_length=gen_length, block_length=block_length,
-                        use_cache=use_cache, attention_mask=attention_mask, mask_id=mask_id, stats=stats)
+                        use_cache=use_cache, attention_mask=attention_mask, mask_id=mask_id, stats=stats,
+                        structure=structure, end_ids=end_ids)
 
 
 def _first(steps: StepGenerator) -> StepGenerator:

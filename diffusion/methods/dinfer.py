@@ -299,9 +299,10 @@ class _Decoder:
     """A `CommitRule` in dInfer's block loop: its state made again at each block, its commits
     written into the block."""
 
-    def __init__(self, rule: Any, mask_id: int) -> None:
+    def __init__(self, rule: Any, mask_id: int, constraint: Any = None) -> None:
         self.rule, self.mask_id = rule, mask_id
         self.state = rule.new_state()
+        self.constraint = constraint   # structured output: a `CommitFilter` over x's rows, or None
 
     def block_start(self) -> None:
         self.state = self.rule.new_state()
@@ -312,8 +313,15 @@ class _Decoder:
         `threshold`: this iteration's (iteration smoothing), else the rule's."""
         block = x[:, start:end]
         rule = self.rule if threshold is None else replace(self.rule, threshold=threshold)
+        constraint = self.constraint
+        if constraint is not None:   # the frontier masked before the rule scores (parts/constrain.py)
+            logits = constraint.mask_frontier(logits, start, end, 0)
+            prior = block.clone()
         commit, tokens = rule.commit(block, logits, self.mask_id, self.state)
         block[commit] = tokens[commit]
+        if constraint is not None:   # keep what the structure accepts, advance the matchers
+            constraint.filter(x, prior, tokens, logits, start, end, 0)
+            return int((prior == self.mask_id).sum() - (block == self.mask_id).sum())
         return int(commit.sum())
 
 
@@ -381,7 +389,7 @@ class _Run:
         if self.stats is not None:
             self.stats.step(committed)
         self.left -= committed
-        if self.left == 0:   # the block is decoded: no later step changes it
+        if self.left <= 0:   # the block is decoded: no later step changes it
             self.final = max(self.final, self.block_end - self.prompt_len)
 
     # --- iteration smoothing (IterationSmooth / IterSmoothWithVicinityCache) --------------------
@@ -601,11 +609,16 @@ def dinfer_steps(
     maximum_unroll: int = 4,
     expected_tpf: int = 8,
     stats: GenerationStats | None = None,
+    structure: Any = None,
+    end_ids: Any = (),
 ) -> StepGenerator:
     """`dinfer_generate` as a step generator (`remask.diffusion.stepper`): the arguments are checked
     here, at the call; the generator yields a `ForwardRequest` for every model forward (it calls no
     model: `drive` or the engine's runner answers with the logits), a `Progress` after each (with
-    `final` the decoded blocks), and returns the `[B, P + gen_length]` tokens of `dinfer_generate`."""
+    `final` the decoded blocks), and returns the `[B, P + gen_length]` tokens of `dinfer_generate`.
+    `structure` (a `remask.structured.CompiledStructure`) and `end_ids`: structured output, held at
+    every decode (`diffusion/parts/constrain.py`: the rule's commits filtered, a block iterated until
+    it holds no mask)."""
     check_instance("decoder", decoder, CommitRule, "a remask commit rule (ThresholdDecoding, CreditDecoding, "
                    "HierarchicalDecoding or another CommitRule)", allow_none=False)
     check_int("gen_length", gen_length, minimum=1)
@@ -629,13 +642,17 @@ def dinfer_steps(
         vicinity.check_request(gen_length=gen_length, block_length=block_length, prompt_length=prompt.shape[1],
                                maximum_unroll=maximum_unroll)
 
+    from ..parts.constrain import CommitFilter, end_ids_of
+
+    constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), prompt.shape[0], spec.mask_id,
+                                    prompt.shape[1], gen_length)
     return _dinfer_loop(model, spec, prompt, attention_mask, decoder, gen_length, block_length, use_cache,
-                        vicinity, early_stop, maximum_unroll, expected_tpf, stats)
+                        vicinity, early_stop, maximum_unroll, expected_tpf, stats, constraint)
 
 
 @torch.no_grad()
 def _dinfer_loop(model, spec, prompt, attention_mask, decoder, gen_length, block_length, use_cache, vicinity,
-                 early_stop, maximum_unroll, expected_tpf, stats) -> StepGenerator:
+                 early_stop, maximum_unroll, expected_tpf, stats, constraint=None) -> StepGenerator:
     # decoded row by row where upstream couples a batch's rows (the vicinity warmup and unrolling,
     # iteration smoothing's iteration count): each row as alone, in its row of the canvas
     alone = vicinity is not None or decoder.smoothing is not None
@@ -650,14 +667,15 @@ def _dinfer_loop(model, spec, prompt, attention_mask, decoder, gen_length, block
         # rows decoded earlier are final; rows after this one are not started (0 final)
         yield from _generate(x[rs], model, spec, mask, decoder, gen_length, block_length, use_cache, vicinity,
                              early_stop, maximum_unroll, expected_tpf, stats, canvas=x,
-                             report_final=i == len(rows) - 1)
+                             report_final=i == len(rows) - 1,
+                             constraint=None if constraint is None else constraint.rows(range(B)[rs]))
     if stats is not None:
         stats.stop(int(gen_length * prompt.shape[0]))
     return x
 
 
 def _generate(x, model, spec, attention_mask, rule, gen_length, block_length, use_cache, vicinity, early_stop,
-              maximum_unroll, expected_tpf, stats, *, canvas, report_final) -> StepGenerator:
+              maximum_unroll, expected_tpf, stats, *, canvas, report_final, constraint=None) -> StepGenerator:
     """Decode `x` `[B, P + gen_length]` (the prompt, then masks) in place: a generator yielding a
     `Progress` of `canvas` (x's rows or all of them) after every forward."""
     B, T = x.shape
@@ -667,7 +685,7 @@ def _generate(x, model, spec, attention_mask, rule, gen_length, block_length, us
     valid = None
     if attention_mask is not None:
         valid = torch.cat([attention_mask.bool(), attention_mask.new_ones((B, gen_length), dtype=torch.bool)], 1)
-    run = _Run(model, spec, _Decoder(rule, mask_id), forward_inputs, valid, stats, maximum_unroll, expected_tpf,
+    run = _Run(model, spec, _Decoder(rule, mask_id, constraint), forward_inputs, valid, stats, maximum_unroll, expected_tpf,
                canvas=canvas, prompt_len=P, report_final=report_final)
     run.block_forward = BlockForward(model, spec, None if vicinity is not None else use_cache, forward_inputs, valid)
     if rule.smoothing is not None:

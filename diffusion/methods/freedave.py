@@ -60,6 +60,16 @@ the threshold step would); ``match_rule="exact"`` accepts only drafts equal to t
 lossless. Without a threshold both rules accept the same drafts.
 
 Greedy only (temperature 0). Batches of any size: each row keeps its own chain length.
+
+Structured output (`structure=`, `diffusion/parts/constrain.py`): the one-token step becomes the
+constrained step F — the state's frontier masked before scoring, the rule's commit, the commit
+filter (its matcher a clone per draft) — and a state carries its matcher (the start state advanced
+over its contiguous committed run: `CommitFilter.sync`). Draft 0 is F of the state, drafts k ≥ 1
+guesses as before; target k is F of draft k with draft k's own logits; the chain rule is unchanged.
+So every accepted draft is a state of the constrained one-token decoding, and FreeDave stays exact
+w.r.t. it: `remask.generate(..., steps=gen_length, structured_outputs=...)` (LLaDA; the same cache
+schedule), token for token (tested). Dream's baseline is the constrained block decoder at
+`threshold=1.0` (its block-start commit filtered too). docs/quirks.md has the departure.
 """
 from __future__ import annotations
 
@@ -79,6 +89,8 @@ from ..parts.checks import (check_choice, check_config_bounds, check_instance, c
                      warn_if_padded_without_mask)
 from ..families.llada import validate_block_args
 from ..parts.scoring import score_rows
+from remask.models.parallel import full_logits
+
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
 
@@ -304,6 +316,97 @@ class _Decoder:
     def make_drafts(self, base: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor, K: int) -> torch.Tensor:
         return make_drafts(base, x0, conf, K, self.spec.mask_id)
 
+    # --- structured output: the constrained step F (module docstring) ---------------------------
+    def score_masked(self, cf: Any, logits: torch.Tensor, local: int, start: int,
+                     end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x0, confidence and the block's logits `[N, block, V]`, each row's frontier (by `cf`'s
+        matchers) masked to what its structure allows before scoring."""
+        lg = full_logits(logits)[:, local:local + self.block_length]
+        lg = cf.mask_frontier(lg, start, end, 0).contiguous()
+        x0, conf = self.score(lg, 0)
+        return x0, conf, lg
+
+    def constrained_step(self, cf: Any, canvas: torch.Tensor, start: int, end: int, x0: torch.Tensor,
+                         conf: torch.Tensor, lg: torch.Tensor) -> None:
+        """F on the rows of `canvas` `[N, T]` in place (their matchers `cf` advance): the rule on the
+        block, then the commit filter."""
+        blk = canvas[:, start:end]
+        prior = blk.clone()
+        blk.copy_(self.rule(blk, x0, conf))
+        cf.filter(canvas, prior, x0, lg, start, end, 0)
+
+    def block_structured(self, forwards: _Forwards, x: torch.Tensor, start: int, end: int, prompt_len: int,
+                         stats: GenerationStats | None, cf: Any) -> StepGenerator:
+        """`block` under a structure (`cf`: the rows' `CommitFilter`): drafts and targets are
+        states of the constrained step F."""
+        spec, mask_id, K_max, bl = self.spec, self.spec.mask_id, self.config.draft_steps, self.block_length
+        B, T = x.shape
+        blk = x[:, start:end]   # a view: commits write into x
+        logits = yield from forwards.refresh(x, start, end)
+        if stats is not None:
+            stats.forward(B, T, forwards.cache_nbytes)
+        x0, conf, lg = self.score_masked(cf, logits, start, start, end)
+        del logits
+        fresh = torch.ones(B, dtype=torch.bool, device=x.device)
+        if spec.logit_shift:   # Dream: the block's first position from this forward, filtered
+            before = int((blk == mask_id).sum())
+            prior = blk.clone()
+            blk[:, 0] = torch.where(blk[:, 0] == mask_id, x0[:, 0], blk[:, 0])
+            cf.filter(x, prior, x0, lg, start, end, 0)
+            fresh[:] = False
+            if stats is not None:
+                stats.step(before - int((blk == mask_id).sum()))
+        yield self._progress(x, blk, start, end, prompt_len)
+        while True:
+            # never a block without holes whose tokens the matcher has not consumed (a subset-rule
+            # draft could leave one): they are undecided again
+            for b, open_ in enumerate(cf.unsettled(x, start, end)):
+                if open_ and not bool((blk[b] == mask_id).any()):
+                    blk[b, cf.frontier(b) - start:] = mask_id
+            masks = (blk == mask_id).sum(dim=1)
+            active = masks > 0
+            if not bool(active.any()):
+                return
+            before = int(masks.sum())
+            f = (fresh & active).nonzero().squeeze(1)
+            if len(f):   # draft 0 = F(state), always accepted: committed now, the real matchers advance
+                canvas = x.index_select(0, f)
+                self.constrained_step(cf.rows(f.tolist()), canvas, start, end, x0[f], conf[f], lg[f])
+                x[f] = canvas
+            base = blk.clone()
+            left = (base == mask_id).sum(dim=1)
+            run = active & (left > 0)
+            if bool(run.any()):
+                rows = run.nonzero().squeeze(1)
+                counts = torch.where(fresh[rows], left[rows] + 1, left[rows]).clamp(min=1, max=K_max)
+                K = int(counts.max())
+                drafts = self.make_drafts(base[rows], x0[rows], conf[rows], K)
+                logits, local, L = yield from forwards.drafts(x, None if len(rows) == B else rows, drafts, start,
+                                                              end)
+                if stats is not None:
+                    stats.forward(len(rows) * K, L, forwards.cache_nbytes)
+                A = len(rows)
+                rep = rows.repeat_interleave(K)
+                canvas = x.index_select(0, rep)
+                canvas[:, start:end] = drafts.reshape(A * K, bl)
+                dcf = cf.clone_rows(rep.tolist())
+                dcf.sync(canvas)   # each draft's matcher at its own frontier
+                dx0, dconf, dlg = self.score_masked(dcf, logits, local, start, end)
+                del logits
+                targets = canvas.clone()
+                self.constrained_step(dcf.clone_rows(range(A * K)), targets, start, end, dx0, dconf, dlg)
+                best = _verify(canvas[:, start:end].view(A, K, bl), targets[:, start:end].view(A, K, bl), counts,
+                               mask_id, self.config.match_rule)
+                pick = torch.arange(A, device=x.device) * K + best
+                x[rows] = canvas.index_select(0, pick)
+                for r, p in zip(rows.tolist(), pick.tolist()):
+                    cf.matchers[r] = dcf.matchers[p]
+                x0[rows], conf[rows], lg[rows] = dx0[pick], dconf[pick], dlg[pick]
+                fresh[rows] = True
+            if stats is not None:
+                stats.step(before - int((blk == mask_id).sum()))
+            yield self._progress(x, blk, start, end, prompt_len)
+
 
     def block(self, forwards: _Forwards, x: torch.Tensor, start: int, end: int, prompt_len: int,
               stats: GenerationStats | None) -> StepGenerator:
@@ -385,6 +488,8 @@ def freedave_generate(
     use_cache: str | None = None,
     mask_id: int | None = None,
     stats: GenerationStats | None = None,
+    structure: Any = None,
+    end_ids: Any = (),
 ) -> torch.LongTensor:
     """FreeDave decoding (greedy): the tokens of one-token-per-step decoding with fewer forwards.
 
@@ -402,7 +507,8 @@ def freedave_generate(
         LongTensor `[B, P + gen_length]`, as `remask.generate`.
     """
     return drive(freedave_steps(model, prompt, attention_mask, config=config, steps=steps, gen_length=gen_length,
-                                block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats), model)
+                                block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats,
+                                structure=structure, end_ids=end_ids), model)
 
 
 def freedave_steps(
@@ -417,6 +523,8 @@ def freedave_steps(
     use_cache: str | None = None,
     mask_id: int | None = None,
     stats: GenerationStats | None = None,
+    structure: Any = None,
+    end_ids: Any = (),
 ) -> StepGenerator:
     """`freedave_generate` as a step generator (`remask.diffusion.stepper`): the arguments are
     checked here, at the call; the generator yields a `Progress` after every model forward (block
@@ -447,13 +555,18 @@ def freedave_steps(
     check_stats("stats", stats)
     warn_if_padded_without_mask(prompt, attention_mask, spec.pad_id)
     warn_if_longer_than_trained(spec, gen_length)
-    return _freedave_loop(model, prompt, attention_mask, spec, config, gen_length, block_length, mode, stats)
+    from ..parts.constrain import CommitFilter, end_ids_of
+
+    constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), prompt.shape[0], spec.mask_id,
+                                    prompt.shape[1], gen_length)
+    return _freedave_loop(model, prompt, attention_mask, spec, config, gen_length, block_length, mode, stats,
+                          constraint)
 
 
 @torch.no_grad()
 def _freedave_loop(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None,
                    spec: ModelSpec, config: FreeDave, gen_length: int, block_length: int, mode: str | None,
-                   stats: GenerationStats | None) -> StepGenerator:
+                   stats: GenerationStats | None, constraint: Any = None) -> StepGenerator:
     if stats is not None:
         stats.start()
     B, P = prompt.shape
@@ -468,7 +581,10 @@ def _freedave_loop(model: torch.nn.Module, prompt: torch.Tensor, attention_mask:
     decoder = _Decoder(spec, config, block_length, conf_dtype)
     for block in range(gen_length // block_length):
         start = P + block * block_length
-        yield from decoder.block(forwards, x, start, start + block_length, P, stats)
+        if constraint is None:
+            yield from decoder.block(forwards, x, start, start + block_length, P, stats)
+        elif not all(constraint.finished):
+            yield from decoder.block_structured(forwards, x, start, start + block_length, P, stats, constraint)
     if stats is not None:
         stats.stop(B * gen_length)
     return x

@@ -49,6 +49,7 @@ class Predictions:
 
     x0: torch.Tensor
     conf: torch.Tensor
+    logits: Any = None   # under a structure: the forward's logits `[1, L, V]` (the filter's lookahead)
 
 
 @dataclass(eq=False)
@@ -101,12 +102,20 @@ class BlockFreeDave:
             return
         start, end = self._span(state)
         block = state.x[:, start:end]   # a view: commits write into x
+        constraint = getattr(state, "constraint", None)
+        if constraint is not None:   # structured output: every draft's frontier row masked before the rule
+            from ..parts.constrain_loops import mask_frontier_rows
+
+            logits = mask_frontier_rows(constraint, logits, start, end)
         if kind.drafts is None:
             self._count(stats, 1, state)
             x0, conf = self._fd_scores(logits)
-            state.predictions = Predictions(x0, conf)
+            state.predictions = Predictions(x0, conf, logits if constraint is not None else None)
         else:
+            prior = block.clone()
             self._verify(state, block, kind.drafts, logits, stats)
+            if constraint is not None:
+                self._fd_filter(state, constraint, prior, start, end)
             self._fd_committed(state)
             if state.done:
                 return
@@ -114,9 +123,15 @@ class BlockFreeDave:
         nxt = self._fd_rule(block, state.predictions.x0, state.predictions.conf)
         if not bool((nxt == self.mask_id).any()):
             before = int((block == self.mask_id).sum())
+            prior = block.clone()
             block.copy_(nxt)
             if stats is not None:
                 stats.step(before)
+            if constraint is not None:
+                self._fd_filter(state, constraint, prior, start, end)
+                if bool((block == self.mask_id).any()):   # the filter took tokens back: more rounds
+                    self._fd_committed(state)
+                    return
             state.predictions = None
             self._fd_committed(state)
             if not state.done:
@@ -124,6 +139,14 @@ class BlockFreeDave:
 
     def _fd_committed(self, state: Any) -> None:
         """After a commit: the family's in-block stop, if it has one (sets `state.done`)."""
+
+    def _fd_filter(self, state: Any, constraint: Any, prior: torch.Tensor, start: int, end: int) -> None:
+        """Structured output: the block as the round left it, filtered (`parts/constrain_loops.py`)
+        with the predictions' tokens and logits as the lookahead."""
+        from ..parts.constrain_loops import filter_block
+
+        pred = state.predictions
+        filter_block(constraint, state.x, prior, pred.x0, pred.logits, start, end)
 
     def _count(self, stats: GenerationStats | None, rows: int, state: Any) -> None:
         if stats is not None:
@@ -141,7 +164,8 @@ class BlockFreeDave:
         best = int(_verify(drafts[None], targets[None], torch.tensor([K], device=block.device), self.mask_id,
                            self.freedave.match_rule)[0])
         block.copy_(drafts[best:best + 1])
-        state.predictions = Predictions(dx0[best:best + 1], dconf[best:best + 1])
+        state.predictions = Predictions(dx0[best:best + 1], dconf[best:best + 1],
+                                        logits[best:best + 1] if getattr(state, "constraint", None) is not None else None)
         if stats is not None:
             stats.step(masks - int((block == self.mask_id).sum()))
 

@@ -25,7 +25,7 @@ from remask.models.parallel import full_logits
 from ..families.apd import APDDecoder
 from ..families.ar import ARDecoder
 from ..families.canvas import CanvasDecoder, check_stability, generation_kwargs, resolve_generation_config
-from ..parts.checks import CombinationError, check_prompt
+from ..parts.checks import check_prompt
 from .decoders import decoder_steps, end_settings_refusal
 from ..families.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder, DreamGenerationConfig, _validate_config,
                     check_block_layout)
@@ -120,15 +120,15 @@ def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -
     if params.ignore_eos or params.min_tokens:
         check_end_settings(engine, params)
     structure = structure_for_request(engine, params)
-    if structure is not None and not (engine.is_ar or _is_block_rule(engine, params)):
-        raise CombinationError("structured_outputs is enforced for autoregressive models and LLaDA's block rule "
-                               "(schedule, threshold / factor, prefix / dual / paged caches) so far; this request "
-                               "decodes with another method (a family's own loop, Dream's alg, decoder=, apd, a "
-                               "cache config or a canvas)")
+    ends = sorted(set(engine.stop_ids) | set(params.stop_token_ids)) if structure is not None else ()
+    # the block-causal families' loops, APD and the canvases hold it in their own loops (parts/constrain_loops.py);
+    # Dream's sampler and block decoder, FreeDave, dInfer's rules and WINO in their commits
+    # (parts/constrain.py); `decoder_steps` refuses by name the cache configs that do not yet
+    # (DKVCache, D2Cache, ElasticCache)
     if engine.spec.noise == "uniform":
-        decoder = canvas_decoder(engine, params)
+        decoder = canvas_decoder(engine, params).constrain(structure)
     elif engine.family is not None and engine.family.engine_decoder is not None:
-        decoder = engine.family.decoder_factory()(engine, params)   # the family's own loop (SDAR, ...)
+        decoder = engine.family.decoder_factory()(engine, params).constrain(structure)   # the family's own loop (SDAR, ...)
     elif engine.is_ar:
         set_here = [name for name in DIFFUSION_ONLY
                     if getattr(params, name) != getattr(SamplingParams, name)]
@@ -139,16 +139,15 @@ def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -
         decoder.check_input(prompt_ids, None)
     elif params.decoder is not None or (params.use_cache is not None and not isinstance(params.use_cache, str)):
         check_prompt(engine.model, prompt_ids, None, spec=engine.spec, mask_in_prompt="refuse")
-        decoder = method_decoder(engine, params, prompt_ids)
+        decoder = method_decoder(engine, params, prompt_ids, structure, ends)
     elif params.apd is not None:
-        decoder = apd_decoder(engine, params, prompt_ids)
+        decoder = apd_decoder(engine, params, prompt_ids).constrain(structure)
     elif params.alg is not None:
-        decoder = dream_decoder(engine, params, prompt_ids)
+        decoder = dream_decoder(engine, params, prompt_ids, structure, ends)
     else:
         if params.top_p is not None or params.top_k is not None:
             raise ValueError("top_p / top_k filter autoregressive sampling and Dream's (alg=...); LLaDA's block "
                              "rule samples with Gumbel-max over the full vocabulary: leave them None")
-        ends = sorted(set(engine.stop_ids) | set(params.stop_token_ids)) if structure is not None else ()
         decoder = (_HeldBlockDecoder if params.min_tokens else BlockDecoder)(engine.spec, **params.generate_kwargs(),
                                                                            structure=structure, end_ids=ends)
         decoder.check_input(engine.model, prompt_ids, None)
@@ -208,7 +207,8 @@ def check_end_settings(engine: Any, params: SamplingParams) -> None:
 def canvas_decoder(engine: Any, params: SamplingParams) -> CanvasDecoder:
     """DiffusionGemma's canvas loop for these params, configured as `remask.diffusion_generate`
     would be with the checkpoint's generation config and the request's `canvas` settings."""
-    read = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "reference_rng", "canvas", "canvas_sampler")
+    read = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "reference_rng", "canvas", "canvas_sampler",
+            "structured_outputs")
     set_here = [f.name for f in fields(SamplingParams)
                 if f.name not in read and getattr(params, f.name) != f.default]
     if set_here:
@@ -222,12 +222,13 @@ def canvas_decoder(engine: Any, params: SamplingParams) -> CanvasDecoder:
     return CanvasDecoder(engine.model, config, params.canvas_sampler, reference_rng=params.reference_rng,
                          prompt_cache=engine.prompt_cache)
 
-def method_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -> StepwiseDecoder:
+def method_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
+                   end_ids: Any = ()) -> StepwiseDecoder:
     """`decoder=` / a cache config: the method's step generator (`decoder_steps`), advanced one
     forward per engine step. Its arguments are checked here, before the request is queued."""
     settings = {"steps": (params.steps, None), "remasking": (params.remasking, params.remasking)}
     kwargs = dict(gen_length=params.max_tokens, block_length=params.block_length or params.max_tokens,
-                  use_cache=params.use_cache, mask_id=engine.spec.mask_id)
+                  use_cache=params.use_cache, mask_id=engine.spec.mask_id, structure=structure, end_ids=end_ids)
     # Checked now (the settings as values; SamplingParams refused the unread ones already).
     decoder_steps(engine.model, prompt_ids, None, params.decoder, stats=None, settings=settings, **kwargs).close()
 
@@ -247,7 +248,8 @@ def apd_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -
     decoder.check_input(prompt_ids)
     return decoder
 
-def dream_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -> DreamDecoder | DreamBlockDecoder:
+def dream_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
+                  end_ids: Any = ()) -> DreamDecoder | DreamBlockDecoder:
     """Dream's sampler for these params — or, with `block_length` / `use_cache`, Fast-dLLM's
     Dream block decoder — configured as `remask.diffusion_generate` would."""
     kw = params.diffusion_generate_kwargs()
@@ -262,8 +264,8 @@ def dream_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor)
     check_prompt(engine.model, prompt_ids, None, spec=engine.spec)
     if block_length is None and use_cache is None:
         return (_HeldDreamDecoder if params.min_tokens else DreamDecoder)(
-            engine.spec, config, threshold, reference_ties=params.reference_ties)
+            engine.spec, config, threshold, reference_ties=params.reference_ties, structure=structure, end_ids=end_ids)
     block_length = DEFAULT_BLOCK_LENGTH if block_length is None else block_length
     check_block_layout(params.max_tokens, block_length, config.steps)
     return (_HeldDreamBlockDecoder if params.min_tokens else DreamBlockDecoder)(
-        engine.spec, config, threshold, block_length, use_cache)
+        engine.spec, config, threshold, block_length, use_cache, structure=structure, end_ids=end_ids)

@@ -136,12 +136,18 @@ def wino_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO 
 
 def wino_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | None = None,
                gen_length: int = 128, block_length: int = 128, attention_mask: torch.Tensor | None = None,
-               mask_id: int | None = None, stats: GenerationStats | None = None
+               mask_id: int | None = None, stats: GenerationStats | None = None, structure=None, end_ids=()
                ) -> StepGenerator:
     """`wino_generate`'s loop as a step generator (`diffusion/parts/stepper.py`): the arguments are
     checked here, at the call; it yields a `Progress` after every forward (the canvas without the
     shadow block; `final`: the blocks every row has decoded — a block's positions stay revocable
-    until it holds no mask) and returns the tuple `(x [B, P + gen_length], forwards [B])`."""
+    until it holds no mask) and returns the tuple `(x [B, P + gen_length], forwards [B])`.
+
+    `structure` / `end_ids`: structured output (`diffusion/parts/constrain.py`): each forward's
+    frontier masked before the rows decide, the commits filtered after; a narrow-out that remasks a
+    position the matcher consumed rolls it back. Departure under a structure: after
+    `2 * block_length` forwards in one block a row stops narrowing out (the filter's progress rule
+    then ends the block), so revocations and the filter cannot cycle."""
     config = WINO() if config is None else config
     if not isinstance(config, WINO):
         raise ValueError(f"config must be a remask WINO, got {type(config).__name__}")
@@ -164,13 +170,16 @@ def wino_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | N
     if attention_mask is not None and bool((attention_mask == 0).any()):
         keys = torch.ones((B, real + block_length), dtype=torch.bool, device=device)
         keys[:, :P] = attention_mask != 0
-    return _wino_loop(config, x, keys, P, gen_length, block_length, mask_id, stats)
+    from ..parts.constrain import CommitFilter, end_ids_of
+
+    constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, mask_id, P, gen_length)
+    return _wino_loop(config, x, keys, P, gen_length, block_length, mask_id, stats, constraint)
 
 
 @torch.no_grad()
 def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
-               gen_length: int, block_length: int, mask_id: int, stats: GenerationStats | None
-               ) -> StepGenerator:
+               gen_length: int, block_length: int, mask_id: int, stats: GenerationStats | None,
+               constraint=None) -> StepGenerator:
     B, device = x.shape[0], x.device
     real = P + gen_length
     forwards = torch.zeros(B, dtype=torch.long)
@@ -189,6 +198,7 @@ def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
         # commit_mask_token a committed mask token counts as decoded, as upstream).
         masked = x[:, start:end] == mask_id
         last_accept = [config.initial_last_accept] * B
+        block_forwards = [0] * B
         while True:
             active = masked.any(dim=1).nonzero().flatten().tolist()
             if not active:
@@ -199,6 +209,11 @@ def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
             if stats is not None:
                 stats.forward(len(active), x.shape[1])
             committed = 0
+            if constraint is not None:
+                sub = constraint.rows(active)
+                logits = sub.mask_frontier(logits, start, end, start)   # the real block's rows
+                prior = x[rows, start:end].clone()
+                candidates = torch.full_like(prior, mask_id)
             for i, b in enumerate(active):
                 max_accept = config.max_accept(int(masked[b].sum()))
                 x0, p = predict(logits[i], mask_id, config.commit_mask_token)
@@ -207,6 +222,11 @@ def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
                 confidence = torch.where(masked[b], x0_p[start:end], torch.full_like(x0_p[start:end], -torch.inf))
                 confidence_back = torch.where(decoded[b], x0_p[real:], torch.full_like(x0_p[real:], torch.inf))
                 accept, remask = _decide_row(config, confidence, confidence_back, last_accept[b], max_accept)
+                if constraint is not None:
+                    candidates[i] = x0[start:end]
+                    block_forwards[b] += 1
+                    if block_forwards[b] > 2 * block_length:   # no cycle with the filter (docstring)
+                        remask = remask[:0]
                 x[b, start + accept] = x0[start + accept]
                 x[b, start + remask] = mask_id
                 decoded[b, accept] = True
@@ -216,6 +236,16 @@ def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
                 last_accept[b] = int(accept.numel())
                 forwards[b] += 1
                 committed += int(accept.numel()) - int(remask.numel())
+            if constraint is not None:
+                # keep what the structure accepts; a remasked consumed position rolls its matcher back
+                canvas = x[rows]
+                sub.filter(canvas, prior, candidates, logits, start, end, start)
+                x[rows] = canvas
+                now = canvas[:, start:end] == mask_id
+                committed = int((prior == mask_id).sum() - now.sum())
+                for i, b in enumerate(active):
+                    masked[b] = now[i]
+                    decoded[b] = ~now[i]
             if stats is not None:
                 stats.step(committed)
             # a block is final once no row holds a mask in it (later blocks never touch it)

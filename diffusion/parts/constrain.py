@@ -28,9 +28,19 @@ complete when it holds an end token. A decoder calling this must keep stepping w
 has holes (the filter may leave more than the rule's schedule planned), e.g. LLaDA's block rule
 runs extra one-token steps after its schedule.
 
-Any decoder that writes a canvas from logits of the positions it decodes can call it: LLaDA's
-`BlockDecoder.commit` does; Dream's decoders and the step-generator methods take the same three
-calls (mask, their rule, filter) — revocations are a plain remask, which WINO already has.
+Revocations of the decoder's own (WINO's narrow-out, any rule that remasks or rewrites a position
+the matcher already consumed): `filter` compares the window with `before`; at the first consumed
+position that changed, the matcher rolls back to it (`Matcher.rollback`), and the walk above
+re-validates everything from there. A row whose matcher had ended and rolls back before its end
+token gets the end fill after the window undone (those positions are undecided again); a row still
+ended gets its end fill written again (whatever the decoder put after the end token).
+
+Any decoder that writes a canvas from logits of the positions it decodes can call it, in the same
+three calls (mask, its rule, filter): LLaDA's `BlockDecoder.commit`, Dream's `DreamDecoder` (the
+whole answer is the window) and `DreamBlockDecoder` (the block), dInfer's rules (`_Decoder.decode`),
+WINO (its revocations roll the matcher back) and FreeDave (its step function, applied to drafts
+with cloned filters: `clone_rows`). `structure_for_call` is the drop-in functions' one entry
+(the checks of `remask/structured.py`, as `SamplingParams` runs them).
 """
 from __future__ import annotations
 
@@ -52,6 +62,54 @@ class CommitFilter:
         self.revoked = 0          # commits taken back (a beyond-frontier token the lookahead stopped accepting)
         self.rejected = 0         # commits refused in the step that made them
         self.forced = 0           # frontier commits made for progress
+        self.rolled_back = 0      # matcher rollbacks (the decoder revoked a consumed position)
+
+    @classmethod
+    def start(cls, structure: Any, end_ids: Sequence[int], batch: int, mask_id: int, answer_start: int,
+              answer_len: int) -> "CommitFilter | None":
+        """A filter of `batch` fresh matchers of `structure` (a `CompiledStructure`), None without one."""
+        if structure is None:
+            return None
+        end_ids = [int(i) for i in end_ids if 0 <= int(i) < structure.vocab_size]   # ids the model has
+        if not end_ids:
+            raise ValueError("structured_outputs needs an end token: the model spec has no eos_id; pass eos_id")
+        return cls([structure.matcher(end_ids) for _ in range(batch)], mask_id, answer_start, answer_len)
+
+    def rows(self, index: Sequence[int]) -> "CommitFilter":
+        """A filter over the rows `index` of this one, sharing their matchers (a decoder that steps a
+        subset of its rows: the same matchers advance)."""
+        return CommitFilter([self.matchers[i] for i in index], self.mask_id, self.answer_start, self.answer_len)
+
+    def clone_rows(self, index: Sequence[int]) -> "CommitFilter":
+        """A filter over clones of the matchers of rows `index` (repeats allowed): a lookahead that
+        leaves this filter unchanged (FreeDave's drafts)."""
+        return CommitFilter([self.matchers[i].clone() for i in index], self.mask_id, self.answer_start,
+                            self.answer_len)
+
+    def sync(self, x: torch.Tensor) -> None:
+        """Advance each row's matcher over the contiguous committed run of `x` `[B, T]` from its
+        frontier, as far as it accepts (a canvas a decoder adopted whole, e.g. an accepted draft)."""
+        for b, matcher in enumerate(self.matchers):
+            if matcher.ended:
+                continue
+            row = x[b, self.frontier(b):self.answer_start + self.answer_len].tolist()
+            for token in row:
+                if token == self.mask_id or not matcher.try_advance(token):
+                    break
+            if matcher.ended:   # complete: the rest is its end token
+                at = self.answer_start + matcher._ended_at
+                x[b, at:self.answer_start + self.answer_len] = int(x[b, at])
+                matcher.position = self.answer_len
+
+    def unsettled(self, x: torch.Tensor, start: int, end: int) -> list[bool]:
+        """Per row: whether `x[:, start:end]` still needs steps — a hole, or (never after `filter`)
+        committed tokens the matcher has not consumed."""
+        out = []
+        for b, matcher in enumerate(self.matchers):
+            f = self.frontier(b)
+            out.append(not matcher.ended and f < min(end, self.answer_start + self.answer_len)
+                       and (start <= f or bool((x[b, start:end] == self.mask_id).any())))
+        return out
 
     def frontier(self, row: int) -> int:
         """The canvas position of row `row`'s first undecided answer position."""
@@ -80,7 +138,13 @@ class CommitFilter:
         best allowed id by the logits. The matcher advances over it."""
         if candidate is not None and candidate != self.mask_id and matcher.try_advance(candidate):
             return candidate
-        token = int(matcher.mask_logits(logits_row.float()).argmax())
+        masked = matcher.mask_logits(logits_row.float())
+        if bool(torch.isinf(masked.max())):
+            # the row's logits were masked for another path (a frontier since rolled back): the
+            # first allowed id
+            token = int(matcher.allowed().nonzero()[0])
+        else:
+            token = int(masked.argmax())
         ok = matcher.try_advance(token)
         assert ok, "structured output: the allowed mask and the matcher disagree"
         return token
@@ -99,10 +163,26 @@ class CommitFilter:
         gained: list[int] = []
         for b, matcher in enumerate(self.matchers):
             row, prior, cand = now_rows[b], before_rows[b], cand_rows[b]
-            if matcher.ended:
-                gained.append(0)
-                continue
             f = self.frontier(b)
+            # the decoder's own revocations: a consumed position it remasked or rewrote rolls the
+            # matcher back to it (the walk below re-validates what follows)
+            lo, hi = max(start, self.answer_start), min(end, f)
+            moved = next((i for i in range(lo - start, hi - start) if row[i] != prior[i]), None)
+            if moved is not None:
+                was_ended = matcher.ended
+                matcher.rollback(matcher.position - (start + moved - self.answer_start))
+                self.rolled_back += 1
+                if was_ended and not matcher.ended and end < answer_end:
+                    x[b, end:answer_end] = mask_id   # the end fill after the window is undecided again
+                f = self.frontier(b)
+            if matcher.ended:
+                # the answer is complete: the rest is its end token, whatever the decoder wrote there
+                at = self.answer_start + matcher._ended_at
+                x[b, at:answer_end] = int(x[b, at])
+                matcher.position = self.answer_len
+                gained.append(sum(1 for i, t in enumerate(x[b, start:end].tolist())
+                                  if t != mask_id and prior[i] == mask_id))
+                continue
             changed = False
             if start <= f < end:
                 committed = [i for i in range(f - start, end - start) if row[i] != mask_id]
@@ -164,3 +244,24 @@ class _Rows:
         if self.full is None:
             self.full = full_logits(self.logits)
         return self.full[index]
+
+
+def structure_for_call(structured_outputs: Any, model: torch.nn.Module, tokenizer: Any, mask_id: int | None,
+                       max_tokens: int) -> Any:
+    """A drop-in call's `structured_outputs` (a `StructuredOutputsParams` or its JSON form) compiled
+    against the model's tokenizer, its budget checked — the checks `SamplingParams` and the engine
+    run (`remask/structured.py`); None without one."""
+    if structured_outputs is None:
+        return None
+    from remask.structured import StructuredOutputsParams, compile_structure, model_vocab_size, tokenizer_for
+
+    params = StructuredOutputsParams.from_json(structured_outputs)
+    structure = compile_structure(params, tokenizer_for(model, tokenizer), model_vocab_size(model),
+                                  () if mask_id is None else (mask_id,))
+    structure.check_budget(max_tokens)
+    return structure
+
+
+def end_ids_of(spec: Any, extra: Sequence[int] = ()) -> list[int]:
+    """The ids that end a structured answer: `extra` (the engine's stop ids) or the spec's EOS / EOT."""
+    return sorted({int(i) for i in extra} or {int(i) for i in (spec.eos_id, spec.eot_id) if i is not None})

@@ -66,7 +66,7 @@ def generate(model: torch.nn.Module, input_ids: torch.LongTensor, max_new_tokens
              top_p: float = 0.95, temperature: float = 0, use_block_cache: bool = False,
              return_dict_in_generate: bool = False, output_scores: bool = False, output_hidden_states: bool = False,
              *, prefill_whole_block_prompt: bool = True, generator: torch.Generator | None = None, stats: Any = None,
-             use_cache: bool = True, decoder: Any = None, **kwargs: Any):
+             use_cache: bool = True, decoder: Any = None, structured_outputs: Any = None, **kwargs: Any):
     """The official model's `generate(input_ids, max_new_tokens=None, max_length=None, tokenizer=None,
     mask_id=151665, threshold=1, small_block_size=8, block_size=32, stop_token=151645, ...)`: returns
     the token ids `[B, n]` (the prompt, the answer up to and including its first stop), or with
@@ -75,7 +75,9 @@ def generate(model: torch.nn.Module, input_ids: torch.LongTensor, max_new_tokens
     shorter rows are right-padded with `stop_token` (upstream's stop test and truncation read the
     whole batch). `output_scores` / `output_hidden_states` are not collected (remask's decoder does
     not keep every forward's logits); asking for them raises. `decoder=remask.FreeDave(...)`
-    (remask's): the same tokens with fewer forwards (greedy; without `use_block_cache`)."""
+    (remask's): the same tokens with fewer forwards (greedy; without `use_block_cache`).
+    `structured_outputs=remask.StructuredOutputsParams(...)` (remask's): each answer held to it,
+    compiled against `tokenizer` (here it is read; default the one saved beside the model)."""
     kwargs.pop("attention_mask", None)   # upstream accepts and ignores it (its forward builds its own mask)
     kwargs.pop("generation_config", None)
     if kwargs:
@@ -97,7 +99,8 @@ def generate(model: torch.nn.Module, input_ids: torch.LongTensor, max_new_tokens
         model, input_ids, max_new_tokens=max_new_tokens, mask_id=mask_id, threshold=threshold,
         small_block_size=small_block_size, block_size=block_size, stop_token=stop_token, top_p=top_p,
         temperature=temperature, use_block_cache=use_block_cache, prefill_whole_block_prompt=prefill_whole_block_prompt,
-        generator=generator, stats=stats, use_cache=use_cache, decoder=decoder)
+        generator=generator, stats=stats, use_cache=use_cache, decoder=decoder,
+        structured_outputs=structured_outputs, tokenizer=tokenizer if structured_outputs is not None else None)
     if return_dict_in_generate:
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 

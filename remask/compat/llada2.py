@@ -32,7 +32,8 @@ def generate(model: torch.nn.Module, inputs: Any = None, temperature: float = 0.
              editing_threshold: float | None = None, max_post_steps: int = 16, eos_id: int | None = None,
              mask_id: int | None = None, num_to_transfer: int = 1, *, use_cache: bool = True,
              reference_rng: bool = True, generator: torch.Generator | None = None, stats: Any = None,
-             decoder: Any = None, **unsupported: Any) -> torch.LongTensor:
+             decoder: Any = None, structured_outputs: Any = None, tokenizer: Any = None,
+             **unsupported: Any) -> torch.LongTensor:
     """LLaDA2's generate: upstream's arguments in upstream's order (2.0's, then 2.1's). `eos_id` /
     `mask_id` default to the model config's ids, then to the release's (156892 / 156895).
     `decoder=remask.FreeDave(...)` (remask's): the tokens of the same call with fewer forwards
@@ -40,7 +41,10 @@ def generate(model: torch.nn.Module, inputs: Any = None, temperature: float = 0.
     `decoder=remask.ThresholdDecoding(...)` / `HierarchicalDecoding(...)` / `CreditDecoding(...)`
     (remask's): dInfer's rule chooses each step's commits in LLaDA2.0's loop (greedy; `steps`,
     `top_p`, `top_k`, `minimal_topk`, `threshold` and 2.1's settings are not read and must stay at
-    their defaults; `remask.diffusion.llada2.LLaDA2Rules`)."""
+    their defaults; `remask.diffusion.llada2.LLaDA2Rules`).
+    `structured_outputs=remask.StructuredOutputsParams(...)` (remask's; `tokenizer=` the model's, default
+    the one saved beside it): the answer is held to it block by block, EOS allowed only where it is
+    complete; 2.1's edits keep the committed prefix valid (`diffusion/parts/constrain_loops.py`)."""
     if unsupported:
         raise ValueError(f"generate: unknown argument(s) {sorted(unsupported)}")
     if inputs is None:
@@ -73,6 +77,11 @@ def generate(model: torch.nn.Module, inputs: Any = None, temperature: float = 0.
     else:
         check_block_decoder(decoder)
         decoder = LLaDA2FreeDave(decoder, **kwargs)
+    if structured_outputs is not None:
+        from remask.diffusion.constrain_loops import compile_for
+
+        decoder.constrain(compile_for(structured_outputs, model, tokenizer, mask_id))
+        decoder.structure.check_budget(gen_length)
     if torch.is_tensor(input_ids):
         check_generator(generator, input_ids.device)
         vocab = getattr(config, "vocab_size", None)

@@ -41,13 +41,17 @@ def block_diffusion_generate(
         stats: Any = None,
         use_cache: bool = True,
         decoder: Any = None,
+        structured_outputs: Any = None,
+        tokenizer: Any = None,
 ) -> torch.LongTensor:
     """Upstream's arguments, in upstream's order; returns x `[1, ceil((P + gen_length) / block_length) ·
     block_length]` (the prompt, then the decoded blocks; after a stop, the stop id where upstream
     leaves masks unless `fill_after_stop=False`). `use_cache=False` (remask's): no KV cache, every step
     forwards the sequence up to the current block under the block-causal mask — the same tokens.
     `decoder=remask.FreeDave(...)` (remask's): the tokens of the same call with fewer forwards (greedy,
-    `denoising_steps == block_length`; `remask.diffusion.sdar.SDARFreeDave`)."""
+    `denoising_steps == block_length`; `remask.diffusion.sdar.SDARFreeDave`).
+    `structured_outputs=remask.StructuredOutputsParams(...)` (remask's; `tokenizer=` the model's, default
+    the one saved beside it): the answer is held to it block by block; `stopping_criteria_idx` end it."""
     input_ids = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
     model.eval()
     return sdar_generate(model, input_ids, mask_id=mask_id, gen_length=gen_length, block_length=block_length,
@@ -55,4 +59,4 @@ def block_diffusion_generate(
                          remasking_strategy=remasking_strategy, confidence_threshold=confidence_threshold,
                          eb_threshold=eb_threshold, stopping_criteria_idx=stopping_criteria_idx,
                          fill_after_stop=fill_after_stop, generator=generator, stats=stats, use_cache=use_cache,
-                         decoder=decoder)
+                         decoder=decoder, structured_outputs=structured_outputs, tokenizer=tokenizer)

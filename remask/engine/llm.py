@@ -102,11 +102,14 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         return self._run([self.chat_ids(c) for c in conversations], sampling_params, use_tqdm)
 
-    def chat_ids(self, messages: Seq[Message]) -> list[int]:
-        """Token ids of a conversation through the tokenizer's chat template, generation prompt appended."""
+    def chat_ids(self, messages: Seq[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a conversation through the tokenizer's chat template, generation prompt
+        appended; `tools` (OpenAI's function tools) go to the template as its `tools` (a template
+        that does not read them ignores them)."""
         if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("chat needs a tokenizer with a chat template")
-        out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        extra = {} if tools is None else {"tools": tools}
+        out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **extra)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:

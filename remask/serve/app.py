@@ -545,8 +545,10 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | Sequence[str] |
             raise APIError(400, str(err), param="messages") from None
         check_text(engine, texts, "messages")
         messages = [{**m.model_dump(exclude_none=True), "content": text} for m, (_, text) in zip(body.messages, texts)]
+        spec = body.tools_spec
         try:
-            prompt = engine.llm.chat_ids(messages)
+            prompt = engine.llm.chat_ids(messages, tools=None if spec is None else [
+                {"type": "function", "function": f} for f in (t["function"] for t in body.tools)])
         except Exception as err:  # noqa: BLE001 - the messages are all that varies here: the template or the
             # tokenizer refusing them (jinja's raise_exception, a tokenizer's TypeError) is the client's 400
             raise APIError(400, f"messages: the chat template or tokenizer refused them: {type(err).__name__}: {err}",
@@ -582,6 +584,7 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | Sequence[str] |
         return None
 
     async def _respond(engine: AsyncEngine, body, prompt, params, request: Request, chat: bool):
+        tools = body.tools_spec if chat else None
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{request.state.request_id}"
         start = time.perf_counter()
         timeout, timeout_name = timeout_for(body)
@@ -629,7 +632,8 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | Sequence[str] |
                 await asyncio.wait({gone})
                 streaming = True                   # the stream is the response's now
                 return EventSourceResponse(_sse(first, stream, body, params, request_id, model, chat, start,
-                                                engine.llm.tokenizer if drafts else None, left, timeout, timeout_name),
+                                                engine.llm.tokenizer if drafts else None, left, timeout, timeout_name,
+                                                tools),
                                            ping=15, sep="\n")
             out = first
 
@@ -658,15 +662,17 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | Sequence[str] |
         if any(o.finish_reason == "error" for o in out.outputs):
             message = next(o.error for o in out.outputs if o.finish_reason == "error")
             raise APIError(500, f"the request failed: {message}", kind="server_error")
-        response = _full_response(out, request_id, model, chat, created=int(time.time()))
+        response = _full_response(out, request_id, model, chat, created=int(time.time()), tools=tools)
         if cache_key is not None:
             cache.put(cache_key, response)
         return response
 
     async def _sse(first: RequestOutput, stream: AsyncIterator[RequestOutput], body, params, request_id: str,
                    model: str, chat: bool, start: float, draft_tokenizer: Any, left: Callable[[], float | None],
-                   timeout: float | None, timeout_name: str):
+                   timeout: float | None, timeout_name: str, tools: Any = None):
         sent = {i: "" for i in range(params.n)}
+        calls = {i: _CallStream(tools, i) for i in range(params.n)} if tools is not None and tools.mode != "none" \
+            else None
         hold = max((len(s) for s in params.stop), default=1) - 1
         now = int(time.time())
         ttft = None
@@ -698,6 +704,11 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | Sequence[str] |
                     text = o.text
                     if o.finish_reason is None and hold:
                         text = text[:max(len(sent[o.index]), len(text) - hold)]
+                    if calls is not None:           # a tool request: text or a call (`_CallStream`)
+                        choice = calls[o.index].update(text, o.finish_reason)
+                        if choice is not None:
+                            choices.append(choice)
+                        continue
                     if not text.startswith(sent[o.index]):
                         continue        # never take back text already sent
                     delta = text[len(sent[o.index]):]
@@ -732,7 +743,8 @@ def _param_named(message: str, body: Any) -> str | None:
     head = message.split(" ", 1)[0].rstrip(":,")
     if head == "prompt" and "messages" in fields:    # the engine's word for a chat's tokenized messages
         return "messages"
-    return head if head.split(".", 1)[0] in fields else None     # "sdar.denoising_steps": a field's key
+    # "sdar.denoising_steps": a field's key; "tools[1].function.name": an element's
+    return head if head.split(".", 1)[0].split("[", 1)[0] in fields else None
 
 
 def _default_loader(path: str) -> Any:
@@ -764,10 +776,90 @@ def _usage(out: RequestOutput) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _full_response(out: RequestOutput, request_id: str, model: str, chat: bool, created: int) -> dict[str, Any]:
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _tool_call(call: dict[str, Any], call_id: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
+
+
+def _is_call(tools: Any, text: str, finish_reason: str | None) -> bool:
+    """Whether a finished answer of a tool request is a call: it finished with `stop` (a complete
+    structure) and it is one (`ToolCallSpec.is_call`). An answer cut at `length` is text."""
+    return tools is not None and tools.mode != "none" and finish_reason == "stop" and bool(tools.is_call(text))
+
+
+def _message(o: Any, tools: Any) -> tuple[dict[str, Any], str | None]:
+    """A chat choice's message and finish reason: a call (`tool_calls`, content null, finish
+    reason `tool_calls`) or text."""
+    if _is_call(tools, o.text, o.finish_reason):
+        return ({"role": "assistant", "content": None, "tool_calls": [_tool_call(tools.call_of(o.text), _call_id())]},
+                "tool_calls")
+    return {"role": "assistant", "content": o.text}, o.finish_reason
+
+
+class _CallStream:
+    """What one choice of a streamed tool request has sent. Text streams as `content` once it is
+    known to be text (`auto`: the first characters are not the start of `<tool_call>`; held while
+    they could be). A named function's call streams as OpenAI's `tool_calls` deltas: the first with
+    the call's `id`, `type` and `function.name`, then `function.arguments` fragments as the answer
+    (the arguments) is committed. A `required` / `auto` call comes whole in one delta once the
+    answer is complete (its name is known only then); finish reason `tool_calls`. An answer cut at
+    `length` ends as text (what was held comes as `content`), finish reason `length`."""
+
+    def __init__(self, tools: Any, index: int) -> None:
+        self.tools, self.index, self.call_id = tools, index, _call_id()
+        self.sent = ""
+        self.kind: str | None = None      # "text" / "call", once known
+        self.started = self.done = False
+
+    def _out(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any] | None:
+        if not delta and finish_reason is None:
+            return None
+        self.done = finish_reason is not None
+        return {"index": self.index, "delta": delta, "finish_reason": finish_reason}
+
+    def update(self, text: str, finish_reason: str | None) -> dict[str, Any] | None:
+        if self.done:              # a finished choice is reported again while its siblings run
+            return None
+        if self.kind is None:
+            decided = self.tools.is_call(text)
+            if decided is None and finish_reason is not None:
+                decided = False
+            if decided is not None:
+                self.kind = "call" if decided else "text"
+        if self.kind is None:
+            return None
+        if self.kind == "call" and self.tools.mode == "named":
+            if not self.started:
+                self.started = True
+                delta = {"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
+                                         "function": {"name": self.tools.name, "arguments": text}}]}
+            elif text != self.sent:
+                delta = {"tool_calls": [{"index": 0, "function": {"arguments": text[len(self.sent):]}}]}
+            else:
+                delta = {}
+            self.sent = text
+            return self._out(delta, "tool_calls" if finish_reason == "stop" else finish_reason)
+        if self.kind == "call" and finish_reason is None:
+            return None                     # the whole call once it is complete
+        if self.kind == "call" and finish_reason == "stop":
+            call = _tool_call(self.tools.call_of(text), self.call_id)
+            self.sent = text
+            return self._out({"tool_calls": [{"index": 0, **call}]}, "tool_calls")
+        delta_text = text[len(self.sent):] if text.startswith(self.sent) else ""
+        self.sent = text if text.startswith(self.sent) else self.sent
+        return self._out({"content": delta_text} if delta_text else {}, finish_reason)
+
+
+def _full_response(out: RequestOutput, request_id: str, model: str, chat: bool, created: int,
+                   tools: Any = None) -> dict[str, Any]:
     if chat:
-        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                    "finish_reason": o.finish_reason, "logprobs": None} for o in out.outputs]
+        choices = []
+        for o in out.outputs:
+            message, finish_reason = _message(o, tools)
+            choices.append({"index": o.index, "message": message, "finish_reason": finish_reason, "logprobs": None})
     else:
         choices = [{"index": o.index, "text": o.text, "finish_reason": o.finish_reason, "logprobs": None}
                    for o in out.outputs]

@@ -3,7 +3,9 @@
 Fields are OpenAI's (`/v1/completions`, `/v1/chat/completions`) plus remask's decoding settings
 and vLLM's `ignore_eos` / `min_tokens` / `structured_outputs`, which the `openai` client sends
 through `extra_body`. `response_format` (`json_object`, `json_schema`) and `structured_outputs`
-become `SamplingParams.structured_outputs` (remask/structured.py).
+become `SamplingParams.structured_outputs` (remask/structured.py); so do a chat request's `tools`
+/ `tool_choice` (`remask.structured.tool_call_spec`: the call's grammar; `ChatCompletionRequest.tools_spec`
+keeps it for the answer's `tool_calls`).
 Unknown fields are refused (400 naming them), and so are OpenAI fields remask does not implement
 when they are set — nothing is silently ignored. Numbers and booleans are strict (`true` is no 1,
 `1` no `true`, `"1"` neither): pydantic's lax mode would turn `max_tokens: true` into 1. Values are
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Callable, Literal
 
-from pydantic import BaseModel, ConfigDict, Strict, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, PrivateAttr, Strict, StrictBool, StrictInt
 
 from remask.diffusion.apd import APDConfig
 from remask.diffusion.canvas import CanvasSampler
@@ -203,14 +205,29 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """A chat message. Besides system / user / assistant text: an assistant message's `tool_calls`
+    (OpenAI's shape; `content` may then be null) and a `tool` message (a call's result, with its
+    `tool_call_id`), passed to the tokenizer's chat template as they are (a template that knows
+    tools renders them; the tiny models' template reads `content` only)."""
+
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self, where: str) -> str:
         """The message's text: `content` itself, or its text parts joined by newlines (as vLLM
         joins them); `ValueError` naming the part (`where`: "messages[i]") for any other part."""
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"{where}.tool_calls: only an assistant message carries tool_calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"{where}.tool_call_id: only a tool message carries tool_call_id")
+        if self.content is None:
+            if self.role == "assistant" and self.tool_calls:
+                return ""
+            raise ValueError(f"{where}.content: required (null only in an assistant message with tool_calls)")
         if isinstance(self.content, str):
             return self.content
         texts = []
@@ -225,8 +242,38 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
+    """A chat request. `tools` / `tool_choice` / `parallel_tool_calls` (OpenAI's) are read here
+    (the completions route refuses them): `structured()` returns the call's structure
+    (remask/structured.py, `tool_call_spec`), and `tools_spec` holds the checked spec the answer's
+    `tool_calls` are read with."""
+
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
+    parallel_tool_calls: Any = None
+    _tools: Any = PrivateAttr(default=None)
+
+    def unsupported(self) -> list[str]:
+        return [name for name in super().unsupported() if name not in ("tools", "tool_choice")]
+
+    @property
+    def tools_spec(self) -> Any:
+        """The request's `ToolCallSpec` (None without tools), once `structured()` has run."""
+        return self._tools
+
+    def structured(self) -> Any:
+        if self.tools is None and self.tool_choice is None and self.parallel_tool_calls is None:
+            return super().structured()
+        from remask.structured import tool_call_spec
+
+        spec = tool_call_spec(self.tools, self.tool_choice, self.parallel_tool_calls)
+        self._tools = spec
+        own = super().structured()
+        if spec is None or spec.structure is None:
+            return own
+        if own is not None:
+            raise ValueError(f"tool_choice: {spec.mode!r} holds the answer to a tool call; response_format / "
+                             "structured_outputs only with tool_choice 'none'")
+        return spec.structure
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None \
