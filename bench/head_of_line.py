@@ -36,6 +36,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import write_markdown  # noqa: E402  (bench/report.py)
 
 SHORT = dict(max_tokens=16, block_length=8, threshold=0.9, use_cache="dual")
+# --structured: the long request holds to a JSON schema, every other short one to a regex
+LONG_SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                                                         "maxItems": 12}},
+               "required": ["items"], "additionalProperties": False}
+SHORT_REGEX = r"[0-9]{1,6}"
 
 
 def long_methods(tokens: int) -> dict[str, dict[str, Any]]:
@@ -58,14 +63,17 @@ def long_methods(tokens: int) -> dict[str, dict[str, Any]]:
 
 
 def scenario(model, tokenizer, prompts: list[list[int]], long: dict[str, Any] | None, tokens: int,
-             cost_stride: bool = True) -> dict[str, Any]:
+             cost_stride: bool = True, structured: bool = False) -> dict[str, Any]:
     engine = LLMEngine(model, tokenizer, max_num_seqs=64, cost_stride=cost_stride)
     start = time.perf_counter()
     if long is not None:
-        engine.add_request("long", prompts[0], SamplingParams(max_tokens=tokens, seed=0, **long))
+        extra = dict(structured_outputs=remask.StructuredOutputsParams(json=LONG_SCHEMA)) if structured else {}
+        engine.add_request("long", prompts[0], SamplingParams(max_tokens=tokens, seed=0, **long, **extra))
     short = [f"s{i}" for i in range(len(prompts) - 1)]
     for rid, ids in zip(short, prompts[1:]):
-        engine.add_request(rid, ids, SamplingParams(seed=int(rid[1:]) + 1, **SHORT))
+        extra = dict(structured_outputs=remask.StructuredOutputsParams(regex=SHORT_REGEX)) \
+            if structured and int(rid[1:]) % 2 else {}
+        engine.add_request(rid, ids, SamplingParams(seed=int(rid[1:]) + 1, **SHORT, **extra))
     steps, done, finished = 0, {}, {}
     while engine.has_unfinished_requests():
         outs = engine.step()
@@ -92,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-cost-stride", action="store_true",
                         help="LLMEngine(cost_stride=False): every picked sequence steps every engine step")
+    parser.add_argument("--structured", action="store_true",
+                        help="structured requests in the mix: the long request holds to a JSON schema, every other "
+                             "short one to a regex (methods that refuse a structure are left out)")
     parser.add_argument("--out", default=None, help="markdown table to write (default: print only)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -104,11 +115,24 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"--methods: unknown {unknown}; choose from {sorted(methods)}")
         methods = {m: methods[m] for m in wanted}
+    if args.structured:   # a method that refuses a structure is left out (named in the table)
+        refused = {}
+        for name, long in list(methods.items()):
+            try:
+                SamplingParams(max_tokens=args.long_tokens, structured_outputs=remask.StructuredOutputsParams(
+                    json=LONG_SCHEMA), **long)
+                LLMEngine(model, tokenizer).add_request("probe", prompts[0], SamplingParams(
+                    max_tokens=args.long_tokens, structured_outputs=remask.StructuredOutputsParams(json=LONG_SCHEMA),
+                    **long))
+            except ValueError as err:
+                refused[name] = str(err).splitlines()[0]
+                methods.pop(name)
     scenario(model, tokenizer, prompts[:2], None, args.long_tokens)   # warm-up (first-call costs)
     best: dict[str, dict[str, Any]] = {}
     for _ in range(args.repeats):   # interleaved, the fastest of each kept: the machine is shared
         for name, long in [("alone", None), *methods.items()]:
-            result = scenario(model, tokenizer, prompts, long, args.long_tokens, not args.no_cost_stride)
+            result = scenario(model, tokenizer, prompts, long, args.long_tokens, not args.no_cost_stride,
+                              args.structured)
             if name not in best or result["seconds"] < best[name]["seconds"]:
                 best[name] = result
     alone = best.pop("alone")
@@ -117,8 +141,13 @@ def main(argv: list[str] | None = None) -> int:
              f"torch {torch.__version__}, Python {sys.version.split()[0]}; tiny-llada; {args.short} short requests "
              f"({SHORT}) alone, and beside one {args.long_tokens}-token request of each method queued first. Command: "
              f"`python bench/head_of_line.py --short {args.short} --long-tokens {args.long_tokens} --threads "
-             f"{args.threads} --repeats {args.repeats}{' --no-cost-stride' if args.no_cost_stride else ''}` (fastest of "
+             f"{args.threads} --repeats {args.repeats}{' --no-cost-stride' if args.no_cost_stride else ''}"
+             f"{' --structured' if args.structured else ''}` (fastest of "
              f"the repeats; engine cost_stride={not args.no_cost_stride}).", "",
+             *([f"Structured requests in the mix: the long request holds to the JSON schema `{LONG_SCHEMA}`, every "
+                f"other short request to the regex `{SHORT_REGEX}` (alone and beside alike)."
+                + (f" Left out (they refuse a structure): {refused}." if refused else ""), ""]
+               if args.structured else []),
              f"Alone: the last short request finishes after {alone['seconds']:.3f} s, {alone['steps']} engine steps.",
              "", "| long request's method | short makespan (s) | ratio to alone | short steps | long request (s) "
              "| long request steps | short tokens unchanged |", "| --- |" + " ---: |" * 5 + " --- |"]

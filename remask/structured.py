@@ -23,7 +23,8 @@ SGLang's llguidance backends), chosen over xgrammar because:
 `import remask` stays light: llguidance is imported on first compile (`_ll()`).
 
 What is enforced where (docs: the decoders' docstrings): `ARDecoder.sample` / `ar_generate` mask
-the next token; LLaDA's `BlockDecoder.commit` runs `remask.diffusion.parts.constrain` (the first
+the next token; LLaDA's `BlockDecoder.commit` (and every masked-diffusion method's commit: Dream's,
+FreeDave, dInfer, WINO, dKV-Cache, d2Cache, Elastic-Cache) runs `remask.diffusion.parts.constrain` (the first
 undecided position masked before the rule scores it, commits beyond it kept only if a clone
 accepts the lookahead fill, the matcher advanced over the contiguous committed run, end tokens only
 where the grammar accepts). An answer that runs out of budget ends with finish reason `length` and

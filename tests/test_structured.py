@@ -385,17 +385,22 @@ def test_engine_finish_reasons(name):
     tally(f"engine {name}", stops, total)
 
 
-def test_structured_outputs_refused_where_not_enforced(llada):
-    model, _ = llada
+def test_structured_outputs_with_the_cache_methods(llada):
+    model, tok = llada
     prompt = torch.tensor([encode_chat("hi")])
-    # FreeDave, dInfer's rules, WINO and Dream's decoders enforce it (tests/test_structured_methods.py);
-    # dKV-Cache, d2Cache and Elastic-Cache not yet: refused by name, in the drop-in and the engine
-    with pytest.raises(ValueError, match="not enforced with use_cache=DKVCache"):
-        remask.generate(model, prompt, gen_length=16, use_cache=remask.DKVCache(), structured_outputs=S(regex="a+"))
-    llm = remask.LLM("tiny-llada")
-    with pytest.raises(ValueError, match="not enforced with use_cache=D2Cache"):
-        llm.generate(["x"], remask.SamplingParams(max_tokens=16, use_cache=remask.D2Cache(),
-                                                  structured_outputs=S(regex="a+")), use_tqdm=False)
+    # FreeDave, dInfer's rules, WINO, Dream's decoders and the dKV / d2 / Elastic caches enforce it
+    # (tests/test_structured_methods.py); here the drop-in and the engine, each once
+    params = S(regex="a+")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = remask.generate(model, prompt, gen_length=16, block_length=16, steps=16, use_cache=remask.DKVCache(),
+                              structured_outputs=params)
+        assert compile_structure(params, tok, 128, (MASK_ID,)).matcher((EOS_ID, EOT_ID)).valid(
+            out[0, prompt.shape[1]:].tolist())
+        llm = remask.LLM("tiny-llada")
+        c = llm.generate(["x"], remask.SamplingParams(max_tokens=16, use_cache=remask.D2Cache(),
+                                                      structured_outputs=params), use_tqdm=False)[0].outputs[0]
+    assert c.finish_reason in ("stop", "length") and set(c.text) <= {"a"} and c.text
 
 
 # ---- HTTP ---------------------------------------------------------------------------------------

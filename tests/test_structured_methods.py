@@ -1,7 +1,9 @@
 """Structured output under Dream's decoders and the step-generator methods (diffusion/parts/constrain.py):
 Dream's sampler (its algs) and Fast-dLLM's Dream block decoder, FreeDave (LLaDA and Dream), dInfer's
-rules (threshold / credit / hierarchical, the vicinity cache, iteration smoothing) and WINO, on the
-shipped tiny LLaDA and a tiny random Dream checkpoint with the tiny models' character tokenizer.
+rules (threshold / credit / hierarchical, the vicinity cache, iteration smoothing), WINO, and the
+cache methods dKV-Cache (Decode and Greedy; Dream's), d2Cache and Elastic-Cache (its own rule and a
+dInfer rule), on the shipped tiny LLaDA and a tiny random Dream checkpoint with the tiny models'
+character tokenizer.
 
 Every output is checked: no mask token; finished with `stop` (an end token in it) it parses and
 validates (`jsonschema`), else a valid prefix. The share that finishes with `stop` is tallied per
@@ -221,10 +223,121 @@ def test_wino_revocations_roll_the_matcher_back(llada):
     print(f"\n[structured] wino rollbacks: {sum(seen)}")
 
 
-def test_not_enforced_yet_is_refused_by_name(llada):
-    model, _ = llada
-    prompt = torch.tensor([encode_chat("hi")])
-    for cache in (remask.DKVCache(), remask.D2Cache(), remask.ElasticCache()):
-        with pytest.raises(ValueError, match=f"not enforced with use_cache={type(cache).__name__}"):
-            remask.generate(model, prompt, gen_length=16, block_length=16, use_cache=cache,
-                            structured_outputs=S(regex="a+"))
+def _seeded(kw: dict) -> dict:
+    """`kw` with a fresh generator of the same seed (each call draws the same randoms)."""
+    kw = dict(kw)
+    if "generator" in kw:
+        kw["generator"] = torch.Generator().manual_seed(kw["generator"].initial_seed())
+    return kw
+
+
+CACHE_METHODS = {
+    "dkv decode": dict(use_cache=remask.DKVCache(cache_reloading_step=2), steps=16, block_length=8),
+    "dkv decode random": dict(use_cache=remask.DKVCache(cache_reloading_step=4), steps=32, block_length=8,
+                              remasking="random", generator=torch.Generator().manual_seed(3)),
+    "dkv greedy window": dict(use_cache=remask.DKVCache(variant="greedy", cache_reloading_step=2, window_size=2),
+                              steps=16, block_length=8, remasking="random", generator=torch.Generator().manual_seed(5)),
+    "d2cache": dict(use_cache=remask.D2Cache(current_k=4), steps=16, block_length=8),
+    "d2cache one block": dict(use_cache=remask.D2Cache(inflate_w=0), steps=32, block_length=32),
+    "elastic": dict(use_cache=remask.ElasticCache(window_length=8), block_length=32),
+    "elastic top-k all masked": dict(use_cache=remask.ElasticCache(threshold=None, tokens_per_iter=2,
+                                                                   block_caching=False, gamma=0.99), block_length=32),
+    "elastic + dinfer threshold": dict(use_cache=remask.ElasticCache(),
+                                       decoder=remask.ThresholdDecoding(threshold=0.7), block_length=32),
+    "elastic + dinfer hierarchical": dict(use_cache=remask.ElasticCache(window_length=8),
+                                          decoder=remask.HierarchicalDecoding(threshold=0.7, low_threshold=0.4),
+                                          block_length=32),
+}
+
+
+@pytest.mark.parametrize("method", list(CACHE_METHODS))
+def test_llada_cache_methods(llada, method):
+    """dKV-Cache, d2Cache and Elastic-Cache: mask the frontier, the method's own rule, filter."""
+    model, tok = llada
+    counts = [0, 0]
+    prompt, mask = batch(PROMPTS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for params in CASES:
+            out = remask.generate(model, prompt, mask, gen_length=32, structured_outputs=params,
+                                  **_seeded(CACHE_METHODS[method]))
+            check_rows(out[:, prompt.shape[1]:].tolist(), params, tok, method, counts)
+    tally(f"llada {method}", *counts)
+
+
+def test_d2cache_coupled_rows(llada):
+    """d2Cache's upstream batch (`independent_rows=False`: rows coupled by the top-up) under a structure."""
+    from remask.diffusion.d2cache import d2cache_steps
+    from remask.diffusion.parts.constrain import structure_for_call
+    from remask.diffusion.stepper import drive
+
+    model, tok = llada
+    counts = [0, 0]
+    prompt, mask = batch(PROMPTS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for params in CASES:
+            structure = structure_for_call(params, model, tok, MASK_ID, 32)
+            out = drive(d2cache_steps(model, prompt, config=remask.D2Cache(current_k=4), steps=16, gen_length=32,
+                                      block_length=8, independent_rows=False, attention_mask=mask,
+                                      structure=structure), model)
+            check_rows(out[:, prompt.shape[1]:].tolist(), params, tok, "d2cache coupled", counts)
+    tally("llada d2cache coupled rows", *counts)
+
+
+DKV_DREAM = {
+    "decoded un entropy": dict(config=remask.DKVCache(cache_type="decoded", cache_reloading_step=4), alg="entropy",
+                               steps=16),
+    "decoded right maskgit_plus": dict(config=remask.DKVCache(cache_type="decoded", shift_type="right",
+                                                              cache_reloading_step=4), alg="maskgit_plus", steps=16),
+    "decoded un_right topk_margin": dict(config=remask.DKVCache(cache_type="decoded", shift_type="un_right"),
+                                         alg="topk_margin", steps=8),
+    "prefill origin": dict(config=remask.DKVCache(cache_type="prefill"), alg="origin", steps=16,
+                           generator=torch.Generator().manual_seed(0)),
+}
+
+
+@pytest.mark.parametrize("method", list(DKV_DREAM))
+def test_dkv_dream(dream, method):
+    """Dream's dKV-Cache: Dream's own commit (mask, its alg, filter) under the delayed cache."""
+    from remask.diffusion.dkv_dream import dkv_dream_generate
+
+    model, tok, _ = dream
+    counts = [0, 0]
+    prompt, mask = batch(PROMPTS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for params in CASES:
+            out = dkv_dream_generate(model, prompt, mask, max_new_tokens=32, structured_outputs=params, tokenizer=tok,
+                                     **_seeded(DKV_DREAM[method]))
+            check_rows(out[:, prompt.shape[1]:].tolist(), params, tok, method, counts)
+    tally(f"dream dkv {method}", *counts)
+
+
+def test_cache_methods_engine_equals_drop_in(llada):
+    """The engine's tokens are the drop-in call's for dKV-Cache, d2Cache and Elastic-Cache (its own
+    rule and a dInfer rule) under a structure (one prompt at a time, as the engine decodes each
+    request alone)."""
+    model, tok = llada
+    schema = SCHEMAS["flat"]
+    llm = remask.LLM(model, tok)
+    methods = {
+        "dkv": (dict(use_cache=remask.DKVCache(cache_reloading_step=2), steps=16, block_length=8),) * 2,
+        "d2cache": (dict(use_cache=remask.D2Cache(current_k=4), steps=16, block_length=8),) * 2,
+        "elastic": (dict(use_cache=remask.ElasticCache(window_length=8)),
+                    dict(use_cache=remask.ElasticCache(window_length=8), block_length=32)),
+        "elastic + threshold": (dict(use_cache=remask.ElasticCache(), decoder=remask.ThresholdDecoding(threshold=0.7)),
+                                dict(use_cache=remask.ElasticCache(), decoder=remask.ThresholdDecoding(threshold=0.7),
+                                     block_length=32)),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, (engine_kw, drop_in_kw) in methods.items():
+            params = remask.SamplingParams(max_tokens=32, structured_outputs=S(json=schema), **engine_kw)
+            for text, c in zip(PROMPTS, _engine_rows(llm, PROMPTS, params)):
+                prompt = torch.tensor([encode_chat(text)])
+                ref = remask.generate(model, prompt, gen_length=32, structured_outputs=S(json=schema),
+                                      **drop_in_kw)[0, prompt.shape[1]:].tolist()
+                same_tokens(c, ref, name)
+                if c.finish_reason == "stop":
+                    jsonschema.validate(__import__("json").loads(c.text), schema)

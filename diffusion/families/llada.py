@@ -547,8 +547,8 @@ def generate(
             every row's answer is held to it at each commit (`diffusion/parts/constrain.py`); a row
             that completes it ends with EOS (then EOS to `gen_length`), one that runs out of positions
             holds a valid prefix. With the block rule (any schedule, threshold / factor, caches) and
-            `decoder=` FreeDave, dInfer's rules (and `VicinityCache`), WINO; DKVCache, D2Cache and
-            ElasticCache refuse it by name.
+            `decoder=` FreeDave, dInfer's rules (and `VicinityCache`), WINO, and `use_cache=` DKVCache,
+            D2Cache, ElasticCache (alone or with a commit rule).
         tokenizer: the model's tokenizer, which `structured_outputs` is compiled against (default:
             the one saved in the model's checkpoint folder).
 
@@ -567,9 +567,8 @@ def generate(
     if structured_outputs is not None:
         from ..parts.constrain import structure_for_call
 
-        # the checks SamplingParams runs (remask/structured.py), compiled against the tokenizer; the
-        # decoders and cache configs not enforced yet (DKVCache, D2Cache, ElasticCache) refuse it
-        # by name in `decoder_steps`
+        # the checks SamplingParams runs (remask/structured.py), compiled against the tokenizer; every
+        # decoder and cache config enforces it in its commits (`decoder_steps`)
         structure = structure_for_call(structured_outputs, model, tokenizer, spec.mask_id, gen_length)
     if decoder is not None or (use_cache is not None and not isinstance(use_cache, (str, PagedKVCache))):
         from ..methods.decoders import run_decoder

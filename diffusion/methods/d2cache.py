@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -286,11 +287,21 @@ def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cac
                   steps: int = 128, gen_length: int = 128, block_length: int = 128,
                   prior_sigma: float | None = 10.0, commit_mask_token: bool = True,
                   independent_rows: bool = True, attention_mask: torch.Tensor | None = None,
-                  mask_id: int | None = None, stats: GenerationStats | None = None) -> StepGenerator:
+                  mask_id: int | None = None, stats: GenerationStats | None = None, structure: Any = None,
+                  end_ids: Any = ()) -> StepGenerator:
     """`d2cache_generate` as a step generator (`remask.diffusion.stepper`): the arguments are checked
     now; the returned generator yields a `ForwardRequest` per forward and a `Progress` after it
     (`final`: the decoded blocks) and returns `d2cache_generate`'s tensor. With `independent_rows` the rows run one after another,
-    the canvas showing each row as it stands."""
+    the canvas showing each row as it stands.
+
+    `structure` (a compiled `remask.structured` structure) and `end_ids`: structured output
+    (`diffusion/parts/constrain.py`), in the same three calls as the other rules: each forward's
+    frontier masked before the scores, the step's commits filtered after, the window being the
+    block. Under a structure (only then): each row's frontier is among the rows the next forward
+    recomputes (beside d2Cache's selection, topped up as upstream tops up), so it is scored from
+    fresh logits, not a skipped row's zeros; a block runs until the filter has settled it (its
+    open positions are the block's masked ones, revoked positions included); a row whose answer
+    ended has no open block left."""
     config = D2Cache() if config is None else config
     if not isinstance(config, D2Cache):
         raise ValueError(f"config must be a remask D2Cache, got {type(config).__name__}")
@@ -322,9 +333,12 @@ def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cac
             model, prompt[b:b + 1], config=config, steps=steps, gen_length=gen_length, block_length=block_length,
             prior_sigma=prior_sigma, commit_mask_token=commit_mask_token,
             attention_mask=None if attention_mask is None else attention_mask[b:b + 1], mask_id=mask_id,
-            stats=stats) for b in range(B)], prompt, gen_length, mask_id, device)
+            stats=stats, structure=structure, end_ids=end_ids) for b in range(B)], prompt, gen_length, mask_id, device)
+    from ..parts.constrain import CommitFilter, end_ids_of
+
+    constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, mask_id, P, gen_length)
     return _steps(model, prompt, config, gen_length, block_length, per_step, prior_sigma, commit_mask_token,
-                  attention_mask, mask_id, device, stats)
+                  attention_mask, mask_id, device, stats, constraint)
 
 
 def _rows_steps(rows: list, prompt: torch.Tensor, gen_length: int, mask_id: int,
@@ -355,8 +369,9 @@ def _rows_steps(rows: list, prompt: torch.Tensor, gen_length: int, mask_id: int,
 @torch.no_grad()
 def _steps(model, prompt: torch.Tensor, config: D2Cache, gen_length: int, block_length: int, per_step: int,
            prior_sigma: float | None, commit_mask_token: bool, attention_mask: torch.Tensor | None, mask_id: int,
-           device: torch.device, stats: GenerationStats | None) -> StepGenerator:
-    """d2Cache's loop over a batch decoded together (the arguments checked by `d2cache_steps`)."""
+           device: torch.device, stats: GenerationStats | None, constraint: Any = None) -> StepGenerator:
+    """d2Cache's loop over a batch decoded together (the arguments checked by `d2cache_steps`;
+    `constraint`: a `CommitFilter` or None, see there)."""
     B, P = prompt.shape
     G, T = gen_length, P + gen_length
     x = torch.full((B, T), mask_id, dtype=torch.long, device=device)
@@ -376,10 +391,14 @@ def _steps(model, prompt: torch.Tensor, config: D2Cache, gen_length: int, block_
     for b in range(G // block_length):
         block = torch.zeros((B, G), dtype=torch.bool, device=device)
         block[:, b * block_length:(b + 1) * block_length] = True
+        span = block.clone()
+        start, end = P + b * block_length, P + (b + 1) * block_length
         block_steps = 0
         while True:
             masked = x[:, P:] == mask_id
-            block &= masked                    # upstream narrows the block mask to its open positions
+            # upstream narrows the block mask to its open positions (the same as the block's masked
+            # ones: without a structure a position never reopens; with one, a revoked position does)
+            block = span & masked if constraint is not None else block & masked
             active = block.any(dim=-1)
             if not bool(active.any()):
                 break
@@ -387,6 +406,12 @@ def _steps(model, prompt: torch.Tensor, config: D2Cache, gen_length: int, block_
             allow_mask = commit_mask_token and block_steps <= 4 * block_length   # guard against endless loops
             xa = x[active]
             Ba = xa.shape[0]
+            if constraint is not None and selector.next_rows is not None:
+                # each row's frontier is recomputed (the top-up below evens the counts again)
+                for r in active.nonzero().flatten().tolist():
+                    f = constraint.frontier(r)
+                    if not constraint.matchers[r].ended and f < T:
+                        selector.next_rows[r, f] = True
             rows = selector.rows_for(active)
             if cache is None:
                 bias = None
@@ -415,6 +440,9 @@ def _steps(model, prompt: torch.Tensor, config: D2Cache, gen_length: int, block_
                 cache.v[layer][active] = sub.v[layer]
             if stats is not None:
                 stats.forward(Ba, n, cache.nbytes)
+            if constraint is not None:   # the frontier masked before the scores (parts/constrain.py)
+                sub_constraint = constraint.rows(active.nonzero().flatten().tolist())
+                logits = sub_constraint.mask_frontier(logits, P, T, P)
             probs = torch.softmax(logits[:, P:], dim=-1)
             conf, x0 = probs.max(dim=-1)
             if not allow_mask and bool((x0 == mask_id).any()):
@@ -433,6 +461,13 @@ def _steps(model, prompt: torch.Tensor, config: D2Cache, gen_length: int, block_
             new = xa[:, P:].clone()
             for r, c in enumerate(committed):
                 new[r, c] = x0[r, c]
+            if constraint is not None:   # keep what the structure accepts, advance the matchers
+                canvas = xa.clone()
+                canvas[:, P:] = new
+                sub_constraint.filter(canvas, xa[:, start:end], x0[:, start - P:end - P], logits, start, end, start)
+                new = canvas[:, P:]
+                decided = (xa[:, start:end] == mask_id) & (canvas[:, start:end] != mask_id)
+                committed = [c.nonzero().flatten() + (start - P) for c in decided]
             selector.step_end(active, open_block, conf, new == mask_id, committed, sub.rollout)
             x[active, P:] = new
             if stats is not None:

@@ -142,8 +142,8 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
     refused by name. A cache config without a decoder: `VicinityCache` runs dInfer's threshold rule
     (0.9), `DKVCache` LLaDA's own schedule (`steps`, `remasking`); `ElasticCache` takes a commit rule
     as `decoder` (its window's commits). `structure` (a compiled `remask.structured` structure) and
-    `end_ids`: structured output, enforced in FreeDave's, dInfer's and WINO's commits
-    (`diffusion/parts/constrain.py`); refused by name with DKVCache, D2Cache and ElasticCache."""
+    `end_ids`: structured output, enforced in every method's commits (FreeDave, dInfer's rules,
+    WINO, DKVCache, D2Cache, ElasticCache: `diffusion/parts/constrain.py`)."""
     from .d2cache import D2Cache, d2cache_steps
     from .dinfer import ThresholdDecoding, VicinityCache, dinfer_steps
     from .dkv import DKVCache, dkv_steps
@@ -165,10 +165,6 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
         raise CombinationError(f"decoder={type(decoder).__name__} with use_cache={type(use_cache).__name__}: "
                                f"{type(use_cache).__name__} runs its own schedule (its commits are part of its "
                                f"cache policy); it does not combine with decoder=")
-    if structure is not None and isinstance(use_cache, (DKVCache, D2Cache, ElasticCache)):
-        raise CombinationError(f"structured_outputs is not enforced with use_cache={type(use_cache).__name__} yet "
-                               f"(its cache policy commits inside its own schedule); it is with FreeDave, dInfer's "
-                               f"rules (and VicinityCache) and WINO")
     if decoder is None and isinstance(use_cache, VicinityCache):
         decoder = ThresholdDecoding()
     method = type(use_cache).__name__ if isinstance(use_cache, (DKVCache, D2Cache, ElasticCache)) else \
@@ -197,17 +193,17 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
                              f"{use_cache.window_length} masked positions (no blocks); leave block_length at "
                              f"gen_length ({gen_length}), got {block_length}")
         return elastic_steps(model, prompt, config=use_cache, gen_length=gen_length, attention_mask=attention_mask,
-                             mask_id=mask_id, stats=stats, rule=decoder)
+                             mask_id=mask_id, stats=stats, rule=decoder, structure=structure, end_ids=end_ids)
     if isinstance(use_cache, D2Cache):
         return d2cache_steps(model, prompt, config=use_cache, steps=gen_length if steps is None else steps,
                              gen_length=gen_length, block_length=block_length, attention_mask=attention_mask,
-                             mask_id=mask_id, stats=stats)
+                             mask_id=mask_id, stats=stats, structure=structure, end_ids=end_ids)
     if isinstance(use_cache, DKVCache):
         return dkv_steps(model, prompt, config=use_cache, steps=gen_length if steps is None else steps,
                          gen_length=gen_length, block_length=block_length,
                          remasking=settings.get("remasking", ("low_confidence", None))[0],
                          attention_mask=attention_mask, generator=settings.get("generator", (None, None))[0],
-                         mask_id=mask_id, stats=stats)
+                         mask_id=mask_id, stats=stats, structure=structure, end_ids=end_ids)
     if isinstance(decoder, FreeDave):
         if is_cache_config(use_cache):
             raise ValueError("use_cache: FreeDave takes None, 'prefix' or 'dual'")

@@ -232,6 +232,24 @@ def _forward(x: torch.Tensor, forwarded: torch.Tensor | None, cache: DelayedKVCa
     return logits
 
 
+def _constrained_logits(constraint: Any, g: list[int], logits: torch.Tensor, where: torch.Tensor, start: int,
+                        end: int, window_logits: torch.Tensor | None, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A structured step's logits of the rows `g` (`logits` `[len(g), n, V]` of the positions
+    `where` `[len(g), T]`): those logits with each row's frontier (if forwarded) masked, and
+    `window_logits` `[B, end - start, V]` (made at the first group; −inf where not forwarded) with
+    the rows' block positions written in — the filter's window logits."""
+    positions = where.nonzero()[:, 1].view(len(g), -1)
+    logits = constraint.rows(g).mask_at(logits, positions)
+    if window_logits is None:
+        window_logits = torch.full((B, end - start, logits.shape[-1]), -torch.inf, dtype=logits.dtype,
+                                   device=logits.device)
+    inside = (positions >= start) & (positions < end)
+    part = torch.full((len(g), end - start, logits.shape[-1]), -torch.inf, dtype=logits.dtype, device=logits.device)
+    part[where[:, start:end]] = logits[inside]
+    window_logits[torch.tensor(g, device=logits.device)] = part
+    return logits, window_logits
+
+
 def _final(x: torch.Tensor, P: int, upto: int, mask_id: int) -> int:
     """Generated positions no later step changes once the first `upto` are decoded: `upto`, less
     any position left masked (only with `commit_mask_token`; a later block may still decode it),
@@ -262,11 +280,23 @@ def dkv_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCache 
               steps: int = 128, gen_length: int = 128, block_length: int = 128,
               remasking: str = "low_confidence", attention_mask: torch.Tensor | None = None,
               generator: torch.Generator | None = None, mask_id: int | None = None,
-              stats: GenerationStats | None = None) -> StepGenerator:
+              stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = ()) -> StepGenerator:
     """`dkv_generate` as a step generator (`remask.diffusion.stepper`): the arguments are checked
     now; the returned generator yields a `ForwardRequest` per forward and a `Progress` after it
     (`final`: the decoded blocks) and returns `dkv_generate`'s tensor. Both variants (decode and
-    greedy)."""
+    greedy).
+
+    `structure` (a compiled `remask.structured` structure) and `end_ids`: structured output
+    (`diffusion/parts/constrain.py`), in the same three calls as the other rules: each forward's
+    frontier (where forwarded) masked before the rule scores, the rule's commits filtered after,
+    the block's window being the block. Under a structure (only then):
+    - a block whose schedule ends with holes (commits the filter refused) runs more steps, one
+      token each (Decode: the most confident; Greedy: none of the spent order, the filter commits
+      the frontier), until the block is settled; a block every row has settled is skipped;
+    - a position the filter revoked leaves the delayed cache's sets (it is forwarded again, as a
+      masked position is);
+    - Greedy forwards each row's frontier at every cached step, beside its chosen positions (the
+      random order rarely holds it), so the frontier is scored from fresh logits."""
     config = DKVCache() if config is None else config
     if not isinstance(config, DKVCache):
         raise ValueError(f"config must be a remask DKVCache, got {type(config).__name__}")
@@ -296,18 +326,24 @@ def dkv_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCache 
         if remasking != "random":
             raise ValueError(f"remasking: dKV-Cache-Greedy decodes in a random order drawn per block "
                              f"(remasking='random'), got {remasking!r}")
+    from ..parts.constrain import CommitFilter, end_ids_of
+
+    constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), prompt.shape[0], mask_id, prompt.shape[1],
+                                    gen_length)
+    if config.variant == "greedy":
         return _greedy_steps(model, prompt, config, spec, steps_per_block, gen_length, block_length,
-                             attention_mask, generator, stats)
+                             attention_mask, generator, stats, constraint)
     return _decode_steps(model, prompt, config, mask_id, device, steps_per_block, num_blocks, block_length,
-                         gen_length, remasking, attention_mask, generator, stats)
+                         gen_length, remasking, attention_mask, generator, stats, constraint)
 
 
 @torch.no_grad()
 def _decode_steps(model, prompt: torch.Tensor, config: DKVCache, mask_id: int, device: torch.device,
                   steps_per_block: int, num_blocks: int, block_length: int, gen_length: int, remasking: str,
                   attention_mask: torch.Tensor | None, generator: torch.Generator | None,
-                  stats: GenerationStats | None) -> StepGenerator:
-    """dKV-Cache-Decode's loop (the arguments checked by `dkv_steps`)."""
+                  stats: GenerationStats | None, constraint: Any = None) -> StepGenerator:
+    """dKV-Cache-Decode's loop (the arguments checked by `dkv_steps`; `constraint`: a
+    `CommitFilter` or None, see `dkv_steps`)."""
     R = config.cache_reloading_step
     B, P = prompt.shape
     T = P + gen_length
@@ -319,11 +355,18 @@ def _decode_steps(model, prompt: torch.Tensor, config: DKVCache, mask_id: int, d
         stats.start()
     for num_block in range(num_blocks):
         end = P + (num_block + 1) * block_length
+        start = end - block_length
+        if constraint is not None and not any(constraint.unsettled(x, start, end)):
+            continue   # every row's answer is settled through this block (ended or decoded)
         counts = _schedule((x[:, end - block_length:end] == mask_id).sum(dim=1), steps_per_block)
         caches: list[DelayedKVCache] = []
         groups: list[list[int]] = []
         prv = cur = None    # decoded positions after step i-2 / after step i-1
-        for i in range(steps_per_block):
+        i = -1
+        while True:
+            i += 1
+            if i >= steps_per_block and (constraint is None or not any(constraint.unsettled(x, start, end))):
+                break
             mask_index = x == mask_id
             cached_step = i % R != 0 and i > 1
             # One batched forward while every row forwards and caches as many positions (always,
@@ -344,16 +387,26 @@ def _decode_steps(model, prompt: torch.Tensor, config: DKVCache, mask_id: int, d
                     c.v = {layer: t[b:b + 1] for layer, t in whole.v.items()}
             x0 = torch.full_like(x, mask_id)
             x0_p = torch.full(x.shape, -torch.inf, dtype=torch.float64, device=device)
-            for gi, (cache, g) in enumerate(zip(caches, groups)):
-                if gi:
-                    yield Progress(x, final)   # the previous row's forward (rows forwarded one by one)
+            window_logits = None   # under a structure: the block's logits [B, block_length, V] (the filter's)
+            gi = 0
+            for cache, g in zip(caches, groups):
                 rows = torch.tensor(g, device=device)
                 forwarded = (~prv[rows]) if cached_step else None
+                if forwarded is not None and not bool(forwarded.any()):
+                    continue   # a row whose answer a structure ended: nothing left to score
+                if gi:
+                    yield Progress(x, final)   # the previous row's forward (rows forwarded one by one)
+                gi += 1
                 logits = yield from _forward(x[rows], forwarded, None if i == 0 else cache,
                                              None if i == 0 else cur[rows], None if key_ok is None else key_ok[rows])
                 n = logits.shape[1]
                 if stats is not None:
                     stats.forward(len(g), n, sum(c.nbytes for c in caches))
+                where = forwarded if forwarded is not None else torch.ones((len(g), T), dtype=torch.bool,
+                                                                          device=device)
+                if constraint is not None:   # the frontier masked before the rule scores (parts/constrain.py)
+                    logits, window_logits = _constrained_logits(constraint, g, logits, where, start, end,
+                                                                window_logits, B)
                 tokens = torch.argmax(logits, dim=-1)
                 if remasking == "low_confidence" or not config.commit_mask_token:
                     p = F.softmax(logits.to(torch.float64), dim=-1)
@@ -364,8 +417,6 @@ def _decode_steps(model, prompt: torch.Tensor, config: DKVCache, mask_id: int, d
                     conf = torch.gather(p, -1, tokens[..., None]).squeeze(-1)
                 else:
                     conf = torch.rand((len(g), n), generator=generator, device=device).to(torch.float64)
-                where = forwarded if forwarded is not None else torch.ones((len(g), T), dtype=torch.bool,
-                                                                          device=device)
                 x0[rows] = x0[rows].masked_scatter(where, tokens)
                 x0_p[rows] = x0_p[rows].masked_scatter(where, conf)
             x0_p[:, end:] = -torch.inf
@@ -373,12 +424,21 @@ def _decode_steps(model, prompt: torch.Tensor, config: DKVCache, mask_id: int, d
             confidence = torch.where(mask_index, x0_p, torch.full_like(x0_p, -torch.inf))
             transfer = torch.zeros_like(mask_index)
             for j in range(B):
-                transfer[j, torch.topk(confidence[j], k=int(counts[j, i])).indices] = True
+                # past the schedule (a structure's filter left holes): one token a step
+                k = int(counts[j, i]) if i < steps_per_block else int(bool(mask_index[j, start:end].any()))
+                transfer[j, torch.topk(confidence[j], k=k).indices] = True
+            prior = x[:, start:end].clone() if constraint is not None else None
             x[transfer] = x0[transfer]
+            committed = transfer.sum()
+            if constraint is not None:   # keep what the structure accepts, advance the matchers
+                constraint.filter(x, prior, x0[:, start:end], window_logits, start, end, 0)
+                committed = int((prior == mask_id).sum() - (x[:, start:end] == mask_id).sum())
             if stats is not None:
-                stats.step(transfer.sum())
+                stats.step(committed)
             prv, cur = cur, x != mask_id
-            if i == steps_per_block - 1:
+            if constraint is not None and prv is not None:
+                prv = prv & cur   # a revoked position leaves the cache's sets: it is forwarded again
+            if i >= steps_per_block - 1:
                 final = _final(x, P, end - P, mask_id)
             yield Progress(x, final)
     if stats is not None:
@@ -411,7 +471,7 @@ def _window(chosen: torch.Tensor, around: list[int], masked: torch.Tensor, size:
 @torch.no_grad()
 def _greedy_steps(model, prompt: torch.Tensor, config: DKVCache, spec, steps_per_block: int, gen_length: int,
                   block_length: int, attention_mask: torch.Tensor | None, generator: torch.Generator | None,
-                  stats: GenerationStats | None) -> StepGenerator:
+                  stats: GenerationStats | None, constraint: Any = None) -> StepGenerator:
     """dKV-Cache-Greedy (horseee/dKV-Cache `llada_dkv_cache_greedy.py`). Per block: one uniform per
     position (`torch.rand` over the sequence, float32) fixes the decoding order of the block's
     positions; the block's masks are split evenly over its steps (remainder first). Step i with
@@ -419,7 +479,8 @@ def _greedy_steps(model, prompt: torch.Tensor, config: DKVCache, spec, steps_per
     forwards only the positions chosen at step i − 1 (those it decodes, those decoded at i − 1 and
     the window), attends over them and the cache of the rest, and writes their fresh keys/values
     into the cache. The decoded tokens are each position's argmax. A step generator (a `Progress`
-    after every forward); the arguments are checked by `dkv_steps`."""
+    after every forward); the arguments are checked by `dkv_steps` (`constraint`: a `CommitFilter`
+    or None, see there)."""
     mask_id, device = spec.mask_id, model_device(model)
     R = config.cache_reloading_step
     B, P = prompt.shape
@@ -433,6 +494,8 @@ def _greedy_steps(model, prompt: torch.Tensor, config: DKVCache, spec, steps_per
         stats.start()
     for num_block in range(gen_length // block_length):
         start, end = P + num_block * block_length, P + (num_block + 1) * block_length
+        if constraint is not None and not any(constraint.unsettled(x, start, end)):
+            continue   # every row's answer is settled through this block (ended or decoded)
         counts = _schedule((x[:, start:end] == mask_id).sum(dim=1), steps_per_block)
         done = torch.cat([counts.new_zeros((B, 1)), counts.cumsum(dim=1)], dim=1)
         order_p = torch.rand((B, T), generator=generator, device=device)
@@ -441,10 +504,15 @@ def _greedy_steps(model, prompt: torch.Tensor, config: DKVCache, spec, steps_per
         order = torch.sort(order_p, descending=True).indices
         caches: list[DelayedKVCache | None] = [None] * B
         chosen = None
-        for i in range(steps_per_block):
+        i = -1
+        while True:
+            i += 1
+            if i >= steps_per_block and (constraint is None or not any(constraint.unsettled(x, start, end))):
+                break
             mask_index = x == mask_id
             cached_step = i % R != 0
             x0 = torch.full_like(x, mask_id)
+            window_logits = None   # under a structure: the block's logits [B, block_length, V] (the filter's)
             # one forward for the batch when every row forwards as many positions, else row by row
             same = not cached_step or bool((chosen.sum(dim=1) == chosen[0].sum()).all())
             groups = [list(range(B))] if same else [[b] for b in range(B)]
@@ -452,10 +520,14 @@ def _greedy_steps(model, prompt: torch.Tensor, config: DKVCache, spec, steps_per
                 caches = _merge(caches)
             elif cached_step and not same and len({id(c) for c in caches}) == 1 and B > 1:
                 caches = _split(caches[0], B)
-            for gi, g in enumerate(groups):
+            gi = 0
+            for g in groups:
+                rows = torch.tensor(g, device=device)
+                if cached_step and not bool(chosen[rows].any()):
+                    continue   # a row whose answer a structure ended: nothing left to score
                 if gi:
                     yield Progress(x, final)   # the previous row's forward (rows forwarded one by one)
-                rows = torch.tensor(g, device=device)
+                gi += 1
                 ok = None if key_ok is None else key_ok[rows]
                 if not cached_step:
                     cache = DelayedKVCache(ok)
@@ -469,6 +541,9 @@ def _greedy_steps(model, prompt: torch.Tensor, config: DKVCache, spec, steps_per
                     caches[b] = cache
                 if stats is not None:
                     stats.forward(len(g), logits.shape[1], cache.nbytes)
+                if constraint is not None:   # the frontier masked before the rule scores (parts/constrain.py)
+                    logits, window_logits = _constrained_logits(constraint, g, logits, forwarded, start, end,
+                                                                window_logits, B)
                 tokens = torch.argmax(logits, dim=-1)
                 if not config.commit_mask_token and bool((tokens == mask_id).any()):
                     p = F.softmax(logits.to(torch.float64), dim=-1)
@@ -479,6 +554,8 @@ def _greedy_steps(model, prompt: torch.Tensor, config: DKVCache, spec, steps_per
             transfer = torch.zeros_like(mask_index)
             nxt = torch.zeros_like(mask_index)
             for j in range(B):
+                if i >= steps_per_block:
+                    continue   # past the schedule (a structure's holes): the filter commits the frontier
                 now = order[j, int(done[j, i]):int(done[j, i + 1])]
                 transfer[j, now] = True
                 if i < steps_per_block - 1:
@@ -487,11 +564,23 @@ def _greedy_steps(model, prompt: torch.Tensor, config: DKVCache, spec, steps_per
                     nxt[j, now] = True
                     if config.window_size > 0:
                         _window(nxt[j], ahead.tolist(), mask_index[j], config.window_size)
+            prior = x[:, start:end].clone() if constraint is not None else None
             x[transfer] = x0[transfer]
+            committed = transfer.sum()
+            if constraint is not None:   # keep what the structure accepts, advance the matchers
+                constraint.filter(x, prior, x0[:, start:end], window_logits, start, end, 0)
+                now_masked = x[:, start:end] == mask_id
+                committed = int((prior == mask_id).sum() - now_masked.sum())
+                # the next forward also refreshes what the filter committed and scores each frontier
+                nxt[:, start:end] |= (prior == mask_id) & ~now_masked
+                for j in range(B):
+                    f = constraint.frontier(j)
+                    if not constraint.matchers[j].ended and f < T:
+                        nxt[j, f] = True
             if stats is not None:
-                stats.step(transfer.sum())
+                stats.step(committed)
             chosen = nxt
-            if i == steps_per_block - 1:
+            if i >= steps_per_block - 1:
                 final = _final(x, P, end - P, mask_id)
             yield Progress(x, final)
     if stats is not None:

@@ -95,7 +95,8 @@ def dkv_dream_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
                        alg: str = "origin", alg_temp: float | None = None, temperature: float = 0.0,
                        top_p: float | None = None, top_k: int | None = None, eps: float = 1e-3,
                        mask_id: int | None = None, generator: torch.Generator | None = None,
-                       stats: GenerationStats | None = None) -> torch.Tensor:
+                       stats: GenerationStats | None = None, structured_outputs: Any = None,
+                       tokenizer: Any = None) -> torch.Tensor:
     """dKV-Cache's Dream sampler (greedy tokens). Returns `[B, P + max_new_tokens]`.
 
     `config`: a `DKVCache` with `cache_type` (None: ``"decoded"``), `shift_type` (None: ``"un"``;
@@ -105,11 +106,21 @@ def dkv_dream_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     `generator` (None: torch's global generator, as upstream). `attention_mask` `[B, P]`: left
     padding, hidden as Dream hides it (positions counted over real tokens). Prompts must not hold
     the mask token. The model must shift its logits (`ModelSpec.logit_shift`, Dream's layout).
+
+    `structured_outputs` (a `remask.StructuredOutputsParams` or its JSON form; `tokenizer`: the
+    model's, default the checkpoint's): the answer is held to it as `diffusion_generate` holds it
+    (`dkv_dream_steps`).
     """
+    structure = None
+    if structured_outputs is not None:
+        from ..parts.constrain import structure_for_call
+
+        spec = get_spec(model) if mask_id is None else get_spec(model, mask_id=mask_id)
+        structure = structure_for_call(structured_outputs, model, tokenizer, spec.mask_id, max_new_tokens)
     return drive(dkv_dream_steps(model, input_ids, attention_mask, config=config, steps=steps,
                                  max_new_tokens=max_new_tokens, alg=alg, alg_temp=alg_temp, temperature=temperature,
                                  top_p=top_p, top_k=top_k, eps=eps, mask_id=mask_id, generator=generator,
-                                 stats=stats), model)
+                                 stats=stats, structure=structure), model)
 
 
 def dkv_dream_steps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -117,11 +128,20 @@ def dkv_dream_steps(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
                     alg: str = "origin", alg_temp: float | None = None, temperature: float = 0.0,
                     top_p: float | None = None, top_k: int | None = None, eps: float = 1e-3,
                     mask_id: int | None = None, generator: torch.Generator | None = None,
-                    stats: GenerationStats | None = None) -> StepGenerator:
+                    stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = ()) -> StepGenerator:
     """`dkv_dream_generate` as a step generator (`remask.diffusion.stepper`): the arguments are
     checked now; the returned generator yields a `ForwardRequest` per forward, a `Progress` after
     it, and returns `dkv_dream_generate`'s tensor. `Progress.final` is 0 until the end (the whole
-    canvas is one block: any masked position may be decoded at any step)."""
+    canvas is one block: any masked position may be decoded at any step).
+
+    `structure` (a compiled `remask.structured` structure) and `end_ids`: structured output, held
+    in Dream's own commit (`DreamDecoder.commit`: the frontier masked before the rule scores, the
+    commits filtered over the whole answer, `diffusion/parts/constrain.py`). Under a structure
+    (only then): the loop runs past `steps` until no mask is left (the decoder's extra steps
+    commit every mask, the filter keeps what the structure accepts); a position the filter
+    revoked leaves the cached set at once (the position scoring it is forwarded again); and the
+    position scoring each row's frontier is always forwarded (with ``shift_type="right"`` it would
+    often be cached, leaving the frontier without logits)."""
     config = DKVCache(cache_type="decoded") if config is None else config
     if not isinstance(config, DKVCache):
         raise ValueError(f"config must be a remask DKVCache, got {type(config).__name__}")
@@ -156,7 +176,7 @@ def dkv_dream_steps(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     check_stats("stats", stats)
     check_generator(generator, input_ids.device)
 
-    decoder = DreamDecoder(spec, gen, reference_ties=True)
+    decoder = DreamDecoder(spec, gen, reference_ties=True, structure=structure, end_ids=end_ids)
     state = decoder.start(model, input_ids, attention_mask)
     return _steps(model, decoder, state, config, cache_type, shift_type, steps, attention_mask, generator, stats)
 
@@ -178,11 +198,23 @@ def _steps(model, decoder: DreamDecoder, state, config: DKVCache, cache_type: st
     store, prev = _initial_store(x, mask_id), None
     groups: list[list[int]] = []
     caches: list[DelayedKVCache] = []
+    constraint = state.constraint
     if stats is not None:
         stats.start()
-    for i in range(steps):
+    i = -1
+    while True:
+        i += 1
+        if state.done if constraint is not None else i >= steps:
+            break   # under a structure: once no mask is left (the schedule, then the decoder's extra steps)
         if cache_type == "decoded" and i % R == 0:
             prev = None   # rebuild: a full forward
+        if constraint is not None and prev is not None:
+            # the position scoring each row's frontier (the logit shift: the one before it) is forwarded
+            prev = prev.clone()
+            for b in range(B):
+                f = constraint.frontier(b)
+                if not constraint.matchers[b].ended and f < T:
+                    prev[b, max(f - 1, 0)] = False
         keep = store if store is not None else prev
         if prev is None:
             groups = [everything] if _counts_equal(keep) else [[b] for b in everything]
@@ -193,22 +225,28 @@ def _steps(model, decoder: DreamDecoder, state, config: DKVCache, cache_type: st
             logits = yield from _forward(x, positions, None if prev is None else ~prev, caches[0], keep)
         else:
             logits = None
-            for gi, (g, cache) in enumerate(zip(groups, caches)):
+            gi = 0
+            for g, cache in zip(groups, caches):
+                if prev is not None and not bool((~prev[g]).any()):
+                    continue   # a row whose answer a structure ended: nothing left to score
                 if gi:
                     yield Progress(x, 0)   # the previous row's forward (rows forwarded one by one)
+                gi += 1
                 part = yield from _forward(x[g], positions[g], None if prev is None else ~prev[g], cache, keep[g])
                 if logits is None:
-                    logits = part.new_empty((B,) + part.shape[1:])
+                    logits = part.new_full((B,) + part.shape[1:], -torch.inf)
                 logits[g] = part
         if stats is not None:
             for g, cache in zip(groups, caches):
-                stats.forward(len(g), T if prev is None else int((~prev[g[0]]).sum()), cache.nbytes)
+                n = T if prev is None else int((~prev[g[0]]).sum())
+                if n:
+                    stats.forward(len(g), n, cache.nbytes)
         logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)   # the logit shift (spec.logit_shift)
         before = int((x == mask_id).sum())
         decoder.commit(state, logits, generator=generator)
         x = state.x
         left = x == mask_id
-        if i == steps - 1 and bool(left.any()):
+        if constraint is None and i == steps - 1 and bool(left.any()):
             # Only positions without logits ("right"): upstream's last top-k takes every mask, NaN
             # confidences included, with the argmax of a NaN row (id 0), which `score` also gives.
             x[left] = decoder.score(logits, left.reshape(-1).nonzero().squeeze(1))[0]
@@ -219,6 +257,8 @@ def _steps(model, decoder: DreamDecoder, state, config: DKVCache, cache_type: st
                 prev, store = store, None
         else:
             prev, store = store, _store(x, mask_id, shift_type)
+            if constraint is not None:
+                prev = prev & store   # a revoked position's scorer leaves the cached set
         yield Progress(x, 0)
     if stats is not None:
         stats.stop(B * max_new_tokens)

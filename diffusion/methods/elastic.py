@@ -264,11 +264,12 @@ def _check_rule(rule: Any, config: ElasticCache) -> None:
 
 def _decode_row(model, x: torch.Tensor, P: int, config: ElasticCache, mask_id: int, eos_id: int | None,
                 key_ok: torch.Tensor | None, stats: GenerationStats | None, trace: list | None,
-                canvas: torch.Tensor, row: int, rule: Any = None) -> StepGenerator:
+                canvas: torch.Tensor, row: int, rule: Any = None, constraint: Any = None) -> StepGenerator:
     """Elastic-Cache decoding of one row `x` `[1, T]` (prompt then masks), in place, as a step
     generator: after every forward the row is written back into `canvas[row]` and the whole
     `canvas` is yielded (`final`: the row's final prefix on the last row, else 0 — later rows are
-    undecoded); returns `x`."""
+    undecoded); returns `x`. `constraint`: the row's `CommitFilter` (one matcher) or None
+    (`elastic_steps`)."""
     L, T, device = len(model.model.transformer.blocks), x.shape[1], x.device
     W = config.window_length
     cache = ElasticKVCache(key_ok)
@@ -280,6 +281,8 @@ def _decode_row(model, x: torch.Tensor, P: int, config: ElasticCache, mask_id: i
     masked = everything[P:].clone()
     decoded_eos = False
     rule_state = rule.new_state() if rule is not None else None
+    if constraint is not None:
+        ends_of = torch.tensor(constraint.matchers[0].end_ids, dtype=torch.long, device=device)
     i = 0
     while True:
         window = masked[:W] if config.block_caching else masked
@@ -303,6 +306,18 @@ def _decode_row(model, x: torch.Tensor, P: int, config: ElasticCache, mask_id: i
             logits = logits[:, :W]
         track_position = torch.cat([cache.track[layer] for layer in range(L)], dim=0).unique(sorted=False)
 
+        if constraint is not None:
+            # the filter's window: from the frontier (the first masked position) through the last
+            # window position and the committed run after it; logits −inf off the window
+            lo = min(constraint.frontier(0), int(window[0]))
+            hi = int(window[-1]) + 1
+            while hi < T and int(x[0, hi]) != mask_id:
+                hi += 1
+            span = torch.full((1, hi - lo, logits.shape[-1]), -torch.inf, dtype=logits.dtype, device=device)
+            span[0, window - lo] = logits[0]
+            span = constraint.mask_frontier(span, lo, hi, 0)   # before the rule scores (parts/constrain.py)
+            logits = span[:, window - lo]
+            before = x.clone()
         if rule is not None:   # a commit rule over the window (all masked): its commits and tokens
             commit, proposal = rule.commit(x[:, window], logits, mask_id, rule_state)
             keep = commit[0]
@@ -317,14 +332,28 @@ def _decode_row(model, x: torch.Tensor, P: int, config: ElasticCache, mask_id: i
                 keep = (conf >= min(config.threshold, conf.max()))[0]
             else:
                 keep = torch.topk(conf[0], k=min(config.tokens_per_iter, tokens.shape[1]), largest=True)[1]
+        candidates = tokens
         decoded = window[keep]
         tokens = tokens[:, keep]
         x[:, decoded] = tokens
         new_decoded = decoded
         masked = masked[~torch.isin(masked, decoded)]
-        if stats is not None:
+        if constraint is not None:   # keep what the structure accepts, advance the matcher
+            proposal = torch.full((1, hi - lo), mask_id, dtype=torch.long, device=device)
+            proposal[0, window - lo] = candidates[0]
+            constraint.filter(x, before[:, lo:hi], proposal, span, lo, hi, 0)
+            new_decoded = ((x[0] != before[0]) & (x[0] != mask_id)).nonzero().flatten()
+            # the masked positions, revoked ones included, up to a committed end token (the filter
+            # fills the rest once the matcher consumes it)
+            left = (x[0, P:] == mask_id).nonzero().flatten() + P
+            ends = torch.isin(x[0, P:], ends_of).nonzero().flatten()
+            masked = left if ends.shape[0] == 0 or not bool((left < int(ends[0]) + P).any()) else \
+                left[left < int(ends[0]) + P]
+            if stats is not None:
+                stats.step(int((before[0] == mask_id).sum() - (x[0] == mask_id).sum()))
+        elif stats is not None:
             stats.step(int(decoded.shape[0]))
-        if eos_id is not None and not decoded_eos:
+        if eos_id is not None and not decoded_eos and constraint is None:
             eos_pos = decoded[tokens.eq(eos_id)[0]]
             if eos_pos.shape[0] > 0:
                 decoded_eos = True
@@ -363,13 +392,25 @@ def elastic_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: El
 def elastic_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: ElasticCache | None = None,
                   gen_length: int = 512, attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
                   eos_id: int | None = None, stats: GenerationStats | None = None,
-                  trace: list | None = None, rule: Any = None) -> StepGenerator:
+                  trace: list | None = None, rule: Any = None, structure: Any = None, end_ids: Any = ()
+                  ) -> StepGenerator:
     """`elastic_generate`'s loop as a step generator (`diffusion/parts/stepper.py`): the arguments are
     checked here, at the call; it yields a `ForwardRequest` per forward (it runs alone: the
     request's context drives the layers, `ElasticLayers`) and a `Progress` after it (rows are
     decoded one by one; `final`: for one row, the leading generated positions already decoded —
     the sliding window only ever holds masked positions, so they never change; for several rows 0
-    until the last row) and returns `[B, P + gen_length]`."""
+    until the last row) and returns `[B, P + gen_length]`.
+
+    `structure` (a compiled `remask.structured` structure) and `end_ids`: structured output
+    (`diffusion/parts/constrain.py`), in the same three calls around Elastic's own rule or the
+    commit rule `rule`: the frontier (the window's first position) masked before the rule scores,
+    the commits filtered after over the span from the frontier through the window (the holes'
+    lookahead from the window's logits). Under a structure (only then) Elastic's own EOS rule is
+    replaced by the filter's end (the rest of the answer is the end token once the matcher consumed
+    one); the masked set is read from the canvas each step, so a revoked position re-enters the
+    window (masked positions after a committed end token wait, as Elastic drops them); the
+    positions the filter commits are queried at the next step as Elastic's own commits are; a
+    revoked position's cached keys/values stay those of its old token until it is queried again."""
     config = ElasticCache() if config is None else config
     if not isinstance(config, ElasticCache):
         raise ValueError(f"config must be a remask ElasticCache, got {type(config).__name__}")
@@ -395,19 +436,24 @@ def elastic_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Elast
     x = torch.full((B, T), spec.mask_id, dtype=torch.long, device=device)
     x[:, :P] = prompt
     key_ok = valid_positions(attention_mask, T)   # False on the left pads
-    return _elastic_loop(model, x, P, config, spec.mask_id, spec.eos_id, key_ok, gen_length, stats, trace, rule)
+    from ..parts.constrain import CommitFilter, end_ids_of
+
+    constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
+    return _elastic_loop(model, x, P, config, spec.mask_id, spec.eos_id, key_ok, gen_length, stats, trace, rule,
+                         constraint)
 
 
 @torch.no_grad()
 def _elastic_loop(model: torch.nn.Module, x: torch.Tensor, P: int, config: ElasticCache, mask_id: int,
                   eos_id: int | None, key_ok: torch.Tensor | None, gen_length: int, stats: GenerationStats | None,
-                  trace: list | None, rule: Any = None) -> StepGenerator:
+                  trace: list | None, rule: Any = None, constraint: Any = None) -> StepGenerator:
     B = x.shape[0]
     if stats is not None:
         stats.start()
     for b in range(B):
         x[b:b + 1] = yield from _decode_row(model, x[b:b + 1].clone(), P, config, mask_id, eos_id,
-                                            None if key_ok is None else key_ok[b:b + 1], stats, trace, x, b, rule)
+                                            None if key_ok is None else key_ok[b:b + 1], stats, trace, x, b, rule,
+                                            None if constraint is None else constraint.rows([b]))
     if stats is not None:
         stats.stop(B * gen_length)
     return x

@@ -122,9 +122,8 @@ def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -
     structure = structure_for_request(engine, params)
     ends = sorted(set(engine.stop_ids) | set(params.stop_token_ids)) if structure is not None else ()
     # the block-causal families' loops, APD and the canvases hold it in their own loops (parts/constrain_loops.py);
-    # Dream's sampler and block decoder, FreeDave, dInfer's rules and WINO in their commits
-    # (parts/constrain.py); `decoder_steps` refuses by name the cache configs that do not yet
-    # (DKVCache, D2Cache, ElasticCache)
+    # Dream's sampler and block decoder, FreeDave, dInfer's rules, WINO and the DKVCache / D2Cache /
+    # ElasticCache configs in their commits (parts/constrain.py)
     if engine.spec.noise == "uniform":
         decoder = canvas_decoder(engine, params).constrain(structure)
     elif engine.family is not None and engine.family.engine_decoder is not None:

@@ -38,8 +38,11 @@ ended gets its end fill written again (whatever the decoder put after the end to
 Any decoder that writes a canvas from logits of the positions it decodes can call it, in the same
 three calls (mask, its rule, filter): LLaDA's `BlockDecoder.commit`, Dream's `DreamDecoder` (the
 whole answer is the window) and `DreamBlockDecoder` (the block), dInfer's rules (`_Decoder.decode`),
-WINO (its revocations roll the matcher back) and FreeDave (its step function, applied to drafts
-with cloned filters: `clone_rows`). `structure_for_call` is the drop-in functions' one entry
+WINO (its revocations roll the matcher back), FreeDave (its step function, applied to drafts
+with cloned filters: `clone_rows`), and the cache methods: dKV-Cache (Decode, Greedy, Dream's: the
+latter through `DreamDecoder`) and d2Cache, whose forwards cover some positions only (`mask_at`
+masks the frontier among them; each keeps the frontier's scorer forwarded), and Elastic-Cache (the
+window from the frontier, its own rule or a commit rule). `structure_for_call` is the drop-in functions' one entry
 (the checks of `remask/structured.py`, as `SamplingParams` runs them).
 """
 from __future__ import annotations
@@ -130,6 +133,23 @@ class CommitFilter:
         logits = full_logits(logits).clone()
         for b, f in rows:
             r = local + f - start
+            logits[b, r] = self.matchers[b].mask_logits(logits[b, r])
+        return logits
+
+    def mask_at(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`logits` `[B, n, V]` of the canvas positions `positions` `[B, n]` (a cache's forward of some
+        positions only: dKV-Cache's, d2Cache's): a copy with each row's frontier, where it was
+        forwarded, masked as `mask_frontier` masks it; `logits` itself if no row's was."""
+        at = positions.tolist()
+        rows = []
+        for b, matcher in enumerate(self.matchers):
+            f = self.frontier(b)
+            if not matcher.ended and f in at[b]:
+                rows.append((b, at[b].index(f)))
+        if not rows:
+            return logits
+        logits = full_logits(logits).clone()
+        for b, r in rows:
             logits[b, r] = self.matchers[b].mask_logits(logits[b, r])
         return logits
 

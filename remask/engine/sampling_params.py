@@ -79,7 +79,7 @@ class SamplingParams:
     dict with one of `json`, `regex`, `choice`, `grammar`, `json_object`): the answer is held to
     it (remask/structured.py). Enforced for autoregressive models, LLaDA's block rule (any
     schedule, threshold / factor, caches), Dream's sampler and block decoder (`alg`), FreeDave,
-    dInfer's rules and WINO (`decoder=`); the dKV / d2 / Elastic caches refuse it by name; not with `ignore_eos`, `min_tokens` or `stop` strings
+    dInfer's rules and WINO (`decoder=`), and the dKV / d2 / Elastic caches (`use_cache=`); not with `ignore_eos`, `min_tokens` or `stop` strings
     (each could end or cut the answer where the structure is incomplete).
 
     `decoder=` (docs/decoders.md): `remask.FreeDave(...)` (lossless: the tokens of greedy
