@@ -638,14 +638,6 @@ class Matcher:
         return self.accepts(tokens) == len(list(tokens))
 
 
-def structure_for(params: Any, tokenizer: Any, vocab_size: int, mask_id: int | None = None) -> CompiledStructure | None:
-    """`params.structured_outputs` (a SamplingParams) or a `StructuredOutputsParams`, compiled; None if unset."""
-    so = getattr(params, "structured_outputs", params)
-    if so is None:
-        return None
-    return compile_structure(so, tokenizer, vocab_size, () if mask_id is None else (mask_id,))
-
-
 _MODEL_TOKENIZERS: dict[str, Any] = {}
 
 

@@ -153,13 +153,6 @@ def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -
     return decoder
 
 
-def _is_block_rule(engine: Any, params: SamplingParams) -> bool:
-    """Whether `decoder_for` gives this (diffusion) request LLaDA's `BlockDecoder`."""
-    return (engine.spec.noise != "uniform" and not (engine.family is not None and engine.family.engine_decoder is not None)
-            and not engine.is_ar and params.decoder is None
-            and (params.use_cache is None or isinstance(params.use_cache, str)) and params.apd is None and params.alg is None)
-
-
 def structure_for_request(engine: Any, params: SamplingParams) -> Any:
     """The request's `structured_outputs` compiled against the engine's tokenizer (cached), its
     `max_tokens` checked against the shortest valid answer; None without one."""

@@ -182,7 +182,7 @@ def _packed(model: torch.nn.Module, requests: list[ForwardRequest],
         masks = {k: v for k, v in (*r.per_row.items(), *r.shared.items()) if k in ("attention_mask", "attention_bias")}
         k_len = max(past_len, end) if r.cache is not None else T
         mask = spec.attend_mask(masks, T, k_len, param.dtype) if masks else None
-        segments.append(Segment(start, B, T, r.cache, cache_start, mask, r.rows_alone))
+        segments.append(Segment(start, B, T, r.cache, cache_start, mask))
         inputs.append(x.reshape(1, B * T, *x.shape[2:]))
         length = T if r.rows_alone else B * T
         problems.setdefault(length, []).append(torch.arange(start, start + B * T, device=x.device))

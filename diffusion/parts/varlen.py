@@ -23,8 +23,8 @@ from remask.caches.kv import KVCache, attention
 @dataclass(eq=False)
 class Segment:
     """One request in a packed forward: its `rows` sequences of `length` tokens from flat row
-    `start`; its own cache (None: none), where its forward writes (`cache_start`), the mask its
-    own forward would attend with, and whether its rows' linears are separate problems."""
+    `start`; its own cache (None: none), where its forward writes (`cache_start`), and the mask
+    its own forward would attend with."""
 
     start: int
     rows: int
@@ -32,7 +32,6 @@ class Segment:
     cache: Any = None
     cache_start: int = 0
     mask: torch.Tensor | None = None
-    rows_alone: bool = False
 
     @property
     def end(self) -> int:
