@@ -91,3 +91,29 @@ def as_progress(steps, model):
         else:
             answer = None
             yield item
+
+
+class Server:
+    """A uvicorn server for `app` on 127.0.0.1 (a free port) in a daemon thread, started within 30 s;
+    `stop()` ends it (graceful shutdown bounded to 10 s)."""
+
+    def __init__(self, app) -> None:
+        import threading
+        import time
+
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    timeout_graceful_shutdown=10))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

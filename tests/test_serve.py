@@ -12,32 +12,15 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
-import uvicorn  # noqa: E402
 
 import remask  # noqa: E402
 from remask.serve import AsyncEngine, build_app  # noqa: E402
 
+from helpers import Server  # noqa: E402
+
 KEY = "test-key"
 PROMPT = "sort 52814"
 DIFFUSION = dict(steps=16, block_length=8)
-
-
-class Server:
-    def __init__(self, app) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    timeout_graceful_shutdown=10))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "the server did not start"
-            time.sleep(0.02)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")

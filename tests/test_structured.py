@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import threading
-import time
 import warnings
 
 import pytest
@@ -22,7 +20,9 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
 import remask  # noqa: E402
-from remask.structured import (Matcher, StructuredOutputsError, StructuredOutputsParams,  # noqa: E402
+
+from helpers import Server  # noqa: E402
+from remask.structured import (StructuredOutputsError, StructuredOutputsParams,  # noqa: E402
                                compile_structure)
 from remask.zoo.charset import EOS_ID, EOT_ID, MASK_ID, PAD_ID, decode_answer, encode_chat  # noqa: E402
 
@@ -405,24 +405,6 @@ def test_structured_outputs_with_the_cache_methods(llada):
 
 # ---- HTTP ---------------------------------------------------------------------------------------
 
-class _Server:
-    def __init__(self, app) -> None:
-        import uvicorn
-
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "the server did not start"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def served():
     pytest.importorskip("fastapi")
@@ -430,7 +412,7 @@ def served():
     from remask.serve import AsyncEngine, build_app
 
     engines = {"tiny-llada": AsyncEngine(remask.LLM("tiny-llada")), "tiny-ar": AsyncEngine(remask.LLM("tiny-ar"))}
-    server = _Server(build_app(engines))
+    server = Server(build_app(engines))
     yield server
     server.stop()
     for engine in engines.values():

@@ -9,8 +9,6 @@ such answers is counted per check (printed with `-s`, asserted > 0)."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 from typing import Literal
 
 import pytest
@@ -23,6 +21,8 @@ jsonschema = pytest.importorskip("jsonschema")
 from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 
 import remask  # noqa: E402
+
+from helpers import Server  # noqa: E402
 from remask.structured import TOOL_CALL_TAG  # noqa: E402
 
 MODELS = {"tiny-ar": {}, "tiny-llada": {"block_length": 8, "steps": 48}}
@@ -47,30 +47,12 @@ SCHEMA_OF = {"sort": SORT, "colour": COLOUR}
 MESSAGES = [{"role": "user", "content": "sort 3 1 2"}]
 
 
-class _Server:
-    def __init__(self, app) -> None:
-        import uvicorn
-
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "the server did not start"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def served():
     from remask.serve import AsyncEngine, build_app
 
     engines = {name: AsyncEngine(remask.LLM(name)) for name in MODELS}
-    server = _Server(build_app(engines))
+    server = Server(build_app(engines))
     yield server
     server.stop()
     for engine in engines.values():
