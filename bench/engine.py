@@ -267,6 +267,24 @@ def per_method(counts: list[int], max_tokens: int, repeats: int) -> list[dict[st
     return rows
 
 
+def gemm_thresholds() -> str:
+    """`batch_invariant.flat_threshold` for every linear weight of the shipped models: from which row
+    count this CPU's GEMM gives every row the same bits (None: never, per-sequence GEMMs serve)."""
+    from remask.engine.batch_invariant import flat_threshold
+
+    lines = ["| model | weight (out × in) | bias | flat threshold (rows) |", "| --- | --- | --- | ---: |"]
+    for name in ("tiny-llada", "tiny-ar"):
+        model, _ = remask.load(name)
+        seen = set()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and (tuple(module.weight.shape), module.bias is not None) not in seen:
+                seen.add((tuple(module.weight.shape), module.bias is not None))
+                threshold = flat_threshold(module.weight, module.bias)
+                lines.append(f"| {name} | {module.weight.shape[0]} × {module.weight.shape[1]} | "
+                             f"{'yes' if module.bias is not None else 'no'} | {threshold} |")
+    return "\n".join(lines) + "\n"
+
+
 def per_method_table(rows: list[dict[str, Any]], command: str) -> str:
     lines = [f"# Engine throughput per method: {platform.machine()} CPU, 1 thread, {datetime.date.today().isoformat()}",
              "", f"torch {torch.__version__}; command: `{command}`. Each method alone: n requests through "
@@ -307,8 +325,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-method", action="store_true",
                         help="each method alone (docs/compatibility.md's rows, APD, AR): engine ÷ sequential "
                              "and model calls per engine step (default --requests 8,32,64 --max-tokens 32)")
+    parser.add_argument("--gemm-thresholds", action="store_true",
+                        help="the flat-GEMM row-invariance threshold measured for each weight of the shipped models")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.gemm_thresholds:
+        text = (f"# Flat GEMM thresholds: {platform.machine()} CPU, {args.threads} thread(s), "
+                f"{datetime.date.today().isoformat()}, torch {torch.__version__}\n\n"
+                f"`python bench/engine.py --gemm-thresholds --threads {args.threads}`\n\n" + gemm_thresholds())
+        write_markdown(text, args.out)
+        return 0
     if args.per_method:
         counts = [int(c) for c in (args.requests if args.requests != parser.get_default("requests")
                                    else "8,32,64").split(",")]
