@@ -208,7 +208,7 @@ class ForwardClock:
             h.remove()
 
 
-def per_method(counts: list[int], max_tokens: int, repeats: int) -> list[dict[str, Any]]:
+def per_method(counts: list[int], max_tokens: int, repeats: int, only: str | None = None) -> list[dict[str, Any]]:
     """Each method alone: n requests through the engine (default settings: batch invariance on)
     against the n drop-in calls one by one, in the same run; model calls per engine step."""
     import warnings
@@ -218,6 +218,8 @@ def per_method(counts: list[int], max_tokens: int, repeats: int) -> list[dict[st
     rows = []
     settings = [(label, kw, llada, llada_tok, False) for label, kw in method_settings(ar)]
     settings.append(("AR (tiny-ar)", dict(), ar, ar_tok, True))
+    if only:
+        settings = [s for s in settings if any(word.lower() in s[0].lower() for word in only.split(","))]
     for model, tokenizer in ((llada, llada_tok), (ar, ar_tok)):   # once per process: the GEMM probe, allocations
         warm = LLMEngine(model, tokenizer)
         for i in range(2):
@@ -233,11 +235,14 @@ def per_method(counts: list[int], max_tokens: int, repeats: int) -> list[dict[st
             for _ in range(repeats):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    clock = ForwardClock(model)
+                    # a method's own arithmetic: its models' forwards (APD: the dLLM's and the verifier's)
+                    clocks = [ForwardClock(m) for m in (model, *([kw["apd"].verifier] if "apd" in kw else []))]
                     start = time.perf_counter()
                     seq_rows = [drop_in(model, ids, params, is_ar) for ids, params in reqs]
                     seq = time.perf_counter() - start
-                    clock.close()
+                    arithmetic = sum(c.seconds for c in clocks)
+                    for c in clocks:
+                        c.close()
                     runs = {}
                     for invariant in (True, False):
                         engine = LLMEngine(model, tokenizer, max_num_seqs=256, batch_invariant=invariant)
@@ -255,8 +260,8 @@ def per_method(counts: list[int], max_tokens: int, repeats: int) -> list[dict[st
                 eng, steps, calls, rows_ = runs[True]
                 if not best or seq / eng > best["speedup"]:
                     best = dict(method=label, requests=n, sequential_s=seq, engine_s=eng, speedup=seq / eng,
-                                arithmetic_s=clock.seconds, arithmetic_share=clock.seconds / seq,
-                                engine_vs_arithmetic=eng / clock.seconds, steps=steps,
+                                arithmetic_s=arithmetic, arithmetic_share=arithmetic / seq,
+                                engine_vs_arithmetic=eng / arithmetic, steps=steps,
                                 calls_per_step=calls / steps, identical=rows_ == seq_rows,
                                 loose_s=runs[False][0], invariance_cost=eng / runs[False][0])
             rows.append(best)
@@ -290,7 +295,7 @@ def per_method_table(rows: list[dict[str, Any]], command: str) -> str:
              "", f"torch {torch.__version__}; command: `{command}`. Each method alone: n requests through "
              "`LLMEngine` (default settings, batch invariance on) against the n drop-in calls one by one, "
              "in the same run (best ratio of the repeats). Arithmetic: the seconds the sequential calls spent "
-             "inside the model's forward. Invariance cost: the engine's time with `batch_invariant=True` "
+             "inside the models' forwards (APD: the dLLM's and the verifier's). Invariance cost: the engine's time with `batch_invariant=True` "
              "÷ with `batch_invariant=False`, same requests.", "",
              "| method | requests | sequential (s) | engine (s) | engine speed-up over sequential | arithmetic share "
              "of sequential | engine ÷ arithmetic | engine steps | model calls per step | invariance cost "
@@ -325,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-method", action="store_true",
                         help="each method alone (docs/compatibility.md's rows, APD, AR): engine ÷ sequential "
                              "and model calls per engine step (default --requests 8,32,64 --max-tokens 32)")
+    parser.add_argument("--methods", default=None,
+                        help="with --per-method: only the rows whose label contains one of these comma-separated words")
     parser.add_argument("--gemm-thresholds", action="store_true",
                         help="the flat-GEMM row-invariance threshold measured for each weight of the shipped models")
     args = parser.parse_args(argv)
@@ -339,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         counts = [int(c) for c in (args.requests if args.requests != parser.get_default("requests")
                                    else "8,32,64").split(",")]
         max_tokens = args.max_tokens if args.max_tokens != parser.get_default("max_tokens") else 32
-        rows = per_method(counts, max_tokens, args.repeats)
+        rows = per_method(counts, max_tokens, args.repeats, args.methods)
         command = (f"python bench/engine.py --per-method --requests {','.join(map(str, counts))} "
                    f"--max-tokens {max_tokens} --repeats {args.repeats}")
         write_markdown(per_method_table(rows, command), args.out)

@@ -1,29 +1,23 @@
-"""Decoding, in three rooms that read as the architecture (docs/architecture.md):
+"""Decoding, in three rooms (docs/architecture.md):
 
-* `parts/` — the protocol and the parts every method is made of: `stepper` (a decoder describes
-  each forward as a `ForwardRequest`; `drive` / the engine's runner answer it), `step` (the
-  step's shape), `scoring` and `selection` (the only copy of filtering, sampling and choosing),
-  `rules` (commit rules), `cache` (the block loop's cache schedule), `varlen` (packed forwards),
-  `checks` (the one validation layer), `stats`;
-* `families/` — each model family's loop as a state + a step: `llada`, `dream`, `sdar`,
-  `llada2`, `fast_dllm_v2`, `canvas` (DiffusionGemma), `ar`, `apd`;
-* `methods/` — the published methods as step generators over those parts (`freedave`,
-  `dinfer`, `wino`, `dkv`, `d2cache`, `elastic`, `sparse`, ...), `decoders` (configs → method)
-  and `presets` (engine settings → decoder).
+* `parts/` — the protocol and the parts every method is made of: `stepper` (a decoder describes each forward as a
+  `ForwardRequest`; `drive` / the engine's runner answer it), `step`, `scoring` and `selection` (the only copy of
+  filtering, sampling and choosing), `rules`, `cache`, `varlen`, `checks` (the one validation layer), `stats`;
+* `families/` — each model family's loop as a state + a step (`llada`, `dream`, `sdar`, ...);
+* `methods/` — the published methods as step generators over those parts (`freedave`, `dinfer`, `wino`, ...),
+  `decoders` (configs → method) and `presets` (engine settings → decoder).
 
-A step is: the decoder's `ForwardRequest` → one model call (alone, or packed with every other
-request of an engine step) → logits → `scoring.score_rows` → a rule's commit. The modules keep
-their flat import paths (`remask.diffusion.llada`, `remask.diffusion.stepper`, ...).
+A step: a `ForwardRequest` → one model call (alone, or packed in an engine step) → logits → `scoring.score_rows`
+→ a rule's commit. Modules keep their flat paths (`remask.diffusion.llada`).
 """
 import importlib
 import importlib.abc
 import importlib.util
 import sys
 
-# The flat names of the modules, each in its room: `remask.diffusion.llada` is
-# `remask.diffusion.families.llada` (the same module object).
 ROOMS = {
-    "parts": ("step", "stepper", "scoring", "selection", "rules", "cache", "varlen", "stats", "checks", "constrain", "constrain_loops"),
+    "parts": ("step", "stepper", "scoring", "selection", "rules", "cache", "varlen", "stats", "checks", "constrain",
+              "constrain_loops"),
     "families": ("llada", "dream", "sdar", "llada2", "fast_dllm_v2", "canvas", "ar", "apd"),
     "methods": ("freedave", "freedave_blocks", "dinfer", "wino", "dkv", "dkv_dream", "d2cache", "elastic", "sparse",
                 "presets", "decoders"),
@@ -57,6 +51,7 @@ from .parts.scoring import score_rows, score_tokens  # noqa: E402
 from .parts.selection import schedule_counts  # noqa: E402
 from .parts.stats import GenerationStats  # noqa: E402
 
+
 def __getattr__(name: str):
     """`remask.diffusion.llada` as an attribute: the module in its room."""
     if f"{__name__}.{name}" in _FLAT:
@@ -69,7 +64,7 @@ for _flat in _FLAT:   # the flat names of the modules imported above
         sys.modules.setdefault(_flat, sys.modules[_FLAT[_flat]])
 
 __all__ = [
-    "APDConfig", "ARDecoder", "BlockDecoder", "CanvasSampler", "DreamDecoder", "DreamGenerationConfig", "DreamModelOutput",
-    "GenerationStats", "SparseConfig", "apd_generate", "ar_generate", "block_diffusion_generate", "canvas_generate", "diffusion_generate",
-    "generate", "schedule_counts", "score_rows", "score_tokens",
+    "APDConfig", "ARDecoder", "BlockDecoder", "CanvasSampler", "DreamDecoder", "DreamGenerationConfig",
+    "DreamModelOutput", "GenerationStats", "SparseConfig", "apd_generate", "ar_generate", "block_diffusion_generate",
+    "canvas_generate", "diffusion_generate", "generate", "schedule_counts", "score_rows", "score_tokens",
 ]

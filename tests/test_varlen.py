@@ -74,7 +74,6 @@ def test_refusals(llada):
     ar_model, _ = remask.load("tiny-ar")
     with pytest.raises(ValueError, match="segmented"):
         run_forwards(ar_model, [ForwardRequest(torch.zeros(1, 3, dtype=torch.long))] * 2)
-    assert ForwardRequest(torch.zeros(1, 3, dtype=torch.long), context=lambda: None).pack_key() is None
     assert ForwardRequest(torch.zeros(1, 3, dtype=torch.long), shared=dict(block_size=4)).pack_key() is None
 
 
@@ -115,3 +114,48 @@ def test_engine_shares_one_forward_across_lengths_with_each_requests_tokens(llad
         assert len(got[str(i)]) > 0 and charset.MASK_ID not in got[str(i)]
         if batch_invariant:    # bitwise; without invariance the packed GEMMs may round otherwise
             assert got[str(i)] == want[:len(got[str(i)])], i
+
+
+def test_elastic_forwards_pack_bit_for_bit_though_their_rows_change_between_layers(llada):
+    """Elastic-Cache's forwards (rows queried, then every position from the first recomputed
+    layer on) packed with each other and with a plain request: each gets the logits, the trace and
+    the recompute layer of its own forward."""
+    from remask.diffusion.elastic import elastic_steps
+    from remask.diffusion.stepper import Progress
+
+    model, _ = llada
+    prompts = [torch.randint(5, 60, (1, n), generator=torch.Generator().manual_seed(n)) for n in (9, 14)]
+    configs = [remask.ElasticCache(window_length=8, gamma=0.999, threshold=None),
+               remask.ElasticCache(window_length=8, gamma=0.0, threshold=None)]
+
+    def next_request(gen, answer=None):
+        item = gen.send(answer)
+        while isinstance(item, Progress):
+            item = next(gen)
+        return item
+
+    def at_third_forward():
+        gens, traces, requests = [], [], []
+        for prompt, config in zip(prompts, configs):
+            traces.append([])
+            gens.append(elastic_steps(model, prompt, config=config, gen_length=24, eos_id=99, trace=traces[-1]))
+            request = next_request(gens[-1])
+            for _ in range(2):
+                request = next_request(gens[-1], run_forwards(model, [request])[0])
+            requests.append(request)
+        return gens, requests, traces
+
+    gens, requests, traces = at_third_forward()
+    alone = [run_forwards(model, [r])[0] for r in requests]
+    for g, a in zip(gens, alone):
+        next_request(g, a)
+    gens, requests, packed_traces = at_third_forward()
+    plain = ForwardRequest(torch.randint(5, 60, (1, 17), generator=torch.Generator().manual_seed(3)))
+    packed = run_forwards(model, [requests[0], plain, requests[1]], invariant)
+    for g, p in zip(gens, (packed[0], packed[2])):
+        next_request(g, p)
+    assert all(torch.equal(a, p) for a, p in zip(alone, (packed[0], packed[2])))
+    assert torch.equal(packed[1], run_forwards(model, [plain])[0])
+    assert traces == packed_traces
+    layers = len(model.model.transformer.blocks)
+    assert traces[0][-1][1] < layers and traces[1][-1][1] == layers, "one forward recomputes layers, the other none"

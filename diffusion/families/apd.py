@@ -22,8 +22,8 @@ The acceptance test runs in the fused `remask.kernels.apd_accept` kernel.
 
 No forward is computed here: a round (`APDDecoder.round`) is a step generator that yields the dLLM's
 window forward and then the verifier's (`ForwardRequest(module=verifier)`, the whole output for its
-cache). `apd_generate` drives the rounds with `drive`; the engine asks `next_forward` / `receive`
-(one forward per engine step), packing the dLLM's forward with the other requests' forwards.
+cache). `apd_generate` drives `apd_steps` with `drive`; the engine steps it one forward per engine
+step (a `StepwiseDecoder`), packing the dLLM's forward with the other requests' forwards.
 """
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ from remask.models.spec import ModelSpec, get_spec
 from ..parts.checks import check_bool, check_config_bounds, check_int, check_real, model_device
 from ..parts.scoring import filter_logits, gumbel_max_scores
 from ..parts.stats import GenerationStats
-from ..parts.stepper import ForwardRequest, drive
+from ..parts.step import masked_canvas
+from ..parts.stepper import ForwardRequest, Progress, drive
 
 
 @dataclass
@@ -101,17 +102,32 @@ def check_apd_alone(clashes: list[str]) -> None:
         raise ValueError(f"apd decodes left to right with its verifier; it does not combine with {clashes}")
 
 
+def draft_scores(logits: torch.Tensor, temperature: float, top_p: float | None, top_k: int | None,
+                 generator: torch.Generator | None = None, uniforms: torch.Tensor | None = None,
+                 vocab: int | None = None) -> torch.Tensor:
+    """The scores a draft is the argmax of. The reference's: logits / T, top-p then top-k (Dream's
+    filter order, `scoring.filter_logits(order="top_p_first", removed="dtype_min")`), then the float64
+    Gumbel-max score `exp(l) / (−log u)^T` — so the effective temperature is T² (documented quirk);
+    T=0: the logits. With `uniforms` `[N, >= vocab]` (the coupled rule, T > 0): ``filtered(l/T) + g``
+    over the first `vocab` ids, g = −log(−log u), which the target reuses."""
+    if uniforms is not None:
+        scores = filter_logits(logits[:, :vocab], temperature, top_k, top_p, order="top_p_first", removed="dtype_min")
+        return scores.float() + gumbel(uniforms[:, :vocab].float())
+    filtered = filter_logits(logits, temperature, top_k, top_p, order="top_p_first", removed="dtype_min")
+    return gumbel_max_scores(filtered, temperature, generator)
+
+
 def draft_tokens(logits: torch.Tensor, temperature: float, top_p: float | None, top_k: int | None,
                  generator: torch.Generator | None = None, shared_vocab: int | None = None) -> torch.Tensor:
-    """The reference's draft sample: logits / T, top-p then top-k (Dream's filter order,
-    `scoring.filter_logits(order="top_p_first", removed="dtype_min")`), then the float64 Gumbel-max score
-    `exp(l) / (−log u)^T` — so the effective temperature is T² (documented quirk). T=0: argmax.
-    A draft at or beyond `shared_vocab` is replaced by the best-scoring id below it."""
-    filtered = filter_logits(logits, temperature, top_k, top_p, order="top_p_first", removed="dtype_min")
-    scores = gumbel_max_scores(filtered, temperature, generator)
+    """The reference's draft sample (`draft_scores`' argmax); a draft at or beyond `shared_vocab` is
+    replaced by the best-scoring id below it."""
+    return _shared_argmax(draft_scores(logits, temperature, top_p, top_k, generator), shared_vocab)
+
+
+def _shared_argmax(scores: torch.Tensor, vocab: int | None) -> torch.Tensor:
     draft = torch.argmax(scores, dim=-1)
-    if shared_vocab is not None and shared_vocab < scores.shape[-1]:
-        draft = torch.where(draft < shared_vocab, draft, torch.argmax(scores[:, :shared_vocab], dim=-1))
+    if vocab is not None and vocab < scores.shape[-1]:
+        draft = torch.where(draft < vocab, draft, torch.argmax(scores[:, :vocab], dim=-1))
     return draft
 
 
@@ -120,16 +136,6 @@ def accept_length(draft: torch.Tensor, dllm_logits: torch.Tensor, verifier_logit
     """Longest accepted prefix of `draft` `[N]`: token j is accepted iff it is the argmax of
     `R·dllm_logits[j] + (1 − R)·verifier_logits[j]` (both `[N, V]`); j = 0 always is."""
     return int(apd_accept(draft, dllm_logits, verifier_logits, mixture_weight)[1])
-
-
-def coupled_draft(logits: torch.Tensor, temperature: float, top_p: float | None, top_k: int | None,
-                  uniforms: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The coupled rule's draft: ``argmax_{v < vocab}(filtered(l/T) + g)``, g = −log(−log u), a
-    sample of the (top-p / top-k filtered) dLLM at temperature T from the uniforms `[N, >= vocab]`
-    that the target reuses."""
-    scores = filter_logits(logits[:, :vocab], temperature, top_k, top_p, order="top_p_first",
-                           removed="dtype_min").float()
-    return torch.argmax(scores + gumbel(uniforms[:, :vocab].float()), dim=-1)
 
 
 def _crop(cache, length: int) -> None:
@@ -144,7 +150,7 @@ def _crop(cache, length: int) -> None:
 class APDState:
     """One sequence under APD: the canvas `[1, T]`, the first masked position `curr`, the
     tokens accepted in the last round, both models' caches (`use_dllm_cache`: whether the dLLM
-    keeps one), and under the engine the round under way with its pending request."""
+    keeps one)."""
 
     x: torch.Tensor
     prompt_len: int
@@ -153,19 +159,14 @@ class APDState:
     use_dllm_cache: bool = False
     dllm_cache: KVCache | None = None
     verifier_cache: Any = None
-    started: bool = False
     done: bool = False
-    pending: Any = None                   # the round under way (a step generator) ...
-    request: ForwardRequest | None = None  # ... and the forward it waits for
     matcher: Any = None                   # structured output: the answer's matcher (`APDDecoder.constrain`)
 
 
 class APDDecoder:
-    """APD as a state and a round (`apd_generate` drives one sequence, the engine many, each its
-    own sub-batch of one — APD decodes one sequence at a time, as the reference): each `round` is
-    a step generator of two forwards (dLLM draft, verifier score) that accepts the longest
-    agreeing prefix; `step` drives one alone, the engine one forward per engine step
-    (`next_forward` / `receive`). Tokens accepted are final."""
+    """APD as a state and a round (one sequence at a time, as the reference): each `round` is a
+    step generator of two forwards (dLLM draft, verifier score) that accepts the longest agreeing
+    prefix; `apd_steps` runs the rounds. Tokens accepted are final."""
 
     def __init__(self, spec: ModelSpec, apd: APDConfig, *, gen_length: int, temperature: float = 0.0,
                  top_p: float | None = None, top_k: int | None = None) -> None:
@@ -212,42 +213,12 @@ class APDDecoder:
 
     def start(self, model: torch.nn.Module, prompt: torch.Tensor) -> APDState:
         P = prompt.shape[1]
-        x = torch.full((1, P + self.gen_length), self.spec.mask_id, dtype=torch.long, device=prompt.device)
-        x[:, :P] = prompt
+        x = masked_canvas(prompt, self.gen_length, self.spec.mask_id)
         apd = self.apd
         use_dllm_cache = apd.kv_window is not None and (apd.dllm_cache if apd.dllm_cache is not None
                                                         else bool(getattr(model.config, "use_cache", False)))
         return APDState(x=x, prompt_len=P, curr=P, use_dllm_cache=use_dllm_cache,
                         matcher=None if self.structure is None else self.structure.matcher(self.end_ids))
-
-    def num_final(self, state: APDState) -> int:
-        return self.gen_length if state.done else state.curr - state.prompt_len
-
-    # -- the engine's interface: one forward per engine step ------------------------------------
-
-    def next_forward(self, model: torch.nn.Module, state: APDState, generator: torch.Generator | None = None,
-                     stats: GenerationStats | None = None) -> ForwardRequest | None:
-        """The forward `state` waits for (its dLLM window, or its verifier's: `module=verifier`,
-        which runs alone); a round starts when the last one is done. None once decoded."""
-        if state.pending is None:
-            if state.done:
-                return None
-            state.pending = self.round(state, generator, stats)
-            state.request = next(state.pending)
-        return state.request
-
-    def receive(self, state: APDState, answer: Any, generator: torch.Generator | None = None,
-                stats: GenerationStats | None = None) -> None:
-        """Hand the pending forward its answer and run the round to its next forward (or its end)."""
-        try:
-            state.request = state.pending.send(answer)
-        except StopIteration:
-            state.pending = state.request = None
-
-    def step(self, model: torch.nn.Module, state: APDState, generator: torch.Generator | None = None,
-             stats: GenerationStats | None = None, verifier_stats: GenerationStats | None = None) -> None:
-        """One round, its forwards computed alone."""
-        drive(self.round(state, generator, stats, verifier_stats), model)
 
     def round(self, state: APDState, generator: torch.Generator | None = None, stats: GenerationStats | None = None,
               verifier_stats: GenerationStats | None = None) -> Generator[ForwardRequest, Any, APDState]:
@@ -281,21 +252,13 @@ class APDDecoder:
         uniforms = None
         if apd.coupled_gumbel and temperature > 0:
             uniforms = torch.rand((right - curr, vocab), dtype=torch.float32, device=x.device, generator=generator)
-            if state.matcher is None:
-                draft = coupled_draft(proposal, temperature, top_p, top_k, uniforms, vocab)
-            else:   # the same scores, each draft masked by the lookahead over the drafts before it
-                from ..parts.constrain_loops import draft_under
-
-                scores = filter_logits(proposal[:, :vocab], temperature, top_k, top_p, order="top_p_first",
-                                       removed="dtype_min").float() + gumbel(uniforms[:, :vocab].float())
-                draft = draft_under(state.matcher, scores, vocab)
-        elif state.matcher is None:
-            draft = draft_tokens(proposal, temperature, top_p, top_k, generator, shared_vocab=vocab)
-        else:   # draft_tokens' scores (the same draws), each draft masked by the lookahead
+        scores = draft_scores(proposal, temperature, top_p, top_k, generator, uniforms, vocab)
+        if state.matcher is None:
+            draft = _shared_argmax(scores, vocab)
+        else:   # the same scores, each draft masked by the lookahead over the drafts before it
             from ..parts.constrain_loops import draft_under
 
-            filtered = filter_logits(proposal, temperature, top_k, top_p, order="top_p_first", removed="dtype_min")
-            draft = draft_under(state.matcher, gumbel_max_scores(filtered, temperature, generator), vocab)
+            draft = draft_under(state.matcher, scores, vocab)
         # The verifier scores the draft: the whole prefix the first time, then only the draft.
         # A model of its own (`module`): the request runs alone, its whole output wanted (the cache).
         if state.verifier_cache is None:
@@ -355,12 +318,14 @@ def apd_steps(decoder: APDDecoder, model: torch.nn.Module, prompt: torch.Tensor,
               generator: torch.Generator | None = None, stats: GenerationStats | None = None,
               verifier_stats: GenerationStats | None = None) -> Generator[ForwardRequest, Any, torch.Tensor]:
     """`apd_generate`'s loop as a step generator (the input checked by the caller): its rounds'
-    forwards as `ForwardRequest`s; returns `[1, P + gen_length]`."""
+    forwards as `ForwardRequest`s, a `Progress` after each round (the accepted tokens are final);
+    returns `[1, P + gen_length]`."""
     if stats is not None:
         stats.start()
     state = decoder.start(model, prompt)
     while not state.done:
         yield from decoder.round(state, generator, stats, verifier_stats)
+        yield Progress(state.x, state.curr - state.prompt_len)
     if stats is not None:
         stats.stop(decoder.gen_length)
     return state.x

@@ -1,26 +1,13 @@
 """Uniform-noise block diffusion (DiffusionGemma): canvases denoised against an encoder's KV cache.
 
-There is no mask token. A canvas of `canvas_length` positions starts as uniform random tokens; each
-step the decoder scores it, every position gets a sample and an entropy, and the step's decision
-(`entropy_bound_accept`, the EB-sampler) *commits* the accepted positions to their sample while
-every other position is *renoised* (re-drawn uniformly). A canvas ends when the argmax canvas is
-stable and confident (`stable_and_confident`) or after `max_denoising_steps`; the argmax canvas is
-the output, then the encoder appends it to the cache and the next canvas starts.
-
-`canvas_generate` is the drop-in for `DiffusionGemmaForBlockDiffusion.generate`: the same keyword
-arguments (read by transformers' own `DiffusionGemmaGenerationConfig`, so the same defaults and
-errors) and the same return type. It drives the model through `models.diffusion_gemma.CanvasModel`
-(the model's own encoder, decoder and cache). With ``reference_rng=True`` it makes transformers'
-random draws in transformers' order (`torch.randint` for each canvas, `torch.multinomial` then
-`torch.randint` per step, over the whole batch), so a seeded call returns `model.generate`'s tokens.
-By default the step runs on the fused kernels (`remask.kernels.canvas`): the sample (Gumbel-max
-over the tempered logits), argmax and entropy in one pass over the vocabulary, then the EB decision
-and the renoise in one launch; see docs/diffusion-gemma.md.
-
-No forward is computed here: a denoising step (`CanvasDecoder.denoising_step`) is a step generator
-that yields the decoder's forward and, when a canvas opens, the encoder's (`CanvasModel`'s
-`ForwardRequest`s). `canvas_generate` drives it with `drive`; the engine asks `next_forward` /
-`receive`, one forward per engine step.
+No mask token: a canvas starts as uniform random tokens; each step the decision (the EB-sampler,
+`entropy_bound_accept`) commits the accepted positions to their sample and renoises the rest. A canvas
+ends when its argmax is stable and confident or after `max_denoising_steps`; that argmax is the output,
+appended to the encoder's cache before the next canvas. `canvas_generate` is the drop-in for
+`DiffusionGemmaForBlockDiffusion.generate`; with ``reference_rng=True`` it makes transformers' random
+draws in its order (`torch.randint` per canvas, `torch.multinomial` then `torch.randint` per step, over
+the batch), so a seeded call returns `model.generate`'s tokens; by default the step runs on the fused
+kernels (`remask.kernels.canvas`). See docs/diffusion-gemma.md.
 """
 from __future__ import annotations
 
@@ -35,10 +22,10 @@ from remask.kernels.canvas import canvas_score, canvas_update
 from remask.models.diffusion_gemma import CanvasModel, require_diffusion_gemma
 from remask.models.hf_compat import output_cache, with_cache_field
 
-from ..parts.checks import (MAX_LOOP_STEPS, ParameterTypeError, check_at_most, check_bool, check_choice, check_generator,
-                     check_instance, check_int, check_real, check_stats)
-from ..parts.stats import GenerationStats
+from ..parts.checks import (MAX_LOOP_STEPS, ParameterTypeError, check_at_most, check_bool, check_choice,
+                            check_generator, check_instance, check_int, check_real, check_stats)
 from ..parts.scoring import draw_seed
+from ..parts.stats import GenerationStats
 from ..parts.step import Decision, apply_decision
 from ..parts.stepper import ForwardRequest, drive
 
@@ -49,15 +36,13 @@ MODEL_KWARGS = ("attention_mask", "decoder_input_ids", "self_conditioning_logits
 # --- the step's pure functions: score → decide → update --------------------------------------------
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) per position, as transformers computes it
-    (`torch.distributions.Categorical(logits=...).entropy()`)."""
+    """Entropy of softmax(logits) per position, as transformers (`Categorical(logits=...).entropy()`)."""
     return torch.distributions.Categorical(logits=logits).entropy()
 
 
 def entropy_bound_accept(entropy: torch.Tensor, entropy_bound: float) -> torch.Tensor:
-    """The EB-sampler's decision: per row, accept the lowest-entropy positions while the sum of the
-    accepted entropies minus the largest of them stays ≤ `entropy_bound` (the lowest is always
-    accepted). Returns a bool mask of `entropy`'s shape."""
+    """The EB-sampler's decision (a bool mask): per row, the lowest-entropy positions while the sum of
+    their entropies minus the largest stays ≤ `entropy_bound` (the lowest always)."""
     sorted_entropy, order = torch.sort(entropy, dim=-1, descending=False)
     within = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= entropy_bound
     return torch.scatter(torch.zeros_like(within), -1, order, within)
@@ -68,8 +53,7 @@ class StabilityTracker:
     last `stability_threshold` ones, and the mean entropy below `confidence_threshold`."""
 
     def __init__(self, stability_threshold: int, confidence_threshold: float):
-        self.stability_threshold = stability_threshold
-        self.confidence_threshold = confidence_threshold
+        self.stability_threshold, self.confidence_threshold = stability_threshold, confidence_threshold
         self.history: torch.Tensor | None = None
 
     def reset(self) -> None:
@@ -90,17 +74,11 @@ class StabilityTracker:
 
 @dataclass(frozen=True)
 class CanvasSampler:
-    """remask's decisions for uniform-noise canvases (DiffusionGemma), next to the reference's.
-
-    rule: which positions a step accepts (the others are renoised) —
-      ``"entropy_bound"`` the EB-sampler (transformers'; its bound is `sampler_config.entropy_bound`),
-      ``"threshold"`` every position whose most probable token has probability ≥ `threshold`
-      (Fast-dLLM's rule on the maximum probability; at least the most confident position),
-      ``"top_k"`` the `top_k` lowest-entropy positions.
-    freeze_after: a position whose argmax has come out the same at this many consecutive steps after
-      the first (1: equal to the previous step's) is committed to it for good (never renoised again; a mask-free early commit), and a canvas whose
-      positions are all frozen is finished. None: off (the reference).
-    """
+    """remask's decisions for uniform-noise canvases (DiffusionGemma). `rule`: the positions a step
+    accepts (the rest renoised): ``"entropy_bound"`` the EB-sampler (transformers'), ``"threshold"``
+    top probability ≥ `threshold` (Fast-dLLM's rule; at least the most confident), ``"top_k"`` the
+    `top_k` lowest-entropy ones. `freeze_after`: an argmax the same at this many consecutive steps is
+    committed for good (a mask-free early commit; a canvas of frozen positions is finished)."""
 
     rule: str = "entropy_bound"
     threshold: float | None = None
@@ -109,14 +87,13 @@ class CanvasSampler:
 
     def __post_init__(self):
         check_choice("rule", self.rule, CANVAS_RULES)
+        for name, value in (("threshold", self.threshold), ("top_k", self.top_k)):
+            if self.rule != name and value is not None:
+                raise ValueError(f"{name} applies to rule={name!r} only (rule={self.rule!r})")
         if self.rule == "threshold":
             check_real("threshold", self.threshold, low=0, high=1, low_open=True)
-        elif self.threshold is not None:
-            raise ValueError(f"threshold applies to rule='threshold' only (rule={self.rule!r})")
-        if self.rule == "top_k":
+        elif self.rule == "top_k":
             check_int("top_k", self.top_k, minimum=1)
-        elif self.top_k is not None:
-            raise ValueError(f"top_k applies to rule='top_k' only (rule={self.rule!r})")
         if self.freeze_after is not None:
             check_int("freeze_after", self.freeze_after, minimum=1)
 
@@ -128,15 +105,13 @@ CANVAS_SETTINGS = ("max_denoising_steps", "t_min", "t_max", "entropy_bound", "st
 
 
 def check_stability(stability_threshold: int | None, max_denoising_steps: int, what: str) -> None:
-    """`stability_threshold` (the canvases a stable one must equal, kept as a history of that many):
-    a canvas runs at most `max_denoising_steps` steps, so a larger one never stops a canvas early
-    and only sizes the history (10**9 of them was an out-of-memory kill)."""
+    """`stability_threshold` (a history of that many canvases) at most `max_denoising_steps`: a larger
+    one never stops a canvas early and only sizes the history (10**9 of them was an out-of-memory kill)."""
     check_at_most("canvas.stability_threshold", stability_threshold, max_denoising_steps, what)
 
 
 def check_canvas_settings(settings: Any) -> dict[str, Any]:
-    """A request's canvas settings: a dict with keys from CANVAS_SETTINGS, each of its type and
-    range (transformers' config checks the rest against the checkpoint); returns a copy."""
+    """A checked copy of a request's canvas settings (keys from CANVAS_SETTINGS; transformers checks the rest)."""
     if not isinstance(settings, dict):
         raise ParameterTypeError(f"canvas must be a dict of {list(CANVAS_SETTINGS)}, got {type(settings).__name__}")
     unknown = sorted(set(settings) - set(CANVAS_SETTINGS))
@@ -146,25 +121,21 @@ def check_canvas_settings(settings: Any) -> dict[str, Any]:
     if "max_denoising_steps" in out:
         # no token count bounds this loop (canvases are redrawn whole): a cap, ~20x the checkpoint's 48
         check_int("canvas.max_denoising_steps", out["max_denoising_steps"], minimum=1, maximum=MAX_LOOP_STEPS)
-    for name in ("t_min", "t_max"):
+    for name in ("t_min", "t_max", "confidence_threshold"):
         if name in out:
             check_real(f"canvas.{name}", out[name], low=0, low_open=True, allow_none=True)
     if "entropy_bound" in out:
         out["entropy_bound"] = float(check_real("canvas.entropy_bound", out["entropy_bound"], low=0, low_open=True))
     if "stability_threshold" in out:
-        # the canvas must equal each of the last `stability_threshold` ones (a history of that many canvases):
-        # never more than a canvas has steps (the checkpoint's max_denoising_steps: checked at the engine)
+        # at most a canvas's steps (the checkpoint's max_denoising_steps: checked at the engine)
         check_int("canvas.stability_threshold", out["stability_threshold"], minimum=0, allow_none=True)
         check_stability(out["stability_threshold"], out.get("max_denoising_steps", MAX_LOOP_STEPS),
                         "canvas.max_denoising_steps" if "max_denoising_steps" in out else "MAX_LOOP_STEPS")
-    if "confidence_threshold" in out:
-        check_real("canvas.confidence_threshold", out["confidence_threshold"], low=0, low_open=True, allow_none=True)
     return out
 
 
 def generation_kwargs(settings: dict[str, Any] | None) -> dict[str, Any]:
-    """`canvas_generate` keyword arguments for checked canvas settings (`entropy_bound` becomes
-    transformers' `sampler_config`)."""
+    """`canvas_generate` keyword arguments for checked canvas settings (`entropy_bound` in a `sampler_config`)."""
     kw = dict(settings or {})
     if "entropy_bound" in kw:
         module = require_diffusion_gemma()
@@ -187,13 +158,9 @@ def accept_positions(sampler: CanvasSampler, entropy: torch.Tensor, top_prob: to
 
 def score_canvas(processed_logits: torch.Tensor, *, reference_rng: bool, generator: torch.Generator | None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sample, argmax, entropy, top_prob) per position of the processed (tempered) logits `[B, L, V]`.
-
-    reference_rng: transformers' formulation — float32 softmax, `torch.multinomial` over the
-    flattened batch (its draws), `torch.argmax`, `Categorical(...).entropy()`. Otherwise the fused
-    kernel (`remask.kernels.canvas.canvas_score`) draws the sample by Gumbel-max (the same
-    distribution, from the kernel's own stream) and returns all four in one pass.
-    """
+    """(sample, argmax, entropy, top_prob) per position of the processed logits `[B, L, V]`: with
+    `reference_rng` transformers' formulation (float32 softmax, `torch.multinomial` over the flat
+    batch), else the fused `canvas_score` in one pass (Gumbel-max: the same distribution)."""
     B, L, V = processed_logits.shape
     if reference_rng:
         probs = torch.softmax(processed_logits, dim=-1, dtype=torch.float32)
@@ -207,8 +174,7 @@ def score_canvas(processed_logits: torch.Tensor, *, reference_rng: bool, generat
 # --- the loop ----------------------------------------------------------------------------------------
 
 def resolve_generation_config(model, generation_config, kwargs: dict[str, Any]):
-    """transformers' own config handling: its defaults, its `update`, its `validate` (errors name
-    the parameter); returns the config. Keyword arguments that are not config fields are refused."""
+    """`_generation_config`'s config; keyword arguments that are not config fields are refused."""
     config, model_kwargs = _generation_config(model, generation_config, kwargs)
     if model_kwargs:
         raise ValueError(f"unexpected setting(s) {sorted(model_kwargs)} for DiffusionGemma generation")
@@ -216,8 +182,7 @@ def resolve_generation_config(model, generation_config, kwargs: dict[str, Any]):
 
 
 def _generation_config(model, generation_config, kwargs: dict[str, Any]):
-    """transformers' own config handling: its defaults, its `update`, its `validate` (errors name
-    the parameter); returns (config, model_kwargs)."""
+    """(config, model_kwargs) by transformers' own defaults, `update` and `validate` (errors name the parameter)."""
     module = require_diffusion_gemma()
     config = copy.deepcopy(generation_config or model.generation_config or module.DiffusionGemmaGenerationConfig())
     if not isinstance(config, module.DiffusionGemmaGenerationConfig):
@@ -236,9 +201,8 @@ def _generation_config(model, generation_config, kwargs: dict[str, Any]):
 
 @dataclass(eq=False)
 class CanvasState:
-    """Rows under the canvas loop. `input_ids`: the prompt and the finished canvases (`[B, T]`);
-    `canvas` / `argmax_canvas`: the canvas being denoised and its last argmax; `cur_step`: the
-    denoising step to run next (counting down from `max_denoising_steps`, as transformers)."""
+    """Rows under the canvas loop: `input_ids` (the prompt and the finished canvases), the canvas
+    being denoised and its last argmax, `cur_step` (counting down from `max_denoising_steps`)."""
 
     input_ids: torch.Tensor
     prompt_length: int
@@ -279,16 +243,9 @@ class CanvasState:
 
 
 class CanvasDecoder:
-    """The canvas loop as a decoder: the first step encodes the prompt and opens the first canvas;
-    each step is one denoising step of every row (one decoder forward), and closes the canvas (EOS,
-    padding) and opens the next (one encoder forward) when the canvas is done. `denoising_step` is
-    a step as a generator of those forwards; `step` computes them alone (`canvas_generate` drives
-    it for a batch), the engine one forward per engine step (`next_forward` / `receive`).
-
-    config: a resolved `DiffusionGemmaGenerationConfig`; sampler: a `CanvasSampler`;
-    reference_rng: transformers' draws in its order (see the module docstring); prompt_cache: a
-    `remask.caches.PromptCache` (single unpadded rows take the prompt's encoder cache from it).
-    """
+    """The canvas loop as a decoder: a step denoises every row (one decoder forward, plus the encoder's
+    when it opens a canvas). `config`: a resolved `DiffusionGemmaGenerationConfig`; `prompt_cache`:
+    a `remask.caches.PromptCache` (single unpadded rows take the prompt's cache)."""
 
     def __init__(self, model: torch.nn.Module, config: Any, sampler: CanvasSampler | None = None, *,
                  reference_rng: bool = False, logits_processor: Any = None, stopping_criteria: Any = None,
@@ -297,11 +254,8 @@ class CanvasDecoder:
         from transformers.generation.logits_process import LogitsProcessorList
         from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria,
                                                                StoppingCriteriaList)
-
-        self.module, self.config = module, config
-        self.sampler = sampler or CanvasSampler()
-        self.reference_rng = reference_rng
-        self.canvas_model = CanvasModel(model)
+        self.module, self.config, self.sampler = module, config, sampler or CanvasSampler()
+        self.reference_rng, self.canvas_model = reference_rng, CanvasModel(model)
         self.processors = LogitsProcessorList(logits_processor or [])
         if config.t_min is not None and config.t_max is not None:
             self.processors.append(module.LinearTemperatureScheduleLogitsProcessor(config.t_min, config.t_max,
@@ -309,26 +263,20 @@ class CanvasDecoder:
         self.criteria = StoppingCriteriaList(stopping_criteria or [])
         if config.max_length is not None:
             self.criteria.append(MaxLengthCriteria(config.max_length))
-        self.eos_ids = None
-        if config.eos_token_id is not None:
-            self.criteria.append(EosTokenCriteria(config.eos_token_id))
-            self.eos_ids = config.eos_token_id
+        self.eos_ids = config.eos_token_id
+        if self.eos_ids is not None:
+            self.criteria.append(EosTokenCriteria(self.eos_ids))
         self.entropy_bound = config.sampler_config.entropy_bound
-        self.prompt_cache = prompt_cache   # a `remask.caches.PromptCache` shared by the engine's requests
+        self.prompt_cache = prompt_cache
 
     structure: Any = None   # structured output (`constrain`)
     end_ids: tuple = ()
 
     def constrain(self, structure: Any, end_ids: Any = None) -> "CanvasDecoder":
-        """Hold every row's answer to `structure` (`diffusion/parts/constrain_loops.py`,
-        `constrain_canvas`): each step's committed canvas is checked by a clone of the row's matcher
-        and renoised from its first refused position; the argmax canvas (the output) keeps the
-        model's argmax while the structure accepts it and is the masked argmax from there on, so a
-        canvas closed at any step is valid; the matcher consumes each closed canvas. `end_ids`
-        (default: the generation config's EOS ids) are allowed only where the structure is complete.
-        Returns the decoder."""
+        """Hold every row's answer to `structure` (`constrain_loops.constrain_canvas`: the committed
+        canvas renoised from its first refused position, the argmax canvas valid at every step).
+        `end_ids` (default: the config's EOS ids) only where it is complete. Returns the decoder."""
         from ..parts.constrain_loops import end_ids_or_refuse
-
         self.structure = structure
         if structure is not None:
             ids = self.eos_ids if end_ids is None else end_ids
@@ -336,13 +284,9 @@ class CanvasDecoder:
             self.end_ids = tuple(end_ids_or_refuse(ids, "the generation config has no eos_token_id"))
         return self
 
-    # -- the engine's interface --------------------------------------------------------------------
-
     def num_final(self, state: CanvasState) -> int:
         """Generated positions that are final: those of finished canvases."""
         return min(state.input_ids.shape[1] - state.prompt_length, state.max_new_tokens)
-
-    # -- the loop ----------------------------------------------------------------------------------
 
     def start(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
               *, decoder_input_ids: torch.Tensor | None = None,
@@ -350,62 +294,49 @@ class CanvasDecoder:
         config, L = self.config, self.canvas_model.canvas_length
         B, cur_len = input_ids.shape
         device = input_ids.device
-        if config.max_length and config.max_new_tokens == 256:   # transformers' rule: max_new_tokens wins
-            max_new_tokens = config.max_length - cur_len
-        else:
-            max_new_tokens = config.max_new_tokens
+        # transformers' rule: max_new_tokens wins, unless it is its default (256) and max_length is set
+        max_new_tokens = config.max_length - cur_len if config.max_length and config.max_new_tokens == 256 \
+            else config.max_new_tokens
         if attention_mask is None:
             attention_mask = torch.ones((B, cur_len), dtype=torch.bool, device=device)
         elif attention_mask.dim() != 2 or tuple(attention_mask.shape) != (B, cur_len):
             raise ValueError(f"attention_mask must be 2-D with input_ids' shape {(B, cur_len)}, "
                              f"got {tuple(attention_mask.shape)}")
         attention_mask = attention_mask.bool()
-        first_canvas = {}
-        if decoder_input_ids is not None:
-            first_canvas["decoder_input_ids"] = decoder_input_ids
-        if self_conditioning_logits is not None:
-            first_canvas["self_conditioning_logits"] = self_conditioning_logits
-        tracker = None
-        if config.stability_threshold is not None and config.confidence_threshold is not None:
-            tracker = StabilityTracker(config.stability_threshold, config.confidence_threshold)
+        first_canvas = {name: value for name, value in (("decoder_input_ids", decoder_input_ids),
+                                                        ("self_conditioning_logits", self_conditioning_logits))
+                        if value is not None}
+        tracker = None if config.stability_threshold is None or config.confidence_threshold is None else \
+            StabilityTracker(config.stability_threshold, config.confidence_threshold)
         state = CanvasState(
-            input_ids=input_ids, prompt_length=cur_len, max_new_tokens=max_new_tokens,
-            attention_mask=attention_mask,
+            input_ids=input_ids, prompt_length=cur_len, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
             decoder_attention_mask=torch.nn.functional.pad(attention_mask, (0, L), value=True),
             encoder_positions=torch.arange(0, cur_len, dtype=torch.int32, device=device)[None],
             decoder_positions=torch.arange(cur_len, cur_len + L, dtype=torch.int32, device=device)[None],
-            cache=self.canvas_model.new_cache(),
-            finished_sequences=torch.zeros(B, dtype=torch.bool, device=device),
-            decoder_forwards=torch.zeros(B, dtype=torch.int, device=device),
-            first_canvas=first_canvas, tracker=tracker, canvases_left=math.ceil(max_new_tokens / L))
+            cache=self.canvas_model.new_cache(), finished_sequences=torch.zeros(B, dtype=torch.bool, device=device),
+            decoder_forwards=torch.zeros(B, dtype=torch.int, device=device), first_canvas=first_canvas,
+            tracker=tracker, canvases_left=math.ceil(max_new_tokens / L))
         state.done = state.canvases_left <= 0
         if self.structure is not None:
             state.matchers = [self.structure.matcher(self.end_ids) for _ in range(B)]
         return state   # the first step opens the first canvas (encoder, random canvas: transformers' order)
 
-    # -- the engine's interface: one forward per engine step ------------------------------------
-
     def next_forward(self, model: torch.nn.Module, state: CanvasState, generator: torch.Generator | None = None,
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
-        """The forward `state` waits for (the decoder's over its canvas, or the encoder's: a module
-        of its own, which runs alone); a step starts when the last one is done. None once decoded,
-        or for one engine step while another request encodes this request's prompt (its cache is
-        then taken from the prompt cache)."""
+        """The forward `state` waits for; None once decoded, or for one engine step while another
+        request encodes this prompt."""
         if state.pending is None:
             if state.done:
                 return None
             state.pending = self.denoising_step(state, generator, stats)
-            self._advance(state, None)
+            self.receive(state, None)
         elif state.request is None:   # paused a step
-            self._advance(state, None)
+            self.receive(state, None)
         return state.request
 
     def receive(self, state: CanvasState, answer: Any, generator: torch.Generator | None = None,
                 stats: GenerationStats | None = None) -> None:
         """Hand the pending forward its answer and run the step to its next forward (or its end)."""
-        self._advance(state, answer)
-
-    def _advance(self, state: CanvasState, answer: Any) -> None:
         try:
             state.request = state.pending.send(answer)
         except StopIteration:
@@ -413,10 +344,8 @@ class CanvasDecoder:
 
     def _open_canvas(self, state: CanvasState, generator: torch.Generator | None,
                      first: bool = False) -> Generator[ForwardRequest | None, Any, None]:
-        """Encode what the cache lacks (the prompt, or the last canvas: one encoder forward) and
-        draw a fresh canvas. A sub-generator; it yields None (a pause) while another request's
-        encoder forward of the same prompt is under way (the engine: that cache is in the prompt
-        cache after this step)."""
+        """Encode what the cache lacks (the prompt, or the last canvas) and draw a fresh canvas; yields
+        None (a pause) while another request encodes the same prompt (then its cache is taken)."""
         L, V = self.canvas_model.canvas_length, self.canvas_model.vocab_size
         B, device = state.batch, state.input_ids.device
         key = None
@@ -458,12 +387,9 @@ class CanvasDecoder:
     def denoising_step(self, state: CanvasState, generator: torch.Generator | None = None,
                        stats: GenerationStats | None = None,
                        streamer: Any = None) -> Generator[ForwardRequest | None, Any, CanvasState]:
-        """One denoising step of every row as a step generator (the decoder's forward; the
-        encoder's where a canvas opens); closes the canvas (and opens the next) when it is done.
-        Returns the state."""
-        cm, sampler, L, V = self.canvas_model, self.sampler, self.canvas_model.canvas_length, \
-            self.canvas_model.vocab_size
-        B, device = state.batch, state.input_ids.device
+        """One denoising step of every row as a step generator; closes (and opens) canvases as they end."""
+        cm, sampler = self.canvas_model, self.sampler
+        L, V, B, device = cm.canvas_length, cm.vocab_size, state.batch, state.input_ids.device
         if state.canvas is None:
             yield from self._open_canvas(state, generator, first=True)
         canvas, argmax_canvas, finished = state.canvas, state.argmax_canvas, state.finished_denoising
@@ -522,30 +448,34 @@ class CanvasDecoder:
 
     def _close_canvas(self, state: CanvasState, generator: torch.Generator | None,
                       streamer: Any = None) -> Generator[ForwardRequest | None, Any, None]:
-        """Append the argmax canvas; unless every row is finished, open the next canvas (a
-        sub-generator: the encoder's forward over the canvas just closed)."""
+        """Append the argmax canvas; unless every row is finished, open the next one (encoding this one)."""
         L = self.canvas_model.canvas_length
         if state.matchers is not None:   # each running row's matcher consumes its canvas (valid by construction)
             for b, matcher in enumerate(state.matchers):
                 if not bool(state.finished_sequences[b]):
                     matcher.advance(state.argmax_canvas[b].tolist())
-        state.input_ids = torch.cat([state.input_ids, state.argmax_canvas], dim=-1)
-        state.input_ids, state.finished_sequences = _finish_canvas(
-            state.input_ids, state.finished_sequences, self.criteria, self.config, L,
-            None if self.eos_ids is None else torch.tensor(self.eos_ids, device=state.input_ids.device))
+        input_ids = state.input_ids = torch.cat([state.input_ids, state.argmax_canvas], dim=-1)
+        # transformers' `_finalize_canvas`: rows finished before get pad over the canvas; rows finishing
+        # now (EOS in it, or the length reached) get pad after their first EOS
+        before, pad = state.finished_sequences, self.config.pad_token_id
+        finished_now = self.criteria(input_ids, None, new_token_length=L)
+        state.finished_sequences = before | finished_now
+        if pad is not None and bool(state.finished_sequences.any()):
+            input_ids[before, -L:] = pad
+            if self.eos_ids is not None and bool(finished_now.any()):
+                new_tokens = input_ids[:, -L:]
+                is_eos = torch.isin(new_tokens, torch.tensor(self.eos_ids, device=input_ids.device))
+                seen = is_eos.cumsum(dim=-1)
+                new_tokens[(seen > 0) & ~((seen == 1) & is_eos)] = pad
         if streamer is not None:
             streamer.put(state.input_ids[:, -L:].cpu())
+        state.argmax_canvas = None   # the sequences so far (`x`) until the next canvas is drawn
         if bool(state.finished_sequences.all()) or state.canvases_left == 0:
             state.done = True
-            state.argmax_canvas = None
             return
-        cur_len = state.input_ids.shape[1]
         state.decoder_attention_mask = torch.nn.functional.pad(state.decoder_attention_mask, (0, L), value=True)
         state.attention_mask = torch.nn.functional.pad(state.attention_mask, (0, L), value=True)
-        state.encoder_positions = state.decoder_positions
-        state.decoder_positions = torch.arange(cur_len, cur_len + L, dtype=torch.int32,
-                                               device=state.input_ids.device)[None]
-        state.argmax_canvas = None   # the sequences so far (`x`) until the next canvas is drawn
+        state.encoder_positions, state.decoder_positions = state.decoder_positions, state.decoder_positions + L
         yield from self._open_canvas(state, generator)
 
     def output(self, state: CanvasState, return_dict: bool = True):
@@ -559,40 +489,21 @@ class CanvasDecoder:
             sequences=state.input_ids, tokens_per_forward=valid / state.decoder_forwards, cache=state.cache)))
 
 
-def canvas_generate(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    generation_config: Any = None,
-    *,
-    past_key_values: Any = None,
-    streamer: Any = None,
-    logits_processor: Any = None,
-    stopping_criteria: Any = None,
-    reference_rng: bool = False,
-    generator: torch.Generator | None = None,
-    stats: GenerationStats | None = None,
-    canvas_sampler: CanvasSampler | None = None,
-    structured_outputs: Any = None,
-    tokenizer: Any = None,
-    **kwargs: Any,
-):
-    """Drop-in for `DiffusionGemmaForBlockDiffusion.generate(input_ids, **kwargs)`.
+def canvas_generate(model: torch.nn.Module, input_ids: torch.Tensor, generation_config: Any = None, *,
+                    past_key_values: Any = None, streamer: Any = None, logits_processor: Any = None,
+                    stopping_criteria: Any = None, reference_rng: bool = False,
+                    generator: torch.Generator | None = None, stats: GenerationStats | None = None,
+                    canvas_sampler: CanvasSampler | None = None, structured_outputs: Any = None,
+                    tokenizer: Any = None, **kwargs: Any):
+    """Drop-in for `DiffusionGemmaForBlockDiffusion.generate(input_ids, **kwargs)`: a
+    `DiffusionGemmaGenerationOutput`, or the `[B, T]` sequences when `return_dict_in_generate=False`.
 
-    Keyword arguments: every `DiffusionGemmaGenerationConfig` field (`max_new_tokens` or
-    `max_length`, `max_denoising_steps`, `sampler_config`, `t_min`, `t_max`,
-    `stability_threshold`, `confidence_threshold`, `eos_token_id`, `pad_token_id`,
-    `return_dict_in_generate`, …), `attention_mask` (2-D, left padding), `decoder_input_ids`
-    (the first canvas), `self_conditioning_logits` (for the first step), `logits_processor` and
-    `stopping_criteria` (applied first, as transformers does), `streamer` (`put`, and `put_draft`
-    with each step's argmax canvas). remask adds `reference_rng` (replay transformers' random
-    draws), `generator` (the random source; default torch's global one, as transformers),
-    `stats` (forwards and tokens) and `canvas_sampler` (a `CanvasSampler`: remask's accept rules
-    and early commit; default the reference's EB-sampler), `structured_outputs` (a
-    `remask.StructuredOutputsParams`, compiled against `tokenizer`, default the one saved beside
-    the model: every row's answer is held to it, `CanvasDecoder.constrain`).
-
-    Returns a `DiffusionGemmaGenerationOutput` (`sequences`, `tokens_per_forward`,
-    `past_key_values`), or the `[B, T]` sequences when `return_dict_in_generate=False`.
+    Keyword arguments: every `DiffusionGemmaGenerationConfig` field, `attention_mask` (2-D, left padding),
+    `decoder_input_ids` (the first canvas), `self_conditioning_logits` (for the first step), `logits_processor`
+    and `stopping_criteria` (applied first, as transformers does), `streamer` (`put`, and `put_draft` with
+    each step's argmax canvas). remask adds `reference_rng`, `generator` (default torch's global one, as
+    transformers), `stats`, `canvas_sampler` (default the reference's EB-sampler) and `structured_outputs`
+    (compiled against `tokenizer`, default the one beside the model; `CanvasDecoder.constrain`).
     """
     check_bool("reference_rng", reference_rng)
     check_stats("stats", stats)
@@ -607,7 +518,6 @@ def canvas_generate(
                             logits_processor=logits_processor, stopping_criteria=stopping_criteria)
     if structured_outputs is not None:
         from ..parts.constrain_loops import compile_for
-
         decoder.constrain(compile_for(structured_outputs, model, tokenizer, None))
     if stats is not None:
         stats.start()
@@ -624,18 +534,3 @@ def canvas_generate(
         stats.stop(int((new_tokens != pad).sum()) if pad is not None else new_tokens.numel())
     return decoder.output(state, getattr(config, "return_dict_in_generate", True))
 
-
-def _finish_canvas(input_ids, finished_sequences, criteria, config, L, eos):
-    """After a canvas: rows finished before get pad over it; rows finishing now (EOS in it, or the
-    length reached) get pad after their first EOS — transformers' `_finalize_canvas`."""
-    finished_now = criteria(input_ids, None, new_token_length=L)
-    before = finished_sequences
-    finished_sequences = before | finished_now
-    if config.pad_token_id is not None and bool(finished_sequences.any()):
-        input_ids[before, -L:] = config.pad_token_id
-        if eos is not None and bool(finished_now.any()):
-            new_tokens = input_ids[:, -L:]
-            is_eos = torch.isin(new_tokens, eos)
-            seen = is_eos.cumsum(dim=-1)
-            new_tokens[(seen > 0) & ~((seen == 1) & is_eos)] = config.pad_token_id
-    return input_ids, finished_sequences

@@ -1,16 +1,10 @@
 """Dream's `diffusion_generate`, reproduced: a drop-in with the same keyword arguments and returns.
 
-Algorithms: ``origin`` (each mask revealed independently with probability 1 − s/t), ``maskgit_plus``
-(top-1 probability), ``topk_margin`` (p1 − p2), ``entropy`` (Σ p log p), over the schedule
-`t = linspace(1, eps, steps + 1)`; plus Fast-dLLM's ``confidence_threshold`` (a fixed number of
-commits per step, each beyond the first deferred while its confidence is below `threshold`).
-
-With `use_cache` / `block_length`: Fast-dLLM's Dream block decoder (prefix, dual or paged KV cache,
-`_sample_blocks`). With `sparse=`: Sparse-dLLM's Dream sampler (retention, on the block decoder) or
-SparseD's (block masks, on the whole-canvas loop); see `remask.diffusion.sparse`.
-
-Works for any remask diffusion model: the spec supplies mask id, forward inputs and the logit
-shift (Dream's shift is not applied for LLaDA-format models).
+Algorithms: ``origin`` (each mask revealed with probability 1 − s/t), ``maskgit_plus`` (top-1
+probability), ``topk_margin`` (p1 − p2), ``entropy`` (Σ p log p), over `t = linspace(1, eps, steps + 1)`;
+Fast-dLLM's ``confidence_threshold`` (a fixed number of commits per step, each beyond the first
+deferred while below `threshold`); Fast-dLLM's block decoder (`DreamBlockDecoder`). Any remask
+diffusion model works: the spec supplies mask id, forward inputs and the logit shift.
 """
 from __future__ import annotations
 
@@ -23,19 +17,19 @@ import torch
 import torch.nn.functional as F
 from transformers.utils import ModelOutput
 
+from remask.kernels import unmask
+from remask.models.parallel import full_logits
 from remask.models.spec import get_spec
 
 from .apd import APDConfig, apd_generate
-from ..parts.cache import BlockForward, cache_mode, valid_positions
-from ..parts.checks import (check_bool, check_callable, check_choice, check_generator, check_instance, check_int, check_length,
-                     check_mask_id, check_model_kind, check_optional_token_id, check_prompt, check_real, check_stats,
-                     warn_if_longer_than_trained, warn_if_padded_without_mask)
-from remask.kernels import unmask
-from remask.models.parallel import full_logits
-
-from ..parts.scoring import score_rows, score_tokens
-from ..methods.sparse import BlockMaskForward, RetentionForward, SparseConfig
+from .llada import BlockwiseDecoder, block_forwards
+from ..methods.sparse import BlockMaskForward, SparseConfig
+from ..parts.cache import cache_mode
+from ..parts.checks import (check_bool, check_callable, check_choice, check_generator, check_instance, check_int,
+                            check_length, check_mask_id, check_model_kind, check_optional_token_id, check_prompt,
+                            check_real, check_stats, warn_if_longer_than_trained, warn_if_padded_without_mask)
 from ..parts.constrain import CommitFilter, end_ids_of, structure_for_call
+from ..parts.scoring import score_rows, score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest, ForwardThenCommit
 
@@ -48,8 +42,7 @@ DEFAULT_BLOCK_LENGTH = 32  # Fast-dLLM's Dream block decoder default
 
 @dataclass
 class DreamModelOutput(ModelOutput):
-    """Returned when `return_dict_in_generate=True`: final `sequences` and, with
-    `output_history=True`, the sequence after every step in `history`."""
+    """With `return_dict_in_generate`: `sequences`, and the one after every step in `history`."""
 
     sequences: torch.LongTensor | None = None
     history: list[torch.LongTensor] | None = None
@@ -78,134 +71,72 @@ class DreamGenerationConfig:
 
     @classmethod
     def from_any(cls, config: Any) -> "DreamGenerationConfig":
-        """Copy the known fields from a DreamGenerationConfig, a transformers GenerationConfig,
-        the official remote-code config object, or a dict."""
+        """The known fields of a DreamGenerationConfig, a transformers or remote-code config, or a dict."""
         if isinstance(config, cls):
             return copy.deepcopy(config)
         get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
-        out = cls()
-        for f in fields(cls):
-            value = get(f.name, None)
-            if value is not None:
-                setattr(out, f.name, value)
-        return out
+        return cls(**{f.name: get(f.name, None) for f in fields(cls) if get(f.name, None) is not None})
 
     def update(self, **kwargs: Any) -> dict[str, Any]:
         """Set known fields; return the unknown kwargs (as GenerationConfig.update does)."""
-        names = {f.name for f in fields(self)}
-        for k in [k for k in kwargs if k in names]:
+        for k in [k for k in kwargs if k in {f.name for f in fields(self)}]:
             setattr(self, k, kwargs.pop(k))
         return kwargs
 
 
-def _resolve_config(model, generation_config, kwargs) -> DreamGenerationConfig:
-    spec = get_spec(model)
-    if generation_config is None:
-        # Dream: DreamGenerationConfig.from_model_config(model.config) — special ids from the model.
-        config = DreamGenerationConfig(mask_token_id=spec.mask_id, pad_token_id=spec.pad_id,
-                                       bos_token_id=getattr(model.config, "bos_token_id", None),
-                                       eos_token_id=spec.eos_id)
-        config.update(**dict(kwargs))
-        return config
-    config = DreamGenerationConfig.from_any(generation_config)
-    config.update(**dict(kwargs))
-    # With an explicit config, unset special tokens fall back to the model's.
-    for name, value in (("mask_token_id", spec.mask_id), ("pad_token_id", spec.pad_id),
-                        ("bos_token_id", getattr(model.config, "bos_token_id", None)), ("eos_token_id", spec.eos_id)):
-        if getattr(config, name) is None:
-            setattr(config, name, value)
-    return config
-
-
 @torch.no_grad()
-def diffusion_generate(
-    model: torch.nn.Module,
-    inputs: torch.Tensor,
-    generation_config: Any = None,
-    **kwargs: Any,
-) -> torch.LongTensor | DreamModelOutput:
-    """Drop-in for Dream's `model.diffusion_generate(inputs, generation_config=None, **kwargs)`.
+def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_config: Any = None,
+                       **kwargs: Any) -> torch.LongTensor | DreamModelOutput:
+    """Drop-in for Dream's `model.diffusion_generate(inputs, generation_config=None, **kwargs)`:
+    the `[B, max_length]` sequences, or a `DreamModelOutput` with `return_dict_in_generate`.
 
-    Keyword arguments: every `DreamGenerationConfig` field (`max_new_tokens` or `max_length`,
-    `steps`, `eps`, `alg`, `alg_temp`, `temperature`, `top_p`, `top_k`, `output_history`,
-    `return_dict_in_generate`, `num_return_sequences`, `mask_token_id`, …), `attention_mask`
-    (left padding), `generation_tokens_hook_func(step, x, logits)` and
-    `generation_logits_hook_func(step, x, logits)`, `threshold` (for `alg="confidence_threshold"`,
-    default 0.9), and remask's `generator`, `stats`, `decoder` (`remask.FreeDave(...)`: the tokens of
-    the Dream block decoder at one token per step — `alg="confidence_threshold"`, `threshold=1.0`,
-    `steps=max_new_tokens`, the same `block_length` / `use_cache` — in fewer forwards) and `reference_ties` (default True: the schedule's
-    count is committed through `torch.topk` as Dream does, so exact ties — many confidences of 1.0
-    under a nucleus of one with `top_p` — fall in the reference's order; False: the lower index first).
-
-    Block decoding (Fast-dLLM's Dream block decoder, `generation_utils_block.py`): `use_cache`
-    None / "prefix" / "dual" / "paged" (or a `PagedKVCache`) and `block_length` (default 32 once a
-    cache is asked for; with `use_cache=None` and a `block_length` the same algorithm runs with a
-    full forward every step). Each block starts with a full forward that commits its first
-    position; `alg="confidence_threshold"` then commits the top-1 plus every position with
-    confidence ≥ `threshold` until the block is decoded; any other alg commits by negative entropy
-    on a per-block schedule (as upstream). `finish_blocks=False` reproduces upstream's output
-    when a block has one step (its masks stay in the output); remask finishes it by default.
-
-    `sparse=SparseConfig(...)` (`remask.diffusion.sparse`, docs/sparse.md "Dream"): Sparse-dLLM's
-    Dream sampler (`method="retention"`: the block decoder above, `block_length` default 32, with
-    the selecting forward at `delay_step` and the block fed alone after it; commits scored by `alg`
-    as upstream, which has no ``origin``) or SparseD's (`method="block_mask"`: Dream's whole-canvas
-    loop with block-sparse attention from global step `int(steps · skip_fraction) + 1` on, selection
-    scaled by 1/√head_dim as upstream's Dream). Not with `use_cache`, `apd=` or `decoder=`.
-
-    `apd=APDConfig(verifier=..., mixture_weight=..., kv_window=..., max_lookahead=...)`: APD's
-    `apd_sample` (adaptive parallel decoding with an autoregressive verifier), using this call's
-    `max_new_tokens`, `temperature`, `top_p`, `top_k`; `verifier_stats` counts the verifier's forwards.
-
-    Returns the `[B, max_length]` sequences, or a `DreamModelOutput` when `return_dict_in_generate`.
-
-    `structured_outputs` (a `remask.StructuredOutputsParams` or its JSON form; `tokenizer`: the
-    model's, default the one saved beside its checkpoint): every row's answer is held to it at each
-    commit (`diffusion/parts/constrain.py`) — Dream's sampler (any alg; the whole answer is the
-    window, steps after the schedule until the filter's holes are decided), the block decoder (block
-    by block), `decoder=FreeDave(...)` and dInfer's rules. A completed answer ends with EOS to
-    `max_length`; one that runs out of positions holds a valid prefix. With `apd=`: APD's own filter.
-
-    A uniform-noise model (DiffusionGemma, `spec.noise == "uniform"`) is decoded by
-    `remask.diffusion.canvas.canvas_generate`, the drop-in for its own `generate` (its keyword
-    arguments and return type).
+    Keyword arguments: every `DreamGenerationConfig` field, `attention_mask` (left padding), the hooks
+    `generation_tokens_hook_func` / `generation_logits_hook_func(step, x, logits)`, `threshold`
+    (`alg="confidence_threshold"`, default 0.9); remask's `generator`, `stats`, `reference_ties`
+    (default True: the count through `torch.topk` as Dream, so exact ties — many 1.0 under a nucleus
+    of one — fall in its order; False: lower index first); `decoder` (`remask.FreeDave(...)`: the block
+    decoder's tokens at `alg="confidence_threshold"`, `threshold=1.0`, `steps=max_new_tokens` in fewer
+    forwards; or dInfer's rules); `use_cache` (None / "prefix" / "dual" / "paged" or a `PagedKVCache`)
+    and `block_length` (32 once a cache is asked for): Fast-dLLM's block decoder (`finish_blocks=False`
+    keeps upstream's masks when a block has one step); `sparse=SparseConfig(...)` (docs/sparse.md):
+    Sparse-dLLM's retention (block decoder; not ``origin``) or SparseD's block masks (whole-canvas loop,
+    selection scaled by 1/√head_dim as upstream's Dream); `apd=APDConfig(...)`: APD's `apd_sample`
+    (`verifier_stats` counts the verifier's forwards); `structured_outputs` (compiled against
+    `tokenizer`, default the checkpoint's), held at each commit (`diffusion/parts/constrain.py`).
+    A uniform-noise model (DiffusionGemma) goes to `canvas.canvas_generate`, its own drop-in.
     """
-    if get_spec(model).noise == "uniform":   # no mask token: canvases renoised (DiffusionGemma's generate)
+    spec = get_spec(model)
+    if spec.noise == "uniform":   # no mask token: canvases renoised (DiffusionGemma's generate)
         from .canvas import canvas_generate
-
         return canvas_generate(model, inputs, generation_config, **kwargs)
     hooks_given = [k for k in ("generation_tokens_hook_func", "generation_logits_hook_func") if k in kwargs]
     tokens_hook: Callable = kwargs.pop("generation_tokens_hook_func", lambda step, x, logits: x)
     logits_hook: Callable = kwargs.pop("generation_logits_hook_func", lambda step, x, logits: logits)
-    attention_mask = kwargs.pop("attention_mask", None)
     threshold = kwargs.pop("threshold", 0.9)
-    use_cache = kwargs.pop("use_cache", None)
-    block_length = kwargs.pop("block_length", None)
     finish_blocks = kwargs.pop("finish_blocks", True)
     reference_ties = kwargs.pop("reference_ties", True)
-    decoder = kwargs.pop("decoder", None)
-    sparse: SparseConfig | None = kwargs.pop("sparse", None)
+    (attention_mask, use_cache, block_length, decoder, sparse, apd, verifier_stats, generator, stats,
+     structured_outputs, tokenizer) = (kwargs.pop(name, None) for name in (
+        "attention_mask", "use_cache", "block_length", "decoder", "sparse", "apd", "verifier_stats", "generator",
+        "stats", "structured_outputs", "tokenizer"))
     alg_given = kwargs.get("alg")   # FreeDave runs its own rule: an explicit other alg is refused
-    apd: APDConfig | None = kwargs.pop("apd", None)
-    verifier_stats: GenerationStats | None = kwargs.pop("verifier_stats", None)
-    generator = kwargs.pop("generator", None)
-    stats: GenerationStats | None = kwargs.pop("stats", None)
-    structured_outputs = kwargs.pop("structured_outputs", None)
-    tokenizer = kwargs.pop("tokenizer", None)
     explicit_max_length = kwargs.get("max_length") is not None
     given = set(kwargs)   # the generation-config fields the caller set
-    config = _resolve_config(model, generation_config, kwargs)
+    config = DreamGenerationConfig() if generation_config is None else DreamGenerationConfig.from_any(generation_config)
+    # unset special ids are the model's (Dream: `DreamGenerationConfig.from_model_config`), then the keywords apply
+    for name, value in (("mask_token_id", spec.mask_id), ("pad_token_id", spec.pad_id),
+                        ("bos_token_id", getattr(model.config, "bos_token_id", None)), ("eos_token_id", spec.eos_id)):
+        if getattr(config, name) is None:
+            setattr(config, name, value)
     leftover = config.update(**kwargs)
     if leftover:
         raise ValueError(f"unknown keyword arguments for diffusion_generate: {sorted(leftover)}")
-
     if inputs is None:
         raise ValueError("inputs must be a LongTensor of prompt ids [batch, length]")
     spec = get_spec(model, mask_id=config.mask_token_id)
     check_model_kind(spec, diffusion=True, entry="remask.diffusion_generate")
     check_mask_id(spec)
     from ..methods.decoders import is_dinfer_method
-
     dinfer = is_dinfer_method(decoder, use_cache)
     check_instance("sparse", sparse, SparseConfig, "a remask.SparseConfig")
     blocks = dinfer or cache_mode(use_cache) is not None or block_length is not None \
@@ -234,7 +165,6 @@ def diffusion_generate(
         if hooks_given:
             raise ValueError(f"{' / '.join(hooks_given)} not supported by the block decoder (use_cache / "
                              "block_length); use use_cache=None without block_length")
-
     # Length: max_new_tokens wins; otherwise an explicit max_length is the total length; otherwise
     # transformers' default of 20 new tokens (capped by max_position_embeddings), as Dream does.
     input_len = inputs.shape[-1]
@@ -250,76 +180,75 @@ def diffusion_generate(
         raise ValueError(f"input length {input_len} must be smaller than max_length={config.max_length}; "
                          "increase max_length or set max_new_tokens")
     check_length(spec, config.max_length, "max_length (prompt + new tokens)")
+    gen_length = config.max_length - input_len
     warn_if_padded_without_mask(inputs, attention_mask, config.pad_token_id)
-    warn_if_longer_than_trained(spec, config.max_length - input_len)
-    structure = None
-    if structured_outputs is not None:
-        # the checks SamplingParams runs (remask/structured.py), then compiled against the tokenizer
-        structure = structure_for_call(structured_outputs, model, tokenizer, spec.mask_id, config.max_length - input_len)
+    warn_if_longer_than_trained(spec, gen_length)
+    # the checks SamplingParams runs (remask/structured.py), then compiled against the tokenizer
+    structure = structure_for_call(structured_outputs, model, tokenizer, spec.mask_id, gen_length)
     if config.num_return_sequences > 1:
         inputs = inputs.repeat_interleave(config.num_return_sequences, dim=0)
         if attention_mask is not None:
             attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
-
+    if blocks and not dinfer:
+        check_block_layout(gen_length, block_length, config.steps)
+    history = None
+    # what dInfer's rules and FreeDave (greedy, over blocks) do not read: refused by name
+    greedy_unread = [name for name, on in (
+        ("temperature", config.temperature > 0), ("top_p", config.top_p is not None),
+        ("top_k", config.top_k is not None), ("generation hooks", bool(hooks_given)),
+        ("output_history", config.output_history), ("reference_ties", not reference_ties),
+        ("finish_blocks", not finish_blocks)) if on]
     if dinfer:
-        return _dinfer_on_dream(model, inputs, attention_mask, config, decoder=decoder, use_cache=use_cache,
-                                block_length=block_length, stats=stats, given=given, unread={
-                                    "alg": alg_given is not None, "threshold": threshold != 0.9,
-                                    "apd": apd is not None, "sparse": sparse is not None,
-                                    "generation hooks": bool(hooks_given), "output_history": config.output_history,
-                                    "finish_blocks": not finish_blocks, "reference_ties": not reference_ties},
-                                structure=structure)
-    if blocks:
-        check_block_layout(config.max_length - input_len, block_length, config.steps)
-
-    if apd is not None:
+        # dInfer's rules (and `VicinityCache`) over Fast-dLLM's Dream blocks: LLaDA's step generator (`dinfer_steps`)
+        # on Dream's shifted logits, a combination no paper shipped; greedy: the sampling settings refused by name
+        from ..methods.decoders import run_decoder
+        unread = greedy_unread + [name for name, on in (
+            ("alg", alg_given is not None), ("threshold", threshold != 0.9), ("apd", apd is not None),
+            ("sparse", sparse is not None)) if on] + sorted(n for n in ("alg_temp", "steps", "eps") if n in given)
+        if unread:
+            method = type(decoder if decoder is not None else use_cache).__name__
+            raise ValueError(f"decoder/use_cache={method} on Dream runs dInfer's greedy rule over blocks; it does not "
+                             f"read {unread}")
+        sequences = run_decoder(model, inputs, attention_mask, decoder, gen_length=gen_length,
+                                block_length=block_length, use_cache=use_cache, mask_id=config.mask_token_id,
+                                stats=stats, structure=structure)
+    elif apd is not None:
         if blocks or hooks_given:
             raise ValueError("apd= does not combine with use_cache / block_length or the generation hooks")
-        sequences = apd_generate(model, spec, inputs, config.max_length - input_len, apd,
-                                 temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-                                 generator=generator, stats=stats, verifier_stats=verifier_stats, structure=structure)
-        return DreamModelOutput(sequences=sequences) if config.return_dict_in_generate else sequences
-
-    if decoder is not None:
+        sequences = apd_generate(model, spec, inputs, gen_length, apd, temperature=config.temperature,
+                                 top_p=config.top_p, top_k=config.top_k, generator=generator, stats=stats,
+                                 verifier_stats=verifier_stats, structure=structure)
+    elif decoder is not None:
         from ..methods.freedave import FreeDave, freedave_generate
-
         check_instance("decoder", decoder, FreeDave, "a remask decoder config (remask.FreeDave)")
-        unread = [name for name, value in (("alg", alg_given not in (None, "confidence_threshold")),
-                                           ("temperature", config.temperature > 0), ("top_p", config.top_p is not None),
-                                           ("top_k", config.top_k is not None), ("apd", apd is not None),
-                                           ("generation hooks", bool(hooks_given)),
-                                           ("output_history", config.output_history),
-                                           ("steps", config.steps != config.max_length - input_len),
-                                           ("reference_ties", not reference_ties),
-                                           ("finish_blocks", not finish_blocks)) if value]
+        unread = greedy_unread + [name for name, on in (
+            ("alg", alg_given not in (None, "confidence_threshold")), ("steps", config.steps != gen_length)) if on]
         if unread:
             raise ValueError(f"decoder=FreeDave decodes greedily one token per step (Fast-dLLM's Dream block decoder "
                              f"with alg='confidence_threshold', threshold=1.0, steps=max_new_tokens); it does not read "
                              f"{unread}")
-        sequences = freedave_generate(model, inputs, attention_mask, config=decoder,
-                                      gen_length=config.max_length - input_len,
+        sequences = freedave_generate(model, inputs, attention_mask, config=decoder, gen_length=gen_length,
                                       block_length=DEFAULT_BLOCK_LENGTH if block_length is None else block_length,
                                       use_cache=use_cache, mask_id=config.mask_token_id, stats=stats,
                                       structure=structure)
-        return DreamModelOutput(sequences=sequences) if config.return_dict_in_generate else sequences
-    if stats is not None:
-        stats.start()
-    if blocks:
-        sequences, history = _sample_blocks(model, spec, inputs, attention_mask, config, threshold, block_length,
-                                            use_cache, finish_blocks, generator, stats, sparse, reference_ties,
-                                            structure)
     else:
-        decoder = DreamDecoder(spec, config, threshold, tokens_hook, logits_hook, reference_ties=reference_ties,
-                               sparse=sparse, structure=structure)
-        state = decoder.start(model, inputs, attention_mask)
+        if stats is not None:
+            stats.start()
+        if blocks:
+            decoder = DreamBlockDecoder(spec, config, threshold, block_length, use_cache, finish_blocks, sparse,
+                                        reference_ties, structure=structure)
+            state = decoder.start(model, inputs, attention_mask,
+                                  [] if config.return_dict_in_generate and config.output_history else None)
+        else:
+            decoder = DreamDecoder(spec, config, threshold, tokens_hook, logits_hook, reference_ties=reference_ties,
+                                   sparse=sparse, structure=structure)
+            state = decoder.start(model, inputs, attention_mask)
         while not state.done:
             decoder.step(model, state, generator, stats)
+        if stats is not None:
+            stats.stop(int(state.x.shape[0] * gen_length))
         sequences, history = state.x, state.histories
-    if stats is not None:
-        stats.stop(int(sequences.shape[0] * (config.max_length - input_len)))
-    if config.return_dict_in_generate:
-        return DreamModelOutput(sequences=sequences, history=history)
-    return sequences
+    return DreamModelOutput(sequences=sequences, history=history) if config.return_dict_in_generate else sequences
 
 
 def check_block_layout(gen_length: int, block_length: int, steps: int) -> None:
@@ -329,29 +258,6 @@ def check_block_layout(gen_length: int, block_length: int, steps: int) -> None:
     if steps % (gen_length // block_length):
         raise ValueError(f"steps ({steps}) must be divisible by the number of blocks "
                          f"(generation length / block_length = {gen_length // block_length})")
-
-
-def _dinfer_on_dream(model, inputs, attention_mask, config: DreamGenerationConfig, *, decoder, use_cache,
-                     block_length, stats, given: set[str], unread: dict[str, bool], structure: Any = None) -> Any:
-    """dInfer's rules (`ThresholdDecoding` / `CreditDecoding` / `HierarchicalDecoding`, and the
-    `VicinityCache`) over Fast-dLLM's Dream blocks: the same step generator as on LLaDA
-    (`dinfer_steps`), on Dream's shifted logits (`ModelSpec.logits`). A combination no paper
-    shipped; greedy, so the sampling settings are refused by name."""
-    from ..methods.decoders import run_decoder
-
-    gen_length = config.max_length - inputs.shape[1]
-    set_here = sorted(name for name, on in unread.items() if on)
-    set_here += sorted(name for name in ("alg_temp", "steps", "eps") if name in given)
-    set_here += [name for name, on in (("temperature", config.temperature > 0), ("top_p", config.top_p is not None),
-                                       ("top_k", config.top_k is not None)) if on]
-    if set_here:
-        method = type(decoder if decoder is not None else use_cache).__name__
-        raise ValueError(f"decoder/use_cache={method} on Dream runs dInfer's greedy rule over blocks; it does not "
-                         f"read {set_here}")
-    sequences = run_decoder(model, inputs, attention_mask, decoder, gen_length=gen_length,
-                            block_length=DEFAULT_BLOCK_LENGTH if block_length is None else block_length,
-                            use_cache=use_cache, mask_id=config.mask_token_id, stats=stats, structure=structure)
-    return DreamModelOutput(sequences=sequences) if config.return_dict_in_generate else sequences
 
 
 def _check_sparse(sparse: SparseConfig, config: DreamGenerationConfig, use_cache, block_length, apd, decoder,
@@ -398,10 +304,9 @@ def _validate_config(config: DreamGenerationConfig, spec) -> None:
 
 def _scorer(config: DreamGenerationConfig, mask_id: int):
     """`score(logits, positions, mode, generator)`: x0 and confidence at the flat `positions` of
-    `logits` (Dream's order: row-major), with Dream's sampling settings."""
+    `logits` with Dream's sampling (greedy and unfiltered: the plain softmax, on the fused kernel)."""
     sample = dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, sampler="categorical",
                   exclude_id=mask_id)
-    # Greedy and unfiltered: the confidence is the plain softmax's, so the fused kernel scores it.
     fused = config.temperature == 0 and (config.top_p is None or config.top_p >= 1) and config.top_k is None
 
     def score(logits, positions, mode="prob", generator=None):
@@ -416,8 +321,8 @@ def _scorer(config: DreamGenerationConfig, mask_id: int):
 
 @dataclass
 class DreamState:
-    """Rows under Dream's loop: the sequence `x`, the step `i` of `steps` (Fast-dLLM's
-    `confidence_threshold` may add one), its per-row budgets, and the history if asked for."""
+    """Rows under Dream's loop: `x`, the step `i` of `steps` (Fast-dLLM's `confidence_threshold` may
+    add one), its per-row budgets, and the history if asked for."""
 
     x: torch.Tensor
     forward_inputs: dict[str, Any]
@@ -436,20 +341,15 @@ class DreamState:
 
 class DreamDecoder(ForwardThenCommit):
     """Dream's `diffusion_generate` loop (and Fast-dLLM's `confidence_threshold`) as a state and a
-    step, like `BlockDecoder`: `diffusion_generate` drives one batch, the engine many states.
-    `config` is a resolved, validated `DreamGenerationConfig` (`max_length` set)."""
+    step, like `BlockDecoder`. `config`: a resolved, validated `DreamGenerationConfig` (`max_length` set)."""
 
     def __init__(self, spec, config: DreamGenerationConfig, threshold: float = 0.9, tokens_hook: Callable | None = None,
                  logits_hook: Callable | None = None, reference_ties: bool = False,
                  sparse: SparseConfig | None = None, structure: Any = None, end_ids: Any = ()) -> None:
-        self.spec, self.config, self.threshold = spec, config, threshold
-        self.sparse = sparse
+        self.spec, self.config, self.threshold, self.sparse = spec, config, threshold, sparse
         # structured output (remask/structured.py): a CompiledStructure and the ids that end an answer
         self.structure, self.end_ids = structure, end_ids_of(spec, end_ids)
-        # Commit the schedule's count through `torch.topk` over the [B, T] confidences, as Dream does:
-        # among exact ties (a nucleus of one gives many confidences of exactly 1.0) its order is the
-        # reference's; False: the lower index first (remask's rule, independent of the library).
-        self.reference_ties = reference_ties
+        self.reference_ties = reference_ties   # `torch.topk`'s order among exact ties, as Dream (diffusion_generate)
         self.tokens_hook = tokens_hook or (lambda step, x, logits: x)
         self.logits_hook = logits_hook or (lambda step, x, logits: logits)
         self.score = _scorer(config, spec.mask_id)
@@ -459,25 +359,23 @@ class DreamDecoder(ForwardThenCommit):
               attention_mask: torch.Tensor | None = None) -> DreamState:
         config, mask_id = self.config, self.spec.mask_id
         x = F.pad(input_ids, (0, config.max_length - input_ids.shape[1]), value=mask_id)
-        state = DreamState(x=x, prompt_len=input_ids.shape[1],
-                           forward_inputs=self.spec.forward_inputs(attention_mask, x.shape[1]),
+        (B, T), P = x.shape, input_ids.shape[1]
+        state = DreamState(x=x, prompt_len=P, forward_inputs=self.spec.forward_inputs(attention_mask, T),
                            timesteps=torch.linspace(1, config.eps, config.steps + 1, device=x.device),
-                           steps=config.steps, histories=[] if self.history else None)
+                           steps=config.steps, histories=[] if self.history else None,
+                           constraint=CommitFilter.start(self.structure, self.end_ids, B, mask_id, P, T - P))
         if self.sparse is not None:
-            # SparseD's Dream sampler: the global step decides dense / selecting / block-sparse
-            # attention; its selection is scaled by 1/√head_dim (its LLaDA one by 1/√n_heads)
+            # SparseD's Dream sampler: selection scaled by 1/√head_dim (its LLaDA one by 1/√n_heads)
             state.forwards = BlockMaskForward(model, self.spec, self.sparse, state.forward_inputs, config.steps,
-                                              x.shape[1] - input_ids.shape[1], head_dim_scale=True)
+                                              T - P, head_dim_scale=True)
         state.x = self.tokens_hook(None, state.x, None)
         if config.alg == "confidence_threshold":
             per_row = (state.x == mask_id).sum(dim=1)
             if bool((per_row % state.steps != 0).any()):
                 raise ValueError(f"alg='confidence_threshold' needs the masked length ({per_row.tolist()}) to be "
                                  f"divisible by steps ({state.steps})")
-            state.number_transfer = per_row // state.steps  # per row: remask runs batches row by row in one tensor
+            state.number_transfer = per_row // state.steps  # per row: remask runs a batch's rows in one tensor
             state.deferred = torch.zeros_like(state.number_transfer)
-        state.constraint = CommitFilter.start(self.structure, self.end_ids, x.shape[0], mask_id, state.prompt_len,
-                                              x.shape[1] - state.prompt_len)
         return state
 
     def num_final(self, state: DreamState) -> int:
@@ -500,32 +398,25 @@ class DreamDecoder(ForwardThenCommit):
         before = mask_index.sum()
         constraint, P, T = state.constraint, state.prompt_len, x.shape[1]
         if constraint is not None:
-            # the answer is the window: its first undecided position holds only what the structure
-            # allows before the rule scores it (diffusion/parts/constrain.py)
+            # the answer is the window: its first undecided position holds only what the structure allows
             logits = constraint.mask_frontier(logits, P, T, P - fed)
             prior = x[:, P:].clone()
-            candidates = None
-        if constraint is not None and i >= state.steps:
-            # past the schedule (the filter left holes): every mask is committed, the filter keeps
-            # what the structure accepts; each such step commits at least the frontier
-            x0, _ = self.score(logits, positions, generator=generator)
-            proposal = torch.full_like(x, mask_id)
-            proposal[mask_index] = x0
-            x[mask_index] = x0
-            candidates = proposal[:, P:]
-        elif alg == "origin":
+        # past the schedule (the filter left holes): every mask committed, the filter keeps what it accepts
+        past = constraint is not None and i >= state.steps
+        if alg == "origin" and not past:
             t, s = state.timesteps[i], state.timesteps[i + 1]
             p_transfer = 1 - s / t if i < state.steps - 1 else 1
             x0 = torch.zeros_like(x[mask_index], dtype=torch.long) + mask_id
             reveal = torch.rand(*x0.shape, device=x.device, generator=generator) < p_transfer
             x0[reveal] = self.score(logits, positions[reveal], generator=generator)[0]
             x[mask_index] = x0.clone()
-            if constraint is not None:
-                candidates = x[:, P:]
+            candidates = x[:, P:]
         else:
-            x0, confidence = self.score(logits, positions, CONFIDENCE_OF[alg], generator)
+            x0, confidence = self.score(logits, positions, "prob" if past else CONFIDENCE_OF[alg], generator)
             full_conf, proposal = _scatter(x, mask_index, confidence, x0, logits.dtype, mask_id)
-            if alg == "confidence_threshold":
+            if past:
+                x[mask_index] = x0
+            elif alg == "confidence_threshold":
                 # The reference keeps the top-1 of each row's budget and defers every other pick below
                 # the threshold; at the last step it adds a step and stops scheduling new picks.
                 current = state.number_transfer + state.deferred
@@ -538,47 +429,41 @@ class DreamDecoder(ForwardThenCommit):
                     state.steps += 1
             else:
                 t, s = state.timesteps[i], state.timesteps[i + 1]
-                # One count for the whole batch, from the mean number of masks per row (as upstream).
-                # Rows differ in masks only when their prompts hold masks (infilled here): then no row
-                # is asked for more than it has, and the last step commits every row's rest, where the
-                # mean would leave masks in the rows above it.
+                # One count for the whole batch, from the mean number of masks per row (as upstream). Rows
+                # differ only when their prompts hold masks (infilled): no row is asked for more than it
+                # has, and the last step commits every row's rest (the mean would leave masks).
                 per_row = mask_index.sum(dim=1)
                 num_mask_token = per_row.sum() / mask_index.shape[0]
                 n = int(num_mask_token * (1 - s / t)) if i < state.steps - 1 else int(num_mask_token)
                 last = i == state.steps - 1
                 if n > 0 or last:
-                    if (config.alg_temp is None or config.alg_temp == 0) and self.reference_ties and not last:
+                    if not config.alg_temp and self.reference_ties and not last:
                         # Dream's own call; a row with fewer masks than n keeps its other positions
                         # (upstream would write the mask id over them).
                         picked = torch.zeros_like(mask_index).scatter_(1, torch.topk(full_conf, n).indices, True)
                         picked &= mask_index
                         x[picked] = proposal[picked]
-                    elif config.alg_temp is None or config.alg_temp == 0:
+                    elif not config.alg_temp:
                         unmask(x, mask_index, proposal, full_conf, k=per_row if last else n)
                     else:
                         _commit_sampled(x, proposal, full_conf, config.alg_temp, per_row, n, last, generator)
-            if constraint is not None:
-                candidates = proposal[:, P:]
+            candidates = proposal[:, P:]
         state.x = self.tokens_hook(i, x, logits)
         if constraint is not None:
-            # keep what the structure accepts, advance the matchers (a hook's rewrite of a consumed
-            # position rolls its matcher back)
+            # keep what the structure accepts (a hook's rewrite of a consumed position rolls its matcher back)
             constraint.filter(state.x, prior, candidates, logits, P, T, P - fed)
         if stats is not None:
             stats.step(int(before - (state.x == mask_id).sum()))
         if state.histories is not None:
             state.histories.append(state.x.clone())
         state.i += 1
-        state.done = state.i >= state.steps
-        if constraint is not None:
-            # until every mask is decided: the schedule, then (the filter left holes) more steps
-            state.done = not bool((state.x == mask_id).any())
+        # under a structure: until every mask is decided (the schedule, then steps for the filter's holes)
+        state.done = not bool((state.x == mask_id).any()) if constraint is not None else state.i >= state.steps
 
 
 @dataclass(eq=False)
 class DreamBlockState:
-    """Rows under Fast-dLLM's Dream block decoder: the canvas, the block, and the step within it
-    (`i == 0`: the block's refresh forward is next)."""
+    """Rows under Fast-dLLM's Dream block decoder: the canvas, the block and the step within it."""
 
     x: torch.Tensor
     prompt_len: int
@@ -589,41 +474,33 @@ class DreamBlockState:
     timesteps: torch.Tensor         # the per-block schedule linspace(1, eps, steps_per_block + 1)
     histories: list | None = None
     block: int = 0
-    i: int = 0
+    step: int = 0
     done: bool = False
     pending: Any = None
     constraint: Any = None          # structured output: a `CommitFilter` over the answer, or None
 
 
-class DreamBlockDecoder(ForwardThenCommit):
-    """Fast-dLLM's Dream block decoder (`generation_utils_block.py`), any cache mode, as a state and
-    a step (one forward each): `diffusion_generate(use_cache=... / block_length=...)` drives one
-    batch, the engine many (each its own forward).
-
-    Per block: a full forward (which builds the cache) commits the block's first position
-    unconditionally; then each step (a cached forward, see `BlockForward`) commits, for
-    ``alg="confidence_threshold"``, the most confident masked position of the block plus every
-    one with confidence ≥ `threshold`, until the block is decoded; for any other alg (upstream
-    scores them all by negative entropy) a count on the per-block schedule
-    `linspace(1, eps, steps_per_block + 1)` starting at its second entry.
-    """
+class DreamBlockDecoder(BlockwiseDecoder):
+    """Fast-dLLM's Dream block decoder (`generation_utils_block.py`) as a state and a step. Per block: a
+    full forward (building the cache) commits the block's first position; then each cached step commits,
+    for ``alg="confidence_threshold"``, the most confident mask plus every one ≥ `threshold`; for any
+    other alg (upstream scores by negative entropy) a count on `linspace(1, eps, steps_per_block + 1)`."""
 
     def __init__(self, spec, config: DreamGenerationConfig, threshold: float, block_length: int, use_cache: Any,
                  finish_blocks: bool = True, sparse: SparseConfig | None = None, reference_ties: bool = False,
                  structure: Any = None, end_ids: Any = ()) -> None:
         self.spec, self.config, self.threshold = spec, config, threshold
+        self.sparse, self.reference_ties = sparse, reference_ties
         # structured output: each block is the filter's window (diffusion/parts/constrain.py)
         self.structure, self.end_ids = structure, end_ids_of(spec, end_ids)
         if structure is not None and not finish_blocks:
             raise ValueError("finish_blocks=False leaves masks in the output; structured_outputs needs every block "
                              "decoded")
         self.block_length, self.use_cache, self.finish_blocks = block_length, use_cache, finish_blocks
-        self.sparse, self.reference_ties = sparse, reference_ties
         self.score = _scorer(config, spec.mask_id)
-        if sparse is not None:   # Sparse-dLLM's Dream sampler scores by its alg (Fast-dLLM's: neg. entropy)
-            self.confidence_mode = CONFIDENCE_OF[config.alg]
-        else:
-            self.confidence_mode = "prob" if config.alg == "confidence_threshold" else "neg_entropy"
+        # Sparse-dLLM's Dream sampler scores by its alg; Fast-dLLM's by negative entropy
+        self.confidence_mode = CONFIDENCE_OF[config.alg] if sparse is not None else (
+            "prob" if config.alg == "confidence_threshold" else "neg_entropy")
 
     def start(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
               histories: list | None = None) -> DreamBlockState:
@@ -632,141 +509,81 @@ class DreamBlockDecoder(ForwardThenCommit):
         T = x.shape[1]
         num_blocks = (T - P) // self.block_length
         steps_per_block = self.config.steps // num_blocks
-        forward_inputs, valid = self.spec.forward_inputs(attention_mask, T), valid_positions(attention_mask, T)
-        if self.sparse is not None:
-            forwards = RetentionForward(model, self.spec, self.sparse, forward_inputs, valid,
-                                        topk_ties=self.reference_ties)
-        else:
-            forwards = BlockForward(model, self.spec, self.use_cache, forward_inputs, valid)
+        forwards = block_forwards(model, self.spec, self.use_cache, self.sparse,
+                                  self.spec.forward_inputs(attention_mask, T), attention_mask, T, self.reference_ties)
         return DreamBlockState(x=x, prompt_len=P, forwards=forwards, rows=torch.arange(B, device=x.device)[:, None],
-                               num_blocks=num_blocks, steps_per_block=steps_per_block,
+                               num_blocks=num_blocks, steps_per_block=steps_per_block, histories=histories,
                                timesteps=torch.linspace(1, self.config.eps, steps_per_block + 1, device=x.device),
-                               histories=histories,
                                constraint=CommitFilter.start(self.structure, self.end_ids, B, self.spec.mask_id, P,
                                                              T - P))
 
-    def num_final(self, state: DreamBlockState) -> int:
-        return state.x.shape[1] - state.prompt_len if state.done else state.block * self.block_length
-
-    def _record(self, state: DreamBlockState, committed: int, stats) -> None:
-        if stats is not None:
-            stats.step(int(committed))
-        if state.histories is not None:
-            state.histories.append(state.x.clone())
-
     def _next_block(self, state: DreamBlockState) -> None:
         state.block += 1
-        state.i = 0
+        state.step = 0
         state.done = state.block == state.num_blocks
-
-    def _forward(self, state: DreamBlockState) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
-        start = state.prompt_len + state.block * self.block_length
-        end = start + self.block_length
-        if state.i == 0:
-            return (yield from state.forwards.refresh(state.x, start, end)), 0
-        return (yield from state.forwards.step(state.x, start, end))
 
     def commit(self, state: DreamBlockState, logits: torch.Tensor, fed: int, generator: torch.Generator | None = None,
                stats=None) -> None:
-        mask_id, alg, x, rows = self.spec.mask_id, self.config.alg, state.x, state.rows
+        mask_id, config, x, constraint = self.spec.mask_id, self.config, state.x, state.constraint
         B, T = x.shape
-        block_length = self.block_length
-        start = state.prompt_len + state.block * block_length
-        end = start + block_length
+        start, end = self.block_span(state)
+        local = start - fed   # the block's first row within the logits
         block_x = x[:, start:end]   # a view: commits write into x
-        forwards = state.forwards
-        constraint = state.constraint
-        if constraint is not None:
-            logits = constraint.mask_frontier(logits, start, end, start - fed)
-            prior = block_x.clone()
-        if state.i == 0:
-            if stats is not None:
-                stats.forward(B, T, forwards.cache_nbytes)
-            before = int((block_x == mask_id).sum())
-            first = self.score(logits, rows[:, 0] * T + start, generator=generator)[0]
-            if constraint is None:
-                x[:, start] = first
-            else:   # a row that ended its answer holds its end fill here: nothing is committed there
-                x[:, start] = torch.where(x[:, start] == mask_id, first, x[:, start])
-                candidates = torch.full_like(block_x, mask_id)
-                candidates[:, 0] = first
-                constraint.filter(x, prior, candidates, logits, start, end, start - fed)
-            self._record(state, before - int((block_x == mask_id).sum()), stats)
-            state.i = 1
-            if constraint is not None:
-                self._end_if_decoded(state, block_x)
-            return
-        L = logits.shape[1]
-        if stats is not None:
-            stats.forward(B, L, forwards.cache_nbytes)
         block_mask = block_x == mask_id
-        positions = (rows * L + (start - fed) + torch.arange(block_length, device=x.device))[block_mask]
-        i = state.i
-        proposal = None
-        if alg == "confidence_threshold":
-            x0, conf = self.score(logits, positions, self.confidence_mode, generator)
-            full_conf, proposal = _scatter(block_x, block_mask, conf, x0, logits.dtype, mask_id)
-            committed = int(unmask(block_x, block_mask, proposal, full_conf, threshold=self.threshold).sum())
+        before = block_mask.sum()
+        if stats is not None:
+            stats.forward(B, logits.shape[1], state.forwards.cache_nbytes)
+        if constraint is not None:
+            logits = constraint.mask_frontier(logits, start, end, local)
+            prior = block_x.clone()
+        refresh = state.step == 0
+        if refresh:   # the block's full forward commits its first position unconditionally
+            proposal = torch.full_like(block_x, mask_id)
+            proposal[:, 0] = self.score(logits, state.rows[:, 0] * T + start, generator=generator)[0]
+            # under a structure, a row that ended its answer holds its end fill here: nothing is committed there
+            x[:, start] = torch.where(x[:, start] == mask_id, proposal[:, 0], x[:, start])
+            state.step = 1
         else:
-            if i == state.steps_per_block and not self.finish_blocks:
-                self._next_block(state)   # upstream: one forward too many, and the block's masks stay
-                return
-            # One count for the whole batch, from the mean number of masks per row (as upstream);
-            # i == steps_per_block (one step per block) commits the rest: remask finishes the block.
-            num_mask_token = block_mask.sum() / B
-            if i >= state.steps_per_block - 1:
-                n = int(num_mask_token)
-            else:
-                n = int(num_mask_token * (1 - state.timesteps[i + 1] / state.timesteps[i]))
-            committed = 0
-            if n > 0 or constraint is not None:   # a structure's filter reads the candidates every step
+            L, i, n = logits.shape[1], state.step, None
+            positions = (state.rows * L + local + torch.arange(self.block_length, device=x.device))[block_mask]
+            if config.alg != "confidence_threshold":
+                if i == state.steps_per_block and not self.finish_blocks:
+                    self._next_block(state)   # upstream: one forward too many, and the block's masks stay
+                    return
+                # One count for the whole batch, from the mean number of masks per row (as upstream);
+                # i == steps_per_block (one step per block) commits the rest: remask finishes the block.
+                num_mask_token, t = block_mask.sum() / B, state.timesteps
+                last = i >= state.steps_per_block - 1
+                n = int(num_mask_token) if last else int(num_mask_token * (1 - t[i + 1] / t[i]))
+                state.step = i + 1
+            proposal = None
+            if n != 0 or constraint is not None:   # a structure's filter reads the candidates every step
                 x0, conf = self.score(logits, positions, self.confidence_mode, generator)
                 full_conf, proposal = _scatter(block_x, block_mask, conf, x0, logits.dtype, mask_id)
-                if n == 0:
-                    pass
-                elif self.config.alg_temp is None or self.config.alg_temp == 0:
-                    committed = int(unmask(block_x, block_mask, proposal, full_conf, k=n).sum())
-                else:
-                    _commit_sampled(block_x, proposal, full_conf, self.config.alg_temp, block_mask.sum(dim=1), n,
-                                    False, generator)
-                    committed = int(block_mask.sum() - (block_x == mask_id).sum())
-            state.i = i + 1
+            if n is None:
+                unmask(block_x, block_mask, proposal, full_conf, threshold=self.threshold)
+            elif n > 0 and not config.alg_temp:
+                unmask(block_x, block_mask, proposal, full_conf, k=n)
+            elif n > 0:
+                _commit_sampled(block_x, proposal, full_conf, config.alg_temp, block_mask.sum(dim=1), n, False,
+                                generator)
         if constraint is not None:
             # keep what the structure accepts, advance the matchers; the block runs until it is decoded
-            constraint.filter(x, prior, proposal, logits, start, end, start - fed)
-            committed = int((prior == mask_id).sum() - (block_x == mask_id).sum())
-            self._record(state, committed, stats)
-            self._end_if_decoded(state, block_x)
-            return
-        self._record(state, committed, stats)
-        if not (block_x == mask_id).any():
+            constraint.filter(x, prior, proposal, logits, start, end, local)
+        if stats is not None:
+            stats.step(int(before - (block_x == mask_id).sum()))
+        if state.histories is not None:
+            state.histories.append(x.clone())
+        if constraint is not None and all(constraint.finished):
+            state.done = True   # under a structure: the answer ends when every row's has
+        elif (constraint is not None or not refresh) and not bool((block_x == mask_id).any()):
             self._next_block(state)
-
-    def _end_if_decoded(self, state: DreamBlockState, block_x: torch.Tensor) -> None:
-        """Under a structure: the answer ends when every row's has; a block when it holds no mask."""
-        if all(state.constraint.finished):
-            state.done = True
-        elif not bool((block_x == self.spec.mask_id).any()):
-            self._next_block(state)
-
-
-def _sample_blocks(model, spec, input_ids, attention_mask, config: DreamGenerationConfig, threshold, block_length,
-                   use_cache, finish_blocks, generator, stats, sparse=None, reference_ties=False, structure=None):
-    """Drive `DreamBlockDecoder` over one batch; returns (sequences, histories)."""
-    decoder = DreamBlockDecoder(spec, config, threshold, block_length, use_cache, finish_blocks, sparse,
-                                reference_ties, structure=structure)
-    histories = [] if (config.return_dict_in_generate and config.output_history) else None
-    state = decoder.start(model, input_ids, attention_mask, histories)
-    while not state.done:
-        decoder.step(model, state, generator, stats)
-    return state.x, state.histories
 
 
 def _commit_sampled(x, proposal, full_conf, alg_temp, per_row, n, last, generator):
-    """Dream's `alg_temp` commit: `n` positions per row drawn without replacement with weights
-    `softmax(confidence / alg_temp)` (zero off the masks). One draw for the batch, as upstream,
-    when every row has `n` masks to give (and at the last step all of them); row by row otherwise,
-    each row asked for no more than it has (upstream's single draw fails there)."""
+    """Dream's `alg_temp` commit: `n` positions per row drawn without replacement, weights `softmax(confidence
+    / alg_temp)`. One draw for the batch, as upstream, when every row has `n` masks (at the last step all);
+    else row by row, each asked for no more than it has (upstream's single draw fails there)."""
     counts = per_row.tolist()
     want = counts if last else [min(n, c) for c in counts]
     weights = F.softmax(full_conf / alg_temp, dim=-1)

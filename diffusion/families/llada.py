@@ -1,13 +1,9 @@
 """LLaDA-style block semi-autoregressive decoding, and Fast-dLLM parallel decoding on top of it.
 
 `generate` reproduces ML-GSAI/LLaDA `generate.py` (integer schedule, top-k commit, CFG, random
-remasking, EOS options, left-padded batches). With `threshold` or `factor` it reproduces
-NVlabs/Fast-dLLM v1 `generate` (threshold / factor rules, loop until the block is decoded, float64
-confidences). Works for any diffusion model with a spec (LLaDA, Dream: the spec aligns logits).
-
-The loop is short on purpose: model forward (`ModelSpec.logits`) → `score_rows` (the fused
-confidence kernel over the current block's rows) → `remask.kernels.unmask` (select and commit in
-one launch).
+remasking, EOS options, left-padded batches); with `threshold` / `factor`, NVlabs/Fast-dLLM v1's
+(loop until the block is decoded, float64 confidences). Any diffusion model with a spec works. A
+step: forward (`ModelSpec.logits`) → `score_rows` (the block's rows) → `remask.kernels.unmask`.
 """
 from __future__ import annotations
 
@@ -17,20 +13,21 @@ from typing import Any, Callable, Generator, Sequence
 import torch
 
 from remask.caches import PagedKVCache
+from remask.kernels import unmask
 from remask.models.spec import ModelSpec, get_spec
 
 from .apd import APDConfig, apd_generate, check_apd_alone
-from ..parts.cache import BlockForward, cache_mode, valid_positions
 from ..methods.sparse import BlockMaskForward, RetentionForward, SparseConfig
-from ..parts.checks import (CombinationError, check_bool, check_callable, check_choice, check_generator, check_instance, check_int, check_length,
-                     check_mask_id, check_model_kind, check_optional_token_id, check_prompt, check_real, check_stats,
-                     check_token_id, warn_if_longer_than_trained, warn_if_padded_without_mask)
-from remask.kernels import unmask
-
+from ..parts.cache import BlockForward, cache_mode, valid_positions
+from ..parts.checks import (CombinationError, check_bool, check_callable, check_choice, check_generator,
+                            check_instance, check_int, check_length, check_mask_id, check_model_kind,
+                            check_optional_token_id, check_prompt, check_real, check_stats, check_token_id,
+                            warn_if_longer_than_trained, warn_if_padded_without_mask)
+from ..parts.constrain import CommitFilter, end_ids_of, structure_for_call
 from ..parts.scoring import score_rows, score_tokens
 from ..parts.selection import schedule_counts, topk_commit
 from ..parts.stats import GenerationStats
-from ..parts.constrain import CommitFilter
+from ..parts.step import masked_canvas
 from ..parts.stepper import ForwardRequest, ForwardThenCommit
 
 REMASKING = ("low_confidence", "random")
@@ -38,8 +35,8 @@ REMASKING = ("low_confidence", "random")
 
 @dataclass(frozen=True)
 class Precision:
-    """Dtypes in which a reference computes confidences: the softmax (None = the logits' dtype)
-    and the uniforms of random remasking. They only matter for bit-exact reproduction."""
+    """Dtypes in which a reference computes confidences (for bit-exact reproduction): the softmax
+    (None = the logits' dtype) and the uniforms of random remasking."""
 
     softmax: torch.dtype | None
     random: torch.dtype
@@ -70,23 +67,40 @@ def validate_rule(threshold: float | None, factor: float | None) -> None:
     check_real("factor", factor, low=0, low_open=True, allow_none=True)
 
 
-def cfg_logits(spec: ModelSpec, x, forward_inputs, prompt_index, cfg_scale, mask_id):
-    """Unsupervised classifier-free guidance: `un + (cfg+1)(cond − un)`, where the unconditional
-    input has every original prompt position (left pads included) replaced by the mask token.
-    A sub-generator: one forward of the conditional and unconditional rows together."""
-    un_x = x.clone()
-    un_x[prompt_index] = mask_id
-    doubled = {k: torch.cat([v, v], dim=0) if torch.is_tensor(v) else v for k, v in forward_inputs.items()}
-    logits, un_logits = torch.chunk((yield ForwardRequest.call(torch.cat([x, un_x], dim=0), doubled, spec=spec)),
-                                    2, dim=0)
-    return un_logits + (cfg_scale + 1) * (logits - un_logits)
+def block_forwards(model: torch.nn.Module, spec: ModelSpec, use_cache: Any, sparse: SparseConfig | None,
+                   forward_inputs: dict[str, Any], attention_mask: torch.Tensor | None, total_len: int,
+                   topk_ties: bool, steps: int = 0, gen_length: int = 0) -> Any:
+    """The forwards of a block loop: sparse attention's (`methods/sparse.py`), else `BlockForward`."""
+    if sparse is not None and sparse.method == "block_mask":
+        return BlockMaskForward(model, spec, sparse, forward_inputs, steps, gen_length)
+    valid = valid_positions(attention_mask, total_len)
+    if sparse is not None:
+        return RetentionForward(model, spec, sparse, forward_inputs, valid, topk_ties=topk_ties)
+    return BlockForward(model, spec, use_cache, forward_inputs, valid)
+
+
+class BlockwiseDecoder(ForwardThenCommit):
+    """What LLaDA's and Dream's block decoders share (a `block_length`; states with `x`, `prompt_len`,
+    `forwards`, `block` and the `step` within it, 0: the block's refresh forward is next)."""
+
+    def block_span(self, state: Any) -> tuple[int, int]:
+        start = state.prompt_len + state.block * self.block_length
+        return start, start + self.block_length
+
+    def num_final(self, state: Any) -> int:
+        """Generated positions that no later step changes: the blocks already decoded."""
+        return state.x.shape[1] - state.prompt_len if state.done else state.block * self.block_length
+
+    def _forward(self, state: Any) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
+        start, end = self.block_span(state)
+        if state.step == 0:
+            return (yield from state.forwards.refresh(state.x, start, end)), 0
+        return (yield from state.forwards.step(state.x, start, end))
 
 
 @dataclass
 class BlockState:
-    """One batch of rows under the block loop: the sequence `x` `[B, T]` (prompt, then the
-    generation, masked until committed), where the loop is (`block`, `step` within it), and the
-    forwards that serve it (`BlockForward` or a sparse variant, with its cache)."""
+    """Rows under the block loop: `x` `[B, T]` (prompt, then masks until committed), `block`, `step`."""
 
     x: torch.Tensor
     prompt_len: int
@@ -108,15 +122,10 @@ class BlockState:
         return self.x.shape[0]
 
 
-class BlockDecoder(ForwardThenCommit):
-    """LLaDA's semi-autoregressive block rule (and Fast-dLLM's threshold / factor rules, caches,
-    sparse attention) as a state and a step: `start` builds a `BlockState`, each `step` runs one
-    model forward and commits, until `state.done`. `block_diffusion_generate` drives one batch;
-    the engine packs the forwards of many states (`next_forward`) into one model call and hands
-    each its rows (`receive`).
-
-    The constructor validates every setting (see `block_diffusion_generate` for their meaning).
-    """
+class BlockDecoder(BlockwiseDecoder):
+    """LLaDA's block rule (and Fast-dLLM's rules, caches, sparse attention) as a state and a step:
+    `block_diffusion_generate` drives one batch, the engine packs many states' forwards into one
+    call. The constructor validates every setting (`generate` documents them)."""
 
     def __init__(self, spec: ModelSpec, *, steps: int = 128, gen_length: int = 128, block_length: int = 128,
                  temperature: float = 0.0, cfg_scale: float = 0.0, remasking: str = "low_confidence",
@@ -152,8 +161,8 @@ class BlockDecoder(ForwardThenCommit):
             if spec.logit_shift:
                 raise CombinationError("sparse= in the LLaDA block loop needs unshifted logits (LLaDA-format models)")
         if precision is None:
-            precision = LLADA_PRECISION if threshold is None and factor is None else (
-                FAST_DLLM_FACTOR_PRECISION if factor is not None else FAST_DLLM_PRECISION)
+            precision = FAST_DLLM_FACTOR_PRECISION if factor is not None else (
+                LLADA_PRECISION if threshold is None else FAST_DLLM_PRECISION)
         self.suppress = [check_token_id(spec, spec.eos_id, "eos_id")] if logits_eos_inf else None
         self.zero_prob_ids = None
         stop_ids: list[int] = []
@@ -172,57 +181,39 @@ class BlockDecoder(ForwardThenCommit):
         self.spec, self.mode, self.use_cache, self.sparse, self.precision = spec, mode, use_cache, sparse, precision
         self.gen_length, self.block_length, self.steps = gen_length, block_length, steps
         self.temperature, self.cfg_scale, self.remasking = temperature, cfg_scale, remasking
-        self.threshold, self.factor, self.early_stop = threshold, factor, early_stop
+        self.threshold, self.factor, self.early_stop, self.stop_ids = threshold, factor, early_stop, stop_ids
         self.confidence_eos_eot_inf, self.reference_ties = confidence_eos_eot_inf, reference_ties
-        self.stop_ids = stop_ids
         self.parallel = threshold is not None or factor is not None
         self.reference_sampling = temperature > 0 and reference_rng
         # structured output (remask/structured.py): a CompiledStructure, and the ids that end an answer
-        self.structure = structure
-        self.end_ids = sorted({int(i) for i in end_ids} or {i for i in (spec.eos_id, spec.eot_id) if i is not None})
-        if structure is not None and not self.end_ids:
-            raise ValueError("structured_outputs needs an end token: the model spec has no eos_id; pass eos_id")
+        self.structure, self.end_ids = structure, end_ids_of(spec, end_ids)
 
     def check_input(self, model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """The prompt checks of this rule (call before `start`)."""
-        spec = self.spec
-        check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
-        check_length(spec, prompt.shape[1] + self.gen_length, "prompt length + gen_length")
+        check_prompt(model, prompt, attention_mask, spec=self.spec, mask_in_prompt="refuse")
+        check_length(self.spec, prompt.shape[1] + self.gen_length, "prompt length + gen_length")
         if self.sparse is not None:
             self.sparse.check_request(gen_length=self.gen_length, block_length=self.block_length, steps=self.steps,
                                       prompt_length=prompt.shape[1])
-        if self.sparse is not None and self.sparse.method == "block_mask" and attention_mask is not None \
-                and not bool(attention_mask.all()):
-            raise ValueError("sparse method 'block_mask' decodes unpadded rows (SparseD's block masks cover the "
-                             "whole sequence); pass rows of equal length or decode them one at a time")
+            if self.sparse.method == "block_mask" and attention_mask is not None and not bool(attention_mask.all()):
+                raise ValueError("sparse method 'block_mask' decodes unpadded rows (SparseD's block masks cover the "
+                                 "whole sequence); pass rows of equal length or decode them one at a time")
 
     def start(self, model: torch.nn.Module, prompt: torch.Tensor,
               attention_mask: torch.Tensor | None = None) -> BlockState:
         spec, mask_id = self.spec, self.spec.mask_id
         B, P = prompt.shape
         T = P + self.gen_length
-        x = torch.full((B, T), mask_id, dtype=torch.long, device=prompt.device)
-        x[:, :P] = prompt
+        x = masked_canvas(prompt, T - P, mask_id)
         forward_inputs = spec.forward_inputs(attention_mask, T)
-        if self.sparse is not None and self.sparse.method == "block_mask":
-            forwards = BlockMaskForward(model, spec, self.sparse, forward_inputs, self.steps, self.gen_length)
-        elif self.sparse is not None:
-            forwards = RetentionForward(model, spec, self.sparse, forward_inputs, valid_positions(attention_mask, T),
-                                        topk_ties=self.reference_ties)
-        else:
-            forwards = BlockForward(model, spec, self.use_cache, forward_inputs, valid_positions(attention_mask, T))
+        forwards = block_forwards(model, spec, self.use_cache, self.sparse, forward_inputs, attention_mask, T,
+                                  self.reference_ties, self.steps, self.gen_length)
         state = BlockState(x=x, prompt_len=P, forwards=forwards, forward_inputs=forward_inputs,
                            prompt_index=x != mask_id, finished=torch.zeros(B, dtype=torch.bool, device=x.device),
-                           stop_ids=torch.tensor(self.stop_ids, dtype=torch.long, device=x.device))
-        if self.structure is not None:
-            state.constraint = CommitFilter([self.structure.matcher(self.end_ids) for _ in range(B)], mask_id, P,
-                                            self.gen_length)
+                           stop_ids=torch.tensor(self.stop_ids, dtype=torch.long, device=x.device),
+                           constraint=CommitFilter.start(self.structure, self.end_ids, B, mask_id, P, self.gen_length))
         self._begin_block(state)
         return state
-
-    def block_span(self, state: BlockState) -> tuple[int, int]:
-        start = state.prompt_len + state.block * self.block_length
-        return start, start + self.block_length
 
     def _begin_block(self, state: BlockState) -> None:
         start, end = self.block_span(state)
@@ -230,29 +221,27 @@ class BlockDecoder(ForwardThenCommit):
         state.schedule = schedule_counts(state.x[:, start:end] == self.spec.mask_id, self.steps_per_block)
         state.block_rows_for = {}
 
-    def num_final(self, state: BlockState) -> int:
-        """Generated positions that no later step changes: the blocks already decoded."""
-        return self.gen_length if state.done else state.block * self.block_length
-
     def _forward(self, state: BlockState) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
-        start, end = self.block_span(state)
-        if self.cfg_scale > 0:
-            return (yield from cfg_logits(self.spec, state.x, state.forward_inputs, state.prompt_index,
-                                          self.cfg_scale, self.spec.mask_id)), 0
-        if state.step == 0:
-            return (yield from state.forwards.refresh(state.x, start, end)), 0
-        return (yield from state.forwards.step(state.x, start, end))
+        if self.cfg_scale == 0:
+            return (yield from super()._forward(state))
+        # unsupervised CFG, `un + (cfg+1)(cond − un)`: the unconditional rows have every original prompt
+        # position (left pads included) masked; one forward of both
+        un_x = state.x.clone()
+        un_x[state.prompt_index] = self.spec.mask_id
+        doubled = {k: torch.cat([v, v], dim=0) if torch.is_tensor(v) else v for k, v in state.forward_inputs.items()}
+        logits, un_logits = torch.chunk((yield ForwardRequest.call(torch.cat([state.x, un_x], dim=0), doubled,
+                                                                   spec=self.spec)), 2, dim=0)
+        return un_logits + (self.cfg_scale + 1) * (logits - un_logits), 0
 
     def step(self, model: torch.nn.Module, state: BlockState, generator: torch.Generator | None = None,
              stats: GenerationStats | None = None, on_step: Callable | None = None) -> None:
         """One forward and its commit."""
-        logits, fed = self.forward(model, state)
-        self.commit(state, logits, fed, generator, stats, on_step)
+        self.commit(state, *self.forward(model, state), generator, stats, on_step)
 
     def commit(self, state: BlockState, logits: torch.Tensor, fed: int, generator: torch.Generator | None = None,
                stats: GenerationStats | None = None, on_step: Callable | None = None) -> None:
-        """Score the block's rows of `logits` (the positions from `fed` on), commit this step's
-        tokens, and move on to the next step, block, or the end."""
+        """Score the block's rows of `logits` (positions `fed`… on), commit, and move on to the next
+        step, block, or the end."""
         x, mask_id, precision = state.x, self.spec.mask_id, self.precision
         B, L = state.batch, logits.shape[1]
         start, end = self.block_span(state)
@@ -284,8 +273,7 @@ class BlockDecoder(ForwardThenCommit):
                                   suppress_ids=self.suppress, zero_prob_ids=self.zero_prob_ids, exclude_id=mask_id,
                                   generator=generator, rows_in_bounds=True)
             # Rounded to the reference's softmax dtype, so its ties (e.g. p = 1.0) are its ties.
-            x0 = x0.view(B, -1)
-            conf = conf.view(B, -1).to(precision.softmax or logits.dtype)
+            x0, conf = x0.view(B, -1), conf.view(B, -1).to(precision.softmax or logits.dtype)
         if self.remasking == "random":
             # Drawn over every position the forward computed, as upstream, then cut to the block.
             conf = torch.rand((B, L), dtype=precision.random, device=x.device,
@@ -310,32 +298,26 @@ class BlockDecoder(ForwardThenCommit):
         if stats is not None:
             stats.step(committed.sum())
         state.step += 1
-        # unmask cleared the committed positions of block_mask in place; with a parallel rule the
-        # block ends when none is left (the step's one host wait); under a structure, too (its
-        # filter may leave more holes than the schedule planned: one-token steps follow it)
+        # unmask cleared the committed positions of block_mask; with a parallel rule (or a structure, whose filter
+        # may leave holes the schedule did not plan) the block ends when none is left (the step's one host wait)
         if constraint is not None and all(constraint.finished):
             state.done = True
-            return
-        block_over = not bool(block_mask.any()) if self.parallel or constraint is not None \
-            else state.step == self.steps_per_block
-        if block_over:
+        elif (not bool(block_mask.any())) if self.parallel or constraint is not None \
+                else state.step == self.steps_per_block:
             self._end_block(state, block_x, end)
 
     def _budget(self, state: BlockState) -> torch.Tensor:
-        """The schedule's commits per row this step; past the schedule (a structure's filter left
-        holes) one per row."""
+        """The schedule's commits per row; past it (a structure's filter left holes) one per row."""
         if state.step < self.steps_per_block:
             return state.schedule[:, state.step]
         return torch.ones(state.batch, dtype=state.schedule.dtype, device=state.schedule.device)
 
     def commit_key(self) -> tuple | None:
-        """Equal for decoders whose commits after one shared forward a single batched call can
-        make (`commit_shared`), each row's tokens what its own `commit` gives: greedy scoring with
-        the same rule and scoring settings. None when this decoder commits alone (sampling draws
-        from each request's own generator; the reference formulations; random remasking; the
-        corrected EOS rule)."""
-        if self.temperature > 0 or self.reference_sampling or self.reference_ties or self.remasking != "low_confidence" \
-                or self.confidence_eos_eot_inf == "corrected" or self.cfg_scale > 0 or self.structure is not None:
+        """Equal for decoders whose commits after one shared forward one batched call can make
+        (`commit_shared`: greedy, the same rule and scoring settings); None when it commits alone."""
+        if self.temperature > 0 or self.reference_sampling or self.reference_ties or self.cfg_scale > 0 \
+                or self.remasking != "low_confidence" or self.confidence_eos_eot_inf == "corrected" \
+                or self.structure is not None:
             return None
         return (BlockDecoder, self.spec.mask_id, self.block_length, self.threshold, self.factor,
                 tuple(self.suppress or ()), tuple(self.zero_prob_ids or ()), self.precision.softmax)
@@ -344,13 +326,10 @@ class BlockDecoder(ForwardThenCommit):
     def commit_shared(decoders: list["BlockDecoder"], states: list[BlockState], logits: torch.Tensor,
                       first_rows: list[int], lengths: list[int], fed: int | list[int],
                       stats: list[GenerationStats | None]) -> None:
-        """`decoders[i].commit(states[i], <its logits>, fed, stats=stats[i])` for every i, in one
-        scoring call and one unmask over the stacked blocks (decoders of one `commit_key`, states
-        of one row each). State i's logits are the `lengths[i]` rows of `logits` (`[..., V]`, seen
-        flat as `[N, V]`) from flat row `first_rows[i]` on: a stacked forward's `[G, L, V]` (row i·L)
-        or a segmented one's `[1, ΣT, V]`. Scoring and selection work row by row, so each row's
-        tokens are its own commit's; a parallel rule's "block over?" is one host read for the group
-        rather than one per state."""
+        """`decoders[i].commit(states[i], <its logits>, fed, stats=stats[i])` for every i (one
+        `commit_key`, one row per state) in one scoring call and one unmask: state i's logits are
+        the `lengths[i]` rows of `logits` (flat `[N, V]`) from `first_rows[i]` on. Row by row, so each
+        row's tokens are its own commit's; a parallel rule's "block over?" is one host read."""
         head = decoders[0]
         mask_id, block = head.spec.mask_id, head.block_length
         spans = [d.block_span(s) for d, s in zip(decoders, states)]
@@ -377,8 +356,8 @@ class BlockDecoder(ForwardThenCommit):
 
     def _select(self, block_x: torch.Tensor, block_mask: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor,
                 k: torch.Tensor | None) -> torch.Tensor:
-        """Commit this rule's picks into `block_x` (clearing them in `block_mask`): Fast-dLLM's
-        threshold or factor rule, else the schedule's budget `k` per row; the counts `[B]`."""
+        """Commit into `block_x` (clearing `block_mask`) by Fast-dLLM's threshold or factor rule,
+        else the budget `k` per row; returns the counts `[B]`."""
         if self.threshold is not None:
             return unmask(block_x, block_mask, x0, conf, threshold=self.threshold)
         if self.factor is not None:
@@ -397,163 +376,79 @@ class BlockDecoder(ForwardThenCommit):
                 state.done = True
                 return
         state.block += 1
-        if state.block == self.num_blocks:
-            state.done = True
-        else:
+        state.done = state.block == self.num_blocks
+        if not state.done:
             self._begin_block(state)
 
 
 @torch.no_grad()
-def block_diffusion_generate(
-    model: torch.nn.Module,
-    prompt: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    *,
-    steps: int = 128,
-    gen_length: int = 128,
-    block_length: int = 128,
-    temperature: float = 0.0,
-    cfg_scale: float = 0.0,
-    remasking: str = "low_confidence",
-    spec: ModelSpec,
-    logits_eos_inf: bool = False,
-    confidence_eos_eot_inf: bool | str = False,
-    threshold: float | None = None,
-    factor: float | None = None,
-    precision: Precision | None = None,
-    early_stop: bool = False,
-    reference_rng: bool = False,
-    generator: torch.Generator | None = None,
-    stats: GenerationStats | None = None,
-    on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
-    use_cache: str | PagedKVCache | None = None,
-    sparse: SparseConfig | None = None,
-    reference_ties: bool = False,
-    structure: Any = None,
-    end_ids: Sequence[int] = (),
-) -> torch.Tensor:
-    """The shared block loop behind `remask.generate` and `remask.compat.fast_dllm.generate`:
-    `BlockDecoder` over one batch.
-
-    `use_cache` (Fast-dLLM v1): None = a full forward every step; "prefix" = a full forward at
-    each block start builds the K/V cache and commits the block's first tokens, then each step
-    feeds the block and everything after it against the cache cut at the block start; "dual" =
-    the same block-start forward keeps K/V of every position and each step feeds only the block,
-    whose fresh K/V overwrite its cache entries in place; "paged" = the dual algorithm over pages
-    (`remask.caches.PagedKVCache`). Keys are cached after RoPE (`diffusion/parts/cache.py`).
-    `sparse` (`SparseConfig`): sparse attention (`diffusion/methods/sparse.py`). `reference_ties`: commit
-    with `torch.topk` over the forward-length vector the references build (their order among
-    exactly equal confidences) instead of the lower index first (`selection.topk_commit`).
-
-    Returns `[B, prompt_len + gen_length]`; validates every argument first.
+def block_diffusion_generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                             *, spec: ModelSpec, generator: torch.Generator | None = None,
+                             stats: GenerationStats | None = None,
+                             on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+                             **settings: Any) -> torch.Tensor:
+    """The block loop behind `remask.generate` and `remask.compat.fast_dllm.generate`:
+    `BlockDecoder(spec, **settings)` over one batch (every argument validated first); returns
+    `[B, prompt_len + gen_length]`. `use_cache` (Fast-dLLM v1): "prefix" = a full forward at each
+    block start builds the K/V cache, then each step feeds the block and all after it against the
+    cache cut at the block start; "dual" = each step feeds only the block, whose fresh K/V overwrite
+    its cache entries; "paged" = dual over pages (`PagedKVCache`); keys cached after RoPE
+    (`diffusion/parts/cache.py`). `reference_ties`: `torch.topk` over the forward-length vector the
+    references build (their order among equal confidences; `selection.topk_commit`).
     """
-    decoder = BlockDecoder(spec, steps=steps, gen_length=gen_length, block_length=block_length,
-                           temperature=temperature, cfg_scale=cfg_scale, remasking=remasking,
-                           logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf,
-                           threshold=threshold, factor=factor, precision=precision, early_stop=early_stop,
-                           reference_rng=reference_rng, use_cache=use_cache, sparse=sparse,
-                           reference_ties=reference_ties, structure=structure, end_ids=end_ids)
+    decoder = BlockDecoder(spec, **settings)
     decoder.check_input(model, prompt, attention_mask)
     check_generator(generator, prompt.device)
     check_stats("stats", stats)
     check_callable("on_step", on_step)
     warn_if_padded_without_mask(prompt, attention_mask, spec.pad_id)
-    warn_if_longer_than_trained(spec, gen_length)
+    warn_if_longer_than_trained(spec, decoder.gen_length)
     if stats is not None:
         stats.start()
     state = decoder.start(model, prompt, attention_mask)
     while not state.done:
         decoder.step(model, state, generator, stats, on_step)
     if stats is not None:
-        stats.stop(int(state.batch * gen_length))
+        stats.stop(int(state.batch * decoder.gen_length))
     return state.x
 
 
-def generate(
-    model: torch.nn.Module,
-    prompt: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    steps: int = 128,
-    gen_length: int = 128,
-    block_length: int = 128,
-    temperature: float = 0.0,
-    cfg_scale: float = 0.0,
-    remasking: str = "low_confidence",
-    mask_id: int | None = None,
-    logits_eos_inf: bool = False,
-    confidence_eos_eot_inf: bool | str = False,
-    *,
-    threshold: float | None = None,
-    factor: float | None = None,
-    early_stop: bool = False,
-    reference_rng: bool = False,
-    eos_id: int | None = None,
-    eot_id: int | None = None,
-    generator: torch.Generator | None = None,
-    stats: GenerationStats | None = None,
-    on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
-    use_cache: str | PagedKVCache | None = None,
-    apd: APDConfig | None = None,
-    verifier_stats: GenerationStats | None = None,
-    sparse: SparseConfig | None = None,
-    reference_ties: bool = False,
-    decoder: Any = None,
-    structured_outputs: Any = None,
-    tokenizer: Any = None,
-) -> torch.LongTensor:
-    """Drop-in for ML-GSAI/LLaDA `generate` (same positional order, defaults and output).
+def generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             steps: int = 128, gen_length: int = 128, block_length: int = 128, temperature: float = 0.0,
+             cfg_scale: float = 0.0, remasking: str = "low_confidence", mask_id: int | None = None,
+             logits_eos_inf: bool = False, confidence_eos_eot_inf: bool | str = False, *,
+             threshold: float | None = None, factor: float | None = None, early_stop: bool = False,
+             reference_rng: bool = False, eos_id: int | None = None, eot_id: int | None = None,
+             generator: torch.Generator | None = None, stats: GenerationStats | None = None,
+             on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+             use_cache: str | PagedKVCache | None = None, apd: APDConfig | None = None,
+             verifier_stats: GenerationStats | None = None, sparse: SparseConfig | None = None,
+             reference_ties: bool = False, decoder: Any = None, structured_outputs: Any = None,
+             tokenizer: Any = None) -> torch.LongTensor:
+    """Drop-in for ML-GSAI/LLaDA `generate` (same positional order, defaults and output): returns
+    `[B, P + gen_length]`, the prompt unchanged and no mask token left.
 
-    Args:
-        model: a LLaDA (or any remask diffusion) model; `mask_id=None` uses the model's own.
-        prompt: `[B, P]` token ids, left-padded when rows differ in length.
-        attention_mask: `[B, P]` (1 = token, 0 = left pad) or None.
-        steps, gen_length, block_length: `gen_length % block_length == 0` and `steps` divisible by
-            the number of blocks; each block commits its masks on LLaDA's integer schedule.
-        temperature: float64 Gumbel-max sampling (0 = greedy).
-        cfg_scale: unsupervised classifier-free guidance scale (0 = off).
-        remasking: ``"low_confidence"`` (commit the most confident) or ``"random"``.
-        logits_eos_inf: set EOS logits to −inf. confidence_eos_eot_inf: ``True`` reproduces the
-            upstream behaviour (see docs/quirks.md), ``"corrected"`` gives EOS/EOT predictions −inf
-            confidence so they are committed last.
-        threshold / factor: switch to Fast-dLLM parallel decoding (commit every masked position of
-            the block with confidence ≥ threshold, at least one; or the factor rule), looping until
-            the block is decoded (`steps` then only fixes the number of blocks' check).
-        early_stop: stop a row after a fully decoded block containing EOS/EOT (rest filled with EOS).
-        reference_rng: at temperature > 0, draw the reference's float64 Gumbel noise with torch (over
-            the whole `[B, T, V]` logits, as upstream) so a seeded reference run is reproduced token
-            for token; by default the fused kernel samples with its own stream (same distribution).
-        eos_id, eot_id: override the model's ids. generator: RNG for sampling.
-        stats: a `GenerationStats` to fill (NFE, tokens per step, wall time, tokens/s).
-        on_step: called after every step as `on_step(block_index, x, transfer_index)` (read-only).
-        use_cache: None (full forward every step), "prefix" or "dual": Fast-dLLM v1's prefix / dual
-            KV cache (see `block_diffusion_generate`); "paged" (or a `PagedKVCache` instance): the
-            dual cache with its K/V in pages, attended by the paged-attention kernel (same tokens;
-            identical rows share pages). Composes with the schedule, threshold and factor; padded
-            batches use the attention mask throughout.
-        apd: an `APDConfig(verifier=..., mixture_weight=0.7, kv_window=16, max_lookahead=100)`:
-            adaptive parallel decoding with an autoregressive verifier (`remask.diffusion.apd`);
-            `steps` / `block_length` are then unused; `verifier_stats` counts the verifier's forwards.
-        sparse: a `SparseConfig(retention_ratio=0.5, delay_step=1, pool_kernel=3, ...)`: Sparse-dLLM's
-            attention-guided KV retention per block (`remask.diffusion.sparse`).
-        reference_ties: with the fixed schedule, commit through `torch.topk` as the references do,
-            so their order among exactly equal confidences (common at p = 1.0 in float32) is kept;
-            by default the lower index wins (one kernel launch, the same tokens without exact ties).
-        decoder: a decoder config that replaces the block rule (docs/decoders.md):
-            `remask.FreeDave(draft_steps=4, ...)` (lossless: the tokens of `steps=gen_length` greedy
-            decoding with the same `use_cache`, in fewer forwards), or dInfer's
-            `remask.ThresholdDecoding`, `remask.CreditDecoding`, `remask.HierarchicalDecoding` (with
-            `use_cache` None, "prefix", "dual" or `remask.VicinityCache(...)`).
-        structured_outputs: a `remask.StructuredOutputsParams` (JSON schema, regex, choice, grammar):
-            every row's answer is held to it at each commit (`diffusion/parts/constrain.py`); a row
-            that completes it ends with EOS (then EOS to `gen_length`), one that runs out of positions
-            holds a valid prefix. With the block rule (any schedule, threshold / factor, caches) and
-            `decoder=` FreeDave, dInfer's rules (and `VicinityCache`), WINO, and `use_cache=` DKVCache,
-            D2Cache, ElasticCache (alone or with a commit rule).
-        tokenizer: the model's tokenizer, which `structured_outputs` is compiled against (default:
-            the one saved in the model's checkpoint folder).
-
-    Returns:
-        LongTensor `[B, P + gen_length]` with the prompt unchanged and no mask token left.
+    `prompt` is left-padded when rows differ (`attention_mask`: 1 = token); `mask_id` / `eos_id` /
+    `eot_id` None: the model's. `gen_length % block_length == 0`, `steps` divisible by the number of
+    blocks (LLaDA's integer schedule per block). `temperature`: float64 Gumbel-max (0 = greedy);
+    `cfg_scale`: unsupervised CFG; `remasking`: ``"low_confidence"`` or ``"random"``;
+    `logits_eos_inf`: EOS logits at −inf; `confidence_eos_eot_inf`: ``True`` as upstream
+    (docs/quirks.md), ``"corrected"`` commits EOS/EOT last. `threshold` / `factor`: Fast-dLLM's
+    parallel rules, looping until the block is decoded. `early_stop`: a row stops after a decoded
+    block with EOS/EOT (the rest EOS). `reference_rng`: at temperature > 0, the reference's float64
+    Gumbel noise over the whole `[B, T, V]` logits (a seeded reference run reproduced); by default
+    the fused kernel's own stream. `on_step(block_index, x, transfer_index)` runs after every step.
+    `use_cache`: None, "prefix", "dual" (Fast-dLLM v1, see `block_diffusion_generate`) or "paged" /
+    a `PagedKVCache`. `apd`: an `APDConfig(verifier=...)`: adaptive parallel decoding
+    (`remask.diffusion.apd`; `verifier_stats` counts its verifier's forwards). `sparse`: a
+    `SparseConfig(...)` (`remask.diffusion.sparse`). `reference_ties`: the schedule through
+    `torch.topk` as the references (their order among exactly equal confidences, common at p = 1.0
+    in float32); by default the lower index. `decoder`: a config replacing the block rule
+    (docs/decoders.md): `remask.FreeDave(...)` (the tokens of `steps=gen_length` greedy decoding in
+    fewer forwards) or dInfer's rules. `structured_outputs`: a `remask.StructuredOutputsParams`,
+    compiled against `tokenizer` (default: the one beside the model), held at each commit
+    (`diffusion/parts/constrain.py`): a completed answer ends with EOS, one out of positions holds
+    a valid prefix.
     """
     for name, value in (("mask_id", mask_id), ("eos_id", eos_id), ("eot_id", eot_id)):
         check_int(name, value, minimum=0, allow_none=True)
@@ -563,16 +458,10 @@ def generate(
     check_optional_token_id(spec, eot_id, "eot_id")
     check_instance("apd", apd, APDConfig, "a remask.APDConfig")
     check_stats("verifier_stats", verifier_stats)
-    structure = None
-    if structured_outputs is not None:
-        from ..parts.constrain import structure_for_call
-
-        # the checks SamplingParams runs (remask/structured.py), compiled against the tokenizer; every
-        # decoder and cache config enforces it in its commits (`decoder_steps`)
-        structure = structure_for_call(structured_outputs, model, tokenizer, spec.mask_id, gen_length)
+    # the checks SamplingParams runs, compiled against the tokenizer; every decoder enforces it in its commits
+    structure = structure_for_call(structured_outputs, model, tokenizer, spec.mask_id, gen_length)
     if decoder is not None or (use_cache is not None and not isinstance(use_cache, (str, PagedKVCache))):
         from ..methods.decoders import run_decoder
-
         settings = {"steps": (steps, 128), "temperature": (temperature, 0.0), "cfg_scale": (cfg_scale, 0.0),
                     "remasking": (remasking, "low_confidence"), "logits_eos_inf": (logits_eos_inf, False),
                     "confidence_eos_eot_inf": (confidence_eos_eot_inf, False), "threshold": (threshold, None),

@@ -1,54 +1,35 @@
 """d2Cache for LLaDA (Kamichanw/d2Cache `src/cache/d2cache.py::d2Cache`, run by its default decoding loop
-`src/generation/vanilla.py::vanilla_generate`): greedy low-confidence decoding, optionally with the
-certainty prior, where each step after the first recomputes only a chosen set of rows.
+`src/generation/vanilla.py::vanilla_generate`; docs/decoders.md): greedy low-confidence decoding,
+optionally with the certainty prior, where each step after the first recomputes only chosen rows.
 
-Decoding rule (the reference's `vanilla` strategy, `alg="maskgit_plus"`, temperature 0): blocks of
-`block_length` left to right; each step commits `gen_length // steps` positions of the current block
-(fewer when the block has fewer masks left) with the highest score, where the score is the softmax
-max-probability (`confidence`), times the certainty density of the decoded positions when
-`prior_sigma` is set ("certainty prior" decoding; the reference's d2Cache preset uses sigma 10 with
-one block spanning the whole generation). A committed argmax equal to the mask id leaves the position
-masked (upstream), costing an extra step.
+Decoding rule (the reference's `vanilla` strategy, `alg="maskgit_plus"`, temperature 0): blocks left to
+right; each step commits `gen_length // steps` positions of the current block (fewer when it has fewer
+masks left) with the highest softmax max-probability, times the certainty density of the decoded
+positions when `prior_sigma` is set; a committed mask-id argmax leaves the position masked (upstream).
 
-Cache rule (`D2Cache`): the first forward computes every position and keeps every layer's keys and
-values. Every later forward recomputes only the rows selected at the end of the previous step; their
-fresh keys/values overwrite the cache in place and all queries attend over the whole cached sequence.
-Rows not recomputed get all-zero logits (as upstream: uniform probabilities, argmax token 0), so they
-stay eligible with confidence 1/V. The rows for the next step are, per sequence:
-1. up to `current_k` still-masked positions with the highest first-step confidence × certainty density
-   (`sigma`) of the decoded positions, searched from the block's first open position up to a boundary
-   (a multiple of the block's open-position count, upstream narrows the block mask in place) that covers
-   `current_k` masks, with a bias that puts the open block positions first;
-2. the positions committed this step;
-3. the nucleus (`rollout_p`) of the remaining positions by attention-rollout importance (head-mean
-   attention of the recomputed rows, identity elsewhere, plus the residual identity, row-normalised and
-   multiplied through the layers, summed over queries);
-4. every gap of at most `inflate_w` positions between two selected positions.
-Rows of a batch with different counts are topped up to the largest count (masked positions by the
-step-1 score first, then rollout importance), as upstream: a batch's rows are coupled (also through
-the global maximum used for the block bias), so a row in a batch may decode differently than alone.
-
-The cache (`D2KVCache`) plugs into remask's LLaDA through the model's KV-cache seam (`attend`) and
-computes attention eagerly (the weights are needed for the rollout), in the reference's order of
-operations, so float32 logits are the reference's; no model code changes. Every forward is a
-`ForwardRequest` the driver computes (`diffusion/parts/stepper.py`); in the engine the requests of
-several sequences share one packed model call, each sequence attending through its own cache
-(`varlen.PackedAttention`), whatever the rows it recomputes.
+Cache rule: the first forward computes every position and keeps every layer's keys and values; every
+later forward recomputes only the rows `_Selector` chose at the end of the previous step, whose fresh
+keys/values overwrite the cache in place, all queries attending over the whole cached sequence. Rows
+not recomputed get all-zero logits (as upstream: argmax token 0, confidence 1/V). Rows of a batch with
+different counts are topped up to the largest count, as upstream: a batch's rows are coupled (also
+through the global maximum of the block bias), so a row in a batch may decode differently than alone.
+`D2KVCache` computes attention eagerly (the rollout needs the weights) in the reference's order of
+operations, so float32 logits are the reference's.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from remask.caches.kv import KVCache
+from remask.caches.position import D2KVCache
 from remask.models.spec import get_spec
 
-from ..parts.checks import (check_bool, check_config_bounds, check_int, check_mask_id, check_prompt, check_real, check_stats,
-                     model_device)
+from ..parts.checks import (check_bool, check_config_bounds, check_instance, check_int, check_mask_id, check_prompt,
+                            check_real, check_stats, model_device)
 from ..parts.stats import GenerationStats
+from ..parts.step import masked_canvas
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
 
 
@@ -133,78 +114,12 @@ def top_up(rows: torch.Tensor, priority: torch.Tensor, count: int) -> torch.Tens
     return rows
 
 
-class D2KVCache(KVCache):
-    """Every layer's keys/values (after RoPE) of the whole sequence `[B, H, T, D]`, refreshed row by row,
-    plus the attention rollout of the last forward.
-
-    Before each forward call `full()` (the forward covers every position; the cache is (re)filled) or
-    `partial(rows)` (`rows` `[B, T]` bool, equal counts per row: the forwarded positions, in order).
-    `key_bias` `[B, 1, 1, T]` (additive; padding keys) or None."""
-
-    def __init__(self, key_bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.key_bias = key_bias
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-        self.rows: torch.Tensor | None = None
-        self.rollout: torch.Tensor | None = None     # [B, T, T] after the last forward
-
-    def get_seq_length(self, layer: int = 0) -> int:
-        return 0   # positions are passed explicitly; nothing is appended
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in list(self.k.values()) + list(self.v.values()))
-
-    def full(self) -> None:
-        self.rows = None
-
-    def partial(self, rows: torch.Tensor) -> None:
-        if not self.k:
-            raise RuntimeError("d2Cache: the first forward must be a full one")
-        self.rows = rows
-
-    def _rollout(self, layer: int, weights: torch.Tensor) -> None:
-        B, _, _, T = weights.shape
-        if layer == 0:
-            self.rollout = torch.eye(T, dtype=weights.dtype, device=weights.device).expand(B, -1, -1)
-        if self.rows is None:
-            step = weights.mean(dim=1)
-        else:
-            step = torch.eye(T, dtype=weights.dtype, device=weights.device).repeat(B, 1, 1)
-            step[self.rows] = weights.mean(dim=1).reshape(-1, T)
-        step = step + torch.eye(T, dtype=weights.dtype, device=weights.device)
-        step = step / step.sum(dim=-1, keepdim=True)
-        self.rollout = step @ self.rollout
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-               mask: torch.Tensor | None) -> torch.Tensor:
-        if self.rows is None:
-            self.k[layer], self.v[layer] = k, v
-        else:
-            B, H, n, D = k.shape
-            index = self.rows.nonzero()[:, 1].view(B, 1, n, 1).expand(B, H, n, D)
-            self.k[layer] = self.k[layer].scatter(2, index, k)
-            self.v[layer] = self.v[layer].scatter(2, index, v)
-        keys, values = self.k[layer], self.v[layer]
-        n_rep = q.shape[1] // keys.shape[1]
-        if n_rep > 1:
-            keys = keys.repeat_interleave(n_rep, dim=1)
-            values = values.repeat_interleave(n_rep, dim=1)
-        weights = torch.matmul(q, keys.transpose(2, 3)) / math.sqrt(q.shape[-1])
-        if self.key_bias is not None:
-            weights = weights + self.key_bias
-        weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
-        self._rollout(layer, weights)
-        return torch.matmul(weights, values)
-
-
 class _Selector:
-    """The rows each forward recomputes (upstream `d2Cache.on_step_end` / `top_up_mask`)."""
+    """The rows each forward recomputes (upstream `d2Cache.on_step_end` / `top_up_mask`); rows with
+    fewer are topped up by masked positions' step-1 score first, then rollout importance."""
 
     def __init__(self, config: D2Cache, prompt_length: int) -> None:
-        self.config = config
-        self.P = prompt_length
+        self.config, self.P = config, prompt_length
         self.first_conf: torch.Tensor | None = None   # [B, G] step-1 confidence (never refreshed upstream)
         self.next_rows: torch.Tensor | None = None    # [B, T]
         self.importance: torch.Tensor | None = None   # [B, T]
@@ -231,7 +146,9 @@ class _Selector:
         device = confidence.device
         if self.first_conf is None:
             self.first_conf = confidence
-        # 1. masked positions with the highest certainty, inside a block-aligned search window
+        # 1. up to current_k masked positions of highest step-1 confidence × certainty density, from the block's
+        # first open position to a boundary covering current_k masks (a multiple of the block's open count:
+        # upstream narrows the block mask in place), the open block positions first
         size = open_block.sum(dim=1, keepdim=True)
         enough = torch.cumsum(still_masked.int(), dim=1) >= cfg.current_k
         end = torch.argmax(enough.int(), dim=1, keepdim=True)
@@ -249,7 +166,7 @@ class _Selector:
         for r, c in enumerate(committed):
             rows[r, c] = True
         rows = torch.cat([torch.zeros((Ba, P), dtype=torch.bool, device=device), rows], dim=1)
-        # 3. rollout-importance nucleus of the rest
+        # 3. the rollout-importance nucleus of the rest (the rollout summed over queries)
         importance = rollout.sum(dim=1)
         rows |= nucleus(importance, cfg.rollout_p, ~rows)
         # 4. fill short gaps
@@ -268,15 +185,12 @@ def d2cache_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2
                      mask_id: int | None = None, stats: GenerationStats | None = None) -> torch.Tensor:
     """d2Cache decoding of LLaDA (greedy). Returns `[B, P + gen_length]`.
 
-    `steps` must divide `gen_length`: each step commits `gen_length // steps` positions (upstream
-    `num_transfer_tokens`), and that must divide `block_length`. `prior_sigma`: certainty-prior decoding
-    (upstream `generation.sigma`, 10.0 in its d2Cache preset); None = plain low-confidence order.
-    `commit_mask_token=True` is upstream (an argmax equal to the mask id is committed and the position
-    stays masked); False commits the most probable other token instead. `independent_rows=True`
-    (remask's default: upstream mixes a batch's rows) decodes every row alone (its own cache), so a
-    batch equals its rows run one by one; False is upstream's batch (rows coupled by the top-up and the
-    block bias). `attention_mask` `[B, P]` (left padding): pad
-    keys hidden and positions counted over real tokens, as the reference's LLaDA."""
+    Each step commits `gen_length // steps` positions (upstream `num_transfer_tokens`; it must divide
+    `block_length`). `prior_sigma`: certainty-prior decoding (upstream `generation.sigma`; None: plain
+    low-confidence). `commit_mask_token=False` commits the most probable other token where upstream
+    commits a mask-id argmax. `independent_rows=True` (remask's default) decodes every row alone, so a
+    batch equals its rows run one by one; False is upstream's coupled batch. `attention_mask` `[B, P]`
+    (left padding): pad keys hidden, positions counted over real tokens, as the reference's LLaDA."""
     return drive(d2cache_steps(model, prompt, config=config, steps=steps, gen_length=gen_length,
                                block_length=block_length, prior_sigma=prior_sigma, commit_mask_token=commit_mask_token,
                                independent_rows=independent_rows, attention_mask=attention_mask, mask_id=mask_id,
@@ -290,27 +204,19 @@ def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cac
                   mask_id: int | None = None, stats: GenerationStats | None = None, structure: Any = None,
                   end_ids: Any = ()) -> StepGenerator:
     """`d2cache_generate` as a step generator (`remask.diffusion.stepper`): the arguments are checked
-    now; the returned generator yields a `ForwardRequest` per forward and a `Progress` after it
-    (`final`: the decoded blocks) and returns `d2cache_generate`'s tensor. With `independent_rows` the rows run one after another,
-    the canvas showing each row as it stands.
-
-    `structure` (a compiled `remask.structured` structure) and `end_ids`: structured output
-    (`diffusion/parts/constrain.py`), in the same three calls as the other rules: each forward's
-    frontier masked before the scores, the step's commits filtered after, the window being the
-    block. Under a structure (only then): each row's frontier is among the rows the next forward
-    recomputes (beside d2Cache's selection, topped up as upstream tops up), so it is scored from
-    fresh logits, not a skipped row's zeros; a block runs until the filter has settled it (its
-    open positions are the block's masked ones, revoked positions included); a row whose answer
-    ended has no open block left."""
-    config = D2Cache() if config is None else config
-    if not isinstance(config, D2Cache):
-        raise ValueError(f"config must be a remask D2Cache, got {type(config).__name__}")
+    now; the generator yields a `ForwardRequest` per forward and a `Progress` after it (`final`: the
+    decoded blocks) and returns `d2cache_generate`'s tensor. With `independent_rows` the rows run one
+    after another, the canvas showing each row as it stands. `structure` (a compiled
+    `remask.structured` structure) and `end_ids`: structured output (`diffusion/parts/constrain.py`;
+    each row's frontier among the recomputed rows, a block run until settled: docs/quirks.md)."""
+    config = check_instance("config", D2Cache() if config is None else config, D2Cache, "a remask D2Cache",
+                            allow_none=False)
     for name, value in (("steps", steps), ("gen_length", gen_length), ("block_length", block_length)):
         check_int(name, value, minimum=1)
     check_real("prior_sigma", prior_sigma, low=0.0, low_open=True, allow_none=True)
     check_bool("commit_mask_token", commit_mask_token)
     check_bool("independent_rows", independent_rows)
-    if block_length > gen_length or gen_length % block_length:
+    if gen_length % block_length:
         raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
     if gen_length % steps:
         raise ValueError(f"steps ({steps}) must divide gen_length ({gen_length})")
@@ -346,8 +252,7 @@ def _rows_steps(rows: list, prompt: torch.Tensor, gen_length: int, mask_id: int,
     """The rows' step generators one after another (`independent_rows`), yielding the whole canvas
     (`final`: the last row's, 0 before it), returning the rows stacked."""
     B, P = prompt.shape
-    canvas = torch.full((B, P + gen_length), mask_id, dtype=torch.long, device=device)
-    canvas[:, :P] = prompt
+    canvas = masked_canvas(prompt, gen_length, mask_id, device)
     out = []
     for b, row in enumerate(rows):
         answer = None
@@ -374,31 +279,28 @@ def _steps(model, prompt: torch.Tensor, config: D2Cache, gen_length: int, block_
     `constraint`: a `CommitFilter` or None, see there)."""
     B, P = prompt.shape
     G, T = gen_length, P + gen_length
-    x = torch.full((B, T), mask_id, dtype=torch.long, device=device)
-    x[:, :P] = prompt
-    if attention_mask is None:
-        positions = torch.arange(T, device=device)[None].expand(B, T)
-        key_ok = None
-    else:
+    x = masked_canvas(prompt, gen_length, mask_id, device)
+    positions, bias = torch.arange(T, device=device)[None].expand(B, T), None
+    if attention_mask is not None:   # pad keys hidden, positions counted over real tokens
         key_ok = torch.ones((B, T), dtype=torch.long, device=device)
         key_ok[:, :P] = (attention_mask != 0).long()
         positions = (key_ok.cumsum(dim=-1) - 1).masked_fill(key_ok == 0, 0)
-    cache: D2KVCache | None = None
+        bias = (1.0 - key_ok.float())[:, None, None, :] * torch.finfo(torch.float32).min
+    cache = D2KVCache(bias)
     selector = _Selector(config, P)
     final = 0
     if stats is not None:
         stats.start()
     for b in range(G // block_length):
-        block = torch.zeros((B, G), dtype=torch.bool, device=device)
-        block[:, b * block_length:(b + 1) * block_length] = True
-        span = block.clone()
+        span = torch.zeros((B, G), dtype=torch.bool, device=device)
+        span[:, b * block_length:(b + 1) * block_length] = True
         start, end = P + b * block_length, P + (b + 1) * block_length
         block_steps = 0
         while True:
             masked = x[:, P:] == mask_id
-            # upstream narrows the block mask to its open positions (the same as the block's masked
-            # ones: without a structure a position never reopens; with one, a revoked position does)
-            block = span & masked if constraint is not None else block & masked
+            # upstream narrows the block mask to its open positions: the block's masked ones (without a
+            # structure a position never reopens; with one, a revoked position does)
+            block = span & masked
             active = block.any(dim=-1)
             if not bool(active.any()):
                 break
@@ -413,11 +315,6 @@ def _steps(model, prompt: torch.Tensor, config: D2Cache, gen_length: int, block_
                     if not constraint.matchers[r].ended and f < T:
                         selector.next_rows[r, f] = True
             rows = selector.rows_for(active)
-            if cache is None:
-                bias = None
-                if key_ok is not None:
-                    bias = (1.0 - key_ok.float())[:, None, None, :] * torch.finfo(torch.float32).min
-                cache = D2KVCache(bias)
             sub = D2KVCache(None if cache.key_bias is None else cache.key_bias[active])
             sub.k = {layer: t[active] for layer, t in cache.k.items()}
             sub.v = {layer: t[active] for layer, t in cache.v.items()}
@@ -430,14 +327,12 @@ def _steps(model, prompt: torch.Tensor, config: D2Cache, gen_length: int, block_
                 n = int(rows[0].sum())
                 part = yield ForwardRequest(xa[rows].view(Ba, n),
                                             per_row={"position_ids": positions[active][rows].view(Ba, n)}, cache=sub)
-                logits = torch.zeros((Ba, T, part.shape[-1]), dtype=part.dtype, device=device)
-                logits = logits.masked_scatter(rows[..., None], part)
-            for layer in sub.k:
-                if layer not in cache.k:
-                    cache.k[layer] = sub.k[layer].new_zeros((B,) + sub.k[layer].shape[1:])
-                    cache.v[layer] = sub.v[layer].new_zeros((B,) + sub.v[layer].shape[1:])
-                cache.k[layer][active] = sub.k[layer]
-                cache.v[layer][active] = sub.v[layer]
+                logits = part.new_zeros((Ba, T, part.shape[-1])).masked_scatter(rows[..., None], part)
+            for whole, fresh in ((cache.k, sub.k), (cache.v, sub.v)):   # the active rows' K/V written back
+                for layer, t in fresh.items():
+                    if layer not in whole:
+                        whole[layer] = t.new_zeros((B,) + t.shape[1:])
+                    whole[layer][active] = t
             if stats is not None:
                 stats.forward(Ba, n, cache.nbytes)
             if constraint is not None:   # the frontier masked before the scores (parts/constrain.py)
@@ -454,10 +349,7 @@ def _steps(model, prompt: torch.Tensor, config: D2Cache, gen_length: int, block_
             scores = conf if prior_sigma is None else conf * certainty_density(~open_, prior_sigma)
             open_block = block[active]
             candidates = torch.where(open_block, scores, -torch.inf)
-            committed = []
-            for r in range(Ba):
-                k = min(per_step, int(open_block[r].sum()))
-                committed.append(torch.topk(candidates[r], k).indices)
+            committed = [torch.topk(candidates[r], min(per_step, int(open_block[r].sum()))).indices for r in range(Ba)]
             new = xa[:, P:].clone()
             for r, c in enumerate(committed):
                 new[r, c] = x0[r, c]
@@ -472,7 +364,7 @@ def _steps(model, prompt: torch.Tensor, config: D2Cache, gen_length: int, block_
             x[active, P:] = new
             if stats is not None:
                 stats.step(sum(int(c.numel()) for c in committed))
-            if not bool((x[:, P + b * block_length:P + (b + 1) * block_length] == mask_id).any()):
+            if not bool((x[:, start:end] == mask_id).any()):
                 final = (b + 1) * block_length   # this block is done (earlier blocks are)
             yield Progress(x, final)
     if stats is not None:

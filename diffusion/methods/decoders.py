@@ -1,20 +1,15 @@
-"""One interface for the decoders that replace the block rule: `decoder=` in `remask.generate`,
-`remask.diffusion_generate` and `remask.SamplingParams`, and cache configs in `use_cache=`.
-
-* `remask.FreeDave` — lossless draft-and-verify (`diffusion/methods/freedave.py`);
-* `remask.ThresholdDecoding`, `remask.CreditDecoding`, `remask.HierarchicalDecoding` and the cache
-  `remask.VicinityCache` — inclusionAI/dInfer's rules and its vicinity-refresh cache (`diffusion/methods/dinfer.py`);
-* `remask.WINO` — revocable wide-in, narrow-out decoding (`diffusion/methods/wino.py`);
-* the cache `remask.DKVCache` — dKV-Cache-Decode's delayed cache under LLaDA's own schedule (`diffusion/methods/dkv.py`);
-* the cache `remask.D2Cache` — d2Cache's selective row recompute with its certainty-prior decoding
-  (`diffusion/methods/d2cache.py`);
-* the cache `remask.ElasticCache` — Elastic-Cache's attention-drift triggered recompute over a
-  sliding window (`diffusion/methods/elastic.py`).
+"""One interface for the decoders that replace the block rule (`decoder=` in `remask.generate`,
+`remask.diffusion_generate` and `remask.SamplingParams`) and the cache configs (`use_cache=`), each
+in its module of `diffusion/methods/`: `remask.FreeDave` (lossless draft-and-verify),
+inclusionAI/dInfer's rules `remask.ThresholdDecoding`, `CreditDecoding`, `HierarchicalDecoding` and
+its `VicinityCache`, `remask.WINO` (revocable wide-in, narrow-out), and the caches `remask.DKVCache`
+(dKV-Cache-Decode's delayed cache under LLaDA's schedule), `remask.D2Cache` (d2Cache's selective
+row recompute with its certainty prior) and `remask.ElasticCache` (Elastic-Cache's drift-triggered
+recompute over a sliding window).
 
 `decoder_steps` maps a call's arguments onto the method's step generator (`diffusion/parts/stepper.py`)
-and refuses, by name, the settings the method does not read: `run_decoder` drives it to the end
-(the drop-in functions), the engine one forward per step (`StepwiseDecoder`), so both give the
-same tokens.
+and refuses, by name, the settings the method does not read: `run_decoder` drives it to the end (the
+drop-in functions), the engine one forward per step (`StepwiseDecoder`), so both give the same tokens.
 """
 from __future__ import annotations
 
@@ -27,27 +22,6 @@ from remask.models.spec import get_spec
 from ..parts.checks import CombinationError
 from ..parts.stats import GenerationStats
 from ..parts.stepper import StepGenerator, drive
-
-
-def decoder_types() -> tuple[type, ...]:
-    from .freedave import FreeDave
-    from ..parts.rules import rule_types
-    from .wino import WINO
-
-    return FreeDave, *rule_types(), WINO
-
-
-def cache_types() -> tuple[type, ...]:
-    from .d2cache import D2Cache
-    from .dinfer import VicinityCache
-    from .dkv import DKVCache
-    from .elastic import ElasticCache
-
-    return VicinityCache, DKVCache, D2Cache, ElasticCache
-
-
-def is_cache_config(value: Any) -> bool:
-    return isinstance(value, cache_types())
 
 
 def config_names() -> dict[str, dict[str, type]]:
@@ -63,6 +37,14 @@ def config_names() -> dict[str, dict[str, type]]:
 
     return {"decoder": {"freedave": FreeDave, **{rule.name: rule for rule in rule_types()}, "wino": WINO},
             "use_cache": {"vicinity": VicinityCache, "dkv": DKVCache, "d2cache": D2Cache, "elastic": ElasticCache}}
+
+
+def decoder_types() -> tuple[type, ...]:
+    return tuple(config_names()["decoder"].values())
+
+
+def is_cache_config(value: Any) -> bool:
+    return isinstance(value, tuple(config_names()["use_cache"].values()))
 
 
 def config_from_json(field: str, value: dict) -> Any:
@@ -136,14 +118,12 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
                   gen_length: int, block_length: int, use_cache: Any, mask_id: int | None,
                   stats: GenerationStats | None, settings: dict[str, tuple[Any, Any]] | None = None,
                   structure: Any = None, end_ids: Any = ()) -> StepGenerator:
-    """The step generator of `decoder` and / or a cache config (`diffusion/parts/stepper.py`); every
-    argument is checked here, at the call. `settings`: the calling entry point's other settings as
-    ``name: (value, default)``; every one set away from its default that the method does not read is
-    refused by name. A cache config without a decoder: `VicinityCache` runs dInfer's threshold rule
-    (0.9), `DKVCache` LLaDA's own schedule (`steps`, `remasking`); `ElasticCache` takes a commit rule
-    as `decoder` (its window's commits). `structure` (a compiled `remask.structured` structure) and
-    `end_ids`: structured output, enforced in every method's commits (FreeDave, dInfer's rules,
-    WINO, DKVCache, D2Cache, ElasticCache: `diffusion/parts/constrain.py`)."""
+    """The step generator of `decoder` and / or a cache config (`diffusion/parts/stepper.py`), every
+    argument checked at the call. `settings`: the entry point's other settings as ``name: (value,
+    default)``; one set away from its default that the method does not read is refused by name.
+    Without a decoder `VicinityCache` runs dInfer's threshold rule (0.9), `DKVCache` LLaDA's own
+    schedule; `ElasticCache` takes a commit rule as `decoder`. `structure` / `end_ids`: structured
+    output, enforced in every method's commits (`diffusion/parts/constrain.py`)."""
     from .d2cache import D2Cache, d2cache_steps
     from .dinfer import ThresholdDecoding, VicinityCache, dinfer_steps
     from .dkv import DKVCache, dkv_steps
@@ -154,7 +134,8 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
     if decoder is not None:
         check_decoder(decoder)
     if use_cache is not None and not isinstance(use_cache, str) and not is_cache_config(use_cache):
-        raise ValueError(f"use_cache must be None, a cache name or a remask cache config, got {type(use_cache).__name__}")
+        raise ValueError(f"use_cache must be None, a cache name or a remask cache config, "
+                         f"got {type(use_cache).__name__}")
     from ..parts.step import CommitRule
 
     if isinstance(use_cache, ElasticCache) and decoder is not None and not isinstance(decoder, CommitRule):
@@ -169,7 +150,7 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
         decoder = ThresholdDecoding()
     method = type(use_cache).__name__ if isinstance(use_cache, (DKVCache, D2Cache, ElasticCache)) else \
         type(decoder).__name__
-    if method in UNSHIFTED_ONLY and get_spec(model, **({} if mask_id is None else {"mask_id": mask_id})).logit_shift:
+    if method in UNSHIFTED_ONLY and get_spec(model, mask_id=mask_id).logit_shift:
         field = "use_cache" if method != "WINO" else "decoder"
         hint = " (Dream's own dKV-Cache: remask.diffusion.dkv_dream.dkv_dream_generate)" if method == "DKVCache" else ""
         raise CombinationError(f"{field}={method}: {UNSHIFTED_ONLY[method]} reads unshifted logits (position i "
@@ -187,38 +168,31 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
         unread.append("steps")
     if unread:
         raise ValueError(f"{method} runs its own rule (greedy) and does not read {sorted(set(unread))}")
+    common = dict(gen_length=gen_length, attention_mask=attention_mask, mask_id=mask_id, stats=stats,
+                  structure=structure, end_ids=end_ids)
     if isinstance(use_cache, ElasticCache):
         if block_length != gen_length:
             raise ValueError(f"block_length: ElasticCache decodes over a sliding window of "
                              f"{use_cache.window_length} masked positions (no blocks); leave block_length at "
                              f"gen_length ({gen_length}), got {block_length}")
-        return elastic_steps(model, prompt, config=use_cache, gen_length=gen_length, attention_mask=attention_mask,
-                             mask_id=mask_id, stats=stats, rule=decoder, structure=structure, end_ids=end_ids)
+        return elastic_steps(model, prompt, config=use_cache, rule=decoder, **common)
     if isinstance(use_cache, D2Cache):
         return d2cache_steps(model, prompt, config=use_cache, steps=gen_length if steps is None else steps,
-                             gen_length=gen_length, block_length=block_length, attention_mask=attention_mask,
-                             mask_id=mask_id, stats=stats, structure=structure, end_ids=end_ids)
+                             block_length=block_length, **common)
     if isinstance(use_cache, DKVCache):
         return dkv_steps(model, prompt, config=use_cache, steps=gen_length if steps is None else steps,
-                         gen_length=gen_length, block_length=block_length,
-                         remasking=settings.get("remasking", ("low_confidence", None))[0],
-                         attention_mask=attention_mask, generator=settings.get("generator", (None, None))[0],
-                         mask_id=mask_id, stats=stats, structure=structure, end_ids=end_ids)
+                         block_length=block_length, remasking=settings.get("remasking", ("low_confidence", None))[0],
+                         generator=settings.get("generator", (None, None))[0], **common)
     if isinstance(decoder, FreeDave):
         if is_cache_config(use_cache):
             raise ValueError("use_cache: FreeDave takes None, 'prefix' or 'dual'")
-        return freedave_steps(model, prompt, attention_mask, config=decoder, steps=steps, gen_length=gen_length,
-                              block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats,
-                              structure=structure, end_ids=end_ids)
+        return freedave_steps(model, prompt, config=decoder, steps=steps, block_length=block_length,
+                              use_cache=use_cache, **common)
     if isinstance(decoder, WINO):
         if use_cache is not None:
             raise ValueError("use_cache: WINO forwards the whole sequence with its shadow block (no cache)")
-        return _first(wino_steps(model, prompt, config=decoder, gen_length=gen_length, block_length=block_length,
-                                 attention_mask=attention_mask, mask_id=mask_id, stats=stats, structure=structure,
-                                 end_ids=end_ids))
-    return dinfer_steps(model, prompt, decoder=decoder, gen_length=gen_length, block_length=block_length,
-                        use_cache=use_cache, attention_mask=attention_mask, mask_id=mask_id, stats=stats,
-                        structure=structure, end_ids=end_ids)
+        return _first(wino_steps(model, prompt, config=decoder, block_length=block_length, **common))
+    return dinfer_steps(model, prompt, decoder=decoder, block_length=block_length, use_cache=use_cache, **common)
 
 
 def _first(steps: StepGenerator) -> StepGenerator:

@@ -23,34 +23,30 @@ No blocks and no step budget: each step decodes inside a sliding window over the
   (they are returned as EOS here; upstream returns them masked).
 
 The attention runs through remask's LLaDA `attend` seam (`ElasticKVCache`). Every forward is a
-`ForwardRequest` the driver computes (`diffusion/parts/stepper.py`): the model's own forward over the
-queried positions (its embedding, every block, its head), with the request's `context`
-(`ElasticLayers`) around the call: hooks on the model's blocks that do the per-layer work between
-them — keep each layer's input hidden states, swap in the cached ones of all positions from the
-first recomputed layer on (a recompute changes how many rows the next layers see), the layer's
-RoPE tables and the cache's plan — so no model code changes and nothing here calls the model. A
-request with a context runs alone (its rows and recomputed layers are its own: requests of several
-sequences do not share a call). Upstream decodes one row; rows of a batch are decoded one by one,
-each with its cache.
+`ForwardRequest` over the queried positions whose `layers` (`ElasticLayers`) do the per-layer work:
+keep each layer's input hidden states, swap in the cached ones of all positions from the first
+recomputed layer on (so the row count changes between layers), set the layer's RoPE tables and the
+cache's plan. The driver runs them around the model's blocks, for one request alone or for several
+in one packed forward (`varlen.PackedLayers`), so no model code changes and nothing here calls the
+model. Upstream decodes one row; rows of a batch are decoded one by one, each with its cache.
 """
 from __future__ import annotations
 
-import contextlib
-import math
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from remask.caches.kv import KVCache
-from remask.models.layers import ForwardPositions, rope_cos_sin
+from remask.caches.elastic import ElasticKVCache
+from remask.models.layers import rope_cos_sin
 from remask.models.spec import get_spec
 
 from ..parts.cache import valid_positions
 from ..parts.checks import (check_bool, check_config_bounds, check_int, check_mask_id, check_model_kind,
                      check_optional_token_id, check_prompt, check_real, check_stats, model_device)
 from ..parts.stats import GenerationStats
+from ..parts.step import masked_canvas
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
 
 
@@ -94,89 +90,9 @@ class ElasticCache:
         check_config_bounds(self, "use_cache", bounds)
 
 
-class ElasticKVCache(KVCache):
-    """Per-layer queries, keys and values (after RoPE) of every position of one row, and the
-    Elastic-Cache drift check, behind remask's `attend` seam.
-
-    Before each layer the driver calls `plan(full=...)`: `full=True` (the layer runs on all
-    positions in order: its caches are replaced) or `full=False` (the layer runs on the rows
-    `query`, ordered tracked tokens first and the `window` last: their q/k/v overwrite the caches,
-    they attend over all cached keys, and the tracked tokens' old-vs-new attention cosine is
-    checked against `gamma`; `triggered` tells the driver to recompute the following layers).
-    After every layer `track[layer]` holds the layer's most attended non-masked positions.
-    `key_ok` `[1, T]` (False = padding key) hides keys."""
-
-    def __init__(self, key_ok: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.bias = None
-        if key_ok is not None and not bool(key_ok.all()):
-            self.bias = torch.zeros(key_ok.shape, dtype=torch.float32, device=key_ok.device).masked_fill(
-                ~key_ok, torch.finfo(torch.float32).min)[:, None, None, :]
-        self.q: dict[int, torch.Tensor] = {}
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
-        self.track: dict[int, torch.Tensor] = {}
-        self.triggered = False
-        self._plan: dict | None = None
-
-    def get_seq_length(self, layer: int = 0) -> int:
-        return 0   # positions are passed explicitly; nothing is appended
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.q, self.k, self.v) for t in d.values())
-
-    def plan(self, *, full: bool, query: torch.Tensor, track: torch.Tensor, window: torch.Tensor,
-             masked: torch.Tensor, gamma: float, track_num: int) -> None:
-        self._plan = dict(full=full, query=query, track=track, window=window, masked=masked, gamma=gamma,
-                          track_num=track_num)
-
-    def _weights(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        if q.shape[1] != k.shape[1]:
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1, output_size=q.shape[1])
-        w = q @ k.transpose(-2, -1) * (1 / math.sqrt(q.size(-1)))
-        if self.bias is not None:
-            w = w + self.bias.to(w.dtype)
-        return torch.softmax(w, dim=-1)
-
-    def _values(self, w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if w.shape[1] != v.shape[1]:
-            v = v.repeat_interleave(w.shape[1] // v.shape[1], dim=1, output_size=w.shape[1])
-        return w @ v
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-               mask: torch.Tensor | None) -> torch.Tensor:
-        plan = self._plan
-        if plan is None:
-            raise RuntimeError("elastic cache: call plan() before each layer")
-        self._plan = None
-        if plan["full"]:
-            self.q[layer], self.k[layer], self.v[layer] = q, k, v
-            weights = self._weights(q, k)
-            out = self._values(weights, v)
-            window_rows = weights[:, :, plan["window"], :]
-        else:
-            query, track = plan["query"], plan["track"]
-            past_k = self.k[layer].clone()
-            self.k[layer][:, :, query, :] = k
-            self.v[layer][:, :, query, :] = v
-            past_q = self.q[layer][:, :, track, :].clone()
-            self.q[layer][:, :, query, :] = q
-            weights = self._weights(q, self.k[layer])
-            out = self._values(weights, self.v[layer])
-            window_rows = weights[:, :, -plan["window"].shape[0]:, :]
-            sim = F.cosine_similarity(self._weights(past_q, past_k), weights[:, :, :track.shape[0], :], dim=1).mean()
-            if sim < plan["gamma"]:
-                self.triggered = True
-        mass = window_rows.sum(dim=(0, 1, 2))
-        mass[plan["masked"]] = 0.0
-        self.track[layer] = mass.topk(k=plan["track_num"], dim=0, largest=True)[1]
-        return out
-
-
 class ElasticLayers:
-    """The per-layer work of one Elastic-Cache forward, around the model's own forward of the
-    queried positions (`installed`: the request's `context`). Before each block: its input hidden
+    """The per-layer work of one Elastic-Cache forward (the request's `layers`; the driver calls
+    `before` and `after` around each of the model's `blocks`). Before each block: its input hidden
     states are kept (all positions) or written into the kept ones at the queried rows, and from the
     first recomputed layer on the block runs on the kept states of all positions; the block gets
     its RoPE tables (the queried positions when the rows are as many, else 0..T-1, upstream's) and
@@ -194,21 +110,7 @@ class ElasticLayers:
         self.start_reset, self.config, self.T = start_reset, config, T
         self.everything = torch.arange(T, device=query.device)
 
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        handles = []
-        try:
-            for layer, block in enumerate(self.blocks):
-                handles.append(block.register_forward_pre_hook(
-                    lambda module, args, layer=layer: self._before(layer, *args)))
-                handles.append(block.register_forward_hook(
-                    lambda module, args, output, layer=layer: self._after(layer)))
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    def _before(self, layer: int, h: torch.Tensor, pos: ForwardPositions, mask: Any) -> tuple:
+    def before(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if layer > self.start_reset:
             self.x_cache[layer] = h
         else:
@@ -220,9 +122,9 @@ class ElasticLayers:
         cos, sin = rope_cos_sin(rope[None], self.head_dim, self.rope_theta)
         self.cache.plan(full=layer >= self.start_reset, query=self.query, track=self.track, window=self.window,
                         masked=self.masked, gamma=self.config.gamma, track_num=self.config.track_num)
-        return h, ForwardPositions(self.cache, 0, cos, sin, self.T), None
+        return h, cos, sin
 
-    def _after(self, layer: int) -> None:
+    def after(self, layer: int) -> None:
         if self.cache.triggered and self.start_reset == len(self.blocks):
             self.start_reset = layer + 1
 
@@ -293,7 +195,7 @@ def _decode_row(model, x: torch.Tensor, P: int, config: ElasticCache, mask_id: i
         cache.triggered = False
         layers = ElasticLayers(model, cache, x_cache, query_position, track_position, window, masked, start_reset,
                                config, T)
-        logits = yield ForwardRequest(x[:, query_position], cache=cache, context=layers.installed)
+        logits = yield ForwardRequest(x[:, query_position], cache=cache, layers=layers)
         start_reset = layers.start_reset
         if stats is not None:   # positions computed, averaged over the layers (a recomputed layer: all T)
             computed = max(start_reset, 0) * query_position.shape[0] + (L - max(start_reset, 0)) * T
@@ -394,23 +296,13 @@ def elastic_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Elast
                   eos_id: int | None = None, stats: GenerationStats | None = None,
                   trace: list | None = None, rule: Any = None, structure: Any = None, end_ids: Any = ()
                   ) -> StepGenerator:
-    """`elastic_generate`'s loop as a step generator (`diffusion/parts/stepper.py`): the arguments are
-    checked here, at the call; it yields a `ForwardRequest` per forward (it runs alone: the
-    request's context drives the layers, `ElasticLayers`) and a `Progress` after it (rows are
-    decoded one by one; `final`: for one row, the leading generated positions already decoded —
-    the sliding window only ever holds masked positions, so they never change; for several rows 0
-    until the last row) and returns `[B, P + gen_length]`.
-
-    `structure` (a compiled `remask.structured` structure) and `end_ids`: structured output
-    (`diffusion/parts/constrain.py`), in the same three calls around Elastic's own rule or the
-    commit rule `rule`: the frontier (the window's first position) masked before the rule scores,
-    the commits filtered after over the span from the frontier through the window (the holes'
-    lookahead from the window's logits). Under a structure (only then) Elastic's own EOS rule is
-    replaced by the filter's end (the rest of the answer is the end token once the matcher consumed
-    one); the masked set is read from the canvas each step, so a revoked position re-enters the
-    window (masked positions after a committed end token wait, as Elastic drops them); the
-    positions the filter commits are queried at the next step as Elastic's own commits are; a
-    revoked position's cached keys/values stay those of its old token until it is queried again."""
+    """`elastic_generate`'s loop as a step generator (`diffusion/parts/stepper.py`), its arguments
+    checked at the call: a `ForwardRequest` per forward (its `layers`, `ElasticLayers`, do the
+    per-layer work) and a `Progress` after it (rows are decoded one by one; `final`: for one row,
+    the generated positions before the window, which never change; for several rows 0 until the
+    last row); returns `[B, P + gen_length]`. `structure` / `end_ids`: structured output around
+    Elastic's own rule or `rule` (`diffusion/parts/constrain.py`; what it changes in Elastic's
+    loop: docs/quirks.md, "Structured output in ... the step-generator methods")."""
     config = ElasticCache() if config is None else config
     if not isinstance(config, ElasticCache):
         raise ValueError(f"config must be a remask ElasticCache, got {type(config).__name__}")
@@ -433,8 +325,7 @@ def elastic_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Elast
     B, P = prompt.shape
     config.check_request(gen_length=gen_length, prompt_length=P)
     T = P + gen_length
-    x = torch.full((B, T), spec.mask_id, dtype=torch.long, device=device)
-    x[:, :P] = prompt
+    x = masked_canvas(prompt, gen_length, spec.mask_id, device)
     key_ok = valid_positions(attention_mask, T)   # False on the left pads
     from ..parts.constrain import CommitFilter, end_ids_of
 

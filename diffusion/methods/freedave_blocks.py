@@ -1,39 +1,21 @@
-"""FreeDave for block-causal models (SDAR, SDAR-MoE, LLaDA2.0, Fast-dLLM v2): the family's own block
-loop at one token per step, with fewer forwards.
+"""FreeDave for block-causal models (SDAR, SDAR-MoE, LLaDA2.0, Fast-dLLM v2): the family's own greedy
+one-token-per-step block loop with FreeDave's draft-and-verify (arXiv 2510.00294, upstream
+`block_decode_with_block_attention_FreeDave`): a block's first forward gives the first predictions;
+each round drafts K next states (draft k: the rule applied k + 1 times with the predictions held)
+and forwards them at once, one row each against the shared cache (never copied: `BlockBatch`,
+Fast-dLLM v2's `RowBatch`); the longest chain draft k+1 == target k (the rule on draft k's own
+logits) is committed, its logits the next predictions; when the rule's next state fills the block
+it is committed without a forward (upstream's last step) and the loop stores the block.
 
-A block-causal family decodes block after block against the cache of the finished ones (its decoder
-in `diffusion/families/sdar.py` / `diffusion/families/llada2.py`). Its one-token-per-step greedy loop forwards the
-current block, commits the most confident masked position (the family's own rule, count 1), and
-repeats until the block is full, then stores the block. `BlockFreeDave` runs that loop with
-FreeDave's draft-and-verify (arXiv 2510.00294, upstream `block_decode_with_block_attention_FreeDave`):
-
-* block start: one forward of the block as it is — its logits are the first predictions;
-* each round: draft k = the rule applied k + 1 times with the predictions held (draft 0 is exactly
-  the next state; for a one-token rule, the k + 1 most confident predictions); all K drafts are forwarded at once against the shared cache
-  (one row each, the cache read by every row, never copied: `remask.caches.BlockBatch`, Fast-dLLM
-  v2's `RowBatch`); each
-  draft's own logits give its target (the rule applied to it); the longest chain draft k+1 ==
-  target k is committed and its logits are the next round's predictions (no forward spent twice);
-* when the rule's next state fills the block it is committed without a forward (upstream's last
-  step), and the family's loop stores the block and moves on.
-
-Token for token the family's loop with `temperature=0` and one token per step (SDAR:
-``remasking_strategy="low_confidence_static", denoising_steps=block_length``; LLaDA2.0:
-``steps=block_length, threshold=1.0``). FreeDave++ (``confidence_threshold=τ``) follows the threshold
-rule instead (SDAR: ``low_confidence_dynamic`` with ``confidence_threshold=τ``; LLaDA2.0:
-``threshold=τ``; equal under ``match_rule="exact"``). Exact because each draft's forward computes
-what the loop's single forward computes for that state: GEMMs per draft (the batched GEMM of
-`remask.engine.batch_invariant`), attention per row over the row's cache, MoE layers row by row.
-
-No forward is computed here: each step's forward is a `ForwardRequest` (`_forward`, a sub-generator:
-the family's own — prefill, store — or FreeDave's, `_fd_forwards`) and `commit` takes its logits
-(`stepper.ForwardThenCommit`): the drop-in loops answer it alone (`stepper.drive`), the engine
-stacks it with the other requests' block forwards of the step into one call (each request's rows
-against its own cache: the request's cache argument is a `BlockBatch` / `RowBatch` of its rows).
+Token for token the family's loop (SDAR: ``low_confidence_static``, ``denoising_steps=block_length``;
+LLaDA2.0: ``steps=block_length, threshold=1.0``); FreeDave++ (``confidence_threshold=τ``) its threshold
+rule at τ (equal under ``match_rule="exact"``). Exact because each draft's forward computes what the
+loop's single forward computes: GEMMs per draft (`remask.engine.batch_invariant`), attention per row
+over its cache, MoE row by row.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generator
 
 import torch
@@ -54,31 +36,47 @@ class Predictions:
 
 @dataclass(eq=False)
 class Drafts:
-    """Which FreeDave forward a step ran (its `kind`): the block as it is (`drafts` None: the first
-    predictions) or a round's drafts `[K, L]`."""
+    """A FreeDave forward's `kind`: a round's drafts `[K, L]`, or None: the block as it is."""
 
     drafts: torch.Tensor | None = None
 
 
 class BlockFreeDave:
-    """Mixin over a block-causal decoder (`SDARDecoder`, `LLaDA2Decoder`, `FastDLLMV2Decoder`: a
-    `BlockLoop`, its step a `_forward` and a `commit`). The family supplies `_fd_pending(state)` (a
-    prefill or store forward is due: its own forward and commit run), `_fd_scores(logits)` (greedy
-    tokens and confidences `[N, L]`), `_fd_select(masked, conf)` (its selection on one `[1, L]` row
-    with a count of 1; or a whole `_fd_rule`) and `_fd_block_done(state)` (after the block is full);
-    `_fd_committed(state)` optionally (an in-block stop), `_fd_forwards` where its model takes other
-    conventions (Fast-dLLM v2). The state carries `predictions` (None at a block's start)."""
+    """Mixin over a family's `BlockLoop`. The family supplies `_fd_loop()` (whether its steps commit one
+    token, the steps' setting, whether FreeDave can draft its rule, the refusal if not) and
+    `_fd_select(masked, conf)` (its selection on a `[1, L]` row with a count of 1); where it differs,
+    `_fd_pending(state)` (its own prefill or store forward is due), `_fd_scores`, `_fd_committed(state)`
+    (an in-block stop), `_fd_block_done(state)` and `_fd_forwards` (Fast-dLLM v2's conventions).
+    `state.predictions` is None at a block's start."""
 
     freedave: FreeDave
     mask_id: int
     block_length: int
 
-    def _span(self, state: Any) -> tuple[int, int]:
-        return state.block * self.block_length, (state.block + 1) * self.block_length
+    def __init__(self, freedave: Any, **kwargs: Any) -> None:
+        """`decoder=FreeDave` on the family's loop: greedy, one token per step, a rule FreeDave can draft,
+        `draft_steps` within the block; each refusal names the setting."""
+        from ..parts.checks import check_instance
+
+        super().__init__(**kwargs)
+        check_instance("decoder", freedave, FreeDave, "a remask FreeDave config", allow_none=False)
+        freedave.check_request(block_length=self.block_length)
+        family, (one_per_step, steps_name, rule_ok, rule) = self.family, self._fd_loop()
+        if self.temperature != 0:
+            raise ValueError(f"temperature: {family}'s loop with decoder=FreeDave decodes greedily (temperature 0), "
+                             f"got {self.temperature}")
+        if not one_per_step:
+            raise ValueError(f"{steps_name}: {family}'s loop with decoder=FreeDave commits one token per step "
+                             f"({steps_name} == block_length)")
+        if not rule_ok:
+            raise ValueError(f"{rule} with decoder=FreeDave")
+        if freedave.confidence_threshold is not None:
+            raise ValueError(f"confidence_threshold: on {family}'s loop FreeDave drafts the loop's own rule; set its "
+                             f"threshold there, not in FreeDave")
+        self.freedave = freedave
 
     def _forward(self, state: Any) -> Generator[ForwardRequest, Any, tuple[torch.Tensor | None, Any]]:
-        """The step's forward: the family's own (`_fd_pending`), the block's first (the block as it
-        is), or a round's K drafts of the next states, all in one forward."""
+        """The step's forward: the family's own, the block's first (the block as it is), or a round's drafts."""
         if self._fd_pending(state):
             state.predictions = None
             return (yield from super()._forward(state))   # type: ignore[misc]
@@ -129,33 +127,38 @@ class BlockFreeDave:
                 stats.step(before)
             if constraint is not None:
                 self._fd_filter(state, constraint, prior, start, end)
-                if bool((block == self.mask_id).any()):   # the filter took tokens back: more rounds
-                    self._fd_committed(state)
-                    return
-            state.predictions = None
+            full = not bool((block == self.mask_id).any())   # else a structure's filter took tokens back: more rounds
+            if full:
+                state.predictions = None
             self._fd_committed(state)
-            if not state.done:
+            if full and not state.done:
                 self._fd_block_done(state)
+
+    def _fd_pending(self, state: Any) -> bool:   # the `StoreKVLoop`'s prefill or store
+        return not state.stored or self._block_full(state)
+
+    def _fd_scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from ..families.sdar import sample_block
+
+        return sample_block(logits, 0.0, self.top_k, self.top_p, None, self.mask_id)[:2]
 
     def _fd_committed(self, state: Any) -> None:
         """After a commit: the family's in-block stop, if it has one (sets `state.done`)."""
 
+    def _fd_block_done(self, state: Any) -> None:
+        """After the block is full (default: the loop's next step stores it and moves on)."""
+
     def _fd_filter(self, state: Any, constraint: Any, prior: torch.Tensor, start: int, end: int) -> None:
-        """Structured output: the block as the round left it, filtered (`parts/constrain_loops.py`)
-        with the predictions' tokens and logits as the lookahead."""
+        """Structured output: the block as the round left it, filtered (the predictions: the lookahead)."""
         from ..parts.constrain_loops import filter_block
 
         pred = state.predictions
         filter_block(constraint, state.x, prior, pred.x0, pred.logits, start, end)
 
-    def _count(self, stats: GenerationStats | None, rows: int, state: Any) -> None:
-        if stats is not None:
-            stats.forward(rows, self.block_length if self.use_cache else self._span(state)[1])
-
     def _verify(self, state: Any, block: torch.Tensor, drafts: torch.Tensor, logits: torch.Tensor,
                 stats: GenerationStats | None) -> None:
-        """A round's verification: each draft's target from its own logits, the longest verified
-        chain committed, its logits the next predictions."""
+        """Each draft's target from its own logits; the longest verified chain committed, its logits
+        the next predictions."""
         K = drafts.shape[0]
         masks = int((block == self.mask_id).sum())
         self._count(stats, K, state)
@@ -164,8 +167,8 @@ class BlockFreeDave:
         best = int(_verify(drafts[None], targets[None], torch.tensor([K], device=block.device), self.mask_id,
                            self.freedave.match_rule)[0])
         block.copy_(drafts[best:best + 1])
-        state.predictions = Predictions(dx0[best:best + 1], dconf[best:best + 1],
-                                        logits[best:best + 1] if getattr(state, "constraint", None) is not None else None)
+        lookahead = logits[best:best + 1] if getattr(state, "constraint", None) is not None else None
+        state.predictions = Predictions(dx0[best:best + 1], dconf[best:best + 1], lookahead)
         if stats is not None:
             stats.step(masks - int((block == self.mask_id).sum()))
 
@@ -179,12 +182,9 @@ class BlockFreeDave:
         return out
 
     def _fd_forwards(self, state: Any, blocks: torch.Tensor) -> Generator[ForwardRequest, Any, torch.Tensor]:
-        """Logits `[K, L, V]` of K versions of the current block, as a sub-generator (``logits =
-        yield from ...``) of one `ForwardRequest`, for models taking remask's block-causal
-        conventions (`store_kv`, `BlockBatch`; SDAR, LLaDA2): without the cache, the sequence up to
-        the block under `state.attention`; with it, the loop's own block forward for each version,
-        one row each reading the one cache (`sdar.block_request`). Several drafts ask for each
-        row's linears as alone (`rows_alone`)."""
+        """Logits `[K, L, V]` of K versions of the current block for the `store_kv` models (SDAR,
+        LLaDA2): without the cache the sequence up to the block under `state.attention`; with it one
+        row each reading the one cache (`sdar.block_request`), each row's linears as alone."""
         from ..families.sdar import block_request
 
         K, L = blocks.shape
@@ -200,22 +200,13 @@ class BlockFreeDave:
         return (yield block_request(blocks, state.position_ids[:, start:end], state.cache, False))
 
 
-def check_freedave_loop(freedave: Any, family: str, *, temperature: float, one_per_step: bool, steps_name: str,
-                        rule_ok: bool, rule: str, block_length: int) -> None:
-    """`decoder=FreeDave` on a block-causal family's loop: greedy, one token per step, a rule FreeDave
-    can draft, `draft_steps` within the family's block (each refusal names the setting)."""
+def split_freedave(decoder: Any, rules: bool) -> tuple[FreeDave, float | None]:
+    """An engine request's `decoder=FreeDave` sets the loop's rule: (the FreeDave without its
+    `confidence_threshold`, that threshold; None: one token per step). `rules`: the family also
+    takes dInfer's rules (named in the refusal)."""
     from ..parts.checks import check_instance
 
-    check_instance("decoder", freedave, FreeDave, "a remask FreeDave config", allow_none=False)
-    freedave.check_request(block_length=block_length)
-    if temperature != 0:
-        raise ValueError(f"temperature: {family}'s loop with decoder=FreeDave decodes greedily (temperature 0), "
-                         f"got {temperature}")
-    if not one_per_step:
-        raise ValueError(f"{steps_name}: {family}'s loop with decoder=FreeDave commits one token per step "
-                         f"({steps_name} == block_length)")
-    if not rule_ok:
-        raise ValueError(f"{rule} with decoder=FreeDave")
-    if freedave.confidence_threshold is not None:
-        raise ValueError(f"confidence_threshold: on {family}'s loop FreeDave drafts the loop's own rule; set its "
-                         f"threshold there, not in FreeDave")
+    check_instance("decoder", decoder, FreeDave, "remask.FreeDave, ThresholdDecoding, CreditDecoding or "
+                   "HierarchicalDecoding (the decoders block-causal models take)" if rules else
+                   "remask.FreeDave (the decoder block-causal models take)")
+    return replace(decoder, confidence_threshold=None), decoder.confidence_threshold

@@ -1,16 +1,14 @@
 """Presets: which parts a request's settings ask for — the decoder the engine steps for it.
 
-`decoder_for(engine, params, prompt_ids)` reads the model (`engine.spec`, `engine.family`) and the
-request's `SamplingParams` and returns the request's decoder: a family's own loop (SDAR, LLaDA2,
-Fast-dLLM v2: `Family.engine_decoder`), DiffusionGemma's canvas loop, autoregressive decoding,
-LLaDA's block rule (with Fast-dLLM's rules and caches), Dream's sampler or block decoder, APD, or
-a method's step generator (`decoder=` / a cache config, `decoders.decoder_steps`). Each is built
-as the drop-in function would build it, so the engine's tokens are the drop-in call's. This is the
-one place that maps settings to methods: the engine itself has no branch on a method or a model type.
+`decoder_for(engine, params, prompt_ids)` returns the request's decoder from the model and its
+`SamplingParams`: a family's own loop (`Family.engine_decoder`), DiffusionGemma's canvas loop,
+autoregressive decoding, LLaDA's block rule, Dream's sampler or block decoder, APD, or a method's
+step generator (`decoders.decoder_steps`), each built as the drop-in function builds it (the same
+tokens). The one place that maps settings to methods: the engine has no branch on a method or model.
 
-`min_tokens` is a part too (`hold_end_ids`): the end ids are held back at the answer's first
-`min_tokens` positions in the logits a decoder scores, wrapped around the decoders that expose
-their logits (`BlockDecoder.commit`, `DreamDecoder.commit`, the Dream block decoder's forwards).
+`min_tokens` (`hold_end_ids`): the end ids are held back at the answer's first `min_tokens`
+positions in the logits of the decoders that expose them (`BlockDecoder.commit`,
+`DreamDecoder.commit`, the Dream block decoder's forwards).
 """
 from __future__ import annotations
 
@@ -22,13 +20,13 @@ import torch
 from remask.engine.sampling_params import SamplingParams
 from remask.models.parallel import full_logits
 
-from ..families.apd import APDDecoder
+from ..families.apd import APDDecoder, apd_steps
 from ..families.ar import ARDecoder
 from ..families.canvas import CanvasDecoder, check_stability, generation_kwargs, resolve_generation_config
 from ..parts.checks import check_prompt
-from .decoders import decoder_steps, end_settings_refusal
-from ..families.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder, DreamGenerationConfig, _validate_config,
-                    check_block_layout)
+from .decoders import decoder_steps, end_settings_refusal, is_cache_config
+from ..families.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder, DreamGenerationConfig,
+                              _validate_config, check_block_layout)
 from ..families.llada import BlockDecoder
 from ..parts.stepper import StepwiseDecoder
 
@@ -52,11 +50,9 @@ def hold_end_ids(logits: torch.Tensor, fed: int, until: int, ids: torch.Tensor) 
 
 class _HoldEnds:
     """`min_tokens` for the decoders whose `commit(state, logits, fed, …)` gets the logits of
-    positions `fed`, `fed + 1`, … (`BlockDecoder`, `DreamDecoder`). vLLM masks the end tokens while
-    fewer than `min_tokens` tokens exist; a diffusion model writes its positions in any order, so
-    here the end tokens are masked at the answer's first `min_tokens` positions, at every step,
-    before the rule scores them: whatever it commits, no end token lands there. The rule itself is
-    the decoder's, unchanged."""
+    positions `fed`, … (`BlockDecoder`, `DreamDecoder`). vLLM masks the end tokens while fewer than
+    `min_tokens` exist; a diffusion model writes in any order, so here they are masked at the
+    answer's first `min_tokens` positions at every step, before the (unchanged) rule scores."""
 
     min_tokens: int = 0
     end_ids: torch.Tensor
@@ -126,11 +122,10 @@ def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -
     # ElasticCache configs in their commits (parts/constrain.py)
     if engine.spec.noise == "uniform":
         decoder = canvas_decoder(engine, params).constrain(structure)
-    elif engine.family is not None and engine.family.engine_decoder is not None:
-        decoder = engine.family.decoder_factory()(engine, params).constrain(structure)   # the family's own loop (SDAR, ...)
+    elif engine.family is not None and engine.family.engine_decoder is not None:   # the family's own loop (SDAR, ...)
+        decoder = engine.family.decoder_factory()(engine, params).constrain(structure)
     elif engine.is_ar:
-        set_here = [name for name in DIFFUSION_ONLY
-                    if getattr(params, name) != getattr(SamplingParams, name)]
+        set_here = [name for name in DIFFUSION_ONLY if getattr(params, name) != getattr(SamplingParams, name)]
         if set_here or params.cfg_scale or params.remasking != "low_confidence":
             raise ValueError(f"the model is autoregressive; these settings are for diffusion models: "
                              f"{set_here + (['cfg_scale'] if params.cfg_scale else [])}")
@@ -140,7 +135,7 @@ def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -
         check_prompt(engine.model, prompt_ids, None, spec=engine.spec, mask_in_prompt="refuse")
         decoder = method_decoder(engine, params, prompt_ids, structure, ends)
     elif params.apd is not None:
-        decoder = apd_decoder(engine, params, prompt_ids).constrain(structure)
+        decoder = apd_decoder(engine, params, prompt_ids, structure)
     elif params.alg is not None:
         decoder = dream_decoder(engine, params, prompt_ids, structure, ends)
     else:
@@ -171,13 +166,10 @@ def structure_for_request(engine: Any, params: SamplingParams) -> Any:
 
 
 def check_end_settings(engine: Any, params: SamplingParams) -> None:
-    """`ignore_eos` / `min_tokens` where the request's loop can honour them, refused by name
-    where it cannot (never ignored). Both work for autoregressive models, LLaDA's block rule
-    (every `generate` setting: Fast-dLLM's rules, the caches, CFG, sparse attention) and Dream's
-    sampler and block decoder (`alg`); `ignore_eos` also with the decoders that have no EOS rule of
-    their own (FreeDave, WINO, DKVCache, D2Cache). docs/engine.md has the table."""
-    from remask.diffusion.decoders import is_cache_config
-
+    """`ignore_eos` / `min_tokens` where the request's loop can honour them, refused by name where
+    it cannot (never ignored): both for AR models, LLaDA's block rule and Dream's sampler and block
+    decoder; `ignore_eos` also for the methods with no EOS rule of their own. docs/engine.md has
+    the table."""
     reason = None
     if engine.spec.noise == "uniform":
         reason = "a uniform-noise model (DiffusionGemma): its canvas loop ends at the first canvas holding EOS"
@@ -192,17 +184,16 @@ def check_end_settings(engine: Any, params: SamplingParams) -> None:
     elif params.apd is not None:
         reason = "apd: APD stops at the first EOS it accepts and drafts with the AR verifier's logits too"
     if reason is not None:
-        names = [name for name in ("ignore_eos", "min_tokens")
-                 if getattr(params, name) != getattr(SamplingParams, name)]
+        names = [n for n in ("ignore_eos", "min_tokens") if getattr(params, n) != getattr(SamplingParams, n)]
         raise ValueError(f"{' / '.join(names)}: not supported with {reason}")
+
 
 def canvas_decoder(engine: Any, params: SamplingParams) -> CanvasDecoder:
     """DiffusionGemma's canvas loop for these params, configured as `remask.diffusion_generate`
     would be with the checkpoint's generation config and the request's `canvas` settings."""
     read = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "reference_rng", "canvas", "canvas_sampler",
             "structured_outputs")
-    set_here = [f.name for f in fields(SamplingParams)
-                if f.name not in read and getattr(params, f.name) != f.default]
+    set_here = [f.name for f in fields(SamplingParams) if f.name not in read and getattr(params, f.name) != f.default]
     if set_here:
         raise ValueError(f"a uniform-noise model (DiffusionGemma) does not read {set_here}; its settings are "
                          "canvas={...} (max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold, "
@@ -213,6 +204,7 @@ def canvas_decoder(engine: Any, params: SamplingParams) -> CanvasDecoder:
         check_stability(config.stability_threshold, config.max_denoising_steps, "max_denoising_steps")
     return CanvasDecoder(engine.model, config, params.canvas_sampler, reference_rng=params.reference_rng,
                          prompt_cache=engine.prompt_cache)
+
 
 def method_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
                    end_ids: Any = ()) -> StepwiseDecoder:
@@ -232,13 +224,17 @@ def method_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor
     name = type(params.use_cache if params.decoder is None else params.decoder).__name__
     return StepwiseDecoder(make_steps, gen_length=params.max_tokens, name=name)
 
-def apd_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -> APDDecoder:
+
+def apd_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None
+                ) -> StepwiseDecoder:
     """APD as `remask.generate(apd=...)` / `diffusion_generate(apd=...)` run it (the settings it
-    does not read were refused when the params were built)."""
+    does not read were refused when the params were built): its rounds, one forward per step."""
     decoder = APDDecoder(engine.spec, params.apd, gen_length=params.max_tokens, temperature=params.temperature,
-                         top_p=params.top_p, top_k=params.top_k)
+                         top_p=params.top_p, top_k=params.top_k).constrain(structure)
     decoder.check_input(prompt_ids)
-    return decoder
+    return StepwiseDecoder(lambda model, prompt, generator, stats: apd_steps(decoder, model, prompt, generator, stats),
+                           gen_length=params.max_tokens, name="APD")
+
 
 def dream_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
                   end_ids: Any = ()) -> DreamDecoder | DreamBlockDecoder:

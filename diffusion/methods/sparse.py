@@ -1,20 +1,16 @@
-"""Sparse attention during diffusion decoding: `SparseConfig` and the block forwards it implies.
+"""Sparse attention during diffusion decoding (docs/sparse.md): `SparseConfig` and the block forwards
+it implies; the attention itself is `remask.caches.sparse`'s.
 
-* ``method="retention"`` — Sparse-dLLM (OpenMOSS/Sparse-dLLM): per semi-autoregressive block,
-  full forwards up to `delay_step`; the forward at `delay_step` stores every layer's K/V and keeps,
-  per layer, the top `retention_ratio` of the positions outside the block (by the block queries'
-  mean attention score, max-pooled over `pool_kernel` neighbours); every later step feeds the block
-  alone and attends over the kept positions plus the block (`remask.caches.sparse`).
-  `head_select=True`: per-KV-head selection with an equal budget per head (dLLM-Serve).
-* ``method="block_mask"`` — SparseD (INV-WZQ/SparseD): full forwards every step; dense attention
-  for the first `skip_fraction` of the steps; at global step `int(steps·skip_fraction) + 1` each
-  layer picks, per head and query block of `kv_block_size`, the key blocks with the largest mean
-  attention (`retention_ratio` of them, plus one; prompt and generation keys budgeted
-  separately); every later step attends through those block lists (`remask.caches.sparse`).
+* ``method="retention"`` — Sparse-dLLM (OpenMOSS/Sparse-dLLM): per semi-autoregressive block, full
+  forwards up to `delay_step`; the one at `delay_step` keeps, per layer, the top `retention_ratio` of
+  the positions outside the block; every later step feeds the block alone, attending over the kept
+  positions plus the block. `head_select=True`: per-KV-head selection (dLLM-Serve).
+* ``method="block_mask"`` — SparseD (INV-WZQ/SparseD): full forwards every step, dense for the first
+  `skip_fraction` of the steps; at global step `int(steps·skip_fraction) + 1` each layer picks, per
+  head and query block, the key blocks with the largest mean attention; later steps attend through them.
 
-Both plug into LLaDA's block loop (`remask.generate`) and Dream's sampler
-(`remask.diffusion_generate`: retention on its block decoder, block masks on its whole-canvas loop,
-as the two repositories' Dream samplers do).
+Both plug into LLaDA's block loop (`remask.generate`) and Dream's sampler (`remask.diffusion_generate`:
+retention on its block decoder, block masks on its whole-canvas loop, as upstream's Dream samplers do).
 """
 from __future__ import annotations
 
@@ -34,20 +30,16 @@ SPARSE_METHODS = ("retention", "block_mask")
 
 @dataclass(frozen=True)
 class SparseConfig:
-    """Sparse attention for `remask.generate(..., sparse=SparseConfig(...))`.
-
-    `retention_ratio`: fraction of the keys outside the block kept (retention) / of the key blocks
-    kept per query block (block_mask). `delay_step`: the step of each block whose full forward
-    selects (retention; Sparse-dLLM uses 1). `block_len`: the semi-AR block length the method
-    assumes (None: the sampler's `block_length`; upstream's `config.block_len` must equal it).
-    `pool_kernel`: odd max-pooling width over the importance scores, or None. `head_select`:
-    per-KV-head selection. `skip_fraction`: block_mask's share of steps with full attention.
-    `kv_block_size`: granularity of the index lists (retention: 1 = single tokens, as upstream;
-    block_mask: SparseD's `block_size`, e.g. 32 for short prompts, 128 for long ones).
-    `corrected_scale`: block_mask's selection softmax scaled by 1/√head_dim (True) or by 1/√n_heads
-    (False); None: as the sampler's upstream does (SparseD's LLaDA `generate`: 1/√n_heads; its Dream
-    `diffusion_generate`: 1/√head_dim).
-    """
+    """Sparse attention for `remask.generate(..., sparse=SparseConfig(...))`. `retention_ratio`: the
+    fraction of the keys outside the block kept (retention) / of the key blocks kept per query block
+    (block_mask). `delay_step`: the step of each block whose full forward selects (Sparse-dLLM uses 1).
+    `block_len`: the semi-AR block length the method assumes (None: the sampler's `block_length`, which
+    upstream's `config.block_len` must equal). `pool_kernel`: odd max-pooling width over the scores, or
+    None. `skip_fraction`: block_mask's share of dense steps. `kv_block_size`: the index lists'
+    granularity (retention: 1, single tokens as upstream; block_mask: SparseD's `block_size`, e.g. 32
+    for short prompts, 128 for long ones). `corrected_scale`: block_mask's selection softmax scaled by
+    1/√head_dim (True) or 1/√n_heads (False); None: as the sampler's upstream (SparseD's LLaDA
+    `generate`: 1/√n_heads; its Dream `diffusion_generate`: 1/√head_dim)."""
 
     retention_ratio: float = 0.5
     delay_step: int = 1
@@ -84,18 +76,16 @@ class SparseConfig:
 
     def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
                       steps: int | None = None, prompt_length: int | None = None) -> None:
-        """The work bounds of a request in LLaDA's block loop (docs/parameters.md, "Work bounds"):
-        a block runs at most max(steps per block, block length) steps, so a later `delay_step` is
-        never reached; max-pooling over the N = T − block keys outside the block sees all of them
-        from a width of 2N − 1 on; SparseD's tiles cover the T = prompt + gen_length positions from
-        `kv_block_size` T on (beyond, its padding grows as kv_block_size²). `block_length` / `steps`
-        None: LLaDA's defaults (`gen_length`); `prompt_length` None: not known yet."""
+        """The work bounds of a request in LLaDA's block loop (docs/parameters.md, "Work bounds"): a
+        block runs at most max(steps per block, block length) steps; pooling over the N keys outside the
+        block sees all from a width of 2N − 1; SparseD's tiles cover the T positions from `kv_block_size`
+        T (beyond, padding grows as its square). None: LLaDA's defaults (`gen_length`) / not known."""
         block = gen_length if block_length is None else block_length
         per_block = (gen_length if steps is None else steps) // max(gen_length // block, 1)
         bounds = {}
         if self.method == "retention":
-            bounds["delay_step"] = (max(per_block, block), "the most steps a block runs: max(steps per block, "
-                                                           "block_length)")
+            bounds["delay_step"] = (max(per_block, block),
+                                    "the most steps a block runs: max(steps per block, block_length)")
         if prompt_length is not None:
             T = prompt_length + gen_length
             if self.method == "retention" and self.pool_kernel is not None:
@@ -107,46 +97,36 @@ class SparseConfig:
 
 class RetentionForward:
     """The forwards of one semi-AR block under Sparse-dLLM retention, with the interface of
-    `remask.diffusion.cache.BlockForward`: `refresh` (step 0) and `step` (later steps) →
-    (logits, index of the first fed position). Steps before `delay_step` are full forwards, the
-    one at `delay_step` a full forward that selects, later ones feed the block alone."""
+    `remask.diffusion.cache.BlockForward` (`refresh` at step 0, `step` → (logits, first fed position)):
+    full forwards before `delay_step`, a selecting full forward at it, the block alone after it."""
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, sparse: SparseConfig, forward_inputs: dict[str, Any],
                  valid: torch.Tensor | None, topk_ties: bool = False) -> None:
         self.model, self.spec, self.sparse, self.forward_inputs = model, spec, sparse, forward_inputs
-        self.cache = RetentionKVCache(sparse.retention_ratio, sparse.pool_kernel, sparse.head_select, valid,
-                                      topk_ties)
+        self.cache = RetentionKVCache(sparse.retention_ratio, sparse.pool_kernel, sparse.head_select, valid, topk_ties)
         self.step_index = 0   # within the current block
 
     @property
     def cache_nbytes(self) -> int:
         return self.cache.nbytes
 
-    def _full(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, torch.Tensor]:
-        if self.step_index != self.sparse.delay_step:
-            return (yield ForwardRequest.call(x, self.forward_inputs, spec=self.spec))
+    def refresh(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, torch.Tensor]:
+        self.step_index = 0
+        return (yield from self.step(x, start, end))[0]
+
+    def step(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
+        step, self.step_index = self.step_index, self.step_index + 1
+        if step < self.sparse.delay_step:
+            return (yield ForwardRequest.call(x, self.forward_inputs, spec=self.spec)), 0
+        if step > self.sparse.delay_step:   # the block alone
+            inputs = self.spec.inputs_for_positions(self.forward_inputs, start, end)
+            return (yield ForwardRequest.call(x[:, start:end], inputs, spec=self.spec, cache=self.cache,
+                                              cache_position=torch.arange(start, end, device=x.device))), start
         self.cache.begin_select(start, end)
         logits = yield ForwardRequest.call(x, self.forward_inputs, spec=self.spec, cache=self.cache,
                                            cache_position=torch.arange(x.shape[1], device=x.device))
         self.cache.end_select()
-        return logits
-
-    def refresh(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, torch.Tensor]:
-        self.step_index = 0
-        logits = yield from self._full(x, start, end)
-        self.step_index = 1
-        return logits
-
-    def step(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
-        if self.step_index <= self.sparse.delay_step:
-            logits, fed = (yield from self._full(x, start, end)), 0
-        else:
-            inputs = self.spec.inputs_for_positions(self.forward_inputs, start, end)
-            logits = yield ForwardRequest.call(x[:, start:end], inputs, spec=self.spec, cache=self.cache,
-                                               cache_position=torch.arange(start, end, device=x.device))
-            fed = start
-        self.step_index += 1
-        return logits, fed
+        return logits, 0
 
 
 class BlockMaskForward:
@@ -169,10 +149,7 @@ class BlockMaskForward:
 
     def _forward(self, x: torch.Tensor) -> Generator[ForwardRequest, Any, torch.Tensor]:
         step, self.global_step = self.global_step, self.global_step + 1
-        if step > self.select_step:
-            self.hook.phase = "sparse"
-        else:
-            self.hook.phase = "select" if step == self.select_step else "dense"
+        self.hook.phase = "sparse" if step > self.select_step else "select" if step == self.select_step else "dense"
         return (yield ForwardRequest.call(x, self.forward_inputs, spec=self.spec, cache=self.hook,
                                           cache_position=torch.arange(x.shape[1], device=x.device)))
 

@@ -1,25 +1,22 @@
 """WINO: wide-in, narrow-out revocable decoding for LLaDA (Feng-Hong/WINO-DLLM `decoding_wino`).
 
-Each forward sees `[prompt | generation | shadow]`, where the shadow is one extra block of mask
-tokens placed at the current block's positions (same RoPE positions). Every query attends every
-real position; the shadow keys are visible only to shadow queries, and shadow position i does not
-see its twin, current-block position i. So the shadow's prediction at i is the model's opinion of
-position i with that position's own token hidden.
+Each forward sees `[prompt | generation | shadow]`, the shadow one extra block of mask tokens at
+the current block's RoPE positions. Every query attends every real position; shadow keys are seen
+only by shadow queries, and shadow position i does not see its twin, block position i: the shadow's
+prediction at i is the model's opinion of position i with its own token hidden.
 
 Per forward (greedy, float64 softmax confidences):
-- wide in: in the current block, commit every masked position whose confidence exceeds
-  `threshold`; when more than `max_accept = min(max(int(masks * accept_ratio), accept_floor),
-  accept_cap)` pass (masks counted before the forward), keep the `max_accept` most confident; when
-  none passes, commit the single most confident masked position;
+- wide in: commit every masked block position whose confidence exceeds `threshold`; when more than
+  `max_accept = min(max(int(masks * accept_ratio), accept_floor), accept_cap)` pass (masks counted
+  before the forward), the `max_accept` most confident; when none passes, the most confident one;
 - narrow out: only when this forward committed more than one position, every position committed
-  by an earlier forward of the block whose shadow confidence (the probability of its own token with
-  the token hidden) is below `threshold_back` is masked again; when that is at least as many as
-  the previous forward committed (`initial_last_accept` at a block's first forward), only that
-  count minus one of the least confident are.
+  by an earlier forward of the block whose shadow confidence is below `threshold_back` is masked
+  again; when that is at least as many as the previous forward committed (`initial_last_accept`
+  at a block's first), only that count minus one of the least confident are.
 The block ends when it holds no mask; the returned step count is the number of forwards.
 
-Rows of a batch are decided alone (each row accepts and re-masks its own counts, and keeps its
-own forward count); a row that finished its block waits (it is not forwarded) until every row has.
+Rows of a batch are decided alone (own counts, own forward count); a row that finished its block
+waits, not forwarded, until every row has.
 """
 from __future__ import annotations
 
@@ -30,8 +27,9 @@ import torch.nn.functional as F
 
 from remask.models.spec import get_spec
 
-from ..parts.checks import (check_bool, check_config_bounds, check_int, check_mask_id, check_prompt, check_real, check_stats,
-                     model_device)
+from ..parts.constrain import CommitFilter, end_ids_of
+from ..parts.checks import (check_bool, check_config_bounds, check_int, check_mask_id, check_prompt, check_real,
+                            check_stats, model_device)
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
 
@@ -55,9 +53,8 @@ class WINO:
         check_real("threshold_back", self.threshold_back, low=0, high=1)
         # int(masks * ratio) >= masks for any ratio >= 1 (and overflows at 1e308): (0, 1] is every rule
         check_real("accept_ratio", self.accept_ratio, low=0, high=1, low_open=True)
-        check_int("accept_floor", self.accept_floor, minimum=1)
-        check_int("accept_cap", self.accept_cap, minimum=1)
-        check_int("initial_last_accept", self.initial_last_accept, minimum=1)
+        for name in ("accept_floor", "accept_cap", "initial_last_accept"):
+            check_int(name, getattr(self, name), minimum=1)
         if self.accept_floor > self.accept_cap:
             raise ValueError(f"accept_floor ({self.accept_floor}) must not exceed accept_cap ({self.accept_cap})")
 
@@ -125,11 +122,9 @@ def wino_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO 
                   gen_length: int = 128, block_length: int = 128, attention_mask: torch.Tensor | None = None,
                   mask_id: int | None = None, stats: GenerationStats | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """WINO decoding (greedy). Returns `(x [B, P + gen_length], forwards [B])`: the prompt and the
-    generation, and each row's number of forwards (upstream's returned `step`).
-
-    `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad keys; RoPE positions stay absolute.
-    """
+    """WINO decoding (greedy). Returns `(x [B, P + gen_length], forwards [B])`: each row's forward
+    count is upstream's returned `step`. `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad
+    keys; RoPE positions stay absolute."""
     return drive(wino_steps(model, prompt, config=config, gen_length=gen_length, block_length=block_length,
                             attention_mask=attention_mask, mask_id=mask_id, stats=stats), model)
 
@@ -138,16 +133,13 @@ def wino_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | N
                gen_length: int = 128, block_length: int = 128, attention_mask: torch.Tensor | None = None,
                mask_id: int | None = None, stats: GenerationStats | None = None, structure=None, end_ids=()
                ) -> StepGenerator:
-    """`wino_generate`'s loop as a step generator (`diffusion/parts/stepper.py`): the arguments are
-    checked here, at the call; it yields a `Progress` after every forward (the canvas without the
-    shadow block; `final`: the blocks every row has decoded — a block's positions stay revocable
-    until it holds no mask) and returns the tuple `(x [B, P + gen_length], forwards [B])`.
-
-    `structure` / `end_ids`: structured output (`diffusion/parts/constrain.py`): each forward's
-    frontier masked before the rows decide, the commits filtered after; a narrow-out that remasks a
-    position the matcher consumed rolls it back. Departure under a structure: after
-    `2 * block_length` forwards in one block a row stops narrowing out (the filter's progress rule
-    then ends the block), so revocations and the filter cannot cycle."""
+    """`wino_generate` as a step generator (`diffusion/parts/stepper.py`), its arguments checked at
+    the call: it yields a `Progress` after every forward (the canvas without the shadow; `final`: the
+    blocks every row has decoded, a block staying revocable until it holds no mask) and returns
+    `(x, forwards)`. `structure` / `end_ids`: structured output (`diffusion/parts/constrain.py`):
+    the frontier masked before the rows decide, the commits filtered after; a narrow-out of a
+    consumed position rolls its matcher back. Departure: after `2 * block_length` forwards in one
+    block a row stops narrowing out (the filter then ends the block), so the two cannot cycle."""
     config = WINO() if config is None else config
     if not isinstance(config, WINO):
         raise ValueError(f"config must be a remask WINO, got {type(config).__name__}")
@@ -157,7 +149,7 @@ def wino_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | N
         raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
     config.check_request(gen_length=gen_length, block_length=block_length)
     check_stats("stats", stats)
-    spec = get_spec(model) if mask_id is None else get_spec(model, mask_id=mask_id)
+    spec = get_spec(model, mask_id=mask_id)
     check_mask_id(spec)
     check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
     mask_id = spec.mask_id
@@ -170,8 +162,6 @@ def wino_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | N
     if attention_mask is not None and bool((attention_mask == 0).any()):
         keys = torch.ones((B, real + block_length), dtype=torch.bool, device=device)
         keys[:, :P] = attention_mask != 0
-    from ..parts.constrain import CommitFilter, end_ids_of
-
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, mask_id, P, gen_length)
     return _wino_loop(config, x, keys, P, gen_length, block_length, mask_id, stats, constraint)
 
@@ -205,7 +195,8 @@ def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
                 break
             rows = torch.tensor(active, device=device)
             bias = allowed if allowed.shape[0] == 1 else allowed[rows]
-            logits = yield ForwardRequest(x[rows], per_row=dict(attention_bias=bias, position_ids=position_ids[None].expand(len(active), -1)))
+            positions = position_ids[None].expand(len(active), -1)
+            logits = yield ForwardRequest(x[rows], per_row=dict(attention_bias=bias, position_ids=positions))
             if stats is not None:
                 stats.forward(len(active), x.shape[1])
             committed = 0
@@ -229,10 +220,8 @@ def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
                         remask = remask[:0]
                 x[b, start + accept] = x0[start + accept]
                 x[b, start + remask] = mask_id
-                decoded[b, accept] = True
-                decoded[b, remask] = False
-                masked[b, accept] = False
-                masked[b, remask] = True
+                decoded[b, accept], masked[b, accept] = True, False
+                decoded[b, remask], masked[b, remask] = False, True
                 last_accept[b] = int(accept.numel())
                 forwards[b] += 1
                 committed += int(accept.numel()) - int(remask.numel())

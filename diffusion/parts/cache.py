@@ -1,19 +1,15 @@
-"""The forwards of a semi-autoregressive block under a KV-cache mode (Fast-dLLM's caches).
-
-Both block loops (LLaDA's in `llada.py`, Dream's in `dream.py`) call `refresh` at a block start
-and `step` for every later step; which positions a forward computes is decided here and nowhere
-else:
+"""The forwards of a semi-autoregressive block under a KV-cache mode (Fast-dLLM's caches). Both block loops (LLaDA's,
+Dream's) call `refresh` at a block start and `step` at every later step; which positions a forward computes is
+decided here and nowhere else:
 
 * ``None``: every forward is a full forward over all T positions.
-* ``"prefix"``: the block-start forward builds the cache, which is cut at the block start; each
-  step feeds the block and everything after it.
-* ``"dual"``: the block-start forward keeps the K/V of every position; each step feeds only the
-  block, whose fresh K/V overwrite its entries in place.
-* ``"paged"`` (or a `PagedKVCache`): the dual algorithm with the K/V outside the block in pages,
-  attended by the paged-attention kernel.
+* ``"prefix"``: the block-start forward builds the cache, cut at the block start; each step feeds the block and
+  everything after it.
+* ``"dual"``: the block-start forward keeps every position's K/V; each step feeds only the block, whose fresh K/V
+  overwrite its entries in place.
+* ``"paged"`` (or a `PagedKVCache`): dual, with the K/V outside the block in pages (the paged-attention kernel).
 
-Keys are cached after RoPE (the references cache them before and rotate every key again at
-every step; the rotated values are the same).
+Keys are cached after RoPE (the references rotate every cached key again at every step: the same values).
 """
 from __future__ import annotations
 
@@ -42,16 +38,12 @@ def valid_positions(attention_mask: torch.Tensor | None, total_len: int) -> torc
     """`[B, total_len]` bool, False on the left pads of a `[B, P]` prompt mask (None: no padding)."""
     if attention_mask is None:
         return None
-    ones = torch.ones((attention_mask.shape[0], total_len - attention_mask.shape[1]), dtype=torch.bool,
-                      device=attention_mask.device)
-    return torch.cat([attention_mask.bool(), ones], dim=1)
+    return torch.nn.functional.pad(attention_mask.bool(), (0, total_len - attention_mask.shape[1]), value=True)
 
 
 class BlockForward:
-    """The forwards of the block loop, as sub-generators of `ForwardRequest`s (``yield from``):
-    `refresh(x, start, end)` → logits `[B, T, V]`; `step(x, start, end)` → (logits of the fed
-    positions, index of the first fed position). The cache's bookkeeping (a new cache at the block
-    start, the prefix cache's crop) happens around the request, so either driver gets the same."""
+    """The block loop's forwards as sub-generators of `ForwardRequest`s (``yield from``), the cache's
+    bookkeeping around each request (so either driver gets the same)."""
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, use_cache: Any, forward_inputs: dict[str, Any],
                  valid: torch.Tensor | None) -> None:
@@ -66,31 +58,26 @@ class BlockForward:
         return 0 if self.cache is None else self.cache.nbytes
 
     def refresh(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, torch.Tensor]:
-        if self.mode is None:
-            return (yield ForwardRequest.call(x, self.forward_inputs, spec=self.spec))
+        """The block-start forward: logits `[B, T, V]`."""
         if self.paged is not None:
             self.paged.begin_block(x, self.valid, start, end)
-        else:
+        elif self.mode is not None:
             self.cache = KVCache()
-        return (yield from self._cached_forward(self.cache, x, start, end, refresh=True))[0]
+        return (yield from self.step(x, start, end, refresh=True))[0]
 
-    def step(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
+    def step(self, x: torch.Tensor, start: int, end: int,
+             refresh: bool = False) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
+        """(logits of the fed positions, the first one's index), per the mode (`refresh`: all, filling the cache)."""
         if self.mode is None:
             return (yield ForwardRequest.call(x, self.forward_inputs, spec=self.spec)), 0
-        return (yield from self._cached_forward(self.cache, x, start, end, refresh=False))
-
-    def _cached_forward(self, cache: KVCache | PagedKVCache, x: torch.Tensor, start: int, end: int,
-                        refresh: bool) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
-        """The block-start forward over every position (it fills `cache`), or a cached step over
-        the block (dual, paged) or the block and what follows it (prefix); (logits, first fed)."""
         if refresh:
             fed, fed_end, inputs = 0, x.shape[1], self.forward_inputs
         else:
             fed, fed_end = start, (x.shape[1] if self.mode == "prefix" else end)
             inputs = self.spec.inputs_for_positions(self.forward_inputs, start, fed_end)
-        cache.write_start = fed   # the model reads it instead of cache_position[0] (no host sync)
-        logits = yield ForwardRequest.call(x[:, fed:fed_end], inputs, spec=self.spec, cache=cache,
+        self.cache.write_start = fed   # the model reads it instead of cache_position[0] (no host sync)
+        logits = yield ForwardRequest.call(x[:, fed:fed_end], inputs, spec=self.spec, cache=self.cache,
                                            cache_position=torch.arange(fed, fed_end, device=x.device))
         if self.mode == "prefix":
-            cache.crop(start)   # the suffix's K/V are recomputed at every step, never kept
+            self.cache.crop(start)   # the suffix's K/V are recomputed at every step, never kept
         return logits, fed

@@ -1,11 +1,7 @@
-"""The validation layer: every public entry point (`generate`, `diffusion_generate`, `ar_generate`,
-`compat.fast_dllm`, `APDConfig`, `SparseConfig`, and later `SamplingParams` and the server)
-checks its arguments here, once per call, before anything reaches the model.
-
-Every error names the parameter, the value and what is allowed. A value of the wrong type raises
-`ParameterTypeError`, which is both a `TypeError` and a `ValueError`, so `except ValueError`
-catches every bad argument (as a server turning them into HTTP 400 needs). Tensor checks cost a
-host sync or two per call, never one per step.
+"""The validation layer: every public entry point (the drop-in functions, the configs, `SamplingParams`, the
+server) checks its arguments here, once per call, before the model. Every error names the parameter, the value and
+what is allowed. A wrong type raises `ParameterTypeError`, both a `TypeError` and a `ValueError`, so
+`except ValueError` catches every bad argument (a server's HTTP 400). Tensor checks cost a host sync or two per call.
 """
 from __future__ import annotations
 
@@ -24,9 +20,7 @@ from remask.models.spec import ModelSpec
 
 
 class CombinationError(ValueError, NotImplementedError):
-    """Parts that do not combine (a method and a model layout, a cache and a rule): the message
-    names both. A ValueError (bad input, refused at the call or at `add_request`) and, for callers
-    that caught it before, a NotImplementedError."""
+    """Parts that do not combine (both named): a ValueError, and a NotImplementedError for older callers."""
 
 
 class ParameterTypeError(TypeError, ValueError):
@@ -34,9 +28,7 @@ class ParameterTypeError(TypeError, ValueError):
 
 
 def _type_name(value: Any) -> str:
-    if torch.is_tensor(value):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    return type(value).__name__
+    return f"a {value.dtype} tensor of shape {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__
 
 
 def check_bool(name: str, value: Any) -> bool:
@@ -51,8 +43,8 @@ def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int
     """An integer (not a bool, float or tensor) in [minimum, maximum]."""
     if value is None and allow_none:
         return None
-    bounds = "" if minimum is None and maximum is None else (
-        f" >= {minimum}" if maximum is None else (f" <= {maximum}" if minimum is None else f" in [{minimum}, {maximum}]"))
+    bounds = "" if minimum is None and maximum is None else (f" >= {minimum}" if maximum is None else (
+        f" <= {maximum}" if minimum is None else f" in [{minimum}, {maximum}]"))
     allowed = f"an int{bounds}" + (" or None" if allow_none else "")
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ParameterTypeError(f"{name} must be {allowed}, got {value!r} ({_type_name(value)})")
@@ -62,22 +54,18 @@ def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int
     return value
 
 
-# Work bounds (docs/parameters.md, "Work bounds"): the largest value of each setting that sizes a
-# request's work which can still change the answer. Beyond them a request only burns memory and
-# time (`steps=10**9` allocated O(steps) and OOM-killed a server), so they are refused by name.
+# Work bounds (docs/parameters.md): the largest value of each setting sizing a request's work that can
+# still change the answer; beyond them a request only burns memory and time (`steps=10**9` OOM-killed a server).
 MAX_N = 128                 # samples per prompt: OpenAI's cap (a server may set its own: build_app(max_n=...))
 SEED_LIMIT = 1 << 64        # torch.Generator.manual_seed takes [0, 2**64) (it wraps negatives, overflows beyond)
 MAX_TEMPERATURE = 100.0     # far past uniform sampling already (logits are O(10)); 1e308 is a typo, not a setting
-MAX_LOOP_STEPS = 1024       # loops with no token count to bound them (DiffusionGemma's max_denoising_steps,
-                            # default 48; LLaDA2.1's max_post_steps, default 16): ~20x their defaults
-MAX_STOP_STRINGS = 64       # `stop` strings per request: each is searched in every sample's text as it grows
-                            # (OpenAI takes 4; 20,000 of them is a denial of service, not a setting)
+MAX_LOOP_STEPS = 1024       # ~20x the defaults of DiffusionGemma's max_denoising_steps (48), LLaDA2.1's max_post_steps
+MAX_STOP_STRINGS = 64       # `stop` strings per request, each searched in every sample's growing text (OpenAI: 4)
 MAX_STOP_LENGTH = 256       # characters per `stop` string: a marker that ends the text, not a document
 
 
 def check_stop(stop: Any) -> tuple[str, ...]:
-    """`stop`: a non-empty string or a list of them, at most MAX_STOP_STRINGS strings of at most
-    MAX_STOP_LENGTH characters each; returns them as a tuple."""
+    """`stop`: a non-empty string or a list of ≤ MAX_STOP_STRINGS of them (≤ MAX_STOP_LENGTH each), as a tuple."""
     strings = (stop,) if isinstance(stop, str) else stop
     if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) and s for s in strings):
         raise ParameterTypeError(f"stop must be a non-empty string or a list of them, got {reprlib.repr(stop)}")
@@ -91,10 +79,9 @@ def check_stop(stop: Any) -> tuple[str, ...]:
 
 
 def check_at_most(name: str, value: int | None, maximum: int, what: str, default: int | None = None) -> None:
-    """A config's int setting (already checked as an int) at most `maximum`, the largest value that
-    can still change the decoding (`what` names it: "the block length"): past it the setting would
-    act as `maximum` (a silent clamp), so it is refused by name. The config's `default` passes
-    whatever the request (it reads "up to default"): the bound is then max(maximum, default)."""
+    """A config's int setting at most `maximum`, the largest value that can still change the decoding (`what` names
+    it: "the block length"); past it the setting would silently act as `maximum`. The config's `default` always
+    passes: the bound is max(maximum, default)."""
     bound = maximum if default is None else max(maximum, default)
     if value is not None and value > bound:
         also = "" if bound == maximum else f"; its default {default} always passes"
@@ -102,17 +89,15 @@ def check_at_most(name: str, value: int | None, maximum: int, what: str, default
 
 
 def check_config_bounds(config: Any, prefix: str, bounds: dict[str, tuple[int, str]]) -> None:
-    """`check_at_most` for fields of a dataclass config, `bounds` mapping each field to (maximum,
-    what the maximum is); errors name ``prefix.field`` (`decoder.draft_steps`)."""
+    """`check_at_most` for a dataclass config's fields (`bounds`: field → (maximum, what)), named ``prefix.field``."""
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
     for field, (maximum, what) in bounds.items():
         check_at_most(f"{prefix}.{field}", getattr(config, field), maximum, what, defaults[field])
 
 
 def check_seed(seed: Any, n: int = 1) -> int | None:
-    """None, or an int seed with `seed + n - 1` (sample i draws from `seed + i`) below 2**64, the
-    range `torch.Generator.manual_seed` takes — named here rather than as torch's "Overflow when
-    unpacking long long"."""
+    """None, or an int seed with `seed + n - 1` (sample i draws from `seed + i`) below 2**64, as
+    `torch.Generator.manual_seed` needs (rather than torch's "Overflow when unpacking long long")."""
     check_int("seed", seed, minimum=0, allow_none=True)
     if seed is not None and seed + n - 1 >= SEED_LIMIT:
         raise ValueError(f"seed must be an int in [0, 2**64 - n] (sample i draws from seed + i; n = {n}), got {seed}")
@@ -120,8 +105,7 @@ def check_seed(seed: Any, n: int = 1) -> int | None:
 
 
 def check_steps(name: str, steps: Any, maximum: int, what: str, allow_none: bool = True) -> int | None:
-    """A step count ≥ 1 and ≤ `maximum`: each step of the rule commits at least one token, so more
-    steps than `what` (the tokens there are to commit) cannot change the answer."""
+    """A step count in [1, `maximum`]: each step commits a token, so more than `what` cannot change the answer."""
     check_int(name, steps, minimum=1, allow_none=allow_none)
     if steps is not None and steps > maximum:
         raise ValueError(f"{name} must be <= {what} ({maximum}): each step commits at least one token, so more "
@@ -130,8 +114,7 @@ def check_steps(name: str, steps: Any, maximum: int, what: str, allow_none: bool
 
 
 def check_min_tokens(min_tokens: Any, max_tokens: int) -> int:
-    """`min_tokens` (vLLM's): an int in [0, max_tokens] — the tokens an answer has before an end
-    token (EOS/EOT, `stop_token_ids`) or a `stop` string may end it."""
+    """`min_tokens` (vLLM's): the tokens before an end token or `stop` string may end the answer, in [0, max_tokens]."""
     check_int("min_tokens", min_tokens, minimum=0)
     if min_tokens > max_tokens:
         raise ValueError(f"min_tokens must be <= max_tokens ({max_tokens}), got {min_tokens}")
@@ -140,23 +123,19 @@ def check_min_tokens(min_tokens: Any, max_tokens: int) -> int:
 
 def check_real(name: str, value: Any, *, low: float | None = None, high: float | None = None,
                low_open: bool = False, high_open: bool = False, allow_none: bool = False) -> float | None:
-    """A finite real number (int or float, not a bool, string or tensor) in the interval given by
-    `low`/`high`, each end closed unless `low_open`/`high_open`."""
+    """A finite real (int or float, not a bool or tensor) in [low, high], each end open with `low_open`/`high_open`."""
     if value is None and allow_none:
         return None
-    interval = ""
-    if low is not None or high is not None:
-        interval = (f" in {'(' if low_open else '['}{'-inf' if low is None else low}, "
-                    f"{'inf' if high is None else high}{')' if high_open or high is None else ']'}")
+    interval = "" if low is None and high is None else (
+        f" in {'(' if low_open else '['}{'-inf' if low is None else low}, "
+        f"{'inf' if high is None else high}{')' if high_open or high is None else ']'}")
     allowed = f"a finite number{interval}" + (" or None" if allow_none else "")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ParameterTypeError(f"{name} must be {allowed}, got {value!r} ({_type_name(value)})")
     value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be {allowed}, got {value}")
-    if low is not None and (value < low or (low_open and value == low)):
-        raise ValueError(f"{name} must be {allowed}, got {value}")
-    if high is not None and (value > high or (high_open and value == high)):
+    too_low = low is not None and (value < low or (low_open and value == low))
+    too_high = high is not None and (value > high or (high_open and value == high))
+    if not math.isfinite(value) or too_low or too_high:
         raise ValueError(f"{name} must be {allowed}, got {value}")
     return value
 
@@ -221,12 +200,9 @@ def check_model_kind(spec: ModelSpec, *, diffusion: bool, entry: str) -> None:
 
 def check_prompt(model: torch.nn.Module, prompt: Any, attention_mask: Any, name: str = "prompt",
                  spec: ModelSpec | None = None, mask_in_prompt: str = "allow") -> None:
-    """A `[B, P]` integer tensor of token ids inside the vocabulary on the model's device, and an
-    optional `[B, P]` 0/1 `attention_mask`, left-padded with at least one real token per row (a
-    right-padded mask is refused: the samplers append after the last column).
-
-    `mask_in_prompt`: "allow" (the sampler infills masks anywhere, as Dream's) or "refuse" (the
-    sampler decodes only the positions after the prompt, so a mask there would be returned)."""
+    """A `[B, P]` integer tensor of in-vocabulary ids on the model's device, and an optional 0/1 `attention_mask` of
+    its shape, left-padded (the samplers append after the last column), a real token in every row. `mask_in_prompt`:
+    "allow" (the sampler infills masks anywhere, as Dream's) or "refuse" (it decodes only after the prompt)."""
     if not torch.is_tensor(prompt) or prompt.dim() != 2:
         raise ValueError(f"{name} must be a 2-D LongTensor [batch, length], got "
                          f"{type(prompt).__name__}{tuple(prompt.shape) if torch.is_tensor(prompt) else ''}")
@@ -249,17 +225,16 @@ def check_prompt(model: torch.nn.Module, prompt: Any, attention_mask: Any, name:
         return
     # One host sync for every tensor check.
     facts = [prompt.min(), prompt.max()]
-    if attention_mask is not None:
-        mask = attention_mask
+    mask = attention_mask
+    if mask is not None:
         facts += [((mask != 0) & (mask != 1)).any(), (mask[:, 1:] < mask[:, :-1]).any(), (mask[:, -1] != 1).any()]
     if mask_in_prompt == "refuse" and spec.mask_id is not None:
         facts.append((prompt == spec.mask_id).any())
     facts = [int(f) for f in torch.stack([f.to(device=prompt.device, dtype=torch.long) for f in facts]).tolist()]
-    low, high = facts[0], facts[1]
-    if spec.vocab_size is not None and (low < 0 or high >= spec.vocab_size):
-        bad = low if low < 0 else high
+    bad = facts[0] if facts[0] < 0 else facts[1]   # the min if negative, else the max
+    if spec.vocab_size is not None and not 0 <= bad < spec.vocab_size:
         raise ValueError(f"{name} holds token id {bad}, outside the model's vocabulary [0, {spec.vocab_size})")
-    if attention_mask is not None:
+    if mask is not None:
         not_binary, not_left, empty = facts[2:5]
         if not_binary:
             raise ValueError("attention_mask must hold only 0 (pad) and 1 (token)")
@@ -275,12 +250,10 @@ def check_prompt(model: torch.nn.Module, prompt: Any, attention_mask: Any, name:
                          "or infill with remask.diffusion_generate (Dream's sampler fills masks anywhere)")
 
 
-def check_mask_id(spec: ModelSpec, prompt: torch.Tensor | None = None) -> None:
+def check_mask_id(spec: ModelSpec) -> None:
     if spec.mask_id is None:
         raise ValueError(f"the model ({spec.kind}) has no mask token: pass mask_id=<id of the mask token>")
-    check_int("mask_id", spec.mask_id)
-    if spec.vocab_size is not None and not 0 <= spec.mask_id < spec.vocab_size:
-        raise ValueError(f"mask_id={spec.mask_id} is outside the vocabulary [0, {spec.vocab_size})")
+    check_token_id(spec, spec.mask_id, "mask_id")
     if spec.pad_id is not None and spec.mask_id == spec.pad_id:
         raise ValueError(f"mask_id={spec.mask_id} equals the pad token id; the mask id must differ from pad_id")
 
@@ -291,9 +264,7 @@ def check_length(spec: ModelSpec, total: int, what: str) -> None:
 
 
 def check_context(spec: ModelSpec, prompt_length: int, max_tokens: int) -> None:
-    """The prompt and `max_tokens` within the model's context, checked before anything is sized by
-    `max_tokens` (a canvas, a schedule), so `max_tokens=10**9` costs nothing; the error names
-    `max_tokens` (or the prompt, when it alone leaves no room)."""
+    """The prompt and `max_tokens` within the model's context: checked before anything is sized by `max_tokens`."""
     if spec.max_length is None:
         return
     if prompt_length >= spec.max_length:
@@ -326,8 +297,7 @@ def check_optional_token_id(spec: ModelSpec, value: Any, name: str) -> int | Non
 
 
 def warn(message: str) -> None:
-    """A UserWarning attributed to the caller's line, outside remask and torch (whose decorators
-    add frames), so it reads as a warning about the caller's own call."""
+    """A UserWarning attributed to the caller's line, outside remask and torch (whose decorators add frames)."""
     inner = tuple(os.path.dirname(sys.modules[name].__file__) + os.sep for name in (
         "torch", "remask", "remask.diffusion", "remask.models", "remask.kernels") if name in sys.modules)
     frame, level = sys._getframe(1), 2
@@ -344,16 +314,14 @@ def warn_if_padded_without_mask(prompt: torch.Tensor, attention_mask: Any, pad_i
 
 
 def warn_if_longer_than_trained(spec: ModelSpec, gen_length: int) -> None:
-    """Models that declare the answer length they were trained on (remask's tiny models) return
-    confident nonsense beyond it; say so instead of staying silent."""
+    """Warn past the answer length a model declares it was trained on (remask's tiny models): nonsense beyond it."""
     if spec.trained_gen_length is not None and gen_length > spec.trained_gen_length:
         warn(f"gen_length={gen_length} is longer than the answers this model was trained on "
              f"({spec.trained_gen_length} positions, config.trained_gen_length): expect nonsense beyond them")
 
 
 def check_settings(field: str, settings: Any, allowed: Sequence[str]) -> dict:
-    """A dict of a decoder's settings (e.g. `SamplingParams.sdar`): a dict whose keys are in
-    `allowed`; returns a copy for the caller's per-key checks (named ``field.key``)."""
+    """A decoder's settings (e.g. `SamplingParams.sdar`): a dict with keys in `allowed`, copied for per-key checks."""
     if not isinstance(settings, dict):
         raise ParameterTypeError(f"{field} must be a dict of {list(allowed)}, got {type(settings).__name__}")
     unknown = sorted(set(settings) - set(allowed))

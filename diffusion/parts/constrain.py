@@ -1,49 +1,24 @@
-"""The structured-output part of a masked-diffusion commit (`remask/structured.py` holds the
-matcher): one `CommitFilter` per decoding state, one `Matcher` per row.
+"""The structured-output part of a masked-diffusion commit (`remask/structured.py` holds the matcher): one
+`CommitFilter` per decoding state, one `Matcher` per row.
 
-A row's answer is the canvas from `answer_start` on. The matcher sits at the row's *frontier*
-`f = answer_start + matcher.position`: every position before f is committed and was consumed by
-the matcher; f itself is undecided. Around a decoder's own rule (any rule: LLaDA's schedule,
-Fast-dLLM's threshold / factor, dInfer's, ...) a step is:
+A row's matcher sits at its *frontier* `f = answer_start + matcher.position`: every answer position before f is
+committed and consumed, f is undecided. Around a decoder's own rule (any: LLaDA's schedule, Fast-dLLM's threshold,
+dInfer's, ...) a step is:
 
-1. `mask_frontier(logits, ...)`: f's logits get the matcher's mask before the rule scores them, so
-   whatever the rule commits at f is valid (a copy: a shared forward's logits are never written).
+1. `mask_frontier`: a copy of f's logits gets the matcher's mask, so what the rule commits at f is valid (a shared
+   forward's logits are never written).
 2. The rule selects and commits as it always does.
-3. `filter(...)`: a clone of the matcher walks the window from f to its last committed position;
-   a hole is filled with the model's own best valid token at that position (the rule's candidate
-   `x0` if the clone accepts it, else the argmax of the clone-masked logits: the lookahead), and a
-   committed token the clone does not accept is taken back (set to the mask again — a commit
-   beyond f is kept only if the lookahead fill up to it accepts it; a commit of an earlier step
-   whose lookahead no longer holds is revoked the same way). Then the real matcher advances over
-   the contiguous committed run from f. A row whose window did not fill further this step gets its
-   frontier committed (the rule's masked candidate there): with the frontier fixed the filled count
-   grows every step, so every window fills and every answer ends.
-4. End tokens are allowed only where the structure is complete (`Matcher.allowed`); once a row's
-   matcher consumed an end token, the rest of its answer is that end token (the families'
-   convention) and the row is `finished`.
+3. `filter`: a clone of the matcher walks the window from f to its last commit, filling each hole with the model's
+   best valid token (the rule's candidate if accepted, else the masked argmax: the lookahead) and remasking each
+   commit it refuses (an earlier step's too). The real matcher then advances over the committed run from f. A row
+   whose window did not fill further gets its frontier committed, so every window fills and every answer ends.
+4. End tokens are allowed only where the structure is complete; once one is consumed, the rest of the answer is
+   that token (the families' convention) and the row is `finished`.
 
-So every token in the canvas has been accepted on a full path from the answer's start, and the
-final answer (no holes left) is consumed by the matcher token by token: it is a valid prefix,
-complete when it holds an end token. A decoder calling this must keep stepping while its window
-has holes (the filter may leave more than the rule's schedule planned), e.g. LLaDA's block rule
-runs extra one-token steps after its schedule.
-
-Revocations of the decoder's own (WINO's narrow-out, any rule that remasks or rewrites a position
-the matcher already consumed): `filter` compares the window with `before`; at the first consumed
-position that changed, the matcher rolls back to it (`Matcher.rollback`), and the walk above
-re-validates everything from there. A row whose matcher had ended and rolls back before its end
-token gets the end fill after the window undone (those positions are undecided again); a row still
-ended gets its end fill written again (whatever the decoder put after the end token).
-
-Any decoder that writes a canvas from logits of the positions it decodes can call it, in the same
-three calls (mask, its rule, filter): LLaDA's `BlockDecoder.commit`, Dream's `DreamDecoder` (the
-whole answer is the window) and `DreamBlockDecoder` (the block), dInfer's rules (`_Decoder.decode`),
-WINO (its revocations roll the matcher back), FreeDave (its step function, applied to drafts
-with cloned filters: `clone_rows`), and the cache methods: dKV-Cache (Decode, Greedy, Dream's: the
-latter through `DreamDecoder`) and d2Cache, whose forwards cover some positions only (`mask_at`
-masks the frontier among them; each keeps the frontier's scorer forwarded), and Elastic-Cache (the
-window from the frontier, its own rule or a commit rule). `structure_for_call` is the drop-in functions' one entry
-(the checks of `remask/structured.py`, as `SamplingParams` runs them).
+So the final answer is a valid prefix, complete with an end token. A decoder keeps stepping while its window has
+holes (LLaDA's block rule adds one-token steps). A decoder's own revocations (WINO's, any rule rewriting a consumed
+position) roll the matcher back to the first changed position (`before` vs the window); the walk re-validates from
+there. Callers: LLaDA's, Dream's, dInfer's, WINO's, FreeDave's (`clone_rows`), dKV's, d2Cache's (`mask_at`), Elastic's.
 """
 from __future__ import annotations
 
@@ -55,17 +30,14 @@ from remask.models.parallel import full_logits
 
 
 class CommitFilter:
-    """Structured output for one decoding state of `len(matchers)` rows (see the module
-    docstring). `mask_id`: the canvas's undecided id; the answer of every row spans canvas
-    positions `[answer_start, answer_start + answer_len)`."""
+    """Structured output for one decoding state of `len(matchers)` rows, answers at `[answer_start, +answer_len)`."""
 
     def __init__(self, matchers: Sequence[Any], mask_id: int, answer_start: int, answer_len: int) -> None:
         self.matchers = list(matchers)
         self.mask_id, self.answer_start, self.answer_len = int(mask_id), int(answer_start), int(answer_len)
-        self.revoked = 0          # commits taken back (a beyond-frontier token the lookahead stopped accepting)
-        self.rejected = 0         # commits refused in the step that made them
-        self.forced = 0           # frontier commits made for progress
-        self.rolled_back = 0      # matcher rollbacks (the decoder revoked a consumed position)
+        # commits taken back (the lookahead stopped accepting them) or refused in the step that made them, frontier
+        # commits made for progress, matcher rollbacks (the decoder revoked a consumed position)
+        self.revoked = self.rejected = self.forced = self.rolled_back = 0
 
     @classmethod
     def start(cls, structure: Any, end_ids: Sequence[int], batch: int, mask_id: int, answer_start: int,
@@ -79,40 +51,36 @@ class CommitFilter:
         return cls([structure.matcher(end_ids) for _ in range(batch)], mask_id, answer_start, answer_len)
 
     def rows(self, index: Sequence[int]) -> "CommitFilter":
-        """A filter over the rows `index` of this one, sharing their matchers (a decoder that steps a
-        subset of its rows: the same matchers advance)."""
+        """A filter over the rows `index` of this one, sharing their matchers (a decoder stepping some rows)."""
         return CommitFilter([self.matchers[i] for i in index], self.mask_id, self.answer_start, self.answer_len)
 
     def clone_rows(self, index: Sequence[int]) -> "CommitFilter":
-        """A filter over clones of the matchers of rows `index` (repeats allowed): a lookahead that
-        leaves this filter unchanged (FreeDave's drafts)."""
-        return CommitFilter([self.matchers[i].clone() for i in index], self.mask_id, self.answer_start,
-                            self.answer_len)
+        """A filter over clones of the matchers of rows `index` (repeats allowed): FreeDave's drafts."""
+        return CommitFilter([self.matchers[i].clone() for i in index], self.mask_id, self.answer_start, self.answer_len)
 
     def sync(self, x: torch.Tensor) -> None:
-        """Advance each row's matcher over the contiguous committed run of `x` `[B, T]` from its
-        frontier, as far as it accepts (a canvas a decoder adopted whole, e.g. an accepted draft)."""
+        """Advance each row's matcher over the committed run of `x` from its frontier (a canvas adopted whole)."""
         for b, matcher in enumerate(self.matchers):
             if matcher.ended:
                 continue
-            row = x[b, self.frontier(b):self.answer_start + self.answer_len].tolist()
-            for token in row:
+            for token in x[b, self.frontier(b):self.answer_start + self.answer_len].tolist():
                 if token == self.mask_id or not matcher.try_advance(token):
                     break
-            if matcher.ended:   # complete: the rest is its end token
-                at = self.answer_start + matcher._ended_at
-                x[b, at:self.answer_start + self.answer_len] = int(x[b, at])
-                matcher.position = self.answer_len
+            if matcher.ended:
+                self._fill_end(x, b)
+
+    def _fill_end(self, x: torch.Tensor, b: int) -> None:
+        """Row b's matcher consumed an end token: the rest of its answer is that token (EOS padding)."""
+        at = self.answer_start + self.matchers[b]._ended_at
+        x[b, at:self.answer_start + self.answer_len] = int(x[b, at])
+        self.matchers[b].position = self.answer_len
 
     def unsettled(self, x: torch.Tensor, start: int, end: int) -> list[bool]:
-        """Per row: whether `x[:, start:end]` still needs steps — a hole, or (never after `filter`)
-        committed tokens the matcher has not consumed."""
-        out = []
-        for b, matcher in enumerate(self.matchers):
-            f = self.frontier(b)
-            out.append(not matcher.ended and f < min(end, self.answer_start + self.answer_len)
-                       and (start <= f or bool((x[b, start:end] == self.mask_id).any())))
-        return out
+        """Per row: whether `x[:, start:end]` still needs steps (a hole, or unconsumed commits)."""
+        last = min(end, self.answer_start + self.answer_len)
+        return [not m.ended and self.frontier(b) < last
+                and (start <= self.frontier(b) or bool((x[b, start:end] == self.mask_id).any()))
+                for b, m in enumerate(self.matchers)]
 
     def frontier(self, row: int) -> int:
         """The canvas position of row `row`'s first undecided answer position."""
@@ -123,29 +91,19 @@ class CommitFilter:
         return [m.ended or m.position >= self.answer_len for m in self.matchers]
 
     def mask_frontier(self, logits: torch.Tensor, start: int, end: int, local: int) -> torch.Tensor:
-        """`logits` `[B, L, V]` whose row `local + (p - start)` holds canvas position p of the window
-        `[start, end)`: a copy with each row's frontier (if in the window) masked to the ids its
-        structure allows; `logits` itself if no frontier is in the window."""
-        rows = [(b, self.frontier(b)) for b, m in enumerate(self.matchers) if not m.ended]
-        rows = [(b, f) for b, f in rows if start <= f < end]
-        if not rows:
-            return logits
-        logits = full_logits(logits).clone()
-        for b, f in rows:
-            r = local + f - start
-            logits[b, r] = self.matchers[b].mask_logits(logits[b, r])
-        return logits
+        """`logits` `[B, L, V]` (row `local + p - start`: canvas position p of the window `[start, end)`) with each
+        row's frontier in the window masked to what its structure allows (a copy)."""
+        frontiers = [(b, self.frontier(b)) for b, m in enumerate(self.matchers) if not m.ended]
+        return self._masked(logits, [(b, local + f - start) for b, f in frontiers if start <= f < end])
 
     def mask_at(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """`logits` `[B, n, V]` of the canvas positions `positions` `[B, n]` (a cache's forward of some
-        positions only: dKV-Cache's, d2Cache's): a copy with each row's frontier, where it was
-        forwarded, masked as `mask_frontier` masks it; `logits` itself if no row's was."""
+        """`mask_frontier` for `logits` `[B, n, V]` of the positions `positions` `[B, n]` (a partial forward)."""
         at = positions.tolist()
-        rows = []
-        for b, matcher in enumerate(self.matchers):
-            f = self.frontier(b)
-            if not matcher.ended and f in at[b]:
-                rows.append((b, at[b].index(f)))
+        frontiers = [(b, self.frontier(b)) for b, m in enumerate(self.matchers) if not m.ended]
+        return self._masked(logits, [(b, at[b].index(f)) for b, f in frontiers if f in at[b]])
+
+    def _masked(self, logits: torch.Tensor, rows: list[tuple[int, int]]) -> torch.Tensor:
+        """`logits` with `logits[b, r]` masked by row b's matcher for each (b, r) in `rows` (a copy if any)."""
         if not rows:
             return logits
         logits = full_logits(logits).clone()
@@ -154,14 +112,12 @@ class CommitFilter:
         return logits
 
     def _best(self, matcher: Any, logits_row: torch.Tensor, candidate: int | None) -> int:
-        """The lookahead's token at a hole: the rule's candidate if the matcher accepts it, else the
-        best allowed id by the logits. The matcher advances over it."""
+        """The lookahead's token at a hole (consumed): the rule's candidate if accepted, else the best allowed id."""
         if candidate is not None and candidate != self.mask_id and matcher.try_advance(candidate):
             return candidate
         masked = matcher.mask_logits(logits_row.float())
         if bool(torch.isinf(masked.max())):
-            # the row's logits were masked for another path (a frontier since rolled back): the
-            # first allowed id
+            # the logits were masked for another path (a frontier since rolled back): the first allowed id
             token = int(matcher.allowed().nonzero()[0])
         else:
             token = int(masked.argmax())
@@ -171,18 +127,15 @@ class CommitFilter:
 
     def filter(self, x: torch.Tensor, before: torch.Tensor, x0: torch.Tensor, logits: torch.Tensor,
                start: int, end: int, local: int) -> list[int]:
-        """After the rule committed into `x[:, start:end]` (`before`: that window before the rule,
-        `x0`: the rule's candidates `[B, end - start]`, `logits` as in `mask_frontier`, after it):
-        take back what the structure does not accept, advance the matchers, finish ended rows.
-        Returns each row's net new commits."""
-        mask_id = self.mask_id
+        """After the rule committed into `x[:, start:end]` (`before`: the window before it, `x0`: its candidates
+        `[B, end - start]`, `logits` as in `mask_frontier`): take back what the structure refuses, advance the
+        matchers, finish ended rows. Returns each row's net new commits."""
+        mask_id, answer_end = self.mask_id, self.answer_start + self.answer_len
         logits = _Rows(logits)   # whole rows on first use (a tensor-parallel DTensor is gathered once)
         window = x[:, start:end]
-        now_rows, before_rows, cand_rows = window.tolist(), before.tolist(), x0.tolist()
-        answer_end = self.answer_start + self.answer_len
         gained: list[int] = []
-        for b, matcher in enumerate(self.matchers):
-            row, prior, cand = now_rows[b], before_rows[b], cand_rows[b]
+        rows = zip(self.matchers, window.tolist(), before.tolist(), x0.tolist())
+        for b, (matcher, row, prior, cand) in enumerate(rows):
             f = self.frontier(b)
             # the decoder's own revocations: a consumed position it remasked or rewrote rolls the
             # matcher back to it (the walk below re-validates what follows)
@@ -195,13 +148,9 @@ class CommitFilter:
                 if was_ended and not matcher.ended and end < answer_end:
                     x[b, end:answer_end] = mask_id   # the end fill after the window is undecided again
                 f = self.frontier(b)
-            if matcher.ended:
-                # the answer is complete: the rest is its end token, whatever the decoder wrote there
-                at = self.answer_start + matcher._ended_at
-                x[b, at:answer_end] = int(x[b, at])
-                matcher.position = self.answer_len
-                gained.append(sum(1 for i, t in enumerate(x[b, start:end].tolist())
-                                  if t != mask_id and prior[i] == mask_id))
+            if matcher.ended:   # the end fill again, whatever the decoder wrote there
+                self._fill_end(x, b)
+                gained.append(sum(t != mask_id and p == mask_id for t, p in zip(x[b, start:end].tolist(), prior)))
                 continue
             changed = False
             if start <= f < end:
@@ -209,48 +158,37 @@ class CommitFilter:
                 if committed:
                     clone = matcher.clone()
                     for i in range(f - start, committed[-1] + 1):
-                        token = row[i]
-                        if token != mask_id:
-                            if clone.try_advance(token):
+                        if row[i] != mask_id:
+                            if clone.try_advance(row[i]):
                                 continue
                             row[i] = mask_id
                             changed = True
-                            if prior[i] == mask_id:
-                                self.rejected += 1
-                            else:
-                                self.revoked += 1
+                            self.rejected += prior[i] == mask_id
+                            self.revoked += prior[i] != mask_id
                         if i < committed[-1]:
                             self._best(clone, logits[b, local + i], cand[i])
-                filled = sum(1 for t in row if t != mask_id)
-                if filled <= sum(1 for t in prior if t != mask_id) and row[f - start] == mask_id:
+                if row.count(mask_id) >= prior.count(mask_id) and row[f - start] == mask_id:
                     # progress: a step that did not fill more of the window commits the frontier (the
                     # rule's candidate there was scored from masked logits; else the best allowed id),
                     # the same token the lookahead gave it, so the tail it validated stays valid
-                    probe = matcher.clone()
-                    row[f - start] = self._best(probe, logits[b, local + f - start], cand[f - start])
+                    row[f - start] = self._best(matcher.clone(), logits[b, local + f - start], cand[f - start])
                     self.forced += 1
                     changed = True
                 # the real matcher over the contiguous committed run from the frontier
                 i = f - start
                 while i < end - start and row[i] != mask_id:
-                    ok = matcher.try_advance(row[i])
-                    if not ok:   # a later commit the lookahead accepted only with other fills: revoke the rest
-                        for j in range(i, end - start):
-                            if row[j] != mask_id:
-                                row[j] = mask_id
-                                self.revoked += 1
+                    if not matcher.try_advance(row[i]):
+                        # a later commit the lookahead accepted only with other fills: revoke the rest
+                        self.revoked += sum(t != mask_id for t in row[i:])
+                        row[i:] = [mask_id] * (len(row) - i)
                         changed = True
                         break
                     i += 1
                 if changed:
                     window[b] = torch.tensor(row, dtype=window.dtype, device=window.device)
-            gained.append(sum(1 for i in range(end - start) if row[i] != mask_id and prior[i] == mask_id))
+            gained.append(sum(t != mask_id and p == mask_id for t, p in zip(row, prior)))
             if matcher.ended:
-                # the answer is complete: the rest is its end token (each family's EOS padding)
-                at = self.answer_start + matcher._ended_at
-                fill = int(x[b, at])
-                x[b, at:answer_end] = fill
-                matcher.position = self.answer_len
+                self._fill_end(x, b)
         return gained
 
 
@@ -268,17 +206,12 @@ class _Rows:
 
 def structure_for_call(structured_outputs: Any, model: torch.nn.Module, tokenizer: Any, mask_id: int | None,
                        max_tokens: int) -> Any:
-    """A drop-in call's `structured_outputs` (a `StructuredOutputsParams` or its JSON form) compiled
-    against the model's tokenizer, its budget checked — the checks `SamplingParams` and the engine
-    run (`remask/structured.py`); None without one."""
-    if structured_outputs is None:
-        return None
-    from remask.structured import StructuredOutputsParams, compile_structure, model_vocab_size, tokenizer_for
+    """The drop-in functions' one entry: `compile_for` and the budget check (as `SamplingParams`); None without one."""
+    from .constrain_loops import compile_for
 
-    params = StructuredOutputsParams.from_json(structured_outputs)
-    structure = compile_structure(params, tokenizer_for(model, tokenizer), model_vocab_size(model),
-                                  () if mask_id is None else (mask_id,))
-    structure.check_budget(max_tokens)
+    structure = compile_for(structured_outputs, model, tokenizer, mask_id)
+    if structure is not None:
+        structure.check_budget(max_tokens)
     return structure
 
 

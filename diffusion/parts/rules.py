@@ -1,20 +1,6 @@
-"""Commit rules: small pure functions over one block's scores, for any step-wise loop.
-
-A rule is a `CommitRule` (`diffusion/parts/step.py`): a config whose
-
-    commit, tokens = rule.commit(block, logits, mask_id, state)
-
-decides, from a block's tokens `[B, L]` and logits `[B, L, V]`, which masked positions take which
-token this step (`commit` bool `[B, L]`; the caller writes ``block[commit] = tokens[commit]``;
-nothing is changed in place). `rule_commit` is that call with its shapes checked. dInfer's three
-rules are `ThresholdDecoding`, `CreditDecoding` (its credit matrix is the rule's per-block state,
-`rule.new_state()`) and `HierarchicalDecoding` (`remask.diffusion.dinfer`, where their maths is);
-a new rule is a `CommitRule` subclass with a `name` here, and every loop that takes `decoder=` runs
-it: dInfer's block loop on LLaDA and Dream (`dinfer_steps`), SDAR's and LLaDA2.0's own loops (their
-forwards, cache, block order and stop rule, with the rule choosing each step's commits instead of
-their remasking strategy, greedily, until the block has no mask), the engine, the JSON form
-`{"name": ...}` and docs/compatibility.md. `check_rule_on_loop` refuses by name every setting of a
-family's loop that the combination does not read.
+"""Commit rules: dInfer's three (their maths in `remask.diffusion.dinfer`), `MarginDecoding`, and the calls around
+them of the loops that take `decoder=` (how a rule plugs in: `CommitRule` in `diffusion/parts/step.py`). On SDAR's
+and LLaDA2.0's own loops a rule chooses each step's commits instead of their remasking strategy, greedily.
 """
 from __future__ import annotations
 
@@ -27,8 +13,8 @@ from .checks import check_instance, check_real
 from ..methods.dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding
 from .step import CommitRule
 
-__all__ = ["CommitRule", "CreditDecoding", "HierarchicalDecoding", "MarginDecoding", "ThresholdDecoding", "is_rule", "rule_types",
-           "rule_commit", "commit_block", "check_rule_on_loop", "check_block_decoder", "unread_settings"]
+__all__ = ["CommitRule", "CreditDecoding", "HierarchicalDecoding", "MarginDecoding", "ThresholdDecoding", "is_rule",
+           "rule_types", "rule_commit", "commit_block", "check_rule_on_loop", "check_block_decoder", "unread_settings"]
 
 
 def rule_types() -> tuple[type, ...]:
@@ -43,23 +29,19 @@ def is_rule(decoder: Any) -> bool:
 
 def rule_commit(block: torch.Tensor, logits: torch.Tensor, mask_id: int, rule: CommitRule,
                 state: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(commit `[B, L]` bool, tokens `[B, L]`) of `rule` on a block and its logits; `state` is the
-    rule's per-block state (`rule.new_state()`, None for the rules without one)."""
+    """(commit, tokens) `[B, L]` of `rule` on a block and its logits; `state`: the rule's `new_state()`."""
     if not is_rule(rule):
         raise ValueError(f"rule must be a remask commit rule ({', '.join(t.__name__ for t in rule_types())}), got "
                          f"{type(rule).__name__}")
     if block.dim() != 2 or logits.dim() != 3 or logits.shape[:2] != block.shape:
-        raise ValueError(f"a block [B, L] and its logits [B, L, V], got {tuple(block.shape)} and "
-                         f"{tuple(logits.shape)}")
+        raise ValueError(f"a block [B, L] and its logits [B, L, V], got {tuple(block.shape)} and {tuple(logits.shape)}")
     return rule.commit(block, logits, mask_id, state)
 
 
 def commit_block(rule: CommitRule, block: torch.Tensor, logits: torch.Tensor, mask_id: int, held: Any,
                  block_id: int) -> tuple[torch.Tensor, tuple[int, Any]]:
-    """One step of `rule` on `block` (a view: the commits are written into it), for the loops that
-    take a rule. `held` is what the previous call returned for this request — `(block id, the rule's
-    state)` or None — and the state is made fresh when the block changes. Returns (the commit mask,
-    what to hold for the next call)."""
+    """One step of `rule` on `block` (a view: written in place). `held`: the previous call's (block id, the rule's
+    state) or None, fresh at a new block. Returns (the commit mask, what to hold for the next call)."""
     if held is None or held[0] != block_id:
         held = (block_id, rule.new_state())
     commit, tokens = rule_commit(block, logits, mask_id, rule, held[1])
@@ -69,10 +51,8 @@ def commit_block(rule: CommitRule, block: torch.Tensor, logits: torch.Tensor, ma
 
 def check_rule_on_loop(rule: Any, family: str, *, temperature: float, unread: Mapping[str, Any] = (),
                        replaces: str = "remasking rule") -> None:
-    """Refuse what `decoder=rule` on `family`'s loop does not read, each by name with both parts:
-    a temperature above 0 (the rules are greedy), iteration smoothing (it feeds embeddings to
-    dInfer's own loop) and `unread`, the family's settings given (name → value) that the rule
-    replaces."""
+    """Refuse by name what `decoder=rule` on `family`'s loop does not read: a temperature above 0 (rules are
+    greedy), iteration smoothing (dInfer's own loop only) and `unread`, the replaced settings given (name → value)."""
     name = type(rule).__name__
     if temperature != 0:
         raise ValueError(f"temperature: decoder={name} on {family}'s loop decodes greedily (temperature 0), "
@@ -80,11 +60,10 @@ def check_rule_on_loop(rule: Any, family: str, *, temperature: float, unread: Ma
     if rule.smoothing is not None:
         raise ValueError(f"smoothing: decoder={name}(smoothing=IterationSmoothing) feeds embeddings to dInfer's own "
                          f"loop; {family}'s loop feeds token ids: leave smoothing None")
-    given = dict(unread)
-    if given:
-        raise ValueError(f"decoder={name} replaces {family}'s {replaces} and does not read {list(given)}: leave "
-                         f"{'it' if len(given) == 1 else 'them'} unset (got "
-                         f"{', '.join(f'{k}={v!r}' for k, v in given.items())})")
+    if unread:
+        raise ValueError(f"decoder={name} replaces {family}'s {replaces} and does not read {list(unread)}: leave "
+                         f"{'it' if len(unread) == 1 else 'them'} unset (got "
+                         f"{', '.join(f'{k}={v!r}' for k, v in unread.items())})")
 
 
 def check_block_decoder(decoder: Any) -> None:
@@ -102,13 +81,9 @@ def unread_settings(given: Mapping[str, Any], defaults: Mapping[str, Any]) -> di
 
 @dataclass(frozen=True)
 class MarginDecoding(CommitRule):
-    """The margin rule: commit every masked position whose top-1 − top-2 probability margin is at
-    least `margin`, or, when none is, the one with the largest margin (ties: the first). Greedy:
-    each committed position takes its argmax. The mask token is never proposed (its probability is
-    set aside before the top two are taken). The margin is LLaDA's `margin` confidence (the gap
-    between the two most likely tokens) used as a threshold rule, as dInfer uses the probability;
-    a combination no paper shipped, written as a `CommitRule` so every loop that takes
-    `decoder=` runs it (`decoder={"name": "margin", "margin": 0.5}` in JSON)."""
+    """Commit every masked position whose top-1 − top-2 probability margin is at least `margin`, or, when none is,
+    the one with the largest (ties: the first), greedily; the mask token is never proposed. LLaDA's `margin`
+    confidence used as dInfer uses the probability: a combination no paper shipped (`{"name": "margin"}`)."""
 
     name = "margin"
     margin: float = 0.5

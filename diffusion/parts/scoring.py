@@ -1,27 +1,13 @@
-"""Vocabulary-wide scoring: logits → (chosen token x0, its confidence).
+"""Vocabulary-wide scoring, logits → (chosen token x0, its confidence), and the one implementation of filtering
+and tempered categorical sampling (`filter_logits`, `sample_categorical`, tabled below).
 
-Two entry points for scoring, and the one implementation of filtering (temperature, top-k, top-p)
-and tempered categorical sampling that every family's sampler calls (`filter_logits`,
-`sample_categorical`; their flags, one per difference between the references, are tabled below):
-
-* `score_rows` — the fused path: `remask.kernels.confidence` (Triton on CUDA, its float64 torch
-  reference on CPU) over selected rows, no `[N, V]` intermediate. Samplers use it whenever the
-  confidence is the untempered softmax's: greedy decoding, and Gumbel-max sampling with the
+* `score_rows` — the fused path (`remask.kernels.confidence`: Triton on CUDA, its float64 torch reference on CPU,
+  no `[N, V]` intermediate) whenever the confidence is the untempered softmax's: greedy, and Gumbel-max with the
   kernel's own random stream.
-* `score_tokens` — the reference formulations, kept for what the kernel does not cover: sampling
-  with the reference's float64 torch noise (``reference_rng=True``, bit-exact reproduction of a
-  seeded reference run) and Dream's categorical sampling (tempered, top-p/top-k filtered
-  confidences).
-
-Two sampling conventions exist in the references and both are reproduced exactly:
-
-* ``sampler="gumbel"`` (LLaDA `generate.py`, Fast-dLLM): x0 = argmax of the float64 Gumbel-max
-  score ``exp(l) / (-log u)^T`` (plain argmax at T=0); the confidence is taken from the
-  **untempered** softmax of the logits, in ``softmax_dtype`` (LLaDA: the logits' dtype,
-  Fast-dLLM: float64).
-* ``sampler="categorical"`` (Dream `sample_tokens`): logits are divided by T, filtered by top-p
-  and top-k, turned into probabilities in their own dtype, and x0 is drawn from them
-  (max at T=0); the confidence is computed from those **tempered, filtered** probabilities.
+* `score_tokens` — the references' formulations, reproduced exactly: ``sampler="gumbel"`` (LLaDA `generate.py`,
+  Fast-dLLM: x0 = argmax of the float64 Gumbel-max score of the reference's torch noise, ``reference_rng=True``;
+  the confidence from the **untempered** softmax) and ``sampler="categorical"`` (Dream `sample_tokens`: x0 drawn
+  from, and the confidence from, the **tempered, filtered** probabilities, in their own dtype).
 """
 from __future__ import annotations
 
@@ -42,31 +28,16 @@ def draw_seed(generator: torch.Generator | None) -> int:
     return int(torch.randint(0, 2**31 - 1, (), device=device, generator=generator))
 
 
-def score_rows(
-    logits: torch.Tensor,
-    rows: torch.Tensor | None = None,
-    *,
-    temperature: float = 0.0,
-    mode: str = "prob",
-    suppress_ids: Sequence[int] | None = None,
-    zero_prob_ids: Sequence[int] | None = None,
-    exclude_id: int | None = None,
-    generator: torch.Generator | None = None,
-    rows_in_bounds: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused scoring of `logits` `[..., V]` (flattened to `[N, V]`) at the flat positions `rows`
-    (`rows_in_bounds`: the caller built them in range, so they are not read back to check).
-
-    x0 = argmax of the logits (T=0) or of ``l + T·g`` with Gumbel noise seeded from `generator`;
-    confidence under the untempered softmax, float64 (the torch path's precision; the Triton
-    kernel's values are float32-accurate). `exclude_id` (the mask token) is never chosen but
-    keeps its probability mass; `suppress_ids` are −inf logits; `zero_prob_ids` leave only the
-    softmax (see `score_tokens`).
-
-    Logits sharded on the vocabulary (a tensor-parallel LM head, `models/parallel.py`) are scored
-    where they lie: each rank its columns, the ranks combining a few numbers per row — the same
-    tokens as one process, and full logits are never gathered.
-    """
+def score_rows(logits: torch.Tensor, rows: torch.Tensor | None = None, *, temperature: float = 0.0, mode: str = "prob",
+               suppress_ids: Sequence[int] | None = None, zero_prob_ids: Sequence[int] | None = None,
+               exclude_id: int | None = None, generator: torch.Generator | None = None,
+               rows_in_bounds: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused scoring of `logits` `[..., V]` (flattened to `[N, V]`) at the flat positions `rows` (`rows_in_bounds`:
+    built in range by the caller, not read back): x0 = argmax of the logits (T=0) or of ``l + T·g`` (Gumbel noise
+    seeded from `generator`), confidence under the untempered softmax in float64 (Triton's values are
+    float32-accurate). `exclude_id` (the mask token) is never chosen but keeps its mass; the other ids as in
+    `score_tokens`. Vocabulary-sharded logits (a tensor-parallel LM head) are scored where they lie: the same tokens,
+    never gathered."""
     seed = draw_seed(generator) if temperature > 0 else None
     kwargs = dict(temperature=temperature, mode=mode, rows=rows, suppress_ids=suppress_ids, seed=seed,
                   exclude_ids=None if exclude_id is None else [exclude_id], zero_prob_ids=zero_prob_ids,
@@ -81,11 +52,8 @@ def score_rows(
 
 def gumbel_max_scores(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None,
                       noise: torch.Tensor | None = None) -> torch.Tensor:
-    """LLaDA's float64 Gumbel-max score ``exp(l) / (-log u)^T`` (argmax = a sample of softmax(l/T)).
-
-    Returns `logits` itself at T=0. `noise` (uniforms in (0, 1), float64, logits' shape) may be
-    injected; otherwise it is drawn like the reference's ``torch.rand_like(..., dtype=float64)``.
-    """
+    """LLaDA's float64 Gumbel-max score ``exp(l) / (-log u)^T`` (argmax: a sample of softmax(l/T)), `logits` at T=0;
+    `noise`: injected float64 uniforms, else drawn as the reference's ``torch.rand_like(..., dtype=float64)``."""
     logits = full_logits(logits)
     if temperature == 0:
         return logits
@@ -95,10 +63,9 @@ def gumbel_max_scores(logits: torch.Tensor, temperature: float, generator: torch
     return logits.exp() / (-torch.log(noise)) ** temperature
 
 
-# --- filtering and tempered categorical sampling: the one implementation -------------------------
-#
-# Every family's sampler is this code with its reference's flags (tests/test_sampling_once.py checks
-# each against a direct torch formulation, and the families' reference fixtures pin their tokens):
+# Filtering and tempered categorical sampling, the one implementation: every family's sampler is this code with its
+# reference's flags (tests/test_sampling_once.py checks each against a direct torch formulation; the families'
+# reference fixtures pin their tokens):
 #
 # ======================  ===========  ==========  ============  =======  ============  ============
 # caller (reference)      filter order removed to  top-p on      greedy   draw          others
@@ -108,33 +75,21 @@ def gumbel_max_scores(logits: torch.Tensor, temperature: float, generator: torch
 # Fast-dLLM v2            top_p only   —           probabilities raw      multinomial   per batch row
 # ======================  ===========  ==========  ============  =======  ============  ============
 #
-# (* APD's draft is a Gumbel-max draw: `gumbel_max_scores` over the filtered logits.) What they all
-# share, and so has no flag: temperature first (T > 0 divides; T = 1 divides too, which is exact);
-# top-k keeps every token tied with the k-th; top-p keeps the token whose mass crosses `top_p` (the
-# cumulative mask shifted by one, the most probable token always kept); top_k None or ≤ 0 and, on
-# logits, top_p None or ≥ 1 are off (Dream and APD refuse top_k 0 at validation, SDAR means "off"
-# by it: one convention covers both); a top_k above the vocabulary keeps everything. What differs,
-# and why each flag exists:
-#
-# * `order`: SDAR's and LLaDA2's `generate.py` filter top-k, then top-p over the renormalized
-#   survivors; Dream's `sample_tokens` (and APD, which copies it) top-p, then top-k. The two differ
-#   whenever both are set.
-# * `removed`: SDAR/LLaDA2 write −inf, Dream/APD transformers' `torch.finfo(dtype).min`. The
-#   probabilities are the same (exp underflows to 0 either way); the filtered logits are not, and
-#   APD's draft and the kernels' tests read them.
-# * `top_p_on="probs"`: Fast-dLLM v2's `sample_with_top_p` takes the nucleus of softmax(logits / T)
-#   itself, zeroes the rest and divides by the kept mass (float sums in another order than a
-#   softmax of masked logits), and does so even at top_p = 1 (the cumulative sum can exceed 1 by an
-#   ulp, and the division changes bits).
-# * `filter_greedy`: at T = 0 SDAR/LLaDA2 still filter (the confidence is the filtered softmax's);
-#   Fast-dLLM v2 returns the raw softmax and its argmax.
-# * `per_row`: Fast-dLLM v2 draws `torch.multinomial` once per batch row (its loop), SDAR/LLaDA2
-#   once over all rows: torch's CPU draw takes one seed per call, so the two spend the generator
-#   differently.
+# (* APD's draft: `gumbel_max_scores` over the filtered logits.) Shared, so no flag: temperature first (T = 1
+# divides too, exactly); top-k keeps ties with the k-th; top-p keeps the token crossing `top_p` (the most probable
+# always); top_k None or ≤ 0 and, on logits, top_p None or ≥ 1 are off (Dream/APD refuse top_k 0 at validation,
+# SDAR means "off" by it); a top_k above V keeps all. Why each flag:
+# * `order`: SDAR's/LLaDA2's `generate.py` filter top-k, then top-p over the renormalized survivors; Dream's
+#   `sample_tokens` (and APD, its copy) the reverse: they differ when both are set.
+# * `removed`: SDAR/LLaDA2 write −inf, Dream/APD transformers' `torch.finfo(dtype).min`: the same probabilities,
+#   other filtered logits (APD's draft and the kernels' tests read them).
+# * `top_p_on="probs"`: Fast-dLLM v2's `sample_with_top_p` zeroes what is outside the nucleus of softmax(logits / T)
+#   and divides by the kept mass (other float sums than a softmax of masked logits), even at top_p = 1 (the
+#   cumulative sum can pass 1 by an ulp; the division changes bits).
+# * `filter_greedy`: at T = 0 SDAR/LLaDA2 still filter; Fast-dLLM v2 takes the raw softmax.
+# * `per_row`: Fast-dLLM v2 draws once per batch row, SDAR/LLaDA2 once over all rows: torch's CPU draw takes one
+#   seed per call, so they spend the generator differently.
 # * `renormalize`: Dream samples `Categorical(probs)`, which divides by the row sum first.
-#
-# Sampling with the kernel's own random stream, or the float64 Gumbel-max of LLaDA / Fast-dLLM v1,
-# is `score_rows` / `score_tokens(sampler="gumbel")` above and below.
 
 FILTER_ORDERS = ("top_k_first", "top_p_first")
 REMOVED = ("-inf", "dtype_min")
@@ -142,16 +97,13 @@ TOP_P_ON = ("logits", "probs")
 
 
 def _removed_value(logits: torch.Tensor, removed: str) -> float:
-    if removed == "-inf":
-        return float("-inf")
-    if removed == "dtype_min":
-        return torch.finfo(logits.dtype).min
-    raise ValueError(f"removed must be one of {list(REMOVED)}, got {removed!r}")
+    if removed not in REMOVED:
+        raise ValueError(f"removed must be one of {list(REMOVED)}, got {removed!r}")
+    return float("-inf") if removed == "-inf" else torch.finfo(logits.dtype).min
 
 
 def top_k_filter(logits: torch.Tensor, top_k: int | None, *, removed: str = "-inf") -> torch.Tensor:
-    """Keep the `top_k` largest logits of each row (and every one tied with the k-th); the rest get
-    `removed`. None or ≤ 0: unchanged; more than the vocabulary: unchanged."""
+    """Keep each row's `top_k` largest logits (and ties), the rest set to `removed`; None, ≤ 0 or ≥ V: off."""
     if top_k is None or top_k <= 0:
         return logits
     top_k = min(top_k, logits.size(-1))
@@ -160,8 +112,7 @@ def top_k_filter(logits: torch.Tensor, top_k: int | None, *, removed: str = "-in
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float | None, *, removed: str = "-inf") -> torch.Tensor:
-    """Keep the smallest set of most probable tokens whose probability mass exceeds `top_p` (the
-    token that crosses it is kept; removed tokens get `removed`). None or ≥ 1: unchanged."""
+    """Keep the fewest most probable tokens whose mass exceeds `top_p`, the rest set to `removed`; None or ≥ 1: off."""
     if top_p is None or top_p >= 1:
         return logits
     sorted_logits, sorted_idx = torch.sort(logits, descending=True)
@@ -173,8 +124,7 @@ def top_p_filter(logits: torch.Tensor, top_p: float | None, *, removed: str = "-
 
 
 def top_p_probs(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Fast-dLLM v2's nucleus over probabilities: zero every token outside the top-`top_p` mass
-    (the crossing token kept) and divide by the kept mass — applied at any `top_p`, 1 included."""
+    """Fast-dLLM v2's nucleus: zero the probabilities outside the `top_p` mass, divide by the kept mass (any top_p)."""
     sorted_probs, sorted_idx = torch.sort(probs, descending=True)
     remove = torch.cumsum(sorted_probs, dim=-1) > top_p
     remove[..., 1:] = remove[..., :-1].clone()
@@ -185,9 +135,7 @@ def top_p_probs(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def filter_logits(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                   top_p: float | None = None, *, order: str = "top_k_first", removed: str = "-inf") -> torch.Tensor:
-    """Tempered, filtered logits: ``logits / T`` (T > 0), then top-k and top-p in `order`
-    (``"top_k_first"``: SDAR, LLaDA2; ``"top_p_first"``: Dream, APD), removed tokens set to
-    `removed` (``"-inf"`` or ``"dtype_min"``). See the table above."""
+    """``logits / T`` (T > 0), then top-k and top-p in `order`, removed tokens set to `removed` (table above)."""
     if order not in FILTER_ORDERS:
         raise ValueError(f"order must be one of {list(FILTER_ORDERS)}, got {order!r}")
     _removed_value(logits, removed)
@@ -201,15 +149,12 @@ def filter_logits(logits: torch.Tensor, temperature: float = 0.0, top_k: int | N
 
 def draw_categorical(probs: torch.Tensor, generator: torch.Generator | None = None, *, per_row: bool = False,
                      renormalize: bool = False) -> torch.Tensor:
-    """One `torch.multinomial` draw per row of `probs` `[..., V]` from `generator` (torch's global one
-    if None); returns `[...]`. `per_row`: one call per index of the leading axis (Fast-dLLM v2's
-    loop), else one call over all rows; `renormalize`: divide by the row sums first (Dream's
-    ``Categorical(probs).sample()``)."""
-    V = probs.shape[-1]
+    """One `torch.multinomial` draw per row of `probs` `[..., V]` → `[...]`. `per_row`: one call per index of the
+    leading axis, else one over all rows; `renormalize`: divide by the row sums first."""
     if per_row:
         return torch.stack([draw_categorical(probs[row], generator, renormalize=renormalize)
                             for row in range(probs.shape[0])])
-    flat = probs.reshape(-1, V)
+    flat = probs.reshape(-1, probs.shape[-1])
     if renormalize:
         flat = flat / flat.sum(-1, keepdim=True)
     return torch.multinomial(flat, 1, True, generator=generator).reshape(probs.shape[:-1])
@@ -220,12 +165,9 @@ def sample_categorical(logits: torch.Tensor, temperature: float, top_k: int | No
                        exclude_id: int | None = None, order: str = "top_k_first", removed: str = "-inf",
                        top_p_on: str = "logits", filter_greedy: bool = True, per_row: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens `[...]`, their probabilities `[...]`, the distributions `[..., V]`) for `logits`
-    `[..., V]`: the tempered, filtered softmax (`filter_logits`, or with ``top_p_on="probs"`` the
-    softmax of logits / T and `top_p_probs`), then at T > 0 a `torch.multinomial` draw
-    (`draw_categorical`), at T = 0 the argmax. `exclude_id` (the mask token): where it is drawn, the
-    most probable other token instead, with its probability (only there: every other draw is the
-    reference's). Defaults are SDAR's / LLaDA2's formulation; the flags are described above."""
+    """(tokens, their probabilities, the distributions `[..., V]`): the tempered, filtered softmax, then a draw (T >
+    0) or the argmax; where `exclude_id` (the mask token) is drawn, the most probable other token instead. Defaults
+    are SDAR's / LLaDA2's; the flags are tabled above."""
     if top_p_on not in TOP_P_ON:
         raise ValueError(f"top_p_on must be one of {list(TOP_P_ON)}, got {top_p_on!r}")
     greedy = temperature <= 0
@@ -252,41 +194,18 @@ def _confidence_from_probs(probs: torch.Tensor, x0: torch.Tensor, mode: str) -> 
     return torch.sum(probs * torch.log(probs + 1e-10), dim=-1)  # neg_entropy, Dream's epsilon
 
 
-def score_tokens(
-    logits: torch.Tensor,
-    *,
-    temperature: float = 0.0,
-    mode: str = "prob",
-    sampler: str = "gumbel",
-    top_p: float | None = None,
-    top_k: int | None = None,
-    suppress_ids: Sequence[int] | None = None,
-    zero_prob_ids: Sequence[int] | None = None,
-    softmax_dtype: torch.dtype | None = None,
-    exclude_id: int | None = None,
-    generator: torch.Generator | None = None,
-    noise: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Choose a token per row of `logits` `[..., V]` and score it.
-
-    Args:
-        temperature: 0 for greedy; >0 samples (Gumbel-max or categorical, see module docstring).
-        mode: confidence of x0 — ``"prob"`` (p(x0)), ``"margin"`` (p1 − p2), ``"neg_entropy"`` (Σ p log p).
-        sampler: ``"gumbel"`` (LLaDA/Fast-dLLM) or ``"categorical"`` (Dream).
-        top_p, top_k: Dream's filters (categorical sampler only).
-        suppress_ids: token ids whose logits are set to −inf before anything else (``logits_eos_inf``).
-        zero_prob_ids: token ids whose logits are set to −inf *after* the argmax and before the
-            confidence softmax (LLaDA's ``confidence_eos_eot_inf`` as implemented).
-        softmax_dtype: dtype of the confidence softmax for the gumbel sampler (None: logits' dtype).
-        exclude_id: a token that must never be chosen (the mask token). Only where the reference
-            would choose it is x0 replaced, by the best other token (Gumbel: the noisy scores'
-            runner-up, i.e. a sample without it; categorical: the most probable other token), with
-            that token's confidence. Everywhere else the result is the reference's, bit for bit.
-        generator / noise: randomness source; `noise` injects the Gumbel uniforms.
-
-    Returns:
-        x0 (int64, `[...]`) and confidence (`[...]`, float).
-    """
+def score_tokens(logits: torch.Tensor, *, temperature: float = 0.0, mode: str = "prob", sampler: str = "gumbel",
+                 top_p: float | None = None, top_k: int | None = None, suppress_ids: Sequence[int] | None = None,
+                 zero_prob_ids: Sequence[int] | None = None, softmax_dtype: torch.dtype | None = None,
+                 exclude_id: int | None = None, generator: torch.Generator | None = None,
+                 noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x0 (int64) and its confidence per row of `logits` `[..., V]` (module docstring). `mode`: ``"prob"`` (p(x0)),
+    ``"margin"`` (p1 − p2), ``"neg_entropy"`` (Σ p log p); `top_p`/`top_k`: the categorical sampler's. `suppress_ids`:
+    −inf logits first (``logits_eos_inf``); `zero_prob_ids`: −inf *after* the argmax, before the confidence softmax
+    (LLaDA's ``confidence_eos_eot_inf`` as implemented). `softmax_dtype`: the gumbel confidence's (None: the logits',
+    as LLaDA; Fast-dLLM: float64). `exclude_id` (the mask token) is replaced only where the reference would choose it,
+    by the best other token (the noisy runner-up / the most probable other) with its confidence: all else is the
+    reference's, bit for bit. `noise` injects the Gumbel uniforms."""
     if mode not in CONFIDENCE_MODES:
         raise ValueError(f"mode must be one of {list(CONFIDENCE_MODES)}, got {mode!r}")
     # The reference formulations need whole rows (their noise is drawn over [.., V]): gathered here.
@@ -310,11 +229,10 @@ def score_tokens(
     probs = torch.softmax(logits, dim=-1)
     x0 = None
     if temperature > 0:
-        # torch.distributions.Categorical(probs).sample(), spelled out so a generator can be passed.
-        try:
+        try:   # torch.distributions.Categorical(probs).sample(), spelled out so a generator can be passed
             x0 = draw_categorical(probs, generator, renormalize=True)
         except RuntimeError:  # the reference falls back to the argmax when sampling fails
-            x0 = None
+            pass
     if x0 is None:
         conf, x0 = probs.max(dim=-1)
         if mode == "prob" and (exclude_id is None or not bool((x0 == exclude_id).any())):

@@ -7,24 +7,19 @@ import torch
 
 
 def schedule_counts(block_mask: torch.Tensor, steps: int) -> torch.Tensor:
-    """LLaDA's integer schedule `[B, steps]` (int64): with m masked positions in the block, each
-    step commits ``m // steps`` and the first ``m % steps`` steps one more."""
+    """LLaDA's integer schedule `[B, steps]` (int64): with m masked positions in the block, each step commits ``m //
+    steps`` and the first ``m % steps`` steps one more."""
     total = block_mask.sum(dim=1, keepdim=True)
-    base = total // steps
-    remainder = total % steps
     cols = torch.arange(steps, device=block_mask.device)[None]
-    return base + (cols < remainder).to(torch.int64)
+    return total // steps + (cols < total % steps).to(torch.int64)
 
 
 def topk_commit(block_x: torch.Tensor, block_mask: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor,
                 k: torch.Tensor, length: int, offset: int) -> torch.Tensor:
-    """LLaDA-style commit with `torch.topk`'s own order among equal confidences, as the references
-    call it: per row, `topk` over a vector of `length` positions (the forward's) holding the
-    block's confidences at `[offset, offset + block)` and −inf elsewhere and off the mask.
-    `remask.kernels.unmask` commits the lower index first among exact ties; `torch.topk` on CPU
-    does not promise any order, and a trained model's float32 confidences often tie at 1.0.
-    Writes the committed tokens into `block_x` (a view), clears them in `block_mask` and returns
-    the counts `[B]`."""
+    """LLaDA-style commit with `torch.topk`'s own order among equal confidences, as the references call it: per
+    row, `topk` over the forward's `length` positions, the block's confidences at `[offset, offset + block)`,
+    −inf elsewhere and off the mask (`kernels.unmask` commits the lower index first among ties; CPU `torch.topk`
+    promises no order; float32 confidences often tie at 1.0). Writes `block_x`, clears `block_mask`; counts `[B]`."""
     B, block = block_x.shape
     scores = torch.full((B, length), -torch.inf, dtype=conf.dtype, device=conf.device)
     scores[:, offset:offset + block] = torch.where(block_mask, conf, torch.tensor(-torch.inf, dtype=conf.dtype))

@@ -11,16 +11,10 @@ from torch.overrides import TorchFunctionMode
 
 @dataclass
 class GenerationStats:
-    """Filled in by a generate call.
-
-    nfe: model forward passes (a CFG step's doubled batch counts once; the AR verifier's and the
-    dLLM's passes are counted separately by the samplers that use both). forward_positions:
-    token positions the model computed, summed over forwards and rows (shows what a cache saves).
-    tokens_per_step: positions committed at each step, summed over the batch.
-    kv_cache_bytes: the most K/V bytes a cache held after a forward (0 without a cache; for
-    ``use_cache="paged"`` the pages in use, so shared pages count once).
-    generated_tokens: new tokens produced (never the prompt), summed over the batch.
-    """
+    """Filled in by a generate call. nfe: model forward passes (a CFG step's doubled batch counts once).
+    forward_positions: positions the model computed, over forwards and rows (what a cache saves). tokens_per_step:
+    positions committed at each step, over the batch. kv_cache_bytes: the most K/V bytes a cache held after a
+    forward (paged: the pages in use, shared ones once). generated_tokens: new tokens, over the batch."""
 
     nfe: int = 0
     forward_positions: int = 0
@@ -68,27 +62,22 @@ class GenerationStats:
         return len(self._tokens_per_step)
 
     def add_steps(self, other: "GenerationStats", since: int = 0) -> None:
-        """Append `other`'s step counts from its step `since` on, as they are (device counts stay
-        unread until `tokens_per_step` is)."""
+        """Append `other`'s step counts from its step `since` on (device counts stay unread)."""
         self._tokens_per_step.extend(other._tokens_per_step[since:])
 
     def step(self, committed: int | torch.Tensor) -> None:
-        """Count one step's commits: an int, or a tensor kept on its device until `tokens_per_step`
-        is read (a step that counts does not wait for the device)."""
+        """Count one step's commits: an int, or a tensor left on its device until `tokens_per_step` is read."""
         self._tokens_per_step.append(committed.detach() if isinstance(committed, torch.Tensor) else int(committed))
 
 
-# The calls that make the host wait for the device (on a GPU each is a round trip, and a step that
-# makes one cannot be captured whole in a CUDA graph), by kind.
+# The calls that make the host wait for the device, by kind (a round trip each; a step making one is no CUDA graph).
 SYNCING = {torch.Tensor.item: "item", torch.Tensor.tolist: "tolist", torch.Tensor.cpu: "cpu",
            torch.Tensor.__bool__: "bool", torch.Tensor.nonzero: "nonzero", torch.nonzero: "nonzero",
            torch.Tensor.__int__: "int", torch.Tensor.__float__: "float", torch.Tensor.__index__: "index"}
 
 
 class SyncCounter(TorchFunctionMode):
-    """Counts, while active (`with SyncCounter() as c:`), the calls in `SYNCING` — `.item()`,
-    `.tolist()`, `.cpu()`, `bool(t)`, `nonzero`, `int(t)` / `float(t)` / `t.__index__()` on a
-    tensor: `c.counts` by kind, `c.total`. bench/step_overhead.py reports them per step."""
+    """Counts the calls in `SYNCING` while active (`with SyncCounter() as c:`): `c.counts` by kind, `c.total`."""
 
     def __init__(self) -> None:
         super().__init__()

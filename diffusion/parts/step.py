@@ -1,17 +1,11 @@
 """The shape of every diffusion step: score → decide → update.
 
-* **score**: the model's logits give each position a proposal (its sample or argmax) and a score
-  (confidence, entropy): `scoring.score_rows` (mask models), `kernels.canvas.canvas_score`
-  (uniform-noise models).
-* **decide**: a rule picks what changes — a `Decision` of three kinds of change:
-  *commit* (a mask becomes a token: LLaDA, Dream, Fast-dLLM's rules), *edit* (a decoded token
-  becomes another: token-editing models), *renoise* (a token becomes a uniformly random one:
-  uniform-noise models such as DiffusionGemma, where every position not accepted is re-drawn).
-* **update**: `apply_decision` writes the proposals and the noise into the tokens.
-
-Where a kernel fuses decide and update (`kernels.unmask` for commits, `kernels.canvas.canvas_update`
-for the entropy-bound accept + renoise), it produces exactly what `apply_decision` does with the
-same decision; the rules that run in torch build a `Decision` and call it.
+* **score**: each position gets a proposal (its sample or argmax) and a score (confidence, entropy):
+  `scoring.score_rows` (mask models), `kernels.canvas.canvas_score` (uniform-noise models).
+* **decide**: a rule picks what changes, a `Decision`: *commit* (a mask becomes a token), *edit* (a decoded token
+  becomes another) or *renoise* (a uniformly random token: DiffusionGemma's rejects).
+* **update**: `apply_decision` writes the proposals and the noise into the tokens; a kernel fusing decide and
+  update (`kernels.unmask`, `kernels.canvas.canvas_update`) does exactly the same.
 """
 from __future__ import annotations
 
@@ -23,11 +17,8 @@ import torch
 
 @dataclass
 class Decision:
-    """What one step changes, as bool masks over the tokens `[B, L]` (None: nothing of that kind).
-
-    commit: positions that take their proposal now (masked ones for mask models, the accepted ones
-    for uniform-noise models). edit: decoded positions that take a new proposal. renoise:
-    positions that get a fresh uniform token. The three never overlap."""
+    """What one step changes: non-overlapping bool masks over the tokens `[B, L]` (None: nothing of that kind); for a
+    uniform-noise model, `commit` holds the accepted positions."""
 
     commit: torch.Tensor
     edit: torch.Tensor | None = None
@@ -51,10 +42,17 @@ class Decision:
         return out
 
 
+def masked_canvas(prompt: torch.Tensor, gen_length: int, mask_id: int, device: Any = None) -> torch.Tensor:
+    """The canvas a mask model decodes: `prompt` `[B, P]`, then `gen_length` mask tokens (int64)."""
+    x = torch.full((prompt.shape[0], prompt.shape[1] + gen_length), mask_id, dtype=torch.long,
+                   device=prompt.device if device is None else device)
+    x[:, :prompt.shape[1]] = prompt
+    return x
+
+
 def apply_decision(tokens: torch.Tensor, proposal: torch.Tensor, decision: Decision,
                    noise_tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """The update: committed and edited positions take `proposal`, renoised ones `noise_tokens`;
-    the rest keep `tokens`. Returns a new tensor (`tokens` is not modified)."""
+    """A new tensor: committed and edited positions take `proposal`, renoised ones `noise_tokens`, the rest `tokens`."""
     take = decision.commit if decision.edit is None else decision.commit | decision.edit
     out = torch.where(take, proposal, tokens)
     if decision.renoise is not None:
@@ -65,18 +63,13 @@ def apply_decision(tokens: torch.Tensor, proposal: torch.Tensor, decision: Decis
 
 
 class CommitRule:
-    """A commit rule that `decoder=` takes: a small config whose `commit` decides, from one block's
-    tokens `[B, L]` and logits `[B, L, V]`, which masked positions take which token this step.
-
-    `commit(block, logits, mask_id, state)` returns `(commit, tokens)`: `commit` a bool `[B, L]` of
-    masked positions, `tokens` `[B, L]` holding their tokens; nothing is changed in place, and a
-    block with a masked position gets at least one commit (so every loop ends). `new_state()` is the
-    rule's memory over one block's steps (None: none; `CreditDecoding`'s credit matrix), made again
-    at each block. Defining a subclass with a `name` registers it in `CommitRule.registry`: every
-    loop that takes `decoder=` (dInfer's block loop on LLaDA and Dream, SDAR's, LLaDA2's), the
-    `SamplingParams` check, the JSON form `{"name": ...}` and docs/compatibility.md find it there —
-    a new rule is one class in `diffusion/parts/rules.py` and its test.
-    """
+    """A commit rule that `decoder=` takes: a small config whose `commit(block, logits, mask_id, state)` returns
+    `(commit, tokens)` for one block's tokens `[B, L]` and logits `[B, L, V]`: `commit` a bool `[B, L]` of masked
+    positions, `tokens` `[B, L]` their tokens; nothing is changed in place, and a block with a mask gets at least one
+    commit (so every loop ends). `new_state()`: the rule's memory over one block's steps (None: none;
+    `CreditDecoding`'s credit matrix). A subclass with a `name` registers in `CommitRule.registry`, where every loop
+    that takes `decoder=`, the `SamplingParams` check, the JSON form `{"name": ...}` and docs/compatibility.md find
+    it: a new rule is one class in `diffusion/parts/rules.py` and its test."""
 
     name: ClassVar[str] = ""
     registry: ClassVar[dict[str, type]] = {}

@@ -49,8 +49,9 @@ class ForwardRequest:
     * `rows`: the slice of positions whose logits it wants (None: all).
     * `rows_alone`: each batch row's linears are computed as that row alone (drafts that must get
       the bits of the single-sequence forward; the engine's batch invariance gives it for free).
-    * `context`: a mode of the method's own around the call (FreeDave's tree attention); such a
-      request runs alone.
+    * `layers`: work of its own between the model's layers (Elastic-Cache: `before(layer, h)` →
+      the rows the layer runs on and their RoPE tables, `after(layer)`; `blocks`: the layers); one
+      row, a segmented model; it packs with the others (`varlen.PackedLayers`).
     * `output`: "logits", or "model" for the whole model output (its `past_key_values`).
     * `module`: a model other than the driver's to call (APD's verifier); such a request runs alone.
     """
@@ -62,7 +63,7 @@ class ForwardRequest:
     spec: Any = None
     rows: slice | None = None
     rows_alone: bool = False
-    context: Callable[[], ContextManager] | None = None
+    layers: Any = None
     output: str = "logits"
     module: Any = None
 
@@ -89,10 +90,10 @@ class ForwardRequest:
 
     def pack_key(self) -> tuple | None:
         """Equal for requests that one packed forward can serve, each as alone (`run_forwards`);
-        None: this one runs alone (a mode of its own, the whole output wanted, inputs the packed
+        None: this one runs alone (another model, the whole output wanted, inputs the packed
         forward does not take). A request whose cache packs (`stacks`) gets a stacked key
         (`stacked_key`), which models without the flat route (not `spec.segmented`) take too."""
-        if self.context is not None or self.output != "logits" or self.module is not None:
+        if self.output != "logits" or self.module is not None:
             return None
         if self.stacks:
             return stacked_key(self)
@@ -143,6 +144,8 @@ def run_forwards(model: torch.nn.Module, requests: list[ForwardRequest],
     if len(requests) > 1:
         return (_stacked if requests[0].stacks else _packed)(model, requests, invariant)
     request = requests[0]
+    if request.layers is not None:
+        return _packed(model, requests, invariant)
     if invariant is not None:
         context = invariant(request.batch if request.rows_alone else 1)
     elif request.rows_alone and request.batch > 1:
@@ -150,7 +153,7 @@ def run_forwards(model: torch.nn.Module, requests: list[ForwardRequest],
         context = batch_invariant_linear(True, single_thread=False)
     else:
         context = contextlib.nullcontext()
-    with context, (request.context() if request.context is not None else contextlib.nullcontext()):
+    with context:
         return [call_model(request.module if request.module is not None else model, request, request.input_ids,
                            request.per_row, request.cache)]
 
@@ -164,14 +167,13 @@ def _packed(model: torch.nn.Module, requests: list[ForwardRequest],
     from remask.models.layers import cache_span
     from remask.models.spec import get_spec
 
-    from .varlen import PackedAttention, Segment
+    from .varlen import PackedAttention, PackedLayers, Segment, token_groups
 
     spec = get_spec(model)
     if not spec.segmented:
         raise ValueError(f"the {spec.kind!r} model does not run packed forwards (spec.segmented is False)")
     param = next(model.parameters())
     segments, inputs, positions = [], [], []
-    problems: dict[int, list[torch.Tensor]] = {}
     start = 0
     for r in requests:
         x = r.input_ids if r.input_ids is not None else r.per_row["inputs_embeds"]
@@ -184,18 +186,23 @@ def _packed(model: torch.nn.Module, requests: list[ForwardRequest],
         mask = spec.attend_mask(masks, T, k_len, param.dtype) if masks else None
         segments.append(Segment(start, B, T, r.cache, cache_start, mask))
         inputs.append(x.reshape(1, B * T, *x.shape[2:]))
-        length = T if r.rows_alone else B * T
-        problems.setdefault(length, []).append(torch.arange(start, start + B * T, device=x.device))
         start += B * T
     flat = torch.cat(inputs, dim=1)
-    kwargs = dict(position_ids=torch.cat(positions, dim=1), past_key_values=PackedAttention(segments))
-    groups = [(length, torch.cat(rows)) for length, rows in problems.items()]
+    attend = PackedAttention(segments)
+    kwargs = dict(position_ids=torch.cat(positions, dim=1), past_key_values=attend)
+    groups = token_groups(segments, [r.rows_alone for r in requests], flat.device)
     context = invariant(sum(s.rows for s in segments), groups) if invariant is not None else contextlib.nullcontext()
-    with context:
-        if requests[0].input_ids is None:
-            logits = model(None, inputs_embeds=flat, **kwargs).logits[0]
-        else:
-            logits = model(flat, **kwargs).logits[0]
+    with context as linear:
+        # requests with work of their own between layers (`layers`): the layout may change per layer
+        layered = [r.layers for r in requests if r.layers is not None]
+        hooks = PackedLayers(requests, attend, getattr(linear, "regroup", None)).installed(layered[0].blocks) \
+            if layered else contextlib.nullcontext()
+        with hooks:
+            if requests[0].input_ids is None:
+                logits = model(None, inputs_embeds=flat, **kwargs).logits[0]
+            else:
+                logits = model(flat, **kwargs).logits[0]
+    segments = attend.segments
     out = []
     for r, seg in zip(requests, segments):
         own = logits[seg.start:seg.end].view(seg.rows, seg.length, -1)

@@ -12,8 +12,9 @@ goes through `cache.attend` and they take `position_ids`) are run this way.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import contextlib
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -36,6 +37,16 @@ class Segment:
     @property
     def end(self) -> int:
         return self.start + self.rows * self.length
+
+
+def token_groups(segments: list[Segment], rows_alone: list[bool], device: Any) -> list[tuple[int, torch.Tensor]]:
+    """The GEMM problems of a packed layout, as each request's own forward poses them: one of
+    rows × length per request, or one per row with `rows_alone` (`batch_invariant.token_groups`)."""
+    problems: dict[int, list[torch.Tensor]] = {}
+    for seg, alone in zip(segments, rows_alone):
+        length = seg.length if alone else seg.rows * seg.length
+        problems.setdefault(length, []).append(torch.arange(seg.start, seg.end, device=device))
+    return [(length, torch.cat(rows)) for length, rows in problems.items()]
 
 
 class PackedAttention(KVCache):
@@ -89,3 +100,55 @@ class PackedAttention(KVCache):
     @staticmethod
     def _put(out: torch.Tensor, seg: Segment, o: torch.Tensor) -> None:
         out[0, :, seg.start:seg.end] = o.transpose(0, 1).flatten(1, 2)
+
+
+class PackedLayers:
+    """A packed forward whose requests do work of their own between the model's layers
+    (`ForwardRequest.layers`: Elastic-Cache keeps each layer's input and may recompute the later
+    layers over all its positions). Before each block every such request gets its own rows of the
+    hidden state and returns the rows the block runs on (their number may change) with its RoPE
+    tables; the other requests keep their rows and their tables from the model's own layout. The
+    segments, the attention seam and the GEMM problems (`regroup`) follow the new layout."""
+
+    def __init__(self, requests: list, packed: PackedAttention, regroup: Callable[[list], None] | None) -> None:
+        self.requests, self.packed, self.regroup = requests, packed, regroup
+        self.rope: list | None = None   # each request's RoPE tables in the model's layout
+
+    @contextlib.contextmanager
+    def installed(self, blocks: torch.nn.ModuleList) -> Iterator[None]:
+        handles = []
+        try:
+            for layer, block in enumerate(blocks):
+                handles.append(block.register_forward_pre_hook(
+                    lambda module, args, layer=layer: self._before(layer, *args)))
+                handles.append(block.register_forward_hook(
+                    lambda module, args, output, layer=layer: self._after(layer)))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _before(self, layer: int, h: torch.Tensor, pos: Any, mask: Any) -> tuple:
+        segments = self.packed.segments
+        if self.rope is None:
+            self.rope = [(pos.cos[:, :, s.start:s.end], pos.sin[:, :, s.start:s.end]) for s in segments]
+        rows, cos, sin, moved, start = [], [], [], [], 0
+        for r, seg, (c, s) in zip(self.requests, segments, self.rope):
+            own = h[:, seg.start:seg.end]
+            if r.layers is not None:   # a copy: what it keeps must not hold the whole batch's rows
+                own, c, s = r.layers.before(layer, own if len(segments) == 1 else own.clone())
+            rows.append(own)
+            cos.append(c)
+            sin.append(s)
+            moved.append(replace(seg, start=start, length=own.shape[1] // seg.rows))
+            start += own.shape[1]
+        if any(a.length != b.length for a, b in zip(moved, segments)) and self.regroup is not None:
+            self.regroup(token_groups(moved, [r.rows_alone for r in self.requests], h.device))
+        self.packed.segments = moved
+        h = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
+        return h, replace(pos, cos=torch.cat(cos, dim=2), sin=torch.cat(sin, dim=2)), mask
+
+    def _after(self, layer: int) -> None:
+        for r in self.requests:
+            if r.layers is not None:
+                r.layers.after(layer)

@@ -1,23 +1,21 @@
 """The caches' room: every KV cache the samplers plug into a model's `attend` seam.
 
-* `KVCache` (`kv.py`): contiguous per-layer K/V after RoPE — prefix and dual caching;
-* `PagedKVCache` (`paged.py`): the dual cache kept in pages (`use_cache="paged"`), pages from
-  `remask.engine.page_manager.PageManager`, read by the paged-attention kernel;
-* `RetentionKVCache`, `BlockMaskAttention` (`sparse.py`): Sparse-dLLM's retention and SparseD's
-  block masks;
-* `BlockKVCache`, `BlockBatch` (`block.py`): the exact cache of block-causal models (SDAR) in
-  the engine's pages — finished blocks written once, read by every later block; a forward shared
-  by requests at different blocks;
-* `PromptCache` (`prompt.py`): an encoder's cache of a whole prompt, copied to the requests that
-  send the same prompt (DiffusionGemma in the engine).
-
-How a sampler drives them over a block (refresh, then cached steps) is `remask.diffusion.cache`;
-the engine's AR page store is `remask.engine.paged_kv`.
+`KVCache` (contiguous K/V after RoPE: prefix and dual caching), `PagedKVCache` (the dual cache in
+`PageManager` pages, `use_cache="paged"`), `RetentionKVCache` / `BlockMaskAttention` (Sparse-dLLM's
+retention, SparseD's block masks), `BlockKVCache` / `BlockBatch` (block-causal models' finished
+blocks in the engine's pages), `PromptCache` (an encoder's cache of a whole prompt, shared by the
+requests that send it), and the methods' own: `DelayedKVCache` (dKV-Cache), `D2KVCache` (d2Cache),
+`ElasticKVCache` (Elastic-Cache), `TreeKVCache` (FreeDave's drafts). How a sampler drives them is `remask.diffusion.cache`; the engine's AR page
+store is `remask.engine.paged_kv`.
 """
 from .block import BlockBatch, BlockKVCache
+from .elastic import ElasticKVCache
 from .kv import KVCache, attention
 from .paged import PagedKVCache
+from .position import D2KVCache, DelayedKVCache
 from .prompt import PromptCache
 from .sparse import BlockMaskAttention, RetentionKVCache
+from .tree import TreeKVCache
 
-__all__ = ["BlockBatch", "BlockKVCache", "BlockMaskAttention", "KVCache", "PagedKVCache", "PromptCache", "RetentionKVCache", "attention"]
+__all__ = ["BlockBatch", "BlockKVCache", "BlockMaskAttention", "D2KVCache", "DelayedKVCache", "ElasticKVCache",
+           "KVCache", "PagedKVCache", "PromptCache", "RetentionKVCache", "TreeKVCache", "attention"]

@@ -1,10 +1,8 @@
 """The contiguous KV cache of the bidirectional models, and their attention.
 
-A model's attention layer hands its projected, rotated `q`/`k`/`v` to the cache's `attend`
-(`rotary_self_attention` in `remask.models.layers`): `KVCache` writes the new keys/values at
-their positions and attends over everything it holds; the paged and sparse caches
-(`remask.caches.paged`, `remask.caches.sparse`) override `attend` to attend without a
-contiguous K/V. Without a cache the layer calls `attention` directly.
+A model's attention layer hands its rotated `q`/`k`/`v` to the cache's `attend`: `KVCache` writes
+the new K/V at their positions and attends over all it holds (the paged and sparse caches override
+`attend`); without a cache the layer calls `attention` directly.
 """
 from __future__ import annotations
 
@@ -13,12 +11,8 @@ import torch.nn.functional as F
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Bidirectional attention. q `[B, Hq, Lq, D]`, k/v `[B, Hkv, Lk, D]` (GQA by repetition).
-
-    `mask` is None (attend everywhere), a bool mask or an additive float bias broadcastable to
-    `[B, Hq, Lq, Lk]`. Cached forwards go through the cache's `attend` instead, which is where the
-    paged kernel plugs in (`remask.caches.paged.PagedKVCache`).
-    """
+    """Bidirectional attention. q `[B, Hq, Lq, D]`, k/v `[B, Hkv, Lk, D]` (GQA by repetition);
+    `mask`: None, a bool mask or an additive float bias broadcastable to `[B, Hq, Lq, Lk]`."""
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:
         k = k.repeat_interleave(n_rep, dim=1, output_size=q.shape[1])
@@ -27,12 +21,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 
 class KVCache:
-    """Per-layer keys/values of a bidirectional model, stored after RoPE.
-
-    `update` either appends the new positions (prefix caching) or overwrites a contiguous range
-    in place (dual caching, where the block's entries are refreshed every step). Positions are
-    absolute, given by `cache_position` on the model's forward.
-    """
+    """Per-layer keys/values of a bidirectional model, stored after RoPE. `update` appends the new
+    positions (prefix caching) or overwrites a contiguous range in place (dual caching: the block's
+    entries refreshed every step); positions are absolute (`cache_position` of the forward)."""
 
     def __init__(self) -> None:
         self.keys: list[torch.Tensor] = []
@@ -70,8 +61,7 @@ class KVCache:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                mask: torch.Tensor | None) -> torch.Tensor:
-        """Write the new `k`/`v` `[B, H_kv, L, D]` at `start`, then attend `q` over the whole cache.
-        Other caches (the paged one) override this to attend without a contiguous K/V."""
+        """Write the new `k`/`v` `[B, H_kv, L, D]` at `start`, then attend `q` over the whole cache."""
         k, v = self.update(layer, k, v, start)
         return attention(q, k, v, mask)
 

@@ -1,8 +1,6 @@
-"""The paged KV cache of the diffusion samplers (`use_cache="paged"`): a block refresh's K/V
-stored in pages, read back by the paged-attention kernel.
-
-Which page holds which positions is decided by `remask.engine.page_manager.PageManager`
-(reference-counted pages, prefix sharing by chained hash).
+"""The paged KV cache of the diffusion samplers (`use_cache="paged"`): a block refresh's K/V stored
+in pages (allocated by `remask.engine.page_manager.PageManager`), read back by the paged-attention
+kernel.
 """
 from __future__ import annotations
 
@@ -13,28 +11,18 @@ from remask.kernels import paged_attention, paged_store
 from .kv import attention
 
 
-# The allocator moved to the engine, where it lives as long as the engine does; `PagedKVCache` builds
-# one per block refresh. `BlockManager` is the old name ("block" now means the semi-autoregressive
-# block only).
+# The allocator's old name ("block" now means the semi-autoregressive block only).
 BlockManager = PageManager
 
 
 class PagedKVCache:
-    """Fast-dLLM's dual cache kept in pages: `use_cache="paged"` (or pass an instance to read its
-    memory figures afterwards).
-
-    At each block start the sampler calls `begin_block`; the full forward that follows attends as
-    usual and stores, per layer, the K/V (after RoPE) of every position outside the block into
-    pages `[num_pages, page_size, H_kv, D]` through a slot mapping (pads and the block: −1, not
-    stored). Each later step feeds the block alone: its queries attend over the pages and the
-    block's own fresh K/V (`remask.kernels.paged_attention`, no contiguous copy), which is the
-    key set the contiguous dual cache attends over, so the tokens are the same.
-
-    Sharing: the pages of a block are allocated by a `PageManager` whose hash chain is seeded
-    with a digest of the row's whole input (tokens, padding, block), because in a bidirectional
-    model every position's K/V depend on every token. Rows with the same input — a prompt
-    repeated for several samples, `num_return_sequences` — store their K/V once; for a causal
-    model the same manager shares any common prefix (nano-vllm's rule).
+    """Fast-dLLM's dual cache kept in pages: `use_cache="paged"` (or an instance, to read its memory
+    figures afterwards). After `begin_block`, the full forward stores the K/V of every position
+    outside the block into pages `[num_pages, page_size, H_kv, D]`; each later step feeds the block
+    alone, attending over the pages and its own fresh K/V (`remask.kernels.paged_attention`): the
+    contiguous dual cache's key set, so the same tokens. The hash chain is seeded with a digest of
+    the row's whole input (a bidirectional model's K/V depend on every token): identical rows (a
+    prompt repeated, `num_return_sequences`) store their K/V once.
 
         >>> cache = PagedKVCache(page_size=4)
         >>> cache.page_size, cache.pages_in_use
@@ -55,10 +43,8 @@ class PagedKVCache:
         self.block_table: torch.Tensor | None = None
         self.seq_lens: torch.Tensor | None = None
         self.slot_mapping: torch.Tensor | None = None
-        self.total_len = 0
+        self.total_len = self.peak_pages = self.peak_shared_hits = 0
         self.stored = False
-        self.peak_pages = 0
-        self.peak_shared_hits = 0
 
     @property
     def pages_in_use(self) -> int:
@@ -76,8 +62,7 @@ class PagedKVCache:
         """Lay out pages for a refresh of `x` `[B, T]` (`valid`: `[B, T]` bool, False on left pads)
         whose current block is `[start, end)`; the next forward (over all T positions) fills them."""
         B, T = x.shape
-        per_row = -(-T // self.page_size)
-        self.manager = PageManager(self.num_pages or B * per_row, self.page_size)
+        self.manager = PageManager(self.num_pages or B * -(-T // self.page_size), self.page_size)
         if valid is None:
             valid = torch.ones((B, T), dtype=torch.bool, device=x.device)
         context = valid.clone()

@@ -1,13 +1,9 @@
 """`PromptCache`: the encoder's KV cache of a whole prompt, shared by the requests that send that
-exact prompt (encoder–decoder models: DiffusionGemma).
-
-An encoder is causal, so the cache it writes for a prompt depends only on the prompt's tokens: a
-request whose prompt ids equal a cached one's (the key is the ids themselves, not a hash that
-could collide) starts from a copy of that cache instead of running the encoder, and the copy is
-bitwise what its own encoder forward would write — the same computation on the same shapes. Only
-whole prompts are shared: continuing a cached prefix with the rest of a longer prompt would run
-the encoder on other shapes, whose rounding may differ. Entries are copied in and out (each
-request then appends its own canvases), least recently used first out.
+exact prompt (encoder–decoder models: DiffusionGemma). An encoder is causal, so a request whose
+prompt ids equal a cached one's (the ids are the key: no hash to collide) starts from a copy that is
+bitwise what its own encoder forward would write. Only whole prompts are shared: encoding the rest
+of a longer one would run on other shapes, whose rounding may differ. Entries are copied in and out
+(each request then appends its own canvases), LRU.
 """
 from __future__ import annotations
 
@@ -24,8 +20,7 @@ class PromptCache:
         self.entries: OrderedDict[tuple[int, ...], Any] = OrderedDict()
         self.hits = 0
         self.misses = 0
-        # prompts whose encoder forward a request has asked for and not yet stored (`put`): another
-        # request with the prompt waits for it one engine step instead of encoding it again
+        # prompts being encoded (not yet `put`): another request with one waits a step, not re-encoding it
         self.encoding: set[tuple[int, ...]] = set()
 
     def get(self, prompt_ids: tuple[int, ...]) -> Any | None:

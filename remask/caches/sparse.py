@@ -1,26 +1,15 @@
-"""Sparse-dLLM's token-retention cache (OpenMOSS/Sparse-dLLM `CustomCache`; per-head variant of
-dLLM-Serve), plugged into the models through the `attend` seam of `KVCache`.
+"""Sparse attention through the `attend` seam of `KVCache`, driven by `remask.diffusion.sparse`:
+Sparse-dLLM's token-retention cache (OpenMOSS/Sparse-dLLM `CustomCache`; per-head variant of
+dLLM-Serve) and SparseD's block-mask attention hook (INV-WZQ/SparseD).
 
-Per semi-autoregressive block the sampler (`remask.diffusion.sparse`) drives three phases:
-
-* full forwards (no cache) until the delay step;
-* at the delay step, `begin_select(start, end)`: the next forward runs over all T positions with
-  full attention, stores every layer's K/V (after RoPE, `[B, H_kv, T, D]`) and selects, per layer,
-  the positions to keep outside the block `[start, end)` (`retained_positions`);
-* every later step feeds the block alone. With the Triton kernel (CUDA) its fresh K/V overwrite the
-  block's entries in place and its queries attend over the kept positions plus the block through
-  `remask.kernels.block_sparse_attention` (token-level index lists, `kv_block_size=1`), which reads
-  the kept K/V where they lie — nothing is copied. On the torch path (CPU) a gather would copy
-  the kept rows at every step, so the kept K/V are compacted once at the selection (as upstream
-  does) and the full K/V are dropped; each step attends over `[kept ; fresh block]`.
-
-Selection (`retention_scores`, `retained_positions`), per layer and row: the non-block keys are
-taken in order (prefix, then suffix, as upstream concatenates them); importance = mean over query
-heads of (mean block query · key), raw dot products (GQA: keys repeated per group); max-pooled
-with `pool_kernel` (stride 1, padding `pool_kernel // 2`, across the block's gap as upstream); the
-top ⌊N·retention_ratio⌋ kept, in `torch.topk` order. `head_select=True` (dLLM-Serve): scores
-scaled by 1/√D, the max over each KV head's query group, and an equal budget per KV head.
-Left pads are never kept and count for nothing, so a padded row keeps what it keeps alone.
+Retention: at a block's delay step, `begin_select(start, end)`: the next forward over all T positions
+stores every layer's K/V (after RoPE, `[B, H_kv, T, D]`) and selects, per layer, the positions kept
+outside the block (`retained_positions`); every later step feeds the block alone. With the Triton
+kernel (CUDA) the block's fresh K/V overwrite its entries in place and its queries attend over the
+kept positions plus the block through `remask.kernels.block_sparse_attention` (token-level index
+lists), reading the kept K/V where they lie; on the torch path (CPU) the kept K/V are compacted once
+at the selection (as upstream; a gather would copy them at every step) and each step attends over
+`[kept ; fresh block]`.
 """
 from __future__ import annotations
 
@@ -34,16 +23,16 @@ from .kv import KVCache, attention
 
 
 def retention_scores(q_block: torch.Tensor, keys: torch.Tensor, head_select: bool) -> torch.Tensor:
-    """Importance of `keys` `[B, H_kv, N, D]` for the block queries `q_block` `[B, Hq, L, D]`:
-    `[B, 1, N]` (one set for all heads, upstream) or `[B, H_kv, N]` (`head_select`)."""
+    """Importance of `keys` `[B, H_kv, N, D]` for the block queries `q_block` `[B, Hq, L, D]`: the mean
+    over query heads of (mean block query · key), raw dot products, GQA keys repeated per group
+    (`[B, 1, N]`, upstream), or with `head_select` (dLLM-Serve) scaled by 1/√D and the max over each
+    KV head's query group (`[B, H_kv, N]`)."""
     group = q_block.shape[1] // keys.shape[1]
-    mean_q = q_block.mean(dim=-2)
+    # Upstream's order of operations (float32 here as there): mean query, matmul, head mean.
+    keys_rep = keys.repeat_interleave(group, dim=1) if group > 1 else keys
+    scores = torch.matmul(q_block.mean(dim=-2).unsqueeze(-2), keys_rep.transpose(-2, -1)).squeeze(-2)
     if not head_select:
-        # Upstream's order of operations (float32 here as there): mean query, matmul, head mean.
-        keys_rep = keys.repeat_interleave(group, dim=1) if group > 1 else keys
-        scores = torch.matmul(mean_q.unsqueeze(-2), keys_rep.transpose(-2, -1)).squeeze(-2)
         return scores.mean(dim=1, keepdim=True)
-    scores = torch.matmul(mean_q.unsqueeze(-2), keys.repeat_interleave(group, dim=1).transpose(-2, -1)).squeeze(-2)
     scores = scores / keys.shape[-1] ** 0.5
     return scores.view(scores.shape[0], keys.shape[1], group, -1).amax(dim=2)
 
@@ -52,16 +41,13 @@ def retained_positions(q: torch.Tensor, k: torch.Tensor, start: int, end: int, r
                        pool_kernel: int | None, head_select: bool,
                        valid: torch.Tensor | None, topk_ties: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions to keep outside the block `[start, end)` after a full forward with queries `q`
-    `[B, Hq, T, D]` and keys `k` `[B, H_kv, T, D]` (after RoPE). `valid` `[B, T]` bool marks
-    non-pad positions (None: all).
-
-    Among exactly equal scores (max-pooling copies one score onto its neighbours, so ties are the
-    rule, and the cut often falls inside one) the earlier position is kept: a stable descending
-    sort, so a row keeps the same positions whatever its left padding. `topk_ties=True` keeps
-    `torch.topk`'s order instead (upstream's; it depends on the row's length, pads included).
-
-    Returns (positions `[B, S, n_max]` int64 absolute, in descending score order; counts `[B]`):
-    row b keeps its first `counts[b]` entries (S = 1, or H_kv with `head_select`)."""
+    `[B, Hq, T, D]` and keys `k` `[B, H_kv, T, D]` (after RoPE); `valid` `[B, T]`: non-pad positions.
+    Returns (positions `[B, S, n_max]` int64 absolute, in descending score order; counts `[B]`): row b
+    keeps its first `counts[b]` (S = 1, or H_kv with `head_select`): the top ⌊N·retention_ratio⌋ of the
+    non-block keys (prefix then suffix, as upstream concatenates them) by `retention_scores`, max-pooled
+    (stride 1, padding `pool_kernel // 2`, across the block's gap as upstream). Left pads are never kept
+    and count for nothing. Among equal scores (max-pooling makes ties the rule) the earlier position is
+    kept (a stable sort), so padding changes nothing; `topk_ties=True`: `torch.topk`'s order (upstream's)."""
     B, _, T, _ = k.shape
     outside = torch.cat([torch.arange(start, device=k.device), torch.arange(end, T, device=k.device)])
     keys = torch.cat([k[:, :, :start], k[:, :, end:]], dim=2)
@@ -80,8 +66,7 @@ def retained_positions(q: torch.Tensor, k: torch.Tensor, start: int, end: int, r
     # upstream: int(N * keep_ratio) in Python floats
     counts = torch.tensor([int(n * retention_ratio) for n in n_outside.tolist()], device=k.device)
     n_max = int(counts.max()) if B else 0
-    if topk_ties:
-        # topk over upstream's own shape ([B, N] for one shared set): its order among tied pooled scores
+    if topk_ties:   # topk over upstream's own shape ([B, N] for one shared set): its order among ties
         keep = torch.topk(importance[:, 0], k=n_max, dim=-1).indices[:, None] if S == 1 else \
             torch.topk(importance, k=n_max, dim=-1).indices
     else:
@@ -96,9 +81,8 @@ class RetentionKVCache(KVCache):
     def __init__(self, retention_ratio: float, pool_kernel: int | None, head_select: bool,
                  valid: torch.Tensor | None = None, topk_ties: bool = False) -> None:
         super().__init__()
-        self.retention_ratio, self.pool_kernel, self.head_select, self.valid = (
-            retention_ratio, pool_kernel, head_select, valid)
-        self.topk_ties = topk_ties
+        self.retention_ratio, self.pool_kernel, self.head_select = retention_ratio, pool_kernel, head_select
+        self.valid, self.topk_ties = valid, topk_ties
         self.block: tuple[int, int] | None = None
         self.selecting = False
         self.kept: list[torch.Tensor] = []        # per layer: [B, S, n_max] positions
@@ -114,8 +98,7 @@ class RetentionKVCache(KVCache):
 
     @property
     def nbytes(self) -> int:
-        stored = super().nbytes
-        return stored + sum(t.numel() * t.element_size() for kk, vv, _ in self.compact.values() for t in (kk, vv))
+        return super().nbytes + sum(t.numel() * t.element_size() for kv in self.compact.values() for t in kv[:2])
 
     def begin_select(self, start: int, end: int) -> None:
         """The next forward (all T positions) stores the K/V and selects what to keep outside
@@ -132,9 +115,8 @@ class RetentionKVCache(KVCache):
         """Mean fraction of the stored positions each block query attends to (kept + block)."""
         if not self.kept or self.block is None:
             return 1.0
-        T = self.total_len
         block = self.block[1] - self.block[0]
-        return float(sum((c.float().mean() + block) / T for c in self.kept_counts) / len(self.kept_counts))
+        return float(sum((c.float().mean() + block) / self.total_len for c in self.kept_counts) / len(self.kept_counts))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                mask: torch.Tensor | None) -> torch.Tensor:
@@ -172,8 +154,7 @@ class RetentionKVCache(KVCache):
             live[:, n_max:] = True
             key_mask = live[:, None, None, :]
         self.compact[layer] = (kept_k, kept_v, key_mask)
-        self.keys[layer] = keys[:, :, :0]
-        self.values[layer] = values[:, :, :0]
+        self.keys[layer], self.values[layer] = keys[:, :, :0], values[:, :, :0]
 
     def _index_lists(self, layer: int, n_heads: int, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Token-level index lists `[B, Hq, 1, n]`: the kept positions (upstream's order), then the
@@ -220,11 +201,9 @@ def select_key_blocks(q_block: torch.Tensor, keys: torch.Tensor, block_size: int
 def sparsed_block_mask(q: torch.Tensor, k: torch.Tensor, block_size: int, select: float, gen_length: int,
                        scale: float) -> torch.Tensor:
     """SparseD's head-specific block mask from one full forward's queries and keys (after RoPE,
-    `[B, H, T, D]`; GQA keys are repeated per group) → bool `[B, H, n_blocks, n_blocks]`.
-
-    Per query block: the top blocks over all keys, with every block from `last` on cleared
-    (`last` = the first query block within the last `gen_length` positions, or the final block);
-    then the top blocks over the generation keys `[last·block_size, T)` alone, OR-ed in."""
+    `[B, H, T, D]`; GQA keys repeated per group) → bool `[B, H, n_blocks, n_blocks]`. Per query block:
+    the top blocks over all keys, kept before `last` (the first block within the last `gen_length`
+    positions, or the final block); from `last` on, the top blocks over those generation keys alone."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
@@ -233,14 +212,9 @@ def sparsed_block_mask(q: torch.Tensor, k: torch.Tensor, block_size: int, select
     last = next(i for i in range(n_blocks) if T - i * block_size <= gen_length or i == n_blocks - 1)
     mask = torch.zeros((q.shape[0], q.shape[1], n_blocks, n_blocks), dtype=torch.bool, device=q.device)
     for i in range(n_blocks):
-        mask[:, :, i:i + 1] = select_key_blocks(q[:, :, i * block_size:(i + 1) * block_size], k, block_size, select,
-                                                scale)
-    mask[:, :, :, last:] = False
-    generation_keys = k[:, :, last * block_size:]
-    for i in range(n_blocks):
-        picked = select_key_blocks(q[:, :, i * block_size:(i + 1) * block_size], generation_keys, block_size, select,
-                                   scale)
-        mask[:, :, i:i + 1, last:] |= picked
+        q_block = q[:, :, i * block_size:(i + 1) * block_size]
+        mask[:, :, i:i + 1] = select_key_blocks(q_block, k, block_size, select, scale)
+        mask[:, :, i:i + 1, last:] = select_key_blocks(q_block, k[:, :, last * block_size:], block_size, select, scale)
     return mask
 
 
@@ -255,11 +229,7 @@ class BlockMaskAttention(KVCache):
         self.block_size, self.select, self.gen_length, self.corrected_scale = (
             block_size, select, gen_length, corrected_scale)
         self.phase = "dense"
-        self.masks: list[torch.Tensor] = []
         self.lists: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def get_seq_length(self, layer: int = 0) -> int:
-        return 0
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                mask: torch.Tensor | None) -> torch.Tensor:
@@ -271,7 +241,6 @@ class BlockMaskAttention(KVCache):
             # upstream scales the selection scores by 1/√n_heads (a quirk); corrected: 1/√head_dim
             scale = (q.shape[-1] if self.corrected_scale else q.shape[1]) ** -0.5
             block_mask = sparsed_block_mask(q, k, self.block_size, self.select, self.gen_length, scale)
-            self.masks.append(block_mask)
             # lists: each row's kept block ids first (ascending), then junk past the count
             order = torch.argsort((~block_mask).to(torch.int8), dim=-1, stable=True)
             self.lists.append((block_mask.sum(dim=-1).to(torch.int32), order.to(torch.int32)))

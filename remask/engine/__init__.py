@@ -1,10 +1,8 @@
 """The engine: many requests decoded together, step by step (nano-vllm's shape).
 
-`SamplingParams` (validated settings) → `LLMEngine.add_request` → `Scheduler` (who runs this
-step, admission by sequences / positions / KV pages, preemption) → `ModelRunner` (the forwards,
-shared where shapes allow; AR sequences as one flat forward over the paged KV store) → the
-samplers' own commit (`BlockDecoder.commit`, `ARDecoder.sample`) → `RequestOutput`. `LLM` drives
-it offline. `PageManager` is the page allocator (also used by the diffusion paged cache).
+`SamplingParams` → `LLMEngine.add_request` → `Scheduler` (who runs this step: admission,
+preemption) → `ModelRunner` (the forwards, shared where shapes allow) → the samplers' own commit →
+`RequestOutput`. `LLM` drives it offline; `PageManager` is the page allocator.
 """
 from __future__ import annotations
 

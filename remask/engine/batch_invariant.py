@@ -1,23 +1,14 @@
 """Batch-invariant linear layers: each batch row computed with the shapes it has alone.
 
-A GEMM library picks its kernel by the problem's shape: on x86 CPUs a 1–3 row `F.linear`
-(M = rows) takes another path than a larger one, so a row's bits can depend on how many rows share
-its matmul. Inside `batch_invariant_linear()`, `F.linear` on a `[B, L, K]` input with B > 1 runs as
-a batched GEMM of B problems of shape `[L, K]` — the problem each sequence poses alone — so every
-sequence's result is the one `remask.generate` computes for it alone, whatever else is in the batch.
-Measured bitwise on the shipped tiny models at one intra-op thread (`tests/test_engine.py`); with
-several threads a batched GEMM may split the work otherwise than a single one, so the engine runs
-its batched forwards on one thread when `batch_invariant=True` on CPU.
-
-On CUDA (with Triton; not with ``REMASK_TRITON=0``) a plain-tensor weight's linear instead runs as
-ONE `remask.kernels.invariant_matmul.invariant_linear` over all the rows, flattened to `[B·L, K]`:
-that kernel's tile shape and K order do not depend on the number of rows, so each row's result is
-bitwise the same in any batch, and every weight is read once per step rather than once per
-sequence. It does not equal cuBLAS's `F.linear` bit for bit, so a forward is invariant only against
-other forwards under this mode (the engine enters it for batched forwards; a batch of one must
-enter it as well to give the same bits). Quantized weights (tensor subclasses) and dtypes the
-kernel does not take keep the per-sequence path; what the kernel costs against cuBLAS is for a GPU
-to measure (`make gpu-day`).
+A GEMM library picks its kernel by the problem's shape (on x86 CPUs a 1–3 row `F.linear` takes
+another path), so a row's bits can depend on how many rows share its matmul. Inside
+`batch_invariant_linear()`, `F.linear` on `[B, L, K]` runs as a batched GEMM of the B problems
+`[L, K]` each sequence poses alone: its bits are those of `remask.generate` on it alone (measured at
+one intra-op thread, `tests/test_engine.py`; several threads may split the work otherwise, so on CPU
+the engine's batched forwards run on one thread). On CUDA with Triton a plain-tensor weight's linear
+runs instead as ONE `remask.kernels.invariant_matmul.invariant_linear` over all rows: its tiling and
+K order do not depend on the row count, but it does not equal cuBLAS bit for bit, so a forward is
+invariant only against others under this mode (a batch of one must enter it too).
 """
 from __future__ import annotations
 
@@ -44,15 +35,13 @@ def _batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def _kernel_device(x: torch.Tensor) -> bool:
-    """Where the batch-invariant kernel replaces the per-sequence GEMMs: CUDA tensors (the tests
-    widen it to CPU tensors under the Triton interpreter)."""
+    """Where the invariant kernel replaces the per-sequence GEMMs (tests widen it to CPU tensors)."""
     return x.is_cuda
 
 
 def _invariant_kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """`F.linear` as one row-invariant launch over all of x's rows (`[..., K]` → `[..., N]`), or
-    None where the kernel does not apply (off CUDA, Triton off, a quantized weight, other dtypes,
-    or a forward that records gradients: the kernel has no backward)."""
+    """`F.linear` as one row-invariant launch over all of x's rows, or None where the kernel does not
+    apply (off CUDA, Triton off, a quantized weight, other dtypes, gradients: it has no backward)."""
     if not _kernel_device(x) or type(weight) not in (torch.Tensor, torch.nn.Parameter) or x.dim() < 2:
         return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
@@ -74,20 +63,15 @@ FLAT_ROWS = 1024
 _PROBE_SIZES = tuple(range(1, 65)) + (80, 96, 127, 128, 160, 200, 255, 256, 300, 384, 500, 512, 640, 768, 900,
                                        1000, 1023, 1024)
 _flat_thresholds: dict[tuple, int | None] = {}
-# Weights up to this many elements are probed (a few seconds at most on one core); a larger one
-# keeps the per-sequence GEMMs (its rows are compute-bound: one flat GEMM would save little).
+# Weights up to this many elements are probed (seconds at most on one core); larger ones are
+# compute-bound and keep the per-sequence GEMMs (one flat GEMM would save little).
 PROBE_MAX_WEIGHT = 1 << 22
 
 
 def flat_threshold(weight: torch.Tensor, bias: torch.Tensor | None) -> int | None:
     """The smallest M from which this CPU's `F.linear` gives every row the same bits whatever the
-    number of rows M (up to `FLAT_ROWS`), measured once per (shape, dtype, bias, threads) on random
-    data; None where no such M was found (the per-sequence GEMMs are then the only invariant path).
-
-    BLAS libraries pick a kernel by the problem's shape: small M takes another path (measured here:
-    M < 16 differs, M >= 16 agrees, under oneDNN/MKL on AVX-512, AVX2 and the default capability).
-    Above that threshold a flat GEMM over every sequence's rows is row-invariant, so sequences of at
-    least that many rows share one GEMM and read each weight once per step."""
+    number of rows (up to `FLAT_ROWS`), probed once per (shape, dtype, bias, threads); None if none
+    (measured: M >= 16 under oneDNN/MKL). Sequences of at least M rows share one flat GEMM."""
     if weight.device.type != "cpu" or type(weight) not in (torch.Tensor, torch.nn.Parameter) \
             or weight.numel() > PROBE_MAX_WEIGHT:
         return None
@@ -132,6 +116,10 @@ class _PerSequenceLinear(TorchFunctionMode):
 
     def __init__(self, token_groups: list[tuple[int, torch.Tensor]] | None = None) -> None:
         super().__init__()
+        self.regroup(token_groups)
+
+    def regroup(self, token_groups: list[tuple[int, torch.Tensor]] | None) -> None:
+        """A new layout (a request of a packed forward changed its rows between layers)."""
         self.token_groups = token_groups
         self.total = sum(len(rows) for _, rows in token_groups) if token_groups else 0
         self.num_seqs = sum(len(rows) // length for length, rows in token_groups) if token_groups else 0
@@ -191,22 +179,19 @@ def batch_invariant_linear(enabled: bool = True, single_thread: bool = True,
     if single_thread:
         _one_thread.enter()
     try:
-        with _PerSequenceLinear(token_groups):   # a mode stack is per thread: other threads are untouched
-            yield
+        with _PerSequenceLinear(token_groups) as mode:   # a mode stack is per thread: other threads are untouched
+            yield mode
     finally:
         if single_thread:
             _one_thread.exit()
 
 
 class _OneThread:
-    """`torch.set_num_threads` is process-wide: with several engines (a server with several models)
-    in one process, the first to enter sets one thread and the last to leave restores the count,
-    so no engine restores it under another's forward."""
+    """`torch.set_num_threads` is process-wide: with several engines in one process, the first to
+    enter sets one thread and the last to leave restores the count (never under another's forward)."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.depth = 0
-        self.saved = 1
+        self.lock, self.depth, self.saved = threading.Lock(), 0, 1
 
     def enter(self) -> None:
         with self.lock:

@@ -3,18 +3,16 @@
     python -m remask.engine.compatibility --out docs/compatibility.md
 
 Each cell is what `LLMEngine.add_request` says about a request of that method on a tiny checkpoint
-of that family, written in the released format (`remask.models.tiny`): "yes" when the request is
-accepted (the engine then decodes it step by step, `diffusion/parts/stepper.py`), or the refusal's own
-message, which names the conflicting parts. Nothing here is written by hand: a method that starts
-working (or stops) changes the file, and `tests/test_compatibility.py` checks that the committed
-file is what the code says.
+of that family (`remask.models.tiny`): "yes" when accepted (the engine then decodes it step by step),
+or the refusal's own message, naming the conflicting parts. Nothing is written by hand;
+`tests/test_compatibility.py` checks that the committed file is what the code says.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import tempfile
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -59,10 +57,9 @@ READS_STEPS = ("the family's own rule (LLaDA: low-confidence blocks)", "Dream's 
 
 
 def layout(name: str, spec: Any) -> dict[str, Any]:
-    """The layout keywords a request of method `name` sets on a model of `spec`: blocks of 16 and
-    32 steps on the bidirectional mask models (LLaDA's and Dream's layout; Elastic-Cache has a
-    sliding window instead of blocks, Dream's sampler no blocks); none on the families that fix
-    their own blocks (block-causal) or canvas (uniform noise)."""
+    """The layout keywords of method `name` on a model of `spec`: blocks of 16 (not Elastic-Cache's
+    sliding window nor Dream's sampler) and 32 steps on the bidirectional mask models; none on the
+    families that fix their own blocks (block-causal) or canvas (uniform noise)."""
     if spec.attention == "block-causal" or spec.noise == "uniform":
         return {}
     out = {} if name.startswith("Elastic-Cache") or name == "Dream's sampler (alg=entropy)" else dict(block_length=16)
@@ -71,20 +68,16 @@ def layout(name: str, spec: Any) -> dict[str, Any]:
     return out
 
 
-def _writers() -> dict[str, Callable[[str], Any]]:
-    from remask.models import tiny
-
-    return {"llada": tiny.write_tiny_llada, "Dream": tiny.write_tiny_dream, "sdar": tiny.write_tiny_sdar,
-            "llada2_moe": tiny.write_tiny_llada2, "fast_dllm_v2": tiny.write_tiny_fast_dllm_v2,
-            "diffusion_gemma": tiny.write_tiny_diffusion_gemma}
-
-
 def _load(family: str, path: str) -> torch.nn.Module:
+    from remask.models import tiny
     from remask.models.registry import family_of
 
     import transformers
 
-    _writers()[family](path)
+    writers = {"llada": tiny.write_tiny_llada, "Dream": tiny.write_tiny_dream, "sdar": tiny.write_tiny_sdar,
+               "llada2_moe": tiny.write_tiny_llada2, "fast_dllm_v2": tiny.write_tiny_fast_dllm_v2,
+               "diffusion_gemma": tiny.write_tiny_diffusion_gemma}
+    writers[family](path)
     found = family_of(family)
     auto = getattr(transformers, found.load_class if found is not None else "AutoModel")
     return auto.from_pretrained(path).eval()
@@ -130,14 +123,8 @@ def markdown(table: dict[str, dict[str, str]]) -> str:
              "| method | " + " | ".join(FAMILIES) + " |", "| --- |" + " :---: |" * len(FAMILIES)]
     notes: dict[str, int] = {}
     for name, row in table.items():
-        cells = []
-        for family in FAMILIES:
-            value = row[family]
-            if value == "yes":
-                cells.append("yes")
-            else:
-                index = notes.setdefault(value[4:], len(notes) + 1)
-                cells.append(f"no [{index}]")
+        cells = ["yes" if row[family] == "yes" else f"no [{notes.setdefault(row[family][4:], len(notes) + 1)}]"
+                 for family in FAMILIES]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Refusals:", ""]
     lines += [f"{index}. {message}" for message, index in notes.items()]

@@ -1,39 +1,16 @@
-"""CUDA graphs for the engine's uncached full forwards (`LLMEngine(..., cuda_graphs=True)`).
+"""CUDA graphs for the engine's uncached full forwards (`LLMEngine(..., cuda_graphs=True)`,
+docs/engine.md).
 
-What is graphed: only the shared forward of diffusion sequences with no cache — LLaDA's
-`BlockDecoder` and Dream's `DreamDecoder` under the key `("full", T, ...)`, whose forward is
-`spec.logits(model, x)` on the stacked canvases `x` `[G, T]` → logits `[G, T, V]` (a lone such
-sequence takes the same path, as a group of one). Its shapes are static within a bucket, so it can
-be captured once and replayed. Everything else runs eagerly as before: the prefix / dual / paged
-caches, CFG, sparse attention, padded prompts, block-causal models, autoregressive paged forwards,
-and the decoders' commits (sampling), which stay in Python after the replay.
-
-How (after nano-vllm's `capture_cudagraph`): a group of G rows runs in the bucket = the smallest
-of 1, 2, 4, 8, … (up to `max_num_seqs`, which is a bucket too) that is ≥ G. Each (bucket, T, inputs)
-is captured lazily on its first use — warm-up forwards on a side stream, then one capture into a
-memory pool all graphs share (replays are serial on one stream, so they never overlap) — with a
-static input buffer `[bucket, T]`. A call copies its G rows in, fills the padding rows with copies of
-row 0, replays, and returns a clone of the first G rows of the static logits (the next replay
-overwrites them). At most `max_graphs` (16) graphs are kept, least recently used evicted: each holds its
-static logits `[bucket, T, V]` (for an 8B LLaDA, V = 126464 in bfloat16: 64 × 256 positions is
-about 4 GB), which stay reserved in the pool as long as the graph is kept, and every new canvas length T
-captures new graphs: the cap bounds that memory, not the number of lengths served.
-
-Why the padding rows cannot change the real rows: the forward is bidirectional with no attention
-mask and no cache, and nothing mixes rows (attention, norms and MLPs work per row), so row i's
-logits are a function of row i alone — as they already are when G different requests share one
-eager forward. Bit for bit, though, a GEMM's result may depend on how many rows share it: the
-capture runs inside the engine's `batch_invariant_linear` context for `bucket` rows (the one the
-eager forward enters for G rows), so with `batch_invariant=True` every linear layer is a batched
-GEMM of per-row problems either way (bitwise equal on CPU; on CUDA this rests on cuBLAS picking
-its kernel by the problem, not the batch count — unmeasured); with `batch_invariant=False` the
-padded graph may round otherwise than an unpadded eager batch, as batch composition already may.
-A group of one is bucket 1: never padded, the eager forward's very kernels.
-
-A forward that cannot be captured (one that syncs with the host, e.g. an MoE router's `nonzero`)
-is warned about once and runs eagerly from then on. The CUDA specifics sit in `CudaGraphBackend`;
-`GraphedForward` takes any backend with `capture(body) -> (graph, output)` and `graph.replay()`, so
-its logic is tested on CPU (`tests/test_cuda_graphs.py`).
+Only the shared forward of cache-less diffusion sequences is graphed (LLaDA's `BlockDecoder`,
+Dream's `DreamDecoder`, key `("full", T, ...)`). After nano-vllm's `capture_cudagraph`: G rows run
+in the smallest bucket ≥ G of 1, 2, 4, …, `max_num_seqs`, captured lazily per (bucket, T, key) into
+one shared pool, padded with copies of row 0 (no mask, no cache: rows never mix). The capture runs in
+`batch_invariant_linear` for `bucket` rows, as the eager forward does (bitwise equal on CPU; on CUDA
+it rests on cuBLAS picking its kernel by the problem, not the batch count: unmeasured). At most
+`max_graphs` (16) are kept, LRU: each holds its static logits `[bucket, T, V]` (8B LLaDA, bf16,
+64 × 256 positions ≈ 4 GB).
+A forward that cannot be captured (a host sync, e.g. an MoE router's `nonzero`) warns once and runs
+eagerly. Any backend with `capture(body) -> (graph, output)` works: tests run it on CPU.
 """
 from __future__ import annotations
 
@@ -45,15 +22,10 @@ from typing import Any, Callable, ContextManager, Hashable, Protocol
 import torch
 
 
-class Graph(Protocol):
-    def replay(self) -> None: ...
-
-
 class GraphBackend(Protocol):
-    def capture(self, body: Callable[[], torch.Tensor]) -> tuple[Graph, torch.Tensor]:
-        """Record `body` (which reads the static inputs it closes over) once; returns the graph
-        and the static output that each `replay()` rewrites."""
-        ...
+    def capture(self, body: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        """Record `body` (which reads the static inputs it closes over) once; returns the graph (its
+        `replay()` reruns it) and the static output that each replay rewrites."""
 
 
 class CudaGraphBackend:
@@ -63,7 +35,7 @@ class CudaGraphBackend:
         self.device, self.warmup = device, warmup
         self.pool = torch.cuda.graph_pool_handle()
 
-    def capture(self, body: Callable[[], torch.Tensor]) -> tuple[Graph, torch.Tensor]:
+    def capture(self, body: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
         with torch.cuda.device(self.device):
             # Warm-up on a side stream, as torch.cuda.graphs asks: lazy initialisation (cuBLAS
             # handles, autotuning) must not happen inside the capture.
@@ -92,16 +64,12 @@ def make_backend(device: torch.device) -> GraphBackend:
 
 
 def buckets_up_to(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, … below `max_batch`, then `max_batch` itself."""
-    out, b = [], 1
-    while b < max_batch:
-        out.append(b)
-        b *= 2
-    return out + [max_batch]
+    """1, 2, 4, 8, … below `max_batch` (≥ 1), then `max_batch` itself."""
+    return [1 << i for i in range((max_batch - 1).bit_length())] + [max_batch]
 
 
 class _Entry:
-    def __init__(self, graph: Graph, static_in: torch.Tensor, static_out: torch.Tensor) -> None:
+    def __init__(self, graph: Any, static_in: torch.Tensor, static_out: torch.Tensor) -> None:
         self.graph, self.static_in, self.static_out = graph, static_in, static_out
 
 
@@ -127,16 +95,12 @@ class GraphedForward:
         `key` names what `forward` computes besides the shape (it is only called to capture);
         `context(rows)` is entered around the forward of `rows` rows (the eager path's context)."""
         G, T = x.shape
-        bucket = self.bucket(G)
-        if bucket is None or key in self.uncapturable:
+        bucket, entry = self.bucket(G), None
+        if bucket is not None and key not in self.uncapturable:
+            entry = self.graphs.get((bucket, T, key)) or self._capture(bucket, x, forward, key, context)
+        if entry is None:   # no bucket that large, or not capturable: eager
             with context(G):
                 return forward(x)
-        entry = self.graphs.get((bucket, T, key))
-        if entry is None:
-            entry = self._capture(bucket, x, forward, key, context)
-            if entry is None:
-                with context(G):
-                    return forward(x)
         self.graphs.move_to_end((bucket, T, key))
         entry.static_in[:G].copy_(x)
         if bucket > G:   # valid token ids, independent of earlier calls' leftovers

@@ -20,26 +20,16 @@ from .llm_engine import LLMEngine
 from .sampling_params import SamplingParams
 from .sequence import RequestOutput
 
-# A prompt: text, token ids, or vLLM's dicts {"prompt": text} (TextPrompt) and
-# {"prompt_token_ids": ids} (TokensPrompt, optionally with the "prompt" text the ids came from).
+# text, token ids, or vLLM's TextPrompt {"prompt": text} / TokensPrompt {"prompt_token_ids": ids}
 Prompt = str | Seq[int] | dict[str, Any]
 Message = dict[str, str]
 
 
 class LLM:
-    """An engine over one model.
-
-    `model`: a shipped name (`"tiny-llada"`, `"tiny-ar"`), a checkpoint folder, or a loaded model
-    (then pass its `tokenizer` for text prompts). `dtype` / `device`: for a name or folder
-    (default float32 on CPU). `max_num_seqs` / `max_num_batched_tokens`: admission limits of one
-    step. `kv_cache_pages` (or `kv_cache_memory_fraction` of free GPU memory), `page_size`,
-    `enable_prefix_caching`: the KV page store of autoregressive models (default: room for every
-    admitted sequence at full length; fewer pages preempt and recompute). `quantization`: "int8"
-    (torchao weight-only) or a transformers quantization config, for a name or folder. `batch_invariant`: every request's tokens independent of its batch-mates (see
-    `remask.engine.batch_invariant`). `seed`: the seed of requests without their own.
-    `cuda_graphs`: replay CUDA graphs for the uncached full diffusion forwards (model on CUDA only;
-    see `remask.engine.cuda_graphs`).
-    """
+    """An engine over one model: a shipped name (`"tiny-llada"`, `"tiny-ar"`), a checkpoint folder,
+    or a loaded model (then pass its `tokenizer` for text prompts). `dtype` / `device` (default
+    float32 on CPU) and `quantization` ("int8": torchao weight-only, or a transformers quantization
+    config) apply when loading; the other arguments are `LLMEngine`'s."""
 
     def __init__(self, model: str | torch.nn.Module, tokenizer: Any = None, *, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None, max_num_seqs: int = 64,
@@ -65,27 +55,24 @@ class LLM:
                                 seed=seed, max_request_bytes=max_request_bytes, cuda_graphs=cuda_graphs)
         self._counter = 0
 
-    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, chat: bool = False) -> list[RequestOutput]:
-        """One `RequestOutput` per prompt, in input order. `prompts`: one prompt or a list of them
-        (mixed forms allowed) — a string, token ids, `{"prompt": text}` or `{"prompt_token_ids":
-        ids}` (vLLM's TextPrompt / TokensPrompt; other keys are refused by name); `sampling_params`:
-        one for all or one per prompt. `chat=True` wraps each text prompt (a string or a
-        TextPrompt) as one user message in the tokenizer's chat template (as `LLM.chat` does)."""
-        # One prompt (a string, an id list, a dict) or a list of them: a dict is one prompt, never
-        # iterated as a list of keys.
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
+                 chat: bool = False) -> list[RequestOutput]:
+        """One `RequestOutput` per prompt, in input order. `prompts`: one prompt or a list (mixed
+        forms allowed) of strings, token ids, `{"prompt": text}` or `{"prompt_token_ids": ids}`;
+        `sampling_params`: one for all or one per prompt. `chat=True` wraps each text prompt as
+        one user message in the tokenizer's chat template (as `LLM.chat` does)."""
+        # a dict is one prompt, never iterated as a list of keys
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
                                                 and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]
-        prompts = list(prompts)
         check_bool("use_tqdm", use_tqdm)
-        if chat:
-            prompts = [self._chat_prompt(p) for p in prompts]
+        prompts = [self._chat_prompt(p) for p in prompts] if chat else list(prompts)
         return self._run(prompts, sampling_params, use_tqdm)
 
     def _chat_prompt(self, prompt: Prompt) -> Prompt:
-        """A text prompt as the ids of one user message in the chat template (ids as they are; a
-        dict with other keys goes on unchanged for the engine to check and refuse)."""
+        """A text prompt as the ids of one user message in the chat template (anything else as it is,
+        for the engine to check)."""
         if isinstance(prompt, dict) and set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
             prompt = prompt["prompt"]
         return self.chat_ids([{"role": "user", "content": prompt}]) if isinstance(prompt, str) else prompt
@@ -93,9 +80,8 @@ class LLM:
     def chat(self, messages: Seq[Message] | Seq[Seq[Message]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate replies to conversations (one, or a list of them) through the tokenizer's chat
-        template with the generation prompt appended. Prompts (`{"prompt": ...}`, text, ids) go to
-        `generate`."""
+        """Replies to conversations (one, or a list of them) through the tokenizer's chat template,
+        generation prompt appended. Prompts go to `generate`."""
         if isinstance(messages, (str, dict)):
             raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts or a list of such lists, got a "
                              f"{type(messages).__name__}; prompts go to LLM.generate")
@@ -104,8 +90,7 @@ class LLM:
 
     def chat_ids(self, messages: Seq[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation through the tokenizer's chat template, generation prompt
-        appended; `tools` (OpenAI's function tools) go to the template as its `tools` (a template
-        that does not read them ignores them)."""
+        appended; `tools` (OpenAI's function tools) go to the template as its `tools`."""
         if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("chat needs a tokenizer with a chat template")
         extra = {} if tools is None else {"tools": tools}

@@ -6,11 +6,9 @@
         for out in engine.step():          # requests with new final tokens (or finished)
             print(out.request_id, out.outputs[0].text, out.finished)
 
-Reproducibility: every sample draws from its own `torch.Generator`, seeded by
-`SamplingParams.seed` (+ the sample's index), or, without a seed, by the engine's seed and the
-prompt's token ids (never the arrival order). With `batch_invariant=True` a request's tokens are
-bitwise the same whatever else is in the batch, and equal to `remask.generate` /
-`remask.ar_generate` on that prompt alone with `generator=torch.Generator().manual_seed(seed)`.
+Every sample draws from its own generator, seeded by `SamplingParams.seed` + its index, or by the
+engine's seed and the prompt's ids (never the arrival order). With `batch_invariant=True` a
+request's tokens are bitwise those of `remask.generate` / `remask.ar_generate` on its prompt alone.
 """
 from __future__ import annotations
 
@@ -21,8 +19,8 @@ from typing import Any, Sequence as Seq
 import torch
 
 from remask.caches import PromptCache
-from remask.diffusion.checks import (ParameterTypeError, check_bool, check_context, check_int, check_length, check_prompt,
-                                     check_real, check_token_id)
+from remask.diffusion.checks import (ParameterTypeError, check_bool, check_choice, check_context, check_instance,
+                                     check_int, check_length, check_prompt, check_real, check_token_id)
 from remask.diffusion.presets import decoder_for, hold_end_ids
 from remask.models.registry import all_families, family_of
 from remask.models.spec import get_spec
@@ -34,23 +32,13 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus, now
 
-# vLLM's prompt dicts: TextPrompt {"prompt": str}; TokensPrompt {"prompt_token_ids": [...]} with an
-# optional "prompt" (the text the ids came from: reported, not tokenized). vLLM's other keys ask
-# for inputs remask has no use for: refused by name, never dropped.
+# vLLM's prompt dicts: TextPrompt {"prompt": str}; TokensPrompt {"prompt_token_ids": [...]} (with an
+# optional "prompt": reported, not tokenized). Its other keys are refused by name, never dropped.
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 VLLM_PROMPT_KEYS = {"multi_modal_data": "multimodal inputs", "mm_processor_kwargs": "multimodal processor settings",
                     "multi_modal_uuids": "multimodal item ids", "cache_salt": "a prefix-cache salt",
                     "prompt_embeds": "prompt embeddings (EmbedsPrompt)", "token_type_ids": "cross-encoder token types",
                     "encoder_prompt": "encoder-decoder prompts", "decoder_prompt": "encoder-decoder prompts"}
-
-
-def _FAMILY_SETTINGS() -> dict[str, list[str]]:
-    """`SamplingParams` fields of the families' own decoders → the model types that read them."""
-    out: dict[str, list[str]] = {}
-    for family in all_families().values():
-        if family.settings is not None:
-            out.setdefault(family.settings, []).append(family.model_type)
-    return out
 
 
 class EngineState(enum.Enum):
@@ -74,12 +62,11 @@ class LLMEngine:
         check_real("kv_cache_memory_fraction", kv_cache_memory_fraction, low=0, high=1, low_open=True,
                    allow_none=True)
         check_int("page_size", page_size, minimum=1)
-        check_bool("enable_prefix_caching", enable_prefix_caching)
-        check_bool("batch_invariant", batch_invariant)
         check_int("seed", seed, minimum=0)
         check_int("max_request_bytes", max_request_bytes, minimum=1, allow_none=True)
-        check_bool("cost_stride", cost_stride)
-        check_bool("cuda_graphs", cuda_graphs)
+        for name, value in (("enable_prefix_caching", enable_prefix_caching), ("batch_invariant", batch_invariant),
+                            ("cost_stride", cost_stride), ("cuda_graphs", cuda_graphs)):
+            check_bool(name, value)
         self.model, self.tokenizer, self.seed = model.eval(), tokenizer, seed
         self.spec = get_spec(model)
         self.family = family_of(getattr(model.config, "model_type", ""))
@@ -88,15 +75,12 @@ class LLMEngine:
         self.pages = self._page_manager(max_num_seqs, max_num_batched_tokens, kv_cache_pages,
                                         kv_cache_memory_fraction, page_size, enable_prefix_caching)
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.pages, cost_stride)
-        # cuda_graphs: uncached full diffusion forwards replay CUDA graphs (engine/cuda_graphs.py);
-        # refused (ValueError) for a model off CUDA
+        # cuda_graphs (engine/cuda_graphs.py): refused (ValueError) for a model off CUDA
         self.runner = ModelRunner(model, self.spec, batch_invariant, self.pages, cuda_graphs=cuda_graphs,
                                   max_num_seqs=max_num_seqs)
         self._generator_bytes = torch.Generator(device=self.device).get_state().numel()
-        # Admission's memory budget per request (`request_bytes`). Default: one full step at this
-        # engine's own limits (max_num_batched_tokens positions, with a cache and CFG) plus the
-        # bookkeeping of 1024 samples at the model's context length — every request the scheduler
-        # could run fits, and only a flood of samples (n in the thousands) does not.
+        # Admission's memory budget per request (`request_bytes`; docs/engine.md, Admission): one full
+        # step at this engine's limits plus 1024 samples' bookkeeping at the model's context length.
         self.max_request_bytes = max_request_bytes if max_request_bytes is not None else (
             2 * max_num_batched_tokens * self._position_bytes(cached=True)
             + 1024 * self._sample_bytes(self.spec.max_length or max_num_batched_tokens))
@@ -130,7 +114,8 @@ class LLMEngine:
                 raise ValueError(f"kv_cache_memory_fraction sizes the store from free GPU memory; the model is on "
                                  f"{self.device.type}: pass kv_cache_pages")
             free, _ = torch.cuda.mem_get_info(self.device)
-            kv_cache_pages = max(1, int(free * memory_fraction) // self._page_bytes(page_size))
+            kv_bytes = self._position_bytes(cached=True) - self._position_bytes(cached=False)   # a position's K/V
+            kv_cache_pages = max(1, int(free * memory_fraction) // (page_size * kv_bytes))
         elif kv_cache_pages is None:
             # Enough for every admitted sequence at full length: no preemption unless asked for.
             # A block-causal request rounds its length up to whole blocks: a block's worth more each.
@@ -138,21 +123,11 @@ class LLMEngine:
             kv_cache_pages = -(-max_num_batched_tokens // page_size) + max_num_seqs * rounding
         return PageManager(kv_cache_pages, page_size, enable_prefix_caching=prefix_caching)
 
-    def _page_bytes(self, page_size: int) -> int:
-        config = self.model.config
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        dtype = next(self.model.parameters()).dtype
-        return 2 * config.num_hidden_layers * page_size * heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
     def kv_stats(self) -> dict[str, int]:
-        """The page store's figures (all zero for a diffusion model, which has none): pages in
-        total / in use / at peak, page size, prefix-cache lookups and hits (full prompt pages
-        found stored; for an encoder–decoder model, whole prompts whose encoder cache was
-        found), and shared pages found different and made private."""
-        pages = self.pages
-        if pages is None:   # an encoder–decoder model counts its whole-prompt encoder cache lookups
-            shared = self.prompt_cache
+        """The page store's figures (zero without one): pages in total / in use / at peak, page size, prefix
+        lookups and hits (encoder–decoder models: whole prompts' encoder caches), shared pages made private."""
+        pages, shared = self.pages, self.prompt_cache
+        if pages is None:
             return {"pages": 0, "pages_in_use": 0, "peak_pages_in_use": 0, "page_size": 0,
                     "prefix_lookups": 0 if shared is None else shared.hits + shared.misses,
                     "prefix_hits": 0 if shared is None else shared.hits, "pages_unshared": 0}
@@ -164,36 +139,27 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Seq[int] | torch.Tensor | dict[str, Any],
                     params: SamplingParams | None = None, *, drafts: bool = False, owner: str | None = None) -> None:
-        """Queue a request: a text prompt, token ids, or vLLM's dicts — `{"prompt": text}`
-        (TextPrompt), `{"prompt_token_ids": ids}` (TokensPrompt; an optional `"prompt"` there is the
-        text the ids came from, reported as `RequestOutput.prompt`, not tokenized). Everything is
-        checked here; a bad request raises `ValueError` naming the problem and the engine keeps
-        serving the others.
-        `drafts=True`: `step` reports the request after every step with its provisional canvas
-        (`CompletionOutput.draft`; diffusion models), to show the answer forming.
-        `owner`: who asked (a server passes an API key's identity, never the key): the scheduler
-        shares each step round-robin over owners, then their requests (docs/engine.md, Fairness).
-        A request whose estimated memory (`request_bytes`) is over `max_request_bytes` is refused,
-        naming `max_tokens` / `prompt` (one sample is too large) or `n`, before anything is allocated."""
+        """Queue a request (text, token ids, or vLLM's TextPrompt / TokensPrompt dict), checked whole: a bad
+        one raises `ValueError` naming the problem before anything is allocated. `drafts=True`: `step`
+        reports the provisional canvas (diffusion models); `owner`: who asked, the fairness unit."""
         if self.state is not EngineState.READY:
             raise RuntimeError(f"the engine is {self.state.value}: it admits no new request")
         check_bool("drafts", drafts)
-        if owner is not None and not isinstance(owner, str):
-            raise ParameterTypeError(f"owner must be a str or None, got {type(owner).__name__}")
+        check_instance("owner", owner, str, "a str")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a remask.SamplingParams, got {type(params).__name__}")
+        params = check_instance("params", params, SamplingParams, "a remask.SamplingParams") or SamplingParams()
         text, ids = self._prompt_ids(prompt)
         check_context(self.spec, len(ids), params.max_tokens)   # before any decoder sizes its buffers by it
         self._check_request_bytes(len(ids), params)            # before any sample, decoder or buffer exists
         prompt_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-        for name, owners in _FAMILY_SETTINGS().items():
+        families = all_families().values()   # `SamplingParams` fields of the families' own decoders
+        for name in dict.fromkeys(f.settings for f in families if f.settings is not None):
             if getattr(params, name) is not None and (self.family is None or self.family.settings != name):
-                raise ValueError(f"{name}: settings of {'/'.join(owners)} models (block-causal); this model "
+                owners = "/".join(f.model_type for f in families if f.settings == name)
+                raise ValueError(f"{name}: settings of {owners} models (block-causal); this model "
                                  f"({self.spec.kind}) does not read them")
         if (params.canvas is not None or params.canvas_sampler is not None) and self.spec.noise != "uniform":
             raise ValueError("canvas / canvas_sampler are settings of uniform-noise models (DiffusionGemma); "
@@ -222,10 +188,8 @@ class LLMEngine:
         self.requests[request_id] = (text, ids, seqs)
 
     def _position_bytes(self, cached: bool) -> int:
-        """Estimated bytes one position of a decoding sequence holds during a step: its canvas id
-        (int64), its logits and the rule's probabilities (2 × vocabulary float32), the forward's
-        activations (hidden, attention q/k/v/o and the MLP's intermediate, in the model's dtype),
-        and with `cached` the K/V of every layer its cache keeps."""
+        """Estimated bytes one position holds during a step: its id, logits and the rule's probabilities
+        (2 × vocabulary float32), activations in the model's dtype and with `cached` every layer's K/V."""
         config = self.model.config
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
 
@@ -243,15 +207,12 @@ class LLMEngine:
         return plain + (2 * layers * kv_width * width if cached else 0)
 
     def _sample_bytes(self, max_tokens: int) -> int:
-        """A sample's own bookkeeping while it waits or runs: its generator's state, the `Sequence`
-        and its kept token ids."""
+        """A sample's bookkeeping: its generator's state, the `Sequence` and its token ids."""
         return self._generator_bytes + 1024 + 8 * max_tokens
 
     def request_bytes(self, prompt_len: int, params: SamplingParams) -> tuple[int, int]:
-        """(estimated bytes of the whole request, of one sample alone): the samples that can decode
-        at once — min(n, max_num_seqs, ⌈positions budget / positions⌉) — × their positions (prompt +
-        max_tokens) × `_position_bytes` (× 2 with CFG's second forward), plus every sample's
-        bookkeeping (× n). AR K/V and block-causal blocks live in the page store, checked there."""
+        """(estimated bytes of the whole request, of one sample alone; docs/engine.md, Admission).
+        AR K/V and block-causal blocks live in the page store, checked there."""
         sched = self.scheduler
         positions = prompt_len + params.max_tokens
         cached = not self.is_ar and (params.use_cache is not None or params.sparse is not None)
@@ -282,8 +243,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer: pass tokenizer= or token ids")
-            ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-            text = prompt
+            ids, text = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"]), prompt
         elif torch.is_tensor(prompt):
             if prompt.dim() != 1:
                 raise ValueError(f"prompt token ids must be 1-D, got shape {tuple(prompt.shape)}")
@@ -326,17 +286,13 @@ class LLMEngine:
         return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
     def _default_seed(self, ids: list[int]) -> int:
-        # From the engine seed and the prompt, not the arrival order: a request decodes the same
-        # whenever and among whatever it arrives.
+        # From the engine seed and the prompt, not the arrival order: the same tokens whenever it arrives.
         return (self.seed * 1_000_003 + zlib.crc32(str(ids).encode())) % (2**31)
 
     def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
-        """Stop a request now (waiting or running) and free its cache; returns its last output
-        (what was final so far, finish reason `reason`: "abort", or "timeout" for a passed
-        deadline), or None for an unknown or finished id (a request may finish while its abort
-        is on the way)."""
-        if reason not in ("abort", "timeout"):
-            raise ValueError(f"reason must be 'abort' or 'timeout', got {reason!r}")
+        """Stop a request now and free its cache; returns its last output (finish reason `reason`:
+        "abort", or "timeout" for a passed deadline), or None for an unknown or finished id."""
+        check_choice("reason", reason, ("abort", "timeout"))
         if request_id not in self.requests:
             return None
         for seq in self.requests[request_id][2]:
@@ -349,10 +305,8 @@ class LLMEngine:
         return out
 
     def set_deadline(self, request_id: str, deadline: float | None) -> None:
-        """Abort the request between steps once `deadline` (a `time.perf_counter()` value, the
-        clock of `RequestOutput.metrics`) has passed: the next `step` reports it finished with
-        reason "timeout" and its cache is freed then. None: no deadline. The deadline is the
-        engine's own, so a request whose caller stopped watching cannot hold the engine past it."""
+        """Abort the request at the next `step` (reason "timeout") once `deadline` (`time.perf_counter()`;
+        None: none) has passed: the engine's own, so a caller that stopped watching cannot hold it."""
         if request_id not in self.requests:
             raise ValueError(f"request_id {request_id!r} is not in flight")
         check_real("deadline", deadline, allow_none=True)
@@ -381,9 +335,8 @@ class LLMEngine:
     # ---- one step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Admit waiting requests, run one step of every running sequence, retire the finished.
-        Returns an output for every request whose final tokens grew or that finished (a request
-        whose deadline passed is aborted first, reported with finish reason "timeout")."""
+        """Admit, run one step of the scheduled sequences, retire the finished. Returns an output
+        for every request whose final tokens grew or that finished (or timed out, checked first)."""
         expired = self._expire()
         _, running, _ = self.scheduler.schedule()
         failed = self.runner.step(running)
@@ -393,9 +346,7 @@ class LLMEngine:
                 seq.error, seq.finish_reason, seq.finish_time = failed[seq], "error", now()
                 seq.output_ids = self._generated(seq)
                 self.scheduler.finish(seq, SequenceStatus.ABORTED)
-                touched[seq.request_id] = None
-                continue
-            if self._advance(seq) or seq.drafts:
+            if seq in failed or self._advance(seq) or seq.drafts:
                 touched[seq.request_id] = None
         outputs = [self.output(request_id) for request_id in touched]
         for out in outputs:
@@ -445,20 +396,17 @@ class LLMEngine:
         return [None if t == self.spec.mask_id else t for t in canvas]
 
     def _stop_ids(self, seq: Sequence) -> list[int]:
-        """The ids that end the answer: the model's end tokens (not with `ignore_eos`: then they are
-        ordinary tokens) and the request's `stop_token_ids` (always, as in vLLM)."""
+        """The ids that end the answer: the model's end tokens (unless `ignore_eos`), `stop_token_ids` always."""
         ends = () if seq.params.ignore_eos else self.stop_ids
         return sorted(set(ends) | set(seq.params.stop_token_ids))
 
     def _stop_string_at(self, seq: Sequence, text: str, answer: list[int]) -> int | None:
         """Where the answer's `text` is cut: at the first `stop` string that ends past the text of
-        the answer's first `min_tokens` tokens (vLLM looks for stop strings only from there on, so one
-        that ends earlier never stops the answer, though a later occurrence does), or None."""
+        its first `min_tokens` tokens (vLLM looks only from there on), or None."""
         if not seq.params.stop:
             return None
-        floor = 0
-        if seq.params.min_tokens:
-            floor = len(answer_text(self.tokenizer, answer[:seq.params.min_tokens], stop_ids=self._stop_ids(seq)))
+        least = seq.params.min_tokens
+        floor = len(answer_text(self.tokenizer, answer[:least], stop_ids=self._stop_ids(seq))) if least else 0
         found = [i for s in seq.params.stop if (i := text.find(s, max(0, floor - len(s) + 1))) >= 0]
         return min(found) if found else None
 
@@ -481,14 +429,11 @@ class LLMEngine:
                                             finish_reason=reason if seq.is_finished else None, nfe=seq.stats.nfe,
                                             tokens_per_step=list(seq.stats.tokens_per_step), error=seq.error,
                                             draft=self._draft(seq) if seq.drafts else None))
-        first = [s.first_final_time for s in seqs if s.first_final_time is not None]
-        done = [s.finish_time for s in seqs if s.finish_time is not None]
-        arrival = seqs[0].arrival_time
-        finished = all(s.is_finished for s in seqs)
-        metrics = {"arrival_time": arrival, "first_token_time": min(first) if first else None,
-                   "time_to_first_token": (min(first) - arrival) if first else None,
-                   "finish_time": max(done) if finished and done else None,
-                   "latency": (max(done) - arrival) if finished and done else None,
-                   "preemptions": sum(s.preemptions for s in seqs)}
+        arrival, finished = seqs[0].arrival_time, all(s.is_finished for s in seqs)
+        first = min((s.first_final_time for s in seqs if s.first_final_time is not None), default=None)
+        done = max((s.finish_time for s in seqs if s.finish_time is not None), default=None) if finished else None
+        metrics = {"arrival_time": arrival, "first_token_time": first,
+                   "time_to_first_token": None if first is None else first - arrival, "finish_time": done,
+                   "latency": None if done is None else done - arrival, "preemptions": sum(s.preemptions for s in seqs)}
         return RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=ids, outputs=outputs,
                              finished=finished, metrics=metrics)

@@ -5,19 +5,15 @@ Autoregressive sequences: each samples its next token with its own settings and 
 sequence that goes on run as **one flat forward** (`[1, T]`, no padding) over the paged KV store,
 each sequence with its own positions and page table (`paged_kv.py`).
 
-Diffusion sequences: each decoder describes its next forward as a `ForwardRequest`
-(`next_forward`; `diffusion/parts/stepper.py`) — the tokens and positions, its cache, its mask, the rows
-it wants. The requests of every running sequence go into **one packed forward** `[1, N]`
-(`stepper.run_forwards`): each request attends over its own keys, through its own cache (prefix,
-dual, paged, retention, dKV, d2, vicinity…) and with its own mask (`varlen.PackedAttention`), its
-RoPE at its own positions; the runner hands each its rows (`receive`), and each sequence commits
-its own tokens with its own rule and generator. Greedy block decoders of one rule commit together
-(`commit_shared`, row by row as alone). A request that needs a mode of its own (`context`: FreeDave's
-tree attention, Elastic-Cache's layer hooks) runs alone in the same step. The block-causal models
-(SDAR, LLaDA2, Fast-dLLM v2: not `spec.segmented`) take the stacked route: requests whose caches
-pack (`ForwardRequest.stacks`: a `BlockBatch` / `RowBatch` of the request's rows, each at its own
-block against its own cache) run as one call on their rows stacked; their other forwards (a
-prefill of several blocks, the sub-block cache's) run alone.
+Diffusion sequences: each decoder describes its next forward as a `ForwardRequest` (`next_forward`;
+`diffusion/parts/stepper.py`). On LLaDA / Dream (`spec.segmented`) the requests of every running
+sequence go into **one packed forward** `[1, N]` (`stepper.run_forwards`, `varlen.PackedAttention`),
+each attending over its own keys through its own cache and mask, its RoPE at its own positions
+(Elastic-Cache's rows change between layers: `varlen.PackedLayers`); the block-causal models
+(SDAR, LLaDA2, Fast-dLLM v2) stack the requests whose caches pack (`ForwardRequest.stacks`). A
+request of another model (APD's verifier) or of inputs no packed forward takes runs alone. The
+runner hands each its rows (`receive`); each sequence commits with its own rule and generator,
+greedy block decoders of one rule together (`commit_shared`, row by row as alone).
 
 With `batch_invariant` each request's linears are the GEMM problems its own forward poses
 (`batch_invariant.py`: one flat GEMM where this CPU's BLAS is measured row-invariant, per-sequence
@@ -122,7 +118,7 @@ class ModelRunner:
         """With `cuda_graphs`: a key for a forward a CUDA graph can replay — a pure function of one
         static-shape input (no cache, no tensor inputs but the tokens) — else None."""
         if (self.graphs is None or request.cache is not None or request.per_row or request.input_ids is None
-                or request.rows is not None or request.context is not None or request.output != "logits"
+                or request.rows is not None or request.output != "logits"
                 or any(torch.is_tensor(v) for v in request.shared.values())):
             return None
         return ("graph", type(seq.decoder).__name__, request.input_ids.shape[1], request.spec is not None,
@@ -156,7 +152,8 @@ class ModelRunner:
                                                     [seq.state for seq, _, _ in members], flat,
                                                     [sum(rows[:i]) for i in range(len(rows))],
                                                     [logits.shape[1] for _, logits, _ in members],
-                                                    [fed for _, _, fed in members], [seq.stats for seq, _, _ in members])
+                                                    [fed for _, _, fed in members],
+                                                    [seq.stats for seq, _, _ in members])
             except Exception as err:  # noqa: BLE001
                 failed.update({seq: f"{type(err).__name__}: {err}" for seq, _, _ in members})
 

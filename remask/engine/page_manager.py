@@ -1,16 +1,11 @@
 """The page allocator of a paged KV cache: reference-counted pages and prefix sharing.
 
-The cache tensors themselves are `[num_pages, page_size, H_kv, D]` per layer (see
-`remask.kernels.paged` and `remask.engine.paged_kv`); this module decides which page holds which
-positions of which sequence. It is long-lived: the engine keeps one for its whole life, pages are
-taken when a sequence needs them and given back when it finishes, is aborted or preempted.
-
-A full page is identified by a chained hash of (hash of the previous page, its token ids), as in
-nano-vllm: two sequences whose prompts agree on their first n full pages get the same n pages,
-each stored once with a reference count. A hash hit is confirmed by comparing the token ids. A
-partial (last) page is never shared, since its tokens are still to come. A page nobody holds any
-more keeps its content (and its hash) until the allocator hands it out again — least recently
-freed first — so a later request with the same prefix can still find it: that is the eviction rule.
+It decides which page of the cache tensors (`remask.kernels.paged`, `remask.engine.paged_kv`) holds
+which positions of which sequence. A full page is identified by a chained hash of (previous page's
+hash, its token ids), as in nano-vllm: prompts that agree on their first n full pages share those
+pages, reference-counted (a hit is confirmed on the token ids); a partial last page is never shared.
+Eviction: a page nobody holds keeps its content and hash until handed out again (least recently
+freed first), so a later request with the same prefix can still find it.
 
     >>> pm = PageManager(num_pages=8, page_size=4)
     >>> system = list(range(8))                        # a shared system prompt of 2 full pages
@@ -28,8 +23,7 @@ import torch
 
 class PageManager:
     """Allocates pages for sequences; `allocate` returns a sequence's page table (page ids).
-
-    `enable_prefix_caching=False` never shares a page (every sequence gets fresh ones)."""
+    `enable_prefix_caching=False` never shares a page."""
 
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
         if num_pages <= 0 or page_size <= 0:
@@ -70,27 +64,21 @@ class PageManager:
         old = self.page_hash[page]
         if old is not None and self.hash_to_page.get(old) == page:
             del self.hash_to_page[old]   # the page's old content is about to be overwritten
-        self.page_hash[page] = None
-        self.page_tokens[page] = None
+        self.page_hash[page] = self.page_tokens[page] = None
         self.ref_count[page] = 1
         self.peak_in_use = max(self.peak_in_use, self.pages_in_use)
         return page
 
-    def _chunks(self, token_ids: Sequence[int], seed: int | None, share_last: bool):
-        """(hash or None, tokens) of each page `token_ids` fills."""
-        previous = seed
+    def _lookup(self, token_ids: Sequence[int], seed: int | None, share_last: bool):
+        """(hash or None, tokens, stored page or None) of each page `token_ids` fills; after the
+        first miss the chain cannot match again."""
+        h, sharing = seed, self.enable_prefix_caching
         for i in range(self.pages_for(len(token_ids))):
             chunk = tuple(int(t) for t in token_ids[i * self.page_size:(i + 1) * self.page_size])
-            full = len(chunk) == self.page_size or share_last
-            h = self.chain_hash(previous, chunk) if full else None
-            yield h, chunk
-            previous = h
-
-    def _hit(self, h: int | None, chunk: tuple[int, ...]) -> int | None:
-        if h is None or not self.enable_prefix_caching:
-            return None
-        page = self.hash_to_page.get(h)
-        return page if page is not None and self.page_tokens[page] == chunk else None
+            h = self.chain_hash(h, chunk) if len(chunk) == self.page_size or share_last else None
+            page = self.hash_to_page.get(h) if sharing and h is not None else None
+            sharing = page is not None and self.page_tokens[page] == chunk
+            yield h, chunk, page if sharing else None
 
     def can_allocate(self, token_ids: Sequence[int], extra_positions: int = 0, seed: int | None = None) -> bool:
         """Whether `allocate(token_ids)` plus pages for `extra_positions` more would succeed now."""
@@ -98,38 +86,22 @@ class PageManager:
 
     def pages_needed(self, token_ids: Sequence[int], extra_positions: int = 0, seed: int | None = None) -> int:
         """Free pages that `allocate(token_ids)` plus `extra_positions` more positions would take."""
-        fresh, reused_free = 0, 0
-        sharing = True
-        chunks = list(self._chunks(token_ids, seed, False))
-        for h, chunk in chunks:
-            page = self._hit(h, chunk) if sharing else None
-            if page is None:
-                sharing = False
-                fresh += 1
-            elif self.ref_count[page] == 0:
-                reused_free += 1   # held by nobody: leaves the free list without being overwritten
-        fresh += self.pages_for(len(token_ids) + extra_positions) - len(chunks)
-        return fresh + reused_free
+        hits = [page for _, _, page in self._lookup(token_ids, seed, False) if page is not None]
+        # a hit held by nobody leaves the free list (without being overwritten): it is taken too
+        return self.pages_for(len(token_ids) + extra_positions) - len(hits) + sum(self.ref_count[p] == 0 for p in hits)
 
     def allocate(self, token_ids: Sequence[int], seed: int | None = None, share_last: bool = False) -> list[int]:
-        """Pages for a new sequence holding `token_ids`: full pages are shared with any stored
-        page of the same prefix, the rest are fresh. Returns the page table.
-
-        `seed` starts the hash chain: what, besides the tokens, a page's K/V depend on. None for a
-        causal model (a page depends on the tokens up to its end); a bidirectional model's K/V
-        depend on the whole sequence, so `PagedKVCache` seeds the chain with a digest of it.
-        `share_last`: the last, partial page is shared too — for content that is final (a
-        refresh of a bidirectional model's cache), not for a sequence that will still grow."""
+        """The page table of a new sequence holding `token_ids`, full pages shared with any stored
+        page of the same prefix. `seed` starts the hash chain (`PagedKVCache`: a digest of the whole
+        bidirectional row); `share_last` shares the partial last page too (final content only)."""
         if not share_last and self.pages_needed(token_ids, 0, seed) > self.num_free:
             raise RuntimeError(f"the paged cache is full: {len(token_ids)} positions need more than the "
                                f"{self.num_free} free pages of {self.page_size}")   # nothing taken yet
         table: list[int] = []
-        sharing = True
         self.last_hits = 0
-        for h, chunk in self._chunks(token_ids, seed, share_last):
+        for h, chunk, page in self._lookup(token_ids, seed, share_last):
             if h is not None:
                 self.lookups += 1
-            page = self._hit(h, chunk) if sharing else None
             if page is not None:
                 if self.ref_count[page] == 0:
                     self.free_pages.remove(page)   # a freed page whose content is still valid
@@ -137,7 +109,6 @@ class PageManager:
                 self.shared_hits += 1
                 self.last_hits += 1
             else:
-                sharing = False   # after the first miss the chain cannot match again
                 page = self._take_free()
                 if h is not None and self.enable_prefix_caching:
                     self.page_hash[page] = h
@@ -149,21 +120,13 @@ class PageManager:
 
     def num_shared(self, table: Sequence[int]) -> int:
         """How many leading pages of `table` other sequences hold too."""
-        count = 0
-        for page in table:
-            if self.ref_count[page] < 2:
-                break
-            count += 1
-        return count
+        return next((i for i, page in enumerate(table) if self.ref_count[page] < 2), len(table))
 
     def unshare(self, table: list[int], index: int) -> int:
         """Copy-on-write: give `table[index]` a private page (returned; the caller copies the
         content) and drop this sequence's reference to the shared one."""
-        old = table[index]
         page = self._take_free()
-        self.ref_count[old] -= 1
-        if self.ref_count[old] == 0:
-            self.free_pages.append(old)
+        self.free([table[index]])
         table[index] = page
         return page
 

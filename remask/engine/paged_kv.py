@@ -1,29 +1,19 @@
 """The engine's paged KV store for autoregressive models, and one flat (varlen) forward over it.
 
-Every engine step runs all the autoregressive work — prompts of newly admitted sequences and one
-new token of each running one — as a single forward over the sequences' tokens laid back to
-back (`[1, T]`, no padding), each sequence with its own positions and page table. The model is
-transformers' own (`AutoModelForCausalLM`); only its attention is swapped, for the duration of
-the forward, for `paged_attention_forward`, which writes the new keys/values into the pages and
-attends each sequence over its own pages.
-
-Exactness: a sequence's attention is computed with the call and the shapes it has alone (its
-prompt: causal attention over the prompt's own fresh keys; a new token: one query over its
-gathered keys), so its tokens equal `remask.ar_generate` on it alone; with `batch_invariant` the
-linear layers also see each sequence's rows as their own problem (`batch_invariant.py`).
-
-Prefix sharing stores a prompt page once when its keys and values are *bitwise* those the
-sequence computes itself. A causal model's K/V of a prefix do not depend on what follows, but the
-GEMM and attention kernels may round a row differently for another prompt length; so a sequence
-that found pages by prefix hash still computes its whole prompt (its tokens never depend on who
-stored the page) and compares, layer by layer, what it computed with what the shared page holds;
-on the first difference it takes private pages for the rest of the prompt (copy-on-write). Pages
-are saved, prompt compute is not.
+Each engine step runs all AR work (new prompts, one token of each running sequence) as one forward
+over the sequences' tokens back to back (`[1, T]`, no padding); transformers' attention is swapped,
+for that forward, for `paged_attention_forward`, which writes the new K/V into the pages and attends
+each sequence over its own with the call and shapes it has alone (a prompt: causal over its fresh
+keys; a new token: one query over its gathered keys), so its tokens equal `remask.ar_generate` on it
+alone. Prefix sharing keeps a prompt page only where its K/V are bitwise those the sequence computes
+(kernels may round a row differently for another prompt length): the sequence still computes its
+whole prompt, compares layer by layer and goes copy-on-write on the first difference (docs/engine.md).
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -103,23 +93,15 @@ class ForwardBatch:
                 self.slices[i].new_slots = slots[j, ctx_len - self.slices[i].q_len:]
             self.decode_groups.append((members, slots))
 
-    @property
-    def segment_lengths(self) -> list[int]:
-        return [s.q_len for s in self.slices]
-
-
-def _sdpa():
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    return sdpa_attention_forward
-
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                             **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-interface signature: q `[1, Hq, T, D]`, k/v `[1, H_kv, T, D]` (after
     RoPE) → `[1, T, Hq, D]`. Outside an engine forward it is plain SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa
+
     batch = _CURRENT.get()
-    sdpa = _sdpa()
     if batch is None:
         return sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     layer = module.layer_idx
@@ -168,9 +150,8 @@ def _store_prompt(batch: ForwardBatch, s: SequenceSlice, layer: int, k_store: to
             for later in range(index, s.shared):
                 old = s.table[later]
                 new = manager.unshare(s.table, later)
-                for l in range(layer):
-                    batch.store.keys[l][new * ps:(new + 1) * ps] = batch.store.keys[l][old * ps:(old + 1) * ps]
-                    batch.store.values[l][new * ps:(new + 1) * ps] = batch.store.values[l][old * ps:(old + 1) * ps]
+                for pages in batch.store.keys[:layer] + batch.store.values[:layer]:
+                    pages[new * ps:(new + 1) * ps] = pages[old * ps:(old + 1) * ps]
                 s.unshared += 1
             s.shared = index
             page = s.table[index]
@@ -180,28 +161,21 @@ def _store_prompt(batch: ForwardBatch, s: SequenceSlice, layer: int, k_store: to
 
 
 def _mask(*args: Any, **kwargs: Any) -> Any:
-    """Inside an engine forward: no mask (each sequence's attention builds its own: causal over a
-    prompt, full for a new token). Anywhere else — another thread using the same model while the
-    engine's forward has the implementation swapped — transformers' own SDPA mask."""
+    """Inside an engine forward: no mask (each sequence's attention is causal over a prompt, full for
+    a new token). Anywhere else (another thread on the same model meanwhile): transformers' own."""
     if _CURRENT.get() is not None:
         return None
     from transformers.masking_utils import sdpa_mask
     return sdpa_mask(*args, **kwargs)
 
 
-_registered = False
-
-
+@functools.cache
 def register() -> None:
-    global _registered
-    if _registered:
-        return
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _mask)
-    _registered = True
 
 
 def attention_configs(model: torch.nn.Module) -> list[Any]:
@@ -212,9 +186,8 @@ def attention_configs(model: torch.nn.Module) -> list[Any]:
 
 @contextlib.contextmanager
 def paged_forward(model: torch.nn.Module, batch: ForwardBatch, configs: list[Any] | None = None) -> Iterator[None]:
-    """Run the model's forwards inside with `paged_attention_forward` over `batch`; the model's
-    own attention setting is restored afterwards. `configs`: `attention_configs(model)`, computed
-    once by the caller (not every step)."""
+    """Run the model's forwards inside with `paged_attention_forward` over `batch`, restoring its
+    attention setting afterwards. `configs`: `attention_configs(model)`, computed once by the caller."""
     register()
     configs = attention_configs(model) if configs is None else configs
     saved = [c._attn_implementation for c in configs]

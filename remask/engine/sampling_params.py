@@ -1,12 +1,12 @@
 """`SamplingParams`: every decoding setting of one request, validated when it is built.
 
-The checks are the ones `remask.generate` / `ar_generate` run (`remask/diffusion/parts/checks.py`, the
-one validation layer), so a request that would fail there fails here, before it reaches the
-engine; model-dependent checks (token ids, context length) run at `LLMEngine.add_request`.
+The checks are those of `remask.generate` / `ar_generate` (`remask/diffusion/parts/checks.py`), so a
+request that would fail there fails here; model-dependent ones run at `LLMEngine.add_request`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from remask.diffusion.apd import APDConfig, check_apd_alone
@@ -22,8 +22,8 @@ from remask.diffusion.sparse import SparseConfig
 
 
 # Settings only LLaDA's block rule reads, with their defaults (refused with Dream's `alg`).
-LLADA_RULE_DEFAULTS = dict(remasking="low_confidence", factor=None, cfg_scale=0.0, early_stop=False, logits_eos_inf=False,
-                           confidence_eos_eot_inf=False, reference_rng=False, sparse=None)
+LLADA_RULE_DEFAULTS = dict(remasking="low_confidence", factor=None, cfg_scale=0.0, early_stop=False,
+                           logits_eos_inf=False, confidence_eos_eot_inf=False, reference_rng=False, sparse=None)
 # Settings the decoder configs (FreeDave, dInfer's) do not read: refused with `decoder`.
 DECODER_UNREAD = ("threshold", "factor", "sparse", "alg", "alg_temp", "early_stop", "reference_rng", "reference_ties",
                    "cfg_scale", "remasking", "top_p", "top_k", "apd", "logits_eos_inf", "confidence_eos_eot_inf")
@@ -34,58 +34,14 @@ APD_UNREAD = ("steps", "block_length", "threshold", "factor", "use_cache", "spar
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Decoding settings of one request (vLLM's names where vLLM has the setting).
+    """Decoding settings of one request, vLLM's names where vLLM has the setting (docs/parameters.md
+    maps each field; docs/engine.md which decoders take `ignore_eos` / `min_tokens`).
 
-    Common: `max_tokens` (the generation length: diffusion models fill exactly this many
-    positions), `n` (samples per prompt; sample i draws from `seed + i`), `seed` (None: the
-    engine's seed plus the request's index), `temperature`, `stop` (strings that end the answer's
-    text: at most 64 of at most 256 characters each, `MAX_STOP_STRINGS` / `MAX_STOP_LENGTH`),
-    `stop_token_ids` (ids that end it, besides the model's EOS/EOT), `ignore_eos` (the model's
-    EOS/EOT are ordinary tokens: the answer runs to `max_tokens` unless `stop_token_ids` / `stop`
-    end it), `min_tokens` (no end token or `stop` string ends the answer before this many
-    tokens: their logits are −inf there, vLLM's rule; diffusion models: at the answer's first
-    `min_tokens` positions). docs/engine.md lists which decoders take the last two.
-
-    Diffusion (LLaDA's block rule, `remask.generate`'s keywords): `steps` (None: `max_tokens`, one
-    token per step), `block_length` (None: `max_tokens`), `remasking`, `threshold` / `factor`
-    (Fast-dLLM), `cfg_scale`, `use_cache` (None, "prefix", "dual", "paged"), `early_stop`,
-    `logits_eos_inf`, `confidence_eos_eot_inf`, `reference_rng`, `reference_ties`, `sparse`.
-
-    Dream's sampler (`remask.diffusion_generate`'s keywords), chosen by setting `alg`: `alg`,
-    `alg_temp`, `eps`, `steps`, `temperature`, `top_p`, `top_k`, `threshold` (for
-    `alg="confidence_threshold"`); LLaDA-only settings are refused with it.
-
-    Autoregressive: `top_p`, `top_k`. APD (`apd`, with `temperature`, `top_p`, `top_k`): as
-    `remask.generate(apd=...)`. Dream's block decoder: `alg` with `block_length` / `use_cache`.
-
-    Uniform-noise models (DiffusionGemma): `canvas` (a dict of its generation settings:
-    `max_denoising_steps`, `t_min`, `t_max`, `entropy_bound`, `stability_threshold`,
-    `confidence_threshold`; the rest from the checkpoint's generation_config.json),
-    `canvas_sampler` (a `remask.CanvasSampler`), `reference_rng`. `max_tokens` caps the answer
-    (canvases are decoded whole; the tokens past `max_tokens` are not returned).
-
-    Block-causal models (SDAR): `temperature` (0: greedy), `top_k`, `top_p`, `threshold`
-    (shorthand for `low_confidence_dynamic` with that confidence threshold), `sdar` (a dict of
-    `block_diffusion_generate`'s settings: `block_length` (default the model's `block_size`),
-    `denoising_steps` per block (default `block_length`: one token per step), `remasking_strategy`
-    (default `low_confidence_static`, or `low_confidence_dynamic` with `threshold`),
-    `confidence_threshold`, `eb_threshold`). LLaDA2.x: `temperature`, `top_k`, `top_p`,
-    `threshold` (mask → token, default 0.95) and `llada2` (a dict of its `generate`'s settings:
-    `block_length`, `steps`, `minimal_topk`, `eos_early_stop`, and 2.1's `editing_threshold`,
-    `max_post_steps`, `num_to_transfer`). Fast-dLLM v2: `temperature`, `top_p`, `threshold` and
-    `fast_dllm_v2` (its `batch_sample`'s settings). docs/block-diffusion.md maps each.
-
-    `structured_outputs` (vLLM's name): a `remask.StructuredOutputsParams` (or its JSON form, a
-    dict with one of `json`, `regex`, `choice`, `grammar`, `json_object`): the answer is held to
-    it (remask/structured.py). Enforced for autoregressive models, LLaDA's block rule (any
-    schedule, threshold / factor, caches), Dream's sampler and block decoder (`alg`), FreeDave,
-    dInfer's rules and WINO (`decoder=`), and the dKV / d2 / Elastic caches (`use_cache=`); not with `ignore_eos`, `min_tokens` or `stop` strings
-    (each could end or cut the answer where the structure is incomplete).
-
-    `decoder=` (docs/decoders.md): `remask.FreeDave(...)` (lossless: the tokens of greedy
-    one-token-per-step decoding with `block_length` / `use_cache`, in fewer forwards), dInfer's
-    `remask.ThresholdDecoding` / `CreditDecoding` / `HierarchicalDecoding`, and `use_cache=
-    remask.VicinityCache(...)`; each such request runs whole in one engine step.
+    `max_tokens`: diffusion models fill exactly this many positions; sample i of `n` draws from
+    `seed + i` (None: from the engine's seed and the prompt). Diffusion: `remask.generate`'s keywords
+    (LLaDA's block rule), `alg` (Dream's sampler), `apd`, `canvas` (uniform-noise models), the
+    block-causal families' dicts (docs/block-diffusion.md), `decoder=` (docs/decoders.md).
+    `structured_outputs` (remask/structured.py) does not combine with `ignore_eos`, `min_tokens` or `stop`.
     """
 
     max_tokens: int = 16
@@ -155,17 +111,17 @@ class SamplingParams:
         check_choice("remasking", self.remasking, REMASKING)
         validate_rule(self.threshold, self.factor)
         check_real("cfg_scale", self.cfg_scale, low=0)
-        from remask.diffusion.decoders import config_from_json, is_cache_config
+        from remask.diffusion.decoders import check_decoder, config_from_json, is_cache_config
 
         # JSON forms (HTTP bodies, the CLI): {"name": ..., fields...} → the config objects
-        if isinstance(self.decoder, dict):
-            object.__setattr__(self, "decoder", config_from_json("decoder", self.decoder))
-        if isinstance(self.use_cache, dict):
-            object.__setattr__(self, "use_cache", config_from_json("use_cache", self.use_cache))
+        for name in ("decoder", "use_cache"):
+            if isinstance(getattr(self, name), dict):
+                object.__setattr__(self, name, config_from_json(name, getattr(self, name)))
         if not is_cache_config(self.use_cache) and (
                 not (self.use_cache is None or isinstance(self.use_cache, str)) or self.use_cache not in CACHE_MODES):
-            raise ValueError(f"use_cache must be one of {list(CACHE_MODES)} or a remask cache config "
-                             f"(remask.VicinityCache, remask.DKVCache, remask.D2Cache, remask.ElasticCache), got {self.use_cache!r}")
+            configs = "remask.VicinityCache, remask.DKVCache, remask.D2Cache, remask.ElasticCache"
+            raise ValueError(f"use_cache must be one of {list(CACHE_MODES)} or a remask cache config ({configs}), "
+                             f"got {self.use_cache!r}")
         if self.use_cache is not None and self.cfg_scale > 0:
             raise ValueError("cfg_scale > 0 cannot be combined with use_cache")
         for name in ("early_stop", "logits_eos_inf", "reference_rng", "reference_ties"):
@@ -193,25 +149,18 @@ class SamplingParams:
                                  "(LLaDA's block rule does)")
         elif self.alg_temp is not None or self.eps != 1e-3:
             raise ValueError("alg_temp and eps belong to Dream's sampler: set alg= (e.g. 'entropy') to use them")
-        if self.canvas is not None:
-            object.__setattr__(self, "canvas", check_canvas_settings(self.canvas))
         check_instance("canvas_sampler", self.canvas_sampler, CanvasSampler, "a remask.CanvasSampler")
-        if self.sdar is not None:
-            object.__setattr__(self, "sdar", check_sdar_settings(self.sdar))
-        if self.llada2 is not None:
-            object.__setattr__(self, "llada2", check_llada2_settings(self.llada2))
+        for name, check in (("canvas", check_canvas_settings), ("sdar", check_sdar_settings),
+                            ("llada2", check_llada2_settings)):   # dicts of a family's settings
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, check(getattr(self, name)))
         if self.fast_dllm_v2 is not None:
             from remask.diffusion.fast_dllm_v2 import check_fast_dllm_v2_settings
 
             object.__setattr__(self, "fast_dllm_v2", check_fast_dllm_v2_settings(self.fast_dllm_v2))
         if self.decoder is not None or (self.use_cache is not None and not isinstance(self.use_cache, str)):
-            from remask.diffusion.decoders import check_decoder, is_cache_config
-
             if self.decoder is not None:
                 check_decoder(self.decoder)
-            if self.use_cache is not None and not isinstance(self.use_cache, str) and not is_cache_config(self.use_cache):
-                raise ValueError(f"use_cache must be None, a cache name or a remask cache config "
-                                 f"(remask.VicinityCache), got {type(self.use_cache).__name__}")
             from remask.diffusion.d2cache import D2Cache
             from remask.diffusion.dkv import DKVCache
 
@@ -240,26 +189,19 @@ class SamplingParams:
         return self.max_tokens
 
     def generate_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of `remask.generate` that decode like these params (the engine
-        builds its block decoder from the same mapping)."""
+        """`remask.generate`'s keyword arguments that decode like these params (the engine's block decoder too)."""
+        same = ("temperature", "cfg_scale", "remasking", "logits_eos_inf", "confidence_eos_eot_inf", "threshold",
+                "factor", "early_stop", "reference_rng", "use_cache", "sparse", "reference_ties")
         return dict(steps=self.steps or self.max_tokens, gen_length=self.max_tokens,
-                    block_length=self.block_length or self.max_tokens, temperature=self.temperature,
-                    cfg_scale=self.cfg_scale, remasking=self.remasking, logits_eos_inf=self.logits_eos_inf,
-                    confidence_eos_eot_inf=self.confidence_eos_eot_inf, threshold=self.threshold,
-                    factor=self.factor, early_stop=self.early_stop, reference_rng=self.reference_rng,
-                    use_cache=self.use_cache, sparse=self.sparse, reference_ties=self.reference_ties)
+                    block_length=self.block_length or self.max_tokens, **{name: getattr(self, name) for name in same})
 
     def diffusion_generate_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of `remask.diffusion_generate` (Dream's sampler, `alg` set) that
-        decode like these params."""
+        """`remask.diffusion_generate`'s keyword arguments (Dream's sampler, `alg` set) for these params."""
         kw = dict(max_new_tokens=self.max_tokens, steps=self.steps or self.max_tokens, eps=self.eps, alg=self.alg,
                   alg_temp=self.alg_temp, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
-        if self.threshold is not None:
-            kw["threshold"] = self.threshold
-        if self.block_length is not None:        # Fast-dLLM's Dream block decoder
-            kw["block_length"] = self.block_length
-        if self.use_cache is not None:
-            kw["use_cache"] = self.use_cache
+        # block_length / use_cache: Fast-dLLM's Dream block decoder
+        kw.update({name: getattr(self, name) for name in ("threshold", "block_length", "use_cache")
+                   if getattr(self, name) is not None})
         if self.block_length is None and self.use_cache is None:   # Dream's own sampler: its tie order
             kw["reference_ties"] = self.reference_ties
         return kw
@@ -272,6 +214,4 @@ class SamplingParams:
                     eos_token_id=sorted(ends))
 
     def replace(self, **changes: Any) -> "SamplingParams":
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values.update(changes)
-        return SamplingParams(**values)
+        return dataclasses.replace(self, **changes)

@@ -1,26 +1,9 @@
-"""The scheduler decides which sequences run in the next engine step.
-
-WAITING → RUNNING when admitted (within `max_num_batched_tokens` positions of all admitted
-sequences — a diffusion sequence's forward covers its prompt and its whole generation window — and,
-for sequences in the page store, free KV pages for the prompt and its first token), → FINISHED when
-its decoder is done, → ABORTED on `abort`. A finished sequence leaves at once and its pages go back.
-
-Fairness: each step's batch (at most `max_num_seqs` sequences) is filled one sequence at a time,
-round-robin over owners (`add_request(owner=...)`: an API key's identity), then over each owner's
-requests; a request gives its admitted (resident) sequences first, then its waiting ones, which are
-admitted only when picked. Owners and requests take their turns least recently served first (a
-new request before one that ran last step), so the batch is a water-filling of `max_num_seqs`: a
-request with `n` samples gets min(its demand, its share) — about ⌈max_num_seqs / active requests⌉
-— and what others leave. A resident sequence that is not picked is paused: it keeps its state and
-goes on at a later step with the same tokens (its tokens depend only on its own state and
-generator). So a new request is in the batch of the very next step when there are at most
-`max_num_seqs` owners and requests ahead of it in the round, and its positions / pages fit;
-docs/engine.md has the bound.
-
-Preemption: before each step the pages every resident paged sequence needs for its next token are
-reserved; when too few are free, the most recently admitted paged sequence gives its pages back
-and returns to the head of its request's queue (`Sequence.restart`: it decodes again from its
-seed, so its tokens are the same; vLLM's recompute preemption).
+"""The scheduler decides which sequences run in the next engine step (docs/engine.md: A request's
+life, Fairness). Each step's batch (at most `max_num_seqs`) is filled round-robin over owners, then
+their requests (resident sequences first), least recently served first; a resident sequence not
+picked is paused with its state. Preemption (vLLM's recompute): when the pages resident paged
+sequences need for their next token are not free, the most recently admitted one gives its pages
+back and returns to the head of its queue (`Sequence.restart`: same seed, same tokens).
 """
 from __future__ import annotations
 
@@ -35,13 +18,11 @@ class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, pages: PageManager | None = None,
                  cost_stride: bool = True) -> None:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.pages = pages
-        self.cost_stride = cost_stride
+        self.pages, self.cost_stride = pages, cost_stride
         self._seq_steps: dict[Sequence, int] = {}   # steps each resident sequence has run
         self.running: list[Sequence] = []          # admitted (resident: holding state), in admission order
         self.steps = 0                             # schedule() calls: the clock of "last served"
         self._waiting: dict[str, deque[Sequence]] = {}   # request id → its waiting sequences
-        self._num_waiting = 0
         self._owner: dict[str, str | None] = {}
         self._arrival: dict[str, int] = {}
         self._arrivals = count()
@@ -50,34 +31,25 @@ class Scheduler:
         self._seq_served: dict[Sequence, int] = {}
 
     @property
-    def waiting(self) -> list[Sequence]:
-        """The waiting sequences, request by request in arrival order."""
-        return [seq for rid in sorted(self._waiting, key=self._arrival.__getitem__) for seq in self._waiting[rid]]
-
-    @property
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return sum(len(queue) for queue in self._waiting.values())
 
     def add(self, seq: Sequence) -> None:
         if seq.num_tokens > self.max_num_batched_tokens:
             raise ValueError(f"the request needs {seq.num_tokens} positions (prompt {seq.prompt_len} + max_tokens "
                              f"{seq.params.max_tokens}), more than max_num_batched_tokens="
                              f"{self.max_num_batched_tokens}")
-        if seq.paged and self.pages is not None and self.pages.pages_for(seq.num_tokens) > self.pages.num_pages:
-            raise ValueError(f"the request needs {self.pages.pages_for(seq.num_tokens)} KV pages of "
-                             f"{self.pages.page_size} positions (prompt {seq.prompt_len} + max_tokens "
-                             f"{seq.params.max_tokens}), more than the whole store (kv_cache_pages="
-                             f"{self.pages.num_pages})")
-        need = self._block_pages(seq)
+        paged = seq.paged and self.pages is not None
+        need = self.pages.pages_for(seq.num_tokens) if paged else self._block_pages(seq)
         if need is not None and need > self.pages.num_pages:
-            raise ValueError(f"the request needs {need} KV pages of {self.pages.page_size} positions (its "
-                             f"whole blocks: prompt {seq.prompt_len} + max_tokens {seq.params.max_tokens}), more "
-                             f"than the whole store (kv_cache_pages={self.pages.num_pages})")
+            whole = "" if paged else "its whole blocks: "
+            raise ValueError(f"the request needs {need} KV pages of {self.pages.page_size} positions ({whole}prompt "
+                             f"{seq.prompt_len} + max_tokens {seq.params.max_tokens}), more than the whole store "
+                             f"(kv_cache_pages={self.pages.num_pages})")
         if seq.request_id not in self._arrival:
             self._arrival[seq.request_id] = next(self._arrivals)
             self._owner[seq.request_id] = seq.owner
         self._queue(seq).append(seq)
-        self._num_waiting += 1
 
     def _block_pages(self, seq: Sequence) -> int | None:
         """Pages a block-causal request takes at its start (its decoder allocates them all then:
@@ -89,7 +61,7 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self._num_waiting or self.running)
+        return bool(self.running) or self.num_waiting > 0
 
     def _growth(self, seq: Sequence) -> int:
         """Fresh pages a running paged sequence needs for the token it stores this step."""
@@ -99,9 +71,8 @@ class Scheduler:
         return max(0, self.pages.pages_for(seq.prompt_len + row.step + 1) - len(row.table))
 
     def schedule(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
-        """Reserve this step's pages (preempting if needed), then pick this step's batch round-robin
-        over owners, then requests (module docstring); returns (newly admitted, this step's batch in
-        admission order, preempted)."""
+        """Reserve this step's pages (preempting if needed), then pick the batch (module docstring);
+        returns (newly admitted, this step's batch in admission order, preempted)."""
         self.steps += 1
         preempted: list[Sequence] = []
         reserved = 0
@@ -122,7 +93,6 @@ class Scheduler:
                 preempted.append(victim)
             for victim in preempted:             # newest first: the oldest ends at the head of its queue
                 self._queue(victim).appendleft(victim)
-                self._num_waiting += 1
         resident: dict[str, deque[Sequence]] = {}
         resting = self._resting() if self.cost_stride else set()
         # A request's paused sequences go first: its samples progress evenly and finish together,
@@ -143,7 +113,6 @@ class Scheduler:
         tokens = sum(seq.num_tokens for seq in self.running)
         admitted: list[Sequence] = []
         picked: set[Sequence] = set()
-        blocked: set[str] = set()                 # waiting sequences that do not fit this step
         cursor = {owner: 0 for owner in order}
         slots = self.max_num_seqs
         while slots and order:
@@ -156,15 +125,12 @@ class Scheduler:
                     rid = rids[cursor[owner] % len(rids)]
                     if resident.get(rid):
                         seq = resident[rid].popleft()
-                    elif rid not in blocked and self._waiting.get(rid):
+                    elif self._waiting.get(rid):   # admitted if it fits; else the request is done this step
                         candidate = self._waiting[rid][0]
                         need = self._admission_pages(candidate)
-                        if tokens + candidate.num_tokens > self.max_num_batched_tokens or \
-                                (need and reserved + need > self.pages.num_free):
-                            blocked.add(rid)
-                        else:
+                        if tokens + candidate.num_tokens <= self.max_num_batched_tokens and \
+                                not (need and reserved + need > self.pages.num_free):
                             seq = self._waiting[rid].popleft()
-                            self._num_waiting -= 1
                             reserved += need
                             tokens += seq.num_tokens
                             seq.status = SequenceStatus.RUNNING
@@ -186,14 +152,9 @@ class Scheduler:
         return admitted, [seq for seq in self.running if seq in picked], preempted
 
     def _resting(self) -> set[Sequence]:
-        """Cost stride: the resident sequences that sit this step out because their steps are
-        expensive. A sequence's cost is the positions its forwards computed per step so far; one
-        that costs r ≥ 2 times the cheapest running sequence's runs once every ⌊r⌋ steps (stride
-        scheduling), so requests progress in proportion to the compute they take and a cheap
-        request beside an expensive one (a full-sequence forward, FreeDave's drafts, WINO's shadow
-        block) is not slowed by its forwards. Sequences of similar cost are never held, sequences
-        in the page store (autoregressive: one flat forward for all) are never held, and a held
-        sequence keeps its state and tokens (it is paused, as in the round-robin)."""
+        """Cost stride: the resident sequences that sit this step out. One whose forwards computed
+        r ≥ 2 times the positions per step of the cheapest runs once every ⌊r⌋ steps, so a cheap
+        request is not slowed by an expensive one beside it. Paged sequences are never held."""
         costs = {seq: seq.stats.forward_positions / self._seq_steps[seq] for seq in self.running
                  if not seq.paged and self._seq_steps.get(seq, 0) > 0 and seq.stats.forward_positions > 0}
         if len(costs) < 2:
@@ -207,8 +168,7 @@ class Scheduler:
         a block-causal request's whole table; 0 for the others."""
         if seq.paged and self.pages is not None:
             return self.pages.pages_needed(seq.prompt_ids[0].tolist(), extra_positions=1)
-        need = self._block_pages(seq)
-        return 0 if need is None else need
+        return self._block_pages(seq) or 0
 
     def _turn(self, request_id: str) -> tuple[int, int]:
         """A request's place in its owner's round: least recently served first, then arrival."""
@@ -237,9 +197,7 @@ class Scheduler:
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Remove every sequence of the request, waiting or running; returns them."""
-        queue = self._waiting.pop(request_id, deque())
-        self._num_waiting -= len(queue)
-        hit = [*queue, *(s for s in self.running if s.request_id == request_id)]
+        hit = [*self._waiting.pop(request_id, ()), *(s for s in self.running if s.request_id == request_id)]
         self._forget(request_id)
         for seq in hit:
             self.finish(seq, SequenceStatus.ABORTED)

@@ -23,10 +23,8 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """One sample of a request: its prompt, settings, decoder state and per-sample generator.
-
-    `decoder` / `state` are a `BlockDecoder` / `BlockState` (diffusion) or an `ARDecoder` /
-    `ARState` (autoregressive); `state` is None until the sequence is scheduled."""
+    """One sample of a request: its prompt, settings, decoder (`BlockDecoder`, `ARDecoder`, ...),
+    its state (None until scheduled) and its own generator."""
 
     request_id: str
     index: int
@@ -80,14 +78,9 @@ class Sequence:
 
 @dataclass
 class CompletionOutput:
-    """One sample's answer. `token_ids`: the generated ids up to and including the first stop
-    token (EOS/EOT or `stop_token_ids`), the answer `text` without it (cut at a `stop` string);
-    `all_token_ids`: every generated position (a diffusion model fills all `max_tokens`).
-    `finish_reason`: "stop", "length", "abort", "timeout" (its deadline passed: aborted between
-    steps) or "error". `draft` (requests added with
-    `drafts=True`, diffusion models): the provisional canvas after the last step, every generated
-    position's id or None where it is still masked — not final, any position may still change
-    until its block is decoded."""
+    """One sample's answer (docs/engine.md, One step): `token_ids` up to and including the first stop
+    token, `text` without it; `all_token_ids`: every generated position. `draft` (`drafts=True`,
+    diffusion models): the provisional canvas, None where still masked; not final."""
 
     index: int
     text: str
@@ -102,9 +95,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """What `LLM.generate` returns per prompt, and what `LLMEngine.step` reports per request.
-    `metrics`: arrival, first final block (`first_token_time`), finish, `latency` (seconds),
-    `preemptions` (restarts because KV pages ran out)."""
+    """What `LLM.generate` returns per prompt and `LLMEngine.step` per request. `metrics`: arrival, first
+    final block (`first_token_time`), finish, `latency` (s), `preemptions` (restarts: KV pages ran out)."""
 
     request_id: str
     prompt: str | None

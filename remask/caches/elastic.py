@@ -1,0 +1,90 @@
+"""Elastic-Cache's per-layer q/k/v of every position and its attention-drift check (its loop and
+layer work: `remask.diffusion.elastic`)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .kv import KVCache
+
+
+class ElasticKVCache(KVCache):
+    """Per-layer queries, keys and values (after RoPE) of every position of one row, and the
+    Elastic-Cache drift check, behind remask's `attend` seam.
+
+    Before each layer the driver calls `plan(full=...)`: `full=True` (the layer runs on all
+    positions in order: its caches are replaced) or `full=False` (the layer runs on the rows
+    `query`, ordered tracked tokens first and the `window` last: their q/k/v overwrite the caches,
+    they attend over all cached keys, and the tracked tokens' old-vs-new attention cosine is
+    checked against `gamma`; `triggered` tells the driver to recompute the following layers).
+    After every layer `track[layer]` holds the layer's most attended non-masked positions.
+    `key_ok` `[1, T]` (False = padding key) hides keys."""
+
+    def __init__(self, key_ok: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.bias = None
+        if key_ok is not None and not bool(key_ok.all()):
+            self.bias = torch.zeros(key_ok.shape, dtype=torch.float32, device=key_ok.device).masked_fill(
+                ~key_ok, torch.finfo(torch.float32).min)[:, None, None, :]
+        self.q: dict[int, torch.Tensor] = {}
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+        self.track: dict[int, torch.Tensor] = {}
+        self.triggered = False
+        self._plan: dict | None = None
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return 0   # positions are passed explicitly; nothing is appended
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.q, self.k, self.v) for t in d.values())
+
+    def plan(self, *, full: bool, query: torch.Tensor, track: torch.Tensor, window: torch.Tensor,
+             masked: torch.Tensor, gamma: float, track_num: int) -> None:
+        self._plan = dict(full=full, query=query, track=track, window=window, masked=masked, gamma=gamma,
+                          track_num=track_num)
+
+    def _weights(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        if q.shape[1] != k.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1, output_size=q.shape[1])
+        w = q @ k.transpose(-2, -1) * (1 / math.sqrt(q.size(-1)))
+        if self.bias is not None:
+            w = w + self.bias.to(w.dtype)
+        return torch.softmax(w, dim=-1)
+
+    def _values(self, w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if w.shape[1] != v.shape[1]:
+            v = v.repeat_interleave(w.shape[1] // v.shape[1], dim=1, output_size=w.shape[1])
+        return w @ v
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("elastic cache: call plan() before each layer")
+        self._plan = None
+        if plan["full"]:
+            self.q[layer], self.k[layer], self.v[layer] = q, k, v
+            weights = self._weights(q, k)
+            out = self._values(weights, v)
+            window_rows = weights[:, :, plan["window"], :]
+        else:
+            query, track = plan["query"], plan["track"]
+            past_k = self.k[layer].clone()
+            self.k[layer][:, :, query, :] = k
+            self.v[layer][:, :, query, :] = v
+            past_q = self.q[layer][:, :, track, :].clone()
+            self.q[layer][:, :, query, :] = q
+            weights = self._weights(q, self.k[layer])
+            out = self._values(weights, self.v[layer])
+            window_rows = weights[:, :, -plan["window"].shape[0]:, :]
+            sim = F.cosine_similarity(self._weights(past_q, past_k), weights[:, :, :track.shape[0], :], dim=1).mean()
+            if sim < plan["gamma"]:
+                self.triggered = True
+        mass = window_rows.sum(dim=(0, 1, 2))
+        mass[plan["masked"]] = 0.0
+        self.track[layer] = mass.topk(k=plan["track_num"], dim=0, largest=True)[1]
+        return out

@@ -1,0 +1,45 @@
+"""The cache FreeDave's drafts attend through (its loop: `remask.diffusion.freedave`)."""
+from __future__ import annotations
+
+import torch
+
+from .kv import KVCache, attention
+
+
+class TreeKVCache(KVCache):
+    """FreeDave's drafts' view of their block's cache, never copied nor written
+    (`remask.diffusion.freedave`, "Exactness"): row a·K + k is draft k of `rows[a]`, whose queries attend [cached prefix | own
+    keys | cached suffix] of its row's cache."""
+
+    def __init__(self, base: KVCache, rows: torch.Tensor | None, prefix: int, suffix_start: int,
+                 total: int, drafts: int) -> None:
+        super().__init__()
+        self.base, self.rows, self.prefix, self.suffix_start = base, rows, prefix, suffix_start
+        self.total, self.drafts = total, drafts
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        return self.total
+
+    def _side(self, t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        part = t[:, :, lo:hi]
+        if self.rows is not None:
+            part = part.index_select(0, self.rows)
+        return part.repeat_interleave(self.drafts, dim=0)
+
+    def _keys(self, cached: list[torch.Tensor], layer: int, own: torch.Tensor) -> torch.Tensor:
+        parts = []
+        if self.prefix > 0:
+            parts.append(self._side(cached[layer], 0, self.prefix))
+        parts.append(own)
+        if self.suffix_start < self.total:
+            parts.append(self._side(cached[layer], self.suffix_start, self.total))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """`q`, `k`, `v` `[A·K, H, L, D]`: each draft's own; `mask` (if any) per draft row."""
+        keys = self._keys(self.base.keys, layer, k)
+        values = self._keys(self.base.values, layer, v)
+        if mask is not None:
+            mask = mask.expand(q.shape[0], *mask.shape[1:])
+        return attention(q, keys, values, mask)
