@@ -159,3 +159,22 @@ def test_elastic_forwards_pack_bit_for_bit_though_their_rows_change_between_laye
     assert traces == packed_traces
     layers = len(model.model.transformer.blocks)
     assert traces[0][-1][1] < layers and traces[1][-1][1] == layers, "one forward recomputes layers, the other none"
+
+
+def test_attention_calls_are_the_requests_own_when_not_batched(monkeypatch):
+    """`batch_calls=False` (CUDA under batch invariance): each request's attention is one call of its
+    own shape, as alone; with batching, requests of one shape share a call; the outputs agree."""
+    import remask.diffusion.varlen as varlen
+
+    g = torch.Generator().manual_seed(5)
+    segments = [Segment(0, 1, 7), Segment(7, 2, 5), Segment(17, 1, 7), Segment(24, 1, 3)]
+    q, k, v = (torch.randn(1, 2, 27, 8, generator=g) for _ in range(3))
+    calls = []
+    real = varlen.attention
+    monkeypatch.setattr(varlen, "attention", lambda q_, *a: calls.append(tuple(q_.shape)) or real(q_, *a))
+    batched = PackedAttention(segments).attend(0, q, k, v, 0, None)
+    assert sorted(calls) == [(1, 2, 3, 8), (2, 2, 5, 8), (2, 2, 7, 8)]
+    calls.clear()
+    own = PackedAttention(segments, batch_calls=False).attend(0, q, k, v, 0, None)
+    assert sorted(calls) == [(1, 2, 3, 8), (1, 2, 7, 8), (1, 2, 7, 8), (2, 2, 5, 8)]
+    assert torch.equal(batched, own)

@@ -188,7 +188,8 @@ def _packed(model: torch.nn.Module, requests: list[ForwardRequest],
         inputs.append(x.reshape(1, B * T, *x.shape[2:]))
         start += B * T
     flat = torch.cat(inputs, dim=1)
-    attend = PackedAttention(segments)
+    # on CUDA, under batch invariance, no request's attention is batched with another's (SDPA's split)
+    attend = PackedAttention(segments, batch_calls=invariant is None or flat.device.type != "cuda")
     kwargs = dict(position_ids=torch.cat(positions, dim=1), past_key_values=attend)
     groups = token_groups(segments, [r.rows_alone for r in requests], flat.device)
     context = invariant(sum(s.rows for s in segments), groups) if invariant is not None else contextlib.nullcontext()

@@ -53,11 +53,14 @@ class PackedAttention(KVCache):
     """The cache seam of a packed forward `[1, N]` holding several requests: each layer's attention
     runs per request, as its own forward runs it — over its own keys, through its own cache's
     `attend` (which writes its K/V) with its own mask. Requests whose attention is the same call
-    (no cache or a contiguous `KVCache`, one query and key length, no mask) attend as one batch."""
+    (no cache or a contiguous `KVCache`, one query and key length, no mask) attend as one batch,
+    unless `batch_calls` is False: then each request's attention is its own forward's call, of its
+    own shape and strides, so a kernel whose split depends on the batch (CUDA's SDPA) splits each
+    request's rows as it does alone (the runner's batch invariance on CUDA)."""
 
-    def __init__(self, segments: list[Segment]) -> None:
+    def __init__(self, segments: list[Segment], batch_calls: bool = True) -> None:
         super().__init__()
-        self.segments = segments
+        self.segments, self.batch_calls = segments, batch_calls
 
     def get_seq_length(self, layer: int = 0) -> int:
         return 0
@@ -81,7 +84,8 @@ class PackedAttention(KVCache):
             if seg.cache is not None:
                 k_, v_ = seg.cache.update(layer, k_, v_, seg.cache_start)
             shape = None if seg.mask is None else (seg.mask.dtype, tuple(seg.mask.shape[1:]))
-            batched.setdefault((seg.length, k_.shape[-2], shape), []).append((seg, q_, k_, v_))
+            key = (seg.length, k_.shape[-2], shape) if self.batch_calls else (id(seg),)
+            batched.setdefault(key, []).append((seg, q_, k_, v_))
         for members in batched.values():
             masks = None if members[0][0].mask is None else \
                 [m[0].mask.expand(m[0].rows, *m[0].mask.shape[1:]) for m in members]
