@@ -6,13 +6,14 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 LATEST_VENV ?= .venv-latest
+OLDEST_VENV ?= .venv-oldest
 EXTRAS := dev,serve,eval,quant,plot,ray
 # CPU torch first (an unpinned torch pulls GBs of CUDA packages); the machine's newest CPU build.
 TORCH := torch==2.13.0
 # Both cores: test files run whole on one worker each (module fixtures are built once per file).
 PYTEST := -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
 
-.PHONY: setup demo test test-portable test-latest lock bench compiled-report gpu-day clean
+.PHONY: setup demo test test-portable test-latest test-oldest lock bench compiled-report compiled-report-all gpu-day clean
 
 setup: $(VENV)/.installed
 
@@ -51,6 +52,19 @@ test-latest:
 	grep -iE '^(torch|transformers|accelerate|lm.eval|fastapi)==' $(LATEST_VENV)/versions.txt
 	$(LATEST_VENV)/bin/python $(PYTEST)
 
+# The lowest versions the ranges allow: every direct dependency at its lower bound (triton 3.7.1,
+# the one torch 2.13's CUDA build pins), the rest of the locked set as is (tests/oldest_constraints.py).
+test-oldest:
+	rm -rf $(OLDEST_VENV)
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/pip install --quiet --upgrade pip
+	$(PYTHON) tests/oldest_constraints.py > $(OLDEST_VENV)/oldest.txt
+	$(OLDEST_VENV)/bin/pip install --quiet -c $(OLDEST_VENV)/oldest.txt $(TORCH)
+	$(OLDEST_VENV)/bin/pip install --quiet -c $(OLDEST_VENV)/oldest.txt -e ".[$(EXTRAS)]"
+	$(OLDEST_VENV)/bin/pip freeze --exclude-editable > $(OLDEST_VENV)/versions.txt
+	grep -iE '^(torch|triton|transformers|accelerate|lm.eval|fastapi)==' $(OLDEST_VENV)/versions.txt
+	$(OLDEST_VENV)/bin/python $(PYTEST)
+
 # Rewrite constraints.txt from the passing $(LATEST_VENV) (run `make test-latest` first), then raise
 # pyproject.toml's lower bounds to match (tests/test_packaging.py says which).
 lock:
@@ -74,5 +88,17 @@ gpu-day: setup
 compiled-report: setup
 	$(BIN)/python -m remask.kernels.aot --report docs/compiled-kernels.md
 
+# The gate under every supported Triton (kernels/aot.py SUPPORTED_TRITON: what the CUDA builds of
+# torch 2.13 / 2.14 / 2.15 pin), each in its own small venv under build/, then the report.
+SUPPORTED_TRITON = 3.7.1 3.8.0 3.9.0
+compiled-report-all: setup
+	@for v in $(SUPPORTED_TRITON); do \
+		venv=build/triton-$$v; \
+		test -x $$venv/bin/python || { $(PYTHON) -m venv $$venv && $$venv/bin/pip install --quiet -c constraints.txt $(TORCH) numpy \
+			&& $$venv/bin/pip install --quiet triton==$$v && $$venv/bin/pip install --quiet --no-deps -e .; } || exit 1; \
+		echo "== Triton $$v"; $$venv/bin/python -m remask.kernels.aot --jobs 2 || exit 1; \
+	done
+	$(BIN)/python -m remask.kernels.aot --report docs/compiled-kernels.md
+
 clean:
-	rm -rf $(VENV) $(LATEST_VENV) build *.egg-info .pytest_cache .benchmarks
+	rm -rf $(VENV) $(LATEST_VENV) $(OLDEST_VENV) build *.egg-info .pytest_cache .benchmarks
