@@ -14,14 +14,15 @@ reported skipped.
                 TRITON_INTERPRET), each kernel against its torch reference
   kernel-bench  the kernel benchmarks of bench/ (pytest-benchmark JSON → bench/report.py's tables)
                 and each case's measured time over its roofline on this device (kernels/roofline.py)
-  engine-llada  LLMEngine tokens/s at 1, 8 and 64 requests for LLaDA's low_confidence rule,
+  engine-llada  LLMEngine tokens/s at 1, 8 and 16 requests for LLaDA's low_confidence rule,
   engine-dream  Fast-dLLM threshold + dual cache, FreeDave + dual cache and dInfer's threshold rule,
                 on random bf16 models of LLaDA-8B's / Dream-7B's official configs (built on the
                 device, nothing downloaded); model calls and host ms per engine step beside a bare
                 forward and the weight-streaming floor
-  bitwise       batch invariance: each request alone equals itself in a batch of 64 of mixed
-                settings (`batch_invariant=True`), token for token
+  bitwise       batch invariance: a batch of 16 requests of mixed settings (`batch_invariant=True`,
+                16 tokens each), then the first 8 (one per setting) alone: each equals itself in the batch, token for token
   cuda-graphs   `cuda_graphs=True` replays give the eager tokens and bitwise the eager logits
+                (LLaDA-8B's official config cut to its first 4 layers: the same shapes per layer)
 
 The report lands in bench/results/gpu-<device>-<date>.md (or `--out`), with `.log` (every part's
 output) and `.bench.json` (the kernel benchmarks' JSON) beside it. The dry run writes to a
@@ -56,13 +57,13 @@ SCRIPT = os.path.abspath(__file__)
 # What runs: the parts, their boxes (seconds on a GPU / in the dry run), the test and bench selections
 
 PARTS: dict[str, tuple[str, float, float]] = {       # name → (what it measures, box on a GPU, box dry)
-    "env": ("device, driver, versions, copy bandwidth", 20, 20),
-    "kernel-tests": ("kernel tests + GPU-marked tests, Triton compiled", 150, 45),
-    "kernel-bench": ("kernel benchmarks, measured / roofline", 90, 30),
-    "engine-llada": ("engine tokens/s, random LLaDA-8B (bf16)", 75, 30),
+    "env": ("device, driver, versions, copy bandwidth", 15, 20),
+    "kernel-tests": ("kernel tests + GPU-marked tests, Triton compiled", 135, 45),
+    "kernel-bench": ("kernel benchmarks, measured / roofline", 120, 30),
+    "engine-llada": ("engine tokens/s, random LLaDA-8B (bf16)", 70, 30),
     "engine-dream": ("engine tokens/s, random Dream-7B (bf16)", 70, 30),
-    "bitwise": ("batch invariance, alone vs. in a batch of 64", 40, 30),
-    "cuda-graphs": ("cuda_graphs=True vs. eager", 30, 30),
+    "bitwise": ("batch invariance, alone vs. in a batch of 16", 35, 30),
+    "cuda-graphs": ("cuda_graphs=True vs. eager, LLaDA-8B cut to 4 layers", 30, 30),
 }
 MIN_BOX_S = 3.0          # a part with less time than this left is skipped, not started
 
@@ -77,6 +78,9 @@ DRY_TESTS = ("tests/test_step_decision.py", "tests/test_zoo.py::test_load_puts_t
 BENCH_GROUPS = (("bench/test_confidence.py", "bench/test_unmask.py", "bench/test_step.py", "bench/test_accept.py",
                  "bench/test_dinfer_kernels.py", "bench/test_philox.py"),
                 ("bench/test_block_attention.py", "bench/test_sparse.py", "bench/test_cache.py"))
+# Seconds of kernel-bench's box kept for the groups after each one (group 2, the attention kernels,
+# compiles the most specialisations: on 2026-11-28's H200 it never finished behind group 1).
+BENCH_RESERVE_S = (55.0, 0.0)
 NOT_BENCHED_HERE = {"bench/test_engine.py": "tiny-llada end to end: the engine parts measure the engine"}
 DRY_BENCH = (("bench/test_unmask.py", "bench/test_philox.py", "-k", "(test_unmask and B1-L32) or B1-V32768"),)
 
@@ -84,17 +88,21 @@ DRY_BENCH = (("bench/test_unmask.py", "bench/test_philox.py", "-k", "(test_unmas
 @dataclass(frozen=True)
 class Sizes:
     """The shapes a run uses: the GPU's (official model configs) or the dry run's (tiny)."""
-    requests: tuple[int, ...] = (1, 8, 64)
+    requests: tuple[int, ...] = (1, 8, 16)
     prompt: int = 32
     gen: int = 32
     block: int = 32
-    bitwise_requests: int = 64
+    bitwise_requests: int = 16
+    bitwise_alone: int = 8        # re-run alone: the first 8, one of each setting (--alone)
+    bitwise_gen: int = 16
     graph_requests: int = 8
+    graph_layers: int | None = 4  # cuda-graphs: the official config's first layers only (None: all)
     tiny: bool = False
 
 
 FULL = Sizes()
-DRY = Sizes(requests=(1, 3), prompt=8, gen=16, block=8, bitwise_requests=8, graph_requests=8, tiny=True)
+DRY = Sizes(requests=(1, 3), prompt=8, gen=16, block=8, bitwise_requests=8, bitwise_alone=8, bitwise_gen=16,
+            graph_requests=8, graph_layers=None, tiny=True)
 # The dry run's models: the tiny sizes of remask.models.tiny with a 1000-token vocabulary.
 SMALL_VOCAB = {
     "llada": dict(vocab_size=1000, embedding_size=1000, mask_token_id=999, eos_token_id=998, pad_token_id=998),
@@ -319,11 +327,11 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_model(family: str, device, tiny: bool):
+def build_model(family: str, device, tiny: bool, layers: int | None = None):
     """A random bf16 model of `family`'s official config (models/official/; the dry run: the tiny
     sizes of remask.models.tiny), built by transformers' Auto classes with remask's registered
     classes directly on `device` (nothing downloaded, no host copy), weights from the model's own
-    init at seed 0."""
+    init at seed 0. `layers`: at most that many transformer layers (every other size unchanged)."""
     import torch
     from transformers import AutoConfig, AutoModel
 
@@ -336,6 +344,9 @@ def build_model(family: str, device, tiny: bool):
     else:
         values = tiny_models.official_config(family)
     values = {k: v for k, v in values.items() if k not in ("auto_map", "torch_dtype")}
+    if layers is not None:
+        key = "n_layers" if "n_layers" in values else "num_hidden_layers"   # LLaDA's name, Dream's
+        values[key] = min(values[key], layers)
     config = AutoConfig.for_model(values.pop("model_type"), **values)
     torch.manual_seed(0)
     with torch.device(device):
@@ -593,13 +604,14 @@ def part_kernel_bench(ctx: Context) -> None:
             break
         out = os.path.join(ctx.work, f"bench-{i}.json")
         log = os.path.join(ctx.work, f"bench-{i}.log")
+        reserve = sum(BENCH_RESERVE_S[i:len(groups) - 1]) if device.type == "cuda" else 0.0   # for the later groups
         rc = run_command([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--benchmark-json={out}",
-                          *group], ctx.left() - 3, log)
+                          *group], max(5.0, ctx.left() - 3 - reserve), log)
         print(open(log, errors="replace").read())
         data = _read_json(out)
         if rc != 0:
             ctx.result.fail(f"bench group {i + 1} ({' '.join(group)}): "
-                            + ("stopped at the part's box" if rc is None else f"pytest exit {rc}"))
+                            + ("stopped at its share of the part's box" if rc is None else f"pytest exit {rc}"))
         if data and data.get("benchmarks"):
             if merged is None:
                 merged = data
@@ -759,7 +771,7 @@ def part_bitwise(ctx: Context) -> None:
     n = sizes.bitwise_requests
     lengths = [sizes.prompt // 2 + (7 * i) % (sizes.prompt + 1) for i in range(n)]   # mixed prompt lengths
     prompts = random_prompts(n, lengths, model.config.vocab_size, seed=7)
-    params = [SamplingParams(max_tokens=sizes.gen, seed=i, **mix[i % len(mix)][1]) for i in range(n)]
+    params = [SamplingParams(max_tokens=sizes.bitwise_gen, seed=i, **mix[i % len(mix)][1]) for i in range(n)]
     with torch.no_grad():
         together = drive(_engine(model, n), prompts, params)
         if together["errors"]:
@@ -768,8 +780,8 @@ def part_bitwise(ctx: Context) -> None:
         for i in range(n):
             by_setting[mix[i % len(mix)][0]][0] += 1
         checked = 0
-        ctx.result.section("table", _bitwise_table(by_setting, n, together))
-        for i in range(min(n, ctx.args.alone or n)):
+        ctx.result.section("table", _bitwise_table(by_setting, n, together, sizes.bitwise_gen))
+        for i in range(min(n, ctx.args.alone or sizes.bitwise_alone)):
             if ctx.left() < 2:
                 ctx.result.note = f"{checked} of {n} requests checked alone before the part's box"
                 break
@@ -778,19 +790,19 @@ def part_bitwise(ctx: Context) -> None:
             counts[1] += 1
             counts[2] += alone["rows"][0] == together["rows"][i]
             checked += 1
-            ctx.result.section("table", _bitwise_table(by_setting, n, together))
+            ctx.result.section("table", _bitwise_table(by_setting, n, together, sizes.bitwise_gen))
     same = sum(c[2] for c in by_setting.values())
     ctx.result.data.update(requests=n, checked=checked, identical=same)
     if same != checked:
         ctx.result.fail(f"{checked - same} of {checked} requests differ alone from in the batch")
 
 
-def _bitwise_table(by_setting: dict[str, list[int]], n: int, together: dict[str, Any]) -> str:
+def _bitwise_table(by_setting: dict[str, list[int]], n: int, together: dict[str, Any], gen: int) -> str:
     rows = [[label, c[0], c[1], f"{c[2]} / {c[1]}" + ("" if c[2] == c[1] else " **DIFFER**")]
             for label, c in by_setting.items()]
-    return (f"{n} requests of mixed settings and prompt lengths together in one `LLMEngine(batch_invariant=True)` "
-            f"({together['steps']} engine steps, {together['calls']} model calls), then each alone in a fresh "
-            "engine: the generated ids must be identical.\n\n"
+    return (f"{n} requests of mixed settings and prompt lengths ({gen} generated tokens each) together in one "
+            f"`LLMEngine(batch_invariant=True)` ({together['steps']} engine steps, {together['calls']} model calls), "
+            "then the first of them each alone in a fresh engine: the generated ids must be identical.\n\n"
             + _md_table(["setting", "requests", "checked alone", "identical"], rows, "lrrr"))
 
 
@@ -813,7 +825,7 @@ def part_cuda_graphs(ctx: Context) -> None:
         how = "CPU stand-in graph (`tests/test_cuda_graphs.py`'s `FakeBackend`: replay re-runs the captured body)"
     else:
         how = "`torch.cuda.CUDAGraph` captures (`CudaGraphBackend`)"
-    model = build_model("llada", device, sizes.tiny)
+    model = build_model("llada", device, sizes.tiny, layers=sizes.graph_layers)
     spec = get_spec(model)
     mix = UNCACHED_MIX + DREAM_MIX
     n = sizes.graph_requests
@@ -841,7 +853,8 @@ def part_cuda_graphs(ctx: Context) -> None:
             ["graphs captured / replays in the engine", f"{graphs.captures} / {graphs.replays}"],
             ["eager run (s)", f"{eager['wall']:.3f}"], ["graphed run with captures (s)", f"{first['wall']:.3f}"],
             ["graphed run, replays only (s)", f"{second['wall']:.3f}"]]
-    ctx.result.section("table", f"How: {how}. {n} requests (LLaDA's uncached rules and Dream's sampler, "
+    depth = "" if sizes.graph_layers is None else f" LLaDA-8B's config cut to its first {sizes.graph_layers} layers (bf16)."
+    ctx.result.section("table", f"How: {how}.{depth} {n} requests (LLaDA's uncached rules and Dream's sampler, "
                                 f"prompts of {sizes.prompt} and {sizes.prompt + 4} ids, {sizes.gen} tokens) through "
                                 "`LLMEngine(cuda_graphs=False)`, then twice through one `cuda_graphs=True` engine.\n\n"
                        + _md_table(["check", "result"], rows, "lr"))
@@ -941,10 +954,11 @@ def parser() -> argparse.ArgumentParser:
                    help="one part's box (repeatable); boxes are scaled down to fit --budget-s")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)} "
                                                             "(env always runs)")
-    p.add_argument("--requests", default=None, help="engine request counts (default 1,8,64; dry run 1,3)")
+    p.add_argument("--requests", default=None, help="engine request counts (default 1,8,16; dry run 1,3)")
     p.add_argument("--gen-length", type=int, default=None, help="generated tokens per request (default 32)")
     p.add_argument("--block-length", type=int, default=None, help="block length of the engine rules (default 32)")
-    p.add_argument("--alone", type=int, default=None, help="bitwise: how many requests to check alone (default all)")
+    p.add_argument("--alone", type=int, default=None,
+                   help="bitwise: how many of the batch's requests to check alone (default 8, one per setting)")
     p.add_argument("--pytest-workers", type=int, default=None,
                    help="kernel tests: pytest-xdist workers (default: the CPUs, at most 8)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 in the dry run)")

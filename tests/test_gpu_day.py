@@ -98,7 +98,9 @@ def test_boxes_scale_down_to_the_budget_and_env_always_runs():
     assert [p.name for p in parts] == ["env", "bitwise"]
     assert sum(p.budget_s for p in parts) == pytest.approx(240)
     args = gpu_day.parser().parse_args([])
-    assert sum(p.budget_s for p in gpu_day.plan(args, [])) <= 480         # the GPU defaults fit 8 minutes
+    assert sum(p.budget_s for p in gpu_day.plan(args, [])) <= 475         # the GPU defaults (docs/benchmarks.md)
+    boxes = {p.name: p.budget_s for p in gpu_day.plan(args, [])}
+    assert boxes["kernel-bench"] > sum(gpu_day.BENCH_RESERVE_S) + 30      # every bench group gets a share
     assert [p.name for p in gpu_day.plan(args, [])] == list(gpu_day.PARTS)
     with pytest.raises(SystemExit):
         gpu_day.plan(gpu_day.parser().parse_args(["--parts", "nope"]), [])
@@ -186,3 +188,17 @@ def test_roofline_picks_the_device_by_its_cuda_name():
     for other in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA H200 NVL", "NVIDIA L4", "NVIDIA A100-PCIE-40GB"):
         assert gpu_for_device(other) is None, other
     assert GPUS["h200"].hbm_bytes_per_s == 4.8e12 and GPUS["h200"].flops_per_s["bf16"] == 989e12
+
+
+def test_the_gpu_sizes_fit_their_boxes_and_layers_cut_only_the_depth():
+    """The sizes that 2026-11-28's H200 run showed to fit: bitwise 16 requests of 16 tokens with 8
+    re-run alone (64 of 32 never finished its batch), cuda-graphs on 4 of LLaDA-8B's 32 layers."""
+    full = gpu_day.FULL
+    assert (full.bitwise_requests, full.bitwise_alone, full.bitwise_gen, full.graph_layers) == (16, 8, 16, 4)
+    assert max(full.requests) <= 16 and gpu_day.DRY.bitwise_alone >= gpu_day.DRY.bitwise_requests
+    import torch
+
+    model = gpu_day.build_model("llada", torch.device("cpu"), tiny=True, layers=1)
+    whole = gpu_day.build_model("llada", torch.device("cpu"), tiny=True)
+    assert model.config.n_layers == 1 < whole.config.n_layers
+    assert model.config.d_model == whole.config.d_model and model.config.vocab_size == whole.config.vocab_size

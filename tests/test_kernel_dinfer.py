@@ -160,10 +160,10 @@ def test_select_kernel_hierarchy_long_blocks_many_runs_ties(poisoned_outputs, pa
 def test_select_kernel_hierarchy_all_masked_minus_inf():
     """A run whose confidences are all -inf commits nothing by the run rule (the reference's max
     holds the float32 floor); the row's top is then an unmasked position, and nothing commits."""
-    x = torch.full((2, 40), MASK)
+    x = torch.full((2, 40), MASK, device=DEVICE)
     x[1, 10:] = 3
-    x0 = torch.arange(80).view(2, 40) % 50
-    conf = torch.full((2, 40), float("-inf"))
+    x0 = torch.arange(80, device=DEVICE).view(2, 40) % 50
+    conf = torch.full((2, 40), float("-inf"), device=DEVICE)
     conf[0, 17] = 0.25
     for threshold, low in ((None, None), (0.9, 0.4)):
         got = dinfer_select_triton(x.clone(), x0, conf, MASK, "hierarchy", threshold, low)

@@ -1,4 +1,5 @@
-"""Paged KV kernels (store, gather, attention) under the Triton interpreter against torch references."""
+"""Paged KV kernels (store, gather, attention) against torch references: compiled on a GPU, under the
+Triton interpreter on CPU. The kernels' inputs live on DEVICE; the references run on CPU copies."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,11 @@ from remask.kernels.paged_ref import paged_attention_torch, paged_gather_torch, 
 @pytest.fixture
 def triton_path(monkeypatch):
     monkeypatch.setenv("REMASK_TRITON", "1")
+
+
+def on_device(*tensors):
+    """The kernel's copies of `tensors` on DEVICE (None stays None); views keep their strides."""
+    return tuple(None if t is None else t.to(DEVICE) for t in tensors)
 
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -42,12 +48,13 @@ def test_store_scatters_rows_and_skips_minus_one(dtype, H, D, page_size, triton_
     v = torch.randn(N, H, D, generator=gen).to(dtype)
     slots = torch.randperm(num_pages * page_size, generator=gen)[:N]
     slots[::4] = -1
-    caches = [torch.full((num_pages, page_size, H, D), float("nan"), dtype=dtype) for _ in range(4)]
-    paged_store(k, v, caches[0], caches[1], slots)
+    caches = [torch.full((num_pages, page_size, H, D), float("nan"), dtype=dtype, device=device)
+              for device in (DEVICE, DEVICE, "cpu", "cpu")]
+    paged_store(*on_device(k, v), caches[0], caches[1], slots.to(DEVICE))
     paged_store_torch(k, v, caches[2], caches[3], slots)
-    torch.testing.assert_close(caches[0], caches[2], equal_nan=True, rtol=0, atol=0)
-    torch.testing.assert_close(caches[1], caches[3], equal_nan=True, rtol=0, atol=0)
-    written = (~caches[0].isnan()).all(dim=(2, 3)).reshape(-1)
+    torch.testing.assert_close(caches[0].cpu(), caches[2], equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(caches[1].cpu(), caches[3], equal_nan=True, rtol=0, atol=0)
+    written = (~caches[0].cpu().isnan()).all(dim=(2, 3)).reshape(-1)
     assert int(written.sum()) == int((slots >= 0).sum())   # only the kept slots changed
 
 
@@ -58,7 +65,7 @@ def test_gather_matches_reference(dtype, heads, triton_path, poisoned_outputs):
     page_size, (H, D) = 6, heads
     table, lens = random_tables(gen, [13, 1, 30, 6], page_size, num_pages=20)
     cache = torch.randn(20, page_size, H, D, generator=gen).to(dtype)
-    out = paged_gather(cache, table, lens, max_len=31)
+    out = paged_gather(*on_device(cache, table, lens), max_len=31).cpu()
     ref = paged_gather_torch(cache, table, lens, max_len=31)
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
@@ -86,7 +93,7 @@ def test_paged_attention_matches_float32_reference(case, dtype, triton_path, poi
     q = torch.randn(B, M, Hq, D, generator=gen).to(dtype)
     k_new = torch.randn(B, N, H_kv, D, generator=gen).to(dtype) if N else None
     v_new = torch.randn(B, N, H_kv, D, generator=gen).to(dtype) if N else None
-    out = paged_attention(q, k_cache, v_cache, table, lens, k_new, v_new)
+    out = paged_attention(*on_device(q, k_cache, v_cache, table, lens, k_new, v_new)).cpu()
     ref = paged_attention_torch(q.float(), k_cache.float(), v_cache.float(), table, lens,
                                 None if k_new is None else k_new.float(), None if v_new is None else v_new.float())
     assert out.dtype == dtype and not out.isnan().any()
@@ -100,7 +107,7 @@ def test_paged_attention_equals_dense_attention_over_the_same_keys(triton_path):
     k_cache, v_cache = (torch.randn(12, 4, 2, 32, generator=gen) for _ in range(2))
     q, k_new, v_new = torch.randn(2, 5, 2, 32, generator=gen), torch.randn(2, 5, 2, 32, generator=gen), \
         torch.randn(2, 5, 2, 32, generator=gen)
-    out = paged_attention(q, k_cache, v_cache, table, lens, k_new, v_new)
+    out = paged_attention(*on_device(q, k_cache, v_cache, table, lens, k_new, v_new)).cpu()
     k = torch.cat([paged_gather_torch(k_cache, table, lens), k_new], dim=1).transpose(1, 2)
     v = torch.cat([paged_gather_torch(v_cache, table, lens), v_new], dim=1).transpose(1, 2)
     dense = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v).transpose(1, 2)
@@ -113,18 +120,19 @@ def test_many_pages_use_int64_offsets(triton_path):
     # without the memory.
     D, page_size = 64, 4
     base = torch.randn(2, page_size, 1, D)
-    k_cache = torch.as_strided(base, (70_000, page_size, 1, D), (0, D, D, 1))   # every page aliases page 0
     table = torch.tensor([[69_999, 40_000, 65_537]], dtype=torch.int32)
     lens = torch.tensor([10], dtype=torch.int32)
     q = torch.randn(1, 3, 1, D)
-    out = paged_attention(q, k_cache, k_cache, table, lens)
-    ref = paged_attention_torch(q, k_cache, k_cache, table, lens)
+    ref = paged_attention_torch(q, *[torch.as_strided(base, (70_000, page_size, 1, D), (0, D, D, 1))] * 2, table, lens)
+    # every page aliases page 0 (the view is made on DEVICE: a copy would drop the zero stride)
+    k_cache = torch.as_strided(base.to(DEVICE), (70_000, page_size, 1, D), (0, D, D, 1))
+    out = paged_attention(*on_device(q), k_cache, k_cache, *on_device(table, lens)).cpu()
     assert rel_rms(out, ref) < 1e-5
     # and the store writes through a large slot index
-    cache = torch.zeros(9000, 3, 1, 8)
+    cache = torch.zeros(9000, 3, 1, 8, device=DEVICE)
     rows = torch.randn(2, 1, 8)
-    paged_store(rows, rows, cache, cache.clone(), torch.tensor([8999 * 3 + 2, -1]))
-    torch.testing.assert_close(cache[8999, 2], rows[0])
+    paged_store(*on_device(rows, rows), cache, cache.clone(), torch.tensor([8999 * 3 + 2, -1], device=DEVICE))
+    torch.testing.assert_close(cache[8999, 2].cpu(), rows[0])
 
 
 def test_dispatch_defaults_to_torch_on_cpu(monkeypatch):
@@ -200,7 +208,7 @@ def test_block_causal_kernel_matches_reference(case, block_size, dtype, triton_p
     seq_lens, M, Hq, H_kv, D, page_size = case
     gen = torch.Generator().manual_seed(block_size * 100 + M)
     inputs = block_inputs(gen, seq_lens, M, Hq, H_kv, D, page_size, dtype)
-    out = paged_attention(*inputs, block_size=block_size)
+    out = paged_attention(*on_device(*inputs), block_size=block_size).cpu()
     ref = paged_attention_torch(*(t.float() if t.is_floating_point() else t for t in inputs), block_size=block_size)
     assert out.dtype == dtype and not out.isnan().any()
     assert rel_rms(out, ref) < {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
@@ -212,7 +220,7 @@ def test_block_causal_kernel_skips_and_masks_across_tiles(block_size, triton_pat
     # tiles are fully visible (no mask), some diagonal (masked) and some skipped per query tile.
     gen = torch.Generator().manual_seed(block_size)
     inputs = block_inputs(gen, [5, 0], 70, 2, 1, 16, 16)
-    out = paged_attention(*inputs, block_size=block_size)
+    out = paged_attention(*on_device(*inputs), block_size=block_size).cpu()
     ref = paged_attention_torch(*inputs, block_size=block_size)
     assert not out.isnan().any() and rel_rms(out, ref) < 1e-5
 
@@ -227,7 +235,7 @@ def test_block_causal_kernel_never_reads_future_tiles(triton_path, poisoned_outp
     k_bad, v_bad = k_new.clone(), v_new.clone()
     k_bad[:, 64:] = float("nan")
     v_bad[:, 64:] = float("nan")
-    out = paged_attention(q, k_cache, v_cache, table, lens, k_bad, v_bad, block_size=16)
+    out = paged_attention(*on_device(q, k_cache, v_cache, table, lens, k_bad, v_bad), block_size=16).cpu()
     assert not out[:, :64].isnan().any() and rel_rms(out[:, :64], ref[:, :64]) < 1e-5
 
 
@@ -245,6 +253,8 @@ def test_block_size_covering_everything_is_bidirectional(impl, monkeypatch):
     gen = torch.Generator().manual_seed(4)
     seq_lens, M = [3, 11, 0], 6
     inputs = block_inputs(gen, seq_lens, M, 2, 2, 16, 4)
+    if impl == "kernel":
+        inputs = on_device(*inputs)
     bidirectional = paged_attention(*inputs)
     for block_size in (max(seq_lens) + M, 1000):
         torch.testing.assert_close(paged_attention(*inputs, block_size=block_size), bidirectional,
@@ -256,7 +266,7 @@ def test_block_size_one_is_causal_attention(impl, monkeypatch):
     monkeypatch.setenv("REMASK_TRITON", "1" if impl == "kernel" else "0")
     gen = torch.Generator().manual_seed(5)
     inputs = q, k_cache, v_cache, table, lens, k_new, v_new = block_inputs(gen, [6, 1], 5, 2, 1, 16, 4)
-    out = paged_attention(*inputs, block_size=1)
+    out = paged_attention(*(on_device(*inputs) if impl == "kernel" else inputs), block_size=1).cpu()
     for b, s in enumerate(lens.tolist()):
         k = torch.cat([paged_gather_torch(k_cache, table[b:b + 1], lens[b:b + 1], s)[0], k_new[b]])
         v = torch.cat([paged_gather_torch(v_cache, table[b:b + 1], lens[b:b + 1], s)[0], v_new[b]])
@@ -273,7 +283,7 @@ def test_block_size_one_is_causal_attention(impl, monkeypatch):
 
 def test_block_size_none_is_unchanged(triton_path):
     gen = torch.Generator().manual_seed(6)
-    inputs = block_inputs(gen, [9, 2], 7, 2, 1, 16, 4)
+    inputs = on_device(*block_inputs(gen, [9, 2], 7, 2, 1, 16, 4))
     torch.testing.assert_close(paged_attention(*inputs, block_size=None), paged_attention(*inputs), rtol=0, atol=0)
 
 

@@ -54,12 +54,13 @@ def _offsets() -> torch.Tensor:
 
 
 def _probe(seed: int, offsets: torch.Tensor):
+    """The probe kernel run on DEVICE at `offsets`; its words, uniforms and Gumbels back on CPU."""
     n = offsets.numel()
-    words = torch.empty(5 * n, dtype=torch.int64)
-    uniform = torch.empty(n, dtype=torch.float32)
-    gumbel = torch.empty(n, dtype=torch.float32)
-    _philox_probe[(1,)](seed, offsets, words, uniform, gumbel, n, BLOCK=triton.next_power_of_2(n))
-    return words.view(5, n), uniform, gumbel
+    words = torch.empty(5 * n, dtype=torch.int64, device=DEVICE)
+    uniform = torch.empty(n, dtype=torch.float32, device=DEVICE)
+    gumbel = torch.empty(n, dtype=torch.float32, device=DEVICE)
+    _philox_probe[(1,)](seed, offsets.to(DEVICE), words, uniform, gumbel, n, BLOCK=triton.next_power_of_2(n))
+    return words.view(5, n).cpu(), uniform.cpu(), gumbel.cpu()
 
 
 @pytest.mark.parametrize("seed", SEEDS)

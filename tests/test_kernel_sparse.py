@@ -1,5 +1,6 @@
-"""Block-sparse attention (Triton under the interpreter, and the torch runtime) against the
-dense-mask float32 oracle; paged vs contiguous layouts; token-level retention lists."""
+"""Block-sparse attention (Triton, compiled on a GPU or under the interpreter on CPU, and the torch
+runtime) against the dense-mask float32 oracle; paged vs contiguous layouts; token-level retention
+lists. The Triton path's inputs live on DEVICE, the torch path's and the oracles' on CPU."""
 from __future__ import annotations
 
 import mmap
@@ -18,6 +19,11 @@ def path(request, monkeypatch):
     """Both implementations, through the dispatcher (so every input also passes its checks)."""
     monkeypatch.setenv("REMASK_TRITON", "1" if request.param == "triton" else "0")
     return request.param
+
+
+def path_device(path: str) -> str:
+    """Where a path's inputs live: DEVICE for Triton, CPU for the torch runtime."""
+    return DEVICE if path == "triton" else "cpu"
 
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -48,8 +54,8 @@ def index_layout(num, idx, layout, Hq):
         B, _, n_qb, width = idx.shape
         return num[:, :1].expand(B, Hq, n_qb), idx[:, :1].expand(B, Hq, n_qb, width)
     B, H, n_qb, width = idx.shape
-    num_buf = torch.full((n_qb, B, H), -7777, dtype=torch.int64)
-    idx_buf = torch.full((n_qb, B, width, 2 * H), -7777, dtype=torch.int64)
+    num_buf = torch.full((n_qb, B, H), -7777, dtype=torch.int64, device=num.device)
+    idx_buf = torch.full((n_qb, B, width, 2 * H), -7777, dtype=torch.int64, device=idx.device)
     num_view = num_buf.permute(1, 2, 0)
     idx_view = idx_buf.permute(1, 3, 0, 2)[:, ::2]
     num_view.copy_(num)
@@ -77,18 +83,21 @@ CASES = [
 def test_matches_dense_mask_oracle(case, dtype, path, poisoned_outputs):
     B, Hq, H_kv, Lq, Lk, D, qbs, kvbs, layout, cut = case
     gen = torch.Generator().manual_seed(Lq * Lk + qbs * 7 + kvbs)
+    dev = path_device(path)
     n_qb, n_kb = -(-Lq // qbs), -(-Lk // kvbs)
-    num, idx = index_layout(*random_lists(gen, B, 1 if layout == "shared" else Hq, n_qb, n_kb), layout, Hq)
+    num, idx = random_lists(gen, B, 1 if layout == "shared" else Hq, n_qb, n_kb)
+    num, idx = index_layout(num.to(dev), idx.to(dev), layout, Hq)   # the layout's strides made on dev
     # q and k in the models' [B, L, H, D] memory order: strided over L and H.
-    q = torch.randn(B, Lq, Hq, D, generator=gen).to(dtype).transpose(1, 2)
-    k = torch.randn(B, Lk, H_kv, D, generator=gen).to(dtype).transpose(1, 2)
-    v = torch.randn(B, H_kv, Lk, D, generator=gen).to(dtype)
+    q = torch.randn(B, Lq, Hq, D, generator=gen).to(dtype).to(dev).transpose(1, 2)
+    k = torch.randn(B, Lk, H_kv, D, generator=gen).to(dtype).to(dev).transpose(1, 2)
+    v = torch.randn(B, H_kv, Lk, D, generator=gen).to(dtype).to(dev)
     kv_len = None
     if cut:
         kv_len = torch.tensor([Lk - 1 - (3 * b) % kvbs for b in range(B)], dtype=torch.int32)
-    kwargs = dict(q_block_size=qbs, kv_block_size=kvbs, kv_len=kv_len)
-    out = block_sparse_attention(q, k, v, num, idx, **kwargs)
-    ref = block_sparse_attention_reference(q.float(), k.float(), v.float(), num, idx, **kwargs)
+    kwargs = dict(q_block_size=qbs, kv_block_size=kvbs)
+    out = block_sparse_attention(q, k, v, num, idx, kv_len=None if kv_len is None else kv_len.to(dev), **kwargs).cpu()
+    q, k, v, num, idx = (t.cpu() for t in (q, k, v, num, idx))
+    ref = block_sparse_attention_reference(q.float(), k.float(), v.float(), num, idx, kv_len=kv_len, **kwargs)
     assert out.shape == q.shape and out.dtype == dtype and not out.isnan().any()
     assert rel_rms(out, ref) < (5e-3 if dtype == torch.bfloat16 else 1e-5)
     # Queries that attend to nothing (the first list is empty) are exact zeros.
@@ -109,7 +118,7 @@ def to_pages(x: torch.Tensor, perm: torch.Tensor, num_pages: int, page: int) -> 
     """`[B, H_kv, n_blocks·page, D]` → pages `[num_pages, page, H_kv, D]`, logical block j of
     sequence b in page perm[b·n_blocks + j]; the unused pages hold NaN (never to be read)."""
     B, H_kv, L, D = x.shape
-    pages = torch.full((num_pages, page, H_kv, D), float("nan"), dtype=x.dtype)
+    pages = torch.full((num_pages, page, H_kv, D), float("nan"), dtype=x.dtype, device=x.device)
     pages[perm] = x.view(B, H_kv, L // page, page, D).permute(0, 2, 3, 1, 4).reshape(-1, page, H_kv, D)
     return pages
 
@@ -131,8 +140,11 @@ def test_paged_layout_equals_contiguous(dtype, kvbs, qbs, path, poisoned_outputs
     k_pages, v_pages = to_pages(k, perm, num_pages, kvbs), to_pages(v, perm, num_pages, kvbs)
     kv_len = torch.tensor([Lk, Lk - kvbs // 2], dtype=torch.int64)
     kwargs = dict(q_block_size=qbs, kv_block_size=kvbs, kv_len=kv_len)
-    paged = block_sparse_attention(q, k_pages, v_pages, num, idx, block_table=table, **kwargs)
-    contiguous = block_sparse_attention(q, k, v, num, idx, **kwargs)
+    dev = path_device(path)
+    on = dict(kwargs, kv_len=kv_len.to(dev))
+    paged = block_sparse_attention(*(t.to(dev) for t in (q, k_pages, v_pages, num, idx)), block_table=table.to(dev),
+                                   **on).cpu()
+    contiguous = block_sparse_attention(*(t.to(dev) for t in (q, k, v, num, idx)), **on).cpu()
     assert not paged.isnan().any()
     torch.testing.assert_close(paged, contiguous, rtol=1e-6, atol=1e-6)
     ref = block_sparse_attention_reference(q.float(), k_pages.float(), v_pages.float(), num, idx,
@@ -152,9 +164,10 @@ def test_token_retention_equals_sdpa_over_the_kept_keys(path, poisoned_outputs):
     q = torch.randn(B, Hq, 32, D, generator=gen)
     k = torch.randn(B, H_kv, L, D, generator=gen)
     v = torch.randn(B, H_kv, L, D, generator=gen)
-    idx = kept.view(1, 1, 1, -1).expand(B, Hq, 1, len(kept))
-    num = torch.full((B, Hq, 1), len(kept), dtype=torch.int32)
-    out = block_sparse_attention(q, k, v, num, idx, q_block_size=32, kv_block_size=1)
+    dev = path_device(path)
+    idx = kept.to(dev).view(1, 1, 1, -1).expand(B, Hq, 1, len(kept))
+    num = torch.full((B, Hq, 1), len(kept), dtype=torch.int32, device=dev)
+    out = block_sparse_attention(q.to(dev), k.to(dev), v.to(dev), num, idx, q_block_size=32, kv_block_size=1).cpu()
     kk = k[:, :, kept.sort().values].repeat_interleave(Hq // H_kv, dim=1)
     vv = v[:, :, kept.sort().values].repeat_interleave(Hq // H_kv, dim=1)
     dense = torch.nn.functional.scaled_dot_product_attention(q, kk, vv)
@@ -169,7 +182,9 @@ def test_bad_counts_and_ids_are_ignored_not_read():
     num = torch.tensor([[[9], [3]]])
     kwargs = dict(q_block_size=10, kv_block_size=4)
     ref = block_sparse_attention_reference(q, k, v, num, idx, **kwargs)
-    outs = [fn(q, k, v, num, idx, **kwargs) for fn in (block_sparse_attention_triton, block_sparse_attention_torch)]
+    on_device = (t.to(DEVICE) for t in (q, k, v, num, idx))
+    outs = [block_sparse_attention_triton(*on_device, **kwargs).cpu(),
+            block_sparse_attention_torch(q, k, v, num, idx, **kwargs)]
     for out in outs:
         assert rel_rms(out, ref) < 1e-5
 
@@ -177,21 +192,31 @@ def test_bad_counts_and_ids_are_ignored_not_read():
 def test_large_offsets_use_int64(path):
     # Key rows more than 2^31 elements from the base pointer, rows 2^25 + 2^20 elements apart in
     # an anonymous copy-on-write mapping (4.4 GB of address space, 64 pages touched).
+    # On a GPU (the Triton path) the rows live in a 4.4 GB allocation of device memory, never touched
+    # but for those 64 rows.
     D, Lk, row_stride = 64, 64, 2 ** 25 + 2 ** 20
     numel = (Lk - 1) * row_stride + D
     assert (Lk - 1) * row_stride > 2 ** 31
-    try:
-        buffer = mmap.mmap(-1, numel * 2, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    except (OSError, ValueError) as err:   # pragma: no cover - a system that refuses the mapping
-        pytest.skip(f"cannot map 4.4 GB of address space: {err}")
-    storage = torch.frombuffer(buffer, dtype=torch.float16)
+    dev = path_device(path)
+    if dev == "cpu":
+        try:
+            buffer = mmap.mmap(-1, numel * 2, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except (OSError, ValueError) as err:   # pragma: no cover - a system that refuses the mapping
+            pytest.skip(f"cannot map 4.4 GB of address space: {err}")
+        storage = torch.frombuffer(buffer, dtype=torch.float16)
+    else:
+        try:
+            storage = torch.empty(numel, dtype=torch.float16, device=dev)
+        except torch.OutOfMemoryError as err:   # pragma: no cover - a GPU without 4.4 GB free
+            pytest.skip(f"cannot allocate 4.4 GB on {dev}: {err}")
     k = torch.as_strided(storage, (1, 1, Lk, D), (0, 0, row_stride, 1))
     gen = torch.Generator().manual_seed(0)
     k.copy_(torch.randn(1, 1, Lk, D, generator=gen))
     q = torch.randn(1, 1, 3, D, generator=gen).half()
     idx = torch.tensor([[[[0]]]])
     num = torch.ones((1, 1, 1), dtype=torch.int32)
-    out = block_sparse_attention(q, k, k, num, idx, q_block_size=3, kv_block_size=Lk)
+    out = block_sparse_attention(q.to(dev), k, k, num.to(dev), idx.to(dev), q_block_size=3, kv_block_size=Lk).cpu()
+    k = k.cpu()
     ref = block_sparse_attention_reference(q.float(), k.float(), k.float(), num, idx, q_block_size=3, kv_block_size=Lk)
     assert rel_rms(out, ref) < 5e-3
 

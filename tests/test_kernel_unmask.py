@@ -377,8 +377,10 @@ def test_thresholds_are_compared_in_the_confidence_dtype():
     x = torch.zeros(1, 2, dtype=torch.long)
     assert unmask_torch(x.clone(), torch.ones(1, 2, dtype=torch.bool), x + 1, c32, threshold=tau).tolist() == [2]
     assert unmask_torch(x.clone(), torch.ones(1, 2, dtype=torch.bool), x + 1, c32.double(), threshold=tau).tolist() == [1]
+    x, c32 = x.to(DEVICE), c32.to(DEVICE)   # the kernel's inputs (and torch's again) on DEVICE
     for fn in (unmask_triton, unmask_torch):
-        assert fn(x.clone(), torch.ones(1, 2, dtype=torch.bool), x + 1, c32, threshold=tau).tolist() == [2]
+        assert fn(x.clone(), torch.ones(1, 2, dtype=torch.bool, device=DEVICE), x + 1, c32,
+                  threshold=tau).tolist() == [2]
 
 
 def test_budget_rule_matches_llada_per_row_topk_loop():
