@@ -46,6 +46,7 @@ from .families.ar import ARDecoder, ar_generate  # noqa: E402
 from .families.canvas import CanvasSampler, canvas_generate  # noqa: E402
 from .families.dream import DreamDecoder, DreamGenerationConfig, DreamModelOutput, diffusion_generate  # noqa: E402
 from .families.llada import BlockDecoder, block_diffusion_generate, generate  # noqa: E402
+from .methods import registry  # noqa: E402,F401  (every method defined: the registry, rule_types)
 from .methods.sparse import SparseConfig  # noqa: E402
 from .parts.scoring import score_rows, score_tokens  # noqa: E402
 from .parts.selection import schedule_counts  # noqa: E402

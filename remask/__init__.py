@@ -33,6 +33,7 @@ _EXPORTS = {
     "DKVCache": "remask.diffusion.dkv",
     "ElasticCache": "remask.diffusion.elastic",
     "FreeDave": "remask.diffusion.freedave",
+    "MarginDecoding": "remask.diffusion.methods.margin",
     "WINO": "remask.diffusion.wino",
     **dict.fromkeys(("DreamConfig", "DreamModel", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "get_spec"),
                     "remask.models"),
@@ -61,7 +62,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "APDConfig", "CanvasSampler", "CreditDecoding", "D2Cache", "DKVCache", "DreamConfig", "ElasticCache", "FreeDave", "HierarchicalDecoding", "ThresholdDecoding",
+    "APDConfig", "CanvasSampler", "CreditDecoding", "D2Cache", "DKVCache", "DreamConfig", "ElasticCache", "FreeDave", "HierarchicalDecoding", "MarginDecoding", "ThresholdDecoding",
     "VicinityCache", "IterationSmoothing", "WINO", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
     "LLM", "LLMEngine", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "RequestOutput", "SamplingParams", "SparseConfig", "StructuredOutputsParams", "answer_text", "ar_generate",
     "diffusion_generate", "generate", "get_spec", "load", "patch", "stop_token_ids",

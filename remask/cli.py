@@ -21,8 +21,8 @@ from typing import Any, Callable, Sequence
 REMASKING = ("low_confidence", "random")                                      # remask.diffusion.llada.REMASKING
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")   # ...dream.ALGORITHMS
 CACHE_NAMES = ("prefix", "dual", "paged")                      # remask.diffusion.cache.CACHE_MODES, less None
-CACHE_CONFIGS = ("vicinity", "dkv", "d2cache", "elastic")      # remask.diffusion.decoders.config_names()
-DECODERS = ("freedave", "threshold", "credit", "hierarchical", "margin", "wino")   # ...decoders.config_names()
+CACHE_CONFIGS = ("vicinity", "dkv", "d2cache", "elastic")      # remask.diffusion.methods.registry.names("use_cache")
+DECODERS = ("freedave", "threshold", "credit", "hierarchical", "margin", "wino")   # ...registry.names("decoder")
 
 # One `remask generate` flag per plain `SamplingParams` field: (field, kind, help). Written out for
 # the same reason (the dataclass lives behind torch); tests/test_cli.py checks the names and kinds

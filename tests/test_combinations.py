@@ -124,7 +124,7 @@ def test_elastic_with_the_one_best_rule_equals_elastics_own_top1_mode(llada_smal
 
 
 @pytest.mark.parametrize("rule", [remask.HierarchicalDecoding(), remask.CreditDecoding(threshold=0.3),
-                                  remask.diffusion.rules.MarginDecoding(margin=0.2)], ids=lambda r: type(r).__name__)
+                                  remask.MarginDecoding(margin=0.2)], ids=lambda r: type(r).__name__)
 def test_elastic_with_a_rule_drop_in_equals_engine(llada_small, rule):
     prompt = random_prompt(1, 6, seed=1)
     stats = remask.GenerationStats()

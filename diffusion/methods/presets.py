@@ -24,7 +24,8 @@ from ..families.apd import APDDecoder, apd_steps
 from ..families.ar import ARDecoder
 from ..families.canvas import CanvasDecoder, check_stability, generation_kwargs, resolve_generation_config
 from ..parts.checks import check_prompt
-from .decoders import decoder_steps, end_settings_refusal, is_cache_config
+from . import registry
+from .decoders import decoder_steps, end_settings_refusal
 from ..families.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder, DreamGenerationConfig,
                               _validate_config, check_block_layout)
 from ..families.llada import BlockDecoder
@@ -178,7 +179,7 @@ def check_end_settings(engine: Any, params: SamplingParams) -> None:
                   "and its rule scores inside the family's own step")
     elif engine.is_ar:
         return
-    elif params.decoder is not None or is_cache_config(params.use_cache):
+    elif params.decoder is not None or registry.is_config("use_cache", params.use_cache):
         method = params.decoder if params.decoder is not None else params.use_cache
         reason = end_settings_refusal(method, min_tokens=bool(params.min_tokens))
     elif params.apd is not None:

@@ -1,25 +1,30 @@
-"""Commit rules: dInfer's three (their maths in `remask.diffusion.dinfer`), `MarginDecoding`, and the calls around
-them of the loops that take `decoder=` (how a rule plugs in: `CommitRule` in `diffusion/parts/step.py`). On SDAR's
+"""Commit rules: the calls around them of the loops that take `decoder=` (how a rule plugs in: `CommitRule` in `diffusion/parts/step.py`). On SDAR's
 and LLaDA2.0's own loops a rule chooses each step's commits instead of their remasking strategy, greedily.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
-from .checks import check_instance, check_real
+from .checks import check_instance
 from ..methods.dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding
 from .step import CommitRule
 
-__all__ = ["CommitRule", "CreditDecoding", "HierarchicalDecoding", "MarginDecoding", "ThresholdDecoding", "is_rule",
+__all__ = ["CommitRule", "CreditDecoding", "HierarchicalDecoding", "ThresholdDecoding", "is_rule",
            "rule_types", "rule_commit", "commit_block", "check_rule_on_loop", "check_block_decoder", "unread_settings"]
 
 
 def rule_types() -> tuple[type, ...]:
-    """Every registered commit rule (dInfer's three and any defined since)."""
-    return tuple(CommitRule.registry.values())
+    """Every commit rule class with a `name`, in definition order (the names these messages list; the
+    methods' registry, `diffusion/methods/registry.py`, is what resolves a name)."""
+    found, stack = [], list(reversed(CommitRule.__subclasses__()))
+    while stack:
+        rule = stack.pop()
+        if rule.__dict__.get("name"):
+            found.append(rule)
+        stack.extend(reversed(rule.__subclasses__()))
+    return tuple(found)
 
 
 def is_rule(decoder: Any) -> bool:
@@ -77,31 +82,3 @@ def check_block_decoder(decoder: Any) -> None:
 def unread_settings(given: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
     """The settings in `given` that differ from their `defaults` (those a caller set)."""
     return {name: value for name, value in given.items() if value != defaults[name]}
-
-
-@dataclass(frozen=True)
-class MarginDecoding(CommitRule):
-    """Commit every masked position whose top-1 − top-2 probability margin is at least `margin`, or, when none is,
-    the one with the largest (ties: the first), greedily; the mask token is never proposed. LLaDA's `margin`
-    confidence used as dInfer uses the probability: a combination no paper shipped (`{"name": "margin"}`)."""
-
-    name = "margin"
-    margin: float = 0.5
-
-    def __post_init__(self) -> None:
-        check_real("margin", self.margin, low=0, high=1)
-
-    def commit(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int,
-               state: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = torch.softmax(logits.float(), dim=-1)
-        if 0 <= mask_id < probs.shape[-1]:
-            probs = probs.index_fill(-1, torch.tensor([mask_id], device=probs.device), 0.0)
-        top = probs.topk(2, dim=-1)
-        x0, gap = top.indices[..., 0], top.values[..., 0] - top.values[..., 1]
-        masked = block == mask_id
-        gap = torch.where(masked, gap, torch.full_like(gap, -1.0))
-        commit = masked & (gap >= self.margin)
-        best = torch.zeros_like(commit).scatter_(-1, gap.argmax(dim=-1, keepdim=True), True)
-        stuck = masked.any(dim=-1, keepdim=True) & ~commit.any(dim=-1, keepdim=True)
-        commit = commit | (best & masked & stuck)
-        return commit, torch.where(commit, x0, block)

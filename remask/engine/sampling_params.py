@@ -111,13 +111,14 @@ class SamplingParams:
         check_choice("remasking", self.remasking, REMASKING)
         validate_rule(self.threshold, self.factor)
         check_real("cfg_scale", self.cfg_scale, low=0)
-        from remask.diffusion.decoders import check_decoder, config_from_json, is_cache_config
+        from remask.diffusion.decoders import check_decoder
+        from remask.diffusion.methods import registry
 
         # JSON forms (HTTP bodies, the CLI): {"name": ..., fields...} → the config objects
         for name in ("decoder", "use_cache"):
             if isinstance(getattr(self, name), dict):
-                object.__setattr__(self, name, config_from_json(name, getattr(self, name)))
-        if not is_cache_config(self.use_cache) and (
+                object.__setattr__(self, name, registry.from_json(name, getattr(self, name)))
+        if not registry.is_config("use_cache", self.use_cache) and (
                 not (self.use_cache is None or isinstance(self.use_cache, str)) or self.use_cache not in CACHE_MODES):
             configs = "remask.VicinityCache, remask.DKVCache, remask.D2Cache, remask.ElasticCache"
             raise ValueError(f"use_cache must be one of {list(CACHE_MODES)} or a remask cache config ({configs}), "
