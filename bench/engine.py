@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import remask
-from remask.diffusion.rules import MarginDecoding
+from remask.diffusion.parts.rules import MarginDecoding
 from remask.engine import LLMEngine, SamplingParams
 from remask.zoo import charset, tasks
 

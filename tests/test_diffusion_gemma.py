@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import remask
-from remask.diffusion import canvas
+from remask.diffusion.families import canvas
 from remask.models import get_spec, tiny
 
 transformers = pytest.importorskip("transformers")

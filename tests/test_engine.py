@@ -837,7 +837,7 @@ def test_min_tokens_on_a_checkpoint_that_favours_eos(load_model):
 def ar_alone_with_min_tokens(model, ids: list[int], params: SamplingParams, ends: list[int]) -> list[int]:
     """`ar_generate`'s loop with vLLM's min_tokens rule written out: end ids at −inf while fewer
     than min_tokens tokens exist."""
-    from remask.diffusion.ar import ARDecoder
+    from remask.diffusion.families.ar import ARDecoder
 
     decoder = ARDecoder(model, **params.ar_kwargs([charset.EOS_ID]))
     generator = torch.Generator().manual_seed(params.seed)

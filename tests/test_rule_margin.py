@@ -1,4 +1,4 @@
-"""The margin rule (`remask.diffusion.rules.MarginDecoding`), written as one `CommitRule` class:
+"""The margin rule (`remask.diffusion.parts.rules.MarginDecoding`), written as one `CommitRule` class:
 every loop that takes `decoder=` runs it with no other change — dInfer's block loop on LLaDA and
 Dream, SDAR's and LLaDA2's own loops, the engine and the JSON form (issue 30's "a new commit rule
 touches one file plus its test")."""
@@ -12,8 +12,8 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 import remask
 from remask.compat.llada2 import generate as llada2_generate
-from remask.diffusion.rules import MarginDecoding, rule_commit, rule_types
-from remask.diffusion.sdar import sdar_generate
+from remask.diffusion.parts.rules import MarginDecoding, rule_commit, rule_types
+from remask.diffusion.families.sdar import sdar_generate
 from remask.models import get_spec, tiny
 from remask.zoo import charset
 

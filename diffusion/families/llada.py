@@ -440,8 +440,8 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch
     the fused kernel's own stream. `on_step(block_index, x, transfer_index)` runs after every step.
     `use_cache`: None, "prefix", "dual" (Fast-dLLM v1, see `block_diffusion_generate`) or "paged" /
     a `PagedKVCache`. `apd`: an `APDConfig(verifier=...)`: adaptive parallel decoding
-    (`remask.diffusion.apd`; `verifier_stats` counts its verifier's forwards). `sparse`: a
-    `SparseConfig(...)` (`remask.diffusion.sparse`). `reference_ties`: the schedule through
+    (`remask.diffusion.families.apd`; `verifier_stats` counts its verifier's forwards). `sparse`: a
+    `SparseConfig(...)` (`remask.diffusion.methods.sparse`). `reference_ties`: the schedule through
     `torch.topk` as the references (their order among exactly equal confidences, common at p = 1.0
     in float32); by default the lower index. `decoder`: a config replacing the block rule
     (docs/decoders.md): `remask.FreeDave(...)` (the tokens of `steps=gen_length` greedy decoding in

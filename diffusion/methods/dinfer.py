@@ -448,7 +448,7 @@ def dinfer_generate(model: torch.nn.Module, prompt: torch.Tensor, *, decoder: Co
     """dInfer's block-wise decoding (greedy) with one of its decoders and caches (module docstring).
 
     `decoder`: `ThresholdDecoding`, `CreditDecoding`, `HierarchicalDecoding` or any other `CommitRule`
-    (`remask.diffusion.rules`); `use_cache`: None, "prefix", "dual" or a `VicinityCache`;
+    (`remask.diffusion.parts.rules`); `use_cache`: None, "prefix", "dual" or a `VicinityCache`;
     `maximum_unroll`, `expected_tpf`: dInfer's loop unrolling (NFE, and with a `VicinityCache` the
     iteration that ends the warmup); `stats`: NFE, tokens per decode, cache bytes. Returns
     `[B, P + gen_length]`, no mask left (upstream: the batch-1 sequence with every EOS removed).
@@ -475,7 +475,7 @@ def dinfer_steps(model: torch.nn.Module, prompt: torch.Tensor, *, decoder: Commi
                  early_stop: bool = True, attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
                  eos_id: int | None = None, maximum_unroll: int = 4, expected_tpf: int = 8,
                  stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = ()) -> StepGenerator:
-    """`dinfer_generate` as a step generator (`remask.diffusion.stepper`), its arguments checked at
+    """`dinfer_generate` as a step generator (`remask.diffusion.parts.stepper`), its arguments checked at
     the call: it yields a `ForwardRequest` per forward and a `Progress` after each (`final`: the
     decoded blocks), and returns the tokens. `structure` / `end_ids`: structured output, held at
     every decode (`diffusion/parts/constrain.py`: commits filtered, a block iterated until full)."""

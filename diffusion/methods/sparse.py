@@ -97,7 +97,7 @@ class SparseConfig:
 
 class RetentionForward:
     """The forwards of one semi-AR block under Sparse-dLLM retention, with the interface of
-    `remask.diffusion.cache.BlockForward` (`refresh` at step 0, `step` → (logits, first fed position)):
+    `remask.diffusion.parts.cache.BlockForward` (`refresh` at step 0, `step` → (logits, first fed position)):
     full forwards before `delay_step`, a selecting full forward at it, the block alone after it."""
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, sparse: SparseConfig, forward_inputs: dict[str, Any],

@@ -1,4 +1,4 @@
-"""Commit rules: dInfer's three (their maths in `remask.diffusion.dinfer`), `MarginDecoding`, and the calls around
+"""Commit rules: dInfer's three (their maths in `remask.diffusion.methods.dinfer`), `MarginDecoding`, and the calls around
 them of the loops that take `decoder=` (how a rule plugs in: `CommitRule` in `diffusion/parts/step.py`). On SDAR's
 and LLaDA2.0's own loops a rule chooses each step's commits instead of their remasking strategy, greedily.
 """

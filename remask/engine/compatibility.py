@@ -23,7 +23,7 @@ def methods() -> dict[str, dict[str, Any]]:
     """Method name → the `SamplingParams` keywords that ask for it (besides `max_tokens` and the
     layout keywords of `layout`)."""
     import remask
-    from remask.diffusion.rules import rule_types
+    from remask.diffusion.parts.rules import rule_types
 
     listed = {
         "the family's own rule (LLaDA: low-confidence blocks)": {},

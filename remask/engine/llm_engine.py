@@ -19,9 +19,9 @@ from typing import Any, Sequence as Seq
 import torch
 
 from remask.caches import PromptCache
-from remask.diffusion.checks import (ParameterTypeError, check_bool, check_choice, check_context, check_instance,
+from remask.diffusion.parts.checks import (ParameterTypeError, check_bool, check_choice, check_context, check_instance,
                                      check_int, check_length, check_prompt, check_real, check_token_id)
-from remask.diffusion.presets import decoder_for, hold_end_ids
+from remask.diffusion.methods.presets import decoder_for, hold_end_ids
 from remask.models.registry import all_families, family_of
 from remask.models.spec import get_spec
 from remask.text import answer_text, stop_token_ids

@@ -32,7 +32,7 @@ import torch
 
 from remask.models.spec import ModelSpec
 
-from remask.diffusion.stepper import ForwardRequest, call_model, run_forwards
+from remask.diffusion.parts.stepper import ForwardRequest, call_model, run_forwards
 
 from . import cuda_graphs as graphing
 from .batch_invariant import batch_invariant_linear
