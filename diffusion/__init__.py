@@ -4,8 +4,8 @@
   `ForwardRequest`; `drive` / the engine's runner answer it), `step`, `scoring` and `selection` (the only copy of
   filtering, sampling and choosing), `rules`, `cache`, `varlen`, `checks` (the one validation layer), `stats`;
 * `families/` — each model family's loop as a state + a step (`llada`, `dream`, `sdar`, ...);
-* `methods/` — the published methods as step generators over those parts (`freedave`, `dinfer`, `wino`, ...),
-  `decoders` (configs → method) and `presets` (engine settings → decoder).
+* `methods/` — the published methods as step generators over those parts (`freedave`, `dinfer`, `wino`, ...)
+  and `decoders` (configs → method); the engine's settings → decoder is `remask.engine.presets`.
 
 A step: a `ForwardRequest` → one model call (alone, or packed in an engine step) → logits → `scoring.score_rows`
 → a rule's commit. Each module is imported by its room's path (`remask.diffusion.families.llada`).
@@ -15,7 +15,7 @@ from .families.ar import ARDecoder, ar_generate
 from .families.canvas import CanvasSampler, canvas_generate
 from .families.dream import DreamDecoder, DreamGenerationConfig, DreamModelOutput, diffusion_generate
 from .families.llada import BlockDecoder, block_diffusion_generate, generate
-from .methods.sparse import SparseConfig
+from .parts.sparse import SparseConfig
 from .parts.scoring import score_rows, score_tokens
 from .parts.selection import schedule_counts
 from .parts.stats import GenerationStats

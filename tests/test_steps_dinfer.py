@@ -195,7 +195,7 @@ def test_requests_of_one_layout_share_a_forward(models, config):
     `KVCache`, inputs_embeds under smoothing — into ONE model call (`run_forwards`, as the engine's
     runner) whose rows give each the drop-in tokens."""
     from remask.diffusion.parts.stepper import ForwardRequest, run_forwards
-    from remask.engine.batch_invariant import batch_invariant_linear
+    from remask.kernels.batch_invariant import batch_invariant_linear
 
     decoder, cache = CONFIGS[config]
     model = models["llada_peaked"]

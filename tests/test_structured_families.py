@@ -307,7 +307,7 @@ def gemma(tmp_path_factory):
     from transformers import AutoModelForImageTextToText
 
     path = tmp_path_factory.mktemp("diffusion_gemma")
-    tiny.write_tiny_diffusion_gemma(str(path), seed=1, with_tokenizer=True, canvas_length=8,
+    tiny.write_tiny_diffusion_gemma(str(path), seed=1, charset=charset, canvas_length=8,
                                     generation={"max_denoising_steps": 6})
     return AutoModelForImageTextToText.from_pretrained(str(path)).eval(), str(path)
 

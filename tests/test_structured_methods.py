@@ -194,7 +194,7 @@ def test_wino_revocations_roll_the_matcher_back(llada):
     """WINO's narrow-out remasks positions the matcher consumed: the matcher rolls back, and every
     output stays valid."""
     from remask.diffusion.methods.decoders import run_decoder
-    from remask.diffusion.parts.constrain import structure_for_call
+    from remask.diffusion.parts.constrain_loops import structure_for_call
 
     model, tok = llada
     prompt, mask = batch(PROMPTS)
@@ -268,7 +268,7 @@ def test_llada_cache_methods(llada, method):
 def test_d2cache_coupled_rows(llada):
     """d2Cache's upstream batch (`independent_rows=False`: rows coupled by the top-up) under a structure."""
     from remask.diffusion.methods.d2cache import d2cache_steps
-    from remask.diffusion.parts.constrain import structure_for_call
+    from remask.diffusion.parts.constrain_loops import structure_for_call
     from remask.diffusion.parts.stepper import drive
 
     model, tok = llada

@@ -10,7 +10,7 @@ import remask
 from remask.diffusion.parts.stepper import ForwardRequest, run_forwards
 from remask.diffusion.parts.varlen import PackedAttention, Segment
 from remask.engine import LLMEngine, SamplingParams
-from remask.engine.batch_invariant import batch_invariant_linear
+from remask.kernels.batch_invariant import batch_invariant_linear
 from remask.models import tiny
 from remask.models.spec import get_spec
 from remask.zoo import charset, tasks

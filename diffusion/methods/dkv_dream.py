@@ -66,7 +66,7 @@ def dkv_dream_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     `dkv_dream_steps`."""
     structure = None
     if structured_outputs is not None:
-        from ..parts.constrain import structure_for_call
+        from ..parts.constrain_loops import structure_for_call
 
         spec = get_spec(model) if mask_id is None else get_spec(model, mask_id=mask_id)
         structure = structure_for_call(structured_outputs, model, tokenizer, spec.mask_id, max_new_tokens)

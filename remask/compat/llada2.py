@@ -21,7 +21,8 @@ import torch
 
 from remask.diffusion.parts.checks import check_bool, check_generator, check_stats
 from remask.diffusion.families.llada2 import RULE_UNREAD, LLaDA2Decoder, LLaDA2FreeDave, LLaDA2Rules
-from remask.diffusion.parts.rules import check_block_decoder, check_rule_on_loop, is_rule, unread_settings
+from remask.diffusion.methods.freedave_blocks import check_block_decoder
+from remask.diffusion.parts.rules import check_rule_on_loop, is_rule, unread_settings
 from remask.models.llada2 import LLADA2_EOS_ID, LLADA2_MASK_ID
 
 

@@ -18,7 +18,7 @@ from remask.diffusion.families.dream import ALGORITHMS
 from remask.diffusion.families.llada import REMASKING, validate_block_args, validate_rule
 from remask.diffusion.families.llada2 import check_llada2_settings
 from remask.diffusion.families.sdar import check_sdar_settings
-from remask.diffusion.methods.sparse import SparseConfig
+from remask.diffusion.parts.sparse import SparseConfig
 
 
 # Settings only LLaDA's block rule reads, with their defaults (refused with Dream's `alg`).

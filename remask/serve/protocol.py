@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, Strict, StrictBool, Str
 
 from remask.diffusion.families.apd import APDConfig
 from remask.diffusion.families.canvas import CanvasSampler
-from remask.diffusion.methods.sparse import SparseConfig
+from remask.diffusion.parts.sparse import SparseConfig
 from remask.engine import SamplingParams
 
 # OpenAI fields remask does not implement: refused when set to anything but their default.

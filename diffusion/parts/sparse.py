@@ -22,8 +22,8 @@ import torch
 from remask.caches.sparse import BlockMaskAttention, RetentionKVCache
 from remask.models.spec import ModelSpec
 
-from ..parts.checks import check_bool, check_choice, check_config_bounds, check_int, check_real
-from ..parts.stepper import ForwardRequest
+from .checks import check_bool, check_choice, check_config_bounds, check_int, check_real
+from .stepper import ForwardRequest
 
 SPARSE_METHODS = ("retention", "block_mask")
 
