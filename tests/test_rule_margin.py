@@ -14,8 +14,8 @@ import remask
 from remask.compat.llada2 import generate as llada2_generate
 from remask.diffusion.methods import registry
 from remask.diffusion.methods.margin import MarginDecoding
-from remask.diffusion.rules import rule_commit, rule_types
-from remask.diffusion.sdar import sdar_generate
+from remask.diffusion.parts.rules import rule_commit, rule_types
+from remask.diffusion.families.sdar import sdar_generate
 from remask.models import get_spec, tiny
 from remask.zoo import charset
 

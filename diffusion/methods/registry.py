@@ -13,7 +13,8 @@ from typing import Any
 
 from ..parts.step import CommitRule
 from .d2cache import D2Cache
-from .dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding, VicinityCache
+from ..parts.rules import CreditDecoding, HierarchicalDecoding, ThresholdDecoding
+from .dinfer import VicinityCache
 from .dkv import DKVCache
 from .elastic import ElasticCache
 from .freedave import FreeDave
