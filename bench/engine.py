@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import remask
-from remask.diffusion.rules import MarginDecoding
+from remask.diffusion.methods.margin import MarginDecoding
 from remask.engine import LLMEngine, SamplingParams
 from remask.zoo import charset, tasks
 
@@ -275,7 +275,7 @@ def per_method(counts: list[int], max_tokens: int, repeats: int, only: str | Non
 def gemm_thresholds() -> str:
     """`batch_invariant.flat_threshold` for every linear weight of the shipped models: from which row
     count this CPU's GEMM gives every row the same bits (None: never, per-sequence GEMMs serve)."""
-    from remask.engine.batch_invariant import flat_threshold
+    from remask.kernels.batch_invariant import flat_threshold
 
     lines = ["| model | weight (out × in) | bias | flat threshold (rows) |", "| --- | --- | --- | ---: |"]
     for name in ("tiny-llada", "tiny-ar"):

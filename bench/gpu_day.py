@@ -438,7 +438,7 @@ def bare_forward_s(model, rows: int, length: int, device, repeats: int = 5) -> f
     cache, in the engine's batch-invariant context for `rows` rows."""
     import torch
 
-    from remask.engine.batch_invariant import batch_invariant_linear
+    from remask.kernels.batch_invariant import batch_invariant_linear
     from remask.models.spec import get_spec
 
     spec = get_spec(model)
@@ -813,7 +813,7 @@ def part_cuda_graphs(ctx: Context) -> None:
     from engine import DREAM_MIX, UNCACHED_MIX   # bench/engine.py: the settings whose forwards are graphed
     from remask.engine import SamplingParams
     from remask.engine import cuda_graphs as graphing
-    from remask.engine.batch_invariant import batch_invariant_linear
+    from remask.kernels.batch_invariant import batch_invariant_linear
     from remask.models.spec import get_spec
 
     sizes = ctx.sizes

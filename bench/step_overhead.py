@@ -8,7 +8,7 @@ the time spent inside the model's forward during it (hooks on the model), hence 
 overhead (step − its forward: scoring, committing, cache and schedule bookkeeping; the issue's bar
 is ≤ 0.5 ms), and a bare model forward of the step's input shape measured just before it in the
 same run (the ratio step / bare forward). And the host waits one step makes, counted on a separate
-pass by `remask.diffusion.stats.SyncCounter` (`.item()`, `.tolist()`, `.cpu()`, `bool(tensor)`,
+pass by `remask.diffusion.parts.stats.SyncCounter` (`.item()`, `.tolist()`, `.cpu()`, `bool(tensor)`,
 `nonzero`, `int(tensor)` / `float(tensor)`): each is a device→host round trip on a GPU, and a
 step that has one cannot be captured whole in a CUDA graph (bar: ≤ 1). Reported: medians over
 `--repeats` steps (fresh states, every step of a generation), one intra-op thread.
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 import remask
-from remask.diffusion.llada import BlockDecoder
-from remask.diffusion.stats import SyncCounter
+from remask.diffusion.families.llada import BlockDecoder
+from remask.diffusion.parts.stats import SyncCounter
 from remask.models.spec import get_spec
 from remask.zoo import charset
 
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
              "model): the step's own host work (scoring, committing, cache and schedule bookkeeping). bare "
              "forward = a model forward of the step's input shape alone (the whole sequence at a block start or "
              "without a cache, the block with the dual cache), measured just before the step. Host waits: the "
-             "most in one step of a generation, and their kinds over its steps (`remask.diffusion.stats.SyncCounter`, "
+             "most in one step of a generation, and their kinds over its steps (`remask.diffusion.parts.stats.SyncCounter`, "
              "counted on a separate pass).", "",
              "| case | step (ms) | forward inside (ms) | overhead (ms) | bare forward (ms) | step / bare forward | "
              "host waits per step (most) | host waits (one generation) |",

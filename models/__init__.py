@@ -1,5 +1,7 @@
 """Model families: LLaDA and Dream (remask's implementations, registered with transformers' Auto
-classes when `remask` is imported, so official checkpoints load without trust_remote_code) and
+classes when this package is imported — plain `AutoConfig.register` / `AutoModel*.register` calls;
+every remask API that touches a model imports it, and so does the first use of any name of
+`remask` — so official checkpoints load without trust_remote_code) and
 DiffusionGemma (transformers' own classes), SDAR and SDAR-MoE (block diffusion on Qwen3 / Qwen3-MoE backbones). Each module registers its family in one call at its
 end (`registry.register_family`); `get_spec` gives the spec samplers use for any model.
 

@@ -1,7 +1,7 @@
 """DiffusionGemma: transformers' own `DiffusionGemmaForBlockDiffusion` (transformers >= 5.11), not a
 reimplementation. This module holds what remask needs to know about it: its spec (uniform noise,
 no mask token, an encoder–decoder layout with canvases of `config.canvas_length`) and the adapter
-the canvas loop (`remask.diffusion.canvas`) drives — encoder into the KV cache, decoder over a
+the canvas loop (`remask.diffusion.families.canvas`) drives — encoder into the KV cache, decoder over a
 canvas against it — so the loop itself never touches the model's classes.
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ class CanvasModel:
     """The calls of DiffusionGemma's generation loop, one method each, with the arguments
     transformers' `generate` passes (so the same forwards run on the same tensors). The two forwards
     are described, not run: `encoder_forward` and `decoder_forward` return the
-    `ForwardRequest` (`remask.diffusion.stepper`) a driver computes."""
+    `ForwardRequest` (`remask.diffusion.parts.stepper`) a driver computes."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model

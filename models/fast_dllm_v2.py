@@ -264,9 +264,9 @@ class FastDLLMV2ForCausalLM(PreTrainedModel):
 
     def sample_with_top_p(self, logits: torch.Tensor, top_p: float = 0.95, temperature: float = 1.0):
         """The official model's sampling helper (its decoders call it as a method): (tokens `[B, L]`,
-        distributions `[B, L, V]`) — `remask.diffusion.fast_dllm_v2.choose_tokens` without the
-        mask-token fix (`remask.diffusion.scoring.sample_categorical` with Fast-dLLM v2's flags)."""
-        from remask.diffusion.fast_dllm_v2 import choose_tokens
+        distributions `[B, L, V]`) — `remask.diffusion.families.fast_dllm_v2.choose_tokens` without the
+        mask-token fix (`remask.diffusion.parts.scoring.sample_categorical` with Fast-dLLM v2's flags)."""
+        from remask.diffusion.families.fast_dllm_v2 import choose_tokens
 
         tokens, _, probs = choose_tokens(logits, top_p, temperature, None, None)
         return tokens, probs
@@ -300,4 +300,4 @@ def fast_dllm_v2_spec(config: FastDLLMV2Config) -> ModelSpec:
 register_family(Family("Fast_dLLM_Qwen", fast_dllm_v2_spec, FastDLLMV2Config, FastDLLMV2ForCausalLM,
                        auto_classes=("AutoModel", "AutoModelForCausalLM"),
                        generate="remask.compat.fast_dllm_v2:generate", settings="fast_dllm_v2",
-                       engine_decoder="remask.diffusion.fast_dllm_v2:engine_decoder"))
+                       engine_decoder="remask.diffusion.families.fast_dllm_v2:engine_decoder"))

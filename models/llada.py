@@ -4,7 +4,7 @@ Parameter names equal the official checkpoint's (`model.transformer.wte`,
 `model.transformer.blocks.{i}.{attn_norm, ff_norm, q_proj, k_proj, v_proj, attn_out, ff_proj,
 up_proj, ff_out}`, `model.transformer.ln_f`, `model.transformer.ff_out`), and the config accepts
 the official `config.json` keys, so `AutoModel.from_pretrained(dir)` of a released LLaDA directory
-works without `trust_remote_code` once `remask` is imported.
+works without `trust_remote_code` once `remask.models` is imported.
 
 Differences from the official remote code: the forward takes a KV cache (post-RoPE keys, append
 or overwrite a range; the official forward asserts that no cache is used), explicit

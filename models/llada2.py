@@ -323,4 +323,4 @@ def llada2_spec(config: LLaDA2MoeConfig) -> ModelSpec:
 register_family(Family("llada2_moe", llada2_spec, LLaDA2MoeConfig, LLaDA2MoeModelLM,
                        auto_classes=("AutoModel", "AutoModelForCausalLM"),
                        generate="remask.compat.llada2:generate", settings="llada2",
-                       engine_decoder="remask.diffusion.llada2:engine_decoder"))
+                       engine_decoder="remask.diffusion.families.llada2:engine_decoder"))

@@ -3,7 +3,7 @@ the helpers that read a vocabulary-sharded logits tensor.
 
 A model's `_tp_plan` maps its LM head to ``"vocab_parallel"``: transformers' column-parallel linear
 whose output stays a `DTensor` sharded on the vocabulary axis (``Shard(-1)``) instead of being
-gathered. Scoring (`remask.diffusion.scoring.score_rows`) then works on each rank's columns and
+gathered. Scoring (`remask.diffusion.parts.scoring.score_rows`) then works on each rank's columns and
 combines a few numbers per row across ranks; code that needs whole rows (the reference
 formulations, log-likelihoods) calls `full_logits`, the one place that gathers.
 """

@@ -17,9 +17,10 @@ import importlib
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from .spec import ModelSpec
+if TYPE_CHECKING:   # an annotation only: spec.py looks families up here
+    from .spec import ModelSpec
 
 logger = logging.getLogger("remask.models")
 

@@ -28,7 +28,7 @@ class ModelSpec:
     canvas against it). block_length: the model's fixed canvas, where it has one.
     segmented: the model attends through the KV-cache seam (`cache.attend`) and takes
     `position_ids`, so one flat forward `[1, ΣT]` can hold several sequences, each attending only
-    to itself (`remask.diffusion.varlen`). attend_mask: `(inputs, q_len, k_len, dtype)` → the
+    to itself (`remask.diffusion.parts.varlen`). attend_mask: `(inputs, q_len, k_len, dtype)` → the
     mask its layers attend with, from a forward's mask inputs (`attention_mask`, `attention_bias`),
     so a packed forward gives each sequence the mask its own forward would.
     """

@@ -205,7 +205,7 @@ def write_llada_checkpoint(path: str, config: dict[str, Any], state_dict: dict[s
 
 def write_tiny_diffusion_gemma(path: str, *, seed: int = 0, vocab_size: int = 301, canvas_length: int = 8,
                                sliding_window: int = 8, embedding_scale: float = 20.0,
-                               generation: dict[str, Any] | None = None, with_tokenizer: bool = False) -> str:
+                               generation: dict[str, Any] | None = None, charset: Any = None) -> str:
     """Write a tiny random DiffusionGemma checkpoint in the official format (transformers'
     `save_pretrained` of `DiffusionGemmaForBlockDiffusion`, plus `generation_config.json` from a
     `DiffusionGemmaGenerationConfig`); returns the weights' digest.
@@ -213,17 +213,16 @@ def write_tiny_diffusion_gemma(path: str, *, seed: int = 0, vocab_size: int = 30
     Two layers (sliding + full), 4 experts of which 2 routed, a one-layer vision tower (the config
     needs one). The tied embedding is scaled by `embedding_scale` so the tiny model's
     distributions are peaked enough for the entropy-bound sampler to accept several positions.
-    Special ids: pad 0, eos 1, bos 2; the last three ids are the image markers. `with_tokenizer`:
-    the zoo's character tokenizer is saved beside it (vocabulary 128, its pad/bos/eos ids), so
-    text prompts work (the random model's answers are noise).
+    Special ids: pad 0, eos 1, bos 2; the last three ids are the image markers. `charset`: a
+    character set such as `remask.zoo.charset` (its `VOCAB_SIZE`, pad/bos/eos ids and
+    `build_tokenizer()`), whose tokenizer is saved beside it and whose ids it uses, so text
+    prompts work (the random model's answers are noise).
     """
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion, DiffusionGemmaTextConfig
     from transformers.models.diffusion_gemma.generation_diffusion_gemma import DiffusionGemmaGenerationConfig
 
     pad, eos, bos = 0, 1, 2
-    if with_tokenizer:
-        from remask.zoo import charset
-
+    if charset is not None:
         vocab_size, pad, eos, bos = charset.VOCAB_SIZE, charset.PAD_ID, charset.EOS_ID, charset.BOS_ID
     text = DiffusionGemmaTextConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -248,7 +247,7 @@ def write_tiny_diffusion_gemma(path: str, *, seed: int = 0, vocab_size: int = 30
     released.pop("transformers_version")
     model.generation_config = DiffusionGemmaGenerationConfig(**{**released, **(generation or {})})
     model.save_pretrained(path)
-    if with_tokenizer:
+    if charset is not None:
         charset.build_tokenizer().save_pretrained(path)
     return state_dict_digest(model.state_dict())
 

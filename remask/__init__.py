@@ -1,13 +1,14 @@
 """remask: reference-exact samplers and fused kernels for diffusion LLMs (LLaDA, Dream, DiffusionGemma) and AR models.
 
-    import remask
+    import remask.models   # registers LLaDA, Dream, ... with transformers' Auto classes
     from transformers import AutoModel
     model = AutoModel.from_pretrained("path/to/LLaDA-8B-Instruct")   # no trust_remote_code needed
     out = remask.generate(model, prompt_ids, steps=128, gen_length=128, block_length=32)
 
-`import remask` imports neither torch nor transformers: the public names below are imported on
-first use, and remask's model families are registered with transformers' Auto classes as soon as
-those are imported (remask/_registration.py).
+`import remask` imports neither torch nor transformers (`remask --help` stays fast): the public
+names below are imported on first use. remask's model families are registered with transformers'
+Auto classes when `remask.models` is imported; every public name imports it first, so using any
+of them (or importing `remask.models`) registers them. `import remask` alone does not.
 """
 from __future__ import annotations
 
@@ -15,25 +16,23 @@ import importlib
 from typing import Any
 
 from remask import _noise  # noqa: F401  (first: quiets two third-party import messages, see the module)
-from remask import _registration
-
-_registration.install()   # registers LLaDA, Dream, ... with transformers' Auto classes (when they are imported)
 
 __version__ = "0.1.0"
 
 # The public names, each imported from its module on first use (PEP 562).
 _EXPORTS = {
-    "ParameterTypeError": "remask.diffusion.checks",
+    "ParameterTypeError": "remask.diffusion.parts.checks",
     **dict.fromkeys(("APDConfig", "CanvasSampler", "DreamGenerationConfig", "DreamModelOutput", "GenerationStats",
                      "SparseConfig", "ar_generate", "diffusion_generate", "generate"), "remask.diffusion"),
     **dict.fromkeys(("LLM", "LLMEngine", "RequestOutput", "SamplingParams"), "remask.engine"),
     **dict.fromkeys(("CreditDecoding", "HierarchicalDecoding", "IterationSmoothing", "ThresholdDecoding",
-                     "VicinityCache"), "remask.diffusion.dinfer"),
-    "D2Cache": "remask.diffusion.d2cache",
-    "DKVCache": "remask.diffusion.dkv",
-    "ElasticCache": "remask.diffusion.elastic",
-    "FreeDave": "remask.diffusion.freedave",
-    "WINO": "remask.diffusion.wino",
+                     "VicinityCache"), "remask.diffusion.methods.dinfer"),
+    "D2Cache": "remask.diffusion.methods.d2cache",
+    "DKVCache": "remask.diffusion.methods.dkv",
+    "ElasticCache": "remask.diffusion.methods.elastic",
+    "FreeDave": "remask.diffusion.methods.freedave",
+    "MarginDecoding": "remask.diffusion.methods.margin",
+    "WINO": "remask.diffusion.methods.wino",
     **dict.fromkeys(("DreamConfig", "DreamModel", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "get_spec"),
                     "remask.models"),
     "patch": "remask.patching",
@@ -41,11 +40,13 @@ _EXPORTS = {
     "load": "remask.zoo",
     "StructuredOutputsParams": "remask.structured",
 }
-# Subpackages `import remask` used to import, reachable as attributes (`remask.diffusion.llada`).
+# Subpackages `import remask` used to import, reachable as attributes (`remask.diffusion.families.llada`).
 _SUBMODULES = ("caches", "diffusion", "engine", "kernels", "models", "patching", "structured", "text", "zoo")
 
 
 def __getattr__(name: str) -> Any:
+    if name in _EXPORTS or name in _SUBMODULES:
+        importlib.import_module("remask.models")   # registers the families with transformers' Auto classes
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
     elif name in _SUBMODULES:
@@ -61,7 +62,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "APDConfig", "CanvasSampler", "CreditDecoding", "D2Cache", "DKVCache", "DreamConfig", "ElasticCache", "FreeDave", "HierarchicalDecoding", "ThresholdDecoding",
+    "APDConfig", "CanvasSampler", "CreditDecoding", "D2Cache", "DKVCache", "DreamConfig", "ElasticCache", "FreeDave", "HierarchicalDecoding", "MarginDecoding", "ThresholdDecoding",
     "VicinityCache", "IterationSmoothing", "WINO", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
     "LLM", "LLMEngine", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "RequestOutput", "SamplingParams", "SparseConfig", "StructuredOutputsParams", "answer_text", "ar_generate",
     "diffusion_generate", "generate", "get_spec", "load", "patch", "stop_token_ids",

@@ -18,11 +18,11 @@ from typing import Any, Callable, Sequence
 
 # Written out rather than imported from remask.diffusion so that building the parser imports nothing;
 # tests/test_cli.py checks each against the library's own list.
-REMASKING = ("low_confidence", "random")                                      # remask.diffusion.llada.REMASKING
+REMASKING = ("low_confidence", "random")                                      # remask.diffusion.families.llada.REMASKING
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")   # ...dream.ALGORITHMS
-CACHE_NAMES = ("prefix", "dual", "paged")                      # remask.diffusion.cache.CACHE_MODES, less None
-CACHE_CONFIGS = ("vicinity", "dkv", "d2cache", "elastic")      # remask.diffusion.decoders.config_names()
-DECODERS = ("freedave", "threshold", "credit", "hierarchical", "margin", "wino")   # ...decoders.config_names()
+CACHE_NAMES = ("prefix", "dual", "paged")                      # remask.diffusion.parts.cache.CACHE_MODES, less None
+CACHE_CONFIGS = ("vicinity", "dkv", "d2cache", "elastic")      # remask.diffusion.methods.registry.names("use_cache")
+DECODERS = ("freedave", "threshold", "credit", "hierarchical", "margin", "wino")   # ...registry.names("decoder")
 
 # One `remask generate` flag per plain `SamplingParams` field: (field, kind, help). Written out for
 # the same reason (the dataclass lives behind torch); tests/test_cli.py checks the names and kinds
@@ -287,8 +287,7 @@ def describe_checkpoint(name: str) -> dict:
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    import remask  # noqa: F401  (registers LLaDA and Dream with transformers)
-    from remask.models.spec import get_spec
+    from remask.models.spec import get_spec   # importing remask.models registers LLaDA, Dream, ... with transformers
     from remask.zoo import checkpoint_path
 
     path = checkpoint_path(name)

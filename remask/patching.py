@@ -26,7 +26,7 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
         model.generate = types.MethodType(lambda self, *args, **kw: entry(self, *args, **kw), model)
         return model
     if spec.noise == "uniform":   # DiffusionGemma: its `generate` (same arguments) runs remask's canvas loop
-        from remask.diffusion.canvas import canvas_generate
+        from remask.diffusion.families.canvas import canvas_generate
 
         model.generate = types.MethodType(lambda self, input_ids=None, **kw: canvas_generate(self, input_ids, **kw),
                                           model)

@@ -78,7 +78,7 @@ def as_progress(steps, model):
     """A step generator seen as before forwards became requests: it yields each `Progress` (one
     forward at most between two of them) and returns the output; every `ForwardRequest` is answered
     alone by the drop-in driver (`stepper.run_forwards`), so a hook on the model counts forwards."""
-    from remask.diffusion.stepper import ForwardRequest, run_forwards
+    from remask.diffusion.parts.stepper import ForwardRequest, run_forwards
 
     answer = None
     while True:

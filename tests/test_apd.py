@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import remask
-from remask.diffusion.apd import APDConfig, accept_length, apd_generate
+from remask.diffusion.families.apd import APDConfig, accept_length, apd_generate
 from remask.models.spec import get_spec
 from remask.zoo import charset, tasks
 

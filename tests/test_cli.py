@@ -206,15 +206,14 @@ def test_the_flags_are_the_sampling_params_fields():
 
 def test_the_choice_lists_equal_the_library_s():
     from remask import cli
-    from remask.diffusion.cache import CACHE_MODES
-    from remask.diffusion.decoders import config_names
-    from remask.diffusion.dream import ALGORITHMS
-    from remask.diffusion.llada import REMASKING
+    from remask.diffusion.parts.cache import CACHE_MODES
+    from remask.diffusion.methods import registry
+    from remask.diffusion.families.dream import ALGORITHMS
+    from remask.diffusion.families.llada import REMASKING
 
     assert cli.REMASKING == REMASKING and cli.ALGORITHMS == ALGORITHMS
     assert cli.CACHE_NAMES == tuple(m for m in CACHE_MODES if m is not None)
-    names = config_names()
-    assert cli.DECODERS == tuple(names["decoder"]) and cli.CACHE_CONFIGS == tuple(names["use_cache"])
+    assert cli.DECODERS == tuple(registry.names("decoder")) and cli.CACHE_CONFIGS == tuple(registry.names("use_cache"))
 
 
 def test_serve_limits_are_the_app_s_and_reach_it(monkeypatch):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import remask
-import remask.diffusion.rules
-from remask.diffusion.decoders import decoder_steps
+import remask.diffusion.parts.rules
+from remask.diffusion.methods.decoders import decoder_steps
 from remask.engine import LLMEngine, SamplingParams
 from remask.models import tiny
 
@@ -113,7 +113,7 @@ def llada_small(tmp_path_factory):
 def test_elastic_with_the_one_best_rule_equals_elastics_own_top1_mode(llada_small, seed):
     """The rule decides the window's commits: HierarchicalDecoding with both thresholds off commits
     the single most confident masked position, which is Elastic-Cache's own top-1 mode."""
-    from remask.diffusion.elastic import elastic_generate
+    from remask.diffusion.methods.elastic import elastic_generate
 
     prompt = random_prompt(1, 6, seed)
     own = elastic_generate(llada_small, prompt, config=remask.ElasticCache(window_length=8, threshold=None),
@@ -124,7 +124,7 @@ def test_elastic_with_the_one_best_rule_equals_elastics_own_top1_mode(llada_smal
 
 
 @pytest.mark.parametrize("rule", [remask.HierarchicalDecoding(), remask.CreditDecoding(threshold=0.3),
-                                  remask.diffusion.rules.MarginDecoding(margin=0.2)], ids=lambda r: type(r).__name__)
+                                  remask.MarginDecoding(margin=0.2)], ids=lambda r: type(r).__name__)
 def test_elastic_with_a_rule_drop_in_equals_engine(llada_small, rule):
     prompt = random_prompt(1, 6, seed=1)
     stats = remask.GenerationStats()

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import remask
-from remask.diffusion.llada import BlockDecoder
-from remask.diffusion.stats import GenerationStats, SyncCounter
+from remask.diffusion.families.llada import BlockDecoder
+from remask.diffusion.parts.stats import GenerationStats, SyncCounter
 from remask.engine import LLMEngine, SamplingParams
 from remask.models.spec import get_spec
 from remask.zoo import charset

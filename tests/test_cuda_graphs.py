@@ -12,7 +12,7 @@ import torch
 import remask
 from remask.engine import LLMEngine, SamplingParams
 from remask.engine import cuda_graphs
-from remask.engine.batch_invariant import batch_invariant_linear
+from remask.kernels.batch_invariant import batch_invariant_linear
 from remask.engine.cuda_graphs import GraphedForward, buckets_up_to
 from remask.models.spec import get_spec
 from remask.zoo import charset, tasks

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModel
 
-from remask.diffusion.d2cache import (D2Cache, D2KVCache, certainty_density, d2cache_generate, inflate, nucleus,
+from remask.diffusion.methods.d2cache import (D2Cache, D2KVCache, certainty_density, d2cache_generate, inflate, nucleus,
                                       top_up)
-from remask.diffusion.stats import GenerationStats
+from remask.diffusion.parts.stats import GenerationStats
 from remask.models import tiny
 
 from helpers import left_pad, load_fixture_checkpoint, margin_case

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import remask
-from remask.diffusion import canvas
+from remask.diffusion.families import canvas
 from remask.models import get_spec, tiny
+from remask.zoo import charset
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DiffusionGemmaForBlockDiffusion"):   # pragma: no cover
@@ -280,7 +281,7 @@ def test_served_over_http_with_drafts(tmp_path):
     from remask.serve import AsyncEngine, build_app
 
     path = tmp_path / "dg"
-    tiny.write_tiny_diffusion_gemma(str(path), seed=1, with_tokenizer=True, generation={"max_denoising_steps": 4})
+    tiny.write_tiny_diffusion_gemma(str(path), seed=1, charset=charset, generation={"max_denoising_steps": 4})
     llm = remask.LLM(str(path))
     engine = AsyncEngine(remask.LLM(str(path)))
     server = Server(build_app({"dg": engine}))
@@ -309,7 +310,7 @@ def test_cli_generate_takes_canvas_settings(tmp_path, capsys):
     from remask.cli import main
 
     path = tmp_path / "dg"
-    tiny.write_tiny_diffusion_gemma(str(path), seed=1, with_tokenizer=True, generation={"max_denoising_steps": 3})
+    tiny.write_tiny_diffusion_gemma(str(path), seed=1, charset=charset, generation={"max_denoising_steps": 3})
     argv = ["generate", str(path), "--prompt", "sort 123", "--max-tokens", "8", "--seed", "1", "--quiet",
             "--canvas", '{"entropy_bound": 1.0}', "--canvas-sampler", '{"rule": "top_k", "top_k": 2}']
     assert main(argv) == 0

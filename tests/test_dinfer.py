@@ -1,5 +1,5 @@
 """dInfer's decoders (threshold, credit, hierarchical) and caches (prefix, dual, vicinity) in
-`remask.diffusion.dinfer`, reproduced token for token (and forward for forward) against
+`remask.diffusion.methods.dinfer`, reproduced token for token (and forward for forward) against
 inclusionAI/dInfer's own code and LLaDA model run on tiny checkpoints
 (tests/fixtures/dinfer_reference.json; provenance in its "meta")."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoModel
 
-from remask.diffusion.dinfer import (CreditDecoding, HierarchicalDecoding, ThresholdDecoding, VicinityCache,
+from remask.diffusion.methods.dinfer import (CreditDecoding, HierarchicalDecoding, ThresholdDecoding, VicinityCache,
                                      _threshold_commit, dinfer_generate)
-from remask.diffusion.stats import GenerationStats
+from remask.diffusion.parts.stats import GenerationStats
 from remask.models import tiny
 from helpers import margin_case
 

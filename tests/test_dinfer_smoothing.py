@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import remask
-from remask.diffusion.dinfer import (CreditDecoding, HierarchicalDecoding, IterationSmoothing, ThresholdDecoding,
+from remask.diffusion.methods.dinfer import (CreditDecoding, HierarchicalDecoding, IterationSmoothing, ThresholdDecoding,
                                      VicinityCache, dinfer_generate)
-from remask.diffusion.stats import GenerationStats
+from remask.diffusion.parts.stats import GenerationStats
 
 from helpers import load_fixture_checkpoint, margin_case
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from remask.diffusion.dkv import DelayedKVCache, DKVCache, dkv_generate
-from remask.diffusion.stats import GenerationStats
+from remask.diffusion.methods.dkv import DelayedKVCache, DKVCache, dkv_generate
+from remask.diffusion.parts.stats import GenerationStats
 
 from helpers import load_fixture_checkpoint, margin_case
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import remask
-from remask.diffusion.dkv import DKVCache, dkv_generate
-from remask.diffusion.dkv_dream import dkv_dream_generate
-from remask.diffusion.stats import GenerationStats
+from remask.diffusion.methods.dkv import DKVCache, dkv_generate
+from remask.diffusion.methods.dkv_dream import dkv_dream_generate
+from remask.diffusion.parts.stats import GenerationStats
 from remask.models import tiny
 
 from helpers import load_fixture_checkpoint, margin_case

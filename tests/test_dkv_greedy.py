@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import remask
-from remask.diffusion.dkv import DKVCache, _window, dkv_generate
-from remask.diffusion.stats import GenerationStats
+from remask.diffusion.methods.dkv import DKVCache, _window, dkv_generate
+from remask.diffusion.parts.stats import GenerationStats
 
 from helpers import load_fixture_checkpoint, margin_case
 

@@ -42,11 +42,11 @@ def test_zoo_doctests():
     import remask.zoo
     import remask.zoo.evaluate
     import remask.caches.paged
-    import remask.engine.page_manager
+    import remask.caches.page_manager
     import remask.text
     import remask.zoo.tasks
 
     for module in (remask.zoo, remask.zoo.tasks, remask.zoo.evaluate, remask.caches.paged,
-                   remask.engine.page_manager, remask.text):
+                   remask.caches.page_manager, remask.text):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import remask
-from remask.diffusion.scoring import score_tokens
+from remask.diffusion.parts.scoring import score_tokens
 
 from helpers import left_pad, random_prompt
 

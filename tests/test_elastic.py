@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from remask.diffusion.elastic import ElasticCache, ElasticKVCache, elastic_generate
-from remask.diffusion.stats import GenerationStats
+from remask.diffusion.methods.elastic import ElasticCache, ElasticKVCache, elastic_generate
+from remask.diffusion.parts.stats import GenerationStats
 
 from helpers import load_fixture_checkpoint, margin_case
 

@@ -287,7 +287,7 @@ def test_batch_invariant_forward_is_bitwise_the_forward_alone(llada, length, bat
     """The model's logits for a sequence in a batched forward, under `batch_invariant_linear`,
     are bitwise its logits alone — also for the shortest sequences, where a plain batched GEMM
     takes another kernel path than the 1–3-row GEMM of the sequence alone."""
-    from remask.engine.batch_invariant import batch_invariant_linear
+    from remask.kernels.batch_invariant import batch_invariant_linear
 
     model = llada[0]
     x = torch.randint(8, 100, (batch, length), generator=torch.Generator().manual_seed(length))
@@ -579,7 +579,7 @@ def test_the_swapped_attention_is_plain_sdpa_for_other_threads(ar):
     model (its own `ar_generate`, with padding and a cache) gets exactly transformers' SDPA."""
     import threading
 
-    from remask.engine.page_manager import PageManager
+    from remask.caches.page_manager import PageManager
     from remask.engine.paged_kv import ForwardBatch, PagedKVStore, paged_forward
 
     model, _ = ar
@@ -614,7 +614,7 @@ def test_one_thread_switch_is_shared_by_engines_in_several_threads():
     only when the last one leaves (never under the other's forward)."""
     import threading
 
-    from remask.engine.batch_invariant import batch_invariant_linear
+    from remask.kernels.batch_invariant import batch_invariant_linear
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -837,7 +837,7 @@ def test_min_tokens_on_a_checkpoint_that_favours_eos(load_model):
 def ar_alone_with_min_tokens(model, ids: list[int], params: SamplingParams, ends: list[int]) -> list[int]:
     """`ar_generate`'s loop with vLLM's min_tokens rule written out: end ids at −inf while fewer
     than min_tokens tokens exist."""
-    from remask.diffusion.ar import ARDecoder
+    from remask.diffusion.families.ar import ARDecoder
 
     decoder = ARDecoder(model, **params.ar_kwargs([charset.EOS_ID]))
     generator = torch.Generator().manual_seed(params.seed)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import remask
-from remask.diffusion.rules import MarginDecoding
-from remask.diffusion.stepper import ForwardRequest, run_forwards
+from remask.diffusion.methods.margin import MarginDecoding
+from remask.diffusion.parts.stepper import ForwardRequest, run_forwards
 from remask.engine import LLMEngine, SamplingParams
-from remask.engine.batch_invariant import batch_invariant_linear, flat_threshold
+from remask.kernels.batch_invariant import batch_invariant_linear, flat_threshold
 from remask.zoo import charset, tasks
 
 ROOT = Path(__file__).resolve().parents[1]

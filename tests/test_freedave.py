@@ -1,4 +1,4 @@
-"""FreeDave (`remask.diffusion.freedave`): token equality with one-token-per-step decoding under
+"""FreeDave (`remask.diffusion.methods.freedave`): token equality with one-token-per-step decoding under
 every cache mode and draft mode, fewer forwards, batches, FreeDave++, and its settings."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import remask
-from remask.diffusion.cache import BlockForward
-from remask.diffusion.freedave import FreeDave, freedave_generate
-from remask.diffusion.scoring import score_rows
-from remask.diffusion.stepper import drive
+from remask.diffusion.parts.cache import BlockForward
+from remask.diffusion.methods.freedave import FreeDave, freedave_generate
+from remask.diffusion.parts.scoring import score_rows
+from remask.diffusion.parts.stepper import drive
 from remask.kernels import unmask
 from remask.models.spec import get_spec
 from remask.zoo import charset

@@ -12,7 +12,7 @@ import remask
 from remask.compat.fast_dllm_v2 import generate as fast_dllm_v2_generate
 from remask.compat.llada2 import generate as llada2_generate
 from remask.compat.sdar import block_diffusion_generate
-from remask.diffusion.stats import GenerationStats
+from remask.diffusion.parts.stats import GenerationStats
 from remask.models import get_spec, tiny
 
 PROMPTS = [torch.randint(0, 250, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 6, 8)]

@@ -1,13 +1,17 @@
-"""`import remask` stays light (no torch, no transformers: remask/_registration.py registers the
-families when transformers' Auto classes are imported), and what it used to do eagerly still holds
-in a fresh process: official-format checkpoints load through the Auto classes without remote code,
-whatever the order of the imports, and every public name resolves."""
+"""`import remask` stays light (no torch, no transformers), with no import hooks: remask's families
+are registered with transformers' Auto classes by plain `register` calls when `remask.models` is
+imported, which the first use of any public name of `remask` does. In a fresh process official-format
+checkpoints load through the Auto classes without remote code, whatever the order of the imports,
+and every public name resolves. The layers' import contracts (pyproject.toml) hold."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import time
+import tomllib
 
 import pytest
 
@@ -28,6 +32,71 @@ def test_import_remask_imports_neither_torch_nor_transformers():
                                       "remask.diffusion", "remask.engine") if m in sys.modules]))
     """))
     assert out == []
+
+
+def test_import_hooks_and_flat_names_are_gone():
+    out = json.loads(_run("""
+        import importlib.util, json, sys
+        before = list(sys.meta_path)
+        import remask, remask.models, remask.diffusion, remask.engine
+        added = [type(f).__module__ for f in sys.meta_path if f not in before and type(f).__module__.startswith("remask")]
+        flat = [n for n in ("remask.diffusion.llada", "remask.diffusion.stepper", "remask.diffusion.dinfer")
+                if n in sys.modules or importlib.util.find_spec(n) is not None]
+        aliases = [n for n, m in sys.modules.items() if n.startswith("remask.") and getattr(m, "__name__", n) != n]
+        print(json.dumps([added, flat, aliases]))
+    """))
+    assert out == [[], [], []]
+
+
+def test_import_remask_registers_nothing_until_a_name_is_used():
+    """Bare `import remask` does not register (it imports no transformers); the first public name
+    used imports `remask.models`, which does."""
+    out = json.loads(_run("""
+        import json, sys
+        import remask
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+        before = ["llada" in CONFIG_MAPPING, "remask.models" in sys.modules]
+        remask.GenerationStats
+        print(json.dumps(before + ["llada" in CONFIG_MAPPING, "Dream" in CONFIG_MAPPING]))
+    """))
+    assert out == [False, False, True, True]
+
+
+def test_remask_help_is_fast():
+    exe = os.path.join(os.path.dirname(sys.executable), "remask")
+    best = min(_timed([exe, "--help"]) for _ in range(3))
+    assert best < 0.5, f"remask --help took {best:.2f} s"
+
+
+def _timed(argv: list) -> float:
+    start = time.perf_counter()
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return time.perf_counter() - start
+
+
+def test_import_contracts_hold(tmp_path):
+    """pyproject.toml's [tool.importlinter] contracts: the layers import only downwards, no cycles
+    between a package's modules. grimp finds a package's modules by walking its folder, and
+    `remask.diffusion`, `remask.models` and `remask.kernels` live outside remask/ (package-dir), so
+    `lint-imports` runs over a view: a remask/ folder of links to the installed layout."""
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        package_dir = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    view = tmp_path / "remask"
+    view.mkdir()
+    for name in os.listdir(os.path.join(root, package_dir["remask"])):
+        if name != "__pycache__":
+            os.symlink(os.path.join(root, package_dir["remask"], name), view / name)
+    for package, folder in package_dir.items():
+        parts = package.split(".")
+        if len(parts) == 2 and not (view / parts[1]).exists():
+            os.symlink(os.path.join(root, folder), view / parts[1])
+    exe = os.path.join(os.path.dirname(sys.executable), "lint-imports")
+    done = subprocess.run([exe, os.path.join(root, "pyproject.toml"), "--no-cache"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert "Analyzed" in done.stdout and " 0 broken" in done.stdout
 
 
 def test_remask_models_registers_configs_without_the_model_classes():
@@ -59,8 +128,8 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("order", ["remask first", "transformers first", "auto classes first"])
 def test_auto_classes_load_official_checkpoints_after_import_remask(checkpoints, order):
     """A fresh process: LLaDA through `AutoModel`, Fast-dLLM v2 (a Qwen2 configuration subclass)
-    through `AutoModelForCausalLM`, no `trust_remote_code`; remask imported before transformers,
-    after it, or after its Auto classes."""
+    through `AutoModelForCausalLM`, no `trust_remote_code`, once `remask.models` is imported; remask
+    imported before transformers, after it, or after its Auto classes."""
     head = {"remask first": "import remask\nimport transformers",
             "transformers first": "import transformers\nimport remask",
             "auto classes first": "from transformers import AutoModel\nimport remask"}[order]
@@ -85,9 +154,9 @@ def test_public_names_and_families_resolve_on_demand():
         missing = [n for n in remask.__all__ if getattr(remask, n, None) is None]
         missing += [n for n in remask.models.__all__ if getattr(remask.models, n, None) is None]
         assert set(remask.__all__) <= set(dir(remask)) and set(remask.models.__all__) <= set(dir(remask.models))
-        print(json.dumps([missing, remask.diffusion.llada.__name__, sorted(remask.models.FAMILIES)]))
+        print(json.dumps([missing, remask.diffusion.families.llada.__name__, sorted(remask.models.FAMILIES)]))
     """))
-    assert out[0] == [] and out[1] == "remask.diffusion.families.llada"   # the flat name, its room's module
+    assert out[0] == [] and out[1] == "remask.diffusion.families.llada"
     assert out[2] == ["diffusion_gemma", "dream", "fast_dllm_qwen", "llada", "llada2_moe", "sdar", "sdar_moe"]
 
 

@@ -91,7 +91,7 @@ def test_dispatchers_validate_and_default_to_torch_on_cpu():
 
 def test_references_are_the_dinfer_rules():
     """`diffusion/methods/dinfer.py` decides with these references (its fixtures pin them to dInfer)."""
-    from remask.diffusion.dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding, _Decoder
+    from remask.diffusion.methods.dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding, _Decoder
 
     g = torch.Generator().manual_seed(3)
     for rule in (ThresholdDecoding(0.6), HierarchicalDecoding(0.8, 0.3), CreditDecoding(0.6)):

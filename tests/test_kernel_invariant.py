@@ -4,7 +4,7 @@ them — each output row bitwise the same whatever rows share the launch: alone,
 other rows, in another M tile, from a strided view. Under the interpreter on CPU (compiled on a
 GPU): odd shapes, K loops of one and of several BLOCK_K steps, NaN-poisoned outputs. Also the
 launch configuration (never a function of M), the argument checks, and the engine's wire-in
-(`remask.engine.batch_invariant`, exercised on CPU through the interpreter)."""
+(`remask.kernels.batch_invariant`, exercised on CPU through the interpreter)."""
 from __future__ import annotations
 
 import importlib
@@ -279,7 +279,7 @@ def test_norm_bad_input_names_the_argument(fn, change, match):
 def kernel_on_cpu(monkeypatch):
     """`batch_invariant`'s CUDA path, on CPU tensors too (the kernel under the interpreter); counts
     launches."""
-    from remask.engine import batch_invariant
+    from remask.kernels import batch_invariant
 
     monkeypatch.setenv("REMASK_TRITON", "1")
     monkeypatch.setattr(batch_invariant, "_kernel_device", lambda x: True)
@@ -290,7 +290,7 @@ def kernel_on_cpu(monkeypatch):
 
 
 def test_wire_in_runs_one_launch_over_all_rows(kernel_on_cpu):
-    from remask.engine.batch_invariant import batch_invariant_linear
+    from remask.kernels.batch_invariant import batch_invariant_linear
 
     x, w, b = _linear_case(4, 21, 37, 45, torch.float32)
     x3 = x.view(3, 7, 37)
@@ -305,7 +305,7 @@ def test_wire_in_runs_one_launch_over_all_rows(kernel_on_cpu):
 
 
 def test_wire_in_keeps_other_weights_per_sequence(kernel_on_cpu):
-    from remask.engine.batch_invariant import batch_invariant_linear
+    from remask.kernels.batch_invariant import batch_invariant_linear
 
     class Sub(torch.Tensor):
         pass
@@ -322,7 +322,7 @@ def test_wire_in_keeps_other_weights_per_sequence(kernel_on_cpu):
 
 def test_wire_in_is_off_on_cpu(monkeypatch):
     """Without the CUDA predicate (CPU tensors) the mode keeps today's per-sequence GEMMs."""
-    from remask.engine.batch_invariant import batch_invariant_linear
+    from remask.kernels.batch_invariant import batch_invariant_linear
 
     monkeypatch.setenv("REMASK_TRITON", "1")
     calls = []
@@ -339,7 +339,7 @@ def test_wire_in_model_forward_is_bitwise_the_forward_alone(kernel_on_cpu, load_
     """tiny LLaDA (vocabulary 300) through the kernel path: a batch's logits equal each sequence's
     forward alone (also in the mode), bit for bit, and the float32 forward without the mode within
     the kernel's tolerance."""
-    from remask.engine.batch_invariant import batch_invariant_linear
+    from remask.kernels.batch_invariant import batch_invariant_linear
 
     model = load_model("llada_small")
     x = torch.randint(8, 290, (3, 5), generator=torch.Generator().manual_seed(7))

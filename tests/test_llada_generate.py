@@ -6,7 +6,7 @@ import torch
 
 import remask
 from remask.compat import fast_dllm
-from remask.diffusion.selection import schedule_counts
+from remask.diffusion.parts.selection import schedule_counts
 
 from helpers import left_pad, random_prompt
 

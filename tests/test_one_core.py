@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import remask
-from remask.diffusion import decoders, stepper
+from remask.diffusion.methods import decoders
+from remask.diffusion.parts import stepper
 from remask.engine import LLMEngine, SamplingParams
 from remask.zoo import charset
 

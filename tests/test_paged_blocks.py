@@ -12,11 +12,11 @@ from remask.models.paged import BlockManager  # the old name, still importable
 
 
 def test_doctest():
-    import remask.engine.page_manager
+    import remask.caches.page_manager
 
     assert doctest.testmod(remask.caches.paged).failed == 0
-    assert doctest.testmod(remask.engine.page_manager).attempted > 0
-    assert doctest.testmod(remask.engine.page_manager).failed == 0
+    assert doctest.testmod(remask.caches.page_manager).attempted > 0
+    assert doctest.testmod(remask.caches.page_manager).failed == 0
 
 
 def test_shared_system_prompt_is_stored_once():
@@ -73,7 +73,7 @@ def test_extend_and_slot_mapping_feed_the_store_kernel():
 
 
 def test_page_manager_counts_what_an_allocation_takes_and_copy_on_write():
-    from remask.engine.page_manager import PageManager
+    from remask.caches.page_manager import PageManager
 
     pm = PageManager(num_pages=6, page_size=4)
     system = list(range(8))

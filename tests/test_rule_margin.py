@@ -1,7 +1,7 @@
-"""The margin rule (`remask.diffusion.rules.MarginDecoding`), written as one `CommitRule` class:
-every loop that takes `decoder=` runs it with no other change — dInfer's block loop on LLaDA and
-Dream, SDAR's and LLaDA2's own loops, the engine and the JSON form (issue 30's "a new commit rule
-touches one file plus its test")."""
+"""The margin rule (`remask.MarginDecoding`, diffusion/methods/margin.py), one `CommitRule` class in
+its own file plus its registry line: every loop that takes `decoder=` runs it with no other change —
+dInfer's block loop on LLaDA and Dream, SDAR's and LLaDA2's own loops, the engine and the JSON form
+(docs/architecture.md, "Adding a method")."""
 from __future__ import annotations
 
 import warnings
@@ -12,8 +12,10 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 import remask
 from remask.compat.llada2 import generate as llada2_generate
-from remask.diffusion.rules import MarginDecoding, rule_commit, rule_types
-from remask.diffusion.sdar import sdar_generate
+from remask.diffusion.methods import registry
+from remask.diffusion.methods.margin import MarginDecoding
+from remask.diffusion.parts.rules import rule_commit, rule_types
+from remask.diffusion.families.sdar import sdar_generate
 from remask.models import get_spec, tiny
 from remask.zoo import charset
 
@@ -55,7 +57,8 @@ def test_margin_commits_what_the_rule_says_and_nothing_in_place(seed):
 
 
 def test_margin_is_registered_with_its_json_name_and_checks_its_field():
-    assert MarginDecoding in rule_types()
+    assert registry.METHODS["margin"].config is MarginDecoding and registry.METHODS["margin"].is_rule
+    assert MarginDecoding in rule_types() and MarginDecoding in registry.rules()
     assert remask.SamplingParams(decoder={"name": "margin", "margin": 0.2}).decoder == MarginDecoding(margin=0.2)
     with pytest.raises(ValueError, match="margin"):
         MarginDecoding(margin=1.5)

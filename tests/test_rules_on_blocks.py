@@ -1,4 +1,4 @@
-"""dInfer's commit rules on the block-causal families (`remask.diffusion.rules`): `decoder=
+"""dInfer's commit rules on the block-causal families (`remask.diffusion.parts.rules`): `decoder=
 ThresholdDecoding / HierarchicalDecoding / CreditDecoding` runs SDAR's and LLaDA2.0's own loop with
 the rule choosing each step's commits — combinations no paper shipped. The rules are pure functions
 over a block's scores; on the loops they decode to the end, keep the prompt, are deterministic and
@@ -11,13 +11,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import remask
-import remask.diffusion.rules as rules_module
+import remask.diffusion.parts.rules as rules_module
 from remask.compat.llada2 import generate as llada2_generate
 from remask.compat.sdar import block_diffusion_generate
-from remask.diffusion.llada2 import LLaDA2Rules
-from remask.diffusion.rules import rule_commit
-from remask.diffusion.sdar import sdar_generate
-from remask.diffusion.stats import GenerationStats
+from remask.diffusion.families.llada2 import LLaDA2Rules
+from remask.diffusion.parts.rules import rule_commit
+from remask.diffusion.families.sdar import sdar_generate
+from remask.diffusion.parts.stats import GenerationStats
 from remask.models import get_spec, tiny
 
 PROMPTS = [torch.randint(0, 250, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 6, 8)]

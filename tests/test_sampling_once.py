@@ -1,5 +1,5 @@
 """Filtering (temperature, top-k, top-p) and tempered categorical sampling exist once, in
-`remask.diffusion.scoring`: every flag combination equals a direct torch formulation of the
+`remask.diffusion.parts.scoring`: every flag combination equals a direct torch formulation of the
 reference it stands for (SDAR's and LLaDA2's `generate.py`, Dream's `sample_tokens`, Fast-dLLM v2's
 `sample_with_top_p`, APD's draft), and the families' modules no longer carry their own copy."""
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from remask.diffusion import apd, fast_dllm_v2, llada2, scoring, sdar
-from remask.diffusion.scoring import draw_categorical, filter_logits, sample_categorical, score_tokens
+from remask.diffusion.families import apd, fast_dllm_v2, llada2, sdar
+from remask.diffusion.parts import scoring
+from remask.diffusion.parts.scoring import draw_categorical, filter_logits, sample_categorical, score_tokens
 
 V = 50
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

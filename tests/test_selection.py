@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from remask.diffusion.scoring import score_tokens
-from remask.diffusion.selection import schedule_counts
+from remask.diffusion.parts.scoring import score_tokens
+from remask.diffusion.parts.selection import schedule_counts
 
 
 def test_schedule_is_llada_integer_schedule():

@@ -470,7 +470,7 @@ def test_hot_swap_load_and_unload_without_failing_a_request(tmp_path):
 def test_a_failing_request_gets_500_the_others_go_on_and_admin_is_off_without_a_key(served, monkeypatch):
     server, _ = served
     assert post(server, {"action": "unload", "name": "tiny-ar"}, path="/admin/models").status_code == 403
-    from remask.diffusion.ar import ARDecoder
+    from remask.diffusion.families.ar import ARDecoder
 
     real = ARDecoder.sample
     monkeypatch.setattr(ARDecoder, "sample", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))

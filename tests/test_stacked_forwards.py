@@ -12,9 +12,9 @@ from transformers.cache_utils import DynamicCache
 
 import remask
 from remask.caches.block import _cached
-from remask.diffusion.sdar import block_request
-from remask.diffusion.stepper import ForwardRequest, run_forwards, stacked_key
-from remask.engine.batch_invariant import batch_invariant_linear
+from remask.diffusion.families.sdar import block_request
+from remask.diffusion.parts.stepper import ForwardRequest, run_forwards, stacked_key
+from remask.kernels.batch_invariant import batch_invariant_linear
 from remask.models import tiny
 
 WRITERS = {"sdar": tiny.write_tiny_sdar, "llada2": tiny.write_tiny_llada2, "fast_dllm_v2": tiny.write_tiny_fast_dllm_v2}

@@ -1,4 +1,4 @@
-"""The step's shared shape (`remask.diffusion.step`): the fused kernels that decide and update in
+"""The step's shared shape (`remask.diffusion.parts.step`): the fused kernels that decide and update in
 one launch write exactly what `apply_decision` writes for the decision they made — commits for
 mask models (`unmask`), accept + renoise for uniform-noise models (`canvas_update`)."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remask.diffusion.step import Decision, apply_decision
+from remask.diffusion.parts.step import Decision, apply_decision
 from remask.kernels import canvas_update, unmask
 
 

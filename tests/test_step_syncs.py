@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import remask
-from remask.diffusion.llada import BlockDecoder
-from remask.diffusion.stats import SyncCounter
+from remask.diffusion.families.llada import BlockDecoder
+from remask.diffusion.parts.stats import SyncCounter
 from remask.models.spec import get_spec
 from remask.zoo import charset
 
-from remask.diffusion.stats import GenerationStats
+from remask.diffusion.parts.stats import GenerationStats
 
 # case -> (settings, most host waits in one step)
 CASES = {

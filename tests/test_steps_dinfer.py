@@ -1,4 +1,4 @@
-"""`dinfer_steps`: `dinfer_generate` as a step generator (`remask.diffusion.stepper`): at most one
+"""`dinfer_steps`: `dinfer_generate` as a step generator (`remask.diffusion.parts.stepper`): at most one
 model forward per `next()`, the tokens of `dinfer_generate`, a monotone `Progress.final` whose
 positions are the output's, and arguments checked at the call."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModel
 
-from remask.diffusion.dinfer import (CreditDecoding, HierarchicalDecoding, IterationSmoothing, ThresholdDecoding,
+from remask.diffusion.methods.dinfer import (CreditDecoding, HierarchicalDecoding, IterationSmoothing, ThresholdDecoding,
                                      VicinityCache, dinfer_generate, dinfer_steps)
-from remask.diffusion.stats import GenerationStats
+from remask.diffusion.parts.stats import GenerationStats
 from remask.models import tiny
 from helpers import as_progress
 
@@ -194,8 +194,8 @@ def test_requests_of_one_layout_share_a_forward(models, config):
     layout (the same prompt, in lockstep) pack — prefix / dual / the vicinity cache's plain
     `KVCache`, inputs_embeds under smoothing — into ONE model call (`run_forwards`, as the engine's
     runner) whose rows give each the drop-in tokens."""
-    from remask.diffusion.stepper import ForwardRequest, run_forwards
-    from remask.engine.batch_invariant import batch_invariant_linear
+    from remask.diffusion.parts.stepper import ForwardRequest, run_forwards
+    from remask.kernels.batch_invariant import batch_invariant_linear
 
     decoder, cache = CONFIGS[config]
     model = models["llada_peaked"]

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from remask.diffusion.d2cache import D2Cache, d2cache_generate, d2cache_steps
-from remask.diffusion.dkv import DKVCache, dkv_generate, dkv_steps
-from remask.diffusion.dkv_dream import dkv_dream_generate, dkv_dream_steps
-from remask.diffusion.stats import GenerationStats
-from remask.diffusion.stepper import Progress, StepwiseDecoder
+from remask.diffusion.methods.d2cache import D2Cache, d2cache_generate, d2cache_steps
+from remask.diffusion.methods.dkv import DKVCache, dkv_generate, dkv_steps
+from remask.diffusion.methods.dkv_dream import dkv_dream_generate, dkv_dream_steps
+from remask.diffusion.parts.stats import GenerationStats
+from remask.diffusion.parts.stepper import Progress, StepwiseDecoder
 from remask.models import tiny
 
 from helpers import as_progress, load_fixture_checkpoint

@@ -1,4 +1,4 @@
-"""FreeDave as a step generator (`remask.diffusion.freedave.freedave_steps`, issue 30): one model
+"""FreeDave as a step generator (`remask.diffusion.methods.freedave.freedave_steps`, issue 30): one model
 forward at most per `next()`, at least one yield per counted forward, the tokens of
 `freedave_generate`, a `Progress.final` that only grows and only covers decoded tokens, and
 arguments checked at the call."""
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import remask
-from remask.diffusion.freedave import FreeDave, freedave_generate, freedave_steps
-from remask.diffusion.stepper import Progress
+from remask.diffusion.methods.freedave import FreeDave, freedave_generate, freedave_steps
+from remask.diffusion.parts.stepper import Progress
 from remask.zoo import charset
 from helpers import as_progress, random_prompt
 

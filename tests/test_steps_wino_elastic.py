@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from remask.diffusion.elastic import ElasticCache, elastic_generate, elastic_steps
-from remask.diffusion.stats import GenerationStats
-from remask.diffusion.stepper import Progress, drive
-from remask.diffusion.wino import WINO, wino_generate, wino_steps
+from remask.diffusion.methods.elastic import ElasticCache, elastic_generate, elastic_steps
+from remask.diffusion.parts.stats import GenerationStats
+from remask.diffusion.parts.stepper import Progress, drive
+from remask.diffusion.methods.wino import WINO, wino_generate, wino_steps
 
 from helpers import as_progress, load_fixture_checkpoint
 

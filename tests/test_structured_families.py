@@ -257,7 +257,7 @@ def pair():
 
 @pytest.mark.parametrize("variant", ["greedy", "sampled", "coupled"])
 def test_apd(pair, variant):
-    from remask.diffusion.apd import APDConfig
+    from remask.diffusion.families.apd import APDConfig
 
     model, verifier, tok = pair
     apd = APDConfig(verifier=verifier, mixture_weight=0.7, kv_window=16, max_lookahead=16,
@@ -279,7 +279,7 @@ def test_apd(pair, variant):
 
 
 def test_apd_engine_equals_drop_in(pair):
-    from remask.diffusion.apd import APDConfig
+    from remask.diffusion.families.apd import APDConfig
 
     model, verifier, tok = pair
     apd = APDConfig(verifier=verifier, mixture_weight=0.7, kv_window=16, max_lookahead=16)
@@ -307,7 +307,7 @@ def gemma(tmp_path_factory):
     from transformers import AutoModelForImageTextToText
 
     path = tmp_path_factory.mktemp("diffusion_gemma")
-    tiny.write_tiny_diffusion_gemma(str(path), seed=1, with_tokenizer=True, canvas_length=8,
+    tiny.write_tiny_diffusion_gemma(str(path), seed=1, charset=charset, canvas_length=8,
                                     generation={"max_denoising_steps": 6})
     return AutoModelForImageTextToText.from_pretrained(str(path)).eval(), str(path)
 
@@ -317,7 +317,7 @@ def test_diffusion_gemma(gemma, tok, variant):
     model, _ = gemma
     kw = {}
     if variant == "threshold":
-        from remask.diffusion.canvas import CanvasSampler
+        from remask.diffusion.families.canvas import CanvasSampler
 
         kw = dict(canvas_sampler=CanvasSampler(rule="threshold", threshold=0.5))
     counts = []

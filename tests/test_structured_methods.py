@@ -193,8 +193,8 @@ def test_engine_equals_drop_in(llada, dream):
 def test_wino_revocations_roll_the_matcher_back(llada):
     """WINO's narrow-out remasks positions the matcher consumed: the matcher rolls back, and every
     output stays valid."""
-    from remask.diffusion.decoders import run_decoder
-    from remask.diffusion.parts.constrain import structure_for_call
+    from remask.diffusion.methods.decoders import run_decoder
+    from remask.diffusion.parts.constrain_loops import structure_for_call
 
     model, tok = llada
     prompt, mask = batch(PROMPTS)
@@ -267,9 +267,9 @@ def test_llada_cache_methods(llada, method):
 
 def test_d2cache_coupled_rows(llada):
     """d2Cache's upstream batch (`independent_rows=False`: rows coupled by the top-up) under a structure."""
-    from remask.diffusion.d2cache import d2cache_steps
-    from remask.diffusion.parts.constrain import structure_for_call
-    from remask.diffusion.stepper import drive
+    from remask.diffusion.methods.d2cache import d2cache_steps
+    from remask.diffusion.parts.constrain_loops import structure_for_call
+    from remask.diffusion.parts.stepper import drive
 
     model, tok = llada
     counts = [0, 0]
@@ -300,7 +300,7 @@ DKV_DREAM = {
 @pytest.mark.parametrize("method", list(DKV_DREAM))
 def test_dkv_dream(dream, method):
     """Dream's dKV-Cache: Dream's own commit (mask, its alg, filter) under the delayed cache."""
-    from remask.diffusion.dkv_dream import dkv_dream_generate
+    from remask.diffusion.methods.dkv_dream import dkv_dream_generate
 
     model, tok, _ = dream
     counts = [0, 0]

@@ -325,12 +325,10 @@ def _config_bounds_calls(model, ar):
         (dict(gen_length=16, block_length=8, steps=16, sparse=remask.SparseConfig(method="block_mask",
                                                                                   kv_block_size=10**9)),
          "sparse.kv_block_size", 30),
-        (dict(gen_length=8, apd=remask.APDConfig(ar, max_lookahead=101)), "apd.max_lookahead", 8),   # default 100
-        (dict(gen_length=8, apd=remask.APDConfig(ar, kv_window=22)), "apd.kv_window", 21),
     ]
 
 
-@pytest.mark.parametrize("case", range(14))
+@pytest.mark.parametrize("case", range(12))
 def test_drop_in_config_bounds_bad(tiny, case):
     """The drop-in call runs the same checks (with the prompt and the call's block), before any
     forward: a ValueError naming the setting and its maximum."""
@@ -350,6 +348,22 @@ def test_drop_in_config_bounds_allow_their_maximum(tiny):
                    dict(block_length=8, use_cache=remask.ElasticCache(window_length=8, track_num=T))):
         out = remask.generate(model, PROMPT, gen_length=8, **kwargs)
         assert out.shape == (1, T)
+
+
+def test_apd_takes_every_lookahead_and_window_the_reference_takes(tiny):
+    """Official APD runs `max_lookahead` past the answer (the window is the rest of it) and a
+    `kv_window` past the sequence (the whole cache kept): so does the drop-in, with the tokens of
+    the largest value that still changes anything (issue 44)."""
+    model, _, ar = tiny
+    T = PROMPT.shape[1] + 8
+
+    def apd(**config):
+        return remask.generate(model, PROMPT, gen_length=8, apd=remask.APDConfig(ar, **config))
+
+    assert torch.equal(apd(max_lookahead=200), apd(max_lookahead=8))
+    assert torch.equal(apd(max_lookahead=200), apd(max_lookahead=None))
+    assert torch.equal(apd(kv_window=10**6), apd(kv_window=T - 1))
+    assert torch.equal(apd(kv_window=10**6), apd(kv_window=None))
 
 
 def test_config_bounds_through_the_engine_name_the_setting():

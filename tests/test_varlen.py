@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import remask
-from remask.diffusion.stepper import ForwardRequest, run_forwards
-from remask.diffusion.varlen import PackedAttention, Segment
+from remask.diffusion.parts.stepper import ForwardRequest, run_forwards
+from remask.diffusion.parts.varlen import PackedAttention, Segment
 from remask.engine import LLMEngine, SamplingParams
-from remask.engine.batch_invariant import batch_invariant_linear
+from remask.kernels.batch_invariant import batch_invariant_linear
 from remask.models import tiny
 from remask.models.spec import get_spec
 from remask.zoo import charset, tasks
@@ -120,8 +120,8 @@ def test_elastic_forwards_pack_bit_for_bit_though_their_rows_change_between_laye
     """Elastic-Cache's forwards (rows queried, then every position from the first recomputed
     layer on) packed with each other and with a plain request: each gets the logits, the trace and
     the recompute layer of its own forward."""
-    from remask.diffusion.elastic import elastic_steps
-    from remask.diffusion.stepper import Progress
+    from remask.diffusion.methods.elastic import elastic_steps
+    from remask.diffusion.parts.stepper import Progress
 
     model, _ = llada
     prompts = [torch.randint(5, 60, (1, n), generator=torch.Generator().manual_seed(n)) for n in (9, 14)]
@@ -164,7 +164,7 @@ def test_elastic_forwards_pack_bit_for_bit_though_their_rows_change_between_laye
 def test_attention_calls_are_the_requests_own_when_not_batched(monkeypatch):
     """`batch_calls=False` (CUDA under batch invariance): each request's attention is one call of its
     own shape, as alone; with batching, requests of one shape share a call; the outputs agree."""
-    import remask.diffusion.varlen as varlen
+    import remask.diffusion.parts.varlen as varlen
 
     g = torch.Generator().manual_seed(5)
     segments = [Segment(0, 1, 7), Segment(7, 2, 5), Segment(17, 1, 7), Segment(24, 1, 3)]

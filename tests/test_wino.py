@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from remask.diffusion.stats import GenerationStats
-from remask.diffusion.wino import WINO, shadow_attention, wino_generate
+from remask.diffusion.parts.stats import GenerationStats
+from remask.diffusion.methods.wino import WINO, shadow_attention, wino_generate
 
 from helpers import load_fixture_checkpoint, margin_case
 

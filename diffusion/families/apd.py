@@ -39,7 +39,7 @@ from remask.models.hf_compat import cache_arg, output_cache
 from remask.models.parallel import full_logits
 from remask.models.spec import ModelSpec, get_spec
 
-from ..parts.checks import check_bool, check_config_bounds, check_int, check_real, model_device
+from ..parts.checks import check_bool, check_int, check_real, model_device
 from ..parts.scoring import filter_logits, gumbel_max_scores
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
@@ -82,17 +82,6 @@ class APDConfig:
         if kind != "ar":
             raise ValueError(f"verifier must be an autoregressive (causal) model; got a {kind} diffusion model, "
                              "whose logits do not score a left-to-right continuation")
-
-    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
-                      steps: int | None = None, prompt_length: int | None = None) -> None:
-        """The work bounds of a request (docs/parameters.md, "Work bounds"): the window
-        `[curr, curr + max_lookahead)` ends at the sequence's end from `gen_length` on (None: the
-        whole rest), and the cache is cropped at `curr − kv_window − accepted + 1`, which is 0 from
-        `prompt + gen_length − 1` on. `prompt_length` None: not known yet."""
-        bounds = {"max_lookahead": (gen_length, "gen_length; None is the whole rest")}
-        if prompt_length is not None:
-            bounds["kv_window"] = (prompt_length + gen_length - 1, "prompt + gen_length − 1")
-        check_config_bounds(self, "apd", bounds)
 
 
 def check_apd_alone(clashes: list[str]) -> None:
@@ -198,7 +187,6 @@ class APDDecoder:
         return self
 
     def check_input(self, prompt: torch.Tensor) -> None:
-        self.apd.check_request(gen_length=self.gen_length, prompt_length=prompt.shape[1])
         if prompt.shape[0] != 1:
             raise ValueError(f"APD decodes one sequence at a time (as the reference); got a batch of "
                              f"{prompt.shape[0]} (prompt rows × num_return_sequences)")

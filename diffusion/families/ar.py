@@ -18,7 +18,7 @@ from remask.models.spec import get_spec
 
 from ..parts.checks import (ParameterTypeError, check_generator, check_int, check_model_kind, check_prompt,
                             check_real, check_stats, check_token_id, warn_if_padded_without_mask)
-from ..parts.constrain import structure_for_call
+from ..parts.constrain_loops import structure_for_call
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest, drive

@@ -23,12 +23,13 @@ from remask.models.spec import get_spec
 
 from .apd import APDConfig, apd_generate
 from .llada import BlockwiseDecoder, block_forwards
-from ..methods.sparse import BlockMaskForward, SparseConfig
+from ..parts.sparse import BlockMaskForward, SparseConfig
 from ..parts.cache import cache_mode
 from ..parts.checks import (check_bool, check_callable, check_choice, check_generator, check_instance, check_int,
                             check_length, check_mask_id, check_model_kind, check_optional_token_id, check_prompt,
                             check_real, check_stats, warn_if_longer_than_trained, warn_if_padded_without_mask)
-from ..parts.constrain import CommitFilter, end_ids_of, structure_for_call
+from ..parts.constrain import CommitFilter, end_ids_of
+from ..parts.constrain_loops import structure_for_call
 from ..parts.scoring import score_rows, score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest, ForwardThenCommit

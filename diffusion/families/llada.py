@@ -17,13 +17,14 @@ from remask.kernels import unmask
 from remask.models.spec import ModelSpec, get_spec
 
 from .apd import APDConfig, apd_generate, check_apd_alone
-from ..methods.sparse import BlockMaskForward, RetentionForward, SparseConfig
+from ..parts.sparse import BlockMaskForward, RetentionForward, SparseConfig
 from ..parts.cache import BlockForward, cache_mode, valid_positions
 from ..parts.checks import (CombinationError, check_bool, check_callable, check_choice, check_generator,
                             check_instance, check_int, check_length, check_mask_id, check_model_kind,
                             check_optional_token_id, check_prompt, check_real, check_stats, check_token_id,
                             warn_if_longer_than_trained, warn_if_padded_without_mask)
-from ..parts.constrain import CommitFilter, end_ids_of, structure_for_call
+from ..parts.constrain import CommitFilter, end_ids_of
+from ..parts.constrain_loops import structure_for_call
 from ..parts.scoring import score_rows, score_tokens
 from ..parts.selection import schedule_counts, topk_commit
 from ..parts.stats import GenerationStats
@@ -70,7 +71,7 @@ def validate_rule(threshold: float | None, factor: float | None) -> None:
 def block_forwards(model: torch.nn.Module, spec: ModelSpec, use_cache: Any, sparse: SparseConfig | None,
                    forward_inputs: dict[str, Any], attention_mask: torch.Tensor | None, total_len: int,
                    topk_ties: bool, steps: int = 0, gen_length: int = 0) -> Any:
-    """The forwards of a block loop: sparse attention's (`methods/sparse.py`), else `BlockForward`."""
+    """The forwards of a block loop: sparse attention's (`parts/sparse.py`), else `BlockForward`."""
     if sparse is not None and sparse.method == "block_mask":
         return BlockMaskForward(model, spec, sparse, forward_inputs, steps, gen_length)
     valid = valid_positions(attention_mask, total_len)
@@ -440,8 +441,8 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch
     the fused kernel's own stream. `on_step(block_index, x, transfer_index)` runs after every step.
     `use_cache`: None, "prefix", "dual" (Fast-dLLM v1, see `block_diffusion_generate`) or "paged" /
     a `PagedKVCache`. `apd`: an `APDConfig(verifier=...)`: adaptive parallel decoding
-    (`remask.diffusion.apd`; `verifier_stats` counts its verifier's forwards). `sparse`: a
-    `SparseConfig(...)` (`remask.diffusion.sparse`). `reference_ties`: the schedule through
+    (`remask.diffusion.families.apd`; `verifier_stats` counts its verifier's forwards). `sparse`: a
+    `SparseConfig(...)` (`remask.diffusion.parts.sparse`). `reference_ties`: the schedule through
     `torch.topk` as the references (their order among exactly equal confidences, common at p = 1.0
     in float32); by default the lower index. `decoder`: a config replacing the block rule
     (docs/decoders.md): `remask.FreeDave(...)` (the tokens of `steps=gen_length` greedy decoding in

@@ -30,9 +30,8 @@ from remask.caches.block import BlockBatch, BlockKVCache
 
 from ..parts.checks import (check_block_within_context, check_bool, check_choice, check_generator, check_instance,
                             check_int, check_real, check_settings, check_stats, check_steps)
-from ..methods.freedave_blocks import BlockFreeDave, split_freedave
-from ..parts.rules import (CommitRule, check_block_decoder, check_rule_on_loop, commit_block, is_rule, rule_types,
-                           unread_settings)
+from ..methods.freedave_blocks import BlockFreeDave, check_block_decoder, split_freedave
+from ..parts.rules import CommitRule, check_rule_on_loop, commit_block, is_rule, rule_types, unread_settings
 from ..parts.scoring import sample_categorical
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest, ForwardThenCommit

@@ -203,7 +203,7 @@ def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cac
                   independent_rows: bool = True, attention_mask: torch.Tensor | None = None,
                   mask_id: int | None = None, stats: GenerationStats | None = None, structure: Any = None,
                   end_ids: Any = ()) -> StepGenerator:
-    """`d2cache_generate` as a step generator (`remask.diffusion.stepper`): the arguments are checked
+    """`d2cache_generate` as a step generator (`remask.diffusion.parts.stepper`): the arguments are checked
     now; the generator yields a `ForwardRequest` per forward and a `Progress` after it (`final`: the
     decoded blocks) and returns `d2cache_generate`'s tensor. With `independent_rows` the rows run one
     after another, the canvas showing each row as it stands. `structure` (a compiled

@@ -22,43 +22,7 @@ from remask.models.spec import get_spec
 from ..parts.checks import CombinationError
 from ..parts.stats import GenerationStats
 from ..parts.stepper import StepGenerator, drive
-
-
-def config_names() -> dict[str, dict[str, type]]:
-    """The names of the configs in JSON form (HTTP bodies, the CLI): `{"name": ..., fields...}`;
-    every registered commit rule under its own `name`."""
-    from .d2cache import D2Cache
-    from .dinfer import VicinityCache
-    from .dkv import DKVCache
-    from .elastic import ElasticCache
-    from .freedave import FreeDave
-    from ..parts.rules import rule_types
-    from .wino import WINO
-
-    return {"decoder": {"freedave": FreeDave, **{rule.name: rule for rule in rule_types()}, "wino": WINO},
-            "use_cache": {"vicinity": VicinityCache, "dkv": DKVCache, "d2cache": D2Cache, "elastic": ElasticCache}}
-
-
-def decoder_types() -> tuple[type, ...]:
-    return tuple(config_names()["decoder"].values())
-
-
-def is_cache_config(value: Any) -> bool:
-    return isinstance(value, tuple(config_names()["use_cache"].values()))
-
-
-def config_from_json(field: str, value: dict) -> Any:
-    """A decoder / cache config from its JSON form `{"name": "freedave", "draft_steps": 4}`; errors
-    name the field (`decoder.name`, `decoder: unknown field ...`)."""
-    names = config_names()[field]
-    settings = dict(value)
-    name = settings.pop("name", None)
-    if name not in names:
-        raise ValueError(f"{field}.name must be one of {sorted(names)}, got {name!r}")
-    try:
-        return names[name](**settings)
-    except TypeError as err:   # an unknown field
-        raise ValueError(f"{field} ({name}): {err}") from None
+from . import registry
 
 
 def is_dinfer_method(decoder: Any, use_cache: Any) -> bool:
@@ -77,8 +41,8 @@ UNSHIFTED_ONLY = {"WINO": "WINO's shadow-block forward", "DKVCache": "LLaDA's dK
 
 
 def check_decoder(decoder: Any) -> None:
-    if not isinstance(decoder, decoder_types()):
-        names = ", ".join(f"remask.{t.__name__}" for t in decoder_types())
+    if not registry.is_config("decoder", decoder):
+        names = ", ".join(f"remask.{t.__name__}" for t in registry.configs("decoder"))
         raise ValueError(f"decoder must be one of {names}, got {type(decoder).__name__}")
 
 
@@ -133,7 +97,7 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
 
     if decoder is not None:
         check_decoder(decoder)
-    if use_cache is not None and not isinstance(use_cache, str) and not is_cache_config(use_cache):
+    if use_cache is not None and not isinstance(use_cache, str) and not registry.is_config("use_cache", use_cache):
         raise ValueError(f"use_cache must be None, a cache name or a remask cache config, "
                          f"got {type(use_cache).__name__}")
     from ..parts.step import CommitRule
@@ -152,7 +116,7 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
         type(decoder).__name__
     if method in UNSHIFTED_ONLY and get_spec(model, mask_id=mask_id).logit_shift:
         field = "use_cache" if method != "WINO" else "decoder"
-        hint = " (Dream's own dKV-Cache: remask.diffusion.dkv_dream.dkv_dream_generate)" if method == "DKVCache" else ""
+        hint = " (Dream's own dKV-Cache: remask.diffusion.methods.dkv_dream.dkv_dream_generate)" if method == "DKVCache" else ""
         raise CombinationError(f"{field}={method}: {UNSHIFTED_ONLY[method]} reads unshifted logits (position i "
                                f"scored from itself, LLaDA's layout); this model shifts its logits by one position "
                                f"(Dream's layout, ModelSpec.logit_shift){hint}")
@@ -184,7 +148,7 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
                          block_length=block_length, remasking=settings.get("remasking", ("low_confidence", None))[0],
                          generator=settings.get("generator", (None, None))[0], **common)
     if isinstance(decoder, FreeDave):
-        if is_cache_config(use_cache):
+        if registry.is_config("use_cache", use_cache):
             raise ValueError("use_cache: FreeDave takes None, 'prefix' or 'dual'")
         return freedave_steps(model, prompt, config=decoder, steps=steps, block_length=block_length,
                               use_cache=use_cache, **common)

@@ -22,15 +22,12 @@ The rules are described on their classes, the departures from upstream in `dinfe
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Generator
 
 import torch
-import torch.nn.functional as F
 
 from remask.caches import KVCache
-from remask.kernels.dinfer import credit_confidence, dinfer_select
 from remask.models.spec import get_spec
 
 from ..parts.cache import BlockForward, valid_positions
@@ -38,149 +35,12 @@ from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.checks import (check_bool, check_config_bounds, check_instance, check_int, check_model_kind, check_prompt,
                      check_real, check_stats, check_mask_id)
 from ..parts.stats import GenerationStats
+from ..parts.rules import CreditDecoding, HierarchicalDecoding, IterationSmoothing, ThresholdDecoding
 from ..parts.step import CommitRule, masked_canvas
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
 
 __all__ = ["ThresholdDecoding", "CreditDecoding", "HierarchicalDecoding", "VicinityCache", "IterationSmoothing",
            "dinfer_generate", "dinfer_steps"]
-
-
-def _check_unit(name: str, value: Any, *, allow_none: bool = False, low_open: bool = True) -> None:
-    check_real(name, value, low=0, high=1, low_open=low_open, allow_none=allow_none)
-
-
-@dataclass(frozen=True)
-class IterationSmoothing:
-    """dInfer's iteration smoothing (`IterationSmooth`, `IterSmoothWithVicinityCache`): the model is
-    fed embeddings. After each forward, every position still masked gets ``E[mask] + w ·
-    softmax(logits) @ E``, every other one its plain embedding. With the iteration count n (over
-    the sequence, cache-building forwards included), ``w = min(cont_weight_init +
-    cont_weight_growth · n, cont_weight)`` and the threshold is ``max(1 − n · threshold_decay,
-    threshold)``. Set on a decoder: ``ThresholdDecoding(smoothing=IterationSmoothing())``."""
-
-    cont_weight: float = 0.3
-    cont_weight_init: float = 0.15
-    cont_weight_growth: float = 0.02
-    threshold_decay: float = 0.02
-
-    def __post_init__(self) -> None:
-        for name in ("cont_weight", "cont_weight_init", "cont_weight_growth", "threshold_decay"):
-            check_real(name, getattr(self, name), low=0)
-
-
-class _DInferRule(CommitRule):
-    """dInfer's decode, shared by its three rules: the rule's `_select` commits into a copy of the
-    block (the logits in float32, as dInfer's decode reads them), then `_fallback`."""
-
-    def commit(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int,
-               state: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if block.dim() != 2 or logits.dim() != 3 or logits.shape[:2] != block.shape:
-            raise ValueError(f"a block [B, L] and its logits [B, L, V], got {tuple(block.shape)} and "
-                             f"{tuple(logits.shape)}")
-        proposal, before = block.clone(), block == mask_id
-        logits = logits if logits.dtype == torch.float32 else logits.to(torch.float32)
-        self._select(proposal, logits, before, mask_id, state)
-        _fallback(proposal, before, logits, mask_id)
-        return before & (proposal != mask_id), proposal
-
-
-def _check_smoothing(rule: Any) -> None:
-    """A decoder's `smoothing`: None, an `IterationSmoothing`, or its fields as a dict (the JSON form)."""
-    if isinstance(rule.smoothing, dict):
-        try:
-            object.__setattr__(rule, "smoothing", IterationSmoothing(**rule.smoothing))
-        except TypeError as e:
-            raise ValueError(f"smoothing: {e}") from None
-    check_instance("smoothing", rule.smoothing, IterationSmoothing, "a remask.IterationSmoothing")
-
-
-@dataclass(frozen=True)
-class ThresholdDecoding(_DInferRule):
-    """dInfer's `ThresholdParallelDecoder` at temperature 0.
-
-    Per row: x0 = argmax, confidence = its float32 softmax probability; x0 = mask token is no
-    candidate; every masked candidate with confidence ≥ ``min(threshold, max_confidence − 1e-5)``
-    is committed. Not ``generate(threshold=)`` (Fast-dLLM's), which commits exactly the top
-    position when none passes, keeps mask-token predictions and compares float64 confidences.
-    """
-
-    name = "threshold"
-    threshold: float = 0.9
-    smoothing: IterationSmoothing | None = None
-
-    def __post_init__(self) -> None:
-        _check_unit("threshold", self.threshold)
-        _check_smoothing(self)
-
-    def _select(self, proposal: torch.Tensor, logits: torch.Tensor, before: torch.Tensor, mask_id: int,
-                state: Any) -> None:
-        _threshold_commit(proposal, logits, self.threshold, mask_id)
-
-
-@dataclass(frozen=True)
-class CreditDecoding(_DInferRule):
-    """dInfer's `CreditThresholdParallelDecoder`: the threshold rule on credit-fused logits.
-
-    A block keeps a float32 credit C `[B, L, V]` (zeros on entering it); at every decode: C ←
-    decay_beta · C (except the first), C[b, l, top1] += p_top1 ** boost_gamma on the masked
-    positions (raw logits' softmax), then the threshold rule on ``logits + credit_alpha · log(1 + C)``.
-    """
-
-    name = "credit"
-    threshold: float = 0.9
-    credit_alpha: float = 0.7
-    boost_gamma: float = 0.2
-    decay_beta: float = 0.8
-    smoothing: IterationSmoothing | None = None
-
-    def __post_init__(self) -> None:
-        _check_unit("threshold", self.threshold)
-        check_real("credit_alpha", self.credit_alpha, low=0)
-        check_real("boost_gamma", self.boost_gamma, low=0)
-        _check_unit("decay_beta", self.decay_beta, low_open=False)
-        _check_smoothing(self)
-
-    def new_state(self) -> _Credit:
-        return _Credit(self)
-
-    def _select(self, proposal: torch.Tensor, logits: torch.Tensor, before: torch.Tensor, mask_id: int,
-                state: _Credit | None) -> None:
-        if state is None:
-            raise ValueError("CreditDecoding keeps a credit state over a block's steps: pass state=rule.new_state()")
-        x0, conf = state.step(logits, before)
-        dinfer_select(proposal, x0, conf, mask_id, "threshold", self.threshold)
-
-
-@dataclass(frozen=True)
-class HierarchicalDecoding(_DInferRule):
-    """dInfer's `HierarchyDecoder` at temperature 0.
-
-    Confidence = softmax probability of the argmax. In every maximal run of masked positions the
-    most confident (all that tie) are committed if > `low_threshold`; so is every position >
-    `threshold` and the single most confident masked one (first among equals). None switches a
-    threshold off (as upstream). Upstream decodes one row; here each row on its own.
-    """
-
-    name = "hierarchical"
-    threshold: float | None = 0.9
-    low_threshold: float | None = 0.4
-    smoothing: IterationSmoothing | None = None
-
-    def __post_init__(self) -> None:
-        _check_unit("threshold", self.threshold, allow_none=True, low_open=False)
-        _check_unit("low_threshold", self.low_threshold, allow_none=True, low_open=False)
-        _check_smoothing(self)
-        if self.smoothing is not None and self.threshold is None:
-            # upstream computes max(1 - n * decay, None) and raises a TypeError
-            raise ValueError("threshold: iteration smoothing decays the threshold towards the decoder's own; "
-                             "HierarchicalDecoding(threshold=None) has none")
-
-    def _select(self, proposal: torch.Tensor, logits: torch.Tensor, before: torch.Tensor, mask_id: int,
-                state: Any) -> None:
-        x0 = logits.argmax(dim=-1)
-        p = F.log_softmax(logits, dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1).exp()
-        # a committed mask-token prediction leaves the position masked, as upstream
-        dinfer_select(proposal, x0, p, mask_id, "hierarchy", self.threshold, self.low_threshold)
 
 
 @dataclass(frozen=True)
@@ -212,46 +72,6 @@ class VicinityCache:
             "after_look": (T - min(first + block_length, T), "the positions after the first block"),
             "warmup_steps": (gen_length + len(starts) * maximum_unroll,
                              "the most iterations the loop runs: gen_length + blocks × maximum_unroll")})
-
-
-def _threshold_commit(x_block: torch.Tensor, logits: torch.Tensor, threshold: float, mask_id: int) -> None:
-    x0 = logits.argmax(dim=-1)
-    p = F.softmax(logits.to(torch.float32), dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1)
-    dinfer_select(x_block, x0, p, mask_id, "threshold", threshold)
-
-
-class _Credit:
-    """Per-block credit state of `CreditDecoding` (reset on entering a block)."""
-
-    def __init__(self, rule: CreditDecoding) -> None:
-        self.rule, self.matrix, self.calls = rule, None, 0
-
-    def step(self, logits: torch.Tensor, masked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Update the credit and return (x0, confidence) of the credit-fused logits (one launch on GPU)."""
-        r = self.rule
-        if self.matrix is None or self.matrix.shape != logits.shape:
-            self.matrix, self.calls = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device), 0
-        out = credit_confidence(logits, self.matrix, masked, self.calls == 0, r.credit_alpha, r.boost_gamma,
-                                r.decay_beta)
-        self.calls += 1
-        return out
-
-
-def _fallback(x_block: torch.Tensor, before: torch.Tensor, logits: torch.Tensor, mask_id: int) -> None:
-    """Rows that committed nothing while masks remain (every candidate predicted the mask token:
-    upstream repeats the step forever) commit their most confident masked position with its best
-    non-mask token."""
-    masked = x_block == mask_id
-    stuck = masked.any(dim=1) & (masked == before).all(dim=1)
-    if not bool(stuck.any()):
-        return
-    rows = stuck.nonzero().squeeze(1)
-    lg = logits[rows].to(torch.float32).clone()
-    lg[..., mask_id] = -math.inf
-    p, tok = F.softmax(lg, dim=-1).max(dim=-1)
-    p = torch.where(masked[rows], p, -math.inf)
-    pos = p.argmax(dim=1)
-    x_block[rows, pos] = tok[torch.arange(len(rows)), pos]
 
 
 class _Decoder:
@@ -448,7 +268,7 @@ def dinfer_generate(model: torch.nn.Module, prompt: torch.Tensor, *, decoder: Co
     """dInfer's block-wise decoding (greedy) with one of its decoders and caches (module docstring).
 
     `decoder`: `ThresholdDecoding`, `CreditDecoding`, `HierarchicalDecoding` or any other `CommitRule`
-    (`remask.diffusion.rules`); `use_cache`: None, "prefix", "dual" or a `VicinityCache`;
+    (`remask.diffusion.parts.rules`); `use_cache`: None, "prefix", "dual" or a `VicinityCache`;
     `maximum_unroll`, `expected_tpf`: dInfer's loop unrolling (NFE, and with a `VicinityCache` the
     iteration that ends the warmup); `stats`: NFE, tokens per decode, cache bytes. Returns
     `[B, P + gen_length]`, no mask left (upstream: the batch-1 sequence with every EOS removed).
@@ -475,7 +295,7 @@ def dinfer_steps(model: torch.nn.Module, prompt: torch.Tensor, *, decoder: Commi
                  early_stop: bool = True, attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
                  eos_id: int | None = None, maximum_unroll: int = 4, expected_tpf: int = 8,
                  stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = ()) -> StepGenerator:
-    """`dinfer_generate` as a step generator (`remask.diffusion.stepper`), its arguments checked at
+    """`dinfer_generate` as a step generator (`remask.diffusion.parts.stepper`), its arguments checked at
     the call: it yields a `ForwardRequest` per forward and a `Progress` after each (`final`: the
     decoded blocks), and returns the tokens. `structure` / `end_ids`: structured output, held at
     every decode (`diffusion/parts/constrain.py`: commits filtered, a block iterated until full)."""

@@ -52,7 +52,7 @@ class DKVCache:
     (`remasking="random"` only) and Greedy's `window_size` (masked neighbours forwarded with each
     position decoded next). `commit_mask_token=True` reproduces upstream when the argmax is the mask
     token (committed, the position stays masked); by default the most probable other token is.
-    Dream's sampler (`remask.diffusion.dkv_dream`) reads two more fields, None for LLaDA:
+    Dream's sampler (`remask.diffusion.methods.dkv_dream`) reads two more fields, None for LLaDA:
     `cache_type` ``"decoded"`` (its default; rebuilt every `cache_reloading_step` steps, upstream's
     `cache_steps`) or ``"prefill"`` (the prompt cached once), and `shift_type` (``"decoded"`` only)
     ``"un"`` (its default), ``"un_right"`` or ``"right"``."""
@@ -215,7 +215,7 @@ def dkv_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCache 
               remasking: str = "low_confidence", attention_mask: torch.Tensor | None = None,
               generator: torch.Generator | None = None, mask_id: int | None = None,
               stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = ()) -> StepGenerator:
-    """`dkv_generate` as a step generator (`remask.diffusion.stepper`): the arguments are checked now;
+    """`dkv_generate` as a step generator (`remask.diffusion.parts.stepper`): the arguments are checked now;
     the generator yields a `ForwardRequest` per forward and a `Progress` after it (`final`: the
     decoded blocks) and returns `dkv_generate`'s tensor. `structure` (a compiled `remask.structured`
     structure) and `end_ids`: structured output (`diffusion/parts/constrain.py`; how each variant

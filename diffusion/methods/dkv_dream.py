@@ -5,7 +5,7 @@ step's forward; `store`: those it holds afterwards, at the start every position 
 is a prompt token (the logit shift: hidden state i scores token i + 1).
 - A step with no cache (the first; with ``cache_type="decoded"`` also every step i with
   i % `cache_reloading_step` == 0) forwards the whole sequence and caches the store's positions.
-- Any other step forwards only the positions outside `prev` (keys in `remask.diffusion.dkv`'s
+- Any other step forwards only the positions outside `prev` (keys in `remask.diffusion.methods.dkv`'s
   reference order) and caches the store's positions, fresh where forwarded, else kept.
 - After each step, ``"decoded"``: `prev` takes the store and the store is recomputed (the delay), by
   `shift_type`: ``"un"`` position i once token i + 1 is decoded (T − 1 follows token 0),
@@ -66,7 +66,7 @@ def dkv_dream_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     `dkv_dream_steps`."""
     structure = None
     if structured_outputs is not None:
-        from ..parts.constrain import structure_for_call
+        from ..parts.constrain_loops import structure_for_call
 
         spec = get_spec(model) if mask_id is None else get_spec(model, mask_id=mask_id)
         structure = structure_for_call(structured_outputs, model, tokenizer, spec.mask_id, max_new_tokens)
@@ -82,7 +82,7 @@ def dkv_dream_steps(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
                     top_p: float | None = None, top_k: int | None = None, eps: float = 1e-3,
                     mask_id: int | None = None, generator: torch.Generator | None = None,
                     stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = ()) -> StepGenerator:
-    """`dkv_dream_generate` as a step generator (`remask.diffusion.stepper`): the arguments are
+    """`dkv_dream_generate` as a step generator (`remask.diffusion.parts.stepper`): the arguments are
     checked now; the generator yields a `ForwardRequest` per forward, a `Progress` after it (`final`
     0: any masked position may be decoded at any step) and returns `dkv_dream_generate`'s tensor.
     `structure` (a compiled `remask.structured` structure) and `end_ids`: structured output, held in
@@ -101,7 +101,7 @@ def dkv_dream_steps(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     if not spec.logit_shift:
         raise ValueError("model: dKV-Cache's Dream sampler caches by the logit shift (position i scores token "
                          "i + 1, ModelSpec.logit_shift); this model scores each position from itself — use "
-                         "remask.diffusion.dkv.dkv_generate (LLaDA's dKV-Cache)")
+                         "remask.diffusion.methods.dkv.dkv_generate (LLaDA's dKV-Cache)")
     check_int("max_new_tokens", max_new_tokens, minimum=1)
     check_prompt(model, input_ids, attention_mask, name="input_ids", spec=spec, mask_in_prompt="refuse")
     T = input_ids.shape[1] + max_new_tokens

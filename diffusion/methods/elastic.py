@@ -283,7 +283,7 @@ def elastic_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: El
     dropped and returned as EOS. `attention_mask` `[B, P]` (left padding) hides pad keys (upstream
     has none). `trace`: a list that receives `(queried positions, first recomputed layer)` per row
     and step (the layer count when nothing was recomputed; -1 for the first, full forward).
-    `rule`: a commit rule (`remask.diffusion.step.CommitRule`: dInfer's, `MarginDecoding`, …) that
+    `rule`: a commit rule (`remask.diffusion.parts.step.CommitRule`: dInfer's, `MarginDecoding`, …) that
     decides each step's commits in the window instead of Elastic-Cache's own threshold / top-k rule
     (a combination no paper shipped; Elastic's `threshold`, `tokens_per_iter` and
     `commit_mask_token` are then not read and refused when set)."""

@@ -407,7 +407,7 @@ def freedave_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask:
                    config: FreeDave | None = None, steps: int | None = None, gen_length: int = 128,
                    block_length: int = 128, use_cache: str | None = None, mask_id: int | None = None,
                    stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = ()) -> StepGenerator:
-    """`freedave_generate` as a step generator (`remask.diffusion.stepper`), its arguments checked at
+    """`freedave_generate` as a step generator (`remask.diffusion.parts.stepper`), its arguments checked at
     the call: it yields a `Progress` after every forward (block start and verification; `final`: the
     decoded blocks) and returns the tokens of `freedave_generate`."""
     config = FreeDave() if config is None else config

@@ -10,7 +10,7 @@ it is committed without a forward (upstream's last step) and the loop stores the
 Token for token the family's loop (SDAR: ``low_confidence_static``, ``denoising_steps=block_length``;
 LLaDA2.0: ``steps=block_length, threshold=1.0``); FreeDave++ (``confidence_threshold=τ``) its threshold
 rule at τ (equal under ``match_rule="exact"``). Exact because each draft's forward computes what the
-loop's single forward computes: GEMMs per draft (`remask.engine.batch_invariant`), attention per row
+loop's single forward computes: GEMMs per draft (`remask.kernels.batch_invariant`), attention per row
 over its cache, MoE row by row.
 """
 from __future__ import annotations
@@ -21,6 +21,8 @@ from typing import Any, Generator
 import torch
 
 from .freedave import FreeDave, _verify
+from ..parts.checks import check_instance
+from ..parts.rules import CommitRule, rule_types
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest
 
@@ -56,8 +58,6 @@ class BlockFreeDave:
     def __init__(self, freedave: Any, **kwargs: Any) -> None:
         """`decoder=FreeDave` on the family's loop: greedy, one token per step, a rule FreeDave can draft,
         `draft_steps` within the block; each refusal names the setting."""
-        from ..parts.checks import check_instance
-
         super().__init__(**kwargs)
         check_instance("decoder", freedave, FreeDave, "a remask FreeDave config", allow_none=False)
         freedave.check_request(block_length=self.block_length)
@@ -204,9 +204,13 @@ def split_freedave(decoder: Any, rules: bool) -> tuple[FreeDave, float | None]:
     """An engine request's `decoder=FreeDave` sets the loop's rule: (the FreeDave without its
     `confidence_threshold`, that threshold; None: one token per step). `rules`: the family also
     takes dInfer's rules (named in the refusal)."""
-    from ..parts.checks import check_instance
-
     check_instance("decoder", decoder, FreeDave, "remask.FreeDave, ThresholdDecoding, CreditDecoding or "
                    "HierarchicalDecoding (the decoders block-causal models take)" if rules else
                    "remask.FreeDave (the decoder block-causal models take)")
     return replace(decoder, confidence_threshold=None), decoder.confidence_threshold
+
+
+def check_block_decoder(decoder: Any) -> None:
+    """`decoder=` on a block-causal family's drop-in function: FreeDave or one of dInfer's rules."""
+    check_instance("decoder", decoder, (FreeDave, CommitRule), "remask.FreeDave or a commit rule ("
+                   + ", ".join(t.__name__ for t in rule_types()) + ": the decoders block-causal models take)")

@@ -204,17 +204,6 @@ class _Rows:
         return self.full[index]
 
 
-def structure_for_call(structured_outputs: Any, model: torch.nn.Module, tokenizer: Any, mask_id: int | None,
-                       max_tokens: int) -> Any:
-    """The drop-in functions' one entry: `compile_for` and the budget check (as `SamplingParams`); None without one."""
-    from .constrain_loops import compile_for
-
-    structure = compile_for(structured_outputs, model, tokenizer, mask_id)
-    if structure is not None:
-        structure.check_budget(max_tokens)
-    return structure
-
-
 def end_ids_of(spec: Any, extra: Sequence[int] = ()) -> list[int]:
     """The ids that end a structured answer: `extra` (the engine's stop ids) or the spec's EOS / EOT."""
     return sorted({int(i) for i in extra} or {int(i) for i in (spec.eos_id, spec.eot_id) if i is not None})

@@ -25,6 +25,15 @@ def compile_for(structured_outputs: Any, model: Any, tokenizer: Any, mask_id: in
                              () if mask_id is None else (int(mask_id),))
 
 
+def structure_for_call(structured_outputs: Any, model: Any, tokenizer: Any, mask_id: int | None,
+                       max_tokens: int) -> Any:
+    """The drop-in functions' one entry: `compile_for` and the budget check (as `SamplingParams`); None without one."""
+    structure = compile_for(structured_outputs, model, tokenizer, mask_id)
+    if structure is not None:
+        structure.check_budget(max_tokens)
+    return structure
+
+
 def end_ids_or_refuse(end_ids: Sequence[int], what: str) -> list[int]:
     ids = sorted({int(i) for i in end_ids if i is not None})
     if not ids:

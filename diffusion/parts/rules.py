@@ -1,25 +1,37 @@
-"""Commit rules: dInfer's three (their maths in `remask.diffusion.dinfer`), `MarginDecoding`, and the calls around
+"""Commit rules: dInfer's three (`ThresholdDecoding`, `CreditDecoding`, `HierarchicalDecoding`; dInfer's loop that also
+runs them: `remask.diffusion.methods.dinfer`), and the calls around
 them of the loops that take `decoder=` (how a rule plugs in: `CommitRule` in `diffusion/parts/step.py`). On SDAR's
 and LLaDA2.0's own loops a rule chooses each step's commits instead of their remasking strategy, greedily.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
+import torch.nn.functional as F
+
+from remask.kernels.dinfer import credit_confidence, dinfer_select
 
 from .checks import check_instance, check_real
-from ..methods.dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding
 from .step import CommitRule
 
-__all__ = ["CommitRule", "CreditDecoding", "HierarchicalDecoding", "MarginDecoding", "ThresholdDecoding", "is_rule",
-           "rule_types", "rule_commit", "commit_block", "check_rule_on_loop", "check_block_decoder", "unread_settings"]
+__all__ = ["CommitRule", "CreditDecoding", "HierarchicalDecoding", "IterationSmoothing",
+           "ThresholdDecoding", "is_rule",
+           "rule_types", "rule_commit", "commit_block", "check_rule_on_loop", "unread_settings"]
 
 
 def rule_types() -> tuple[type, ...]:
-    """Every registered commit rule (dInfer's three and any defined since)."""
-    return tuple(CommitRule.registry.values())
+    """Every commit rule class with a `name`, in definition order (the names these messages list; the
+    methods' registry, `diffusion/methods/registry.py`, is what resolves a name)."""
+    found, stack = [], list(reversed(CommitRule.__subclasses__()))
+    while stack:
+        rule = stack.pop()
+        if rule.__dict__.get("name"):
+            found.append(rule)
+        stack.extend(reversed(rule.__subclasses__()))
+    return tuple(found)
 
 
 def is_rule(decoder: Any) -> bool:
@@ -66,42 +78,184 @@ def check_rule_on_loop(rule: Any, family: str, *, temperature: float, unread: Ma
                          f"{', '.join(f'{k}={v!r}' for k, v in unread.items())})")
 
 
-def check_block_decoder(decoder: Any) -> None:
-    """`decoder=` on a block-causal family's drop-in function: FreeDave or one of dInfer's rules."""
-    from ..methods.freedave import FreeDave
-
-    check_instance("decoder", decoder, (FreeDave, CommitRule), "remask.FreeDave or a commit rule ("
-                   + ", ".join(t.__name__ for t in rule_types()) + ": the decoders block-causal models take)")
-
-
 def unread_settings(given: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
     """The settings in `given` that differ from their `defaults` (those a caller set)."""
     return {name: value for name, value in given.items() if value != defaults[name]}
 
 
-@dataclass(frozen=True)
-class MarginDecoding(CommitRule):
-    """Commit every masked position whose top-1 − top-2 probability margin is at least `margin`, or, when none is,
-    the one with the largest (ties: the first), greedily; the mask token is never proposed. LLaDA's `margin`
-    confidence used as dInfer uses the probability: a combination no paper shipped (`{"name": "margin"}`)."""
+def _check_unit(name: str, value: Any, *, allow_none: bool = False, low_open: bool = True) -> None:
+    check_real(name, value, low=0, high=1, low_open=low_open, allow_none=allow_none)
 
-    name = "margin"
-    margin: float = 0.5
+
+@dataclass(frozen=True)
+class IterationSmoothing:
+    """dInfer's iteration smoothing (`IterationSmooth`, `IterSmoothWithVicinityCache`): the model is
+    fed embeddings. After each forward, every position still masked gets ``E[mask] + w ·
+    softmax(logits) @ E``, every other one its plain embedding. With the iteration count n (over
+    the sequence, cache-building forwards included), ``w = min(cont_weight_init +
+    cont_weight_growth · n, cont_weight)`` and the threshold is ``max(1 − n · threshold_decay,
+    threshold)``. Set on a decoder: ``ThresholdDecoding(smoothing=IterationSmoothing())``."""
+
+    cont_weight: float = 0.3
+    cont_weight_init: float = 0.15
+    cont_weight_growth: float = 0.02
+    threshold_decay: float = 0.02
 
     def __post_init__(self) -> None:
-        check_real("margin", self.margin, low=0, high=1)
+        for name in ("cont_weight", "cont_weight_init", "cont_weight_growth", "threshold_decay"):
+            check_real(name, getattr(self, name), low=0)
+
+
+class _DInferRule(CommitRule):
+    """dInfer's decode, shared by its three rules: the rule's `_select` commits into a copy of the
+    block (the logits in float32, as dInfer's decode reads them), then `_fallback`."""
 
     def commit(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int,
                state: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = torch.softmax(logits.float(), dim=-1)
-        if 0 <= mask_id < probs.shape[-1]:
-            probs = probs.index_fill(-1, torch.tensor([mask_id], device=probs.device), 0.0)
-        top = probs.topk(2, dim=-1)
-        x0, gap = top.indices[..., 0], top.values[..., 0] - top.values[..., 1]
-        masked = block == mask_id
-        gap = torch.where(masked, gap, torch.full_like(gap, -1.0))
-        commit = masked & (gap >= self.margin)
-        best = torch.zeros_like(commit).scatter_(-1, gap.argmax(dim=-1, keepdim=True), True)
-        stuck = masked.any(dim=-1, keepdim=True) & ~commit.any(dim=-1, keepdim=True)
-        commit = commit | (best & masked & stuck)
-        return commit, torch.where(commit, x0, block)
+        if block.dim() != 2 or logits.dim() != 3 or logits.shape[:2] != block.shape:
+            raise ValueError(f"a block [B, L] and its logits [B, L, V], got {tuple(block.shape)} and "
+                             f"{tuple(logits.shape)}")
+        proposal, before = block.clone(), block == mask_id
+        logits = logits if logits.dtype == torch.float32 else logits.to(torch.float32)
+        self._select(proposal, logits, before, mask_id, state)
+        _fallback(proposal, before, logits, mask_id)
+        return before & (proposal != mask_id), proposal
+
+
+def _check_smoothing(rule: Any) -> None:
+    """A decoder's `smoothing`: None, an `IterationSmoothing`, or its fields as a dict (the JSON form)."""
+    if isinstance(rule.smoothing, dict):
+        try:
+            object.__setattr__(rule, "smoothing", IterationSmoothing(**rule.smoothing))
+        except TypeError as e:
+            raise ValueError(f"smoothing: {e}") from None
+    check_instance("smoothing", rule.smoothing, IterationSmoothing, "a remask.IterationSmoothing")
+
+
+@dataclass(frozen=True)
+class ThresholdDecoding(_DInferRule):
+    """dInfer's `ThresholdParallelDecoder` at temperature 0.
+
+    Per row: x0 = argmax, confidence = its float32 softmax probability; x0 = mask token is no
+    candidate; every masked candidate with confidence ≥ ``min(threshold, max_confidence − 1e-5)``
+    is committed. Not ``generate(threshold=)`` (Fast-dLLM's), which commits exactly the top
+    position when none passes, keeps mask-token predictions and compares float64 confidences.
+    """
+
+    name = "threshold"
+    threshold: float = 0.9
+    smoothing: IterationSmoothing | None = None
+
+    def __post_init__(self) -> None:
+        _check_unit("threshold", self.threshold)
+        _check_smoothing(self)
+
+    def _select(self, proposal: torch.Tensor, logits: torch.Tensor, before: torch.Tensor, mask_id: int,
+                state: Any) -> None:
+        _threshold_commit(proposal, logits, self.threshold, mask_id)
+
+
+@dataclass(frozen=True)
+class CreditDecoding(_DInferRule):
+    """dInfer's `CreditThresholdParallelDecoder`: the threshold rule on credit-fused logits.
+
+    A block keeps a float32 credit C `[B, L, V]` (zeros on entering it); at every decode: C ←
+    decay_beta · C (except the first), C[b, l, top1] += p_top1 ** boost_gamma on the masked
+    positions (raw logits' softmax), then the threshold rule on ``logits + credit_alpha · log(1 + C)``.
+    """
+
+    name = "credit"
+    threshold: float = 0.9
+    credit_alpha: float = 0.7
+    boost_gamma: float = 0.2
+    decay_beta: float = 0.8
+    smoothing: IterationSmoothing | None = None
+
+    def __post_init__(self) -> None:
+        _check_unit("threshold", self.threshold)
+        check_real("credit_alpha", self.credit_alpha, low=0)
+        check_real("boost_gamma", self.boost_gamma, low=0)
+        _check_unit("decay_beta", self.decay_beta, low_open=False)
+        _check_smoothing(self)
+
+    def new_state(self) -> _Credit:
+        return _Credit(self)
+
+    def _select(self, proposal: torch.Tensor, logits: torch.Tensor, before: torch.Tensor, mask_id: int,
+                state: _Credit | None) -> None:
+        if state is None:
+            raise ValueError("CreditDecoding keeps a credit state over a block's steps: pass state=rule.new_state()")
+        x0, conf = state.step(logits, before)
+        dinfer_select(proposal, x0, conf, mask_id, "threshold", self.threshold)
+
+
+@dataclass(frozen=True)
+class HierarchicalDecoding(_DInferRule):
+    """dInfer's `HierarchyDecoder` at temperature 0.
+
+    Confidence = softmax probability of the argmax. In every maximal run of masked positions the
+    most confident (all that tie) are committed if > `low_threshold`; so is every position >
+    `threshold` and the single most confident masked one (first among equals). None switches a
+    threshold off (as upstream). Upstream decodes one row; here each row on its own.
+    """
+
+    name = "hierarchical"
+    threshold: float | None = 0.9
+    low_threshold: float | None = 0.4
+    smoothing: IterationSmoothing | None = None
+
+    def __post_init__(self) -> None:
+        _check_unit("threshold", self.threshold, allow_none=True, low_open=False)
+        _check_unit("low_threshold", self.low_threshold, allow_none=True, low_open=False)
+        _check_smoothing(self)
+        if self.smoothing is not None and self.threshold is None:
+            # upstream computes max(1 - n * decay, None) and raises a TypeError
+            raise ValueError("threshold: iteration smoothing decays the threshold towards the decoder's own; "
+                             "HierarchicalDecoding(threshold=None) has none")
+
+    def _select(self, proposal: torch.Tensor, logits: torch.Tensor, before: torch.Tensor, mask_id: int,
+                state: Any) -> None:
+        x0 = logits.argmax(dim=-1)
+        p = F.log_softmax(logits, dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1).exp()
+        # a committed mask-token prediction leaves the position masked, as upstream
+        dinfer_select(proposal, x0, p, mask_id, "hierarchy", self.threshold, self.low_threshold)
+
+
+def _threshold_commit(x_block: torch.Tensor, logits: torch.Tensor, threshold: float, mask_id: int) -> None:
+    x0 = logits.argmax(dim=-1)
+    p = F.softmax(logits.to(torch.float32), dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1)
+    dinfer_select(x_block, x0, p, mask_id, "threshold", threshold)
+
+
+class _Credit:
+    """Per-block credit state of `CreditDecoding` (reset on entering a block)."""
+
+    def __init__(self, rule: CreditDecoding) -> None:
+        self.rule, self.matrix, self.calls = rule, None, 0
+
+    def step(self, logits: torch.Tensor, masked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Update the credit and return (x0, confidence) of the credit-fused logits (one launch on GPU)."""
+        r = self.rule
+        if self.matrix is None or self.matrix.shape != logits.shape:
+            self.matrix, self.calls = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device), 0
+        out = credit_confidence(logits, self.matrix, masked, self.calls == 0, r.credit_alpha, r.boost_gamma,
+                                r.decay_beta)
+        self.calls += 1
+        return out
+
+
+def _fallback(x_block: torch.Tensor, before: torch.Tensor, logits: torch.Tensor, mask_id: int) -> None:
+    """Rows that committed nothing while masks remain (every candidate predicted the mask token:
+    upstream repeats the step forever) commit their most confident masked position with its best
+    non-mask token."""
+    masked = x_block == mask_id
+    stuck = masked.any(dim=1) & (masked == before).all(dim=1)
+    if not bool(stuck.any()):
+        return
+    rows = stuck.nonzero().squeeze(1)
+    lg = logits[rows].to(torch.float32).clone()
+    lg[..., mask_id] = -math.inf
+    p, tok = F.softmax(lg, dim=-1).max(dim=-1)
+    p = torch.where(masked[rows], p, -math.inf)
+    pos = p.argmax(dim=1)
+    x_block[rows, pos] = tok[torch.arange(len(rows)), pos]

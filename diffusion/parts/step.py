@@ -67,18 +67,12 @@ class CommitRule:
     `(commit, tokens)` for one block's tokens `[B, L]` and logits `[B, L, V]`: `commit` a bool `[B, L]` of masked
     positions, `tokens` `[B, L]` their tokens; nothing is changed in place, and a block with a mask gets at least one
     commit (so every loop ends). `new_state()`: the rule's memory over one block's steps (None: none;
-    `CreditDecoding`'s credit matrix). A subclass with a `name` registers in `CommitRule.registry`, where every loop
-    that takes `decoder=`, the `SamplingParams` check, the JSON form `{"name": ...}` and docs/compatibility.md find
-    it: a new rule is one class in `diffusion/parts/rules.py` and its test."""
+    `CreditDecoding`'s credit matrix). `name`: its JSON name; a new rule is its own file in `diffusion/methods/`
+    plus a line in the registry (`diffusion/methods/registry.py`), where every loop that takes `decoder=`, the
+    `SamplingParams` check, the JSON form `{"name": ...}` and docs/compatibility.md find it."""
 
     name: ClassVar[str] = ""
-    registry: ClassVar[dict[str, type]] = {}
     smoothing: Any = None     # dInfer's iteration smoothing (its own loop only); None for other rules
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if cls.__dict__.get("name"):
-            CommitRule.registry[cls.name] = cls
 
     def new_state(self) -> Any:
         return None

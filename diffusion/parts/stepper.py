@@ -149,7 +149,7 @@ def run_forwards(model: torch.nn.Module, requests: list[ForwardRequest],
     if invariant is not None:
         context = invariant(request.batch if request.rows_alone else 1)
     elif request.rows_alone and request.batch > 1:
-        from remask.engine.batch_invariant import batch_invariant_linear
+        from remask.kernels.batch_invariant import batch_invariant_linear
         context = batch_invariant_linear(True, single_thread=False)
     else:
         context = contextlib.nullcontext()

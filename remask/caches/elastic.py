@@ -1,5 +1,5 @@
 """Elastic-Cache's per-layer q/k/v of every position and its attention-drift check (its loop and
-layer work: `remask.diffusion.elastic`)."""
+layer work: `remask.diffusion.methods.elastic`)."""
 from __future__ import annotations
 
 import math

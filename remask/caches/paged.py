@@ -1,12 +1,12 @@
 """The paged KV cache of the diffusion samplers (`use_cache="paged"`): a block refresh's K/V stored
-in pages (allocated by `remask.engine.page_manager.PageManager`), read back by the paged-attention
+in pages (allocated by `remask.caches.page_manager.PageManager`), read back by the paged-attention
 kernel.
 """
 from __future__ import annotations
 
 import torch
 
-from remask.engine.page_manager import PageManager
+from remask.caches.page_manager import PageManager
 from remask.kernels import paged_attention, paged_store
 from .kv import attention
 

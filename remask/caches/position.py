@@ -1,5 +1,5 @@
 """Caches of explicitly passed positions (nothing appended): dKV-Cache's delayed cache and d2Cache's
-whole-sequence cache with its attention rollout (their loops: `remask.diffusion.dkv`, `.d2cache`)."""
+whole-sequence cache with its attention rollout (their loops: `remask.diffusion.methods.dkv`, `.d2cache`)."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""Sparse attention through the `attend` seam of `KVCache`, driven by `remask.diffusion.sparse`:
+"""Sparse attention through the `attend` seam of `KVCache`, driven by `remask.diffusion.parts.sparse`:
 Sparse-dLLM's token-retention cache (OpenMOSS/Sparse-dLLM `CustomCache`; per-head variant of
 dLLM-Serve) and SparseD's block-mask attention hook (INV-WZQ/SparseD).
 

@@ -1,4 +1,4 @@
-"""The cache FreeDave's drafts attend through (its loop: `remask.diffusion.freedave`)."""
+"""The cache FreeDave's drafts attend through (its loop: `remask.diffusion.methods.freedave`)."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +8,7 @@ from .kv import KVCache, attention
 
 class TreeKVCache(KVCache):
     """FreeDave's drafts' view of their block's cache, never copied nor written
-    (`remask.diffusion.freedave`, "Exactness"): row a·K + k is draft k of `rows[a]`, whose queries attend [cached prefix | own
+    (`remask.diffusion.methods.freedave`, "Exactness"): row a·K + k is draft k of `rows[a]`, whose queries attend [cached prefix | own
     keys | cached suffix] of its row's cache."""
 
     def __init__(self, base: KVCache, rows: torch.Tensor | None, prefix: int, suffix_start: int,

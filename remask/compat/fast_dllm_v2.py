@@ -14,7 +14,7 @@ has it as its own method already, as the official model does). The model is rema
 `FastDLLMV2ForCausalLM` (loaded without remote code) or anything with the official forward
 arguments. Seeded runs replay upstream's draws (torch's global generator; `generator=` to use
 another). Departures, all where upstream breaks its own output, are listed in
-`remask.diffusion.fast_dllm_v2` and docs/block-diffusion.md.
+`remask.diffusion.families.fast_dllm_v2` and docs/block-diffusion.md.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from remask.diffusion.checks import ParameterTypeError, check_bool, check_int
-from remask.diffusion.fast_dllm_v2 import fast_dllm_v2_batch_sample, fast_dllm_v2_generate
+from remask.diffusion.parts.checks import ParameterTypeError, check_bool, check_int
+from remask.diffusion.families.fast_dllm_v2 import fast_dllm_v2_batch_sample, fast_dllm_v2_generate
 
 
 def _pad_id(model: torch.nn.Module, tokenizer: Any) -> int:

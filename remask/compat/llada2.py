@@ -11,7 +11,7 @@ argmax differs" as in LLaDA2.1's own S-mode — unlike diffusers' LLaDA2Pipeline
 None, 0 and negatives as off. Returns the continuation `[1, n]`, up to and including the first EOS.
 Seeded sampling replays upstream's draws (`torch.multinomial` on torch's global generator) with
 `reference_rng=True`; `reference_rng=False` draws from `generator`. Departures are listed in
-`remask.diffusion.llada2`.
+`remask.diffusion.families.llada2`.
 """
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from remask.diffusion.checks import check_bool, check_generator, check_stats
-from remask.diffusion.llada2 import RULE_UNREAD, LLaDA2Decoder, LLaDA2FreeDave, LLaDA2Rules
-from remask.diffusion.rules import check_block_decoder, check_rule_on_loop, is_rule, unread_settings
+from remask.diffusion.parts.checks import check_bool, check_generator, check_stats
+from remask.diffusion.families.llada2 import RULE_UNREAD, LLaDA2Decoder, LLaDA2FreeDave, LLaDA2Rules
+from remask.diffusion.methods.freedave_blocks import check_block_decoder
+from remask.diffusion.parts.rules import check_rule_on_loop, is_rule, unread_settings
 from remask.models.llada2 import LLADA2_EOS_ID, LLADA2_MASK_ID
 
 
@@ -37,11 +38,11 @@ def generate(model: torch.nn.Module, inputs: Any = None, temperature: float = 0.
     """LLaDA2's generate: upstream's arguments in upstream's order (2.0's, then 2.1's). `eos_id` /
     `mask_id` default to the model config's ids, then to the release's (156892 / 156895).
     `decoder=remask.FreeDave(...)` (remask's): the tokens of the same call with fewer forwards
-    (greedy, `steps == block_length`; `remask.diffusion.llada2.LLaDA2FreeDave`).
+    (greedy, `steps == block_length`; `remask.diffusion.families.llada2.LLaDA2FreeDave`).
     `decoder=remask.ThresholdDecoding(...)` / `HierarchicalDecoding(...)` / `CreditDecoding(...)`
     (remask's): dInfer's rule chooses each step's commits in LLaDA2.0's loop (greedy; `steps`,
     `top_p`, `top_k`, `minimal_topk`, `threshold` and 2.1's settings are not read and must stay at
-    their defaults; `remask.diffusion.llada2.LLaDA2Rules`).
+    their defaults; `remask.diffusion.families.llada2.LLaDA2Rules`).
     `structured_outputs=remask.StructuredOutputsParams(...)` (remask's; `tokenizer=` the model's, default
     the one saved beside it): the answer is held to it block by block, EOS allowed only where it is
     complete; 2.1's edits keep the committed prefix valid (`diffusion/parts/constrain_loops.py`)."""
@@ -78,7 +79,7 @@ def generate(model: torch.nn.Module, inputs: Any = None, temperature: float = 0.
         check_block_decoder(decoder)
         decoder = LLaDA2FreeDave(decoder, **kwargs)
     if structured_outputs is not None:
-        from remask.diffusion.constrain_loops import compile_for
+        from remask.diffusion.parts.constrain_loops import compile_for
 
         decoder.constrain(compile_for(structured_outputs, model, tokenizer, mask_id))
         decoder.structure.check_budget(gen_length)

@@ -9,7 +9,7 @@ Switch a script by changing one import::
 `prompt` is the tokenizer's output (a dict with `input_ids`, batch 1, as upstream). The model is
 remask's `SDARForCausalLM` (loaded without remote code) or the official remote-code model. Seeded
 runs replay upstream's draws (torch's global generator; `generator=` to use another). Departures
-(all where upstream breaks its own output) are in `remask.diffusion.sdar` and docs/quirks.md.
+(all where upstream breaks its own output) are in `remask.diffusion.families.sdar` and docs/quirks.md.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from remask.diffusion.sdar import sdar_generate
+from remask.diffusion.families.sdar import sdar_generate
 
 
 @torch.no_grad()
@@ -49,7 +49,7 @@ def block_diffusion_generate(
     leaves masks unless `fill_after_stop=False`). `use_cache=False` (remask's): no KV cache, every step
     forwards the sequence up to the current block under the block-causal mask — the same tokens.
     `decoder=remask.FreeDave(...)` (remask's): the tokens of the same call with fewer forwards (greedy,
-    `denoising_steps == block_length`; `remask.diffusion.sdar.SDARFreeDave`).
+    `denoising_steps == block_length`; `remask.diffusion.families.sdar.SDARFreeDave`).
     `structured_outputs=remask.StructuredOutputsParams(...)` (remask's; `tokenizer=` the model's, default
     the one saved beside it): the answer is held to it block by block; `stopping_criteria_idx` end it."""
     input_ids = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt

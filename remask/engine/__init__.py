@@ -14,7 +14,7 @@ from typing import Any
 _EXPORTS = {
     "LLM": ".llm", "LLMEngine": ".llm_engine", "EngineState": ".llm_engine", "SamplingParams": ".sampling_params",
     "CompletionOutput": ".sequence", "RequestOutput": ".sequence", "SequenceStatus": ".sequence",
-    "PageManager": ".page_manager",
+    "PageManager": "remask.caches.page_manager",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -23,7 +23,7 @@ def methods() -> dict[str, dict[str, Any]]:
     """Method name → the `SamplingParams` keywords that ask for it (besides `max_tokens` and the
     layout keywords of `layout`)."""
     import remask
-    from remask.diffusion.rules import rule_types
+    from remask.diffusion.methods import registry
 
     listed = {
         "the family's own rule (LLaDA: low-confidence blocks)": {},
@@ -44,9 +44,9 @@ def methods() -> dict[str, dict[str, Any]]:
                                                            decoder=remask.HierarchicalDecoding()),
         "dKV-Cache + dInfer ThresholdDecoding": dict(use_cache=remask.DKVCache(), decoder=remask.ThresholdDecoding()),
     }
-    # Every other registered commit rule (diffusion/parts/rules.py), with its defaults.
+    # Every other registered commit rule (diffusion/methods/registry.py), with its defaults.
     shipped = (remask.ThresholdDecoding, remask.CreditDecoding, remask.HierarchicalDecoding)
-    extra = {f"rule {rule.name} ({rule.__name__})": dict(decoder=rule()) for rule in rule_types()
+    extra = {f"rule {rule.name} ({rule.__name__})": dict(decoder=rule()) for rule in registry.rules()
              if rule not in shipped}
     return {**listed, **extra}
 

@@ -14,7 +14,7 @@ from typing import Any, Sequence as Seq
 
 import torch
 
-from remask.diffusion.checks import check_bool
+from remask.diffusion.parts.checks import check_bool
 
 from .llm_engine import LLMEngine
 from .sampling_params import SamplingParams

@@ -19,15 +19,15 @@ from typing import Any, Sequence as Seq
 import torch
 
 from remask.caches import PromptCache
-from remask.diffusion.checks import (ParameterTypeError, check_bool, check_choice, check_context, check_instance,
+from remask.diffusion.parts.checks import (ParameterTypeError, check_bool, check_choice, check_context, check_instance,
                                      check_int, check_length, check_prompt, check_real, check_token_id)
-from remask.diffusion.presets import decoder_for, hold_end_ids
+from remask.engine.presets import decoder_for, hold_end_ids
 from remask.models.registry import all_families, family_of
 from remask.models.spec import get_spec
 from remask.text import answer_text, stop_token_ids
 
 from .model_runner import ModelRunner
-from .page_manager import PageManager
+from remask.caches.page_manager import PageManager
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus, now

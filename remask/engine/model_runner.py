@@ -32,11 +32,11 @@ import torch
 
 from remask.models.spec import ModelSpec
 
-from remask.diffusion.stepper import ForwardRequest, call_model, run_forwards
+from remask.diffusion.parts.stepper import ForwardRequest, call_model, run_forwards
 
 from . import cuda_graphs as graphing
-from .batch_invariant import batch_invariant_linear
-from .page_manager import PageManager
+from remask.kernels.batch_invariant import batch_invariant_linear
+from remask.caches.page_manager import PageManager
 from .paged_kv import ForwardBatch, PagedKVStore, SequenceSlice, attention_configs, paged_forward
 from .sequence import Sequence
 

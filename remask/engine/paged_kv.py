@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .page_manager import PageManager
+from remask.caches.page_manager import PageManager
 
 ATTN_IMPLEMENTATION = "remask_paged"
 _CURRENT: contextvars.ContextVar["ForwardBatch | None"] = contextvars.ContextVar("remask_forward_batch", default=None)

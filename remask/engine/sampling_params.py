@@ -9,16 +9,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from remask.diffusion.apd import APDConfig, check_apd_alone
-from remask.diffusion.cache import CACHE_MODES
-from remask.diffusion.canvas import CanvasSampler, check_canvas_settings
-from remask.diffusion.checks import (MAX_TEMPERATURE, ParameterTypeError, check_bool, check_choice, check_instance,
+from remask.diffusion.families.apd import APDConfig, check_apd_alone
+from remask.diffusion.parts.cache import CACHE_MODES
+from remask.diffusion.families.canvas import CanvasSampler, check_canvas_settings
+from remask.diffusion.parts.checks import (MAX_TEMPERATURE, ParameterTypeError, check_bool, check_choice, check_instance,
                                      check_int, check_min_tokens, check_real, check_seed, check_steps, check_stop)
-from remask.diffusion.dream import ALGORITHMS
-from remask.diffusion.llada import REMASKING, validate_block_args, validate_rule
-from remask.diffusion.llada2 import check_llada2_settings
-from remask.diffusion.sdar import check_sdar_settings
-from remask.diffusion.sparse import SparseConfig
+from remask.diffusion.families.dream import ALGORITHMS
+from remask.diffusion.families.llada import REMASKING, validate_block_args, validate_rule
+from remask.diffusion.families.llada2 import check_llada2_settings
+from remask.diffusion.families.sdar import check_sdar_settings
+from remask.diffusion.parts.sparse import SparseConfig
 
 
 # Settings only LLaDA's block rule reads, with their defaults (refused with Dream's `alg`).
@@ -111,13 +111,14 @@ class SamplingParams:
         check_choice("remasking", self.remasking, REMASKING)
         validate_rule(self.threshold, self.factor)
         check_real("cfg_scale", self.cfg_scale, low=0)
-        from remask.diffusion.decoders import check_decoder, config_from_json, is_cache_config
+        from remask.diffusion.methods import registry
+        from remask.diffusion.methods.decoders import check_decoder
 
         # JSON forms (HTTP bodies, the CLI): {"name": ..., fields...} → the config objects
         for name in ("decoder", "use_cache"):
             if isinstance(getattr(self, name), dict):
-                object.__setattr__(self, name, config_from_json(name, getattr(self, name)))
-        if not is_cache_config(self.use_cache) and (
+                object.__setattr__(self, name, registry.from_json(name, getattr(self, name)))
+        if not registry.is_config("use_cache", self.use_cache) and (
                 not (self.use_cache is None or isinstance(self.use_cache, str)) or self.use_cache not in CACHE_MODES):
             configs = "remask.VicinityCache, remask.DKVCache, remask.D2Cache, remask.ElasticCache"
             raise ValueError(f"use_cache must be one of {list(CACHE_MODES)} or a remask cache config ({configs}), "
@@ -155,14 +156,14 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, check(getattr(self, name)))
         if self.fast_dllm_v2 is not None:
-            from remask.diffusion.fast_dllm_v2 import check_fast_dllm_v2_settings
+            from remask.diffusion.families.fast_dllm_v2 import check_fast_dllm_v2_settings
 
             object.__setattr__(self, "fast_dllm_v2", check_fast_dllm_v2_settings(self.fast_dllm_v2))
         if self.decoder is not None or (self.use_cache is not None and not isinstance(self.use_cache, str)):
             if self.decoder is not None:
                 check_decoder(self.decoder)
-            from remask.diffusion.d2cache import D2Cache
-            from remask.diffusion.dkv import DKVCache
+            from remask.diffusion.methods.d2cache import D2Cache
+            from remask.diffusion.methods.dkv import DKVCache
 
             dkv = isinstance(self.use_cache, DKVCache)   # LLaDA's own schedule, cached: it reads steps and remasking
             own_steps = dkv or isinstance(self.use_cache, D2Cache)

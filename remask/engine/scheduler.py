@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from itertools import count
 
-from .page_manager import PageManager
+from remask.caches.page_manager import PageManager
 from .sequence import Sequence, SequenceStatus
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from remask.diffusion.stats import GenerationStats
+from remask.diffusion.parts.stats import GenerationStats
 
 from .sampling_params import SamplingParams
 

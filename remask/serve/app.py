@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.routing import Match
 
-from remask.diffusion.checks import MAX_N, check_int, check_real
+from remask.diffusion.parts.checks import MAX_N, check_int, check_real
 from remask.engine import EngineState, RequestOutput, SamplingParams
 
 from .async_engine import AsyncEngine, QueueFull

@@ -17,9 +17,9 @@ from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, Strict, StrictBool, StrictInt
 
-from remask.diffusion.apd import APDConfig
-from remask.diffusion.canvas import CanvasSampler
-from remask.diffusion.sparse import SparseConfig
+from remask.diffusion.families.apd import APDConfig
+from remask.diffusion.families.canvas import CanvasSampler
+from remask.diffusion.parts.sparse import SparseConfig
 from remask.engine import SamplingParams
 
 # OpenAI fields remask does not implement: refused when set to anything but their default.

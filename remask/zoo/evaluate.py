@@ -19,7 +19,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-import remask
+from remask.diffusion import APDConfig, GenerationStats, ar_generate, generate
+from remask.models import get_spec
 from remask.zoo import charset
 from remask.zoo.tasks import Problem
 
@@ -72,9 +73,9 @@ def prompt_batch(batch: Sequence[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def decode_batch(model: torch.nn.Module, batch: Sequence[Problem], strategy: Strategy, gen_length: int,
-                 generator: torch.Generator, stats: remask.GenerationStats,
+                 generator: torch.Generator, stats: GenerationStats,
                  on_step: Callable | None = None, verifier: torch.nn.Module | None = None,
-                 verifier_stats: remask.GenerationStats | None = None) -> torch.Tensor:
+                 verifier_stats: GenerationStats | None = None) -> torch.Tensor:
     """Answer ids `[B, gen_length]` of one batch under `strategy` (`verifier`: the AR model of an
     APD strategy, whose forwards go to `verifier_stats`)."""
     ids, mask = prompt_batch(batch)
@@ -83,15 +84,15 @@ def decode_batch(model: torch.nn.Module, batch: Sequence[Problem], strategy: Str
     if isinstance(options.get("apd"), dict):
         if verifier is None:
             raise ValueError(f"strategy {strategy.name!r} uses APD: pass verifier= (an AR model with the same tokenizer)")
-        options["apd"] = remask.APDConfig(verifier=verifier, **options["apd"])
+        options["apd"] = APDConfig(verifier=verifier, **options["apd"])
         options["verifier_stats"] = verifier_stats
     if strategy.ar:
-        out = remask.ar_generate(model, ids, attention_mask=attention_mask, max_new_tokens=gen_length,
+        out = ar_generate(model, ids, attention_mask=attention_mask, max_new_tokens=gen_length,
                                  generator=generator, stats=stats, **strategy.options)
     else:
         steps = strategy.steps or gen_length
         block = strategy.block_length or gen_length
-        out = remask.generate(model, ids, attention_mask, steps=steps, gen_length=gen_length, block_length=block,
+        out = generate(model, ids, attention_mask, steps=steps, gen_length=gen_length, block_length=block,
                               generator=generator, stats=stats, on_step=on_step, **options)
     return out[:, ids.shape[1]:]
 
@@ -109,7 +110,7 @@ def evaluate(model: torch.nn.Module, problems: Sequence[Problem], strategy: Stra
     seconds = 0.0
     for start in range(0, len(problems), batch_size):
         batch = problems[start:start + batch_size]
-        stats, verifier_stats = remask.GenerationStats(), remask.GenerationStats()
+        stats, verifier_stats = GenerationStats(), GenerationStats()
         t0 = time.perf_counter()
         answer_ids = decode_batch(model, batch, strategy, gen_length, generator, stats, verifier=verifier,
                                   verifier_stats=verifier_stats)
@@ -138,7 +139,7 @@ def held_out_report(folder: str, n: int, gen_length: int = GEN_LENGTH) -> dict[s
     from remask.zoo.tasks import EVAL_SEED, problems
 
     model, _ = load(folder)
-    ar = remask.get_spec(model).kind == "ar"
+    ar = get_spec(model).kind == "ar"
     strategy = Strategy("greedy AR", ar=True) if ar else Strategy("1 token/step", steps=gen_length)
     result = evaluate(model, problems(n, EVAL_SEED), strategy, gen_length=gen_length)
     return {"strategy": strategy.name, "n": n, "accuracy": round(result.accuracy, 4),

@@ -7,7 +7,7 @@ Both models learn the problems of `remask.zoo.tasks` in the chat format of
 
 * `tiny-llada`: LLaDA architecture, saved in the official LLaDA checkpoint format
   (`config.json` with the released keys, `model.safetensors` with the released parameter names,
-  loadable by `AutoModel.from_pretrained` once remask is imported, or by the official remote
+  loadable by `AutoModel.from_pretrained` once `remask.models` is imported, or by the official remote
   code). Objective: LLaDA's SFT loss: per example a mask ratio t ~ U(eps, 1], each answer
   position (EOS padding included, prompt never) masked with probability t, cross-entropy on
   the masked positions weighted by 1/t, normalised by the answer length.

@@ -22,8 +22,8 @@ import torch
 from remask.caches.sparse import BlockMaskAttention, RetentionKVCache
 from remask.models.spec import ModelSpec
 
-from ..parts.checks import check_bool, check_choice, check_config_bounds, check_int, check_real
-from ..parts.stepper import ForwardRequest
+from .checks import check_bool, check_choice, check_config_bounds, check_int, check_real
+from .stepper import ForwardRequest
 
 SPARSE_METHODS = ("retention", "block_mask")
 
@@ -97,7 +97,7 @@ class SparseConfig:
 
 class RetentionForward:
     """The forwards of one semi-AR block under Sparse-dLLM retention, with the interface of
-    `remask.diffusion.cache.BlockForward` (`refresh` at step 0, `step` → (logits, first fed position)):
+    `remask.diffusion.parts.cache.BlockForward` (`refresh` at step 0, `step` → (logits, first fed position)):
     full forwards before `delay_step`, a selecting full forward at it, the block alone after it."""
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, sparse: SparseConfig, forward_inputs: dict[str, Any],

@@ -17,18 +17,20 @@ from typing import Any
 
 import torch
 
-from remask.engine.sampling_params import SamplingParams
+from remask.diffusion.families.apd import APDDecoder, apd_steps
+from remask.diffusion.families.ar import ARDecoder
+from remask.diffusion.families.canvas import (CanvasDecoder, check_stability, generation_kwargs,
+                                              resolve_generation_config)
+from remask.diffusion.families.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder,
+                                             DreamGenerationConfig, _validate_config, check_block_layout)
+from remask.diffusion.families.llada import BlockDecoder
+from remask.diffusion.methods import registry
+from remask.diffusion.methods.decoders import decoder_steps, end_settings_refusal
+from remask.diffusion.parts.checks import check_prompt
+from remask.diffusion.parts.stepper import StepwiseDecoder
 from remask.models.parallel import full_logits
 
-from ..families.apd import APDDecoder, apd_steps
-from ..families.ar import ARDecoder
-from ..families.canvas import CanvasDecoder, check_stability, generation_kwargs, resolve_generation_config
-from ..parts.checks import check_prompt
-from .decoders import decoder_steps, end_settings_refusal, is_cache_config
-from ..families.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder, DreamGenerationConfig,
-                              _validate_config, check_block_layout)
-from ..families.llada import BlockDecoder
-from ..parts.stepper import StepwiseDecoder
+from .sampling_params import SamplingParams
 
 # Settings that only the diffusion block rule reads: an AR request that sets one is refused.
 DIFFUSION_ONLY = ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "early_stop", "decoder",
@@ -178,7 +180,7 @@ def check_end_settings(engine: Any, params: SamplingParams) -> None:
                   "and its rule scores inside the family's own step")
     elif engine.is_ar:
         return
-    elif params.decoder is not None or is_cache_config(params.use_cache):
+    elif params.decoder is not None or registry.is_config("use_cache", params.use_cache):
         method = params.decoder if params.decoder is not None else params.use_cache
         reason = end_settings_refusal(method, min_tokens=bool(params.min_tokens))
     elif params.apd is not None:
