@@ -144,3 +144,37 @@ def test_the_flat_gemm_threshold_is_measured_and_holds():
     for m in (threshold, threshold + 1, 33, 129, 333, 699):
         if m >= threshold:
             assert torch.equal(torch.nn.functional.linear(x[1:1 + m], weight, bias), full[1:1 + m])
+
+
+def test_the_engine_neither_probes_nor_writes_a_decoder_or_its_state():
+    """One decoder protocol (`diffusion/parts/protocol.py`): the engine calls its methods, never
+    `getattr` / `hasattr` on a decoder or a state, and never assigns to a decoder's state."""
+    import ast
+
+    offenders = []
+    for path in sorted((ROOT / "remask" / "engine").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id in ("getattr", "hasattr", "setattr") and node.args:
+                target = ast.unparse(node.args[0])
+                if "decoder" in target or "state" in target:
+                    offenders.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+            if path.name in ("llm_engine.py", "scheduler.py") and isinstance(node, (ast.Assign, ast.AugAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    text = ast.unparse(target)
+                    if isinstance(target, ast.Attribute) and (text.startswith("state.") or ".state." in text):
+                        offenders.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert offenders == []
+
+
+def test_every_diffusion_decoder_the_engine_builds_is_a_decoder(llada):
+    """Each LLaDA method's engine decoder implements the one protocol (no duck typing)."""
+    from remask.diffusion.parts.protocol import Decoder
+    from remask.engine.presets import decoder_for
+
+    model, tokenizer = llada
+    engine = LLMEngine(model, tokenizer, cost_stride=False)
+    prompt = torch.tensor([charset.encode_chat("12+34")])
+    for kwargs in LLADA_METHODS:
+        decoder = decoder_for(engine, SamplingParams(max_tokens=16, **{**kwargs, **({"block_length": 16} if "block_length" in kwargs else {})}), prompt)
+        assert isinstance(decoder, Decoder), (kwargs, type(decoder).__name__)

@@ -25,6 +25,7 @@ from remask.models.hf_compat import output_cache, with_cache_field
 from ..parts.checks import (MAX_LOOP_STEPS, ParameterTypeError, check_at_most, check_bool, check_choice,
                             check_generator, check_instance, check_int, check_real, check_stats)
 from ..parts.scoring import draw_seed
+from ..parts.protocol import Decoder
 from ..parts.stats import GenerationStats
 from ..parts.step import Decision, apply_decision
 from ..parts.stepper import ForwardRequest, drive
@@ -242,7 +243,7 @@ class CanvasState:
         return torch.cat([self.input_ids, self.argmax_canvas], dim=-1)
 
 
-class CanvasDecoder:
+class CanvasDecoder(Decoder):
     """The canvas loop as a decoder: a step denoises every row (one decoder forward, plus the encoder's
     when it opens a canvas). `config`: a resolved `DiffusionGemmaGenerationConfig`; `prompt_cache`:
     a `remask.caches.PromptCache` (single unpadded rows take the prompt's cache)."""

@@ -260,8 +260,11 @@ class StoreKVLoop(BlockLoop):
         L = self.block_length
         return prompt_length // L * L, (prompt_length + self.gen_length + L - 1) // L * L
 
-    def pages_needed(self, manager: Any, prompt_ids: torch.Tensor) -> int:
-        """Free pages a request with this prompt takes in the engine's store (all allocated at start)."""
+    def pages_needed(self, manager: Any, prompt_ids: torch.Tensor) -> int | None:
+        """Free pages a request with this prompt takes in the engine's store (all allocated at start);
+        None without the store (a contiguous cache)."""
+        if self.block_store is None:
+            return None
         prefix, total = self.block_sizes(prompt_ids.shape[1])
         return BlockKVCache.pages_needed(manager, prompt_ids[0, :prefix].tolist(), total, self.block_length)
 

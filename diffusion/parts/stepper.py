@@ -19,6 +19,7 @@ from typing import Any, Callable, ContextManager, Generator, Iterator
 
 import torch
 
+from .protocol import Decoder
 from .stats import GenerationStats
 
 
@@ -275,7 +276,7 @@ def drive(steps: StepGenerator, model: torch.nn.Module | None = None) -> Any:
             answer = None
 
 
-class ForwardThenCommit:
+class ForwardThenCommit(Decoder):
     """A decoder whose step is one forward then a commit: `_forward(state)` (a sub-generator of
     one `ForwardRequest`, returning `(logits, first fed position)`) and `commit(state, logits, fed,
     generator, stats)`. The runner asks `next_forward`, packs, and hands the logits to `receive`;
@@ -329,7 +330,7 @@ class StepwiseState:
     counted: GenerationStats = field(default_factory=GenerationStats)
 
 
-class StepwiseDecoder:
+class StepwiseDecoder(Decoder):
     """The engine's decoder for a method written as a step generator. `make_steps(model, prompt,
     generator, stats)` starts the method's loop on one request (its prompt `[1, P]` alone, so its
     tokens are the drop-in function's on that prompt).

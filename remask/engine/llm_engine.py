@@ -21,7 +21,7 @@ import torch
 from remask.caches import PromptCache
 from remask.diffusion.parts.checks import (ParameterTypeError, check_bool, check_choice, check_context, check_instance,
                                      check_int, check_length, check_prompt, check_real, check_token_id)
-from remask.engine.presets import decoder_for, hold_end_ids
+from remask.engine.presets import decoder_for
 from remask.models.registry import all_families, family_of
 from remask.models.spec import get_spec
 from remask.text import answer_text, stop_token_ids
@@ -362,21 +362,17 @@ class LLMEngine:
         if grew and seq.first_final_time is None:
             seq.first_final_time = now()
         seq.final_len = final
-        if not state.done and seq.params.stop and seq.paged and grew:   # token by token: stop strings end it early
+        done = state.done
+        if not done and seq.params.stop and seq.paged and grew:   # token by token: stop strings end it early
             generated = self._generated(seq)
             text = answer_text(self.tokenizer, generated, stop_ids=self._stop_ids(seq))
-            if self._stop_string_at(seq, text, generated) is not None:
-                state.done = True
-        if state.done:
+            done = self._stop_string_at(seq, text, generated) is not None
+        if done:
             seq.stats.stop(seq.final_len if seq.paged else seq.params.max_tokens)
             seq.finish_time = now()
             seq.output_ids = self._generated(seq)
             self.scheduler.finish(seq)
             return True
-        if seq.hold_ids is not None and state.step < seq.params.min_tokens:
-            # min_tokens, vLLM's rule: the next token is sampled from these logits (the next step),
-            # and while fewer than min_tokens tokens exist it may not be an end token.
-            state.logits = hold_end_ids(state.logits[:, None], 0, 1, seq.hold_ids)[:, 0]
         return grew
 
     def _generated(self, seq: Sequence) -> list[int]:
@@ -390,9 +386,9 @@ class LLMEngine:
 
     def _draft(self, seq: Sequence) -> list[int | None] | None:
         state = seq.state
-        if state is None or not hasattr(state, "x"):
+        if state is None or seq.paged:
             return None if not seq.is_finished else list(seq.output_ids or [])
-        canvas = state.x[0, seq.prompt_len:seq.prompt_len + seq.params.max_tokens].tolist()
+        canvas = seq.decoder.canvas(state)[0, seq.prompt_len:seq.prompt_len + seq.params.max_tokens].tolist()
         return [None if t == self.spec.mask_id else t for t in canvas]
 
     def _stop_ids(self, seq: Sequence) -> list[int]:

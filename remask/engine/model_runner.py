@@ -37,6 +37,7 @@ from remask.diffusion.parts.stepper import ForwardRequest, call_model, run_forwa
 from . import cuda_graphs as graphing
 from remask.kernels.batch_invariant import batch_invariant_linear
 from remask.caches.page_manager import PageManager
+from .presets import hold_end_ids
 from .paged_kv import ForwardBatch, PagedKVStore, SequenceSlice, attention_configs, paged_forward
 from .sequence import Sequence
 
@@ -131,8 +132,7 @@ class ModelRunner:
         batched: dict[Any, list[tuple[Sequence, torch.Tensor, int]]] = defaultdict(list)
         for seq, answer in zip(group, answers):
             try:
-                commit_key = getattr(seq.decoder, "commit_key", None)
-                key = commit_key() if commit_key is not None else None
+                key = seq.decoder.commit_key()
                 if key is None:
                     seq.decoder.receive(seq.state, answer, seq.generator, seq.stats)
                     continue
@@ -177,7 +177,11 @@ class ModelRunner:
                     seq.stats.forward(1, len(prompt))
                 else:                       # sample this step's token; the forward stores it
                     row = seq.state
-                    token = int(seq.decoder.sample(row.logits, seq.generator, row)[0])
+                    logits = row.logits
+                    if seq.hold_ids is not None and row.step < seq.params.min_tokens:
+                        # min_tokens, vLLM's rule: while fewer than min_tokens tokens exist, no end token
+                        logits = hold_end_ids(logits[:, None], 0, 1, seq.hold_ids)[:, 0]
+                    token = int(seq.decoder.sample(logits, seq.generator, row)[0])
                     row.tokens.append(token)
                     row.step += 1
                     seq.stats.step(1)

@@ -54,10 +54,9 @@ class Scheduler:
     def _block_pages(self, seq: Sequence) -> int | None:
         """Pages a block-causal request takes at its start (its decoder allocates them all then:
         it never waits for a page while running), or None for other requests."""
-        pages_needed = getattr(seq.decoder, "pages_needed", None)
-        if self.pages is None or pages_needed is None or getattr(seq.decoder, "block_store", None) is None:
+        if self.pages is None or seq.paged:
             return None
-        return pages_needed(self.pages, seq.prompt_ids)
+        return seq.decoder.pages_needed(self.pages, seq.prompt_ids)
 
     @property
     def has_unfinished(self) -> bool:
@@ -186,9 +185,8 @@ class Scheduler:
         seq.status = status
         if seq.paged and seq.state is not None and self.pages is not None:
             self.pages.free(seq.state.table)
-        release = getattr(seq.decoder, "release", None)
-        if release is not None and seq.state is not None:
-            release(seq.state)    # a block-causal request's pages
+        if not seq.paged and seq.state is not None:
+            seq.decoder.release(seq.state)    # a block-causal request's pages
         seq.state = None          # drops its cache
         self._seq_served.pop(seq, None)
         self._seq_steps.pop(seq, None)

@@ -53,7 +53,7 @@ class Sequence:
     def restart(self) -> None:
         """Back to its first step (preempted: its pages were taken back). Decoding again from the
         same seed gives the same tokens, so what was already reported stays true."""
-        tokens = getattr(self.state, "tokens", None)
+        tokens = self.state.tokens if self.paged and self.state is not None else None
         if tokens is not None and len(tokens) > len(self.output_ids or []):
             self.output_ids = list(tokens[:self.final_len])   # reported until the new run catches up
         self.state = None

@@ -1,0 +1,75 @@
+"""The one decoder protocol: everything both drivers — the drop-in loops and the engine's runner —
+call on a diffusion decoder, and nothing else (no attribute probing, no writes to its state).
+
+    state = decoder.start(model, prompt)                  # the request's state: the decoder's alone
+    while (request := decoder.next_forward(model, state, generator, stats)) is not None:
+        decoder.receive(state, logits_of(request), generator, stats)   # commits, up to its next forward
+    decoder.num_final(state)                              # generated positions no later step changes
+
+* Batched commit: decoders with an equal `commit_key()` (not None) commit together — each
+  `finish_forward`, then one `commit_shared` over all of them (one scoring and one selection for
+  the lot, row by row as each alone); None commits alone through `receive`.
+* Pages: a decoder whose requests take whole pages of the engine's store when they start says how
+  many (`pages_needed`, None: none) and gives them back (`release`).
+* `canvas(state)`: the canvas so far `[1, P + L]` (masks where undecided), for drafts.
+"""
+from __future__ import annotations
+
+import abc
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from .stats import GenerationStats
+
+if TYPE_CHECKING:
+    from .stepper import ForwardRequest
+
+
+class Decoder(abc.ABC):
+    """A diffusion decoder as the drivers see it (module docstring). States have a `done` flag."""
+
+    @abc.abstractmethod
+    def start(self, model: torch.nn.Module, input_ids: torch.Tensor) -> Any:
+        """A new request's state for its prompt `[1, P]`."""
+
+    @abc.abstractmethod
+    def next_forward(self, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
+                     stats: GenerationStats | None = None) -> ForwardRequest | None:
+        """The forward the request waits for; None once it is done (or for one step, paused)."""
+
+    @abc.abstractmethod
+    def receive(self, state: Any, logits: Any, generator: torch.Generator | None = None,
+                stats: GenerationStats | None = None) -> None:
+        """The forward's answer: commit, and run to the next forward."""
+
+    @abc.abstractmethod
+    def num_final(self, state: Any) -> int:
+        """Generated positions (from the prompt's end) that no later step changes."""
+
+    def canvas(self, state: Any) -> torch.Tensor:
+        return state.x
+
+    def commit_key(self) -> Any:
+        """Equal for decoders whose commits run together in one `commit_shared`; None: alone."""
+        return None
+
+    def finish_forward(self, state: Any, logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+        raise NotImplementedError(f"{type(self).__name__} commits alone (commit_key() is None)")
+
+    def commit(self, state: Any, logits: torch.Tensor, fed: int = 0, generator: torch.Generator | None = None,
+               stats: GenerationStats | None = None) -> None:
+        raise NotImplementedError(f"{type(self).__name__} commits alone (commit_key() is None)")
+
+    @staticmethod
+    def commit_shared(decoders: Sequence["Decoder"], states: Sequence[Any], logits: torch.Tensor,
+                      offsets: Sequence[int], lengths: Sequence[int], fed: Sequence[int],
+                      stats: Sequence[GenerationStats | None]) -> None:
+        raise NotImplementedError("no batched commit: commit_key() is None")
+
+    def pages_needed(self, pages: Any, prompt_ids: torch.Tensor) -> int | None:
+        """Pages of the engine's store a request with this prompt takes at its start; None: none."""
+        return None
+
+    def release(self, state: Any) -> None:
+        """Give back what `pages_needed` counted."""
