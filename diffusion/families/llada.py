@@ -318,7 +318,7 @@ class BlockDecoder(BlockwiseDecoder):
         (`commit_shared`: greedy, the same rule and scoring settings); None when it commits alone."""
         if self.temperature > 0 or self.reference_sampling or self.reference_ties or self.cfg_scale > 0 \
                 or self.remasking != "low_confidence" or self.confidence_eos_eot_inf == "corrected" \
-                or self.structure is not None:
+                or self.structure is not None or self.processors:
             return None
         return (BlockDecoder, self.spec.mask_id, self.block_length, self.threshold, self.factor,
                 tuple(self.suppress or ()), tuple(self.zero_prob_ids or ()), self.precision.softmax)

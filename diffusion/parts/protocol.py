@@ -12,6 +12,7 @@ call on a diffusion decoder, and nothing else (no attribute probing, no writes t
 * Pages: a decoder whose requests take whole pages of the engine's store when they start says how
   many (`pages_needed`, None: none) and gives them back (`release`).
 * `canvas(state)`: the canvas so far `[1, P + L]` (masks where undecided), for drafts.
+* `add_processor`: a logits processor (`parts/processors.py`, e.g. `min_tokens`) as a part.
 """
 from __future__ import annotations
 
@@ -66,6 +67,12 @@ class Decoder(abc.ABC):
                       offsets: Sequence[int], lengths: Sequence[int], fed: Sequence[int],
                       stats: Sequence[GenerationStats | None]) -> None:
         raise NotImplementedError("no batched commit: commit_key() is None")
+
+    def add_processor(self, processor: Any) -> "Decoder":
+        """Edit every forward's logits with `processor(state, logits, fed)` before the commit scores
+        them (`parts/processors.py`); a decoder that scores inside its own loop refuses."""
+        raise ValueError(f"{type(self).__name__} scores the logits inside its own loop: no logits processor "
+                         "reaches them")
 
     def pages_needed(self, pages: Any, prompt_ids: torch.Tensor) -> int | None:
         """Pages of the engine's store a request with this prompt takes at its start; None: none."""

@@ -298,9 +298,20 @@ class ForwardThenCommit(Decoder):
             return stop.value
         raise RuntimeError(f"{type(self).__name__}: one step asked for a second forward")
 
+    processors: tuple = ()   # logits processors (`add_processor`), applied before `commit` scores
+
+    def add_processor(self, processor: Any) -> "ForwardThenCommit":
+        self.processors = (*self.processors, processor)
+        return self
+
+    def _processed(self, state: Any, logits: torch.Tensor, fed: int) -> tuple[torch.Tensor, int]:
+        for processor in self.processors:
+            logits = processor(state, logits, fed)
+        return logits, fed
+
     def receive(self, state: Any, logits: torch.Tensor, generator: torch.Generator | None = None,
                 stats: GenerationStats | None = None) -> None:
-        self.commit(state, *self.finish_forward(state, logits), generator, stats)
+        self.commit(state, *self._processed(state, *self.finish_forward(state, logits)), generator, stats)
 
     def forward(self, model: torch.nn.Module, state: Any) -> tuple[torch.Tensor, int]:
         """The next forward of `state`, alone."""
@@ -308,7 +319,7 @@ class ForwardThenCommit(Decoder):
 
     def step(self, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
              stats: GenerationStats | None = None) -> None:
-        self.commit(state, *self.forward(model, state), generator, stats)
+        self.commit(state, *self._processed(state, *self.forward(model, state)), generator, stats)
 
 
 @dataclass(eq=False)

@@ -21,6 +21,7 @@ import torch
 from remask.caches import PromptCache
 from remask.diffusion.parts.checks import (ParameterTypeError, check_bool, check_choice, check_context, check_instance,
                                      check_int, check_length, check_prompt, check_real, check_token_id)
+from remask.diffusion.parts.processors import HoldEndIds
 from remask.engine.presets import decoder_for
 from remask.models.registry import all_families, family_of
 from remask.models.spec import get_spec
@@ -175,7 +176,7 @@ class LLMEngine:
             hold_ids = torch.tensor(sorted(set(self.stop_ids) | set(self.eos_ids()) | set(params.stop_token_ids)),
                                     dtype=torch.long, device=self.device)
             if not self.is_ar:
-                decoder.hold_ends(params.min_tokens, hold_ids)
+                decoder.add_processor(HoldEndIds(params.min_tokens, hold_ids))
         base_seed = params.seed if params.seed is not None else self._default_seed(ids)
         arrival = now()
         seqs = [Sequence(request_id=request_id, index=i, prompt_ids=prompt_ids, params=params, decoder=decoder,

@@ -37,7 +37,7 @@ from remask.diffusion.parts.stepper import ForwardRequest, call_model, run_forwa
 from . import cuda_graphs as graphing
 from remask.kernels.batch_invariant import batch_invariant_linear
 from remask.caches.page_manager import PageManager
-from .presets import hold_end_ids
+from remask.diffusion.parts.processors import hold_end_ids
 from .paged_kv import ForwardBatch, PagedKVStore, SequenceSlice, attention_configs, paged_forward
 from .sequence import Sequence
 

@@ -6,9 +6,9 @@ autoregressive decoding, LLaDA's block rule, Dream's sampler or block decoder, A
 step generator (`decoders.decoder_steps`), each built as the drop-in function builds it (the same
 tokens). The one place that maps settings to methods: the engine has no branch on a method or model.
 
-`min_tokens` (`hold_end_ids`): the end ids are held back at the answer's first `min_tokens`
-positions in the logits of the decoders that expose them (`BlockDecoder.commit`,
-`DreamDecoder.commit`, the Dream block decoder's forwards).
+`min_tokens`: the engine gives the decoder a logits processor (`parts/processors.HoldEndIds`, through
+`Decoder.add_processor`) where its loop scores after the forward (LLaDA's block rule, Dream's sampler
+and block decoder); the methods that score inside their own loops refuse it (`check_end_settings`).
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from remask.diffusion.methods import registry
 from remask.diffusion.methods.decoders import decoder_steps, end_settings_refusal
 from remask.diffusion.parts.checks import check_prompt
 from remask.diffusion.parts.stepper import StepwiseDecoder
-from remask.models.parallel import full_logits
 
 from .sampling_params import SamplingParams
 
@@ -36,80 +35,6 @@ from .sampling_params import SamplingParams
 DIFFUSION_ONLY = ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "early_stop", "decoder",
                   "logits_eos_inf", "confidence_eos_eot_inf", "reference_rng", "reference_ties", "alg", "alg_temp",
                   "eps", "apd")
-
-
-def hold_end_ids(logits: torch.Tensor, fed: int, until: int, ids: torch.Tensor) -> torch.Tensor:
-    """`logits` `[B, L, V]` of positions `fed`, `fed + 1`, … with `ids` at −inf at the positions
-    before `until` (`min_tokens`: no end token can be chosen there). A copy where anything changes;
-    the caller's tensor (a shared forward's) is never written."""
-    cut = min(until - fed, logits.shape[1])
-    if cut <= 0:
-        return logits
-    logits = full_logits(logits).clone()     # whole rows: the ids are global vocabulary ids
-    logits[:, :cut].index_fill_(-1, ids, -torch.inf)
-    return logits
-
-
-class _HoldEnds:
-    """`min_tokens` for the decoders whose `commit(state, logits, fed, …)` gets the logits of
-    positions `fed`, … (`BlockDecoder`, `DreamDecoder`). vLLM masks the end tokens while fewer than
-    `min_tokens` exist; a diffusion model writes in any order, so here they are masked at the
-    answer's first `min_tokens` positions at every step, before the (unchanged) rule scores."""
-
-    min_tokens: int = 0
-    end_ids: torch.Tensor
-
-    def hold_ends(self, min_tokens: int, end_ids: torch.Tensor) -> Any:
-        self.min_tokens, self.end_ids = min_tokens, end_ids
-        return self
-
-    def commit(self, state: Any, logits: torch.Tensor, fed: int = 0, *args: Any, **kwargs: Any) -> None:
-        logits = hold_end_ids(logits, fed, state.prompt_len + self.min_tokens, self.end_ids)
-        return super().commit(state, logits, fed, *args, **kwargs)
-
-    def commit_key(self) -> None:
-        return None   # its logits differ per request (the held positions): it commits alone
-
-
-class _HeldBlockDecoder(_HoldEnds, BlockDecoder):
-    pass
-
-
-class _HeldDreamDecoder(_HoldEnds, DreamDecoder):
-    pass
-
-
-class _HeldForwards:
-    """The forwards of one Dream block-decoder state (`BlockForward`), their logits with the end
-    ids held back at the answer's first positions (its `step` scores what `refresh` / `step` return)."""
-
-    def __init__(self, inner: Any, until: int, ids: torch.Tensor) -> None:
-        self.inner, self.until, self.ids = inner, until, ids
-
-    def __getattr__(self, name: str) -> Any:      # cache_nbytes, …
-        return getattr(self.inner, name)
-
-    def refresh(self, x: torch.Tensor, start: int, end: int) -> Any:
-        return hold_end_ids((yield from self.inner.refresh(x, start, end)), 0, self.until, self.ids)
-
-    def step(self, x: torch.Tensor, start: int, end: int) -> Any:
-        logits, fed = yield from self.inner.step(x, start, end)
-        return hold_end_ids(logits, fed, self.until, self.ids), fed
-
-
-class _HeldDreamBlockDecoder(DreamBlockDecoder):
-    """Fast-dLLM's Dream block decoder with `min_tokens` (see `_HoldEnds`)."""
-
-    min_tokens: int = 0
-    end_ids: torch.Tensor
-
-    hold_ends = _HoldEnds.hold_ends
-
-    def start(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-              histories: list | None = None) -> Any:
-        state = super().start(model, input_ids, attention_mask, histories)
-        state.forwards = _HeldForwards(state.forwards, state.prompt_len + self.min_tokens, self.end_ids)
-        return state
 
 
 def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -> Any:
@@ -144,7 +69,7 @@ def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -
         if params.top_p is not None or params.top_k is not None:
             raise ValueError("top_p / top_k filter autoregressive sampling and Dream's (alg=...); LLaDA's block "
                              "rule samples with Gumbel-max over the full vocabulary: leave them None")
-        decoder = (_HeldBlockDecoder if params.min_tokens else BlockDecoder)(engine.spec, **params.generate_kwargs(),
+        decoder = BlockDecoder(engine.spec, **params.generate_kwargs(),
                                                                            structure=structure, end_ids=ends)
         decoder.check_input(engine.model, prompt_ids, None)
     return decoder
@@ -253,9 +178,9 @@ def dream_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor,
     _validate_config(config, engine.spec)
     check_prompt(engine.model, prompt_ids, None, spec=engine.spec)
     if block_length is None and use_cache is None:
-        return (_HeldDreamDecoder if params.min_tokens else DreamDecoder)(
+        return DreamDecoder(
             engine.spec, config, threshold, reference_ties=params.reference_ties, structure=structure, end_ids=end_ids)
     block_length = DEFAULT_BLOCK_LENGTH if block_length is None else block_length
     check_block_layout(params.max_tokens, block_length, config.steps)
-    return (_HeldDreamBlockDecoder if params.min_tokens else DreamBlockDecoder)(
+    return DreamBlockDecoder(
         engine.spec, config, threshold, block_length, use_cache, structure=structure, end_ids=end_ids)
