@@ -1,36 +1,71 @@
-"""The registry: every method that `decoder=` / `use_cache=` takes, by name, one line each.
+"""The registry: every method that `decoder=` / `use_cache=` takes, by name, one `register` line each.
 
-A method is a name, a config dataclass (in the method's own file, checking its own values) and the
-keyword it goes under. Everything that turns a name into a method looks here: the JSON form
-`{"name": "freedave", ...}` of `SamplingParams`, the HTTP API and the CLI, the type checks and
-their messages, docs/compatibility.md. Adding a method is its file plus one `register` line below
-(docs/architecture.md, "Adding a method").
+A method is a name, a config dataclass (in the method's own file, checking its own values), the
+keyword it goes under (`field`) and, for a method with a loop of its own, its `loop`: a function of
+the call (`Call`) that returns the method's step generator (`diffusion/parts/stepper.py`). A commit
+rule has no loop of its own: it runs in the block loop that takes rules (dInfer's). Its capabilities
+sit beside it: the entry-point settings it `reads`, why its loop needs LLaDA's unshifted logits
+(`unshifted`), whether a cache method takes a commit rule as `decoder=` (`takes_rule`), and whether
+it fills a row with EOS after the first EOS it decodes (`fills_after_eos`, so `ignore_eos` is refused).
+
+Everything that turns a name or a config into a method looks here: `decoder_steps` (the drop-in
+functions and the engine), the JSON form `{"name": "freedave", ...}` of `SamplingParams`, the HTTP
+API and the CLI, the type checks and their messages, docs/compatibility.md. Adding a method is its
+file plus one `register` line below (docs/architecture.md, "Adding a method").
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
-from ..parts.step import CommitRule
-from .d2cache import D2Cache
+import torch
+
 from ..parts.rules import CreditDecoding, HierarchicalDecoding, ThresholdDecoding
-from .dinfer import VicinityCache
-from .dkv import DKVCache
-from .elastic import ElasticCache
-from .freedave import FreeDave
+from ..parts.step import CommitRule
+from ..parts.stepper import StepGenerator
+from .d2cache import D2Cache, d2cache_steps
+from .dinfer import VicinityCache, dinfer_steps
+from .dkv import DKVCache, dkv_steps
+from .elastic import ElasticCache, elastic_steps
+from .freedave import FreeDave, freedave_steps
 from .margin import MarginDecoding
-from .wino import WINO
+from .wino import WINO, wino_steps
 
 FIELDS = ("decoder", "use_cache")
 
 
 @dataclass(frozen=True)
+class Call:
+    """What an entry point hands a method's loop: the model and prompt, the configs, the layout, the
+    entry point's other settings (`settings`: name → value, for those the method `reads`) and the
+    keywords every loop takes (`common`: gen_length, attention_mask, mask_id, stats, structure, end_ids)."""
+
+    model: torch.nn.Module
+    prompt: torch.Tensor
+    decoder: Any
+    use_cache: Any
+    steps: int | None
+    block_length: int
+    settings: dict[str, Any] = field(default_factory=dict)
+    common: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gen_length(self) -> int:
+        return self.common["gen_length"]
+
+
+@dataclass(frozen=True)
 class Method:
-    """One registered method: its JSON `name`, its `config` class and the keyword (`field`) it goes under."""
+    """One registered method (module docstring)."""
 
     name: str
     config: type
     field: str = "decoder"
+    loop: Callable[[Call], StepGenerator] | None = None
+    reads: tuple[str, ...] = ()
+    unshifted: str | None = None
+    takes_rule: bool = False
+    fills_after_eos: bool = False
 
     @property
     def is_rule(self) -> bool:
@@ -41,25 +76,77 @@ class Method:
 METHODS: dict[str, Method] = {}
 
 
-def register(name: str, config: type, field: str = "decoder") -> None:
+def register(name: str, config: type, field: str = "decoder", **capabilities: Any) -> None:
     if field not in FIELDS:
         raise ValueError(f"field must be one of {FIELDS}, got {field!r}")
     if name in METHODS:
         raise ValueError(f"a method named {name!r} is registered already ({METHODS[name].config.__name__})")
-    METHODS[name] = Method(name, config, field)
+    METHODS[name] = Method(name, config, field, **capabilities)
 
 
-register("freedave", FreeDave)
-register("threshold", ThresholdDecoding)
-register("credit", CreditDecoding)
-register("hierarchical", HierarchicalDecoding)
-register("margin", MarginDecoding)
-register("wino", WINO)
-register("vicinity", VicinityCache, "use_cache")
-register("dkv", DKVCache, "use_cache")
-register("d2cache", D2Cache, "use_cache")
-register("elastic", ElasticCache, "use_cache")
+# --- the loops, as each method's step generator takes the call ---------------------------------------
 
+def _rules_loop(call: Call) -> StepGenerator:   # dInfer's block loop: any commit rule
+    return dinfer_steps(call.model, call.prompt, decoder=call.decoder, block_length=call.block_length,
+                        use_cache=call.use_cache, **call.common)
+
+
+def _freedave_loop(call: Call) -> StepGenerator:
+    if is_config("use_cache", call.use_cache):
+        raise ValueError("use_cache: FreeDave takes None, 'prefix' or 'dual'")
+    return freedave_steps(call.model, call.prompt, config=call.decoder, steps=call.steps,
+                          block_length=call.block_length, use_cache=call.use_cache, **call.common)
+
+
+def _wino_loop(call: Call) -> StepGenerator:
+    if call.use_cache is not None:   # checked at the call, as every loop's arguments
+        raise ValueError("use_cache: WINO forwards the whole sequence with its shadow block (no cache)")
+    return _first(wino_steps(call.model, call.prompt, config=call.decoder, block_length=call.block_length,
+                             **call.common))
+
+
+def _first(steps: StepGenerator) -> StepGenerator:
+    """WINO's loop returns (x, forwards): the output is x."""
+    out = yield from steps
+    return out[0]
+
+
+def _dkv_loop(call: Call) -> StepGenerator:
+    return dkv_steps(call.model, call.prompt, config=call.use_cache,
+                     steps=call.gen_length if call.steps is None else call.steps, block_length=call.block_length,
+                     remasking=call.settings.get("remasking", "low_confidence"),
+                     generator=call.settings.get("generator"), **call.common)
+
+
+def _d2cache_loop(call: Call) -> StepGenerator:
+    return d2cache_steps(call.model, call.prompt, config=call.use_cache,
+                         steps=call.gen_length if call.steps is None else call.steps,
+                         block_length=call.block_length, **call.common)
+
+
+def _elastic_loop(call: Call) -> StepGenerator:
+    if call.block_length != call.gen_length:
+        raise ValueError(f"block_length: ElasticCache decodes over a sliding window of "
+                         f"{call.use_cache.window_length} masked positions (no blocks); leave block_length at "
+                         f"gen_length ({call.gen_length}), got {call.block_length}")
+    return elastic_steps(call.model, call.prompt, config=call.use_cache, rule=call.decoder, **call.common)
+
+
+register("freedave", FreeDave, loop=_freedave_loop)   # `steps`: only gen_length (one token a step) or unset
+register("threshold", ThresholdDecoding, loop=_rules_loop, fills_after_eos=True)
+register("credit", CreditDecoding, loop=_rules_loop, fills_after_eos=True)
+register("hierarchical", HierarchicalDecoding, loop=_rules_loop, fills_after_eos=True)
+register("margin", MarginDecoding, loop=_rules_loop, fills_after_eos=True)
+register("wino", WINO, loop=_wino_loop, unshifted="WINO's shadow-block forward")
+register("vicinity", VicinityCache, "use_cache", loop=_rules_loop, fills_after_eos=True)
+register("dkv", DKVCache, "use_cache", loop=_dkv_loop, reads=("steps", "remasking", "generator"),
+         unshifted="LLaDA's dKV-Cache schedule")
+register("d2cache", D2Cache, "use_cache", loop=_d2cache_loop, reads=("steps",), unshifted="d2Cache's row recompute")
+register("elastic", ElasticCache, "use_cache", loop=_elastic_loop, unshifted="Elastic-Cache's sliding window",
+         takes_rule=True, fills_after_eos=True)
+
+
+# --- lookups -------------------------------------------------------------------------------------------
 
 def names(field: str) -> dict[str, type]:
     """name → config class of the methods that go under `field` ("decoder" or "use_cache"), in registry order."""
@@ -77,6 +164,11 @@ def rules() -> tuple[type, ...]:
 
 def is_config(field: str, value: Any) -> bool:
     return isinstance(value, configs(field))
+
+
+def method_of(config: Any) -> Method:
+    """The registered method of a config object."""
+    return next(m for m in METHODS.values() if type(config) is m.config)
 
 
 def from_json(field: str, value: dict) -> Any:
