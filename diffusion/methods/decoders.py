@@ -116,7 +116,7 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
         type(decoder).__name__
     if method in UNSHIFTED_ONLY and get_spec(model, mask_id=mask_id).logit_shift:
         field = "use_cache" if method != "WINO" else "decoder"
-        hint = " (Dream's own dKV-Cache: remask.diffusion.methods.dkv_dream.dkv_dream_generate)" if method == "DKVCache" else ""
+        hint = " (Dream's own dKV-Cache: remask.diffusion.methods.dkv.dkv_dream_generate)" if method == "DKVCache" else ""
         raise CombinationError(f"{field}={method}: {UNSHIFTED_ONLY[method]} reads unshifted logits (position i "
                                f"scored from itself, LLaDA's layout); this model shifts its logits by one position "
                                f"(Dream's layout, ModelSpec.logit_shift){hint}")
