@@ -12,7 +12,7 @@ import torch
 
 import remask
 from remask.diffusion.methods.dkv import DKVCache, dkv_generate
-from remask.diffusion.methods.dkv_dream import dkv_dream_generate
+from remask.diffusion.methods.dkv import dkv_dream_generate
 from remask.diffusion.parts.stats import GenerationStats
 from remask.models import tiny
 

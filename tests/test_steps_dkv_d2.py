@@ -11,7 +11,7 @@ import torch
 
 from remask.diffusion.methods.d2cache import D2Cache, d2cache_generate, d2cache_steps
 from remask.diffusion.methods.dkv import DKVCache, dkv_generate, dkv_steps
-from remask.diffusion.methods.dkv_dream import dkv_dream_generate, dkv_dream_steps
+from remask.diffusion.methods.dkv import dkv_dream_generate, dkv_dream_steps
 from remask.diffusion.parts.stats import GenerationStats
 from remask.diffusion.parts.stepper import Progress, StepwiseDecoder
 from remask.models import tiny

@@ -300,7 +300,7 @@ DKV_DREAM = {
 @pytest.mark.parametrize("method", list(DKV_DREAM))
 def test_dkv_dream(dream, method):
     """Dream's dKV-Cache: Dream's own commit (mask, its alg, filter) under the delayed cache."""
-    from remask.diffusion.methods.dkv_dream import dkv_dream_generate
+    from remask.diffusion.methods.dkv import dkv_dream_generate
 
     model, tok, _ = dream
     counts = [0, 0]

@@ -89,7 +89,7 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
     method = cache if cache is not None and cache.name != "vicinity" else registry.method_of(decoder)
     name = method.config.__name__
     if method.unshifted is not None and get_spec(model, mask_id=mask_id).logit_shift:
-        hint = " (Dream's own dKV-Cache: remask.diffusion.methods.dkv_dream.dkv_dream_generate)" if name == "DKVCache" \
+        hint = " (Dream's own dKV-Cache: remask.diffusion.methods.dkv.dkv_dream_generate)" if name == "DKVCache" \
             else ""
         raise CombinationError(f"{method.field}={name}: {method.unshifted} reads unshifted logits (position i "
                                f"scored from itself, LLaDA's layout); this model shifts its logits by one position "

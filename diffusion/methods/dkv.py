@@ -1,14 +1,17 @@
-"""dKV-Cache for LLaDA (horseee/dKV-Cache `generation_utils/llada_dkv_cache_decode.py` and
-`llada_dkv_cache_greedy.py`, with `models/modeling_llada_dkv_cache_decode.py`; docs/decoders.md):
-LLaDA's block schedule with a delayed K/V cache, dropped at each block's start. With
-R = `cache_reloading_step`, dKV-Cache-Decode (LLaDA's top-k commits, `low_confidence` or `random`) runs
+"""dKV-Cache (horseee/dKV-Cache; docs/decoders.md) for LLaDA and Dream: one cached forward
+(`_forward_rows`) and one delay rule (`_delay`), with each family's commit rule and logit shift.
+
+LLaDA (`generation_utils/llada_dkv_cache_decode.py` and `llada_dkv_cache_greedy.py`, with
+`models/modeling_llada_dkv_cache_decode.py`): LLaDA's block schedule with a delayed K/V cache,
+dropped at each block's start. With R = `cache_reloading_step`, dKV-Cache-Decode (LLaDA's top-k
+commits, `low_confidence` or `random`) runs
 - step 0: a full forward, nothing cached;
 - step 1 and every step i with i % R == 0: a full forward that (re)builds the cache: the keys and
   values of every position decoded before this step (prompt included);
 - any other step i: a forward of only the positions still masked after step i − 2, attending over
   themselves and the cache; the cache then takes the positions decoded at step i − 1 from this
-  forward (a token enters the cache one step after it is decoded: the delay) and keeps the others.
-  Skipped positions get confidence −inf.
+  forward (a token enters the cache one step after it is decoded: the delay, Dream's ``"right"``)
+  and keeps the others. Skipped positions get confidence −inf.
 dKV-Cache-Greedy decodes each block in an order drawn per block (one float32 `torch.rand` uniform per
 position): steps i % R == 0 forward and cache everything; the others forward only the positions
 chosen at step i − 1 (those decoded then and now, and the window) and cache them at once.
@@ -17,6 +20,25 @@ Keys attend in the reference's order (forwarded positions, then cached ones, eac
 float32 logits are the reference's. `DelayedKVCache` plugs into the model's KV-cache seam (`attend`);
 every forward is a `ForwardRequest` (`diffusion/parts/stepper.py`), packed with other sequences' in
 the engine (`varlen.PackedAttention`).
+
+Dream (`generation_utils/dream_generation_utils.py` `_sample` with its `models/modeling_dream.py`,
+`dkv_dream_generate`): Dream's whole-canvas loop and commit rule (`DreamDecoder.commit`) with a
+delayed K/V cache. `prev`: the positions the cache holds during a
+step's forward; `store`: those it holds afterwards, at the start every position whose *next* token
+is a prompt token (the logit shift: hidden state i scores token i + 1).
+- A step with no cache (the first; with ``cache_type="decoded"`` also every step i with
+  i % `cache_reloading_step` == 0) forwards the whole sequence and caches the store's positions.
+- Any other step forwards only the positions outside `prev` (keys in the reference order above)
+  and caches the store's positions, fresh where forwarded, else kept.
+- After each step, ``"decoded"``: `prev` takes the store and the store is recomputed (the delay), by
+  `shift_type`: ``"un"`` position i once token i + 1 is decoded (T − 1 follows token 0),
+  ``"un_right"`` once tokens i and i + 1 are (T − 1 follows T − 2), ``"right"`` once token i is.
+  ``"prefill"``: the first step's store stays cached for the whole generation.
+
+Positions without a forward have no logits (upstream fills −inf): under ``"right"`` a masked position
+right after a cached one gets confidence NaN, which `torch.topk` ranks first, and id 0, as upstream.
+Keys are cached after RoPE (upstream re-rotates cached pre-RoPE keys: the same numbers). Rows whose
+counts differ (only ``"un_right"``) run one by one, each its own cache (upstream would fail there).
 """
 from __future__ import annotations
 
@@ -30,10 +52,11 @@ import torch.nn.functional as F
 from remask.caches.position import DelayedKVCache
 from remask.models.spec import get_spec
 
+from ..families.dream import DreamDecoder, DreamGenerationConfig, _validate_config
 from ..families.llada import validate_block_args
 from ..parts.cache import valid_positions
 from ..parts.checks import (check_bool, check_choice, check_config_bounds, check_generator, check_instance, check_int,
-                            check_mask_id, check_prompt, check_stats, model_device)
+                            check_length, check_mask_id, check_model_kind, check_prompt, check_stats, model_device)
 from ..parts.selection import schedule_counts
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
@@ -43,6 +66,7 @@ REMASKING = ("low_confidence", "random")
 VARIANTS = ("decode", "greedy")
 DREAM_CACHE_TYPES = ("decoded", "prefill")
 DREAM_SHIFT_TYPES = ("un", "un_right", "right")
+ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")   # Dream's
 
 
 @dataclass(frozen=True)
@@ -52,7 +76,7 @@ class DKVCache:
     (`remasking="random"` only) and Greedy's `window_size` (masked neighbours forwarded with each
     position decoded next). `commit_mask_token=True` reproduces upstream when the argmax is the mask
     token (committed, the position stays masked); by default the most probable other token is.
-    Dream's sampler (`remask.diffusion.methods.dkv_dream`) reads two more fields, None for LLaDA:
+    Dream's sampler (`dkv_dream_generate`) reads two more fields, None for LLaDA:
     `cache_type` ``"decoded"`` (its default; rebuilt every `cache_reloading_step` steps, upstream's
     `cache_steps`) or ``"prefill"`` (the prompt cached once), and `shift_type` (``"decoded"`` only)
     ``"un"`` (its default), ``"un_right"`` or ``"right"``."""
@@ -151,6 +175,53 @@ def _forward(x: torch.Tensor, positions: torch.Tensor, forwarded: torch.Tensor |
                                       per_row={"position_ids": positions[forwarded].view(B, -1)}, cache=cache)
     cache.finish()
     return logits
+
+
+def _forward_rows(x: torch.Tensor, positions: torch.Tensor, forwarded: torch.Tensor | None, store: torch.Tensor | None,
+                  groups: list[list[int]], caches: list[DelayedKVCache], key_ok: torch.Tensor | None,
+                  stats: GenerationStats | None, final: int, take: Any,
+                  merge: bool = False) -> Generator[Any, Any, tuple[list[list[int]], list[DelayedKVCache]]]:
+    """One step's cached forwards (``yield from``), both families: the rows regrouped (`_regroup`; new
+    caches when `forwarded` is None), each group's `_forward` of its `forwarded` positions (None: all)
+    caching its `store` (None: no cache), handed at once to `take(g, logits, forwarded[g])`, a
+    `Progress(x, final)` between groups. A row with nothing forwarded (a structure ended it) is skipped.
+    Returns the groups and their caches."""
+    uniform = _counts_equal(*(s for s in (store, forwarded) if s is not None))
+    groups, caches = _regroup(groups, caches, x.shape[0], forwarded is None, uniform, key_ok, merge)
+    first = True
+    for g, cache in zip(groups, caches):
+        fwd = None if forwarded is None else forwarded[g]
+        if fwd is not None and not bool(fwd.any()):
+            continue
+        if not first:
+            yield Progress(x, final)   # the previous row's forward (rows forwarded one by one)
+        first = False
+        logits = yield from _forward(x[g], positions[g], fwd, cache, None if store is None else store[g])
+        if stats is not None:
+            stats.forward(len(g), logits.shape[1], sum(c.nbytes for c in caches))
+        take(g, logits, fwd)
+    return groups, caches
+
+
+def _store(x: torch.Tensor, mask_id: int, shift_type: str) -> torch.Tensor:
+    """`[B, T]` positions cached after a step, by `shift_type` (LLaDA's: ``"right"``)."""
+    decoded = x != mask_id
+    if shift_type == "un":
+        return torch.cat([decoded[:, 1:], decoded[:, :1]], dim=1)
+    if shift_type == "un_right":
+        both = decoded[:, :-1] & decoded[:, 1:]
+        return torch.cat([both, both[:, -1:]], dim=1)
+    return decoded   # "right"
+
+
+def _delay(store: torch.Tensor | None, x: torch.Tensor, mask_id: int, shift_type: str,
+           constrained: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The delay, after a step: the positions cached during the next forward (this step's `store`;
+    under a structure less the revoked ones) and after it (`_store`)."""
+    prev, store = store, _store(x, mask_id, shift_type)
+    if constrained and prev is not None:
+        prev = prev & store   # a revoked position (or its scorer) leaves the cached set
+    return prev, store
 
 
 def _constrained_logits(constraint: Any, g: list[int], logits: torch.Tensor, where: torch.Tensor, start: int,
@@ -283,26 +354,13 @@ def _steps(model, prompt: torch.Tensor, config: DKVCache, mask_id: int, steps_pe
             cached_step = i % R != 0 and (greedy or i > 1)
             store = everything if greedy else cur   # None at Decode's step 0: a plain forward
             forwarded = (chosen if greedy else ~prv) if cached_step else None
-            uniform = _counts_equal(*(s for s in (store, forwarded) if s is not None))
-            groups, caches = _regroup(groups, caches, B, not cached_step, uniform, key_ok, merge=greedy)
             x0 = torch.full_like(x, mask_id)
             x0_p = torch.full(x.shape, -torch.inf, dtype=torch.float64, device=device)
             window_logits = None   # under a structure: the block's logits [B, block_length, V] (the filter's)
-            gi = 0
-            for cache, g in zip(caches, groups):
-                rows = torch.tensor(g, device=device)
-                fwd = None if forwarded is None else forwarded[rows]
-                if fwd is not None and not bool(fwd.any()):
-                    continue   # a row whose answer a structure ended: nothing left to score
-                if gi:
-                    yield Progress(x, final)   # the previous row's forward (rows forwarded one by one)
-                gi += 1
-                logits = yield from _forward(x[rows], positions[rows], fwd, cache,
-                                             None if store is None else store[rows])
-                n = logits.shape[1]
-                if stats is not None:
-                    stats.forward(len(g), n, cache.nbytes if greedy else sum(c.nbytes for c in caches))
-                where = everything[rows] if fwd is None else fwd
+
+            def take(g: list[int], logits: torch.Tensor, fwd: torch.Tensor | None) -> None:
+                nonlocal window_logits
+                where = everything[g] if fwd is None else fwd
                 if constraint is not None:   # the frontier masked before the rule scores (parts/constrain.py)
                     logits, window_logits = _constrained_logits(constraint, g, logits, where, start, end,
                                                                 window_logits, B)
@@ -312,11 +370,14 @@ def _steps(model, prompt: torch.Tensor, config: DKVCache, mask_id: int, steps_pe
                     p = F.softmax(logits.to(torch.float64), dim=-1) if p is None else p
                     others = p.index_fill(-1, torch.tensor([mask_id], device=device), -1.0).argmax(dim=-1)
                     tokens = torch.where(tokens == mask_id, others, tokens)
-                x0[rows] = x0[rows].masked_scatter(where, tokens)
+                x0[g] = x0[g].masked_scatter(where, tokens)
                 if not greedy:
                     conf = torch.gather(p, -1, tokens[..., None]).squeeze(-1) if remasking == "low_confidence" \
-                        else torch.rand((len(g), n), generator=generator, device=device).to(torch.float64)
-                    x0_p[rows] = x0_p[rows].masked_scatter(where, conf)
+                        else torch.rand((len(g), logits.shape[1]), generator=generator, device=device).to(torch.float64)
+                    x0_p[g] = x0_p[g].masked_scatter(where, conf)
+
+            groups, caches = yield from _forward_rows(x, positions, forwarded, store, groups, caches, key_ok, stats,
+                                                      final, take, merge=greedy)
             x0 = torch.where(mask_index, x0, x)
             transfer = torch.zeros_like(mask_index)
             if greedy:
@@ -354,12 +415,148 @@ def _steps(model, prompt: torch.Tensor, config: DKVCache, mask_id: int, steps_pe
                             chosen[j, f] = True
             if stats is not None:
                 stats.step(committed)
-            prv, cur = cur, x != mask_id
-            if constraint is not None and prv is not None:
-                prv = prv & cur   # a revoked position leaves the cache's sets: it is forwarded again
+            prv, cur = _delay(cur, x, mask_id, "right", constraint is not None)
             if i >= steps_per_block - 1:
                 final = _final(x, P, end - P, mask_id)
             yield Progress(x, final)
     if stats is not None:
         stats.stop(B * gen_length)
+    return x
+
+
+@torch.no_grad()
+def dkv_dream_generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                       *, config: DKVCache | None = None, steps: int = 512, max_new_tokens: int,
+                       alg: str = "origin", alg_temp: float | None = None, temperature: float = 0.0,
+                       top_p: float | None = None, top_k: int | None = None, eps: float = 1e-3,
+                       mask_id: int | None = None, generator: torch.Generator | None = None,
+                       stats: GenerationStats | None = None, structured_outputs: Any = None,
+                       tokenizer: Any = None) -> torch.Tensor:
+    """dKV-Cache's Dream sampler (greedy tokens). Returns `[B, P + max_new_tokens]`.
+
+    `config`: a `DKVCache` (`cache_type` None: ``"decoded"``; `shift_type` None: ``"un"``). The other
+    arguments are Dream's `diffusion_generate`'s; `temperature` must be 0 (`top_p` / `top_k` still filter
+    the confidences, as upstream); `alg="origin"` draws from `generator` (None: torch's global one, as
+    upstream). The model must shift its logits (`ModelSpec.logit_shift`). `structured_outputs` (a
+    `remask.StructuredOutputsParams` or its JSON; `tokenizer`: default the checkpoint's): see
+    `dkv_dream_steps`."""
+    structure = None
+    if structured_outputs is not None:
+        from ..parts.constrain_loops import structure_for_call
+
+        spec = get_spec(model) if mask_id is None else get_spec(model, mask_id=mask_id)
+        structure = structure_for_call(structured_outputs, model, tokenizer, spec.mask_id, max_new_tokens)
+    return drive(dkv_dream_steps(model, input_ids, attention_mask, config=config, steps=steps,
+                                 max_new_tokens=max_new_tokens, alg=alg, alg_temp=alg_temp, temperature=temperature,
+                                 top_p=top_p, top_k=top_k, eps=eps, mask_id=mask_id, generator=generator,
+                                 stats=stats, structure=structure), model)
+
+
+def dkv_dream_steps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    *, config: DKVCache | None = None, steps: int = 512, max_new_tokens: int,
+                    alg: str = "origin", alg_temp: float | None = None, temperature: float = 0.0,
+                    top_p: float | None = None, top_k: int | None = None, eps: float = 1e-3,
+                    mask_id: int | None = None, generator: torch.Generator | None = None,
+                    stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = ()) -> StepGenerator:
+    """`dkv_dream_generate` as a step generator (`remask.diffusion.parts.stepper`): the arguments are
+    checked now; the generator yields a `ForwardRequest` per forward, a `Progress` after it (`final`
+    0: any masked position may be decoded at any step) and returns `dkv_dream_generate`'s tensor.
+    `structure` (a compiled `remask.structured` structure) and `end_ids`: structured output, held in
+    `DreamDecoder.commit` (the frontier's scorer always forwarded: docs/quirks.md)."""
+    config = check_instance("config", DKVCache(cache_type="decoded") if config is None else config, DKVCache,
+                            "a remask DKVCache", allow_none=False)
+    if config.variant != "decode":   # (a window_size is Greedy's)
+        raise ValueError(f"variant: dKV-Cache's Dream sampler is the delayed (decode) cache; variant="
+                         f"{config.variant!r} is LLaDA's dKV-Cache-Greedy (dkv_generate)")
+    if config.commit_mask_token:
+        raise ValueError("commit_mask_token: Dream's sampler never commits the mask token in remask; "
+                         "commit_mask_token=True is LLaDA-only (dkv_generate)")
+    spec = get_spec(model) if mask_id is None else get_spec(model, mask_id=mask_id)
+    check_model_kind(spec, diffusion=True, entry="dkv_dream_generate")
+    check_mask_id(spec)
+    if not spec.logit_shift:
+        raise ValueError("model: dKV-Cache's Dream sampler caches by the logit shift (position i scores token "
+                         "i + 1, ModelSpec.logit_shift); this model scores each position from itself — use "
+                         "remask.diffusion.methods.dkv.dkv_generate (LLaDA's dKV-Cache)")
+    check_int("max_new_tokens", max_new_tokens, minimum=1)
+    check_prompt(model, input_ids, attention_mask, name="input_ids", spec=spec, mask_in_prompt="refuse")
+    T = input_ids.shape[1] + max_new_tokens
+    gen = DreamGenerationConfig(temperature=temperature, top_p=top_p, top_k=top_k, max_length=T,
+                                max_new_tokens=max_new_tokens, eps=eps, steps=steps, alg=alg, alg_temp=alg_temp,
+                                mask_token_id=spec.mask_id, pad_token_id=spec.pad_id, eos_token_id=spec.eos_id)
+    _validate_config(gen, spec)
+    if alg not in ALGORITHMS:
+        raise ValueError(f"alg must be one of {list(ALGORITHMS)} (dKV-Cache's Dream sampler), got {alg!r}")
+    if temperature != 0:
+        raise ValueError(f"temperature: dkv_dream_generate decodes greedily (temperature=0), got {temperature!r}")
+    check_length(spec, T, "prompt + max_new_tokens")
+    check_stats("stats", stats)
+    check_generator(generator, input_ids.device)
+
+    decoder = DreamDecoder(spec, gen, reference_ties=True, structure=structure, end_ids=end_ids)
+    state = decoder.start(model, input_ids, attention_mask)
+    return _dream_steps(decoder, state, config, steps, attention_mask, generator, stats)
+
+
+@torch.no_grad()
+def _dream_steps(decoder: DreamDecoder, state, config: DKVCache, steps: int, attention_mask: torch.Tensor | None,
+                 generator: torch.Generator | None, stats: GenerationStats | None) -> StepGenerator:
+    """dKV-Cache's Dream loop (the arguments checked by `dkv_dream_steps`)."""
+    mask_id, R = decoder.spec.mask_id, config.cache_reloading_step
+    cache_type, shift_type = config.cache_type or "decoded", config.shift_type or "un"
+    x, constraint = state.x, state.constraint
+    B, T = x.shape
+    positions = state.forward_inputs.get("position_ids")
+    if not torch.is_tensor(positions):
+        positions = torch.arange(T, device=x.device)[None].expand(B, T)
+    key_ok = valid_positions(attention_mask, T)
+    decoded = x != mask_id   # the first store: positions whose next token is decoded (the last follows itself)
+    store, prev = torch.cat([decoded[:, 1:], decoded[:, -1:]], dim=1), None
+    groups, caches = [], []
+    if stats is not None:
+        stats.start()
+    for i in itertools.count():
+        if state.done if constraint is not None else i >= steps:
+            break   # under a structure: once no mask is left (the schedule, then the decoder's extra steps)
+        if cache_type == "decoded" and i % R == 0:
+            prev = None   # rebuild: a full forward
+        if constraint is not None and prev is not None:
+            # the position scoring each row's frontier (the logit shift: the one before it) is forwarded
+            prev = prev.clone()
+            for b in range(B):
+                f = constraint.frontier(b)
+                if not constraint.matchers[b].ended and f < T:
+                    prev[b, max(f - 1, 0)] = False
+        logits = None
+
+        def take(g: list[int], part: torch.Tensor, fwd: torch.Tensor | None) -> None:
+            nonlocal logits
+            if fwd is not None:   # −inf where not forwarded
+                part = part.new_full((len(g), T, part.shape[-1]), -torch.inf).masked_scatter(fwd[..., None], part)
+            if logits is None:
+                logits = part.new_full((B,) + part.shape[1:], -torch.inf)
+            logits[g] = part
+
+        groups, caches = yield from _forward_rows(x, positions, None if prev is None else ~prev,
+                                                  prev if store is None else store, groups, caches, key_ok, stats,
+                                                  0, take)
+        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)   # the logit shift (spec.logit_shift)
+        before = int((x == mask_id).sum())
+        decoder.commit(state, logits, generator=generator)
+        x = state.x
+        left = x == mask_id
+        if constraint is None and i == steps - 1 and bool(left.any()):
+            # Only positions without logits ("right"): upstream's last top-k takes every mask, NaN
+            # confidences included, with the argmax of a NaN row (id 0), which `score` also gives.
+            x[left] = decoder.score(logits, left.reshape(-1).nonzero().squeeze(1))[0]
+        if stats is not None:
+            stats.step(before - int((x == mask_id).sum()))
+        if cache_type == "prefill":
+            if prev is None:
+                prev, store = store, None
+        else:
+            prev, store = _delay(store, x, mask_id, shift_type, constraint is not None)
+        yield Progress(x, 0)
+    if stats is not None:
+        stats.stop(B * (T - state.prompt_len))
     return x
