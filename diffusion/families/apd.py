@@ -84,6 +84,12 @@ class APDConfig:
                              "whose logits do not score a left-to-right continuation")
 
 
+    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
+                      steps: int | None = None, prompt_length: int | None = None) -> None:
+        """No work bound: as in the official APD code, a window `[curr, curr + max_lookahead)` past
+        the answer is the rest of it, and a `kv_window` past the sequence keeps the whole cache."""
+
+
 def check_apd_alone(clashes: list[str]) -> None:
     """APD decodes left to right with its verifier: the block, remasking and cache settings it
     does not read are refused, wherever APD is asked for (`generate`, `SamplingParams`)."""

@@ -74,6 +74,10 @@ class CommitRule:
     name: ClassVar[str] = ""
     smoothing: Any = None     # dInfer's iteration smoothing (its own loop only); None for other rules
 
+    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
+                      steps: int | None = None, prompt_length: int | None = None) -> None:
+        """A rule has no work bound (every config has this check: `SamplingParams`, `add_request`)."""
+
     def new_state(self) -> Any:
         return None
 

@@ -162,13 +162,11 @@ class SamplingParams:
         if self.decoder is not None or (self.use_cache is not None and not isinstance(self.use_cache, str)):
             if self.decoder is not None:
                 check_decoder(self.decoder)
-            from remask.diffusion.methods.d2cache import D2Cache
-            from remask.diffusion.methods.dkv import DKVCache
-
-            dkv = isinstance(self.use_cache, DKVCache)   # LLaDA's own schedule, cached: it reads steps and remasking
-            own_steps = dkv or isinstance(self.use_cache, D2Cache)
+            cache = registry.is_config("use_cache", self.use_cache)
+            method = registry.method_of(self.use_cache if cache else self.decoder)
+            own_steps = "steps" in method.reads   # dKV (LLaDA's own schedule, cached) and d2Cache read steps
             unread = [name for name in DECODER_UNREAD if getattr(self, name) != getattr(SamplingParams, name)
-                      and not (dkv and name == "remasking")]
+                      and name not in method.reads]
             if self.temperature > 0:
                 unread.append("temperature")
             if self.steps not in (None, self.max_tokens) and not own_steps:
@@ -182,7 +180,7 @@ class SamplingParams:
         # the configs' work bounds that the lengths set here fix (docs/parameters.md, "Work bounds"); the
         # method's own checks run them again at add_request, with the prompt and the model's block
         for config in (self.decoder, self.use_cache, self.apd, self.sparse):
-            if hasattr(config, "check_request"):
+            if config is not None and not isinstance(config, str):
                 config.check_request(gen_length=self.max_tokens, block_length=self.block_length, steps=self.steps)
 
     @property
