@@ -7,12 +7,12 @@ step: forward (`ModelSpec.logits`) → `score_rows` (the block's rows) → `rema
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Generator, Sequence
 
 import torch
 
-from remask.caches import PagedKVCache
+from remask.caches import KVCache, PagedKVCache
 from remask.kernels import unmask
 from remask.models.spec import ModelSpec, get_spec
 
@@ -28,7 +28,7 @@ from ..parts.constrain_loops import structure_for_call
 from ..parts.scoring import score_rows, score_tokens
 from ..parts.selection import schedule_counts, topk_commit
 from ..parts.stats import GenerationStats
-from ..parts.step import masked_canvas
+from ..parts.step import CommitRule, masked_canvas
 from ..parts.stepper import ForwardRequest, ForwardThenCommit
 
 REMASKING = ("low_confidence", "random")
@@ -90,7 +90,9 @@ class BlockwiseDecoder(ForwardThenCommit):
 
     def num_final(self, state: Any) -> int:
         """Generated positions that no later step changes: the blocks already decoded."""
-        return state.x.shape[1] - state.prompt_len if state.done else state.block * self.block_length
+        if state.done:
+            return state.x.shape[1] - state.prompt_len
+        return max(self.block_span(state)[0] - state.prompt_len, 0)
 
     def _forward(self, state: Any) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
         start, end = self.block_span(state)
@@ -117,6 +119,17 @@ class BlockState:
     block_rows_for: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     pending: Any = None               # the forward asked for and not yet answered (a sub-generator)
     constraint: Any = None            # structured output: a `CommitFilter` (one matcher per row), or None
+    first: int = 0                    # the first block's start (the prompt's end, or aligned down: `align_blocks`)
+    # a commit rule's loop (`rule=`): its memory over the block, the iterations left before the masks are counted
+    # again, whether the next forward is an iteration's main one (after its cache-building forward), the forwards so
+    # far (the window cache's warmup, iteration smoothing), the block the window cache last saw, the smoothed inputs
+    rule_state: Any = None
+    group: int = 0
+    main_next: bool = False
+    iter_no: int = 0
+    cache_block: tuple[int, int] | None = None
+    embeds: torch.Tensor | None = None
+    embed_table: Any = None
 
     @property
     def batch(self) -> int:
@@ -126,7 +139,16 @@ class BlockState:
 class BlockDecoder(BlockwiseDecoder):
     """LLaDA's block rule (and Fast-dLLM's rules, caches, sparse attention) as a state and a step:
     `block_diffusion_generate` drives one batch, the engine packs many states' forwards into one
-    call. The constructor validates every setting (`generate` documents them)."""
+    call. The constructor validates every setting (`generate` documents them).
+
+    `rule`: a `CommitRule` commits instead of LLaDA's schedule (greedy; `steps` unread), dInfer's way
+    (`diffusion/methods/dinfer.py`): a block is iterated while any row has a mask in it, in groups of
+    ``max(min(masks // expected_tpf, maximum_unroll), 1)`` iterations; with `use_cache` a block's first
+    iteration is a full forward that builds the cache and decodes, then the cached one; `window` (a
+    `VicinityCache`: `prefix_look`, `after_look`, `warmup_steps`) recomputes ``[start − prefix_look,
+    end + after_look)`` against a cache built on entering a block; the rule's `smoothing` feeds
+    smoothed embeddings; `early_stop` fills a row with EOS after a block holding one. `align_blocks`:
+    blocks start at ``floor(P / block_length) * block_length`` (the last may be shorter)."""
 
     def __init__(self, spec: ModelSpec, *, steps: int = 128, gen_length: int = 128, block_length: int = 128,
                  temperature: float = 0.0, cfg_scale: float = 0.0, remasking: str = "low_confidence",
@@ -134,9 +156,17 @@ class BlockDecoder(BlockwiseDecoder):
                  threshold: float | None = None, factor: float | None = None, precision: Precision | None = None,
                  early_stop: bool = False, reference_rng: bool = False, use_cache: str | PagedKVCache | None = None,
                  sparse: SparseConfig | None = None, reference_ties: bool = False, structure: Any = None,
-                 end_ids: Sequence[int] = ()) -> None:
+                 end_ids: Sequence[int] = (), rule: CommitRule | None = None, align_blocks: bool = False,
+                 window: Any = None, maximum_unroll: int = 4, expected_tpf: int = 8) -> None:
         check_mask_id(spec)
-        self.num_blocks, self.steps_per_block = validate_block_args(gen_length, block_length, steps)
+        check_instance("decoder", rule, CommitRule, "a remask commit rule (ThresholdDecoding, CreditDecoding, "
+                       "HierarchicalDecoding or another CommitRule)")
+        check_bool("align_blocks", align_blocks)
+        if rule is None:
+            self.num_blocks, self.steps_per_block = validate_block_args(gen_length, block_length, steps)
+        for name, value in (("gen_length", gen_length), ("block_length", block_length),
+                            ("maximum_unroll", maximum_unroll), ("expected_tpf", expected_tpf)):
+            check_int(name, value, minimum=1)
         validate_rule(threshold, factor)
         check_choice("remasking", remasking, REMASKING)
         check_real("temperature", temperature, low=0)
@@ -149,7 +179,7 @@ class BlockDecoder(BlockwiseDecoder):
         if mode is not None and cfg_scale > 0:
             raise ValueError("cfg_scale > 0 cannot be combined with use_cache (Fast-dLLM's caches have no CFG pass); "
                              "use use_cache=None")
-        if mode is not None and spec.logit_shift:
+        if mode is not None and spec.logit_shift and rule is None:
             raise CombinationError(f"use_cache={mode!r} in the LLaDA block loop needs unshifted logits; for Dream "
                                    "use remask.diffusion_generate(..., use_cache=...) or, in the engine, "
                                    "SamplingParams(alg=..., use_cache=...) (Fast-dLLM's Dream block decoder)")
@@ -175,8 +205,8 @@ class BlockDecoder(BlockwiseDecoder):
                 # confidence softmax; at T=0 the noisy logits alias the logits, so p(EOS) too.
                 self.zero_prob_ids = [eos, eot] if temperature == 0 else [eot]
             stop_ids = [eos, eot]
-        if early_stop:
-            stop_ids = [i for i in (spec.eos_id, spec.eot_id) if i is not None]
+        if early_stop:   # a commit rule's loop (dInfer's) stops on EOS alone
+            stop_ids = [i for i in (spec.eos_id, spec.eot_id)[:1 if rule is not None else 2] if i is not None]
             if not stop_ids:
                 raise ValueError("early_stop needs an eos_id in the model spec; pass eos_id explicitly")
         self.spec, self.mode, self.use_cache, self.sparse, self.precision = spec, mode, use_cache, sparse, precision
@@ -188,6 +218,8 @@ class BlockDecoder(BlockwiseDecoder):
         self.reference_sampling = temperature > 0 and reference_rng
         # structured output (remask/structured.py): a CompiledStructure, and the ids that end an answer
         self.structure, self.end_ids = structure, end_ids_of(spec, end_ids)
+        self.rule, self.align_blocks, self.window = rule, align_blocks, window
+        self.maximum_unroll, self.expected_tpf = maximum_unroll, expected_tpf
 
     def check_input(self, model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """The prompt checks of this rule (call before `start`)."""
@@ -212,17 +244,101 @@ class BlockDecoder(BlockwiseDecoder):
         state = BlockState(x=x, prompt_len=P, forwards=forwards, forward_inputs=forward_inputs,
                            prompt_index=x != mask_id, finished=torch.zeros(B, dtype=torch.bool, device=x.device),
                            stop_ids=torch.tensor(self.stop_ids, dtype=torch.long, device=x.device),
-                           constraint=CommitFilter.start(self.structure, self.end_ids, B, mask_id, P, self.gen_length))
+                           constraint=CommitFilter.start(self.structure, self.end_ids, B, mask_id, P, self.gen_length),
+                           first=(P // self.block_length) * self.block_length if self.align_blocks else P)
+        if self.rule is not None and self.rule.smoothing is not None:
+            state.embed_table = model.get_input_embeddings()
+            state.embeds = self.rule.smoothing.embed(state.embed_table, x, mask_id)
         self._begin_block(state)
         return state
+
+    def block_span(self, state: BlockState) -> tuple[int, int]:
+        start = state.first + state.block * self.block_length
+        return start, min(start + self.block_length, state.x.shape[1])
 
     def _begin_block(self, state: BlockState) -> None:
         start, end = self.block_span(state)
         state.step = 0
+        if self.rule is not None:
+            state.rule_state, state.group = self.rule.new_state(), 0
+            self._next_group(state)
+            return
         state.schedule = schedule_counts(state.x[:, start:end] == self.spec.mask_id, self.steps_per_block)
         state.block_rows_for = {}
 
+    def _next_group(self, state: BlockState) -> None:
+        """A commit rule's loop at the end of a group of iterations: the block's masks counted (the
+        step's host wait); none left ends the block, else the next group's size."""
+        start, end = self.block_span(state)
+        left = int((state.x[:, start:end] == self.spec.mask_id).sum())
+        if left == 0:
+            self._end_block(state, state.x[:, start:end], end)
+        else:
+            state.group = max(min(left // self.expected_tpf, self.maximum_unroll), 1)
+
+    def _builds_cache(self, state: BlockState, start: int, end: int) -> bool:
+        """Whether a commit rule's iteration starts with a full forward building the cache (and decoding)."""
+        w = self.window
+        if w is None:
+            return state.forwards.mode is not None and state.step == 0
+        if state.iter_no < w.warmup_steps:
+            return False
+        if state.forwards.cache is None:
+            return True
+        # dInfer's cache manager: "a new block" is judged against the block of its previous query,
+        # which it has not seen when the cache was first built
+        changed, state.cache_block = state.cache_block != (start, end), (start, end)
+        return changed and state.block > 0
+
+    def _rule_forward(self, state: BlockState) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
+        start, end = self.block_span(state)
+        forwards, T, w = state.forwards, state.x.shape[1], self.window
+        state.main_next = not state.main_next and self._builds_cache(state, start, end)
+        if state.main_next:
+            forwards.cache, lo, hi = KVCache(), 0, T
+        elif w is not None:   # before the cache is built (the warmup), a full forward
+            lo, hi = max(0, start - w.prefix_look), min(T, end + w.after_look)
+        else:
+            lo, hi = (0, T) if forwards.mode is None else (start, T if forwards.mode == "prefix" else end)
+        logits = yield from forwards.span(state.x if state.embeds is None else state.embeds, lo, hi, forwards.cache)
+        if forwards.mode == "prefix":
+            forwards.cache.crop(start)   # the suffix's K/V are recomputed at every step
+        return logits, 0 if forwards.cache is None else lo
+
+    def _rule_commit(self, state: BlockState, logits: torch.Tensor, fed: int, stats: GenerationStats | None) -> None:
+        """A commit rule's decode of the block (`rule=`), then the iteration's end (class docstring)."""
+        x, mask_id, rule, smoothing = state.x, self.spec.mask_id, self.rule, self.rule.smoothing
+        start, end = self.block_span(state)
+        if stats is not None:
+            stats.forward(state.batch, logits.shape[1], state.forwards.cache_nbytes)
+        if smoothing is not None:   # this iteration's weight and threshold
+            weight, threshold = smoothing.at(state.iter_no, rule.threshold)
+            rule = replace(rule, threshold=threshold)
+        state.iter_no += 1
+        block, block_logits = x[:, start:end], logits[:, start - fed:end - fed]
+        constraint = state.constraint
+        if constraint is not None:   # the frontier masked before the rule scores (parts/constrain.py)
+            block_logits = constraint.mask_frontier(block_logits, start, end, 0)
+            prior = block.clone()
+        commit, tokens = rule.commit(block, block_logits, mask_id, state.rule_state)
+        block[commit] = tokens[commit]
+        if constraint is not None:   # keep what the structure accepts, advance the matchers
+            constraint.filter(x, prior, tokens, block_logits, start, end, 0)
+        if stats is not None:
+            stats.step(int((prior == mask_id).sum() - (block == mask_id).sum()) if constraint is not None
+                       else int(commit.sum()))
+        if smoothing is not None:
+            hi = fed + logits.shape[1]
+            state.embeds[:, fed:hi] = smoothing.embed(state.embed_table, x[:, fed:hi], mask_id, logits, weight)
+        state.step += 1
+        if not state.main_next:   # the iteration's last forward
+            state.group -= 1
+            if state.group == 0:
+                self._next_group(state)
+
     def _forward(self, state: BlockState) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
+        if self.rule is not None:
+            return (yield from self._rule_forward(state))
         if self.cfg_scale == 0:
             return (yield from super()._forward(state))
         # unsupervised CFG, `un + (cfg+1)(cond − un)`: the unconditional rows have every original prompt
@@ -243,6 +359,8 @@ class BlockDecoder(BlockwiseDecoder):
                stats: GenerationStats | None = None, on_step: Callable | None = None) -> None:
         """Score the block's rows of `logits` (positions `fed`… on), commit, and move on to the next
         step, block, or the end."""
+        if self.rule is not None:
+            return self._rule_commit(state, logits, fed, stats)
         x, mask_id, precision = state.x, self.spec.mask_id, self.precision
         B, L = state.batch, logits.shape[1]
         start, end = self.block_span(state)
@@ -318,7 +436,7 @@ class BlockDecoder(BlockwiseDecoder):
         (`commit_shared`: greedy, the same rule and scoring settings); None when it commits alone."""
         if self.temperature > 0 or self.reference_sampling or self.reference_ties or self.cfg_scale > 0 \
                 or self.remasking != "low_confidence" or self.confidence_eos_eot_inf == "corrected" \
-                or self.structure is not None or self.processors:
+                or self.structure is not None or self.processors or self.rule is not None:
             return None
         return (BlockDecoder, self.spec.mask_id, self.block_length, self.threshold, self.factor,
                 tuple(self.suppress or ()), tuple(self.zero_prob_ids or ()), self.precision.softmax)
@@ -377,7 +495,7 @@ class BlockDecoder(BlockwiseDecoder):
                 state.done = True
                 return
         state.block += 1
-        state.done = state.block == self.num_blocks
+        state.done = self.block_span(state)[0] >= state.x.shape[1]
         if not state.done:
             self._begin_block(state)
 

@@ -69,15 +69,22 @@ class BlockForward:
              refresh: bool = False) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
         """(logits of the fed positions, the first one's index), per the mode (`refresh`: all, filling the cache)."""
         if self.mode is None:
-            return (yield ForwardRequest.call(x, self.forward_inputs, spec=self.spec)), 0
-        if refresh:
-            fed, fed_end, inputs = 0, x.shape[1], self.forward_inputs
-        else:
-            fed, fed_end = start, (x.shape[1] if self.mode == "prefix" else end)
-            inputs = self.spec.inputs_for_positions(self.forward_inputs, start, fed_end)
-        self.cache.write_start = fed   # the model reads it instead of cache_position[0] (no host sync)
-        logits = yield ForwardRequest.call(x[:, fed:fed_end], inputs, spec=self.spec, cache=self.cache,
-                                           cache_position=torch.arange(fed, fed_end, device=x.device))
+            return (yield from self.span(x, 0, x.shape[1], None)), 0
+        fed, fed_end = (0, x.shape[1]) if refresh else (start, x.shape[1] if self.mode == "prefix" else end)
+        logits = yield from self.span(x, fed, fed_end, self.cache)
         if self.mode == "prefix":
             self.cache.crop(start)   # the suffix's K/V are recomputed at every step, never kept
         return logits, fed
+
+    def span(self, inputs: torch.Tensor, lo: int, hi: int, cache: Any) -> Generator[ForwardRequest, Any, torch.Tensor]:
+        """The logits of positions `[lo, hi)` of `inputs` (ids `[B, T]` or embeddings `[B, T, d]`) against
+        `cache`, which the forward writes; without a cache, a full forward (logits of all T)."""
+        T = inputs.shape[1]
+        part = inputs if cache is None else inputs[:, lo:hi]
+        ids, per_row = (part, {}) if inputs.dim() == 2 else (None, {"inputs_embeds": part})
+        if cache is None:
+            return (yield ForwardRequest.call(ids, {**self.forward_inputs, **per_row}, spec=self.spec))
+        fwd = self.forward_inputs if (lo, hi) == (0, T) else self.spec.inputs_for_positions(self.forward_inputs, lo, hi)
+        cache.write_start = lo   # the model reads it instead of cache_position[0] (no host sync)
+        return (yield ForwardRequest.call(ids, {**fwd, **per_row}, spec=self.spec, cache=cache,
+                                          cache_position=torch.arange(lo, hi, device=inputs.device)))

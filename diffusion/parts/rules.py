@@ -1,5 +1,5 @@
-"""Commit rules: dInfer's three (`ThresholdDecoding`, `CreditDecoding`, `HierarchicalDecoding`; dInfer's loop that also
-runs them: `remask.diffusion.methods.dinfer`), and the calls around
+"""Commit rules: dInfer's three (`ThresholdDecoding`, `CreditDecoding`, `HierarchicalDecoding`; dInfer's loop, LLaDA's
+`BlockDecoder` with `rule=`, runs them: `remask.diffusion.methods.dinfer`), and the calls around
 them of the loops that take `decoder=` (how a rule plugs in: `CommitRule` in `diffusion/parts/step.py`). On SDAR's
 and LLaDA2.0's own loops a rule chooses each step's commits instead of their remasking strategy, greedily.
 """
@@ -64,7 +64,8 @@ def commit_block(rule: CommitRule, block: torch.Tensor, logits: torch.Tensor, ma
 def check_rule_on_loop(rule: Any, family: str, *, temperature: float, unread: Mapping[str, Any] = (),
                        replaces: str = "remasking rule") -> None:
     """Refuse by name what `decoder=rule` on `family`'s loop does not read: a temperature above 0 (rules are
-    greedy), iteration smoothing (dInfer's own loop only) and `unread`, the replaced settings given (name → value)."""
+    greedy), iteration smoothing (dInfer's loop only: `BlockDecoder(rule=...)`) and `unread`, the replaced settings
+    given (name → value)."""
     name = type(rule).__name__
     if temperature != 0:
         raise ValueError(f"temperature: decoder={name} on {family}'s loop decodes greedily (temperature 0), "
@@ -104,6 +105,23 @@ class IterationSmoothing:
     def __post_init__(self) -> None:
         for name in ("cont_weight", "cont_weight_init", "cont_weight_growth", "threshold_decay"):
             check_real(name, getattr(self, name), low=0)
+
+    def at(self, n: int, threshold: float) -> tuple[float, float]:
+        """Iteration n's (weight, threshold), for a rule of threshold `threshold` (upstream's expressions)."""
+        weight = min(self.cont_weight_init + self.cont_weight_growth * n, self.cont_weight)
+        return weight, max(1 - n * self.threshold_decay, threshold)
+
+    @staticmethod
+    @torch.no_grad()
+    def embed(table: torch.nn.Embedding, ids: torch.Tensor, mask_id: int, logits: torch.Tensor | None = None,
+              weight: float = 0.0) -> torch.Tensor:
+        """Plain embeddings of `ids`; with `logits`, masked positions add `weight` times the expected
+        embedding of their prediction (dInfer's H2Embed, tau 1)."""
+        out = table(ids)
+        if logits is None:
+            return out
+        expected = torch.softmax(logits, dim=-1) @ table.weight
+        return torch.where((ids == mask_id).unsqueeze(-1), weight * expected + out, out)
 
 
 class _DInferRule(CommitRule):

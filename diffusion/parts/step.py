@@ -72,7 +72,7 @@ class CommitRule:
     `SamplingParams` check, the JSON form `{"name": ...}` and docs/compatibility.md find it."""
 
     name: ClassVar[str] = ""
-    smoothing: Any = None     # dInfer's iteration smoothing (its own loop only); None for other rules
+    smoothing: Any = None     # dInfer's iteration smoothing (`BlockDecoder(rule=...)` only); None for other rules
 
     def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
                       steps: int | None = None, prompt_length: int | None = None) -> None:
