@@ -28,7 +28,7 @@ interpreter's bf16 dot being wrong); float32 operands use ``input_precision="iee
 FMAs, not TF32 — as `F.linear` with torch's default (TF32 off for matmuls).
 
 `invariant_linear` is the dispatcher: Triton on CUDA (or with ``REMASK_TRITON=1``), `F.linear`
-otherwise (not batch-invariant by itself: `remask.kernels.batch_invariant` handles the CPU).
+otherwise (not batch-invariant by itself: `remask.engine.batch_invariant` handles the CPU).
 `invariant_matmul_ref.invariant_linear_torch` is the tests' float32 oracle.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModel
 
 from remask.diffusion.methods.dinfer import (CreditDecoding, HierarchicalDecoding, ThresholdDecoding, VicinityCache,
-                                     dinfer_generate)
+                                             dinfer_generate)
 from remask.diffusion.parts.rules import _threshold_commit
 from remask.diffusion.parts.stats import GenerationStats
 from remask.models import tiny
