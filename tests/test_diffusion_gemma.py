@@ -14,6 +14,7 @@ import torch
 
 import remask
 from remask.diffusion.families import canvas
+from remask.diffusion.parts.selection import entropy_bound_accept
 from remask.models import get_spec, tiny
 from remask.zoo import charset
 
@@ -139,11 +140,11 @@ def test_fused_default_path_keeps_the_prompt_and_is_seeded(model):
 
 def test_step_functions():
     entropy = torch.tensor([[0.5, 0.1, 0.3, 2.0], [3.0, 0.0, 0.0, 0.2]])
-    accepted = canvas.entropy_bound_accept(entropy, 0.5)
+    accepted = entropy_bound_accept(entropy, 0.5)
     # row 0: sorted 0.1, 0.3, 0.5, 2.0 → sums before each: 0, 0.1, 0.4, 0.9 → three accepted;
     # row 1: 0, 0, 0.2, 3.0 → 0, 0, 0, 0.2: all (the largest entropy is not counted against the bound)
     assert accepted.tolist() == [[True, True, True, False], [True, True, True, True]]
-    assert canvas.entropy_bound_accept(torch.tensor([[0.9, 0.8, 0.7]]), 0.5).tolist() == [[False, False, True]]
+    assert entropy_bound_accept(torch.tensor([[0.9, 0.8, 0.7]]), 0.5).tolist() == [[False, False, True]]
     tracker = canvas.StabilityTracker(2, 1.0)
     a = torch.tensor([[1, 2]])
     low = torch.tensor([0.5])

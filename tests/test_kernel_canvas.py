@@ -85,7 +85,7 @@ def test_update_kernel_matches_reference(poisoned_outputs, triton_path, L):
 
 def test_update_reference_is_the_eb_rule():
     """transformers' EB-sampler (sort, cumsum − self ≤ bound, scatter) on values without ties."""
-    from remask.diffusion.families.canvas import entropy_bound_accept
+    from remask.diffusion.parts.selection import entropy_bound_accept
 
     entropy = torch.rand(4, 29, generator=torch.Generator().manual_seed(0))
     sample, noise = torch.arange(29).expand(4, 29), torch.full((4, 29), -1)

@@ -25,6 +25,7 @@ from remask.models.hf_compat import output_cache, with_cache_field
 from ..parts.checks import (MAX_LOOP_STEPS, ParameterTypeError, check_at_most, check_bool, check_choice,
                             check_generator, check_instance, check_int, check_real, check_stats)
 from ..parts.scoring import draw_seed
+from ..parts.selection import entropy_bound_accept
 from ..parts.protocol import Decoder
 from ..parts.stats import GenerationStats
 from ..parts.step import Decision, apply_decision
@@ -39,14 +40,6 @@ MODEL_KWARGS = ("attention_mask", "decoder_input_ids", "self_conditioning_logits
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) per position, as transformers (`Categorical(logits=...).entropy()`)."""
     return torch.distributions.Categorical(logits=logits).entropy()
-
-
-def entropy_bound_accept(entropy: torch.Tensor, entropy_bound: float) -> torch.Tensor:
-    """The EB-sampler's decision (a bool mask): per row, the lowest-entropy positions while the sum of
-    their entropies minus the largest stays ≤ `entropy_bound` (the lowest always)."""
-    sorted_entropy, order = torch.sort(entropy, dim=-1, descending=False)
-    within = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= entropy_bound
-    return torch.scatter(torch.zeros_like(within), -1, order, within)
 
 
 class StabilityTracker:

@@ -26,6 +26,7 @@ from ..parts.stepper import StepGenerator
 from .d2cache import D2Cache, d2cache_steps
 from .dinfer import VicinityCache, dinfer_steps
 from .dkv import DKVCache, dkv_steps
+from .eb_sampler import EBSampler
 from .elastic import ElasticCache, elastic_steps
 from .freedave import FreeDave, freedave_steps
 from .margin import MarginDecoding
@@ -137,6 +138,7 @@ register("threshold", ThresholdDecoding, loop=_rules_loop, fills_after_eos=True)
 register("credit", CreditDecoding, loop=_rules_loop, fills_after_eos=True)
 register("hierarchical", HierarchicalDecoding, loop=_rules_loop, fills_after_eos=True)
 register("margin", MarginDecoding, loop=_rules_loop, fills_after_eos=True)
+register("eb_sampler", EBSampler, loop=_rules_loop, fills_after_eos=True)
 register("wino", WINO, loop=_wino_loop, unshifted="WINO's shadow-block forward")
 register("vicinity", VicinityCache, "use_cache", loop=_rules_loop, fills_after_eos=True)
 register("dkv", DKVCache, "use_cache", loop=_dkv_loop, reads=("steps", "remasking", "generator"),

@@ -14,6 +14,15 @@ def schedule_counts(block_mask: torch.Tensor, steps: int) -> torch.Tensor:
     return total // steps + (cols < total % steps).to(torch.int64)
 
 
+def entropy_bound_accept(entropy: torch.Tensor, entropy_bound: float, *, stable: bool = False) -> torch.Tensor:
+    """The EB-sampler's decision (a bool mask): per row, the lowest-entropy positions while the sum of
+    their entropies minus the largest stays ≤ `entropy_bound` (the lowest always; +inf entropies never).
+    `stable`: equal entropies in index order (transformers' DiffusionGemma sorts without it)."""
+    sorted_entropy, order = torch.sort(entropy, dim=-1, descending=False, stable=stable)
+    within = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= entropy_bound
+    return torch.scatter(torch.zeros_like(within), -1, order, within)
+
+
 def topk_commit(block_x: torch.Tensor, block_mask: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor,
                 k: torch.Tensor, length: int, offset: int) -> torch.Tensor:
     """LLaDA-style commit with `torch.topk`'s own order among equal confidences, as the references call it: per
