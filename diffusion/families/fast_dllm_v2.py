@@ -23,7 +23,6 @@ becomes the most probable other token (upstream commits it, which at temperature
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Generator
 
 import torch
@@ -106,8 +105,9 @@ class FastDLLMV2Decoder(BlockLoop):
 
     def __init__(self, decoder: Any = None, *, mask_id: int, num_blocks: int, block_size: int = 32,
                  small_block_size: int = 8, threshold: float = 0.9, stop_token: int = 151645,
-                 pad_token: int | None = None, top_p: float = 0.95, temperature: float = 0.0, use_block_cache: bool = False, stop_mode: str = "generate",
-                 prefill_whole_block_prompt: bool = True, use_cache: bool = True):
+                 pad_token: int | None = None, top_p: float = 0.95, temperature: float = 0.0,
+                 use_block_cache: bool = False, stop_mode: str = "generate", prefill_whole_block_prompt: bool = True,
+                 use_cache: bool = True):
         check_int("mask_id", mask_id, minimum=0)
         check_int("block_size", block_size, minimum=1)
         check_int("small_block_size", small_block_size, minimum=1)
@@ -482,11 +482,12 @@ def engine_decoder(engine: Any, params: Any) -> FastDLLMV2Decoder:
     settings = dict(params.fast_dllm_v2 or {})
     block_size = settings.pop("block_size", engine.spec.block_length or 32)
     check_block_within_context(engine.spec, "fast_dllm_v2.block_size", block_size)   # the canvas is whole blocks
-    kind, threshold = FastDLLMV2Decoder, 0.9 if params.threshold is None else params.threshold
+    part, threshold = params.decoder, 0.9 if params.threshold is None else params.threshold
     if params.decoder is not None:
-        freedave, tau = split_freedave(params.decoder, rules=False)
-        kind, threshold = partial(FastDLLMV2Decoder, freedave), 1.0 if tau is None else tau
-    return kind(mask_id=engine.spec.mask_id, num_blocks=-(-params.max_tokens // block_size),
-                block_size=block_size, small_block_size=settings.pop("small_block_size", 8), threshold=threshold,
-                stop_token=engine.spec.eos_id, top_p=0.95 if params.top_p is None else params.top_p,
-                temperature=params.temperature, stop_mode="generate", **settings)
+        part, tau = split_freedave(params.decoder, rules=False)
+        threshold = 1.0 if tau is None else tau
+    return FastDLLMV2Decoder(part, mask_id=engine.spec.mask_id, num_blocks=-(-params.max_tokens // block_size),
+                             block_size=block_size, small_block_size=settings.pop("small_block_size", 8),
+                             threshold=threshold, stop_token=engine.spec.eos_id,
+                             top_p=0.95 if params.top_p is None else params.top_p, temperature=params.temperature,
+                             stop_mode="generate", **settings)

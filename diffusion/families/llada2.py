@@ -19,7 +19,6 @@ prompt with it there only); one prompt at a time (upstream reads row 0 only).
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import torch
@@ -125,28 +124,28 @@ class LLaDA2Decoder(StoreKVLoop):
 
     def _decide(self, state: LLaDA2State, logits: torch.Tensor, generator: torch.Generator | None,
                 stats: GenerationStats | None) -> None:
-        if self.rule is not None:
-            self._rule_decide(state, logits, stats)
-            return
         start, end = self._span(state)
         block = state.x[:, start:end]   # a view: commits write into x
         masked = block == self.mask_id
         logits, prior = self._constrain_before(state, logits)
-        tokens, confidence, _ = sample_block(logits, self.temperature, self.top_k, self.top_p, generator,
-                                             self.mask_id)
-        # under a structure the filter may leave holes past the schedule: one more token per step
-        count = self.schedule[state.step] if state.step < len(self.schedule) else 1
-        count = self.num_to_transfer if self.editing else count
-        transfer = select_mask_to_token(masked, confidence, count, self.threshold)
-        edits = torch.zeros_like(masked)
-        if self.editing:
-            prompt_in_block = torch.arange(start, end, device=block.device) < state.prompt_length
-            edits = select_token_edits(block, masked, prompt_in_block, tokens, confidence, self.editing_threshold)
-        change = transfer | edits
-        block[change] = tokens[change]
-        state.step += 1
-        if stats is not None:
-            stats.step(transfer.sum())
+        if self.rule is not None:   # a dInfer rule (2.0's loop, its EOS stops, no `steps` cap)
+            tokens, transfer = None, self._rule_commit(state, block, logits, stats)
+        else:
+            tokens, confidence, _ = sample_block(logits, self.temperature, self.top_k, self.top_p, generator,
+                                                 self.mask_id)
+            # under a structure the filter may leave holes past the schedule: one more token per step
+            count = self.schedule[state.step] if state.step < len(self.schedule) else 1
+            count = self.num_to_transfer if self.editing else count
+            transfer = select_mask_to_token(masked, confidence, count, self.threshold)
+            edits = torch.zeros_like(masked)
+            if self.editing:
+                prompt_in_block = torch.arange(start, end, device=block.device) < state.prompt_length
+                edits = select_token_edits(block, masked, prompt_in_block, tokens, confidence, self.editing_threshold)
+            change = transfer | edits
+            block[change] = tokens[change]
+            state.step += 1
+            if stats is not None:
+                stats.step(transfer.sum())
         if prior is not None and self._constrain_after(state, prior, tokens, logits):
             return
         if self.editing:
@@ -154,9 +153,10 @@ class LLaDA2Decoder(StoreKVLoop):
             if prior is not None:   # a structure's block ends only without holes
                 finished = finished and not bool((block == self.mask_id).any())
         else:
-            if self._eos_stop(state, tokens[transfer]):
+            if self._eos_stop(state, block[transfer] if tokens is None else tokens[transfer]):
                 return
-            finished = not bool((block == self.mask_id).any()) or (prior is None and state.step >= self.steps)
+            finished = not bool((block == self.mask_id).any()) or \
+                (self.rule is None and prior is None and state.step >= self.steps)
         if finished:
             self._finish_block(state)
 
@@ -203,17 +203,6 @@ class LLaDA2Decoder(StoreKVLoop):
     def _rule_replaces(self) -> dict:
         return dict(unread={"editing_threshold": self.editing_threshold} if self.editing else {},
                     replaces="token editing")
-
-    def _rule_decide(self, state: LLaDA2State, logits: torch.Tensor, stats: GenerationStats | None) -> None:
-        """A step of the commit rule (`decoder=`) in LLaDA2.0's loop, its EOS stops included."""
-        start, end = self._span(state)
-        block = state.x[:, start:end]   # a view: commits write into x
-        logits, prior = self._constrain_before(state, logits)
-        commit = self._rule_commit(state, block, logits, stats)
-        if prior is not None and self._constrain_after(state, prior, None, logits):
-            return
-        if not self._eos_stop(state, block[commit]) and not bool((block == self.mask_id).any()):
-            self._finish_block(state)
 
     def _fd_loop(self) -> tuple:
         return (all(n == 1 for n in self.schedule), "steps", not self.editing,
@@ -268,19 +257,18 @@ def engine_decoder(engine: Any, params: Any) -> LLaDA2Decoder:
     check_block_within_context(engine.spec, "llada2.block_length", block_length)
     for name in ("steps", "num_to_transfer"):
         check_steps(f"llada2.{name}", settings.get(name), block_length, "the block length")
-    kind, threshold = LLaDA2Decoder, 0.95 if params.threshold is None else params.threshold
+    part, threshold = params.decoder, 0.95 if params.threshold is None else params.threshold
     if is_rule(params.decoder):
         # SamplingParams refuses temperature > 0, threshold, top_k, top_p with a decoder
         check_rule_on_loop(params.decoder, "LLaDA2", temperature=params.temperature,
                            replaces="threshold rule and schedule",
                            unread={f"llada2.{name}": settings[name] for name in RULE_SETTINGS if name in settings})
-        kind = partial(LLaDA2Decoder, params.decoder)
     elif params.decoder is not None:
-        freedave, tau = split_freedave(params.decoder, rules=True)
+        part, tau = split_freedave(params.decoder, rules=True)
         if "steps" in settings:
             raise ValueError("llada2.steps: with decoder=FreeDave a block takes one token per step: leave it unset")
-        kind, threshold = partial(LLaDA2Decoder, freedave), 1.0 if tau is None else tau
-    return kind(mask_id=engine.spec.mask_id, eos_id=engine.spec.eos_id, gen_length=params.max_tokens,
-                block_length=block_length, steps=settings.pop("steps", block_length),
-                temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, threshold=threshold,
-                block_store=engine.runner.store, **settings)
+        threshold = 1.0 if tau is None else tau
+    return LLaDA2Decoder(part, mask_id=engine.spec.mask_id, eos_id=engine.spec.eos_id, gen_length=params.max_tokens,
+                         block_length=block_length, steps=settings.pop("steps", block_length),
+                         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, threshold=threshold,
+                         block_store=engine.runner.store, **settings)

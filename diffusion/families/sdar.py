@@ -19,7 +19,6 @@ token (upstream commits it, the position stays masked and the loop fails with an
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Generator, Sequence
 
 import torch
@@ -28,7 +27,7 @@ from ..parts.blocks import (BlockState, StoreKVLoop, num_transfer_schedule, refu
                             select_mask_to_token)
 from ..parts.checks import (check_block_within_context, check_bool, check_choice, check_generator, check_int,
                             check_real, check_settings, check_stats, check_steps)
-from ..parts.drafts import check_block_decoder, split_freedave
+from ..parts.drafts import split_freedave
 from ..parts.rules import check_rule_on_loop, is_rule, unread_settings
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest
@@ -203,7 +202,6 @@ def sdar_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, mask_id: i
                   confidence_threshold=confidence_threshold, eb_threshold=eb_threshold)
     kwargs = dict(mask_id=mask_id, gen_length=gen_length, block_length=block_length, temperature=temperature,
                   stop_ids=stops, fill_after_stop=fill_after_stop, use_cache=use_cache, **unread)
-    check_block_decoder(decoder)
     if is_rule(decoder):
         check_rule_on_loop(decoder, "SDAR", temperature=temperature, replaces="remasking_strategy",
                            unread=unread_settings(unread, RULE_UNREAD))
@@ -239,25 +237,24 @@ def engine_decoder(engine: Any, params: Any) -> SDARDecoder:
             raise ValueError("threshold is the shorthand for sdar={'remasking_strategy': "
                              "'low_confidence_dynamic', 'confidence_threshold': ...}: give one of them")
         settings.update(remasking_strategy="low_confidence_dynamic", confidence_threshold=params.threshold)
-    kind = SDARDecoder
+    part = params.decoder   # the commit part: a dInfer rule, FreeDave (without its threshold) or None
     if is_rule(params.decoder):
         # SamplingParams refuses temperature > 0, threshold, top_k, top_p with a decoder
         check_rule_on_loop(params.decoder, "SDAR", temperature=params.temperature, replaces="remasking_strategy",
                            unread={f"sdar.{name}": settings[name] for name in RULE_SETTINGS if name in settings})
-        kind = partial(SDARDecoder, params.decoder)
     elif params.decoder is not None:
-        freedave, threshold = split_freedave(params.decoder, rules=True)
+        part, threshold = split_freedave(params.decoder, rules=True)
         given = sorted(set(settings) & set(RULE_SETTINGS))
         if given:
             raise ValueError(f"sdar.{given[0]}: with decoder=FreeDave the rule is FreeDave's (one token per step, or "
                              f"its confidence_threshold): leave {given} unset")
         settings.update(remasking_strategy="low_confidence_static" if threshold is None else "low_confidence_dynamic",
                         **({} if threshold is None else {"confidence_threshold": threshold}))
-        kind = partial(SDARDecoder, freedave)
-    return kind(block_store=engine.runner.store, mask_id=engine.spec.mask_id, gen_length=params.max_tokens,
-                block_length=block_length, denoising_steps=settings.get("denoising_steps", block_length),
-                temperature=params.temperature, top_k=params.top_k or 0,
-                top_p=1.0 if params.top_p is None else params.top_p, eb_threshold=settings.get("eb_threshold"),
-                remasking_strategy=settings.get("remasking_strategy", "low_confidence_static"),
-                confidence_threshold=settings.get("confidence_threshold", 0.85),
-                stop_ids=sorted(set(engine.stop_ids) | set(params.stop_token_ids)))
+    return SDARDecoder(part, block_store=engine.runner.store, mask_id=engine.spec.mask_id,
+                       gen_length=params.max_tokens, block_length=block_length,
+                       denoising_steps=settings.get("denoising_steps", block_length), temperature=params.temperature,
+                       top_k=params.top_k or 0, top_p=1.0 if params.top_p is None else params.top_p,
+                       eb_threshold=settings.get("eb_threshold"),
+                       remasking_strategy=settings.get("remasking_strategy", "low_confidence_static"),
+                       confidence_threshold=settings.get("confidence_threshold", 0.85),
+                       stop_ids=sorted(set(engine.stop_ids) | set(params.stop_token_ids)))

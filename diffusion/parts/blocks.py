@@ -107,14 +107,10 @@ class BlockLoop(ForwardThenCommit):
     def _take(self, decoder: Any) -> None:
         """Set the commit part (after the loop's own settings, which it checks): None, the family's own rule; a
         commit rule (`takes_rules`); FreeDave's config (`DraftVerify`). Each refusal names the setting."""
-        if decoder is None:
-            return
-        if self.takes_rules:
-            check_block_decoder(decoder)
-        if self.takes_rules and is_rule(decoder):
+        if self.takes_rules and is_rule(check_block_decoder(decoder)):
             check_rule_on_loop(decoder, self.family, temperature=self.temperature, **self._rule_replaces())
             self.rule = decoder
-        else:
+        elif decoder is not None:
             self.drafts = DraftVerify(self, decoder)
 
     def _rule_replaces(self) -> dict:
@@ -122,11 +118,10 @@ class BlockLoop(ForwardThenCommit):
 
     def _forward(self, state: Any) -> Generator[ForwardRequest, Any, tuple[torch.Tensor | None, Any]]:
         """The step's forward: the family's own (with `drafts`: its prefill or store), or the part's."""
-        if self.drafts is None or self._fd_pending(state):
-            if self.drafts is not None:
-                state.predictions = None
-            return (yield from self._loop_forward(state))
-        return (yield from self.drafts.forward(state))
+        if self.drafts is not None and not self._fd_pending(state):
+            return (yield from self.drafts.forward(state))
+        state.predictions = None   # draft-verify starts each block afresh
+        return (yield from self._loop_forward(state))
 
     def commit(self, state: Any, logits: torch.Tensor | None, kind: Any, generator: torch.Generator | None = None,
                stats: GenerationStats | None = None) -> None:

@@ -193,7 +193,7 @@ def split_freedave(decoder: Any, rules: bool) -> tuple[Any, float | None]:
     return replace(decoder, confidence_threshold=None), decoder.confidence_threshold
 
 
-def check_block_decoder(decoder: Any) -> None:
-    """`decoder=` on a block-causal family's drop-in function: FreeDave or one of dInfer's rules."""
-    check_instance("decoder", decoder, (DraftConfig, CommitRule), "remask.FreeDave or a commit rule ("
+def check_block_decoder(decoder: Any) -> Any:
+    """`decoder=` on a block-causal family's loop: FreeDave, one of dInfer's rules, or None (returned)."""
+    return check_instance("decoder", decoder, (DraftConfig, CommitRule), "remask.FreeDave or a commit rule ("
                    + ", ".join(t.__name__ for t in rule_types()) + ": the decoders block-causal models take)")

@@ -21,7 +21,6 @@ import torch
 
 from remask.diffusion.parts.checks import check_bool, check_generator, check_stats
 from remask.diffusion.families.llada2 import RULE_UNREAD, LLaDA2Decoder
-from remask.diffusion.parts.drafts import check_block_decoder
 from remask.diffusion.parts.rules import check_rule_on_loop, is_rule, unread_settings
 from remask.models.llada2 import LLADA2_EOS_ID, LLADA2_MASK_ID
 
@@ -69,7 +68,6 @@ def generate(model: torch.nn.Module, inputs: Any = None, temperature: float = 0.
                   minimal_topk=minimal_topk, threshold=threshold, editing_threshold=editing_threshold,
                   max_post_steps=max_post_steps, num_to_transfer=num_to_transfer,
                   eos_early_stop=eos_early_stop, use_cache=use_cache)
-    check_block_decoder(decoder)
     if is_rule(decoder):
         check_rule_on_loop(decoder, "LLaDA2", temperature=temperature, replaces="threshold rule and schedule",
                            unread=unread_settings({name: kwargs[name] for name in RULE_UNREAD}, RULE_UNREAD))
