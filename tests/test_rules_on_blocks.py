@@ -14,7 +14,7 @@ import remask
 import remask.diffusion.parts.rules as rules_module
 from remask.compat.llada2 import generate as llada2_generate
 from remask.compat.sdar import block_diffusion_generate
-from remask.diffusion.families.llada2 import LLaDA2Rules
+from remask.diffusion.families.llada2 import LLaDA2Decoder as LLaDA2Rules
 from remask.diffusion.parts.rules import rule_commit
 from remask.diffusion.families.sdar import sdar_generate
 from remask.diffusion.parts.stats import GenerationStats

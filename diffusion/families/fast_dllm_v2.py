@@ -23,7 +23,6 @@ becomes the most probable other token (upstream commits it, which at temperature
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Generator
 
 import torch
@@ -32,13 +31,13 @@ from transformers.cache_utils import DynamicCache
 from remask.caches.block import PackedRows
 from remask.models.fast_dllm_v2 import RowBatch
 
+from ..parts.blocks import BlockLoop, check_prompt, refuse_unread
 from ..parts.checks import (ParameterTypeError, check_block_within_context, check_bool, check_choice, check_generator,
                             check_int, check_real, check_settings, check_stats)
-from ..methods.freedave_blocks import BlockFreeDave, split_freedave
+from ..parts.drafts import split_freedave
 from ..parts.scoring import sample_categorical
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest
-from .sdar import BlockLoop, check_prompt, refuse_unread
 
 STOP_MODES = ("generate", "batch_sample")
 
@@ -90,7 +89,7 @@ class FastDLLMV2State:
     done: bool = False
     finished: bool = False
     finished_block: int | None = None
-    predictions: Any = None   # FreeDave's predictions for the current block (`FastDLLMV2FreeDave`)
+    predictions: Any = None   # FreeDave's predictions for the current block (`DraftVerify`)
     pending: Any = None       # the forward asked for and not yet answered (a sub-generator)
     constraint: Any = None    # structured output: a `CommitFilter` of one row (`BlockLoop.constrain`)
 
@@ -98,14 +97,17 @@ class FastDLLMV2State:
 class FastDLLMV2Decoder(BlockLoop):
     """Fast-dLLM v2's loop: each `step` is one model forward — the prefill, a denoising forward of the current
     sub-block, or the store of a full block (yielding the next block's first token). `stop_mode`: the official
-    "generate"'s or "batch_sample"'s ending; `num_blocks`: upstream's block count."""
+    "generate"'s or "batch_sample"'s ending; `num_blocks`: upstream's block count. `decoder`: None, or FreeDave
+    (`BlockLoop._take`; generate's loop with the prefix cache: greedy, `threshold >= 1` lossless, below 1 with
+    ``match_rule="exact"``: the same tokens with fewer forwards, drafts crossing sub-blocks)."""
 
     family = "Fast-dLLM v2"
 
-    def __init__(self, *, mask_id: int, num_blocks: int, block_size: int = 32, small_block_size: int = 8,
-                 threshold: float = 0.9, stop_token: int = 151645, pad_token: int | None = None, top_p: float = 0.95,
-                 temperature: float = 0.0, use_block_cache: bool = False, stop_mode: str = "generate",
-                 prefill_whole_block_prompt: bool = True, use_cache: bool = True):
+    def __init__(self, decoder: Any = None, *, mask_id: int, num_blocks: int, block_size: int = 32,
+                 small_block_size: int = 8, threshold: float = 0.9, stop_token: int = 151645,
+                 pad_token: int | None = None, top_p: float = 0.95, temperature: float = 0.0,
+                 use_block_cache: bool = False, stop_mode: str = "generate", prefill_whole_block_prompt: bool = True,
+                 use_cache: bool = True):
         check_int("mask_id", mask_id, minimum=0)
         check_int("block_size", block_size, minimum=1)
         check_int("small_block_size", small_block_size, minimum=1)
@@ -134,6 +136,7 @@ class FastDLLMV2Decoder(BlockLoop):
         self.threshold, self.stop_token, self.pad_token, self.top_p = threshold, stop_token, pad_token, top_p
         self.temperature, self.use_block_cache, self.use_cache = temperature, use_block_cache, use_cache
         self.stop_mode, self.prefill_whole_block_prompt = stop_mode, prefill_whole_block_prompt
+        self._take(decoder)
 
     def num_final(self, state: FastDLLMV2State) -> int:
         """Generated positions that are final: all before the block being decoded (all once done)."""
@@ -197,7 +200,7 @@ class FastDLLMV2Decoder(BlockLoop):
                                                                [self.block_size if store else 32] * K),
                                    rows_alone=K > 1)
 
-    def _forward(self, state: FastDLLMV2State) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, tuple]]:
+    def _loop_forward(self, state: FastDLLMV2State) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, tuple]]:
         """The prefill, a full block's store, or a denoising forward of the current sub-block (the whole block, or the
         sub-block alone once the block is in the sub-block cache); returns (shifted, cut logits, (kind, positions))."""
         L = self.block_size
@@ -243,8 +246,8 @@ class FastDLLMV2Decoder(BlockLoop):
             logits = yield self._block_rows(state, block, False)
         return shift_logits(logits)[:, start:end], ("denoise", L)
 
-    def commit(self, state: FastDLLMV2State, logits: torch.Tensor, kind: tuple,
-               generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> None:
+    def _loop_commit(self, state: FastDLLMV2State, logits: torch.Tensor, kind: tuple,
+                     generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> None:
         """The step's decision from its forward's logits (`kind`: which forward it was, its positions)."""
         what, positions = kind
         if stats is not None:
@@ -320,11 +323,6 @@ class FastDLLMV2Decoder(BlockLoop):
             answer[int(stops[0]) + 1:] = self.pad_token
         state.block_start = -1
 
-
-class FastDLLMV2FreeDave(BlockFreeDave, FastDLLMV2Decoder):
-    """Fast-dLLM v2's `generate` loop with FreeDave (`methods/freedave_blocks.py`): its tokens — greedy,
-    `threshold >= 1` lossless, below 1 with ``match_rule="exact"`` — with fewer forwards (drafts cross sub-blocks)."""
-
     def _fd_loop(self) -> tuple:
         return (True, "threshold", not self.use_block_cache and self.stop_mode == "generate",
                 "use_block_cache / batch_sample: FreeDave runs generate's loop with the prefix cache "
@@ -389,7 +387,7 @@ def fast_dllm_v2_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, ma
                   small_block_size=small_block_size, threshold=threshold, stop_token=stop_token,
                   top_p=top_p, temperature=temperature, use_block_cache=use_block_cache,
                   stop_mode="generate", prefill_whole_block_prompt=prefill_whole_block_prompt, use_cache=use_cache)
-    loop = FastDLLMV2Decoder(**kwargs) if decoder is None else FastDLLMV2FreeDave(decoder, **kwargs)
+    loop = FastDLLMV2Decoder(decoder, **kwargs)
     loop.structured(structured_outputs, model, tokenizer, max_new_tokens)
     if stats is not None:
         stats.start()
@@ -484,11 +482,12 @@ def engine_decoder(engine: Any, params: Any) -> FastDLLMV2Decoder:
     settings = dict(params.fast_dllm_v2 or {})
     block_size = settings.pop("block_size", engine.spec.block_length or 32)
     check_block_within_context(engine.spec, "fast_dllm_v2.block_size", block_size)   # the canvas is whole blocks
-    kind, threshold = FastDLLMV2Decoder, 0.9 if params.threshold is None else params.threshold
+    part, threshold = params.decoder, 0.9 if params.threshold is None else params.threshold
     if params.decoder is not None:
-        freedave, tau = split_freedave(params.decoder, rules=False)
-        kind, threshold = partial(FastDLLMV2FreeDave, freedave), 1.0 if tau is None else tau
-    return kind(mask_id=engine.spec.mask_id, num_blocks=-(-params.max_tokens // block_size),
-                block_size=block_size, small_block_size=settings.pop("small_block_size", 8), threshold=threshold,
-                stop_token=engine.spec.eos_id, top_p=0.95 if params.top_p is None else params.top_p,
-                temperature=params.temperature, stop_mode="generate", **settings)
+        part, tau = split_freedave(params.decoder, rules=False)
+        threshold = 1.0 if tau is None else tau
+    return FastDLLMV2Decoder(part, mask_id=engine.spec.mask_id, num_blocks=-(-params.max_tokens // block_size),
+                             block_size=block_size, small_block_size=settings.pop("small_block_size", 8),
+                             threshold=threshold, stop_token=engine.spec.eos_id,
+                             top_p=0.95 if params.top_p is None else params.top_p, temperature=params.temperature,
+                             stop_mode="generate", **settings)

@@ -19,17 +19,16 @@ prompt with it there only); one prompt at a time (upstream reads row 0 only).
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import torch
 
+from ..parts.blocks import (BlockState, StoreKVLoop, num_transfer_schedule, refuse_unread, sample_block,
+                            select_mask_to_token)
 from ..parts.checks import (MAX_LOOP_STEPS, check_block_within_context, check_bool, check_int, check_real,
                             check_settings, check_steps)
-from ..methods.freedave_blocks import BlockFreeDave, split_freedave
+from ..parts.drafts import split_freedave
 from ..parts.rules import check_rule_on_loop, is_rule
-from .sdar import (BlockRules, BlockState, StoreKVLoop, num_transfer_schedule, refuse_unread, sample_block,
-                   select_mask_to_token)
 from ..parts.stats import GenerationStats
 
 __all__ = ["LLaDA2Decoder", "LLaDA2State", "num_transfer_schedule", "select_mask_to_token", "select_token_edits"]
@@ -48,18 +47,21 @@ LLaDA2State = BlockState
 
 class LLaDA2Decoder(StoreKVLoop):
     """LLaDA2's loop as a state and a step: each `step` is one model forward — the prefill, a
-    decoding step of the current block, or the store of the block just finished."""
+    decoding step of the current block, or the store of the block just finished. `decoder`: the commit part
+    (`BlockLoop._take`): None, the threshold / schedule rule (and 2.1's edits); one of dInfer's rules (2.0's loop,
+    its EOS stops included, no `steps` cap); FreeDave (2.0's loop: greedy, one token per step, `threshold=1.0`
+    lossless, below 1 with ``match_rule="exact"``: the same tokens with fewer forwards). Neither with 2.1's edits."""
 
     family = "LLaDA2"
     mask_dtype = torch.bool
     mask_lead = (1, 1)
     prompt_name, empty_prompt_ok = "inputs", False
 
-    def __init__(self, *, mask_id: int, eos_id: int | None, gen_length: int = 2048, block_length: int = 32,
-                 steps: int = 32, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 minimal_topk: int = 1, threshold: float = 0.95, editing_threshold: float | None = None,
-                 max_post_steps: int = 16, num_to_transfer: int = 1, eos_early_stop: bool = False,
-                 use_cache: bool = True, block_store: Any = None):
+    def __init__(self, decoder: Any = None, *, mask_id: int, eos_id: int | None, gen_length: int = 2048,
+                 block_length: int = 32, steps: int = 32, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, minimal_topk: int = 1, threshold: float = 0.95,
+                 editing_threshold: float | None = None, max_post_steps: int = 16, num_to_transfer: int = 1,
+                 eos_early_stop: bool = False, use_cache: bool = True, block_store: Any = None):
         check_int("mask_id", mask_id, minimum=0)
         check_int("eos_id", eos_id, minimum=0, allow_none=True)
         check_int("gen_length", gen_length, minimum=1)
@@ -85,6 +87,7 @@ class LLaDA2Decoder(StoreKVLoop):
         self.steps = min(steps, gen_length // minimal_topk)
         self.schedule = num_transfer_schedule(block_length, self.steps).tolist()
         self.block_store = block_store if use_cache else None
+        self._take(decoder)
 
     @property
     def editing(self) -> bool:
@@ -125,21 +128,24 @@ class LLaDA2Decoder(StoreKVLoop):
         block = state.x[:, start:end]   # a view: commits write into x
         masked = block == self.mask_id
         logits, prior = self._constrain_before(state, logits)
-        tokens, confidence, _ = sample_block(logits, self.temperature, self.top_k, self.top_p, generator,
-                                             self.mask_id)
-        # under a structure the filter may leave holes past the schedule: one more token per step
-        count = self.schedule[state.step] if state.step < len(self.schedule) else 1
-        count = self.num_to_transfer if self.editing else count
-        transfer = select_mask_to_token(masked, confidence, count, self.threshold)
-        edits = torch.zeros_like(masked)
-        if self.editing:
-            prompt_in_block = torch.arange(start, end, device=block.device) < state.prompt_length
-            edits = select_token_edits(block, masked, prompt_in_block, tokens, confidence, self.editing_threshold)
-        change = transfer | edits
-        block[change] = tokens[change]
-        state.step += 1
-        if stats is not None:
-            stats.step(transfer.sum())
+        if self.rule is not None:   # a dInfer rule (2.0's loop, its EOS stops, no `steps` cap)
+            tokens, transfer = None, self._rule_commit(state, block, logits, stats)
+        else:
+            tokens, confidence, _ = sample_block(logits, self.temperature, self.top_k, self.top_p, generator,
+                                                 self.mask_id)
+            # under a structure the filter may leave holes past the schedule: one more token per step
+            count = self.schedule[state.step] if state.step < len(self.schedule) else 1
+            count = self.num_to_transfer if self.editing else count
+            transfer = select_mask_to_token(masked, confidence, count, self.threshold)
+            edits = torch.zeros_like(masked)
+            if self.editing:
+                prompt_in_block = torch.arange(start, end, device=block.device) < state.prompt_length
+                edits = select_token_edits(block, masked, prompt_in_block, tokens, confidence, self.editing_threshold)
+            change = transfer | edits
+            block[change] = tokens[change]
+            state.step += 1
+            if stats is not None:
+                stats.step(transfer.sum())
         if prior is not None and self._constrain_after(state, prior, tokens, logits):
             return
         if self.editing:
@@ -147,9 +153,10 @@ class LLaDA2Decoder(StoreKVLoop):
             if prior is not None:   # a structure's block ends only without holes
                 finished = finished and not bool((block == self.mask_id).any())
         else:
-            if self._eos_stop(state, tokens[transfer]):
+            if self._eos_stop(state, block[transfer] if tokens is None else tokens[transfer]):
                 return
-            finished = not bool((block == self.mask_id).any()) or (prior is None and state.step >= self.steps)
+            finished = not bool((block == self.mask_id).any()) or \
+                (self.rule is None and prior is None and state.step >= self.steps)
         if finished:
             self._finish_block(state)
 
@@ -193,10 +200,9 @@ class LLaDA2Decoder(StoreKVLoop):
         else:
             state.stored = not self.use_cache
 
-
-class LLaDA2FreeDave(BlockFreeDave, LLaDA2Decoder):
-    """LLaDA2.0's loop with FreeDave (`methods/freedave_blocks.py`): its tokens — greedy, one token per step,
-    `threshold=1.0` lossless, below 1 with ``match_rule="exact"`` — with fewer forwards. Not LLaDA2.1's editing."""
+    def _rule_replaces(self) -> dict:
+        return dict(unread={"editing_threshold": self.editing_threshold} if self.editing else {},
+                    replaces="token editing")
 
     def _fd_loop(self) -> tuple:
         return (all(n == 1 for n in self.schedule), "steps", not self.editing,
@@ -205,28 +211,8 @@ class LLaDA2FreeDave(BlockFreeDave, LLaDA2Decoder):
     def _fd_select(self, masked: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
         return select_mask_to_token(masked, conf, 1, self.threshold)
 
-    _fd_committed = LLaDA2Decoder._eos_stop   # 2.0's in-block EOS stop
-    _fd_block_done = LLaDA2Decoder._finish_block
-
-
-class LLaDA2Rules(BlockRules, LLaDA2Decoder):
-    """LLaDA2.0's loop (its EOS stops included) with one of dInfer's commit rules instead of the
-    threshold / schedule rule (`BlockRules`; no `steps` cap). Not LLaDA2.1's editing."""
-
-    def _rule_replaces(self) -> dict:
-        return dict(unread={"editing_threshold": self.editing_threshold} if self.editing else {},
-                    replaces="token editing")
-
-    def _decide(self, state: LLaDA2State, logits: torch.Tensor, generator: torch.Generator | None,
-                stats: GenerationStats | None) -> None:
-        start, end = self._span(state)
-        block = state.x[:, start:end]   # a view: commits write into x
-        logits, prior = self._constrain_before(state, logits)
-        commit = self._rule_commit(state, block, logits, stats)
-        if prior is not None and self._constrain_after(state, prior, None, logits):
-            return
-        if not self._eos_stop(state, block[commit]) and not bool((block == self.mask_id).any()):
-            self._finish_block(state)
+    _fd_committed = _eos_stop   # 2.0's in-block EOS stop
+    _fd_block_done = _finish_block
 
 
 # generate's settings that a dInfer rule replaces, with their defaults (given ones are refused)
@@ -259,8 +245,8 @@ def check_llada2_settings(settings: Any) -> dict:
 
 def engine_decoder(engine: Any, params: Any) -> LLaDA2Decoder:
     """One engine request's LLaDA2 loop (`Family.engine_decoder`): `remask.compat.llada2.generate`'s with
-    `gen_length=max_tokens`. `decoder=` a dInfer rule runs `LLaDA2Rules`; FreeDave sets the rule: one token per
-    step (threshold 1.0), or its threshold."""
+    `gen_length=max_tokens`. `decoder=` (a dInfer rule or FreeDave) is the loop's commit part; FreeDave sets the
+    rule: one token per step (threshold 1.0), or its threshold."""
     refuse_unread(params, "LLaDA2", ("top_k", "llada2"), "temperature, top_k, top_p, threshold, decoder "
                   f"(remask.FreeDave or dInfer's rules) and llada2={{{', '.join(LLADA2_SETTINGS)}}}")
     if params.stop_token_ids:
@@ -271,19 +257,18 @@ def engine_decoder(engine: Any, params: Any) -> LLaDA2Decoder:
     check_block_within_context(engine.spec, "llada2.block_length", block_length)
     for name in ("steps", "num_to_transfer"):
         check_steps(f"llada2.{name}", settings.get(name), block_length, "the block length")
-    kind, threshold = LLaDA2Decoder, 0.95 if params.threshold is None else params.threshold
+    part, threshold = params.decoder, 0.95 if params.threshold is None else params.threshold
     if is_rule(params.decoder):
         # SamplingParams refuses temperature > 0, threshold, top_k, top_p with a decoder
         check_rule_on_loop(params.decoder, "LLaDA2", temperature=params.temperature,
                            replaces="threshold rule and schedule",
                            unread={f"llada2.{name}": settings[name] for name in RULE_SETTINGS if name in settings})
-        kind = partial(LLaDA2Rules, params.decoder)
     elif params.decoder is not None:
-        freedave, tau = split_freedave(params.decoder, rules=True)
+        part, tau = split_freedave(params.decoder, rules=True)
         if "steps" in settings:
             raise ValueError("llada2.steps: with decoder=FreeDave a block takes one token per step: leave it unset")
-        kind, threshold = partial(LLaDA2FreeDave, freedave), 1.0 if tau is None else tau
-    return kind(mask_id=engine.spec.mask_id, eos_id=engine.spec.eos_id, gen_length=params.max_tokens,
-                block_length=block_length, steps=settings.pop("steps", block_length),
-                temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, threshold=threshold,
-                block_store=engine.runner.store, **settings)
+        threshold = 1.0 if tau is None else tau
+    return LLaDA2Decoder(part, mask_id=engine.spec.mask_id, eos_id=engine.spec.eos_id, gen_length=params.max_tokens,
+                         block_length=block_length, steps=settings.pop("steps", block_length),
+                         temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, threshold=threshold,
+                         block_store=engine.runner.store, **settings)

@@ -1,5 +1,5 @@
-"""SDAR's block diffusion decoding (JetAstra/SDAR `generate.py::block_diffusion_generate`), and the
-block loop SDAR, LLaDA2 and Fast-dLLM v2 share (`BlockLoop`; `StoreKVLoop` for the `store_kv` models).
+"""SDAR's block diffusion decoding (JetAstra/SDAR `generate.py::block_diffusion_generate`) on the block loop of
+`parts/blocks.py` (`StoreKVLoop`).
 
 Autoregressive over blocks, parallel inside one: the prompt's whole blocks are prefilled into the
 KV cache (`store_kv=True`); each block is denoised by forwards of the block against the cache, each
@@ -19,60 +19,21 @@ token (upstream commits it, the position stays masked and the loop fails with an
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from functools import partial
 from typing import Any, Generator, Sequence
 
 import torch
-from transformers.cache_utils import DynamicCache
 
-from remask.caches.block import BlockBatch, BlockKVCache
-
-from ..parts.checks import (check_block_within_context, check_bool, check_choice, check_generator, check_instance,
-                            check_int, check_real, check_settings, check_stats, check_steps)
-from ..methods.freedave_blocks import BlockFreeDave, check_block_decoder, split_freedave
-from ..parts.rules import CommitRule, check_rule_on_loop, commit_block, is_rule, rule_types, unread_settings
-from ..parts.scoring import sample_categorical
+from ..parts.blocks import (BlockState, StoreKVLoop, num_transfer_schedule, refuse_unread, sample_block,
+                            select_mask_to_token)
+from ..parts.checks import (check_block_within_context, check_bool, check_choice, check_generator, check_int,
+                            check_real, check_settings, check_stats, check_steps)
+from ..parts.drafts import split_freedave
+from ..parts.rules import check_rule_on_loop, is_rule, unread_settings
 from ..parts.stats import GenerationStats
-from ..parts.stepper import ForwardRequest, ForwardThenCommit
+from ..parts.stepper import ForwardRequest
 
 REMASKING_STRATEGIES = ("sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded")
-
-
-def num_transfer_schedule(block_length: int, steps: int) -> torch.Tensor:
-    """Positions to commit at each step: `block_length` split evenly, the remainder to the first steps."""
-    base, remainder = divmod(block_length, steps)
-    counts = torch.full((steps,), base, dtype=torch.int64)
-    counts[:remainder] += 1
-    return counts
-
-
-def sample_block(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                 generator: torch.Generator | None, mask_id: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens, their probabilities, the distributions) for logits `[1, L, V]`: upstream's sampler
-    (`sample_categorical`'s defaults: top-k then top-p to −inf, one multinomial draw over the block's rows;
-    T = 0: the argmax). A drawn `mask_id` becomes the most probable other token."""
-    shape, V = logits.shape[:-1], logits.shape[-1]
-    token, token_prob, probs = sample_categorical(logits.reshape(-1, V), temperature, top_k, top_p,
-                                                  generator=generator, exclude_id=mask_id)
-    return token.view(*shape), token_prob.view(*shape), probs.view(*shape, V)
-
-
-def select_mask_to_token(masked: torch.Tensor, confidence: torch.Tensor, count: int, threshold: float) -> torch.Tensor:
-    """Masked positions of a `[1, L]` block to commit: those above `threshold` when there are at
-    least `count`, else the `count` most confident (never more than there are masks)."""
-    transfer = torch.zeros_like(masked)
-    masks = int(masked.sum())
-    if masks == 0:
-        return transfer
-    conf = torch.where(masked, confidence, -torch.inf)
-    high = (conf[0] > threshold) & masked[0]
-    if int(high.sum()) >= count:
-        transfer[0] = high
-    else:
-        transfer[0, torch.topk(conf[0], k=min(count, masks)).indices] = True
-    return transfer
+FREEDAVE_STRATEGIES = ("low_confidence_static", "low_confidence_dynamic")   # the rules FreeDave drafts
 
 
 def select_positions(strategy: str, mask_index: torch.Tensor, x0_p: torch.Tensor, probs: torch.Tensor,
@@ -117,274 +78,19 @@ def check_sdar_settings(settings) -> dict:
         check_real("sdar.eb_threshold", out["eb_threshold"], low=0, low_open=True)
     return out
 
-
-def block_request(blocks: torch.Tensor, positions: torch.Tensor, cache: Any, store: bool) -> ForwardRequest:
-    """The forward of one block `[K, L]` (K versions: FreeDave's drafts) against `cache`, storing it when `store`:
-    a `BlockBatch` of K rows over the one cache (never copied), each row its own forward (no mask: a block sees
-    itself and every earlier one) with its linears as alone. The engine stacks such requests into one call."""
-    K = blocks.shape[0]
-    return ForwardRequest.call(blocks, dict(position_ids=positions.expand(K, -1)),
-                               cache=BlockBatch([cache] * K, [store] * K), rows_alone=K > 1, use_cache=True,
-                               store_kv=False)
-
-
-def check_prompt(input_ids: Any, mask_id: int, family: str, name: str, empty_ok: bool = False) -> None:
-    """A block loop decodes one prompt `[1, P]` (a LongTensor, argument `name`) without the mask id."""
-    if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-        raise ValueError(f"{name} must be a LongTensor [1, length], got {getattr(input_ids, 'shape', None)}")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"{name}: {family}'s loop decodes one prompt (batch 1), got batch {input_ids.shape[0]}; "
-                         "use remask.LLM for many")
-    if input_ids.shape[1] == 0 and not empty_ok:
-        raise ValueError(f"{name}: the prompt is empty")
-    if bool((input_ids == mask_id).any()):
-        raise ValueError(f"{name} holds the mask id {mask_id}: {family} decodes only after the prompt")
-
-
-ENGINE_READS = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "temperature", "top_p", "threshold", "decoder",
-                "structured_outputs")
-
-
-def refuse_unread(params: Any, family: str, reads: tuple, settings: str) -> None:
-    """Refuse by name the request's settings (off their defaults) that the family's loop does not
-    read: those outside `ENGINE_READS` and `reads`; `settings` lists what it reads."""
-    unread = [f.name for f in fields(type(params))
-              if f.name not in ENGINE_READS + reads and getattr(params, f.name) != f.default]
-    if unread:
-        raise ValueError(f"a block-causal model ({family}) does not read {unread}; its settings are {settings}")
-
-
-class BlockLoop(ForwardThenCommit):
-    """A block-causal family's loop as a `ForwardThenCommit` (`_forward` returns `(logits, kind)`: which forward it
-    was, for `commit`), with `_settle(state)`: the moves that take no forward, made before each forward."""
-
-    structure: Any = None   # structured output: a `remask.structured.CompiledStructure` (`constrain`)
-    end_ids: tuple = ()
-
-    def constrain(self, structure: Any, end_ids: Any = None) -> "BlockLoop":
-        """Hold every answer to `structure` (`parts/constrain_loops.py`; the current block is the filter's window);
-        `end_ids` (default: the loop's stop ids) end it where it is complete. Returns the decoder."""
-        from ..parts.constrain_loops import end_ids_or_refuse
-
-        self.structure = structure
-        if structure is not None:
-            self.end_ids = tuple(end_ids_or_refuse(self._default_end_ids() if end_ids is None else end_ids,
-                                                   "the loop has no stop id (pass one)"))
-        return self
-
-    def _default_end_ids(self) -> list:
-        return list(getattr(self, "stop_ids", ()))
-
-    def _constraint(self, prompt_length: int, answer_len: int) -> Any:
-        """A new state's commit filter (None without a structure)."""
-        if self.structure is None:
-            return None
-        from ..parts.constrain_loops import block_filter
-
-        return block_filter(self.structure, self.end_ids, self.mask_id, prompt_length, answer_len)
-
-    def _span(self, state: Any) -> tuple[int, int]:   # the current block in state.x
-        return state.block * self.block_length, (state.block + 1) * self.block_length
-
-    def _count(self, stats: GenerationStats | None, rows: int, state: Any) -> None:
-        """Count a forward of `rows` versions of the current block (without a cache: the sequence to its end)."""
-        if stats is not None:
-            stats.forward(rows, self.block_length if self.use_cache else self._span(state)[1])
-
-    def _settle(self, state: Any) -> None:
-        pass
-
-    def next_forward(self, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
-                     stats: GenerationStats | None = None) -> ForwardRequest | None:
-        self._settle(state)
-        return super().next_forward(model, state, generator, stats)
-
-    def step(self, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
-             stats: GenerationStats | None = None) -> None:
-        self._settle(state)
-        if not state.done:
-            super().step(model, state, generator, stats)
-
-    def run(self, model: torch.nn.Module, input_ids: torch.Tensor, generator: torch.Generator | None = None,
-            stats: GenerationStats | None = None, **start: Any) -> Any:
-        """Decode one prompt `[1, P]` to the end; returns the final state."""
-        state = self.start(model, input_ids, **start)
-        while not state.done:
-            self.step(model, state, generator, stats)
-        return state
-
-    def structured(self, structured_outputs: Any, model: torch.nn.Module, tokenizer: Any, budget: int) -> None:
-        """Hold a drop-in call's answers (up to `budget` tokens) to its `structured_outputs`."""
-        if structured_outputs is not None:
-            from ..parts.constrain_loops import compile_for
-
-            self.constrain(compile_for(structured_outputs, model, tokenizer, self.mask_id))
-            self.structure.check_budget(budget)
-
-
-@dataclass(eq=False)
-class BlockState:
-    """One prompt under a `StoreKVLoop`: `x` `[1, total]` (prompt, then masks), the cache (or None),
-    the block being decoded and its step; `stored` once the blocks before it are in the cache."""
-
-    x: torch.Tensor
-    prompt_length: int
-    cache: Any
-    attention: torch.Tensor
-    position_ids: torch.Tensor
-    block: int
-    num_blocks: int
-    stored: bool = False
-    step: int = 0
-    done: bool = False
-    post_steps: int = 0       # LLaDA2.1: the forwards since the block's masks were gone
-    end: int | None = None    # LLaDA2: where the output ends (after the first EOS), once done
-    predictions: Any = None   # FreeDave's predictions for the current block (`BlockFreeDave`)
-    rule_state: Any = None    # (block, the commit rule's per-block state), `commit_block`'s (`*Rules`)
-    pending: Any = None       # the forward asked for and not yet answered (a sub-generator)
-    constraint: Any = None    # structured output: a `CommitFilter` of one row (`BlockLoop.constrain`)
-
-
-class StoreKVLoop(BlockLoop):
-    """The loop of the `store_kv` models (SDAR, LLaDA2); the family supplies `_decide`. `use_cache=False`: each
-    forward covers the sequence up to the current block under the block-causal mask (the cache's check)."""
-
-    family = ""
-    mask_dtype: Any = None   # the block-causal mask's dtype and leading dims, as the model's remote code takes it
-    mask_lead = (1,)
-    prompt_name, empty_prompt_ok = "input_ids", True   # `start`'s prompt, as the family's function names it
-    block_store: Any = None   # the engine's `PagedKVStore` (each cache a `BlockKVCache`), or None: a `DynamicCache`
-
-    def block_sizes(self, prompt_length: int) -> tuple[int, int]:
-        """(positions of the prompt's whole blocks, positions of the whole sequence)."""
-        L = self.block_length
-        return prompt_length // L * L, (prompt_length + self.gen_length + L - 1) // L * L
-
-    def pages_needed(self, manager: Any, prompt_ids: torch.Tensor) -> int | None:
-        """Free pages a request with this prompt takes in the engine's store (all allocated at start);
-        None without the store (a contiguous cache)."""
-        if self.block_store is None:
-            return None
-        prefix, total = self.block_sizes(prompt_ids.shape[1])
-        return BlockKVCache.pages_needed(manager, prompt_ids[0, :prefix].tolist(), total, self.block_length)
-
-    def new_cache(self, input_ids: torch.Tensor) -> Any:
-        """A new request's cache: pages of the engine's store, or a contiguous `DynamicCache`."""
-        if self.block_store is None:
-            return DynamicCache()
-        prefix, total = self.block_sizes(input_ids.shape[1])
-        return BlockKVCache(self.block_store, input_ids[0, :prefix].tolist(), total, self.block_length)
-
-    def release(self, state: Any) -> None:
-        """Give back the state's cache pages (the engine's paged cache), if it has any."""
-        if hasattr(state.cache, "release"):
-            state.cache.release()
-
-    def start(self, model: torch.nn.Module, input_ids: torch.Tensor) -> BlockState:
-        check_prompt(input_ids, self.mask_id, self.family, self.prompt_name, self.empty_prompt_ok)
-        L, device, P = self.block_length, input_ids.device, input_ids.shape[1]
-        num_blocks = (P + self.gen_length + L - 1) // L
-        total = num_blocks * L
-        x = torch.full((1, total), self.mask_id, dtype=torch.long, device=device)
-        x[:, :P] = input_ids
-        blocks = torch.tril(torch.ones(num_blocks, num_blocks, dtype=self.mask_dtype, device=device))
-        attention = blocks.repeat_interleave(L, 0).repeat_interleave(L, 1).view(*self.mask_lead, total, total)
-        return BlockState(x=x, prompt_length=P, cache=self.new_cache(input_ids) if self.use_cache else None,
-                          attention=attention, position_ids=torch.arange(total, device=device)[None], block=P // L,
-                          num_blocks=num_blocks, stored=P < L or not self.use_cache,
-                          constraint=self._constraint(P, total - P))
-
-    def num_final(self, state: BlockState) -> int:
-        """Generated positions that are final: those of the finished blocks (the answer once done)."""
-        if state.done:
-            return self._end(state) - state.prompt_length
-        return max(0, state.block * self.block_length - state.prompt_length)
-
-    def _block_full(self, state: BlockState) -> bool:
-        start, end = self._span(state)
-        return not bool((state.x[:, start:end] == self.mask_id).any())
-
-    def _store_request(self, state: BlockState, start: int, end: int) -> ForwardRequest:
-        """The forward storing the whole blocks `x[start:end]` (one block: a block forward like the others)."""
-        if end - start == self.block_length:
-            return block_request(state.x[:, start:end], state.position_ids[:, start:end], state.cache, True)
-        return ForwardRequest.call(state.x[:, start:end], dict(attention_mask=state.attention[..., start:end, :end],
-                                                               position_ids=state.position_ids[:, start:end]),
-                                   cache=state.cache, use_cache=True, store_kv=True)
-
-    def _forward(self, state: BlockState) -> Generator[ForwardRequest, Any, tuple[torch.Tensor | None, Any]]:
-        """The store of the blocks before the current one (the prompt's, or the block just decoded),
-        else a decoding step of the current block. Returns (logits, ("stored", positions) or "decide")."""
-        start, end = self._span(state)
-        if not state.stored:
-            cached = state.cache.get_seq_length()
-            yield self._store_request(state, cached, start)
-            return None, ("stored", start - cached)
-        if self.use_cache:
-            logits = yield block_request(state.x[:, start:end], state.position_ids[:, start:end], state.cache, False)
-        else:
-            logits = yield ForwardRequest.call(state.x[:, :end], dict(attention_mask=state.attention[..., :end, :end],
-                                                                      position_ids=state.position_ids[:, :end]),
-                                               rows=slice(-self.block_length, None))
-        return logits, "decide"
-
-    def commit(self, state: BlockState, logits: torch.Tensor | None, kind: Any,
-               generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> None:
-        if isinstance(kind, tuple):   # the forward stored the blocks before the current one
-            state.stored = True
-            if stats is not None:
-                stats.forward(1, kind[1])
-            return
-        self._count(stats, 1, state)
-        if kind == "store":
-            self._next_block(state)
-        else:
-            self._decide(state, logits, generator, stats)
-
-    def _constrain_before(self, state: BlockState, logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Structured output, before the rule: the frontier's logits masked; the block as it was."""
-        if state.constraint is None:
-            return logits, None
-        from ..parts.constrain_loops import mask_frontier_rows
-
-        start, end = self._span(state)
-        return mask_frontier_rows(state.constraint, logits, start, end), state.x[:, start:end].clone()
-
-
-class BlockRules:
-    """Mixin over a `StoreKVLoop`: one of dInfer's commit rules chooses each step's commits (greedy) instead of the
-    family's rule, until the block has no mask (each step commits one or more). A combination no paper shipped."""
-
-    def __init__(self, rule: Any, **kwargs: Any) -> None:
-        check_instance("decoder", rule, CommitRule,
-                       "a remask commit rule (" + ", ".join(t.__name__ for t in rule_types()) + ")")
-        super().__init__(**kwargs)
-        check_rule_on_loop(rule, self.family, temperature=self.temperature, **self._rule_replaces())
-        self.rule = rule
-
-    def _rule_replaces(self) -> dict:
-        return {}
-
-    def _rule_commit(self, state: BlockState, block: torch.Tensor, logits: torch.Tensor,
-                     stats: GenerationStats | None) -> torch.Tensor:
-        """A step of the rule on the block (a view); returns what it committed."""
-        commit, state.rule_state = commit_block(self.rule, block, logits, self.mask_id, state.rule_state, state.block)
-        state.step += 1
-        if stats is not None:
-            stats.step(commit.sum())
-        return commit
-
-
 SDARState = BlockState
 
 
 class SDARDecoder(StoreKVLoop):
     """SDAR's loop as a state and a step: each `step` is one model forward — the prefill, a
-    denoising step of the current block (sample, select, commit), or the store of a finished block."""
+    denoising step of the current block (sample, select, commit), or the store of a finished block.
+    `decoder`: the commit part (`BlockLoop._take`): None, `remasking_strategy`; one of dInfer's rules (greedy);
+    FreeDave (greedy, one token per step, lossless under ``low_confidence_static``, ``low_confidence_dynamic``
+    with ``match_rule="exact"``: the same tokens with fewer forwards)."""
 
     family = "SDAR"
 
-    def __init__(self, *, mask_id: int, gen_length: int, block_length: int, denoising_steps: int,
+    def __init__(self, decoder: Any = None, *, mask_id: int, gen_length: int, block_length: int, denoising_steps: int,
                  temperature: float, top_k: int, top_p: float, remasking_strategy: str,
                  confidence_threshold: float | None, eb_threshold: float | None, stop_ids: Sequence[int] = (),
                  fill_after_stop: bool = True, block_store: Any = None, use_cache: bool = True):
@@ -409,16 +115,17 @@ class SDARDecoder(StoreKVLoop):
         self.eb_threshold, self.stop_ids, self.fill_after_stop = eb_threshold, list(stop_ids), fill_after_stop
         self.schedule = num_transfer_schedule(block_length, denoising_steps).tolist()
         self.block_store, self.use_cache = block_store, use_cache
+        self._take(decoder)
 
     def _settle(self, state: SDARState) -> None:
         """Without a cache a finished block has nothing to store: on to the next one, no forward."""
         if not state.done and not self.use_cache and self._block_full(state):
             self._next_block(state)
 
-    def _forward(self, state: SDARState) -> Generator[ForwardRequest, Any, tuple[torch.Tensor | None, Any]]:
+    def _loop_forward(self, state: SDARState) -> Generator[ForwardRequest, Any, tuple[torch.Tensor | None, Any]]:
         if state.stored and self.use_cache and self._block_full(state):   # a finished block joins the cache
             return (yield self._store_request(state, *self._span(state))), "store"
-        return (yield from super()._forward(state))
+        return (yield from super()._loop_forward(state))
 
     def _decide(self, state: SDARState, logits: torch.Tensor, generator: torch.Generator | None,
                 stats: GenerationStats | None) -> None:
@@ -446,6 +153,9 @@ class SDARDecoder(StoreKVLoop):
 
     def _denoise(self, state: SDARState, cur_x: torch.Tensor, logits: torch.Tensor,
                  generator: torch.Generator | None, stats: GenerationStats | None) -> None:
+        if self.rule is not None:
+            self._rule_commit(state, cur_x, logits, stats)
+            return
         mask_index = cur_x == self.mask_id
         x0, x0_p, probs = sample_block(logits, self.temperature, self.top_k, self.top_p, generator, self.mask_id)
         # past the schedule (only entropy_bounded, its own count, can need more steps): one position per step
@@ -457,14 +167,6 @@ class SDARDecoder(StoreKVLoop):
         if stats is not None:
             stats.step(transfer.sum())
 
-
-FREEDAVE_STRATEGIES = ("low_confidence_static", "low_confidence_dynamic")
-
-
-class SDARFreeDave(BlockFreeDave, SDARDecoder):
-    """SDAR's loop with FreeDave (`methods/freedave_blocks.py`): its tokens — greedy, one token per step, lossless
-    under ``low_confidence_static``, ``low_confidence_dynamic`` with ``match_rule="exact"`` — with fewer forwards."""
-
     def _fd_loop(self) -> tuple:
         return (all(n == 1 for n in self.schedule), "denoising_steps", self.strategy in FREEDAVE_STRATEGIES,
                 f"remasking_strategy must be one of {list(FREEDAVE_STRATEGIES)}, got {self.strategy!r}")
@@ -472,13 +174,6 @@ class SDARFreeDave(BlockFreeDave, SDARDecoder):
     def _fd_select(self, masked: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
         return select_positions(self.strategy, masked, conf, None, 1, self.confidence_threshold, self.eb_threshold)
 
-
-class SDARRules(BlockRules, SDARDecoder):
-    """SDAR's loop with one of dInfer's commit rules instead of `remasking_strategy` (`BlockRules`)."""
-
-    def _denoise(self, state: SDARState, cur_x: torch.Tensor, logits: torch.Tensor,
-                 generator: torch.Generator | None, stats: GenerationStats | None) -> None:
-        self._rule_commit(state, cur_x, logits, stats)
 
 
 # sdar_generate's settings that a dInfer rule replaces, with their defaults (given ones are refused)
@@ -497,8 +192,8 @@ def sdar_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, mask_id: i
                   use_cache: bool = True, decoder: Any = None, structured_outputs: Any = None,
                   tokenizer: Any = None) -> torch.LongTensor:
     """SDAR's loop on one prompt `[1, P]`; returns x `[1, ceil((P + gen_length) / block_length) · block_length]`.
-    `decoder=remask.FreeDave(...)`: the same tokens with fewer forwards (`SDARFreeDave`); one of
-    dInfer's rules (`SDARRules`; greedy; the settings of `RULE_UNREAD` must stay at their defaults).
+    `decoder=remask.FreeDave(...)`: the same tokens with fewer forwards; one of
+    dInfer's rules (`SDARDecoder`'s commit part; greedy; the settings of `RULE_UNREAD` must stay at their defaults).
     `structured_outputs`: the answer held to it (compiled against `tokenizer`, default the one saved
     beside the model; the stop ids end it, only where it is complete)."""
     stops = [] if stopping_criteria_idx is None else (
@@ -507,15 +202,10 @@ def sdar_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, mask_id: i
                   confidence_threshold=confidence_threshold, eb_threshold=eb_threshold)
     kwargs = dict(mask_id=mask_id, gen_length=gen_length, block_length=block_length, temperature=temperature,
                   stop_ids=stops, fill_after_stop=fill_after_stop, use_cache=use_cache, **unread)
-    if decoder is None:
-        decoder = SDARDecoder(**kwargs)
-    elif is_rule(decoder):
+    if is_rule(decoder):
         check_rule_on_loop(decoder, "SDAR", temperature=temperature, replaces="remasking_strategy",
                            unread=unread_settings(unread, RULE_UNREAD))
-        decoder = SDARRules(decoder, **kwargs)
-    else:
-        check_block_decoder(decoder)
-        decoder = SDARFreeDave(decoder, **kwargs)
+    decoder = SDARDecoder(decoder, **kwargs)
     decoder.structured(structured_outputs, model, tokenizer, gen_length)
     check_generator(generator, input_ids.device if torch.is_tensor(input_ids) else "cpu")
     check_stats("stats", stats)
@@ -530,7 +220,8 @@ def sdar_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, mask_id: i
 def engine_decoder(engine: Any, params: Any) -> SDARDecoder:
     """One engine request's SDAR loop (`Family.engine_decoder`): `block_diffusion_generate`'s, `gen_length=max_tokens`,
     stopping after a block holding EOS or a `stop_token_ids` id; `threshold`: ``low_confidence_dynamic`` at it.
-    `decoder=` a dInfer rule runs `SDARRules`; FreeDave sets the rule (one token per step, or its threshold)."""
+    `decoder=` (a dInfer rule or FreeDave) is the loop's commit part; FreeDave sets the rule (one token per step, or
+    its threshold)."""
     refuse_unread(params, "SDAR", ("top_k", "sdar"), "temperature, top_k, top_p, threshold, decoder (remask.FreeDave "
                   "or dInfer's rules) and sdar={block_length, denoising_steps, remasking_strategy, "
                   "confidence_threshold, eb_threshold}")
@@ -546,25 +237,24 @@ def engine_decoder(engine: Any, params: Any) -> SDARDecoder:
             raise ValueError("threshold is the shorthand for sdar={'remasking_strategy': "
                              "'low_confidence_dynamic', 'confidence_threshold': ...}: give one of them")
         settings.update(remasking_strategy="low_confidence_dynamic", confidence_threshold=params.threshold)
-    kind = SDARDecoder
+    part = params.decoder   # the commit part: a dInfer rule, FreeDave (without its threshold) or None
     if is_rule(params.decoder):
         # SamplingParams refuses temperature > 0, threshold, top_k, top_p with a decoder
         check_rule_on_loop(params.decoder, "SDAR", temperature=params.temperature, replaces="remasking_strategy",
                            unread={f"sdar.{name}": settings[name] for name in RULE_SETTINGS if name in settings})
-        kind = partial(SDARRules, params.decoder)
     elif params.decoder is not None:
-        freedave, threshold = split_freedave(params.decoder, rules=True)
+        part, threshold = split_freedave(params.decoder, rules=True)
         given = sorted(set(settings) & set(RULE_SETTINGS))
         if given:
             raise ValueError(f"sdar.{given[0]}: with decoder=FreeDave the rule is FreeDave's (one token per step, or "
                              f"its confidence_threshold): leave {given} unset")
         settings.update(remasking_strategy="low_confidence_static" if threshold is None else "low_confidence_dynamic",
                         **({} if threshold is None else {"confidence_threshold": threshold}))
-        kind = partial(SDARFreeDave, freedave)
-    return kind(block_store=engine.runner.store, mask_id=engine.spec.mask_id, gen_length=params.max_tokens,
-                block_length=block_length, denoising_steps=settings.get("denoising_steps", block_length),
-                temperature=params.temperature, top_k=params.top_k or 0,
-                top_p=1.0 if params.top_p is None else params.top_p, eb_threshold=settings.get("eb_threshold"),
-                remasking_strategy=settings.get("remasking_strategy", "low_confidence_static"),
-                confidence_threshold=settings.get("confidence_threshold", 0.85),
-                stop_ids=sorted(set(engine.stop_ids) | set(params.stop_token_ids)))
+    return SDARDecoder(part, block_store=engine.runner.store, mask_id=engine.spec.mask_id,
+                       gen_length=params.max_tokens, block_length=block_length,
+                       denoising_steps=settings.get("denoising_steps", block_length), temperature=params.temperature,
+                       top_k=params.top_k or 0, top_p=1.0 if params.top_p is None else params.top_p,
+                       eb_threshold=settings.get("eb_threshold"),
+                       remasking_strategy=settings.get("remasking_strategy", "low_confidence_static"),
+                       confidence_threshold=settings.get("confidence_threshold", 0.85),
+                       stop_ids=sorted(set(engine.stop_ids) | set(params.stop_token_ids)))

@@ -68,6 +68,7 @@ from ..families.llada import validate_block_args
 from ..parts.scoring import score_rows
 from remask.models.parallel import full_logits
 
+from ..parts.drafts import DraftConfig, verify_chain
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
@@ -78,7 +79,7 @@ FREEDAVE_CACHES = (None, "prefix", "dual")
 
 
 @dataclass(frozen=True)
-class FreeDave:
+class FreeDave(DraftConfig):
     """FreeDave's settings (module docstring). draft_steps: drafts verified per forward (K ≥ 1; 1 =
     one token per step). draft_mode: ``"tree_attention"`` (shared cache) or ``"batch_expanding"``
     (cache copied per draft). confidence_threshold: None (FreeDave) or τ in (0, 1] (FreeDave++).
@@ -126,28 +127,6 @@ def _rows_alone(forward: Generator[ForwardRequest, Any, Any], alone: bool) -> Ge
 
 
 # --- the decoding loop --------------------------------------------------------------------------
-
-def _verify(drafts: torch.Tensor, targets: torch.Tensor, counts: torch.Tensor, mask_id: int,
-            rule: str) -> torch.Tensor:
-    """Upstream's chain: from best = 0, repeatedly move to the largest j > best (j < counts[a])
-    whose draft agrees with target[best] (``"subset"``: every decoded position of the draft equals
-    the target there; ``"exact"``: equal) until nothing moves. `drafts`, `targets` `[A, K, L]`."""
-    A, K, _ = drafts.shape
-    best = torch.zeros(A, dtype=torch.long, device=drafts.device)
-    if K == 1:
-        return best
-    same = drafts[:, None, :, :] == targets[:, :, None, :]          # [A, i, j, L]
-    if rule == "subset":
-        same = same | (drafts[:, None, :, :] == mask_id)
-    agree = same.all(dim=-1)                                          # agree[a, i, j]
-    j = torch.arange(K, device=drafts.device)
-    agree &= (j[None, :, None] < j[None, None, :]) & (j[None, None, :] < counts[:, None, None])
-    for _ in range(K - 1):
-        row = agree.gather(1, best.view(A, 1, 1).expand(A, 1, K)).squeeze(1)
-        cand = torch.where(row, j.expand(A, K), -1).max(dim=1).values
-        best = torch.maximum(best, cand)
-    return best
-
 
 def make_drafts(base: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor, K: int, mask_id: int) -> torch.Tensor:
     """`[N, K, block]`: draft k = `base` plus its k most confident masked predictions (ties: lower
@@ -275,9 +254,9 @@ class _Decoder:
         return x0, conf, lg, fresh
 
     def _pick(self, drafts: torch.Tensor, targets: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Each row's accepted draft (`_verify`), as an index into the `[A·K]` drafts."""
+        """Each row's accepted draft (`verify_chain`), as an index into the `[A·K]` drafts."""
         A, K, _ = drafts.shape
-        best = _verify(drafts, targets, counts, self.spec.mask_id, self.config.match_rule)
+        best = verify_chain(drafts, targets, counts, self.spec.mask_id, self.config.match_rule)
         return torch.arange(A, device=drafts.device) * K + best
 
     def block(self, x: torch.Tensor, start: int, end: int) -> StepGenerator:

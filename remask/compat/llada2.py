@@ -20,8 +20,7 @@ from typing import Any
 import torch
 
 from remask.diffusion.parts.checks import check_bool, check_generator, check_stats
-from remask.diffusion.families.llada2 import RULE_UNREAD, LLaDA2Decoder, LLaDA2FreeDave, LLaDA2Rules
-from remask.diffusion.methods.freedave_blocks import check_block_decoder
+from remask.diffusion.families.llada2 import RULE_UNREAD, LLaDA2Decoder
 from remask.diffusion.parts.rules import check_rule_on_loop, is_rule, unread_settings
 from remask.models.llada2 import LLADA2_EOS_ID, LLADA2_MASK_ID
 
@@ -38,11 +37,11 @@ def generate(model: torch.nn.Module, inputs: Any = None, temperature: float = 0.
     """LLaDA2's generate: upstream's arguments in upstream's order (2.0's, then 2.1's). `eos_id` /
     `mask_id` default to the model config's ids, then to the release's (156892 / 156895).
     `decoder=remask.FreeDave(...)` (remask's): the tokens of the same call with fewer forwards
-    (greedy, `steps == block_length`; `remask.diffusion.families.llada2.LLaDA2FreeDave`).
+    (greedy, `steps == block_length`; `LLaDA2Decoder`'s commit part, `remask.diffusion.parts.drafts`).
     `decoder=remask.ThresholdDecoding(...)` / `HierarchicalDecoding(...)` / `CreditDecoding(...)`
     (remask's): dInfer's rule chooses each step's commits in LLaDA2.0's loop (greedy; `steps`,
     `top_p`, `top_k`, `minimal_topk`, `threshold` and 2.1's settings are not read and must stay at
-    their defaults; `remask.diffusion.families.llada2.LLaDA2Rules`).
+    their defaults; `LLaDA2Decoder`'s commit part).
     `structured_outputs=remask.StructuredOutputsParams(...)` (remask's; `tokenizer=` the model's, default
     the one saved beside it): the answer is held to it block by block, EOS allowed only where it is
     complete; 2.1's edits keep the committed prefix valid (`diffusion/parts/constrain_loops.py`)."""
@@ -69,15 +68,10 @@ def generate(model: torch.nn.Module, inputs: Any = None, temperature: float = 0.
                   minimal_topk=minimal_topk, threshold=threshold, editing_threshold=editing_threshold,
                   max_post_steps=max_post_steps, num_to_transfer=num_to_transfer,
                   eos_early_stop=eos_early_stop, use_cache=use_cache)
-    if decoder is None:
-        decoder = LLaDA2Decoder(**kwargs)
-    elif is_rule(decoder):
+    if is_rule(decoder):
         check_rule_on_loop(decoder, "LLaDA2", temperature=temperature, replaces="threshold rule and schedule",
                            unread=unread_settings({name: kwargs[name] for name in RULE_UNREAD}, RULE_UNREAD))
-        decoder = LLaDA2Rules(decoder, **kwargs)
-    else:
-        check_block_decoder(decoder)
-        decoder = LLaDA2FreeDave(decoder, **kwargs)
+    decoder = LLaDA2Decoder(decoder, **kwargs)
     if structured_outputs is not None:
         from remask.diffusion.parts.constrain_loops import compile_for
 

@@ -49,7 +49,7 @@ def block_diffusion_generate(
     leaves masks unless `fill_after_stop=False`). `use_cache=False` (remask's): no KV cache, every step
     forwards the sequence up to the current block under the block-causal mask — the same tokens.
     `decoder=remask.FreeDave(...)` (remask's): the tokens of the same call with fewer forwards (greedy,
-    `denoising_steps == block_length`; `remask.diffusion.families.sdar.SDARFreeDave`).
+    `denoising_steps == block_length`; `SDARDecoder`'s commit part, `remask.diffusion.parts.drafts`).
     `structured_outputs=remask.StructuredOutputsParams(...)` (remask's; `tokenizer=` the model's, default
     the one saved beside it): the answer is held to it block by block; `stopping_criteria_idx` end it."""
     input_ids = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt

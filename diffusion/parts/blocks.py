@@ -1,0 +1,358 @@
+"""The block-causal loop that SDAR, LLaDA2 and Fast-dLLM v2 share (`BlockLoop`; `StoreKVLoop` for the `store_kv`
+models, SDAR and LLaDA2), the helpers their loops share, and the loop's commit parts: the family's own rule (its
+`_decide`), one of dInfer's commit rules (`rule`: greedy, it chooses each step's commits until the block has no mask;
+a combination no paper shipped) or FreeDave's draft-and-verify (`drafts`: `parts/drafts.py`). One loop class per
+family takes any of them (`decoder=` its first argument): no class per family and method.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Generator
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from remask.caches.block import BlockBatch, BlockKVCache
+
+from .drafts import DraftVerify, Drafts, check_block_decoder
+from .rules import check_rule_on_loop, commit_block, is_rule
+from .scoring import sample_categorical
+from .stats import GenerationStats
+from .stepper import ForwardRequest, ForwardThenCommit
+
+
+def num_transfer_schedule(block_length: int, steps: int) -> torch.Tensor:
+    """Positions to commit at each step: `block_length` split evenly, the remainder to the first steps."""
+    base, remainder = divmod(block_length, steps)
+    counts = torch.full((steps,), base, dtype=torch.int64)
+    counts[:remainder] += 1
+    return counts
+
+
+def sample_block(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                 generator: torch.Generator | None, mask_id: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, their probabilities, the distributions) for logits `[1, L, V]`: upstream's sampler
+    (`sample_categorical`'s defaults: top-k then top-p to −inf, one multinomial draw over the block's rows;
+    T = 0: the argmax). A drawn `mask_id` becomes the most probable other token."""
+    shape, V = logits.shape[:-1], logits.shape[-1]
+    token, token_prob, probs = sample_categorical(logits.reshape(-1, V), temperature, top_k, top_p,
+                                                  generator=generator, exclude_id=mask_id)
+    return token.view(*shape), token_prob.view(*shape), probs.view(*shape, V)
+
+
+def select_mask_to_token(masked: torch.Tensor, confidence: torch.Tensor, count: int, threshold: float) -> torch.Tensor:
+    """Masked positions of a `[1, L]` block to commit: those above `threshold` when there are at
+    least `count`, else the `count` most confident (never more than there are masks)."""
+    transfer = torch.zeros_like(masked)
+    masks = int(masked.sum())
+    if masks == 0:
+        return transfer
+    conf = torch.where(masked, confidence, -torch.inf)
+    high = (conf[0] > threshold) & masked[0]
+    if int(high.sum()) >= count:
+        transfer[0] = high
+    else:
+        transfer[0, torch.topk(conf[0], k=min(count, masks)).indices] = True
+    return transfer
+
+
+def block_request(blocks: torch.Tensor, positions: torch.Tensor, cache: Any, store: bool) -> ForwardRequest:
+    """The forward of one block `[K, L]` (K versions: FreeDave's drafts) against `cache`, storing it when `store`:
+    a `BlockBatch` of K rows over the one cache (never copied), each row its own forward (no mask: a block sees
+    itself and every earlier one) with its linears as alone. The engine stacks such requests into one call."""
+    K = blocks.shape[0]
+    return ForwardRequest.call(blocks, dict(position_ids=positions.expand(K, -1)),
+                               cache=BlockBatch([cache] * K, [store] * K), rows_alone=K > 1, use_cache=True,
+                               store_kv=False)
+
+
+def check_prompt(input_ids: Any, mask_id: int, family: str, name: str, empty_ok: bool = False) -> None:
+    """A block loop decodes one prompt `[1, P]` (a LongTensor, argument `name`) without the mask id."""
+    if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise ValueError(f"{name} must be a LongTensor [1, length], got {getattr(input_ids, 'shape', None)}")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"{name}: {family}'s loop decodes one prompt (batch 1), got batch {input_ids.shape[0]}; "
+                         "use remask.LLM for many")
+    if input_ids.shape[1] == 0 and not empty_ok:
+        raise ValueError(f"{name}: the prompt is empty")
+    if bool((input_ids == mask_id).any()):
+        raise ValueError(f"{name} holds the mask id {mask_id}: {family} decodes only after the prompt")
+
+
+ENGINE_READS = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "temperature", "top_p", "threshold", "decoder",
+                "structured_outputs")
+
+
+def refuse_unread(params: Any, family: str, reads: tuple, settings: str) -> None:
+    """Refuse by name the request's settings (off their defaults) that the family's loop does not
+    read: those outside `ENGINE_READS` and `reads`; `settings` lists what it reads."""
+    unread = [f.name for f in fields(type(params))
+              if f.name not in ENGINE_READS + reads and getattr(params, f.name) != f.default]
+    if unread:
+        raise ValueError(f"a block-causal model ({family}) does not read {unread}; its settings are {settings}")
+
+
+class BlockLoop(ForwardThenCommit):
+    """A block-causal family's loop as a `ForwardThenCommit`: the family's `_loop_forward` returns `(logits, kind)`
+    (which forward it was, for its `_loop_commit`); `_settle(state)`: the moves that take no forward, made before
+    each forward. With `drafts` (FreeDave) the part forwards and commits inside a block, the loop around it."""
+
+    structure: Any = None   # structured output: a `remask.structured.CompiledStructure` (`constrain`)
+    end_ids: tuple = ()
+    rule: Any = None     # the commit part: one of dInfer's rules (`StoreKVLoop`), ...
+    drafts: Any = None   # ... or FreeDave's draft-verify (`DraftVerify`); neither: the family's own rule
+    takes_rules = False
+
+    def _take(self, decoder: Any) -> None:
+        """Set the commit part (after the loop's own settings, which it checks): None, the family's own rule; a
+        commit rule (`takes_rules`); FreeDave's config (`DraftVerify`). Each refusal names the setting."""
+        if self.takes_rules and is_rule(check_block_decoder(decoder)):
+            check_rule_on_loop(decoder, self.family, temperature=self.temperature, **self._rule_replaces())
+            self.rule = decoder
+        elif decoder is not None:
+            self.drafts = DraftVerify(self, decoder)
+
+    def _rule_replaces(self) -> dict:
+        return {}
+
+    def _forward(self, state: Any) -> Generator[ForwardRequest, Any, tuple[torch.Tensor | None, Any]]:
+        """The step's forward: the family's own (with `drafts`: its prefill or store), or the part's."""
+        if self.drafts is not None and not self._fd_pending(state):
+            return (yield from self.drafts.forward(state))
+        state.predictions = None   # draft-verify starts each block afresh
+        return (yield from self._loop_forward(state))
+
+    def commit(self, state: Any, logits: torch.Tensor | None, kind: Any, generator: torch.Generator | None = None,
+               stats: GenerationStats | None = None) -> None:
+        if isinstance(kind, Drafts):
+            self.drafts.commit(state, logits, kind, stats)
+        else:
+            self._loop_commit(state, logits, kind, generator, stats)
+
+    def _fd_committed(self, state: Any) -> None:
+        """After a draft-verify commit: the family's in-block stop, if it has one (sets `state.done`)."""
+
+    def _fd_block_done(self, state: Any) -> None:
+        """After draft-verify filled the block (default: the loop's next step stores it and moves on)."""
+
+    def constrain(self, structure: Any, end_ids: Any = None) -> "BlockLoop":
+        """Hold every answer to `structure` (`parts/constrain_loops.py`; the current block is the filter's window);
+        `end_ids` (default: the loop's stop ids) end it where it is complete. Returns the decoder."""
+        from ..parts.constrain_loops import end_ids_or_refuse
+
+        self.structure = structure
+        if structure is not None:
+            self.end_ids = tuple(end_ids_or_refuse(self._default_end_ids() if end_ids is None else end_ids,
+                                                   "the loop has no stop id (pass one)"))
+        return self
+
+    def _default_end_ids(self) -> list:
+        return list(getattr(self, "stop_ids", ()))
+
+    def _constraint(self, prompt_length: int, answer_len: int) -> Any:
+        """A new state's commit filter (None without a structure)."""
+        if self.structure is None:
+            return None
+        from ..parts.constrain_loops import block_filter
+
+        return block_filter(self.structure, self.end_ids, self.mask_id, prompt_length, answer_len)
+
+    def _span(self, state: Any) -> tuple[int, int]:   # the current block in state.x
+        return state.block * self.block_length, (state.block + 1) * self.block_length
+
+    def _count(self, stats: GenerationStats | None, rows: int, state: Any) -> None:
+        """Count a forward of `rows` versions of the current block (without a cache: the sequence to its end)."""
+        if stats is not None:
+            stats.forward(rows, self.block_length if self.use_cache else self._span(state)[1])
+
+    def _settle(self, state: Any) -> None:
+        pass
+
+    def next_forward(self, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
+                     stats: GenerationStats | None = None) -> ForwardRequest | None:
+        self._settle(state)
+        return super().next_forward(model, state, generator, stats)
+
+    def step(self, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
+             stats: GenerationStats | None = None) -> None:
+        self._settle(state)
+        if not state.done:
+            super().step(model, state, generator, stats)
+
+    def run(self, model: torch.nn.Module, input_ids: torch.Tensor, generator: torch.Generator | None = None,
+            stats: GenerationStats | None = None, **start: Any) -> Any:
+        """Decode one prompt `[1, P]` to the end; returns the final state."""
+        state = self.start(model, input_ids, **start)
+        while not state.done:
+            self.step(model, state, generator, stats)
+        return state
+
+    def structured(self, structured_outputs: Any, model: torch.nn.Module, tokenizer: Any, budget: int) -> None:
+        """Hold a drop-in call's answers (up to `budget` tokens) to its `structured_outputs`."""
+        if structured_outputs is not None:
+            from ..parts.constrain_loops import compile_for
+
+            self.constrain(compile_for(structured_outputs, model, tokenizer, self.mask_id))
+            self.structure.check_budget(budget)
+
+
+@dataclass(eq=False)
+class BlockState:
+    """One prompt under a `StoreKVLoop`: `x` `[1, total]` (prompt, then masks), the cache (or None),
+    the block being decoded and its step; `stored` once the blocks before it are in the cache."""
+
+    x: torch.Tensor
+    prompt_length: int
+    cache: Any
+    attention: torch.Tensor
+    position_ids: torch.Tensor
+    block: int
+    num_blocks: int
+    stored: bool = False
+    step: int = 0
+    done: bool = False
+    post_steps: int = 0       # LLaDA2.1: the forwards since the block's masks were gone
+    end: int | None = None    # LLaDA2: where the output ends (after the first EOS), once done
+    predictions: Any = None   # FreeDave's predictions for the current block (`DraftVerify`)
+    rule_state: Any = None    # (block, the commit rule's per-block state), `commit_block`'s (`StoreKVLoop.rule`)
+    pending: Any = None       # the forward asked for and not yet answered (a sub-generator)
+    constraint: Any = None    # structured output: a `CommitFilter` of one row (`BlockLoop.constrain`)
+
+
+class StoreKVLoop(BlockLoop):
+    """The loop of the `store_kv` models (SDAR, LLaDA2); the family supplies `_decide`. `use_cache=False`: each
+    forward covers the sequence up to the current block under the block-causal mask (the cache's check)."""
+
+    takes_rules = True
+
+    family = ""
+    mask_dtype: Any = None   # the block-causal mask's dtype and leading dims, as the model's remote code takes it
+    mask_lead = (1,)
+    prompt_name, empty_prompt_ok = "input_ids", True   # `start`'s prompt, as the family's function names it
+    block_store: Any = None   # the engine's `PagedKVStore` (each cache a `BlockKVCache`), or None: a `DynamicCache`
+
+    def block_sizes(self, prompt_length: int) -> tuple[int, int]:
+        """(positions of the prompt's whole blocks, positions of the whole sequence)."""
+        L = self.block_length
+        return prompt_length // L * L, (prompt_length + self.gen_length + L - 1) // L * L
+
+    def pages_needed(self, manager: Any, prompt_ids: torch.Tensor) -> int | None:
+        """Free pages a request with this prompt takes in the engine's store (all allocated at start);
+        None without the store (a contiguous cache)."""
+        if self.block_store is None:
+            return None
+        prefix, total = self.block_sizes(prompt_ids.shape[1])
+        return BlockKVCache.pages_needed(manager, prompt_ids[0, :prefix].tolist(), total, self.block_length)
+
+    def new_cache(self, input_ids: torch.Tensor) -> Any:
+        """A new request's cache: pages of the engine's store, or a contiguous `DynamicCache`."""
+        if self.block_store is None:
+            return DynamicCache()
+        prefix, total = self.block_sizes(input_ids.shape[1])
+        return BlockKVCache(self.block_store, input_ids[0, :prefix].tolist(), total, self.block_length)
+
+    def release(self, state: Any) -> None:
+        """Give back the state's cache pages (the engine's paged cache), if it has any."""
+        if hasattr(state.cache, "release"):
+            state.cache.release()
+
+    def start(self, model: torch.nn.Module, input_ids: torch.Tensor) -> BlockState:
+        check_prompt(input_ids, self.mask_id, self.family, self.prompt_name, self.empty_prompt_ok)
+        L, device, P = self.block_length, input_ids.device, input_ids.shape[1]
+        num_blocks = (P + self.gen_length + L - 1) // L
+        total = num_blocks * L
+        x = torch.full((1, total), self.mask_id, dtype=torch.long, device=device)
+        x[:, :P] = input_ids
+        blocks = torch.tril(torch.ones(num_blocks, num_blocks, dtype=self.mask_dtype, device=device))
+        attention = blocks.repeat_interleave(L, 0).repeat_interleave(L, 1).view(*self.mask_lead, total, total)
+        return BlockState(x=x, prompt_length=P, cache=self.new_cache(input_ids) if self.use_cache else None,
+                          attention=attention, position_ids=torch.arange(total, device=device)[None], block=P // L,
+                          num_blocks=num_blocks, stored=P < L or not self.use_cache,
+                          constraint=self._constraint(P, total - P))
+
+    def num_final(self, state: BlockState) -> int:
+        """Generated positions that are final: those of the finished blocks (the answer once done)."""
+        if state.done:
+            return self._end(state) - state.prompt_length
+        return max(0, state.block * self.block_length - state.prompt_length)
+
+    def _block_full(self, state: BlockState) -> bool:
+        start, end = self._span(state)
+        return not bool((state.x[:, start:end] == self.mask_id).any())
+
+    def _store_request(self, state: BlockState, start: int, end: int) -> ForwardRequest:
+        """The forward storing the whole blocks `x[start:end]` (one block: a block forward like the others)."""
+        if end - start == self.block_length:
+            return block_request(state.x[:, start:end], state.position_ids[:, start:end], state.cache, True)
+        return ForwardRequest.call(state.x[:, start:end], dict(attention_mask=state.attention[..., start:end, :end],
+                                                               position_ids=state.position_ids[:, start:end]),
+                                   cache=state.cache, use_cache=True, store_kv=True)
+
+    def _loop_forward(self, state: BlockState) -> Generator[ForwardRequest, Any, tuple[torch.Tensor | None, Any]]:
+        """The store of the blocks before the current one (the prompt's, or the block just decoded),
+        else a decoding step of the current block. Returns (logits, ("stored", positions) or "decide")."""
+        start, end = self._span(state)
+        if not state.stored:
+            cached = state.cache.get_seq_length()
+            yield self._store_request(state, cached, start)
+            return None, ("stored", start - cached)
+        if self.use_cache:
+            logits = yield block_request(state.x[:, start:end], state.position_ids[:, start:end], state.cache, False)
+        else:
+            logits = yield ForwardRequest.call(state.x[:, :end], dict(attention_mask=state.attention[..., :end, :end],
+                                                                      position_ids=state.position_ids[:, :end]),
+                                               rows=slice(-self.block_length, None))
+        return logits, "decide"
+
+    def _loop_commit(self, state: BlockState, logits: torch.Tensor | None, kind: Any,
+                     generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> None:
+        if isinstance(kind, tuple):   # the forward stored the blocks before the current one
+            state.stored = True
+            if stats is not None:
+                stats.forward(1, kind[1])
+            return
+        self._count(stats, 1, state)
+        if kind == "store":
+            self._next_block(state)
+        else:
+            self._decide(state, logits, generator, stats)
+
+    def _constrain_before(self, state: BlockState, logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Structured output, before the rule: the frontier's logits masked; the block as it was."""
+        if state.constraint is None:
+            return logits, None
+        from ..parts.constrain_loops import mask_frontier_rows
+
+        start, end = self._span(state)
+        return mask_frontier_rows(state.constraint, logits, start, end), state.x[:, start:end].clone()
+
+    def _rule_commit(self, state: BlockState, block: torch.Tensor, logits: torch.Tensor,
+                     stats: GenerationStats | None) -> torch.Tensor:
+        """A step of the commit rule on the block (a view); returns what it committed."""
+        commit, state.rule_state = commit_block(self.rule, block, logits, self.mask_id, state.rule_state, state.block)
+        state.step += 1
+        if stats is not None:
+            stats.step(commit.sum())
+        return commit
+
+    def _fd_pending(self, state: BlockState) -> bool:   # the prefill or store of the blocks before
+        return not state.stored or self._block_full(state)
+
+    def _fd_scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return sample_block(logits, 0.0, self.top_k, self.top_p, None, self.mask_id)[:2]
+
+    def _fd_forwards(self, state: BlockState, blocks: torch.Tensor) -> Generator[ForwardRequest, Any, torch.Tensor]:
+        """Logits `[K, L, V]` of K versions of the current block: without the cache the sequence up to the block
+        under `state.attention`; with it one row each reading the one cache (`block_request`), linears as alone."""
+        K, L = blocks.shape
+        start, end = self._span(state)
+        if not self.use_cache:
+            seqs = state.x[:, :end].repeat(K, 1)
+            seqs[:, start:end] = blocks
+            mask = state.attention[..., :end, :end]
+            logits = yield ForwardRequest.call(seqs, dict(attention_mask=mask.expand(K, *mask.shape[1:]),
+                                                          position_ids=state.position_ids[:, :end].expand(K, -1)),
+                                               rows_alone=True)
+            return logits[:, -L:]
+        return (yield block_request(blocks, state.position_ids[:, start:end], state.cache, False))

@@ -1,0 +1,199 @@
+"""Draft-and-verify as a block loop's commit part (FreeDave on SDAR, SDAR-MoE, LLaDA2.0, Fast-dLLM v2): the
+family's own greedy one-token-per-step block loop with FreeDave's draft-and-verify (arXiv 2510.00294, upstream
+`block_decode_with_block_attention_FreeDave`): a block's first forward gives the first predictions;
+each round drafts K next states (draft k: the rule applied k + 1 times with the predictions held)
+and forwards them at once, one row each against the shared cache (never copied: `BlockBatch`,
+Fast-dLLM v2's `RowBatch`); the longest chain draft k+1 == target k (the rule on draft k's own
+logits) is committed, its logits the next predictions; when the rule's next state fills the block
+it is committed without a forward (upstream's last step) and the loop stores the block.
+
+Token for token the family's loop (SDAR: ``low_confidence_static``, ``denoising_steps=block_length``;
+LLaDA2.0: ``steps=block_length, threshold=1.0``); FreeDave++ (``confidence_threshold=τ``) its threshold
+rule at τ (equal under ``match_rule="exact"``). Exact because each draft's forward computes what the
+loop's single forward computes: GEMMs per draft (`remask.kernels.batch_invariant`), attention per row
+over its cache, MoE row by row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Generator
+
+import torch
+
+from .checks import check_instance
+from .rules import rule_types
+from .stats import GenerationStats
+from .step import CommitRule
+from .stepper import ForwardRequest
+
+
+class DraftConfig:
+    """The base of a draft-and-verify method's config (`remask.FreeDave`): `draft_steps`, `match_rule`,
+    `confidence_threshold` and `check_request(block_length=...)`; a block loop given one drafts with `DraftVerify`."""
+
+
+def verify_chain(drafts: torch.Tensor, targets: torch.Tensor, counts: torch.Tensor, mask_id: int,
+                 rule: str) -> torch.Tensor:
+    """Upstream's chain: from best = 0, repeatedly move to the largest j > best (j < counts[a])
+    whose draft agrees with target[best] (``"subset"``: every decoded position of the draft equals
+    the target there; ``"exact"``: equal) until nothing moves. `drafts`, `targets` `[A, K, L]`."""
+    A, K, _ = drafts.shape
+    best = torch.zeros(A, dtype=torch.long, device=drafts.device)
+    if K == 1:
+        return best
+    same = drafts[:, None, :, :] == targets[:, :, None, :]          # [A, i, j, L]
+    if rule == "subset":
+        same = same | (drafts[:, None, :, :] == mask_id)
+    agree = same.all(dim=-1)                                          # agree[a, i, j]
+    j = torch.arange(K, device=drafts.device)
+    agree &= (j[None, :, None] < j[None, None, :]) & (j[None, None, :] < counts[:, None, None])
+    for _ in range(K - 1):
+        row = agree.gather(1, best.view(A, 1, 1).expand(A, 1, K)).squeeze(1)
+        cand = torch.where(row, j.expand(A, K), -1).max(dim=1).values
+        best = torch.maximum(best, cand)
+    return best
+
+
+@dataclass(eq=False)
+class Predictions:
+    """What the last forward predicted for the current block `[1, L]`: tokens and confidences."""
+
+    x0: torch.Tensor
+    conf: torch.Tensor
+    logits: Any = None   # under a structure: the forward's logits `[1, L, V]` (the filter's lookahead)
+
+
+@dataclass(eq=False)
+class Drafts:
+    """A draft-verify forward's `kind`: a round's drafts `[K, L]`, or None: the block as it is."""
+
+    drafts: torch.Tensor | None = None
+
+
+class DraftVerify:
+    """A block loop's commit part (`BlockLoop.drafts`). The loop supplies `_fd_loop()` (whether its steps commit
+    one token, the steps' setting, whether FreeDave can draft its rule, the refusal if not), `_fd_select(masked,
+    conf)` (its selection on a `[1, L]` row with a count of 1), `_fd_pending(state)` (its own prefill or store
+    forward is due), `_fd_scores`, `_fd_forwards`, `_fd_committed(state)` (an in-block stop) and
+    `_fd_block_done(state)`. `state.predictions` is None at a block's start."""
+
+    def __init__(self, loop: Any, config: Any) -> None:
+        """`decoder=FreeDave` on the family's loop: greedy, one token per step, a rule FreeDave can draft,
+        `draft_steps` within the block; each refusal names the setting."""
+        check_instance("decoder", config, DraftConfig, "a remask FreeDave config", allow_none=False)
+        config.check_request(block_length=loop.block_length)
+        family, (one_per_step, steps_name, rule_ok, rule) = loop.family, loop._fd_loop()
+        if loop.temperature != 0:
+            raise ValueError(f"temperature: {family}'s loop with decoder=FreeDave decodes greedily (temperature 0), "
+                             f"got {loop.temperature}")
+        if not one_per_step:
+            raise ValueError(f"{steps_name}: {family}'s loop with decoder=FreeDave commits one token per step "
+                             f"({steps_name} == block_length)")
+        if not rule_ok:
+            raise ValueError(f"{rule} with decoder=FreeDave")
+        if config.confidence_threshold is not None:
+            raise ValueError(f"confidence_threshold: on {family}'s loop FreeDave drafts the loop's own rule; set its "
+                             f"threshold there, not in FreeDave")
+        self.loop, self.config, self.mask_id = loop, config, loop.mask_id
+
+    def forward(self, state: Any) -> Generator[ForwardRequest, Any, tuple[torch.Tensor | None, Any]]:
+        """The step's forward: the block's first (the block as it is), or a round's drafts."""
+        start, end = self.loop._span(state)
+        block = state.x[:, start:end]
+        if state.predictions is None:   # the block's first forward: the block as it is
+            return (yield from self.loop._fd_forwards(state, block)), Drafts()
+        pred = state.predictions
+        K = min(self.config.draft_steps, int((block == self.mask_id).sum()))
+        # draft k: the rule applied k + 1 times with these predictions (draft 0 is the next state)
+        drafts = [self.rule(block, pred.x0, pred.conf)]
+        for _ in range(K - 1):
+            drafts.append(self.rule(drafts[-1], pred.x0, pred.conf))
+        drafts = torch.cat(drafts)    # [K, L]
+        return (yield from self.loop._fd_forwards(state, drafts)), Drafts(drafts)
+
+    def commit(self, state: Any, logits: torch.Tensor, kind: Drafts, stats: GenerationStats | None = None) -> None:
+        loop = self.loop
+        start, end = loop._span(state)
+        block = state.x[:, start:end]   # a view: commits write into x
+        constraint = getattr(state, "constraint", None)
+        if constraint is not None:   # structured output: every draft's frontier row masked before the rule
+            from .constrain_loops import mask_frontier_rows
+
+            logits = mask_frontier_rows(constraint, logits, start, end)
+        if kind.drafts is None:
+            loop._count(stats, 1, state)
+            x0, conf = loop._fd_scores(logits)
+            state.predictions = Predictions(x0, conf, logits if constraint is not None else None)
+        else:
+            prior = block.clone()
+            self.verify(state, block, kind.drafts, logits, stats)
+            if constraint is not None:
+                self.filter(state, constraint, prior, start, end)
+            loop._fd_committed(state)
+            if state.done:
+                return
+        # the rule's next state fills the block: committed from the predictions (no forward)
+        nxt = self.rule(block, state.predictions.x0, state.predictions.conf)
+        if not bool((nxt == self.mask_id).any()):
+            before = int((block == self.mask_id).sum())
+            prior = block.clone()
+            block.copy_(nxt)
+            if stats is not None:
+                stats.step(before)
+            if constraint is not None:
+                self.filter(state, constraint, prior, start, end)
+            full = not bool((block == self.mask_id).any())   # else a structure's filter took tokens back: more rounds
+            if full:
+                state.predictions = None
+            loop._fd_committed(state)
+            if full and not state.done:
+                loop._fd_block_done(state)
+
+    def filter(self, state: Any, constraint: Any, prior: torch.Tensor, start: int, end: int) -> None:
+        """Structured output: the block as the round left it, filtered (the predictions: the lookahead)."""
+        from .constrain_loops import filter_block
+
+        pred = state.predictions
+        filter_block(constraint, state.x, prior, pred.x0, pred.logits, start, end)
+
+    def verify(self, state: Any, block: torch.Tensor, drafts: torch.Tensor, logits: torch.Tensor,
+               stats: GenerationStats | None) -> None:
+        """Each draft's target from its own logits; the longest verified chain committed, its logits
+        the next predictions."""
+        K = drafts.shape[0]
+        masks = int((block == self.mask_id).sum())
+        self.loop._count(stats, K, state)
+        dx0, dconf = self.loop._fd_scores(logits)
+        targets = self.rule(drafts, dx0, dconf)
+        best = int(verify_chain(drafts[None], targets[None], torch.tensor([K], device=block.device), self.mask_id,
+                                self.config.match_rule)[0])
+        block.copy_(drafts[best:best + 1])
+        lookahead = logits[best:best + 1] if getattr(state, "constraint", None) is not None else None
+        state.predictions = Predictions(dx0[best:best + 1], dconf[best:best + 1], lookahead)
+        if stats is not None:
+            stats.step(masks - int((block == self.mask_id).sum()))
+
+    def rule(self, tokens: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
+        """The loop's commit on each row of `tokens` `[N, L]` with a count of 1 (its `_fd_select`)."""
+        out = tokens.clone()
+        for n in range(out.shape[0]):
+            row = out[n:n + 1]
+            transfer = self.loop._fd_select(row == self.mask_id, conf[n:n + 1])
+            row[transfer] = x0[n:n + 1][transfer]
+        return out
+
+
+def split_freedave(decoder: Any, rules: bool) -> tuple[Any, float | None]:
+    """An engine request's `decoder=FreeDave` sets the loop's rule: (the FreeDave without its
+    `confidence_threshold`, that threshold; None: one token per step). `rules`: the family also
+    takes dInfer's rules (named in the refusal)."""
+    check_instance("decoder", decoder, DraftConfig, "remask.FreeDave, ThresholdDecoding, CreditDecoding or "
+                   "HierarchicalDecoding (the decoders block-causal models take)" if rules else
+                   "remask.FreeDave (the decoder block-causal models take)")
+    return replace(decoder, confidence_threshold=None), decoder.confidence_threshold
+
+
+def check_block_decoder(decoder: Any) -> Any:
+    """`decoder=` on a block-causal family's loop: FreeDave, one of dInfer's rules, or None (returned)."""
+    return check_instance("decoder", decoder, (DraftConfig, CommitRule), "remask.FreeDave or a commit rule ("
+                   + ", ".join(t.__name__ for t in rule_types()) + ": the decoders block-causal models take)")
