@@ -239,26 +239,16 @@ def test_work_bounds_allow_their_maximum():
     remask.SamplingParams(canvas={"max_denoising_steps": 1024})
 
 
-# No silent clamps (issue 37): a decoder / cache / APD / sparse / canvas setting past the largest value
-# that can still change the decoding (the block's masked positions, the answer's, the sequence's) used to
-# act as that value; it is refused, naming the setting and the maximum, as the work bounds above.
+# No silent clamps (issue 37): a decoder / cache / sparse / canvas setting past the largest value that can
+# still change the decoding used to act as that value; the ones that remain bounded (FreeDave's draft steps,
+# the canvas, Elastic-Cache's track_num, SparseD's kv_block_size) are refused, naming the setting and the
+# maximum, as the work bounds above. Settings that read "at most" and cost no more work past it are taken
+# (issue 44: the drop-in takes what the reference takes; TAKEN_PAST_THE_MAXIMUM below).
 CONFIG_BOUNDS_BAD = [   # (SamplingParams keywords, the setting, its maximum there)
     (dict(max_tokens=16, block_length=16, decoder={"name": "freedave", "draft_steps": 10**9}), "decoder.draft_steps",
      16),
     (dict(max_tokens=16, block_length=16, decoder=remask.FreeDave(draft_steps=17)), "decoder.draft_steps", 16),
-    (dict(max_tokens=16, use_cache={"name": "elastic", "window_length": 10**9}), "use_cache.window_length", 16),
-    (dict(max_tokens=16, use_cache=remask.ElasticCache(window_length=17)), "use_cache.window_length", 16),
-    (dict(max_tokens=16, use_cache=remask.ElasticCache(window_length=8, threshold=None, tokens_per_iter=9)),
-     "use_cache.tokens_per_iter", 8),
-    (dict(max_tokens=16, use_cache=remask.D2Cache(current_k=33)), "use_cache.current_k", 16),
-    (dict(max_tokens=16, block_length=8, use_cache=remask.DKVCache(cache_reloading_step=9)),
-     "use_cache.cache_reloading_step", 8),
-    (dict(max_tokens=16, remasking="random", use_cache=remask.DKVCache(variant="greedy", window_size=17)),
-     "use_cache.window_size", 16),
-    (dict(max_tokens=16, block_length=8, decoder=remask.WINO(accept_cap=21)), "decoder.accept_cap", 8),
-    (dict(max_tokens=16, block_length=8, decoder=remask.WINO(accept_floor=9)), "decoder.accept_floor", 8),
     (dict(max_tokens=16, decoder={"name": "wino", "accept_ratio": 1e308}), "accept_ratio", 1),
-    (dict(max_tokens=16, block_length=8, sparse=remask.SparseConfig(delay_step=9)), "sparse.delay_step", 8),
     (dict(canvas={"stability_threshold": 10**9}), "canvas.stability_threshold", 1024),
     (dict(canvas={"max_denoising_steps": 8, "stability_threshold": 9}), "canvas.stability_threshold", 8),
     (dict(stop=["x"] * 20_000), "stop", 64), (dict(stop=["x"] * 65), "stop", 64), (dict(stop=["x" * 257]), "stop", 256),
@@ -306,29 +296,14 @@ def _config_bounds_calls(model, ar):
     return [
         (dict(gen_length=16, block_length=16, decoder=remask.FreeDave(draft_steps=17)), "decoder.draft_steps", 16),
         (dict(gen_length=16, block_length=8, decoder=remask.FreeDave(draft_steps=10**9)), "decoder.draft_steps", 8),
-        (dict(gen_length=16, block_length=16, use_cache=remask.ElasticCache(window_length=10**9)),
-         "use_cache.window_length", 16),
         (dict(gen_length=16, block_length=16, use_cache=remask.ElasticCache(track_num=31)), "use_cache.track_num", 30),
-        (dict(gen_length=16, block_length=16, use_cache=remask.D2Cache(inflate_w=30)), "use_cache.inflate_w", 29),
-        (dict(gen_length=16, block_length=8, steps=16, use_cache=remask.DKVCache(cache_reloading_step=9)),
-         "use_cache.cache_reloading_step", 8),
-        (dict(gen_length=16, block_length=8, decoder=remask.WINO(accept_cap=21)), "decoder.accept_cap", 8),
-        # dInfer's blocks from position 0: [0, 16) [16, 32) [32, 46)
-        (dict(gen_length=32, block_length=16, use_cache=remask.VicinityCache(prefix_look=33)),
-         "use_cache.prefix_look", 32),
-        (dict(gen_length=32, block_length=16, use_cache=remask.VicinityCache(after_look=31)),
-         "use_cache.after_look", 30),
-        (dict(gen_length=32, block_length=16, use_cache=remask.VicinityCache(warmup_steps=45)),
-         "use_cache.warmup_steps", 44),
-        (dict(gen_length=16, block_length=8, steps=16, sparse=remask.SparseConfig(pool_kernel=45)),
-         "sparse.pool_kernel", 43),
         (dict(gen_length=16, block_length=8, steps=16, sparse=remask.SparseConfig(method="block_mask",
                                                                                   kv_block_size=10**9)),
          "sparse.kv_block_size", 30),
     ]
 
 
-@pytest.mark.parametrize("case", range(12))
+@pytest.mark.parametrize("case", range(4))
 def test_drop_in_config_bounds_bad(tiny, case):
     """The drop-in call runs the same checks (with the prompt and the call's block), before any
     forward: a ValueError naming the setting and its maximum."""
@@ -366,16 +341,76 @@ def test_apd_takes_every_lookahead_and_window_the_reference_takes(tiny):
     assert torch.equal(apd(kv_window=10**6), apd(kv_window=None))
 
 
+# (remask.generate keywords, the config's class, the setting, a value far past its maximum, the maximum)
+# with PROMPT's 14 tokens (T = 14 + gen_length): "at most" settings the official code runs at any value
+TAKEN_PAST_THE_MAXIMUM = [
+    (dict(gen_length=16, block_length=8), "decoder", remask.WINO, dict(accept_floor=10**6, accept_cap=10**6),
+     dict(accept_floor=8, accept_cap=8)),
+    (dict(gen_length=16, block_length=8), "decoder", remask.WINO, dict(accept_cap=10**6), dict(accept_cap=8)),
+    (dict(gen_length=16, block_length=16), "use_cache", remask.ElasticCache, dict(window_length=10**6),
+     dict(window_length=16)),
+    (dict(gen_length=16, block_length=16), "use_cache", remask.ElasticCache,
+     dict(window_length=8, threshold=None, tokens_per_iter=10**6), dict(window_length=8, threshold=None, tokens_per_iter=8)),
+    (dict(gen_length=16, block_length=16, steps=16), "use_cache", remask.D2Cache, dict(current_k=10**6),
+     dict(current_k=16)),
+    (dict(gen_length=16, block_length=16, steps=16), "use_cache", remask.D2Cache, dict(inflate_w=10**6),
+     dict(inflate_w=29)),
+    (dict(gen_length=16, block_length=8, steps=16), "use_cache", remask.DKVCache, dict(cache_reloading_step=10**6),
+     dict(cache_reloading_step=8)),
+    (dict(gen_length=16, block_length=8, steps=16, remasking="random"), "use_cache", remask.DKVCache,
+     dict(variant="greedy", window_size=10**6), dict(variant="greedy", window_size=16)),
+    # dInfer's blocks from position 0: [0, 16) [16, 32) [32, 46)
+    (dict(gen_length=32, block_length=16), "use_cache", remask.VicinityCache, dict(prefix_look=10**6),
+     dict(prefix_look=32)),
+    (dict(gen_length=32, block_length=16), "use_cache", remask.VicinityCache, dict(after_look=10**6),
+     dict(after_look=30)),
+    (dict(gen_length=32, block_length=16), "use_cache", remask.VicinityCache, dict(warmup_steps=10**6),
+     dict(warmup_steps=44)),
+    (dict(gen_length=16, block_length=8, steps=16), "sparse", remask.SparseConfig, dict(delay_step=10**6),
+     dict(delay_step=8)),
+    (dict(gen_length=16, block_length=8, steps=16), "sparse", remask.SparseConfig, dict(pool_kernel=10**6 + 1),
+     dict(pool_kernel=43)),
+]
+
+
+@pytest.mark.parametrize("kwargs,field,config,past,maximum", TAKEN_PAST_THE_MAXIMUM,
+                         ids=[f"{c.__name__}-{'-'.join(p)}" for _, _, c, p, _ in TAKEN_PAST_THE_MAXIMUM])
+def test_at_most_settings_take_every_value_the_reference_takes(tiny, kwargs, field, config, past, maximum):
+    """Issue 44: a setting that reads "at most" (WINO's accept floor and cap, Elastic-Cache's window
+    and top-k, d2Cache's current_k and inflate_w, dKV-Cache's reload step and greedy window, the
+    vicinity cache's looks and warmup, Sparse-dLLM's delay and pooling) is no silent clamp: the
+    official code runs any value, and so does the drop-in, with the tokens of the largest value that
+    still changes anything."""
+    model = tiny[0]
+
+    def run(settings):
+        return remask.generate(model, PROMPT, **kwargs, **{field: config(**settings)},
+                               generator=torch.Generator().manual_seed(0))
+
+    out = run(past)
+    assert out.shape == (1, PROMPT.shape[1] + kwargs["gen_length"])
+    assert torch.equal(out, run(maximum))
+
+
 def test_config_bounds_through_the_engine_name_the_setting():
     """A bound SamplingParams cannot check alone (FreeDave's block: a block-causal model's own;
-    VicinityCache's windows: the prompt's) is refused at add_request, naming it."""
+    Elastic-Cache's track_num: the prompt's) is refused at add_request, naming it; a setting that
+    reads "at most" (the vicinity cache's windows, issue 44) is taken there, with the tokens of a
+    value already past every block (the context, 128)."""
     llm = remask.LLM("tiny-llada")
     for params, name in ((remask.SamplingParams(max_tokens=16, decoder={"name": "freedave", "draft_steps": 10**9}),
                           "decoder.draft_steps must be <= 16 "),
-                         (remask.SamplingParams(max_tokens=16, use_cache=remask.VicinityCache(prefix_look=10**9)),
-                          "use_cache.prefix_look")):
+                         (remask.SamplingParams(max_tokens=16, use_cache=remask.ElasticCache(track_num=10**9)),
+                          "use_cache.track_num must be <= ")):
         with pytest.raises(ValueError, match=name):
             llm.generate("sort 52814", params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+    def text(**looks):
+        params = remask.SamplingParams(max_tokens=16, block_length=8, use_cache=remask.VicinityCache(**looks))
+        return llm.generate("sort 52814", params, use_tqdm=False)[0].outputs[0].token_ids
+
+    assert text(prefix_look=10**9, after_look=10**9) == text(prefix_look=128, after_look=128)
     assert not llm.engine.has_unfinished_requests()
 
 

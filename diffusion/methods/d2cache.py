@@ -26,7 +26,7 @@ import torch
 from remask.caches.position import D2KVCache
 from remask.models.spec import get_spec
 
-from ..parts.checks import (check_bool, check_config_bounds, check_instance, check_int, check_mask_id, check_prompt,
+from ..parts.checks import (check_bool, check_instance, check_int, check_mask_id, check_prompt,
                             check_real, check_stats, model_device)
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
@@ -51,13 +51,9 @@ class D2Cache:
 
     def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
                       steps: int | None = None, prompt_length: int | None = None) -> None:
-        """The work bounds of a request (docs/parameters.md, "Work bounds"): at most the
-        `gen_length` masked positions are selected, and no gap between two selected positions is
-        wider than the sequence (`prompt + gen_length − 1`). `prompt_length` None: not known yet."""
-        bounds = {"current_k": (gen_length, "gen_length: the masked positions")}
-        if prompt_length is not None:
-            bounds["inflate_w"] = (prompt_length + gen_length - 1, "prompt + gen_length − 1")
-        check_config_bounds(self, "use_cache", bounds)
+        """No work bound (docs/parameters.md, "Work bounds", "Not bounded"): `current_k` reads "at
+        most" (a step selects at most the `gen_length` masked positions: `min(current_k, G)`) and an
+        `inflate_w` past the sequence fills every gap; neither costs more work (upstream takes any)."""
 
 
 def certainty_density(decoded: torch.Tensor, sigma: float) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 from remask.models.spec import get_spec
 
 from ..families.llada import BlockDecoder
-from ..parts.checks import (check_config_bounds, check_instance, check_int, check_model_kind, check_prompt,
+from ..parts.checks import (check_instance, check_int, check_model_kind, check_prompt,
                             check_stats, check_mask_id)
 from ..parts.stats import GenerationStats
 from ..parts.rules import CreditDecoding, HierarchicalDecoding, IterationSmoothing, ThresholdDecoding
@@ -56,21 +56,11 @@ class VicinityCache:
             check_int(name, getattr(self, name), minimum=0)
 
     def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
-                      steps: int | None = None, prompt_length: int | None = None, maximum_unroll: int = 4) -> None:
-        """The work bounds of a request (docs/parameters.md, "Work bounds"; dInfer's blocks depend on
-        the prompt): the window's start is 0 from `prefix_look` ≥ the last block's start, its end
-        T from `after_look` ≥ T − the first block's end; a sequence runs at most `gen_length +
-        blocks × maximum_unroll` iterations. `prompt_length` None: checked where the loop is built."""
-        if prompt_length is None:
-            return
-        T = prompt_length + gen_length
-        first = (prompt_length // block_length) * block_length
-        starts = range(first, T, block_length)
-        check_config_bounds(self, "use_cache", {
-            "prefix_look": (starts[-1], "the last block's start"),
-            "after_look": (T - min(first + block_length, T), "the positions after the first block"),
-            "warmup_steps": (gen_length + len(starts) * maximum_unroll,
-                             "the most iterations the loop runs: gen_length + blocks × maximum_unroll")})
+                      steps: int | None = None, prompt_length: int | None = None) -> None:
+        """No work bound (docs/parameters.md, "Work bounds", "Not bounded"): the window is clipped to
+        the sequence (`[max(0, start − prefix_look), min(T, end + after_look))`), and a `warmup_steps`
+        past the loop's iterations makes every one a warmup; none costs more work than the value
+        that reaches the bound (upstream takes any)."""
 
 
 def dinfer_generate(model: torch.nn.Module, prompt: torch.Tensor, *, decoder: CommitRule = ThresholdDecoding(),
@@ -130,9 +120,6 @@ def dinfer_steps(model: torch.nn.Module, prompt: torch.Tensor, *, decoder: Commi
                                  use_cache=None if vicinity is not None else use_cache, structure=structure,
                                  end_ids=end_ids, rule=decoder, align_blocks=True, window=vicinity,
                                  maximum_unroll=maximum_unroll, expected_tpf=expected_tpf)
-    if vicinity is not None:
-        vicinity.check_request(gen_length=gen_length, block_length=block_length, prompt_length=prompt.shape[1],
-                               maximum_unroll=maximum_unroll)
     # decoded row by row where upstream couples a batch's rows (the vicinity warmup and unrolling,
     # iteration smoothing's iteration count): each row as alone, in its row of the canvas
     alone = vicinity is not None or decoder.smoothing is not None

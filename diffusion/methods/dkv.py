@@ -55,7 +55,7 @@ from remask.models.spec import get_spec
 from ..families.dream import DreamDecoder, DreamGenerationConfig, _validate_config
 from ..families.llada import validate_block_args
 from ..parts.cache import valid_positions
-from ..parts.checks import (check_bool, check_choice, check_config_bounds, check_generator, check_instance, check_int,
+from ..parts.checks import (check_bool, check_choice, check_generator, check_instance, check_int,
                             check_length, check_mask_id, check_model_kind, check_prompt, check_stats, model_device)
 from ..parts.selection import schedule_counts
 from ..parts.stats import GenerationStats
@@ -117,14 +117,10 @@ class DKVCache:
 
     def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
                       steps: int | None = None, prompt_length: int | None = None) -> None:
-        """The work bounds of a LLaDA request (docs/parameters.md, "Work bounds"): the cache reloads
-        at steps i % `cache_reloading_step` == 0 below the steps per block; the greedy window takes at
-        most the `gen_length` masked positions. `block_length` / `steps` None: `gen_length`."""
-        blocks = gen_length // (gen_length if block_length is None else block_length)
-        per_block = (gen_length if steps is None else steps) // max(blocks, 1)
-        check_config_bounds(self, "use_cache", {
-            "cache_reloading_step": (per_block, "the steps per block: steps // blocks"),
-            "window_size": (gen_length, "gen_length: the masked positions")})
+        """No work bound (docs/parameters.md, "Work bounds", "Not bounded"): a `cache_reloading_step`
+        past the steps per block reloads at a block's first step only, and Greedy's window takes at
+        most the masked positions (`_window` stops when none is left); neither costs more work
+        (upstream takes any)."""
 
 
 def _counts_equal(*sets: torch.Tensor) -> bool:

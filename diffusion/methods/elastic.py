@@ -43,7 +43,7 @@ from remask.models.layers import rope_cos_sin
 from remask.models.spec import get_spec
 
 from ..parts.cache import valid_positions
-from ..parts.checks import (check_bool, check_config_bounds, check_int, check_mask_id, check_model_kind,
+from ..parts.checks import (check_bool, check_int, check_mask_id, check_model_kind,
                      check_optional_token_id, check_prompt, check_real, check_stats, model_device)
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
@@ -78,16 +78,17 @@ class ElasticCache:
 
     def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
                       steps: int | None = None, prompt_length: int | None = None) -> None:
-        """The work bounds of a request (docs/parameters.md, "Work bounds"): the window holds at
-        most the `gen_length` masked positions and a top-k step commits at most the window; a
-        layer tracks at most the sequence's `prompt + gen_length` positions (beyond, torch's topk
-        raised). `prompt_length` None: not known yet (checked again where the loop is built)."""
-        window = min(self.window_length, gen_length)
-        bounds = {"window_length": (gen_length, "gen_length: the masked positions"),
-                  "tokens_per_iter": (window, "the window: min(window_length, gen_length)")}
-        if prompt_length is not None:
-            bounds["track_num"] = (prompt_length + gen_length, "the sequence: prompt + gen_length")
-        check_config_bounds(self, "use_cache", bounds)
+        """`window_length` and `tokens_per_iter` read "at most" (the window is the first
+        `window_length` masked positions, a top-k step commits `min(tokens_per_iter, window)`): any
+        value decodes, past `gen_length` as `gen_length`, at no more work (docs/parameters.md, "Work
+        bounds"). `track_num` is refused past the sequence's `prompt + gen_length` positions: a layer
+        tracks its `track_num` most attended positions, and the official code's `torch.topk` raises
+        past them. `prompt_length` None: not known yet (checked again where the loop is built)."""
+        if prompt_length is not None and self.track_num > prompt_length + gen_length:
+            T = prompt_length + gen_length
+            raise ValueError(f"use_cache.track_num must be <= {T} (the sequence: prompt + gen_length), got "
+                             f"{self.track_num}: a layer tracks at most every position (the official code's "
+                             "torch.topk raises past them)")
 
 
 class ElasticLayers:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from remask.models.spec import get_spec
 
 from ..parts.constrain import CommitFilter, end_ids_of
-from ..parts.checks import (check_bool, check_config_bounds, check_int, check_mask_id, check_prompt, check_real,
+from ..parts.checks import (check_bool, check_int, check_mask_id, check_prompt, check_real,
                             check_stats, model_device)
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
@@ -60,12 +60,9 @@ class WINO:
 
     def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
                       steps: int | None = None, prompt_length: int | None = None) -> None:
-        """The work bounds of a request (docs/parameters.md, "Work bounds"): a forward accepts at
-        most the block's masked positions, so the accept floor and cap past the block length act as
-        it. `block_length` None: LLaDA's default (`gen_length`)."""
-        block = gen_length if block_length is None else block_length
-        check_config_bounds(self, "decoder", {"accept_floor": (block, "the block length"),
-                                              "accept_cap": (block, "the block length")})
+        """No work bound (docs/parameters.md, "Work bounds", "Not bounded"): `accept_floor` /
+        `accept_cap` read "at most"; a forward accepts at most the block's masked positions, so any
+        value past the block length decodes as the block length, at no more work (upstream takes any)."""
 
     def max_accept(self, masks: int) -> int:
         return min(max(int(masks * self.accept_ratio), self.accept_floor), self.accept_cap)

@@ -76,23 +76,14 @@ class SparseConfig:
 
     def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
                       steps: int | None = None, prompt_length: int | None = None) -> None:
-        """The work bounds of a request in LLaDA's block loop (docs/parameters.md, "Work bounds"): a
-        block runs at most max(steps per block, block length) steps; pooling over the N keys outside the
-        block sees all from a width of 2N − 1; SparseD's tiles cover the T positions from `kv_block_size`
-        T (beyond, padding grows as its square). None: LLaDA's defaults (`gen_length`) / not known."""
-        block = gen_length if block_length is None else block_length
-        per_block = (gen_length if steps is None else steps) // max(gen_length // block, 1)
-        bounds = {}
-        if self.method == "retention":
-            bounds["delay_step"] = (max(per_block, block),
-                                    "the most steps a block runs: max(steps per block, block_length)")
-        if prompt_length is not None:
-            T = prompt_length + gen_length
-            if self.method == "retention" and self.pool_kernel is not None:
-                bounds["pool_kernel"] = (2 * (T - block) - 1, "2 × the keys outside the block − 1")
-            if self.method == "block_mask":
-                bounds["kv_block_size"] = (T, "the sequence: prompt + gen_length")
-        check_config_bounds(self, "sparse", bounds)
+        """The work bound of a request in LLaDA's block loop (docs/parameters.md, "Work bounds"):
+        SparseD's tiles cover the T positions from `kv_block_size` T, and beyond it their padding
+        grows as its square: refused past T. `delay_step` and `pool_kernel` read "at most" and take
+        any value (a block past its steps never selects; a kernel past 2N − 1 pools the N keys
+        outside the block as 2N − 1), at no more work. `prompt_length` None: not known yet."""
+        if prompt_length is not None and self.method == "block_mask":
+            check_config_bounds(self, "sparse", {"kv_block_size": (prompt_length + gen_length,
+                                                                   "the sequence: prompt + gen_length")})
 
 
 class RetentionForward:

@@ -45,7 +45,8 @@ def retained_positions(q: torch.Tensor, k: torch.Tensor, start: int, end: int, r
     Returns (positions `[B, S, n_max]` int64 absolute, in descending score order; counts `[B]`): row b
     keeps its first `counts[b]` (S = 1, or H_kv with `head_select`): the top ⌊N·retention_ratio⌋ of the
     non-block keys (prefix then suffix, as upstream concatenates them) by `retention_scores`, max-pooled
-    (stride 1, padding `pool_kernel // 2`, across the block's gap as upstream). Left pads are never kept
+    (stride 1, padding `pool_kernel // 2`, across the block's gap as upstream; a kernel past 2N − 1 pools
+    as 2N − 1: every key's window already covers all N). Left pads are never kept
     and count for nothing. Among equal scores (max-pooling makes ties the rule) the earlier position is
     kept (a stable sort), so padding changes nothing; `topk_ties=True`: `torch.topk`'s order (upstream's)."""
     B, _, T, _ = k.shape
@@ -58,8 +59,10 @@ def retained_positions(q: torch.Tensor, k: torch.Tensor, start: int, end: int, r
         pads = ~valid[:, outside][:, None, :]
         importance = importance.masked_fill(pads, -torch.inf)   # a pad lends no score to its neighbours
     if pool_kernel is not None:
-        importance = F.max_pool1d(importance.reshape(B * S, 1, N), kernel_size=pool_kernel, stride=1,
-                                  padding=pool_kernel // 2).view(B, S, N)
+        # a kernel of 2N − 1 already covers all N keys from every position: a wider one pools the same (at its cost)
+        kernel = min(pool_kernel, max(2 * N - 1, 1))
+        importance = F.max_pool1d(importance.reshape(B * S, 1, N), kernel_size=kernel, stride=1,
+                                  padding=kernel // 2).view(B, S, N)
     if pads is not None:
         importance = importance.masked_fill(pads, -torch.inf)   # ... and is never kept
     n_outside = torch.full((B,), N, device=k.device) if valid is None else valid[:, outside].sum(dim=1)
