@@ -117,3 +117,19 @@ class Server:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def rule_on_sdar_drop_in_equals_engine(model: torch.nn.Module, rule: object) -> None:
+    """`decoder=rule` on SDAR's own loop: the drop-in `sdar_generate` and the engine give the same
+    tokens, with no mask token among them."""
+    import remask
+    from remask.diffusion.families.sdar import sdar_generate
+    from remask.models import get_spec
+
+    prompt, mask = random_prompt(1, 6, seed=6, high=250), get_spec(model).mask_id
+    llm = remask.LLM(model)
+    x = sdar_generate(model, prompt, mask_id=mask, gen_length=12, block_length=4, temperature=0.0,
+                      stopping_criteria_idx=sorted(set(llm.engine.stop_ids)), decoder=rule)
+    served = llm.generate([prompt[0].tolist()], remask.SamplingParams(
+        max_tokens=12, temperature=0.0, decoder=rule, sdar={"block_length": 4}), use_tqdm=False)[0]
+    assert served.outputs[0].all_token_ids == x[0, 6:18].tolist() and mask not in served.outputs[0].all_token_ids

@@ -12,12 +12,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import remask
-from remask.diffusion.families.sdar import sdar_generate
 from remask.diffusion.methods import registry
 from remask.models import get_spec, tiny
 from remask.zoo import charset
 
-from helpers import random_prompt
+from helpers import rule_on_sdar_drop_in_equals_engine
 
 
 def paper_rule(block: torch.Tensor, logits: torch.Tensor, mask_id: int, gamma: float) -> torch.Tensor:
@@ -81,11 +80,4 @@ def test_eb_sampler_on_the_loops_that_take_a_rule_drop_in_equals_engine(tmp_path
             max_tokens=16, block_length=8, decoder=rule), use_tqdm=False)[0]
         assert served.outputs[0].all_token_ids == x[0, prompt.shape[1]:].tolist()
         tiny.write_tiny_sdar(str(tmp_path), seed=0)    # SDAR's own loop, the rule choosing the commits
-        model, prompt = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval(), random_prompt(1, 6, seed=6, high=250)
-        mask = get_spec(model).mask_id
-        llm = remask.LLM(model)
-        x = sdar_generate(model, prompt, mask_id=mask, gen_length=12, block_length=4, temperature=0.0,
-                          stopping_criteria_idx=sorted(set(llm.engine.stop_ids)), decoder=rule)
-        served = llm.generate([prompt[0].tolist()], remask.SamplingParams(
-            max_tokens=12, temperature=0.0, decoder=rule, sdar={"block_length": 4}), use_tqdm=False)[0]
-        assert served.outputs[0].all_token_ids == x[0, 6:18].tolist() and mask not in served.outputs[0].all_token_ids
+        rule_on_sdar_drop_in_equals_engine(AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval(), rule)

@@ -15,11 +15,10 @@ from remask.compat.llada2 import generate as llada2_generate
 from remask.diffusion.methods import registry
 from remask.diffusion.methods.margin import MarginDecoding
 from remask.diffusion.parts.rules import rule_commit, rule_types
-from remask.diffusion.families.sdar import sdar_generate
 from remask.models import get_spec, tiny
 from remask.zoo import charset
 
-from helpers import random_prompt
+from helpers import random_prompt, rule_on_sdar_drop_in_equals_engine
 
 RULE = MarginDecoding(margin=0.3)
 
@@ -101,15 +100,8 @@ def test_margin_on_every_loop_that_takes_a_rule_drop_in_equals_engine(models):
         served = remask.LLM(model).generate([prompt[0].tolist()], remask.SamplingParams(
             max_tokens=16, block_length=8, decoder=RULE), use_tqdm=False)[0]
         assert served.outputs[0].all_token_ids == x[0, 7:].tolist()
-        # SDAR: its own loop, the rule choosing the commits
-        model, prompt = models["sdar"], random_prompt(1, 6, seed=6, high=250)
-        mask = get_spec(model).mask_id
-        llm = remask.LLM(model)
-        x = sdar_generate(model, prompt, mask_id=mask, gen_length=12, block_length=4, temperature=0.0,
-                          stopping_criteria_idx=sorted(set(llm.engine.stop_ids)), decoder=RULE)
-        served = llm.generate([prompt[0].tolist()], remask.SamplingParams(
-            max_tokens=12, temperature=0.0, decoder=RULE, sdar={"block_length": 4}), use_tqdm=False)[0]
-        assert served.outputs[0].all_token_ids == x[0, 6:18].tolist() and mask not in served.outputs[0].all_token_ids
+        rule_on_sdar_drop_in_equals_engine(models["sdar"], RULE)   # SDAR: its own loop, the rule choosing the commits
+        prompt = random_prompt(1, 6, seed=6, high=250)
         # LLaDA2: its own loop
         model = models["llada2"]
         out = llada2_generate(model, prompt, gen_length=12, block_length=4, decoder=RULE)
