@@ -165,6 +165,7 @@ def method_settings(verifier) -> list[tuple[str, dict[str, Any]]]:
         ("Elastic-Cache + hierarchical", dict(use_cache=remask.ElasticCache(),
                                               decoder=remask.HierarchicalDecoding())),
         ("rule margin", dict(block_length=16, decoder=MarginDecoding())),
+        ("EB-Sampler", dict(block_length=16, decoder=remask.EBSampler())),
         ("APD", dict(apd=remask.APDConfig(verifier=verifier))),
     ]
 
