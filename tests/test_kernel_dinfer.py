@@ -90,12 +90,13 @@ def test_dispatchers_validate_and_default_to_torch_on_cpu():
 
 
 def test_references_are_the_dinfer_rules():
-    """`diffusion/methods/dinfer.py` decides with these references (its fixtures pin them to dInfer)."""
-    from remask.diffusion.methods.dinfer import CreditDecoding, HierarchicalDecoding, ThresholdDecoding, _Decoder
+    """dInfer's rules (`diffusion/parts/rules.py`, run by the block loop) decide with these references
+    (their fixtures pin them to dInfer); a rule's state lives across one block's calls (`commit_block`)."""
+    from remask.diffusion.parts.rules import CreditDecoding, HierarchicalDecoding, ThresholdDecoding, commit_block
 
     g = torch.Generator().manual_seed(3)
     for rule in (ThresholdDecoding(0.6), HierarchicalDecoding(0.8, 0.3), CreditDecoding(0.6)):
-        dec = _Decoder(rule, MASK)
+        held = None
         x = torch.randint(0, 50, (2, 24), generator=g)
         x[:, 4:] = MASK
         credit = torch.zeros(2, 20, 50)
@@ -115,7 +116,7 @@ def test_references_are_the_dinfer_rules():
                 dinfer_select_torch(want, x0, conf, MASK, kind, rule.threshold,
                                     getattr(rule, "low_threshold", None))
             before = x[:, 4:] == MASK
-            dec.decode(x, logits, 4, 24)
+            _, held = commit_block(rule, x[:, 4:24], logits, MASK, held, 0)
             # a row where the rule committed nothing gets dInfer-remask's fallback (one position)
             stuck = before.any(dim=1) & ((want == MASK) == before).all(dim=1)
             assert torch.equal(x[~stuck, 4:], want[~stuck]), call

@@ -22,7 +22,7 @@ from remask.models import tiny
 SCRIPT = textwrap.dedent('''
     import json, sys, torch, torch.distributed as dist
     from torch.distributed.tensor import DTensor
-    import remask
+    import remask.models   # registers remask's families with transformers' Auto classes
     from transformers import AutoModel
     from transformers.distributed import DistributedConfig
     path, prompts, settings = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
