@@ -70,10 +70,10 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
     output, enforced in every method's commits (`diffusion/parts/constrain.py`)."""
     if decoder is not None:
         check_decoder(decoder)
-    if use_cache is not None and not isinstance(use_cache, str) and not registry.is_config("use_cache", use_cache):
+    cache = registry.method_of(use_cache) if registry.is_config("use_cache", use_cache) else None
+    if use_cache is not None and not isinstance(use_cache, str) and cache is None:
         raise ValueError(f"use_cache must be None, a cache name or a remask cache config, "
                          f"got {type(use_cache).__name__}")
-    cache = registry.method_of(use_cache) if registry.is_config("use_cache", use_cache) else None
     if cache is not None and cache.name != "vicinity" and decoder is not None:   # a cache method with its own loop
         if cache.takes_rule and not registry.method_of(decoder).is_rule:
             rules = ", ".join(rule.__name__ for rule in registry.rules())

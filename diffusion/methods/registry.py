@@ -169,8 +169,12 @@ def is_config(field: str, value: Any) -> bool:
 
 
 def method_of(config: Any) -> Method:
-    """The registered method of a config object."""
-    return next(m for m in METHODS.values() if type(config) is m.config)
+    """The registered method of a config object (an instance of its config class, subclasses included,
+    as `is_config` accepts them)."""
+    for method in METHODS.values():
+        if isinstance(config, method.config):
+            return method
+    raise ValueError(f"{type(config).__name__} is no registered method's config")
 
 
 def from_json(field: str, value: dict) -> Any:
