@@ -30,6 +30,7 @@ from .eb_sampler import EBSampler
 from .elastic import ElasticCache, elastic_steps
 from .freedave import FreeDave, freedave_steps
 from .margin import MarginDecoding
+from .prophet import Prophet, prophet_steps
 from .wino import WINO, wino_steps
 
 FIELDS = ("decoder", "use_cache")
@@ -112,6 +113,17 @@ def _first(steps: StepGenerator) -> StepGenerator:
     return out[0]
 
 
+def _prophet_loop(call: Call) -> StepGenerator:
+    if call.use_cache is not None:
+        raise ValueError("use_cache: Prophet reads the answer positions' logits at every step (full forwards, "
+                         "no cache, as upstream)")
+    return prophet_steps(call.model, call.prompt, config=call.decoder,
+                         steps=call.gen_length if call.steps is None else call.steps, block_length=call.block_length,
+                         cfg_scale=call.settings.get("cfg_scale", 0.0),
+                         remasking=call.settings.get("remasking", "low_confidence"),
+                         generator=call.settings.get("generator"), **call.common)
+
+
 def _dkv_loop(call: Call) -> StepGenerator:
     return dkv_steps(call.model, call.prompt, config=call.use_cache,
                      steps=call.gen_length if call.steps is None else call.steps, block_length=call.block_length,
@@ -140,6 +152,7 @@ register("hierarchical", HierarchicalDecoding, loop=_rules_loop, fills_after_eos
 register("margin", MarginDecoding, loop=_rules_loop, fills_after_eos=True)
 register("eb_sampler", EBSampler, loop=_rules_loop, fills_after_eos=True)
 register("wino", WINO, loop=_wino_loop, unshifted="WINO's shadow-block forward")
+register("prophet", Prophet, loop=_prophet_loop, reads=("steps", "cfg_scale", "remasking", "generator"))
 register("vicinity", VicinityCache, "use_cache", loop=_rules_loop, fills_after_eos=True)
 register("dkv", DKVCache, "use_cache", loop=_dkv_loop, reads=("steps", "remasking", "generator"),
          unshifted="LLaDA's dKV-Cache schedule")
