@@ -173,3 +173,23 @@ def test_exit_fills_every_block_on_tiny_llada():
         plain = remask.generate(model, prompt, steps=16, gen_length=16, block_length=4)
     assert stats.nfe == 1 and not bool((x == remask.get_spec(model).mask_id).any())
     assert torch.equal(x[:, :P], prompt) and x[0, P:P + 5].tolist() == plain[0, P:P + 5].tolist()
+
+
+def test_on_dream_the_engine_equals_the_drop_in(tmp_path):
+    """LLaDA's block loop reads any mask model through its spec (Dream's shifted logits included), so
+    Prophet runs on Dream too (docs/compatibility.md); the exit reads the aligned logits."""
+    from transformers import AutoModel
+
+    from remask.models import tiny
+
+    tiny.write_tiny_dream(str(tmp_path), seed=2)
+    model = AutoModel.from_pretrained(str(tmp_path)).eval()
+    prompt = [5, 17, 42, 99, 7, 8]
+    config = Prophet(answer_start_pos=14, early_exit_thresholds={"early": 1.0, "mid": 0.5, "late": 0.2})
+    stats = GenerationStats()
+    x = remask.generate(model, torch.tensor([prompt]), steps=16, gen_length=16, block_length=8, decoder=config,
+                        stats=stats)
+    served = remask.LLM(model).generate([prompt], remask.SamplingParams(
+        max_tokens=16, steps=16, block_length=8, decoder=config), use_tqdm=False)[0]
+    assert served.outputs[0].all_token_ids == x[0, 6:].tolist() and stats.nfe < 16
+    assert not bool((x == remask.get_spec(model).mask_id).any())
