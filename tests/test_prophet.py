@@ -130,6 +130,10 @@ def test_call_refusals_name_the_parameter(load):
         prophet_generate(model, prompt, config=Prophet(constraints={0: MASK}), steps=16, gen_length=16, block_length=16)
     with pytest.raises(ValueError, match="constraints"):
         prophet_generate(model, prompt, config=Prophet(constraints={0: 300}), steps=16, gen_length=16, block_length=16)
+    for start in (0, 19):   # [0, 3) is the prompt, 19 lies past the sequence: upstream would never exit
+        with pytest.raises(ValueError, match="answer_start_pos"):
+            prophet_generate(model, prompt, config=Prophet(answer_start_pos=start, answer_length=3 if start == 0 else 5),
+                             steps=16, gen_length=16, block_length=16)
     with pytest.raises(ValueError, match="steps"):
         prophet_generate(model, prompt, steps=3, gen_length=16, block_length=8)
     with pytest.raises(ValueError, match="cfg_scale"):

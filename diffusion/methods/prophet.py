@@ -25,8 +25,8 @@ import torch
 from remask.models.spec import get_spec
 
 from ..families.llada import BlockDecoder
-from ..parts.checks import (CombinationError, ParameterTypeError, check_instance, check_int, check_model_kind,
-                            check_real, check_settings, check_stats, check_token_id)
+from ..parts.checks import (CombinationError, ParameterTypeError, check_generator, check_instance, check_int,
+                            check_model_kind, check_real, check_settings, check_stats, check_token_id)
 from ..parts.scoring import score_rows
 from ..parts.selection import schedule_counts
 from ..parts.stats import GenerationStats
@@ -102,12 +102,17 @@ def prophet_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Proph
         raise CombinationError("structured_outputs with decoder=Prophet: its early exit fills every masked position "
                                "at once, past what a structure lets one commit decide")
     check_stats("stats", stats)
+    check_generator(generator, prompt.device)
     spec = get_spec(model, mask_id=mask_id)
     check_model_kind(spec, diffusion=True, entry="Prophet")
     decoder = BlockDecoder(spec, steps=steps, gen_length=gen_length, block_length=block_length, cfg_scale=cfg_scale,
                            remasking=remasking)
     decoder.check_input(model, prompt, attention_mask)
     config.check_request(gen_length=gen_length)
+    start, P = config.answer_start_pos, prompt.shape[1]
+    if start is not None and not (start < P + gen_length and start + config.answer_length > P):
+        raise ValueError(f"answer_start_pos: the answer positions [{start}, {start + config.answer_length}) hold no "
+                         f"generated position [{P}, {P + gen_length}) (positions count from the prompt's start)")
     for position, token in (config.constraints or {}).items():
         if check_token_id(spec, token, f"constraints[{position}]") == spec.mask_id:
             raise ValueError(f"constraints[{position}] is the mask token {token}: it would stay in the output")
