@@ -33,6 +33,7 @@ _EXPORTS = {
     "FreeDave": "remask.diffusion.methods.freedave",
     "MarginDecoding": "remask.diffusion.methods.margin",
     "EBSampler": "remask.diffusion.methods.eb_sampler",
+    "KLASS": "remask.diffusion.methods.klass",
     "WINO": "remask.diffusion.methods.wino",
     "Prophet": "remask.diffusion.methods.prophet",
     **dict.fromkeys(("DreamConfig", "DreamModel", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "get_spec"),
@@ -64,7 +65,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "APDConfig", "CanvasSampler", "EBSampler", "CreditDecoding", "D2Cache", "DKVCache", "DreamConfig", "ElasticCache", "FreeDave", "HierarchicalDecoding", "MarginDecoding", "ThresholdDecoding",
+    "APDConfig", "CanvasSampler", "EBSampler", "CreditDecoding", "D2Cache", "DKVCache", "DreamConfig", "ElasticCache", "FreeDave", "HierarchicalDecoding", "KLASS", "MarginDecoding", "ThresholdDecoding",
     "VicinityCache", "IterationSmoothing", "WINO", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
     "LLM", "LLMEngine", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "Prophet", "RequestOutput", "SamplingParams", "SparseConfig", "StructuredOutputsParams", "answer_text", "ar_generate",
     "diffusion_generate", "generate", "get_spec", "load", "patch", "stop_token_ids",

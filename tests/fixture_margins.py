@@ -63,6 +63,7 @@ REFERENCE_TESTS = [
     "tests/test_dream_cache.py::test_reproduces_fast_dllm_dream_block_decoder",
     "tests/test_elastic.py::test_reproduces_the_official_elastic_cache",
     "tests/test_fast_dllm_v2.py::test_reproduces_the_official_code_token_for_token",
+    "tests/test_klass.py::test_reproduces_the_official_klass",
     "tests/test_llada2.py::test_reproduces_the_official_decoders",
     "tests/test_llada2.py::test_logits_top5_equal_the_official_model",
     "tests/test_prophet.py::test_reproduces_the_official_prophet",

@@ -29,6 +29,7 @@ from .dkv import DKVCache, dkv_steps
 from .eb_sampler import EBSampler
 from .elastic import ElasticCache, elastic_steps
 from .freedave import FreeDave, freedave_steps
+from .klass import KLASS, klass_steps
 from .margin import MarginDecoding
 from .prophet import Prophet, prophet_steps
 from .wino import WINO, wino_steps
@@ -137,6 +138,14 @@ def _d2cache_loop(call: Call) -> StepGenerator:
                          block_length=call.block_length, **call.common)
 
 
+def _klass_loop(call: Call) -> StepGenerator:
+    if call.use_cache is not None:
+        raise ValueError("use_cache: KLASS forwards the whole sequence at every step (its KL memory needs every "
+                         "position's distribution; upstream has no cache)")
+    return klass_steps(call.model, call.prompt, config=call.decoder, steps=call.steps, block_length=call.block_length,
+                       **call.common)
+
+
 def _elastic_loop(call: Call) -> StepGenerator:
     if call.block_length != call.gen_length:
         raise ValueError(f"block_length: ElasticCache decodes over a sliding window of "
@@ -151,6 +160,7 @@ register("credit", CreditDecoding, loop=_rules_loop, fills_after_eos=True)
 register("hierarchical", HierarchicalDecoding, loop=_rules_loop, fills_after_eos=True)
 register("margin", MarginDecoding, loop=_rules_loop, fills_after_eos=True)
 register("eb_sampler", EBSampler, loop=_rules_loop, fills_after_eos=True)
+register("klass", KLASS, loop=_klass_loop, reads=("steps",))   # its own loop on LLaDA / Dream, a rule elsewhere
 register("wino", WINO, loop=_wino_loop, unshifted="WINO's shadow-block forward")
 register("prophet", Prophet, loop=_prophet_loop, reads=("steps", "cfg_scale", "remasking", "generator"))
 register("vicinity", VicinityCache, "use_cache", loop=_rules_loop, fills_after_eos=True)
