@@ -55,6 +55,10 @@ class ForwardRequest:
       row, a segmented model; it packs with the others (`varlen.PackedLayers`).
     * `output`: "logits", or "model" for the whole model output (its `past_key_values`).
     * `module`: a model other than the driver's to call (APD's verifier); such a request runs alone.
+    * `extends`: a causal continuation (autoregressive): `input_ids` follow every id fed before, whose
+      K/V are the model's own cache in `shared` (the drop-in driver) or the engine's page store (its
+      runner answers all such requests in one flat forward with the last position's logits, as
+      `output="model"` with no cache).
     """
 
     input_ids: torch.Tensor | None
@@ -67,6 +71,7 @@ class ForwardRequest:
     layers: Any = None
     output: str = "logits"
     module: Any = None
+    extends: bool = False
 
     @classmethod
     def call(cls, input_ids: torch.Tensor | None, inputs: dict[str, Any], **fields: Any) -> "ForwardRequest":

@@ -57,7 +57,7 @@ def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -
             raise ValueError(f"the model is autoregressive; these settings are for diffusion models: "
                              f"{set_here + (['cfg_scale'] if params.cfg_scale else [])}")
         decoder = ARDecoder(engine.model, **params.ar_kwargs(engine.eos_ids()), structure=structure)
-        decoder.check_input(prompt_ids, None)
+        decoder.check_input(prompt_ids, None, engine.model)
     elif params.decoder is not None or (params.use_cache is not None and not isinstance(params.use_cache, str)):
         check_prompt(engine.model, prompt_ids, None, spec=engine.spec, mask_in_prompt="refuse")
         decoder = method_decoder(engine, params, prompt_ids, structure, ends)
