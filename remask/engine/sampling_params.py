@@ -37,7 +37,8 @@ class SamplingParams:
     """Decoding settings of one request, vLLM's names where vLLM has the setting (docs/parameters.md
     maps each field; docs/engine.md which decoders take `ignore_eos` / `min_tokens`).
 
-    `max_tokens`: diffusion models fill exactly this many positions; sample i of `n` draws from
+    `max_tokens`: diffusion models fill exactly this many positions (at most, with `decoder=DAEDAL`, whose
+    canvas grows); sample i of `n` draws from
     `seed + i` (None: from the engine's seed and the prompt). Diffusion: `remask.generate`'s keywords
     (LLaDA's block rule), `alg` (Dream's sampler), `apd`, `canvas` (uniform-noise models), the
     block-causal families' dicts (docs/block-diffusion.md), `decoder=` (docs/decoders.md).
