@@ -28,6 +28,7 @@ _EXPORTS = {
     **dict.fromkeys(("CreditDecoding", "HierarchicalDecoding", "IterationSmoothing", "ThresholdDecoding",
                      "VicinityCache"), "remask.diffusion.methods.dinfer"),
     "D2Cache": "remask.diffusion.methods.d2cache",
+    "DAEDAL": "remask.diffusion.methods.daedal",
     "DKVCache": "remask.diffusion.methods.dkv",
     "ElasticCache": "remask.diffusion.methods.elastic",
     "FreeDave": "remask.diffusion.methods.freedave",
@@ -65,7 +66,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "APDConfig", "CanvasSampler", "EBSampler", "CreditDecoding", "D2Cache", "DKVCache", "DreamConfig", "ElasticCache", "FreeDave", "HierarchicalDecoding", "KLASS", "MarginDecoding", "ThresholdDecoding",
+    "APDConfig", "CanvasSampler", "EBSampler", "CreditDecoding", "D2Cache", "DAEDAL", "DKVCache", "DreamConfig", "ElasticCache", "FreeDave", "HierarchicalDecoding", "KLASS", "MarginDecoding", "ThresholdDecoding",
     "VicinityCache", "IterationSmoothing", "WINO", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
     "LLM", "LLMEngine", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "Prophet", "RequestOutput", "SamplingParams", "SparseConfig", "StructuredOutputsParams", "answer_text", "ar_generate",
     "diffusion_generate", "generate", "get_spec", "load", "patch", "stop_token_ids",

@@ -54,6 +54,7 @@ REFERENCE_TESTS = [
     "tests/test_cache.py::test_reproduces_fast_dllm_cache_on_random_checkpoints",
     "tests/test_cache.py::test_reproduces_fast_dllm_cache_on_tiny_llada",
     "tests/test_d2cache.py::test_reproduces_the_official_d2cache",
+    "tests/test_daedal.py::test_reproduces_the_official_daedal",
     "tests/test_dinfer.py::test_matches_dinfer",
     "tests/test_dinfer_smoothing.py::test_matches_dinfer",
     "tests/test_dinfer_smoothing.py::test_a_batch_decodes_each_row_as_alone",

@@ -49,7 +49,11 @@ def methods() -> dict[str, dict[str, Any]]:
     shipped = (remask.ThresholdDecoding, remask.CreditDecoding, remask.HierarchicalDecoding)
     extra = {f"rule {rule.name} ({rule.__name__})": dict(decoder=rule()) for rule in registry.rules()
              if rule not in shipped}
-    return {**listed, **extra}
+    # Every other registered method with a loop of its own (DAEDAL, ...), by its config's name, with its defaults.
+    named = {type(config) for kwargs in listed.values() for config in kwargs.values()}
+    own_loops = {m.config.__name__: {m.field: m.config()} for m in registry.METHODS.values()
+                 if not m.is_rule and m.config not in named}
+    return {**listed, **extra, **own_loops}
 
 
 # The methods that read `steps` (the rest pick their own number of steps).

@@ -37,7 +37,8 @@ class SamplingParams:
     """Decoding settings of one request, vLLM's names where vLLM has the setting (docs/parameters.md
     maps each field; docs/engine.md which decoders take `ignore_eos` / `min_tokens`).
 
-    `max_tokens`: diffusion models fill exactly this many positions; sample i of `n` draws from
+    `max_tokens`: diffusion models fill exactly this many positions (at most, with `decoder=DAEDAL`, whose
+    canvas grows); sample i of `n` draws from
     `seed + i` (None: from the engine's seed and the prompt). Diffusion: `remask.generate`'s keywords
     (LLaDA's block rule), `alg` (Dream's sampler), `apd`, `canvas` (uniform-noise models), the
     block-causal families' dicts (docs/block-diffusion.md), `decoder=` (docs/decoders.md).
@@ -107,7 +108,6 @@ class SamplingParams:
         # max_tokens only repeat forwards (and sized O(steps) buffers: steps=10**9 was an OOM kill)
         check_steps("steps", self.steps, self.max_tokens, "max_tokens")
         check_int("block_length", self.block_length, minimum=1, allow_none=True)
-        validate_block_args(self.max_tokens, self.block_length or self.max_tokens, self.steps or self.max_tokens)
         check_choice("remasking", self.remasking, REMASKING)
         validate_rule(self.threshold, self.factor)
         check_real("cfg_scale", self.cfg_scale, low=0)
@@ -118,6 +118,9 @@ class SamplingParams:
         for name in ("decoder", "use_cache"):
             if isinstance(getattr(self, name), dict):
                 object.__setattr__(self, name, registry.from_json(name, getattr(self, name)))
+        # blocks tile max_tokens, except for a method whose canvas grows up to it (`Method.length_bound`)
+        if not (registry.is_config("decoder", self.decoder) and registry.method_of(self.decoder).length_bound):
+            validate_block_args(self.max_tokens, self.block_length or self.max_tokens, self.steps or self.max_tokens)
         if not registry.is_config("use_cache", self.use_cache) and (
                 not (self.use_cache is None or isinstance(self.use_cache, str)) or self.use_cache not in CACHE_MODES):
             configs = "remask.VicinityCache, remask.DKVCache, remask.D2Cache, remask.ElasticCache"
