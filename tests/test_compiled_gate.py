@@ -127,6 +127,23 @@ def test_every_supported_triton_version_has_current_passing_results(version):
         assert any(f.startswith(reason.split()[0]) for f in failing[gate_id]), (gate_id, failing[gate_id], reason)
 
 
+@pytest.mark.parametrize("version", aot.SUPPORTED_TRITON)
+def test_no_kernel_multiplies_in_tf32(version):
+    """float32 operands never meet `tl.dot`'s TF32 default: the attention kernels and the GEMM pass
+    input_precision="ieee" (the H200 found float32 attention ~1e-3 off when they did not). Every
+    stored result of every supported Triton, the float32 attention specialisations included, has
+    no TF32 MMA in its SASS (sm_100: no tcgen05 kind::tf32)."""
+    stored = aot.load_results(version=version)
+    fp32_attention = [spec.id for spec in SPECS if spec.kernel in ("paged_attention_kernel",
+                                                                   "block_sparse_attention_kernel")
+                      and spec.signature.get("q_ptr") == "*fp32"]
+    assert len(fp32_attention) == 3 * len(aot.ARCHS), fp32_attention
+    tf32 = {i: r["mma_kinds"] for i, r in stored.items() if any("TF32" in k.upper() for k in r.get("mma_kinds") or {})}
+    assert not tf32, f"Triton {version}: TF32 MMAs in {tf32}"
+    for gate_id in fp32_attention:       # float32 FMAs: no MMA at all
+        assert stored[gate_id]["compiled"] and not stored[gate_id]["mma_kinds"], stored[gate_id]
+
+
 def test_the_makefile_compiles_every_supported_version():
     makefile = (Path(__file__).resolve().parent.parent / "Makefile").read_text()
     [line] = [line for line in makefile.splitlines() if line.startswith("SUPPORTED_TRITON")]
