@@ -27,9 +27,11 @@ pytest.importorskip("triton")
 from remask.kernels import aot  # noqa: E402
 
 # Triton version → id → the measured reason (ptxas -v; docs/compiled-kernels.md has every figure).
-# 3.9.0: empty since the attention kernels were re-blocked (issue 31). 3.7.1 and 3.8.0 (what the CUDA
-# builds of torch 2.13 and 2.14 pin) spill a few bytes per thread in these, which 3.9.0 compiles
-# without a spill.
+# 3.9.0: every 16-bit specialisation passes since the attention kernels were re-blocked (issue 31).
+# 3.7.1 and 3.8.0 (what the CUDA builds of torch 2.13 and 2.14 pin) spill a few bytes per thread in
+# these, which 3.9.0 compiles without a spill. The float32 attention specialisations (FMA dots,
+# input_precision="ieee": float32 operand tiles in registers) spill on sm_80 under 3.8.0 and 3.9.0
+# even at 8 warps (3.7.1 compiles them without a spill).
 # An entry is an id that fails the gate in the recorded way under that version.
 KNOWN_BY_VERSION: dict[str, dict[str, str]] = {
     "3.7.1": {
@@ -63,6 +65,16 @@ KNOWN_BY_VERSION: dict[str, dict[str, str]] = {
             "spills 8 B stores / 8 B loads per thread (8 B stack)",
         "paged_attention_kernel[sdar,D=128,page=32,M=256,sm100]":
             "spills 8 B stores / 8 B loads per thread (8 B stack)",
+        "paged_attention_kernel[sdar,D=128,page=32,M=32,block-causal,fp32,sm80]":
+            "spills 24 B stores / 24 B loads per thread (24 B stack)",
+        "block_sparse_attention_kernel[sdar,D=128,block=32,fp32,sm80]":
+            "spills 184 B stores / 160 B loads per thread (152 B stack)",
+    },
+    "3.9.0": {
+        "paged_attention_kernel[sdar,D=128,page=32,M=32,block-causal,fp32,sm80]":
+            "spills 24 B stores / 24 B loads per thread (24 B stack)",
+        "block_sparse_attention_kernel[sdar,D=128,block=32,fp32,sm80]":
+            "spills 184 B stores / 160 B loads per thread (152 B stack)",
     },
 }
 KNOWN_OVER_BUDGET = KNOWN_BY_VERSION.get(aot.triton_version(), {})
