@@ -33,6 +33,7 @@ _EXPORTS = {
     "FreeDave": "remask.diffusion.methods.freedave",
     "MarginDecoding": "remask.diffusion.methods.margin",
     "EBSampler": "remask.diffusion.methods.eb_sampler",
+    "FrechetRule": "remask.diffusion.methods.frechet",
     "WINO": "remask.diffusion.methods.wino",
     **dict.fromkeys(("DreamConfig", "DreamModel", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "get_spec"),
                     "remask.models"),
@@ -63,7 +64,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "APDConfig", "CanvasSampler", "EBSampler", "CreditDecoding", "D2Cache", "DKVCache", "DreamConfig", "ElasticCache", "FreeDave", "HierarchicalDecoding", "MarginDecoding", "ThresholdDecoding",
+    "APDConfig", "CanvasSampler", "EBSampler", "CreditDecoding", "D2Cache", "DKVCache", "DreamConfig", "ElasticCache", "FrechetRule", "FreeDave", "HierarchicalDecoding", "MarginDecoding", "ThresholdDecoding",
     "VicinityCache", "IterationSmoothing", "WINO", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
     "LLM", "LLMEngine", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "RequestOutput", "SamplingParams", "SparseConfig", "StructuredOutputsParams", "answer_text", "ar_generate",
     "diffusion_generate", "generate", "get_spec", "load", "patch", "stop_token_ids",

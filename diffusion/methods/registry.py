@@ -28,6 +28,7 @@ from .dinfer import VicinityCache, dinfer_steps
 from .dkv import DKVCache, dkv_steps
 from .eb_sampler import EBSampler
 from .elastic import ElasticCache, elastic_steps
+from .frechet import FrechetRule
 from .freedave import FreeDave, freedave_steps
 from .margin import MarginDecoding
 from .wino import WINO, wino_steps
@@ -139,6 +140,7 @@ register("credit", CreditDecoding, loop=_rules_loop, fills_after_eos=True)
 register("hierarchical", HierarchicalDecoding, loop=_rules_loop, fills_after_eos=True)
 register("margin", MarginDecoding, loop=_rules_loop, fills_after_eos=True)
 register("eb_sampler", EBSampler, loop=_rules_loop, fills_after_eos=True)
+register("frechet", FrechetRule, loop=_rules_loop, fills_after_eos=True)
 register("wino", WINO, loop=_wino_loop, unshifted="WINO's shadow-block forward")
 register("vicinity", VicinityCache, "use_cache", loop=_rules_loop, fills_after_eos=True)
 register("dkv", DKVCache, "use_cache", loop=_dkv_loop, reads=("steps", "remasking", "generator"),
