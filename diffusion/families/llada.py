@@ -380,8 +380,9 @@ class BlockDecoder(BlockwiseDecoder):
             # the first undecided position's logits hold only what the structure allows (before the rule)
             logits = constraint.mask_frontier(logits, start, end, local)
             prior = block_x.clone()
-        if self.reference_sampling and self.mode == "prefix" and state.step > 0:
-            # Upstream's prefix loop draws (and discards) one extra noise tensor per cached step.
+        if self.reference_sampling and self.mode == "prefix" and state.step > 0 and self.frechet_margin is None:
+            # Fast-dLLM v1's prefix loop draws (and discards) one extra noise tensor per cached step (Fast-dLLM++'s,
+            # whose loop `frechet_margin` follows, does not).
             torch.rand(logits.shape, dtype=torch.float64, device=x.device, generator=generator)
         if self.reference_sampling or self.reference_ties:
             # The reference's formulation over the whole [B, T, V] logits: its float64 noise
