@@ -30,7 +30,9 @@ from .eb_sampler import EBSampler
 from .elastic import ElasticCache, elastic_steps
 from .frechet import FrechetRule
 from .freedave import FreeDave, freedave_steps
+from .klass import KLASS, klass_steps
 from .margin import MarginDecoding
+from .prophet import Prophet, prophet_steps
 from .wino import WINO, wino_steps
 
 FIELDS = ("decoder", "use_cache")
@@ -113,6 +115,17 @@ def _first(steps: StepGenerator) -> StepGenerator:
     return out[0]
 
 
+def _prophet_loop(call: Call) -> StepGenerator:
+    if call.use_cache is not None:
+        raise ValueError("use_cache: Prophet reads the answer positions' logits at every step (full forwards, "
+                         "no cache, as upstream)")
+    return prophet_steps(call.model, call.prompt, config=call.decoder,
+                         steps=call.gen_length if call.steps is None else call.steps, block_length=call.block_length,
+                         cfg_scale=call.settings.get("cfg_scale", 0.0),
+                         remasking=call.settings.get("remasking", "low_confidence"),
+                         generator=call.settings.get("generator"), **call.common)
+
+
 def _dkv_loop(call: Call) -> StepGenerator:
     return dkv_steps(call.model, call.prompt, config=call.use_cache,
                      steps=call.gen_length if call.steps is None else call.steps, block_length=call.block_length,
@@ -124,6 +137,14 @@ def _d2cache_loop(call: Call) -> StepGenerator:
     return d2cache_steps(call.model, call.prompt, config=call.use_cache,
                          steps=call.gen_length if call.steps is None else call.steps,
                          block_length=call.block_length, **call.common)
+
+
+def _klass_loop(call: Call) -> StepGenerator:
+    if call.use_cache is not None:
+        raise ValueError("use_cache: KLASS forwards the whole sequence at every step (its KL memory needs every "
+                         "position's distribution; upstream has no cache)")
+    return klass_steps(call.model, call.prompt, config=call.decoder, steps=call.steps, block_length=call.block_length,
+                       **call.common)
 
 
 def _elastic_loop(call: Call) -> StepGenerator:
@@ -141,7 +162,9 @@ register("hierarchical", HierarchicalDecoding, loop=_rules_loop, fills_after_eos
 register("margin", MarginDecoding, loop=_rules_loop, fills_after_eos=True)
 register("eb_sampler", EBSampler, loop=_rules_loop, fills_after_eos=True)
 register("frechet", FrechetRule, loop=_rules_loop, fills_after_eos=True)
+register("klass", KLASS, loop=_klass_loop, reads=("steps",))   # its own loop on LLaDA / Dream, a rule elsewhere
 register("wino", WINO, loop=_wino_loop, unshifted="WINO's shadow-block forward")
+register("prophet", Prophet, loop=_prophet_loop, reads=("steps", "cfg_scale", "remasking", "generator"))
 register("vicinity", VicinityCache, "use_cache", loop=_rules_loop, fills_after_eos=True)
 register("dkv", DKVCache, "use_cache", loop=_dkv_loop, reads=("steps", "remasking", "generator"),
          unshifted="LLaDA's dKV-Cache schedule")

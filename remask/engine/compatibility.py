@@ -37,6 +37,7 @@ def methods() -> dict[str, dict[str, Any]]:
         "dInfer HierarchicalDecoding": dict(decoder=remask.HierarchicalDecoding()),
         "dInfer VicinityCache": dict(use_cache=remask.VicinityCache()),
         "WINO": dict(decoder=remask.WINO()),
+        "Prophet": dict(decoder=remask.Prophet()),
         "dKV-Cache": dict(use_cache=remask.DKVCache()),
         "d2Cache": dict(use_cache=remask.D2Cache()),
         "Elastic-Cache": dict(use_cache=remask.ElasticCache()),
@@ -53,7 +54,7 @@ def methods() -> dict[str, dict[str, Any]]:
 
 # The methods that read `steps` (the rest pick their own number of steps).
 READS_STEPS = ("the family's own rule (LLaDA: low-confidence blocks)", "Dream's sampler (alg=entropy)", "dKV-Cache",
-               "d2Cache", "dKV-Cache + dInfer ThresholdDecoding")
+               "d2Cache", "dKV-Cache + dInfer ThresholdDecoding", "Prophet")
 
 
 def layout(name: str, spec: Any) -> dict[str, Any]:
