@@ -594,7 +594,8 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch
         settings = {"steps": (steps, 128), "temperature": (temperature, 0.0), "cfg_scale": (cfg_scale, 0.0),
                     "remasking": (remasking, "low_confidence"), "logits_eos_inf": (logits_eos_inf, False),
                     "confidence_eos_eot_inf": (confidence_eos_eot_inf, False), "threshold": (threshold, None),
-                    "factor": (factor, None), "frechet_margin": (frechet_margin, None), "early_stop": (early_stop, False), "reference_rng": (reference_rng, False),
+                    "factor": (factor, None), "frechet_margin": (frechet_margin, None),
+                    "early_stop": (early_stop, False), "reference_rng": (reference_rng, False),
                     "eos_id": (eos_id, None), "eot_id": (eot_id, None), "generator": (generator, None),
                     "on_step": (on_step, None), "apd": (apd, None), "verifier_stats": (verifier_stats, None),
                     "sparse": (sparse, None), "reference_ties": (reference_ties, False)}
@@ -621,4 +622,5 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch
         temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, spec=spec,
         logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf, threshold=threshold,
         factor=factor, frechet_margin=frechet_margin, early_stop=early_stop, reference_rng=reference_rng,
-        generator=generator, stats=stats, on_step=on_step, use_cache=use_cache, sparse=sparse, reference_ties=reference_ties, structure=structure)
+        generator=generator, stats=stats, on_step=on_step, use_cache=use_cache, sparse=sparse,
+        reference_ties=reference_ties, structure=structure)

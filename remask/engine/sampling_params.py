@@ -22,14 +22,16 @@ from remask.diffusion.parts.sparse import SparseConfig
 
 
 # Settings only LLaDA's block rule reads, with their defaults (refused with Dream's `alg`).
-LLADA_RULE_DEFAULTS = dict(remasking="low_confidence", factor=None, frechet_margin=None, cfg_scale=0.0, early_stop=False,
-                           logits_eos_inf=False, confidence_eos_eot_inf=False, reference_rng=False, sparse=None)
+LLADA_RULE_DEFAULTS = dict(remasking="low_confidence", factor=None, frechet_margin=None, cfg_scale=0.0,
+                           early_stop=False, logits_eos_inf=False, confidence_eos_eot_inf=False, reference_rng=False,
+                           sparse=None)
 # Settings the decoder configs (FreeDave, dInfer's) do not read: refused with `decoder`.
-DECODER_UNREAD = ("threshold", "factor", "frechet_margin", "sparse", "alg", "alg_temp", "early_stop", "reference_rng", "reference_ties",
-                   "cfg_scale", "remasking", "top_p", "top_k", "apd", "logits_eos_inf", "confidence_eos_eot_inf")
+DECODER_UNREAD = ("threshold", "factor", "frechet_margin", "sparse", "alg", "alg_temp", "early_stop", "reference_rng",
+                  "reference_ties", "cfg_scale", "remasking", "top_p", "top_k", "apd", "logits_eos_inf",
+                  "confidence_eos_eot_inf")
 # Settings APD does not read (it decodes left to right with its verifier): refused with `apd`.
-APD_UNREAD = ("steps", "block_length", "threshold", "factor", "frechet_margin", "use_cache", "sparse", "alg", "alg_temp", "early_stop",
-              "reference_rng", "reference_ties", "cfg_scale", "remasking")
+APD_UNREAD = ("steps", "block_length", "threshold", "factor", "frechet_margin", "use_cache", "sparse", "alg",
+              "alg_temp", "early_stop", "reference_rng", "reference_ties", "cfg_scale", "remasking")
 
 
 @dataclass(frozen=True)
