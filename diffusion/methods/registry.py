@@ -31,6 +31,7 @@ from .dinfer import VicinityCache, dinfer_steps
 from .dkv import DKVCache, dkv_steps
 from .eb_sampler import EBSampler
 from .elastic import ElasticCache, elastic_steps
+from .frechet import FrechetRule
 from .freedave import FreeDave, freedave_steps
 from .klass import KLASS, klass_steps
 from .margin import MarginDecoding
@@ -170,6 +171,7 @@ register("credit", CreditDecoding, loop=_rules_loop, fills_after_eos=True)
 register("hierarchical", HierarchicalDecoding, loop=_rules_loop, fills_after_eos=True)
 register("margin", MarginDecoding, loop=_rules_loop, fills_after_eos=True)
 register("eb_sampler", EBSampler, loop=_rules_loop, fills_after_eos=True)
+register("frechet", FrechetRule, loop=_rules_loop, fills_after_eos=True)
 register("klass", KLASS, loop=_klass_loop, reads=("steps",))   # its own loop on LLaDA / Dream, a rule elsewhere
 register("wino", WINO, loop=_wino_loop, unshifted="WINO's shadow-block forward")
 register("prophet", Prophet, loop=_prophet_loop, reads=("steps", "cfg_scale", "remasking", "generator"))
