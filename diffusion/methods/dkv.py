@@ -466,6 +466,7 @@ class _LLaDARule:
                 order_p[:, end:] = -torch.inf
                 order_p[:, :start] = -torch.inf
                 self.order = torch.sort(order_p, descending=True).indices
+                self.rank = self.order.argsort(dim=1)   # each position's place in the order
             yield self.everything if self.greedy else None   # Decode's step 0: a plain forward
 
     def finished(self, i: int) -> bool:
@@ -493,17 +494,15 @@ class _LLaDARule:
             x0_p[g] = x0_p[g].masked_scatter(where, conf)
         x0 = torch.where(mask_index, x0, x)
         prior = x[:, start:end].clone() if constraint is not None else None
-        if self.greedy:
-            transfer, self.chosen = torch.zeros_like(mask_index), torch.zeros_like(mask_index)
-            for j in range(B if i < steps else 0):   # past the schedule (a structure's holes): the filter commits
-                now = self.order[j, int(self.done[j, i]):int(self.done[j, i + 1])]
-                transfer[j, now] = True
-                if i < steps - 1:
-                    ahead = self.order[j, int(self.done[j, i + 1]):int(self.done[j, i + 1]) + int(self.counts[j, i + 1])]
-                    self.chosen[j, ahead] = True
-                    self.chosen[j, now] = True
-                    if self.config.window_size > 0:
-                        _window(self.chosen[j], ahead.tolist(), mask_index[j], self.config.window_size)
+        if self.greedy:   # the order's places [done_i, done_i+1) now, [done_i, done_i+2) forwarded next
+            done, rank = self.done, self.rank   # (past the schedule, a structure's holes: the filter commits)
+            transfer = (rank >= done[:, min(i, steps), None]) & (rank < done[:, min(i + 1, steps), None])
+            ahead = i < steps - 1
+            self.chosen = transfer | (rank >= done[:, i + 1, None]) & (rank < done[:, i + 2, None]) if ahead \
+                else torch.zeros_like(transfer)
+            for j in range(B if ahead and self.config.window_size > 0 else 0):
+                _window(self.chosen[j], self.order[j, int(done[j, i + 1]):int(done[j, i + 2])].tolist(),
+                        mask_index[j], self.config.window_size)
             x[transfer] = x0[transfer]
             committed = transfer.sum()
         else:
@@ -553,13 +552,9 @@ class _DreamRule:
     def commit(self, i: int, parts: list[tuple]) -> int:
         x, mask_id, decoder = self.x, self.mask_id, self.decoder
         B, T = x.shape
-        logits = None
+        logits = parts[0][1].new_full((B, T, parts[0][1].shape[-1]), -torch.inf)   # −inf where not forwarded
         for g, part, fwd in parts:
-            if fwd is not None:   # −inf where not forwarded
-                part = part.new_full((len(g), T, part.shape[-1]), -torch.inf).masked_scatter(fwd[..., None], part)
-            if logits is None:
-                logits = part.new_full((B,) + part.shape[1:], -torch.inf)
-            logits[g] = part
+            logits[g] = part if fwd is None else logits[g].masked_scatter(fwd[..., None], part)
         logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)   # the logit shift (spec.logit_shift)
         before = int((x == mask_id).sum())
         decoder.commit(self.state, logits, generator=self.generator)   # writes x in place
