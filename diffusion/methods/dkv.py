@@ -1,5 +1,6 @@
-"""dKV-Cache (horseee/dKV-Cache; docs/decoders.md) for LLaDA and Dream: one cached forward
-(`_forward_rows`) and one delay rule (`_delay`), with each family's commit rule and logit shift.
+"""dKV-Cache (horseee/dKV-Cache; docs/decoders.md) for LLaDA and Dream: one loop (`_loop`: the cached
+forwards, the reloads, the delay) with each family's part (`_LLaDARule`, `_DreamRule`: its spans and
+schedule, scoring and commit, logit shift and delay rule).
 
 LLaDA (`generation_utils/llada_dkv_cache_decode.py` and `llada_dkv_cache_greedy.py`, with
 `models/modeling_llada_dkv_cache_decode.py`): LLaDA's block schedule with a delayed K/V cache,
@@ -174,50 +175,19 @@ def _forward(x: torch.Tensor, positions: torch.Tensor, forwarded: torch.Tensor |
     return logits
 
 
-def _forward_rows(x: torch.Tensor, positions: torch.Tensor, forwarded: torch.Tensor | None, store: torch.Tensor | None,
-                  groups: list[list[int]], caches: list[DelayedKVCache], key_ok: torch.Tensor | None,
-                  stats: GenerationStats | None, final: int, merge: bool = False
-                  ) -> Generator[Any, Any, tuple[list[list[int]], list[DelayedKVCache], list[tuple]]]:
-    """One step's cached forwards (``yield from``): the rows regrouped (`_regroup`; new caches when
-    `forwarded` is None), each group's `_forward` of its `forwarded` positions (None: all) caching its
-    `store` (None: no cache), a `Progress(x, final)` between groups. A row with nothing forwarded (a
-    structure ended it) is skipped. Returns the groups, their caches and each forward's
-    `(rows, logits, forwarded)`."""
-    uniform = _counts_equal(*(s for s in (store, forwarded) if s is not None))
-    groups, caches = _regroup(groups, caches, x.shape[0], forwarded is None, uniform, key_ok, merge)
-    parts = []
-    for g, cache in zip(groups, caches):
-        fwd = None if forwarded is None else forwarded[g]
-        if fwd is not None and not bool(fwd.any()):
-            continue
-        if parts:
-            yield Progress(x, final)   # the previous row's forward (rows forwarded one by one)
-        logits = yield from _forward(x[g], positions[g], fwd, cache, None if store is None else store[g])
-        if stats is not None:
-            stats.forward(len(g), logits.shape[1], sum(c.nbytes for c in caches))
-        parts.append((g, logits, fwd))
-    return groups, caches, parts
-
-
-def _store(x: torch.Tensor, mask_id: int, shift_type: str) -> torch.Tensor:
-    """`[B, T]` positions cached after a step, by `shift_type` (LLaDA's: ``"right"``)."""
-    decoded = x != mask_id
-    if shift_type == "un":
-        return torch.cat([decoded[:, 1:], decoded[:, :1]], dim=1)
-    if shift_type == "un_right":
-        both = decoded[:, :-1] & decoded[:, 1:]
-        return torch.cat([both, both[:, -1:]], dim=1)
-    return decoded   # "right"
-
-
 def _delay(store: torch.Tensor | None, x: torch.Tensor, mask_id: int, shift_type: str,
            constrained: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The delay, after a step: the positions cached during the next forward (this step's `store`;
-    under a structure less the revoked ones) and after it (`_store`)."""
-    prev, store = store, _store(x, mask_id, shift_type)
-    if constrained and prev is not None:
-        prev = prev & store   # a revoked position (or its scorer) leaves the cached set
-    return prev, store
+    under a structure less the revoked ones) and after it, by `shift_type` (LLaDA's: ``"right"``)."""
+    decoded = x != mask_id
+    if shift_type == "un":
+        decoded = torch.cat([decoded[:, 1:], decoded[:, :1]], dim=1)
+    elif shift_type == "un_right":
+        both = decoded[:, :-1] & decoded[:, 1:]
+        decoded = torch.cat([both, both[:, -1:]], dim=1)
+    if constrained and store is not None:
+        store = store & decoded   # a revoked position (or its scorer) leaves the cached set
+    return store, decoded
 
 
 def _constrained_logits(constraint: Any, g: list[int], logits: torch.Tensor, where: torch.Tensor, start: int,
@@ -234,15 +204,6 @@ def _constrained_logits(constraint: Any, g: list[int], logits: torch.Tensor, whe
     part[where[:, start:end]] = logits[(positions >= start) & (positions < end)]
     window_logits[g] = part
     return logits, window_logits
-
-
-def _final(x: torch.Tensor, P: int, upto: int, mask_id: int) -> int:
-    """Generated positions no later step changes once the first `upto` are decoded: `upto`, less
-    any position left masked (only with `commit_mask_token`; a later block may still decode it),
-    the minimum over rows."""
-    masked = x[:, P:P + upto] == mask_id
-    first = torch.where(masked.any(dim=1), masked.int().argmax(dim=1), upto)
-    return int(first.min())
 
 
 def _window(chosen: torch.Tensor, around: list[int], masked: torch.Tensor, size: int) -> None:
@@ -398,8 +359,9 @@ def _loop(rule: Any, positions: torch.Tensor | None, attention_mask: torch.Tenso
     differs. Each span of `rule.spans()` (LLaDA's blocks, Dream's canvas; it yields the first `store`)
     starts new caches; then each step: every `rule.reload` steps (None: never) a full forward rebuilding
     the cache (`prev` None); under a structure, with `rule.frontier_forwarded`, the position scoring each
-    row's frontier (`rule.shift` before it) forwarded; the forward of every position outside `prev`
-    caching `store` (None: `prev`; both None: a plain forward); `rule.commit`; `rule.delay`.
+    row's frontier (`rule.shift` before it) forwarded; the forwards (rows batched while they forward and
+    cache as many positions, `_regroup`) of every position outside `prev`, caching `store` (None: `prev`;
+    both None: a plain forward); `rule.commit`; `rule.delay`.
     `positions`: the RoPE positions `[B, T]` (None: 0 … T − 1); the left pads' keys are hidden."""
     x, constraint = rule.x, rule.constraint
     B, T = x.shape
@@ -421,9 +383,20 @@ def _loop(rule: Any, positions: torch.Tensor | None, attention_mask: torch.Tenso
                     f = constraint.frontier(b)
                     if not constraint.matchers[b].ended and f < T:
                         prev[b, max(f - rule.shift, 0)] = False
-            groups, caches, parts = yield from _forward_rows(x, positions, None if prev is None else ~prev,
-                                                             prev if store is None else store, groups, caches,
-                                                             key_ok, stats, rule.final, rule.merge)
+            forwarded, cached = None if prev is None else ~prev, prev if store is None else store
+            uniform = _counts_equal(*(s for s in (cached, forwarded) if s is not None))
+            groups, caches = _regroup(groups, caches, B, forwarded is None, uniform, key_ok, rule.merge)
+            parts = []   # each forward's (rows, logits, forwarded positions)
+            for g, cache in zip(groups, caches):
+                fwd = None if forwarded is None else forwarded[g]
+                if fwd is not None and not bool(fwd.any()):
+                    continue   # nothing to forward (a structure ended the row)
+                if parts:
+                    yield Progress(x, rule.final)   # the previous row's forward (rows forwarded one by one)
+                logits = yield from _forward(x[g], positions[g], fwd, cache, None if cached is None else cached[g])
+                if stats is not None:
+                    stats.forward(len(g), logits.shape[1], sum(c.nbytes for c in caches))
+                parts.append((g, logits, fwd))
             committed = rule.commit(i, parts)
             if stats is not None:
                 stats.step(committed)
@@ -516,8 +489,9 @@ class _LLaDARule:
             committed = int((prior == mask_id).sum() - now_masked.sum())
             if self.greedy:   # the next forward also refreshes the filter's commits
                 self.chosen[:, start:end] |= (prior == mask_id) & ~now_masked
-        if i >= steps - 1:
-            self.final = _final(x, self.P, end - self.P, mask_id)
+        if i >= steps - 1:   # decoded through this block, less any position left masked (`commit_mask_token`)
+            masked = x[:, self.P:end] == mask_id
+            self.final = int(torch.where(masked.any(dim=1), masked.int().argmax(dim=1), end - self.P).min())
         return committed
 
     def delay(self, prev: torch.Tensor | None, store: torch.Tensor | None) -> tuple[torch.Tensor | None, Any]:
