@@ -347,9 +347,9 @@ def dkv_dream_steps(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
 
     decoder = DreamDecoder(spec, gen, reference_ties=True, structure=structure, end_ids=end_ids)
     state = decoder.start(model, input_ids, attention_mask)
-    positions = state.forward_inputs.get("position_ids")
-    return _loop(_DreamRule(decoder, state, config, steps, generator), positions if torch.is_tensor(positions) else None,
-                 attention_mask, state.prompt_len, stats)
+    positions = state.forward_inputs.get("position_ids")   # Dream's own under left padding
+    return _loop(_DreamRule(decoder, state, config, steps, generator),
+                 positions if torch.is_tensor(positions) else None, attention_mask, state.prompt_len, stats)
 
 
 @torch.no_grad()
@@ -419,10 +419,9 @@ class _LLaDARule:
     def __init__(self, x: torch.Tensor, P: int, config: DKVCache, mask_id: int, steps: int, block_length: int,
                  remasking: str, generator: torch.Generator | None, constraint: Any) -> None:
         self.x, self.P, self.config, self.mask_id, self.steps = x, P, config, mask_id, steps
-        self.block_length, self.remasking, self.generator, self.constraint = block_length, remasking, generator, \
-            constraint
+        self.block_length, self.remasking, self.generator = block_length, remasking, generator
+        self.constraint, self.reload, self.final = constraint, config.cache_reloading_step, 0
         self.greedy = self.merge = self.frontier_forwarded = config.variant == "greedy"
-        self.reload, self.final = config.cache_reloading_step, 0
         self.everything = torch.ones_like(x, dtype=torch.bool)
 
     def spans(self) -> Iterator[torch.Tensor | None]:
@@ -447,9 +446,8 @@ class _LLaDARule:
                                     or not any(self.constraint.unsettled(self.x, self.start, self.end)))
 
     def commit(self, i: int, parts: list[tuple]) -> int | torch.Tensor:
-        x, mask_id, constraint, start, end, steps = self.x, self.mask_id, self.constraint, self.start, self.end, \
-            self.steps
-        B, T = x.shape
+        x, mask_id, constraint, steps = self.x, self.mask_id, self.constraint, self.steps
+        start, end, (B, T) = self.start, self.end, x.shape
         mask_index = x == mask_id
         x0 = torch.full_like(x, mask_id)
         x0_p = torch.full(x.shape, -torch.inf, dtype=torch.float64, device=x.device)
@@ -467,12 +465,12 @@ class _LLaDARule:
             x0_p[g] = x0_p[g].masked_scatter(where, conf)
         x0 = torch.where(mask_index, x0, x)
         prior = x[:, start:end].clone() if constraint is not None else None
-        if self.greedy:   # the order's places [done_i, done_i+1) now, [done_i, done_i+2) forwarded next
-            done, rank = self.done, self.rank   # (past the schedule, a structure's holes: the filter commits)
+        if self.greedy:   # the drawn order's places [done_i, done_i+1) now (none past the schedule: the filter
+            done, rank = self.done, self.rank   # commits a structure's holes); forwarded next: [done_i, done_i+2)
             transfer = (rank >= done[:, min(i, steps), None]) & (rank < done[:, min(i + 1, steps), None])
-            ahead = i < steps - 1
-            self.chosen = transfer | (rank >= done[:, i + 1, None]) & (rank < done[:, i + 2, None]) if ahead \
-                else torch.zeros_like(transfer)
+            ahead = i < steps - 1   # (and the window), none after the block's last step
+            self.chosen = torch.zeros_like(transfer) if not ahead \
+                else (rank >= done[:, i, None]) & (rank < done[:, i + 2, None])
             for j in range(B if ahead and self.config.window_size > 0 else 0):
                 _window(self.chosen[j], self.order[j, int(done[j, i + 1]):int(done[j, i + 2])].tolist(),
                         mask_index[j], self.config.window_size)
