@@ -35,6 +35,9 @@ is a prompt token (the logit shift: hidden state i scores token i + 1).
   `shift_type`: ``"un"`` position i once token i + 1 is decoded (T − 1 follows token 0),
   ``"un_right"`` once tokens i and i + 1 are (T − 1 follows T − 2), ``"right"`` once token i is.
   ``"prefill"``: the first step's store stays cached for the whole generation.
+In these terms (`_loop` runs both families) LLaDA's Decode is the ``"decoded"`` cache with
+``"right"`` in each block, its first step a plain forward (no store yet); Greedy's `prev` is every
+position but those chosen for the next forward, its store every position.
 
 Positions without a forward have no logits (upstream fills −inf): under ``"right"`` a masked position
 right after a cached one gets confidence NaN, which `torch.topk` ranks first, and id 0, as upstream.
