@@ -14,17 +14,14 @@ import torch
 
 from remask.caches import KVCache, PagedKVCache
 from remask.kernels import unmask
-from remask.models.spec import ModelSpec, get_spec
+from remask.models.spec import ModelSpec
 
-from .apd import APDConfig, apd_generate, check_apd_alone
 from ..parts.sparse import BlockMaskForward, RetentionForward, SparseConfig
 from ..parts.cache import BlockForward, cache_mode, valid_positions
-from ..parts.checks import (CombinationError, check_bool, check_callable, check_choice, check_generator,
-                            check_instance, check_int, check_length, check_mask_id, check_model_kind,
-                            check_optional_token_id, check_prompt, check_real, check_stats, check_token_id,
-                            warn_if_longer_than_trained, warn_if_padded_without_mask)
+from ..parts.checks import (CombinationError, check_bool, check_callable, check_choice, check_generator, check_instance,
+                            check_int, check_length, check_mask_id, check_prompt, check_real, check_stats,
+                            check_token_id, warn_if_longer_than_trained, warn_if_padded_without_mask)
 from ..parts.constrain import CommitFilter, end_ids_of
-from ..parts.constrain_loops import structure_for_call
 from ..parts.scoring import score_rows, score_tokens
 from ..parts.selection import frechet_profile_counts, schedule_counts, topk_commit
 from ..parts.stats import GenerationStats
@@ -539,88 +536,3 @@ def block_diffusion_generate(model: torch.nn.Module, prompt: torch.Tensor, atten
     if stats is not None:
         stats.stop(int(state.batch * decoder.gen_length))
     return state.x
-
-
-def generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None,
-             steps: int = 128, gen_length: int = 128, block_length: int = 128, temperature: float = 0.0,
-             cfg_scale: float = 0.0, remasking: str = "low_confidence", mask_id: int | None = None,
-             logits_eos_inf: bool = False, confidence_eos_eot_inf: bool | str = False, *,
-             threshold: float | None = None, factor: float | None = None, early_stop: bool = False,
-             reference_rng: bool = False, eos_id: int | None = None, eot_id: int | None = None,
-             generator: torch.Generator | None = None, stats: GenerationStats | None = None,
-             on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
-             use_cache: str | PagedKVCache | None = None, apd: APDConfig | None = None,
-             verifier_stats: GenerationStats | None = None, sparse: SparseConfig | None = None,
-             reference_ties: bool = False, decoder: Any = None, structured_outputs: Any = None,
-             tokenizer: Any = None, frechet_margin: float | None = None) -> torch.LongTensor:
-    """Drop-in for ML-GSAI/LLaDA `generate` (same positional order, defaults and output): returns
-    `[B, P + gen_length]`, the prompt unchanged and no mask token left.
-
-    `prompt` is left-padded when rows differ (`attention_mask`: 1 = token); `mask_id` / `eos_id` /
-    `eot_id` None: the model's. `gen_length % block_length == 0`, `steps` divisible by the number of
-    blocks (LLaDA's integer schedule per block). `temperature`: float64 Gumbel-max (0 = greedy);
-    `cfg_scale`: unsupervised CFG; `remasking`: ``"low_confidence"`` or ``"random"``;
-    `logits_eos_inf`: EOS logits at −inf; `confidence_eos_eot_inf`: ``True`` as upstream
-    (docs/quirks.md), ``"corrected"`` commits EOS/EOT last. `threshold` / `factor`: Fast-dLLM's
-    parallel rules, looping until the block is decoded; `frechet_margin`: Fast-dLLM++'s Fréchet profile
-    rule in the same loop (`remask.FrechetRule`; at most one of the three). `early_stop`: a row stops after a decoded
-    block with EOS/EOT (the rest EOS). `reference_rng`: at temperature > 0, the reference's float64
-    Gumbel noise over the whole `[B, T, V]` logits (a seeded reference run reproduced); by default
-    the fused kernel's own stream. `on_step(block_index, x, transfer_index)` runs after every step.
-    `use_cache`: None, "prefix", "dual" (Fast-dLLM v1, see `block_diffusion_generate`) or "paged" /
-    a `PagedKVCache`. `apd`: an `APDConfig(verifier=...)`: adaptive parallel decoding
-    (`remask.diffusion.families.apd`; `verifier_stats` counts its verifier's forwards). `sparse`: a
-    `SparseConfig(...)` (`remask.diffusion.parts.sparse`). `reference_ties`: the schedule through
-    `torch.topk` as the references (their order among exactly equal confidences, common at p = 1.0
-    in float32); by default the lower index. `decoder`: a config replacing the block rule
-    (docs/decoders.md): `remask.FreeDave(...)` (the tokens of `steps=gen_length` greedy decoding in
-    fewer forwards) or dInfer's rules. `structured_outputs`: a `remask.StructuredOutputsParams`,
-    compiled against `tokenizer` (default: the one beside the model), held at each commit
-    (`diffusion/parts/constrain.py`): a completed answer ends with EOS, one out of positions holds
-    a valid prefix.
-    """
-    for name, value in (("mask_id", mask_id), ("eos_id", eos_id), ("eot_id", eot_id)):
-        check_int(name, value, minimum=0, allow_none=True)
-    spec = get_spec(model, mask_id=mask_id, eos_id=eos_id, eot_id=eot_id)
-    check_model_kind(spec, diffusion=True, entry="remask.generate")
-    check_optional_token_id(spec, eos_id, "eos_id")
-    check_optional_token_id(spec, eot_id, "eot_id")
-    check_instance("apd", apd, APDConfig, "a remask.APDConfig")
-    check_stats("verifier_stats", verifier_stats)
-    # the checks SamplingParams runs, compiled against the tokenizer; every decoder enforces it in its commits
-    structure = structure_for_call(structured_outputs, model, tokenizer, spec.mask_id, gen_length)
-    if decoder is not None or (use_cache is not None and not isinstance(use_cache, (str, PagedKVCache))):
-        from ..methods.decoders import run_decoder
-        settings = {"steps": (steps, 128), "temperature": (temperature, 0.0), "cfg_scale": (cfg_scale, 0.0),
-                    "remasking": (remasking, "low_confidence"), "logits_eos_inf": (logits_eos_inf, False),
-                    "confidence_eos_eot_inf": (confidence_eos_eot_inf, False), "threshold": (threshold, None),
-                    "factor": (factor, None), "frechet_margin": (frechet_margin, None),
-                    "early_stop": (early_stop, False), "reference_rng": (reference_rng, False),
-                    "eos_id": (eos_id, None), "eot_id": (eot_id, None), "generator": (generator, None),
-                    "on_step": (on_step, None), "apd": (apd, None), "verifier_stats": (verifier_stats, None),
-                    "sparse": (sparse, None), "reference_ties": (reference_ties, False)}
-        return run_decoder(model, prompt, attention_mask, decoder, gen_length=gen_length, block_length=block_length,
-                           use_cache=use_cache, mask_id=mask_id, stats=stats, settings=settings, structure=structure)
-    if apd is not None:
-        clashes = [name for name, value in (("threshold", threshold), ("factor", factor),
-                                            ("frechet_margin", frechet_margin), ("use_cache", use_cache),
-                                            ("cfg_scale", cfg_scale or None), ("on_step", on_step),
-                                            ("sparse", sparse)) if value is not None]
-        check_apd_alone(clashes + (["remasking"] if remasking != "low_confidence" else []))
-        check_mask_id(spec)
-        check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
-        check_int("gen_length", gen_length, minimum=1)
-        check_real("temperature", temperature, low=0)
-        check_generator(generator, prompt.device)
-        check_stats("stats", stats)
-        check_length(spec, prompt.shape[1] + gen_length, "prompt length + gen_length")
-        warn_if_longer_than_trained(spec, gen_length)
-        return apd_generate(model, spec, prompt, gen_length, apd, temperature=temperature, generator=generator,
-                            stats=stats, verifier_stats=verifier_stats, structure=structure)
-    return block_diffusion_generate(
-        model, prompt, attention_mask, steps=steps, gen_length=gen_length, block_length=block_length,
-        temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, spec=spec,
-        logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf, threshold=threshold,
-        factor=factor, frechet_margin=frechet_margin, early_stop=early_stop, reference_rng=reference_rng,
-        generator=generator, stats=stats, on_step=on_step, use_cache=use_cache, sparse=sparse,
-        reference_ties=reference_ties, structure=structure)

@@ -400,7 +400,9 @@ def _loop(rule: Any, positions: torch.Tensor | None, attention_mask: torch.Tenso
                 if stats is not None:
                     stats.forward(len(g), logits.shape[1], sum(c.nbytes for c in caches))
                 parts.append((g, logits, fwd))
-            committed = rule.commit(i, parts)
+            # nothing forwarded: every row ended (a structure) or was decoded (Dream's steps outlasting
+            # its masks, every position cached) — nothing to commit
+            committed = rule.commit(i, parts) if parts else 0
             if stats is not None:
                 stats.step(committed)
             prev, store = rule.delay(prev, store)
