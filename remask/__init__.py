@@ -34,6 +34,7 @@ _EXPORTS = {
     "MarginDecoding": "remask.diffusion.methods.margin",
     "EBSampler": "remask.diffusion.methods.eb_sampler",
     "WINO": "remask.diffusion.methods.wino",
+    "MultiBlock": "remask.diffusion.methods.multiblock",
     **dict.fromkeys(("DreamConfig", "DreamModel", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "get_spec"),
                     "remask.models"),
     "patch": "remask.patching",
@@ -64,7 +65,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "APDConfig", "CanvasSampler", "EBSampler", "CreditDecoding", "D2Cache", "DKVCache", "DreamConfig", "ElasticCache", "FreeDave", "HierarchicalDecoding", "MarginDecoding", "ThresholdDecoding",
-    "VicinityCache", "IterationSmoothing", "WINO", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
+    "VicinityCache", "IterationSmoothing", "WINO", "MultiBlock", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
     "LLM", "LLMEngine", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "RequestOutput", "SamplingParams", "SparseConfig", "StructuredOutputsParams", "answer_text", "ar_generate",
     "diffusion_generate", "generate", "get_spec", "load", "patch", "stop_token_ids",
 ]

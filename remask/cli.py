@@ -22,7 +22,8 @@ REMASKING = ("low_confidence", "random")                                      # 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")   # ...dream.ALGORITHMS
 CACHE_NAMES = ("prefix", "dual", "paged")                      # remask.diffusion.parts.cache.CACHE_MODES, less None
 CACHE_CONFIGS = ("vicinity", "dkv", "d2cache", "elastic")      # remask.diffusion.methods.registry.names("use_cache")
-DECODERS = ("freedave", "threshold", "credit", "hierarchical", "margin", "eb_sampler", "wino")   # ...registry.names("decoder")
+DECODERS = ("freedave", "threshold", "credit", "hierarchical", "margin", "eb_sampler", "wino",
+            "multiblock")   # ...registry.names("decoder")
 
 # One `remask generate` flag per plain `SamplingParams` field: (field, kind, help). Written out for
 # the same reason (the dataclass lives behind torch); tests/test_cli.py checks the names and kinds

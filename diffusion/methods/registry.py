@@ -30,6 +30,7 @@ from .eb_sampler import EBSampler
 from .elastic import ElasticCache, elastic_steps
 from .freedave import FreeDave, freedave_steps
 from .margin import MarginDecoding
+from .multiblock import MultiBlock, multiblock_steps
 from .wino import WINO, wino_steps
 
 FIELDS = ("decoder", "use_cache")
@@ -106,8 +107,15 @@ def _wino_loop(call: Call) -> StepGenerator:
                              **call.common))
 
 
+def _multiblock_loop(call: Call) -> StepGenerator:
+    if call.use_cache is not None:
+        raise ValueError("use_cache: MultiBlock forwards the whole sequence every step (no cache)")
+    return _first(multiblock_steps(call.model, call.prompt, config=call.decoder, block_length=call.block_length,
+                                   **call.common))
+
+
 def _first(steps: StepGenerator) -> StepGenerator:
-    """WINO's loop returns (x, forwards): the output is x."""
+    """WINO's and MultiBlock's loops return (x, forward counts): the output is x."""
     out = yield from steps
     return out[0]
 
@@ -140,6 +148,8 @@ register("hierarchical", HierarchicalDecoding, loop=_rules_loop, fills_after_eos
 register("margin", MarginDecoding, loop=_rules_loop, fills_after_eos=True)
 register("eb_sampler", EBSampler, loop=_rules_loop, fills_after_eos=True)
 register("wino", WINO, loop=_wino_loop, unshifted="WINO's shadow-block forward")
+register("multiblock", MultiBlock, loop=_multiblock_loop, unshifted="d3LLM's LLaDA multi-block loop",
+         fills_after_eos=True)   # with early_stop
 register("vicinity", VicinityCache, "use_cache", loop=_rules_loop, fills_after_eos=True)
 register("dkv", DKVCache, "use_cache", loop=_dkv_loop, reads=("steps", "remasking", "generator"),
          unshifted="LLaDA's dKV-Cache schedule")
