@@ -44,10 +44,10 @@ def methods() -> dict[str, dict[str, Any]]:
                                                            decoder=remask.HierarchicalDecoding()),
         "dKV-Cache + dInfer ThresholdDecoding": dict(use_cache=remask.DKVCache(), decoder=remask.ThresholdDecoding()),
     }
-    # Every other registered commit rule (diffusion/methods/registry.py), with its defaults.
-    shipped = (remask.ThresholdDecoding, remask.CreditDecoding, remask.HierarchicalDecoding)
-    extra = {f"rule {rule.name} ({rule.__name__})": dict(decoder=rule()) for rule in registry.rules()
-             if rule not in shipped}
+    # Every other registered method (diffusion/methods/registry.py), with its defaults: a new one needs no line here.
+    shown = {type(value) for keywords in listed.values() for value in keywords.values()}
+    extra = {f"{'rule' if m.is_rule else 'method'} {m.name} ({m.config.__name__})": {m.field: m.config()}
+             for m in registry.METHODS.values() if m.config not in shown}
     return {**listed, **extra}
 
 
