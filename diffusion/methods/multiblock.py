@@ -27,8 +27,8 @@ import torch
 
 from remask.models.spec import get_spec
 
-from ..parts.checks import (check_bool, check_int, check_mask_id, check_optional_token_id, check_prompt,
-                            check_real, check_stats, model_device)
+from ..parts.checks import (check_bool, check_int, check_mask_id, check_prompt, check_real, check_stats,
+                            check_token_id, model_device)
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.scoring import score_rows
 from ..parts.stats import GenerationStats
@@ -83,8 +83,7 @@ class _Row:
     def __init__(self, config: MultiBlock, P: int, num_blocks: int, block_length: int) -> None:
         self.config, self.P, self.num_blocks, self.block_length = config, P, num_blocks, block_length
         self.blocks = [_Block(0, P, 0, True)]
-        self.next = 1
-        self.nfe, self.done, self.has_eos = 0, False, False
+        self.next, self.nfe, self.done, self.has_eos = 1, 0, False, False
         self._open(masks=block_length, full=1.0 >= config.decoded_token_threshold)
 
     def _open(self, masks: int, full: bool) -> None:
@@ -195,9 +194,7 @@ def multiblock_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Mu
     check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
     eos_id = config.eos_token_id if config.eos_token_id is not None else spec.eos_id
     if config.early_stop:
-        check_optional_token_id(spec, eos_id, "eos_token_id")
-        if eos_id is None:
-            raise ValueError("eos_token_id: early_stop needs an EOS id and the model declares none")
+        check_token_id(spec, eos_id, "eos_token_id")
     B, P = prompt.shape
     x = torch.full((B, P + gen_length), spec.mask_id, dtype=torch.long, device=model_device(model))
     x[:, :P] = prompt
