@@ -122,6 +122,9 @@ def test_argument_errors(load):
     with pytest.raises(ValueError, match="eos_token_id"):
         multiblock_generate(model, torch.tensor([[1, 2]]), config=MultiBlock(early_stop=True, eos_token_id=300),
                             gen_length=16, block_length=8)
+    with pytest.raises(ValueError, match="eos_token_id"):   # checked whether or not early_stop reads it
+        multiblock_generate(model, torch.tensor([[1, 2]]), config=MultiBlock(eos_token_id=300),
+                            gen_length=16, block_length=8)
 
 
 def test_one_interface_generate_and_the_engine():

@@ -27,8 +27,8 @@ import torch
 
 from remask.models.spec import get_spec
 
-from ..parts.checks import (check_bool, check_int, check_mask_id, check_prompt, check_real, check_stats,
-                            check_token_id, model_device)
+from ..parts.checks import (check_bool, check_int, check_mask_id, check_optional_token_id, check_prompt,
+                            check_real, check_stats, check_token_id, model_device)
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.scoring import score_rows
 from ..parts.stats import GenerationStats
@@ -192,7 +192,8 @@ def multiblock_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Mu
     spec = get_spec(model, mask_id=mask_id)
     check_mask_id(spec)
     check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
-    eos_id = config.eos_token_id if config.eos_token_id is not None else spec.eos_id
+    eos_id = check_optional_token_id(spec, config.eos_token_id, "eos_token_id")
+    eos_id = spec.eos_id if eos_id is None else eos_id
     if config.early_stop:
         check_token_id(spec, eos_id, "eos_token_id")
     B, P = prompt.shape
