@@ -38,6 +38,7 @@ _EXPORTS = {
     "KLASS": "remask.diffusion.methods.klass",
     "WINO": "remask.diffusion.methods.wino",
     "Prophet": "remask.diffusion.methods.prophet",
+    "MultiBlock": "remask.diffusion.methods.multiblock",
     **dict.fromkeys(("DreamConfig", "DreamModel", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "get_spec"),
                     "remask.models"),
     "patch": "remask.patching",
@@ -68,7 +69,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "APDConfig", "CanvasSampler", "EBSampler", "CreditDecoding", "D2Cache", "DAEDAL", "DKVCache", "DreamConfig", "ElasticCache", "FrechetRule", "FreeDave", "HierarchicalDecoding", "KLASS", "MarginDecoding", "ThresholdDecoding",
-    "VicinityCache", "IterationSmoothing", "WINO", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
+    "VicinityCache", "IterationSmoothing", "WINO", "MultiBlock", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
     "LLM", "LLMEngine", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "Prophet", "RequestOutput", "SamplingParams", "SparseConfig", "StructuredOutputsParams", "answer_text", "ar_generate",
     "diffusion_generate", "generate", "get_spec", "load", "patch", "stop_token_ids",
 ]
