@@ -23,8 +23,7 @@ ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_th
 CACHE_NAMES = ("prefix", "dual", "paged")                      # remask.diffusion.parts.cache.CACHE_MODES, less None
 CACHE_CONFIGS = ("vicinity", "dkv", "d2cache", "elastic")      # remask.diffusion.methods.registry.names("use_cache")
 DECODERS = ("freedave", "threshold", "credit", "hierarchical", "margin", "eb_sampler", "frechet", "klass", "wino",
-            "prophet", "daedal",
-            "multiblock")   # ...registry.names("decoder")
+            "prophet", "daedal", "multiblock")   # ...registry.names("decoder")
 
 # One `remask generate` flag per plain `SamplingParams` field: (field, kind, help). Written out for
 # the same reason (the dataclass lives behind torch); tests/test_cli.py checks the names and kinds
