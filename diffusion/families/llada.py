@@ -62,8 +62,8 @@ def validate_rule(threshold: float | None, factor: float | None, frechet_margin:
     given = [name for name, value in (("threshold", threshold), ("factor", factor),
                                       ("frechet_margin", frechet_margin)) if value is not None]
     if len(given) > 1:
-        raise ValueError(f"pass at most one of threshold, factor and frechet_margin (Fast-dLLM's parallel rules), "
-                         f"got {' and '.join(given)}")
+        raise ValueError(f"pass at most one of Fast-dLLM's parallel rules (threshold or factor, or Fast-dLLM++'s "
+                         f"frechet_margin), got {' and '.join(given)}")
     check_real("threshold", threshold, low=0, high=1, low_open=True, allow_none=True)
     check_real("factor", factor, low=0, low_open=True, allow_none=True)
     check_real("frechet_margin", frechet_margin, allow_none=True)   # any finite δ, as Fast-dLLM++ takes it
