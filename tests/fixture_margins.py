@@ -222,13 +222,18 @@ def apply(args) -> None:
         with open(path) as f:
             text = f.read()
         data = json.loads(text)
-        cases = {case_key(c): c for c in _fixture_cases(data)}
+        # one key may stand for several equal dicts (a file read by position repeats an output): all of them
+        copies: dict[str, list[dict]] = defaultdict(list)
+        for c in _fixture_cases(data):
+            copies[case_key(c)].append(c)
+        cases = {k: cs[0] for k, cs in copies.items()}
         missing = sorted(set(keys) - set(cases))
         if missing:
             raise SystemExit(f"{fixture}: {len(missing)} recorded cases are not in the file (changed since the run?)")
         low, bound = [], file_bound(fixture)
         for key, (m, went_another_way) in keys.items():
-            cases[key]["min_margin"] = float(f"{m:.4g}") if math.isfinite(m) else None   # None: no decision
+            for case in copies[key]:
+                case["min_margin"] = float(f"{m:.4g}") if math.isfinite(m) else None   # None: no decision
             if m < bound or went_another_way:
                 low.append(key)
         # a batch case is checked against its rows decoded alone (`<name>_row<i>`): it goes with them
@@ -238,7 +243,7 @@ def apply(args) -> None:
             if key not in low and any(n.startswith(f"{name}_row") for n in low_names if isinstance(n, str)):
                 low.append(key)
         if args.drop and low:
-            drop_ids = {id(cases[k]) for k in low}
+            drop_ids = {id(c) for k in low for c in copies[k]}
 
             def prune(node, key=None):
                 # a list of cases loses them; a list read by position (outputs zipped with the
