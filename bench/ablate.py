@@ -132,6 +132,17 @@ def sweep(name: str) -> list[Setting]:
         for threshold in (0.9, 0.5):
             add(f"elastic gamma={gamma}", f"Elastic-Cache gamma={gamma} threshold {threshold}",
                 use_cache=ElasticCache(window_length=8, threshold=threshold, gamma=gamma))
+    # Decoders III (docs/decoders.md): entropy-bounded commits, KL-stable commits, variable length.
+    from remask import DAEDAL, EBSampler, KLASS
+    for gamma in (0.01, 0.1, 0.5, 2.0):
+        add("eb_sampler", f"EB-Sampler gamma={gamma}", decoder=EBSampler(gamma=gamma))
+    for conf in (0.9, 0.6):
+        for kl in (0.01, 0.1):
+            add("klass", f"KLASS conf={conf} kl={kl} steps=16", steps=GEN_LENGTH,
+                decoder=KLASS(conf_threshold=conf, kl_threshold=kl))
+    for initial in (4, 8):   # grows towards GEN_LENGTH (the bound) while the end is not confidently EOS
+        add("daedal", f"DAEDAL initial={initial}", block_length=4,
+            decoder=DAEDAL(initial_gen_length=initial, expansion_factor=4, eos_check_tokens=4))
     add("ar", "AR greedy", ar=True)
     return out
 

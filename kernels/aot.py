@@ -346,12 +346,12 @@ def _paged_scenarios():
             paged.paged_gather(kc, torch.zeros((1, 32), dtype=torch.int32), torch.tensor([1000], dtype=torch.int32))
         yield "paged", f"{model},Hkv={Hkv},D={D},page=32", gather
 
-    def attend(model, page, M, block_size=None):
+    def attend(model, page, M, block_size=None, dtype=torch.bfloat16):
         Hq, Hkv, D = HEADS[model]
-        kc, vc = cache(Hkv, D, page)
-        q = _t((1, Hq, M, D), torch.bfloat16).transpose(1, 2)           # remask/caches/paged.py's views
-        k_new = _t((1, Hkv, M, D), torch.bfloat16).transpose(1, 2)
-        v_new = _t((1, Hkv, M, D), torch.bfloat16).transpose(1, 2)
+        kc, vc = (c.to(dtype) for c in cache(Hkv, D, page))
+        q = _t((1, Hq, M, D), dtype).transpose(1, 2)           # remask/caches/paged.py's views
+        k_new = _t((1, Hkv, M, D), dtype).transpose(1, 2)
+        v_new = _t((1, Hkv, M, D), dtype).transpose(1, 2)
         paged.paged_attention(q, kc, vc, torch.zeros((1, 64), dtype=torch.int32),
                               torch.tensor([1000], dtype=torch.int32), k_new, v_new, block_size=block_size)
     for model in HEADS:
@@ -361,23 +361,27 @@ def _paged_scenarios():
         yield "paged", f"sdar,D=128,page=32,M={M}", lambda M=M: attend("sdar", 32, M)
     for page in KV_BLOCKS:
         yield "paged", f"sdar,D=128,page={page},M=32,block-causal", lambda p=page: attend("sdar", p, 32, 32)
+    # float32 (the reproduction dtype): float32 FMA dots (input_precision="ieee"), no TF32 MMA.
+    yield "paged", "sdar,D=128,page=32,M=32,fp32", lambda: attend("sdar", 32, 32, dtype=torch.float32)
+    yield "paged", "sdar,D=128,page=32,M=32,block-causal,fp32", \
+        lambda: attend("sdar", 32, 32, 32, dtype=torch.float32)
 
 
 def _sparse_scenarios():
     sparse = _module("sparse_attention")
     Lk = 1024
 
-    def blocks(model, bs, paged=False):
+    def blocks(model, bs, paged=False, dtype=torch.bfloat16):
         Hq, Hkv, D = HEADS[model]
-        q = _t((1, Hq, Lk, D), torch.bfloat16)
+        q = _t((1, Hq, Lk, D), dtype)
         n = Lk // bs
         num = _t((1, Hq, n), torch.int32)                   # remask/caches/sparse.py's lists
         idx = _t((1, Hq, n, n), torch.int32)
         if paged:
-            k, v = _t((n, bs, Hkv, D), torch.bfloat16), _t((n, bs, Hkv, D), torch.bfloat16)
+            k, v = _t((n, bs, Hkv, D), dtype), _t((n, bs, Hkv, D), dtype)
             table = torch.zeros((1, n), dtype=torch.int32)
         else:
-            k, v, table = _t((1, Hkv, Lk, D), torch.bfloat16), _t((1, Hkv, Lk, D), torch.bfloat16), None
+            k, v, table = _t((1, Hkv, Lk, D), dtype), _t((1, Hkv, Lk, D), dtype), None
         sparse.block_sparse_attention_triton(q, k, v, num, idx, q_block_size=bs, kv_block_size=bs,
                                              block_table=table, scale=D ** -0.5)
 
@@ -396,6 +400,7 @@ def _sparse_scenarios():
             yield "sparse_attention", f"{model},D={HEADS[model][2]},block={bs}", lambda m=model, b=bs: blocks(m, b)
         yield "sparse_attention", f"{model},D={HEADS[model][2]},token-level,q=32", lambda m=model: tokens(m)
     yield "sparse_attention", "sdar,D=128,block=32,paged", lambda: blocks("sdar", 32, paged=True)
+    yield "sparse_attention", "sdar,D=128,block=32,fp32", lambda: blocks("sdar", 32, dtype=torch.float32)
 
 
 def _invariant_scenarios():

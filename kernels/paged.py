@@ -4,7 +4,9 @@ paged attention (a block of queries over a sequence's pages plus its fresh K/V, 
 Layout (flash-attn / vLLM), per layer: `k_cache`, `v_cache` `[num_pages, page_size, H_kv, D]`
 (any float dtype; last two dims contiguous); `block_table` `[B, max_pages]` int32/int64 page ids;
 `seq_lens` `[B]` valid positions per sequence; a slot is `page * page_size + offset`.
-Index arithmetic is int64 throughout (a large cache overflows int32 offsets).
+Index arithmetic is int64 throughout (a large cache overflows int32 offsets). Attention's dots take
+bf16 / fp16 operands to the tensor cores as they are and float32 ones as float32 (``input_precision=
+"ieee"``, not `tl.dot`'s TF32 default): `_dot`, `low_precision_dot`.
 
 Dispatchers pick Triton on CUDA (or with `REMASK_TRITON=1` under the interpreter) and the torch
 references of `paged_ref.py` elsewhere.
@@ -67,6 +69,18 @@ if HAS_TRITON:
         return x
 
     @triton.jit
+    def _dot(a, b, LOW_PRECISION_DOT: tl.constexpr):
+        # a·b accumulated in float32. 16-bit operands go to the tensor cores as they are; float32
+        # ones are multiplied as float32 (``input_precision="ieee"``: FMAs), since a compiled
+        # `tl.dot` on float32 operands defaults to TF32 (10-bit mantissas: scores off by ~1e-3 on
+        # an H200 against the float32 reference). The interpreter computes float32 either way.
+        if LOW_PRECISION_DOT:
+            c = tl.dot(a, b, out_dtype=tl.float32)
+        else:
+            c = tl.dot(a, b, input_precision="ieee", out_dtype=tl.float32)
+        return c
+
+    @triton.jit
     def _load_q(ptr, mask, scale, LOW_PRECISION_DOT: tl.constexpr):
         # The query tile and the factor the scores still need: float32 queries are pre-scaled (the
         # scores need none); 16-bit ones stay unrounded operands and the scores are scaled in float32.
@@ -85,31 +99,31 @@ if HAS_TRITON:
                                     other=0.0), LOW_PRECISION_DOT)
 
     @triton.jit
-    def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale):
+    def _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, LOW_PRECISION_DOT: tl.constexpr):
         # One online-softmax update with a [BLOCK_N] tile of keys (invalid ones masked out). The
-        # dots accumulate in float32 whatever the operands' dtype; p is cast to v's for p·v, and the
-        # softmax statistics stay float32.
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * qk_scale
+        # dots accumulate in float32 whatever the operands' dtype (`_dot`); p is cast to v's for
+        # p·v, and the softmax statistics stay float32.
+        s = _dot(q, tl.trans(k), LOW_PRECISION_DOT) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, LOW_PRECISION_DOT)
         return m_new, l_i, acc
 
     @triton.jit
-    def _attend_tile_masked(q, k, v, visible, m_i, l_i, acc, qk_scale):
+    def _attend_tile_masked(q, k, v, visible, m_i, l_i, acc, qk_scale, LOW_PRECISION_DOT: tl.constexpr):
         # `_attend_tile` under a [BLOCK_M, BLOCK_N] mask (block-causal diagonal tiles).
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * qk_scale
+        s = _dot(q, tl.trans(k), LOW_PRECISION_DOT) * qk_scale
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, LOW_PRECISION_DOT)
         return m_new, l_i, acc
 
     @triton.jit
@@ -146,7 +160,7 @@ if HAS_TRITON:
                            LOW_PRECISION_DOT)
             v = _load_rows(vc_ptr, page * stride_vcp + kvh * stride_vch, cols, stride_vcs, d, tile,
                            LOW_PRECISION_DOT)
-            m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale)
+            m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, LOW_PRECISION_DOT)
         if BLOCK_CAUSAL:
             # Fresh key j / query i sit at seq_len + j / seq_len + i (M == N_NEW); i sees j when
             # (seq_len + j) // DIFF_BLOCK <= (seq_len + i) // DIFF_BLOCK. Keys below `n_all` are
@@ -164,7 +178,7 @@ if HAS_TRITON:
                                LOW_PRECISION_DOT)
                 v = _load_rows(vn_ptr, b * stride_vnb + kvh * stride_vnh, n, stride_vnn, d, tile,
                                LOW_PRECISION_DOT)
-                m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale)
+                m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, LOW_PRECISION_DOT)
             q_block = (seq_len + rows.to(tl.int64)) // DIFF_BLOCK
             for n0 in range(n_full, n_end, BLOCK_N):
                 n = n0 + cols
@@ -176,7 +190,7 @@ if HAS_TRITON:
                                LOW_PRECISION_DOT)
                 k_block = (seq_len + n.to(tl.int64)) // DIFF_BLOCK
                 visible = valid[None, :] & (k_block[None, :] <= q_block[:, None])
-                m_i, l_i, acc = _attend_tile_masked(q, k, v, visible, m_i, l_i, acc, qk_scale)
+                m_i, l_i, acc = _attend_tile_masked(q, k, v, visible, m_i, l_i, acc, qk_scale, LOW_PRECISION_DOT)
         elif HAS_NEW:
             for n0 in range(0, N_NEW, BLOCK_N):
                 n = n0 + cols
@@ -186,7 +200,7 @@ if HAS_TRITON:
                                LOW_PRECISION_DOT)
                 v = _load_rows(vn_ptr, b * stride_vnb + kvh * stride_vnh, n, stride_vnn, d, tile,
                                LOW_PRECISION_DOT)
-                m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale)
+                m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, LOW_PRECISION_DOT)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(o_ptr + b * stride_ob + rows[:, None].to(tl.int64) * stride_om + h * stride_oh + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=(rows[:, None] < M) & d_ok[None, :])
@@ -205,9 +219,10 @@ def interpreted(kernel) -> bool:
 def low_precision_dot(kernel, *tensors: torch.Tensor) -> bool:
     """The attention kernels' `LOW_PRECISION_DOT`: True when every operand is float16, or every one
     bfloat16, so q·kᵀ and p·v run as 16-bit MMAs (HMMA/HGMMA/tcgen05 kind::f16, accumulated in
-    float32) instead of float32 (TF32) ones. Mixed or float32 operands keep the float32 dots;
-    so do bfloat16 ones under the interpreter (`interpreted`: its bf16 tl.dot is wrong; its fp16
-    one is right, so fp16 runs the 16-bit path there too)."""
+    float32). Mixed or float32 operands get float32 dots (``input_precision="ieee"``: float32 FMAs,
+    never TF32, as the float32 torch reference); so do bfloat16 ones under the interpreter
+    (`interpreted`: its bf16 tl.dot is wrong; its fp16 one is right, so fp16 runs the 16-bit path
+    there too)."""
     dtype = tensors[0].dtype
     if dtype not in LOW_PRECISION_DTYPES or any(t.dtype != dtype for t in tensors):
         return False
@@ -281,11 +296,12 @@ def paged_gather(cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch
     return out
 
 
-def paged_attention_warps(block_n: int, block_d: int) -> int:
+def paged_attention_warps(block_n: int, block_d: int, low_precision: bool = True) -> int:
     """`num_warps` of the attention kernel (no result depends on it): 8 once a key tile holds 64 × 128
-    values (page 64 at D = 128), where 4 warps need 251 of the 255 registers on sm_100 (block-causal);
-    else 4."""
-    return 8 if block_n * block_d >= 64 * 128 else 4
+    values (page 64 at D = 128), where 4 warps need 251 of the 255 registers on sm_100 (block-causal),
+    and for float32 operands (`low_precision` False), whose FMA dots hold float32 operand tiles (at 4
+    warps page 32 at D = 128 took 255 registers and spilled 64 B on sm_80); else 4."""
+    return 8 if block_n * block_d >= 64 * 128 or not low_precision else 4
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -294,8 +310,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Bidirectional attention of `q` `[B, M, Hq, D]` over each sequence's paged K/V (first
     `seq_lens[b]` positions) and the block's fresh `k_new`, `v_new` `[B, N, H_kv, D]`; GQA when
     Hq is a multiple of H_kv. Online softmax in float32 (q·kᵀ and p·v as bf16 / fp16 MMAs when q
-    and every K/V share that dtype, accumulated in float32: `low_precision_dot`); returns
-    `[B, M, Hq, D]` in q's dtype.
+    and every K/V share that dtype, accumulated in float32: `low_precision_dot`; otherwise in
+    float32, IEEE, not TF32); returns `[B, M, Hq, D]` in q's dtype.
 
     `block_size` (block diffusion: SDAR, LLaDA2, Fast-dLLM v2): block-causal instead. The fresh
     tokens are consecutive positions right after the cached ones (query i and fresh key j at
@@ -346,5 +362,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out.stride(0), out.stride(1), out.stride(2),
         M, kn.shape[1] if has_new else 0, Hq, D, page_size, 1 if block_size is None else block_size, scale,
         GROUP=Hq // H_kv, HAS_NEW=has_new, BLOCK_CAUSAL=block_size is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, LOW_PRECISION_DOT=low_precision, num_warps=paged_attention_warps(block_n, block_d))
+        BLOCK_D=block_d, LOW_PRECISION_DOT=low_precision,
+        num_warps=paged_attention_warps(block_n, block_d, low_precision))
     return out

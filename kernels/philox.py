@@ -36,6 +36,9 @@ UINT32_MASK = 0xFFFFFFFF
 # `uint_to_uniform_float`'s scale for 32-bit draws, ((2**23 − 1) / 2**23) · 2**−31, as the float32
 # constant Triton compiles it to.
 UNIFORM_SCALE = 4.6566127342e-10
+# The same float32 value as a Python float (exactly representable), so the product needs no tensor
+# made on the device per call (a host-to-device copy that synchronises the stream).
+UNIFORM_SCALE_F32 = torch.tensor(UNIFORM_SCALE, dtype=torch.float32).item()
 
 
 def split_seed(seed: int) -> tuple[int, int]:
@@ -65,15 +68,19 @@ def philox4x32(seed: int, offsets: torch.Tensor, n_rounds: int = N_ROUNDS
     for _ in range(n_rounds):
         # Products of two uint32 in int64 wrap modulo 2**64; the bit pattern is the exact 64-bit
         # product, so its high word is (p >> 32) masked (the shift is arithmetic) and its low word
-        # p masked. In-place where a word is consumed: this runs over every logit of a chunk.
+        # p masked. In-place where a word is consumed: this runs over every logit of a chunk. c0 and
+        # c2 are masked each round (they are multiplied); c1 and c3 only enter XORs whose result is
+        # masked, so they keep the whole product until the end: each elementwise op is one kernel
+        # launch on a GPU, and the loop's launches, not its bytes, are its time there.
         p_b = c2.mul_(PHILOX_ROUND_B)
         p_a = c0.mul_(PHILOX_ROUND_A)
         c0 = (p_b >> 32).bitwise_xor_(c1).bitwise_xor_(k0).bitwise_and_(UINT32_MASK)
         c2 = (p_a >> 32).bitwise_xor_(c3).bitwise_xor_(k1).bitwise_and_(UINT32_MASK)
-        c1 = p_b.bitwise_and_(UINT32_MASK)
-        c3 = p_a.bitwise_and_(UINT32_MASK)
+        c1, c3 = p_b, p_a
         k0 = (k0 + PHILOX_KEY_A) & UINT32_MASK
         k1 = (k1 + PHILOX_KEY_B) & UINT32_MASK
+    if n_rounds:
+        c1, c3 = c1.bitwise_and_(UINT32_MASK), c3.bitwise_and_(UINT32_MASK)
     return c0, c1, c2, c3
 
 
@@ -87,8 +94,11 @@ def uint_to_uniform_float(x: torch.Tensor) -> torch.Tensor:
     # bit-cast to int32 and flip the negatives: x ≥ 2**31 becomes ~(x − 2**32) = 2**32 − 1 − x
     x = torch.where(x >= 2**31, UINT32_MASK - x, x)
     # int32 → float32 (round to nearest even), then one float32 product: x < 2**31, so the int64
-    # → float32 conversion rounds exactly as Triton's int32 → float32 one does.
-    return x.to(torch.float32) * torch.tensor(UNIFORM_SCALE, dtype=torch.float32, device=x.device)
+    # → float32 conversion rounds exactly as Triton's int32 → float32 one does. The scale is the
+    # float32 constant as a Python float: both factors are float32 values, so their exact product
+    # (48 significant bits) rounded once to float32 is the float32 product, however the scalar is
+    # carried (float32 or float64 opmath).
+    return x.to(torch.float32).mul_(UNIFORM_SCALE_F32)
 
 
 def philox_uniform(seed: int, offsets: torch.Tensor, n_rounds: int = N_ROUNDS) -> torch.Tensor:

@@ -28,8 +28,9 @@ Assumptions, all of which make the bound lower (never higher) than what is achie
   large copy gets less of it: `bench/conftest.py` measures the device's copy bandwidth).
 * Tensor-core flops count 2 per multiply-add of useful work only (keys a mask hides, padding of
   partial tiles and pages are not counted). The attention kernels feed bf16 / fp16 Q, K, V (and
-  P) to `tl.dot` as they are, accumulating in float32 (kind ``bf16``), and float32 inputs as TF32
-  (kind ``tf32``): `attention_flop_kind` (docs/kernels.md, compiled-code gate).
+  P) to `tl.dot` as they are, accumulating in float32 (kind ``bf16``), and float32 inputs as
+  float32 FMAs on the CUDA cores (``input_precision="ieee"``, never TF32: kind ``fp32``):
+  `attention_flop_kind` (docs/kernels.md, compiled-code gate).
 * CUDA-core work (``fp32``: the streaming kernels' max / compare / select / exp / log and the
   integer ops of Philox and of sorting) counts one op per Triton vector operation in the kernel's
   source, against the FMA-counted (2 per lane-cycle) FP32 peak; int64 ops, transcendentals (¼ rate
@@ -154,14 +155,17 @@ def extra_info(cost: Cost) -> dict:
 
 def flop_kind_for(dtype: torch.dtype) -> str:
     """The tensor-core kind a torch matmul of `dtype` runs at: bf16/fp16 → "bf16"; float32 →
-    "fp32" (torch's default leaves TF32 off for matmuls; Triton's `tl.dot` turns it on: "tf32")."""
+    "fp32" (torch's default leaves TF32 off for matmuls; a Triton `tl.dot` would turn it on, which
+    remask's kernels never let it: they pass ``input_precision="ieee"`` for float32)."""
     return "bf16" if dtype in (torch.bfloat16, torch.float16) else "fp32"
 
 
 def attention_flop_kind(dtype: torch.dtype) -> str:
-    """The MMA kind of remask's attention kernels for q/k/v of `dtype`: bf16 / fp16 operands go to
-    the tensor cores as they are ("bf16": the 16-bit rate), float32 ones as TF32 ("tf32")."""
-    return "bf16" if dtype in (torch.bfloat16, torch.float16) else "tf32"
+    """The dot kind of remask's attention kernels for q/k/v of `dtype`: bf16 / fp16 operands go to
+    the tensor cores as they are ("bf16": the 16-bit rate), float32 ones to float32 FMAs
+    (``input_precision="ieee"``: "fp32", the CUDA-core rate; `tl.dot`'s TF32 default would be ~1e-3
+    off the float32 reference)."""
+    return "bf16" if dtype in (torch.bfloat16, torch.float16) else "fp32"
 
 
 def _size(dtype: torch.dtype | int) -> int:

@@ -25,7 +25,8 @@ The kernel: one program per (query block, b·Hq + h, BLOCK_M rows of the block) 
 once and walks its index list in tiles of ENTRIES list entries × BLOCK_W positions, reading K/V
 rows in place from the block id (through the block table when paged) with an online softmax in
 float32 (q·kᵀ and p·v as bf16 / fp16 MMAs when q, k and v share that dtype, accumulated in float32:
-`paged.low_precision_dot`); nothing is gathered. Index arithmetic is int64. Configurations are a plain function of
+`paged.low_precision_dot`; float32 or mixed operands as float32 FMAs, ``input_precision="ieee"``, never
+TF32: `paged._dot`); nothing is gathered. Index arithmetic is int64. Configurations are a plain function of
 the shape (`block_sparse_config`), never autotuned.
 
 `block_sparse_attention` is the dispatcher: Triton on CUDA (or with `REMASK_TRITON=1`), the torch
@@ -123,7 +124,7 @@ if HAS_TRITON:
                 row_off = base * stride_vblk + within * stride_vn
                 v = _mma_operand(tl.load(v_base + row_off[:, None] + d[None, :], mask=tile, other=0.0),
                                  LOW_PRECISION_DOT)
-                m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale)
+                m_i, l_i, acc = _attend_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, LOW_PRECISION_DOT)
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(o_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + d[None, :],
@@ -143,11 +144,15 @@ def block_sparse_config(q_block_size: int, kv_block_size: int, D: int) -> dict[s
                 BLOCK_W=block_w, BLOCK_D=max(16, next_power_of_2(D)))
 
 
-def block_sparse_launch_options(cfg: dict[str, int]) -> dict[str, int]:
+def block_sparse_launch_options(cfg: dict[str, int], low_precision: bool = True) -> dict[str, int]:
     """`num_warps` / `num_stages` for a `block_sparse_config` (they change no result). A 64-row
     tile runs on 8 warps with a 2-stage pipeline: at 4 warps, or with the default 3 stages (the
     next 64-key K/V tiles prefetched into registers, one list entry per tile), it spills at D = 128
-    (and at D = 64 on sm_80) — `python -m remask.kernels.aot`. Smaller tiles keep 4 warps, 3 stages."""
+    (and at D = 64 on sm_80) — `python -m remask.kernels.aot`. Smaller tiles keep 4 warps, 3 stages.
+    float32 operands (`low_precision` False: FMA dots over float32 operand tiles) take 8 warps and
+    no prefetch (1 stage): at 4 warps a 32-row tile at D = 128 spilled over 1 KB per thread."""
+    if not low_precision:
+        return dict(num_warps=8, num_stages=1)
     if cfg["BLOCK_M"] >= 64:
         return dict(num_warps=8, num_stages=2)
     return dict(num_warps=4)
@@ -192,6 +197,7 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     # Query blocks on the first axis: the only one with room for more than 65535 programs, and
     # token-level query blocks (q_block_size=1) can be that many.
     grid = (n_qb, B * Hq, triton.cdiv(rows_per_block, cfg["BLOCK_M"]))
+    low_precision = low_precision_dot(block_sparse_attention_kernel, q, k, v)
     block_sparse_attention_kernel[grid](
         q, k, v, kv_num_blocks, kv_indices, bt, kv_num_blocks if kv_len is None else kv_len, out,
         q.stride(0), q.stride(1), q.stride(2),
@@ -202,8 +208,7 @@ def block_sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         out.stride(0), out.stride(1), out.stride(2),
         Hq, Lq, D, q_block_size, kv_block_size, kv_indices.shape[3], n_kv_blocks, kv_limit, scale,
         GROUP=Hq // h_kv, PAGED=paged, HAS_KV_LEN=kv_len is not None,
-        LOW_PRECISION_DOT=low_precision_dot(block_sparse_attention_kernel, q, k, v),
-        **block_sparse_launch_options(cfg), **cfg)
+        LOW_PRECISION_DOT=low_precision, **block_sparse_launch_options(cfg, low_precision), **cfg)
     return out
 
 

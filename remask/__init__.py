@@ -28,12 +28,16 @@ _EXPORTS = {
     **dict.fromkeys(("CreditDecoding", "HierarchicalDecoding", "IterationSmoothing", "ThresholdDecoding",
                      "VicinityCache"), "remask.diffusion.methods.dinfer"),
     "D2Cache": "remask.diffusion.methods.d2cache",
+    "DAEDAL": "remask.diffusion.methods.daedal",
     "DKVCache": "remask.diffusion.methods.dkv",
     "ElasticCache": "remask.diffusion.methods.elastic",
     "FreeDave": "remask.diffusion.methods.freedave",
     "MarginDecoding": "remask.diffusion.methods.margin",
     "EBSampler": "remask.diffusion.methods.eb_sampler",
+    "FrechetRule": "remask.diffusion.methods.frechet",
+    "KLASS": "remask.diffusion.methods.klass",
     "WINO": "remask.diffusion.methods.wino",
+    "Prophet": "remask.diffusion.methods.prophet",
     **dict.fromkeys(("DreamConfig", "DreamModel", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "get_spec"),
                     "remask.models"),
     "patch": "remask.patching",
@@ -63,8 +67,8 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "APDConfig", "CanvasSampler", "EBSampler", "CreditDecoding", "D2Cache", "DKVCache", "DreamConfig", "ElasticCache", "FreeDave", "HierarchicalDecoding", "MarginDecoding", "ThresholdDecoding",
+    "APDConfig", "CanvasSampler", "EBSampler", "CreditDecoding", "D2Cache", "DAEDAL", "DKVCache", "DreamConfig", "ElasticCache", "FrechetRule", "FreeDave", "HierarchicalDecoding", "KLASS", "MarginDecoding", "ThresholdDecoding",
     "VicinityCache", "IterationSmoothing", "WINO", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
-    "LLM", "LLMEngine", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "RequestOutput", "SamplingParams", "SparseConfig", "StructuredOutputsParams", "answer_text", "ar_generate",
+    "LLM", "LLMEngine", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "Prophet", "RequestOutput", "SamplingParams", "SparseConfig", "StructuredOutputsParams", "answer_text", "ar_generate",
     "diffusion_generate", "generate", "get_spec", "load", "patch", "stop_token_ids",
 ]

@@ -1,6 +1,7 @@
 """The attention kernels' MMA operand dtype (issue 31): bf16/fp16 q, k, v run q·kᵀ and p·v as 16-bit
-MMAs with float32 accumulation on a GPU; float32 (or mixed) inputs keep float32 (TF32) dots; under
-the interpreter, whose bf16 tl.dot is wrong, bf16 falls back to float32 operands."""
+MMAs with float32 accumulation on a GPU; float32 (or mixed) inputs get float32 dots (input_precision=
+"ieee": FMAs, never TF32; tests/test_compiled_gate.py checks every compiled specialisation's SASS);
+under the interpreter, whose bf16 tl.dot is wrong, bf16 falls back to float32 operands."""
 from __future__ import annotations
 
 import os
@@ -57,8 +58,10 @@ def test_gpu_launchers_pick_the_input_dtype_for_the_dots(compiled, dtype, expect
     _paged_call(dtype)
     _paged_call(dtype, block_size=16)
     _sparse_call(dtype)
-    flags = [kw["LOW_PRECISION_DOT"] for kw in compiled["paged"].kwargs + compiled["sparse"].kwargs]
-    assert flags == [expected] * 3
+    launches = compiled["paged"].kwargs + compiled["sparse"].kwargs
+    assert [kw["LOW_PRECISION_DOT"] for kw in launches] == [expected] * 3
+    if not expected:      # float32 FMA dots hold float32 operand tiles: 8 warps (block-sparse: no prefetch)
+        assert [kw["num_warps"] for kw in launches] == [8] * 3 and launches[2]["num_stages"] == 1
 
 
 def test_mixed_dtypes_keep_float32_dots(compiled):

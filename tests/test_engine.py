@@ -365,13 +365,12 @@ def test_ar_requests_of_mixed_lengths_run_as_one_flat_forward_per_step(ar, monke
         requests.append((f"g{i}", PROBLEMS[i], params))
         engine.add_request(*requests[-1])
     assert len({len(ids) for _, ids, _ in requests}) > 3
-    engine.step()                                     # every prompt in one forward
+    done = {o.request_id: o for o in engine.step() if o.finished}   # every prompt in one forward
     assert engine.runner.forwards == 1 and engine.kv_stats()["pages_in_use"] > 0
-    engine.step()
+    done.update({o.request_id: o for o in engine.step() if o.finished})
     engine.abort_request("g4")
     failing = next(s for s in engine.scheduler.running if s.request_id == "g5")
     monkeypatch.setattr(failing.decoder, "sample", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
-    done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert done["g5"].outputs[0].finish_reason == "error" and "boom" in done["g5"].outputs[0].error
@@ -449,13 +448,13 @@ def test_ar_preemption_when_pages_run_out_recomputes_the_same_tokens(ar):
     requests = [(f"p{i}", PROBLEMS[i], SamplingParams(max_tokens=40, seed=i, temperature=[0.0, 0.9][i % 2],
                                                       stop_token_ids=[99]))
                 for i in range(8)]
-    engine = LLMEngine(model, tokenizer, kv_cache_pages=12, page_size=8)
+    engine = LLMEngine(model, tokenizer, kv_cache_pages=10, page_size=8)
     for request in requests:
         engine.add_request(*request)
     seen: dict[str, list[int]] = {}
     done = {}
     while engine.has_unfinished_requests():
-        assert engine.kv_stats()["pages_in_use"] <= 12
+        assert engine.kv_stats()["pages_in_use"] <= 10
         for out in engine.step():
             ids = out.outputs[0].all_token_ids
             before = seen.get(out.request_id, [])
@@ -467,7 +466,7 @@ def test_ar_preemption_when_pages_run_out_recomputes_the_same_tokens(ar):
     for rid, ids, p in requests:
         assert_ar_equal(done[rid].outputs[0], alone_ar(model, ids, p), rid)
     assert engine.kv_stats()["pages_in_use"] == 0
-    assert engine.kv_stats()["peak_pages_in_use"] <= 12
+    assert engine.kv_stats()["peak_pages_in_use"] <= 10
 
 
 def test_page_store_knobs_are_checked(ar, llada):
@@ -839,15 +838,18 @@ def ar_alone_with_min_tokens(model, ids: list[int], params: SamplingParams, ends
     than min_tokens tokens exist."""
     from remask.diffusion.families.ar import ARDecoder
 
-    decoder = ARDecoder(model, **params.ar_kwargs([charset.EOS_ID]))
+    def hold(state, logits, position):        # [B, 1, V] of the next position
+        if state.step < params.min_tokens:
+            logits = logits.clone()
+            logits[..., ends] = -torch.inf
+        return logits
+
+    decoder = ARDecoder(model, **params.ar_kwargs([charset.EOS_ID])).add_processor(hold)
     generator = torch.Generator().manual_seed(params.seed)
-    state = decoder.start(torch.tensor([ids]))
+    state = decoder.start(model, torch.tensor([ids]))
     with torch.no_grad():
         while not state.done:
-            if state.step < params.min_tokens:
-                state.logits = state.logits.clone()
-                state.logits[:, ends] = -torch.inf
-            decoder.step(state, generator)
+            decoder.step(model, state, generator)
     return state.tokens[0].tolist()
 
 

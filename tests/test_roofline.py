@@ -135,7 +135,7 @@ def test_dense_and_paged_attention_costs():
     cached = 2 * 4 * 8 * 1 * 4
     fresh = 2 * 4 * 2 * 2 * 1 * 4
     assert cost.bytes == qo + cached + fresh + 4 * (1 + 2) + 4 * 2 == 660
-    assert cost.flops == 4 * 4 * 2 * (2 * (3 + 2) + 2 * (5 + 2)) and cost.flop_kind == "tf32"
+    assert cost.flops == 4 * 4 * 2 * (2 * (3 + 2) + 2 * (5 + 2)) and cost.flop_kind == "fp32"
     # block-causal, blocks of 4: sequence 3 — query 0 (position 3) sees fresh key 0 only, query 1
     # (position 4) both; sequence 5 — both queries (positions 5, 6) see both fresh keys (7 < 8)
     cost = rl.cost_paged_attention([3, 5], 2, 2, 1, 4, torch.float32, page_size=4, block_size=4)
@@ -152,7 +152,7 @@ def test_block_sparse_attention_cost():
     cost = rl.cost_block_sparse_attention(q_shape, 1, 10, num, idx, q_block_size=2, kv_block_size=4,
                                           dtype=torch.float32)
     pairs = 2 * 4 + 2 * 2 + 2 * (4 + 2) + 2 * 4
-    assert cost.flops == 4 * 4 * pairs and cost.flop_kind == "tf32"
+    assert cost.flops == 4 * 4 * pairs and cost.flop_kind == "fp32"
     qo = 2 * 4 * 1 * 2 * 4 * 4
     kv = 2 * 4 * (4 + 4 + 2) * 4                  # the union {0, 1, 2} read once for both heads
     assert cost.bytes == qo + kv + 4 * (1 + 1 + 2 + 1) + 4 * 4
@@ -238,9 +238,10 @@ def test_bench_cases_carry_bounds_and_the_report_prints_them(tmp_path):
     assert "A100-SXM4-80GB" in section and "H100-SXM5-80GB" in section and "On a CPU the ratios" in section
 
 
-def test_attention_flops_are_bf16_for_16_bit_inputs_and_tf32_for_float32():
-    """The attention kernels' MMAs: bf16 / fp16 operands as they are, float32 as TF32 (the gate's SASS)."""
-    for dtype, kind in ((torch.bfloat16, "bf16"), (torch.float16, "bf16"), (torch.float32, "tf32")):
+def test_attention_flops_are_bf16_for_16_bit_inputs_and_fp32_for_float32():
+    """The attention kernels' dots: bf16 / fp16 operands as they are, float32 as float32 FMAs
+    (input_precision="ieee", no TF32 MMA: the gate's SASS)."""
+    for dtype, kind in ((torch.bfloat16, "bf16"), (torch.float16, "bf16"), (torch.float32, "fp32")):
         assert rl.cost_paged_attention([3, 5], 2, 2, 1, 4, dtype, page_size=4).flop_kind == kind
         num = torch.ones(1, 1, 1, dtype=torch.int32)
         idx = torch.zeros(1, 1, 1, 1, dtype=torch.int32)

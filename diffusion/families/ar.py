@@ -1,15 +1,16 @@
 """Plain autoregressive decoding for any `AutoModelForCausalLM`, with its KV cache: the baseline the
 diffusion strategies are compared against, sampling through `score_tokens` like every remask sampler.
-The prefill and each one-token decode are `ForwardRequest`s (`output="model"`: the whole output, its
-cache included) that `ARDecoder.starting` / `stepping` yield; `ar_generate` drives `ar_steps`. The
-engine runs its own paged forward (`model_runner.py::_ar_step`) and takes only `ARDecoder.sample`.
+`ARDecoder` is a `Decoder` (`parts/protocol.py`) like every diffusion decoder: its forwards (the
+prefill, then each one-token decode) are causal continuations (`ForwardRequest.extends`) that the
+drop-in `ar_generate` answers with the model's own KV cache and the engine's runner with one flat
+forward over its paged store for every running sequence.
 """
 from __future__ import annotations
 
 import inspect
 import numbers
 from dataclasses import dataclass
-from typing import Any, Generator
+from typing import Any
 
 import torch
 
@@ -21,30 +22,41 @@ from ..parts.checks import (ParameterTypeError, check_generator, check_int, chec
 from ..parts.constrain_loops import structure_for_call
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
-from ..parts.stepper import ForwardRequest, drive
+from ..parts.protocol import Decoder
+from ..parts.stepper import ForwardRequest, run_forwards
 
 
 @dataclass
 class ARState:
     """Rows decoded together: the prompt, the tokens so far `[B, max_new_tokens]` (`pad_token_id`
-    after a row's EOS), the model's cache and the next position's logits."""
+    after a row's EOS), the ids the next forward feeds (`feed`: the prompt, then each new token),
+    the model's own cache (the drop-in driver's; the engine keeps K/V in its page store) and the
+    next position's logits."""
 
     input_ids: torch.Tensor
     eos: torch.Tensor              # the EOS ids, on the prompt's device
     tokens: torch.Tensor
     finished: torch.Tensor
     mask: torch.Tensor
-    position_ids: torch.Tensor
-    cache: Any
-    logits: torch.Tensor
+    position_ids: torch.Tensor     # the positions of `feed`
+    feed: torch.Tensor
+    cache: Any = None
     step: int = 0
     generated: int = 0
     done: bool = False
     matchers: Any = None           # structured output: one `remask.structured.Matcher` per row
 
+    @property
+    def prompt_len(self) -> int:
+        return self.input_ids.shape[1]
 
-class ARDecoder:
-    """Autoregressive decoding as a state and a step; the constructor validates the settings."""
+
+class ARDecoder(Decoder):
+    """Autoregressive decoding under the one decoder protocol (`parts/protocol.py`); the constructor
+    validates the settings. Each forward feeds the ids not yet seen (the prompt, then the token just
+    sampled) as a causal continuation (`ForwardRequest.extends`); `receive` samples from the last
+    position's logits. The drop-in driver answers with the model's own cache, the engine's runner
+    from its page store, so both decode the same tokens by construction."""
 
     def __init__(self, model: torch.nn.Module, *, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
@@ -71,41 +83,85 @@ class ARDecoder:
         # structured output (remask/structured.py): a CompiledStructure; the EOS ids end the answer
         if structure is not None and not eos_ids:
             raise ValueError("structured_outputs needs an end token: pass eos_token_id (the model config has none)")
-        self.model, self.spec, self.structure = model, spec, structure
+        self.spec, self.structure = spec, structure
         self.max_new_tokens, self.temperature, self.top_k, self.top_p = max_new_tokens, temperature, top_k, top_p
         self.eos_ids, self.pad_token_id = eos_ids, pad_token_id
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
         # Only the last position's logits are needed, as in transformers' `generate`: the LM head
         # then runs on one row per sequence, the shape the engine's flat forward gives it too.
         self.keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters \
             else {}
+        self.processors: tuple = ()
 
-    def num_final(self, state: Any) -> int:
-        """Tokens that no later step changes: every token sampled so far (the engine's protocol)."""
+    def check_input(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, model: torch.nn.Module) -> None:
+        check_prompt(model, input_ids, attention_mask, name="input_ids", spec=self.spec)
+        if self.max_positions is not None and input_ids.shape[1] + self.max_new_tokens > self.max_positions:
+            raise ValueError(f"prompt length + max_new_tokens = {input_ids.shape[1] + self.max_new_tokens} exceeds "
+                             f"the model's max_position_embeddings {self.max_positions}")
+
+    def add_processor(self, processor: Any) -> "ARDecoder":
+        self.processors = (*self.processors, processor)
+        return self
+
+    def start(self, model: torch.nn.Module | None, input_ids: torch.Tensor,
+              attention_mask: torch.Tensor | None = None) -> ARState:
+        B = input_ids.shape[0]
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
+        device = input_ids.device
+        return ARState(input_ids=input_ids, eos=torch.tensor(self.eos_ids, dtype=torch.long, device=device),
+                       tokens=torch.full((B, self.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device),
+                       finished=torch.zeros(B, dtype=torch.bool, device=device), mask=mask,
+                       position_ids=(mask.cumsum(-1) - 1).clamp(min=0), feed=input_ids)
+
+    def next_forward(self, model: torch.nn.Module | None, state: ARState, generator: torch.Generator | None = None,
+                     stats: GenerationStats | None = None) -> ForwardRequest | None:
+        if state.done:
+            return None
+        # the cache under the keyword the model's forward declares (`cache` or `past_key_values`)
+        cache = {} if state.cache is None else cache_arg(model.forward, state.cache)
+        return ForwardRequest(state.feed, per_row=dict(attention_mask=state.mask, position_ids=state.position_ids),
+                              shared=dict(use_cache=True, **self.keep_last, **cache), output="model", extends=True)
+
+    def receive(self, state: ARState, output: Any, generator: torch.Generator | None = None,
+                stats: GenerationStats | None = None) -> None:
+        """The forward's output (the model's, or the runner's with the last position's logits):
+        sample one token per row; unless that ends the state, it is the next forward's feed."""
+        B, fed = state.feed.shape
+        if stats is not None:
+            stats.forward(B, fed)
+        state.cache = output_cache(output)
+        logits = output.logits[:, -1:]
+        for processor in self.processors:
+            logits = processor(state, logits, state.prompt_len + state.step)
+        next_token = self.sample(logits[:, 0], generator, state)
+        next_token = torch.where(state.finished, torch.full_like(next_token, self.pad_token_id), next_token)
+        state.tokens[:, state.step] = next_token
+        active = int((~state.finished).sum())
+        state.generated += active
+        if stats is not None:
+            stats.step(active)
+        state.finished |= torch.isin(next_token, state.eos)
+        state.step += 1
+        if bool(state.finished.all()) or state.step == self.max_new_tokens:
+            state.done = True
+            return
+        state.mask = torch.nn.functional.pad(state.mask, (0, 1), value=1)
+        state.position_ids = state.position_ids[:, -1:] + 1
+        state.feed = next_token[:, None]
+
+    def num_final(self, state: ARState) -> int:
+        """Tokens that no later step changes: every token sampled so far."""
         return state.step
 
-    def check_input(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-        check_prompt(self.model, input_ids, attention_mask, name="input_ids", spec=self.spec)
-        max_positions = getattr(self.model.config, "max_position_embeddings", None)
-        if max_positions is not None and input_ids.shape[1] + self.max_new_tokens > max_positions:
-            raise ValueError(f"prompt length + max_new_tokens = {input_ids.shape[1] + self.max_new_tokens} exceeds "
-                             f"the model's max_position_embeddings {max_positions}")
-
-    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor,
-                 **shared: Any) -> Generator[ForwardRequest, Any, tuple[Any, torch.Tensor]]:
-        """One forward of `input_ids` `[B, n]` (a sub-generator of one request; `mask` covers every
-        position so far): (the model's cache, the next position's logits `[B, V]`)."""
-        out = yield ForwardRequest(input_ids, per_row=dict(attention_mask=mask, position_ids=position_ids),
-                                   shared=dict(shared, use_cache=True, **self.keep_last), output="model")
-        return output_cache(out), out.logits[:, -1]
+    def canvas(self, state: ARState) -> torch.Tensor:
+        return torch.cat([state.input_ids, state.tokens[:, :state.step]], dim=1)
 
     def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None, state: Any = None) -> torch.Tensor:
         """The next token of each row from its logits `[B, V]`; with a structure, masked to what it
-        allows by the matchers `state` (an `ARState` or the engine's row) carries, which then advance."""
+        allows by the matchers `state` carries, which then advance."""
         matchers = None
         if self.structure is not None:
-            if state is None:
-                raise ValueError("ARDecoder.sample: a structured decoder needs the sequence's state (its matchers)")
-            if getattr(state, "matchers", None) is None:
+            if state.matchers is None:
                 state.matchers = [self.structure.matcher(self.eos_ids) for _ in range(logits.shape[0])]
             matchers = state.matchers
             logits = torch.stack([m.mask_logits(row) for m, row in zip(matchers, logits)])
@@ -117,70 +173,12 @@ class ARDecoder:
                 m.advance([token])
         return tokens
 
-    def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-              stats: GenerationStats | None = None) -> ARState:
-        """`starting`, its forward computed alone."""
-        return drive(self.starting(input_ids, attention_mask, stats), self.model)
-
-    def step(self, state: ARState, generator: torch.Generator | None = None,
+    def step(self, model: torch.nn.Module, state: ARState, generator: torch.Generator | None = None,
              stats: GenerationStats | None = None) -> None:
-        """`stepping`, its forward computed alone."""
-        drive(self.stepping(state, generator, stats), self.model)
-
-    def starting(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 stats: GenerationStats | None = None) -> Generator[ForwardRequest, Any, ARState]:
-        """The prompt's forward (a sub-generator of one request); returns the state."""
-        B, P = input_ids.shape
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache, logits = yield from self._forward(input_ids, mask, position_ids)
-        if stats is not None:
-            stats.forward(B, P)
-        device = input_ids.device
-        return ARState(input_ids=input_ids, eos=torch.tensor(self.eos_ids, dtype=torch.long, device=device),
-                       mask=mask, position_ids=position_ids[:, -1:], cache=cache, logits=logits,
-                       tokens=torch.full((B, self.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device),
-                       finished=torch.zeros(B, dtype=torch.bool, device=device))
-
-    def stepping(self, state: ARState, generator: torch.Generator | None = None,
-                 stats: GenerationStats | None = None) -> Generator[ForwardRequest, Any, ARState]:
-        """Sample one token per row; unless that ends the state, the next one-token forward (a
-        sub-generator of one request). Returns the state."""
-        B = state.tokens.shape[0]
-        next_token = self.sample(state.logits, generator, state)
-        next_token = torch.where(state.finished, torch.full_like(next_token, self.pad_token_id), next_token)
-        state.tokens[:, state.step] = next_token
-        active = int((~state.finished).sum())
-        state.generated += active
-        if stats is not None:
-            stats.step(active)
-        state.finished |= torch.isin(next_token, state.eos)
-        state.step += 1
-        if bool(state.finished.all()) or state.step == self.max_new_tokens:
-            state.done = True
-            return state
-        state.mask = torch.nn.functional.pad(state.mask, (0, 1), value=1)
-        state.position_ids = state.position_ids + 1
-        # the cache under the keyword the model's forward declares (`cache` or `past_key_values`)
-        state.cache, state.logits = yield from self._forward(next_token[:, None], state.mask, state.position_ids,
-                                                             **cache_arg(self.model.forward, state.cache))
-        if stats is not None:
-            stats.forward(B, 1)
-        return state
-
-
-def ar_steps(decoder: ARDecoder, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-             generator: torch.Generator | None = None,
-             stats: GenerationStats | None = None) -> Generator[ForwardRequest, Any, torch.Tensor]:
-    """`ar_generate`'s loop as a step generator (arguments checked by the caller): `[B, P + max_new_tokens]`."""
-    if stats is not None:
-        stats.start()
-    state = yield from decoder.starting(input_ids, attention_mask, stats)
-    while not state.done:
-        yield from decoder.stepping(state, generator, stats)
-    if stats is not None:
-        stats.stop(state.generated)   # tokens up to and including each row's EOS
-    return torch.cat([input_ids, state.tokens], dim=1)
+        """One forward of this state alone and its sample."""
+        request = self.next_forward(model, state, generator, stats)
+        if request is not None:
+            self.receive(state, run_forwards(model, [request])[0], generator, stats)
 
 
 @torch.no_grad()
@@ -202,8 +200,15 @@ def ar_generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
         structure = structure_for_call(structured_outputs, model, tokenizer, get_spec(model).mask_id, max_new_tokens)
     decoder = ARDecoder(model, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         eos_token_id=eos_token_id, pad_token_id=pad_token_id, structure=structure)
-    decoder.check_input(input_ids, attention_mask)
+    decoder.check_input(input_ids, attention_mask, model)
     check_generator(generator, input_ids.device)
     check_stats("stats", stats)
     warn_if_padded_without_mask(input_ids, attention_mask, getattr(model.config, "pad_token_id", None))
-    return drive(ar_steps(decoder, input_ids, attention_mask, generator, stats), model)
+    if stats is not None:
+        stats.start()
+    state = decoder.start(model, input_ids, attention_mask)
+    while not state.done:
+        decoder.step(model, state, generator, stats)
+    if stats is not None:
+        stats.stop(state.generated)   # tokens up to and including each row's EOS
+    return torch.cat([input_ids, state.tokens], dim=1)

@@ -78,7 +78,7 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
         if cache.takes_rule and not registry.method_of(decoder).is_rule:
             rules = ", ".join(rule.__name__ for rule in registry.rules())
             raise CombinationError(f"decoder={type(decoder).__name__} with use_cache={type(use_cache).__name__}: "
-                                   f"Elastic-Cache's window takes a commit rule ({rules}, ...) as decoder=, not a "
+                                   f"{type(use_cache).__name__} takes a commit rule ({rules}, ...) as decoder=, not a "
                                    f"decoder with its own loop")
         if not cache.takes_rule:
             raise CombinationError(f"decoder={type(decoder).__name__} with use_cache={type(use_cache).__name__}: "

@@ -6,7 +6,9 @@ the call (`Call`) that returns the method's step generator (`diffusion/parts/ste
 rule has no loop of its own: it runs in the block loop that takes rules (dInfer's). Its capabilities
 sit beside it: the entry-point settings it `reads`, why its loop needs LLaDA's unshifted logits
 (`unshifted`), whether a cache method takes a commit rule as `decoder=` (`takes_rule`), and whether
-it fills a row with EOS after the first EOS it decodes (`fills_after_eos`, so `ignore_eos` is refused).
+it fills a row with EOS after the first EOS it decodes (`fills_after_eos`, so `ignore_eos` is refused), and
+whether `gen_length` only bounds a canvas that grows (`length_bound`: its output may be shorter, and blocks
+need not divide it).
 
 Everything that turns a name or a config into a method looks here: `decoder_steps` (the drop-in
 functions and the engine), the JSON form `{"name": "freedave", ...}` of `SamplingParams`, the HTTP
@@ -24,12 +26,16 @@ from ..parts.rules import CreditDecoding, HierarchicalDecoding, ThresholdDecodin
 from ..parts.step import CommitRule
 from ..parts.stepper import StepGenerator
 from .d2cache import D2Cache, d2cache_steps
+from .daedal import DAEDAL, daedal_steps
 from .dinfer import VicinityCache, dinfer_steps
 from .dkv import DKVCache, dkv_steps
 from .eb_sampler import EBSampler
 from .elastic import ElasticCache, elastic_steps
+from .frechet import FrechetRule
 from .freedave import FreeDave, freedave_steps
+from .klass import KLASS, klass_steps
 from .margin import MarginDecoding
+from .prophet import Prophet, prophet_steps
 from .wino import WINO, wino_steps
 
 FIELDS = ("decoder", "use_cache")
@@ -67,6 +73,7 @@ class Method:
     unshifted: str | None = None
     takes_rule: bool = False
     fills_after_eos: bool = False
+    length_bound: bool = False
 
     @property
     def is_rule(self) -> bool:
@@ -112,6 +119,23 @@ def _first(steps: StepGenerator) -> StepGenerator:
     return out[0]
 
 
+def _prophet_loop(call: Call) -> StepGenerator:
+    if call.use_cache is not None:
+        raise ValueError("use_cache: Prophet reads the answer positions' logits at every step (full forwards, "
+                         "no cache, as upstream)")
+    return prophet_steps(call.model, call.prompt, config=call.decoder,
+                         steps=call.gen_length if call.steps is None else call.steps, block_length=call.block_length,
+                         cfg_scale=call.settings.get("cfg_scale", 0.0),
+                         remasking=call.settings.get("remasking", "low_confidence"),
+                         generator=call.settings.get("generator"), **call.common)
+
+
+def _daedal_loop(call: Call) -> StepGenerator:
+    if call.use_cache is not None:
+        raise ValueError("use_cache: DAEDAL forwards its whole canvas, whose length changes (no cache)")
+    return daedal_steps(call.model, call.prompt, config=call.decoder, block_length=call.block_length, **call.common)
+
+
 def _dkv_loop(call: Call) -> StepGenerator:
     return dkv_steps(call.model, call.prompt, config=call.use_cache,
                      steps=call.gen_length if call.steps is None else call.steps, block_length=call.block_length,
@@ -123,6 +147,14 @@ def _d2cache_loop(call: Call) -> StepGenerator:
     return d2cache_steps(call.model, call.prompt, config=call.use_cache,
                          steps=call.gen_length if call.steps is None else call.steps,
                          block_length=call.block_length, **call.common)
+
+
+def _klass_loop(call: Call) -> StepGenerator:
+    if call.use_cache is not None:
+        raise ValueError("use_cache: KLASS forwards the whole sequence at every step (its KL memory needs every "
+                         "position's distribution; upstream has no cache)")
+    return klass_steps(call.model, call.prompt, config=call.decoder, steps=call.steps, block_length=call.block_length,
+                       **call.common)
 
 
 def _elastic_loop(call: Call) -> StepGenerator:
@@ -139,7 +171,11 @@ register("credit", CreditDecoding, loop=_rules_loop, fills_after_eos=True)
 register("hierarchical", HierarchicalDecoding, loop=_rules_loop, fills_after_eos=True)
 register("margin", MarginDecoding, loop=_rules_loop, fills_after_eos=True)
 register("eb_sampler", EBSampler, loop=_rules_loop, fills_after_eos=True)
+register("frechet", FrechetRule, loop=_rules_loop, fills_after_eos=True)
+register("klass", KLASS, loop=_klass_loop, reads=("steps",))   # its own loop on LLaDA / Dream, a rule elsewhere
 register("wino", WINO, loop=_wino_loop, unshifted="WINO's shadow-block forward")
+register("prophet", Prophet, loop=_prophet_loop, reads=("steps", "cfg_scale", "remasking", "generator"))
+register("daedal", DAEDAL, loop=_daedal_loop, length_bound=True)
 register("vicinity", VicinityCache, "use_cache", loop=_rules_loop, fills_after_eos=True)
 register("dkv", DKVCache, "use_cache", loop=_dkv_loop, reads=("steps", "remasking", "generator"),
          unshifted="LLaDA's dKV-Cache schedule")

@@ -55,6 +55,10 @@ class ForwardRequest:
       row, a segmented model; it packs with the others (`varlen.PackedLayers`).
     * `output`: "logits", or "model" for the whole model output (its `past_key_values`).
     * `module`: a model other than the driver's to call (APD's verifier); such a request runs alone.
+    * `extends`: a causal continuation (autoregressive): `input_ids` follow every id fed before, whose
+      K/V are the model's own cache in `shared` (the drop-in driver) or the engine's page store (its
+      runner answers all such requests in one flat forward with the last position's logits, as
+      `output="model"` with no cache).
     """
 
     input_ids: torch.Tensor | None
@@ -67,6 +71,7 @@ class ForwardRequest:
     layers: Any = None
     output: str = "logits"
     module: Any = None
+    extends: bool = False
 
     @classmethod
     def call(cls, input_ids: torch.Tensor | None, inputs: dict[str, Any], **fields: Any) -> "ForwardRequest":
@@ -359,7 +364,7 @@ class StepwiseDecoder(Decoder):
         return StepwiseState(prompt=input_ids, x=input_ids, prompt_len=input_ids.shape[1], gen_length=self.gen_length)
 
     def num_final(self, state: StepwiseState) -> int:
-        return self.gen_length if state.done else state.final
+        return state.final
 
     def next_forward(self, model: torch.nn.Module, state: StepwiseState, generator: torch.Generator | None = None,
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
@@ -388,7 +393,9 @@ class StepwiseDecoder(Decoder):
         except StopIteration as stop:
             if stop.value is None:
                 raise RuntimeError(f"{self.name or 'a step generator'} returned no output") from None
-            state.x, state.final, state.done = stop.value, self.gen_length, True
+            # what the method returned is final: `gen_length` positions, or fewer where the method's own
+            # length is "at most" gen_length (DAEDAL's canvas)
+            state.x, state.final, state.done = stop.value, stop.value.shape[1] - state.prompt_len, True
         if stats is not None:
             stats.nfe += counted.nfe - nfe
             stats.forward_positions += counted.forward_positions - positions

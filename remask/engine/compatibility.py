@@ -37,6 +37,7 @@ def methods() -> dict[str, dict[str, Any]]:
         "dInfer HierarchicalDecoding": dict(decoder=remask.HierarchicalDecoding()),
         "dInfer VicinityCache": dict(use_cache=remask.VicinityCache()),
         "WINO": dict(decoder=remask.WINO()),
+        "Prophet": dict(decoder=remask.Prophet()),
         "dKV-Cache": dict(use_cache=remask.DKVCache()),
         "d2Cache": dict(use_cache=remask.D2Cache()),
         "Elastic-Cache": dict(use_cache=remask.ElasticCache()),
@@ -48,12 +49,16 @@ def methods() -> dict[str, dict[str, Any]]:
     shipped = (remask.ThresholdDecoding, remask.CreditDecoding, remask.HierarchicalDecoding)
     extra = {f"rule {rule.name} ({rule.__name__})": dict(decoder=rule()) for rule in registry.rules()
              if rule not in shipped}
-    return {**listed, **extra}
+    # Every other registered method with a loop of its own (DAEDAL, ...), by its config's name, with its defaults.
+    named = {type(config) for kwargs in listed.values() for config in kwargs.values()}
+    own_loops = {m.config.__name__: {m.field: m.config()} for m in registry.METHODS.values()
+                 if not m.is_rule and m.config not in named}
+    return {**listed, **extra, **own_loops}
 
 
 # The methods that read `steps` (the rest pick their own number of steps).
 READS_STEPS = ("the family's own rule (LLaDA: low-confidence blocks)", "Dream's sampler (alg=entropy)", "dKV-Cache",
-               "d2Cache", "dKV-Cache + dInfer ThresholdDecoding")
+               "d2Cache", "dKV-Cache + dInfer ThresholdDecoding", "Prophet")
 
 
 def layout(name: str, spec: Any) -> dict[str, Any]:

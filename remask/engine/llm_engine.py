@@ -169,20 +169,17 @@ class LLMEngine:
         check_length(self.spec, prompt_ids.shape[1] + params.max_tokens, "prompt length + max_tokens")
         for token in params.stop_token_ids:
             check_token_id(self.spec, token, "stop_token_ids")
-        hold_ids = None
         if params.min_tokens:
             # The ids that could end the answer: the model's EOS/EOT, the tokenizer's end tokens and
             # stop_token_ids — EOS too under ignore_eos, as vLLM (its min_tokens masks every stop id).
-            hold_ids = torch.tensor(sorted(set(self.stop_ids) | set(self.eos_ids()) | set(params.stop_token_ids)),
+            end_ids = torch.tensor(sorted(set(self.stop_ids) | set(self.eos_ids()) | set(params.stop_token_ids)),
                                     dtype=torch.long, device=self.device)
-            if not self.is_ar:
-                decoder.add_processor(HoldEndIds(params.min_tokens, hold_ids))
+            decoder.add_processor(HoldEndIds(params.min_tokens, end_ids))
         base_seed = params.seed if params.seed is not None else self._default_seed(ids)
         arrival = now()
         seqs = [Sequence(request_id=request_id, index=i, prompt_ids=prompt_ids, params=params, decoder=decoder,
                          generator=torch.Generator(device=self.device).manual_seed(base_seed + i), arrival_time=arrival,
-                         seed=base_seed + i, paged=self.is_ar, owner=owner, drafts=drafts and not self.is_ar,
-                         hold_ids=hold_ids if self.is_ar else None)
+                         seed=base_seed + i, paged=self.is_ar, owner=owner, drafts=drafts and not self.is_ar)
                 for i in range(params.n)]
         for seq in seqs:
             self.scheduler.add(seq)
@@ -380,10 +377,9 @@ class LLMEngine:
         state = seq.state
         if state is None:
             return seq.output_ids or []
-        if seq.paged:
-            # A preempted sequence decoding again reports what it had until it catches up.
-            return list(state.tokens) if len(state.tokens) >= len(seq.output_ids or []) else list(seq.output_ids)
-        return state.x[0, seq.prompt_len:seq.prompt_len + seq.final_len].tolist()
+        if seq.final_len < len(seq.output_ids or []):
+            return list(seq.output_ids)   # a preempted sequence decoding again: what it had until it catches up
+        return seq.decoder.canvas(state)[0, seq.prompt_len:seq.prompt_len + seq.final_len].tolist()
 
     def _draft(self, seq: Sequence) -> list[int | None] | None:
         state = seq.state

@@ -1,9 +1,13 @@
 """The model runner computes one engine step for the running sequences.
 
-Autoregressive sequences: each samples its next token with its own settings and generator
-(`ARDecoder.sample`); then the prompts of newly admitted sequences and the new token of every
-sequence that goes on run as **one flat forward** (`[1, T]`, no padding) over the paged KV store,
-each sequence with its own positions and page table (`paged_kv.py`).
+Every sequence's decoder describes its next forward as a `ForwardRequest` (`next_forward`; the one
+decoder protocol, `diffusion/parts/protocol.py`) and takes its answer (`receive`).
+
+Autoregressive sequences: their forwards are causal continuations (`ForwardRequest.extends`): the
+prompts of newly admitted sequences and the token each other one sampled last run as **one flat
+forward** (`[1, T]`, no padding) over the paged KV store, each sequence with its own positions and
+page table (`Sequence.block_table`, `paged_kv.py`); each then samples its next token with its own
+settings and generator.
 
 Diffusion sequences: each decoder describes its next forward as a `ForwardRequest` (`next_forward`;
 `diffusion/parts/stepper.py`). On LLaDA / Dream (`spec.segmented`) the requests of every running
@@ -25,11 +29,11 @@ commit fails that sequence only (`failed`); a failed packed forward fails the se
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from remask.models.hf_compat import lm_output
 from remask.models.spec import ModelSpec
 
 from remask.diffusion.parts.stepper import ForwardRequest, call_model, run_forwards
@@ -37,21 +41,8 @@ from remask.diffusion.parts.stepper import ForwardRequest, call_model, run_forwa
 from . import cuda_graphs as graphing
 from remask.kernels.batch_invariant import batch_invariant_linear
 from remask.caches.page_manager import PageManager
-from remask.diffusion.parts.processors import hold_end_ids
 from .paged_kv import ForwardBatch, PagedKVStore, SequenceSlice, attention_configs, paged_forward
 from .sequence import Sequence
-
-
-@dataclass(eq=False)
-class ARRow:
-    """An autoregressive sequence's state: its pages, tokens so far and next-position logits."""
-
-    table: list[int]                       # its pages: prompt, then generated tokens
-    tokens: list[int] = field(default_factory=list)
-    step: int = 0
-    done: bool = False
-    logits: torch.Tensor | None = None     # [1, V]
-    matchers: Any = None                   # structured output: its matcher (`ARDecoder.sample` makes it)
 
 
 class ModelRunner:
@@ -80,17 +71,16 @@ class ModelRunner:
         """Advance every sequence by one step; returns the failed ones with their error."""
         failed: dict[Sequence, str] = {}
         packed: dict[Any, list[tuple[Sequence, ForwardRequest]]] = defaultdict(list)
-        self._ar_step([seq for seq in seqs if seq.paged], failed)
         for seq in seqs:
-            if seq.paged:
-                continue
             try:
                 if seq.state is None:
                     seq.stats.start()
                     seq.state = seq.decoder.start(self.model, seq.prompt_ids)
                 # The decoder describes its forward; the requests that pack share one model call.
                 request = seq.decoder.next_forward(self.model, seq.state, seq.generator, seq.stats)
-                if request is not None:
+                if request is not None and request.extends and self.store is not None:
+                    packed[("paged",)].append((seq, request))   # autoregressive: over the page store
+                elif request is not None:
                     key = self._graph_key(seq, request)
                     if key is None:
                         key = request.pack_key() if self.spec.segmented or request.stacks else None
@@ -100,7 +90,9 @@ class ModelRunner:
         for key, members in packed.items():
             try:
                 requests = [request for _, request in members]
-                if key[0] == "pack" and key[1] is not None and key[1][0] == "graph":
+                if key[0] == "paged":
+                    answers = self._paged_forward(members)
+                elif key[0] == "pack" and key[1] is not None and key[1][0] == "graph":
                     # uncached full forwards of one length: one captured graph per (bucket, length)
                     x = torch.cat([r.input_ids for r in requests])
                     logits = self.graphs(x, lambda x: call_model(self.model, requests[0], x), key=key[1][1:],
@@ -159,61 +151,34 @@ class ModelRunner:
 
     # ---- autoregressive sequences: one flat forward over the paged store ----
 
-    def _ar_step(self, seqs: list[Sequence], failed: dict[Sequence, str]) -> None:
-        if not seqs:
-            return
+    def _paged_forward(self, members: list[tuple[Sequence, ForwardRequest]]) -> list[Any]:
+        """The causal continuations (`ForwardRequest.extends`) of every autoregressive sequence in one
+        flat forward `[1, T]`: each feeds its new ids at its own positions over its own page table
+        (its prompt's pages found in the prefix cache where they match). Answers: each one's last
+        position's logits, as a model output without a cache."""
         assert self.pages is not None and self.store is not None
         slices: list[SequenceSlice] = []
-        members: list[Sequence] = []
         ids: list[int] = []
         positions: list[int] = []
-        for seq in seqs:
-            try:
-                if seq.state is None:       # admitted this step: its prompt's forward
-                    prompt = seq.prompt_ids[0].tolist()
-                    seq.stats.start()
-                    seq.state = ARRow(table=self.pages.allocate(prompt))
-                    q_len, ctx_len, new, shared = len(prompt), len(prompt), prompt, self.pages.last_hits
-                    seq.stats.forward(1, len(prompt))
-                else:                       # sample this step's token; the forward stores it
-                    row = seq.state
-                    logits = row.logits
-                    if seq.hold_ids is not None and row.step < seq.params.min_tokens:
-                        # min_tokens, vLLM's rule: while fewer than min_tokens tokens exist, no end token
-                        logits = hold_end_ids(logits[:, None], 0, 1, seq.hold_ids)[:, 0]
-                    token = int(seq.decoder.sample(logits, seq.generator, row)[0])
-                    row.tokens.append(token)
-                    row.step += 1
-                    seq.stats.step(1)
-                    row.done = token in seq.decoder.eos_ids or row.step == seq.decoder.max_new_tokens
-                    if row.done:
-                        continue
-                    q_len, ctx_len, new, shared = 1, seq.prompt_len + row.step, [token], 0
-                    self.pages.extend(row.table, ctx_len)
-                    seq.stats.forward(1, 1)
-            except Exception as err:  # noqa: BLE001
-                failed[seq] = f"{type(err).__name__}: {err}"
-                continue
-            slices.append(SequenceSlice(start=len(ids), q_len=q_len, ctx_len=ctx_len, table=seq.state.table,
-                                        shared=shared))
-            ids.extend(new)
-            positions.extend(range(ctx_len - q_len, ctx_len))
-            members.append(seq)
-        if not members:
-            return
-        try:
-            batch = ForwardBatch(slices, self.store, self.device)
-            input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-            position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
-            last = torch.tensor([s.start + s.q_len - 1 for s in slices], dtype=torch.long, device=self.device)
-            with self._invariant(len(slices), batch.token_groups), \
-                    paged_forward(self.model, batch, self.attention_configs):
-                logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                    logits_to_keep=last).logits[0]
-            self.forwards += 1
-        except Exception as err:  # noqa: BLE001
-            failed.update({seq: f"{type(err).__name__}: {err}" for seq in members})
-            return
-        for i, (seq, s) in enumerate(zip(members, slices)):
-            seq.state.logits = logits[i:i + 1]
+        for seq, request in members:
+            feed = request.input_ids[0].tolist()
+            if seq.block_table is None:     # its prompt: pages shared with an equal prompt's where they can be
+                seq.block_table, shared = self.pages.allocate(feed), self.pages.last_hits
+            else:
+                shared = 0
+                self.pages.extend(seq.block_table, seq.kv_len + len(feed))
+            slices.append(SequenceSlice(start=len(ids), q_len=len(feed), ctx_len=seq.kv_len + len(feed),
+                                        table=seq.block_table, shared=shared))
+            ids.extend(feed)
+            positions.extend(range(seq.kv_len, seq.kv_len + len(feed)))
+        batch = ForwardBatch(slices, self.store, self.device)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
+        last = torch.tensor([s.start + s.q_len - 1 for s in slices], dtype=torch.long, device=self.device)
+        with self._invariant(len(slices), batch.token_groups), paged_forward(self.model, batch, self.attention_configs):
+            logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                logits_to_keep=last).logits[0]
+        for (seq, _), s in zip(members, slices):
+            seq.kv_len = s.ctx_len
             self.unshared_pages += s.unshared
+        return [lm_output(logits=logits[i:i + 1, None]) for i in range(len(members))]

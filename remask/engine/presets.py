@@ -32,9 +32,9 @@ from remask.diffusion.parts.stepper import StepwiseDecoder
 from .sampling_params import SamplingParams
 
 # Settings that only the diffusion block rule reads: an AR request that sets one is refused.
-DIFFUSION_ONLY = ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "early_stop", "decoder",
-                  "logits_eos_inf", "confidence_eos_eot_inf", "reference_rng", "reference_ties", "alg", "alg_temp",
-                  "eps", "apd")
+DIFFUSION_ONLY = ("steps", "block_length", "threshold", "factor", "frechet_margin", "use_cache", "sparse", "early_stop",
+                  "decoder", "logits_eos_inf", "confidence_eos_eot_inf", "reference_rng", "reference_ties", "alg",
+                  "alg_temp", "eps", "apd")
 
 
 def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -> Any:
@@ -57,7 +57,7 @@ def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -
             raise ValueError(f"the model is autoregressive; these settings are for diffusion models: "
                              f"{set_here + (['cfg_scale'] if params.cfg_scale else [])}")
         decoder = ARDecoder(engine.model, **params.ar_kwargs(engine.eos_ids()), structure=structure)
-        decoder.check_input(prompt_ids, None)
+        decoder.check_input(prompt_ids, None, engine.model)
     elif params.decoder is not None or (params.use_cache is not None and not isinstance(params.use_cache, str)):
         check_prompt(engine.model, prompt_ids, None, spec=engine.spec, mask_in_prompt="refuse")
         decoder = method_decoder(engine, params, prompt_ids, structure, ends)
@@ -137,7 +137,8 @@ def method_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor
                    end_ids: Any = ()) -> StepwiseDecoder:
     """`decoder=` / a cache config: the method's step generator (`decoder_steps`), advanced one
     forward per engine step. Its arguments are checked here, before the request is queued."""
-    settings = {"steps": (params.steps, None), "remasking": (params.remasking, params.remasking)}
+    settings = {"steps": (params.steps, None), "remasking": (params.remasking, params.remasking),
+                "cfg_scale": (params.cfg_scale, SamplingParams.cfg_scale)}   # refused unless the method reads it
     kwargs = dict(gen_length=params.max_tokens, block_length=params.block_length or params.max_tokens,
                   use_cache=params.use_cache, mask_id=engine.spec.mask_id, structure=structure, end_ids=end_ids)
     # Checked now (the settings as values; SamplingParams refused the unread ones already).

@@ -22,14 +22,16 @@ from remask.diffusion.parts.sparse import SparseConfig
 
 
 # Settings only LLaDA's block rule reads, with their defaults (refused with Dream's `alg`).
-LLADA_RULE_DEFAULTS = dict(remasking="low_confidence", factor=None, cfg_scale=0.0, early_stop=False,
-                           logits_eos_inf=False, confidence_eos_eot_inf=False, reference_rng=False, sparse=None)
+LLADA_RULE_DEFAULTS = dict(remasking="low_confidence", factor=None, frechet_margin=None, cfg_scale=0.0,
+                           early_stop=False, logits_eos_inf=False, confidence_eos_eot_inf=False, reference_rng=False,
+                           sparse=None)
 # Settings the decoder configs (FreeDave, dInfer's) do not read: refused with `decoder`.
-DECODER_UNREAD = ("threshold", "factor", "sparse", "alg", "alg_temp", "early_stop", "reference_rng", "reference_ties",
-                   "cfg_scale", "remasking", "top_p", "top_k", "apd", "logits_eos_inf", "confidence_eos_eot_inf")
+DECODER_UNREAD = ("threshold", "factor", "frechet_margin", "sparse", "alg", "alg_temp", "early_stop", "reference_rng",
+                  "reference_ties", "cfg_scale", "remasking", "top_p", "top_k", "apd", "logits_eos_inf",
+                  "confidence_eos_eot_inf")
 # Settings APD does not read (it decodes left to right with its verifier): refused with `apd`.
-APD_UNREAD = ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "alg", "alg_temp", "early_stop",
-              "reference_rng", "reference_ties", "cfg_scale", "remasking")
+APD_UNREAD = ("steps", "block_length", "threshold", "factor", "frechet_margin", "use_cache", "sparse", "alg",
+              "alg_temp", "early_stop", "reference_rng", "reference_ties", "cfg_scale", "remasking")
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,8 @@ class SamplingParams:
     """Decoding settings of one request, vLLM's names where vLLM has the setting (docs/parameters.md
     maps each field; docs/engine.md which decoders take `ignore_eos` / `min_tokens`).
 
-    `max_tokens`: diffusion models fill exactly this many positions; sample i of `n` draws from
+    `max_tokens`: diffusion models fill exactly this many positions (at most, with `decoder=DAEDAL`, whose
+    canvas grows); sample i of `n` draws from
     `seed + i` (None: from the engine's seed and the prompt). Diffusion: `remask.generate`'s keywords
     (LLaDA's block rule), `alg` (Dream's sampler), `apd`, `canvas` (uniform-noise models), the
     block-causal families' dicts (docs/block-diffusion.md), `decoder=` (docs/decoders.md).
@@ -79,6 +82,8 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     structured_outputs: Any = None
+    # Fast-dLLM++'s Fréchet profile rule beside threshold / factor (added after vLLM's: positions unchanged)
+    frechet_margin: float | None = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, minimum=1)
@@ -107,9 +112,8 @@ class SamplingParams:
         # max_tokens only repeat forwards (and sized O(steps) buffers: steps=10**9 was an OOM kill)
         check_steps("steps", self.steps, self.max_tokens, "max_tokens")
         check_int("block_length", self.block_length, minimum=1, allow_none=True)
-        validate_block_args(self.max_tokens, self.block_length or self.max_tokens, self.steps or self.max_tokens)
         check_choice("remasking", self.remasking, REMASKING)
-        validate_rule(self.threshold, self.factor)
+        validate_rule(self.threshold, self.factor, self.frechet_margin)
         check_real("cfg_scale", self.cfg_scale, low=0)
         from remask.diffusion.methods import registry
         from remask.diffusion.methods.decoders import check_decoder
@@ -118,6 +122,9 @@ class SamplingParams:
         for name in ("decoder", "use_cache"):
             if isinstance(getattr(self, name), dict):
                 object.__setattr__(self, name, registry.from_json(name, getattr(self, name)))
+        # blocks tile max_tokens, except for a method whose canvas grows up to it (`Method.length_bound`)
+        if not (registry.is_config("decoder", self.decoder) and registry.method_of(self.decoder).length_bound):
+            validate_block_args(self.max_tokens, self.block_length or self.max_tokens, self.steps or self.max_tokens)
         if not registry.is_config("use_cache", self.use_cache) and (
                 not (self.use_cache is None or isinstance(self.use_cache, str)) or self.use_cache not in CACHE_MODES):
             configs = "remask.VicinityCache, remask.DKVCache, remask.D2Cache, remask.ElasticCache"
@@ -190,7 +197,7 @@ class SamplingParams:
     def generate_kwargs(self) -> dict[str, Any]:
         """`remask.generate`'s keyword arguments that decode like these params (the engine's block decoder too)."""
         same = ("temperature", "cfg_scale", "remasking", "logits_eos_inf", "confidence_eos_eot_inf", "threshold",
-                "factor", "early_stop", "reference_rng", "use_cache", "sparse", "reference_ties")
+                "factor", "frechet_margin", "early_stop", "reference_rng", "use_cache", "sparse", "reference_ties")
         return dict(steps=self.steps or self.max_tokens, gen_length=self.max_tokens,
                     block_length=self.block_length or self.max_tokens, **{name: getattr(self, name) for name in same})
 

@@ -64,10 +64,9 @@ class Scheduler:
 
     def _growth(self, seq: Sequence) -> int:
         """Fresh pages a running paged sequence needs for the token it stores this step."""
-        row = seq.state
-        if not seq.paged or row is None or row.done:
+        if seq.block_table is None or seq.state.done:
             return 0
-        return max(0, self.pages.pages_for(seq.prompt_len + row.step + 1) - len(row.table))
+        return max(0, self.pages.pages_for(seq.kv_len + 1) - len(seq.block_table))
 
     def schedule(self) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
         """Reserve this step's pages (preempting if needed), then pick the batch (module docstring);
@@ -80,13 +79,12 @@ class Scheduler:
             # can always go on, and preemption stays the only way a sequence loses its pages.
             reserved = sum(self._growth(seq) for seq in self.running)
             while reserved > self.pages.num_free:
-                victim = next((s for s in reversed(self.running) if s.paged and s.state is not None), None)
+                victim = next((s for s in reversed(self.running) if s.block_table is not None), None)
                 if victim is None:
                     break
                 reserved -= self._growth(victim)
                 self.running.remove(victim)
-                self.pages.free(victim.state.table)
-                victim.restart()
+                victim.restart(self.pages)
                 self._seq_served.pop(victim, None)
                 self._seq_steps.pop(victim, None)
                 preempted.append(victim)
@@ -183,9 +181,10 @@ class Scheduler:
 
     def finish(self, seq: Sequence, status: SequenceStatus = SequenceStatus.FINISHED) -> None:
         seq.status = status
-        if seq.paged and seq.state is not None and self.pages is not None:
-            self.pages.free(seq.state.table)
-        if not seq.paged and seq.state is not None:
+        if seq.block_table is not None:
+            self.pages.free(seq.block_table)   # an autoregressive sequence's pages
+            seq.block_table = None
+        if seq.state is not None:
             seq.decoder.release(seq.state)    # a block-causal request's pages
         seq.state = None          # drops its cache
         self._seq_served.pop(seq, None)

@@ -38,7 +38,8 @@ class Sequence:
     owner: str | None = None           # who asked (an API key's identity): the scheduler's fairness unit
     preemptions: int = 0
     drafts: bool = False               # report the provisional canvas after every step
-    hold_ids: torch.Tensor | None = None   # min_tokens (AR): ids whose logits are −inf until min_tokens tokens exist
+    block_table: list[int] | None = None   # paged: its pages of the engine's store (prompt, then tokens)
+    kv_len: int = 0                    # paged: positions whose K/V its pages hold
     status: SequenceStatus = SequenceStatus.WAITING
     state: Any = None
     stats: GenerationStats = field(default_factory=GenerationStats)
@@ -50,12 +51,14 @@ class Sequence:
     output_ids: list[int] | None = None   # the generated ids, kept when the state is freed
     deadline: float | None = None      # `now()` past which the engine aborts it (finish reason "timeout")
 
-    def restart(self) -> None:
-        """Back to its first step (preempted: its pages were taken back). Decoding again from the
+    def restart(self, pages: Any) -> None:
+        """Back to its first step (preempted: its pages go back to `pages`). Decoding again from the
         same seed gives the same tokens, so what was already reported stays true."""
-        tokens = self.state.tokens if self.paged and self.state is not None else None
-        if tokens is not None and len(tokens) > len(self.output_ids or []):
-            self.output_ids = list(tokens[:self.final_len])   # reported until the new run catches up
+        if self.state is not None and self.final_len > len(self.output_ids or []):
+            # reported until the new run catches up
+            self.output_ids = self.decoder.canvas(self.state)[0, self.prompt_len:self.prompt_len + self.final_len].tolist()
+        pages.free(self.block_table)
+        self.block_table, self.kv_len = None, 0
         self.state = None
         self.generator.manual_seed(self.seed)
         self.stats = GenerationStats()

@@ -1,0 +1,182 @@
+"""DAEDAL: variable-length generation for LLaDA (Li-Jinsong/DAEDAL `models/LLaDA_DAEDAL.py` `generate`).
+
+The answer to "which gen_length?": start short and let the model's end-of-sequence confidence say
+when the canvas is long enough. `gen_length` (the engine's `max_tokens`) is only the most it may grow
+to; the output is `[1, P + L]` with L ≤ gen_length.
+
+1. **Initial length expansion.** The canvas is `initial_gen_length` masks. Each forward scores the
+   EOS confidence: scanning from the canvas end back to the prompt, the probabilities of the (at most
+   `eos_check_tokens`) positions whose argmax is EOS, summed and divided by `eos_check_tokens`. Below
+   `eos_confidence_threshold` the canvas grows by `expansion_factor` masks (capped at gen_length) and
+   is forwarded again. Then `eos_check_tokens // 2` EOS tokens are appended (capped at gen_length).
+2. **Iterative denoising and mask insertion**, a block of `block_length` at a time (from the first
+   block still holding a mask). Per forward: commit the block's masked positions with confidence above
+   `high_conf_threshold` (argmax not the mask token), else the most confident one whose argmax is not
+   the mask token (none: the best token other than the mask token of the position with the highest
+   such probability). Unless the EOS confidence reaches `expand_eos_confidence_threshold` or the canvas
+   is at gen_length, the least confident uncommitted masked block position below `low_conf_threshold`
+   becomes `expansion_factor` masks (the canvas cut at gen_length).
+
+Every forward sees the whole canvas (no cache). Rows of a batch are decoded each alone (upstream
+decodes a batch together, its pad tokens attended); a shorter row is filled with EOS to the longest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from remask.models.spec import get_spec
+
+from ..parts.checks import check_int, check_mask_id, check_prompt, check_real, check_stats, model_device
+from ..parts.scoring import score_tokens
+from ..parts.stats import GenerationStats
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
+
+
+@dataclass(frozen=True)
+class DAEDAL:
+    """DAEDAL's parameters, upstream's names and defaults. `max_gen_length` is the entry point's
+    `gen_length` / `max_tokens`; `block_length` the entry point's (upstream's default: 32)."""
+
+    initial_gen_length: int = 64
+    high_conf_threshold: float = 0.90
+    low_conf_threshold: float = 0.10
+    expansion_factor: int = 8
+    eos_confidence_threshold: float = 0.5
+    expand_eos_confidence_threshold: float = 0.9
+    eos_check_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        check_int("initial_gen_length", self.initial_gen_length, minimum=1)
+        check_int("expansion_factor", self.expansion_factor, minimum=0)   # 0: an insertion drops the mask
+        check_int("eos_check_tokens", self.eos_check_tokens, minimum=1)   # upstream divides by it
+        for name in ("high_conf_threshold", "low_conf_threshold", "eos_confidence_threshold",
+                     "expand_eos_confidence_threshold"):
+            check_real(name, getattr(self, name))
+
+    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
+                      steps: int | None = None, prompt_length: int | None = None) -> None:
+        """No bound of its own: `gen_length` caps every length (an `initial_gen_length` past it starts
+        at gen_length, as upstream ends up), each forward commits a position."""
+
+
+def eos_confidence(x0: torch.Tensor, conf: torch.Tensor, P: int, eos_id: int, count: int) -> torch.Tensor:
+    """Upstream's EOS confidence of one row (`x0`, `conf` `[T]`): the confidences of the last `count`
+    positions past the prompt whose argmax is EOS, summed from the end as Python floats, over
+    `count`, as a float32 scalar (compared in float32, as upstream's tensor)."""
+    where = (x0[P:] == eos_id).nonzero().flatten().flip(0)[:count] + P
+    return torch.tensor(sum(conf[where].tolist()) / count, dtype=torch.float32)
+
+
+@torch.no_grad()
+def daedal_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DAEDAL | None = None,
+                    gen_length: int = 2048, block_length: int = 32, attention_mask: torch.Tensor | None = None,
+                    mask_id: int | None = None, stats: GenerationStats | None = None) -> torch.Tensor:
+    """DAEDAL decoding (greedy): `[B, P + L]`, L ≤ `gen_length` the longest row's length."""
+    return drive(daedal_steps(model, prompt, config=config, gen_length=gen_length, block_length=block_length,
+                              attention_mask=attention_mask, mask_id=mask_id, stats=stats), model)
+
+
+def daedal_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DAEDAL | None = None,
+                 gen_length: int = 2048, block_length: int = 32, attention_mask: torch.Tensor | None = None,
+                 mask_id: int | None = None, stats: GenerationStats | None = None, structure=None,
+                 end_ids=()) -> StepGenerator:
+    """`daedal_generate` as a step generator, its arguments checked at the call: each forward's
+    canvas is as long as the row's canvas then is; a `Progress` after each denoising forward (`final`:
+    the blocks before the current one, which no insertion moves)."""
+    config = DAEDAL() if config is None else config
+    if not isinstance(config, DAEDAL):
+        raise ValueError(f"config must be a remask DAEDAL, got {type(config).__name__}")
+    check_int("gen_length", gen_length, minimum=1)
+    check_int("block_length", block_length, minimum=1)
+    check_stats("stats", stats)
+    if structure is not None:
+        raise ValueError("structured_outputs: not supported with DAEDAL (its canvas grows and shifts under the "
+                         "matcher)")
+    spec = get_spec(model, mask_id=mask_id)
+    check_mask_id(spec)
+    if spec.eos_id is None:
+        raise ValueError("DAEDAL reads the EOS confidence: the model has no eos id")
+    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
+    return _daedal_loop(config, spec, prompt.to(model_device(model)), attention_mask, gen_length, block_length, stats)
+
+
+def _daedal_loop(config: DAEDAL, spec, prompt: torch.Tensor, attention_mask: torch.Tensor | None, max_length: int,
+                 block_length: int, stats: GenerationStats | None) -> StepGenerator:
+    if stats is not None:
+        stats.start()
+    rows = []
+    for b in range(prompt.shape[0]):
+        keys = None if attention_mask is None or bool(attention_mask[b].all()) else attention_mask[b:b + 1]
+        rows.append((yield from _daedal_row(config, spec, prompt[b:b + 1], keys, max_length, block_length, stats)))
+    P, longest = prompt.shape[1], max(row.shape[1] for row in rows)
+    x = torch.full((len(rows), longest), spec.eos_id, dtype=torch.long, device=prompt.device)
+    for b, row in enumerate(rows):
+        x[b, :row.shape[1]] = row[0]
+    if stats is not None:
+        stats.stop(sum(row.shape[1] - P for row in rows))
+    return x
+
+
+def _daedal_row(config: DAEDAL, spec, prompt: torch.Tensor, keys: torch.Tensor | None, max_length: int,
+                block_length: int, stats: GenerationStats | None) -> StepGenerator:
+    mask_id, eos_id, P, device = spec.mask_id, spec.eos_id, prompt.shape[1], prompt.device
+
+    def forward(x: torch.Tensor):
+        logits = yield ForwardRequest.call(x, spec.forward_inputs(keys, x.shape[1]), spec=spec)
+        if stats is not None:
+            stats.forward(1, x.shape[1])
+        x0, conf = score_tokens(logits[0])   # greedy; the untempered softmax's probability (logits' dtype)
+        return logits[0], x0, conf, eos_confidence(x0, conf, P, eos_id, config.eos_check_tokens)
+
+    def masks(n: int, fill: int = mask_id) -> torch.Tensor:
+        return torch.full((1, n), fill, dtype=torch.long, device=device)
+
+    # 1. initial length expansion
+    length = min(config.initial_gen_length, max_length)
+    x = torch.cat([prompt, masks(length)], dim=1)
+    while True:
+        *_, eos_conf = yield from forward(x)
+        if stats is not None:
+            stats.step(0)
+        grown = min(length + config.expansion_factor, max_length)
+        if not bool(eos_conf < config.eos_confidence_threshold) or grown <= length:
+            break
+        x, length = torch.cat([x, masks(grown - length)], dim=1), grown
+    tail = min(length + config.eos_check_tokens // 2, max_length) - length
+    x, length = torch.cat([x, masks(tail, eos_id)], dim=1), length + tail
+    # 2. iterative denoising and mask insertion
+    current = P
+    while current < P + length:
+        logits, x0, conf, eos_conf = yield from forward(x)
+        masked = x[0] == mask_id
+        block = torch.zeros_like(masked)
+        block[current:min(current + block_length, P + length)] = True
+        commit = (conf > config.high_conf_threshold) & block & masked & (x0 != mask_id)
+        if not bool(commit.any()):
+            candidates = torch.where(block & masked)[0]
+            order = torch.sort(conf[candidates], descending=True).indices
+            usable = order[x0[candidates[order]] != mask_id]
+            if usable.numel():
+                commit[candidates[usable[0]]] = True
+            else:   # every candidate's argmax is the mask token: the best other token of the best position
+                stuck = logits[candidates]
+                stuck[:, mask_id] = -torch.inf
+                best, tokens = torch.max(torch.softmax(stuck, dim=-1), dim=-1)
+                pick = torch.argmax(best)
+                x0[candidates[pick]], commit[candidates[pick]] = tokens[pick], True
+        x[0, commit] = x0[commit]
+        if stats is not None:
+            stats.step(int(commit.sum()))
+        if not bool(eos_conf >= config.expand_eos_confidence_threshold) and length < max_length:
+            low = torch.where((conf < config.low_conf_threshold) & block & masked & ~commit)[0]
+            if low.numel():
+                at = int(low[torch.topk(conf[low], 1, largest=False).indices])
+                grown = min(length + config.expansion_factor - 1, max_length)
+                x = torch.cat([x[:, :at], masks(config.expansion_factor), x[:, at + 1:]], dim=1)[:, :P + grown]
+                length = grown
+        while current < P + length and not bool((x[0, current:current + block_length] == mask_id).any()):
+            current += block_length
+        yield Progress(x, current - P)
+    return x

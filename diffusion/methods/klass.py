@@ -1,0 +1,181 @@
+"""KLASS: KL-adaptive stability sampling (Kim et al., NeurIPS 2025, arXiv 2511.05664; shkim0116/KLASS).
+
+A masked position is committed when it is both confident and stable: its argmax probability (float64
+softmax) passes `conf_threshold` and the KL divergence of its predicted distribution from the previous
+forward's, ``Σ p·(log(p + 1e-12) − log(p_prev + 1e-12))``, stayed below `kl_threshold` over the last
+`kl_history_length` forwards (before any forward, p_prev = 0 and the history holds zeros).
+`unmask_strategy`: "all" commits every ready position, "max_conf" the most confident, "min_kl" the one
+of least KL. A row with none ready falls back to its most confident masked positions.
+
+As a commit rule (SDAR's and LLaDA2's loops, Elastic-Cache's window) it is Dream's: memory over one
+block's forwards, ``confidence >= conf_threshold``, one position as the fallback. KLASS's own loop
+(`klass_steps`; registry name "klass") is the official one of each layout, row by row as alone:
+* LLaDA (`llada_klass.stable_confident_decode`): blocks of `block_length` after the prompt, each iterated
+  while it holds a mask; a position is stable only from the block's `kl_history_length`-th forward on,
+  ``confidence > conf_threshold``, and the fallback commits LLaDA's schedule count (`steps` over the
+  blocks) by confidence. The KL memory runs across blocks: each forward scores the next block too.
+* Dream (`dream_klass.py`'s `alg="klass"`): the same loop with Dream's rule (one block with
+  ``block_length = max_new_tokens``, as upstream; `steps` is upstream's cap, which lifting never changes).
+Departures (docs/quirks.md): a block is iterated until it holds no mask (upstream's LLaDA loop stops after
+its `steps` share, Dream's after `steps`, masks left), one position a forward past the schedule; a
+fallback takes at most the masks left (upstream's top-k overwrote decoded or prompt tokens); the mask
+token is never proposed; greedy only, `unmask_strategy="random"` refused.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from remask.models.spec import get_spec
+
+from ..families.llada import validate_block_args
+from ..parts.checks import check_choice, check_instance, check_int, check_mask_id, check_prompt, check_real, check_stats
+from ..parts.selection import schedule_counts
+from ..parts.stats import GenerationStats
+from ..parts.step import CommitRule, masked_canvas
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator
+
+EPS = 1e-12   # upstream's: log(p + eps)
+
+
+@dataclass(frozen=True)
+class KLASS(CommitRule):
+    """Commit the masked positions that are confident (≥ `conf_threshold`) and stable (KL below
+    `kl_threshold` over the last `kl_history_length` forwards), by `unmask_strategy`; else the most
+    confident one (module docstring). Greedy."""
+
+    name = "klass"
+    conf_threshold: float = 0.9
+    kl_threshold: float = 0.01
+    kl_history_length: int = 2
+    unmask_strategy: str = "all"
+
+    def __post_init__(self) -> None:
+        check_real("conf_threshold", self.conf_threshold)
+        check_real("kl_threshold", self.kl_threshold)
+        check_int("kl_history_length", self.kl_history_length, minimum=1)
+        if self.unmask_strategy == "random":
+            raise ValueError("unmask_strategy: 'random' draws from torch's global generator; remask's commit rules "
+                             "are greedy: use 'all', 'max_conf' or 'min_kl'")
+        check_choice("unmask_strategy", self.unmask_strategy, ("all", "max_conf", "min_kl"))
+
+    def new_state(self) -> "Stability":
+        return Stability(self.kl_history_length if self.kl_threshold > 0 else 0)
+
+    def commit(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int,
+               state: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logits` `[B, n ≥ L, V]`: the block's positions first; the others (KLASS's loop: the next block)
+        are scored for the KL memory only."""
+        if not isinstance(state, Stability):
+            raise ValueError("KLASS keeps a KL history over a block's forwards: pass state=rule.new_state()")
+        L = block.shape[1]
+        p = torch.softmax(logits.to(torch.float64), dim=-1)
+        log_p = torch.log(p + EPS)
+        kl = (p * (log_p - state.previous(log_p))).sum(dim=-1)
+        passed = kl < self.kl_threshold
+        state.streak = torch.where(passed, (state.padded(passed) + 1).clamp(max=self.kl_history_length), 0)
+        state.log_prev = log_p
+        x0 = logits.index_fill(-1, torch.tensor([mask_id], device=logits.device), -math.inf).argmax(dim=-1)[:, :L]
+        conf, kl = p[:, :L].gather(-1, x0.unsqueeze(-1)).squeeze(-1), kl[:, :L]
+        masked = block == mask_id
+        confident = conf > self.conf_threshold if state.llada else conf >= self.conf_threshold
+        ready = confident & (state.streak[:, :L] >= self.kl_history_length) & masked
+        if state.llada and state.calls < self.kl_history_length - 1:
+            ready = torch.zeros_like(ready)   # LLaDA's loop: from the block's H-th forward on
+        state.calls += 1
+        if self.unmask_strategy != "all":
+            key = torch.where(ready, conf, -math.inf) if self.unmask_strategy == "max_conf" \
+                else torch.where(ready, -kl, -math.inf)
+            ready = ready & torch.zeros_like(ready).scatter(-1, key.argmax(dim=-1, keepdim=True), True)
+        budget = torch.ones_like(masked[:, 0], dtype=torch.long) if state.budget is None else state.budget
+        order = torch.where(masked, conf, -math.inf).argsort(dim=-1, descending=True, stable=True)
+        ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(L, device=order.device).expand_as(order))
+        fallback = (ranks < budget[:, None]) & masked
+        commit = torch.where(ready.any(dim=-1, keepdim=True), ready, fallback)
+        return commit, torch.where(commit, x0, block)
+
+
+class Stability:
+    """KLASS's memory (`KLASS.new_state()`): the previous forward's log(p + eps) `[B, n, V]`, each
+    position's run of forwards (≤ H) whose KL stayed below the threshold, the forwards of the block; KLASS's
+    loop sets `llada` (its LLaDA rule) and `budget` (the fallback's count per row, None: one)."""
+
+    def __init__(self, initial_streak: int) -> None:
+        self.initial, self.log_prev, self.streak = initial_streak, None, None
+        self.calls, self.llada, self.budget = 0, False, None
+
+    def previous(self, log_p: torch.Tensor) -> torch.Tensor:
+        """log(p_prev + eps) for `log_p`'s positions (log(eps) where no forward scored them yet)."""
+        prev = torch.full_like(log_p, math.log(EPS)) if self.log_prev is None else self.log_prev
+        if prev.shape[1] < log_p.shape[1]:
+            tail = torch.full_like(log_p[:, prev.shape[1]:], math.log(EPS))
+            prev = torch.cat([prev, tail], dim=1)
+        return prev[:, :log_p.shape[1]]
+
+    def padded(self, like: torch.Tensor) -> torch.Tensor:
+        streak = torch.full(like.shape, self.initial, dtype=torch.long, device=like.device)
+        if self.streak is not None:
+            n = min(self.streak.shape[1], like.shape[1])
+            streak[:, :n] = self.streak[:, :n]
+        return streak
+
+    def next_block(self, length: int) -> None:
+        """Drop the finished block's positions: the memory of the positions after it stays."""
+        self.log_prev = None if self.log_prev is None else self.log_prev[:, length:]
+        self.streak = None if self.streak is None else self.streak[:, length:]
+        self.calls = 0
+
+
+def klass_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: KLASS | None = None,
+                steps: int | None = None, gen_length: int = 128, block_length: int = 128,
+                attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
+                stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = ()) -> StepGenerator:
+    """KLASS's loop (module docstring) as a step generator, its arguments checked at the call: a
+    `ForwardRequest` per forward (the block and the next, against the whole canvas), a `Progress` after
+    each; returns `[B, P + gen_length]`. `steps`: LLaDA's schedule (None: `gen_length`)."""
+    config = KLASS() if config is None else config
+    check_instance("decoder", config, KLASS, "a remask.KLASS", allow_none=False)
+    check_stats("stats", stats)
+    if structure is not None:
+        raise ValueError("structured_outputs: KLASS's loop does not take a structure")
+    steps = gen_length if steps is None else steps
+    validate_block_args(gen_length, block_length, steps)
+    spec = get_spec(model, mask_id=mask_id)
+    check_mask_id(spec)
+    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
+    return _klass_loop(config, spec, masked_canvas(prompt, gen_length, spec.mask_id), prompt.shape[1], attention_mask,
+                       steps * block_length // gen_length, block_length, stats)
+
+
+@torch.no_grad()
+def _klass_loop(config: KLASS, spec: Any, x: torch.Tensor, P: int, attention_mask: torch.Tensor | None,
+                steps_per_block: int, block_length: int, stats: GenerationStats | None) -> StepGenerator:
+    B, T, mask_id = x.shape[0], x.shape[1], spec.mask_id
+    if stats is not None:
+        stats.start()
+    for b in range(B):   # each row as alone (upstream's LLaDA loop is one row; its Dream fallback mixes rows)
+        row = x[b:b + 1]
+        inputs = spec.forward_inputs(None if attention_mask is None else attention_mask[b:b + 1], T)
+        state = config.new_state()
+        state.llada = not spec.logit_shift
+        for start in range(P, T, block_length):
+            block, hi = row[:, start:start + block_length], min(start + 2 * block_length, T)
+            schedule = schedule_counts(block == mask_id, steps_per_block) if state.llada else None
+            step = 0
+            while bool((block == mask_id).any()):
+                state.budget = schedule[:, step] if schedule is not None and step < steps_per_block else None
+                logits = yield ForwardRequest.call(row, inputs, spec=spec, rows=slice(start, hi))
+                commit, tokens = config.commit(block, logits, mask_id, state)
+                block[commit] = tokens[commit]
+                if stats is not None:
+                    stats.forward(1, T)
+                    stats.step(commit.sum())
+                step += 1
+                yield Progress(x, start - P if b == B - 1 else 0)
+            state.next_block(block_length)
+    if stats is not None:
+        stats.stop(B * (T - P))
+    return x

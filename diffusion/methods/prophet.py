@@ -1,0 +1,163 @@
+"""Prophet: early-commit decoding for LLaDA (pixeli99/Prophet `generate_earlyexit.py`, arXiv 2508.19982).
+
+LLaDA's block loop (`families.llada.BlockDecoder`: the integer schedule, low-confidence or random
+remasking, unsupervised CFG) with one check between each forward and its commit: the mean
+top-1 − top-2 gap of the logits at the answer positions ``[answer_start_pos, answer_start_pos +
+answer_length)`` (positions of the whole sequence, prompt included; those inside the generation
+count) against the threshold of the phase the step falls in (step / steps < 0.33: "early",
+< 0.67: "mid", else "late"; steps counted from 1 over all blocks). Once the gap reaches it, every
+position still masked, in every block, takes its argmax at once and decoding ends: that forward
+is the last. `constraints` ({offset in the generation: token}) are written into the canvas before
+decoding, so the schedule and CFG's unconditional input treat them as given, as upstream.
+
+A method with its own loop, not a commit rule: a rule sees one block's logits and commits inside
+that block (in dInfer's loop, not LLaDA's schedule), while the exit reads positions past the block
+and commits the whole answer. Each row is decoded alone (upstream decodes one prompt), so a row
+stops at its own exit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from remask.models.spec import get_spec
+
+from ..families.llada import BlockDecoder
+from ..parts.checks import (CombinationError, ParameterTypeError, check_generator, check_instance, check_int,
+                            check_model_kind, check_real, check_settings, check_stats, check_token_id)
+from ..parts.scoring import score_rows
+from ..parts.selection import schedule_counts
+from ..parts.stats import GenerationStats
+from ..parts.step import masked_canvas
+from ..parts.stepper import Progress, StepGenerator, drive
+
+PHASES = {"early": 7.5, "mid": 5.0, "late": 2.5}   # upstream's thresholds when none are given
+
+
+@dataclass(frozen=True)
+class Prophet:
+    """Prophet's parameters (upstream: `answer_start_pos`, `early_exit_thresholds`, `constraints`; the
+    answer length 5 is a constant there). Without `answer_start_pos` no step exits (plain LLaDA)."""
+
+    answer_start_pos: int | None = None
+    early_exit_thresholds: dict[str, float] | None = None
+    constraints: dict[int, int] | None = None
+    answer_length: int = 5
+
+    def __post_init__(self) -> None:
+        check_int("answer_start_pos", self.answer_start_pos, minimum=0, allow_none=True)
+        check_int("answer_length", self.answer_length, minimum=1)
+        if self.early_exit_thresholds is not None:   # a phase left out keeps upstream's threshold
+            given = check_settings("early_exit_thresholds", self.early_exit_thresholds, tuple(PHASES))
+            object.__setattr__(self, "early_exit_thresholds", {
+                phase: check_real(f"early_exit_thresholds[{phase!r}]", value) for phase, value in given.items()})
+        if self.constraints is not None:
+            if not isinstance(self.constraints, dict):
+                raise ParameterTypeError(f"constraints must be a dict {{position: token id}} or None, "
+                                         f"got {type(self.constraints).__name__}")
+            pinned = {}
+            for position, token in self.constraints.items():   # JSON's keys are strings: "3" is position 3
+                position = int(position) if isinstance(position, str) and position.isdigit() else position
+                pinned[check_int("constraints (a position)", position, minimum=0)] = check_int(
+                    f"constraints[{position}]", token, minimum=0)
+            object.__setattr__(self, "constraints", pinned)
+
+    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
+                      steps: int | None = None, prompt_length: int | None = None) -> None:
+        """A constraint past the generation would be dropped (upstream skips it): refused."""
+        outside = sorted(p for p in self.constraints or {} if gen_length is not None and p >= gen_length)
+        if outside:
+            raise ValueError(f"constraints: positions {outside} lie outside the generation [0, {gen_length})")
+
+    def threshold_at(self, step: int, steps: int) -> float:
+        progress = step / steps
+        phase = "early" if progress < 0.33 else "mid" if progress < 0.67 else "late"
+        return {**PHASES, **(self.early_exit_thresholds or {})}[phase]
+
+
+@torch.no_grad()
+def prophet_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: Prophet | None = None,
+                     steps: int = 128, gen_length: int = 128, block_length: int = 128, cfg_scale: float = 0.0,
+                     remasking: str = "low_confidence", attention_mask: torch.Tensor | None = None,
+                     mask_id: int | None = None, generator: torch.Generator | None = None,
+                     stats: GenerationStats | None = None) -> torch.LongTensor:
+    """Prophet decoding (greedy; module docstring): `[B, P + gen_length]`, no mask left. `stats.nfe`
+    counts the forwards (upstream's `exit_decision_step` when a row exits, else `steps`)."""
+    return drive(prophet_steps(model, prompt, config=config, steps=steps, gen_length=gen_length,
+                               block_length=block_length, cfg_scale=cfg_scale, remasking=remasking,
+                               attention_mask=attention_mask, mask_id=mask_id, generator=generator, stats=stats), model)
+
+
+def prophet_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Prophet | None = None, steps: int = 128,
+                  gen_length: int = 128, block_length: int = 128, cfg_scale: float = 0.0,
+                  remasking: str = "low_confidence", attention_mask: torch.Tensor | None = None,
+                  mask_id: int | None = None, generator: torch.Generator | None = None,
+                  stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = ()) -> StepGenerator:
+    """`prophet_generate` as a step generator (`diffusion/parts/stepper.py`), its arguments checked at the call."""
+    config = Prophet() if config is None else config
+    check_instance("config", config, Prophet, "a remask.Prophet", allow_none=False)
+    if structure is not None:
+        raise CombinationError("structured_outputs with decoder=Prophet: its early exit fills every masked position "
+                               "at once, past what a structure lets one commit decide")
+    check_stats("stats", stats)
+    check_generator(generator, prompt.device)
+    spec = get_spec(model, mask_id=mask_id)
+    check_model_kind(spec, diffusion=True, entry="Prophet")
+    decoder = BlockDecoder(spec, steps=steps, gen_length=gen_length, block_length=block_length, cfg_scale=cfg_scale,
+                           remasking=remasking)
+    decoder.check_input(model, prompt, attention_mask)
+    config.check_request(gen_length=gen_length)
+    start, P = config.answer_start_pos, prompt.shape[1]
+    if start is not None and not (start < P + gen_length and start + config.answer_length > P):
+        raise ValueError(f"answer_start_pos: the answer positions [{start}, {start + config.answer_length}) hold no "
+                         f"generated position [{P}, {P + gen_length}) (positions count from the prompt's start)")
+    for position, token in (config.constraints or {}).items():
+        if check_token_id(spec, token, f"constraints[{position}]") == spec.mask_id:
+            raise ValueError(f"constraints[{position}] is the mask token {token}: it would stay in the output")
+    return _prophet_loop(config, decoder, model, prompt, attention_mask, steps, generator, stats)
+
+
+@torch.no_grad()
+def _prophet_loop(config: Prophet, decoder: BlockDecoder, model: torch.nn.Module, prompt: torch.Tensor,
+                  attention_mask: torch.Tensor | None, steps: int, generator: torch.Generator | None,
+                  stats: GenerationStats | None) -> StepGenerator:
+    mask_id, (B, P) = decoder.spec.mask_id, prompt.shape
+    canvas = masked_canvas(prompt, decoder.gen_length, mask_id)
+    T = canvas.shape[1]
+    answer = [] if config.answer_start_pos is None else list(
+        range(max(config.answer_start_pos, P), min(T, config.answer_start_pos + config.answer_length)))
+    if stats is not None:
+        stats.start()
+    for b in range(B):
+        state = decoder.start(model, prompt[b:b + 1], None if attention_mask is None else attention_mask[b:b + 1])
+        for position, token in (config.constraints or {}).items():
+            state.x[:, P + position] = token
+        state.prompt_index = state.x != mask_id          # the pinned positions are given, as the prompt
+        start, end = decoder.block_span(state)
+        state.schedule = schedule_counts(state.x[:, start:end] == mask_id, decoder.steps_per_block)
+        step = 0
+        while not state.done:
+            step += 1
+            logits, fed = decoder.finish_forward(state, (yield decoder.next_forward(model, state)))
+            if answer:
+                top = logits[0, answer].topk(2, dim=-1).values
+                gaps = (top[:, 0] - top[:, 1]).double()   # upstream: each gap a Python float, summed in order
+                total = gaps[0]
+                for gap in gaps[1:]:
+                    total = total + gap
+                if bool(total / len(answer) >= config.threshold_at(step, steps)):
+                    masked = (state.x[0] == mask_id).nonzero().flatten()
+                    state.x[0, masked] = score_rows(logits[0], masked, exclude_id=mask_id)[0]
+                    if stats is not None:
+                        stats.forward(2 if decoder.cfg_scale > 0 else 1, T)
+                        stats.step(masked.numel())
+                    break
+            decoder.commit(state, logits, fed, generator, stats)
+            canvas[b:b + 1] = state.x
+            yield Progress(canvas, decoder.num_final(state) if b == B - 1 else 0)
+        canvas[b:b + 1] = state.x
+    if stats is not None:
+        stats.stop(B * decoder.gen_length)
+    return canvas

@@ -1,0 +1,141 @@
+"""KLASS (`remask.KLASS`, diffusion/methods/klass.py): the official samplers' tokens (shkim0116/KLASS,
+`llada_klass.stable_confident_decode` and Dream's `alg="klass"`, run outside the repository on tiny
+official-format checkpoints: tests/fixtures/klass_reference.json), the refusals, the engine equal to the
+drop-in, and the rule on a block family's own loop."""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+from transformers import AutoModel, AutoModelForCausalLM
+
+import remask
+from remask.diffusion.methods import registry
+from remask.models import get_spec, tiny
+
+from helpers import margin_case, rule_on_sdar_drop_in_equals_engine
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "klass_reference.json")
+with open(FIXTURE) as f:
+    DATA = json.load(f)
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def checkpoint(tmp_path_factory, name: str) -> torch.nn.Module:
+    ck = DATA["meta"]["checkpoints"][name]
+    if name not in _MODELS:
+        path = str(tmp_path_factory.mktemp(name))
+        assert getattr(tiny, ck["writer"])(path, **ck["kwargs"]) == ck["digest"], "the tiny writer changed"
+        _MODELS[name] = AutoModel.from_pretrained(path).eval()
+    return _MODELS[name]
+
+
+def rule_of(kwargs: dict) -> remask.KLASS:
+    return remask.KLASS(**{k: kwargs[k] for k in ("conf_threshold", "kl_threshold", "kl_history_length",
+                                                  "unmask_strategy") if k in kwargs})
+
+
+def decode(model: torch.nn.Module, case: dict) -> list:
+    kw = case["kwargs"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # generation beyond the tiny models' trained length
+        if case["checkpoint"].startswith("llada"):
+            return remask.generate(model, torch.tensor([case["prompt"]]), steps=kw["steps"], gen_length=kw["gen_length"],
+                                   block_length=kw["block_length"], decoder=rule_of(kw))[0].tolist()
+        mask = case.get("attention_mask")
+        return remask.diffusion_generate(model, torch.tensor(case["prompt"]), max_new_tokens=kw["gen_length"],
+                                         block_length=kw["gen_length"], decoder=rule_of(kw),
+                                         attention_mask=None if mask is None else torch.tensor(mask)).tolist()
+
+
+@pytest.mark.parametrize("case", DATA["cases"], ids=lambda c: c["name"])
+def test_reproduces_the_official_klass(case, tmp_path_factory):
+    """Token for token; where upstream stopped with masks left (Dream's `steps` cap: `masks_left`),
+    remask decodes on: the same tokens wherever upstream decoded one, and no mask."""
+    model = checkpoint(tmp_path_factory, case["checkpoint"])
+    margin_case(os.path.basename(FIXTURE), case)
+    out, ref = decode(model, case), case["output_ids"]
+    if not case.get("masks_left"):
+        assert out == ref
+        return
+    mask = get_spec(model).mask_id
+    flat = (lambda rows: [t for row in rows for t in row]) if isinstance(ref[0], list) else (lambda row: row)
+    assert mask not in flat(out)
+    assert all(a == b for a, b in zip(flat(out), flat(ref)) if b != mask)
+
+
+def test_the_cases_exercise_the_rule():
+    """Upstream's outputs are not its plain confidence schedule's: the KL-and-confidence commits decide."""
+    assert len(DATA["cases"]) >= 8 and {c["checkpoint"][:5] for c in DATA["cases"]} == {"llada", "dream"}
+    assert sum(bool(c.get("differs_from_plain")) for c in DATA["cases"]) >= len(DATA["cases"]) // 2
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(conf_threshold="0.9"), "conf_threshold"), (dict(kl_threshold=float("inf")), "kl_threshold"),
+    (dict(kl_history_length=0), "kl_history_length"), (dict(kl_history_length=2.0), "kl_history_length"),
+    (dict(unmask_strategy="random"), "unmask_strategy"), (dict(unmask_strategy="best"), "unmask_strategy")])
+def test_refuses_bad_values_by_name(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        remask.KLASS(**kwargs)
+
+
+def test_refusals_at_the_call():
+    model = remask.load("tiny-llada")[0]
+    prompt = torch.tensor([[5, 6, 7]])
+    rule = remask.KLASS()
+    for kwargs, name in ((dict(use_cache="dual"), "use_cache"), (dict(temperature=0.5), "temperature"),
+                         (dict(steps=5, gen_length=16, block_length=8), "steps"),
+                         (dict(gen_length=16, block_length=5), "block_length")):
+        with pytest.raises(ValueError, match=name):
+            remask.generate(model, prompt, decoder=rule, **{"gen_length": 16, **kwargs})
+    with pytest.raises(ValueError, match="state"):
+        rule.commit(prompt, torch.zeros(1, 3, 8), 7)
+
+
+def test_registered_with_its_json_name():
+    assert registry.METHODS["klass"].config is remask.KLASS and registry.METHODS["klass"].is_rule
+    params = remask.SamplingParams(max_tokens=16, block_length=8, decoder={"name": "klass", "kl_threshold": 0.05})
+    assert params.decoder == remask.KLASS(kl_threshold=0.05)
+
+
+def test_engine_equals_the_drop_in(tmp_path_factory):
+    """`LLM.generate` with `decoder=remask.KLASS(...)` gives `remask.generate`'s tokens (LLaDA's loop,
+    two blocks, LLaDA's schedule as the fallback) and `diffusion_generate`'s (Dream's)."""
+    case = next(c for c in DATA["cases"] if c["checkpoint"] == "llada_peaked" and c["kwargs"]["block_length"] <
+                c["kwargs"]["gen_length"])
+    model, kw = checkpoint(tmp_path_factory, "llada_peaked"), case["kwargs"]
+    served = remask.LLM(model).generate([case["prompt"]], remask.SamplingParams(
+        max_tokens=kw["gen_length"], block_length=kw["block_length"], steps=kw["steps"], decoder=rule_of(kw)),
+        use_tqdm=False)[0]
+    assert served.outputs[0].all_token_ids == decode(model, case)[len(case["prompt"]):]
+    case = next(c for c in DATA["cases"] if c["checkpoint"] == "dream_peaked" and not c.get("masks_left"))
+    model, kw = checkpoint(tmp_path_factory, "dream_peaked"), case["kwargs"]
+    served = remask.LLM(model).generate([case["prompt"][0]], remask.SamplingParams(
+        max_tokens=kw["gen_length"], decoder=rule_of(kw)), use_tqdm=False)[0]
+    assert served.outputs[0].all_token_ids == case["output_ids"][0][len(case["prompt"][0]):]
+
+
+def test_as_a_rule_on_sdar_drop_in_equals_engine(tmp_path):
+    tiny.write_tiny_sdar(str(tmp_path), seed=0)   # SDAR's own loop, KLASS choosing the commits block by block
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rule_on_sdar_drop_in_equals_engine(AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval(),
+                                           remask.KLASS(conf_threshold=0.5, kl_threshold=0.5))
+
+
+def test_the_rule_commits_only_masks_and_at_least_one():
+    mask = 9
+    rule = remask.KLASS(conf_threshold=0.5, kl_threshold=0.5, kl_history_length=1)
+    state = rule.new_state()
+    block = torch.tensor([[1, mask, mask, mask], [mask, mask, mask, mask]])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        logits = torch.randn(2, 4, 10, generator=g) * 4
+        logits[..., mask] += 6.0   # a likely mask token: never proposed
+        commit, tokens = rule.commit(block, logits, mask, state)
+        assert not bool((commit & (block != mask)).any()) and not bool((tokens[commit] == mask).any())
+        assert bool(commit[(block == mask).any(dim=-1)].any(dim=-1).all())
+        block = torch.where(commit, tokens, block)
