@@ -15,9 +15,14 @@ active and records, for each decision, its margin:
 in the dtype the rule compares in, relative to the magnitude of what is compared (a ranking's
 largest value in its slice, a threshold's larger side): the spread between CPUs is a few units in
 the last place of logits, so a relative margin is comparable across logits and the probabilities of
-flat (1e-5) and peaked distributions. It overstates the risk of probabilities saturated near 1,
-whose rounding moves them far less than their relative gaps (a log-odds margin would not). Non-finite values and sentinels past `SENTINEL` (masked-out
-positions at -inf or finfo.min) never count.
+flat (1e-5) and peaked distributions. Where both compared values are probabilities (in [0, 1]) the
+gap is measured against the nearer end instead, `min(magnitude, 1 - lower)` (`_saturated_scale`):
+a lower bound on their log-odds gap, so confidences saturated near 1 (1 - 1e-8 against 1 - 5e-9 in
+float64) count by how far apart their distances from 1 are, which is what a last-bit change of the
+logits moves. The distance from 1 is floored at `SATURATION_ULPS` units of the dtype's eps per unit
+of margin, so a float32 probability near 1 (whose own rounding is absolute, ~6e-8) gains nothing
+from it: only a gap many of its own ulps wide clears a bound. Non-finite values and sentinels past
+`SENTINEL` (masked-out positions at -inf or finfo.min) never count.
 
 It works on any code, the official reference implementations included (it sees torch calls, not
 remask's functions), so a fixture generator wraps its reference call in it:
@@ -57,14 +62,37 @@ def _real(x: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(x) & (x.abs() < SENTINEL)
 
 
-def _scaled_gap(high: torch.Tensor, low: torch.Tensor, scale: torch.Tensor) -> float:
-    """min over elements of (high - low) / scale, over real pairs; inf if none."""
-    high, low, scale = torch.broadcast_tensors(high, low, scale)
+# A margin at the least bound fixtures use (1e-5) measured against a distance from 1 must still be
+# this many units of the dtype's eps wide: the distance from 1 counts down to SATURATION_ULPS * eps / 1e-5
+# (float64: 2.2e-10; float32: 0.12, so a float32 probability's own rounding near 1 is never read as margin).
+SATURATION_ULPS = 10.0
+_LEAST_MARGIN = 1e-5
+
+
+def _saturated_scale(high: torch.Tensor, low: torch.Tensor, scale: torch.Tensor,
+                     probabilities: torch.Tensor) -> torch.Tensor:
+    """The scale a gap between probabilities is measured against: `min(scale, 1 - low)`, the distance
+    from 1 floored per dtype (SATURATION_ULPS), where `probabilities` (what is compared lies in
+    [0, 1]); `scale` elsewhere.
+
+    For 0 < low < high < 1, logit(high) - logit(low) = log(high/low) + log((1-low)/(1-high))
+    >= (high-low) / min(high, 1-low): with `scale` >= high this margin never exceeds the log-odds gap,
+    and below saturation (1 - low >= scale) it is the relative margin unchanged."""
+    floor = SATURATION_ULPS * torch.finfo(low.dtype).eps / _LEAST_MARGIN
+    distance = (1 - low).clamp_min(floor)
+    return torch.where(probabilities, torch.minimum(scale, distance), scale)
+
+
+def _scaled_gap(high: torch.Tensor, low: torch.Tensor, scale: torch.Tensor, probabilities: torch.Tensor) -> float:
+    """min over elements of (high - low) / scale, over real pairs; inf if none (`scale` narrowed to
+    the distance from 1 where `probabilities`: `_saturated_scale`)."""
+    high, low, scale, probabilities = torch.broadcast_tensors(high, low, scale, probabilities)
     real = _real(high) & _real(low)
     if not bool(real.any()):
         return math.inf
+    high, low, scale, probabilities = high[real], low[real], scale[real], probabilities[real]
     tiny = torch.finfo(high.dtype).tiny
-    return float(((high[real] - low[real]) / scale[real].clamp_min(tiny)).min())
+    return float(((high - low) / _saturated_scale(high, low, scale, probabilities).clamp_min(tiny)).min())
 
 
 def ranking_margin(values: torch.Tensor, dim: int, k: int, largest: bool = True) -> float:
@@ -92,7 +120,11 @@ def ranking_margin(values: torch.Tensor, dim: int, k: int, largest: bool = True)
     if window < n and bool(open_rows.any()):
         rest = torch.sort(v[open_rows], dim=1, descending=True).values
         below[open_rows] = torch.where(rest < kth[open_rows], rest, torch.full_like(rest, -math.inf)).amax(dim=1)
-    return _scaled_gap(kth[:, 0], below, scale)
+    # a slice of probabilities (every real value in [0, 1]) is measured in log-odds (`_saturated_scale`);
+    # for a ranking from below the pair is turned back to the values' own sign first
+    probabilities = (smallest >= 0) & (v.amax(dim=1) <= 1) if largest else (v.amax(dim=1) <= 0) & (smallest >= -1)
+    high, low = (kth[:, 0], below) if largest else (-below, -kth[:, 0])
+    return _scaled_gap(high, low, scale, probabilities)
 
 
 def threshold_margin(a: torch.Tensor, b: Any) -> float:
@@ -103,7 +135,8 @@ def threshold_margin(a: torch.Tensor, b: Any) -> float:
     if not bool(differ.any()):
         return math.inf
     a, b = a[differ], b[differ]
-    return _scaled_gap(torch.maximum(a, b), torch.minimum(a, b), torch.maximum(a.abs(), b.abs()))
+    high, low = torch.maximum(a, b), torch.minimum(a, b)
+    return _scaled_gap(high, low, torch.maximum(a.abs(), b.abs()), (low >= 0) & (high <= 1))
 
 
 def _is_float(x: Any) -> bool:

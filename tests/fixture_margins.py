@@ -9,6 +9,9 @@ script turns such runs into the per-case `min_margin` of every fixture file
     python tests/fixture_margins.py spread /tmp/m/avx512.jsonl /tmp/m/avx2.jsonl /tmp/m/default.jsonl
     python tests/fixture_margins.py apply /tmp/m/avx512.jsonl --drop     # writes min_margin, drops the cases under their bounds
 
+After re-seeding some files, `record ... --tests T...` runs only their tests and `spread ... --only
+F...` re-measures only those fixture files (the others keep their entries in SPREAD_FILE).
+
 `spread` compares the runs decision by decision up to where a case's runs went different ways,
 sets each fixture file's bound from what it measured, and lists the cases that went another way;
 `apply --drop` removes from their fixture files the cases under their file's bound and those that
@@ -113,7 +116,7 @@ def record(args) -> None:
             os.remove(old)
         env = dict(os.environ, REMASK_MARGINS_OUT=out, ATEN_CPU_CAPABILITY=cap)
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(args.workers),
-               "--dist", "loadfile", "-m", "reference", "tests"]
+               "--dist", "loadfile", "-m", "reference"] + (args.tests or ["tests"])
         print(cap, subprocess.run(cmd, env=env, cwd=os.path.dirname(HERE)).returncode)
 
 
@@ -122,6 +125,9 @@ def spread(args) -> None:
     case up to where its runs went different ways (DIVERGED); written to SPREAD_FILE with the cases
     that went another way (`apply` drops them)."""
     base = read_run(args.runs[0])
+    if args.only:   # re-measure these fixture files; the others keep their measurement
+        with open(SPREAD_FILE) as f:
+            kept = json.load(f)
     changes: dict[str, list] = defaultdict(list)   # fixture file -> changes of its decisions' margins
     flipped, compared = set(), set()
     for other_path in args.runs[1:]:
@@ -134,8 +140,10 @@ def spread(args) -> None:
                 es = theirs.get(label)
                 if es is None:
                     continue
-                compared.add(label)
                 fixture = label.split(":", 1)[0]
+                if args.only and fixture not in args.only:
+                    continue
+                compared.add(label)
                 for (site, a), (other_site, b) in zip(ds, es):
                     if site != other_site or math.isfinite(a) != math.isfinite(b) or abs(a - b) > DIVERGED:
                         flipped.add(label)
@@ -152,11 +160,22 @@ def spread(args) -> None:
     every = [d for ds in changes.values() for d in ds]
     files = {f: {"decisions": len(ds), "median": quantile(ds, 0.5), "p99": quantile(ds, 0.99), "max": max(ds),
                  "bound": max(BOUND, FACTOR * quantile(ds, 0.99))} for f, ds in sorted(changes.items())}
-    data = {"runs": [os.path.basename(r) for r in args.runs], "factor": FACTOR, "least_bound": BOUND,
-            "diverged": DIVERGED, "cases_compared": len(compared), "decisions_compared": len(every),
-            "all": {"median": quantile(every, 0.5), "p99": quantile(every, 0.99),
-                    "bound": max(BOUND, FACTOR * quantile(every, 0.99))},
-            "files": files, "flipped": sorted(flipped)}
+    if args.only:
+        # the named files' entries and flipped cases are replaced; "all" and the totals stay those of
+        # the full measurement, plus what this run compared of the named files beyond it
+        old_files = {f: kept["files"][f] for f in args.only if f in kept["files"]}
+        kept["files"].update(files)
+        kept["files"] = dict(sorted(kept["files"].items()))
+        kept["flipped"] = sorted({c for c in kept["flipped"] if c.split(":", 1)[0] not in args.only} | flipped)
+        kept["remeasured"] = sorted(set(kept.get("remeasured", [])) | set(args.only))
+        kept["decisions_compared"] += len(every) - sum(v["decisions"] for v in old_files.values())
+        data, files = kept, {f: kept["files"][f] for f in files}
+    else:
+        data = {"runs": [os.path.basename(r) for r in args.runs], "factor": FACTOR, "least_bound": BOUND,
+                "diverged": DIVERGED, "cases_compared": len(compared), "decisions_compared": len(every),
+                "all": {"median": quantile(every, 0.5), "p99": quantile(every, 0.99),
+                        "bound": max(BOUND, FACTOR * quantile(every, 0.99))},
+                "files": files, "flipped": sorted(flipped)}
     with open(SPREAD_FILE, "w") as f:
         json.dump(data, f, indent=1)
         f.write("\n")
@@ -209,13 +228,18 @@ def apply(args) -> None:
         with open(path) as f:
             text = f.read()
         data = json.loads(text)
-        cases = {case_key(c): c for c in _fixture_cases(data)}
+        # one key may stand for several equal dicts (a file read by position repeats an output): all of them
+        copies: dict[str, list[dict]] = defaultdict(list)
+        for c in _fixture_cases(data):
+            copies[case_key(c)].append(c)
+        cases = {k: cs[0] for k, cs in copies.items()}
         missing = sorted(set(keys) - set(cases))
         if missing:
             raise SystemExit(f"{fixture}: {len(missing)} recorded cases are not in the file (changed since the run?)")
         low, bound = [], file_bound(fixture)
         for key, (m, went_another_way) in keys.items():
-            cases[key]["min_margin"] = float(f"{m:.4g}") if math.isfinite(m) else None   # None: no decision
+            for case in copies[key]:
+                case["min_margin"] = float(f"{m:.4g}") if math.isfinite(m) else None   # None: no decision
             if m < bound or went_another_way:
                 low.append(key)
         # a batch case is checked against its rows decoded alone (`<name>_row<i>`): it goes with them
@@ -225,7 +249,7 @@ def apply(args) -> None:
             if key not in low and any(n.startswith(f"{name}_row") for n in low_names if isinstance(n, str)):
                 low.append(key)
         if args.drop and low:
-            drop_ids = {id(cases[k]) for k in low}
+            drop_ids = {id(c) for k in low for c in copies[k]}
 
             def prune(node, key=None):
                 # a list of cases loses them; a list read by position (outputs zipped with the
@@ -238,9 +262,11 @@ def apply(args) -> None:
                     return [None if id(v) in drop_ids else prune(v) for v in node]
                 return node
             data = prune(data)
-        data["margins"] = {"rule": "docs/reference-fixtures.md", "bound": bound, "cases": len(keys),
+        # cases: every case the file has had recorded (those dropped by earlier runs are gone from it)
+        dropped_before = data.get("margins", {}).get("dropped", 0)
+        data["margins"] = {"rule": "docs/reference-fixtures.md", "bound": bound, "cases": dropped_before + len(keys),
                            "under_bound": len(low),
-                           "dropped": data.get("margins", {}).get("dropped", 0) + (len(low) if args.drop else 0)}
+                           "dropped": dropped_before + (len(low) if args.drop else 0)}
         with open(path, "w") as f:
             # one-line files stay one line; the others get one level of indent per nesting level
             json.dump(data, f, indent=None if "\n" not in text.strip() else 1)
@@ -256,8 +282,10 @@ def main() -> None:
     r.add_argument("dir")
     r.add_argument("capabilities", nargs="+")
     r.add_argument("--workers", type=int, default=2)
+    r.add_argument("--tests", nargs="+", help="the reference tests to run (default: all of tests/)")
     s = sub.add_parser("spread")
     s.add_argument("runs", nargs="+")
+    s.add_argument("--only", nargs="+", help="fixture files to re-measure; the others keep their entries")
     a = sub.add_parser("apply")
     a.add_argument("run")
     a.add_argument("--drop", action="store_true")

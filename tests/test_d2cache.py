@@ -98,8 +98,9 @@ def test_batches(load):
     """Upstream couples a batch's rows (top-up to equal counts, a batch-wide block bias); by default
     (independent_rows=True) remask decodes each row alone: a batch holding a fixture prompt twice
     gives the reference's tokens for it alone in both rows, and in a left-padded batch each row is
-    the same row decoded alone. (The fixture's batch cases, which held upstream's coupled output,
-    sat under their decision margins: docs/reference-fixtures.md.)"""
+    the same row decoded alone. (Upstream's coupled output is the fixture's batch cases, reproduced
+    with independent_rows=False by `test_reproduces_the_official_d2cache`.)"""
+    assert sum(len(c["prompt"]) > 1 for c in FIXTURE["cases"]) >= 4   # coupled batches stay checked
     rows = [next(c for c in FIXTURE["cases"] if c["name"] == f"llada_small_peaked_g64_b32_n2_s3.0_current_k8_sigma3.0_inflate_w2_{p}")
             for p in ("p0", "p2")]
     model = load(rows[0]["checkpoint"])

@@ -24,12 +24,33 @@ def test_a_ranking_margin_is_the_best_minus_the_next_best_relative_to_the_slice(
     assert ranking_margin(torch.tensor([[20.0, 19.0]]), 1, 1) == pytest.approx(1 / 20)
 
 
+def test_saturated_probabilities_are_measured_in_log_odds():
+    """Probabilities near 1 count by their distance from 1 (a lower bound on the log-odds gap), as a
+    last-bit change of the logits moves them; float32's own rounding near 1 is never read as margin."""
+    near_one = torch.tensor([[1 - 5e-9, 1 - 1e-8, 0.2]], dtype=torch.float64)
+    m = ranking_margin(near_one, 1, 1)
+    logit = torch.logit(near_one[0, :2])
+    assert m == pytest.approx(5e-9 / 1e-8) and m <= float(logit[0] - logit[1])
+    assert threshold_margin(torch.tensor([1 - 5e-9], dtype=torch.float64), 1 - 1e-8) == pytest.approx(0.5)
+    # from below (the least confident first) the same pair, turned back to its sign
+    assert ranking_margin(near_one, 1, 1, largest=False) == pytest.approx((1 - 1e-8 - 0.2) / 0.8)
+    assert ranking_margin(-near_one, 1, 1, largest=False) == pytest.approx(5e-9 / (1 - 5e-9))  # not probabilities
+    # below saturation: the relative margin, unchanged
+    assert ranking_margin(torch.tensor([[0.3, 0.2]], dtype=torch.float64), 1, 1) == pytest.approx(0.1 / 0.3)
+    # float32: one ulp below 1.0 against 1.0 stays a near-tie (the distance is floored at 10 ulps per 1e-5)
+    one_ulp = torch.tensor([[1.0, 1 - 2 ** -24]], dtype=torch.float32)
+    assert ranking_margin(one_ulp, 1, 1) < 1e-5
+    assert ranking_margin(torch.tensor([[1.0, 1 - 40 * 2 ** -24]]), 1, 1) > 1e-5
+    # a slice holding anything outside [0, 1] (logits) is relative to its largest magnitude, as before
+    assert ranking_margin(torch.tensor([[0.99, 0.98, 5.0]]), 1, 2) == pytest.approx(0.01 / 5.0, rel=1e-5)
+
+
 def test_exact_ties_and_sentinels_are_passed_over():
     # copies of one number stay tied on every CPU: the next distinct value decides
-    assert ranking_margin(torch.tensor([[0.9, 0.9, 0.2]]), 1, 1) == pytest.approx(0.7 / 0.9)
+    assert ranking_margin(torch.tensor([[9.0, 9.0, 2.0]]), 1, 1) == pytest.approx(7 / 9)
     floor = torch.finfo(torch.float32).min
     assert ranking_margin(torch.tensor([[0.9, floor, floor]]), 1, 1) == math.inf
-    assert threshold_margin(torch.tensor([0.5, -math.inf, 0.9]), 0.9) == pytest.approx(0.4 / 0.9)
+    assert threshold_margin(torch.tensor([0.5, -math.inf, 0.9]), 0.9) == pytest.approx(0.4 / 0.5, rel=1e-6)
 
 
 def test_the_recorder_sees_rankings_and_thresholds_not_numerics():
@@ -44,8 +65,9 @@ def test_the_recorder_sees_rankings_and_thresholds_not_numerics():
         _ = torch.tensor([1, 2]) > 1  # integers
     ops = [site.rsplit(":", 1)[1] for site, _ in margins.decisions]
     assert ops == ["argmax", "topk", "gt"]
-    assert [m for _, m in margins.decisions] == pytest.approx([0.05 / 0.9, 0.65 / 0.9, 0.05 / 0.85])
-    assert margins.minimum() == pytest.approx(0.05 / 0.9)
+    # probabilities: each gap against min(magnitude, distance of the lower from 1)
+    assert [m for _, m in margins.decisions] == pytest.approx([0.05 / 0.15, 0.65 / 0.8, 0.05 / 0.2])
+    assert margins.minimum() == pytest.approx(0.05 / 0.2)
     assert all(site.startswith("tests/test_margins.py:") for site in margins.by_site())
 
 
@@ -61,7 +83,7 @@ def test_marks_split_a_run_per_case():
     assert margins.decisions[0] == (CASE, "a.json:1")
     cases = split_cases(margins.decisions)
     assert sorted(cases) == ["a.json:1", "a.json:2"] and cases["a.json:2"] == []
-    assert [m for _, m in cases["a.json:1"]] == pytest.approx([0.6 / 0.9, 0.05 / 0.3])
+    assert [m for _, m in cases["a.json:1"]] == pytest.approx([0.6 / 0.7, 0.05 / 0.3])
 
 
 def _cases_with_margins(node) -> list[dict]:
@@ -97,7 +119,7 @@ def test_every_fixture_case_clears_its_bound(path):
     summary = data["margins"]
     assert summary["rule"] == "docs/reference-fixtures.md"
     cases = _cases_with_margins(data)
-    assert len(cases) == summary["cases"] - summary["dropped"]
+    assert len({case_key(c) for c in cases}) == summary["cases"] - summary["dropped"]   # equal outputs: one case
     if not summary["cases"]:
         return   # no decision in it (log-likelihoods, compared with a tolerance)
     assert summary["bound"] == file_bound(name)

@@ -13,7 +13,10 @@ Per forward (greedy, float64 softmax confidences):
   by an earlier forward of the block whose shadow confidence is below `threshold_back` is masked
   again; when that is at least as many as the previous forward committed (`initial_last_accept`
   at a block's first), only that count minus one of the least confident are.
-The block ends when it holds no mask; the returned step count is the number of forwards.
+The block ends when it holds no mask; the returned step count is the number of forwards. With
+`commit_mask_token` (upstream's behaviour) a committed mask token is decoded again by every later
+block: upstream's mask index covers the whole sequence up to the block's end, so those positions are
+scored and counted with the block's masks (wide in only; they have no shadow twin).
 
 Rows of a batch are decided alone (own counts, own forward count); a row that finished its block
 waits, not forwarded, until every row has.
@@ -181,9 +184,15 @@ def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
             allowed = allowed & keys[:, None, None, :]
         # Per row: which block positions are decoded-and-revocable (their shadow twin is scored).
         decoded = torch.zeros((B, block_length), dtype=torch.bool, device=device)
-        # The block's undecided positions, kept apart from the tokens as upstream keeps them (with
-        # commit_mask_token a committed mask token counts as decoded, as upstream).
-        masked = x[:, start:end] == mask_id
+        # The undecided positions, kept apart from the tokens as upstream keeps them (with
+        # commit_mask_token a committed mask token counts as decoded, as upstream). Upstream's mask
+        # index covers everything before the block's end, so with commit_mask_token an earlier
+        # block's committed mask token is decoded again here (committed, never narrowed out); `lo`
+        # is where the region starts. Without it no earlier position holds the mask token.
+        reopen = config.commit_mask_token and constraint is None
+        lo = P if reopen else start
+        masked = x[:, lo:end] == mask_id
+        inside = start - lo   # the block's first column in `masked`
         last_accept = [config.initial_last_accept] * B
         block_forwards = [0] * B
         while True:
@@ -207,7 +216,7 @@ def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
                 x0, p = predict(logits[i], mask_id, config.commit_mask_token)
                 x0[real:] = torch.where(decoded[b], x[b, start:end], x0[real:])
                 x0_p = torch.gather(p, -1, x0[:, None]).squeeze(-1)
-                confidence = torch.where(masked[b], x0_p[start:end], torch.full_like(x0_p[start:end], -torch.inf))
+                confidence = torch.where(masked[b], x0_p[lo:end], torch.full_like(x0_p[lo:end], -torch.inf))
                 confidence_back = torch.where(decoded[b], x0_p[real:], torch.full_like(x0_p[real:], torch.inf))
                 accept, remask = _decide_row(config, confidence, confidence_back, last_accept[b], max_accept)
                 if constraint is not None:
@@ -215,10 +224,11 @@ def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
                     block_forwards[b] += 1
                     if block_forwards[b] > 2 * block_length:   # no cycle with the filter (docstring)
                         remask = remask[:0]
-                x[b, start + accept] = x0[start + accept]
+                x[b, lo + accept] = x0[lo + accept]
                 x[b, start + remask] = mask_id
-                decoded[b, accept], masked[b, accept] = True, False
-                decoded[b, remask], masked[b, remask] = False, True
+                masked[b, accept], masked[b, inside + remask] = False, True
+                in_block = accept[accept >= inside] - inside   # earlier positions have no shadow twin
+                decoded[b, in_block], decoded[b, remask] = True, False
                 last_accept[b] = int(accept.numel())
                 forwards[b] += 1
                 committed += int(accept.numel()) - int(remask.numel())
@@ -234,8 +244,15 @@ def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
                     decoded[b] = ~now[i]
             if stats is not None:
                 stats.step(committed)
-            # a block is final once no row holds a mask in it (later blocks never touch it)
-            yield Progress(x[:, :real], end - P if not bool(masked.any()) else start - P)
+            # a block is final once no row holds a mask in it, and with commit_mask_token once none
+            # holds the mask token before it either (the next block decodes those again)
+            pending = masked.any(dim=0)
+            if reopen:
+                pending |= (x[:, lo:end] == mask_id).any(dim=0)
+            if bool(pending.any()):
+                yield Progress(x[:, :real], min(start, lo + int(pending.nonzero()[0])) - P)
+            else:
+                yield Progress(x[:, :real], end - P)
     if stats is not None:
         stats.stop(B * gen_length)
     return x[:, :real], forwards
