@@ -791,28 +791,30 @@ def _is_call(tools: Any, text: str, finish_reason: str | None) -> bool:
 
 
 def _message(o: Any, tools: Any) -> tuple[dict[str, Any], str | None]:
-    """A chat choice's message and finish reason: a call (`tool_calls`, content null, finish
-    reason `tool_calls`) or text."""
+    """A chat choice's message and finish reason: calls (`tool_calls`, each with its own id;
+    content null; finish reason `tool_calls`) or text."""
     if _is_call(tools, o.text, o.finish_reason):
-        return ({"role": "assistant", "content": None, "tool_calls": [_tool_call(tools.call_of(o.text), _call_id())]},
-                "tool_calls")
+        return ({"role": "assistant", "content": None,
+                 "tool_calls": [_tool_call(call, _call_id()) for call in tools.calls_of(o.text)]}, "tool_calls")
     return {"role": "assistant", "content": o.text}, o.finish_reason
 
 
 class _CallStream:
     """What one choice of a streamed tool request has sent. Text streams as `content` once it is
     known to be text (`auto`: the first characters are not the start of `<tool_call>`; held while
-    they could be). A named function's call streams as OpenAI's `tool_calls` deltas: the first with
-    the call's `id`, `type` and `function.name`, then `function.arguments` fragments as the answer
-    (the arguments) is committed. A `required` / `auto` call comes whole in one delta once the
-    answer is complete (its name is known only then); finish reason `tool_calls`. An answer cut at
-    `length` ends as text (what was held comes as `content`), finish reason `length`."""
+    they could be). Calls stream as OpenAI's `tool_calls` deltas, whatever the `tool_choice`
+    (named, `required`, `auto`): per call (`index` 0, 1, … in the answer), a first delta with its
+    `id`, `type` and `function.name` (once the name is complete) and the arguments so far, then
+    `function.arguments` fragments as the answer is committed (`ToolCallSpec.scan`); the last chunk
+    has finish reason `tool_calls`. An answer cut at `length` ends with finish reason `length`:
+    a text answer with what was held as `content`, a call with what of it was sent."""
 
     def __init__(self, tools: Any, index: int) -> None:
-        self.tools, self.index, self.call_id = tools, index, _call_id()
+        self.tools, self.index = tools, index
         self.sent = ""
+        self.calls: list[tuple[str, int]] = []   # per call sent: its id and how much of its arguments
         self.kind: str | None = None      # "text" / "call", once known
-        self.started = self.done = False
+        self.done = False
 
     def _out(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any] | None:
         if not delta and finish_reason is None:
@@ -831,23 +833,20 @@ class _CallStream:
                 self.kind = "call" if decided else "text"
         if self.kind is None:
             return None
-        if self.kind == "call" and self.tools.mode == "named":
-            if not self.started:
-                self.started = True
-                delta = {"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
-                                         "function": {"name": self.tools.name, "arguments": text}}]}
-            elif text != self.sent:
-                delta = {"tool_calls": [{"index": 0, "function": {"arguments": text[len(self.sent):]}}]}
-            else:
-                delta = {}
-            self.sent = text
-            return self._out(delta, "tool_calls" if finish_reason == "stop" else finish_reason)
-        if self.kind == "call" and finish_reason is None:
-            return None                     # the whole call once it is complete
-        if self.kind == "call" and finish_reason == "stop":
-            call = _tool_call(self.tools.call_of(text), self.call_id)
-            self.sent = text
-            return self._out({"tool_calls": [{"index": 0, **call}]}, "tool_calls")
+        if self.kind == "call":
+            deltas = []
+            for j, (name, arguments, _) in enumerate(self.tools.scan(text)):
+                if name is None:           # not known yet: this call (and any after it) waits
+                    break
+                if j == len(self.calls):
+                    self.calls.append((_call_id(), len(arguments)))
+                    deltas.append({"index": j, "id": self.calls[j][0], "type": "function",
+                                   "function": {"name": name, "arguments": arguments}})
+                elif len(arguments) > self.calls[j][1]:
+                    deltas.append({"index": j, "function": {"arguments": arguments[self.calls[j][1]:]}})
+                    self.calls[j] = (self.calls[j][0], len(arguments))
+            return self._out({"tool_calls": deltas} if deltas else {},
+                             "tool_calls" if finish_reason == "stop" else finish_reason)
         delta_text = text[len(self.sent):] if text.startswith(self.sent) else ""
         self.sent = text if text.startswith(self.sent) else self.sent
         return self._out({"content": delta_text} if delta_text else {}, finish_reason)
