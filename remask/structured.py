@@ -807,6 +807,72 @@ def _scan_call(text: str, at: int) -> tuple[str | None, str, bool, int | None]:
     return name, arguments, complete, None
 
 
+TOOL_RESPONSE_TAGS = ("<tool_response>", "</tool_response>")   # Hermes / Qwen's wrapping of a tool's result
+_PROBE_NAME, _PROBE_RESULT = "remask_probe_function", "remask_probe_result"
+_template_support: dict[str, tuple[bool, bool]] = {}
+
+
+def template_tool_support(tokenizer: Any) -> tuple[bool, bool]:
+    """Whether the tokenizer's chat template renders (an assistant message's `tool_calls`, a `tool`
+    message as a role of its own), found by rendering a probe conversation once per template: the
+    call's name must appear, and a tool message must render unlike the same message as `user` or
+    `assistant`. A template that raises on the probe reads neither."""
+    template = getattr(tokenizer, "chat_template", None)
+    key = template if isinstance(template, str) else repr(template)
+    if key not in _template_support:
+        def render(messages: list[dict[str, Any]]) -> str | None:
+            try:
+                return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+            except Exception:  # noqa: BLE001 - any refusal (jinja's raise_exception, a KeyError) means "not read"
+                return None
+
+        call = {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function", "function": {
+            "name": _PROBE_NAME, "arguments": "{}"}}]}
+        with_call = render([{"role": "user", "content": "q"}, call])
+        head = [{"role": "user", "content": "q"}, call]
+        as_role = {role: render([*head, {"role": role, "content": _PROBE_RESULT,
+                                         **({"tool_call_id": "call_0"} if role == "tool" else {})}])
+                   for role in ("tool", "user", "assistant")}
+        reads_calls = with_call is not None and _PROBE_NAME in with_call
+        reads_tool = as_role["tool"] is not None and _PROBE_RESULT in as_role["tool"] and \
+            as_role["tool"] not in (as_role["user"], as_role["assistant"])
+        _template_support[key] = (reads_calls, reads_tool)
+    return _template_support[key]
+
+
+def messages_for_template(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation as the chat template can render it. An assistant message's `tool_calls`
+    and `tool` messages go to a template that reads them as they are; for one that does not
+    (`template_tool_support`: it would drop them, or render a tool's result as an assistant's
+    turn), they are written in the form remask's tool grammar generates (Hermes' convention):
+    each call appended to the assistant's content as `<tool_call>{"name": ..., "arguments": {...}}`
+    (compact JSON; arguments that are not JSON kept as a string), and a tool message becomes a
+    `user` message `<tool_response>{content}</tool_response>`. Nothing is dropped."""
+    if not any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+        return list(messages)
+    reads_calls, reads_tool = template_tool_support(tokenizer)
+    out = []
+    for message in messages:
+        message = dict(message)
+        if message.get("tool_calls") and not reads_calls:
+            calls = []
+            for call in message.pop("tool_calls"):
+                function = call.get("function") or {}
+                arguments = function.get("arguments")
+                try:
+                    arguments = _json.loads(arguments) if isinstance(arguments, str) else arguments
+                except ValueError:
+                    pass
+                calls.append(TOOL_CALL_TAG + _json.dumps({"name": function.get("name"), "arguments": arguments},
+                                                         separators=(",", ":"), ensure_ascii=False))
+            message["content"] = (message.get("content") or "") + "".join(calls)
+        if message.get("role") == "tool" and not reads_tool:
+            message = {"role": "user", "content": f"{TOOL_RESPONSE_TAGS[0]}{message.get('content') or ''}"
+                                                  f"{TOOL_RESPONSE_TAGS[1]}"}
+        out.append(message)
+    return out
+
+
 def _tool_error(field: str, message: str) -> StructuredOutputsError:
     return StructuredOutputsError(field, f"{field}: {message}" if not message.startswith(field) else message)
 

@@ -261,6 +261,40 @@ def test_conversation_with_tool_messages(client):
     reply = client.chat.completions.create(model=model, messages=messages, max_tokens=16, tools=TOOLS,
                                            tool_choice="none", extra_body=extra)
     assert reply.choices[0].finish_reason in ("stop", "length")
+    # the tiny models' template reads `content` only: the call and the result are rendered in the
+    # fallback (the call as the tool grammar writes it, the result as a user turn), not dropped
+    _, tok = remask.load(model)
+    arguments = json.loads(call.function.arguments)
+    rendered = (f'<|bos|><|user|>sort 3 1 2<|eot|><|assistant|>{TOOL_CALL_TAG}'
+                + json.dumps({"name": "sort", "arguments": arguments}, separators=(",", ":"))
+                + "<|eos|><|user|><tool_response>123</tool_response><|eot|><|assistant|>")
+    assert reply.usage.prompt_tokens == len(tok(rendered, add_special_tokens=False)["input_ids"])
+
+
+def test_a_template_that_reads_tools_gets_them_as_they_are():
+    """A chat template that renders `tool_calls` and the `tool` role receives the messages
+    unchanged; one that does not gets the documented fallback."""
+    import copy
+
+    from remask.structured import messages_for_template, template_tool_support
+
+    _, tok = remask.load("tiny-ar")
+    aware = copy.deepcopy(tok)
+    aware.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}<|user|>result:{{ m['content'] }}<|eot|>"
+        "{% elif m['role'] == 'user' %}<|user|>{{ m['content'] }}<|eot|>"
+        "{% else %}<|assistant|>{{ m['content'] }}{% for c in m.get('tool_calls', []) %}"
+        "call:{{ c['function']['name'] }}({{ c['function']['arguments'] }}){% endfor %}<|eos|>{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    messages = [{"role": "user", "content": "sort 3 1 2"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "sort", "arguments": '{"digits":"312"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "123"}]
+    assert template_tool_support(aware) == (True, True) and template_tool_support(tok) == (False, False)
+    assert messages_for_template(aware, messages) == messages
+    fallback = messages_for_template(tok, messages)
+    assert fallback[1] == {"role": "assistant", "content": TOOL_CALL_TAG + '{"name":"sort","arguments":{"digits":"312"}}'}
+    assert fallback[2] == {"role": "user", "content": "<tool_response>123</tool_response>"}
 
 
 # ---- streaming ------------------------------------------------------------------------------------
