@@ -12,7 +12,7 @@ from typing import Any
 from remask.diffusion.families.apd import APDConfig, check_apd_alone
 from remask.diffusion.parts.cache import CACHE_MODES
 from remask.diffusion.families.canvas import CanvasSampler, check_canvas_settings
-from remask.diffusion.parts.checks import (MAX_TEMPERATURE, ParameterTypeError, check_bool, check_choice, check_instance,
+from remask.diffusion.parts.checks import (MAX_LOGPROBS, MAX_TEMPERATURE, ParameterTypeError, check_bool, check_choice, check_instance,
                                      check_int, check_min_tokens, check_real, check_seed, check_steps, check_stop)
 from remask.diffusion.families.dream import ALGORITHMS
 from remask.diffusion.families.llada import REMASKING, validate_block_args, validate_rule
@@ -80,6 +80,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     structured_outputs: Any = None
+    # the log-probability of each generated token and its `logprobs` most likely alternatives
+    # (vLLM's field; autoregressive models: docs/engine.md)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, minimum=1)
@@ -95,6 +98,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(check_int("stop_token_ids", i, minimum=0) for i in ids))
         check_bool("ignore_eos", self.ignore_eos)
         check_min_tokens(self.min_tokens, self.max_tokens)
+        check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS, allow_none=True)
         if self.structured_outputs is not None:
             from remask.structured import StructuredOutputsParams
 
