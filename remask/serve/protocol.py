@@ -19,11 +19,12 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, Strict, StrictBool, Str
 
 from remask.diffusion.families.apd import APDConfig
 from remask.diffusion.families.canvas import CanvasSampler
+from remask.diffusion.parts.checks import MAX_LOGPROBS, check_int
 from remask.diffusion.parts.sparse import SparseConfig
 from remask.engine import SamplingParams
 
 # OpenAI fields remask does not implement: refused when set to anything but their default.
-UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": False, "presence_penalty": 0.0,
+UNSUPPORTED = {"echo": False, "presence_penalty": 0.0,
                "frequency_penalty": 0.0, "logit_bias": None, "best_of": None, "suffix": None, "tools": None,
                "tool_choice": None}
 # remask's settings, passed to SamplingParams as they are.
@@ -57,11 +58,14 @@ class APDSettings(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    """`include_usage` (OpenAI); `include_drafts` (remask): also send the provisional canvas after
-    every denoising step, in chunks with no choices and a `draft` field."""
+    """`include_usage` (OpenAI): a last chunk with no choices and the request's `usage`;
+    `continuous_usage_stats` (vLLM's): `usage` so far in every chunk with choices too;
+    `include_drafts` (remask): also send the provisional canvas after every denoising step, in
+    chunks with no choices and a `draft` field."""
 
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
     include_drafts: StrictBool = False
 
 
@@ -81,8 +85,6 @@ class _Common(BaseModel):
     # remask's: seconds after which the request is aborted (504), at most the server's request_timeout
     timeout: StrictNumber | None = None
     # OpenAI fields not implemented (refused when set)
-    logprobs: Any = None
-    top_logprobs: Any = None
     echo: Any = False
     presence_penalty: Any = 0.0
     frequency_penalty: Any = 0.0
@@ -133,6 +135,7 @@ class _Common(BaseModel):
             raise UnsupportedParameter(unsupported)
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only with stream=true")
+        logprobs = self.requested_logprobs()
         values: dict[str, Any] = dict(defaults or {})
         for name in ("temperature", "top_p", "seed", *REMASK_FIELDS):
             value = getattr(self, name)
@@ -142,6 +145,8 @@ class _Common(BaseModel):
         if max_tokens is not None:
             values["max_tokens"] = max_tokens
         values["n"] = self.n
+        if logprobs is not None:
+            values["logprobs"] = logprobs
         if self.stop is not None:
             values["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if "stop_token_ids" in values:
@@ -176,6 +181,10 @@ class _Common(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        """`SamplingParams.logprobs`: how many alternatives per token, None for no logprobs."""
+        return None
+
     def structured(self) -> Any:
         """`response_format` (OpenAI) or `structured_outputs` (vLLM) as a `StructuredOutputsParams`,
         or None; a ValueError naming the field (`response_format…` / `structured_outputs…`)."""
@@ -192,6 +201,11 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[StrictInt]
+    # OpenAI's legacy form: the number of alternatives per token (0: the sampled token's only)
+    logprobs: StrictInt | None = None
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(BaseModel):
@@ -249,6 +263,8 @@ class ChatCompletionRequest(_Common):
 
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
     parallel_tool_calls: Any = None
     _tools: Any = PrivateAttr(default=None)
 
@@ -274,6 +290,14 @@ class ChatCompletionRequest(_Common):
             raise ValueError(f"tool_choice: {spec.mode!r} holds the answer to a tool call; response_format / "
                              "structured_outputs only with tool_choice 'none'")
         return spec.structure
+
+    def requested_logprobs(self) -> int | None:
+        """`logprobs: true` with `top_logprobs: k` alternatives (0 by default), as OpenAI."""
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise ValueError("top_logprobs: only with logprobs: true")
+            check_int("top_logprobs", self.top_logprobs, minimum=0, maximum=MAX_LOGPROBS)
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None \
