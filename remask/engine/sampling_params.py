@@ -12,8 +12,9 @@ from typing import Any
 from remask.diffusion.families.apd import APDConfig, check_apd_alone
 from remask.diffusion.parts.cache import CACHE_MODES
 from remask.diffusion.families.canvas import CanvasSampler, check_canvas_settings
-from remask.diffusion.parts.checks import (MAX_LOGPROBS, MAX_TEMPERATURE, ParameterTypeError, check_bool, check_choice, check_instance,
-                                     check_int, check_min_tokens, check_real, check_seed, check_steps, check_stop)
+from remask.diffusion.parts.checks import (MAX_LOGPROBS, MAX_TEMPERATURE, ParameterTypeError, check_bool, check_choice,
+                                     check_instance, check_int, check_min_tokens, check_real, check_seed, check_steps,
+                                     check_stop)
 from remask.diffusion.families.dream import ALGORITHMS
 from remask.diffusion.families.llada import REMASKING, validate_block_args, validate_rule
 from remask.diffusion.families.llada2 import check_llada2_settings

@@ -5,7 +5,8 @@ and vLLM's `ignore_eos` / `min_tokens` / `structured_outputs`, which the `openai
 through `extra_body`. `response_format` (`json_object`, `json_schema`) and `structured_outputs`
 become `SamplingParams.structured_outputs` (remask/structured.py); so do a chat request's `tools`
 / `tool_choice` (`remask.structured.tool_call_spec`: the call's grammar; `ChatCompletionRequest.tools_spec`
-keeps it for the answer's `tool_calls`).
+keeps it for the answer's `tool_calls`). `logprobs` (completions: an int; chat: `logprobs` /
+`top_logprobs`) and `max_completion_tokens` (chat) become `SamplingParams.logprobs` / `max_tokens`.
 Unknown fields are refused (400 naming them), and so are OpenAI fields remask does not implement
 when they are set — nothing is silently ignored. Numbers and booleans are strict (`true` is no 1,
 `1` no `true`, `"1"` neither): pydantic's lax mode would turn `max_tokens: true` into 1. Values are
@@ -257,9 +258,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     """A chat request. `tools` / `tool_choice` / `parallel_tool_calls` (OpenAI's) are read here
-    (the completions route refuses them): `structured()` returns the call's structure
-    (remask/structured.py, `tool_call_spec`), and `tools_spec` holds the checked spec the answer's
-    `tool_calls` are read with."""
+    (the completions route refuses them): `structured()` returns the calls' structure
+    (remask/structured.py, `tool_call_spec`; `parallel_tool_calls: false` holds it to one call),
+    and `tools_spec` holds the checked spec the answer's `tool_calls` are read with."""
 
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
