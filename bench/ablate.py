@@ -132,6 +132,23 @@ def sweep(name: str) -> list[Setting]:
         for threshold in (0.9, 0.5):
             add(f"elastic gamma={gamma}", f"Elastic-Cache gamma={gamma} threshold {threshold}",
                 use_cache=ElasticCache(window_length=8, threshold=threshold, gamma=gamma))
+    # Decoders III (docs/decoders.md): entropy-bounded commits, KL-stable commits, variable length.
+    from remask import DAEDAL, EBSampler, KLASS, MultiBlock
+    for margin in (0.0, 0.25, 0.5):   # Fast-dLLM++'s Fréchet profile rule, beside threshold / factor
+        add("frechet", f"frechet_margin {margin}", steps=16, frechet_margin=margin)
+    for threshold in (0.5, 0.1):
+        for add_at in (0.5, 0.1):
+            add("multiblock", f"MultiBlock entropy<{threshold} add@{add_at} block=4", block_length=4,
+                decoder=MultiBlock(threshold=threshold, block_add_threshold=add_at))
+    for gamma in (0.01, 0.1, 0.5, 2.0):
+        add("eb_sampler", f"EB-Sampler gamma={gamma}", decoder=EBSampler(gamma=gamma))
+    for conf in (0.9, 0.6):
+        for kl in (0.01, 0.1):
+            add("klass", f"KLASS conf={conf} kl={kl} steps=16", steps=GEN_LENGTH,
+                decoder=KLASS(conf_threshold=conf, kl_threshold=kl))
+    for initial in (4, 8):   # grows towards GEN_LENGTH (the bound) while the end is not confidently EOS
+        add("daedal", f"DAEDAL initial={initial}", block_length=4,
+            decoder=DAEDAL(initial_gen_length=initial, expansion_factor=4, eos_check_tokens=4))
     add("ar", "AR greedy", ar=True)
     return out
 

@@ -144,9 +144,22 @@ def step_overhead(rounds: int = 3) -> list[dict[str, Any]]:
     return out
 
 
+def registered_methods(block_length: int, listed: tuple[type, ...]) -> list[tuple[str, dict[str, Any]]]:
+    """Every registered method (diffusion/methods/registry.py) not in `listed`, with its config's
+    defaults and blocks of `block_length`: a method added by its file and registry line is measured
+    here (and in bench/head_of_line.py) with no edit of this file."""
+    from remask.diffusion.methods import registry
+
+    return [(method.config.__name__, {method.field: method.config(), "block_length": block_length})
+            for method in registry.METHODS.values() if method.config not in listed]
+
+
 def method_settings(verifier) -> list[tuple[str, dict[str, Any]]]:
     """docs/compatibility.md's rows on tiny-llada (SamplingParams keywords), plus APD; AR is run on
     tiny-ar. Blocks of 16, 32 steps where the method reads steps (the compatibility table's setting)."""
+    listed = (remask.FreeDave, remask.ThresholdDecoding, remask.CreditDecoding, remask.HierarchicalDecoding,
+              remask.VicinityCache, remask.WINO, remask.DKVCache, remask.D2Cache, remask.ElasticCache, MarginDecoding,
+              remask.EBSampler)
     return [
         ("LLaDA low-confidence", dict(block_length=16)),
         ("threshold 0.9", dict(block_length=16, threshold=0.9)),
@@ -166,6 +179,7 @@ def method_settings(verifier) -> list[tuple[str, dict[str, Any]]]:
                                               decoder=remask.HierarchicalDecoding())),
         ("rule margin", dict(block_length=16, decoder=MarginDecoding())),
         ("EB-Sampler", dict(block_length=16, decoder=remask.EBSampler())),
+        *registered_methods(16, listed),
         ("APD", dict(apd=remask.APDConfig(verifier=verifier))),
     ]
 

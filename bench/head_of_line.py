@@ -33,6 +33,7 @@ from remask.engine import LLMEngine, SamplingParams
 from remask.zoo import charset, tasks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine import registered_methods  # noqa: E402  (bench/engine.py)
 from report import write_markdown  # noqa: E402  (bench/report.py)
 
 SHORT = dict(max_tokens=16, block_length=8, threshold=0.9, use_cache="dual")
@@ -59,6 +60,10 @@ def long_methods(tokens: int) -> dict[str, dict[str, Any]]:
         "dKV-Cache": dict(use_cache=remask.DKVCache(), steps=tokens, **blocks),
         "d2Cache": dict(use_cache=remask.D2Cache(), steps=tokens, **blocks),
         "Elastic-Cache": dict(use_cache=remask.ElasticCache()),
+        # every other registered method, with its defaults (bench/engine.py)
+        **dict(registered_methods(32, (remask.FreeDave, remask.ThresholdDecoding, remask.CreditDecoding,
+                                       remask.HierarchicalDecoding, remask.VicinityCache, remask.WINO,
+                                       remask.DKVCache, remask.D2Cache, remask.ElasticCache))),
     }
 
 

@@ -12,6 +12,7 @@ import torch
 
 from .hf_compat import cache_arg
 from .registry import Family, register_family
+from .request import ForwardRequest
 from .spec import ModelSpec, config_id
 
 MODEL_TYPE = "diffusion_gemma"
@@ -60,7 +61,7 @@ class CanvasModel:
     """The calls of DiffusionGemma's generation loop, one method each, with the arguments
     transformers' `generate` passes (so the same forwards run on the same tensors). The two forwards
     are described, not run: `encoder_forward` and `decoder_forward` return the
-    `ForwardRequest` (`remask.diffusion.parts.stepper`) a driver computes."""
+    `ForwardRequest` (`remask.models.request`) a driver computes."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -82,7 +83,6 @@ class CanvasModel:
         """The encoder over `input_ids` (uncached tokens), writing their keys and values into
         `cache`: a request for the encoder's whole output (`output_cache(answer)` is the cache).
         The encoder is a module of its own (`module=`), so the request runs alone."""
-        from remask.diffusion.parts.stepper import ForwardRequest
 
         encoder = self.model.model.encoder
         input_ids = input_ids.clone(memory_format=torch.contiguous_format)
@@ -106,7 +106,6 @@ class CanvasModel:
                         cache, position_ids: torch.Tensor):
         """One decoder forward of the model (no encoder input): a request answered with the logits
         `[B, canvas_length, V]` (float32, soft-capped)."""
-        from remask.diffusion.parts.stepper import ForwardRequest
 
         per_row = dict(decoder_input_ids=canvas, decoder_position_ids=position_ids)
         shared = dict(decoder_attention_mask=masks, **cache_arg(self.model.forward, cache))

@@ -43,7 +43,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMS
 
 from .configs import FastDLLMV2Config
 from .hf_compat import cache_arg, with_cache_field
-from .registry import Family, register_family
+from .registry import Family, family_of, register_family, resolve
 from .spec import ModelSpec, config_id, padding_mask_inputs
 
 # The official decoders' constants (`generation_functions.py`, `modeling.py` defaults): the
@@ -266,16 +266,14 @@ class FastDLLMV2ForCausalLM(PreTrainedModel):
         """The official model's sampling helper (its decoders call it as a method): (tokens `[B, L]`,
         distributions `[B, L, V]`) — `remask.diffusion.families.fast_dllm_v2.choose_tokens` without the
         mask-token fix (`remask.diffusion.parts.scoring.sample_categorical` with Fast-dLLM v2's flags)."""
-        from remask.diffusion.families.fast_dllm_v2 import choose_tokens
-
+        choose_tokens = resolve("remask.diffusion.families.fast_dllm_v2:choose_tokens")
         tokens, _, probs = choose_tokens(logits, top_p, temperature, None, None)
         return tokens, probs
 
     def generate(self, input_ids: torch.LongTensor, **kwargs: Any):
-        """The official model's `generate` (`remask.compat.fast_dllm_v2.generate`)."""
-        from remask.compat.fast_dllm_v2 import generate
-
-        return generate(self, input_ids, **kwargs)
+        """The official model's `generate`: its family's drop-in (`Family.generate`,
+        `remask.compat.fast_dllm_v2.generate`)."""
+        return family_of(self.config.model_type).entry_point()(self, input_ids, **kwargs)
 
 
 def fast_dllm_v2_spec(config: FastDLLMV2Config) -> ModelSpec:

@@ -69,14 +69,17 @@ class Family:
 
     def entry_point(self) -> Callable[..., Any] | None:
         """The function named by `generate`, imported on first use (it lives outside `models`)."""
-        return _resolve(self.generate)
+        return resolve(self.generate)
 
     def decoder_factory(self) -> Callable[..., Any] | None:
         """The function named by `engine_decoder`, imported on first use."""
-        return _resolve(self.engine_decoder)
+        return resolve(self.engine_decoder)
 
 
-def _resolve(target: str | None) -> Callable[..., Any] | None:
+def resolve(target: str | None) -> Callable[..., Any] | None:
+    """The function a "module:function" string names, imported on first use: how a model family
+    reaches the decoding code above it (its drop-in, its engine decoder, its official model methods)
+    without importing it — the registry's late binding, as entry points are."""
     if target is None:
         return None
     module, _, name = target.partition(":")

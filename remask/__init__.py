@@ -34,9 +34,11 @@ _EXPORTS = {
     "FreeDave": "remask.diffusion.methods.freedave",
     "MarginDecoding": "remask.diffusion.methods.margin",
     "EBSampler": "remask.diffusion.methods.eb_sampler",
+    "FrechetRule": "remask.diffusion.methods.frechet",
     "KLASS": "remask.diffusion.methods.klass",
     "WINO": "remask.diffusion.methods.wino",
     "Prophet": "remask.diffusion.methods.prophet",
+    "MultiBlock": "remask.diffusion.methods.multiblock",
     **dict.fromkeys(("DreamConfig", "DreamModel", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "get_spec"),
                     "remask.models"),
     "patch": "remask.patching",
@@ -66,8 +68,8 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "APDConfig", "CanvasSampler", "EBSampler", "CreditDecoding", "D2Cache", "DAEDAL", "DKVCache", "DreamConfig", "ElasticCache", "FreeDave", "HierarchicalDecoding", "KLASS", "MarginDecoding", "ThresholdDecoding",
-    "VicinityCache", "IterationSmoothing", "WINO", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
+    "APDConfig", "CanvasSampler", "EBSampler", "CreditDecoding", "D2Cache", "DAEDAL", "DKVCache", "DreamConfig", "ElasticCache", "FrechetRule", "FreeDave", "HierarchicalDecoding", "KLASS", "MarginDecoding", "ThresholdDecoding",
+    "VicinityCache", "IterationSmoothing", "WINO", "MultiBlock", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
     "LLM", "LLMEngine", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "Prophet", "RequestOutput", "SamplingParams", "SparseConfig", "StructuredOutputsParams", "answer_text", "ar_generate",
     "diffusion_generate", "generate", "get_spec", "load", "patch", "stop_token_ids",
 ]

@@ -22,8 +22,8 @@ REMASKING = ("low_confidence", "random")                                      # 
 ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_threshold")   # ...dream.ALGORITHMS
 CACHE_NAMES = ("prefix", "dual", "paged")                      # remask.diffusion.parts.cache.CACHE_MODES, less None
 CACHE_CONFIGS = ("vicinity", "dkv", "d2cache", "elastic")      # remask.diffusion.methods.registry.names("use_cache")
-DECODERS = ("freedave", "threshold", "credit", "hierarchical", "margin", "eb_sampler", "klass", "wino", "prophet",
-            "daedal")   # ...registry.names("decoder")
+DECODERS = ("freedave", "threshold", "credit", "hierarchical", "margin", "eb_sampler", "frechet", "klass", "wino",
+            "prophet", "daedal", "multiblock")   # ...registry.names("decoder")
 
 # One `remask generate` flag per plain `SamplingParams` field: (field, kind, help). Written out for
 # the same reason (the dataclass lives behind torch); tests/test_cli.py checks the names and kinds
@@ -57,6 +57,9 @@ SAMPLING_FLAGS: tuple[tuple[str, str, str], ...] = (
                            ">= this, at least one per step (default off); LLaDA, Dream (--alg "
                            "confidence_threshold), SDAR, LLaDA2.x, Fast-dLLM v2"),
     ("factor", "float", "Fast-dLLM's factor rule instead of --threshold (default off); LLaDA's block rule"),
+    ("frechet_margin", "float", "Fast-dLLM++'s Frechet profile rule instead of --threshold / --factor: commit the "
+                                "largest confidence prefix whose profile score exceeds this margin (default off; "
+                                "the paper uses 0.25); LLaDA's block rule"),
     ("cfg_scale", "float", "unsupervised classifier-free guidance scale (default 0: off; not with --use-cache); "
                            "LLaDA's block rule"),
     ("use_cache", "cache", f"KV cache: {', '.join(CACHE_NAMES)} (Fast-dLLM's), or a JSON cache config "

@@ -140,3 +140,16 @@ def test_dream_fields_refused_for_llada(tmp_path_factory):
         dkv_generate(llada, prompt, config=DKVCache(shift_type="un"), steps=4, gen_length=4, block_length=4)
     with pytest.raises(ValueError, match="logit_shift"):
         dkv_dream_generate(llada, prompt, config=DKVCache(cache_type="decoded"), steps=4, max_new_tokens=4)
+
+
+def test_steps_outlasting_the_masks_finish_instead_of_crashing(models):
+    """More steps than generated positions with the decoded cache: once every position is decoded
+    (and cached a step later) a step has nothing to forward; such a step commits nothing (it used to
+    index the empty forward and crash) and the request finishes with every position decoded."""
+    model = next(iter(models.values()))
+    prompt = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(0))
+    config = DKVCache(cache_type="decoded", cache_reloading_step=1000)
+    for seed in range(5):
+        out = dkv_dream_generate(model, prompt, config=config, steps=40, max_new_tokens=3, alg="origin",
+                                 generator=torch.Generator().manual_seed(seed))
+        assert out.shape == (2, 8) and torch.equal(out[:, :5], prompt) and not (out == MASK).any()

@@ -51,6 +51,7 @@ LLADA_METHODS = [
     dict(block_length=16, decoder=remask.HierarchicalDecoding()),
     dict(block_length=16, use_cache=remask.VicinityCache()),
     dict(block_length=16, decoder=remask.WINO()),
+    dict(block_length=8, decoder=remask.MultiBlock(threshold=0.1, early_stop=True)),
     dict(block_length=16, use_cache=remask.DKVCache()),
     dict(block_length=16, use_cache=remask.D2Cache()),
     dict(block_length=16, decoder=MarginDecoding()),

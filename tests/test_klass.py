@@ -38,13 +38,13 @@ def rule_of(kwargs: dict) -> remask.KLASS:
                                                   "unmask_strategy") if k in kwargs})
 
 
-def decode(model: torch.nn.Module, case: dict) -> list:
+def decode(model: torch.nn.Module, case: dict, stats: remask.GenerationStats | None = None) -> list:
     kw = case["kwargs"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # generation beyond the tiny models' trained length
         if case["checkpoint"].startswith("llada"):
             return remask.generate(model, torch.tensor([case["prompt"]]), steps=kw["steps"], gen_length=kw["gen_length"],
-                                   block_length=kw["block_length"], decoder=rule_of(kw))[0].tolist()
+                                   block_length=kw["block_length"], decoder=rule_of(kw), stats=stats)[0].tolist()
         mask = case.get("attention_mask")
         return remask.diffusion_generate(model, torch.tensor(case["prompt"]), max_new_tokens=kw["gen_length"],
                                          block_length=kw["gen_length"], decoder=rule_of(kw),
@@ -53,13 +53,17 @@ def decode(model: torch.nn.Module, case: dict) -> list:
 
 @pytest.mark.parametrize("case", DATA["cases"], ids=lambda c: c["name"])
 def test_reproduces_the_official_klass(case, tmp_path_factory):
-    """Token for token; where upstream stopped with masks left (Dream's `steps` cap: `masks_left`),
-    remask decodes on: the same tokens wherever upstream decoded one, and no mask."""
+    """Token for token, and LLaDA's forward count (upstream's `used_steps`); where upstream stopped with
+    masks left (Dream's `steps` cap: `masks_left`), remask decodes on: the same tokens wherever upstream
+    decoded one, and no mask."""
     model = checkpoint(tmp_path_factory, case["checkpoint"])
     margin_case(os.path.basename(FIXTURE), case)
-    out, ref = decode(model, case), case["output_ids"]
+    stats = remask.GenerationStats()
+    out, ref = decode(model, case, stats), case["output_ids"]
     if not case.get("masks_left"):
         assert out == ref
+        if "forwards" in case:
+            assert stats.nfe == case["forwards"]
         return
     mask = get_spec(model).mask_id
     flat = (lambda rows: [t for row in rows for t in row]) if isinstance(ref[0], list) else (lambda row: row)
@@ -71,6 +75,23 @@ def test_the_cases_exercise_the_rule():
     """Upstream's outputs are not its plain confidence schedule's: the KL-and-confidence commits decide."""
     assert len(DATA["cases"]) >= 8 and {c["checkpoint"][:5] for c in DATA["cases"]} == {"llada", "dream"}
     assert sum(bool(c.get("differs_from_plain")) for c in DATA["cases"]) >= len(DATA["cases"]) // 2
+
+
+def test_llada_cases_exercise_the_kl_rule(tmp_path_factory):
+    """On LLaDA too: in at least four cases upstream's KL-and-confidence commits decided (its tokens or its
+    forward count are not LLaDA's plain low-confidence schedule with the same steps, decoded here), and each
+    case's recorded `differs_from_plain` says so."""
+    differs = []
+    for case in (c for c in DATA["cases"] if c["checkpoint"].startswith("llada")):
+        model, kw, stats = checkpoint(tmp_path_factory, case["checkpoint"]), case["kwargs"], remask.GenerationStats()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plain = remask.generate(model, torch.tensor([case["prompt"]]), steps=kw["steps"],
+                                    gen_length=kw["gen_length"], block_length=kw["block_length"], stats=stats)
+        assert stats.nfe == kw["steps"]   # the schedule: one forward per step
+        differs.append(plain[0].tolist() != case["output_ids"] or case["forwards"] != stats.nfe)
+        assert differs[-1] == case["differs_from_plain"], case["name"]
+    assert sum(differs) >= 4, f"{sum(differs)} of {len(differs)} LLaDA cases differ from the plain schedule"
 
 
 @pytest.mark.parametrize("kwargs, name", [

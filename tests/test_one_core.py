@@ -24,6 +24,7 @@ METHODS = {
     "hierarchical": dict(decoder=remask.HierarchicalDecoding(), block_length=16),
     "vicinity": dict(use_cache=remask.VicinityCache(prefix_look=4, after_look=4, warmup_steps=2), block_length=16),
     "wino": dict(decoder=remask.WINO(), block_length=16),
+    "multiblock": dict(decoder=remask.MultiBlock(threshold=0.1), block_length=8),
     "dkv": dict(use_cache=remask.DKVCache(), steps=32, block_length=16),
     "dkv_random": dict(use_cache=remask.DKVCache(), steps=32, block_length=16, remasking="random", seed=7),
     "d2cache": dict(use_cache=remask.D2Cache(), steps=32, block_length=16),

@@ -61,6 +61,11 @@ def test_completions_and_chat_equal_the_offline_llm(served, offline):
                                                                       **DIFFUSION), use_tqdm=False)[0]
     assert chat.choices[0].message.content == want.outputs[0].text == "dcba"
     assert chat.choices[0].message.role == "assistant"
+    frechet = c.chat.completions.create(model="tiny-llada", messages=messages, max_tokens=16, seed=1,
+                                        extra_body=dict(frechet_margin=0.25, **DIFFUSION))   # Fast-dLLM++'s rule
+    want = offline["tiny-llada"].chat(messages, remask.SamplingParams(max_tokens=16, seed=1, frechet_margin=0.25,
+                                                                      **DIFFUSION), use_tqdm=False)[0]
+    assert frechet.choices[0].message.content == want.outputs[0].text
 
     ar = c.chat.completions.create(model="tiny-ar", messages=messages, max_tokens=12, seed=5, temperature=0.8)
     want = offline["tiny-ar"].chat(messages, remask.SamplingParams(max_tokens=12, seed=5, temperature=0.8),

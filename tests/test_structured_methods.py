@@ -1,6 +1,6 @@
 """Structured output under Dream's decoders and the step-generator methods (diffusion/parts/constrain.py):
 Dream's sampler (its algs) and Fast-dLLM's Dream block decoder, FreeDave (LLaDA and Dream), dInfer's
-rules (threshold / credit / hierarchical, the vicinity cache, iteration smoothing), WINO, and the
+rules (threshold / credit / hierarchical, the vicinity cache, iteration smoothing), WINO, MultiBlock, and the
 cache methods dKV-Cache (Decode and Greedy; Dream's), d2Cache and Elastic-Cache (its own rule and a
 dInfer rule), on the shipped tiny LLaDA and a tiny random Dream checkpoint with the tiny models'
 character tokenizer.
@@ -76,6 +76,8 @@ LLADA_METHODS = {
     "dinfer vicinity": dict(use_cache=remask.VicinityCache()),
     "dinfer smoothing": dict(decoder=remask.ThresholdDecoding(threshold=0.7, smoothing=remask.IterationSmoothing())),
     "wino": dict(decoder=remask.WINO(threshold=0.5, threshold_back=0.8)),
+    "multiblock": dict(decoder=remask.MultiBlock(threshold=1.0, block_add_threshold=0.25)),
+    "multiblock early stop": dict(decoder=remask.MultiBlock(threshold=2.0, early_stop=True)),
 }
 
 
@@ -170,7 +172,8 @@ def test_engine_equals_drop_in(llada, dream):
     dllm = remask.LLM(dpath)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for decoder in (remask.FreeDave(), remask.ThresholdDecoding(threshold=0.7), remask.WINO()):
+        for decoder in (remask.FreeDave(), remask.ThresholdDecoding(threshold=0.7), remask.WINO(),
+                        remask.MultiBlock(early_stop=True)):
             params = remask.SamplingParams(max_tokens=32, block_length=8, decoder=decoder,
                                            structured_outputs=S(json=schema))
             for text, c in zip(PROMPTS, _engine_rows(llm, PROMPTS, params)):

@@ -14,19 +14,16 @@ import torch
 
 from remask.caches import KVCache, PagedKVCache
 from remask.kernels import unmask
-from remask.models.spec import ModelSpec, get_spec
+from remask.models.spec import ModelSpec
 
-from .apd import APDConfig, apd_generate, check_apd_alone
 from ..parts.sparse import BlockMaskForward, RetentionForward, SparseConfig
 from ..parts.cache import BlockForward, cache_mode, valid_positions
-from ..parts.checks import (CombinationError, check_bool, check_callable, check_choice, check_generator,
-                            check_instance, check_int, check_length, check_mask_id, check_model_kind,
-                            check_optional_token_id, check_prompt, check_real, check_stats, check_token_id,
-                            warn_if_longer_than_trained, warn_if_padded_without_mask)
+from ..parts.checks import (CombinationError, check_bool, check_callable, check_choice, check_generator, check_instance,
+                            check_int, check_length, check_mask_id, check_prompt, check_real, check_stats,
+                            check_token_id, warn_if_longer_than_trained, warn_if_padded_without_mask)
 from ..parts.constrain import CommitFilter, end_ids_of
-from ..parts.constrain_loops import structure_for_call
 from ..parts.scoring import score_rows, score_tokens
-from ..parts.selection import schedule_counts, topk_commit
+from ..parts.selection import frechet_profile_counts, schedule_counts, topk_commit
 from ..parts.stats import GenerationStats
 from ..parts.step import CommitRule, masked_canvas
 from ..parts.stepper import ForwardRequest, ForwardThenCommit
@@ -61,11 +58,15 @@ def validate_block_args(gen_length: int, block_length: int, steps: int) -> tuple
     return num_blocks, steps // num_blocks
 
 
-def validate_rule(threshold: float | None, factor: float | None) -> None:
-    if threshold is not None and factor is not None:
-        raise ValueError("pass either threshold or factor, not both")
+def validate_rule(threshold: float | None, factor: float | None, frechet_margin: float | None = None) -> None:
+    given = [name for name, value in (("threshold", threshold), ("factor", factor),
+                                      ("frechet_margin", frechet_margin)) if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"pass at most one of threshold, factor and frechet_margin (Fast-dLLM's parallel rules), "
+                         f"got {' and '.join(given)}")
     check_real("threshold", threshold, low=0, high=1, low_open=True, allow_none=True)
     check_real("factor", factor, low=0, low_open=True, allow_none=True)
+    check_real("frechet_margin", frechet_margin, allow_none=True)   # any finite δ, as Fast-dLLM++ takes it
 
 
 def block_forwards(model: torch.nn.Module, spec: ModelSpec, use_cache: Any, sparse: SparseConfig | None,
@@ -157,7 +158,8 @@ class BlockDecoder(BlockwiseDecoder):
                  early_stop: bool = False, reference_rng: bool = False, use_cache: str | PagedKVCache | None = None,
                  sparse: SparseConfig | None = None, reference_ties: bool = False, structure: Any = None,
                  end_ids: Sequence[int] = (), rule: CommitRule | None = None, align_blocks: bool = False,
-                 window: Any = None, maximum_unroll: int = 4, expected_tpf: int = 8) -> None:
+                 window: Any = None, maximum_unroll: int = 4, expected_tpf: int = 8,
+                 frechet_margin: float | None = None) -> None:
         check_mask_id(spec)
         check_instance("decoder", rule, CommitRule, "a remask commit rule (ThresholdDecoding, CreditDecoding, "
                        "HierarchicalDecoding or another CommitRule)")
@@ -167,7 +169,7 @@ class BlockDecoder(BlockwiseDecoder):
         for name, value in (("gen_length", gen_length), ("block_length", block_length),
                             ("maximum_unroll", maximum_unroll), ("expected_tpf", expected_tpf)):
             check_int(name, value, minimum=1)
-        validate_rule(threshold, factor)
+        validate_rule(threshold, factor, frechet_margin)
         check_choice("remasking", remasking, REMASKING)
         check_real("temperature", temperature, low=0)
         check_choice("confidence_eos_eot_inf", confidence_eos_eot_inf, (False, True, "corrected"))
@@ -193,7 +195,7 @@ class BlockDecoder(BlockwiseDecoder):
                 raise CombinationError("sparse= in the LLaDA block loop needs unshifted logits (LLaDA-format models)")
         if precision is None:
             precision = FAST_DLLM_FACTOR_PRECISION if factor is not None else (
-                LLADA_PRECISION if threshold is None else FAST_DLLM_PRECISION)
+                LLADA_PRECISION if threshold is None and frechet_margin is None else FAST_DLLM_PRECISION)
         self.suppress = [check_token_id(spec, spec.eos_id, "eos_id")] if logits_eos_inf else None
         self.zero_prob_ids = None
         stop_ids: list[int] = []
@@ -213,8 +215,9 @@ class BlockDecoder(BlockwiseDecoder):
         self.gen_length, self.block_length, self.steps = gen_length, block_length, steps
         self.temperature, self.cfg_scale, self.remasking = temperature, cfg_scale, remasking
         self.threshold, self.factor, self.early_stop, self.stop_ids = threshold, factor, early_stop, stop_ids
+        self.frechet_margin = frechet_margin
         self.confidence_eos_eot_inf, self.reference_ties = confidence_eos_eot_inf, reference_ties
-        self.parallel = threshold is not None or factor is not None
+        self.parallel = threshold is not None or factor is not None or frechet_margin is not None
         self.reference_sampling = temperature > 0 and reference_rng
         # structured output (remask/structured.py): a CompiledStructure, and the ids that end an answer
         self.structure, self.end_ids = structure, end_ids_of(spec, end_ids)
@@ -374,8 +377,9 @@ class BlockDecoder(BlockwiseDecoder):
             # the first undecided position's logits hold only what the structure allows (before the rule)
             logits = constraint.mask_frontier(logits, start, end, local)
             prior = block_x.clone()
-        if self.reference_sampling and self.mode == "prefix" and state.step > 0:
-            # Upstream's prefix loop draws (and discards) one extra noise tensor per cached step.
+        if self.reference_sampling and self.mode == "prefix" and state.step > 0 and self.frechet_margin is None:
+            # Fast-dLLM v1's prefix loop draws (and discards) one extra noise tensor per cached step (Fast-dLLM++'s,
+            # whose loop `frechet_margin` follows, does not).
             torch.rand(logits.shape, dtype=torch.float64, device=x.device, generator=generator)
         if self.reference_sampling or self.reference_ties:
             # The reference's formulation over the whole [B, T, V] logits: its float64 noise
@@ -438,7 +442,7 @@ class BlockDecoder(BlockwiseDecoder):
                 or self.remasking != "low_confidence" or self.confidence_eos_eot_inf == "corrected" \
                 or self.structure is not None or self.processors or self.rule is not None:
             return None
-        return (BlockDecoder, self.spec.mask_id, self.block_length, self.threshold, self.factor,
+        return (BlockDecoder, self.spec.mask_id, self.block_length, self.threshold, self.factor, self.frechet_margin,
                 tuple(self.suppress or ()), tuple(self.zero_prob_ids or ()), self.precision.softmax)
 
     @staticmethod
@@ -475,8 +479,10 @@ class BlockDecoder(BlockwiseDecoder):
 
     def _select(self, block_x: torch.Tensor, block_mask: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor,
                 k: torch.Tensor | None) -> torch.Tensor:
-        """Commit into `block_x` (clearing `block_mask`) by Fast-dLLM's threshold or factor rule,
-        else the budget `k` per row; returns the counts `[B]`."""
+        """Commit into `block_x` (clearing `block_mask`) by Fast-dLLM's threshold or factor rule or
+        Fast-dLLM++'s Fréchet profile budget, else the budget `k` per row; returns the counts `[B]`."""
+        if self.frechet_margin is not None:
+            k = frechet_profile_counts(conf, block_mask, self.frechet_margin)
         if self.threshold is not None:
             return unmask(block_x, block_mask, x0, conf, threshold=self.threshold)
         if self.factor is not None:
@@ -530,84 +536,3 @@ def block_diffusion_generate(model: torch.nn.Module, prompt: torch.Tensor, atten
     if stats is not None:
         stats.stop(int(state.batch * decoder.gen_length))
     return state.x
-
-
-def generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None,
-             steps: int = 128, gen_length: int = 128, block_length: int = 128, temperature: float = 0.0,
-             cfg_scale: float = 0.0, remasking: str = "low_confidence", mask_id: int | None = None,
-             logits_eos_inf: bool = False, confidence_eos_eot_inf: bool | str = False, *,
-             threshold: float | None = None, factor: float | None = None, early_stop: bool = False,
-             reference_rng: bool = False, eos_id: int | None = None, eot_id: int | None = None,
-             generator: torch.Generator | None = None, stats: GenerationStats | None = None,
-             on_step: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
-             use_cache: str | PagedKVCache | None = None, apd: APDConfig | None = None,
-             verifier_stats: GenerationStats | None = None, sparse: SparseConfig | None = None,
-             reference_ties: bool = False, decoder: Any = None, structured_outputs: Any = None,
-             tokenizer: Any = None) -> torch.LongTensor:
-    """Drop-in for ML-GSAI/LLaDA `generate` (same positional order, defaults and output): returns
-    `[B, P + gen_length]`, the prompt unchanged and no mask token left.
-
-    `prompt` is left-padded when rows differ (`attention_mask`: 1 = token); `mask_id` / `eos_id` /
-    `eot_id` None: the model's. `gen_length % block_length == 0`, `steps` divisible by the number of
-    blocks (LLaDA's integer schedule per block). `temperature`: float64 Gumbel-max (0 = greedy);
-    `cfg_scale`: unsupervised CFG; `remasking`: ``"low_confidence"`` or ``"random"``;
-    `logits_eos_inf`: EOS logits at −inf; `confidence_eos_eot_inf`: ``True`` as upstream
-    (docs/quirks.md), ``"corrected"`` commits EOS/EOT last. `threshold` / `factor`: Fast-dLLM's
-    parallel rules, looping until the block is decoded. `early_stop`: a row stops after a decoded
-    block with EOS/EOT (the rest EOS). `reference_rng`: at temperature > 0, the reference's float64
-    Gumbel noise over the whole `[B, T, V]` logits (a seeded reference run reproduced); by default
-    the fused kernel's own stream. `on_step(block_index, x, transfer_index)` runs after every step.
-    `use_cache`: None, "prefix", "dual" (Fast-dLLM v1, see `block_diffusion_generate`) or "paged" /
-    a `PagedKVCache`. `apd`: an `APDConfig(verifier=...)`: adaptive parallel decoding
-    (`remask.diffusion.families.apd`; `verifier_stats` counts its verifier's forwards). `sparse`: a
-    `SparseConfig(...)` (`remask.diffusion.parts.sparse`). `reference_ties`: the schedule through
-    `torch.topk` as the references (their order among exactly equal confidences, common at p = 1.0
-    in float32); by default the lower index. `decoder`: a config replacing the block rule
-    (docs/decoders.md): `remask.FreeDave(...)` (the tokens of `steps=gen_length` greedy decoding in
-    fewer forwards) or dInfer's rules. `structured_outputs`: a `remask.StructuredOutputsParams`,
-    compiled against `tokenizer` (default: the one beside the model), held at each commit
-    (`diffusion/parts/constrain.py`): a completed answer ends with EOS, one out of positions holds
-    a valid prefix.
-    """
-    for name, value in (("mask_id", mask_id), ("eos_id", eos_id), ("eot_id", eot_id)):
-        check_int(name, value, minimum=0, allow_none=True)
-    spec = get_spec(model, mask_id=mask_id, eos_id=eos_id, eot_id=eot_id)
-    check_model_kind(spec, diffusion=True, entry="remask.generate")
-    check_optional_token_id(spec, eos_id, "eos_id")
-    check_optional_token_id(spec, eot_id, "eot_id")
-    check_instance("apd", apd, APDConfig, "a remask.APDConfig")
-    check_stats("verifier_stats", verifier_stats)
-    # the checks SamplingParams runs, compiled against the tokenizer; every decoder enforces it in its commits
-    structure = structure_for_call(structured_outputs, model, tokenizer, spec.mask_id, gen_length)
-    if decoder is not None or (use_cache is not None and not isinstance(use_cache, (str, PagedKVCache))):
-        from ..methods.decoders import run_decoder
-        settings = {"steps": (steps, 128), "temperature": (temperature, 0.0), "cfg_scale": (cfg_scale, 0.0),
-                    "remasking": (remasking, "low_confidence"), "logits_eos_inf": (logits_eos_inf, False),
-                    "confidence_eos_eot_inf": (confidence_eos_eot_inf, False), "threshold": (threshold, None),
-                    "factor": (factor, None), "early_stop": (early_stop, False), "reference_rng": (reference_rng, False),
-                    "eos_id": (eos_id, None), "eot_id": (eot_id, None), "generator": (generator, None),
-                    "on_step": (on_step, None), "apd": (apd, None), "verifier_stats": (verifier_stats, None),
-                    "sparse": (sparse, None), "reference_ties": (reference_ties, False)}
-        return run_decoder(model, prompt, attention_mask, decoder, gen_length=gen_length, block_length=block_length,
-                           use_cache=use_cache, mask_id=mask_id, stats=stats, settings=settings, structure=structure)
-    if apd is not None:
-        clashes = [name for name, value in (("threshold", threshold), ("factor", factor), ("use_cache", use_cache),
-                                            ("cfg_scale", cfg_scale or None), ("on_step", on_step),
-                                            ("sparse", sparse)) if value is not None]
-        check_apd_alone(clashes + (["remasking"] if remasking != "low_confidence" else []))
-        check_mask_id(spec)
-        check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
-        check_int("gen_length", gen_length, minimum=1)
-        check_real("temperature", temperature, low=0)
-        check_generator(generator, prompt.device)
-        check_stats("stats", stats)
-        check_length(spec, prompt.shape[1] + gen_length, "prompt length + gen_length")
-        warn_if_longer_than_trained(spec, gen_length)
-        return apd_generate(model, spec, prompt, gen_length, apd, temperature=temperature, generator=generator,
-                            stats=stats, verifier_stats=verifier_stats, structure=structure)
-    return block_diffusion_generate(
-        model, prompt, attention_mask, steps=steps, gen_length=gen_length, block_length=block_length,
-        temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, spec=spec,
-        logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf, threshold=threshold,
-        factor=factor, early_stop=early_stop, reference_rng=reference_rng, generator=generator, stats=stats,
-        on_step=on_step, use_cache=use_cache, sparse=sparse, reference_ties=reference_ties, structure=structure)

@@ -1,5 +1,6 @@
-"""dKV-Cache (horseee/dKV-Cache; docs/decoders.md) for LLaDA and Dream: one cached forward
-(`_forward_rows`) and one delay rule (`_delay`), with each family's commit rule and logit shift.
+"""dKV-Cache (horseee/dKV-Cache; docs/decoders.md) for LLaDA and Dream: one loop (`_loop`: the cached
+forwards, the reloads, the delay) with each family's part (`_LLaDARule`, `_DreamRule`: its spans and
+schedule, scoring and commit, logit shift and delay rule).
 
 LLaDA (`generation_utils/llada_dkv_cache_decode.py` and `llada_dkv_cache_greedy.py`, with
 `models/modeling_llada_dkv_cache_decode.py`): LLaDA's block schedule with a delayed K/V cache,
@@ -34,6 +35,9 @@ is a prompt token (the logit shift: hidden state i scores token i + 1).
   `shift_type`: ``"un"`` position i once token i + 1 is decoded (T − 1 follows token 0),
   ``"un_right"`` once tokens i and i + 1 are (T − 1 follows T − 2), ``"right"`` once token i is.
   ``"prefill"``: the first step's store stays cached for the whole generation.
+In these terms (`_loop` runs both families) LLaDA's Decode is the ``"decoded"`` cache with
+``"right"`` in each block, its first step a plain forward (no store yet); Greedy's `prev` is every
+position but those chosen for the next forward, its store every position.
 
 Positions without a forward have no logits (upstream fills −inf): under ``"right"`` a masked position
 right after a cached one gets confidence NaN, which `torch.topk` ranks first, and id 0, as upstream.
@@ -44,7 +48,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Generator
+from typing import Any, Generator, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +61,8 @@ from ..families.llada import validate_block_args
 from ..parts.cache import valid_positions
 from ..parts.checks import (check_bool, check_choice, check_generator, check_instance, check_int,
                             check_length, check_mask_id, check_model_kind, check_prompt, check_stats, model_device)
-from ..parts.selection import schedule_counts
+from ..parts.scoring import score_tokens
+from ..parts.selection import schedule_counts, topk_commit
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
@@ -173,51 +178,19 @@ def _forward(x: torch.Tensor, positions: torch.Tensor, forwarded: torch.Tensor |
     return logits
 
 
-def _forward_rows(x: torch.Tensor, positions: torch.Tensor, forwarded: torch.Tensor | None, store: torch.Tensor | None,
-                  groups: list[list[int]], caches: list[DelayedKVCache], key_ok: torch.Tensor | None,
-                  stats: GenerationStats | None, final: int, take: Any,
-                  merge: bool = False) -> Generator[Any, Any, tuple[list[list[int]], list[DelayedKVCache]]]:
-    """One step's cached forwards (``yield from``), both families: the rows regrouped (`_regroup`; new
-    caches when `forwarded` is None), each group's `_forward` of its `forwarded` positions (None: all)
-    caching its `store` (None: no cache), handed at once to `take(g, logits, forwarded[g])`, a
-    `Progress(x, final)` between groups. A row with nothing forwarded (a structure ended it) is skipped.
-    Returns the groups and their caches."""
-    uniform = _counts_equal(*(s for s in (store, forwarded) if s is not None))
-    groups, caches = _regroup(groups, caches, x.shape[0], forwarded is None, uniform, key_ok, merge)
-    first = True
-    for g, cache in zip(groups, caches):
-        fwd = None if forwarded is None else forwarded[g]
-        if fwd is not None and not bool(fwd.any()):
-            continue
-        if not first:
-            yield Progress(x, final)   # the previous row's forward (rows forwarded one by one)
-        first = False
-        logits = yield from _forward(x[g], positions[g], fwd, cache, None if store is None else store[g])
-        if stats is not None:
-            stats.forward(len(g), logits.shape[1], sum(c.nbytes for c in caches))
-        take(g, logits, fwd)
-    return groups, caches
-
-
-def _store(x: torch.Tensor, mask_id: int, shift_type: str) -> torch.Tensor:
-    """`[B, T]` positions cached after a step, by `shift_type` (LLaDA's: ``"right"``)."""
-    decoded = x != mask_id
-    if shift_type == "un":
-        return torch.cat([decoded[:, 1:], decoded[:, :1]], dim=1)
-    if shift_type == "un_right":
-        both = decoded[:, :-1] & decoded[:, 1:]
-        return torch.cat([both, both[:, -1:]], dim=1)
-    return decoded   # "right"
-
-
 def _delay(store: torch.Tensor | None, x: torch.Tensor, mask_id: int, shift_type: str,
            constrained: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The delay, after a step: the positions cached during the next forward (this step's `store`;
-    under a structure less the revoked ones) and after it (`_store`)."""
-    prev, store = store, _store(x, mask_id, shift_type)
-    if constrained and prev is not None:
-        prev = prev & store   # a revoked position (or its scorer) leaves the cached set
-    return prev, store
+    under a structure less the revoked ones) and after it, by `shift_type` (LLaDA's: ``"right"``)."""
+    decoded = x != mask_id
+    if shift_type == "un":
+        decoded = torch.cat([decoded[:, 1:], decoded[:, :1]], dim=1)
+    elif shift_type == "un_right":
+        both = decoded[:, :-1] & decoded[:, 1:]
+        decoded = torch.cat([both, both[:, -1:]], dim=1)
+    if constrained and store is not None:
+        store = store & decoded   # a revoked position (or its scorer) leaves the cached set
+    return store, decoded
 
 
 def _constrained_logits(constraint: Any, g: list[int], logits: torch.Tensor, where: torch.Tensor, start: int,
@@ -234,15 +207,6 @@ def _constrained_logits(constraint: Any, g: list[int], logits: torch.Tensor, whe
     part[where[:, start:end]] = logits[(positions >= start) & (positions < end)]
     window_logits[g] = part
     return logits, window_logits
-
-
-def _final(x: torch.Tensor, P: int, upto: int, mask_id: int) -> int:
-    """Generated positions no later step changes once the first `upto` are decoded: `upto`, less
-    any position left masked (only with `commit_mask_token`; a later block may still decode it),
-    the minimum over rows."""
-    masked = x[:, P:P + upto] == mask_id
-    first = torch.where(masked.any(dim=1), masked.int().argmax(dim=1), upto)
-    return int(first.min())
 
 
 def _window(chosen: torch.Tensor, around: list[int], masked: torch.Tensor, size: int) -> None:
@@ -309,115 +273,10 @@ def dkv_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCache 
 
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), prompt.shape[0], spec.mask_id,
                                     prompt.shape[1], gen_length)
-    return _steps(model, prompt, config, spec.mask_id, steps_per_block, block_length, gen_length, remasking,
-                  attention_mask, generator, stats, constraint)
-
-
-@torch.no_grad()
-def _steps(model, prompt: torch.Tensor, config: DKVCache, mask_id: int, steps_per_block: int, block_length: int,
-           gen_length: int, remasking: str, attention_mask: torch.Tensor | None, generator: torch.Generator | None,
-           stats: GenerationStats | None, constraint: Any = None) -> StepGenerator:
-    """dKV-Cache's LLaDA loop, both variants (the module docstring; the arguments checked by
-    `dkv_steps`; `constraint`: a `CommitFilter` or None)."""
-    greedy, R, device = config.variant == "greedy", config.cache_reloading_step, model_device(model)
     B, P = prompt.shape
-    T = P + gen_length
-    x = masked_canvas(prompt, gen_length, mask_id, device)
-    key_ok = valid_positions(attention_mask, T)   # False on the left pads
-    positions = torch.arange(T, device=device)[None].expand(B, T)
-    everything = torch.ones((B, T), dtype=torch.bool, device=device)
-    final = 0
-    if stats is not None:
-        stats.start()
-    for num_block in range(gen_length // block_length):
-        start, end = P + num_block * block_length, P + (num_block + 1) * block_length
-        if constraint is not None and not any(constraint.unsettled(x, start, end)):
-            continue   # every row's answer is settled through this block (ended or decoded)
-        counts = schedule_counts(x[:, start:end] == mask_id, steps_per_block)   # [B, steps]
-        if greedy:
-            done = torch.cat([counts.new_zeros((B, 1)), counts.cumsum(dim=1)], dim=1)
-            order_p = torch.rand((B, T), generator=generator, device=device)
-            order_p[:, end:] = -torch.inf
-            order_p[:, :start] = -torch.inf
-            order = torch.sort(order_p, descending=True).indices
-        groups, caches = [], []
-        # Decode: the decoded positions after step i-2 / after step i-1; Greedy: those step i forwards
-        prv = cur = chosen = None
-        for i in itertools.count():
-            if i >= steps_per_block and (constraint is None or not any(constraint.unsettled(x, start, end))):
-                break
-            mask_index = x == mask_id
-            cached_step = i % R != 0 and (greedy or i > 1)
-            store = everything if greedy else cur   # None at Decode's step 0: a plain forward
-            forwarded = (chosen if greedy else ~prv) if cached_step else None
-            x0 = torch.full_like(x, mask_id)
-            x0_p = torch.full(x.shape, -torch.inf, dtype=torch.float64, device=device)
-            window_logits = None   # under a structure: the block's logits [B, block_length, V] (the filter's)
-
-            def take(g: list[int], logits: torch.Tensor, fwd: torch.Tensor | None) -> None:
-                nonlocal window_logits
-                where = everything[g] if fwd is None else fwd
-                if constraint is not None:   # the frontier masked before the rule scores (parts/constrain.py)
-                    logits, window_logits = _constrained_logits(constraint, g, logits, where, start, end,
-                                                                window_logits, B)
-                tokens = torch.argmax(logits, dim=-1)
-                p = F.softmax(logits.to(torch.float64), dim=-1) if remasking == "low_confidence" else None
-                if not config.commit_mask_token and bool((tokens == mask_id).any()):
-                    p = F.softmax(logits.to(torch.float64), dim=-1) if p is None else p
-                    others = p.index_fill(-1, torch.tensor([mask_id], device=device), -1.0).argmax(dim=-1)
-                    tokens = torch.where(tokens == mask_id, others, tokens)
-                x0[g] = x0[g].masked_scatter(where, tokens)
-                if not greedy:
-                    conf = torch.gather(p, -1, tokens[..., None]).squeeze(-1) if remasking == "low_confidence" \
-                        else torch.rand((len(g), logits.shape[1]), generator=generator, device=device).to(torch.float64)
-                    x0_p[g] = x0_p[g].masked_scatter(where, conf)
-
-            groups, caches = yield from _forward_rows(x, positions, forwarded, store, groups, caches, key_ok, stats,
-                                                      final, take, merge=greedy)
-            x0 = torch.where(mask_index, x0, x)
-            transfer = torch.zeros_like(mask_index)
-            if greedy:
-                chosen = torch.zeros_like(mask_index)
-                for j in range(B):
-                    if i >= steps_per_block:
-                        break   # past the schedule (a structure's holes): the filter commits the frontier
-                    now = order[j, int(done[j, i]):int(done[j, i + 1])]
-                    transfer[j, now] = True
-                    if i < steps_per_block - 1:
-                        ahead = order[j, int(done[j, i + 1]):int(done[j, i + 1]) + int(counts[j, i + 1])]
-                        chosen[j, ahead] = True
-                        chosen[j, now] = True
-                        if config.window_size > 0:
-                            _window(chosen[j], ahead.tolist(), mask_index[j], config.window_size)
-            else:
-                x0_p[:, end:] = -torch.inf
-                confidence = torch.where(mask_index, x0_p, torch.full_like(x0_p, -torch.inf))
-                for j in range(B):
-                    # past the schedule (a structure's filter left holes): one token a step
-                    k = int(counts[j, i]) if i < steps_per_block else int(bool(mask_index[j, start:end].any()))
-                    transfer[j, torch.topk(confidence[j], k=k).indices] = True
-            prior = x[:, start:end].clone() if constraint is not None else None
-            x[transfer] = x0[transfer]
-            committed = transfer.sum()
-            if constraint is not None:   # keep what the structure accepts, advance the matchers
-                constraint.filter(x, prior, x0[:, start:end], window_logits, start, end, 0)
-                now_masked = x[:, start:end] == mask_id
-                committed = int((prior == mask_id).sum() - now_masked.sum())
-                if greedy:   # the next forward also refreshes the filter's commits and scores each frontier
-                    chosen[:, start:end] |= (prior == mask_id) & ~now_masked
-                    for j in range(B):
-                        f = constraint.frontier(j)
-                        if not constraint.matchers[j].ended and f < T:
-                            chosen[j, f] = True
-            if stats is not None:
-                stats.step(committed)
-            prv, cur = _delay(cur, x, mask_id, "right", constraint is not None)
-            if i >= steps_per_block - 1:
-                final = _final(x, P, end - P, mask_id)
-            yield Progress(x, final)
-    if stats is not None:
-        stats.stop(B * gen_length)
-    return x
+    x = masked_canvas(prompt, gen_length, spec.mask_id, model_device(model))
+    rule = _LLaDARule(x, P, config, spec.mask_id, steps_per_block, block_length, remasking, generator, constraint)
+    return _loop(rule, None, attention_mask, P, stats)
 
 
 @torch.no_grad()
@@ -491,68 +350,199 @@ def dkv_dream_steps(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
 
     decoder = DreamDecoder(spec, gen, reference_ties=True, structure=structure, end_ids=end_ids)
     state = decoder.start(model, input_ids, attention_mask)
-    return _dream_steps(decoder, state, config, steps, attention_mask, generator, stats)
+    positions = state.forward_inputs.get("position_ids")   # Dream's own under left padding
+    return _loop(_DreamRule(decoder, state, config, steps, generator),
+                 positions if torch.is_tensor(positions) else None, attention_mask, state.prompt_len, stats)
 
 
 @torch.no_grad()
-def _dream_steps(decoder: DreamDecoder, state, config: DKVCache, steps: int, attention_mask: torch.Tensor | None,
-                 generator: torch.Generator | None, stats: GenerationStats | None) -> StepGenerator:
-    """dKV-Cache's Dream loop (the arguments checked by `dkv_dream_steps`)."""
-    mask_id, R = decoder.spec.mask_id, config.cache_reloading_step
-    cache_type, shift_type = config.cache_type or "decoded", config.shift_type or "un"
-    x, constraint = state.x, state.constraint
+def _loop(rule: Any, positions: torch.Tensor | None, attention_mask: torch.Tensor | None, P: int,
+          stats: GenerationStats | None) -> StepGenerator:
+    """dKV-Cache's loop, both families (the module docstring); `rule` (`_LLaDARule`, `_DreamRule`) is what
+    differs. Each span of `rule.spans()` (LLaDA's blocks, Dream's canvas; it yields the first `store`)
+    starts new caches; then each step: every `rule.reload` steps (None: never) a full forward rebuilding
+    the cache (`prev` None); under a structure, with `rule.frontier_forwarded`, the position scoring each
+    row's frontier (`rule.shift` before it) forwarded; the forwards (rows batched while they forward and
+    cache as many positions, `_regroup`) of every position outside `prev`, caching `store` (None: `prev`;
+    both None: a plain forward); `rule.commit`; `rule.delay`.
+    `positions`: the RoPE positions `[B, T]` (None: 0 … T − 1); the left pads' keys are hidden."""
+    x, constraint = rule.x, rule.constraint
     B, T = x.shape
-    positions = state.forward_inputs.get("position_ids")
-    if not torch.is_tensor(positions):
+    if positions is None:
         positions = torch.arange(T, device=x.device)[None].expand(B, T)
-    key_ok = valid_positions(attention_mask, T)
-    decoded = x != mask_id   # the first store: positions whose next token is decoded (the last follows itself)
-    store, prev = torch.cat([decoded[:, 1:], decoded[:, -1:]], dim=1), None
-    groups, caches = [], []
+    key_ok = valid_positions(attention_mask, T)   # False on the left pads
     if stats is not None:
         stats.start()
-    for i in itertools.count():
-        if state.done if constraint is not None else i >= steps:
-            break   # under a structure: once no mask is left (the schedule, then the decoder's extra steps)
-        if cache_type == "decoded" and i % R == 0:
-            prev = None   # rebuild: a full forward
-        if constraint is not None and prev is not None:
-            # the position scoring each row's frontier (the logit shift: the one before it) is forwarded
-            prev = prev.clone()
-            for b in range(B):
-                f = constraint.frontier(b)
-                if not constraint.matchers[b].ended and f < T:
-                    prev[b, max(f - 1, 0)] = False
-        logits = None
+    for store in rule.spans():
+        prev, groups, caches = None, [], []
+        for i in itertools.count():
+            if rule.finished(i):
+                break
+            if rule.reload and i % rule.reload == 0:
+                prev = None
+            if constraint is not None and prev is not None and rule.frontier_forwarded:
+                prev = prev.clone()
+                for b in range(B):
+                    f = constraint.frontier(b)
+                    if not constraint.matchers[b].ended and f < T:
+                        prev[b, max(f - rule.shift, 0)] = False
+            forwarded, cached = None if prev is None else ~prev, prev if store is None else store
+            uniform = _counts_equal(*(s for s in (cached, forwarded) if s is not None))
+            groups, caches = _regroup(groups, caches, B, forwarded is None, uniform, key_ok, rule.merge)
+            parts = []   # each forward's (rows, logits, forwarded positions)
+            for g, cache in zip(groups, caches):
+                fwd = None if forwarded is None else forwarded[g]
+                if fwd is not None and not bool(fwd.any()):
+                    continue   # nothing to forward (a structure ended the row)
+                if parts:
+                    yield Progress(x, rule.final)   # the previous row's forward (rows forwarded one by one)
+                logits = yield from _forward(x[g], positions[g], fwd, cache, None if cached is None else cached[g])
+                if stats is not None:
+                    stats.forward(len(g), logits.shape[1], sum(c.nbytes for c in caches))
+                parts.append((g, logits, fwd))
+            # nothing forwarded: every row ended (a structure) or was decoded (Dream's steps outlasting
+            # its masks, every position cached) — nothing to commit
+            committed = rule.commit(i, parts) if parts else 0
+            if stats is not None:
+                stats.step(committed)
+            prev, store = rule.delay(prev, store)
+            yield Progress(x, rule.final)
+    if stats is not None:
+        stats.stop(B * (T - P))
+    return x
 
-        def take(g: list[int], part: torch.Tensor, fwd: torch.Tensor | None) -> None:
-            nonlocal logits
-            if fwd is not None:   # −inf where not forwarded
-                part = part.new_full((len(g), T, part.shape[-1]), -torch.inf).masked_scatter(fwd[..., None], part)
-            if logits is None:
-                logits = part.new_full((B,) + part.shape[1:], -torch.inf)
-            logits[g] = part
 
-        groups, caches = yield from _forward_rows(x, positions, None if prev is None else ~prev,
-                                                  prev if store is None else store, groups, caches, key_ok, stats,
-                                                  0, take)
+class _LLaDARule:
+    """LLaDA's part of `_loop`: its blocks, each with its schedule (`schedule_counts`) and new caches; the
+    logits scored where forwarded (`score_tokens`; each position scores itself); Decode's top-k commit by
+    confidence or uniforms (`topk_commit`) with the delayed cache (`_delay`, ``"right"``; its forwards
+    hold every masked position, the frontier included), Greedy's commits in the block's drawn order, its
+    next forward (the positions decoded then and now, and the window) cached at once."""
+
+    shift = 0
+
+    def __init__(self, x: torch.Tensor, P: int, config: DKVCache, mask_id: int, steps: int, block_length: int,
+                 remasking: str, generator: torch.Generator | None, constraint: Any) -> None:
+        self.x, self.P, self.config, self.mask_id, self.steps = x, P, config, mask_id, steps
+        self.block_length, self.remasking, self.generator = block_length, remasking, generator
+        self.constraint, self.reload, self.final = constraint, config.cache_reloading_step, 0
+        self.greedy = self.merge = self.frontier_forwarded = config.variant == "greedy"
+        self.everything = torch.ones_like(x, dtype=torch.bool)
+
+    def spans(self) -> Iterator[torch.Tensor | None]:
+        x, mask_id, constraint, (B, T) = self.x, self.mask_id, self.constraint, self.x.shape
+        for start in range(self.P, T, self.block_length):
+            end = start + self.block_length
+            self.start, self.end = start, end
+            if constraint is not None and not any(constraint.unsettled(x, start, end)):
+                continue   # every row's answer is settled through this block (ended or decoded)
+            self.counts = schedule_counts(x[:, start:end] == mask_id, self.steps)   # [B, steps]
+            if self.greedy:
+                self.done = torch.cat([self.counts.new_zeros((B, 1)), self.counts.cumsum(dim=1)], dim=1)
+                order_p = torch.rand((B, T), generator=self.generator, device=x.device)
+                order_p[:, end:] = -torch.inf
+                order_p[:, :start] = -torch.inf
+                self.order = torch.sort(order_p, descending=True).indices
+                self.rank = self.order.argsort(dim=1)   # each position's place in the order
+            yield self.everything if self.greedy else None   # Decode's step 0: a plain forward
+
+    def finished(self, i: int) -> bool:
+        return i >= self.steps and (self.constraint is None
+                                    or not any(self.constraint.unsettled(self.x, self.start, self.end)))
+
+    def commit(self, i: int, parts: list[tuple]) -> int | torch.Tensor:
+        x, mask_id, constraint, steps = self.x, self.mask_id, self.constraint, self.steps
+        start, end, (B, T) = self.start, self.end, x.shape
+        mask_index = x == mask_id
+        x0 = torch.full_like(x, mask_id)
+        x0_p = torch.full(x.shape, -torch.inf, dtype=torch.float64, device=x.device)
+        window_logits = None   # under a structure: the block's logits [B, block_length, V] (the filter's)
+        for g, logits, fwd in parts:
+            where = self.everything[g] if fwd is None else fwd
+            if constraint is not None:   # the frontier masked before the rule scores (parts/constrain.py)
+                logits, window_logits = _constrained_logits(constraint, g, logits, where, start, end,
+                                                            window_logits, B)
+            tokens, conf = score_tokens(logits, softmax_dtype=torch.float64,
+                                        exclude_id=None if self.config.commit_mask_token else mask_id)
+            x0[g] = x0[g].masked_scatter(where, tokens)
+            if self.remasking == "random" and not self.greedy:
+                conf = torch.rand(tokens.shape, generator=self.generator, device=x.device).to(torch.float64)
+            x0_p[g] = x0_p[g].masked_scatter(where, conf)
+        x0 = torch.where(mask_index, x0, x)
+        prior = x[:, start:end].clone() if constraint is not None else None
+        if self.greedy:   # the drawn order's places [done_i, done_i+1) now (none past the schedule: the filter
+            done, rank = self.done, self.rank   # commits a structure's holes); forwarded next: [done_i, done_i+2)
+            transfer = (rank >= done[:, min(i, steps), None]) & (rank < done[:, min(i + 1, steps), None])
+            ahead = i < steps - 1   # (and the window), none after the block's last step
+            self.chosen = torch.zeros_like(transfer) if not ahead \
+                else (rank >= done[:, i, None]) & (rank < done[:, i + 2, None])
+            for j in range(B if ahead and self.config.window_size > 0 else 0):
+                _window(self.chosen[j], self.order[j, int(done[j, i + 1]):int(done[j, i + 2])].tolist(),
+                        mask_index[j], self.config.window_size)
+            x[transfer] = x0[transfer]
+            committed = transfer.sum()
+        else:
+            x0_p[:, end:] = -torch.inf
+            # past the schedule (a structure's filter left holes): one token a step
+            k = self.counts[:, i] if i < steps else mask_index[:, start:end].any(dim=1).long()
+            committed = topk_commit(x, mask_index, x0, x0_p, k, T, 0).sum()
+        if constraint is not None:   # keep what the structure accepts, advance the matchers
+            constraint.filter(x, prior, x0[:, start:end], window_logits, start, end, 0)
+            now_masked = x[:, start:end] == mask_id
+            committed = int((prior == mask_id).sum() - now_masked.sum())
+            if self.greedy:   # the next forward also refreshes the filter's commits
+                self.chosen[:, start:end] |= (prior == mask_id) & ~now_masked
+        if i >= steps - 1:   # decoded through this block, less any position left masked (`commit_mask_token`)
+            masked = x[:, self.P:end] == mask_id
+            self.final = int(torch.where(masked.any(dim=1), masked.int().argmax(dim=1), end - self.P).min())
+        return committed
+
+    def delay(self, prev: torch.Tensor | None, store: torch.Tensor | None) -> tuple[torch.Tensor | None, Any]:
+        if self.greedy:
+            return ~self.chosen, store
+        return _delay(store, self.x, self.mask_id, "right", self.constraint is not None)
+
+
+class _DreamRule:
+    """Dream's part of `_loop`: the whole canvas one span, first caching every position whose next token
+    is a prompt token; `DreamDecoder.commit` on the step's logits (−inf where not forwarded, then shifted:
+    hidden state i scores token i + 1); the delay by `shift_type` (``"prefill"``: the first store kept)."""
+
+    shift, merge, final, frontier_forwarded = 1, False, 0, True
+
+    def __init__(self, decoder: DreamDecoder, state: Any, config: DKVCache, steps: int,
+                 generator: torch.Generator | None) -> None:
+        self.decoder, self.state, self.steps, self.generator = decoder, state, steps, generator
+        self.x, self.constraint, self.mask_id = state.x, state.constraint, decoder.spec.mask_id
+        self.prefill = config.cache_type == "prefill"
+        self.reload = None if self.prefill else config.cache_reloading_step
+        self.shift_type = config.shift_type or "un"
+
+    def spans(self) -> Iterator[torch.Tensor]:
+        decoded = self.x != self.mask_id   # the last position follows itself
+        yield torch.cat([decoded[:, 1:], decoded[:, -1:]], dim=1)
+
+    def finished(self, i: int) -> bool:
+        # under a structure: once no mask is left (the schedule, then the decoder's extra steps)
+        return self.state.done if self.constraint is not None else i >= self.steps
+
+    def commit(self, i: int, parts: list[tuple]) -> int:
+        x, mask_id, decoder = self.x, self.mask_id, self.decoder
+        B, T = x.shape
+        logits = parts[0][1].new_full((B, T, parts[0][1].shape[-1]), -torch.inf)   # −inf where not forwarded
+        for g, part, fwd in parts:
+            logits[g] = part if fwd is None else logits[g].masked_scatter(fwd[..., None], part)
         logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)   # the logit shift (spec.logit_shift)
         before = int((x == mask_id).sum())
-        decoder.commit(state, logits, generator=generator)
-        x = state.x
+        decoder.commit(self.state, logits, generator=self.generator)   # writes x in place
         left = x == mask_id
-        if constraint is None and i == steps - 1 and bool(left.any()):
+        if self.constraint is None and i == self.steps - 1 and bool(left.any()):
             # Only positions without logits ("right"): upstream's last top-k takes every mask, NaN
             # confidences included, with the argmax of a NaN row (id 0), which `score` also gives.
             x[left] = decoder.score(logits, left.reshape(-1).nonzero().squeeze(1))[0]
-        if stats is not None:
-            stats.step(before - int((x == mask_id).sum()))
-        if cache_type == "prefill":
-            if prev is None:
-                prev, store = store, None
-        else:
-            prev, store = _delay(store, x, mask_id, shift_type, constraint is not None)
-        yield Progress(x, 0)
-    if stats is not None:
-        stats.stop(B * (T - state.prompt_len))
-    return x
+        return before - int((x == mask_id).sum())
+
+    def delay(self, prev: torch.Tensor | None, store: torch.Tensor | None) -> tuple[Any, Any]:
+        if self.prefill:
+            return (store, None) if prev is None else (prev, store)
+        return _delay(store, self.x, self.mask_id, self.shift_type, self.constraint is not None)

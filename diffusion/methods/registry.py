@@ -31,9 +31,11 @@ from .dinfer import VicinityCache, dinfer_steps
 from .dkv import DKVCache, dkv_steps
 from .eb_sampler import EBSampler
 from .elastic import ElasticCache, elastic_steps
+from .frechet import FrechetRule
 from .freedave import FreeDave, freedave_steps
 from .klass import KLASS, klass_steps
 from .margin import MarginDecoding
+from .multiblock import MultiBlock, multiblock_steps
 from .prophet import Prophet, prophet_steps
 from .wino import WINO, wino_steps
 
@@ -112,8 +114,15 @@ def _wino_loop(call: Call) -> StepGenerator:
                              **call.common))
 
 
+def _multiblock_loop(call: Call) -> StepGenerator:
+    if call.use_cache is not None:
+        raise ValueError("use_cache: MultiBlock forwards the whole sequence every step (no cache)")
+    return _first(multiblock_steps(call.model, call.prompt, config=call.decoder, block_length=call.block_length,
+                                   **call.common))
+
+
 def _first(steps: StepGenerator) -> StepGenerator:
-    """WINO's loop returns (x, forwards): the output is x."""
+    """WINO's and MultiBlock's loops return (x, forward counts): the output is x."""
     out = yield from steps
     return out[0]
 
@@ -170,10 +179,13 @@ register("credit", CreditDecoding, loop=_rules_loop, fills_after_eos=True)
 register("hierarchical", HierarchicalDecoding, loop=_rules_loop, fills_after_eos=True)
 register("margin", MarginDecoding, loop=_rules_loop, fills_after_eos=True)
 register("eb_sampler", EBSampler, loop=_rules_loop, fills_after_eos=True)
+register("frechet", FrechetRule, loop=_rules_loop, fills_after_eos=True)
 register("klass", KLASS, loop=_klass_loop, reads=("steps",))   # its own loop on LLaDA / Dream, a rule elsewhere
 register("wino", WINO, loop=_wino_loop, unshifted="WINO's shadow-block forward")
 register("prophet", Prophet, loop=_prophet_loop, reads=("steps", "cfg_scale", "remasking", "generator"))
 register("daedal", DAEDAL, loop=_daedal_loop, length_bound=True)
+register("multiblock", MultiBlock, loop=_multiblock_loop, unshifted="d3LLM's LLaDA multi-block loop",
+         fills_after_eos=True)   # with early_stop
 register("vicinity", VicinityCache, "use_cache", loop=_rules_loop, fills_after_eos=True)
 register("dkv", DKVCache, "use_cache", loop=_dkv_loop, reads=("steps", "remasking", "generator"),
          unshifted="LLaDA's dKV-Cache schedule")

@@ -1,6 +1,7 @@
 """LLaDA's commit schedule. Which positions a step commits, and the commit itself, are
 `remask.kernels.unmask` (per-row budget, Fast-dLLM threshold / factor, Dream's
-confidence_threshold), one launch on CUDA, the torch reference elsewhere."""
+confidence_threshold), one launch on CUDA, the torch reference elsewhere; Fast-dLLM++'s Fréchet
+profile rule is a per-row budget for it (`frechet_profile_counts`)."""
 from __future__ import annotations
 
 import torch
@@ -21,6 +22,25 @@ def entropy_bound_accept(entropy: torch.Tensor, entropy_bound: float, *, stable:
     sorted_entropy, order = torch.sort(entropy, dim=-1, descending=False, stable=stable)
     within = torch.cumsum(sorted_entropy, dim=-1) - sorted_entropy <= entropy_bound
     return torch.scatter(torch.zeros_like(within), -1, order, within)
+
+
+def frechet_profile_counts(conf: torch.Tensor, mask: torch.Tensor, margin: float) -> torch.Tensor:
+    """Fast-dLLM++'s Fréchet profile budget, int64 `[B]`: with a row's masked confidences sorted
+    c_1 ≥ … ≥ c_m, the number of n in 1…m whose score ``(c_1 + … + c_n − (n − 1)) − (1 − c_n)`` is
+    above `margin` (n = 1 always counts; the score falls as n grows, so the count is the largest such
+    prefix). Computed in the confidences' dtype (the reference's float64), the prefix sums in
+    sorted order as the reference's cumsum. At least 1 (a row with no mask commits nothing anyway)."""
+    B, L = conf.shape
+    ordered = torch.sort(torch.where(mask, conf, torch.zeros((), dtype=conf.dtype, device=conf.device)),
+                         dim=1, descending=True).values
+    cols = torch.arange(L, device=conf.device)
+    valid = cols[None] < mask.sum(dim=1, keepdim=True)
+    # confidences are ≥ 0, so the zeros put off the mask sort after every masked one (ties among zeros change
+    # nothing: only the values enter the score)
+    score = torch.cumsum(ordered, dim=1) - cols.to(conf.dtype) - (1.0 - ordered)
+    chosen = valid & (score > margin)
+    chosen[:, :1] = True
+    return chosen.sum(dim=1)
 
 
 def topk_commit(block_x: torch.Tensor, block_mask: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from remask.diffusion.parts.checks import check_bool, check_int, check_model_kind
-from remask.diffusion.families.dream import diffusion_generate
+from remask.diffusion.drop_in import diffusion_generate
 from remask.diffusion.families.llada import FAST_DLLM_FACTOR_PRECISION, FAST_DLLM_PRECISION, block_diffusion_generate
 from remask.diffusion.parts.stats import GenerationStats
 from remask.models.spec import get_spec

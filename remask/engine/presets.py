@@ -32,9 +32,9 @@ from remask.diffusion.parts.stepper import StepwiseDecoder
 from .sampling_params import SamplingParams
 
 # Settings that only the diffusion block rule reads: an AR request that sets one is refused.
-DIFFUSION_ONLY = ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "early_stop", "decoder",
-                  "logits_eos_inf", "confidence_eos_eot_inf", "reference_rng", "reference_ties", "alg", "alg_temp",
-                  "eps", "apd")
+DIFFUSION_ONLY = ("steps", "block_length", "threshold", "factor", "frechet_margin", "use_cache", "sparse", "early_stop",
+                  "decoder", "logits_eos_inf", "confidence_eos_eot_inf", "reference_rng", "reference_ties", "alg",
+                  "alg_temp", "eps", "apd")
 
 
 def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -> Any:

@@ -23,14 +23,16 @@ from remask.diffusion.parts.sparse import SparseConfig
 
 
 # Settings only LLaDA's block rule reads, with their defaults (refused with Dream's `alg`).
-LLADA_RULE_DEFAULTS = dict(remasking="low_confidence", factor=None, cfg_scale=0.0, early_stop=False,
-                           logits_eos_inf=False, confidence_eos_eot_inf=False, reference_rng=False, sparse=None)
+LLADA_RULE_DEFAULTS = dict(remasking="low_confidence", factor=None, frechet_margin=None, cfg_scale=0.0,
+                           early_stop=False, logits_eos_inf=False, confidence_eos_eot_inf=False, reference_rng=False,
+                           sparse=None)
 # Settings the decoder configs (FreeDave, dInfer's) do not read: refused with `decoder`.
-DECODER_UNREAD = ("threshold", "factor", "sparse", "alg", "alg_temp", "early_stop", "reference_rng", "reference_ties",
-                   "cfg_scale", "remasking", "top_p", "top_k", "apd", "logits_eos_inf", "confidence_eos_eot_inf")
+DECODER_UNREAD = ("threshold", "factor", "frechet_margin", "sparse", "alg", "alg_temp", "early_stop", "reference_rng",
+                  "reference_ties", "cfg_scale", "remasking", "top_p", "top_k", "apd", "logits_eos_inf",
+                  "confidence_eos_eot_inf")
 # Settings APD does not read (it decodes left to right with its verifier): refused with `apd`.
-APD_UNREAD = ("steps", "block_length", "threshold", "factor", "use_cache", "sparse", "alg", "alg_temp", "early_stop",
-              "reference_rng", "reference_ties", "cfg_scale", "remasking")
+APD_UNREAD = ("steps", "block_length", "threshold", "factor", "frechet_margin", "use_cache", "sparse", "alg",
+              "alg_temp", "early_stop", "reference_rng", "reference_ties", "cfg_scale", "remasking")
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,8 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     structured_outputs: Any = None
+    # Fast-dLLM++'s Fréchet profile rule beside threshold / factor (added after vLLM's: positions unchanged)
+    frechet_margin: float | None = None
     # the log-probability of each generated token and its `logprobs` most likely alternatives
     # (vLLM's field; autoregressive models: docs/engine.md)
     logprobs: int | None = None
@@ -114,7 +118,7 @@ class SamplingParams:
         check_steps("steps", self.steps, self.max_tokens, "max_tokens")
         check_int("block_length", self.block_length, minimum=1, allow_none=True)
         check_choice("remasking", self.remasking, REMASKING)
-        validate_rule(self.threshold, self.factor)
+        validate_rule(self.threshold, self.factor, self.frechet_margin)
         check_real("cfg_scale", self.cfg_scale, low=0)
         from remask.diffusion.methods import registry
         from remask.diffusion.methods.decoders import check_decoder
@@ -198,7 +202,7 @@ class SamplingParams:
     def generate_kwargs(self) -> dict[str, Any]:
         """`remask.generate`'s keyword arguments that decode like these params (the engine's block decoder too)."""
         same = ("temperature", "cfg_scale", "remasking", "logits_eos_inf", "confidence_eos_eot_inf", "threshold",
-                "factor", "early_stop", "reference_rng", "use_cache", "sparse", "reference_ties")
+                "factor", "frechet_margin", "early_stop", "reference_rng", "use_cache", "sparse", "reference_ties")
         return dict(steps=self.steps or self.max_tokens, gen_length=self.max_tokens,
                     block_length=self.block_length or self.max_tokens, **{name: getattr(self, name) for name in same})
 

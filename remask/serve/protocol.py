@@ -29,8 +29,8 @@ UNSUPPORTED = {"echo": False, "presence_penalty": 0.0,
                "frequency_penalty": 0.0, "logit_bias": None, "best_of": None, "suffix": None, "tools": None,
                "tool_choice": None}
 # remask's settings, passed to SamplingParams as they are.
-REMASK_FIELDS = ("top_k", "steps", "block_length", "threshold", "factor", "remasking", "use_cache", "cfg_scale", "alg",
-                 "alg_temp", "eps", "early_stop", "stop_token_ids", "ignore_eos", "min_tokens")
+REMASK_FIELDS = ("top_k", "steps", "block_length", "threshold", "factor", "frechet_margin", "remasking", "use_cache",
+                 "cfg_scale", "alg", "alg_temp", "eps", "early_stop", "stop_token_ids", "ignore_eos", "min_tokens")
 
 
 # A JSON number where a float belongs: an int or a float, never a bool (strict mode keeps ints).
@@ -103,6 +103,7 @@ class _Common(BaseModel):
     block_length: StrictInt | None = None
     threshold: StrictNumber | None = None
     factor: StrictNumber | None = None
+    frechet_margin: StrictNumber | None = None
     remasking: str | None = None
     use_cache: str | dict[str, Any] | None = None   # a name, or a cache config {"name": "dkv", ...}
     decoder: dict[str, Any] | None = None           # a decoder config {"name": "freedave", ...}

@@ -1,0 +1,257 @@
+"""d3LLM's multi-block decoding for LLaDA (hao-ai-lab/d3LLM `d3llm_llada_generate_util.py`,
+`generate_multi_block`): several blocks of the answer are decoded at once.
+
+The answer is cut into `gen_length / block_length` blocks, opened left to right. Each step, in this
+order (per row; a row is one call of the reference, which is batch 1):
+
+- early stop (`early_stop`): from the first EOS of the answer on, every position becomes EOS; the
+  blocks wholly after it count as decoded, the block holding it counts its masks up to it;
+- a block is *fully activated* once its predecessor's progress (the share of its positions decoded;
+  the prompt's is 1) reaches `decoded_token_threshold`;
+- one new block opens when the last open block's progress reaches `block_add_threshold` or it holds
+  no mask (not after an EOS); it is fully activated if its predecessor's progress allows;
+- one forward of the whole sequence; every masked position of the open blocks whose entropy (float64
+  softmax, nats) is at most `threshold` (None: every one) is committed to its argmax, and the
+  lowest-entropy one always; when the first fully activated block with masks got nothing, its
+  lowest-entropy position is committed too.
+
+A row ends when its answer holds no mask and every block has opened. Its count of forwards is the
+reference's returned NFE (after an early stop that count includes one step with no forward, as the
+reference counts it). Rows of a batch are decided alone; a finished row is not forwarded again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from remask.models.spec import get_spec
+
+from ..parts.checks import (check_bool, check_int, check_mask_id, check_optional_token_id, check_prompt,
+                            check_real, check_stats, check_token_id, model_device)
+from ..parts.constrain import CommitFilter, end_ids_of
+from ..parts.scoring import score_rows
+from ..parts.stats import GenerationStats
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
+
+MAX_FORWARDS = 10000   # the reference's loop guard (reached only when the mask token is committed)
+
+
+@dataclass(frozen=True)
+class MultiBlock:
+    """`generate_multi_block`'s parameters, its names and defaults (`max_new_tokens` / `block_size` are the
+    entry point's `gen_length` / `block_length`). `eos_token_id` None: the model's EOS. `commit_mask_token`:
+    commit an argmax equal to the mask token as upstream does (it stays masked; remask's default commits the
+    most probable other token, so no mask is ever returned)."""
+
+    threshold: float | None = 0.5
+    block_add_threshold: float = 0.5
+    decoded_token_threshold: float = 0.5
+    early_stop: bool = False
+    eos_token_id: int | None = None
+    commit_mask_token: bool = False
+
+    def __post_init__(self) -> None:
+        check_real("threshold", self.threshold, allow_none=True)
+        check_real("block_add_threshold", self.block_add_threshold)
+        check_real("decoded_token_threshold", self.decoded_token_threshold)
+        check_bool("early_stop", self.early_stop)
+        check_bool("commit_mask_token", self.commit_mask_token)
+        check_int("eos_token_id", self.eos_token_id, minimum=0, allow_none=True)
+
+    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
+                      steps: int | None = None, prompt_length: int | None = None) -> None:
+        """Upstream never opens the positions past the last whole block and loops to its forward
+        guard: a `gen_length` that is no multiple of `block_length` is refused."""
+        if gen_length is not None and block_length is not None and gen_length % block_length:
+            raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length}) "
+                             f"for MultiBlock")
+
+
+class _Block:
+    def __init__(self, start: int, end: int, masks: int, full: bool) -> None:
+        self.start, self.end, self.masks, self.full = start, end, masks, full
+
+    @property
+    def progress(self) -> float:
+        return 1 - self.masks / (self.end - self.start)
+
+
+class _Row:
+    """One row's blocks (block 0: the prompt, decoded) and counters, as upstream keeps them."""
+
+    def __init__(self, config: MultiBlock, P: int, num_blocks: int, block_length: int) -> None:
+        self.config, self.P, self.num_blocks, self.block_length = config, P, num_blocks, block_length
+        self.blocks = [_Block(0, P, 0, True)]
+        self.next, self.nfe, self.done, self.has_eos = 1, 0, False, False
+        self._open(masks=block_length, full=1.0 >= config.decoded_token_threshold)
+
+    def _open(self, masks: int, full: bool) -> None:
+        start = self.P + (self.next - 1) * self.block_length
+        self.blocks.append(_Block(start, start + self.block_length, masks, full))
+        self.next += 1
+
+    def begin_step(self, x: torch.Tensor, mask_id: int, eos_id: int) -> int | None:
+        """Upstream's step up to its forward on row `x` (written in place): the end of the open
+        blocks, or None when the row is done."""
+        # upstream takes the step's masks here, before the early stop's fill: the positions it fills
+        # with EOS stay candidates of this step's commit (a commit there overwrites the EOS)
+        self.masked = x[self.P:] == mask_id
+        if self.done or (not bool(self.masked.any()) and self.next > self.num_blocks):
+            return self._finish()
+        self.nfe += 1
+        if self.config.early_stop and self._early_stop(x, mask_id, eos_id):
+            return self._finish()
+        for prev, block in zip(self.blocks, self.blocks[1:]):
+            block.full = block.full or prev.progress >= self.config.decoded_token_threshold
+        last = self.blocks[-1]
+        if self.next <= self.num_blocks and not self.has_eos and len(self.blocks) > 1 and (
+                last.progress >= self.config.block_add_threshold or last.masks == 0):
+            start = self.P + (self.next - 1) * self.block_length
+            self._open(int((x[start:start + self.block_length] == mask_id).sum()),
+                       last.progress >= self.config.decoded_token_threshold)
+        open_ = [b for b in self.blocks[1:] if b.full or b.masks > 0]
+        return open_[-1].end if open_ else self._finish()
+
+    def _finish(self) -> None:
+        self.done = True
+        self.masked = torch.zeros_like(self.masked)
+
+    def _early_stop(self, x: torch.Tensor, mask_id: int, eos_id: int) -> bool:
+        """Upstream's `handle_early_stop` and the blocks it opens after an EOS; True: no mask is left."""
+        eos = (x[self.P:] == eos_id).nonzero()
+        self.has_eos = len(eos) > 0
+        if not self.has_eos:
+            return False
+        first = self.P + int(eos[0])
+        x[first + 1:] = eos_id
+        for block in self.blocks[1:]:
+            if block.start > first and block.masks != 0:
+                block.masks, block.full = 0, True
+            elif block.start <= first < block.end:
+                masks = int((x[block.start:first + 1] == mask_id).sum())
+                if masks != block.masks:
+                    block.masks = masks
+                    block.full = block.full or masks == 0
+        while self.next <= self.num_blocks and self.P + (self.next - 1) * self.block_length > first:
+            self._open(masks=0, full=True)
+        return not bool((x[self.P:] == mask_id).any())
+
+    def commit(self, x: torch.Tensor, logits: torch.Tensor, end: int, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Upstream's commit on row `x` from its logits `[T, V]`, the open blocks ending at `end`: which
+        positions of `x[P:end]` it commits (bool) and the argmax there (the mask token excluded by default)."""
+        x0, neg_entropy = score_rows(logits, torch.arange(self.P, end, device=x.device), mode="neg_entropy",
+                                     exclude_id=None if self.config.commit_mask_token else mask_id)
+        masked = self.masked[:end - self.P]
+        entropy = torch.where(masked, -neg_entropy, torch.inf)
+        threshold = 999.0 if self.config.threshold is None else self.config.threshold
+        commit = masked & (entropy <= threshold)
+        if bool(masked.any()):
+            commit[entropy.argmin()] = True   # the lowest entropy, whatever the threshold
+        first = next((b for b in self.blocks[1:] if b.full and b.masks > 0), None)
+        if first is not None:
+            lo, hi = first.start - self.P, first.end - self.P
+            if not bool(commit[lo:hi].any()):
+                commit[lo + entropy[lo:hi].argmin()] = True
+        return commit, x0
+
+    def count(self, commit: torch.Tensor) -> None:
+        """The blocks' mask counts less the commits (`commit` over `x[P:]`), as upstream counts them."""
+        for block in self.blocks[1:]:
+            if block.masks > 0:
+                block.masks -= int(commit[block.start - self.P:block.end - self.P].sum())
+        if self.nfe > MAX_FORWARDS:
+            self.done = True
+
+
+@torch.no_grad()
+def multiblock_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: MultiBlock | None = None,
+                        gen_length: int = 512, block_length: int = 32, attention_mask: torch.Tensor | None = None,
+                        mask_id: int | None = None, stats: GenerationStats | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-block decoding (greedy). Returns `(x [B, P + gen_length], nfe [B])`, each row's NFE as
+    upstream returns it. `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad keys."""
+    return drive(multiblock_steps(model, prompt, config=config, gen_length=gen_length, block_length=block_length,
+                                  attention_mask=attention_mask, mask_id=mask_id, stats=stats), model)
+
+
+def multiblock_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: MultiBlock | None = None,
+                     gen_length: int = 512, block_length: int = 32, attention_mask: torch.Tensor | None = None,
+                     mask_id: int | None = None, stats: GenerationStats | None = None, structure=None, end_ids=()
+                     ) -> StepGenerator:
+    """`multiblock_generate` as a step generator (`diffusion/parts/stepper.py`), its arguments checked at
+    the call; it yields a `Progress` after every forward and returns `(x, nfe)`. `structure` / `end_ids`:
+    structured output (`diffusion/parts/constrain.py`) over the open blocks; a row ends when it ends."""
+    config = MultiBlock() if config is None else config
+    if not isinstance(config, MultiBlock):
+        raise ValueError(f"config must be a remask MultiBlock, got {type(config).__name__}")
+    check_int("gen_length", gen_length, minimum=1)
+    check_int("block_length", block_length, minimum=1, maximum=gen_length)
+    config.check_request(gen_length=gen_length, block_length=block_length)
+    check_stats("stats", stats)
+    spec = get_spec(model, mask_id=mask_id)
+    check_mask_id(spec)
+    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
+    eos_id = check_optional_token_id(spec, config.eos_token_id, "eos_token_id")
+    eos_id = spec.eos_id if eos_id is None else eos_id
+    if config.early_stop:
+        check_token_id(spec, eos_id, "eos_token_id")
+    B, P = prompt.shape
+    x = torch.full((B, P + gen_length), spec.mask_id, dtype=torch.long, device=model_device(model))
+    x[:, :P] = prompt
+    inputs = spec.forward_inputs(attention_mask, x.shape[1])
+    rows = [_Row(config, P, gen_length // block_length, block_length) for _ in range(B)]
+    constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
+    return _loop(x, rows, inputs, spec, eos_id, stats, constraint)
+
+
+@torch.no_grad()
+def _loop(x: torch.Tensor, rows: list[_Row], inputs: dict, spec, eos_id: int | None,
+          stats: GenerationStats | None, constraint: CommitFilter | None) -> StepGenerator:
+    mask_id, P, T = spec.mask_id, rows[0].P, x.shape[1]
+
+    def begin() -> dict[int, int]:   # each row's step up to its forward (early stop's fill included)
+        for b, row in enumerate(rows):
+            row.done = row.done or bool(constraint is not None and constraint.finished[b])
+        ends = {b: row.begin_step(x[b], mask_id, eos_id) for b, row in enumerate(rows)}
+        return {b: end for b, end in ends.items() if end is not None}
+
+    if stats is not None:
+        stats.start()
+    ends = begin()
+    while ends:
+        active = list(ends)
+        index = torch.tensor(active, device=x.device)
+        logits = yield ForwardRequest.call(x[index], {k: v[index] if torch.is_tensor(v) else v
+                                                      for k, v in inputs.items()}, spec=spec)
+        before = int((x[index, P:] == mask_id).sum())
+        if stats is not None:
+            stats.forward(len(active), T)
+        if constraint is not None:
+            sub = constraint.rows(active)
+            logits = sub.mask_frontier(logits, P, T, P)
+            prior = x[index, P:].clone()
+            candidates = torch.full_like(prior, mask_id)
+        for i, b in enumerate(active):
+            commit, x0 = rows[b].commit(x[b], logits[i], ends[b], mask_id)
+            span = x[b, P:ends[b]]
+            span[commit] = x0[commit]
+            rows[b].count(commit)
+            if constraint is not None:
+                candidates[i, :ends[b] - P] = x0
+        if constraint is not None:   # keep what the structure accepts; the blocks count what is left
+            canvas = x[index]
+            sub.filter(canvas, prior, candidates, logits, P, T, P)
+            x[index] = canvas
+            for b in active:
+                for block in rows[b].blocks[1:]:
+                    block.masks = int((x[b, block.start:block.end] == mask_id).sum())
+        if stats is not None:
+            stats.step(before - int((x[index, P:] == mask_id).sum()))
+        ends = begin()
+        # the decoded run from the answer's start (the next commit's candidates undecided): no later step changes it
+        undecided = (x[:, P:] == mask_id) | torch.stack([row.masked for row in rows])
+        yield Progress(x, int((~undecided).long().cumprod(dim=1).sum(dim=1).min()))
+    if stats is not None:
+        stats.stop(x.shape[0] * (T - P))
+    return x, torch.tensor([row.nfe for row in rows])

@@ -1,0 +1,156 @@
+"""d3LLM's multi-block decoding: token-for-token reproduction of the official `generate_multi_block`
+(hao-ai-lab/d3LLM, run with its own LLaDA modeling on tiny checkpoints; see the fixture's meta), its
+returned NFE, its refusals, rows of a batch decided alone, and the engine equal to the drop-in."""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from remask.diffusion.methods.multiblock import MultiBlock, multiblock_generate
+from remask.diffusion.parts.stats import GenerationStats
+
+from helpers import left_pad, load_fixture_checkpoint, margin_case, random_prompt
+
+FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "multiblock_reference.json").read_text())
+MASK, EOS = 299, 298
+
+
+@pytest.fixture(scope="module")
+def load(tmp_path_factory):
+    return lambda name: load_fixture_checkpoint(tmp_path_factory, FIXTURE["meta"]["checkpoints"], name)
+
+
+def run(model, prompt, kwargs, **extra):
+    kw = dict(kwargs)
+    gen_length, block_length = kw.pop("gen_length"), kw.pop("block_length")
+    commit_mask_token = extra.pop("commit_mask_token", False)
+    return multiblock_generate(model, prompt, config=MultiBlock(**kw, commit_mask_token=commit_mask_token),
+                               gen_length=gen_length, block_length=block_length, **extra)
+
+
+@pytest.mark.parametrize("case", FIXTURE["cases"], ids=[c["name"] for c in FIXTURE["cases"]])
+def test_reproduces_the_official_generate_multi_block(load, case):
+    margin_case("multiblock_reference.json", case)
+    model = load(case["checkpoint"])
+    prompt = torch.tensor([case["prompt"]])
+    stats = GenerationStats()
+    x, nfe = run(model, prompt, case["kwargs"], stats=stats)
+    assert x[0].tolist() == case["output_ids"] and nfe.tolist() == [case["nfe"]]
+    assert not bool((x == MASK).any()) and torch.equal(x[:, :prompt.shape[1]], prompt)
+    # upstream's NFE counts one step more than it forwards when an early stop leaves no mask
+    assert stats.nfe in (case["nfe"], case["nfe"] - 1) and len(stats.tokens_per_step) == stats.nfe
+    # no step of a fixture case proposed the mask token (meta.note): upstream's mode gives the same
+    x, nfe = run(model, prompt, case["kwargs"], commit_mask_token=True)
+    assert x[0].tolist() == case["output_ids"] and nfe.tolist() == [case["nfe"]]
+
+
+def test_fixture_covers_the_settings_and_upstream_quirks():
+    cases = FIXTURE["cases"]
+    kwargs = [c["kwargs"] for c in cases]
+    assert len(cases) >= 8 and len({k["threshold"] for k in kwargs}) >= 5 and None in {k["threshold"] for k in kwargs}
+    assert len({k["block_add_threshold"] for k in kwargs}) >= 4 and len({k["decoded_token_threshold"] for k in kwargs}) >= 4
+    assert {k["early_stop"] for k in kwargs} == {True, False}
+    stopped = [c for c in cases if c["kwargs"]["early_stop"] and EOS in c["output_ids"][len(c["prompt"]):]]
+    assert len(stopped) >= 5
+    # several blocks in flight: fewer forwards than one a token, and fewer than a block at a time would need
+    assert any(c["nfe"] < c["kwargs"]["gen_length"] // 4 for c in cases)
+    # upstream's tail: a token after the first EOS (the last step's commit over the early stop's fill)
+    def tail(c):
+        answer = c["output_ids"][len(c["prompt"]):]
+        return EOS in answer and any(t != EOS for t in answer[answer.index(EOS):])
+    assert any(tail(c) for c in stopped)
+
+
+def test_batch_rows_are_decided_alone(load):
+    model = load("llada_small_eos")
+    prompts = random_prompt(3, 7, seed=5)
+    kwargs = dict(gen_length=32, block_length=8, threshold=2.0, block_add_threshold=0.25,
+                  decoded_token_threshold=0.5, early_stop=True, eos_token_id=EOS)
+    x, nfe = run(model, prompts, kwargs)
+    for b in range(3):
+        alone, n = run(model, prompts[b:b + 1], kwargs)
+        assert torch.equal(x[b], alone[0]) and int(nfe[b]) == int(n[0])
+    assert len(set(nfe.tolist())) > 1      # the rows did not move in lockstep
+    assert not bool((x == MASK).any()) and torch.equal(x[:, :7], prompts)
+
+
+def test_left_padded_rows_decode(load):
+    model = load("llada_small_peaked")
+    prompt, mask = left_pad([torch.tensor([5, 17, 42, 99]), torch.tensor([200, 3, 77, 150, 12, 9])], pad_id=297)
+    kwargs = dict(gen_length=16, block_length=8, threshold=1.0)
+    x, _ = run(model, prompt, kwargs, attention_mask=mask)
+    alone, _ = run(model, prompt[1:], kwargs)
+    assert torch.equal(x[1], alone[0]) and not bool((x == MASK).any()) and torch.equal(x[:, :6], prompt)
+
+
+def test_the_mask_token_is_never_returned_by_default(tmp_path):
+    from transformers import AutoModel
+
+    from remask.models import tiny
+
+    tiny.write_tiny_llada(str(tmp_path), seed=3, vocab_size=300, embedding_size=300, mask_token_id=MASK,
+                          eos_token_id=EOS, pad_token_id=297, include_bias=True, logit_bias={MASK: 100.0})
+    model = AutoModel.from_pretrained(str(tmp_path)).eval()
+    x, nfe = multiblock_generate(model, torch.tensor([[1, 2, 3]]), config=MultiBlock(threshold=None),
+                                 gen_length=16, block_length=8)
+    assert not bool((x == MASK).any()) and int(nfe[0]) <= 16
+
+
+@pytest.mark.parametrize("field,value", [("threshold", float("nan")), ("threshold", "0.5"),
+                                         ("block_add_threshold", None), ("decoded_token_threshold", float("inf")),
+                                         ("early_stop", 1), ("eos_token_id", -1), ("eos_token_id", 2.0),
+                                         ("commit_mask_token", "yes")])
+def test_config_errors_name_the_field(field, value):
+    with pytest.raises((ValueError, TypeError), match=field):
+        MultiBlock(**{field: value})
+
+
+def test_argument_errors(load):
+    model = load("llada_small")
+    with pytest.raises(ValueError, match="block_length"):
+        multiblock_generate(model, torch.tensor([[1, 2]]), gen_length=24, block_length=16)
+    with pytest.raises(ValueError, match="block_length"):
+        multiblock_generate(model, torch.tensor([[1, 2]]), gen_length=8, block_length=16)
+    with pytest.raises(ValueError, match="mask token"):
+        multiblock_generate(model, torch.tensor([[1, MASK]]), gen_length=16, block_length=8)
+    with pytest.raises(ValueError, match="config"):
+        multiblock_generate(model, torch.tensor([[1, 2]]), config={"threshold": 0.5}, gen_length=16, block_length=8)
+    with pytest.raises(ValueError, match="eos_token_id"):
+        multiblock_generate(model, torch.tensor([[1, 2]]), config=MultiBlock(early_stop=True, eos_token_id=300),
+                            gen_length=16, block_length=8)
+    with pytest.raises(ValueError, match="eos_token_id"):   # checked whether or not early_stop reads it
+        multiblock_generate(model, torch.tensor([[1, 2]]), config=MultiBlock(eos_token_id=300),
+                            gen_length=16, block_length=8)
+
+
+def test_one_interface_generate_and_the_engine():
+    """`decoder=remask.MultiBlock(...)` in `remask.generate` and `remask.SamplingParams` equals
+    `multiblock_generate`; a cache or a setting MultiBlock does not read is refused by name."""
+    import remask
+    from remask.zoo import charset
+
+    model, _ = remask.load("tiny-llada")
+    prompt = torch.tensor([charset.encode_chat("rev abcdef")])
+    config = remask.MultiBlock(threshold=1.0, block_add_threshold=0.25, early_stop=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected, nfe = multiblock_generate(model, prompt, config=config, gen_length=32, block_length=8)
+        got = remask.generate(model, prompt, gen_length=32, block_length=8, decoder=config)
+        served = remask.LLM(model).generate([prompt[0].tolist()], remask.SamplingParams(
+            max_tokens=32, block_length=8, temperature=0.0, decoder=config), use_tqdm=False)[0]
+        named = remask.generate(model, prompt, gen_length=32, block_length=8, decoder=remask.MultiBlock())
+    assert got.tolist() == expected.tolist() and int(nfe[0]) < 32
+    assert served.outputs[0].all_token_ids == expected[0, prompt.shape[1]:].tolist()
+    assert not bool((named == model.config.mask_token_id).any())
+    with pytest.raises(ValueError, match="steps"):
+        remask.generate(model, prompt, steps=8, gen_length=32, block_length=8, decoder=config)
+    with pytest.raises(ValueError, match="use_cache"):
+        remask.generate(model, prompt, gen_length=32, block_length=8, decoder=config, use_cache="dual")
+    with pytest.raises(ValueError, match="threshold"):
+        remask.generate(model, prompt, gen_length=32, block_length=8, decoder=config, threshold=0.9)
+    with pytest.raises(ValueError, match="block_length"):
+        remask.SamplingParams(max_tokens=30, block_length=8, decoder=config)
