@@ -96,6 +96,8 @@ SAMPLING_FLAGS: tuple[tuple[str, str, str], ...] = (
                                    "{\"json\": schema}, {\"regex\": ...}, {\"choice\": [...]}, {\"grammar\": ...} or "
                                    "{\"json_object\": true} (default none; see also --json-schema); AR models, "
                                    "LLaDA's block rule"),
+    ("logprobs", "int", "also write each generated token's log-probability under the raw model distribution and "
+                        "its N most likely alternatives, 0 to 20 (vLLM's; default off); AR models"),
 )
 
 
@@ -462,7 +464,10 @@ def _generate(args: argparse.Namespace, sampling_names: list[str]) -> int:
                                                   **({"messages": row["messages"]} if "messages" in row
                                                      else {"prompt": row["prompt"]}),
                                                   "index": o.index, "text": o.text, "token_ids": o.token_ids,
-                                                  "finish_reason": o.finish_reason, "nfe": o.nfe})))
+                                                  "finish_reason": o.finish_reason, "nfe": o.nfe,
+                                                  **({} if o.logprobs is None else {"logprobs": [
+                                                      {str(t): lp.logprob for t, lp in entry.items()}
+                                                      for entry in o.logprobs]})})))
     if world > 1:
         import torch.distributed as dist
 

@@ -680,15 +680,19 @@ _TOOL_NAME = __import__("re").compile(r"[a-zA-Z0-9_-]{1,64}")
 
 @dataclass(frozen=True)
 class ToolCallSpec:
-    """A chat request's `tools` and `tool_choice`, checked, and the structure that enforces them.
+    """A chat request's `tools`, `tool_choice` and `parallel_tool_calls`, checked, and the structure
+    that enforces them.
 
     * `mode`: `none` (plain text, the tools only checked), `named` (one call of `name`; the answer
-      is the call's arguments, a JSON object held to that function's `parameters`), `required` (one
-      call of any listed tool: the answer is `{"name": ..., "arguments": {...}}`, a JSON Schema
-      `anyOf` over the tools, each `name` a `const` and its `arguments` that tool's parameters) or
-      `auto` (free text or a call: the Lark grammar `start: TEXT | "<tool_call>" %json{call}`, where
-      `TEXT` is any non-empty text that does not begin with `<tool_call>`; an answer that begins
-      with the tag is a call);
+      is the call's arguments, a JSON object held to that function's `parameters`), `required`
+      (calls of the listed tools: the Lark grammar `start: call+`, each `call` being
+      `"<tool_call>" %json{...}` where the JSON is `{"name": ..., "arguments": {...}}`, a JSON
+      Schema `anyOf` over the tools, each `name` a `const` and its `arguments` that tool's
+      parameters) or `auto` (free text or calls: `start: TEXT | call+`, where `TEXT` is any
+      non-empty text that does not begin with `<tool_call>`; an answer that begins with the tag
+      is a call);
+    * `parallel`: `parallel_tool_calls` (OpenAI's default true): false makes the grammars'
+      `call+` a single `call`, so a `required` / `auto` answer holds at most one call;
     * `structure`: the `StructuredOutputsParams` the answer is held to (None for `none`);
     * `tools`: name → parameters schema, in the request's order.
     """
@@ -697,21 +701,31 @@ class ToolCallSpec:
     tools: tuple[tuple[str, Any], ...]
     name: str | None = None
     structure: StructuredOutputsParams | None = None
+    parallel: bool = True
 
-    def call_of(self, text: str) -> dict[str, Any] | None:
-        """The call a finished answer holds, `{"name", "arguments"}` (arguments as compact JSON
-        text), or None when it holds text (`none`, or `auto` answered in text)."""
-        if self.mode == "none":
+    def calls_of(self, text: str) -> list[dict[str, Any]] | None:
+        """The calls a finished answer holds, each `{"name", "arguments"}` (arguments: the JSON
+        text of the answer, compact as generated), or None when it holds text (`none`, or `auto`
+        answered in text)."""
+        if self.mode == "none" or not self.is_call(text):
             return None
+        return [{"name": name, "arguments": arguments} for name, arguments, _ in self.scan(text)]
+
+    def scan(self, text: str) -> list[tuple[str | None, str, bool]]:
+        """The calls in (a prefix of) an answer that is a call, as far as they have come: per call
+        `(name or None while it is not complete, the arguments' JSON text so far, whether the
+        arguments are complete)`. Text only grows, so each call's arguments so far are a prefix of
+        its final arguments (what streaming sends as fragments)."""
         if self.mode == "named":
-            return {"name": self.name, "arguments": text}   # the answer is the arguments (what streaming sent)
-        if self.mode == "auto":
-            if not text.startswith(TOOL_CALL_TAG):
-                return None
-            text = text[len(TOOL_CALL_TAG):]
-        value = _json.loads(text)
-        return {"name": value["name"], "arguments": _json.dumps(value["arguments"], separators=(",", ":"),
-                                                                 ensure_ascii=False)}
+            return [(self.name, text, False)]
+        calls: list[tuple[str | None, str, bool]] = []
+        at = 0
+        while text.startswith(TOOL_CALL_TAG, at):
+            name, arguments, complete, at = _scan_call(text, at + len(TOOL_CALL_TAG))
+            calls.append((name, arguments, complete))
+            if at is None:
+                break
+        return calls
 
     def is_call(self, text: str) -> bool | None:
         """Whether an answer that begins with `text` is a call: True / False, or None while it
@@ -723,6 +737,140 @@ class ToolCallSpec:
         if text.startswith(TOOL_CALL_TAG):
             return True
         return None if TOOL_CALL_TAG.startswith(text) else False
+
+
+def _skip_json(text: str, at: int) -> int | None:
+    """The index just past the JSON value that starts at `text[at]`, or None when the text ends
+    first (the value is still being generated). The text is grammar-made: valid JSON so far."""
+    if at >= len(text):
+        return None
+    if text[at] == '"':
+        i = at + 1
+        while i < len(text):
+            if text[i] == "\\":
+                i += 2
+                continue
+            if text[i] == '"':
+                return i + 1
+            i += 1
+        return None
+    if text[at] in "{[":
+        depth, i = 0, at
+        while i < len(text):
+            ch = text[i]
+            if ch == '"':
+                end = _skip_json(text, i)
+                if end is None:
+                    return None
+                i = end
+                continue
+            if ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+                if depth == 0:
+                    return i + 1
+            i += 1
+        return None
+    end = at   # a number, true, false or null: complete once something follows it
+    while end < len(text) and text[end] not in ",}] \t\n\r":
+        end += 1
+    return end if end < len(text) else None
+
+
+def _scan_call(text: str, at: int) -> tuple[str | None, str, bool, int | None]:
+    """One call's JSON object `{"name": ..., "arguments": {...}}` from `text[at]` on: (its name
+    once complete, the arguments' text so far, whether they are complete, the index past the
+    object or None while it is incomplete)."""
+    name, arguments, complete = None, "", False
+    i = at + 1                                    # past "{"
+    while i < len(text):
+        while i < len(text) and text[i] in " \t\n\r,":
+            i += 1
+        if i < len(text) and text[i] == "}":
+            return name, arguments, complete, i + 1
+        key_end = _skip_json(text, i)
+        if key_end is None:
+            break
+        key = _json.loads(text[i:key_end])
+        i = key_end
+        while i < len(text) and text[i] in " \t\n\r:":
+            i += 1
+        end = _skip_json(text, i)
+        if key == "arguments":
+            arguments, complete = text[i:len(text) if end is None else end], end is not None
+        elif key == "name" and end is not None:
+            name = _json.loads(text[i:end])
+        if end is None:
+            break
+        i = end
+    return name, arguments, complete, None
+
+
+TOOL_RESPONSE_TAGS = ("<tool_response>", "</tool_response>")   # Hermes / Qwen's wrapping of a tool's result
+_PROBE_NAME, _PROBE_RESULT = "remask_probe_function", "remask_probe_result"
+_template_support: dict[str, tuple[bool, bool]] = {}
+
+
+def template_tool_support(tokenizer: Any) -> tuple[bool, bool]:
+    """Whether the tokenizer's chat template renders (an assistant message's `tool_calls`, a `tool`
+    message as a role of its own), found by rendering a probe conversation once per template: the
+    call's name must appear, and a tool message must render unlike the same message as `user` or
+    `assistant`. A template that raises on the probe reads neither."""
+    template = getattr(tokenizer, "chat_template", None)
+    key = template if isinstance(template, str) else repr(template)
+    if key not in _template_support:
+        def render(messages: list[dict[str, Any]]) -> str | None:
+            try:
+                return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+            except Exception:  # noqa: BLE001 - any refusal (jinja's raise_exception, a KeyError) means "not read"
+                return None
+
+        call = {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function", "function": {
+            "name": _PROBE_NAME, "arguments": "{}"}}]}
+        with_call = render([{"role": "user", "content": "q"}, call])
+        head = [{"role": "user", "content": "q"}, call]
+        as_role = {role: render([*head, {"role": role, "content": _PROBE_RESULT,
+                                         **({"tool_call_id": "call_0"} if role == "tool" else {})}])
+                   for role in ("tool", "user", "assistant")}
+        reads_calls = with_call is not None and _PROBE_NAME in with_call
+        reads_tool = as_role["tool"] is not None and _PROBE_RESULT in as_role["tool"] and \
+            as_role["tool"] not in (as_role["user"], as_role["assistant"])
+        _template_support[key] = (reads_calls, reads_tool)
+    return _template_support[key]
+
+
+def messages_for_template(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation as the chat template can render it. An assistant message's `tool_calls`
+    and `tool` messages go to a template that reads them as they are; for one that does not
+    (`template_tool_support`: it would drop them, or render a tool's result as an assistant's
+    turn), they are written in the form remask's tool grammar generates (Hermes' convention):
+    each call appended to the assistant's content as `<tool_call>{"name": ..., "arguments": {...}}`
+    (compact JSON; arguments that are not JSON kept as a string), and a tool message becomes a
+    `user` message `<tool_response>{content}</tool_response>`. Nothing is dropped."""
+    if not any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+        return list(messages)
+    reads_calls, reads_tool = template_tool_support(tokenizer)
+    out = []
+    for message in messages:
+        message = dict(message)
+        if message.get("tool_calls") and not reads_calls:
+            calls = []
+            for call in message.pop("tool_calls"):
+                function = call.get("function") or {}
+                arguments = function.get("arguments")
+                try:
+                    arguments = _json.loads(arguments) if isinstance(arguments, str) else arguments
+                except ValueError:
+                    pass
+                calls.append(TOOL_CALL_TAG + _json.dumps({"name": function.get("name"), "arguments": arguments},
+                                                         separators=(",", ":"), ensure_ascii=False))
+            message["content"] = (message.get("content") or "") + "".join(calls)
+        if message.get("role") == "tool" and not reads_tool:
+            message = {"role": "user", "content": f"{TOOL_RESPONSE_TAGS[0]}{message.get('content') or ''}"
+                                                  f"{TOOL_RESPONSE_TAGS[1]}"}
+        out.append(message)
+    return out
 
 
 def _tool_error(field: str, message: str) -> StructuredOutputsError:
@@ -784,8 +932,9 @@ def tool_call_spec(tools: Any, tool_choice: Any, parallel_tool_calls: Any = None
     "strict"}}]`) and `tool_choice` (`"none"`, `"auto"` (the default with tools), `"required"`, or
     `{"type": "function", "function": {"name": ...}}`) checked and turned into a `ToolCallSpec`
     (None when neither is given). A bad value raises `StructuredOutputsError` whose `field` (and
-    message's start) is `tools…` or `tool_choice`. `parallel_tool_calls` (true / false) is accepted;
-    an answer holds at most one call either way."""
+    message's start) is `tools…` or `tool_choice`. `parallel_tool_calls` (true / false; OpenAI's
+    default true): whether a `required` / `auto` answer may hold several calls (a named
+    `tool_choice` is one call either way)."""
     if tools is None:
         if tool_choice not in (None, "none"):
             raise _tool_error("tool_choice", f"tool_choice {tool_choice!r} needs tools")
@@ -843,23 +992,21 @@ def tool_call_spec(tools: Any, tool_choice: Any, parallel_tool_calls: Any = None
                                              f"({[n for n, _ in table]})")
         return ToolCallSpec("named", tuple(table), name,
                             StructuredOutputsParams(json=params, disable_any_whitespace=disable_any_whitespace))
-    if tool_choice == "required":
-        return ToolCallSpec("required", tuple(table), None,
-                            StructuredOutputsParams(json=_call_schema(table),
-                                                    disable_any_whitespace=disable_any_whitespace))
-    if tool_choice == "auto":
-        schema = _call_schema(table)
-        schema["x-guidance"] = {"whitespace_flexible": not disable_any_whitespace}
-        grammar = ("start: TEXT | call\n"
-                   f"TEXT: /(.|\\n)+/ & ~/{_lark_regex_literal(TOOL_CALL_TAG)}(.|\\n)*/\n"
-                   f"call: {_json.dumps(TOOL_CALL_TAG)} %json {_json.dumps(schema)}\n")
-        try:
-            structure = StructuredOutputsParams(grammar=grammar)
-        except StructuredOutputsError as err:
-            raise _tool_error("tools", f"tools: {str(err).split(': ', 1)[-1]}") from None
-        return ToolCallSpec("auto", tuple(table), None, structure)
-    raise _tool_error("tool_choice", f"tool_choice must be 'none', 'auto', 'required' or {{\"type\": \"function\", "
-                                     f"\"function\": {{\"name\": ...}}}}, got {tool_choice!r}")
+    if tool_choice not in ("required", "auto"):
+        raise _tool_error("tool_choice", f"tool_choice must be 'none', 'auto', 'required' or {{\"type\": \"function\", "
+                                         f"\"function\": {{\"name\": ...}}}}, got {tool_choice!r}")
+    parallel = parallel_tool_calls is not False
+    schema = _call_schema(table)
+    schema["x-guidance"] = {"whitespace_flexible": not disable_any_whitespace}
+    calls = "call+" if parallel else "call"
+    start = calls if tool_choice == "required" else f"TEXT | {calls}"
+    text = f"TEXT: /(.|\\n)+/ & ~/{_lark_regex_literal(TOOL_CALL_TAG)}(.|\\n)*/\n" if tool_choice == "auto" else ""
+    grammar = f"start: {start}\n{text}call: {_json.dumps(TOOL_CALL_TAG)} %json {_json.dumps(schema)}\n"
+    try:
+        structure = StructuredOutputsParams(grammar=grammar)
+    except StructuredOutputsError as err:
+        raise _tool_error("tools", f"tools: {str(err).split(': ', 1)[-1]}") from None
+    return ToolCallSpec(tool_choice, tuple(table), None, structure, parallel)
 
 
 def _lark_regex_literal(text: str) -> str:

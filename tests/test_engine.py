@@ -1059,3 +1059,38 @@ def test_a_request_over_the_memory_budget_is_refused_by_name_before_allocation(l
         LLMEngine(model, tokenizer, max_request_bytes=0)
     ar_engine = LLMEngine(*ar)
     ar_engine.add_request("ar", PROBLEMS[0], SamplingParams(max_tokens=16, n=128))
+
+
+def test_ar_logprobs_are_the_raw_distribution_and_change_no_token_even_across_preemption(ar, llada):
+    """`SamplingParams.logprobs`: per token the sampled id's raw log-probability (log_softmax of the
+    model's logits) and the k most likely alternatives; the same tokens as without; a preempted
+    sequence reports the same logprobs as one decoded alone. Diffusion models refuse it by name."""
+    model, tokenizer = ar
+    requests = [(f"p{i}", PROBLEMS[i], SamplingParams(max_tokens=40, seed=i, temperature=[0.0, 0.9][i % 2],
+                                                      stop_token_ids=[99], logprobs=2))
+                for i in range(8)]
+    engine = LLMEngine(model, tokenizer, kv_cache_pages=10, page_size=8)   # small: preemptions happen
+    for request in requests:
+        engine.add_request(*request)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            o = out.outputs[0]
+            assert len(o.logprobs) == len(o.token_ids)      # reported with the tokens, also mid-way
+            if out.finished:
+                done[out.request_id] = out
+    assert sum(o.metrics["preemptions"] for o in done.values()) > 0
+    for rid, ids, p in requests:
+        got = done[rid].outputs[0]
+        plain = alone_ar(model, ids, p.replace(logprobs=None))
+        assert_ar_equal(got, plain, rid)                                 # logprobs change no token
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids + got.token_ids])).logits[0].float()
+        raw = torch.log_softmax(logits, -1)[len(ids) - 1:-1]
+        for i, (token, entry) in enumerate(zip(got.token_ids, got.logprobs)):
+            assert next(iter(entry)) == token and entry[token].logprob == pytest.approx(raw[i, token].item(), abs=1e-4)
+            assert entry[token].rank == int((raw[i] > raw[i, token]).sum()) + 1
+            top = sorted((lp for lp in entry.values() if lp.rank <= 2), key=lambda lp: lp.rank)
+            assert [lp.logprob for lp in top] == pytest.approx(raw[i].topk(2).values.tolist(), abs=1e-4)
+    with pytest.raises(ValueError, match="logprobs: autoregressive models only"):
+        LLMEngine(*llada).add_request("d", PROBLEMS[0], SamplingParams(max_tokens=8, logprobs=1))

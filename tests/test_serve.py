@@ -130,7 +130,8 @@ def test_errors_have_openai_shape_and_name_the_field(served):
         ({**ok, "min_tokens": 17}, None, 400, "min_tokens", "invalid_value"),
         ({**ok, "ignore_eos": 1}, None, 400, "ignore_eos", "invalid_value"),
         ({**ok, "mystery": 1}, None, 400, "mystery", "unknown_parameter"),
-        ({**ok, "logprobs": 2}, None, 400, "logprobs", "unsupported_parameter"),
+        ({**ok, "logprobs": 2}, None, 400, "autoregressive models only", "invalid_value"),
+        ({**ok, "echo": True}, None, 400, "echo", "unsupported_parameter"),
         ({**ok, "max_tokens": "many"}, None, 400, "max_tokens", "invalid_type"),
         ({k: v for k, v in ok.items() if k != "prompt"}, None, 400, "prompt", "missing_required_parameter"),
         ({**ok, "prompt": [1, 100000]}, None, 400, "vocabulary", "invalid_value"),
@@ -1086,3 +1087,111 @@ def test_several_api_keys_each_work_and_are_scheduled_as_owners_by_digest():
     assert all("key-" not in owner for owner in owners)
     with pytest.raises(ValueError, match="api_key"):
         build_app({"tiny-llada": engine}, api_key=["key-a", ""])
+
+
+# ---- OpenAI semantics agent frameworks rely on (issue 46) ----------------------------------------
+
+CHAT = [{"role": "user", "content": "sort 97531"}]
+
+
+def test_max_completion_tokens_is_max_tokens(served):
+    server, _ = served
+    c = client(server)
+    a = c.chat.completions.create(model="tiny-ar", messages=CHAT, max_tokens=3, seed=1)
+    b = c.chat.completions.create(model="tiny-ar", messages=CHAT, max_completion_tokens=3, seed=1)
+    assert a.choices[0].message.content == b.choices[0].message.content and b.usage.completion_tokens == 3
+    same = c.chat.completions.create(model="tiny-ar", messages=CHAT, max_tokens=3, max_completion_tokens=3, seed=1)
+    assert same.choices[0].message.content == a.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="tiny-ar", messages=CHAT, max_tokens=3, max_completion_tokens=4)
+    error = info.value.body
+    assert error["param"] == "max_tokens" and "max_completion_tokens" in error["message"]
+
+
+@pytest.mark.parametrize("model,extra", [("tiny-ar", {}), ("tiny-llada", DIFFUSION)])
+def test_stream_usage_chunks(served, model, extra):
+    """`include_usage`: a last chunk with no choices and the usage (chat and completions);
+    `continuous_usage_stats`: usage so far on every chunk with choices."""
+    server, _ = served
+    c = client(server)
+    for chat in (True, False):
+        kw = dict(model=model, max_tokens=16, seed=0, extra_body=extra)
+        whole = c.chat.completions.create(messages=CHAT, **kw) if chat else c.completions.create(prompt=PROMPT, **kw)
+        kw.update(stream=True, stream_options={"include_usage": True})
+        chunks = list(c.chat.completions.create(messages=CHAT, **kw) if chat else c.completions.create(prompt=PROMPT,
+                                                                                                         **kw))
+        assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+        assert all(ch.usage is None for ch in chunks[:-1])
+    body = {"model": model, "messages": CHAT, "max_tokens": 16, "seed": 0, "stream": True, **extra,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    counts = [e["usage"]["completion_tokens"] for e in events if e["choices"] and "usage" in e and
+              any("content" in ch["delta"] or ch["finish_reason"] for ch in e["choices"])]
+    assert counts and counts == sorted(counts) and counts[-1] == events[-1]["usage"]["completion_tokens"]
+
+
+def test_logprobs_of_an_autoregressive_model(served, offline):
+    """Chat `logprobs: true, top_logprobs: k` and completions `logprobs: k`: each sampled token's
+    log-probability under the raw model distribution (log_softmax of the logits, as vLLM's
+    default) and its k most likely alternatives; the tokens are those without logprobs; streamed
+    logprobs join to the whole answer's."""
+    import torch
+
+    server, _ = served
+    c = client(server)
+    for temperature in (0.0, 1.0):
+        kw = dict(model="tiny-ar", messages=CHAT, max_tokens=10, seed=4, n=2, temperature=temperature)
+        plain = c.chat.completions.create(**kw)
+        got = c.chat.completions.create(logprobs=True, top_logprobs=3, **kw)
+        for a, b in zip(plain.choices, got.choices):
+            assert a.message.content == b.message.content and a.finish_reason == b.finish_reason
+        assert plain.choices[0].logprobs is None
+        want = offline["tiny-ar"].chat(CHAT, remask.SamplingParams(max_tokens=10, seed=4, n=2, temperature=temperature,
+                                                                   logprobs=3), use_tqdm=False)[0]
+        llm = offline["tiny-ar"]
+        prompt = llm.chat_ids(CHAT)
+        for choice, out in zip(sorted(got.choices, key=lambda ch: ch.index), want.outputs):
+            content = choice.logprobs.content
+            assert len(content) == len(out.token_ids)
+            assert "".join(t.token for t in content).startswith(choice.message.content)
+            with torch.no_grad():
+                logits = llm.engine.model(input_ids=torch.tensor([prompt + out.token_ids])).logits[0].float()
+            raw = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
+            for i, (item, token) in enumerate(zip(content, out.token_ids)):
+                assert item.logprob == pytest.approx(raw[i, token].item(), abs=1e-4)
+                assert len(item.top_logprobs) == 3 and item.top_logprobs[0].logprob >= item.top_logprobs[-1].logprob
+                assert [t.logprob for t in item.top_logprobs] == pytest.approx(raw[i].topk(3).values.tolist(),
+                                                                               abs=1e-4)
+                assert item.bytes == list(item.token.encode())
+        streamed = {}
+        for chunk in c.chat.completions.create(logprobs=True, top_logprobs=3, stream=True, **kw):
+            for ch in chunk.choices:
+                streamed.setdefault(ch.index, []).extend(ch.logprobs.content if ch.logprobs else [])
+        for choice in got.choices:
+            assert [t.model_dump() for t in streamed[choice.index]] == [t.model_dump() for t in choice.logprobs.content]
+
+    text = c.completions.create(model="tiny-ar", prompt=PROMPT, max_tokens=6, seed=0)
+    legacy = c.completions.create(model="tiny-ar", prompt=PROMPT, max_tokens=6, seed=0, logprobs=2)
+    lp = legacy.choices[0].logprobs
+    assert legacy.choices[0].text == text.choices[0].text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert "".join(lp.tokens).startswith(legacy.choices[0].text)
+    assert all(lp.tokens[i] in lp.top_logprobs[i] and len(lp.top_logprobs[i]) in (2, 3) for i in range(len(lp.tokens)))
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+
+
+def test_logprobs_refused_by_name(served):
+    server, _ = served
+    m = {"model": "tiny-ar", "messages": CHAT, "max_tokens": 4}
+    for body, param, needle in (({**m, "top_logprobs": 2}, "top_logprobs", "only with logprobs: true"),
+                                ({**m, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+                                ({**m, "logprobs": 1}, "logprobs", "boolean"),
+                                ({**m, "model": "tiny-llada", "logprobs": True}, "logprobs", "autoregressive models")):
+        response = post(server, body, path="/v1/chat/completions")
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and needle in error["message"], error
+    response = post(server, {"model": "tiny-ar", "prompt": PROMPT, "logprobs": 21})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "logprobs"

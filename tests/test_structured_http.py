@@ -192,13 +192,62 @@ def test_auto_recognises_a_call():
     assert _message(SimpleNamespace(text=call[:20], finish_reason="length"), spec)[1] == "length"
     stream = _CallStream(spec, 0)
     assert stream.update("<tool", None) is None                       # held: could be either
-    assert stream.update(call[:30], None) is None                     # a call: whole at the end
+    assert stream.update(call[:25], None) is None                     # a call, its name not complete yet
+    first = stream.update(call[:30], None)["delta"]["tool_calls"]     # id and name first ...
+    assert first == [{"index": 0, "id": first[0]["id"], "type": "function",
+                      "function": {"name": "colour", "arguments": ""}}]
+    assert stream.update(call[:40], None) is None                     # `"arguments":`, no value yet
+    more = stream.update(call[:48], None)["delta"]["tool_calls"]      # ... then argument fragments
+    assert more == [{"index": 0, "function": {"arguments": '{"c":"re'}}]
     last = stream.update(call, "stop")
-    assert last["finish_reason"] == "tool_calls" and last["delta"]["tool_calls"][0]["function"]["name"] == "colour"
+    assert last["finish_reason"] == "tool_calls"
+    assert last["delta"]["tool_calls"] == [{"index": 0, "function": {"arguments": 'd","n":3}'}}]
     text = _CallStream(spec, 1)
     assert text.update("<", None) is None
     assert text.update("<b", None)["delta"] == {"content": "<b"}
     assert text.update("<b>x", "stop") == {"index": 1, "delta": {"content": ">x"}, "finish_reason": "stop"}
+
+
+def test_parallel_tool_calls_is_held_by_the_grammar():
+    """`parallel_tool_calls` true (OpenAI's default): `required` / `auto` answers may hold several
+    calls (`call+`); false: at most one (`call`). Checked on the compiled structure itself."""
+    from remask.structured import compile_structure, tool_call_spec
+    from remask.zoo.charset import EOS_ID, MASK_ID
+
+    _, tok = remask.load("tiny-ar")
+    one = TOOL_CALL_TAG + '{"name":"colour","arguments":{"c":"red"}}'
+    two = one + TOOL_CALL_TAG + '{"name":"sort","arguments":{"digits":"123"}}'
+    for choice in ("required", "auto"):
+        for parallel, two_ok in ((None, True), (True, True), (False, False)):
+            spec = tool_call_spec(TOOLS, choice, parallel)
+            compiled = compile_structure(spec.structure, tok, 128, (MASK_ID,))
+            for text, ok in ((one, True), (two, two_ok)):
+                ids = list(tok(text, add_special_tokens=False)["input_ids"])
+                assert compiled.matcher([EOS_ID]).valid(ids + [EOS_ID]) is ok, (choice, parallel, text)
+        assert [c["name"] for c in tool_call_spec(TOOLS, choice).calls_of(two)] == ["colour", "sort"]
+        assert tool_call_spec(TOOLS, choice).calls_of(two)[1]["arguments"] == '{"digits":"123"}'
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_tool_calls_over_http(client, parallel):
+    """Every call of every choice is valid and has its own id; with false, one call at most."""
+    counts = []
+    for model, extra in MODELS.items():
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "colour of grass"}], max_tokens=64, n=4,
+            temperature=1.0, seed=11, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel,
+            extra_body=extra)
+        for choice in reply.choices:
+            if choice.finish_reason == "tool_calls":
+                calls = choice.message.tool_calls
+                counts.append(len(calls))
+                for call in calls:
+                    check_call(call)
+                assert len({c.id for c in calls}) == len(calls)
+    print(f"\n[structured-http] parallel_tool_calls={parallel}: calls per answer {counts}")
+    assert counts
+    if not parallel:
+        assert set(counts) == {1}
 
 
 def test_conversation_with_tool_messages(client):
@@ -212,6 +261,40 @@ def test_conversation_with_tool_messages(client):
     reply = client.chat.completions.create(model=model, messages=messages, max_tokens=16, tools=TOOLS,
                                            tool_choice="none", extra_body=extra)
     assert reply.choices[0].finish_reason in ("stop", "length")
+    # the tiny models' template reads `content` only: the call and the result are rendered in the
+    # fallback (the call as the tool grammar writes it, the result as a user turn), not dropped
+    _, tok = remask.load(model)
+    arguments = json.loads(call.function.arguments)
+    rendered = (f'<|bos|><|user|>sort 3 1 2<|eot|><|assistant|>{TOOL_CALL_TAG}'
+                + json.dumps({"name": "sort", "arguments": arguments}, separators=(",", ":"))
+                + "<|eos|><|user|><tool_response>123</tool_response><|eot|><|assistant|>")
+    assert reply.usage.prompt_tokens == len(tok(rendered, add_special_tokens=False)["input_ids"])
+
+
+def test_a_template_that_reads_tools_gets_them_as_they_are():
+    """A chat template that renders `tool_calls` and the `tool` role receives the messages
+    unchanged; one that does not gets the documented fallback."""
+    import copy
+
+    from remask.structured import messages_for_template, template_tool_support
+
+    _, tok = remask.load("tiny-ar")
+    aware = copy.deepcopy(tok)
+    aware.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}<|user|>result:{{ m['content'] }}<|eot|>"
+        "{% elif m['role'] == 'user' %}<|user|>{{ m['content'] }}<|eot|>"
+        "{% else %}<|assistant|>{{ m['content'] }}{% for c in m.get('tool_calls', []) %}"
+        "call:{{ c['function']['name'] }}({{ c['function']['arguments'] }}){% endfor %}<|eos|>{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    messages = [{"role": "user", "content": "sort 3 1 2"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "sort", "arguments": '{"digits":"312"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "123"}]
+    assert template_tool_support(aware) == (True, True) and template_tool_support(tok) == (False, False)
+    assert messages_for_template(aware, messages) == messages
+    fallback = messages_for_template(tok, messages)
+    assert fallback[1] == {"role": "assistant", "content": TOOL_CALL_TAG + '{"name":"sort","arguments":{"digits":"312"}}'}
+    assert fallback[2] == {"role": "user", "content": "<tool_response>123</tool_response>"}
 
 
 # ---- streaming ------------------------------------------------------------------------------------
@@ -228,11 +311,14 @@ def _collect(stream):
                 entry["content"] += c.delta.content
             for tc in c.delta.tool_calls or []:
                 entry["call_chunks"] += 1
-                assert tc.index == 0
-                if tc.id:
-                    assert entry["id"] is None
-                    entry["id"], entry["name"] = tc.id, tc.function.name
-                entry["arguments"] += tc.function.arguments or ""
+                calls = entry.setdefault("calls", [])
+                if tc.id:                                # a call's first delta: id, type, name
+                    assert tc.index == len(calls) and tc.type == "function" and tc.function.name
+                    calls.append({"id": tc.id, "name": tc.function.name, "arguments": ""})
+                assert tc.index == len(calls) - 1        # fragments of the call begun last
+                calls[tc.index]["arguments"] += tc.function.arguments or ""
+                entry["id"], entry["name"], entry["arguments"] = (calls[0]["id"], calls[0]["name"],
+                                                                  calls[0]["arguments"])
             if c.finish_reason:
                 entry["finish"] = c.finish_reason
     return out
@@ -267,17 +353,20 @@ def test_streaming(client):
                 jsonschema.validate(json.loads(got["arguments"]), COLOUR)
         streamed = _collect(client.chat.completions.create(max_tokens=64, tools=TOOLS, tool_choice="required",
                                                            stream=True, **base))
-        for got in streamed.values():                    # required: the whole call in one delta at the end
+        for got in streamed.values():                    # required: id + name first, then argument deltas
             total += 1
             if got["finish"] == "tool_calls":
                 stops += 1
-                assert got["call_chunks"] == 1 and got["name"] in SCHEMA_OF
-                jsonschema.validate(json.loads(got["arguments"]), SCHEMA_OF[got["name"]])
+                for call in got["calls"]:
+                    assert call["id"].startswith("call_") and call["name"] in SCHEMA_OF
+                    jsonschema.validate(json.loads(call["arguments"]), SCHEMA_OF[call["name"]])
         streamed = _collect(client.chat.completions.create(max_tokens=48, tools=TOOLS, tool_choice="auto",
                                                            stream=True, **base))
         for got in streamed.values():
             assert got["finish"] in ("stop", "length", "tool_calls")
             assert not got["content"].startswith(TOOL_CALL_TAG)
+            if got["finish"] == "tool_calls":
+                assert got["content"] == "" and all(c["name"] in SCHEMA_OF for c in got["calls"])
     tally("streaming", stops, total)
 
 

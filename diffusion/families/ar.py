@@ -45,6 +45,12 @@ class ARState:
     generated: int = 0
     done: bool = False
     matchers: Any = None           # structured output: one `remask.structured.Matcher` per row
+    # `logprobs`: per row and step, the sampled token's log-probability and rank under the raw
+    # distribution, and the `logprobs` most likely ids with theirs (None when not asked for)
+    sampled_logprobs: torch.Tensor | None = None   # [B, max_new_tokens] float32
+    sampled_ranks: torch.Tensor | None = None      # [B, max_new_tokens]
+    top_ids: torch.Tensor | None = None            # [B, max_new_tokens, logprobs]
+    top_logprobs: torch.Tensor | None = None       # [B, max_new_tokens, logprobs] float32
 
     @property
     def prompt_len(self) -> int:
@@ -60,13 +66,14 @@ class ARDecoder(Decoder):
 
     def __init__(self, model: torch.nn.Module, *, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
-                 pad_token_id: int | None = None, structure: Any = None) -> None:
+                 pad_token_id: int | None = None, structure: Any = None, logprobs: int | None = None) -> None:
         spec = get_spec(model)
         check_model_kind(spec, diffusion=False, entry="remask.ar_generate")
         check_int("max_new_tokens", max_new_tokens, minimum=1)
         check_real("temperature", temperature, low=0)
         check_int("top_k", top_k, minimum=1, allow_none=True)
         check_real("top_p", top_p, low=0, high=1, low_open=True, allow_none=True)
+        check_int("logprobs", logprobs, minimum=0, maximum=spec.vocab_size, allow_none=True)
         if eos_token_id is None:
             eos_token_id = getattr(model.config, "eos_token_id", None)
         if not (eos_token_id is None or isinstance(eos_token_id, (numbers.Integral, list, tuple))):
@@ -86,6 +93,7 @@ class ARDecoder(Decoder):
         self.spec, self.structure = spec, structure
         self.max_new_tokens, self.temperature, self.top_k, self.top_p = max_new_tokens, temperature, top_k, top_p
         self.eos_ids, self.pad_token_id = eos_ids, pad_token_id
+        self.logprobs = logprobs
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         # Only the last position's logits are needed, as in transformers' `generate`: the LM head
         # then runs on one row per sequence, the shape the engine's flat forward gives it too.
@@ -108,10 +116,17 @@ class ARDecoder(Decoder):
         B = input_ids.shape[0]
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
         device = input_ids.device
-        return ARState(input_ids=input_ids, eos=torch.tensor(self.eos_ids, dtype=torch.long, device=device),
-                       tokens=torch.full((B, self.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device),
-                       finished=torch.zeros(B, dtype=torch.bool, device=device), mask=mask,
-                       position_ids=(mask.cumsum(-1) - 1).clamp(min=0), feed=input_ids)
+        state = ARState(input_ids=input_ids, eos=torch.tensor(self.eos_ids, dtype=torch.long, device=device),
+                        tokens=torch.full((B, self.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device),
+                        finished=torch.zeros(B, dtype=torch.bool, device=device), mask=mask,
+                        position_ids=(mask.cumsum(-1) - 1).clamp(min=0), feed=input_ids)
+        if self.logprobs is not None:
+            shape = (B, self.max_new_tokens)
+            state.sampled_logprobs = torch.zeros(shape, dtype=torch.float32, device=device)
+            state.sampled_ranks = torch.zeros(shape, dtype=torch.long, device=device)
+            state.top_ids = torch.zeros((*shape, self.logprobs), dtype=torch.long, device=device)
+            state.top_logprobs = torch.zeros((*shape, self.logprobs), dtype=torch.float32, device=device)
+        return state
 
     def next_forward(self, model: torch.nn.Module | None, state: ARState, generator: torch.Generator | None = None,
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
@@ -130,12 +145,14 @@ class ARDecoder(Decoder):
         if stats is not None:
             stats.forward(B, fed)
         state.cache = output_cache(output)
-        logits = output.logits[:, -1:]
+        raw = logits = output.logits[:, -1:]
         for processor in self.processors:
             logits = processor(state, logits, state.prompt_len + state.step)
         next_token = self.sample(logits[:, 0], generator, state)
         next_token = torch.where(state.finished, torch.full_like(next_token, self.pad_token_id), next_token)
         state.tokens[:, state.step] = next_token
+        if self.logprobs is not None:
+            self.record_logprobs(state, raw[:, 0], next_token)
         active = int((~state.finished).sum())
         state.generated += active
         if stats is not None:
@@ -148,6 +165,30 @@ class ARDecoder(Decoder):
         state.mask = torch.nn.functional.pad(state.mask, (0, 1), value=1)
         state.position_ids = state.position_ids[:, -1:] + 1
         state.feed = next_token[:, None]
+
+    def record_logprobs(self, state: ARState, logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        """This step's log-probabilities under the raw distribution, the model's logits `[B, V]`
+        before any processor (min_tokens), structure mask, temperature or top-k / top-p: vLLM's
+        default (`logprobs_mode="raw_logprobs"`). Computed beside the sample, from the same logits,
+        so asking for them never changes a token."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logprobs.gather(-1, tokens[:, None])
+        state.sampled_logprobs[:, state.step] = chosen[:, 0]
+        state.sampled_ranks[:, state.step] = (logprobs > chosen).sum(-1) + 1
+        if self.logprobs:
+            top = logprobs.topk(self.logprobs, dim=-1)
+            state.top_ids[:, state.step], state.top_logprobs[:, state.step] = top.indices, top.values
+
+    def token_logprobs(self, state: ARState, count: int, row: int = 0) -> list[tuple] | None:
+        """Row `row`'s first `count` tokens: `(token id, log-probability, rank, [(id, log-probability)
+        of the most likely], ...)` (`record_logprobs`); None without `logprobs`."""
+        if self.logprobs is None:
+            return None
+        count = min(count, state.step)
+        ids, lps = state.tokens[row, :count].tolist(), state.sampled_logprobs[row, :count].tolist()
+        ranks = state.sampled_ranks[row, :count].tolist()
+        top_ids, top_lps = state.top_ids[row, :count].tolist(), state.top_logprobs[row, :count].tolist()
+        return [(t, lp, r, list(zip(ti, tl))) for t, lp, r, ti, tl in zip(ids, lps, ranks, top_ids, top_lps)]
 
     def num_final(self, state: ARState) -> int:
         """Tokens that no later step changes: every token sampled so far."""

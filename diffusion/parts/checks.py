@@ -58,6 +58,7 @@ def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int
 # still change the answer; beyond them a request only burns memory and time (`steps=10**9` OOM-killed a server).
 MAX_N = 128                 # samples per prompt: OpenAI's cap (a server may set its own: build_app(max_n=...))
 SEED_LIMIT = 1 << 64        # torch.Generator.manual_seed takes [0, 2**64) (it wraps negatives, overflows beyond)
+MAX_LOGPROBS = 20           # alternatives per token (`logprobs`): OpenAI's top_logprobs cap, vLLM's default
 MAX_TEMPERATURE = 100.0     # far past uniform sampling already (logits are O(10)); 1e308 is a typo, not a setting
 MAX_LOOP_STEPS = 1024       # ~20x the defaults of DiffusionGemma's max_denoising_steps (48), LLaDA2.1's max_post_steps
 MAX_STOP_STRINGS = 64       # `stop` strings per request, each searched in every sample's growing text (OpenAI: 4)

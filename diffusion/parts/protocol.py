@@ -51,6 +51,11 @@ class Decoder(abc.ABC):
     def canvas(self, state: Any) -> torch.Tensor:
         return state.x
 
+    def token_logprobs(self, state: Any, count: int, row: int = 0) -> list[tuple] | None:
+        """The first `count` generated tokens' `(id, log-probability, rank, top alternatives)`, as the
+        decoder recorded them (`SamplingParams.logprobs`); None: it records none."""
+        return None
+
     def commit_key(self) -> Any:
         """Equal for decoders whose commits run together in one `commit_shared`; None: alone."""
         return None

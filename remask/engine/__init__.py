@@ -13,7 +13,7 @@ from typing import Any
 # itself imports the models.
 _EXPORTS = {
     "LLM": ".llm", "LLMEngine": ".llm_engine", "EngineState": ".llm_engine", "SamplingParams": ".sampling_params",
-    "CompletionOutput": ".sequence", "RequestOutput": ".sequence", "SequenceStatus": ".sequence",
+    "CompletionOutput": ".sequence", "Logprob": ".sequence", "RequestOutput": ".sequence", "SequenceStatus": ".sequence",
     "PageManager": "remask.caches.page_manager",
 }
 

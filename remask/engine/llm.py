@@ -90,11 +90,16 @@ class LLM:
 
     def chat_ids(self, messages: Seq[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation through the tokenizer's chat template, generation prompt
-        appended; `tools` (OpenAI's function tools) go to the template as its `tools`."""
+        appended; `tools` (OpenAI's function tools) go to the template as its `tools`. An assistant
+        message's `tool_calls` and `tool` messages are rendered by the template when it reads them,
+        else in remask's compact fallback (`remask.structured.messages_for_template`), never dropped."""
+        from remask.structured import messages_for_template
+
         if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("chat needs a tokenizer with a chat template")
         extra = {} if tools is None else {"tools": tools}
-        out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **extra)
+        out = self.tokenizer.apply_chat_template(messages_for_template(self.tokenizer, list(messages)),
+                                                 add_generation_prompt=True, tokenize=True, **extra)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     def _run(self, prompts: list[Prompt], sampling_params, use_tqdm: bool) -> list[RequestOutput]:

@@ -31,7 +31,7 @@ from .model_runner import ModelRunner
 from remask.caches.page_manager import PageManager
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import CompletionOutput, RequestOutput, Sequence, SequenceStatus, now
+from .sequence import CompletionOutput, Logprob, RequestOutput, Sequence, SequenceStatus, now
 
 # vLLM's prompt dicts: TextPrompt {"prompt": str}; TokensPrompt {"prompt_token_ids": [...]} (with an
 # optional "prompt": reported, not tokenized). Its other keys are refused by name, never dropped.
@@ -369,6 +369,7 @@ class LLMEngine:
             seq.stats.stop(seq.final_len if seq.paged else seq.params.max_tokens)
             seq.finish_time = now()
             seq.output_ids = self._generated(seq)
+            seq.output_logprobs = seq.decoder.token_logprobs(state, seq.final_len)
             self.scheduler.finish(seq)
             return True
         return grew
@@ -380,6 +381,26 @@ class LLMEngine:
         if seq.final_len < len(seq.output_ids or []):
             return list(seq.output_ids)   # a preempted sequence decoding again: what it had until it catches up
         return seq.decoder.canvas(state)[0, seq.prompt_len:seq.prompt_len + seq.final_len].tolist()
+
+    def _logprobs(self, seq: Sequence, count: int) -> list[dict[int, Logprob]] | None:
+        """The first `count` tokens' logprobs (`SamplingParams.logprobs`), as vLLM gives them: per
+        token, the sampled id and its alternatives, each a `Logprob` with its rank and text."""
+        if seq.params.logprobs is None:
+            return None
+        state = seq.state
+        if state is None or seq.final_len < len(seq.output_ids or []):
+            recorded = (seq.output_logprobs or [])[:count]    # freed, or decoding again after a preemption
+        else:
+            recorded = seq.decoder.token_logprobs(state, count) or []
+        text = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
+        out = []
+        for token, logprob, rank, top in recorded:
+            entry = {token: Logprob(logprob, rank, text(token))}
+            for i, (alt, alt_logprob) in enumerate(top):
+                if alt not in entry:
+                    entry[alt] = Logprob(alt_logprob, i + 1, text(alt))
+            out.append(entry)
+        return out
 
     def _draft(self, seq: Sequence) -> list[int | None] | None:
         state = seq.state
@@ -421,7 +442,8 @@ class LLMEngine:
             outputs.append(CompletionOutput(index=seq.index, text=body, token_ids=answer, all_token_ids=generated,
                                             finish_reason=reason if seq.is_finished else None, nfe=seq.stats.nfe,
                                             tokens_per_step=list(seq.stats.tokens_per_step), error=seq.error,
-                                            draft=self._draft(seq) if seq.drafts else None))
+                                            draft=self._draft(seq) if seq.drafts else None,
+                                            logprobs=self._logprobs(seq, len(answer))))
         arrival, finished = seqs[0].arrival_time, all(s.is_finished for s in seqs)
         first = min((s.first_final_time for s in seqs if s.first_final_time is not None), default=None)
         done = max((s.finish_time for s in seqs if s.finish_time is not None), default=None) if finished else None

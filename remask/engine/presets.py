@@ -42,6 +42,9 @@ def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -
     name what that decoder cannot honour."""
     if params.ignore_eos or params.min_tokens:
         check_end_settings(engine, params)
+    if params.logprobs is not None and not engine.is_ar:
+        raise ValueError("logprobs: autoregressive models only; a diffusion model's tokens are committed by its "
+                         "decoding rule over several forwards, and remask does not report their log-probabilities yet")
     structure = structure_for_request(engine, params)
     ends = sorted(set(engine.stop_ids) | set(params.stop_token_ids)) if structure is not None else ()
     # the block-causal families' loops, APD and the canvases hold it in their own loops (parts/constrain_loops.py);
@@ -56,7 +59,8 @@ def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -
         if set_here or params.cfg_scale or params.remasking != "low_confidence":
             raise ValueError(f"the model is autoregressive; these settings are for diffusion models: "
                              f"{set_here + (['cfg_scale'] if params.cfg_scale else [])}")
-        decoder = ARDecoder(engine.model, **params.ar_kwargs(engine.eos_ids()), structure=structure)
+        decoder = ARDecoder(engine.model, **params.ar_kwargs(engine.eos_ids()), structure=structure,
+                            logprobs=params.logprobs)
         decoder.check_input(prompt_ids, None, engine.model)
     elif params.decoder is not None or (params.use_cache is not None and not isinstance(params.use_cache, str)):
         check_prompt(engine.model, prompt_ids, None, spec=engine.spec, mask_in_prompt="refuse")

@@ -12,8 +12,9 @@ from typing import Any
 from remask.diffusion.families.apd import APDConfig, check_apd_alone
 from remask.diffusion.parts.cache import CACHE_MODES
 from remask.diffusion.families.canvas import CanvasSampler, check_canvas_settings
-from remask.diffusion.parts.checks import (MAX_TEMPERATURE, ParameterTypeError, check_bool, check_choice, check_instance,
-                                     check_int, check_min_tokens, check_real, check_seed, check_steps, check_stop)
+from remask.diffusion.parts.checks import (MAX_LOGPROBS, MAX_TEMPERATURE, ParameterTypeError, check_bool, check_choice,
+                                     check_instance, check_int, check_min_tokens, check_real, check_seed, check_steps,
+                                     check_stop)
 from remask.diffusion.families.dream import ALGORITHMS
 from remask.diffusion.families.llada import REMASKING, validate_block_args, validate_rule
 from remask.diffusion.families.llada2 import check_llada2_settings
@@ -84,6 +85,9 @@ class SamplingParams:
     structured_outputs: Any = None
     # Fast-dLLM++'s Fréchet profile rule beside threshold / factor (added after vLLM's: positions unchanged)
     frechet_margin: float | None = None
+    # the log-probability of each generated token and its `logprobs` most likely alternatives
+    # (vLLM's field; autoregressive models: docs/engine.md)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, minimum=1)
@@ -99,6 +103,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(check_int("stop_token_ids", i, minimum=0) for i in ids))
         check_bool("ignore_eos", self.ignore_eos)
         check_min_tokens(self.min_tokens, self.max_tokens)
+        check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS, allow_none=True)
         if self.structured_outputs is not None:
             from remask.structured import StructuredOutputsParams
 

@@ -49,6 +49,7 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     output_ids: list[int] | None = None   # the generated ids, kept when the state is freed
+    output_logprobs: list[tuple] | None = None   # their logprobs (`SamplingParams.logprobs`), kept likewise
     deadline: float | None = None      # `now()` past which the engine aborts it (finish reason "timeout")
 
     def restart(self, pages: Any) -> None:
@@ -57,6 +58,7 @@ class Sequence:
         if self.state is not None and self.final_len > len(self.output_ids or []):
             # reported until the new run catches up
             self.output_ids = self.decoder.canvas(self.state)[0, self.prompt_len:self.prompt_len + self.final_len].tolist()
+            self.output_logprobs = self.decoder.token_logprobs(self.state, self.final_len)
         pages.free(self.block_table)
         self.block_table, self.kv_len = None, 0
         self.state = None
@@ -79,6 +81,16 @@ class Sequence:
         return self.prompt_len + self.params.max_tokens
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability (`SamplingParams.logprobs`), vLLM's shape: `rank` 1 is the most
+    likely token; `decoded_token` its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 @dataclass
 class CompletionOutput:
     """One sample's answer (docs/engine.md, One step): `token_ids` up to and including the first stop
@@ -94,6 +106,9 @@ class CompletionOutput:
     tokens_per_step: list[int]
     error: str | None = None
     draft: list[int | None] | None = None
+    # with `SamplingParams.logprobs`: per token of `token_ids`, {id: Logprob} for the sampled token
+    # and its `logprobs` most likely alternatives (vLLM's `SampleLogprobs`)
+    logprobs: list[dict[int, Logprob]] | None = None
 
 
 @dataclass

@@ -662,7 +662,8 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | Sequence[str] |
         if any(o.finish_reason == "error" for o in out.outputs):
             message = next(o.error for o in out.outputs if o.finish_reason == "error")
             raise APIError(500, f"the request failed: {message}", kind="server_error")
-        response = _full_response(out, request_id, model, chat, created=int(time.time()), tools=tools)
+        response = _full_response(out, request_id, model, chat, created=int(time.time()), tools=tools,
+                                  top=params.logprobs or 0)
         if cache_key is not None:
             cache.put(cache_key, response)
         return response
@@ -671,6 +672,20 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | Sequence[str] |
                    model: str, chat: bool, start: float, draft_tokenizer: Any, left: Callable[[], float | None],
                    timeout: float | None, timeout_name: str, tools: Any = None):
         sent = {i: "" for i in range(params.n)}
+        tokens_sent = {i: 0 for i in range(params.n)}     # tokens whose logprobs went out
+        chars_sent = {i: 0 for i in range(params.n)}      # completions' text_offset
+        continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
+
+        def with_logprobs(choice: dict[str, Any], o) -> dict[str, Any]:
+            """The logprobs of the tokens generated since this choice's previous chunk."""
+            if o.logprobs is None:
+                return choice
+            new = o.logprobs[tokens_sent[o.index]:]
+            tokens_sent[o.index] = len(o.logprobs)
+            lps = _logprobs(new, params.logprobs, chat, chars_sent[o.index])
+            if not chat:
+                chars_sent[o.index] += sum(len(t) for t in lps["tokens"])
+            return {**choice, "logprobs": lps}
         calls = {i: _CallStream(tools, i) for i in range(params.n)} if tools is not None and tools.mode != "none" \
             else None
         hold = max((len(s) for s in params.stop), default=1) - 1
@@ -707,18 +722,21 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | Sequence[str] |
                     if calls is not None:           # a tool request: text or a call (`_CallStream`)
                         choice = calls[o.index].update(text, o.finish_reason)
                         if choice is not None:
-                            choices.append(choice)
+                            choices.append(with_logprobs(choice, o))
                         continue
                     if not text.startswith(sent[o.index]):
                         continue        # never take back text already sent
                     delta = text[len(sent[o.index]):]
                     if delta or o.finish_reason is not None:
                         sent[o.index] = text
-                        choices.append(_choice(o.index, delta, o.finish_reason, chat))
+                        choices.append(with_logprobs(_choice(o.index, delta, o.finish_reason, chat), o))
                 if choices:
                     if ttft is None:
                         ttft = time.perf_counter() - start
-                    yield json.dumps(_chunk(request_id, model, now, chat, choices))
+                    chunk = _chunk(request_id, model, now, chat, choices)
+                    if continuous:              # vLLM's continuous_usage_stats: usage so far in every chunk
+                        chunk["usage"] = _usage(out)
+                    yield json.dumps(chunk)
                 try:
                     out = await asyncio.wait_for(anext(stream, None), timeout=left())
                 except asyncio.TimeoutError:
@@ -791,28 +809,30 @@ def _is_call(tools: Any, text: str, finish_reason: str | None) -> bool:
 
 
 def _message(o: Any, tools: Any) -> tuple[dict[str, Any], str | None]:
-    """A chat choice's message and finish reason: a call (`tool_calls`, content null, finish
-    reason `tool_calls`) or text."""
+    """A chat choice's message and finish reason: calls (`tool_calls`, each with its own id;
+    content null; finish reason `tool_calls`) or text."""
     if _is_call(tools, o.text, o.finish_reason):
-        return ({"role": "assistant", "content": None, "tool_calls": [_tool_call(tools.call_of(o.text), _call_id())]},
-                "tool_calls")
+        return ({"role": "assistant", "content": None,
+                 "tool_calls": [_tool_call(call, _call_id()) for call in tools.calls_of(o.text)]}, "tool_calls")
     return {"role": "assistant", "content": o.text}, o.finish_reason
 
 
 class _CallStream:
     """What one choice of a streamed tool request has sent. Text streams as `content` once it is
     known to be text (`auto`: the first characters are not the start of `<tool_call>`; held while
-    they could be). A named function's call streams as OpenAI's `tool_calls` deltas: the first with
-    the call's `id`, `type` and `function.name`, then `function.arguments` fragments as the answer
-    (the arguments) is committed. A `required` / `auto` call comes whole in one delta once the
-    answer is complete (its name is known only then); finish reason `tool_calls`. An answer cut at
-    `length` ends as text (what was held comes as `content`), finish reason `length`."""
+    they could be). Calls stream as OpenAI's `tool_calls` deltas, whatever the `tool_choice`
+    (named, `required`, `auto`): per call (`index` 0, 1, … in the answer), a first delta with its
+    `id`, `type` and `function.name` (once the name is complete) and the arguments so far, then
+    `function.arguments` fragments as the answer is committed (`ToolCallSpec.scan`); the last chunk
+    has finish reason `tool_calls`. An answer cut at `length` ends with finish reason `length`:
+    a text answer with what was held as `content`, a call with what of it was sent."""
 
     def __init__(self, tools: Any, index: int) -> None:
-        self.tools, self.index, self.call_id = tools, index, _call_id()
+        self.tools, self.index = tools, index
         self.sent = ""
+        self.calls: list[tuple[str, int]] = []   # per call sent: its id and how much of its arguments
         self.kind: str | None = None      # "text" / "call", once known
-        self.started = self.done = False
+        self.done = False
 
     def _out(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any] | None:
         if not delta and finish_reason is None:
@@ -831,38 +851,66 @@ class _CallStream:
                 self.kind = "call" if decided else "text"
         if self.kind is None:
             return None
-        if self.kind == "call" and self.tools.mode == "named":
-            if not self.started:
-                self.started = True
-                delta = {"tool_calls": [{"index": 0, "id": self.call_id, "type": "function",
-                                         "function": {"name": self.tools.name, "arguments": text}}]}
-            elif text != self.sent:
-                delta = {"tool_calls": [{"index": 0, "function": {"arguments": text[len(self.sent):]}}]}
-            else:
-                delta = {}
-            self.sent = text
-            return self._out(delta, "tool_calls" if finish_reason == "stop" else finish_reason)
-        if self.kind == "call" and finish_reason is None:
-            return None                     # the whole call once it is complete
-        if self.kind == "call" and finish_reason == "stop":
-            call = _tool_call(self.tools.call_of(text), self.call_id)
-            self.sent = text
-            return self._out({"tool_calls": [{"index": 0, **call}]}, "tool_calls")
+        if self.kind == "call":
+            deltas = []
+            for j, (name, arguments, _) in enumerate(self.tools.scan(text)):
+                if name is None:           # not known yet: this call (and any after it) waits
+                    break
+                if j == len(self.calls):
+                    self.calls.append((_call_id(), len(arguments)))
+                    deltas.append({"index": j, "id": self.calls[j][0], "type": "function",
+                                   "function": {"name": name, "arguments": arguments}})
+                elif len(arguments) > self.calls[j][1]:
+                    deltas.append({"index": j, "function": {"arguments": arguments[self.calls[j][1]:]}})
+                    self.calls[j] = (self.calls[j][0], len(arguments))
+            return self._out({"tool_calls": deltas} if deltas else {},
+                             "tool_calls" if finish_reason == "stop" else finish_reason)
         delta_text = text[len(self.sent):] if text.startswith(self.sent) else ""
         self.sent = text if text.startswith(self.sent) else self.sent
         return self._out({"content": delta_text} if delta_text else {}, finish_reason)
 
 
+def _logprobs(entries: list[dict] | None, top: int, chat: bool, offset: int = 0) -> dict[str, Any] | None:
+    """Tokens' logprobs (`CompletionOutput.logprobs`: per token, the sampled id first, then its
+    alternatives) in OpenAI's shape: chat `{"content": [{"token", "logprob", "bytes",
+    "top_logprobs": [the `top` most likely]}]}`; completions `{"tokens", "token_logprobs",
+    "top_logprobs": [{token: logprob}], "text_offset"}` (offsets from `offset`, in characters)."""
+    if entries is None:
+        return None
+
+    def most_likely(entry: dict) -> list:
+        return sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= top),
+                      key=lambda lp: lp.rank)[:top]
+
+    sampled = [next(iter(entry.values())) for entry in entries]
+    if chat:
+        def item(lp) -> dict[str, Any]:
+            token = lp.decoded_token or ""
+            return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8"))}
+
+        return {"content": [{**item(lp), "top_logprobs": [item(alt) for alt in most_likely(entry)]}
+                            for lp, entry in zip(sampled, entries)]}
+    offsets = []
+    for lp in sampled:
+        offsets.append(offset)
+        offset += len(lp.decoded_token or "")
+    return {"tokens": [lp.decoded_token or "" for lp in sampled], "token_logprobs": [lp.logprob for lp in sampled],
+            "top_logprobs": [{alt.decoded_token or "": alt.logprob for alt in [lp, *most_likely(entry)]}
+                             for lp, entry in zip(sampled, entries)],
+            "text_offset": offsets}
+
+
 def _full_response(out: RequestOutput, request_id: str, model: str, chat: bool, created: int,
-                   tools: Any = None) -> dict[str, Any]:
+                   tools: Any = None, top: int = 0) -> dict[str, Any]:
     if chat:
         choices = []
         for o in out.outputs:
             message, finish_reason = _message(o, tools)
-            choices.append({"index": o.index, "message": message, "finish_reason": finish_reason, "logprobs": None})
+            choices.append({"index": o.index, "message": message, "finish_reason": finish_reason,
+                            "logprobs": _logprobs(o.logprobs, top, chat)})
     else:
-        choices = [{"index": o.index, "text": o.text, "finish_reason": o.finish_reason, "logprobs": None}
-                   for o in out.outputs]
+        choices = [{"index": o.index, "text": o.text, "finish_reason": o.finish_reason,
+                    "logprobs": _logprobs(o.logprobs, top, chat)} for o in out.outputs]
     return {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": model, "choices": choices, "usage": _usage(out)}
 

@@ -5,7 +5,8 @@ and vLLM's `ignore_eos` / `min_tokens` / `structured_outputs`, which the `openai
 through `extra_body`. `response_format` (`json_object`, `json_schema`) and `structured_outputs`
 become `SamplingParams.structured_outputs` (remask/structured.py); so do a chat request's `tools`
 / `tool_choice` (`remask.structured.tool_call_spec`: the call's grammar; `ChatCompletionRequest.tools_spec`
-keeps it for the answer's `tool_calls`).
+keeps it for the answer's `tool_calls`). `logprobs` (completions: an int; chat: `logprobs` /
+`top_logprobs`) and `max_completion_tokens` (chat) become `SamplingParams.logprobs` / `max_tokens`.
 Unknown fields are refused (400 naming them), and so are OpenAI fields remask does not implement
 when they are set — nothing is silently ignored. Numbers and booleans are strict (`true` is no 1,
 `1` no `true`, `"1"` neither): pydantic's lax mode would turn `max_tokens: true` into 1. Values are
@@ -19,11 +20,12 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, Strict, StrictBool, Str
 
 from remask.diffusion.families.apd import APDConfig
 from remask.diffusion.families.canvas import CanvasSampler
+from remask.diffusion.parts.checks import MAX_LOGPROBS, check_int
 from remask.diffusion.parts.sparse import SparseConfig
 from remask.engine import SamplingParams
 
 # OpenAI fields remask does not implement: refused when set to anything but their default.
-UNSUPPORTED = {"logprobs": None, "top_logprobs": None, "echo": False, "presence_penalty": 0.0,
+UNSUPPORTED = {"echo": False, "presence_penalty": 0.0,
                "frequency_penalty": 0.0, "logit_bias": None, "best_of": None, "suffix": None, "tools": None,
                "tool_choice": None}
 # remask's settings, passed to SamplingParams as they are.
@@ -57,11 +59,14 @@ class APDSettings(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    """`include_usage` (OpenAI); `include_drafts` (remask): also send the provisional canvas after
-    every denoising step, in chunks with no choices and a `draft` field."""
+    """`include_usage` (OpenAI): a last chunk with no choices and the request's `usage`;
+    `continuous_usage_stats` (vLLM's): `usage` so far in every chunk with choices too;
+    `include_drafts` (remask): also send the provisional canvas after every denoising step, in
+    chunks with no choices and a `draft` field."""
 
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
     include_drafts: StrictBool = False
 
 
@@ -81,8 +86,6 @@ class _Common(BaseModel):
     # remask's: seconds after which the request is aborted (504), at most the server's request_timeout
     timeout: StrictNumber | None = None
     # OpenAI fields not implemented (refused when set)
-    logprobs: Any = None
-    top_logprobs: Any = None
     echo: Any = False
     presence_penalty: Any = 0.0
     frequency_penalty: Any = 0.0
@@ -134,6 +137,7 @@ class _Common(BaseModel):
             raise UnsupportedParameter(unsupported)
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only with stream=true")
+        logprobs = self.requested_logprobs()
         values: dict[str, Any] = dict(defaults or {})
         for name in ("temperature", "top_p", "seed", *REMASK_FIELDS):
             value = getattr(self, name)
@@ -143,6 +147,8 @@ class _Common(BaseModel):
         if max_tokens is not None:
             values["max_tokens"] = max_tokens
         values["n"] = self.n
+        if logprobs is not None:
+            values["logprobs"] = logprobs
         if self.stop is not None:
             values["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         if "stop_token_ids" in values:
@@ -177,6 +183,10 @@ class _Common(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        """`SamplingParams.logprobs`: how many alternatives per token, None for no logprobs."""
+        return None
+
     def structured(self) -> Any:
         """`response_format` (OpenAI) or `structured_outputs` (vLLM) as a `StructuredOutputsParams`,
         or None; a ValueError naming the field (`response_format…` / `structured_outputs…`)."""
@@ -193,6 +203,11 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[StrictInt]
+    # OpenAI's legacy form: the number of alternatives per token (0: the sampled token's only)
+    logprobs: StrictInt | None = None
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(BaseModel):
@@ -244,12 +259,14 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     """A chat request. `tools` / `tool_choice` / `parallel_tool_calls` (OpenAI's) are read here
-    (the completions route refuses them): `structured()` returns the call's structure
-    (remask/structured.py, `tool_call_spec`), and `tools_spec` holds the checked spec the answer's
-    `tool_calls` are read with."""
+    (the completions route refuses them): `structured()` returns the calls' structure
+    (remask/structured.py, `tool_call_spec`; `parallel_tool_calls: false` holds it to one call),
+    and `tools_spec` holds the checked spec the answer's `tool_calls` are read with."""
 
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
     parallel_tool_calls: Any = None
     _tools: Any = PrivateAttr(default=None)
 
@@ -275,6 +292,14 @@ class ChatCompletionRequest(_Common):
             raise ValueError(f"tool_choice: {spec.mode!r} holds the answer to a tool call; response_format / "
                              "structured_outputs only with tool_choice 'none'")
         return spec.structure
+
+    def requested_logprobs(self) -> int | None:
+        """`logprobs: true` with `top_logprobs: k` alternatives (0 by default), as OpenAI."""
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise ValueError("top_logprobs: only with logprobs: true")
+            check_int("top_logprobs", self.top_logprobs, minimum=0, maximum=MAX_LOGPROBS)
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None \
