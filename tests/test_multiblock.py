@@ -154,3 +154,15 @@ def test_one_interface_generate_and_the_engine():
         remask.generate(model, prompt, gen_length=32, block_length=8, decoder=config, threshold=0.9)
     with pytest.raises(ValueError, match="block_length"):
         remask.SamplingParams(max_tokens=30, block_length=8, decoder=config)
+    # ignore_eos: refused only where MultiBlock itself ends the row at EOS (early_stop)
+    engine = remask.LLMEngine(model)
+    with pytest.raises(ValueError, match="fills the rest of a row with EOS"):
+        engine.add_request("stop", prompt[0].tolist(), remask.SamplingParams(
+            max_tokens=32, block_length=8, decoder=config, ignore_eos=True))
+    plain = remask.MultiBlock(threshold=1.0, block_add_threshold=0.25)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kept = remask.LLM(model).generate([prompt[0].tolist()], remask.SamplingParams(
+            max_tokens=32, block_length=8, decoder=plain, ignore_eos=True), use_tqdm=False)[0]
+        alone = remask.generate(model, prompt, gen_length=32, block_length=8, decoder=plain)
+    assert kept.outputs[0].all_token_ids == alone[0, prompt.shape[1]:].tolist()

@@ -73,7 +73,7 @@ class Method:
     reads: tuple[str, ...] = ()
     unshifted: str | None = None
     takes_rule: bool = False
-    fills_after_eos: bool = False
+    fills_after_eos: bool | Callable[[Any], bool] = False   # or a function of the config (a switch of its own)
     length_bound: bool = False
 
     @property
@@ -185,7 +185,7 @@ register("wino", WINO, loop=_wino_loop, unshifted="WINO's shadow-block forward")
 register("prophet", Prophet, loop=_prophet_loop, reads=("steps", "cfg_scale", "remasking", "generator"))
 register("daedal", DAEDAL, loop=_daedal_loop, length_bound=True)
 register("multiblock", MultiBlock, loop=_multiblock_loop, unshifted="d3LLM's LLaDA multi-block loop",
-         fills_after_eos=True)   # with early_stop
+         fills_after_eos=lambda config: config.early_stop)
 register("vicinity", VicinityCache, "use_cache", loop=_rules_loop, fills_after_eos=True)
 register("dkv", DKVCache, "use_cache", loop=_dkv_loop, reads=("steps", "remasking", "generator"),
          unshifted="LLaDA's dKV-Cache schedule")
