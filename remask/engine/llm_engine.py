@@ -380,7 +380,7 @@ class LLMEngine:
             return seq.output_ids or []
         if seq.final_len < len(seq.output_ids or []):
             return list(seq.output_ids)   # a preempted sequence decoding again: what it had until it catches up
-        return seq.decoder.canvas(state)[0, seq.prompt_len:seq.prompt_len + seq.final_len].tolist()
+        return seq.final_ids()
 
     def _logprobs(self, seq: Sequence, count: int) -> list[dict[int, Logprob]] | None:
         """The first `count` tokens' logprobs (`SamplingParams.logprobs`), as vLLM gives them: per

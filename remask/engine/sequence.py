@@ -56,8 +56,7 @@ class Sequence:
         """Back to its first step (preempted: its pages go back to `pages`). Decoding again from the
         same seed gives the same tokens, so what was already reported stays true."""
         if self.state is not None and self.final_len > len(self.output_ids or []):
-            # reported until the new run catches up
-            self.output_ids = self.decoder.canvas(self.state)[0, self.prompt_len:self.prompt_len + self.final_len].tolist()
+            self.output_ids = self.final_ids()   # reported until the new run catches up
             self.output_logprobs = self.decoder.token_logprobs(self.state, self.final_len)
         pages.free(self.block_table)
         self.block_table, self.kv_len = None, 0
@@ -66,6 +65,10 @@ class Sequence:
         self.stats = GenerationStats()
         self.preemptions += 1
         self.status = SequenceStatus.WAITING
+
+    def final_ids(self) -> list[int]:
+        """The generated ids no later step changes (its decoder's canvas, `final_len` of it)."""
+        return self.decoder.canvas(self.state)[0, self.prompt_len:self.prompt_len + self.final_len].tolist()
 
     @property
     def prompt_len(self) -> int:
