@@ -3,7 +3,7 @@
 A block-causal model attends causally across blocks, so a finished block's keys and values never
 change: they are written once (the prompt's whole blocks at the prefill, then each finished block:
 the official `store_kv=True` forward) and read back by every later forward. Here they live in the
-engine's pages (`remask.engine.paged_kv.PagedKVStore`), one page table per request (`BlockKVCache`,
+engine's pages (`remask.caches.page_manager.PagedKVStore`), one page table per request (`BlockKVCache`,
 behaving as the official loop's contiguous `DynamicCache`: the attention that follows is the very
 call the contiguous cache makes); a forward over several requests' blocks carries a `BlockBatch`.
 
@@ -33,7 +33,6 @@ class BlockKVCache:
         self.shared = manager.last_hits           # leading pages stored by another request: to verify
         manager.extend(self.table, total_positions)
         self.lengths: list[int] = []              # stored positions, per layer
-        self.unshared = 0                          # shared pages found different and made private
         self.released = False
 
     @staticmethod
@@ -50,14 +49,13 @@ class BlockKVCache:
         if n == 0:
             return None
         keys, values = self.store.keys[layer_idx], self.store.values[layer_idx]
-        ps, pos = self.manager.page_size, torch.arange(n)
-        slots = (torch.tensor(self.table, dtype=torch.long)[pos // ps] * ps + pos % ps).to(keys.device)
+        slots = self.manager.slot_mapping(self.table, torch.arange(n)).to(keys.device)
         return keys[slots].transpose(0, 1)[None], values[slots].transpose(0, 1)[None]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this forward's K/V `[1, H_kv, n, D]` after the cached ones; return all of them."""
+        """Store this forward's K/V `[1, H_kv, n, D]` after the cached ones (the shared prompt pages
+        verified: module docstring); return all of them."""
         before = self.cached(layer_idx)
-        k_store, v_store = self.store.layer(layer_idx, key)
         while len(self.lengths) <= layer_idx:
             self.lengths.append(0)
         start = self.lengths[layer_idx]
@@ -65,37 +63,12 @@ class BlockKVCache:
         if self.manager.pages_for(end) > len(self.table):
             raise RuntimeError(f"the block cache's table covers {len(self.table) * self.manager.page_size} "
                                f"positions; this forward stores up to {end}")
-        new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)      # [n, H_kv, D]
-        self._write(layer_idx, start, new_k, new_v, k_store, v_store)
+        self.shared = self.store.write(layer_idx, self.table, start, key[0].transpose(0, 1),
+                                       value[0].transpose(0, 1), self.shared)
         self.lengths[layer_idx] = end
         if before is None:
             return key, value
         return torch.cat([before[0], key], dim=-2), torch.cat([before[1], value], dim=-2)
-
-    def _write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor,
-               v_store: torch.Tensor) -> None:
-        ps = self.manager.page_size
-        end = start + k.shape[0]
-        for index in range(start // ps, self.manager.pages_for(end)):
-            lo, hi = max(start, index * ps), min(end, (index + 1) * ps)
-            new_k, new_v = k[lo - start:hi - start], v[lo - start:hi - start]
-            if index < self.shared:
-                rows = slice((self.table[index] - index) * ps + lo, (self.table[index] - index) * ps + hi)
-                if torch.equal(k_store[rows], new_k) and torch.equal(v_store[rows], new_v):
-                    continue
-                # Differs: this page and every later shared one become private (their K/V follow
-                # from this one's); the layers below matched, so their content is copied over.
-                for later in range(index, self.shared):
-                    old, new = self.table[later], self.manager.unshare(self.table, later)
-                    for stored in (self.store.keys, self.store.values):
-                        for below in range(layer):
-                            stored[below][new * ps:(new + 1) * ps] = stored[below][old * ps:(old + 1) * ps]
-                    self.unshared += 1
-                    self.store.unshared_pages += 1
-                self.shared = index
-            rows = slice((self.table[index] - index) * ps + lo, (self.table[index] - index) * ps + hi)
-            k_store[rows] = new_k
-            v_store[rows] = new_v
 
     def release(self) -> None:
         """Give the pages back (a finished or aborted request); idempotent."""

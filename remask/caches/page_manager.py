@@ -1,7 +1,7 @@
 """The page allocator of a paged KV cache: reference-counted pages and prefix sharing.
 
-It decides which page of the cache tensors (`remask.kernels.paged`, `remask.engine.paged_kv`) holds
-which positions of which sequence. A full page is identified by a chained hash of (previous page's
+It decides which page of the cache tensors (`remask.kernels.paged`, `PagedKVStore`) holds which
+positions of which sequence. A full page is identified by a chained hash of (previous page's
 hash, its token ids), as in nano-vllm: prompts that agree on their first n full pages share those
 pages, reference-counted (a hit is confirmed on the token ids); a partial last page is never shared.
 Eviction: a page nobody holds keeps its content and hash until handed out again (least recently
@@ -162,3 +162,49 @@ class PageManager:
         for i, t in enumerate(tables):
             out[i, :len(t)] = torch.tensor(list(t), dtype=torch.int32)
         return out.to(device)
+
+
+class PagedKVStore:
+    """The engine's page store: per-layer key/value pages `[num_pages · page_size, H_kv, D]` of `manager`'s
+    pages (autoregressive sequences, block-causal blocks: `BlockKVCache`), allocated at the first write
+    (the layer shapes come from the model's own projections)."""
+
+    def __init__(self, manager: PageManager) -> None:
+        self.manager = manager
+        self.unshared_pages = 0   # shared pages found different and made private
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`like`: this layer's new keys `[n, H_kv, D]`."""
+        while len(self.keys) <= index:
+            shape = (self.manager.num_pages * self.manager.page_size, *like.shape[1:])
+            self.keys.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
+            self.values.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
+        return self.keys[index], self.values[index]
+
+    def write(self, layer: int, table: list[int], start: int, k: torch.Tensor, v: torch.Tensor, shared: int) -> int:
+        """Store K/V `[n, H_kv, D]` of positions `start`… into `table`'s pages of `layer`. Its first `shared`
+        pages are held with others (found by hash): compared instead, and on the first difference this page
+        and every later shared one become private (a page's K/V follow from all before it), the layers below
+        (which matched) copied over: copy-on-write. Returns how many leading pages stay shared."""
+        k_store, v_store = self.layer(layer, k)
+        ps, end = self.manager.page_size, start + k.shape[0]
+        for index in range(start // ps, self.manager.pages_for(end)):
+            lo, hi = max(start, index * ps), min(end, (index + 1) * ps)
+            new_k, new_v = k[lo - start:hi - start], v[lo - start:hi - start]
+            if index < shared:
+                offset = (table[index] - index) * ps
+                if torch.equal(k_store[offset + lo:offset + hi], new_k) and \
+                        torch.equal(v_store[offset + lo:offset + hi], new_v):
+                    continue
+                for later in range(index, shared):
+                    old, new = table[later], self.manager.unshare(table, later)
+                    for pages in self.keys[:layer] + self.values[:layer]:
+                        pages[new * ps:(new + 1) * ps] = pages[old * ps:(old + 1) * ps]
+                self.unshared_pages += shared - index
+                shared = index
+            offset = (table[index] - index) * ps
+            k_store[offset + lo:offset + hi] = new_k
+            v_store[offset + lo:offset + hi] = new_v
+        return shared

@@ -134,7 +134,7 @@ class LLMEngine:
                     "prefix_hits": 0 if shared is None else shared.hits, "pages_unshared": 0}
         return {"pages": pages.num_pages, "pages_in_use": pages.pages_in_use, "peak_pages_in_use": pages.peak_in_use,
                 "page_size": pages.page_size, "prefix_lookups": pages.lookups, "prefix_hits": pages.shared_hits,
-                "pages_unshared": self.runner.unshared_pages + self.runner.store.unshared_pages}
+                "pages_unshared": self.runner.store.unshared_pages}
 
     # ---- requests ------------------------------------------------------------------------
 

@@ -54,7 +54,6 @@ class ModelRunner:
         self.pages = pages
         self.store = PagedKVStore(pages) if pages is not None else None
         self.attention_configs = attention_configs(model) if pages is not None else []
-        self.unshared_pages = 0   # shared prompt pages found to differ and made private
         # make_backend refuses a model off CUDA (ValueError naming cuda_graphs)
         self.graphs = graphing.GraphedForward(graphing.make_backend(self.device), max_num_seqs) \
             if cuda_graphs else None
@@ -180,5 +179,4 @@ class ModelRunner:
                                 logits_to_keep=last).logits[0]
         for (seq, _), s in zip(members, slices):
             seq.kv_len = s.ctx_len
-            self.unshared_pages += s.unshared
         return [lm_output(logits=logits[i:i + 1, None]) for i in range(len(members))]

@@ -19,29 +19,10 @@ from typing import Any, Iterator
 
 import torch
 
-from remask.caches.page_manager import PageManager
+from remask.caches.page_manager import PagedKVStore
 
 ATTN_IMPLEMENTATION = "remask_paged"
 _CURRENT: contextvars.ContextVar["ForwardBatch | None"] = contextvars.ContextVar("remask_forward_batch", default=None)
-
-
-class PagedKVStore:
-    """Per-layer key/value pages `[num_pages · page_size, H_kv, D]`, allocated at the first forward
-    (the layer shapes come from the model's own projections)."""
-
-    def __init__(self, manager: PageManager) -> None:
-        self.manager = manager
-        self.unshared_pages = 0   # shared block-cache pages found different and made private
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-
-    def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`like`: this layer's new keys `[1, H_kv, T, D]`."""
-        while len(self.keys) <= index:
-            shape = (self.manager.num_pages * self.manager.page_size, like.shape[1], like.shape[3])
-            self.keys.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
-            self.values.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
-        return self.keys[index], self.values[index]
 
 
 @dataclass(eq=False)
@@ -53,7 +34,6 @@ class SequenceSlice:
     ctx_len: int                # positions with K/V once this forward is done (its own included)
     table: list[int]            # its pages (may be rewritten by copy-on-write)
     shared: int = 0             # leading prompt pages held with others, to verify (prefill only)
-    unshared: int = 0           # pages found different and made private, this forward
     new_slots: torch.Tensor | None = None   # where a decode's new K/V go
 
     @property
@@ -80,14 +60,13 @@ class ForwardBatch:
         self.token_groups = [(length, torch.tensor(rows, dtype=torch.long, device=self.device))
                              for length, rows in by_len.items()]
         # Slots are computed once per forward, not once per layer.
-        ps = self.store.manager.page_size
         by_ctx: dict[int, list[int]] = {}
         for i, s in enumerate(self.slices):
             if not s.is_prefill:
                 by_ctx.setdefault(s.ctx_len, []).append(i)
         for ctx_len, members in by_ctx.items():
             pos = torch.arange(ctx_len)
-            slots = torch.stack([torch.tensor(self.slices[i].table, dtype=torch.long)[pos // ps] * ps + pos % ps
+            slots = torch.stack([self.store.manager.slot_mapping(self.slices[i].table, pos)
                                  for i in members]).to(self.device)
             for j, i in enumerate(members):
                 self.slices[i].new_slots = slots[j, ctx_len - self.slices[i].q_len:]
@@ -105,14 +84,13 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if batch is None:
         return sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     layer = module.layer_idx
-    k_store, v_store = batch.store.layer(layer, key)
-    ps = batch.store.manager.page_size
     new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)        # [T, H_kv, D]
+    k_store, v_store = batch.store.layer(layer, new_k)
     outputs: list[torch.Tensor | None] = [None] * len(batch.slices)
     for i, s in enumerate(batch.slices):
         rows = slice(s.start, s.start + s.q_len)
-        if s.is_prefill:
-            _store_prompt(batch, s, layer, k_store, v_store, new_k[rows], new_v[rows], ps)
+        if s.is_prefill:   # shared prompt pages are verified (module docstring)
+            s.shared = batch.store.write(layer, s.table, 0, new_k[rows], new_v[rows], s.shared)
             # The prompt attends over its own fresh keys, exactly as it does alone.
             outputs[i] = sdpa(module, query[:, :, rows], key[:, :, rows], value[:, :, rows], None,
                               scaling=scaling, dropout=0.0)[0]
@@ -129,35 +107,6 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         for j, i in enumerate(members):
             outputs[i] = out[j:j + 1]
     return torch.cat(outputs, dim=1), None
-
-
-def _store_prompt(batch: ForwardBatch, s: SequenceSlice, layer: int, k_store: torch.Tensor, v_store: torch.Tensor,
-                  k: torch.Tensor, v: torch.Tensor, ps: int) -> None:
-    """Write a prompt's K/V `[P, H_kv, D]` into its pages; a shared page is compared instead, and
-    made private (with the layers already written copied over) on the first difference."""
-    manager = batch.store.manager
-    for index in range(len(s.table)):
-        lo, hi = index * ps, min((index + 1) * ps, s.q_len)
-        if lo >= hi:
-            break
-        page = s.table[index]
-        rows = slice(page * ps, page * ps + (hi - lo))
-        if index < s.shared:
-            if torch.equal(k_store[rows], k[lo:hi]) and torch.equal(v_store[rows], v[lo:hi]):
-                continue
-            # Differs: this page and every later shared one become private (a page's K/V depend on
-            # all before it). The earlier layers matched, so their content is copied.
-            for later in range(index, s.shared):
-                old = s.table[later]
-                new = manager.unshare(s.table, later)
-                for pages in batch.store.keys[:layer] + batch.store.values[:layer]:
-                    pages[new * ps:(new + 1) * ps] = pages[old * ps:(old + 1) * ps]
-                s.unshared += 1
-            s.shared = index
-            page = s.table[index]
-            rows = slice(page * ps, page * ps + (hi - lo))
-        k_store[rows] = k[lo:hi]
-        v_store[rows] = v[lo:hi]
 
 
 def _mask(*args: Any, **kwargs: Any) -> Any:
