@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .kv import KVCache
+from .kv import KVCache, key_bias, repeat_kv
 
 
 class ElasticKVCache(KVCache):
@@ -24,10 +24,7 @@ class ElasticKVCache(KVCache):
 
     def __init__(self, key_ok: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.bias = None
-        if key_ok is not None and not bool(key_ok.all()):
-            self.bias = torch.zeros(key_ok.shape, dtype=torch.float32, device=key_ok.device).masked_fill(
-                ~key_ok, torch.finfo(torch.float32).min)[:, None, None, :]
+        self.bias = key_bias(key_ok, torch.float32)
         self.q: dict[int, torch.Tensor] = {}
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
@@ -48,17 +45,10 @@ class ElasticKVCache(KVCache):
                           track_num=track_num)
 
     def _weights(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        if q.shape[1] != k.shape[1]:
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1, output_size=q.shape[1])
-        w = q @ k.transpose(-2, -1) * (1 / math.sqrt(q.size(-1)))
+        w = q @ repeat_kv(k, q.shape[1]).transpose(-2, -1) * (1 / math.sqrt(q.size(-1)))
         if self.bias is not None:
             w = w + self.bias.to(w.dtype)
         return torch.softmax(w, dim=-1)
-
-    def _values(self, w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if w.shape[1] != v.shape[1]:
-            v = v.repeat_interleave(w.shape[1] // v.shape[1], dim=1, output_size=w.shape[1])
-        return w @ v
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                mask: torch.Tensor | None) -> torch.Tensor:
@@ -69,7 +59,7 @@ class ElasticKVCache(KVCache):
         if plan["full"]:
             self.q[layer], self.k[layer], self.v[layer] = q, k, v
             weights = self._weights(q, k)
-            out = self._values(weights, v)
+            out = weights @ repeat_kv(v, weights.shape[1])
             window_rows = weights[:, :, plan["window"], :]
         else:
             query, track = plan["query"], plan["track"]
@@ -79,7 +69,7 @@ class ElasticKVCache(KVCache):
             past_q = self.q[layer][:, :, track, :].clone()
             self.q[layer][:, :, query, :] = q
             weights = self._weights(q, self.k[layer])
-            out = self._values(weights, self.v[layer])
+            out = weights @ repeat_kv(self.v[layer], weights.shape[1])
             window_rows = weights[:, :, -plan["window"].shape[0]:, :]
             sim = F.cosine_similarity(self._weights(past_q, past_k), weights[:, :, :track.shape[0], :], dim=1).mean()
             if sim < plan["gamma"]:

@@ -10,13 +10,23 @@ import torch
 import torch.nn.functional as F
 
 
+def repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """GQA: keys or values `[B, H_kv, L, D]` with each head repeated for its group of the `heads` query heads."""
+    n_rep = heads // t.shape[1]
+    return t.repeat_interleave(n_rep, dim=1, output_size=heads) if n_rep > 1 else t
+
+
+def key_bias(ok: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The additive `[B, 1, 1, n]` bias hiding the False keys of `ok` `[B, n]` (None: none hidden)."""
+    if ok is None or bool(ok.all()):
+        return None
+    return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(~ok, torch.finfo(dtype).min)[:, None, None, :]
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Bidirectional attention. q `[B, Hq, Lq, D]`, k/v `[B, Hkv, Lk, D]` (GQA by repetition);
     `mask`: None, a bool mask or an additive float bias broadcastable to `[B, Hq, Lq, Lk]`."""
-    n_rep = q.shape[1] // k.shape[1]
-    if n_rep > 1:
-        k = k.repeat_interleave(n_rep, dim=1, output_size=q.shape[1])
-        v = v.repeat_interleave(n_rep, dim=1, output_size=q.shape[1])
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
 
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .kv import KVCache, attention
+from .kv import KVCache, attention, key_bias, repeat_kv
 
 
 class PositionKVCache(KVCache):
@@ -38,6 +38,8 @@ class DelayedKVCache(PositionKVCache):
         self._forwarded: torch.Tensor | None = None
         self._store: torch.Tensor | None = None
 
+    _bias = staticmethod(key_bias)   # diffusion/methods/dkv.py builds the same bias for its forwards
+
     def fill(self, store: torch.Tensor) -> None:
         self._mode, self._forwarded, self._store = "fill", None, store
 
@@ -57,19 +59,11 @@ class DelayedKVCache(PositionKVCache):
         idx = keep.nonzero()[:, 1].view(B, -1)
         return torch.gather(t, 2, idx[:, None, :, None].expand(B, H, idx.shape[1], D))
 
-    @staticmethod
-    def _bias(ok: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-        """The additive `[B, 1, 1, n]` bias hiding the False keys of `ok` `[B, n]` (None: none hidden)."""
-        if ok is None or bool(ok.all()):
-            return None
-        return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(
-            ~ok, torch.finfo(dtype).min)[:, None, None, :]
-
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                mask: torch.Tensor | None) -> torch.Tensor:
         B, H, _, D = k.shape
         if self._mode == "fill":
-            out = attention(q, k, v, self._bias(self.key_ok, q.dtype))
+            out = attention(q, k, v, key_bias(self.key_ok, q.dtype))
             self.k[layer], self.v[layer] = self._select(k, self._store), self._select(v, self._store)
             return out
         if self._mode != "reuse":
@@ -86,7 +80,7 @@ class DelayedKVCache(PositionKVCache):
         ok = None
         if self.key_ok is not None:
             ok = torch.cat([self.key_ok[self._forwarded].view(B, -1), self.key_ok[old].view(B, -1)], dim=1)
-        out = attention(q, keys, values, self._bias(ok, q.dtype))
+        out = attention(q, keys, values, key_bias(ok, q.dtype))
         # Back to sequence order (fresh where forwarded, else cached), then keep the `store` positions.
         T = self._forwarded.shape[1]
         order = torch.cat([self._forwarded.nonzero()[:, 1].view(B, -1), old.nonzero()[:, 1].view(B, -1)], 1)
@@ -143,11 +137,7 @@ class D2KVCache(PositionKVCache):
             index = self.rows.nonzero()[:, 1].view(B, 1, n, 1).expand(B, H, n, D)
             self.k[layer] = self.k[layer].scatter(2, index, k)
             self.v[layer] = self.v[layer].scatter(2, index, v)
-        keys, values = self.k[layer], self.v[layer]
-        n_rep = q.shape[1] // keys.shape[1]
-        if n_rep > 1:
-            keys = keys.repeat_interleave(n_rep, dim=1)
-            values = values.repeat_interleave(n_rep, dim=1)
+        keys, values = repeat_kv(self.k[layer], q.shape[1]), repeat_kv(self.v[layer], q.shape[1])
         weights = torch.matmul(q, keys.transpose(2, 3)) / math.sqrt(q.shape[-1])
         if self.key_bias is not None:
             weights = weights + self.key_bias

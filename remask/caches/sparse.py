@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from remask.kernels import block_sparse_attention
 from remask.kernels.dispatch import use_triton
 
-from .kv import KVCache, attention
+from .kv import KVCache, attention, repeat_kv
 
 
 def retention_scores(q_block: torch.Tensor, keys: torch.Tensor, head_select: bool) -> torch.Tensor:
@@ -27,14 +27,13 @@ def retention_scores(q_block: torch.Tensor, keys: torch.Tensor, head_select: boo
     over query heads of (mean block query · key), raw dot products, GQA keys repeated per group
     (`[B, 1, N]`, upstream), or with `head_select` (dLLM-Serve) scaled by 1/√D and the max over each
     KV head's query group (`[B, H_kv, N]`)."""
-    group = q_block.shape[1] // keys.shape[1]
     # Upstream's order of operations (float32 here as there): mean query, matmul, head mean.
-    keys_rep = keys.repeat_interleave(group, dim=1) if group > 1 else keys
+    keys_rep = repeat_kv(keys, q_block.shape[1])
     scores = torch.matmul(q_block.mean(dim=-2).unsqueeze(-2), keys_rep.transpose(-2, -1)).squeeze(-2)
     if not head_select:
         return scores.mean(dim=1, keepdim=True)
     scores = scores / keys.shape[-1] ** 0.5
-    return scores.view(scores.shape[0], keys.shape[1], group, -1).amax(dim=2)
+    return scores.view(scores.shape[0], keys.shape[1], -1, scores.shape[-1]).amax(dim=2)
 
 
 def retained_positions(q: torch.Tensor, k: torch.Tensor, start: int, end: int, retention_ratio: float,
@@ -207,9 +206,7 @@ def sparsed_block_mask(q: torch.Tensor, k: torch.Tensor, block_size: int, select
     `[B, H, T, D]`; GQA keys repeated per group) → bool `[B, H, n_blocks, n_blocks]`. Per query block:
     the top blocks over all keys, kept before `last` (the first block within the last `gen_length`
     positions, or the final block); from `last` on, the top blocks over those generation keys alone."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
+    k = repeat_kv(k, q.shape[1])
     T = q.shape[2]
     n_blocks = -(-T // block_size)
     last = next(i for i in range(n_blocks) if T - i * block_size <= gen_length or i == n_blocks - 1)
