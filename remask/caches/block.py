@@ -124,12 +124,9 @@ class BlockBatch(PackedRows):
 
 
 def _cached(cache: Any, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Stored K/V of a layer from a `BlockKVCache` or a transformers `Cache`."""
-    if hasattr(cache, "cached"):
+    """Stored K/V of a layer from a `BlockKVCache` or a transformers `Cache` (a contiguous `DynamicCache`)."""
+    if isinstance(cache, BlockKVCache):
         return cache.cached(layer_idx)
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        if layer_idx >= len(layers) or getattr(layers[layer_idx], "keys", None) is None:
-            return None
-        return layers[layer_idx].keys, layers[layer_idx].values
-    return cache[layer_idx] if len(cache) > layer_idx else None
+    if layer_idx >= len(cache.layers) or cache.layers[layer_idx].keys is None:
+        return None
+    return cache.layers[layer_idx].keys, cache.layers[layer_idx].values

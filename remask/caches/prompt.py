@@ -39,7 +39,3 @@ class PromptCache:
         self.entries.move_to_end(prompt_ids)
         while len(self.entries) > self.capacity:
             self.entries.popitem(last=False)
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self.encoding.clear()

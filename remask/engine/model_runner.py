@@ -137,14 +137,13 @@ class ModelRunner:
                     seq, logits, fed = members[0]
                     seq.decoder.commit(seq.state, logits, fed, seq.generator, seq.stats)
                     continue
-                flat = torch.cat([logits.reshape(-1, logits.shape[-1]) for _, logits, _ in members])
-                rows = [logits.shape[0] * logits.shape[1] for _, logits, _ in members]
-                members[0][0].decoder.commit_shared([seq.decoder for seq, _, _ in members],
-                                                    [seq.state for seq, _, _ in members], flat,
-                                                    [sum(rows[:i]) for i in range(len(rows))],
-                                                    [logits.shape[1] for _, logits, _ in members],
-                                                    [fed for _, _, fed in members],
-                                                    [seq.stats for seq, _, _ in members])
+                seqs, logits, fed = zip(*members)
+                rows = [part.shape[0] * part.shape[1] for part in logits]
+                seqs[0].decoder.commit_shared([seq.decoder for seq in seqs], [seq.state for seq in seqs],
+                                              torch.cat([part.reshape(-1, part.shape[-1]) for part in logits]),
+                                              [sum(rows[:i]) for i in range(len(rows))],
+                                              [part.shape[1] for part in logits], list(fed),
+                                              [seq.stats for seq in seqs])
             except Exception as err:  # noqa: BLE001
                 failed.update({seq: f"{type(err).__name__}: {err}" for seq, _, _ in members})
 

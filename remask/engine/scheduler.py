@@ -39,10 +39,9 @@ class Scheduler:
             raise ValueError(f"the request needs {seq.num_tokens} positions (prompt {seq.prompt_len} + max_tokens "
                              f"{seq.params.max_tokens}), more than max_num_batched_tokens="
                              f"{self.max_num_batched_tokens}")
-        paged = seq.paged and self.pages is not None
-        need = self.pages.pages_for(seq.num_tokens) if paged else self._block_pages(seq)
+        need = self.pages.pages_for(seq.num_tokens) if seq.paged else self._block_pages(seq)
         if need is not None and need > self.pages.num_pages:
-            whole = "" if paged else "its whole blocks: "
+            whole = "" if seq.paged else "its whole blocks: "
             raise ValueError(f"the request needs {need} KV pages of {self.pages.page_size} positions ({whole}prompt "
                              f"{seq.prompt_len} + max_tokens {seq.params.max_tokens}), more than the whole store "
                              f"(kv_cache_pages={self.pages.num_pages})")
@@ -163,7 +162,7 @@ class Scheduler:
     def _admission_pages(self, seq: Sequence) -> int:
         """Pages a waiting sequence takes when admitted: an AR sequence's prompt and first token,
         a block-causal request's whole table; 0 for the others."""
-        if seq.paged and self.pages is not None:
+        if seq.paged:
             return self.pages.pages_needed(seq.prompt_ids[0].tolist(), extra_positions=1)
         return self._block_pages(seq) or 0
 
