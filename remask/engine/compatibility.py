@@ -16,7 +16,10 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("llada", "Dream", "sdar", "llada2_moe", "fast_dllm_v2", "diffusion_gemma")
+# The table's families (`config.model_type`) and their tiny checkpoints' writers (`remask.models.tiny`).
+FAMILIES = {"llada": "write_tiny_llada", "Dream": "write_tiny_dream", "sdar": "write_tiny_sdar",
+            "llada2_moe": "write_tiny_llada2", "fast_dllm_v2": "write_tiny_fast_dllm_v2",
+            "diffusion_gemma": "write_tiny_diffusion_gemma"}
 
 
 def methods() -> dict[str, dict[str, Any]]:
@@ -79,10 +82,7 @@ def _load(family: str, path: str) -> torch.nn.Module:
 
     import transformers
 
-    writers = {"llada": tiny.write_tiny_llada, "Dream": tiny.write_tiny_dream, "sdar": tiny.write_tiny_sdar,
-               "llada2_moe": tiny.write_tiny_llada2, "fast_dllm_v2": tiny.write_tiny_fast_dllm_v2,
-               "diffusion_gemma": tiny.write_tiny_diffusion_gemma}
-    writers[family](path)
+    getattr(tiny, FAMILIES[family])(path)
     found = family_of(family)
     auto = getattr(transformers, found.load_class if found is not None else "AutoModel")
     return auto.from_pretrained(path).eval()

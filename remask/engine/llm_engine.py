@@ -375,11 +375,8 @@ class LLMEngine:
         return grew
 
     def _generated(self, seq: Sequence) -> list[int]:
-        state = seq.state
-        if state is None:
-            return seq.output_ids or []
-        if seq.final_len < len(seq.output_ids or []):
-            return list(seq.output_ids)   # a preempted sequence decoding again: what it had until it catches up
+        if seq.state is None or seq.final_len < len(seq.output_ids or []):
+            return list(seq.output_ids or [])   # freed, or preempted and decoding again: what it had until it catches up
         return seq.final_ids()
 
     def _logprobs(self, seq: Sequence, count: int) -> list[dict[int, Logprob]] | None:
@@ -433,12 +430,10 @@ class LLMEngine:
             cut = next((i + 1 for i, t in enumerate(generated) if t in stops), None)
             answer = generated if cut is None else generated[:cut]
             body = answer_text(self.tokenizer, answer, stop_ids=stops) if self.tokenizer is not None else ""
-            reason = seq.finish_reason
-            if seq.is_finished and reason is None:
-                reason = "stop" if cut is not None else "length"
+            reason = seq.finish_reason or ("stop" if cut is not None else "length")
             at = self._stop_string_at(seq, body, answer) if self.tokenizer is not None else None
             if at is not None:
-                body, reason = body[:at], "stop" if seq.is_finished else reason
+                body, reason = body[:at], "stop"
             outputs.append(CompletionOutput(index=seq.index, text=body, token_ids=answer, all_token_ids=generated,
                                             finish_reason=reason if seq.is_finished else None, nfe=seq.stats.nfe,
                                             tokens_per_step=list(seq.stats.tokens_per_step), error=seq.error,

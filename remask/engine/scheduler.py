@@ -39,8 +39,8 @@ class Scheduler:
             raise ValueError(f"the request needs {seq.num_tokens} positions (prompt {seq.prompt_len} + max_tokens "
                              f"{seq.params.max_tokens}), more than max_num_batched_tokens="
                              f"{self.max_num_batched_tokens}")
-        need = self.pages.pages_for(seq.num_tokens) if seq.paged else self._block_pages(seq)
-        if need is not None and need > self.pages.num_pages:
+        need = self.pages.pages_for(seq.num_tokens) if seq.paged else self._admission_pages(seq)
+        if need and need > self.pages.num_pages:   # need: 0 without a page store
             whole = "" if seq.paged else "its whole blocks: "
             raise ValueError(f"the request needs {need} KV pages of {self.pages.page_size} positions ({whole}prompt "
                              f"{seq.prompt_len} + max_tokens {seq.params.max_tokens}), more than the whole store "
@@ -49,13 +49,6 @@ class Scheduler:
             self._arrival[seq.request_id] = next(self._arrivals)
             self._owner[seq.request_id] = seq.owner
         self._queue(seq).append(seq)
-
-    def _block_pages(self, seq: Sequence) -> int | None:
-        """Pages a block-causal request takes at its start (its decoder allocates them all then:
-        it never waits for a page while running), or None for other requests."""
-        if self.pages is None or seq.paged:
-            return None
-        return seq.decoder.pages_needed(self.pages, seq.prompt_ids)
 
     @property
     def has_unfinished(self) -> bool:
@@ -160,11 +153,12 @@ class Scheduler:
                 if self.steps - self._seq_served.get(seq, -1) < int(cost // base)}
 
     def _admission_pages(self, seq: Sequence) -> int:
-        """Pages a waiting sequence takes when admitted: an AR sequence's prompt and first token,
-        a block-causal request's whole table; 0 for the others."""
+        """Pages a waiting sequence takes when admitted: an AR sequence's prompt and first token, a
+        block-causal request's whole table (its decoder allocates it at its start: it never waits for a
+        page while running); 0 for the others."""
         if seq.paged:
             return self.pages.pages_needed(seq.prompt_ids[0].tolist(), extra_positions=1)
-        return self._block_pages(seq) or 0
+        return 0 if self.pages is None else seq.decoder.pages_needed(self.pages, seq.prompt_ids) or 0
 
     def _turn(self, request_id: str) -> tuple[int, int]:
         """A request's place in its owner's round: least recently served first, then arrival."""
