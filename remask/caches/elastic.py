@@ -20,7 +20,8 @@ class ElasticKVCache(KVCache):
     they attend over all cached keys, and the tracked tokens' old-vs-new attention cosine is
     checked against `gamma`; `triggered` tells the driver to recompute the following layers).
     After every layer `track[layer]` holds the layer's most attended non-masked positions.
-    `key_ok` `[1, T]` (False = padding key) hides keys."""
+    `key_ok` `[1, T]` (False = padding key) hides keys. Positions are passed explicitly: nothing is
+    appended (`get_seq_length` is `KVCache`'s 0)."""
 
     def __init__(self, key_ok: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -31,9 +32,6 @@ class ElasticKVCache(KVCache):
         self.track: dict[int, torch.Tensor] = {}
         self.triggered = False
         self._plan: dict | None = None
-
-    def get_seq_length(self, layer: int = 0) -> int:
-        return 0   # positions are passed explicitly; nothing is appended
 
     @property
     def nbytes(self) -> int:

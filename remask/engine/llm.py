@@ -120,21 +120,17 @@ class LLM:
             for request_id in ids:      # all or nothing: no half-submitted call left in the engine
                 self.engine.abort_request(request_id)
             raise
-        finished: dict[str, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
+        from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         start, tokens = time.perf_counter(), 0
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:
                     finished[out.request_id] = out
                     tokens += sum(len(o.all_token_ids) for o in out.outputs)
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} generated tok/s")
-        if bar is not None:
-            bar.close()
+                    bar.update(1)
+                    bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} generated tok/s")
+        bar.close()
         return [finished[i] for i in ids]

@@ -54,16 +54,15 @@ class ForwardBatch:
     token_groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        by_len: dict[int, list[int]] = {}
-        for s in self.slices:
+        by_len: dict[int, list[int]] = {}   # q_len → rows
+        by_ctx: dict[int, list[int]] = {}   # a decode's ctx_len → slice indices
+        for i, s in enumerate(self.slices):
             by_len.setdefault(s.q_len, []).extend(range(s.start, s.start + s.q_len))
+            if not s.is_prefill:
+                by_ctx.setdefault(s.ctx_len, []).append(i)
         self.token_groups = [(length, torch.tensor(rows, dtype=torch.long, device=self.device))
                              for length, rows in by_len.items()]
         # Slots are computed once per forward, not once per layer.
-        by_ctx: dict[int, list[int]] = {}
-        for i, s in enumerate(self.slices):
-            if not s.is_prefill:
-                by_ctx.setdefault(s.ctx_len, []).append(i)
         for ctx_len, members in by_ctx.items():
             pos = torch.arange(ctx_len)
             slots = torch.stack([self.store.manager.slot_mapping(self.slices[i].table, pos)
