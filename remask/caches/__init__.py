@@ -5,8 +5,9 @@
 retention, SparseD's block masks), `BlockKVCache` / `BlockBatch` (block-causal models' finished
 blocks in the engine's pages), `PromptCache` (an encoder's cache of a whole prompt, shared by the
 requests that send it), and the methods' own: `DelayedKVCache` (dKV-Cache), `D2KVCache` (d2Cache),
-`ElasticKVCache` (Elastic-Cache), `TreeKVCache` (FreeDave's drafts). How a sampler drives them is `remask.diffusion.parts.cache`; the engine's page
-store is `page_manager.PagedKVStore` (its AR forward: `remask.engine.paged_kv`).
+`ElasticKVCache` (Elastic-Cache), `TreeKVCache` (FreeDave's drafts). How a sampler drives them is
+`remask.diffusion.parts.cache`; the engine's page store is `page_manager.PagedKVStore` (its AR forward:
+`remask.engine.paged_kv`).
 """
 from .block import BlockBatch, BlockKVCache
 from .elastic import ElasticKVCache

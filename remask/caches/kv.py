@@ -20,7 +20,8 @@ def key_bias(ok: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None
     """The additive `[B, 1, 1, n]` bias hiding the False keys of `ok` `[B, n]` (None: none hidden)."""
     if ok is None or bool(ok.all()):
         return None
-    return torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(~ok, torch.finfo(dtype).min)[:, None, None, :]
+    bias = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(~ok, torch.finfo(dtype).min)
+    return bias[:, None, None, :]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

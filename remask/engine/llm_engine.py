@@ -376,7 +376,7 @@ class LLMEngine:
 
     def _generated(self, seq: Sequence) -> list[int]:
         if seq.state is None or seq.final_len < len(seq.output_ids or []):
-            return list(seq.output_ids or [])   # freed, or preempted and decoding again: what it had until it catches up
+            return list(seq.output_ids or [])   # freed, or preempted and decoding again: what it had, until caught up
         return seq.final_ids()
 
     def _logprobs(self, seq: Sequence, count: int) -> list[dict[int, Logprob]] | None:
