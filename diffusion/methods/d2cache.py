@@ -126,13 +126,10 @@ class _Selector:
         if self.next_rows is None:
             return None
         rows = self.next_rows[active]
-        counts = rows.sum(dim=-1)
-        if bool((counts != counts.max()).any()):
-            G = self.density.shape[1]
-            priority = torch.where(rows, -torch.inf, self.importance[active])
-            priority[:, -G:] += priority.max() + self.density[active]
-            rows = top_up(rows, priority, int(counts.max()))
-        return rows
+        G = self.density.shape[1]
+        priority = torch.where(rows, -torch.inf, self.importance[active])
+        priority[:, -G:] += priority.max() + self.density[active]
+        return top_up(rows, priority, int(rows.sum(dim=-1).max()))   # rows with fewer topped up to the most
 
     def step_end(self, active: torch.Tensor, open_block: torch.Tensor, confidence: torch.Tensor,
                  still_masked: torch.Tensor, committed: list[torch.Tensor], rollout: torch.Tensor) -> None:
@@ -174,7 +171,6 @@ class _Selector:
             self.next_rows[active], self.importance[active], self.density[active] = rows, importance, scores
 
 
-@torch.no_grad()
 def d2cache_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cache | None = None,
                      steps: int = 128, gen_length: int = 128, block_length: int = 128,
                      prior_sigma: float | None = 10.0, commit_mask_token: bool = True,
@@ -221,7 +217,7 @@ def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cac
     if block_length % per_step:
         raise ValueError(f"gen_length // steps ({per_step} positions per step) must divide block_length "
                          f"({block_length})")
-    check_stats("stats", stats)
+    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     spec = get_spec(model) if mask_id is None else get_spec(model, mask_id=mask_id)
     if spec.kind != "llada":
         raise ValueError(f"d2cache_generate decodes LLaDA; model is a {spec.kind} model")
@@ -230,7 +226,6 @@ def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cac
     device = model_device(model)
     mask_id = spec.mask_id
     B, P = prompt.shape
-    config.check_request(gen_length=gen_length, prompt_length=P)
     from ..parts.constrain import CommitFilter, end_ids_of
 
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, mask_id, P, gen_length)
@@ -241,7 +236,7 @@ def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cac
 @torch.no_grad()
 def _steps(prompt: torch.Tensor, config: D2Cache, gen_length: int, block_length: int, per_step: int,
            prior_sigma: float | None, commit_mask_token: bool, attention_mask: torch.Tensor | None, mask_id: int,
-           device: torch.device, stats: GenerationStats | None, constraint: Any,
+           device: torch.device, stats: GenerationStats, constraint: Any,
            independent_rows: bool) -> StepGenerator:
     """d2Cache's loop (the arguments checked by `d2cache_steps`; `constraint`: a `CommitFilter` or None,
     see there) over the batch decoded together, or with `independent_rows` over each row alone, one after
@@ -256,8 +251,7 @@ def _steps(prompt: torch.Tensor, config: D2Cache, gen_length: int, block_length:
         positions = (key_ok.cumsum(dim=-1) - 1).masked_fill(key_ok == 0, 0)
         bias = (1.0 - key_ok.float())[:, None, None, :] * torch.finfo(torch.float32).min
     groups = [slice(b, b + 1) for b in range(B)] if independent_rows else [slice(None)]
-    if stats is not None:
-        stats.start()
+    stats.start()
     for group in groups:
         x = canvas[group]   # a view: the group's rows are decoded in the canvas
         cache, selector = D2KVCache(None if bias is None else bias[group]), _Selector(config, P)
@@ -305,8 +299,7 @@ def _steps(prompt: torch.Tensor, config: D2Cache, gen_length: int, block_length:
                         if layer not in whole:
                             whole[layer] = t.new_zeros((x.shape[0],) + t.shape[1:])
                         whole[layer][active] = t
-                if stats is not None:
-                    stats.forward(Ba, n, cache.nbytes)
+                stats.forward(Ba, n, cache.nbytes)
                 if group_constraint is not None:   # the frontier masked before the scores (parts/constrain.py)
                     sub_constraint = group_constraint.rows(active.nonzero().flatten().tolist())
                     logits = sub_constraint.mask_frontier(logits, P, T, P)
@@ -333,11 +326,9 @@ def _steps(prompt: torch.Tensor, config: D2Cache, gen_length: int, block_length:
                     committed = [c.nonzero().flatten() + (start - P) for c in decided]
                 selector.step_end(active, open_block, conf, new == mask_id, committed, sub.rollout)
                 x[active, P:] = new
-                if stats is not None:
-                    stats.step(sum(int(c.numel()) for c in committed))
+                stats.step(sum(int(c.numel()) for c in committed))
                 if not bool((x[:, start:end] == mask_id).any()):
                     final = (b + 1) * block_length   # this block is done (earlier blocks are)
                 yield Progress(canvas, final if group is groups[-1] else 0)
-    if stats is not None:
-        stats.stop(B * gen_length)
+    stats.stop(B * gen_length)
     return canvas
