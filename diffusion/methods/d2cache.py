@@ -26,6 +26,7 @@ import torch
 from remask.caches.position import D2KVCache
 from remask.models.spec import get_spec
 
+from ..parts.cache import valid_positions
 from ..parts.checks import (check_bool, check_instance, check_int, check_mask_id, check_prompt,
                             check_real, check_stats, model_device)
 from ..parts.scoring import score_tokens
@@ -245,11 +246,10 @@ def _steps(prompt: torch.Tensor, config: D2Cache, gen_length: int, block_length:
     G, T = gen_length, P + gen_length
     canvas = masked_canvas(prompt, gen_length, mask_id, device)
     positions, bias = torch.arange(T, device=device)[None].expand(B, T), None
-    if attention_mask is not None:   # pad keys hidden, positions counted over real tokens
-        key_ok = torch.ones((B, T), dtype=torch.long, device=device)
-        key_ok[:, :P] = (attention_mask != 0).long()
-        positions = (key_ok.cumsum(dim=-1) - 1).masked_fill(key_ok == 0, 0)
-        bias = (1.0 - key_ok.float())[:, None, None, :] * torch.finfo(torch.float32).min
+    key_ok = valid_positions(attention_mask, T)   # False on the left pads
+    if key_ok is not None:   # pad keys hidden, positions counted over real tokens
+        positions = (key_ok.cumsum(dim=-1) - 1).masked_fill(~key_ok, 0)
+        bias = (~key_ok).float()[:, None, None, :] * torch.finfo(torch.float32).min
     groups = [slice(b, b + 1) for b in range(B)] if independent_rows else [slice(None)]
     stats.start()
     for group in groups:
