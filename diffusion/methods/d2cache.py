@@ -26,8 +26,10 @@ import torch
 from remask.caches.position import D2KVCache
 from remask.models.spec import get_spec
 
+from ..parts.cache import valid_positions
 from ..parts.checks import (check_bool, check_instance, check_int, check_mask_id, check_prompt,
                             check_real, check_stats, model_device)
+from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
@@ -125,13 +127,10 @@ class _Selector:
         if self.next_rows is None:
             return None
         rows = self.next_rows[active]
-        counts = rows.sum(dim=-1)
-        if bool((counts != counts.max()).any()):
-            G = self.density.shape[1]
-            priority = torch.where(rows, -torch.inf, self.importance[active])
-            priority[:, -G:] += priority.max() + self.density[active]
-            rows = top_up(rows, priority, int(counts.max()))
-        return rows
+        G = self.density.shape[1]
+        priority = torch.where(rows, -torch.inf, self.importance[active])
+        priority[:, -G:] += priority.max() + self.density[active]
+        return top_up(rows, priority, int(rows.sum(dim=-1).max()))   # rows with fewer topped up to the most
 
     def step_end(self, active: torch.Tensor, open_block: torch.Tensor, confidence: torch.Tensor,
                  still_masked: torch.Tensor, committed: list[torch.Tensor], rollout: torch.Tensor) -> None:
@@ -173,7 +172,6 @@ class _Selector:
             self.next_rows[active], self.importance[active], self.density[active] = rows, importance, scores
 
 
-@torch.no_grad()
 def d2cache_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cache | None = None,
                      steps: int = 128, gen_length: int = 128, block_length: int = 128,
                      prior_sigma: float | None = 10.0, commit_mask_token: bool = True,
@@ -220,7 +218,7 @@ def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cac
     if block_length % per_step:
         raise ValueError(f"gen_length // steps ({per_step} positions per step) must divide block_length "
                          f"({block_length})")
-    check_stats("stats", stats)
+    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     spec = get_spec(model) if mask_id is None else get_spec(model, mask_id=mask_id)
     if spec.kind != "llada":
         raise ValueError(f"d2cache_generate decodes LLaDA; model is a {spec.kind} model")
@@ -229,140 +227,108 @@ def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cac
     device = model_device(model)
     mask_id = spec.mask_id
     B, P = prompt.shape
-    config.check_request(gen_length=gen_length, prompt_length=P)
-    if independent_rows and B > 1:
-        return _rows_steps([d2cache_steps(
-            model, prompt[b:b + 1], config=config, steps=steps, gen_length=gen_length, block_length=block_length,
-            prior_sigma=prior_sigma, commit_mask_token=commit_mask_token,
-            attention_mask=None if attention_mask is None else attention_mask[b:b + 1], mask_id=mask_id,
-            stats=stats, structure=structure, end_ids=end_ids) for b in range(B)], prompt, gen_length, mask_id, device)
     from ..parts.constrain import CommitFilter, end_ids_of
 
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, mask_id, P, gen_length)
-    return _steps(model, prompt, config, gen_length, block_length, per_step, prior_sigma, commit_mask_token,
-                  attention_mask, mask_id, device, stats, constraint)
-
-
-def _rows_steps(rows: list, prompt: torch.Tensor, gen_length: int, mask_id: int,
-                device: torch.device) -> StepGenerator:
-    """The rows' step generators one after another (`independent_rows`), yielding the whole canvas
-    (`final`: the last row's, 0 before it), returning the rows stacked."""
-    B, P = prompt.shape
-    canvas = masked_canvas(prompt, gen_length, mask_id, device)
-    out = []
-    for b, row in enumerate(rows):
-        answer = None
-        while True:
-            try:
-                item = row.send(answer)
-            except StopIteration as stop:
-                out.append(stop.value)
-                break
-            if isinstance(item, ForwardRequest):   # the row's forward: the driver's to answer
-                answer = yield item
-                continue
-            answer = None
-            canvas[b] = item.x[0]
-            yield Progress(canvas, item.final if b == B - 1 else 0)
-    return torch.cat(out)
+    return _steps(prompt, config, gen_length, block_length, per_step, prior_sigma, commit_mask_token,
+                  attention_mask, mask_id, device, stats, constraint, independent_rows)
 
 
 @torch.no_grad()
-def _steps(model, prompt: torch.Tensor, config: D2Cache, gen_length: int, block_length: int, per_step: int,
+def _steps(prompt: torch.Tensor, config: D2Cache, gen_length: int, block_length: int, per_step: int,
            prior_sigma: float | None, commit_mask_token: bool, attention_mask: torch.Tensor | None, mask_id: int,
-           device: torch.device, stats: GenerationStats | None, constraint: Any = None) -> StepGenerator:
-    """d2Cache's loop over a batch decoded together (the arguments checked by `d2cache_steps`;
-    `constraint`: a `CommitFilter` or None, see there)."""
+           device: torch.device, stats: GenerationStats, constraint: Any,
+           independent_rows: bool) -> StepGenerator:
+    """d2Cache's loop (the arguments checked by `d2cache_steps`; `constraint`: a `CommitFilter` or None,
+    see there) over the batch decoded together, or with `independent_rows` over each row alone, one after
+    another, the canvas showing each row as it stands (`final`: the last group's decoded blocks, 0 before)."""
     B, P = prompt.shape
     G, T = gen_length, P + gen_length
-    x = masked_canvas(prompt, gen_length, mask_id, device)
+    canvas = masked_canvas(prompt, gen_length, mask_id, device)
     positions, bias = torch.arange(T, device=device)[None].expand(B, T), None
-    if attention_mask is not None:   # pad keys hidden, positions counted over real tokens
-        key_ok = torch.ones((B, T), dtype=torch.long, device=device)
-        key_ok[:, :P] = (attention_mask != 0).long()
-        positions = (key_ok.cumsum(dim=-1) - 1).masked_fill(key_ok == 0, 0)
-        bias = (1.0 - key_ok.float())[:, None, None, :] * torch.finfo(torch.float32).min
-    cache = D2KVCache(bias)
-    selector = _Selector(config, P)
-    final = 0
-    if stats is not None:
-        stats.start()
-    for b in range(G // block_length):
-        span = torch.zeros((B, G), dtype=torch.bool, device=device)
-        span[:, b * block_length:(b + 1) * block_length] = True
-        start, end = P + b * block_length, P + (b + 1) * block_length
-        block_steps = 0
-        while True:
-            masked = x[:, P:] == mask_id
-            # upstream narrows the block mask to its open positions: the block's masked ones (without a
-            # structure a position never reopens; with one, a revoked position does)
-            block = span & masked
-            active = block.any(dim=-1)
-            if not bool(active.any()):
-                break
-            block_steps += 1
-            allow_mask = commit_mask_token and block_steps <= 4 * block_length   # guard against endless loops
-            xa = x[active]
-            Ba = xa.shape[0]
-            if constraint is not None and selector.next_rows is not None:
-                # each row's frontier is recomputed (the top-up below evens the counts again)
-                for r in active.nonzero().flatten().tolist():
-                    f = constraint.frontier(r)
-                    if not constraint.matchers[r].ended and f < T:
-                        selector.next_rows[r, f] = True
-            rows = selector.rows_for(active)
-            sub = D2KVCache(None if cache.key_bias is None else cache.key_bias[active])
-            sub.k = {layer: t[active] for layer, t in cache.k.items()}
-            sub.v = {layer: t[active] for layer, t in cache.v.items()}
-            if rows is None:
-                sub.full()
-                logits = yield ForwardRequest(xa, per_row={"position_ids": positions[active]}, cache=sub)
-                n = T
-            else:
-                sub.partial(rows)
-                n = int(rows[0].sum())
-                part = yield ForwardRequest(xa[rows].view(Ba, n),
-                                            per_row={"position_ids": positions[active][rows].view(Ba, n)}, cache=sub)
-                logits = part.new_zeros((Ba, T, part.shape[-1])).masked_scatter(rows[..., None], part)
-            for whole, fresh in ((cache.k, sub.k), (cache.v, sub.v)):   # the active rows' K/V written back
-                for layer, t in fresh.items():
-                    if layer not in whole:
-                        whole[layer] = t.new_zeros((B,) + t.shape[1:])
-                    whole[layer][active] = t
-            if stats is not None:
+    key_ok = valid_positions(attention_mask, T)   # False on the left pads
+    if key_ok is not None:   # pad keys hidden, positions counted over real tokens
+        positions = (key_ok.cumsum(dim=-1) - 1).masked_fill(~key_ok, 0)
+        bias = (~key_ok).float()[:, None, None, :] * torch.finfo(torch.float32).min
+    groups = [slice(b, b + 1) for b in range(B)] if independent_rows else [slice(None)]
+    stats.start()
+    for group in groups:
+        x = canvas[group]   # a view: the group's rows are decoded in the canvas
+        cache, selector = D2KVCache(None if bias is None else bias[group]), _Selector(config, P)
+        group_constraint = None if constraint is None else constraint.rows(range(B)[group])
+        final = 0
+        for b in range(G // block_length):
+            span = torch.zeros((x.shape[0], G), dtype=torch.bool, device=device)
+            span[:, b * block_length:(b + 1) * block_length] = True
+            start, end = P + b * block_length, P + (b + 1) * block_length
+            block_steps = 0
+            while True:
+                masked = x[:, P:] == mask_id
+                # upstream narrows the block mask to its open positions: the block's masked ones (without a
+                # structure a position never reopens; with one, a revoked position does)
+                block = span & masked
+                active = block.any(dim=-1)
+                if not bool(active.any()):
+                    break
+                block_steps += 1
+                allow_mask = commit_mask_token and block_steps <= 4 * block_length   # guard against endless loops
+                xa = x[active]
+                Ba = xa.shape[0]
+                if group_constraint is not None and selector.next_rows is not None:
+                    # each row's frontier is recomputed (the top-up below evens the counts again)
+                    for r in active.nonzero().flatten().tolist():
+                        f = group_constraint.frontier(r)
+                        if not group_constraint.matchers[r].ended and f < T:
+                            selector.next_rows[r, f] = True
+                rows = selector.rows_for(active)
+                sub = D2KVCache(None if cache.key_bias is None else cache.key_bias[active])
+                sub.k = {layer: t[active] for layer, t in cache.k.items()}
+                sub.v = {layer: t[active] for layer, t in cache.v.items()}
+                if rows is None:
+                    sub.full()
+                    logits = yield ForwardRequest(xa, per_row={"position_ids": positions[group][active]}, cache=sub)
+                    n = T
+                else:
+                    sub.partial(rows)
+                    n = int(rows[0].sum())
+                    part = yield ForwardRequest(xa[rows].view(Ba, n), cache=sub, per_row={
+                        "position_ids": positions[group][active][rows].view(Ba, n)})
+                    logits = part.new_zeros((Ba, T, part.shape[-1])).masked_scatter(rows[..., None], part)
+                for whole, fresh in ((cache.k, sub.k), (cache.v, sub.v)):   # the active rows' K/V written back
+                    for layer, t in fresh.items():
+                        if layer not in whole:
+                            whole[layer] = t.new_zeros((x.shape[0],) + t.shape[1:])
+                        whole[layer][active] = t
                 stats.forward(Ba, n, cache.nbytes)
-            if constraint is not None:   # the frontier masked before the scores (parts/constrain.py)
-                sub_constraint = constraint.rows(active.nonzero().flatten().tolist())
-                logits = sub_constraint.mask_frontier(logits, P, T, P)
-            probs = torch.softmax(logits[:, P:], dim=-1)
-            conf, x0 = probs.max(dim=-1)
-            if not allow_mask and bool((x0 == mask_id).any()):
-                others = probs.index_fill(-1, torch.tensor([mask_id], device=device), -1.0).max(dim=-1)
-                hit = x0 == mask_id
-                conf, x0 = torch.where(hit, others.values, conf), torch.where(hit, others.indices, x0)
-            open_ = masked[active]
-            conf = torch.where(open_, conf, -torch.inf)
-            scores = conf if prior_sigma is None else conf * certainty_density(~open_, prior_sigma)
-            open_block = block[active]
-            candidates = torch.where(open_block, scores, -torch.inf)
-            committed = [torch.topk(candidates[r], min(per_step, int(open_block[r].sum()))).indices for r in range(Ba)]
-            new = xa[:, P:].clone()
-            for r, c in enumerate(committed):
-                new[r, c] = x0[r, c]
-            if constraint is not None:   # keep what the structure accepts, advance the matchers
-                canvas = xa.clone()
-                canvas[:, P:] = new
-                sub_constraint.filter(canvas, xa[:, start:end], x0[:, start - P:end - P], logits, start, end, start)
-                new = canvas[:, P:]
-                decided = (xa[:, start:end] == mask_id) & (canvas[:, start:end] != mask_id)
-                committed = [c.nonzero().flatten() + (start - P) for c in decided]
-            selector.step_end(active, open_block, conf, new == mask_id, committed, sub.rollout)
-            x[active, P:] = new
-            if stats is not None:
+                if group_constraint is not None:   # the frontier masked before the scores (parts/constrain.py)
+                    sub_constraint = group_constraint.rows(active.nonzero().flatten().tolist())
+                    logits = sub_constraint.mask_frontier(logits, P, T, P)
+                # greedy: the softmax's most probable token (the mask token allowed, as upstream, or its runner-up)
+                x0, conf = score_tokens(logits[:, P:], sampler="categorical",
+                                        exclude_id=None if allow_mask else mask_id)
+                open_ = masked[active]
+                conf = torch.where(open_, conf, -torch.inf)
+                scores = conf if prior_sigma is None else conf * certainty_density(~open_, prior_sigma)
+                open_block = block[active]
+                candidates = torch.where(open_block, scores, -torch.inf)
+                committed = [torch.topk(candidates[r], min(per_step, int(open_block[r].sum()))).indices
+                             for r in range(Ba)]
+                new = xa[:, P:].clone()
+                for r, c in enumerate(committed):
+                    new[r, c] = x0[r, c]
+                if group_constraint is not None:   # keep what the structure accepts, advance the matchers
+                    filtered = xa.clone()
+                    filtered[:, P:] = new
+                    sub_constraint.filter(filtered, xa[:, start:end], x0[:, start - P:end - P], logits, start, end,
+                                          start)
+                    new = filtered[:, P:]
+                    decided = (xa[:, start:end] == mask_id) & (filtered[:, start:end] != mask_id)
+                    committed = [c.nonzero().flatten() + (start - P) for c in decided]
+                selector.step_end(active, open_block, conf, new == mask_id, committed, sub.rollout)
+                x[active, P:] = new
                 stats.step(sum(int(c.numel()) for c in committed))
-            if not bool((x[:, start:end] == mask_id).any()):
-                final = (b + 1) * block_length   # this block is done (earlier blocks are)
-            yield Progress(x, final)
-    if stats is not None:
-        stats.stop(B * gen_length)
-    return x
+                if not bool((x[:, start:end] == mask_id).any()):
+                    final = (b + 1) * block_length   # this block is done (earlier blocks are)
+                yield Progress(canvas, final if group is groups[-1] else 0)
+    stats.stop(B * gen_length)
+    return canvas

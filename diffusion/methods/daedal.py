@@ -25,10 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from remask.models.spec import get_spec
 
-from ..parts.checks import check_int, check_mask_id, check_prompt, check_real, check_stats, model_device
+from ..parts.checks import check_instance, check_int, check_mask_id, check_prompt, check_real, check_stats, model_device
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
@@ -69,7 +70,6 @@ def eos_confidence(x0: torch.Tensor, conf: torch.Tensor, P: int, eos_id: int, co
     return torch.tensor(sum(conf[where].tolist()) / count, dtype=torch.float32)
 
 
-@torch.no_grad()
 def daedal_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DAEDAL | None = None,
                     gen_length: int = 2048, block_length: int = 32, attention_mask: torch.Tensor | None = None,
                     mask_id: int | None = None, stats: GenerationStats | None = None) -> torch.Tensor:
@@ -85,12 +85,11 @@ def daedal_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DAEDAL
     """`daedal_generate` as a step generator, its arguments checked at the call: each forward's
     canvas is as long as the row's canvas then is; a `Progress` after each denoising forward (`final`:
     the blocks before the current one, which no insertion moves)."""
-    config = DAEDAL() if config is None else config
-    if not isinstance(config, DAEDAL):
-        raise ValueError(f"config must be a remask DAEDAL, got {type(config).__name__}")
+    config = check_instance("config", DAEDAL() if config is None else config, DAEDAL, "a remask DAEDAL",
+                            allow_none=False)
     check_int("gen_length", gen_length, minimum=1)
     check_int("block_length", block_length, minimum=1)
-    check_stats("stats", stats)
+    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     if structure is not None:
         raise ValueError("structured_outputs: not supported with DAEDAL (its canvas grows and shifts under the "
                          "matcher)")
@@ -102,31 +101,26 @@ def daedal_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DAEDAL
     return _daedal_loop(config, spec, prompt.to(model_device(model)), attention_mask, gen_length, block_length, stats)
 
 
+@torch.no_grad()
 def _daedal_loop(config: DAEDAL, spec, prompt: torch.Tensor, attention_mask: torch.Tensor | None, max_length: int,
-                 block_length: int, stats: GenerationStats | None) -> StepGenerator:
-    if stats is not None:
-        stats.start()
+                 block_length: int, stats: GenerationStats) -> StepGenerator:
+    stats.start()
     rows = []
     for b in range(prompt.shape[0]):
         keys = None if attention_mask is None or bool(attention_mask[b].all()) else attention_mask[b:b + 1]
         rows.append((yield from _daedal_row(config, spec, prompt[b:b + 1], keys, max_length, block_length, stats)))
-    P, longest = prompt.shape[1], max(row.shape[1] for row in rows)
-    x = torch.full((len(rows), longest), spec.eos_id, dtype=torch.long, device=prompt.device)
-    for b, row in enumerate(rows):
-        x[b, :row.shape[1]] = row[0]
-    if stats is not None:
-        stats.stop(sum(row.shape[1] - P for row in rows))
-    return x
+    stats.stop(sum(row.shape[1] - prompt.shape[1] for row in rows))
+    # a shorter row is filled with EOS to the longest
+    return pad_sequence([row[0] for row in rows], batch_first=True, padding_value=spec.eos_id)
 
 
 def _daedal_row(config: DAEDAL, spec, prompt: torch.Tensor, keys: torch.Tensor | None, max_length: int,
-                block_length: int, stats: GenerationStats | None) -> StepGenerator:
+                block_length: int, stats: GenerationStats) -> StepGenerator:
     mask_id, eos_id, P, device = spec.mask_id, spec.eos_id, prompt.shape[1], prompt.device
 
     def forward(x: torch.Tensor):
         logits = yield ForwardRequest.call(x, spec.forward_inputs(keys, x.shape[1]), spec=spec)
-        if stats is not None:
-            stats.forward(1, x.shape[1])
+        stats.forward(1, x.shape[1])
         x0, conf = score_tokens(logits[0])   # greedy; the untempered softmax's probability (logits' dtype)
         return logits[0], x0, conf, eos_confidence(x0, conf, P, eos_id, config.eos_check_tokens)
 
@@ -138,8 +132,7 @@ def _daedal_row(config: DAEDAL, spec, prompt: torch.Tensor, keys: torch.Tensor |
     x = torch.cat([prompt, masks(length)], dim=1)
     while True:
         *_, eos_conf = yield from forward(x)
-        if stats is not None:
-            stats.step(0)
+        stats.step(0)
         grown = min(length + config.expansion_factor, max_length)
         if not bool(eos_conf < config.eos_confidence_threshold) or grown <= length:
             break
@@ -167,8 +160,7 @@ def _daedal_row(config: DAEDAL, spec, prompt: torch.Tensor, keys: torch.Tensor |
                 pick = torch.argmax(best)
                 x0[candidates[pick]], commit[candidates[pick]] = tokens[pick], True
         x[0, commit] = x0[commit]
-        if stats is not None:
-            stats.step(int(commit.sum()))
+        stats.step(commit.sum())
         if not bool(eos_conf >= config.expand_eos_confidence_threshold) and length < max_length:
             low = torch.where((conf < config.low_conf_threshold) & block & masked & ~commit)[0]
             if low.numel():

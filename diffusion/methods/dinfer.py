@@ -104,7 +104,7 @@ def dinfer_steps(model: torch.nn.Module, prompt: torch.Tensor, *, decoder: Commi
     every decode (`diffusion/parts/constrain.py`: commits filtered, a block iterated until full)."""
     check_instance("decoder", decoder, CommitRule, "a remask commit rule (ThresholdDecoding, CreditDecoding, "
                    "HierarchicalDecoding or another CommitRule)", allow_none=False)
-    check_stats("stats", stats)
+    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     vicinity = use_cache if isinstance(use_cache, VicinityCache) else None
     if vicinity is None and use_cache not in (None, "prefix", "dual"):
         raise ValueError(f"use_cache must be None, 'prefix', 'dual' or a remask VicinityCache, got {use_cache!r}")
@@ -131,16 +131,14 @@ def dinfer_steps(model: torch.nn.Module, prompt: torch.Tensor, *, decoder: Commi
 
 @torch.no_grad()
 def _dinfer_loop(decoder: BlockDecoder, states: list, canvas: torch.Tensor, gen_length: int,
-                 stats: GenerationStats | None) -> StepGenerator:
+                 stats: GenerationStats) -> StepGenerator:
     """Each state (its rows of the canvas) to its end, one forward at a time; rows decoded earlier are
     final, rows after the current one not started (0 final)."""
-    if stats is not None:
-        stats.start()
+    stats.start()
     for rs, state in states:
         while (request := decoder.next_forward(None, state)) is not None:
             decoder.receive(state, (yield request), None, stats)
             canvas[rs] = state.x
             yield Progress(canvas, decoder.num_final(state) if state is states[-1][1] else 0)
-    if stats is not None:
-        stats.stop(int(gen_length * canvas.shape[0]))
+    stats.stop(int(gen_length * canvas.shape[0]))
     return canvas

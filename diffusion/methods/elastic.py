@@ -36,15 +36,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from remask.caches.elastic import ElasticKVCache
 from remask.models.layers import rope_cos_sin
 from remask.models.spec import get_spec
 
 from ..parts.cache import valid_positions
-from ..parts.checks import (check_bool, check_int, check_mask_id, check_model_kind,
-                     check_optional_token_id, check_prompt, check_real, check_stats, model_device)
+from ..parts.checks import (check_bool, check_instance, check_int, check_mask_id, check_model_kind,
+                            check_optional_token_id, check_prompt, check_real, check_stats, model_device)
+from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
@@ -135,14 +135,12 @@ def _final_prefix(x: torch.Tensor, P: int, masked: torch.Tensor, mask_id: int, e
     before the first still-masked position (a decoded position is never revisited; the window only
     holds masked ones), up to a committed mask token after an EOS (the end turns it into EOS)."""
     n = x.shape[1] - P if masked.shape[0] == 0 else int(masked[0]) - P
-    if eos_id is not None and n > 0:
+    if eos_id is not None:
         row = x[0, P:P + n]
-        eos = (row == eos_id).nonzero()
-        if eos.shape[0] > 0:
-            first = int(eos[0, 0])
-            later = (row[first + 1:] == mask_id).nonzero()
-            if later.shape[0] > 0:
-                n = first + 1 + int(later[0, 0])
+        after_eos = (row == eos_id).cumsum(dim=0) > 0
+        cut = ((row == mask_id) & after_eos).nonzero()
+        if cut.shape[0] > 0:
+            n = int(cut[0, 0])
     return n
 
 
@@ -165,115 +163,107 @@ def _check_rule(rule: Any, config: ElasticCache) -> None:
                          f"ElasticCache's {set_here}: leave them at their defaults")
 
 
-def _decode_row(model, x: torch.Tensor, P: int, config: ElasticCache, mask_id: int, eos_id: int | None,
-                key_ok: torch.Tensor | None, stats: GenerationStats | None, trace: list | None,
-                canvas: torch.Tensor, row: int, rule: Any = None, constraint: Any = None) -> StepGenerator:
-    """Elastic-Cache decoding of one row `x` `[1, T]` (prompt then masks), in place, as a step
-    generator: after every forward the row is written back into `canvas[row]` and the whole
-    `canvas` is yielded (`final`: the row's final prefix on the last row, else 0 — later rows are
-    undecoded); returns `x`. `constraint`: the row's `CommitFilter` (one matcher) or None
-    (`elastic_steps`)."""
-    L, T, device = len(model.model.transformer.blocks), x.shape[1], x.device
-    W = config.window_length
-    cache = ElasticKVCache(key_ok)
-    x_cache: list[torch.Tensor | None] = [None] * L
-    everything = torch.arange(T, device=device)
-    query_position = everything
-    track_position = everything[:0].clone()
-    new_decoded = everything[:P].clone()
-    masked = everything[P:].clone()
-    decoded_eos = False
-    rule_state = rule.new_state() if rule is not None else None
-    if constraint is not None:
-        ends_of = torch.tensor(constraint.matchers[0].end_ids, dtype=torch.long, device=device)
-    i = 0
-    while True:
-        window = masked[:W] if config.block_caching else masked
-        if i == 0:
-            query_position, start_reset = everything, -1
-        else:
-            query_position, start_reset = torch.cat([track_position, new_decoded, window]), L
-        cache.triggered = False
-        layers = ElasticLayers(model, cache, x_cache, query_position, track_position, window, masked, start_reset,
-                               config, T)
-        logits = yield ForwardRequest(x[:, query_position], cache=cache, layers=layers)
-        start_reset = layers.start_reset
-        if stats is not None:   # positions computed, averaged over the layers (a recomputed layer: all T)
+@torch.no_grad()
+def _elastic_loop(model: torch.nn.Module, canvas: torch.Tensor, P: int, config: ElasticCache, mask_id: int,
+                  eos_id: int | None, key_ok: torch.Tensor | None, stats: GenerationStats, trace: list | None,
+                  rule: Any = None, filters: Any = None) -> StepGenerator:
+    """Elastic-Cache decoding of each row of `canvas` (prompt then masks) alone, one after another, in
+    place, as a step generator: after every forward the whole `canvas` is yielded (`final`: the row's
+    final prefix on the last row, else 0 — later rows are undecoded); returns `canvas`. `filters`: the
+    batch's `CommitFilter` or None (`elastic_steps`)."""
+    (B, T), L, device = canvas.shape, len(model.model.transformer.blocks), canvas.device
+    W, everything = config.window_length, torch.arange(T, device=device)
+    stats.start()
+    for row in range(B):
+        x = canvas[row:row + 1]   # a view: decoded in the canvas
+        constraint = None if filters is None else filters.rows([row])   # the row's (one matcher)
+        cache = ElasticKVCache(None if key_ok is None else key_ok[row:row + 1])
+        x_cache: list[torch.Tensor | None] = [None] * L
+        track_position = everything[:0].clone()
+        masked = everything[P:].clone()
+        decoded_eos = False
+        rule_state = rule.new_state() if rule is not None else None
+        if constraint is not None:
+            ends_of = torch.tensor(constraint.matchers[0].end_ids, dtype=torch.long, device=device)
+        new_decoded = None   # the first forward: every position through every layer
+        while True:
+            window = masked[:W] if config.block_caching else masked
+            if new_decoded is None:
+                query_position, start_reset = everything, -1
+            else:
+                query_position, start_reset = torch.cat([track_position, new_decoded, window]), L
+            cache.triggered = False
+            layers = ElasticLayers(model, cache, x_cache, query_position, track_position, window, masked, start_reset,
+                                   config, T)
+            logits = yield ForwardRequest(x[:, query_position], cache=cache, layers=layers)
+            start_reset = layers.start_reset
+            # positions computed, averaged over the layers (a recomputed layer: all T)
             computed = max(start_reset, 0) * query_position.shape[0] + (L - max(start_reset, 0)) * T
             stats.forward(1, -(-computed // L), cache.nbytes)
-        if trace is not None:
-            trace.append((int(query_position.shape[0]), int(start_reset)))
-        logits = logits[:, window, :] if logits.shape[1] == T else logits[:, -window.shape[0]:, :]
-        if not config.block_caching:
-            window = window[:W]
-            logits = logits[:, :W]
-        track_position = torch.cat([cache.track[layer] for layer in range(L)], dim=0).unique(sorted=False)
+            if trace is not None:
+                trace.append((int(query_position.shape[0]), int(start_reset)))
+            logits = logits[:, window, :] if logits.shape[1] == T else logits[:, -window.shape[0]:, :]
+            if not config.block_caching:
+                window = window[:W]
+                logits = logits[:, :W]
+            track_position = torch.cat([cache.track[layer] for layer in range(L)], dim=0).unique(sorted=False)
 
-        if constraint is not None:
-            # the filter's window: from the frontier (the first masked position) through the last
-            # window position and the committed run after it; logits −inf off the window
-            lo = min(constraint.frontier(0), int(window[0]))
-            hi = int(window[-1]) + 1
-            while hi < T and int(x[0, hi]) != mask_id:
-                hi += 1
-            span = torch.full((1, hi - lo, logits.shape[-1]), -torch.inf, dtype=logits.dtype, device=device)
-            span[0, window - lo] = logits[0]
-            span = constraint.mask_frontier(span, lo, hi, 0)   # before the rule scores (parts/constrain.py)
-            logits = span[:, window - lo]
-            before = x.clone()
-        if rule is not None:   # a commit rule over the window (all masked): its commits and tokens
-            commit, proposal = rule.commit(x[:, window], logits, mask_id, rule_state)
-            keep = commit[0]
-            tokens = proposal
-        else:
-            p = F.softmax(logits.to(torch.float64), dim=-1)
-            conf, tokens = torch.max(p, dim=-1)
-            if not config.commit_mask_token and bool((tokens == mask_id).any()):
-                others = p.index_fill(-1, torch.tensor([mask_id], device=device), -1.0)
-                conf, tokens = torch.max(others, dim=-1)
-            if config.threshold is not None:
-                keep = (conf >= min(config.threshold, conf.max()))[0]
+            if constraint is not None:
+                # the filter's window: from the frontier (the first masked position) through the last
+                # window position and the committed run after it; logits −inf off the window
+                lo = min(constraint.frontier(0), int(window[0]))
+                hi = int(window[-1]) + 1
+                while hi < T and int(x[0, hi]) != mask_id:
+                    hi += 1
+                span = torch.full((1, hi - lo, logits.shape[-1]), -torch.inf, dtype=logits.dtype, device=device)
+                span[0, window - lo] = logits[0]
+                span = constraint.mask_frontier(span, lo, hi, 0)   # before the rule scores (parts/constrain.py)
+                logits = span[:, window - lo]
+                before = x.clone()
+            if rule is not None:   # a commit rule over the window (all masked): its commits and tokens
+                commit, candidates = rule.commit(x[:, window], logits, mask_id, rule_state)
+                keep = commit[0]
+            else:   # the float64 softmax's most probable token (the mask token only with commit_mask_token)
+                candidates, conf = score_tokens(logits.to(torch.float64), sampler="categorical",
+                                                exclude_id=None if config.commit_mask_token else mask_id)
+                if config.threshold is not None:
+                    keep = (conf >= min(config.threshold, conf.max()))[0]
+                else:
+                    keep = torch.topk(conf[0], k=min(config.tokens_per_iter, candidates.shape[1]), largest=True)[1]
+            decoded = new_decoded = window[keep]
+            tokens = candidates[:, keep]
+            x[:, decoded] = tokens
+            masked = masked[~torch.isin(masked, decoded)]
+            if constraint is not None:   # keep what the structure accepts, advance the matcher
+                proposal = torch.full((1, hi - lo), mask_id, dtype=torch.long, device=device)
+                proposal[0, window - lo] = candidates[0]
+                constraint.filter(x, before[:, lo:hi], proposal, span, lo, hi, 0)
+                new_decoded = ((x[0] != before[0]) & (x[0] != mask_id)).nonzero().flatten()
+                # the masked positions, revoked ones included, up to a committed end token (the filter
+                # fills the rest once the matcher consumes it)
+                left = (x[0, P:] == mask_id).nonzero().flatten() + P
+                ends = torch.isin(x[0, P:], ends_of).nonzero().flatten()
+                masked = left if ends.shape[0] == 0 or not bool((left < int(ends[0]) + P).any()) else \
+                    left[left < int(ends[0]) + P]
+                stats.step((before[0] == mask_id).sum() - (x[0] == mask_id).sum())
             else:
-                keep = torch.topk(conf[0], k=min(config.tokens_per_iter, tokens.shape[1]), largest=True)[1]
-        candidates = tokens
-        decoded = window[keep]
-        tokens = tokens[:, keep]
-        x[:, decoded] = tokens
-        new_decoded = decoded
-        masked = masked[~torch.isin(masked, decoded)]
-        if constraint is not None:   # keep what the structure accepts, advance the matcher
-            proposal = torch.full((1, hi - lo), mask_id, dtype=torch.long, device=device)
-            proposal[0, window - lo] = candidates[0]
-            constraint.filter(x, before[:, lo:hi], proposal, span, lo, hi, 0)
-            new_decoded = ((x[0] != before[0]) & (x[0] != mask_id)).nonzero().flatten()
-            # the masked positions, revoked ones included, up to a committed end token (the filter
-            # fills the rest once the matcher consumes it)
-            left = (x[0, P:] == mask_id).nonzero().flatten() + P
-            ends = torch.isin(x[0, P:], ends_of).nonzero().flatten()
-            masked = left if ends.shape[0] == 0 or not bool((left < int(ends[0]) + P).any()) else \
-                left[left < int(ends[0]) + P]
-            if stats is not None:
-                stats.step(int((before[0] == mask_id).sum() - (x[0] == mask_id).sum()))
-        elif stats is not None:
-            stats.step(int(decoded.shape[0]))
-        if eos_id is not None and not decoded_eos and constraint is None:
-            eos_pos = decoded[tokens.eq(eos_id)[0]]
-            if eos_pos.shape[0] > 0:
-                decoded_eos = True
-                masked = masked[masked <= eos_pos.min().item()]
-        canvas[row:row + 1] = x
-        yield Progress(canvas, _final_prefix(x, P, masked, mask_id, eos_id) if row == canvas.shape[0] - 1 else 0)
-        if masked.shape[0] == 0:
-            break
-        i += 1
-    if decoded_eos:   # positions dropped after the first EOS: EOS (upstream leaves them masked)
-        first = int(((x[0, P:] == eos_id).nonzero()[0, 0]) + P)
-        tail = x[:, first:]
-        tail[tail == mask_id] = eos_id
-    return x
+                stats.step(decoded.shape[0])
+            if eos_id is not None and not decoded_eos and constraint is None:
+                eos_pos = decoded[tokens.eq(eos_id)[0]]
+                if eos_pos.shape[0] > 0:
+                    decoded_eos = True
+                    masked = masked[masked <= eos_pos.min().item()]
+            yield Progress(canvas, _final_prefix(x, P, masked, mask_id, eos_id) if row == B - 1 else 0)
+            if masked.shape[0] == 0:
+                break
+        if decoded_eos:   # positions dropped after the first EOS: EOS (upstream leaves them masked)
+            first = int(((x[0, P:] == eos_id).nonzero()[0, 0]) + P)
+            tail = x[:, first:]
+            tail[tail == mask_id] = eos_id
+    stats.stop(B * (T - P))
+    return canvas
 
 
-@torch.no_grad()
 def elastic_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: ElasticCache | None = None,
                      gen_length: int = 512, attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
                      eos_id: int | None = None, stats: GenerationStats | None = None,
@@ -304,11 +294,10 @@ def elastic_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Elast
     last row); returns `[B, P + gen_length]`. `structure` / `end_ids`: structured output around
     Elastic's own rule or `rule` (`diffusion/parts/constrain.py`; what it changes in Elastic's
     loop: docs/quirks.md, "Structured output in ... the step-generator methods")."""
-    config = ElasticCache() if config is None else config
-    if not isinstance(config, ElasticCache):
-        raise ValueError(f"config must be a remask ElasticCache, got {type(config).__name__}")
+    config = check_instance("config", ElasticCache() if config is None else config, ElasticCache,
+                            "a remask ElasticCache", allow_none=False)
     check_int("gen_length", gen_length, minimum=1)
-    check_stats("stats", stats)
+    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     for name, value in (("mask_id", mask_id), ("eos_id", eos_id)):
         check_int(name, value, minimum=0, allow_none=True)
     spec = get_spec(model, mask_id=mask_id, eos_id=eos_id)
@@ -322,30 +311,11 @@ def elastic_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Elast
         raise ValueError(f"trace must be a list or None, got {type(trace).__name__}")
     if rule is not None:
         _check_rule(rule, config)
-    device = model_device(model)
     B, P = prompt.shape
     config.check_request(gen_length=gen_length, prompt_length=P)
-    T = P + gen_length
-    x = masked_canvas(prompt, gen_length, spec.mask_id, device)
-    key_ok = valid_positions(attention_mask, T)   # False on the left pads
+    x = masked_canvas(prompt, gen_length, spec.mask_id, model_device(model))
+    key_ok = valid_positions(attention_mask, P + gen_length)   # False on the left pads
     from ..parts.constrain import CommitFilter, end_ids_of
 
-    constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
-    return _elastic_loop(model, x, P, config, spec.mask_id, spec.eos_id, key_ok, gen_length, stats, trace, rule,
-                         constraint)
-
-
-@torch.no_grad()
-def _elastic_loop(model: torch.nn.Module, x: torch.Tensor, P: int, config: ElasticCache, mask_id: int,
-                  eos_id: int | None, key_ok: torch.Tensor | None, gen_length: int, stats: GenerationStats | None,
-                  trace: list | None, rule: Any = None, constraint: Any = None) -> StepGenerator:
-    B = x.shape[0]
-    if stats is not None:
-        stats.start()
-    for b in range(B):
-        x[b:b + 1] = yield from _decode_row(model, x[b:b + 1].clone(), P, config, mask_id, eos_id,
-                                            None if key_ok is None else key_ok[b:b + 1], stats, trace, x, b, rule,
-                                            None if constraint is None else constraint.rows([b]))
-    if stats is not None:
-        stats.stop(B * gen_length)
-    return x
+    filters = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
+    return _elastic_loop(model, x, P, config, spec.mask_id, spec.eos_id, key_ok, stats, trace, rule, filters)

@@ -109,11 +109,8 @@ class Stability:
 
     def previous(self, log_p: torch.Tensor) -> torch.Tensor:
         """log(p_prev + eps) for `log_p`'s positions (log(eps) where no forward scored them yet)."""
-        prev = torch.full_like(log_p, math.log(EPS)) if self.log_prev is None else self.log_prev
-        if prev.shape[1] < log_p.shape[1]:
-            tail = torch.full_like(log_p[:, prev.shape[1]:], math.log(EPS))
-            prev = torch.cat([prev, tail], dim=1)
-        return prev[:, :log_p.shape[1]]
+        prev = log_p[:, :0] if self.log_prev is None else self.log_prev[:, :log_p.shape[1]]
+        return torch.cat([prev, torch.full_like(log_p[:, prev.shape[1]:], math.log(EPS))], dim=1)
 
     def padded(self, like: torch.Tensor) -> torch.Tensor:
         streak = torch.full(like.shape, self.initial, dtype=torch.long, device=like.device)
@@ -136,9 +133,8 @@ def klass_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: KLASS |
     """KLASS's loop (module docstring) as a step generator, its arguments checked at the call: a
     `ForwardRequest` per forward (the block and the next, against the whole canvas), a `Progress` after
     each; returns `[B, P + gen_length]`. `steps`: LLaDA's schedule (None: `gen_length`)."""
-    config = KLASS() if config is None else config
-    check_instance("decoder", config, KLASS, "a remask.KLASS", allow_none=False)
-    check_stats("stats", stats)
+    config = check_instance("decoder", KLASS() if config is None else config, KLASS, "a remask.KLASS", allow_none=False)
+    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     if structure is not None:
         raise ValueError("structured_outputs: KLASS's loop does not take a structure")
     steps = gen_length if steps is None else steps
@@ -152,10 +148,9 @@ def klass_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: KLASS |
 
 @torch.no_grad()
 def _klass_loop(config: KLASS, spec: Any, x: torch.Tensor, P: int, attention_mask: torch.Tensor | None,
-                steps_per_block: int, block_length: int, stats: GenerationStats | None) -> StepGenerator:
+                steps_per_block: int, block_length: int, stats: GenerationStats) -> StepGenerator:
     B, T, mask_id = x.shape[0], x.shape[1], spec.mask_id
-    if stats is not None:
-        stats.start()
+    stats.start()
     for b in range(B):   # each row as alone (upstream's LLaDA loop is one row; its Dream fallback mixes rows)
         row = x[b:b + 1]
         inputs = spec.forward_inputs(None if attention_mask is None else attention_mask[b:b + 1], T)
@@ -170,12 +165,10 @@ def _klass_loop(config: KLASS, spec: Any, x: torch.Tensor, P: int, attention_mas
                 logits = yield ForwardRequest.call(row, inputs, spec=spec, rows=slice(start, hi))
                 commit, tokens = config.commit(block, logits, mask_id, state)
                 block[commit] = tokens[commit]
-                if stats is not None:
-                    stats.forward(1, T)
-                    stats.step(commit.sum())
+                stats.forward(1, T)
+                stats.step(commit.sum())
                 step += 1
                 yield Progress(x, start - P if b == B - 1 else 0)
             state.next_block(block_length)
-    if stats is not None:
-        stats.stop(B * (T - P))
+    stats.stop(B * (T - P))
     return x

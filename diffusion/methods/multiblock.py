@@ -27,11 +27,12 @@ import torch
 
 from remask.models.spec import get_spec
 
-from ..parts.checks import (check_bool, check_int, check_mask_id, check_optional_token_id, check_prompt,
-                            check_real, check_stats, check_token_id, model_device)
+from ..parts.checks import (check_bool, check_instance, check_int, check_mask_id, check_optional_token_id,
+                            check_prompt, check_real, check_stats, check_token_id, model_device)
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.scoring import score_rows
 from ..parts.stats import GenerationStats
+from ..parts.step import masked_canvas
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
 
 MAX_FORWARDS = 10000   # the reference's loop guard (reached only when the mask token is committed)
@@ -137,7 +138,8 @@ class _Row:
             self._open(masks=0, full=True)
         return not bool((x[self.P:] == mask_id).any())
 
-    def commit(self, x: torch.Tensor, logits: torch.Tensor, end: int, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def commit(self, x: torch.Tensor, logits: torch.Tensor, end: int,
+               mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Upstream's commit on row `x` from its logits `[T, V]`, the open blocks ending at `end`: which
         positions of `x[P:end]` it commits (bool) and the argmax there (the mask token excluded by default)."""
         x0, neg_entropy = score_rows(logits, torch.arange(self.P, end, device=x.device), mode="neg_entropy",
@@ -164,7 +166,6 @@ class _Row:
             self.done = True
 
 
-@torch.no_grad()
 def multiblock_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: MultiBlock | None = None,
                         gen_length: int = 512, block_length: int = 32, attention_mask: torch.Tensor | None = None,
                         mask_id: int | None = None, stats: GenerationStats | None = None
@@ -182,13 +183,12 @@ def multiblock_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Mu
     """`multiblock_generate` as a step generator (`diffusion/parts/stepper.py`), its arguments checked at
     the call; it yields a `Progress` after every forward and returns `(x, nfe)`. `structure` / `end_ids`:
     structured output (`diffusion/parts/constrain.py`) over the open blocks; a row ends when it ends."""
-    config = MultiBlock() if config is None else config
-    if not isinstance(config, MultiBlock):
-        raise ValueError(f"config must be a remask MultiBlock, got {type(config).__name__}")
+    config = check_instance("config", MultiBlock() if config is None else config, MultiBlock, "a remask MultiBlock",
+                            allow_none=False)
     check_int("gen_length", gen_length, minimum=1)
     check_int("block_length", block_length, minimum=1, maximum=gen_length)
     config.check_request(gen_length=gen_length, block_length=block_length)
-    check_stats("stats", stats)
+    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     spec = get_spec(model, mask_id=mask_id)
     check_mask_id(spec)
     check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
@@ -197,8 +197,7 @@ def multiblock_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Mu
     if config.early_stop:
         check_token_id(spec, eos_id, "eos_token_id")
     B, P = prompt.shape
-    x = torch.full((B, P + gen_length), spec.mask_id, dtype=torch.long, device=model_device(model))
-    x[:, :P] = prompt
+    x = masked_canvas(prompt, gen_length, spec.mask_id, model_device(model))
     inputs = spec.forward_inputs(attention_mask, x.shape[1])
     rows = [_Row(config, P, gen_length // block_length, block_length) for _ in range(B)]
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
@@ -207,7 +206,7 @@ def multiblock_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Mu
 
 @torch.no_grad()
 def _loop(x: torch.Tensor, rows: list[_Row], inputs: dict, spec, eos_id: int | None,
-          stats: GenerationStats | None, constraint: CommitFilter | None) -> StepGenerator:
+          stats: GenerationStats, constraint: CommitFilter | None) -> StepGenerator:
     mask_id, P, T = spec.mask_id, rows[0].P, x.shape[1]
 
     def begin() -> dict[int, int]:   # each row's step up to its forward (early stop's fill included)
@@ -216,17 +215,15 @@ def _loop(x: torch.Tensor, rows: list[_Row], inputs: dict, spec, eos_id: int | N
         ends = {b: row.begin_step(x[b], mask_id, eos_id) for b, row in enumerate(rows)}
         return {b: end for b, end in ends.items() if end is not None}
 
-    if stats is not None:
-        stats.start()
+    stats.start()
     ends = begin()
     while ends:
         active = list(ends)
         index = torch.tensor(active, device=x.device)
         logits = yield ForwardRequest.call(x[index], {k: v[index] if torch.is_tensor(v) else v
                                                       for k, v in inputs.items()}, spec=spec)
-        before = int((x[index, P:] == mask_id).sum())
-        if stats is not None:
-            stats.forward(len(active), T)
+        before = (x[index, P:] == mask_id).sum()
+        stats.forward(len(active), T)
         if constraint is not None:
             sub = constraint.rows(active)
             logits = sub.mask_frontier(logits, P, T, P)
@@ -246,12 +243,10 @@ def _loop(x: torch.Tensor, rows: list[_Row], inputs: dict, spec, eos_id: int | N
             for b in active:
                 for block in rows[b].blocks[1:]:
                     block.masks = int((x[b, block.start:block.end] == mask_id).sum())
-        if stats is not None:
-            stats.step(before - int((x[index, P:] == mask_id).sum()))
+        stats.step(before - (x[index, P:] == mask_id).sum())
         ends = begin()
         # the decoded run from the answer's start (the next commit's candidates undecided): no later step changes it
         undecided = (x[:, P:] == mask_id) | torch.stack([row.masked for row in rows])
         yield Progress(x, int((~undecided).long().cumprod(dim=1).sum(dim=1).min()))
-    if stats is not None:
-        stats.stop(x.shape[0] * (T - P))
+    stats.stop(x.shape[0] * (T - P))
     return x, torch.tensor([row.nfe for row in rows])

@@ -77,7 +77,6 @@ class Prophet:
         return {**PHASES, **(self.early_exit_thresholds or {})}[phase]
 
 
-@torch.no_grad()
 def prophet_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: Prophet | None = None,
                      steps: int = 128, gen_length: int = 128, block_length: int = 128, cfg_scale: float = 0.0,
                      remasking: str = "low_confidence", attention_mask: torch.Tensor | None = None,
@@ -96,12 +95,12 @@ def prophet_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Proph
                   mask_id: int | None = None, generator: torch.Generator | None = None,
                   stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = ()) -> StepGenerator:
     """`prophet_generate` as a step generator (`diffusion/parts/stepper.py`), its arguments checked at the call."""
-    config = Prophet() if config is None else config
-    check_instance("config", config, Prophet, "a remask.Prophet", allow_none=False)
+    config = check_instance("config", Prophet() if config is None else config, Prophet, "a remask.Prophet",
+                            allow_none=False)
     if structure is not None:
         raise CombinationError("structured_outputs with decoder=Prophet: its early exit fills every masked position "
                                "at once, past what a structure lets one commit decide")
-    check_stats("stats", stats)
+    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     check_generator(generator, prompt.device)
     spec = get_spec(model, mask_id=mask_id)
     check_model_kind(spec, diffusion=True, entry="Prophet")
@@ -122,14 +121,13 @@ def prophet_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Proph
 @torch.no_grad()
 def _prophet_loop(config: Prophet, decoder: BlockDecoder, model: torch.nn.Module, prompt: torch.Tensor,
                   attention_mask: torch.Tensor | None, steps: int, generator: torch.Generator | None,
-                  stats: GenerationStats | None) -> StepGenerator:
+                  stats: GenerationStats) -> StepGenerator:
     mask_id, (B, P) = decoder.spec.mask_id, prompt.shape
     canvas = masked_canvas(prompt, decoder.gen_length, mask_id)
     T = canvas.shape[1]
     answer = [] if config.answer_start_pos is None else list(
         range(max(config.answer_start_pos, P), min(T, config.answer_start_pos + config.answer_length)))
-    if stats is not None:
-        stats.start()
+    stats.start()
     for b in range(B):
         state = decoder.start(model, prompt[b:b + 1], None if attention_mask is None else attention_mask[b:b + 1])
         for position, token in (config.constraints or {}).items():
@@ -150,14 +148,12 @@ def _prophet_loop(config: Prophet, decoder: BlockDecoder, model: torch.nn.Module
                 if bool(total / len(answer) >= config.threshold_at(step, steps)):
                     masked = (state.x[0] == mask_id).nonzero().flatten()
                     state.x[0, masked] = score_rows(logits[0], masked, exclude_id=mask_id)[0]
-                    if stats is not None:
-                        stats.forward(2 if decoder.cfg_scale > 0 else 1, T)
-                        stats.step(masked.numel())
+                    stats.forward(2 if decoder.cfg_scale > 0 else 1, T)
+                    stats.step(masked.numel())
                     break
             decoder.commit(state, logits, fed, generator, stats)
             canvas[b:b + 1] = state.x
             yield Progress(canvas, decoder.num_final(state) if b == B - 1 else 0)
         canvas[b:b + 1] = state.x
-    if stats is not None:
-        stats.stop(B * decoder.gen_length)
+    stats.stop(B * decoder.gen_length)
     return canvas

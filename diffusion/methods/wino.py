@@ -30,10 +30,12 @@ import torch.nn.functional as F
 
 from remask.models.spec import get_spec
 
-from ..parts.constrain import CommitFilter, end_ids_of
-from ..parts.checks import (check_bool, check_int, check_mask_id, check_prompt, check_real,
+from ..parts.cache import valid_positions
+from ..parts.checks import (check_bool, check_instance, check_int, check_mask_id, check_prompt, check_real,
                             check_stats, model_device)
+from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.stats import GenerationStats
+from ..parts.step import masked_canvas
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
 
 
@@ -117,7 +119,6 @@ def _decide_row(config: WINO, confidence: torch.Tensor, confidence_back: torch.T
     return accept, remask
 
 
-@torch.no_grad()
 def wino_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | None = None,
                   gen_length: int = 128, block_length: int = 128, attention_mask: torch.Tensor | None = None,
                   mask_id: int | None = None, stats: GenerationStats | None = None
@@ -140,43 +141,32 @@ def wino_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | N
     the frontier masked before the rows decide, the commits filtered after; a narrow-out of a
     consumed position rolls its matcher back. Departure: after `2 * block_length` forwards in one
     block a row stops narrowing out (the filter then ends the block), so the two cannot cycle."""
-    config = WINO() if config is None else config
-    if not isinstance(config, WINO):
-        raise ValueError(f"config must be a remask WINO, got {type(config).__name__}")
+    config = check_instance("config", WINO() if config is None else config, WINO, "a remask WINO", allow_none=False)
     check_int("gen_length", gen_length, minimum=1)
     check_int("block_length", block_length, minimum=1)
     if gen_length % block_length:
         raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
-    config.check_request(gen_length=gen_length, block_length=block_length)
-    check_stats("stats", stats)
+    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     spec = get_spec(model, mask_id=mask_id)
     check_mask_id(spec)
     check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
-    mask_id = spec.mask_id
-    device = model_device(model)
     B, P = prompt.shape
-    real = P + gen_length
-    x = torch.full((B, real + block_length), mask_id, dtype=torch.long, device=device)
-    x[:, :P] = prompt
-    keys = None
-    if attention_mask is not None and bool((attention_mask == 0).any()):
-        keys = torch.ones((B, real + block_length), dtype=torch.bool, device=device)
-        keys[:, :P] = attention_mask != 0
-    constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, mask_id, P, gen_length)
-    return _wino_loop(config, x, keys, P, gen_length, block_length, mask_id, stats, constraint)
+    x = masked_canvas(prompt, gen_length + block_length, spec.mask_id, model_device(model))   # + the shadow block
+    padded = attention_mask is not None and bool((attention_mask == 0).any())
+    keys = valid_positions(attention_mask, x.shape[1]) if padded else None   # False on the left pads
+    constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
+    return _wino_loop(config, x, keys, P, gen_length, block_length, spec.mask_id, stats, constraint)
 
 
 @torch.no_grad()
 def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
-               gen_length: int, block_length: int, mask_id: int, stats: GenerationStats | None,
+               gen_length: int, block_length: int, mask_id: int, stats: GenerationStats,
                constraint=None) -> StepGenerator:
     B, device = x.shape[0], x.device
     real = P + gen_length
     forwards = torch.zeros(B, dtype=torch.long)
-    if stats is not None:
-        stats.start()
-    for num_block in range(gen_length // block_length):
-        start = P + num_block * block_length
+    stats.start()
+    for start in range(P, real, block_length):
         end = start + block_length
         position_ids = torch.cat([torch.arange(real, device=device), torch.arange(start, end, device=device)])
         allowed = shadow_attention(P, gen_length, start, block_length, device)
@@ -203,8 +193,7 @@ def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
             bias = allowed if allowed.shape[0] == 1 else allowed[rows]
             positions = position_ids[None].expand(len(active), -1)
             logits = yield ForwardRequest(x[rows], per_row=dict(attention_bias=bias, position_ids=positions))
-            if stats is not None:
-                stats.forward(len(active), x.shape[1])
+            stats.forward(len(active), x.shape[1])
             committed = 0
             if constraint is not None:
                 sub = constraint.rows(active)
@@ -216,8 +205,8 @@ def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
                 x0, p = predict(logits[i], mask_id, config.commit_mask_token)
                 x0[real:] = torch.where(decoded[b], x[b, start:end], x0[real:])
                 x0_p = torch.gather(p, -1, x0[:, None]).squeeze(-1)
-                confidence = torch.where(masked[b], x0_p[lo:end], torch.full_like(x0_p[lo:end], -torch.inf))
-                confidence_back = torch.where(decoded[b], x0_p[real:], torch.full_like(x0_p[real:], torch.inf))
+                confidence = torch.where(masked[b], x0_p[lo:end], -torch.inf)
+                confidence_back = torch.where(decoded[b], x0_p[real:], torch.inf)
                 accept, remask = _decide_row(config, confidence, confidence_back, last_accept[b], max_accept)
                 if constraint is not None:
                     candidates[i] = x0[start:end]
@@ -242,17 +231,13 @@ def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
                 for i, b in enumerate(active):
                     masked[b] = now[i]
                     decoded[b] = ~now[i]
-            if stats is not None:
-                stats.step(committed)
+            stats.step(committed)
             # a block is final once no row holds a mask in it, and with commit_mask_token once none
             # holds the mask token before it either (the next block decodes those again)
             pending = masked.any(dim=0)
             if reopen:
                 pending |= (x[:, lo:end] == mask_id).any(dim=0)
-            if bool(pending.any()):
-                yield Progress(x[:, :real], min(start, lo + int(pending.nonzero()[0])) - P)
-            else:
-                yield Progress(x[:, :real], end - P)
-    if stats is not None:
-        stats.stop(B * gen_length)
+            final = min(start, lo + int(pending.nonzero()[0])) if bool(pending.any()) else end
+            yield Progress(x[:, :real], final - P)
+    stats.stop(B * gen_length)
     return x[:, :real], forwards
