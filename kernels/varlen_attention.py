@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import HAS_TRITON, next_power_of_2, use_triton
-from .paged import low_precision_dot, paged_attention_warps
+from .paged import low_precision_dot
 from .varlen_attention_ref import BIDIRECTIONAL, CAUSAL, pack_masks, varlen_attention_torch
 
 if HAS_TRITON:
@@ -160,10 +160,10 @@ def varlen_attention_config(head_dim: int, dtype: torch.dtype, low_precision: bo
     diffusion blocks remask runs are 4 … 64 queries per request, so a 64-row tile would leave most
     of its rows idle for the common 32-token block. Key tiles of 32, or 16 for float32 operands
     (`low_precision` False), whose FMA dots hold float32 tiles: with 32 the cache tiles' per-row
-    page addresses took sm_80 to 255 registers and 48 B of spills at D = 128. Warps as the paged
-    kernel's rule."""
+    page addresses took sm_80 to 255 registers and 48 B of spills at D = 128. 8 warps from D = 128
+    on (at 4, sm_90 spilled 12 B with bf16 operands) and for float32 operands, else 4."""
     block_m, block_n = 32, (32 if low_precision else 16)
-    return block_m, block_n, paged_attention_warps(block_n, max(16, next_power_of_2(head_dim)), low_precision)
+    return block_m, block_n, 8 if head_dim > 64 or not low_precision else 4
 
 
 def _int_vector(name: str, t: torch.Tensor | None, S: int, device) -> None:
