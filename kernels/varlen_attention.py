@@ -154,8 +154,9 @@ if HAS_TRITON:
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-# ptxas' own choice at 8 warps (128 registers) spilled 4 B on sm_100 without a cache; told 168 it
-# used 125 and spilled nothing. One value for every launch (no result depends on it).
+# The register cap of 16-bit launches: ptxas' own choice at 8 warps (128 registers) spilled 4 B on
+# sm_100 without a cache; told 168 it used 125 and spilled nothing. Float32 launches get none (capped
+# at 168, sm_100 spilled 4 B; uncapped it used 128 and spilled nothing). No result depends on it.
 MAX_REGISTERS = 168
 
 
@@ -166,8 +167,8 @@ def varlen_attention_config(head_dim: int, dtype: torch.dtype, low_precision: bo
     of its rows idle for the common 32-token block. Key tiles of 32, or 16 for float32 operands
     (`low_precision` False), whose FMA dots hold float32 tiles: with 32 the cache tiles' per-row
     page addresses took sm_80 to 255 registers and 48 B of spills at D = 128. 8 warps from D = 128
-    on (at 4, sm_90 spilled 12 B with bf16 operands) and for float32 operands, else 4. The launch
-    also caps registers at `MAX_REGISTERS`."""
+    on (at 4, sm_90 spilled 12 B with bf16 operands) and for float32 operands, else 4. 16-bit
+    launches also cap registers at `MAX_REGISTERS`."""
     block_m, block_n = 32, (32 if low_precision else 16)
     return block_m, block_n, 8 if head_dim > 64 or not low_precision else 4
 
@@ -335,7 +336,7 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor | None, v: torch.Te
         D, kc.shape[1], scale,
         GROUP=Hq // H_kv, HAS_CACHE=has_cache, HAS_NEW=has_new, HAS_MASK=has_mask, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=max(16, next_power_of_2(D)), LOW_PRECISION_DOT=low_precision, num_warps=warps,
-        maxnreg=MAX_REGISTERS)
+        **({"maxnreg": MAX_REGISTERS} if low_precision else {}))
     return out
 
 
