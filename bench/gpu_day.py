@@ -77,7 +77,8 @@ DRY_TESTS = ("tests/test_step_decision.py", "tests/test_zoo.py::test_load_puts_t
 
 BENCH_GROUPS = (("bench/test_confidence.py", "bench/test_unmask.py", "bench/test_step.py", "bench/test_accept.py",
                  "bench/test_dinfer_kernels.py", "bench/test_philox.py"),
-                ("bench/test_block_attention.py", "bench/test_sparse.py", "bench/test_cache.py"))
+                ("bench/test_block_attention.py", "bench/test_varlen_attention.py", "bench/test_sparse.py",
+                 "bench/test_cache.py"))
 # Seconds of kernel-bench's box kept for the groups after each one (group 2, the attention kernels,
 # compiles the most specialisations: on 2026-11-28's H200 it never finished behind group 1).
 BENCH_RESERVE_S = (55.0, 0.0)

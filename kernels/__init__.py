@@ -22,6 +22,10 @@ tests' oracle.
 * `block_sparse_attention(q, k, v, kv_num_blocks, kv_indices, ...)`: bidirectional attention under a
   FlexAttention-style block mask (per query block, a list of KV blocks or single tokens), K/V read in
   place, contiguous or paged (`sparse_attention.py`).
+* `varlen_attention(q, k, v, cu_seqlens, k_cache=, v_cache=, block_table=, cache_lens=, block_sizes=,
+  mask=, mask_offsets=)`: one launch for a pack of requests, each query row over its own request's
+  paged cache and in-forward K/V under its own mask kind (bidirectional, causal, block-causal, own
+  boolean masks), each row's reduction order independent of the pack (`varlen_attention.py`).
 
 Triton runs on CUDA tensors; ``REMASK_TRITON=1`` forces it (CPU tensors under
 ``TRITON_INTERPRET=1``), ``REMASK_TRITON=0`` forces the torch references.
@@ -35,7 +39,8 @@ from .invariant_norm import invariant_rms_norm
 from .paged import paged_attention, paged_gather, paged_store
 from .sparse_attention import block_sparse_attention
 from .unmask import unmask
+from .varlen_attention import varlen_attention
 
 __all__ = ["apd_accept", "block_sparse_attention", "canvas_score", "canvas_update", "confidence", "credit_confidence",
            "dinfer_select", "invariant_linear", "invariant_rms_norm", "paged_attention", "paged_gather", "paged_store",
-           "unmask"]
+           "unmask", "varlen_attention"]

@@ -75,7 +75,7 @@ ANALYSIS_VERSION = 1
 
 # Modules holding launched kernels (reductions.py only has device helpers, inlined into these).
 KERNEL_MODULES = ("accept", "canvas", "confidence", "dinfer", "invariant_matmul", "invariant_norm", "paged",
-                  "sparse_attention", "unmask")
+                  "sparse_attention", "unmask", "varlen_attention")
 
 VOCABS = {"llada": 126464, "dream": 152064, "llada2": 157184, "sdar": 151936}
 MASK_IDS = {"llada": 126336, "dream": 151666, "llada2": 156895, "sdar": 151669}
@@ -367,6 +367,45 @@ def _paged_scenarios():
         lambda: attend("sdar", 32, 32, 32, dtype=torch.float32)
 
 
+def _varlen_scenarios():
+    """One launch for a pack of requests (`varlen_attention`): 4 segments of a 32-token block
+    (the engine's packed step) after 61 / 200 / 333 / 517 cached positions in pages of 32 or 64,
+    mixed mask kinds (runtime data: bidirectional, causal, block-causal 32); q, k, v as the packed
+    forward's views of `[1, H, N, D]`. Variants: no cache (a plain forward), cache only (a dual
+    cache's refreshed block read from its pages), per-query masks, float32."""
+    varlen = _module("varlen_attention")
+    cache_lens, rows = [61, 200, 333, 517], 32
+
+    def run(model, page=32, dtype=torch.bfloat16, cache=True, fresh=True, own_mask=False):
+        Hq, Hkv, D = HEADS[model]
+        S = len(cache_lens)
+        N = S * rows
+        q = _t((1, Hq, N, D), dtype)[0].transpose(0, 1)
+        k = _t((1, Hkv, N, D), dtype)[0].transpose(0, 1) if fresh else None
+        v = _t((1, Hkv, N, D), dtype)[0].transpose(0, 1) if fresh else None
+        cu = torch.arange(0, N + 1, rows, dtype=torch.int32)
+        kw = {}
+        if cache:
+            pages = -(-max(cache_lens) // page)
+            kw.update(k_cache=_t((S * pages, page, Hkv, D), dtype), v_cache=_t((S * pages, page, Hkv, D), dtype),
+                      block_table=torch.zeros((S, pages), dtype=torch.int32),
+                      cache_lens=torch.tensor(cache_lens, dtype=torch.int32))
+        if fresh:
+            kw["block_sizes"] = torch.tensor([0, 1, 32, 32], dtype=torch.int32)
+        if own_mask:
+            kw["mask"], kw["mask_offsets"] = varlen.pack_masks(
+                [torch.ones(rows, c + rows, dtype=torch.bool) for c in cache_lens])
+        varlen.varlen_attention(q, k, v, cu, **kw)
+
+    for model in HEADS:
+        yield "varlen_attention", f"{model},D={HEADS[model][2]},page=32,4x32", lambda m=model: run(m)
+    yield "varlen_attention", "sdar,D=128,page=64,4x32", lambda: run("sdar", page=64)
+    yield "varlen_attention", "sdar,D=128,page=32,4x32,fp32", lambda: run("sdar", dtype=torch.float32)
+    yield "varlen_attention", "sdar,D=128,no-cache,4x32", lambda: run("sdar", cache=False)
+    yield "varlen_attention", "sdar,D=128,page=32,4x32,cache-only", lambda: run("sdar", fresh=False)
+    yield "varlen_attention", "sdar,D=128,page=32,4x32,mask", lambda: run("sdar", own_mask=True)
+
+
 def _sparse_scenarios():
     sparse = _module("sparse_attention")
     Lk = 1024
@@ -427,7 +466,7 @@ def _invariant_scenarios():
 
 SCENARIOS: tuple[Callable[[], Iterable], ...] = (
     _accept_scenarios, _canvas_scenarios, _confidence_scenarios, _dinfer_scenarios, _invariant_scenarios,
-    _paged_scenarios, _sparse_scenarios, _unmask_scenarios)
+    _paged_scenarios, _sparse_scenarios, _unmask_scenarios, _varlen_scenarios)
 
 
 def specs_for(arch: str) -> list[Spec]:

@@ -205,6 +205,7 @@ FAST_CASES = [
     "bench/test_philox.py::test_seeded_gumbel_noise[B1-V32768-torch_generator]",
     "bench/test_sparse.py::test_sparse_attention[1024-retention 0.1]",
     "bench/test_block_attention.py::test_block_causal_paged_attention[reference]",
+    "bench/test_varlen_attention.py::test_varlen_attention[reference]",
     "bench/test_cache.py::test_batch_of_one_shared_prompt_memory[paged]",
 ]
 
