@@ -4,7 +4,9 @@
 `SamplingParams`: a family's own loop (`Family.engine_decoder`), DiffusionGemma's canvas loop,
 autoregressive decoding, LLaDA's block rule, Dream's sampler or block decoder, APD, or a method's
 step generator (`decoders.decoder_steps`), each built as the drop-in function builds it (the same
-tokens). The one place that maps settings to methods: the engine has no branch on a method or model.
+tokens). The one place that maps settings to methods, one lookup: `way_of` names the request's way of
+decoding (a key of `parts.checks.WAYS`, whose table says what each reads, or "family"), `BUILDERS` its
+builder. The engine has no branch on a method or model.
 
 `min_tokens`: the engine gives the decoder a logits processor (`parts/processors.HoldEndIds`, through
 `Decoder.add_processor`) where its loop scores after the forward (LLaDA's block rule, Dream's sampler
@@ -81,12 +83,16 @@ def check_end_settings(engine: Any, params: SamplingParams, way: str) -> None:
     it cannot (never ignored): both for AR models, LLaDA's block rule and Dream's sampler and block
     decoder; `ignore_eos` also for the methods with no EOS rule of their own. docs/engine.md has
     the table."""
-    reason = {"canvas": "a uniform-noise model (DiffusionGemma): its canvas loop ends at the first canvas holding EOS",
-              "family": f"a block-causal model ({engine.family and engine.family.model_type}): its loop stops after "
-                        "the block holding EOS, and its rule scores inside the family's own step",
-              "apd": "apd: APD stops at the first EOS it accepts and drafts with the AR verifier's logits too"}.get(way)
     if way == "method":
         reason = end_settings_refusal(params.method, min_tokens=bool(params.min_tokens))
+    elif way == "family":
+        reason = (f"a block-causal model ({engine.family.model_type}): its loop stops after the block holding EOS, "
+                  "and its rule scores inside the family's own step")
+    else:
+        reason = {"canvas": "a uniform-noise model (DiffusionGemma): its canvas loop ends at the first canvas "
+                            "holding EOS",
+                  "apd": "apd: APD stops at the first EOS it accepts and drafts with the AR verifier's logits too"
+                  }.get(way)
     if reason is not None:
         raise ValueError(f"{' / '.join(changed(params, ('ignore_eos', 'min_tokens')))}: not supported with {reason}")
 
