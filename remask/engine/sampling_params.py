@@ -9,9 +9,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from remask.diffusion.families.apd import APDConfig
+from remask.diffusion.families.canvas import CanvasSampler
+from remask.diffusion.families.dream import ALGORITHMS
+from remask.diffusion.families.llada import REMASKING, validate_block_args, validate_rule
+from remask.diffusion.parts.cache import CACHE_MODES
 from remask.diffusion.parts.checks import (MAX_LOGPROBS, MAX_TEMPERATURE, ParameterTypeError, check_bool, check_choice,
                                            check_instance, check_int, check_min_tokens, check_real, check_seed,
                                            check_steps, check_stop, refuse_unread)
+from remask.diffusion.parts.sparse import SparseConfig
+from remask.models.registry import resolve
 
 # The family modules whose settings checks a family's dict field runs ("module:function", bound on first use).
 FAMILY_SETTINGS = {"canvas": "remask.diffusion.families.canvas:check_canvas_settings",
@@ -102,15 +109,8 @@ class SamplingParams:
         # max_tokens only repeat forwards (and sized O(steps) buffers: steps=10**9 was an OOM kill)
         check_steps("steps", self.steps, self.max_tokens, "max_tokens")
         check_int("block_length", self.block_length, minimum=1, allow_none=True)
-        from remask.diffusion.families.apd import APDConfig
-        from remask.diffusion.families.canvas import CanvasSampler
-        from remask.diffusion.families.dream import ALGORITHMS
-        from remask.diffusion.families.llada import REMASKING, validate_block_args, validate_rule
         from remask.diffusion.methods import registry
         from remask.diffusion.methods.decoders import check_decoder
-        from remask.diffusion.parts.cache import CACHE_MODES
-        from remask.diffusion.parts.sparse import SparseConfig
-        from remask.models.registry import resolve
 
         check_choice("remasking", self.remasking, REMASKING)
         validate_rule(self.threshold, self.factor, self.frechet_margin)
