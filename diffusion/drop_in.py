@@ -26,9 +26,9 @@ from .families.llada import block_diffusion_generate
 from .methods.decoders import is_dinfer_method, run_decoder
 from .methods.freedave import FreeDave, freedave_generate
 from .parts.cache import cache_mode
-from .parts.checks import (check_bool, check_callable, check_generator, check_instance, check_int, check_length, check_mask_id, check_model_kind,
-                           check_optional_token_id, check_prompt, check_real, check_stats,
-                           warn_if_longer_than_trained, warn_if_padded_without_mask)
+from .parts.checks import (check_bool, check_callable, check_generator, check_instance, check_int, check_length,
+                           check_mask_id, check_model_kind, check_optional_token_id, check_prompt, check_real,
+                           check_stats, warn_if_longer_than_trained, warn_if_padded_without_mask)
 from .parts.constrain_loops import structure_for_call
 from .parts.sparse import SparseConfig
 from .parts.stats import GenerationStats

@@ -110,4 +110,4 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
     common = dict(gen_length=gen_length, attention_mask=attention_mask, mask_id=mask_id, stats=stats,
                   structure=structure, end_ids=end_ids)
     return method.loop(registry.Call(model, prompt, decoder, use_cache, steps, block_length,
-                                     {key: value for key, (value, _) in settings.items()}, common))
+                                     {key: value for key, (value, _) in settings.items()}, common, method))

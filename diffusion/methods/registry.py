@@ -56,6 +56,7 @@ class Call:
     block_length: int
     settings: dict[str, Any] = field(default_factory=dict)
     common: dict[str, Any] = field(default_factory=dict)
+    method: Method | None = None   # the method called
 
     @property
     def gen_length(self) -> int:
@@ -107,62 +108,28 @@ def _freedave_loop(call: Call) -> StepGenerator:
                           block_length=call.block_length, use_cache=call.use_cache, **call.common)
 
 
-def _wino_loop(call: Call) -> StepGenerator:
-    if call.use_cache is not None:   # checked at the call, as every loop's arguments
-        raise ValueError("use_cache: WINO forwards the whole sequence with its shadow block (no cache)")
-    return _first(wino_steps(call.model, call.prompt, config=call.decoder, block_length=call.block_length,
-                             **call.common))
-
-
-def _multiblock_loop(call: Call) -> StepGenerator:
-    if call.use_cache is not None:
-        raise ValueError("use_cache: MultiBlock forwards the whole sequence every step (no cache)")
-    return _first(multiblock_steps(call.model, call.prompt, config=call.decoder, block_length=call.block_length,
-                                   **call.common))
+def _own_loop(steps_of: Callable[..., StepGenerator], *, no_cache: str | None = None, first: bool = False
+              ) -> Callable[[Call], StepGenerator]:
+    """The loop of a method with a step generator of its own, `steps_of(model, prompt, config=, block_length=,
+    ...)`, given the settings the method `reads` (`steps`: None is gen_length); `no_cache` says why it takes no
+    `use_cache` (refused); `first`: a loop that returns (x, forward counts)."""
+    def loop(call: Call) -> StepGenerator:
+        if no_cache is not None and call.use_cache is not None:   # checked at the call, as every loop's arguments
+            raise ValueError(f"use_cache: {no_cache}")
+        taken = {name: call.settings[name] for name in call.method.reads if name in call.settings}
+        if "steps" in call.method.reads:
+            taken["steps"] = call.gen_length if call.steps is None else call.steps
+        config = call.use_cache if call.method.field == "use_cache" else call.decoder
+        steps = steps_of(call.model, call.prompt, config=config, block_length=call.block_length, **taken,
+                         **call.common)
+        return _first(steps) if first else steps
+    return loop
 
 
 def _first(steps: StepGenerator) -> StepGenerator:
     """WINO's and MultiBlock's loops return (x, forward counts): the output is x."""
     out = yield from steps
     return out[0]
-
-
-def _prophet_loop(call: Call) -> StepGenerator:
-    if call.use_cache is not None:
-        raise ValueError("use_cache: Prophet reads the answer positions' logits at every step (full forwards, "
-                         "no cache, as upstream)")
-    return prophet_steps(call.model, call.prompt, config=call.decoder,
-                         steps=call.gen_length if call.steps is None else call.steps, block_length=call.block_length,
-                         cfg_scale=call.settings.get("cfg_scale", 0.0),
-                         remasking=call.settings.get("remasking", "low_confidence"),
-                         generator=call.settings.get("generator"), **call.common)
-
-
-def _daedal_loop(call: Call) -> StepGenerator:
-    if call.use_cache is not None:
-        raise ValueError("use_cache: DAEDAL forwards its whole canvas, whose length changes (no cache)")
-    return daedal_steps(call.model, call.prompt, config=call.decoder, block_length=call.block_length, **call.common)
-
-
-def _dkv_loop(call: Call) -> StepGenerator:
-    return dkv_steps(call.model, call.prompt, config=call.use_cache,
-                     steps=call.gen_length if call.steps is None else call.steps, block_length=call.block_length,
-                     remasking=call.settings.get("remasking", "low_confidence"),
-                     generator=call.settings.get("generator"), **call.common)
-
-
-def _d2cache_loop(call: Call) -> StepGenerator:
-    return d2cache_steps(call.model, call.prompt, config=call.use_cache,
-                         steps=call.gen_length if call.steps is None else call.steps,
-                         block_length=call.block_length, **call.common)
-
-
-def _klass_loop(call: Call) -> StepGenerator:
-    if call.use_cache is not None:
-        raise ValueError("use_cache: KLASS forwards the whole sequence at every step (its KL memory needs every "
-                         "position's distribution; upstream has no cache)")
-    return klass_steps(call.model, call.prompt, config=call.decoder, steps=call.steps, block_length=call.block_length,
-                       **call.common)
 
 
 def _elastic_loop(call: Call) -> StepGenerator:
@@ -180,16 +147,24 @@ register("hierarchical", HierarchicalDecoding, loop=_rules_loop, fills_after_eos
 register("margin", MarginDecoding, loop=_rules_loop, fills_after_eos=True)
 register("eb_sampler", EBSampler, loop=_rules_loop, fills_after_eos=True)
 register("frechet", FrechetRule, loop=_rules_loop, fills_after_eos=True)
-register("klass", KLASS, loop=_klass_loop, reads=("steps",))   # its own loop on LLaDA / Dream, a rule elsewhere
-register("wino", WINO, loop=_wino_loop, unshifted="WINO's shadow-block forward")
-register("prophet", Prophet, loop=_prophet_loop, reads=("steps", "cfg_scale", "remasking", "generator"))
-register("daedal", DAEDAL, loop=_daedal_loop, length_bound=True)
-register("multiblock", MultiBlock, loop=_multiblock_loop, unshifted="d3LLM's LLaDA multi-block loop",
-         fills_after_eos=lambda config: config.early_stop)
+register("klass", KLASS, reads=("steps",), loop=_own_loop(   # its own loop on LLaDA / Dream, a rule elsewhere
+    klass_steps, no_cache="KLASS forwards the whole sequence at every step (its KL memory needs every position's "
+    "distribution; upstream has no cache)"))
+register("wino", WINO, unshifted="WINO's shadow-block forward", loop=_own_loop(
+    wino_steps, no_cache="WINO forwards the whole sequence with its shadow block (no cache)", first=True))
+register("prophet", Prophet, reads=("steps", "cfg_scale", "remasking", "generator"), loop=_own_loop(
+    prophet_steps, no_cache="Prophet reads the answer positions' logits at every step (full forwards, no cache, as "
+    "upstream)"))
+register("daedal", DAEDAL, length_bound=True, loop=_own_loop(
+    daedal_steps, no_cache="DAEDAL forwards its whole canvas, whose length changes (no cache)"))
+register("multiblock", MultiBlock, unshifted="d3LLM's LLaDA multi-block loop",
+         fills_after_eos=lambda config: config.early_stop, loop=_own_loop(
+             multiblock_steps, no_cache="MultiBlock forwards the whole sequence every step (no cache)", first=True))
 register("vicinity", VicinityCache, "use_cache", loop=_rules_loop, fills_after_eos=True)
-register("dkv", DKVCache, "use_cache", loop=_dkv_loop, reads=("steps", "remasking", "generator"),
-         unshifted="LLaDA's dKV-Cache schedule")
-register("d2cache", D2Cache, "use_cache", loop=_d2cache_loop, reads=("steps",), unshifted="d2Cache's row recompute")
+register("dkv", DKVCache, "use_cache", reads=("steps", "remasking", "generator"),
+         unshifted="LLaDA's dKV-Cache schedule", loop=_own_loop(dkv_steps))
+register("d2cache", D2Cache, "use_cache", reads=("steps",), unshifted="d2Cache's row recompute",
+         loop=_own_loop(d2cache_steps))
 register("elastic", ElasticCache, "use_cache", loop=_elastic_loop, unshifted="Elastic-Cache's sliding window",
          takes_rule=True, fills_after_eos=True)
 

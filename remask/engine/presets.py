@@ -4,7 +4,9 @@
 `SamplingParams`: a family's own loop (`Family.engine_decoder`), DiffusionGemma's canvas loop,
 autoregressive decoding, LLaDA's block rule, Dream's sampler or block decoder, APD, or a method's
 step generator (`decoders.decoder_steps`), each built as the drop-in function builds it (the same
-tokens). The one place that maps settings to methods: the engine has no branch on a method or model.
+tokens). The one place that maps settings to methods, one lookup: `way_of` names the request's way of
+decoding (a key of `parts.checks.WAYS`, whose table says what each reads, or "family"), `BUILDERS` its
+builder. The engine has no branch on a method or model.
 
 `min_tokens`: the engine gives the decoder a logits processor (`parts/processors.HoldEndIds`, through
 `Decoder.add_processor`) where its loop scores after the forward (LLaDA's block rule, Dream's sampler
@@ -12,7 +14,6 @@ and block decoder); the methods that score inside their own loops refuse it (`ch
 """
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
 import torch
@@ -24,59 +25,40 @@ from remask.diffusion.families.canvas import (CanvasDecoder, check_stability, ge
 from remask.diffusion.families.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder,
                                              DreamGenerationConfig, _validate_config, check_block_layout)
 from remask.diffusion.families.llada import BlockDecoder
-from remask.diffusion.methods import registry
 from remask.diffusion.methods.decoders import decoder_steps, end_settings_refusal
-from remask.diffusion.parts.checks import check_prompt
+from remask.diffusion.parts.checks import changed, check_prompt, refuse_unread
 from remask.diffusion.parts.stepper import StepwiseDecoder
 
 from .sampling_params import SamplingParams
 
-# Settings that only the diffusion block rule reads: an AR request that sets one is refused.
-DIFFUSION_ONLY = ("steps", "block_length", "threshold", "factor", "frechet_margin", "use_cache", "sparse", "early_stop",
-                  "decoder", "logits_eos_inf", "confidence_eos_eot_inf", "reference_rng", "reference_ties", "alg",
-                  "alg_temp", "eps", "apd")
+
+def way_of(engine: Any, params: SamplingParams) -> str:
+    """How the request decodes on `engine`'s model: the model's own loop ("canvas" for a uniform-noise model,
+    "family" for a family with one), "ar", else the params' own way (`SamplingParams.way`)."""
+    if engine.spec.noise == "uniform":
+        return "canvas"
+    if engine.family is not None and engine.family.engine_decoder is not None:
+        return "family"
+    return "ar" if engine.is_ar else params.way
 
 
 def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -> Any:
-    """The decoder of a request with `params` on `engine`'s model (module docstring); refuses by
-    name what that decoder cannot honour."""
+    """The decoder of a request with `params` on `engine`'s model (module docstring): its way's builder
+    (`BUILDERS`), after refusing by name what that way does not read or cannot honour."""
+    way = way_of(engine, params)
     if params.ignore_eos or params.min_tokens:
-        check_end_settings(engine, params)
-    if params.logprobs is not None and not engine.is_ar:
+        check_end_settings(engine, params, way)
+    if params.logprobs is not None and way != "ar":
         raise ValueError("logprobs: autoregressive models only; a diffusion model's tokens are committed by its "
                          "decoding rule over several forwards, and remask does not report their log-probabilities yet")
+    if way in ("canvas", "ar", "llada"):   # the others were refused when the params were built, or by the family
+        refuse_unread(params, way)
     structure = structure_for_request(engine, params)
     ends = sorted(set(engine.stop_ids) | set(params.stop_token_ids)) if structure is not None else ()
     # the block-causal families' loops, APD and the canvases hold it in their own loops (parts/constrain_loops.py);
     # Dream's sampler and block decoder, FreeDave, dInfer's rules, WINO and the DKVCache / D2Cache /
     # ElasticCache configs in their commits (parts/constrain.py)
-    if engine.spec.noise == "uniform":
-        decoder = canvas_decoder(engine, params).constrain(structure)
-    elif engine.family is not None and engine.family.engine_decoder is not None:   # the family's own loop (SDAR, ...)
-        decoder = engine.family.decoder_factory()(engine, params).constrain(structure)
-    elif engine.is_ar:
-        set_here = [name for name in DIFFUSION_ONLY if getattr(params, name) != getattr(SamplingParams, name)]
-        if set_here or params.cfg_scale or params.remasking != "low_confidence":
-            raise ValueError(f"the model is autoregressive; these settings are for diffusion models: "
-                             f"{set_here + (['cfg_scale'] if params.cfg_scale else [])}")
-        decoder = ARDecoder(engine.model, **params.ar_kwargs(engine.eos_ids()), structure=structure,
-                            logprobs=params.logprobs)
-        decoder.check_input(prompt_ids, None, engine.model)
-    elif params.decoder is not None or (params.use_cache is not None and not isinstance(params.use_cache, str)):
-        check_prompt(engine.model, prompt_ids, None, spec=engine.spec, mask_in_prompt="refuse")
-        decoder = method_decoder(engine, params, prompt_ids, structure, ends)
-    elif params.apd is not None:
-        decoder = apd_decoder(engine, params, prompt_ids, structure)
-    elif params.alg is not None:
-        decoder = dream_decoder(engine, params, prompt_ids, structure, ends)
-    else:
-        if params.top_p is not None or params.top_k is not None:
-            raise ValueError("top_p / top_k filter autoregressive sampling and Dream's (alg=...); LLaDA's block "
-                             "rule samples with Gumbel-max over the full vocabulary: leave them None")
-        decoder = BlockDecoder(engine.spec, **params.generate_kwargs(),
-                                                                           structure=structure, end_ids=ends)
-        decoder.check_input(engine.model, prompt_ids, None)
-    return decoder
+    return BUILDERS[way](engine, params, prompt_ids, structure, ends)
 
 
 def structure_for_request(engine: Any, params: SamplingParams) -> Any:
@@ -96,45 +78,57 @@ def structure_for_request(engine: Any, params: SamplingParams) -> Any:
     return structure
 
 
-def check_end_settings(engine: Any, params: SamplingParams) -> None:
+def check_end_settings(engine: Any, params: SamplingParams, way: str) -> None:
     """`ignore_eos` / `min_tokens` where the request's loop can honour them, refused by name where
     it cannot (never ignored): both for AR models, LLaDA's block rule and Dream's sampler and block
     decoder; `ignore_eos` also for the methods with no EOS rule of their own. docs/engine.md has
     the table."""
-    reason = None
-    if engine.spec.noise == "uniform":
-        reason = "a uniform-noise model (DiffusionGemma): its canvas loop ends at the first canvas holding EOS"
-    elif engine.family is not None and engine.family.engine_decoder is not None:
+    if way == "method":
+        reason = end_settings_refusal(params.method, min_tokens=bool(params.min_tokens))
+    elif way == "family":
         reason = (f"a block-causal model ({engine.family.model_type}): its loop stops after the block holding EOS, "
                   "and its rule scores inside the family's own step")
-    elif engine.is_ar:
-        return
-    elif params.decoder is not None or registry.is_config("use_cache", params.use_cache):
-        method = params.decoder if params.decoder is not None else params.use_cache
-        reason = end_settings_refusal(method, min_tokens=bool(params.min_tokens))
-    elif params.apd is not None:
-        reason = "apd: APD stops at the first EOS it accepts and drafts with the AR verifier's logits too"
+    else:
+        reason = {"canvas": "a uniform-noise model (DiffusionGemma): its canvas loop ends at the first canvas "
+                            "holding EOS",
+                  "apd": "apd: APD stops at the first EOS it accepts and drafts with the AR verifier's logits too"
+                  }.get(way)
     if reason is not None:
-        names = [n for n in ("ignore_eos", "min_tokens") if getattr(params, n) != getattr(SamplingParams, n)]
-        raise ValueError(f"{' / '.join(names)}: not supported with {reason}")
+        raise ValueError(f"{' / '.join(changed(params, ('ignore_eos', 'min_tokens')))}: not supported with {reason}")
 
 
-def canvas_decoder(engine: Any, params: SamplingParams) -> CanvasDecoder:
+def canvas_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
+                   end_ids: Any = ()) -> CanvasDecoder:
     """DiffusionGemma's canvas loop for these params, configured as `remask.diffusion_generate`
     would be with the checkpoint's generation config and the request's `canvas` settings."""
-    read = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "reference_rng", "canvas", "canvas_sampler",
-            "structured_outputs")
-    set_here = [f.name for f in fields(SamplingParams) if f.name not in read and getattr(params, f.name) != f.default]
-    if set_here:
-        raise ValueError(f"a uniform-noise model (DiffusionGemma) does not read {set_here}; its settings are "
-                         "canvas={...} (max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold, "
-                         "confidence_threshold) and canvas_sampler")
     config = resolve_generation_config(engine.model, None, dict(generation_kwargs(params.canvas),
                                                                max_new_tokens=params.max_tokens))
     if "stability_threshold" in (params.canvas or {}):   # against the checkpoint's max_denoising_steps
         check_stability(config.stability_threshold, config.max_denoising_steps, "max_denoising_steps")
     return CanvasDecoder(engine.model, config, params.canvas_sampler, reference_rng=params.reference_rng,
-                         prompt_cache=engine.prompt_cache)
+                         prompt_cache=engine.prompt_cache).constrain(structure)
+
+
+def family_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
+                   end_ids: Any = ()) -> Any:
+    """The family's own loop (SDAR, LLaDA2, Fast-dLLM v2: `Family.engine_decoder`)."""
+    return engine.family.decoder_factory()(engine, params).constrain(structure)
+
+
+def ar_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
+               end_ids: Any = ()) -> ARDecoder:
+    decoder = ARDecoder(engine.model, **params.ar_kwargs(engine.eos_ids()), structure=structure,
+                        logprobs=params.logprobs)
+    decoder.check_input(prompt_ids, None, engine.model)
+    return decoder
+
+
+def llada_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
+                  end_ids: Any = ()) -> BlockDecoder:
+    """LLaDA's block rule (and Fast-dLLM v1's caches and parallel rules), as `remask.generate` runs it."""
+    decoder = BlockDecoder(engine.spec, **params.generate_kwargs(), structure=structure, end_ids=end_ids)
+    decoder.check_input(engine.model, prompt_ids, None)
+    return decoder
 
 
 def method_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
@@ -146,6 +140,7 @@ def method_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor
     kwargs = dict(gen_length=params.max_tokens, block_length=params.block_length or params.max_tokens,
                   use_cache=params.use_cache, mask_id=engine.spec.mask_id, structure=structure, end_ids=end_ids)
     # Checked now (the settings as values; SamplingParams refused the unread ones already).
+    check_prompt(engine.model, prompt_ids, None, spec=engine.spec, mask_in_prompt="refuse")
     decoder_steps(engine.model, prompt_ids, None, params.decoder, stats=None, settings=settings, **kwargs).close()
 
     def make_steps(model: torch.nn.Module, prompt: torch.Tensor, generator: torch.Generator | None,
@@ -153,12 +148,11 @@ def method_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor
         return decoder_steps(model, prompt, None, params.decoder, stats=stats,
                              settings={**settings, "generator": (generator, generator)}, **kwargs)
 
-    name = type(params.use_cache if params.decoder is None else params.decoder).__name__
-    return StepwiseDecoder(make_steps, gen_length=params.max_tokens, name=name)
+    return StepwiseDecoder(make_steps, gen_length=params.max_tokens, name=type(params.method).__name__)
 
 
-def apd_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None
-                ) -> StepwiseDecoder:
+def apd_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
+                end_ids: Any = ()) -> StepwiseDecoder:
     """APD as `remask.generate(apd=...)` / `diffusion_generate(apd=...)` run it (the settings it
     does not read were refused when the params were built): its rounds, one forward per step."""
     decoder = APDDecoder(engine.spec, params.apd, gen_length=params.max_tokens, temperature=params.temperature,
@@ -189,3 +183,8 @@ def dream_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor,
     check_block_layout(params.max_tokens, block_length, config.steps)
     return DreamBlockDecoder(
         engine.spec, config, threshold, block_length, use_cache, structure=structure, end_ids=end_ids)
+
+
+# way (`way_of`) → the builder of its decoder: `builder(engine, params, prompt_ids, structure, end_ids)`
+BUILDERS = {"canvas": canvas_decoder, "family": family_decoder, "ar": ar_decoder, "method": method_decoder,
+            "apd": apd_decoder, "dream": dream_decoder, "llada": llada_decoder}

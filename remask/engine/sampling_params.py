@@ -9,30 +9,22 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from remask.diffusion.families.apd import APDConfig, check_apd_alone
-from remask.diffusion.parts.cache import CACHE_MODES
-from remask.diffusion.families.canvas import CanvasSampler, check_canvas_settings
-from remask.diffusion.parts.checks import (MAX_LOGPROBS, MAX_TEMPERATURE, ParameterTypeError, check_bool, check_choice,
-                                     check_instance, check_int, check_min_tokens, check_real, check_seed, check_steps,
-                                     check_stop)
+from remask.diffusion.families.apd import APDConfig
+from remask.diffusion.families.canvas import CanvasSampler
 from remask.diffusion.families.dream import ALGORITHMS
 from remask.diffusion.families.llada import REMASKING, validate_block_args, validate_rule
-from remask.diffusion.families.llada2 import check_llada2_settings
-from remask.diffusion.families.sdar import check_sdar_settings
+from remask.diffusion.parts.cache import CACHE_MODES
+from remask.diffusion.parts.checks import (MAX_LOGPROBS, MAX_TEMPERATURE, ParameterTypeError, check_bool, check_choice,
+                                           check_instance, check_int, check_min_tokens, check_real, check_seed,
+                                           check_steps, check_stop, refuse_unread)
 from remask.diffusion.parts.sparse import SparseConfig
+from remask.models.registry import resolve
 
-
-# Settings only LLaDA's block rule reads, with their defaults (refused with Dream's `alg`).
-LLADA_RULE_DEFAULTS = dict(remasking="low_confidence", factor=None, frechet_margin=None, cfg_scale=0.0,
-                           early_stop=False, logits_eos_inf=False, confidence_eos_eot_inf=False, reference_rng=False,
-                           sparse=None)
-# Settings the decoder configs (FreeDave, dInfer's) do not read: refused with `decoder`.
-DECODER_UNREAD = ("threshold", "factor", "frechet_margin", "sparse", "alg", "alg_temp", "early_stop", "reference_rng",
-                  "reference_ties", "cfg_scale", "remasking", "top_p", "top_k", "apd", "logits_eos_inf",
-                  "confidence_eos_eot_inf")
-# Settings APD does not read (it decodes left to right with its verifier): refused with `apd`.
-APD_UNREAD = ("steps", "block_length", "threshold", "factor", "frechet_margin", "use_cache", "sparse", "alg",
-              "alg_temp", "early_stop", "reference_rng", "reference_ties", "cfg_scale", "remasking")
+# The family modules whose settings checks a family's dict field runs ("module:function", bound on first use).
+FAMILY_SETTINGS = {"canvas": "remask.diffusion.families.canvas:check_canvas_settings",
+                   "sdar": "remask.diffusion.families.sdar:check_sdar_settings",
+                   "llada2": "remask.diffusion.families.llada2:check_llada2_settings",
+                   "fast_dllm_v2": "remask.diffusion.families.fast_dllm_v2:check_fast_dllm_v2_settings"}
 
 
 @dataclass(frozen=True)
@@ -117,21 +109,24 @@ class SamplingParams:
         # max_tokens only repeat forwards (and sized O(steps) buffers: steps=10**9 was an OOM kill)
         check_steps("steps", self.steps, self.max_tokens, "max_tokens")
         check_int("block_length", self.block_length, minimum=1, allow_none=True)
-        check_choice("remasking", self.remasking, REMASKING)
-        validate_rule(self.threshold, self.factor, self.frechet_margin)
-        check_real("cfg_scale", self.cfg_scale, low=0)
         from remask.diffusion.methods import registry
         from remask.diffusion.methods.decoders import check_decoder
 
+        check_choice("remasking", self.remasking, REMASKING)
+        validate_rule(self.threshold, self.factor, self.frechet_margin)
+        check_real("cfg_scale", self.cfg_scale, low=0)
         # JSON forms (HTTP bodies, the CLI): {"name": ..., fields...} → the config objects
         for name in ("decoder", "use_cache"):
             if isinstance(getattr(self, name), dict):
                 object.__setattr__(self, name, registry.from_json(name, getattr(self, name)))
+        if self.decoder is not None:
+            check_decoder(self.decoder)
+        method = self.method
         # blocks tile max_tokens, except for a method whose canvas grows up to it (`Method.length_bound`)
-        if not (registry.is_config("decoder", self.decoder) and registry.method_of(self.decoder).length_bound):
+        if method is None or not registry.method_of(method).length_bound:
             validate_block_args(self.max_tokens, self.block_length or self.max_tokens, self.steps or self.max_tokens)
-        if not registry.is_config("use_cache", self.use_cache) and (
-                not (self.use_cache is None or isinstance(self.use_cache, str)) or self.use_cache not in CACHE_MODES):
+        if not (registry.is_config("use_cache", self.use_cache)
+                or isinstance(self.use_cache, (str, type(None))) and self.use_cache in CACHE_MODES):
             configs = "remask.VicinityCache, remask.DKVCache, remask.D2Cache, remask.ElasticCache"
             raise ValueError(f"use_cache must be one of {list(CACHE_MODES)} or a remask cache config ({configs}), "
                              f"got {self.use_cache!r}")
@@ -152,48 +147,46 @@ class SamplingParams:
         check_real("eps", self.eps, low=0, high=1, high_open=True)
         if self.alg is not None:
             check_choice("alg", self.alg, ALGORITHMS)
-            llada_only = [name for name, default in LLADA_RULE_DEFAULTS.items() if getattr(self, name) != default]
-            if self.threshold is not None and self.alg != "confidence_threshold":
-                llada_only.append("threshold")
-            if self.reference_ties and (self.block_length is not None or self.use_cache is not None):
-                llada_only.append("reference_ties")   # Dream's own sampler reads it; its block decoder does not
-            if llada_only:
-                raise ValueError(f"alg={self.alg!r} selects Dream's sampler, which does not read {llada_only} "
-                                 "(LLaDA's block rule does)")
         elif self.alg_temp is not None or self.eps != 1e-3:
             raise ValueError("alg_temp and eps belong to Dream's sampler: set alg= (e.g. 'entropy') to use them")
         check_instance("canvas_sampler", self.canvas_sampler, CanvasSampler, "a remask.CanvasSampler")
-        for name, check in (("canvas", check_canvas_settings), ("sdar", check_sdar_settings),
-                            ("llada2", check_llada2_settings)):   # dicts of a family's settings
+        for name, check in FAMILY_SETTINGS.items():   # dicts of a family's settings
             if getattr(self, name) is not None:
-                object.__setattr__(self, name, check(getattr(self, name)))
-        if self.fast_dllm_v2 is not None:
-            from remask.diffusion.families.fast_dllm_v2 import check_fast_dllm_v2_settings
-
-            object.__setattr__(self, "fast_dllm_v2", check_fast_dllm_v2_settings(self.fast_dllm_v2))
-        if self.decoder is not None or (self.use_cache is not None and not isinstance(self.use_cache, str)):
-            if self.decoder is not None:
-                check_decoder(self.decoder)
-            cache = registry.is_config("use_cache", self.use_cache)
-            method = registry.method_of(self.use_cache if cache else self.decoder)
-            own_steps = "steps" in method.reads   # dKV (LLaDA's own schedule, cached) and d2Cache read steps
-            unread = [name for name in DECODER_UNREAD if getattr(self, name) != getattr(SamplingParams, name)
-                      and name not in method.reads]
-            if self.temperature > 0:
-                unread.append("temperature")
-            if self.steps not in (None, self.max_tokens) and not own_steps:
-                unread.append("steps")
-            if unread:
-                method = type(self.decoder if self.decoder is not None else self.use_cache).__name__
-                raise ValueError(f"{method} runs its own rule (greedy) and does not read {unread}")
+                object.__setattr__(self, name, resolve(check)(getattr(self, name)))
         check_instance("apd", self.apd, APDConfig, "a remask.APDConfig")
-        if self.apd is not None:
-            check_apd_alone([name for name in APD_UNREAD if getattr(self, name) != getattr(SamplingParams, name)])
+        # the settings this request's way of decoding does not read (a family's loop refuses its own at add_request)
+        if self.way == "method":   # `steps`: max_tokens is one token a step, unless the method reads steps itself
+            cache = registry.is_config("use_cache", self.use_cache)   # a cache method reads what its loop reads
+            refuse_unread(self, "method", registry.method_of(self.use_cache if cache else method).reads +
+                          (("steps",) if self.steps == self.max_tokens else ()), name=type(method).__name__)
+        elif self.way == "dream":   # Dream's own sampler reads reference_ties; its block decoder does not
+            refuse_unread(self, "dream", (("threshold",) if self.alg == "confidence_threshold" else ()) + (
+                ("reference_ties",) if self.block_length is None and self.use_cache is None else ()), alg=self.alg)
+        elif self.way == "apd":
+            refuse_unread(self, "apd")
         # the configs' work bounds that the lengths set here fix (docs/parameters.md, "Work bounds"); the
         # method's own checks run them again at add_request, with the prompt and the model's block
         for config in (self.decoder, self.use_cache, self.apd, self.sparse):
             if config is not None and not isinstance(config, str):
                 config.check_request(gen_length=self.max_tokens, block_length=self.block_length, steps=self.steps)
+
+    @property
+    def method(self) -> Any:
+        """The registered method's config these params run (`decoder=`, else a cache config), or None."""
+        if self.decoder is not None:
+            return self.decoder
+        from remask.diffusion.methods import registry
+
+        return self.use_cache if registry.is_config("use_cache", self.use_cache) else None
+
+    @property
+    def way(self) -> str:
+        """How these params decode on a bidirectional mask model (a key of `parts.checks.WAYS`): a registered
+        method's loop ("method"), "apd", Dream's sampler ("dream", `alg=`) or LLaDA's block rule ("llada"). The
+        model may have a loop of its own (`presets.way_of`)."""
+        if self.method is not None:
+            return "method"
+        return "apd" if self.apd is not None else "dream" if self.alg is not None else "llada"
 
     @property
     def gen_length(self) -> int:
