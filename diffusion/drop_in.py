@@ -97,8 +97,15 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch
         clashes = [name for name, value in (("threshold", threshold), ("factor", factor),
                                             ("frechet_margin", frechet_margin), ("use_cache", use_cache),
                                             ("cfg_scale", cfg_scale or None), ("on_step", on_step),
-                                            ("sparse", sparse)) if value is not None]
-        check_apd_alone(clashes + (["remasking"] if remasking != "low_confidence" else []))
+                                            ("sparse", sparse), ("eos_id", eos_id), ("eot_id", eot_id))
+                   if value is not None]
+        # settings with a non-None default: refused when set away from it (APD reads none of them)
+        clashes += [name for name, value, default in (
+            ("steps", steps, 128), ("block_length", block_length, 128), ("remasking", remasking, "low_confidence"),
+            ("logits_eos_inf", logits_eos_inf, False), ("confidence_eos_eot_inf", confidence_eos_eot_inf, False),
+            ("early_stop", early_stop, False), ("reference_rng", reference_rng, False),
+            ("reference_ties", reference_ties, False)) if value != default]
+        check_apd_alone(clashes)
         check_mask_id(spec)
         check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
         check_int("gen_length", gen_length, minimum=1)

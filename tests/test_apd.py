@@ -160,8 +160,19 @@ def test_apd_input_errors(pair, load_model):
         remask.generate(model, prompt, gen_length=16, apd=APDConfig(None))
     with pytest.raises(ValueError, match="vocabulary"):
         # The official-vocabulary LLaDA's prompt ids do not exist in the 128-token tiny-ar.
-        remask.generate(load_model("llada"), torch.tensor([[5000, 6000]]), steps=8, gen_length=8,
-                        apd=APDConfig(verifier))
+        remask.generate(load_model("llada"), torch.tensor([[5000, 6000]]), gen_length=8, apd=APDConfig(verifier))
+
+
+@pytest.mark.parametrize("name,value", [("steps", 16), ("block_length", 16), ("remasking", "random"),
+                                        ("logits_eos_inf", True), ("confidence_eos_eot_inf", True),
+                                        ("early_stop", True), ("reference_rng", True), ("reference_ties", True),
+                                        ("eos_id", 2), ("eot_id", 3)])
+def test_apd_refuses_every_setting_it_does_not_read(name, value, pair):
+    """APD decodes with its own loop and its verifier: a setting of LLaDA's block rule is refused by
+    name, never silently ignored."""
+    model, verifier = pair
+    with pytest.raises(ValueError, match=f"does not combine with .*{name}"):
+        remask.generate(model, _prompts(1)[0], gen_length=16, apd=APDConfig(verifier), **{name: value})
 
 
 def test_coupled_gumbel_at_t0_is_the_reference_rule(pair):

@@ -545,7 +545,8 @@ def test_apd_requests_run_in_the_engine_as_their_own_sub_batch(llada, ar):
 def test_apd_params_refuse_the_settings_apd_does_not_read_when_built(ar):
     config = remask.APDConfig(ar[0], 0.7)
     for name, value in [("threshold", 0.9), ("steps", 16), ("use_cache", "dual"), ("alg", "entropy"),
-                        ("remasking", "random"), ("cfg_scale", 1.0)]:
+                        ("remasking", "random"), ("cfg_scale", 1.0), ("logits_eos_inf", True),
+                        ("confidence_eos_eot_inf", True)]:
         with pytest.raises(ValueError, match=f"apd.*{name}"):
             SamplingParams(max_tokens=16, apd=config, **{name: value})
     assert SamplingParams(max_tokens=16, apd=config, temperature=0.5, top_p=0.9, seed=1).apd is config

@@ -352,7 +352,7 @@ WAYS: dict[str, tuple[tuple[str, ...], str]] = {
               "alg={alg!r} selects Dream's sampler, which does not read {unread} (LLaDA's block rule does)"),
     "method": (("block_length", "use_cache", "decoder", "eps"),
                "{name} runs its own rule (greedy) and does not read {unread}"),
-    "apd": (("temperature", "top_p", "top_k", "logits_eos_inf", "confidence_eos_eot_inf", "eps", "apd"),
+    "apd": (("temperature", "top_p", "top_k", "apd"),
             "apd decodes left to right with its verifier; it does not combine with {unread}"),
     "ar": (("temperature", "top_p", "top_k"), "the model is autoregressive; these settings are for diffusion models: "
            "{unread}"),
