@@ -35,8 +35,6 @@ class Progress:
     final: int = 0
 
 
-
-
 StepGenerator = Generator["ForwardRequest | Progress", Any, Any]
 
 
@@ -125,14 +123,7 @@ def _packed(model: torch.nn.Module, requests: list[ForwardRequest],
                 logits = model(None, inputs_embeds=flat, **kwargs).logits[0]
             else:
                 logits = model(flat, **kwargs).logits[0]
-    segments = attend.segments
-    out = []
-    for r, seg in zip(requests, segments):
-        own = logits[seg.start:seg.end].view(seg.rows, seg.length, -1)
-        if r.spec is not None and r.spec.logit_shift:   # within each row, as `ModelSpec.logits` shifts
-            own = torch.cat([own[:, :1], own[:, :-1]], dim=1)
-        out.append(own if r.rows is None else own[:, r.rows])
-    return out
+    return [_own(r, logits[s.start:s.end].view(s.rows, s.length, -1)) for r, s in zip(requests, attend.segments)]
 
 
 def _stacked(model: torch.nn.Module, requests: list[ForwardRequest],
@@ -151,12 +142,15 @@ def _stacked(model: torch.nn.Module, requests: list[ForwardRequest],
     context = invariant(sum(sizes)) if invariant is not None else contextlib.nullcontext()
     with context:
         logits = model(ids, **per_row, **head.shared, past_key_values=cache).logits
-    out = []
-    for r, own in zip(requests, logits.split(sizes)):
-        if r.spec is not None and r.spec.logit_shift:   # within each row, as `ModelSpec.logits` shifts
-            own = torch.cat([own[:, :1], own[:, :-1]], dim=1)
-        out.append(own if r.rows is None else own[:, r.rows])
-    return out
+    return [_own(r, own) for r, own in zip(requests, logits.split(sizes))]
+
+
+def _own(request: ForwardRequest, logits: torch.Tensor) -> torch.Tensor:
+    """A request's answer from its own rows' logits in a shared call: shifted by its `spec` within each row (as
+    `ModelSpec.logits` shifts), cut to its `rows`."""
+    if request.spec is not None and request.spec.logit_shift:
+        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+    return logits if request.rows is None else logits[:, request.rows]
 
 
 def drive(steps: StepGenerator, model: torch.nn.Module | None = None) -> Any:
