@@ -203,10 +203,23 @@ class _DreamParts:
                       full_conf: torch.Tensor, n: int, generator: torch.Generator | None, last: bool = False,
                       ties: bool = False) -> None:
         """Commit `n` positions of each row of `x` (`last`: all its masks): the most confident (`ties`: through
-        Dream's own `torch.topk`), or drawn with `alg_temp`."""
+        Dream's own `torch.topk`), or with `alg_temp` drawn without replacement, weights `softmax(confidence /
+        alg_temp)`: one draw for the batch, as upstream, when every row has `n` masks (at the last step all); else
+        row by row, each asked for no more than it has (upstream's single draw fails there)."""
         per_row = mask_index.sum(dim=1)
         if self.config.alg_temp:
-            _commit_sampled(x, proposal, full_conf, self.config.alg_temp, per_row, n, last, generator)
+            counts = per_row.tolist()
+            want = counts if last else [min(n, c) for c in counts]
+            weights = F.softmax(full_conf / self.config.alg_temp, dim=-1)
+            if all(w == want[0] for w in want) and (last or min(counts) >= n):
+                if want[0] > 0:
+                    index = torch.multinomial(weights, num_samples=want[0], generator=generator)
+                    x.scatter_(1, index, proposal.gather(1, index))
+                return
+            for row, k in enumerate(want):
+                if k > 0:
+                    index = torch.multinomial(weights[row], num_samples=k, generator=generator)
+                    x[row, index] = proposal[row, index]
         elif ties and not last:
             # a row with fewer masks than n keeps its other positions (upstream would write the mask id over them)
             picked = torch.zeros_like(mask_index).scatter_(1, torch.topk(full_conf, n).indices, True) & mask_index
@@ -230,9 +243,8 @@ class DreamDecoder(_DreamParts, ForwardThenCommit):
     def start(self, model: torch.nn.Module, input_ids: torch.Tensor,
               attention_mask: torch.Tensor | None = None) -> DreamState:
         config, mask_id = self.config, self.spec.mask_id
-        state = self._state(input_ids, config.steps, forward_inputs=self.spec.forward_inputs(attention_mask,
-                                                                                             config.max_length),
-                            histories=[] if self.history else None)
+        inputs = self.spec.forward_inputs(attention_mask, config.max_length)
+        state = self._state(input_ids, config.steps, forward_inputs=inputs, histories=[] if self.history else None)
         if self.sparse is not None:
             # SparseD's Dream sampler: selection scaled by 1/√head_dim (its LLaDA one by 1/√n_heads)
             state.forwards = BlockMaskForward(model, self.spec, self.sparse, state.forward_inputs, config.steps,
@@ -260,7 +272,7 @@ class DreamDecoder(_DreamParts, ForwardThenCommit):
                stats: GenerationStats | None = None) -> None:
         mask_id, alg, i, x = self.spec.mask_id, self.config.alg, state.step, state.x
         if stats is not None:
-            stats.forward(x.shape[0], x.shape[1])
+            stats.forward(*x.shape)
         mask_index = x == mask_id
         logits = self.logits_hook(i, x, logits)
         positions = mask_index.reshape(-1).nonzero().squeeze(1)
@@ -399,26 +411,6 @@ class DreamBlockDecoder(_DreamParts, BlockwiseDecoder):
             state.done = True   # under a structure: the answer ends when every row's has
         elif (constraint is not None or not refresh) and not bool((block_x == mask_id).any()):
             self._next_block(state)
-
-
-def _commit_sampled(x, proposal, full_conf, alg_temp, per_row, n, last, generator):
-    """Dream's `alg_temp` commit: `n` positions per row drawn without replacement, weights `softmax(confidence
-    / alg_temp)`. One draw for the batch, as upstream, when every row has `n` masks (at the last step all);
-    else row by row, each asked for no more than it has (upstream's single draw fails there)."""
-    counts = per_row.tolist()
-    want = counts if last else [min(n, c) for c in counts]
-    weights = F.softmax(full_conf / alg_temp, dim=-1)
-    if all(w == want[0] for w in want) and (last or min(counts) >= n):
-        if want[0] == 0:
-            return
-        index = torch.multinomial(weights, num_samples=want[0], generator=generator)
-        rows = torch.arange(x.size(0), device=x.device)[:, None].expand_as(index)
-        x[rows, index] = proposal[rows, index]
-        return
-    for row, k in enumerate(want):
-        if k > 0:
-            index = torch.multinomial(weights[row], num_samples=k, generator=generator)
-            x[row, index] = proposal[row, index]
 
 
 def _scatter(x, mask_index, confidence, x0, dtype, mask_id):

@@ -142,7 +142,6 @@ class CommitFilter:
                 self._fill_end(x, b)
                 gained.append(sum(t != mask_id and p == mask_id for t, p in zip(x[b, start:end].tolist(), prior)))
                 continue
-            changed = False
             if start <= f < end:
                 committed = [i for i in range(f - start, end - start) if row[i] != mask_id]
                 if committed:
@@ -152,7 +151,6 @@ class CommitFilter:
                             if clone.try_advance(row[i]):
                                 continue
                             row[i] = mask_id
-                            changed = True
                         if i < committed[-1]:
                             self._best(clone, logits[b, local + i], cand[i])
                 if row.count(mask_id) >= prior.count(mask_id) and row[f - start] == mask_id:
@@ -160,18 +158,15 @@ class CommitFilter:
                     # rule's candidate there was scored from masked logits; else the best allowed id),
                     # the same token the lookahead gave it, so the tail it validated stays valid
                     row[f - start] = self._best(matcher.clone(), logits[b, local + f - start], cand[f - start])
-                    changed = True
                 # the real matcher over the contiguous committed run from the frontier
                 i = f - start
                 while i < end - start and row[i] != mask_id:
                     if not matcher.try_advance(row[i]):
                         # a later commit the lookahead accepted only with other fills: revoke the rest
                         row[i:] = [mask_id] * (len(row) - i)
-                        changed = True
                         break
                     i += 1
-                if changed:
-                    window[b] = torch.tensor(row, dtype=window.dtype, device=window.device)
+                window[b] = torch.tensor(row, dtype=window.dtype, device=window.device)   # as walked
             gained.append(sum(t != mask_id and p == mask_id for t, p in zip(row, prior)))
             if matcher.ended:
                 self._fill_end(x, b)

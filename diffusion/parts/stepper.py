@@ -93,8 +93,7 @@ def _packed(model: torch.nn.Module, requests: list[ForwardRequest],
     if not spec.segmented:
         raise ValueError(f"the {spec.kind!r} model does not run packed forwards (spec.segmented is False)")
     param = next(model.parameters())
-    segments, inputs, positions = [], [], []
-    start = 0
+    segments, inputs, positions, start = [], [], [], 0
     for r in requests:
         x = r.input_ids if r.input_ids is not None else r.per_row["inputs_embeds"]
         B, T = x.shape[:2]
@@ -170,6 +169,14 @@ def drive(steps: StepGenerator, model: torch.nn.Module | None = None) -> Any:
             answer = run_forwards(model, [item])[0]
         else:
             answer = None
+
+
+def step_alone(decoder: Decoder, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
+               stats: GenerationStats | None = None) -> None:
+    """A decoder's `step` (the drop-in loops): its next forward computed alone, then its `receive` of it."""
+    request = decoder.next_forward(model, state, generator, stats)
+    if request is not None:
+        decoder.receive(state, run_forwards(model, [request])[0], generator, stats)
 
 
 class ForwardThenCommit(Decoder):
@@ -293,12 +300,7 @@ class StepwiseDecoder(Decoder):
             stats.add_steps(counted, commits)
             stats.kv_cache_bytes = max(stats.kv_cache_bytes, counted.kv_cache_bytes)
 
-    def step(self, model: torch.nn.Module, state: StepwiseState, generator: torch.Generator | None = None,
-             stats: GenerationStats | None = None) -> None:
-        """One forward of this request alone and what follows it (the runner packs instead)."""
-        request = self.next_forward(model, state, generator, stats)
-        if request is not None:
-            self.receive(state, run_forwards(model, [request])[0], generator, stats)
+    step = step_alone   # one forward of this request alone and what follows it (the runner packs instead)
 
     def __repr__(self) -> str:
         return f"StepwiseDecoder({self.name})"
