@@ -23,7 +23,7 @@ from ..parts.constrain_loops import structure_for_call
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.protocol import Decoder
-from ..parts.stepper import ForwardRequest, run_forwards
+from ..parts.stepper import ForwardRequest, step_alone
 
 
 @dataclass
@@ -92,8 +92,7 @@ class ARDecoder(Decoder):
             raise ValueError("structured_outputs needs an end token: pass eos_token_id (the model config has none)")
         self.spec, self.structure = spec, structure
         self.max_new_tokens, self.temperature, self.top_k, self.top_p = max_new_tokens, temperature, top_k, top_p
-        self.eos_ids, self.pad_token_id = eos_ids, pad_token_id
-        self.logprobs = logprobs
+        self.eos_ids, self.pad_token_id, self.logprobs = eos_ids, pad_token_id, logprobs
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         # Only the last position's logits are needed, as in transformers' `generate`: the LM head
         # then runs on one row per sequence, the shape the engine's flat forward gives it too.
@@ -141,9 +140,8 @@ class ARDecoder(Decoder):
                 stats: GenerationStats | None = None) -> None:
         """The forward's output (the model's, or the runner's with the last position's logits):
         sample one token per row; unless that ends the state, it is the next forward's feed."""
-        B, fed = state.feed.shape
         if stats is not None:
-            stats.forward(B, fed)
+            stats.forward(*state.feed.shape)
         state.cache = output_cache(output)
         raw = logits = output.logits[:, -1:]
         for processor in self.processors:
@@ -185,9 +183,8 @@ class ARDecoder(Decoder):
         if self.logprobs is None:
             return None
         count = min(count, state.step)
-        ids, lps = state.tokens[row, :count].tolist(), state.sampled_logprobs[row, :count].tolist()
-        ranks = state.sampled_ranks[row, :count].tolist()
-        top_ids, top_lps = state.top_ids[row, :count].tolist(), state.top_logprobs[row, :count].tolist()
+        ids, lps, ranks, top_ids, top_lps = (t[row, :count].tolist() for t in (
+            state.tokens, state.sampled_logprobs, state.sampled_ranks, state.top_ids, state.top_logprobs))
         return [(t, lp, r, list(zip(ti, tl))) for t, lp, r, ti, tl in zip(ids, lps, ranks, top_ids, top_lps)]
 
     def num_final(self, state: ARState) -> int:
@@ -200,26 +197,19 @@ class ARDecoder(Decoder):
     def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None, state: Any = None) -> torch.Tensor:
         """The next token of each row from its logits `[B, V]`; with a structure, masked to what it
         allows by the matchers `state` carries, which then advance."""
-        matchers = None
         if self.structure is not None:
             if state.matchers is None:
                 state.matchers = [self.structure.matcher(self.eos_ids) for _ in range(logits.shape[0])]
-            matchers = state.matchers
-            logits = torch.stack([m.mask_logits(row) for m, row in zip(matchers, logits)])
+            logits = torch.stack([m.mask_logits(row) for m, row in zip(state.matchers, logits)])
         # never a mask token the config declares (a model sharing a diffusion model's tokenizer)
         tokens = score_tokens(logits.float(), temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                               sampler="categorical", exclude_id=self.spec.mask_id, generator=generator)[0]
-        if matchers is not None:
-            for m, token in zip(matchers, tokens.tolist()):
+        if self.structure is not None:
+            for m, token in zip(state.matchers, tokens.tolist()):
                 m.advance([token])
         return tokens
 
-    def step(self, model: torch.nn.Module, state: ARState, generator: torch.Generator | None = None,
-             stats: GenerationStats | None = None) -> None:
-        """One forward of this state alone and its sample."""
-        request = self.next_forward(model, state, generator, stats)
-        if request is not None:
-            self.receive(state, run_forwards(model, [request])[0], generator, stats)
+    step = step_alone   # one forward of this state alone and its sample
 
 
 @torch.no_grad()

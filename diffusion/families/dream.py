@@ -147,55 +147,108 @@ def _scorer(config: DreamGenerationConfig, mask_id: int):
     return score
 
 
-@dataclass
+def _count(masks: torch.Tensor, timesteps: torch.Tensor, i: int, last: bool) -> int:
+    """Dream's one count for the whole batch at step `i`: the mean number of masks per row (as upstream) times
+    1 − s/t, all of them at the `last` step."""
+    mean = masks.sum() / masks.shape[0]
+    return int(mean) if last else int(mean * (1 - timesteps[i + 1] / timesteps[i]))
+
+
+@dataclass(eq=False)
 class DreamState:
-    """Rows under Dream's loop: `x`, the step `i` of `steps` (Fast-dLLM's `confidence_threshold` may
-    add one), its per-row budgets, and the history if asked for."""
+    """Rows under Dream's loop or Fast-dLLM's Dream block decoder: the canvas `x`, the `step` of `steps` on
+    `timesteps = linspace(1, eps, steps + 1)` (the block decoder's: per `block` of `num_blocks`; Fast-dLLM's
+    `confidence_threshold` may add one), its per-row budgets, and the history if asked for."""
 
     x: torch.Tensor
-    forward_inputs: dict[str, Any]
+    prompt_len: int
     timesteps: torch.Tensor
     steps: int
-    prompt_len: int = 0
-    i: int = 0
+    forward_inputs: dict[str, Any] | None = None
+    # the block decoder's forwards; the sampler's under sparse=SparseConfig(method="block_mask"), else None
+    forwards: Any = None
+    step: int = 0
+    block: int = 0
+    num_blocks: int = 1
+    rows: torch.Tensor | None = None   # [B, 1]: each row's index
     number_transfer: torch.Tensor | None = None
     deferred: torch.Tensor | None = None
     histories: list[torch.Tensor] | None = None
     done: bool = False
     pending: Any = None    # the forward asked for and not yet answered
-    forwards: BlockMaskForward | None = None   # sparse=SparseConfig(method="block_mask")
     constraint: Any = None  # structured output: a `CommitFilter` over the answer, or None
 
 
-class DreamDecoder(ForwardThenCommit):
+class _DreamParts:
+    """What Dream's sampler and its block decoder share: their settings and scorer, the state over the prompt
+    padded with masks to `max_length`, and the count commit."""
+
+    def _setup(self, spec, config: DreamGenerationConfig, threshold: float, sparse: SparseConfig | None,
+               reference_ties: bool, structure: Any, end_ids: Any) -> None:
+        self.spec, self.config, self.threshold, self.sparse = spec, config, threshold, sparse
+        self.reference_ties = reference_ties   # `torch.topk`'s order among exact ties, as Dream (diffusion_generate)
+        # structured output (remask/structured.py): a CompiledStructure and the ids that end an answer
+        self.structure, self.end_ids = structure, end_ids_of(spec, end_ids)
+        self.score = _scorer(config, spec.mask_id)
+
+    def _state(self, input_ids: torch.Tensor, steps: int, **fields: Any) -> DreamState:
+        (B, P), mask_id = input_ids.shape, self.spec.mask_id
+        x = F.pad(input_ids, (0, self.config.max_length - P), value=mask_id)
+        return DreamState(x=x, prompt_len=P, steps=steps,
+                          timesteps=torch.linspace(1, self.config.eps, steps + 1, device=x.device),
+                          constraint=CommitFilter.start(self.structure, self.end_ids, B, mask_id, P, x.shape[1] - P),
+                          **fields)
+
+    def _commit_count(self, x: torch.Tensor, mask_index: torch.Tensor, proposal: torch.Tensor,
+                      full_conf: torch.Tensor, n: int, generator: torch.Generator | None, last: bool = False,
+                      ties: bool = False) -> None:
+        """Commit `n` positions of each row of `x` (`last`: all its masks): the most confident (`ties`: through
+        Dream's own `torch.topk`), or with `alg_temp` drawn without replacement, weights `softmax(confidence /
+        alg_temp)`: one draw for the batch, as upstream, when every row has `n` masks (at the last step all); else
+        row by row, each asked for no more than it has (upstream's single draw fails there)."""
+        per_row = mask_index.sum(dim=1)
+        if self.config.alg_temp:
+            counts = per_row.tolist()
+            want = counts if last else [min(n, c) for c in counts]
+            weights = F.softmax(full_conf / self.config.alg_temp, dim=-1)
+            if all(w == want[0] for w in want) and (last or min(counts) >= n):
+                if want[0] > 0:
+                    index = torch.multinomial(weights, num_samples=want[0], generator=generator)
+                    x.scatter_(1, index, proposal.gather(1, index))
+                return
+            for row, k in enumerate(want):
+                if k > 0:
+                    index = torch.multinomial(weights[row], num_samples=k, generator=generator)
+                    x[row, index] = proposal[row, index]
+        elif ties and not last:
+            # a row with fewer masks than n keeps its other positions (upstream would write the mask id over them)
+            picked = torch.zeros_like(mask_index).scatter_(1, torch.topk(full_conf, n).indices, True) & mask_index
+            x[picked] = proposal[picked]
+        else:
+            unmask(x, mask_index, proposal, full_conf, k=per_row if last else n)
+
+
+class DreamDecoder(_DreamParts, ForwardThenCommit):
     """Dream's `diffusion_generate` loop (and Fast-dLLM's `confidence_threshold`) as a state and a
     step, like `BlockDecoder`. `config`: a resolved, validated `DreamGenerationConfig` (`max_length` set)."""
 
     def __init__(self, spec, config: DreamGenerationConfig, threshold: float = 0.9, tokens_hook: Callable | None = None,
                  logits_hook: Callable | None = None, reference_ties: bool = False,
                  sparse: SparseConfig | None = None, structure: Any = None, end_ids: Any = ()) -> None:
-        self.spec, self.config, self.threshold, self.sparse = spec, config, threshold, sparse
-        # structured output (remask/structured.py): a CompiledStructure and the ids that end an answer
-        self.structure, self.end_ids = structure, end_ids_of(spec, end_ids)
-        self.reference_ties = reference_ties   # `torch.topk`'s order among exact ties, as Dream (diffusion_generate)
+        self._setup(spec, config, threshold, sparse, reference_ties, structure, end_ids)
         self.tokens_hook = tokens_hook or (lambda step, x, logits: x)
         self.logits_hook = logits_hook or (lambda step, x, logits: logits)
-        self.score = _scorer(config, spec.mask_id)
         self.history = config.return_dict_in_generate and config.output_history
 
     def start(self, model: torch.nn.Module, input_ids: torch.Tensor,
               attention_mask: torch.Tensor | None = None) -> DreamState:
         config, mask_id = self.config, self.spec.mask_id
-        x = F.pad(input_ids, (0, config.max_length - input_ids.shape[1]), value=mask_id)
-        (B, T), P = x.shape, input_ids.shape[1]
-        state = DreamState(x=x, prompt_len=P, forward_inputs=self.spec.forward_inputs(attention_mask, T),
-                           timesteps=torch.linspace(1, config.eps, config.steps + 1, device=x.device),
-                           steps=config.steps, histories=[] if self.history else None,
-                           constraint=CommitFilter.start(self.structure, self.end_ids, B, mask_id, P, T - P))
+        inputs = self.spec.forward_inputs(attention_mask, config.max_length)
+        state = self._state(input_ids, config.steps, forward_inputs=inputs, histories=[] if self.history else None)
         if self.sparse is not None:
             # SparseD's Dream sampler: selection scaled by 1/√head_dim (its LLaDA one by 1/√n_heads)
             state.forwards = BlockMaskForward(model, self.spec, self.sparse, state.forward_inputs, config.steps,
-                                              T - P, head_dim_scale=True)
+                                              config.max_length - state.prompt_len, head_dim_scale=True)
         state.x = self.tokens_hook(None, state.x, None)
         if config.alg == "confidence_threshold":
             per_row = (state.x == mask_id).sum(dim=1)
@@ -217,9 +270,9 @@ class DreamDecoder(ForwardThenCommit):
 
     def commit(self, state: DreamState, logits: torch.Tensor, fed: int = 0, generator: torch.Generator | None = None,
                stats: GenerationStats | None = None) -> None:
-        config, mask_id, alg, i, x = self.config, self.spec.mask_id, self.config.alg, state.i, state.x
+        mask_id, alg, i, x = self.spec.mask_id, self.config.alg, state.step, state.x
         if stats is not None:
-            stats.forward(x.shape[0], x.shape[1])
+            stats.forward(*x.shape)
         mask_index = x == mask_id
         logits = self.logits_hook(i, x, logits)
         positions = mask_index.reshape(-1).nonzero().squeeze(1)
@@ -231,13 +284,13 @@ class DreamDecoder(ForwardThenCommit):
             prior = x[:, P:].clone()
         # past the schedule (the filter left holes): every mask committed, the filter keeps what it accepts
         past = constraint is not None and i >= state.steps
+        last = i == state.steps - 1
         if alg == "origin" and not past:
             t, s = state.timesteps[i], state.timesteps[i + 1]
-            p_transfer = 1 - s / t if i < state.steps - 1 else 1
-            x0 = torch.zeros_like(x[mask_index], dtype=torch.long) + mask_id
-            reveal = torch.rand(*x0.shape, device=x.device, generator=generator) < p_transfer
+            x0 = torch.full_like(x[mask_index], mask_id)
+            reveal = torch.rand(*x0.shape, device=x.device, generator=generator) < (1 if last else 1 - s / t)
             x0[reveal] = self.score(logits, positions[reveal], generator=generator)[0]
-            x[mask_index] = x0.clone()
+            x[mask_index] = x0
             candidates = x[:, P:]
         else:
             x0, confidence = self.score(logits, positions, "prob" if past else CONFIDENCE_OF[alg], generator)
@@ -252,29 +305,15 @@ class DreamDecoder(ForwardThenCommit):
                 committed = unmask(x, mask_index, proposal, full_conf, k=current, threshold=self.threshold)
                 # A row with nothing left defers nothing (upstream would write the mask token back).
                 state.deferred = torch.where(has_masks, current - committed, 0)
-                if i == state.steps - 1 and bool((state.deferred > 0).any()):
+                if last and bool((state.deferred > 0).any()):
                     state.number_transfer = torch.zeros_like(state.number_transfer)
                     state.steps += 1
             else:
-                t, s = state.timesteps[i], state.timesteps[i + 1]
-                # One count for the whole batch, from the mean number of masks per row (as upstream). Rows
-                # differ only when their prompts hold masks (infilled): no row is asked for more than it
-                # has, and the last step commits every row's rest (the mean would leave masks).
-                per_row = mask_index.sum(dim=1)
-                num_mask_token = per_row.sum() / mask_index.shape[0]
-                n = int(num_mask_token * (1 - s / t)) if i < state.steps - 1 else int(num_mask_token)
-                last = i == state.steps - 1
+                # Rows differ only when their prompts hold masks (infilled): no row is asked for more than it
+                # has, and the last step commits every row's rest (the batch's mean would leave masks).
+                n = _count(mask_index, state.timesteps, i, last)
                 if n > 0 or last:
-                    if not config.alg_temp and self.reference_ties and not last:
-                        # Dream's own call; a row with fewer masks than n keeps its other positions
-                        # (upstream would write the mask id over them).
-                        picked = torch.zeros_like(mask_index).scatter_(1, torch.topk(full_conf, n).indices, True)
-                        picked &= mask_index
-                        x[picked] = proposal[picked]
-                    elif not config.alg_temp:
-                        unmask(x, mask_index, proposal, full_conf, k=per_row if last else n)
-                    else:
-                        _commit_sampled(x, proposal, full_conf, config.alg_temp, per_row, n, last, generator)
+                    self._commit_count(x, mask_index, proposal, full_conf, n, generator, last, self.reference_ties)
             candidates = proposal[:, P:]
         state.x = self.tokens_hook(i, x, logits)
         if constraint is not None:
@@ -284,31 +323,12 @@ class DreamDecoder(ForwardThenCommit):
             stats.step(int(before - (state.x == mask_id).sum()))
         if state.histories is not None:
             state.histories.append(state.x.clone())
-        state.i += 1
+        state.step += 1
         # under a structure: until every mask is decided (the schedule, then steps for the filter's holes)
-        state.done = not bool((state.x == mask_id).any()) if constraint is not None else state.i >= state.steps
+        state.done = not bool((state.x == mask_id).any()) if constraint is not None else state.step >= state.steps
 
 
-@dataclass(eq=False)
-class DreamBlockState:
-    """Rows under Fast-dLLM's Dream block decoder: the canvas, the block and the step within it."""
-
-    x: torch.Tensor
-    prompt_len: int
-    forwards: Any
-    rows: torch.Tensor
-    num_blocks: int
-    steps_per_block: int
-    timesteps: torch.Tensor         # the per-block schedule linspace(1, eps, steps_per_block + 1)
-    histories: list | None = None
-    block: int = 0
-    step: int = 0
-    done: bool = False
-    pending: Any = None
-    constraint: Any = None          # structured output: a `CommitFilter` over the answer, or None
-
-
-class DreamBlockDecoder(BlockwiseDecoder):
+class DreamBlockDecoder(_DreamParts, BlockwiseDecoder):
     """Fast-dLLM's Dream block decoder (`generation_utils_block.py`) as a state and a step. Per block: a
     full forward (building the cache) commits the block's first position; then each cached step commits,
     for ``alg="confidence_threshold"``, the most confident mask plus every one ≥ `threshold`; for any
@@ -317,42 +337,33 @@ class DreamBlockDecoder(BlockwiseDecoder):
     def __init__(self, spec, config: DreamGenerationConfig, threshold: float, block_length: int, use_cache: Any,
                  finish_blocks: bool = True, sparse: SparseConfig | None = None, reference_ties: bool = False,
                  structure: Any = None, end_ids: Any = ()) -> None:
-        self.spec, self.config, self.threshold = spec, config, threshold
-        self.sparse, self.reference_ties = sparse, reference_ties
-        # structured output: each block is the filter's window (diffusion/parts/constrain.py)
-        self.structure, self.end_ids = structure, end_ids_of(spec, end_ids)
+        self._setup(spec, config, threshold, sparse, reference_ties, structure, end_ids)
         if structure is not None and not finish_blocks:
+            # structured output: each block is the filter's window (diffusion/parts/constrain.py)
             raise ValueError("finish_blocks=False leaves masks in the output; structured_outputs needs every block "
                              "decoded")
         self.block_length, self.use_cache, self.finish_blocks = block_length, use_cache, finish_blocks
-        self.score = _scorer(config, spec.mask_id)
         # Sparse-dLLM's Dream sampler scores by its alg; Fast-dLLM's by negative entropy
         self.confidence_mode = CONFIDENCE_OF[config.alg] if sparse is not None else (
             "prob" if config.alg == "confidence_threshold" else "neg_entropy")
 
     def start(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-              histories: list | None = None) -> DreamBlockState:
-        B, P = input_ids.shape
-        x = F.pad(input_ids, (0, self.config.max_length - P), value=self.spec.mask_id)
-        T = x.shape[1]
+              histories: list | None = None) -> DreamState:
+        (B, P), T = input_ids.shape, self.config.max_length
         num_blocks = (T - P) // self.block_length
-        steps_per_block = self.config.steps // num_blocks
         forwards = block_forwards(model, self.spec, self.use_cache, self.sparse,
                                   self.spec.forward_inputs(attention_mask, T), attention_mask, T, self.reference_ties)
-        return DreamBlockState(x=x, prompt_len=P, forwards=forwards, rows=torch.arange(B, device=x.device)[:, None],
-                               num_blocks=num_blocks, steps_per_block=steps_per_block, histories=histories,
-                               timesteps=torch.linspace(1, self.config.eps, steps_per_block + 1, device=x.device),
-                               constraint=CommitFilter.start(self.structure, self.end_ids, B, self.spec.mask_id, P,
-                                                             T - P))
+        return self._state(input_ids, self.config.steps // num_blocks, forwards=forwards, num_blocks=num_blocks,
+                           rows=torch.arange(B, device=input_ids.device)[:, None], histories=histories)
 
-    def _next_block(self, state: DreamBlockState) -> None:
+    def _next_block(self, state: DreamState) -> None:
         state.block += 1
         state.step = 0
         state.done = state.block == state.num_blocks
 
-    def commit(self, state: DreamBlockState, logits: torch.Tensor, fed: int, generator: torch.Generator | None = None,
+    def commit(self, state: DreamState, logits: torch.Tensor, fed: int, generator: torch.Generator | None = None,
                stats=None) -> None:
-        mask_id, config, x, constraint = self.spec.mask_id, self.config, state.x, state.constraint
+        mask_id, x, constraint = self.spec.mask_id, state.x, state.constraint
         B, T = x.shape
         start, end = self.block_span(state)
         local = start - fed   # the block's first row within the logits
@@ -374,15 +385,12 @@ class DreamBlockDecoder(BlockwiseDecoder):
         else:
             L, i, n = logits.shape[1], state.step, None
             positions = (state.rows * L + local + torch.arange(self.block_length, device=x.device))[block_mask]
-            if config.alg != "confidence_threshold":
-                if i == state.steps_per_block and not self.finish_blocks:
+            if self.config.alg != "confidence_threshold":
+                if i == state.steps and not self.finish_blocks:
                     self._next_block(state)   # upstream: one forward too many, and the block's masks stay
                     return
-                # One count for the whole batch, from the mean number of masks per row (as upstream);
-                # i == steps_per_block (one step per block) commits the rest: remask finishes the block.
-                num_mask_token, t = block_mask.sum() / B, state.timesteps
-                last = i >= state.steps_per_block - 1
-                n = int(num_mask_token) if last else int(num_mask_token * (1 - t[i + 1] / t[i]))
+                # i == steps per block (one step per block) commits the rest: remask finishes the block.
+                n = _count(block_mask, state.timesteps, i, i >= state.steps - 1)
                 state.step = i + 1
             proposal = None
             if n != 0 or constraint is not None:   # a structure's filter reads the candidates every step
@@ -390,11 +398,8 @@ class DreamBlockDecoder(BlockwiseDecoder):
                 full_conf, proposal = _scatter(block_x, block_mask, conf, x0, logits.dtype, mask_id)
             if n is None:
                 unmask(block_x, block_mask, proposal, full_conf, threshold=self.threshold)
-            elif n > 0 and not config.alg_temp:
-                unmask(block_x, block_mask, proposal, full_conf, k=n)
             elif n > 0:
-                _commit_sampled(block_x, proposal, full_conf, config.alg_temp, block_mask.sum(dim=1), n, False,
-                                generator)
+                self._commit_count(block_x, block_mask, proposal, full_conf, n, generator)
         if constraint is not None:
             # keep what the structure accepts, advance the matchers; the block runs until it is decoded
             constraint.filter(x, prior, proposal, logits, start, end, local)
@@ -406,26 +411,6 @@ class DreamBlockDecoder(BlockwiseDecoder):
             state.done = True   # under a structure: the answer ends when every row's has
         elif (constraint is not None or not refresh) and not bool((block_x == mask_id).any()):
             self._next_block(state)
-
-
-def _commit_sampled(x, proposal, full_conf, alg_temp, per_row, n, last, generator):
-    """Dream's `alg_temp` commit: `n` positions per row drawn without replacement, weights `softmax(confidence
-    / alg_temp)`. One draw for the batch, as upstream, when every row has `n` masks (at the last step all);
-    else row by row, each asked for no more than it has (upstream's single draw fails there)."""
-    counts = per_row.tolist()
-    want = counts if last else [min(n, c) for c in counts]
-    weights = F.softmax(full_conf / alg_temp, dim=-1)
-    if all(w == want[0] for w in want) and (last or min(counts) >= n):
-        if want[0] == 0:
-            return
-        index = torch.multinomial(weights, num_samples=want[0], generator=generator)
-        rows = torch.arange(x.size(0), device=x.device)[:, None].expand_as(index)
-        x[rows, index] = proposal[rows, index]
-        return
-    for row, k in enumerate(want):
-        if k > 0:
-            index = torch.multinomial(weights[row], num_samples=k, generator=generator)
-            x[row, index] = proposal[row, index]
 
 
 def _scatter(x, mask_index, confidence, x0, dtype, mask_id):

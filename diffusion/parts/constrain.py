@@ -35,9 +35,7 @@ class CommitFilter:
     def __init__(self, matchers: Sequence[Any], mask_id: int, answer_start: int, answer_len: int) -> None:
         self.matchers = list(matchers)
         self.mask_id, self.answer_start, self.answer_len = int(mask_id), int(answer_start), int(answer_len)
-        # commits taken back (the lookahead stopped accepting them) or refused in the step that made them, frontier
-        # commits made for progress, matcher rollbacks (the decoder revoked a consumed position)
-        self.revoked = self.rejected = self.forced = self.rolled_back = 0
+        self.rolled_back = 0   # matcher rollbacks (the decoder revoked a consumed position)
 
     @classmethod
     def start(cls, structure: Any, end_ids: Sequence[int], batch: int, mask_id: int, answer_start: int,
@@ -115,15 +113,7 @@ class CommitFilter:
         """The lookahead's token at a hole (consumed): the rule's candidate if accepted, else the best allowed id."""
         if candidate is not None and candidate != self.mask_id and matcher.try_advance(candidate):
             return candidate
-        masked = matcher.mask_logits(logits_row.float())
-        if bool(torch.isinf(masked.max())):
-            # the logits were masked for another path (a frontier since rolled back): the first allowed id
-            token = int(matcher.allowed().nonzero()[0])
-        else:
-            token = int(masked.argmax())
-        ok = matcher.try_advance(token)
-        assert ok, "structured output: the allowed mask and the matcher disagree"
-        return token
+        return advance_best(matcher, logits_row.float(), fallback=True)
 
     def filter(self, x: torch.Tensor, before: torch.Tensor, x0: torch.Tensor, logits: torch.Tensor,
                start: int, end: int, local: int) -> list[int]:
@@ -152,7 +142,6 @@ class CommitFilter:
                 self._fill_end(x, b)
                 gained.append(sum(t != mask_id and p == mask_id for t, p in zip(x[b, start:end].tolist(), prior)))
                 continue
-            changed = False
             if start <= f < end:
                 committed = [i for i in range(f - start, end - start) if row[i] != mask_id]
                 if committed:
@@ -162,9 +151,6 @@ class CommitFilter:
                             if clone.try_advance(row[i]):
                                 continue
                             row[i] = mask_id
-                            changed = True
-                            self.rejected += prior[i] == mask_id
-                            self.revoked += prior[i] != mask_id
                         if i < committed[-1]:
                             self._best(clone, logits[b, local + i], cand[i])
                 if row.count(mask_id) >= prior.count(mask_id) and row[f - start] == mask_id:
@@ -172,20 +158,15 @@ class CommitFilter:
                     # rule's candidate there was scored from masked logits; else the best allowed id),
                     # the same token the lookahead gave it, so the tail it validated stays valid
                     row[f - start] = self._best(matcher.clone(), logits[b, local + f - start], cand[f - start])
-                    self.forced += 1
-                    changed = True
                 # the real matcher over the contiguous committed run from the frontier
                 i = f - start
                 while i < end - start and row[i] != mask_id:
                     if not matcher.try_advance(row[i]):
                         # a later commit the lookahead accepted only with other fills: revoke the rest
-                        self.revoked += sum(t != mask_id for t in row[i:])
                         row[i:] = [mask_id] * (len(row) - i)
-                        changed = True
                         break
                     i += 1
-                if changed:
-                    window[b] = torch.tensor(row, dtype=window.dtype, device=window.device)
+                window[b] = torch.tensor(row, dtype=window.dtype, device=window.device)   # as walked
             gained.append(sum(t != mask_id and p == mask_id for t, p in zip(row, prior)))
             if matcher.ended:
                 self._fill_end(x, b)
@@ -202,6 +183,20 @@ class _Rows:
         if self.full is None:
             self.full = full_logits(self.logits)
         return self.full[index]
+
+
+def advance_best(matcher: Any, logits_row: torch.Tensor, limit: int | None = None, *, fallback: bool = False) -> int:
+    """Advance `matcher` by the best id of `logits_row` `[V]` (below `limit`) it allows, and return that id.
+    `fallback`: where the row allows none (it was masked for another path, a frontier since rolled back), the first
+    allowed id."""
+    masked = matcher.mask_logits(logits_row)[:limit]
+    if fallback and bool(torch.isinf(masked.max())):
+        token = int(matcher.allowed().nonzero()[0])
+    else:
+        token = int(masked.argmax())
+    ok = matcher.try_advance(token)
+    assert ok, "structured output: the allowed mask and the matcher disagree"
+    return token
 
 
 def end_ids_of(spec: Any, extra: Sequence[int] = ()) -> list[int]:

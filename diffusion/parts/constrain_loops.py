@@ -11,7 +11,7 @@ import torch
 
 from remask.models.parallel import full_logits
 
-from .constrain import CommitFilter
+from .constrain import CommitFilter, advance_best
 
 
 def compile_for(structured_outputs: Any, model: Any, tokenizer: Any, mask_id: int | None) -> Any:
@@ -70,11 +70,7 @@ def filter_block(constraint: CommitFilter, x: torch.Tensor, prior: torch.Tensor,
 
 def next_token(constraint: CommitFilter, logits_row: torch.Tensor) -> int:
     """The frontier token a loop picks by argmax (`logits_row` `[V]`): the best the structure allows."""
-    matcher = constraint.matchers[0]
-    token = int(matcher.mask_logits(full_logits(logits_row).float()).argmax())
-    ok = matcher.try_advance(token)
-    assert ok, "structured output: the allowed mask and the matcher disagree"
-    return token
+    return advance_best(constraint.matchers[0], full_logits(logits_row).float())
 
 
 def keep_valid_edits(constraint: CommitFilter, x: torch.Tensor, prior: torch.Tensor, start: int, end: int) -> int:
@@ -114,15 +110,8 @@ def keep_valid_edits(constraint: CommitFilter, x: torch.Tensor, prior: torch.Ten
 def draft_under(matcher: Any, scores: torch.Tensor, limit: int | None = None) -> torch.Tensor:
     """APD's drafts `[N]` under a structure: draft j is the argmax of `scores[j]` (`[N, V]`) over the ids (below
     `limit`) a clone of `matcher` allows after the drafts before j."""
-    clone = matcher.clone()
-    scores = full_logits(scores)
-    out = []
-    for j in range(scores.shape[0]):
-        token = int(clone.mask_logits(scores[j])[:limit].argmax())
-        ok = clone.try_advance(token)
-        assert ok, "structured output: the allowed mask and the matcher disagree"
-        out.append(token)
-    return torch.tensor(out, dtype=torch.long, device=scores.device)
+    clone, scores = matcher.clone(), full_logits(scores)
+    return torch.tensor([advance_best(clone, row, limit) for row in scores], dtype=torch.long, device=scores.device)
 
 
 def constrain_canvas(matchers: Sequence[Any], canvas: torch.Tensor, argmax: torch.Tensor, logits: torch.Tensor,
@@ -147,10 +136,6 @@ def constrain_canvas(matchers: Sequence[Any], canvas: torch.Tensor, argmax: torc
         if n < len(best):
             clone = matcher.clone()
             clone.advance(best[:n])
-            for j in range(n, len(best)):
-                token = int(clone.mask_logits(logits[b, j].float()).argmax())
-                ok = clone.try_advance(token)
-                assert ok, "structured output: the allowed mask and the matcher disagree"
-                best[j] = token
+            best[n:] = [advance_best(clone, logits[b, j].float()) for j in range(n, len(best))]
             argmax[b] = torch.tensor(best, dtype=argmax.dtype, device=argmax.device)
     return canvas, argmax, renoised

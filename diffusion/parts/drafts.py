@@ -21,6 +21,7 @@ from typing import Any, Generator
 import torch
 
 from .checks import check_instance
+from .constrain_loops import filter_block, mask_frontier_rows
 from .rules import rule_types
 from .stats import GenerationStats
 from .step import CommitRule
@@ -117,8 +118,6 @@ class DraftVerify:
         block = state.x[:, start:end]   # a view: commits write into x
         constraint = getattr(state, "constraint", None)
         if constraint is not None:   # structured output: every draft's frontier row masked before the rule
-            from .constrain_loops import mask_frontier_rows
-
             logits = mask_frontier_rows(constraint, logits, start, end)
         if kind.drafts is None:
             loop._count(stats, 1, state)
@@ -127,8 +126,8 @@ class DraftVerify:
         else:
             prior = block.clone()
             self.verify(state, block, kind.drafts, logits, stats)
-            if constraint is not None:
-                self.filter(state, constraint, prior, start, end)
+            if constraint is not None:   # the block as the round left it, filtered (the predictions: the lookahead)
+                filter_block(constraint, state.x, prior, state.predictions.x0, state.predictions.logits, start, end)
             loop._fd_committed(state)
             if state.done:
                 return
@@ -141,20 +140,13 @@ class DraftVerify:
             if stats is not None:
                 stats.step(before)
             if constraint is not None:
-                self.filter(state, constraint, prior, start, end)
+                filter_block(constraint, state.x, prior, state.predictions.x0, state.predictions.logits, start, end)
             full = not bool((block == self.mask_id).any())   # else a structure's filter took tokens back: more rounds
             if full:
                 state.predictions = None
             loop._fd_committed(state)
             if full and not state.done:
                 loop._fd_block_done(state)
-
-    def filter(self, state: Any, constraint: Any, prior: torch.Tensor, start: int, end: int) -> None:
-        """Structured output: the block as the round left it, filtered (the predictions: the lookahead)."""
-        from .constrain_loops import filter_block
-
-        pred = state.predictions
-        filter_block(constraint, state.x, prior, pred.x0, pred.logits, start, end)
 
     def verify(self, state: Any, block: torch.Tensor, drafts: torch.Tensor, logits: torch.Tensor,
                stats: GenerationStats | None) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -25,13 +25,13 @@ __all__ = ["CommitRule", "CreditDecoding", "HierarchicalDecoding", "IterationSmo
 def rule_types() -> tuple[type, ...]:
     """Every commit rule class with a `name`, in definition order (the names these messages list; the
     methods' registry, `diffusion/methods/registry.py`, is what resolves a name)."""
-    found, stack = [], list(reversed(CommitRule.__subclasses__()))
-    while stack:
-        rule = stack.pop()
-        if rule.__dict__.get("name"):
-            found.append(rule)
-        stack.extend(reversed(rule.__subclasses__()))
-    return tuple(found)
+    def named(cls: type) -> Iterator[type]:
+        for rule in cls.__subclasses__():
+            if rule.__dict__.get("name"):
+                yield rule
+            yield from named(rule)
+
+    return tuple(named(CommitRule))
 
 
 def is_rule(decoder: Any) -> bool:
@@ -45,9 +45,13 @@ def rule_commit(block: torch.Tensor, logits: torch.Tensor, mask_id: int, rule: C
     if not is_rule(rule):
         raise ValueError(f"rule must be a remask commit rule ({', '.join(t.__name__ for t in rule_types())}), got "
                          f"{type(rule).__name__}")
+    _check_block(block, logits)
+    return rule.commit(block, logits, mask_id, state)
+
+
+def _check_block(block: torch.Tensor, logits: torch.Tensor) -> None:
     if block.dim() != 2 or logits.dim() != 3 or logits.shape[:2] != block.shape:
         raise ValueError(f"a block [B, L] and its logits [B, L, V], got {tuple(block.shape)} and {tuple(logits.shape)}")
-    return rule.commit(block, logits, mask_id, state)
 
 
 def commit_block(rule: CommitRule, block: torch.Tensor, logits: torch.Tensor, mask_id: int, held: Any,
@@ -130,9 +134,7 @@ class _DInferRule(CommitRule):
 
     def commit(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int,
                state: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if block.dim() != 2 or logits.dim() != 3 or logits.shape[:2] != block.shape:
-            raise ValueError(f"a block [B, L] and its logits [B, L, V], got {tuple(block.shape)} and "
-                             f"{tuple(logits.shape)}")
+        _check_block(block, logits)
         proposal, before = block.clone(), block == mask_id
         logits = logits if logits.dtype == torch.float32 else logits.to(torch.float32)
         self._select(proposal, logits, before, mask_id, state)

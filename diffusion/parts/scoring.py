@@ -116,21 +116,24 @@ def top_p_filter(logits: torch.Tensor, top_p: float | None, *, removed: str = "-
     if top_p is None or top_p >= 1:
         return logits
     sorted_logits, sorted_idx = torch.sort(logits, descending=True)
-    remove = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1) > top_p
-    remove[..., 1:] = remove[..., :-1].clone()
-    remove[..., 0] = False
-    mask = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, sorted_idx, remove)
-    return logits.masked_fill(mask, _removed_value(logits, removed))
+    outside = _outside_nucleus(F.softmax(sorted_logits, dim=-1), sorted_idx, top_p)
+    return logits.masked_fill(outside, _removed_value(logits, removed))
 
 
 def top_p_probs(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Fast-dLLM v2's nucleus: zero the probabilities outside the `top_p` mass, divide by the kept mass (any top_p)."""
     sorted_probs, sorted_idx = torch.sort(probs, descending=True)
+    probs = probs.masked_fill(_outside_nucleus(sorted_probs, sorted_idx, top_p), 0)
+    return probs / torch.sum(probs, dim=-1, keepdim=True)
+
+
+def _outside_nucleus(sorted_probs: torch.Tensor, sorted_idx: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Bool mask (in the unsorted order `sorted_idx` came from) of the tokens after the one whose cumulative
+    probability crosses `top_p` (the most probable is always kept)."""
     remove = torch.cumsum(sorted_probs, dim=-1) > top_p
     remove[..., 1:] = remove[..., :-1].clone()
     remove[..., 0] = False
-    probs = probs.masked_fill(torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, sorted_idx, remove), 0)
-    return probs / torch.sum(probs, dim=-1, keepdim=True)
+    return torch.zeros_like(remove).scatter_(-1, sorted_idx, remove)
 
 
 def filter_logits(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,

@@ -138,15 +138,12 @@ class BlockMaskForward:
     def cache_nbytes(self) -> int:
         return 0
 
-    def _forward(self, x: torch.Tensor) -> Generator[ForwardRequest, Any, torch.Tensor]:
+    def refresh(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, torch.Tensor]:
         step, self.global_step = self.global_step, self.global_step + 1
         self.hook.phase = "sparse" if step > self.select_step else "select" if step == self.select_step else "dense"
         return (yield ForwardRequest.call(x, self.forward_inputs, spec=self.spec, cache=self.hook,
                                           cache_position=torch.arange(x.shape[1], device=x.device)))
 
-    def refresh(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, torch.Tensor]:
-        return (yield from self._forward(x))
-
     def step(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
-        return (yield from self._forward(x)), 0
+        return (yield from self.refresh(x, start, end)), 0
 

@@ -35,8 +35,6 @@ class Progress:
     final: int = 0
 
 
-
-
 StepGenerator = Generator["ForwardRequest | Progress", Any, Any]
 
 
@@ -95,8 +93,7 @@ def _packed(model: torch.nn.Module, requests: list[ForwardRequest],
     if not spec.segmented:
         raise ValueError(f"the {spec.kind!r} model does not run packed forwards (spec.segmented is False)")
     param = next(model.parameters())
-    segments, inputs, positions = [], [], []
-    start = 0
+    segments, inputs, positions, start = [], [], [], 0
     for r in requests:
         x = r.input_ids if r.input_ids is not None else r.per_row["inputs_embeds"]
         B, T = x.shape[:2]
@@ -125,14 +122,7 @@ def _packed(model: torch.nn.Module, requests: list[ForwardRequest],
                 logits = model(None, inputs_embeds=flat, **kwargs).logits[0]
             else:
                 logits = model(flat, **kwargs).logits[0]
-    segments = attend.segments
-    out = []
-    for r, seg in zip(requests, segments):
-        own = logits[seg.start:seg.end].view(seg.rows, seg.length, -1)
-        if r.spec is not None and r.spec.logit_shift:   # within each row, as `ModelSpec.logits` shifts
-            own = torch.cat([own[:, :1], own[:, :-1]], dim=1)
-        out.append(own if r.rows is None else own[:, r.rows])
-    return out
+    return [_own(r, logits[s.start:s.end].view(s.rows, s.length, -1)) for r, s in zip(requests, attend.segments)]
 
 
 def _stacked(model: torch.nn.Module, requests: list[ForwardRequest],
@@ -151,12 +141,15 @@ def _stacked(model: torch.nn.Module, requests: list[ForwardRequest],
     context = invariant(sum(sizes)) if invariant is not None else contextlib.nullcontext()
     with context:
         logits = model(ids, **per_row, **head.shared, past_key_values=cache).logits
-    out = []
-    for r, own in zip(requests, logits.split(sizes)):
-        if r.spec is not None and r.spec.logit_shift:   # within each row, as `ModelSpec.logits` shifts
-            own = torch.cat([own[:, :1], own[:, :-1]], dim=1)
-        out.append(own if r.rows is None else own[:, r.rows])
-    return out
+    return [_own(r, own) for r, own in zip(requests, logits.split(sizes))]
+
+
+def _own(request: ForwardRequest, logits: torch.Tensor) -> torch.Tensor:
+    """A request's answer from its own rows' logits in a shared call: shifted by its `spec` within each row (as
+    `ModelSpec.logits` shifts), cut to its `rows`."""
+    if request.spec is not None and request.spec.logit_shift:
+        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+    return logits if request.rows is None else logits[:, request.rows]
 
 
 def drive(steps: StepGenerator, model: torch.nn.Module | None = None) -> Any:
@@ -176,6 +169,14 @@ def drive(steps: StepGenerator, model: torch.nn.Module | None = None) -> Any:
             answer = run_forwards(model, [item])[0]
         else:
             answer = None
+
+
+def step_alone(decoder: Decoder, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
+               stats: GenerationStats | None = None) -> None:
+    """A decoder's `step` (the drop-in loops): its next forward computed alone, then its `receive` of it."""
+    request = decoder.next_forward(model, state, generator, stats)
+    if request is not None:
+        decoder.receive(state, run_forwards(model, [request])[0], generator, stats)
 
 
 class ForwardThenCommit(Decoder):
@@ -299,12 +300,7 @@ class StepwiseDecoder(Decoder):
             stats.add_steps(counted, commits)
             stats.kv_cache_bytes = max(stats.kv_cache_bytes, counted.kv_cache_bytes)
 
-    def step(self, model: torch.nn.Module, state: StepwiseState, generator: torch.Generator | None = None,
-             stats: GenerationStats | None = None) -> None:
-        """One forward of this request alone and what follows it (the runner packs instead)."""
-        request = self.next_forward(model, state, generator, stats)
-        if request is not None:
-            self.receive(state, run_forwards(model, [request])[0], generator, stats)
+    step = step_alone   # one forward of this request alone and what follows it (the runner packs instead)
 
     def __repr__(self) -> str:
         return f"StepwiseDecoder({self.name})"
