@@ -36,6 +36,7 @@ LONGEST_FILES = (
     "tests/test_zoo.py",           # ~100 s: accuracy, training, demo and ablation commands
     "tests/test_engine.py",        # ~75 s
     "tests/test_imports.py",       # ~60 s: a fresh interpreter per check
+    "tests/test_cli.py",           # ~55 s: `remask` commands, one under torchrun
     "tests/test_serve.py",         # ~55 s: servers in subprocesses, drains and grace periods
     "tests/test_gpu_day.py",       # ~45 s: the dry run's seven part processes
     "tests/test_tensor_parallel.py",   # torchrun subprocesses
