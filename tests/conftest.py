@@ -32,12 +32,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # start first and the many short files fill in at the end (xdist's own order, by test count, would
 # start them last, and one worker would run the last of them alone).
 LONGEST_FILES = (
-    "tests/test_lmeval.py",        # ~150 s: lm-eval runs, `remask eval` and torchrun subprocesses
-    "tests/test_zoo.py",           # ~100 s: accuracy, training, demo and ablation commands
+    "tests/test_lmeval.py",        # ~160 s: lm-eval runs, `remask eval` and torchrun subprocesses
+    "tests/test_zoo.py",           # ~90 s: accuracy, training, demo and ablation commands
     "tests/test_engine.py",        # ~75 s
-    "tests/test_imports.py",       # ~60 s: a fresh interpreter per check
-    "tests/test_cli.py",           # ~55 s: `remask` commands, one under torchrun
+    "tests/test_imports.py",       # ~75 s: a fresh interpreter per check
     "tests/test_serve.py",         # ~55 s: servers in subprocesses, drains and grace periods
+    "tests/test_cli.py",           # ~50 s: `remask` commands, one under torchrun
     "tests/test_gpu_day.py",       # ~45 s: the dry run's seven part processes
     "tests/test_tensor_parallel.py",   # torchrun subprocesses
 )
