@@ -10,8 +10,9 @@ OLDEST_VENV ?= .venv-oldest
 EXTRAS := dev,serve,eval,quant,plot,ray
 # CPU torch first (an unpinned torch pulls GBs of CUDA packages); the machine's newest CPU build.
 TORCH := torch==2.13.0
-# Both cores: test files run whole on one worker each (module fixtures are built once per file).
-PYTEST := -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
+# Both cores: test files run whole on one worker each (module fixtures are built once per file), handed
+# out longest first (tests/conftest.py: LONGEST_FILES, then by test count; xdist's reorder is off).
+PYTEST := -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder tests
 
 .PHONY: setup demo test test-portable test-latest test-oldest lock bench compiled-report compiled-report-all gpu-day clean
 

@@ -26,13 +26,39 @@ torch.set_num_threads(1)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# The files that take longest although they hold few tests (subprocesses, end-to-end runs), longest
+# first: CPU seconds of 2026-11-28 in the comments. `make test` runs `--dist loadfile
+# --no-loadscope-reorder`: xdist hands whole files to the two workers in the order below, so these
+# start first and the many short files fill in at the end (xdist's own order, by test count, would
+# start them last, and one worker would run the last of them alone).
+LONGEST_FILES = (
+    "tests/test_lmeval.py",        # ~160 s: lm-eval runs, `remask eval` and torchrun subprocesses
+    "tests/test_zoo.py",           # ~90 s: accuracy, training, demo and ablation commands
+    "tests/test_engine.py",        # ~75 s
+    "tests/test_imports.py",       # ~75 s: a fresh interpreter per check
+    "tests/test_serve.py",         # ~55 s: servers in subprocesses, drains and grace periods
+    "tests/test_cli.py",           # ~50 s: `remask` commands, one under torchrun
+    "tests/test_gpu_day.py",       # ~45 s: the dry run's seven part processes
+    "tests/test_tensor_parallel.py",   # torchrun subprocesses
+)
+
+
 def pytest_collection_modifyitems(items):
-    """The tests that run reference fixtures' cases carry the `reference` mark (`make test-portable`)."""
+    """The tests that run reference fixtures' cases carry the `reference` mark (`make test-portable`);
+    files in the order xdist should hand them out: LONGEST_FILES, then the rest by test count (each
+    file's tests keep their order)."""
+    from collections import Counter
+
     from fixture_margins import REFERENCE_TESTS
 
     for item in items:
         if item.nodeid.split("[")[0] in REFERENCE_TESTS:
             item.add_marker(pytest.mark.reference)
+    files = [item.nodeid.split("::")[0] for item in items]
+    count = Counter(files)
+    rank = {path: i for i, path in enumerate(LONGEST_FILES)}
+    order = {id(item): (rank.get(path, len(rank)), -count[path], path) for item, path in zip(items, files)}
+    items.sort(key=lambda item: order[id(item)])
 
 
 @pytest.fixture

@@ -64,7 +64,8 @@ def test_philox_sample_follows_the_tempered_softmax(triton_path):
     sample = canvas_score(logits, 0.8, seed=11)[0].cpu()
     freq = torch.bincount(sample, minlength=V).float() / n
     torch.testing.assert_close(freq, torch.softmax(row / 0.8, -1), atol=0.06, rtol=0)
-    assert torch.equal(sample, canvas_score(logits, 0.8, seed=11)[0].cpu())   # seeded: the same draws
+    # seeded: the same draws again (Philox at row·V + col: a row's draw does not depend on the rows after it)
+    assert torch.equal(sample[:50], canvas_score(logits[:50], 0.8, seed=11)[0].cpu())
 
 
 @pytest.mark.parametrize("L", [1, 7, 32, 37])

@@ -21,16 +21,22 @@ from remask.zoo.tasks import EVAL_SEED, problems  # noqa: E402
 N = 40
 
 
+@pytest.fixture(scope="module")
+def task_manager():
+    """lm-eval's task index (its own tasks and the shipped remask_tiny): seconds to build, read only after."""
+    return TaskManager(include_path=task_dir())
+
+
 @pytest.mark.parametrize("pretrained,model_args,strategy", [
     ("tiny-llada", dict(steps=16, block_length=8, max_tokens=16), Strategy.of("blocks of 8", steps=16, block_length=8)),
     ("tiny-llada", dict(steps=16, block_length=16, threshold=0.9, max_tokens=16),
      Strategy.of("threshold", steps=16, threshold=0.9)),
     ("tiny-ar", dict(max_tokens=16), Strategy.of("greedy", ar=True)),
 ])
-def test_accuracy_and_answers_equal_the_zoo_evaluation(pretrained, model_args, strategy):
+def test_accuracy_and_answers_equal_the_zoo_evaluation(pretrained, model_args, strategy, task_manager):
     lm = RemaskLM(pretrained=pretrained, **model_args)
     results = lm_eval.simple_evaluate(model=lm, tasks=["remask_tiny"], limit=N, apply_chat_template=True,
-                                      task_manager=TaskManager(include_path=task_dir()), log_samples=True,
+                                      task_manager=task_manager, log_samples=True,
                                       random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
     accuracy = results["results"]["remask_tiny"]["exact_match,none"]
     model, _ = remask.load(pretrained)
@@ -40,23 +46,39 @@ def test_accuracy_and_answers_equal_the_zoo_evaluation(pretrained, model_args, s
     assert answers == expected.outputs
 
 
-def test_remask_eval_command_runs_offline_and_twice_the_same(tmp_path):
-    """`python -m remask eval` with lm-eval's own flags, on a clean environment without network."""
-    outs = []
-    for run in range(2):
-        out = tmp_path / f"run{run}"
-        done = subprocess.run([sys.executable, "-m", "remask", "eval", "--model", "remask", "--model_args",
-                               "pretrained=tiny-llada,steps=16,block_length=8,max_tokens=16,temperature=0.7,seed=3",
-                               "--tasks", "remask_tiny", "--apply_chat_template", "--limit", "12", "--output_path",
-                               str(out), "--device", "cpu"], capture_output=True, text=True, timeout=300,
-                              env={"PATH": "/usr/bin:/bin", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-                                   "HOME": str(tmp_path)})
-        assert done.returncode == 0, done.stderr[-3000:]
-        [result] = list(out.rglob("results_*.json"))
-        outs.append(json.loads(result.read_text()))
-    first, second = (o["results"]["remask_tiny"]["exact_match,none"] for o in outs)
-    assert first == second and 0 < first <= 1
-    assert "sampling_params" in json.dumps(outs[0])       # remask's settings logged beside the numbers
+# `remask eval` with lm-eval's own flags and seeded sampling, on a clean environment without network.
+EVAL_ARGS = ["-m", "remask", "eval", "--model", "remask", "--model_args",
+             "pretrained=tiny-llada,steps=16,block_length=8,max_tokens=16,temperature=0.8,seed=5",
+             "--tasks", "remask_tiny", "--apply_chat_template", "--limit", "16", "--device", "cpu", "--log_samples"]
+
+
+def _run_eval(launcher: list[str], out, home) -> tuple[dict, list[str]]:
+    """One `remask eval` run (EVAL_ARGS) under `launcher`: its results JSON and its sampled answers by doc."""
+    done = subprocess.run([*launcher, *EVAL_ARGS, "--output_path", str(out)], capture_output=True, text=True,
+                          timeout=600, env={"PATH": "/usr/bin:/bin", "HF_DATASETS_OFFLINE": "1",
+                                            "HF_HUB_OFFLINE": "1", "HOME": str(home)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    [result] = list(out.rglob("results_*.json"))
+    [samples] = list(out.rglob("samples_remask_tiny_*.jsonl"))
+    rows = sorted((json.loads(line) for line in samples.read_text().splitlines()), key=lambda r: r["doc_id"])
+    return json.loads(result.read_text()), [r["resps"][0][0] for r in rows]
+
+
+@pytest.fixture(scope="module")
+def one_process_eval(tmp_path_factory):
+    """The one-process run that both the rerun and the torchrun run are compared with."""
+    home = tmp_path_factory.mktemp("eval-home")
+    return _run_eval([sys.executable], home / "one", home)
+
+
+def test_remask_eval_command_runs_offline_and_twice_the_same(tmp_path, one_process_eval):
+    """`python -m remask eval`, run twice: the same sampled answers and accuracy."""
+    first, answers = one_process_eval
+    second, again = _run_eval([sys.executable], tmp_path / "again", tmp_path)
+    accuracy = [o["results"]["remask_tiny"]["exact_match,none"] for o in (first, second)]
+    assert accuracy[0] == accuracy[1] and 0 < accuracy[0] <= 1
+    assert len(answers) == 16 and again == answers
+    assert "sampling_params" in json.dumps(first)       # remask's settings logged beside the numbers
 
 
 USER_TASK = """task: {name}
@@ -93,34 +115,31 @@ def _user_task(folder, name: str) -> None:
 
 def test_remask_eval_sees_every_include_path_and_the_shipped_task(tmp_path):
     """Each --include_path (given twice, both spellings) and the shipped remask_tiny are all found
-    (lm-eval's own flag keeps one path, and a comma-joined one is read as a single folder)."""
+    (lm-eval's own flag keeps one path, and a comma-joined one is read as a single folder). Where
+    there is no CUDA the run gives no --device: lm-eval's default is cuda:0, and `remask eval` gives
+    the CPU instead, without a warning."""
     _user_task(tmp_path / "mine", "my_task")
     _user_task(tmp_path / "theirs", "their_task")
     out = tmp_path / "out"
+    device = ["--device", "cpu"] if torch.cuda.is_available() else []
     done = subprocess.run([sys.executable, "-m", "remask", "eval", "--model", "remask", "--model_args",
                            "pretrained=tiny-llada,steps=16,block_length=8,max_tokens=16",
                            "--include_path", str(tmp_path / "mine"), f"--include_path={tmp_path / 'theirs'}",
                            "--tasks", "my_task,their_task,remask_tiny", "--apply_chat_template", "--limit", "2",
-                           "--output_path", str(out), "--device", "cpu"], capture_output=True, text=True,
+                           "--output_path", str(out), *device], capture_output=True, text=True,
                           timeout=300, env={**OFFLINE, "HOME": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "remask_tiny" in done.stdout and "CUDA is not available" not in done.stderr
     [result] = list(out.rglob("results_*.json"))
     results = json.loads(result.read_text())["results"]
     assert results["my_task"]["exact_match,none"] == results["their_task"]["exact_match,none"] == 1.0
     assert 0 <= results["remask_tiny"]["exact_match,none"] <= 1
 
 
-def test_remask_eval_without_device_runs_on_the_cpu_without_a_warning(tmp_path):
-    """lm-eval's default --device is cuda:0: `remask eval` gives the CPU where there is no CUDA; a
-    cuda device asked for by name still falls back with a warning."""
+def test_a_cuda_device_asked_for_by_name_falls_back_to_the_cpu_with_a_warning():
+    """(`remask eval` without --device: the test above.)"""
     if torch.cuda.is_available():
-        pytest.skip("CUDA is available: lm-eval's default device exists")
-    done = subprocess.run([sys.executable, "-m", "remask", "eval", "--model", "remask", "--model_args",
-                           "pretrained=tiny-ar,max_tokens=16", "--tasks", "remask_tiny", "--apply_chat_template",
-                           "--limit", "1"], capture_output=True, text=True, timeout=300,
-                          env={**OFFLINE, "HOME": str(tmp_path)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "remask_tiny" in done.stdout and "CUDA is not available" not in done.stderr
+        pytest.skip("CUDA is available: the device exists")
     with pytest.warns(UserWarning, match="CUDA is not available"):
         RemaskLM(pretrained="tiny-ar", device="cuda")
 
@@ -157,7 +176,7 @@ def test_loglikelihoods():
         RemaskLM(pretrained="tiny-llada", steps=0)
 
 
-def test_data_parallel_under_torchrun_equals_one_process(tmp_path):
+def test_data_parallel_under_torchrun_equals_one_process(tmp_path, one_process_eval):
     """`torchrun --nproc_per_node 2 -m remask eval`: lm-eval shards the requests over two processes
     (gloo); every sampled answer and the accuracy equal one process's."""
     import pathlib
@@ -166,19 +185,10 @@ def test_data_parallel_under_torchrun_equals_one_process(tmp_path):
     torchrun = shutil.which("torchrun", path=str(pathlib.Path(sys.executable).parent))
     if torchrun is None:
         pytest.skip("torchrun not installed beside this python")
-    args = ["-m", "remask", "eval", "--model", "remask", "--model_args",
-            "pretrained=tiny-llada,steps=16,block_length=8,max_tokens=16,temperature=0.8,seed=5",
-            "--tasks", "remask_tiny", "--apply_chat_template", "--limit", "16", "--device", "cpu", "--log_samples"]
-    env = {"PATH": "/usr/bin:/bin", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)}
-    answers = []
-    for name, launcher in (("one", [sys.executable]), ("two", [torchrun, "--nproc_per_node", "2"])):
-        done = subprocess.run([*launcher, *args, "--output_path", str(tmp_path / name)], capture_output=True,
-                              text=True, timeout=600, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        [samples] = list((tmp_path / name).rglob("samples_remask_tiny_*.jsonl"))
-        rows = sorted((json.loads(line) for line in samples.read_text().splitlines()), key=lambda r: r["doc_id"])
-        answers.append([r["resps"][0][0] for r in rows])
-    assert len(answers[0]) == 16 and answers[0] == answers[1]
+    one, one_answers = one_process_eval
+    two, two_answers = _run_eval([torchrun, "--nproc_per_node", "2"], tmp_path / "two", tmp_path)
+    assert len(one_answers) == 16 and two_answers == one_answers
+    assert two["results"]["remask_tiny"]["exact_match,none"] == one["results"]["remask_tiny"]["exact_match,none"]
 
 
 def test_mc_loglikelihood_replays_llada_eval_code_with_reference_rng():

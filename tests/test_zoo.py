@@ -181,11 +181,15 @@ def test_confidences_mean_something(llada):
 def test_training_is_seeded_and_resumable(tmp_path):
     common = ["--batch-size", "4", "--width", "16", "--layers", "1", "--eval-problems", "7", "--log-every", "2",
               "--llada-steps", "4", "--ar-steps", "4", "--sequential"]
-    run = [sys.executable, "-m", "remask.zoo.train"]
-    subprocess.run(run + ["--out", str(tmp_path / "a")] + common, check=True, capture_output=True)
-    subprocess.run(run + ["--out", str(tmp_path / "b"), "--stop-after", "3"] + common, check=True, capture_output=True)
+    # the whole run and the interrupted one in this process (`main`, what the command calls); the
+    # resume as the command, in a fresh process that has only what the first one saved
+    from remask.zoo.train import main as train_main
+
+    assert train_main(["--out", str(tmp_path / "a")] + common) == 0
+    assert train_main(["--out", str(tmp_path / "b"), "--stop-after", "3"] + common) == 0
     assert not (tmp_path / "b" / "tiny-llada" / "model.safetensors").exists()
-    subprocess.run(run + ["--out", str(tmp_path / "b"), "--resume"] + common, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "remask.zoo.train", "--out", str(tmp_path / "b"), "--resume"] + common,
+                   check=True, capture_output=True)
     for name in ("tiny-llada", "tiny-ar"):
         a = (tmp_path / "a" / name / "model.safetensors").read_bytes()
         b = (tmp_path / "b" / name / "model.safetensors").read_bytes()
@@ -213,11 +217,19 @@ def test_demo_runs_non_interactively():
         assert row in out
 
 
-def test_ablation_cli_writes_a_reproducible_csv(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "ablate.py"), "--sweep", "quick", "--problems", "7",
-           "--no-progress"]
-    subprocess.run(cmd + ["--out", str(tmp_path / "a.csv")], check=True, capture_output=True)
-    subprocess.run(cmd + ["--out", str(tmp_path / "b.csv")], check=True, capture_output=True)
+def test_ablation_cli_writes_a_reproducible_csv(tmp_path, capsys):
+    """`python bench/ablate.py` once as a command; the reruns call its `main` in this process (the
+    same argument parsing and code, without another interpreter start): the same command gives the
+    same rows in a fresh process and in an old one."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import ablate
+    finally:
+        sys.path.remove(os.path.join(ROOT, "bench"))
+    args = ["--sweep", "quick", "--problems", "7", "--no-progress"]
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ablate.py"), *args, "--out", str(tmp_path / "a.csv")],
+                   check=True, capture_output=True)
+    assert ablate.main(args + ["--out", str(tmp_path / "b.csv")]) == 0
     rows = [list(csv.DictReader(open(tmp_path / f"{x}.csv"))) for x in ("a", "b")]
     assert [r["setting"] for r in rows[0]] == ["low_confidence steps=16", "low_confidence steps=4", "threshold 0.9",
                                                "APD R=0.7 lookahead=16", "AR greedy"]
@@ -232,17 +244,22 @@ def test_ablation_cli_writes_a_reproducible_csv(tmp_path):
     # the accuracy-vs-NFE plot lands beside the CSV without a flag when matplotlib is there
     import importlib.util
 
-    assert (tmp_path / "a.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
-    subprocess.run(cmd + ["--out", str(tmp_path / "c.csv"), "--no-plot"], check=True, capture_output=True)
-    assert not (tmp_path / "c.png").exists()
-    # --only reruns some families; --merge puts their rows back into an earlier CSV, in sweep order
-    subprocess.run(cmd + ["--only", "threshold", "--merge", str(tmp_path / "a.csv"), "--out", str(tmp_path / "d.csv"),
-                          "--no-plot"], check=True, capture_output=True)
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    assert (tmp_path / "a.png").exists() == (tmp_path / "b.png").exists() == has_matplotlib
+    # --only reruns some families; --merge puts their rows back into an earlier CSV, in sweep order;
+    # --no-plot writes no plot
+    assert ablate.main(args + ["--only", "threshold", "--merge", str(tmp_path / "a.csv"), "--out",
+                               str(tmp_path / "d.csv"), "--no-plot"]) == 0
+    assert not (tmp_path / "d.png").exists()
     merged = list(csv.DictReader(open(tmp_path / "d.csv")))
     assert [{k: v for k, v in r.items() if k not in drop} for r in merged] == \
            [{k: v for k, v in r.items() if k not in drop} for r in rows[0]]
-    bad = subprocess.run(cmd + ["--only", "nope", "--no-plot"], capture_output=True, text=True)
-    assert bad.returncode != 0 and "--only" in bad.stderr and "nope" in bad.stderr
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as bad:
+        ablate.main(args + ["--only", "nope", "--no-plot"])
+    assert bad.value.code != 0
+    err = capsys.readouterr().err
+    assert "--only" in err and "nope" in err
 
 
 # --- the shipped diffusion model through the official code ------------------------------------
