@@ -62,10 +62,21 @@ def test_import_remask_registers_nothing_until_a_name_is_used():
     assert out == [False, False, True, True]
 
 
-def test_remask_help_is_fast():
+def test_remask_help_imports_no_heavy_module():
+    """`remask --help` stays fast (issue 44: under 0.5 s) because it imports neither torch, transformers,
+    triton nor the decoding core; that is what is asserted here (a timed assert would fail on a loaded
+    machine). The time itself: `python bench/cli_startup.py`."""
+    out = json.loads(_run("""
+        import contextlib, io, json, sys
+        from remask.cli import main
+        with contextlib.redirect_stdout(io.StringIO()) as shown, contextlib.suppress(SystemExit):
+            main(["--help"])
+        heavy = ("torch", "transformers", "triton", "remask.diffusion", "remask.engine")
+        print(json.dumps([[m for m in heavy if m in sys.modules], "usage" in shown.getvalue()]))
+    """))
+    assert out == [[], True]
     exe = os.path.join(os.path.dirname(sys.executable), "remask")
-    best = min(_timed([exe, "--help"]) for _ in range(3))
-    assert best < 0.5, f"remask --help took {best:.2f} s"
+    _timed([exe, "--help"])   # the installed console script runs
 
 
 def _timed(argv: list) -> float:
