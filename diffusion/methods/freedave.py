@@ -120,8 +120,7 @@ def make_drafts(base: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor, K: int
     mask = base == mask_id
     scores = torch.where(mask, conf.to(torch.float64), -torch.inf)
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(
-        order).contiguous())
+    rank = order.argsort(dim=1)   # each position's place in that order (the inverse permutation)
     k = torch.arange(K, device=base.device)
     take = mask[:, None, :] & (rank[:, None, :] < k[None, :, None])
     return torch.where(take, x0[:, None, :], base[:, None, :])
