@@ -296,16 +296,14 @@ class BlockDecoder(BlockwiseDecoder):
     def _rule_forward(self, state: BlockState) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
         start, end = self.block_span(state)
         forwards, T, w = state.forwards, state.x.shape[1], self.window
+        inputs = state.x if state.embeds is None else state.embeds
         state.main_next = not state.main_next and self._builds_cache(state, start, end)
-        if state.main_next:
-            forwards.cache, lo, hi = KVCache(), 0, T
-        elif w is not None:   # before the cache is built (the warmup), a full forward
-            lo, hi = max(0, start - w.prefix_look), min(T, end + w.after_look)
-        else:
-            lo, hi = (0, T) if forwards.mode is None else (start, T if forwards.mode == "prefix" else end)
-        logits = yield from forwards.span(state.x if state.embeds is None else state.embeds, lo, hi, forwards.cache)
-        if forwards.mode == "prefix":
-            forwards.cache.crop(start)   # the suffix's K/V are recomputed at every step
+        if state.main_next:   # a full forward into a new cache
+            forwards.cache = KVCache()
+        if w is None:
+            return (yield from forwards.step(inputs, start, end, refresh=state.main_next))
+        lo, hi = (0, T) if state.main_next else (max(0, start - w.prefix_look), min(T, end + w.after_look))
+        logits = yield from forwards.span(inputs, lo, hi, forwards.cache)   # (before the cache: a full forward)
         return logits, 0 if forwards.cache is None else lo
 
     def _rule_commit(self, state: BlockState, logits: torch.Tensor, fed: int, stats: GenerationStats | None) -> None:
@@ -483,11 +481,8 @@ class BlockDecoder(BlockwiseDecoder):
         Fast-dLLM++'s Fréchet profile budget, else the budget `k` per row; returns the counts `[B]`."""
         if self.frechet_margin is not None:
             k = frechet_profile_counts(conf, block_mask, self.frechet_margin)
-        if self.threshold is not None:
-            return unmask(block_x, block_mask, x0, conf, threshold=self.threshold)
-        if self.factor is not None:
-            return unmask(block_x, block_mask, x0, conf, factor=self.factor)
-        return unmask(block_x, block_mask, x0, conf, k=k)
+        # (a threshold or factor rule is parallel: no budget `k`)
+        return unmask(block_x, block_mask, x0, conf, k=k, threshold=self.threshold, factor=self.factor)
 
     def _end_block(self, state: BlockState, block_x: torch.Tensor, end: int) -> None:
         if self.early_stop:

@@ -51,7 +51,6 @@ from dataclasses import dataclass
 from typing import Any, Generator, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from remask.caches.position import DelayedKVCache
 from remask.models.spec import get_spec
@@ -163,17 +162,15 @@ def _forward(x: torch.Tensor, positions: torch.Tensor, forwarded: torch.Tensor |
     """Logits `[B, n, V]` of the forwarded positions (all when `forwarded` is None): one `ForwardRequest`
     (``yield from``), the cache told its part before and taking its new positions after. `store`
     None: a plain forward (no cache; `cache.key_ok` hides the pad keys)."""
-    B = x.shape[0]
     if store is None:
         bias = DelayedKVCache._bias(cache.key_ok, torch.float32)
         return (yield ForwardRequest(x, per_row={} if bias is None else {"attention_bias": bias}))
     if forwarded is None:
         cache.fill(store)
-        logits = yield ForwardRequest(x, per_row={"position_ids": positions}, cache=cache)
     else:
         cache.reuse(forwarded, store)
-        logits = yield ForwardRequest(x[forwarded].view(B, -1),
-                                      per_row={"position_ids": positions[forwarded].view(B, -1)}, cache=cache)
+        x, positions = x[forwarded].view(x.shape[0], -1), positions[forwarded].view(x.shape[0], -1)
+    logits = yield ForwardRequest(x, per_row={"position_ids": positions}, cache=cache)
     cache.finish()
     return logits
 

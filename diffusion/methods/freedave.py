@@ -112,20 +112,6 @@ def _select_rows(value: Any, rows: torch.Tensor | None, batch: int) -> Any:
     return value.index_select(0, rows)
 
 
-def _rows_alone(forward: Generator[ForwardRequest, Any, Any], alone: bool) -> Generator[ForwardRequest, Any, Any]:
-    """`forward` (a sub-generator of requests) with each request's rows computed as alone when
-    `alone` (`ForwardRequest.rows_alone`: the rows of a batch get the bits each gets by itself)."""
-    answer = None
-    while True:
-        try:
-            request = forward.send(answer)
-        except StopIteration as stop:
-            return stop.value
-        if alone and isinstance(request, ForwardRequest):
-            request.rows_alone = True
-        answer = yield request
-
-
 # --- the decoding loop --------------------------------------------------------------------------
 
 def make_drafts(base: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor, K: int, mask_id: int) -> torch.Tensor:
@@ -134,8 +120,7 @@ def make_drafts(base: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor, K: int
     mask = base == mask_id
     scores = torch.where(mask, conf.to(torch.float64), -torch.inf)
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(
-        order).contiguous())
+    rank = order.argsort(dim=1)   # each position's place in that order (the inverse permutation)
     k = torch.arange(K, device=base.device)
     take = mask[:, None, :] & (rank[:, None, :] < k[None, :, None])
     return torch.where(take, x0[:, None, :], base[:, None, :])
@@ -162,26 +147,26 @@ class _Decoder:
             self.stats.forward(rows, length, self.block_forward.cache_nbytes)
 
     def refresh(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, torch.Tensor]:
-        logits = yield from _rows_alone(self.block_forward.refresh(x, start, end), x.shape[0] > 1)
-        self._count_forward(*x.shape)
-        return logits
+        """The baseline's block-start forward (one request), a batch's rows computed as alone (`rows_alone`: each
+        row gets the bits of its own forward)."""
+        forward = self.block_forward.refresh(x, start, end)
+        request = next(forward)
+        request.rows_alone = x.shape[0] > 1
+        try:
+            forward.send((yield request))
+        except StopIteration as stop:
+            self._count_forward(*x.shape)
+            return stop.value
 
-    def drafts(self, x: torch.Tensor, rows: torch.Tensor, base: torch.Tensor, x0: torch.Tensor,
-               conf: torch.Tensor, counts: torch.Tensor, start: int,
-               end: int) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, torch.Tensor, int]]:
-        """The drafts `[A, K, block]` of the rows `rows` of `x` (K: the most any row takes), their
-        logits `[A·K, L, V]` (draft-minor) and the block's first row in them: one plain request,
-        each row's linears as alone (`rows_alone`), against the block's cache copied or shared."""
-        drafts = make_drafts(base[rows], x0[rows], conf[rows], int(counts.max()), self.spec.mask_id)
-        A, K, _ = drafts.shape
-        B, T = x.shape
-        rows = None if A == B else rows
-        mode = self.mode
+    def verify(self, canvas: torch.Tensor, rows: torch.Tensor, B: int, start: int,
+               end: int) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
+        """The logits `[A·K, L, V]` of the drafts `canvas` `[A·K, T]` (draft-minor: K per row of `rows`, of the
+        batch's B) and the block's first row in them: one plain request, each row's linears as alone
+        (`rows_alone`), against the block's cache copied or shared."""
+        K = canvas.shape[0] // len(rows)
+        T, mode = canvas.shape[1], self.mode
+        rows = None if len(rows) == B else rows
         fed, fed_end = (0, T) if mode is None else (start, T if mode == "prefix" else end)
-        L = fed_end - fed
-        sel = x if rows is None else x.index_select(0, rows)
-        seqs = sel[:, fed:fed_end].unsqueeze(1).repeat(1, K, 1)
-        seqs[:, :, start - fed:end - fed] = drafts
         inputs = self.forward_inputs if mode is None else self.spec.inputs_for_positions(self.forward_inputs, start,
                                                                                          fed_end)
         inputs = {k: _select_rows(v, rows, B) for k, v in inputs.items()}
@@ -196,11 +181,12 @@ class _Decoder:
             else:
                 cache = TreeKVCache(base, rows, start, T if mode == "prefix" else end, T, K)
             cache.write_start = fed
-            kw = dict(cache=cache, cache_position=torch.arange(fed, fed_end, device=x.device))
+            kw = dict(cache=cache, cache_position=torch.arange(fed, fed_end, device=canvas.device))
         # `spec`: the family's logit shift within each draft's row (`ModelSpec.logits`)
-        logits = yield ForwardRequest.call(seqs.reshape(A * K, L), inputs, spec=self.spec, rows_alone=True, **kw)
-        self._count_forward(A * K, L)
-        return drafts, logits, start - fed
+        logits = yield ForwardRequest.call(canvas[:, fed:fed_end].contiguous(), inputs, spec=self.spec,
+                                           rows_alone=True, **kw)
+        self._count_forward(*canvas[:, fed:fed_end].shape)
+        return logits, start - fed
 
     def score(self, logits: torch.Tensor, local: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x0 and confidence of the block rows of `logits` `[N, L, V]` → `[N, block]` each (the
@@ -214,12 +200,8 @@ class _Decoder:
 
     def rule(self, tokens: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
         """The baseline's step on `tokens` `[N, block]` from its own predictions (a new tensor)."""
-        out = tokens.clone()
-        mask = out == self.spec.mask_id
-        if self.config.confidence_threshold is None:
-            unmask(out, mask, x0, conf, k=1)
-        else:
-            unmask(out, mask, x0, conf, threshold=self.config.confidence_threshold)
+        out, threshold = tokens.clone(), self.config.confidence_threshold
+        unmask(out, out == self.spec.mask_id, x0, conf, k=1 if threshold is None else None, threshold=threshold)
         return out
 
     def _count_step(self, before: int, blk: torch.Tensor) -> None:
@@ -237,10 +219,7 @@ class _Decoder:
         predictions are fresh: Dream commits the block's first position from it, so none are."""
         blk, mask_id = x[:, start:end], self.spec.mask_id
         logits = yield from self.refresh(x, start, end)
-        if cf is None:
-            (x0, conf), lg = self.score(logits, start), None
-        else:
-            x0, conf, lg = self.score_masked(cf, logits, start, start, end)
+        x0, conf, lg = self.score_masked(cf, logits, start, start, end)
         del logits
         fresh = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
         if self.spec.logit_shift:
@@ -253,77 +232,37 @@ class _Decoder:
         yield self._progress(x, blk, start, end)
         return x0, conf, lg, fresh
 
-    def _pick(self, drafts: torch.Tensor, targets: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Each row's accepted draft (`verify_chain`), as an index into the `[A·K]` drafts."""
-        A, K, _ = drafts.shape
-        best = verify_chain(drafts, targets, counts, self.spec.mask_id, self.config.match_rule)
-        return torch.arange(A, device=drafts.device) * K + best
-
-    def block(self, x: torch.Tensor, start: int, end: int) -> StepGenerator:
-        """Decode `x[:, start:end]` in place, a `Progress` after each forward (`final`: the positions
-        before this block, or through `end` once it is decoded)."""
-        mask_id, K_max = self.spec.mask_id, self.config.draft_steps
-        blk = x[:, start:end]   # a view: commits write into x
-        x0, conf, _, fresh = yield from self._start(x, start, end, None)
-        while True:
-            masks = (blk == mask_id).sum(dim=1)
-            active = masks > 0
-            if not bool(active.any()):
-                return
-            before = int(masks.sum())
-            base = blk.clone()
-            if bool(fresh.any()):
-                f = fresh.nonzero().squeeze(1)
-                base[f] = self.rule(blk[f], x0[f], conf[f])
-            # A fresh row whose next state finishes the block needs no forward (upstream: the last step).
-            free = active & fresh & ~(base == mask_id).any(dim=1)
-            blk[free] = base[free]
-            run = active & ~free
-            if bool(run.any()):
-                rows = run.nonzero().squeeze(1)
-                counts = masks[rows].clamp(max=K_max)
-                drafts, logits, local = yield from self.drafts(x, rows, base, x0, conf, counts, start, end)
-                dx0, dconf = self.score(logits, local)
-                del logits
-                flat = drafts.reshape(-1, self.block_length)
-                pick = self._pick(drafts, self.rule(flat, dx0, dconf).view_as(drafts), counts)
-                blk[rows] = flat.index_select(0, pick)
-                x0[rows] = dx0.index_select(0, pick)
-                conf[rows] = dconf.index_select(0, pick)
-                fresh[rows] = True
-            self._count_step(before, blk)
-            if bool(run.any()):
-                yield self._progress(x, blk, start, end)
-
-    # --- structured output: the constrained step F (module docstring) ---------------------------
     def score_masked(self, cf: Any, logits: torch.Tensor, local: int, start: int,
-                     end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x0, confidence and the block's logits `[N, block, V]`, each row's frontier (by `cf`'s
-        matchers) masked to what its structure allows before scoring."""
+                     end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x0, confidence and, under a structure (`cf`: the rows' `CommitFilter`), the block's logits
+        `[N, block, V]`, each row's frontier masked to what its structure allows before scoring."""
+        if cf is None:
+            return (*self.score(logits, local), None)
         lg = full_logits(logits)[:, local:local + self.block_length]
         lg = cf.mask_frontier(lg, start, end, 0).contiguous()
-        x0, conf = self.score(lg, 0)
-        return x0, conf, lg
+        return (*self.score(lg, 0), lg)
 
     def constrained_step(self, cf: Any, canvas: torch.Tensor, start: int, end: int, x0: torch.Tensor,
-                         conf: torch.Tensor, lg: torch.Tensor) -> None:
-        """F on the rows of `canvas` `[N, T]` in place (their matchers `cf` advance): the rule on the
-        block, then the commit filter."""
+                         conf: torch.Tensor, lg: torch.Tensor | None) -> None:
+        """The step F on the rows of `canvas` `[N, T]` in place: the rule on the block, then (under a
+        structure) the commit filter, whose matchers `cf` advance."""
         blk = canvas[:, start:end]
         prior = blk.clone()
         blk.copy_(self.rule(blk, x0, conf))
-        cf.filter(canvas, prior, x0, lg, start, end, 0)
+        if cf is not None:
+            cf.filter(canvas, prior, x0, lg, start, end, 0)
 
-    def block_structured(self, x: torch.Tensor, start: int, end: int, cf: Any) -> StepGenerator:
-        """`block` under a structure (`cf`: the rows' `CommitFilter`): drafts and targets are
-        states of the constrained step F."""
+    def block(self, x: torch.Tensor, start: int, end: int, cf: Any = None) -> StepGenerator:
+        """Decode `x[:, start:end]` in place, a `Progress` after each forward (`final`: the positions
+        before this block, or through `end` once it is decoded). Under a structure (`cf`: the rows'
+        `CommitFilter`) drafts and targets are states of the constrained step F (module docstring)."""
         mask_id, K_max, bl = self.spec.mask_id, self.config.draft_steps, self.block_length
         blk = x[:, start:end]   # a view: commits write into x
         x0, conf, lg, fresh = yield from self._start(x, start, end, cf)
         while True:
             # never a block without holes whose tokens the matcher has not consumed (a subset-rule
             # draft could leave one): they are undecided again
-            for b, open_ in enumerate(cf.unsettled(x, start, end)):
+            for b, open_ in enumerate([] if cf is None else cf.unsettled(x, start, end)):
                 if open_ and not bool((blk[b] == mask_id).any()):
                     blk[b, cf.frontier(b) - start:] = mask_id
             masks = (blk == mask_id).sum(dim=1)
@@ -332,35 +271,47 @@ class _Decoder:
                 return
             before = int(masks.sum())
             f = (fresh & active).nonzero().squeeze(1)
-            if len(f):   # draft 0 = F(state), always accepted: committed now, the real matchers advance
+            if len(f):   # draft 0 = F(state), always accepted: committed now (the real matchers advance)
                 canvas = x.index_select(0, f)
-                self.constrained_step(cf.rows(f.tolist()), canvas, start, end, x0[f], conf[f], lg[f])
+                self.constrained_step(None if cf is None else cf.rows(f.tolist()), canvas, start, end, x0[f], conf[f],
+                                      None if lg is None else lg[f])
                 x[f] = canvas
-            base = blk.clone()
-            left = (base == mask_id).sum(dim=1)
+            left = (blk == mask_id).sum(dim=1)
+            # a row whose next state finished the block needs no forward (upstream: the last step)
             run = active & (left > 0)
             if bool(run.any()):
                 rows = run.nonzero().squeeze(1)
-                counts = torch.where(fresh[rows], left[rows] + 1, left[rows]).clamp(min=1, max=K_max)
-                drafts, logits, local = yield from self.drafts(x, rows, base, x0, conf, counts, start, end)
+                # (without a structure: as many drafts as masks before draft 0, FreeDave++'s included)
+                counts = masks[rows] if cf is None else torch.where(fresh[rows], left[rows] + 1, left[rows])
+                counts = counts.clamp(min=1, max=K_max)
+                drafts = make_drafts(blk[rows], x0[rows], conf[rows], int(counts.max()), mask_id)
                 A, K, _ = drafts.shape
                 rep = rows.repeat_interleave(K)
                 canvas = x.index_select(0, rep)
                 canvas[:, start:end] = drafts.reshape(A * K, bl)
-                dcf = cf.clone_rows(rep.tolist())
-                dcf.sync(canvas)   # each draft's matcher at its own frontier
+                logits, local = yield from self.verify(canvas, rows, x.shape[0], start, end)
+                dcf = None
+                if cf is not None:
+                    dcf = cf.clone_rows(rep.tolist())
+                    dcf.sync(canvas)   # each draft's matcher at its own frontier
                 dx0, dconf, dlg = self.score_masked(dcf, logits, local, start, end)
                 del logits
                 targets = canvas.clone()
-                self.constrained_step(dcf.clone_rows(range(A * K)), targets, start, end, dx0, dconf, dlg)
-                pick = self._pick(canvas[:, start:end].view(A, K, bl), targets[:, start:end].view(A, K, bl), counts)
+                self.constrained_step(None if cf is None else dcf.clone_rows(range(A * K)), targets, start, end, dx0,
+                                      dconf, dlg)
+                best = verify_chain(canvas[:, start:end].view(A, K, bl), targets[:, start:end].view(A, K, bl), counts,
+                                    mask_id, self.config.match_rule)
+                pick = torch.arange(A, device=x.device) * K + best   # each row's accepted draft among the A·K
                 x[rows] = canvas.index_select(0, pick)
-                for r, p in zip(rows.tolist(), pick.tolist()):
-                    cf.matchers[r] = dcf.matchers[p]
-                x0[rows], conf[rows], lg[rows] = dx0[pick], dconf[pick], dlg[pick]
+                if cf is not None:
+                    for r, p in zip(rows.tolist(), pick.tolist()):
+                        cf.matchers[r] = dcf.matchers[p]
+                    lg[rows] = dlg[pick]
+                x0[rows], conf[rows] = dx0[pick], dconf[pick]
                 fresh[rows] = True
             self._count_step(before, blk)
-            yield self._progress(x, blk, start, end)
+            if cf is not None or bool(run.any()):
+                yield self._progress(x, blk, start, end)
 
 
 @torch.no_grad()
@@ -397,13 +348,11 @@ def freedave_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask:
     check_mask_id(spec)
     if spec.noise != "mask":
         raise ValueError("freedave_generate decodes mask-diffusion models (LLaDA, Dream)")
-    check_int("gen_length", gen_length, minimum=1)
-    check_int("block_length", block_length, minimum=1)
+    validate_block_args(gen_length, block_length, gen_length)   # steps = gen_length: one token per step
     check_int("steps", steps, minimum=1, allow_none=True)
     if steps is not None and steps != gen_length:
         raise ValueError(f"steps must be None or gen_length ({gen_length}): FreeDave decodes one token per step, "
                          f"got {steps}")
-    validate_block_args(gen_length, block_length, gen_length)
     config.check_request(gen_length=gen_length, block_length=block_length)
     mode = cache_mode(use_cache)
     if mode not in FREEDAVE_CACHES:
@@ -431,10 +380,8 @@ def _freedave_loop(model: torch.nn.Module, prompt: torch.Tensor, attention_mask:
     decoder = _Decoder(model, spec, config, block_length, mode, attention_mask, P, T, stats)
     for block in range(gen_length // block_length):
         start = P + block * block_length
-        if constraint is None:
-            yield from decoder.block(x, start, start + block_length)
-        elif not all(constraint.finished):
-            yield from decoder.block_structured(x, start, start + block_length, constraint)
+        if constraint is None or not all(constraint.finished):
+            yield from decoder.block(x, start, start + block_length, constraint)
     if stats is not None:
         stats.stop(B * gen_length)
     return x
