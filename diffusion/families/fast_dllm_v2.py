@@ -31,10 +31,9 @@ from transformers.cache_utils import DynamicCache
 from remask.caches.block import PackedRows
 from remask.models.fast_dllm_v2 import RowBatch
 
-from ..parts.blocks import BlockLoop, check_prompt, refuse_unread
-from ..parts.checks import (ParameterTypeError, check_block_within_context, check_bool, check_choice, check_generator,
-                            check_int, check_real, check_settings, check_stats)
-from ..parts.drafts import split_freedave
+from ..parts.blocks import BlockLoop, check_block_settings, check_prompt, engine_part, engine_settings
+from ..parts.checks import (ParameterTypeError, check_bool, check_choice, check_generator, check_int, check_real,
+                            check_stats)
 from ..parts.scoring import sample_categorical
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest
@@ -458,10 +457,8 @@ FAST_DLLM_V2_SETTINGS = ("block_size", "small_block_size", "use_block_cache")
 
 def check_fast_dllm_v2_settings(settings: Any) -> dict:
     """A request's Fast-dLLM v2 settings (`SamplingParams.fast_dllm_v2`): keys from FAST_DLLM_V2_SETTINGS."""
-    out = check_settings("fast_dllm_v2", settings, FAST_DLLM_V2_SETTINGS)
-    for name in ("block_size", "small_block_size"):
-        if name in out:
-            check_int(f"fast_dllm_v2.{name}", out[name], minimum=1)
+    out = check_block_settings("fast_dllm_v2", settings, FAST_DLLM_V2_SETTINGS,
+                               dict.fromkeys(("block_size", "small_block_size"), (1, None)))
     if "block_size" in out and out.get("small_block_size", 1) > out["block_size"]:
         raise ValueError(f"fast_dllm_v2.small_block_size must be <= fast_dllm_v2.block_size ({out['block_size']}), "
                          f"got {out['small_block_size']}")
@@ -475,16 +472,12 @@ def engine_decoder(engine: Any, params: Any) -> FastDLLMV2Decoder:
     `max_new_tokens` = `max_tokens` rounded up to whole blocks; `top_p` default 0.95, `threshold` 0.9 (the official
     chatbot's), `block_size` the config's `bd_size`, `small_block_size` 8. `decoder=` FreeDave sets the rule (one
     token per step, threshold 1.0, or its threshold)."""
-    refuse_unread(params, "Fast-dLLM v2", ("fast_dllm_v2",), "temperature, top_p, threshold and "
-                  f"fast_dllm_v2={{{', '.join(FAST_DLLM_V2_SETTINGS)}}}")
-    if params.stop_token_ids:
-        raise ValueError("stop_token_ids: Fast-dLLM v2's loop stops at one stop token (the model's EOS)")
-    settings = dict(params.fast_dllm_v2 or {})
-    block_size = settings.pop("block_size", engine.spec.block_length or 32)
-    check_block_within_context(engine.spec, "fast_dllm_v2.block_size", block_size)   # the canvas is whole blocks
-    part, threshold = params.decoder, 0.9 if params.threshold is None else params.threshold
-    if params.decoder is not None:
-        part, tau = split_freedave(params.decoder, rules=False)
+    settings, block_size = engine_settings(engine, params, "Fast-dLLM v2", "fast_dllm_v2", FAST_DLLM_V2_SETTINGS,
+                                           rules=False, length="block_size", default_length=32,
+                                           stops="one stop token (the model's EOS)")
+    part, tau = engine_part(params, "Fast-dLLM v2", "fast_dllm_v2", settings)
+    threshold = 0.9 if params.threshold is None else params.threshold
+    if part is not None:
         threshold = 1.0 if tau is None else tau
     return FastDLLMV2Decoder(part, mask_id=engine.spec.mask_id, num_blocks=-(-params.max_tokens // block_size),
                              block_size=block_size, small_block_size=settings.pop("small_block_size", 8),

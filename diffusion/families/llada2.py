@@ -23,15 +23,13 @@ from typing import Any
 
 import torch
 
-from ..parts.blocks import (BlockState, StoreKVLoop, num_transfer_schedule, refuse_unread, sample_block,
-                            select_mask_to_token)
-from ..parts.checks import (MAX_LOOP_STEPS, check_block_within_context, check_bool, check_int, check_real,
-                            check_settings, check_steps)
-from ..parts.drafts import split_freedave
-from ..parts.rules import check_rule_on_loop, is_rule
-from ..parts.stats import GenerationStats
+from ..parts.blocks import (BlockState, StoreKVLoop, check_block_settings, engine_part, engine_settings,
+                            num_transfer_schedule, sample_block, select_mask_to_token)
+from ..parts.checks import MAX_LOOP_STEPS, check_bool, check_int, check_real, check_steps
+from ..parts.rules import is_rule
 
-__all__ = ["LLaDA2Decoder", "LLaDA2State", "num_transfer_schedule", "select_mask_to_token", "select_token_edits"]
+__all__ = ["LLaDA2Decoder", "LLaDA2State", "num_transfer_schedule", "sample_block", "select_mask_to_token",
+           "select_token_edits"]
 
 
 def select_token_edits(block: torch.Tensor, masked: torch.Tensor, prompt_in_block: torch.Tensor,
@@ -122,38 +120,29 @@ class LLaDA2Decoder(StoreKVLoop):
         end = state.end if state.end is not None else state.prompt_length + self.gen_length
         return state.x[:, state.prompt_length:end]
 
-    def _decide(self, state: LLaDA2State, logits: torch.Tensor, generator: torch.Generator | None,
-                stats: GenerationStats | None) -> None:
+    def _select(self, state: LLaDA2State, block: torch.Tensor, masked: torch.Tensor, tokens: torch.Tensor,
+                confidence: torch.Tensor, probs: torch.Tensor, count: int) -> torch.Tensor:
+        """2.0: the schedule's count (mask → token); 2.1: `num_to_transfer`, and the token edits."""
+        transfer = select_mask_to_token(masked, confidence, self.num_to_transfer if self.editing else count,
+                                        self.threshold)
+        if not self.editing:
+            return transfer
         start, end = self._span(state)
-        block = state.x[:, start:end]   # a view: commits write into x
-        masked = block == self.mask_id
-        logits, prior = self._constrain_before(state, logits)
-        if self.rule is not None:   # a dInfer rule (2.0's loop, its EOS stops, no `steps` cap)
-            tokens, transfer = None, self._rule_commit(state, block, logits, stats)
-        else:
-            tokens, confidence, _ = sample_block(logits, self.temperature, self.top_k, self.top_p, generator,
-                                                 self.mask_id)
-            # under a structure the filter may leave holes past the schedule: one more token per step
-            count = self.schedule[state.step] if state.step < len(self.schedule) else 1
-            count = self.num_to_transfer if self.editing else count
-            transfer = select_mask_to_token(masked, confidence, count, self.threshold)
-            edits = torch.zeros_like(masked)
-            if self.editing:
-                prompt_in_block = torch.arange(start, end, device=block.device) < state.prompt_length
-                edits = select_token_edits(block, masked, prompt_in_block, tokens, confidence, self.editing_threshold)
-            change = transfer | edits
-            block[change] = tokens[change]
-            state.step += 1
-            if stats is not None:
-                stats.step(transfer.sum())
+        prompt_in_block = torch.arange(start, end, device=block.device) < state.prompt_length
+        return transfer | select_token_edits(block, masked, prompt_in_block, tokens, confidence, self.editing_threshold)
+
+    def _decided(self, state: LLaDA2State, block: torch.Tensor, masked: torch.Tensor, change: torch.Tensor,
+                 tokens: torch.Tensor | None, logits: torch.Tensor, prior: torch.Tensor | None) -> None:
+        """After the step's commits: structured output's filter, the EOS stops, the block's end."""
         if prior is not None and self._constrain_after(state, prior, tokens, logits):
             return
         if self.editing:
-            finished = (not bool(masked.any()) and not bool(edits.any())) or self._post_steps_spent(state)
+            finished = (not bool(masked.any()) and not bool((change & ~masked).any())) or \
+                self._post_steps_spent(state)
             if prior is not None:   # a structure's block ends only without holes
                 finished = finished and not bool((block == self.mask_id).any())
         else:
-            if self._eos_stop(state, block[transfer] if tokens is None else tokens[transfer]):
+            if self._eos_stop(state, block[change] if tokens is None else tokens[change]):
                 return
             finished = not bool((block == self.mask_id).any()) or \
                 (self.rule is None and prior is None and state.step >= self.steps)
@@ -227,17 +216,11 @@ LLADA2_SETTINGS = ("block_length", "steps", "minimal_topk", "eos_early_stop", "e
 
 def check_llada2_settings(settings: Any) -> dict:
     """A request's LLaDA2 settings (`SamplingParams.llada2`): a dict with keys from LLADA2_SETTINGS."""
-    out = check_settings("llada2", settings, LLADA2_SETTINGS)
-    for name in ("block_length", "steps", "minimal_topk", "num_to_transfer"):
-        if name in out:
-            check_int(f"llada2.{name}", out[name], minimum=1)
-    if "max_post_steps" in out:      # no token count bounds this loop: a cap (docs/parameters.md, work bounds)
-        check_int("llada2.max_post_steps", out["max_post_steps"], minimum=0, maximum=MAX_LOOP_STEPS)
-    for name in ("steps", "num_to_transfer"):   # else at the engine, with the model's block size
-        if "block_length" in out and name in out:
-            check_steps(f"llada2.{name}", out[name], out["block_length"], "llada2.block_length")
-    if "eos_early_stop" in out:
-        check_bool("llada2.eos_early_stop", out["eos_early_stop"])
+    # no token count bounds max_post_steps's loop: a cap (docs/parameters.md, work bounds)
+    ints = {**dict.fromkeys(("block_length", "steps", "minimal_topk", "num_to_transfer"), (1, None)),
+            "max_post_steps": (0, MAX_LOOP_STEPS)}
+    out = check_block_settings("llada2", settings, LLADA2_SETTINGS, ints, steps=("steps", "num_to_transfer"),
+                               bools=("eos_early_stop",))
     if out.get("editing_threshold") is not None:
         check_real("llada2.editing_threshold", out["editing_threshold"])
     return out
@@ -247,24 +230,13 @@ def engine_decoder(engine: Any, params: Any) -> LLaDA2Decoder:
     """One engine request's LLaDA2 loop (`Family.engine_decoder`): `remask.compat.llada2.generate`'s with
     `gen_length=max_tokens`. `decoder=` (a dInfer rule or FreeDave) is the loop's commit part; FreeDave sets the
     rule: one token per step (threshold 1.0), or its threshold."""
-    refuse_unread(params, "LLaDA2", ("top_k", "llada2"), "temperature, top_k, top_p, threshold, decoder "
-                  f"(remask.FreeDave or dInfer's rules) and llada2={{{', '.join(LLADA2_SETTINGS)}}}")
-    if params.stop_token_ids:
-        raise ValueError("stop_token_ids: LLaDA2's loop stops at its EOS id only (the model's)")
-    settings = dict(params.llada2 or {})
-    block_length = settings.pop("block_length", engine.spec.block_length or 32)
-    # work bounds, before the schedule (O(steps)) or the canvas (whole blocks) is built
-    check_block_within_context(engine.spec, "llada2.block_length", block_length)
-    for name in ("steps", "num_to_transfer"):
+    settings, block_length = engine_settings(engine, params, "LLaDA2", "llada2", LLADA2_SETTINGS, default_length=32,
+                                             stops="its EOS id only (the model's)")
+    for name in ("steps", "num_to_transfer"):   # work bounds, before the schedule (O(steps)) is built
         check_steps(f"llada2.{name}", settings.get(name), block_length, "the block length")
-    part, threshold = params.decoder, 0.95 if params.threshold is None else params.threshold
-    if is_rule(params.decoder):
-        # SamplingParams refuses temperature > 0, threshold, top_k, top_p with a decoder
-        check_rule_on_loop(params.decoder, "LLaDA2", temperature=params.temperature,
-                           replaces="threshold rule and schedule",
-                           unread={f"llada2.{name}": settings[name] for name in RULE_SETTINGS if name in settings})
-    elif params.decoder is not None:
-        part, tau = split_freedave(params.decoder, rules=True)
+    part, tau = engine_part(params, "LLaDA2", "llada2", settings, RULE_SETTINGS, "threshold rule and schedule")
+    threshold = 0.95 if params.threshold is None else params.threshold
+    if part is not None and not is_rule(part):
         if "steps" in settings:
             raise ValueError("llada2.steps: with decoder=FreeDave a block takes one token per step: leave it unset")
         threshold = 1.0 if tau is None else tau

@@ -14,7 +14,9 @@ from transformers.cache_utils import DynamicCache
 
 from remask.caches.block import BlockBatch, BlockKVCache
 
-from .drafts import DraftVerify, Drafts, check_block_decoder
+from .checks import (check_block_within_context, check_bool, check_generator, check_int, check_settings,
+                     check_stats, check_steps)
+from .drafts import DraftVerify, Drafts, check_block_decoder, split_freedave
 from .rules import check_rule_on_loop, commit_block, is_rule
 from .scoring import sample_categorical
 from .stats import GenerationStats
@@ -91,6 +93,71 @@ def refuse_unread(params: Any, family: str, reads: tuple, settings: str) -> None
               if f.name not in ENGINE_READS + reads and getattr(params, f.name) != f.default]
     if unread:
         raise ValueError(f"a block-causal model ({family}) does not read {unread}; its settings are {settings}")
+
+
+def check_block_settings(field: str, settings: Any, allowed: tuple, ints: dict, steps: tuple = (),
+                         bools: tuple = ()) -> dict:
+    """A request's settings of a block-causal family (`SamplingParams.<field>`): keys from `allowed`; `ints` (name →
+    (minimum, maximum)); `steps`, step counts at most `block_length` when both are given (else the engine checks
+    them against the model's block size); `bools`. Returns the checked copy (for the family's other checks)."""
+    out = check_settings(field, settings, allowed)
+    for name, (minimum, maximum) in ints.items():
+        if name in out:
+            check_int(f"{field}.{name}", out[name], minimum=minimum, maximum=maximum)
+    for name in steps:
+        if "block_length" in out and name in out:
+            check_steps(f"{field}.{name}", out[name], out["block_length"], f"{field}.block_length")
+    for name in bools:
+        if name in out:
+            check_bool(f"{field}.{name}", out[name])
+    return out
+
+
+def engine_settings(engine: Any, params: Any, family: str, field: str, allowed: tuple, *, rules: bool = True,
+                    length: str = "block_length", default_length: int | None = None,
+                    stops: str | None = None) -> tuple[dict, int | None]:
+    """An engine request's settings for a block-causal family's loop: what it does not read refused by name (it reads
+    `params.<field>` with keys from `allowed`, top_k and dInfer's rules when `rules`), `stop_token_ids` refused
+    unless the loop takes them (`stops`: where it stops instead). Returns (a copy of `params.<field>` less the block
+    length, the block length: the setting, else the model's, else `default_length`), the block length checked
+    against the model's context (the canvas is whole blocks)."""
+    refuse_unread(params, family, ("top_k", field) if rules else (field,),
+                  ("temperature, top_k, top_p, threshold, decoder (remask.FreeDave or dInfer's rules)" if rules else
+                   "temperature, top_p, threshold") + f" and {field}={{{', '.join(allowed)}}}")
+    if stops is not None and params.stop_token_ids:
+        raise ValueError(f"stop_token_ids: {family}'s loop stops at {stops}")
+    settings = dict(getattr(params, field) or {})
+    block_length = settings.pop(length, engine.spec.block_length or default_length)
+    check_block_within_context(engine.spec, f"{field}.{length}", block_length)
+    return settings, block_length
+
+
+def engine_part(params: Any, family: str, field: str, settings: dict, rule_settings: tuple | None = None,
+                replaces: str = "") -> tuple[Any, float | None]:
+    """An engine request's `decoder=` as its loop's commit part: (None, None) without one; a dInfer rule (the
+    families that take them: `rule_settings`, those it replaces, refused by name when given) is (the rule, None);
+    FreeDave sets the loop's rule: (FreeDave without its `confidence_threshold`, that threshold or None)."""
+    if params.decoder is None:
+        return None, None
+    if rule_settings is not None and is_rule(params.decoder):
+        # SamplingParams refuses temperature > 0, threshold, top_k, top_p with a decoder
+        check_rule_on_loop(params.decoder, family, temperature=params.temperature, replaces=replaces,
+                           unread={f"{field}.{name}": settings[name] for name in rule_settings if name in settings})
+        return params.decoder, None
+    return split_freedave(params.decoder, rules=rule_settings is not None)
+
+
+def run_alone(decoder: "BlockLoop", model: torch.nn.Module, input_ids: Any, generator: torch.Generator | None,
+              stats: GenerationStats | None) -> Any:
+    """A drop-in call's loop on one prompt `[1, P]` to the end (its generator and stats checked); the final state."""
+    check_generator(generator, input_ids.device if torch.is_tensor(input_ids) else "cpu")
+    check_stats("stats", stats)
+    if stats is not None:
+        stats.start()
+    state = decoder.run(model, input_ids, generator, stats)
+    if stats is not None:
+        stats.stop(int(state.x.shape[1] - state.prompt_length))
+    return state
 
 
 class BlockLoop(ForwardThenCommit):
@@ -221,7 +288,8 @@ class BlockState:
 
 
 class StoreKVLoop(BlockLoop):
-    """The loop of the `store_kv` models (SDAR, LLaDA2); the family supplies `_decide`. `use_cache=False`: each
+    """The loop of the `store_kv` models (SDAR, LLaDA2); the family supplies `_select` and `_decided` (`_decide`'s
+    hooks) and its block's end. `use_cache=False`: each
     forward covers the sequence up to the current block under the block-causal mask (the cache's check)."""
 
     takes_rules = True
@@ -326,6 +394,28 @@ class StoreKVLoop(BlockLoop):
 
         start, end = self._span(state)
         return mask_frontier_rows(state.constraint, logits, start, end), state.x[:, start:end].clone()
+
+    def _decide(self, state: BlockState, logits: torch.Tensor, generator: torch.Generator | None,
+                stats: GenerationStats | None) -> None:
+        """A decoding step of the current block: the commit rule's, or the family's (`_select` on the sampled block,
+        every position sampled), then the family's `_decided`."""
+        start, end = self._span(state)
+        block = state.x[:, start:end]   # a view: commits write into x
+        masked = block == self.mask_id
+        logits, prior = self._constrain_before(state, logits)
+        if self.rule is not None:
+            tokens, change = None, self._rule_commit(state, block, logits, stats)
+        else:
+            tokens, confidence, probs = sample_block(logits, self.temperature, self.top_k, self.top_p, generator,
+                                                     self.mask_id)
+            # past the schedule (SDAR's entropy_bounded, a structure's filter leaving holes): one position per step
+            count = self.schedule[state.step] if state.step < len(self.schedule) else 1
+            change = self._select(state, block, masked, tokens, confidence, probs, count)
+            block[change] = tokens[change]
+            state.step += 1
+            if stats is not None:
+                stats.step((change & masked).sum())
+        self._decided(state, block, masked, change, tokens, logits, prior)
 
     def _rule_commit(self, state: BlockState, block: torch.Tensor, logits: torch.Tensor,
                      stats: GenerationStats | None) -> torch.Tensor:
