@@ -314,12 +314,9 @@ class CanvasDecoder(Decoder):
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
         """The forward `state` waits for; None once decoded, or for one engine step while another
         request encodes this prompt."""
-        if state.pending is None:
-            if state.done:
-                return None
+        if state.pending is None and not state.done:
             state.pending = self.denoising_step(state, generator, stats)
-            self.receive(state, None)
-        elif state.request is None:   # paused a step
+        if state.pending is not None and state.request is None:   # a new step, or one paused a step
             self.receive(state, None)
         return state.request
 

@@ -133,6 +133,7 @@ class FastDLLMV2Decoder(BlockLoop):
         self.mask_id, self.num_blocks, self.small_block_size = mask_id, num_blocks, small_block_size
         self.block_size = self.block_length = block_size   # `block_length`: `BlockLoop`'s name
         self.threshold, self.stop_token, self.pad_token, self.top_p = threshold, stop_token, pad_token, top_p
+        self.stop_ids = [stop_token]
         self.temperature, self.use_block_cache, self.use_cache = temperature, use_block_cache, use_cache
         self.stop_mode, self.prefill_whole_block_prompt = stop_mode, prefill_whole_block_prompt
         self._take(decoder)
@@ -156,9 +157,6 @@ class FastDLLMV2Decoder(BlockLoop):
         return FastDLLMV2State(x=input_ids.clone(), prompt_length=prompt_length, blocks_left=self.num_blocks,
                                skip_first_block=skip_first_block,
                                constraint=self._constraint(prompt_length, (self.num_blocks + 1) * self.block_size))
-
-    def _default_end_ids(self) -> list:
-        return [self.stop_token]
 
     def _next_token(self, state: FastDLLMV2State, logits_row: torch.Tensor) -> torch.Tensor:
         """A block's first token `[1, 1]`: the argmax; under a structure the best one it allows."""

@@ -81,19 +81,13 @@ class LLaDA2Decoder(StoreKVLoop):
         self.mask_id, self.eos_id, self.gen_length, self.block_length = mask_id, eos_id, gen_length, block_length
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.threshold, self.editing_threshold, self.use_cache = threshold, editing_threshold, use_cache
+        self.editing = editing_threshold is not None   # LLaDA2.1's loop (token editing) rather than LLaDA2.0's
+        self.stop_ids = [] if eos_id is None else [eos_id]
         self.max_post_steps, self.num_to_transfer, self.eos_early_stop = max_post_steps, num_to_transfer, eos_early_stop
         self.steps = min(steps, gen_length // minimal_topk)
         self.schedule = num_transfer_schedule(block_length, self.steps).tolist()
         self.block_store = block_store if use_cache else None
         self._take(decoder)
-
-    @property
-    def editing(self) -> bool:
-        """LLaDA2.1's loop (token editing) rather than LLaDA2.0's."""
-        return self.editing_threshold is not None
-
-    def _default_end_ids(self) -> list:
-        return [] if self.eos_id is None else [self.eos_id]
 
     def _constrain_after(self, state: LLaDA2State, prior: torch.Tensor, tokens: torch.Tensor | None,
                          logits: torch.Tensor) -> bool:
@@ -112,13 +106,9 @@ class LLaDA2Decoder(StoreKVLoop):
         state.end = min(state.prompt_length + matcher._ended_at + 1, state.prompt_length + self.gen_length)
         return True
 
-    def _end(self, state: LLaDA2State) -> int:
-        return state.end
-
     def output(self, state: LLaDA2State) -> torch.Tensor:
         """The continuation `[1, n]`: up to and including the first EOS, at most `gen_length`."""
-        end = state.end if state.end is not None else state.prompt_length + self.gen_length
-        return state.x[:, state.prompt_length:end]
+        return state.x[:, state.prompt_length:self._end(state)]
 
     def _select(self, state: LLaDA2State, block: torch.Tensor, masked: torch.Tensor, tokens: torch.Tensor,
                 confidence: torch.Tensor, probs: torch.Tensor, count: int) -> torch.Tensor:

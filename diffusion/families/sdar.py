@@ -133,10 +133,6 @@ class SDARDecoder(StoreKVLoop):
 
             filter_block(state.constraint, state.x, prior, None, logits, *self._span(state))
 
-    def _end(self, state: SDARState) -> int:
-        # the last block's positions past `gen_length` are decoded, not returned (a request's max_tokens)
-        return min(state.x.shape[1], state.prompt_length + self.gen_length)
-
     def _next_block(self, state: SDARState) -> None:
         state.block += 1
         state.step = 0

@@ -167,6 +167,7 @@ class BlockLoop(ForwardThenCommit):
 
     structure: Any = None   # structured output: a `remask.structured.CompiledStructure` (`constrain`)
     end_ids: tuple = ()
+    stop_ids: list = []     # the loop's stop ids: a structure's default end ids
     rule: Any = None     # the commit part: one of dInfer's rules (`StoreKVLoop`), ...
     drafts: Any = None   # ... or FreeDave's draft-verify (`DraftVerify`); neither: the family's own rule
     takes_rules = False
@@ -210,12 +211,9 @@ class BlockLoop(ForwardThenCommit):
 
         self.structure = structure
         if structure is not None:
-            self.end_ids = tuple(end_ids_or_refuse(self._default_end_ids() if end_ids is None else end_ids,
+            self.end_ids = tuple(end_ids_or_refuse(self.stop_ids if end_ids is None else end_ids,
                                                    "the loop has no stop id (pass one)"))
         return self
-
-    def _default_end_ids(self) -> list:
-        return list(getattr(self, "stop_ids", ()))
 
     def _constraint(self, prompt_length: int, answer_len: int) -> Any:
         """A new state's commit filter (None without a structure)."""
@@ -280,7 +278,7 @@ class BlockState:
     step: int = 0
     done: bool = False
     post_steps: int = 0       # LLaDA2.1: the forwards since the block's masks were gone
-    end: int | None = None    # LLaDA2: where the output ends (after the first EOS), once done
+    end: int | None = None    # where the output ends (LLaDA2: after the first EOS), once done; None: `_end`
     predictions: Any = None   # FreeDave's predictions for the current block (`DraftVerify`)
     rule_state: Any = None    # (block, the commit rule's per-block state), `commit_block`'s (`StoreKVLoop.rule`)
     pending: Any = None       # the forward asked for and not yet answered (a sub-generator)
@@ -344,6 +342,11 @@ class StoreKVLoop(BlockLoop):
         if state.done:
             return self._end(state) - state.prompt_length
         return max(0, state.block * self.block_length - state.prompt_length)
+
+    def _end(self, state: BlockState) -> int:
+        """Where the output ends: where the family's stop cut it (`state.end`), else after `gen_length` (the last
+        block's positions past it are decoded, not returned: a request's max_tokens)."""
+        return state.end if state.end is not None else min(state.x.shape[1], state.prompt_length + self.gen_length)
 
     def _block_full(self, state: BlockState) -> bool:
         start, end = self._span(state)
