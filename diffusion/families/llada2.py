@@ -146,11 +146,16 @@ class LLaDA2Decoder(StoreKVLoop):
                 (committed is not None and not bool((committed == self.eos_id).any())):
             return False
         gen = state.x[0, state.prompt_length:self._span(state)[1]]
-        eos = (gen == self.eos_id).nonzero(as_tuple=True)[0]
-        if len(eos) and not bool((gen[:int(eos[0])] == self.mask_id).any()):
-            state.done, state.end = True, state.prompt_length + int(eos[0]) + 1
+        eos = self._first_eos(gen)
+        if eos is not None and not bool((gen[:eos] == self.mask_id).any()):
+            state.done, state.end = True, state.prompt_length + eos + 1
             return True
         return False
+
+    def _first_eos(self, gen: torch.Tensor) -> int | None:
+        """The index of the first EOS in the generated tokens `gen` (None: none, or no EOS id)."""
+        eos = (gen == self.eos_id).nonzero(as_tuple=True)[0] if self.eos_id is not None else gen[:0]
+        return int(eos[0]) if len(eos) else None
 
     def _post_steps_spent(self, state: LLaDA2State) -> bool:
         """2.1: upstream counts the forwards that start with no mask in the block and stops the block
@@ -162,16 +167,14 @@ class LLaDA2Decoder(StoreKVLoop):
 
     def _finish_block(self, state: LLaDA2State) -> None:
         gen = state.x[0, state.prompt_length:self._span(state)[1]]
-        has_eos = self.eos_id is not None and bool((gen == self.eos_id).any())
+        has_eos = self._first_eos(gen) is not None
         stop = has_eos and (not self.editing or (self.eos_early_stop and not bool((gen == self.mask_id).any())))
         state.block += 1
         state.step, state.post_steps = 0, 0
         if stop or state.block == state.num_blocks:
             state.done = True
-            limit = state.prompt_length + self.gen_length
-            answer = state.x[0, state.prompt_length:limit]
-            eos = (answer == self.eos_id).nonzero(as_tuple=True)[0] if self.eos_id is not None else answer[:0]
-            state.end = state.prompt_length + int(eos[0]) + 1 if len(eos) else limit
+            eos = self._first_eos(state.x[0, state.prompt_length:state.prompt_length + self.gen_length])
+            state.end = state.prompt_length + (self.gen_length if eos is None else eos + 1)
             # positions left masked (a block cut short) become EOS — upstream returns the mask token
             tail = state.x[0, state.prompt_length:state.end]
             if bool((tail == self.mask_id).any()):
