@@ -110,8 +110,9 @@ class LLaDA2Decoder(StoreKVLoop):
         """The continuation `[1, n]`: up to and including the first EOS, at most `gen_length`."""
         return state.x[:, state.prompt_length:self._end(state)]
 
-    def _select(self, state: LLaDA2State, block: torch.Tensor, masked: torch.Tensor, tokens: torch.Tensor,
-                confidence: torch.Tensor, probs: torch.Tensor, count: int) -> torch.Tensor:
+    def _select(self, masked: torch.Tensor, confidence: torch.Tensor, count: int, probs: torch.Tensor | None = None,
+                state: LLaDA2State | None = None, block: torch.Tensor | None = None,
+                tokens: torch.Tensor | None = None) -> torch.Tensor:
         """2.0: the schedule's count (mask → token); 2.1: `num_to_transfer`, and the token edits."""
         transfer = select_mask_to_token(masked, confidence, self.num_to_transfer if self.editing else count,
                                         self.threshold)
@@ -189,9 +190,6 @@ class LLaDA2Decoder(StoreKVLoop):
     def _fd_loop(self) -> tuple:
         return (all(n == 1 for n in self.schedule), "steps", not self.editing,
                 "editing_threshold: LLaDA2.1's token editing revises committed tokens; it does not combine")
-
-    def _fd_select(self, masked: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
-        return select_mask_to_token(masked, conf, 1, self.threshold)
 
     _fd_committed = _eos_stop   # 2.0's in-block EOS stop
     _fd_block_done = _finish_block

@@ -121,8 +121,8 @@ class SDARDecoder(StoreKVLoop):
             return (yield self._store_request(state, *self._span(state))), "store"
         return (yield from super()._loop_forward(state))
 
-    def _select(self, state: SDARState, block: torch.Tensor, masked: torch.Tensor, tokens: torch.Tensor,
-                confidence: torch.Tensor, probs: torch.Tensor, count: int) -> torch.Tensor:
+    def _select(self, masked: torch.Tensor, confidence: torch.Tensor, count: int, probs: torch.Tensor | None = None,
+                *_: Any) -> torch.Tensor:
         return select_positions(self.strategy, masked, confidence, probs, count, self.confidence_threshold,
                                 self.eb_threshold)
 
@@ -146,9 +146,6 @@ class SDARDecoder(StoreKVLoop):
     def _fd_loop(self) -> tuple:
         return (all(n == 1 for n in self.schedule), "denoising_steps", self.strategy in FREEDAVE_STRATEGIES,
                 f"remasking_strategy must be one of {list(FREEDAVE_STRATEGIES)}, got {self.strategy!r}")
-
-    def _fd_select(self, masked: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
-        return select_positions(self.strategy, masked, conf, None, 1, self.confidence_threshold, self.eb_threshold)
 
 
 

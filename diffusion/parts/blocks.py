@@ -413,7 +413,7 @@ class StoreKVLoop(BlockLoop):
                                                      self.mask_id)
             # past the schedule (SDAR's entropy_bounded, a structure's filter leaving holes): one position per step
             count = self.schedule[state.step] if state.step < len(self.schedule) else 1
-            change = self._select(state, block, masked, tokens, confidence, probs, count)
+            change = self._select(masked, confidence, count, probs, state, block, tokens)
             block[change] = tokens[change]
             state.step += 1
             if stats is not None:
@@ -428,6 +428,9 @@ class StoreKVLoop(BlockLoop):
         if stats is not None:
             stats.step(commit.sum())
         return commit
+
+    def _fd_select(self, masked: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:   # the family's rule, one a step
+        return self._select(masked, conf, 1)
 
     def _fd_pending(self, state: BlockState) -> bool:   # the prefill or store of the blocks before
         return not state.stored or self._block_full(state)
