@@ -1,8 +1,9 @@
 """The block-causal loop that SDAR, LLaDA2 and Fast-dLLM v2 share (`BlockLoop`; `StoreKVLoop` for the `store_kv`
 models, SDAR and LLaDA2), the helpers their loops, settings checks, engine decoders and drop-in calls share, and the
 loop's commit parts: the family's own rule (its `_select`), one of dInfer's commit rules (`rule`: greedy, it chooses
-each step's commits until the block has no mask; a combination no paper shipped) or FreeDave's draft-and-verify (`drafts`: `parts/drafts.py`). One loop class per
-family takes any of them (`decoder=` its first argument): no class per family and method.
+each step's commits until the block has no mask; a combination no paper shipped) or FreeDave's draft-and-verify
+(`drafts`: `parts/drafts.py`). One loop class per family takes any of them (`decoder=` its first argument): no class
+per family and method.
 """
 from __future__ import annotations
 
