@@ -123,6 +123,7 @@ class SDARDecoder(StoreKVLoop):
 
     def _select(self, masked: torch.Tensor, confidence: torch.Tensor, count: int, probs: torch.Tensor | None = None,
                 *_: Any) -> torch.Tensor:
+        """`remasking_strategy`'s positions (`select_positions`; the state, block and tokens are not read)."""
         return select_positions(self.strategy, masked, confidence, probs, count, self.confidence_threshold,
                                 self.eb_threshold)
 
