@@ -24,8 +24,8 @@ from typing import Any, Generator, Sequence
 import torch
 
 from ..parts.blocks import (BlockState, StoreKVLoop, check_block_settings, engine_part, engine_settings,
-                            num_transfer_schedule, run_alone, sample_block, select_mask_to_token)
-from ..parts.checks import check_bool, check_choice, check_int, check_real, check_steps
+                            num_transfer_schedule, sample_block, select_mask_to_token)
+from ..parts.checks import check_bool, check_choice, check_generator, check_int, check_real, check_stats, check_steps
 from ..parts.rules import check_rule_on_loop, is_rule, unread_settings
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest
@@ -181,7 +181,14 @@ def sdar_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, mask_id: i
                            unread=unread_settings(unread, RULE_UNREAD))
     decoder = SDARDecoder(decoder, **kwargs)
     decoder.structured(structured_outputs, model, tokenizer, gen_length)
-    return run_alone(decoder, model, input_ids, generator, stats).x
+    check_generator(generator, input_ids.device if torch.is_tensor(input_ids) else "cpu")
+    check_stats("stats", stats)
+    if stats is not None:
+        stats.start()
+    state = decoder.run(model, input_ids, generator, stats)
+    if stats is not None:
+        stats.stop(int(state.x.shape[1] - state.prompt_length))
+    return state.x
 
 
 def engine_decoder(engine: Any, params: Any) -> SDARDecoder:

@@ -1,5 +1,5 @@
 """The block-causal loop that SDAR, LLaDA2 and Fast-dLLM v2 share (`BlockLoop`; `StoreKVLoop` for the `store_kv`
-models, SDAR and LLaDA2), the helpers their loops, settings checks, engine decoders and drop-in calls share, and the
+models, SDAR and LLaDA2), the helpers their loops, settings checks and engine decoders share, and the
 loop's commit parts: the family's own rule (its `_select`), one of dInfer's commit rules (`rule`: greedy, it chooses
 each step's commits until the block has no mask; a combination no paper shipped) or FreeDave's draft-and-verify
 (`drafts`: `parts/drafts.py`). One loop class per family takes any of them (`decoder=` its first argument): no class
@@ -15,8 +15,7 @@ from transformers.cache_utils import DynamicCache
 
 from remask.caches.block import BlockBatch, BlockKVCache
 
-from .checks import (check_block_within_context, check_bool, check_generator, check_int, check_settings,
-                     check_stats, check_steps)
+from .checks import check_block_within_context, check_bool, check_int, check_settings, check_steps
 from .drafts import DraftVerify, Drafts, check_block_decoder, split_freedave
 from .rules import check_rule_on_loop, commit_block, is_rule
 from .scoring import sample_categorical
@@ -146,19 +145,6 @@ def engine_part(params: Any, family: str, field: str, settings: dict, rule_setti
                            unread={f"{field}.{name}": settings[name] for name in rule_settings if name in settings})
         return params.decoder, None
     return split_freedave(params.decoder, rules=rule_settings is not None)
-
-
-def run_alone(decoder: "BlockLoop", model: torch.nn.Module, input_ids: Any, generator: torch.Generator | None,
-              stats: GenerationStats | None) -> Any:
-    """A drop-in call's loop on one prompt `[1, P]` to the end (its generator and stats checked); the final state."""
-    check_generator(generator, input_ids.device if torch.is_tensor(input_ids) else "cpu")
-    check_stats("stats", stats)
-    if stats is not None:
-        stats.start()
-    state = decoder.run(model, input_ids, generator, stats)
-    if stats is not None:
-        stats.stop(int(state.x.shape[1] - state.prompt_length))
-    return state
 
 
 class BlockLoop(ForwardThenCommit):
