@@ -22,8 +22,8 @@ from remask.kernels.canvas import canvas_score, canvas_update
 from remask.models.diffusion_gemma import CanvasModel, require_diffusion_gemma
 from remask.models.hf_compat import output_cache, with_cache_field
 
-from ..parts.checks import (MAX_LOOP_STEPS, ParameterTypeError, check_at_most, check_bool, check_choice,
-                            check_generator, check_instance, check_int, check_real, check_stats)
+from ..parts.checks import (MAX_LOOP_STEPS, check_at_most, check_bool, check_choice, check_generator, check_instance,
+                            check_int, check_real, check_settings, check_stats)
 from ..parts.scoring import draw_seed
 from ..parts.selection import entropy_bound_accept
 from ..parts.protocol import Decoder
@@ -106,12 +106,7 @@ def check_stability(stability_threshold: int | None, max_denoising_steps: int, w
 
 def check_canvas_settings(settings: Any) -> dict[str, Any]:
     """A checked copy of a request's canvas settings (keys from CANVAS_SETTINGS; transformers checks the rest)."""
-    if not isinstance(settings, dict):
-        raise ParameterTypeError(f"canvas must be a dict of {list(CANVAS_SETTINGS)}, got {type(settings).__name__}")
-    unknown = sorted(set(settings) - set(CANVAS_SETTINGS))
-    if unknown:
-        raise ValueError(f"canvas: unknown setting(s) {unknown}; allowed: {list(CANVAS_SETTINGS)}")
-    out = dict(settings)
+    out = check_settings("canvas", settings, CANVAS_SETTINGS)
     if "max_denoising_steps" in out:
         # no token count bounds this loop (canvases are redrawn whole): a cap, ~20x the checkpoint's 48
         check_int("canvas.max_denoising_steps", out["max_denoising_steps"], minimum=1, maximum=MAX_LOOP_STEPS)
@@ -319,12 +314,9 @@ class CanvasDecoder(Decoder):
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
         """The forward `state` waits for; None once decoded, or for one engine step while another
         request encodes this prompt."""
-        if state.pending is None:
-            if state.done:
-                return None
+        if state.pending is None and not state.done:
             state.pending = self.denoising_step(state, generator, stats)
-            self.receive(state, None)
-        elif state.request is None:   # paused a step
+        if state.pending is not None and state.request is None:   # a new step, or one paused a step
             self.receive(state, None)
         return state.request
 

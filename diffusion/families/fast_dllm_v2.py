@@ -31,10 +31,9 @@ from transformers.cache_utils import DynamicCache
 from remask.caches.block import PackedRows
 from remask.models.fast_dllm_v2 import RowBatch
 
-from ..parts.blocks import BlockLoop, check_prompt, refuse_unread
-from ..parts.checks import (ParameterTypeError, check_block_within_context, check_bool, check_choice, check_generator,
-                            check_int, check_real, check_settings, check_stats)
-from ..parts.drafts import split_freedave
+from ..parts.blocks import BlockLoop, check_block_settings, check_prompt, engine_part, engine_settings
+from ..parts.checks import (ParameterTypeError, check_bool, check_choice, check_generator, check_int, check_real,
+                            check_stats)
 from ..parts.scoring import sample_categorical
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest
@@ -134,6 +133,7 @@ class FastDLLMV2Decoder(BlockLoop):
         self.mask_id, self.num_blocks, self.small_block_size = mask_id, num_blocks, small_block_size
         self.block_size = self.block_length = block_size   # `block_length`: `BlockLoop`'s name
         self.threshold, self.stop_token, self.pad_token, self.top_p = threshold, stop_token, pad_token, top_p
+        self.stop_ids = [stop_token]
         self.temperature, self.use_block_cache, self.use_cache = temperature, use_block_cache, use_cache
         self.stop_mode, self.prefill_whole_block_prompt = stop_mode, prefill_whole_block_prompt
         self._take(decoder)
@@ -157,9 +157,6 @@ class FastDLLMV2Decoder(BlockLoop):
         return FastDLLMV2State(x=input_ids.clone(), prompt_length=prompt_length, blocks_left=self.num_blocks,
                                skip_first_block=skip_first_block,
                                constraint=self._constraint(prompt_length, (self.num_blocks + 1) * self.block_size))
-
-    def _default_end_ids(self) -> list:
-        return [self.stop_token]
 
     def _next_token(self, state: FastDLLMV2State, logits_row: torch.Tensor) -> torch.Tensor:
         """A block's first token `[1, 1]`: the argmax; under a structure the best one it allows."""
@@ -458,10 +455,8 @@ FAST_DLLM_V2_SETTINGS = ("block_size", "small_block_size", "use_block_cache")
 
 def check_fast_dllm_v2_settings(settings: Any) -> dict:
     """A request's Fast-dLLM v2 settings (`SamplingParams.fast_dllm_v2`): keys from FAST_DLLM_V2_SETTINGS."""
-    out = check_settings("fast_dllm_v2", settings, FAST_DLLM_V2_SETTINGS)
-    for name in ("block_size", "small_block_size"):
-        if name in out:
-            check_int(f"fast_dllm_v2.{name}", out[name], minimum=1)
+    out = check_block_settings("fast_dllm_v2", settings, FAST_DLLM_V2_SETTINGS,
+                               dict.fromkeys(("block_size", "small_block_size"), (1, None)))
     if "block_size" in out and out.get("small_block_size", 1) > out["block_size"]:
         raise ValueError(f"fast_dllm_v2.small_block_size must be <= fast_dllm_v2.block_size ({out['block_size']}), "
                          f"got {out['small_block_size']}")
@@ -475,16 +470,12 @@ def engine_decoder(engine: Any, params: Any) -> FastDLLMV2Decoder:
     `max_new_tokens` = `max_tokens` rounded up to whole blocks; `top_p` default 0.95, `threshold` 0.9 (the official
     chatbot's), `block_size` the config's `bd_size`, `small_block_size` 8. `decoder=` FreeDave sets the rule (one
     token per step, threshold 1.0, or its threshold)."""
-    refuse_unread(params, "Fast-dLLM v2", ("fast_dllm_v2",), "temperature, top_p, threshold and "
-                  f"fast_dllm_v2={{{', '.join(FAST_DLLM_V2_SETTINGS)}}}")
-    if params.stop_token_ids:
-        raise ValueError("stop_token_ids: Fast-dLLM v2's loop stops at one stop token (the model's EOS)")
-    settings = dict(params.fast_dllm_v2 or {})
-    block_size = settings.pop("block_size", engine.spec.block_length or 32)
-    check_block_within_context(engine.spec, "fast_dllm_v2.block_size", block_size)   # the canvas is whole blocks
-    part, threshold = params.decoder, 0.9 if params.threshold is None else params.threshold
-    if params.decoder is not None:
-        part, tau = split_freedave(params.decoder, rules=False)
+    settings, block_size = engine_settings(engine, params, "Fast-dLLM v2", "fast_dllm_v2", FAST_DLLM_V2_SETTINGS,
+                                           rules=False, length="block_size", default_length=32,
+                                           stops="one stop token (the model's EOS)")
+    part, tau = engine_part(params, "Fast-dLLM v2", "fast_dllm_v2", settings)
+    threshold = 0.9 if params.threshold is None else params.threshold
+    if part is not None:
         threshold = 1.0 if tau is None else tau
     return FastDLLMV2Decoder(part, mask_id=engine.spec.mask_id, num_blocks=-(-params.max_tokens // block_size),
                              block_size=block_size, small_block_size=settings.pop("small_block_size", 8),

@@ -23,15 +23,13 @@ from typing import Any
 
 import torch
 
-from ..parts.blocks import (BlockState, StoreKVLoop, num_transfer_schedule, refuse_unread, sample_block,
-                            select_mask_to_token)
-from ..parts.checks import (MAX_LOOP_STEPS, check_block_within_context, check_bool, check_int, check_real,
-                            check_settings, check_steps)
-from ..parts.drafts import split_freedave
-from ..parts.rules import check_rule_on_loop, is_rule
-from ..parts.stats import GenerationStats
+from ..parts.blocks import (BlockState, StoreKVLoop, check_block_settings, engine_part, engine_settings,
+                            num_transfer_schedule, sample_block, select_mask_to_token)
+from ..parts.checks import MAX_LOOP_STEPS, check_bool, check_int, check_real, check_steps
+from ..parts.rules import is_rule
 
-__all__ = ["LLaDA2Decoder", "LLaDA2State", "num_transfer_schedule", "select_mask_to_token", "select_token_edits"]
+__all__ = ["LLaDA2Decoder", "LLaDA2State", "num_transfer_schedule", "sample_block", "select_mask_to_token",
+           "select_token_edits"]
 
 
 def select_token_edits(block: torch.Tensor, masked: torch.Tensor, prompt_in_block: torch.Tensor,
@@ -83,19 +81,13 @@ class LLaDA2Decoder(StoreKVLoop):
         self.mask_id, self.eos_id, self.gen_length, self.block_length = mask_id, eos_id, gen_length, block_length
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.threshold, self.editing_threshold, self.use_cache = threshold, editing_threshold, use_cache
+        self.editing = editing_threshold is not None   # LLaDA2.1's loop (token editing) rather than LLaDA2.0's
+        self.stop_ids = [] if eos_id is None else [eos_id]
         self.max_post_steps, self.num_to_transfer, self.eos_early_stop = max_post_steps, num_to_transfer, eos_early_stop
         self.steps = min(steps, gen_length // minimal_topk)
         self.schedule = num_transfer_schedule(block_length, self.steps).tolist()
         self.block_store = block_store if use_cache else None
         self._take(decoder)
-
-    @property
-    def editing(self) -> bool:
-        """LLaDA2.1's loop (token editing) rather than LLaDA2.0's."""
-        return self.editing_threshold is not None
-
-    def _default_end_ids(self) -> list:
-        return [] if self.eos_id is None else [self.eos_id]
 
     def _constrain_after(self, state: LLaDA2State, prior: torch.Tensor, tokens: torch.Tensor | None,
                          logits: torch.Tensor) -> bool:
@@ -114,46 +106,34 @@ class LLaDA2Decoder(StoreKVLoop):
         state.end = min(state.prompt_length + matcher._ended_at + 1, state.prompt_length + self.gen_length)
         return True
 
-    def _end(self, state: LLaDA2State) -> int:
-        return state.end
-
     def output(self, state: LLaDA2State) -> torch.Tensor:
         """The continuation `[1, n]`: up to and including the first EOS, at most `gen_length`."""
-        end = state.end if state.end is not None else state.prompt_length + self.gen_length
-        return state.x[:, state.prompt_length:end]
+        return state.x[:, state.prompt_length:self._end(state)]
 
-    def _decide(self, state: LLaDA2State, logits: torch.Tensor, generator: torch.Generator | None,
-                stats: GenerationStats | None) -> None:
+    def _select(self, masked: torch.Tensor, confidence: torch.Tensor, count: int, probs: torch.Tensor | None = None,
+                state: LLaDA2State | None = None, block: torch.Tensor | None = None,
+                tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """2.0: the schedule's count (mask → token); 2.1: `num_to_transfer`, and the token edits."""
+        transfer = select_mask_to_token(masked, confidence, self.num_to_transfer if self.editing else count,
+                                        self.threshold)
+        if not self.editing:
+            return transfer
         start, end = self._span(state)
-        block = state.x[:, start:end]   # a view: commits write into x
-        masked = block == self.mask_id
-        logits, prior = self._constrain_before(state, logits)
-        if self.rule is not None:   # a dInfer rule (2.0's loop, its EOS stops, no `steps` cap)
-            tokens, transfer = None, self._rule_commit(state, block, logits, stats)
-        else:
-            tokens, confidence, _ = sample_block(logits, self.temperature, self.top_k, self.top_p, generator,
-                                                 self.mask_id)
-            # under a structure the filter may leave holes past the schedule: one more token per step
-            count = self.schedule[state.step] if state.step < len(self.schedule) else 1
-            count = self.num_to_transfer if self.editing else count
-            transfer = select_mask_to_token(masked, confidence, count, self.threshold)
-            edits = torch.zeros_like(masked)
-            if self.editing:
-                prompt_in_block = torch.arange(start, end, device=block.device) < state.prompt_length
-                edits = select_token_edits(block, masked, prompt_in_block, tokens, confidence, self.editing_threshold)
-            change = transfer | edits
-            block[change] = tokens[change]
-            state.step += 1
-            if stats is not None:
-                stats.step(transfer.sum())
+        prompt_in_block = torch.arange(start, end, device=block.device) < state.prompt_length
+        return transfer | select_token_edits(block, masked, prompt_in_block, tokens, confidence, self.editing_threshold)
+
+    def _decided(self, state: LLaDA2State, block: torch.Tensor, masked: torch.Tensor, change: torch.Tensor,
+                 tokens: torch.Tensor | None, logits: torch.Tensor, prior: torch.Tensor | None) -> None:
+        """After the step's commits: structured output's filter, the EOS stops, the block's end."""
         if prior is not None and self._constrain_after(state, prior, tokens, logits):
             return
         if self.editing:
-            finished = (not bool(masked.any()) and not bool(edits.any())) or self._post_steps_spent(state)
+            finished = (not bool(masked.any()) and not bool((change & ~masked).any())) or \
+                self._post_steps_spent(state)
             if prior is not None:   # a structure's block ends only without holes
                 finished = finished and not bool((block == self.mask_id).any())
         else:
-            if self._eos_stop(state, block[transfer] if tokens is None else tokens[transfer]):
+            if self._eos_stop(state, block[change] if tokens is None else tokens[change]):
                 return
             finished = not bool((block == self.mask_id).any()) or \
                 (self.rule is None and prior is None and state.step >= self.steps)
@@ -167,11 +147,16 @@ class LLaDA2Decoder(StoreKVLoop):
                 (committed is not None and not bool((committed == self.eos_id).any())):
             return False
         gen = state.x[0, state.prompt_length:self._span(state)[1]]
-        eos = (gen == self.eos_id).nonzero(as_tuple=True)[0]
-        if len(eos) and not bool((gen[:int(eos[0])] == self.mask_id).any()):
-            state.done, state.end = True, state.prompt_length + int(eos[0]) + 1
+        eos = self._first_eos(gen)
+        if eos is not None and not bool((gen[:eos] == self.mask_id).any()):
+            state.done, state.end = True, state.prompt_length + eos + 1
             return True
         return False
+
+    def _first_eos(self, gen: torch.Tensor) -> int | None:
+        """The index of the first EOS in the generated tokens `gen` (None: none, or no EOS id)."""
+        eos = (gen == self.eos_id).nonzero(as_tuple=True)[0] if self.eos_id is not None else gen[:0]
+        return int(eos[0]) if len(eos) else None
 
     def _post_steps_spent(self, state: LLaDA2State) -> bool:
         """2.1: upstream counts the forwards that start with no mask in the block and stops the block
@@ -183,16 +168,14 @@ class LLaDA2Decoder(StoreKVLoop):
 
     def _finish_block(self, state: LLaDA2State) -> None:
         gen = state.x[0, state.prompt_length:self._span(state)[1]]
-        has_eos = self.eos_id is not None and bool((gen == self.eos_id).any())
+        has_eos = self._first_eos(gen) is not None
         stop = has_eos and (not self.editing or (self.eos_early_stop and not bool((gen == self.mask_id).any())))
         state.block += 1
         state.step, state.post_steps = 0, 0
         if stop or state.block == state.num_blocks:
             state.done = True
-            limit = state.prompt_length + self.gen_length
-            answer = state.x[0, state.prompt_length:limit]
-            eos = (answer == self.eos_id).nonzero(as_tuple=True)[0] if self.eos_id is not None else answer[:0]
-            state.end = state.prompt_length + int(eos[0]) + 1 if len(eos) else limit
+            eos = self._first_eos(state.x[0, state.prompt_length:state.prompt_length + self.gen_length])
+            state.end = state.prompt_length + (self.gen_length if eos is None else eos + 1)
             # positions left masked (a block cut short) become EOS — upstream returns the mask token
             tail = state.x[0, state.prompt_length:state.end]
             if bool((tail == self.mask_id).any()):
@@ -207,9 +190,6 @@ class LLaDA2Decoder(StoreKVLoop):
     def _fd_loop(self) -> tuple:
         return (all(n == 1 for n in self.schedule), "steps", not self.editing,
                 "editing_threshold: LLaDA2.1's token editing revises committed tokens; it does not combine")
-
-    def _fd_select(self, masked: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
-        return select_mask_to_token(masked, conf, 1, self.threshold)
 
     _fd_committed = _eos_stop   # 2.0's in-block EOS stop
     _fd_block_done = _finish_block
@@ -227,17 +207,11 @@ LLADA2_SETTINGS = ("block_length", "steps", "minimal_topk", "eos_early_stop", "e
 
 def check_llada2_settings(settings: Any) -> dict:
     """A request's LLaDA2 settings (`SamplingParams.llada2`): a dict with keys from LLADA2_SETTINGS."""
-    out = check_settings("llada2", settings, LLADA2_SETTINGS)
-    for name in ("block_length", "steps", "minimal_topk", "num_to_transfer"):
-        if name in out:
-            check_int(f"llada2.{name}", out[name], minimum=1)
-    if "max_post_steps" in out:      # no token count bounds this loop: a cap (docs/parameters.md, work bounds)
-        check_int("llada2.max_post_steps", out["max_post_steps"], minimum=0, maximum=MAX_LOOP_STEPS)
-    for name in ("steps", "num_to_transfer"):   # else at the engine, with the model's block size
-        if "block_length" in out and name in out:
-            check_steps(f"llada2.{name}", out[name], out["block_length"], "llada2.block_length")
-    if "eos_early_stop" in out:
-        check_bool("llada2.eos_early_stop", out["eos_early_stop"])
+    # no token count bounds max_post_steps's loop: a cap (docs/parameters.md, work bounds)
+    ints = {**dict.fromkeys(("block_length", "steps", "minimal_topk", "num_to_transfer"), (1, None)),
+            "max_post_steps": (0, MAX_LOOP_STEPS)}
+    out = check_block_settings("llada2", settings, LLADA2_SETTINGS, ints, steps=("steps", "num_to_transfer"),
+                               bools=("eos_early_stop",))
     if out.get("editing_threshold") is not None:
         check_real("llada2.editing_threshold", out["editing_threshold"])
     return out
@@ -247,24 +221,13 @@ def engine_decoder(engine: Any, params: Any) -> LLaDA2Decoder:
     """One engine request's LLaDA2 loop (`Family.engine_decoder`): `remask.compat.llada2.generate`'s with
     `gen_length=max_tokens`. `decoder=` (a dInfer rule or FreeDave) is the loop's commit part; FreeDave sets the
     rule: one token per step (threshold 1.0), or its threshold."""
-    refuse_unread(params, "LLaDA2", ("top_k", "llada2"), "temperature, top_k, top_p, threshold, decoder "
-                  f"(remask.FreeDave or dInfer's rules) and llada2={{{', '.join(LLADA2_SETTINGS)}}}")
-    if params.stop_token_ids:
-        raise ValueError("stop_token_ids: LLaDA2's loop stops at its EOS id only (the model's)")
-    settings = dict(params.llada2 or {})
-    block_length = settings.pop("block_length", engine.spec.block_length or 32)
-    # work bounds, before the schedule (O(steps)) or the canvas (whole blocks) is built
-    check_block_within_context(engine.spec, "llada2.block_length", block_length)
-    for name in ("steps", "num_to_transfer"):
+    settings, block_length = engine_settings(engine, params, "LLaDA2", "llada2", LLADA2_SETTINGS, default_length=32,
+                                             stops="its EOS id only (the model's)")
+    for name in ("steps", "num_to_transfer"):   # work bounds, before the schedule (O(steps)) is built
         check_steps(f"llada2.{name}", settings.get(name), block_length, "the block length")
-    part, threshold = params.decoder, 0.95 if params.threshold is None else params.threshold
-    if is_rule(params.decoder):
-        # SamplingParams refuses temperature > 0, threshold, top_k, top_p with a decoder
-        check_rule_on_loop(params.decoder, "LLaDA2", temperature=params.temperature,
-                           replaces="threshold rule and schedule",
-                           unread={f"llada2.{name}": settings[name] for name in RULE_SETTINGS if name in settings})
-    elif params.decoder is not None:
-        part, tau = split_freedave(params.decoder, rules=True)
+    part, tau = engine_part(params, "LLaDA2", "llada2", settings, RULE_SETTINGS, "threshold rule and schedule")
+    threshold = 0.95 if params.threshold is None else params.threshold
+    if part is not None and not is_rule(part):
         if "steps" in settings:
             raise ValueError("llada2.steps: with decoder=FreeDave a block takes one token per step: leave it unset")
         threshold = 1.0 if tau is None else tau

@@ -23,11 +23,9 @@ from typing import Any, Generator, Sequence
 
 import torch
 
-from ..parts.blocks import (BlockState, StoreKVLoop, num_transfer_schedule, refuse_unread, sample_block,
-                            select_mask_to_token)
-from ..parts.checks import (check_block_within_context, check_bool, check_choice, check_generator, check_int,
-                            check_real, check_settings, check_stats, check_steps)
-from ..parts.drafts import split_freedave
+from ..parts.blocks import (BlockState, StoreKVLoop, check_block_settings, engine_part, engine_settings,
+                            num_transfer_schedule, sample_block, select_mask_to_token)
+from ..parts.checks import check_bool, check_choice, check_generator, check_int, check_real, check_stats, check_steps
 from ..parts.rules import check_rule_on_loop, is_rule, unread_settings
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest
@@ -64,12 +62,8 @@ SDAR_SETTINGS = ("block_length", "denoising_steps", "remasking_strategy", "confi
 
 def check_sdar_settings(settings) -> dict:
     """A request's SDAR settings (`SamplingParams.sdar`): a dict with keys from SDAR_SETTINGS."""
-    out = check_settings("sdar", settings, SDAR_SETTINGS)
-    for name in ("block_length", "denoising_steps"):
-        if name in out:
-            check_int(f"sdar.{name}", out[name], minimum=1)
-    if "block_length" in out and "denoising_steps" in out:   # else at the engine, with the model's block size
-        check_steps("sdar.denoising_steps", out["denoising_steps"], out["block_length"], "sdar.block_length")
+    out = check_block_settings("sdar", settings, SDAR_SETTINGS, dict.fromkeys(("block_length", "denoising_steps"),
+                                                                              (1, None)), steps=("denoising_steps",))
     if "remasking_strategy" in out:
         check_choice("sdar.remasking_strategy", out["remasking_strategy"], REMASKING_STRATEGIES)
     if "confidence_threshold" in out:
@@ -127,19 +121,18 @@ class SDARDecoder(StoreKVLoop):
             return (yield self._store_request(state, *self._span(state))), "store"
         return (yield from super()._loop_forward(state))
 
-    def _decide(self, state: SDARState, logits: torch.Tensor, generator: torch.Generator | None,
-                stats: GenerationStats | None) -> None:
-        logits, prior = self._constrain_before(state, logits)
-        start, end = self._span(state)
-        self._denoise(state, state.x[:, start:end], logits, generator, stats)
+    def _select(self, masked: torch.Tensor, confidence: torch.Tensor, count: int, probs: torch.Tensor | None = None,
+                *_: Any) -> torch.Tensor:
+        """`remasking_strategy`'s positions (`select_positions`; the state, block and tokens are not read)."""
+        return select_positions(self.strategy, masked, confidence, probs, count, self.confidence_threshold,
+                                self.eb_threshold)
+
+    def _decided(self, state: SDARState, block: torch.Tensor, masked: torch.Tensor, change: torch.Tensor,
+                 tokens: torch.Tensor | None, logits: torch.Tensor, prior: torch.Tensor | None) -> None:
         if prior is not None:   # structured output: the block filtered after the rule
             from ..parts.constrain_loops import filter_block
 
-            filter_block(state.constraint, state.x, prior, None, logits, start, end)
-
-    def _end(self, state: SDARState) -> int:
-        # the last block's positions past `gen_length` are decoded, not returned (a request's max_tokens)
-        return min(state.x.shape[1], state.prompt_length + self.gen_length)
+            filter_block(state.constraint, state.x, prior, None, logits, *self._span(state))
 
     def _next_block(self, state: SDARState) -> None:
         state.block += 1
@@ -151,28 +144,9 @@ class SDARDecoder(StoreKVLoop):
         elif state.block == state.num_blocks:
             state.done = True
 
-    def _denoise(self, state: SDARState, cur_x: torch.Tensor, logits: torch.Tensor,
-                 generator: torch.Generator | None, stats: GenerationStats | None) -> None:
-        if self.rule is not None:
-            self._rule_commit(state, cur_x, logits, stats)
-            return
-        mask_index = cur_x == self.mask_id
-        x0, x0_p, probs = sample_block(logits, self.temperature, self.top_k, self.top_p, generator, self.mask_id)
-        # past the schedule (only entropy_bounded, its own count, can need more steps): one position per step
-        count = self.schedule[state.step] if state.step < len(self.schedule) else 1
-        transfer = select_positions(self.strategy, mask_index, x0_p, probs, count, self.confidence_threshold,
-                                    self.eb_threshold)
-        cur_x[transfer] = x0[transfer]
-        state.step += 1
-        if stats is not None:
-            stats.step(transfer.sum())
-
     def _fd_loop(self) -> tuple:
         return (all(n == 1 for n in self.schedule), "denoising_steps", self.strategy in FREEDAVE_STRATEGIES,
                 f"remasking_strategy must be one of {list(FREEDAVE_STRATEGIES)}, got {self.strategy!r}")
-
-    def _fd_select(self, masked: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
-        return select_positions(self.strategy, masked, conf, None, 1, self.confidence_threshold, self.eb_threshold)
 
 
 
@@ -222,14 +196,8 @@ def engine_decoder(engine: Any, params: Any) -> SDARDecoder:
     stopping after a block holding EOS or a `stop_token_ids` id; `threshold`: ``low_confidence_dynamic`` at it.
     `decoder=` (a dInfer rule or FreeDave) is the loop's commit part; FreeDave sets the rule (one token per step, or
     its threshold)."""
-    refuse_unread(params, "SDAR", ("top_k", "sdar"), "temperature, top_k, top_p, threshold, decoder (remask.FreeDave "
-                  "or dInfer's rules) and sdar={block_length, denoising_steps, remasking_strategy, "
-                  "confidence_threshold, eb_threshold}")
-    settings = dict(params.sdar or {})
-    block_length = settings.get("block_length", engine.spec.block_length)
-    # work bounds, before the schedule (O(denoising_steps)) or the canvas (whole blocks) is built
-    check_block_within_context(engine.spec, "sdar.block_length", block_length)
-    if block_length is not None:
+    settings, block_length = engine_settings(engine, params, "SDAR", "sdar", SDAR_SETTINGS)
+    if block_length is not None:   # a work bound, before the schedule (O(denoising_steps)) is built
         check_steps("sdar.denoising_steps", settings.get("denoising_steps"), block_length, "the block length")
     if params.threshold is not None:
         if settings.get("remasking_strategy", "low_confidence_dynamic") != "low_confidence_dynamic" or \
@@ -237,13 +205,8 @@ def engine_decoder(engine: Any, params: Any) -> SDARDecoder:
             raise ValueError("threshold is the shorthand for sdar={'remasking_strategy': "
                              "'low_confidence_dynamic', 'confidence_threshold': ...}: give one of them")
         settings.update(remasking_strategy="low_confidence_dynamic", confidence_threshold=params.threshold)
-    part = params.decoder   # the commit part: a dInfer rule, FreeDave (without its threshold) or None
-    if is_rule(params.decoder):
-        # SamplingParams refuses temperature > 0, threshold, top_k, top_p with a decoder
-        check_rule_on_loop(params.decoder, "SDAR", temperature=params.temperature, replaces="remasking_strategy",
-                           unread={f"sdar.{name}": settings[name] for name in RULE_SETTINGS if name in settings})
-    elif params.decoder is not None:
-        part, threshold = split_freedave(params.decoder, rules=True)
+    part, threshold = engine_part(params, "SDAR", "sdar", settings, RULE_SETTINGS, "remasking_strategy")
+    if part is not None and not is_rule(part):   # FreeDave: one token per step, or its threshold
         given = sorted(set(settings) & set(RULE_SETTINGS))
         if given:
             raise ValueError(f"sdar.{given[0]}: with decoder=FreeDave the rule is FreeDave's (one token per step, or "

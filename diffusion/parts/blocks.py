@@ -1,8 +1,9 @@
 """The block-causal loop that SDAR, LLaDA2 and Fast-dLLM v2 share (`BlockLoop`; `StoreKVLoop` for the `store_kv`
-models, SDAR and LLaDA2), the helpers their loops share, and the loop's commit parts: the family's own rule (its
-`_decide`), one of dInfer's commit rules (`rule`: greedy, it chooses each step's commits until the block has no mask;
-a combination no paper shipped) or FreeDave's draft-and-verify (`drafts`: `parts/drafts.py`). One loop class per
-family takes any of them (`decoder=` its first argument): no class per family and method.
+models, SDAR and LLaDA2), the helpers their loops, settings checks and engine decoders share, and the
+loop's commit parts: the family's own rule (its `_select`), one of dInfer's commit rules (`rule`: greedy, it chooses
+each step's commits until the block has no mask; a combination no paper shipped) or FreeDave's draft-and-verify
+(`drafts`: `parts/drafts.py`). One loop class per family takes any of them (`decoder=` its first argument): no class
+per family and method.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from transformers.cache_utils import DynamicCache
 
 from remask.caches.block import BlockBatch, BlockKVCache
 
-from .drafts import DraftVerify, Drafts, check_block_decoder
+from .checks import check_block_within_context, check_bool, check_int, check_settings, check_steps
+from .drafts import DraftVerify, Drafts, check_block_decoder, split_freedave
 from .rules import check_rule_on_loop, commit_block, is_rule
 from .scoring import sample_categorical
 from .stats import GenerationStats
@@ -93,6 +95,58 @@ def refuse_unread(params: Any, family: str, reads: tuple, settings: str) -> None
         raise ValueError(f"a block-causal model ({family}) does not read {unread}; its settings are {settings}")
 
 
+def check_block_settings(field: str, settings: Any, allowed: tuple, ints: dict, steps: tuple = (),
+                         bools: tuple = ()) -> dict:
+    """A request's settings of a block-causal family (`SamplingParams.<field>`): keys from `allowed`; `ints` (name →
+    (minimum, maximum)); `steps`, step counts at most `block_length` when both are given (else the engine checks
+    them against the model's block size); `bools`. Returns the checked copy (for the family's other checks)."""
+    out = check_settings(field, settings, allowed)
+    for name, (minimum, maximum) in ints.items():
+        if name in out:
+            check_int(f"{field}.{name}", out[name], minimum=minimum, maximum=maximum)
+    for name in steps:
+        if "block_length" in out and name in out:
+            check_steps(f"{field}.{name}", out[name], out["block_length"], f"{field}.block_length")
+    for name in bools:
+        if name in out:
+            check_bool(f"{field}.{name}", out[name])
+    return out
+
+
+def engine_settings(engine: Any, params: Any, family: str, field: str, allowed: tuple, *, rules: bool = True,
+                    length: str = "block_length", default_length: int | None = None,
+                    stops: str | None = None) -> tuple[dict, int | None]:
+    """An engine request's settings for a block-causal family's loop: what it does not read refused by name (it reads
+    `params.<field>` with keys from `allowed`, top_k and dInfer's rules when `rules`), `stop_token_ids` refused
+    unless the loop takes them (`stops`: where it stops instead). Returns (a copy of `params.<field>` less the block
+    length, the block length: the setting, else the model's, else `default_length`), the block length checked
+    against the model's context (the canvas is whole blocks)."""
+    refuse_unread(params, family, ("top_k", field) if rules else (field,),
+                  ("temperature, top_k, top_p, threshold, decoder (remask.FreeDave or dInfer's rules)" if rules else
+                   "temperature, top_p, threshold") + f" and {field}={{{', '.join(allowed)}}}")
+    if stops is not None and params.stop_token_ids:
+        raise ValueError(f"stop_token_ids: {family}'s loop stops at {stops}")
+    settings = dict(getattr(params, field) or {})
+    block_length = settings.pop(length, engine.spec.block_length or default_length)
+    check_block_within_context(engine.spec, f"{field}.{length}", block_length)
+    return settings, block_length
+
+
+def engine_part(params: Any, family: str, field: str, settings: dict, rule_settings: tuple | None = None,
+                replaces: str = "") -> tuple[Any, float | None]:
+    """An engine request's `decoder=` as its loop's commit part: (None, None) without one; a dInfer rule (the
+    families that take them: `rule_settings`, those it replaces, refused by name when given) is (the rule, None);
+    FreeDave sets the loop's rule: (FreeDave without its `confidence_threshold`, that threshold or None)."""
+    if params.decoder is None:
+        return None, None
+    if rule_settings is not None and is_rule(params.decoder):
+        # SamplingParams refuses temperature > 0, threshold, top_k, top_p with a decoder
+        check_rule_on_loop(params.decoder, family, temperature=params.temperature, replaces=replaces,
+                           unread={f"{field}.{name}": settings[name] for name in rule_settings if name in settings})
+        return params.decoder, None
+    return split_freedave(params.decoder, rules=rule_settings is not None)
+
+
 class BlockLoop(ForwardThenCommit):
     """A block-causal family's loop as a `ForwardThenCommit`: the family's `_loop_forward` returns `(logits, kind)`
     (which forward it was, for its `_loop_commit`); `_settle(state)`: the moves that take no forward, made before
@@ -100,6 +154,7 @@ class BlockLoop(ForwardThenCommit):
 
     structure: Any = None   # structured output: a `remask.structured.CompiledStructure` (`constrain`)
     end_ids: tuple = ()
+    stop_ids: list = []     # the loop's stop ids: a structure's default end ids
     rule: Any = None     # the commit part: one of dInfer's rules (`StoreKVLoop`), ...
     drafts: Any = None   # ... or FreeDave's draft-verify (`DraftVerify`); neither: the family's own rule
     takes_rules = False
@@ -143,12 +198,9 @@ class BlockLoop(ForwardThenCommit):
 
         self.structure = structure
         if structure is not None:
-            self.end_ids = tuple(end_ids_or_refuse(self._default_end_ids() if end_ids is None else end_ids,
+            self.end_ids = tuple(end_ids_or_refuse(self.stop_ids if end_ids is None else end_ids,
                                                    "the loop has no stop id (pass one)"))
         return self
-
-    def _default_end_ids(self) -> list:
-        return list(getattr(self, "stop_ids", ()))
 
     def _constraint(self, prompt_length: int, answer_len: int) -> Any:
         """A new state's commit filter (None without a structure)."""
@@ -213,7 +265,7 @@ class BlockState:
     step: int = 0
     done: bool = False
     post_steps: int = 0       # LLaDA2.1: the forwards since the block's masks were gone
-    end: int | None = None    # LLaDA2: where the output ends (after the first EOS), once done
+    end: int | None = None    # where the output ends (LLaDA2: after the first EOS), once done; None: `_end`
     predictions: Any = None   # FreeDave's predictions for the current block (`DraftVerify`)
     rule_state: Any = None    # (block, the commit rule's per-block state), `commit_block`'s (`StoreKVLoop.rule`)
     pending: Any = None       # the forward asked for and not yet answered (a sub-generator)
@@ -221,7 +273,8 @@ class BlockState:
 
 
 class StoreKVLoop(BlockLoop):
-    """The loop of the `store_kv` models (SDAR, LLaDA2); the family supplies `_decide`. `use_cache=False`: each
+    """The loop of the `store_kv` models (SDAR, LLaDA2); the family supplies `_select` and `_decided` (`_decide`'s
+    hooks) and its block's end. `use_cache=False`: each
     forward covers the sequence up to the current block under the block-causal mask (the cache's check)."""
 
     takes_rules = True
@@ -277,6 +330,11 @@ class StoreKVLoop(BlockLoop):
             return self._end(state) - state.prompt_length
         return max(0, state.block * self.block_length - state.prompt_length)
 
+    def _end(self, state: BlockState) -> int:
+        """Where the output ends: where the family's stop cut it (`state.end`), else after `gen_length` (the last
+        block's positions past it are decoded, not returned: a request's max_tokens)."""
+        return state.end if state.end is not None else min(state.x.shape[1], state.prompt_length + self.gen_length)
+
     def _block_full(self, state: BlockState) -> bool:
         start, end = self._span(state)
         return not bool((state.x[:, start:end] == self.mask_id).any())
@@ -327,6 +385,28 @@ class StoreKVLoop(BlockLoop):
         start, end = self._span(state)
         return mask_frontier_rows(state.constraint, logits, start, end), state.x[:, start:end].clone()
 
+    def _decide(self, state: BlockState, logits: torch.Tensor, generator: torch.Generator | None,
+                stats: GenerationStats | None) -> None:
+        """A decoding step of the current block: the commit rule's, or the family's (`_select` on the sampled block,
+        every position sampled), then the family's `_decided`."""
+        start, end = self._span(state)
+        block = state.x[:, start:end]   # a view: commits write into x
+        masked = block == self.mask_id
+        logits, prior = self._constrain_before(state, logits)
+        if self.rule is not None:
+            tokens, change = None, self._rule_commit(state, block, logits, stats)
+        else:
+            tokens, confidence, probs = sample_block(logits, self.temperature, self.top_k, self.top_p, generator,
+                                                     self.mask_id)
+            # past the schedule (SDAR's entropy_bounded, a structure's filter leaving holes): one position per step
+            count = self.schedule[state.step] if state.step < len(self.schedule) else 1
+            change = self._select(masked, confidence, count, probs, state, block, tokens)
+            block[change] = tokens[change]
+            state.step += 1
+            if stats is not None:
+                stats.step((change & masked).sum())
+        self._decided(state, block, masked, change, tokens, logits, prior)
+
     def _rule_commit(self, state: BlockState, block: torch.Tensor, logits: torch.Tensor,
                      stats: GenerationStats | None) -> torch.Tensor:
         """A step of the commit rule on the block (a view); returns what it committed."""
@@ -335,6 +415,9 @@ class StoreKVLoop(BlockLoop):
         if stats is not None:
             stats.step(commit.sum())
         return commit
+
+    def _fd_select(self, masked: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:   # the family's rule, one a step
+        return self._select(masked, conf, 1)
 
     def _fd_pending(self, state: BlockState) -> bool:   # the prefill or store of the blocks before
         return not state.stored or self._block_full(state)
