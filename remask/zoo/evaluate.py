@@ -89,6 +89,10 @@ def decode_batch(model: torch.nn.Module, batch: Sequence[Problem], strategy: Str
     if strategy.ar:
         out = ar_generate(model, ids, attention_mask=attention_mask, max_new_tokens=gen_length,
                                  generator=generator, stats=stats, **strategy.options)
+    elif "apd" in options:   # APD decodes left to right with its verifier: steps or blocks given are refused
+        layout = {k: v for k, v in (("steps", strategy.steps), ("block_length", strategy.block_length)) if v}
+        out = generate(model, ids, attention_mask, gen_length=gen_length, generator=generator, stats=stats,
+                       on_step=on_step, **layout, **options)
     else:
         steps = strategy.steps or gen_length
         block = strategy.block_length or gen_length
