@@ -965,15 +965,21 @@ def start_slow_server(tmp_path, grace: float):
                                stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 90
-    while True:
-        assert process.poll() is None, process.communicate()
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        assert time.time() < deadline, "the server did not come up"
-        time.sleep(0.2)
+    try:
+        while True:
+            assert process.poll() is None, process.communicate()
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    return process, url
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "the server did not come up"
+            time.sleep(0.2)
+    except BaseException:   # a server that never answered is not left running (it drains SIGTERM slowly)
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+        raise
 
 
 def exits_within(process, seconds: float) -> tuple[int, float, str]:
