@@ -9,6 +9,8 @@ They sit above the methods, so the families and the methods below never import a
 """
 from __future__ import annotations
 
+import inspect
+
 import warnings
 from typing import Any, Callable
 
@@ -100,11 +102,12 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch
                                             ("sparse", sparse), ("eos_id", eos_id), ("eot_id", eot_id))
                    if value is not None]
         # settings with a non-None default: refused when set away from it (APD reads none of them)
-        clashes += [name for name, value, default in (
-            ("steps", steps, 128), ("block_length", block_length, 128), ("remasking", remasking, "low_confidence"),
-            ("logits_eos_inf", logits_eos_inf, False), ("confidence_eos_eot_inf", confidence_eos_eot_inf, False),
-            ("early_stop", early_stop, False), ("reference_rng", reference_rng, False),
-            ("reference_ties", reference_ties, False)) if value != default]
+        defaults = {name: p.default for name, p in inspect.signature(generate).parameters.items()}
+        clashes += [name for name, value in (
+            ("steps", steps), ("block_length", block_length), ("remasking", remasking),
+            ("logits_eos_inf", logits_eos_inf), ("confidence_eos_eot_inf", confidence_eos_eot_inf),
+            ("early_stop", early_stop), ("reference_rng", reference_rng), ("reference_ties", reference_ties))
+            if value != defaults[name]]
         check_apd_alone(clashes)
         check_mask_id(spec)
         check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
