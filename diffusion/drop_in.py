@@ -10,7 +10,6 @@ They sit above the methods, so the families and the methods below never import a
 from __future__ import annotations
 
 import inspect
-
 import warnings
 from typing import Any, Callable
 
