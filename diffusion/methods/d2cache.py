@@ -24,11 +24,10 @@ from typing import Any
 import torch
 
 from remask.caches.position import D2KVCache
-from remask.models.spec import get_spec
 
 from ..parts.cache import valid_positions
-from ..parts.checks import (check_bool, check_instance, check_int, check_mask_id, check_prompt,
-                            check_real, check_stats, model_device)
+from ..parts.checks import check_bool, check_call, check_int, check_real
+from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
@@ -203,8 +202,7 @@ def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cac
     after another, the canvas showing each row as it stands. `structure` (a compiled
     `remask.structured` structure) and `end_ids`: structured output (`diffusion/parts/constrain.py`;
     each row's frontier among the recomputed rows, a block run until settled: docs/quirks.md)."""
-    config = check_instance("config", D2Cache() if config is None else config, D2Cache, "a remask D2Cache",
-                            allow_none=False)
+    config, spec = check_call(model, prompt, attention_mask, config, D2Cache, mask_id=mask_id, stats=stats)
     for name, value in (("steps", steps), ("gen_length", gen_length), ("block_length", block_length)):
         check_int(name, value, minimum=1)
     check_real("prior_sigma", prior_sigma, low=0.0, low_open=True, allow_none=True)
@@ -218,33 +216,25 @@ def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cac
     if block_length % per_step:
         raise ValueError(f"gen_length // steps ({per_step} positions per step) must divide block_length "
                          f"({block_length})")
-    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
-    spec = get_spec(model) if mask_id is None else get_spec(model, mask_id=mask_id)
     if spec.kind != "llada":
         raise ValueError(f"d2cache_generate decodes LLaDA; model is a {spec.kind} model")
-    check_mask_id(spec)
-    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
-    device = model_device(model)
-    mask_id = spec.mask_id
-    B, P = prompt.shape
-    from ..parts.constrain import CommitFilter, end_ids_of
-
-    constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, mask_id, P, gen_length)
+    constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), prompt.shape[0], spec.mask_id,
+                                    prompt.shape[1], gen_length)
     return _steps(prompt, config, gen_length, block_length, per_step, prior_sigma, commit_mask_token,
-                  attention_mask, mask_id, device, stats, constraint, independent_rows)
+                  attention_mask, spec.mask_id, stats or GenerationStats(), constraint, independent_rows)
 
 
 @torch.no_grad()
 def _steps(prompt: torch.Tensor, config: D2Cache, gen_length: int, block_length: int, per_step: int,
            prior_sigma: float | None, commit_mask_token: bool, attention_mask: torch.Tensor | None, mask_id: int,
-           device: torch.device, stats: GenerationStats, constraint: Any,
-           independent_rows: bool) -> StepGenerator:
+           stats: GenerationStats, constraint: Any, independent_rows: bool) -> StepGenerator:
     """d2Cache's loop (the arguments checked by `d2cache_steps`; `constraint`: a `CommitFilter` or None,
     see there) over the batch decoded together, or with `independent_rows` over each row alone, one after
     another, the canvas showing each row as it stands (`final`: the last group's decoded blocks, 0 before)."""
     B, P = prompt.shape
     G, T = gen_length, P + gen_length
-    canvas = masked_canvas(prompt, gen_length, mask_id, device)
+    device = prompt.device   # the model's (`check_prompt`)
+    canvas = masked_canvas(prompt, gen_length, mask_id)
     positions, bias = torch.arange(T, device=device)[None].expand(B, T), None
     key_ok = valid_positions(attention_mask, T)   # False on the left pads
     if key_ok is not None:   # pad keys hidden, positions counted over real tokens
@@ -284,16 +274,15 @@ def _steps(prompt: torch.Tensor, config: D2Cache, gen_length: int, block_length:
                 sub = D2KVCache(None if cache.key_bias is None else cache.key_bias[active])
                 sub.k = {layer: t[active] for layer, t in cache.k.items()}
                 sub.v = {layer: t[active] for layer, t in cache.v.items()}
-                if rows is None:
+                if rows is None:   # the first forward: every position
                     sub.full()
-                    logits = yield ForwardRequest(xa, per_row={"position_ids": positions[group][active]}, cache=sub)
-                    n = T
+                    rows = torch.ones_like(xa, dtype=torch.bool)
                 else:
                     sub.partial(rows)
-                    n = int(rows[0].sum())
-                    part = yield ForwardRequest(xa[rows].view(Ba, n), cache=sub, per_row={
-                        "position_ids": positions[group][active][rows].view(Ba, n)})
-                    logits = part.new_zeros((Ba, T, part.shape[-1])).masked_scatter(rows[..., None], part)
+                n = int(rows[0].sum())
+                part = yield ForwardRequest(xa[rows].view(Ba, n), cache=sub, per_row={
+                    "position_ids": positions[group][active][rows].view(Ba, n)})
+                logits = part.new_zeros((Ba, T, part.shape[-1])).masked_scatter(rows[..., None], part)
                 for whole, fresh in ((cache.k, sub.k), (cache.v, sub.v)):   # the active rows' K/V written back
                     for layer, t in fresh.items():
                         if layer not in whole:

@@ -58,8 +58,10 @@ from remask.models.spec import get_spec
 from ..families.dream import DreamDecoder, DreamGenerationConfig, _validate_config
 from ..families.llada import validate_block_args
 from ..parts.cache import valid_positions
-from ..parts.checks import (check_bool, check_choice, check_generator, check_instance, check_int,
-                            check_length, check_mask_id, check_model_kind, check_prompt, check_stats, model_device)
+from ..parts.checks import (check_bool, check_call, check_choice, check_generator, check_int, check_length,
+                            model_device)
+from ..parts.constrain import CommitFilter, end_ids_of
+from ..parts.constrain_loops import structure_for_call
 from ..parts.scoring import score_tokens
 from ..parts.selection import schedule_counts, topk_commit
 from ..parts.stats import GenerationStats
@@ -248,8 +250,7 @@ def dkv_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCache 
     decoded blocks) and returns `dkv_generate`'s tensor. `structure` (a compiled `remask.structured`
     structure) and `end_ids`: structured output (`diffusion/parts/constrain.py`; how each variant
     holds it, extra steps and forwarded frontiers included: docs/quirks.md)."""
-    config = check_instance("config", DKVCache() if config is None else config, DKVCache, "a remask DKVCache",
-                            allow_none=False)
+    config, spec = check_call(model, prompt, attention_mask, config, DKVCache, mask_id=mask_id, stats=stats)
     if config.dream_fields:
         name = config.dream_fields[0]
         raise ValueError(f"{name}: a Dream-only field (dkv_dream_generate); LLaDA's dKV-Cache takes "
@@ -257,20 +258,12 @@ def dkv_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCache 
                          f"{getattr(config, name)!r})")
     _, steps_per_block = validate_block_args(gen_length, block_length, steps)
     check_choice("remasking", remasking, REMASKING)
-    check_stats("stats", stats)
-    spec = get_spec(model) if mask_id is None else get_spec(model, mask_id=mask_id)
-    check_mask_id(spec)
-    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
     check_generator(generator, model_device(model))
-    config.check_request(gen_length=gen_length, block_length=block_length, steps=steps)
     if config.variant == "greedy" and remasking != "random":
         raise ValueError(f"remasking: dKV-Cache-Greedy decodes in a random order drawn per block "
                          f"(remasking='random'), got {remasking!r}")
-    from ..parts.constrain import CommitFilter, end_ids_of
-
-    constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), prompt.shape[0], spec.mask_id,
-                                    prompt.shape[1], gen_length)
     B, P = prompt.shape
+    constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
     x = masked_canvas(prompt, gen_length, spec.mask_id, model_device(model))
     rule = _LLaDARule(x, P, config, spec.mask_id, steps_per_block, block_length, remasking, generator, constraint)
     return _loop(rule, None, attention_mask, P, stats)
@@ -294,10 +287,8 @@ def dkv_dream_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     `dkv_dream_steps`."""
     structure = None
     if structured_outputs is not None:
-        from ..parts.constrain_loops import structure_for_call
-
-        spec = get_spec(model) if mask_id is None else get_spec(model, mask_id=mask_id)
-        structure = structure_for_call(structured_outputs, model, tokenizer, spec.mask_id, max_new_tokens)
+        structure = structure_for_call(structured_outputs, model, tokenizer, get_spec(model, mask_id=mask_id).mask_id,
+                                       max_new_tokens)
     return drive(dkv_dream_steps(model, input_ids, attention_mask, config=config, steps=steps,
                                  max_new_tokens=max_new_tokens, alg=alg, alg_temp=alg_temp, temperature=temperature,
                                  top_p=top_p, top_k=top_k, eps=eps, mask_id=mask_id, generator=generator,
@@ -315,23 +306,19 @@ def dkv_dream_steps(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     0: any masked position may be decoded at any step) and returns `dkv_dream_generate`'s tensor.
     `structure` (a compiled `remask.structured` structure) and `end_ids`: structured output, held in
     `DreamDecoder.commit` (the frontier's scorer always forwarded: docs/quirks.md)."""
-    config = check_instance("config", DKVCache(cache_type="decoded") if config is None else config, DKVCache,
-                            "a remask DKVCache", allow_none=False)
+    config, spec = check_call(model, input_ids, attention_mask, config, DKVCache, mask_id=mask_id, stats=stats,
+                              entry="dkv_dream_generate", name="input_ids")   # (cache_type None: "decoded")
     if config.variant != "decode":   # (a window_size is Greedy's)
         raise ValueError(f"variant: dKV-Cache's Dream sampler is the delayed (decode) cache; variant="
                          f"{config.variant!r} is LLaDA's dKV-Cache-Greedy (dkv_generate)")
     if config.commit_mask_token:
         raise ValueError("commit_mask_token: Dream's sampler never commits the mask token in remask; "
                          "commit_mask_token=True is LLaDA-only (dkv_generate)")
-    spec = get_spec(model) if mask_id is None else get_spec(model, mask_id=mask_id)
-    check_model_kind(spec, diffusion=True, entry="dkv_dream_generate")
-    check_mask_id(spec)
     if not spec.logit_shift:
         raise ValueError("model: dKV-Cache's Dream sampler caches by the logit shift (position i scores token "
                          "i + 1, ModelSpec.logit_shift); this model scores each position from itself — use "
                          "remask.diffusion.methods.dkv.dkv_generate (LLaDA's dKV-Cache)")
     check_int("max_new_tokens", max_new_tokens, minimum=1)
-    check_prompt(model, input_ids, attention_mask, name="input_ids", spec=spec, mask_in_prompt="refuse")
     T = input_ids.shape[1] + max_new_tokens
     gen = DreamGenerationConfig(temperature=temperature, top_p=top_p, top_k=top_k, max_length=T,
                                 max_new_tokens=max_new_tokens, eps=eps, steps=steps, alg=alg, alg_temp=alg_temp,
@@ -342,7 +329,6 @@ def dkv_dream_steps(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     if temperature != 0:
         raise ValueError(f"temperature: dkv_dream_generate decodes greedily (temperature=0), got {temperature!r}")
     check_length(spec, T, "prompt + max_new_tokens")
-    check_stats("stats", stats)
     check_generator(generator, input_ids.device)
 
     decoder = DreamDecoder(spec, gen, reference_ties=True, structure=structure, end_ids=end_ids)
@@ -368,8 +354,8 @@ def _loop(rule: Any, positions: torch.Tensor | None, attention_mask: torch.Tenso
     if positions is None:
         positions = torch.arange(T, device=x.device)[None].expand(B, T)
     key_ok = valid_positions(attention_mask, T)   # False on the left pads
-    if stats is not None:
-        stats.start()
+    stats = stats or GenerationStats()   # None: counted, then dropped
+    stats.start()
     for store in rule.spans():
         prev, groups, caches = None, [], []
         for i in itertools.count():
@@ -394,18 +380,15 @@ def _loop(rule: Any, positions: torch.Tensor | None, attention_mask: torch.Tenso
                 if parts:
                     yield Progress(x, rule.final)   # the previous row's forward (rows forwarded one by one)
                 logits = yield from _forward(x[g], positions[g], fwd, cache, None if cached is None else cached[g])
-                if stats is not None:
-                    stats.forward(len(g), logits.shape[1], sum(c.nbytes for c in caches))
+                stats.forward(len(g), logits.shape[1], sum(c.nbytes for c in caches))
                 parts.append((g, logits, fwd))
             # nothing forwarded: every row ended (a structure) or was decoded (Dream's steps outlasting
             # its masks, every position cached) — nothing to commit
             committed = rule.commit(i, parts) if parts else 0
-            if stats is not None:
-                stats.step(committed)
+            stats.step(committed)
             prev, store = rule.delay(prev, store)
             yield Progress(x, rule.final)
-    if stats is not None:
-        stats.stop(B * (T - P))
+    stats.stop(B * (T - P))
     return x
 
 

@@ -57,13 +57,12 @@ import torch
 from remask.caches import KVCache
 from remask.caches.tree import TreeKVCache
 from remask.kernels import unmask
-from remask.models.spec import ModelSpec, get_spec
+from remask.models.spec import ModelSpec
 
 from ..parts.cache import BlockForward, cache_mode, valid_positions
 from ..parts.constrain import CommitFilter, end_ids_of
-from ..parts.checks import (check_choice, check_config_bounds, check_instance, check_int, check_length, check_mask_id,
-                     check_model_kind, check_prompt, check_real, check_stats, warn_if_longer_than_trained,
-                     warn_if_padded_without_mask)
+from ..parts.checks import (check_call, check_choice, check_config_bounds, check_int, check_length, check_real,
+                            warn_if_longer_than_trained, warn_if_padded_without_mask)
 from ..families.llada import validate_block_args
 from ..parts.scoring import score_rows
 from remask.models.parallel import full_logits
@@ -106,10 +105,25 @@ class FreeDave(DraftConfig):
             check_config_bounds(self, "decoder", {"draft_steps": (block_length, "the block length")})
 
 
-def _select_rows(value: Any, rows: torch.Tensor | None, batch: int) -> Any:
-    if rows is None or not torch.is_tensor(value) or value.shape[0] != batch:
+def _draft_rows(value: Any, rows: torch.Tensor | None, batch: int, K: int) -> Any:
+    """A tensor's rows `rows` (None: all; only a tensor of the `batch`'s rows is selected), each repeated `K` times
+    (once per draft); anything else as it is."""
+    if not torch.is_tensor(value):
         return value
-    return value.index_select(0, rows)
+    if rows is not None and value.shape[0] == batch:
+        value = value.index_select(0, rows)
+    return value.repeat_interleave(K, dim=0)
+
+
+def _alone(forward: Generator[ForwardRequest, Any, Any], alone: bool) -> Generator[ForwardRequest, Any, Any]:
+    """A one-request forward (a sub-generator) with its request's rows computed as alone (`rows_alone`: each row
+    gets the bits of its own forward) when `alone`."""
+    request = next(forward)
+    request.rows_alone = alone
+    try:
+        forward.send((yield request))
+    except StopIteration as stop:
+        return stop.value
 
 
 # --- the decoding loop --------------------------------------------------------------------------
@@ -132,8 +146,8 @@ class _Decoder:
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, config: FreeDave, block_length: int,
                  use_cache: str | None, attention_mask: torch.Tensor | None, prompt_len: int, total: int,
-                 stats: GenerationStats | None) -> None:
-        self.spec, self.config, self.block_length, self.mode = spec, config, block_length, use_cache
+                 stats: GenerationStats) -> None:
+        self.model, self.spec, self.config, self.block_length, self.mode = model, spec, config, block_length, use_cache
         self.prompt_len, self.stats = prompt_len, stats
         self.forward_inputs = spec.forward_inputs(attention_mask, total)
         self.block_forward = BlockForward(model, spec, use_cache, self.forward_inputs,
@@ -142,50 +156,32 @@ class _Decoder:
         # precision) and the logits' dtype (None) otherwise; Dream's block decoder the logits' dtype.
         self.conf_dtype = torch.float64 if config.confidence_threshold is not None and not spec.logit_shift else None
 
-    def _count_forward(self, rows: int, length: int) -> None:
-        if self.stats is not None:
-            self.stats.forward(rows, length, self.block_forward.cache_nbytes)
-
     def refresh(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, torch.Tensor]:
-        """The baseline's block-start forward (one request), a batch's rows computed as alone (`rows_alone`: each
-        row gets the bits of its own forward)."""
-        forward = self.block_forward.refresh(x, start, end)
-        request = next(forward)
-        request.rows_alone = x.shape[0] > 1
-        try:
-            forward.send((yield request))
-        except StopIteration as stop:
-            self._count_forward(*x.shape)
-            return stop.value
+        """The baseline's block-start forward (one request), a batch's rows computed as alone."""
+        logits = yield from _alone(self.block_forward.refresh(x, start, end), x.shape[0] > 1)
+        self.stats.forward(*x.shape, self.block_forward.cache_nbytes)
+        return logits
 
     def verify(self, canvas: torch.Tensor, rows: torch.Tensor, B: int, start: int,
                end: int) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
         """The logits `[A·K, L, V]` of the drafts `canvas` `[A·K, T]` (draft-minor: K per row of `rows`, of the
         batch's B) and the block's first row in them: one plain request, each row's linears as alone
         (`rows_alone`), against the block's cache copied or shared."""
-        K = canvas.shape[0] // len(rows)
-        T, mode = canvas.shape[1], self.mode
+        K, T, mode = canvas.shape[0] // len(rows), canvas.shape[1], self.mode
         rows = None if len(rows) == B else rows
         fed, fed_end = (0, T) if mode is None else (start, T if mode == "prefix" else end)
-        inputs = self.forward_inputs if mode is None else self.spec.inputs_for_positions(self.forward_inputs, start,
-                                                                                         fed_end)
-        inputs = {k: _select_rows(v, rows, B) for k, v in inputs.items()}
-        inputs = {k: v.repeat_interleave(K, dim=0) if torch.is_tensor(v) else v for k, v in inputs.items()}
-        kw: dict[str, Any] = {}
-        base = self.block_forward.cache
-        if mode is not None:   # without a cache both modes are the same full forward per draft
-            if self.config.draft_mode == "batch_expanding":
-                cache = KVCache()
-                cache.keys = [_select_rows(t, rows, B).repeat_interleave(K, dim=0) for t in base.keys]
-                cache.values = [_select_rows(t, rows, B).repeat_interleave(K, dim=0) for t in base.values]
-            else:
-                cache = TreeKVCache(base, rows, start, T if mode == "prefix" else end, T, K)
-            cache.write_start = fed
-            kw = dict(cache=cache, cache_position=torch.arange(fed, fed_end, device=canvas.device))
-        # `spec`: the family's logit shift within each draft's row (`ModelSpec.logits`)
-        logits = yield ForwardRequest.call(canvas[:, fed:fed_end].contiguous(), inputs, spec=self.spec,
-                                           rows_alone=True, **kw)
-        self._count_forward(*canvas[:, fed:fed_end].shape)
+        base, cache = self.block_forward.cache, None   # without a cache both modes are the same full forward
+        if mode is not None and self.config.draft_mode == "batch_expanding":
+            cache = KVCache()
+            cache.keys = [_draft_rows(t, rows, B, K) for t in base.keys]
+            cache.values = [_draft_rows(t, rows, B, K) for t in base.values]
+        elif mode is not None:
+            cache = TreeKVCache(base, rows, start, fed_end, T, K)
+        inputs = {k: _draft_rows(v, rows, B, K) for k, v in self.forward_inputs.items()}
+        # the block loop's forward of the drafts' rows (`spec`: the family's logit shift within each draft's row)
+        span = BlockForward(self.model, self.spec, mode, inputs, None).span(canvas, fed, fed_end, cache)
+        logits = yield from _alone(span, True)
+        self.stats.forward(len(canvas), fed_end - fed, self.block_forward.cache_nbytes)
         return logits, start - fed
 
     def score(self, logits: torch.Tensor, local: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,8 +201,7 @@ class _Decoder:
         return out
 
     def _count_step(self, before: int, blk: torch.Tensor) -> None:
-        if self.stats is not None:
-            self.stats.step(before - int((blk == self.spec.mask_id).sum()))
+        self.stats.step(before - int((blk == self.spec.mask_id).sum()))
 
     def _progress(self, x: torch.Tensor, blk: torch.Tensor, start: int, end: int) -> Progress:
         done = not bool((blk == self.spec.mask_id).any())
@@ -251,6 +246,16 @@ class _Decoder:
         blk.copy_(self.rule(blk, x0, conf))
         if cf is not None:
             cf.filter(canvas, prior, x0, lg, start, end, 0)
+
+    @torch.no_grad()
+    def run(self, x: torch.Tensor, gen_length: int, constraint: Any) -> StepGenerator:
+        """Decode the canvas `x` block by block (a block is skipped once every row's structure has finished)."""
+        self.stats.start()
+        for start in range(self.prompt_len, self.prompt_len + gen_length, self.block_length):
+            if constraint is None or not all(constraint.finished):
+                yield from self.block(x, start, start + self.block_length, constraint)
+        self.stats.stop(x.shape[0] * gen_length)
+        return x
 
     def block(self, x: torch.Tensor, start: int, end: int, cf: Any = None) -> StepGenerator:
         """Decode `x[:, start:end]` in place, a `Progress` after each forward (`final`: the positions
@@ -340,12 +345,9 @@ def freedave_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask:
     """`freedave_generate` as a step generator (`remask.diffusion.parts.stepper`), its arguments checked at
     the call: it yields a `Progress` after every forward (block start and verification; `final`: the
     decoded blocks) and returns the tokens of `freedave_generate`."""
-    config = FreeDave() if config is None else config
-    check_instance("config", config, FreeDave, "a remask FreeDave config", allow_none=False)
     check_int("mask_id", mask_id, minimum=0, allow_none=True)
-    spec = get_spec(model, mask_id=mask_id)
-    check_model_kind(spec, diffusion=True, entry="freedave_generate")
-    check_mask_id(spec)
+    config, spec = check_call(model, prompt, attention_mask, config, FreeDave, "a remask FreeDave config",
+                              mask_id=mask_id, stats=stats, entry="freedave_generate")
     if spec.noise != "mask":
         raise ValueError("freedave_generate decodes mask-diffusion models (LLaDA, Dream)")
     validate_block_args(gen_length, block_length, gen_length)   # steps = gen_length: one token per step
@@ -357,31 +359,11 @@ def freedave_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask:
     mode = cache_mode(use_cache)
     if mode not in FREEDAVE_CACHES:
         raise ValueError(f"use_cache must be one of {list(FREEDAVE_CACHES)} for freedave_generate, got {use_cache!r}")
-    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
     check_length(spec, prompt.shape[1] + gen_length, "prompt length + gen_length")
-    check_stats("stats", stats)
     warn_if_padded_without_mask(prompt, attention_mask, spec.pad_id)
     warn_if_longer_than_trained(spec, gen_length)
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), prompt.shape[0], spec.mask_id,
                                     prompt.shape[1], gen_length)
-    return _freedave_loop(model, prompt, attention_mask, spec, config, gen_length, block_length, mode, stats,
-                          constraint)
-
-
-@torch.no_grad()
-def _freedave_loop(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None,
-                   spec: ModelSpec, config: FreeDave, gen_length: int, block_length: int, mode: str | None,
-                   stats: GenerationStats | None, constraint: Any = None) -> StepGenerator:
-    if stats is not None:
-        stats.start()
-    B, P = prompt.shape
-    T = P + gen_length
-    x = masked_canvas(prompt, gen_length, spec.mask_id)
-    decoder = _Decoder(model, spec, config, block_length, mode, attention_mask, P, T, stats)
-    for block in range(gen_length // block_length):
-        start = P + block * block_length
-        if constraint is None or not all(constraint.finished):
-            yield from decoder.block(x, start, start + block_length, constraint)
-    if stats is not None:
-        stats.stop(B * gen_length)
-    return x
+    decoder = _Decoder(model, spec, config, block_length, mode, attention_mask, prompt.shape[1],
+                       prompt.shape[1] + gen_length, stats or GenerationStats())   # None: counted, then dropped
+    return decoder.run(masked_canvas(prompt, gen_length, spec.mask_id), gen_length, constraint)

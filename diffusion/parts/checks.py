@@ -16,7 +16,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from remask.models.spec import ModelSpec
+from remask.models.spec import ModelSpec, get_spec
 
 
 class CombinationError(ValueError, NotImplementedError):
@@ -369,3 +369,21 @@ def refuse_unread(params: Any, way: str, also: Iterable[str] = (), **words: Any)
     unread = [name for name in changed(params, DECODING) if name not in reads and name not in also]
     if unread:
         raise ValueError(message.format(unread=unread, **words))
+
+
+def check_call(model: torch.nn.Module, prompt: Any, attention_mask: Any, config: Any, config_type: type,
+               what: str | None = None, *, mask_id: Any = None, stats: Any = None, entry: str | None = None,
+               name: str = "prompt") -> tuple[Any, ModelSpec]:
+    """The checks a method's entry point repeats, in this order: `config` (None: `config_type()`) a `config_type`
+    (`what` names it; default "a remask <class>"), the model's spec (`mask_id` overriding its own) of a diffusion
+    model (checked when `entry`, the function's name, is given) with a mask id, the prompt (`name`) and its
+    `attention_mask` without the mask token, and `stats`. Returns (config, spec)."""
+    config = config_type() if config is None else config
+    check_instance("config", config, config_type, what or f"a remask {config_type.__name__}", allow_none=False)
+    spec = get_spec(model, mask_id=mask_id)
+    if entry is not None:
+        check_model_kind(spec, diffusion=True, entry=entry)
+    check_mask_id(spec)
+    check_prompt(model, prompt, attention_mask, name, spec, mask_in_prompt="refuse")
+    check_stats("stats", stats)
+    return config, spec
