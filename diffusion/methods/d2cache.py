@@ -26,7 +26,7 @@ import torch
 from remask.caches.position import D2KVCache
 
 from ..parts.cache import valid_positions
-from ..parts.checks import check_bool, check_call, check_int, check_real
+from ..parts.checks import NoWorkBound, check_bool, check_call, check_int, check_real
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
@@ -35,9 +35,13 @@ from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
 
 
 @dataclass(frozen=True)
-class D2Cache:
+class D2Cache(NoWorkBound):
     """d2Cache's parameters (upstream `d2Cache.__init__` defaults; `configs/cache/d2cache.yaml` and
-    `configs/gen_args.py` run it with `inflate_w=0` and one block over the whole generation)."""
+    `configs/gen_args.py` run it with `inflate_w=0` and one block over the whole generation).
+
+    No work bound (`NoWorkBound`): `current_k` reads "at most" (a step selects at most the `gen_length` masked
+    positions: `min(current_k, G)`) and an `inflate_w` past the sequence fills every gap; neither costs more work
+    (upstream takes any)."""
 
     rollout_p: float = 0.1
     current_k: int = 32
@@ -49,12 +53,6 @@ class D2Cache:
         check_int("current_k", self.current_k, minimum=1)
         check_real("sigma", self.sigma, low=0.0, low_open=True)
         check_int("inflate_w", self.inflate_w, minimum=0)
-
-    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
-                      steps: int | None = None, prompt_length: int | None = None) -> None:
-        """No work bound (docs/parameters.md, "Work bounds", "Not bounded"): `current_k` reads "at
-        most" (a step selects at most the `gen_length` masked positions: `min(current_k, G)`) and an
-        `inflate_w` past the sequence fills every gap; neither costs more work (upstream takes any)."""
 
 
 def certainty_density(decoded: torch.Tensor, sigma: float) -> torch.Tensor:

@@ -58,8 +58,8 @@ from remask.models.spec import get_spec
 from ..families.dream import DreamDecoder, DreamGenerationConfig, _validate_config
 from ..families.llada import validate_block_args
 from ..parts.cache import valid_positions
-from ..parts.checks import (check_bool, check_call, check_choice, check_generator, check_int, check_length,
-                            model_device)
+from ..parts.checks import (NoWorkBound, check_bool, check_call, check_choice, check_generator, check_int,
+                            check_length, model_device)
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.constrain_loops import structure_for_call
 from ..parts.scoring import score_tokens
@@ -76,7 +76,7 @@ ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy")   # Dream's
 
 
 @dataclass(frozen=True)
-class DKVCache:
+class DKVCache(NoWorkBound):
     """dKV-Cache's parameters (the module docstring): `cache_reloading_step` (upstream's; its README
     uses 8 for Decode, the Greedy CLI `--cache-steps 2`), `variant` ``"decode"`` or ``"greedy"``
     (`remasking="random"` only) and Greedy's `window_size` (masked neighbours forwarded with each
@@ -85,7 +85,11 @@ class DKVCache:
     Dream's sampler (`dkv_dream_generate`) reads two more fields, None for LLaDA:
     `cache_type` ``"decoded"`` (its default; rebuilt every `cache_reloading_step` steps, upstream's
     `cache_steps`) or ``"prefill"`` (the prompt cached once), and `shift_type` (``"decoded"`` only)
-    ``"un"`` (its default), ``"un_right"`` or ``"right"``."""
+    ``"un"`` (its default), ``"un_right"`` or ``"right"``.
+
+    No work bound (`NoWorkBound`): a `cache_reloading_step` past the steps per block reloads at a block's first
+    step only, and Greedy's window takes at most the masked positions (`_window` stops when none is left); neither
+    costs more work (upstream takes any)."""
 
     cache_reloading_step: int = 8
     commit_mask_token: bool = False
@@ -120,13 +124,6 @@ class DKVCache:
     def dream_fields(self) -> list[str]:
         """The Dream-only fields set (empty for a LLaDA configuration)."""
         return [name for name in ("cache_type", "shift_type") if getattr(self, name) is not None]
-
-    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
-                      steps: int | None = None, prompt_length: int | None = None) -> None:
-        """No work bound (docs/parameters.md, "Work bounds", "Not bounded"): a `cache_reloading_step`
-        past the steps per block reloads at a block's first step only, and Greedy's window takes at
-        most the masked positions (`_window` stops when none is left); neither costs more work
-        (upstream takes any)."""
 
 
 def _counts_equal(*sets: torch.Tensor) -> bool:
@@ -285,10 +282,8 @@ def dkv_dream_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     upstream). The model must shift its logits (`ModelSpec.logit_shift`). `structured_outputs` (a
     `remask.StructuredOutputsParams` or its JSON; `tokenizer`: default the checkpoint's): see
     `dkv_dream_steps`."""
-    structure = None
-    if structured_outputs is not None:
-        structure = structure_for_call(structured_outputs, model, tokenizer, get_spec(model, mask_id=mask_id).mask_id,
-                                       max_new_tokens)
+    structure = structure_for_call(structured_outputs, model, tokenizer, get_spec(model, mask_id=mask_id).mask_id,
+                                   max_new_tokens)   # None without structured_outputs
     return drive(dkv_dream_steps(model, input_ids, attention_mask, config=config, steps=steps,
                                  max_new_tokens=max_new_tokens, alg=alg, alg_temp=alg_temp, temperature=temperature,
                                  top_p=top_p, top_k=top_k, eps=eps, mask_id=mask_id, generator=generator,

@@ -387,3 +387,14 @@ def check_call(model: torch.nn.Module, prompt: Any, attention_mask: Any, config:
     check_prompt(model, prompt, attention_mask, name, spec, mask_in_prompt="refuse")
     check_stats("stats", stats)
     return config, spec
+
+
+class NoWorkBound:
+    """The base of a method's config whose settings bound no work (docs/parameters.md, "Work bounds", "Not
+    bounded"): values past what can change the decoding read "at most" and cost no more (the config's docstring
+    says why); its `check_request`, which `SamplingParams` and the entry points call on every config, refuses
+    nothing."""
+
+    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
+                      steps: int | None = None, prompt_length: int | None = None) -> None:
+        """Nothing to refuse (the class docstring)."""
