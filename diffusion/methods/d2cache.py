@@ -29,6 +29,7 @@ from ..parts.cache import valid_positions
 from ..parts.checks import NoWorkBound, check_bool, check_call, check_int, check_real
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.scoring import score_tokens
+from ..parts.selection import topk_commit
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
@@ -130,9 +131,9 @@ class _Selector:
         return top_up(rows, priority, int(rows.sum(dim=-1).max()))   # rows with fewer topped up to the most
 
     def step_end(self, active: torch.Tensor, open_block: torch.Tensor, confidence: torch.Tensor,
-                 still_masked: torch.Tensor, committed: list[torch.Tensor], rollout: torch.Tensor) -> None:
+                 still_masked: torch.Tensor, committed: torch.Tensor, rollout: torch.Tensor) -> None:
         """`open_block` `[Ba, G]`: block positions masked before the step; `confidence` `[Ba, G]`;
-        `still_masked` `[Ba, G]` after the step; `committed`: committed columns per active row."""
+        `still_masked` `[Ba, G]` after the step; `committed` `[Ba, G]`: the positions committed."""
         cfg, P = self.config, self.P
         Ba, G = confidence.shape
         device = confidence.device
@@ -153,10 +154,8 @@ class _Selector:
         scores[open_block] += scores.max()
         top = torch.topk(torch.where(window & still_masked, scores, -torch.inf),
                          k=min(cfg.current_k, G), dim=-1).indices
-        rows = torch.zeros_like(still_masked).scatter_(1, top, True) & still_masked
-        # 2. the positions just committed
-        for r, c in enumerate(committed):
-            rows[r, c] = True
+        # 2. and the positions just committed
+        rows = (torch.zeros_like(still_masked).scatter_(1, top, True) & still_masked) | committed
         rows = torch.cat([torch.zeros((Ba, P), dtype=torch.bool, device=device), rows], dim=1)
         # 3. the rollout-importance nucleus of the rest (the rollout summed over queries)
         importance = rollout.sum(dim=1)
@@ -283,9 +282,7 @@ def _steps(prompt: torch.Tensor, config: D2Cache, gen_length: int, block_length:
                 logits = part.new_zeros((Ba, T, part.shape[-1])).masked_scatter(rows[..., None], part)
                 for whole, fresh in ((cache.k, sub.k), (cache.v, sub.v)):   # the active rows' K/V written back
                     for layer, t in fresh.items():
-                        if layer not in whole:
-                            whole[layer] = t.new_zeros((x.shape[0],) + t.shape[1:])
-                        whole[layer][active] = t
+                        whole.setdefault(layer, t)[active] = t   # (the first forward's, of every row, fill it)
                 stats.forward(Ba, n, cache.nbytes)
                 if group_constraint is not None:   # the frontier masked before the scores (parts/constrain.py)
                     sub_constraint = group_constraint.rows(active.nonzero().flatten().tolist())
@@ -296,24 +293,16 @@ def _steps(prompt: torch.Tensor, config: D2Cache, gen_length: int, block_length:
                 open_ = masked[active]
                 conf = torch.where(open_, conf, -torch.inf)
                 scores = conf if prior_sigma is None else conf * certainty_density(~open_, prior_sigma)
-                open_block = block[active]
-                candidates = torch.where(open_block, scores, -torch.inf)
-                committed = [torch.topk(candidates[r], min(per_step, int(open_block[r].sum()))).indices
-                             for r in range(Ba)]
-                new = xa[:, P:].clone()
-                for r, c in enumerate(committed):
-                    new[r, c] = x0[r, c]
+                open_block, left = block[active], block[active]   # `left`: cleared where committed
+                new = xa.clone()
+                topk_commit(new[:, P:], left, x0, scores, open_block.sum(dim=1).clamp(max=per_step), G, 0)
+                committed = open_block & ~left   # [Ba, G]
                 if group_constraint is not None:   # keep what the structure accepts, advance the matchers
-                    filtered = xa.clone()
-                    filtered[:, P:] = new
-                    sub_constraint.filter(filtered, xa[:, start:end], x0[:, start - P:end - P], logits, start, end,
-                                          start)
-                    new = filtered[:, P:]
-                    decided = (xa[:, start:end] == mask_id) & (filtered[:, start:end] != mask_id)
-                    committed = [c.nonzero().flatten() + (start - P) for c in decided]
-                selector.step_end(active, open_block, conf, new == mask_id, committed, sub.rollout)
-                x[active, P:] = new
-                stats.step(sum(int(c.numel()) for c in committed))
+                    sub_constraint.filter(new, xa[:, start:end], x0[:, start - P:end - P], logits, start, end, start)
+                    committed = open_block & (new[:, P:] != mask_id)   # the block's positions the filter kept decided
+                selector.step_end(active, open_block, conf, new[:, P:] == mask_id, committed, sub.rollout)
+                x[active] = new
+                stats.step(committed.sum())
                 if not bool((x[:, start:end] == mask_id).any()):
                     final = (b + 1) * block_length   # this block is done (earlier blocks are)
                 yield Progress(canvas, final if group is groups[-1] else 0)

@@ -147,10 +147,9 @@ class _Decoder:
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, config: FreeDave, block_length: int,
                  use_cache: str | None, attention_mask: torch.Tensor | None, prompt_len: int, total: int,
                  stats: GenerationStats) -> None:
-        self.model, self.spec, self.config, self.block_length, self.mode = model, spec, config, block_length, use_cache
+        self.spec, self.config, self.block_length, self.mode = spec, config, block_length, use_cache
         self.prompt_len, self.stats = prompt_len, stats
-        self.forward_inputs = spec.forward_inputs(attention_mask, total)
-        self.block_forward = BlockForward(model, spec, use_cache, self.forward_inputs,
+        self.block_forward = BlockForward(model, spec, use_cache, spec.forward_inputs(attention_mask, total),
                                           valid_positions(attention_mask, total))
         # The baselines' confidence dtypes: LLaDA's loop keeps float64 under a threshold (Fast-dLLM's
         # precision) and the logits' dtype (None) otherwise; Dream's block decoder the logits' dtype.
@@ -177,9 +176,9 @@ class _Decoder:
             cache.values = [_draft_rows(t, rows, B, K) for t in base.values]
         elif mode is not None:
             cache = TreeKVCache(base, rows, start, fed_end, T, K)
-        inputs = {k: _draft_rows(v, rows, B, K) for k, v in self.forward_inputs.items()}
+        inputs = {k: _draft_rows(v, rows, B, K) for k, v in self.block_forward.forward_inputs.items()}
         # the block loop's forward of the drafts' rows (`spec`: the family's logit shift within each draft's row)
-        span = BlockForward(self.model, self.spec, mode, inputs, None).span(canvas, fed, fed_end, cache)
+        span = BlockForward(self.block_forward.model, self.spec, mode, inputs, None).span(canvas, fed, fed_end, cache)
         logits = yield from _alone(span, True)
         self.stats.forward(len(canvas), fed_end - fed, self.block_forward.cache_nbytes)
         return logits, start - fed
