@@ -126,11 +126,6 @@ class DKVCache(NoWorkBound):
         return [name for name in ("cache_type", "shift_type") if getattr(self, name) is not None]
 
 
-def _counts_equal(*sets: torch.Tensor) -> bool:
-    """Whether every `[B, T]` set holds as many positions in each row (True for no set)."""
-    return all(bool((s.sum(dim=1) == s[0].sum()).all()) for s in sets)
-
-
 def _regroup(groups: list[list[int]], caches: list[DelayedKVCache], B: int, rebuild: bool, uniform: bool,
              key_ok: torch.Tensor | None, merge: bool = False) -> tuple[list[list[int]], list[DelayedKVCache]]:
     """The row groups forwarded together and their caches: one batched forward while every row forwards
@@ -187,22 +182,6 @@ def _delay(store: torch.Tensor | None, x: torch.Tensor, mask_id: int, shift_type
     if constrained and store is not None:
         store = store & decoded   # a revoked position (or its scorer) leaves the cached set
     return store, decoded
-
-
-def _constrained_logits(constraint: Any, g: list[int], logits: torch.Tensor, where: torch.Tensor, start: int,
-                        end: int, window_logits: torch.Tensor | None, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A structured step's logits of the rows `g` (`logits` `[len(g), n, V]` of the positions
-    `where` `[len(g), T]`): those logits with each row's frontier (if forwarded) masked, and
-    `window_logits` `[B, end - start, V]` (made at the first group; −inf where not forwarded) with
-    the rows' block positions written in — the filter's window logits."""
-    positions = where.nonzero()[:, 1].view(len(g), -1)
-    logits = constraint.rows(g).mask_at(logits, positions)
-    if window_logits is None:
-        window_logits = logits.new_full((B, end - start, logits.shape[-1]), -torch.inf)
-    part = logits.new_full((len(g), end - start, logits.shape[-1]), -torch.inf)
-    part[where[:, start:end]] = logits[(positions >= start) & (positions < end)]
-    window_logits[g] = part
-    return logits, window_logits
 
 
 def _window(chosen: torch.Tensor, around: list[int], masked: torch.Tensor, size: int) -> None:
@@ -365,7 +344,8 @@ def _loop(rule: Any, positions: torch.Tensor | None, attention_mask: torch.Tenso
                     if not constraint.matchers[b].ended and f < T:
                         prev[b, max(f - rule.shift, 0)] = False
             forwarded, cached = None if prev is None else ~prev, prev if store is None else store
-            uniform = _counts_equal(*(s for s in (cached, forwarded) if s is not None))
+            # whether every row forwards and caches as many positions
+            uniform = all(bool((s.sum(dim=1) == s[0].sum()).all()) for s in (cached, forwarded) if s is not None)
             groups, caches = _regroup(groups, caches, B, forwarded is None, uniform, key_ok, rule.merge)
             parts = []   # each forward's (rows, logits, forwarded positions)
             for g, cache in zip(groups, caches):
@@ -435,8 +415,13 @@ class _LLaDARule:
         for g, logits, fwd in parts:
             where = self.everything[g] if fwd is None else fwd
             if constraint is not None:   # the frontier masked before the rule scores (parts/constrain.py)
-                logits, window_logits = _constrained_logits(constraint, g, logits, where, start, end,
-                                                            window_logits, B)
+                positions = where.nonzero()[:, 1].view(len(g), -1)
+                logits = constraint.rows(g).mask_at(logits, positions)
+                if window_logits is None:   # −inf where not forwarded
+                    window_logits = logits.new_full((B, end - start, logits.shape[-1]), -torch.inf)
+                block_logits = window_logits[g]
+                block_logits[where[:, start:end]] = logits[(positions >= start) & (positions < end)]
+                window_logits[g] = block_logits
             tokens, conf = score_tokens(logits, softmax_dtype=torch.float64,
                                         exclude_id=None if self.config.commit_mask_token else mask_id)
             x0[g] = x0[g].masked_scatter(where, tokens)

@@ -155,12 +155,6 @@ class _Decoder:
         # precision) and the logits' dtype (None) otherwise; Dream's block decoder the logits' dtype.
         self.conf_dtype = torch.float64 if config.confidence_threshold is not None and not spec.logit_shift else None
 
-    def refresh(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, torch.Tensor]:
-        """The baseline's block-start forward (one request), a batch's rows computed as alone."""
-        logits = yield from _alone(self.block_forward.refresh(x, start, end), x.shape[0] > 1)
-        self.stats.forward(*x.shape, self.block_forward.cache_nbytes)
-        return logits
-
     def verify(self, canvas: torch.Tensor, rows: torch.Tensor, B: int, start: int,
                end: int) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
         """The logits `[A·K, L, V]` of the drafts `canvas` `[A·K, T]` (draft-minor: K per row of `rows`, of the
@@ -208,20 +202,21 @@ class _Decoder:
 
     def _start(self, x: torch.Tensor, start: int, end: int,
                cf: Any) -> Generator[Any, Any, tuple[torch.Tensor, ...]]:
-        """The block-start forward (its logits the first predictions: upstream's "stale logits"), then
-        a `Progress`; returns x0, confidence, the block's logits (under a structure) and which rows'
-        predictions are fresh: Dream commits the block's first position from it, so none are."""
+        """The baseline's block-start forward (`BlockForward.refresh`, a batch's rows computed as alone; its logits
+        the first predictions: upstream's "stale logits"), then a `Progress`; returns x0, confidence, the block's
+        logits (under a structure) and which rows' predictions are fresh: Dream commits the block's first position
+        from it, so none are."""
         blk, mask_id = x[:, start:end], self.spec.mask_id
-        logits = yield from self.refresh(x, start, end)
+        logits = yield from _alone(self.block_forward.refresh(x, start, end), x.shape[0] > 1)
+        self.stats.forward(*x.shape, self.block_forward.cache_nbytes)
         x0, conf, lg = self.score_masked(cf, logits, start, start, end)
         del logits
-        fresh = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+        fresh = torch.full((x.shape[0],), not self.spec.logit_shift, dtype=torch.bool, device=x.device)
         if self.spec.logit_shift:
             before, prior = int((blk == mask_id).sum()), blk.clone()
             blk[:, 0] = torch.where(blk[:, 0] == mask_id, x0[:, 0], blk[:, 0])
             if cf is not None:
                 cf.filter(x, prior, x0, lg, start, end, 0)
-            fresh[:] = False
             self._count_step(before, blk)
         yield self._progress(x, blk, start, end)
         return x0, conf, lg, fresh
