@@ -253,6 +253,18 @@ def test_bad_call_arguments(kwargs, match, tiny_llada):
         freedave_generate(tiny_llada, prompts_for("tiny-llada"), **kw)
 
 
+def test_refuses_a_uniform_noise_model(tmp_path):
+    """A uniform-noise model (DiffusionGemma) has no mask to draft over, even with a `mask_id` given."""
+    from transformers import AutoModelForImageTextToText
+
+    from remask.models import tiny
+
+    tiny.write_tiny_diffusion_gemma(str(tmp_path), seed=0)
+    model = AutoModelForImageTextToText.from_pretrained(str(tmp_path)).eval()
+    with pytest.raises(ValueError, match="mask-diffusion models"):
+        freedave_generate(model, torch.tensor([[2, 17, 42]]), mask_id=300, gen_length=8, block_length=8)
+
+
 @pytest.mark.parametrize("name", ["llada", "dream"])
 def test_official_vocabulary_checkpoints(name, model_of):
     # The random checkpoints with the released vocabularies and special ids.

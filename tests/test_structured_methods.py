@@ -288,6 +288,34 @@ def test_d2cache_coupled_rows(llada):
     tally("llada d2cache coupled rows", *counts)
 
 
+def test_dkv_greedy_rows_part_and_join(llada, monkeypatch):
+    """dKV-Cache-Greedy under a structure: rows whose forwarded counts part (the filter's commits) run one by one,
+    each with its own cache, and are batched again, their caches joined, once the counts agree before the next
+    reload; the tokens are those of rows kept apart."""
+    from remask.diffusion.methods import dkv
+
+    model, tok = llada
+    prompt, mask = batch(PROMPTS)
+    kw = dict(gen_length=32, steps=16, block_length=8, remasking="random", structured_outputs=CASES[0],
+              use_cache=remask.DKVCache(variant="greedy", cache_reloading_step=8, window_size=2))
+    joined, join = [], dkv._joined
+
+    def counted(parts):
+        joined.append(len(parts))
+        return join(parts)
+
+    monkeypatch.setattr(dkv, "_joined", counted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = remask.generate(model, prompt, mask, generator=torch.Generator().manual_seed(5), **kw)
+        assert max(joined) == 2   # the two rows' caches joined at least once
+        regroup = dkv._regroup
+        monkeypatch.setattr(dkv, "_regroup", lambda *args: regroup(*args[:6]))   # rows never joined again
+        apart = remask.generate(model, prompt, mask, generator=torch.Generator().manual_seed(5), **kw)
+    assert out.tolist() == apart.tolist()
+    check_rows(out[:, prompt.shape[1]:].tolist(), CASES[0], tok, "dkv greedy part and join", [0, 0])
+
+
 DKV_DREAM = {
     "decoded un entropy": dict(config=remask.DKVCache(cache_type="decoded", cache_reloading_step=4), alg="entropy",
                                steps=16),
