@@ -282,7 +282,9 @@ def _steps(prompt: torch.Tensor, config: D2Cache, gen_length: int, block_length:
                 logits = part.new_zeros((Ba, T, part.shape[-1])).masked_scatter(rows[..., None], part)
                 for whole, fresh in ((cache.k, sub.k), (cache.v, sub.v)):   # the active rows' K/V written back
                     for layer, t in fresh.items():
-                        whole.setdefault(layer, t)[active] = t   # (the first forward's, of every row, fill it)
+                        if layer not in whole:
+                            whole[layer] = t.new_zeros((x.shape[0],) + t.shape[1:])
+                        whole[layer][active] = t
                 stats.forward(Ba, n, cache.nbytes)
                 if group_constraint is not None:   # the frontier masked before the scores (parts/constrain.py)
                     sub_constraint = group_constraint.rows(active.nonzero().flatten().tolist())
