@@ -194,7 +194,7 @@ class _Decoder:
         return out
 
     def _count_step(self, before: int, blk: torch.Tensor) -> None:
-        self.stats.step(before - int((blk == self.spec.mask_id).sum()))
+        self.stats.step(before - (blk == self.spec.mask_id).sum())   # a device count: no host sync
 
     def _progress(self, x: torch.Tensor, blk: torch.Tensor, start: int, end: int) -> Progress:
         done = not bool((blk == self.spec.mask_id).any())
