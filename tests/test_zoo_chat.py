@@ -228,7 +228,8 @@ def test_chat_training_smoke_resumes_and_reports_every_format(tmp_path):
                 assert set(s[key]) == fields, (name, key)
                 assert all(0.0 <= v <= 1.0 for k, v in s[key].items() if k != "per_task")
         model, tok = load(str(tmp_path / "a" / name))
-        context = model.config.max_sequence_length if name == "tiny-llada-chat" else model.config.max_position_embeddings
+        config = model.config
+        context = config.max_sequence_length if name == "tiny-llada-chat" else config.max_position_embeddings
         assert context == charset.CHAT_CONTEXT == 512
         assert tok.chat_template == charset.CHAT_FORMATS_TEMPLATE and tok.convert_tokens_to_ids("<|tool|>") == 104
     config = json.loads((tmp_path / "a" / "tiny-llada-chat" / "config.json").read_text())

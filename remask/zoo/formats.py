@@ -25,8 +25,12 @@ training script draws from `TRAIN_SEED`, held-out sets from `EVAL_SEED`.
 
     >>> from remask.zoo.formats import examples
     >>> e = examples(1, seed=5, kinds=("tool_call",), tasks=("add",))[0]
-    >>> [t["function"]["name"] for t in e.tools], e.messages[-1]["content"], e.target
-    (['add', 'reverse'], '0+2', '<tool_call>{"name":"add","arguments":{"a":0,"b":2}}')
+    >>> [t["function"]["name"] for t in e.tools], e.messages[-1]["content"]
+    (['reverse', 'add', 'greet', 'sort'], '5+8 and reverse ubfd')
+    >>> e.target
+    '<tool_call>{"name":"add","arguments":{"a":5,"b":8}}<tool_call>{"name":"reverse","arguments":{"word":"ubfd"}}'
+    >>> e.is_correct(e.target), e.right_tool('<tool_call>{"name":"add","arguments":{"a":5,"b":8}}')
+    (True, False)
 """
 from __future__ import annotations
 
@@ -235,7 +239,8 @@ def example(rng: random.Random, kind: str, weights: dict[str, float] | None = No
     raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
 
 
-def examples(n: int, seed: int, kinds: Sequence[str] | None = None, tasks: Sequence[str] | None = None) -> list[Example]:
+def examples(n: int, seed: int, kinds: Sequence[str] | None = None,
+             tasks: Sequence[str] | None = None) -> list[Example]:
     """`n` examples, kinds taken in turn, each kind's tasks in turn where `tasks` names them
     (default: every task the kind can ask, drawn uniformly), content seeded."""
     from remask.zoo import tasks as task_module

@@ -64,9 +64,11 @@ CHAT_KINDS = {16: {"plain": 1.0},
 CHAT_GEN_LENGTH = max(CHAT_LENGTHS)
 CHAT_BATCH_SIZE = 64
 CHAT_CHUNKS = 4           # a chat batch is forwarded in 4 groups of similar prompt length (~30% less padding)
-LLADA_CHAT_STEPS = 2000
-AR_CHAT_STEPS = 2000
-CHAT_EVAL_PROBLEMS = 70   # per format (10 per task where every task can be asked)
+# Sized to 1 hour per model on one core each (docs/models.md, "The chat models": measured 1.30 / 0.99
+# CPU s per step, and about 12 / 3 minutes of final evaluation).
+LLADA_CHAT_STEPS = 1800
+AR_CHAT_STEPS = 3000
+CHAT_EVAL_PROBLEMS = 56   # per format (8 per task where every task can be asked)
 
 
 def is_chat(name: str) -> bool:
@@ -258,7 +260,8 @@ def train(name: str, out: str, steps: int, batch_size: int, lr: float, warmup: i
             ids, mask, P = batch_at(step, seed, batch_size, gen_length)
         chunks = CHAT_CHUNKS if is_chat(name) else 1
         if is_llada(name):
-            loss = llada_sft_loss(model, ids, mask, P, torch.Generator().manual_seed(seed * 7_919 + step), chunks=chunks)
+            noise = torch.Generator().manual_seed(seed * 7_919 + step)
+            loss = llada_sft_loss(model, ids, mask, P, noise, chunks=chunks)
         else:
             loss = ar_loss(model, ids, mask, P, chunks=chunks)
         optimizer.zero_grad(set_to_none=True)
@@ -293,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="llada / ar / both: tiny-llada, tiny-ar; llada-chat / ar-chat / chat: tiny-llada-chat, "
                              "tiny-ar-chat")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "checkpoints"),
-                        help="parent folder; each model goes to <out>/<name> (tiny-llada, tiny-ar, tiny-llada-chat, ...)")
+                        help="parent folder; each model goes to <out>/<name> (tiny-llada, tiny-ar-chat, ...)")
     parser.add_argument("--llada-steps", type=int, default=5000)
     parser.add_argument("--ar-steps", type=int, default=1500)
     parser.add_argument("--llada-chat-steps", type=int, default=LLADA_CHAT_STEPS)
