@@ -49,7 +49,6 @@ GEN_LENGTH = 16
 LLADA_SIZE = dict(d_model=128, n_heads=4, n_kv_heads=4, n_layers=4, mlp_hidden_size=384)
 AR_SIZE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3,
                intermediate_size=384)
-MODELS = ("tiny-llada", "tiny-ar", "tiny-llada-chat", "tiny-ar-chat")
 CHOICES = {"llada": ["tiny-llada"], "ar": ["tiny-ar"], "both": ["tiny-llada", "tiny-ar"],
            "llada-chat": ["tiny-llada-chat"], "ar-chat": ["tiny-ar-chat"], "chat": ["tiny-llada-chat", "tiny-ar-chat"]}
 # The chat models: the first models' shapes (measured: see docs/models.md), a context of 512.
