@@ -549,19 +549,7 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | Sequence[str] |
         tools = None if spec is None else [{"type": "function", "function": t["function"]} for t in body.tools]
         response_format = body.template_response_format()
         try:
-            if response_format is None:
-                prompt = engine.llm.chat_ids(messages, tools=tools)
-            else:   # LLM.chat_ids takes no template variable besides tools: the same call with response_format
-                from remask.structured import messages_for_template
-
-                tokenizer = engine.llm.tokenizer
-                if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-                    raise ValueError("chat needs a tokenizer with a chat template")
-                out = tokenizer.apply_chat_template(messages_for_template(tokenizer, messages),
-                                                    add_generation_prompt=True, tokenize=True,
-                                                    response_format=response_format,
-                                                    **({} if tools is None else {"tools": tools}))
-                prompt = list(out["input_ids"] if hasattr(out, "keys") else out)
+            prompt = engine.llm.chat_ids(messages, tools=tools, response_format=response_format)
         except Exception as err:  # noqa: BLE001 - the messages are all that varies here: the template or the
             # tokenizer refusing them (jinja's raise_exception, a tokenizer's TypeError) is the client's 400
             raise APIError(400, f"messages: the chat template or tokenizer refused them: {type(err).__name__}: {err}",
