@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from ..parts.checks import check_instance, check_int, check_method_call, check_real, model_device
+from ..parts.checks import check_config, check_int, check_method_call, check_real, model_device
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
@@ -83,8 +83,7 @@ def daedal_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DAEDAL
     """`daedal_generate` as a step generator, its arguments checked at the call: each forward's
     canvas is as long as the row's canvas then is; a `Progress` after each denoising forward (`final`:
     the blocks before the current one, which no insertion moves)."""
-    config = check_instance("config", DAEDAL() if config is None else config, DAEDAL, "a remask DAEDAL",
-                            allow_none=False)
+    config = check_config("config", config, DAEDAL, "a remask DAEDAL")
     check_int("gen_length", gen_length, minimum=1)
     check_int("block_length", block_length, minimum=1)
     if structure is not None:

@@ -34,7 +34,7 @@ from ..parts.checks import check_instance, check_int, check_method_call
 from ..parts.stats import GenerationStats
 from ..parts.rules import CreditDecoding, HierarchicalDecoding, IterationSmoothing, ThresholdDecoding
 from ..parts.step import CommitRule, masked_canvas
-from ..parts.stepper import Progress, StepGenerator, drive, rows_alone
+from ..parts.stepper import Progress, StepGenerator, drive, row_by_row
 
 __all__ = ["ThresholdDecoding", "CreditDecoding", "HierarchicalDecoding", "VicinityCache", "IterationSmoothing",
            "dinfer_generate", "dinfer_steps"]
@@ -119,7 +119,7 @@ def dinfer_steps(model: torch.nn.Module, prompt: torch.Tensor, *, decoder: Commi
     # iteration smoothing's iteration count): each row as alone, in its row of the canvas
     alone = vicinity is not None or decoder.smoothing is not None
     canvas = masked_canvas(prompt, gen_length, spec.mask_id)
-    return rows_alone(canvas, partial(_dinfer_rows, block_decoder, model, canvas, stats), attention_mask, stats,
+    return row_by_row(canvas, partial(_dinfer_rows, block_decoder, model, canvas, stats), attention_mask, stats,
                       gen_length * prompt.shape[0], None if alone else [slice(None)])
 
 

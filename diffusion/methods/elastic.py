@@ -42,12 +42,12 @@ from remask.caches.elastic import ElasticKVCache
 from remask.models.layers import rope_cos_sin
 
 from ..parts.cache import valid_positions
-from ..parts.checks import (changed, check_bool, check_instance, check_int, check_method_call,
+from ..parts.checks import (changed, check_bool, check_config, check_instance, check_int, check_method_call,
                             check_optional_token_id, check_real, model_device)
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
-from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive, rows_alone
+from ..parts.step import CommitRule, masked_canvas
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive, row_by_row
 
 
 @dataclass(frozen=True)
@@ -147,8 +147,6 @@ def _final_prefix(x: torch.Tensor, P: int, masked: torch.Tensor, mask_id: int, e
 def _check_rule(rule: Any, config: ElasticCache) -> None:
     """`rule` with Elastic-Cache: a commit rule without iteration smoothing, and none of Elastic's
     own commit settings (the rule replaces them), each refused naming both parts."""
-    from ..parts.step import CommitRule
-
     if not isinstance(rule, CommitRule):
         raise ValueError(f"decoder: Elastic-Cache takes a commit rule (a remask CommitRule: ThresholdDecoding, "
                          f"CreditDecoding, HierarchicalDecoding, MarginDecoding, ...), got {type(rule).__name__}")
@@ -288,8 +286,7 @@ def elastic_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Elast
     last row); returns `[B, P + gen_length]`. `structure` / `end_ids`: structured output around
     Elastic's own rule or `rule` (`diffusion/parts/constrain.py`; what it changes in Elastic's
     loop: docs/quirks.md, "Structured output in ... the step-generator methods")."""
-    config = check_instance("config", ElasticCache() if config is None else config, ElasticCache,
-                            "a remask ElasticCache", allow_none=False)
+    config = check_config("config", config, ElasticCache, "a remask ElasticCache")
     check_int("gen_length", gen_length, minimum=1)
     for name, value in (("mask_id", mask_id), ("eos_id", eos_id)):
         check_int(name, value, minimum=0, allow_none=True)
@@ -309,4 +306,4 @@ def elastic_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Elast
 
     filters = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
     decode_row = partial(_elastic_row, model, x, P, config, spec.mask_id, spec.eos_id, stats, trace, rule, filters)
-    return rows_alone(x, decode_row, key_ok, stats, B * gen_length)
+    return row_by_row(x, decode_row, key_ok, stats, B * gen_length)

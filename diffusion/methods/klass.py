@@ -31,11 +31,11 @@ from typing import Any
 import torch
 
 from ..families.llada import validate_block_args
-from ..parts.checks import check_choice, check_instance, check_int, check_method_call, check_real
+from ..parts.checks import check_choice, check_config, check_int, check_method_call, check_real
 from ..parts.selection import schedule_counts
 from ..parts.stats import GenerationStats
 from ..parts.step import CommitRule, masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, rows_alone
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, row_by_row
 
 EPS = 1e-12   # upstream's: log(p + eps)
 
@@ -132,7 +132,7 @@ def klass_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: KLASS |
     """KLASS's loop (module docstring) as a step generator, its arguments checked at the call: a
     `ForwardRequest` per forward (the block and the next, against the whole canvas), a `Progress` after
     each; returns `[B, P + gen_length]`. `steps`: LLaDA's schedule (None: `gen_length`)."""
-    config = check_instance("decoder", KLASS() if config is None else config, KLASS, "a remask.KLASS", allow_none=False)
+    config = check_config("decoder", config, KLASS, "a remask.KLASS")
     if structure is not None:
         raise ValueError("structured_outputs: KLASS's loop does not take a structure")
     steps = gen_length if steps is None else steps
@@ -141,7 +141,7 @@ def klass_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: KLASS |
     x = masked_canvas(prompt, gen_length, spec.mask_id)
     decode_row = partial(_klass_row, config, spec, x, prompt.shape[1], steps * block_length // gen_length, block_length,
                          stats)
-    return rows_alone(x, decode_row, attention_mask, stats, prompt.shape[0] * gen_length)
+    return row_by_row(x, decode_row, attention_mask, stats, prompt.shape[0] * gen_length)
 
 
 @torch.no_grad()

@@ -26,13 +26,13 @@ import torch
 from remask.models.spec import get_spec
 
 from ..families.llada import BlockDecoder
-from ..parts.checks import (CombinationError, ParameterTypeError, check_generator, check_instance, check_int,
+from ..parts.checks import (CombinationError, check_config, check_generator, check_instance, check_int,
                             check_model_kind, check_real, check_settings, check_stats, check_token_id)
 from ..parts.scoring import score_rows
 from ..parts.selection import schedule_counts
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import Progress, StepGenerator, drive, rows_alone
+from ..parts.stepper import Progress, StepGenerator, drive, row_by_row
 
 PHASES = {"early": 7.5, "mid": 5.0, "late": 2.5}   # upstream's thresholds when none are given
 
@@ -55,9 +55,7 @@ class Prophet:
             object.__setattr__(self, "early_exit_thresholds", {
                 phase: check_real(f"early_exit_thresholds[{phase!r}]", value) for phase, value in given.items()})
         if self.constraints is not None:
-            if not isinstance(self.constraints, dict):
-                raise ParameterTypeError(f"constraints must be a dict {{position: token id}} or None, "
-                                         f"got {type(self.constraints).__name__}")
+            check_instance("constraints", self.constraints, dict, "a dict {position: token id}")
             pinned = {}
             for position, token in self.constraints.items():   # JSON's keys are strings: "3" is position 3
                 position = int(position) if isinstance(position, str) and position.isdigit() else position
@@ -96,8 +94,7 @@ def prophet_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Proph
                   mask_id: int | None = None, generator: torch.Generator | None = None,
                   stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = ()) -> StepGenerator:
     """`prophet_generate` as a step generator (`diffusion/parts/stepper.py`), its arguments checked at the call."""
-    config = check_instance("config", Prophet() if config is None else config, Prophet, "a remask.Prophet",
-                            allow_none=False)
+    config = check_config("config", config, Prophet, "a remask.Prophet")
     if structure is not None:
         raise CombinationError("structured_outputs with decoder=Prophet: its early exit fills every masked position "
                                "at once, past what a structure lets one commit decide")
@@ -118,7 +115,7 @@ def prophet_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Proph
             raise ValueError(f"constraints[{position}] is the mask token {token}: it would stay in the output")
     canvas = masked_canvas(prompt, gen_length, decoder.spec.mask_id)
     decode_row = partial(_prophet_row, config, decoder, model, canvas, steps, generator, stats)
-    return rows_alone(canvas, decode_row, attention_mask, stats, prompt.shape[0] * gen_length)
+    return row_by_row(canvas, decode_row, attention_mask, stats, prompt.shape[0] * gen_length)
 
 
 @torch.no_grad()

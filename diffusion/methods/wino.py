@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..parts.cache import valid_positions
-from ..parts.checks import check_bool, check_instance, check_int, check_method_call, check_real, model_device
+from ..parts.checks import check_bool, check_config, check_int, check_method_call, check_real, model_device
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
@@ -138,7 +138,7 @@ def wino_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | N
     the frontier masked before the rows decide, the commits filtered after; a narrow-out of a
     consumed position rolls its matcher back. Departure: after `2 * block_length` forwards in one
     block a row stops narrowing out (the filter then ends the block), so the two cannot cycle."""
-    config = check_instance("config", WINO() if config is None else config, WINO, "a remask WINO", allow_none=False)
+    config = check_config("config", config, WINO, "a remask WINO")
     check_int("gen_length", gen_length, minimum=1)
     check_int("block_length", block_length, minimum=1)
     if gen_length % block_length:

@@ -387,3 +387,8 @@ def check_method_call(model: torch.nn.Module, prompt: Any, attention_mask: Any, 
     check_mask_id(spec)
     check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
     return spec, stats
+
+
+def check_config(name: str, config: Any, cls: type, what: str) -> Any:
+    """A method's config: an instance of `cls` (`what` names it in the refusal); None is `cls()`, its defaults."""
+    return check_instance(name, cls() if config is None else config, cls, what, allow_none=False)

@@ -171,7 +171,7 @@ def drive(steps: StepGenerator, model: torch.nn.Module | None = None) -> Any:
             answer = None
 
 
-def rows_alone(canvas: torch.Tensor, decode: Callable[..., StepGenerator], mask: torch.Tensor | None,
+def row_by_row(canvas: torch.Tensor, decode: Callable[..., StepGenerator], mask: torch.Tensor | None,
                stats: GenerationStats, generated: int, rows: list[slice] | None = None) -> StepGenerator:
     """Decode the `rows` of `canvas` (each row alone by default) one after another, where the reference
     decodes one prompt or couples a batch's rows: `decode(rows, mask)` is the step generator of
