@@ -369,3 +369,26 @@ def refuse_unread(params: Any, way: str, also: Iterable[str] = (), **words: Any)
     unread = [name for name in changed(params, DECODING) if name not in reads and name not in also]
     if unread:
         raise ValueError(message.format(unread=unread, **words))
+
+
+def check_method_call(model: torch.nn.Module, prompt: Any, attention_mask: Any, stats: Any, entry: str | None = None,
+                      **ids: Any) -> tuple[ModelSpec, Any]:
+    """What a method's loop checks at its call, in order: `stats` (None: a fresh one, counted, then dropped), a
+    diffusion model (`entry`: the caller named in the refusal; None: not checked), the model's spec (`ids` override
+    its token ids) with a mask token, then `prompt` / `attention_mask`, the mask token refused in the prompt."""
+    from remask.models.spec import get_spec
+
+    from .stats import GenerationStats
+
+    stats = check_stats("stats", stats) or GenerationStats()
+    spec = get_spec(model, **ids)
+    if entry is not None:
+        check_model_kind(spec, diffusion=True, entry=entry)
+    check_mask_id(spec)
+    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
+    return spec, stats
+
+
+def check_config(name: str, config: Any, cls: type, what: str) -> Any:
+    """A method's config: an instance of `cls` (`what` names it in the refusal); None is `cls()`, its defaults."""
+    return check_instance(name, cls() if config is None else config, cls, what, allow_none=False)
