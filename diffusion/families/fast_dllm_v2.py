@@ -23,6 +23,7 @@ becomes the most probable other token (upstream commits it, which at temperature
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generator
 
 import torch
@@ -450,18 +451,18 @@ def fast_dllm_v2_batch_sample(model: torch.nn.Module, input_ids: torch.Tensor, s
     return out
 
 
-FAST_DLLM_V2_SETTINGS = ("block_size", "small_block_size", "use_block_cache")
+# A request's Fast-dLLM v2 settings (`SamplingParams.fast_dllm_v2`) and their checks
+FAST_DLLM_V2_CHECKS = {**dict.fromkeys(("block_size", "small_block_size"), partial(check_int, minimum=1)),
+                       "use_block_cache": check_bool}
+FAST_DLLM_V2_SETTINGS = tuple(FAST_DLLM_V2_CHECKS)
 
 
 def check_fast_dllm_v2_settings(settings: Any) -> dict:
     """A request's Fast-dLLM v2 settings (`SamplingParams.fast_dllm_v2`): keys from FAST_DLLM_V2_SETTINGS."""
-    out = check_block_settings("fast_dllm_v2", settings, FAST_DLLM_V2_SETTINGS,
-                               dict.fromkeys(("block_size", "small_block_size"), (1, None)))
+    out = check_block_settings("fast_dllm_v2", settings, FAST_DLLM_V2_CHECKS)
     if "block_size" in out and out.get("small_block_size", 1) > out["block_size"]:
         raise ValueError(f"fast_dllm_v2.small_block_size must be <= fast_dllm_v2.block_size ({out['block_size']}), "
                          f"got {out['small_block_size']}")
-    if "use_block_cache" in out:
-        check_bool("fast_dllm_v2.use_block_cache", out["use_block_cache"])
     return out
 
 

@@ -19,6 +19,7 @@ prompt with it there only); one prompt at a time (upstream reads row 0 only).
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -201,20 +202,18 @@ RULE_UNREAD = dict(steps=32, top_p=None, top_k=None, minimal_topk=1, threshold=0
 RULE_SETTINGS = ("steps", "minimal_topk", "editing_threshold", "max_post_steps", "num_to_transfer")
 
 
-LLADA2_SETTINGS = ("block_length", "steps", "minimal_topk", "eos_early_stop", "editing_threshold", "max_post_steps",
-                   "num_to_transfer")
+# A request's LLaDA2 settings (`SamplingParams.llada2`) and their checks; no token count bounds max_post_steps's
+# loop: a cap (docs/parameters.md, work bounds)
+LLADA2_CHECKS = {**dict.fromkeys(("block_length", "steps", "minimal_topk"), partial(check_int, minimum=1)),
+                 "eos_early_stop": check_bool, "editing_threshold": partial(check_real, allow_none=True),
+                 "max_post_steps": partial(check_int, minimum=0, maximum=MAX_LOOP_STEPS),
+                 "num_to_transfer": partial(check_int, minimum=1)}
+LLADA2_SETTINGS = tuple(LLADA2_CHECKS)
 
 
 def check_llada2_settings(settings: Any) -> dict:
     """A request's LLaDA2 settings (`SamplingParams.llada2`): a dict with keys from LLADA2_SETTINGS."""
-    # no token count bounds max_post_steps's loop: a cap (docs/parameters.md, work bounds)
-    ints = {**dict.fromkeys(("block_length", "steps", "minimal_topk", "num_to_transfer"), (1, None)),
-            "max_post_steps": (0, MAX_LOOP_STEPS)}
-    out = check_block_settings("llada2", settings, LLADA2_SETTINGS, ints, steps=("steps", "num_to_transfer"),
-                               bools=("eos_early_stop",))
-    if out.get("editing_threshold") is not None:
-        check_real("llada2.editing_threshold", out["editing_threshold"])
-    return out
+    return check_block_settings("llada2", settings, LLADA2_CHECKS, steps=("steps", "num_to_transfer"))
 
 
 def engine_decoder(engine: Any, params: Any) -> LLaDA2Decoder:

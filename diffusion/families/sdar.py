@@ -19,12 +19,13 @@ token (upstream commits it, the position stays masked and the loop fails with an
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Generator, Sequence
 
 import torch
 
 from ..parts.blocks import (BlockState, StoreKVLoop, check_block_settings, engine_part, engine_settings,
-                            num_transfer_schedule, sample_block, select_mask_to_token)
+                            num_transfer_schedule, select_mask_to_token)
 from ..parts.checks import check_bool, check_choice, check_generator, check_int, check_real, check_stats, check_steps
 from ..parts.rules import check_rule_on_loop, is_rule, unread_settings
 from ..parts.stats import GenerationStats
@@ -57,20 +58,18 @@ def select_positions(strategy: str, mask_index: torch.Tensor, x0_p: torch.Tensor
     return transfer
 
 
-SDAR_SETTINGS = ("block_length", "denoising_steps", "remasking_strategy", "confidence_threshold", "eb_threshold")
+# A request's SDAR settings (`SamplingParams.sdar`) and their checks
+SDAR_CHECKS = {"block_length": partial(check_int, minimum=1), "denoising_steps": partial(check_int, minimum=1),
+               "remasking_strategy": partial(check_choice, choices=REMASKING_STRATEGIES),
+               "confidence_threshold": partial(check_real, low=0, high=1),
+               "eb_threshold": partial(check_real, low=0, low_open=True, allow_none=True)}
+SDAR_SETTINGS = tuple(SDAR_CHECKS)
 
 
 def check_sdar_settings(settings) -> dict:
     """A request's SDAR settings (`SamplingParams.sdar`): a dict with keys from SDAR_SETTINGS."""
-    out = check_block_settings("sdar", settings, SDAR_SETTINGS, dict.fromkeys(("block_length", "denoising_steps"),
-                                                                              (1, None)), steps=("denoising_steps",))
-    if "remasking_strategy" in out:
-        check_choice("sdar.remasking_strategy", out["remasking_strategy"], REMASKING_STRATEGIES)
-    if "confidence_threshold" in out:
-        check_real("sdar.confidence_threshold", out["confidence_threshold"], low=0, high=1)
-    if out.get("eb_threshold") is not None:
-        check_real("sdar.eb_threshold", out["eb_threshold"], low=0, low_open=True)
-    return out
+    return check_block_settings("sdar", settings, SDAR_CHECKS, steps=("denoising_steps",))
+
 
 SDARState = BlockState
 

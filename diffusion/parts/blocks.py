@@ -15,7 +15,7 @@ from transformers.cache_utils import DynamicCache
 
 from remask.caches.block import BlockBatch, BlockKVCache
 
-from .checks import check_block_within_context, check_bool, check_int, check_settings, check_steps
+from .checks import check_block_within_context, check_settings, check_steps
 from .drafts import DraftVerify, Drafts, check_block_decoder, split_freedave
 from .rules import check_rule_on_loop, commit_block, is_rule
 from .scoring import sample_categorical
@@ -95,21 +95,18 @@ def refuse_unread(params: Any, family: str, reads: tuple, settings: str) -> None
         raise ValueError(f"a block-causal model ({family}) does not read {unread}; its settings are {settings}")
 
 
-def check_block_settings(field: str, settings: Any, allowed: tuple, ints: dict, steps: tuple = (),
-                         bools: tuple = ()) -> dict:
-    """A request's settings of a block-causal family (`SamplingParams.<field>`): keys from `allowed`; `ints` (name →
-    (minimum, maximum)); `steps`, step counts at most `block_length` when both are given (else the engine checks
-    them against the model's block size); `bools`. Returns the checked copy (for the family's other checks)."""
-    out = check_settings(field, settings, allowed)
-    for name, (minimum, maximum) in ints.items():
+def check_block_settings(field: str, settings: Any, checks: dict, steps: tuple = ()) -> dict:
+    """A request's settings of a block-causal family (`SamplingParams.<field>`): keys from `checks` (name → its
+    check, called with the name ``field.name`` and the value); `steps`, step counts at most `block_length` when both
+    are given (else the engine checks them against the model's block size). Returns the checked copy (for the
+    family's other checks)."""
+    out = check_settings(field, settings, tuple(checks))
+    for name, check in checks.items():
         if name in out:
-            check_int(f"{field}.{name}", out[name], minimum=minimum, maximum=maximum)
+            check(f"{field}.{name}", out[name])
     for name in steps:
         if "block_length" in out and name in out:
             check_steps(f"{field}.{name}", out[name], out["block_length"], f"{field}.block_length")
-    for name in bools:
-        if name in out:
-            check_bool(f"{field}.{name}", out[name])
     return out
 
 
