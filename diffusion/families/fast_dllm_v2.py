@@ -33,8 +33,9 @@ from remask.caches.block import PackedRows
 from remask.models.fast_dllm_v2 import RowBatch
 
 from ..parts.blocks import BlockLoop, check_block_settings, check_prompt, engine_part, engine_settings
-from ..parts.checks import (ParameterTypeError, check_bool, check_choice, check_generator, check_int, check_real,
-                            check_stats)
+from ..parts.checks import (ParameterTypeError, check_bool, check_choice, check_generator, check_int, check_ints,
+                            check_real, check_stats)
+from ..parts.constrain_loops import filter_block, mask_frontier_rows, next_token
 from ..parts.scoring import sample_categorical
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest
@@ -108,18 +109,15 @@ class FastDLLMV2Decoder(BlockLoop):
                  pad_token: int | None = None, top_p: float = 0.95, temperature: float = 0.0,
                  use_block_cache: bool = False, stop_mode: str = "generate", prefill_whole_block_prompt: bool = True,
                  use_cache: bool = True):
-        check_int("mask_id", mask_id, minimum=0)
-        check_int("block_size", block_size, minimum=1)
-        check_int("small_block_size", small_block_size, minimum=1)
+        check_ints(0, mask_id=mask_id, num_blocks=num_blocks, stop_token=stop_token)
+        check_ints(1, block_size=block_size, small_block_size=small_block_size)
         if block_size % small_block_size:
             # upstream never decodes the positions past the last whole sub-block and loops forever
             raise ValueError(f"small_block_size must divide block_size ({block_size}), got {small_block_size}")
         check_real("threshold", threshold)
-        check_int("stop_token", stop_token, minimum=0)
         check_real("top_p", top_p, low=0, high=1, low_open=True)
         check_real("temperature", temperature, low=0)
         check_bool("use_block_cache", use_block_cache)
-        check_int("num_blocks", num_blocks, minimum=0)
         check_choice("stop_mode", stop_mode, STOP_MODES)
         check_int("pad_token", pad_token, minimum=0, allow_none=True)
         check_bool("prefill_whole_block_prompt", prefill_whole_block_prompt)
@@ -163,8 +161,6 @@ class FastDLLMV2Decoder(BlockLoop):
         """A block's first token `[1, 1]`: the argmax; under a structure the best one it allows."""
         if state.constraint is None or state.constraint.matchers[0].ended:
             return logits_row.argmax(dim=-1).view(1, 1)
-        from ..parts.constrain_loops import next_token
-
         return torch.tensor([[next_token(state.constraint, logits_row.reshape(-1))]], device=state.x.device)
 
     def _prefill_span(self, state: FastDLLMV2State) -> tuple[int, int]:
@@ -273,8 +269,6 @@ class FastDLLMV2Decoder(BlockLoop):
         sub = state.x[:, window[0]:window[1]]
         masked, constraint = sub == self.mask_id, state.constraint
         if constraint is not None:   # structured output: the frontier masked before the rule
-            from ..parts.constrain_loops import filter_block, mask_frontier_rows
-
             logits = mask_frontier_rows(constraint, logits, *window)
             prior = sub.clone()
         tokens, token_probs, _ = choose_tokens(logits, self.top_p, self.temperature, self.mask_id, generator)

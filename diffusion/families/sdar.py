@@ -26,7 +26,9 @@ import torch
 
 from ..parts.blocks import (BlockState, StoreKVLoop, check_block_settings, engine_part, engine_settings,
                             num_transfer_schedule, select_mask_to_token)
-from ..parts.checks import check_bool, check_choice, check_generator, check_int, check_real, check_stats, check_steps
+from ..parts.checks import (check_bool, check_choice, check_generator, check_int, check_ints, check_real, check_stats,
+                            check_steps)
+from ..parts.constrain_loops import filter_block
 from ..parts.rules import check_rule_on_loop, is_rule, unread_settings
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest
@@ -87,12 +89,9 @@ class SDARDecoder(StoreKVLoop):
                  temperature: float, top_k: int, top_p: float, remasking_strategy: str,
                  confidence_threshold: float | None, eb_threshold: float | None, stop_ids: Sequence[int] = (),
                  fill_after_stop: bool = True, block_store: Any = None, use_cache: bool = True):
-        check_int("mask_id", mask_id, minimum=0)
-        check_int("gen_length", gen_length, minimum=1)
-        check_int("block_length", block_length, minimum=1)
-        check_int("denoising_steps", denoising_steps, minimum=1)
+        check_ints(0, mask_id=mask_id, top_k=top_k)
+        check_ints(1, gen_length=gen_length, block_length=block_length, denoising_steps=denoising_steps)
         check_real("temperature", temperature, low=0)
-        check_int("top_k", top_k, minimum=0)
         check_real("top_p", top_p, low=0, high=1, low_open=True)
         check_choice("remasking_strategy", remasking_strategy, REMASKING_STRATEGIES)
         if remasking_strategy == "low_confidence_dynamic":
@@ -129,8 +128,6 @@ class SDARDecoder(StoreKVLoop):
     def _decided(self, state: SDARState, block: torch.Tensor, masked: torch.Tensor, change: torch.Tensor,
                  tokens: torch.Tensor | None, logits: torch.Tensor, prior: torch.Tensor | None) -> None:
         if prior is not None:   # structured output: the block filtered after the rule
-            from ..parts.constrain_loops import filter_block
-
             filter_block(state.constraint, state.x, prior, None, logits, *self._span(state))
 
     def _next_block(self, state: SDARState) -> None:

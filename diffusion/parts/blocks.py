@@ -16,6 +16,7 @@ from transformers.cache_utils import DynamicCache
 from remask.caches.block import BlockBatch, BlockKVCache
 
 from .checks import check_block_within_context, check_settings, check_steps
+from .constrain_loops import block_filter, end_ids_or_refuse, mask_frontier_rows, structure_for_call
 from .drafts import DraftVerify, Drafts, check_block_decoder, split_freedave
 from .rules import check_rule_on_loop, commit_block, is_rule
 from .scoring import sample_categorical
@@ -191,8 +192,6 @@ class BlockLoop(ForwardThenCommit):
     def constrain(self, structure: Any, end_ids: Any = None) -> "BlockLoop":
         """Hold every answer to `structure` (`parts/constrain_loops.py`; the current block is the filter's window);
         `end_ids` (default: the loop's stop ids) end it where it is complete. Returns the decoder."""
-        from ..parts.constrain_loops import end_ids_or_refuse
-
         self.structure = structure
         if structure is not None:
             self.end_ids = tuple(end_ids_or_refuse(self.stop_ids if end_ids is None else end_ids,
@@ -203,8 +202,6 @@ class BlockLoop(ForwardThenCommit):
         """A new state's commit filter (None without a structure)."""
         if self.structure is None:
             return None
-        from ..parts.constrain_loops import block_filter
-
         return block_filter(self.structure, self.end_ids, self.mask_id, prompt_length, answer_len)
 
     def _span(self, state: Any) -> tuple[int, int]:   # the current block in state.x
@@ -239,11 +236,7 @@ class BlockLoop(ForwardThenCommit):
 
     def structured(self, structured_outputs: Any, model: torch.nn.Module, tokenizer: Any, budget: int) -> None:
         """Hold a drop-in call's answers (up to `budget` tokens) to its `structured_outputs`."""
-        if structured_outputs is not None:
-            from ..parts.constrain_loops import compile_for
-
-            self.constrain(compile_for(structured_outputs, model, tokenizer, self.mask_id))
-            self.structure.check_budget(budget)
+        self.constrain(structure_for_call(structured_outputs, model, tokenizer, self.mask_id, budget))
 
 
 @dataclass(eq=False)
@@ -377,8 +370,6 @@ class StoreKVLoop(BlockLoop):
         """Structured output, before the rule: the frontier's logits masked; the block as it was."""
         if state.constraint is None:
             return logits, None
-        from ..parts.constrain_loops import mask_frontier_rows
-
         start, end = self._span(state)
         return mask_frontier_rows(state.constraint, logits, start, end), state.x[:, start:end].clone()
 

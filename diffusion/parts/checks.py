@@ -369,3 +369,9 @@ def refuse_unread(params: Any, way: str, also: Iterable[str] = (), **words: Any)
     unread = [name for name in changed(params, DECODING) if name not in reads and name not in also]
     if unread:
         raise ValueError(message.format(unread=unread, **words))
+
+
+def check_ints(minimum: int, **values: Any) -> None:
+    """`check_int` of each named value with the one lower bound `minimum` (a loop's settings)."""
+    for name, value in values.items():
+        check_int(name, value, minimum=minimum)
