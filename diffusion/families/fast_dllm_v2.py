@@ -222,10 +222,6 @@ class FastDLLMV2Decoder(BlockLoop):
         while not bool(masked[:, state.sub_block * S:(state.sub_block + 1) * S].any()):
             state.sub_block += 1
         start, end = state.sub_block * S, (state.sub_block + 1) * S
-        if not self.use_cache:
-            end_of_block = state.block_start + L
-            logits = yield ForwardRequest.call(state.x[:, :end_of_block], {}, rows=slice(state.block_start, None))
-            return shift_logits(logits)[:, start:end], ("denoise", end_of_block)
         if self.use_block_cache and state.block_cache is not None and not bool(block[0, start] == self.mask_id):
             logits = yield ForwardRequest.call(block[:, start:end], {}, cache=state.cache, use_cache=True,
                                                update_past_key_values=False, use_block_cache=True,
@@ -233,12 +229,12 @@ class FastDLLMV2Decoder(BlockLoop):
             return shift_logits(logits), ("denoise", end - start)
         if self.use_block_cache:   # the whole block, its keys and values kept in a new sub-block cache
             state.block_cache = DynamicCache()
-            logits = yield ForwardRequest.call(block, {}, cache=state.cache, use_cache=True,
-                                               update_past_key_values=False, use_block_cache=True,
-                                               block_past_key_values=state.block_cache)
-        else:
-            logits = yield self._block_rows(state, block, False)
-        return shift_logits(logits)[:, start:end], ("denoise", L)
+            logits = shift_logits((yield ForwardRequest.call(block, {}, cache=state.cache, use_cache=True,
+                                                             update_past_key_values=False, use_block_cache=True,
+                                                             block_past_key_values=state.block_cache)))
+        else:   # the whole block (without a cache: the sequence up to its end)
+            logits = yield from self._fd_forwards(state, block)
+        return logits[:, start:end], ("denoise", L if self.use_cache else state.block_start + L)
 
     def _loop_commit(self, state: FastDLLMV2State, logits: torch.Tensor, kind: tuple,
                      generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> None:

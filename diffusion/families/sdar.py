@@ -209,11 +209,9 @@ def engine_decoder(engine: Any, params: Any) -> SDARDecoder:
                              f"its confidence_threshold): leave {given} unset")
         settings.update(remasking_strategy="low_confidence_static" if threshold is None else "low_confidence_dynamic",
                         **({} if threshold is None else {"confidence_threshold": threshold}))
+    settings = {"denoising_steps": block_length, "remasking_strategy": "low_confidence_static",
+                "confidence_threshold": 0.85, "eb_threshold": None, **settings}
     return SDARDecoder(part, block_store=engine.runner.store, mask_id=engine.spec.mask_id,
-                       gen_length=params.max_tokens, block_length=block_length,
-                       denoising_steps=settings.get("denoising_steps", block_length), temperature=params.temperature,
+                       gen_length=params.max_tokens, block_length=block_length, temperature=params.temperature,
                        top_k=params.top_k or 0, top_p=1.0 if params.top_p is None else params.top_p,
-                       eb_threshold=settings.get("eb_threshold"),
-                       remasking_strategy=settings.get("remasking_strategy", "low_confidence_static"),
-                       confidence_threshold=settings.get("confidence_threshold", 0.85),
-                       stop_ids=sorted(set(engine.stop_ids) | set(params.stop_token_ids)))
+                       stop_ids=sorted(set(engine.stop_ids) | set(params.stop_token_ids)), **settings)

@@ -15,7 +15,7 @@ from transformers.cache_utils import DynamicCache
 
 from remask.caches.block import BlockBatch, BlockKVCache
 
-from .checks import check_block_within_context, check_settings, check_steps
+from .checks import check_block_within_context, check_steps, check_table
 from .constrain_loops import block_filter, end_ids_or_refuse, mask_frontier_rows, structure_for_call
 from .drafts import DraftVerify, Drafts, check_block_decoder, split_freedave
 from .rules import check_rule_on_loop, commit_block, is_rule
@@ -97,14 +97,10 @@ def refuse_unread(params: Any, family: str, reads: tuple, settings: str) -> None
 
 
 def check_block_settings(field: str, settings: Any, checks: dict, steps: tuple = ()) -> dict:
-    """A request's settings of a block-causal family (`SamplingParams.<field>`): keys from `checks` (name → its
-    check, called with the name ``field.name`` and the value); `steps`, step counts at most `block_length` when both
-    are given (else the engine checks them against the model's block size). Returns the checked copy (for the
-    family's other checks)."""
-    out = check_settings(field, settings, tuple(checks))
-    for name, check in checks.items():
-        if name in out:
-            check(f"{field}.{name}", out[name])
+    """A request's settings of a block-causal family (`SamplingParams.<field>`): `check_table`'s (keys from
+    `checks`); `steps`, step counts at most `block_length` when both are given (else the engine checks them against
+    the model's block size). Returns the checked copy (for the family's other checks)."""
+    out = check_table(field, settings, checks)
     for name in steps:
         if "block_length" in out and name in out:
             check_steps(f"{field}.{name}", out[name], out["block_length"], f"{field}.block_length")
@@ -303,8 +299,8 @@ class StoreKVLoop(BlockLoop):
     def start(self, model: torch.nn.Module, input_ids: torch.Tensor) -> BlockState:
         check_prompt(input_ids, self.mask_id, self.family, self.prompt_name, self.empty_prompt_ok)
         L, device, P = self.block_length, input_ids.device, input_ids.shape[1]
-        num_blocks = (P + self.gen_length + L - 1) // L
-        total = num_blocks * L
+        total = self.block_sizes(P)[1]
+        num_blocks = total // L
         x = torch.full((1, total), self.mask_id, dtype=torch.long, device=device)
         x[:, :P] = input_ids
         blocks = torch.tril(torch.ones(num_blocks, num_blocks, dtype=self.mask_dtype, device=device))
@@ -345,13 +341,7 @@ class StoreKVLoop(BlockLoop):
             cached = state.cache.get_seq_length()
             yield self._store_request(state, cached, start)
             return None, ("stored", start - cached)
-        if self.use_cache:
-            logits = yield block_request(state.x[:, start:end], state.position_ids[:, start:end], state.cache, False)
-        else:
-            logits = yield ForwardRequest.call(state.x[:, :end], dict(attention_mask=state.attention[..., :end, :end],
-                                                                      position_ids=state.position_ids[:, :end]),
-                                               rows=slice(-self.block_length, None))
-        return logits, "decide"
+        return (yield from self._fd_forwards(state, state.x[:, start:end])), "decide"
 
     def _loop_commit(self, state: BlockState, logits: torch.Tensor | None, kind: Any,
                      generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> None:
@@ -414,16 +404,16 @@ class StoreKVLoop(BlockLoop):
         return sample_block(logits, 0.0, self.top_k, self.top_p, None, self.mask_id)[:2]
 
     def _fd_forwards(self, state: BlockState, blocks: torch.Tensor) -> Generator[ForwardRequest, Any, torch.Tensor]:
-        """Logits `[K, L, V]` of K versions of the current block: without the cache the sequence up to the block
-        under `state.attention`; with it one row each reading the one cache (`block_request`), linears as alone."""
+        """Logits `[K, L, V]` of K versions of the current block (the loop's forward: K = 1): without the cache the
+        sequence up to the block under `state.attention`; with it one row each reading the one cache
+        (`block_request`), linears as alone."""
         K, L = blocks.shape
         start, end = self._span(state)
         if not self.use_cache:
             seqs = state.x[:, :end].repeat(K, 1)
             seqs[:, start:end] = blocks
             mask = state.attention[..., :end, :end]
-            logits = yield ForwardRequest.call(seqs, dict(attention_mask=mask.expand(K, *mask.shape[1:]),
-                                                          position_ids=state.position_ids[:, :end].expand(K, -1)),
-                                               rows_alone=True)
-            return logits[:, -L:]
+            return (yield ForwardRequest.call(seqs, dict(attention_mask=mask.expand(K, *mask.shape[1:]),
+                                                         position_ids=state.position_ids[:, :end].expand(K, -1)),
+                                              rows=slice(-L, None), rows_alone=K > 1))
         return (yield block_request(blocks, state.position_ids[:, start:end], state.cache, False))
