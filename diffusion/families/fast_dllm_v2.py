@@ -35,7 +35,7 @@ from remask.models.fast_dllm_v2 import RowBatch
 from ..parts.blocks import BlockLoop, check_block_settings, check_prompt, engine_part, engine_settings
 from ..parts.checks import (ParameterTypeError, check_bool, check_choice, check_generator, check_int, check_ints,
                             check_real, check_stats)
-from ..parts.constrain_loops import filter_block, mask_frontier_rows, next_token
+from ..parts.constrain_loops import filter_block, next_token
 from ..parts.scoring import sample_categorical
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest
@@ -263,18 +263,16 @@ class FastDLLMV2Decoder(BlockLoop):
         S = self.small_block_size
         window = (state.block_start + state.sub_block * S, state.block_start + (state.sub_block + 1) * S)
         sub = state.x[:, window[0]:window[1]]
-        masked, constraint = sub == self.mask_id, state.constraint
-        if constraint is not None:   # structured output: the frontier masked before the rule
-            logits = mask_frontier_rows(constraint, logits, *window)
-            prior = sub.clone()
+        masked = sub == self.mask_id
+        logits, prior = self._constrain_before(state, logits, *window)
         tokens, token_probs, _ = choose_tokens(logits, self.top_p, self.temperature, self.mask_id, generator)
         commit = select_to_commit(token_probs, masked, self.threshold)
         sub[commit] = tokens[commit]
         if stats is not None:
             stats.step(commit.sum())
-        if constraint is not None:   # ... and the sub-block filtered after it
-            filter_block(constraint, state.x, prior, tokens, logits, *window)
-            commit = (sub != self.mask_id) & (prior != self.mask_id).logical_not()
+        if prior is not None:   # structured output: the sub-block filtered after the rule
+            filter_block(state.constraint, state.x, prior, tokens, logits, *window)
+            commit = (sub != self.mask_id) & masked
         if bool(((tokens == self.stop_token) & commit).any()) and not state.finished:
             state.finished = True
             state.finished_block = state.block_start // self.block_size

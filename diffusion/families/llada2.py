@@ -96,11 +96,10 @@ class LLaDA2Decoder(StoreKVLoop):
             keep_valid_edits(constraint, state.x, prior, start, end)
         filter_block(constraint, state.x, prior, tokens, logits, start, end)
         matcher = constraint.matchers[0]
-        if not matcher.ended:
-            return False
-        state.done = True
-        state.end = min(state.prompt_length + matcher._ended_at + 1, state.prompt_length + self.gen_length)
-        return True
+        if matcher.ended:
+            state.done = True
+            state.end = min(state.prompt_length + matcher._ended_at + 1, state.prompt_length + self.gen_length)
+        return matcher.ended
 
     def output(self, state: LLaDA2State) -> torch.Tensor:
         """The continuation `[1, n]`: up to and including the first EOS, at most `gen_length`."""

@@ -16,7 +16,8 @@ from transformers.cache_utils import DynamicCache
 from remask.caches.block import BlockBatch, BlockKVCache
 
 from .checks import check_block_within_context, check_steps, check_table
-from .constrain_loops import block_filter, end_ids_or_refuse, mask_frontier_rows, structure_for_call
+from .constrain import CommitFilter
+from .constrain_loops import end_ids_or_refuse, mask_frontier_rows, structure_for_call
 from .drafts import DraftVerify, Drafts, check_block_decoder, split_freedave
 from .rules import check_rule_on_loop, commit_block, is_rule
 from .scoring import sample_categorical
@@ -198,7 +199,14 @@ class BlockLoop(ForwardThenCommit):
         """A new state's commit filter (None without a structure)."""
         if self.structure is None:
             return None
-        return block_filter(self.structure, self.end_ids, self.mask_id, prompt_length, answer_len)
+        return CommitFilter([self.structure.matcher(self.end_ids)], self.mask_id, prompt_length, answer_len)
+
+    def _constrain_before(self, state: Any, logits: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, Any]:
+        """Structured output, before the rule on the window `x[start:end]`: the frontier's logits masked; the window
+        as it was (None without a structure)."""
+        if state.constraint is None:
+            return logits, None
+        return mask_frontier_rows(state.constraint, logits, start, end), state.x[:, start:end].clone()
 
     def _span(self, state: Any) -> tuple[int, int]:   # the current block in state.x
         return state.block * self.block_length, (state.block + 1) * self.block_length
@@ -271,25 +279,21 @@ class StoreKVLoop(BlockLoop):
     prompt_name, empty_prompt_ok = "input_ids", True   # `start`'s prompt, as the family's function names it
     block_store: Any = None   # the engine's `PagedKVStore` (each cache a `BlockKVCache`), or None: a `DynamicCache`
 
-    def block_sizes(self, prompt_length: int) -> tuple[int, int]:
-        """(positions of the prompt's whole blocks, positions of the whole sequence)."""
-        L = self.block_length
-        return prompt_length // L * L, (prompt_length + self.gen_length + L - 1) // L * L
+    def _cache_args(self, ids: torch.Tensor) -> tuple[list[int], int, int]:
+        """A `BlockKVCache`'s for the prompt `ids` `[1, P]`: its whole blocks' ids, the whole sequence's positions,
+        the block length."""
+        L, P = self.block_length, ids.shape[1]
+        return ids[0, :P // L * L].tolist(), (P + self.gen_length + L - 1) // L * L, L
 
     def pages_needed(self, manager: Any, prompt_ids: torch.Tensor) -> int | None:
         """Free pages a request with this prompt takes in the engine's store (all allocated at start);
         None without the store (a contiguous cache)."""
-        if self.block_store is None:
-            return None
-        prefix, total = self.block_sizes(prompt_ids.shape[1])
-        return BlockKVCache.pages_needed(manager, prompt_ids[0, :prefix].tolist(), total, self.block_length)
+        return None if self.block_store is None else BlockKVCache.pages_needed(manager, *self._cache_args(prompt_ids))
 
     def new_cache(self, input_ids: torch.Tensor) -> Any:
         """A new request's cache: pages of the engine's store, or a contiguous `DynamicCache`."""
-        if self.block_store is None:
-            return DynamicCache()
-        prefix, total = self.block_sizes(input_ids.shape[1])
-        return BlockKVCache(self.block_store, input_ids[0, :prefix].tolist(), total, self.block_length)
+        return DynamicCache() if self.block_store is None else BlockKVCache(self.block_store,
+                                                                            *self._cache_args(input_ids))
 
     def release(self, state: Any) -> None:
         """Give back the state's cache pages (the engine's paged cache), if it has any."""
@@ -299,8 +303,8 @@ class StoreKVLoop(BlockLoop):
     def start(self, model: torch.nn.Module, input_ids: torch.Tensor) -> BlockState:
         check_prompt(input_ids, self.mask_id, self.family, self.prompt_name, self.empty_prompt_ok)
         L, device, P = self.block_length, input_ids.device, input_ids.shape[1]
-        total = self.block_sizes(P)[1]
-        num_blocks = total // L
+        num_blocks = (P + self.gen_length + L - 1) // L
+        total = num_blocks * L
         x = torch.full((1, total), self.mask_id, dtype=torch.long, device=device)
         x[:, :P] = input_ids
         blocks = torch.tril(torch.ones(num_blocks, num_blocks, dtype=self.mask_dtype, device=device))
@@ -356,13 +360,6 @@ class StoreKVLoop(BlockLoop):
         else:
             self._decide(state, logits, generator, stats)
 
-    def _constrain_before(self, state: BlockState, logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Structured output, before the rule: the frontier's logits masked; the block as it was."""
-        if state.constraint is None:
-            return logits, None
-        start, end = self._span(state)
-        return mask_frontier_rows(state.constraint, logits, start, end), state.x[:, start:end].clone()
-
     def _decide(self, state: BlockState, logits: torch.Tensor, generator: torch.Generator | None,
                 stats: GenerationStats | None) -> None:
         """A decoding step of the current block: the commit rule's, or the family's (`_select` on the sampled block,
@@ -370,7 +367,7 @@ class StoreKVLoop(BlockLoop):
         start, end = self._span(state)
         block = state.x[:, start:end]   # a view: commits write into x
         masked = block == self.mask_id
-        logits, prior = self._constrain_before(state, logits)
+        logits, prior = self._constrain_before(state, logits, start, end)
         if self.rule is not None:
             tokens, change = None, self._rule_commit(state, block, logits, stats)
         else:
