@@ -89,8 +89,7 @@ class CanvasSampler:
             check_real("threshold", self.threshold, low=0, high=1, low_open=True)
         elif self.rule == "top_k":
             check_int("top_k", self.top_k, minimum=1)
-        if self.freeze_after is not None:
-            check_int("freeze_after", self.freeze_after, minimum=1)
+        check_int("freeze_after", self.freeze_after, minimum=1, allow_none=True)
 
 
 CANVAS_RULES = ("entropy_bound", "threshold", "top_k")
