@@ -197,27 +197,20 @@ class FastDLLMV2Decoder(BlockLoop):
     def _loop_forward(self, state: FastDLLMV2State) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, tuple]]:
         """The prefill, a full block's store, or a denoising forward of the current sub-block (the whole block, or the
         sub-block alone once the block is in the sub-block cache); returns (shifted, cut logits, (kind, positions))."""
-        L = self.block_size
-        if not state.prefilled:
-            first, end = self._prefill_span(state)
-            if not self.use_cache:   # the prompt, for the next token only
-                logits = yield ForwardRequest.call(state.x[:, :end], {}, rows=slice(-1, None), block_size=L)
-                return logits, ("prefill", end)
-            if end - first == L:   # one block: a store like any other (positions count from the cache: 0)
-                logits = yield self._block_rows(state, state.x[:, first:end], True)
-            else:
-                state.cache = DynamicCache()
-                logits = yield ForwardRequest.call(state.x[:, first:end], {}, cache=state.cache, rows=slice(-1, None),
-                                                   use_cache=True, update_past_key_values=True, block_size=L)
-            return logits, ("prefill", end - first)
-        block = state.x[:, state.block_start:]
+        L, block = self.block_size, state.x[:, state.block_start:]   # the current block (once prefilled)
         masked = block == self.mask_id
-        if not bool(masked.any()):   # finished block: store it, the next block's first token
-            if not self.use_cache:   # the next block's first token from the sequence's own forward
-                end = state.block_start + L
+        if not state.prefilled or not bool(masked.any()):   # the prefill, or a finished block's store: the next token
+            what = "store" if state.prefilled else "prefill"
+            first, end = (state.block_start, state.x.shape[1]) if state.prefilled else self._prefill_span(state)
+            if not self.use_cache:   # the sequence's own forward, for the next token only
                 return (yield ForwardRequest.call(state.x[:, :end], {}, rows=slice(-1, None), block_size=L)), \
-                    ("store", end)
-            return (yield self._block_rows(state, block, True)), ("store", L)
+                    (what, end)
+            if end - first == L:   # one block: a block store (a prefill's positions count from the cache: 0)
+                return (yield self._block_rows(state, state.x[:, first:end], True)), (what, L)
+            state.cache = DynamicCache()
+            logits = yield ForwardRequest.call(state.x[:, first:end], {}, cache=state.cache, rows=slice(-1, None),
+                                               use_cache=True, update_past_key_values=True, block_size=L)
+            return logits, (what, end - first)
         S = self.small_block_size
         while not bool(masked[:, state.sub_block * S:(state.sub_block + 1) * S].any()):
             state.sub_block += 1
