@@ -25,6 +25,7 @@ from remask.models.hf_compat import output_cache, with_cache_field
 
 from ..parts.checks import (MAX_LOOP_STEPS, check_at_most, check_bool, check_choice, check_generator, check_instance,
                             check_int, check_real, check_stats, check_table)
+from ..parts.constrain_loops import compile_for, constrain_canvas, end_ids_or_refuse
 from ..parts.scoring import draw_categorical, draw_seed
 from ..parts.selection import entropy_bound_accept
 from ..parts.protocol import Decoder
@@ -261,7 +262,6 @@ class CanvasDecoder(Decoder):
         """Hold every row's answer to `structure` (`constrain_loops.constrain_canvas`: the committed
         canvas renoised from its first refused position, the argmax canvas valid at every step).
         `end_ids` (default: the config's EOS ids) only where it is complete. Returns the decoder."""
-        from ..parts.constrain_loops import end_ids_or_refuse
         self.structure = structure
         if structure is not None:
             ids = self.eos_ids if end_ids is None else end_ids
@@ -414,8 +414,6 @@ class CanvasDecoder(Decoder):
         if stats is not None:
             stats.step(accepted[running].sum())
         if state.matchers is not None:   # structured output: the commit checked, the output held valid
-            from ..parts.constrain_loops import constrain_canvas
-
             noise = torch.randint(0, V, (B, L), device=device, generator=generator)
             new_canvas, new_argmax, _ = constrain_canvas(state.matchers, new_canvas, new_argmax, processed, noise,
                                                          ~state.finished_sequences)
@@ -498,9 +496,7 @@ def canvas_generate(model: torch.nn.Module, input_ids: torch.Tensor, generation_
     config, model_kwargs = _generation_config(model, generation_config, kwargs)
     decoder = CanvasDecoder(model, config, canvas_sampler, reference_rng=reference_rng,
                             logits_processor=logits_processor, stopping_criteria=stopping_criteria)
-    if structured_outputs is not None:
-        from ..parts.constrain_loops import compile_for
-        decoder.constrain(compile_for(structured_outputs, model, tokenizer, None))
+    decoder.constrain(compile_for(structured_outputs, model, tokenizer, None))
     if stats is not None:
         stats.start()
     if streamer is not None:
