@@ -392,3 +392,19 @@ def check_method_call(model: torch.nn.Module, prompt: Any, attention_mask: Any, 
 def check_config(name: str, config: Any, cls: type, what: str) -> Any:
     """A method's config: an instance of `cls` (`what` names it in the refusal); None is `cls()`, its defaults."""
     return check_instance(name, cls() if config is None else config, cls, what, allow_none=False)
+
+
+def check_ints(minimum: int, **values: Any) -> None:
+    """`check_int` of each named value with the one lower bound `minimum` (a loop's settings)."""
+    for name, value in values.items():
+        check_int(name, value, minimum=minimum)
+
+
+def check_table(field: str, settings: Any, checks: dict) -> dict:
+    """`check_settings` with one check per key (name → check(``field.name``, value), its result kept, e.g. a float):
+    the checked copy."""
+    out = check_settings(field, settings, tuple(checks))
+    for name, check in checks.items():
+        if name in out:
+            out[name] = check(f"{field}.{name}", out[name])
+    return out
