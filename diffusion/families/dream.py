@@ -194,10 +194,11 @@ class _DreamParts:
     def _state(self, input_ids: torch.Tensor, steps: int, **fields: Any) -> DreamState:
         (B, P), mask_id = input_ids.shape, self.spec.mask_id
         x = F.pad(input_ids, (0, self.config.max_length - P), value=mask_id)
+        history = self.config.return_dict_in_generate and self.config.output_history
         return DreamState(x=x, prompt_len=P, steps=steps,
                           timesteps=torch.linspace(1, self.config.eps, steps + 1, device=x.device),
                           constraint=CommitFilter.start(self.structure, self.end_ids, B, mask_id, P, x.shape[1] - P),
-                          **fields)
+                          histories=[] if history else None, **fields)
 
     def _commit_count(self, x: torch.Tensor, mask_index: torch.Tensor, proposal: torch.Tensor,
                       full_conf: torch.Tensor, n: int, generator: torch.Generator | None, last: bool = False,
@@ -238,13 +239,12 @@ class DreamDecoder(_DreamParts, ForwardThenCommit):
         self._setup(spec, config, threshold, sparse, reference_ties, structure, end_ids)
         self.tokens_hook = tokens_hook or (lambda step, x, logits: x)
         self.logits_hook = logits_hook or (lambda step, x, logits: logits)
-        self.history = config.return_dict_in_generate and config.output_history
 
     def start(self, model: torch.nn.Module, input_ids: torch.Tensor,
               attention_mask: torch.Tensor | None = None) -> DreamState:
         config, mask_id = self.config, self.spec.mask_id
         inputs = self.spec.forward_inputs(attention_mask, config.max_length)
-        state = self._state(input_ids, config.steps, forward_inputs=inputs, histories=[] if self.history else None)
+        state = self._state(input_ids, config.steps, forward_inputs=inputs)
         if self.sparse is not None:
             # SparseD's Dream sampler: selection scaled by 1/√head_dim (its LLaDA one by 1/√n_heads)
             state.forwards = BlockMaskForward(model, self.spec, self.sparse, state.forward_inputs, config.steps,
@@ -347,14 +347,14 @@ class DreamBlockDecoder(_DreamParts, BlockwiseDecoder):
         self.confidence_mode = CONFIDENCE_OF[config.alg] if sparse is not None else (
             "prob" if config.alg == "confidence_threshold" else "neg_entropy")
 
-    def start(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-              histories: list | None = None) -> DreamState:
+    def start(self, model: torch.nn.Module, input_ids: torch.Tensor,
+              attention_mask: torch.Tensor | None = None) -> DreamState:
         (B, P), T = input_ids.shape, self.config.max_length
         num_blocks = (T - P) // self.block_length
         forwards = block_forwards(model, self.spec, self.use_cache, self.sparse,
                                   self.spec.forward_inputs(attention_mask, T), attention_mask, T, self.reference_ties)
         return self._state(input_ids, self.config.steps // num_blocks, forwards=forwards, num_blocks=num_blocks,
-                           rows=torch.arange(B, device=input_ids.device)[:, None], histories=histories)
+                           rows=torch.arange(B, device=input_ids.device)[:, None])
 
     def _next_block(self, state: DreamState) -> None:
         state.block += 1
