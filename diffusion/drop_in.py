@@ -21,8 +21,7 @@ from remask.models.spec import get_spec
 from .families.apd import APDConfig, apd_generate, check_apd_alone
 from .families.canvas import canvas_generate
 from .families.dream import (DEFAULT_BLOCK_LENGTH, DEFAULT_MAX_LENGTH, DreamBlockDecoder, DreamDecoder,
-                             DreamGenerationConfig, DreamModelOutput, _check_sparse, _validate_config,
-                             check_block_layout)
+                             DreamGenerationConfig, DreamModelOutput, _validate_config, check_block_layout)
 from .families.llada import block_diffusion_generate
 from .methods.decoders import is_dinfer_method, run_decoder
 from .methods.freedave import FreeDave, freedave_generate
@@ -85,14 +84,14 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch
     # the checks SamplingParams runs, compiled against the tokenizer; every decoder enforces it in its commits
     structure = structure_for_call(structured_outputs, model, tokenizer, spec.mask_id, gen_length)
     if decoder is not None or (use_cache is not None and not isinstance(use_cache, (str, PagedKVCache))):
-        settings = {name: (given[name], GENERATE_DEFAULTS[name]) for name in METHOD_SETTINGS}
+        settings = {name: (given[name], _DEFAULTS[name]) for name in _METHOD_SETTINGS}
         return run_decoder(model, prompt, attention_mask, decoder, gen_length=gen_length, block_length=block_length,
                            use_cache=use_cache, mask_id=mask_id, stats=stats, settings=settings, structure=structure)
     if apd is not None:
         given["cfg_scale"] = cfg_scale or None   # refused when nonzero
         # APD reads none of these: refused when given (or, with a default, set away from it)
-        check_apd_alone([name for name in APD_UNREAD_NONE if given[name] is not None]
-                        + [name for name in APD_UNREAD if given[name] != GENERATE_DEFAULTS[name]])
+        check_apd_alone([name for name in _APD_UNREAD_NONE if given[name] is not None]
+                        + [name for name in _APD_UNREAD if given[name] != _DEFAULTS[name]])
         check_mask_id(spec)
         check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
         check_int("gen_length", gen_length, minimum=1)
@@ -104,21 +103,21 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch
         return apd_generate(model, spec, prompt, gen_length, apd, temperature=temperature, generator=generator,
                             stats=stats, verifier_stats=verifier_stats, structure=structure)
     return block_diffusion_generate(model, prompt, attention_mask, spec=spec, structure=structure,
-                                    **{name: value for name, value in given.items() if name not in ROUTING})
+                                    **{name: value for name, value in given.items() if name not in _ROUTING})
 
 
 # `generate`'s parameters by role: those a registered method's loop is handed (to refuse what it does not read), those
 # APD refuses (given, or away from their defaults), those that choose the route (the rest LLaDA's block rule takes)
-GENERATE_DEFAULTS = {name: p.default for name, p in inspect.signature(generate).parameters.items()}
-METHOD_SETTINGS = ("steps", "temperature", "cfg_scale", "remasking", "logits_eos_inf", "confidence_eos_eot_inf",
-                   "threshold", "factor", "frechet_margin", "early_stop", "reference_rng", "eos_id", "eot_id",
-                   "generator", "on_step", "apd", "verifier_stats", "sparse", "reference_ties")
-APD_UNREAD_NONE = ("threshold", "factor", "frechet_margin", "use_cache", "cfg_scale", "on_step", "sparse", "eos_id",
-                   "eot_id")
-APD_UNREAD = ("steps", "block_length", "remasking", "logits_eos_inf", "confidence_eos_eot_inf", "early_stop",
-              "reference_rng", "reference_ties")
-ROUTING = ("model", "prompt", "attention_mask", "mask_id", "eos_id", "eot_id", "apd", "verifier_stats", "decoder",
-           "structured_outputs", "tokenizer")
+_DEFAULTS = {name: p.default for name, p in inspect.signature(generate).parameters.items()}
+_METHOD_SETTINGS = ("steps", "temperature", "cfg_scale", "remasking", "logits_eos_inf", "confidence_eos_eot_inf",
+                    "threshold", "factor", "frechet_margin", "early_stop", "reference_rng", "eos_id", "eot_id",
+                    "generator", "on_step", "apd", "verifier_stats", "sparse", "reference_ties")
+_APD_UNREAD_NONE = ("threshold", "factor", "frechet_margin", "use_cache", "cfg_scale", "on_step", "sparse", "eos_id",
+                    "eot_id")
+_APD_UNREAD = ("steps", "block_length", "remasking", "logits_eos_inf", "confidence_eos_eot_inf", "early_stop",
+               "reference_rng", "reference_ties")
+_ROUTING = ("model", "prompt", "attention_mask", "mask_id", "eos_id", "eot_id", "apd", "verifier_stats", "decoder",
+            "structured_outputs", "tokenizer")
 
 
 @torch.no_grad()
@@ -187,8 +186,21 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     check_instance("apd", apd, APDConfig, "a remask.APDConfig")
     check_callable("generation_tokens_hook_func", tokens_hook)
     check_callable("generation_logits_hook_func", logits_hook)
-    if sparse is not None:
-        _check_sparse(sparse, config, use_cache, block_length, apd, decoder, attention_mask)
+    if sparse is not None:   # what it does not combine with in Dream's sampler, each named
+        clashes = [name for name, value in (("use_cache", cache_mode(use_cache) is not None), ("apd", apd is not None),
+                                            ("decoder", decoder is not None)) if value]
+        if clashes:
+            raise ValueError(f"sparse= keeps its own attention (and cache); it does not combine with {clashes}")
+        if sparse.method == "retention" and config.alg == "origin":
+            raise ValueError("sparse method 'retention' commits by confidence (Sparse-dLLM's Dream sampler does not "
+                             "implement alg='origin'); choose alg='maskgit_plus', 'topk_margin', 'entropy' or "
+                             "'confidence_threshold'")
+        if sparse.method == "block_mask" and block_length is not None:
+            raise ValueError("sparse method 'block_mask' runs Dream's whole-canvas loop (SparseD's Dream sampler); "
+                             "it does not combine with block_length")
+        if sparse.method == "block_mask" and attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError("sparse method 'block_mask' decodes unpadded rows (SparseD's block masks cover the whole "
+                             "sequence); got a padded attention_mask")
     if blocks:
         if block_length is None:
             block_length = DEFAULT_BLOCK_LENGTH if sparse is None or sparse.block_len is None else sparse.block_len

@@ -21,7 +21,6 @@ from remask.models.parallel import full_logits
 
 from .llada import BlockwiseDecoder, block_forwards
 from ..parts.sparse import BlockMaskForward, SparseConfig
-from ..parts.cache import cache_mode
 from ..parts.checks import check_bool, check_choice, check_int, check_optional_token_id, check_real
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.scoring import score_rows, score_tokens
@@ -86,27 +85,6 @@ def check_block_layout(gen_length: int, block_length: int, steps: int) -> None:
     if steps % (gen_length // block_length):
         raise ValueError(f"steps ({steps}) must be divisible by the number of blocks "
                          f"(generation length / block_length = {gen_length // block_length})")
-
-
-def _check_sparse(sparse: SparseConfig, config: DreamGenerationConfig, use_cache, block_length, apd, decoder,
-                  attention_mask) -> None:
-    """What `sparse=` does not combine with in Dream's sampler (each named)."""
-    clashes = [name for name, value in (("use_cache", cache_mode(use_cache) is not None), ("apd", apd is not None),
-                                        ("decoder", decoder is not None)) if value]
-    if clashes:
-        raise ValueError(f"sparse= keeps its own attention (and cache); it does not combine with {clashes}")
-    if sparse.method == "retention":
-        if config.alg == "origin":
-            raise ValueError("sparse method 'retention' commits by confidence (Sparse-dLLM's Dream sampler does not "
-                             "implement alg='origin'); choose alg='maskgit_plus', 'topk_margin', 'entropy' or "
-                             "'confidence_threshold'")
-        return
-    if block_length is not None:
-        raise ValueError("sparse method 'block_mask' runs Dream's whole-canvas loop (SparseD's Dream sampler); "
-                         "it does not combine with block_length")
-    if attention_mask is not None and not bool(attention_mask.bool().all()):
-        raise ValueError("sparse method 'block_mask' decodes unpadded rows (SparseD's block masks cover the whole "
-                         "sequence); got a padded attention_mask")
 
 
 def _validate_config(config: DreamGenerationConfig, spec) -> None:
