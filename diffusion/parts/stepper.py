@@ -19,7 +19,7 @@ from typing import Any, Callable, ContextManager, Generator, Iterator
 
 import torch
 
-from remask.models.request import ForwardRequest, stacked_key  # noqa: F401  (the requests' module; here for the drivers)
+from remask.models.request import ForwardRequest  # noqa: F401  (the requests' module; here for the drivers)
 
 from .protocol import Decoder
 from .stats import GenerationStats
