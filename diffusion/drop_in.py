@@ -21,8 +21,7 @@ from remask.models.spec import get_spec
 from .families.apd import APDConfig, apd_generate, check_apd_alone
 from .families.canvas import canvas_generate
 from .families.dream import (DEFAULT_BLOCK_LENGTH, DEFAULT_MAX_LENGTH, DreamBlockDecoder, DreamDecoder,
-                             DreamGenerationConfig, DreamModelOutput, _check_sparse, _validate_config,
-                             check_block_layout)
+                             DreamGenerationConfig, DreamModelOutput, _validate_config, check_block_layout)
 from .families.llada import block_diffusion_generate
 from .methods.decoders import is_dinfer_method, run_decoder
 from .methods.freedave import FreeDave, freedave_generate
@@ -73,6 +72,7 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch
     (`diffusion/parts/constrain.py`): a completed answer ends with EOS, one out of positions holds
     a valid prefix.
     """
+    given = dict(locals())   # the call's arguments by name (the tables below `generate` say which go where)
     for name, value in (("mask_id", mask_id), ("eos_id", eos_id), ("eot_id", eot_id)):
         check_int(name, value, minimum=0, allow_none=True)
     spec = get_spec(model, mask_id=mask_id, eos_id=eos_id, eot_id=eot_id)
@@ -84,30 +84,14 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch
     # the checks SamplingParams runs, compiled against the tokenizer; every decoder enforces it in its commits
     structure = structure_for_call(structured_outputs, model, tokenizer, spec.mask_id, gen_length)
     if decoder is not None or (use_cache is not None and not isinstance(use_cache, (str, PagedKVCache))):
-        settings = {"steps": (steps, 128), "temperature": (temperature, 0.0), "cfg_scale": (cfg_scale, 0.0),
-                    "remasking": (remasking, "low_confidence"), "logits_eos_inf": (logits_eos_inf, False),
-                    "confidence_eos_eot_inf": (confidence_eos_eot_inf, False), "threshold": (threshold, None),
-                    "factor": (factor, None), "frechet_margin": (frechet_margin, None),
-                    "early_stop": (early_stop, False), "reference_rng": (reference_rng, False),
-                    "eos_id": (eos_id, None), "eot_id": (eot_id, None), "generator": (generator, None),
-                    "on_step": (on_step, None), "apd": (apd, None), "verifier_stats": (verifier_stats, None),
-                    "sparse": (sparse, None), "reference_ties": (reference_ties, False)}
+        settings = {name: (given[name], _DEFAULTS[name]) for name in _METHOD_SETTINGS}
         return run_decoder(model, prompt, attention_mask, decoder, gen_length=gen_length, block_length=block_length,
                            use_cache=use_cache, mask_id=mask_id, stats=stats, settings=settings, structure=structure)
     if apd is not None:
-        clashes = [name for name, value in (("threshold", threshold), ("factor", factor),
-                                            ("frechet_margin", frechet_margin), ("use_cache", use_cache),
-                                            ("cfg_scale", cfg_scale or None), ("on_step", on_step),
-                                            ("sparse", sparse), ("eos_id", eos_id), ("eot_id", eot_id))
-                   if value is not None]
-        # settings with a non-None default: refused when set away from it (APD reads none of them)
-        defaults = {name: p.default for name, p in inspect.signature(generate).parameters.items()}
-        clashes += [name for name, value in (
-            ("steps", steps), ("block_length", block_length), ("remasking", remasking),
-            ("logits_eos_inf", logits_eos_inf), ("confidence_eos_eot_inf", confidence_eos_eot_inf),
-            ("early_stop", early_stop), ("reference_rng", reference_rng), ("reference_ties", reference_ties))
-            if value != defaults[name]]
-        check_apd_alone(clashes)
+        given["cfg_scale"] = cfg_scale or None   # refused when nonzero
+        # APD reads none of these: refused when given (or, with a default, set away from it)
+        check_apd_alone([name for name in _APD_UNREAD_NONE if given[name] is not None]
+                        + [name for name in _APD_UNREAD if given[name] != _DEFAULTS[name]])
         check_mask_id(spec)
         check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
         check_int("gen_length", gen_length, minimum=1)
@@ -118,13 +102,22 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch
         warn_if_longer_than_trained(spec, gen_length)
         return apd_generate(model, spec, prompt, gen_length, apd, temperature=temperature, generator=generator,
                             stats=stats, verifier_stats=verifier_stats, structure=structure)
-    return block_diffusion_generate(
-        model, prompt, attention_mask, steps=steps, gen_length=gen_length, block_length=block_length,
-        temperature=temperature, cfg_scale=cfg_scale, remasking=remasking, spec=spec,
-        logits_eos_inf=logits_eos_inf, confidence_eos_eot_inf=confidence_eos_eot_inf, threshold=threshold,
-        factor=factor, frechet_margin=frechet_margin, early_stop=early_stop, reference_rng=reference_rng,
-        generator=generator, stats=stats, on_step=on_step, use_cache=use_cache, sparse=sparse,
-        reference_ties=reference_ties, structure=structure)
+    return block_diffusion_generate(model, prompt, attention_mask, spec=spec, structure=structure,
+                                    **{name: value for name, value in given.items() if name not in _ROUTING})
+
+
+# `generate`'s parameters by role: those a registered method's loop is handed (to refuse what it does not read), those
+# APD refuses (given, or away from their defaults), those that choose the route (the rest LLaDA's block rule takes)
+_DEFAULTS = {name: p.default for name, p in inspect.signature(generate).parameters.items()}
+_METHOD_SETTINGS = ("steps", "temperature", "cfg_scale", "remasking", "logits_eos_inf", "confidence_eos_eot_inf",
+                    "threshold", "factor", "frechet_margin", "early_stop", "reference_rng", "eos_id", "eot_id",
+                    "generator", "on_step", "apd", "verifier_stats", "sparse", "reference_ties")
+_APD_UNREAD_NONE = ("threshold", "factor", "frechet_margin", "use_cache", "cfg_scale", "on_step", "sparse", "eos_id",
+                    "eot_id")
+_APD_UNREAD = ("steps", "block_length", "remasking", "logits_eos_inf", "confidence_eos_eot_inf", "early_stop",
+               "reference_rng", "reference_ties")
+_ROUTING = ("model", "prompt", "attention_mask", "mask_id", "eos_id", "eot_id", "apd", "verifier_stats", "decoder",
+            "structured_outputs", "tokenizer")
 
 
 @torch.no_grad()
@@ -152,15 +145,13 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     if spec.noise == "uniform":   # no mask token: canvases renoised (DiffusionGemma's generate)
         return canvas_generate(model, inputs, generation_config, **kwargs)
     hooks_given = [k for k in ("generation_tokens_hook_func", "generation_logits_hook_func") if k in kwargs]
-    tokens_hook: Callable = kwargs.pop("generation_tokens_hook_func", lambda step, x, logits: x)
-    logits_hook: Callable = kwargs.pop("generation_logits_hook_func", lambda step, x, logits: logits)
     threshold = kwargs.pop("threshold", 0.9)
     finish_blocks = kwargs.pop("finish_blocks", True)
     reference_ties = kwargs.pop("reference_ties", True)
-    (attention_mask, use_cache, block_length, decoder, sparse, apd, verifier_stats, generator, stats,
-     structured_outputs, tokenizer) = (kwargs.pop(name, None) for name in (
-        "attention_mask", "use_cache", "block_length", "decoder", "sparse", "apd", "verifier_stats", "generator",
-        "stats", "structured_outputs", "tokenizer"))
+    (tokens_hook, logits_hook, attention_mask, use_cache, block_length, decoder, sparse, apd, verifier_stats,
+     generator, stats, structured_outputs, tokenizer) = (kwargs.pop(name, None) for name in (
+        "generation_tokens_hook_func", "generation_logits_hook_func", "attention_mask", "use_cache", "block_length",
+        "decoder", "sparse", "apd", "verifier_stats", "generator", "stats", "structured_outputs", "tokenizer"))
     alg_given = kwargs.get("alg")   # FreeDave runs its own rule: an explicit other alg is refused
     explicit_max_length = kwargs.get("max_length") is not None
     given = set(kwargs)   # the generation-config fields the caller set
@@ -195,8 +186,21 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     check_instance("apd", apd, APDConfig, "a remask.APDConfig")
     check_callable("generation_tokens_hook_func", tokens_hook)
     check_callable("generation_logits_hook_func", logits_hook)
-    if sparse is not None:
-        _check_sparse(sparse, config, use_cache, block_length, apd, decoder, attention_mask)
+    if sparse is not None:   # what it does not combine with in Dream's sampler, each named
+        clashes = [name for name, value in (("use_cache", cache_mode(use_cache) is not None), ("apd", apd is not None),
+                                            ("decoder", decoder is not None)) if value]
+        if clashes:
+            raise ValueError(f"sparse= keeps its own attention (and cache); it does not combine with {clashes}")
+        if sparse.method == "retention" and config.alg == "origin":
+            raise ValueError("sparse method 'retention' commits by confidence (Sparse-dLLM's Dream sampler does not "
+                             "implement alg='origin'); choose alg='maskgit_plus', 'topk_margin', 'entropy' or "
+                             "'confidence_threshold'")
+        if sparse.method == "block_mask" and block_length is not None:
+            raise ValueError("sparse method 'block_mask' runs Dream's whole-canvas loop (SparseD's Dream sampler); "
+                             "it does not combine with block_length")
+        if sparse.method == "block_mask" and attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise ValueError("sparse method 'block_mask' decodes unpadded rows (SparseD's block masks cover the whole "
+                             "sequence); got a padded attention_mask")
     if blocks:
         if block_length is None:
             block_length = DEFAULT_BLOCK_LENGTH if sparse is None or sparse.block_len is None else sparse.block_len
@@ -273,15 +277,11 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     else:
         if stats is not None:
             stats.start()
-        if blocks:
-            decoder = DreamBlockDecoder(spec, config, threshold, block_length, use_cache, finish_blocks, sparse,
-                                        reference_ties, structure=structure)
-            state = decoder.start(model, inputs, attention_mask,
-                                  [] if config.return_dict_in_generate and config.output_history else None)
-        else:
-            decoder = DreamDecoder(spec, config, threshold, tokens_hook, logits_hook, reference_ties=reference_ties,
-                                   sparse=sparse, structure=structure)
-            state = decoder.start(model, inputs, attention_mask)
+        decoder = DreamBlockDecoder(spec, config, threshold, block_length, use_cache, finish_blocks, sparse,
+                                    reference_ties, structure=structure) if blocks else DreamDecoder(
+            spec, config, threshold, tokens_hook, logits_hook, reference_ties=reference_ties, sparse=sparse,
+            structure=structure)
+        state = decoder.start(model, inputs, attention_mask)
         while not state.done:
             decoder.step(model, state, generator, stats)
         if stats is not None:

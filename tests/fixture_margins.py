@@ -60,7 +60,7 @@ REFERENCE_TESTS = [
     "tests/test_daedal.py::test_reproduces_the_official_daedal",
     "tests/test_dinfer.py::test_matches_dinfer",
     "tests/test_dinfer_smoothing.py::test_matches_dinfer",
-    "tests/test_dinfer_smoothing.py::test_a_batch_decodes_each_row_as_alone",
+    "tests/test_dinfer_smoothing.py::test_a_batch_matches_dinfer",
     "tests/test_dkv_dream.py::test_reproduces_the_official_dkv_cache_dream",
     "tests/test_dkv_greedy.py::test_reproduces_the_official_dkv_cache_greedy",
     "tests/test_dkv.py::test_reproduces_the_official_dkv_cache_decode",

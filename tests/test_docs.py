@@ -44,9 +44,10 @@ def test_zoo_doctests():
     import remask.caches.paged
     import remask.caches.page_manager
     import remask.text
+    import remask.zoo.formats
     import remask.zoo.tasks
 
-    for module in (remask.zoo, remask.zoo.tasks, remask.zoo.evaluate, remask.caches.paged,
+    for module in (remask.zoo, remask.zoo.tasks, remask.zoo.formats, remask.zoo.evaluate, remask.caches.paged,
                    remask.caches.page_manager, remask.text):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__

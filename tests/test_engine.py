@@ -11,6 +11,8 @@ import torch
 
 import remask
 from remask.engine import EngineState, LLMEngine, SamplingParams, SequenceStatus
+from remask.models import tiny
+from transformers import AutoModel
 from remask.zoo import charset, tasks
 
 PROBLEMS = [charset.encode_chat(p.prompt) for p in tasks.problems(64, tasks.EVAL_SEED)]
@@ -1093,5 +1095,52 @@ def test_ar_logprobs_are_the_raw_distribution_and_change_no_token_even_across_pr
             assert entry[token].rank == int((raw[i] > raw[i, token]).sum()) + 1
             top = sorted((lp for lp in entry.values() if lp.rank <= 2), key=lambda lp: lp.rank)
             assert [lp.logprob for lp in top] == pytest.approx(raw[i].topk(2).values.tolist(), abs=1e-4)
-    with pytest.raises(ValueError, match="logprobs: autoregressive models only"):
-        LLMEngine(*llada).add_request("d", PROBLEMS[0], SamplingParams(max_tokens=8, logprobs=1))
+
+
+def diffusion_logprobs(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]]) -> dict:
+    """Run `requests` with and without `logprobs`; the tokens must be the same. Returns the outputs with."""
+    plain = run_engine(engine, requests)
+    for request_id, ids, params in requests:
+        engine.add_request(request_id, ids, params.replace(logprobs=2))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            o = out.outputs[0]
+            assert len(o.logprobs) == len(o.token_ids), out.request_id     # reported with the final tokens
+            if out.finished:
+                done[out.request_id] = o
+    for request_id, _, _ in requests:
+        assert done[request_id].token_ids == plain[request_id].outputs[0].token_ids, request_id
+    return done
+
+
+def test_mask_model_logprobs_come_from_the_committing_forward_and_change_no_token(llada, tmp_path):
+    """LLaDA's block rule (every rule, cache, CFG, sparse, sampling) and Dream's sampler and block decoder report
+    per token the log-probability it had in the forward that committed it; the same tokens as without. Greedy, a
+    committed token is that forward's most likely (rank 1). The methods with loops of their own refuse by name."""
+    model, tokenizer = llada
+    requests = [(f"r{i}", PROBLEMS[i], mixed_params(i)) for i in range(11)]
+    done = diffusion_logprobs(LLMEngine(model, tokenizer), requests)
+    for rid, _, params in requests:
+        for token, entry in zip(done[rid].token_ids, done[rid].logprobs):
+            assert next(iter(entry)) == token and len(entry) in (2, 3) and entry[token].logprob <= 1e-6
+            if params.temperature == 0:
+                assert entry[token].rank == 1, rid
+    # one token a step: the first committed is the most confident position of the all-mask canvas
+    ids = PROBLEMS[0]
+    o = diffusion_logprobs(LLMEngine(model, tokenizer), [("one", ids, SamplingParams(max_tokens=8, steps=8))])["one"]
+    with torch.no_grad():
+        raw = torch.log_softmax(model(torch.tensor([ids + [model.config.mask_token_id] * 8])).logits[0, len(ids):], -1)
+    first = int(raw.max(-1).values.argmax())
+    assert o.logprobs[first][o.token_ids[first]].logprob == pytest.approx(raw[first].max().item(), abs=1e-5)
+    tiny.write_tiny_dream(str(tmp_path), seed=4, vocab_size=300, mask_token_id=299, eos_token_id=298,
+                          pad_token_id=297, bos_token_id=296)
+    dream = AutoModel.from_pretrained(str(tmp_path)).eval()
+    prompts = [[5 + (i * 7 + j) % 40 for j in range(6 + i)] for i in range(3)]
+    for kwargs in (dict(alg="entropy"), dict(alg="confidence_threshold", block_length=8, use_cache="dual", threshold=0.9)):
+        done = diffusion_logprobs(LLMEngine(dream, None), [(f"d{i}", p, SamplingParams(max_tokens=16, **kwargs))
+                                                           for i, p in enumerate(prompts)])
+        assert all(entry[token].rank == 1 for o in done.values() for token, entry in zip(o.token_ids, o.logprobs))
+    with pytest.raises(ValueError, match="logprobs: .* not with FreeDave"):
+        LLMEngine(model, tokenizer).add_request("d", ids, SamplingParams(max_tokens=8, logprobs=1,
+                                                                         decoder=remask.FreeDave()))

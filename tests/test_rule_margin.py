@@ -63,6 +63,15 @@ def test_margin_is_registered_with_its_json_name_and_checks_its_field():
         MarginDecoding(margin=1.5)
 
 
+def test_register_refuses_an_unknown_field_and_a_taken_name():
+    before = dict(registry.METHODS)
+    with pytest.raises(ValueError, match=r"field must be one of \('decoder', 'use_cache'\), got 'steps'"):
+        registry.register("margin_twin", MarginDecoding, "steps")
+    with pytest.raises(ValueError, match=r"a method named 'margin' is registered already \(MarginDecoding\)"):
+        registry.register("margin", MarginDecoding)
+    assert registry.METHODS == before
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     out = {}

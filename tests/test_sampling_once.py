@@ -155,8 +155,8 @@ def test_sdar_llada2_flags_equal_their_sampler(device, temperature, top_k, top_p
             assert not bool((tokens == mask_id).any())
     # the families' adapters are the same function
     shaped = logits[None]
-    t, p, d = sdar.sample_block(shaped, temperature, top_k or 0, 1.0 if top_p is None else top_p,
-                                _gen(0, device), mask_id)
+    t, p, d = blocks.sample_block(shaped, temperature, top_k or 0, 1.0 if top_p is None else top_p,
+                                  _gen(0, device), mask_id)
     ref = ref_sdar_sample(logits, temperature, top_k, top_p, _gen(0, device), mask_id)
     assert torch.equal(t[0], ref[0]) and torch.equal(p[0], ref[1]) and torch.equal(d[0], ref[2])
 
@@ -231,7 +231,7 @@ def test_the_families_carry_no_copy():
             assert not hasattr(module, name), f"{module.__name__}.{name}"
     assert blocks.sample_categorical is scoring.sample_categorical
     assert fast_dllm_v2.sample_categorical is scoring.sample_categorical
-    assert llada2.sample_block is sdar.sample_block is blocks.sample_block
+    assert llada2.sample_block is blocks.sample_block
     assert apd.filter_logits is scoring.filter_logits
     for module in (blocks, sdar, llada2, fast_dllm_v2, apd):
         source = inspect.getsource(module)

@@ -130,7 +130,7 @@ def test_errors_have_openai_shape_and_name_the_field(served):
         ({**ok, "min_tokens": 17}, None, 400, "min_tokens", "invalid_value"),
         ({**ok, "ignore_eos": 1}, None, 400, "ignore_eos", "invalid_value"),
         ({**ok, "mystery": 1}, None, 400, "mystery", "unknown_parameter"),
-        ({**ok, "logprobs": 2}, None, 400, "autoregressive models only", "invalid_value"),
+        ({**ok, "logprobs": 2, "decoder": {"name": "wino"}}, None, 400, "not with WINO", "invalid_value"),
         ({**ok, "echo": True}, None, 400, "echo", "unsupported_parameter"),
         ({**ok, "max_tokens": "many"}, None, 400, "max_tokens", "invalid_type"),
         ({k: v for k, v in ok.items() if k != "prompt"}, None, 400, "prompt", "missing_required_parameter"),
@@ -145,7 +145,7 @@ def test_errors_have_openai_shape_and_name_the_field(served):
         error = response.json()["error"]
         assert needle in error["message"] and error["code"] == code, (needle, error)
         assert set(error) == {"message", "type", "param", "code"}
-    assert post(server, {**ok, "logprobs": 2}).json()["error"]["param"] == "logprobs"
+    assert post(server, {**ok, "logprobs": 2, "decoder": {"name": "wino"}}).json()["error"]["param"] == "logprobs"
     assert post(server, {**ok, "min_tokens": 17}).json()["error"]["param"] == "min_tokens"
     big = post(server, {**ok, "prompt": "x" * (2 << 20)})
     assert big.status_code == 413 and "bytes" in big.json()["error"]["message"]
@@ -394,6 +394,14 @@ def test_playground_in_headless_chromium_shows_the_answer_forming(served, tmp_pa
         cells = driver.find_elements(By.CSS_SELECTOR, "#canvas span")
         assert len(cells) == 16 and not driver.find_elements(By.CSS_SELECTOR, "#canvas .masked")
         assert "NFE" in driver.find_element(By.ID, "stats").text
+        driver.find_element(By.ID, "logprobs").click()        # confidence: the tokens underlined by their logprobs
+        driver.execute_script("document.getElementById('stats').dataset.done = ''")
+        driver.find_element(By.ID, "go").click()
+        WebDriverWait(driver, 60).until(lambda d: d.find_element(By.ID, "stats").get_attribute("data-done") == "1")
+        assert driver.find_element(By.ID, "error").text == "" and driver.find_element(By.ID, "answer").text == "12458"
+        marked = driver.find_elements(By.CSS_SELECTOR, "#answer .token")
+        assert "".join(m.text for m in marked) == "12458"
+        assert all(m.get_attribute("title").startswith("p = ") for m in marked)
         out = tmp_path / "playground.png"
         driver.save_screenshot(str(out))
         assert out.stat().st_size > 10_000
@@ -1188,13 +1196,34 @@ def test_logprobs_of_an_autoregressive_model(served, offline):
     assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
 
 
+def test_logprobs_of_a_diffusion_model(served, offline):
+    """tiny-llada: each token's log-probability in the forward that committed it, the same as offline and the
+    same tokens as without; streamed, the pieces join to the whole answer's."""
+    server, _ = served
+    c = client(server)
+    kw = dict(model="tiny-llada", messages=CHAT, max_tokens=16, seed=4, extra_body=dict(DIFFUSION, threshold=0.9))
+    plain = c.chat.completions.create(**kw)
+    got = c.chat.completions.create(logprobs=True, top_logprobs=2, **kw)
+    assert got.choices[0].message.content == plain.choices[0].message.content
+    want = offline["tiny-llada"].chat(CHAT, remask.SamplingParams(max_tokens=16, seed=4, threshold=0.9, logprobs=2,
+                                                                  **DIFFUSION), use_tqdm=False)[0].outputs[0]
+    content = got.choices[0].logprobs.content
+    assert [item.logprob for item in content] == pytest.approx([e[t].logprob for t, e in
+                                                                 zip(want.token_ids, want.logprobs)], abs=1e-5)
+    assert all(len(item.top_logprobs) == 2 and item.logprob == item.top_logprobs[0].logprob for item in content)
+    streamed = [item for chunk in c.chat.completions.create(logprobs=True, top_logprobs=2, stream=True, **kw)
+                for ch in chunk.choices for item in (ch.logprobs.content if ch.logprobs else [])]
+    assert [t.model_dump() for t in streamed] == [t.model_dump() for t in content]
+
+
 def test_logprobs_refused_by_name(served):
     server, _ = served
     m = {"model": "tiny-ar", "messages": CHAT, "max_tokens": 4}
     for body, param, needle in (({**m, "top_logprobs": 2}, "top_logprobs", "only with logprobs: true"),
                                 ({**m, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
                                 ({**m, "logprobs": 1}, "logprobs", "boolean"),
-                                ({**m, "model": "tiny-llada", "logprobs": True}, "logprobs", "autoregressive models")):
+                                ({**m, "model": "tiny-llada", "logprobs": True, "decoder": {"name": "freedave"}},
+                                 "logprobs", "not with FreeDave")):
         response = post(server, body, path="/v1/chat/completions")
         assert response.status_code == 400, response.text
         error = response.json()["error"]

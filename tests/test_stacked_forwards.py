@@ -13,7 +13,8 @@ from transformers.cache_utils import DynamicCache
 import remask
 from remask.caches.block import _cached
 from remask.diffusion.parts.blocks import block_request
-from remask.diffusion.parts.stepper import ForwardRequest, run_forwards, stacked_key
+from remask.diffusion.parts.stepper import ForwardRequest, run_forwards
+from remask.models.request import stacked_key
 from remask.kernels.batch_invariant import batch_invariant_linear
 from remask.models import tiny
 

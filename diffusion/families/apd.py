@@ -221,16 +221,15 @@ class APDDecoder:
         apd, spec, x = self.apd, self.spec, state.x
         verifier, vocab, T, P = apd.verifier, self.vocab, x.shape[1], state.prompt_len
         mask_id, R, W, M = spec.mask_id, apd.mixture_weight, apd.kv_window, apd.max_lookahead
-        temperature, top_p, top_k = self.temperature, self.top_p, self.top_k
-        curr = state.curr
+        temperature, curr = self.temperature, state.curr
         right = T if M is None else min(curr + M, T)
         cache = state.dllm_cache
         left = 0 if cache is None else max(curr - W - state.num_accept + 1, 0)
         if cache is not None:
             cache.crop(left)
-            logits = yield ForwardRequest(x[:, left:right], shared=dict(cache_position=torch.arange(left, right,
-                                                                                               device=x.device)),
-                                          cache=cache, spec=spec)
+            positions = torch.arange(left, right, device=x.device)
+            logits = yield ForwardRequest(x[:, left:right], shared=dict(cache_position=positions), cache=cache,
+                                          spec=spec)
         else:   # the first round (or every round without a dLLM cache): from position 0
             state.dllm_cache = KVCache() if state.use_dllm_cache else None
             logits = yield ForwardRequest(x[:, :right], cache=state.dllm_cache, spec=spec)
@@ -246,7 +245,7 @@ class APDDecoder:
         uniforms = None
         if apd.coupled_gumbel and temperature > 0:
             uniforms = torch.rand((right - curr, vocab), dtype=torch.float32, device=x.device, generator=generator)
-        scores = draft_scores(proposal, temperature, top_p, top_k, generator, uniforms, vocab)
+        scores = draft_scores(proposal, temperature, self.top_p, self.top_k, generator, uniforms, vocab)
         if state.matcher is None:
             draft = _shared_argmax(scores, vocab)
         else:   # the same scores, each draft masked by the lookahead over the drafts before it

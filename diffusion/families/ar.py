@@ -225,10 +225,9 @@ def ar_generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
     compiled against `tokenizer`, default the one beside the checkpoint): each token is drawn from
     what the structure allows (EOS only where it is complete); a row without EOS holds a valid prefix.
     """
-    structure = None
-    if structured_outputs is not None:
+    if structured_outputs is not None:   # (before its budget is checked against max_new_tokens)
         check_int("max_new_tokens", max_new_tokens, minimum=1)
-        structure = structure_for_call(structured_outputs, model, tokenizer, get_spec(model).mask_id, max_new_tokens)
+    structure = structure_for_call(structured_outputs, model, tokenizer, get_spec(model).mask_id, max_new_tokens)
     decoder = ARDecoder(model, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         eos_token_id=eos_token_id, pad_token_id=pad_token_id, structure=structure)
     decoder.check_input(input_ids, attention_mask, model)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generator
 
 import torch
@@ -23,8 +24,9 @@ from remask.models.diffusion_gemma import CanvasModel, require_diffusion_gemma
 from remask.models.hf_compat import output_cache, with_cache_field
 
 from ..parts.checks import (MAX_LOOP_STEPS, check_at_most, check_bool, check_choice, check_generator, check_instance,
-                            check_int, check_real, check_settings, check_stats)
-from ..parts.scoring import draw_seed
+                            check_int, check_real, check_stats, check_table)
+from ..parts.constrain_loops import compile_for, constrain_canvas, end_ids_or_refuse
+from ..parts.scoring import draw_categorical, draw_seed
 from ..parts.selection import entropy_bound_accept
 from ..parts.protocol import Decoder
 from ..parts.stats import GenerationStats
@@ -88,14 +90,19 @@ class CanvasSampler:
             check_real("threshold", self.threshold, low=0, high=1, low_open=True)
         elif self.rule == "top_k":
             check_int("top_k", self.top_k, minimum=1)
-        if self.freeze_after is not None:
-            check_int("freeze_after", self.freeze_after, minimum=1)
+        check_int("freeze_after", self.freeze_after, minimum=1, allow_none=True)
 
 
 CANVAS_RULES = ("entropy_bound", "threshold", "top_k")
-# The generation settings a request may set (`SamplingParams.canvas`, the server's `canvas`).
-CANVAS_SETTINGS = ("max_denoising_steps", "t_min", "t_max", "entropy_bound", "stability_threshold",
-                   "confidence_threshold")
+# The generation settings a request may set (`SamplingParams.canvas`, the server's `canvas`) and their checks
+# (transformers checks the rest); no token count bounds max_denoising_steps's loop (canvases are redrawn whole): a
+# cap, ~20x the checkpoint's 48; stability_threshold at most a canvas's steps (the checkpoint's: at the engine)
+CANVAS_CHECKS = {"max_denoising_steps": partial(check_int, minimum=1, maximum=MAX_LOOP_STEPS),
+                 **dict.fromkeys(("t_min", "t_max"), partial(check_real, low=0, low_open=True, allow_none=True)),
+                 "entropy_bound": partial(check_real, low=0, low_open=True),
+                 "stability_threshold": partial(check_int, minimum=0, allow_none=True),
+                 "confidence_threshold": partial(check_real, low=0, low_open=True, allow_none=True)}
+CANVAS_SETTINGS = tuple(CANVAS_CHECKS)
 
 
 def check_stability(stability_threshold: int | None, max_denoising_steps: int, what: str) -> None:
@@ -106,18 +113,8 @@ def check_stability(stability_threshold: int | None, max_denoising_steps: int, w
 
 def check_canvas_settings(settings: Any) -> dict[str, Any]:
     """A checked copy of a request's canvas settings (keys from CANVAS_SETTINGS; transformers checks the rest)."""
-    out = check_settings("canvas", settings, CANVAS_SETTINGS)
-    if "max_denoising_steps" in out:
-        # no token count bounds this loop (canvases are redrawn whole): a cap, ~20x the checkpoint's 48
-        check_int("canvas.max_denoising_steps", out["max_denoising_steps"], minimum=1, maximum=MAX_LOOP_STEPS)
-    for name in ("t_min", "t_max", "confidence_threshold"):
-        if name in out:
-            check_real(f"canvas.{name}", out[name], low=0, low_open=True, allow_none=True)
-    if "entropy_bound" in out:
-        out["entropy_bound"] = float(check_real("canvas.entropy_bound", out["entropy_bound"], low=0, low_open=True))
+    out = check_table("canvas", settings, CANVAS_CHECKS)
     if "stability_threshold" in out:
-        # at most a canvas's steps (the checkpoint's max_denoising_steps: checked at the engine)
-        check_int("canvas.stability_threshold", out["stability_threshold"], minimum=0, allow_none=True)
         check_stability(out["stability_threshold"], out.get("max_denoising_steps", MAX_LOOP_STEPS),
                         "canvas.max_denoising_steps" if "max_denoising_steps" in out else "MAX_LOOP_STEPS")
     return out
@@ -153,7 +150,7 @@ def score_canvas(processed_logits: torch.Tensor, *, reference_rng: bool, generat
     B, L, V = processed_logits.shape
     if reference_rng:
         probs = torch.softmax(processed_logits, dim=-1, dtype=torch.float32)
-        sample = torch.multinomial(probs.view(-1, V), num_samples=1, generator=generator).view(B, L)
+        sample = draw_categorical(probs, generator)
         argmax = torch.argmax(processed_logits, dim=-1)
         return sample, argmax, token_entropy(processed_logits), probs.max(dim=-1).values
     out = canvas_score(processed_logits.reshape(B * L, V), 1.0, seed=draw_seed(generator))
@@ -265,7 +262,6 @@ class CanvasDecoder(Decoder):
         """Hold every row's answer to `structure` (`constrain_loops.constrain_canvas`: the committed
         canvas renoised from its first refused position, the argmax canvas valid at every step).
         `end_ids` (default: the config's EOS ids) only where it is complete. Returns the decoder."""
-        from ..parts.constrain_loops import end_ids_or_refuse
         self.structure = structure
         if structure is not None:
             ids = self.eos_ids if end_ids is None else end_ids
@@ -418,8 +414,6 @@ class CanvasDecoder(Decoder):
         if stats is not None:
             stats.step(accepted[running].sum())
         if state.matchers is not None:   # structured output: the commit checked, the output held valid
-            from ..parts.constrain_loops import constrain_canvas
-
             noise = torch.randint(0, V, (B, L), device=device, generator=generator)
             new_canvas, new_argmax, _ = constrain_canvas(state.matchers, new_canvas, new_argmax, processed, noise,
                                                          ~state.finished_sequences)
@@ -502,9 +496,7 @@ def canvas_generate(model: torch.nn.Module, input_ids: torch.Tensor, generation_
     config, model_kwargs = _generation_config(model, generation_config, kwargs)
     decoder = CanvasDecoder(model, config, canvas_sampler, reference_rng=reference_rng,
                             logits_processor=logits_processor, stopping_criteria=stopping_criteria)
-    if structured_outputs is not None:
-        from ..parts.constrain_loops import compile_for
-        decoder.constrain(compile_for(structured_outputs, model, tokenizer, None))
+    decoder.constrain(compile_for(structured_outputs, model, tokenizer, None))
     if stats is not None:
         stats.start()
     if streamer is not None:

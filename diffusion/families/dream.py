@@ -21,7 +21,6 @@ from remask.models.parallel import full_logits
 
 from .llada import BlockwiseDecoder, block_forwards
 from ..parts.sparse import BlockMaskForward, SparseConfig
-from ..parts.cache import cache_mode
 from ..parts.checks import check_bool, check_choice, check_int, check_optional_token_id, check_real
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.scoring import score_rows, score_tokens
@@ -86,27 +85,6 @@ def check_block_layout(gen_length: int, block_length: int, steps: int) -> None:
     if steps % (gen_length // block_length):
         raise ValueError(f"steps ({steps}) must be divisible by the number of blocks "
                          f"(generation length / block_length = {gen_length // block_length})")
-
-
-def _check_sparse(sparse: SparseConfig, config: DreamGenerationConfig, use_cache, block_length, apd, decoder,
-                  attention_mask) -> None:
-    """What `sparse=` does not combine with in Dream's sampler (each named)."""
-    clashes = [name for name, value in (("use_cache", cache_mode(use_cache) is not None), ("apd", apd is not None),
-                                        ("decoder", decoder is not None)) if value]
-    if clashes:
-        raise ValueError(f"sparse= keeps its own attention (and cache); it does not combine with {clashes}")
-    if sparse.method == "retention":
-        if config.alg == "origin":
-            raise ValueError("sparse method 'retention' commits by confidence (Sparse-dLLM's Dream sampler does not "
-                             "implement alg='origin'); choose alg='maskgit_plus', 'topk_margin', 'entropy' or "
-                             "'confidence_threshold'")
-        return
-    if block_length is not None:
-        raise ValueError("sparse method 'block_mask' runs Dream's whole-canvas loop (SparseD's Dream sampler); "
-                         "it does not combine with block_length")
-    if attention_mask is not None and not bool(attention_mask.bool().all()):
-        raise ValueError("sparse method 'block_mask' decodes unpadded rows (SparseD's block masks cover the whole "
-                         "sequence); got a padded attention_mask")
 
 
 def _validate_config(config: DreamGenerationConfig, spec) -> None:
@@ -194,10 +172,11 @@ class _DreamParts:
     def _state(self, input_ids: torch.Tensor, steps: int, **fields: Any) -> DreamState:
         (B, P), mask_id = input_ids.shape, self.spec.mask_id
         x = F.pad(input_ids, (0, self.config.max_length - P), value=mask_id)
+        history = self.config.return_dict_in_generate and self.config.output_history
         return DreamState(x=x, prompt_len=P, steps=steps,
                           timesteps=torch.linspace(1, self.config.eps, steps + 1, device=x.device),
                           constraint=CommitFilter.start(self.structure, self.end_ids, B, mask_id, P, x.shape[1] - P),
-                          **fields)
+                          histories=[] if history else None, **fields)
 
     def _commit_count(self, x: torch.Tensor, mask_index: torch.Tensor, proposal: torch.Tensor,
                       full_conf: torch.Tensor, n: int, generator: torch.Generator | None, last: bool = False,
@@ -238,13 +217,12 @@ class DreamDecoder(_DreamParts, ForwardThenCommit):
         self._setup(spec, config, threshold, sparse, reference_ties, structure, end_ids)
         self.tokens_hook = tokens_hook or (lambda step, x, logits: x)
         self.logits_hook = logits_hook or (lambda step, x, logits: logits)
-        self.history = config.return_dict_in_generate and config.output_history
 
     def start(self, model: torch.nn.Module, input_ids: torch.Tensor,
               attention_mask: torch.Tensor | None = None) -> DreamState:
         config, mask_id = self.config, self.spec.mask_id
         inputs = self.spec.forward_inputs(attention_mask, config.max_length)
-        state = self._state(input_ids, config.steps, forward_inputs=inputs, histories=[] if self.history else None)
+        state = self._state(input_ids, config.steps, forward_inputs=inputs)
         if self.sparse is not None:
             # SparseD's Dream sampler: selection scaled by 1/√head_dim (its LLaDA one by 1/√n_heads)
             state.forwards = BlockMaskForward(model, self.spec, self.sparse, state.forward_inputs, config.steps,
@@ -347,14 +325,14 @@ class DreamBlockDecoder(_DreamParts, BlockwiseDecoder):
         self.confidence_mode = CONFIDENCE_OF[config.alg] if sparse is not None else (
             "prob" if config.alg == "confidence_threshold" else "neg_entropy")
 
-    def start(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-              histories: list | None = None) -> DreamState:
+    def start(self, model: torch.nn.Module, input_ids: torch.Tensor,
+              attention_mask: torch.Tensor | None = None) -> DreamState:
         (B, P), T = input_ids.shape, self.config.max_length
         num_blocks = (T - P) // self.block_length
         forwards = block_forwards(model, self.spec, self.use_cache, self.sparse,
                                   self.spec.forward_inputs(attention_mask, T), attention_mask, T, self.reference_ties)
         return self._state(input_ids, self.config.steps // num_blocks, forwards=forwards, num_blocks=num_blocks,
-                           rows=torch.arange(B, device=input_ids.device)[:, None], histories=histories)
+                           rows=torch.arange(B, device=input_ids.device)[:, None])
 
     def _next_block(self, state: DreamState) -> None:
         state.block += 1

@@ -23,6 +23,7 @@ becomes the most probable other token (upstream commits it, which at temperature
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generator
 
 import torch
@@ -32,8 +33,9 @@ from remask.caches.block import PackedRows
 from remask.models.fast_dllm_v2 import RowBatch
 
 from ..parts.blocks import BlockLoop, check_block_settings, check_prompt, engine_part, engine_settings
-from ..parts.checks import (ParameterTypeError, check_bool, check_choice, check_generator, check_int, check_real,
-                            check_stats)
+from ..parts.checks import (ParameterTypeError, check_bool, check_choice, check_generator, check_int, check_ints,
+                            check_real, check_stats)
+from ..parts.constrain_loops import filter_block, next_token
 from ..parts.scoring import sample_categorical
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest
@@ -107,18 +109,15 @@ class FastDLLMV2Decoder(BlockLoop):
                  pad_token: int | None = None, top_p: float = 0.95, temperature: float = 0.0,
                  use_block_cache: bool = False, stop_mode: str = "generate", prefill_whole_block_prompt: bool = True,
                  use_cache: bool = True):
-        check_int("mask_id", mask_id, minimum=0)
-        check_int("block_size", block_size, minimum=1)
-        check_int("small_block_size", small_block_size, minimum=1)
+        check_ints(0, mask_id=mask_id, num_blocks=num_blocks, stop_token=stop_token)
+        check_ints(1, block_size=block_size, small_block_size=small_block_size)
         if block_size % small_block_size:
             # upstream never decodes the positions past the last whole sub-block and loops forever
             raise ValueError(f"small_block_size must divide block_size ({block_size}), got {small_block_size}")
         check_real("threshold", threshold)
-        check_int("stop_token", stop_token, minimum=0)
         check_real("top_p", top_p, low=0, high=1, low_open=True)
         check_real("temperature", temperature, low=0)
         check_bool("use_block_cache", use_block_cache)
-        check_int("num_blocks", num_blocks, minimum=0)
         check_choice("stop_mode", stop_mode, STOP_MODES)
         check_int("pad_token", pad_token, minimum=0, allow_none=True)
         check_bool("prefill_whole_block_prompt", prefill_whole_block_prompt)
@@ -162,8 +161,6 @@ class FastDLLMV2Decoder(BlockLoop):
         """A block's first token `[1, 1]`: the argmax; under a structure the best one it allows."""
         if state.constraint is None or state.constraint.matchers[0].ended:
             return logits_row.argmax(dim=-1).view(1, 1)
-        from ..parts.constrain_loops import next_token
-
         return torch.tensor([[next_token(state.constraint, logits_row.reshape(-1))]], device=state.x.device)
 
     def _prefill_span(self, state: FastDLLMV2State) -> tuple[int, int]:
@@ -200,35 +197,24 @@ class FastDLLMV2Decoder(BlockLoop):
     def _loop_forward(self, state: FastDLLMV2State) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, tuple]]:
         """The prefill, a full block's store, or a denoising forward of the current sub-block (the whole block, or the
         sub-block alone once the block is in the sub-block cache); returns (shifted, cut logits, (kind, positions))."""
-        L = self.block_size
-        if not state.prefilled:
-            first, end = self._prefill_span(state)
-            if not self.use_cache:   # the prompt, for the next token only
-                logits = yield ForwardRequest.call(state.x[:, :end], {}, rows=slice(-1, None), block_size=L)
-                return logits, ("prefill", end)
-            if end - first == L:   # one block: a store like any other (positions count from the cache: 0)
-                logits = yield self._block_rows(state, state.x[:, first:end], True)
-            else:
-                state.cache = DynamicCache()
-                logits = yield ForwardRequest.call(state.x[:, first:end], {}, cache=state.cache, rows=slice(-1, None),
-                                                   use_cache=True, update_past_key_values=True, block_size=L)
-            return logits, ("prefill", end - first)
-        block = state.x[:, state.block_start:]
+        L, block = self.block_size, state.x[:, state.block_start:]   # the current block (once prefilled)
         masked = block == self.mask_id
-        if not bool(masked.any()):   # finished block: store it, the next block's first token
-            if not self.use_cache:   # the next block's first token from the sequence's own forward
-                end = state.block_start + L
+        if not state.prefilled or not bool(masked.any()):   # the prefill, or a finished block's store: the next token
+            what = "store" if state.prefilled else "prefill"
+            first, end = (state.block_start, state.x.shape[1]) if state.prefilled else self._prefill_span(state)
+            if not self.use_cache:   # the sequence's own forward, for the next token only
                 return (yield ForwardRequest.call(state.x[:, :end], {}, rows=slice(-1, None), block_size=L)), \
-                    ("store", end)
-            return (yield self._block_rows(state, block, True)), ("store", L)
+                    (what, end)
+            if end - first == L:   # one block: a block store (a prefill's positions count from the cache: 0)
+                return (yield self._block_rows(state, state.x[:, first:end], True)), (what, L)
+            state.cache = DynamicCache()
+            logits = yield ForwardRequest.call(state.x[:, first:end], {}, cache=state.cache, rows=slice(-1, None),
+                                               use_cache=True, update_past_key_values=True, block_size=L)
+            return logits, (what, end - first)
         S = self.small_block_size
         while not bool(masked[:, state.sub_block * S:(state.sub_block + 1) * S].any()):
             state.sub_block += 1
         start, end = state.sub_block * S, (state.sub_block + 1) * S
-        if not self.use_cache:
-            end_of_block = state.block_start + L
-            logits = yield ForwardRequest.call(state.x[:, :end_of_block], {}, rows=slice(state.block_start, None))
-            return shift_logits(logits)[:, start:end], ("denoise", end_of_block)
         if self.use_block_cache and state.block_cache is not None and not bool(block[0, start] == self.mask_id):
             logits = yield ForwardRequest.call(block[:, start:end], {}, cache=state.cache, use_cache=True,
                                                update_past_key_values=False, use_block_cache=True,
@@ -236,12 +222,12 @@ class FastDLLMV2Decoder(BlockLoop):
             return shift_logits(logits), ("denoise", end - start)
         if self.use_block_cache:   # the whole block, its keys and values kept in a new sub-block cache
             state.block_cache = DynamicCache()
-            logits = yield ForwardRequest.call(block, {}, cache=state.cache, use_cache=True,
-                                               update_past_key_values=False, use_block_cache=True,
-                                               block_past_key_values=state.block_cache)
-        else:
-            logits = yield self._block_rows(state, block, False)
-        return shift_logits(logits)[:, start:end], ("denoise", L)
+            logits = shift_logits((yield ForwardRequest.call(block, {}, cache=state.cache, use_cache=True,
+                                                             update_past_key_values=False, use_block_cache=True,
+                                                             block_past_key_values=state.block_cache)))
+        else:   # the whole block (without a cache: the sequence up to its end)
+            logits = yield from self._fd_forwards(state, block)
+        return logits[:, start:end], ("denoise", L if self.use_cache else state.block_start + L)
 
     def _loop_commit(self, state: FastDLLMV2State, logits: torch.Tensor, kind: tuple,
                      generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> None:
@@ -270,20 +256,16 @@ class FastDLLMV2Decoder(BlockLoop):
         S = self.small_block_size
         window = (state.block_start + state.sub_block * S, state.block_start + (state.sub_block + 1) * S)
         sub = state.x[:, window[0]:window[1]]
-        masked, constraint = sub == self.mask_id, state.constraint
-        if constraint is not None:   # structured output: the frontier masked before the rule
-            from ..parts.constrain_loops import filter_block, mask_frontier_rows
-
-            logits = mask_frontier_rows(constraint, logits, *window)
-            prior = sub.clone()
+        masked = sub == self.mask_id
+        logits, prior = self._constrain_before(state, logits, *window)
         tokens, token_probs, _ = choose_tokens(logits, self.top_p, self.temperature, self.mask_id, generator)
         commit = select_to_commit(token_probs, masked, self.threshold)
         sub[commit] = tokens[commit]
         if stats is not None:
             stats.step(commit.sum())
-        if constraint is not None:   # ... and the sub-block filtered after it
-            filter_block(constraint, state.x, prior, tokens, logits, *window)
-            commit = (sub != self.mask_id) & (prior != self.mask_id).logical_not()
+        if prior is not None:   # structured output: the sub-block filtered after the rule
+            filter_block(state.constraint, state.x, prior, tokens, logits, *window)
+            commit = (sub != self.mask_id) & masked
         if bool(((tokens == self.stop_token) & commit).any()) and not state.finished:
             state.finished = True
             state.finished_block = state.block_start // self.block_size
@@ -450,18 +432,18 @@ def fast_dllm_v2_batch_sample(model: torch.nn.Module, input_ids: torch.Tensor, s
     return out
 
 
-FAST_DLLM_V2_SETTINGS = ("block_size", "small_block_size", "use_block_cache")
+# A request's Fast-dLLM v2 settings (`SamplingParams.fast_dllm_v2`) and their checks
+FAST_DLLM_V2_CHECKS = {**dict.fromkeys(("block_size", "small_block_size"), partial(check_int, minimum=1)),
+                       "use_block_cache": check_bool}
+FAST_DLLM_V2_SETTINGS = tuple(FAST_DLLM_V2_CHECKS)
 
 
 def check_fast_dllm_v2_settings(settings: Any) -> dict:
     """A request's Fast-dLLM v2 settings (`SamplingParams.fast_dllm_v2`): keys from FAST_DLLM_V2_SETTINGS."""
-    out = check_block_settings("fast_dllm_v2", settings, FAST_DLLM_V2_SETTINGS,
-                               dict.fromkeys(("block_size", "small_block_size"), (1, None)))
+    out = check_block_settings("fast_dllm_v2", settings, FAST_DLLM_V2_CHECKS)
     if "block_size" in out and out.get("small_block_size", 1) > out["block_size"]:
         raise ValueError(f"fast_dllm_v2.small_block_size must be <= fast_dllm_v2.block_size ({out['block_size']}), "
                          f"got {out['small_block_size']}")
-    if "use_block_cache" in out:
-        check_bool("fast_dllm_v2.use_block_cache", out["use_block_cache"])
     return out
 
 

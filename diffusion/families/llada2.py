@@ -19,13 +19,15 @@ prompt with it there only); one prompt at a time (upstream reads row 0 only).
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 
 from ..parts.blocks import (BlockState, StoreKVLoop, check_block_settings, engine_part, engine_settings,
                             num_transfer_schedule, sample_block, select_mask_to_token)
-from ..parts.checks import MAX_LOOP_STEPS, check_bool, check_int, check_real, check_steps
+from ..parts.checks import MAX_LOOP_STEPS, check_bool, check_int, check_ints, check_real, check_steps
+from ..parts.constrain_loops import filter_block, keep_valid_edits
 from ..parts.rules import is_rule
 
 __all__ = ["LLaDA2Decoder", "LLaDA2State", "num_transfer_schedule", "sample_block", "select_mask_to_token",
@@ -60,22 +62,18 @@ class LLaDA2Decoder(StoreKVLoop):
                  top_p: float | None = None, minimal_topk: int = 1, threshold: float = 0.95,
                  editing_threshold: float | None = None, max_post_steps: int = 16, num_to_transfer: int = 1,
                  eos_early_stop: bool = False, use_cache: bool = True, block_store: Any = None):
-        check_int("mask_id", mask_id, minimum=0)
+        check_ints(0, mask_id=mask_id, max_post_steps=max_post_steps)
+        check_ints(1, gen_length=gen_length, block_length=block_length, steps=steps, minimal_topk=minimal_topk,
+                   num_to_transfer=num_to_transfer)
         check_int("eos_id", eos_id, minimum=0, allow_none=True)
-        check_int("gen_length", gen_length, minimum=1)
-        check_int("block_length", block_length, minimum=1)
-        check_int("steps", steps, minimum=1)
         check_real("temperature", temperature, low=0)
         check_int("top_k", top_k, minimum=0, allow_none=True)
         check_real("top_p", top_p, low=0, high=1, low_open=True, allow_none=True)
-        check_int("minimal_topk", minimal_topk, minimum=1)
         if gen_length // minimal_topk < 1:
             raise ValueError(f"minimal_topk ({minimal_topk}) must not exceed gen_length ({gen_length}): upstream "
                              f"runs min(steps, gen_length // minimal_topk) steps per block")
         check_real("threshold", threshold)
         check_real("editing_threshold", editing_threshold, allow_none=True)
-        check_int("max_post_steps", max_post_steps, minimum=0)
-        check_int("num_to_transfer", num_to_transfer, minimum=1)
         check_bool("eos_early_stop", eos_early_stop)
         check_bool("use_cache", use_cache)
         self.mask_id, self.eos_id, self.gen_length, self.block_length = mask_id, eos_id, gen_length, block_length
@@ -93,18 +91,15 @@ class LLaDA2Decoder(StoreKVLoop):
                          logits: torch.Tensor) -> bool:
         """Structured output, after the rule (and 2.1's edits, kept only where the prefix stays
         valid): the block filtered. True when the answer is complete (then done, cut after it)."""
-        from ..parts.constrain_loops import filter_block, keep_valid_edits
-
         (start, end), constraint = self._span(state), state.constraint
         if self.editing:
             keep_valid_edits(constraint, state.x, prior, start, end)
         filter_block(constraint, state.x, prior, tokens, logits, start, end)
         matcher = constraint.matchers[0]
-        if not matcher.ended:
-            return False
-        state.done = True
-        state.end = min(state.prompt_length + matcher._ended_at + 1, state.prompt_length + self.gen_length)
-        return True
+        if matcher.ended:
+            state.done = True
+            state.end = min(state.prompt_length + matcher._ended_at + 1, state.prompt_length + self.gen_length)
+        return matcher.ended
 
     def output(self, state: LLaDA2State) -> torch.Tensor:
         """The continuation `[1, n]`: up to and including the first EOS, at most `gen_length`."""
@@ -201,20 +196,18 @@ RULE_UNREAD = dict(steps=32, top_p=None, top_k=None, minimal_topk=1, threshold=0
 RULE_SETTINGS = ("steps", "minimal_topk", "editing_threshold", "max_post_steps", "num_to_transfer")
 
 
-LLADA2_SETTINGS = ("block_length", "steps", "minimal_topk", "eos_early_stop", "editing_threshold", "max_post_steps",
-                   "num_to_transfer")
+# A request's LLaDA2 settings (`SamplingParams.llada2`) and their checks; no token count bounds max_post_steps's
+# loop: a cap (docs/parameters.md, work bounds)
+LLADA2_CHECKS = {**dict.fromkeys(("block_length", "steps", "minimal_topk"), partial(check_int, minimum=1)),
+                 "eos_early_stop": check_bool, "editing_threshold": partial(check_real, allow_none=True),
+                 "max_post_steps": partial(check_int, minimum=0, maximum=MAX_LOOP_STEPS),
+                 "num_to_transfer": partial(check_int, minimum=1)}
+LLADA2_SETTINGS = tuple(LLADA2_CHECKS)
 
 
 def check_llada2_settings(settings: Any) -> dict:
     """A request's LLaDA2 settings (`SamplingParams.llada2`): a dict with keys from LLADA2_SETTINGS."""
-    # no token count bounds max_post_steps's loop: a cap (docs/parameters.md, work bounds)
-    ints = {**dict.fromkeys(("block_length", "steps", "minimal_topk", "num_to_transfer"), (1, None)),
-            "max_post_steps": (0, MAX_LOOP_STEPS)}
-    out = check_block_settings("llada2", settings, LLADA2_SETTINGS, ints, steps=("steps", "num_to_transfer"),
-                               bools=("eos_early_stop",))
-    if out.get("editing_threshold") is not None:
-        check_real("llada2.editing_threshold", out["editing_threshold"])
-    return out
+    return check_block_settings("llada2", settings, LLADA2_CHECKS, steps=("steps", "num_to_transfer"))
 
 
 def engine_decoder(engine: Any, params: Any) -> LLaDA2Decoder:

@@ -19,13 +19,16 @@ token (upstream commits it, the position stays masked and the loop fails with an
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Generator, Sequence
 
 import torch
 
 from ..parts.blocks import (BlockState, StoreKVLoop, check_block_settings, engine_part, engine_settings,
-                            num_transfer_schedule, sample_block, select_mask_to_token)
-from ..parts.checks import check_bool, check_choice, check_generator, check_int, check_real, check_stats, check_steps
+                            num_transfer_schedule, select_mask_to_token)
+from ..parts.checks import (check_bool, check_choice, check_generator, check_int, check_ints, check_real, check_stats,
+                            check_steps)
+from ..parts.constrain_loops import filter_block
 from ..parts.rules import check_rule_on_loop, is_rule, unread_settings
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest
@@ -57,20 +60,18 @@ def select_positions(strategy: str, mask_index: torch.Tensor, x0_p: torch.Tensor
     return transfer
 
 
-SDAR_SETTINGS = ("block_length", "denoising_steps", "remasking_strategy", "confidence_threshold", "eb_threshold")
+# A request's SDAR settings (`SamplingParams.sdar`) and their checks
+SDAR_CHECKS = {"block_length": partial(check_int, minimum=1), "denoising_steps": partial(check_int, minimum=1),
+               "remasking_strategy": partial(check_choice, choices=REMASKING_STRATEGIES),
+               "confidence_threshold": partial(check_real, low=0, high=1),
+               "eb_threshold": partial(check_real, low=0, low_open=True, allow_none=True)}
+SDAR_SETTINGS = tuple(SDAR_CHECKS)
 
 
 def check_sdar_settings(settings) -> dict:
     """A request's SDAR settings (`SamplingParams.sdar`): a dict with keys from SDAR_SETTINGS."""
-    out = check_block_settings("sdar", settings, SDAR_SETTINGS, dict.fromkeys(("block_length", "denoising_steps"),
-                                                                              (1, None)), steps=("denoising_steps",))
-    if "remasking_strategy" in out:
-        check_choice("sdar.remasking_strategy", out["remasking_strategy"], REMASKING_STRATEGIES)
-    if "confidence_threshold" in out:
-        check_real("sdar.confidence_threshold", out["confidence_threshold"], low=0, high=1)
-    if out.get("eb_threshold") is not None:
-        check_real("sdar.eb_threshold", out["eb_threshold"], low=0, low_open=True)
-    return out
+    return check_block_settings("sdar", settings, SDAR_CHECKS, steps=("denoising_steps",))
+
 
 SDARState = BlockState
 
@@ -88,12 +89,9 @@ class SDARDecoder(StoreKVLoop):
                  temperature: float, top_k: int, top_p: float, remasking_strategy: str,
                  confidence_threshold: float | None, eb_threshold: float | None, stop_ids: Sequence[int] = (),
                  fill_after_stop: bool = True, block_store: Any = None, use_cache: bool = True):
-        check_int("mask_id", mask_id, minimum=0)
-        check_int("gen_length", gen_length, minimum=1)
-        check_int("block_length", block_length, minimum=1)
-        check_int("denoising_steps", denoising_steps, minimum=1)
+        check_ints(0, mask_id=mask_id, top_k=top_k)
+        check_ints(1, gen_length=gen_length, block_length=block_length, denoising_steps=denoising_steps)
         check_real("temperature", temperature, low=0)
-        check_int("top_k", top_k, minimum=0)
         check_real("top_p", top_p, low=0, high=1, low_open=True)
         check_choice("remasking_strategy", remasking_strategy, REMASKING_STRATEGIES)
         if remasking_strategy == "low_confidence_dynamic":
@@ -130,8 +128,6 @@ class SDARDecoder(StoreKVLoop):
     def _decided(self, state: SDARState, block: torch.Tensor, masked: torch.Tensor, change: torch.Tensor,
                  tokens: torch.Tensor | None, logits: torch.Tensor, prior: torch.Tensor | None) -> None:
         if prior is not None:   # structured output: the block filtered after the rule
-            from ..parts.constrain_loops import filter_block
-
             filter_block(state.constraint, state.x, prior, None, logits, *self._span(state))
 
     def _next_block(self, state: SDARState) -> None:
@@ -213,11 +209,9 @@ def engine_decoder(engine: Any, params: Any) -> SDARDecoder:
                              f"its confidence_threshold): leave {given} unset")
         settings.update(remasking_strategy="low_confidence_static" if threshold is None else "low_confidence_dynamic",
                         **({} if threshold is None else {"confidence_threshold": threshold}))
+    settings = {"denoising_steps": block_length, "remasking_strategy": "low_confidence_static",
+                "confidence_threshold": 0.85, "eb_threshold": None, **settings}
     return SDARDecoder(part, block_store=engine.runner.store, mask_id=engine.spec.mask_id,
-                       gen_length=params.max_tokens, block_length=block_length,
-                       denoising_steps=settings.get("denoising_steps", block_length), temperature=params.temperature,
+                       gen_length=params.max_tokens, block_length=block_length, temperature=params.temperature,
                        top_k=params.top_k or 0, top_p=1.0 if params.top_p is None else params.top_p,
-                       eb_threshold=settings.get("eb_threshold"),
-                       remasking_strategy=settings.get("remasking_strategy", "low_confidence_static"),
-                       confidence_threshold=settings.get("confidence_threshold", 0.85),
-                       stop_ids=sorted(set(engine.stop_ids) | set(params.stop_token_ids)))
+                       stop_ids=sorted(set(engine.stop_ids) | set(params.stop_token_ids)), **settings)

@@ -26,7 +26,7 @@ import torch
 from remask.caches.position import D2KVCache
 
 from ..parts.cache import valid_positions
-from ..parts.checks import NoWorkBound, check_bool, check_call, check_int, check_real
+from ..parts.checks import NoWorkBound, check_bool, check_config, check_int, check_ints, check_method_call, check_real
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.scoring import score_tokens
 from ..parts.selection import topk_commit
@@ -199,9 +199,9 @@ def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cac
     after another, the canvas showing each row as it stands. `structure` (a compiled
     `remask.structured` structure) and `end_ids`: structured output (`diffusion/parts/constrain.py`;
     each row's frontier among the recomputed rows, a block run until settled: docs/quirks.md)."""
-    config, spec = check_call(model, prompt, attention_mask, config, D2Cache, mask_id=mask_id, stats=stats)
-    for name, value in (("steps", steps), ("gen_length", gen_length), ("block_length", block_length)):
-        check_int(name, value, minimum=1)
+    config = check_config("config", config, D2Cache, "a remask D2Cache")
+    spec, stats = check_method_call(model, prompt, attention_mask, stats, mask_id=mask_id)
+    check_ints(1, steps=steps, gen_length=gen_length, block_length=block_length)
     check_real("prior_sigma", prior_sigma, low=0.0, low_open=True, allow_none=True)
     check_bool("commit_mask_token", commit_mask_token)
     check_bool("independent_rows", independent_rows)
@@ -218,7 +218,7 @@ def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cac
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), prompt.shape[0], spec.mask_id,
                                     prompt.shape[1], gen_length)
     return _steps(prompt, config, gen_length, block_length, per_step, prior_sigma, commit_mask_token,
-                  attention_mask, spec.mask_id, stats or GenerationStats(), constraint, independent_rows)
+                  attention_mask, spec.mask_id, stats, constraint, independent_rows)
 
 
 @torch.no_grad()

@@ -27,9 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from remask.models.spec import get_spec
-
-from ..parts.checks import check_instance, check_int, check_mask_id, check_prompt, check_real, check_stats, model_device
+from ..parts.checks import check_config, check_int, check_method_call, check_real, model_device
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
@@ -85,19 +83,15 @@ def daedal_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DAEDAL
     """`daedal_generate` as a step generator, its arguments checked at the call: each forward's
     canvas is as long as the row's canvas then is; a `Progress` after each denoising forward (`final`:
     the blocks before the current one, which no insertion moves)."""
-    config = check_instance("config", DAEDAL() if config is None else config, DAEDAL, "a remask DAEDAL",
-                            allow_none=False)
+    config = check_config("config", config, DAEDAL, "a remask DAEDAL")
     check_int("gen_length", gen_length, minimum=1)
     check_int("block_length", block_length, minimum=1)
-    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     if structure is not None:
         raise ValueError("structured_outputs: not supported with DAEDAL (its canvas grows and shifts under the "
                          "matcher)")
-    spec = get_spec(model, mask_id=mask_id)
-    check_mask_id(spec)
+    spec, stats = check_method_call(model, prompt, attention_mask, stats, mask_id=mask_id)
     if spec.eos_id is None:
         raise ValueError("DAEDAL reads the EOS confidence: the model has no eos id")
-    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
     return _daedal_loop(config, spec, prompt.to(model_device(model)), attention_mask, gen_length, block_length, stats)
 
 

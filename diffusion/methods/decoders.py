@@ -75,19 +75,15 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
     if use_cache is not None and not isinstance(use_cache, str) and cache is None:
         raise ValueError(f"use_cache must be None, a cache name or a remask cache config, "
                          f"got {type(use_cache).__name__}")
-    if cache is not None and cache.name != "vicinity" and decoder is not None:   # a cache method with its own loop
-        if cache.takes_rule and not registry.method_of(decoder).is_rule:
-            rules = ", ".join(rule.__name__ for rule in registry.rules())
-            raise CombinationError(f"decoder={type(decoder).__name__} with use_cache={type(use_cache).__name__}: "
-                                   f"{type(use_cache).__name__} takes a commit rule ({rules}, ...) as decoder=, not a "
-                                   f"decoder with its own loop")
-        if not cache.takes_rule:
-            raise CombinationError(f"decoder={type(decoder).__name__} with use_cache={type(use_cache).__name__}: "
-                                   f"{type(use_cache).__name__} runs its own schedule (its commits are part of its "
-                                   f"cache policy); it does not combine with decoder=")
-    if decoder is None and cache is not None and cache.name == "vicinity":
-        decoder = registry.METHODS["threshold"].config()   # the vicinity cache alone: dInfer's threshold rule
-    method = cache if cache is not None and cache.name != "vicinity" else registry.method_of(decoder)
+    if cache is not None and cache.name == "vicinity":   # dInfer's block loop and a rule (by default its threshold)
+        cache, decoder = None, registry.METHODS["threshold"].config() if decoder is None else decoder
+    if cache is not None and decoder is not None and not (cache.takes_rule and registry.method_of(decoder).is_rule):
+        rules = ", ".join(rule.__name__ for rule in registry.rules())
+        why = f"takes a commit rule ({rules}, ...) as decoder=, not a decoder with its own loop" if cache.takes_rule \
+            else "runs its own schedule (its commits are part of its cache policy); it does not combine with decoder="
+        raise CombinationError(f"decoder={type(decoder).__name__} with use_cache={type(use_cache).__name__}: "
+                               f"{type(use_cache).__name__} {why}")
+    method = registry.method_of(decoder) if cache is None else cache
     name = method.config.__name__
     if method.unshifted is not None and get_spec(model, mask_id=mask_id).logit_shift:
         hint = " (Dream's own dKV-Cache: remask.diffusion.methods.dkv.dkv_dream_generate)" if name == "DKVCache" \

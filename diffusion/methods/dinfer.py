@@ -24,19 +24,17 @@ The rules are described on their classes, the departures from upstream in `dinfe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
-from remask.models.spec import get_spec
-
 from ..families.llada import BlockDecoder
-from ..parts.checks import (check_instance, check_int, check_model_kind, check_prompt,
-                            check_stats, check_mask_id)
+from ..parts.checks import check_instance, check_int, check_method_call
 from ..parts.stats import GenerationStats
 from ..parts.rules import CreditDecoding, HierarchicalDecoding, IterationSmoothing, ThresholdDecoding
 from ..parts.step import CommitRule, masked_canvas
-from ..parts.stepper import Progress, StepGenerator, drive
+from ..parts.stepper import Progress, StepGenerator, drive, row_by_row
 
 __all__ = ["ThresholdDecoding", "CreditDecoding", "HierarchicalDecoding", "VicinityCache", "IterationSmoothing",
            "dinfer_generate", "dinfer_steps"]
@@ -104,16 +102,13 @@ def dinfer_steps(model: torch.nn.Module, prompt: torch.Tensor, *, decoder: Commi
     every decode (`diffusion/parts/constrain.py`: commits filtered, a block iterated until full)."""
     check_instance("decoder", decoder, CommitRule, "a remask commit rule (ThresholdDecoding, CreditDecoding, "
                    "HierarchicalDecoding or another CommitRule)", allow_none=False)
-    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     vicinity = use_cache if isinstance(use_cache, VicinityCache) else None
     if vicinity is None and use_cache not in (None, "prefix", "dual"):
         raise ValueError(f"use_cache must be None, 'prefix', 'dual' or a remask VicinityCache, got {use_cache!r}")
     for name, value in (("mask_id", mask_id), ("eos_id", eos_id)):
         check_int(name, value, minimum=0, allow_none=True)
-    spec = get_spec(model, mask_id=mask_id, eos_id=eos_id)
-    check_model_kind(spec, diffusion=True, entry="remask.dinfer_generate")
-    check_mask_id(spec)
-    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
+    spec, stats = check_method_call(model, prompt, attention_mask, stats, "remask.dinfer_generate", mask_id=mask_id,
+                                    eos_id=eos_id)
     if spec.eos_id is None and early_stop:
         raise ValueError("early_stop needs an EOS id: the model has none, pass eos_id=")
     block_decoder = BlockDecoder(spec, gen_length=gen_length, block_length=block_length, early_stop=early_stop,
@@ -123,22 +118,17 @@ def dinfer_steps(model: torch.nn.Module, prompt: torch.Tensor, *, decoder: Commi
     # decoded row by row where upstream couples a batch's rows (the vicinity warmup and unrolling,
     # iteration smoothing's iteration count): each row as alone, in its row of the canvas
     alone = vicinity is not None or decoder.smoothing is not None
-    rows = [slice(b, b + 1) for b in range(prompt.shape[0])] if alone else [slice(None)]
-    states = [(rs, block_decoder.start(model, prompt[rs], None if attention_mask is None else attention_mask[rs]))
-              for rs in rows]
-    return _dinfer_loop(block_decoder, states, masked_canvas(prompt, gen_length, spec.mask_id), gen_length, stats)
+    canvas = masked_canvas(prompt, gen_length, spec.mask_id)
+    return row_by_row(canvas, partial(_dinfer_rows, block_decoder, model, canvas, stats), attention_mask, stats,
+                      gen_length * prompt.shape[0], None if alone else [slice(None)])
 
 
 @torch.no_grad()
-def _dinfer_loop(decoder: BlockDecoder, states: list, canvas: torch.Tensor, gen_length: int,
-                 stats: GenerationStats) -> StepGenerator:
-    """Each state (its rows of the canvas) to its end, one forward at a time; rows decoded earlier are
-    final, rows after the current one not started (0 final)."""
-    stats.start()
-    for rs, state in states:
-        while (request := decoder.next_forward(None, state)) is not None:
-            decoder.receive(state, (yield request), None, stats)
-            canvas[rs] = state.x
-            yield Progress(canvas, decoder.num_final(state) if state is states[-1][1] else 0)
-    stats.stop(int(gen_length * canvas.shape[0]))
-    return canvas
+def _dinfer_rows(decoder: BlockDecoder, model: torch.nn.Module, canvas: torch.Tensor, stats: GenerationStats,
+                 rows: slice, attention_mask: torch.Tensor | None) -> StepGenerator:
+    """The rows `canvas[rows]` to their end, one forward at a time."""
+    state = decoder.start(model, canvas[rows, :canvas.shape[1] - decoder.gen_length], attention_mask)
+    while (request := decoder.next_forward(None, state)) is not None:
+        decoder.receive(state, (yield request), None, stats)
+        yield Progress(state.x, decoder.num_final(state))
+    return state.x

@@ -58,8 +58,9 @@ from remask.models.spec import get_spec
 from ..families.dream import DreamDecoder, DreamGenerationConfig, _validate_config
 from ..families.llada import validate_block_args
 from ..parts.cache import valid_positions
-from ..parts.checks import (NoWorkBound, check_bool, check_call, check_choice, check_generator, check_int,
-                            check_length, model_device)
+from ..parts.checks import (NoWorkBound, check_bool, check_choice, check_config, check_generator, check_int,
+                            check_length, check_mask_id, check_method_call, check_model_kind, check_prompt,
+                            check_stats, model_device)
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.constrain_loops import structure_for_call
 from ..parts.scoring import score_tokens
@@ -226,7 +227,8 @@ def dkv_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCache 
     decoded blocks) and returns `dkv_generate`'s tensor. `structure` (a compiled `remask.structured`
     structure) and `end_ids`: structured output (`diffusion/parts/constrain.py`; how each variant
     holds it, extra steps and forwarded frontiers included: docs/quirks.md)."""
-    config, spec = check_call(model, prompt, attention_mask, config, DKVCache, mask_id=mask_id, stats=stats)
+    config = check_config("config", config, DKVCache, "a remask DKVCache")
+    spec, stats = check_method_call(model, prompt, attention_mask, stats, mask_id=mask_id)
     if config.dream_fields:
         name = config.dream_fields[0]
         raise ValueError(f"{name}: a Dream-only field (dkv_dream_generate); LLaDA's dKV-Cache takes "
@@ -280,8 +282,12 @@ def dkv_dream_steps(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     0: any masked position may be decoded at any step) and returns `dkv_dream_generate`'s tensor.
     `structure` (a compiled `remask.structured` structure) and `end_ids`: structured output, held in
     `DreamDecoder.commit` (the frontier's scorer always forwarded: docs/quirks.md)."""
-    config, spec = check_call(model, input_ids, attention_mask, config, DKVCache, mask_id=mask_id, stats=stats,
-                              entry="dkv_dream_generate", name="input_ids")   # (cache_type None: "decoded")
+    config = check_config("config", config, DKVCache, "a remask DKVCache")   # (cache_type None: "decoded")
+    spec = get_spec(model, mask_id=mask_id)
+    check_model_kind(spec, diffusion=True, entry="dkv_dream_generate")
+    check_mask_id(spec)
+    check_prompt(model, input_ids, attention_mask, name="input_ids", spec=spec, mask_in_prompt="refuse")
+    check_stats("stats", stats)
     if config.variant != "decode":   # (a window_size is Greedy's)
         raise ValueError(f"variant: dKV-Cache's Dream sampler is the delayed (decode) cache; variant="
                          f"{config.variant!r} is LLaDA's dKV-Cache-Greedy (dkv_generate)")

@@ -33,21 +33,21 @@ model. Upstream decodes one row; rows of a batch are decoded one by one, each wi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from remask.caches.elastic import ElasticKVCache
 from remask.models.layers import rope_cos_sin
-from remask.models.spec import get_spec
 
 from ..parts.cache import valid_positions
-from ..parts.checks import (check_bool, check_instance, check_int, check_mask_id, check_model_kind,
-                            check_optional_token_id, check_prompt, check_real, check_stats, model_device)
+from ..parts.checks import (changed, check_bool, check_config, check_instance, check_int, check_method_call,
+                            check_optional_token_id, check_real, model_device)
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
-from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
+from ..parts.step import CommitRule, masked_canvas
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive, row_by_row
 
 
 @dataclass(frozen=True)
@@ -147,121 +147,113 @@ def _final_prefix(x: torch.Tensor, P: int, masked: torch.Tensor, mask_id: int, e
 def _check_rule(rule: Any, config: ElasticCache) -> None:
     """`rule` with Elastic-Cache: a commit rule without iteration smoothing, and none of Elastic's
     own commit settings (the rule replaces them), each refused naming both parts."""
-    from ..parts.step import CommitRule
-
     if not isinstance(rule, CommitRule):
         raise ValueError(f"decoder: Elastic-Cache takes a commit rule (a remask CommitRule: ThresholdDecoding, "
                          f"CreditDecoding, HierarchicalDecoding, MarginDecoding, ...), got {type(rule).__name__}")
     if rule.smoothing is not None:
         raise ValueError(f"smoothing: decoder={type(rule).__name__}(smoothing=...) feeds embeddings to dInfer's own "
                          "loop; Elastic-Cache's loop feeds token ids: leave smoothing None")
-    default = ElasticCache()
-    set_here = [name for name in ("threshold", "tokens_per_iter", "commit_mask_token")
-                if getattr(config, name) != getattr(default, name)]
+    set_here = changed(config, ("threshold", "tokens_per_iter", "commit_mask_token"))
     if set_here:
         raise ValueError(f"decoder={type(rule).__name__} replaces Elastic-Cache's commit rule and does not read "
                          f"ElasticCache's {set_here}: leave them at their defaults")
 
 
 @torch.no_grad()
-def _elastic_loop(model: torch.nn.Module, canvas: torch.Tensor, P: int, config: ElasticCache, mask_id: int,
-                  eos_id: int | None, key_ok: torch.Tensor | None, stats: GenerationStats, trace: list | None,
-                  rule: Any = None, filters: Any = None) -> StepGenerator:
-    """Elastic-Cache decoding of each row of `canvas` (prompt then masks) alone, one after another, in
-    place, as a step generator: after every forward the whole `canvas` is yielded (`final`: the row's
-    final prefix on the last row, else 0 — later rows are undecoded); returns `canvas`. `filters`: the
-    batch's `CommitFilter` or None (`elastic_steps`)."""
-    (B, T), L, device = canvas.shape, len(model.model.transformer.blocks), canvas.device
+def _elastic_row(model: torch.nn.Module, canvas: torch.Tensor, P: int, config: ElasticCache, mask_id: int,
+                 eos_id: int | None, stats: GenerationStats, trace: list | None, rule: Any, filters: Any,
+                 rows: slice, key_ok: torch.Tensor | None) -> StepGenerator:
+    """Elastic-Cache decoding of the row `canvas[rows]` (prompt then masks) alone, in place, as a step
+    generator: a `Progress` after every forward (`final`: the row's final prefix); returns the row.
+    `filters`: the batch's `CommitFilter` or None (`elastic_steps`)."""
+    T, L, device = canvas.shape[1], len(model.model.transformer.blocks), canvas.device
     W, everything = config.window_length, torch.arange(T, device=device)
-    stats.start()
-    for row in range(B):
-        x = canvas[row:row + 1]   # a view: decoded in the canvas
-        constraint = None if filters is None else filters.rows([row])   # the row's (one matcher)
-        cache = ElasticKVCache(None if key_ok is None else key_ok[row:row + 1])
-        x_cache: list[torch.Tensor | None] = [None] * L
-        track_position = everything[:0].clone()
-        masked = everything[P:].clone()
-        decoded_eos = False
-        rule_state = rule.new_state() if rule is not None else None
-        if constraint is not None:
-            ends_of = torch.tensor(constraint.matchers[0].end_ids, dtype=torch.long, device=device)
-        new_decoded = None   # the first forward: every position through every layer
-        while True:
-            window = masked[:W] if config.block_caching else masked
-            if new_decoded is None:
-                query_position, start_reset = everything, -1
-            else:
-                query_position, start_reset = torch.cat([track_position, new_decoded, window]), L
-            cache.triggered = False
-            layers = ElasticLayers(model, cache, x_cache, query_position, track_position, window, masked, start_reset,
-                                   config, T)
-            logits = yield ForwardRequest(x[:, query_position], cache=cache, layers=layers)
-            start_reset = layers.start_reset
-            # positions computed, averaged over the layers (a recomputed layer: all T)
-            computed = max(start_reset, 0) * query_position.shape[0] + (L - max(start_reset, 0)) * T
-            stats.forward(1, -(-computed // L), cache.nbytes)
-            if trace is not None:
-                trace.append((int(query_position.shape[0]), int(start_reset)))
-            logits = logits[:, window, :] if logits.shape[1] == T else logits[:, -window.shape[0]:, :]
-            if not config.block_caching:
-                window = window[:W]
-                logits = logits[:, :W]
-            track_position = torch.cat([cache.track[layer] for layer in range(L)], dim=0).unique(sorted=False)
+    x = canvas[rows]   # a view: decoded in the canvas
+    constraint = None if filters is None else filters.rows([rows.start])   # the row's (one matcher)
+    cache = ElasticKVCache(key_ok)
+    x_cache: list[torch.Tensor | None] = [None] * L
+    track_position = everything[:0].clone()
+    masked = everything[P:].clone()
+    decoded_eos = False
+    rule_state = rule.new_state() if rule is not None else None
+    if constraint is not None:
+        ends_of = torch.tensor(constraint.matchers[0].end_ids, dtype=torch.long, device=device)
+    new_decoded = None   # the first forward: every position through every layer
+    while True:
+        window = masked[:W] if config.block_caching else masked
+        if new_decoded is None:
+            query_position, start_reset = everything, -1
+        else:
+            query_position, start_reset = torch.cat([track_position, new_decoded, window]), L
+        cache.triggered = False
+        layers = ElasticLayers(model, cache, x_cache, query_position, track_position, window, masked, start_reset,
+                               config, T)
+        logits = yield ForwardRequest(x[:, query_position], cache=cache, layers=layers)
+        start_reset = layers.start_reset
+        # positions computed, averaged over the layers (a recomputed layer: all T)
+        computed = max(start_reset, 0) * query_position.shape[0] + (L - max(start_reset, 0)) * T
+        stats.forward(1, -(-computed // L), cache.nbytes)
+        if trace is not None:
+            trace.append((int(query_position.shape[0]), int(start_reset)))
+        logits = logits[:, window, :] if logits.shape[1] == T else logits[:, -window.shape[0]:, :]
+        if not config.block_caching:
+            window = window[:W]
+            logits = logits[:, :W]
+        track_position = torch.cat([cache.track[layer] for layer in range(L)], dim=0).unique(sorted=False)
 
-            if constraint is not None:
-                # the filter's window: from the frontier (the first masked position) through the last
-                # window position and the committed run after it; logits −inf off the window
-                lo = min(constraint.frontier(0), int(window[0]))
-                hi = int(window[-1]) + 1
-                while hi < T and int(x[0, hi]) != mask_id:
-                    hi += 1
-                span = torch.full((1, hi - lo, logits.shape[-1]), -torch.inf, dtype=logits.dtype, device=device)
-                span[0, window - lo] = logits[0]
-                span = constraint.mask_frontier(span, lo, hi, 0)   # before the rule scores (parts/constrain.py)
-                logits = span[:, window - lo]
-                before = x.clone()
-            if rule is not None:   # a commit rule over the window (all masked): its commits and tokens
-                commit, candidates = rule.commit(x[:, window], logits, mask_id, rule_state)
-                keep = commit[0]
-            else:   # the float64 softmax's most probable token (the mask token only with commit_mask_token)
-                candidates, conf = score_tokens(logits.to(torch.float64), sampler="categorical",
-                                                exclude_id=None if config.commit_mask_token else mask_id)
-                if config.threshold is not None:
-                    keep = (conf >= min(config.threshold, conf.max()))[0]
-                else:
-                    keep = torch.topk(conf[0], k=min(config.tokens_per_iter, candidates.shape[1]), largest=True)[1]
-            decoded = new_decoded = window[keep]
-            tokens = candidates[:, keep]
-            x[:, decoded] = tokens
-            masked = masked[~torch.isin(masked, decoded)]
-            if constraint is not None:   # keep what the structure accepts, advance the matcher
-                proposal = torch.full((1, hi - lo), mask_id, dtype=torch.long, device=device)
-                proposal[0, window - lo] = candidates[0]
-                constraint.filter(x, before[:, lo:hi], proposal, span, lo, hi, 0)
-                new_decoded = ((x[0] != before[0]) & (x[0] != mask_id)).nonzero().flatten()
-                # the masked positions, revoked ones included, up to a committed end token (the filter
-                # fills the rest once the matcher consumes it)
-                left = (x[0, P:] == mask_id).nonzero().flatten() + P
-                ends = torch.isin(x[0, P:], ends_of).nonzero().flatten()
-                masked = left if ends.shape[0] == 0 or not bool((left < int(ends[0]) + P).any()) else \
-                    left[left < int(ends[0]) + P]
-                stats.step((before[0] == mask_id).sum() - (x[0] == mask_id).sum())
+        if constraint is not None:
+            # the filter's window: from the frontier (the first masked position) through the last
+            # window position and the committed run after it; logits −inf off the window
+            lo = min(constraint.frontier(0), int(window[0]))
+            hi = int(window[-1]) + 1
+            while hi < T and int(x[0, hi]) != mask_id:
+                hi += 1
+            span = torch.full((1, hi - lo, logits.shape[-1]), -torch.inf, dtype=logits.dtype, device=device)
+            span[0, window - lo] = logits[0]
+            span = constraint.mask_frontier(span, lo, hi, 0)   # before the rule scores (parts/constrain.py)
+            logits = span[:, window - lo]
+            before = x.clone()
+        if rule is not None:   # a commit rule over the window (all masked): its commits and tokens
+            commit, candidates = rule.commit(x[:, window], logits, mask_id, rule_state)
+            keep = commit[0]
+        else:   # the float64 softmax's most probable token (the mask token only with commit_mask_token)
+            candidates, conf = score_tokens(logits.to(torch.float64), sampler="categorical",
+                                            exclude_id=None if config.commit_mask_token else mask_id)
+            if config.threshold is not None:
+                keep = (conf >= min(config.threshold, conf.max()))[0]
             else:
-                stats.step(decoded.shape[0])
-            if eos_id is not None and not decoded_eos and constraint is None:
-                eos_pos = decoded[tokens.eq(eos_id)[0]]
-                if eos_pos.shape[0] > 0:
-                    decoded_eos = True
-                    masked = masked[masked <= eos_pos.min().item()]
-            yield Progress(canvas, _final_prefix(x, P, masked, mask_id, eos_id) if row == B - 1 else 0)
-            if masked.shape[0] == 0:
-                break
-        if decoded_eos:   # positions dropped after the first EOS: EOS (upstream leaves them masked)
-            first = int(((x[0, P:] == eos_id).nonzero()[0, 0]) + P)
-            tail = x[:, first:]
-            tail[tail == mask_id] = eos_id
-    stats.stop(B * (T - P))
-    return canvas
+                keep = torch.topk(conf[0], k=min(config.tokens_per_iter, candidates.shape[1]), largest=True)[1]
+        decoded = new_decoded = window[keep]
+        tokens = candidates[:, keep]
+        x[:, decoded] = tokens
+        masked = masked[~torch.isin(masked, decoded)]
+        if constraint is not None:   # keep what the structure accepts, advance the matcher
+            proposal = torch.full((1, hi - lo), mask_id, dtype=torch.long, device=device)
+            proposal[0, window - lo] = candidates[0]
+            constraint.filter(x, before[:, lo:hi], proposal, span, lo, hi, 0)
+            new_decoded = ((x[0] != before[0]) & (x[0] != mask_id)).nonzero().flatten()
+            # the masked positions, revoked ones included, up to a committed end token (the filter
+            # fills the rest once the matcher consumes it)
+            left = (x[0, P:] == mask_id).nonzero().flatten() + P
+            ends = torch.isin(x[0, P:], ends_of).nonzero().flatten()
+            masked = left if ends.shape[0] == 0 or not bool((left < int(ends[0]) + P).any()) else \
+                left[left < int(ends[0]) + P]
+            stats.step((before[0] == mask_id).sum() - (x[0] == mask_id).sum())
+        else:
+            stats.step(decoded.shape[0])
+        if eos_id is not None and not decoded_eos and constraint is None:
+            eos_pos = decoded[tokens.eq(eos_id)[0]]
+            if eos_pos.shape[0] > 0:
+                decoded_eos = True
+                masked = masked[masked <= eos_pos.min().item()]
+        yield Progress(x, _final_prefix(x, P, masked, mask_id, eos_id))
+        if masked.shape[0] == 0:
+            break
+    if decoded_eos:   # positions dropped after the first EOS: EOS (upstream leaves them masked)
+        first = int(((x[0, P:] == eos_id).nonzero()[0, 0]) + P)
+        tail = x[:, first:]
+        tail[tail == mask_id] = eos_id
+    return x
 
 
 def elastic_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: ElasticCache | None = None,
@@ -294,21 +286,16 @@ def elastic_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Elast
     last row); returns `[B, P + gen_length]`. `structure` / `end_ids`: structured output around
     Elastic's own rule or `rule` (`diffusion/parts/constrain.py`; what it changes in Elastic's
     loop: docs/quirks.md, "Structured output in ... the step-generator methods")."""
-    config = check_instance("config", ElasticCache() if config is None else config, ElasticCache,
-                            "a remask ElasticCache", allow_none=False)
+    config = check_config("config", config, ElasticCache, "a remask ElasticCache")
     check_int("gen_length", gen_length, minimum=1)
-    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     for name, value in (("mask_id", mask_id), ("eos_id", eos_id)):
         check_int(name, value, minimum=0, allow_none=True)
-    spec = get_spec(model, mask_id=mask_id, eos_id=eos_id)
-    check_model_kind(spec, diffusion=True, entry="remask.elastic_generate")
+    spec, stats = check_method_call(model, prompt, attention_mask, stats, "remask.elastic_generate", mask_id=mask_id,
+                                    eos_id=eos_id)
     if spec.kind != "llada":
         raise ValueError(f"elastic_generate drives LLaDA's layers; got a {spec.kind} model")
-    check_mask_id(spec)
     check_optional_token_id(spec, spec.eos_id, "eos_id")
-    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
-    if trace is not None and not isinstance(trace, list):
-        raise ValueError(f"trace must be a list or None, got {type(trace).__name__}")
+    check_instance("trace", trace, list, "a list")
     if rule is not None:
         _check_rule(rule, config)
     B, P = prompt.shape
@@ -318,4 +305,5 @@ def elastic_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Elast
     from ..parts.constrain import CommitFilter, end_ids_of
 
     filters = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
-    return _elastic_loop(model, x, P, config, spec.mask_id, spec.eos_id, key_ok, stats, trace, rule, filters)
+    decode_row = partial(_elastic_row, model, x, P, config, spec.mask_id, spec.eos_id, stats, trace, rule, filters)
+    return row_by_row(x, decode_row, key_ok, stats, B * gen_length)

@@ -61,8 +61,8 @@ from remask.models.spec import ModelSpec
 
 from ..parts.cache import BlockForward, cache_mode, valid_positions
 from ..parts.constrain import CommitFilter, end_ids_of
-from ..parts.checks import (check_call, check_choice, check_config_bounds, check_int, check_length, check_real,
-                            warn_if_longer_than_trained, warn_if_padded_without_mask)
+from ..parts.checks import (check_choice, check_config, check_config_bounds, check_int, check_length,
+                            check_method_call, check_real, warn_if_longer_than_trained, warn_if_padded_without_mask)
 from ..families.llada import validate_block_args
 from ..parts.scoring import score_rows
 from remask.models.parallel import full_logits
@@ -340,8 +340,8 @@ def freedave_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask:
     the call: it yields a `Progress` after every forward (block start and verification; `final`: the
     decoded blocks) and returns the tokens of `freedave_generate`."""
     check_int("mask_id", mask_id, minimum=0, allow_none=True)
-    config, spec = check_call(model, prompt, attention_mask, config, FreeDave, "a remask FreeDave config",
-                              mask_id=mask_id, stats=stats, entry="freedave_generate")
+    config = check_config("config", config, FreeDave, "a remask FreeDave config")
+    spec, stats = check_method_call(model, prompt, attention_mask, stats, "freedave_generate", mask_id=mask_id)
     if spec.noise != "mask":
         raise ValueError("freedave_generate decodes mask-diffusion models (LLaDA, Dream)")
     validate_block_args(gen_length, block_length, gen_length)   # steps = gen_length: one token per step
@@ -359,5 +359,5 @@ def freedave_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask:
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), prompt.shape[0], spec.mask_id,
                                     prompt.shape[1], gen_length)
     decoder = _Decoder(model, spec, config, block_length, mode, attention_mask, prompt.shape[1],
-                       prompt.shape[1] + gen_length, stats or GenerationStats())   # None: counted, then dropped
+                       prompt.shape[1] + gen_length, stats)
     return decoder.run(masked_canvas(prompt, gen_length, spec.mask_id), gen_length, constraint)

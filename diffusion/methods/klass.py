@@ -25,18 +25,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
-from remask.models.spec import get_spec
-
 from ..families.llada import validate_block_args
-from ..parts.checks import check_choice, check_instance, check_int, check_mask_id, check_prompt, check_real, check_stats
+from ..parts.checks import check_choice, check_config, check_int, check_method_call, check_real
 from ..parts.selection import schedule_counts
 from ..parts.stats import GenerationStats
 from ..parts.step import CommitRule, masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, row_by_row
 
 EPS = 1e-12   # upstream's: log(p + eps)
 
@@ -133,42 +132,38 @@ def klass_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: KLASS |
     """KLASS's loop (module docstring) as a step generator, its arguments checked at the call: a
     `ForwardRequest` per forward (the block and the next, against the whole canvas), a `Progress` after
     each; returns `[B, P + gen_length]`. `steps`: LLaDA's schedule (None: `gen_length`)."""
-    config = check_instance("decoder", KLASS() if config is None else config, KLASS, "a remask.KLASS", allow_none=False)
-    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
+    config = check_config("decoder", config, KLASS, "a remask.KLASS")
     if structure is not None:
         raise ValueError("structured_outputs: KLASS's loop does not take a structure")
     steps = gen_length if steps is None else steps
     validate_block_args(gen_length, block_length, steps)
-    spec = get_spec(model, mask_id=mask_id)
-    check_mask_id(spec)
-    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
-    return _klass_loop(config, spec, masked_canvas(prompt, gen_length, spec.mask_id), prompt.shape[1], attention_mask,
-                       steps * block_length // gen_length, block_length, stats)
+    spec, stats = check_method_call(model, prompt, attention_mask, stats, mask_id=mask_id)
+    x = masked_canvas(prompt, gen_length, spec.mask_id)
+    decode_row = partial(_klass_row, config, spec, x, prompt.shape[1], steps * block_length // gen_length, block_length,
+                         stats)
+    return row_by_row(x, decode_row, attention_mask, stats, prompt.shape[0] * gen_length)
 
 
 @torch.no_grad()
-def _klass_loop(config: KLASS, spec: Any, x: torch.Tensor, P: int, attention_mask: torch.Tensor | None,
-                steps_per_block: int, block_length: int, stats: GenerationStats) -> StepGenerator:
-    B, T, mask_id = x.shape[0], x.shape[1], spec.mask_id
-    stats.start()
-    for b in range(B):   # each row as alone (upstream's LLaDA loop is one row; its Dream fallback mixes rows)
-        row = x[b:b + 1]
-        inputs = spec.forward_inputs(None if attention_mask is None else attention_mask[b:b + 1], T)
-        state = config.new_state()
-        state.llada = not spec.logit_shift
-        for start in range(P, T, block_length):
-            block, hi = row[:, start:start + block_length], min(start + 2 * block_length, T)
-            schedule = schedule_counts(block == mask_id, steps_per_block) if state.llada else None
-            step = 0
-            while bool((block == mask_id).any()):
-                state.budget = schedule[:, step] if schedule is not None and step < steps_per_block else None
-                logits = yield ForwardRequest.call(row, inputs, spec=spec, rows=slice(start, hi))
-                commit, tokens = config.commit(block, logits, mask_id, state)
-                block[commit] = tokens[commit]
-                stats.forward(1, T)
-                stats.step(commit.sum())
-                step += 1
-                yield Progress(x, start - P if b == B - 1 else 0)
-            state.next_block(block_length)
-    stats.stop(B * (T - P))
-    return x
+def _klass_row(config: KLASS, spec: Any, x: torch.Tensor, P: int, steps_per_block: int, block_length: int,
+               stats: GenerationStats, rows: slice, attention_mask: torch.Tensor | None) -> StepGenerator:
+    """The KLASS loop of `x[rows]`, one row alone (upstream's LLaDA loop is one row; its Dream fallback mixes rows)."""
+    row, T, mask_id = x[rows], x.shape[1], spec.mask_id
+    inputs = spec.forward_inputs(attention_mask, T)
+    state = config.new_state()
+    state.llada = not spec.logit_shift
+    for start in range(P, T, block_length):
+        block, hi = row[:, start:start + block_length], min(start + 2 * block_length, T)
+        schedule = schedule_counts(block == mask_id, steps_per_block) if state.llada else None
+        step = 0
+        while bool((block == mask_id).any()):
+            state.budget = schedule[:, step] if schedule is not None and step < steps_per_block else None
+            logits = yield ForwardRequest.call(row, inputs, spec=spec, rows=slice(start, hi))
+            commit, tokens = config.commit(block, logits, mask_id, state)
+            block[commit] = tokens[commit]
+            stats.forward(1, T)
+            stats.step(commit.sum())
+            step += 1
+            yield Progress(row, start - P)
+        state.next_block(block_length)
+    return row

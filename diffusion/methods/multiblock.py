@@ -25,10 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from remask.models.spec import get_spec
-
-from ..parts.checks import (check_bool, check_instance, check_int, check_mask_id, check_optional_token_id,
-                            check_prompt, check_real, check_stats, check_token_id, model_device)
+from ..parts.checks import (check_bool, check_config, check_int, check_method_call, check_real, check_token_id,
+                            model_device)
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.scoring import score_rows
 from ..parts.stats import GenerationStats
@@ -183,17 +181,12 @@ def multiblock_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Mu
     """`multiblock_generate` as a step generator (`diffusion/parts/stepper.py`), its arguments checked at
     the call; it yields a `Progress` after every forward and returns `(x, nfe)`. `structure` / `end_ids`:
     structured output (`diffusion/parts/constrain.py`) over the open blocks; a row ends when it ends."""
-    config = check_instance("config", MultiBlock() if config is None else config, MultiBlock, "a remask MultiBlock",
-                            allow_none=False)
+    config = check_config("config", config, MultiBlock, "a remask MultiBlock")
     check_int("gen_length", gen_length, minimum=1)
     check_int("block_length", block_length, minimum=1, maximum=gen_length)
     config.check_request(gen_length=gen_length, block_length=block_length)
-    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
-    spec = get_spec(model, mask_id=mask_id)
-    check_mask_id(spec)
-    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
-    eos_id = check_optional_token_id(spec, config.eos_token_id, "eos_token_id")
-    eos_id = spec.eos_id if eos_id is None else eos_id
+    spec, stats = check_method_call(model, prompt, attention_mask, stats, mask_id=mask_id)
+    eos_id = spec.eos_id if config.eos_token_id is None else check_token_id(spec, config.eos_token_id, "eos_token_id")
     if config.early_stop:
         check_token_id(spec, eos_id, "eos_token_id")
     B, P = prompt.shape

@@ -18,6 +18,7 @@ stops at its own exit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,13 +26,13 @@ import torch
 from remask.models.spec import get_spec
 
 from ..families.llada import BlockDecoder
-from ..parts.checks import (CombinationError, ParameterTypeError, check_generator, check_instance, check_int,
+from ..parts.checks import (CombinationError, check_config, check_generator, check_instance, check_int,
                             check_model_kind, check_real, check_settings, check_stats, check_token_id)
 from ..parts.scoring import score_rows
 from ..parts.selection import schedule_counts
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import Progress, StepGenerator, drive
+from ..parts.stepper import Progress, StepGenerator, drive, row_by_row
 
 PHASES = {"early": 7.5, "mid": 5.0, "late": 2.5}   # upstream's thresholds when none are given
 
@@ -54,9 +55,7 @@ class Prophet:
             object.__setattr__(self, "early_exit_thresholds", {
                 phase: check_real(f"early_exit_thresholds[{phase!r}]", value) for phase, value in given.items()})
         if self.constraints is not None:
-            if not isinstance(self.constraints, dict):
-                raise ParameterTypeError(f"constraints must be a dict {{position: token id}} or None, "
-                                         f"got {type(self.constraints).__name__}")
+            check_instance("constraints", self.constraints, dict, "a dict {position: token id}")
             pinned = {}
             for position, token in self.constraints.items():   # JSON's keys are strings: "3" is position 3
                 position = int(position) if isinstance(position, str) and position.isdigit() else position
@@ -95,8 +94,7 @@ def prophet_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Proph
                   mask_id: int | None = None, generator: torch.Generator | None = None,
                   stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = ()) -> StepGenerator:
     """`prophet_generate` as a step generator (`diffusion/parts/stepper.py`), its arguments checked at the call."""
-    config = check_instance("config", Prophet() if config is None else config, Prophet, "a remask.Prophet",
-                            allow_none=False)
+    config = check_config("config", config, Prophet, "a remask.Prophet")
     if structure is not None:
         raise CombinationError("structured_outputs with decoder=Prophet: its early exit fills every masked position "
                                "at once, past what a structure lets one commit decide")
@@ -115,45 +113,41 @@ def prophet_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Proph
     for position, token in (config.constraints or {}).items():
         if check_token_id(spec, token, f"constraints[{position}]") == spec.mask_id:
             raise ValueError(f"constraints[{position}] is the mask token {token}: it would stay in the output")
-    return _prophet_loop(config, decoder, model, prompt, attention_mask, steps, generator, stats)
+    canvas = masked_canvas(prompt, gen_length, decoder.spec.mask_id)
+    decode_row = partial(_prophet_row, config, decoder, model, canvas, steps, generator, stats)
+    return row_by_row(canvas, decode_row, attention_mask, stats, prompt.shape[0] * gen_length)
 
 
 @torch.no_grad()
-def _prophet_loop(config: Prophet, decoder: BlockDecoder, model: torch.nn.Module, prompt: torch.Tensor,
-                  attention_mask: torch.Tensor | None, steps: int, generator: torch.Generator | None,
-                  stats: GenerationStats) -> StepGenerator:
-    mask_id, (B, P) = decoder.spec.mask_id, prompt.shape
-    canvas = masked_canvas(prompt, decoder.gen_length, mask_id)
-    T = canvas.shape[1]
+def _prophet_row(config: Prophet, decoder: BlockDecoder, model: torch.nn.Module, canvas: torch.Tensor, steps: int,
+                 generator: torch.Generator | None, stats: GenerationStats, rows: slice,
+                 attention_mask: torch.Tensor | None) -> StepGenerator:
+    """Prophet's loop on the row `canvas[rows]` alone: it stops at its own exit."""
+    mask_id, P, T = decoder.spec.mask_id, canvas.shape[1] - decoder.gen_length, canvas.shape[1]
     answer = [] if config.answer_start_pos is None else list(
         range(max(config.answer_start_pos, P), min(T, config.answer_start_pos + config.answer_length)))
-    stats.start()
-    for b in range(B):
-        state = decoder.start(model, prompt[b:b + 1], None if attention_mask is None else attention_mask[b:b + 1])
-        for position, token in (config.constraints or {}).items():
-            state.x[:, P + position] = token
-        state.prompt_index = state.x != mask_id          # the pinned positions are given, as the prompt
-        start, end = decoder.block_span(state)
-        state.schedule = schedule_counts(state.x[:, start:end] == mask_id, decoder.steps_per_block)
-        step = 0
-        while not state.done:
-            step += 1
-            logits, fed = decoder.finish_forward(state, (yield decoder.next_forward(model, state)))
-            if answer:
-                top = logits[0, answer].topk(2, dim=-1).values
-                gaps = (top[:, 0] - top[:, 1]).double()   # upstream: each gap a Python float, summed in order
-                total = gaps[0]
-                for gap in gaps[1:]:
-                    total = total + gap
-                if bool(total / len(answer) >= config.threshold_at(step, steps)):
-                    masked = (state.x[0] == mask_id).nonzero().flatten()
-                    state.x[0, masked] = score_rows(logits[0], masked, exclude_id=mask_id)[0]
-                    stats.forward(2 if decoder.cfg_scale > 0 else 1, T)
-                    stats.step(masked.numel())
-                    break
-            decoder.commit(state, logits, fed, generator, stats)
-            canvas[b:b + 1] = state.x
-            yield Progress(canvas, decoder.num_final(state) if b == B - 1 else 0)
-        canvas[b:b + 1] = state.x
-    stats.stop(B * decoder.gen_length)
-    return canvas
+    state = decoder.start(model, canvas[rows, :P], attention_mask)
+    for position, token in (config.constraints or {}).items():
+        state.x[:, P + position] = token
+    state.prompt_index = state.x != mask_id          # the pinned positions are given, as the prompt
+    start, end = decoder.block_span(state)
+    state.schedule = schedule_counts(state.x[:, start:end] == mask_id, decoder.steps_per_block)
+    step = 0
+    while not state.done:
+        step += 1
+        logits, fed = decoder.finish_forward(state, (yield decoder.next_forward(model, state)))
+        if answer:
+            top = logits[0, answer].topk(2, dim=-1).values
+            gaps = (top[:, 0] - top[:, 1]).double()   # upstream: each gap a Python float, summed in order
+            total = gaps[0]
+            for gap in gaps[1:]:
+                total = total + gap
+            if bool(total / len(answer) >= config.threshold_at(step, steps)):
+                masked = (state.x[0] == mask_id).nonzero().flatten()
+                state.x[0, masked] = score_rows(logits[0], masked, exclude_id=mask_id)[0]
+                stats.forward(2 if decoder.cfg_scale > 0 else 1, T)
+                stats.step(masked.numel())
+                break
+        decoder.commit(state, logits, fed, generator, stats)
+        yield Progress(state.x, decoder.num_final(state))
+    return state.x

@@ -28,11 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from remask.models.spec import get_spec
-
 from ..parts.cache import valid_positions
-from ..parts.checks import (check_bool, check_instance, check_int, check_mask_id, check_prompt, check_real,
-                            check_stats, model_device)
+from ..parts.checks import check_bool, check_config, check_int, check_method_call, check_real, model_device
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
@@ -141,15 +138,12 @@ def wino_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | N
     the frontier masked before the rows decide, the commits filtered after; a narrow-out of a
     consumed position rolls its matcher back. Departure: after `2 * block_length` forwards in one
     block a row stops narrowing out (the filter then ends the block), so the two cannot cycle."""
-    config = check_instance("config", WINO() if config is None else config, WINO, "a remask WINO", allow_none=False)
+    config = check_config("config", config, WINO, "a remask WINO")
     check_int("gen_length", gen_length, minimum=1)
     check_int("block_length", block_length, minimum=1)
     if gen_length % block_length:
         raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
-    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
-    spec = get_spec(model, mask_id=mask_id)
-    check_mask_id(spec)
-    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
+    spec, stats = check_method_call(model, prompt, attention_mask, stats, mask_id=mask_id)
     B, P = prompt.shape
     x = masked_canvas(prompt, gen_length + block_length, spec.mask_id, model_device(model))   # + the shadow block
     padded = attention_mask is not None and bool((attention_mask == 0).any())

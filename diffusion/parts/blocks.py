@@ -15,7 +15,9 @@ from transformers.cache_utils import DynamicCache
 
 from remask.caches.block import BlockBatch, BlockKVCache
 
-from .checks import check_block_within_context, check_bool, check_int, check_settings, check_steps
+from .checks import check_block_within_context, check_steps, check_table
+from .constrain import CommitFilter
+from .constrain_loops import end_ids_or_refuse, mask_frontier_rows, structure_for_call
 from .drafts import DraftVerify, Drafts, check_block_decoder, split_freedave
 from .rules import check_rule_on_loop, commit_block, is_rule
 from .scoring import sample_categorical
@@ -95,21 +97,14 @@ def refuse_unread(params: Any, family: str, reads: tuple, settings: str) -> None
         raise ValueError(f"a block-causal model ({family}) does not read {unread}; its settings are {settings}")
 
 
-def check_block_settings(field: str, settings: Any, allowed: tuple, ints: dict, steps: tuple = (),
-                         bools: tuple = ()) -> dict:
-    """A request's settings of a block-causal family (`SamplingParams.<field>`): keys from `allowed`; `ints` (name →
-    (minimum, maximum)); `steps`, step counts at most `block_length` when both are given (else the engine checks
-    them against the model's block size); `bools`. Returns the checked copy (for the family's other checks)."""
-    out = check_settings(field, settings, allowed)
-    for name, (minimum, maximum) in ints.items():
-        if name in out:
-            check_int(f"{field}.{name}", out[name], minimum=minimum, maximum=maximum)
+def check_block_settings(field: str, settings: Any, checks: dict, steps: tuple = ()) -> dict:
+    """A request's settings of a block-causal family (`SamplingParams.<field>`): `check_table`'s (keys from
+    `checks`); `steps`, step counts at most `block_length` when both are given (else the engine checks them against
+    the model's block size). Returns the checked copy (for the family's other checks)."""
+    out = check_table(field, settings, checks)
     for name in steps:
         if "block_length" in out and name in out:
             check_steps(f"{field}.{name}", out[name], out["block_length"], f"{field}.block_length")
-    for name in bools:
-        if name in out:
-            check_bool(f"{field}.{name}", out[name])
     return out
 
 
@@ -194,8 +189,6 @@ class BlockLoop(ForwardThenCommit):
     def constrain(self, structure: Any, end_ids: Any = None) -> "BlockLoop":
         """Hold every answer to `structure` (`parts/constrain_loops.py`; the current block is the filter's window);
         `end_ids` (default: the loop's stop ids) end it where it is complete. Returns the decoder."""
-        from ..parts.constrain_loops import end_ids_or_refuse
-
         self.structure = structure
         if structure is not None:
             self.end_ids = tuple(end_ids_or_refuse(self.stop_ids if end_ids is None else end_ids,
@@ -206,9 +199,14 @@ class BlockLoop(ForwardThenCommit):
         """A new state's commit filter (None without a structure)."""
         if self.structure is None:
             return None
-        from ..parts.constrain_loops import block_filter
+        return CommitFilter([self.structure.matcher(self.end_ids)], self.mask_id, prompt_length, answer_len)
 
-        return block_filter(self.structure, self.end_ids, self.mask_id, prompt_length, answer_len)
+    def _constrain_before(self, state: Any, logits: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, Any]:
+        """Structured output, before the rule on the window `x[start:end]`: the frontier's logits masked; the window
+        as it was (None without a structure)."""
+        if state.constraint is None:
+            return logits, None
+        return mask_frontier_rows(state.constraint, logits, start, end), state.x[:, start:end].clone()
 
     def _span(self, state: Any) -> tuple[int, int]:   # the current block in state.x
         return state.block * self.block_length, (state.block + 1) * self.block_length
@@ -242,11 +240,7 @@ class BlockLoop(ForwardThenCommit):
 
     def structured(self, structured_outputs: Any, model: torch.nn.Module, tokenizer: Any, budget: int) -> None:
         """Hold a drop-in call's answers (up to `budget` tokens) to its `structured_outputs`."""
-        if structured_outputs is not None:
-            from ..parts.constrain_loops import compile_for
-
-            self.constrain(compile_for(structured_outputs, model, tokenizer, self.mask_id))
-            self.structure.check_budget(budget)
+        self.constrain(structure_for_call(structured_outputs, model, tokenizer, self.mask_id, budget))
 
 
 @dataclass(eq=False)
@@ -285,25 +279,21 @@ class StoreKVLoop(BlockLoop):
     prompt_name, empty_prompt_ok = "input_ids", True   # `start`'s prompt, as the family's function names it
     block_store: Any = None   # the engine's `PagedKVStore` (each cache a `BlockKVCache`), or None: a `DynamicCache`
 
-    def block_sizes(self, prompt_length: int) -> tuple[int, int]:
-        """(positions of the prompt's whole blocks, positions of the whole sequence)."""
-        L = self.block_length
-        return prompt_length // L * L, (prompt_length + self.gen_length + L - 1) // L * L
+    def _cache_args(self, ids: torch.Tensor) -> tuple[list[int], int, int]:
+        """A `BlockKVCache`'s for the prompt `ids` `[1, P]`: its whole blocks' ids, the whole sequence's positions,
+        the block length."""
+        L, P = self.block_length, ids.shape[1]
+        return ids[0, :P // L * L].tolist(), (P + self.gen_length + L - 1) // L * L, L
 
     def pages_needed(self, manager: Any, prompt_ids: torch.Tensor) -> int | None:
         """Free pages a request with this prompt takes in the engine's store (all allocated at start);
         None without the store (a contiguous cache)."""
-        if self.block_store is None:
-            return None
-        prefix, total = self.block_sizes(prompt_ids.shape[1])
-        return BlockKVCache.pages_needed(manager, prompt_ids[0, :prefix].tolist(), total, self.block_length)
+        return None if self.block_store is None else BlockKVCache.pages_needed(manager, *self._cache_args(prompt_ids))
 
     def new_cache(self, input_ids: torch.Tensor) -> Any:
         """A new request's cache: pages of the engine's store, or a contiguous `DynamicCache`."""
-        if self.block_store is None:
-            return DynamicCache()
-        prefix, total = self.block_sizes(input_ids.shape[1])
-        return BlockKVCache(self.block_store, input_ids[0, :prefix].tolist(), total, self.block_length)
+        return DynamicCache() if self.block_store is None else BlockKVCache(self.block_store,
+                                                                            *self._cache_args(input_ids))
 
     def release(self, state: Any) -> None:
         """Give back the state's cache pages (the engine's paged cache), if it has any."""
@@ -355,13 +345,7 @@ class StoreKVLoop(BlockLoop):
             cached = state.cache.get_seq_length()
             yield self._store_request(state, cached, start)
             return None, ("stored", start - cached)
-        if self.use_cache:
-            logits = yield block_request(state.x[:, start:end], state.position_ids[:, start:end], state.cache, False)
-        else:
-            logits = yield ForwardRequest.call(state.x[:, :end], dict(attention_mask=state.attention[..., :end, :end],
-                                                                      position_ids=state.position_ids[:, :end]),
-                                               rows=slice(-self.block_length, None))
-        return logits, "decide"
+        return (yield from self._fd_forwards(state, state.x[:, start:end])), "decide"
 
     def _loop_commit(self, state: BlockState, logits: torch.Tensor | None, kind: Any,
                      generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> None:
@@ -376,15 +360,6 @@ class StoreKVLoop(BlockLoop):
         else:
             self._decide(state, logits, generator, stats)
 
-    def _constrain_before(self, state: BlockState, logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Structured output, before the rule: the frontier's logits masked; the block as it was."""
-        if state.constraint is None:
-            return logits, None
-        from ..parts.constrain_loops import mask_frontier_rows
-
-        start, end = self._span(state)
-        return mask_frontier_rows(state.constraint, logits, start, end), state.x[:, start:end].clone()
-
     def _decide(self, state: BlockState, logits: torch.Tensor, generator: torch.Generator | None,
                 stats: GenerationStats | None) -> None:
         """A decoding step of the current block: the commit rule's, or the family's (`_select` on the sampled block,
@@ -392,7 +367,7 @@ class StoreKVLoop(BlockLoop):
         start, end = self._span(state)
         block = state.x[:, start:end]   # a view: commits write into x
         masked = block == self.mask_id
-        logits, prior = self._constrain_before(state, logits)
+        logits, prior = self._constrain_before(state, logits, start, end)
         if self.rule is not None:
             tokens, change = None, self._rule_commit(state, block, logits, stats)
         else:
@@ -426,16 +401,16 @@ class StoreKVLoop(BlockLoop):
         return sample_block(logits, 0.0, self.top_k, self.top_p, None, self.mask_id)[:2]
 
     def _fd_forwards(self, state: BlockState, blocks: torch.Tensor) -> Generator[ForwardRequest, Any, torch.Tensor]:
-        """Logits `[K, L, V]` of K versions of the current block: without the cache the sequence up to the block
-        under `state.attention`; with it one row each reading the one cache (`block_request`), linears as alone."""
+        """Logits `[K, L, V]` of K versions of the current block (the loop's forward: K = 1): without the cache the
+        sequence up to the block under `state.attention`; with it one row each reading the one cache
+        (`block_request`), linears as alone."""
         K, L = blocks.shape
         start, end = self._span(state)
         if not self.use_cache:
             seqs = state.x[:, :end].repeat(K, 1)
             seqs[:, start:end] = blocks
             mask = state.attention[..., :end, :end]
-            logits = yield ForwardRequest.call(seqs, dict(attention_mask=mask.expand(K, *mask.shape[1:]),
-                                                          position_ids=state.position_ids[:, :end].expand(K, -1)),
-                                               rows_alone=True)
-            return logits[:, -L:]
+            return (yield ForwardRequest.call(seqs, dict(attention_mask=mask.expand(K, *mask.shape[1:]),
+                                                         position_ids=state.position_ids[:, :end].expand(K, -1)),
+                                              rows=slice(-L, None), rows_alone=K > 1))
         return (yield block_request(blocks, state.position_ids[:, start:end], state.cache, False))

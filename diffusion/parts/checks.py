@@ -16,7 +16,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from remask.models.spec import ModelSpec, get_spec
+from remask.models.spec import ModelSpec
 
 
 class CombinationError(ValueError, NotImplementedError):
@@ -371,22 +371,43 @@ def refuse_unread(params: Any, way: str, also: Iterable[str] = (), **words: Any)
         raise ValueError(message.format(unread=unread, **words))
 
 
-def check_call(model: torch.nn.Module, prompt: Any, attention_mask: Any, config: Any, config_type: type,
-               what: str | None = None, *, mask_id: Any = None, stats: Any = None, entry: str | None = None,
-               name: str = "prompt") -> tuple[Any, ModelSpec]:
-    """The checks a method's entry point repeats, in this order: `config` (None: `config_type()`) a `config_type`
-    (`what` names it; default "a remask <class>"), the model's spec (`mask_id` overriding its own) of a diffusion
-    model (checked when `entry`, the function's name, is given) with a mask id, the prompt (`name`) and its
-    `attention_mask` without the mask token, and `stats`. Returns (config, spec)."""
-    config = config_type() if config is None else config
-    check_instance("config", config, config_type, what or f"a remask {config_type.__name__}", allow_none=False)
-    spec = get_spec(model, mask_id=mask_id)
+def check_method_call(model: torch.nn.Module, prompt: Any, attention_mask: Any, stats: Any, entry: str | None = None,
+                      **ids: Any) -> tuple[ModelSpec, Any]:
+    """What a method's loop checks at its call, in order: `stats` (None: a fresh one, counted, then dropped), a
+    diffusion model (`entry`: the caller named in the refusal; None: not checked), the model's spec (`ids` override
+    its token ids) with a mask token, then `prompt` / `attention_mask`, the mask token refused in the prompt."""
+    from remask.models.spec import get_spec
+
+    from .stats import GenerationStats
+
+    stats = check_stats("stats", stats) or GenerationStats()
+    spec = get_spec(model, **ids)
     if entry is not None:
         check_model_kind(spec, diffusion=True, entry=entry)
     check_mask_id(spec)
-    check_prompt(model, prompt, attention_mask, name, spec, mask_in_prompt="refuse")
-    check_stats("stats", stats)
-    return config, spec
+    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
+    return spec, stats
+
+
+def check_config(name: str, config: Any, cls: type, what: str) -> Any:
+    """A method's config: an instance of `cls` (`what` names it in the refusal); None is `cls()`, its defaults."""
+    return check_instance(name, cls() if config is None else config, cls, what, allow_none=False)
+
+
+def check_ints(minimum: int, **values: Any) -> None:
+    """`check_int` of each named value with the one lower bound `minimum` (a loop's settings)."""
+    for name, value in values.items():
+        check_int(name, value, minimum=minimum)
+
+
+def check_table(field: str, settings: Any, checks: dict) -> dict:
+    """`check_settings` with one check per key (name → check(``field.name``, value), its result kept, e.g. a float):
+    the checked copy."""
+    out = check_settings(field, settings, tuple(checks))
+    for name, check in checks.items():
+        if name in out:
+            out[name] = check(f"{field}.{name}", out[name])
+    return out
 
 
 class NoWorkBound:

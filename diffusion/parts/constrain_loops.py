@@ -41,12 +41,6 @@ def end_ids_or_refuse(end_ids: Sequence[int], what: str) -> list[int]:
     return ids
 
 
-def block_filter(structure: Any, end_ids: Sequence[int], mask_id: int, prompt_length: int,
-                 answer_len: int) -> CommitFilter:
-    """The one-row commit filter of a block-causal loop's state."""
-    return CommitFilter([structure.matcher(end_ids)], mask_id, prompt_length, answer_len)
-
-
 def mask_frontier_rows(constraint: CommitFilter, logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """`logits` `[K, L, V]` of K versions of the window `[start, end)`, each one's frontier row masked (a copy)."""
     matcher = constraint.matchers[0]

@@ -116,31 +116,21 @@ class DraftVerify:
         loop = self.loop
         start, end = loop._span(state)
         block = state.x[:, start:end]   # a view: commits write into x
-        constraint = getattr(state, "constraint", None)
-        if constraint is not None:   # structured output: every draft's frontier row masked before the rule
-            logits = mask_frontier_rows(constraint, logits, start, end)
+        if state.constraint is not None:   # structured output: every draft's frontier row masked before the rule
+            logits = mask_frontier_rows(state.constraint, logits, start, end)
         if kind.drafts is None:
             loop._count(stats, 1, state)
             x0, conf = loop._fd_scores(logits)
-            state.predictions = Predictions(x0, conf, logits if constraint is not None else None)
+            state.predictions = Predictions(x0, conf, logits if state.constraint is not None else None)
         else:
-            prior = block.clone()
             self.verify(state, block, kind.drafts, logits, stats)
-            if constraint is not None:   # the block as the round left it, filtered (the predictions: the lookahead)
-                filter_block(constraint, state.x, prior, state.predictions.x0, state.predictions.logits, start, end)
             loop._fd_committed(state)
             if state.done:
                 return
         # the rule's next state fills the block: committed from the predictions (no forward)
         nxt = self.rule(block, state.predictions.x0, state.predictions.conf)
         if not bool((nxt == self.mask_id).any()):
-            before = int((block == self.mask_id).sum())
-            prior = block.clone()
-            block.copy_(nxt)
-            if stats is not None:
-                stats.step(before)
-            if constraint is not None:
-                filter_block(constraint, state.x, prior, state.predictions.x0, state.predictions.logits, start, end)
+            self._write(state, block, nxt, stats)
             full = not bool((block == self.mask_id).any())   # else a structure's filter took tokens back: more rounds
             if full:
                 state.predictions = None
@@ -153,17 +143,25 @@ class DraftVerify:
         """Each draft's target from its own logits; the longest verified chain committed, its logits
         the next predictions."""
         K = drafts.shape[0]
-        masks = int((block == self.mask_id).sum())
         self.loop._count(stats, K, state)
         dx0, dconf = self.loop._fd_scores(logits)
         targets = self.rule(drafts, dx0, dconf)
         best = int(verify_chain(drafts[None], targets[None], torch.tensor([K], device=block.device), self.mask_id,
                                 self.config.match_rule)[0])
-        block.copy_(drafts[best:best + 1])
-        lookahead = logits[best:best + 1] if getattr(state, "constraint", None) is not None else None
+        lookahead = logits[best:best + 1] if state.constraint is not None else None
         state.predictions = Predictions(dx0[best:best + 1], dconf[best:best + 1], lookahead)
+        self._write(state, block, drafts[best:best + 1], stats)
+
+    def _write(self, state: Any, block: torch.Tensor, tokens: torch.Tensor, stats: GenerationStats | None) -> None:
+        """Commit `tokens` to the block (a view of `state.x`); under a structure the block as it left it filtered
+        (the predictions: the lookahead)."""
+        prior, masks = block.clone(), int((block == self.mask_id).sum())
+        block.copy_(tokens)
         if stats is not None:
             stats.step(masks - int((block == self.mask_id).sum()))
+        if state.constraint is not None:
+            filter_block(state.constraint, state.x, prior, state.predictions.x0, state.predictions.logits,
+                         *self.loop._span(state))
 
     def rule(self, tokens: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
         """The loop's commit on each row of `tokens` `[N, L]` with a count of 1 (its `_fd_select`)."""

@@ -19,7 +19,7 @@ from typing import Any, Callable, ContextManager, Generator, Iterator
 
 import torch
 
-from remask.models.request import ForwardRequest, stacked_key  # noqa: F401  (the requests' module; here for the drivers)
+from remask.models.request import ForwardRequest  # noqa: F401  (the requests' module; here for the drivers)
 
 from .protocol import Decoder
 from .stats import GenerationStats
@@ -169,6 +169,31 @@ def drive(steps: StepGenerator, model: torch.nn.Module | None = None) -> Any:
             answer = run_forwards(model, [item])[0]
         else:
             answer = None
+
+
+def row_by_row(canvas: torch.Tensor, decode: Callable[..., StepGenerator], mask: torch.Tensor | None,
+               stats: GenerationStats, generated: int, rows: list[slice] | None = None) -> StepGenerator:
+    """Decode the `rows` of `canvas` (each row alone by default) one after another, where the reference
+    decodes one prompt or couples a batch's rows: `decode(rows, mask)` is the step generator of
+    `canvas[rows]` (`mask[rows]`, or None), which yields `Progress(its rows, final)` and returns them;
+    each is written into the canvas, reported as the canvas's Progress (`final` on the last rows, 0
+    before: later rows are not started). `stats` counts the `generated` positions; returns the canvas."""
+    rows = [slice(b, b + 1) for b in range(canvas.shape[0])] if rows is None else rows
+    stats.start()
+    for rs in rows:
+        steps, answer = decode(rs, None if mask is None else mask[rs]), None
+        while True:
+            try:
+                item = steps.send(answer)
+            except StopIteration as stop:
+                canvas[rs] = stop.value
+                break
+            if isinstance(item, Progress):
+                canvas[rs] = item.x
+                item = Progress(canvas, item.final if rs is rows[-1] else 0)
+            answer = yield item
+    stats.stop(generated)
+    return canvas
 
 
 def step_alone(decoder: Decoder, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,

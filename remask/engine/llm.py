@@ -79,25 +79,31 @@ class LLM:
 
     def chat(self, messages: Seq[Message] | Seq[Seq[Message]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, tools: list[dict[str, Any]] | None = None,
+             response_format: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Replies to conversations (one, or a list of them) through the tokenizer's chat template,
-        generation prompt appended. Prompts go to `generate`."""
+        generation prompt appended, with `tools` / `response_format` shown to it (`chat_ids`). Prompts go
+        to `generate`."""
         if isinstance(messages, (str, dict)):
             raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts or a list of such lists, got a "
                              f"{type(messages).__name__}; prompts go to LLM.generate")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self._run([self.chat_ids(c) for c in conversations], sampling_params, use_tqdm)
+        return self._run([self.chat_ids(c, tools, response_format) for c in conversations], sampling_params, use_tqdm)
 
-    def chat_ids(self, messages: Seq[Message], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def chat_ids(self, messages: Seq[Message], tools: list[dict[str, Any]] | None = None,
+                 response_format: dict[str, Any] | None = None) -> list[int]:
         """Token ids of a conversation through the tokenizer's chat template, generation prompt
-        appended; `tools` (OpenAI's function tools) go to the template as its `tools`. An assistant
-        message's `tool_calls` and `tool` messages are rendered by the template when it reads them,
-        else in remask's compact fallback (`remask.structured.messages_for_template`), never dropped."""
+        appended; `tools` (OpenAI's function tools) and `response_format` (the JSON format asked for)
+        go to the template as its variables of those names, for a template that reads them (the zoo's
+        chat models show both to the model). An assistant message's `tool_calls` and `tool` messages
+        are rendered by the template when it reads them, else in remask's compact fallback
+        (`remask.structured.messages_for_template`), never dropped."""
         from remask.structured import messages_for_template
 
         if self.tokenizer is None or getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("chat needs a tokenizer with a chat template")
-        extra = {} if tools is None else {"tools": tools}
+        extra = {name: value for name, value in (("tools", tools), ("response_format", response_format))
+                 if value is not None}
         out = self.tokenizer.apply_chat_template(messages_for_template(self.tokenizer, list(messages)),
                                                  add_generation_prompt=True, tokenize=True, **extra)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)

@@ -21,7 +21,7 @@ import torch
 from remask.caches import PromptCache
 from remask.diffusion.parts.checks import (ParameterTypeError, check_bool, check_choice, check_context, check_instance,
                                      check_int, check_length, check_prompt, check_real, check_token_id)
-from remask.diffusion.parts.processors import HoldEndIds
+from remask.diffusion.parts.processors import HoldEndIds, RecordLogprobs
 from remask.engine.presets import decoder_for
 from remask.models.registry import all_families, family_of
 from remask.models.spec import get_spec
@@ -166,6 +166,10 @@ class LLMEngine:
             raise ValueError("canvas / canvas_sampler are settings of uniform-noise models (DiffusionGemma); "
                              f"this model ({self.spec.kind}) does not read them")
         decoder = decoder_for(self, params, prompt_ids)   # the parts this request asks for
+        recorder = None
+        if params.logprobs is not None and not self.is_ar:   # the first processor: it sees the raw logits
+            recorder = RecordLogprobs(decoder.canvas, self.spec.mask_id, params.logprobs)
+            decoder.add_processor(recorder)
         check_length(self.spec, prompt_ids.shape[1] + params.max_tokens, "prompt length + max_tokens")
         for token in params.stop_token_ids:
             check_token_id(self.spec, token, "stop_token_ids")
@@ -179,7 +183,8 @@ class LLMEngine:
         arrival = now()
         seqs = [Sequence(request_id=request_id, index=i, prompt_ids=prompt_ids, params=params, decoder=decoder,
                          generator=torch.Generator(device=self.device).manual_seed(base_seed + i), arrival_time=arrival,
-                         seed=base_seed + i, paged=self.is_ar, owner=owner, drafts=drafts and not self.is_ar)
+                         seed=base_seed + i, paged=self.is_ar, owner=owner, drafts=drafts and not self.is_ar,
+                         recorder=recorder)
                 for i in range(params.n)]
         for seq in seqs:
             self.scheduler.add(seq)
@@ -369,7 +374,7 @@ class LLMEngine:
             seq.stats.stop(seq.final_len if seq.paged else seq.params.max_tokens)
             seq.finish_time = now()
             seq.output_ids = self._generated(seq)
-            seq.output_logprobs = seq.decoder.token_logprobs(state, seq.final_len)
+            seq.output_logprobs = seq.token_logprobs(seq.final_len)
             self.scheduler.finish(seq)
             return True
         return grew
@@ -388,7 +393,7 @@ class LLMEngine:
         if state is None or seq.final_len < len(seq.output_ids or []):
             recorded = (seq.output_logprobs or [])[:count]    # freed, or decoding again after a preemption
         else:
-            recorded = seq.decoder.token_logprobs(state, count) or []
+            recorded = seq.token_logprobs(count) or []
         text = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
         out = []
         for token, logprob, rank, top in recorded:

@@ -48,9 +48,11 @@ def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -
     way = way_of(engine, params)
     if params.ignore_eos or params.min_tokens:
         check_end_settings(engine, params, way)
-    if params.logprobs is not None and way != "ar":
-        raise ValueError("logprobs: autoregressive models only; a diffusion model's tokens are committed by its "
-                         "decoding rule over several forwards, and remask does not report their log-probabilities yet")
+    if params.logprobs is not None and way not in ("ar", "llada", "dream"):
+        what = type(params.method).__name__ if way == "method" else engine.spec.kind if way == "family" else way
+        raise ValueError(f"logprobs: reported for autoregressive models, LLaDA's block rule and Dream's sampler / block "
+                         f"decoder (each token from the forward that committed it), not with {what}: its loop "
+                         "scores the logits inside itself")
     if way in ("canvas", "ar", "llada"):   # the others were refused when the params were built, or by the family
         refuse_unread(params, way)
     structure = structure_for_request(engine, params)

@@ -51,13 +51,14 @@ class Sequence:
     output_ids: list[int] | None = None   # the generated ids, kept when the state is freed
     output_logprobs: list[tuple] | None = None   # their logprobs (`SamplingParams.logprobs`), kept likewise
     deadline: float | None = None      # `now()` past which the engine aborts it (finish reason "timeout")
+    recorder: Any = None               # a mask model's `RecordLogprobs` (`SamplingParams.logprobs`), else None
 
     def restart(self, pages: Any) -> None:
         """Back to its first step (preempted: its pages go back to `pages`). Decoding again from the
         same seed gives the same tokens, so what was already reported stays true."""
         if self.state is not None and self.final_len > len(self.output_ids or []):
             self.output_ids = self.final_ids()   # reported until the new run catches up
-            self.output_logprobs = self.decoder.token_logprobs(self.state, self.final_len)
+            self.output_logprobs = self.token_logprobs(self.final_len)
         pages.free(self.block_table)
         self.block_table, self.kv_len = None, 0
         self.state = None
@@ -65,6 +66,12 @@ class Sequence:
         self.stats = GenerationStats()
         self.preemptions += 1
         self.status = SequenceStatus.WAITING
+
+    def token_logprobs(self, count: int) -> list[tuple] | None:
+        """Its first `count` generated tokens' logprobs, as its decoder (AR) or its `recorder` recorded them."""
+        if self.recorder is not None:
+            return self.recorder.token_logprobs(self.state, self.prompt_len, count)
+        return self.decoder.token_logprobs(self.state, count)
 
     def final_ids(self) -> list[int]:
         """The generated ids no later step changes (its decoder's canvas, `final_len` of it)."""

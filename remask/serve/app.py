@@ -546,9 +546,10 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | Sequence[str] |
         check_text(engine, texts, "messages")
         messages = [{**m.model_dump(exclude_none=True), "content": text} for m, (_, text) in zip(body.messages, texts)]
         spec = body.tools_spec
+        tools = None if spec is None else [{"type": "function", "function": t["function"]} for t in body.tools]
+        response_format = body.template_response_format()
         try:
-            prompt = engine.llm.chat_ids(messages, tools=None if spec is None else [
-                {"type": "function", "function": f} for f in (t["function"] for t in body.tools)])
+            prompt = engine.llm.chat_ids(messages, tools=tools, response_format=response_format)
         except Exception as err:  # noqa: BLE001 - the messages are all that varies here: the template or the
             # tokenizer refusing them (jinja's raise_exception, a tokenizer's TypeError) is the client's 400
             raise APIError(400, f"messages: the chat template or tokenizer refused them: {type(err).__name__}: {err}",

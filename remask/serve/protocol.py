@@ -293,6 +293,25 @@ class ChatCompletionRequest(_Common):
                              "structured_outputs only with tool_choice 'none'")
         return spec.structure
 
+    def template_response_format(self) -> dict[str, Any] | None:
+        """The JSON format asked for, in OpenAI's `response_format` shape, for the chat template
+        (a template that reads `response_format` shows the model the schema: the zoo's chat
+        models do): `response_format` json_schema / json_object as given, vLLM's
+        `structured_outputs` json / json_object in the same shape; None otherwise (text, a regex,
+        a grammar, choices). Read after `structured()` has checked the fields."""
+        if isinstance(self.response_format, dict) and self.response_format.get("type") in ("json_schema",
+                                                                                           "json_object"):
+            return self.response_format
+        outputs = self.structured_outputs
+        if isinstance(outputs, dict) and outputs.get("json") is not None:
+            from remask.structured import StructuredOutputsParams
+
+            schema = StructuredOutputsParams(json=outputs["json"]).json   # a schema given as JSON text, parsed
+            return {"type": "json_schema", "json_schema": {"name": "structured_outputs", "schema": schema}}
+        if isinstance(outputs, dict) and outputs.get("json_object") is True:
+            return {"type": "json_object"}
+        return None
+
     def requested_logprobs(self) -> int | None:
         """`logprobs: true` with `top_logprobs: k` alternatives (0 by default), as OpenAI."""
         if self.top_logprobs is not None:

@@ -20,7 +20,6 @@ from typing import Iterator
 import uvicorn
 
 from remask.diffusion.parts.checks import check_real
-from remask.engine import EngineState
 
 from .async_engine import AsyncEngine
 

@@ -1,5 +1,8 @@
 """remask's tiny trained models: `tiny-llada` (masked diffusion, official LLaDA format) and
-`tiny-ar` (transformers Llama), with their character tokenizer, data and training script.
+`tiny-ar` (transformers Llama), with their character tokenizer, data and training script; and
+their chat successors `tiny-llada-chat` / `tiny-ar-chat` (the same tasks answered in plain text,
+as JSON to a schema, and with tool calls; `remask.zoo.formats`), whose weights are made by
+`python -m remask.zoo.train --model chat` (they load once trained).
 
     >>> import remask
     >>> model, tokenizer = remask.load("tiny-llada")
@@ -15,6 +18,7 @@ import torch
 
 CHECKPOINTS = os.path.join(os.path.dirname(__file__), "checkpoints")
 SHIPPED = ("tiny-llada", "tiny-ar")
+CHAT_MODELS = ("tiny-llada-chat", "tiny-ar-chat")   # trained by `python -m remask.zoo.train --model chat`
 
 
 def checkpoint_path(name: str | os.PathLike[str]) -> str:
@@ -24,11 +28,11 @@ def checkpoint_path(name: str | os.PathLike[str]) -> str:
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, one of {list(SHIPPED)} or a checkpoint folder, "
                         f"got {name!r} ({type(name).__name__})")
-    if name in SHIPPED:
+    if name in SHIPPED or name in CHAT_MODELS:
         return os.path.join(CHECKPOINTS, name)
     if os.path.isdir(name):
         return name
-    raise ValueError(f"name must be one of {list(SHIPPED)} or a checkpoint folder, got {name!r}")
+    raise ValueError(f"name must be one of {list(SHIPPED + CHAT_MODELS)} or a checkpoint folder, got {name!r}")
 
 
 def available_devices() -> list[str]:
@@ -131,8 +135,9 @@ def load(name: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32,
     from remask.models.registry import family_of
 
     if not os.path.exists(os.path.join(path, "config.json")):
+        which = " --model chat" if name in CHAT_MODELS else ""
         raise FileNotFoundError(f"no checkpoint in {path} (config.json missing); train one with "
-                                f"`python -m remask.zoo.train`")
+                                f"`python -m remask.zoo.train{which}`")
     config = AutoConfig.from_pretrained(path)
     family = family_of(config.model_type)
     if family is None:

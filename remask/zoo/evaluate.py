@@ -72,6 +72,28 @@ def prompt_batch(batch: Sequence[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
+def chat_prompt_batch(examples: Sequence[Any], tokenizer: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prompt_batch` for `remask.zoo.formats.Example`s: each conversation (messages, tools,
+    response_format) through the chat models' template, left-padded `[B, P]`, and its mask."""
+    tokenizer = charset.chat_tokenizer() if tokenizer is None else tokenizer
+    encoded = [chat_prompt_ids(e, tokenizer) for e in examples]
+    P = max(len(e) for e in encoded)
+    ids = torch.full((len(encoded), P), charset.PAD_ID, dtype=torch.long)
+    mask = torch.zeros((len(encoded), P), dtype=torch.long)
+    for i, e in enumerate(encoded):
+        ids[i, P - len(e):] = torch.tensor(e)
+        mask[i, P - len(e):] = 1
+    return ids, mask
+
+
+def chat_prompt_ids(example: Any, tokenizer: Any) -> list[int]:
+    """The ids the server gives the model for `example` (the chat template, generation prompt appended)."""
+    extra = {} if example.response_format is None else {"response_format": example.response_format}
+    out = tokenizer.apply_chat_template(list(example.messages), tools=list(example.tools) if example.tools else None,
+                                        add_generation_prompt=True, tokenize=True, **extra)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
 def decode_batch(model: torch.nn.Module, batch: Sequence[Problem], strategy: Strategy, gen_length: int,
                  generator: torch.Generator, stats: GenerationStats,
                  on_step: Callable | None = None, verifier: torch.nn.Module | None = None,
@@ -148,3 +170,140 @@ def held_out_report(folder: str, n: int, gen_length: int = GEN_LENGTH) -> dict[s
     result = evaluate(model, problems(n, EVAL_SEED), strategy, gen_length=gen_length)
     return {"strategy": strategy.name, "n": n, "accuracy": round(result.accuracy, 4),
             "per_task": {k: round(v, 4) for k, v in result.per_task.items()}}
+
+
+# ---- the chat models: every format ------------------------------------------------------------
+
+CHAT_GEN_LENGTHS = {"plain": 16, "json": 64, "json_object": 64, "tool_call": 128, "tool_answer": 128,
+                    "tool_text": 128}
+
+
+def chat_strategies(ar: bool) -> list[Strategy]:
+    """The decodings a chat model's metrics report: greedy (AR); one token per step and
+    Fast-dLLM's threshold 0.9 with the dual cache in blocks of 32 (diffusion)."""
+    if ar:
+        return [Strategy("greedy AR", ar=True)]
+    return [Strategy("1 token/step"), Strategy.of("threshold 0.9 + dual cache", block_length=32, threshold=0.9,
+                                                  use_cache="dual")]
+
+
+def structure_of(example: Any) -> Any:
+    """What the server enforces for `example`: its JSON schema (`json_object`: any object), the
+    `auto` tool grammar when tools are offered, else None."""
+    from remask.structured import StructuredOutputsParams, tool_call_spec
+
+    if example.tools:
+        return tool_call_spec(list(example.tools), "auto").structure
+    if example.kind == "json":
+        return StructuredOutputsParams(json=example.schema())
+    if example.kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    return None
+
+
+@torch.no_grad()
+def decode_chat(model: torch.nn.Module, tokenizer: Any, examples: Sequence[Any], strategy: Strategy, *,
+                enforce: bool = True, batch_size: int = 16, seed: int = 0) -> list[tuple[str, bool]]:
+    """Each example's answer under `strategy`: (its text up to the end token, whether it ended:
+    an EOS/EOT before the end of its `CHAT_GEN_LENGTHS` positions, finish reason `stop`).
+    `enforce`: held to `structure_of(example)` as the server holds it (rows sharing a structure
+    share a batch). Greedy strategies give the same answers in any batch."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, e in enumerate(examples):
+        structure = structure_of(e) if enforce else None
+        groups.setdefault((CHAT_GEN_LENGTHS[e.kind], None if structure is None else structure.key), []).append(i)
+    out: list[tuple[str, bool]] = [("", False)] * len(examples)
+    generator = torch.Generator().manual_seed(seed)
+    for (gen_length, key), rows in groups.items():
+        structure = None if key is None else structure_of(examples[rows[0]])
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start:start + batch_size]
+            ids, mask = chat_prompt_batch([examples[i] for i in chunk], tokenizer)
+            attention_mask = mask if bool((mask == 0).any()) else None
+            options = {**strategy.options, "structured_outputs": structure, "tokenizer": tokenizer}
+            if strategy.ar:
+                answer = ar_generate(model, ids, attention_mask=attention_mask, max_new_tokens=gen_length,
+                                     generator=generator, **options)
+            else:
+                answer = generate(model, ids, attention_mask, steps=strategy.steps or gen_length,
+                                  gen_length=gen_length, block_length=min(strategy.block_length or gen_length,
+                                                                          gen_length), generator=generator, **options)
+            for i, row in zip(chunk, answer[:, ids.shape[1]:].tolist()):
+                ended = any(t in (charset.EOS_ID, charset.EOT_ID) for t in row)
+                out[i] = (charset.decode_answer(row), ended)
+    return out
+
+
+def _json_valid(example: Any, text: str, tokenizer: Any) -> bool:
+    """Whether `text` is JSON the example's schema accepts (whitespace allowed), by the same
+    matcher the enforcement uses."""
+    from remask.structured import StructuredOutputsParams, compile_structure
+
+    schema = example.schema()
+    params = StructuredOutputsParams(json=schema, disable_any_whitespace=False)
+    try:
+        tokens = charset.encode_text(text)
+    except ValueError:
+        return False
+    compiled = compile_structure(params, tokenizer, charset.VOCAB_SIZE, (charset.MASK_ID,))
+    return compiled.matcher([charset.EOS_ID]).valid(tokens + [charset.EOS_ID])
+
+
+def _rate(flags: Sequence[bool]) -> float:
+    return round(sum(flags) / max(1, len(flags)), 4)
+
+
+def chat_metrics(model: torch.nn.Module, tokenizer: Any, n: int, strategy: Strategy,
+                 seed: int | None = None) -> dict[str, Any]:
+    """One strategy's figures on `n` held-out examples per format (seed `EVAL_SEED`):
+
+    * `plain`: exact-match accuracy (and per task);
+    * `json_enforced` / `json_unenforced` (json schema and json_object examples together):
+      `valid_stop` (ended with the schema satisfied), `correct_stop` (and the right values);
+    * `tool_auto` (tool_call and tool_text examples, the `auto` grammar enforced):
+      `right_tool_or_text` (the right tool(s) when one fits, text when none does), `exact`
+      (the right calls with the right arguments, or the right text answer);
+    * `tool_answer`: the final text answer after the tool results is correct."""
+    from remask.zoo.formats import examples as make
+    from remask.zoo.tasks import EVAL_SEED
+
+    seed = EVAL_SEED if seed is None else seed
+    sets = {kind: make(n, seed, kinds=(kind,)) for kind in ("plain", "json", "json_object", "tool_call",
+                                                             "tool_text", "tool_answer")}
+    report: dict[str, Any] = {"strategy": strategy.name, "n_per_format": n}
+    plain = sets["plain"]
+    answers = decode_chat(model, tokenizer, plain, strategy)
+    ok = [e.is_correct(text) for e, (text, _) in zip(plain, answers)]
+    per_task: dict[str, list[bool]] = {}
+    for e, flag in zip(plain, ok):
+        per_task.setdefault(e.task, []).append(flag)
+    report["plain"] = {"accuracy": _rate(ok), "per_task": {t: _rate(v) for t, v in per_task.items()}}
+    json_set = sets["json"] + sets["json_object"]
+    for enforce in (True, False):
+        answers = decode_chat(model, tokenizer, json_set, strategy, enforce=enforce)
+        valid = [ended and _json_valid(e, text, tokenizer) for e, (text, ended) in zip(json_set, answers)]
+        correct = [v and e.is_correct(text) for v, e, (text, _) in zip(valid, json_set, answers)]
+        report["json_enforced" if enforce else "json_unenforced"] = {"valid_stop": _rate(valid),
+                                                                     "correct_stop": _rate(correct)}
+    auto_set = sets["tool_call"] + sets["tool_text"]
+    answers = decode_chat(model, tokenizer, auto_set, strategy)
+    report["tool_auto"] = {
+        "right_tool_or_text": _rate([ended and e.right_tool(text) for e, (text, ended) in zip(auto_set, answers)]),
+        "exact": _rate([ended and e.is_correct(text) for e, (text, ended) in zip(auto_set, answers)]),
+        "calls_when_needed": _rate([ended and e.right_tool(text) for e, (text, ended) in zip(auto_set, answers)
+                                    if e.needs_tool]),
+        "text_when_not": _rate([ended and e.right_tool(text) for e, (text, ended) in zip(auto_set, answers)
+                                if not e.needs_tool])}
+    answers = decode_chat(model, tokenizer, sets["tool_answer"], strategy)
+    report["tool_answer"] = {"accuracy": _rate([ended and e.is_correct(text) for e, (text, ended)
+                                                in zip(sets["tool_answer"], answers)])}
+    return report
+
+
+def chat_report(folder: str, n: int) -> dict[str, Any]:
+    """`chat_metrics` of the chat model in `folder` under each of `chat_strategies`."""
+    from remask.zoo import load
+
+    model, tokenizer = load(folder)
+    ar = get_spec(model).kind == "ar"
+    return {"strategies": [chat_metrics(model, tokenizer, n, strategy) for strategy in chat_strategies(ar)]}

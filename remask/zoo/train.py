@@ -1,9 +1,17 @@
 """Train remask's tiny models on CPU: a LLaDA-format masked-diffusion model and a Llama AR model.
 
     python -m remask.zoo.train --model both --out remask/zoo/checkpoints
+    python -m remask.zoo.train --model chat --out remask/zoo/checkpoints     # the chat models
 
 Both models learn the problems of `remask.zoo.tasks` in the chat format of
 `remask.zoo.charset`, answers padded with EOS to `--gen-length` positions.
+
+The chat models `tiny-llada-chat` / `tiny-ar-chat` (same architectures, a context of 512) learn
+the same tasks asked in every format of `remask.zoo.formats` (plain, JSON with a schema or
+`json_object`, tool calls, answers from tool results, text when no offered tool fits), rendered
+by `charset.CHAT_FORMATS_TEMPLATE`. Each step draws its answer length from `CHAT_LENGTHS` and
+its examples from that length's kinds, so plain answers are also seen padded to 64 and 128
+positions (what a server asks of the diffusion model when a client gives `max_tokens`).
 
 * `tiny-llada`: LLaDA architecture, saved in the official LLaDA checkpoint format
   (`config.json` with the released keys, `model.safetensors` with the released parameter names,
@@ -41,23 +49,50 @@ GEN_LENGTH = 16
 LLADA_SIZE = dict(d_model=128, n_heads=4, n_kv_heads=4, n_layers=4, mlp_hidden_size=384)
 AR_SIZE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=3,
                intermediate_size=384)
+CHOICES = {"llada": ["tiny-llada"], "ar": ["tiny-ar"], "both": ["tiny-llada", "tiny-ar"],
+           "llada-chat": ["tiny-llada-chat"], "ar-chat": ["tiny-ar-chat"], "chat": ["tiny-llada-chat", "tiny-ar-chat"]}
+# The chat models: the first models' shapes (measured: see docs/models.md), a context of 512.
+LLADA_CHAT_SIZE = dict(LLADA_SIZE)
+AR_CHAT_SIZE = dict(AR_SIZE)
+# Chat training: a step's answer length (positions, EOS padding included) → share of steps, and
+# the kinds of `remask.zoo.formats` a step of that length draws (every answer fits with one EOS).
+CHAT_LENGTHS = {16: 0.25, 64: 0.3, 128: 0.45}
+CHAT_KINDS = {16: {"plain": 1.0},
+              64: {"plain": 0.2, "json": 0.6, "json_object": 0.2},
+              128: {"plain": 0.1, "json": 0.1, "tool_call": 0.3, "tool_answer": 0.3, "tool_text": 0.2}}
+CHAT_GEN_LENGTH = max(CHAT_LENGTHS)
+CHAT_BATCH_SIZE = 64
+CHAT_CHUNKS = 4           # a chat batch is forwarded in 4 groups of similar prompt length (~30% less padding)
+# Sized to 1 hour per model on one core each (docs/models.md, "The chat models": measured 1.30 / 0.99
+# CPU s per step, and about 12 / 3 minutes of final evaluation).
+LLADA_CHAT_STEPS = 1800
+AR_CHAT_STEPS = 3000
+CHAT_EVAL_PROBLEMS = 56   # per format (8 per task where every task can be asked)
 
 
-def llada_config(**size: Any) -> dict[str, Any]:
+def is_chat(name: str) -> bool:
+    return name.endswith("-chat")
+
+
+def is_llada(name: str) -> bool:
+    return name.startswith("tiny-llada")
+
+
+def llada_config(context: int = 128, **size: Any) -> dict[str, Any]:
     """The official-format config.json of tiny-llada (LLaDA-8B-Instruct's keys, tiny shapes, char vocab)."""
     from remask.models.tiny import LLADA_DEFAULTS
 
     return {**LLADA_DEFAULTS, **LLADA_SIZE, **size,
             "vocab_size": charset.VOCAB_SIZE, "embedding_size": charset.VOCAB_SIZE,
             "mask_token_id": charset.MASK_ID, "eos_token_id": charset.EOS_ID, "pad_token_id": charset.PAD_ID,
-            "eot_token_id": charset.EOT_ID, "bos_token_id": charset.BOS_ID, "max_sequence_length": 128,
+            "eot_token_id": charset.EOT_ID, "bos_token_id": charset.BOS_ID, "max_sequence_length": context,
             "rope_theta": 10000.0, "precision": "fp32", "torch_dtype": "float32"}
 
 
-def ar_config(**size: Any):
+def ar_config(context: int = 128, **size: Any):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=charset.VOCAB_SIZE, **{**AR_SIZE, **size}, max_position_embeddings=128,
+    return LlamaConfig(vocab_size=charset.VOCAB_SIZE, **{**AR_SIZE, **size}, max_position_embeddings=context,
                        rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=charset.BOS_ID,
                        eos_token_id=charset.EOS_ID, pad_token_id=charset.PAD_ID, mask_token_id=charset.MASK_ID)
 
@@ -65,17 +100,22 @@ def ar_config(**size: Any):
 def build_model(name: str, seed: int, width: int | None = None, layers: int | None = None) -> tuple[torch.nn.Module, Any]:
     """A freshly initialised model; `width`/`layers` shrink it (smoke tests), default: the shipped sizes."""
     torch.manual_seed(seed)
-    if name == "tiny-llada":
+    context = charset.CHAT_CONTEXT if is_chat(name) else 128
+    if is_llada(name):
         from remask.models import LLaDAConfig, LLaDAModelLM
 
-        size = {} if width is None else dict(d_model=width, n_heads=2, n_kv_heads=2, mlp_hidden_size=2 * width)
-        config = llada_config(**size, **({} if layers is None else {"n_layers": layers}))
+        size = dict(LLADA_CHAT_SIZE) if is_chat(name) else {}
+        size.update({} if width is None else dict(d_model=width, n_heads=2, n_kv_heads=2, mlp_hidden_size=2 * width))
+        size.update({} if layers is None else {"n_layers": layers})
+        config = llada_config(context, **size)
         return LLaDAModelLM(LLaDAConfig(**config)), config
     from transformers import LlamaForCausalLM
 
-    size = {} if width is None else dict(hidden_size=width, num_attention_heads=2, num_key_value_heads=2,
-                                         intermediate_size=2 * width)
-    config = ar_config(**size, **({} if layers is None else {"num_hidden_layers": layers}))
+    size = dict(AR_CHAT_SIZE) if is_chat(name) else {}
+    size.update({} if width is None else dict(hidden_size=width, num_attention_heads=2, num_key_value_heads=2,
+                                              intermediate_size=2 * width))
+    size.update({} if layers is None else {"num_hidden_layers": layers})
+    config = ar_config(context, **size)
     return LlamaForCausalLM(config), config
 
 
@@ -92,29 +132,79 @@ def batch_at(step: int, seed: int, batch_size: int, gen_length: int) -> tuple[to
     return ids, mask, prompt_ids.shape[1]
 
 
+def chat_batch_at(step: int, seed: int, batch_size: int, ar: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A chat model's training batch of step `step` (`batch_at`'s layout): its answer length drawn
+    from `CHAT_LENGTHS`, its examples from that length's `CHAT_KINDS`, every answer EOS-padded to
+    that length (`ar`: to the longest answer's length + 1, the AR loss stops at the first EOS)."""
+    from remask.zoo import formats
+    from remask.zoo.evaluate import chat_prompt_batch
+
+    rng = random.Random(seed * 1_000_003 + step)
+    gen_length = rng.choices(tuple(CHAT_LENGTHS), weights=tuple(CHAT_LENGTHS.values()))[0]
+    kinds = CHAT_KINDS[gen_length]
+    examples = [formats.example(rng, rng.choices(tuple(kinds), weights=tuple(kinds.values()))[0])
+                for _ in range(batch_size)]
+    if ar:
+        gen_length = max(len(e.target) for e in examples) + 1
+    prompt_ids, prompt_mask = chat_prompt_batch(examples)
+    answers = torch.tensor([charset.encode_answer(e.target, gen_length) for e in examples], dtype=torch.long)
+    ids = torch.cat([prompt_ids, answers], dim=1)
+    mask = torch.cat([prompt_mask, torch.ones_like(answers)], dim=1)
+    return ids, mask, prompt_ids.shape[1]
+
+
+def row_chunks(mask: torch.Tensor, P: int, chunks: int) -> list[tuple[Any, int]]:
+    """The batch's rows in `chunks` groups of similar prompt length, each with the first column
+    it needs (the left padding every row of the group has is dropped): `[(rows, start)]`. One
+    chunk: every row from column 0 (the computation of an unchunked batch, bit for bit)."""
+    if chunks <= 1:
+        return [(slice(None), 0)]
+    prompt_length = mask[:, :P].sum(1)
+    order = torch.argsort(prompt_length, stable=True)
+    return [(rows, P - int(prompt_length[rows].max())) for rows in order.chunk(chunks) if len(rows)]
+
+
 def llada_sft_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, P: int,
-                   gen: torch.Generator, eps: float = 1e-3) -> torch.Tensor:
-    """LLaDA's SFT objective: mask answer positions with probability t ~ U(eps, 1], CE / t."""
+                   gen: torch.Generator, eps: float = 1e-3, chunks: int = 1) -> torch.Tensor:
+    """LLaDA's SFT objective: mask answer positions with probability t ~ U(eps, 1], CE / t.
+    `chunks`: forward the rows in groups of similar prompt length (`row_chunks`; less padding,
+    the same noise and normalisation)."""
     B, L = ids.shape
     t = (1 - eps) * torch.rand(B, generator=gen) + eps
     masked = torch.rand((B, L), generator=gen) < t[:, None]
     masked[:, :P] = False
     noisy = torch.where(masked, torch.full_like(ids, charset.MASK_ID), ids)
-    logits = model(noisy, attention_mask=mask).logits
-    token_loss = F.cross_entropy(logits[masked], ids[masked], reduction="none") / t[:, None].expand(B, L)[masked]
+    weight = t[:, None].expand(B, L)
+    total = torch.zeros(())
+    for rows, start in row_chunks(mask, P, chunks):
+        m = masked[rows, start:]
+        logits = model(noisy[rows, start:], attention_mask=mask[rows, start:]).logits
+        token_loss = F.cross_entropy(logits[m], ids[rows, start:][m], reduction="none") / weight[rows, start:][m]
+        total = total + token_loss.sum()
     answer_length = L - P
-    return token_loss.sum() / (B * answer_length)
+    return total / (B * answer_length)
 
 
-def ar_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, P: int) -> torch.Tensor:
-    """Next-token cross-entropy on the answer characters and the first EOS (not the EOS padding)."""
+def ar_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, P: int, chunks: int = 1) -> torch.Tensor:
+    """Next-token cross-entropy on the answer characters and the first EOS (not the EOS padding);
+    `chunks` as in `llada_sft_loss`."""
     labels = ids.clone()
     labels[:, :P] = -100
-    after_first_eos = (ids == charset.EOS_ID).long().cumsum(-1) > 1
-    labels[after_first_eos] = -100
+    # counted in the answer only: a chat prompt holds the EOS of earlier assistant turns
+    after_first_eos = (ids[:, P:] == charset.EOS_ID).long().cumsum(-1) > 1
+    labels[:, P:][after_first_eos] = -100
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+    if chunks <= 1:
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                               ignore_index=-100)
+    total = torch.zeros(())
+    for rows, start in row_chunks(mask, P, chunks):
+        logits = model(input_ids=ids[rows, start:], attention_mask=mask[rows, start:],
+                       position_ids=position_ids[rows, start:]).logits
+        total = total + F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                        labels[rows, start + 1:].reshape(-1), ignore_index=-100, reduction="sum")
+    return total / (labels[:, 1:] != -100).sum()
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
@@ -127,13 +217,13 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 def save_checkpoint(name: str, model: torch.nn.Module, config: Any, folder: str) -> None:
     """Write the model folder: weights + config in its release format, plus the tokenizer."""
     os.makedirs(folder, exist_ok=True)
-    if name == "tiny-llada":
+    if is_llada(name):
         from remask.models.tiny import write_llada_checkpoint
 
         write_llada_checkpoint(folder, config, {k: v.detach().clone() for k, v in model.state_dict().items()})
     else:
         model.save_pretrained(folder)
-    charset.build_tokenizer().save_pretrained(folder)
+    charset.build_tokenizer(formats=is_chat(name)).save_pretrained(folder)
 
 
 def train(name: str, out: str, steps: int, batch_size: int, lr: float, warmup: int, seed: int,
@@ -163,11 +253,16 @@ def train(name: str, out: str, steps: int, batch_size: int, lr: float, warmup: i
     for step in range(start, end):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
-        ids, mask, P = batch_at(step, seed, batch_size, gen_length)
-        if name == "tiny-llada":
-            loss = llada_sft_loss(model, ids, mask, P, torch.Generator().manual_seed(seed * 7_919 + step))
+        if is_chat(name):
+            ids, mask, P = chat_batch_at(step, seed, batch_size, ar=not is_llada(name))
         else:
-            loss = ar_loss(model, ids, mask, P)
+            ids, mask, P = batch_at(step, seed, batch_size, gen_length)
+        chunks = CHAT_CHUNKS if is_chat(name) else 1
+        if is_llada(name):
+            noise = torch.Generator().manual_seed(seed * 7_919 + step)
+            loss = llada_sft_loss(model, ids, mask, P, noise, chunks=chunks)
+        else:
+            loss = ar_loss(model, ids, mask, P, chunks=chunks)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -185,9 +280,9 @@ def train(name: str, out: str, steps: int, batch_size: int, lr: float, warmup: i
         print(f"[{name}] stopped at step {end} (--stop-after); continue with --resume", flush=True)
         return None
     model.eval()
-    if name == "tiny-llada":
+    if is_llada(name):
         # Beyond its training answers' length the model is confidently wrong; the samplers warn there.
-        config = {**config, "trained_gen_length": gen_length}
+        config = {**config, "trained_gen_length": CHAT_GEN_LENGTH if is_chat(name) else gen_length}
     save_checkpoint(name, model, config, folder)
     return {"parameters": n_params, "steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
             "train_seconds_this_run": round(time.time() - t0, 1), "log": log}
@@ -196,12 +291,17 @@ def train(name: str, out: str, steps: int, batch_size: int, lr: float, warmup: i
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m remask.zoo.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=("llada", "ar", "both"), default="both")
+    parser.add_argument("--model", choices=tuple(CHOICES), default="both",
+                        help="llada / ar / both: tiny-llada, tiny-ar; llada-chat / ar-chat / chat: tiny-llada-chat, "
+                             "tiny-ar-chat")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "checkpoints"),
-                        help="parent folder; each model goes to <out>/tiny-llada, <out>/tiny-ar")
+                        help="parent folder; each model goes to <out>/<name> (tiny-llada, tiny-ar-chat, ...)")
     parser.add_argument("--llada-steps", type=int, default=5000)
     parser.add_argument("--ar-steps", type=int, default=1500)
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--llada-chat-steps", type=int, default=LLADA_CHAT_STEPS)
+    parser.add_argument("--ar-chat-steps", type=int, default=AR_CHAT_STEPS)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help=f"examples per step (default 128; chat models {CHAT_BATCH_SIZE})")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--seed", type=int, default=tasks.TRAIN_SEED)
@@ -213,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-every", type=int, default=250)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--resume", action="store_true", help="continue from <out>/<name>/train_state.pt")
-    parser.add_argument("--eval-problems", type=int, default=350, help="held-out problems for the final evaluation")
+    parser.add_argument("--eval-problems", type=int, default=None,
+                        help="held-out problems for the final evaluation (default 350; chat models: per format, "
+                             f"default {CHAT_EVAL_PROBLEMS})")
     parser.add_argument("--stop-after", type=int, default=None,
                         help="train at most this many steps in this run, then save the state and exit (resume later)")
     parser.add_argument("--width", type=int, default=None, help="override the hidden size of both models (smoke tests)")
@@ -221,20 +323,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-state", action="store_true", help="keep train_state.pt (default: delete it at the end)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.model == "both" and not args.sequential:
-        return _train_both_in_parallel(list(sys.argv[1:] if argv is None else argv))
+    names = CHOICES[args.model]
+    if len(names) > 1 and not args.sequential:
+        return _train_both_in_parallel(list(sys.argv[1:] if argv is None else argv), names)
 
-    names = {"llada": ["tiny-llada"], "ar": ["tiny-ar"], "both": ["tiny-llada", "tiny-ar"]}[args.model]
     for name in names:
-        steps = args.llada_steps if name == "tiny-llada" else args.ar_steps
-        record = train(name, args.out, steps, args.batch_size, args.lr, args.warmup, args.seed, args.save_every,
+        steps = {"tiny-llada": args.llada_steps, "tiny-ar": args.ar_steps, "tiny-llada-chat": args.llada_chat_steps,
+                 "tiny-ar-chat": args.ar_chat_steps}[name]
+        batch_size = args.batch_size or (CHAT_BATCH_SIZE if is_chat(name) else 128)
+        record = train(name, args.out, steps, batch_size, args.lr, args.warmup, args.seed, args.save_every,
                        args.resume, args.log_every, args.gen_length, args.stop_after, args.width, args.layers)
         if record is None:
             continue
-        from remask.zoo.evaluate import held_out_report
+        from remask.zoo.evaluate import chat_report, held_out_report
 
         folder = os.path.join(args.out, name)
-        record["held_out"] = held_out_report(folder, args.eval_problems, args.gen_length)
+        if is_chat(name):
+            record["held_out"] = chat_report(folder, args.eval_problems or CHAT_EVAL_PROBLEMS)
+        else:
+            record["held_out"] = held_out_report(folder, args.eval_problems or 350, args.gen_length)
         print(f"[{name}] held-out: {json.dumps(record['held_out'])}", flush=True)
         with open(os.path.join(folder, "metrics.json"), "w") as f:
             json.dump(record, f, indent=1)
@@ -245,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _train_both_in_parallel(argv: list[str]) -> int:
+def _train_both_in_parallel(argv: list[str], names: list[str]) -> int:
     import multiprocessing
 
     def without_model(args: list[str]) -> list[str]:
@@ -261,7 +368,8 @@ def _train_both_in_parallel(argv: list[str]) -> int:
 
     base = without_model(argv)
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=main, args=(base + ["--model", which],)) for which in ("llada", "ar")]
+    which = {one[0]: choice for choice, one in CHOICES.items() if len(one) == 1}
+    procs = [ctx.Process(target=main, args=(base + ["--model", which[name]],)) for name in names]
     for p in procs:
         p.start()
     for p in procs:
