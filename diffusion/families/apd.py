@@ -39,7 +39,7 @@ from remask.models.hf_compat import cache_arg, output_cache
 from remask.models.parallel import full_logits
 from remask.models.spec import ModelSpec, get_spec
 
-from ..parts.checks import check_bool, check_int, check_real, model_device
+from ..parts.checks import NoWorkBound, check_bool, check_int, check_real, model_device
 from ..parts.scoring import filter_logits, gumbel_max_scores
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
@@ -47,7 +47,7 @@ from ..parts.stepper import ForwardRequest, Progress, drive
 
 
 @dataclass
-class APDConfig:
+class APDConfig(NoWorkBound):
     """APD's parameters. `verifier`: any `AutoModelForCausalLM` whose vocabulary covers the
     dLLM's tokens up to its own size (the dLLM's logits are cut to the verifier's vocabulary).
     `mixture_weight` R in [0, 1]; `kv_window` W (None: no dLLM cache, a full forward each round);
@@ -56,7 +56,10 @@ class APDConfig:
     model whose config says `use_cache=False`, like the released Dream, returns no cache there, so
     every round recomputes from position 0 and `kv_window` has no effect). `coupled_gumbel`: the
     paper's coupled draft/target sampling at T > 0 (default False: the reference's T² draft and
-    deterministic argmax target)."""
+    deterministic argmax target).
+
+    No work bound: as in the official APD code, a window `[curr, curr + max_lookahead)` past the answer is the rest
+    of it, and a `kv_window` past the sequence keeps the whole cache."""
 
     verifier: Any
     mixture_weight: float = 0.7
@@ -82,12 +85,6 @@ class APDConfig:
         if kind != "ar":
             raise ValueError(f"verifier must be an autoregressive (causal) model; got a {kind} diffusion model, "
                              "whose logits do not score a left-to-right continuation")
-
-
-    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
-                      steps: int | None = None, prompt_length: int | None = None) -> None:
-        """No work bound: as in the official APD code, a window `[curr, curr + max_lookahead)` past
-        the answer is the rest of it, and a `kv_window` past the sequence keeps the whole cache."""
 
 
 def check_apd_alone(clashes: list[str]) -> None:

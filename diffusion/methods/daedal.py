@@ -27,16 +27,19 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from ..parts.checks import check_config, check_int, check_method_call, check_real, model_device
+from ..parts.checks import NoWorkBound, check_config, check_int, check_method_call, check_real, model_device
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
 
 
 @dataclass(frozen=True)
-class DAEDAL:
+class DAEDAL(NoWorkBound):
     """DAEDAL's parameters, upstream's names and defaults. `max_gen_length` is the entry point's
-    `gen_length` / `max_tokens`; `block_length` the entry point's (upstream's default: 32)."""
+    `gen_length` / `max_tokens`; `block_length` the entry point's (upstream's default: 32).
+
+    No work bound of its own: `gen_length` caps every length (an `initial_gen_length` past it starts at gen_length,
+    as upstream ends up), each forward commits a position."""
 
     initial_gen_length: int = 64
     high_conf_threshold: float = 0.90
@@ -53,11 +56,6 @@ class DAEDAL:
         for name in ("high_conf_threshold", "low_conf_threshold", "eos_confidence_threshold",
                      "expand_eos_confidence_threshold"):
             check_real(name, getattr(self, name))
-
-    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
-                      steps: int | None = None, prompt_length: int | None = None) -> None:
-        """No bound of its own: `gen_length` caps every length (an `initial_gen_length` past it starts
-        at gen_length, as upstream ends up), each forward commits a position."""
 
 
 def eos_confidence(x0: torch.Tensor, conf: torch.Tensor, P: int, eos_id: int, count: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..families.llada import BlockDecoder
-from ..parts.checks import check_instance, check_int, check_method_call
+from ..parts.checks import NoWorkBound, check_instance, check_int, check_method_call
 from ..parts.stats import GenerationStats
 from ..parts.rules import CreditDecoding, HierarchicalDecoding, IterationSmoothing, ThresholdDecoding
 from ..parts.step import CommitRule, masked_canvas
@@ -41,9 +41,13 @@ __all__ = ["ThresholdDecoding", "CreditDecoding", "HierarchicalDecoding", "Vicin
 
 
 @dataclass(frozen=True)
-class VicinityCache:
+class VicinityCache(NoWorkBound):
     """dInfer's vicinity cache refresh (`VicinityCacheDiffusionLLM`, dual cache): every iteration
-    recomputes the window ``[start − prefix_look, end + after_look)`` (module docstring)."""
+    recomputes the window ``[start − prefix_look, end + after_look)`` (module docstring).
+
+    No work bound (docs/parameters.md, "Work bounds", "Not bounded"): the window is clipped to the sequence
+    (`[max(0, start − prefix_look), min(T, end + after_look))`), and a `warmup_steps` past the loop's iterations
+    makes every one a warmup; none costs more work than the value that reaches the bound (upstream takes any)."""
 
     prefix_look: int = 16
     after_look: int = 16
@@ -52,13 +56,6 @@ class VicinityCache:
     def __post_init__(self) -> None:
         for name in ("prefix_look", "after_look", "warmup_steps"):
             check_int(name, getattr(self, name), minimum=0)
-
-    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
-                      steps: int | None = None, prompt_length: int | None = None) -> None:
-        """No work bound (docs/parameters.md, "Work bounds", "Not bounded"): the window is clipped to
-        the sequence (`[max(0, start − prefix_look), min(T, end + after_look))`), and a `warmup_steps`
-        past the loop's iterations makes every one a warmup; none costs more work than the value
-        that reaches the bound (upstream takes any)."""
 
 
 def dinfer_generate(model: torch.nn.Module, prompt: torch.Tensor, *, decoder: CommitRule = ThresholdDecoding(),

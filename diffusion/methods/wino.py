@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..parts.cache import valid_positions
-from ..parts.checks import check_bool, check_config, check_int, check_method_call, check_real, model_device
+from ..parts.checks import NoWorkBound, check_bool, check_config, check_int, check_method_call, check_real, model_device
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
@@ -37,9 +37,13 @@ from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
 
 
 @dataclass(frozen=True)
-class WINO:
+class WINO(NoWorkBound):
     """WINO's parameters (upstream: `threshold`, `threshold_back`; the accept cap
-    `min(max(int(#mask * 0.7), 5), 20)` and the initial `last_accept = 30` are constants there)."""
+    `min(max(int(#mask * 0.7), 5), 20)` and the initial `last_accept = 30` are constants there).
+
+    No work bound (docs/parameters.md, "Work bounds", "Not bounded"): `accept_floor` / `accept_cap` read "at most";
+    a forward accepts at most the block's masked positions, so any value past the block length decodes as the block
+    length, at no more work (upstream takes any)."""
 
     threshold: float = 0.6
     threshold_back: float = 0.9
@@ -59,12 +63,6 @@ class WINO:
             check_int(name, getattr(self, name), minimum=1)
         if self.accept_floor > self.accept_cap:
             raise ValueError(f"accept_floor ({self.accept_floor}) must not exceed accept_cap ({self.accept_cap})")
-
-    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
-                      steps: int | None = None, prompt_length: int | None = None) -> None:
-        """No work bound (docs/parameters.md, "Work bounds", "Not bounded"): `accept_floor` /
-        `accept_cap` read "at most"; a forward accepts at most the block's masked positions, so any
-        value past the block length decodes as the block length, at no more work (upstream takes any)."""
 
     def max_accept(self, masks: int) -> int:
         return min(max(int(masks * self.accept_ratio), self.accept_floor), self.accept_cap)

@@ -14,6 +14,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from .checks import NoWorkBound
+
 
 @dataclass
 class Decision:
@@ -62,21 +64,19 @@ def apply_decision(tokens: torch.Tensor, proposal: torch.Tensor, decision: Decis
     return out
 
 
-class CommitRule:
+class CommitRule(NoWorkBound):
     """A commit rule that `decoder=` takes: a small config whose `commit(block, logits, mask_id, state)` returns
     `(commit, tokens)` for one block's tokens `[B, L]` and logits `[B, L, V]`: `commit` a bool `[B, L]` of masked
     positions, `tokens` `[B, L]` their tokens; nothing is changed in place, and a block with a mask gets at least one
     commit (so every loop ends). `new_state()`: the rule's memory over one block's steps (None: none;
     `CreditDecoding`'s credit matrix). `name`: its JSON name; a new rule is its own file in `diffusion/methods/`
     plus a line in the registry (`diffusion/methods/registry.py`), where every loop that takes `decoder=`, the
-    `SamplingParams` check, the JSON form `{"name": ...}` and docs/compatibility.md find it."""
+    `SamplingParams` check, the JSON form `{"name": ...}` and docs/compatibility.md find it.
+
+    A rule has no work bound (`check_request`, which every config has, refuses nothing)."""
 
     name: ClassVar[str] = ""
     smoothing: Any = None     # dInfer's iteration smoothing (`BlockDecoder(rule=...)` only); None for other rules
-
-    def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
-                      steps: int | None = None, prompt_length: int | None = None) -> None:
-        """A rule has no work bound (every config has this check: `SamplingParams`, `add_request`)."""
 
     def new_state(self) -> Any:
         return None
