@@ -215,6 +215,9 @@ def test_demo_runs_non_interactively():
     for row in ("LLaDA low-confidence, 1 token/step", "LLaDA random remasking", "Fast-dLLM threshold 0.9",
                 "Fast-dLLM factor", "APD R=0.7 + tiny-ar verifier", "AR model"):
         assert row in out
+    # the structured section: a JSON answer under a schema, two tool calls, the answer from their results
+    assert """'sort 52814' as JSON, schema {answer: str} → {"answer":"12458"}""" in out
+    assert """calls add({"a":4,"b":2}), capital({"country":"Italy"})""" in out and "answer '6, Rome'" in out
 
 
 def test_ablation_cli_writes_a_reproducible_csv(tmp_path, capsys):
