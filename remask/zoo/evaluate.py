@@ -60,23 +60,8 @@ class EvalResult:
     verifier_nfe_per_answer: float = 0.0
 
 
-def prompt_batch(batch: Sequence[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded chat prompts `[B, P]` and their padding mask (1 = token)."""
-    encoded = [charset.encode_chat(p.prompt) for p in batch]
-    P = max(len(e) for e in encoded)
-    ids = torch.full((len(batch), P), charset.PAD_ID, dtype=torch.long)
-    mask = torch.zeros((len(batch), P), dtype=torch.long)
-    for i, e in enumerate(encoded):
-        ids[i, P - len(e):] = torch.tensor(e)
-        mask[i, P - len(e):] = 1
-    return ids, mask
-
-
-def chat_prompt_batch(examples: Sequence[Any], tokenizer: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`prompt_batch` for `remask.zoo.formats.Example`s: each conversation (messages, tools,
-    response_format) through the chat models' template, left-padded `[B, P]`, and its mask."""
-    tokenizer = charset.chat_tokenizer() if tokenizer is None else tokenizer
-    encoded = [chat_prompt_ids(e, tokenizer) for e in examples]
+def left_padded(encoded: Sequence[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists left-padded into `[B, P]`, and their padding mask (1 = token)."""
     P = max(len(e) for e in encoded)
     ids = torch.full((len(encoded), P), charset.PAD_ID, dtype=torch.long)
     mask = torch.zeros((len(encoded), P), dtype=torch.long)
@@ -84,6 +69,18 @@ def chat_prompt_batch(examples: Sequence[Any], tokenizer: Any = None) -> tuple[t
         ids[i, P - len(e):] = torch.tensor(e)
         mask[i, P - len(e):] = 1
     return ids, mask
+
+
+def prompt_batch(batch: Sequence[Problem]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded chat prompts `[B, P]` and their padding mask (1 = token)."""
+    return left_padded([charset.encode_chat(p.prompt) for p in batch])
+
+
+def chat_prompt_batch(examples: Sequence[Any], tokenizer: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prompt_batch` for `remask.zoo.formats.Example`s: each conversation (messages, tools,
+    response_format) through the chat models' template, left-padded `[B, P]`, and its mask."""
+    tokenizer = charset.chat_tokenizer() if tokenizer is None else tokenizer
+    return left_padded([chat_prompt_ids(e, tokenizer) for e in examples])
 
 
 def chat_prompt_ids(example: Any, tokenizer: Any) -> list[int]:
