@@ -20,6 +20,7 @@ from remask.models.spec import get_spec
 from ..parts.checks import (ParameterTypeError, check_generator, check_int, check_model_kind, check_prompt,
                             check_real, check_stats, check_token_id, warn_if_padded_without_mask)
 from ..parts.constrain_loops import structure_for_call
+from ..parts.processors import logprob_entries
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.protocol import Decoder
@@ -169,13 +170,9 @@ class ARDecoder(Decoder):
         before any processor (min_tokens), structure mask, temperature or top-k / top-p: vLLM's
         default (`logprobs_mode="raw_logprobs"`). Computed beside the sample, from the same logits,
         so asking for them never changes a token."""
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        chosen = logprobs.gather(-1, tokens[:, None])
-        state.sampled_logprobs[:, state.step] = chosen[:, 0]
-        state.sampled_ranks[:, state.step] = (logprobs > chosen).sum(-1) + 1
-        if self.logprobs:
-            top = logprobs.topk(self.logprobs, dim=-1)
-            state.top_ids[:, state.step], state.top_logprobs[:, state.step] = top.indices, top.values
+        chosen, ranks, top_ids, top_logprobs = logprob_entries(logits, tokens, self.logprobs)
+        state.sampled_logprobs[:, state.step], state.sampled_ranks[:, state.step] = chosen, ranks
+        state.top_ids[:, state.step], state.top_logprobs[:, state.step] = top_ids, top_logprobs
 
     def token_logprobs(self, state: ARState, count: int, row: int = 0) -> list[tuple] | None:
         """Row `row`'s first `count` tokens: `(token id, log-probability, rank, [(id, log-probability)
