@@ -438,11 +438,14 @@ def _generate(args: argparse.Namespace, sampling_names: list[str]) -> int:
         print(f"remask generate: {err}", file=sys.stderr)
         return 2
     prompts = []
-    for row, _ in requests:
+    for row, row_params in requests:
+        # a JSON schema asked for is shown to a chat template that reads it (the zoo's chat models), as the server does
+        structure = row_params.structured_outputs
+        shown = None if structure is None else structure.template_format()
         if "messages" in row:
-            prompts.append(llm.chat_ids(row["messages"]))
+            prompts.append(llm.chat_ids(row["messages"], response_format=shown))
         elif args.chat:
-            prompts.append(llm.chat_ids([{"role": "user", "content": row["prompt"]}]))
+            prompts.append(llm.chat_ids([{"role": "user", "content": row["prompt"]}], response_format=shown))
         else:
             prompts.append(row["prompt"])
     # Data parallel under torchrun / accelerate launch: rank r decodes requests r, r + world, ...;

@@ -168,6 +168,13 @@ class StructuredOutputsParams:
         """The compiled grammar's text: equal structures share one compile."""
         return self._grammar
 
+    def template_format(self) -> dict[str, Any] | None:
+        """The JSON format this structure asks for, in OpenAI's `response_format` shape, for a chat template that
+        shows it to the model (`LLM.chat_ids(response_format=...)`); None for a regex, grammar or choice."""
+        if self.json is not None:
+            return {"type": "json_schema", "json_schema": {"name": "structured_outputs", "schema": self.json}}
+        return {"type": "json_object"} if self.json_object else None
+
     @classmethod
     def from_response_format(cls, response_format: Any) -> "StructuredOutputsParams | None":
         """OpenAI's `response_format`: `{"type": "text"}` (None), `{"type": "json_object"}`, or

@@ -488,3 +488,12 @@ def test_cli_json_schema(tmp_path):
         for r in rows:
             jsonschema.validate(json.loads(r["text"]), schema)
     assert main(["generate", "tiny-ar", "--prompt", "x", "--json-schema", str(tmp_path / "missing.json")]) == 2
+    # the chat model is shown the schema through its template (as the server shows it) and answers right
+    answer = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+              "additionalProperties": False}
+    (tmp_path / "answer.json").write_text(json.dumps(answer))
+    assert main(["generate", "tiny-ar-chat", "--prompt", "sort 52814", "--prompt", "reverse remask", "--chat",
+                 "--quiet", "--json-schema", str(tmp_path / "answer.json"), "--max-tokens", "64",
+                 "--output", str(out)]) == 0
+    assert [json.loads(line)["text"] for line in out.read_text().splitlines()] == ['{"answer":"12458"}',
+                                                                                   '{"answer":"ksamer"}']

@@ -302,15 +302,11 @@ class ChatCompletionRequest(_Common):
         if isinstance(self.response_format, dict) and self.response_format.get("type") in ("json_schema",
                                                                                            "json_object"):
             return self.response_format
-        outputs = self.structured_outputs
-        if isinstance(outputs, dict) and outputs.get("json") is not None:
-            from remask.structured import StructuredOutputsParams
+        if not isinstance(self.structured_outputs, dict):
+            return None
+        from remask.structured import StructuredOutputsParams
 
-            schema = StructuredOutputsParams(json=outputs["json"]).json   # a schema given as JSON text, parsed
-            return {"type": "json_schema", "json_schema": {"name": "structured_outputs", "schema": schema}}
-        if isinstance(outputs, dict) and outputs.get("json_object") is True:
-            return {"type": "json_object"}
-        return None
+        return StructuredOutputsParams.from_json(self.structured_outputs).template_format()
 
     def requested_logprobs(self) -> int | None:
         """`logprobs: true` with `top_logprobs: k` alternatives (0 by default), as OpenAI."""
