@@ -1144,3 +1144,16 @@ def test_mask_model_logprobs_come_from_the_committing_forward_and_change_no_toke
     with pytest.raises(ValueError, match="logprobs: .* not with FreeDave"):
         LLMEngine(model, tokenizer).add_request("d", ids, SamplingParams(max_tokens=8, logprobs=1,
                                                                          decoder=remask.FreeDave()))
+
+
+def test_mask_model_logprobs_of_samples_decoded_one_after_another_are_each_their_own(llada):
+    """With `n` above `max_num_seqs` a request's samples run one after another through one decoder and its one
+    recorder: each sample reports the tokens and logprobs it reports alone."""
+    model, tokenizer = llada
+    params = SamplingParams(max_tokens=16, steps=16, block_length=8, early_stop=True, temperature=0.7, seed=5,
+                            logprobs=1)
+    engine = LLMEngine(model, tokenizer, max_num_seqs=1)
+    together = run_engine(engine, [("n3", PROBLEMS[3], params.replace(n=3))])["n3"].outputs
+    for i, sample in enumerate(together):
+        alone = run_engine(engine, [(f"s{i}", PROBLEMS[3], params.replace(seed=5 + i))])[f"s{i}"].outputs[0]
+        assert sample.token_ids == alone.token_ids and sample.logprobs == alone.logprobs, i

@@ -93,3 +93,8 @@ class RecordLogprobs:
         self.resolve(state)
         recorded = self.recorded.get(id(state), {})
         return list(itertools.takewhile(bool, (recorded.get(p) for p in range(start, start + count))))
+
+    def forget(self, state: Any) -> None:
+        """Drop what was kept for `state` (its sequence finished): a later state may reuse its `id`."""
+        self.pending.pop(id(state), None)
+        self.recorded.pop(id(state), None)

@@ -179,6 +179,8 @@ class Scheduler:
             seq.block_table = None
         if seq.state is not None:
             seq.decoder.release(seq.state)    # a block-causal request's pages
+            if seq.recorder is not None:      # its logprobs were read when it finished
+                seq.recorder.forget(seq.state)
         seq.state = None          # drops its cache
         self._seq_served.pop(seq, None)
         self._seq_steps.pop(seq, None)

@@ -18,6 +18,7 @@ OpenAI's `tools`, `response_format`, assistant `tool_calls` and `tool` messages
 """
 from __future__ import annotations
 
+import functools
 import string
 
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|eot|>", "<|mask|>", "<|user|>", "<|assistant|>", "<|unk|>")
@@ -147,14 +148,10 @@ def decode_answer(ids) -> str:
     return "".join(out)
 
 
-_CHAT_TOKENIZER: list = []
-
-
+@functools.cache
 def chat_tokenizer():
     """The chat models' tokenizer, built once per process (the training batches' template)."""
-    if not _CHAT_TOKENIZER:
-        _CHAT_TOKENIZER.append(build_tokenizer(formats=True))
-    return _CHAT_TOKENIZER[0]
+    return build_tokenizer(formats=True)
 
 
 def build_tokenizer(formats: bool = False):
