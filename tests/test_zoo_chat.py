@@ -210,8 +210,15 @@ def test_chat_training_smoke_resumes_and_reports_every_format(tmp_path):
     from remask.zoo import load
     from remask.zoo.train import main as train_main
 
-    common = ["--model", "chat", "--sequential", "--batch-size", "4", "--width", "16", "--layers", "1",
-              "--eval-problems", "1", "--log-every", "2", "--llada-chat-steps", "4", "--ar-chat-steps", "4"]
+    from safetensors.torch import load_file
+
+    small = ["--sequential", "--batch-size", "4", "--width", "16", "--layers", "1", "--eval-problems", "1",
+             "--log-every", "2"]
+    # the first models (4 steps), which the chat models start from
+    assert train_main(["--model", "both", "--out", str(tmp_path / "base"), "--llada-steps", "4", "--ar-steps", "4"]
+                      + small) == 0
+    common = ["--model", "chat", "--llada-chat-steps", "4", "--ar-chat-steps", "4",
+              "--init-from", str(tmp_path / "base")] + small
     assert train_main(["--out", str(tmp_path / "a")] + common) == 0
     assert train_main(["--out", str(tmp_path / "b"), "--stop-after", "3"] + common) == 0
     assert not (tmp_path / "b" / "tiny-llada-chat" / "model.safetensors").exists()
@@ -234,6 +241,19 @@ def test_chat_training_smoke_resumes_and_reports_every_format(tmp_path):
         assert tok.chat_template == charset.CHAT_FORMATS_TEMPLATE and tok.convert_tokens_to_ids("<|tool|>") == 104
     config = json.loads((tmp_path / "a" / "tiny-llada-chat" / "config.json").read_text())
     assert config["trained_gen_length"] == train.CHAT_GEN_LENGTH
+    # started from the first models' weights: 0 steps give them back
+    for name, base in train.CHAT_BASE.items():
+        assert train_main(["--out", str(tmp_path / "zero"), "--model", which(name), "--llada-chat-steps", "0",
+                           "--ar-chat-steps", "0", "--init-from", str(tmp_path / "base")] + small) == 0
+        started = load_file(str(tmp_path / "zero" / name / "model.safetensors"))
+        first = load_file(str(tmp_path / "base" / base / "model.safetensors"))
+        assert started.keys() == first.keys() and all(torch.equal(started[k], first[k]) for k in first), name
+        metrics = json.loads((tmp_path / "zero" / name / "metrics.json").read_text())
+        assert metrics["init_from"] == base
+
+
+def which(name: str) -> str:
+    return {"tiny-llada-chat": "llada-chat", "tiny-ar-chat": "ar-chat"}[name]
 
 
 def test_chunked_losses_equal_the_whole_batch():

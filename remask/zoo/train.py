@@ -59,15 +59,20 @@ AR_CHAT_SIZE = dict(AR_SIZE)
 CHAT_LENGTHS = {16: 0.25, 64: 0.3, 128: 0.45}
 CHAT_KINDS = {16: {"plain": 1.0},
               64: {"plain": 0.2, "json": 0.6, "json_object": 0.2},
-              128: {"plain": 0.1, "json": 0.1, "tool_call": 0.3, "tool_answer": 0.3, "tool_text": 0.2}}
+              128: {"plain": 0.05, "json": 0.1, "tool_call": 0.3, "tool_answer": 0.4, "tool_text": 0.15}}
 CHAT_GEN_LENGTH = max(CHAT_LENGTHS)
 CHAT_BATCH_SIZE = 64
 CHAT_CHUNKS = 4           # a chat batch is forwarded in 4 groups of similar prompt length (~30% less padding)
 # Sized to 1 hour per model on one core each (docs/models.md, "The chat models": measured 1.30 / 0.99
 # CPU s per step, and about 12 / 3 minutes of final evaluation).
-LLADA_CHAT_STEPS = 1800
+LLADA_CHAT_STEPS = 2000
 AR_CHAT_STEPS = 3000
 CHAT_EVAL_PROBLEMS = 56   # per format (8 per task where every task can be asked)
+# A chat model starts from its first model's weights (same shapes; rotary positions, so the longer
+# context needs no new parameters): the hour goes to the formats, not to relearning the tasks
+# (from scratch, tiny-llada-chat had 32% plain accuracy after its hour). `--from-scratch` skips it.
+CHAT_BASE = {"tiny-llada-chat": "tiny-llada", "tiny-ar-chat": "tiny-ar"}
+CHAT_LR = 1e-3            # peak lr of the chat models' fine-tuning (first models: 2e-3 from scratch)
 
 
 def is_chat(name: str) -> bool:
@@ -165,12 +170,18 @@ def row_chunks(mask: torch.Tensor, P: int, chunks: int) -> list[tuple[Any, int]]
 
 
 def llada_sft_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, P: int,
-                   gen: torch.Generator, eps: float = 1e-3, chunks: int = 1) -> torch.Tensor:
+                   gen: torch.Generator, eps: float = 1e-3, chunks: int = 1, stratified: bool = False) -> torch.Tensor:
     """LLaDA's SFT objective: mask answer positions with probability t ~ U(eps, 1], CE / t.
     `chunks`: forward the rows in groups of similar prompt length (`row_chunks`; less padding,
-    the same noise and normalisation)."""
+    the same noise and normalisation). `stratified`: the batch's t spread evenly over (0, 1] (one
+    offset drawn, row i at (i + u) / B, rows shuffled): the same expected loss, less variance
+    from the 1/t weight (the chat models)."""
     B, L = ids.shape
-    t = (1 - eps) * torch.rand(B, generator=gen) + eps
+    if stratified:
+        u = (torch.arange(B) + torch.rand(1, generator=gen)) / B
+        t = (1 - eps) * u[torch.randperm(B, generator=gen)] + eps
+    else:
+        t = (1 - eps) * torch.rand(B, generator=gen) + eps
     masked = torch.rand((B, L), generator=gen) < t[:, None]
     masked[:, :P] = False
     noisy = torch.where(masked, torch.full_like(ids, charset.MASK_ID), ids)
@@ -228,11 +239,16 @@ def save_checkpoint(name: str, model: torch.nn.Module, config: Any, folder: str)
 
 def train(name: str, out: str, steps: int, batch_size: int, lr: float, warmup: int, seed: int,
           save_every: int, resume: bool, log_every: int, gen_length: int, stop_after: int | None = None,
-          width: int | None = None, layers: int | None = None) -> dict[str, Any] | None:
-    """Train one model; returns its record, or None when `stop_after` interrupted it (state saved)."""
+          width: int | None = None, layers: int | None = None, init_from: str | None = None) -> dict[str, Any] | None:
+    """Train one model; returns its record, or None when `stop_after` interrupted it (state saved).
+    `init_from`: a checkpoint folder whose weights the model starts from."""
     folder = os.path.join(out, name)
     state_path = os.path.join(folder, "train_state.pt")
     model, config = build_model(name, seed, width, layers)
+    if init_from is not None:
+        from remask.zoo import load
+
+        model.load_state_dict(load(init_from)[0].state_dict())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
@@ -260,7 +276,7 @@ def train(name: str, out: str, steps: int, batch_size: int, lr: float, warmup: i
         chunks = CHAT_CHUNKS if is_chat(name) else 1
         if is_llada(name):
             noise = torch.Generator().manual_seed(seed * 7_919 + step)
-            loss = llada_sft_loss(model, ids, mask, P, noise, chunks=chunks)
+            loss = llada_sft_loss(model, ids, mask, P, noise, chunks=chunks, stratified=is_chat(name))
         else:
             loss = ar_loss(model, ids, mask, P, chunks=chunks)
         optimizer.zero_grad(set_to_none=True)
@@ -285,6 +301,7 @@ def train(name: str, out: str, steps: int, batch_size: int, lr: float, warmup: i
         config = {**config, "trained_gen_length": CHAT_GEN_LENGTH if is_chat(name) else gen_length}
     save_checkpoint(name, model, config, folder)
     return {"parameters": n_params, "steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
+            "init_from": None if init_from is None else os.path.basename(init_from),
             "train_seconds_this_run": round(time.time() - t0, 1), "log": log}
 
 
@@ -302,7 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ar-chat-steps", type=int, default=AR_CHAT_STEPS)
     parser.add_argument("--batch-size", type=int, default=None,
                         help=f"examples per step (default 128; chat models {CHAT_BATCH_SIZE})")
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default 2e-3; chat models {CHAT_LR})")
+    parser.add_argument("--init-from", default=os.path.join(os.path.dirname(__file__), "checkpoints"),
+                        help="chat models: the parent folder of the first models they start from (CHAT_BASE; "
+                             "default: the shipped ones)")
+    parser.add_argument("--from-scratch", action="store_true", help="chat models: start from random weights")
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--seed", type=int, default=tasks.TRAIN_SEED)
     parser.add_argument("--gen-length", type=int, default=GEN_LENGTH)
@@ -331,8 +352,11 @@ def main(argv: list[str] | None = None) -> int:
         steps = {"tiny-llada": args.llada_steps, "tiny-ar": args.ar_steps, "tiny-llada-chat": args.llada_chat_steps,
                  "tiny-ar-chat": args.ar_chat_steps}[name]
         batch_size = args.batch_size or (CHAT_BATCH_SIZE if is_chat(name) else 128)
-        record = train(name, args.out, steps, batch_size, args.lr, args.warmup, args.seed, args.save_every,
-                       args.resume, args.log_every, args.gen_length, args.stop_after, args.width, args.layers)
+        lr = args.lr or (CHAT_LR if is_chat(name) else 2e-3)
+        init_from = None if args.from_scratch or not is_chat(name) else os.path.join(args.init_from, CHAT_BASE[name])
+        record = train(name, args.out, steps, batch_size, lr, args.warmup, args.seed, args.save_every,
+                       args.resume, args.log_every, args.gen_length, args.stop_after, args.width, args.layers,
+                       init_from)
         if record is None:
             continue
         from remask.zoo.evaluate import chat_report, held_out_report
