@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from remask.zoo import CHECKPOINTS, charset, formats, train
+from remask.zoo import CHAT_MODELS, CHECKPOINTS, charset, formats, train
 from remask.zoo.evaluate import CHAT_GEN_LENGTHS, chat_prompt_ids, structure_of
 from remask.zoo.tasks import EVAL_SEED, TASKS, TRAIN_SEED
 
@@ -276,6 +276,41 @@ def test_chat_models_load_by_name_once_trained():
     if not os.path.exists(os.path.join(CHECKPOINTS, "tiny-ar-chat", "config.json")):
         with pytest.raises(FileNotFoundError, match="--model chat"):
             load("tiny-ar-chat")
+
+
+# The issue's targets (held-out, enforced where the server enforces): plain answers as the first
+# models (100%), JSON valid and correct at `stop` ≥ 90%, the right tool (or text) with `auto` ≥ 90%,
+# the answer after the tool results ≥ 90%.
+CHAT_TARGETS = {("plain", "accuracy"): 1.0, ("json_enforced", "correct_stop"): 0.9,
+                ("tool_auto", "right_tool_or_text"): 0.9, ("tool_answer", "accuracy"): 0.9}
+# Not met (docs/models.md, "The second run"): asserted to be short, so the model that meets it
+# fails here until the entry is removed and the target holds like the others.
+SHORT_OF_TARGET = {("tiny-ar-chat", "tool_answer", "accuracy")}
+SHIPPED_CHAT = [n for n in CHAT_MODELS if os.path.exists(os.path.join(CHECKPOINTS, n, "config.json"))]
+RECHECKED = 8   # examples per format decoded again here (the first of the 56 the metrics counted)
+
+
+@pytest.mark.parametrize("name", SHIPPED_CHAT)
+def test_shipped_chat_models_meet_the_targets(name):
+    """The committed metrics meet the targets under every rule, and the shipped weights give them
+    again on the first examples of each format (at most one of 8 off, as 56 examples allow)."""
+    from remask.models import get_spec
+    from remask.zoo import load
+    from remask.zoo.evaluate import chat_metrics, chat_strategies
+
+    with open(os.path.join(CHECKPOINTS, name, "metrics.json")) as f:
+        documented = json.load(f)["held_out"]["strategies"]
+    for figures in documented:
+        for (kind, key), target in CHAT_TARGETS.items():
+            met = figures[kind][key] >= target
+            assert met != ((name, kind, key) in SHORT_OF_TARGET), (name, figures["strategy"], kind, key,
+                                                                   figures[kind][key])
+    model, tok = load(name)
+    strategies = chat_strategies(get_spec(model).kind == "ar")
+    assert [s.name for s in strategies] == [f["strategy"] for f in documented]
+    again = chat_metrics(model, tok, RECHECKED, strategies[-1])   # the fastest rule (threshold + cache, or AR)
+    for (kind, key), _ in CHAT_TARGETS.items():
+        assert again[kind][key] >= documented[-1][kind][key] - 1.5 / RECHECKED, (name, kind, key, again[kind][key])
 
 
 # --- the server shows the template the requested format ----------------------------------------
