@@ -72,22 +72,15 @@ class DelayedKVCache(PositionKVCache):
         # (each ascending), the reference's order
         old = ~self._forwarded
         old_in_cache = old[self.cached].view(B, -1)          # which cached entries are not forwarded
-        if bool(old_in_cache.all()):
-            old_k, old_v = self.k[layer], self.v[layer]
-        else:
-            old_k, old_v = self._select(self.k[layer], old_in_cache), self._select(self.v[layer], old_in_cache)
+        old_k, old_v = self._select(self.k[layer], old_in_cache), self._select(self.v[layer], old_in_cache)
         keys, values = torch.cat([k, old_k], dim=2), torch.cat([v, old_v], dim=2)
-        ok = None
-        if self.key_ok is not None:
-            ok = torch.cat([self.key_ok[self._forwarded].view(B, -1), self.key_ok[old].view(B, -1)], dim=1)
+        order = torch.cat([self._forwarded.nonzero()[:, 1].view(B, -1), old.nonzero()[:, 1].view(B, -1)], 1)
+        ok = None if self.key_ok is None else self.key_ok.gather(1, order)   # the keys' validity, in their order
         out = attention(q, keys, values, key_bias(ok, q.dtype))
         # Back to sequence order (fresh where forwarded, else cached), then keep the `store` positions.
-        T = self._forwarded.shape[1]
-        order = torch.cat([self._forwarded.nonzero()[:, 1].view(B, -1), old.nonzero()[:, 1].view(B, -1)], 1)
-        index = order[:, None, :, None].expand(B, H, T, D)
-        full_k = torch.empty((B, H, T, D), dtype=k.dtype, device=k.device).scatter_(2, index, keys)
-        full_v = torch.empty((B, H, T, D), dtype=v.dtype, device=v.device).scatter_(2, index, values)
-        self.k[layer], self.v[layer] = self._select(full_k, self._store), self._select(full_v, self._store)
+        index = order[:, None, :, None].expand(-1, H, -1, D)
+        self.k[layer], self.v[layer] = (self._select(torch.empty_like(t).scatter_(2, index, t), self._store)
+                                        for t in (keys, values))
         return out
 
 
@@ -135,8 +128,7 @@ class D2KVCache(PositionKVCache):
         else:
             B, H, n, D = k.shape
             index = self.rows.nonzero()[:, 1].view(B, 1, n, 1).expand(B, H, n, D)
-            self.k[layer] = self.k[layer].scatter(2, index, k)
-            self.v[layer] = self.v[layer].scatter(2, index, v)
+            self.k[layer], self.v[layer] = self.k[layer].scatter(2, index, k), self.v[layer].scatter(2, index, v)
         keys, values = repeat_kv(self.k[layer], q.shape[1]), repeat_kv(self.v[layer], q.shape[1])
         weights = torch.matmul(q, keys.transpose(2, 3)) / math.sqrt(q.shape[-1])
         if self.key_bias is not None:
