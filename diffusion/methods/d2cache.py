@@ -217,28 +217,17 @@ def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cac
                          f"({block_length})")
     if spec.kind != "llada":
         raise ValueError(f"d2cache_generate decodes LLaDA; model is a {spec.kind} model")
-    constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), prompt.shape[0], spec.mask_id,
-                                    prompt.shape[1], gen_length)
-    return _steps(prompt, config, gen_length, block_length, per_step, prior_sigma, commit_mask_token,
-                  attention_mask, spec.mask_id, stats, constraint, independent_rows)
-
-
-@torch.no_grad()
-def _steps(prompt: torch.Tensor, config: D2Cache, gen_length: int, block_length: int, per_step: int,
-           prior_sigma: float | None, commit_mask_token: bool, attention_mask: torch.Tensor | None, mask_id: int,
-           stats: GenerationStats, constraint: Any, independent_rows: bool) -> StepGenerator:
-    """d2Cache's loop (the arguments checked by `d2cache_steps`; `constraint`: a `CommitFilter` or None,
-    see there) over the batch decoded together, or with `independent_rows` over each row alone, one after
-    another (`row_by_row`: the canvas showing each row as it stands; `final`: the last group's decoded blocks,
-    0 before)."""
     B, P = prompt.shape
-    canvas = masked_canvas(prompt, gen_length, mask_id)
+    constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
+    canvas = masked_canvas(prompt, gen_length, spec.mask_id)
     decode = partial(_group, canvas, config, gen_length, block_length, per_step, prior_sigma, commit_mask_token,
-                     mask_id, stats, constraint)
+                     spec.mask_id, stats, constraint)
+    # the batch decoded together, or with `independent_rows` each row alone, one after another
     return row_by_row(canvas, decode, valid_positions(attention_mask, P + gen_length), stats, B * gen_length,
                       None if independent_rows else [slice(None)])
 
 
+@torch.no_grad()
 def _group(canvas: torch.Tensor, config: D2Cache, G: int, block_length: int, per_step: int, prior_sigma: float | None,
            commit_mask_token: bool, mask_id: int, stats: GenerationStats, constraint: Any, group: slice,
            key_ok: torch.Tensor | None) -> StepGenerator:
