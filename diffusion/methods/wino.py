@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..families.llada import validate_block_args
 from ..parts.cache import valid_positions
 from ..parts.checks import (NoWorkBound, check_bool, check_config, check_ints, check_method_call, check_real,
                             model_device)
@@ -138,9 +139,7 @@ def wino_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | N
     consumed position rolls its matcher back. Departure: after `2 * block_length` forwards in one
     block a row stops narrowing out (the filter then ends the block), so the two cannot cycle."""
     config = check_config("config", config, WINO, "a remask WINO")
-    check_ints(1, gen_length=gen_length, block_length=block_length)
-    if gen_length % block_length:
-        raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
+    validate_block_args(gen_length, block_length, gen_length)   # (no schedule: any steps a multiple of the blocks)
     spec, stats = check_method_call(model, prompt, attention_mask, stats, mask_id=mask_id)
     B, P = prompt.shape
     x = masked_canvas(prompt, gen_length + block_length, spec.mask_id, model_device(model))   # + the shadow block
