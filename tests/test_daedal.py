@@ -110,6 +110,35 @@ def test_argument_errors(load):
         daedal_steps(model, torch.tensor([[1, 2]]), gen_length=16, structure=object())
 
 
+def test_a_model_without_an_eos_id_is_refused(load, monkeypatch):
+    import dataclasses
+
+    from remask.diffusion.methods import daedal
+
+    checked = daedal.check_method_call
+    monkeypatch.setattr(daedal, "check_method_call", lambda *args, **kwargs: (
+        dataclasses.replace(checked(*args, **kwargs)[0], eos_id=None), GenerationStats()))
+    with pytest.raises(ValueError, match="no eos id"):
+        daedal_generate(load("llada_eos_a"), torch.tensor([[1, 2]]), gen_length=16)
+
+
+def test_a_model_proposing_only_the_mask_token_still_decodes(tmp_path):
+    """Every candidate's argmax is the mask token: each forward commits the best other token of the position
+    where it is most probable (upstream's fallback), so the canvas is decoded one position a forward."""
+    from transformers import AutoModel
+
+    from remask.models import tiny
+
+    tiny.write_tiny_llada(str(tmp_path), seed=3, vocab_size=300, embedding_size=300, mask_token_id=MASK,
+                          eos_token_id=EOS, pad_token_id=297, include_bias=True, logit_bias={MASK: 100.0})
+    model = AutoModel.from_pretrained(str(tmp_path)).eval()
+    stats = GenerationStats()
+    x = daedal_generate(model, torch.tensor([[1, 2, 3]]), config=DAEDAL(initial_gen_length=8, expansion_factor=4),
+                        gen_length=12, block_length=4, stats=stats)
+    assert x.shape == (1, 15) and not bool((x == MASK).any())
+    assert [n for n in stats.tokens_per_step if n] == [1] * 12   # (the length forwards commit nothing)
+
+
 def test_gen_length_bounds_every_canvas(load):
     """`gen_length` is an "at most": an initial length past it starts at it, no canvas exceeds it."""
     model = load("llada_eos_a")

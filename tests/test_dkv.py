@@ -94,6 +94,8 @@ def test_config_and_argument_errors(load):
         dkv_generate(model, p, steps=16, gen_length=24, block_length=16)
     with pytest.raises(ValueError, match="mask token"):
         dkv_generate(model, torch.tensor([[1, MASK]]), steps=16, gen_length=16, block_length=16)
+    with pytest.raises(RuntimeError, match=r"call fill\(\) or reuse\(\)"):   # the cache told nothing
+        DelayedKVCache().attend(0, *[torch.zeros(1, 2, 3, 4)] * 3, 0, None)
 
 
 def test_left_padded_rows_decode(load):

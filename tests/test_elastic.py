@@ -137,6 +137,8 @@ def test_config_and_argument_errors(load):
         elastic_generate(model, torch.tensor([[1, MASK]]), gen_length=8)
     with pytest.raises(ValueError, match="eos_id"):
         elastic_generate(model, p, gen_length=8, eos_id=10_000)
+    with pytest.raises(ValueError, match="Elastic-Cache takes a commit rule"):
+        elastic_generate(model, p, gen_length=8, rule=ElasticCache())
 
 
 def test_left_padded_rows_decode(load):

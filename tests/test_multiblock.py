@@ -100,6 +100,23 @@ def test_the_mask_token_is_never_returned_by_default(tmp_path):
     assert not bool((x == MASK).any()) and int(nfe[0]) <= 16
 
 
+def test_the_forward_guard_ends_a_row_committing_the_mask_token(tmp_path, monkeypatch):
+    """With `commit_mask_token` a model that always proposes the mask token never decodes a position: upstream's
+    guard (`MAX_FORWARDS`) ends the row one forward past it."""
+    from transformers import AutoModel
+
+    from remask.diffusion.methods import multiblock
+    from remask.models import tiny
+
+    tiny.write_tiny_llada(str(tmp_path), seed=3, vocab_size=300, embedding_size=300, mask_token_id=MASK,
+                          eos_token_id=EOS, pad_token_id=297, include_bias=True, logit_bias={MASK: 100.0})
+    model = AutoModel.from_pretrained(str(tmp_path)).eval()
+    monkeypatch.setattr(multiblock, "MAX_FORWARDS", 3)
+    _, nfe = multiblock_generate(model, torch.tensor([[1, 2, 3]]), config=MultiBlock(commit_mask_token=True),
+                                 gen_length=16, block_length=8)
+    assert nfe.tolist() == [4]
+
+
 @pytest.mark.parametrize("field,value", [("threshold", float("nan")), ("threshold", "0.5"),
                                          ("block_add_threshold", None), ("decoded_token_threshold", float("inf")),
                                          ("early_stop", 1), ("eos_token_id", -1), ("eos_token_id", 2.0),

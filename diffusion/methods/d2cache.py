@@ -19,6 +19,7 @@ operations, so float32 logits are the reference's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,11 +29,12 @@ from remask.caches.position import D2KVCache
 from ..parts.cache import valid_positions
 from ..parts.checks import NoWorkBound, check_bool, check_config, check_int, check_ints, check_method_call, check_real
 from ..parts.constrain import CommitFilter, end_ids_of
+from ..parts.constrain_loops import open_frontiers
 from ..parts.scoring import score_tokens
 from ..parts.selection import topk_commit
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive, row_by_row
 
 
 @dataclass(frozen=True)
@@ -215,98 +217,88 @@ def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cac
                          f"({block_length})")
     if spec.kind != "llada":
         raise ValueError(f"d2cache_generate decodes LLaDA; model is a {spec.kind} model")
-    constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), prompt.shape[0], spec.mask_id,
-                                    prompt.shape[1], gen_length)
-    return _steps(prompt, config, gen_length, block_length, per_step, prior_sigma, commit_mask_token,
-                  attention_mask, spec.mask_id, stats, constraint, independent_rows)
+    B, P = prompt.shape
+    constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
+    canvas = masked_canvas(prompt, gen_length, spec.mask_id)
+    decode = partial(_group, canvas, config, gen_length, block_length, per_step, prior_sigma, commit_mask_token,
+                     spec.mask_id, stats, constraint)
+    # the batch decoded together, or with `independent_rows` each row alone, one after another
+    return row_by_row(canvas, decode, valid_positions(attention_mask, P + gen_length), stats, B * gen_length,
+                      None if independent_rows else [slice(None)])
 
 
 @torch.no_grad()
-def _steps(prompt: torch.Tensor, config: D2Cache, gen_length: int, block_length: int, per_step: int,
-           prior_sigma: float | None, commit_mask_token: bool, attention_mask: torch.Tensor | None, mask_id: int,
-           stats: GenerationStats, constraint: Any, independent_rows: bool) -> StepGenerator:
-    """d2Cache's loop (the arguments checked by `d2cache_steps`; `constraint`: a `CommitFilter` or None,
-    see there) over the batch decoded together, or with `independent_rows` over each row alone, one after
-    another, the canvas showing each row as it stands (`final`: the last group's decoded blocks, 0 before)."""
-    B, P = prompt.shape
-    G, T = gen_length, P + gen_length
-    device = prompt.device   # the model's (`check_prompt`)
-    canvas = masked_canvas(prompt, gen_length, mask_id)
-    positions, bias = torch.arange(T, device=device)[None].expand(B, T), None
-    key_ok = valid_positions(attention_mask, T)   # False on the left pads
+def _group(canvas: torch.Tensor, config: D2Cache, G: int, block_length: int, per_step: int, prior_sigma: float | None,
+           commit_mask_token: bool, mask_id: int, stats: GenerationStats, constraint: Any, group: slice,
+           key_ok: torch.Tensor | None) -> StepGenerator:
+    """The rows `canvas[group]` decoded together, in place (`key_ok`: theirs, False on the left pads; None: no
+    padding): a `Progress` of them after each forward (`final`: their decoded blocks); returns them."""
+    x = canvas[group]   # a view: the group's rows are decoded in the canvas
+    (N, T), device = x.shape, x.device
+    P = T - G
+    positions, bias = torch.arange(T, device=device)[None].expand(N, T), None
     if key_ok is not None:   # pad keys hidden, positions counted over real tokens
         positions = (key_ok.cumsum(dim=-1) - 1).masked_fill(~key_ok, 0)
         bias = (~key_ok).float()[:, None, None, :] * torch.finfo(torch.float32).min
-    groups = [slice(b, b + 1) for b in range(B)] if independent_rows else [slice(None)]
-    stats.start()
-    for group in groups:
-        x = canvas[group]   # a view: the group's rows are decoded in the canvas
-        cache, selector = D2KVCache(None if bias is None else bias[group]), _Selector(config, P)
-        group_constraint = None if constraint is None else constraint.rows(range(B)[group])
-        final = 0
-        for b in range(G // block_length):
-            span = torch.zeros((x.shape[0], G), dtype=torch.bool, device=device)
-            span[:, b * block_length:(b + 1) * block_length] = True
-            start, end = P + b * block_length, P + (b + 1) * block_length
-            block_steps = 0
-            while True:
-                masked = x[:, P:] == mask_id
-                # upstream narrows the block mask to its open positions: the block's masked ones (without a
-                # structure a position never reopens; with one, a revoked position does)
-                block = span & masked
-                active = block.any(dim=-1)
-                if not bool(active.any()):
-                    break
-                block_steps += 1
-                allow_mask = commit_mask_token and block_steps <= 4 * block_length   # guard against endless loops
-                xa = x[active]
-                Ba = xa.shape[0]
-                if group_constraint is not None and selector.next_rows is not None:
-                    # each row's frontier is recomputed (the top-up below evens the counts again)
-                    for r in active.nonzero().flatten().tolist():
-                        f = group_constraint.frontier(r)
-                        if not group_constraint.matchers[r].ended and f < T:
-                            selector.next_rows[r, f] = True
-                rows = selector.rows_for(active)
-                sub = D2KVCache(None if cache.key_bias is None else cache.key_bias[active])
-                sub.k = {layer: t[active] for layer, t in cache.k.items()}
-                sub.v = {layer: t[active] for layer, t in cache.v.items()}
-                if rows is None:   # the first forward: every position
-                    sub.full()
-                    rows = torch.ones_like(xa, dtype=torch.bool)
-                else:
-                    sub.partial(rows)
-                n = int(rows[0].sum())
-                part = yield ForwardRequest(xa[rows].view(Ba, n), cache=sub, per_row={
-                    "position_ids": positions[group][active][rows].view(Ba, n)})
-                logits = part.new_zeros((Ba, T, part.shape[-1])).masked_scatter(rows[..., None], part)
-                for whole, fresh in ((cache.k, sub.k), (cache.v, sub.v)):   # the active rows' K/V written back
-                    for layer, t in fresh.items():
-                        if layer not in whole:
-                            whole[layer] = t.new_zeros((x.shape[0],) + t.shape[1:])
-                        whole[layer][active] = t
-                stats.forward(Ba, n, cache.nbytes)
-                if group_constraint is not None:   # the frontier masked before the scores (parts/constrain.py)
-                    sub_constraint = group_constraint.rows(active.nonzero().flatten().tolist())
-                    logits = sub_constraint.mask_frontier(logits, P, T, P)
-                # greedy: the softmax's most probable token (the mask token allowed, as upstream, or its runner-up)
-                x0, conf = score_tokens(logits[:, P:], sampler="categorical",
-                                        exclude_id=None if allow_mask else mask_id)
-                open_ = masked[active]
-                conf = torch.where(open_, conf, -torch.inf)
-                scores = conf if prior_sigma is None else conf * certainty_density(~open_, prior_sigma)
-                open_block, left = block[active], block[active]   # `left`: cleared where committed
-                new = xa.clone()
-                topk_commit(new[:, P:], left, x0, scores, open_block.sum(dim=1).clamp(max=per_step), G, 0)
-                committed = open_block & ~left   # [Ba, G]
-                if group_constraint is not None:   # keep what the structure accepts, advance the matchers
-                    sub_constraint.filter(new, xa[:, start:end], x0[:, start - P:end - P], logits, start, end, start)
-                    committed = open_block & (new[:, P:] != mask_id)   # the block's positions the filter kept decided
-                selector.step_end(active, open_block, conf, new[:, P:] == mask_id, committed, sub.rollout)
-                x[active] = new
-                stats.step(committed.sum())
-                if not bool((x[:, start:end] == mask_id).any()):
-                    final = (b + 1) * block_length   # this block is done (earlier blocks are)
-                yield Progress(canvas, final if group is groups[-1] else 0)
-    stats.stop(B * gen_length)
-    return canvas
+    cache, selector = D2KVCache(bias), _Selector(config, P)
+    group_constraint = None if constraint is None else constraint.rows(range(canvas.shape[0])[group])
+    final = 0
+    for b in range(G // block_length):
+        span = torch.zeros((N, G), dtype=torch.bool, device=device)
+        span[:, b * block_length:(b + 1) * block_length] = True
+        start, end = P + b * block_length, P + (b + 1) * block_length
+        block_steps = 0
+        while True:
+            masked = x[:, P:] == mask_id
+            # upstream narrows the block mask to its open positions: the block's masked ones (without a
+            # structure a position never reopens; with one, a revoked position does)
+            block = span & masked
+            active = block.any(dim=-1)
+            if not bool(active.any()):
+                break
+            block_steps += 1
+            allow_mask = commit_mask_token and block_steps <= 4 * block_length   # guard against endless loops
+            xa = x[active]
+            Ba = xa.shape[0]
+            if group_constraint is not None and selector.next_rows is not None:
+                # each row's frontier is recomputed (the top-up below evens the counts again)
+                for r, f in open_frontiers(group_constraint, active.nonzero().flatten().tolist(), T):
+                    selector.next_rows[r, f] = True
+            rows = selector.rows_for(active)
+            sub = D2KVCache(None if cache.key_bias is None else cache.key_bias[active])
+            sub.k, sub.v = ({layer: t[active] for layer, t in kv.items()} for kv in (cache.k, cache.v))
+            if rows is None:   # the first forward: every position (of every row: block 0 is all masks)
+                sub.full()
+                rows = torch.ones_like(xa, dtype=torch.bool)
+            else:
+                sub.partial(rows)
+            n = int(rows[0].sum())
+            part = yield ForwardRequest(xa[rows].view(Ba, n), cache=sub, per_row={
+                "position_ids": positions[active][rows].view(Ba, n)})
+            logits = part.new_zeros((Ba, T, part.shape[-1])).masked_scatter(rows[..., None], part)
+            for whole, fresh in ((cache.k, sub.k), (cache.v, sub.v)):   # the active rows' K/V written back
+                for layer, t in fresh.items():
+                    whole[layer] = whole[layer].index_put((active,), t) if layer in whole else t
+            stats.forward(Ba, n, cache.nbytes)
+            if group_constraint is not None:   # the frontier masked before the scores (parts/constrain.py)
+                sub_constraint = group_constraint.rows(active.nonzero().flatten().tolist())
+                logits = sub_constraint.mask_frontier(logits, P, T, P)
+            # greedy: the softmax's most probable token (the mask token allowed, as upstream, or its runner-up)
+            x0, conf = score_tokens(logits[:, P:], sampler="categorical", exclude_id=None if allow_mask else mask_id)
+            open_ = masked[active]
+            conf = torch.where(open_, conf, -torch.inf)
+            scores = conf if prior_sigma is None else conf * certainty_density(~open_, prior_sigma)
+            open_block, left = block[active], block[active]   # `left`: cleared where committed
+            new = xa.clone()
+            topk_commit(new[:, P:], left, x0, scores, open_block.sum(dim=1).clamp(max=per_step), G, 0)
+            committed = open_block & ~left   # [Ba, G]
+            if group_constraint is not None:   # keep what the structure accepts, advance the matchers
+                sub_constraint.filter(new, xa[:, start:end], x0[:, start - P:end - P], logits, start, end, start)
+                committed = open_block & (new[:, P:] != mask_id)   # the block's positions the filter kept decided
+            selector.step_end(active, open_block, conf, new[:, P:] == mask_id, committed, sub.rollout)
+            x[active] = new
+            stats.step(committed.sum())
+            if not bool((x[:, start:end] == mask_id).any()):
+                final = (b + 1) * block_length   # this block is done (earlier blocks are)
+            yield Progress(x, final)
+    return x

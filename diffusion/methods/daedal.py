@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from ..parts.checks import NoWorkBound, check_config, check_int, check_method_call, check_real, model_device
+from ..parts.checks import NoWorkBound, check_config, check_int, check_ints, check_method_call, check_real, model_device
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
@@ -82,8 +82,7 @@ def daedal_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DAEDAL
     canvas is as long as the row's canvas then is; a `Progress` after each denoising forward (`final`:
     the blocks before the current one, which no insertion moves)."""
     config = check_config("config", config, DAEDAL, "a remask DAEDAL")
-    check_int("gen_length", gen_length, minimum=1)
-    check_int("block_length", block_length, minimum=1)
+    check_ints(1, gen_length=gen_length, block_length=block_length)
     if structure is not None:
         raise ValueError("structured_outputs: not supported with DAEDAL (its canvas grows and shifts under the "
                          "matcher)")

@@ -62,7 +62,7 @@ from ..parts.checks import (NoWorkBound, check_bool, check_choice, check_config,
                             check_length, check_mask_id, check_method_call, check_model_kind, check_prompt,
                             check_stats, model_device)
 from ..parts.constrain import CommitFilter, end_ids_of
-from ..parts.constrain_loops import structure_for_call
+from ..parts.constrain_loops import open_frontiers, structure_for_call
 from ..parts.scoring import score_tokens
 from ..parts.selection import schedule_counts, topk_commit
 from ..parts.stats import GenerationStats
@@ -287,7 +287,7 @@ def dkv_dream_steps(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     check_model_kind(spec, diffusion=True, entry="dkv_dream_generate")
     check_mask_id(spec)
     check_prompt(model, input_ids, attention_mask, name="input_ids", spec=spec, mask_in_prompt="refuse")
-    check_stats("stats", stats)
+    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     if config.variant != "decode":   # (a window_size is Greedy's)
         raise ValueError(f"variant: dKV-Cache's Dream sampler is the delayed (decode) cache; variant="
                          f"{config.variant!r} is LLaDA's dKV-Cache-Greedy (dkv_generate)")
@@ -320,7 +320,7 @@ def dkv_dream_steps(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
 
 @torch.no_grad()
 def _loop(rule: Any, positions: torch.Tensor | None, attention_mask: torch.Tensor | None, P: int,
-          stats: GenerationStats | None) -> StepGenerator:
+          stats: GenerationStats) -> StepGenerator:
     """dKV-Cache's loop, both families (the module docstring); `rule` (`_LLaDARule`, `_DreamRule`) is what
     differs. Each span of `rule.spans()` (LLaDA's blocks, Dream's canvas; it yields the first `store`)
     starts new caches; then each step: every `rule.reload` steps (None: never) a full forward rebuilding
@@ -334,7 +334,6 @@ def _loop(rule: Any, positions: torch.Tensor | None, attention_mask: torch.Tenso
     if positions is None:
         positions = torch.arange(T, device=x.device)[None].expand(B, T)
     key_ok = valid_positions(attention_mask, T)   # False on the left pads
-    stats = stats or GenerationStats()   # None: counted, then dropped
     stats.start()
     for store in rule.spans():
         prev, groups, caches = None, [], []
@@ -345,10 +344,8 @@ def _loop(rule: Any, positions: torch.Tensor | None, attention_mask: torch.Tenso
                 prev = None
             if constraint is not None and prev is not None and rule.frontier_forwarded:
                 prev = prev.clone()
-                for b in range(B):
-                    f = constraint.frontier(b)
-                    if not constraint.matchers[b].ended and f < T:
-                        prev[b, max(f - rule.shift, 0)] = False
+                for b, f in open_frontiers(constraint, range(B), T):
+                    prev[b, max(f - rule.shift, 0)] = False
             forwarded, cached = None if prev is None else ~prev, prev if store is None else store
             # whether every row forwards and caches as many positions
             uniform = all(bool((s.sum(dim=1) == s[0].sum()).all()) for s in (cached, forwarded) if s is not None)

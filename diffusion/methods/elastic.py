@@ -44,6 +44,7 @@ from remask.models.layers import rope_cos_sin
 from ..parts.cache import valid_positions
 from ..parts.checks import (changed, check_bool, check_config, check_instance, check_int, check_method_call,
                             check_optional_token_id, check_real, model_device)
+from ..parts.rules import check_rule_on_loop
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.step import CommitRule, masked_canvas
@@ -146,17 +147,13 @@ def _final_prefix(x: torch.Tensor, P: int, masked: torch.Tensor, mask_id: int, e
 
 def _check_rule(rule: Any, config: ElasticCache) -> None:
     """`rule` with Elastic-Cache: a commit rule without iteration smoothing, and none of Elastic's
-    own commit settings (the rule replaces them), each refused naming both parts."""
+    own commit settings (the rule replaces them), each refused naming both parts (`check_rule_on_loop`)."""
     if not isinstance(rule, CommitRule):
         raise ValueError(f"decoder: Elastic-Cache takes a commit rule (a remask CommitRule: ThresholdDecoding, "
                          f"CreditDecoding, HierarchicalDecoding, MarginDecoding, ...), got {type(rule).__name__}")
-    if rule.smoothing is not None:
-        raise ValueError(f"smoothing: decoder={type(rule).__name__}(smoothing=...) feeds embeddings to dInfer's own "
-                         "loop; Elastic-Cache's loop feeds token ids: leave smoothing None")
-    set_here = changed(config, ("threshold", "tokens_per_iter", "commit_mask_token"))
-    if set_here:
-        raise ValueError(f"decoder={type(rule).__name__} replaces Elastic-Cache's commit rule and does not read "
-                         f"ElasticCache's {set_here}: leave them at their defaults")
+    replaced = ("threshold", "tokens_per_iter", "commit_mask_token")
+    unread = {name: getattr(config, name) for name in changed(config, replaced)}
+    check_rule_on_loop(rule, "Elastic-Cache", temperature=0, unread=unread, replaces="commit rule")
 
 
 @torch.no_grad()

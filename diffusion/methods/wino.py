@@ -28,8 +28,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..families.llada import validate_block_args
 from ..parts.cache import valid_positions
-from ..parts.checks import NoWorkBound, check_bool, check_config, check_int, check_method_call, check_real, model_device
+from ..parts.checks import (NoWorkBound, check_bool, check_config, check_ints, check_method_call, check_real,
+                            model_device)
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
@@ -59,8 +61,8 @@ class WINO(NoWorkBound):
         check_real("threshold_back", self.threshold_back, low=0, high=1)
         # int(masks * ratio) >= masks for any ratio >= 1 (and overflows at 1e308): (0, 1] is every rule
         check_real("accept_ratio", self.accept_ratio, low=0, high=1, low_open=True)
-        for name in ("accept_floor", "accept_cap", "initial_last_accept"):
-            check_int(name, getattr(self, name), minimum=1)
+        check_ints(1, accept_floor=self.accept_floor, accept_cap=self.accept_cap,
+                   initial_last_accept=self.initial_last_accept)
         if self.accept_floor > self.accept_cap:
             raise ValueError(f"accept_floor ({self.accept_floor}) must not exceed accept_cap ({self.accept_cap})")
 
@@ -137,10 +139,7 @@ def wino_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | N
     consumed position rolls its matcher back. Departure: after `2 * block_length` forwards in one
     block a row stops narrowing out (the filter then ends the block), so the two cannot cycle."""
     config = check_config("config", config, WINO, "a remask WINO")
-    check_int("gen_length", gen_length, minimum=1)
-    check_int("block_length", block_length, minimum=1)
-    if gen_length % block_length:
-        raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
+    validate_block_args(gen_length, block_length, gen_length)   # (no schedule: any steps a multiple of the blocks)
     spec, stats = check_method_call(model, prompt, attention_mask, stats, mask_id=mask_id)
     B, P = prompt.shape
     x = masked_canvas(prompt, gen_length + block_length, spec.mask_id, model_device(model))   # + the shadow block
@@ -220,9 +219,7 @@ def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
                 x[rows] = canvas
                 now = canvas[:, start:end] == mask_id
                 committed = int((prior == mask_id).sum() - now.sum())
-                for i, b in enumerate(active):
-                    masked[b] = now[i]
-                    decoded[b] = ~now[i]
+                masked[rows], decoded[rows] = now, ~now
             stats.step(committed)
             # a block is final once no row holds a mask in it, and with commit_mask_token once none
             # holds the mask token before it either (the next block decodes those again)

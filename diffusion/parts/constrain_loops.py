@@ -133,3 +133,10 @@ def constrain_canvas(matchers: Sequence[Any], canvas: torch.Tensor, argmax: torc
             best[n:] = [advance_best(clone, logits[b, j].float()) for j in range(n, len(best))]
             argmax[b] = torch.tensor(best, dtype=argmax.dtype, device=argmax.device)
     return canvas, argmax, renoised
+
+
+def open_frontiers(constraint: CommitFilter, rows: Sequence[int], limit: int) -> list[tuple[int, int]]:
+    """`(row, frontier)` for each of `rows` whose structure has not ended and whose frontier lies before `limit`
+    (the rows a cached loop must forward at their frontier: dKV-Cache, d2Cache)."""
+    frontiers = [(b, constraint.frontier(b)) for b in rows if not constraint.matchers[b].ended]
+    return [(b, f) for b, f in frontiers if f < limit]

@@ -34,23 +34,20 @@ class DelayedKVCache(PositionKVCache):
         super().__init__()
         self.key_ok = key_ok
         self.cached: torch.Tensor | None = None          # [B, T] bool: positions held
-        self._mode: str | None = None
-        self._forwarded: torch.Tensor | None = None
-        self._store: torch.Tensor | None = None
+        self._plan: tuple | None = None   # the next forward's (positions forwarded, None: all; positions kept)
 
     _bias = staticmethod(key_bias)   # diffusion/methods/dkv.py builds the same bias for its forwards
 
     def fill(self, store: torch.Tensor) -> None:
-        self._mode, self._forwarded, self._store = "fill", None, store
+        self._plan = (None, store)
 
     def reuse(self, forwarded: torch.Tensor, store: torch.Tensor) -> None:
         if self.cached is None or not bool((self.cached | forwarded).all()):
             raise RuntimeError("dKV cache: every position not forwarded must be cached")
-        self._mode, self._forwarded, self._store = "reuse", forwarded, store
+        self._plan = (forwarded, store)
 
     def finish(self) -> None:
-        self.cached = self._store
-        self._mode = None
+        self.cached, self._plan = self._plan[1], None
 
     @staticmethod
     def _select(t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -61,33 +58,26 @@ class DelayedKVCache(PositionKVCache):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                mask: torch.Tensor | None) -> torch.Tensor:
-        B, H, _, D = k.shape
-        if self._mode == "fill":
-            out = attention(q, k, v, key_bias(self.key_ok, q.dtype))
-            self.k[layer], self.v[layer] = self._select(k, self._store), self._select(v, self._store)
-            return out
-        if self._mode != "reuse":
+        if self._plan is None:
             raise RuntimeError("dKV cache: call fill() or reuse() before the forward")
+        (forwarded, store), (B, H, _, D) = self._plan, k.shape
+        if forwarded is None:   # fill
+            out = attention(q, k, v, key_bias(self.key_ok, q.dtype))
+            self.k[layer], self.v[layer] = self._select(k, store), self._select(v, store)
+            return out
         # keys: the forwarded positions' fresh ones, then the cached ones of the other positions
         # (each ascending), the reference's order
-        old = ~self._forwarded
+        old = ~forwarded
         old_in_cache = old[self.cached].view(B, -1)          # which cached entries are not forwarded
-        if bool(old_in_cache.all()):
-            old_k, old_v = self.k[layer], self.v[layer]
-        else:
-            old_k, old_v = self._select(self.k[layer], old_in_cache), self._select(self.v[layer], old_in_cache)
+        old_k, old_v = self._select(self.k[layer], old_in_cache), self._select(self.v[layer], old_in_cache)
         keys, values = torch.cat([k, old_k], dim=2), torch.cat([v, old_v], dim=2)
-        ok = None
-        if self.key_ok is not None:
-            ok = torch.cat([self.key_ok[self._forwarded].view(B, -1), self.key_ok[old].view(B, -1)], dim=1)
+        order = torch.cat([forwarded.nonzero()[:, 1].view(B, -1), old.nonzero()[:, 1].view(B, -1)], 1)
+        ok = None if self.key_ok is None else self.key_ok.gather(1, order)   # the keys' validity, in their order
         out = attention(q, keys, values, key_bias(ok, q.dtype))
         # Back to sequence order (fresh where forwarded, else cached), then keep the `store` positions.
-        T = self._forwarded.shape[1]
-        order = torch.cat([self._forwarded.nonzero()[:, 1].view(B, -1), old.nonzero()[:, 1].view(B, -1)], 1)
-        index = order[:, None, :, None].expand(B, H, T, D)
-        full_k = torch.empty((B, H, T, D), dtype=k.dtype, device=k.device).scatter_(2, index, keys)
-        full_v = torch.empty((B, H, T, D), dtype=v.dtype, device=v.device).scatter_(2, index, values)
-        self.k[layer], self.v[layer] = self._select(full_k, self._store), self._select(full_v, self._store)
+        index = order[:, None, :, None].expand(-1, H, -1, D)
+        self.k[layer], self.v[layer] = (self._select(torch.empty_like(t).scatter_(2, index, t), store)
+                                        for t in (keys, values))
         return out
 
 
@@ -135,8 +125,7 @@ class D2KVCache(PositionKVCache):
         else:
             B, H, n, D = k.shape
             index = self.rows.nonzero()[:, 1].view(B, 1, n, 1).expand(B, H, n, D)
-            self.k[layer] = self.k[layer].scatter(2, index, k)
-            self.v[layer] = self.v[layer].scatter(2, index, v)
+            self.k[layer], self.v[layer] = self.k[layer].scatter(2, index, k), self.v[layer].scatter(2, index, v)
         keys, values = repeat_kv(self.k[layer], q.shape[1]), repeat_kv(self.v[layer], q.shape[1])
         weights = torch.matmul(q, keys.transpose(2, 3)) / math.sqrt(q.shape[-1])
         if self.key_bias is not None:
