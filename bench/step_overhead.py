@@ -71,7 +71,7 @@ def measure(model, spec, prompt: torch.Tensor, settings: dict[str, Any], repeats
     timer = ForwardTimer(model)
     try:
         while len(steps) < repeats:
-            state = decoder.start(model, prompt)
+            state = decoder.start(prompt)
             while not state.done and len(steps) < repeats:
                 start, end = decoder.block_span(state)
                 fed = state.x if decoder.mode is None or state.step == 0 else state.x[:, start:end]
@@ -88,7 +88,7 @@ def measure(model, spec, prompt: torch.Tensor, settings: dict[str, Any], repeats
     finally:
         timer.close()
     # The host waits, counted on a separate pass (the counter slows every torch call it sees).
-    state = decoder.start(model, prompt)
+    state = decoder.start(prompt)
     while not state.done:
         with torch.no_grad(), SyncCounter() as counter:
             decoder.step(model, state)

@@ -202,6 +202,7 @@ def llada_spec(config: LLaDAConfig) -> ModelSpec:
         trained_gen_length=getattr(config, "trained_gen_length", None),
         segmented=True,       # attention through `cache.attend`, positions from `position_ids`
         attend_mask=llada_attend_mask,
+        layers=lambda model: model.model.transformer.blocks,   # for the drivers' per-layer work (Elastic-Cache)
         _inputs=padding_mask_inputs,   # the 2-D padding mask; RoPE positions stay absolute (0..L-1)
     )
 

@@ -34,7 +34,7 @@ def test_each_row_commits_what_its_own_commit_would(tiny, rule):
     model, _ = tiny
     spec = get_spec(model)
     decoders = [BlockDecoder(spec, **RULES[rule]) for _ in PROMPTS]
-    states = [d.start(model, torch.tensor([charset.encode_chat(p)])) for d, p in zip(decoders, PROMPTS)]
+    states = [d.start(torch.tensor([charset.encode_chat(p)])) for d, p in zip(decoders, PROMPTS)]
     # states at different points: the second and fourth a few steps ahead
     with torch.no_grad():
         for i in (1, 3, 3):

@@ -141,7 +141,7 @@ def test_rules_on_llada2_decode_to_the_end(llada2, name, use_cache):
         # without EOS every block is decoded: the whole canvas, prompt first, no mask left
         decoder = LLaDA2Rules(RULES[name], mask_id=spec.mask_id, eos_id=None, gen_length=13, block_length=4,
                               use_cache=use_cache)
-        state = decoder.start(llada2, prompt)
+        state = decoder.start(prompt)
         while not state.done:
             decoder.step(llada2, state)
         assert not bool((state.x == spec.mask_id).any()) and torch.equal(state.x[:, :prompt.shape[1]], prompt)

@@ -45,7 +45,7 @@ def test_a_step_waits_for_the_host_at_most_once(case):
     settings, most = CASES[case]
     model, _ = remask.load("tiny-llada")
     decoder = BlockDecoder(get_spec(model), **settings)
-    state = decoder.start(model, torch.tensor([charset.encode_chat("sort 52814")]))
+    state = decoder.start(torch.tensor([charset.encode_chat("sort 52814")]))
     stats = GenerationStats()      # counting a step's commits must not read them back either
     per_step = []
     with torch.no_grad():

@@ -142,7 +142,7 @@ class FastDLLMV2Decoder(BlockLoop):
         end = state.x.shape[1] if state.done or state.block_start < 0 else state.block_start
         return max(0, end - state.prompt_length)
 
-    def start(self, model: torch.nn.Module, input_ids: torch.Tensor, skip_first_block: bool | None = None
+    def start(self, input_ids: torch.Tensor, skip_first_block: bool | None = None
               ) -> FastDLLMV2State:
         """A state for one prompt `[1, P]`. `skip_first_block`: upstream's prompt whose first block is
         never forwarded (None: decided from `prefill_whole_block_prompt` and P)."""

@@ -28,12 +28,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from remask.models.spec import ModelSpec
+
 from ..parts.cache import valid_positions
-from ..parts.checks import NoWorkBound, check_bool, check_config, check_int, check_method_call, check_real, model_device
+from ..parts.checks import NoWorkBound, check_bool, check_config, check_int, check_method_call, check_real
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, run_steps
 
 
 @dataclass(frozen=True)
@@ -121,11 +123,11 @@ def wino_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO 
     """WINO decoding (greedy). Returns `(x [B, P + gen_length], forwards [B])`: each row's forward
     count is upstream's returned `step`. `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad
     keys; RoPE positions stay absolute."""
-    return drive(wino_steps(model, prompt, config=config, gen_length=gen_length, block_length=block_length,
-                            attention_mask=attention_mask, mask_id=mask_id, stats=stats), model)
+    return run_steps(model, wino_steps, prompt, config=config, gen_length=gen_length, block_length=block_length,
+                            attention_mask=attention_mask, mask_id=mask_id, stats=stats)
 
 
-def wino_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | None = None,
+def wino_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: WINO | None = None,
                gen_length: int = 128, block_length: int = 128, attention_mask: torch.Tensor | None = None,
                mask_id: int | None = None, stats: GenerationStats | None = None, structure=None, end_ids=()
                ) -> StepGenerator:
@@ -141,9 +143,9 @@ def wino_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | N
     check_int("block_length", block_length, minimum=1)
     if gen_length % block_length:
         raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
-    spec, stats = check_method_call(model, prompt, attention_mask, stats, mask_id=mask_id)
+    spec, stats = check_method_call(spec, prompt, attention_mask, stats, mask_id=mask_id)
     B, P = prompt.shape
-    x = masked_canvas(prompt, gen_length + block_length, spec.mask_id, model_device(model))   # + the shadow block
+    x = masked_canvas(prompt, gen_length + block_length, spec.mask_id, spec.device)   # + the shadow block
     padded = attention_mask is not None and bool((attention_mask == 0).any())
     keys = valid_positions(attention_mask, x.shape[1]) if padded else None   # False on the left pads
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)

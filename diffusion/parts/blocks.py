@@ -219,10 +219,10 @@ class BlockLoop(ForwardThenCommit):
     def _settle(self, state: Any) -> None:
         pass
 
-    def next_forward(self, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
+    def next_forward(self, state: Any, generator: torch.Generator | None = None,
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
         self._settle(state)
-        return super().next_forward(model, state, generator, stats)
+        return super().next_forward(state, generator, stats)
 
     def step(self, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
              stats: GenerationStats | None = None) -> None:
@@ -233,7 +233,7 @@ class BlockLoop(ForwardThenCommit):
     def run(self, model: torch.nn.Module, input_ids: torch.Tensor, generator: torch.Generator | None = None,
             stats: GenerationStats | None = None, **start: Any) -> Any:
         """Decode one prompt `[1, P]` to the end; returns the final state."""
-        state = self.start(model, input_ids, **start)
+        state = self.start(input_ids, **start)
         while not state.done:
             self.step(model, state, generator, stats)
         return state
@@ -300,7 +300,7 @@ class StoreKVLoop(BlockLoop):
         if hasattr(state.cache, "release"):
             state.cache.release()
 
-    def start(self, model: torch.nn.Module, input_ids: torch.Tensor) -> BlockState:
+    def start(self, input_ids: torch.Tensor) -> BlockState:
         check_prompt(input_ids, self.mask_id, self.family, self.prompt_name, self.empty_prompt_ok)
         L, device, P = self.block_length, input_ids.device, input_ids.shape[1]
         num_blocks = (P + self.gen_length + L - 1) // L

@@ -83,7 +83,7 @@ def generate(model: torch.nn.Module, inputs: Any = None, temperature: float = 0.
         if vocab is not None and input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
             raise ValueError(f"inputs: token ids must be in [0, {vocab})")
     model.eval()
-    state = decoder.start(model, input_ids)
+    state = decoder.start(input_ids)
     if stats is not None:
         stats.start()
     while not state.done:
