@@ -30,6 +30,7 @@ import torch
 import remask
 from remask.diffusion.families.llada import BlockDecoder
 from remask.diffusion.parts.stats import SyncCounter
+from remask.diffusion.parts.stepper import step_alone
 from remask.models.spec import get_spec
 from remask.zoo import charset
 
@@ -82,7 +83,7 @@ def measure(model, spec, prompt: torch.Tensor, settings: dict[str, Any], repeats
                 timer.total = 0.0
                 t = time.perf_counter()
                 with torch.no_grad():
-                    decoder.step(model, state)
+                    step_alone(decoder, model, state)
                 steps.append(time.perf_counter() - t)
                 inside.append(timer.total)
     finally:
@@ -91,7 +92,7 @@ def measure(model, spec, prompt: torch.Tensor, settings: dict[str, Any], repeats
     state = decoder.start(prompt)
     while not state.done:
         with torch.no_grad(), SyncCounter() as counter:
-            decoder.step(model, state)
+            step_alone(decoder, model, state)
         syncs.update(counter.counts)
         per_step_syncs.append(counter.total)
     overhead = [s - f for s, f in zip(steps, inside)]

@@ -32,6 +32,7 @@ from .parts.checks import (check_bool, check_callable, check_generator, check_in
 from .parts.constrain_loops import structure_for_call
 from .parts.sparse import SparseConfig
 from .parts.stats import GenerationStats
+from .parts.stepper import decode_alone
 
 
 def generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -281,9 +282,7 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
                                     reference_ties, structure=structure) if blocks else DreamDecoder(
             spec, config, threshold, tokens_hook, logits_hook, reference_ties=reference_ties, sparse=sparse,
             structure=structure)
-        state = decoder.start(inputs, attention_mask)
-        while not state.done:
-            decoder.step(model, state, generator, stats)
+        state = decode_alone(decoder, model, decoder.start(inputs, attention_mask), generator, stats)
         if stats is not None:
             stats.stop(int(state.x.shape[0] * gen_length))
         sequences, history = state.x, state.histories

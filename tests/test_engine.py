@@ -840,6 +840,7 @@ def ar_alone_with_min_tokens(model, ids: list[int], params: SamplingParams, ends
     """`ar_generate`'s loop with vLLM's min_tokens rule written out: end ids at −inf while fewer
     than min_tokens tokens exist."""
     from remask.diffusion.families.ar import ARDecoder
+    from remask.diffusion.parts.stepper import step_alone
     from remask.models.spec import get_spec
 
     def hold(state, logits, position):        # [B, 1, V] of the next position
@@ -853,7 +854,7 @@ def ar_alone_with_min_tokens(model, ids: list[int], params: SamplingParams, ends
     state = decoder.start(torch.tensor([ids]))
     with torch.no_grad():
         while not state.done:
-            decoder.step(model, state, generator)
+            step_alone(decoder, model, state, generator)
     return state.tokens[0].tolist()
 
 

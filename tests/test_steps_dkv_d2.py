@@ -13,7 +13,7 @@ from remask.diffusion.methods.d2cache import D2Cache, d2cache_generate, d2cache_
 from remask.diffusion.methods.dkv import DKVCache, dkv_generate, dkv_steps
 from remask.diffusion.methods.dkv import dkv_dream_generate, dkv_dream_steps
 from remask.diffusion.parts.stats import GenerationStats
-from remask.diffusion.parts.stepper import Progress, StepwiseDecoder
+from remask.diffusion.parts.stepper import Progress, StepwiseDecoder, step_alone
 from remask.models import tiny
 from remask.models.spec import get_spec
 
@@ -156,7 +156,7 @@ def test_dkv_stepwise_decoder_equals_generate(llada):
     state, stats = decoder.start(P1), GenerationStats()
     finals = []
     while not state.done:
-        decoder.step(model, state, torch.Generator().manual_seed(1) if state.steps is None else None, stats)
+        step_alone(decoder, model, state, torch.Generator().manual_seed(1) if state.steps is None else None, stats)
         finals.append(decoder.num_final(state))
     assert torch.equal(state.x, dkv_generate(model, P1, generator=torch.Generator().manual_seed(1), **kw))
     assert finals == sorted(finals) and 16 in finals and stats.nfe == 16

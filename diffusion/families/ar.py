@@ -23,7 +23,7 @@ from ..parts.processors import logprob_entries
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.protocol import Decoder
-from ..parts.stepper import ForwardRequest, step_alone
+from ..parts.stepper import ForwardRequest, decode_alone
 
 
 @dataclass
@@ -198,8 +198,6 @@ class ARDecoder(Decoder):
                 m.advance([token])
         return tokens
 
-    step = step_alone   # one forward of this state alone and its sample
-
 
 @torch.no_grad()
 def ar_generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -226,9 +224,7 @@ def ar_generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
     warn_if_padded_without_mask(input_ids, attention_mask, getattr(model.config, "pad_token_id", None))
     if stats is not None:
         stats.start()
-    state = decoder.start(input_ids, attention_mask)
-    while not state.done:
-        decoder.step(model, state, generator, stats)
+    state = decode_alone(decoder, model, decoder.start(input_ids, attention_mask), generator, stats)
     if stats is not None:
         stats.stop(state.generated)   # tokens up to and including each row's EOS
     return torch.cat([input_ids, state.tokens], dim=1)

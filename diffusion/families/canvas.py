@@ -361,11 +361,6 @@ class CanvasDecoder(Decoder):
         state.cur_step = self.config.max_denoising_steps
         state.canvases_left -= 1
 
-    def step(self, model: torch.nn.Module, state: CanvasState, generator: torch.Generator | None = None,
-             stats: GenerationStats | None = None, streamer: Any = None) -> None:
-        """One denoising step of every row, its forwards computed alone (`denoising_step`)."""
-        drive(self.denoising_step(state, generator, stats, streamer), model)
-
     def denoising_step(self, state: CanvasState, generator: torch.Generator | None = None,
                        stats: GenerationStats | None = None,
                        streamer: Any = None) -> Generator[ForwardRequest | None, Any, CanvasState]:
@@ -503,7 +498,7 @@ def canvas_generate(model: torch.nn.Module, input_ids: torch.Tensor, generation_
         streamer.put(input_ids.cpu())
     state = decoder.start(input_ids, model_kwargs.pop("attention_mask", None), **model_kwargs)
     while not state.done:
-        decoder.step(model, state, generator, stats, streamer)
+        drive(decoder.denoising_step(state, generator, stats, streamer), model)   # its forwards alone
     if streamer is not None:
         streamer.end()
     if stats is not None:

@@ -26,7 +26,7 @@ from ..parts.scoring import score_rows, score_tokens
 from ..parts.selection import frechet_profile_counts, schedule_counts, topk_commit
 from ..parts.stats import GenerationStats
 from ..parts.step import CommitRule, masked_canvas
-from ..parts.stepper import ForwardRequest, ForwardThenCommit
+from ..parts.stepper import ForwardRequest, ForwardThenCommit, run_forwards
 
 REMASKING = ("low_confidence", "random")
 
@@ -351,11 +351,6 @@ class BlockDecoder(BlockwiseDecoder):
                                                                    spec=self.spec)), 2, dim=0)
         return un_logits + (self.cfg_scale + 1) * (logits - un_logits), 0
 
-    def step(self, model: torch.nn.Module, state: BlockState, generator: torch.Generator | None = None,
-             stats: GenerationStats | None = None, on_step: Callable | None = None) -> None:
-        """One forward and its commit."""
-        self.commit(state, *self.forward(model, state), generator, stats, on_step)
-
     def commit(self, state: BlockState, logits: torch.Tensor, fed: int, generator: torch.Generator | None = None,
                stats: GenerationStats | None = None, on_step: Callable | None = None) -> None:
         """Score the block's rows of `logits` (positions `fed`… on), commit, and move on to the next
@@ -526,8 +521,9 @@ def block_diffusion_generate(model: torch.nn.Module, prompt: torch.Tensor, atten
     if stats is not None:
         stats.start()
     state = decoder.start(prompt, attention_mask)
-    while not state.done:
-        decoder.step(model, state, generator, stats, on_step)
+    while not state.done:   # each forward alone, then its commit (with `on_step`)
+        answer = run_forwards(model, [decoder.next_forward(state)])[0]
+        decoder.commit(state, *decoder.finish_forward(state, answer), generator, stats, on_step)
     if stats is not None:
         stats.stop(int(state.batch * decoder.gen_length))
     return state.x

@@ -64,8 +64,9 @@ def decoder_steps(spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.T
                   stats: GenerationStats | None, settings: dict[str, tuple[Any, Any]] | None = None,
                   structure: Any = None, end_ids: Any = ()) -> StepGenerator:
     """The step generator of `decoder` and / or a cache config (`diffusion/parts/stepper.py`) on a model of
-    `spec` (the model's `ModelSpec`: no decoder is handed the model), every argument checked at the call. `settings`: the entry point's other settings as ``name: (value,
-    default)``; one set away from its default that the method does not read is refused by name.
+    `spec` (the model's `ModelSpec`: no decoder is handed the model), every argument checked at the call.
+    `settings`: the entry point's other settings as ``name: (value, default)``; one set away from its
+    default that the method does not read is refused by name.
     Without a decoder `VicinityCache` runs dInfer's threshold rule (0.9), `DKVCache` LLaDA's own
     schedule; `ElasticCache` takes a commit rule as `decoder`. `structure` / `end_ids`: structured
     output, enforced in every method's commits (`diffusion/parts/constrain.py`)."""

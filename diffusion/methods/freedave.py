@@ -144,9 +144,8 @@ class _Decoder:
     """A request's FreeDave loop; its forwards (sub-generators of `ForwardRequest`s) are the block
     start (baseline `BlockForward.refresh`, rows as alone for batches) and the drafts' verification."""
 
-    def __init__(self, spec: ModelSpec, config: FreeDave, block_length: int,
-                 use_cache: str | None, attention_mask: torch.Tensor | None, prompt_len: int, total: int,
-                 stats: GenerationStats) -> None:
+    def __init__(self, spec: ModelSpec, config: FreeDave, block_length: int, use_cache: str | None,
+                 attention_mask: torch.Tensor | None, prompt_len: int, total: int, stats: GenerationStats) -> None:
         self.spec, self.config, self.block_length, self.mode = spec, config, block_length, use_cache
         self.prompt_len, self.stats = prompt_len, stats
         self.block_forward = BlockForward(spec, use_cache, spec.forward_inputs(attention_mask, total),

@@ -48,7 +48,8 @@ FIELDS = ("decoder", "use_cache")
 class Call:
     """What an entry point hands a method's loop: the model's spec (never the model) and the prompt, the
     configs, the layout, the entry point's other settings (`settings`: name → value, for those the method
-    `reads`) and the keywords every loop takes (`common`: gen_length, attention_mask, mask_id, stats, structure, end_ids)."""
+    `reads`) and the keywords every loop takes (`common`: gen_length, attention_mask, mask_id, stats,
+    structure, end_ids)."""
 
     spec: ModelSpec
     prompt: torch.Tensor

@@ -201,9 +201,10 @@ def check_model_kind(spec: ModelSpec, *, diffusion: bool, entry: str) -> None:
 
 def check_prompt(device: torch.device, prompt: Any, attention_mask: Any, name: str = "prompt",
                  spec: ModelSpec | None = None, mask_in_prompt: str = "allow") -> None:
-    """A `[B, P]` integer tensor of in-vocabulary ids on the model's `device` (`ModelSpec.device`), and an optional 0/1 `attention_mask` of
-    its shape, left-padded (the samplers append after the last column), a real token in every row. `mask_in_prompt`:
-    "allow" (the sampler infills masks anywhere, as Dream's) or "refuse" (it decodes only after the prompt)."""
+    """A `[B, P]` integer tensor of in-vocabulary ids on the model's `device` (`ModelSpec.device`), and an optional
+    0/1 `attention_mask` of its shape, left-padded (the samplers append after the last column), a real token in every
+    row. `mask_in_prompt`: "allow" (the sampler infills masks anywhere, as Dream's) or "refuse" (it decodes only after
+    the prompt)."""
     if not torch.is_tensor(prompt) or prompt.dim() != 2:
         raise ValueError(f"{name} must be a 2-D LongTensor [batch, length], got "
                          f"{type(prompt).__name__}{tuple(prompt.shape) if torch.is_tensor(prompt) else ''}")

@@ -216,17 +216,25 @@ def row_by_row(canvas: torch.Tensor, decode: Callable[..., StepGenerator], mask:
 
 def step_alone(decoder: Decoder, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
                stats: GenerationStats | None = None) -> None:
-    """A decoder's `step` (the drop-in loops): its next forward computed alone, then its `receive` of it."""
+    """One step of a decoder (the drop-in loops): its next forward computed alone, then its `receive` of it."""
     request = decoder.next_forward(state, generator, stats)
     if request is not None:
         decoder.receive(state, run_forwards(model, [request])[0], generator, stats)
+
+
+def decode_alone(decoder: Decoder, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
+                 stats: GenerationStats | None = None) -> Any:
+    """`step_alone` until `state` is done (the drop-in functions); returns it."""
+    while not state.done:
+        step_alone(decoder, model, state, generator, stats)
+    return state
 
 
 class ForwardThenCommit(Decoder):
     """A decoder whose step is one forward then a commit: `_forward(state)` (a sub-generator of
     one `ForwardRequest`, returning `(logits, first fed position)`) and `commit(state, logits, fed,
     generator, stats)`. The runner asks `next_forward`, packs, and hands the logits to `receive`;
-    the drop-in loops call `step`. Its state has `done` and `pending`."""
+    the drop-in loops do the same alone (`step_alone`). Its state has `done` and `pending`."""
 
     def next_forward(self, state: Any, generator: torch.Generator | None = None,
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
@@ -258,14 +266,6 @@ class ForwardThenCommit(Decoder):
     def receive(self, state: Any, logits: torch.Tensor, generator: torch.Generator | None = None,
                 stats: GenerationStats | None = None) -> None:
         self.commit(state, *self._processed(state, *self.finish_forward(state, logits)), generator, stats)
-
-    def forward(self, model: torch.nn.Module, state: Any) -> tuple[torch.Tensor, int]:
-        """The next forward of `state`, alone."""
-        return drive(self._forward(state), model)
-
-    def step(self, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
-             stats: GenerationStats | None = None) -> None:
-        self.commit(state, *self._processed(state, *self.forward(model, state)), generator, stats)
 
 
 @dataclass(eq=False)
@@ -341,8 +341,6 @@ class StepwiseDecoder(Decoder):
             stats.forward_positions += counted.forward_positions - positions
             stats.add_steps(counted, commits)
             stats.kv_cache_bytes = max(stats.kv_cache_bytes, counted.kv_cache_bytes)
-
-    step = step_alone   # one forward of this request alone and what follows it (the runner packs instead)
 
     def __repr__(self) -> str:
         return f"StepwiseDecoder({self.name})"
