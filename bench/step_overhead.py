@@ -30,6 +30,7 @@ import torch
 import remask
 from remask.diffusion.families.llada import BlockDecoder
 from remask.diffusion.parts.stats import SyncCounter
+from remask.diffusion.parts.stepper import step_alone
 from remask.models.spec import get_spec
 from remask.zoo import charset
 
@@ -71,7 +72,7 @@ def measure(model, spec, prompt: torch.Tensor, settings: dict[str, Any], repeats
     timer = ForwardTimer(model)
     try:
         while len(steps) < repeats:
-            state = decoder.start(model, prompt)
+            state = decoder.start(prompt)
             while not state.done and len(steps) < repeats:
                 start, end = decoder.block_span(state)
                 fed = state.x if decoder.mode is None or state.step == 0 else state.x[:, start:end]
@@ -82,16 +83,16 @@ def measure(model, spec, prompt: torch.Tensor, settings: dict[str, Any], repeats
                 timer.total = 0.0
                 t = time.perf_counter()
                 with torch.no_grad():
-                    decoder.step(model, state)
+                    step_alone(decoder, model, state)
                 steps.append(time.perf_counter() - t)
                 inside.append(timer.total)
     finally:
         timer.close()
     # The host waits, counted on a separate pass (the counter slows every torch call it sees).
-    state = decoder.start(model, prompt)
+    state = decoder.start(prompt)
     while not state.done:
         with torch.no_grad(), SyncCounter() as counter:
-            decoder.step(model, state)
+            step_alone(decoder, model, state)
         syncs.update(counter.counts)
         per_step_syncs.append(counter.total)
     overhead = [s - f for s, f in zip(steps, inside)]

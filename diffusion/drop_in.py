@@ -32,6 +32,7 @@ from .parts.checks import (check_bool, check_callable, check_generator, check_in
 from .parts.constrain_loops import structure_for_call
 from .parts.sparse import SparseConfig
 from .parts.stats import GenerationStats
+from .parts.stepper import decode_alone
 
 
 def generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -93,7 +94,7 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch
         check_apd_alone([name for name in _APD_UNREAD_NONE if given[name] is not None]
                         + [name for name in _APD_UNREAD if given[name] != _DEFAULTS[name]])
         check_mask_id(spec)
-        check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
+        check_prompt(spec.device, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
         check_int("gen_length", gen_length, minimum=1)
         check_real("temperature", temperature, low=0)
         check_generator(generator, prompt.device)
@@ -174,7 +175,7 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     blocks = dinfer or cache_mode(use_cache) is not None or block_length is not None \
         or (sparse is not None and sparse.method == "retention")
     # Dream's sampler fills masks anywhere in the sequence; the block decoder and APD only after the prompt.
-    check_prompt(model, inputs, attention_mask, name="inputs", spec=spec,
+    check_prompt(spec.device, inputs, attention_mask, name="inputs", spec=spec,
                  mask_in_prompt="refuse" if blocks or apd is not None else "allow")
     _validate_config(config, spec)
     check_real("threshold", threshold, low=0, high=1, low_open=True)
@@ -281,9 +282,7 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
                                     reference_ties, structure=structure) if blocks else DreamDecoder(
             spec, config, threshold, tokens_hook, logits_hook, reference_ties=reference_ties, sparse=sparse,
             structure=structure)
-        state = decoder.start(model, inputs, attention_mask)
-        while not state.done:
-            decoder.step(model, state, generator, stats)
+        state = decode_alone(decoder, model, decoder.start(inputs, attention_mask), generator, stats)
         if stats is not None:
             stats.stop(int(state.x.shape[0] * gen_length))
         sequences, history = state.x, state.histories

@@ -187,6 +187,11 @@ def llada_attend_mask(inputs: dict, q_len: int, k_len: int, dtype: torch.dtype) 
     return mask
 
 
+def llada_layers(model: LLaDAModelLM) -> nn.ModuleList:
+    """The decoder blocks, for a driver's per-layer work (`ForwardRequest.layers`: Elastic-Cache)."""
+    return model.model.transformer.blocks
+
+
 def llada_spec(config: LLaDAConfig) -> ModelSpec:
     """LLaDA: a mask predictor without logit shift; the official ids as defaults."""
     return ModelSpec(
@@ -202,6 +207,7 @@ def llada_spec(config: LLaDAConfig) -> ModelSpec:
         trained_gen_length=getattr(config, "trained_gen_length", None),
         segmented=True,       # attention through `cache.attend`, positions from `position_ids`
         attend_mask=llada_attend_mask,
+        layers=llada_layers,
         _inputs=padding_mask_inputs,   # the 2-D padding mask; RoPE positions stay absolute (0..L-1)
     )
 

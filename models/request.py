@@ -29,8 +29,8 @@ class ForwardRequest:
     * `rows_alone`: each batch row's linears are computed as that row alone (drafts that must get
       the bits of the single-sequence forward; the engine's batch invariance gives it for free).
     * `layers`: work of its own between the model's layers (Elastic-Cache: `before(layer, h)` →
-      the rows the layer runs on and their RoPE tables, `after(layer)`; `blocks`: the layers); one
-      row, a segmented model; it packs with the others (`varlen.PackedLayers`).
+      the rows the layer runs on and their RoPE tables, `after(layer)`; the driver finds the layers
+      through `ModelSpec.layers`); one row, a segmented model; it packs with the others (`varlen.PackedLayers`).
     * `output`: "logits", or "model" for the whole model output (its `past_key_values`).
     * `module`: a model other than the driver's to call (APD's verifier); such a request runs alone.
     * `extends`: a causal continuation (autoregressive): `input_ids` follow every id fed before, whose

@@ -30,7 +30,12 @@ class ModelSpec:
     `position_ids`, so one flat forward `[1, ΣT]` can hold several sequences, each attending only
     to itself (`remask.diffusion.parts.varlen`). attend_mask: `(inputs, q_len, k_len, dtype)` → the
     mask its layers attend with, from a forward's mask inputs (`attention_mask`, `attention_bias`),
-    so a packed forward gives each sequence the mask its own forward would.
+    so a packed forward gives each sequence the mask its own forward would. layers: `model` → its
+    decoder blocks, for a driver that runs a request's work between them (`ForwardRequest.layers`).
+
+    What a decoder needs of the model itself comes here, set by `get_spec` (decoders are never handed
+    the model): `device` (its parameters'), `config` (its config's values) and `embeddings` (its input
+    embedding table, None where it has none).
     """
 
     kind: str
@@ -51,6 +56,10 @@ class ModelSpec:
         default=None, repr=False, compare=False)
     _inputs: Callable[["ModelSpec", torch.Tensor | None, int], dict[str, Any]] = field(
         default=None, repr=False, compare=False)
+    layers: Callable[[torch.nn.Module], Any] | None = field(default=None, repr=False, compare=False)
+    device: torch.device = field(default=torch.device("cpu"), compare=False)
+    config: Any = field(default=None, repr=False, compare=False)
+    embeddings: Any = field(default=None, repr=False, compare=False)
 
     def forward_inputs(self, attention_mask: torch.Tensor | None, total_len: int) -> dict[str, Any]:
         """Keyword arguments for `model(x, **kw)` over a sequence of `total_len` positions whose
@@ -142,4 +151,15 @@ def get_spec(model: torch.nn.Module, **overrides: int | None) -> ModelSpec:
 
     family = family_of(getattr(config, "model_type", ""))
     builder = _ar_spec if family is None else family.spec
-    return builder(config).with_overrides(**overrides)
+    parameters = next(model.parameters(), None) if hasattr(model, "parameters") else None
+    device = torch.device("cpu") if parameters is None else parameters.device
+    return replace(builder(config).with_overrides(**overrides), device=device, config=config,
+                   embeddings=_input_embeddings(model))
+
+
+def _input_embeddings(model: torch.nn.Module) -> Any:
+    """The model's input embedding table (transformers' `get_input_embeddings`), None where it has none."""
+    try:
+        return model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None

@@ -13,6 +13,7 @@ import remask.diffusion.parts.rules
 from remask.diffusion.methods.decoders import decoder_steps
 from remask.engine import LLMEngine, SamplingParams
 from remask.models import tiny
+from remask.models.spec import get_spec
 
 from helpers import as_progress, random_prompt
 
@@ -59,8 +60,8 @@ def test_dinfer_rules_on_dream_are_batch_invariant_and_stream_final_blocks(dream
     for i in range(2):
         assert batch[i].tolist() == dream_tokens(dream, prompts[i:i + 1], decoder=RULES[rule])[0].tolist()
     seen = []
-    steps = decoder_steps(dream, prompts[:1], None, RULES[rule], gen_length=16, block_length=8, use_cache=None,
-                          mask_id=None, stats=None)
+    steps = decoder_steps(get_spec(dream), prompts[:1], None, RULES[rule], gen_length=16, block_length=8,
+                          use_cache=None, mask_id=None, stats=None)
     view = as_progress(steps, dream)
     try:
         while True:

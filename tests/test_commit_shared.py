@@ -10,6 +10,7 @@ import torch
 import remask
 from remask.diffusion.families.llada import BlockDecoder
 from remask.diffusion.parts.stats import GenerationStats, SyncCounter
+from remask.diffusion.parts.stepper import run_forwards, step_alone
 from remask.engine import LLMEngine, SamplingParams
 from remask.models.spec import get_spec
 from remask.zoo import charset
@@ -34,15 +35,16 @@ def test_each_row_commits_what_its_own_commit_would(tiny, rule):
     model, _ = tiny
     spec = get_spec(model)
     decoders = [BlockDecoder(spec, **RULES[rule]) for _ in PROMPTS]
-    states = [d.start(model, torch.tensor([charset.encode_chat(p)])) for d, p in zip(decoders, PROMPTS)]
+    states = [d.start(torch.tensor([charset.encode_chat(p)])) for d, p in zip(decoders, PROMPTS)]
     # states at different points: the second and fourth a few steps ahead
     with torch.no_grad():
         for i in (1, 3, 3):
-            decoders[i].step(model, states[i])
+            step_alone(decoders[i], model, states[i])
         steps = 0
         while not all(s.done for s in states):
             live = [i for i, s in enumerate(states) if not s.done]
-            logits = torch.cat([decoders[i].forward(model, states[i])[0] for i in live])
+            answers = [run_forwards(model, [decoders[i].next_forward(states[i])])[0] for i in live]
+            logits = torch.cat([decoders[i].finish_forward(states[i], a)[0] for i, a in zip(live, answers)])
             alone = [copy.deepcopy(states[i]) for i in live]
             alone_stats = [GenerationStats() for _ in live]
             for j, i in enumerate(live):

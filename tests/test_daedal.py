@@ -13,6 +13,7 @@ import torch
 
 from remask.diffusion.methods.daedal import DAEDAL, daedal_generate, daedal_steps
 from remask.diffusion.parts.stats import GenerationStats
+from remask.models.spec import get_spec
 
 from helpers import load_fixture_checkpoint, margin_case
 
@@ -105,9 +106,9 @@ def test_argument_errors(load):
         daedal_generate(model, torch.tensor([[1, 2]]), config={"initial_gen_length": 8}, gen_length=16)
     for name, kwargs in (("gen_length", dict(gen_length=0)), ("block_length", dict(gen_length=16, block_length=0))):
         with pytest.raises(ValueError, match=name):
-            daedal_steps(model, torch.tensor([[1, 2]]), **kwargs)
+            daedal_steps(get_spec(model), torch.tensor([[1, 2]]), **kwargs)
     with pytest.raises(ValueError, match="structured_outputs"):
-        daedal_steps(model, torch.tensor([[1, 2]]), gen_length=16, structure=object())
+        daedal_steps(get_spec(model), torch.tensor([[1, 2]]), gen_length=16, structure=object())
 
 
 def test_a_model_without_an_eos_id_is_refused(load, monkeypatch):

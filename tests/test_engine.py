@@ -840,6 +840,8 @@ def ar_alone_with_min_tokens(model, ids: list[int], params: SamplingParams, ends
     """`ar_generate`'s loop with vLLM's min_tokens rule written out: end ids at −inf while fewer
     than min_tokens tokens exist."""
     from remask.diffusion.families.ar import ARDecoder
+    from remask.diffusion.parts.stepper import step_alone
+    from remask.models.spec import get_spec
 
     def hold(state, logits, position):        # [B, 1, V] of the next position
         if state.step < params.min_tokens:
@@ -847,12 +849,12 @@ def ar_alone_with_min_tokens(model, ids: list[int], params: SamplingParams, ends
             logits[..., ends] = -torch.inf
         return logits
 
-    decoder = ARDecoder(model, **params.ar_kwargs([charset.EOS_ID])).add_processor(hold)
+    decoder = ARDecoder(get_spec(model), **params.ar_kwargs([charset.EOS_ID])).add_processor(hold)
     generator = torch.Generator().manual_seed(params.seed)
-    state = decoder.start(model, torch.tensor([ids]))
+    state = decoder.start(torch.tensor([ids]))
     with torch.no_grad():
         while not state.done:
-            decoder.step(model, state, generator)
+            step_alone(decoder, model, state, generator)
     return state.tokens[0].tolist()
 
 

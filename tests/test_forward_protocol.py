@@ -179,3 +179,81 @@ def test_every_diffusion_decoder_the_engine_builds_is_a_decoder(llada):
     for kwargs in LLADA_METHODS:
         decoder = decoder_for(engine, SamplingParams(max_tokens=16, **{**kwargs, **({"block_length": 16} if "block_length" in kwargs else {})}), prompt)
         assert isinstance(decoder, Decoder), (kwargs, type(decoder).__name__)
+
+
+# Decoders are not handed the model (issue 44): what they need of it comes through its `ModelSpec` (ids,
+# device, config values, embedding table, layers) or the answers to their `ForwardRequest`s.
+# DiffusionGemma's canvas loop is built on `models.diffusion_gemma.CanvasModel`, the model's own
+# mask builders (transformers' functions of the model), and is the one decoder still built with it.
+BUILT_WITH_THE_MODEL = {"CanvasDecoder.__init__"}
+# The drivers' own parts: `run_steps(model, steps_of, ...)` (a drop-in function's drive) and the packed
+# forward's hooks on the model's layers (`varlen.PackedLayers.installed`, called by `stepper._packed`).
+DRIVER_PARTS = {"run_steps", "PackedLayers.installed"}
+
+
+def _takes_the_model(fn) -> list[str]:
+    import inspect
+
+    return [name for name, p in inspect.signature(fn).parameters.items()
+            if name == "model" or "Module" in str(p.annotation)]
+
+
+def test_no_decoder_factory_or_decoder_method_takes_the_model():
+    """Every decoder and part that `diffusion/` builds (each class's methods), every step generator
+    (`*_steps`) and every registered method's loop and call: none takes the model; only the drivers
+    (`parts/stepper.py`'s functions, the `*_generate` entry points) do."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import remask.diffusion as diffusion
+    from remask.diffusion.methods import registry
+
+    modules = [importlib.import_module(info.name)
+               for info in pkgutil.walk_packages(diffusion.__path__, "remask.diffusion.")
+               if not info.ispkg and not info.name.endswith("drop_in")]
+    offenders, seen = [], 0
+    for module in modules:
+        for name, obj in vars(module).items():
+            if getattr(obj, "__module__", None) != module.__name__:
+                continue
+            if inspect.isclass(obj):
+                for attr, fn in vars(obj).items():
+                    if inspect.isfunction(fn) and f"{name}.{attr}" not in BUILT_WITH_THE_MODEL | DRIVER_PARTS:
+                        seen += 1
+                        offenders += [f"{module.__name__}.{name}.{attr}({p})" for p in _takes_the_model(fn)]
+            elif inspect.isfunction(obj) and name.endswith("_steps") and name not in DRIVER_PARTS:
+                seen += 1
+                offenders += [f"{module.__name__}.{name}({p})" for p in _takes_the_model(obj)]
+    for method in registry.METHODS.values():   # the loops take the call, whose fields hold no model
+        offenders += [f"{method.name}.loop({p})" for p in _takes_the_model(method.loop)]
+    offenders += [f"registry.Call.{f}" for f in registry.Call.__dataclass_fields__ if f == "model"]
+    assert offenders == []
+    assert seen > 200, "the decoders' methods were not found: the walk is stale"
+    # the check sees what it looks for: a factory of the old form is caught
+    assert _takes_the_model(lambda model, prompt: None) == ["model"]
+
+
+def test_every_registered_method_decodes_from_the_spec_alone(llada):
+    """Each registered method's decoder built from the model's spec alone (`decoder_steps(spec, ...)`: a
+    factory that wanted the model fails on the spec), its forwards answered by a driver that holds the
+    model: the drop-in call's tokens, no mask left."""
+    from remask.diffusion.methods import registry
+    from remask.diffusion.methods.decoders import decoder_steps, run_decoder
+    from remask.diffusion.parts.stepper import drive
+    from remask.models.spec import get_spec
+
+    model, _ = llada
+    spec = get_spec(model)
+    prompt = torch.tensor([charset.encode_chat("12+34")])
+    for method in registry.METHODS.values():
+        config = method.config()
+        decoder, use_cache = (config, None) if method.field == "decoder" else (None, config)
+        kw = dict(gen_length=16, block_length=16 if method.name != "multiblock" else 8, use_cache=use_cache,
+                  mask_id=None, stats=None)
+        steps = decoder_steps(spec, prompt, None, decoder, **kw)
+        out = drive(steps, model)
+        if isinstance(out, tuple):   # (x, forward counts)
+            out = out[0]
+        assert torch.equal(out, run_decoder(model, prompt, None, decoder, **kw)), method.name
+        assert not (out[:, prompt.shape[1]:] == spec.mask_id).any(), method.name

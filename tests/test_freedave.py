@@ -127,7 +127,7 @@ def sequential_reference(model, prompt, use_cache, draft_steps, threshold):
     P = prompt.shape[1]
     x = torch.full((1, P + GEN), mask_id, dtype=torch.long)
     x[:, :P] = prompt
-    forwards = BlockForward(model, spec, use_cache, {}, None)
+    forwards = BlockForward(spec, use_cache, {}, None)
     conf_dtype = torch.float64 if threshold is not None and not shift else None
 
     def score(logits, local):

@@ -17,6 +17,7 @@ from remask.diffusion.methods import registry
 from remask.diffusion.methods.prophet import Prophet, prophet_generate
 from remask.diffusion.parts.checks import CombinationError
 from remask.diffusion.parts.stats import GenerationStats
+from remask.models.spec import get_spec
 
 from helpers import load_fixture_checkpoint, margin_case
 
@@ -148,7 +149,7 @@ def test_call_refusals_name_the_parameter(load):
         remask.SamplingParams(max_tokens=16, decoder=Prophet(constraints={20: 5}))
     with pytest.raises(CombinationError, match="structured_outputs"):
         from remask.diffusion.methods.prophet import prophet_steps
-        prophet_steps(model, prompt, steps=16, gen_length=16, block_length=16, structure=object())
+        prophet_steps(get_spec(model), prompt, steps=16, gen_length=16, block_length=16, structure=object())
 
 
 def test_registered_with_its_json_name():

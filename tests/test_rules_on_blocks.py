@@ -18,6 +18,7 @@ from remask.diffusion.families.llada2 import LLaDA2Decoder as LLaDA2Rules
 from remask.diffusion.parts.rules import rule_commit
 from remask.diffusion.families.sdar import sdar_generate
 from remask.diffusion.parts.stats import GenerationStats
+from remask.diffusion.parts.stepper import step_alone
 from remask.models import get_spec, tiny
 
 PROMPTS = [torch.randint(0, 250, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 6, 8)]
@@ -141,9 +142,9 @@ def test_rules_on_llada2_decode_to_the_end(llada2, name, use_cache):
         # without EOS every block is decoded: the whole canvas, prompt first, no mask left
         decoder = LLaDA2Rules(RULES[name], mask_id=spec.mask_id, eos_id=None, gen_length=13, block_length=4,
                               use_cache=use_cache)
-        state = decoder.start(llada2, prompt)
+        state = decoder.start(prompt)
         while not state.done:
-            decoder.step(llada2, state)
+            step_alone(decoder, llada2, state)
         assert not bool((state.x == spec.mask_id).any()) and torch.equal(state.x[:, :prompt.shape[1]], prompt)
         assert state.x.shape[1] - prompt.shape[1] >= 13
         # the drop-in generate: deterministic, no mask, up to and including the first EOS

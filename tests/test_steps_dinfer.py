@@ -14,6 +14,7 @@ from remask.diffusion.methods.dinfer import (CreditDecoding, HierarchicalDecodin
                                      VicinityCache, dinfer_generate, dinfer_steps)
 from remask.diffusion.parts.stats import GenerationStats
 from remask.models import tiny
+from remask.models.spec import get_spec
 from helpers import as_progress
 
 with open(os.path.join(os.path.dirname(__file__), "fixtures", "dinfer_reference.json")) as f:
@@ -67,7 +68,7 @@ def _drive(model, prompt, **kw):
     stats = GenerationStats()
     counter = _Counter(model)
     try:
-        steps = dinfer_steps(model, prompt, stats=stats, **kw)
+        steps = dinfer_steps(get_spec(model), prompt, stats=stats, **kw)
         assert counter.n == 0
         view = as_progress(steps, model)
         progresses, per_next = [], []
@@ -180,9 +181,9 @@ def test_bad_arguments_raise_at_the_call(models, kwargs, field):
     counter = _Counter(model)
     try:
         with pytest.raises(ValueError, match=field):
-            dinfer_steps(model, torch.tensor([[1, 2, 3]]), **kwargs)
+            dinfer_steps(get_spec(model), torch.tensor([[1, 2, 3]]), **kwargs)
         with pytest.raises(ValueError, match="mask token"):
-            dinfer_steps(model, torch.tensor([[1, MASK, 3]]), gen_length=8, block_length=8)
+            dinfer_steps(get_spec(model), torch.tensor([[1, MASK, 3]]), gen_length=8, block_length=8)
         assert counter.n == 0
     finally:
         counter.close()
@@ -204,7 +205,7 @@ def test_requests_of_one_layout_share_a_forward(models, config):
     expected = dinfer_generate(model, prompt, **kw)
     counter = _Counter(model)
     try:
-        pair = [dinfer_steps(model, prompt, **kw) for _ in range(2)]
+        pair = [dinfer_steps(get_spec(model), prompt, **kw) for _ in range(2)]
         answers, outs, requests = [None, None], [None, None], 0
         while outs[0] is None:
             items = []

@@ -13,8 +13,9 @@ from remask.diffusion.methods.d2cache import D2Cache, d2cache_generate, d2cache_
 from remask.diffusion.methods.dkv import DKVCache, dkv_generate, dkv_steps
 from remask.diffusion.methods.dkv import dkv_dream_generate, dkv_dream_steps
 from remask.diffusion.parts.stats import GenerationStats
-from remask.diffusion.parts.stepper import Progress, StepwiseDecoder
+from remask.diffusion.parts.stepper import Progress, StepwiseDecoder, step_alone
 from remask.models import tiny
+from remask.models.spec import get_spec
 
 from helpers import as_progress, load_fixture_checkpoint
 
@@ -101,7 +102,8 @@ def test_dkv_steps(llada, batch, name, kw):
     model = llada("llada_small")
     prompt = P1 if batch == 1 else P2
     seen, forwards, stats = check(
-        model, lambda stats: dkv_steps(model, prompt, generator=torch.Generator().manual_seed(3), stats=stats, **kw),
+        model, lambda stats: dkv_steps(get_spec(model), prompt, generator=torch.Generator().manual_seed(3), stats=stats,
+                                       **kw),
         lambda: dkv_generate(model, prompt, generator=torch.Generator().manual_seed(3), **kw),
         prompt.shape[1], kw["gen_length"], LLADA_MASK)
     assert forwards >= kw["steps"]
@@ -120,15 +122,16 @@ def test_dkv_steps_row_by_row_forwards(llada):
     split = False
     for seed in range(6):
         _, forwards, _ = check(
-            model, lambda stats: dkv_steps(model, P2, generator=torch.Generator().manual_seed(seed), stats=stats,
-                                           **kw),
+            model, lambda stats: dkv_steps(get_spec(model), P2, generator=torch.Generator().manual_seed(seed),
+                                           stats=stats, **kw),
             lambda: dkv_generate(model, P2, generator=torch.Generator().manual_seed(seed), **kw),
             P2.shape[1], 32, LLADA_MASK)
         split |= forwards > kw["steps"]
     greedy = dict(config=DKVCache(cache_reloading_step=4, variant="greedy", window_size=3), steps=32, gen_length=32,
                   block_length=32, remasking="random")
     _, forwards, _ = check(
-        model, lambda stats: dkv_steps(model, P2, generator=torch.Generator().manual_seed(0), stats=stats, **greedy),
+        model, lambda stats: dkv_steps(get_spec(model), P2, generator=torch.Generator().manual_seed(0), stats=stats,
+                                       **greedy),
         lambda: dkv_generate(model, P2, generator=torch.Generator().manual_seed(0), **greedy),
         P2.shape[1], 32, LLADA_MASK)
     split |= forwards > greedy["steps"]
@@ -141,7 +144,7 @@ def test_dkv_steps_padded(llada):
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
     kw = dict(config=DKVCache(cache_reloading_step=2), steps=16, gen_length=16, block_length=8,
               attention_mask=mask)
-    check(model, lambda stats: dkv_steps(model, prompt, stats=stats, **kw),
+    check(model, lambda stats: dkv_steps(get_spec(model), prompt, stats=stats, **kw),
           lambda: dkv_generate(model, prompt, **kw), 6, 16, LLADA_MASK)
 
 
@@ -149,11 +152,11 @@ def test_dkv_stepwise_decoder_equals_generate(llada):
     model = llada("llada_small")
     kw = dict(config=DKVCache(cache_reloading_step=4), steps=16, gen_length=32, block_length=16,
               remasking="random")
-    decoder = StepwiseDecoder(lambda m, p, g, s: dkv_steps(m, p, generator=g, stats=s, **kw), gen_length=32)
-    state, stats = decoder.start(model, P1), GenerationStats()
+    decoder = StepwiseDecoder(lambda p, g, s: dkv_steps(get_spec(model), p, generator=g, stats=s, **kw), gen_length=32)
+    state, stats = decoder.start(P1), GenerationStats()
     finals = []
     while not state.done:
-        decoder.step(model, state, torch.Generator().manual_seed(1) if state.steps is None else None, stats)
+        step_alone(decoder, model, state, torch.Generator().manual_seed(1) if state.steps is None else None, stats)
         finals.append(decoder.num_final(state))
     assert torch.equal(state.x, dkv_generate(model, P1, generator=torch.Generator().manual_seed(1), **kw))
     assert finals == sorted(finals) and 16 in finals and stats.nfe == 16
@@ -168,7 +171,7 @@ DREAM_CONFIGS = [DKVCache(cache_reloading_step=4, cache_type="decoded", shift_ty
 def test_dkv_dream_steps(dream, batch, config):
     prompt = DREAM_P1 if batch == 1 else DREAM_P2
     kw = dict(config=config, steps=12, max_new_tokens=12, alg="maskgit_plus")
-    seen, forwards, _ = check(dream, lambda stats: dkv_dream_steps(dream, prompt, stats=stats, **kw),
+    seen, forwards, _ = check(dream, lambda stats: dkv_dream_steps(get_spec(dream), prompt, stats=stats, **kw),
                               lambda: dkv_dream_generate(dream, prompt, **kw), prompt.shape[1], 12, DREAM_MASK)
     assert forwards >= 12 and all(f == 0 for f, _ in seen)   # one block: final only at the end
 
@@ -177,7 +180,7 @@ def test_dkv_dream_steps_origin_generator(dream):
     """alg='origin' draws from the generator: the same draws stepwise as in the drop-in call."""
     kw = dict(config=DKVCache(cache_reloading_step=3, cache_type="decoded"), steps=12, max_new_tokens=12,
               alg="origin")
-    check(dream, lambda stats: dkv_dream_steps(dream, DREAM_P2, generator=torch.Generator().manual_seed(5),
+    check(dream, lambda stats: dkv_dream_steps(get_spec(dream), DREAM_P2, generator=torch.Generator().manual_seed(5),
                                                stats=stats, **kw),
           lambda: dkv_dream_generate(dream, DREAM_P2, generator=torch.Generator().manual_seed(5), **kw),
           DREAM_P2.shape[1], 12, DREAM_MASK)
@@ -199,7 +202,7 @@ def test_d2cache_steps(llada, batch, independent_rows, name, kw):
     model = llada("llada_small_peaked")
     prompt = P1 if batch == 1 else P2
     kw = dict(kw, independent_rows=independent_rows)
-    seen, forwards, _ = check(model, lambda stats: d2cache_steps(model, prompt, stats=stats, **kw),
+    seen, forwards, _ = check(model, lambda stats: d2cache_steps(get_spec(model), prompt, stats=stats, **kw),
                               lambda: d2cache_generate(model, prompt, **kw), prompt.shape[1], kw["gen_length"],
                               LLADA_MASK)
     per_row = kw["gen_length"] // (kw["gen_length"] // kw["steps"])
@@ -214,7 +217,7 @@ def test_d2cache_steps_padded(llada):
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
     for independent_rows in (True, False):
         kw = dict(steps=16, gen_length=16, block_length=8, attention_mask=mask, independent_rows=independent_rows)
-        check(model, lambda stats: d2cache_steps(model, prompt, stats=stats, **kw),
+        check(model, lambda stats: d2cache_steps(get_spec(model), prompt, stats=stats, **kw),
               lambda: d2cache_generate(model, prompt, **kw), 6, 16, LLADA_MASK)
 
 
@@ -230,22 +233,22 @@ def test_bad_arguments_raise_when_the_generator_is_made(llada, dream):
                           (dict(config=DKVCache(shift_type="un")), "shift_type"),
                           (dict(config="decode"), "config")):
             with pytest.raises(ValueError, match=match):
-                dkv_steps(model, P1, **{**dict(steps=16, gen_length=16, block_length=16), **kw})
+                dkv_steps(get_spec(model), P1, **{**dict(steps=16, gen_length=16, block_length=16), **kw})
         with pytest.raises(ValueError):
-            dkv_steps(model, torch.tensor([[1, LLADA_MASK]]), steps=16, gen_length=16, block_length=16)
+            dkv_steps(get_spec(model), torch.tensor([[1, LLADA_MASK]]), steps=16, gen_length=16, block_length=16)
         for kw, match in ((dict(temperature=0.5), "temperature"), (dict(alg="confidence_threshold"), "alg"),
                           (dict(max_new_tokens=0), "max_new_tokens"), (dict(config=DKVCache(variant="greedy")),
                                                                        "variant")):
             with pytest.raises(ValueError, match=match):
-                dkv_dream_steps(dream, DREAM_P1, **{**dict(steps=4, max_new_tokens=4), **kw})
+                dkv_dream_steps(get_spec(dream), DREAM_P1, **{**dict(steps=4, max_new_tokens=4), **kw})
         with pytest.raises(ValueError, match="logit_shift"):
-            dkv_dream_steps(model, P1, steps=4, max_new_tokens=4)
+            dkv_dream_steps(get_spec(model), P1, steps=4, max_new_tokens=4)
         for kw, match in ((dict(steps=5), "steps"), (dict(gen_length=24), "gen_length"),
                           (dict(prior_sigma=0.0), "prior_sigma"), (dict(config=object()), "config")):
             with pytest.raises(ValueError, match=match):
-                d2cache_steps(model, P2, **{**dict(steps=16, gen_length=16, block_length=16), **kw})
+                d2cache_steps(get_spec(model), P2, **{**dict(steps=16, gen_length=16, block_length=16), **kw})
         with pytest.raises(ValueError, match="llada|LLaDA"):
-            d2cache_steps(dream, DREAM_P1, steps=16, gen_length=16, block_length=16)
+            d2cache_steps(get_spec(dream), DREAM_P1, steps=16, gen_length=16, block_length=16)
     finally:
         for hook in hooks:
             hook.remove()

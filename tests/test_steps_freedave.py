@@ -13,6 +13,7 @@ import remask
 from remask.diffusion.methods.freedave import FreeDave, freedave_generate, freedave_steps
 from remask.diffusion.parts.stepper import Progress
 from remask.zoo import charset
+from remask.models.spec import get_spec
 from helpers import as_progress, random_prompt
 
 GEN, BLOCK = 32, 8
@@ -45,7 +46,7 @@ def drive_by_hand(model, prompt, **kw):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            steps = freedave_steps(model, prompt, stats=stats, gen_length=GEN, block_length=BLOCK, **kw)
+            steps = freedave_steps(get_spec(model), prompt, stats=stats, gen_length=GEN, block_length=BLOCK, **kw)
             assert forwards[0] == 0   # nothing runs before the first next()
             view = as_progress(steps, model)
             while True:
@@ -111,7 +112,8 @@ def test_bad_arguments_raise_at_the_call(kwargs, match, tiny_llada):
     handle = tiny_llada.register_forward_hook(lambda *_: forwards.append(1))
     try:
         with pytest.raises(ValueError, match=match):
-            freedave_steps(tiny_llada, prompts_for("tiny-llada", 1), **(dict(gen_length=32, block_length=8) | kwargs))
+            freedave_steps(get_spec(tiny_llada), prompts_for("tiny-llada", 1),
+                           **(dict(gen_length=32, block_length=8) | kwargs))
     finally:
         handle.remove()
     assert not forwards

@@ -13,6 +13,7 @@ from remask.diffusion.methods.elastic import ElasticCache, elastic_generate, ela
 from remask.diffusion.parts.stats import GenerationStats
 from remask.diffusion.parts.stepper import Progress, drive
 from remask.diffusion.methods.wino import WINO, wino_generate, wino_steps
+from remask.models.spec import get_spec
 
 from helpers import as_progress, load_fixture_checkpoint
 
@@ -85,7 +86,7 @@ def test_wino_steps_one_forward_per_step(load, rows, name, commit_mask_token):
     config = WINO(threshold=0.5, threshold_back=0.9, commit_mask_token=commit_mask_token)
     kw = dict(config=config, gen_length=48, block_length=16)
     stats = GenerationStats()
-    (x, forwards), seen = step_through(model, wino_steps(model, prompt, stats=stats, **kw), 6, 48)
+    (x, forwards), seen = step_through(model, wino_steps(get_spec(model), prompt, stats=stats, **kw), 6, 48)
     want_x, want_forwards = wino_generate(model, prompt, **kw)
     assert torch.equal(x, want_x) and torch.equal(forwards, want_forwards)
     assert len(seen) == stats.nfe >= int(forwards.max()) > 0
@@ -102,7 +103,7 @@ def test_wino_steps_reproduce_the_fixture(load):
         model = load(case["checkpoint"])
         kwargs = case["kwargs"]
         config = WINO(threshold=kwargs["threshold"], threshold_back=kwargs["threshold_back"], commit_mask_token=True)
-        x, forwards = drive(wino_steps(model, torch.tensor([case["prompt"]]), config=config,
+        x, forwards = drive(wino_steps(get_spec(model), torch.tensor([case["prompt"]]), config=config,
                                        gen_length=kwargs["gen_length"], block_length=kwargs["block_length"]), model)
         assert x[0].tolist() == case["output_ids"] and forwards.tolist() == [case["steps"]]
 
@@ -112,11 +113,12 @@ def test_wino_steps_refuse_bad_arguments_at_the_call(load):
     counter = Forwards(model)
     try:
         with pytest.raises(ValueError, match="block_length"):
-            wino_steps(model, torch.tensor([[1, 2]]), gen_length=24, block_length=16)
+            wino_steps(get_spec(model), torch.tensor([[1, 2]]), gen_length=24, block_length=16)
         with pytest.raises(ValueError, match="mask token"):
-            wino_steps(model, torch.tensor([[1, MASK]]), gen_length=16, block_length=16)
+            wino_steps(get_spec(model), torch.tensor([[1, MASK]]), gen_length=16, block_length=16)
         with pytest.raises(ValueError, match="config"):
-            wino_steps(model, torch.tensor([[1, 2]]), config={"threshold": 0.5}, gen_length=16, block_length=16)
+            wino_steps(get_spec(model), torch.tensor([[1, 2]]), config={"threshold": 0.5}, gen_length=16,
+                       block_length=16)
     finally:
         counter.close()
     assert counter.count == 0
@@ -146,7 +148,7 @@ def test_elastic_steps_one_row(load, name, commit_mask_token):
     kw = elastic_kwargs(case, commit_mask_token)
     gen_length = kw["gen_length"]
     stats, trace = GenerationStats(), []
-    x, seen = step_through(model, elastic_steps(model, prompt, stats=stats, trace=trace, **kw), P, gen_length)
+    x, seen = step_through(model, elastic_steps(get_spec(model), prompt, stats=stats, trace=trace, **kw), P, gen_length)
     assert torch.equal(x, elastic_generate(model, prompt, **kw))
     if commit_mask_token:   # the official loop's tokens
         assert len(trace) == case["nfe"]
@@ -170,7 +172,8 @@ def test_elastic_steps_rows(load):
     model = load("llada_deep")
     config = ElasticCache(window_length=8, threshold=0.9, gamma=0.99, track_num=2)
     stats = GenerationStats()
-    x, seen = step_through(model, elastic_steps(model, PROMPTS, config=config, gen_length=40, stats=stats), 6, 40)
+    steps = elastic_steps(get_spec(model), PROMPTS, config=config, gen_length=40, stats=stats)
+    x, seen = step_through(model, steps, 6, 40)
     assert torch.equal(x, elastic_generate(model, PROMPTS, config=config, gen_length=40))
     assert len(seen) == stats.nfe > 0
     check_final(seen, x, 6, 40)
@@ -187,15 +190,15 @@ def test_elastic_steps_refuse_bad_arguments_at_the_call(load):
     counter = Forwards(model)
     try:
         with pytest.raises(ValueError, match="gen_length"):
-            elastic_steps(model, p, gen_length=0)
+            elastic_steps(get_spec(model), p, gen_length=0)
         with pytest.raises(ValueError, match="config"):
-            elastic_steps(model, p, gen_length=8, config={"window_length": 4})
+            elastic_steps(get_spec(model), p, gen_length=8, config={"window_length": 4})
         with pytest.raises(ValueError, match="mask token"):
-            elastic_steps(model, torch.tensor([[1, MASK]]), gen_length=8)
+            elastic_steps(get_spec(model), torch.tensor([[1, MASK]]), gen_length=8)
         with pytest.raises(ValueError, match="eos_id"):
-            elastic_steps(model, p, gen_length=8, eos_id=10_000)
+            elastic_steps(get_spec(model), p, gen_length=8, eos_id=10_000)
         with pytest.raises(ValueError, match="trace"):
-            elastic_steps(model, p, gen_length=8, trace=())
+            elastic_steps(get_spec(model), p, gen_length=8, trace=())
     finally:
         counter.close()
     assert counter.count == 0

@@ -26,6 +26,7 @@ from remask.structured import StructuredOutputsParams as S, compile_structure  #
 from remask.zoo.charset import BOS_ID, EOS_ID, EOT_ID, MASK_ID, PAD_ID, decode_answer, encode_chat  # noqa: E402
 
 from test_structured import CHOICE, REGEX, SCHEMAS, batch, check_answer, tally  # noqa: E402
+from remask.models.spec import get_spec
 
 # a few schemas of different shapes (the full set runs on LLaDA's block rule in test_structured.py)
 SHAPES = ("flat", "nested", "array", "enum", "optional", "number_or_null")
@@ -281,8 +282,8 @@ def test_d2cache_coupled_rows(llada):
         warnings.simplefilter("ignore")
         for params in CASES:
             structure = structure_for_call(params, model, tok, MASK_ID, 32)
-            out = drive(d2cache_steps(model, prompt, config=remask.D2Cache(current_k=4), steps=16, gen_length=32,
-                                      block_length=8, independent_rows=False, attention_mask=mask,
+            out = drive(d2cache_steps(get_spec(model), prompt, config=remask.D2Cache(current_k=4), steps=16,
+                                      gen_length=32, block_length=8, independent_rows=False, attention_mask=mask,
                                       structure=structure), model)
             check_rows(out[:, prompt.shape[1]:].tolist(), params, tok, "d2cache coupled", counts)
     tally("llada d2cache coupled rows", *counts)

@@ -138,7 +138,8 @@ def test_elastic_forwards_pack_bit_for_bit_though_their_rows_change_between_laye
         gens, traces, requests = [], [], []
         for prompt, config in zip(prompts, configs):
             traces.append([])
-            gens.append(elastic_steps(model, prompt, config=config, gen_length=24, eos_id=99, trace=traces[-1]))
+            gens.append(elastic_steps(get_spec(model), prompt, config=config, gen_length=24, eos_id=99,
+                                      trace=traces[-1]))
             request = next_request(gens[-1])
             for _ in range(2):
                 request = next_request(gens[-1], run_forwards(model, [request])[0])

@@ -11,6 +11,7 @@ import torch
 
 from remask.diffusion.parts.stats import GenerationStats
 from remask.diffusion.methods.wino import WINO, shadow_attention, wino_generate, wino_steps
+from remask.models.spec import get_spec
 
 from helpers import as_progress, load_fixture_checkpoint, margin_case
 
@@ -65,8 +66,8 @@ def test_commit_mask_token_decodes_earlier_mask_tokens_again_as_upstream(load):
             waiting.update(i - P for i in range(P, start) if int(ids[i]) == MASK)
         hook = model.register_forward_pre_hook(look, with_kwargs=True)
         try:
-            view = as_progress(wino_steps(model, prompt, config=config, gen_length=k["gen_length"], block_length=block),
-                               model)
+            view = as_progress(wino_steps(get_spec(model), prompt, config=config, gen_length=k["gen_length"],
+                                          block_length=block), model)
             seen = []
             while True:
                 try:

@@ -202,12 +202,12 @@ class APDDecoder:
                              f"(vocab_size={verifier.config.vocab_size}); APD needs a verifier that shares the "
                              f"dLLM's tokenizer")
 
-    def start(self, model: torch.nn.Module, prompt: torch.Tensor) -> APDState:
+    def start(self, prompt: torch.Tensor) -> APDState:
         P = prompt.shape[1]
         x = masked_canvas(prompt, self.gen_length, self.spec.mask_id)
         apd = self.apd
         use_dllm_cache = apd.kv_window is not None and (apd.dllm_cache if apd.dllm_cache is not None
-                                                        else bool(getattr(model.config, "use_cache", False)))
+                                                        else bool(getattr(self.spec.config, "use_cache", False)))
         return APDState(x=x, prompt_len=P, curr=P, use_dllm_cache=use_dllm_cache,
                         matcher=None if self.structure is None else self.structure.matcher(self.end_ids))
 
@@ -301,10 +301,10 @@ def apd_generate(model: torch.nn.Module, spec: ModelSpec, prompt: torch.Tensor, 
     if structure is not None:
         decoder.constrain(structure)
     decoder.check_input(prompt)
-    return drive(apd_steps(decoder, model, prompt, generator, stats, verifier_stats), model)
+    return drive(apd_steps(decoder, prompt, generator, stats, verifier_stats), model)
 
 
-def apd_steps(decoder: APDDecoder, model: torch.nn.Module, prompt: torch.Tensor,
+def apd_steps(decoder: APDDecoder, prompt: torch.Tensor,
               generator: torch.Generator | None = None, stats: GenerationStats | None = None,
               verifier_stats: GenerationStats | None = None) -> Generator[ForwardRequest, Any, torch.Tensor]:
     """`apd_generate`'s loop as a step generator (the input checked by the caller): its rounds'
@@ -312,7 +312,7 @@ def apd_steps(decoder: APDDecoder, model: torch.nn.Module, prompt: torch.Tensor,
     returns `[1, P + gen_length]`."""
     if stats is not None:
         stats.start()
-    state = decoder.start(model, prompt)
+    state = decoder.start(prompt)
     while not state.done:
         yield from decoder.round(state, generator, stats, verifier_stats)
         yield Progress(state.x, state.curr - state.prompt_len)

@@ -7,15 +7,14 @@ forward over its paged store for every running sequence.
 """
 from __future__ import annotations
 
-import inspect
 import numbers
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from remask.models.hf_compat import cache_arg, output_cache
-from remask.models.spec import get_spec
+from remask.models.hf_compat import output_cache
+from remask.models.spec import ModelSpec, get_spec
 
 from ..parts.checks import (ParameterTypeError, check_generator, check_int, check_model_kind, check_prompt,
                             check_real, check_stats, check_token_id, warn_if_padded_without_mask)
@@ -24,7 +23,7 @@ from ..parts.processors import logprob_entries
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.protocol import Decoder
-from ..parts.stepper import ForwardRequest, step_alone
+from ..parts.stepper import ForwardRequest, decode_alone
 
 
 @dataclass
@@ -65,10 +64,9 @@ class ARDecoder(Decoder):
     position's logits. The drop-in driver answers with the model's own cache, the engine's runner
     from its page store, so both decode the same tokens by construction."""
 
-    def __init__(self, model: torch.nn.Module, *, max_new_tokens: int = 128, temperature: float = 0.0,
+    def __init__(self, spec: ModelSpec, *, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
                  pad_token_id: int | None = None, structure: Any = None, logprobs: int | None = None) -> None:
-        spec = get_spec(model)
         check_model_kind(spec, diffusion=False, entry="remask.ar_generate")
         check_int("max_new_tokens", max_new_tokens, minimum=1)
         check_real("temperature", temperature, low=0)
@@ -76,7 +74,7 @@ class ARDecoder(Decoder):
         check_real("top_p", top_p, low=0, high=1, low_open=True, allow_none=True)
         check_int("logprobs", logprobs, minimum=0, maximum=spec.vocab_size, allow_none=True)
         if eos_token_id is None:
-            eos_token_id = getattr(model.config, "eos_token_id", None)
+            eos_token_id = getattr(spec.config, "eos_token_id", None)
         if not (eos_token_id is None or isinstance(eos_token_id, (numbers.Integral, list, tuple))):
             raise ParameterTypeError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
         eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, numbers.Integral) \
@@ -84,7 +82,7 @@ class ARDecoder(Decoder):
         for value in eos_ids:
             check_token_id(spec, value, "eos_token_id")
         if pad_token_id is None:
-            pad_token_id = getattr(model.config, "pad_token_id", None)
+            pad_token_id = getattr(spec.config, "pad_token_id", None)
         if pad_token_id is None:
             pad_token_id = eos_ids[0] if eos_ids else 0
         check_token_id(spec, pad_token_id, "pad_token_id")
@@ -94,15 +92,11 @@ class ARDecoder(Decoder):
         self.spec, self.structure = spec, structure
         self.max_new_tokens, self.temperature, self.top_k, self.top_p = max_new_tokens, temperature, top_k, top_p
         self.eos_ids, self.pad_token_id, self.logprobs = eos_ids, pad_token_id, logprobs
-        self.max_positions = getattr(model.config, "max_position_embeddings", None)
-        # Only the last position's logits are needed, as in transformers' `generate`: the LM head
-        # then runs on one row per sequence, the shape the engine's flat forward gives it too.
-        self.keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters \
-            else {}
+        self.max_positions = getattr(spec.config, "max_position_embeddings", None)
         self.processors: tuple = ()
 
-    def check_input(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, model: torch.nn.Module) -> None:
-        check_prompt(model, input_ids, attention_mask, name="input_ids", spec=self.spec)
+    def check_input(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        check_prompt(self.spec.device, input_ids, attention_mask, name="input_ids", spec=self.spec)
         if self.max_positions is not None and input_ids.shape[1] + self.max_new_tokens > self.max_positions:
             raise ValueError(f"prompt length + max_new_tokens = {input_ids.shape[1] + self.max_new_tokens} exceeds "
                              f"the model's max_position_embeddings {self.max_positions}")
@@ -111,7 +105,7 @@ class ARDecoder(Decoder):
         self.processors = (*self.processors, processor)
         return self
 
-    def start(self, model: torch.nn.Module | None, input_ids: torch.Tensor,
+    def start(self, input_ids: torch.Tensor,
               attention_mask: torch.Tensor | None = None) -> ARState:
         B = input_ids.shape[0]
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
@@ -128,14 +122,12 @@ class ARDecoder(Decoder):
             state.top_logprobs = torch.zeros((*shape, self.logprobs), dtype=torch.float32, device=device)
         return state
 
-    def next_forward(self, model: torch.nn.Module | None, state: ARState, generator: torch.Generator | None = None,
+    def next_forward(self, state: ARState, generator: torch.Generator | None = None,
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
         if state.done:
             return None
-        # the cache under the keyword the model's forward declares (`cache` or `past_key_values`)
-        cache = {} if state.cache is None else cache_arg(model.forward, state.cache)
         return ForwardRequest(state.feed, per_row=dict(attention_mask=state.mask, position_ids=state.position_ids),
-                              shared=dict(use_cache=True, **self.keep_last, **cache), output="model", extends=True)
+                              shared=dict(use_cache=True), cache=state.cache, output="model", extends=True)
 
     def receive(self, state: ARState, output: Any, generator: torch.Generator | None = None,
                 stats: GenerationStats | None = None) -> None:
@@ -206,8 +198,6 @@ class ARDecoder(Decoder):
                 m.advance([token])
         return tokens
 
-    step = step_alone   # one forward of this state alone and its sample
-
 
 @torch.no_grad()
 def ar_generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -224,18 +214,17 @@ def ar_generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
     """
     if structured_outputs is not None:   # (before its budget is checked against max_new_tokens)
         check_int("max_new_tokens", max_new_tokens, minimum=1)
-    structure = structure_for_call(structured_outputs, model, tokenizer, get_spec(model).mask_id, max_new_tokens)
-    decoder = ARDecoder(model, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+    spec = get_spec(model)
+    structure = structure_for_call(structured_outputs, model, tokenizer, spec.mask_id, max_new_tokens)
+    decoder = ARDecoder(spec, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         eos_token_id=eos_token_id, pad_token_id=pad_token_id, structure=structure)
-    decoder.check_input(input_ids, attention_mask, model)
+    decoder.check_input(input_ids, attention_mask)
     check_generator(generator, input_ids.device)
     check_stats("stats", stats)
     warn_if_padded_without_mask(input_ids, attention_mask, getattr(model.config, "pad_token_id", None))
     if stats is not None:
         stats.start()
-    state = decoder.start(model, input_ids, attention_mask)
-    while not state.done:
-        decoder.step(model, state, generator, stats)
+    state = decode_alone(decoder, model, decoder.start(input_ids, attention_mask), generator, stats)
     if stats is not None:
         stats.stop(state.generated)   # tokens up to and including each row's EOS
     return torch.cat([input_ids, state.tokens], dim=1)

@@ -273,7 +273,7 @@ class CanvasDecoder(Decoder):
         """Generated positions that are final: those of finished canvases."""
         return min(state.input_ids.shape[1] - state.prompt_length, state.max_new_tokens)
 
-    def start(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
               *, decoder_input_ids: torch.Tensor | None = None,
               self_conditioning_logits: torch.Tensor | None = None) -> CanvasState:
         config, L = self.config, self.canvas_model.canvas_length
@@ -306,7 +306,7 @@ class CanvasDecoder(Decoder):
             state.matchers = [self.structure.matcher(self.end_ids) for _ in range(B)]
         return state   # the first step opens the first canvas (encoder, random canvas: transformers' order)
 
-    def next_forward(self, model: torch.nn.Module, state: CanvasState, generator: torch.Generator | None = None,
+    def next_forward(self, state: CanvasState, generator: torch.Generator | None = None,
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
         """The forward `state` waits for; None once decoded, or for one engine step while another
         request encodes this prompt."""
@@ -360,11 +360,6 @@ class CanvasDecoder(Decoder):
         state.stable_steps = torch.zeros((B, L), dtype=torch.long, device=device)
         state.cur_step = self.config.max_denoising_steps
         state.canvases_left -= 1
-
-    def step(self, model: torch.nn.Module, state: CanvasState, generator: torch.Generator | None = None,
-             stats: GenerationStats | None = None, streamer: Any = None) -> None:
-        """One denoising step of every row, its forwards computed alone (`denoising_step`)."""
-        drive(self.denoising_step(state, generator, stats, streamer), model)
 
     def denoising_step(self, state: CanvasState, generator: torch.Generator | None = None,
                        stats: GenerationStats | None = None,
@@ -501,9 +496,9 @@ def canvas_generate(model: torch.nn.Module, input_ids: torch.Tensor, generation_
         stats.start()
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    state = decoder.start(model, input_ids, model_kwargs.pop("attention_mask", None), **model_kwargs)
+    state = decoder.start(input_ids, model_kwargs.pop("attention_mask", None), **model_kwargs)
     while not state.done:
-        decoder.step(model, state, generator, stats, streamer)
+        drive(decoder.denoising_step(state, generator, stats, streamer), model)   # its forwards alone
     if streamer is not None:
         streamer.end()
     if stats is not None:

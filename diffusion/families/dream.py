@@ -218,14 +218,14 @@ class DreamDecoder(_DreamParts, ForwardThenCommit):
         self.tokens_hook = tokens_hook or (lambda step, x, logits: x)
         self.logits_hook = logits_hook or (lambda step, x, logits: logits)
 
-    def start(self, model: torch.nn.Module, input_ids: torch.Tensor,
+    def start(self, input_ids: torch.Tensor,
               attention_mask: torch.Tensor | None = None) -> DreamState:
         config, mask_id = self.config, self.spec.mask_id
         inputs = self.spec.forward_inputs(attention_mask, config.max_length)
         state = self._state(input_ids, config.steps, forward_inputs=inputs)
         if self.sparse is not None:
             # SparseD's Dream sampler: selection scaled by 1/√head_dim (its LLaDA one by 1/√n_heads)
-            state.forwards = BlockMaskForward(model, self.spec, self.sparse, state.forward_inputs, config.steps,
+            state.forwards = BlockMaskForward(self.spec, self.sparse, state.forward_inputs, config.steps,
                                               config.max_length - state.prompt_len, head_dim_scale=True)
         state.x = self.tokens_hook(None, state.x, None)
         if config.alg == "confidence_threshold":
@@ -325,11 +325,11 @@ class DreamBlockDecoder(_DreamParts, BlockwiseDecoder):
         self.confidence_mode = CONFIDENCE_OF[config.alg] if sparse is not None else (
             "prob" if config.alg == "confidence_threshold" else "neg_entropy")
 
-    def start(self, model: torch.nn.Module, input_ids: torch.Tensor,
+    def start(self, input_ids: torch.Tensor,
               attention_mask: torch.Tensor | None = None) -> DreamState:
         (B, P), T = input_ids.shape, self.config.max_length
         num_blocks = (T - P) // self.block_length
-        forwards = block_forwards(model, self.spec, self.use_cache, self.sparse,
+        forwards = block_forwards(self.spec, self.use_cache, self.sparse,
                                   self.spec.forward_inputs(attention_mask, T), attention_mask, T, self.reference_ties)
         return self._state(input_ids, self.config.steps // num_blocks, forwards=forwards, num_blocks=num_blocks,
                            rows=torch.arange(B, device=input_ids.device)[:, None])

@@ -35,10 +35,10 @@ from remask.models.fast_dllm_v2 import RowBatch
 from ..parts.blocks import BlockLoop, check_block_settings, check_prompt, engine_part, engine_settings
 from ..parts.checks import (ParameterTypeError, check_bool, check_choice, check_generator, check_int, check_ints,
                             check_real, check_stats)
-from ..parts.constrain_loops import filter_block, next_token
+from ..parts.constrain_loops import filter_block, next_token, structure_for_call
 from ..parts.scoring import sample_categorical
 from ..parts.stats import GenerationStats
-from ..parts.stepper import ForwardRequest
+from ..parts.stepper import ForwardRequest, decode_alone
 
 STOP_MODES = ("generate", "batch_sample")
 
@@ -142,7 +142,7 @@ class FastDLLMV2Decoder(BlockLoop):
         end = state.x.shape[1] if state.done or state.block_start < 0 else state.block_start
         return max(0, end - state.prompt_length)
 
-    def start(self, model: torch.nn.Module, input_ids: torch.Tensor, skip_first_block: bool | None = None
+    def start(self, input_ids: torch.Tensor, skip_first_block: bool | None = None
               ) -> FastDLLMV2State:
         """A state for one prompt `[1, P]`. `skip_first_block`: upstream's prompt whose first block is
         never forwarded (None: decided from `prefill_whole_block_prompt` and P)."""
@@ -367,10 +367,11 @@ def fast_dllm_v2_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, ma
                   top_p=top_p, temperature=temperature, use_block_cache=use_block_cache,
                   stop_mode="generate", prefill_whole_block_prompt=prefill_whole_block_prompt, use_cache=use_cache)
     loop = FastDLLMV2Decoder(decoder, **kwargs)
-    loop.structured(structured_outputs, model, tokenizer, max_new_tokens)
+    loop.constrain(structure_for_call(structured_outputs, model, tokenizer, loop.mask_id, max_new_tokens))
     if stats is not None:
         stats.start()
-    rows = [loop.run(model, input_ids[b:b + 1], generator, stats).x[0] for b in range(input_ids.shape[0])]
+    rows = [decode_alone(loop, model, loop.start(input_ids[b:b + 1]), generator, stats).x[0]
+            for b in range(input_ids.shape[0])]
     if stats is not None:
         stats.stop(int(sum(len(row) for row in rows) - input_ids.numel()))
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=stop_token)
@@ -417,7 +418,8 @@ def fast_dllm_v2_batch_sample(model: torch.nn.Module, input_ids: torch.Tensor, s
                                     stop_token=stop_token, pad_token=pad_token, top_p=top_p, temperature=temperature,
                                     use_block_cache=use_block_cache, stop_mode="batch_sample",
                                     prefill_whole_block_prompt=prefill_whole_block_prompt)
-        states.append(decoder.run(model, input_ids[b:b + 1, :length], generator, stats, skip_first_block=skip))
+        state = decoder.start(input_ids[b:b + 1, :length], skip_first_block=skip)
+        states.append(decode_alone(decoder, model, state, generator, stats))
     # upstream's batch: a row finished in block k leaves with the pad appended at k's end when a
     # batch-mate goes on past k; unfinished rows come last
     last = [s.finished_block if s.finished else num_blocks for s in states]

@@ -26,7 +26,7 @@ from ..parts.scoring import score_rows, score_tokens
 from ..parts.selection import frechet_profile_counts, schedule_counts, topk_commit
 from ..parts.stats import GenerationStats
 from ..parts.step import CommitRule, masked_canvas
-from ..parts.stepper import ForwardRequest, ForwardThenCommit
+from ..parts.stepper import ForwardRequest, ForwardThenCommit, run_forwards
 
 REMASKING = ("low_confidence", "random")
 
@@ -69,16 +69,16 @@ def validate_rule(threshold: float | None, factor: float | None, frechet_margin:
     check_real("frechet_margin", frechet_margin, allow_none=True)   # any finite δ, as Fast-dLLM++ takes it
 
 
-def block_forwards(model: torch.nn.Module, spec: ModelSpec, use_cache: Any, sparse: SparseConfig | None,
+def block_forwards(spec: ModelSpec, use_cache: Any, sparse: SparseConfig | None,
                    forward_inputs: dict[str, Any], attention_mask: torch.Tensor | None, total_len: int,
                    topk_ties: bool, steps: int = 0, gen_length: int = 0) -> Any:
     """The forwards of a block loop: sparse attention's (`parts/sparse.py`), else `BlockForward`."""
     if sparse is not None and sparse.method == "block_mask":
-        return BlockMaskForward(model, spec, sparse, forward_inputs, steps, gen_length)
+        return BlockMaskForward(spec, sparse, forward_inputs, steps, gen_length)
     valid = valid_positions(attention_mask, total_len)
     if sparse is not None:
-        return RetentionForward(model, spec, sparse, forward_inputs, valid, topk_ties=topk_ties)
-    return BlockForward(model, spec, use_cache, forward_inputs, valid)
+        return RetentionForward(spec, sparse, forward_inputs, valid, topk_ties=topk_ties)
+    return BlockForward(spec, use_cache, forward_inputs, valid)
 
 
 class BlockwiseDecoder(ForwardThenCommit):
@@ -224,9 +224,9 @@ class BlockDecoder(BlockwiseDecoder):
         self.rule, self.align_blocks, self.window = rule, align_blocks, window
         self.maximum_unroll, self.expected_tpf = maximum_unroll, expected_tpf
 
-    def check_input(self, model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    def check_input(self, prompt: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """The prompt checks of this rule (call before `start`)."""
-        check_prompt(model, prompt, attention_mask, spec=self.spec, mask_in_prompt="refuse")
+        check_prompt(self.spec.device, prompt, attention_mask, spec=self.spec, mask_in_prompt="refuse")
         check_length(self.spec, prompt.shape[1] + self.gen_length, "prompt length + gen_length")
         if self.sparse is not None:
             self.sparse.check_request(gen_length=self.gen_length, block_length=self.block_length, steps=self.steps,
@@ -235,14 +235,14 @@ class BlockDecoder(BlockwiseDecoder):
                 raise ValueError("sparse method 'block_mask' decodes unpadded rows (SparseD's block masks cover the "
                                  "whole sequence); pass rows of equal length or decode them one at a time")
 
-    def start(self, model: torch.nn.Module, prompt: torch.Tensor,
+    def start(self, prompt: torch.Tensor,
               attention_mask: torch.Tensor | None = None) -> BlockState:
         spec, mask_id = self.spec, self.spec.mask_id
         B, P = prompt.shape
         T = P + self.gen_length
         x = masked_canvas(prompt, T - P, mask_id)
         forward_inputs = spec.forward_inputs(attention_mask, T)
-        forwards = block_forwards(model, spec, self.use_cache, self.sparse, forward_inputs, attention_mask, T,
+        forwards = block_forwards(spec, self.use_cache, self.sparse, forward_inputs, attention_mask, T,
                                   self.reference_ties, self.steps, self.gen_length)
         state = BlockState(x=x, prompt_len=P, forwards=forwards, forward_inputs=forward_inputs,
                            prompt_index=x != mask_id, finished=torch.zeros(B, dtype=torch.bool, device=x.device),
@@ -250,7 +250,7 @@ class BlockDecoder(BlockwiseDecoder):
                            constraint=CommitFilter.start(self.structure, self.end_ids, B, mask_id, P, self.gen_length),
                            first=(P // self.block_length) * self.block_length if self.align_blocks else P)
         if self.rule is not None and self.rule.smoothing is not None:
-            state.embed_table = model.get_input_embeddings()
+            state.embed_table = spec.embeddings
             state.embeds = self.rule.smoothing.embed(state.embed_table, x, mask_id)
         self._begin_block(state)
         return state
@@ -350,11 +350,6 @@ class BlockDecoder(BlockwiseDecoder):
         logits, un_logits = torch.chunk((yield ForwardRequest.call(torch.cat([state.x, un_x], dim=0), doubled,
                                                                    spec=self.spec)), 2, dim=0)
         return un_logits + (self.cfg_scale + 1) * (logits - un_logits), 0
-
-    def step(self, model: torch.nn.Module, state: BlockState, generator: torch.Generator | None = None,
-             stats: GenerationStats | None = None, on_step: Callable | None = None) -> None:
-        """One forward and its commit."""
-        self.commit(state, *self.forward(model, state), generator, stats, on_step)
 
     def commit(self, state: BlockState, logits: torch.Tensor, fed: int, generator: torch.Generator | None = None,
                stats: GenerationStats | None = None, on_step: Callable | None = None) -> None:
@@ -517,7 +512,7 @@ def block_diffusion_generate(model: torch.nn.Module, prompt: torch.Tensor, atten
     references build (their order among equal confidences; `selection.topk_commit`).
     """
     decoder = BlockDecoder(spec, **settings)
-    decoder.check_input(model, prompt, attention_mask)
+    decoder.check_input(prompt, attention_mask)
     check_generator(generator, prompt.device)
     check_stats("stats", stats)
     check_callable("on_step", on_step)
@@ -525,9 +520,10 @@ def block_diffusion_generate(model: torch.nn.Module, prompt: torch.Tensor, atten
     warn_if_longer_than_trained(spec, decoder.gen_length)
     if stats is not None:
         stats.start()
-    state = decoder.start(model, prompt, attention_mask)
-    while not state.done:
-        decoder.step(model, state, generator, stats, on_step)
+    state = decoder.start(prompt, attention_mask)
+    while not state.done:   # each forward alone, then its commit (with `on_step`)
+        answer = run_forwards(model, [decoder.next_forward(state)])[0]
+        decoder.commit(state, *decoder.finish_forward(state, answer), generator, stats, on_step)
     if stats is not None:
         stats.stop(int(state.batch * decoder.gen_length))
     return state.x

@@ -28,10 +28,10 @@ from ..parts.blocks import (BlockState, StoreKVLoop, check_block_settings, engin
                             num_transfer_schedule, select_mask_to_token)
 from ..parts.checks import (check_bool, check_choice, check_generator, check_int, check_ints, check_real, check_stats,
                             check_steps)
-from ..parts.constrain_loops import filter_block
+from ..parts.constrain_loops import filter_block, structure_for_call
 from ..parts.rules import check_rule_on_loop, is_rule, unread_settings
 from ..parts.stats import GenerationStats
-from ..parts.stepper import ForwardRequest
+from ..parts.stepper import ForwardRequest, decode_alone
 
 REMASKING_STRATEGIES = ("sequential", "low_confidence_static", "low_confidence_dynamic", "entropy_bounded")
 FREEDAVE_STRATEGIES = ("low_confidence_static", "low_confidence_dynamic")   # the rules FreeDave drafts
@@ -176,12 +176,12 @@ def sdar_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, mask_id: i
         check_rule_on_loop(decoder, "SDAR", temperature=temperature, replaces="remasking_strategy",
                            unread=unread_settings(unread, RULE_UNREAD))
     decoder = SDARDecoder(decoder, **kwargs)
-    decoder.structured(structured_outputs, model, tokenizer, gen_length)
+    decoder.constrain(structure_for_call(structured_outputs, model, tokenizer, decoder.mask_id, gen_length))
     check_generator(generator, input_ids.device if torch.is_tensor(input_ids) else "cpu")
     check_stats("stats", stats)
     if stats is not None:
         stats.start()
-    state = decoder.run(model, input_ids, generator, stats)
+    state = decode_alone(decoder, model, decoder.start(input_ids), generator, stats)
     if stats is not None:
         stats.stop(int(state.x.shape[1] - state.prompt_length))
     return state.x

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from remask.caches.position import D2KVCache
+from remask.models.spec import ModelSpec
 
 from ..parts.cache import valid_positions
 from ..parts.checks import NoWorkBound, check_bool, check_config, check_int, check_ints, check_method_call, check_real
@@ -34,7 +35,7 @@ from ..parts.scoring import score_tokens
 from ..parts.selection import topk_commit
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive, row_by_row
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, row_by_row, run_steps
 
 
 @dataclass(frozen=True)
@@ -183,13 +184,13 @@ def d2cache_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2
     commits a mask-id argmax. `independent_rows=True` (remask's default) decodes every row alone, so a
     batch equals its rows run one by one; False is upstream's coupled batch. `attention_mask` `[B, P]`
     (left padding): pad keys hidden, positions counted over real tokens, as the reference's LLaDA."""
-    return drive(d2cache_steps(model, prompt, config=config, steps=steps, gen_length=gen_length,
+    return run_steps(model, d2cache_steps, prompt, config=config, steps=steps, gen_length=gen_length,
                                block_length=block_length, prior_sigma=prior_sigma, commit_mask_token=commit_mask_token,
                                independent_rows=independent_rows, attention_mask=attention_mask, mask_id=mask_id,
-                               stats=stats), model)
+                               stats=stats)
 
 
-def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cache | None = None,
+def d2cache_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: D2Cache | None = None,
                   steps: int = 128, gen_length: int = 128, block_length: int = 128,
                   prior_sigma: float | None = 10.0, commit_mask_token: bool = True,
                   independent_rows: bool = True, attention_mask: torch.Tensor | None = None,
@@ -202,7 +203,7 @@ def d2cache_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cac
     `remask.structured` structure) and `end_ids`: structured output (`diffusion/parts/constrain.py`;
     each row's frontier among the recomputed rows, a block run until settled: docs/quirks.md)."""
     config = check_config("config", config, D2Cache, "a remask D2Cache")
-    spec, stats = check_method_call(model, prompt, attention_mask, stats, mask_id=mask_id)
+    spec, stats = check_method_call(spec, prompt, attention_mask, stats, mask_id=mask_id)
     check_ints(1, steps=steps, gen_length=gen_length, block_length=block_length)
     check_real("prior_sigma", prior_sigma, low=0.0, low_open=True, allow_none=True)
     check_bool("commit_mask_token", commit_mask_token)

@@ -27,10 +27,12 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from ..parts.checks import NoWorkBound, check_config, check_int, check_ints, check_method_call, check_real, model_device
+from remask.models.spec import ModelSpec
+
+from ..parts.checks import NoWorkBound, check_config, check_int, check_ints, check_method_call, check_real
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, run_steps
 
 
 @dataclass(frozen=True)
@@ -70,11 +72,11 @@ def daedal_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DAE
                     gen_length: int = 2048, block_length: int = 32, attention_mask: torch.Tensor | None = None,
                     mask_id: int | None = None, stats: GenerationStats | None = None) -> torch.Tensor:
     """DAEDAL decoding (greedy): `[B, P + L]`, L ≤ `gen_length` the longest row's length."""
-    return drive(daedal_steps(model, prompt, config=config, gen_length=gen_length, block_length=block_length,
-                              attention_mask=attention_mask, mask_id=mask_id, stats=stats), model)
+    return run_steps(model, daedal_steps, prompt, config=config, gen_length=gen_length, block_length=block_length,
+                              attention_mask=attention_mask, mask_id=mask_id, stats=stats)
 
 
-def daedal_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DAEDAL | None = None,
+def daedal_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: DAEDAL | None = None,
                  gen_length: int = 2048, block_length: int = 32, attention_mask: torch.Tensor | None = None,
                  mask_id: int | None = None, stats: GenerationStats | None = None, structure=None,
                  end_ids=()) -> StepGenerator:
@@ -86,10 +88,10 @@ def daedal_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DAEDAL
     if structure is not None:
         raise ValueError("structured_outputs: not supported with DAEDAL (its canvas grows and shifts under the "
                          "matcher)")
-    spec, stats = check_method_call(model, prompt, attention_mask, stats, mask_id=mask_id)
+    spec, stats = check_method_call(spec, prompt, attention_mask, stats, mask_id=mask_id)
     if spec.eos_id is None:
         raise ValueError("DAEDAL reads the EOS confidence: the model has no eos id")
-    return _daedal_loop(config, spec, prompt.to(model_device(model)), attention_mask, gen_length, block_length, stats)
+    return _daedal_loop(config, spec, prompt.to(spec.device), attention_mask, gen_length, block_length, stats)
 
 
 @torch.no_grad()

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from remask.models.spec import get_spec
+from remask.models.spec import ModelSpec
 
 from ..parts.checks import CombinationError
 from ..parts.stats import GenerationStats
-from ..parts.stepper import StepGenerator, drive
+from ..parts.stepper import StepGenerator, run_steps
 from . import registry
 
 
@@ -53,19 +53,20 @@ def run_decoder(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: to
                 stats: GenerationStats | None, settings: dict[str, tuple[Any, Any]] | None = None,
                 structure: Any = None, end_ids: Any = ()) -> torch.LongTensor:
     """Decode with `decoder` and / or a cache config to the end (the drop-in functions): `drive`
-    over `decoder_steps`, the step generator the engine advances one forward at a time."""
-    return drive(decoder_steps(model, prompt, attention_mask, decoder, gen_length=gen_length,
+    over `decoder_steps` on the model's spec, the step generator the engine advances one forward at a time."""
+    return run_steps(model, decoder_steps, prompt, attention_mask, decoder, gen_length=gen_length,
                                block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats,
-                               settings=settings, structure=structure, end_ids=end_ids), model)
+                               settings=settings, structure=structure, end_ids=end_ids)
 
 
-def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None, decoder: Any, *,
+def decoder_steps(spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.Tensor | None, decoder: Any, *,
                   gen_length: int, block_length: int, use_cache: Any, mask_id: int | None,
                   stats: GenerationStats | None, settings: dict[str, tuple[Any, Any]] | None = None,
                   structure: Any = None, end_ids: Any = ()) -> StepGenerator:
-    """The step generator of `decoder` and / or a cache config (`diffusion/parts/stepper.py`), every
-    argument checked at the call. `settings`: the entry point's other settings as ``name: (value,
-    default)``; one set away from its default that the method does not read is refused by name.
+    """The step generator of `decoder` and / or a cache config (`diffusion/parts/stepper.py`) on a model of
+    `spec` (the model's `ModelSpec`: no decoder is handed the model), every argument checked at the call.
+    `settings`: the entry point's other settings as ``name: (value, default)``; one set away from its
+    default that the method does not read is refused by name.
     Without a decoder `VicinityCache` runs dInfer's threshold rule (0.9), `DKVCache` LLaDA's own
     schedule; `ElasticCache` takes a commit rule as `decoder`. `structure` / `end_ids`: structured
     output, enforced in every method's commits (`diffusion/parts/constrain.py`)."""
@@ -85,7 +86,7 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
                                f"{type(use_cache).__name__} {why}")
     method = registry.method_of(decoder) if cache is None else cache
     name = method.config.__name__
-    if method.unshifted is not None and get_spec(model, mask_id=mask_id).logit_shift:
+    if method.unshifted is not None and spec.logit_shift:
         hint = " (Dream's own dKV-Cache: remask.diffusion.methods.dkv.dkv_dream_generate)" if name == "DKVCache" \
             else ""
         raise CombinationError(f"{method.field}={name}: {method.unshifted} reads unshifted logits (position i "
@@ -105,5 +106,5 @@ def decoder_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: 
         raise ValueError(f"{name} runs its own rule (greedy) and does not read {sorted(set(unread))}")
     common = dict(gen_length=gen_length, attention_mask=attention_mask, mask_id=mask_id, stats=stats,
                   structure=structure, end_ids=end_ids)
-    return method.loop(registry.Call(model, prompt, decoder, use_cache, steps, block_length,
+    return method.loop(registry.Call(spec, prompt, decoder, use_cache, steps, block_length,
                                      {key: value for key, (value, _) in settings.items()}, common, method))

@@ -29,12 +29,14 @@ from typing import Any
 
 import torch
 
+from remask.models.spec import ModelSpec
+
 from ..families.llada import BlockDecoder
 from ..parts.checks import NoWorkBound, check_instance, check_int, check_method_call
 from ..parts.stats import GenerationStats
 from ..parts.rules import CreditDecoding, HierarchicalDecoding, IterationSmoothing, ThresholdDecoding
 from ..parts.step import CommitRule, masked_canvas
-from ..parts.stepper import Progress, StepGenerator, drive, row_by_row
+from ..parts.stepper import Progress, StepGenerator, row_by_row, run_steps
 
 __all__ = ["ThresholdDecoding", "CreditDecoding", "HierarchicalDecoding", "VicinityCache", "IterationSmoothing",
            "dinfer_generate", "dinfer_steps"]
@@ -82,13 +84,13 @@ def dinfer_generate(model: torch.nn.Module, prompt: torch.Tensor, *, decoder: Co
         * the credit state lives for one call (upstream's can leak into the next call when a
           generation ends with masks left in later blocks).
     """
-    return drive(dinfer_steps(model, prompt, decoder=decoder, gen_length=gen_length, block_length=block_length,
+    return run_steps(model, dinfer_steps, prompt, decoder=decoder, gen_length=gen_length, block_length=block_length,
                               use_cache=use_cache, early_stop=early_stop, attention_mask=attention_mask,
                               mask_id=mask_id, eos_id=eos_id, maximum_unroll=maximum_unroll,
-                              expected_tpf=expected_tpf, stats=stats), model)
+                              expected_tpf=expected_tpf, stats=stats)
 
 
-def dinfer_steps(model: torch.nn.Module, prompt: torch.Tensor, *, decoder: CommitRule = ThresholdDecoding(),
+def dinfer_steps(spec: ModelSpec, prompt: torch.Tensor, *, decoder: CommitRule = ThresholdDecoding(),
                  gen_length: int = 128, block_length: int = 128, use_cache: str | VicinityCache | None = None,
                  early_stop: bool = True, attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
                  eos_id: int | None = None, maximum_unroll: int = 4, expected_tpf: int = 8,
@@ -104,7 +106,7 @@ def dinfer_steps(model: torch.nn.Module, prompt: torch.Tensor, *, decoder: Commi
         raise ValueError(f"use_cache must be None, 'prefix', 'dual' or a remask VicinityCache, got {use_cache!r}")
     for name, value in (("mask_id", mask_id), ("eos_id", eos_id)):
         check_int(name, value, minimum=0, allow_none=True)
-    spec, stats = check_method_call(model, prompt, attention_mask, stats, "remask.dinfer_generate", mask_id=mask_id,
+    spec, stats = check_method_call(spec, prompt, attention_mask, stats, "remask.dinfer_generate", mask_id=mask_id,
                                     eos_id=eos_id)
     if spec.eos_id is None and early_stop:
         raise ValueError("early_stop needs an EOS id: the model has none, pass eos_id=")
@@ -116,16 +118,16 @@ def dinfer_steps(model: torch.nn.Module, prompt: torch.Tensor, *, decoder: Commi
     # iteration smoothing's iteration count): each row as alone, in its row of the canvas
     alone = vicinity is not None or decoder.smoothing is not None
     canvas = masked_canvas(prompt, gen_length, spec.mask_id)
-    return row_by_row(canvas, partial(_dinfer_rows, block_decoder, model, canvas, stats), attention_mask, stats,
+    return row_by_row(canvas, partial(_dinfer_rows, block_decoder, canvas, stats), attention_mask, stats,
                       gen_length * prompt.shape[0], None if alone else [slice(None)])
 
 
 @torch.no_grad()
-def _dinfer_rows(decoder: BlockDecoder, model: torch.nn.Module, canvas: torch.Tensor, stats: GenerationStats,
-                 rows: slice, attention_mask: torch.Tensor | None) -> StepGenerator:
+def _dinfer_rows(decoder: BlockDecoder, canvas: torch.Tensor, stats: GenerationStats, rows: slice,
+                 attention_mask: torch.Tensor | None) -> StepGenerator:
     """The rows `canvas[rows]` to their end, one forward at a time."""
-    state = decoder.start(model, canvas[rows, :canvas.shape[1] - decoder.gen_length], attention_mask)
-    while (request := decoder.next_forward(None, state)) is not None:
+    state = decoder.start(canvas[rows, :canvas.shape[1] - decoder.gen_length], attention_mask)
+    while (request := decoder.next_forward(state)) is not None:
         decoder.receive(state, (yield request), None, stats)
         yield Progress(state.x, decoder.num_final(state))
     return state.x

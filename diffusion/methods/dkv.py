@@ -53,21 +53,21 @@ from typing import Any, Generator, Iterator
 import torch
 
 from remask.caches.position import DelayedKVCache
-from remask.models.spec import get_spec
+from remask.models.spec import ModelSpec, get_spec
 
 from ..families.dream import DreamDecoder, DreamGenerationConfig, _validate_config
 from ..families.llada import validate_block_args
 from ..parts.cache import valid_positions
 from ..parts.checks import (NoWorkBound, check_bool, check_choice, check_config, check_generator, check_int,
                             check_length, check_mask_id, check_method_call, check_model_kind, check_prompt,
-                            check_stats, model_device)
+                            check_stats)
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.constrain_loops import open_frontiers, structure_for_call
 from ..parts.scoring import score_tokens
 from ..parts.selection import schedule_counts, topk_commit
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, run_steps
 
 REMASKING = ("low_confidence", "random")
 VARIANTS = ("decode", "greedy")
@@ -212,12 +212,12 @@ def dkv_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCac
     torch's global generator). `attention_mask` `[B, P]` (left padding) hides pad keys (upstream has
     none). Rows whose forwarded sets differ in size (only with `commit_mask_token`) are forwarded one
     by one, each with its own cache."""
-    return drive(dkv_steps(model, prompt, config=config, steps=steps, gen_length=gen_length,
+    return run_steps(model, dkv_steps, prompt, config=config, steps=steps, gen_length=gen_length,
                            block_length=block_length, remasking=remasking, attention_mask=attention_mask,
-                           generator=generator, mask_id=mask_id, stats=stats), model)
+                           generator=generator, mask_id=mask_id, stats=stats)
 
 
-def dkv_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCache | None = None,
+def dkv_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: DKVCache | None = None,
               steps: int = 128, gen_length: int = 128, block_length: int = 128,
               remasking: str = "low_confidence", attention_mask: torch.Tensor | None = None,
               generator: torch.Generator | None = None, mask_id: int | None = None,
@@ -228,7 +228,7 @@ def dkv_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCache 
     structure) and `end_ids`: structured output (`diffusion/parts/constrain.py`; how each variant
     holds it, extra steps and forwarded frontiers included: docs/quirks.md)."""
     config = check_config("config", config, DKVCache, "a remask DKVCache")
-    spec, stats = check_method_call(model, prompt, attention_mask, stats, mask_id=mask_id)
+    spec, stats = check_method_call(spec, prompt, attention_mask, stats, mask_id=mask_id)
     if config.dream_fields:
         name = config.dream_fields[0]
         raise ValueError(f"{name}: a Dream-only field (dkv_dream_generate); LLaDA's dKV-Cache takes "
@@ -236,13 +236,13 @@ def dkv_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCache 
                          f"{getattr(config, name)!r})")
     _, steps_per_block = validate_block_args(gen_length, block_length, steps)
     check_choice("remasking", remasking, REMASKING)
-    check_generator(generator, model_device(model))
+    check_generator(generator, spec.device)
     if config.variant == "greedy" and remasking != "random":
         raise ValueError(f"remasking: dKV-Cache-Greedy decodes in a random order drawn per block "
                          f"(remasking='random'), got {remasking!r}")
     B, P = prompt.shape
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
-    x = masked_canvas(prompt, gen_length, spec.mask_id, model_device(model))
+    x = masked_canvas(prompt, gen_length, spec.mask_id, spec.device)
     rule = _LLaDARule(x, P, config, spec.mask_id, steps_per_block, block_length, remasking, generator, constraint)
     return _loop(rule, None, attention_mask, P, stats)
 
@@ -265,13 +265,13 @@ def dkv_dream_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     `dkv_dream_steps`."""
     structure = structure_for_call(structured_outputs, model, tokenizer, get_spec(model, mask_id=mask_id).mask_id,
                                    max_new_tokens)   # None without structured_outputs
-    return drive(dkv_dream_steps(model, input_ids, attention_mask, config=config, steps=steps,
+    return run_steps(model, dkv_dream_steps, input_ids, attention_mask, config=config, steps=steps,
                                  max_new_tokens=max_new_tokens, alg=alg, alg_temp=alg_temp, temperature=temperature,
                                  top_p=top_p, top_k=top_k, eps=eps, mask_id=mask_id, generator=generator,
-                                 stats=stats, structure=structure), model)
+                                 stats=stats, structure=structure)
 
 
-def dkv_dream_steps(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+def dkv_dream_steps(spec: ModelSpec, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                     *, config: DKVCache | None = None, steps: int = 512, max_new_tokens: int,
                     alg: str = "origin", alg_temp: float | None = None, temperature: float = 0.0,
                     top_p: float | None = None, top_k: int | None = None, eps: float = 1e-3,
@@ -283,10 +283,10 @@ def dkv_dream_steps(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     `structure` (a compiled `remask.structured` structure) and `end_ids`: structured output, held in
     `DreamDecoder.commit` (the frontier's scorer always forwarded: docs/quirks.md)."""
     config = check_config("config", config, DKVCache, "a remask DKVCache")   # (cache_type None: "decoded")
-    spec = get_spec(model, mask_id=mask_id)
+    spec = spec.with_overrides(mask_id=mask_id)
     check_model_kind(spec, diffusion=True, entry="dkv_dream_generate")
     check_mask_id(spec)
-    check_prompt(model, input_ids, attention_mask, name="input_ids", spec=spec, mask_in_prompt="refuse")
+    check_prompt(spec.device, input_ids, attention_mask, name="input_ids", spec=spec, mask_in_prompt="refuse")
     stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     if config.variant != "decode":   # (a window_size is Greedy's)
         raise ValueError(f"variant: dKV-Cache's Dream sampler is the delayed (decode) cache; variant="
@@ -312,7 +312,7 @@ def dkv_dream_steps(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     check_generator(generator, input_ids.device)
 
     decoder = DreamDecoder(spec, gen, reference_ties=True, structure=structure, end_ids=end_ids)
-    state = decoder.start(model, input_ids, attention_mask)
+    state = decoder.start(input_ids, attention_mask)
     positions = state.forward_inputs.get("position_ids")   # Dream's own under left padding
     return _loop(_DreamRule(decoder, state, config, steps, generator),
                  positions if torch.is_tensor(positions) else None, attention_mask, state.prompt_len, stats)

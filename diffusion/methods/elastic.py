@@ -40,15 +40,16 @@ import torch
 
 from remask.caches.elastic import ElasticKVCache
 from remask.models.layers import rope_cos_sin
+from remask.models.spec import ModelSpec
 
 from ..parts.cache import valid_positions
 from ..parts.checks import (changed, check_bool, check_config, check_instance, check_int, check_method_call,
-                            check_optional_token_id, check_real, model_device)
+                            check_optional_token_id, check_real)
 from ..parts.rules import check_rule_on_loop
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.step import CommitRule, masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive, row_by_row
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, row_by_row, run_steps
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class ElasticCache:
 
 class ElasticLayers:
     """The per-layer work of one Elastic-Cache forward (the request's `layers`; the driver calls
-    `before` and `after` around each of the model's `blocks`). Before each block: its input hidden
+    `before` and `after` around each of the model's blocks, `ModelSpec.layers`). Before each block: its input hidden
     states are kept (all positions) or written into the kept ones at the queried rows, and from the
     first recomputed layer on the block runs on the kept states of all positions; the block gets
     its RoPE tables (the queried positions when the rows are as many, else 0..T-1, upstream's) and
@@ -102,11 +103,11 @@ class ElasticLayers:
     following layers recompute. `start_reset`: the first recomputed layer (-1: every layer runs on
     all positions; the layer count: none)."""
 
-    def __init__(self, model: torch.nn.Module, cache: "ElasticKVCache", x_cache: list, query: torch.Tensor,
+    def __init__(self, model_config: Any, cache: "ElasticKVCache", x_cache: list, query: torch.Tensor,
                  track: torch.Tensor, window: torch.Tensor, masked: torch.Tensor, start_reset: int,
                  config: ElasticCache, T: int) -> None:
-        self.blocks = model.model.transformer.blocks
-        self.head_dim, self.rope_theta = model.config.head_dim, model.config.rope_theta
+        self.num_layers = model_config.n_layers
+        self.head_dim, self.rope_theta = model_config.head_dim, model_config.rope_theta
         self.cache, self.x_cache, self.query, self.track, self.window, self.masked = \
             cache, x_cache, query, track, window, masked
         self.start_reset, self.config, self.T = start_reset, config, T
@@ -127,7 +128,7 @@ class ElasticLayers:
         return h, cos, sin
 
     def after(self, layer: int) -> None:
-        if self.cache.triggered and self.start_reset == len(self.blocks):
+        if self.cache.triggered and self.start_reset == self.num_layers:
             self.start_reset = layer + 1
 
 
@@ -157,13 +158,13 @@ def _check_rule(rule: Any, config: ElasticCache) -> None:
 
 
 @torch.no_grad()
-def _elastic_row(model: torch.nn.Module, canvas: torch.Tensor, P: int, config: ElasticCache, mask_id: int,
+def _elastic_row(spec: ModelSpec, canvas: torch.Tensor, P: int, config: ElasticCache, mask_id: int,
                  eos_id: int | None, stats: GenerationStats, trace: list | None, rule: Any, filters: Any,
                  rows: slice, key_ok: torch.Tensor | None) -> StepGenerator:
     """Elastic-Cache decoding of the row `canvas[rows]` (prompt then masks) alone, in place, as a step
     generator: a `Progress` after every forward (`final`: the row's final prefix); returns the row.
     `filters`: the batch's `CommitFilter` or None (`elastic_steps`)."""
-    T, L, device = canvas.shape[1], len(model.model.transformer.blocks), canvas.device
+    T, L, device = canvas.shape[1], spec.config.n_layers, canvas.device
     W, everything = config.window_length, torch.arange(T, device=device)
     x = canvas[rows]   # a view: decoded in the canvas
     constraint = None if filters is None else filters.rows([rows.start])   # the row's (one matcher)
@@ -183,7 +184,7 @@ def _elastic_row(model: torch.nn.Module, canvas: torch.Tensor, P: int, config: E
         else:
             query_position, start_reset = torch.cat([track_position, new_decoded, window]), L
         cache.triggered = False
-        layers = ElasticLayers(model, cache, x_cache, query_position, track_position, window, masked, start_reset,
+        layers = ElasticLayers(spec.config, cache, x_cache, query_position, track_position, window, masked, start_reset,
                                config, T)
         logits = yield ForwardRequest(x[:, query_position], cache=cache, layers=layers)
         start_reset = layers.start_reset
@@ -267,11 +268,11 @@ def elastic_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: El
     decides each step's commits in the window instead of Elastic-Cache's own threshold / top-k rule
     (a combination no paper shipped; Elastic's `threshold`, `tokens_per_iter` and
     `commit_mask_token` are then not read and refused when set)."""
-    return drive(elastic_steps(model, prompt, config=config, gen_length=gen_length, attention_mask=attention_mask,
-                               mask_id=mask_id, eos_id=eos_id, stats=stats, trace=trace, rule=rule), model)
+    return run_steps(model, elastic_steps, prompt, config=config, gen_length=gen_length, attention_mask=attention_mask,
+                               mask_id=mask_id, eos_id=eos_id, stats=stats, trace=trace, rule=rule)
 
 
-def elastic_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: ElasticCache | None = None,
+def elastic_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: ElasticCache | None = None,
                   gen_length: int = 512, attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
                   eos_id: int | None = None, stats: GenerationStats | None = None,
                   trace: list | None = None, rule: Any = None, structure: Any = None, end_ids: Any = ()
@@ -287,7 +288,7 @@ def elastic_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Elast
     check_int("gen_length", gen_length, minimum=1)
     for name, value in (("mask_id", mask_id), ("eos_id", eos_id)):
         check_int(name, value, minimum=0, allow_none=True)
-    spec, stats = check_method_call(model, prompt, attention_mask, stats, "remask.elastic_generate", mask_id=mask_id,
+    spec, stats = check_method_call(spec, prompt, attention_mask, stats, "remask.elastic_generate", mask_id=mask_id,
                                     eos_id=eos_id)
     if spec.kind != "llada":
         raise ValueError(f"elastic_generate drives LLaDA's layers; got a {spec.kind} model")
@@ -297,10 +298,10 @@ def elastic_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Elast
         _check_rule(rule, config)
     B, P = prompt.shape
     config.check_request(gen_length=gen_length, prompt_length=P)
-    x = masked_canvas(prompt, gen_length, spec.mask_id, model_device(model))
+    x = masked_canvas(prompt, gen_length, spec.mask_id, spec.device)
     key_ok = valid_positions(attention_mask, P + gen_length)   # False on the left pads
     from ..parts.constrain import CommitFilter, end_ids_of
 
     filters = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
-    decode_row = partial(_elastic_row, model, x, P, config, spec.mask_id, spec.eos_id, stats, trace, rule, filters)
+    decode_row = partial(_elastic_row, spec, x, P, config, spec.mask_id, spec.eos_id, stats, trace, rule, filters)
     return row_by_row(x, decode_row, key_ok, stats, B * gen_length)

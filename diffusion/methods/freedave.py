@@ -70,7 +70,7 @@ from remask.models.parallel import full_logits
 from ..parts.drafts import DraftConfig, verify_chain
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, run_steps
 
 DRAFT_MODES = ("tree_attention", "batch_expanding")
 MATCH_RULES = ("subset", "exact")
@@ -144,12 +144,11 @@ class _Decoder:
     """A request's FreeDave loop; its forwards (sub-generators of `ForwardRequest`s) are the block
     start (baseline `BlockForward.refresh`, rows as alone for batches) and the drafts' verification."""
 
-    def __init__(self, model: torch.nn.Module, spec: ModelSpec, config: FreeDave, block_length: int,
-                 use_cache: str | None, attention_mask: torch.Tensor | None, prompt_len: int, total: int,
-                 stats: GenerationStats) -> None:
+    def __init__(self, spec: ModelSpec, config: FreeDave, block_length: int, use_cache: str | None,
+                 attention_mask: torch.Tensor | None, prompt_len: int, total: int, stats: GenerationStats) -> None:
         self.spec, self.config, self.block_length, self.mode = spec, config, block_length, use_cache
         self.prompt_len, self.stats = prompt_len, stats
-        self.block_forward = BlockForward(model, spec, use_cache, spec.forward_inputs(attention_mask, total),
+        self.block_forward = BlockForward(spec, use_cache, spec.forward_inputs(attention_mask, total),
                                           valid_positions(attention_mask, total))
         # The baselines' confidence dtypes: LLaDA's loop keeps float64 under a threshold (Fast-dLLM's
         # precision) and the logits' dtype (None) otherwise; Dream's block decoder the logits' dtype.
@@ -172,7 +171,7 @@ class _Decoder:
             cache = TreeKVCache(base, rows, start, fed_end, T, K)
         inputs = {k: _draft_rows(v, rows, B, K) for k, v in self.block_forward.forward_inputs.items()}
         # the block loop's forward of the drafts' rows (`spec`: the family's logit shift within each draft's row)
-        span = BlockForward(self.block_forward.model, self.spec, mode, inputs, None).span(canvas, fed, fed_end, cache)
+        span = BlockForward(self.spec, mode, inputs, None).span(canvas, fed, fed_end, cache)
         logits = yield from _alone(span, True)
         self.stats.forward(len(canvas), fed_end - fed, self.block_forward.cache_nbytes)
         return logits, start - fed
@@ -327,12 +326,12 @@ def freedave_generate(model: torch.nn.Module, prompt: torch.Tensor, attention_ma
     None, "prefix" or "dual" (Fast-dLLM v1's, refreshed at every block start); `stats`: `nfe` the
     block-start plus verification forwards, `tokens_per_step` per round. Returns `[B, P + gen_length]`.
     """
-    return drive(freedave_steps(model, prompt, attention_mask, config=config, steps=steps, gen_length=gen_length,
+    return run_steps(model, freedave_steps, prompt, attention_mask, config=config, steps=steps, gen_length=gen_length,
                                 block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats,
-                                structure=structure, end_ids=end_ids), model)
+                                structure=structure, end_ids=end_ids)
 
 
-def freedave_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+def freedave_steps(spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                    config: FreeDave | None = None, steps: int | None = None, gen_length: int = 128,
                    block_length: int = 128, use_cache: str | None = None, mask_id: int | None = None,
                    stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = ()) -> StepGenerator:
@@ -341,7 +340,7 @@ def freedave_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask:
     decoded blocks) and returns the tokens of `freedave_generate`."""
     check_int("mask_id", mask_id, minimum=0, allow_none=True)
     config = check_config("config", config, FreeDave, "a remask FreeDave config")
-    spec, stats = check_method_call(model, prompt, attention_mask, stats, "freedave_generate", mask_id=mask_id)
+    spec, stats = check_method_call(spec, prompt, attention_mask, stats, "freedave_generate", mask_id=mask_id)
     if spec.noise != "mask":
         raise ValueError("freedave_generate decodes mask-diffusion models (LLaDA, Dream)")
     validate_block_args(gen_length, block_length, gen_length)   # steps = gen_length: one token per step
@@ -358,6 +357,6 @@ def freedave_steps(model: torch.nn.Module, prompt: torch.Tensor, attention_mask:
     warn_if_longer_than_trained(spec, gen_length)
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), prompt.shape[0], spec.mask_id,
                                     prompt.shape[1], gen_length)
-    decoder = _Decoder(model, spec, config, block_length, mode, attention_mask, prompt.shape[1],
+    decoder = _Decoder(spec, config, block_length, mode, attention_mask, prompt.shape[1],
                        prompt.shape[1] + gen_length, stats)
     return decoder.run(masked_canvas(prompt, gen_length, spec.mask_id), gen_length, constraint)

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from remask.models.spec import ModelSpec
+
 from ..families.llada import validate_block_args
 from ..parts.checks import check_choice, check_config, check_int, check_method_call, check_real
 from ..parts.selection import schedule_counts
@@ -125,7 +127,7 @@ class Stability:
         self.calls = 0
 
 
-def klass_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: KLASS | None = None,
+def klass_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: KLASS | None = None,
                 steps: int | None = None, gen_length: int = 128, block_length: int = 128,
                 attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
                 stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = ()) -> StepGenerator:
@@ -137,7 +139,7 @@ def klass_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: KLASS |
         raise ValueError("structured_outputs: KLASS's loop does not take a structure")
     steps = gen_length if steps is None else steps
     validate_block_args(gen_length, block_length, steps)
-    spec, stats = check_method_call(model, prompt, attention_mask, stats, mask_id=mask_id)
+    spec, stats = check_method_call(spec, prompt, attention_mask, stats, mask_id=mask_id)
     x = masked_canvas(prompt, gen_length, spec.mask_id)
     decode_row = partial(_klass_row, config, spec, x, prompt.shape[1], steps * block_length // gen_length, block_length,
                          stats)

@@ -25,13 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..parts.checks import (check_bool, check_config, check_int, check_method_call, check_real, check_token_id,
-                            model_device)
+from remask.models.spec import ModelSpec
+
+from ..parts.checks import (check_bool, check_config, check_int, check_method_call, check_real, check_token_id)
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.scoring import score_rows
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, run_steps
 
 MAX_FORWARDS = 10000   # the reference's loop guard (reached only when the mask token is committed)
 
@@ -170,11 +171,11 @@ def multiblock_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config:
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Multi-block decoding (greedy). Returns `(x [B, P + gen_length], nfe [B])`, each row's NFE as
     upstream returns it. `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad keys."""
-    return drive(multiblock_steps(model, prompt, config=config, gen_length=gen_length, block_length=block_length,
-                                  attention_mask=attention_mask, mask_id=mask_id, stats=stats), model)
+    return run_steps(model, multiblock_steps, prompt, config=config, gen_length=gen_length, block_length=block_length,
+                                  attention_mask=attention_mask, mask_id=mask_id, stats=stats)
 
 
-def multiblock_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: MultiBlock | None = None,
+def multiblock_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: MultiBlock | None = None,
                      gen_length: int = 512, block_length: int = 32, attention_mask: torch.Tensor | None = None,
                      mask_id: int | None = None, stats: GenerationStats | None = None, structure=None, end_ids=()
                      ) -> StepGenerator:
@@ -185,12 +186,12 @@ def multiblock_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Mu
     check_int("gen_length", gen_length, minimum=1)
     check_int("block_length", block_length, minimum=1, maximum=gen_length)
     config.check_request(gen_length=gen_length, block_length=block_length)
-    spec, stats = check_method_call(model, prompt, attention_mask, stats, mask_id=mask_id)
+    spec, stats = check_method_call(spec, prompt, attention_mask, stats, mask_id=mask_id)
     eos_id = spec.eos_id if config.eos_token_id is None else check_token_id(spec, config.eos_token_id, "eos_token_id")
     if config.early_stop:
         check_token_id(spec, eos_id, "eos_token_id")
     B, P = prompt.shape
-    x = masked_canvas(prompt, gen_length, spec.mask_id, model_device(model))
+    x = masked_canvas(prompt, gen_length, spec.mask_id, spec.device)
     inputs = spec.forward_inputs(attention_mask, x.shape[1])
     rows = [_Row(config, P, gen_length // block_length, block_length) for _ in range(B)]
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from remask.models.spec import get_spec
+from remask.models.spec import ModelSpec
 
 from ..families.llada import BlockDecoder
 from ..parts.checks import (CombinationError, check_config, check_generator, check_instance, check_int,
@@ -32,7 +32,7 @@ from ..parts.scoring import score_rows
 from ..parts.selection import schedule_counts
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import Progress, StepGenerator, drive, row_by_row
+from ..parts.stepper import Progress, StepGenerator, row_by_row, run_steps
 
 PHASES = {"early": 7.5, "mid": 5.0, "late": 2.5}   # upstream's thresholds when none are given
 
@@ -83,12 +83,12 @@ def prophet_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: Pr
                      stats: GenerationStats | None = None) -> torch.LongTensor:
     """Prophet decoding (greedy; module docstring): `[B, P + gen_length]`, no mask left. `stats.nfe`
     counts the forwards (upstream's `exit_decision_step` when a row exits, else `steps`)."""
-    return drive(prophet_steps(model, prompt, config=config, steps=steps, gen_length=gen_length,
+    return run_steps(model, prophet_steps, prompt, config=config, steps=steps, gen_length=gen_length,
                                block_length=block_length, cfg_scale=cfg_scale, remasking=remasking,
-                               attention_mask=attention_mask, mask_id=mask_id, generator=generator, stats=stats), model)
+                               attention_mask=attention_mask, mask_id=mask_id, generator=generator, stats=stats)
 
 
-def prophet_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Prophet | None = None, steps: int = 128,
+def prophet_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: Prophet | None = None, steps: int = 128,
                   gen_length: int = 128, block_length: int = 128, cfg_scale: float = 0.0,
                   remasking: str = "low_confidence", attention_mask: torch.Tensor | None = None,
                   mask_id: int | None = None, generator: torch.Generator | None = None,
@@ -100,11 +100,11 @@ def prophet_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Proph
                                "at once, past what a structure lets one commit decide")
     stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     check_generator(generator, prompt.device)
-    spec = get_spec(model, mask_id=mask_id)
+    spec = spec.with_overrides(mask_id=mask_id)
     check_model_kind(spec, diffusion=True, entry="Prophet")
     decoder = BlockDecoder(spec, steps=steps, gen_length=gen_length, block_length=block_length, cfg_scale=cfg_scale,
                            remasking=remasking)
-    decoder.check_input(model, prompt, attention_mask)
+    decoder.check_input(prompt, attention_mask)
     config.check_request(gen_length=gen_length)
     start, P = config.answer_start_pos, prompt.shape[1]
     if start is not None and not (start < P + gen_length and start + config.answer_length > P):
@@ -114,19 +114,19 @@ def prophet_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: Proph
         if check_token_id(spec, token, f"constraints[{position}]") == spec.mask_id:
             raise ValueError(f"constraints[{position}] is the mask token {token}: it would stay in the output")
     canvas = masked_canvas(prompt, gen_length, decoder.spec.mask_id)
-    decode_row = partial(_prophet_row, config, decoder, model, canvas, steps, generator, stats)
+    decode_row = partial(_prophet_row, config, decoder, canvas, steps, generator, stats)
     return row_by_row(canvas, decode_row, attention_mask, stats, prompt.shape[0] * gen_length)
 
 
 @torch.no_grad()
-def _prophet_row(config: Prophet, decoder: BlockDecoder, model: torch.nn.Module, canvas: torch.Tensor, steps: int,
+def _prophet_row(config: Prophet, decoder: BlockDecoder, canvas: torch.Tensor, steps: int,
                  generator: torch.Generator | None, stats: GenerationStats, rows: slice,
                  attention_mask: torch.Tensor | None) -> StepGenerator:
     """Prophet's loop on the row `canvas[rows]` alone: it stops at its own exit."""
     mask_id, P, T = decoder.spec.mask_id, canvas.shape[1] - decoder.gen_length, canvas.shape[1]
     answer = [] if config.answer_start_pos is None else list(
         range(max(config.answer_start_pos, P), min(T, config.answer_start_pos + config.answer_length)))
-    state = decoder.start(model, canvas[rows, :P], attention_mask)
+    state = decoder.start(canvas[rows, :P], attention_mask)
     for position, token in (config.constraints or {}).items():
         state.x[:, P + position] = token
     state.prompt_index = state.x != mask_id          # the pinned positions are given, as the prompt
@@ -135,7 +135,7 @@ def _prophet_row(config: Prophet, decoder: BlockDecoder, model: torch.nn.Module,
     step = 0
     while not state.done:
         step += 1
-        logits, fed = decoder.finish_forward(state, (yield decoder.next_forward(model, state)))
+        logits, fed = decoder.finish_forward(state, (yield decoder.next_forward(state)))
         if answer:
             top = logits[0, answer].topk(2, dim=-1).values
             gaps = (top[:, 0] - top[:, 1]).double()   # upstream: each gap a Python float, summed in order

@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import torch
 
+from remask.models.spec import ModelSpec
+
 from ..parts.rules import CreditDecoding, HierarchicalDecoding, ThresholdDecoding
 from ..parts.step import CommitRule
 from ..parts.stepper import StepGenerator
@@ -44,11 +46,12 @@ FIELDS = ("decoder", "use_cache")
 
 @dataclass(frozen=True)
 class Call:
-    """What an entry point hands a method's loop: the model and prompt, the configs, the layout, the
-    entry point's other settings (`settings`: name → value, for those the method `reads`) and the
-    keywords every loop takes (`common`: gen_length, attention_mask, mask_id, stats, structure, end_ids)."""
+    """What an entry point hands a method's loop: the model's spec (never the model) and the prompt, the
+    configs, the layout, the entry point's other settings (`settings`: name → value, for those the method
+    `reads`) and the keywords every loop takes (`common`: gen_length, attention_mask, mask_id, stats,
+    structure, end_ids)."""
 
-    model: torch.nn.Module
+    spec: ModelSpec
     prompt: torch.Tensor
     decoder: Any
     use_cache: Any
@@ -97,20 +100,20 @@ def register(name: str, config: type, field: str = "decoder", **capabilities: An
 # --- the loops, as each method's step generator takes the call ---------------------------------------
 
 def _rules_loop(call: Call) -> StepGenerator:   # dInfer's block loop: any commit rule
-    return dinfer_steps(call.model, call.prompt, decoder=call.decoder, block_length=call.block_length,
+    return dinfer_steps(call.spec, call.prompt, decoder=call.decoder, block_length=call.block_length,
                         use_cache=call.use_cache, **call.common)
 
 
 def _freedave_loop(call: Call) -> StepGenerator:
     if is_config("use_cache", call.use_cache):
         raise ValueError("use_cache: FreeDave takes None, 'prefix' or 'dual'")
-    return freedave_steps(call.model, call.prompt, config=call.decoder, steps=call.steps,
+    return freedave_steps(call.spec, call.prompt, config=call.decoder, steps=call.steps,
                           block_length=call.block_length, use_cache=call.use_cache, **call.common)
 
 
 def _own_loop(steps_of: Callable[..., StepGenerator], *, no_cache: str | None = None, first: bool = False
               ) -> Callable[[Call], StepGenerator]:
-    """The loop of a method with a step generator of its own, `steps_of(model, prompt, config=, block_length=,
+    """The loop of a method with a step generator of its own, `steps_of(spec, prompt, config=, block_length=,
     ...)`, given the settings the method `reads` (`steps`: None is gen_length); `no_cache` says why it takes no
     `use_cache` (refused); `first`: a loop that returns (x, forward counts)."""
     def loop(call: Call) -> StepGenerator:
@@ -120,7 +123,7 @@ def _own_loop(steps_of: Callable[..., StepGenerator], *, no_cache: str | None = 
         if "steps" in call.method.reads:
             taken["steps"] = call.gen_length if call.steps is None else call.steps
         config = call.use_cache if call.method.field == "use_cache" else call.decoder
-        steps = steps_of(call.model, call.prompt, config=config, block_length=call.block_length, **taken,
+        steps = steps_of(call.spec, call.prompt, config=config, block_length=call.block_length, **taken,
                          **call.common)
         return _first(steps) if first else steps
     return loop
@@ -137,7 +140,7 @@ def _elastic_loop(call: Call) -> StepGenerator:
         raise ValueError(f"block_length: ElasticCache decodes over a sliding window of "
                          f"{call.use_cache.window_length} masked positions (no blocks); leave block_length at "
                          f"gen_length ({call.gen_length}), got {call.block_length}")
-    return elastic_steps(call.model, call.prompt, config=call.use_cache, rule=call.decoder, **call.common)
+    return elastic_steps(call.spec, call.prompt, config=call.use_cache, rule=call.decoder, **call.common)
 
 
 register("freedave", FreeDave, loop=_freedave_loop)   # `steps`: only gen_length (one token a step) or unset

@@ -28,14 +28,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from remask.models.spec import ModelSpec
+
 from ..families.llada import validate_block_args
 from ..parts.cache import valid_positions
-from ..parts.checks import (NoWorkBound, check_bool, check_config, check_ints, check_method_call, check_real,
-                            model_device)
+from ..parts.checks import NoWorkBound, check_bool, check_config, check_ints, check_method_call, check_real
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, run_steps
 
 
 @dataclass(frozen=True)
@@ -123,11 +124,11 @@ def wino_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO 
     """WINO decoding (greedy). Returns `(x [B, P + gen_length], forwards [B])`: each row's forward
     count is upstream's returned `step`. `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad
     keys; RoPE positions stay absolute."""
-    return drive(wino_steps(model, prompt, config=config, gen_length=gen_length, block_length=block_length,
-                            attention_mask=attention_mask, mask_id=mask_id, stats=stats), model)
+    return run_steps(model, wino_steps, prompt, config=config, gen_length=gen_length, block_length=block_length,
+                            attention_mask=attention_mask, mask_id=mask_id, stats=stats)
 
 
-def wino_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | None = None,
+def wino_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: WINO | None = None,
                gen_length: int = 128, block_length: int = 128, attention_mask: torch.Tensor | None = None,
                mask_id: int | None = None, stats: GenerationStats | None = None, structure=None, end_ids=()
                ) -> StepGenerator:
@@ -140,9 +141,9 @@ def wino_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | N
     block a row stops narrowing out (the filter then ends the block), so the two cannot cycle."""
     config = check_config("config", config, WINO, "a remask WINO")
     validate_block_args(gen_length, block_length, gen_length)   # (no schedule: any steps a multiple of the blocks)
-    spec, stats = check_method_call(model, prompt, attention_mask, stats, mask_id=mask_id)
+    spec, stats = check_method_call(spec, prompt, attention_mask, stats, mask_id=mask_id)
     B, P = prompt.shape
-    x = masked_canvas(prompt, gen_length + block_length, spec.mask_id, model_device(model))   # + the shadow block
+    x = masked_canvas(prompt, gen_length + block_length, spec.mask_id, spec.device)   # + the shadow block
     padded = attention_mask is not None and bool((attention_mask == 0).any())
     keys = valid_positions(attention_mask, x.shape[1]) if padded else None   # False on the left pads
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)

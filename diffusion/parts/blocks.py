@@ -17,7 +17,7 @@ from remask.caches.block import BlockBatch, BlockKVCache
 
 from .checks import check_block_within_context, check_steps, check_table
 from .constrain import CommitFilter
-from .constrain_loops import end_ids_or_refuse, mask_frontier_rows, structure_for_call
+from .constrain_loops import end_ids_or_refuse, mask_frontier_rows
 from .drafts import DraftVerify, Drafts, check_block_decoder, split_freedave
 from .rules import check_rule_on_loop, commit_block, is_rule
 from .scoring import sample_categorical
@@ -219,28 +219,11 @@ class BlockLoop(ForwardThenCommit):
     def _settle(self, state: Any) -> None:
         pass
 
-    def next_forward(self, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
+    def next_forward(self, state: Any, generator: torch.Generator | None = None,
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
         self._settle(state)
-        return super().next_forward(model, state, generator, stats)
+        return super().next_forward(state, generator, stats)
 
-    def step(self, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
-             stats: GenerationStats | None = None) -> None:
-        self._settle(state)
-        if not state.done:
-            super().step(model, state, generator, stats)
-
-    def run(self, model: torch.nn.Module, input_ids: torch.Tensor, generator: torch.Generator | None = None,
-            stats: GenerationStats | None = None, **start: Any) -> Any:
-        """Decode one prompt `[1, P]` to the end; returns the final state."""
-        state = self.start(model, input_ids, **start)
-        while not state.done:
-            self.step(model, state, generator, stats)
-        return state
-
-    def structured(self, structured_outputs: Any, model: torch.nn.Module, tokenizer: Any, budget: int) -> None:
-        """Hold a drop-in call's answers (up to `budget` tokens) to its `structured_outputs`."""
-        self.constrain(structure_for_call(structured_outputs, model, tokenizer, self.mask_id, budget))
 
 
 @dataclass(eq=False)
@@ -300,7 +283,7 @@ class StoreKVLoop(BlockLoop):
         if hasattr(state.cache, "release"):
             state.cache.release()
 
-    def start(self, model: torch.nn.Module, input_ids: torch.Tensor) -> BlockState:
+    def start(self, input_ids: torch.Tensor) -> BlockState:
         check_prompt(input_ids, self.mask_id, self.family, self.prompt_name, self.empty_prompt_ok)
         L, device, P = self.block_length, input_ids.device, input_ids.shape[1]
         num_blocks = (P + self.gen_length + L - 1) // L

@@ -45,9 +45,9 @@ class BlockForward:
     """The block loop's forwards as sub-generators of `ForwardRequest`s (``yield from``), the cache's
     bookkeeping around each request (so either driver gets the same)."""
 
-    def __init__(self, model: torch.nn.Module, spec: ModelSpec, use_cache: Any, forward_inputs: dict[str, Any],
+    def __init__(self, spec: ModelSpec, use_cache: Any, forward_inputs: dict[str, Any],
                  valid: torch.Tensor | None) -> None:
-        self.model, self.spec, self.forward_inputs, self.valid = model, spec, forward_inputs, valid
+        self.spec, self.forward_inputs, self.valid = spec, forward_inputs, valid
         self.mode = cache_mode(use_cache)
         self.paged = use_cache if isinstance(use_cache, PagedKVCache) else (
             PagedKVCache() if self.mode == "paged" else None)

@@ -199,11 +199,12 @@ def check_model_kind(spec: ModelSpec, *, diffusion: bool, entry: str) -> None:
                          "use remask.generate or remask.diffusion_generate")
 
 
-def check_prompt(model: torch.nn.Module, prompt: Any, attention_mask: Any, name: str = "prompt",
+def check_prompt(device: torch.device, prompt: Any, attention_mask: Any, name: str = "prompt",
                  spec: ModelSpec | None = None, mask_in_prompt: str = "allow") -> None:
-    """A `[B, P]` integer tensor of in-vocabulary ids on the model's device, and an optional 0/1 `attention_mask` of
-    its shape, left-padded (the samplers append after the last column), a real token in every row. `mask_in_prompt`:
-    "allow" (the sampler infills masks anywhere, as Dream's) or "refuse" (it decodes only after the prompt)."""
+    """A `[B, P]` integer tensor of in-vocabulary ids on the model's `device` (`ModelSpec.device`), and an optional
+    0/1 `attention_mask` of its shape, left-padded (the samplers append after the last column), a real token in every
+    row. `mask_in_prompt`: "allow" (the sampler infills masks anywhere, as Dream's) or "refuse" (it decodes only after
+    the prompt)."""
     if not torch.is_tensor(prompt) or prompt.dim() != 2:
         raise ValueError(f"{name} must be a 2-D LongTensor [batch, length], got "
                          f"{type(prompt).__name__}{tuple(prompt.shape) if torch.is_tensor(prompt) else ''}")
@@ -211,7 +212,6 @@ def check_prompt(model: torch.nn.Module, prompt: Any, attention_mask: Any, name:
         raise ValueError(f"{name} must hold integer token ids (torch.long), got dtype {prompt.dtype}")
     if prompt.shape[0] == 0 or prompt.shape[1] == 0:
         raise ValueError(f"{name} must have at least one row and one token, got shape {tuple(prompt.shape)}")
-    device = model_device(model)
     if prompt.device != device:
         raise ValueError(f"{name} is on {prompt.device} but the model is on {device}; move them to one device")
     if attention_mask is not None:
@@ -371,21 +371,19 @@ def refuse_unread(params: Any, way: str, also: Iterable[str] = (), **words: Any)
         raise ValueError(message.format(unread=unread, **words))
 
 
-def check_method_call(model: torch.nn.Module, prompt: Any, attention_mask: Any, stats: Any, entry: str | None = None,
+def check_method_call(spec: ModelSpec, prompt: Any, attention_mask: Any, stats: Any, entry: str | None = None,
                       **ids: Any) -> tuple[ModelSpec, Any]:
     """What a method's loop checks at its call, in order: `stats` (None: a fresh one, counted, then dropped), a
     diffusion model (`entry`: the caller named in the refusal; None: not checked), the model's spec (`ids` override
     its token ids) with a mask token, then `prompt` / `attention_mask`, the mask token refused in the prompt."""
-    from remask.models.spec import get_spec
-
     from .stats import GenerationStats
 
     stats = check_stats("stats", stats) or GenerationStats()
-    spec = get_spec(model, **ids)
+    spec = spec.with_overrides(**ids)
     if entry is not None:
         check_model_kind(spec, diffusion=True, entry=entry)
     check_mask_id(spec)
-    check_prompt(model, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
+    check_prompt(spec.device, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
     return spec, stats
 
 

@@ -1,10 +1,14 @@
 """The one decoder protocol: everything both drivers — the drop-in loops and the engine's runner —
 call on a diffusion decoder, and nothing else (no attribute probing, no writes to its state).
 
-    state = decoder.start(model, prompt)                  # the request's state: the decoder's alone
-    while (request := decoder.next_forward(model, state, generator, stats)) is not None:
+    state = decoder.start(prompt)                         # the request's state: the decoder's alone
+    while (request := decoder.next_forward(state, generator, stats)) is not None:
         decoder.receive(state, logits_of(request), generator, stats)   # commits, up to its next forward
     decoder.num_final(state)                              # generated positions no later step changes
+
+No decoder is handed the model: what it needs of it comes as values — the model's `ModelSpec`
+(`get_spec`, resolved by the driver: ids, layout, device, config values, embedding table) — or in the
+answers to its `ForwardRequest`s. Only the drivers (the drop-in functions, the engine's runner) hold it.
 
 * Batched commit: decoders with an equal `commit_key()` (not None) commit together — each
   `finish_forward`, then one `commit_shared` over all of them (one scoring and one selection for
@@ -31,11 +35,11 @@ class Decoder(abc.ABC):
     """A diffusion decoder as the drivers see it (module docstring). States have a `done` flag."""
 
     @abc.abstractmethod
-    def start(self, model: torch.nn.Module, input_ids: torch.Tensor) -> Any:
+    def start(self, input_ids: torch.Tensor) -> Any:
         """A new request's state for its prompt `[1, P]`."""
 
     @abc.abstractmethod
-    def next_forward(self, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
+    def next_forward(self, state: Any, generator: torch.Generator | None = None,
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
         """The forward the request waits for; None once it is done (or for one step, paused)."""
 

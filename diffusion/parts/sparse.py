@@ -91,9 +91,9 @@ class RetentionForward:
     `remask.diffusion.parts.cache.BlockForward` (`refresh` at step 0, `step` → (logits, first fed position)):
     full forwards before `delay_step`, a selecting full forward at it, the block alone after it."""
 
-    def __init__(self, model: torch.nn.Module, spec: ModelSpec, sparse: SparseConfig, forward_inputs: dict[str, Any],
+    def __init__(self, spec: ModelSpec, sparse: SparseConfig, forward_inputs: dict[str, Any],
                  valid: torch.Tensor | None, topk_ties: bool = False) -> None:
-        self.model, self.spec, self.sparse, self.forward_inputs = model, spec, sparse, forward_inputs
+        self.spec, self.sparse, self.forward_inputs = spec, sparse, forward_inputs
         self.cache = RetentionKVCache(sparse.retention_ratio, sparse.pool_kernel, sparse.head_select, valid, topk_ties)
         self.step_index = 0   # within the current block
 
@@ -124,11 +124,11 @@ class BlockMaskForward:
     """SparseD's forwards, with the interface of `BlockForward`: every step is a full forward;
     the global step (counted across blocks) decides dense, selecting or block-sparse attention."""
 
-    def __init__(self, model: torch.nn.Module, spec: ModelSpec, sparse: SparseConfig, forward_inputs: dict[str, Any],
-                 steps: int, gen_length: int, head_dim_scale: bool = False) -> None:
+    def __init__(self, spec: ModelSpec, sparse: SparseConfig, forward_inputs: dict[str, Any], steps: int,
+                 gen_length: int, head_dim_scale: bool = False) -> None:
         # head_dim_scale: the sampler's upstream scale when `corrected_scale` is None (LLaDA's
         # generate: 1/√n_heads, False; Dream's diffusion_generate: 1/√head_dim, True)
-        self.model, self.spec, self.forward_inputs = model, spec, forward_inputs
+        self.spec, self.forward_inputs = spec, forward_inputs
         self.select_step = int(steps * sparse.skip_fraction) + 1
         corrected = head_dim_scale if sparse.corrected_scale is None else sparse.corrected_scale
         self.hook = BlockMaskAttention(sparse.kv_block_size, sparse.retention_ratio, gen_length, corrected)

@@ -14,11 +14,14 @@ requests, so their tokens are the same by construction:
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Generator, Iterator
 
 import torch
 
+from remask.models.hf_compat import cache_arg
 from remask.models.request import ForwardRequest  # noqa: F401  (the requests' module; here for the drivers)
 
 from .protocol import Decoder
@@ -42,8 +45,11 @@ def call_model(model: torch.nn.Module, request: ForwardRequest, input_ids: torch
                per_row: dict[str, torch.Tensor] | None = None, cache: Any = None) -> Any:
     """The model call of `request` on `input_ids` (a CUDA graph's body replays it on its static input)."""
     kwargs = {**(per_row or {}), **request.shared}
-    if cache is not None:
-        kwargs["past_key_values"] = cache
+    if cache is not None:   # under the keyword the forward declares (`cache` or `past_key_values`)
+        kwargs.update(cache_arg(model.forward, cache))
+    if request.extends and _takes_logits_to_keep(getattr(model.forward, "__func__", model.forward)):
+        # only the last position's logits, as transformers' `generate` and the engine's runner
+        kwargs["logits_to_keep"] = 1
     if request.output == "model":
         return model(input_ids, **kwargs)
     if request.spec is not None:
@@ -51,6 +57,11 @@ def call_model(model: torch.nn.Module, request: ForwardRequest, input_ids: torch
     else:
         logits = model(input_ids, **kwargs).logits
     return logits if request.rows is None else logits[:, request.rows]
+
+
+@functools.lru_cache(maxsize=256)
+def _takes_logits_to_keep(forward: Callable) -> bool:   # keyed on the function (bound methods are new objects)
+    return "logits_to_keep" in inspect.signature(forward).parameters
 
 
 @torch.no_grad()
@@ -113,10 +124,9 @@ def _packed(model: torch.nn.Module, requests: list[ForwardRequest],
     groups = token_groups(segments, [r.rows_alone for r in requests], flat.device)
     context = invariant(sum(s.rows for s in segments), groups) if invariant is not None else contextlib.nullcontext()
     with context as linear:
-        # requests with work of their own between layers (`layers`): the layout may change per layer
-        layered = [r.layers for r in requests if r.layers is not None]
-        hooks = PackedLayers(requests, attend, getattr(linear, "regroup", None)).installed(layered[0].blocks) \
-            if layered else contextlib.nullcontext()
+        # requests with work of their own between the model's layers (`layers`): the layout may change per layer
+        hooks = PackedLayers(requests, attend, getattr(linear, "regroup", None)).installed(spec.layers(model)) \
+            if any(r.layers is not None for r in requests) else contextlib.nullcontext()
         with hooks:
             if requests[0].input_ids is None:
                 logits = model(None, inputs_embeds=flat, **kwargs).logits[0]
@@ -150,6 +160,14 @@ def _own(request: ForwardRequest, logits: torch.Tensor) -> torch.Tensor:
     if request.spec is not None and request.spec.logit_shift:
         logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
     return logits if request.rows is None else logits[:, request.rows]
+
+
+def run_steps(model: torch.nn.Module, steps_of: Callable[..., StepGenerator], *args: Any, **kwargs: Any) -> Any:
+    """`drive` the step generator `steps_of(spec, *args, **kwargs)` on `model` (the drop-in functions): the
+    decoder gets the model's spec (`get_spec`), never the model; the driver answers its forwards."""
+    from remask.models.spec import get_spec
+
+    return drive(steps_of(get_spec(model), *args, **kwargs), model)
 
 
 def drive(steps: StepGenerator, model: torch.nn.Module | None = None) -> Any:
@@ -198,19 +216,27 @@ def row_by_row(canvas: torch.Tensor, decode: Callable[..., StepGenerator], mask:
 
 def step_alone(decoder: Decoder, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
                stats: GenerationStats | None = None) -> None:
-    """A decoder's `step` (the drop-in loops): its next forward computed alone, then its `receive` of it."""
-    request = decoder.next_forward(model, state, generator, stats)
+    """One step of a decoder (the drop-in loops): its next forward computed alone, then its `receive` of it."""
+    request = decoder.next_forward(state, generator, stats)
     if request is not None:
         decoder.receive(state, run_forwards(model, [request])[0], generator, stats)
+
+
+def decode_alone(decoder: Decoder, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
+                 stats: GenerationStats | None = None) -> Any:
+    """`step_alone` until `state` is done (the drop-in functions); returns it."""
+    while not state.done:
+        step_alone(decoder, model, state, generator, stats)
+    return state
 
 
 class ForwardThenCommit(Decoder):
     """A decoder whose step is one forward then a commit: `_forward(state)` (a sub-generator of
     one `ForwardRequest`, returning `(logits, first fed position)`) and `commit(state, logits, fed,
     generator, stats)`. The runner asks `next_forward`, packs, and hands the logits to `receive`;
-    the drop-in loops call `step`. Its state has `done` and `pending`."""
+    the drop-in loops do the same alone (`step_alone`). Its state has `done` and `pending`."""
 
-    def next_forward(self, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
+    def next_forward(self, state: Any, generator: torch.Generator | None = None,
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
         if state.done:
             return None
@@ -241,14 +267,6 @@ class ForwardThenCommit(Decoder):
                 stats: GenerationStats | None = None) -> None:
         self.commit(state, *self._processed(state, *self.finish_forward(state, logits)), generator, stats)
 
-    def forward(self, model: torch.nn.Module, state: Any) -> tuple[torch.Tensor, int]:
-        """The next forward of `state`, alone."""
-        return drive(self._forward(state), model)
-
-    def step(self, model: torch.nn.Module, state: Any, generator: torch.Generator | None = None,
-             stats: GenerationStats | None = None) -> None:
-        self.commit(state, *self._processed(state, *self.forward(model, state)), generator, stats)
-
 
 @dataclass(eq=False)
 class StepwiseState:
@@ -270,29 +288,28 @@ class StepwiseState:
 
 
 class StepwiseDecoder(Decoder):
-    """The engine's decoder for a method written as a step generator. `make_steps(model, prompt,
-    generator, stats)` starts the method's loop on one request (its prompt `[1, P]` alone, so its
+    """The engine's decoder for a method written as a step generator. `make_steps(prompt, generator,
+    stats)` starts the method's loop on one request (its prompt `[1, P]` alone, so its
     tokens are the drop-in function's on that prompt).
 
     The runner asks `next_forward` for the request's pending `ForwardRequest` (None once it is
     done), computes it with the other requests' (`run_forwards`), and hands the logits back with
     `receive`, which runs the method's commit up to its next forward: one forward per engine step."""
 
-    def __init__(self, make_steps: Callable[[torch.nn.Module, torch.Tensor, torch.Generator | None,
-                                             GenerationStats], StepGenerator], *, gen_length: int,
-                 name: str = "") -> None:
+    def __init__(self, make_steps: Callable[[torch.Tensor, torch.Generator | None, GenerationStats], StepGenerator],
+                 *, gen_length: int, name: str = "") -> None:
         self.make_steps, self.gen_length, self.name = make_steps, gen_length, name
 
-    def start(self, model: torch.nn.Module, input_ids: torch.Tensor) -> StepwiseState:
+    def start(self, input_ids: torch.Tensor) -> StepwiseState:
         return StepwiseState(prompt=input_ids, x=input_ids, prompt_len=input_ids.shape[1], gen_length=self.gen_length)
 
     def num_final(self, state: StepwiseState) -> int:
         return state.final
 
-    def next_forward(self, model: torch.nn.Module, state: StepwiseState, generator: torch.Generator | None = None,
+    def next_forward(self, state: StepwiseState, generator: torch.Generator | None = None,
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
         if state.steps is None:
-            state.steps = self.make_steps(model, state.prompt, generator, state.counted)
+            state.steps = self.make_steps(state.prompt, generator, state.counted)
             self._advance(state, None, stats)
         return state.pending
 
@@ -324,8 +341,6 @@ class StepwiseDecoder(Decoder):
             stats.forward_positions += counted.forward_positions - positions
             stats.add_steps(counted, commits)
             stats.kv_cache_bytes = max(stats.kv_cache_bytes, counted.kv_cache_bytes)
-
-    step = step_alone   # one forward of this request alone and what follows it (the runner packs instead)
 
     def __repr__(self) -> str:
         return f"StepwiseDecoder({self.name})"

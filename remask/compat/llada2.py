@@ -22,6 +22,7 @@ import torch
 from remask.diffusion.parts.checks import check_bool, check_generator, check_stats
 from remask.diffusion.families.llada2 import RULE_UNREAD, LLaDA2Decoder
 from remask.diffusion.parts.rules import check_rule_on_loop, is_rule, unread_settings
+from remask.diffusion.parts.stepper import decode_alone
 from remask.models.llada2 import LLADA2_EOS_ID, LLADA2_MASK_ID
 
 
@@ -83,11 +84,10 @@ def generate(model: torch.nn.Module, inputs: Any = None, temperature: float = 0.
         if vocab is not None and input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
             raise ValueError(f"inputs: token ids must be in [0, {vocab})")
     model.eval()
-    state = decoder.start(model, input_ids)
+    state = decoder.start(input_ids)
     if stats is not None:
         stats.start()
-    while not state.done:
-        decoder.step(model, state, generator, stats)
+    decode_alone(decoder, model, state, generator, stats)
     out = decoder.output(state)
     if stats is not None:
         stats.stop(int(out.shape[1]))

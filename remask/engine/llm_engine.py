@@ -258,7 +258,7 @@ class LLMEngine:
                              f"{{'prompt_token_ids': [ids]}}, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt is empty: at least one token is needed")
-        check_prompt(self.model, torch.tensor([ids], dtype=torch.long, device=self.device), None, spec=self.spec,
+        check_prompt(self.spec.device, torch.tensor([ids], dtype=torch.long, device=self.device), None, spec=self.spec,
                      mask_in_prompt="allow" if self.is_ar else "refuse")
         return text, ids
 

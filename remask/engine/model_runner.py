@@ -74,9 +74,9 @@ class ModelRunner:
             try:
                 if seq.state is None:
                     seq.stats.start()
-                    seq.state = seq.decoder.start(self.model, seq.prompt_ids)
+                    seq.state = seq.decoder.start(seq.prompt_ids)
                 # The decoder describes its forward; the requests that pack share one model call.
-                request = seq.decoder.next_forward(self.model, seq.state, seq.generator, seq.stats)
+                request = seq.decoder.next_forward(seq.state, seq.generator, seq.stats)
                 if request is not None and request.extends and self.store is not None:
                     packed[("paged",)].append((seq, request))   # autoregressive: over the page store
                 elif request is not None:

@@ -119,9 +119,9 @@ def family_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor
 
 def ar_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
                end_ids: Any = ()) -> ARDecoder:
-    decoder = ARDecoder(engine.model, **params.ar_kwargs(engine.eos_ids()), structure=structure,
+    decoder = ARDecoder(engine.spec, **params.ar_kwargs(engine.eos_ids()), structure=structure,
                         logprobs=params.logprobs)
-    decoder.check_input(prompt_ids, None, engine.model)
+    decoder.check_input(prompt_ids, None)
     return decoder
 
 
@@ -129,7 +129,7 @@ def llada_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor,
                   end_ids: Any = ()) -> BlockDecoder:
     """LLaDA's block rule (and Fast-dLLM v1's caches and parallel rules), as `remask.generate` runs it."""
     decoder = BlockDecoder(engine.spec, **params.generate_kwargs(), structure=structure, end_ids=end_ids)
-    decoder.check_input(engine.model, prompt_ids, None)
+    decoder.check_input(prompt_ids, None)
     return decoder
 
 
@@ -142,12 +142,11 @@ def method_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor
     kwargs = dict(gen_length=params.max_tokens, block_length=params.block_length or params.max_tokens,
                   use_cache=params.use_cache, mask_id=engine.spec.mask_id, structure=structure, end_ids=end_ids)
     # Checked now (the settings as values; SamplingParams refused the unread ones already).
-    check_prompt(engine.model, prompt_ids, None, spec=engine.spec, mask_in_prompt="refuse")
-    decoder_steps(engine.model, prompt_ids, None, params.decoder, stats=None, settings=settings, **kwargs).close()
+    check_prompt(engine.spec.device, prompt_ids, None, spec=engine.spec, mask_in_prompt="refuse")
+    decoder_steps(engine.spec, prompt_ids, None, params.decoder, stats=None, settings=settings, **kwargs).close()
 
-    def make_steps(model: torch.nn.Module, prompt: torch.Tensor, generator: torch.Generator | None,
-                   stats: Any) -> Any:
-        return decoder_steps(model, prompt, None, params.decoder, stats=stats,
+    def make_steps(prompt: torch.Tensor, generator: torch.Generator | None, stats: Any) -> Any:
+        return decoder_steps(engine.spec, prompt, None, params.decoder, stats=stats,
                              settings={**settings, "generator": (generator, generator)}, **kwargs)
 
     return StepwiseDecoder(make_steps, gen_length=params.max_tokens, name=type(params.method).__name__)
@@ -160,7 +159,7 @@ def apd_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, s
     decoder = APDDecoder(engine.spec, params.apd, gen_length=params.max_tokens, temperature=params.temperature,
                          top_p=params.top_p, top_k=params.top_k).constrain(structure)
     decoder.check_input(prompt_ids)
-    return StepwiseDecoder(lambda model, prompt, generator, stats: apd_steps(decoder, model, prompt, generator, stats),
+    return StepwiseDecoder(lambda prompt, generator, stats: apd_steps(decoder, prompt, generator, stats),
                            gen_length=params.max_tokens, name="APD")
 
 
@@ -177,7 +176,7 @@ def dream_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor,
     config.update(**{k: v for k, v in kw.items() if k != "max_new_tokens"})
     config.max_length = prompt_ids.shape[1] + params.max_tokens
     _validate_config(config, engine.spec)
-    check_prompt(engine.model, prompt_ids, None, spec=engine.spec)
+    check_prompt(engine.spec.device, prompt_ids, None, spec=engine.spec)
     if block_length is None and use_cache is None:
         return DreamDecoder(
             engine.spec, config, threshold, reference_ties=params.reference_ties, structure=structure, end_ids=end_ids)
