@@ -106,8 +106,6 @@ def test_argument_errors(load):
     for name, kwargs in (("gen_length", dict(gen_length=0)), ("block_length", dict(gen_length=16, block_length=0))):
         with pytest.raises(ValueError, match=name):
             daedal_steps(model, torch.tensor([[1, 2]]), **kwargs)
-    with pytest.raises(ValueError, match="structured_outputs"):
-        daedal_steps(model, torch.tensor([[1, 2]]), gen_length=16, structure=object())
 
 
 def test_gen_length_bounds_every_canvas(load):

@@ -23,11 +23,13 @@ decodes a batch together, its pad tokens attended); a shorter row is filled with
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from ..parts.checks import NoWorkBound, check_config, check_int, check_method_call, check_real, model_device
+from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drive
@@ -84,30 +86,29 @@ def daedal_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: DAEDAL
     config = check_config("config", config, DAEDAL, "a remask DAEDAL")
     check_int("gen_length", gen_length, minimum=1)
     check_int("block_length", block_length, minimum=1)
-    if structure is not None:
-        raise ValueError("structured_outputs: not supported with DAEDAL (its canvas grows and shifts under the "
-                         "matcher)")
     spec, stats = check_method_call(model, prompt, attention_mask, stats, mask_id=mask_id)
     if spec.eos_id is None:
         raise ValueError("DAEDAL reads the EOS confidence: the model has no eos id")
-    return _daedal_loop(config, spec, prompt.to(model_device(model)), attention_mask, gen_length, block_length, stats)
+    return _daedal_loop(config, spec, prompt.to(model_device(model)), attention_mask, gen_length, block_length, stats,
+                        (structure, end_ids_of(spec, end_ids)))
 
 
 @torch.no_grad()
 def _daedal_loop(config: DAEDAL, spec, prompt: torch.Tensor, attention_mask: torch.Tensor | None, max_length: int,
-                 block_length: int, stats: GenerationStats) -> StepGenerator:
+                 block_length: int, stats: GenerationStats, structure: tuple[Any, list[int]]) -> StepGenerator:
     stats.start()
     rows = []
     for b in range(prompt.shape[0]):
         keys = None if attention_mask is None or bool(attention_mask[b].all()) else attention_mask[b:b + 1]
-        rows.append((yield from _daedal_row(config, spec, prompt[b:b + 1], keys, max_length, block_length, stats)))
+        rows.append((yield from _daedal_row(config, spec, prompt[b:b + 1], keys, max_length, block_length, stats,
+                                             structure)))
     stats.stop(sum(row.shape[1] - prompt.shape[1] for row in rows))
     # a shorter row is filled with EOS to the longest
     return pad_sequence([row[0] for row in rows], batch_first=True, padding_value=spec.eos_id)
 
 
 def _daedal_row(config: DAEDAL, spec, prompt: torch.Tensor, keys: torch.Tensor | None, max_length: int,
-                block_length: int, stats: GenerationStats) -> StepGenerator:
+                block_length: int, stats: GenerationStats, structure: tuple[Any, list[int]]) -> StepGenerator:
     mask_id, eos_id, P, device = spec.mask_id, spec.eos_id, prompt.shape[1], prompt.device
 
     def forward(x: torch.Tensor):
@@ -131,16 +132,23 @@ def _daedal_row(config: DAEDAL, spec, prompt: torch.Tensor, keys: torch.Tensor |
         x, length = torch.cat([x, masks(grown - length)], dim=1), grown
     tail = min(length + config.eos_check_tokens // 2, max_length) - length
     x, length = torch.cat([x, masks(tail, eos_id)], dim=1), length + tail
+    constraint = CommitFilter.start(*structure, 1, mask_id, P, length)
     # 2. iterative denoising and mask insertion
     current = P
     while current < P + length:
         logits, x0, conf, eos_conf = yield from forward(x)
         masked = x[0] == mask_id
         block = torch.zeros_like(masked)
-        block[current:min(current + block_length, P + length)] = True
+        end = min(current + block_length, P + length)
+        block[current:end] = True
+        if constraint is not None:   # the frontier's token and confidence from its masked logits (parts/constrain.py)
+            logits, prior = constraint.mask_frontier(logits[None], current, end, current)[0], x[:, current:end].clone()
+            f = constraint.frontier(0)
+            if current <= f < end:
+                x0[f:f + 1], conf[f:f + 1] = score_tokens(logits[f:f + 1])
         commit = (conf > config.high_conf_threshold) & block & masked & (x0 != mask_id)
-        if not bool(commit.any()):
-            candidates = torch.where(block & masked)[0]
+        candidates = torch.where(block & masked)[0]
+        if not bool(commit.any()) and candidates.numel():   # (none: a block of held tokens the filter judges)
             order = torch.sort(conf[candidates], descending=True).indices
             usable = order[x0[candidates[order]] != mask_id]
             if usable.numel():
@@ -152,15 +160,25 @@ def _daedal_row(config: DAEDAL, spec, prompt: torch.Tensor, keys: torch.Tensor |
                 pick = torch.argmax(best)
                 x0[candidates[pick]], commit[candidates[pick]] = tokens[pick], True
         x[0, commit] = x0[commit]
-        stats.step(commit.sum())
+        if constraint is not None:   # keep what the structure accepts; an end token fills the rest of the canvas
+            constraint.filter(x, prior, x0[None, current:end], logits[None], current, end, current)
+        stats.step(int((masked & (x[0] != mask_id)).sum()))
         if not bool(eos_conf >= config.expand_eos_confidence_threshold) and length < max_length:
-            low = torch.where((conf < config.low_conf_threshold) & block & masked & ~commit)[0]
+            low = torch.where((conf < config.low_conf_threshold) & block & (x[0] == mask_id))[0]
             if low.numel():
                 at = int(low[torch.topk(conf[low], 1, largest=False).indices])
                 grown = min(length + config.expansion_factor - 1, max_length)
                 x = torch.cat([x[:, :at], masks(config.expansion_factor), x[:, at + 1:]], dim=1)[:, :P + grown]
                 length = grown
-        while current < P + length and not bool((x[0, current:current + block_length] == mask_id).any()):
+        if constraint is not None:
+            if constraint.frontier(0) >= P + length and not constraint.matchers[0].ended and length < max_length:
+                # the canvas is full and the structure open: it grows, as an insertion would
+                grown = min(length + max(config.expansion_factor, 1), max_length)
+                x, length = torch.cat([x, masks(grown - length)], dim=1), grown
+            constraint.answer_len = length
+        while current < P + length and not (bool((x[0, current:current + block_length] == mask_id).any())
+                                            if constraint is None else
+                                            constraint.unsettled(x, current, current + block_length)[0]):
             current += block_length
         yield Progress(x, current - P)
     return x
