@@ -80,7 +80,7 @@ def test_llada_answers_hold_to_the_structure_and_to_their_rows(llada, method):
     tally(f"llada {method}", *counts)
 
 
-def test_klass_on_dream(dream):
+def test_klass_on_dream(dream):  # noqa: F811 (the fixture imported above)
     """KLASS's Dream loop (shifted logits, one block) under a structure."""
     model, tok, _ = dream
     prompt, mask = batch(PROMPTS)

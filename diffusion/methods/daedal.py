@@ -19,6 +19,10 @@ to; the output is `[1, P + L]` with L ≤ gen_length.
 
 Every forward sees the whole canvas (no cache). Rows of a batch are decoded each alone (upstream
 decodes a batch together, its pad tokens attended); a shorter row is filled with EOS to the longest.
+
+Structured output (`structure`): `parts/constrain.py`'s filter over the current block, the answer being the
+canvas as it then is; a block is passed once the matcher consumed it, and a canvas consumed with the
+structure still open grows by `expansion_factor` masks (docs/quirks.md).
 """
 from __future__ import annotations
 
