@@ -143,7 +143,7 @@ def _elastic_loop(call: Call) -> StepGenerator:
 register("freedave", FreeDave, loop=_freedave_loop)   # `steps`: only gen_length (one token a step) or unset
 for rule in (ThresholdDecoding, CreditDecoding, HierarchicalDecoding, MarginDecoding, EBSampler, FrechetRule):
     register(rule.name, rule, loop=_rules_loop, fills_after_eos=True)   # dInfer's block loop runs each
-register("klass", KLASS, reads=("steps",), loop=_own_loop(   # its own loop on LLaDA / Dream, a rule elsewhere
+register("klass", KLASS, reads=("steps", "temperature", "generator"), loop=_own_loop(   # its own loop on LLaDA / Dream, a rule elsewhere
     klass_steps, no_cache="KLASS forwards the whole sequence at every step (its KL memory needs every position's "
     "distribution; upstream has no cache)"))
 register("wino", WINO, unshifted="WINO's shadow-block forward", loop=_own_loop(
@@ -151,7 +151,7 @@ register("wino", WINO, unshifted="WINO's shadow-block forward", loop=_own_loop(
 register("prophet", Prophet, reads=("steps", "cfg_scale", "remasking", "generator"), loop=_own_loop(
     prophet_steps, no_cache="Prophet reads the answer positions' logits at every step (full forwards, no cache, as "
     "upstream)"))
-register("daedal", DAEDAL, length_bound=True, loop=_own_loop(
+register("daedal", DAEDAL, reads=("temperature", "generator"), length_bound=True, loop=_own_loop(
     daedal_steps, no_cache="DAEDAL forwards its whole canvas, whose length changes (no cache)"))
 register("multiblock", MultiBlock, unshifted="d3LLM's LLaDA multi-block loop",
          fills_after_eos=lambda config: config.early_stop, loop=_own_loop(
