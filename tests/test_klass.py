@@ -38,25 +38,13 @@ def rule_of(kwargs: dict) -> remask.KLASS:
                                                   "unmask_strategy") if k in kwargs})
 
 
-def sampling(case: dict) -> dict:
-    """A seeded case's `temperature` and generator (upstream ran `torch.manual_seed(seed)` before the call)."""
-    if "seed" not in case:
-        return {}
-    return dict(temperature=case["temperature"], generator=torch.Generator().manual_seed(case["seed"]))
-
-
-def greedy_cases() -> list[dict]:
-    return [c for c in DATA["cases"] if "seed" not in c]
-
-
 def decode(model: torch.nn.Module, case: dict, stats: remask.GenerationStats | None = None) -> list:
     kw = case["kwargs"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # generation beyond the tiny models' trained length
         if case["checkpoint"].startswith("llada"):
             return remask.generate(model, torch.tensor([case["prompt"]]), steps=kw["steps"], gen_length=kw["gen_length"],
-                                   block_length=kw["block_length"], decoder=rule_of(kw), stats=stats,
-                                   **sampling(case))[0].tolist()
+                                   block_length=kw["block_length"], decoder=rule_of(kw), stats=stats)[0].tolist()
         mask = case.get("attention_mask")
         return remask.diffusion_generate(model, torch.tensor(case["prompt"]), max_new_tokens=kw["gen_length"],
                                          block_length=kw["gen_length"], decoder=rule_of(kw),
@@ -85,9 +73,8 @@ def test_reproduces_the_official_klass(case, tmp_path_factory):
 
 def test_the_cases_exercise_the_rule():
     """Upstream's outputs are not its plain confidence schedule's: the KL-and-confidence commits decide."""
-    cases = greedy_cases()
-    assert len(cases) >= 8 and {c["checkpoint"][:5] for c in cases} == {"llada", "dream"}
-    assert sum(bool(c.get("differs_from_plain")) for c in cases) >= len(cases) // 2
+    assert len(DATA["cases"]) >= 8 and {c["checkpoint"][:5] for c in DATA["cases"]} == {"llada", "dream"}
+    assert sum(bool(c.get("differs_from_plain")) for c in DATA["cases"]) >= len(DATA["cases"]) // 2
 
 
 def test_llada_cases_exercise_the_kl_rule(tmp_path_factory):
@@ -95,7 +82,7 @@ def test_llada_cases_exercise_the_kl_rule(tmp_path_factory):
     forward count are not LLaDA's plain low-confidence schedule with the same steps, decoded here), and each
     case's recorded `differs_from_plain` says so."""
     differs = []
-    for case in (c for c in greedy_cases() if c["checkpoint"].startswith("llada")):
+    for case in (c for c in DATA["cases"] if c["checkpoint"].startswith("llada")):
         model, kw, stats = checkpoint(tmp_path_factory, case["checkpoint"]), case["kwargs"], remask.GenerationStats()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -120,7 +107,7 @@ def test_refusals_at_the_call():
     model = remask.load("tiny-llada")[0]
     prompt = torch.tensor([[5, 6, 7]])
     rule = remask.KLASS()
-    for kwargs, name in ((dict(use_cache="dual"), "use_cache"), (dict(temperature=-0.5), "temperature"),
+    for kwargs, name in ((dict(use_cache="dual"), "use_cache"), (dict(temperature=0.5), "temperature"),
                          (dict(steps=5, gen_length=16, block_length=8), "steps"),
                          (dict(gen_length=16, block_length=5), "block_length")):
         with pytest.raises(ValueError, match=name):
@@ -138,7 +125,7 @@ def test_registered_with_its_json_name():
 def test_engine_equals_the_drop_in(tmp_path_factory):
     """`LLM.generate` with `decoder=remask.KLASS(...)` gives `remask.generate`'s tokens (LLaDA's loop,
     two blocks, LLaDA's schedule as the fallback) and `diffusion_generate`'s (Dream's)."""
-    case = next(c for c in greedy_cases() if c["checkpoint"] == "llada_peaked" and c["kwargs"]["block_length"] <
+    case = next(c for c in DATA["cases"] if c["checkpoint"] == "llada_peaked" and c["kwargs"]["block_length"] <
                 c["kwargs"]["gen_length"])
     model, kw = checkpoint(tmp_path_factory, "llada_peaked"), case["kwargs"]
     served = remask.LLM(model).generate([case["prompt"]], remask.SamplingParams(
@@ -173,29 +160,3 @@ def test_the_rule_commits_only_masks_and_at_least_one():
         assert not bool((commit & (block != mask)).any()) and not bool((tokens[commit] == mask).any())
         assert bool(commit[(block == mask).any(dim=-1)].any(dim=-1).all())
         block = torch.where(commit, tokens, block)
-
-
-def test_seeded_sampling(tmp_path_factory):
-    """`temperature` > 0 (LLaDA's loop): the engine's tokens are the seeded fixture's (SamplingParams.seed seeds the
-    request's generator, as upstream's `torch.manual_seed`), alone and beside other requests; the samples are not
-    the greedy answers; Dream's loop refuses it by name."""
-    seeded = [c for c in DATA["cases"] if "seed" in c and not c.get("masks_left")][:3]
-    assert len(seeded) == 3
-    model = checkpoint(tmp_path_factory, "llada_peaked")
-    params = [remask.SamplingParams(max_tokens=c["kwargs"]["gen_length"], block_length=c["kwargs"]["block_length"],
-                                    steps=c["kwargs"]["steps"], decoder=rule_of(c["kwargs"]),
-                                    temperature=c["temperature"], seed=c["seed"]) for c in seeded]
-    llm = remask.LLM(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        together = llm.generate([c["prompt"] for c in seeded], params, use_tqdm=False)
-        alone = llm.generate([seeded[-1]["prompt"]], params[-1], use_tqdm=False)
-    for c, out in zip(seeded, together):
-        assert out.outputs[0].all_token_ids == c["output_ids"][len(c["prompt"]):]
-    assert alone[0].outputs[0].all_token_ids == together[-1].outputs[0].all_token_ids
-    greedy = [decode(model, {k: v for k, v in c.items() if k != "seed"}) for c in DATA["cases"] if "seed" in c]
-    assert sum(g != c["output_ids"] for g, c in zip(greedy, [c for c in DATA["cases"] if "seed" in c])) >= 3
-    dream = checkpoint(tmp_path_factory, "dream_peaked")
-    with pytest.raises(ValueError, match="temperature"):
-        remask.diffusion_generate(dream, torch.tensor([[5, 6, 7]]), max_new_tokens=8, decoder=remask.KLASS(),
-                                  temperature=0.5, generator=torch.Generator().manual_seed(0))

@@ -19,8 +19,7 @@ block's forwards, ``confidence >= conf_threshold``, one position as the fallback
 Departures (docs/quirks.md): a block is iterated until it holds no mask (upstream's LLaDA loop stops after
 its `steps` share, Dream's after `steps`, masks left), one position a forward past the schedule; a
 fallback takes at most the masks left (upstream's top-k overwrote decoded or prompt tokens); the mask
-token is never proposed; `temperature` > 0 only in LLaDA's loop (upstream's float64 Gumbel scores, seeded by the
-call's generator), `unmask_strategy="random"` refused.
+token is never proposed; greedy only, `unmask_strategy="random"` refused.
 """
 from __future__ import annotations
 
@@ -32,9 +31,8 @@ from typing import Any
 import torch
 
 from ..families.llada import validate_block_args
-from ..parts.checks import check_choice, check_config, check_generator, check_int, check_method_call, check_real
+from ..parts.checks import check_choice, check_config, check_int, check_method_call, check_real
 from ..parts.constrain import CommitFilter, end_ids_of
-from ..parts.scoring import gumbel_max_scores
 from ..parts.selection import schedule_counts
 from ..parts.stats import GenerationStats
 from ..parts.step import CommitRule, masked_canvas
@@ -129,32 +127,25 @@ class Stability:
 
 
 def klass_steps(model: torch.nn.Module, prompt: torch.Tensor, *, config: KLASS | None = None,
-                steps: int | None = None, gen_length: int = 128, block_length: int = 128, temperature: float = 0.0,
-                generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
-                mask_id: int | None = None, stats: GenerationStats | None = None, structure: Any = None,
-                end_ids: Any = ()) -> StepGenerator:
+                steps: int | None = None, gen_length: int = 128, block_length: int = 128,
+                attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
+                stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = ()) -> StepGenerator:
     """KLASS's loop (module docstring) as a step generator, its arguments checked at the call: a
     `ForwardRequest` per forward (the block and the next, against the whole canvas), a `Progress` after
-    each; returns `[B, P + gen_length]`. `steps`: LLaDA's schedule (None: `gen_length`). `temperature` > 0 (LLaDA's
-    loop): upstream's float64 Gumbel scores over the whole sequence from `generator` replace the logits."""
+    each; returns `[B, P + gen_length]`. `steps`: LLaDA's schedule (None: `gen_length`)."""
     config = check_config("decoder", config, KLASS, "a remask.KLASS")
     steps = gen_length if steps is None else steps
     validate_block_args(gen_length, block_length, steps)
     spec, stats = check_method_call(model, prompt, attention_mask, stats, mask_id=mask_id)
-    check_real("temperature", temperature, low=0)
-    check_generator(generator, prompt.device)
-    if temperature > 0 and spec.logit_shift:
-        raise ValueError("temperature: KLASS's Dream loop samples with Dream's own sampler, not reproduced yet "
-                         "(greedy there; LLaDA's loop samples)")
     x = masked_canvas(prompt, gen_length, spec.mask_id)
     decode_row = partial(_klass_row, config, spec, x, prompt.shape[1], steps * block_length // gen_length, block_length,
-                         stats, (structure, end_ids_of(spec, end_ids)), (temperature, generator))
+                         stats, (structure, end_ids_of(spec, end_ids)))
     return row_by_row(x, decode_row, attention_mask, stats, prompt.shape[0] * gen_length)
 
 
 @torch.no_grad()
 def _klass_row(config: KLASS, spec: Any, x: torch.Tensor, P: int, steps_per_block: int, block_length: int,
-               stats: GenerationStats, structure: tuple[Any, list[int]], sampling: tuple[float, Any], rows: slice,
+               stats: GenerationStats, structure: tuple[Any, list[int]], rows: slice,
                attention_mask: torch.Tensor | None) -> StepGenerator:
     """The KLASS loop of `x[rows]`, one row alone (upstream's LLaDA loop is one row; its Dream fallback mixes rows).
     `structure`: (a compiled structure or None, its end ids), held by `parts/constrain.py`'s filter."""
@@ -170,10 +161,6 @@ def _klass_row(config: KLASS, spec: Any, x: torch.Tensor, P: int, steps_per_bloc
         while bool((block == mask_id).any()):
             state.budget = schedule[:, step] if schedule is not None and step < steps_per_block else None
             logits = yield ForwardRequest.call(row, inputs, spec=spec, rows=slice(start, hi))
-            if sampling[0] > 0:   # upstream's noise is drawn over the whole sequence's logits
-                noise = torch.rand((T, logits.shape[-1]), dtype=torch.float64, generator=sampling[1],
-                                   device=logits.device)
-                logits = gumbel_max_scores(logits, sampling[0], noise=noise[None, start:hi])
             if constraint is not None:   # the frontier masked before the rule scores (and keeps its KL memory)
                 logits, prior = constraint.mask_frontier(logits, start, start + block_length, 0), block.clone()
             commit, tokens = config.commit(block, logits, mask_id, state)
