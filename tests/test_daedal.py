@@ -38,6 +38,13 @@ def generated_length(case: dict) -> int:
     return len(case["output_ids"]) - len(case["prompt"])
 
 
+def sampling(case: dict) -> dict:
+    """A seeded case's `temperature` and generator (upstream ran `torch.manual_seed(seed)` before the call)."""
+    if "seed" not in case:
+        return {}
+    return dict(temperature=case["temperature"], generator=torch.Generator().manual_seed(case["seed"]))
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_reproduces_the_official_daedal(load, case):
     margin_case("daedal_reference.json", case)
@@ -48,7 +55,8 @@ def test_reproduces_the_official_daedal(load, case):
     hook = model.register_forward_pre_hook(lambda m, args, kw: lengths.append(args[0].shape[1]), with_kwargs=True)
     stats = GenerationStats()
     try:
-        x = daedal_generate(model, prompt, config=config, gen_length=gen_length, block_length=block_length, stats=stats)
+        x = daedal_generate(model, prompt, config=config, gen_length=gen_length, block_length=block_length, stats=stats,
+                            **sampling(case))
     finally:
         hook.remove()
     assert x[0].tolist() == case["output_ids"]
@@ -73,7 +81,8 @@ def test_the_fixture_grows_inserts_and_stops_short():
 def test_rows_of_a_batch_are_decoded_alone(load):
     """Each row decodes as alone (its pads hidden); a row that ended shorter is filled with EOS."""
     model = load("llada_eos_a")
-    picked = [c for c in CASES if c["checkpoint"] == "llada_eos_a" and c["kwargs"] == CASES[0]["kwargs"]][:2]
+    picked = [c for c in CASES if c["checkpoint"] == "llada_eos_a" and c["kwargs"] == CASES[0]["kwargs"]
+              and "seed" not in c][:2]
     config, gen_length, block_length = split(picked[0]["kwargs"])
     P = max(len(c["prompt"]) for c in picked)
     prompt = torch.tensor([[297] * (P - len(c["prompt"])) + c["prompt"] for c in picked])
@@ -107,8 +116,6 @@ def test_argument_errors(load):
     for name, kwargs in (("gen_length", dict(gen_length=0)), ("block_length", dict(gen_length=16, block_length=0))):
         with pytest.raises(ValueError, match=name):
             daedal_steps(get_spec(model), torch.tensor([[1, 2]]), **kwargs)
-    with pytest.raises(ValueError, match="structured_outputs"):
-        daedal_steps(get_spec(model), torch.tensor([[1, 2]]), gen_length=16, structure=object())
 
 
 def test_a_model_without_an_eos_id_is_refused(load, monkeypatch):
@@ -162,7 +169,7 @@ def test_the_engine_equals_the_drop_in(load):
     import remask
 
     model = load("llada_eos_a")
-    cases = [c for c in CASES if c["checkpoint"] == "llada_eos_a"]
+    cases = [c for c in CASES if c["checkpoint"] == "llada_eos_a" and "seed" not in c]   # greedy (seeded: below)
     cases = sorted(cases, key=lambda c: (c["forwards"], c["name"]))[:: max(1, len(cases) // 6)][:6]
     assert len({generated_length(c) for c in cases}) > 1
     prompts, params = [], []
@@ -197,9 +204,39 @@ def test_settings_it_does_not_read_are_refused(load):
 
     model = load("llada_eos_a")
     prompt = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="top_p"):
+        remask.SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, decoder=remask.DAEDAL())
     with pytest.raises(ValueError, match="temperature"):
-        remask.SamplingParams(max_tokens=16, temperature=0.7, decoder=remask.DAEDAL())
+        remask.generate(model, prompt, gen_length=16, block_length=8, temperature=-1.0, decoder=remask.DAEDAL())
     with pytest.raises(ValueError, match="cfg_scale"):
         remask.generate(model, prompt, gen_length=16, block_length=8, cfg_scale=1.0, decoder=remask.DAEDAL())
     with pytest.raises(ValueError, match="use_cache"):
         remask.generate(model, prompt, gen_length=16, block_length=8, use_cache="dual", decoder=remask.DAEDAL())
+
+
+def test_seeded_sampling_in_the_engine(load):
+    """`temperature` > 0 with a seed: the engine's tokens are the seeded fixture's (SamplingParams.seed is the
+    generator's seed, as upstream's `torch.manual_seed`), whatever requests decode beside it; the same seed gives
+    the same tokens and the cases' samples are not the greedy answers."""
+    import remask
+
+    model = load("llada_eos_a")
+    seeded = [c for c in CASES if "seed" in c and c["checkpoint"] == "llada_eos_a"][:4]
+    assert len(seeded) == 4
+    prompts, params = [], []
+    for c in seeded:
+        config, gen_length, block_length = split(c["kwargs"])
+        prompts.append(c["prompt"])
+        params.append(remask.SamplingParams(max_tokens=gen_length, block_length=block_length, decoder=config,
+                                            temperature=c["temperature"], seed=c["seed"]))
+    llm = remask.LLM(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        together = llm.generate(prompts, params, use_tqdm=False)
+        alone = [llm.generate([p], q, use_tqdm=False)[0] for p, q in zip(prompts[::-1], params[::-1])][::-1]
+    for c, a, b in zip(seeded, together, alone):
+        assert a.outputs[0].all_token_ids == b.outputs[0].all_token_ids == c["output_ids"][len(c["prompt"]):]
+    greedy = [daedal_generate(model, torch.tensor([c["prompt"]]), config=split(c["kwargs"])[0],
+                              gen_length=split(c["kwargs"])[1], block_length=split(c["kwargs"])[2])[0].tolist()
+              for c in CASES if "seed" in c]
+    assert sum(g != c["output_ids"] for g, c in zip(greedy, [c for c in CASES if "seed" in c])) >= len(greedy) // 2

@@ -34,6 +34,7 @@ from remask.models.spec import ModelSpec
 
 from ..families.llada import validate_block_args
 from ..parts.checks import check_choice, check_config, check_int, check_method_call, check_real
+from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.selection import schedule_counts
 from ..parts.stats import GenerationStats
 from ..parts.step import CommitRule, masked_canvas
@@ -135,22 +136,23 @@ def klass_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: KLASS | None =
     `ForwardRequest` per forward (the block and the next, against the whole canvas), a `Progress` after
     each; returns `[B, P + gen_length]`. `steps`: LLaDA's schedule (None: `gen_length`)."""
     config = check_config("decoder", config, KLASS, "a remask.KLASS")
-    if structure is not None:
-        raise ValueError("structured_outputs: KLASS's loop does not take a structure")
     steps = gen_length if steps is None else steps
     validate_block_args(gen_length, block_length, steps)
     spec, stats = check_method_call(spec, prompt, attention_mask, stats, mask_id=mask_id)
     x = masked_canvas(prompt, gen_length, spec.mask_id)
     decode_row = partial(_klass_row, config, spec, x, prompt.shape[1], steps * block_length // gen_length, block_length,
-                         stats)
+                         stats, (structure, end_ids_of(spec, end_ids)))
     return row_by_row(x, decode_row, attention_mask, stats, prompt.shape[0] * gen_length)
 
 
 @torch.no_grad()
 def _klass_row(config: KLASS, spec: Any, x: torch.Tensor, P: int, steps_per_block: int, block_length: int,
-               stats: GenerationStats, rows: slice, attention_mask: torch.Tensor | None) -> StepGenerator:
-    """The KLASS loop of `x[rows]`, one row alone (upstream's LLaDA loop is one row; its Dream fallback mixes rows)."""
+               stats: GenerationStats, structure: tuple[Any, list[int]], rows: slice,
+               attention_mask: torch.Tensor | None) -> StepGenerator:
+    """The KLASS loop of `x[rows]`, one row alone (upstream's LLaDA loop is one row; its Dream fallback mixes rows).
+    `structure`: (a compiled structure or None, its end ids), held by `parts/constrain.py`'s filter."""
     row, T, mask_id = x[rows], x.shape[1], spec.mask_id
+    constraint = CommitFilter.start(*structure, 1, mask_id, P, T - P)
     inputs = spec.forward_inputs(attention_mask, T)
     state = config.new_state()
     state.llada = not spec.logit_shift
@@ -161,8 +163,13 @@ def _klass_row(config: KLASS, spec: Any, x: torch.Tensor, P: int, steps_per_bloc
         while bool((block == mask_id).any()):
             state.budget = schedule[:, step] if schedule is not None and step < steps_per_block else None
             logits = yield ForwardRequest.call(row, inputs, spec=spec, rows=slice(start, hi))
+            if constraint is not None:   # the frontier masked before the rule scores (and keeps its KL memory)
+                logits, prior = constraint.mask_frontier(logits, start, start + block_length, 0), block.clone()
             commit, tokens = config.commit(block, logits, mask_id, state)
             block[commit] = tokens[commit]
+            if constraint is not None:   # keep what the structure accepts; an end token fills the rest
+                constraint.filter(row, prior, tokens, logits, start, start + block_length, 0)
+                commit = (prior == mask_id) & (block != mask_id)
             stats.forward(1, T)
             stats.step(commit.sum())
             step += 1

@@ -14,6 +14,9 @@ A method with its own loop, not a commit rule: a rule sees one block's logits an
 that block (in dInfer's loop, not LLaDA's schedule), while the exit reads positions past the block
 and commits the whole answer. Each row is decoded alone (upstream decodes one prompt), so a row
 stops at its own exit.
+
+Structured output (`structure`): LLaDA's block loop holds it (`parts/constrain.py`); the exit's fill is
+then held to it from the frontier on (`_hold_to_structure`), so the answer ends complete or as a valid prefix.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from remask.models.spec import ModelSpec
 from ..families.llada import BlockDecoder
 from ..parts.checks import (CombinationError, check_config, check_generator, check_instance, check_int,
                             check_model_kind, check_real, check_settings, check_stats, check_token_id)
+from ..parts.constrain import CommitFilter, advance_best
 from ..parts.scoring import score_rows
 from ..parts.selection import schedule_counts
 from ..parts.stats import GenerationStats
@@ -95,15 +99,15 @@ def prophet_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: Prophet | No
                   stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = ()) -> StepGenerator:
     """`prophet_generate` as a step generator (`diffusion/parts/stepper.py`), its arguments checked at the call."""
     config = check_config("config", config, Prophet, "a remask.Prophet")
-    if structure is not None:
-        raise CombinationError("structured_outputs with decoder=Prophet: its early exit fills every masked position "
-                               "at once, past what a structure lets one commit decide")
+    if structure is not None and config.constraints:
+        raise CombinationError("structured_outputs with Prophet(constraints=...): a pinned token the structure "
+                               "refuses could not be kept; pin tokens or give a structure, not both")
     stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     check_generator(generator, prompt.device)
     spec = spec.with_overrides(mask_id=mask_id)
     check_model_kind(spec, diffusion=True, entry="Prophet")
     decoder = BlockDecoder(spec, steps=steps, gen_length=gen_length, block_length=block_length, cfg_scale=cfg_scale,
-                           remasking=remasking)
+                           remasking=remasking, structure=structure, end_ids=end_ids)
     decoder.check_input(prompt, attention_mask)
     config.check_request(gen_length=gen_length)
     start, P = config.answer_start_pos, prompt.shape[1]
@@ -145,9 +149,24 @@ def _prophet_row(config: Prophet, decoder: BlockDecoder, canvas: torch.Tensor, s
             if bool(total / len(answer) >= config.threshold_at(step, steps)):
                 masked = (state.x[0] == mask_id).nonzero().flatten()
                 state.x[0, masked] = score_rows(logits[0], masked, exclude_id=mask_id)[0]
+                if state.constraint is not None:
+                    _hold_to_structure(state.constraint, state.x, logits[0])
                 stats.forward(2 if decoder.cfg_scale > 0 else 1, T)
                 stats.step(masked.numel())
                 break
         decoder.commit(state, logits, fed, generator, stats)
         yield Progress(state.x, decoder.num_final(state))
     return state.x
+
+
+def _hold_to_structure(constraint: CommitFilter, x: torch.Tensor, logits: torch.Tensor) -> None:
+    """The exit's fill `x` `[1, T]` under a structure: from the frontier on, each position keeps its token (the
+    argmax where it was masked) while the structure accepts it, else takes the best token it allows (the masked
+    argmax of `logits` `[T, V]`); the matcher then consumes the answer (an end token fills the rest)."""
+    matcher, start = constraint.matchers[0].clone(), constraint.frontier(0)
+    for position in range(start, constraint.answer_start + constraint.answer_len):
+        if matcher.ended:
+            break
+        if not matcher.try_advance(int(x[0, position])):
+            x[0, position] = advance_best(matcher, logits[position].float(), fallback=True)
+    constraint.sync(x)

@@ -51,15 +51,16 @@ def score_rows(logits: torch.Tensor, rows: torch.Tensor | None = None, *, temper
 
 
 def gumbel_max_scores(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None,
-                      noise: torch.Tensor | None = None) -> torch.Tensor:
+                      noise: torch.Tensor | None = None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """LLaDA's float64 Gumbel-max score ``exp(l) / (-log u)^T`` (argmax: a sample of softmax(l/T)), `logits` at T=0;
-    `noise`: injected float64 uniforms, else drawn as the reference's ``torch.rand_like(..., dtype=float64)``."""
+    `noise`: injected uniforms, else drawn as the reference's ``torch.rand_like(..., dtype=float64)``. `dtype`: the
+    score's and the draw's (DAEDAL's reference: float32)."""
     logits = full_logits(logits)
     if temperature == 0:
         return logits
-    logits = logits.to(torch.float64)
+    logits = logits.to(dtype)
     if noise is None:
-        noise = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+        noise = torch.rand(logits.shape, dtype=dtype, device=logits.device, generator=generator)
     return logits.exp() / (-torch.log(noise)) ** temperature
 
 
@@ -201,14 +202,15 @@ def score_tokens(logits: torch.Tensor, *, temperature: float = 0.0, mode: str = 
                  top_p: float | None = None, top_k: int | None = None, suppress_ids: Sequence[int] | None = None,
                  zero_prob_ids: Sequence[int] | None = None, softmax_dtype: torch.dtype | None = None,
                  exclude_id: int | None = None, generator: torch.Generator | None = None,
-                 noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 noise: torch.Tensor | None = None, noise_dtype: torch.dtype = torch.float64
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x0 (int64) and its confidence per row of `logits` `[..., V]` (module docstring). `mode`: ``"prob"`` (p(x0)),
     ``"margin"`` (p1 − p2), ``"neg_entropy"`` (Σ p log p); `top_p`/`top_k`: the categorical sampler's. `suppress_ids`:
     −inf logits first (``logits_eos_inf``); `zero_prob_ids`: −inf *after* the argmax, before the confidence softmax
     (LLaDA's ``confidence_eos_eot_inf`` as implemented). `softmax_dtype`: the gumbel confidence's (None: the logits',
     as LLaDA; Fast-dLLM: float64). `exclude_id` (the mask token) is replaced only where the reference would choose it,
     by the best other token (the noisy runner-up / the most probable other) with its confidence: all else is the
-    reference's, bit for bit. `noise` injects the Gumbel uniforms."""
+    reference's, bit for bit. `noise` injects the Gumbel uniforms; `noise_dtype`: the Gumbel score's dtype."""
     if mode not in CONFIDENCE_MODES:
         raise ValueError(f"mode must be one of {list(CONFIDENCE_MODES)}, got {mode!r}")
     # The reference formulations need whole rows (their noise is drawn over [.., V]): gathered here.
@@ -219,7 +221,7 @@ def score_tokens(logits: torch.Tensor, *, temperature: float = 0.0, mode: str = 
     if sampler == "gumbel":
         if top_p is not None or top_k is not None:
             raise ValueError("top_p/top_k apply to sampler='categorical' only")
-        scores = gumbel_max_scores(logits, temperature, generator, noise)
+        scores = gumbel_max_scores(logits, temperature, generator, noise, noise_dtype)
         x0 = _avoid(torch.argmax(scores, dim=-1), scores, exclude_id)
         if zero_prob_ids:
             logits = logits.clone()
