@@ -19,7 +19,7 @@ from transformers.utils import ModelOutput
 from remask.kernels import unmask
 from remask.models.parallel import full_logits
 
-from .llada import BlockwiseDecoder, block_forwards
+from .llada import BlockwiseDecoder, block_forwards, validate_block_args
 from ..parts.sparse import BlockMaskForward, SparseConfig
 from ..parts.checks import check_bool, check_choice, check_int, check_optional_token_id, check_real
 from ..parts.constrain import CommitFilter, end_ids_of
@@ -79,12 +79,8 @@ class DreamGenerationConfig:
 
 
 def check_block_layout(gen_length: int, block_length: int, steps: int) -> None:
-    """The block decoder's layout: whole blocks, and as many steps in each."""
-    if gen_length % block_length:
-        raise ValueError(f"the generation length ({gen_length}) must be divisible by block_length ({block_length})")
-    if steps % (gen_length // block_length):
-        raise ValueError(f"steps ({steps}) must be divisible by the number of blocks "
-                         f"(generation length / block_length = {gen_length // block_length})")
+    """The block decoder's layout: whole blocks, and as many steps in each (LLaDA's check)."""
+    validate_block_args(gen_length, block_length, steps, "the generation length")
 
 
 def _validate_config(config: DreamGenerationConfig, spec) -> None:

@@ -45,16 +45,18 @@ FAST_DLLM_PRECISION = Precision(softmax=torch.float64, random=torch.float64)  # 
 FAST_DLLM_FACTOR_PRECISION = Precision(softmax=torch.float64, random=torch.float32)  # ..._dynamic
 
 
-def validate_block_args(gen_length: int, block_length: int, steps: int) -> tuple[int, int]:
-    """Return (num_blocks, steps_per_block) or raise a ValueError naming the bad parameter."""
-    for name, value in (("gen_length", gen_length), ("block_length", block_length), ("steps", steps)):
+def validate_block_args(gen_length: int, block_length: int, steps: int, length: str = "gen_length"
+                        ) -> tuple[int, int]:
+    """Return (num_blocks, steps_per_block) or raise a ValueError naming the bad parameter (`length`: the name
+    of the generation length, Dream's "the generation length")."""
+    for name, value in ((length, gen_length), ("block_length", block_length), ("steps", steps)):
         check_int(name, value, minimum=1)
     if gen_length % block_length:
-        raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
+        raise ValueError(f"{length} ({gen_length}) must be divisible by block_length ({block_length})")
     num_blocks = gen_length // block_length
     if steps % num_blocks:
         raise ValueError(f"steps ({steps}) must be divisible by the number of blocks "
-                         f"gen_length/block_length = {num_blocks}")
+                         f"({length} / block_length = {num_blocks})")
     return num_blocks, steps // num_blocks
 
 
