@@ -34,11 +34,33 @@ def structure_for_call(structured_outputs: Any, model: Any, tokenizer: Any, mask
     return structure
 
 
-def end_ids_or_refuse(end_ids: Sequence[int], what: str) -> list[int]:
-    ids = sorted({int(i) for i in end_ids if i is not None})
+def end_ids_or_refuse(end_ids: Any, what: str) -> list[int]:
+    """The sorted end ids of `end_ids` (one id, a sequence, or None); refused when there is none (`what`: why)."""
+    ids = sorted({int(i) for i in ([end_ids] if isinstance(end_ids, int) else end_ids or []) if i is not None})
     if not ids:
         raise ValueError(f"structured_outputs needs an end token: {what}")
     return ids
+
+
+class Constrainable:
+    """A decoder's structured output, shared by the block loops, APD and the canvas loop: `constrain` sets the
+    compiled structure and the ids that end an answer (allowed only where it is complete)."""
+
+    structure: Any = None   # a `remask.structured.CompiledStructure`, or None
+    end_ids: tuple = ()
+
+    def _default_end_ids(self) -> tuple[Any, str]:
+        """(the end ids when `constrain` is given none, why a decoder without any has none)."""
+        raise NotImplementedError
+
+    def constrain(self, structure: Any, end_ids: Any = None) -> Any:
+        """Hold the answers to `structure` (None: off); `end_ids` (default: the decoder's, `_default_end_ids`) end
+        an answer where it is complete. Returns the decoder."""
+        self.structure = structure
+        if structure is not None:
+            default, missing = self._default_end_ids()
+            self.end_ids = tuple(end_ids_or_refuse(default if end_ids is None else end_ids, missing))
+        return self
 
 
 def mask_frontier_rows(constraint: CommitFilter, logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
