@@ -72,23 +72,16 @@ def generate(model: torch.nn.Module, inputs: Any = None, temperature: float = 0.
         check_rule_on_loop(decoder, "LLaDA2", temperature=temperature, replaces="threshold rule and schedule",
                            unread=unread_settings({name: kwargs[name] for name in RULE_UNREAD}, RULE_UNREAD))
     decoder = LLaDA2Decoder(decoder, **kwargs)
-    if structured_outputs is not None:
-        from remask.diffusion.parts.constrain_loops import compile_for
-
-        decoder.constrain(compile_for(structured_outputs, model, tokenizer, mask_id))
-        decoder.structure.check_budget(gen_length)
+    decoder.structured(structured_outputs, model, tokenizer, gen_length)
     if torch.is_tensor(input_ids):
         check_generator(generator, input_ids.device)
         vocab = getattr(config, "vocab_size", None)
         if vocab is not None and input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
             raise ValueError(f"inputs: token ids must be in [0, {vocab})")
     model.eval()
-    state = decoder.start(model, input_ids)
     if stats is not None:
         stats.start()
-    while not state.done:
-        decoder.step(model, state, generator, stats)
-    out = decoder.output(state)
+    out = decoder.output(decoder.run(model, input_ids, generator, stats))
     if stats is not None:
         stats.stop(int(out.shape[1]))
     return out
