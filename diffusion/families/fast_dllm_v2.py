@@ -328,15 +328,8 @@ class FastDLLMV2Decoder(BlockLoop):
     def _fd_forwards(self, state: FastDLLMV2State, blocks: torch.Tensor
                      ) -> Generator[ForwardRequest, Any, torch.Tensor]:
         """Shifted logits `[K, L, V]` of K versions of the current block, each as the loop's own forward."""
-        K, L = blocks.shape
-        start, end = self._span(state)
-        if not self.use_cache:
-            seqs = state.x[:, :end].repeat(K, 1)
-            seqs[:, start:end] = blocks
-            logits = yield ForwardRequest.call(seqs, {}, rows=slice(start, None), rows_alone=K > 1)
-        else:
-            logits = yield self._block_rows(state, blocks, False)
-        return shift_logits(logits)
+        request = self._block_rows(state, blocks, False) if self.use_cache else self._sequence_request(state, blocks, {})
+        return shift_logits((yield request))
 
     def _fd_committed(self, state: FastDLLMV2State) -> None:
         if self._stop_reached(state):   # generate's stop: a stop with no mask before it
