@@ -21,7 +21,7 @@ from ..parts.cache import BlockForward, cache_mode, valid_positions
 from ..parts.checks import (CombinationError, check_bool, check_callable, check_choice, check_generator, check_instance,
                             check_int, check_length, check_mask_id, check_prompt, check_real, check_stats,
                             check_token_id, warn_if_longer_than_trained, warn_if_padded_without_mask)
-from ..parts.constrain import CommitFilter, end_ids_of
+from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.scoring import score_rows, score_tokens
 from ..parts.selection import frechet_profile_counts, schedule_counts, topk_commit
 from ..parts.stats import GenerationStats
@@ -319,10 +319,8 @@ class BlockDecoder(BlockwiseDecoder):
             rule = replace(rule, threshold=threshold)
         state.iter_no += 1
         block, block_logits = x[:, start:end], logits[:, start - fed:end - fed]
-        constraint = state.constraint
-        if constraint is not None:   # the frontier masked before the rule scores (parts/constrain.py)
-            block_logits = constraint.mask_frontier(block_logits, start, end, 0)
-            prior = block.clone()
+        constraint = state.constraint   # the frontier masked before the rule scores (parts/constrain.py)
+        block_logits, prior = before_rule(constraint, block_logits, block, start, end, 0)
         commit, tokens = rule.commit(block, block_logits, mask_id, state.rule_state)
         block[commit] = tokens[commit]
         if constraint is not None:   # keep what the structure accepts, advance the matchers
@@ -373,10 +371,8 @@ class BlockDecoder(BlockwiseDecoder):
             stats.forward(B * (2 if self.cfg_scale > 0 else 1), L, state.forwards.cache_nbytes)
         local = start - fed   # the block's first row within the logits
         constraint = state.constraint
-        if constraint is not None:
-            # the first undecided position's logits hold only what the structure allows (before the rule)
-            logits = constraint.mask_frontier(logits, start, end, local)
-            prior = block_x.clone()
+        # the first undecided position's logits hold only what the structure allows (before the rule)
+        logits, prior = before_rule(constraint, logits, block_x, start, end, local)
         if self.reference_sampling and self.mode == "prefix" and state.step > 0 and self.frechet_margin is None:
             # Fast-dLLM v1's prefix loop draws (and discards) one extra noise tensor per cached step (Fast-dLLM++'s,
             # whose loop `frechet_margin` follows, does not).

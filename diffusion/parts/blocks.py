@@ -16,8 +16,8 @@ from transformers.cache_utils import DynamicCache
 from remask.caches.block import BlockBatch, BlockKVCache
 
 from .checks import check_block_within_context, check_steps, check_table
-from .constrain import CommitFilter
-from .constrain_loops import Constrainable, mask_frontier_rows, structure_for_call
+from .constrain import CommitFilter, before_rule
+from .constrain_loops import Constrainable, structure_for_call
 from .drafts import DraftVerify, Drafts, check_block_decoder, split_freedave
 from .rules import check_rule_on_loop, commit_block, is_rule
 from .scoring import sample_categorical
@@ -194,13 +194,6 @@ class BlockLoop(Constrainable, ForwardThenCommit):
             return None
         return CommitFilter([self.structure.matcher(self.end_ids)], self.mask_id, prompt_length, answer_len)
 
-    def _constrain_before(self, state: Any, logits: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, Any]:
-        """Structured output, before the rule on the window `x[start:end]`: the frontier's logits masked; the window
-        as it was (None without a structure)."""
-        if state.constraint is None:
-            return logits, None
-        return mask_frontier_rows(state.constraint, logits, start, end), state.x[:, start:end].clone()
-
     def _sequence_request(self, state: Any, blocks: torch.Tensor, inputs: dict) -> ForwardRequest:
         """Without a cache: K versions `blocks` `[K, L]` of the current block, each its own forward of the sequence
         up to the block's end (`inputs` expanded to K rows), the block's rows wanted, linears as alone."""
@@ -370,7 +363,7 @@ class StoreKVLoop(BlockLoop):
         start, end = self._span(state)
         block = state.x[:, start:end]   # a view: commits write into x
         masked = block == self.mask_id
-        logits, prior = self._constrain_before(state, logits, start, end)
+        logits, prior = before_rule(state.constraint, logits, block, start, end, 0)
         if self.rule is not None:
             tokens, change = None, self._rule_commit(state, block, logits, stats)
         else:

@@ -173,6 +173,15 @@ class CommitFilter:
         return gained
 
 
+def before_rule(constraint: CommitFilter | None, logits: torch.Tensor, window: torch.Tensor, start: int, end: int,
+                local: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Before a rule commits into `window` (`x[:, start:end]`): the logits with each row's frontier masked
+    (`CommitFilter.mask_frontier`), and the window as it was for `filter`; (logits, None) without a structure."""
+    if constraint is None:
+        return logits, None
+    return constraint.mask_frontier(logits, start, end, local), window.clone()
+
+
 class _Rows:
     """`logits[b, r]` of a step's logits as whole-vocabulary rows, gathered on first use."""
 

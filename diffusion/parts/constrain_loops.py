@@ -65,13 +65,7 @@ class Constrainable:
 
 def mask_frontier_rows(constraint: CommitFilter, logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """`logits` `[K, L, V]` of K versions of the window `[start, end)`, each one's frontier row masked (a copy)."""
-    matcher = constraint.matchers[0]
-    f = constraint.frontier(0)
-    if matcher.ended or not start <= f < end or f - start >= logits.shape[1]:
-        return logits
-    logits = full_logits(logits).clone()
-    logits[:, f - start] = matcher.mask_logits(logits[:, f - start])
-    return logits
+    return constraint.rows([0] * logits.shape[0]).mask_frontier(logits, start, end, 0)
 
 
 def filter_block(constraint: CommitFilter, x: torch.Tensor, prior: torch.Tensor, x0: torch.Tensor | None,
