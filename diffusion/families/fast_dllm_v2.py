@@ -329,8 +329,9 @@ class FastDLLMV2Decoder(BlockLoop):
     def _fd_forwards(self, state: FastDLLMV2State, blocks: torch.Tensor
                      ) -> Generator[ForwardRequest, Any, torch.Tensor]:
         """Shifted logits `[K, L, V]` of K versions of the current block, each as the loop's own forward."""
-        request = self._block_rows(state, blocks, False) if self.use_cache else self._sequence_request(state, blocks, {})
-        return shift_logits((yield request))
+        if self.use_cache:
+            return shift_logits((yield self._block_rows(state, blocks, False)))
+        return shift_logits((yield self._sequence_request(state, blocks, {})))
 
     def _fd_committed(self, state: FastDLLMV2State) -> None:
         if self._stop_reached(state):   # generate's stop: a stop with no mask before it

@@ -43,9 +43,8 @@ class CommitFilter:
         """A filter of `batch` fresh matchers of `structure` (a `CompiledStructure`), None without one."""
         if structure is None:
             return None
-        end_ids = [int(i) for i in end_ids if 0 <= int(i) < structure.vocab_size]   # ids the model has
-        if not end_ids:
-            raise ValueError("structured_outputs needs an end token: the model spec has no eos_id; pass eos_id")
+        end_ids = end_ids_or_refuse([i for i in end_ids if 0 <= int(i) < structure.vocab_size],   # ids the model has
+                                    "the model spec has no eos_id; pass eos_id")
         return cls([structure.matcher(end_ids) for _ in range(batch)], mask_id, answer_start, answer_len)
 
     def rows(self, index: Sequence[int]) -> "CommitFilter":
@@ -206,6 +205,14 @@ def advance_best(matcher: Any, logits_row: torch.Tensor, limit: int | None = Non
     ok = matcher.try_advance(token)
     assert ok, "structured output: the allowed mask and the matcher disagree"
     return token
+
+
+def end_ids_or_refuse(end_ids: Any, what: str) -> list[int]:
+    """The sorted end ids of `end_ids` (one id, a sequence, or None); refused when there is none (`what`: why)."""
+    ids = sorted({int(i) for i in ([end_ids] if isinstance(end_ids, int) else end_ids or []) if i is not None})
+    if not ids:
+        raise ValueError(f"structured_outputs needs an end token: {what}")
+    return ids
 
 
 def end_ids_of(spec: Any, extra: Sequence[int] = ()) -> list[int]:

@@ -11,7 +11,7 @@ import torch
 
 from remask.models.parallel import full_logits
 
-from .constrain import CommitFilter, advance_best
+from .constrain import CommitFilter, advance_best, end_ids_or_refuse
 
 
 def compile_for(structured_outputs: Any, model: Any, tokenizer: Any, mask_id: int | None) -> Any:
@@ -32,14 +32,6 @@ def structure_for_call(structured_outputs: Any, model: Any, tokenizer: Any, mask
     if structure is not None:
         structure.check_budget(max_tokens)
     return structure
-
-
-def end_ids_or_refuse(end_ids: Any, what: str) -> list[int]:
-    """The sorted end ids of `end_ids` (one id, a sequence, or None); refused when there is none (`what`: why)."""
-    ids = sorted({int(i) for i in ([end_ids] if isinstance(end_ids, int) else end_ids or []) if i is not None})
-    if not ids:
-        raise ValueError(f"structured_outputs needs an end token: {what}")
-    return ids
 
 
 class Constrainable:
