@@ -40,6 +40,7 @@ from remask.models.parallel import full_logits
 from remask.models.spec import ModelSpec, get_spec
 
 from ..parts.checks import NoWorkBound, check_bool, check_int, check_real, model_device
+from ..parts.constrain_loops import Constrainable, draft_under
 from ..parts.scoring import filter_logits, gumbel_max_scores
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
@@ -155,7 +156,7 @@ class APDState:
     matcher: Any = None                   # structured output: the answer's matcher (`APDDecoder.constrain`)
 
 
-class APDDecoder:
+class APDDecoder(Constrainable):
     """APD as a state and a round (one sequence at a time, as the reference): each `round` is a
     step generator of two forwards (dLLM draft, verifier score) that accepts the longest agreeing
     prefix; `apd_steps` runs the rounds. Tokens accepted are final."""
@@ -173,21 +174,11 @@ class APDDecoder:
             raise ValueError(f"the dLLM's eos_id {spec.eos_id} is outside the shared vocabulary [0, {self.vocab}) of "
                              f"the dLLM and the verifier; APD needs a verifier that shares the dLLM's tokenizer")
 
-    structure: Any = None   # structured output (`constrain`)
-    end_ids: tuple = ()
-
-    def constrain(self, structure: Any, end_ids: Any = None) -> "APDDecoder":
-        """Hold the answer to `structure` (`diffusion/parts/constrain_loops.py`): every draft is drawn
-        from scores masked by a clone that walked the drafts before it, the accepted run is cut at
-        the first token the matcher refuses and consumed; `end_ids` (default: the dLLM's EOS, APD's
-        stop) are allowed only where the structure is complete. Returns the decoder."""
-        from ..parts.constrain_loops import end_ids_or_refuse
-
-        self.structure = structure
-        if structure is not None:
-            self.end_ids = tuple(end_ids_or_refuse([self.spec.eos_id] if end_ids is None else end_ids,
-                                                   "the dLLM's spec has no eos_id"))
-        return self
+    def _default_end_ids(self) -> tuple[Any, str]:
+        """Structured output (`constrain`): every draft is drawn from scores masked by a clone that walked the
+        drafts before it, the accepted run is cut at the first token the matcher refuses and consumed; the answer
+        ends at the dLLM's EOS (APD's stop)."""
+        return [self.spec.eos_id], "the dLLM's spec has no eos_id"
 
     def check_input(self, prompt: torch.Tensor) -> None:
         if prompt.shape[0] != 1:
@@ -246,8 +237,6 @@ class APDDecoder:
         if state.matcher is None:
             draft = _shared_argmax(scores, vocab)
         else:   # the same scores, each draft masked by the lookahead over the drafts before it
-            from ..parts.constrain_loops import draft_under
-
             draft = draft_under(state.matcher, scores, vocab)
         # The verifier scores the draft: the whole prefix the first time, then only the draft.
         # A model of its own (`module`): the request runs alone, its whole output wanted (the cache).

@@ -25,7 +25,7 @@ from remask.models.hf_compat import output_cache, with_cache_field
 
 from ..parts.checks import (MAX_LOOP_STEPS, check_at_most, check_bool, check_choice, check_generator, check_instance,
                             check_int, check_real, check_stats, check_table)
-from ..parts.constrain_loops import compile_for, constrain_canvas, end_ids_or_refuse
+from ..parts.constrain_loops import Constrainable, compile_for, constrain_canvas
 from ..parts.scoring import draw_categorical, draw_seed
 from ..parts.selection import entropy_bound_accept
 from ..parts.protocol import Decoder
@@ -228,7 +228,7 @@ class CanvasState:
         return torch.cat([self.input_ids, self.argmax_canvas], dim=-1)
 
 
-class CanvasDecoder(Decoder):
+class CanvasDecoder(Constrainable, Decoder):
     """The canvas loop as a decoder: a step denoises every row (one decoder forward, plus the encoder's
     when it opens a canvas). `config`: a resolved `DiffusionGemmaGenerationConfig`; `prompt_cache`:
     a `remask.caches.PromptCache` (single unpadded rows take the prompt's cache)."""
@@ -255,19 +255,10 @@ class CanvasDecoder(Decoder):
         self.entropy_bound = config.sampler_config.entropy_bound
         self.prompt_cache = prompt_cache
 
-    structure: Any = None   # structured output (`constrain`)
-    end_ids: tuple = ()
-
-    def constrain(self, structure: Any, end_ids: Any = None) -> "CanvasDecoder":
-        """Hold every row's answer to `structure` (`constrain_loops.constrain_canvas`: the committed
-        canvas renoised from its first refused position, the argmax canvas valid at every step).
-        `end_ids` (default: the config's EOS ids) only where it is complete. Returns the decoder."""
-        self.structure = structure
-        if structure is not None:
-            ids = self.eos_ids if end_ids is None else end_ids
-            ids = [ids] if isinstance(ids, int) else list(ids or [])
-            self.end_ids = tuple(end_ids_or_refuse(ids, "the generation config has no eos_token_id"))
-        return self
+    def _default_end_ids(self) -> tuple[Any, str]:
+        """Structured output (`constrain`; `constrain_loops.constrain_canvas`: the committed canvas renoised from
+        its first refused position, the argmax canvas valid at every step) ends at the config's EOS ids."""
+        return self.eos_ids, "the generation config has no eos_token_id"
 
     def num_final(self, state: CanvasState) -> int:
         """Generated positions that are final: those of finished canvases."""

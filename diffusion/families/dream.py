@@ -19,10 +19,10 @@ from transformers.utils import ModelOutput
 from remask.kernels import unmask
 from remask.models.parallel import full_logits
 
-from .llada import BlockwiseDecoder, block_forwards
+from .llada import BlockwiseDecoder, block_forwards, validate_block_args
 from ..parts.sparse import BlockMaskForward, SparseConfig
 from ..parts.checks import check_bool, check_choice, check_int, check_optional_token_id, check_real
-from ..parts.constrain import CommitFilter, end_ids_of
+from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.scoring import score_rows, score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest, ForwardThenCommit
@@ -79,12 +79,8 @@ class DreamGenerationConfig:
 
 
 def check_block_layout(gen_length: int, block_length: int, steps: int) -> None:
-    """The block decoder's layout: whole blocks, and as many steps in each."""
-    if gen_length % block_length:
-        raise ValueError(f"the generation length ({gen_length}) must be divisible by block_length ({block_length})")
-    if steps % (gen_length // block_length):
-        raise ValueError(f"steps ({steps}) must be divisible by the number of blocks "
-                         f"(generation length / block_length = {gen_length // block_length})")
+    """The block decoder's layout: whole blocks, and as many steps in each (LLaDA's check)."""
+    validate_block_args(gen_length, block_length, steps, "the generation length")
 
 
 def _validate_config(config: DreamGenerationConfig, spec) -> None:
@@ -256,10 +252,8 @@ class DreamDecoder(_DreamParts, ForwardThenCommit):
         positions = mask_index.reshape(-1).nonzero().squeeze(1)
         before = mask_index.sum()
         constraint, P, T = state.constraint, state.prompt_len, x.shape[1]
-        if constraint is not None:
-            # the answer is the window: its first undecided position holds only what the structure allows
-            logits = constraint.mask_frontier(logits, P, T, P - fed)
-            prior = x[:, P:].clone()
+        # the answer is the window: its first undecided position holds only what the structure allows
+        logits, prior = before_rule(constraint, logits, x[:, P:], P, T, P - fed)
         # past the schedule (the filter left holes): every mask committed, the filter keeps what it accepts
         past = constraint is not None and i >= state.steps
         last = i == state.steps - 1
@@ -350,9 +344,7 @@ class DreamBlockDecoder(_DreamParts, BlockwiseDecoder):
         before = block_mask.sum()
         if stats is not None:
             stats.forward(B, logits.shape[1], state.forwards.cache_nbytes)
-        if constraint is not None:
-            logits = constraint.mask_frontier(logits, start, end, local)
-            prior = block_x.clone()
+        logits, prior = before_rule(constraint, logits, block_x, start, end, local)
         refresh = state.step == 0
         if refresh:   # the block's full forward commits its first position unconditionally
             proposal = torch.full_like(block_x, mask_id)

@@ -35,6 +35,7 @@ from remask.models.fast_dllm_v2 import RowBatch
 from ..parts.blocks import BlockLoop, check_block_settings, check_prompt, engine_part, engine_settings
 from ..parts.checks import (ParameterTypeError, check_bool, check_choice, check_generator, check_int, check_ints,
                             check_real, check_stats)
+from ..parts.constrain import before_rule
 from ..parts.constrain_loops import filter_block, next_token, structure_for_call
 from ..parts.scoring import sample_categorical
 from ..parts.stats import GenerationStats
@@ -257,7 +258,7 @@ class FastDLLMV2Decoder(BlockLoop):
         window = (state.block_start + state.sub_block * S, state.block_start + (state.sub_block + 1) * S)
         sub = state.x[:, window[0]:window[1]]
         masked = sub == self.mask_id
-        logits, prior = self._constrain_before(state, logits, *window)
+        logits, prior = before_rule(state.constraint, logits, sub, *window, 0)
         tokens, token_probs, _ = choose_tokens(logits, self.top_p, self.temperature, self.mask_id, generator)
         commit = select_to_commit(token_probs, masked, self.threshold)
         sub[commit] = tokens[commit]
@@ -328,15 +329,9 @@ class FastDLLMV2Decoder(BlockLoop):
     def _fd_forwards(self, state: FastDLLMV2State, blocks: torch.Tensor
                      ) -> Generator[ForwardRequest, Any, torch.Tensor]:
         """Shifted logits `[K, L, V]` of K versions of the current block, each as the loop's own forward."""
-        K, L = blocks.shape
-        start, end = self._span(state)
-        if not self.use_cache:
-            seqs = state.x[:, :end].repeat(K, 1)
-            seqs[:, start:end] = blocks
-            logits = yield ForwardRequest.call(seqs, {}, rows=slice(start, None), rows_alone=K > 1)
-        else:
-            logits = yield self._block_rows(state, blocks, False)
-        return shift_logits(logits)
+        if self.use_cache:
+            return shift_logits((yield self._block_rows(state, blocks, False)))
+        return shift_logits((yield self._sequence_request(state, blocks, {})))
 
     def _fd_committed(self, state: FastDLLMV2State) -> None:
         if self._stop_reached(state):   # generate's stop: a stop with no mask before it

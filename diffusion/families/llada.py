@@ -21,7 +21,7 @@ from ..parts.cache import BlockForward, cache_mode, valid_positions
 from ..parts.checks import (CombinationError, check_bool, check_callable, check_choice, check_generator, check_instance,
                             check_int, check_length, check_mask_id, check_prompt, check_real, check_stats,
                             check_token_id, warn_if_longer_than_trained, warn_if_padded_without_mask)
-from ..parts.constrain import CommitFilter, end_ids_of
+from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.scoring import score_rows, score_tokens
 from ..parts.selection import frechet_profile_counts, schedule_counts, topk_commit
 from ..parts.stats import GenerationStats
@@ -45,16 +45,18 @@ FAST_DLLM_PRECISION = Precision(softmax=torch.float64, random=torch.float64)  # 
 FAST_DLLM_FACTOR_PRECISION = Precision(softmax=torch.float64, random=torch.float32)  # ..._dynamic
 
 
-def validate_block_args(gen_length: int, block_length: int, steps: int) -> tuple[int, int]:
-    """Return (num_blocks, steps_per_block) or raise a ValueError naming the bad parameter."""
-    for name, value in (("gen_length", gen_length), ("block_length", block_length), ("steps", steps)):
+def validate_block_args(gen_length: int, block_length: int, steps: int, length: str = "gen_length"
+                        ) -> tuple[int, int]:
+    """Return (num_blocks, steps_per_block) or raise a ValueError naming the bad parameter (`length`: the name
+    of the generation length, Dream's "the generation length")."""
+    for name, value in ((length, gen_length), ("block_length", block_length), ("steps", steps)):
         check_int(name, value, minimum=1)
     if gen_length % block_length:
-        raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
+        raise ValueError(f"{length} ({gen_length}) must be divisible by block_length ({block_length})")
     num_blocks = gen_length // block_length
     if steps % num_blocks:
         raise ValueError(f"steps ({steps}) must be divisible by the number of blocks "
-                         f"gen_length/block_length = {num_blocks}")
+                         f"({length} / block_length = {num_blocks})")
     return num_blocks, steps // num_blocks
 
 
@@ -317,10 +319,8 @@ class BlockDecoder(BlockwiseDecoder):
             rule = replace(rule, threshold=threshold)
         state.iter_no += 1
         block, block_logits = x[:, start:end], logits[:, start - fed:end - fed]
-        constraint = state.constraint
-        if constraint is not None:   # the frontier masked before the rule scores (parts/constrain.py)
-            block_logits = constraint.mask_frontier(block_logits, start, end, 0)
-            prior = block.clone()
+        constraint = state.constraint   # the frontier masked before the rule scores (parts/constrain.py)
+        block_logits, prior = before_rule(constraint, block_logits, block, start, end, 0)
         commit, tokens = rule.commit(block, block_logits, mask_id, state.rule_state)
         block[commit] = tokens[commit]
         if constraint is not None:   # keep what the structure accepts, advance the matchers
@@ -366,10 +366,8 @@ class BlockDecoder(BlockwiseDecoder):
             stats.forward(B * (2 if self.cfg_scale > 0 else 1), L, state.forwards.cache_nbytes)
         local = start - fed   # the block's first row within the logits
         constraint = state.constraint
-        if constraint is not None:
-            # the first undecided position's logits hold only what the structure allows (before the rule)
-            logits = constraint.mask_frontier(logits, start, end, local)
-            prior = block_x.clone()
+        # the first undecided position's logits hold only what the structure allows (before the rule)
+        logits, prior = before_rule(constraint, logits, block_x, start, end, local)
         if self.reference_sampling and self.mode == "prefix" and state.step > 0 and self.frechet_margin is None:
             # Fast-dLLM v1's prefix loop draws (and discards) one extra noise tensor per cached step (Fast-dLLM++'s,
             # whose loop `frechet_margin` follows, does not).

@@ -16,8 +16,8 @@ from transformers.cache_utils import DynamicCache
 from remask.caches.block import BlockBatch, BlockKVCache
 
 from .checks import check_block_within_context, check_steps, check_table
-from .constrain import CommitFilter
-from .constrain_loops import end_ids_or_refuse, mask_frontier_rows
+from .constrain import CommitFilter, before_rule
+from .constrain_loops import Constrainable
 from .drafts import DraftVerify, Drafts, check_block_decoder, split_freedave
 from .rules import check_rule_on_loop, commit_block, is_rule
 from .scoring import sample_categorical
@@ -142,14 +142,12 @@ def engine_part(params: Any, family: str, field: str, settings: dict, rule_setti
     return split_freedave(params.decoder, rules=rule_settings is not None)
 
 
-class BlockLoop(ForwardThenCommit):
+class BlockLoop(Constrainable, ForwardThenCommit):
     """A block-causal family's loop as a `ForwardThenCommit`: the family's `_loop_forward` returns `(logits, kind)`
     (which forward it was, for its `_loop_commit`); `_settle(state)`: the moves that take no forward, made before
     each forward. With `drafts` (FreeDave) the part forwards and commits inside a block, the loop around it."""
 
-    structure: Any = None   # structured output: a `remask.structured.CompiledStructure` (`constrain`)
-    end_ids: tuple = ()
-    stop_ids: list = []     # the loop's stop ids: a structure's default end ids
+    stop_ids: list = []     # the loop's stop ids: a structured output's default end ids (`constrain`)
     rule: Any = None     # the commit part: one of dInfer's rules (`StoreKVLoop`), ...
     drafts: Any = None   # ... or FreeDave's draft-verify (`DraftVerify`); neither: the family's own rule
     takes_rules = False
@@ -186,14 +184,9 @@ class BlockLoop(ForwardThenCommit):
     def _fd_block_done(self, state: Any) -> None:
         """After draft-verify filled the block (default: the loop's next step stores it and moves on)."""
 
-    def constrain(self, structure: Any, end_ids: Any = None) -> "BlockLoop":
-        """Hold every answer to `structure` (`parts/constrain_loops.py`; the current block is the filter's window);
-        `end_ids` (default: the loop's stop ids) end it where it is complete. Returns the decoder."""
-        self.structure = structure
-        if structure is not None:
-            self.end_ids = tuple(end_ids_or_refuse(self.stop_ids if end_ids is None else end_ids,
-                                                   "the loop has no stop id (pass one)"))
-        return self
+    def _default_end_ids(self) -> tuple[Any, str]:
+        """A structure's answer ends at the loop's stop ids; the current block is the filter's window."""
+        return self.stop_ids, "the loop has no stop id (pass one)"
 
     def _constraint(self, prompt_length: int, answer_len: int) -> Any:
         """A new state's commit filter (None without a structure)."""
@@ -201,12 +194,15 @@ class BlockLoop(ForwardThenCommit):
             return None
         return CommitFilter([self.structure.matcher(self.end_ids)], self.mask_id, prompt_length, answer_len)
 
-    def _constrain_before(self, state: Any, logits: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, Any]:
-        """Structured output, before the rule on the window `x[start:end]`: the frontier's logits masked; the window
-        as it was (None without a structure)."""
-        if state.constraint is None:
-            return logits, None
-        return mask_frontier_rows(state.constraint, logits, start, end), state.x[:, start:end].clone()
+    def _sequence_request(self, state: Any, blocks: torch.Tensor, inputs: dict) -> ForwardRequest:
+        """Without a cache: K versions `blocks` `[K, L]` of the current block, each its own forward of the sequence
+        up to the block's end (`inputs` expanded to K rows), the block's rows wanted, linears as alone."""
+        K = blocks.shape[0]
+        start, end = self._span(state)
+        seqs = state.x[:, :end].repeat(K, 1)
+        seqs[:, start:end] = blocks
+        return ForwardRequest.call(seqs, {name: value.expand(K, *value.shape[1:]) for name, value in inputs.items()},
+                                   rows=slice(start, None), rows_alone=K > 1)
 
     def _span(self, state: Any) -> tuple[int, int]:   # the current block in state.x
         return state.block * self.block_length, (state.block + 1) * self.block_length
@@ -350,7 +346,7 @@ class StoreKVLoop(BlockLoop):
         start, end = self._span(state)
         block = state.x[:, start:end]   # a view: commits write into x
         masked = block == self.mask_id
-        logits, prior = self._constrain_before(state, logits, start, end)
+        logits, prior = before_rule(state.constraint, logits, block, start, end, 0)
         if self.rule is not None:
             tokens, change = None, self._rule_commit(state, block, logits, stats)
         else:
@@ -387,13 +383,8 @@ class StoreKVLoop(BlockLoop):
         """Logits `[K, L, V]` of K versions of the current block (the loop's forward: K = 1): without the cache the
         sequence up to the block under `state.attention`; with it one row each reading the one cache
         (`block_request`), linears as alone."""
-        K, L = blocks.shape
         start, end = self._span(state)
         if not self.use_cache:
-            seqs = state.x[:, :end].repeat(K, 1)
-            seqs[:, start:end] = blocks
-            mask = state.attention[..., :end, :end]
-            return (yield ForwardRequest.call(seqs, dict(attention_mask=mask.expand(K, *mask.shape[1:]),
-                                                         position_ids=state.position_ids[:, :end].expand(K, -1)),
-                                              rows=slice(-L, None), rows_alone=K > 1))
+            return (yield self._sequence_request(state, blocks, dict(attention_mask=state.attention[..., :end, :end],
+                                                                     position_ids=state.position_ids[:, :end])))
         return (yield block_request(blocks, state.position_ids[:, start:end], state.cache, False))

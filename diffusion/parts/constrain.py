@@ -43,9 +43,8 @@ class CommitFilter:
         """A filter of `batch` fresh matchers of `structure` (a `CompiledStructure`), None without one."""
         if structure is None:
             return None
-        end_ids = [int(i) for i in end_ids if 0 <= int(i) < structure.vocab_size]   # ids the model has
-        if not end_ids:
-            raise ValueError("structured_outputs needs an end token: the model spec has no eos_id; pass eos_id")
+        end_ids = end_ids_or_refuse([i for i in end_ids if 0 <= int(i) < structure.vocab_size],   # ids the model has
+                                    "the model spec has no eos_id; pass eos_id")
         return cls([structure.matcher(end_ids) for _ in range(batch)], mask_id, answer_start, answer_len)
 
     def rows(self, index: Sequence[int]) -> "CommitFilter":
@@ -173,6 +172,15 @@ class CommitFilter:
         return gained
 
 
+def before_rule(constraint: CommitFilter | None, logits: torch.Tensor, window: torch.Tensor, start: int, end: int,
+                local: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Before a rule commits into `window` (`x[:, start:end]`): the logits with each row's frontier masked
+    (`CommitFilter.mask_frontier`), and the window as it was for `filter`; (logits, None) without a structure."""
+    if constraint is None:
+        return logits, None
+    return constraint.mask_frontier(logits, start, end, local), window.clone()
+
+
 class _Rows:
     """`logits[b, r]` of a step's logits as whole-vocabulary rows, gathered on first use."""
 
@@ -197,6 +205,14 @@ def advance_best(matcher: Any, logits_row: torch.Tensor, limit: int | None = Non
     ok = matcher.try_advance(token)
     assert ok, "structured output: the allowed mask and the matcher disagree"
     return token
+
+
+def end_ids_or_refuse(end_ids: Any, what: str) -> list[int]:
+    """The sorted end ids of `end_ids` (one id, a sequence, or None); refused when there is none (`what`: why)."""
+    ids = sorted({int(i) for i in ([end_ids] if isinstance(end_ids, int) else end_ids or []) if i is not None})
+    if not ids:
+        raise ValueError(f"structured_outputs needs an end token: {what}")
+    return ids
 
 
 def end_ids_of(spec: Any, extra: Sequence[int] = ()) -> list[int]:

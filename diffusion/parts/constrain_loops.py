@@ -11,7 +11,7 @@ import torch
 
 from remask.models.parallel import full_logits
 
-from .constrain import CommitFilter, advance_best
+from .constrain import CommitFilter, advance_best, end_ids_or_refuse
 
 
 def compile_for(structured_outputs: Any, model: Any, tokenizer: Any, mask_id: int | None) -> Any:
@@ -34,22 +34,30 @@ def structure_for_call(structured_outputs: Any, model: Any, tokenizer: Any, mask
     return structure
 
 
-def end_ids_or_refuse(end_ids: Sequence[int], what: str) -> list[int]:
-    ids = sorted({int(i) for i in end_ids if i is not None})
-    if not ids:
-        raise ValueError(f"structured_outputs needs an end token: {what}")
-    return ids
+class Constrainable:
+    """A decoder's structured output, shared by the block loops, APD and the canvas loop: `constrain` sets the
+    compiled structure and the ids that end an answer (allowed only where it is complete)."""
+
+    structure: Any = None   # a `remask.structured.CompiledStructure`, or None
+    end_ids: tuple = ()
+
+    def _default_end_ids(self) -> tuple[Any, str]:
+        """(the end ids when `constrain` is given none, why a decoder without any has none)."""
+        raise NotImplementedError
+
+    def constrain(self, structure: Any, end_ids: Any = None) -> Any:
+        """Hold the answers to `structure` (None: off); `end_ids` (default: the decoder's, `_default_end_ids`) end
+        an answer where it is complete. Returns the decoder."""
+        self.structure = structure
+        if structure is not None:
+            default, missing = self._default_end_ids()
+            self.end_ids = tuple(end_ids_or_refuse(default if end_ids is None else end_ids, missing))
+        return self
 
 
 def mask_frontier_rows(constraint: CommitFilter, logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """`logits` `[K, L, V]` of K versions of the window `[start, end)`, each one's frontier row masked (a copy)."""
-    matcher = constraint.matchers[0]
-    f = constraint.frontier(0)
-    if matcher.ended or not start <= f < end or f - start >= logits.shape[1]:
-        return logits
-    logits = full_logits(logits).clone()
-    logits[:, f - start] = matcher.mask_logits(logits[:, f - start])
-    return logits
+    return constraint.rows([0] * logits.shape[0]).mask_frontier(logits, start, end, 0)
 
 
 def filter_block(constraint: CommitFilter, x: torch.Tensor, prior: torch.Tensor, x0: torch.Tensor | None,

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from remask.diffusion.parts.checks import check_bool, check_generator, check_stats
+from remask.diffusion.parts.constrain_loops import structure_for_call
 from remask.diffusion.families.llada2 import RULE_UNREAD, LLaDA2Decoder
 from remask.diffusion.parts.rules import check_rule_on_loop, is_rule, unread_settings
 from remask.diffusion.parts.stepper import decode_alone
@@ -73,11 +74,7 @@ def generate(model: torch.nn.Module, inputs: Any = None, temperature: float = 0.
         check_rule_on_loop(decoder, "LLaDA2", temperature=temperature, replaces="threshold rule and schedule",
                            unread=unread_settings({name: kwargs[name] for name in RULE_UNREAD}, RULE_UNREAD))
     decoder = LLaDA2Decoder(decoder, **kwargs)
-    if structured_outputs is not None:
-        from remask.diffusion.parts.constrain_loops import compile_for
-
-        decoder.constrain(compile_for(structured_outputs, model, tokenizer, mask_id))
-        decoder.structure.check_budget(gen_length)
+    decoder.constrain(structure_for_call(structured_outputs, model, tokenizer, mask_id, gen_length))
     if torch.is_tensor(input_ids):
         check_generator(generator, input_ids.device)
         vocab = getattr(config, "vocab_size", None)
