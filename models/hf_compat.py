@@ -51,6 +51,16 @@ def cache_parameter(fn: Callable) -> str:
     return _cache_parameter(getattr(fn, "__func__", fn))
 
 
+@functools.lru_cache(maxsize=256)
+def _takes_logits_to_keep(fn: Callable) -> bool:
+    return "logits_to_keep" in inspect.signature(fn).parameters
+
+
+def takes_logits_to_keep(fn: Callable) -> bool:
+    """Whether the forward `fn` takes transformers' `logits_to_keep` (only the last positions' logits)."""
+    return _takes_logits_to_keep(getattr(fn, "__func__", fn))
+
+
 def cache_arg(fn: Callable, cache: Any) -> dict[str, Any]:
     """`{name: cache}` with the cache keyword `fn` declares: `fn(x, **cache_arg(fn, cache))`."""
     return {cache_parameter(fn): cache}

@@ -14,14 +14,12 @@ requests, so their tokens are the same by construction:
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Generator, Iterator
 
 import torch
 
-from remask.models.hf_compat import cache_arg
+from remask.models.hf_compat import cache_arg, takes_logits_to_keep
 from remask.models.request import ForwardRequest  # noqa: F401  (the requests' module; here for the drivers)
 
 from .protocol import Decoder
@@ -47,7 +45,7 @@ def call_model(model: torch.nn.Module, request: ForwardRequest, input_ids: torch
     kwargs = {**(per_row or {}), **request.shared}
     if cache is not None:   # under the keyword the forward declares (`cache` or `past_key_values`)
         kwargs.update(cache_arg(model.forward, cache))
-    if request.extends and _takes_logits_to_keep(getattr(model.forward, "__func__", model.forward)):
+    if request.extends and takes_logits_to_keep(model.forward):
         # only the last position's logits, as transformers' `generate` and the engine's runner
         kwargs["logits_to_keep"] = 1
     if request.output == "model":
@@ -57,11 +55,6 @@ def call_model(model: torch.nn.Module, request: ForwardRequest, input_ids: torch
     else:
         logits = model(input_ids, **kwargs).logits
     return logits if request.rows is None else logits[:, request.rows]
-
-
-@functools.lru_cache(maxsize=256)
-def _takes_logits_to_keep(forward: Callable) -> bool:   # keyed on the function (bound methods are new objects)
-    return "logits_to_keep" in inspect.signature(forward).parameters
 
 
 @torch.no_grad()
