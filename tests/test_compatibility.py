@@ -25,13 +25,15 @@ def test_the_committed_matrix_is_generated_from_the_code(table):
 def test_every_refusal_names_what_conflicts(table):
     """No cell is an internal error: each "no" is a refusal that names a setting or a part."""
     names = ("use_cache", "decoder", "alg", "threshold", "does not read", "logit_shift")
-    for method, row in table.items():
-        for family, value in row.items():
-            assert value == "yes" or (value.startswith("no: ") and any(n in value for n in names)), \
-                (method, family, value)
+    for setting in compatibility.SETTINGS:
+        for method, row in table[setting].items():
+            for family, value in row.items():
+                assert value == "yes" or (value.startswith("no: ") and any(n in value for n in names)), \
+                    (setting, method, family, value)
 
 
 def test_each_method_runs_on_its_own_family_and_each_family_runs_its_own_rule(table):
+    table = table["plain"]
     assert all(value == "yes" for value in table["the family's own rule (LLaDA: low-confidence blocks)"].values())
     # every method's paper used LLaDA; a refused pair of parts is refused on every family
     assert all(row["llada"] == "yes" for name, row in table.items() if name != "dKV-Cache + dInfer ThresholdDecoding")
@@ -40,6 +42,12 @@ def test_each_method_runs_on_its_own_family_and_each_family_runs_its_own_rule(ta
     # The combinations no paper shipped (tests/test_combinations.py, tests/test_rules_on_blocks.py).
     for rule in ("dInfer ThresholdDecoding", "dInfer CreditDecoding", "dInfer HierarchicalDecoding"):
         assert table[rule]["Dream"] == table[rule]["sdar"] == table[rule]["llada2_moe"] == "yes"
+
+
+def test_structured_output_goes_wherever_the_method_goes(table):
+    """Every family and every method enforce a JSON schema (docs/serving.md): adding one to a request
+    changes no cell of the table."""
+    assert table["structured_outputs"] == table["plain"]
 
 
 def test_the_generator_writes_the_file(tmp_path, table, monkeypatch):

@@ -189,9 +189,9 @@ def _offered(rng: random.Random, needed: Sequence[str], excluded: Sequence[str] 
     return tuple(TOOLS[n] for n in names)
 
 
-def _tool_example(rng: random.Random, kind: str, first: tasks.Problem) -> Example:
+def _tool_example(rng: random.Random, kind: str, first: tasks.Problem, parallel: float) -> Example:
     batch = [first]
-    if rng.random() < PARALLEL:   # the second problem from the training mixture's tool tasks
+    if rng.random() < parallel:   # the second problem from the training mixture's tool tasks
         batch.append(_draw(rng, {t: tasks.TRAIN_WEIGHTS[t] for t in TOOL_TASKS}))
     prompt = " and ".join(p.prompt for p in batch)
     task = "+".join(p.task for p in batch)
@@ -216,9 +216,11 @@ def _draw(rng: random.Random, weights: dict[str, float]) -> tasks.Problem:
     return tasks.draw(rng, {t: w for t, w in weights.items() if w > 0})
 
 
-def example(rng: random.Random, kind: str, weights: dict[str, float] | None = None) -> Example:
+def example(rng: random.Random, kind: str, weights: dict[str, float] | None = None,
+            parallel: float = PARALLEL) -> Example:
     """One example of `kind`, its task drawn with `weights` (default: the training mixture)
-    among the tasks that can be asked in that kind."""
+    among the tasks that can be asked in that kind; a tool conversation has two problems with
+    probability `parallel`."""
     weights = dict(tasks.TRAIN_WEIGHTS if weights is None else weights)
     if kind in ("tool_call", "tool_answer"):
         weights = {t: w for t, w in weights.items() if t in TOOL_TASKS}
@@ -235,7 +237,7 @@ def example(rng: random.Random, kind: str, weights: dict[str, float] | None = No
     if kind == "tool_text":
         return Example(kind, p.task, user, _offered(rng, [], excluded=[p.task]), None, p.target, p.answers)
     if kind in ("tool_call", "tool_answer"):
-        return _tool_example(rng, kind, p)
+        return _tool_example(rng, kind, p, parallel)
     raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
 
 

@@ -60,6 +60,11 @@ CHAT_LENGTHS = {16: 0.25, 64: 0.3, 128: 0.45}
 CHAT_KINDS = {16: {"plain": 1.0},
               64: {"plain": 0.2, "json": 0.6, "json_object": 0.2},
               128: {"plain": 0.05, "json": 0.1, "tool_call": 0.3, "tool_answer": 0.4, "tool_text": 0.15}}
+# tiny-ar-chat's 128-position steps: more answers after tool results, half of their conversations with
+# two results (the second run's misses: 10 of 11 copied one of two results wrong), no plain or JSON
+# (plain and JSON are learnt in the shorter steps; the step cost is that of the longest prompt anyway)
+AR_CHAT_KINDS = {**CHAT_KINDS, 128: {"tool_call": 0.3, "tool_answer": 0.55, "tool_text": 0.15}}
+AR_CHAT_PARALLEL = 0.5
 CHAT_GEN_LENGTH = max(CHAT_LENGTHS)
 CHAT_BATCH_SIZE = 64
 CHAT_CHUNKS = 4           # a chat batch is forwarded in 4 groups of similar prompt length (~30% less padding)
@@ -140,14 +145,16 @@ def batch_at(step: int, seed: int, batch_size: int, gen_length: int) -> tuple[to
 def chat_batch_at(step: int, seed: int, batch_size: int, ar: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A chat model's training batch of step `step` (`batch_at`'s layout): its answer length drawn
     from `CHAT_LENGTHS`, its examples from that length's `CHAT_KINDS`, every answer EOS-padded to
-    that length (`ar`: to the longest answer's length + 1, the AR loss stops at the first EOS)."""
+    that length (`ar`: `AR_CHAT_KINDS` and `AR_CHAT_PARALLEL`, answers padded to the longest one's
+    length + 1, the AR loss stops at the first EOS)."""
     from remask.zoo import formats
     from remask.zoo.evaluate import chat_prompt_batch
 
     rng = random.Random(seed * 1_000_003 + step)
     gen_length = rng.choices(tuple(CHAT_LENGTHS), weights=tuple(CHAT_LENGTHS.values()))[0]
-    kinds = CHAT_KINDS[gen_length]
-    examples = [formats.example(rng, rng.choices(tuple(kinds), weights=tuple(kinds.values()))[0])
+    kinds = (AR_CHAT_KINDS if ar else CHAT_KINDS)[gen_length]
+    parallel = AR_CHAT_PARALLEL if ar else formats.PARALLEL
+    examples = [formats.example(rng, rng.choices(tuple(kinds), weights=tuple(kinds.values()))[0], parallel=parallel)
                 for _ in range(batch_size)]
     if ar:
         gen_length = max(len(e.target) for e in examples) + 1
