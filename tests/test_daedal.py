@@ -30,7 +30,7 @@ def load(tmp_path_factory):
 def split(kwargs: dict) -> tuple[DAEDAL, int, int]:
     """(config, gen_length, block_length) of upstream's keyword arguments."""
     kw = dict(kwargs)
-    return DAEDAL(**{k: v for k, v in kw.items() if k not in ("max_gen_length", "block_length")}), \
+    return DAEDAL(**{k: v for k, v in kw.items() if k not in ("max_gen_length", "block_length", "cfg_scale")}), \
         kw.get("max_gen_length", 2048), kw.get("block_length", 32)
 
 
@@ -39,10 +39,12 @@ def generated_length(case: dict) -> int:
 
 
 def sampling(case: dict) -> dict:
-    """A seeded case's `temperature` and generator (upstream ran `torch.manual_seed(seed)` before the call)."""
-    if "seed" not in case:
-        return {}
-    return dict(temperature=case["temperature"], generator=torch.Generator().manual_seed(case["seed"]))
+    """A seeded case's `temperature` and generator (upstream ran `torch.manual_seed(seed)` before the call), a
+    guided case's `cfg_scale`."""
+    out = {"cfg_scale": case["kwargs"]["cfg_scale"]} if "cfg_scale" in case["kwargs"] else {}
+    if "seed" in case:
+        out.update(temperature=case["temperature"], generator=torch.Generator().manual_seed(case["seed"]))
+    return out
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
@@ -169,7 +171,8 @@ def test_the_engine_equals_the_drop_in(load):
     import remask
 
     model = load("llada_eos_a")
-    cases = [c for c in CASES if c["checkpoint"] == "llada_eos_a" and "seed" not in c]   # greedy (seeded: below)
+    cases = [c for c in CASES if c["checkpoint"] == "llada_eos_a" and "seed" not in c   # greedy (seeded, CFG: below)
+             and "cfg_scale" not in c["kwargs"]]
     cases = sorted(cases, key=lambda c: (c["forwards"], c["name"]))[:: max(1, len(cases) // 6)][:6]
     assert len({generated_length(c) for c in cases}) > 1
     prompts, params = [], []
@@ -209,7 +212,7 @@ def test_settings_it_does_not_read_are_refused(load):
     with pytest.raises(ValueError, match="temperature"):
         remask.generate(model, prompt, gen_length=16, block_length=8, temperature=-1.0, decoder=remask.DAEDAL())
     with pytest.raises(ValueError, match="cfg_scale"):
-        remask.generate(model, prompt, gen_length=16, block_length=8, cfg_scale=1.0, decoder=remask.DAEDAL())
+        remask.generate(model, prompt, gen_length=16, block_length=8, cfg_scale=-1.0, decoder=remask.DAEDAL())
     with pytest.raises(ValueError, match="use_cache"):
         remask.generate(model, prompt, gen_length=16, block_length=8, use_cache="dual", decoder=remask.DAEDAL())
 
@@ -240,3 +243,26 @@ def test_seeded_sampling_in_the_engine(load):
                               gen_length=split(c["kwargs"])[1], block_length=split(c["kwargs"])[2])[0].tolist()
               for c in CASES if "seed" in c]
     assert sum(g != c["output_ids"] for g, c in zip(greedy, [c for c in CASES if "seed" in c])) >= len(greedy) // 2
+
+
+def test_guided_cases_in_the_engine(load):
+    """`cfg_scale` > 0 (LLaDA's unsupervised CFG on the denoising forwards, as upstream): the engine gives the
+    fixture's tokens and forward counts, greedy and seeded, packed together."""
+    import remask
+
+    model = load("llada_eos_b")
+    guided = [c for c in CASES if "cfg_scale" in c["kwargs"] and c["checkpoint"] == "llada_eos_b"][::3]
+    assert len(guided) >= 5 and any("seed" in c for c in guided) and any("seed" not in c for c in guided)
+    prompts, params = [], []
+    for c in guided:
+        config, gen_length, block_length = split(c["kwargs"])
+        prompts.append(c["prompt"])
+        params.append(remask.SamplingParams(max_tokens=gen_length, block_length=block_length, decoder=config,
+                                            cfg_scale=c["kwargs"]["cfg_scale"], temperature=c.get("temperature", 0.0),
+                                            seed=c.get("seed")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outs = remask.LLM(model).generate(prompts, params, use_tqdm=False)
+    for c, out in zip(guided, outs):
+        assert out.outputs[0].all_token_ids == c["output_ids"][len(c["prompt"]):]
+        assert out.outputs[0].nfe == c["forwards"]

@@ -78,37 +78,40 @@ def eos_confidence(x0: torch.Tensor, conf: torch.Tensor, P: int, eos_id: int, co
 def daedal_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DAEDAL | None = None,
                     gen_length: int = 2048, block_length: int = 32, temperature: float = 0.0,
                     generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
-                    mask_id: int | None = None, stats: GenerationStats | None = None) -> torch.Tensor:
+                    mask_id: int | None = None, stats: GenerationStats | None = None,
+                    cfg_scale: float = 0.0) -> torch.Tensor:
     """DAEDAL decoding: `[B, P + L]`, L ≤ `gen_length` the longest row's length. `temperature` > 0 samples each
-    denoising forward's tokens as upstream (float32 Gumbel-max over the canvas, drawn from `generator`)."""
+    denoising forward's tokens as upstream (float32 Gumbel-max over the canvas, drawn from `generator`);
+    `cfg_scale` > 0 guides the denoising forwards as upstream (LLaDA's unsupervised CFG, the prompt masked)."""
     return run_steps(model, daedal_steps, prompt, config=config, gen_length=gen_length, block_length=block_length,
                      temperature=temperature, generator=generator, attention_mask=attention_mask, mask_id=mask_id,
-                     stats=stats)
+                     stats=stats, cfg_scale=cfg_scale)
 
 
 def daedal_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: DAEDAL | None = None,
                  gen_length: int = 2048, block_length: int = 32, temperature: float = 0.0,
                  generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
                  mask_id: int | None = None, stats: GenerationStats | None = None, structure=None,
-                 end_ids=()) -> StepGenerator:
+                 end_ids=(), cfg_scale: float = 0.0) -> StepGenerator:
     """`daedal_generate` as a step generator, its arguments checked at the call: each forward's
     canvas is as long as the row's canvas then is; a `Progress` after each denoising forward (`final`:
     the blocks before the current one, which no insertion moves)."""
     config = check_config("config", config, DAEDAL, "a remask DAEDAL")
     check_ints(1, gen_length=gen_length, block_length=block_length)
     check_real("temperature", temperature, low=0)
+    check_real("cfg_scale", cfg_scale, low=0)
     check_generator(generator, spec.device)
     spec, stats = check_method_call(spec, prompt, attention_mask, stats, mask_id=mask_id)
     if spec.eos_id is None:
         raise ValueError("DAEDAL reads the EOS confidence: the model has no eos id")
     return _daedal_loop(config, spec, prompt.to(spec.device), attention_mask, gen_length, block_length, stats,
-                        (structure, end_ids_of(spec, end_ids)), (temperature, generator))
+                        (structure, end_ids_of(spec, end_ids)), (temperature, generator, cfg_scale))
 
 
 @torch.no_grad()
 def _daedal_loop(config: DAEDAL, spec, prompt: torch.Tensor, attention_mask: torch.Tensor | None, max_length: int,
                  block_length: int, stats: GenerationStats, structure: tuple[Any, list[int]],
-                 sampling: tuple[float, torch.Generator | None]) -> StepGenerator:
+                 sampling: tuple[float, torch.Generator | None, float]) -> StepGenerator:
     stats.start()
     rows = []
     for b in range(prompt.shape[0]):
@@ -122,15 +125,25 @@ def _daedal_loop(config: DAEDAL, spec, prompt: torch.Tensor, attention_mask: tor
 
 def _daedal_row(config: DAEDAL, spec, prompt: torch.Tensor, keys: torch.Tensor | None, max_length: int,
                 block_length: int, stats: GenerationStats, structure: tuple[Any, list[int]],
-                sampling: tuple[float, torch.Generator | None]) -> StepGenerator:
+                sampling: tuple[float, torch.Generator | None, float]) -> StepGenerator:
     mask_id, eos_id, P, device = spec.mask_id, spec.eos_id, prompt.shape[1], prompt.device
-    temperature, generator = sampling
+    temperature, generator, cfg_scale = sampling
 
     def forward(x: torch.Tensor, sample: bool = False):
         """The forward's logits, its tokens and their (untempered) probabilities, the EOS confidence (from the
-        argmax, as upstream's), and the denoising forwards' (`sample`) float32 uniforms where `temperature` > 0."""
-        logits = yield ForwardRequest.call(x, spec.forward_inputs(keys, x.shape[1]), spec=spec)
-        stats.forward(1, x.shape[1])
+        argmax, as upstream's), and the denoising forwards' (`sample`) float32 uniforms where `temperature` > 0.
+        A denoising forward with `cfg_scale` > 0 is guided, `un + (cfg+1)(cond − un)`, its unconditional row the
+        canvas with every prompt position masked (upstream's stage 1 is not guided)."""
+        guided, canvas, inputs = sample and cfg_scale > 0, x, spec.forward_inputs(keys, x.shape[1])
+        if guided:
+            un_x = x.clone()
+            un_x[:, :P] = mask_id
+            canvas = torch.cat([x, un_x])
+            inputs = {k: torch.cat([v, v]) if torch.is_tensor(v) else v for k, v in inputs.items()}
+        logits = yield ForwardRequest.call(canvas, inputs, spec=spec)
+        if guided:
+            logits = logits[1:] + (cfg_scale + 1) * (logits[:1] - logits[1:])
+        stats.forward(2 if guided else 1, x.shape[1])
         x0, conf = score_tokens(logits[0])   # greedy; the untempered softmax's probability (logits' dtype)
         eos_conf, noise = eos_confidence(x0, conf, P, eos_id, config.eos_check_tokens), None
         if sample and temperature > 0:   # upstream's draw: torch.rand_like over the whole canvas's logits

@@ -154,7 +154,7 @@ register("wino", WINO, unshifted="WINO's shadow-block forward", loop=_own_loop(
 register("prophet", Prophet, reads=("steps", "cfg_scale", "remasking", "generator"), loop=_own_loop(
     prophet_steps, no_cache="Prophet reads the answer positions' logits at every step (full forwards, no cache, as "
     "upstream)"))
-register("daedal", DAEDAL, reads=("temperature", "generator"), length_bound=True, loop=_own_loop(
+register("daedal", DAEDAL, reads=("temperature", "generator", "cfg_scale"), length_bound=True, loop=_own_loop(
     daedal_steps, no_cache="DAEDAL forwards its whole canvas, whose length changes (no cache)"))
 register("multiblock", MultiBlock, unshifted="d3LLM's LLaDA multi-block loop",
          fills_after_eos=lambda config: config.early_stop, loop=_own_loop(
