@@ -42,9 +42,12 @@ def decode(model: torch.nn.Module, case: dict, stats: remask.GenerationStats | N
     kw = case["kwargs"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # generation beyond the tiny models' trained length
-        if case["checkpoint"].startswith("llada"):
+        if case["checkpoint"].startswith("llada"):   # a seeded case: upstream's torch.manual_seed(seed) before the call
+            sampling = dict(temperature=case["temperature"], generator=torch.Generator().manual_seed(case["seed"])) \
+                if "seed" in case else {}
             return remask.generate(model, torch.tensor([case["prompt"]]), steps=kw["steps"], gen_length=kw["gen_length"],
-                                   block_length=kw["block_length"], decoder=rule_of(kw), stats=stats)[0].tolist()
+                                   block_length=kw["block_length"], decoder=rule_of(kw), stats=stats,
+                                   **sampling)[0].tolist()
         mask = case.get("attention_mask")
         return remask.diffusion_generate(model, torch.tensor(case["prompt"]), max_new_tokens=kw["gen_length"],
                                          block_length=kw["gen_length"], decoder=rule_of(kw),
@@ -82,7 +85,7 @@ def test_llada_cases_exercise_the_kl_rule(tmp_path_factory):
     forward count are not LLaDA's plain low-confidence schedule with the same steps, decoded here), and each
     case's recorded `differs_from_plain` says so."""
     differs = []
-    for case in (c for c in DATA["cases"] if c["checkpoint"].startswith("llada")):
+    for case in (c for c in DATA["cases"] if c["checkpoint"].startswith("llada") and "seed" not in c):   # greedy
         model, kw, stats = checkpoint(tmp_path_factory, case["checkpoint"]), case["kwargs"], remask.GenerationStats()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -107,7 +110,7 @@ def test_refusals_at_the_call():
     model = remask.load("tiny-llada")[0]
     prompt = torch.tensor([[5, 6, 7]])
     rule = remask.KLASS()
-    for kwargs, name in ((dict(use_cache="dual"), "use_cache"), (dict(temperature=0.5), "temperature"),
+    for kwargs, name in ((dict(use_cache="dual"), "use_cache"), (dict(temperature=-0.5, block_length=16), "temperature"),
                          (dict(steps=5, gen_length=16, block_length=8), "steps"),
                          (dict(gen_length=16, block_length=5), "block_length")):
         with pytest.raises(ValueError, match=name):
@@ -132,11 +135,23 @@ def test_engine_equals_the_drop_in(tmp_path_factory):
         max_tokens=kw["gen_length"], block_length=kw["block_length"], steps=kw["steps"], decoder=rule_of(kw)),
         use_tqdm=False)[0]
     assert served.outputs[0].all_token_ids == decode(model, case)[len(case["prompt"]):]
+    # seeded (temperature > 0): SamplingParams.seed is upstream's torch.manual_seed, beside a greedy request
+    seeded = [c for c in DATA["cases"] if "seed" in c][:2]
+    served = remask.LLM(model).generate([c["prompt"] for c in seeded] + [case["prompt"]], [remask.SamplingParams(
+        max_tokens=c["kwargs"]["gen_length"], block_length=c["kwargs"]["block_length"], steps=c["kwargs"]["steps"],
+        decoder=rule_of(c["kwargs"]), temperature=c["temperature"], seed=c["seed"]) for c in seeded] + [
+        remask.SamplingParams(max_tokens=kw["gen_length"], block_length=kw["block_length"], steps=kw["steps"],
+                              decoder=rule_of(kw))], use_tqdm=False)
+    for c, out in zip(seeded, served):
+        assert out.outputs[0].all_token_ids == c["output_ids"][len(c["prompt"]):]
     case = next(c for c in DATA["cases"] if c["checkpoint"] == "dream_peaked" and not c.get("masks_left"))
     model, kw = checkpoint(tmp_path_factory, "dream_peaked"), case["kwargs"]
     served = remask.LLM(model).generate([case["prompt"][0]], remask.SamplingParams(
         max_tokens=kw["gen_length"], decoder=rule_of(kw)), use_tqdm=False)[0]
     assert served.outputs[0].all_token_ids == case["output_ids"][0][len(case["prompt"][0]):]
+    with pytest.raises(ValueError, match="temperature"):   # Dream's KLASS loop is greedy here
+        remask.LLM(model).generate([case["prompt"][0]], remask.SamplingParams(
+            max_tokens=kw["gen_length"], decoder=rule_of(kw), temperature=0.5), use_tqdm=False)
 
 
 def test_as_a_rule_on_sdar_drop_in_equals_engine(tmp_path):

@@ -19,7 +19,8 @@ block's forwards, ``confidence >= conf_threshold``, one position as the fallback
 Departures (docs/quirks.md): a block is iterated until it holds no mask (upstream's LLaDA loop stops after
 its `steps` share, Dream's after `steps`, masks left), one position a forward past the schedule; a
 fallback takes at most the masks left (upstream's top-k overwrote decoded or prompt tokens); the mask
-token is never proposed; greedy only, `unmask_strategy="random"` refused.
+token is never proposed; `temperature` > 0 only in LLaDA's loop (upstream's noise), `unmask_strategy="random"`
+refused.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import torch
 from remask.models.spec import ModelSpec
 
 from ..families.llada import validate_block_args
-from ..parts.checks import check_choice, check_config, check_int, check_method_call, check_real
+from ..parts.checks import check_choice, check_config, check_generator, check_int, check_method_call, check_real
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.selection import schedule_counts
 from ..parts.stats import GenerationStats
@@ -93,9 +94,19 @@ class KLASS(CommitRule):
                 else torch.where(ready, -kl, -math.inf)
             ready = ready & torch.zeros_like(ready).scatter(-1, key.argmax(dim=-1, keepdim=True), True)
         budget = torch.ones_like(masked[:, 0], dtype=torch.long) if state.budget is None else state.budget
-        order = torch.where(masked, conf, -math.inf).argsort(dim=-1, descending=True, stable=True)
-        ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(L, device=order.device).expand_as(order))
-        fallback = (ranks < budget[:, None]) & masked
+        if state.layout is not None:   # upstream's LLaDA loop: torch.topk over the whole canvas (its order among ties)
+            T, start = state.layout
+            fallback = torch.zeros_like(masked)
+            for b in range(block.shape[0]):
+                canvas = torch.full((T,), -math.inf, dtype=conf.dtype, device=conf.device)
+                canvas[start:start + L] = torch.where(masked[b], conf[b], -math.inf)
+                picked = torch.topk(canvas, k=int(budget[b])).indices - start
+                fallback[b, picked[(picked >= 0) & (picked < L)]] = True
+            fallback &= masked
+        else:
+            order = torch.where(masked, conf, -math.inf).argsort(dim=-1, descending=True, stable=True)
+            ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(L, device=order.device).expand_as(order))
+            fallback = (ranks < budget[:, None]) & masked
         commit = torch.where(ready.any(dim=-1, keepdim=True), ready, fallback)
         return commit, torch.where(commit, x0, block)
 
@@ -107,7 +118,7 @@ class Stability:
 
     def __init__(self, initial_streak: int) -> None:
         self.initial, self.log_prev, self.streak = initial_streak, None, None
-        self.calls, self.llada, self.budget = 0, False, None
+        self.calls, self.llada, self.budget, self.layout = 0, False, None, None
 
     def previous(self, log_p: torch.Tensor) -> torch.Tensor:
         """log(p_prev + eps) for `log_p`'s positions (log(eps) where no forward scored them yet)."""
@@ -131,23 +142,30 @@ class Stability:
 def klass_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: KLASS | None = None,
                 steps: int | None = None, gen_length: int = 128, block_length: int = 128,
                 attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
-                stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = ()) -> StepGenerator:
+                stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = (),
+                temperature: float = 0.0, generator: torch.Generator | None = None) -> StepGenerator:
     """KLASS's loop (module docstring) as a step generator, its arguments checked at the call: a
     `ForwardRequest` per forward (the block and the next, against the whole canvas), a `Progress` after
-    each; returns `[B, P + gen_length]`. `steps`: LLaDA's schedule (None: `gen_length`)."""
+    each; returns `[B, P + gen_length]`. `steps`: LLaDA's schedule (None: `gen_length`). `temperature` > 0
+    (LLaDA's loop): upstream's noise, each forward's logits → ``exp(logits) / (−log u)^temperature`` with float64
+    uniforms u over the whole canvas drawn from `generator`, and every rule reads the softmax of those."""
     config = check_config("decoder", config, KLASS, "a remask.KLASS")
     steps = gen_length if steps is None else steps
     validate_block_args(gen_length, block_length, steps)
+    check_real("temperature", temperature, low=0)
+    check_generator(generator, spec.device)
     spec, stats = check_method_call(spec, prompt, attention_mask, stats, mask_id=mask_id)
+    if temperature > 0 and spec.logit_shift:
+        raise ValueError("temperature: KLASS samples in its LLaDA loop (as upstream's); its Dream loop is greedy here")
     x = masked_canvas(prompt, gen_length, spec.mask_id)
     decode_row = partial(_klass_row, config, spec, x, prompt.shape[1], steps * block_length // gen_length, block_length,
-                         stats, (structure, end_ids_of(spec, end_ids)))
+                         stats, (structure, end_ids_of(spec, end_ids)), (temperature, generator))
     return row_by_row(x, decode_row, attention_mask, stats, prompt.shape[0] * gen_length)
 
 
 @torch.no_grad()
 def _klass_row(config: KLASS, spec: Any, x: torch.Tensor, P: int, steps_per_block: int, block_length: int,
-               stats: GenerationStats, structure: tuple[Any, list[int]], rows: slice,
+               stats: GenerationStats, structure: tuple[Any, list[int]], sampling: tuple[float, Any], rows: slice,
                attention_mask: torch.Tensor | None) -> StepGenerator:
     """The KLASS loop of `x[rows]`, one row alone (upstream's LLaDA loop is one row; its Dream fallback mixes rows).
     `structure`: (a compiled structure or None, its end ids), held by `parts/constrain.py`'s filter."""
@@ -162,7 +180,11 @@ def _klass_row(config: KLASS, spec: Any, x: torch.Tensor, P: int, steps_per_bloc
         step = 0
         while bool((block == mask_id).any()):
             state.budget = schedule[:, step] if schedule is not None and step < steps_per_block else None
+            state.layout = (T, start) if state.llada else None
             logits = yield ForwardRequest.call(row, inputs, spec=spec, rows=slice(start, hi))
+            if sampling[0] > 0:   # upstream's draw covers every position's logits; the rule reads the block's and next's
+                u = torch.rand((1, T, logits.shape[-1]), dtype=torch.float64, device=logits.device, generator=sampling[1])
+                logits = logits.double().exp() / (-torch.log(u[:, start:hi])) ** sampling[0]
             if constraint is not None:   # the frontier masked before the rule scores (and keeps its KL memory)
                 logits, prior = constraint.mask_frontier(logits, start, start + block_length, 0), block.clone()
             commit, tokens = config.commit(block, logits, mask_id, state)

@@ -146,7 +146,7 @@ def _elastic_loop(call: Call) -> StepGenerator:
 register("freedave", FreeDave, loop=_freedave_loop)   # `steps`: only gen_length (one token a step) or unset
 for rule in (ThresholdDecoding, CreditDecoding, HierarchicalDecoding, MarginDecoding, EBSampler, FrechetRule):
     register(rule.name, rule, loop=_rules_loop, fills_after_eos=True)   # dInfer's block loop runs each
-register("klass", KLASS, reads=("steps",), loop=_own_loop(   # its own loop on LLaDA / Dream, a rule elsewhere
+register("klass", KLASS, reads=("steps", "temperature", "generator"), loop=_own_loop(   # its own loop on LLaDA / Dream, a rule elsewhere
     klass_steps, no_cache="KLASS forwards the whole sequence at every step (its KL memory needs every position's "
     "distribution; upstream has no cache)"))
 register("wino", WINO, unshifted="WINO's shadow-block forward", loop=_own_loop(
