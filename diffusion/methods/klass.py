@@ -94,15 +94,12 @@ class KLASS(CommitRule):
                 else torch.where(ready, -kl, -math.inf)
             ready = ready & torch.zeros_like(ready).scatter(-1, key.argmax(dim=-1, keepdim=True), True)
         budget = torch.ones_like(masked[:, 0], dtype=torch.long) if state.budget is None else state.budget
-        if state.layout is not None:   # upstream's LLaDA loop: torch.topk over the whole canvas (its order among ties)
+        if state.layout is not None:   # upstream's LLaDA loop (one row): torch.topk over the canvas, its order among ties
             T, start = state.layout
-            fallback = torch.zeros_like(masked)
-            for b in range(block.shape[0]):
-                canvas = torch.full((T,), -math.inf, dtype=conf.dtype, device=conf.device)
-                canvas[start:start + L] = torch.where(masked[b], conf[b], -math.inf)
-                picked = torch.topk(canvas, k=int(budget[b])).indices - start
-                fallback[b, picked[(picked >= 0) & (picked < L)]] = True
-            fallback &= masked
+            canvas = torch.full((T,), -math.inf, dtype=conf.dtype, device=conf.device)
+            canvas[start:start + L] = torch.where(masked[0], conf[0], -math.inf)
+            picked = torch.topk(canvas, k=int(budget[0])).indices - start
+            fallback = torch.zeros_like(masked).index_fill_(1, picked[(picked >= 0) & (picked < L)], True) & masked
         else:
             order = torch.where(masked, conf, -math.inf).argsort(dim=-1, descending=True, stable=True)
             ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(L, device=order.device).expand_as(order))
