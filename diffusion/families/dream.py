@@ -372,7 +372,8 @@ class DreamBlockDecoder(_DreamParts, BlockwiseDecoder):
                 x0, conf = self.score(logits, positions, self.confidence_mode, generator)
                 full_conf, proposal = _scatter(block_x, block_mask, conf, x0, logits.dtype, mask_id)
             if n is None:   # Fast-dLLM's threshold, or Fast-dLLM++'s Fréchet count (parts/selection.py)
-                k = None if self.frechet_margin is None else frechet_profile_counts(full_conf, block_mask, self.frechet_margin)
+                k = None if self.frechet_margin is None else frechet_profile_counts(
+                    full_conf, block_mask, self.frechet_margin)
                 unmask(block_x, block_mask, proposal, full_conf, k=k, threshold=self.threshold if k is None else None)
             elif n > 0:
                 self._commit_count(block_x, block_mask, proposal, full_conf, n, generator)
