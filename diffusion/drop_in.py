@@ -22,7 +22,7 @@ from .families.apd import APDConfig, apd_generate, check_apd_alone
 from .families.canvas import canvas_generate
 from .families.dream import (DEFAULT_BLOCK_LENGTH, DEFAULT_MAX_LENGTH, DreamBlockDecoder, DreamDecoder,
                              DreamGenerationConfig, DreamModelOutput, _validate_config, check_block_layout)
-from .families.llada import block_diffusion_generate
+from .families.llada import block_diffusion_generate, validate_rule
 from .methods.decoders import is_dinfer_method, run_decoder
 from .methods.freedave import FreeDave, freedave_generate
 from .parts.cache import cache_mode
@@ -129,7 +129,8 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
 
     Keyword arguments: every `DreamGenerationConfig` field, `attention_mask` (left padding), the hooks
     `generation_tokens_hook_func` / `generation_logits_hook_func(step, x, logits)`, `threshold`
-    (`alg="confidence_threshold"`, default 0.9); remask's `generator`, `stats`, `reference_ties`
+    (`alg="confidence_threshold"`, default 0.9); `frechet_margin` (Fast-dLLM++'s Fréchet profile rule in the block
+    decoder in place of alg's rule, as upstream; not with `threshold`); remask's `generator`, `stats`, `reference_ties`
     (default True: the count through `torch.topk` as Dream, so exact ties — many 1.0 under a nucleus
     of one — fall in its order; False: lower index first); `decoder` (`remask.FreeDave(...)`: the block
     decoder's tokens at `alg="confidence_threshold"`, `threshold=1.0`, `steps=max_new_tokens` in fewer
@@ -146,7 +147,8 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     if spec.noise == "uniform":   # no mask token: canvases renoised (DiffusionGemma's generate)
         return canvas_generate(model, inputs, generation_config, **kwargs)
     hooks_given = [k for k in ("generation_tokens_hook_func", "generation_logits_hook_func") if k in kwargs]
-    threshold = kwargs.pop("threshold", 0.9)
+    validate_rule(kwargs.get("threshold"), None, kwargs.get("frechet_margin"))   # a threshold given, not its default
+    threshold, frechet_margin = kwargs.pop("threshold", 0.9), kwargs.pop("frechet_margin", None)
     finish_blocks = kwargs.pop("finish_blocks", True)
     reference_ties = kwargs.pop("reference_ties", True)
     (tokens_hook, logits_hook, attention_mask, use_cache, block_length, decoder, sparse, apd, verifier_stats,
@@ -202,6 +204,9 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
         if sparse.method == "block_mask" and attention_mask is not None and not bool(attention_mask.bool().all()):
             raise ValueError("sparse method 'block_mask' decodes unpadded rows (SparseD's block masks cover the whole "
                              "sequence); got a padded attention_mask")
+    if frechet_margin is not None and (not blocks or dinfer or decoder is not None):
+        raise ValueError("frechet_margin runs in Fast-dLLM's Dream block decoder (use_cache= / block_length=, as "
+                         "Fast-dLLM++'s generation_utils_block.py); Dream's sampler, APD and decoder= do not read it")
     if blocks:
         if block_length is None:
             block_length = DEFAULT_BLOCK_LENGTH if sparse is None or sparse.block_len is None else sparse.block_len
@@ -278,10 +283,10 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     else:
         if stats is not None:
             stats.start()
-        decoder = DreamBlockDecoder(spec, config, threshold, block_length, use_cache, finish_blocks, sparse,
-                                    reference_ties, structure=structure) if blocks else DreamDecoder(
-            spec, config, threshold, tokens_hook, logits_hook, reference_ties=reference_ties, sparse=sparse,
-            structure=structure)
+        decoder = DreamDecoder(spec, config, threshold, tokens_hook, logits_hook, reference_ties=reference_ties,
+                               sparse=sparse, structure=structure) if not blocks else DreamBlockDecoder(
+            spec, config, threshold, block_length, use_cache, finish_blocks, sparse, reference_ties,
+            structure=structure, frechet_margin=frechet_margin)
         state = decode_alone(decoder, model, decoder.start(inputs, attention_mask), generator, stats)
         if stats is not None:
             stats.stop(int(state.x.shape[0] * gen_length))

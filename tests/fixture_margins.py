@@ -68,6 +68,7 @@ REFERENCE_TESTS = [
     "tests/test_elastic.py::test_reproduces_the_official_elastic_cache",
     "tests/test_frechet.py::test_reproduces_fast_dllm_plus_plus",
     "tests/test_frechet.py::test_a_left_padded_batch_equals_the_reference_rows_alone",
+    "tests/test_frechet.py::test_reproduces_fast_dllm_plus_plus_dream",
     "tests/test_fast_dllm_v2.py::test_reproduces_the_official_code_token_for_token",
     "tests/test_klass.py::test_reproduces_the_official_klass",
     "tests/test_llada2.py::test_reproduces_the_official_decoders",

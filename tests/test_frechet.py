@@ -3,7 +3,9 @@
 `v1/llada/generate.py`: no cache, prefix and dual cache) reproduced token for token and in NFE on tiny
 official-format checkpoints (tests/fixtures/frechet_reference.json), a left-padded batch equal to its
 rows alone, the rule written out against the commit, its refusals, and the rule on the loops that take
-`decoder=` (LLaDA, Dream, SDAR, LLaDA2), the engine equal to the drop-in, with structured output."""
+`decoder=` (LLaDA, Dream, SDAR, LLaDA2), the engine equal to the drop-in, with structured output. Its Dream
+form (`v1/dream/model/generation_utils_block.py`: Fast-dLLM's Dream block decoder, prefix and dual cache) as
+`remask.diffusion_generate(..., frechet_margin=)` (tests/fixtures/frechet_dream_reference.json)."""
 from __future__ import annotations
 
 import json
@@ -16,6 +18,7 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM
 
 import remask
+from remask.compat.fast_dllm import dream_diffusion_generate
 from remask.diffusion.methods import registry
 from remask.diffusion.parts.rules import rule_commit
 from remask.diffusion.parts.selection import frechet_profile_counts
@@ -27,6 +30,8 @@ from helpers import left_pad, load_fixture_checkpoint, margin_case, random_promp
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "frechet_reference.json")
 with open(FIXTURE) as f:
     DATA = json.load(f)
+with open(os.path.join(os.path.dirname(__file__), "fixtures", "frechet_dream_reference.json")) as f:
+    DREAM = json.load(f)
 
 
 def _id(case: dict) -> str:
@@ -238,3 +243,94 @@ def test_structured_output_flat_and_rule_drop_in_equals_engine():
             served = llm.generate([prompt[0].tolist()], remask.SamplingParams(
                 max_tokens=16, block_length=8, structured_outputs=structure, **setting), use_tqdm=False)[0]
             assert served.outputs[0].all_token_ids == answer
+
+
+# --- the Dream form: Fast-dLLM's Dream block decoder with the rule (Fast-dLLM++ v1/dream) ---
+
+@pytest.fixture(scope="module")
+def dream_models(tmp_path_factory):
+    out = {}
+    for name, ck in DREAM["meta"]["checkpoints"].items():
+        path = str(tmp_path_factory.mktemp(name))
+        assert tiny.write_tiny_dream(path, **ck["kwargs"]) == ck["digest"], "the tiny writer changed"
+        out[name] = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    return out
+
+
+def _dream_id(case: dict) -> str:
+    return f"{case['checkpoint']}-{case['mode']}-b{len(case['prompts'])}-" + "-".join(
+        f"{k}{v}" for k, v in case["kwargs"].items())
+
+
+def _dream(model, rows, case):
+    """Upstream's call through remask's drop-in of it (`dual_cache=`), left-padded rows with their mask; its
+    `threshold` beside `frechet_margin` (upstream ignores it) left out: remask refuses the two together."""
+    ids, mask = left_pad([torch.tensor(r) for r in rows], model.config.pad_token_id)
+    kw = {k: v for k, v in case["kwargs"].items() if k != "threshold"}
+    stats = remask.GenerationStats()
+    x = dream_diffusion_generate(model, ids, attention_mask=None if bool(mask.all()) else mask,
+                                 dual_cache=case["mode"] == "dual", stats=stats, **kw)
+    return x, stats.nfe
+
+
+@pytest.mark.parametrize("case", DREAM["cases"], ids=_dream_id)
+def test_reproduces_fast_dllm_plus_plus_dream(case, dream_models):
+    """Token for token and in NFE; a batch upstream never returned from (a decoded row gets the mask token
+    written back while a batch-mate decodes: docs/quirks.md) equals its rows, each decoded alone by upstream."""
+    margin_case("frechet_dream_reference.json", case)
+    model = dream_models[case["checkpoint"]]
+    x, nfe = _dream(model, case["prompts"], case)
+    assert not bool((x == model.config.mask_token_id).any())
+    if case["tokens"] is not None:
+        assert x.tolist() == case["tokens"] and nfe == case["nfe"]
+    for i, (row, alone, alone_nfe) in enumerate(zip(case["prompts"], case.get("alone", []), case.get("alone_nfe", []))):
+        P = x.shape[1] - case["kwargs"]["max_new_tokens"]
+        assert x[i, P:].tolist() == alone[len(row):] and nfe >= alone_nfe
+        y, y_nfe = _dream(model, [row], case)
+        assert y[0].tolist() == alone and y_nfe == alone_nfe
+
+
+def test_dream_fixture_covers_both_caches_margins_blocks_and_batches():
+    cases = DREAM["cases"]
+    assert {c["mode"] for c in cases} == {"prefix", "dual"} and len(cases) >= 20
+    assert len({c["kwargs"]["frechet_margin"] for c in cases}) >= 4
+    assert len({c["kwargs"].get("block_length", 32) for c in cases}) >= 3
+    assert any(len(c["prompts"]) == 2 for c in cases)
+    assert any(c["tokens"] is not None and c["nfe"] < c["kwargs"]["max_new_tokens"] for c in cases)
+    assert all(c["min_margin"] is None or c["min_margin"] >= DREAM["margins"]["bound"] for c in cases)
+
+
+@pytest.mark.parametrize("use_cache", [None, "prefix", "dual"])
+def test_dream_engine_equals_the_drop_in(use_cache, dream_models):
+    model = dream_models["dream_frechet"]
+    prompts = [random_prompt(1, n, seed=30 + n, high=8000)[0] for n in (5, 9)]
+    for margin in (-0.5, 0.25):
+        params = remask.SamplingParams(max_tokens=16, alg="entropy", block_length=8, frechet_margin=margin,
+                                       use_cache=use_cache)
+        served = remask.LLM(model).generate([p.tolist() for p in prompts], params, use_tqdm=False)
+        for p, out in zip(prompts, served):
+            alone = remask.diffusion_generate(model, p[None], max_new_tokens=16, steps=16, block_length=8,
+                                              use_cache=use_cache, frechet_margin=margin)
+            assert out.outputs[0].all_token_ids == alone[0, len(p):].tolist()
+
+
+def test_dream_refusals_name_the_parameter(dream_models):
+    model = dream_models["dream_frechet"]
+    prompt = random_prompt(1, 5, seed=1, high=8000)
+    run = dict(max_new_tokens=16, steps=16, block_length=8, use_cache="prefix")
+    with pytest.raises(ValueError, match="at most one of .*got threshold and frechet_margin"):
+        remask.diffusion_generate(model, prompt, frechet_margin=0.2, threshold=0.9, **run)
+    with pytest.raises(ValueError, match="at most one of .*got threshold and frechet_margin"):
+        dream_diffusion_generate(model, prompt, frechet_margin=0.2, threshold=0.9, max_new_tokens=16, steps=16)
+    for bad in (math.nan, -math.inf, "0.2", True):
+        with pytest.raises(ValueError, match="frechet_margin"):
+            remask.diffusion_generate(model, prompt, frechet_margin=bad, **run)
+    # Dream's own sampler (no block_length / use_cache: upstream's generation_utils.py has no rule), decoder=, dInfer
+    for other in (dict(max_new_tokens=16, steps=16), dict(run, decoder=remask.FrechetRule()),
+                  dict(max_new_tokens=16, use_cache=remask.VicinityCache())):
+        with pytest.raises(ValueError, match="frechet_margin"):
+            remask.diffusion_generate(model, prompt, frechet_margin=0.2, **other)
+    for other in (dict(), dict(block_length=8, threshold=0.9), dict(block_length=8, factor=1.0)):
+        with pytest.raises(ValueError, match="frechet_margin"):
+            remask.SamplingParams(max_tokens=16, alg="confidence_threshold", frechet_margin=0.2, **other)
+    remask.SamplingParams(max_tokens=16, alg="entropy", frechet_margin=0.2, use_cache="dual")   # the block decoder

@@ -24,6 +24,7 @@ from ..parts.sparse import BlockMaskForward, SparseConfig
 from ..parts.checks import check_bool, check_choice, check_int, check_optional_token_id, check_real
 from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.scoring import score_rows, score_tokens
+from ..parts.selection import frechet_profile_counts
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest, ForwardThenCommit
 
@@ -304,20 +305,24 @@ class DreamBlockDecoder(_DreamParts, BlockwiseDecoder):
     """Fast-dLLM's Dream block decoder (`generation_utils_block.py`) as a state and a step. Per block: a
     full forward (building the cache) commits the block's first position; then each cached step commits,
     for ``alg="confidence_threshold"``, the most confident mask plus every one ≥ `threshold`; for any
-    other alg (upstream scores by negative entropy) a count on `linspace(1, eps, steps_per_block + 1)`."""
+    other alg (upstream scores by negative entropy) a count on `linspace(1, eps, steps_per_block + 1)`; with
+    `frechet_margin` (Fast-dLLM++, in place of alg's rule) the Fréchet profile count of the probabilities
+    (`parts.selection.frechet_profile_counts`), until the block is decoded."""
 
     def __init__(self, spec, config: DreamGenerationConfig, threshold: float, block_length: int, use_cache: Any,
                  finish_blocks: bool = True, sparse: SparseConfig | None = None, reference_ties: bool = False,
-                 structure: Any = None, end_ids: Any = ()) -> None:
+                 structure: Any = None, end_ids: Any = (), frechet_margin: float | None = None) -> None:
         self._setup(spec, config, threshold, sparse, reference_ties, structure, end_ids)
         if structure is not None and not finish_blocks:
             # structured output: each block is the filter's window (diffusion/parts/constrain.py)
             raise ValueError("finish_blocks=False leaves masks in the output; structured_outputs needs every block "
                              "decoded")
         self.block_length, self.use_cache, self.finish_blocks = block_length, use_cache, finish_blocks
+        self.frechet_margin = frechet_margin   # Fast-dLLM++: a count of the probabilities in place of alg's rule
+        self.parallel = config.alg == "confidence_threshold" or frechet_margin is not None
         # Sparse-dLLM's Dream sampler scores by its alg; Fast-dLLM's by negative entropy
-        self.confidence_mode = CONFIDENCE_OF[config.alg] if sparse is not None else (
-            "prob" if config.alg == "confidence_threshold" else "neg_entropy")
+        self.confidence_mode = "prob" if self.parallel else CONFIDENCE_OF[config.alg] if sparse is not None else (
+            "neg_entropy")
 
     def start(self, input_ids: torch.Tensor,
               attention_mask: torch.Tensor | None = None) -> DreamState:
@@ -355,7 +360,7 @@ class DreamBlockDecoder(_DreamParts, BlockwiseDecoder):
         else:
             L, i, n = logits.shape[1], state.step, None
             positions = (state.rows * L + local + torch.arange(self.block_length, device=x.device))[block_mask]
-            if self.config.alg != "confidence_threshold":
+            if not self.parallel:
                 if i == state.steps and not self.finish_blocks:
                     self._next_block(state)   # upstream: one forward too many, and the block's masks stay
                     return
@@ -366,8 +371,10 @@ class DreamBlockDecoder(_DreamParts, BlockwiseDecoder):
             if n != 0 or constraint is not None:   # a structure's filter reads the candidates every step
                 x0, conf = self.score(logits, positions, self.confidence_mode, generator)
                 full_conf, proposal = _scatter(block_x, block_mask, conf, x0, logits.dtype, mask_id)
-            if n is None:
-                unmask(block_x, block_mask, proposal, full_conf, threshold=self.threshold)
+            if n is None:   # Fast-dLLM's threshold, or Fast-dLLM++'s Fréchet count (parts/selection.py)
+                k = None if self.frechet_margin is None else frechet_profile_counts(
+                    full_conf, block_mask, self.frechet_margin)
+                unmask(block_x, block_mask, proposal, full_conf, k=k, threshold=self.threshold if k is None else None)
             elif n > 0:
                 self._commit_count(block_x, block_mask, proposal, full_conf, n, generator)
         if constraint is not None:

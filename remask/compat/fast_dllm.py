@@ -74,10 +74,10 @@ def generate_with_dual_cache(model, prompt, steps=128, gen_length=128, block_len
 def dream_diffusion_generate(model, inputs, generation_config=None, **kwargs):
     """Fast-dLLM's Dream `diffusion_generate` from `generation_utils_block.py` (a method there):
     the keywords of Dream's `diffusion_generate` plus `threshold` (0.9), `block_length` (32) and
-    `dual_cache` (False: the prefix cache). Returns what Dream's returns (sequences, or a
+    `dual_cache` (False: the prefix cache), and Fast-dLLM++'s `frechet_margin` (its `v1/dream` copy of the
+    file; not with `threshold`). Returns what Dream's returns (sequences, or a
     `DreamModelOutput` with `return_dict_in_generate=True`). Upstream's fixes listed in
     docs/quirks.md apply (batches decoded row by row, blocks finished)."""
     dual_cache = check_bool("dual_cache", kwargs.pop("dual_cache", False))
-    kwargs.setdefault("threshold", 0.9)
     kwargs.setdefault("block_length", 32)
     return diffusion_generate(model, inputs, generation_config, use_cache="dual" if dual_cache else "prefix", **kwargs)

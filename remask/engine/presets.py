@@ -169,7 +169,7 @@ def dream_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor,
     """Dream's sampler for these params — or, with `block_length` / `use_cache`, Fast-dLLM's
     Dream block decoder — configured as `remask.diffusion_generate` would."""
     kw = params.diffusion_generate_kwargs()
-    threshold = kw.pop("threshold", 0.9)
+    threshold, frechet_margin = kw.pop("threshold", 0.9), kw.pop("frechet_margin", None)
     kw.pop("reference_ties", None)   # the decoder's, not the generation config's
     block_length, use_cache = kw.pop("block_length", None), kw.pop("use_cache", None)
     config = DreamGenerationConfig(mask_token_id=engine.spec.mask_id, pad_token_id=engine.spec.pad_id,
@@ -183,8 +183,8 @@ def dream_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor,
             engine.spec, config, threshold, reference_ties=params.reference_ties, structure=structure, end_ids=end_ids)
     block_length = DEFAULT_BLOCK_LENGTH if block_length is None else block_length
     check_block_layout(params.max_tokens, block_length, config.steps)
-    return DreamBlockDecoder(
-        engine.spec, config, threshold, block_length, use_cache, structure=structure, end_ids=end_ids)
+    return DreamBlockDecoder(engine.spec, config, threshold, block_length, use_cache, structure=structure,
+                             end_ids=end_ids, frechet_margin=frechet_margin)
 
 
 # way (`way_of`) → the builder of its decoder: `builder(engine, params, prompt_ids, structure, end_ids)`

@@ -159,9 +159,10 @@ class SamplingParams:
             cache = registry.is_config("use_cache", self.use_cache)   # a cache method reads what its loop reads
             refuse_unread(self, "method", registry.method_of(self.use_cache if cache else method).reads +
                           (("steps",) if self.steps == self.max_tokens else ()), name=type(method).__name__)
-        elif self.way == "dream":   # Dream's own sampler reads reference_ties; its block decoder does not
+        elif self.way == "dream":   # Dream's own sampler reads reference_ties; its block decoder frechet_margin
             refuse_unread(self, "dream", (("threshold",) if self.alg == "confidence_threshold" else ()) + (
-                ("reference_ties",) if self.block_length is None and self.use_cache is None else ()), alg=self.alg)
+                ("reference_ties",) if self.block_length is None and self.use_cache is None else ("frechet_margin",)),
+                alg=self.alg)
         elif self.way == "apd":
             refuse_unread(self, "apd")
         # the configs' work bounds that the lengths set here fix (docs/parameters.md, "Work bounds"); the
@@ -204,7 +205,7 @@ class SamplingParams:
         kw = dict(max_new_tokens=self.max_tokens, steps=self.steps or self.max_tokens, eps=self.eps, alg=self.alg,
                   alg_temp=self.alg_temp, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
         # block_length / use_cache: Fast-dLLM's Dream block decoder
-        kw.update({name: getattr(self, name) for name in ("threshold", "block_length", "use_cache")
+        kw.update({name: getattr(self, name) for name in ("threshold", "frechet_margin", "block_length", "use_cache")
                    if getattr(self, name) is not None})
         if self.block_length is None and self.use_cache is None:   # Dream's own sampler: its tie order
             kw["reference_ties"] = self.reference_ties
