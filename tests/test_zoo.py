@@ -218,7 +218,7 @@ def test_demo_runs_non_interactively():
     # the structured section: a JSON answer under a schema, two tool calls, the answer from their results
     assert """'sort 52814' as JSON, schema {answer: str} → {"answer":"12458"}""" in out
     assert """calls add({"a":4,"b":2}), capital({"country":"Italy"})""" in out and "answer '6, Rome'" in out
-    assert "on 80% of held-out conversations" in out   # read from tiny-ar-chat's metrics.json
+    assert "on 95% of held-out conversations" in out   # read from tiny-ar-chat's metrics.json
 
 
 def test_ablation_cli_writes_a_reproducible_csv(tmp_path, capsys):
