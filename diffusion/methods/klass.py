@@ -34,7 +34,7 @@ from remask.models.spec import ModelSpec
 
 from ..families.llada import validate_block_args
 from ..parts.checks import check_choice, check_config, check_int, check_method_call, check_real
-from ..parts.constrain import CommitFilter, end_ids_of
+from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.selection import schedule_counts
 from ..parts.stats import GenerationStats
 from ..parts.step import CommitRule, masked_canvas
@@ -163,8 +163,8 @@ def _klass_row(config: KLASS, spec: Any, x: torch.Tensor, P: int, steps_per_bloc
         while bool((block == mask_id).any()):
             state.budget = schedule[:, step] if schedule is not None and step < steps_per_block else None
             logits = yield ForwardRequest.call(row, inputs, spec=spec, rows=slice(start, hi))
-            if constraint is not None:   # the frontier masked before the rule scores (and keeps its KL memory)
-                logits, prior = constraint.mask_frontier(logits, start, start + block_length, 0), block.clone()
+            # the frontier masked before the rule scores (and keeps its KL memory)
+            logits, prior = before_rule(constraint, logits, block, start, start + block_length, 0)
             commit, tokens = config.commit(block, logits, mask_id, state)
             block[commit] = tokens[commit]
             if constraint is not None:   # keep what the structure accepts; an end token fills the rest
