@@ -21,8 +21,8 @@ from remask.models.spec import get_spec
 from .families.apd import APDConfig, apd_generate, check_apd_alone
 from .families.canvas import canvas_generate
 from .families.dream import (DEFAULT_BLOCK_LENGTH, DEFAULT_MAX_LENGTH, DreamBlockDecoder, DreamDecoder,
-                             DreamGenerationConfig, DreamModelOutput, _validate_config, check_block_layout)
-from .families.llada import block_diffusion_generate, validate_rule
+                             DreamGenerationConfig, DreamModelOutput, _validate_config)
+from .families.llada import block_diffusion_generate, validate_block_args, validate_rule
 from .methods.decoders import is_dinfer_method, run_decoder
 from .methods.freedave import FreeDave, freedave_generate
 from .parts.cache import cache_mode
@@ -241,7 +241,7 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
         if attention_mask is not None:
             attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
     if blocks and not dinfer:
-        check_block_layout(gen_length, block_length, config.steps)
+        validate_block_args(gen_length, block_length, config.steps, length="the generation length")
     history = None
     # what dInfer's rules and FreeDave (greedy, over blocks) do not read: refused by name
     greedy_unread = [name for name, on in (

@@ -61,17 +61,22 @@ class CanvasModel:
     """The calls of DiffusionGemma's generation loop, one method each, with the arguments
     transformers' `generate` passes (so the same forwards run on the same tensors). The two forwards
     are described, not run: `encoder_forward` and `decoder_forward` return the
-    `ForwardRequest` (`remask.models.request`) a driver computes."""
+    `ForwardRequest` (`remask.models.request`) a driver computes. Built from the model's spec (its
+    config, `encoder` and `embeddings`, the table the decoder shares with the encoder), never the model:
+    the decoder's mask builder and the model's forward signature are transformers' class functions."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-        self.config = model.config
-        self.canvas_length = int(model.config.canvas_length)
-        self.vocab_size = int(model.config.get_text_config().vocab_size)
+    def __init__(self, spec: ModelSpec):
+        from transformers.models.diffusion_gemma import modeling_diffusion_gemma as modeling
+
+        self.config, self.encoder, self.embeddings = spec.config, spec.encoder, spec.embeddings
+        self.canvas_length = int(self.config.canvas_length)
+        self.vocab_size = int(self.config.get_text_config().vocab_size)
+        self.create_decoder_masks = modeling.DiffusionGemmaDecoderModel.create_diffusion_decoder_attention_mask
+        self.model_forward = modeling.DiffusionGemmaForBlockDiffusion.forward
 
     @property
     def embedding_dtype(self) -> torch.dtype:
-        return self.model.model.decoder.embed_tokens.weight.dtype
+        return self.embeddings.weight.dtype
 
     def new_cache(self):
         from transformers import DynamicCache
@@ -84,9 +89,9 @@ class CanvasModel:
         `cache`: a request for the encoder's whole output (`output_cache(answer)` is the cache).
         The encoder is a module of its own (`module=`), so the request runs alone."""
 
-        encoder = self.model.model.encoder
+        encoder = self.encoder
         input_ids = input_ids.clone(memory_format=torch.contiguous_format)
-        shape_only = torch.empty((input_ids.shape[0], input_ids.shape[1], 0), dtype=self.model.dtype,
+        shape_only = torch.empty((input_ids.shape[0], input_ids.shape[1], 0), dtype=encoder.dtype,
                                  device=input_ids.device)
         masks = encoder.create_masks_for_generate(config=self.config, inputs_embeds=shape_only,
                                                   attention_mask=attention_mask, position_ids=position_ids,
@@ -98,7 +103,7 @@ class CanvasModel:
 
     def decoder_masks(self, canvas: torch.Tensor, cache, decoder_attention_mask: torch.Tensor) -> dict:
         """The decoder's attention masks for a canvas over the cache (computed once per canvas)."""
-        create = self.model.model.decoder.create_diffusion_decoder_attention_mask
+        create = self.create_decoder_masks
         return create(config=self.config, inputs_embeds=canvas.unsqueeze(-1),
                       decoder_attention_mask=decoder_attention_mask, **cache_arg(create, cache))
 
@@ -108,7 +113,7 @@ class CanvasModel:
         `[B, canvas_length, V]` (float32, soft-capped)."""
 
         per_row = dict(decoder_input_ids=canvas, decoder_position_ids=position_ids)
-        shared = dict(decoder_attention_mask=masks, **cache_arg(self.model.forward, cache))
+        shared = dict(decoder_attention_mask=masks, **cache_arg(self.model_forward, cache))
         if self_conditioning_logits is None:
             shared["self_conditioning_logits"] = None
         else:

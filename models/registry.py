@@ -55,7 +55,9 @@ class Family:
     settings: the `SamplingParams` field holding a request's settings for this family's decoder
     (e.g. ``"sdar"``); the engine refuses it for models of other families.
     engine_decoder: ``"module:function"`` building the decoder of one engine request,
-    `function(engine, params)`; None: the engine's own choice by the spec (LLaDA, Dream, AR, ...)."""
+    `function(spec, params, *, store, stop_ids)`: the model's `ModelSpec`, the request's `SamplingParams`, the
+    engine's paged KV store (`runner.store`) and its stop ids (never the engine itself); None: the engine's own
+    choice by the spec (LLaDA, Dream, AR, ...)."""
 
     model_type: str
     spec: Callable[[Any], ModelSpec]

@@ -34,8 +34,9 @@ class ModelSpec:
     decoder blocks, for a driver that runs a request's work between them (`ForwardRequest.layers`).
 
     What a decoder needs of the model itself comes here, set by `get_spec` (decoders are never handed
-    the model): `device` (its parameters'), `config` (its config's values) and `embeddings` (its input
-    embedding table, None where it has none).
+    the model): `device` (its parameters'), `config` (its config's values), `embeddings` (its input
+    embedding table, None where it has none) and `encoder` (an encoder-decoder model's encoder,
+    transformers' `get_encoder()`, whose forward DiffusionGemma's canvas loop requests; None otherwise).
     """
 
     kind: str
@@ -60,6 +61,7 @@ class ModelSpec:
     device: torch.device = field(default=torch.device("cpu"), compare=False)
     config: Any = field(default=None, repr=False, compare=False)
     embeddings: Any = field(default=None, repr=False, compare=False)
+    encoder: Any = field(default=None, repr=False, compare=False)
 
     def forward_inputs(self, attention_mask: torch.Tensor | None, total_len: int) -> dict[str, Any]:
         """Keyword arguments for `model(x, **kw)` over a sequence of `total_len` positions whose
@@ -82,9 +84,7 @@ class ModelSpec:
     def logits(self, model: torch.nn.Module, x: torch.Tensor, **forward_inputs: Any) -> torch.Tensor:
         """One model forward; returns logits `[B, L, V]` where row i scores position i."""
         logits = model(x, **forward_inputs).logits
-        if self.logit_shift:
-            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-        return logits
+        return shift_logits(logits) if self.logit_shift else logits
 
     @property
     def bidirectional(self) -> bool:
@@ -94,6 +94,13 @@ class ModelSpec:
     def with_overrides(self, **ids: int | None) -> "ModelSpec":
         """A copy with some ids replaced (None keeps the model's own)."""
         return replace(self, **{k: v for k, v in ids.items() if v is not None})
+
+
+def shift_logits(logits: torch.Tensor) -> torch.Tensor:
+    """The logit shift (`ModelSpec.logit_shift`: Dream, Fast-dLLM v2): row i takes the logits of row i−1 (the
+    model's prediction of token i), the first row keeps its own. The one copy: `ModelSpec.logits` and the
+    drivers' and loops' forwards shift with it."""
+    return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
 
 
 def extend_mask(attention_mask: torch.Tensor | None, total_len: int) -> torch.Tensor | None:
@@ -153,13 +160,15 @@ def get_spec(model: torch.nn.Module, **overrides: int | None) -> ModelSpec:
     builder = _ar_spec if family is None else family.spec
     parameters = next(model.parameters(), None) if hasattr(model, "parameters") else None
     device = torch.device("cpu") if parameters is None else parameters.device
-    return replace(builder(config).with_overrides(**overrides), device=device, config=config,
-                   embeddings=_input_embeddings(model))
+    spec = builder(config).with_overrides(**overrides)
+    return replace(spec, device=device, config=config, embeddings=_part(model, "get_input_embeddings"),
+                   encoder=_part(model, "get_encoder") if spec.layout == "encoder-decoder" else None)
 
 
-def _input_embeddings(model: torch.nn.Module) -> Any:
-    """The model's input embedding table (transformers' `get_input_embeddings`), None where it has none."""
+def _part(model: torch.nn.Module, getter: str) -> Any:
+    """A part of the model by transformers' getter (`get_input_embeddings`: its input embedding table,
+    `get_encoder`), None where it has none."""
     try:
-        return model.get_input_embeddings()
+        return getattr(model, getter)()
     except (AttributeError, NotImplementedError):
         return None

@@ -141,6 +141,13 @@ def test_config_and_argument_errors(load):
         elastic_generate(model, p, gen_length=8, rule=ElasticCache())
 
 
+
+def test_other_model_kinds_are_refused(load_model):
+    """Elastic-Cache does its work between LLaDA's layers (`ElasticLayers`, through LLaDA's attend seam): a
+    Dream model, whose spec says `kind="dream"`, is refused by name before any forward."""
+    with pytest.raises(ValueError, match="elastic_generate drives LLaDA's layers; got a dream model"):
+        elastic_generate(load_model("dream_small"), torch.tensor([[1, 2, 3]]), gen_length=8)
+
 def test_left_padded_rows_decode(load):
     """Pad keys are hidden (upstream has no mask); an all-ones mask is the same as none."""
     model = load("llada_small_peaked")

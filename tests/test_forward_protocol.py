@@ -182,10 +182,9 @@ def test_every_diffusion_decoder_the_engine_builds_is_a_decoder(llada):
 
 
 # Decoders are not handed the model (issue 44): what they need of it comes through its `ModelSpec` (ids,
-# device, config values, embedding table, layers) or the answers to their `ForwardRequest`s.
-# DiffusionGemma's canvas loop is built on `models.diffusion_gemma.CanvasModel`, the model's own
-# mask builders (transformers' functions of the model), and is the one decoder still built with it.
-BUILT_WITH_THE_MODEL = {"CanvasDecoder.__init__"}
+# device, config values, embedding table, layers, an encoder-decoder model's encoder) or the answers to
+# their `ForwardRequest`s. DiffusionGemma's canvas loop too: `CanvasDecoder(spec, ...)`, whose
+# `models.diffusion_gemma.CanvasModel` is built from the spec.
 # The drivers' own parts: `run_steps(model, steps_of, ...)` (a drop-in function's drive) and the packed
 # forward's hooks on the model's layers (`varlen.PackedLayers.installed`, called by `stepper._packed`).
 DRIVER_PARTS = {"run_steps", "PackedLayers.installed"}
@@ -208,6 +207,7 @@ def test_no_decoder_factory_or_decoder_method_takes_the_model():
 
     import remask.diffusion as diffusion
     from remask.diffusion.methods import registry
+    from remask.models.registry import all_families, resolve
 
     modules = [importlib.import_module(info.name)
                for info in pkgutil.walk_packages(diffusion.__path__, "remask.diffusion.")
@@ -219,7 +219,7 @@ def test_no_decoder_factory_or_decoder_method_takes_the_model():
                 continue
             if inspect.isclass(obj):
                 for attr, fn in vars(obj).items():
-                    if inspect.isfunction(fn) and f"{name}.{attr}" not in BUILT_WITH_THE_MODEL | DRIVER_PARTS:
+                    if inspect.isfunction(fn) and f"{name}.{attr}" not in DRIVER_PARTS:
                         seen += 1
                         offenders += [f"{module.__name__}.{name}.{attr}({p})" for p in _takes_the_model(fn)]
             elif inspect.isfunction(obj) and name.endswith("_steps") and name not in DRIVER_PARTS:
@@ -228,6 +228,13 @@ def test_no_decoder_factory_or_decoder_method_takes_the_model():
     for method in registry.METHODS.values():   # the loops take the call, whose fields hold no model
         offenders += [f"{method.name}.loop({p})" for p in _takes_the_model(method.loop)]
     offenders += [f"registry.Call.{f}" for f in registry.Call.__dataclass_fields__ if f == "model"]
+    # the block-causal families' engine decoders take the spec and the engine's store and stop ids, never the engine
+    factories = [f.engine_decoder for f in all_families().values() if f.engine_decoder is not None]
+    assert len(factories) >= 3
+    for target in factories:
+        parameters = list(inspect.signature(resolve(target)).parameters)
+        if parameters != ["spec", "params", "store", "stop_ids"]:
+            offenders.append(f"{target}{tuple(parameters)}")
     assert offenders == []
     assert seen > 200, "the decoders' methods were not found: the walk is stale"
     # the check sees what it looks for: a factory of the old form is caught

@@ -144,6 +144,29 @@ def test_freedave_equals_the_constrained_one_token_rule(llada):
                 assert fast.nfe <= slow.nfe
 
 
+
+def test_freedave_reopens_a_block_without_holes_its_matcher_has_not_consumed(llada):
+    """FreeDave's guard (`freedave._Decoder.block`): a block with no holes whose tokens the row's matcher has not
+    consumed (a state a draft could leave: the chain compares tokens, not the matcher) is undecided again from the
+    frontier and decoded under the structure, never left as it is (the answer would break the structure)."""
+    from remask.diffusion.methods.freedave import FreeDave, _Decoder
+    from remask.diffusion.parts.constrain import CommitFilter
+    from remask.diffusion.parts.stepper import drive
+
+    model, tok = llada
+    spec, params = get_spec(model), S(choice=CHOICE)
+    prompt = torch.tensor([encode_chat(PROMPTS[0])])
+    P, gen = prompt.shape[1], 8
+    stray = tok.encode("zzzzzzzz", add_special_tokens=False)   # no choice starts with "z"
+    x = torch.cat([prompt, torch.tensor([stray])], dim=1)
+    cf = CommitFilter.start(compile_structure(params, tok, 128, (MASK_ID,)), ENDS, 1, MASK_ID, P, gen)
+    assert cf.unsettled(x, P, P + gen) == [True] and not bool((x == MASK_ID).any())
+    decoder = _Decoder(spec, FreeDave(), gen, None, None, P, P + gen, remask.GenerationStats())
+    row = drive(decoder.run(x, gen, cf), model)[0, P:].tolist()
+    assert row != stray and MASK_ID not in row
+    assert compile_structure(params, tok, 128, (MASK_ID,)).matcher(ENDS).accepts(row) == len(row), decode_answer(row)
+    assert cf.unsettled(x, P, P + gen) == [False]
+
 def _engine_rows(llm, prompts, params):
     """The engine's first completion per prompt, the prompts given as the chat ids the drop-in calls get."""
     ids = [{"prompt_token_ids": encode_chat(text)} for text in prompts]

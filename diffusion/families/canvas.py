@@ -22,6 +22,7 @@ import torch
 from remask.kernels.canvas import canvas_score, canvas_update
 from remask.models.diffusion_gemma import CanvasModel, require_diffusion_gemma
 from remask.models.hf_compat import output_cache, with_cache_field
+from remask.models.spec import ModelSpec, get_spec
 
 from ..parts.checks import (MAX_LOOP_STEPS, check_at_most, check_bool, check_choice, check_generator, check_instance,
                             check_int, check_real, check_stats, check_table)
@@ -230,10 +231,11 @@ class CanvasState:
 
 class CanvasDecoder(Constrainable, Decoder):
     """The canvas loop as a decoder: a step denoises every row (one decoder forward, plus the encoder's
-    when it opens a canvas). `config`: a resolved `DiffusionGemmaGenerationConfig`; `prompt_cache`:
-    a `remask.caches.PromptCache` (single unpadded rows take the prompt's cache)."""
+    when it opens a canvas), built from the model's spec (`models.diffusion_gemma.CanvasModel`). `config`: a
+    resolved `DiffusionGemmaGenerationConfig`; `prompt_cache`: a `remask.caches.PromptCache` (single unpadded rows
+    take the prompt's cache)."""
 
-    def __init__(self, model: torch.nn.Module, config: Any, sampler: CanvasSampler | None = None, *,
+    def __init__(self, spec: ModelSpec, config: Any, sampler: CanvasSampler | None = None, *,
                  reference_rng: bool = False, logits_processor: Any = None, stopping_criteria: Any = None,
                  prompt_cache: Any = None):
         module = require_diffusion_gemma()
@@ -241,7 +243,7 @@ class CanvasDecoder(Constrainable, Decoder):
         from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria,
                                                                StoppingCriteriaList)
         self.module, self.config, self.sampler = module, config, sampler or CanvasSampler()
-        self.reference_rng, self.canvas_model = reference_rng, CanvasModel(model)
+        self.reference_rng, self.canvas_model = reference_rng, CanvasModel(spec)
         self.processors = LogitsProcessorList(logits_processor or [])
         if config.t_min is not None and config.t_max is not None:
             self.processors.append(module.LinearTemperatureScheduleLogitsProcessor(config.t_min, config.t_max,
@@ -480,7 +482,7 @@ def canvas_generate(model: torch.nn.Module, input_ids: torch.Tensor, generation_
         raise ValueError(f"input_ids must be a 2-D tensor [batch, length], got {getattr(input_ids, 'shape', None)}")
     check_generator(generator, input_ids.device)
     config, model_kwargs = _generation_config(model, generation_config, kwargs)
-    decoder = CanvasDecoder(model, config, canvas_sampler, reference_rng=reference_rng,
+    decoder = CanvasDecoder(get_spec(model), config, canvas_sampler, reference_rng=reference_rng,
                             logits_processor=logits_processor, stopping_criteria=stopping_criteria)
     decoder.constrain(compile_for(structured_outputs, model, tokenizer, None))
     if stats is not None:

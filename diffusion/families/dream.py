@@ -19,7 +19,7 @@ from transformers.utils import ModelOutput
 from remask.kernels import unmask
 from remask.models.parallel import full_logits
 
-from .llada import BlockwiseDecoder, block_forwards, validate_block_args
+from .llada import BlockwiseDecoder, block_forwards
 from ..parts.sparse import BlockMaskForward, SparseConfig
 from ..parts.checks import check_bool, check_choice, check_int, check_optional_token_id, check_real
 from ..parts.constrain import CommitFilter, before_rule, end_ids_of
@@ -77,11 +77,6 @@ class DreamGenerationConfig:
         for k in [k for k in kwargs if k in {f.name for f in fields(self)}]:
             setattr(self, k, kwargs.pop(k))
         return kwargs
-
-
-def check_block_layout(gen_length: int, block_length: int, steps: int) -> None:
-    """The block decoder's layout: whole blocks, and as many steps in each (LLaDA's check)."""
-    validate_block_args(gen_length, block_length, steps, "the generation length")
 
 
 def _validate_config(config: DreamGenerationConfig, spec) -> None:

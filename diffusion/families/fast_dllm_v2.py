@@ -24,13 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Generator
+from typing import Any, Generator, Sequence
 
 import torch
 from transformers.cache_utils import DynamicCache
 
 from remask.caches.block import PackedRows
 from remask.models.fast_dllm_v2 import RowBatch
+from remask.models.spec import ModelSpec, shift_logits
 
 from ..parts.blocks import BlockLoop, check_block_settings, check_prompt, engine_part, engine_settings
 from ..parts.checks import (ParameterTypeError, check_bool, check_choice, check_generator, check_int, check_ints,
@@ -42,11 +43,6 @@ from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest, decode_alone
 
 STOP_MODES = ("generate", "batch_sample")
-
-
-def shift_logits(logits: torch.Tensor) -> torch.Tensor:
-    """The token shift: row i takes the logit of row i−1, the first row keeps its own."""
-    return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
 
 
 def choose_tokens(logits: torch.Tensor, top_p: float, temperature: float, mask_id: int | None,
@@ -444,20 +440,21 @@ def check_fast_dllm_v2_settings(settings: Any) -> dict:
     return out
 
 
-def engine_decoder(engine: Any, params: Any) -> FastDLLMV2Decoder:
+def engine_decoder(spec: ModelSpec, params: Any, *, store: Any, stop_ids: Sequence[int]) -> FastDLLMV2Decoder:
     """One engine request's Fast-dLLM v2 loop (`Family.engine_decoder`): the official `generate` with
     `max_new_tokens` = `max_tokens` rounded up to whole blocks; `top_p` default 0.95, `threshold` 0.9 (the official
     chatbot's), `block_size` the config's `bd_size`, `small_block_size` 8. `decoder=` FreeDave sets the rule (one
-    token per step, threshold 1.0, or its threshold)."""
-    settings, block_size = engine_settings(engine, params, "Fast-dLLM v2", "fast_dllm_v2", FAST_DLLM_V2_SETTINGS,
+    token per step, threshold 1.0, or its threshold). `store` and `stop_ids` are not read (the loop keeps its rows'
+    caches itself and stops at the model's EOS)."""
+    settings, block_size = engine_settings(spec, params, "Fast-dLLM v2", "fast_dllm_v2", FAST_DLLM_V2_SETTINGS,
                                            rules=False, length="block_size", default_length=32,
                                            stops="one stop token (the model's EOS)")
     part, tau = engine_part(params, "Fast-dLLM v2", "fast_dllm_v2", settings)
     threshold = 0.9 if params.threshold is None else params.threshold
     if part is not None:
         threshold = 1.0 if tau is None else tau
-    return FastDLLMV2Decoder(part, mask_id=engine.spec.mask_id, num_blocks=-(-params.max_tokens // block_size),
+    return FastDLLMV2Decoder(part, mask_id=spec.mask_id, num_blocks=-(-params.max_tokens // block_size),
                              block_size=block_size, small_block_size=settings.pop("small_block_size", 8),
-                             threshold=threshold, stop_token=engine.spec.eos_id,
+                             threshold=threshold, stop_token=spec.eos_id,
                              top_p=0.95 if params.top_p is None else params.top_p, temperature=params.temperature,
                              stop_mode="generate", **settings)

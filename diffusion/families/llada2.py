@@ -20,9 +20,11 @@ prompt with it there only); one prompt at a time (upstream reads row 0 only).
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, Sequence
 
 import torch
+
+from remask.models.spec import ModelSpec
 
 from ..parts.blocks import (BlockState, StoreKVLoop, check_block_settings, engine_part, engine_settings,
                             num_transfer_schedule, sample_block, select_mask_to_token)
@@ -210,11 +212,12 @@ def check_llada2_settings(settings: Any) -> dict:
     return check_block_settings("llada2", settings, LLADA2_CHECKS, steps=("steps", "num_to_transfer"))
 
 
-def engine_decoder(engine: Any, params: Any) -> LLaDA2Decoder:
+def engine_decoder(spec: ModelSpec, params: Any, *, store: Any, stop_ids: Sequence[int]) -> LLaDA2Decoder:
     """One engine request's LLaDA2 loop (`Family.engine_decoder`): `remask.compat.llada2.generate`'s with
     `gen_length=max_tokens`. `decoder=` (a dInfer rule or FreeDave) is the loop's commit part; FreeDave sets the
-    rule: one token per step (threshold 1.0), or its threshold."""
-    settings, block_length = engine_settings(engine, params, "LLaDA2", "llada2", LLADA2_SETTINGS, default_length=32,
+    rule: one token per step (threshold 1.0), or its threshold. `store`: the engine's paged KV store (the blocks'
+    caches); `stop_ids` are not read (the loop stops at the model's EOS id only)."""
+    settings, block_length = engine_settings(spec, params, "LLaDA2", "llada2", LLADA2_SETTINGS, default_length=32,
                                              stops="its EOS id only (the model's)")
     for name in ("steps", "num_to_transfer"):   # work bounds, before the schedule (O(steps)) is built
         check_steps(f"llada2.{name}", settings.get(name), block_length, "the block length")
@@ -224,7 +227,7 @@ def engine_decoder(engine: Any, params: Any) -> LLaDA2Decoder:
         if "steps" in settings:
             raise ValueError("llada2.steps: with decoder=FreeDave a block takes one token per step: leave it unset")
         threshold = 1.0 if tau is None else tau
-    return LLaDA2Decoder(part, mask_id=engine.spec.mask_id, eos_id=engine.spec.eos_id, gen_length=params.max_tokens,
+    return LLaDA2Decoder(part, mask_id=spec.mask_id, eos_id=spec.eos_id, gen_length=params.max_tokens,
                          block_length=block_length, steps=settings.pop("steps", block_length),
                          temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, threshold=threshold,
-                         block_store=engine.runner.store, **settings)
+                         block_store=store, **settings)

@@ -24,6 +24,8 @@ from typing import Any, Generator, Sequence
 
 import torch
 
+from remask.models.spec import ModelSpec
+
 from ..parts.blocks import (BlockState, StoreKVLoop, check_block_settings, engine_part, engine_settings,
                             num_transfer_schedule, select_mask_to_token)
 from ..parts.checks import (check_bool, check_choice, check_generator, check_int, check_ints, check_real, check_stats,
@@ -187,12 +189,12 @@ def sdar_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, mask_id: i
     return state.x
 
 
-def engine_decoder(engine: Any, params: Any) -> SDARDecoder:
+def engine_decoder(spec: ModelSpec, params: Any, *, store: Any, stop_ids: Sequence[int]) -> SDARDecoder:
     """One engine request's SDAR loop (`Family.engine_decoder`): `block_diffusion_generate`'s, `gen_length=max_tokens`,
     stopping after a block holding EOS or a `stop_token_ids` id; `threshold`: ``low_confidence_dynamic`` at it.
     `decoder=` (a dInfer rule or FreeDave) is the loop's commit part; FreeDave sets the rule (one token per step, or
-    its threshold)."""
-    settings, block_length = engine_settings(engine, params, "SDAR", "sdar", SDAR_SETTINGS)
+    its threshold). `store`: the engine's paged KV store (the blocks' caches); `stop_ids`: the engine's stop ids."""
+    settings, block_length = engine_settings(spec, params, "SDAR", "sdar", SDAR_SETTINGS)
     if block_length is not None:   # a work bound, before the schedule (O(denoising_steps)) is built
         check_steps("sdar.denoising_steps", settings.get("denoising_steps"), block_length, "the block length")
     if params.threshold is not None:
@@ -211,7 +213,7 @@ def engine_decoder(engine: Any, params: Any) -> SDARDecoder:
                         **({} if threshold is None else {"confidence_threshold": threshold}))
     settings = {"denoising_steps": block_length, "remasking_strategy": "low_confidence_static",
                 "confidence_threshold": 0.85, "eb_threshold": None, **settings}
-    return SDARDecoder(part, block_store=engine.runner.store, mask_id=engine.spec.mask_id,
+    return SDARDecoder(part, block_store=store, mask_id=spec.mask_id,
                        gen_length=params.max_tokens, block_length=block_length, temperature=params.temperature,
                        top_k=params.top_k or 0, top_p=1.0 if params.top_p is None else params.top_p,
-                       stop_ids=sorted(set(engine.stop_ids) | set(params.stop_token_ids)), **settings)
+                       stop_ids=sorted(set(stop_ids) | set(params.stop_token_ids)), **settings)

@@ -53,7 +53,7 @@ from typing import Any, Generator, Iterator
 import torch
 
 from remask.caches.position import DelayedKVCache
-from remask.models.spec import ModelSpec, get_spec
+from remask.models.spec import ModelSpec, get_spec, shift_logits
 
 from ..families.dream import DreamDecoder, DreamGenerationConfig, _validate_config
 from ..families.llada import validate_block_args
@@ -495,7 +495,7 @@ class _DreamRule:
         logits = parts[0][1].new_full((B, T, parts[0][1].shape[-1]), -torch.inf)   # −inf where not forwarded
         for g, part, fwd in parts:
             logits[g] = part if fwd is None else logits[g].masked_scatter(fwd[..., None], part)
-        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)   # the logit shift (spec.logit_shift)
+        logits = shift_logits(logits)   # the logit shift (spec.logit_shift)
         before = int((x == mask_id).sum())
         decoder.commit(self.state, logits, generator=self.generator)   # writes x in place
         left = x == mask_id

@@ -35,7 +35,7 @@ from remask.models.spec import ModelSpec
 
 from ..families.llada import validate_block_args
 from ..parts.checks import check_choice, check_config, check_generator, check_int, check_method_call, check_real
-from ..parts.constrain import CommitFilter, end_ids_of
+from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.selection import schedule_counts
 from ..parts.stats import GenerationStats
 from ..parts.step import CommitRule, masked_canvas
@@ -182,8 +182,8 @@ def _klass_row(config: KLASS, spec: Any, x: torch.Tensor, P: int, steps_per_bloc
             if sampling[0] > 0:   # upstream's draw covers every position's logits; the rule reads the block's and next's
                 u = torch.rand((1, T, logits.shape[-1]), dtype=torch.float64, device=logits.device, generator=sampling[1])
                 logits = logits.double().exp() / (-torch.log(u[:, start:hi])) ** sampling[0]
-            if constraint is not None:   # the frontier masked before the rule scores (and keeps its KL memory)
-                logits, prior = constraint.mask_frontier(logits, start, start + block_length, 0), block.clone()
+            # the frontier masked before the rule scores (and keeps its KL memory)
+            logits, prior = before_rule(constraint, logits, block, start, start + block_length, 0)
             commit, tokens = config.commit(block, logits, mask_id, state)
             block[commit] = tokens[commit]
             if constraint is not None:   # keep what the structure accepts; an end token fills the rest

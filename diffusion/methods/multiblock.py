@@ -28,7 +28,7 @@ import torch
 from remask.models.spec import ModelSpec
 
 from ..parts.checks import (check_bool, check_config, check_int, check_method_call, check_real, check_token_id)
-from ..parts.constrain import CommitFilter, end_ids_of
+from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.scoring import score_rows
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
@@ -218,11 +218,9 @@ def _loop(x: torch.Tensor, rows: list[_Row], inputs: dict, spec, eos_id: int | N
                                                       for k, v in inputs.items()}, spec=spec)
         before = (x[index, P:] == mask_id).sum()
         stats.forward(len(active), T)
-        if constraint is not None:
-            sub = constraint.rows(active)
-            logits = sub.mask_frontier(logits, P, T, P)
-            prior = x[index, P:].clone()
-            candidates = torch.full_like(prior, mask_id)
+        sub = None if constraint is None else constraint.rows(active)
+        logits, prior = before_rule(sub, logits, x[index, P:], P, T, P)
+        candidates = None if sub is None else torch.full_like(prior, mask_id)
         for i, b in enumerate(active):
             commit, x0 = rows[b].commit(x[b], logits[i], ends[b], mask_id)
             span = x[b, P:ends[b]]

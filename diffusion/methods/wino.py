@@ -33,7 +33,7 @@ from remask.models.spec import ModelSpec
 from ..families.llada import validate_block_args
 from ..parts.cache import valid_positions
 from ..parts.checks import NoWorkBound, check_bool, check_config, check_ints, check_method_call, check_real
-from ..parts.constrain import CommitFilter, end_ids_of
+from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, run_steps
@@ -187,11 +187,9 @@ def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
             logits = yield ForwardRequest(x[rows], per_row=dict(attention_bias=bias, position_ids=positions))
             stats.forward(len(active), x.shape[1])
             committed = 0
-            if constraint is not None:
-                sub = constraint.rows(active)
-                logits = sub.mask_frontier(logits, start, end, start)   # the real block's rows
-                prior = x[rows, start:end].clone()
-                candidates = torch.full_like(prior, mask_id)
+            sub = None if constraint is None else constraint.rows(active)
+            logits, prior = before_rule(sub, logits, x[rows, start:end], start, end, start)   # the real block's rows
+            candidates = None if sub is None else torch.full_like(prior, mask_id)
             for i, b in enumerate(active):
                 max_accept = config.max_accept(int(masked[b].sum()))
                 x0, p = predict(logits[i], mask_id, config.commit_mask_token)

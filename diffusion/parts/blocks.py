@@ -14,6 +14,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from remask.caches.block import BlockBatch, BlockKVCache
+from remask.models.spec import ModelSpec
 
 from .checks import check_block_within_context, check_steps, check_table
 from .constrain import CommitFilter, before_rule
@@ -108,7 +109,7 @@ def check_block_settings(field: str, settings: Any, checks: dict, steps: tuple =
     return out
 
 
-def engine_settings(engine: Any, params: Any, family: str, field: str, allowed: tuple, *, rules: bool = True,
+def engine_settings(spec: ModelSpec, params: Any, family: str, field: str, allowed: tuple, *, rules: bool = True,
                     length: str = "block_length", default_length: int | None = None,
                     stops: str | None = None) -> tuple[dict, int | None]:
     """An engine request's settings for a block-causal family's loop: what it does not read refused by name (it reads
@@ -122,8 +123,8 @@ def engine_settings(engine: Any, params: Any, family: str, field: str, allowed: 
     if stops is not None and params.stop_token_ids:
         raise ValueError(f"stop_token_ids: {family}'s loop stops at {stops}")
     settings = dict(getattr(params, field) or {})
-    block_length = settings.pop(length, engine.spec.block_length or default_length)
-    check_block_within_context(engine.spec, f"{field}.{length}", block_length)
+    block_length = settings.pop(length, spec.block_length or default_length)
+    check_block_within_context(spec, f"{field}.{length}", block_length)
     return settings, block_length
 
 

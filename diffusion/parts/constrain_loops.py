@@ -55,11 +55,6 @@ class Constrainable:
         return self
 
 
-def mask_frontier_rows(constraint: CommitFilter, logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """`logits` `[K, L, V]` of K versions of the window `[start, end)`, each one's frontier row masked (a copy)."""
-    return constraint.rows([0] * logits.shape[0]).mask_frontier(logits, start, end, 0)
-
-
 def filter_block(constraint: CommitFilter, x: torch.Tensor, prior: torch.Tensor, x0: torch.Tensor | None,
                  logits: torch.Tensor, start: int, end: int) -> int:
     """`CommitFilter.filter` over the window `[start, end)` of `x` `[1, T]` (`prior`: the window before the step,

@@ -21,7 +21,8 @@ from typing import Any, Generator
 import torch
 
 from .checks import check_instance
-from .constrain_loops import filter_block, mask_frontier_rows
+from .constrain import before_rule
+from .constrain_loops import filter_block
 from .rules import rule_types
 from .stats import GenerationStats
 from .step import CommitRule
@@ -116,8 +117,9 @@ class DraftVerify:
         loop = self.loop
         start, end = loop._span(state)
         block = state.x[:, start:end]   # a view: commits write into x
-        if state.constraint is not None:   # structured output: every draft's frontier row masked before the rule
-            logits = mask_frontier_rows(state.constraint, logits, start, end)
+        # structured output: every draft's frontier row masked before the rule (each a version of row 0's window)
+        rows = None if state.constraint is None else state.constraint.rows([0] * logits.shape[0])
+        logits, _ = before_rule(rows, logits, block, start, end, 0)
         if kind.drafts is None:
             loop._count(stats, 1, state)
             x0, conf = loop._fd_scores(logits)

@@ -21,6 +21,7 @@ import torch
 
 from remask.models.hf_compat import cache_arg, takes_logits_to_keep
 from remask.models.request import ForwardRequest  # noqa: F401  (the requests' module; here for the drivers)
+from remask.models.spec import shift_logits
 
 from .protocol import Decoder
 from .stats import GenerationStats
@@ -151,7 +152,7 @@ def _own(request: ForwardRequest, logits: torch.Tensor) -> torch.Tensor:
     """A request's answer from its own rows' logits in a shared call: shifted by its `spec` within each row (as
     `ModelSpec.logits` shifts), cut to its `rows`."""
     if request.spec is not None and request.spec.logit_shift:
-        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        logits = shift_logits(logits)
     return logits if request.rows is None else logits[:, request.rows]
 
 

@@ -23,8 +23,8 @@ from remask.diffusion.families.ar import ARDecoder
 from remask.diffusion.families.canvas import (CanvasDecoder, check_stability, generation_kwargs,
                                               resolve_generation_config)
 from remask.diffusion.families.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder,
-                                             DreamGenerationConfig, _validate_config, check_block_layout)
-from remask.diffusion.families.llada import BlockDecoder
+                                             DreamGenerationConfig, _validate_config)
+from remask.diffusion.families.llada import BlockDecoder, validate_block_args
 from remask.diffusion.methods.decoders import decoder_steps, end_settings_refusal
 from remask.diffusion.parts.checks import changed, check_prompt, refuse_unread
 from remask.diffusion.parts.stepper import StepwiseDecoder
@@ -107,14 +107,15 @@ def canvas_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor
                                                                max_new_tokens=params.max_tokens))
     if "stability_threshold" in (params.canvas or {}):   # against the checkpoint's max_denoising_steps
         check_stability(config.stability_threshold, config.max_denoising_steps, "max_denoising_steps")
-    return CanvasDecoder(engine.model, config, params.canvas_sampler, reference_rng=params.reference_rng,
+    return CanvasDecoder(engine.spec, config, params.canvas_sampler, reference_rng=params.reference_rng,
                          prompt_cache=engine.prompt_cache).constrain(structure)
 
 
 def family_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
                    end_ids: Any = ()) -> Any:
     """The family's own loop (SDAR, LLaDA2, Fast-dLLM v2: `Family.engine_decoder`)."""
-    return engine.family.decoder_factory()(engine, params).constrain(structure)
+    return engine.family.decoder_factory()(engine.spec, params, store=engine.runner.store,
+                                           stop_ids=engine.stop_ids).constrain(structure)
 
 
 def ar_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
@@ -182,7 +183,7 @@ def dream_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor,
         return DreamDecoder(
             engine.spec, config, threshold, reference_ties=params.reference_ties, structure=structure, end_ids=end_ids)
     block_length = DEFAULT_BLOCK_LENGTH if block_length is None else block_length
-    check_block_layout(params.max_tokens, block_length, config.steps)
+    validate_block_args(params.max_tokens, block_length, config.steps, length="the generation length")
     return DreamBlockDecoder(engine.spec, config, threshold, block_length, use_cache, structure=structure,
                              end_ids=end_ids, frechet_margin=frechet_margin)
 
