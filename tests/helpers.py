@@ -40,15 +40,16 @@ _FIXTURE_MODELS: dict[str, torch.nn.Module] = {}
 
 
 def load_fixture_checkpoint(tmp_path_factory, checkpoints: dict, name: str) -> torch.nn.Module:
-    """The tiny LLaDA checkpoint a reference fixture names (`meta.checkpoints[name]`: the writer's
-    kwargs and the weights' digest), written and loaded once per session and shared by every test
-    file that names the same weights."""
+    """The tiny checkpoint a reference fixture names (`meta.checkpoints[name]`: the writer's kwargs, its
+    name when not `write_tiny_llada`, and the weights' digest), written and loaded once per session and
+    shared by every test file that names the same weights."""
     from transformers import AutoModel
 
     ck = checkpoints[name]
     if ck["digest"] not in _FIXTURE_MODELS:
         path = tmp_path_factory.mktemp(name)
-        assert tiny.write_tiny_llada(str(path), **ck["kwargs"]) == ck["digest"], "the tiny writer changed"
+        writer = getattr(tiny, ck.get("writer", "write_tiny_llada"))
+        assert writer(str(path), **ck["kwargs"]) == ck["digest"], "the tiny writer changed"
         _FIXTURE_MODELS[ck["digest"]] = AutoModel.from_pretrained(str(path)).eval()
     return _FIXTURE_MODELS[ck["digest"]]
 

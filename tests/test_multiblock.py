@@ -183,3 +183,118 @@ def test_one_interface_generate_and_the_engine():
             max_tokens=32, block_length=8, decoder=plain, ignore_eos=True), use_tqdm=False)[0]
         alone = remask.generate(model, prompt, gen_length=32, block_length=8, decoder=plain)
     assert kept.outputs[0].all_token_ids == alone[0, prompt.shape[1]:].tolist()
+
+
+# --- Dream (d3LLM's `d3llm_dream_generate_util.py`, `_sample_multi_block`) ------------------------------------
+
+DREAM = json.loads((Path(__file__).parent / "fixtures" / "multiblock_dream_reference.json").read_text())
+DREAM_MASK = {name: ck["kwargs"]["mask_token_id"] for name, ck in DREAM["meta"]["checkpoints"].items()}
+
+
+@pytest.fixture(scope="module")
+def load_dream(tmp_path_factory):
+    return lambda name: load_fixture_checkpoint(tmp_path_factory, DREAM["meta"]["checkpoints"], name)
+
+
+@pytest.mark.parametrize("case", DREAM["cases"], ids=[c["name"] for c in DREAM["cases"]])
+def test_reproduces_the_official_dream_generate_multi_block(load_dream, case):
+    """The model's layout picks Dream's rule (`variant=None`); naming it, or upstream's mask-token mode, is the same."""
+    margin_case("multiblock_dream_reference.json", case)
+    model = load_dream(case["checkpoint"])
+    prompt, mask = torch.tensor([case["prompt"]]), DREAM_MASK[case["checkpoint"]]
+    stats = GenerationStats()
+    x, nfe = run(model, prompt, case["kwargs"], stats=stats)
+    assert x[0].tolist() == case["output_ids"] and nfe.tolist() == [case["nfe"]]
+    assert not bool((x == mask).any()) and torch.equal(x[:, :prompt.shape[1]], prompt)
+    assert stats.nfe in (case["nfe"], case["nfe"] - 1) and len(stats.tokens_per_step) == stats.nfe
+    x, nfe = run(model, prompt, dict(case["kwargs"], variant="dream"), commit_mask_token=True)
+    assert x[0].tolist() == case["output_ids"] and nfe.tolist() == [case["nfe"]]
+
+
+def test_dream_fixture_covers_the_settings_and_differs_from_the_llada_rule(load_dream):
+    cases = DREAM["cases"]
+    kwargs = [c["kwargs"] for c in cases]
+    assert len(cases) >= 60 and len({k["threshold"] for k in kwargs}) >= 6 and len(DREAM["meta"]["checkpoints"]) == 3
+    assert len({k["block_add_threshold"] for k in kwargs}) >= 5 and len({k["decoded_token_threshold"] for k in kwargs}) >= 6
+    assert {k["early_stop"] for k in kwargs} == {True, False}
+    stopped = [c for c in cases if c["kwargs"]["early_stop"] and c["kwargs"]["eos_token_id"] in c["output_ids"][len(c["prompt"]):]]
+    assert len(stopped) >= 10
+    assert any(c["nfe"] < c["kwargs"]["gen_length"] // 4 for c in cases)
+    # Dream's rule is its own: LLaDA's (at most the threshold, the lowest entropy always) decodes many cases otherwise
+    differ = 0
+    for c in cases[::3]:
+        x, nfe = run(load_dream(c["checkpoint"]), torch.tensor([c["prompt"]]), dict(c["kwargs"], variant="llada"))
+        differ += x[0].tolist() != c["output_ids"] or nfe.tolist() != [c["nfe"]]
+    assert differ >= 5
+
+
+def test_dream_batch_rows_are_decided_alone(load_dream):
+    model = load_dream("dream_short")
+    prompts = random_prompt(3, 7, seed=5, high=44)
+    kwargs = dict(gen_length=32, block_length=8, threshold=1.0, block_add_threshold=0.25,
+                  decoded_token_threshold=0.5, early_stop=True, eos_token_id=1)
+    x, nfe = run(model, prompts, kwargs)
+    for b in range(3):
+        alone, n = run(model, prompts[b:b + 1], kwargs)
+        assert torch.equal(x[b], alone[0]) and int(nfe[b]) == int(n[0])
+    assert len(set(nfe.tolist())) > 1 and not bool((x == 47).any()) and torch.equal(x[:, :7], prompts)
+    padded, mask = left_pad([prompts[0, 2:], prompts[1]], pad_id=46)
+    x, _ = run(model, padded, kwargs, attention_mask=mask)
+    alone, _ = run(model, prompts[1:2], kwargs)
+    assert torch.equal(x[1], alone[0]) and not bool((x == 47).any()) and torch.equal(x[:, :7], padded)
+
+
+def test_a_dream_step_that_would_repeat_itself_commits_its_lowest_entropy_position(load_dream):
+    """With `decoded_token_threshold` above 1 no block is fully activated, and Dream's rule commits only what
+    is under `threshold`: upstream then repeats one step to its guard (measured: 10 001 forwards, the answer
+    returned masked but for what it decoded first; docs/quirks.md). remask commits the step's lowest-entropy
+    position there instead, and matches upstream up to the stall."""
+    model = load_dream("dream_small")
+    prompt = torch.tensor([[197, 215, 20, 132, 261]])   # run_ref.py's first dream_small prompt
+    for threshold, decoded, upstream in ((1.0, 1.5, {}), (2.0, 1.2, {4: 177})):
+        kwargs = dict(gen_length=32, block_length=8, threshold=threshold, decoded_token_threshold=decoded)
+        x, nfe = run(model, prompt, kwargs)
+        assert not bool((x == 299).any()) and int(nfe[0]) <= 32
+        assert all(int(x[0, 5 + i]) == token for i, token in upstream.items())
+
+
+def test_dream_in_generate_and_the_engine(load_dream):
+    """`decoder=MultiBlock` on a Dream model through `remask.generate` and the engine (a batch of requests)
+    equals the drop-in row by row; `variant` is checked by name."""
+    import remask
+
+    model = load_dream("dream_small_peaked")
+    prompts = random_prompt(3, 6, seed=9)
+    config = remask.MultiBlock(threshold=1.0, block_add_threshold=0.25, early_stop=True, eos_token_id=206)
+    expected = [multiblock_generate(model, prompts[b:b + 1], config=config, gen_length=32, block_length=8)[0]
+                for b in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = remask.generate(model, prompts, gen_length=32, block_length=8, decoder=config)
+        served = remask.LLM(model).generate([p.tolist() for p in prompts], remask.SamplingParams(
+            max_tokens=32, block_length=8, temperature=0.0, decoder=config), use_tqdm=False)
+    for b in range(3):
+        assert torch.equal(got[b], expected[b][0])
+        assert served[b].outputs[0].all_token_ids == expected[b][0, 6:].tolist()
+    assert len({tuple(e[0].tolist()) for e in expected}) == 3
+    with pytest.raises(ValueError, match="variant"):
+        remask.MultiBlock(variant="sglang")
+    with pytest.raises(ValueError, match="use_cache"):
+        remask.generate(model, prompts, gen_length=32, block_length=8, decoder=config, use_cache="prefix")
+
+
+def test_dreams_early_stop_recounts_every_block():
+    """Dream's file recounts each block's masks after the early stop's fill (LLaDA's only the block holding the
+    first EOS): they differ where a committed mask token left a count below the masks (`commit_mask_token`)."""
+    from remask.diffusion.methods.multiblock import _Row
+
+    config = MultiBlock(early_stop=True, commit_mask_token=True)
+    for dream, counts in ((True, [2, 1, 0]), (False, [0, 1, 0])):
+        row = _Row(config, 2, 3, 4, dream)
+        row._open(masks=4, full=False)
+        row._open(masks=4, full=False)
+        row.blocks[1].masks = 0   # two mask tokens "committed" there: upstream's count says none is left
+        x = torch.tensor([7, 8, 9, MASK, 5, MASK, MASK, 6, EOS, MASK, 4, 4, MASK, MASK])
+        assert not row._early_stop(x, MASK, EOS)
+        assert [b.masks for b in row.blocks[1:]] == counts and x[9:].tolist() == [EOS] * 5
+        assert row.blocks[3].full and not row.blocks[2].full

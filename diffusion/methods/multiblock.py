@@ -1,5 +1,6 @@
-"""d3LLM's multi-block decoding for LLaDA (hao-ai-lab/d3LLM `d3llm_llada_generate_util.py`,
-`generate_multi_block`): several blocks of the answer are decoded at once.
+"""d3LLM's multi-block decoding (hao-ai-lab/d3LLM `generate_multi_block`: `d3llm_llada_generate_util.py` for
+LLaDA, `d3llm_dream_generate_util.py`'s `_sample_multi_block` for Dream): several blocks of the answer are
+decoded at once. One loop; the model's spec shifts Dream's logits, and `variant` picks the commit rule.
 
 The answer is cut into `gen_length / block_length` blocks, opened left to right. Each step, in this
 order (per row; a row is one call of the reference, which is batch 1):
@@ -15,6 +16,11 @@ order (per row; a row is one call of the reference, which is batch 1):
   lowest-entropy one always; when the first fully activated block with masks got nothing, its
   lowest-entropy position is committed too.
 
+`variant="dream"` (Dream's file): the commit takes entropies strictly below `threshold` and no lowest-entropy
+one; the early stop recounts every block's masks (a changed count of 0 fully activates it). A step that
+commits nothing and opens no block would repeat itself to the forward guard: there remask commits the
+lowest-entropy position (docs/quirks.md).
+
 A row ends when its answer holds no mask and every block has opened. Its count of forwards is the
 reference's returned NFE (after an early stop that count includes one step with no forward, as the
 reference counts it). Rows of a batch are decided alone; a finished row is not forwarded again.
@@ -27,7 +33,8 @@ import torch
 
 from remask.models.spec import ModelSpec
 
-from ..parts.checks import (check_bool, check_config, check_int, check_method_call, check_real, check_token_id)
+from ..parts.checks import (check_bool, check_choice, check_config, check_int, check_method_call, check_real,
+                            check_token_id)
 from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.scoring import score_rows
 from ..parts.stats import GenerationStats
@@ -35,6 +42,7 @@ from ..parts.step import masked_canvas
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, run_steps
 
 MAX_FORWARDS = 10000   # the reference's loop guard (reached only when the mask token is committed)
+VARIANTS = ("llada", "dream")
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,8 @@ class MultiBlock:
     """`generate_multi_block`'s parameters, its names and defaults (`max_new_tokens` / `block_size` are the
     entry point's `gen_length` / `block_length`). `eos_token_id` None: the model's EOS. `commit_mask_token`:
     commit an argmax equal to the mask token as upstream does (it stays masked; remask's default commits the
-    most probable other token, so no mask is ever returned)."""
+    most probable other token, so no mask is ever returned). `variant`: d3LLM's "llada" or "dream" file (module
+    docstring); None: the model's own (Dream's on a model that shifts its logits)."""
 
     threshold: float | None = 0.5
     block_add_threshold: float = 0.5
@@ -50,6 +59,7 @@ class MultiBlock:
     early_stop: bool = False
     eos_token_id: int | None = None
     commit_mask_token: bool = False
+    variant: str | None = None
 
     def __post_init__(self) -> None:
         check_real("threshold", self.threshold, allow_none=True)
@@ -58,6 +68,7 @@ class MultiBlock:
         check_bool("early_stop", self.early_stop)
         check_bool("commit_mask_token", self.commit_mask_token)
         check_int("eos_token_id", self.eos_token_id, minimum=0, allow_none=True)
+        check_choice("variant", self.variant, VARIANTS + (None,))
 
     def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
                       steps: int | None = None, prompt_length: int | None = None) -> None:
@@ -80,8 +91,8 @@ class _Block:
 class _Row:
     """One row's blocks (block 0: the prompt, decoded) and counters, as upstream keeps them."""
 
-    def __init__(self, config: MultiBlock, P: int, num_blocks: int, block_length: int) -> None:
-        self.config, self.P, self.num_blocks, self.block_length = config, P, num_blocks, block_length
+    def __init__(self, config: MultiBlock, P: int, num_blocks: int, block_length: int, dream: bool) -> None:
+        self.config, self.P, self.num_blocks, self.block_length, self.dream = config, P, num_blocks, block_length, dream
         self.blocks = [_Block(0, P, 0, True)]
         self.next, self.nfe, self.done, self.has_eos = 1, 0, False, False
         self._open(masks=block_length, full=1.0 >= config.decoded_token_threshold)
@@ -105,13 +116,18 @@ class _Row:
         for prev, block in zip(self.blocks, self.blocks[1:]):
             block.full = block.full or prev.progress >= self.config.decoded_token_threshold
         last = self.blocks[-1]
-        if self.next <= self.num_blocks and not self.has_eos and len(self.blocks) > 1 and (
-                last.progress >= self.config.block_add_threshold or last.masks == 0):
+        if self._opens():
             start = self.P + (self.next - 1) * self.block_length
             self._open(int((x[start:start + self.block_length] == mask_id).sum()),
                        last.progress >= self.config.decoded_token_threshold)
         open_ = [b for b in self.blocks[1:] if b.full or b.masks > 0]
         return open_[-1].end if open_ else self._finish()
+
+    def _opens(self) -> bool:
+        """Upstream opens the next block: the last open one reached `block_add_threshold` or has no mask."""
+        last = self.blocks[-1]
+        return self.next <= self.num_blocks and not self.has_eos and (
+            last.progress >= self.config.block_add_threshold or last.masks == 0)
 
     def _finish(self) -> None:
         self.done = True
@@ -128,8 +144,8 @@ class _Row:
         for block in self.blocks[1:]:
             if block.start > first and block.masks != 0:
                 block.masks, block.full = 0, True
-            elif block.start <= first < block.end:
-                masks = int((x[block.start:first + 1] == mask_id).sum())
+            elif block.start <= first < block.end or self.dream:   # Dream recounts every block
+                masks = int((x[block.start:min(block.end, first + 1)] == mask_id).sum())
                 if masks != block.masks:
                     block.masks = masks
                     block.full = block.full or masks == 0
@@ -146,14 +162,16 @@ class _Row:
         masked = self.masked[:end - self.P]
         entropy = torch.where(masked, -neg_entropy, torch.inf)
         threshold = 999.0 if self.config.threshold is None else self.config.threshold
-        commit = masked & (entropy <= threshold)
-        if bool(masked.any()):
-            commit[entropy.argmin()] = True   # the lowest entropy, whatever the threshold
+        commit = masked & ((entropy < threshold) if self.dream else (entropy <= threshold))   # Dream: strictly below
+        if bool(masked.any()) and not self.dream:
+            commit[entropy.argmin()] = True   # the lowest entropy, whatever the threshold (not Dream's)
         first = next((b for b in self.blocks[1:] if b.full and b.masks > 0), None)
         if first is not None:
             lo, hi = first.start - self.P, first.end - self.P
             if not bool(commit[lo:hi].any()):
                 commit[lo + entropy[lo:hi].argmin()] = True
+        if bool(masked.any()) and not bool(commit.any()) and not self._opens():   # else a stall to the guard
+            commit[entropy.argmin()] = True
         return commit, x0
 
     def count(self, commit: torch.Tensor) -> None:
@@ -193,7 +211,8 @@ def multiblock_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: MultiBloc
     B, P = prompt.shape
     x = masked_canvas(prompt, gen_length, spec.mask_id, spec.device)
     inputs = spec.forward_inputs(attention_mask, x.shape[1])
-    rows = [_Row(config, P, gen_length // block_length, block_length) for _ in range(B)]
+    dream = (config.variant or ("dream" if spec.logit_shift else "llada")) == "dream"
+    rows = [_Row(config, P, gen_length // block_length, block_length, dream) for _ in range(B)]
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
     return _loop(x, rows, inputs, spec, eos_id, stats, constraint)
 
