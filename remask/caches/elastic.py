@@ -7,10 +7,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .kv import KVCache, key_bias, repeat_kv
+from .kv import key_bias, repeat_kv
+from .position import PositionKVCache
 
 
-class ElasticKVCache(KVCache):
+class ElasticKVCache(PositionKVCache):
     """Per-layer queries, keys and values (after RoPE) of every position of one row, and the
     Elastic-Cache drift check, behind remask's `attend` seam.
 
@@ -21,21 +22,19 @@ class ElasticKVCache(KVCache):
     checked against `gamma`; `triggered` tells the driver to recompute the following layers).
     After every layer `track[layer]` holds the layer's most attended non-masked positions.
     `key_ok` `[1, T]` (False = padding key) hides keys. Positions are passed explicitly: nothing is
-    appended (`get_seq_length` is `KVCache`'s 0)."""
+    appended: a `PositionKVCache`, with the queries `q` too)."""
 
     def __init__(self, key_ok: torch.Tensor | None = None) -> None:
         super().__init__()
         self.bias = key_bias(key_ok, torch.float32)
         self.q: dict[int, torch.Tensor] = {}
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
         self.track: dict[int, torch.Tensor] = {}
         self.triggered = False
         self._plan: dict | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.q, self.k, self.v) for t in d.values())
+        return super().nbytes + sum(t.numel() * t.element_size() for t in self.q.values())
 
     def plan(self, *, full: bool, query: torch.Tensor, track: torch.Tensor, window: torch.Tensor,
              masked: torch.Tensor, gamma: float, track_num: int) -> None:

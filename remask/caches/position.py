@@ -11,7 +11,7 @@ from .kv import KVCache, attention, key_bias, repeat_kv
 
 class PositionKVCache(KVCache):
     """Per-layer keys/values (after RoPE) `k`, `v` of explicitly passed positions (nothing is appended,
-    so `get_seq_length` is 0): the base of `DelayedKVCache` and d2Cache's `D2KVCache`."""
+    so `get_seq_length` is 0): the base of `DelayedKVCache`, d2Cache's `D2KVCache` and `ElasticKVCache`."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -20,7 +20,7 @@ import torch
 
 from remask.caches import PromptCache
 from remask.diffusion.parts.checks import (ParameterTypeError, check_bool, check_choice, check_context, check_instance,
-                                     check_int, check_length, check_prompt, check_real, check_token_id)
+                                           check_int, check_ints, check_prompt, check_real, check_token_id)
 from remask.diffusion.parts.processors import HoldEndIds, RecordLogprobs
 from remask.engine.presets import decoder_for
 from remask.models.registry import all_families, family_of
@@ -57,12 +57,10 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, batch_invariant: bool = True, seed: int = 0,
                  max_request_bytes: int | None = None, cost_stride: bool = True, cuda_graphs: bool = False) -> None:
         self.state = EngineState.LOADING
-        check_int("max_num_seqs", max_num_seqs, minimum=1)
-        check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
+        check_ints(1, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, page_size=page_size)
         check_int("kv_cache_pages", kv_cache_pages, minimum=1, allow_none=True)
         check_real("kv_cache_memory_fraction", kv_cache_memory_fraction, low=0, high=1, low_open=True,
                    allow_none=True)
-        check_int("page_size", page_size, minimum=1)
         check_int("seed", seed, minimum=0)
         check_int("max_request_bytes", max_request_bytes, minimum=1, allow_none=True)
         for name, value in (("enable_prefix_caching", enable_prefix_caching), ("batch_invariant", batch_invariant),
@@ -170,7 +168,6 @@ class LLMEngine:
         if params.logprobs is not None and not self.is_ar:   # the first processor: it sees the raw logits
             recorder = RecordLogprobs(decoder.canvas, self.spec.mask_id, params.logprobs)
             decoder.add_processor(recorder)
-        check_length(self.spec, prompt_ids.shape[1] + params.max_tokens, "prompt length + max_tokens")
         for token in params.stop_token_ids:
             check_token_id(self.spec, token, "stop_token_ids")
         if params.min_tokens:
@@ -216,11 +213,10 @@ class LLMEngine:
     def request_bytes(self, prompt_len: int, params: SamplingParams) -> tuple[int, int]:
         """(estimated bytes of the whole request, of one sample alone; docs/engine.md, Admission).
         AR K/V and block-causal blocks live in the page store, checked there."""
-        sched = self.scheduler
         positions = prompt_len + params.max_tokens
         cached = not self.is_ar and (params.use_cache is not None or params.sparse is not None)
         one = positions * self._position_bytes(cached) * (2 if params.cfg_scale else 1)
-        live = min(params.n, sched.max_num_seqs, max(1, sched.max_num_batched_tokens // positions))
+        live = min(params.n, self.scheduler.max_num_seqs, max(1, self.scheduler.max_num_batched_tokens // positions))
         book = self._sample_bytes(params.max_tokens)
         return live * one + params.n * book, one + book
 
@@ -359,13 +355,12 @@ class LLMEngine:
 
     def _advance(self, seq: Sequence) -> bool:
         """Update what is final; finish the sequence when its decoder is done. True if it changed."""
-        state = seq.state
-        final = seq.decoder.num_final(state)
+        final = seq.decoder.num_final(seq.state)
         grew = final > seq.final_len
         if grew and seq.first_final_time is None:
             seq.first_final_time = now()
         seq.final_len = final
-        done = state.done
+        done = seq.state.done
         if not done and seq.params.stop and seq.paged and grew:   # token by token: stop strings end it early
             generated = self._generated(seq)
             text = answer_text(self.tokenizer, generated, stop_ids=self._stop_ids(seq))
@@ -389,8 +384,7 @@ class LLMEngine:
         token, the sampled id and its alternatives, each a `Logprob` with its rank and text."""
         if seq.params.logprobs is None:
             return None
-        state = seq.state
-        if state is None or seq.final_len < len(seq.output_ids or []):
+        if seq.state is None or seq.final_len < len(seq.output_ids or []):
             recorded = (seq.output_logprobs or [])[:count]    # freed, or decoding again after a preemption
         else:
             recorded = seq.token_logprobs(count) or []
@@ -405,10 +399,9 @@ class LLMEngine:
         return out
 
     def _draft(self, seq: Sequence) -> list[int | None] | None:
-        state = seq.state
-        if state is None or seq.paged:
+        if seq.state is None or seq.paged:
             return None if not seq.is_finished else list(seq.output_ids or [])
-        canvas = seq.decoder.canvas(state)[0, seq.prompt_len:seq.prompt_len + seq.params.max_tokens].tolist()
+        canvas = seq.decoder.canvas(seq.state)[0, seq.prompt_len:seq.prompt_len + seq.params.max_tokens].tolist()
         return [None if t == self.spec.mask_id else t for t in canvas]
 
     def _stop_ids(self, seq: Sequence) -> list[int]:

@@ -62,8 +62,7 @@ class ModelRunner:
         # on CUDA a lone sequence runs the invariant GEMM too: cuBLAS and it differ in their bits,
         # so a request alone and the same request batched must take the same kernel
         on = self.batch_invariant and (batch > 1 or self.device.type == "cuda")
-        return batch_invariant_linear(on, single_thread=self.device.type == "cpu",
-                                      token_groups=token_groups)
+        return batch_invariant_linear(on, single_thread=self.device.type == "cpu", token_groups=token_groups)
 
     @torch.no_grad()
     def step(self, seqs: list[Sequence]) -> dict[Sequence, str]:
@@ -91,7 +90,7 @@ class ModelRunner:
                 requests = [request for _, request in members]
                 if key[0] == "paged":
                     answers = self._paged_forward(members)
-                elif key[0] == "pack" and key[1] is not None and key[1][0] == "graph":
+                elif key[0] == "pack" and key[1][0] == "graph":
                     # uncached full forwards of one length: one captured graph per (bucket, length)
                     x = torch.cat([r.input_ids for r in requests])
                     logits = self.graphs(x, lambda x: call_model(self.model, requests[0], x), key=key[1][1:],

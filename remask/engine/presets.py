@@ -73,9 +73,8 @@ def structure_for_request(engine: Any, params: SamplingParams) -> Any:
     if engine.tokenizer is None:
         raise ValueError("structured_outputs needs the engine's tokenizer (the structure is compiled against its "
                          "vocabulary): build the LLMEngine with tokenizer=")
-    mask_id = engine.spec.mask_id
     structure = compile_structure(params.structured_outputs, engine.tokenizer, model_vocab_size(engine.model),
-                                  () if mask_id is None else (mask_id,))
+                                  () if engine.spec.mask_id is None else (engine.spec.mask_id,))
     structure.check_budget(params.max_tokens)
     return structure
 
@@ -169,23 +168,21 @@ def dream_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor,
                   end_ids: Any = ()) -> DreamDecoder | DreamBlockDecoder:
     """Dream's sampler for these params — or, with `block_length` / `use_cache`, Fast-dLLM's
     Dream block decoder — configured as `remask.diffusion_generate` would."""
-    kw = params.diffusion_generate_kwargs()
-    threshold, frechet_margin = kw.pop("threshold", 0.9), kw.pop("frechet_margin", None)
-    kw.pop("reference_ties", None)   # the decoder's, not the generation config's
-    block_length, use_cache = kw.pop("block_length", None), kw.pop("use_cache", None)
+    decoders = ("max_new_tokens", "threshold", "frechet_margin", "reference_ties", "block_length", "use_cache")
     config = DreamGenerationConfig(mask_token_id=engine.spec.mask_id, pad_token_id=engine.spec.pad_id,
-                                   eos_token_id=engine.spec.eos_id)
-    config.update(**{k: v for k, v in kw.items() if k != "max_new_tokens"})
+                                   eos_token_id=engine.spec.eos_id)   # the decoders' settings stay out of it
+    config.update(**{k: v for k, v in params.diffusion_generate_kwargs().items() if k not in decoders})
     config.max_length = prompt_ids.shape[1] + params.max_tokens
     _validate_config(config, engine.spec)
     check_prompt(engine.spec.device, prompt_ids, None, spec=engine.spec)
-    if block_length is None and use_cache is None:
+    threshold = 0.9 if params.threshold is None else params.threshold
+    if params.block_length is None and params.use_cache is None:
         return DreamDecoder(
             engine.spec, config, threshold, reference_ties=params.reference_ties, structure=structure, end_ids=end_ids)
-    block_length = DEFAULT_BLOCK_LENGTH if block_length is None else block_length
+    block_length = DEFAULT_BLOCK_LENGTH if params.block_length is None else params.block_length
     validate_block_args(params.max_tokens, block_length, config.steps, length="the generation length")
-    return DreamBlockDecoder(engine.spec, config, threshold, block_length, use_cache, structure=structure,
-                             end_ids=end_ids, frechet_margin=frechet_margin)
+    return DreamBlockDecoder(engine.spec, config, threshold, block_length, params.use_cache, structure=structure,
+                             end_ids=end_ids, frechet_margin=params.frechet_margin)
 
 
 # way (`way_of`) → the builder of its decoder: `builder(engine, params, prompt_ids, structure, end_ids)`

@@ -19,16 +19,14 @@ class Scheduler:
                  cost_stride: bool = True) -> None:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.pages, self.cost_stride = pages, cost_stride
-        self._seq_steps: dict[Sequence, int] = {}   # steps each resident sequence has run
         self.running: list[Sequence] = []          # admitted (resident: holding state), in admission order
         self.steps = 0                             # schedule() calls: the clock of "last served"
         self._waiting: dict[str, deque[Sequence]] = {}   # request id → its waiting sequences
-        self._owner: dict[str, str | None] = {}
-        self._arrival: dict[str, int] = {}
+        self._arrival: dict[str, tuple[int, str | None]] = {}   # request id → (its arrival number, its owner)
         self._arrivals = count()
         self._served: dict[str, int] = {}          # request id → the last step it was in the batch
         self._owner_served: dict[str | None, int] = {}
-        self._seq_served: dict[Sequence, int] = {}
+        self._seq_served: dict[Sequence, tuple[int, int]] = {}   # resident sequence → (last step served, steps run)
 
     @property
     def num_waiting(self) -> int:
@@ -46,8 +44,7 @@ class Scheduler:
                              f"{seq.prompt_len} + max_tokens {seq.params.max_tokens}), more than the whole store "
                              f"(kv_cache_pages={self.pages.num_pages})")
         if seq.request_id not in self._arrival:
-            self._arrival[seq.request_id] = next(self._arrivals)
-            self._owner[seq.request_id] = seq.owner
+            self._arrival[seq.request_id] = (next(self._arrivals), seq.owner)
         self._queue(seq).append(seq)
 
     @property
@@ -70,23 +67,19 @@ class Scheduler:
             # Every resident sequence's growth is reserved, scheduled this step or not: a paused one
             # can always go on, and preemption stays the only way a sequence loses its pages.
             reserved = sum(self._growth(seq) for seq in self.running)
-            while reserved > self.pages.num_free:
-                victim = next((s for s in reversed(self.running) if s.block_table is not None), None)
-                if victim is None:
-                    break
+            while reserved > self.pages.num_free:   # so some running sequence holds pages, to grow
+                victim = next(s for s in reversed(self.running) if s.block_table is not None)
                 reserved -= self._growth(victim)
                 self.running.remove(victim)
                 victim.restart(self.pages)
                 self._seq_served.pop(victim, None)
-                self._seq_steps.pop(victim, None)
                 preempted.append(victim)
-            for victim in preempted:             # newest first: the oldest ends at the head of its queue
-                self._queue(victim).appendleft(victim)
+                self._queue(victim).appendleft(victim)   # newest first: the oldest ends at the head of its queue
         resident: dict[str, deque[Sequence]] = {}
         resting = self._resting() if self.cost_stride else set()
         # A request's paused sequences go first: its samples progress evenly and finish together,
         # so its next waiting ones are admitted in whole waves (no straggler decoding alone).
-        for seq in sorted(self.running, key=lambda s: self._seq_served.get(s, -1)):
+        for seq in sorted(self.running, key=lambda s: self._seq_served.get(s, (-1,))[0]):
             if seq not in resting:
                 resident.setdefault(seq.request_id, deque()).append(seq)
         active = set(resident) | {rid for rid, queue in self._waiting.items() if queue} | \
@@ -95,7 +88,7 @@ class Scheduler:
             self._forget(rid)
         owners: dict[str | None, list[str]] = {}
         for rid in sorted(active, key=self._turn):
-            owners.setdefault(self._owner[rid], []).append(rid)
+            owners.setdefault(self._arrival[rid][1], []).append(rid)
         # Owners in the order they were last served (never served first), each owner's requests too.
         self._owner_served = {owner: step for owner, step in self._owner_served.items() if owner in owners}
         order = sorted(owners, key=lambda owner: (self._owner_served.get(owner, -1), self._turn(owners[owner][0])))
@@ -103,10 +96,9 @@ class Scheduler:
         admitted: list[Sequence] = []
         picked: set[Sequence] = set()
         cursor = {owner: 0 for owner in order}
-        slots = self.max_num_seqs
-        while slots and order:
+        while len(picked) < self.max_num_seqs and order:
             for owner in list(order):
-                if not slots:
+                if len(picked) == self.max_num_seqs:
                     break
                 rids = owners[owner]
                 seq = None
@@ -133,9 +125,7 @@ class Scheduler:
                     order.remove(owner)
                     continue
                 picked.add(seq)
-                slots -= 1
-                self._seq_served[seq] = self.steps
-                self._seq_steps[seq] = self._seq_steps.get(seq, 0) + 1
+                self._seq_served[seq] = (self.steps, self._seq_served.get(seq, (0, 0))[1] + 1)
                 self._served[seq.request_id] = self.steps
                 self._owner_served[owner] = self.steps
         return admitted, [seq for seq in self.running if seq in picked], preempted
@@ -144,13 +134,13 @@ class Scheduler:
         """Cost stride: the resident sequences that sit this step out. One whose forwards computed
         r ≥ 2 times the positions per step of the cheapest runs once every ⌊r⌋ steps, so a cheap
         request is not slowed by an expensive one beside it. Paged sequences are never held."""
-        costs = {seq: seq.stats.forward_positions / self._seq_steps[seq] for seq in self.running
-                 if not seq.paged and self._seq_steps.get(seq, 0) > 0 and seq.stats.forward_positions > 0}
+        costs = {seq: seq.stats.forward_positions / self._seq_served[seq][1] for seq in self.running
+                 if not seq.paged and seq in self._seq_served and seq.stats.forward_positions > 0}
         if len(costs) < 2:
             return set()
         base = min(costs.values())
         return {seq for seq, cost in costs.items()
-                if self.steps - self._seq_served.get(seq, -1) < int(cost // base)}
+                if self.steps - self._seq_served[seq][0] < int(cost // base)}
 
     def _admission_pages(self, seq: Sequence) -> int:
         """Pages a waiting sequence takes when admitted: an AR sequence's prompt and first token, a
@@ -162,14 +152,14 @@ class Scheduler:
 
     def _turn(self, request_id: str) -> tuple[int, int]:
         """A request's place in its owner's round: least recently served first, then arrival."""
-        return self._served.get(request_id, -1), self._arrival[request_id]
+        return self._served.get(request_id, -1), self._arrival[request_id][0]
 
     def _queue(self, seq: Sequence) -> deque[Sequence]:
         return self._waiting.setdefault(seq.request_id, deque())
 
     def _forget(self, request_id: str) -> None:
         """Drop a request's bookkeeping once none of its sequences waits or runs."""
-        for table in (self._waiting, self._served, self._arrival, self._owner):
+        for table in (self._waiting, self._served, self._arrival):
             table.pop(request_id, None)
 
     def finish(self, seq: Sequence, status: SequenceStatus = SequenceStatus.FINISHED) -> None:
@@ -183,7 +173,6 @@ class Scheduler:
                 seq.recorder.forget(seq.state)
         seq.state = None          # drops its cache
         self._seq_served.pop(seq, None)
-        self._seq_steps.pop(seq, None)
         if seq in self.running:
             self.running.remove(seq)
 
