@@ -28,9 +28,7 @@ class PageManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"num_pages and page_size must be positive, got {num_pages}, {page_size}")
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.num_pages, self.page_size, self.enable_prefix_caching = num_pages, page_size, enable_prefix_caching
         self.ref_count = [0] * num_pages
         self.free_pages: deque[int] = deque(range(num_pages))
         self.page_hash: list[int | None] = [None] * num_pages

@@ -34,8 +34,7 @@ class PagedKVCache:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         if num_pages is not None and (not isinstance(num_pages, int) or num_pages <= 0):
             raise ValueError(f"num_pages must be a positive int or None (grow as needed), got {num_pages!r}")
-        self.page_size = page_size
-        self.num_pages = num_pages
+        self.page_size, self.num_pages = page_size, num_pages
         self.manager: PageManager | None = None
         self.k_pages: list[torch.Tensor] = []
         self.v_pages: list[torch.Tensor] = []

@@ -18,8 +18,7 @@ class PromptCache:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
         self.capacity = capacity
         self.entries: OrderedDict[tuple[int, ...], Any] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
+        self.hits = self.misses = 0
         # prompts being encoded (not yet `put`): another request with one waits a step, not re-encoding it
         self.encoding: set[tuple[int, ...]] = set()
 

@@ -77,9 +77,7 @@ class GraphedForward:
     """Replays a captured forward per (bucket, T, key); see the module docstring."""
 
     def __init__(self, backend: GraphBackend, max_batch: int, max_graphs: int = 16) -> None:
-        self.backend = backend
-        self.buckets = buckets_up_to(max_batch)
-        self.max_graphs = max_graphs
+        self.backend, self.buckets, self.max_graphs = backend, buckets_up_to(max_batch), max_graphs
         self.graphs: OrderedDict[tuple, _Entry] = OrderedDict()   # LRU: most recently used last
         self.uncapturable: set[Hashable] = set()
         self.captures = self.replays = 0   # for tests and the curious

@@ -295,10 +295,10 @@ class LLMEngine:
         if request_id not in self.requests:
             return None
         for seq in self.requests[request_id][2]:
-            if not seq.is_finished:
+            if not seq.is_finished:   # waiting or running: what it has, and why it stopped
                 seq.output_ids = self._generated(seq)
-        for seq in self.scheduler.abort(request_id):
-            seq.finish_time, seq.finish_reason = now(), reason
+                seq.finish_time, seq.finish_reason = now(), reason
+        self.scheduler.abort(request_id)
         out = self.output(request_id)
         del self.requests[request_id]
         return out

@@ -26,7 +26,7 @@ from remask.diffusion.families.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDec
                                              DreamGenerationConfig, _validate_config)
 from remask.diffusion.families.llada import BlockDecoder, validate_block_args
 from remask.diffusion.methods.decoders import decoder_steps, end_settings_refusal
-from remask.diffusion.parts.checks import changed, check_prompt, refuse_unread
+from remask.diffusion.parts.checks import changed, refuse_unread
 from remask.diffusion.parts.stepper import StepwiseDecoder
 
 from .sampling_params import SamplingParams
@@ -142,8 +142,7 @@ def method_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor
                 "temperature": (params.temperature, SamplingParams.temperature)}   # refused unless the method reads it
     kwargs = dict(gen_length=params.max_tokens, block_length=params.block_length or params.max_tokens,
                   use_cache=params.use_cache, mask_id=engine.spec.mask_id, structure=structure, end_ids=end_ids)
-    # Checked now (the settings as values; SamplingParams refused the unread ones already).
-    check_prompt(engine.spec.device, prompt_ids, None, spec=engine.spec, mask_in_prompt="refuse")
+    # Checked now (the settings as values; SamplingParams refused the unread ones already, add_request the prompt).
     decoder_steps(engine.spec, prompt_ids, None, params.decoder, stats=None, settings=settings, **kwargs).close()
 
     def make_steps(prompt: torch.Tensor, generator: torch.Generator | None, stats: Any) -> Any:
@@ -173,8 +172,7 @@ def dream_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor,
                                    eos_token_id=engine.spec.eos_id)   # the decoders' settings stay out of it
     config.update(**{k: v for k, v in params.diffusion_generate_kwargs().items() if k not in decoders})
     config.max_length = prompt_ids.shape[1] + params.max_tokens
-    _validate_config(config, engine.spec)
-    check_prompt(engine.spec.device, prompt_ids, None, spec=engine.spec)
+    _validate_config(config, engine.spec)   # the prompt: checked by add_request
     threshold = 0.9 if params.threshold is None else params.threshold
     if params.block_length is None and params.use_cache is None:
         return DreamDecoder(

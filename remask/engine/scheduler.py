@@ -43,8 +43,8 @@ class Scheduler:
             raise ValueError(f"the request needs {need} KV pages of {self.pages.page_size} positions ({whole}prompt "
                              f"{seq.prompt_len} + max_tokens {seq.params.max_tokens}), more than the whole store "
                              f"(kv_cache_pages={self.pages.num_pages})")
-        if seq.request_id not in self._arrival:
-            self._arrival[seq.request_id] = (next(self._arrivals), seq.owner)
+        # a request's first sequence sets its place (numbers only order: a skipped one changes nothing)
+        self._arrival.setdefault(seq.request_id, (next(self._arrivals), seq.owner))
         self._queue(seq).append(seq)
 
     @property
@@ -177,10 +177,10 @@ class Scheduler:
             self.running.remove(seq)
 
     def abort(self, request_id: str) -> list[Sequence]:
-        """Remove every sequence of the request, waiting or running; returns them."""
+        """Remove every sequence of the request, waiting or running (the engine sets their finish reason);
+        returns them."""
         hit = [*self._waiting.pop(request_id, ()), *(s for s in self.running if s.request_id == request_id)]
         self._forget(request_id)
         for seq in hit:
             self.finish(seq, SequenceStatus.ABORTED)
-            seq.finish_reason = "abort"
         return hit

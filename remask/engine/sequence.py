@@ -60,8 +60,7 @@ class Sequence:
             self.output_ids = self.final_ids()   # reported until the new run catches up
             self.output_logprobs = self.token_logprobs(self.final_len)
         pages.free(self.block_table)
-        self.block_table, self.kv_len = None, 0
-        self.state = None
+        self.block_table, self.kv_len, self.state = None, 0, None
         self.generator.manual_seed(self.seed)
         self.stats = GenerationStats()
         self.preemptions += 1
