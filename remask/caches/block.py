@@ -27,11 +27,10 @@ class BlockKVCache:
     prompt's whole blocks, looked up for shared pages."""
 
     def __init__(self, store: Any, prompt_tokens: list[int], total_positions: int, block_length: int) -> None:
-        manager = store.manager
-        self.store, self.manager = store, manager
-        self.table = manager.allocate(prompt_tokens, seed=manager.chain_hash(None, (-1, block_length)))
-        self.shared = manager.last_hits           # leading pages stored by another request: to verify
-        manager.extend(self.table, total_positions)
+        self.store, self.manager = store, store.manager
+        self.table = self.manager.allocate(prompt_tokens, seed=self.manager.chain_hash(None, (-1, block_length)))
+        self.shared = self.manager.last_hits      # leading pages stored by another request: to verify
+        self.manager.extend(self.table, total_positions)
         self.lengths: list[int] = []              # stored positions, per layer
         self.released = False
 
