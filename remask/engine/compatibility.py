@@ -145,8 +145,7 @@ def markdown(tables: dict[str, dict[str, dict[str, str]]]) -> str:
                      for family in FAMILIES]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines += ["Refusals:", ""]
-    lines += [f"{index}. {message}" for message, index in notes.items()]
+    lines += ["Refusals:", "", *(f"{index}. {message}" for message, index in notes.items())]
     return "\n".join(lines) + "\n"
 
 
