@@ -32,19 +32,28 @@ def run(model, prompt, kwargs, **extra):
                                gen_length=gen_length, block_length=block_length, **extra)
 
 
+def sampling(case):
+    """A seeded case's draws (upstream ran after `torch.manual_seed(seed)`): the same stream from a CPU generator."""
+    if "seed" not in case:
+        return {}
+    return dict(temperature=case["temperature"], remasking=case.get("remasking", "low_confidence"),
+                generator=torch.Generator().manual_seed(case["seed"]))
+
+
 @pytest.mark.parametrize("case", FIXTURE["cases"], ids=[c["name"] for c in FIXTURE["cases"]])
 def test_reproduces_the_official_generate_multi_block(load, case):
     margin_case("multiblock_reference.json", case)
     model = load(case["checkpoint"])
     prompt = torch.tensor([case["prompt"]])
     stats = GenerationStats()
-    x, nfe = run(model, prompt, case["kwargs"], stats=stats)
-    assert x[0].tolist() == case["output_ids"] and nfe.tolist() == [case["nfe"]]
+    x, nfe = run(model, prompt, case["kwargs"], stats=stats, **sampling(case))
+    # a seeded case where upstream drew the mask token (meta.seeded.note): remask's default departs there
+    assert (x[0].tolist() == case["output_ids"] and nfe.tolist() == [case["nfe"]]) != case.get("commit_mask_token", False)
     assert not bool((x == MASK).any()) and torch.equal(x[:, :prompt.shape[1]], prompt)
     # upstream's NFE counts one step more than it forwards when an early stop leaves no mask
-    assert stats.nfe in (case["nfe"], case["nfe"] - 1) and len(stats.tokens_per_step) == stats.nfe
-    # no step of a fixture case proposed the mask token (meta.note): upstream's mode gives the same
-    x, nfe = run(model, prompt, case["kwargs"], commit_mask_token=True)
+    assert stats.nfe in (int(nfe[0]), int(nfe[0]) - 1) and len(stats.tokens_per_step) == stats.nfe
+    # no step of a greedy case proposed the mask token (meta.note): upstream's mode gives the same
+    x, nfe = run(model, prompt, case["kwargs"], commit_mask_token=True, **sampling(case))
     assert x[0].tolist() == case["output_ids"] and nfe.tolist() == [case["nfe"]]
 
 
@@ -185,6 +194,67 @@ def test_one_interface_generate_and_the_engine():
     assert kept.outputs[0].all_token_ids == alone[0, prompt.shape[1]:].tolist()
 
 
+def test_seeded_fixture_cases_cover_temperature_remasking_and_early_stop(load, load_dream):
+    for fixture, loader in ((FIXTURE, load), (DREAM, load_dream)):
+        cases = [c for c in fixture["cases"] if "seed" in c]
+        assert len(cases) >= 12 and {c["kwargs"]["early_stop"] for c in cases} == {True, False}
+        assert {0.5, 1.0} <= {c["temperature"] for c in cases} and len({c["checkpoint"] for c in cases}) == 3
+        # the draws matter: greedy decoding gives other tokens in several seeded cases
+        differ = sum(run(loader(c["checkpoint"]), torch.tensor([c["prompt"]]), c["kwargs"])[0][0].tolist()
+                     != c["output_ids"] for c in cases[::3])
+        assert differ >= 3
+    assert {c.get("remasking") for c in FIXTURE["cases"] if "seed" in c} == {"low_confidence", "random"}
+
+
+def seeded_case(fixture, checkpoint, early_stop):
+    return next(c for c in fixture["cases"] if "seed" in c and c["checkpoint"] == checkpoint and not
+                c.get("commit_mask_token") and c["kwargs"]["early_stop"] == early_stop and c["temperature"] > 0)
+
+
+@pytest.mark.parametrize("which", ["llada", "dream"])
+def test_the_engine_samples_as_the_seeded_fixture_alone_and_packed(load, load_dream, which):
+    """`SamplingParams(decoder=MultiBlock(...), temperature=, seed=)` draws from the request's own generator: the
+    fixture's tokens (upstream after `torch.manual_seed(seed)`), alone and packed beside another request."""
+    import remask
+
+    fixture, loader = (FIXTURE, load) if which == "llada" else (DREAM, load_dream)
+    case = seeded_case(fixture, "llada_small_eos" if which == "llada" else "dream_small_peaked", True)
+    model, kw = loader(case["checkpoint"]), dict(case["kwargs"])
+    gen_length, block_length = kw.pop("gen_length"), kw.pop("block_length")
+    params = remask.SamplingParams(max_tokens=gen_length, block_length=block_length, decoder=MultiBlock(**kw),
+                                   temperature=case["temperature"], seed=case["seed"],
+                                   remasking=case.get("remasking", "low_confidence"))
+    other = remask.SamplingParams(max_tokens=32, block_length=8, decoder=MultiBlock(threshold=1.0), temperature=0.7,
+                                  seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        alone = remask.LLM(model).generate([case["prompt"]], params, use_tqdm=False)[0]
+        packed = remask.LLM(model).generate([[5, 6, 7, 8], case["prompt"]], [other, params], use_tqdm=False)
+        drop_in = remask.generate(model, torch.tensor([case["prompt"]]), gen_length=gen_length,
+                                  block_length=block_length, decoder=MultiBlock(**kw), **sampling(case))
+    expected = case["output_ids"][len(case["prompt"]):]
+    assert alone.outputs[0].all_token_ids == expected == packed[1].outputs[0].all_token_ids
+    assert drop_in[0].tolist() == case["output_ids"]
+
+
+def test_sampling_settings_it_does_not_read_are_refused_by_name(load, load_dream):
+    import remask
+
+    model, prompt = load("llada_small"), torch.tensor([[1, 2, 3]])
+    for name, value in (("top_p", 0.9), ("top_k", 5)):   # neither file filters its draws
+        with pytest.raises(ValueError, match=name):
+            remask.LLM(model).generate([[1, 2, 3]], remask.SamplingParams(
+                max_tokens=16, block_length=8, decoder=MultiBlock(), temperature=0.5, **{name: value}), use_tqdm=False)
+    with pytest.raises(ValueError, match="temperature"):
+        multiblock_generate(model, prompt, gen_length=16, block_length=8, temperature=-1.0)
+    with pytest.raises(ValueError, match="remasking"):
+        multiblock_generate(model, prompt, gen_length=16, block_length=8, remasking="top_k_margin")
+    with pytest.raises(ValueError, match="remasking"):   # Dream's file has no random remasking
+        multiblock_generate(load_dream("dream_small"), prompt, gen_length=16, block_length=8, remasking="random")
+    with pytest.raises(ValueError, match="generator"):
+        multiblock_generate(model, prompt, gen_length=16, block_length=8, temperature=0.5, generator=0)
+
+
 # --- Dream (d3LLM's `d3llm_dream_generate_util.py`, `_sample_multi_block`) ------------------------------------
 
 DREAM = json.loads((Path(__file__).parent / "fixtures" / "multiblock_dream_reference.json").read_text())
@@ -203,11 +273,12 @@ def test_reproduces_the_official_dream_generate_multi_block(load_dream, case):
     model = load_dream(case["checkpoint"])
     prompt, mask = torch.tensor([case["prompt"]]), DREAM_MASK[case["checkpoint"]]
     stats = GenerationStats()
-    x, nfe = run(model, prompt, case["kwargs"], stats=stats)
-    assert x[0].tolist() == case["output_ids"] and nfe.tolist() == [case["nfe"]]
+    x, nfe = run(model, prompt, case["kwargs"], stats=stats, **sampling(case))
+    # a seeded case where upstream drew the mask token (meta.seeded.note): remask's default departs there
+    assert (x[0].tolist() == case["output_ids"] and nfe.tolist() == [case["nfe"]]) != case.get("commit_mask_token", False)
     assert not bool((x == mask).any()) and torch.equal(x[:, :prompt.shape[1]], prompt)
-    assert stats.nfe in (case["nfe"], case["nfe"] - 1) and len(stats.tokens_per_step) == stats.nfe
-    x, nfe = run(model, prompt, dict(case["kwargs"], variant="dream"), commit_mask_token=True)
+    assert stats.nfe in (int(nfe[0]), int(nfe[0]) - 1) and len(stats.tokens_per_step) == stats.nfe
+    x, nfe = run(model, prompt, dict(case["kwargs"], variant="dream"), commit_mask_token=True, **sampling(case))
     assert x[0].tolist() == case["output_ids"] and nfe.tolist() == [case["nfe"]]
 
 

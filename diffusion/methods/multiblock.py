@@ -21,6 +21,12 @@ one; the early stop recounts every block's masks (a changed count of 0 fully act
 commits nothing and opens no block would repeat itself to the forward guard: there remask commits the
 lowest-entropy position (docs/quirks.md).
 
+`temperature` > 0 samples as each file does, from the call's `generator` (a row's draws as upstream's after
+`torch.manual_seed`): LLaDA's float64 Gumbel-max noise over the whole canvas (the entropy stays the clean
+logits', the forced position takes the clean argmax), Dream's one multinomial of the tempered softmax over the
+canvas (the forced position takes the draw); LLaDA's `remasking="random"` ranks by float32 uniforms drawn after
+the noise. Rows of a batch draw in turn at each step.
+
 A row ends when its answer holds no mask and every block has opened. Its count of forwards is the
 reference's returned NFE (after an early stop that count includes one step with no forward, as the
 reference counts it). Rows of a batch are decided alone; a finished row is not forwarded again.
@@ -33,10 +39,10 @@ import torch
 
 from remask.models.spec import ModelSpec
 
-from ..parts.checks import (check_bool, check_choice, check_config, check_int, check_method_call, check_real,
-                            check_token_id)
+from ..parts.checks import (check_bool, check_choice, check_config, check_generator, check_int, check_method_call,
+                            check_real, check_token_id)
 from ..parts.constrain import CommitFilter, before_rule, end_ids_of
-from ..parts.scoring import score_rows
+from ..parts.scoring import sample_categorical, score_rows, score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, run_steps
@@ -91,8 +97,10 @@ class _Block:
 class _Row:
     """One row's blocks (block 0: the prompt, decoded) and counters, as upstream keeps them."""
 
-    def __init__(self, config: MultiBlock, P: int, num_blocks: int, block_length: int, dream: bool) -> None:
+    def __init__(self, config: MultiBlock, P: int, num_blocks: int, block_length: int, dream: bool,
+                 sampling: tuple = (0.0, "low_confidence", None)) -> None:
         self.config, self.P, self.num_blocks, self.block_length, self.dream = config, P, num_blocks, block_length, dream
+        self.sampling = sampling
         self.blocks = [_Block(0, P, 0, True)]
         self.next, self.nfe, self.done, self.has_eos = 1, 0, False, False
         self._open(masks=block_length, full=1.0 >= config.decoded_token_threshold)
@@ -156,23 +164,35 @@ class _Row:
     def commit(self, x: torch.Tensor, logits: torch.Tensor, end: int,
                mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Upstream's commit on row `x` from its logits `[T, V]`, the open blocks ending at `end`: which
-        positions of `x[P:end]` it commits (bool) and the argmax there (the mask token excluded by default)."""
+        positions of `x[P:end]` it commits (bool) and their tokens (the mask token excluded by default),
+        drawn as upstream (over the whole canvas) from `self.sampling`: (temperature, remasking, generator)."""
+        temperature, remasking, generator = self.sampling
+        exclude = None if self.config.commit_mask_token else mask_id
         x0, neg_entropy = score_rows(logits, torch.arange(self.P, end, device=x.device), mode="neg_entropy",
-                                     exclude_id=None if self.config.commit_mask_token else mask_id)
+                                     exclude_id=exclude)
         masked = self.masked[:end - self.P]
         entropy = torch.where(masked, -neg_entropy, torch.inf)
+        drawn = x0   # the threshold's tokens; LLaDA's forced position takes the clean argmax x0, Dream's the draw
+        if temperature > 0 and self.dream:   # one multinomial of the tempered softmax, every row of the canvas
+            drawn = x0 = sample_categorical(logits, temperature, generator=generator, exclude_id=exclude)[0][self.P:end]
+        elif temperature > 0:   # float64 Gumbel-max noise over the canvas; the entropy stays the clean logits'
+            drawn = score_tokens(logits[self.P:end], temperature=temperature, exclude_id=exclude, noise=torch.rand(
+                logits.shape, dtype=torch.float64, device=logits.device, generator=generator)[self.P:end])[0]
+        ranked = entropy if remasking != "random" else torch.where(   # float32 uniforms, drawn after the noise
+            masked, torch.rand(len(logits), device=logits.device, generator=generator)[self.P:end], torch.inf)
         threshold = 999.0 if self.config.threshold is None else self.config.threshold
-        commit = masked & ((entropy < threshold) if self.dream else (entropy <= threshold))   # Dream: strictly below
+        commit = masked & ((ranked < threshold) if self.dream else (ranked <= threshold))   # Dream: strictly below
         if bool(masked.any()) and not self.dream:
-            commit[entropy.argmin()] = True   # the lowest entropy, whatever the threshold (not Dream's)
+            commit[ranked.argmin()] = True   # the lowest entropy, whatever the threshold (not Dream's)
         first = next((b for b in self.blocks[1:] if b.full and b.masks > 0), None)
         if first is not None:
             lo, hi = first.start - self.P, first.end - self.P
             if not bool(commit[lo:hi].any()):
-                commit[lo + entropy[lo:hi].argmin()] = True
+                forced = lo + entropy[lo:hi].argmin()
+                commit[forced], drawn[forced] = True, x0[forced]   # (drawn is x0 when greedy)
         if bool(masked.any()) and not bool(commit.any()) and not self._opens():   # else a stall to the guard
             commit[entropy.argmin()] = True
-        return commit, x0
+        return commit, drawn
 
     def count(self, commit: torch.Tensor) -> None:
         """The blocks' mask counts less the commits (`commit` over `x[P:]`), as upstream counts them."""
@@ -185,21 +205,23 @@ class _Row:
 
 def multiblock_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: MultiBlock | None = None,
                         gen_length: int = 512, block_length: int = 32, attention_mask: torch.Tensor | None = None,
-                        mask_id: int | None = None, stats: GenerationStats | None = None
+                        mask_id: int | None = None, stats: GenerationStats | None = None, **sampling: object
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Multi-block decoding (greedy). Returns `(x [B, P + gen_length], nfe [B])`, each row's NFE as
-    upstream returns it. `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad keys."""
+    """Multi-block decoding. Returns `(x [B, P + gen_length], nfe [B])`, each row's NFE as upstream returns
+    it. `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad keys; `sampling`: `multiblock_steps`'."""
     return run_steps(model, multiblock_steps, prompt, config=config, gen_length=gen_length, block_length=block_length,
-                                  attention_mask=attention_mask, mask_id=mask_id, stats=stats)
+                     attention_mask=attention_mask, mask_id=mask_id, stats=stats, **sampling)
 
 
 def multiblock_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: MultiBlock | None = None,
                      gen_length: int = 512, block_length: int = 32, attention_mask: torch.Tensor | None = None,
-                     mask_id: int | None = None, stats: GenerationStats | None = None, structure=None, end_ids=()
-                     ) -> StepGenerator:
+                     mask_id: int | None = None, stats: GenerationStats | None = None, structure=None, end_ids=(),
+                     temperature: float = 0.0, remasking: str = "low_confidence",
+                     generator: torch.Generator | None = None) -> StepGenerator:
     """`multiblock_generate` as a step generator (`diffusion/parts/stepper.py`), its arguments checked at
     the call; it yields a `Progress` after every forward and returns `(x, nfe)`. `structure` / `end_ids`:
-    structured output (`diffusion/parts/constrain.py`) over the open blocks; a row ends when it ends."""
+    structured output (`diffusion/parts/constrain.py`) over the open blocks; a row ends when it ends.
+    `temperature` / `remasking` ("random": LLaDA's file only): upstream's draws from `generator`, row after row."""
     config = check_config("config", config, MultiBlock, "a remask MultiBlock")
     check_int("gen_length", gen_length, minimum=1)
     check_int("block_length", block_length, minimum=1, maximum=gen_length)
@@ -212,7 +234,10 @@ def multiblock_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: MultiBloc
     x = masked_canvas(prompt, gen_length, spec.mask_id, spec.device)
     inputs = spec.forward_inputs(attention_mask, x.shape[1])
     dream = (config.variant or ("dream" if spec.logit_shift else "llada")) == "dream"
-    rows = [_Row(config, P, gen_length // block_length, block_length, dream) for _ in range(B)]
+    check_real("temperature", temperature, low=0)
+    check_choice("remasking", remasking, ("low_confidence",) if dream else ("low_confidence", "random"))
+    sampling = (temperature, remasking, check_generator(generator, spec.device))
+    rows = [_Row(config, P, gen_length // block_length, block_length, dream, sampling) for _ in range(B)]
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
     return _loop(x, rows, inputs, spec, eos_id, stats, constraint)
 
