@@ -26,7 +26,7 @@ from ..parts.scoring import score_rows, score_tokens
 from ..parts.selection import frechet_profile_counts, schedule_counts, topk_commit
 from ..parts.stats import GenerationStats
 from ..parts.step import CommitRule, masked_canvas
-from ..parts.stepper import ForwardRequest, ForwardThenCommit, run_forwards
+from ..parts.stepper import ForwardRequest, ForwardThenCommit, guided_forward, run_forwards
 
 REMASKING = ("low_confidence", "random")
 
@@ -346,10 +346,7 @@ class BlockDecoder(BlockwiseDecoder):
         # position (left pads included) masked; one forward of both
         un_x = state.x.clone()
         un_x[state.prompt_index] = self.spec.mask_id
-        doubled = {k: torch.cat([v, v], dim=0) if torch.is_tensor(v) else v for k, v in state.forward_inputs.items()}
-        logits, un_logits = torch.chunk((yield ForwardRequest.call(torch.cat([state.x, un_x], dim=0), doubled,
-                                                                   spec=self.spec)), 2, dim=0)
-        return un_logits + (self.cfg_scale + 1) * (logits - un_logits), 0
+        return (yield from guided_forward(self.spec, state.x, un_x, state.forward_inputs, self.cfg_scale)), 0
 
     def commit(self, state: BlockState, logits: torch.Tensor, fed: int, generator: torch.Generator | None = None,
                stats: GenerationStats | None = None, on_step: Callable | None = None) -> None:

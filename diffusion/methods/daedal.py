@@ -39,7 +39,7 @@ from ..parts.checks import (NoWorkBound, check_config, check_generator, check_in
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, run_steps
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, guided_forward, run_steps
 
 
 @dataclass(frozen=True)
@@ -134,15 +134,13 @@ def _daedal_row(config: DAEDAL, spec, prompt: torch.Tensor, keys: torch.Tensor |
         argmax, as upstream's), and the denoising forwards' (`sample`) float32 uniforms where `temperature` > 0.
         A denoising forward with `cfg_scale` > 0 is guided, `un + (cfg+1)(cond − un)`, its unconditional row the
         canvas with every prompt position masked (upstream's stage 1 is not guided)."""
-        guided, canvas, inputs = sample and cfg_scale > 0, x, spec.forward_inputs(keys, x.shape[1])
+        guided, inputs = sample and cfg_scale > 0, spec.forward_inputs(keys, x.shape[1])
         if guided:
             un_x = x.clone()
             un_x[:, :P] = mask_id
-            canvas = torch.cat([x, un_x])
-            inputs = {k: torch.cat([v, v]) if torch.is_tensor(v) else v for k, v in inputs.items()}
-        logits = yield ForwardRequest.call(canvas, inputs, spec=spec)
-        if guided:
-            logits = logits[1:] + (cfg_scale + 1) * (logits[:1] - logits[1:])
+            logits = yield from guided_forward(spec, x, un_x, inputs, cfg_scale)
+        else:
+            logits = yield ForwardRequest.call(x, inputs, spec=spec)
         stats.forward(2 if guided else 1, x.shape[1])
         x0, conf = score_tokens(logits[0])   # greedy; the untempered softmax's probability (logits' dtype)
         eos_conf, noise = eos_confidence(x0, conf, P, eos_id, config.eos_check_tokens), None

@@ -20,7 +20,7 @@ from typing import Any, Callable, ContextManager, Generator, Iterator
 import torch
 
 from remask.models.hf_compat import cache_arg, takes_logits_to_keep
-from remask.models.request import ForwardRequest  # noqa: F401  (the requests' module; here for the drivers)
+from remask.models.request import ForwardRequest  # the requests' module (also here for the drivers)
 from remask.models.spec import shift_logits
 
 from .protocol import Decoder
@@ -154,6 +154,16 @@ def _own(request: ForwardRequest, logits: torch.Tensor) -> torch.Tensor:
     if request.spec is not None and request.spec.logit_shift:
         logits = shift_logits(logits)
     return logits if request.rows is None else logits[:, request.rows]
+
+
+def guided_forward(spec: Any, x: torch.Tensor, un_x: torch.Tensor, forward_inputs: dict[str, Any],
+                   cfg_scale: float) -> Generator[ForwardRequest, Any, torch.Tensor]:
+    """LLaDA's unsupervised CFG, `un + (cfg+1)(cond − un)`: one forward of the rows `x` and their
+    unconditional rows `un_x` (the prompt masked) stacked, `forward_inputs` repeated for both."""
+    doubled = {k: torch.cat([v, v], dim=0) if torch.is_tensor(v) else v for k, v in forward_inputs.items()}
+    logits, un_logits = torch.chunk((yield ForwardRequest.call(torch.cat([x, un_x], dim=0), doubled, spec=spec)),
+                                    2, dim=0)
+    return un_logits + (cfg_scale + 1) * (logits - un_logits)
 
 
 def run_steps(model: torch.nn.Module, steps_of: Callable[..., StepGenerator], *args: Any, **kwargs: Any) -> Any:
