@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from remask.caches.kv import key_bias
 from remask.caches.position import D2KVCache
 from remask.models.spec import ModelSpec
 
@@ -237,11 +238,10 @@ def _group(canvas: torch.Tensor, config: D2Cache, G: int, block_length: int, per
     x = canvas[group]   # a view: the group's rows are decoded in the canvas
     (N, T), device = x.shape, x.device
     P = T - G
-    positions, bias = torch.arange(T, device=device)[None].expand(N, T), None
+    positions = torch.arange(T, device=device)[None].expand(N, T)
     if key_ok is not None:   # pad keys hidden, positions counted over real tokens
         positions = (key_ok.cumsum(dim=-1) - 1).masked_fill(~key_ok, 0)
-        bias = (~key_ok).float()[:, None, None, :] * torch.finfo(torch.float32).min
-    cache, selector = D2KVCache(bias), _Selector(config, P)
+    cache, selector = D2KVCache(key_bias(key_ok, torch.float32)), _Selector(config, P)
     group_constraint = None if constraint is None else constraint.rows(range(canvas.shape[0])[group])
     final = 0
     for b in range(G // block_length):

@@ -30,7 +30,7 @@ from remask.models.spec import ModelSpec
 
 from ..families.llada import BlockDecoder
 from ..parts.checks import (CombinationError, check_config, check_generator, check_instance, check_int,
-                            check_model_kind, check_real, check_settings, check_stats, check_token_id)
+                            check_method_call, check_real, check_settings, check_token_id)
 from ..parts.constrain import CommitFilter, advance_best
 from ..parts.scoring import score_rows
 from ..parts.selection import schedule_counts
@@ -102,10 +102,8 @@ def prophet_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: Prophet | No
     if structure is not None and config.constraints:
         raise CombinationError("structured_outputs with Prophet(constraints=...): a pinned token the structure "
                                "refuses could not be kept; pin tokens or give a structure, not both")
-    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
+    spec, stats = check_method_call(spec, prompt, attention_mask, stats, "Prophet", mask_id=mask_id)
     check_generator(generator, prompt.device)
-    spec = spec.with_overrides(mask_id=mask_id)
-    check_model_kind(spec, diffusion=True, entry="Prophet")
     decoder = BlockDecoder(spec, steps=steps, gen_length=gen_length, block_length=block_length, cfg_scale=cfg_scale,
                            remasking=remasking, structure=structure, end_ids=end_ids)
     decoder.check_input(prompt, attention_mask)

@@ -262,14 +262,12 @@ class ForwardThenCommit(Decoder):
         self.processors = (*self.processors, processor)
         return self
 
-    def _processed(self, state: Any, logits: torch.Tensor, fed: int) -> tuple[torch.Tensor, int]:
-        for processor in self.processors:
-            logits = processor(state, logits, fed)
-        return logits, fed
-
     def receive(self, state: Any, logits: torch.Tensor, generator: torch.Generator | None = None,
                 stats: GenerationStats | None = None) -> None:
-        self.commit(state, *self._processed(state, *self.finish_forward(state, logits)), generator, stats)
+        logits, fed = self.finish_forward(state, logits)
+        for processor in self.processors:
+            logits = processor(state, logits, fed)
+        self.commit(state, logits, fed, generator, stats)
 
 
 @dataclass(eq=False)
