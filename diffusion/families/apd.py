@@ -202,7 +202,7 @@ class APDDecoder(Constrainable):
         return APDState(x=x, prompt_len=P, curr=P, use_dllm_cache=use_dllm_cache,
                         matcher=None if self.structure is None else self.structure.matcher(self.end_ids))
 
-    def round(self, state: APDState, generator: torch.Generator | None = None, stats: GenerationStats | None = None,
+    def round(self, state: APDState, generator: torch.Generator | None, stats: GenerationStats,
               verifier_stats: GenerationStats | None = None) -> Generator[ForwardRequest, Any, APDState]:
         """One round as a step generator: the dLLM's forward over the window, the draft, the
         verifier's forward over it, the accepted prefix committed. Returns the state."""
@@ -221,8 +221,7 @@ class APDDecoder(Constrainable):
         else:   # the first round (or every round without a dLLM cache): from position 0
             state.dllm_cache = KVCache() if state.use_dllm_cache else None
             logits = yield ForwardRequest(x[:, :right], cache=state.dllm_cache, spec=spec)
-        if stats is not None:
-            stats.forward(1, right - left)
+        stats.forward(1, right - left)
         # Every position of [curr, right) is masked. Drafts are drawn over the dLLM's whole
         # vocabulary, as upstream (same noise shape, so seeded runs replay), but never the mask token
         # (upstream can commit it and return masks) and never an id the verifier lacks (upstream's
@@ -266,8 +265,7 @@ class APDDecoder(Constrainable):
         x[0, curr:curr + num_accept] = draft[:num_accept]
         state.curr = curr = curr + num_accept
         state.num_accept = num_accept
-        if stats is not None:
-            stats.step(num_accept)
+        stats.step(num_accept)
         # Upstream stops at an EOS anywhere, the prompt included; remask looks at the generated part.
         eos_seen = spec.eos_id is not None and bool((x[:, P:curr] == spec.eos_id).any())
         if curr >= T or eos_seen:
@@ -299,12 +297,11 @@ def apd_steps(decoder: APDDecoder, prompt: torch.Tensor,
     """`apd_generate`'s loop as a step generator (the input checked by the caller): its rounds'
     forwards as `ForwardRequest`s, a `Progress` after each round (the accepted tokens are final);
     returns `[1, P + gen_length]`."""
-    if stats is not None:
-        stats.start()
+    stats = stats or GenerationStats()   # None: counted, then dropped
+    stats.start()
     state = decoder.start(prompt)
     while not state.done:
         yield from decoder.round(state, generator, stats, verifier_stats)
         yield Progress(state.x, state.curr - state.prompt_len)
-    if stats is not None:
-        stats.stop(decoder.gen_length)
+    stats.stop(decoder.gen_length)
     return state.x

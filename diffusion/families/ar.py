@@ -220,11 +220,9 @@ def ar_generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
                         eos_token_id=eos_token_id, pad_token_id=pad_token_id, structure=structure)
     decoder.check_input(input_ids, attention_mask)
     check_generator(generator, input_ids.device)
-    check_stats("stats", stats)
+    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     warn_if_padded_without_mask(input_ids, attention_mask, getattr(model.config, "pad_token_id", None))
-    if stats is not None:
-        stats.start()
+    stats.start()
     state = decode_alone(decoder, model, decoder.start(input_ids, attention_mask), generator, stats)
-    if stats is not None:
-        stats.stop(state.generated)   # tokens up to and including each row's EOS
+    stats.stop(state.generated)   # tokens up to and including each row's EOS
     return torch.cat([input_ids, state.tokens], dim=1)

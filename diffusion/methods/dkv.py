@@ -200,7 +200,6 @@ def _window(chosen: torch.Tensor, around: list[int], masked: torch.Tensor, size:
             go_left = not go_left
 
 
-@torch.no_grad()
 def dkv_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCache | None = None,
                  steps: int = 128, gen_length: int = 128, block_length: int = 128,
                  remasking: str = "low_confidence", attention_mask: torch.Tensor | None = None,
@@ -247,10 +246,13 @@ def dkv_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: DKVCache | None 
     return _loop(rule, None, attention_mask, P, stats)
 
 
-@torch.no_grad()
 def dkv_dream_generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                       *, max_new_tokens: int, structured_outputs: Any = None, tokenizer: Any = None,
-                       **settings: Any) -> torch.Tensor:
+                       *, config: DKVCache | None = None, steps: int = 512, max_new_tokens: int,
+                       alg: str = "origin", alg_temp: float | None = None, temperature: float = 0.0,
+                       top_p: float | None = None, top_k: int | None = None, eps: float = 1e-3,
+                       mask_id: int | None = None, generator: torch.Generator | None = None,
+                       stats: GenerationStats | None = None, structured_outputs: Any = None,
+                       tokenizer: Any = None) -> torch.Tensor:
     """dKV-Cache's Dream sampler (greedy tokens). Returns `[B, P + max_new_tokens]`.
 
     `config`: a `DKVCache` (`cache_type` None: ``"decoded"``; `shift_type` None: ``"un"``). The other
@@ -258,13 +260,13 @@ def dkv_dream_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     the confidences, as upstream); `alg="origin"` draws from `generator` (None: torch's global one, as
     upstream). The model must shift its logits (`ModelSpec.logit_shift`). `structured_outputs` (a
     `remask.StructuredOutputsParams` or its JSON; `tokenizer`: default the checkpoint's): see
-    `dkv_dream_steps`. `settings`: `dkv_dream_steps`' other keywords (`config`, `steps`, `alg`, `alg_temp`,
-    `temperature`, `top_p`, `top_k`, `eps`, `mask_id`, `generator`, `stats`), their defaults there."""
-    structure = structure_for_call(structured_outputs, model, tokenizer,
-                                   get_spec(model, mask_id=settings.get("mask_id")).mask_id,
+    `dkv_dream_steps`."""
+    structure = structure_for_call(structured_outputs, model, tokenizer, get_spec(model, mask_id=mask_id).mask_id,
                                    max_new_tokens)   # None without structured_outputs
-    return run_steps(model, dkv_dream_steps, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                     structure=structure, **settings)
+    return run_steps(model, dkv_dream_steps, input_ids, attention_mask, config=config, steps=steps,
+                                 max_new_tokens=max_new_tokens, alg=alg, alg_temp=alg_temp, temperature=temperature,
+                                 top_p=top_p, top_k=top_k, eps=eps, mask_id=mask_id, generator=generator,
+                                 stats=stats, structure=structure)
 
 
 def dkv_dream_steps(spec: ModelSpec, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

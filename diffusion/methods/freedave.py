@@ -312,7 +312,6 @@ class _Decoder:
                 yield self._progress(x, blk, start, end)
 
 
-@torch.no_grad()
 def freedave_generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                       config: FreeDave | None = None, steps: int | None = None, gen_length: int = 128,
                       block_length: int = 128, use_cache: str | None = None, mask_id: int | None = None,
