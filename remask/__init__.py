@@ -39,10 +39,10 @@ _EXPORTS = {
     "WINO": "remask.diffusion.methods.wino",
     "Prophet": "remask.diffusion.methods.prophet",
     "MultiBlock": "remask.diffusion.methods.multiblock",
-    "SDARConfig": "remask.diffusion.families.sdar",
-    "LLaDA2Config": "remask.diffusion.families.llada2",
-    "FastDLLMV2Config": "remask.diffusion.families.fast_dllm_v2",
-    "CanvasConfig": "remask.diffusion.families.canvas",
+    "SDARDecoding": "remask.diffusion.families.sdar",
+    "LLaDA2Decoding": "remask.diffusion.families.llada2",
+    "FastDLLMV2Decoding": "remask.diffusion.families.fast_dllm_v2",
+    "CanvasDecoding": "remask.diffusion.families.canvas",
     **dict.fromkeys(("DreamConfig", "DreamModel", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "get_spec"),
                     "remask.models"),
     "patch": "remask.patching",
@@ -72,8 +72,8 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "APDConfig", "CanvasConfig", "CanvasSampler", "EBSampler", "CreditDecoding", "D2Cache", "DAEDAL", "DKVCache", "DreamConfig", "ElasticCache", "FastDLLMV2Config", "FrechetRule", "FreeDave", "HierarchicalDecoding", "KLASS", "MarginDecoding", "ThresholdDecoding",
+    "APDConfig", "CanvasDecoding", "CanvasSampler", "EBSampler", "CreditDecoding", "D2Cache", "DAEDAL", "DKVCache", "DreamConfig", "ElasticCache", "FastDLLMV2Decoding", "FrechetRule", "FreeDave", "HierarchicalDecoding", "KLASS", "MarginDecoding", "ThresholdDecoding",
     "VicinityCache", "IterationSmoothing", "WINO", "MultiBlock", "DreamGenerationConfig", "DreamModel", "DreamModelOutput", "GenerationStats",
-    "LLM", "LLMEngine", "LLaDA2Config", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "Prophet", "RequestOutput", "SDARConfig", "SamplingParams", "SparseConfig", "StructuredOutputsParams", "answer_text", "ar_generate",
+    "LLM", "LLMEngine", "LLaDA2Decoding", "LLaDAConfig", "LLaDAModelLM", "ModelSpec", "ParameterTypeError", "Prophet", "RequestOutput", "SDARDecoding", "SamplingParams", "SparseConfig", "StructuredOutputsParams", "answer_text", "ar_generate",
     "diffusion_generate", "generate", "get_spec", "load", "patch", "stop_token_ids",
 ]

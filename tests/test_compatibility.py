@@ -37,8 +37,8 @@ def test_each_method_runs_on_its_own_family_and_each_family_runs_its_own_rule(ta
     assert all(value == "yes" for value in table["the family's own rule (LLaDA: low-confidence blocks)"].values())
     # every method's paper used LLaDA; a refused pair of parts is refused on every family; a family's own loop's
     # config (`decoder=`) runs on that family only
-    families = {"SDARConfig": "sdar", "LLaDA2Config": "llada2_moe", "FastDLLMV2Config": "fast_dllm_v2",
-                "CanvasConfig": "diffusion_gemma"}
+    families = {"SDARDecoding": "sdar", "LLaDA2Decoding": "llada2_moe", "FastDLLMV2Decoding": "fast_dllm_v2",
+                "CanvasDecoding": "diffusion_gemma"}
     assert all(row["llada"] == "yes" for name, row in table.items()
                if name not in ("dKV-Cache + dInfer ThresholdDecoding", *families))
     for name, family in families.items():

@@ -239,7 +239,7 @@ def test_engine_request_equals_model_generate_and_ignores_its_batch(model):
         want = model.generate(torch.tensor([prompt]), max_new_tokens=16).sequences[0, len(prompt):].tolist()
         assert out.outputs[0].all_token_ids == want
         assert out.outputs[0].nfe <= 2 * 6
-    params = remask.SamplingParams(max_tokens=12, seed=4, decoder=remask.CanvasConfig(
+    params = remask.SamplingParams(max_tokens=12, seed=4, decoder=remask.CanvasDecoding(
         entropy_bound=1.0, max_denoising_steps=5, sampler=remask.CanvasSampler(freeze_after=2)))
     together = llm.generate(prompts, params, use_tqdm=False)
     alone = [llm.generate([p], params, use_tqdm=False)[0] for p in reversed(prompts)][::-1]
@@ -259,21 +259,21 @@ def test_engine_refuses_what_the_model_does_not_read(model):
         llm.generate([[2, 5]], remask.SamplingParams(temperature=0.5), use_tqdm=False)
     with pytest.raises(ValueError, match="canvas.*steps"):
         remask.SamplingParams(decoder={"name": "canvas", "steps": 3})
-    with pytest.raises(ValueError, match="CanvasConfig.entropy_bound"):
-        remask.SamplingParams(decoder=remask.CanvasConfig(entropy_bound=0))
-    with pytest.raises(ValueError, match="decoder: CanvasConfig"):
-        remask.LLM("tiny-llada").generate([[1, 5]], remask.SamplingParams(decoder=remask.CanvasConfig(t_min=0.3)),
+    with pytest.raises(ValueError, match="CanvasDecoding.entropy_bound"):
+        remask.SamplingParams(decoder=remask.CanvasDecoding(entropy_bound=0))
+    with pytest.raises(ValueError, match="decoder: CanvasDecoding"):
+        remask.LLM("tiny-llada").generate([[1, 5]], remask.SamplingParams(decoder=remask.CanvasDecoding(t_min=0.3)),
                                           use_tqdm=False)
-    with pytest.raises(ValueError, match="decoder must be remask.CanvasConfig"):
-        llm.generate([[2, 5]], remask.SamplingParams(decoder=remask.SDARConfig()), use_tqdm=False)
+    with pytest.raises(ValueError, match="decoder must be remask.CanvasDecoding"):
+        llm.generate([[2, 5]], remask.SamplingParams(decoder=remask.SDARDecoding()), use_tqdm=False)
     # issue 37: a stable canvas equals the last `stability_threshold` ones, kept as a history of that many;
     # past the checkpoint's max_denoising_steps no canvas could be stable, so it is refused, not allocated
     steps = model.generation_config.max_denoising_steps
-    with pytest.raises(ValueError, match=rf"CanvasConfig.stability_threshold must be <= {steps} "):
-        llm.generate([[2, 5]], remask.SamplingParams(decoder=remask.CanvasConfig(stability_threshold=steps + 1,
+    with pytest.raises(ValueError, match=rf"CanvasDecoding.stability_threshold must be <= {steps} "):
+        llm.generate([[2, 5]], remask.SamplingParams(decoder=remask.CanvasDecoding(stability_threshold=steps + 1,
                                                                                  confidence_threshold=1.0)),
                      use_tqdm=False)
-    llm.generate([[2, 5]], remask.SamplingParams(max_tokens=4, decoder=remask.CanvasConfig(
+    llm.generate([[2, 5]], remask.SamplingParams(max_tokens=4, decoder=remask.CanvasDecoding(
         stability_threshold=steps, confidence_threshold=1.0)), use_tqdm=False)
 
 
@@ -294,7 +294,7 @@ def test_served_over_http_with_drafts(tmp_path):
         canvas = {"name": "canvas", "entropy_bound": 2.0, "sampler": {"rule": "top_k", "top_k": 3}}
         body = dict(model="dg", prompt="sort 52814", max_tokens=8, seed=5, decoder=canvas)
         got = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
-        want = llm.generate("sort 52814", remask.SamplingParams(max_tokens=8, seed=5, decoder=remask.CanvasConfig(
+        want = llm.generate("sort 52814", remask.SamplingParams(max_tokens=8, seed=5, decoder=remask.CanvasDecoding(
             entropy_bound=2.0, sampler=remask.CanvasSampler(rule="top_k", top_k=3))), use_tqdm=False)[0]
         assert got["choices"][0]["text"] == want.outputs[0].text
         bad = httpx.post(f"{server.url}/v1/completions", json=dict(body, decoder=dict(canvas, sampler={"rule": "x"})),

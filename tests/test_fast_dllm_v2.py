@@ -162,7 +162,7 @@ def test_engine_requests_equal_generate_alone(models, settings):
     without the sub-block cache, requests at different blocks share their whole-block forwards."""
     model = models["fd"]
     fast = settings["fast"]
-    params = remask.SamplingParams(max_tokens=14, seed=5, decoder=remask.FastDLLMV2Config(**fast), **settings["params"])
+    params = remask.SamplingParams(max_tokens=14, seed=5, decoder=remask.FastDLLMV2Decoding(**fast), **settings["params"])
     prompts = [[5, 17, 42, 99, 7, 8, 1, 2, 3, 4], [9, 8, 7], [11, 12, 13, 14, 15, 16, 17, 18]]
     engine = remask.LLM(model).engine
     outputs = {}

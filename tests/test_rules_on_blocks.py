@@ -176,7 +176,7 @@ def test_engine_on_sdar_equals_the_function_alone_and_in_a_batch(sdar, name):
     mask = get_spec(sdar).mask_id
     prompts = [p[0].tolist() for p in PROMPTS]
     params = remask.SamplingParams(max_tokens=10, temperature=0.0,
-                                   decoder=remask.SDARConfig(block_length=4, rule=RULES[name]))
+                                   decoder=remask.SDARDecoding(block_length=4, rule=RULES[name]))
     llm = remask.LLM(sdar)
     together = llm.generate(prompts, params, use_tqdm=False)
     alone = [llm.generate([p], params, use_tqdm=False)[0] for p in reversed(prompts)][::-1]
@@ -200,7 +200,7 @@ def test_engine_on_sdar_equals_the_function_alone_and_in_a_batch(sdar, name):
 def test_engine_on_llada2_equals_the_function_alone_and_in_a_batch(llada2, name):
     prompts = [p[0].tolist() for p in PROMPTS]
     params = remask.SamplingParams(max_tokens=12, temperature=0.0,
-                                   decoder=remask.LLaDA2Config(block_length=4, rule=RULES[name]))
+                                   decoder=remask.LLaDA2Decoding(block_length=4, rule=RULES[name]))
     llm = remask.LLM(llada2)
     together = llm.generate(prompts, params, use_tqdm=False)
     alone = [llm.generate([p], params, use_tqdm=False)[0] for p in reversed(prompts)][::-1]
@@ -249,11 +249,11 @@ def test_refusals_name_both_parts(sdar, llada2):
     llm = remask.LLM(sdar)
     for setting in ("remasking_strategy", "denoising_steps", "confidence_threshold"):
         value = {"remasking_strategy": "sequential", "denoising_steps": 2, "confidence_threshold": 0.5}[setting]
-        with pytest.raises(ValueError, match=rf"HierarchicalDecoding.*SDAR.*SDARConfig\.{setting}"):
-            llm.generate([[1, 2, 3]], remask.SamplingParams(max_tokens=4, decoder=remask.SDARConfig(
+        with pytest.raises(ValueError, match=rf"HierarchicalDecoding.*SDAR.*SDARDecoding\.{setting}"):
+            llm.generate([[1, 2, 3]], remask.SamplingParams(max_tokens=4, decoder=remask.SDARDecoding(
                 block_length=4, rule=hier, **{setting: value})), use_tqdm=False)
-    with pytest.raises(ValueError, match=r"CreditDecoding.*LLaDA2.*LLaDA2Config\.steps"):
-        remask.LLM(llada2).generate([[1, 2, 3]], remask.SamplingParams(max_tokens=8, decoder=remask.LLaDA2Config(
+    with pytest.raises(ValueError, match=r"CreditDecoding.*LLaDA2.*LLaDA2Decoding\.steps"):
+        remask.LLM(llada2).generate([[1, 2, 3]], remask.SamplingParams(max_tokens=8, decoder=remask.LLaDA2Decoding(
             block_length=4, steps=2, rule=remask.CreditDecoding())), use_tqdm=False)
     with pytest.raises(ValueError, match="decoder"):
         llm.generate([[1, 2, 3]], remask.SamplingParams(max_tokens=4, decoder=remask.WINO()), use_tqdm=False)

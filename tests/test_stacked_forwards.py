@@ -85,7 +85,7 @@ def test_engine_runs_one_call_per_step(models, name, settings):
     tokens are those it gets alone."""
     model = models(name)
     prompts = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in range(3, 8)]
-    config = {"sdar": remask.SDARConfig, "llada2": remask.LLaDA2Config, "fast_dllm_v2": remask.FastDLLMV2Config}[name]
+    config = {"sdar": remask.SDARDecoding, "llada2": remask.LLaDA2Decoding, "fast_dllm_v2": remask.FastDLLMV2Decoding}[name]
     plain = remask.SamplingParams(max_tokens=8, temperature=0.0, decoder=config(**settings))
     fd = remask.SamplingParams(max_tokens=8, temperature=0.0,
                                decoder=config(rule=remask.FreeDave(draft_steps=3), **settings))

@@ -99,12 +99,12 @@ CANVAS_RULES = ("entropy_bound", "threshold", "top_k")
 def check_stability(stability_threshold: int | None, max_denoising_steps: int, what: str) -> None:
     """`stability_threshold` (a history of that many canvases) at most `max_denoising_steps`: a larger
     one never stops a canvas early and only sizes the history (10**9 of them was an out-of-memory kill)."""
-    check_at_most("CanvasConfig.stability_threshold", stability_threshold, max_denoising_steps, what)
+    check_at_most("CanvasDecoding.stability_threshold", stability_threshold, max_denoising_steps, what)
 
 
 @dataclass(frozen=True)
-class CanvasConfig(NoWorkBound):
-    """DiffusionGemma's canvas loop on an engine request (`SamplingParams(decoder=CanvasConfig(...))`, JSON
+class CanvasDecoding(NoWorkBound):
+    """DiffusionGemma's canvas loop on an engine request (`SamplingParams(decoder=CanvasDecoding(...))`, JSON
     ``{"name": "canvas", ...}``): the generation settings a request may set (None: the checkpoint's; transformers
     checks the rest) and `sampler`, remask's decisions (None: the reference's EB-sampler). No token count bounds
     max_denoising_steps's loop (canvases are redrawn whole): a cap, ~20x the checkpoint's 48 (`MAX_LOOP_STEPS`);
@@ -119,14 +119,14 @@ class CanvasConfig(NoWorkBound):
     sampler: CanvasSampler | None = None
 
     def __post_init__(self) -> None:
-        check_int("CanvasConfig.max_denoising_steps", self.max_denoising_steps, minimum=1, maximum=MAX_LOOP_STEPS,
+        check_int("CanvasDecoding.max_denoising_steps", self.max_denoising_steps, minimum=1, maximum=MAX_LOOP_STEPS,
                   allow_none=True)
         for name in ("t_min", "t_max", "entropy_bound", "confidence_threshold"):
-            check_real(f"CanvasConfig.{name}", getattr(self, name), low=0, low_open=True, allow_none=True)
-        check_int("CanvasConfig.stability_threshold", self.stability_threshold, minimum=0, allow_none=True)
+            check_real(f"CanvasDecoding.{name}", getattr(self, name), low=0, low_open=True, allow_none=True)
+        check_int("CanvasDecoding.stability_threshold", self.stability_threshold, minimum=0, allow_none=True)
         check_stability(self.stability_threshold, self.max_denoising_steps or MAX_LOOP_STEPS,
-                        "MAX_LOOP_STEPS" if self.max_denoising_steps is None else "CanvasConfig.max_denoising_steps")
-        check_instance("CanvasConfig.sampler", self.sampler, CanvasSampler, "a remask.CanvasSampler")
+                        "MAX_LOOP_STEPS" if self.max_denoising_steps is None else "CanvasDecoding.max_denoising_steps")
+        check_instance("CanvasDecoding.sampler", self.sampler, CanvasSampler, "a remask.CanvasSampler")
 
     def generation_kwargs(self, **extra: Any) -> dict[str, Any]:
         """`canvas_generate` keyword arguments of the settings given (`entropy_bound` in a `sampler_config`) and

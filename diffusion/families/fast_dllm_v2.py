@@ -426,11 +426,11 @@ def fast_dllm_v2_batch_sample(model: torch.nn.Module, input_ids: torch.Tensor, s
 
 
 @dataclass(frozen=True)
-class FastDLLMV2Config(NoWorkBound):
-    """Fast-dLLM v2's loop on an engine request (`SamplingParams(decoder=FastDLLMV2Config(...))`, JSON
+class FastDLLMV2Decoding(NoWorkBound):
+    """Fast-dLLM v2's loop on an engine request (`SamplingParams(decoder=FastDLLMV2Decoding(...))`, JSON
     ``{"name": "fast_dllm_v2", ...}``): `generate`'s settings, None the loop's default (`block_size` the config's
     `bd_size`, `small_block_size` 8, no block cache). `rule`: the loop's commit part, remask.FreeDave (`decoder=`
-    FreeDave is short for ``FastDLLMV2Config(rule=...)``). No setting sizes work past the block (`NoWorkBound`)."""
+    FreeDave is short for ``FastDLLMV2Decoding(rule=...)``). No setting sizes work past the block (`NoWorkBound`)."""
 
     block_size: int | None = None
     small_block_size: int | None = None
@@ -439,21 +439,21 @@ class FastDLLMV2Config(NoWorkBound):
 
     def __post_init__(self) -> None:
         for name in ("block_size", "small_block_size"):
-            check_int(f"FastDLLMV2Config.{name}", getattr(self, name), minimum=1, allow_none=True)
+            check_int(f"FastDLLMV2Decoding.{name}", getattr(self, name), minimum=1, allow_none=True)
         if self.small_block_size is not None and self.small_block_size > (self.block_size or math.inf):
-            raise ValueError(f"FastDLLMV2Config.small_block_size must be <= FastDLLMV2Config.block_size "
+            raise ValueError(f"FastDLLMV2Decoding.small_block_size must be <= FastDLLMV2Decoding.block_size "
                              f"({self.block_size}), got {self.small_block_size}")
-        check_bool("FastDLLMV2Config.use_block_cache", self.use_block_cache, allow_none=True)
+        check_bool("FastDLLMV2Decoding.use_block_cache", self.use_block_cache, allow_none=True)
         check_part(self, "Fast-dLLM v2", (), (), rules=False)
 
 
 def engine_decoder(spec: ModelSpec, params: Any, *, store: Any, stop_ids: Sequence[int]) -> FastDLLMV2Decoder:
     """One engine request's Fast-dLLM v2 loop (`Family.engine_decoder`): the official `generate` with
-    `max_new_tokens` = `max_tokens` rounded up to whole blocks, its settings from `decoder=` (`FastDLLMV2Config`, or
+    `max_new_tokens` = `max_tokens` rounded up to whole blocks, its settings from `decoder=` (`FastDLLMV2Decoding`, or
     FreeDave: `blocks.family_config`); `top_p` default 0.95, `threshold` 0.9 (the official chatbot's). FreeDave sets
     the rule (one token per step, threshold 1.0, or its threshold). `store` and `stop_ids` are not read (the loop
     keeps its rows' caches itself and stops at the model's EOS)."""
-    config = family_config(params.decoder, FastDLLMV2Config, rules=False)
+    config = family_config(params.decoder, FastDLLMV2Decoding, rules=False)
     settings, block_size, part, tau = engine_settings(spec, params, config, "Fast-dLLM v2", rules=False,
                                                       stops="one stop token (the model's EOS)")
     threshold = (0.9 if part is None else 1.0) if tau is None else tau   # FreeDave: one token per step

@@ -33,7 +33,7 @@ from ..parts.checks import MAX_LOOP_STEPS, NoWorkBound, check_bool, check_int, c
 from ..parts.constrain_loops import filter_block, keep_valid_edits
 from ..parts.rules import is_rule
 
-__all__ = ["LLaDA2Config", "LLaDA2Decoder", "LLaDA2State", "num_transfer_schedule", "sample_block",
+__all__ = ["LLaDA2Decoding", "LLaDA2Decoder", "LLaDA2State", "num_transfer_schedule", "sample_block",
            "select_mask_to_token", "select_token_edits"]
 
 
@@ -200,11 +200,11 @@ RULE_SETTINGS = ("steps", "minimal_topk", "editing_threshold", "max_post_steps",
 
 
 @dataclass(frozen=True)
-class LLaDA2Config(NoWorkBound):
-    """LLaDA2's loop on an engine request (`SamplingParams(decoder=LLaDA2Config(...))`, JSON ``{"name": "llada2",
+class LLaDA2Decoding(NoWorkBound):
+    """LLaDA2's loop on an engine request (`SamplingParams(decoder=LLaDA2Decoding(...))`, JSON ``{"name": "llada2",
     ...}``): `generate`'s settings, None the loop's default (`block_length` the model's, else 32; `steps` the block
     length; the official ones). `rule`: the loop's commit part, remask.FreeDave or one of dInfer's commit rules
-    (`decoder=` one of them is short for ``LLaDA2Config(rule=...)``; neither with 2.1's edits); the settings it replaces
+    (`decoder=` one of them is short for ``LLaDA2Decoding(rule=...)``; neither with 2.1's edits); the settings it replaces
     are refused. No token count bounds max_post_steps's loop: a cap (docs/parameters.md, work bounds); the steps are
     checked against the model's block at the engine."""
 
@@ -219,27 +219,27 @@ class LLaDA2Config(NoWorkBound):
 
     def __post_init__(self) -> None:
         for name in ("block_length", "minimal_topk"):
-            check_int(f"LLaDA2Config.{name}", getattr(self, name), minimum=1, allow_none=True)
+            check_int(f"LLaDA2Decoding.{name}", getattr(self, name), minimum=1, allow_none=True)
         for name in ("steps", "num_to_transfer"):
-            check_steps(f"LLaDA2Config.{name}", getattr(self, name), self.block_length or math.inf,
-                        "LLaDA2Config.block_length")
-        check_bool("LLaDA2Config.eos_early_stop", self.eos_early_stop, allow_none=True)
-        check_real("LLaDA2Config.editing_threshold", self.editing_threshold, allow_none=True)
-        check_int("LLaDA2Config.max_post_steps", self.max_post_steps, minimum=0, maximum=MAX_LOOP_STEPS,
+            check_steps(f"LLaDA2Decoding.{name}", getattr(self, name), self.block_length or math.inf,
+                        "LLaDA2Decoding.block_length")
+        check_bool("LLaDA2Decoding.eos_early_stop", self.eos_early_stop, allow_none=True)
+        check_real("LLaDA2Decoding.editing_threshold", self.editing_threshold, allow_none=True)
+        check_int("LLaDA2Decoding.max_post_steps", self.max_post_steps, minimum=0, maximum=MAX_LOOP_STEPS,
                   allow_none=True)
         check_part(self, "LLaDA2", RULE_SETTINGS, (), replaces="threshold rule and schedule")
 
 
 def engine_decoder(spec: ModelSpec, params: Any, *, store: Any, stop_ids: Sequence[int]) -> LLaDA2Decoder:
     """One engine request's LLaDA2 loop (`Family.engine_decoder`): `remask.compat.llada2.generate`'s with
-    `gen_length=max_tokens`, its settings from `decoder=` (`LLaDA2Config`, or a commit part: `blocks.family_config`).
+    `gen_length=max_tokens`, its settings from `decoder=` (`LLaDA2Decoding`, or a commit part: `blocks.family_config`).
     FreeDave sets the rule: one token per step (threshold 1.0), or its threshold. `store`: the engine's paged KV store
     (the blocks' caches); `stop_ids` are not read (the loop stops at the model's EOS id only)."""
-    config = family_config(params.decoder, LLaDA2Config)
+    config = family_config(params.decoder, LLaDA2Decoding)
     settings, block_length, part, tau = engine_settings(spec, params, config, "LLaDA2",
                                                         stops="its EOS id only (the model's)")
     for name in ("steps", "num_to_transfer"):   # work bounds, before the schedule (O(steps)) is built
-        check_steps(f"LLaDA2Config.{name}", settings.get(name), block_length, "the block length")
+        check_steps(f"LLaDA2Decoding.{name}", settings.get(name), block_length, "the block length")
     threshold = (1.0 if part is not None and not is_rule(part) else 0.95) if tau is None else tau   # FreeDave: 1.0
     return LLaDA2Decoder(part, mask_id=spec.mask_id, eos_id=spec.eos_id, gen_length=params.max_tokens,
                          block_length=block_length, steps=settings.pop("steps", block_length),

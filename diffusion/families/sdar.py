@@ -145,11 +145,11 @@ RULE_SETTINGS = ("denoising_steps", "remasking_strategy", "confidence_threshold"
 
 
 @dataclass(frozen=True)
-class SDARConfig(NoWorkBound):
-    """SDAR's loop on an engine request (`SamplingParams(decoder=SDARConfig(...))`, JSON ``{"name": "sdar", ...}``):
+class SDARDecoding(NoWorkBound):
+    """SDAR's loop on an engine request (`SamplingParams(decoder=SDARDecoding(...))`, JSON ``{"name": "sdar", ...}``):
     `block_diffusion_generate`'s settings, None the loop's default (`block_length` the model's, `denoising_steps`
     the block length, ``low_confidence_static``, 0.85). `rule`: the loop's commit part, remask.FreeDave or one of
-    dInfer's commit rules (`decoder=` one of them is short for ``SDARConfig(rule=...)``); the settings it replaces
+    dInfer's commit rules (`decoder=` one of them is short for ``SDARDecoding(rule=...)``); the settings it replaces
     are refused. No setting sizes work past the model's block, checked at the engine (`NoWorkBound`)."""
 
     block_length: int | None = None
@@ -160,13 +160,13 @@ class SDARConfig(NoWorkBound):
     rule: Any = None
 
     def __post_init__(self) -> None:
-        check_int("SDARConfig.block_length", self.block_length, minimum=1, allow_none=True)
-        check_steps("SDARConfig.denoising_steps", self.denoising_steps, self.block_length or math.inf,
-                    "SDARConfig.block_length")
+        check_int("SDARDecoding.block_length", self.block_length, minimum=1, allow_none=True)
+        check_steps("SDARDecoding.denoising_steps", self.denoising_steps, self.block_length or math.inf,
+                    "SDARDecoding.block_length")
         if self.remasking_strategy is not None:
-            check_choice("SDARConfig.remasking_strategy", self.remasking_strategy, REMASKING_STRATEGIES)
-        check_real("SDARConfig.confidence_threshold", self.confidence_threshold, low=0, high=1, allow_none=True)
-        check_real("SDARConfig.eb_threshold", self.eb_threshold, low=0, low_open=True, allow_none=True)
+            check_choice("SDARDecoding.remasking_strategy", self.remasking_strategy, REMASKING_STRATEGIES)
+        check_real("SDARDecoding.confidence_threshold", self.confidence_threshold, low=0, high=1, allow_none=True)
+        check_real("SDARDecoding.eb_threshold", self.eb_threshold, low=0, low_open=True, allow_none=True)
         check_part(self, "SDAR", RULE_SETTINGS, RULE_SETTINGS[1:], replaces="remasking_strategy")
 
 
@@ -207,17 +207,17 @@ def sdar_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, mask_id: i
 
 def engine_decoder(spec: ModelSpec, params: Any, *, store: Any, stop_ids: Sequence[int]) -> SDARDecoder:
     """One engine request's SDAR loop (`Family.engine_decoder`): `block_diffusion_generate`'s, `gen_length=max_tokens`,
-    stopping after a block holding EOS or a `stop_token_ids` id, its settings from `decoder=` (`SDARConfig`, or a
+    stopping after a block holding EOS or a `stop_token_ids` id, its settings from `decoder=` (`SDARDecoding`, or a
     commit part: `blocks.family_config`); `threshold`: ``low_confidence_dynamic`` at it. FreeDave sets the rule (one
     token per step, or its threshold). `store`: the engine's paged KV store (the blocks' caches); `stop_ids`: the
     engine's stop ids."""
-    config = family_config(params.decoder, SDARConfig)
+    config = family_config(params.decoder, SDARDecoding)
     settings, block_length, part, threshold = engine_settings(spec, params, config, "SDAR")
     # a work bound, before the schedule (O(denoising_steps)) is built
-    check_steps("SDARConfig.denoising_steps", config.denoising_steps, block_length, "the block length")
+    check_steps("SDARDecoding.denoising_steps", config.denoising_steps, block_length, "the block length")
     if threshold is not None:   # `threshold=`, or FreeDave's (FreeDave without one: one token per step, the default)
         if config.remasking_strategy not in (None, "low_confidence_dynamic") or config.confidence_threshold is not None:
-            raise ValueError("threshold is the shorthand for SDARConfig(remasking_strategy='low_confidence_dynamic', "
+            raise ValueError("threshold is the shorthand for SDARDecoding(remasking_strategy='low_confidence_dynamic', "
                              "confidence_threshold=...): give one of them")
         settings.update(remasking_strategy="low_confidence_dynamic", confidence_threshold=threshold)
     return SDARDecoder(part, block_store=store, mask_id=spec.mask_id, gen_length=params.max_tokens,

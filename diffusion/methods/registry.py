@@ -179,11 +179,11 @@ register("d2cache", D2Cache, "use_cache", reads=("steps",), unshifted="d2Cache's
 register("elastic", ElasticCache, "use_cache", loop=_elastic_loop, unshifted="Elastic-Cache's sliding window",
          takes_rule=True, fills_after_eos=True)
 # the model families' own loops (`Family.engine_decoder`; presets' canvas loop)
-register("sdar", sdar.SDARConfig, way="family", reads=READS, loop=_family_loop, nested={"rule": "decoder"})
-register("llada2", llada2.LLaDA2Config, way="family", reads=READS, loop=_family_loop, nested={"rule": "decoder"})
-register("fast_dllm_v2", fast_dllm_v2.FastDLLMV2Config, way="family", reads=READS, loop=_family_loop,
+register("sdar", sdar.SDARDecoding, way="family", reads=READS, loop=_family_loop, nested={"rule": "decoder"})
+register("llada2", llada2.LLaDA2Decoding, way="family", reads=READS, loop=_family_loop, nested={"rule": "decoder"})
+register("fast_dllm_v2", fast_dllm_v2.FastDLLMV2Decoding, way="family", reads=READS, loop=_family_loop,
          nested={"rule": "decoder"})
-register("canvas", canvas.CanvasConfig, way="canvas", loop=_family_loop, nested={"sampler": canvas.CanvasSampler})
+register("canvas", canvas.CanvasDecoding, way="canvas", loop=_family_loop, nested={"sampler": canvas.CanvasSampler})
 
 
 # --- lookups -------------------------------------------------------------------------------------------

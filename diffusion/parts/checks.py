@@ -357,7 +357,7 @@ WAYS: dict[str, tuple[tuple[str, ...], str]] = {
     "ar": (("temperature", "top_p", "top_k"), "the model is autoregressive; these settings are for diffusion models: "
            "{unread}"),
     "canvas": (("reference_rng", "decoder"), "a uniform-noise model (DiffusionGemma) does not read {unread}; its "
-               "settings are decoder=remask.CanvasConfig(...) (max_denoising_steps, t_min, t_max, entropy_bound, "
+               "settings are decoder=remask.CanvasDecoding(...) (max_denoising_steps, t_min, t_max, entropy_bound, "
                "stability_threshold, confidence_threshold, sampler) and reference_rng"),
     "family": (("decoder",), "{name} (a block-causal model's own loop) does not read {unread}; it reads temperature, "
                "top_p, top_k (not Fast-dLLM v2), threshold and decoder= (its family's config, remask.FreeDave or a "

@@ -20,7 +20,7 @@ import torch
 
 from remask.diffusion.families.apd import APDDecoder, apd_steps
 from remask.diffusion.families.ar import ARDecoder
-from remask.diffusion.families.canvas import CanvasConfig, CanvasDecoder, check_stability, resolve_generation_config
+from remask.diffusion.families.canvas import CanvasDecoding, CanvasDecoder, check_stability, resolve_generation_config
 from remask.diffusion.families.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder,
                                              DreamGenerationConfig, _validate_config)
 from remask.diffusion.families.llada import BlockDecoder, validate_block_args
@@ -100,8 +100,8 @@ def check_end_settings(engine: Any, params: SamplingParams, way: str) -> None:
 def canvas_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
                    end_ids: Any = ()) -> CanvasDecoder:
     """DiffusionGemma's canvas loop for these params, configured as `remask.diffusion_generate`
-    would be with the checkpoint's generation config and the request's `decoder=CanvasConfig(...)`."""
-    canvas = check_instance("decoder", params.decoder, CanvasConfig, "remask.CanvasConfig") or CanvasConfig()
+    would be with the checkpoint's generation config and the request's `decoder=CanvasDecoding(...)`."""
+    canvas = check_instance("decoder", params.decoder, CanvasDecoding, "remask.CanvasDecoding") or CanvasDecoding()
     config = resolve_generation_config(engine.model, None, canvas.generation_kwargs(max_new_tokens=params.max_tokens))
     if canvas.stability_threshold is not None:   # against the checkpoint's max_denoising_steps
         check_stability(config.stability_threshold, config.max_denoising_steps, "max_denoising_steps")

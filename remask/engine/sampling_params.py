@@ -28,8 +28,8 @@ class SamplingParams:
     canvas grows); sample i of `n` draws from
     `seed + i` (None: from the engine's seed and the prompt). Diffusion: `remask.generate`'s keywords
     (LLaDA's block rule), `alg` (Dream's sampler), `apd`, `decoder=` (docs/decoders.md): a method's config, or the
-    config of the model family's own loop (`SDARConfig`, `LLaDA2Config`, `FastDLLMV2Config`: docs/block-diffusion.md;
-    `CanvasConfig`: docs/diffusion-gemma.md).
+    config of the model family's own loop (`SDARDecoding`, `LLaDA2Decoding`, `FastDLLMV2Decoding`: docs/block-diffusion.md;
+    `CanvasDecoding`: docs/diffusion-gemma.md).
     `structured_outputs` (remask/structured.py) does not combine with `ignore_eos`, `min_tokens` or `stop`.
     """
 
