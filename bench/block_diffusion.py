@@ -50,7 +50,7 @@ def sdar_case(moe: bool) -> dict[str, Any]:
                                         remasking_strategy="low_confidence_dynamic", confidence_threshold=0.9,
                                         use_cache=use_cache, stats=stats)
 
-    params = remask.SamplingParams(temperature=0.0, threshold=0.9, sdar={"denoising_steps": 4})
+    params = remask.SamplingParams(temperature=0.0, threshold=0.9, decoder=remask.SDARDecoding(denoising_steps=4))
     return {"name": "SDAR-MoE" if moe else "SDAR", "build": build, "run": run, "engine_params": params,
             "setting": "blocks of 4, 4 steps, low_confidence_dynamic 0.9, greedy"}
 
@@ -73,7 +73,7 @@ def llada2_case(editing: bool) -> dict[str, Any]:
 
     return {"name": "LLaDA2.1 (editing)" if editing else "LLaDA2.0", "build": build, "run": run,
             "engine_params": remask.SamplingParams(temperature=0.0, threshold=0.7,
-                                                   llada2=dict(block_length=8, steps=8, **extra)),
+                                                   decoder=remask.LLaDA2Decoding(block_length=8, steps=8, **extra)),
             "setting": "blocks of 8, 8 steps, threshold 0.7" + (", editing 0.5, 4 post steps" if editing else "")
             + ", greedy"}
 
@@ -96,7 +96,7 @@ def fast_dllm_v2_case() -> dict[str, Any]:
     return {"name": "Fast-dLLM v2", "build": build, "run": run, "same_tokens": False,
             "cache_names": ("prefix + sub-block cache", "prefix cache"),
             "engine_params": remask.SamplingParams(temperature=0.0, threshold=0.9,
-                                                   fast_dllm_v2=dict(block_size=32, small_block_size=8)),
+                                                   decoder=remask.FastDLLMV2Decoding(block_size=32, small_block_size=8)),
             "setting": "blocks of 32, sub-blocks of 8, threshold 0.9, greedy (its loop always has the prefix "
                        "cache; the comparison is its use_block_cache)"}
 

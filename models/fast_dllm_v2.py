@@ -297,5 +297,5 @@ def fast_dllm_v2_spec(config: FastDLLMV2Config) -> ModelSpec:
 
 register_family(Family("Fast_dLLM_Qwen", fast_dllm_v2_spec, FastDLLMV2Config, FastDLLMV2ForCausalLM,
                        auto_classes=("AutoModel", "AutoModelForCausalLM"),
-                       generate="remask.compat.fast_dllm_v2:generate", settings="fast_dllm_v2",
+                       generate="remask.compat.fast_dllm_v2:generate",
                        engine_decoder="remask.diffusion.families.fast_dllm_v2:engine_decoder"))

@@ -322,5 +322,5 @@ def llada2_spec(config: LLaDA2MoeConfig) -> ModelSpec:
 
 register_family(Family("llada2_moe", llada2_spec, LLaDA2MoeConfig, LLaDA2MoeModelLM,
                        auto_classes=("AutoModel", "AutoModelForCausalLM"),
-                       generate="remask.compat.llada2:generate", settings="llada2",
+                       generate="remask.compat.llada2:generate",
                        engine_decoder="remask.diffusion.families.llada2:engine_decoder"))

@@ -52,8 +52,6 @@ class Family:
     generate: ``"module:function"`` of the family's drop-in entry point, called as
     `function(model, *args, **kwargs)`; `remask.patch(model)` attaches it as `model.generate`
     (None: the diffusion models' `generate` / `diffusion_generate` pair).
-    settings: the `SamplingParams` field holding a request's settings for this family's decoder
-    (e.g. ``"sdar"``); the engine refuses it for models of other families.
     engine_decoder: ``"module:function"`` building the decoder of one engine request,
     `function(spec, params, *, store, stop_ids)`: the model's `ModelSpec`, the request's `SamplingParams`, the
     engine's paged KV store (`runner.store`) and its stop ids (never the engine itself); None: the engine's own
@@ -66,7 +64,6 @@ class Family:
     auto_classes: tuple[str, ...] = ()
     load_class: str = "AutoModel"
     generate: str | None = None
-    settings: str | None = None
     engine_decoder: str | None = None
 
     def entry_point(self) -> Callable[..., Any] | None:

@@ -296,9 +296,9 @@ class SDARMoeForCausalLM(SDARForCausalLM):
 
 register_family(Family("sdar_moe", sdar_spec, SDARMoeConfig, SDARMoeForCausalLM,
                        auto_classes=("AutoModel", "AutoModelForCausalLM"),
-                       generate="remask.compat.sdar:block_diffusion_generate", settings="sdar",
+                       generate="remask.compat.sdar:block_diffusion_generate",
                        engine_decoder="remask.diffusion.families.sdar:engine_decoder"))
 register_family(Family("sdar", sdar_spec, SDARConfig, SDARForCausalLM,
                        auto_classes=("AutoModel", "AutoModelForCausalLM"),
-                       generate="remask.compat.sdar:block_diffusion_generate", settings="sdar",
+                       generate="remask.compat.sdar:block_diffusion_generate",
                        engine_decoder="remask.diffusion.families.sdar:engine_decoder"))

@@ -23,7 +23,7 @@ ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_th
 CACHE_NAMES = ("prefix", "dual", "paged")                      # remask.diffusion.parts.cache.CACHE_MODES, less None
 CACHE_CONFIGS = ("vicinity", "dkv", "d2cache", "elastic")      # remask.diffusion.methods.registry.names("use_cache")
 DECODERS = ("freedave", "threshold", "credit", "hierarchical", "margin", "eb_sampler", "frechet", "klass", "wino",
-            "prophet", "daedal", "multiblock")   # ...registry.names("decoder")
+            "prophet", "daedal", "multiblock", "sdar", "llada2", "fast_dllm_v2", "canvas")   # registry.names("decoder")
 
 # One `remask generate` flag per plain `SamplingParams` field: (field, kind, help). Written out for
 # the same reason (the dataclass lives behind torch); tests/test_cli.py checks the names and kinds
@@ -80,18 +80,11 @@ SAMPLING_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("alg_temp", "float", "randomness of Dream's choice of positions to commit (default none: the most "
                           "confident); Dream (--alg)"),
     ("eps", "float", "smallest noise level of Dream's time schedule, in [0, 1) (default 0.001); Dream (--alg)"),
-    ("canvas", "json", "a JSON object of generation settings (max_denoising_steps, t_min, t_max, entropy_bound, "
-                       "stability_threshold, confidence_threshold; default: the checkpoint's); DiffusionGemma"),
-    ("canvas_sampler", "json", "a JSON object of remask.CanvasSampler's fields, e.g. {\"rule\": \"threshold\", "
-                               "\"threshold\": 0.9} (default: the reference's rule); DiffusionGemma"),
-    ("sdar", "json", "a JSON object of block_diffusion_generate's settings (block_length, denoising_steps, "
-                     "remasking_strategy, confidence_threshold, eb_threshold; default: the model's); SDAR"),
-    ("llada2", "json", "a JSON object of its generate's settings (block_length, steps, minimal_topk, eos_early_stop, "
-                       "editing_threshold, max_post_steps, num_to_transfer; default: the official ones); LLaDA2.x"),
-    ("fast_dllm_v2", "json", "a JSON object of batch_sample's settings (block_size, small_block_size, "
-                             "use_block_cache; default: the model's); Fast-dLLM v2"),
     ("decoder", "json", f"a JSON decoder config {{\"name\": \"freedave\", ...}} ({', '.join(DECODERS)}) that "
-                        "replaces the block rule (default none; docs/decoders.md says which models each runs on)"),
+                        "replaces the block rule, or the settings of the model family's own loop, e.g. "
+                        "{\"name\": \"sdar\", \"denoising_steps\": 4} or {\"name\": \"canvas\", \"sampler\": "
+                        "{\"rule\": \"top_k\", \"top_k\": 2}} (default none; docs/decoders.md says which models "
+                        "each runs on)"),
     ("structured_outputs", "json", "the answer's structure, vLLM's StructuredOutputsParams as a JSON object: "
                                    "{\"json\": schema}, {\"regex\": ...}, {\"choice\": [...]}, {\"grammar\": ...} or "
                                    "{\"json_object\": true} (default none; see also --json-schema); AR models, "
@@ -384,15 +377,6 @@ def _bool_or_word(value: str) -> bool | str:
     return {"false": False, "true": True}.get(value.lower(), value)
 
 
-def _objects(settings: dict) -> dict:
-    """JSON settings as SamplingParams takes them (`canvas_sampler` → a `CanvasSampler`)."""
-    import remask
-
-    if isinstance(settings.get("canvas_sampler"), dict):
-        settings = dict(settings, canvas_sampler=remask.CanvasSampler(**settings["canvas_sampler"]))
-    return settings
-
-
 def _generate(args: argparse.Namespace, sampling_names: list[str]) -> int:
     import remask
 
@@ -408,7 +392,7 @@ def _generate(args: argparse.Namespace, sampling_names: list[str]) -> int:
             print(f"remask generate: --json-schema {args.json_schema}: {err}", file=sys.stderr)
             return 2
     try:
-        params = remask.SamplingParams(**_objects(settings))
+        params = remask.SamplingParams(**settings)
     except (TypeError, ValueError) as err:
         print(f"remask generate: {err}", file=sys.stderr)
         return 2
@@ -425,7 +409,7 @@ def _generate(args: argparse.Namespace, sampling_names: list[str]) -> int:
                     own = {k: v for k, v in row.items() if k not in ("prompt", "messages", "id")}
                     if ("prompt" in row) == ("messages" in row):
                         raise ValueError("each line needs exactly one of prompt / messages")
-                    requests.append((row, params.replace(**_objects(own)) if own else params))
+                    requests.append((row, params.replace(**own) if own else params))
                 except (ValueError, TypeError) as err:
                     print(f"remask generate: --input line {number}: {err}", file=sys.stderr)
                     return 2

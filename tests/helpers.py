@@ -132,5 +132,5 @@ def rule_on_sdar_drop_in_equals_engine(model: torch.nn.Module, rule: object) -> 
     x = sdar_generate(model, prompt, mask_id=mask, gen_length=12, block_length=4, temperature=0.0,
                       stopping_criteria_idx=sorted(set(llm.engine.stop_ids)), decoder=rule)
     served = llm.generate([prompt[0].tolist()], remask.SamplingParams(
-        max_tokens=12, temperature=0.0, decoder=rule, sdar={"block_length": 4}), use_tqdm=False)[0]
+        max_tokens=12, temperature=0.0, decoder=remask.SDARDecoding(block_length=4, rule=rule)), use_tqdm=False)[0]
     assert served.outputs[0].all_token_ids == x[0, 6:18].tolist() and mask not in served.outputs[0].all_token_ids

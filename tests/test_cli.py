@@ -188,7 +188,7 @@ def test_the_flags_are_the_sampling_params_fields():
         hint = str(hints[field.name])
         if field.name in ("apd", "sparse"):        # objects holding a model / a config: no flag
             continue
-        if field.name in ("canvas", "canvas_sampler", "sdar", "llada2", "fast_dllm_v2", "decoder", "structured_outputs"):
+        if field.name in ("decoder", "structured_outputs"):
             expected[field.name] = "json"
         elif field.name == "use_cache":
             expected[field.name] = "cache"

@@ -35,8 +35,14 @@ def test_every_refusal_names_what_conflicts(table):
 def test_each_method_runs_on_its_own_family_and_each_family_runs_its_own_rule(table):
     table = table["plain"]
     assert all(value == "yes" for value in table["the family's own rule (LLaDA: low-confidence blocks)"].values())
-    # every method's paper used LLaDA; a refused pair of parts is refused on every family
-    assert all(row["llada"] == "yes" for name, row in table.items() if name != "dKV-Cache + dInfer ThresholdDecoding")
+    # every method's paper used LLaDA; a refused pair of parts is refused on every family; a family's own loop's
+    # config (`decoder=`) runs on that family only
+    families = {"SDARDecoding": "sdar", "LLaDA2Decoding": "llada2_moe", "FastDLLMV2Decoding": "fast_dllm_v2",
+                "CanvasDecoding": "diffusion_gemma"}
+    assert all(row["llada"] == "yes" for name, row in table.items()
+               if name not in ("dKV-Cache + dInfer ThresholdDecoding", *families))
+    for name, family in families.items():
+        assert [f for f, value in table[name].items() if value == "yes"] == [family], name
     assert all(value.startswith("no: ") for value in table["dKV-Cache + dInfer ThresholdDecoding"].values())
     assert table["Elastic-Cache + dInfer HierarchicalDecoding"]["llada"] == "yes"
     # The combinations no paper shipped (tests/test_combinations.py, tests/test_rules_on_blocks.py).

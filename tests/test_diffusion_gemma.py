@@ -239,8 +239,8 @@ def test_engine_request_equals_model_generate_and_ignores_its_batch(model):
         want = model.generate(torch.tensor([prompt]), max_new_tokens=16).sequences[0, len(prompt):].tolist()
         assert out.outputs[0].all_token_ids == want
         assert out.outputs[0].nfe <= 2 * 6
-    params = remask.SamplingParams(max_tokens=12, seed=4, canvas={"entropy_bound": 1.0, "max_denoising_steps": 5},
-                                   canvas_sampler=remask.CanvasSampler(freeze_after=2))
+    params = remask.SamplingParams(max_tokens=12, seed=4, decoder=remask.CanvasDecoding(
+        entropy_bound=1.0, max_denoising_steps=5, sampler=remask.CanvasSampler(freeze_after=2)))
     together = llm.generate(prompts, params, use_tqdm=False)
     alone = [llm.generate([p], params, use_tqdm=False)[0] for p in reversed(prompts)][::-1]
     for a, b in zip(together, alone):
@@ -257,20 +257,24 @@ def test_engine_refuses_what_the_model_does_not_read(model):
     llm = remask.LLM(model)
     with pytest.raises(ValueError, match="temperature"):
         llm.generate([[2, 5]], remask.SamplingParams(temperature=0.5), use_tqdm=False)
-    with pytest.raises(ValueError, match="canvas"):
-        remask.SamplingParams(canvas={"steps": 3})
-    with pytest.raises(ValueError, match="canvas.entropy_bound"):
-        remask.SamplingParams(canvas={"entropy_bound": 0})
-    with pytest.raises(ValueError, match="uniform-noise"):
-        remask.LLM("tiny-llada").generate([[1, 5]], remask.SamplingParams(canvas={"t_min": 0.3}), use_tqdm=False)
+    with pytest.raises(ValueError, match="canvas.*steps"):
+        remask.SamplingParams(decoder={"name": "canvas", "steps": 3})
+    with pytest.raises(ValueError, match="CanvasDecoding.entropy_bound"):
+        remask.SamplingParams(decoder=remask.CanvasDecoding(entropy_bound=0))
+    with pytest.raises(ValueError, match="decoder: CanvasDecoding"):
+        remask.LLM("tiny-llada").generate([[1, 5]], remask.SamplingParams(decoder=remask.CanvasDecoding(t_min=0.3)),
+                                          use_tqdm=False)
+    with pytest.raises(ValueError, match="decoder must be remask.CanvasDecoding"):
+        llm.generate([[2, 5]], remask.SamplingParams(decoder=remask.SDARDecoding()), use_tqdm=False)
     # issue 37: a stable canvas equals the last `stability_threshold` ones, kept as a history of that many;
     # past the checkpoint's max_denoising_steps no canvas could be stable, so it is refused, not allocated
     steps = model.generation_config.max_denoising_steps
-    with pytest.raises(ValueError, match=rf"canvas.stability_threshold must be <= {steps} "):
-        llm.generate([[2, 5]], remask.SamplingParams(canvas={"stability_threshold": steps + 1,
-                                                             "confidence_threshold": 1.0}), use_tqdm=False)
-    llm.generate([[2, 5]], remask.SamplingParams(max_tokens=4, canvas={"stability_threshold": steps,
-                                                                       "confidence_threshold": 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match=rf"CanvasDecoding.stability_threshold must be <= {steps} "):
+        llm.generate([[2, 5]], remask.SamplingParams(decoder=remask.CanvasDecoding(stability_threshold=steps + 1,
+                                                                                 confidence_threshold=1.0)),
+                     use_tqdm=False)
+    llm.generate([[2, 5]], remask.SamplingParams(max_tokens=4, decoder=remask.CanvasDecoding(
+        stability_threshold=steps, confidence_threshold=1.0)), use_tqdm=False)
 
 
 def test_served_over_http_with_drafts(tmp_path):
@@ -287,15 +291,15 @@ def test_served_over_http_with_drafts(tmp_path):
     engine = AsyncEngine(remask.LLM(str(path)))
     server = Server(build_app({"dg": engine}))
     try:
-        body = dict(model="dg", prompt="sort 52814", max_tokens=8, seed=5,
-                    canvas={"entropy_bound": 2.0}, canvas_sampler={"rule": "top_k", "top_k": 3})
+        canvas = {"name": "canvas", "entropy_bound": 2.0, "sampler": {"rule": "top_k", "top_k": 3}}
+        body = dict(model="dg", prompt="sort 52814", max_tokens=8, seed=5, decoder=canvas)
         got = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
-        want = llm.generate("sort 52814", remask.SamplingParams(
-            max_tokens=8, seed=5, canvas={"entropy_bound": 2.0},
-            canvas_sampler=remask.CanvasSampler(rule="top_k", top_k=3)), use_tqdm=False)[0]
+        want = llm.generate("sort 52814", remask.SamplingParams(max_tokens=8, seed=5, decoder=remask.CanvasDecoding(
+            entropy_bound=2.0, sampler=remask.CanvasSampler(rule="top_k", top_k=3))), use_tqdm=False)[0]
         assert got["choices"][0]["text"] == want.outputs[0].text
-        bad = httpx.post(f"{server.url}/v1/completions", json=dict(body, canvas_sampler={"rule": "x"}), timeout=60)
-        assert bad.status_code == 400 and "rule" in bad.text
+        bad = httpx.post(f"{server.url}/v1/completions", json=dict(body, decoder=dict(canvas, sampler={"rule": "x"})),
+                         timeout=60)
+        assert bad.status_code == 400 and "rule" in bad.text and bad.json()["error"]["param"] == "decoder"
         with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
                           json=dict(body, stream=True, stream_options={"include_drafts": True})) as response:
             lines = [line for line in response.iter_lines() if line.startswith("data: {")]
@@ -313,11 +317,11 @@ def test_cli_generate_takes_canvas_settings(tmp_path, capsys):
     path = tmp_path / "dg"
     tiny.write_tiny_diffusion_gemma(str(path), seed=1, charset=charset, generation={"max_denoising_steps": 3})
     argv = ["generate", str(path), "--prompt", "sort 123", "--max-tokens", "8", "--seed", "1", "--quiet",
-            "--canvas", '{"entropy_bound": 1.0}', "--canvas-sampler", '{"rule": "top_k", "top_k": 2}']
+            "--decoder", '{"name": "canvas", "entropy_bound": 1.0, "sampler": {"rule": "top_k", "top_k": 2}}']
     assert main(argv) == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["nfe"] == 3 and len(row["token_ids"]) <= 8
-    assert main(argv[:-2] + ["--canvas-sampler", '{"rule": "nope"}']) == 2
+    assert main(argv[:-1] + ['{"name": "canvas", "sampler": {"rule": "nope"}}']) == 2
     assert "rule" in capsys.readouterr().err
     assert main(["models", str(path)]) == 0 and "diffusion_gemma" in capsys.readouterr().out
 

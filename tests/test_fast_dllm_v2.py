@@ -162,7 +162,7 @@ def test_engine_requests_equal_generate_alone(models, settings):
     without the sub-block cache, requests at different blocks share their whole-block forwards."""
     model = models["fd"]
     fast = settings["fast"]
-    params = remask.SamplingParams(max_tokens=14, seed=5, fast_dllm_v2=fast, **settings["params"])
+    params = remask.SamplingParams(max_tokens=14, seed=5, decoder=remask.FastDLLMV2Decoding(**fast), **settings["params"])
     prompts = [[5, 17, 42, 99, 7, 8, 1, 2, 3, 4], [9, 8, 7], [11, 12, 13, 14, 15, 16, 17, 18]]
     engine = remask.LLM(model).engine
     outputs = {}
@@ -183,8 +183,8 @@ def test_engine_requests_equal_generate_alone(models, settings):
         nfe += got.nfe
     if not fast.get("use_block_cache"):   # whole-block forwards of requests at different blocks were shared
         assert engine.runner.forwards < nfe
-    with pytest.raises(ValueError, match="fast_dllm_v2"):
-        remask.SamplingParams(fast_dllm_v2={"block": 3})
+    with pytest.raises(ValueError, match="fast_dllm_v2.*block"):
+        remask.SamplingParams(decoder={"name": "fast_dllm_v2", "block": 3})
     with pytest.raises(ValueError, match="top_k"):
         remask.LLM(model).generate([[1, 5]], remask.SamplingParams(top_k=3), use_tqdm=False)
 

@@ -147,9 +147,9 @@ def test_engine_requests_equal_the_loop_alone(sdar, llada2, fast_dllm_v2):
     finished blocks in the engine's pages) give each request the loop's tokens for it alone."""
     prompts = [p[0].tolist() for p in PROMPTS]
     sdar_mask = get_spec(sdar).mask_id
-    params = remask.SamplingParams(max_tokens=12, temperature=0.0, decoder={"name": "freedave", "draft_steps": 3},
-                                   sdar={"block_length": 4})
-    plain = remask.SamplingParams(max_tokens=12, temperature=0.0, sdar={"block_length": 4})
+    params = remask.SamplingParams(max_tokens=12, temperature=0.0, decoder={
+        "name": "sdar", "block_length": 4, "rule": {"name": "freedave", "draft_steps": 3}})
+    plain = remask.SamplingParams(max_tokens=12, temperature=0.0, decoder=remask.SDARDecoding(block_length=4))
     llm = remask.LLM(sdar)
     together = llm.generate(prompts, params, use_tqdm=False)
     baseline = llm.generate(prompts, plain, use_tqdm=False)
@@ -163,8 +163,8 @@ def test_engine_requests_equal_the_loop_alone(sdar, llada2, fast_dllm_v2):
     assert llm.engine.kv_stats()["pages_in_use"] == 0
 
     # FreeDave++ in the engine: the config's threshold is the loop's threshold rule
-    plus = remask.SamplingParams(max_tokens=12, temperature=0.0, sdar={"block_length": 4},
-                                 decoder=remask.FreeDave(confidence_threshold=0.6, match_rule="exact"))
+    plus = remask.SamplingParams(max_tokens=12, temperature=0.0, decoder=remask.SDARDecoding(
+        block_length=4, rule=remask.FreeDave(confidence_threshold=0.6, match_rule="exact")))
     for prompt, got in zip(prompts, llm.generate(prompts, plus, use_tqdm=False)):
         x = block_diffusion_generate(sdar, {"input_ids": torch.tensor([prompt])}, sdar_mask, gen_length=12,
                                      block_length=4, denoising_steps=4, temperature=0.0,
@@ -174,7 +174,8 @@ def test_engine_requests_equal_the_loop_alone(sdar, llada2, fast_dllm_v2):
     llm2 = remask.LLM(llada2)
     for fd, threshold in ((remask.FreeDave(), 1.0), (remask.FreeDave(confidence_threshold=0.6, match_rule="exact"),
                                                      0.6)):
-        params2 = remask.SamplingParams(max_tokens=12, temperature=0.0, decoder=fd, llada2={"block_length": 4})
+        params2 = remask.SamplingParams(max_tokens=12, temperature=0.0,
+                                        decoder=remask.LLaDA2Decoding(block_length=4, rule=fd))
         for prompt, got in zip(prompts, llm2.generate(prompts, params2, use_tqdm=False)):
             expected = llada2_generate(llada2, torch.tensor([prompt]), gen_length=12, block_length=4, steps=4,
                                        threshold=threshold)
@@ -213,13 +214,16 @@ def test_refusals_name_the_setting(sdar, llada2):
                      use_tqdm=False)                                              # tests/test_rules_on_blocks.py
     with pytest.raises(ValueError, match="temperature"):
         remask.SamplingParams(max_tokens=4, temperature=0.5, decoder=fd)
-    with pytest.raises(ValueError, match="sdar.remasking_strategy"):
-        llm.generate([[1, 2, 3]], remask.SamplingParams(max_tokens=4, temperature=0.0, decoder=fd,
-                                                        sdar={"remasking_strategy": "sequential"}), use_tqdm=False)
-    with pytest.raises(ValueError, match="llada2.steps"):
-        remask.LLM(llada2).generate([[1, 2, 3]], remask.SamplingParams(max_tokens=8, temperature=0.0, decoder=fd,
-                                                                       llada2={"block_length": 4, "steps": 2}),
+    with pytest.raises(ValueError, match="SDARDecoding.remasking_strategy"):
+        llm.generate([[1, 2, 3]], remask.SamplingParams(max_tokens=4, temperature=0.0, decoder=remask.SDARDecoding(
+            remasking_strategy="sequential", rule=fd)), use_tqdm=False)
+    with pytest.raises(ValueError, match="steps"):
+        remask.LLM(llada2).generate([[1, 2, 3]], remask.SamplingParams(max_tokens=8, temperature=0.0, decoder=remask.
+                                                                       LLaDA2Decoding(block_length=4, steps=2, rule=fd)),
                                     use_tqdm=False)
+    with pytest.raises(ValueError, match="temperature"):   # the config form: the loop refuses what FreeDave does not read
+        llm.generate([[1, 2, 3]], remask.SamplingParams(max_tokens=4, temperature=0.5, decoder=remask.SDARDecoding(
+            rule=fd)), use_tqdm=False)
     # LLaDA's own FreeDave has its own rule: the block families' settings stay refused there
     with pytest.raises(ValueError, match="threshold"):
         remask.LLM("tiny-llada").generate([[1, 5]], remask.SamplingParams(max_tokens=4, temperature=0.0,
@@ -237,7 +241,7 @@ def test_draft_steps_past_the_block_is_refused_naming_it(sdar):
     with pytest.raises(ValueError, match=r"decoder\.draft_steps must be <= 8 \(the block length\), got 9"):
         block_diffusion_generate(sdar, prompt, mask, decoder=remask.FreeDave(draft_steps=9), **base)
     block_diffusion_generate(sdar, prompt, mask, decoder=remask.FreeDave(draft_steps=8), **base)
-    params = remask.SamplingParams(max_tokens=8, temperature=0.0, sdar={"block_length": 4},
-                                   decoder={"name": "freedave", "draft_steps": 10**9})
+    params = remask.SamplingParams(max_tokens=8, temperature=0.0, decoder={
+        "name": "sdar", "block_length": 4, "rule": {"name": "freedave", "draft_steps": 10**9}})
     with pytest.raises(ValueError, match=r"decoder\.draft_steps must be <= 4 "):
         remask.LLM(sdar).generate([[1, 2, 3]], params, use_tqdm=False)

@@ -150,7 +150,7 @@ def test_engine_serves_it_with_shared_forwards_and_batch_invariance(model, setti
     import remask
 
     llada2 = settings["llada2"]
-    params = remask.SamplingParams(max_tokens=20, seed=4, llada2=llada2, **settings["params"])
+    params = remask.SamplingParams(max_tokens=20, seed=4, decoder=remask.LLaDA2Decoding(**llada2), **settings["params"])
     prompts = [[5, 17, 42, 99, 7, 8, 1, 2, 3, 4], [9, 8, 7], [5, 17, 42, 99, 7, 8, 1, 2, 30, 40, 50, 60, 70]]
     llm = remask.LLM(model, page_size=4)
     engine = llm.engine
@@ -175,7 +175,8 @@ def test_engine_serves_it_with_shared_forwards_and_batch_invariance(model, setti
     assert engine.runner.forwards < nfe                 # forwards were shared
     stats = engine.kv_stats()
     assert stats["pages_in_use"] == 0 and stats["prefix_hits"] > 0   # the two prompts' first block
-    with pytest.raises(ValueError, match="llada2"):
-        remask.SamplingParams(llada2={"stepz": 3})
-    with pytest.raises(ValueError, match="llada2"):
-        remask.LLM("tiny-llada").generate([[1, 5]], remask.SamplingParams(llada2={"steps": 2}), use_tqdm=False)
+    with pytest.raises(ValueError, match="llada2.*stepz"):
+        remask.SamplingParams(decoder={"name": "llada2", "stepz": 3})
+    with pytest.raises(ValueError, match="decoder: LLaDA2Decoding"):
+        remask.LLM("tiny-llada").generate([[1, 5]], remask.SamplingParams(decoder=remask.LLaDA2Decoding(steps=2)),
+                                          use_tqdm=False)

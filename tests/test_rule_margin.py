@@ -115,6 +115,6 @@ def test_margin_on_every_loop_that_takes_a_rule_drop_in_equals_engine(models):
         model = models["llada2"]
         out = llada2_generate(model, prompt, gen_length=12, block_length=4, decoder=RULE)
         served = remask.LLM(model).generate([prompt[0].tolist()], remask.SamplingParams(
-            max_tokens=12, temperature=0.0, decoder=RULE, llada2={"block_length": 4}), use_tqdm=False)[0]
+            max_tokens=12, temperature=0.0, decoder=remask.LLaDA2Decoding(block_length=4, rule=RULE)), use_tqdm=False)[0]
         assert served.outputs[0].all_token_ids == out[0].tolist()
         assert get_spec(model).mask_id not in out[0].tolist()

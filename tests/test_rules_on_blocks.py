@@ -175,7 +175,8 @@ def test_llada2_rule_keeps_eos_early_stop(llada2):
 def test_engine_on_sdar_equals_the_function_alone_and_in_a_batch(sdar, name):
     mask = get_spec(sdar).mask_id
     prompts = [p[0].tolist() for p in PROMPTS]
-    params = remask.SamplingParams(max_tokens=10, temperature=0.0, decoder=RULES[name], sdar={"block_length": 4})
+    params = remask.SamplingParams(max_tokens=10, temperature=0.0,
+                                   decoder=remask.SDARDecoding(block_length=4, rule=RULES[name]))
     llm = remask.LLM(sdar)
     together = llm.generate(prompts, params, use_tqdm=False)
     alone = [llm.generate([p], params, use_tqdm=False)[0] for p in reversed(prompts)][::-1]
@@ -187,8 +188,8 @@ def test_engine_on_sdar_equals_the_function_alone_and_in_a_batch(sdar, name):
         assert mask not in expected
     assert llm.engine.kv_stats()["pages_in_use"] == 0
     # the JSON form of the decoder reaches the same loop
-    as_json = remask.SamplingParams(max_tokens=10, temperature=0.0, sdar={"block_length": 4},
-                                    decoder={"name": "hierarchical", "threshold": 0.9, "low_threshold": 0.4}) \
+    as_json = remask.SamplingParams(max_tokens=10, temperature=0.0, decoder={"name": "sdar", "block_length": 4, "rule": {
+        "name": "hierarchical", "threshold": 0.9, "low_threshold": 0.4}}) \
         if name == "hierarchy" else None
     if as_json is not None:
         assert [o.outputs[0].all_token_ids for o in llm.generate(prompts, as_json, use_tqdm=False)] == \
@@ -198,7 +199,8 @@ def test_engine_on_sdar_equals_the_function_alone_and_in_a_batch(sdar, name):
 @pytest.mark.parametrize("name", ["hierarchy", "credit"])
 def test_engine_on_llada2_equals_the_function_alone_and_in_a_batch(llada2, name):
     prompts = [p[0].tolist() for p in PROMPTS]
-    params = remask.SamplingParams(max_tokens=12, temperature=0.0, decoder=RULES[name], llada2={"block_length": 4})
+    params = remask.SamplingParams(max_tokens=12, temperature=0.0,
+                                   decoder=remask.LLaDA2Decoding(block_length=4, rule=RULES[name]))
     llm = remask.LLM(llada2)
     together = llm.generate(prompts, params, use_tqdm=False)
     alone = [llm.generate([p], params, use_tqdm=False)[0] for p in reversed(prompts)][::-1]
@@ -247,11 +249,11 @@ def test_refusals_name_both_parts(sdar, llada2):
     llm = remask.LLM(sdar)
     for setting in ("remasking_strategy", "denoising_steps", "confidence_threshold"):
         value = {"remasking_strategy": "sequential", "denoising_steps": 2, "confidence_threshold": 0.5}[setting]
-        with pytest.raises(ValueError, match=rf"HierarchicalDecoding.*SDAR.*sdar\.{setting}"):
-            llm.generate([[1, 2, 3]], remask.SamplingParams(max_tokens=4, decoder=hier,
-                                                            sdar={"block_length": 4, setting: value}), use_tqdm=False)
-    with pytest.raises(ValueError, match=r"CreditDecoding.*LLaDA2.*llada2\.steps"):
-        remask.LLM(llada2).generate([[1, 2, 3]], remask.SamplingParams(
-            max_tokens=8, decoder=remask.CreditDecoding(), llada2={"block_length": 4, "steps": 2}), use_tqdm=False)
+        with pytest.raises(ValueError, match=rf"HierarchicalDecoding.*SDAR.*SDARDecoding\.{setting}"):
+            llm.generate([[1, 2, 3]], remask.SamplingParams(max_tokens=4, decoder=remask.SDARDecoding(
+                block_length=4, rule=hier, **{setting: value})), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"CreditDecoding.*LLaDA2.*LLaDA2Decoding\.steps"):
+        remask.LLM(llada2).generate([[1, 2, 3]], remask.SamplingParams(max_tokens=8, decoder=remask.LLaDA2Decoding(
+            block_length=4, steps=2, rule=remask.CreditDecoding())), use_tqdm=False)
     with pytest.raises(ValueError, match="decoder"):
         llm.generate([[1, 2, 3]], remask.SamplingParams(max_tokens=4, decoder=remask.WINO()), use_tqdm=False)

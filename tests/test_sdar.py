@@ -145,8 +145,9 @@ def test_engine_requests_equal_the_function_and_ignore_their_batch(model):
     llm = remask.LLM(model)
     prompts = [[5, 17, 42, 99, 7, 8], [9, 8, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
     params = remask.SamplingParams(max_tokens=10, seed=3, temperature=1.0, top_k=50,
-                                   sdar={"denoising_steps": 2, "remasking_strategy": "low_confidence_dynamic",
-                                         "confidence_threshold": 0.6})
+                                   decoder=remask.SDARDecoding(denoising_steps=2,
+                                                             remasking_strategy="low_confidence_dynamic",
+                                                             confidence_threshold=0.6))
     together = llm.generate(prompts, params, use_tqdm=False)
     alone = [llm.generate([p], params, use_tqdm=False)[0] for p in reversed(prompts)][::-1]
     for prompt, a, b in zip(prompts, together, alone):
@@ -161,18 +162,46 @@ def test_engine_requests_equal_the_function_and_ignore_their_batch(model):
     assert greedy.outputs[0].nfe > 0
     with pytest.raises(ValueError, match="steps"):
         llm.generate(prompts[:1], remask.SamplingParams(max_tokens=8, steps=4), use_tqdm=False)
-    with pytest.raises(ValueError, match="sdar"):
-        remask.LLM("tiny-llada").generate([[1, 5]], remask.SamplingParams(sdar={"denoising_steps": 2}), use_tqdm=False)
+    with pytest.raises(ValueError, match="decoder: SDARDecoding"):
+        remask.LLM("tiny-llada").generate([[1, 5]], remask.SamplingParams(decoder=remask.SDARDecoding(denoising_steps=2)),
+                                          use_tqdm=False)
+
+
+def test_family_configs_are_the_one_method_config():
+    """The family's settings are `decoder=`'s config (issue 44): the JSON form resolves through the registry, nested
+    `rule` included; FreeDave or a dInfer rule alone is the shorthand for `SDARDecoding(rule=...)`; the config checks
+    its own values naming them; on a model without SDAR's loop, and in the drop-in `remask.generate`, it is refused
+    naming `decoder`."""
+    from remask.diffusion.methods import registry
+    from remask.diffusion.parts.blocks import family_config
+
+    json_form = {"name": "sdar", "denoising_steps": 4, "rule": {"name": "freedave", "draft_steps": 2}}
+    config = remask.SDARDecoding(denoising_steps=4, rule=remask.FreeDave(draft_steps=2))
+    assert registry.from_json("decoder", json_form) == remask.SamplingParams(decoder=json_form).decoder == config
+    assert family_config(remask.FreeDave(), remask.SDARDecoding) == remask.SDARDecoding(rule=remask.FreeDave())
+    assert family_config(None, remask.SDARDecoding) == remask.SDARDecoding()
+    with pytest.raises(ValueError, match="decoder must be remask.SDARDecoding"):
+        family_config(remask.LLaDA2Decoding(), remask.SDARDecoding)
+    with pytest.raises(ValueError, match="SDARDecoding.rule"):
+        remask.SDARDecoding(rule=remask.WINO())
+    with pytest.raises(ValueError, match="SDARDecoding.eb_threshold"):
+        remask.SDARDecoding(eb_threshold=0)
+    with pytest.raises(ValueError, match="decoder \\(sdar\\)"):
+        remask.SamplingParams(decoder={"name": "sdar", "rule": {"name": "sdar"}})
+    llada, _ = remask.load("tiny-llada")
+    with pytest.raises(ValueError, match="decoder: SDARDecoding"):
+        remask.generate(llada, torch.tensor([[1, 5]]), steps=4, gen_length=4, block_length=4,
+                        decoder=remask.SDARDecoding())
 
 
 def test_http_request_fields_reach_sampling_params():
     from remask.serve.protocol import CompletionRequest
 
     request = CompletionRequest(model="m", prompt=[1, 2], max_tokens=8, temperature=0.0,
-                                sdar={"denoising_steps": 2, "remasking_strategy": "sequential"})
-    assert request.sampling_params().sdar == {"denoising_steps": 2, "remasking_strategy": "sequential"}
-    with pytest.raises(ValueError, match="sdar.remasking_strategy"):
-        CompletionRequest(model="m", prompt=[1], sdar={"remasking_strategy": "x"}).sampling_params()
+                                decoder={"name": "sdar", "denoising_steps": 2, "remasking_strategy": "sequential"})
+    assert request.sampling_params().decoder == remask.SDARDecoding(denoising_steps=2, remasking_strategy="sequential")
+    with pytest.raises(ValueError, match="SDARDecoding.remasking_strategy"):
+        CompletionRequest(model="m", prompt=[1], decoder={"name": "sdar", "remasking_strategy": "x"}).sampling_params()
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -203,8 +232,9 @@ def test_engine_block_cache_shares_forwards_pages_and_prefixes(model):
     common = [11, 12, 13, 14, 15, 16, 17, 18]
     prompts = [common + [21, 22], common + [31], common + [41, 42, 43, 44, 45], [7, 6, 5]]
     params = remask.SamplingParams(max_tokens=9, seed=2, temperature=0.9,
-                                   sdar={"denoising_steps": 2, "remasking_strategy": "low_confidence_dynamic",
-                                         "confidence_threshold": 0.6})
+                                   decoder=remask.SDARDecoding(denoising_steps=2,
+                                                             remasking_strategy="low_confidence_dynamic",
+                                                             confidence_threshold=0.6))
     expected = [block_diffusion_generate(model, {"input_ids": torch.tensor([p])}, MASK, gen_length=9, block_length=4,
                                          denoising_steps=2, temperature=0.9, confidence_threshold=0.6,
                                          stopping_criteria_idx=[298], generator=torch.Generator().manual_seed(2)
@@ -273,7 +303,8 @@ def test_sdar_moe_loads_and_its_sparse_block_is_qwen3_moe(tmp_path):
     assert cached.tolist() == block_diffusion_generate(moe, PROMPT, MASK, use_cache=False, **kwargs).tolist()
     out = remask.LLM(moe).generate([PROMPT["input_ids"][0].tolist()],
                                    remask.SamplingParams(max_tokens=9, temperature=0.0,
-                                                         sdar={"denoising_steps": 2,
-                                                               "remasking_strategy": "low_confidence_static"}),
+                                                         decoder=remask.SDARDecoding(
+                                                             denoising_steps=2,
+                                                             remasking_strategy="low_confidence_static")),
                                    use_tqdm=False)[0]
     assert out.outputs[0].all_token_ids == cached[0, 6:15].tolist()   # max_tokens caps it

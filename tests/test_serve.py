@@ -650,8 +650,8 @@ def test_work_bounds_get_400_naming_the_parameter_within_a_second(served):
              ({**ok, "temperature": 1e308}, "temperature"), ({**ok, "seed": 2**70}, "seed"),
              ({**ok, "seed": 2**64 - 1, "n": 2}, "seed"), ({**ok, "n": True}, "n"), ({**ok, "stream": 1}, "stream"),
              ({**ok, "temperature": True}, "temperature"), ({**ok, "prompt": [1, True]}, "prompt"),
-             ({**ok, "sdar": {"block_length": 4, "denoising_steps": 10**9}}, "sdar"),
-             ({**ok, "canvas": {"max_denoising_steps": 10**9}}, "canvas")]
+             ({**ok, "decoder": {"name": "sdar", "block_length": 4, "denoising_steps": 10**9}}, "decoder"),
+             ({**ok, "decoder": {"name": "canvas", "max_denoising_steps": 10**9}}, "decoder")]
     for body, param in cases:
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         started = time.perf_counter()

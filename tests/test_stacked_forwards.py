@@ -75,8 +75,8 @@ def test_stacked_requests_get_their_own_forwards(models):
 
 
 @pytest.mark.parametrize("name,settings", [
-    ("sdar", dict(sdar={"block_length": 4})),
-    ("llada2", dict(llada2={"block_length": 4})),
+    ("sdar", dict(block_length=4)),
+    ("llada2", dict(block_length=4)),
     ("fast_dllm_v2", {}),
 ])
 def test_engine_runs_one_call_per_step(models, name, settings):
@@ -85,8 +85,10 @@ def test_engine_runs_one_call_per_step(models, name, settings):
     tokens are those it gets alone."""
     model = models(name)
     prompts = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in range(3, 8)]
-    plain = remask.SamplingParams(max_tokens=8, temperature=0.0, **settings)
-    fd = remask.SamplingParams(max_tokens=8, temperature=0.0, decoder=remask.FreeDave(draft_steps=3), **settings)
+    config = {"sdar": remask.SDARDecoding, "llada2": remask.LLaDA2Decoding, "fast_dllm_v2": remask.FastDLLMV2Decoding}[name]
+    plain = remask.SamplingParams(max_tokens=8, temperature=0.0, decoder=config(**settings))
+    fd = remask.SamplingParams(max_tokens=8, temperature=0.0,
+                               decoder=config(rule=remask.FreeDave(draft_steps=3), **settings))
     params = [plain if i % 2 else fd for i in range(len(prompts))]
     llm = remask.LLM(model)
     engine = llm.engine

@@ -121,7 +121,7 @@ def test_sdar_engine_equals_drop_in(sdar, tok):
     prompts = [[5, 17, 42, 9], [9, 8, 7, 6, 5, 4]]
     for params in (CASES[0], CASES[2], CASES[-1]):
         sp = remask.SamplingParams(max_tokens=24, structured_outputs=params,
-                                   sdar={"block_length": 4, "denoising_steps": 4})
+                                   decoder=remask.SDARDecoding(block_length=4, denoising_steps=4))
         llm, outs = engine_rows(sdar, tok, prompts, sp)
         for prompt, out in zip(prompts, outs):
             x = block_diffusion_generate(sdar, {"input_ids": torch.tensor([prompt])}, MASK, gen_length=24,
@@ -187,7 +187,7 @@ def test_llada2_engine_equals_drop_in(llada2, tok):
     prompts = [[5, 17, 42, 9], [9, 8, 7, 6, 5, 4]]
     for params in (CASES[0], CASES[-2]):
         sp = remask.SamplingParams(max_tokens=24, structured_outputs=params, threshold=0.9,
-                                   llada2={"block_length": 4, "steps": 4})
+                                   decoder=remask.LLaDA2Decoding(block_length=4, steps=4))
         llm, outs = engine_rows(llada2, tok, prompts, sp)
         for prompt, out in zip(prompts, outs):
             ref = generate(llada2, torch.tensor([prompt]), gen_length=24, block_length=4, steps=4, threshold=0.9,
@@ -236,7 +236,7 @@ def test_fast_dllm_v2_engine_equals_drop_in(fast, tok):
     prompts = [[5, 17, 42, 9], [9, 8, 7, 6, 5, 4, 3, 2]]
     for params in (CASES[0], CASES[-1]):
         sp = remask.SamplingParams(max_tokens=24, structured_outputs=params, threshold=0.9,
-                                   fast_dllm_v2={"block_size": 8, "small_block_size": 4})
+                                   decoder=remask.FastDLLMV2Decoding(block_size=8, small_block_size=4))
         llm, outs = engine_rows(fast, tok, prompts, sp)
         for prompt, out in zip(prompts, outs):
             ref = generate(fast, torch.tensor([prompt]), max_new_tokens=24, block_size=8, small_block_size=4,

@@ -209,13 +209,14 @@ WORK_BOUNDS_BAD = [
     (dict(temperature=True), "temperature"), (dict(top_p=True), "top_p"), (dict(top_k=True), "top_k"),
     (dict(block_length=True), "block_length"), (dict(threshold=True), "threshold"), (dict(cfg_scale=True), "cfg_scale"),
     (dict(stop_token_ids=[True]), "stop_token_ids"),
-    (dict(sdar={"block_length": 4, "denoising_steps": 5}), "sdar.denoising_steps"),
-    (dict(sdar={"denoising_steps": True}), "sdar.denoising_steps"),
-    (dict(llada2={"block_length": 32, "steps": 33}), "llada2.steps"),
-    (dict(llada2={"block_length": 32, "num_to_transfer": 10**9}), "llada2.num_to_transfer"),
-    (dict(llada2={"max_post_steps": 10**9}), "llada2.max_post_steps"),
-    (dict(canvas={"max_denoising_steps": 10**9}), "canvas.max_denoising_steps"),
-    (dict(fast_dllm_v2={"block_size": 8, "small_block_size": 16}), "fast_dllm_v2.small_block_size"),
+    (dict(decoder={"name": "sdar", "block_length": 4, "denoising_steps": 5}), "SDARDecoding.denoising_steps"),
+    (dict(decoder={"name": "sdar", "denoising_steps": True}), "SDARDecoding.denoising_steps"),
+    (dict(decoder={"name": "llada2", "block_length": 32, "steps": 33}), "LLaDA2Decoding.steps"),
+    (dict(decoder={"name": "llada2", "block_length": 32, "num_to_transfer": 10**9}), "LLaDA2Decoding.num_to_transfer"),
+    (dict(decoder={"name": "llada2", "max_post_steps": 10**9}), "LLaDA2Decoding.max_post_steps"),
+    (dict(decoder={"name": "canvas", "max_denoising_steps": 10**9}), "CanvasDecoding.max_denoising_steps"),
+    (dict(decoder={"name": "fast_dllm_v2", "block_size": 8, "small_block_size": 16}),
+     "FastDLLMV2Decoding.small_block_size"),
 ]
 
 
@@ -235,8 +236,8 @@ def test_work_bounds_allow_their_maximum():
     remask.SamplingParams(seed=2**64 - 1)
     remask.SamplingParams(seed=2**64 - 2, n=2)
     remask.SamplingParams(temperature=100)
-    remask.SamplingParams(sdar={"block_length": 4, "denoising_steps": 4})
-    remask.SamplingParams(canvas={"max_denoising_steps": 1024})
+    remask.SamplingParams(decoder=remask.SDARDecoding(block_length=4, denoising_steps=4))
+    remask.SamplingParams(decoder=remask.CanvasDecoding(max_denoising_steps=1024))
 
 
 # No silent clamps (issue 37): a decoder / cache / sparse / canvas setting past the largest value that can
@@ -249,8 +250,9 @@ CONFIG_BOUNDS_BAD = [   # (SamplingParams keywords, the setting, its maximum the
      16),
     (dict(max_tokens=16, block_length=16, decoder=remask.FreeDave(draft_steps=17)), "decoder.draft_steps", 16),
     (dict(max_tokens=16, decoder={"name": "wino", "accept_ratio": 1e308}), "accept_ratio", 1),
-    (dict(canvas={"stability_threshold": 10**9}), "canvas.stability_threshold", 1024),
-    (dict(canvas={"max_denoising_steps": 8, "stability_threshold": 9}), "canvas.stability_threshold", 8),
+    (dict(decoder={"name": "canvas", "stability_threshold": 10**9}), "CanvasDecoding.stability_threshold", 1024),
+    (dict(decoder=dict(name="canvas", max_denoising_steps=8, stability_threshold=9)), "CanvasDecoding.stability_threshold",
+     8),
     (dict(stop=["x"] * 20_000), "stop", 64), (dict(stop=["x"] * 65), "stop", 64), (dict(stop=["x" * 257]), "stop", 256),
     (dict(stop=["a", "x" * 10**6]), "stop[1]", 256),
 ]
@@ -280,8 +282,8 @@ def test_config_bounds_allow_their_maximum_and_the_defaults():
     sp(max_tokens=16, block_length=8, decoder=remask.WINO(accept_floor=8, accept_cap=8))
     sp(max_tokens=16, decoder=remask.WINO(accept_ratio=1.0))
     sp(max_tokens=16, block_length=8, sparse=remask.SparseConfig(delay_step=8))
-    sp(canvas={"stability_threshold": 1024})
-    sp(canvas={"max_denoising_steps": 8, "stability_threshold": 8})
+    sp(decoder=remask.CanvasDecoding(stability_threshold=1024))
+    sp(decoder=remask.CanvasDecoding(max_denoising_steps=8, stability_threshold=8))
     sp(stop=["x" * 256] * 64)
     sp(max_tokens=8, use_cache=remask.ElasticCache())                       # window_length 16
     sp(max_tokens=4, block_length=2, decoder=remask.FreeDave())             # draft_steps 4

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, fields
 from typing import Any, Generator
 
 import torch
@@ -24,8 +23,8 @@ from remask.models.diffusion_gemma import CanvasModel, require_diffusion_gemma
 from remask.models.hf_compat import output_cache, with_cache_field
 from remask.models.spec import ModelSpec, get_spec
 
-from ..parts.checks import (MAX_LOOP_STEPS, check_at_most, check_bool, check_choice, check_generator, check_instance,
-                            check_int, check_real, check_stats, check_table)
+from ..parts.checks import (MAX_LOOP_STEPS, NoWorkBound, check_at_most, check_bool, check_choice, check_generator,
+                            check_instance, check_int, check_real, check_stats)
 from ..parts.constrain_loops import Constrainable, compile_for, constrain_canvas
 from ..parts.scoring import draw_categorical, draw_seed
 from ..parts.selection import entropy_bound_accept
@@ -95,39 +94,47 @@ class CanvasSampler:
 
 
 CANVAS_RULES = ("entropy_bound", "threshold", "top_k")
-# The generation settings a request may set (`SamplingParams.canvas`, the server's `canvas`) and their checks
-# (transformers checks the rest); no token count bounds max_denoising_steps's loop (canvases are redrawn whole): a
-# cap, ~20x the checkpoint's 48; stability_threshold at most a canvas's steps (the checkpoint's: at the engine)
-CANVAS_CHECKS = {"max_denoising_steps": partial(check_int, minimum=1, maximum=MAX_LOOP_STEPS),
-                 **dict.fromkeys(("t_min", "t_max"), partial(check_real, low=0, low_open=True, allow_none=True)),
-                 "entropy_bound": partial(check_real, low=0, low_open=True),
-                 "stability_threshold": partial(check_int, minimum=0, allow_none=True),
-                 "confidence_threshold": partial(check_real, low=0, low_open=True, allow_none=True)}
-CANVAS_SETTINGS = tuple(CANVAS_CHECKS)
 
 
 def check_stability(stability_threshold: int | None, max_denoising_steps: int, what: str) -> None:
     """`stability_threshold` (a history of that many canvases) at most `max_denoising_steps`: a larger
     one never stops a canvas early and only sizes the history (10**9 of them was an out-of-memory kill)."""
-    check_at_most("canvas.stability_threshold", stability_threshold, max_denoising_steps, what)
+    check_at_most("CanvasDecoding.stability_threshold", stability_threshold, max_denoising_steps, what)
 
 
-def check_canvas_settings(settings: Any) -> dict[str, Any]:
-    """A checked copy of a request's canvas settings (keys from CANVAS_SETTINGS; transformers checks the rest)."""
-    out = check_table("canvas", settings, CANVAS_CHECKS)
-    if "stability_threshold" in out:
-        check_stability(out["stability_threshold"], out.get("max_denoising_steps", MAX_LOOP_STEPS),
-                        "canvas.max_denoising_steps" if "max_denoising_steps" in out else "MAX_LOOP_STEPS")
-    return out
+@dataclass(frozen=True)
+class CanvasDecoding(NoWorkBound):
+    """DiffusionGemma's canvas loop on an engine request (`SamplingParams(decoder=CanvasDecoding(...))`, JSON
+    ``{"name": "canvas", ...}``): the generation settings a request may set (None: the checkpoint's; transformers
+    checks the rest) and `sampler`, remask's decisions (None: the reference's EB-sampler). No token count bounds
+    max_denoising_steps's loop (canvases are redrawn whole): a cap, ~20x the checkpoint's 48 (`MAX_LOOP_STEPS`);
+    stability_threshold at most a canvas's steps (the checkpoint's: at the engine)."""
 
+    max_denoising_steps: int | None = None
+    t_min: float | None = None
+    t_max: float | None = None
+    entropy_bound: float | None = None
+    stability_threshold: int | None = None
+    confidence_threshold: float | None = None
+    sampler: CanvasSampler | None = None
 
-def generation_kwargs(settings: dict[str, Any] | None) -> dict[str, Any]:
-    """`canvas_generate` keyword arguments for checked canvas settings (`entropy_bound` in a `sampler_config`)."""
-    kw = dict(settings or {})
-    if "entropy_bound" in kw:
-        module = require_diffusion_gemma()
-        kw["sampler_config"] = module.EntropyBoundSamplerConfig(entropy_bound=kw.pop("entropy_bound"))
-    return kw
+    def __post_init__(self) -> None:
+        check_int("CanvasDecoding.max_denoising_steps", self.max_denoising_steps, minimum=1, maximum=MAX_LOOP_STEPS,
+                  allow_none=True)
+        for name in ("t_min", "t_max", "entropy_bound", "confidence_threshold"):
+            check_real(f"CanvasDecoding.{name}", getattr(self, name), low=0, low_open=True, allow_none=True)
+        check_int("CanvasDecoding.stability_threshold", self.stability_threshold, minimum=0, allow_none=True)
+        check_stability(self.stability_threshold, self.max_denoising_steps or MAX_LOOP_STEPS,
+                        "MAX_LOOP_STEPS" if self.max_denoising_steps is None else "CanvasDecoding.max_denoising_steps")
+        check_instance("CanvasDecoding.sampler", self.sampler, CanvasSampler, "a remask.CanvasSampler")
+
+    def generation_kwargs(self, **extra: Any) -> dict[str, Any]:
+        """`canvas_generate` keyword arguments of the settings given (`entropy_bound` in a `sampler_config`) and
+        `extra`."""
+        kw = {f.name: getattr(self, f.name) for f in fields(self)[:-1] if getattr(self, f.name) is not None}
+        if "entropy_bound" in kw:   # (the last field, `sampler`, is remask's)
+            kw["sampler_config"] = require_diffusion_gemma().EntropyBoundSamplerConfig(kw.pop("entropy_bound"))
+        return {**kw, **extra}
 
 
 def accept_positions(sampler: CanvasSampler, entropy: torch.Tensor, top_prob: torch.Tensor,

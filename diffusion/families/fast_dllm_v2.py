@@ -22,8 +22,8 @@ becomes the most probable other token (upstream commits it, which at temperature
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Generator, Sequence
 
 import torch
@@ -33,9 +33,9 @@ from remask.caches.block import PackedRows
 from remask.models.fast_dllm_v2 import RowBatch
 from remask.models.spec import ModelSpec, shift_logits
 
-from ..parts.blocks import BlockLoop, check_block_settings, check_prompt, engine_part, engine_settings
-from ..parts.checks import (ParameterTypeError, check_bool, check_choice, check_generator, check_int, check_ints,
-                            check_real, check_stats)
+from ..parts.blocks import BlockLoop, check_part, check_prompt, engine_settings, family_config
+from ..parts.checks import (NoWorkBound, ParameterTypeError, check_bool, check_choice, check_generator, check_int,
+                            check_ints, check_real, check_stats)
 from ..parts.constrain import before_rule
 from ..parts.constrain_loops import filter_block, next_token, structure_for_call
 from ..parts.scoring import sample_categorical
@@ -425,34 +425,38 @@ def fast_dllm_v2_batch_sample(model: torch.nn.Module, input_ids: torch.Tensor, s
     return out
 
 
-# A request's Fast-dLLM v2 settings (`SamplingParams.fast_dllm_v2`) and their checks
-FAST_DLLM_V2_CHECKS = {**dict.fromkeys(("block_size", "small_block_size"), partial(check_int, minimum=1)),
-                       "use_block_cache": check_bool}
-FAST_DLLM_V2_SETTINGS = tuple(FAST_DLLM_V2_CHECKS)
+@dataclass(frozen=True)
+class FastDLLMV2Decoding(NoWorkBound):
+    """Fast-dLLM v2's loop on an engine request (`SamplingParams(decoder=FastDLLMV2Decoding(...))`, JSON
+    ``{"name": "fast_dllm_v2", ...}``): `generate`'s settings, None the loop's default (`block_size` the config's
+    `bd_size`, `small_block_size` 8, no block cache). `rule`: the loop's commit part, remask.FreeDave (`decoder=`
+    FreeDave is short for ``FastDLLMV2Decoding(rule=...)``). No setting sizes work past the block (`NoWorkBound`)."""
 
+    block_size: int | None = None
+    small_block_size: int | None = None
+    use_block_cache: bool | None = None
+    rule: Any = None
 
-def check_fast_dllm_v2_settings(settings: Any) -> dict:
-    """A request's Fast-dLLM v2 settings (`SamplingParams.fast_dllm_v2`): keys from FAST_DLLM_V2_SETTINGS."""
-    out = check_block_settings("fast_dllm_v2", settings, FAST_DLLM_V2_CHECKS)
-    if "block_size" in out and out.get("small_block_size", 1) > out["block_size"]:
-        raise ValueError(f"fast_dllm_v2.small_block_size must be <= fast_dllm_v2.block_size ({out['block_size']}), "
-                         f"got {out['small_block_size']}")
-    return out
+    def __post_init__(self) -> None:
+        for name in ("block_size", "small_block_size"):
+            check_int(f"FastDLLMV2Decoding.{name}", getattr(self, name), minimum=1, allow_none=True)
+        if self.small_block_size is not None and self.small_block_size > (self.block_size or math.inf):
+            raise ValueError(f"FastDLLMV2Decoding.small_block_size must be <= FastDLLMV2Decoding.block_size "
+                             f"({self.block_size}), got {self.small_block_size}")
+        check_bool("FastDLLMV2Decoding.use_block_cache", self.use_block_cache, allow_none=True)
+        check_part(self, "Fast-dLLM v2", (), (), rules=False)
 
 
 def engine_decoder(spec: ModelSpec, params: Any, *, store: Any, stop_ids: Sequence[int]) -> FastDLLMV2Decoder:
     """One engine request's Fast-dLLM v2 loop (`Family.engine_decoder`): the official `generate` with
-    `max_new_tokens` = `max_tokens` rounded up to whole blocks; `top_p` default 0.95, `threshold` 0.9 (the official
-    chatbot's), `block_size` the config's `bd_size`, `small_block_size` 8. `decoder=` FreeDave sets the rule (one
-    token per step, threshold 1.0, or its threshold). `store` and `stop_ids` are not read (the loop keeps its rows'
-    caches itself and stops at the model's EOS)."""
-    settings, block_size = engine_settings(spec, params, "Fast-dLLM v2", "fast_dllm_v2", FAST_DLLM_V2_SETTINGS,
-                                           rules=False, length="block_size", default_length=32,
-                                           stops="one stop token (the model's EOS)")
-    part, tau = engine_part(params, "Fast-dLLM v2", "fast_dllm_v2", settings)
-    threshold = 0.9 if params.threshold is None else params.threshold
-    if part is not None:
-        threshold = 1.0 if tau is None else tau
+    `max_new_tokens` = `max_tokens` rounded up to whole blocks, its settings from `decoder=` (`FastDLLMV2Decoding`, or
+    FreeDave: `blocks.family_config`); `top_p` default 0.95, `threshold` 0.9 (the official chatbot's). FreeDave sets
+    the rule (one token per step, threshold 1.0, or its threshold). `store` and `stop_ids` are not read (the loop
+    keeps its rows' caches itself and stops at the model's EOS)."""
+    config = family_config(params.decoder, FastDLLMV2Decoding, rules=False)
+    settings, block_size, part, tau = engine_settings(spec, params, config, "Fast-dLLM v2", rules=False,
+                                                      stops="one stop token (the model's EOS)")
+    threshold = (0.9 if part is None else 1.0) if tau is None else tau   # FreeDave: one token per step
     return FastDLLMV2Decoder(part, mask_id=spec.mask_id, num_blocks=-(-params.max_tokens // block_size),
                              block_size=block_size, small_block_size=settings.pop("small_block_size", 8),
                              threshold=threshold, stop_token=spec.eos_id,

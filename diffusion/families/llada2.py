@@ -19,21 +19,22 @@ prompt with it there only); one prompt at a time (upstream reads row 0 only).
 """
 from __future__ import annotations
 
-from functools import partial
+import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from remask.models.spec import ModelSpec
 
-from ..parts.blocks import (BlockState, StoreKVLoop, check_block_settings, engine_part, engine_settings,
-                            num_transfer_schedule, sample_block, select_mask_to_token)
-from ..parts.checks import MAX_LOOP_STEPS, check_bool, check_int, check_ints, check_real, check_steps
+from ..parts.blocks import (BlockState, StoreKVLoop, check_part, engine_settings, family_config, num_transfer_schedule,
+                            sample_block, select_mask_to_token)
+from ..parts.checks import MAX_LOOP_STEPS, NoWorkBound, check_bool, check_int, check_ints, check_real, check_steps
 from ..parts.constrain_loops import filter_block, keep_valid_edits
 from ..parts.rules import is_rule
 
-__all__ = ["LLaDA2Decoder", "LLaDA2State", "num_transfer_schedule", "sample_block", "select_mask_to_token",
-           "select_token_edits"]
+__all__ = ["LLaDA2Decoding", "LLaDA2Decoder", "LLaDA2State", "num_transfer_schedule", "sample_block",
+           "select_mask_to_token", "select_token_edits"]
 
 
 def select_token_edits(block: torch.Tensor, masked: torch.Tensor, prompt_in_block: torch.Tensor,
@@ -198,35 +199,48 @@ RULE_UNREAD = dict(steps=32, top_p=None, top_k=None, minimal_topk=1, threshold=0
 RULE_SETTINGS = ("steps", "minimal_topk", "editing_threshold", "max_post_steps", "num_to_transfer")
 
 
-# A request's LLaDA2 settings (`SamplingParams.llada2`) and their checks; no token count bounds max_post_steps's
-# loop: a cap (docs/parameters.md, work bounds)
-LLADA2_CHECKS = {**dict.fromkeys(("block_length", "steps", "minimal_topk"), partial(check_int, minimum=1)),
-                 "eos_early_stop": check_bool, "editing_threshold": partial(check_real, allow_none=True),
-                 "max_post_steps": partial(check_int, minimum=0, maximum=MAX_LOOP_STEPS),
-                 "num_to_transfer": partial(check_int, minimum=1)}
-LLADA2_SETTINGS = tuple(LLADA2_CHECKS)
+@dataclass(frozen=True)
+class LLaDA2Decoding(NoWorkBound):
+    """LLaDA2's loop on an engine request (`SamplingParams(decoder=LLaDA2Decoding(...))`, JSON ``{"name": "llada2",
+    ...}``): `generate`'s settings, None the loop's default (`block_length` the model's, else 32; `steps` the block
+    length; the official ones). `rule`: the loop's commit part, remask.FreeDave or one of dInfer's commit rules
+    (`decoder=` one of them is short for ``LLaDA2Decoding(rule=...)``; neither with 2.1's edits); the settings it replaces
+    are refused. No token count bounds max_post_steps's loop: a cap (docs/parameters.md, work bounds); the steps are
+    checked against the model's block at the engine."""
 
+    block_length: int | None = None
+    steps: int | None = None
+    minimal_topk: int | None = None
+    eos_early_stop: bool | None = None
+    editing_threshold: float | None = None
+    max_post_steps: int | None = None
+    num_to_transfer: int | None = None
+    rule: Any = None
 
-def check_llada2_settings(settings: Any) -> dict:
-    """A request's LLaDA2 settings (`SamplingParams.llada2`): a dict with keys from LLADA2_SETTINGS."""
-    return check_block_settings("llada2", settings, LLADA2_CHECKS, steps=("steps", "num_to_transfer"))
+    def __post_init__(self) -> None:
+        for name in ("block_length", "minimal_topk"):
+            check_int(f"LLaDA2Decoding.{name}", getattr(self, name), minimum=1, allow_none=True)
+        for name in ("steps", "num_to_transfer"):
+            check_steps(f"LLaDA2Decoding.{name}", getattr(self, name), self.block_length or math.inf,
+                        "LLaDA2Decoding.block_length")
+        check_bool("LLaDA2Decoding.eos_early_stop", self.eos_early_stop, allow_none=True)
+        check_real("LLaDA2Decoding.editing_threshold", self.editing_threshold, allow_none=True)
+        check_int("LLaDA2Decoding.max_post_steps", self.max_post_steps, minimum=0, maximum=MAX_LOOP_STEPS,
+                  allow_none=True)
+        check_part(self, "LLaDA2", RULE_SETTINGS, (), replaces="threshold rule and schedule")
 
 
 def engine_decoder(spec: ModelSpec, params: Any, *, store: Any, stop_ids: Sequence[int]) -> LLaDA2Decoder:
     """One engine request's LLaDA2 loop (`Family.engine_decoder`): `remask.compat.llada2.generate`'s with
-    `gen_length=max_tokens`. `decoder=` (a dInfer rule or FreeDave) is the loop's commit part; FreeDave sets the
-    rule: one token per step (threshold 1.0), or its threshold. `store`: the engine's paged KV store (the blocks'
-    caches); `stop_ids` are not read (the loop stops at the model's EOS id only)."""
-    settings, block_length = engine_settings(spec, params, "LLaDA2", "llada2", LLADA2_SETTINGS, default_length=32,
-                                             stops="its EOS id only (the model's)")
+    `gen_length=max_tokens`, its settings from `decoder=` (`LLaDA2Decoding`, or a commit part: `blocks.family_config`).
+    FreeDave sets the rule: one token per step (threshold 1.0), or its threshold. `store`: the engine's paged KV store
+    (the blocks' caches); `stop_ids` are not read (the loop stops at the model's EOS id only)."""
+    config = family_config(params.decoder, LLaDA2Decoding)
+    settings, block_length, part, tau = engine_settings(spec, params, config, "LLaDA2",
+                                                        stops="its EOS id only (the model's)")
     for name in ("steps", "num_to_transfer"):   # work bounds, before the schedule (O(steps)) is built
-        check_steps(f"llada2.{name}", settings.get(name), block_length, "the block length")
-    part, tau = engine_part(params, "LLaDA2", "llada2", settings, RULE_SETTINGS, "threshold rule and schedule")
-    threshold = 0.95 if params.threshold is None else params.threshold
-    if part is not None and not is_rule(part):
-        if "steps" in settings:
-            raise ValueError("llada2.steps: with decoder=FreeDave a block takes one token per step: leave it unset")
-        threshold = 1.0 if tau is None else tau
+        check_steps(f"LLaDA2Decoding.{name}", settings.get(name), block_length, "the block length")
+    threshold = (1.0 if part is not None and not is_rule(part) else 0.95) if tau is None else tau   # FreeDave: 1.0
     return LLaDA2Decoder(part, mask_id=spec.mask_id, eos_id=spec.eos_id, gen_length=params.max_tokens,
                          block_length=block_length, steps=settings.pop("steps", block_length),
                          temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, threshold=threshold,

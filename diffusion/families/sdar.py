@@ -19,17 +19,18 @@ token (upstream commits it, the position stays masked and the loop fails with an
 """
 from __future__ import annotations
 
-from functools import partial
+import math
+from dataclasses import dataclass
 from typing import Any, Generator, Sequence
 
 import torch
 
 from remask.models.spec import ModelSpec
 
-from ..parts.blocks import (BlockState, StoreKVLoop, check_block_settings, engine_part, engine_settings,
-                            num_transfer_schedule, select_mask_to_token)
-from ..parts.checks import (check_bool, check_choice, check_generator, check_int, check_ints, check_real, check_stats,
-                            check_steps)
+from ..parts.blocks import (BlockState, StoreKVLoop, check_part, engine_settings, family_config, num_transfer_schedule,
+                            select_mask_to_token)
+from ..parts.checks import (NoWorkBound, check_bool, check_choice, check_generator, check_int, check_ints, check_real,
+                            check_stats, check_steps)
 from ..parts.constrain_loops import filter_block, structure_for_call
 from ..parts.rules import check_rule_on_loop, is_rule, unread_settings
 from ..parts.stats import GenerationStats
@@ -62,19 +63,6 @@ def select_positions(strategy: str, mask_index: torch.Tensor, x0_p: torch.Tensor
     return transfer
 
 
-# A request's SDAR settings (`SamplingParams.sdar`) and their checks
-SDAR_CHECKS = {"block_length": partial(check_int, minimum=1), "denoising_steps": partial(check_int, minimum=1),
-               "remasking_strategy": partial(check_choice, choices=REMASKING_STRATEGIES),
-               "confidence_threshold": partial(check_real, low=0, high=1),
-               "eb_threshold": partial(check_real, low=0, low_open=True, allow_none=True)}
-SDAR_SETTINGS = tuple(SDAR_CHECKS)
-
-
-def check_sdar_settings(settings) -> dict:
-    """A request's SDAR settings (`SamplingParams.sdar`): a dict with keys from SDAR_SETTINGS."""
-    return check_block_settings("sdar", settings, SDAR_CHECKS, steps=("denoising_steps",))
-
-
 SDARState = BlockState
 
 
@@ -83,14 +71,16 @@ class SDARDecoder(StoreKVLoop):
     denoising step of the current block (sample, select, commit), or the store of a finished block.
     `decoder`: the commit part (`BlockLoop._take`): None, `remasking_strategy`; one of dInfer's rules (greedy);
     FreeDave (greedy, one token per step, lossless under ``low_confidence_static``, ``low_confidence_dynamic``
-    with ``match_rule="exact"``: the same tokens with fewer forwards)."""
+    with ``match_rule="exact"``: the same tokens with fewer forwards). The rule's defaults are the engine's (the
+    drop-in `sdar_generate` passes upstream's)."""
 
     family = "SDAR"
 
     def __init__(self, decoder: Any = None, *, mask_id: int, gen_length: int, block_length: int, denoising_steps: int,
-                 temperature: float, top_k: int, top_p: float, remasking_strategy: str,
-                 confidence_threshold: float | None, eb_threshold: float | None, stop_ids: Sequence[int] = (),
-                 fill_after_stop: bool = True, block_store: Any = None, use_cache: bool = True):
+                 temperature: float, top_k: int, top_p: float, remasking_strategy: str = "low_confidence_static",
+                 confidence_threshold: float | None = 0.85, eb_threshold: float | None = None,
+                 stop_ids: Sequence[int] = (), fill_after_stop: bool = True, block_store: Any = None,
+                 use_cache: bool = True):
         check_ints(0, mask_id=mask_id, top_k=top_k)
         check_ints(1, gen_length=gen_length, block_length=block_length, denoising_steps=denoising_steps)
         check_real("temperature", temperature, low=0)
@@ -154,6 +144,32 @@ RULE_UNREAD = dict(denoising_steps=8, top_k=0, top_p=1.0, remasking_strategy="lo
 RULE_SETTINGS = ("denoising_steps", "remasking_strategy", "confidence_threshold", "eb_threshold")
 
 
+@dataclass(frozen=True)
+class SDARDecoding(NoWorkBound):
+    """SDAR's loop on an engine request (`SamplingParams(decoder=SDARDecoding(...))`, JSON ``{"name": "sdar", ...}``):
+    `block_diffusion_generate`'s settings, None the loop's default (`block_length` the model's, `denoising_steps`
+    the block length, ``low_confidence_static``, 0.85). `rule`: the loop's commit part, remask.FreeDave or one of
+    dInfer's commit rules (`decoder=` one of them is short for ``SDARDecoding(rule=...)``); the settings it replaces
+    are refused. No setting sizes work past the model's block, checked at the engine (`NoWorkBound`)."""
+
+    block_length: int | None = None
+    denoising_steps: int | None = None
+    remasking_strategy: str | None = None
+    confidence_threshold: float | None = None
+    eb_threshold: float | None = None
+    rule: Any = None
+
+    def __post_init__(self) -> None:
+        check_int("SDARDecoding.block_length", self.block_length, minimum=1, allow_none=True)
+        check_steps("SDARDecoding.denoising_steps", self.denoising_steps, self.block_length or math.inf,
+                    "SDARDecoding.block_length")
+        if self.remasking_strategy is not None:
+            check_choice("SDARDecoding.remasking_strategy", self.remasking_strategy, REMASKING_STRATEGIES)
+        check_real("SDARDecoding.confidence_threshold", self.confidence_threshold, low=0, high=1, allow_none=True)
+        check_real("SDARDecoding.eb_threshold", self.eb_threshold, low=0, low_open=True, allow_none=True)
+        check_part(self, "SDAR", RULE_SETTINGS, RULE_SETTINGS[1:], replaces="remasking_strategy")
+
+
 @torch.no_grad()
 def sdar_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, mask_id: int, gen_length: int = 128,
                   block_length: int = 8, denoising_steps: int = 8, temperature: float = 1.0, top_k: int = 0,
@@ -191,29 +207,21 @@ def sdar_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, mask_id: i
 
 def engine_decoder(spec: ModelSpec, params: Any, *, store: Any, stop_ids: Sequence[int]) -> SDARDecoder:
     """One engine request's SDAR loop (`Family.engine_decoder`): `block_diffusion_generate`'s, `gen_length=max_tokens`,
-    stopping after a block holding EOS or a `stop_token_ids` id; `threshold`: ``low_confidence_dynamic`` at it.
-    `decoder=` (a dInfer rule or FreeDave) is the loop's commit part; FreeDave sets the rule (one token per step, or
-    its threshold). `store`: the engine's paged KV store (the blocks' caches); `stop_ids`: the engine's stop ids."""
-    settings, block_length = engine_settings(spec, params, "SDAR", "sdar", SDAR_SETTINGS)
-    if block_length is not None:   # a work bound, before the schedule (O(denoising_steps)) is built
-        check_steps("sdar.denoising_steps", settings.get("denoising_steps"), block_length, "the block length")
-    if params.threshold is not None:
-        if settings.get("remasking_strategy", "low_confidence_dynamic") != "low_confidence_dynamic" or \
-                "confidence_threshold" in settings:
-            raise ValueError("threshold is the shorthand for sdar={'remasking_strategy': "
-                             "'low_confidence_dynamic', 'confidence_threshold': ...}: give one of them")
-        settings.update(remasking_strategy="low_confidence_dynamic", confidence_threshold=params.threshold)
-    part, threshold = engine_part(params, "SDAR", "sdar", settings, RULE_SETTINGS, "remasking_strategy")
-    if part is not None and not is_rule(part):   # FreeDave: one token per step, or its threshold
-        given = sorted(set(settings) & set(RULE_SETTINGS))
-        if given:
-            raise ValueError(f"sdar.{given[0]}: with decoder=FreeDave the rule is FreeDave's (one token per step, or "
-                             f"its confidence_threshold): leave {given} unset")
-        settings.update(remasking_strategy="low_confidence_static" if threshold is None else "low_confidence_dynamic",
-                        **({} if threshold is None else {"confidence_threshold": threshold}))
-    settings = {"denoising_steps": block_length, "remasking_strategy": "low_confidence_static",
-                "confidence_threshold": 0.85, "eb_threshold": None, **settings}
-    return SDARDecoder(part, block_store=store, mask_id=spec.mask_id,
-                       gen_length=params.max_tokens, block_length=block_length, temperature=params.temperature,
-                       top_k=params.top_k or 0, top_p=1.0 if params.top_p is None else params.top_p,
+    stopping after a block holding EOS or a `stop_token_ids` id, its settings from `decoder=` (`SDARDecoding`, or a
+    commit part: `blocks.family_config`); `threshold`: ``low_confidence_dynamic`` at it. FreeDave sets the rule (one
+    token per step, or its threshold). `store`: the engine's paged KV store (the blocks' caches); `stop_ids`: the
+    engine's stop ids."""
+    config = family_config(params.decoder, SDARDecoding)
+    settings, block_length, part, threshold = engine_settings(spec, params, config, "SDAR")
+    # a work bound, before the schedule (O(denoising_steps)) is built
+    check_steps("SDARDecoding.denoising_steps", config.denoising_steps, block_length, "the block length")
+    if threshold is not None:   # `threshold=`, or FreeDave's (FreeDave without one: one token per step, the default)
+        if config.remasking_strategy not in (None, "low_confidence_dynamic") or config.confidence_threshold is not None:
+            raise ValueError("threshold is the shorthand for SDARDecoding(remasking_strategy='low_confidence_dynamic', "
+                             "confidence_threshold=...): give one of them")
+        settings.update(remasking_strategy="low_confidence_dynamic", confidence_threshold=threshold)
+    return SDARDecoder(part, block_store=store, mask_id=spec.mask_id, gen_length=params.max_tokens,
+                       block_length=block_length, denoising_steps=settings.pop("denoising_steps", block_length),
+                       temperature=params.temperature, top_k=params.top_k or 0,
+                       top_p=1.0 if params.top_p is None else params.top_p,
                        stop_ids=sorted(set(stop_ids) | set(params.stop_token_ids)), **settings)

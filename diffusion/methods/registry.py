@@ -8,7 +8,10 @@ sit beside it: the entry-point settings it `reads`, why its loop needs LLaDA's u
 (`unshifted`), whether a cache method takes a commit rule as `decoder=` (`takes_rule`), and whether
 it fills a row with EOS after the first EOS it decodes (`fills_after_eos`, so `ignore_eos` is refused), and
 whether `gen_length` only bounds a canvas that grows (`length_bound`: its output may be shorter, and blocks
-need not divide it).
+need not divide it). A model family's own loop (SDAR, LLaDA2, Fast-dLLM v2, DiffusionGemma's canvas) is a method too:
+its config is the request's `decoder=` there, its `way` the loop's (`parts/checks.py` `WAYS`: what it reads), the
+model's family builds it (`Family.engine_decoder`; on any other model its loop refuses it); `nested` names the fields
+whose JSON form is an object of its own (`rule`: a decoder config; `sampler`: its class's keywords).
 
 Everything that turns a name or a config into a method looks here: `decoder_steps` (the drop-in
 functions and the engine), the JSON form `{"name": "freedave", ...}` of `SamplingParams`, the HTTP
@@ -24,6 +27,8 @@ import torch
 
 from remask.models.spec import ModelSpec
 
+from ..families import canvas, fast_dllm_v2, llada2, sdar
+from ..parts.blocks import READS
 from ..parts.rules import CreditDecoding, HierarchicalDecoding, ThresholdDecoding
 from ..parts.step import CommitRule
 from ..parts.stepper import StepGenerator
@@ -79,6 +84,8 @@ class Method:
     takes_rule: bool = False
     fills_after_eos: bool | Callable[[Any], bool] = False   # or a function of the config (a switch of its own)
     length_bound: bool = False
+    way: str = "method"   # the way it decodes (`parts.checks.WAYS`): "method", or a family's own loop's
+    nested: dict[str, Any] | None = None   # field → "decoder" (a config's JSON) or a class
 
     @property
     def is_rule(self) -> bool:
@@ -143,6 +150,11 @@ def _elastic_loop(call: Call) -> StepGenerator:
     return elastic_steps(call.spec, call.prompt, config=call.use_cache, rule=call.decoder, **call.common)
 
 
+def _family_loop(call: Call) -> StepGenerator:
+    raise ValueError(f"decoder: {type(call.decoder).__name__} configures its model family's own loop (remask.LLM / "
+                     f"SamplingParams on a model of that family); this model ({call.spec.kind}) has no such loop")
+
+
 register("freedave", FreeDave, loop=_freedave_loop)   # `steps`: only gen_length (one token a step) or unset
 for rule in (ThresholdDecoding, CreditDecoding, HierarchicalDecoding, MarginDecoding, EBSampler, FrechetRule):
     register(rule.name, rule, loop=_rules_loop, fills_after_eos=True)   # dInfer's block loop runs each
@@ -166,6 +178,12 @@ register("d2cache", D2Cache, "use_cache", reads=("steps",), unshifted="d2Cache's
          loop=_own_loop(d2cache_steps))
 register("elastic", ElasticCache, "use_cache", loop=_elastic_loop, unshifted="Elastic-Cache's sliding window",
          takes_rule=True, fills_after_eos=True)
+# the model families' own loops (`Family.engine_decoder`; presets' canvas loop)
+register("sdar", sdar.SDARDecoding, way="family", reads=READS, loop=_family_loop, nested={"rule": "decoder"})
+register("llada2", llada2.LLaDA2Decoding, way="family", reads=READS, loop=_family_loop, nested={"rule": "decoder"})
+register("fast_dllm_v2", fast_dllm_v2.FastDLLMV2Decoding, way="family", reads=READS, loop=_family_loop,
+         nested={"rule": "decoder"})
+register("canvas", canvas.CanvasDecoding, way="canvas", loop=_family_loop, nested={"sampler": canvas.CanvasSampler})
 
 
 # --- lookups -------------------------------------------------------------------------------------------
@@ -198,14 +216,18 @@ def method_of(config: Any) -> Method:
 
 
 def from_json(field: str, value: dict) -> Any:
-    """A config from its JSON form `{"name": "freedave", "draft_steps": 4}`; errors name the field
-    (`decoder.name`, `decoder (freedave): ... unexpected keyword ...`)."""
+    """A config from its JSON form `{"name": "freedave", "draft_steps": 4}`, its `nested` fields' objects too
+    (`{"name": "sdar", "rule": {"name": "freedave"}}`); errors name the field (`decoder.name`, `decoder (freedave):
+    ... unexpected keyword ...`, `decoder (canvas): rule must be ...`)."""
     known = names(field)
     settings = dict(value)
     name = settings.pop("name", None)
     if name not in known:
         raise ValueError(f"{field}.name must be one of {sorted(known)}, got {name!r}")
     try:
+        for key, kind in (METHODS[name].nested or {}).items():   # a field holding an object of its own
+            if isinstance(settings.get(key), dict):
+                settings[key] = from_json(kind, settings[key]) if isinstance(kind, str) else kind(**settings[key])
         return known[name](**settings)
-    except TypeError as err:   # an unknown field
-        raise ValueError(f"{field} ({name}): {err}") from None
+    except (TypeError, ValueError) as err:   # an unknown field (a ValueError), a bad value: its JSON path named
+        raise (ValueError if type(err) is TypeError else type(err))(f"{field} ({name}): {err}") from None

@@ -7,7 +7,7 @@ per family and method.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Generator
 
 import torch
@@ -16,13 +16,14 @@ from transformers.cache_utils import DynamicCache
 from remask.caches.block import BlockBatch, BlockKVCache
 from remask.models.spec import ModelSpec
 
-from .checks import check_block_within_context, check_steps, check_table
+from .checks import changed, check_block_within_context, check_instance, refuse_unread
 from .constrain import CommitFilter, before_rule
 from .constrain_loops import Constrainable
-from .drafts import DraftVerify, Drafts, check_block_decoder, split_freedave
-from .rules import check_rule_on_loop, commit_block, is_rule
+from .drafts import DraftConfig, DraftVerify, Drafts
+from .rules import check_rule_on_loop, commit_block, is_rule, rule_types
 from .scoring import sample_categorical
 from .stats import GenerationStats
+from .step import CommitRule
 from .stepper import ForwardRequest, ForwardThenCommit
 
 
@@ -85,62 +86,64 @@ def check_prompt(input_ids: Any, mask_id: int, family: str, name: str, empty_ok:
         raise ValueError(f"{name} holds the mask id {mask_id}: {family} decodes only after the prompt")
 
 
-ENGINE_READS = ("max_tokens", "n", "seed", "stop", "stop_token_ids", "temperature", "top_p", "threshold", "decoder",
-                "structured_outputs")
+# The flat `SamplingParams` settings the block-causal loops read (Fast-dLLM v2's: not top_k), besides `decoder=`
+READS = ("temperature", "top_p", "top_k", "threshold")
 
 
-def refuse_unread(params: Any, family: str, reads: tuple, settings: str) -> None:
-    """Refuse by name the request's settings (off their defaults) that the family's loop does not
-    read: those outside `ENGINE_READS` and `reads`; `settings` lists what it reads."""
-    unread = [f.name for f in fields(type(params))
-              if f.name not in ENGINE_READS + reads and getattr(params, f.name) != f.default]
-    if unread:
-        raise ValueError(f"a block-causal model ({family}) does not read {unread}; its settings are {settings}")
+def _parts(rules: bool) -> tuple[tuple[type, ...], str]:
+    """The commit parts a block-causal loop takes (FreeDave; dInfer's rules too with `rules`), and their names."""
+    if not rules:
+        return (DraftConfig,), "remask.FreeDave"
+    names = ", ".join(rule.__name__ for rule in rule_types())
+    return (DraftConfig, CommitRule), f"remask.FreeDave or a commit rule ({names})"
 
 
-def check_block_settings(field: str, settings: Any, checks: dict, steps: tuple = ()) -> dict:
-    """A request's settings of a block-causal family (`SamplingParams.<field>`): `check_table`'s (keys from
-    `checks`); `steps`, step counts at most `block_length` when both are given (else the engine checks them against
-    the model's block size). Returns the checked copy (for the family's other checks)."""
-    out = check_table(field, settings, checks)
-    for name in steps:
-        if "block_length" in out and name in out:
-            check_steps(f"{field}.{name}", out[name], out["block_length"], f"{field}.block_length")
-    return out
+def family_config(decoder: Any, config_type: type, rules: bool = True) -> Any:
+    """A block-causal family's config from a request's `decoder=`: None, its defaults; the family's config; FreeDave or
+    (`rules`) one of dInfer's commit rules, the shorthand for ``config_type(rule=decoder)``; else refused by name."""
+    parts, names = _parts(rules)
+    return config_type(rule=decoder) if isinstance(decoder, parts) else \
+        check_instance("decoder", decoder, config_type, f"remask.{config_type.__name__}, {names}") or config_type()
 
 
-def engine_settings(spec: ModelSpec, params: Any, family: str, field: str, allowed: tuple, *, rules: bool = True,
-                    length: str = "block_length", default_length: int | None = None,
-                    stops: str | None = None) -> tuple[dict, int | None]:
-    """An engine request's settings for a block-causal family's loop: what it does not read refused by name (it reads
-    `params.<field>` with keys from `allowed`, top_k and dInfer's rules when `rules`), `stop_token_ids` refused
-    unless the loop takes them (`stops`: where it stops instead). Returns (a copy of `params.<field>` less the block
-    length, the block length: the setting, else the model's, else `default_length`), the block length checked
-    against the model's context (the canvas is whole blocks)."""
-    refuse_unread(params, family, ("top_k", field) if rules else (field,),
-                  ("temperature, top_k, top_p, threshold, decoder (remask.FreeDave or dInfer's rules)" if rules else
-                   "temperature, top_p, threshold") + f" and {field}={{{', '.join(allowed)}}}")
+def check_part(config: Any, family: str, replaced: tuple[str, ...], drafted: tuple[str, ...], *, rules: bool = True,
+               replaces: str = "remasking rule") -> None:
+    """A family config's `rule`, its loop's commit part: None (the family's own rule), FreeDave or (`rules`) one of
+    dInfer's rules; the config's settings given that a rule replaces (`replaced`) or FreeDave sets (`drafted`: its
+    threshold, else one token per step; the loop refuses a schedule of more) refused by name."""
+    name = type(config).__name__
+    check_instance(f"{name}.rule", config.rule, *_parts(rules))
+    given = {f"{name}.{n}": getattr(config, n) for n in changed(config, replaced if is_rule(config.rule) else drafted)}
+    if is_rule(config.rule):   # the temperature is the request's: the loop checks it
+        check_rule_on_loop(config.rule, family, temperature=0, unread=given, replaces=replaces)
+    elif config.rule is not None and given:
+        raise ValueError(f"{next(iter(given))}: with rule=FreeDave {family}'s loop commits one token per step (or by "
+                         f"FreeDave's confidence_threshold): leave {list(given)} unset")
+
+
+def engine_settings(spec: ModelSpec, params: Any, config: Any, family: str, *, rules: bool = True,
+                    stops: str | None = None) -> tuple[dict, int, Any, float | None]:
+    """An engine request's settings for a block-causal family's loop, from its `config` (`family_config`): the flat
+    settings it does not read refused by name (`checks.WAYS["family"]`: `READS`, top_k only with `rules`), and with a
+    commit part the sampling ones (it commits greedily by its own rule); `stop_token_ids` refused unless the loop takes
+    them (`stops`: where it stops instead). Returns (the config's settings given, less its block length and rule; the
+    block length: the config's (its first field), else the model's, else 32, checked against the model's context; the
+    commit part: a dInfer rule, or FreeDave without its `confidence_threshold`; the threshold: FreeDave's, else the
+    request's `threshold` (never both), or None)."""
+    refuse_unread(params, "family", READS if rules else tuple(n for n in READS if n != "top_k"), name=family)
     if stops is not None and params.stop_token_ids:
         raise ValueError(f"stop_token_ids: {family}'s loop stops at {stops}")
-    settings = dict(getattr(params, field) or {})
-    block_length = settings.pop(length, spec.block_length or default_length)
-    check_block_within_context(spec, f"{field}.{length}", block_length)
-    return settings, block_length
-
-
-def engine_part(params: Any, family: str, field: str, settings: dict, rule_settings: tuple | None = None,
-                replaces: str = "") -> tuple[Any, float | None]:
-    """An engine request's `decoder=` as its loop's commit part: (None, None) without one; a dInfer rule (the
-    families that take them: `rule_settings`, those it replaces, refused by name when given) is (the rule, None);
-    FreeDave sets the loop's rule: (FreeDave without its `confidence_threshold`, that threshold or None)."""
-    if params.decoder is None:
-        return None, None
-    if rule_settings is not None and is_rule(params.decoder):
-        # SamplingParams refuses temperature > 0, threshold, top_k, top_p with a decoder
-        check_rule_on_loop(params.decoder, family, temperature=params.temperature, replaces=replaces,
-                           unread={f"{field}.{name}": settings[name] for name in rule_settings if name in settings})
-        return params.decoder, None
-    return split_freedave(params.decoder, rules=rule_settings is not None)
+    sampling = changed(params, ("top_p", "top_k", "threshold"))
+    if config.rule is not None and sampling:
+        raise ValueError(f"{sampling}: decoder={type(config.rule).__name__} on {family}'s loop commits greedily by its "
+                         "own rule: leave them unset")
+    length, *rest, _ = fields(config)   # the block's size first, the commit part (`rule`) last
+    block_length = getattr(config, length.name) or spec.block_length or 32
+    check_block_within_context(spec, f"{type(config).__name__}.{length.name}", block_length)
+    settings = {f.name: getattr(config, f.name) for f in rest if getattr(config, f.name) is not None}
+    part, tau = (config.rule, None) if config.rule is None or is_rule(config.rule) else \
+        (replace(config.rule, confidence_threshold=None), config.rule.confidence_threshold)
+    return settings, block_length, part, params.threshold if tau is None else tau
 
 
 class BlockLoop(Constrainable, ForwardThenCommit):
@@ -156,7 +159,7 @@ class BlockLoop(Constrainable, ForwardThenCommit):
     def _take(self, decoder: Any) -> None:
         """Set the commit part (after the loop's own settings, which it checks): None, the family's own rule; a
         commit rule (`takes_rules`); FreeDave's config (`DraftVerify`). Each refusal names the setting."""
-        if self.takes_rules and is_rule(check_block_decoder(decoder)):
+        if is_rule(check_instance("decoder", decoder, *_parts(self.takes_rules))):
             check_rule_on_loop(decoder, self.family, temperature=self.temperature, **self._rule_replaces())
             self.rule = decoder
         elif decoder is not None:

@@ -31,9 +31,9 @@ def _type_name(value: Any) -> str:
     return f"a {value.dtype} tensor of shape {tuple(value.shape)}" if torch.is_tensor(value) else type(value).__name__
 
 
-def check_bool(name: str, value: Any) -> bool:
-    """`value` must be True or False (not 0/1, not a string)."""
-    if not isinstance(value, bool):
+def check_bool(name: str, value: Any, allow_none: bool = False) -> bool | None:
+    """`value` must be True or False (not 0/1, not a string), or None with `allow_none`."""
+    if not isinstance(value, bool) and not (value is None and allow_none):
         raise ParameterTypeError(f"{name} must be True or False, got {value!r} ({_type_name(value)})")
     return value
 
@@ -322,7 +322,7 @@ def warn_if_longer_than_trained(spec: ModelSpec, gen_length: int) -> None:
 
 
 def check_settings(field: str, settings: Any, allowed: Sequence[str]) -> dict:
-    """A decoder's settings (e.g. `SamplingParams.sdar`): a dict with keys in `allowed`, copied for per-key checks."""
+    """A dict of settings (e.g. Prophet's `early_exit_thresholds`) with keys in `allowed`, copied for per-key checks."""
     if not isinstance(settings, dict):
         raise ParameterTypeError(f"{field} must be a dict of {list(allowed)}, got {type(settings).__name__}")
     unknown = sorted(set(settings) - set(allowed))
@@ -356,9 +356,12 @@ WAYS: dict[str, tuple[tuple[str, ...], str]] = {
             "apd decodes left to right with its verifier; it does not combine with {unread}"),
     "ar": (("temperature", "top_p", "top_k"), "the model is autoregressive; these settings are for diffusion models: "
            "{unread}"),
-    "canvas": (("reference_rng",), "a uniform-noise model (DiffusionGemma) does not read {unread}; its settings are "
-               "canvas={{...}} (max_denoising_steps, t_min, t_max, entropy_bound, stability_threshold, "
-               "confidence_threshold) and canvas_sampler"),
+    "canvas": (("reference_rng", "decoder"), "a uniform-noise model (DiffusionGemma) does not read {unread}; its "
+               "settings are decoder=remask.CanvasDecoding(...) (max_denoising_steps, t_min, t_max, entropy_bound, "
+               "stability_threshold, confidence_threshold, sampler) and reference_rng"),
+    "family": (("decoder",), "{name} (a block-causal model's own loop) does not read {unread}; it reads temperature, "
+               "top_p, top_k (not Fast-dLLM v2), threshold and decoder= (its family's config, remask.FreeDave or a "
+               "commit rule; docs/block-diffusion.md)"),
 }
 
 
@@ -396,16 +399,6 @@ def check_ints(minimum: int, **values: Any) -> None:
     """`check_int` of each named value with the one lower bound `minimum` (a loop's settings)."""
     for name, value in values.items():
         check_int(name, value, minimum=minimum)
-
-
-def check_table(field: str, settings: Any, checks: dict) -> dict:
-    """`check_settings` with one check per key (name → check(``field.name``, value), its result kept, e.g. a float):
-    the checked copy."""
-    out = check_settings(field, settings, tuple(checks))
-    for name, check in checks.items():
-        if name in out:
-            out[name] = check(f"{field}.{name}", out[name])
-    return out
 
 
 class NoWorkBound:

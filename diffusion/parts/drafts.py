@@ -15,17 +15,14 @@ over its cache, MoE row by row.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Generator
 
 import torch
 
-from .checks import check_instance
 from .constrain import before_rule
 from .constrain_loops import filter_block
-from .rules import rule_types
 from .stats import GenerationStats
-from .step import CommitRule
 from .stepper import ForwardRequest
 
 
@@ -82,7 +79,6 @@ class DraftVerify:
     def __init__(self, loop: Any, config: Any) -> None:
         """`decoder=FreeDave` on the family's loop: greedy, one token per step, a rule FreeDave can draft,
         `draft_steps` within the block; each refusal names the setting."""
-        check_instance("decoder", config, DraftConfig, "a remask FreeDave config", allow_none=False)
         config.check_request(block_length=loop.block_length)
         family, (one_per_step, steps_name, rule_ok, rule) = loop.family, loop._fd_loop()
         if loop.temperature != 0:
@@ -173,19 +169,3 @@ class DraftVerify:
             transfer = self.loop._fd_select(row == self.mask_id, conf[n:n + 1])
             row[transfer] = x0[n:n + 1][transfer]
         return out
-
-
-def split_freedave(decoder: Any, rules: bool) -> tuple[Any, float | None]:
-    """An engine request's `decoder=FreeDave` sets the loop's rule: (the FreeDave without its
-    `confidence_threshold`, that threshold; None: one token per step). `rules`: the family also
-    takes dInfer's rules (named in the refusal)."""
-    check_instance("decoder", decoder, DraftConfig, "remask.FreeDave, ThresholdDecoding, CreditDecoding or "
-                   "HierarchicalDecoding (the decoders block-causal models take)" if rules else
-                   "remask.FreeDave (the decoder block-causal models take)")
-    return replace(decoder, confidence_threshold=None), decoder.confidence_threshold
-
-
-def check_block_decoder(decoder: Any) -> Any:
-    """`decoder=` on a block-causal family's loop: FreeDave, one of dInfer's rules, or None (returned)."""
-    return check_instance("decoder", decoder, (DraftConfig, CommitRule), "remask.FreeDave or a commit rule ("
-                   + ", ".join(t.__name__ for t in rule_types()) + ": the decoders block-causal models take)")

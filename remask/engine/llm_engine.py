@@ -23,7 +23,7 @@ from remask.diffusion.parts.checks import (ParameterTypeError, check_bool, check
                                            check_int, check_ints, check_prompt, check_real, check_token_id)
 from remask.diffusion.parts.processors import HoldEndIds, RecordLogprobs
 from remask.engine.presets import decoder_for
-from remask.models.registry import all_families, family_of
+from remask.models.registry import family_of
 from remask.models.spec import get_spec
 from remask.text import answer_text, stop_token_ids
 
@@ -154,15 +154,6 @@ class LLMEngine:
         check_context(self.spec, len(ids), params.max_tokens)   # before any decoder sizes its buffers by it
         self._check_request_bytes(len(ids), params)            # before any sample, decoder or buffer exists
         prompt_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-        families = all_families().values()   # `SamplingParams` fields of the families' own decoders
-        for name in dict.fromkeys(f.settings for f in families if f.settings is not None):
-            if getattr(params, name) is not None and (self.family is None or self.family.settings != name):
-                owners = "/".join(f.model_type for f in families if f.settings == name)
-                raise ValueError(f"{name}: settings of {owners} models (block-causal); this model "
-                                 f"({self.spec.kind}) does not read them")
-        if (params.canvas is not None or params.canvas_sampler is not None) and self.spec.noise != "uniform":
-            raise ValueError("canvas / canvas_sampler are settings of uniform-noise models (DiffusionGemma); "
-                             f"this model ({self.spec.kind}) does not read them")
         decoder = decoder_for(self, params, prompt_ids)   # the parts this request asks for
         recorder = None
         if params.logprobs is not None and not self.is_ar:   # the first processor: it sees the raw logits

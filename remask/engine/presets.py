@@ -20,13 +20,12 @@ import torch
 
 from remask.diffusion.families.apd import APDDecoder, apd_steps
 from remask.diffusion.families.ar import ARDecoder
-from remask.diffusion.families.canvas import (CanvasDecoder, check_stability, generation_kwargs,
-                                              resolve_generation_config)
+from remask.diffusion.families.canvas import CanvasDecoding, CanvasDecoder, check_stability, resolve_generation_config
 from remask.diffusion.families.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder,
                                              DreamGenerationConfig, _validate_config)
 from remask.diffusion.families.llada import BlockDecoder, validate_block_args
 from remask.diffusion.methods.decoders import decoder_steps, end_settings_refusal
-from remask.diffusion.parts.checks import changed, refuse_unread
+from remask.diffusion.parts.checks import changed, check_instance, refuse_unread
 from remask.diffusion.parts.stepper import StepwiseDecoder
 
 from .sampling_params import SamplingParams
@@ -101,12 +100,12 @@ def check_end_settings(engine: Any, params: SamplingParams, way: str) -> None:
 def canvas_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
                    end_ids: Any = ()) -> CanvasDecoder:
     """DiffusionGemma's canvas loop for these params, configured as `remask.diffusion_generate`
-    would be with the checkpoint's generation config and the request's `canvas` settings."""
-    config = resolve_generation_config(engine.model, None, dict(generation_kwargs(params.canvas),
-                                                               max_new_tokens=params.max_tokens))
-    if "stability_threshold" in (params.canvas or {}):   # against the checkpoint's max_denoising_steps
+    would be with the checkpoint's generation config and the request's `decoder=CanvasDecoding(...)`."""
+    canvas = check_instance("decoder", params.decoder, CanvasDecoding, "remask.CanvasDecoding") or CanvasDecoding()
+    config = resolve_generation_config(engine.model, None, canvas.generation_kwargs(max_new_tokens=params.max_tokens))
+    if canvas.stability_threshold is not None:   # against the checkpoint's max_denoising_steps
         check_stability(config.stability_threshold, config.max_denoising_steps, "max_denoising_steps")
-    return CanvasDecoder(engine.spec, config, params.canvas_sampler, reference_rng=params.reference_rng,
+    return CanvasDecoder(engine.spec, config, canvas.sampler, reference_rng=params.reference_rng,
                          prompt_cache=engine.prompt_cache).constrain(structure)
 
 

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from remask.diffusion.families.apd import APDConfig
-from remask.diffusion.families.canvas import CanvasSampler
 from remask.diffusion.families.dream import ALGORITHMS
 from remask.diffusion.families.llada import REMASKING, validate_block_args, validate_rule
 from remask.diffusion.parts.cache import CACHE_MODES
@@ -18,13 +17,6 @@ from remask.diffusion.parts.checks import (MAX_LOGPROBS, MAX_TEMPERATURE, Parame
                                            check_instance, check_int, check_min_tokens, check_real, check_seed,
                                            check_steps, check_stop, refuse_unread)
 from remask.diffusion.parts.sparse import SparseConfig
-from remask.models.registry import resolve
-
-# The family modules whose settings checks a family's dict field runs ("module:function", bound on first use).
-FAMILY_SETTINGS = {"canvas": "remask.diffusion.families.canvas:check_canvas_settings",
-                   "sdar": "remask.diffusion.families.sdar:check_sdar_settings",
-                   "llada2": "remask.diffusion.families.llada2:check_llada2_settings",
-                   "fast_dllm_v2": "remask.diffusion.families.fast_dllm_v2:check_fast_dllm_v2_settings"}
 
 
 @dataclass(frozen=True)
@@ -35,8 +27,9 @@ class SamplingParams:
     `max_tokens`: diffusion models fill exactly this many positions (at most, with `decoder=DAEDAL`, whose
     canvas grows); sample i of `n` draws from
     `seed + i` (None: from the engine's seed and the prompt). Diffusion: `remask.generate`'s keywords
-    (LLaDA's block rule), `alg` (Dream's sampler), `apd`, `canvas` (uniform-noise models), the
-    block-causal families' dicts (docs/block-diffusion.md), `decoder=` (docs/decoders.md).
+    (LLaDA's block rule), `alg` (Dream's sampler), `apd`, `decoder=` (docs/decoders.md): a method's config, or the
+    config of the model family's own loop (`SDARDecoding`, `LLaDA2Decoding`, `FastDLLMV2Decoding`: docs/block-diffusion.md;
+    `CanvasDecoding`: docs/diffusion-gemma.md).
     `structured_outputs` (remask/structured.py) does not combine with `ignore_eos`, `min_tokens` or `stop`.
     """
 
@@ -65,11 +58,6 @@ class SamplingParams:
     alg_temp: float | None = None
     eps: float = 1e-3
     apd: APDConfig | None = None
-    canvas: dict[str, Any] | None = None
-    canvas_sampler: CanvasSampler | None = None
-    sdar: dict[str, Any] | None = None
-    llada2: dict[str, Any] | None = None
-    fast_dllm_v2: dict[str, Any] | None = None
     decoder: Any = None
     # vLLM's (last, so positional use of the fields above is unchanged)
     ignore_eos: bool = False
@@ -149,16 +137,13 @@ class SamplingParams:
             check_choice("alg", self.alg, ALGORITHMS)
         elif self.alg_temp is not None or self.eps != 1e-3:
             raise ValueError("alg_temp and eps belong to Dream's sampler: set alg= (e.g. 'entropy') to use them")
-        check_instance("canvas_sampler", self.canvas_sampler, CanvasSampler, "a remask.CanvasSampler")
-        for name, check in FAMILY_SETTINGS.items():   # dicts of a family's settings
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, resolve(check)(getattr(self, name)))
         check_instance("apd", self.apd, APDConfig, "a remask.APDConfig")
         # the settings this request's way of decoding does not read (a family's loop refuses its own at add_request)
         if self.way == "method":   # `steps`: max_tokens is one token a step, unless the method reads steps itself
             cache = registry.is_config("use_cache", self.use_cache)   # a cache method reads what its loop reads
-            refuse_unread(self, "method", registry.method_of(self.use_cache if cache else method).reads +
-                          (("steps",) if self.steps == self.max_tokens else ()), name=type(method).__name__)
+            entry = registry.method_of(self.use_cache if cache else method)   # its way: a method's, or a family's
+            refuse_unread(self, entry.way, entry.reads + (("steps",) if self.steps == self.max_tokens else ()),
+                          name=type(method).__name__)
         elif self.way == "dream":   # Dream's own sampler reads reference_ties; its block decoder frechet_margin
             refuse_unread(self, "dream", (("threshold",) if self.alg == "confidence_threshold" else ()) + (
                 ("reference_ties",) if self.block_length is None and self.use_cache is None else ("frechet_margin",)),

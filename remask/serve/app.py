@@ -762,7 +762,7 @@ def _param_named(message: str, body: Any) -> str | None:
     head = message.split(" ", 1)[0].rstrip(":,")
     if head == "prompt" and "messages" in fields:    # the engine's word for a chat's tokenized messages
         return "messages"
-    # "sdar.denoising_steps": a field's key; "tools[1].function.name": an element's
+    # "use_cache.track_num": a field's key; "tools[1].function.name": an element's
     return head if head.split(".", 1)[0].split("[", 1)[0] in fields else None
 
 

@@ -19,7 +19,6 @@ from typing import Annotated, Any, Callable, Literal
 from pydantic import BaseModel, ConfigDict, PrivateAttr, Strict, StrictBool, StrictInt
 
 from remask.diffusion.families.apd import APDConfig
-from remask.diffusion.families.canvas import CanvasSampler
 from remask.diffusion.parts.checks import MAX_LOGPROBS, check_int
 from remask.diffusion.parts.sparse import SparseConfig
 from remask.engine import SamplingParams
@@ -106,7 +105,7 @@ class _Common(BaseModel):
     frechet_margin: StrictNumber | None = None
     remasking: str | None = None
     use_cache: str | dict[str, Any] | None = None   # a name, or a cache config {"name": "dkv", ...}
-    decoder: dict[str, Any] | None = None           # a decoder config {"name": "freedave", ...}
+    decoder: dict[str, Any] | None = None   # a decoder config {"name": "freedave", ...}, or {"name": "sdar", ...}
     cfg_scale: StrictNumber | None = None
     alg: str | None = None
     alg_temp: StrictNumber | None = None
@@ -118,11 +117,6 @@ class _Common(BaseModel):
     min_tokens: Any = None
     apd: APDSettings | None = None
     sparse: dict[str, Any] | None = None
-    canvas: dict[str, Any] | None = None
-    canvas_sampler: dict[str, Any] | None = None
-    sdar: dict[str, Any] | None = None
-    llada2: dict[str, Any] | None = None
-    fast_dllm_v2: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         return [name for name, default in UNSUPPORTED.items() if getattr(self, name) != default]
@@ -158,18 +152,8 @@ class _Common(BaseModel):
                 values["sparse"] = SparseConfig(**self.sparse)
             except TypeError as err:     # an unknown field
                 raise ValueError(f"sparse: {err}") from None
-        if self.canvas is not None:
-            values["canvas"] = self.canvas
         if self.decoder is not None:
             values["decoder"] = self.decoder   # SamplingParams builds the config (docs/decoders.md)
-        for family_settings in ("sdar", "llada2", "fast_dllm_v2"):   # block-diffusion families' own settings
-            if getattr(self, family_settings) is not None:
-                values[family_settings] = getattr(self, family_settings)
-        if self.canvas_sampler is not None:
-            try:
-                values["canvas_sampler"] = CanvasSampler(**self.canvas_sampler)
-            except TypeError as err:     # an unknown field
-                raise ValueError(f"canvas_sampler: {err}") from None
         structured = self.structured()
         if structured is not None:
             values["structured_outputs"] = structured
