@@ -14,7 +14,7 @@ TORCH := torch==2.13.0
 # out longest first (tests/conftest.py: LONGEST_FILES, then by test count; xdist's reorder is off).
 PYTEST := -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder tests
 
-.PHONY: setup demo test test-portable test-latest test-oldest lock bench compiled-report compiled-report-all gpu-day clean
+.PHONY: setup demo test test-all test-portable test-latest test-oldest lock bench compiled-report compiled-report-all gpu-day clean
 
 setup: $(VENV)/.installed
 
@@ -28,7 +28,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: setup
 	$(BIN)/python -m remask.demo $(DEMO_ARGS)
 
+# `slow`: the cases a faster test covers (the rest of each reference fixture: tests/conftest.py, SAMPLED_CASES)
 test: setup
+	$(BIN)/python $(PYTEST) -m "not slow"
+
+# every test, the slow ones included
+test-all: setup
 	$(BIN)/python $(PYTEST)
 
 # The reference-fixture tests (marked `reference`) as other CPUs compute them: ATen's AVX2 kernels
@@ -51,7 +56,7 @@ test-latest:
 	$(LATEST_VENV)/bin/pip install --quiet --upgrade --upgrade-strategy eager -e ".[$(EXTRAS)]"
 	$(LATEST_VENV)/bin/pip freeze --exclude-editable > $(LATEST_VENV)/versions.txt
 	grep -iE '^(torch|transformers|accelerate|lm.eval|fastapi)==' $(LATEST_VENV)/versions.txt
-	$(LATEST_VENV)/bin/python $(PYTEST)
+	$(LATEST_VENV)/bin/python $(PYTEST) -m "not slow"
 
 # The lowest versions the ranges allow: every direct dependency at its lower bound (triton 3.7.1,
 # the one torch 2.13's CUDA build pins), the rest of the locked set as is (tests/oldest_constraints.py).
@@ -64,7 +69,7 @@ test-oldest:
 	$(OLDEST_VENV)/bin/pip install --quiet -c $(OLDEST_VENV)/oldest.txt -e ".[$(EXTRAS)]"
 	$(OLDEST_VENV)/bin/pip freeze --exclude-editable > $(OLDEST_VENV)/versions.txt
 	grep -iE '^(torch|triton|transformers|accelerate|lm.eval|fastapi)==' $(OLDEST_VENV)/versions.txt
-	$(OLDEST_VENV)/bin/python $(PYTEST)
+	$(OLDEST_VENV)/bin/python $(PYTEST) -m "not slow"
 
 # Rewrite constraints.txt from the passing $(LATEST_VENV) (run `make test-latest` first), then raise
 # pyproject.toml's lower bounds to match (tests/test_packaging.py says which).

@@ -43,17 +43,30 @@ LONGEST_FILES = (
 )
 
 
+# A reference test with more cases than this runs that many of them, spread evenly over its fixture, in
+# `make test`; the rest are marked `slow`: `make test-portable` (CI, after `make test`) and `make test-all` run
+# every case. Each fixture is ordered by its settings, so the sample keeps every code path the sweep takes.
+SAMPLED_CASES = 12
+
+
 def pytest_collection_modifyitems(items):
-    """The tests that run reference fixtures' cases carry the `reference` mark (`make test-portable`);
-    files in the order xdist should hand them out: LONGEST_FILES, then the rest by test count (each
-    file's tests keep their order)."""
-    from collections import Counter
+    """The tests that run reference fixtures' cases carry the `reference` mark (`make test-portable`), the
+    cases outside each one's sample (`SAMPLED_CASES`) the `slow` mark; files in the order xdist should hand them
+    out: LONGEST_FILES, then the rest by test count (each file's tests keep their order)."""
+    from collections import Counter, defaultdict
 
     from fixture_margins import REFERENCE_TESTS
 
+    cases = defaultdict(list)
     for item in items:
         if item.nodeid.split("[")[0] in REFERENCE_TESTS:
             item.add_marker(pytest.mark.reference)
+            cases[item.nodeid.split("[")[0]].append(item)
+    for test in cases.values():
+        sample = {round(i * len(test) / SAMPLED_CASES) for i in range(SAMPLED_CASES)}
+        for index, item in enumerate(test):
+            if index not in sample:
+                item.add_marker(pytest.mark.slow)
     files = [item.nodeid.split("::")[0] for item in items]
     count = Counter(files)
     rank = {path: i for i, path in enumerate(LONGEST_FILES)}

@@ -36,8 +36,9 @@ def _check_pair(got, want, dtype, mode):
     torch.testing.assert_close(conf.double().cpu(), conf_ref.double().cpu(), atol=tol, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("V", [1000, 4099])
+# every dtype at V = 1000; the larger block of V > 2048 once (the interpreter's cost grows with V)
+@pytest.mark.parametrize("V, dtype", [(1000, torch.float32), (1000, torch.float16), (1000, torch.bfloat16),
+                                      (4099, torch.float32)], ids=["1000-f32", "1000-f16", "1000-bf16", "4099-f32"])
 @pytest.mark.parametrize("mode", MODES)
 def test_kernel_matches_reference(poisoned_outputs, mode, V, dtype):
     seed = V + MODES.index(mode)
@@ -66,8 +67,8 @@ def test_row_selection_reads_only_the_named_rows(poisoned_outputs, mode):
     _check_pair(confidence_torch(logits, mode=mode, rows=rows), want, torch.float32, mode)
 
 
-@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("temperature, dtype", [(0.3, torch.float32), (2.5, torch.float32), (1.0, torch.bfloat16)],
+                         ids=["0.3-f32", "2.5-f32", "1.0-bf16"])
 def test_injected_noise_gives_the_reference_sample(poisoned_outputs, temperature, dtype):
     logits = _logits(23, 1021, dtype, 7, scale=1.0)
     noise = torch.rand(23, 1021, generator=torch.Generator().manual_seed(8)).to(DEVICE)
@@ -127,7 +128,7 @@ def test_philox_noise_is_deterministic_and_indexed_by_logits_row(poisoned_output
 
 def test_philox_sampling_follows_the_tempered_softmax():
     """Gumbel-max with the kernel's stream samples softmax(l / T) (frequency test)."""
-    V, n, T = 7, 1000, 0.8
+    V, n, T = 7, 500, 0.8
     row = torch.tensor([0.0, 1.0, -1.0, 2.0, 0.5, -3.0, 1.5])
     logits = row.expand(n, V).contiguous().to(DEVICE)
     x0, _ = confidence_triton(logits, temperature=T, seed=2024)

@@ -143,13 +143,11 @@ def _assert_paths_agree(case, rule, sort_fn, launches):
     return got
 
 
+# each dtype and each rule at least once (test_sort_path_forced_on_short_rows: every rule in every dtype)
 LONG_RULES = [
     (torch.float32, dict(k="random", threshold=0.7)), (torch.float32, dict(factor=1.0)),
-    (torch.float32, dict(k="random")),
-    (torch.float16, dict(k="random", threshold=0.7)), (torch.float16, dict(factor=0.2)),
-    (torch.float16, dict(threshold=0.5)),
-    (torch.bfloat16, dict(k="random", threshold=0.7)), (torch.bfloat16, dict(factor=1.0)),
-    (torch.float64, dict(k="random", threshold=0.7)), (torch.float64, dict(factor=0.2)),
+    (torch.float16, dict(factor=0.2)), (torch.float16, dict(threshold=0.5)),
+    (torch.bfloat16, dict(k="random", threshold=0.7)), (torch.float64, dict(k="random")),
 ]
 
 
@@ -164,8 +162,8 @@ def test_sort_path_equals_reference_and_counting(poisoned_outputs, launches, mon
 @pytest.mark.parametrize("dtype, B, L, rule", [
     (torch.bfloat16, 3, 601, dict(k="random", threshold=0.7)),   # strided rows: none / all / some masked
     (torch.float64, 1, 1031, dict(k="random")),
-    (torch.float16, 1, 1031, dict(factor=1.0)),
-], ids=["bf16-B3-L601", "f64-L1031", "f16-L1031"])
+    (torch.float16, 1, 523, dict(factor=1.0)),
+], ids=["bf16-B3-L601", "f64-L1031", "f16-L523"])
 def test_sort_path_long_odd_rows(poisoned_outputs, launches, dtype, B, L, rule):
     case = _long_case(L, dtype, B, L, pad=9)
     x_full, got_x = case[0], _assert_paths_agree(case, rule, unmask_triton, launches)[0]
