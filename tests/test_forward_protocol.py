@@ -254,6 +254,8 @@ def test_every_registered_method_decodes_from_the_spec_alone(llada):
     spec = get_spec(model)
     prompt = torch.tensor([charset.encode_chat("12+34")])
     for method in registry.METHODS.values():
+        if method.way != "method":   # a family's own loop: built from the spec by its engine_decoder (the test above)
+            continue
         config = method.config()
         decoder, use_cache = (config, None) if method.field == "decoder" else (None, config)
         kw = dict(gen_length=16, block_length=16 if method.name != "multiblock" else 8, use_cache=use_cache,
