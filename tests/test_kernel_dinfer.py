@@ -146,8 +146,12 @@ def _runs_block(seed, L, pattern):
     return [t.to(DEVICE) for t in (x, x0, conf)]
 
 
-@pytest.mark.parametrize("pattern", ["alternating", "random", "long"])
-@pytest.mark.parametrize("L", [2, 15, 129, 300, 1024])
+# every run pattern on the short and middle blocks; the long ones (the interpreter's cost grows with L) once each
+HIERARCHY_BLOCKS = [(pattern, L) for L in (2, 15, 129) for pattern in ("alternating", "random", "long")] + [
+    ("random", 300), ("long", 1024), ("alternating", 1024)]
+
+
+@pytest.mark.parametrize("pattern, L", HIERARCHY_BLOCKS, ids=[f"{p}-{L}" for p, L in HIERARCHY_BLOCKS])
 def test_select_kernel_hierarchy_long_blocks_many_runs_ties(poisoned_outputs, pattern, L):
     for seed, (threshold, low) in enumerate(((0.9, 0.4), (None, None), (0.7, None), (None, 0.5))):
         x, x0, conf = _runs_block(seed, L, pattern)
