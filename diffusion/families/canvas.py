@@ -131,8 +131,9 @@ class CanvasDecoding(NoWorkBound):
     def generation_kwargs(self, **extra: Any) -> dict[str, Any]:
         """`canvas_generate` keyword arguments of the settings given (`entropy_bound` in a `sampler_config`) and
         `extra`."""
-        kw = {f.name: getattr(self, f.name) for f in fields(self)[:-1] if getattr(self, f.name) is not None}
-        if "entropy_bound" in kw:   # (the last field, `sampler`, is remask's)
+        kw = {f.name: getattr(self, f.name) for f in fields(self)   # `sampler` is remask's, not transformers'
+              if f.name != "sampler" and getattr(self, f.name) is not None}
+        if "entropy_bound" in kw:
             kw["sampler_config"] = require_diffusion_gemma().EntropyBoundSamplerConfig(kw.pop("entropy_bound"))
         return {**kw, **extra}
 

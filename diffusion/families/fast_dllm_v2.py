@@ -455,7 +455,7 @@ def engine_decoder(spec: ModelSpec, params: Any, *, store: Any, stop_ids: Sequen
     keeps its rows' caches itself and stops at the model's EOS)."""
     config = family_config(params.decoder, FastDLLMV2Decoding, rules=False)
     settings, block_size, part, tau = engine_settings(spec, params, config, "Fast-dLLM v2", rules=False,
-                                                      stops="one stop token (the model's EOS)")
+                                                      length="block_size", stops="one stop token (the model's EOS)")
     threshold = (0.9 if part is None else 1.0) if tau is None else tau   # FreeDave: one token per step
     return FastDLLMV2Decoder(part, mask_id=spec.mask_id, num_blocks=-(-params.max_tokens // block_size),
                              block_size=block_size, small_block_size=settings.pop("small_block_size", 8),

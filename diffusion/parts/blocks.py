@@ -122,12 +122,12 @@ def check_part(config: Any, family: str, replaced: tuple[str, ...], drafted: tup
 
 
 def engine_settings(spec: ModelSpec, params: Any, config: Any, family: str, *, rules: bool = True,
-                    stops: str | None = None) -> tuple[dict, int, Any, float | None]:
+                    length: str = "block_length", stops: str | None = None) -> tuple[dict, int, Any, float | None]:
     """An engine request's settings for a block-causal family's loop, from its `config` (`family_config`): the flat
     settings it does not read refused by name (`checks.WAYS["family"]`: `READS`, top_k only with `rules`), and with a
     commit part the sampling ones (it commits greedily by its own rule); `stop_token_ids` refused unless the loop takes
     them (`stops`: where it stops instead). Returns (the config's settings given, less its block length and rule; the
-    block length: the config's (its first field), else the model's, else 32, checked against the model's context; the
+    block length: the config's field `length`, else the model's, else 32, checked against the model's context; the
     commit part: a dInfer rule, or FreeDave without its `confidence_threshold`; the threshold: FreeDave's, else the
     request's `threshold` (never both), or None)."""
     refuse_unread(params, "family", READS if rules else tuple(n for n in READS if n != "top_k"), name=family)
@@ -137,10 +137,10 @@ def engine_settings(spec: ModelSpec, params: Any, config: Any, family: str, *, r
     if config.rule is not None and sampling:
         raise ValueError(f"{sampling}: decoder={type(config.rule).__name__} on {family}'s loop commits greedily by its "
                          "own rule: leave them unset")
-    length, *rest, _ = fields(config)   # the block's size first, the commit part (`rule`) last
-    block_length = getattr(config, length.name) or spec.block_length or 32
-    check_block_within_context(spec, f"{type(config).__name__}.{length.name}", block_length)
-    settings = {f.name: getattr(config, f.name) for f in rest if getattr(config, f.name) is not None}
+    block_length = getattr(config, length) or spec.block_length or 32
+    check_block_within_context(spec, f"{type(config).__name__}.{length}", block_length)
+    settings = {f.name: getattr(config, f.name) for f in fields(config)
+                if f.name not in (length, "rule") and getattr(config, f.name) is not None}
     part, tau = (config.rule, None) if config.rule is None or is_rule(config.rule) else \
         (replace(config.rule, confidence_threshold=None), config.rule.confidence_threshold)
     return settings, block_length, part, params.threshold if tau is None else tau
