@@ -27,8 +27,9 @@ import torch
 
 from remask.models.spec import ModelSpec
 
-from ..families import canvas, fast_dllm_v2, llada2, sdar
+from ..families import apd, canvas, fast_dllm_v2, llada2, sdar
 from ..parts.blocks import READS
+from ..parts.checks import check_generator, check_length, check_method_call
 from ..parts.rules import CreditDecoding, HierarchicalDecoding, ThresholdDecoding
 from ..parts.step import CommitRule
 from ..parts.stepper import StepGenerator
@@ -150,6 +151,17 @@ def _elastic_loop(call: Call) -> StepGenerator:
     return elastic_steps(call.spec, call.prompt, config=call.use_cache, rule=call.decoder, **call.common)
 
 
+def _apd_loop(call: Call) -> StepGenerator:   # APD's rounds (`families.apd`), its arguments checked at the call
+    spec, stats = check_method_call(call.spec, call.prompt, call.common["attention_mask"], call.common["stats"],
+                                    mask_id=call.common["mask_id"])
+    sampling = {name: call.settings[name] for name in ("temperature", "top_p", "top_k") if name in call.settings}
+    decoder = apd.APDDecoder(spec, call.decoder, gen_length=call.gen_length, **sampling)
+    decoder.constrain(call.common["structure"]).check_input(call.prompt)
+    check_length(spec, call.prompt.shape[1] + call.gen_length, "prompt length + gen_length")
+    generator = check_generator(call.settings.get("generator"), call.prompt.device)
+    return apd.apd_steps(decoder, call.prompt, generator, stats, call.settings.get("verifier_stats"))
+
+
 def _family_loop(call: Call) -> StepGenerator:
     raise ValueError(f"decoder: {type(call.decoder).__name__} configures its model family's own loop (remask.LLM / "
                      f"SamplingParams on a model of that family); this model ({call.spec.kind}) has no such loop")
@@ -184,6 +196,8 @@ register("llada2", llada2.LLaDA2Decoding, way="family", reads=READS, loop=_famil
 register("fast_dllm_v2", fast_dllm_v2.FastDLLMV2Decoding, way="family", reads=READS, loop=_family_loop,
          nested={"rule": "decoder"})
 register("canvas", canvas.CanvasDecoding, way="canvas", loop=_family_loop, nested={"sampler": canvas.CanvasSampler})
+register("apd", apd.APDConfig, way="apd", reads=("temperature", "top_p", "top_k", "generator", "verifier_stats"),
+         loop=_apd_loop)   # its verifier is a model (over HTTP a served model's name: remask.serve)
 
 
 # --- lookups -------------------------------------------------------------------------------------------
@@ -204,6 +218,11 @@ def rules() -> tuple[type, ...]:
 
 def is_config(field: str, value: Any) -> bool:
     return isinstance(value, configs(field))
+
+
+def way_of(decoder: Any) -> str | None:
+    """The way a `decoder=` value decodes (`Method.way`), None when it is no registered decoder config."""
+    return method_of(decoder).way if is_config("decoder", decoder) else None
 
 
 def method_of(config: Any) -> Method:

@@ -9,7 +9,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from remask.diffusion.families.apd import APDConfig
 from remask.diffusion.families.dream import ALGORITHMS
 from remask.diffusion.families.llada import REMASKING, validate_block_args, validate_rule
 from remask.diffusion.parts.cache import CACHE_MODES
@@ -27,9 +26,9 @@ class SamplingParams:
     `max_tokens`: diffusion models fill exactly this many positions (at most, with `decoder=DAEDAL`, whose
     canvas grows); sample i of `n` draws from
     `seed + i` (None: from the engine's seed and the prompt). Diffusion: `remask.generate`'s keywords
-    (LLaDA's block rule), `alg` (Dream's sampler), `apd`, `decoder=` (docs/decoders.md): a method's config, or the
-    config of the model family's own loop (`SDARDecoding`, `LLaDA2Decoding`, `FastDLLMV2Decoding`: docs/block-diffusion.md;
-    `CanvasDecoding`: docs/diffusion-gemma.md).
+    (LLaDA's block rule), `alg` (Dream's sampler), `decoder=` (docs/decoders.md): a method's config (`APDConfig`: APD,
+    docs/apd.md), or the config of the model family's own loop (`SDARDecoding`, `LLaDA2Decoding`, `FastDLLMV2Decoding`:
+    docs/block-diffusion.md; `CanvasDecoding`: docs/diffusion-gemma.md).
     `structured_outputs` (remask/structured.py) does not combine with `ignore_eos`, `min_tokens` or `stop`.
     """
 
@@ -57,7 +56,6 @@ class SamplingParams:
     alg: str | None = None
     alg_temp: float | None = None
     eps: float = 1e-3
-    apd: APDConfig | None = None
     decoder: Any = None
     # vLLM's (last, so positional use of the fields above is unchanged)
     ignore_eos: bool = False
@@ -137,7 +135,6 @@ class SamplingParams:
             check_choice("alg", self.alg, ALGORITHMS)
         elif self.alg_temp is not None or self.eps != 1e-3:
             raise ValueError("alg_temp and eps belong to Dream's sampler: set alg= (e.g. 'entropy') to use them")
-        check_instance("apd", self.apd, APDConfig, "a remask.APDConfig")
         # the settings this request's way of decoding does not read (a family's loop refuses its own at add_request)
         if self.way == "method":   # `steps`: max_tokens is one token a step, unless the method reads steps itself
             cache = registry.is_config("use_cache", self.use_cache)   # a cache method reads what its loop reads
@@ -152,7 +149,7 @@ class SamplingParams:
             refuse_unread(self, "apd")
         # the configs' work bounds that the lengths set here fix (docs/parameters.md, "Work bounds"); the
         # method's own checks run them again at add_request, with the prompt and the model's block
-        for config in (self.decoder, self.use_cache, self.apd, self.sparse):
+        for config in (self.decoder, self.use_cache, self.sparse):
             if config is not None and not isinstance(config, str):
                 config.check_request(gen_length=self.max_tokens, block_length=self.block_length, steps=self.steps)
 
@@ -167,12 +164,15 @@ class SamplingParams:
 
     @property
     def way(self) -> str:
-        """How these params decode on a bidirectional mask model (a key of `parts.checks.WAYS`): a registered
-        method's loop ("method"), "apd", Dream's sampler ("dream", `alg=`) or LLaDA's block rule ("llada"). The
-        model may have a loop of its own (`presets.way_of`)."""
+        """How these params decode on a bidirectional mask model (a key of `parts.checks.WAYS`): APD ("apd",
+        `decoder=APDConfig(...)`), another registered method's loop ("method": a family's config too, whose loop
+        refuses it on another model), Dream's sampler ("dream", `alg=`) or LLaDA's block rule ("llada"). The model
+        may have a loop of its own (`presets.way_of`)."""
+        from remask.diffusion.methods import registry
+
         if self.method is not None:
-            return "method"
-        return "apd" if self.apd is not None else "dream" if self.alg is not None else "llada"
+            return "apd" if registry.way_of(self.decoder) == "apd" else "method"
+        return "dream" if self.alg is not None else "llada"
 
     @property
     def gen_length(self) -> int:
