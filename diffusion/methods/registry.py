@@ -15,7 +15,8 @@ whose JSON form is an object of its own (`rule`: a decoder config; `sampler`: it
 
 Everything that turns a name or a config into a method looks here: `decoder_steps` (the drop-in
 functions and the engine), the JSON form `{"name": "freedave", ...}` of `SamplingParams`, the HTTP
-API and the CLI, the type checks and their messages, docs/compatibility.md. Adding a method is its
+API and the CLI, the type checks and their messages, docs/compatibility.md; `check_settings` checks a
+`SamplingParams`' decoding settings, the flat ones and the method's config, in one place. Adding a method is its
 file plus one `register` line below (docs/architecture.md, "Adding a method").
 """
 from __future__ import annotations
@@ -28,8 +29,13 @@ import torch
 from remask.models.spec import ModelSpec
 
 from ..families import apd, canvas, fast_dllm_v2, llada2, sdar
+from ..families.dream import ALGORITHMS
+from ..families.llada import REMASKING, validate_block_args, validate_rule
 from ..parts.blocks import READS
-from ..parts.checks import check_generator, check_length, check_method_call
+from ..parts.cache import CACHE_MODES
+from ..parts.checks import (MAX_TEMPERATURE, check_bool, check_choice, check_generator, check_instance, check_int,
+                            check_length, check_method_call, check_real, check_steps, refuse_unread)
+from ..parts.sparse import SparseConfig
 from ..parts.rules import CreditDecoding, HierarchicalDecoding, ThresholdDecoding
 from ..parts.step import CommitRule
 from ..parts.stepper import StepGenerator
@@ -225,6 +231,12 @@ def way_of(decoder: Any) -> str | None:
     return method_of(decoder).way if is_config("decoder", decoder) else None
 
 
+def check_decoder(decoder: Any) -> None:
+    if not is_config("decoder", decoder):
+        names = ", ".join(f"remask.{t.__name__}" for t in configs("decoder"))
+        raise ValueError(f"decoder must be one of {names}, got {type(decoder).__name__}")
+
+
 def method_of(config: Any) -> Method:
     """The registered method of a config object (an instance of its config class, subclasses included,
     as `is_config` accepts them)."""
@@ -250,3 +262,67 @@ def from_json(field: str, value: dict) -> Any:
         return known[name](**settings)
     except (TypeError, ValueError) as err:   # an unknown field (a ValueError), a bad value: its JSON path named
         raise (ValueError if type(err) is TypeError else type(err))(f"{field} ({name}): {err}") from None
+
+
+# --- a request's settings ------------------------------------------------------------------------------
+
+def check_settings(params: Any) -> None:
+    """The decoding settings of `params` (`SamplingParams`, its `decoder` / `use_cache` JSON forms built), the one
+    check the engine's requests get: the flat vLLM / Fast-dLLM ones (`steps` and the block layout, `remasking`, the
+    parallel rules, `use_cache`, Dream's `alg`, `sparse`), the method's config, the settings its way of decoding does
+    not read (`parts.checks.WAYS`), then the configs' work bounds for its lengths."""
+    # LLaDA's block rule and Dream's sampler commit at least one token a step: more steps than
+    # max_tokens only repeat forwards (and sized O(steps) buffers: steps=10**9 was an OOM kill)
+    check_steps("steps", params.steps, params.max_tokens, "max_tokens")
+    check_int("block_length", params.block_length, minimum=1, allow_none=True)
+    check_choice("remasking", params.remasking, REMASKING)
+    validate_rule(params.threshold, params.factor, params.frechet_margin)
+    check_real("cfg_scale", params.cfg_scale, low=0)
+    if params.decoder is not None:
+        check_decoder(params.decoder)
+    method = params.method
+    # blocks tile max_tokens, except for a method whose canvas grows up to it (`Method.length_bound`)
+    if method is None or not method_of(method).length_bound:
+        validate_block_args(params.max_tokens, params.block_length or params.max_tokens,
+                            params.steps or params.max_tokens)
+    if not (is_config("use_cache", params.use_cache)
+            or isinstance(params.use_cache, (str, type(None))) and params.use_cache in CACHE_MODES):
+        configs = "remask.VicinityCache, remask.DKVCache, remask.D2Cache, remask.ElasticCache"
+        raise ValueError(f"use_cache must be one of {list(CACHE_MODES)} or a remask cache config ({configs}), "
+                         f"got {params.use_cache!r}")
+    if params.use_cache is not None and params.cfg_scale > 0:
+        raise ValueError("cfg_scale > 0 cannot be combined with use_cache")
+    for name in ("early_stop", "logits_eos_inf", "reference_rng", "reference_ties"):
+        check_bool(name, getattr(params, name))
+    if params.ignore_eos and params.early_stop:
+        raise ValueError("ignore_eos makes EOS an ordinary token; early_stop ends a row at the first block holding "
+                         "EOS: not both")
+    check_choice("confidence_eos_eot_inf", params.confidence_eos_eot_inf, (False, True, "corrected"))
+    check_instance("sparse", params.sparse, SparseConfig, "a remask.SparseConfig")
+    if params.sparse is not None:
+        params.sparse.validate(params.block_length or params.max_tokens)
+        if params.use_cache is not None or params.cfg_scale > 0:
+            raise ValueError("sparse keeps its own cache and has no CFG pass: not with use_cache or cfg_scale")
+    check_real("alg_temp", params.alg_temp, low=0, high=MAX_TEMPERATURE, allow_none=True)
+    check_real("eps", params.eps, low=0, high=1, high_open=True)
+    if params.alg is not None:
+        check_choice("alg", params.alg, ALGORITHMS)
+    elif params.alg_temp is not None or params.eps != 1e-3:
+        raise ValueError("alg_temp and eps belong to Dream's sampler: set alg= (e.g. 'entropy') to use them")
+    # the settings this request's way of decoding does not read (a family's loop refuses its own at add_request)
+    if params.way == "method":   # `steps`: max_tokens is one token a step, unless the method reads steps itself
+        cache = is_config("use_cache", params.use_cache)   # a cache method reads what its loop reads
+        entry = method_of(params.use_cache if cache else method)   # its way: a method's, or a family's
+        refuse_unread(params, entry.way, entry.reads + (("steps",) if params.steps == params.max_tokens else ()),
+                      name=type(method).__name__)
+    elif params.way == "dream":   # Dream's own sampler reads reference_ties; its block decoder frechet_margin
+        refuse_unread(params, "dream", (("threshold",) if params.alg == "confidence_threshold" else ()) + (
+            ("reference_ties",) if params.block_length is None and params.use_cache is None else ("frechet_margin",)),
+            alg=params.alg)
+    elif params.way == "apd":
+        refuse_unread(params, "apd")
+    # the configs' work bounds that the lengths set here fix (docs/parameters.md, "Work bounds"); the
+    # method's own checks run them again at add_request, with the prompt and the model's block
+    for config in (params.decoder, params.use_cache, params.sparse):
+        if config is not None and not isinstance(config, str):
+            config.check_request(gen_length=params.max_tokens, block_length=params.block_length, steps=params.steps)
