@@ -64,8 +64,7 @@ def decoder_steps(spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.T
     Without a decoder `VicinityCache` runs dInfer's threshold rule (0.9), `DKVCache` LLaDA's own
     schedule; `ElasticCache` takes a commit rule as `decoder`. `structure` / `end_ids`: structured
     output, enforced in every method's commits (`diffusion/parts/constrain.py`)."""
-    if decoder is not None:
-        registry.check_decoder(decoder)
+    registry.check_decoder(decoder)
     cache = registry.method_of(use_cache) if registry.is_config("use_cache", use_cache) else None
     if use_cache is not None and not isinstance(use_cache, str) and cache is None:
         raise ValueError(f"use_cache must be None, a cache name or a remask cache config, "

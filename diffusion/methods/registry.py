@@ -232,7 +232,8 @@ def way_of(decoder: Any) -> str | None:
 
 
 def check_decoder(decoder: Any) -> None:
-    if not is_config("decoder", decoder):
+    """None, or a registered method's `decoder=` config."""
+    if decoder is not None and not is_config("decoder", decoder):
         names = ", ".join(f"remask.{t.__name__}" for t in configs("decoder"))
         raise ValueError(f"decoder must be one of {names}, got {type(decoder).__name__}")
 
@@ -278,8 +279,7 @@ def check_settings(params: Any) -> None:
     check_choice("remasking", params.remasking, REMASKING)
     validate_rule(params.threshold, params.factor, params.frechet_margin)
     check_real("cfg_scale", params.cfg_scale, low=0)
-    if params.decoder is not None:
-        check_decoder(params.decoder)
+    check_decoder(params.decoder)
     method = params.method
     # blocks tile max_tokens, except for a method whose canvas grows up to it (`Method.length_bound`)
     if method is None or not method_of(method).length_bound:
@@ -287,8 +287,8 @@ def check_settings(params: Any) -> None:
                             params.steps or params.max_tokens)
     if not (is_config("use_cache", params.use_cache)
             or isinstance(params.use_cache, (str, type(None))) and params.use_cache in CACHE_MODES):
-        configs = "remask.VicinityCache, remask.DKVCache, remask.D2Cache, remask.ElasticCache"
-        raise ValueError(f"use_cache must be one of {list(CACHE_MODES)} or a remask cache config ({configs}), "
+        names = ", ".join(f"remask.{config.__name__}" for config in configs("use_cache"))
+        raise ValueError(f"use_cache must be one of {list(CACHE_MODES)} or a remask cache config ({names}), "
                          f"got {params.use_cache!r}")
     if params.use_cache is not None and params.cfg_scale > 0:
         raise ValueError("cfg_scale > 0 cannot be combined with use_cache")
@@ -311,8 +311,8 @@ def check_settings(params: Any) -> None:
         raise ValueError("alg_temp and eps belong to Dream's sampler: set alg= (e.g. 'entropy') to use them")
     # the settings this request's way of decoding does not read (a family's loop refuses its own at add_request)
     if params.way == "method":   # `steps`: max_tokens is one token a step, unless the method reads steps itself
-        cache = is_config("use_cache", params.use_cache)   # a cache method reads what its loop reads
-        entry = method_of(params.use_cache if cache else method)   # its way: a method's, or a family's
+        # a cache method reads what its loop reads; its way: a method's, or a family's
+        entry = method_of(params.use_cache if is_config("use_cache", params.use_cache) else method)
         refuse_unread(params, entry.way, entry.reads + (("steps",) if params.steps == params.max_tokens else ()),
                       name=type(method).__name__)
     elif params.way == "dream":   # Dream's own sampler reads reference_ties; its block decoder frechet_margin

@@ -87,8 +87,7 @@ def layout(name: str, spec: Any) -> dict[str, Any]:
     families that fix their own blocks (block-causal) or canvas (uniform noise)."""
     if spec.attention == "block-causal" or spec.noise == "uniform":
         return {}
-    whole = name.startswith(("Elastic-Cache", "APD")) or name == "Dream's sampler (alg=entropy)"
-    out = {} if whole else dict(block_length=16)
+    out = {} if name.startswith(("Elastic-Cache", "APD", "Dream's sampler")) else dict(block_length=16)
     if name in READS_STEPS:
         out["steps"] = 32
     return out

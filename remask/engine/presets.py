@@ -136,10 +136,10 @@ def method_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor
     """`decoder=` / a cache config (APD's `decoder=APDConfig(...)` too: its rounds, as `remask.generate` runs them):
     the method's step generator (`decoder_steps`), advanced one forward per engine step. Its arguments are checked
     here, before the request is queued."""
+    # the settings as (value, default): refused unless the method reads them
     settings = {"steps": (params.steps, None), "remasking": (params.remasking, params.remasking),
                 "cfg_scale": (params.cfg_scale, SamplingParams.cfg_scale), "top_p": (params.top_p, None),
-                "top_k": (params.top_k, None),
-                "temperature": (params.temperature, SamplingParams.temperature)}   # refused unless the method reads it
+                "top_k": (params.top_k, None), "temperature": (params.temperature, SamplingParams.temperature)}
     kwargs = dict(gen_length=params.max_tokens, block_length=params.block_length or params.max_tokens,
                   use_cache=params.use_cache, mask_id=engine.spec.mask_id, structure=structure, end_ids=end_ids)
     # Checked now (the settings as values; SamplingParams refused the unread ones already, add_request the prompt).
