@@ -35,8 +35,8 @@ from ..parts.blocks import READS
 from ..parts.cache import CACHE_MODES
 from ..parts.checks import (MAX_TEMPERATURE, check_bool, check_choice, check_generator, check_instance, check_int,
                             check_length, check_method_call, check_real, check_steps, refuse_unread)
-from ..parts.sparse import SparseConfig
 from ..parts.rules import CreditDecoding, HierarchicalDecoding, ThresholdDecoding
+from ..parts.sparse import SparseConfig
 from ..parts.step import CommitRule
 from ..parts.stepper import StepGenerator
 from .d2cache import D2Cache, d2cache_steps
