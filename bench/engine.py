@@ -159,7 +159,7 @@ def method_settings(verifier) -> list[tuple[str, dict[str, Any]]]:
     tiny-ar. Blocks of 16, 32 steps where the method reads steps (the compatibility table's setting)."""
     listed = (remask.FreeDave, remask.ThresholdDecoding, remask.CreditDecoding, remask.HierarchicalDecoding,
               remask.VicinityCache, remask.WINO, remask.DKVCache, remask.D2Cache, remask.ElasticCache, MarginDecoding,
-              remask.EBSampler)
+              remask.EBSampler, remask.APDConfig)
     return [
         ("LLaDA low-confidence", dict(block_length=16)),
         ("threshold 0.9", dict(block_length=16, threshold=0.9)),
@@ -180,7 +180,7 @@ def method_settings(verifier) -> list[tuple[str, dict[str, Any]]]:
         ("rule margin", dict(block_length=16, decoder=MarginDecoding())),
         ("EB-Sampler", dict(block_length=16, decoder=remask.EBSampler())),
         *registered_methods(16, listed),
-        ("APD", dict(apd=remask.APDConfig(verifier=verifier))),
+        ("APD", dict(decoder=remask.APDConfig(verifier=verifier))),
     ]
 
 
@@ -194,8 +194,8 @@ def drop_in(model, ids: list[int], params: SamplingParams, ar: bool) -> list[int
         return row[:row.index(charset.EOS_ID) + 1] if charset.EOS_ID in row else row
     if params.alg is not None:
         out = remask.diffusion_generate(model, prompt, generator=generator, **params.diffusion_generate_kwargs())
-    elif params.apd is not None:
-        out = remask.generate(model, prompt, gen_length=params.max_tokens, apd=params.apd, generator=generator)
+    elif params.way == "apd":
+        out = remask.generate(model, prompt, gen_length=params.max_tokens, decoder=params.decoder, generator=generator)
     else:
         kw = params.generate_kwargs()
         if params.decoder is not None:
@@ -251,7 +251,7 @@ def per_method(counts: list[int], max_tokens: int, repeats: int, only: str | Non
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     # a method's own arithmetic: its models' forwards (APD: the dLLM's and the verifier's)
-                    clocks = [ForwardClock(m) for m in (model, *([kw["apd"].verifier] if "apd" in kw else []))]
+                    clocks = [ForwardClock(m) for m in (model, *([kw["decoder"].verifier] if label == "APD" else []))]
                     start = time.perf_counter()
                     seq_rows = [drop_in(model, ids, params, is_ar) for ids, params in reqs]
                     seq = time.perf_counter() - start

@@ -63,7 +63,7 @@ def long_methods(tokens: int) -> dict[str, dict[str, Any]]:
         # every other registered method, with its defaults (bench/engine.py)
         **dict(registered_methods(32, (remask.FreeDave, remask.ThresholdDecoding, remask.CreditDecoding,
                                        remask.HierarchicalDecoding, remask.VicinityCache, remask.WINO,
-                                       remask.DKVCache, remask.D2Cache, remask.ElasticCache))),
+                                       remask.DKVCache, remask.D2Cache, remask.ElasticCache, remask.APDConfig))),
     }
 
 

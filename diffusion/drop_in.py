@@ -18,17 +18,18 @@ import torch
 from remask.caches import PagedKVCache
 from remask.models.spec import get_spec
 
-from .families.apd import APDConfig, apd_generate, check_apd_alone
+from .families.apd import APDConfig, apd_generate
 from .families.canvas import canvas_generate
 from .families.dream import (DEFAULT_BLOCK_LENGTH, DEFAULT_MAX_LENGTH, DreamBlockDecoder, DreamDecoder,
                              DreamGenerationConfig, DreamModelOutput, _validate_config)
 from .families.llada import block_diffusion_generate, validate_block_args, validate_rule
+from .methods import registry
 from .methods.decoders import is_dinfer_method, run_decoder
 from .methods.freedave import FreeDave, freedave_generate
 from .parts.cache import cache_mode
 from .parts.checks import (check_bool, check_callable, check_generator, check_instance, check_int, check_length,
                            check_mask_id, check_model_kind, check_optional_token_id, check_prompt, check_real,
-                           check_stats, warn_if_longer_than_trained, warn_if_padded_without_mask)
+                           check_stats, refuse_unread, warn_if_longer_than_trained, warn_if_padded_without_mask)
 from .parts.constrain_loops import structure_for_call
 from .parts.sparse import SparseConfig
 from .parts.stats import GenerationStats
@@ -62,8 +63,8 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch
     Gumbel noise over the whole `[B, T, V]` logits (a seeded reference run reproduced); by default
     the fused kernel's own stream. `on_step(block_index, x, transfer_index)` runs after every step.
     `use_cache`: None, "prefix", "dual" (Fast-dLLM v1, see `block_diffusion_generate`) or "paged" /
-    a `PagedKVCache`. `apd`: an `APDConfig(verifier=...)`: adaptive parallel decoding
-    (`remask.diffusion.families.apd`; `verifier_stats` counts its verifier's forwards). `sparse`: a
+    a `PagedKVCache`. `apd`: an `APDConfig(verifier=...)`, short for `decoder=APDConfig(...)`: adaptive parallel
+    decoding (`remask.diffusion.families.apd`; `verifier_stats` counts its verifier's forwards). `sparse`: a
     `SparseConfig(...)` (`remask.diffusion.parts.sparse`). `reference_ties`: the schedule through
     `torch.topk` as the references (their order among exactly equal confidences, common at p = 1.0
     in float32); by default the lower index. `decoder`: a config replacing the block rule
@@ -84,39 +85,25 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch
     check_stats("verifier_stats", verifier_stats)
     # the checks SamplingParams runs, compiled against the tokenizer; every decoder enforces it in its commits
     structure = structure_for_call(structured_outputs, model, tokenizer, spec.mask_id, gen_length)
+    if decoder is None and apd is not None:   # `apd=`: the drop-in keyword of `decoder=APDConfig(...)`
+        decoder, given["apd"], given["decoder"] = apd, None, apd
+    if registry.way_of(decoder) == "apd":   # APD reads none of the block rule's settings: refused when set
+        refuse_unread({name: (given[name], default) for name, default in _DEFAULTS.items()}, "apd")
+        warn_if_longer_than_trained(spec, check_int("gen_length", gen_length, minimum=1))
     if decoder is not None or (use_cache is not None and not isinstance(use_cache, (str, PagedKVCache))):
         settings = {name: (given[name], _DEFAULTS[name]) for name in _METHOD_SETTINGS}
         return run_decoder(model, prompt, attention_mask, decoder, gen_length=gen_length, block_length=block_length,
                            use_cache=use_cache, mask_id=mask_id, stats=stats, settings=settings, structure=structure)
-    if apd is not None:
-        given["cfg_scale"] = cfg_scale or None   # refused when nonzero
-        # APD reads none of these: refused when given (or, with a default, set away from it)
-        check_apd_alone([name for name in _APD_UNREAD_NONE if given[name] is not None]
-                        + [name for name in _APD_UNREAD if given[name] != _DEFAULTS[name]])
-        check_mask_id(spec)
-        check_prompt(spec.device, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
-        check_int("gen_length", gen_length, minimum=1)
-        check_real("temperature", temperature, low=0)
-        check_generator(generator, prompt.device)
-        check_stats("stats", stats)
-        check_length(spec, prompt.shape[1] + gen_length, "prompt length + gen_length")
-        warn_if_longer_than_trained(spec, gen_length)
-        return apd_generate(model, spec, prompt, gen_length, apd, temperature=temperature, generator=generator,
-                            stats=stats, verifier_stats=verifier_stats, structure=structure)
     return block_diffusion_generate(model, prompt, attention_mask, spec=spec, structure=structure,
                                     **{name: value for name, value in given.items() if name not in _ROUTING})
 
 
 # `generate`'s parameters by role: those a registered method's loop is handed (to refuse what it does not read), those
-# APD refuses (given, or away from their defaults), those that choose the route (the rest LLaDA's block rule takes)
+# that choose the route (the rest LLaDA's block rule takes); APD refuses by `checks.WAYS["apd"]`
 _DEFAULTS = {name: p.default for name, p in inspect.signature(generate).parameters.items()}
 _METHOD_SETTINGS = ("steps", "temperature", "cfg_scale", "remasking", "logits_eos_inf", "confidence_eos_eot_inf",
                     "threshold", "factor", "frechet_margin", "early_stop", "reference_rng", "eos_id", "eot_id",
                     "generator", "on_step", "apd", "verifier_stats", "sparse", "reference_ties")
-_APD_UNREAD_NONE = ("threshold", "factor", "frechet_margin", "use_cache", "cfg_scale", "on_step", "sparse", "eos_id",
-                    "eot_id")
-_APD_UNREAD = ("steps", "block_length", "remasking", "logits_eos_inf", "confidence_eos_eot_inf", "early_stop",
-               "reference_rng", "reference_ties")
 _ROUTING = ("model", "prompt", "attention_mask", "mask_id", "eos_id", "eot_id", "apd", "verifier_stats", "decoder",
             "structured_outputs", "tokenizer")
 
@@ -138,7 +125,7 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     and `block_length` (32 once a cache is asked for): Fast-dLLM's block decoder (`finish_blocks=False`
     keeps upstream's masks when a block has one step); `sparse=SparseConfig(...)` (docs/sparse.md):
     Sparse-dLLM's retention (block decoder; not ``origin``) or SparseD's block masks (whole-canvas loop,
-    selection scaled by 1/√head_dim as upstream's Dream); `apd=APDConfig(...)`: APD's `apd_sample`
+    selection scaled by 1/√head_dim as upstream's Dream); `apd=APDConfig(...)` (or `decoder=`): APD's `apd_sample`
     (`verifier_stats` counts the verifier's forwards); `structured_outputs` (compiled against
     `tokenizer`, default the checkpoint's), held at each commit (`diffusion/parts/constrain.py`).
     A uniform-noise model (DiffusionGemma) goes to `canvas.canvas_generate`, its own drop-in.
@@ -155,6 +142,8 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
      generator, stats, structured_outputs, tokenizer) = (kwargs.pop(name, None) for name in (
         "generation_tokens_hook_func", "generation_logits_hook_func", "attention_mask", "use_cache", "block_length",
         "decoder", "sparse", "apd", "verifier_stats", "generator", "stats", "structured_outputs", "tokenizer"))
+    if apd is None and registry.way_of(decoder) == "apd":   # `apd=` is the drop-in keyword of decoder=APDConfig(...)
+        apd, decoder = decoder, None
     alg_given = kwargs.get("alg")   # FreeDave runs its own rule: an explicit other alg is refused
     explicit_max_length = kwargs.get("max_length") is not None
     given = set(kwargs)   # the generation-config fields the caller set
@@ -263,8 +252,8 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
                                 block_length=block_length, use_cache=use_cache, mask_id=config.mask_token_id,
                                 stats=stats, structure=structure)
     elif apd is not None:
-        if blocks or hooks_given:
-            raise ValueError("apd= does not combine with use_cache / block_length or the generation hooks")
+        if blocks or hooks_given or decoder is not None:
+            raise ValueError("apd= does not combine with use_cache / block_length, decoder= or the generation hooks")
         sequences = apd_generate(model, spec, inputs, gen_length, apd, temperature=config.temperature,
                                  top_p=config.top_p, top_k=config.top_k, generator=generator, stats=stats,
                                  verifier_stats=verifier_stats, structure=structure)

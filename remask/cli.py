@@ -23,11 +23,12 @@ ALGORITHMS = ("origin", "maskgit_plus", "topk_margin", "entropy", "confidence_th
 CACHE_NAMES = ("prefix", "dual", "paged")                      # remask.diffusion.parts.cache.CACHE_MODES, less None
 CACHE_CONFIGS = ("vicinity", "dkv", "d2cache", "elastic")      # remask.diffusion.methods.registry.names("use_cache")
 DECODERS = ("freedave", "threshold", "credit", "hierarchical", "margin", "eb_sampler", "frechet", "klass", "wino",
-            "prophet", "daedal", "multiblock", "sdar", "llada2", "fast_dllm_v2", "canvas")   # registry.names("decoder")
+            "prophet", "daedal", "multiblock", "sdar", "llada2", "fast_dllm_v2", "canvas",
+            "apd")   # remask.diffusion.methods.registry.names("decoder")
 
 # One `remask generate` flag per plain `SamplingParams` field: (field, kind, help). Written out for
 # the same reason (the dataclass lives behind torch); tests/test_cli.py checks the names and kinds
-# against `SamplingParams`. `apd` and `sparse` take a model / config object and have no flag.
+# against `SamplingParams`. `sparse` takes a config object and has no flag.
 # Kinds: int, float, str; bool (--x / --no-x); ints / strs (repeatable); json (a JSON object);
 # cache (a name or a JSON object); bool_or_str (false / true / a word).
 SAMPLING_FLAGS: tuple[tuple[str, str, str], ...] = (
@@ -83,8 +84,9 @@ SAMPLING_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("decoder", "json", f"a JSON decoder config {{\"name\": \"freedave\", ...}} ({', '.join(DECODERS)}) that "
                         "replaces the block rule, or the settings of the model family's own loop, e.g. "
                         "{\"name\": \"sdar\", \"denoising_steps\": 4} or {\"name\": \"canvas\", \"sampler\": "
-                        "{\"rule\": \"top_k\", \"top_k\": 2}} (default none; docs/decoders.md says which models "
-                        "each runs on)"),
+                        "{\"rule\": \"top_k\", \"top_k\": 2}}, or APD's {\"name\": \"apd\", \"verifier\": "
+                        "\"tiny-ar\"} (the verifier: a shipped model's name or a checkpoint folder) (default none; "
+                        "docs/decoders.md says which models each runs on)"),
     ("structured_outputs", "json", "the answer's structure, vLLM's StructuredOutputsParams as a JSON object: "
                                    "{\"json\": schema}, {\"regex\": ...}, {\"choice\": [...]}, {\"grammar\": ...} or "
                                    "{\"json_object\": true} (default none; see also --json-schema); AR models, "
@@ -392,6 +394,12 @@ def _generate(args: argparse.Namespace, sampling_names: list[str]) -> int:
             print(f"remask generate: --json-schema {args.json_schema}: {err}", file=sys.stderr)
             return 2
     try:
+        decoder = settings.get("decoder")
+        if isinstance(decoder, dict) and decoder.get("name") == "apd" and isinstance(decoder.get("verifier"), str):
+            try:   # APD's verifier, loaded by its name or folder
+                settings["decoder"] = {**decoder, "verifier": remask.load(decoder["verifier"])[0]}
+            except (OSError, ValueError) as err:
+                raise ValueError(f"decoder.verifier: {err}") from None
         params = remask.SamplingParams(**settings)
     except (TypeError, ValueError) as err:
         print(f"remask generate: {err}", file=sys.stderr)

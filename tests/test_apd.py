@@ -136,6 +136,33 @@ def test_dream_entry_point_and_shift(load_model):
     prompt = torch.randint(0, 290, (1, 5), generator=torch.Generator().manual_seed(3))
     out = remask.diffusion_generate(dream, prompt, max_new_tokens=12, apd=APDConfig(verifier, 0.7, 4, 6))
     assert out.shape == (1, 17) and not (out == 299).any()
+    # `decoder=APDConfig(...)`: the registry's name for the same sampler
+    assert torch.equal(remask.diffusion_generate(dream, prompt, max_new_tokens=12,
+                                                 decoder=APDConfig(verifier, 0.7, 4, 6)), out)
+
+
+def test_apd_is_a_registered_decoder(pair):
+    """APD is the registry's `apd`: `decoder=APDConfig(...)` (and its JSON form, the verifier a model) decodes as the
+    drop-in keyword `apd=` does, and the method's loop (`decoder_steps`) gives the same tokens; `apd=` with another
+    `decoder=` is refused by name."""
+    from remask.diffusion.methods import registry
+    from remask.diffusion.methods.decoders import run_decoder
+
+    model, verifier = pair
+    prompt = _prompts(1)[0]
+    config = APDConfig(verifier, 0.7, kv_window=4, max_lookahead=8)
+    want = remask.generate(model, prompt, gen_length=16, apd=config)
+    assert torch.equal(remask.generate(model, prompt, gen_length=16, decoder=config), want)
+    assert torch.equal(run_decoder(model, prompt, None, config, gen_length=16, block_length=16, use_cache=None,
+                                   mask_id=None, stats=None), want)
+    assert registry.way_of(config) == "apd" and registry.way_of(remask.FreeDave()) == "method"
+    params = remask.SamplingParams(max_tokens=16, decoder={"name": "apd", "verifier": verifier, "kv_window": 4,
+                                                           "max_lookahead": 8})
+    assert params.decoder == config and params.way == "apd"
+    with pytest.raises(ValueError, match=r"does not combine with \['apd'\]"):
+        remask.generate(model, prompt, gen_length=16, decoder=config, apd=config)
+    with pytest.raises(ValueError, match="does not read.*apd"):
+        remask.generate(model, prompt, gen_length=16, block_length=8, decoder=remask.FreeDave(), apd=config)
 
 
 @pytest.mark.parametrize("kwargs,match", [

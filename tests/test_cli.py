@@ -186,7 +186,7 @@ def test_the_flags_are_the_sampling_params_fields():
     expected = {}
     for field in dataclasses.fields(remask.SamplingParams):
         hint = str(hints[field.name])
-        if field.name in ("apd", "sparse"):        # objects holding a model / a config: no flag
+        if field.name == "sparse":        # an object holding a config: no flag
             continue
         if field.name in ("decoder", "structured_outputs"):
             expected[field.name] = "json"

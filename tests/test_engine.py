@@ -515,7 +515,7 @@ def test_apd_requests_run_in_the_engine_as_their_own_sub_batch(llada, ar):
     configs = [remask.APDConfig(verifier, 0.7, kv_window=4, max_lookahead=8),
                remask.APDConfig(verifier, 0.3, kv_window=None, max_lookahead=None),
                remask.APDConfig(verifier, 0.9, kv_window=4, max_lookahead=8, coupled_gumbel=True)]
-    requests = [(f"apd{i}", PROBLEMS[i], SamplingParams(max_tokens=16, seed=i, apd=configs[i % 3],
+    requests = [(f"apd{i}", PROBLEMS[i], SamplingParams(max_tokens=16, seed=i, decoder=configs[i % 3],
                                                         temperature=[0.0, 0.0, 0.8][i % 3])) for i in range(6)]
     requests += [(f"blk{i}", PROBLEMS[10 + i], mixed_params(i)) for i in range(4)]
     engine = LLMEngine(model, tokenizer)
@@ -533,15 +533,15 @@ def test_apd_requests_run_in_the_engine_as_their_own_sub_batch(llada, ar):
     for rid, ids, p in requests:
         if rid.startswith("apd"):
             prompt = torch.tensor([ids])
-            alone = remask.generate(model, prompt, gen_length=16, apd=p.apd, temperature=p.temperature,
+            alone = remask.generate(model, prompt, gen_length=16, apd=p.decoder, temperature=p.temperature,
                                     generator=torch.Generator().manual_seed(p.seed))[0, prompt.shape[1]:].tolist()
         else:
             alone = alone_llada(model, ids, p)
         assert done[rid].outputs[0].all_token_ids == alone, rid
     with pytest.raises(ValueError, match="block_length"):
-        engine.add_request("bad", PROBLEMS[0], SamplingParams(max_tokens=16, block_length=8, apd=configs[0]))
-    with pytest.raises(ValueError, match="apd"):
-        LLMEngine(*ar).add_request("bad", PROBLEMS[0], SamplingParams(max_tokens=8, apd=configs[0]))
+        engine.add_request("bad", PROBLEMS[0], SamplingParams(max_tokens=16, block_length=8, decoder=configs[0]))
+    with pytest.raises(ValueError, match="autoregressive.*decoder"):
+        LLMEngine(*ar).add_request("bad", PROBLEMS[0], SamplingParams(max_tokens=8, decoder=configs[0]))
 
 
 def test_apd_params_refuse_the_settings_apd_does_not_read_when_built(ar):
@@ -550,8 +550,8 @@ def test_apd_params_refuse_the_settings_apd_does_not_read_when_built(ar):
                         ("remasking", "random"), ("cfg_scale", 1.0), ("logits_eos_inf", True),
                         ("confidence_eos_eot_inf", True)]:
         with pytest.raises(ValueError, match=f"apd.*{name}"):
-            SamplingParams(max_tokens=16, apd=config, **{name: value})
-    assert SamplingParams(max_tokens=16, apd=config, temperature=0.5, top_p=0.9, seed=1).apd is config
+            SamplingParams(max_tokens=16, decoder=config, **{name: value})
+    assert SamplingParams(max_tokens=16, decoder=config, temperature=0.5, top_p=0.9, seed=1).decoder is config
 
 
 def test_drafts_report_the_canvas_every_step_without_changing_the_tokens(llada, ar):
@@ -911,8 +911,8 @@ def test_ignore_eos_and_min_tokens_are_refused_where_the_loop_cannot_honour_them
          "ignore_eos: .*ThresholdDecoding"),
         (SamplingParams(max_tokens=16, ignore_eos=True, use_cache=remask.VicinityCache()),
          "ignore_eos: .*VicinityCache"),
-        (SamplingParams(max_tokens=16, min_tokens=4, apd=remask.APDConfig(ar[0])), "min_tokens: .*apd"),
-        (SamplingParams(max_tokens=16, ignore_eos=True, min_tokens=2, apd=remask.APDConfig(ar[0])),
+        (SamplingParams(max_tokens=16, min_tokens=4, decoder=remask.APDConfig(ar[0])), "min_tokens: .*apd"),
+        (SamplingParams(max_tokens=16, ignore_eos=True, min_tokens=2, decoder=remask.APDConfig(ar[0])),
          "ignore_eos / min_tokens: .*apd"),
     ]
     for params, match in refused:

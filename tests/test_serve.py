@@ -549,22 +549,24 @@ def test_a_client_that_leaves_a_non_streamed_request_frees_it():
 
 
 def test_apd_with_a_served_verifier(served, offline):
-    """`apd: {"verifier": <a served AR model>, ...}` in the body: APD with that model as verifier,
-    equal to offline `LLM.generate` with `APDConfig(verifier=the model)`."""
+    """`decoder: {"name": "apd", "verifier": <a served AR model>, ...}` in the body: APD with that model as verifier,
+    equal to offline `LLM.generate` with `decoder=APDConfig(verifier=the model)`."""
     server, _ = served
-    apd = {"verifier": "tiny-ar", "mixture_weight": 0.7, "kv_window": 4, "max_lookahead": 8}
+    apd = {"name": "apd", "verifier": "tiny-ar", "mixture_weight": 0.7, "kv_window": 4, "max_lookahead": 8}
     got = client(server).completions.create(model="tiny-llada", prompt=PROMPT, max_tokens=16, seed=0,
-                                            extra_body={"apd": apd})
+                                            extra_body={"decoder": apd})
     config = remask.APDConfig(offline["tiny-ar"].engine.model, 0.7, kv_window=4, max_lookahead=8)
-    want = offline["tiny-llada"].generate(PROMPT, remask.SamplingParams(max_tokens=16, seed=0, apd=config),
+    want = offline["tiny-llada"].generate(PROMPT, remask.SamplingParams(max_tokens=16, seed=0, decoder=config),
                                           use_tqdm=False)[0]
     assert got.choices[0].text == want.outputs[0].text
-    for bad, needle in [({**apd, "verifier": "nobody"}, "apd.verifier"), ({**apd, "verifier": "tiny-llada"},
-                                                                           "autoregressive"),
+    for bad, needle in [({**apd, "verifier": "nobody"}, "decoder.verifier"), ({**apd, "verifier": 3},
+                                                                               "decoder.verifier"),
+                        ({**apd, "verifier": "tiny-llada"}, "autoregressive"),
                         ({**apd, "mixture_weight": 2}, "mixture_weight"), ({**apd, "extra": 1}, "extra")]:
-        response = post(server, {"model": "tiny-llada", "prompt": PROMPT, "apd": bad})
+        response = post(server, {"model": "tiny-llada", "prompt": PROMPT, "decoder": bad})
         assert response.status_code == 400 and needle in response.json()["error"]["message"], (bad, response.text)
-    response = post(server, {"model": "tiny-llada", "prompt": PROMPT, "apd": apd, "steps": 8})
+        assert response.json()["error"]["param"].startswith("decoder"), response.text
+    response = post(server, {"model": "tiny-llada", "prompt": PROMPT, "decoder": apd, "steps": 8})
     assert response.status_code == 400 and "steps" in response.json()["error"]["message"]
 
 

@@ -288,7 +288,7 @@ def test_apd_engine_equals_drop_in(pair):
         warnings.simplefilter("ignore")
         for params in (CASES[0], CASES[-1]):
             prompt = charset.encode_chat("colour of grass")
-            out = llm.generate([prompt], remask.SamplingParams(max_tokens=32, apd=apd, structured_outputs=params),
+            out = llm.generate([prompt], remask.SamplingParams(max_tokens=32, decoder=apd, structured_outputs=params),
                                use_tqdm=False)[0].outputs[0]
             ref = remask.generate(model, torch.tensor([prompt]), gen_length=32, apd=apd, structured_outputs=params,
                                   tokenizer=tok)

@@ -50,7 +50,7 @@ def candidate_params(llms, family: str, structured, **extra) -> remask.SamplingP
     _, fields = CANDIDATES[family]
     fields = dict(fields)
     if fields.pop("apd", False):
-        fields["apd"] = remask.APDConfig(verifier=llms["tiny-ar"].engine.model)
+        fields["decoder"] = remask.APDConfig(verifier=llms["tiny-ar"].engine.model)
     return remask.SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=structured, **fields, **extra)
 
 

@@ -88,13 +88,6 @@ class APDConfig(NoWorkBound):
                              "whose logits do not score a left-to-right continuation")
 
 
-def check_apd_alone(clashes: list[str]) -> None:
-    """APD decodes left to right with its verifier: the block, remasking and cache settings it
-    does not read are refused, wherever APD is asked for (`generate`, `SamplingParams`)."""
-    if clashes:
-        raise ValueError(f"apd decodes left to right with its verifier; it does not combine with {clashes}")
-
-
 def draft_scores(logits: torch.Tensor, temperature: float, top_p: float | None, top_k: int | None,
                  generator: torch.Generator | None = None, uniforms: torch.Tensor | None = None,
                  vocab: int | None = None) -> torch.Tensor:

@@ -29,12 +29,6 @@ def is_dinfer_method(decoder: Any, use_cache: Any) -> bool:
     return registry.is_config("use_cache", use_cache) and registry.method_of(use_cache).name == "vicinity"
 
 
-def check_decoder(decoder: Any) -> None:
-    if not registry.is_config("decoder", decoder):
-        names = ", ".join(f"remask.{t.__name__}" for t in registry.configs("decoder"))
-        raise ValueError(f"decoder must be one of {names}, got {type(decoder).__name__}")
-
-
 def end_settings_refusal(method: Any, *, min_tokens: bool) -> str | None:
     """Why `method` (a decoder or cache config) cannot honour `ignore_eos` / `min_tokens`, or None.
     The methods' loops score inside their own step, so no logits hook reaches them (`min_tokens`);
@@ -70,8 +64,7 @@ def decoder_steps(spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.T
     Without a decoder `VicinityCache` runs dInfer's threshold rule (0.9), `DKVCache` LLaDA's own
     schedule; `ElasticCache` takes a commit rule as `decoder`. `structure` / `end_ids`: structured
     output, enforced in every method's commits (`diffusion/parts/constrain.py`)."""
-    if decoder is not None:
-        check_decoder(decoder)
+    registry.check_decoder(decoder)
     cache = registry.method_of(use_cache) if registry.is_config("use_cache", use_cache) else None
     if use_cache is not None and not isinstance(use_cache, str) and cache is None:
         raise ValueError(f"use_cache must be None, a cache name or a remask cache config, "

@@ -15,7 +15,8 @@ whose JSON form is an object of its own (`rule`: a decoder config; `sampler`: it
 
 Everything that turns a name or a config into a method looks here: `decoder_steps` (the drop-in
 functions and the engine), the JSON form `{"name": "freedave", ...}` of `SamplingParams`, the HTTP
-API and the CLI, the type checks and their messages, docs/compatibility.md. Adding a method is its
+API and the CLI, the type checks and their messages, docs/compatibility.md; `check_settings` checks a
+`SamplingParams`' decoding settings, the flat ones and the method's config, in one place. Adding a method is its
 file plus one `register` line below (docs/architecture.md, "Adding a method").
 """
 from __future__ import annotations
@@ -27,9 +28,15 @@ import torch
 
 from remask.models.spec import ModelSpec
 
-from ..families import canvas, fast_dllm_v2, llada2, sdar
+from ..families import apd, canvas, fast_dllm_v2, llada2, sdar
+from ..families.dream import ALGORITHMS
+from ..families.llada import REMASKING, validate_block_args, validate_rule
 from ..parts.blocks import READS
+from ..parts.cache import CACHE_MODES
+from ..parts.checks import (MAX_TEMPERATURE, check_bool, check_choice, check_generator, check_instance, check_int,
+                            check_length, check_method_call, check_real, check_steps, refuse_unread)
 from ..parts.rules import CreditDecoding, HierarchicalDecoding, ThresholdDecoding
+from ..parts.sparse import SparseConfig
 from ..parts.step import CommitRule
 from ..parts.stepper import StepGenerator
 from .d2cache import D2Cache, d2cache_steps
@@ -150,6 +157,17 @@ def _elastic_loop(call: Call) -> StepGenerator:
     return elastic_steps(call.spec, call.prompt, config=call.use_cache, rule=call.decoder, **call.common)
 
 
+def _apd_loop(call: Call) -> StepGenerator:   # APD's rounds (`families.apd`), its arguments checked at the call
+    spec, stats = check_method_call(call.spec, call.prompt, call.common["attention_mask"], call.common["stats"],
+                                    mask_id=call.common["mask_id"])
+    sampling = {name: call.settings[name] for name in ("temperature", "top_p", "top_k") if name in call.settings}
+    decoder = apd.APDDecoder(spec, call.decoder, gen_length=call.gen_length, **sampling)
+    decoder.constrain(call.common["structure"]).check_input(call.prompt)
+    check_length(spec, call.prompt.shape[1] + call.gen_length, "prompt length + gen_length")
+    generator = check_generator(call.settings.get("generator"), call.prompt.device)
+    return apd.apd_steps(decoder, call.prompt, generator, stats, call.settings.get("verifier_stats"))
+
+
 def _family_loop(call: Call) -> StepGenerator:
     raise ValueError(f"decoder: {type(call.decoder).__name__} configures its model family's own loop (remask.LLM / "
                      f"SamplingParams on a model of that family); this model ({call.spec.kind}) has no such loop")
@@ -184,6 +202,8 @@ register("llada2", llada2.LLaDA2Decoding, way="family", reads=READS, loop=_famil
 register("fast_dllm_v2", fast_dllm_v2.FastDLLMV2Decoding, way="family", reads=READS, loop=_family_loop,
          nested={"rule": "decoder"})
 register("canvas", canvas.CanvasDecoding, way="canvas", loop=_family_loop, nested={"sampler": canvas.CanvasSampler})
+register("apd", apd.APDConfig, way="apd", reads=("temperature", "top_p", "top_k", "generator", "verifier_stats"),
+         loop=_apd_loop)   # its verifier is a model (over HTTP a served model's name: remask.serve)
 
 
 # --- lookups -------------------------------------------------------------------------------------------
@@ -204,6 +224,18 @@ def rules() -> tuple[type, ...]:
 
 def is_config(field: str, value: Any) -> bool:
     return isinstance(value, configs(field))
+
+
+def way_of(decoder: Any) -> str | None:
+    """The way a `decoder=` value decodes (`Method.way`), None when it is no registered decoder config."""
+    return method_of(decoder).way if is_config("decoder", decoder) else None
+
+
+def check_decoder(decoder: Any) -> None:
+    """None, or a registered method's `decoder=` config."""
+    if decoder is not None and not is_config("decoder", decoder):
+        names = ", ".join(f"remask.{t.__name__}" for t in configs("decoder"))
+        raise ValueError(f"decoder must be one of {names}, got {type(decoder).__name__}")
 
 
 def method_of(config: Any) -> Method:
@@ -231,3 +263,66 @@ def from_json(field: str, value: dict) -> Any:
         return known[name](**settings)
     except (TypeError, ValueError) as err:   # an unknown field (a ValueError), a bad value: its JSON path named
         raise (ValueError if type(err) is TypeError else type(err))(f"{field} ({name}): {err}") from None
+
+
+# --- a request's settings ------------------------------------------------------------------------------
+
+def check_settings(params: Any) -> None:
+    """The decoding settings of `params` (`SamplingParams`, its `decoder` / `use_cache` JSON forms built), the one
+    check the engine's requests get: the flat vLLM / Fast-dLLM ones (`steps` and the block layout, `remasking`, the
+    parallel rules, `use_cache`, Dream's `alg`, `sparse`), the method's config, the settings its way of decoding does
+    not read (`parts.checks.WAYS`), then the configs' work bounds for its lengths."""
+    # LLaDA's block rule and Dream's sampler commit at least one token a step: more steps than
+    # max_tokens only repeat forwards (and sized O(steps) buffers: steps=10**9 was an OOM kill)
+    check_steps("steps", params.steps, params.max_tokens, "max_tokens")
+    check_int("block_length", params.block_length, minimum=1, allow_none=True)
+    check_choice("remasking", params.remasking, REMASKING)
+    validate_rule(params.threshold, params.factor, params.frechet_margin)
+    check_real("cfg_scale", params.cfg_scale, low=0)
+    check_decoder(params.decoder)
+    method = params.method
+    # blocks tile max_tokens, except for a method whose canvas grows up to it (`Method.length_bound`)
+    if method is None or not method_of(method).length_bound:
+        validate_block_args(params.max_tokens, params.block_length or params.max_tokens,
+                            params.steps or params.max_tokens)
+    if not (is_config("use_cache", params.use_cache)
+            or isinstance(params.use_cache, (str, type(None))) and params.use_cache in CACHE_MODES):
+        names = ", ".join(f"remask.{config.__name__}" for config in configs("use_cache"))
+        raise ValueError(f"use_cache must be one of {list(CACHE_MODES)} or a remask cache config ({names}), "
+                         f"got {params.use_cache!r}")
+    if params.use_cache is not None and params.cfg_scale > 0:
+        raise ValueError("cfg_scale > 0 cannot be combined with use_cache")
+    for name in ("early_stop", "logits_eos_inf", "reference_rng", "reference_ties"):
+        check_bool(name, getattr(params, name))
+    if params.ignore_eos and params.early_stop:
+        raise ValueError("ignore_eos makes EOS an ordinary token; early_stop ends a row at the first block holding "
+                         "EOS: not both")
+    check_choice("confidence_eos_eot_inf", params.confidence_eos_eot_inf, (False, True, "corrected"))
+    check_instance("sparse", params.sparse, SparseConfig, "a remask.SparseConfig")
+    if params.sparse is not None:
+        params.sparse.validate(params.block_length or params.max_tokens)
+        if params.use_cache is not None or params.cfg_scale > 0:
+            raise ValueError("sparse keeps its own cache and has no CFG pass: not with use_cache or cfg_scale")
+    check_real("alg_temp", params.alg_temp, low=0, high=MAX_TEMPERATURE, allow_none=True)
+    check_real("eps", params.eps, low=0, high=1, high_open=True)
+    if params.alg is not None:
+        check_choice("alg", params.alg, ALGORITHMS)
+    elif params.alg_temp is not None or params.eps != 1e-3:
+        raise ValueError("alg_temp and eps belong to Dream's sampler: set alg= (e.g. 'entropy') to use them")
+    # the settings this request's way of decoding does not read (a family's loop refuses its own at add_request)
+    if params.way == "method":   # `steps`: max_tokens is one token a step, unless the method reads steps itself
+        # a cache method reads what its loop reads; its way: a method's, or a family's
+        entry = method_of(params.use_cache if is_config("use_cache", params.use_cache) else method)
+        refuse_unread(params, entry.way, entry.reads + (("steps",) if params.steps == params.max_tokens else ()),
+                      name=type(method).__name__)
+    elif params.way == "dream":   # Dream's own sampler reads reference_ties; its block decoder frechet_margin
+        refuse_unread(params, "dream", (("threshold",) if params.alg == "confidence_threshold" else ()) + (
+            ("reference_ties",) if params.block_length is None and params.use_cache is None else ("frechet_margin",)),
+            alg=params.alg)
+    elif params.way == "apd":
+        refuse_unread(params, "apd")
+    # the configs' work bounds that the lengths set here fix (docs/parameters.md, "Work bounds"); the
+    # method's own checks run them again at add_request, with the prompt and the model's block
+    for config in (params.decoder, params.use_cache, params.sparse):
+        if config is not None and not isinstance(config, str):
+            config.check_request(gen_length=params.max_tokens, block_length=params.block_length, steps=params.steps)

@@ -332,18 +332,22 @@ def check_settings(field: str, settings: Any, allowed: Sequence[str]) -> dict:
 
 
 def changed(obj: Any, names: Iterable[str]) -> list[str]:
-    """The fields among `names` that the dataclass `obj` holds away from their defaults, in `names`' order."""
+    """The settings among `names` that `obj` holds away from their defaults, in `names`' order: `obj` a dataclass (its
+    fields' defaults) or a drop-in call's arguments, name → (value, default); names it lacks are skipped."""
+    if isinstance(obj, dict):
+        return [name for name in names if name in obj and obj[name][0] != obj[name][1]]
     defaults = {f.name: f.default for f in dataclasses.fields(obj)}
-    return [name for name in names if getattr(obj, name) != defaults[name]]
+    return [name for name in names if name in defaults and getattr(obj, name) != defaults[name]]
 
 
 # The settings that choose and steer a request's decoding (`SamplingParams` fields, `remask.generate`'s keywords)
 # and what each way of decoding reads of them, with its refusal: one set away from its default that the request's
 # way does not read is refused by name (`refuse_unread`). A registered method (`decoder=`, a cache config) reads
-# "method"'s plus its registry line's `reads`; a block-causal family's loop refuses with `parts.blocks.refuse_unread`.
+# "method"'s plus its registry line's `reads`; a block-causal family's loop "family"'s (`parts.blocks.engine_settings`).
 DECODING = ("temperature", "top_p", "top_k", "steps", "block_length", "remasking", "threshold", "factor",
             "frechet_margin", "cfg_scale", "use_cache", "early_stop", "logits_eos_inf", "confidence_eos_eot_inf",
-            "reference_rng", "reference_ties", "sparse", "alg", "alg_temp", "eps", "apd", "decoder")
+            "reference_rng", "reference_ties", "sparse", "alg", "alg_temp", "eps", "apd", "decoder", "on_step",
+            "eos_id", "eot_id")
 WAYS: dict[str, tuple[tuple[str, ...], str]] = {
     "llada": (tuple(n for n in DECODING if n not in ("top_p", "top_k", "alg", "alg_temp", "eps", "apd", "decoder")),
               "{unread}: top_p / top_k filter autoregressive sampling and Dream's (alg=...); LLaDA's block rule "
@@ -352,7 +356,7 @@ WAYS: dict[str, tuple[tuple[str, ...], str]] = {
               "alg={alg!r} selects Dream's sampler, which does not read {unread} (LLaDA's block rule does)"),
     "method": (("block_length", "use_cache", "decoder", "eps"),
                "{name} runs its own rule (greedy) and does not read {unread}"),
-    "apd": (("temperature", "top_p", "top_k", "apd"),
+    "apd": (("temperature", "top_p", "top_k", "decoder"),
             "apd decodes left to right with its verifier; it does not combine with {unread}"),
     "ar": (("temperature", "top_p", "top_k"), "the model is autoregressive; these settings are for diffusion models: "
            "{unread}"),
@@ -366,8 +370,9 @@ WAYS: dict[str, tuple[tuple[str, ...], str]] = {
 
 
 def refuse_unread(params: Any, way: str, also: Iterable[str] = (), **words: Any) -> None:
-    """Refuse the decoding settings of `params` set away from their defaults that `way` (a key of WAYS) does not
-    read, besides `also`; `words` fill its message."""
+    """Refuse the decoding settings of `params` (`SamplingParams`, or a drop-in call's arguments as `changed` takes
+    them) set away from their defaults that `way` (a key of WAYS) does not read, besides `also`; `words` fill its
+    message."""
     reads, message = WAYS[way]
     unread = [name for name in changed(params, DECODING) if name not in reads and name not in also]
     if unread:

@@ -11,6 +11,7 @@ schema (`structured_outputs`, compiled against the zoo's character tokenizer). N
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
 from typing import Any
@@ -53,11 +54,22 @@ def methods() -> dict[str, dict[str, Any]]:
     shipped = (remask.ThresholdDecoding, remask.CreditDecoding, remask.HierarchicalDecoding)
     extra = {f"rule {rule.name} ({rule.__name__})": dict(decoder=rule()) for rule in registry.rules()
              if rule not in shipped}
-    # Every other registered method with a loop of its own (DAEDAL, ...), by its config's name, with its defaults.
+    # Every other registered method with a loop of its own (DAEDAL, ...), by its config's name, with its defaults;
+    # APD with a tiny random causal LM as its verifier (its config has no default verifier).
     named = {type(config) for kwargs in listed.values() for config in kwargs.values()}
     own_loops = {m.config.__name__: {m.field: m.config()} for m in registry.METHODS.values()
-                 if not m.is_rule and m.config not in named}
-    return {**listed, **extra, **own_loops}
+                 if not m.is_rule and m.config not in named and m.way != "apd"}
+    return {**listed, **extra, **own_loops, "APD": dict(decoder=remask.APDConfig(_verifier()))}
+
+
+@functools.cache
+def _verifier() -> torch.nn.Module:
+    """APD's verifier in the table: a random one-layer Llama whose vocabulary covers every family's tiny checkpoint's
+    (APD refuses a verifier that lacks the dLLM's EOS)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=160_000, hidden_size=16, intermediate_size=32,
+                                        num_hidden_layers=1, num_attention_heads=2)).eval()
 
 
 # The settings each table adds to every request: plain, and a JSON schema the answer must follow.
@@ -71,11 +83,11 @@ READS_STEPS = ("the family's own rule (LLaDA: low-confidence blocks)", "Dream's 
 
 def layout(name: str, spec: Any) -> dict[str, Any]:
     """The layout keywords of method `name` on a model of `spec`: blocks of 16 (not Elastic-Cache's
-    sliding window nor Dream's sampler) and 32 steps on the bidirectional mask models; none on the
+    sliding window, APD nor Dream's sampler) and 32 steps on the bidirectional mask models; none on the
     families that fix their own blocks (block-causal) or canvas (uniform noise)."""
     if spec.attention == "block-causal" or spec.noise == "uniform":
         return {}
-    out = {} if name.startswith("Elastic-Cache") or name == "Dream's sampler (alg=entropy)" else dict(block_length=16)
+    out = {} if name.startswith(("Elastic-Cache", "APD", "Dream's sampler")) else dict(block_length=16)
     if name in READS_STEPS:
         out["steps"] = 32
     return out

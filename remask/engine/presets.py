@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from remask.diffusion.families.apd import APDDecoder, apd_steps
 from remask.diffusion.families.ar import ARDecoder
 from remask.diffusion.families.canvas import CanvasDecoding, CanvasDecoder, check_stability, resolve_generation_config
 from remask.diffusion.families.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder,
@@ -134,11 +133,13 @@ def llada_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor,
 
 def method_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
                    end_ids: Any = ()) -> StepwiseDecoder:
-    """`decoder=` / a cache config: the method's step generator (`decoder_steps`), advanced one
-    forward per engine step. Its arguments are checked here, before the request is queued."""
+    """`decoder=` / a cache config (APD's `decoder=APDConfig(...)` too: its rounds, as `remask.generate` runs them):
+    the method's step generator (`decoder_steps`), advanced one forward per engine step. Its arguments are checked
+    here, before the request is queued."""
+    # the settings as (value, default): refused unless the method reads them
     settings = {"steps": (params.steps, None), "remasking": (params.remasking, params.remasking),
-                "cfg_scale": (params.cfg_scale, SamplingParams.cfg_scale),
-                "temperature": (params.temperature, SamplingParams.temperature)}   # refused unless the method reads it
+                "cfg_scale": (params.cfg_scale, SamplingParams.cfg_scale), "top_p": (params.top_p, None),
+                "top_k": (params.top_k, None), "temperature": (params.temperature, SamplingParams.temperature)}
     kwargs = dict(gen_length=params.max_tokens, block_length=params.block_length or params.max_tokens,
                   use_cache=params.use_cache, mask_id=engine.spec.mask_id, structure=structure, end_ids=end_ids)
     # Checked now (the settings as values; SamplingParams refused the unread ones already, add_request the prompt).
@@ -149,17 +150,6 @@ def method_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor
                              settings={**settings, "generator": (generator, generator)}, **kwargs)
 
     return StepwiseDecoder(make_steps, gen_length=params.max_tokens, name=type(params.method).__name__)
-
-
-def apd_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
-                end_ids: Any = ()) -> StepwiseDecoder:
-    """APD as `remask.generate(apd=...)` / `diffusion_generate(apd=...)` run it (the settings it
-    does not read were refused when the params were built): its rounds, one forward per step."""
-    decoder = APDDecoder(engine.spec, params.apd, gen_length=params.max_tokens, temperature=params.temperature,
-                         top_p=params.top_p, top_k=params.top_k).constrain(structure)
-    decoder.check_input(prompt_ids)
-    return StepwiseDecoder(lambda prompt, generator, stats: apd_steps(decoder, prompt, generator, stats),
-                           gen_length=params.max_tokens, name="APD")
 
 
 def dream_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
@@ -184,4 +174,4 @@ def dream_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor,
 
 # way (`way_of`) → the builder of its decoder: `builder(engine, params, prompt_ids, structure, end_ids)`
 BUILDERS = {"canvas": canvas_decoder, "family": family_decoder, "ar": ar_decoder, "method": method_decoder,
-            "apd": apd_decoder, "dream": dream_decoder, "llada": llada_decoder}
+            "apd": method_decoder, "dream": dream_decoder, "llada": llada_decoder}

@@ -1,7 +1,9 @@
 """`SamplingParams`: every decoding setting of one request, validated when it is built.
 
 The checks are those of `remask.generate` / `ar_generate` (`remask/diffusion/parts/checks.py`), so a
-request that would fail there fails here; model-dependent ones run at `LLMEngine.add_request`.
+request that would fail there fails here; the diffusion settings and the method's config are checked by one function
+of the registry (`remask.diffusion.methods.registry.check_settings`); model-dependent checks run at
+`LLMEngine.add_request`.
 """
 from __future__ import annotations
 
@@ -9,14 +11,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from remask.diffusion.families.apd import APDConfig
-from remask.diffusion.families.dream import ALGORITHMS
-from remask.diffusion.families.llada import REMASKING, validate_block_args, validate_rule
-from remask.diffusion.parts.cache import CACHE_MODES
-from remask.diffusion.parts.checks import (MAX_LOGPROBS, MAX_TEMPERATURE, ParameterTypeError, check_bool, check_choice,
-                                           check_instance, check_int, check_min_tokens, check_real, check_seed,
-                                           check_steps, check_stop, refuse_unread)
-from remask.diffusion.parts.sparse import SparseConfig
+from remask.diffusion.methods import registry
+from remask.diffusion.parts.checks import (MAX_LOGPROBS, MAX_TEMPERATURE, ParameterTypeError, check_bool, check_int,
+                                           check_min_tokens, check_real, check_seed, check_stop)
 
 
 @dataclass(frozen=True)
@@ -27,9 +24,9 @@ class SamplingParams:
     `max_tokens`: diffusion models fill exactly this many positions (at most, with `decoder=DAEDAL`, whose
     canvas grows); sample i of `n` draws from
     `seed + i` (None: from the engine's seed and the prompt). Diffusion: `remask.generate`'s keywords
-    (LLaDA's block rule), `alg` (Dream's sampler), `apd`, `decoder=` (docs/decoders.md): a method's config, or the
-    config of the model family's own loop (`SDARDecoding`, `LLaDA2Decoding`, `FastDLLMV2Decoding`: docs/block-diffusion.md;
-    `CanvasDecoding`: docs/diffusion-gemma.md).
+    (LLaDA's block rule), `alg` (Dream's sampler), `decoder=` (docs/decoders.md): a method's config (`APDConfig`: APD,
+    docs/apd.md), or the config of the model family's own loop (`SDARDecoding`, `LLaDA2Decoding`, `FastDLLMV2Decoding`:
+    docs/block-diffusion.md; `CanvasDecoding`: docs/diffusion-gemma.md).
     `structured_outputs` (remask/structured.py) does not combine with `ignore_eos`, `min_tokens` or `stop`.
     """
 
@@ -53,11 +50,10 @@ class SamplingParams:
     confidence_eos_eot_inf: bool | str = False
     reference_rng: bool = False
     reference_ties: bool = False
-    sparse: SparseConfig | None = None
+    sparse: Any = None   # a remask.SparseConfig
     alg: str | None = None
     alg_temp: float | None = None
     eps: float = 1e-3
-    apd: APDConfig | None = None
     decoder: Any = None
     # vLLM's (last, so positional use of the fields above is unchanged)
     ignore_eos: bool = False
@@ -93,86 +89,27 @@ class SamplingParams:
             if clashes:
                 raise ValueError(f"structured_outputs does not combine with {clashes}: the answer ends where its "
                                  "structure is complete, and these could end or cut it elsewhere")
-        # LLaDA's block rule and Dream's sampler commit at least one token a step: more steps than
-        # max_tokens only repeat forwards (and sized O(steps) buffers: steps=10**9 was an OOM kill)
-        check_steps("steps", self.steps, self.max_tokens, "max_tokens")
-        check_int("block_length", self.block_length, minimum=1, allow_none=True)
-        from remask.diffusion.methods import registry
-        from remask.diffusion.methods.decoders import check_decoder
-
-        check_choice("remasking", self.remasking, REMASKING)
-        validate_rule(self.threshold, self.factor, self.frechet_margin)
-        check_real("cfg_scale", self.cfg_scale, low=0)
-        # JSON forms (HTTP bodies, the CLI): {"name": ..., fields...} → the config objects
-        for name in ("decoder", "use_cache"):
+        for name in ("decoder", "use_cache"):   # JSON forms (HTTP bodies, the CLI): {"name": ..., fields...} → configs
             if isinstance(getattr(self, name), dict):
                 object.__setattr__(self, name, registry.from_json(name, getattr(self, name)))
-        if self.decoder is not None:
-            check_decoder(self.decoder)
-        method = self.method
-        # blocks tile max_tokens, except for a method whose canvas grows up to it (`Method.length_bound`)
-        if method is None or not registry.method_of(method).length_bound:
-            validate_block_args(self.max_tokens, self.block_length or self.max_tokens, self.steps or self.max_tokens)
-        if not (registry.is_config("use_cache", self.use_cache)
-                or isinstance(self.use_cache, (str, type(None))) and self.use_cache in CACHE_MODES):
-            configs = "remask.VicinityCache, remask.DKVCache, remask.D2Cache, remask.ElasticCache"
-            raise ValueError(f"use_cache must be one of {list(CACHE_MODES)} or a remask cache config ({configs}), "
-                             f"got {self.use_cache!r}")
-        if self.use_cache is not None and self.cfg_scale > 0:
-            raise ValueError("cfg_scale > 0 cannot be combined with use_cache")
-        for name in ("early_stop", "logits_eos_inf", "reference_rng", "reference_ties"):
-            check_bool(name, getattr(self, name))
-        if self.ignore_eos and self.early_stop:
-            raise ValueError("ignore_eos makes EOS an ordinary token; early_stop ends a row at the first block holding "
-                             "EOS: not both")
-        check_choice("confidence_eos_eot_inf", self.confidence_eos_eot_inf, (False, True, "corrected"))
-        check_instance("sparse", self.sparse, SparseConfig, "a remask.SparseConfig")
-        if self.sparse is not None:
-            self.sparse.validate(self.block_length or self.max_tokens)
-            if self.use_cache is not None or self.cfg_scale > 0:
-                raise ValueError("sparse keeps its own cache and has no CFG pass: not with use_cache or cfg_scale")
-        check_real("alg_temp", self.alg_temp, low=0, high=MAX_TEMPERATURE, allow_none=True)
-        check_real("eps", self.eps, low=0, high=1, high_open=True)
-        if self.alg is not None:
-            check_choice("alg", self.alg, ALGORITHMS)
-        elif self.alg_temp is not None or self.eps != 1e-3:
-            raise ValueError("alg_temp and eps belong to Dream's sampler: set alg= (e.g. 'entropy') to use them")
-        check_instance("apd", self.apd, APDConfig, "a remask.APDConfig")
-        # the settings this request's way of decoding does not read (a family's loop refuses its own at add_request)
-        if self.way == "method":   # `steps`: max_tokens is one token a step, unless the method reads steps itself
-            cache = registry.is_config("use_cache", self.use_cache)   # a cache method reads what its loop reads
-            entry = registry.method_of(self.use_cache if cache else method)   # its way: a method's, or a family's
-            refuse_unread(self, entry.way, entry.reads + (("steps",) if self.steps == self.max_tokens else ()),
-                          name=type(method).__name__)
-        elif self.way == "dream":   # Dream's own sampler reads reference_ties; its block decoder frechet_margin
-            refuse_unread(self, "dream", (("threshold",) if self.alg == "confidence_threshold" else ()) + (
-                ("reference_ties",) if self.block_length is None and self.use_cache is None else ("frechet_margin",)),
-                alg=self.alg)
-        elif self.way == "apd":
-            refuse_unread(self, "apd")
-        # the configs' work bounds that the lengths set here fix (docs/parameters.md, "Work bounds"); the
-        # method's own checks run them again at add_request, with the prompt and the model's block
-        for config in (self.decoder, self.use_cache, self.apd, self.sparse):
-            if config is not None and not isinstance(config, str):
-                config.check_request(gen_length=self.max_tokens, block_length=self.block_length, steps=self.steps)
+        registry.check_settings(self)   # the diffusion settings, the method's config, what its way does not read
 
     @property
     def method(self) -> Any:
         """The registered method's config these params run (`decoder=`, else a cache config), or None."""
         if self.decoder is not None:
             return self.decoder
-        from remask.diffusion.methods import registry
-
         return self.use_cache if registry.is_config("use_cache", self.use_cache) else None
 
     @property
     def way(self) -> str:
-        """How these params decode on a bidirectional mask model (a key of `parts.checks.WAYS`): a registered
-        method's loop ("method"), "apd", Dream's sampler ("dream", `alg=`) or LLaDA's block rule ("llada"). The
-        model may have a loop of its own (`presets.way_of`)."""
+        """How these params decode on a bidirectional mask model (a key of `parts.checks.WAYS`): APD ("apd",
+        `decoder=APDConfig(...)`), another registered method's loop ("method": a family's config too, whose loop
+        refuses it on another model), Dream's sampler ("dream", `alg=`) or LLaDA's block rule ("llada"). The model
+        may have a loop of its own (`presets.way_of`)."""
         if self.method is not None:
-            return "method"
-        return "apd" if self.apd is not None else "dream" if self.alg is not None else "llada"
+            return "apd" if registry.way_of(self.decoder) == "apd" else "method"
+        return "dream" if self.alg is not None else "llada"
 
     @property
     def gen_length(self) -> int:

@@ -169,7 +169,7 @@ class ResponseCache:
 
     @staticmethod
     def key(body: Any, params: Any) -> tuple[str, str] | None:
-        if (params.temperature > 0 and params.seed is None) or params.apd is not None:
+        if (params.temperature > 0 and params.seed is None) or params.way == "apd":
             return None          # sampled without a seed (a new answer each time), or another model's verdict
         settings = body.model_dump(exclude={"stream", "stream_options", "user", "timeout"})
         return body.model, json.dumps([type(body).__name__, settings, repr(params)], sort_keys=True, default=str)
@@ -495,8 +495,8 @@ def build_app(engines: dict[str, AsyncEngine], *, api_key: str | Sequence[str] |
         return engines[name]
 
     def verifier(name: str) -> Any:
-        if name not in engines:
-            raise ValueError(f"apd.verifier: {name!r} is not a served model ({sorted(engines)})")
+        if not isinstance(name, str) or name not in engines:
+            raise ValueError(f"decoder.verifier: {name!r} is not a served model ({sorted(engines)})")
         return engines[name].llm.engine.model
 
     def params_for(body: CompletionRequest | ChatCompletionRequest):

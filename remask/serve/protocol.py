@@ -18,7 +18,6 @@ from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, Strict, StrictBool, StrictInt
 
-from remask.diffusion.families.apd import APDConfig
 from remask.diffusion.parts.checks import MAX_LOGPROBS, check_int
 from remask.diffusion.parts.sparse import SparseConfig
 from remask.engine import SamplingParams
@@ -42,19 +41,6 @@ class UnsupportedParameter(ValueError):
     def __init__(self, names: list[str]) -> None:
         super().__init__(f"not supported by remask: {', '.join(names)}")
         self.names = names
-
-
-class APDSettings(BaseModel):
-    """APD over HTTP: `verifier` names a served autoregressive model; the others are `APDConfig`'s
-    fields, passed only when given (so `APDConfig`'s defaults and checks apply)."""
-
-    model_config = ConfigDict(extra="forbid")
-    verifier: str
-    mixture_weight: Any = None
-    kv_window: Any = None
-    max_lookahead: Any = None
-    dllm_cache: Any = None
-    coupled_gumbel: Any = None
 
 
 class StreamOptions(BaseModel):
@@ -105,7 +91,9 @@ class _Common(BaseModel):
     frechet_margin: StrictNumber | None = None
     remasking: str | None = None
     use_cache: str | dict[str, Any] | None = None   # a name, or a cache config {"name": "dkv", ...}
-    decoder: dict[str, Any] | None = None   # a decoder config {"name": "freedave", ...}, or {"name": "sdar", ...}
+    # a decoder config {"name": "freedave", ...}, {"name": "sdar", ...}; APD's {"name": "apd", "verifier": <a served
+    # autoregressive model's name>, ...}
+    decoder: dict[str, Any] | None = None
     cfg_scale: StrictNumber | None = None
     alg: str | None = None
     alg_temp: StrictNumber | None = None
@@ -115,7 +103,6 @@ class _Common(BaseModel):
     # vLLM's extra body fields; typed loosely so SamplingParams alone judges them (1 is no bool)
     ignore_eos: Any = None
     min_tokens: Any = None
-    apd: APDSettings | None = None
     sparse: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
@@ -125,7 +112,7 @@ class _Common(BaseModel):
                         verifier: Callable[[str], Any] | None = None) -> SamplingParams:
         """The request's settings over the server's defaults for the model; `ValueError` naming
         the field when a value or a combination is not allowed. `verifier(name)`: the loaded model
-        served under `name` (APD's verifier)."""
+        served under `name` (APD's `decoder.verifier`)."""
         unsupported = self.unsupported()
         if unsupported:
             raise UnsupportedParameter(unsupported)
@@ -152,16 +139,15 @@ class _Common(BaseModel):
                 values["sparse"] = SparseConfig(**self.sparse)
             except TypeError as err:     # an unknown field
                 raise ValueError(f"sparse: {err}") from None
-        if self.decoder is not None:
-            values["decoder"] = self.decoder   # SamplingParams builds the config (docs/decoders.md)
+        if self.decoder is not None:   # SamplingParams builds the config (docs/decoders.md)
+            values["decoder"] = dict(self.decoder)
+            if self.decoder.get("name") == "apd" and "verifier" in self.decoder:   # a served model, by its name
+                if verifier is None:
+                    raise ValueError("decoder.verifier: no verifier can be served here")
+                values["decoder"]["verifier"] = verifier(self.decoder["verifier"])
         structured = self.structured()
         if structured is not None:
             values["structured_outputs"] = structured
-        if self.apd is not None:
-            if verifier is None:
-                raise ValueError("apd: no verifier can be served here")
-            settings = self.apd.model_dump(exclude={"verifier"}, exclude_unset=True)
-            values["apd"] = APDConfig(verifier=verifier(self.apd.verifier), **settings)
         return SamplingParams(**values)
 
     def requested_max_tokens(self) -> int | None:
