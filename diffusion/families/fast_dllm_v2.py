@@ -172,14 +172,13 @@ class FastDLLMV2Decoder(BlockLoop):
                 if end > first and (self.use_cache or state.prompt_length % self.block_size == 0):
                     return   # the prefill's forward
                 state.prefilled = True
-                continue
-            if state.block_start < 0:   # between blocks
+            elif state.block_start < 0:   # between blocks
                 self._open_block(state)
-                continue
-            if self.stop_mode == "batch_sample" and state.finished and \
-                    not bool((state.x[:, state.block_start:] == self.mask_id).any()):
-                self._finish(state)
-            return
+            else:
+                if self.stop_mode == "batch_sample" and state.finished and \
+                        not bool((state.x[:, state.block_start:] == self.mask_id).any()):
+                    self._finish(state)
+                return
 
     def _block_rows(self, state: FastDLLMV2State, blocks: torch.Tensor, store: bool) -> ForwardRequest:
         """The whole-block forward of `blocks` `[K, L]` against the prefix cache (storing when `store`,
