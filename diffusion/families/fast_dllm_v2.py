@@ -349,7 +349,7 @@ def fast_dllm_v2_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, ma
     check_int("max_new_tokens", max_new_tokens, minimum=0)
     check_int("block_size", block_size, minimum=1)
     check_generator(generator, input_ids.device if torch.is_tensor(input_ids) else "cpu")
-    check_stats("stats", stats)
+    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.shape[0] == 0:
         raise ValueError(f"input_ids must be a LongTensor [batch, length], got {getattr(input_ids, 'shape', None)}")
     kwargs = dict(mask_id=mask_id, num_blocks=max_new_tokens // block_size, block_size=block_size,
@@ -358,12 +358,10 @@ def fast_dllm_v2_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, ma
                   stop_mode="generate", prefill_whole_block_prompt=prefill_whole_block_prompt, use_cache=use_cache)
     loop = FastDLLMV2Decoder(decoder, **kwargs)
     loop.constrain(structure_for_call(structured_outputs, model, tokenizer, loop.mask_id, max_new_tokens))
-    if stats is not None:
-        stats.start()
+    stats.start()
     rows = [decode_alone(loop, model, loop.start(input_ids[b:b + 1]), generator, stats).x[0]
             for b in range(input_ids.shape[0])]
-    if stats is not None:
-        stats.stop(int(sum(len(row) for row in rows) - input_ids.numel()))
+    stats.stop(int(sum(len(row) for row in rows) - input_ids.numel()))
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=stop_token)
 
 
@@ -394,13 +392,12 @@ def fast_dllm_v2_batch_sample(model: torch.nn.Module, input_ids: torch.Tensor, s
     check_int("block_size", block_size, minimum=1)
     check_int("max_new_tokens", max_new_tokens, minimum=0)
     check_generator(generator, input_ids.device)
-    check_stats("stats", stats)
+    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     num_blocks = max_new_tokens // block_size + max(lengths) // block_size
     # upstream forwards no block before min_len's; with min_len == block_size the prompt's first
     # block is never in the cache (`prefill_whole_block_prompt=False` keeps that)
     skip = not prefill_whole_block_prompt and int(min_len) == block_size
-    if stats is not None:
-        stats.start()
+    stats.start()
     states = []
     for b, length in enumerate(lengths):
         decoder = FastDLLMV2Decoder(mask_id=mask_id, num_blocks=num_blocks - length // block_size,
@@ -419,8 +416,7 @@ def fast_dllm_v2_batch_sample(model: torch.nn.Module, input_ids: torch.Tensor, s
         if states[b].finished and any(last[r] > last[b] for r in range(len(states)) if r != b):
             row = torch.cat([row, row.new_tensor([pad_token])])
         out[b] = row
-    if stats is not None:
-        stats.stop(int(sum(len(row) for row in out.values()) - sum(lengths)))
+    stats.stop(int(sum(len(row) for row in out.values()) - sum(lengths)))
     return out
 
 
