@@ -226,10 +226,6 @@ class CanvasState:
     matchers: Any = None                   # structured output: one matcher per row (`CanvasDecoder.constrain`)
 
     @property
-    def batch(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
     def x(self) -> torch.Tensor:
         """The sequences so far, with the current canvas's argmax after them (the draft)."""
         if self.done or self.argmax_canvas is None:
@@ -330,7 +326,7 @@ class CanvasDecoder(Constrainable, Decoder):
         """Encode what the cache lacks (the prompt, or the last canvas) and draw a fresh canvas; yields
         None (a pause) while another request encodes the same prompt (then its cache is taken)."""
         L, V = self.canvas_model.canvas_length, self.canvas_model.vocab_size
-        B, device = state.batch, state.input_ids.device
+        (B, _), device = state.input_ids.shape, state.input_ids.device
         key = None
         if first and self.prompt_cache is not None and B == 1 and bool(state.attention_mask.all()):
             key = tuple(state.input_ids[0].tolist())
@@ -367,7 +363,7 @@ class CanvasDecoder(Constrainable, Decoder):
                        streamer: Any = None) -> Generator[ForwardRequest | None, Any, CanvasState]:
         """One denoising step of every row as a step generator; closes (and opens) canvases as they end."""
         cm, sampler = self.canvas_model, self.sampler
-        L, V, B, device = cm.canvas_length, cm.vocab_size, state.batch, state.input_ids.device
+        L, V, B, device = cm.canvas_length, cm.vocab_size, state.input_ids.shape[0], state.input_ids.device
         if state.canvas is None:
             yield from self._open_canvas(state, generator, first=True)
         canvas, argmax_canvas, finished = state.canvas, state.argmax_canvas, state.finished_denoising
