@@ -478,7 +478,7 @@ def canvas_generate(model: torch.nn.Module, input_ids: torch.Tensor, generation_
     (compiled against `tokenizer`, default the one beside the model; `CanvasDecoder.constrain`).
     """
     check_bool("reference_rng", reference_rng)
-    check_stats("stats", stats)
+    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     check_instance("canvas_sampler", canvas_sampler, CanvasSampler, "a remask.CanvasSampler")
     if past_key_values is not None:
         raise ValueError("past_key_values: remask's canvas loop builds its own cache; pass the whole prompt")
@@ -489,8 +489,7 @@ def canvas_generate(model: torch.nn.Module, input_ids: torch.Tensor, generation_
     decoder = CanvasDecoder(get_spec(model), config, canvas_sampler, reference_rng=reference_rng,
                             logits_processor=logits_processor, stopping_criteria=stopping_criteria)
     decoder.constrain(compile_for(structured_outputs, model, tokenizer, None))
-    if stats is not None:
-        stats.start()
+    stats.start()
     if streamer is not None:
         streamer.put(input_ids.cpu())
     state = decoder.start(input_ids, model_kwargs.pop("attention_mask", None), **model_kwargs)
@@ -498,9 +497,7 @@ def canvas_generate(model: torch.nn.Module, input_ids: torch.Tensor, generation_
         drive(decoder.denoising_step(state, generator, stats, streamer), model)   # its forwards alone
     if streamer is not None:
         streamer.end()
-    if stats is not None:
-        pad = config.pad_token_id
-        new_tokens = state.input_ids[:, state.prompt_length:]
-        stats.stop(int((new_tokens != pad).sum()) if pad is not None else new_tokens.numel())
+    pad, new_tokens = config.pad_token_id, state.input_ids[:, state.prompt_length:]
+    stats.stop(int((new_tokens != pad).sum()) if pad is not None else new_tokens.numel())
     return decoder.output(state, getattr(config, "return_dict_in_generate", True))
 
