@@ -352,11 +352,10 @@ def fast_dllm_v2_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, ma
     stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.shape[0] == 0:
         raise ValueError(f"input_ids must be a LongTensor [batch, length], got {getattr(input_ids, 'shape', None)}")
-    kwargs = dict(mask_id=mask_id, num_blocks=max_new_tokens // block_size, block_size=block_size,
-                  small_block_size=small_block_size, threshold=threshold, stop_token=stop_token,
-                  top_p=top_p, temperature=temperature, use_block_cache=use_block_cache,
-                  stop_mode="generate", prefill_whole_block_prompt=prefill_whole_block_prompt, use_cache=use_cache)
-    loop = FastDLLMV2Decoder(decoder, **kwargs)
+    loop = FastDLLMV2Decoder(decoder, mask_id=mask_id, num_blocks=max_new_tokens // block_size, block_size=block_size,
+                             small_block_size=small_block_size, threshold=threshold, stop_token=stop_token,
+                             top_p=top_p, temperature=temperature, use_block_cache=use_block_cache,
+                             prefill_whole_block_prompt=prefill_whole_block_prompt, use_cache=use_cache)
     loop.constrain(structure_for_call(structured_outputs, model, tokenizer, loop.mask_id, max_new_tokens))
     stats.start()
     rows = [decode_alone(loop, model, loop.start(input_ids[b:b + 1]), generator, stats).x[0]
