@@ -285,9 +285,8 @@ class CanvasDecoder(Constrainable, Decoder):
             raise ValueError(f"attention_mask must be 2-D with input_ids' shape {(B, cur_len)}, "
                              f"got {tuple(attention_mask.shape)}")
         attention_mask = attention_mask.bool()
-        first_canvas = {name: value for name, value in (("decoder_input_ids", decoder_input_ids),
-                                                        ("self_conditioning_logits", self_conditioning_logits))
-                        if value is not None}
+        given = dict(decoder_input_ids=decoder_input_ids, self_conditioning_logits=self_conditioning_logits)
+        first_canvas = {name: value for name, value in given.items() if value is not None}
         tracker = None if config.stability_threshold is None or config.confidence_threshold is None else \
             StabilityTracker(config.stability_threshold, config.confidence_threshold)
         state = CanvasState(
