@@ -284,8 +284,6 @@ def elastic_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: ElasticCache
     loop: docs/quirks.md, "Structured output in ... the step-generator methods")."""
     config = check_config("config", config, ElasticCache, "a remask ElasticCache")
     check_int("gen_length", gen_length, minimum=1)
-    for name, value in (("mask_id", mask_id), ("eos_id", eos_id)):
-        check_int(name, value, minimum=0, allow_none=True)
     spec, stats = check_method_call(spec, prompt, attention_mask, stats, "remask.elastic_generate", mask_id=mask_id,
                                     eos_id=eos_id)
     if spec.kind != "llada":
