@@ -226,10 +226,6 @@ class CanvasState:
     matchers: Any = None                   # structured output: one matcher per row (`CanvasDecoder.constrain`)
 
     @property
-    def batch(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
     def x(self) -> torch.Tensor:
         """The sequences so far, with the current canvas's argmax after them (the draft)."""
         if self.done or self.argmax_canvas is None:
@@ -289,9 +285,8 @@ class CanvasDecoder(Constrainable, Decoder):
             raise ValueError(f"attention_mask must be 2-D with input_ids' shape {(B, cur_len)}, "
                              f"got {tuple(attention_mask.shape)}")
         attention_mask = attention_mask.bool()
-        first_canvas = {name: value for name, value in (("decoder_input_ids", decoder_input_ids),
-                                                        ("self_conditioning_logits", self_conditioning_logits))
-                        if value is not None}
+        given = dict(decoder_input_ids=decoder_input_ids, self_conditioning_logits=self_conditioning_logits)
+        first_canvas = {name: value for name, value in given.items() if value is not None}
         tracker = None if config.stability_threshold is None or config.confidence_threshold is None else \
             StabilityTracker(config.stability_threshold, config.confidence_threshold)
         state = CanvasState(
@@ -330,7 +325,7 @@ class CanvasDecoder(Constrainable, Decoder):
         """Encode what the cache lacks (the prompt, or the last canvas) and draw a fresh canvas; yields
         None (a pause) while another request encodes the same prompt (then its cache is taken)."""
         L, V = self.canvas_model.canvas_length, self.canvas_model.vocab_size
-        B, device = state.batch, state.input_ids.device
+        (B, _), device = state.input_ids.shape, state.input_ids.device
         key = None
         if first and self.prompt_cache is not None and B == 1 and bool(state.attention_mask.all()):
             key = tuple(state.input_ids[0].tolist())
@@ -367,7 +362,7 @@ class CanvasDecoder(Constrainable, Decoder):
                        streamer: Any = None) -> Generator[ForwardRequest | None, Any, CanvasState]:
         """One denoising step of every row as a step generator; closes (and opens) canvases as they end."""
         cm, sampler = self.canvas_model, self.sampler
-        L, V, B, device = cm.canvas_length, cm.vocab_size, state.batch, state.input_ids.device
+        L, V, B, device = cm.canvas_length, cm.vocab_size, state.input_ids.shape[0], state.input_ids.device
         if state.canvas is None:
             yield from self._open_canvas(state, generator, first=True)
         canvas, argmax_canvas, finished = state.canvas, state.argmax_canvas, state.finished_denoising
@@ -482,7 +477,7 @@ def canvas_generate(model: torch.nn.Module, input_ids: torch.Tensor, generation_
     (compiled against `tokenizer`, default the one beside the model; `CanvasDecoder.constrain`).
     """
     check_bool("reference_rng", reference_rng)
-    check_stats("stats", stats)
+    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     check_instance("canvas_sampler", canvas_sampler, CanvasSampler, "a remask.CanvasSampler")
     if past_key_values is not None:
         raise ValueError("past_key_values: remask's canvas loop builds its own cache; pass the whole prompt")
@@ -493,8 +488,7 @@ def canvas_generate(model: torch.nn.Module, input_ids: torch.Tensor, generation_
     decoder = CanvasDecoder(get_spec(model), config, canvas_sampler, reference_rng=reference_rng,
                             logits_processor=logits_processor, stopping_criteria=stopping_criteria)
     decoder.constrain(compile_for(structured_outputs, model, tokenizer, None))
-    if stats is not None:
-        stats.start()
+    stats.start()
     if streamer is not None:
         streamer.put(input_ids.cpu())
     state = decoder.start(input_ids, model_kwargs.pop("attention_mask", None), **model_kwargs)
@@ -502,9 +496,7 @@ def canvas_generate(model: torch.nn.Module, input_ids: torch.Tensor, generation_
         drive(decoder.denoising_step(state, generator, stats, streamer), model)   # its forwards alone
     if streamer is not None:
         streamer.end()
-    if stats is not None:
-        pad = config.pad_token_id
-        new_tokens = state.input_ids[:, state.prompt_length:]
-        stats.stop(int((new_tokens != pad).sum()) if pad is not None else new_tokens.numel())
+    pad, new_tokens = config.pad_token_id, state.input_ids[:, state.prompt_length:]
+    stats.stop(int((new_tokens != pad).sum()) if pad is not None else new_tokens.numel())
     return decoder.output(state, getattr(config, "return_dict_in_generate", True))
 

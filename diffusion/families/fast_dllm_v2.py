@@ -172,14 +172,13 @@ class FastDLLMV2Decoder(BlockLoop):
                 if end > first and (self.use_cache or state.prompt_length % self.block_size == 0):
                     return   # the prefill's forward
                 state.prefilled = True
-                continue
-            if state.block_start < 0:   # between blocks
+            elif state.block_start < 0:   # between blocks
                 self._open_block(state)
-                continue
-            if self.stop_mode == "batch_sample" and state.finished and \
-                    not bool((state.x[:, state.block_start:] == self.mask_id).any()):
-                self._finish(state)
-            return
+            else:
+                if self.stop_mode == "batch_sample" and state.finished and \
+                        not bool((state.x[:, state.block_start:] == self.mask_id).any()):
+                    self._finish(state)
+                return
 
     def _block_rows(self, state: FastDLLMV2State, blocks: torch.Tensor, store: bool) -> ForwardRequest:
         """The whole-block forward of `blocks` `[K, L]` against the prefix cache (storing when `store`,
@@ -350,21 +349,18 @@ def fast_dllm_v2_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, ma
     check_int("max_new_tokens", max_new_tokens, minimum=0)
     check_int("block_size", block_size, minimum=1)
     check_generator(generator, input_ids.device if torch.is_tensor(input_ids) else "cpu")
-    check_stats("stats", stats)
+    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.shape[0] == 0:
         raise ValueError(f"input_ids must be a LongTensor [batch, length], got {getattr(input_ids, 'shape', None)}")
-    kwargs = dict(mask_id=mask_id, num_blocks=max_new_tokens // block_size, block_size=block_size,
-                  small_block_size=small_block_size, threshold=threshold, stop_token=stop_token,
-                  top_p=top_p, temperature=temperature, use_block_cache=use_block_cache,
-                  stop_mode="generate", prefill_whole_block_prompt=prefill_whole_block_prompt, use_cache=use_cache)
-    loop = FastDLLMV2Decoder(decoder, **kwargs)
+    loop = FastDLLMV2Decoder(decoder, mask_id=mask_id, num_blocks=max_new_tokens // block_size, block_size=block_size,
+                             small_block_size=small_block_size, threshold=threshold, stop_token=stop_token,
+                             top_p=top_p, temperature=temperature, use_block_cache=use_block_cache,
+                             prefill_whole_block_prompt=prefill_whole_block_prompt, use_cache=use_cache)
     loop.constrain(structure_for_call(structured_outputs, model, tokenizer, loop.mask_id, max_new_tokens))
-    if stats is not None:
-        stats.start()
+    stats.start()
     rows = [decode_alone(loop, model, loop.start(input_ids[b:b + 1]), generator, stats).x[0]
             for b in range(input_ids.shape[0])]
-    if stats is not None:
-        stats.stop(int(sum(len(row) for row in rows) - input_ids.numel()))
+    stats.stop(int(sum(len(row) for row in rows) - input_ids.numel()))
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=stop_token)
 
 
@@ -395,13 +391,12 @@ def fast_dllm_v2_batch_sample(model: torch.nn.Module, input_ids: torch.Tensor, s
     check_int("block_size", block_size, minimum=1)
     check_int("max_new_tokens", max_new_tokens, minimum=0)
     check_generator(generator, input_ids.device)
-    check_stats("stats", stats)
+    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
     num_blocks = max_new_tokens // block_size + max(lengths) // block_size
     # upstream forwards no block before min_len's; with min_len == block_size the prompt's first
     # block is never in the cache (`prefill_whole_block_prompt=False` keeps that)
     skip = not prefill_whole_block_prompt and int(min_len) == block_size
-    if stats is not None:
-        stats.start()
+    stats.start()
     states = []
     for b, length in enumerate(lengths):
         decoder = FastDLLMV2Decoder(mask_id=mask_id, num_blocks=num_blocks - length // block_size,
@@ -420,8 +415,7 @@ def fast_dllm_v2_batch_sample(model: torch.nn.Module, input_ids: torch.Tensor, s
         if states[b].finished and any(last[r] > last[b] for r in range(len(states)) if r != b):
             row = torch.cat([row, row.new_tensor([pad_token])])
         out[b] = row
-    if stats is not None:
-        stats.stop(int(sum(len(row) for row in out.values()) - sum(lengths)))
+    stats.stop(int(sum(len(row) for row in out.values()) - sum(lengths)))
     return out
 
 

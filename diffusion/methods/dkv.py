@@ -107,9 +107,8 @@ class DKVCache(NoWorkBound):
         if self.window_size and self.variant != "greedy":
             raise ValueError(f"window_size: only dKV-Cache-Greedy (variant='greedy') forwards a window, got "
                              f"{self.window_size} with variant={self.variant!r}")
-        for name, choices in (("cache_type", DREAM_CACHE_TYPES), ("shift_type", DREAM_SHIFT_TYPES)):
-            if getattr(self, name) is not None:
-                check_choice(name, getattr(self, name), choices)
+        check_choice("cache_type", self.cache_type, DREAM_CACHE_TYPES + (None,))
+        check_choice("shift_type", self.shift_type, DREAM_SHIFT_TYPES + (None,))
         dream = self.dream_fields
         if dream and self.variant != "decode":
             raise ValueError(f"{dream[0]}: Dream's dKV-Cache (cache_type / shift_type) has no "

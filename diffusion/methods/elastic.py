@@ -106,11 +106,9 @@ class ElasticLayers:
     def __init__(self, model_config: Any, cache: "ElasticKVCache", x_cache: list, query: torch.Tensor,
                  track: torch.Tensor, window: torch.Tensor, masked: torch.Tensor, start_reset: int,
                  config: ElasticCache, T: int) -> None:
-        self.num_layers = model_config.n_layers
-        self.head_dim, self.rope_theta = model_config.head_dim, model_config.rope_theta
-        self.cache, self.x_cache, self.query, self.track, self.window, self.masked = \
-            cache, x_cache, query, track, window, masked
-        self.start_reset, self.config, self.T = start_reset, config, T
+        self.model_config, self.cache, self.x_cache, self.query, self.track, self.window, self.masked = \
+            model_config, cache, x_cache, query, track, window, masked
+        self.start_reset, self.config = start_reset, config
         self.everything = torch.arange(T, device=query.device)
 
     def before(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -122,13 +120,13 @@ class ElasticLayers:
                 h = self.x_cache[layer]
         # upstream's RoPE: the query positions when the rows are as many, else 0..T-1
         rope = self.query if h.shape[1] == self.query.shape[0] else self.everything
-        cos, sin = rope_cos_sin(rope[None], self.head_dim, self.rope_theta)
+        cos, sin = rope_cos_sin(rope[None], self.model_config.head_dim, self.model_config.rope_theta)
         self.cache.plan(full=layer >= self.start_reset, query=self.query, track=self.track, window=self.window,
                         masked=self.masked, gamma=self.config.gamma, track_num=self.config.track_num)
         return h, cos, sin
 
     def after(self, layer: int) -> None:
-        if self.cache.triggered and self.start_reset == self.num_layers:
+        if self.cache.triggered and self.start_reset == self.model_config.n_layers:
             self.start_reset = layer + 1
 
 
@@ -286,8 +284,6 @@ def elastic_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: ElasticCache
     loop: docs/quirks.md, "Structured output in ... the step-generator methods")."""
     config = check_config("config", config, ElasticCache, "a remask ElasticCache")
     check_int("gen_length", gen_length, minimum=1)
-    for name, value in (("mask_id", mask_id), ("eos_id", eos_id)):
-        check_int(name, value, minimum=0, allow_none=True)
     spec, stats = check_method_call(spec, prompt, attention_mask, stats, "remask.elastic_generate", mask_id=mask_id,
                                     eos_id=eos_id)
     if spec.kind != "llada":

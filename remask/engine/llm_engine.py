@@ -365,20 +365,20 @@ class LLMEngine:
             return True
         return grew
 
+    @staticmethod
+    def _stale(seq: Sequence) -> bool:
+        """Freed, or preempted and decoding again: what it had stands until its decoder catches up."""
+        return seq.state is None or seq.final_len < len(seq.output_ids or [])
+
     def _generated(self, seq: Sequence) -> list[int]:
-        if seq.state is None or seq.final_len < len(seq.output_ids or []):
-            return list(seq.output_ids or [])   # freed, or preempted and decoding again: what it had, until caught up
-        return seq.final_ids()
+        return list(seq.output_ids or []) if self._stale(seq) else seq.final_ids()
 
     def _logprobs(self, seq: Sequence, count: int) -> list[dict[int, Logprob]] | None:
         """The first `count` tokens' logprobs (`SamplingParams.logprobs`), as vLLM gives them: per
         token, the sampled id and its alternatives, each a `Logprob` with its rank and text."""
         if seq.params.logprobs is None:
             return None
-        if seq.state is None or seq.final_len < len(seq.output_ids or []):
-            recorded = (seq.output_logprobs or [])[:count]    # freed, or decoding again after a preemption
-        else:
-            recorded = seq.token_logprobs(count) or []
+        recorded = (seq.output_logprobs or [])[:count] if self._stale(seq) else (seq.token_logprobs(count) or [])
         text = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
         out = []
         for token, logprob, rank, top in recorded:
