@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 
@@ -193,12 +193,6 @@ class LLaDA2Decoder(StoreKVLoop):
     _fd_block_done = _finish_block
 
 
-# generate's settings that a dInfer rule replaces, with their defaults (given ones are refused)
-RULE_UNREAD = dict(steps=32, top_p=None, top_k=None, minimal_topk=1, threshold=0.95, editing_threshold=None,
-                   max_post_steps=16, num_to_transfer=1)
-RULE_SETTINGS = ("steps", "minimal_topk", "editing_threshold", "max_post_steps", "num_to_transfer")
-
-
 @dataclass(frozen=True)
 class LLaDA2Decoding(NoWorkBound):
     """LLaDA2's loop on an engine request (`SamplingParams(decoder=LLaDA2Decoding(...))`, JSON ``{"name": "llada2",
@@ -207,6 +201,10 @@ class LLaDA2Decoding(NoWorkBound):
     (`decoder=` one of them is short for ``LLaDA2Decoding(rule=...)``; neither with 2.1's edits); the settings it replaces
     are refused. No token count bounds max_post_steps's loop: a cap (docs/parameters.md, work bounds); the steps are
     checked against the model's block at the engine."""
+
+    # the settings a commit rule replaces (refused with one); the drop-in's sampling settings besides
+    # (`blocks.rule_unread`)
+    rule_replaces: ClassVar[tuple] = ("steps", "minimal_topk", "editing_threshold", "max_post_steps", "num_to_transfer")
 
     block_length: int | None = None
     steps: int | None = None
@@ -227,7 +225,7 @@ class LLaDA2Decoding(NoWorkBound):
         check_real("LLaDA2Decoding.editing_threshold", self.editing_threshold, allow_none=True)
         check_int("LLaDA2Decoding.max_post_steps", self.max_post_steps, minimum=0, maximum=MAX_LOOP_STEPS,
                   allow_none=True)
-        check_part(self, "LLaDA2", RULE_SETTINGS, (), replaces="threshold rule and schedule")
+        check_part(self, "LLaDA2", self.rule_replaces, (), replaces="threshold rule and schedule")
 
 
 def engine_decoder(spec: ModelSpec, params: Any, *, store: Any, stop_ids: Sequence[int]) -> LLaDA2Decoder:

@@ -21,18 +21,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Generator, Sequence
+from typing import Any, ClassVar, Generator, Sequence
 
 import torch
 
 from remask.models.spec import ModelSpec
 
 from ..parts.blocks import (BlockState, StoreKVLoop, check_part, engine_settings, family_config, num_transfer_schedule,
-                            select_mask_to_token)
+                            rule_unread, select_mask_to_token)
 from ..parts.checks import (NoWorkBound, check_bool, check_choice, check_generator, check_int, check_ints, check_real,
                             check_stats, check_steps)
 from ..parts.constrain_loops import filter_block, structure_for_call
-from ..parts.rules import check_rule_on_loop, is_rule, unread_settings
+from ..parts.rules import check_rule_on_loop, is_rule
 from ..parts.stats import GenerationStats
 from ..parts.stepper import ForwardRequest, decode_alone
 
@@ -137,13 +137,6 @@ class SDARDecoder(StoreKVLoop):
                 f"remasking_strategy must be one of {list(FREEDAVE_STRATEGIES)}, got {self.strategy!r}")
 
 
-
-# sdar_generate's settings that a dInfer rule replaces, with their defaults (given ones are refused)
-RULE_UNREAD = dict(denoising_steps=8, top_k=0, top_p=1.0, remasking_strategy="low_confidence_dynamic",
-                   confidence_threshold=0.85, eb_threshold=None)
-RULE_SETTINGS = ("denoising_steps", "remasking_strategy", "confidence_threshold", "eb_threshold")
-
-
 @dataclass(frozen=True)
 class SDARDecoding(NoWorkBound):
     """SDAR's loop on an engine request (`SamplingParams(decoder=SDARDecoding(...))`, JSON ``{"name": "sdar", ...}``):
@@ -151,6 +144,10 @@ class SDARDecoding(NoWorkBound):
     the block length, ``low_confidence_static``, 0.85). `rule`: the loop's commit part, remask.FreeDave or one of
     dInfer's commit rules (`decoder=` one of them is short for ``SDARDecoding(rule=...)``); the settings it replaces
     are refused. No setting sizes work past the model's block, checked at the engine (`NoWorkBound`)."""
+
+    # the settings a commit rule replaces (refused with one; FreeDave sets all but the steps); the drop-in's
+    # sampling settings besides (`blocks.rule_unread`)
+    rule_replaces: ClassVar[tuple] = ("denoising_steps", "remasking_strategy", "confidence_threshold", "eb_threshold")
 
     block_length: int | None = None
     denoising_steps: int | None = None
@@ -167,7 +164,7 @@ class SDARDecoding(NoWorkBound):
             check_choice("SDARDecoding.remasking_strategy", self.remasking_strategy, REMASKING_STRATEGIES)
         check_real("SDARDecoding.confidence_threshold", self.confidence_threshold, low=0, high=1, allow_none=True)
         check_real("SDARDecoding.eb_threshold", self.eb_threshold, low=0, low_open=True, allow_none=True)
-        check_part(self, "SDAR", RULE_SETTINGS, RULE_SETTINGS[1:], replaces="remasking_strategy")
+        check_part(self, "SDAR", self.rule_replaces, self.rule_replaces[1:], replaces="remasking_strategy")
 
 
 @torch.no_grad()
@@ -181,18 +178,19 @@ def sdar_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, mask_id: i
                   tokenizer: Any = None) -> torch.LongTensor:
     """SDAR's loop on one prompt `[1, P]`; returns x `[1, ceil((P + gen_length) / block_length) · block_length]`.
     `decoder=remask.FreeDave(...)`: the same tokens with fewer forwards; one of
-    dInfer's rules (`SDARDecoder`'s commit part; greedy; the settings of `RULE_UNREAD` must stay at their defaults).
+    dInfer's rules (`SDARDecoder`'s commit part; greedy; `SDARDecoding.rule_replaces`, top_k and top_p must stay at
+    their defaults).
     `structured_outputs`: the answer held to it (compiled against `tokenizer`, default the one saved
     beside the model; the stop ids end it, only where it is complete)."""
     stops = [] if stopping_criteria_idx is None else (
         [stopping_criteria_idx] if isinstance(stopping_criteria_idx, int) else list(stopping_criteria_idx))
-    unread = dict(denoising_steps=denoising_steps, top_k=top_k, top_p=top_p, remasking_strategy=remasking_strategy,
-                  confidence_threshold=confidence_threshold, eb_threshold=eb_threshold)
     kwargs = dict(mask_id=mask_id, gen_length=gen_length, block_length=block_length, temperature=temperature,
-                  stop_ids=stops, fill_after_stop=fill_after_stop, use_cache=use_cache, **unread)
+                  denoising_steps=denoising_steps, top_k=top_k, top_p=top_p, remasking_strategy=remasking_strategy,
+                  confidence_threshold=confidence_threshold, eb_threshold=eb_threshold, stop_ids=stops,
+                  fill_after_stop=fill_after_stop, use_cache=use_cache)
     if is_rule(decoder):
         check_rule_on_loop(decoder, "SDAR", temperature=temperature, replaces="remasking_strategy",
-                           unread=unread_settings(unread, RULE_UNREAD))
+                           unread=rule_unread(SDARDecoding, sdar_generate, kwargs))
     decoder = SDARDecoder(decoder, **kwargs)
     decoder.constrain(structure_for_call(structured_outputs, model, tokenizer, decoder.mask_id, gen_length))
     check_generator(generator, input_ids.device if torch.is_tensor(input_ids) else "cpu")

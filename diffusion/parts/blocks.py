@@ -7,8 +7,9 @@ per family and method.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, fields, replace
-from typing import Any, Generator
+from typing import Any, Callable, Generator, Mapping
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -121,6 +122,15 @@ def check_part(config: Any, family: str, replaced: tuple[str, ...], drafted: tup
                          f"FreeDave's confidence_threshold): leave {list(given)} unset")
 
 
+def rule_unread(config_type: type, entry: Callable, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The arguments of a drop-in call `entry(**given)` that a commit rule on the loop of `config_type` (a family
+    config) does not read and the call set away from `entry`'s defaults, in `entry`'s order: the config's settings the
+    rule replaces (its `rule_replaces`) and the sampling ones (`READS` but the temperature, which the rule refuses)."""
+    parameters = inspect.signature(entry).parameters
+    unread = [name for name in parameters if name in given and name in config_type.rule_replaces + READS[1:]]
+    return {name: given[name] for name in unread if given[name] != parameters[name].default}
+
+
 def engine_settings(spec: ModelSpec, params: Any, config: Any, family: str, *, rules: bool = True,
                     length: str = "block_length", stops: str | None = None) -> tuple[dict, int, Any, float | None]:
     """An engine request's settings for a block-causal family's loop, from its `config` (`family_config`): the flat
@@ -133,7 +143,7 @@ def engine_settings(spec: ModelSpec, params: Any, config: Any, family: str, *, r
     refuse_unread(params, "family", READS if rules else tuple(n for n in READS if n != "top_k"), name=family)
     if stops is not None and params.stop_token_ids:
         raise ValueError(f"stop_token_ids: {family}'s loop stops at {stops}")
-    sampling = changed(params, ("top_p", "top_k", "threshold"))
+    sampling = changed(params, READS[1:])
     if config.rule is not None and sampling:
         raise ValueError(f"{sampling}: decoder={type(config.rule).__name__} on {family}'s loop commits greedily by its "
                          "own rule: leave them unset")

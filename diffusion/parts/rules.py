@@ -19,7 +19,7 @@ from .step import CommitRule
 
 __all__ = ["CommitRule", "CreditDecoding", "HierarchicalDecoding", "IterationSmoothing",
            "ThresholdDecoding", "is_rule",
-           "rule_types", "rule_commit", "commit_block", "check_rule_on_loop", "unread_settings"]
+           "rule_types", "rule_commit", "commit_block", "check_rule_on_loop"]
 
 
 def rule_types() -> tuple[type, ...]:
@@ -81,11 +81,6 @@ def check_rule_on_loop(rule: Any, family: str, *, temperature: float, unread: Ma
         raise ValueError(f"decoder={name} replaces {family}'s {replaces} and does not read {list(unread)}: leave "
                          f"{'it' if len(unread) == 1 else 'them'} unset (got "
                          f"{', '.join(f'{k}={v!r}' for k, v in unread.items())})")
-
-
-def unread_settings(given: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings in `given` that differ from their `defaults` (those a caller set)."""
-    return {name: value for name, value in given.items() if value != defaults[name]}
 
 
 def _check_unit(name: str, value: Any, *, allow_none: bool = False, low_open: bool = True) -> None:

@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
+from remask.diffusion.families.llada2 import LLaDA2Decoder, LLaDA2Decoding
+from remask.diffusion.parts.blocks import rule_unread
 from remask.diffusion.parts.checks import check_bool, check_generator, check_stats
 from remask.diffusion.parts.constrain_loops import structure_for_call
-from remask.diffusion.families.llada2 import RULE_UNREAD, LLaDA2Decoder
-from remask.diffusion.parts.rules import check_rule_on_loop, is_rule, unread_settings
+from remask.diffusion.parts.rules import check_rule_on_loop, is_rule
 from remask.diffusion.parts.stepper import decode_alone
 from remask.models.llada2 import LLADA2_EOS_ID, LLADA2_MASK_ID
 
@@ -72,7 +73,7 @@ def generate(model: torch.nn.Module, inputs: Any = None, temperature: float = 0.
                   eos_early_stop=eos_early_stop, use_cache=use_cache)
     if is_rule(decoder):
         check_rule_on_loop(decoder, "LLaDA2", temperature=temperature, replaces="threshold rule and schedule",
-                           unread=unread_settings({name: kwargs[name] for name in RULE_UNREAD}, RULE_UNREAD))
+                           unread=rule_unread(LLaDA2Decoding, generate, kwargs))
     decoder = LLaDA2Decoder(decoder, **kwargs)
     decoder.constrain(structure_for_call(structured_outputs, model, tokenizer, mask_id, gen_length))
     if torch.is_tensor(input_ids):
