@@ -71,13 +71,11 @@ def one_process_eval(tmp_path_factory):
     return _run_eval([sys.executable], home / "one", home)
 
 
-def test_remask_eval_command_runs_offline_and_twice_the_same(tmp_path, one_process_eval):
-    """`python -m remask eval`, run twice: the same sampled answers and accuracy."""
+def test_remask_eval_command_runs_offline_and_logs_its_settings(one_process_eval):
+    """`python -m remask eval` without network: an accuracy and remask's settings in the results (a second launch
+    giving the same sampled answers: the torchrun test below, whose two processes equal this one)."""
     first, answers = one_process_eval
-    second, again = _run_eval([sys.executable], tmp_path / "again", tmp_path)
-    accuracy = [o["results"]["remask_tiny"]["exact_match,none"] for o in (first, second)]
-    assert accuracy[0] == accuracy[1] and 0 < accuracy[0] <= 1
-    assert len(answers) == 16 and again == answers
+    assert 0 < first["results"]["remask_tiny"]["exact_match,none"] <= 1 and len(answers) == 16
     assert "sampling_params" in json.dumps(first)       # remask's settings logged beside the numbers
 
 
@@ -178,7 +176,7 @@ def test_loglikelihoods():
 
 def test_data_parallel_under_torchrun_equals_one_process(tmp_path, one_process_eval):
     """`torchrun --nproc_per_node 2 -m remask eval`: lm-eval shards the requests over two processes
-    (gloo); every sampled answer and the accuracy equal one process's."""
+    (gloo); every sampled answer and the accuracy equal one process's (so a second launch reproduces the first)."""
     import pathlib
     import shutil
 

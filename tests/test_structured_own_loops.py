@@ -65,17 +65,19 @@ def test_llada_answers_hold_to_the_structure_and_to_their_rows(llada, method):
     counts = [0, 0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # gen_length beyond the tiny model's trained 16
-        for params in CASES:
+        for case, params in enumerate(CASES):
             out = remask.generate(model, prompt, mask, gen_length=32, block_length=8, structured_outputs=params,
                                   **METHODS[method])
             rows = answers(out, prompt.shape[1])
             check_rows(rows, params, tok, method, counts)
             assert all(any(t in ENDS for t in row) for row in rows), (method, params.kind, rows)
-            for b, text in enumerate(PROMPTS):   # the row alone (no pads, no batch-mates)
-                alone = torch.tensor([encode_chat(text)])
-                solo = remask.generate(model, alone, gen_length=32, block_length=8, structured_outputs=params,
-                                       **METHODS[method])[0, alone.shape[1]:].tolist()
-                assert solo == rows[b][:len(solo)] and set(rows[b][len(solo):]) <= {EOS_ID}, (method, b)
+            # one row alone (no pads, no batch-mates) per structure, each prompt's row in turn (every row of the
+            # batch is checked alone under several structures)
+            b = case % len(PROMPTS)
+            alone = torch.tensor([encode_chat(PROMPTS[b])])
+            solo = remask.generate(model, alone, gen_length=32, block_length=8, structured_outputs=params,
+                                   **METHODS[method])[0, alone.shape[1]:].tolist()
+            assert solo == rows[b][:len(solo)] and set(rows[b][len(solo):]) <= {EOS_ID}, (method, b)
     assert counts[0] == counts[1]
     tally(f"llada {method}", *counts)
 
