@@ -145,13 +145,14 @@ def step_overhead(rounds: int = 3) -> list[dict[str, Any]]:
 
 
 def registered_methods(block_length: int, listed: tuple[type, ...]) -> list[tuple[str, dict[str, Any]]]:
-    """Every registered method (diffusion/methods/registry.py) not in `listed`, with its config's
-    defaults and blocks of `block_length`: a method added by its file and registry line is measured
-    here (and in bench/head_of_line.py) with no edit of this file."""
+    """Every registered method (diffusion/methods/registry.py) not in `listed` that runs on a bidirectional mask
+    model (way "method": not a model family's own loop, SDAR's or the canvas's), with its config's defaults and
+    blocks of `block_length`: a method added by its file and registry line is measured here (and in
+    bench/head_of_line.py) with no edit of this file."""
     from remask.diffusion.methods import registry
 
     return [(method.config.__name__, {method.field: method.config(), "block_length": block_length})
-            for method in registry.METHODS.values() if method.config not in listed]
+            for method in registry.METHODS.values() if method.config not in listed and method.way == "method"]
 
 
 def method_settings(verifier) -> list[tuple[str, dict[str, Any]]]:

@@ -21,3 +21,15 @@ def test_per_method_bench_runs_and_its_tokens_match(monkeypatch):
     assert all(r["identical"] and r["calls_per_step"] <= 1.0 + 1e-9 for r in rows)
     table = bench.per_method_table(rows, "python bench/engine.py --per-method")
     assert "model calls per step" in table and "invariance cost" in table and table.count("\n|") == len(rows) + 2
+
+
+def test_every_row_of_the_per_method_bench_is_a_valid_request():
+    """Each row's settings build `SamplingParams` (the rows a registered method adds included: a model family's own
+    config, which runs only on its family, is not one of them)."""
+    ar, _ = remask.load("tiny-ar")
+    settings = bench.method_settings(ar)
+    for label, kw in settings:
+        remask.SamplingParams(max_tokens=32, seed=0, **kw)
+    labels = [label for label, _ in settings]
+    assert len(labels) == len(set(labels)) and "KLASS" in labels and "APD" in labels
+    assert not {"SDARDecoding", "LLaDA2Decoding", "FastDLLMV2Decoding", "CanvasDecoding"} & set(labels)
