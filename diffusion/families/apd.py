@@ -277,11 +277,21 @@ def apd_generate(model: torch.nn.Module, spec: ModelSpec, prompt: torch.Tensor, 
     `structure`: a compiled structured output the answer is held to (`APDDecoder.constrain`).
     After an EOS the reference stops and leaves the remaining positions masked; remask fills them
     with EOS so no mask token is returned."""
+    return drive(apd_call_steps(spec, prompt, gen_length, apd, temperature=temperature, top_p=top_p, top_k=top_k,
+                                generator=generator, stats=stats, verifier_stats=verifier_stats, structure=structure),
+                 model)
+
+
+def apd_call_steps(spec: ModelSpec, prompt: torch.Tensor, gen_length: int, apd: APDConfig, *,
+                   temperature: float = 0.0, top_p: float | None = None, top_k: int | None = None,
+                   generator: torch.Generator | None = None, stats: GenerationStats | None = None,
+                   verifier_stats: GenerationStats | None = None,
+                   structure: Any = None) -> Generator[ForwardRequest, Any, torch.Tensor]:
+    """APD's decoder for one call, built and its input checked now (not at the first step), and its loop
+    (`apd_steps`): what `apd_generate` drives and the registry's `apd` method runs."""
     decoder = APDDecoder(spec, apd, gen_length=gen_length, temperature=temperature, top_p=top_p, top_k=top_k)
-    if structure is not None:
-        decoder.constrain(structure)
-    decoder.check_input(prompt)
-    return drive(apd_steps(decoder, prompt, generator, stats, verifier_stats), model)
+    decoder.constrain(structure).check_input(prompt)
+    return apd_steps(decoder, prompt, generator, stats, verifier_stats)
 
 
 def apd_steps(decoder: APDDecoder, prompt: torch.Tensor,

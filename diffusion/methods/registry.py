@@ -160,12 +160,11 @@ def _elastic_loop(call: Call) -> StepGenerator:
 def _apd_loop(call: Call) -> StepGenerator:   # APD's rounds (`families.apd`), its arguments checked at the call
     spec, stats = check_method_call(call.spec, call.prompt, call.common["attention_mask"], call.common["stats"],
                                     mask_id=call.common["mask_id"])
-    sampling = {name: call.settings[name] for name in ("temperature", "top_p", "top_k") if name in call.settings}
-    decoder = apd.APDDecoder(spec, call.decoder, gen_length=call.gen_length, **sampling)
-    decoder.constrain(call.common["structure"]).check_input(call.prompt)
     check_length(spec, call.prompt.shape[1] + call.gen_length, "prompt length + gen_length")
-    generator = check_generator(call.settings.get("generator"), call.prompt.device)
-    return apd.apd_steps(decoder, call.prompt, generator, stats, call.settings.get("verifier_stats"))
+    sampling = {name: call.settings[name] for name in ("temperature", "top_p", "top_k") if name in call.settings}
+    return apd.apd_call_steps(spec, call.prompt, call.gen_length, call.decoder, structure=call.common["structure"],
+                              generator=check_generator(call.settings.get("generator"), call.prompt.device),
+                              stats=stats, verifier_stats=call.settings.get("verifier_stats"), **sampling)
 
 
 def _family_loop(call: Call) -> StepGenerator:
