@@ -393,14 +393,21 @@ def _generate(args: argparse.Namespace, sampling_names: list[str]) -> int:
         except (OSError, ValueError) as err:
             print(f"remask generate: --json-schema {args.json_schema}: {err}", file=sys.stderr)
             return 2
+    verifiers: dict = {}   # APD's verifiers by name or folder, each loaded once (--decoder and --input lines)
+
+    def with_verifier(given: dict) -> dict:
+        decoder = given.get("decoder")
+        if not (isinstance(decoder, dict) and decoder.get("name") == "apd" and isinstance(decoder.get("verifier"), str)):
+            return given
+        try:
+            if decoder["verifier"] not in verifiers:
+                verifiers[decoder["verifier"]] = remask.load(decoder["verifier"])[0]
+        except (OSError, ValueError) as err:
+            raise ValueError(f"decoder.verifier: {err}") from None
+        return {**given, "decoder": {**decoder, "verifier": verifiers[decoder["verifier"]]}}
+
     try:
-        decoder = settings.get("decoder")
-        if isinstance(decoder, dict) and decoder.get("name") == "apd" and isinstance(decoder.get("verifier"), str):
-            try:   # APD's verifier, loaded by its name or folder
-                settings["decoder"] = {**decoder, "verifier": remask.load(decoder["verifier"])[0]}
-            except (OSError, ValueError) as err:
-                raise ValueError(f"decoder.verifier: {err}") from None
-        params = remask.SamplingParams(**settings)
+        params = remask.SamplingParams(**with_verifier(settings))
     except (TypeError, ValueError) as err:
         print(f"remask generate: {err}", file=sys.stderr)
         return 2
@@ -414,7 +421,7 @@ def _generate(args: argparse.Namespace, sampling_names: list[str]) -> int:
                     continue
                 try:
                     row = json.loads(line)
-                    own = {k: v for k, v in row.items() if k not in ("prompt", "messages", "id")}
+                    own = with_verifier({k: v for k, v in row.items() if k not in ("prompt", "messages", "id")})
                     if ("prompt" in row) == ("messages" in row):
                         raise ValueError("each line needs exactly one of prompt / messages")
                     requests.append((row, params.replace(**own) if own else params))

@@ -274,3 +274,22 @@ def test_generate_ignore_eos_and_min_tokens(capsys):
                             chat=True)[0].outputs[0]
         assert row["token_ids"] == want.token_ids and row["finish_reason"] == want.finish_reason
         assert len(row["token_ids"]) == 24 if "ignore_eos" in settings else len(row["token_ids"]) >= 10
+
+
+def test_apd_names_its_verifier_on_the_flag_and_on_input_lines(capsys, tmp_path):
+    """`--decoder` and a `--input` line's `decoder` name APD's verifier by shipped name (or folder); both
+    decode what the library does with the loaded verifier; a bad name is one line naming decoder.verifier."""
+    apd = {"name": "apd", "verifier": "tiny-ar", "kv_window": 4, "max_lookahead": 8}
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"prompt": "sort 52814", "decoder": apd}) + "\n")
+    assert main(["generate", "tiny-llada", "--input", str(source), "--chat", "--quiet", "--max-tokens", "12"]) == 0
+    assert main(["generate", "tiny-llada", "--prompt", "sort 52814", "--chat", "--quiet", "--max-tokens", "12",
+                 "--decoder", json.dumps(apd)]) == 0
+    line_row, flag_row = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    config = remask.APDConfig(remask.load("tiny-ar")[0], kv_window=4, max_lookahead=8)
+    want = remask.LLM("tiny-llada").generate("sort 52814", remask.SamplingParams(max_tokens=12, decoder=config),
+                                             use_tqdm=False, chat=True)[0].outputs[0]
+    assert line_row["token_ids"] == flag_row["token_ids"] == want.token_ids
+    source.write_text(json.dumps({"prompt": "x", "decoder": {**apd, "verifier": "no-such-model"}}) + "\n")
+    assert main(["generate", "tiny-llada", "--input", str(source), "--quiet"]) == 2
+    assert "line 1: decoder.verifier" in capsys.readouterr().err
