@@ -3,6 +3,13 @@ from __future__ import annotations
 
 import os
 
+# The interpreter runs `tl.dot` as numpy's matmul. OpenBLAS's FMA sgemm kernels (Haswell, Zen: every
+# AVX2-only CPU) give rows 6-11 of each 12-row tile another operation order, so under the interpreter a
+# row's bits depended on its place in the tile, which the GPU's dot does not (the batch-invariance tests
+# failed on AMD EPYC). Its Sandybridge kernels compute every row alike and run on any x86-64 with AVX. Read when
+# numpy first loads OpenBLAS, so before anything imports numpy (tests/test_kernel_invariant.py checks it held).
+os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+
 import pytest
 import torch
 from hypothesis import settings

@@ -75,6 +75,20 @@ def test_linear_reference_is_float32_linear():
 
 # --- invariant_linear: bitwise row invariance -------------------------------------------------------
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's dot")
+def test_the_interpreter_s_dot_computes_every_row_of_a_tile_alike():
+    """What the bitwise tests below stand on under the interpreter: numpy's matmul (its `tl.dot`) gives a
+    row the same bits wherever it sits in the tile (tests/conftest.py picks such OpenBLAS kernels)."""
+    import numpy as np
+
+    g = np.random.default_rng(0)
+    a, b = g.standard_normal((BLOCK_M, 32)).astype(np.float32), g.standard_normal((32, 48)).astype(np.float32)
+    full, alone = a @ b, np.zeros_like(a)
+    for i in range(BLOCK_M):
+        alone[0] = a[i]
+        assert np.array_equal((alone @ b)[0], full[i]), f"row {i}: numpy's BLAS kernel depends on the row's place"
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("K", [37, 200], ids=["K37", "K200"])
 def test_linear_rows_are_bitwise_batch_invariant(poisoned_outputs, dtype, K):
