@@ -40,18 +40,22 @@ def rule_of(kwargs: dict) -> remask.KLASS:
 
 def decode(model: torch.nn.Module, case: dict, stats: remask.GenerationStats | None = None) -> list:
     kw = case["kwargs"]
+    # a seeded case: upstream's torch.manual_seed(seed) before the call (Dream's batch: before its first row's call)
+    sampling = dict(temperature=case["temperature"], generator=torch.Generator().manual_seed(case["seed"])) \
+        if "seed" in case else {}
+    mask = None if case.get("attention_mask") is None else torch.tensor(case["attention_mask"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # generation beyond the tiny models' trained length
-        if case["checkpoint"].startswith("llada"):   # a seeded case: upstream's torch.manual_seed(seed) before the call
-            sampling = dict(temperature=case["temperature"], generator=torch.Generator().manual_seed(case["seed"])) \
-                if "seed" in case else {}
+        if case["checkpoint"].startswith("llada"):
             return remask.generate(model, torch.tensor([case["prompt"]]), steps=kw["steps"], gen_length=kw["gen_length"],
                                    block_length=kw["block_length"], decoder=rule_of(kw), stats=stats,
                                    **sampling)[0].tolist()
-        mask = case.get("attention_mask")
+        if sampling:   # Dream's loop at temperature > 0 through remask.generate (diffusion_generate's rules are greedy)
+            return remask.generate(model, torch.tensor(case["prompt"]), steps=kw["steps"], gen_length=kw["gen_length"],
+                                   block_length=kw["gen_length"], decoder=rule_of(kw), attention_mask=mask,
+                                   **sampling).tolist()
         return remask.diffusion_generate(model, torch.tensor(case["prompt"]), max_new_tokens=kw["gen_length"],
-                                         block_length=kw["gen_length"], decoder=rule_of(kw),
-                                         attention_mask=None if mask is None else torch.tensor(mask)).tolist()
+                                         block_length=kw["gen_length"], decoder=rule_of(kw), attention_mask=mask).tolist()
 
 
 @pytest.mark.parametrize("case", DATA["cases"], ids=lambda c: c["name"])
@@ -75,9 +79,14 @@ def test_reproduces_the_official_klass(case, tmp_path_factory):
 
 
 def test_the_cases_exercise_the_rule():
-    """Upstream's outputs are not its plain confidence schedule's: the KL-and-confidence commits decide."""
-    assert len(DATA["cases"]) >= 8 and {c["checkpoint"][:5] for c in DATA["cases"]} == {"llada", "dream"}
-    assert sum(bool(c.get("differs_from_plain")) for c in DATA["cases"]) >= len(DATA["cases"]) // 2
+    """Upstream's greedy outputs are not its plain confidence schedule's: the KL-and-confidence commits decide; its
+    seeded Dream outputs are mostly not its greedy ones: the fallback's draws decide."""
+    greedy = [c for c in DATA["cases"] if "seed" not in c]
+    assert len(greedy) >= 8 and {c["checkpoint"][:5] for c in greedy} == {"llada", "dream"}
+    assert sum(bool(c.get("differs_from_plain")) for c in greedy) >= len(greedy) // 2
+    seeded = [c for c in DATA["cases"] if "seed" in c and c["checkpoint"].startswith("dream")]
+    assert len(seeded) >= 8 and sum(len(c["prompt"]) > 1 for c in seeded) >= 2
+    assert sum(c["differs_from_greedy"] for c in seeded) >= len(seeded) // 2
 
 
 def test_llada_cases_exercise_the_kl_rule(tmp_path_factory):
@@ -127,7 +136,7 @@ def test_registered_with_its_json_name():
 
 def test_engine_equals_the_drop_in(tmp_path_factory):
     """`LLM.generate` with `decoder=remask.KLASS(...)` gives `remask.generate`'s tokens (LLaDA's loop,
-    two blocks, LLaDA's schedule as the fallback) and `diffusion_generate`'s (Dream's)."""
+    two blocks, LLaDA's schedule as the fallback), greedy and seeded."""
     case = next(c for c in DATA["cases"] if c["checkpoint"] == "llada_peaked" and c["kwargs"]["block_length"] <
                 c["kwargs"]["gen_length"])
     model, kw = checkpoint(tmp_path_factory, "llada_peaked"), case["kwargs"]
@@ -136,7 +145,7 @@ def test_engine_equals_the_drop_in(tmp_path_factory):
         use_tqdm=False)[0]
     assert served.outputs[0].all_token_ids == decode(model, case)[len(case["prompt"]):]
     # seeded (temperature > 0): SamplingParams.seed is upstream's torch.manual_seed, beside a greedy request
-    seeded = [c for c in DATA["cases"] if "seed" in c][:2]
+    seeded = [c for c in DATA["cases"] if "seed" in c and c["checkpoint"] == "llada_peaked"][:2]
     served = remask.LLM(model).generate([c["prompt"] for c in seeded] + [case["prompt"]], [remask.SamplingParams(
         max_tokens=c["kwargs"]["gen_length"], block_length=c["kwargs"]["block_length"], steps=c["kwargs"]["steps"],
         decoder=rule_of(c["kwargs"]), temperature=c["temperature"], seed=c["seed"]) for c in seeded] + [
@@ -144,14 +153,33 @@ def test_engine_equals_the_drop_in(tmp_path_factory):
                               decoder=rule_of(kw))], use_tqdm=False)
     for c, out in zip(seeded, served):
         assert out.outputs[0].all_token_ids == c["output_ids"][len(c["prompt"]):]
-    case = next(c for c in DATA["cases"] if c["checkpoint"] == "dream_peaked" and not c.get("masks_left"))
-    model, kw = checkpoint(tmp_path_factory, "dream_peaked"), case["kwargs"]
-    served = remask.LLM(model).generate([case["prompt"][0]], remask.SamplingParams(
-        max_tokens=kw["gen_length"], decoder=rule_of(kw)), use_tqdm=False)[0]
-    assert served.outputs[0].all_token_ids == case["output_ids"][0][len(case["prompt"][0]):]
-    with pytest.raises(ValueError, match="temperature"):   # Dream's KLASS loop is greedy here
-        remask.LLM(model).generate([case["prompt"][0]], remask.SamplingParams(
-            max_tokens=kw["gen_length"], decoder=rule_of(kw), temperature=0.5), use_tqdm=False)
+
+
+def test_engine_samples_dream_as_the_seeded_fixture(tmp_path_factory):
+    """Dream's loop: `SamplingParams(temperature=, seed=)` draws from the request's own generator (upstream after
+    `torch.manual_seed(seed)`): a seeded case's tokens alone and packed beside another seeded and a greedy request,
+    which gets `diffusion_generate`'s; the fallback's `top_p` / `top_k` (upstream's `sample_tokens`) are refused."""
+    model = checkpoint(tmp_path_factory, "dream_peaked")
+    greedy = next(c for c in DATA["cases"] if c["checkpoint"] == "dream_peaked" and not c.get("masks_left"))
+    seeded = [c for c in DATA["cases"] if "seed" in c and c["checkpoint"] == "dream_peaked" and len(c["prompt"]) == 1]
+    cases = [seeded[0], greedy, seeded[-1]]
+
+    def params(c: dict, **extra) -> remask.SamplingParams:
+        sampling = dict(temperature=c["temperature"], seed=c["seed"]) if "seed" in c else {}
+        return remask.SamplingParams(max_tokens=c["kwargs"]["gen_length"], decoder=rule_of(c["kwargs"]),
+                                     **sampling, **extra)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        alone = remask.LLM(model).generate([seeded[0]["prompt"][0]], params(seeded[0]), use_tqdm=False)[0]
+        packed = remask.LLM(model).generate([c["prompt"][0] for c in cases], [params(c) for c in cases],
+                                            use_tqdm=False)
+    assert alone.outputs[0].all_token_ids == seeded[0]["output_ids"][0][len(seeded[0]["prompt"][0]):]
+    for c, out in zip(cases, packed):
+        assert out.outputs[0].all_token_ids == c["output_ids"][0][len(c["prompt"][0]):], c["name"]
+    for name, value in (("top_p", 0.9), ("top_k", 5)):
+        with pytest.raises(ValueError, match=name):
+            remask.LLM(model).generate([greedy["prompt"][0]], params(seeded[0], **{name: value}), use_tqdm=False)
 
 
 def test_as_a_rule_on_sdar_drop_in_equals_engine(tmp_path):

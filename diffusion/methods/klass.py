@@ -19,8 +19,10 @@ block's forwards, ``confidence >= conf_threshold``, one position as the fallback
 Departures (docs/quirks.md): a block is iterated until it holds no mask (upstream's LLaDA loop stops after
 its `steps` share, Dream's after `steps`, masks left), one position a forward past the schedule; a
 fallback takes at most the masks left (upstream's top-k overwrote decoded or prompt tokens); the mask
-token is never proposed; `temperature` > 0 only in LLaDA's loop (upstream's noise), `unmask_strategy="random"`
-refused.
+token is never proposed; `unmask_strategy="random"` refused. `temperature` > 0 samples as upstream: LLaDA's
+loop noises every forward's logits; Dream's commits greedy tokens and draws only in the fallback, which takes the
+masked position whose token drawn from softmax(logits / T) is the most probable (`top_p` / `top_k` refused). The
+draws come from the call's `generator`: rows of a batch one after another, each request its own in the engine.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from remask.models.spec import ModelSpec
 from ..families.llada import validate_block_args
 from ..parts.checks import check_choice, check_config, check_generator, check_int, check_method_call, check_real
 from ..parts.constrain import CommitFilter, before_rule, end_ids_of
+from ..parts.scoring import draw_categorical
 from ..parts.selection import schedule_counts
 from ..parts.stats import GenerationStats
 from ..parts.step import CommitRule, masked_canvas
@@ -101,7 +104,10 @@ class KLASS(CommitRule):
             picked = torch.topk(canvas, k=int(budget[0])).indices - start
             fallback = torch.zeros_like(masked).index_fill_(1, picked[(picked >= 0) & (picked < L)], True) & masked
         else:
-            order = torch.where(masked, conf, -math.inf).argsort(dim=-1, descending=True, stable=True)
+            score = torch.where(masked, conf, -math.inf)
+            if state.draw is not None and not bool(ready.any()):   # Dream's loop at T > 0: a drawn token's probability
+                score = score.masked_scatter(masked, state.draw(logits[:, :L][masked]).to(score.dtype))
+            order = score.argsort(dim=-1, descending=True, stable=True)
             ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(L, device=order.device).expand_as(order))
             fallback = (ranks < budget[:, None]) & masked
         commit = torch.where(ready.any(dim=-1, keepdim=True), ready, fallback)
@@ -115,7 +121,7 @@ class Stability:
 
     def __init__(self, initial_streak: int) -> None:
         self.initial, self.log_prev, self.streak = initial_streak, None, None
-        self.calls, self.llada, self.budget, self.layout = 0, False, None, None
+        self.calls, self.llada, self.budget, self.layout, self.draw = 0, False, None, None, None
 
     def previous(self, log_p: torch.Tensor) -> torch.Tensor:
         """log(p_prev + eps) for `log_p`'s positions (log(eps) where no forward scored them yet)."""
@@ -145,15 +151,14 @@ def klass_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: KLASS | None =
     `ForwardRequest` per forward (the block and the next, against the whole canvas), a `Progress` after
     each; returns `[B, P + gen_length]`. `steps`: LLaDA's schedule (None: `gen_length`). `temperature` > 0
     (LLaDA's loop): upstream's noise, each forward's logits → ``exp(logits) / (−log u)^temperature`` with float64
-    uniforms u over the whole canvas drawn from `generator`, and every rule reads the softmax of those."""
+    uniforms u over the whole canvas drawn from `generator`, and every rule reads the softmax of those; (Dream's
+    loop) each fallback's `torch.multinomial` over the masked positions' softmax(logits / T) (`_sampled_confidence`)."""
     config = check_config("decoder", config, KLASS, "a remask.KLASS")
     steps = gen_length if steps is None else steps
     validate_block_args(gen_length, block_length, steps)
     check_real("temperature", temperature, low=0)
     check_generator(generator, spec.device)
     spec, stats = check_method_call(spec, prompt, attention_mask, stats, mask_id=mask_id)
-    if temperature > 0 and spec.logit_shift:
-        raise ValueError("temperature: KLASS samples in its LLaDA loop (as upstream's); its Dream loop is greedy here")
     x = masked_canvas(prompt, gen_length, spec.mask_id)
     decode_row = partial(_klass_row, config, spec, x, prompt.shape[1], steps * block_length // gen_length, block_length,
                          stats, (structure, end_ids_of(spec, end_ids)), (temperature, generator))
@@ -171,6 +176,8 @@ def _klass_row(config: KLASS, spec: Any, x: torch.Tensor, P: int, steps_per_bloc
     inputs = spec.forward_inputs(attention_mask, T)
     state = config.new_state()
     state.llada = not spec.logit_shift
+    if sampling[0] > 0 and not state.llada:
+        state.draw = partial(_sampled_confidence, *sampling)
     for start in range(P, T, block_length):
         block, hi = row[:, start:start + block_length], min(start + 2 * block_length, T)
         schedule = schedule_counts(block == mask_id, steps_per_block) if state.llada else None
@@ -179,7 +186,7 @@ def _klass_row(config: KLASS, spec: Any, x: torch.Tensor, P: int, steps_per_bloc
             state.budget = schedule[:, step] if schedule is not None and step < steps_per_block else None
             state.layout = (T, start) if state.llada else None
             logits = yield ForwardRequest.call(row, inputs, spec=spec, rows=slice(start, hi))
-            if sampling[0] > 0:   # upstream's draw covers every position's logits; the rule reads the block's and next's
+            if sampling[0] > 0 and state.llada:   # LLaDA's noise, over every position (the rule reads two blocks)
                 u = torch.rand((1, T, logits.shape[-1]), dtype=torch.float64, device=logits.device, generator=sampling[1])
                 logits = logits.double().exp() / (-torch.log(u[:, start:hi])) ** sampling[0]
             # the frontier masked before the rule scores (and keeps its KL memory)
@@ -195,3 +202,10 @@ def _klass_row(config: KLASS, spec: Any, x: torch.Tensor, P: int, steps_per_bloc
             yield Progress(row, start - P)
         state.next_block(block_length)
     return row
+
+
+def _sampled_confidence(temperature: float, generator: torch.Generator | None, logits: torch.Tensor) -> torch.Tensor:
+    """Upstream's Dream fallback score (`sample_tokens`): per row of `logits` `[n, V]` (the masked positions), the
+    probability under softmax(logits / T) of a token drawn from it (one `torch.multinomial`, as `Categorical`)."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return probs.gather(-1, draw_categorical(probs, generator, renormalize=True)[:, None])[:, 0]
