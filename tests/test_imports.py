@@ -24,42 +24,52 @@ def _run(code: str) -> str:
     return done.stdout
 
 
-def test_import_remask_imports_neither_torch_nor_transformers():
-    out = json.loads(_run("""
-        import json, sys
-        import remask
-        print(json.dumps([m for m in ("torch", "transformers", "transformers.modeling_utils", "remask.models",
-                                      "remask.diffusion", "remask.engine") if m in sys.modules]))
-    """))
-    assert out == []
-
-
-def test_import_hooks_and_flat_names_are_gone():
-    out = json.loads(_run("""
+@pytest.fixture(scope="module")
+def one_fresh_process() -> dict:
+    """One fresh interpreter that imports in the order a user does, recording at each stage what the tests
+    below check (one process instead of one each: every start pays torch's and transformers' import)."""
+    return json.loads(_run("""
         import importlib.util, json, sys
-        before = list(sys.meta_path)
-        import remask, remask.models, remask.diffusion, remask.engine
-        added = [type(f).__module__ for f in sys.meta_path if f not in before and type(f).__module__.startswith("remask")]
+        hooks_before = list(sys.meta_path)
+        import remask
+        light = [m for m in ("torch", "transformers", "transformers.modeling_utils", "remask.models",
+                             "remask.diffusion", "remask.engine") if m in sys.modules]
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+        registered = ["llada" in CONFIG_MAPPING, "remask.models" in sys.modules]
+        remask.GenerationStats
+        registered += ["llada" in CONFIG_MAPPING, "Dream" in CONFIG_MAPPING]
+        from remask.models import family_of
+        loaded = "remask.models.sdar" in sys.modules
+        family = family_of("SDAR_MOE")
+        families = [loaded, family.model_type, family.model_class.__name__, family_of("diffusion_gemma").load_class,
+                    family_of("llama")]
+        import remask.models, remask.diffusion, remask.engine
+        added = [type(f).__module__ for f in sys.meta_path
+                 if f not in hooks_before and type(f).__module__.startswith("remask")]
         flat = [n for n in ("remask.diffusion.llada", "remask.diffusion.stepper", "remask.diffusion.dinfer")
                 if n in sys.modules or importlib.util.find_spec(n) is not None]
         aliases = [n for n, m in sys.modules.items() if n.startswith("remask.") and getattr(m, "__name__", n) != n]
-        print(json.dumps([added, flat, aliases]))
+        missing = [n for n in remask.__all__ if getattr(remask, n, None) is None]
+        missing += [n for n in remask.models.__all__ if getattr(remask.models, n, None) is None]
+        assert set(remask.__all__) <= set(dir(remask)) and set(remask.models.__all__) <= set(dir(remask.models))
+        print(json.dumps(dict(light=light, registered=registered, families=families, hooks=[added, flat, aliases],
+                              missing=missing, llada=remask.diffusion.families.llada.__name__,
+                              family_names=sorted(remask.models.FAMILIES))))
     """))
-    assert out == [[], [], []]
 
 
-def test_import_remask_registers_nothing_until_a_name_is_used():
+def test_import_remask_imports_neither_torch_nor_transformers(one_fresh_process):
+    assert one_fresh_process["light"] == []
+
+
+def test_import_hooks_and_flat_names_are_gone(one_fresh_process):
+    assert one_fresh_process["hooks"] == [[], [], []]
+
+
+def test_import_remask_registers_nothing_until_a_name_is_used(one_fresh_process):
     """Bare `import remask` does not register (it imports no transformers); the first public name
     used imports `remask.models`, which does."""
-    out = json.loads(_run("""
-        import json, sys
-        import remask
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-        before = ["llada" in CONFIG_MAPPING, "remask.models" in sys.modules]
-        remask.GenerationStats
-        print(json.dumps(before + ["llada" in CONFIG_MAPPING, "Dream" in CONFIG_MAPPING]))
-    """))
-    assert out == [False, False, True, True]
+    assert one_fresh_process["registered"] == [False, False, True, True]
 
 
 def test_remask_help_imports_no_heavy_module():
@@ -158,26 +168,12 @@ print(json.dumps([type(AutoConfig.from_pretrained({str(checkpoints / "llada")!r}
     assert out == ["LLaDAConfig", True, "FastDLLMV2ForCausalLM", "llada", "block-causal"]
 
 
-def test_public_names_and_families_resolve_on_demand():
-    out = json.loads(_run("""
-        import json, sys
-        import remask, remask.models
-        missing = [n for n in remask.__all__ if getattr(remask, n, None) is None]
-        missing += [n for n in remask.models.__all__ if getattr(remask.models, n, None) is None]
-        assert set(remask.__all__) <= set(dir(remask)) and set(remask.models.__all__) <= set(dir(remask.models))
-        print(json.dumps([missing, remask.diffusion.families.llada.__name__, sorted(remask.models.FAMILIES)]))
-    """))
-    assert out[0] == [] and out[1] == "remask.diffusion.families.llada"
-    assert out[2] == ["diffusion_gemma", "dream", "fast_dllm_qwen", "llada", "llada2_moe", "sdar", "sdar_moe"]
+def test_public_names_and_families_resolve_on_demand(one_fresh_process):
+    assert one_fresh_process["missing"] == [] and one_fresh_process["llada"] == "remask.diffusion.families.llada"
+    assert one_fresh_process["family_names"] == ["diffusion_gemma", "dream", "fast_dllm_qwen", "llada", "llada2_moe",
+                                                 "sdar", "sdar_moe"]
 
 
-def test_family_of_imports_a_family_module_on_demand():
-    out = json.loads(_run("""
-        import json, sys
-        from remask.models import family_of
-        loaded = "remask.models.sdar" in sys.modules
-        family = family_of("SDAR_MOE")
-        print(json.dumps([loaded, family.model_type, family.model_class.__name__,
-                          family_of("diffusion_gemma").load_class, family_of("llama")]))
-    """))
-    assert out == [False, "sdar_moe", "SDARMoeForCausalLM", "AutoModelForImageTextToText", None]
+def test_family_of_imports_a_family_module_on_demand(one_fresh_process):
+    assert one_fresh_process["families"] == [False, "sdar_moe", "SDARMoeForCausalLM", "AutoModelForImageTextToText",
+                                             None]
