@@ -241,16 +241,18 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     if dinfer:
         # dInfer's rules (and `VicinityCache`) over Fast-dLLM's Dream blocks: LLaDA's step generator (`dinfer_steps`)
         # on Dream's shifted logits, a combination no paper shipped; greedy: the sampling settings refused by name
-        unread = greedy_unread + [name for name, on in (
+        # `temperature` (with `generator`) goes to the method, which refuses it by name unless it samples (KLASS)
+        unread = [name for name in greedy_unread if name != "temperature"] + [name for name, on in (
             ("alg", alg_given is not None), ("threshold", threshold != 0.9), ("apd", apd is not None),
             ("sparse", sparse is not None)) if on] + sorted(n for n in ("alg_temp", "steps", "eps") if n in given)
         if unread:
             method = type(decoder if decoder is not None else use_cache).__name__
-            raise ValueError(f"decoder/use_cache={method} on Dream runs dInfer's greedy rule over blocks; it does not "
+            raise ValueError(f"decoder/use_cache={method} on Dream runs its own commit rule over blocks; it does not "
                              f"read {unread}")
         sequences = run_decoder(model, inputs, attention_mask, decoder, gen_length=gen_length,
                                 block_length=block_length, use_cache=use_cache, mask_id=config.mask_token_id,
-                                stats=stats, structure=structure)
+                                stats=stats, structure=structure,
+                                settings={"temperature": (config.temperature, 0.0), "generator": (generator, None)})
     elif apd is not None:
         if blocks or hooks_given or decoder is not None:
             raise ValueError("apd= does not combine with use_cache / block_length, decoder= or the generation hooks")

@@ -50,12 +50,9 @@ def decode(model: torch.nn.Module, case: dict, stats: remask.GenerationStats | N
             return remask.generate(model, torch.tensor([case["prompt"]]), steps=kw["steps"], gen_length=kw["gen_length"],
                                    block_length=kw["block_length"], decoder=rule_of(kw), stats=stats,
                                    **sampling)[0].tolist()
-        if sampling:   # Dream's loop at temperature > 0 through remask.generate (diffusion_generate's rules are greedy)
-            return remask.generate(model, torch.tensor(case["prompt"]), steps=kw["steps"], gen_length=kw["gen_length"],
-                                   block_length=kw["gen_length"], decoder=rule_of(kw), attention_mask=mask,
-                                   **sampling).tolist()
         return remask.diffusion_generate(model, torch.tensor(case["prompt"]), max_new_tokens=kw["gen_length"],
-                                         block_length=kw["gen_length"], decoder=rule_of(kw), attention_mask=mask).tolist()
+                                         block_length=kw["gen_length"], decoder=rule_of(kw), attention_mask=mask,
+                                         **sampling).tolist()
 
 
 @pytest.mark.parametrize("case", DATA["cases"], ids=lambda c: c["name"])
@@ -175,6 +172,11 @@ def test_engine_samples_dream_as_the_seeded_fixture(tmp_path_factory):
         packed = remask.LLM(model).generate([c["prompt"][0] for c in cases], [params(c) for c in cases],
                                             use_tqdm=False)
     assert alone.outputs[0].all_token_ids == seeded[0]["output_ids"][0][len(seeded[0]["prompt"][0]):]
+    kw = seeded[0]["kwargs"]   # LLaDA's drop-in on the Dream model hands the method temperature as Dream's does
+    assert remask.generate(model, torch.tensor(seeded[0]["prompt"]), steps=kw["steps"], gen_length=kw["gen_length"],
+                           block_length=kw["gen_length"], decoder=rule_of(kw), temperature=seeded[0]["temperature"],
+                           generator=torch.Generator().manual_seed(seeded[0]["seed"]))[0].tolist() \
+        == seeded[0]["output_ids"][0]
     for c, out in zip(cases, packed):
         assert out.outputs[0].all_token_ids == c["output_ids"][0][len(c["prompt"][0]):], c["name"]
     for name, value in (("top_p", 0.9), ("top_k", 5)):

@@ -114,7 +114,7 @@ def test_two_ranks_decode_the_tokens_of_one_process(kind, tmp_path):
 
 
 KERNEL_SCRIPT = textwrap.dedent('''
-    import json, importlib, torch, torch.distributed as dist
+    import json, importlib, os, torch, torch.distributed as dist
     dist.init_process_group("gloo")
     kernels = importlib.import_module("remask.kernels.confidence")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -125,33 +125,32 @@ KERNEL_SCRIPT = textwrap.dedent('''
     a, b = rank * chunk, min((rank + 1) * chunk, V)
     rows = torch.tensor([0, 2, 3, 8])
     out = {}
-    for mode in ("prob", "margin", "neg_entropy"):
-        for temperature in (0.0, 0.7):
-            kw = dict(temperature=temperature, mode=mode, rows=rows, suppress_ids=[7], exclude_ids=[600],
-                      zero_prob_ids=[999])
-            x0, conf = kernels.confidence_vocab_parallel(logits[:, a:b], vocab_start=a, vocab_size=V, seed=5, **kw)
-            want = kernels.confidence(logits, seed=5, **kw)
-            unseeded = kernels.confidence_vocab_parallel(logits[:, a:b], vocab_start=a, vocab_size=V, **kw)[0]
-            everyone = [torch.empty_like(unseeded) for _ in range(world)]
-            dist.all_gather(everyone, unseeded)
-            out[f"{mode}-{temperature}"] = dict(
-                same_x0=torch.equal(x0, want[0]), conf_err=float((conf.double() - want[1].double()).abs().max()),
-                ranks_agree=all(torch.equal(e, everyone[0]) for e in everyone))
+    for path, mode, temperature in [(p, m, t) for p in ("torch", "triton") for m in ("prob", "margin", "neg_entropy")
+                                    for t in (0.0, 0.7)]:
+        os.environ["REMASK_TRITON"] = "1" if path == "triton" else "0"   # the dispatcher reads it at each call
+        kw = dict(temperature=temperature, mode=mode, rows=rows, suppress_ids=[7], exclude_ids=[600],
+                  zero_prob_ids=[999])
+        x0, conf = kernels.confidence_vocab_parallel(logits[:, a:b], vocab_start=a, vocab_size=V, seed=5, **kw)
+        want = kernels.confidence(logits, seed=5, **kw)
+        unseeded = kernels.confidence_vocab_parallel(logits[:, a:b], vocab_start=a, vocab_size=V, **kw)[0]
+        everyone = [torch.empty_like(unseeded) for _ in range(world)]
+        dist.all_gather(everyone, unseeded)
+        out[f"{path}-{mode}-{temperature}"] = dict(
+            same_x0=torch.equal(x0, want[0]), conf_err=float((conf.double() - want[1].double()).abs().max()),
+            ranks_agree=all(torch.equal(e, everyone[0]) for e in everyone))
     if rank == 0:
         print("RESULT" + json.dumps(out), flush=True)
     dist.barrier()
     dist.destroy_process_group()
-    import os
     os._exit(0)   # the Triton interpreter's threads can abort a normal interpreter shutdown here
 ''')
 
 
-@pytest.mark.parametrize("triton", ["0", "1"], ids=["torch", "triton-interpreter"])
-def test_vocab_parallel_scoring_over_gloo(triton, tmp_path):
+def test_vocab_parallel_scoring_over_gloo(tmp_path):
     """`confidence_vocab_parallel` on 2 ranks (gloo): each rank scores its columns, the ranks
     all-gather 7 numbers per row and combine them; x0 equals the unsharded call's and the
-    confidence agrees (the torch path and the kernel under the interpreter); without a seed the
-    ranks share rank 0's, so they agree."""
+    confidence agrees (the torch path and the kernel under the interpreter, both in one launch); without
+    a seed the ranks share rank 0's, so they agree."""
     torchrun = shutil.which("torchrun", path=str(pathlib.Path(sys.executable).parent))
     if torchrun is None:
         pytest.skip("torchrun not installed beside this python")
@@ -159,12 +158,12 @@ def test_vocab_parallel_scoring_over_gloo(triton, tmp_path):
     script.write_text(KERNEL_SCRIPT)
     import os
 
-    env = dict(os.environ, REMASK_TRITON=triton, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([torchrun, "--nproc_per_node", "2", str(script)], capture_output=True, text=True,
                           timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT"))[6:])
-    assert len(result) == 6
+    assert len(result) == 12
     for case, r in result.items():
         assert r["same_x0"] and r["ranks_agree"], case
         assert r["conf_err"] < 1e-5, case
