@@ -264,18 +264,20 @@ def kv_cases(fixture):
 
 @pytest.mark.parametrize("which", ["llada", "dream"])
 def test_kv_cache_fixture_covers_its_settings_and_the_cache_matters(load, load_dream, which):
-    """The cached cases vary the cache's settings and the others', stop at EOS, and decode otherwise without the
-    cache in several of them."""
+    """The cached cases vary the cache's settings and the others', stop at EOS, sample (seeded: Dream draws over the
+    forwarded rows only), and the greedy ones decode otherwise without the cache in several of them."""
     fixture, loader = (FIXTURE, load) if which == "llada" else (DREAM, load_dream)
     cases = kv_cases(fixture)
     kwargs = [c["kwargs"] for c in cases]
     assert len(cases) >= 8 and len({k["cache_delay_iter"] for k in kwargs}) >= 3
     assert len({k["refresh_interval"] for k in kwargs}) >= 3 and len({k["threshold"] for k in kwargs}) >= 4
-    assert len({k["block_add_threshold"] for k in kwargs}) >= 3 and len({k["decoded_token_threshold"] for k in kwargs}) >= 3
+    assert len({k["block_add_threshold"] for k in kwargs}) >= 3
+    assert len({k["decoded_token_threshold"] for k in kwargs}) >= 3
     assert sum(k["early_stop"] and k["eos_token_id"] in c["output_ids"][len(c["prompt"]):]
                for k, c in zip(kwargs, cases)) >= 5
+    assert sum("seed" in c for c in cases) >= 8
     differ = 0
-    for c in cases[::4]:
+    for c in [c for c in cases if "seed" not in c][::4]:
         plain = {k: v for k, v in c["kwargs"].items() if k not in ("cache_delay_iter", "refresh_interval")}
         x, nfe = run(loader(c["checkpoint"]), torch.tensor([c["prompt"]]), plain)
         differ += x[0].tolist() != c["output_ids"] or nfe.tolist() != [c["nfe"]]
@@ -315,7 +317,8 @@ def test_kv_cache_in_the_engine_alone_and_packed(load, load_dream, which):
     params = remask.SamplingParams(max_tokens=gen_length, block_length=block_length, decoder=MultiBlock(**kw),
                                    temperature=0.0)
     others = [remask.SamplingParams(max_tokens=32, block_length=8, decoder=MultiBlock(threshold=1.0)),
-              remask.SamplingParams(max_tokens=32, block_length=8, decoder=MultiBlock(threshold=0.5, cache_delay_iter=0))]
+              remask.SamplingParams(max_tokens=32, block_length=8,
+                                    decoder=MultiBlock(threshold=0.5, cache_delay_iter=0))]
     expected = case["output_ids"][len(case["prompt"]):]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

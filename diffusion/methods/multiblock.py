@@ -49,9 +49,8 @@ from typing import Any, Generator
 
 import torch
 
-from remask.models.spec import ModelSpec
-
 from remask.caches import KVCache
+from remask.models.spec import ModelSpec
 
 from ..parts.cache import BlockForward
 from ..parts.checks import (check_bool, check_choice, check_config, check_generator, check_int, check_method_call,
@@ -185,7 +184,7 @@ class _Row:
         return min([self.cached] + [b.start for b in self.blocks if b.masks > 0 or b in waiting])
 
     def forward(self, x: torch.Tensor) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
-        """The step's forward of the row `x` `[1, T]` as `_plan` set it: (the fed positions' logits, the first's index)."""
+        """The step's forward of the row `x` `[1, T]` as `_plan` set it: (the fed positions' logits, the first one)."""
         kv, T = self.kv, x.shape[1]
         if kv.cache is None and not self.grow:   # nothing cached yet: a full forward
             self.lo = 0
@@ -245,8 +244,9 @@ class _Row:
         entropy = torch.where(masked, -neg_entropy, torch.inf)
         drawn = x0   # the threshold's tokens; LLaDA's forced position takes the clean argmax x0, Dream's the draw
         if temperature > 0 and self.dream:   # one multinomial of the tempered softmax over the forwarded rows
-            drawn = x0 = torch.cat([x0[:max(self.lo - self.P, 0)], sample_categorical(
-                logits[self.lo:], temperature, generator=generator, exclude_id=exclude)[0][max(self.P - self.lo, 0):end - self.lo]])
+            lo = self.lo
+            drawn = x0 = torch.cat([x0[:max(lo - self.P, 0)], sample_categorical(
+                logits[lo:], temperature, generator=generator, exclude_id=exclude)[0][max(self.P - lo, 0):end - lo]])
         elif temperature > 0:   # float64 Gumbel-max noise over the canvas; the entropy stays the clean logits'
             drawn = score_tokens(logits[self.P:end], temperature=temperature, exclude_id=exclude, noise=torch.rand(
                 logits.shape, dtype=torch.float64, device=logits.device, generator=generator)[self.P:end])[0]
