@@ -255,6 +255,89 @@ def test_sampling_settings_it_does_not_read_are_refused_by_name(load, load_dream
         multiblock_generate(model, prompt, gen_length=16, block_length=8, temperature=0.5, generator=0)
 
 
+# --- the delayed KV cache (`generate_multi_block_kv_cache`, Dream's `_sample_multi_block_kv_cache`) -----------
+# The fixtures' `*_kv_*` cases, MultiBlock(cache_delay_iter=..., refresh_interval=...), run by the reference tests.
+
+def kv_cases(fixture):
+    return [c for c in fixture["cases"] if "cache_delay_iter" in c["kwargs"]]
+
+
+@pytest.mark.parametrize("which", ["llada", "dream"])
+def test_kv_cache_fixture_covers_its_settings_and_the_cache_matters(load, load_dream, which):
+    """The cached cases vary the cache's settings and the others', stop at EOS, sample (seeded: Dream draws over the
+    forwarded rows only), and the greedy ones decode otherwise without the cache in several of them."""
+    fixture, loader = (FIXTURE, load) if which == "llada" else (DREAM, load_dream)
+    cases = kv_cases(fixture)
+    kwargs = [c["kwargs"] for c in cases]
+    assert len(cases) >= 8 and len({k["cache_delay_iter"] for k in kwargs}) >= 3
+    assert len({k["refresh_interval"] for k in kwargs}) >= 3 and len({k["threshold"] for k in kwargs}) >= 4
+    assert len({k["block_add_threshold"] for k in kwargs}) >= 3
+    assert len({k["decoded_token_threshold"] for k in kwargs}) >= 3
+    assert sum(k["early_stop"] and k["eos_token_id"] in c["output_ids"][len(c["prompt"]):]
+               for k, c in zip(kwargs, cases)) >= 5
+    assert sum("seed" in c for c in cases) >= 8
+    differ = 0
+    for c in [c for c in cases if "seed" not in c][::4]:
+        plain = {k: v for k, v in c["kwargs"].items() if k not in ("cache_delay_iter", "refresh_interval")}
+        x, nfe = run(loader(c["checkpoint"]), torch.tensor([c["prompt"]]), plain)
+        differ += x[0].tolist() != c["output_ids"] or nfe.tolist() != [c["nfe"]]
+    assert differ >= 3
+
+
+@pytest.mark.parametrize("which", ["llada", "dream"])
+def test_kv_cache_rows_of_a_batch_and_padded_rows_are_decided_alone(load, load_dream, which):
+    """Each row keeps its own cache (its blocks are cached at their own steps); a left-padded row as alone."""
+    model = load("llada_small_eos") if which == "llada" else load_dream("dream_short")
+    eos, pad, high = (EOS, 297, 290) if which == "llada" else (1, 46, 44)
+    prompts = random_prompt(3, 7, seed=5, high=high)
+    kwargs = dict(gen_length=32, block_length=8, threshold=0.5, block_add_threshold=0.25, early_stop=True,
+                  eos_token_id=eos, cache_delay_iter=1, refresh_interval=3)
+    stats = GenerationStats()
+    x, nfe = run(model, prompts, kwargs, stats=stats)
+    for b in range(3):
+        alone, n = run(model, prompts[b:b + 1], kwargs)
+        assert torch.equal(x[b], alone[0]) and int(nfe[b]) == int(n[0])
+    assert len(set(nfe.tolist())) > 1 and stats.kv_cache_bytes > 0
+    assert stats.forward_positions < stats.nfe * 3 * x.shape[1]   # the cached positions are not forwarded again
+    padded, mask = left_pad([prompts[0, 2:], prompts[1]], pad_id=pad)
+    x, _ = run(model, padded, kwargs, attention_mask=mask)
+    assert torch.equal(x[1], run(model, prompts[1:2], kwargs)[0][0])
+
+
+@pytest.mark.parametrize("which", ["llada", "dream"])
+def test_kv_cache_in_the_engine_alone_and_packed(load, load_dream, which):
+    """`SamplingParams(decoder=MultiBlock(..., cache_delay_iter=...))`: the fixture's tokens alone and packed
+    beside another request (cached or not), as the drop-in."""
+    import remask
+
+    fixture, loader = (FIXTURE, load) if which == "llada" else (DREAM, load_dream)
+    case = next(c for c in kv_cases(fixture) if c["kwargs"]["early_stop"] and c["nfe"] > 6)
+    model, kw = loader(case["checkpoint"]), dict(case["kwargs"])
+    gen_length, block_length = kw.pop("gen_length"), kw.pop("block_length")
+    params = remask.SamplingParams(max_tokens=gen_length, block_length=block_length, decoder=MultiBlock(**kw),
+                                   temperature=0.0)
+    others = [remask.SamplingParams(max_tokens=32, block_length=8, decoder=MultiBlock(threshold=1.0)),
+              remask.SamplingParams(max_tokens=32, block_length=8,
+                                    decoder=MultiBlock(threshold=0.5, cache_delay_iter=0))]
+    expected = case["output_ids"][len(case["prompt"]):]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        alone = remask.LLM(model).generate([case["prompt"]], params, use_tqdm=False)[0]
+        assert alone.outputs[0].all_token_ids == expected
+        for other in others:
+            packed = remask.LLM(model).generate([[5, 6, 7, 8], case["prompt"]], [other, params], use_tqdm=False)
+            assert packed[1].outputs[0].all_token_ids == expected
+        drop_in = remask.generate(model, torch.tensor([case["prompt"]]), gen_length=gen_length,
+                                  block_length=block_length, decoder=MultiBlock(**kw))
+    assert drop_in[0].tolist() == case["output_ids"]
+
+
+def test_kv_cache_errors_name_the_field():
+    for field, value in (("cache_delay_iter", -1), ("cache_delay_iter", 1.5), ("refresh_interval", 0)):
+        with pytest.raises((ValueError, TypeError), match=field):
+            MultiBlock(**{field: value})
+
+
 # --- Dream (d3LLM's `d3llm_dream_generate_util.py`, `_sample_multi_block`) ------------------------------------
 
 DREAM = json.loads((Path(__file__).parent / "fixtures" / "multiblock_dream_reference.json").read_text())

@@ -27,6 +27,17 @@ logits', the forced position takes the clean argmax), Dream's one multinomial of
 canvas (the forced position takes the draw); LLaDA's `remasking="random"` ranks by float32 uniforms drawn after
 the noise. Rows of a batch draw in turn at each step.
 
+`cache_delay_iter` < 10000 (LLaDA's `generate_multi_block_kv_cache`, Dream's `_sample_multi_block_kv_cache`): a
+delayed prefix KV cache (`parts.cache.BlockForward`'s forwards). Each step, after the block opening, blocks are looked
+at from the first uncached one on while they hold no mask: one gets the step it is first seen so as "completed", and
+`cache_delay_iter` steps later it is cached (LLaDA's look stops at a block still waiting, Dream's goes on past it).
+The step's forward is then one of: the cache's growth (forward from the cached length to the end against the cache,
+which keeps the new blocks' K/V, appended after what it holds), a cached forward (the same, nothing kept), a refresh
+(a full forward whose K/V, cut at the latest waiting block's start or else the cached length, replace the cache:
+while a block waits, and at every step that is a multiple of `refresh_interval`), or a plain full forward (nothing
+cached yet). No mask lies before the cached length, so the commit reads the fed positions' logits only (Dream's
+draws too); mask counts stop at 0. Dream's early stop also passes the blocks after the EOS by.
+
 A row ends when its answer holds no mask and every block has opened. Its count of forwards is the
 reference's returned NFE (after an early stop that count includes one step with no forward, as the
 reference counts it). Rows of a batch are decided alone; a finished row is not forwarded again.
@@ -34,11 +45,14 @@ reference counts it). Rows of a batch are decided alone; a finished row is not f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Generator
 
 import torch
 
+from remask.caches import KVCache
 from remask.models.spec import ModelSpec
 
+from ..parts.cache import BlockForward
 from ..parts.checks import (check_bool, check_choice, check_config, check_generator, check_int, check_method_call,
                             check_real, check_token_id)
 from ..parts.constrain import CommitFilter, before_rule, end_ids_of
@@ -48,6 +62,7 @@ from ..parts.step import masked_canvas
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, run_steps
 
 MAX_FORWARDS = 10000   # the reference's loop guard (reached only when the mask token is committed)
+NO_CACHE = 10000   # a `cache_delay_iter` this large: no cache (Dream's entry point's switch)
 VARIANTS = ("llada", "dream")
 
 
@@ -57,7 +72,8 @@ class MultiBlock:
     entry point's `gen_length` / `block_length`). `eos_token_id` None: the model's EOS. `commit_mask_token`:
     commit an argmax equal to the mask token as upstream does (it stays masked; remask's default commits the
     most probable other token, so no mask is ever returned). `variant`: d3LLM's "llada" or "dream" file (module
-    docstring); None: the model's own (Dream's on a model that shifts its logits)."""
+    docstring); None: the model's own (Dream's on a model that shifts its logits). `cache_delay_iter` /
+    `refresh_interval`: the files' delayed KV cache (module docstring), off at `cache_delay_iter` >= 10000."""
 
     threshold: float | None = 0.5
     block_add_threshold: float = 0.5
@@ -66,6 +82,8 @@ class MultiBlock:
     eos_token_id: int | None = None
     commit_mask_token: bool = False
     variant: str | None = None
+    cache_delay_iter: int = NO_CACHE
+    refresh_interval: int = 10000
 
     def __post_init__(self) -> None:
         check_real("threshold", self.threshold, allow_none=True)
@@ -75,6 +93,12 @@ class MultiBlock:
         check_bool("commit_mask_token", self.commit_mask_token)
         check_int("eos_token_id", self.eos_token_id, minimum=0, allow_none=True)
         check_choice("variant", self.variant, VARIANTS + (None,))
+        check_int("cache_delay_iter", self.cache_delay_iter, minimum=0)
+        check_int("refresh_interval", self.refresh_interval, minimum=1)
+
+    @property
+    def cached(self) -> bool:
+        return self.cache_delay_iter < NO_CACHE
 
     def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
                       steps: int | None = None, prompt_length: int | None = None) -> None:
@@ -88,6 +112,7 @@ class MultiBlock:
 class _Block:
     def __init__(self, start: int, end: int, masks: int, full: bool) -> None:
         self.start, self.end, self.masks, self.full = start, end, masks, full
+        self.completed, self.cached = None, False   # the cache's: the step it was seen decoded; in the cache
 
     @property
     def progress(self) -> float:
@@ -98,10 +123,12 @@ class _Row:
     """One row's blocks (block 0: the prompt, decoded) and counters, as upstream keeps them."""
 
     def __init__(self, config: MultiBlock, P: int, num_blocks: int, block_length: int, dream: bool,
-                 sampling: tuple = (0.0, "low_confidence", None)) -> None:
+                 sampling: tuple = (0.0, "low_confidence", None), kv: BlockForward | None = None) -> None:
         self.config, self.P, self.num_blocks, self.block_length, self.dream = config, P, num_blocks, block_length, dream
-        self.sampling = sampling
+        # `kv`: the row's forwards with the cache (or None); `lo`: the first position its step forwarded
+        self.sampling, self.kv, self.cached, self.lo = sampling, kv, 0, 0
         self.blocks = [_Block(0, P, 0, True)]
+        self.blocks[0].completed = 0
         self.next, self.nfe, self.done, self.has_eos = 1, 0, False, False
         self._open(masks=block_length, full=1.0 >= config.decoded_token_threshold)
 
@@ -129,7 +156,47 @@ class _Row:
             self._open(int((x[start:start + self.block_length] == mask_id).sum()),
                        last.progress >= self.config.decoded_token_threshold)
         open_ = [b for b in self.blocks[1:] if b.full or b.masks > 0]
-        return open_[-1].end if open_ else self._finish()
+        if not open_ or (self.kv is not None and self._plan() >= open_[-1].end):   # upstream's stops
+            return self._finish()
+        return open_[-1].end
+
+    def _plan(self) -> int:
+        """The cache's bookkeeping before the forward (module docstring): the blocks cached now (`grow`: the
+        positions the cache gains), whether the forward refreshes the cache; returns the first position to forward."""
+        delay_iter, grow_to = self.config.cache_delay_iter, self.cached
+        for block in self.blocks:
+            if block.end <= self.cached:
+                continue
+            if block.masks != 0:
+                break
+            if block.completed is None:
+                block.completed = self.nfe
+            delay = self.nfe - block.completed
+            if delay >= delay_iter and not block.cached:
+                block.cached, grow_to = True, block.end
+            elif delay < delay_iter and not self.dream:   # Dream's look goes on past a waiting block
+                break
+        waiting = [b for b in self.blocks if b.masks == 0 and b.completed is not None and not b.cached]
+        self.grow = grow_to - self.cached
+        self.refresh = not self.grow and self.kv.cache is not None and (
+            bool(waiting) or self.nfe % self.config.refresh_interval == 0)
+        self.cut = waiting[-1].start if waiting else self.cached   # what a refresh keeps
+        return min([self.cached] + [b.start for b in self.blocks if b.masks > 0 or b in waiting])
+
+    def forward(self, x: torch.Tensor) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
+        """The step's forward of the row `x` `[1, T]` as `_plan` set it: (the fed positions' logits, the first one)."""
+        kv, T = self.kv, x.shape[1]
+        if kv.cache is None and not self.grow:   # nothing cached yet: a full forward
+            self.lo = 0
+            return (yield from kv.span(x, 0, T, None)), 0
+        self.lo = 0 if kv.cache is None or self.refresh else self.cached
+        if self.lo == 0:
+            kv.cache = KVCache()
+        held = kv.cache.get_seq_length()   # upstream appends the new K/V after what the cache holds
+        logits = yield from kv.span(x, self.lo, T, kv.cache, write_at=held)
+        kv.cache.crop(self.cut if self.refresh else held + self.grow)
+        self.cached += self.grow
+        return logits, self.lo
 
     def _opens(self) -> bool:
         """Upstream opens the next block: the last open one reached `block_add_threshold` or has no mask."""
@@ -157,8 +224,11 @@ class _Row:
                 if masks != block.masks:
                     block.masks = masks
                     block.full = block.full or masks == 0
+            if self.dream and block.start > first:   # Dream's cache passes the blocks after the EOS by
+                block.cached, block.completed = True, self.nfe if block.completed is None else block.completed
         while self.next <= self.num_blocks and self.P + (self.next - 1) * self.block_length > first:
             self._open(masks=0, full=True)
+            self.blocks[-1].completed, self.blocks[-1].cached = self.nfe, True   # the cache's look passes them by
         return not bool((x[self.P:] == mask_id).any())
 
     def commit(self, x: torch.Tensor, logits: torch.Tensor, end: int,
@@ -173,8 +243,10 @@ class _Row:
         masked = self.masked[:end - self.P]
         entropy = torch.where(masked, -neg_entropy, torch.inf)
         drawn = x0   # the threshold's tokens; LLaDA's forced position takes the clean argmax x0, Dream's the draw
-        if temperature > 0 and self.dream:   # one multinomial of the tempered softmax, every row of the canvas
-            drawn = x0 = sample_categorical(logits, temperature, generator=generator, exclude_id=exclude)[0][self.P:end]
+        if temperature > 0 and self.dream:   # one multinomial of the tempered softmax over the forwarded rows
+            lo = self.lo
+            drawn = x0 = torch.cat([x0[:max(lo - self.P, 0)], sample_categorical(
+                logits[lo:], temperature, generator=generator, exclude_id=exclude)[0][max(self.P - lo, 0):end - lo]])
         elif temperature > 0:   # float64 Gumbel-max noise over the canvas; the entropy stays the clean logits'
             drawn = score_tokens(logits[self.P:end], temperature=temperature, exclude_id=exclude, noise=torch.rand(
                 logits.shape, dtype=torch.float64, device=logits.device, generator=generator)[self.P:end])[0]
@@ -199,6 +271,7 @@ class _Row:
         for block in self.blocks[1:]:
             if block.masks > 0:
                 block.masks -= int(commit[block.start - self.P:block.end - self.P].sum())
+                block.masks = block.masks if self.kv is None else max(block.masks, 0)
         if self.nfe > MAX_FORWARDS:
             self.done = True
 
@@ -237,7 +310,9 @@ def multiblock_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: MultiBloc
     check_real("temperature", temperature, low=0)
     check_choice("remasking", remasking, ("low_confidence",) if dream else ("low_confidence", "random"))
     sampling = (temperature, remasking, check_generator(generator, spec.device))
-    rows = [_Row(config, P, gen_length // block_length, block_length, dream, sampling) for _ in range(B)]
+    rows = [_Row(config, P, gen_length // block_length, block_length, dream, sampling, BlockForward(
+        spec, "prefix", {k: v[b:b + 1] if torch.is_tensor(v) else v for k, v in inputs.items()}, None)
+        if config.cached else None) for b in range(B)]
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
     return _loop(x, rows, inputs, spec, eos_id, stats, constraint)
 
@@ -258,10 +333,19 @@ def _loop(x: torch.Tensor, rows: list[_Row], inputs: dict, spec, eos_id: int | N
     while ends:
         active = list(ends)
         index = torch.tensor(active, device=x.device)
-        logits = yield ForwardRequest.call(x[index], {k: v[index] if torch.is_tensor(v) else v
-                                                      for k, v in inputs.items()}, spec=spec)
+        if rows[active[0]].kv is None:
+            logits = yield ForwardRequest.call(x[index], {k: v[index] if torch.is_tensor(v) else v
+                                                          for k, v in inputs.items()}, spec=spec)
+            stats.forward(len(active), T)
+        else:   # a forward a row, each with its own cache; the (decoded) positions before the fed ones score 0
+            parts, fed = [], 0
+            for b in active:
+                part, lo = yield from rows[b].forward(x[b:b + 1])
+                parts.append(torch.nn.functional.pad(part, (0, 0, lo, 0)))
+                fed += T - lo
+            stats.forward(1, fed, sum(rows[b].kv.cache_nbytes for b in active))
+            logits = torch.cat(parts)
         before = (x[index, P:] == mask_id).sum()
-        stats.forward(len(active), T)
         sub = None if constraint is None else constraint.rows(active)
         logits, prior = before_rule(sub, logits, x[index, P:], P, T, P)
         candidates = None if sub is None else torch.full_like(prior, mask_id)

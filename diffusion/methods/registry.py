@@ -187,7 +187,8 @@ register("daedal", DAEDAL, reads=("temperature", "generator", "cfg_scale"), leng
     daedal_steps, no_cache="DAEDAL forwards its whole canvas, whose length changes (no cache)"))
 register("multiblock", MultiBlock, reads=("temperature", "remasking", "generator"),
          fills_after_eos=lambda config: config.early_stop, loop=_own_loop(
-             multiblock_steps, no_cache="MultiBlock forwards the whole sequence every step (no cache)", first=True))
+             multiblock_steps, first=True,
+             no_cache="MultiBlock keeps d3LLM's own delayed KV cache: MultiBlock(cache_delay_iter=...)"))
 register("vicinity", VicinityCache, "use_cache", loop=_rules_loop, fills_after_eos=True)
 register("dkv", DKVCache, "use_cache", reads=("steps", "remasking", "generator"),
          unshifted="LLaDA's dKV-Cache schedule", loop=_own_loop(dkv_steps))

@@ -76,15 +76,17 @@ class BlockForward:
             self.cache.crop(start)   # the suffix's K/V are recomputed at every step, never kept
         return logits, fed
 
-    def span(self, inputs: torch.Tensor, lo: int, hi: int, cache: Any) -> Generator[ForwardRequest, Any, torch.Tensor]:
+    def span(self, inputs: torch.Tensor, lo: int, hi: int, cache: Any,
+             write_at: int | None = None) -> Generator[ForwardRequest, Any, torch.Tensor]:
         """The logits of positions `[lo, hi)` of `inputs` (ids `[B, T]` or embeddings `[B, T, d]`) against
-        `cache`, which the forward writes; without a cache, a full forward (logits of all T)."""
+        `cache`, which the forward writes (from entry `write_at`, by default `lo`); without a cache, a full forward
+        (logits of all T)."""
         T = inputs.shape[1]
         part = inputs if cache is None else inputs[:, lo:hi]
         ids, per_row = (part, {}) if inputs.dim() == 2 else (None, {"inputs_embeds": part})
         if cache is None:
             return (yield ForwardRequest.call(ids, {**self.forward_inputs, **per_row}, spec=self.spec))
         fwd = self.forward_inputs if (lo, hi) == (0, T) else self.spec.inputs_for_positions(self.forward_inputs, lo, hi)
-        cache.write_start = lo   # the model reads it instead of cache_position[0] (no host sync)
+        cache.write_start = lo if write_at is None else write_at   # the model reads it, not cache_position[0]
         return (yield ForwardRequest.call(ids, {**fwd, **per_row}, spec=self.spec, cache=cache,
                                           cache_position=torch.arange(lo, hi, device=inputs.device)))

@@ -59,7 +59,8 @@ def methods() -> dict[str, dict[str, Any]]:
     named = {type(config) for kwargs in listed.values() for config in kwargs.values()}
     own_loops = {m.config.__name__: {m.field: m.config()} for m in registry.METHODS.values()
                  if not m.is_rule and m.config not in named and m.way != "apd"}
-    return {**listed, **extra, **own_loops, "APD": dict(decoder=remask.APDConfig(_verifier()))}
+    cached = {"MultiBlock + its KV cache (cache_delay_iter)": dict(decoder=remask.MultiBlock(cache_delay_iter=1))}
+    return {**listed, **extra, **own_loops, **cached, "APD": dict(decoder=remask.APDConfig(_verifier()))}
 
 
 @functools.cache
