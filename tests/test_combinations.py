@@ -75,10 +75,12 @@ def test_dinfer_rules_on_dream_are_batch_invariant_and_stream_final_blocks(dream
 
 
 def test_dinfer_rules_on_dream_refuse_what_they_do_not_read(dream):
+    """Dream's drop-in refuses its own settings a rule does not read; `temperature` goes to the method (KLASS
+    samples), and a greedy rule refuses it by name as under `remask.generate`."""
     prompt = random_prompt(1, 7, seed=3)
-    for kwargs, name in ((dict(temperature=0.5), "temperature"), (dict(alg="entropy"), "alg"),
-                         (dict(top_p=0.9), "top_p"), (dict(steps=8), "steps")):
-        with pytest.raises(ValueError, match=f"HierarchicalDecoding on Dream.*{name}"):
+    for kwargs, name in ((dict(temperature=0.5), "greedy.*temperature"), (dict(alg="entropy"), "on Dream.*alg"),
+                         (dict(top_p=0.9), "on Dream.*top_p"), (dict(steps=8), "on Dream.*steps")):
+        with pytest.raises(ValueError, match=f"HierarchicalDecoding.*{name}"):
             dream_tokens(dream, prompt, decoder=remask.HierarchicalDecoding(), **kwargs)
 
 
