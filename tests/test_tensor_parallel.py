@@ -25,31 +25,34 @@ SCRIPT = textwrap.dedent('''
     import remask.models   # registers remask's families with transformers' Auto classes
     from transformers import AutoModel
     from transformers.distributed import DistributedConfig
-    path, prompts, settings = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
-    model = AutoModel.from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto")).eval()
-    q = next(m.weight for n, m in model.named_modules() if n.endswith("q_proj"))
-    local = tuple(getattr(q, "to_local", lambda: q)().shape)
-    with torch.no_grad():
-        logits = model(torch.tensor([prompts[0]])).logits
-    gathers = []
-    full_tensor = DTensor.full_tensor
-    def counted(self, *a, **k):
-        gathers.append(tuple(self.shape))
-        return full_tensor(self, *a, **k)
-    DTensor.full_tensor = counted
-    runs = []
-    for kw in settings:
-        gathers.clear()
-        seed, fn = kw.pop("seed", None), getattr(remask, kw.pop("fn", "generate"))
-        outs = []
-        for p in prompts:
-            gen = torch.Generator().manual_seed(seed) if seed is not None else None
-            outs.append(fn(model, torch.tensor([p]), generator=gen, **kw)[0, len(p):].tolist())
-        runs.append({"outs": outs, "gathers": len(gathers)})
-    if dist.get_rank() == 0:
-        print("RESULT" + json.dumps({"runs": runs, "q_local": local, "q_full": tuple(q.shape),
-                                     "dtensor": type(q).__name__, "logits": type(logits).__name__,
-                                     "logits_local": list(logits.to_local().shape), "logits_full": list(logits.shape)}))
+    def run(path, prompts, settings):
+        model = AutoModel.from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto")).eval()
+        q = next(m.weight for n, m in model.named_modules() if n.endswith("q_proj"))
+        local = tuple(getattr(q, "to_local", lambda: q)().shape)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompts[0]])).logits
+        gathers = []
+        full_tensor = DTensor.full_tensor
+        def counted(self, *a, **k):
+            gathers.append(tuple(self.shape))
+            return full_tensor(self, *a, **k)
+        DTensor.full_tensor = counted
+        runs = []
+        for kw in settings:
+            gathers.clear()
+            seed, fn = kw.pop("seed", None), getattr(remask, kw.pop("fn", "generate"))
+            outs = []
+            for p in prompts:
+                gen = torch.Generator().manual_seed(seed) if seed is not None else None
+                outs.append(fn(model, torch.tensor([p]), generator=gen, **kw)[0, len(p):].tolist())
+            runs.append({"outs": outs, "gathers": len(gathers)})
+        DTensor.full_tensor = full_tensor
+        return {"runs": runs, "q_local": local, "q_full": tuple(q.shape), "dtensor": type(q).__name__,
+                "logits": type(logits).__name__, "logits_local": list(logits.to_local().shape),
+                "logits_full": list(logits.shape)}
+    results = [run(path, prompts, settings) for path, prompts, settings in json.loads(sys.argv[1])]
+    if dist.get_rank() == 0:   # every model of the test in one launch
+        print("RESULT" + json.dumps(results))
 ''')
 
 BASE = dict(steps=16, gen_length=16, block_length=8)
@@ -85,32 +88,33 @@ def prompts_and_model(kind: str, folder: pathlib.Path):
     return str(folder), [torch.randint(0, 290, (5 + i,), generator=g).tolist() for i in range(3)]
 
 
-@pytest.mark.parametrize("kind", ["tiny-llada", "dream"])
-def test_two_ranks_decode_the_tokens_of_one_process(kind, tmp_path):
+def test_two_ranks_decode_the_tokens_of_one_process(tmp_path):
+    """LLaDA (the shipped tiny-llada) and Dream (an odd vocabulary), both in one torchrun launch."""
     torchrun = shutil.which("torchrun", path=str(pathlib.Path(sys.executable).parent))
     if torchrun is None:
         pytest.skip("torchrun not installed beside this python")
-    path, prompts = prompts_and_model(kind, tmp_path / "dream")
-    settings = [kw for kw, _ in SETTINGS[kind]]
+    jobs = {kind: prompts_and_model(kind, tmp_path / "dream") for kind in SETTINGS}
     script = tmp_path / "tp.py"
     script.write_text(SCRIPT)
-    done = subprocess.run([torchrun, "--nproc_per_node", "2", str(script), path, json.dumps(prompts),
-                           json.dumps(settings)], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([torchrun, "--nproc_per_node", "2", str(script), json.dumps(
+        [(path, prompts, [kw for kw, _ in SETTINGS[kind]]) for kind, (path, prompts) in jobs.items()])],
+        capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT"))[6:])
-    assert result["dtensor"] == "DTensor" and result["q_local"][0] * 2 == result["q_full"][0]   # really sharded
-    vocab = result["logits_full"][-1]
-    assert result["logits"] == "DTensor" and result["logits_local"][-1] == -(-vocab // 2)   # logits stay sharded
+    results = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT"))[6:])
     from transformers import AutoModel
 
-    model = AutoModel.from_pretrained(path).eval()
-    for (kw, fused), run in zip(SETTINGS[kind], result["runs"]):
-        kw = dict(kw)
-        seed, fn = kw.pop("seed", None), getattr(remask, kw.pop("fn", "generate"))
-        alone = [fn(model, torch.tensor([p]), **kw, generator=None if seed is None else
-                    torch.Generator().manual_seed(seed))[0, len(p):].tolist() for p in prompts]
-        assert run["outs"] == alone, kw
-        assert (run["gathers"] == 0) == fused, (kw, run["gathers"])
+    for (kind, (path, prompts)), result in zip(jobs.items(), results):
+        assert result["dtensor"] == "DTensor" and result["q_local"][0] * 2 == result["q_full"][0], kind  # sharded
+        vocab = result["logits_full"][-1]
+        assert result["logits"] == "DTensor" and result["logits_local"][-1] == -(-vocab // 2), kind   # stays sharded
+        model = AutoModel.from_pretrained(path).eval()
+        for (kw, fused), run in zip(SETTINGS[kind], result["runs"]):
+            kw = dict(kw)
+            seed, fn = kw.pop("seed", None), getattr(remask, kw.pop("fn", "generate"))
+            alone = [fn(model, torch.tensor([p]), **kw, generator=None if seed is None else
+                        torch.Generator().manual_seed(seed))[0, len(p):].tolist() for p in prompts]
+            assert run["outs"] == alone, (kind, kw)
+            assert (run["gathers"] == 0) == fused, (kind, kw, run["gathers"])
 
 
 KERNEL_SCRIPT = textwrap.dedent('''
