@@ -9,6 +9,10 @@ import os
 # failed on AMD EPYC). Its Sandybridge kernels compute every row alike and run on any x86-64 with AVX. Read when
 # numpy first loads OpenBLAS, so before anything imports numpy (tests/test_kernel_invariant.py checks it held).
 os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+# One thread a process: `make test` runs two workers on two cores, and the servers, CLIs and torchrun ranks
+# the tests start would otherwise each spin two OpenMP threads against the other worker (this process
+# sets torch's count itself, below).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
@@ -17,6 +21,10 @@ from hypothesis import settings
 # Triton kernels are tested on CPU under the interpreter; it must be chosen before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":   # the interpreter's slowest internals, same results, faster
+    import interpreter_speedups
+
+    interpreter_speedups.install()
 
 import remask  # noqa: F401  (registers the model classes with transformers)
 from helpers import CHECKPOINTS
