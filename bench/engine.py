@@ -181,6 +181,8 @@ def method_settings(verifier) -> list[tuple[str, dict[str, Any]]]:
         ("rule margin", dict(block_length=16, decoder=MarginDecoding())),
         ("EB-Sampler", dict(block_length=16, decoder=remask.EBSampler())),
         *registered_methods(16, listed),
+        # an option with its own forwards (d3LLM's delayed KV cache), beside the method's defaults above
+        ("MultiBlock + its KV cache", dict(block_length=16, decoder=remask.MultiBlock(cache_delay_iter=1))),
         ("APD", dict(decoder=remask.APDConfig(verifier=verifier))),
     ]
 
@@ -364,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens = args.max_tokens if args.max_tokens != parser.get_default("max_tokens") else 32
         rows = per_method(counts, max_tokens, args.repeats, args.methods)
         command = (f"python bench/engine.py --per-method --requests {','.join(map(str, counts))} "
-                   f"--max-tokens {max_tokens} --repeats {args.repeats}")
+                   f"--max-tokens {max_tokens} --repeats {args.repeats}"
+                   + (f" --methods {args.methods}" if args.methods else ""))
         write_markdown(per_method_table(rows, command), args.out)
         return 0 if all(r["identical"] for r in rows) else 1
     counts = [int(c) for c in args.requests.split(",")]

@@ -64,6 +64,7 @@ def long_methods(tokens: int) -> dict[str, dict[str, Any]]:
         **dict(registered_methods(32, (remask.FreeDave, remask.ThresholdDecoding, remask.CreditDecoding,
                                        remask.HierarchicalDecoding, remask.VicinityCache, remask.WINO,
                                        remask.DKVCache, remask.D2Cache, remask.ElasticCache, remask.APDConfig))),
+        "MultiBlock + its KV cache": dict(decoder=remask.MultiBlock(cache_delay_iter=1), **blocks),
     }
 
 
