@@ -71,6 +71,7 @@ def check_rule_on_loop(rule: Any, family: str, *, temperature: float, unread: Ma
     greedy), iteration smoothing (dInfer's loop only: `BlockDecoder(rule=...)`) and `unread`, the replaced settings
     given (name → value)."""
     name = type(rule).__name__
+    rule.check_greedy(family)
     if temperature != 0:
         raise ValueError(f"temperature: decoder={name} on {family}'s loop decodes greedily (temperature 0), "
                          f"got {temperature}")
