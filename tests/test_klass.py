@@ -1,7 +1,8 @@
 """KLASS (`remask.KLASS`, diffusion/methods/klass.py): the official samplers' tokens (shkim0116/KLASS,
 `llada_klass.stable_confident_decode` and Dream's `alg="klass"`, run outside the repository on tiny
-official-format checkpoints: tests/fixtures/klass_reference.json), the refusals, the engine equal to the
-drop-in, and the rule on a block family's own loop."""
+official-format checkpoints: tests/fixtures/klass_reference.json; seeded where upstream draws: its temperature
+and `unmask_strategy="random"`), the refusals, the engine equal to the drop-in, and the rule on a block family's own
+loop."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 import remask
 from remask.diffusion.methods import registry
+from remask.diffusion.methods.dinfer import dinfer_generate
 from remask.models import get_spec, tiny
 
 from helpers import margin_case, rule_on_sdar_drop_in_equals_engine
@@ -81,9 +83,23 @@ def test_the_cases_exercise_the_rule():
     greedy = [c for c in DATA["cases"] if "seed" not in c]
     assert len(greedy) >= 8 and {c["checkpoint"][:5] for c in greedy} == {"llada", "dream"}
     assert sum(bool(c.get("differs_from_plain")) for c in greedy) >= len(greedy) // 2
-    seeded = [c for c in DATA["cases"] if "seed" in c and c["checkpoint"].startswith("dream")]
+    seeded = [c for c in DATA["cases"] if "seed" in c and c["checkpoint"].startswith("dream") and not is_random(c)]
     assert len(seeded) >= 8 and sum(len(c["prompt"]) > 1 for c in seeded) >= 2
     assert sum(c["differs_from_greedy"] for c in seeded) >= len(seeded) // 2
+
+
+def is_random(case: dict) -> bool:
+    return case["kwargs"].get("unmask_strategy") == "random"
+
+
+def test_the_random_cases_draw():
+    """unmask_strategy="random" on each loop, greedy and at temperature > 0: at least eight cases drew among ready
+    positions (`picks`: upstream's torch.randint calls) and most decode otherwise than "max_conf" with the same seed."""
+    for family in ("llada", "dream"):
+        cases = [c for c in DATA["cases"] if is_random(c) and c["checkpoint"].startswith(family)]
+        assert len(cases) >= 8 and sum(c["picks"] > 0 for c in cases) >= 8
+        assert {c["temperature"] > 0 for c in cases} == {False, True}
+        assert sum(c["differs_from_max_conf"] for c in cases) >= len(cases) // 2
 
 
 def test_llada_cases_exercise_the_kl_rule(tmp_path_factory):
@@ -106,7 +122,7 @@ def test_llada_cases_exercise_the_kl_rule(tmp_path_factory):
 @pytest.mark.parametrize("kwargs, name", [
     (dict(conf_threshold="0.9"), "conf_threshold"), (dict(kl_threshold=float("inf")), "kl_threshold"),
     (dict(kl_history_length=0), "kl_history_length"), (dict(kl_history_length=2.0), "kl_history_length"),
-    (dict(unmask_strategy="random"), "unmask_strategy"), (dict(unmask_strategy="best"), "unmask_strategy")])
+    (dict(unmask_strategy="best"), "unmask_strategy")])
 def test_refuses_bad_values_by_name(kwargs, name):
     with pytest.raises(ValueError, match=name):
         remask.KLASS(**kwargs)
@@ -123,6 +139,18 @@ def test_refusals_at_the_call():
             remask.generate(model, prompt, decoder=rule, **{"gen_length": 16, **kwargs})
     with pytest.raises(ValueError, match="state"):
         rule.commit(prompt, torch.zeros(1, 3, 8), 7)
+
+
+def test_random_is_refused_where_klass_is_a_rule():
+    """"random" draws from the generator of KLASS's own loop; the loops that run it as a commit rule (Elastic-Cache's
+    window, dInfer's blocks) refuse it by name at the call."""
+    model, prompt = remask.load("tiny-llada")[0], torch.tensor([[5, 6, 7]])
+    rule = remask.KLASS(unmask_strategy="random")
+    for call in (lambda: remask.generate(model, prompt, gen_length=16, block_length=16, decoder=rule,
+                                         use_cache=remask.ElasticCache()),
+                 lambda: dinfer_generate(model, prompt, gen_length=16, block_length=8, decoder=rule)):
+        with pytest.raises(ValueError, match="unmask_strategy"):
+            call()
 
 
 def test_registered_with_its_json_name():
@@ -158,7 +186,8 @@ def test_engine_samples_dream_as_the_seeded_fixture(tmp_path_factory):
     which gets `diffusion_generate`'s; the fallback's `top_p` / `top_k` (upstream's `sample_tokens`) are refused."""
     model = checkpoint(tmp_path_factory, "dream_peaked")
     greedy = next(c for c in DATA["cases"] if c["checkpoint"] == "dream_peaked" and not c.get("masks_left"))
-    seeded = [c for c in DATA["cases"] if "seed" in c and c["checkpoint"] == "dream_peaked" and len(c["prompt"]) == 1]
+    seeded = [c for c in DATA["cases"] if "seed" in c and c["checkpoint"] == "dream_peaked" and len(c["prompt"]) == 1
+              and not is_random(c)]
     cases = [seeded[0], greedy, seeded[-1]]
 
     def params(c: dict, **extra) -> remask.SamplingParams:
@@ -182,6 +211,25 @@ def test_engine_samples_dream_as_the_seeded_fixture(tmp_path_factory):
     for name, value in (("top_p", 0.9), ("top_k", 5)):
         with pytest.raises(ValueError, match=name):
             remask.LLM(model).generate([greedy["prompt"][0]], params(seeded[0], **{name: value}), use_tqdm=False)
+
+
+def test_engine_draws_random_as_the_drop_in(tmp_path_factory):
+    """unmask_strategy="random": `SamplingParams(seed=)` is upstream's torch.manual_seed, each request its own
+    generator; on LLaDA's loop and on Dream's, a greedy and a sampling request packed give the drop-in's tokens."""
+    for name in ("llada_peaked", "dream_peaked"):
+        model, llada = checkpoint(tmp_path_factory, name), name.startswith("llada")
+        ours = [c for c in DATA["cases"] if is_random(c) and c["checkpoint"] == name and "attention_mask" not in c]
+        cases = [next(c for c in ours if c["temperature"] == 0), next(c for c in ours if c["temperature"] > 0)]
+        prompts = [c["prompt"] if llada else c["prompt"][0] for c in cases]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            served = remask.LLM(model).generate(prompts, [remask.SamplingParams(
+                max_tokens=c["kwargs"]["gen_length"], steps=c["kwargs"]["steps"], decoder=rule_of(c["kwargs"]),
+                block_length=c["kwargs"].get("block_length"), temperature=c["temperature"], seed=c["seed"])
+                for c in cases], use_tqdm=False)
+        for c, prompt, out in zip(cases, prompts, served):
+            dropped_in = decode(model, c) if llada else decode(model, c)[0]
+            assert out.outputs[0].all_token_ids == dropped_in[len(prompt):], c["name"]
 
 
 def test_as_a_rule_on_sdar_drop_in_equals_engine(tmp_path):

@@ -165,6 +165,8 @@ class BlockDecoder(BlockwiseDecoder):
         check_mask_id(spec)
         check_instance("decoder", rule, CommitRule, "a remask commit rule (ThresholdDecoding, CreditDecoding, "
                        "HierarchicalDecoding or another CommitRule)")
+        if rule is not None:
+            rule.check_greedy("dInfer")
         check_bool("align_blocks", align_blocks)
         if rule is None:
             self.num_blocks, self.steps_per_block = validate_block_args(gen_length, block_length, steps)

@@ -5,7 +5,8 @@ softmax) passes `conf_threshold` and the KL divergence of its predicted distribu
 forward's, ``Σ p·(log(p + 1e-12) − log(p_prev + 1e-12))``, stayed below `kl_threshold` over the last
 `kl_history_length` forwards (before any forward, p_prev = 0 and the history holds zeros).
 `unmask_strategy`: "all" commits every ready position, "max_conf" the most confident, "min_kl" the one
-of least KL. A row with none ready falls back to its most confident masked positions.
+of least KL, "random" one drawn (`torch.randint` over a row's ready positions, when more than one, from the
+call's `generator`: KLASS's own loop only). A row with none ready falls back to its most confident masked positions.
 
 As a commit rule (SDAR's and LLaDA2's loops, Elastic-Cache's window) it is Dream's: memory over one
 block's forwards, ``confidence >= conf_threshold``, one position as the fallback. KLASS's own loop
@@ -19,10 +20,11 @@ block's forwards, ``confidence >= conf_threshold``, one position as the fallback
 Departures (docs/quirks.md): a block is iterated until it holds no mask (upstream's LLaDA loop stops after
 its `steps` share, Dream's after `steps`, masks left), one position a forward past the schedule; a
 fallback takes at most the masks left (upstream's top-k overwrote decoded or prompt tokens); the mask
-token is never proposed; `unmask_strategy="random"` refused. `temperature` > 0 samples as upstream: LLaDA's
+token is never proposed. `temperature` > 0 samples as upstream: LLaDA's
 loop noises every forward's logits; Dream's commits greedy tokens and draws only in the fallback, which takes the
 masked position whose token drawn from softmax(logits / T) is the most probable (`top_p` / `top_k` refused). The
-draws come from the call's `generator`: rows of a batch one after another, each request its own in the engine.
+draws ("random"'s too, after LLaDA's noise) come from the call's `generator`: rows of a batch one after another,
+each request its own in the engine.
 """
 from __future__ import annotations
 
@@ -63,10 +65,12 @@ class KLASS(CommitRule):
         check_real("conf_threshold", self.conf_threshold)
         check_real("kl_threshold", self.kl_threshold)
         check_int("kl_history_length", self.kl_history_length, minimum=1)
+        check_choice("unmask_strategy", self.unmask_strategy, ("all", "max_conf", "min_kl", "random"))
+
+    def check_greedy(self, loop: str) -> None:
         if self.unmask_strategy == "random":
-            raise ValueError("unmask_strategy: 'random' draws from torch's global generator; remask's commit rules "
-                             "are greedy: use 'all', 'max_conf' or 'min_kl'")
-        check_choice("unmask_strategy", self.unmask_strategy, ("all", "max_conf", "min_kl"))
+            raise ValueError(f"unmask_strategy: 'random' draws from the call's generator in KLASS's own loop (LLaDA, "
+                             f"Dream); {loop}'s loop runs commit rules greedily: use 'all', 'max_conf' or 'min_kl'")
 
     def new_state(self) -> "Stability":
         return Stability(self.kl_history_length if self.kl_threshold > 0 else 0)
@@ -93,8 +97,8 @@ class KLASS(CommitRule):
             ready = torch.zeros_like(ready)   # LLaDA's loop: from the block's H-th forward on
         state.calls += 1
         if self.unmask_strategy != "all":
-            key = torch.where(ready, conf, -math.inf) if self.unmask_strategy == "max_conf" \
-                else torch.where(ready, -kl, -math.inf)
+            key = {"max_conf": conf, "min_kl": -kl}.get(self.unmask_strategy)
+            key = torch.where(ready, _drawn(state.generator, ready) if key is None else key, -math.inf)
             ready = ready & torch.zeros_like(ready).scatter(-1, key.argmax(dim=-1, keepdim=True), True)
         budget = torch.ones_like(masked[:, 0], dtype=torch.long) if state.budget is None else state.budget
         if state.layout is not None:   # upstream's LLaDA loop (one row): torch.topk over the canvas, its order among ties
@@ -121,7 +125,7 @@ class Stability:
 
     def __init__(self, initial_streak: int) -> None:
         self.initial, self.log_prev, self.streak = initial_streak, None, None
-        self.calls, self.llada, self.budget, self.layout, self.draw = 0, False, None, None, None
+        self.calls, self.llada, self.budget, self.layout, self.draw, self.generator = 0, False, None, None, None, None
 
     def previous(self, log_p: torch.Tensor) -> torch.Tensor:
         """log(p_prev + eps) for `log_p`'s positions (log(eps) where no forward scored them yet)."""
@@ -178,6 +182,7 @@ def _klass_row(config: KLASS, spec: Any, x: torch.Tensor, P: int, steps_per_bloc
     state.llada = not spec.logit_shift
     if sampling[0] > 0 and not state.llada:
         state.draw = partial(_sampled_confidence, *sampling)
+    state.generator = sampling[1]   # unmask_strategy="random"
     for start in range(P, T, block_length):
         block, hi = row[:, start:start + block_length], min(start + 2 * block_length, T)
         schedule = schedule_counts(block == mask_id, steps_per_block) if state.llada else None
@@ -209,3 +214,14 @@ def _sampled_confidence(temperature: float, generator: torch.Generator | None, l
     probability under softmax(logits / T) of a token drawn from it (one `torch.multinomial`, as `Categorical`)."""
     probs = torch.softmax(logits / temperature, dim=-1)
     return probs.gather(-1, draw_categorical(probs, generator, renormalize=True)[:, None])[:, 0]
+
+
+def _drawn(generator: torch.Generator | None, ready: torch.Tensor) -> torch.Tensor:
+    """Upstream's "random" (both loops): in each row with more than one ready position, rows in turn, the one at
+    ``torch.randint(0, n, (1,))`` among its n (in position order) scores 1, the others 0."""
+    key, device = torch.zeros(ready.shape, device=ready.device), getattr(generator, "device", None)
+    for b, row in enumerate(ready):
+        where = row.nonzero()[:, 0]
+        if len(where) > 1:
+            key[b, where[torch.randint(0, len(where), (1,), generator=generator, device=device)]] = 1
+    return key

@@ -67,10 +67,11 @@ def commit_block(rule: CommitRule, block: torch.Tensor, logits: torch.Tensor, ma
 
 def check_rule_on_loop(rule: Any, family: str, *, temperature: float, unread: Mapping[str, Any] = (),
                        replaces: str = "remasking rule") -> None:
-    """Refuse by name what `decoder=rule` on `family`'s loop does not read: a temperature above 0 (rules are
-    greedy), iteration smoothing (dInfer's loop only: `BlockDecoder(rule=...)`) and `unread`, the replaced settings
-    given (name → value)."""
+    """Refuse by name what `decoder=rule` on `family`'s loop does not read: a rule setting that draws
+    (`CommitRule.check_greedy`), a temperature above 0 (rules are greedy), iteration smoothing (dInfer's loop only:
+    `BlockDecoder(rule=...)`) and `unread`, the replaced settings given (name → value)."""
     name = type(rule).__name__
+    rule.check_greedy(family)
     if temperature != 0:
         raise ValueError(f"temperature: decoder={name} on {family}'s loop decodes greedily (temperature 0), "
                          f"got {temperature}")

@@ -81,6 +81,10 @@ class CommitRule(NoWorkBound):
     def new_state(self) -> Any:
         return None
 
+    def check_greedy(self, loop: str) -> None:
+        """Refuse by name a setting that draws (KLASS's "random": its own loop's generator); `loop`'s loop runs the
+        rule greedily (`check_rule_on_loop`, dInfer's `BlockDecoder`)."""
+
     def commit(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int,
                state: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
