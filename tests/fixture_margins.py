@@ -75,6 +75,7 @@ REFERENCE_TESTS = [
     "tests/test_llada2.py::test_logits_top5_equal_the_official_model",
     "tests/test_multiblock.py::test_reproduces_the_official_generate_multi_block",
     "tests/test_multiblock.py::test_reproduces_the_official_dream_generate_multi_block",
+    "tests/test_multiblock.py::test_reproduces_sglangs_full_attn_multi_block",
     "tests/test_prophet.py::test_reproduces_the_official_prophet",
     "tests/test_reference_fixtures.py::test_reproduces_reference",
     "tests/test_sdar.py::test_reproduces_the_official_generate_token_for_token",

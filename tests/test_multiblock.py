@@ -1,6 +1,7 @@
 """d3LLM's multi-block decoding: token-for-token reproduction of the official `generate_multi_block`
 (hao-ai-lab/d3LLM, run with its own LLaDA modeling on tiny checkpoints; see the fixture's meta), its
-returned NFE, its refusals, rows of a batch decided alone, and the engine equal to the drop-in."""
+returned NFE, its refusals, rows of a batch decided alone, and the engine equal to the drop-in; SGLang's
+port (`FullAttnMultiBlock`, `variant="sglang"`) at the end."""
 from __future__ import annotations
 
 import json
@@ -432,7 +433,7 @@ def test_dream_in_generate_and_the_engine(load_dream):
         assert served[b].outputs[0].all_token_ids == expected[b][0, 6:].tolist()
     assert len({tuple(e[0].tolist()) for e in expected}) == 3
     with pytest.raises(ValueError, match="variant"):
-        remask.MultiBlock(variant="sglang")
+        remask.MultiBlock(variant="SGLang")
     with pytest.raises(ValueError, match="use_cache"):
         remask.generate(model, prompts, gen_length=32, block_length=8, decoder=config, use_cache="prefix")
 
@@ -444,7 +445,7 @@ def test_dreams_early_stop_recounts_every_block():
 
     config = MultiBlock(early_stop=True, commit_mask_token=True)
     for dream, counts in ((True, [2, 1, 0]), (False, [0, 1, 0])):
-        row = _Row(config, 2, 3, 4, dream)
+        row = _Row(config, 2, 12, 4, dream)
         row._open(masks=4, full=False)
         row._open(masks=4, full=False)
         row.blocks[1].masks = 0   # two mask tokens "committed" there: upstream's count says none is left
@@ -452,3 +453,127 @@ def test_dreams_early_stop_recounts_every_block():
         assert not row._early_stop(x, MASK, EOS)
         assert [b.masks for b in row.blocks[1:]] == counts and x[9:].tolist() == [EOS] * 5
         assert row.blocks[3].full and not row.blocks[2].full
+
+
+# --- SGLang's port (sgl-project/sglang `FullAttnMultiBlock`, `variant="sglang"`) --------------------------------
+
+SGLANG = json.loads((Path(__file__).parent / "fixtures" / "multiblock_sglang_reference.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def load_sglang(tmp_path_factory):
+    return lambda name: load_fixture_checkpoint(tmp_path_factory, SGLANG["meta"]["checkpoints"], name)
+
+
+def sglang_case(case):
+    """(prompt [B, P], gen_length, block_length, the other settings, expected rows): a case alone or a batch."""
+    kw = dict(case["kwargs"])
+    gen_length, block_length = kw.pop("gen_length"), kw.pop("block_length")
+    batch = "prompts" in case
+    return (torch.tensor(case["prompts"] if batch else [case["prompt"]]), gen_length, block_length, kw,
+            case["output_ids"] if batch else [case["output_ids"]])
+
+
+@pytest.mark.parametrize("case", SGLANG["cases"], ids=[c["name"] for c in SGLANG["cases"]])
+def test_reproduces_sglangs_full_attn_multi_block(load_sglang, case):
+    """`remask.generate(..., decoder=MultiBlock.sglang(**settings))` (SGLang's defaults under the case's settings):
+    upstream's ids, its NFE the forwards (a batch's: its longest row's). Where upstream committed a mask-token argmax
+    and ran to its guard, `commit_mask_token=True` gives its masks and NFE; where it stalled (no block fully
+    activated), remask's commit of the step's lowest-entropy position keeps every id upstream decoded."""
+    import remask
+
+    margin_case("multiblock_sglang_reference.json", case)
+    model = load_sglang(case["checkpoint"])
+    mask = model.config.mask_token_id
+    prompt, gen_length, block_length, kw, expected = sglang_case(case)
+    stats = GenerationStats()
+    x = remask.generate(model, prompt, gen_length=gen_length, block_length=block_length,
+                        decoder=MultiBlock.sglang(**kw), stats=stats)
+    assert not bool((x == mask).any()) and torch.equal(x[:, :prompt.shape[1]], prompt)
+    upstream = torch.tensor(expected)
+    if case.get("upstream_stalled"):
+        assert bool((upstream == mask).any()) and stats.nfe <= gen_length
+        assert torch.equal(x[upstream != mask], upstream[upstream != mask])
+        return
+    assert (x.tolist() == expected and stats.nfe == case["nfe"]) != case.get("commit_mask_token", False)
+    # upstream's mode: no step of the other cases committed the mask token
+    x, nfe = multiblock_generate(model, prompt, config=MultiBlock.sglang(commit_mask_token=True, **kw),
+                                 gen_length=gen_length, block_length=block_length)
+    assert x.tolist() == expected and max(nfe.tolist()) == case["nfe"]
+    if case.get("commit_mask_token"):   # SGLang's guard: gen_length + 1 forwards, then one more, masks left
+        assert case["nfe"] == gen_length + 2 and bool((x == mask).any())
+
+
+def test_sglang_fixture_covers_its_settings_and_differs_from_d3llm(load_sglang):
+    """Both models, SGLang's defaults, its block opening (all blocks at once with block_add_threshold <= 0), partial
+    last blocks, batches, its guard and stalls; d3LLM's Dream rule with the same settings decodes several otherwise."""
+    import dataclasses
+
+    cases = SGLANG["cases"]
+    kwargs = [c["kwargs"] for c in cases]
+    for family in ("llada", "dream"):
+        assert sum(c["checkpoint"].startswith(family) for c in cases) >= 8
+    assert sum(set(k) == {"gen_length", "block_length"} for k in kwargs) >= 4   # SGLang's own defaults
+    assert len({k.get("threshold") for k in kwargs}) >= 6 and any(k.get("block_add_threshold", 1) <= 0 for k in kwargs)
+    assert any(k["gen_length"] % k["block_length"] for k in kwargs) and any(
+        k["block_length"] > k["gen_length"] for k in kwargs)
+    assert sum("prompts" in c for c in cases) >= 4 and any(c.get("commit_mask_token") for c in cases)
+    assert sum(bool(c.get("upstream_stalled")) for c in cases) >= 2
+    assert any(c["nfe"] < c["kwargs"]["gen_length"] // 4 for c in cases)
+    differ = 0   # where SGLang's blocks differ from d3LLM's: all open at once, the first fully activated past 1
+    for c in [c for c in cases if "prompt" in c and not c.get("upstream_stalled") and (
+            c["kwargs"].get("block_add_threshold", 0.1) <= 0 or c["kwargs"].get("decoded_token_threshold", 0) > 1)]:
+        prompt, gen_length, block_length, kw, expected = sglang_case(c)
+        config = dataclasses.replace(MultiBlock.sglang(**kw), variant="dream")
+        x, nfe = multiblock_generate(load_sglang(c["checkpoint"]), prompt, config=config, gen_length=gen_length,
+                                     block_length=block_length)
+        differ += x.tolist() != expected or nfe.tolist() != [c["nfe"]]
+    assert differ >= 3
+
+
+@pytest.mark.parametrize("which", ["llada", "dream"])
+def test_sglang_batch_rows_are_decided_alone_and_in_the_engine(load_sglang, which):
+    """A fixture batch's rows each as alone (each with its own NFE: upstream reports the batch's for every row), and
+    `SamplingParams(decoder=MultiBlock.sglang(...))` serves a case's tokens alone and packed beside another request."""
+    import remask
+
+    batch = next(c for c in SGLANG["cases"] if "prompts" in c and c["checkpoint"].startswith(which) and c["nfe"] > 4)
+    model = load_sglang(batch["checkpoint"])
+    prompt, gen_length, block_length, kw, expected = sglang_case(batch)
+    config = MultiBlock.sglang(**kw)
+    x, nfe = multiblock_generate(model, prompt, config=config, gen_length=gen_length, block_length=block_length)
+    assert x.tolist() == expected and max(nfe.tolist()) == batch["nfe"] and len(set(nfe.tolist())) > 1
+    for b in range(prompt.shape[0]):
+        alone, n = multiblock_generate(model, prompt[b:b + 1], config=config, gen_length=gen_length,
+                                       block_length=block_length)
+        assert torch.equal(alone[0], x[b]) and int(n[0]) == int(nfe[b])
+    case = next(c for c in SGLANG["cases"] if "prompt" in c and c["checkpoint"].startswith(which) and c["nfe"] > 4
+                and set(c) == {"name", "checkpoint", "prompt", "kwargs", "output_ids", "nfe", "min_margin"}
+                and not c["kwargs"]["gen_length"] % c["kwargs"]["block_length"])
+    model, (prompt, gen_length, block_length, kw, expected) = load_sglang(case["checkpoint"]), sglang_case(case)
+    params = remask.SamplingParams(max_tokens=gen_length, block_length=block_length, temperature=0.0,
+                                   decoder=MultiBlock.sglang(**kw))
+    other = remask.SamplingParams(max_tokens=16, block_length=8, decoder=MultiBlock(threshold=1.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        alone = remask.LLM(model).generate([case["prompt"]], params, use_tqdm=False)[0]
+        packed = remask.LLM(model).generate([[5, 6, 7, 8], case["prompt"]], [other, params], use_tqdm=False)
+    assert alone.outputs[0].all_token_ids == expected[0][prompt.shape[1]:] == packed[1].outputs[0].all_token_ids
+
+
+def test_sglang_settings_it_does_not_have_are_refused_by_name(load_sglang):
+    import remask
+
+    model, prompt = load_sglang("llada_small"), torch.tensor([[1, 2, 3]])
+    assert MultiBlock.sglang() == MultiBlock(threshold=0.4, block_add_threshold=0.1, decoded_token_threshold=0.95,
+                                             variant="sglang")
+    for field, value in (("early_stop", True), ("cache_delay_iter", 1)):
+        with pytest.raises(ValueError, match=field):
+            MultiBlock.sglang(**{field: value})
+    with pytest.raises(ValueError, match="temperature"):   # the port decodes greedily
+        multiblock_generate(model, prompt, config=MultiBlock.sglang(), gen_length=16, block_length=8, temperature=0.5)
+    with pytest.raises(ValueError, match="remasking"):
+        multiblock_generate(model, prompt, config=MultiBlock.sglang(), gen_length=16, block_length=8,
+                            remasking="random")
+    with pytest.raises(ValueError, match="block_length"):   # the engine's blocks tile max_tokens
+        remask.SamplingParams(max_tokens=30, block_length=8, decoder=MultiBlock.sglang())

@@ -21,6 +21,12 @@ one; the early stop recounts every block's masks (a changed count of 0 fully act
 commits nothing and opens no block would repeat itself to the forward guard: there remask commits the
 lowest-entropy position (docs/quirks.md).
 
+`variant="sglang"` (SGLang's port, sgl-project/sglang `FullAttnMultiBlock`): Dream's commit rule on either model, and
+its own blocks: the last one ends at the answer's end (any `gen_length`, `block_length` past it too), the first is
+fully activated whatever `decoded_token_threshold`, every block whose predecessor qualifies opens in the same step
+(`block_add_threshold` <= 0: all at the first), a committed mask token is not counted as decoded, and its guard is
+`gen_length` + 1 forwards (SGLang's extra forward after it counted, not run). Greedy only, no early stop, no cache.
+
 `temperature` > 0 samples as each file does, from the call's `generator` (a row's draws as upstream's after
 `torch.manual_seed`): LLaDA's float64 Gumbel-max noise over the whole canvas (the entropy stays the clean
 logits', the forced position takes the clean argmax), Dream's one multinomial of the tempered softmax over the
@@ -61,9 +67,9 @@ from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, run_steps
 
-MAX_FORWARDS = 10000   # the reference's loop guard (reached only when the mask token is committed)
+MAX_FORWARDS = 10000   # d3LLM's loop guard (reached only when the mask token is committed)
 NO_CACHE = 10000   # a `cache_delay_iter` this large: no cache (Dream's entry point's switch)
-VARIANTS = ("llada", "dream")
+VARIANTS = ("llada", "dream", "sglang")
 
 
 @dataclass(frozen=True)
@@ -71,8 +77,9 @@ class MultiBlock:
     """`generate_multi_block`'s parameters, its names and defaults (`max_new_tokens` / `block_size` are the
     entry point's `gen_length` / `block_length`). `eos_token_id` None: the model's EOS. `commit_mask_token`:
     commit an argmax equal to the mask token as upstream does (it stays masked; remask's default commits the
-    most probable other token, so no mask is ever returned). `variant`: d3LLM's "llada" or "dream" file (module
-    docstring); None: the model's own (Dream's on a model that shifts its logits). `cache_delay_iter` /
+    most probable other token, so no mask is ever returned). `variant`: d3LLM's "llada" or "dream" file, or
+    "sglang", SGLang's port (module docstring); None: the model's own (Dream's on a model that shifts its logits).
+    The defaults are d3LLM's; SGLang's (0.4, 0.1, 0.95) are `MultiBlock.sglang()`'s. `cache_delay_iter` /
     `refresh_interval`: the files' delayed KV cache (module docstring), off at `cache_delay_iter` >= 10000."""
 
     threshold: float | None = 0.5
@@ -95,6 +102,15 @@ class MultiBlock:
         check_choice("variant", self.variant, VARIANTS + (None,))
         check_int("cache_delay_iter", self.cache_delay_iter, minimum=0)
         check_int("refresh_interval", self.refresh_interval, minimum=1)
+        if self.variant == "sglang" and (self.early_stop or self.cached):
+            raise ValueError(f"{'early_stop' if self.early_stop else 'cache_delay_iter'}: SGLang's port "
+                             f"(variant='sglang') has no early stop and no KV cache")
+
+    @classmethod
+    def sglang(cls, **settings: Any) -> MultiBlock:
+        """`variant="sglang"` with SGLang's defaults (`FullAttnMultiBlock`'s), `settings` over them."""
+        return cls(**{"threshold": 0.4, "block_add_threshold": 0.1, "decoded_token_threshold": 0.95,
+                      "variant": "sglang", **settings})
 
     @property
     def cached(self) -> bool:
@@ -103,8 +119,9 @@ class MultiBlock:
     def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
                       steps: int | None = None, prompt_length: int | None = None) -> None:
         """Upstream never opens the positions past the last whole block and loops to its forward
-        guard: a `gen_length` that is no multiple of `block_length` is refused."""
-        if gen_length is not None and block_length is not None and gen_length % block_length:
+        guard: a `gen_length` that is no multiple of `block_length` is refused (SGLang's cuts its last block)."""
+        if gen_length is not None and block_length is not None and gen_length % block_length and (
+                self.variant != "sglang"):
             raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length}) "
                              f"for MultiBlock")
 
@@ -122,19 +139,21 @@ class _Block:
 class _Row:
     """One row's blocks (block 0: the prompt, decoded) and counters, as upstream keeps them."""
 
-    def __init__(self, config: MultiBlock, P: int, num_blocks: int, block_length: int, dream: bool,
+    def __init__(self, config: MultiBlock, P: int, gen_length: int, block_length: int, dream: bool,
                  sampling: tuple = (0.0, "low_confidence", None), kv: BlockForward | None = None) -> None:
-        self.config, self.P, self.num_blocks, self.block_length, self.dream = config, P, num_blocks, block_length, dream
+        self.config, self.P, self.block_length, self.dream = config, P, block_length, dream
+        self.T, self.num_blocks = P + gen_length, -(-gen_length // block_length)   # SGLang's last block: partial
+        self.sglang = config.variant == "sglang"
         # `kv`: the row's forwards with the cache (or None); `lo`: the first position its step forwarded
         self.sampling, self.kv, self.cached, self.lo = sampling, kv, 0, 0
         self.blocks = [_Block(0, P, 0, True)]
         self.blocks[0].completed = 0
         self.next, self.nfe, self.done, self.has_eos = 1, 0, False, False
-        self._open(masks=block_length, full=1.0 >= config.decoded_token_threshold)
+        self._open(masks=min(block_length, gen_length), full=self.sglang or 1.0 >= config.decoded_token_threshold)
 
     def _open(self, masks: int, full: bool) -> None:
         start = self.P + (self.next - 1) * self.block_length
-        self.blocks.append(_Block(start, start + self.block_length, masks, full))
+        self.blocks.append(_Block(start, min(start + self.block_length, self.T), masks, full))
         self.next += 1
 
     def begin_step(self, x: torch.Tensor, mask_id: int, eos_id: int) -> int | None:
@@ -150,11 +169,12 @@ class _Row:
             return self._finish()
         for prev, block in zip(self.blocks, self.blocks[1:]):
             block.full = block.full or prev.progress >= self.config.decoded_token_threshold
-        last = self.blocks[-1]
-        if self._opens():
-            start = self.P + (self.next - 1) * self.block_length
+        while self._opens():   # d3LLM opens one block a step, SGLang each whose predecessor qualifies
+            start, last = self.P + (self.next - 1) * self.block_length, self.blocks[-1]
             self._open(int((x[start:start + self.block_length] == mask_id).sum()),
                        last.progress >= self.config.decoded_token_threshold)
+            if not self.sglang:
+                break
         open_ = [b for b in self.blocks[1:] if b.full or b.masks > 0]
         if not open_ or (self.kv is not None and self._plan() >= open_[-1].end):   # upstream's stops
             return self._finish()
@@ -264,6 +284,8 @@ class _Row:
                 commit[forced], drawn[forced] = True, x0[forced]   # (drawn is x0 when greedy)
         if bool(masked.any()) and not bool(commit.any()) and not self._opens():   # else a stall to the guard
             commit[entropy.argmin()] = True
+        if self.sglang:   # SGLang recounts the masks: a committed mask token (commit_mask_token) is no commit
+            commit &= drawn != mask_id
         return commit, drawn
 
     def count(self, commit: torch.Tensor) -> None:
@@ -272,8 +294,9 @@ class _Row:
             if block.masks > 0:
                 block.masks -= int(commit[block.start - self.P:block.end - self.P].sum())
                 block.masks = block.masks if self.kv is None else max(block.masks, 0)
-        if self.nfe > MAX_FORWARDS:
-            self.done = True
+        if self.nfe > (self.T - self.P if self.sglang else MAX_FORWARDS):
+            self.done = True   # SGLang forwards once more after its guard when masks are left: counted, not run
+            self.nfe += self.sglang and (self.next <= self.num_blocks or any(b.masks > 0 for b in self.blocks))
 
 
 def multiblock_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: MultiBlock | None = None,
@@ -297,7 +320,7 @@ def multiblock_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: MultiBloc
     `temperature` / `remasking` ("random": LLaDA's file only): upstream's draws from `generator`, row after row."""
     config = check_config("config", config, MultiBlock, "a remask MultiBlock")
     check_int("gen_length", gen_length, minimum=1)
-    check_int("block_length", block_length, minimum=1, maximum=gen_length)
+    check_int("block_length", block_length, minimum=1, maximum=None if config.variant == "sglang" else gen_length)
     config.check_request(gen_length=gen_length, block_length=block_length)
     spec, stats = check_method_call(spec, prompt, attention_mask, stats, mask_id=mask_id)
     eos_id = spec.eos_id if config.eos_token_id is None else check_token_id(spec, config.eos_token_id, "eos_token_id")
@@ -306,11 +329,13 @@ def multiblock_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: MultiBloc
     B, P = prompt.shape
     x = masked_canvas(prompt, gen_length, spec.mask_id, spec.device)
     inputs = spec.forward_inputs(attention_mask, x.shape[1])
-    dream = (config.variant or ("dream" if spec.logit_shift else "llada")) == "dream"
+    dream = (config.variant or ("dream" if spec.logit_shift else "llada")) != "llada"   # SGLang's: Dream's rule
     check_real("temperature", temperature, low=0)
+    if config.variant == "sglang" and temperature > 0:
+        raise ValueError(f"temperature ({temperature}): SGLang's port (variant='sglang') decodes greedily")
     check_choice("remasking", remasking, ("low_confidence",) if dream else ("low_confidence", "random"))
     sampling = (temperature, remasking, check_generator(generator, spec.device))
-    rows = [_Row(config, P, gen_length // block_length, block_length, dream, sampling, BlockForward(
+    rows = [_Row(config, P, gen_length, block_length, dream, sampling, BlockForward(
         spec, "prefix", {k: v[b:b + 1] if torch.is_tensor(v) else v for k, v in inputs.items()}, None)
         if config.cached else None) for b in range(B)]
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
