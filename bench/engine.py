@@ -181,8 +181,9 @@ def method_settings(verifier) -> list[tuple[str, dict[str, Any]]]:
         ("rule margin", dict(block_length=16, decoder=MarginDecoding())),
         ("EB-Sampler", dict(block_length=16, decoder=remask.EBSampler())),
         *registered_methods(16, listed),
-        # an option with its own forwards (d3LLM's delayed KV cache), beside the method's defaults above
+        # options with their own forwards or blocks (d3LLM's delayed KV cache, SGLang's port), beside the defaults
         ("MultiBlock + its KV cache", dict(block_length=16, decoder=remask.MultiBlock(cache_delay_iter=1))),
+        ("MultiBlock, SGLang's port", dict(block_length=16, decoder=remask.MultiBlock.sglang())),
         ("APD", dict(decoder=remask.APDConfig(verifier=verifier))),
     ]
 

@@ -65,6 +65,7 @@ def long_methods(tokens: int) -> dict[str, dict[str, Any]]:
                                        remask.HierarchicalDecoding, remask.VicinityCache, remask.WINO,
                                        remask.DKVCache, remask.D2Cache, remask.ElasticCache, remask.APDConfig))),
         "MultiBlock + its KV cache": dict(decoder=remask.MultiBlock(cache_delay_iter=1), **blocks),
+        "MultiBlock, SGLang's port": dict(decoder=remask.MultiBlock.sglang(), **blocks),
     }
 
 
