@@ -43,9 +43,16 @@ def _fold(to_tensor, tensor_type, combine, inputs: list, dtypes: list, keep) -> 
     return acc
 
 
-def install() -> None:
+def install() -> bool:
+    """Install the three forms; False (nothing changed) on a triton whose interpreter lacks what they replace."""
     from triton.runtime import interpreter
     import triton.language as tl
+
+    needed = ((interpreter.ReduceOps, "generic_reduce"), (interpreter.ReduceOps, "unravel"),
+              (interpreter.ScanOps, "generic_scan"), (interpreter, "_patch_builtin"), (interpreter, "_patch_attr"),
+              (tl.core, "tensor_descriptor_base"), (tl.core, "is_builtin"))
+    if not all(hasattr(owner, name) for owner, name in needed):
+        return False
 
     def generic_reduce(self, input):
         original_axis = self.axis
@@ -100,3 +107,4 @@ def install() -> None:
     interpreter.ReduceOps.generic_reduce = generic_reduce
     interpreter.ScanOps.generic_scan = generic_scan
     interpreter._patch_builtin = patch_builtin
+    return True
