@@ -219,7 +219,7 @@ def _sampled_confidence(temperature: float, generator: torch.Generator | None, l
 def _drawn(generator: torch.Generator | None, ready: torch.Tensor) -> torch.Tensor:
     """Upstream's "random" (both loops): in each row with more than one ready position, rows in turn, the one at
     ``torch.randint(0, n, (1,))`` among its n (in position order) scores 1, the others 0."""
-    key, device = torch.zeros(ready.shape, device=ready.device), getattr(generator, "device", None)
+    key, device = torch.zeros(ready.shape, device=ready.device), None if generator is None else generator.device
     for b, row in enumerate(ready):
         where = row.nonzero()[:, 0]
         if len(where) > 1:

@@ -296,7 +296,8 @@ class _Row:
                 block.masks = block.masks if self.kv is None else max(block.masks, 0)
         if self.nfe > (self.T - self.P if self.sglang else MAX_FORWARDS):
             self.done = True   # SGLang forwards once more after its guard when masks are left: counted, not run
-            self.nfe += self.sglang and (self.next <= self.num_blocks or any(b.masks > 0 for b in self.blocks))
+            if self.sglang and (self.next <= self.num_blocks or any(b.masks > 0 for b in self.blocks)):
+                self.nfe += 1
 
 
 def multiblock_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: MultiBlock | None = None,
