@@ -35,7 +35,7 @@ class ARState:
 
     input_ids: torch.Tensor
     eos: torch.Tensor              # the EOS ids, on the prompt's device
-    tokens: torch.Tensor
+    sequence: torch.Tensor         # [B, P + max_new_tokens]: the prompt, then `tokens` (a view of it)
     finished: torch.Tensor
     mask: torch.Tensor
     position_ids: torch.Tensor     # the positions of `feed`
@@ -43,6 +43,7 @@ class ARState:
     cache: Any = None
     step: int = 0
     generated: int = 0
+    num_finished: int = 0          # rows past their EOS (`finished.sum()`, kept as a host int)
     done: bool = False
     matchers: Any = None           # structured output: one `remask.structured.Matcher` per row
     # `logprobs`: per row and step, the sampled token's log-probability and rank under the raw
@@ -55,6 +56,10 @@ class ARState:
     @property
     def prompt_len(self) -> int:
         return self.input_ids.shape[1]
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.sequence[:, self.prompt_len:]
 
 
 class ARDecoder(Decoder):
@@ -110,9 +115,9 @@ class ARDecoder(Decoder):
         B = input_ids.shape[0]
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
         device = input_ids.device
+        sequence = torch.nn.functional.pad(input_ids.long(), (0, self.max_new_tokens), value=self.pad_token_id)
         state = ARState(input_ids=input_ids, eos=torch.tensor(self.eos_ids, dtype=torch.long, device=device),
-                        tokens=torch.full((B, self.max_new_tokens), self.pad_token_id, dtype=torch.long, device=device),
-                        finished=torch.zeros(B, dtype=torch.bool, device=device), mask=mask,
+                        sequence=sequence, finished=torch.zeros(B, dtype=torch.bool, device=device), mask=mask,
                         position_ids=(mask.cumsum(-1) - 1).clamp(min=0), feed=input_ids)
         if self.logprobs is not None:
             shape = (B, self.max_new_tokens)
@@ -139,18 +144,18 @@ class ARDecoder(Decoder):
         raw = logits = output.logits[:, -1:]
         for processor in self.processors:
             logits = processor(state, logits, state.prompt_len + state.step)
-        next_token = self.sample(logits[:, 0], generator, state)
-        next_token = torch.where(state.finished, torch.full_like(next_token, self.pad_token_id), next_token)
+        next_token = self.sample(logits[:, 0], generator, state).masked_fill_(state.finished, self.pad_token_id)
         state.tokens[:, state.step] = next_token
         if self.logprobs is not None:
             self.record_logprobs(state, raw[:, 0], next_token)
-        active = int((~state.finished).sum())
+        active = next_token.shape[0] - state.num_finished
         state.generated += active
         if stats is not None:
             stats.step(active)
         state.finished |= torch.isin(next_token, state.eos)
+        state.num_finished = int(state.finished.sum())   # the step's one host sync (the engine steps on it)
         state.step += 1
-        if bool(state.finished.all()) or state.step == self.max_new_tokens:
+        if state.num_finished == next_token.shape[0] or state.step == self.max_new_tokens:
             state.done = True
             return
         state.mask = torch.nn.functional.pad(state.mask, (0, 1), value=1)
@@ -181,7 +186,7 @@ class ARDecoder(Decoder):
         return state.step
 
     def canvas(self, state: ARState) -> torch.Tensor:
-        return torch.cat([state.input_ids, state.tokens[:, :state.step]], dim=1)
+        return state.sequence[:, :state.prompt_len + state.step]
 
     def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None, state: Any = None) -> torch.Tensor:
         """The next token of each row from its logits `[B, V]`; with a structure, masked to what it
@@ -225,4 +230,4 @@ def ar_generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask:
     stats.start()
     state = decode_alone(decoder, model, decoder.start(input_ids, attention_mask), generator, stats)
     stats.stop(state.generated)   # tokens up to and including each row's EOS
-    return torch.cat([input_ids, state.tokens], dim=1)
+    return state.sequence

@@ -29,11 +29,11 @@ commit fails that sequence only (`failed`); a failed packed forward fails the se
 from __future__ import annotations
 
 from collections import defaultdict
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from remask.models.hf_compat import lm_output
 from remask.models.spec import ModelSpec
 
 from remask.diffusion.parts.stepper import ForwardRequest, call_model, run_forwards
@@ -152,7 +152,7 @@ class ModelRunner:
         """The causal continuations (`ForwardRequest.extends`) of every autoregressive sequence in one
         flat forward `[1, T]`: each feeds its new ids at its own positions over its own page table
         (its prompt's pages found in the prefix cache where they match). Answers: each one's last
-        position's logits, as a model output without a cache."""
+        position's logits, as a model output without a cache (`logits` `[1, 1, V]`)."""
         assert self.pages is not None and self.store is not None
         slices: list[SequenceSlice] = []
         ids: list[int] = []
@@ -177,4 +177,5 @@ class ModelRunner:
                                 logits_to_keep=last).logits[0]
         for (seq, _), s in zip(members, slices):
             seq.kv_len = s.ctx_len
-        return [lm_output(logits=logits[i:i + 1, None]) for i in range(len(members))]
+        # the model output's one field `receive` reads (a transformers output per row costs more than its sample)
+        return [SimpleNamespace(logits=row[None, None]) for row in logits]
