@@ -28,22 +28,19 @@ from ..parts.stepper import ForwardRequest, decode_alone
 
 @dataclass
 class ARState:
-    """Rows decoded together: the prompt, the tokens so far `[B, max_new_tokens]` (`pad_token_id`
-    after a row's EOS), the ids the next forward feeds (`feed`: the prompt, then each new token),
-    the model's own cache (the drop-in driver's; the engine keeps K/V in its page store) and the
-    next position's logits."""
+    """Rows decoded together: the prompt and the tokens so far in one buffer (`sequence`, `pad_token_id`
+    after a row's EOS), its attention mask and positions over the whole length (each forward feeds a
+    slice: the prompt, then the token just sampled), the model's own cache (the drop-in driver's; the
+    engine keeps K/V in its page store), and which rows are past their EOS, kept on the host."""
 
     input_ids: torch.Tensor
-    eos: torch.Tensor              # the EOS ids, on the prompt's device
     sequence: torch.Tensor         # [B, P + max_new_tokens]: the prompt, then `tokens` (a view of it)
-    finished: torch.Tensor
-    mask: torch.Tensor
-    position_ids: torch.Tensor     # the positions of `feed`
-    feed: torch.Tensor
+    mask: torch.Tensor             # [B, P + max_new_tokens]: the prompt's attention mask, then ones
+    positions: torch.Tensor        # [B, P + max_new_tokens]: each position's id (left pads at 0)
+    finished: list[bool]
     cache: Any = None
     step: int = 0
     generated: int = 0
-    num_finished: int = 0          # rows past their EOS (`finished.sum()`, kept as a host int)
     done: bool = False
     matchers: Any = None           # structured output: one `remask.structured.Matcher` per row
     # `logprobs`: per row and step, the sampled token's log-probability and rank under the raw
@@ -60,6 +57,12 @@ class ARState:
     @property
     def tokens(self) -> torch.Tensor:
         return self.sequence[:, self.prompt_len:]
+
+    @property
+    def fed(self) -> slice:
+        """The positions the next forward feeds: the prompt, then the last token sampled."""
+        end = self.prompt_len + self.step
+        return slice(0, end) if self.step == 0 else slice(end - 1, end)
 
 
 class ARDecoder(Decoder):
@@ -112,13 +115,13 @@ class ARDecoder(Decoder):
 
     def start(self, input_ids: torch.Tensor,
               attention_mask: torch.Tensor | None = None) -> ARState:
-        B = input_ids.shape[0]
+        B, device, grow = input_ids.shape[0], input_ids.device, (0, self.max_new_tokens)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
-        device = input_ids.device
-        sequence = torch.nn.functional.pad(input_ids.long(), (0, self.max_new_tokens), value=self.pad_token_id)
-        state = ARState(input_ids=input_ids, eos=torch.tensor(self.eos_ids, dtype=torch.long, device=device),
-                        sequence=sequence, finished=torch.zeros(B, dtype=torch.bool, device=device), mask=mask,
-                        position_ids=(mask.cumsum(-1) - 1).clamp(min=0), feed=input_ids)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, grow[1] + 1, device=device)], dim=1)
+        state = ARState(input_ids=input_ids, finished=[False] * B, positions=positions,
+                        sequence=torch.nn.functional.pad(input_ids.long(), grow, value=self.pad_token_id),
+                        mask=torch.nn.functional.pad(mask, grow, value=1))
         if self.logprobs is not None:
             shape = (B, self.max_new_tokens)
             state.sampled_logprobs = torch.zeros(shape, dtype=torch.float32, device=device)
@@ -131,36 +134,36 @@ class ARDecoder(Decoder):
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
         if state.done:
             return None
-        return ForwardRequest(state.feed, per_row=dict(attention_mask=state.mask, position_ids=state.position_ids),
-                              shared=dict(use_cache=True), cache=state.cache, output="model", extends=True)
+        fed = state.fed
+        per_row = dict(attention_mask=state.mask[:, :fed.stop], position_ids=state.positions[:, fed])
+        return ForwardRequest(state.sequence[:, fed], per_row=per_row, shared=dict(use_cache=True), cache=state.cache,
+                              output="model", extends=True)
 
     def receive(self, state: ARState, output: Any, generator: torch.Generator | None = None,
                 stats: GenerationStats | None = None) -> None:
         """The forward's output (the model's, or the runner's with the last position's logits):
-        sample one token per row; unless that ends the state, it is the next forward's feed."""
+        sample one token per row, the next forward's feed unless that ends the state. Which rows are
+        past their EOS is kept on the host: one sync a step (the engine steps token by token)."""
+        B, at = len(state.finished), state.prompt_len + state.step
         if stats is not None:
-            stats.forward(*state.feed.shape)
+            stats.forward(B, state.fed.stop - state.fed.start)
         state.cache = output_cache(output)
         raw = logits = output.logits[:, -1:]
         for processor in self.processors:
-            logits = processor(state, logits, state.prompt_len + state.step)
-        next_token = self.sample(logits[:, 0], generator, state).masked_fill_(state.finished, self.pad_token_id)
-        state.tokens[:, state.step] = next_token
+            logits = processor(state, logits, at)
+        next_token = self.sample(logits[:, 0], generator, state)
+        done_before = sum(state.finished)
+        if done_before:   # rows past their EOS go on with the pad token
+            next_token.masked_fill_(torch.tensor(state.finished, device=next_token.device), self.pad_token_id)
+        state.sequence[:, at] = next_token
         if self.logprobs is not None:
             self.record_logprobs(state, raw[:, 0], next_token)
-        active = next_token.shape[0] - state.num_finished
-        state.generated += active
+        state.generated += B - done_before
         if stats is not None:
-            stats.step(active)
-        state.finished |= torch.isin(next_token, state.eos)
-        state.num_finished = int(state.finished.sum())   # the step's one host sync (the engine steps on it)
+            stats.step(B - done_before)
+        state.finished = [done or token in self.eos_ids for done, token in zip(state.finished, next_token.tolist())]
         state.step += 1
-        if state.num_finished == next_token.shape[0] or state.step == self.max_new_tokens:
-            state.done = True
-            return
-        state.mask = torch.nn.functional.pad(state.mask, (0, 1), value=1)
-        state.position_ids = state.position_ids[:, -1:] + 1
-        state.feed = next_token[:, None]
+        state.done = all(state.finished) or state.step == self.max_new_tokens
 
     def record_logprobs(self, state: ARState, logits: torch.Tensor, tokens: torch.Tensor) -> None:
         """This step's log-probabilities under the raw distribution, the model's logits `[B, V]`
