@@ -145,8 +145,6 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     if apd is None and registry.way_of(decoder) == "apd":   # `apd=` is the drop-in keyword of decoder=APDConfig(...)
         apd, decoder = decoder, None
     alg_given = kwargs.get("alg")   # FreeDave runs its own rule: an explicit other alg is refused
-    explicit_max_length = kwargs.get("max_length") is not None
-    given = set(kwargs)   # the generation-config fields the caller set
     config = DreamGenerationConfig() if generation_config is None else DreamGenerationConfig.from_any(generation_config)
     # unset special ids are the model's (Dream: `DreamGenerationConfig.from_model_config`), then the keywords apply
     for name, value in (("mask_token_id", spec.mask_id), ("pad_token_id", spec.pad_id),
@@ -209,7 +207,7 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     input_len = inputs.shape[-1]
     if config.max_new_tokens is not None:
         config.max_length = config.max_new_tokens + input_len
-    elif not explicit_max_length and config.max_length in (None, DEFAULT_MAX_LENGTH):
+    elif kwargs.get("max_length") is None and config.max_length in (None, DEFAULT_MAX_LENGTH):
         warnings.warn("Using the model-agnostic default `max_length` (=20) to control the generation length; "
                       "set `max_new_tokens`.", UserWarning)
         config.max_length = DEFAULT_MAX_LENGTH + input_len
@@ -246,7 +244,7 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
             # samples (KLASS)
             unread = [name for name in greedy_unread if name != "temperature"] + [name for name, on in (
                 ("alg", alg_given is not None), ("threshold", threshold != 0.9), ("apd", apd is not None),
-                ("sparse", sparse is not None)) if on] + sorted(n for n in ("alg_temp", "steps", "eps") if n in given)
+                ("sparse", sparse is not None)) if on] + sorted(n for n in ("alg_temp", "steps", "eps") if n in kwargs)
             why = (f"decoder/use_cache={type(decoder if decoder is not None else use_cache).__name__} on Dream runs "
                    f"its own commit rule over blocks; it does not read {unread}")
         elif apd is not None:   # APD's rounds (`apd.apd_call_steps`) read Dream's sampling settings
