@@ -2,9 +2,10 @@
 bidirectional mask model) and `remask.diffusion_generate` (Dream's `diffusion_generate`).
 
 Each checks its arguments and routes the call: a registered method's config (`decoder=` /
-`use_cache=`, `diffusion/methods/registry.py`) runs that method's loop (`methods.decoders.run_decoder`);
-otherwise the family's own loop runs (LLaDA's block rule `families.llada.block_diffusion_generate`,
-Dream's sampler and Fast-dLLM's Dream block decoder in `families.dream`, APD, DiffusionGemma's canvas).
+`use_cache=` / `apd=`, `diffusion/methods/registry.py`: dInfer's rules, FreeDave, APD, ...) runs that method's loop
+(`methods.decoders.run_decoder`); otherwise the family's own loop runs (LLaDA's block rule
+`families.llada.block_diffusion_generate`, Dream's sampler and Fast-dLLM's Dream block decoder in
+`families.dream`, DiffusionGemma's canvas).
 They sit above the methods, so the families and the methods below never import an entry point.
 """
 from __future__ import annotations
