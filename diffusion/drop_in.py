@@ -2,9 +2,10 @@
 bidirectional mask model) and `remask.diffusion_generate` (Dream's `diffusion_generate`).
 
 Each checks its arguments and routes the call: a registered method's config (`decoder=` /
-`use_cache=`, `diffusion/methods/registry.py`) runs that method's loop (`methods.decoders.run_decoder`);
-otherwise the family's own loop runs (LLaDA's block rule `families.llada.block_diffusion_generate`,
-Dream's sampler and Fast-dLLM's Dream block decoder in `families.dream`, APD, DiffusionGemma's canvas).
+`use_cache=` / `apd=`, `diffusion/methods/registry.py`: dInfer's rules, FreeDave, APD, ...) runs that method's loop
+(`methods.decoders.run_decoder`); otherwise the family's own loop runs (LLaDA's block rule
+`families.llada.block_diffusion_generate`, Dream's sampler and Fast-dLLM's Dream block decoder in
+`families.dream`, DiffusionGemma's canvas).
 They sit above the methods, so the families and the methods below never import an entry point.
 """
 from __future__ import annotations
@@ -18,18 +19,18 @@ import torch
 from remask.caches import PagedKVCache
 from remask.models.spec import get_spec
 
-from .families.apd import APDConfig, apd_generate
+from .families.apd import APDConfig
 from .families.canvas import canvas_generate
 from .families.dream import (DEFAULT_BLOCK_LENGTH, DEFAULT_MAX_LENGTH, DreamBlockDecoder, DreamDecoder,
                              DreamGenerationConfig, DreamModelOutput, _validate_config)
 from .families.llada import block_diffusion_generate, validate_block_args, validate_rule
 from .methods import registry
 from .methods.decoders import is_dinfer_method, run_decoder
-from .methods.freedave import FreeDave, freedave_generate
+from .methods.freedave import FreeDave
 from .parts.cache import cache_mode
 from .parts.checks import (check_bool, check_callable, check_generator, check_instance, check_int, check_length,
-                           check_mask_id, check_model_kind, check_optional_token_id, check_prompt, check_real,
-                           check_stats, refuse_unread, warn_if_longer_than_trained, warn_if_padded_without_mask)
+                           check_mask_id, check_model_kind, check_optional_token_id, check_prompt, check_stats,
+                           refuse_unread, warn_if_longer_than_trained, warn_if_padded_without_mask)
 from .parts.constrain_loops import structure_for_call
 from .parts.sparse import SparseConfig
 from .parts.stats import GenerationStats
@@ -145,8 +146,6 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     if apd is None and registry.way_of(decoder) == "apd":   # `apd=` is the drop-in keyword of decoder=APDConfig(...)
         apd, decoder = decoder, None
     alg_given = kwargs.get("alg")   # FreeDave runs its own rule: an explicit other alg is refused
-    explicit_max_length = kwargs.get("max_length") is not None
-    given = set(kwargs)   # the generation-config fields the caller set
     config = DreamGenerationConfig() if generation_config is None else DreamGenerationConfig.from_any(generation_config)
     # unset special ids are the model's (Dream: `DreamGenerationConfig.from_model_config`), then the keywords apply
     for name, value in (("mask_token_id", spec.mask_id), ("pad_token_id", spec.pad_id),
@@ -169,7 +168,6 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     check_prompt(spec.device, inputs, attention_mask, name="inputs", spec=spec,
                  mask_in_prompt="refuse" if blocks or apd is not None else "allow")
     _validate_config(config, spec)
-    check_real("threshold", threshold, low=0, high=1, low_open=True)
     check_bool("finish_blocks", finish_blocks)
     check_bool("reference_ties", reference_ties)
     check_generator(generator, inputs.device)
@@ -210,7 +208,7 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     input_len = inputs.shape[-1]
     if config.max_new_tokens is not None:
         config.max_length = config.max_new_tokens + input_len
-    elif not explicit_max_length and config.max_length in (None, DEFAULT_MAX_LENGTH):
+    elif kwargs.get("max_length") is None and config.max_length in (None, DEFAULT_MAX_LENGTH):
         warnings.warn("Using the model-agnostic default `max_length` (=20) to control the generation length; "
                       "set `max_new_tokens`.", UserWarning)
         config.max_length = DEFAULT_MAX_LENGTH + input_len
@@ -232,45 +230,41 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     if blocks and not dinfer:
         validate_block_args(gen_length, block_length, config.steps, length="the generation length")
     history = None
-    # what dInfer's rules and FreeDave (greedy, over blocks) do not read: refused by name
-    greedy_unread = [name for name, on in (
-        ("temperature", config.temperature > 0), ("top_p", config.top_p is not None),
-        ("top_k", config.top_k is not None), ("generation hooks", bool(hooks_given)),
-        ("output_history", config.output_history), ("reference_ties", not reference_ties),
-        ("finish_blocks", not finish_blocks)) if on]
-    if dinfer:
-        # dInfer's rules (and `VicinityCache`) over Fast-dLLM's Dream blocks: LLaDA's step generator (`dinfer_steps`)
-        # on Dream's shifted logits, a combination no paper shipped; greedy: the sampling settings refused by name
-        # `temperature` (with `generator`) goes to the method, which refuses it by name unless it samples (KLASS)
-        unread = [name for name in greedy_unread if name != "temperature"] + [name for name, on in (
-            ("alg", alg_given is not None), ("threshold", threshold != 0.9), ("apd", apd is not None),
-            ("sparse", sparse is not None)) if on] + sorted(n for n in ("alg_temp", "steps", "eps") if n in given)
+    if dinfer or apd is not None or decoder is not None:   # a method's config: its loop (`run_decoder`), as generate's
+        # what dInfer's rules and FreeDave (greedy, over blocks) do not read: refused by name
+        greedy_unread = [name for name, on in (
+            ("temperature", config.temperature > 0), ("top_p", config.top_p is not None),
+            ("top_k", config.top_k is not None), ("generation hooks", bool(hooks_given)),
+            ("output_history", config.output_history), ("reference_ties", not reference_ties),
+            ("finish_blocks", not finish_blocks)) if on]
+        settings = {"temperature": (config.temperature, 0.0), "generator": (generator, None)}
+        if dinfer:
+            # dInfer's rules (and `VicinityCache`) over Fast-dLLM's Dream blocks: LLaDA's step generator
+            # (`dinfer_steps`) on Dream's shifted logits, a combination no paper shipped; greedy: the sampling settings
+            # refused by name; `temperature` (with `generator`) goes to the method, which refuses it by name unless it
+            # samples (KLASS)
+            unread = [name for name in greedy_unread if name != "temperature"] + [name for name, on in (
+                ("alg", alg_given is not None), ("threshold", threshold != 0.9), ("apd", apd is not None),
+                ("sparse", sparse is not None)) if on] + sorted(n for n in ("alg_temp", "steps", "eps") if n in kwargs)
+            why = (f"decoder/use_cache={type(decoder if decoder is not None else use_cache).__name__} on Dream runs "
+                   f"its own commit rule over blocks; it does not read {unread}")
+        elif apd is not None:   # APD's rounds (`apd.apd_call_steps`) read Dream's sampling settings
+            unread, decoder = blocks or hooks_given or decoder is not None, apd
+            why = "apd= does not combine with use_cache / block_length, decoder= or the generation hooks"
+            settings.update(top_p=(config.top_p, None), top_k=(config.top_k, None),
+                            verifier_stats=(verifier_stats, None))
+        else:
+            check_instance("decoder", decoder, FreeDave, "a remask decoder config (remask.FreeDave)")
+            unread = greedy_unread + [name for name, on in (
+                ("alg", alg_given not in (None, "confidence_threshold")), ("steps", config.steps != gen_length)) if on]
+            why = (f"decoder=FreeDave decodes greedily one token per step (Fast-dLLM's Dream block decoder with "
+                   f"alg='confidence_threshold', threshold=1.0, steps=max_new_tokens); it does not read {unread}")
         if unread:
-            method = type(decoder if decoder is not None else use_cache).__name__
-            raise ValueError(f"decoder/use_cache={method} on Dream runs its own commit rule over blocks; it does not "
-                             f"read {unread}")
+            raise ValueError(why)
         sequences = run_decoder(model, inputs, attention_mask, decoder, gen_length=gen_length,
-                                block_length=block_length, use_cache=use_cache, mask_id=config.mask_token_id,
-                                stats=stats, structure=structure,
-                                settings={"temperature": (config.temperature, 0.0), "generator": (generator, None)})
-    elif apd is not None:
-        if blocks or hooks_given or decoder is not None:
-            raise ValueError("apd= does not combine with use_cache / block_length, decoder= or the generation hooks")
-        sequences = apd_generate(model, spec, inputs, gen_length, apd, temperature=config.temperature,
-                                 top_p=config.top_p, top_k=config.top_k, generator=generator, stats=stats,
-                                 verifier_stats=verifier_stats, structure=structure)
-    elif decoder is not None:
-        check_instance("decoder", decoder, FreeDave, "a remask decoder config (remask.FreeDave)")
-        unread = greedy_unread + [name for name, on in (
-            ("alg", alg_given not in (None, "confidence_threshold")), ("steps", config.steps != gen_length)) if on]
-        if unread:
-            raise ValueError(f"decoder=FreeDave decodes greedily one token per step (Fast-dLLM's Dream block decoder "
-                             f"with alg='confidence_threshold', threshold=1.0, steps=max_new_tokens); it does not read "
-                             f"{unread}")
-        sequences = freedave_generate(model, inputs, attention_mask, config=decoder, gen_length=gen_length,
-                                      block_length=DEFAULT_BLOCK_LENGTH if block_length is None else block_length,
-                                      use_cache=use_cache, mask_id=config.mask_token_id, stats=stats,
-                                      structure=structure)
+                                block_length=DEFAULT_BLOCK_LENGTH if block_length is None else block_length,
+                                use_cache=use_cache, mask_id=config.mask_token_id, stats=stats, structure=structure,
+                                settings=settings)
     else:
         if stats is not None:
             stats.start()

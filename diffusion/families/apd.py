@@ -76,8 +76,7 @@ class APDConfig(NoWorkBound):
         check_real("mixture_weight", self.mixture_weight, low=0, high=1)
         check_int("kv_window", self.kv_window, minimum=0, allow_none=True)
         check_int("max_lookahead", self.max_lookahead, minimum=1, allow_none=True)
-        if self.dllm_cache is not None:
-            check_bool("dllm_cache", self.dllm_cache)
+        check_bool("dllm_cache", self.dllm_cache, allow_none=True)
         check_bool("coupled_gumbel", self.coupled_gumbel)
         if not callable(self.verifier) or getattr(self.verifier, "config", None) is None:
             raise ValueError(f"verifier must be a transformers causal LM (AutoModelForCausalLM), got "

@@ -169,29 +169,21 @@ def score_canvas(processed_logits: torch.Tensor, *, reference_rng: bool, generat
 # --- the loop ----------------------------------------------------------------------------------------
 
 def resolve_generation_config(model, generation_config, kwargs: dict[str, Any]):
-    """`_generation_config`'s config; keyword arguments that are not config fields are refused."""
-    config, model_kwargs = _generation_config(model, generation_config, kwargs)
-    if model_kwargs:
-        raise ValueError(f"unexpected setting(s) {sorted(model_kwargs)} for DiffusionGemma generation")
-    return config
-
-
-def _generation_config(model, generation_config, kwargs: dict[str, Any]):
-    """(config, model_kwargs) by transformers' own defaults, `update` and `validate` (errors name the parameter)."""
+    """The config by transformers' own defaults, `update` and `validate` (errors name the parameter); keyword arguments
+    that are not config fields are refused (`canvas_generate` takes its model inputs, `MODEL_KWARGS`, out first)."""
     module = require_diffusion_gemma()
     config = copy.deepcopy(generation_config or model.generation_config or module.DiffusionGemmaGenerationConfig())
     if not isinstance(config, module.DiffusionGemmaGenerationConfig):
         config = module.DiffusionGemmaGenerationConfig(**config.to_dict())
     config.update(**model.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
     config.update(**config._get_default_generation_params(), defaults_only=True)
-    model_kwargs = config.update(**kwargs)
+    unknown = sorted(config.update(**kwargs))
     config.validate()
-    unknown = sorted(set(model_kwargs) - set(MODEL_KWARGS))
     if unknown:
         raise ValueError(f"unexpected keyword argument(s) {unknown} for DiffusionGemma generation; accepted: every "
                          f"DiffusionGemmaGenerationConfig field, {list(MODEL_KWARGS)} and remask's "
                          f"{list(REMASK_KWARGS)} (images, `pixel_values`, are not supported by remask's loop)")
-    return config, model_kwargs
+    return config
 
 
 @dataclass(eq=False)
@@ -484,7 +476,8 @@ def canvas_generate(model: torch.nn.Module, input_ids: torch.Tensor, generation_
     if not torch.is_tensor(input_ids) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a 2-D tensor [batch, length], got {getattr(input_ids, 'shape', None)}")
     check_generator(generator, input_ids.device)
-    config, model_kwargs = _generation_config(model, generation_config, kwargs)
+    model_kwargs = {name: kwargs.pop(name) for name in MODEL_KWARGS if name in kwargs}
+    config = resolve_generation_config(model, generation_config, kwargs)
     decoder = CanvasDecoder(get_spec(model), config, canvas_sampler, reference_rng=reference_rng,
                             logits_processor=logits_processor, stopping_criteria=stopping_criteria)
     decoder.constrain(compile_for(structured_outputs, model, tokenizer, None))

@@ -211,19 +211,17 @@ class FastDLLMV2Decoder(BlockLoop):
         while not bool(masked[:, state.sub_block * S:(state.sub_block + 1) * S].any()):
             state.sub_block += 1
         start, end = state.sub_block * S, (state.sub_block + 1) * S
-        if self.use_block_cache and state.block_cache is not None and not bool(block[0, start] == self.mask_id):
-            logits = yield ForwardRequest.call(block[:, start:end], {}, cache=state.cache, use_cache=True,
-                                               update_past_key_values=False, use_block_cache=True,
-                                               block_past_key_values=state.block_cache, replace_position=start)
-            return shift_logits(logits), ("denoise", end - start)
-        if self.use_block_cache:   # the whole block, its keys and values kept in a new sub-block cache
-            state.block_cache = DynamicCache()
-            logits = shift_logits((yield ForwardRequest.call(block, {}, cache=state.cache, use_cache=True,
-                                                             update_past_key_values=False, use_block_cache=True,
-                                                             block_past_key_values=state.block_cache)))
-        else:   # the whole block (without a cache: the sequence up to its end)
+        if not self.use_block_cache:   # the whole block (without a cache: the sequence up to its end)
             logits = yield from self._fd_forwards(state, block)
-        return logits[:, start:end], ("denoise", L if self.use_cache else state.block_start + L)
+            return logits[:, start:end], ("denoise", L if self.use_cache else state.block_start + L)
+        kept = dict(cache=state.cache, use_cache=True, update_past_key_values=False, use_block_cache=True)
+        if state.block_cache is not None and not bool(block[0, start] == self.mask_id):   # the sub-block alone
+            logits = yield ForwardRequest.call(block[:, start:end], {}, block_past_key_values=state.block_cache,
+                                               replace_position=start, **kept)
+            return shift_logits(logits), ("denoise", end - start)
+        state.block_cache = DynamicCache()   # the whole block, its keys and values kept in a new sub-block cache
+        logits = shift_logits((yield ForwardRequest.call(block, {}, block_past_key_values=state.block_cache, **kept)))
+        return logits[:, start:end], ("denoise", L)
 
     def _loop_commit(self, state: FastDLLMV2State, logits: torch.Tensor, kind: tuple,
                      generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> None:

@@ -19,7 +19,7 @@ from remask.models.spec import ModelSpec
 from ..parts.sparse import BlockMaskForward, RetentionForward, SparseConfig
 from ..parts.cache import BlockForward, cache_mode, valid_positions
 from ..parts.checks import (CombinationError, check_bool, check_callable, check_choice, check_generator, check_instance,
-                            check_int, check_length, check_mask_id, check_prompt, check_real, check_stats,
+                            check_ints, check_length, check_mask_id, check_prompt, check_real, check_stats,
                             check_token_id, warn_if_longer_than_trained, warn_if_padded_without_mask)
 from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.scoring import score_rows, score_tokens
@@ -49,8 +49,7 @@ def validate_block_args(gen_length: int, block_length: int, steps: int, length: 
                         ) -> tuple[int, int]:
     """Return (num_blocks, steps_per_block) or raise a ValueError naming the bad parameter (`length`: the name
     of the generation length, Dream's "the generation length")."""
-    for name, value in ((length, gen_length), ("block_length", block_length), ("steps", steps)):
-        check_int(name, value, minimum=1)
+    check_ints(1, **{length: gen_length, "block_length": block_length, "steps": steps})
     if gen_length % block_length:
         raise ValueError(f"{length} ({gen_length}) must be divisible by block_length ({block_length})")
     num_blocks = gen_length // block_length
@@ -170,9 +169,8 @@ class BlockDecoder(BlockwiseDecoder):
         check_bool("align_blocks", align_blocks)
         if rule is None:
             self.num_blocks, self.steps_per_block = validate_block_args(gen_length, block_length, steps)
-        for name, value in (("gen_length", gen_length), ("block_length", block_length),
-                            ("maximum_unroll", maximum_unroll), ("expected_tpf", expected_tpf)):
-            check_int(name, value, minimum=1)
+        check_ints(1, gen_length=gen_length, block_length=block_length, maximum_unroll=maximum_unroll,
+                   expected_tpf=expected_tpf)
         validate_rule(threshold, factor, frechet_margin)
         check_choice("remasking", remasking, REMASKING)
         check_real("temperature", temperature, low=0)

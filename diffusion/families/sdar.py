@@ -63,9 +63,6 @@ def select_positions(strategy: str, mask_index: torch.Tensor, x0_p: torch.Tensor
     return transfer
 
 
-SDARState = BlockState
-
-
 class SDARDecoder(StoreKVLoop):
     """SDAR's loop as a state and a step: each `step` is one model forward — the prefill, a
     denoising step of the current block (sample, select, commit), or the store of a finished block.
@@ -101,12 +98,12 @@ class SDARDecoder(StoreKVLoop):
         self.block_store, self.use_cache = block_store, use_cache
         self._take(decoder)
 
-    def _settle(self, state: SDARState) -> None:
+    def _settle(self, state: BlockState) -> None:
         """Without a cache a finished block has nothing to store: on to the next one, no forward."""
         if not state.done and not self.use_cache and self._block_full(state):
             self._next_block(state)
 
-    def _loop_forward(self, state: SDARState) -> Generator[ForwardRequest, Any, tuple[torch.Tensor | None, Any]]:
+    def _loop_forward(self, state: BlockState) -> Generator[ForwardRequest, Any, tuple[torch.Tensor | None, Any]]:
         if state.stored and self.use_cache and self._block_full(state):   # a finished block joins the cache
             return (yield self._store_request(state, *self._span(state))), "store"
         return (yield from super()._loop_forward(state))
@@ -117,12 +114,12 @@ class SDARDecoder(StoreKVLoop):
         return select_positions(self.strategy, masked, confidence, probs, count, self.confidence_threshold,
                                 self.eb_threshold)
 
-    def _decided(self, state: SDARState, block: torch.Tensor, masked: torch.Tensor, change: torch.Tensor,
+    def _decided(self, state: BlockState, block: torch.Tensor, masked: torch.Tensor, change: torch.Tensor,
                  tokens: torch.Tensor | None, logits: torch.Tensor, prior: torch.Tensor | None) -> None:
         if prior is not None:   # structured output: the block filtered after the rule
             filter_block(state.constraint, state.x, prior, None, logits, *self._span(state))
 
-    def _next_block(self, state: SDARState) -> None:
+    def _next_block(self, state: BlockState) -> None:
         state.block += 1
         state.step = 0
         if self.stop_ids and any(stop in state.x[:, state.prompt_length:] for stop in self.stop_ids):
