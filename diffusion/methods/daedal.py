@@ -39,7 +39,7 @@ from ..parts.checks import (NoWorkBound, check_config, check_generator, check_in
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, guided_forward, run_steps
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in, guided_forward
 
 
 @dataclass(frozen=True)
@@ -75,19 +75,6 @@ def eos_confidence(x0: torch.Tensor, conf: torch.Tensor, P: int, eos_id: int, co
     return torch.tensor(sum(conf[where].tolist()) / count, dtype=torch.float32)
 
 
-def daedal_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DAEDAL | None = None,
-                    gen_length: int = 2048, block_length: int = 32, temperature: float = 0.0,
-                    generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
-                    mask_id: int | None = None, stats: GenerationStats | None = None,
-                    cfg_scale: float = 0.0) -> torch.Tensor:
-    """DAEDAL decoding: `[B, P + L]`, L ≤ `gen_length` the longest row's length. `temperature` > 0 samples each
-    denoising forward's tokens as upstream (float32 Gumbel-max over the canvas, drawn from `generator`);
-    `cfg_scale` > 0 guides the denoising forwards as upstream (LLaDA's unsupervised CFG, the prompt masked)."""
-    return run_steps(model, daedal_steps, prompt, config=config, gen_length=gen_length, block_length=block_length,
-                     temperature=temperature, generator=generator, attention_mask=attention_mask, mask_id=mask_id,
-                     stats=stats, cfg_scale=cfg_scale)
-
-
 def daedal_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: DAEDAL | None = None,
                  gen_length: int = 2048, block_length: int = 32, temperature: float = 0.0,
                  generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
@@ -106,6 +93,13 @@ def daedal_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: DAEDAL | None
         raise ValueError("DAEDAL reads the EOS confidence: the model has no eos id")
     return _daedal_loop(config, spec, prompt.to(spec.device), attention_mask, gen_length, block_length, stats,
                         (structure, end_ids_of(spec, end_ids)), (temperature, generator, cfg_scale))
+
+
+@drop_in(daedal_steps)
+def daedal_generate() -> torch.Tensor:
+    """DAEDAL decoding: `[B, P + L]`, L ≤ `gen_length` the longest row's length. `temperature` > 0 samples each
+    denoising forward's tokens as upstream (float32 Gumbel-max over the canvas, drawn from `generator`);
+    `cfg_scale` > 0 guides the denoising forwards as upstream (LLaDA's unsupervised CFG, the prompt masked)."""
 
 
 @torch.no_grad()

@@ -67,7 +67,7 @@ from ..parts.scoring import score_tokens
 from ..parts.selection import schedule_counts, topk_commit
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, run_steps
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in, run_steps
 
 REMASKING = ("low_confidence", "random")
 VARIANTS = ("decode", "greedy")
@@ -199,22 +199,6 @@ def _window(chosen: torch.Tensor, around: list[int], masked: torch.Tensor, size:
             go_left = not go_left
 
 
-def dkv_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCache | None = None,
-                 steps: int = 128, gen_length: int = 128, block_length: int = 128,
-                 remasking: str = "low_confidence", attention_mask: torch.Tensor | None = None,
-                 generator: torch.Generator | None = None, mask_id: int | None = None,
-                 stats: GenerationStats | None = None) -> torch.Tensor:
-    """dKV-Cache-Decode or -Greedy (greedy tokens). Returns `[B, P + gen_length]`.
-
-    `remasking="random"` draws the uniforms as upstream (float32 `torch.rand`) from `generator` (None:
-    torch's global generator). `attention_mask` `[B, P]` (left padding) hides pad keys (upstream has
-    none). Rows whose forwarded sets differ in size (only with `commit_mask_token`) are forwarded one
-    by one, each with its own cache."""
-    return run_steps(model, dkv_steps, prompt, config=config, steps=steps, gen_length=gen_length,
-                           block_length=block_length, remasking=remasking, attention_mask=attention_mask,
-                           generator=generator, mask_id=mask_id, stats=stats)
-
-
 def dkv_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: DKVCache | None = None,
               steps: int = 128, gen_length: int = 128, block_length: int = 128,
               remasking: str = "low_confidence", attention_mask: torch.Tensor | None = None,
@@ -243,6 +227,16 @@ def dkv_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: DKVCache | None 
     x = masked_canvas(prompt, gen_length, spec.mask_id, spec.device)
     rule = _LLaDARule(x, P, config, spec.mask_id, steps_per_block, block_length, remasking, generator, constraint)
     return _loop(rule, None, attention_mask, P, stats)
+
+
+@drop_in(dkv_steps)
+def dkv_generate() -> torch.Tensor:
+    """dKV-Cache-Decode or -Greedy (greedy tokens). Returns `[B, P + gen_length]`.
+
+    `remasking="random"` draws the uniforms as upstream (float32 `torch.rand`) from `generator` (None:
+    torch's global generator). `attention_mask` `[B, P]` (left padding) hides pad keys (upstream has
+    none). Rows whose forwarded sets differ in size (only with `commit_mask_token`) are forwarded one
+    by one, each with its own cache."""
 
 
 def dkv_dream_generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -49,7 +49,7 @@ from ..parts.rules import check_rule_on_loop
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.step import CommitRule, masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, row_by_row, run_steps
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in, row_by_row
 
 
 @dataclass(frozen=True)
@@ -252,24 +252,6 @@ def _elastic_row(spec: ModelSpec, canvas: torch.Tensor, P: int, config: ElasticC
     return x
 
 
-def elastic_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: ElasticCache | None = None,
-                     gen_length: int = 512, attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
-                     eos_id: int | None = None, stats: GenerationStats | None = None,
-                     trace: list | None = None, rule: Any = None) -> torch.Tensor:
-    """Elastic-Cache decoding (greedy). Returns `[B, P + gen_length]`.
-
-    `eos_id` (default: the model's): once committed, the masked positions after the first EOS are
-    dropped and returned as EOS. `attention_mask` `[B, P]` (left padding) hides pad keys (upstream
-    has none). `trace`: a list that receives `(queried positions, first recomputed layer)` per row
-    and step (the layer count when nothing was recomputed; -1 for the first, full forward).
-    `rule`: a commit rule (`remask.diffusion.parts.step.CommitRule`: dInfer's, `MarginDecoding`, …) that
-    decides each step's commits in the window instead of Elastic-Cache's own threshold / top-k rule
-    (a combination no paper shipped; Elastic's `threshold`, `tokens_per_iter` and
-    `commit_mask_token` are then not read and refused when set)."""
-    return run_steps(model, elastic_steps, prompt, config=config, gen_length=gen_length, attention_mask=attention_mask,
-                               mask_id=mask_id, eos_id=eos_id, stats=stats, trace=trace, rule=rule)
-
-
 def elastic_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: ElasticCache | None = None,
                   gen_length: int = 512, attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
                   eos_id: int | None = None, stats: GenerationStats | None = None,
@@ -301,3 +283,17 @@ def elastic_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: ElasticCache
     filters = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
     decode_row = partial(_elastic_row, spec, x, P, config, spec.mask_id, spec.eos_id, stats, trace, rule, filters)
     return row_by_row(x, decode_row, key_ok, stats, B * gen_length)
+
+
+@drop_in(elastic_steps)
+def elastic_generate() -> torch.Tensor:
+    """Elastic-Cache decoding (greedy). Returns `[B, P + gen_length]`.
+
+    `eos_id` (default: the model's): once committed, the masked positions after the first EOS are
+    dropped and returned as EOS. `attention_mask` `[B, P]` (left padding) hides pad keys (upstream
+    has none). `trace`: a list that receives `(queried positions, first recomputed layer)` per row
+    and step (the layer count when nothing was recomputed; -1 for the first, full forward).
+    `rule`: a commit rule (`remask.diffusion.parts.step.CommitRule`: dInfer's, `MarginDecoding`, …) that
+    decides each step's commits in the window instead of Elastic-Cache's own threshold / top-k rule
+    (a combination no paper shipped; Elastic's `threshold`, `tokens_per_iter` and
+    `commit_mask_token` are then not read and refused when set)."""

@@ -70,7 +70,7 @@ from remask.models.parallel import full_logits
 from ..parts.drafts import DraftConfig, verify_chain
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, run_steps
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in
 
 DRAFT_MODES = ("tree_attention", "batch_expanding")
 MATCH_RULES = ("subset", "exact")
@@ -312,24 +312,6 @@ class _Decoder:
                 yield self._progress(x, blk, start, end)
 
 
-def freedave_generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                      config: FreeDave | None = None, steps: int | None = None, gen_length: int = 128,
-                      block_length: int = 128, use_cache: str | None = None, mask_id: int | None = None,
-                      stats: GenerationStats | None = None, structure: Any = None,
-                      end_ids: Any = ()) -> torch.LongTensor:
-    """FreeDave decoding (greedy): the tokens of one-token-per-step decoding with fewer forwards.
-
-    `model`: LLaDA-format or Dream (the module docstring has the baseline each equals); `prompt`
-    `[B, P]`, left-padded with `attention_mask` when rows differ; `config` (default `FreeDave()`);
-    `steps`: None or `gen_length` (no other schedule); `gen_length % block_length == 0`; `use_cache`:
-    None, "prefix" or "dual" (Fast-dLLM v1's, refreshed at every block start); `stats`: `nfe` the
-    block-start plus verification forwards, `tokens_per_step` per round. Returns `[B, P + gen_length]`.
-    """
-    return run_steps(model, freedave_steps, prompt, attention_mask, config=config, steps=steps, gen_length=gen_length,
-                                block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats,
-                                structure=structure, end_ids=end_ids)
-
-
 def freedave_steps(spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                    config: FreeDave | None = None, steps: int | None = None, gen_length: int = 128,
                    block_length: int = 128, use_cache: str | None = None, mask_id: int | None = None,
@@ -359,3 +341,15 @@ def freedave_steps(spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.
     decoder = _Decoder(spec, config, block_length, mode, attention_mask, prompt.shape[1],
                        prompt.shape[1] + gen_length, stats)
     return decoder.run(masked_canvas(prompt, gen_length, spec.mask_id), gen_length, constraint)
+
+
+@drop_in(freedave_steps, hidden=())
+def freedave_generate() -> torch.LongTensor:
+    """FreeDave decoding (greedy): the tokens of one-token-per-step decoding with fewer forwards.
+
+    `model`: LLaDA-format or Dream (the module docstring has the baseline each equals); `prompt`
+    `[B, P]`, left-padded with `attention_mask` when rows differ; `config` (default `FreeDave()`);
+    `steps`: None or `gen_length` (no other schedule); `gen_length % block_length == 0`; `use_cache`:
+    None, "prefix" or "dual" (Fast-dLLM v1's, refreshed at every block start); `stats`: `nfe` the
+    block-start plus verification forwards, `tokens_per_step` per round. Returns `[B, P + gen_length]`.
+    """

@@ -65,7 +65,7 @@ from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.scoring import sample_categorical, score_rows, score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, run_steps
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in
 
 MAX_FORWARDS = 10000   # d3LLM's loop guard (reached only when the mask token is committed)
 NO_CACHE = 10000   # a `cache_delay_iter` this large: no cache (Dream's entry point's switch)
@@ -300,16 +300,6 @@ class _Row:
                 self.nfe += 1
 
 
-def multiblock_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: MultiBlock | None = None,
-                        gen_length: int = 512, block_length: int = 32, attention_mask: torch.Tensor | None = None,
-                        mask_id: int | None = None, stats: GenerationStats | None = None, **sampling: object
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Multi-block decoding. Returns `(x [B, P + gen_length], nfe [B])`, each row's NFE as upstream returns
-    it. `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad keys; `sampling`: `multiblock_steps`'."""
-    return run_steps(model, multiblock_steps, prompt, config=config, gen_length=gen_length, block_length=block_length,
-                     attention_mask=attention_mask, mask_id=mask_id, stats=stats, **sampling)
-
-
 def multiblock_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: MultiBlock | None = None,
                      gen_length: int = 512, block_length: int = 32, attention_mask: torch.Tensor | None = None,
                      mask_id: int | None = None, stats: GenerationStats | None = None, structure=None, end_ids=(),
@@ -341,6 +331,12 @@ def multiblock_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: MultiBloc
         if config.cached else None) for b in range(B)]
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
     return _loop(x, rows, inputs, spec, eos_id, stats, constraint)
+
+
+@drop_in(multiblock_steps, hidden=())
+def multiblock_generate() -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-block decoding. Returns `(x [B, P + gen_length], nfe [B])`, each row's NFE as upstream returns
+    it. `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad keys; `sampling`: `multiblock_steps`'."""
 
 
 @torch.no_grad()

@@ -36,7 +36,7 @@ from ..parts.scoring import score_rows
 from ..parts.selection import schedule_counts
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import Progress, StepGenerator, row_by_row, run_steps
+from ..parts.stepper import Progress, StepGenerator, drop_in, row_by_row
 
 PHASES = {"early": 7.5, "mid": 5.0, "late": 2.5}   # upstream's thresholds when none are given
 
@@ -80,18 +80,6 @@ class Prophet:
         return {**PHASES, **(self.early_exit_thresholds or {})}[phase]
 
 
-def prophet_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: Prophet | None = None,
-                     steps: int = 128, gen_length: int = 128, block_length: int = 128, cfg_scale: float = 0.0,
-                     remasking: str = "low_confidence", attention_mask: torch.Tensor | None = None,
-                     mask_id: int | None = None, generator: torch.Generator | None = None,
-                     stats: GenerationStats | None = None) -> torch.LongTensor:
-    """Prophet decoding (greedy; module docstring): `[B, P + gen_length]`, no mask left. `stats.nfe`
-    counts the forwards (upstream's `exit_decision_step` when a row exits, else `steps`)."""
-    return run_steps(model, prophet_steps, prompt, config=config, steps=steps, gen_length=gen_length,
-                               block_length=block_length, cfg_scale=cfg_scale, remasking=remasking,
-                               attention_mask=attention_mask, mask_id=mask_id, generator=generator, stats=stats)
-
-
 def prophet_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: Prophet | None = None, steps: int = 128,
                   gen_length: int = 128, block_length: int = 128, cfg_scale: float = 0.0,
                   remasking: str = "low_confidence", attention_mask: torch.Tensor | None = None,
@@ -118,6 +106,12 @@ def prophet_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: Prophet | No
     canvas = masked_canvas(prompt, gen_length, decoder.spec.mask_id)
     decode_row = partial(_prophet_row, config, decoder, canvas, steps, generator, stats)
     return row_by_row(canvas, decode_row, attention_mask, stats, prompt.shape[0] * gen_length)
+
+
+@drop_in(prophet_steps)
+def prophet_generate() -> torch.LongTensor:
+    """Prophet decoding (greedy; module docstring): `[B, P + gen_length]`, no mask left. `stats.nfe`
+    counts the forwards (upstream's `exit_decision_step` when a row exits, else `steps`)."""
 
 
 @torch.no_grad()

@@ -36,7 +36,7 @@ from ..parts.checks import NoWorkBound, check_bool, check_config, check_ints, ch
 from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, run_steps
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in
 
 
 @dataclass(frozen=True)
@@ -117,17 +117,6 @@ def _decide_row(config: WINO, confidence: torch.Tensor, confidence_back: torch.T
     return accept, remask
 
 
-def wino_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | None = None,
-                  gen_length: int = 128, block_length: int = 128, attention_mask: torch.Tensor | None = None,
-                  mask_id: int | None = None, stats: GenerationStats | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """WINO decoding (greedy). Returns `(x [B, P + gen_length], forwards [B])`: each row's forward
-    count is upstream's returned `step`. `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad
-    keys; RoPE positions stay absolute."""
-    return run_steps(model, wino_steps, prompt, config=config, gen_length=gen_length, block_length=block_length,
-                            attention_mask=attention_mask, mask_id=mask_id, stats=stats)
-
-
 def wino_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: WINO | None = None,
                gen_length: int = 128, block_length: int = 128, attention_mask: torch.Tensor | None = None,
                mask_id: int | None = None, stats: GenerationStats | None = None, structure=None, end_ids=()
@@ -148,6 +137,13 @@ def wino_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: WINO | None = N
     keys = valid_positions(attention_mask, x.shape[1]) if padded else None   # False on the left pads
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
     return _wino_loop(config, x, keys, P, gen_length, block_length, spec.mask_id, stats, constraint)
+
+
+@drop_in(wino_steps)
+def wino_generate() -> tuple[torch.Tensor, torch.Tensor]:
+    """WINO decoding (greedy). Returns `(x [B, P + gen_length], forwards [B])`: each row's forward
+    count is upstream's returned `step`. `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad
+    keys; RoPE positions stay absolute."""
 
 
 @torch.no_grad()
