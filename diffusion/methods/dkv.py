@@ -59,8 +59,7 @@ from ..families.dream import DreamDecoder, DreamGenerationConfig, _validate_conf
 from ..families.llada import validate_block_args
 from ..parts.cache import valid_positions
 from ..parts.checks import (NoWorkBound, check_bool, check_choice, check_config, check_generator, check_int,
-                            check_length, check_mask_id, check_method_call, check_model_kind, check_prompt,
-                            check_stats)
+                            check_length, check_method_call)
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.constrain_loops import open_frontiers, structure_for_call
 from ..parts.scoring import score_tokens
@@ -274,11 +273,8 @@ def dkv_dream_steps(spec: ModelSpec, input_ids: torch.Tensor, attention_mask: to
     `structure` (a compiled `remask.structured` structure) and `end_ids`: structured output, held in
     `DreamDecoder.commit` (the frontier's scorer always forwarded: docs/quirks.md)."""
     config = check_config("config", config, DKVCache, "a remask DKVCache")   # (cache_type None: "decoded")
-    spec = spec.with_overrides(mask_id=mask_id)
-    check_model_kind(spec, diffusion=True, entry="dkv_dream_generate")
-    check_mask_id(spec)
-    check_prompt(spec.device, input_ids, attention_mask, name="input_ids", spec=spec, mask_in_prompt="refuse")
-    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
+    spec, stats = check_method_call(spec, input_ids, attention_mask, stats, "dkv_dream_generate", "input_ids",
+                                    mask_id=mask_id)
     if config.variant != "decode":   # (a window_size is Greedy's)
         raise ValueError(f"variant: dKV-Cache's Dream sampler is the delayed (decode) cache; variant="
                          f"{config.variant!r} is LLaDA's dKV-Cache-Greedy (dkv_generate)")

@@ -34,6 +34,7 @@ from ..families.llada import validate_block_args
 from ..parts.cache import valid_positions
 from ..parts.checks import NoWorkBound, check_bool, check_config, check_ints, check_method_call, check_real
 from ..parts.constrain import CommitFilter, before_rule, end_ids_of
+from ..parts.scoring import avoid_id
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in
@@ -88,10 +89,7 @@ def predict(logits: torch.Tensor, mask_id: int, commit_mask_token: bool) -> tupl
     `commit_mask_token`, an argmax equal to the mask token becomes the most probable other token."""
     x0 = torch.argmax(logits, dim=-1)
     p = F.softmax(logits.to(torch.float64), dim=-1)
-    if not commit_mask_token and bool((x0 == mask_id).any()):
-        others = p.index_fill(-1, torch.tensor([mask_id], device=p.device), -1.0).argmax(dim=-1)
-        x0 = torch.where(x0 == mask_id, others, x0)
-    return x0, p
+    return (x0 if commit_mask_token else avoid_id(x0, p, mask_id)), p
 
 
 def _decide_row(config: WINO, confidence: torch.Tensor, confidence_back: torch.Tensor, last_accept: int,

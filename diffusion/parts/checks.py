@@ -380,10 +380,11 @@ def refuse_unread(params: Any, way: str, also: Iterable[str] = (), **words: Any)
 
 
 def check_method_call(spec: ModelSpec, prompt: Any, attention_mask: Any, stats: Any, entry: str | None = None,
-                      **ids: Any) -> tuple[ModelSpec, Any]:
+                      name: str = "prompt", **ids: Any) -> tuple[ModelSpec, Any]:
     """What a method's loop checks at its call, in order: `stats` (None: a fresh one, counted, then dropped), a
     diffusion model (`entry`: the caller named in the refusal; None: not checked), the model's spec (`ids` override
-    its token ids) with a mask token, then `prompt` / `attention_mask`, the mask token refused in the prompt."""
+    its token ids) with a mask token, then `prompt` (named `name`) / `attention_mask`, the mask token refused in the
+    prompt."""
     from .stats import GenerationStats
 
     stats = check_stats("stats", stats) or GenerationStats()
@@ -391,7 +392,7 @@ def check_method_call(spec: ModelSpec, prompt: Any, attention_mask: Any, stats: 
     if entry is not None:
         check_model_kind(spec, diffusion=True, entry=entry)
     check_mask_id(spec)
-    check_prompt(spec.device, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
+    check_prompt(spec.device, prompt, attention_mask, name, spec=spec, mask_in_prompt="refuse")
     return spec, stats
 
 

@@ -168,7 +168,9 @@ class ThresholdDecoding(_DInferRule):
 
     def _select(self, proposal: torch.Tensor, logits: torch.Tensor, before: torch.Tensor, mask_id: int,
                 state: Any) -> None:
-        _threshold_commit(proposal, logits, self.threshold, mask_id)
+        x0 = logits.argmax(dim=-1)
+        p = F.softmax(logits.to(torch.float32), dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1)
+        dinfer_select(proposal, x0, p, mask_id, "threshold", self.threshold)
 
 
 @dataclass(frozen=True)
@@ -235,12 +237,6 @@ class HierarchicalDecoding(_DInferRule):
         p = F.log_softmax(logits, dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1).exp()
         # a committed mask-token prediction leaves the position masked, as upstream
         dinfer_select(proposal, x0, p, mask_id, "hierarchy", self.threshold, self.low_threshold)
-
-
-def _threshold_commit(x_block: torch.Tensor, logits: torch.Tensor, threshold: float, mask_id: int) -> None:
-    x0 = logits.argmax(dim=-1)
-    p = F.softmax(logits.to(torch.float32), dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1)
-    dinfer_select(x_block, x0, p, mask_id, "threshold", threshold)
 
 
 class _Credit:
