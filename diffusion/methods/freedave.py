@@ -115,17 +115,6 @@ def _draft_rows(value: Any, rows: torch.Tensor | None, batch: int, K: int) -> An
     return value.repeat_interleave(K, dim=0)
 
 
-def _alone(forward: Generator[ForwardRequest, Any, Any], alone: bool) -> Generator[ForwardRequest, Any, Any]:
-    """A one-request forward (a sub-generator) with its request's rows computed as alone (`rows_alone`: each row
-    gets the bits of its own forward) when `alone`."""
-    request = next(forward)
-    request.rows_alone = alone
-    try:
-        forward.send((yield request))
-    except StopIteration as stop:
-        return stop.value
-
-
 # --- the decoding loop --------------------------------------------------------------------------
 
 def make_drafts(base: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor, K: int, mask_id: int) -> torch.Tensor:
@@ -145,11 +134,13 @@ class _Decoder:
     start (baseline `BlockForward.refresh`, rows as alone for batches) and the drafts' verification."""
 
     def __init__(self, spec: ModelSpec, config: FreeDave, block_length: int, use_cache: str | None,
-                 attention_mask: torch.Tensor | None, prompt_len: int, total: int, stats: GenerationStats) -> None:
+                 attention_mask: torch.Tensor | None, prompt_len: int, total: int, stats: GenerationStats,
+                 batch: int = 1) -> None:
         self.spec, self.config, self.block_length, self.mode = spec, config, block_length, use_cache
         self.prompt_len, self.stats = prompt_len, stats
+        # the block start's forward: a batch's rows as alone (each row the bits of its own forward)
         self.block_forward = BlockForward(spec, use_cache, spec.forward_inputs(attention_mask, total),
-                                          valid_positions(attention_mask, total))
+                                          valid_positions(attention_mask, total), rows_alone=batch > 1)
         # The baselines' confidence dtypes: LLaDA's loop keeps float64 under a threshold (Fast-dLLM's
         # precision) and the logits' dtype (None) otherwise; Dream's block decoder the logits' dtype.
         self.conf_dtype = torch.float64 if config.confidence_threshold is not None and not spec.logit_shift else None
@@ -171,8 +162,8 @@ class _Decoder:
             cache = TreeKVCache(base, rows, start, fed_end, T, K)
         inputs = {k: _draft_rows(v, rows, B, K) for k, v in self.block_forward.forward_inputs.items()}
         # the block loop's forward of the drafts' rows (`spec`: the family's logit shift within each draft's row)
-        span = BlockForward(self.spec, mode, inputs, None).span(canvas, fed, fed_end, cache)
-        logits = yield from _alone(span, True)
+        forward = BlockForward(self.spec, mode, inputs, None, rows_alone=True)
+        logits = yield from forward.span(canvas, fed, fed_end, cache)
         self.stats.forward(len(canvas), fed_end - fed, self.block_forward.cache_nbytes)
         return logits, start - fed
 
@@ -206,7 +197,7 @@ class _Decoder:
         logits (under a structure) and which rows' predictions are fresh: Dream commits the block's first position
         from it, so none are."""
         blk, mask_id = x[:, start:end], self.spec.mask_id
-        logits = yield from _alone(self.block_forward.refresh(x, start, end), x.shape[0] > 1)
+        logits = yield from self.block_forward.refresh(x, start, end)
         self.stats.forward(*x.shape, self.block_forward.cache_nbytes)
         x0, conf, lg = self.score_masked(cf, logits, start, start, end)
         del logits
@@ -339,7 +330,7 @@ def freedave_steps(spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), prompt.shape[0], spec.mask_id,
                                     prompt.shape[1], gen_length)
     decoder = _Decoder(spec, config, block_length, mode, attention_mask, prompt.shape[1],
-                       prompt.shape[1] + gen_length, stats)
+                       prompt.shape[1] + gen_length, stats, prompt.shape[0])
     return decoder.run(masked_canvas(prompt, gen_length, spec.mask_id), gen_length, constraint)
 
 
