@@ -29,7 +29,8 @@ from remask.caches.position import D2KVCache
 from remask.models.spec import ModelSpec
 
 from ..parts.cache import valid_positions
-from ..parts.checks import NoWorkBound, check_bool, check_config, check_int, check_ints, check_method_call, check_real
+from ..parts.checks import (NoWorkBound, check_bool, check_config, check_int, check_ints, check_method_call, check_real,
+                            checked)
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.constrain_loops import open_frontiers
 from ..parts.scoring import score_tokens
@@ -48,16 +49,10 @@ class D2Cache(NoWorkBound):
     positions: `min(current_k, G)`) and an `inflate_w` past the sequence fills every gap; neither costs more work
     (upstream takes any)."""
 
-    rollout_p: float = 0.1
-    current_k: int = 32
-    sigma: float = 10.0
-    inflate_w: int = 4
-
-    def __post_init__(self) -> None:
-        check_real("rollout_p", self.rollout_p, low=0.0, high=1.0)
-        check_int("current_k", self.current_k, minimum=1)
-        check_real("sigma", self.sigma, low=0.0, low_open=True)
-        check_int("inflate_w", self.inflate_w, minimum=0)
+    rollout_p: float = checked(0.1, check_real, low=0.0, high=1.0)
+    current_k: int = checked(32, check_int, minimum=1)
+    sigma: float = checked(10.0, check_real, low=0.0, low_open=True)
+    inflate_w: int = checked(4, check_int, minimum=0)
 
 
 def certainty_density(decoded: torch.Tensor, sigma: float) -> torch.Tensor:

@@ -35,7 +35,7 @@ from torch.nn.utils.rnn import pad_sequence
 from remask.models.spec import ModelSpec
 
 from ..parts.checks import (NoWorkBound, check_config, check_generator, check_int, check_ints, check_method_call,
-                            check_real)
+                            check_real, checked)
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
@@ -50,21 +50,13 @@ class DAEDAL(NoWorkBound):
     No work bound of its own: `gen_length` caps every length (an `initial_gen_length` past it starts at gen_length,
     as upstream ends up), each forward commits a position."""
 
-    initial_gen_length: int = 64
-    high_conf_threshold: float = 0.90
-    low_conf_threshold: float = 0.10
-    expansion_factor: int = 8
-    eos_confidence_threshold: float = 0.5
-    expand_eos_confidence_threshold: float = 0.9
-    eos_check_tokens: int = 32
-
-    def __post_init__(self) -> None:
-        check_int("initial_gen_length", self.initial_gen_length, minimum=1)
-        check_int("expansion_factor", self.expansion_factor, minimum=0)   # 0: an insertion drops the mask
-        check_int("eos_check_tokens", self.eos_check_tokens, minimum=1)   # upstream divides by it
-        for name in ("high_conf_threshold", "low_conf_threshold", "eos_confidence_threshold",
-                     "expand_eos_confidence_threshold"):
-            check_real(name, getattr(self, name))
+    initial_gen_length: int = checked(64, check_int, minimum=1)
+    high_conf_threshold: float = checked(0.90, check_real)
+    low_conf_threshold: float = checked(0.10, check_real)
+    expansion_factor: int = checked(8, check_int, minimum=0)   # 0: an insertion drops the mask
+    eos_confidence_threshold: float = checked(0.5, check_real)
+    expand_eos_confidence_threshold: float = checked(0.9, check_real)
+    eos_check_tokens: int = checked(32, check_int, minimum=1)   # upstream divides by it
 
 
 def eos_confidence(x0: torch.Tensor, conf: torch.Tensor, P: int, eos_id: int, count: int) -> torch.Tensor:

@@ -32,7 +32,7 @@ import torch
 from remask.models.spec import ModelSpec
 
 from ..families.llada import BlockDecoder
-from ..parts.checks import NoWorkBound, check_instance, check_int, check_method_call
+from ..parts.checks import NoWorkBound, check_instance, check_int, check_method_call, checked
 from ..parts.stats import GenerationStats
 from ..parts.rules import CreditDecoding, HierarchicalDecoding, IterationSmoothing, ThresholdDecoding
 from ..parts.step import CommitRule, masked_canvas
@@ -51,13 +51,9 @@ class VicinityCache(NoWorkBound):
     (`[max(0, start − prefix_look), min(T, end + after_look))`), and a `warmup_steps` past the loop's iterations
     makes every one a warmup; none costs more work than the value that reaches the bound (upstream takes any)."""
 
-    prefix_look: int = 16
-    after_look: int = 16
-    warmup_steps: int = 4
-
-    def __post_init__(self) -> None:
-        for name in ("prefix_look", "after_look", "warmup_steps"):
-            check_int(name, getattr(self, name), minimum=0)
+    prefix_look: int = checked(16, check_int, minimum=0)
+    after_look: int = checked(16, check_int, minimum=0)
+    warmup_steps: int = checked(4, check_int, minimum=0)
 
 
 def dinfer_steps(spec: ModelSpec, prompt: torch.Tensor, *, decoder: CommitRule = ThresholdDecoding(),

@@ -59,7 +59,7 @@ from ..families.dream import DreamDecoder, DreamGenerationConfig, _validate_conf
 from ..families.llada import validate_block_args
 from ..parts.cache import valid_positions
 from ..parts.checks import (NoWorkBound, check_bool, check_choice, check_config, check_generator, check_int,
-                            check_length, check_method_call)
+                            check_length, check_method_call, checked)
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.constrain_loops import open_frontiers, structure_for_call
 from ..parts.scoring import score_tokens
@@ -91,23 +91,18 @@ class DKVCache(NoWorkBound):
     step only, and Greedy's window takes at most the masked positions (`_window` stops when none is left); neither
     costs more work (upstream takes any)."""
 
-    cache_reloading_step: int = 8
-    commit_mask_token: bool = False
-    variant: str = "decode"
-    window_size: int = 0
-    cache_type: str | None = None
-    shift_type: str | None = None
+    cache_reloading_step: int = checked(8, check_int, minimum=1)
+    commit_mask_token: bool = checked(False, check_bool)
+    variant: str = checked("decode", check_choice, choices=VARIANTS)
+    window_size: int = checked(0, check_int, minimum=0)
+    cache_type: str | None = checked(None, check_choice, choices=DREAM_CACHE_TYPES + (None,))
+    shift_type: str | None = checked(None, check_choice, choices=DREAM_SHIFT_TYPES + (None,))
 
     def __post_init__(self) -> None:
-        check_int("cache_reloading_step", self.cache_reloading_step, minimum=1)
-        check_bool("commit_mask_token", self.commit_mask_token)
-        check_choice("variant", self.variant, VARIANTS)
-        check_int("window_size", self.window_size, minimum=0)
+        super().__post_init__()
         if self.window_size and self.variant != "greedy":
             raise ValueError(f"window_size: only dKV-Cache-Greedy (variant='greedy') forwards a window, got "
                              f"{self.window_size} with variant={self.variant!r}")
-        check_choice("cache_type", self.cache_type, DREAM_CACHE_TYPES + (None,))
-        check_choice("shift_type", self.shift_type, DREAM_SHIFT_TYPES + (None,))
         dream = self.dream_fields
         if dream and self.variant != "decode":
             raise ValueError(f"{dream[0]}: Dream's dKV-Cache (cache_type / shift_type) has no "

@@ -43,8 +43,8 @@ from remask.models.layers import rope_cos_sin
 from remask.models.spec import ModelSpec
 
 from ..parts.cache import valid_positions
-from ..parts.checks import (changed, check_bool, check_config, check_instance, check_int, check_method_call,
-                            check_optional_token_id, check_real)
+from ..parts.checks import (Checked, changed, check_bool, check_config, check_instance, check_int, check_method_call,
+                            check_optional_token_id, check_real, checked)
 from ..parts.rules import check_rule_on_loop
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
@@ -53,7 +53,7 @@ from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in, ro
 
 
 @dataclass(frozen=True)
-class ElasticCache:
+class ElasticCache(Checked):
     """Elastic-Cache's parameters (upstream defaults; the README runs gen_length 512).
 
     `threshold=None` switches to upstream's top-k mode (`tokens_per_iter` per step).
@@ -61,22 +61,13 @@ class ElasticCache:
     committed: the position leaves the masked set but holds the mask token); by default the most
     probable other token is committed instead, with its probability as the confidence."""
 
-    window_length: int = 16
-    threshold: float | None = 0.9
-    gamma: float = 0.9
-    track_num: int = 1
-    block_caching: bool = True
-    tokens_per_iter: int = 1
-    commit_mask_token: bool = False
-
-    def __post_init__(self) -> None:
-        check_int("window_length", self.window_length, minimum=1)
-        check_real("threshold", self.threshold, low=0.0, high=1.0, low_open=True, allow_none=True)
-        check_real("gamma", self.gamma, low=-1.0, high=1.0)
-        check_int("track_num", self.track_num, minimum=1)
-        check_bool("block_caching", self.block_caching)
-        check_int("tokens_per_iter", self.tokens_per_iter, minimum=1)
-        check_bool("commit_mask_token", self.commit_mask_token)
+    window_length: int = checked(16, check_int, minimum=1)
+    threshold: float | None = checked(0.9, check_real, low=0.0, high=1.0, low_open=True, allow_none=True)
+    gamma: float = checked(0.9, check_real, low=-1.0, high=1.0)
+    track_num: int = checked(1, check_int, minimum=1)
+    block_caching: bool = checked(True, check_bool)
+    tokens_per_iter: int = checked(1, check_int, minimum=1)
+    commit_mask_token: bool = checked(False, check_bool)
 
     def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
                       steps: int | None = None, prompt_length: int | None = None) -> None:

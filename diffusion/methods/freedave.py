@@ -62,7 +62,8 @@ from remask.models.spec import ModelSpec
 from ..parts.cache import BlockForward, cache_mode, valid_positions
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.checks import (check_choice, check_config, check_config_bounds, check_int, check_length,
-                            check_method_call, check_real, warn_if_longer_than_trained, warn_if_padded_without_mask)
+                            check_method_call, check_real, checked, warn_if_longer_than_trained,
+                            warn_if_padded_without_mask)
 from ..families.llada import validate_block_args
 from ..parts.scoring import score_rows
 from remask.models.parallel import full_logits
@@ -85,16 +86,10 @@ class FreeDave(DraftConfig):
     match_rule: ``"subset"`` (upstream's) or ``"exact"`` (draft == target; lossless under FreeDave++).
     """
 
-    draft_steps: int = 4
-    draft_mode: str = "tree_attention"
-    confidence_threshold: float | None = None
-    match_rule: str = "subset"
-
-    def __post_init__(self) -> None:
-        check_int("draft_steps", self.draft_steps, minimum=1)
-        check_choice("draft_mode", self.draft_mode, DRAFT_MODES)
-        check_real("confidence_threshold", self.confidence_threshold, low=0, high=1, low_open=True, allow_none=True)
-        check_choice("match_rule", self.match_rule, MATCH_RULES)
+    draft_steps: int = checked(4, check_int, minimum=1)
+    draft_mode: str = checked("tree_attention", check_choice, choices=DRAFT_MODES)
+    confidence_threshold: float | None = checked(None, check_real, low=0, high=1, low_open=True, allow_none=True)
+    match_rule: str = checked("subset", check_choice, choices=MATCH_RULES)
 
     def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
                       steps: int | None = None, prompt_length: int | None = None) -> None:

@@ -29,8 +29,8 @@ import torch
 from remask.models.spec import ModelSpec
 
 from ..families.llada import BlockDecoder
-from ..parts.checks import (CombinationError, check_config, check_generator, check_instance, check_int,
-                            check_method_call, check_real, check_settings, check_token_id)
+from ..parts.checks import (Checked, CombinationError, check_config, check_generator, check_instance, check_int,
+                            check_method_call, check_real, check_settings, check_token_id, checked)
 from ..parts.constrain import CommitFilter, advance_best
 from ..parts.scoring import score_rows
 from ..parts.selection import schedule_counts
@@ -42,18 +42,17 @@ PHASES = {"early": 7.5, "mid": 5.0, "late": 2.5}   # upstream's thresholds when 
 
 
 @dataclass(frozen=True)
-class Prophet:
+class Prophet(Checked):
     """Prophet's parameters (upstream: `answer_start_pos`, `early_exit_thresholds`, `constraints`; the
     answer length 5 is a constant there). Without `answer_start_pos` no step exits (plain LLaDA)."""
 
-    answer_start_pos: int | None = None
+    answer_start_pos: int | None = checked(None, check_int, minimum=0, allow_none=True)
     early_exit_thresholds: dict[str, float] | None = None
     constraints: dict[int, int] | None = None
-    answer_length: int = 5
+    answer_length: int = checked(5, check_int, minimum=1)
 
     def __post_init__(self) -> None:
-        check_int("answer_start_pos", self.answer_start_pos, minimum=0, allow_none=True)
-        check_int("answer_length", self.answer_length, minimum=1)
+        super().__post_init__()
         if self.early_exit_thresholds is not None:   # a phase left out keeps upstream's threshold
             given = check_settings("early_exit_thresholds", self.early_exit_thresholds, tuple(PHASES))
             object.__setattr__(self, "early_exit_thresholds", {

@@ -32,7 +32,8 @@ from remask.models.spec import ModelSpec
 
 from ..families.llada import validate_block_args
 from ..parts.cache import valid_positions
-from ..parts.checks import NoWorkBound, check_bool, check_config, check_ints, check_method_call, check_real
+from ..parts.checks import (NoWorkBound, check_bool, check_config, check_int, check_method_call, check_real,
+                            checked)
 from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.scoring import avoid_id
 from ..parts.stats import GenerationStats
@@ -49,22 +50,17 @@ class WINO(NoWorkBound):
     a forward accepts at most the block's masked positions, so any value past the block length decodes as the block
     length, at no more work (upstream takes any)."""
 
-    threshold: float = 0.6
-    threshold_back: float = 0.9
-    accept_ratio: float = 0.7
-    accept_floor: int = 5
-    accept_cap: int = 20
-    initial_last_accept: int = 30
-    commit_mask_token: bool = False
+    threshold: float = checked(0.6, check_real, low=0, high=1)
+    threshold_back: float = checked(0.9, check_real, low=0, high=1)
+    # int(masks * ratio) >= masks for any ratio >= 1 (and overflows at 1e308): (0, 1] is every rule
+    accept_ratio: float = checked(0.7, check_real, low=0, high=1, low_open=True)
+    accept_floor: int = checked(5, check_int, minimum=1)
+    accept_cap: int = checked(20, check_int, minimum=1)
+    initial_last_accept: int = checked(30, check_int, minimum=1)
+    commit_mask_token: bool = checked(False, check_bool)
 
     def __post_init__(self) -> None:
-        check_bool("commit_mask_token", self.commit_mask_token)
-        check_real("threshold", self.threshold, low=0, high=1)
-        check_real("threshold_back", self.threshold_back, low=0, high=1)
-        # int(masks * ratio) >= masks for any ratio >= 1 (and overflows at 1e308): (0, 1] is every rule
-        check_real("accept_ratio", self.accept_ratio, low=0, high=1, low_open=True)
-        check_ints(1, accept_floor=self.accept_floor, accept_cap=self.accept_cap,
-                   initial_last_accept=self.initial_last_accept)
+        super().__post_init__()
         if self.accept_floor > self.accept_cap:
             raise ValueError(f"accept_floor ({self.accept_floor}) must not exceed accept_cap ({self.accept_cap})")
 

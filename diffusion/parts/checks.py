@@ -407,7 +407,24 @@ def check_ints(minimum: int, **values: Any) -> None:
         check_int(name, value, minimum=minimum)
 
 
-class NoWorkBound:
+def checked(default: Any, check: Any, **bounds: Any) -> Any:
+    """A config field with its `default` that `check(name, value, **bounds)` (`check_int`, `check_real`,
+    `check_bool`, `check_choice`, ...) checks by the field's name when the config is built (`Checked`)."""
+    return dataclasses.field(default=default, metadata={"check": (check, bounds)})
+
+
+class Checked:
+    """The base of a method's config (a frozen dataclass): its `checked` fields are checked, in field order, when it
+    is built; a config with checks across fields runs them after ``super().__post_init__()``."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            if "check" in field.metadata:
+                check, bounds = field.metadata["check"]
+                check(field.name, getattr(self, field.name), **bounds)
+
+
+class NoWorkBound(Checked):
     """The base of a method's config whose settings bound no work (docs/parameters.md, "Work bounds", "Not
     bounded"): values past what can change the decoding read "at most" and cost no more (the config's docstring
     says why); its `check_request`, which `SamplingParams` and the entry points call on every config, refuses
