@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicCache
 from remask.caches.block import BlockBatch, BlockKVCache
 from remask.models.spec import ModelSpec
 
-from .checks import changed, check_block_within_context, check_instance, refuse_unread
+from .checks import changed, check_instance, refuse_unread
 from .constrain import CommitFilter, before_rule
 from .constrain_loops import Constrainable
 from .drafts import DraftConfig, DraftVerify, Drafts
@@ -147,7 +147,9 @@ def engine_settings(spec: ModelSpec, params: Any, config: Any, family: str, *, r
         raise ValueError(f"{sampling}: decoder={type(config.rule).__name__} on {family}'s loop commits greedily by its "
                          "own rule: leave them unset")
     block_length = getattr(config, length) or spec.block_length or 32
-    check_block_within_context(spec, f"{type(config).__name__}.{length}", block_length)
+    if spec.max_length is not None and block_length > spec.max_length:   # canvases are whole blocks
+        raise ValueError(f"{type(config).__name__}.{length} must be <= the model's maximum sequence length "
+                         f"{spec.max_length}, got {block_length}")
     settings = {f.name: getattr(config, f.name) for f in fields(config)
                 if f.name not in (length, "rule") and getattr(config, f.name) is not None}
     part, tau = (config.rule, None) if config.rule is None or is_rule(config.rule) else \

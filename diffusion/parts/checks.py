@@ -277,12 +277,6 @@ def check_context(spec: ModelSpec, prompt_length: int, max_tokens: int) -> None:
                          "here")
 
 
-def check_block_within_context(spec: ModelSpec, name: str, block_length: int | None) -> None:
-    """A block-causal family's block (canvases are whole blocks) fits in the model's context."""
-    if block_length is not None and spec.max_length is not None and block_length > spec.max_length:
-        raise ValueError(f"{name} must be <= the model's maximum sequence length {spec.max_length}, got {block_length}")
-
-
 def check_token_id(spec: ModelSpec, value: int | None, name: str) -> int:
     if value is None:
         raise ValueError(f"{name} is needed here but the model declares none; pass it explicitly")

@@ -118,12 +118,17 @@ class IterationSmoothing(Checked):
 
 class _DInferRule(CommitRule):
     """dInfer's decode, shared by its three rules: the rule's `_select` commits into a copy of the
-    block (the logits in float32, as dInfer's decode reads them), then `_fallback`. Its `smoothing` is checked
-    after its fields."""
+    block (the logits in float32, as dInfer's decode reads them), then `_fallback`. Its `smoothing` (None, an
+    `IterationSmoothing` or its fields as a dict) is checked after its fields."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_smoothing(self)
+        if isinstance(self.smoothing, dict):   # its fields as a dict (the JSON form)
+            try:
+                object.__setattr__(self, "smoothing", IterationSmoothing(**self.smoothing))
+            except TypeError as e:
+                raise ValueError(f"smoothing: {e}") from None
+        check_instance("smoothing", self.smoothing, IterationSmoothing, "a remask.IterationSmoothing")
 
     def commit(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int,
                state: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,16 +138,6 @@ class _DInferRule(CommitRule):
         self._select(proposal, logits, before, mask_id, state)
         _fallback(proposal, before, logits, mask_id)
         return before & (proposal != mask_id), proposal
-
-
-def _check_smoothing(rule: Any) -> None:
-    """A decoder's `smoothing`: None, an `IterationSmoothing`, or its fields as a dict (the JSON form)."""
-    if isinstance(rule.smoothing, dict):
-        try:
-            object.__setattr__(rule, "smoothing", IterationSmoothing(**rule.smoothing))
-        except TypeError as e:
-            raise ValueError(f"smoothing: {e}") from None
-    check_instance("smoothing", rule.smoothing, IterationSmoothing, "a remask.IterationSmoothing")
 
 
 @dataclass(frozen=True)
