@@ -14,7 +14,6 @@ from transformers import AutoModel
 
 from remask.diffusion.methods.dinfer import (CreditDecoding, HierarchicalDecoding, ThresholdDecoding, VicinityCache,
                                              dinfer_generate)
-from remask.diffusion.parts.rules import _threshold_commit
 from remask.diffusion.parts.stats import GenerationStats
 from remask.models import tiny
 from helpers import margin_case
@@ -110,8 +109,8 @@ def test_threshold_rule_is_dinfers_not_fast_dllms():
     logits[0, 2, 5] = 5.0                          # predicts the mask token (id 5): never a candidate
     logits[0, 3, [1, 3, 4]] = 0.0                  # p = 1/3
     block = torch.full((1, 4), 5)
-    _threshold_commit(block, logits, 0.9, 5)
-    assert block.tolist() == [[0, 2, 5, 5]]
+    _, tokens = ThresholdDecoding(threshold=0.9).commit(block, logits, 5)
+    assert tokens.tolist() == [[0, 2, 5, 5]]
 
 
 @pytest.mark.parametrize("make, field", [

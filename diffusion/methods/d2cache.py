@@ -29,14 +29,15 @@ from remask.caches.position import D2KVCache
 from remask.models.spec import ModelSpec
 
 from ..parts.cache import valid_positions
-from ..parts.checks import NoWorkBound, check_bool, check_config, check_int, check_ints, check_method_call, check_real
+from ..parts.checks import (NoWorkBound, check_bool, check_config, check_int, check_ints, check_method_call, check_real,
+                            checked)
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.constrain_loops import open_frontiers
 from ..parts.scoring import score_tokens
 from ..parts.selection import topk_commit
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, row_by_row, run_steps
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in, row_by_row
 
 
 @dataclass(frozen=True)
@@ -48,16 +49,10 @@ class D2Cache(NoWorkBound):
     positions: `min(current_k, G)`) and an `inflate_w` past the sequence fills every gap; neither costs more work
     (upstream takes any)."""
 
-    rollout_p: float = 0.1
-    current_k: int = 32
-    sigma: float = 10.0
-    inflate_w: int = 4
-
-    def __post_init__(self) -> None:
-        check_real("rollout_p", self.rollout_p, low=0.0, high=1.0)
-        check_int("current_k", self.current_k, minimum=1)
-        check_real("sigma", self.sigma, low=0.0, low_open=True)
-        check_int("inflate_w", self.inflate_w, minimum=0)
+    rollout_p: float = checked(0.1, check_real, low=0.0, high=1.0)
+    current_k: int = checked(32, check_int, minimum=1)
+    sigma: float = checked(10.0, check_real, low=0.0, low_open=True)
+    inflate_w: int = checked(4, check_int, minimum=0)
 
 
 def certainty_density(decoded: torch.Tensor, sigma: float) -> torch.Tensor:
@@ -172,25 +167,6 @@ class _Selector:
             self.next_rows[active], self.importance[active], self.density[active] = rows, importance, scores
 
 
-def d2cache_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: D2Cache | None = None,
-                     steps: int = 128, gen_length: int = 128, block_length: int = 128,
-                     prior_sigma: float | None = 10.0, commit_mask_token: bool = True,
-                     independent_rows: bool = True, attention_mask: torch.Tensor | None = None,
-                     mask_id: int | None = None, stats: GenerationStats | None = None) -> torch.Tensor:
-    """d2Cache decoding of LLaDA (greedy). Returns `[B, P + gen_length]`.
-
-    Each step commits `gen_length // steps` positions (upstream `num_transfer_tokens`; it must divide
-    `block_length`). `prior_sigma`: certainty-prior decoding (upstream `generation.sigma`; None: plain
-    low-confidence). `commit_mask_token=False` commits the most probable other token where upstream
-    commits a mask-id argmax. `independent_rows=True` (remask's default) decodes every row alone, so a
-    batch equals its rows run one by one; False is upstream's coupled batch. `attention_mask` `[B, P]`
-    (left padding): pad keys hidden, positions counted over real tokens, as the reference's LLaDA."""
-    return run_steps(model, d2cache_steps, prompt, config=config, steps=steps, gen_length=gen_length,
-                               block_length=block_length, prior_sigma=prior_sigma, commit_mask_token=commit_mask_token,
-                               independent_rows=independent_rows, attention_mask=attention_mask, mask_id=mask_id,
-                               stats=stats)
-
-
 def d2cache_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: D2Cache | None = None,
                   steps: int = 128, gen_length: int = 128, block_length: int = 128,
                   prior_sigma: float | None = 10.0, commit_mask_token: bool = True,
@@ -227,6 +203,18 @@ def d2cache_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: D2Cache | No
     # the batch decoded together, or with `independent_rows` each row alone, one after another
     return row_by_row(canvas, decode, valid_positions(attention_mask, P + gen_length), stats, B * gen_length,
                       None if independent_rows else [slice(None)])
+
+
+@drop_in(d2cache_steps)
+def d2cache_generate() -> torch.Tensor:
+    """d2Cache decoding of LLaDA (greedy). Returns `[B, P + gen_length]`.
+
+    Each step commits `gen_length // steps` positions (upstream `num_transfer_tokens`; it must divide
+    `block_length`). `prior_sigma`: certainty-prior decoding (upstream `generation.sigma`; None: plain
+    low-confidence). `commit_mask_token=False` commits the most probable other token where upstream
+    commits a mask-id argmax. `independent_rows=True` (remask's default) decodes every row alone, so a
+    batch equals its rows run one by one; False is upstream's coupled batch. `attention_mask` `[B, P]`
+    (left padding): pad keys hidden, positions counted over real tokens, as the reference's LLaDA."""
 
 
 @torch.no_grad()

@@ -35,11 +35,11 @@ from torch.nn.utils.rnn import pad_sequence
 from remask.models.spec import ModelSpec
 
 from ..parts.checks import (NoWorkBound, check_config, check_generator, check_int, check_ints, check_method_call,
-                            check_real)
+                            check_real, checked)
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, guided_forward, run_steps
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in, guided_forward
 
 
 @dataclass(frozen=True)
@@ -50,21 +50,13 @@ class DAEDAL(NoWorkBound):
     No work bound of its own: `gen_length` caps every length (an `initial_gen_length` past it starts at gen_length,
     as upstream ends up), each forward commits a position."""
 
-    initial_gen_length: int = 64
-    high_conf_threshold: float = 0.90
-    low_conf_threshold: float = 0.10
-    expansion_factor: int = 8
-    eos_confidence_threshold: float = 0.5
-    expand_eos_confidence_threshold: float = 0.9
-    eos_check_tokens: int = 32
-
-    def __post_init__(self) -> None:
-        check_int("initial_gen_length", self.initial_gen_length, minimum=1)
-        check_int("expansion_factor", self.expansion_factor, minimum=0)   # 0: an insertion drops the mask
-        check_int("eos_check_tokens", self.eos_check_tokens, minimum=1)   # upstream divides by it
-        for name in ("high_conf_threshold", "low_conf_threshold", "eos_confidence_threshold",
-                     "expand_eos_confidence_threshold"):
-            check_real(name, getattr(self, name))
+    initial_gen_length: int = checked(64, check_int, minimum=1)
+    high_conf_threshold: float = checked(0.90, check_real)
+    low_conf_threshold: float = checked(0.10, check_real)
+    expansion_factor: int = checked(8, check_int, minimum=0)   # 0: an insertion drops the mask
+    eos_confidence_threshold: float = checked(0.5, check_real)
+    expand_eos_confidence_threshold: float = checked(0.9, check_real)
+    eos_check_tokens: int = checked(32, check_int, minimum=1)   # upstream divides by it
 
 
 def eos_confidence(x0: torch.Tensor, conf: torch.Tensor, P: int, eos_id: int, count: int) -> torch.Tensor:
@@ -73,19 +65,6 @@ def eos_confidence(x0: torch.Tensor, conf: torch.Tensor, P: int, eos_id: int, co
     `count`, as a float32 scalar (compared in float32, as upstream's tensor)."""
     where = (x0[P:] == eos_id).nonzero().flatten().flip(0)[:count] + P
     return torch.tensor(sum(conf[where].tolist()) / count, dtype=torch.float32)
-
-
-def daedal_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DAEDAL | None = None,
-                    gen_length: int = 2048, block_length: int = 32, temperature: float = 0.0,
-                    generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
-                    mask_id: int | None = None, stats: GenerationStats | None = None,
-                    cfg_scale: float = 0.0) -> torch.Tensor:
-    """DAEDAL decoding: `[B, P + L]`, L ≤ `gen_length` the longest row's length. `temperature` > 0 samples each
-    denoising forward's tokens as upstream (float32 Gumbel-max over the canvas, drawn from `generator`);
-    `cfg_scale` > 0 guides the denoising forwards as upstream (LLaDA's unsupervised CFG, the prompt masked)."""
-    return run_steps(model, daedal_steps, prompt, config=config, gen_length=gen_length, block_length=block_length,
-                     temperature=temperature, generator=generator, attention_mask=attention_mask, mask_id=mask_id,
-                     stats=stats, cfg_scale=cfg_scale)
 
 
 def daedal_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: DAEDAL | None = None,
@@ -106,6 +85,13 @@ def daedal_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: DAEDAL | None
         raise ValueError("DAEDAL reads the EOS confidence: the model has no eos id")
     return _daedal_loop(config, spec, prompt.to(spec.device), attention_mask, gen_length, block_length, stats,
                         (structure, end_ids_of(spec, end_ids)), (temperature, generator, cfg_scale))
+
+
+@drop_in(daedal_steps)
+def daedal_generate() -> torch.Tensor:
+    """DAEDAL decoding: `[B, P + L]`, L ≤ `gen_length` the longest row's length. `temperature` > 0 samples each
+    denoising forward's tokens as upstream (float32 Gumbel-max over the canvas, drawn from `generator`);
+    `cfg_scale` > 0 guides the denoising forwards as upstream (LLaDA's unsupervised CFG, the prompt masked)."""
 
 
 @torch.no_grad()

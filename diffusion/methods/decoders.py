@@ -17,7 +17,7 @@ from remask.models.spec import ModelSpec
 
 from ..parts.checks import CombinationError
 from ..parts.stats import GenerationStats
-from ..parts.stepper import StepGenerator, run_steps
+from ..parts.stepper import StepGenerator, drop_in
 from . import registry
 
 
@@ -40,17 +40,6 @@ def end_settings_refusal(method: Any, *, min_tokens: bool) -> str | None:
     if fills(method) if callable(fills) else fills:
         return f"{name}: it fills the rest of a row with EOS after the first EOS it decodes"
     return None
-
-
-def run_decoder(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None, decoder: Any, *,
-                gen_length: int, block_length: int, use_cache: Any, mask_id: int | None,
-                stats: GenerationStats | None, settings: dict[str, tuple[Any, Any]] | None = None,
-                structure: Any = None, end_ids: Any = ()) -> torch.LongTensor:
-    """Decode with `decoder` and / or a cache config to the end (the drop-in functions): `drive`
-    over `decoder_steps` on the model's spec, the step generator the engine advances one forward at a time."""
-    return run_steps(model, decoder_steps, prompt, attention_mask, decoder, gen_length=gen_length,
-                               block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats,
-                               settings=settings, structure=structure, end_ids=end_ids)
 
 
 def decoder_steps(spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.Tensor | None, decoder: Any, *,
@@ -101,3 +90,9 @@ def decoder_steps(spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.T
                   structure=structure, end_ids=end_ids)
     return method.loop(registry.Call(spec, prompt, decoder, use_cache, steps, block_length,
                                      {key: value for key, (value, _) in settings.items()}, common, method))
+
+
+@drop_in(decoder_steps, hidden=())
+def run_decoder() -> torch.LongTensor:
+    """Decode with `decoder` and / or a cache config to the end (the drop-in functions): `drive`
+    over `decoder_steps` on the model's spec, the step generator the engine advances one forward at a time."""

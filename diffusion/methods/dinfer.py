@@ -32,11 +32,11 @@ import torch
 from remask.models.spec import ModelSpec
 
 from ..families.llada import BlockDecoder
-from ..parts.checks import NoWorkBound, check_instance, check_int, check_method_call
+from ..parts.checks import NoWorkBound, check_instance, check_int, check_method_call, checked
 from ..parts.stats import GenerationStats
 from ..parts.rules import CreditDecoding, HierarchicalDecoding, IterationSmoothing, ThresholdDecoding
 from ..parts.step import CommitRule, masked_canvas
-from ..parts.stepper import Progress, StepGenerator, row_by_row, run_steps
+from ..parts.stepper import Progress, StepGenerator, drop_in, row_by_row
 
 __all__ = ["ThresholdDecoding", "CreditDecoding", "HierarchicalDecoding", "VicinityCache", "IterationSmoothing",
            "dinfer_generate", "dinfer_steps"]
@@ -51,43 +51,9 @@ class VicinityCache(NoWorkBound):
     (`[max(0, start − prefix_look), min(T, end + after_look))`), and a `warmup_steps` past the loop's iterations
     makes every one a warmup; none costs more work than the value that reaches the bound (upstream takes any)."""
 
-    prefix_look: int = 16
-    after_look: int = 16
-    warmup_steps: int = 4
-
-    def __post_init__(self) -> None:
-        for name in ("prefix_look", "after_look", "warmup_steps"):
-            check_int(name, getattr(self, name), minimum=0)
-
-
-def dinfer_generate(model: torch.nn.Module, prompt: torch.Tensor, *, decoder: CommitRule = ThresholdDecoding(),
-                    gen_length: int = 128, block_length: int = 128, use_cache: str | VicinityCache | None = None,
-                    early_stop: bool = True, attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
-                    eos_id: int | None = None, maximum_unroll: int = 4, expected_tpf: int = 8,
-                    stats: GenerationStats | None = None) -> torch.LongTensor:
-    """dInfer's block-wise decoding (greedy) with one of its decoders and caches (module docstring).
-
-    `decoder`: `ThresholdDecoding`, `CreditDecoding`, `HierarchicalDecoding` or any other `CommitRule`
-    (`remask.diffusion.parts.rules`); `use_cache`: None, "prefix", "dual" or a `VicinityCache`;
-    `maximum_unroll`, `expected_tpf`: dInfer's loop unrolling (NFE, and with a `VicinityCache` the
-    iteration that ends the warmup); `stats`: NFE, tokens per decode, cache bytes. Returns
-    `[B, P + gen_length]`, no mask left (upstream: the batch-1 sequence with every EOS removed).
-
-    Departures from dInfer (fce4e32), each only where upstream breaks its own output:
-        * a decode where every masked position predicts the mask token commits nothing upstream,
-          repeated forever; here the most confident one takes its best non-mask token;
-        * upstream stops after a block where every row has EOS even with early_stop=False, leaving
-          later blocks masked; here early_stop=False decodes every block;
-        * batches: rows are decoded exactly as alone (hierarchical decoding is batch-1 upstream; a
-          `VicinityCache` or smoothing run, whose counts span the batch upstream, decodes row by
-          row); `attention_mask` keeps left pads out of attention (upstream has no padding);
-        * the credit state lives for one call (upstream's can leak into the next call when a
-          generation ends with masks left in later blocks).
-    """
-    return run_steps(model, dinfer_steps, prompt, decoder=decoder, gen_length=gen_length, block_length=block_length,
-                              use_cache=use_cache, early_stop=early_stop, attention_mask=attention_mask,
-                              mask_id=mask_id, eos_id=eos_id, maximum_unroll=maximum_unroll,
-                              expected_tpf=expected_tpf, stats=stats)
+    prefix_look: int = checked(16, check_int, minimum=0)
+    after_look: int = checked(16, check_int, minimum=0)
+    warmup_steps: int = checked(4, check_int, minimum=0)
 
 
 def dinfer_steps(spec: ModelSpec, prompt: torch.Tensor, *, decoder: CommitRule = ThresholdDecoding(),
@@ -120,6 +86,29 @@ def dinfer_steps(spec: ModelSpec, prompt: torch.Tensor, *, decoder: CommitRule =
     canvas = masked_canvas(prompt, gen_length, spec.mask_id)
     return row_by_row(canvas, partial(_dinfer_rows, block_decoder, canvas, stats), attention_mask, stats,
                       gen_length * prompt.shape[0], None if alone else [slice(None)])
+
+
+@drop_in(dinfer_steps)
+def dinfer_generate() -> torch.LongTensor:
+    """dInfer's block-wise decoding (greedy) with one of its decoders and caches (module docstring).
+
+    `decoder`: `ThresholdDecoding`, `CreditDecoding`, `HierarchicalDecoding` or any other `CommitRule`
+    (`remask.diffusion.parts.rules`); `use_cache`: None, "prefix", "dual" or a `VicinityCache`;
+    `maximum_unroll`, `expected_tpf`: dInfer's loop unrolling (NFE, and with a `VicinityCache` the
+    iteration that ends the warmup); `stats`: NFE, tokens per decode, cache bytes. Returns
+    `[B, P + gen_length]`, no mask left (upstream: the batch-1 sequence with every EOS removed).
+
+    Departures from dInfer (fce4e32), each only where upstream breaks its own output:
+        * a decode where every masked position predicts the mask token commits nothing upstream,
+          repeated forever; here the most confident one takes its best non-mask token;
+        * upstream stops after a block where every row has EOS even with early_stop=False, leaving
+          later blocks masked; here early_stop=False decodes every block;
+        * batches: rows are decoded exactly as alone (hierarchical decoding is batch-1 upstream; a
+          `VicinityCache` or smoothing run, whose counts span the batch upstream, decodes row by
+          row); `attention_mask` keeps left pads out of attention (upstream has no padding);
+        * the credit state lives for one call (upstream's can leak into the next call when a
+          generation ends with masks left in later blocks).
+    """
 
 
 @torch.no_grad()

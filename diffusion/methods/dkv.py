@@ -59,15 +59,14 @@ from ..families.dream import DreamDecoder, DreamGenerationConfig, _validate_conf
 from ..families.llada import validate_block_args
 from ..parts.cache import valid_positions
 from ..parts.checks import (NoWorkBound, check_bool, check_choice, check_config, check_generator, check_int,
-                            check_length, check_mask_id, check_method_call, check_model_kind, check_prompt,
-                            check_stats)
+                            check_length, check_method_call, checked)
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.constrain_loops import open_frontiers, structure_for_call
 from ..parts.scoring import score_tokens
 from ..parts.selection import schedule_counts, topk_commit
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, run_steps
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in, run_steps
 
 REMASKING = ("low_confidence", "random")
 VARIANTS = ("decode", "greedy")
@@ -92,23 +91,18 @@ class DKVCache(NoWorkBound):
     step only, and Greedy's window takes at most the masked positions (`_window` stops when none is left); neither
     costs more work (upstream takes any)."""
 
-    cache_reloading_step: int = 8
-    commit_mask_token: bool = False
-    variant: str = "decode"
-    window_size: int = 0
-    cache_type: str | None = None
-    shift_type: str | None = None
+    cache_reloading_step: int = checked(8, check_int, minimum=1)
+    commit_mask_token: bool = checked(False, check_bool)
+    variant: str = checked("decode", check_choice, choices=VARIANTS)
+    window_size: int = checked(0, check_int, minimum=0)
+    cache_type: str | None = checked(None, check_choice, choices=DREAM_CACHE_TYPES + (None,))
+    shift_type: str | None = checked(None, check_choice, choices=DREAM_SHIFT_TYPES + (None,))
 
     def __post_init__(self) -> None:
-        check_int("cache_reloading_step", self.cache_reloading_step, minimum=1)
-        check_bool("commit_mask_token", self.commit_mask_token)
-        check_choice("variant", self.variant, VARIANTS)
-        check_int("window_size", self.window_size, minimum=0)
+        super().__post_init__()
         if self.window_size and self.variant != "greedy":
             raise ValueError(f"window_size: only dKV-Cache-Greedy (variant='greedy') forwards a window, got "
                              f"{self.window_size} with variant={self.variant!r}")
-        check_choice("cache_type", self.cache_type, DREAM_CACHE_TYPES + (None,))
-        check_choice("shift_type", self.shift_type, DREAM_SHIFT_TYPES + (None,))
         dream = self.dream_fields
         if dream and self.variant != "decode":
             raise ValueError(f"{dream[0]}: Dream's dKV-Cache (cache_type / shift_type) has no "
@@ -199,22 +193,6 @@ def _window(chosen: torch.Tensor, around: list[int], masked: torch.Tensor, size:
             go_left = not go_left
 
 
-def dkv_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: DKVCache | None = None,
-                 steps: int = 128, gen_length: int = 128, block_length: int = 128,
-                 remasking: str = "low_confidence", attention_mask: torch.Tensor | None = None,
-                 generator: torch.Generator | None = None, mask_id: int | None = None,
-                 stats: GenerationStats | None = None) -> torch.Tensor:
-    """dKV-Cache-Decode or -Greedy (greedy tokens). Returns `[B, P + gen_length]`.
-
-    `remasking="random"` draws the uniforms as upstream (float32 `torch.rand`) from `generator` (None:
-    torch's global generator). `attention_mask` `[B, P]` (left padding) hides pad keys (upstream has
-    none). Rows whose forwarded sets differ in size (only with `commit_mask_token`) are forwarded one
-    by one, each with its own cache."""
-    return run_steps(model, dkv_steps, prompt, config=config, steps=steps, gen_length=gen_length,
-                           block_length=block_length, remasking=remasking, attention_mask=attention_mask,
-                           generator=generator, mask_id=mask_id, stats=stats)
-
-
 def dkv_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: DKVCache | None = None,
               steps: int = 128, gen_length: int = 128, block_length: int = 128,
               remasking: str = "low_confidence", attention_mask: torch.Tensor | None = None,
@@ -243,6 +221,16 @@ def dkv_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: DKVCache | None 
     x = masked_canvas(prompt, gen_length, spec.mask_id, spec.device)
     rule = _LLaDARule(x, P, config, spec.mask_id, steps_per_block, block_length, remasking, generator, constraint)
     return _loop(rule, None, attention_mask, P, stats)
+
+
+@drop_in(dkv_steps)
+def dkv_generate() -> torch.Tensor:
+    """dKV-Cache-Decode or -Greedy (greedy tokens). Returns `[B, P + gen_length]`.
+
+    `remasking="random"` draws the uniforms as upstream (float32 `torch.rand`) from `generator` (None:
+    torch's global generator). `attention_mask` `[B, P]` (left padding) hides pad keys (upstream has
+    none). Rows whose forwarded sets differ in size (only with `commit_mask_token`) are forwarded one
+    by one, each with its own cache."""
 
 
 def dkv_dream_generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -280,11 +268,8 @@ def dkv_dream_steps(spec: ModelSpec, input_ids: torch.Tensor, attention_mask: to
     `structure` (a compiled `remask.structured` structure) and `end_ids`: structured output, held in
     `DreamDecoder.commit` (the frontier's scorer always forwarded: docs/quirks.md)."""
     config = check_config("config", config, DKVCache, "a remask DKVCache")   # (cache_type None: "decoded")
-    spec = spec.with_overrides(mask_id=mask_id)
-    check_model_kind(spec, diffusion=True, entry="dkv_dream_generate")
-    check_mask_id(spec)
-    check_prompt(spec.device, input_ids, attention_mask, name="input_ids", spec=spec, mask_in_prompt="refuse")
-    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
+    spec, stats = check_method_call(spec, input_ids, attention_mask, stats, "dkv_dream_generate", "input_ids",
+                                    mask_id=mask_id)
     if config.variant != "decode":   # (a window_size is Greedy's)
         raise ValueError(f"variant: dKV-Cache's Dream sampler is the delayed (decode) cache; variant="
                          f"{config.variant!r} is LLaDA's dKV-Cache-Greedy (dkv_generate)")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..parts.checks import check_real
+from ..parts.checks import check_real, checked
 from ..parts.selection import entropy_bound_accept
 from ..parts.step import CommitRule
 
@@ -29,10 +29,7 @@ class EBSampler(CommitRule):
     position and every other one of entropy 0."""
 
     name = "eb_sampler"
-    gamma: float = 0.15
-
-    def __post_init__(self) -> None:
-        check_real("gamma", self.gamma, low=0)
+    gamma: float = checked(0.15, check_real, low=0)
 
     def commit(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int,
                state: Any = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,17 +43,17 @@ from remask.models.layers import rope_cos_sin
 from remask.models.spec import ModelSpec
 
 from ..parts.cache import valid_positions
-from ..parts.checks import (changed, check_bool, check_config, check_instance, check_int, check_method_call,
-                            check_optional_token_id, check_real)
+from ..parts.checks import (Checked, changed, check_bool, check_config, check_instance, check_int, check_method_call,
+                            check_optional_token_id, check_real, checked)
 from ..parts.rules import check_rule_on_loop
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.step import CommitRule, masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, row_by_row, run_steps
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in, row_by_row
 
 
 @dataclass(frozen=True)
-class ElasticCache:
+class ElasticCache(Checked):
     """Elastic-Cache's parameters (upstream defaults; the README runs gen_length 512).
 
     `threshold=None` switches to upstream's top-k mode (`tokens_per_iter` per step).
@@ -61,22 +61,13 @@ class ElasticCache:
     committed: the position leaves the masked set but holds the mask token); by default the most
     probable other token is committed instead, with its probability as the confidence."""
 
-    window_length: int = 16
-    threshold: float | None = 0.9
-    gamma: float = 0.9
-    track_num: int = 1
-    block_caching: bool = True
-    tokens_per_iter: int = 1
-    commit_mask_token: bool = False
-
-    def __post_init__(self) -> None:
-        check_int("window_length", self.window_length, minimum=1)
-        check_real("threshold", self.threshold, low=0.0, high=1.0, low_open=True, allow_none=True)
-        check_real("gamma", self.gamma, low=-1.0, high=1.0)
-        check_int("track_num", self.track_num, minimum=1)
-        check_bool("block_caching", self.block_caching)
-        check_int("tokens_per_iter", self.tokens_per_iter, minimum=1)
-        check_bool("commit_mask_token", self.commit_mask_token)
+    window_length: int = checked(16, check_int, minimum=1)
+    threshold: float | None = checked(0.9, check_real, low=0.0, high=1.0, low_open=True, allow_none=True)
+    gamma: float = checked(0.9, check_real, low=-1.0, high=1.0)
+    track_num: int = checked(1, check_int, minimum=1)
+    block_caching: bool = checked(True, check_bool)
+    tokens_per_iter: int = checked(1, check_int, minimum=1)
+    commit_mask_token: bool = checked(False, check_bool)
 
     def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
                       steps: int | None = None, prompt_length: int | None = None) -> None:
@@ -252,24 +243,6 @@ def _elastic_row(spec: ModelSpec, canvas: torch.Tensor, P: int, config: ElasticC
     return x
 
 
-def elastic_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: ElasticCache | None = None,
-                     gen_length: int = 512, attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
-                     eos_id: int | None = None, stats: GenerationStats | None = None,
-                     trace: list | None = None, rule: Any = None) -> torch.Tensor:
-    """Elastic-Cache decoding (greedy). Returns `[B, P + gen_length]`.
-
-    `eos_id` (default: the model's): once committed, the masked positions after the first EOS are
-    dropped and returned as EOS. `attention_mask` `[B, P]` (left padding) hides pad keys (upstream
-    has none). `trace`: a list that receives `(queried positions, first recomputed layer)` per row
-    and step (the layer count when nothing was recomputed; -1 for the first, full forward).
-    `rule`: a commit rule (`remask.diffusion.parts.step.CommitRule`: dInfer's, `MarginDecoding`, …) that
-    decides each step's commits in the window instead of Elastic-Cache's own threshold / top-k rule
-    (a combination no paper shipped; Elastic's `threshold`, `tokens_per_iter` and
-    `commit_mask_token` are then not read and refused when set)."""
-    return run_steps(model, elastic_steps, prompt, config=config, gen_length=gen_length, attention_mask=attention_mask,
-                               mask_id=mask_id, eos_id=eos_id, stats=stats, trace=trace, rule=rule)
-
-
 def elastic_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: ElasticCache | None = None,
                   gen_length: int = 512, attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
                   eos_id: int | None = None, stats: GenerationStats | None = None,
@@ -301,3 +274,17 @@ def elastic_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: ElasticCache
     filters = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
     decode_row = partial(_elastic_row, spec, x, P, config, spec.mask_id, spec.eos_id, stats, trace, rule, filters)
     return row_by_row(x, decode_row, key_ok, stats, B * gen_length)
+
+
+@drop_in(elastic_steps)
+def elastic_generate() -> torch.Tensor:
+    """Elastic-Cache decoding (greedy). Returns `[B, P + gen_length]`.
+
+    `eos_id` (default: the model's): once committed, the masked positions after the first EOS are
+    dropped and returned as EOS. `attention_mask` `[B, P]` (left padding) hides pad keys (upstream
+    has none). `trace`: a list that receives `(queried positions, first recomputed layer)` per row
+    and step (the layer count when nothing was recomputed; -1 for the first, full forward).
+    `rule`: a commit rule (`remask.diffusion.parts.step.CommitRule`: dInfer's, `MarginDecoding`, …) that
+    decides each step's commits in the window instead of Elastic-Cache's own threshold / top-k rule
+    (a combination no paper shipped; Elastic's `threshold`, `tokens_per_iter` and
+    `commit_mask_token` are then not read and refused when set)."""

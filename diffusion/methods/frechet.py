@@ -24,7 +24,7 @@ import torch
 
 from remask.kernels import unmask
 
-from ..parts.checks import check_real
+from ..parts.checks import check_real, checked
 from ..parts.scoring import score_tokens
 from ..parts.selection import frechet_profile_counts
 from ..parts.step import CommitRule
@@ -38,10 +38,7 @@ class FrechetRule(CommitRule):
     it: δ ≥ 1 commits one position a step (no score of n ≥ 2 exceeds 1), a negative δ more."""
 
     name = "frechet"
-    frechet_margin: float = 0.25
-
-    def __post_init__(self) -> None:
-        check_real("frechet_margin", self.frechet_margin)
+    frechet_margin: float = checked(0.25, check_real)
 
     def commit(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int,
                state: Any = None) -> tuple[torch.Tensor, torch.Tensor]:

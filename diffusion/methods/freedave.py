@@ -62,7 +62,8 @@ from remask.models.spec import ModelSpec
 from ..parts.cache import BlockForward, cache_mode, valid_positions
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.checks import (check_choice, check_config, check_config_bounds, check_int, check_length,
-                            check_method_call, check_real, warn_if_longer_than_trained, warn_if_padded_without_mask)
+                            check_method_call, check_real, checked, warn_if_longer_than_trained,
+                            warn_if_padded_without_mask)
 from ..families.llada import validate_block_args
 from ..parts.scoring import score_rows
 from remask.models.parallel import full_logits
@@ -70,7 +71,7 @@ from remask.models.parallel import full_logits
 from ..parts.drafts import DraftConfig, verify_chain
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, run_steps
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in
 
 DRAFT_MODES = ("tree_attention", "batch_expanding")
 MATCH_RULES = ("subset", "exact")
@@ -85,16 +86,10 @@ class FreeDave(DraftConfig):
     match_rule: ``"subset"`` (upstream's) or ``"exact"`` (draft == target; lossless under FreeDave++).
     """
 
-    draft_steps: int = 4
-    draft_mode: str = "tree_attention"
-    confidence_threshold: float | None = None
-    match_rule: str = "subset"
-
-    def __post_init__(self) -> None:
-        check_int("draft_steps", self.draft_steps, minimum=1)
-        check_choice("draft_mode", self.draft_mode, DRAFT_MODES)
-        check_real("confidence_threshold", self.confidence_threshold, low=0, high=1, low_open=True, allow_none=True)
-        check_choice("match_rule", self.match_rule, MATCH_RULES)
+    draft_steps: int = checked(4, check_int, minimum=1)
+    draft_mode: str = checked("tree_attention", check_choice, choices=DRAFT_MODES)
+    confidence_threshold: float | None = checked(None, check_real, low=0, high=1, low_open=True, allow_none=True)
+    match_rule: str = checked("subset", check_choice, choices=MATCH_RULES)
 
     def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
                       steps: int | None = None, prompt_length: int | None = None) -> None:
@@ -113,17 +108,6 @@ def _draft_rows(value: Any, rows: torch.Tensor | None, batch: int, K: int) -> An
     if rows is not None and value.shape[0] == batch:
         value = value.index_select(0, rows)
     return value.repeat_interleave(K, dim=0)
-
-
-def _alone(forward: Generator[ForwardRequest, Any, Any], alone: bool) -> Generator[ForwardRequest, Any, Any]:
-    """A one-request forward (a sub-generator) with its request's rows computed as alone (`rows_alone`: each row
-    gets the bits of its own forward) when `alone`."""
-    request = next(forward)
-    request.rows_alone = alone
-    try:
-        forward.send((yield request))
-    except StopIteration as stop:
-        return stop.value
 
 
 # --- the decoding loop --------------------------------------------------------------------------
@@ -145,11 +129,13 @@ class _Decoder:
     start (baseline `BlockForward.refresh`, rows as alone for batches) and the drafts' verification."""
 
     def __init__(self, spec: ModelSpec, config: FreeDave, block_length: int, use_cache: str | None,
-                 attention_mask: torch.Tensor | None, prompt_len: int, total: int, stats: GenerationStats) -> None:
+                 attention_mask: torch.Tensor | None, prompt_len: int, total: int, stats: GenerationStats,
+                 batch: int = 1) -> None:
         self.spec, self.config, self.block_length, self.mode = spec, config, block_length, use_cache
         self.prompt_len, self.stats = prompt_len, stats
+        # the block start's forward: a batch's rows as alone (each row the bits of its own forward)
         self.block_forward = BlockForward(spec, use_cache, spec.forward_inputs(attention_mask, total),
-                                          valid_positions(attention_mask, total))
+                                          valid_positions(attention_mask, total), rows_alone=batch > 1)
         # The baselines' confidence dtypes: LLaDA's loop keeps float64 under a threshold (Fast-dLLM's
         # precision) and the logits' dtype (None) otherwise; Dream's block decoder the logits' dtype.
         self.conf_dtype = torch.float64 if config.confidence_threshold is not None and not spec.logit_shift else None
@@ -171,8 +157,8 @@ class _Decoder:
             cache = TreeKVCache(base, rows, start, fed_end, T, K)
         inputs = {k: _draft_rows(v, rows, B, K) for k, v in self.block_forward.forward_inputs.items()}
         # the block loop's forward of the drafts' rows (`spec`: the family's logit shift within each draft's row)
-        span = BlockForward(self.spec, mode, inputs, None).span(canvas, fed, fed_end, cache)
-        logits = yield from _alone(span, True)
+        forward = BlockForward(self.spec, mode, inputs, None, rows_alone=True)
+        logits = yield from forward.span(canvas, fed, fed_end, cache)
         self.stats.forward(len(canvas), fed_end - fed, self.block_forward.cache_nbytes)
         return logits, start - fed
 
@@ -206,7 +192,7 @@ class _Decoder:
         logits (under a structure) and which rows' predictions are fresh: Dream commits the block's first position
         from it, so none are."""
         blk, mask_id = x[:, start:end], self.spec.mask_id
-        logits = yield from _alone(self.block_forward.refresh(x, start, end), x.shape[0] > 1)
+        logits = yield from self.block_forward.refresh(x, start, end)
         self.stats.forward(*x.shape, self.block_forward.cache_nbytes)
         x0, conf, lg = self.score_masked(cf, logits, start, start, end)
         del logits
@@ -312,24 +298,6 @@ class _Decoder:
                 yield self._progress(x, blk, start, end)
 
 
-def freedave_generate(model: torch.nn.Module, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-                      config: FreeDave | None = None, steps: int | None = None, gen_length: int = 128,
-                      block_length: int = 128, use_cache: str | None = None, mask_id: int | None = None,
-                      stats: GenerationStats | None = None, structure: Any = None,
-                      end_ids: Any = ()) -> torch.LongTensor:
-    """FreeDave decoding (greedy): the tokens of one-token-per-step decoding with fewer forwards.
-
-    `model`: LLaDA-format or Dream (the module docstring has the baseline each equals); `prompt`
-    `[B, P]`, left-padded with `attention_mask` when rows differ; `config` (default `FreeDave()`);
-    `steps`: None or `gen_length` (no other schedule); `gen_length % block_length == 0`; `use_cache`:
-    None, "prefix" or "dual" (Fast-dLLM v1's, refreshed at every block start); `stats`: `nfe` the
-    block-start plus verification forwards, `tokens_per_step` per round. Returns `[B, P + gen_length]`.
-    """
-    return run_steps(model, freedave_steps, prompt, attention_mask, config=config, steps=steps, gen_length=gen_length,
-                                block_length=block_length, use_cache=use_cache, mask_id=mask_id, stats=stats,
-                                structure=structure, end_ids=end_ids)
-
-
 def freedave_steps(spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                    config: FreeDave | None = None, steps: int | None = None, gen_length: int = 128,
                    block_length: int = 128, use_cache: str | None = None, mask_id: int | None = None,
@@ -357,5 +325,17 @@ def freedave_steps(spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), prompt.shape[0], spec.mask_id,
                                     prompt.shape[1], gen_length)
     decoder = _Decoder(spec, config, block_length, mode, attention_mask, prompt.shape[1],
-                       prompt.shape[1] + gen_length, stats)
+                       prompt.shape[1] + gen_length, stats, prompt.shape[0])
     return decoder.run(masked_canvas(prompt, gen_length, spec.mask_id), gen_length, constraint)
+
+
+@drop_in(freedave_steps, hidden=())
+def freedave_generate() -> torch.LongTensor:
+    """FreeDave decoding (greedy): the tokens of one-token-per-step decoding with fewer forwards.
+
+    `model`: LLaDA-format or Dream (the module docstring has the baseline each equals); `prompt`
+    `[B, P]`, left-padded with `attention_mask` when rows differ; `config` (default `FreeDave()`);
+    `steps`: None or `gen_length` (no other schedule); `gen_length % block_length == 0`; `use_cache`:
+    None, "prefix" or "dual" (Fast-dLLM v1's, refreshed at every block start); `stats`: `nfe` the
+    block-start plus verification forwards, `tokens_per_step` per round. Returns `[B, P + gen_length]`.
+    """

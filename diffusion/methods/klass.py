@@ -38,7 +38,8 @@ import torch
 from remask.models.spec import ModelSpec
 
 from ..families.llada import validate_block_args
-from ..parts.checks import check_choice, check_config, check_generator, check_int, check_method_call, check_real
+from ..parts.checks import (check_choice, check_config, check_generator, check_int, check_method_call, check_real,
+                            checked)
 from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.scoring import draw_categorical
 from ..parts.selection import schedule_counts
@@ -56,16 +57,10 @@ class KLASS(CommitRule):
     confident one (module docstring). Greedy."""
 
     name = "klass"
-    conf_threshold: float = 0.9
-    kl_threshold: float = 0.01
-    kl_history_length: int = 2
-    unmask_strategy: str = "all"
-
-    def __post_init__(self) -> None:
-        check_real("conf_threshold", self.conf_threshold)
-        check_real("kl_threshold", self.kl_threshold)
-        check_int("kl_history_length", self.kl_history_length, minimum=1)
-        check_choice("unmask_strategy", self.unmask_strategy, ("all", "max_conf", "min_kl", "random"))
+    conf_threshold: float = checked(0.9, check_real)
+    kl_threshold: float = checked(0.01, check_real)
+    kl_history_length: int = checked(2, check_int, minimum=1)
+    unmask_strategy: str = checked("all", check_choice, choices=("all", "max_conf", "min_kl", "random"))
 
     def check_greedy(self, loop: str) -> None:
         if self.unmask_strategy == "random":

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..parts.checks import check_real
+from ..parts.checks import check_real, checked
 from ..parts.step import CommitRule
 
 
@@ -20,10 +20,7 @@ class MarginDecoding(CommitRule):
     confidence used as dInfer uses the probability: a combination no paper shipped (`{"name": "margin"}`)."""
 
     name = "margin"
-    margin: float = 0.5
-
-    def __post_init__(self) -> None:
-        check_real("margin", self.margin, low=0, high=1)
+    margin: float = checked(0.5, check_real, low=0, high=1)
 
     def commit(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int,
                state: Any = None) -> tuple[torch.Tensor, torch.Tensor]:

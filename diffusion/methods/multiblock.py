@@ -59,13 +59,13 @@ from remask.caches import KVCache
 from remask.models.spec import ModelSpec
 
 from ..parts.cache import BlockForward
-from ..parts.checks import (check_bool, check_choice, check_config, check_generator, check_int, check_method_call,
-                            check_real, check_token_id)
+from ..parts.checks import (Checked, check_bool, check_choice, check_config, check_generator, check_int,
+                            check_method_call, check_real, check_token_id, checked)
 from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.scoring import sample_categorical, score_rows, score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, run_steps
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in
 
 MAX_FORWARDS = 10000   # d3LLM's loop guard (reached only when the mask token is committed)
 NO_CACHE = 10000   # a `cache_delay_iter` this large: no cache (Dream's entry point's switch)
@@ -73,7 +73,7 @@ VARIANTS = ("llada", "dream", "sglang")
 
 
 @dataclass(frozen=True)
-class MultiBlock:
+class MultiBlock(Checked):
     """`generate_multi_block`'s parameters, its names and defaults (`max_new_tokens` / `block_size` are the
     entry point's `gen_length` / `block_length`). `eos_token_id` None: the model's EOS. `commit_mask_token`:
     commit an argmax equal to the mask token as upstream does (it stays masked; remask's default commits the
@@ -82,26 +82,18 @@ class MultiBlock:
     The defaults are d3LLM's; SGLang's (0.4, 0.1, 0.95) are `MultiBlock.sglang()`'s. `cache_delay_iter` /
     `refresh_interval`: the files' delayed KV cache (module docstring), off at `cache_delay_iter` >= 10000."""
 
-    threshold: float | None = 0.5
-    block_add_threshold: float = 0.5
-    decoded_token_threshold: float = 0.5
-    early_stop: bool = False
-    eos_token_id: int | None = None
-    commit_mask_token: bool = False
-    variant: str | None = None
-    cache_delay_iter: int = NO_CACHE
-    refresh_interval: int = 10000
+    threshold: float | None = checked(0.5, check_real, allow_none=True)
+    block_add_threshold: float = checked(0.5, check_real)
+    decoded_token_threshold: float = checked(0.5, check_real)
+    early_stop: bool = checked(False, check_bool)
+    eos_token_id: int | None = checked(None, check_int, minimum=0, allow_none=True)
+    commit_mask_token: bool = checked(False, check_bool)
+    variant: str | None = checked(None, check_choice, choices=VARIANTS + (None,))
+    cache_delay_iter: int = checked(NO_CACHE, check_int, minimum=0)
+    refresh_interval: int = checked(10000, check_int, minimum=1)
 
     def __post_init__(self) -> None:
-        check_real("threshold", self.threshold, allow_none=True)
-        check_real("block_add_threshold", self.block_add_threshold)
-        check_real("decoded_token_threshold", self.decoded_token_threshold)
-        check_bool("early_stop", self.early_stop)
-        check_bool("commit_mask_token", self.commit_mask_token)
-        check_int("eos_token_id", self.eos_token_id, minimum=0, allow_none=True)
-        check_choice("variant", self.variant, VARIANTS + (None,))
-        check_int("cache_delay_iter", self.cache_delay_iter, minimum=0)
-        check_int("refresh_interval", self.refresh_interval, minimum=1)
+        super().__post_init__()
         if self.variant == "sglang" and (self.early_stop or self.cached):
             raise ValueError(f"{'early_stop' if self.early_stop else 'cache_delay_iter'}: SGLang's port "
                              f"(variant='sglang') has no early stop and no KV cache")
@@ -300,16 +292,6 @@ class _Row:
                 self.nfe += 1
 
 
-def multiblock_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: MultiBlock | None = None,
-                        gen_length: int = 512, block_length: int = 32, attention_mask: torch.Tensor | None = None,
-                        mask_id: int | None = None, stats: GenerationStats | None = None, **sampling: object
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Multi-block decoding. Returns `(x [B, P + gen_length], nfe [B])`, each row's NFE as upstream returns
-    it. `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad keys; `sampling`: `multiblock_steps`'."""
-    return run_steps(model, multiblock_steps, prompt, config=config, gen_length=gen_length, block_length=block_length,
-                     attention_mask=attention_mask, mask_id=mask_id, stats=stats, **sampling)
-
-
 def multiblock_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: MultiBlock | None = None,
                      gen_length: int = 512, block_length: int = 32, attention_mask: torch.Tensor | None = None,
                      mask_id: int | None = None, stats: GenerationStats | None = None, structure=None, end_ids=(),
@@ -341,6 +323,12 @@ def multiblock_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: MultiBloc
         if config.cached else None) for b in range(B)]
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
     return _loop(x, rows, inputs, spec, eos_id, stats, constraint)
+
+
+@drop_in(multiblock_steps, hidden=())
+def multiblock_generate() -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-block decoding. Returns `(x [B, P + gen_length], nfe [B])`, each row's NFE as upstream returns
+    it. `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad keys; `sampling`: `multiblock_steps`'."""
 
 
 @torch.no_grad()

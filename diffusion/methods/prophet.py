@@ -29,31 +29,30 @@ import torch
 from remask.models.spec import ModelSpec
 
 from ..families.llada import BlockDecoder
-from ..parts.checks import (CombinationError, check_config, check_generator, check_instance, check_int,
-                            check_method_call, check_real, check_settings, check_token_id)
+from ..parts.checks import (Checked, CombinationError, check_config, check_generator, check_instance, check_int,
+                            check_method_call, check_real, check_settings, check_token_id, checked)
 from ..parts.constrain import CommitFilter, advance_best
 from ..parts.scoring import score_rows
 from ..parts.selection import schedule_counts
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import Progress, StepGenerator, row_by_row, run_steps
+from ..parts.stepper import Progress, StepGenerator, drop_in, row_by_row
 
 PHASES = {"early": 7.5, "mid": 5.0, "late": 2.5}   # upstream's thresholds when none are given
 
 
 @dataclass(frozen=True)
-class Prophet:
+class Prophet(Checked):
     """Prophet's parameters (upstream: `answer_start_pos`, `early_exit_thresholds`, `constraints`; the
     answer length 5 is a constant there). Without `answer_start_pos` no step exits (plain LLaDA)."""
 
-    answer_start_pos: int | None = None
+    answer_start_pos: int | None = checked(None, check_int, minimum=0, allow_none=True)
     early_exit_thresholds: dict[str, float] | None = None
     constraints: dict[int, int] | None = None
-    answer_length: int = 5
+    answer_length: int = checked(5, check_int, minimum=1)
 
     def __post_init__(self) -> None:
-        check_int("answer_start_pos", self.answer_start_pos, minimum=0, allow_none=True)
-        check_int("answer_length", self.answer_length, minimum=1)
+        super().__post_init__()
         if self.early_exit_thresholds is not None:   # a phase left out keeps upstream's threshold
             given = check_settings("early_exit_thresholds", self.early_exit_thresholds, tuple(PHASES))
             object.__setattr__(self, "early_exit_thresholds", {
@@ -78,18 +77,6 @@ class Prophet:
         progress = step / steps
         phase = "early" if progress < 0.33 else "mid" if progress < 0.67 else "late"
         return {**PHASES, **(self.early_exit_thresholds or {})}[phase]
-
-
-def prophet_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: Prophet | None = None,
-                     steps: int = 128, gen_length: int = 128, block_length: int = 128, cfg_scale: float = 0.0,
-                     remasking: str = "low_confidence", attention_mask: torch.Tensor | None = None,
-                     mask_id: int | None = None, generator: torch.Generator | None = None,
-                     stats: GenerationStats | None = None) -> torch.LongTensor:
-    """Prophet decoding (greedy; module docstring): `[B, P + gen_length]`, no mask left. `stats.nfe`
-    counts the forwards (upstream's `exit_decision_step` when a row exits, else `steps`)."""
-    return run_steps(model, prophet_steps, prompt, config=config, steps=steps, gen_length=gen_length,
-                               block_length=block_length, cfg_scale=cfg_scale, remasking=remasking,
-                               attention_mask=attention_mask, mask_id=mask_id, generator=generator, stats=stats)
 
 
 def prophet_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: Prophet | None = None, steps: int = 128,
@@ -118,6 +105,12 @@ def prophet_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: Prophet | No
     canvas = masked_canvas(prompt, gen_length, decoder.spec.mask_id)
     decode_row = partial(_prophet_row, config, decoder, canvas, steps, generator, stats)
     return row_by_row(canvas, decode_row, attention_mask, stats, prompt.shape[0] * gen_length)
+
+
+@drop_in(prophet_steps)
+def prophet_generate() -> torch.LongTensor:
+    """Prophet decoding (greedy; module docstring): `[B, P + gen_length]`, no mask left. `stats.nfe`
+    counts the forwards (upstream's `exit_decision_step` when a row exits, else `steps`)."""
 
 
 @torch.no_grad()

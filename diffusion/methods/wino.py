@@ -32,11 +32,13 @@ from remask.models.spec import ModelSpec
 
 from ..families.llada import validate_block_args
 from ..parts.cache import valid_positions
-from ..parts.checks import NoWorkBound, check_bool, check_config, check_ints, check_method_call, check_real
+from ..parts.checks import (NoWorkBound, check_bool, check_config, check_int, check_method_call, check_real,
+                            checked)
 from ..parts.constrain import CommitFilter, before_rule, end_ids_of
+from ..parts.scoring import avoid_id
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, run_steps
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in
 
 
 @dataclass(frozen=True)
@@ -48,22 +50,17 @@ class WINO(NoWorkBound):
     a forward accepts at most the block's masked positions, so any value past the block length decodes as the block
     length, at no more work (upstream takes any)."""
 
-    threshold: float = 0.6
-    threshold_back: float = 0.9
-    accept_ratio: float = 0.7
-    accept_floor: int = 5
-    accept_cap: int = 20
-    initial_last_accept: int = 30
-    commit_mask_token: bool = False
+    threshold: float = checked(0.6, check_real, low=0, high=1)
+    threshold_back: float = checked(0.9, check_real, low=0, high=1)
+    # int(masks * ratio) >= masks for any ratio >= 1 (and overflows at 1e308): (0, 1] is every rule
+    accept_ratio: float = checked(0.7, check_real, low=0, high=1, low_open=True)
+    accept_floor: int = checked(5, check_int, minimum=1)
+    accept_cap: int = checked(20, check_int, minimum=1)
+    initial_last_accept: int = checked(30, check_int, minimum=1)
+    commit_mask_token: bool = checked(False, check_bool)
 
     def __post_init__(self) -> None:
-        check_bool("commit_mask_token", self.commit_mask_token)
-        check_real("threshold", self.threshold, low=0, high=1)
-        check_real("threshold_back", self.threshold_back, low=0, high=1)
-        # int(masks * ratio) >= masks for any ratio >= 1 (and overflows at 1e308): (0, 1] is every rule
-        check_real("accept_ratio", self.accept_ratio, low=0, high=1, low_open=True)
-        check_ints(1, accept_floor=self.accept_floor, accept_cap=self.accept_cap,
-                   initial_last_accept=self.initial_last_accept)
+        super().__post_init__()
         if self.accept_floor > self.accept_cap:
             raise ValueError(f"accept_floor ({self.accept_floor}) must not exceed accept_cap ({self.accept_cap})")
 
@@ -88,10 +85,7 @@ def predict(logits: torch.Tensor, mask_id: int, commit_mask_token: bool) -> tupl
     `commit_mask_token`, an argmax equal to the mask token becomes the most probable other token."""
     x0 = torch.argmax(logits, dim=-1)
     p = F.softmax(logits.to(torch.float64), dim=-1)
-    if not commit_mask_token and bool((x0 == mask_id).any()):
-        others = p.index_fill(-1, torch.tensor([mask_id], device=p.device), -1.0).argmax(dim=-1)
-        x0 = torch.where(x0 == mask_id, others, x0)
-    return x0, p
+    return (x0 if commit_mask_token else avoid_id(x0, p, mask_id)), p
 
 
 def _decide_row(config: WINO, confidence: torch.Tensor, confidence_back: torch.Tensor, last_accept: int,
@@ -117,17 +111,6 @@ def _decide_row(config: WINO, confidence: torch.Tensor, confidence_back: torch.T
     return accept, remask
 
 
-def wino_generate(model: torch.nn.Module, prompt: torch.Tensor, *, config: WINO | None = None,
-                  gen_length: int = 128, block_length: int = 128, attention_mask: torch.Tensor | None = None,
-                  mask_id: int | None = None, stats: GenerationStats | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """WINO decoding (greedy). Returns `(x [B, P + gen_length], forwards [B])`: each row's forward
-    count is upstream's returned `step`. `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad
-    keys; RoPE positions stay absolute."""
-    return run_steps(model, wino_steps, prompt, config=config, gen_length=gen_length, block_length=block_length,
-                            attention_mask=attention_mask, mask_id=mask_id, stats=stats)
-
-
 def wino_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: WINO | None = None,
                gen_length: int = 128, block_length: int = 128, attention_mask: torch.Tensor | None = None,
                mask_id: int | None = None, stats: GenerationStats | None = None, structure=None, end_ids=()
@@ -148,6 +131,13 @@ def wino_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: WINO | None = N
     keys = valid_positions(attention_mask, x.shape[1]) if padded else None   # False on the left pads
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
     return _wino_loop(config, x, keys, P, gen_length, block_length, spec.mask_id, stats, constraint)
+
+
+@drop_in(wino_steps)
+def wino_generate() -> tuple[torch.Tensor, torch.Tensor]:
+    """WINO decoding (greedy). Returns `(x [B, P + gen_length], forwards [B])`: each row's forward
+    count is upstream's returned `step`. `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad
+    keys; RoPE positions stay absolute."""
 
 
 @torch.no_grad()

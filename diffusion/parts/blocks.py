@@ -17,23 +17,22 @@ from transformers.cache_utils import DynamicCache
 from remask.caches.block import BlockBatch, BlockKVCache
 from remask.models.spec import ModelSpec
 
-from .checks import changed, check_block_within_context, check_instance, refuse_unread
+from .checks import changed, check_instance, refuse_unread
 from .constrain import CommitFilter, before_rule
 from .constrain_loops import Constrainable
 from .drafts import DraftConfig, DraftVerify, Drafts
 from .rules import check_rule_on_loop, commit_block, is_rule, rule_types
 from .scoring import sample_categorical
+from .selection import schedule_counts
 from .stats import GenerationStats
-from .step import CommitRule
+from .step import CommitRule, masked_canvas
 from .stepper import ForwardRequest, ForwardThenCommit
 
 
 def num_transfer_schedule(block_length: int, steps: int) -> torch.Tensor:
-    """Positions to commit at each step: `block_length` split evenly, the remainder to the first steps."""
-    base, remainder = divmod(block_length, steps)
-    counts = torch.full((steps,), base, dtype=torch.int64)
-    counts[:remainder] += 1
-    return counts
+    """Positions to commit at each step: `block_length` split evenly, the remainder to the first steps (LLaDA's
+    schedule of a block of masks)."""
+    return schedule_counts(torch.ones((1, block_length), dtype=torch.bool), steps)[0]
 
 
 def sample_block(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -148,7 +147,9 @@ def engine_settings(spec: ModelSpec, params: Any, config: Any, family: str, *, r
         raise ValueError(f"{sampling}: decoder={type(config.rule).__name__} on {family}'s loop commits greedily by its "
                          "own rule: leave them unset")
     block_length = getattr(config, length) or spec.block_length or 32
-    check_block_within_context(spec, f"{type(config).__name__}.{length}", block_length)
+    if spec.max_length is not None and block_length > spec.max_length:   # canvases are whole blocks
+        raise ValueError(f"{type(config).__name__}.{length} must be <= the model's maximum sequence length "
+                         f"{spec.max_length}, got {block_length}")
     settings = {f.name: getattr(config, f.name) for f in fields(config)
                 if f.name not in (length, "rule") and getattr(config, f.name) is not None}
     part, tau = (config.rule, None) if config.rule is None or is_rule(config.rule) else \
@@ -298,8 +299,7 @@ class StoreKVLoop(BlockLoop):
         L, device, P = self.block_length, input_ids.device, input_ids.shape[1]
         num_blocks = (P + self.gen_length + L - 1) // L
         total = num_blocks * L
-        x = torch.full((1, total), self.mask_id, dtype=torch.long, device=device)
-        x[:, :P] = input_ids
+        x = masked_canvas(input_ids, total - P, self.mask_id)
         blocks = torch.tril(torch.ones(num_blocks, num_blocks, dtype=self.mask_dtype, device=device))
         attention = blocks.repeat_interleave(L, 0).repeat_interleave(L, 1).view(*self.mask_lead, total, total)
         return BlockState(x=x, prompt_length=P, cache=self.new_cache(input_ids) if self.use_cache else None,

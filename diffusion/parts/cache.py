@@ -43,11 +43,12 @@ def valid_positions(attention_mask: torch.Tensor | None, total_len: int) -> torc
 
 class BlockForward:
     """The block loop's forwards as sub-generators of `ForwardRequest`s (``yield from``), the cache's
-    bookkeeping around each request (so either driver gets the same)."""
+    bookkeeping around each request (so either driver gets the same); `rows_alone`: each row's linears as alone
+    (`ForwardRequest.rows_alone`)."""
 
     def __init__(self, spec: ModelSpec, use_cache: Any, forward_inputs: dict[str, Any],
-                 valid: torch.Tensor | None) -> None:
-        self.spec, self.forward_inputs, self.valid = spec, forward_inputs, valid
+                 valid: torch.Tensor | None, rows_alone: bool = False) -> None:
+        self.spec, self.forward_inputs, self.valid, self.rows_alone = spec, forward_inputs, valid, rows_alone
         self.mode = cache_mode(use_cache)
         self.paged = use_cache if isinstance(use_cache, PagedKVCache) else (
             PagedKVCache() if self.mode == "paged" else None)
@@ -85,8 +86,10 @@ class BlockForward:
         part = inputs if cache is None else inputs[:, lo:hi]
         ids, per_row = (part, {}) if inputs.dim() == 2 else (None, {"inputs_embeds": part})
         if cache is None:
-            return (yield ForwardRequest.call(ids, {**self.forward_inputs, **per_row}, spec=self.spec))
+            return (yield ForwardRequest.call(ids, {**self.forward_inputs, **per_row}, spec=self.spec,
+                                              rows_alone=self.rows_alone))
         fwd = self.forward_inputs if (lo, hi) == (0, T) else self.spec.inputs_for_positions(self.forward_inputs, lo, hi)
         cache.write_start = lo if write_at is None else write_at   # the model reads it, not cache_position[0]
         return (yield ForwardRequest.call(ids, {**fwd, **per_row}, spec=self.spec, cache=cache,
-                                          cache_position=torch.arange(lo, hi, device=inputs.device)))
+                                          cache_position=torch.arange(lo, hi, device=inputs.device),
+                                          rows_alone=self.rows_alone))

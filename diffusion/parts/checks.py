@@ -277,12 +277,6 @@ def check_context(spec: ModelSpec, prompt_length: int, max_tokens: int) -> None:
                          "here")
 
 
-def check_block_within_context(spec: ModelSpec, name: str, block_length: int | None) -> None:
-    """A block-causal family's block (canvases are whole blocks) fits in the model's context."""
-    if block_length is not None and spec.max_length is not None and block_length > spec.max_length:
-        raise ValueError(f"{name} must be <= the model's maximum sequence length {spec.max_length}, got {block_length}")
-
-
 def check_token_id(spec: ModelSpec, value: int | None, name: str) -> int:
     if value is None:
         raise ValueError(f"{name} is needed here but the model declares none; pass it explicitly")
@@ -380,10 +374,11 @@ def refuse_unread(params: Any, way: str, also: Iterable[str] = (), **words: Any)
 
 
 def check_method_call(spec: ModelSpec, prompt: Any, attention_mask: Any, stats: Any, entry: str | None = None,
-                      **ids: Any) -> tuple[ModelSpec, Any]:
+                      name: str = "prompt", **ids: Any) -> tuple[ModelSpec, Any]:
     """What a method's loop checks at its call, in order: `stats` (None: a fresh one, counted, then dropped), a
     diffusion model (`entry`: the caller named in the refusal; None: not checked), the model's spec (`ids` override
-    its token ids) with a mask token, then `prompt` / `attention_mask`, the mask token refused in the prompt."""
+    its token ids) with a mask token, then `prompt` (named `name`) / `attention_mask`, the mask token refused in the
+    prompt."""
     from .stats import GenerationStats
 
     stats = check_stats("stats", stats) or GenerationStats()
@@ -391,7 +386,7 @@ def check_method_call(spec: ModelSpec, prompt: Any, attention_mask: Any, stats: 
     if entry is not None:
         check_model_kind(spec, diffusion=True, entry=entry)
     check_mask_id(spec)
-    check_prompt(spec.device, prompt, attention_mask, spec=spec, mask_in_prompt="refuse")
+    check_prompt(spec.device, prompt, attention_mask, name, spec=spec, mask_in_prompt="refuse")
     return spec, stats
 
 
@@ -406,7 +401,24 @@ def check_ints(minimum: int, **values: Any) -> None:
         check_int(name, value, minimum=minimum)
 
 
-class NoWorkBound:
+def checked(default: Any, check: Any, **bounds: Any) -> Any:
+    """A config field with its `default` that `check(name, value, **bounds)` (`check_int`, `check_real`,
+    `check_bool`, `check_choice`, ...) checks by the field's name when the config is built (`Checked`)."""
+    return dataclasses.field(default=default, metadata={"check": (check, bounds)})
+
+
+class Checked:
+    """The base of a method's config (a frozen dataclass): its `checked` fields are checked, in field order, when it
+    is built; a config with checks across fields runs them after ``super().__post_init__()``."""
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            if "check" in field.metadata:
+                check, bounds = field.metadata["check"]
+                check(field.name, getattr(self, field.name), **bounds)
+
+
+class NoWorkBound(Checked):
     """The base of a method's config whose settings bound no work (docs/parameters.md, "Work bounds", "Not
     bounded"): values past what can change the decoding read "at most" and cost no more (the config's docstring
     says why); its `check_request`, which `SamplingParams` and the entry points call on every config, refuses

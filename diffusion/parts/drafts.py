@@ -20,13 +20,14 @@ from typing import Any, Generator
 
 import torch
 
+from .checks import Checked
 from .constrain import before_rule
 from .constrain_loops import filter_block
 from .stats import GenerationStats
 from .stepper import ForwardRequest
 
 
-class DraftConfig:
+class DraftConfig(Checked):
     """The base of a draft-and-verify method's config (`remask.FreeDave`): `draft_steps`, `match_rule`,
     `confidence_threshold` and `check_request(block_length=...)`; a block loop given one drafts with `DraftVerify`."""
 

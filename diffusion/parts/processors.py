@@ -18,18 +18,6 @@ import torch
 from remask.models.parallel import full_logits
 
 
-def hold_end_ids(logits: torch.Tensor, fed: int, until: int, ids: torch.Tensor) -> torch.Tensor:
-    """`logits` `[B, L, V]` of positions `fed`, `fed + 1`, … with `ids` at −inf at the positions
-    before `until` (`min_tokens`: no end token can be chosen there). A copy where anything changes;
-    the caller's tensor (a shared forward's) is never written."""
-    cut = min(until - fed, logits.shape[1])
-    if cut <= 0:
-        return logits
-    logits = full_logits(logits).clone()     # whole rows: the ids are global vocabulary ids
-    logits[:, :cut].index_fill_(-1, ids, -torch.inf)
-    return logits
-
-
 @dataclass(frozen=True, eq=False)
 class HoldEndIds:
     """`min_tokens`: the end `ids` held back at the answer's first `min_tokens` positions."""
@@ -38,7 +26,15 @@ class HoldEndIds:
     ids: torch.Tensor
 
     def __call__(self, state: Any, logits: torch.Tensor, fed: int) -> torch.Tensor:
-        return hold_end_ids(logits, fed, state.prompt_len + self.min_tokens, self.ids)
+        """`logits` `[B, L, V]` of positions `fed`, `fed + 1`, … with `ids` at −inf at the answer's first
+        `min_tokens` positions (no end token can be chosen there). A copy where anything changes; the caller's
+        tensor (a shared forward's) is never written."""
+        cut = min(state.prompt_len + self.min_tokens - fed, logits.shape[1])
+        if cut <= 0:
+            return logits
+        logits = full_logits(logits).clone()     # whole rows: the ids are global vocabulary ids
+        logits[:, :cut].index_fill_(-1, self.ids, -torch.inf)
+        return logits
 
 
 def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor,

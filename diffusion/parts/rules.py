@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from remask.kernels.dinfer import credit_confidence, dinfer_select
 
-from .checks import check_instance, check_real
+from .checks import Checked, check_instance, check_real, checked
 from .step import CommitRule
 
 __all__ = ["CommitRule", "CreditDecoding", "HierarchicalDecoding", "IterationSmoothing",
@@ -84,12 +84,8 @@ def check_rule_on_loop(rule: Any, family: str, *, temperature: float, unread: Ma
                          f"{', '.join(f'{k}={v!r}' for k, v in unread.items())})")
 
 
-def _check_unit(name: str, value: Any, *, allow_none: bool = False, low_open: bool = True) -> None:
-    check_real(name, value, low=0, high=1, low_open=low_open, allow_none=allow_none)
-
-
 @dataclass(frozen=True)
-class IterationSmoothing:
+class IterationSmoothing(Checked):
     """dInfer's iteration smoothing (`IterationSmooth`, `IterSmoothWithVicinityCache`): the model is
     fed embeddings. After each forward, every position still masked gets ``E[mask] + w ·
     softmax(logits) @ E``, every other one its plain embedding. With the iteration count n (over
@@ -97,14 +93,10 @@ class IterationSmoothing:
     cont_weight_growth · n, cont_weight)`` and the threshold is ``max(1 − n · threshold_decay,
     threshold)``. Set on a decoder: ``ThresholdDecoding(smoothing=IterationSmoothing())``."""
 
-    cont_weight: float = 0.3
-    cont_weight_init: float = 0.15
-    cont_weight_growth: float = 0.02
-    threshold_decay: float = 0.02
-
-    def __post_init__(self) -> None:
-        for name in ("cont_weight", "cont_weight_init", "cont_weight_growth", "threshold_decay"):
-            check_real(name, getattr(self, name), low=0)
+    cont_weight: float = checked(0.3, check_real, low=0)
+    cont_weight_init: float = checked(0.15, check_real, low=0)
+    cont_weight_growth: float = checked(0.02, check_real, low=0)
+    threshold_decay: float = checked(0.02, check_real, low=0)
 
     def at(self, n: int, threshold: float) -> tuple[float, float]:
         """Iteration n's (weight, threshold), for a rule of threshold `threshold` (upstream's expressions)."""
@@ -126,7 +118,17 @@ class IterationSmoothing:
 
 class _DInferRule(CommitRule):
     """dInfer's decode, shared by its three rules: the rule's `_select` commits into a copy of the
-    block (the logits in float32, as dInfer's decode reads them), then `_fallback`."""
+    block (the logits in float32, as dInfer's decode reads them), then `_fallback`. Its `smoothing` (None, an
+    `IterationSmoothing` or its fields as a dict) is checked after its fields."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.smoothing, dict):   # its fields as a dict (the JSON form)
+            try:
+                object.__setattr__(self, "smoothing", IterationSmoothing(**self.smoothing))
+            except TypeError as e:
+                raise ValueError(f"smoothing: {e}") from None
+        check_instance("smoothing", self.smoothing, IterationSmoothing, "a remask.IterationSmoothing")
 
     def commit(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int,
                state: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,16 +138,6 @@ class _DInferRule(CommitRule):
         self._select(proposal, logits, before, mask_id, state)
         _fallback(proposal, before, logits, mask_id)
         return before & (proposal != mask_id), proposal
-
-
-def _check_smoothing(rule: Any) -> None:
-    """A decoder's `smoothing`: None, an `IterationSmoothing`, or its fields as a dict (the JSON form)."""
-    if isinstance(rule.smoothing, dict):
-        try:
-            object.__setattr__(rule, "smoothing", IterationSmoothing(**rule.smoothing))
-        except TypeError as e:
-            raise ValueError(f"smoothing: {e}") from None
-    check_instance("smoothing", rule.smoothing, IterationSmoothing, "a remask.IterationSmoothing")
 
 
 @dataclass(frozen=True)
@@ -159,16 +151,14 @@ class ThresholdDecoding(_DInferRule):
     """
 
     name = "threshold"
-    threshold: float = 0.9
+    threshold: float = checked(0.9, check_real, low=0, high=1, low_open=True)
     smoothing: IterationSmoothing | None = None
-
-    def __post_init__(self) -> None:
-        _check_unit("threshold", self.threshold)
-        _check_smoothing(self)
 
     def _select(self, proposal: torch.Tensor, logits: torch.Tensor, before: torch.Tensor, mask_id: int,
                 state: Any) -> None:
-        _threshold_commit(proposal, logits, self.threshold, mask_id)
+        x0 = logits.argmax(dim=-1)
+        p = F.softmax(logits.to(torch.float32), dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1)
+        dinfer_select(proposal, x0, p, mask_id, "threshold", self.threshold)
 
 
 @dataclass(frozen=True)
@@ -181,18 +171,11 @@ class CreditDecoding(_DInferRule):
     """
 
     name = "credit"
-    threshold: float = 0.9
-    credit_alpha: float = 0.7
-    boost_gamma: float = 0.2
-    decay_beta: float = 0.8
+    threshold: float = checked(0.9, check_real, low=0, high=1, low_open=True)
+    credit_alpha: float = checked(0.7, check_real, low=0)
+    boost_gamma: float = checked(0.2, check_real, low=0)
+    decay_beta: float = checked(0.8, check_real, low=0, high=1)
     smoothing: IterationSmoothing | None = None
-
-    def __post_init__(self) -> None:
-        _check_unit("threshold", self.threshold)
-        check_real("credit_alpha", self.credit_alpha, low=0)
-        check_real("boost_gamma", self.boost_gamma, low=0)
-        _check_unit("decay_beta", self.decay_beta, low_open=False)
-        _check_smoothing(self)
 
     def new_state(self) -> _Credit:
         return _Credit(self)
@@ -216,14 +199,12 @@ class HierarchicalDecoding(_DInferRule):
     """
 
     name = "hierarchical"
-    threshold: float | None = 0.9
-    low_threshold: float | None = 0.4
+    threshold: float | None = checked(0.9, check_real, low=0, high=1, allow_none=True)
+    low_threshold: float | None = checked(0.4, check_real, low=0, high=1, allow_none=True)
     smoothing: IterationSmoothing | None = None
 
     def __post_init__(self) -> None:
-        _check_unit("threshold", self.threshold, allow_none=True, low_open=False)
-        _check_unit("low_threshold", self.low_threshold, allow_none=True, low_open=False)
-        _check_smoothing(self)
+        super().__post_init__()   # its fields, then its smoothing (`_DInferRule`)
         if self.smoothing is not None and self.threshold is None:
             # upstream computes max(1 - n * decay, None) and raises a TypeError
             raise ValueError("threshold: iteration smoothing decays the threshold towards the decoder's own; "
@@ -235,12 +216,6 @@ class HierarchicalDecoding(_DInferRule):
         p = F.log_softmax(logits, dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1).exp()
         # a committed mask-token prediction leaves the position masked, as upstream
         dinfer_select(proposal, x0, p, mask_id, "hierarchy", self.threshold, self.low_threshold)
-
-
-def _threshold_commit(x_block: torch.Tensor, logits: torch.Tensor, threshold: float, mask_id: int) -> None:
-    x0 = logits.argmax(dim=-1)
-    p = F.softmax(logits.to(torch.float32), dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1)
-    dinfer_select(x_block, x0, p, mask_id, "threshold", threshold)
 
 
 class _Credit:

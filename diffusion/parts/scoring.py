@@ -184,7 +184,7 @@ def sample_categorical(logits: torch.Tensor, temperature: float, top_k: int | No
     else:
         probs = F.softmax(filter_logits(logits, temperature, top_k, top_p, order=order, removed=removed), dim=-1)
     tokens = probs.argmax(dim=-1) if greedy else draw_categorical(probs, generator, per_row=per_row)
-    tokens = _avoid(tokens, probs, exclude_id)
+    tokens = avoid_id(tokens, probs, exclude_id)
     return tokens, torch.gather(probs, -1, tokens.unsqueeze(-1)).squeeze(-1), probs
 
 
@@ -222,7 +222,7 @@ def score_tokens(logits: torch.Tensor, *, temperature: float = 0.0, mode: str = 
         if top_p is not None or top_k is not None:
             raise ValueError("top_p/top_k apply to sampler='categorical' only")
         scores = gumbel_max_scores(logits, temperature, generator, noise, noise_dtype)
-        x0 = _avoid(torch.argmax(scores, dim=-1), scores, exclude_id)
+        x0 = avoid_id(torch.argmax(scores, dim=-1), scores, exclude_id)
         if zero_prob_ids:
             logits = logits.clone()
             logits[..., list(zero_prob_ids)] = -torch.inf
@@ -242,11 +242,11 @@ def score_tokens(logits: torch.Tensor, *, temperature: float = 0.0, mode: str = 
         conf, x0 = probs.max(dim=-1)
         if mode == "prob" and (exclude_id is None or not bool((x0 == exclude_id).any())):
             return x0, conf
-    x0 = _avoid(x0, probs, exclude_id)
+    x0 = avoid_id(x0, probs, exclude_id)
     return x0, _confidence_from_probs(probs, x0, mode)
 
 
-def _avoid(x0: torch.Tensor, scores: torch.Tensor, exclude_id: int | None) -> torch.Tensor:
+def avoid_id(x0: torch.Tensor, scores: torch.Tensor, exclude_id: int | None) -> torch.Tensor:
     """Replace `exclude_id` in x0 by the highest-scoring other token (untouched rows stay as they are)."""
     if exclude_id is None:
         return x0

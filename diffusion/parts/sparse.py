@@ -22,14 +22,14 @@ import torch
 from remask.caches.sparse import BlockMaskAttention, RetentionKVCache
 from remask.models.spec import ModelSpec
 
-from .checks import check_bool, check_choice, check_config_bounds, check_int, check_real
+from .checks import Checked, check_bool, check_choice, check_config_bounds, check_int, check_real, checked
 from .stepper import ForwardRequest
 
 SPARSE_METHODS = ("retention", "block_mask")
 
 
 @dataclass(frozen=True)
-class SparseConfig:
+class SparseConfig(Checked):
     """Sparse attention for `remask.generate(..., sparse=SparseConfig(...))`. `retention_ratio`: the
     fraction of the keys outside the block kept (retention) / of the key blocks kept per query block
     (block_mask). `delay_step`: the step of each block whose full forward selects (Sparse-dLLM uses 1).
@@ -41,35 +41,29 @@ class SparseConfig:
     1/√head_dim (True) or 1/√n_heads (False); None: as the sampler's upstream (SparseD's LLaDA
     `generate`: 1/√n_heads; its Dream `diffusion_generate`: 1/√head_dim)."""
 
-    retention_ratio: float = 0.5
-    delay_step: int = 1
-    block_len: int | None = None
+    retention_ratio: float = checked(0.5, check_real, low=0, high=1, low_open=True)
+    delay_step: int = checked(1, check_int, minimum=0)
+    block_len: int | None = checked(None, check_int, minimum=1, allow_none=True)
     pool_kernel: int | None = 3
-    head_select: bool = False
+    head_select: bool = checked(False, check_bool)
     method: str = "retention"
-    skip_fraction: float = 0.2
-    kv_block_size: int = 1
-    corrected_scale: bool | None = None
+    skip_fraction: float = checked(0.2, check_real, low=0, high=1, high_open=True)
+    kv_block_size: int = checked(1, check_int, minimum=1)
+    corrected_scale: bool | None = checked(None, check_bool, allow_none=True)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self.validate()
 
     def validate(self, block_length: int | None = None) -> None:
+        """The checks across fields and against the sampler's `block_length` (each field's own: when built)."""
         check_choice("sparse method", self.method, SPARSE_METHODS)
-        check_real("retention_ratio", self.retention_ratio, low=0, high=1, low_open=True)
-        check_int("delay_step", self.delay_step, minimum=0)
-        check_int("block_len", self.block_len, minimum=1, allow_none=True)
         if self.pool_kernel is not None and (check_int("pool_kernel", self.pool_kernel, minimum=1) % 2 == 0):
             raise ValueError(f"pool_kernel must be None or an odd int >= 1 (the pooled scores keep their length), "
                              f"got {self.pool_kernel!r}")
-        check_bool("head_select", self.head_select)
-        check_real("skip_fraction", self.skip_fraction, low=0, high=1, high_open=True)
-        check_int("kv_block_size", self.kv_block_size, minimum=1)
         if self.method == "retention" and self.kv_block_size != 1:
             raise ValueError(f"method='retention' keeps single tokens (kv_block_size=1, as Sparse-dLLM); got "
                              f"kv_block_size={self.kv_block_size}")
-        if self.corrected_scale is not None:
-            check_bool("corrected_scale", self.corrected_scale)
         if self.block_len is not None and block_length is not None and self.block_len != block_length:
             raise ValueError(f"SparseConfig.block_len={self.block_len} must equal block_length={block_length} "
                              f"(the block whose queries select and whose keys are never evicted)")

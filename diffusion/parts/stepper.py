@@ -14,6 +14,8 @@ requests, so their tokens are the same by construction:
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Generator, Iterator
 
@@ -172,6 +174,28 @@ def run_steps(model: torch.nn.Module, steps_of: Callable[..., StepGenerator], *a
     from remask.models.spec import get_spec
 
     return drive(steps_of(get_spec(model), *args, **kwargs), model)
+
+
+def drop_in(steps_of: Callable[..., StepGenerator], hidden: tuple[str, ...] = ("structure", "end_ids")
+            ) -> Callable[[Callable], Callable]:
+    """A decorator making a method's drop-in function from its step generator: `fn(model, ...)` is
+    `run_steps(model, steps_of, ...)`. Its arguments are `steps_of`'s, the model in place of the spec, less
+    `hidden` (structured output's, which the drop-in functions leave to their callers), bound (and refused) by
+    that signature at the call; its name, docstring and return annotation are the decorated function's."""
+    def wrap(fn: Callable) -> Callable:
+        first, *rest = inspect.signature(steps_of).parameters.values()
+        signature = inspect.Signature([first.replace(name="model", annotation="torch.nn.Module")]
+                                      + [p for p in rest if p.name not in hidden],
+                                      return_annotation=inspect.signature(fn).return_annotation)
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            return run_steps(bound.args[0], steps_of, *bound.args[1:], **bound.kwargs)
+
+        call.__signature__ = signature
+        return call
+    return wrap
 
 
 def drive(steps: StepGenerator, model: torch.nn.Module | None = None) -> Any:
