@@ -547,9 +547,10 @@ def test_sglang_batch_rows_are_decided_alone_and_in_the_engine(load_sglang, whic
         alone, n = multiblock_generate(model, prompt[b:b + 1], config=config, gen_length=gen_length,
                                        block_length=block_length)
         assert torch.equal(alone[0], x[b]) and int(n[0]) == int(nfe[b])
+    # a case whose last block is partial: the engine takes SGLang's layout as the drop-in does
     case = next(c for c in SGLANG["cases"] if "prompt" in c and c["checkpoint"].startswith(which) and c["nfe"] > 4
                 and set(c) == {"name", "checkpoint", "prompt", "kwargs", "output_ids", "nfe", "min_margin"}
-                and not c["kwargs"]["gen_length"] % c["kwargs"]["block_length"])
+                and c["kwargs"]["gen_length"] % c["kwargs"]["block_length"])
     model, (prompt, gen_length, block_length, kw, expected) = load_sglang(case["checkpoint"]), sglang_case(case)
     params = remask.SamplingParams(max_tokens=gen_length, block_length=block_length, temperature=0.0,
                                    decoder=MultiBlock.sglang(**kw))
@@ -575,5 +576,6 @@ def test_sglang_settings_it_does_not_have_are_refused_by_name(load_sglang):
     with pytest.raises(ValueError, match="remasking"):
         multiblock_generate(model, prompt, config=MultiBlock.sglang(), gen_length=16, block_length=8,
                             remasking="random")
-    with pytest.raises(ValueError, match="block_length"):   # the engine's blocks tile max_tokens
-        remask.SamplingParams(max_tokens=30, block_length=8, decoder=MultiBlock.sglang())
+    remask.SamplingParams(max_tokens=30, block_length=8, decoder=MultiBlock.sglang())   # its last block partial
+    with pytest.raises(ValueError, match="block_length"):   # d3LLM's blocks tile max_tokens
+        remask.SamplingParams(max_tokens=30, block_length=8, decoder=MultiBlock())

@@ -36,8 +36,7 @@ def end_settings_refusal(method: Any, *, min_tokens: bool) -> str | None:
     name = type(method).__name__
     if min_tokens:
         return f"{name}: its loop scores the logits inside its own step, with no logits hook the engine reaches"
-    fills = registry.method_of(method).fills_after_eos
-    if fills(method) if callable(fills) else fills:
+    if registry.switch(registry.method_of(method).fills_after_eos, method):
         return f"{name}: it fills the rest of a row with EOS after the first EOS it decodes"
     return None
 

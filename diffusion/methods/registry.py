@@ -8,8 +8,8 @@ sit beside it: the entry-point settings it `reads`, why its loop needs LLaDA's u
 (`unshifted`), whether a cache method takes a commit rule as `decoder=` (`takes_rule`), and whether
 it fills a row with EOS after the first EOS it decodes (`fills_after_eos`, so `ignore_eos` is refused), and
 whether `gen_length` only bounds a canvas that grows (`length_bound`: its output may be shorter, and blocks
-need not divide it). A model family's own loop (SDAR, LLaDA2, Fast-dLLM v2, DiffusionGemma's canvas) is a method too:
-its config is the request's `decoder=` there, its `way` the loop's (`parts/checks.py` `WAYS`: what it reads), the
+need not divide it), and whether its last block may be partial (`partial_blocks`, its config checking the
+layout). A model family's own loop (SDAR, LLaDA2, Fast-dLLM v2, DiffusionGemma's canvas) is a method too: its config is the request's `decoder=` there, its `way` the loop's (`parts/checks.py` `WAYS`: what it reads), the
 model's family builds it (`Family.engine_decoder`; on any other model its loop refuses it); `nested` names the fields
 whose JSON form is an object of its own (`rule`: a decoder config; `sampler`: its class's keywords).
 
@@ -91,6 +91,7 @@ class Method:
     takes_rule: bool = False
     fills_after_eos: bool | Callable[[Any], bool] = False   # or a function of the config (a switch of its own)
     length_bound: bool = False
+    partial_blocks: bool | Callable[[Any], bool] = False   # its last block may be partial (its config checks the layout)
     way: str = "method"   # the way it decodes (`parts.checks.WAYS`): "method", or a family's own loop's
     nested: dict[str, Any] | None = None   # field → "decoder" (a config's JSON) or a class
 
@@ -186,7 +187,8 @@ register("prophet", Prophet, reads=("steps", "cfg_scale", "remasking", "generato
 register("daedal", DAEDAL, reads=("temperature", "generator", "cfg_scale"), length_bound=True, loop=_own_loop(
     daedal_steps, no_cache="DAEDAL forwards its whole canvas, whose length changes (no cache)"))
 register("multiblock", MultiBlock, reads=("temperature", "remasking", "generator"),
-         fills_after_eos=lambda config: config.early_stop, loop=_own_loop(
+         fills_after_eos=lambda config: config.early_stop, partial_blocks=lambda config: config.variant == "sglang",
+         loop=_own_loop(
              multiblock_steps, first=True,
              no_cache="MultiBlock keeps d3LLM's own delayed KV cache: MultiBlock(cache_delay_iter=...)"))
 register("vicinity", VicinityCache, "use_cache", loop=_rules_loop, fills_after_eos=True)
@@ -204,6 +206,11 @@ register("fast_dllm_v2", fast_dllm_v2.FastDLLMV2Decoding, way="family", reads=RE
 register("canvas", canvas.CanvasDecoding, way="canvas", loop=_family_loop, nested={"sampler": canvas.CanvasSampler})
 register("apd", apd.APDConfig, way="apd", reads=("temperature", "top_p", "top_k", "generator", "verifier_stats"),
          loop=_apd_loop)   # its verifier is a model (over HTTP a served model's name: remask.serve)
+
+
+def switch(capability: bool | Callable[[Any], bool], config: Any) -> bool:
+    """A capability that is a bool or a function of the config (`fills_after_eos`, `partial_blocks`), for `config`."""
+    return capability(config) if callable(capability) else capability
 
 
 # --- lookups -------------------------------------------------------------------------------------------
@@ -281,8 +288,10 @@ def check_settings(params: Any) -> None:
     check_real("cfg_scale", params.cfg_scale, low=0)
     check_decoder(params.decoder)
     method = params.method
-    # blocks tile max_tokens, except for a method whose canvas grows up to it (`Method.length_bound`)
-    if method is None or not method_of(method).length_bound:
+    # blocks tile max_tokens, except for a method whose canvas grows up to it (`Method.length_bound`) or whose last
+    # block may be partial (`Method.partial_blocks`: SGLang's multi-block port; its config checks the layout)
+    entry = None if method is None else method_of(method)
+    if entry is None or not (entry.length_bound or switch(entry.partial_blocks, method)):
         validate_block_args(params.max_tokens, params.block_length or params.max_tokens,
                             params.steps or params.max_tokens)
     if not (is_config("use_cache", params.use_cache)
