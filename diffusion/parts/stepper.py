@@ -17,13 +17,13 @@ import contextlib
 import functools
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Generator, Iterator
+from typing import Any, Callable, Concatenate, ContextManager, Generator, Iterator, ParamSpec
 
 import torch
 
 from remask.models.hf_compat import cache_arg, takes_logits_to_keep
 from remask.models.request import ForwardRequest  # the requests' module (also here for the drivers)
-from remask.models.spec import shift_logits
+from remask.models.spec import ModelSpec, shift_logits
 
 from .protocol import Decoder
 from .stats import GenerationStats
@@ -40,6 +40,7 @@ class Progress:
 
 
 StepGenerator = Generator["ForwardRequest | Progress", Any, Any]
+Settings = ParamSpec("Settings")   # a step generator's parameters after the spec (`drop_in`)
 
 
 def call_model(model: torch.nn.Module, request: ForwardRequest, input_ids: torch.Tensor | None,
@@ -176,12 +177,14 @@ def run_steps(model: torch.nn.Module, steps_of: Callable[..., StepGenerator], *a
     return drive(steps_of(get_spec(model), *args, **kwargs), model)
 
 
-def drop_in(steps_of: Callable[..., StepGenerator], hidden: tuple[str, ...] = ("structure", "end_ids")
-            ) -> Callable[[Callable], Callable]:
+def drop_in(steps_of: Callable[Concatenate[ModelSpec, Settings], StepGenerator],
+            hidden: tuple[str, ...] = ("structure", "end_ids")
+            ) -> Callable[[Callable[..., Any]], Callable[Concatenate[torch.nn.Module, Settings], Any]]:
     """A decorator making a method's drop-in function from its step generator: `fn(model, ...)` is
     `run_steps(model, steps_of, ...)`. Its arguments are `steps_of`'s, the model in place of the spec, less
     `hidden` (structured output's, which the drop-in functions leave to their callers), bound (and refused) by
-    that signature at the call; its name, docstring and return annotation are the decorated function's."""
+    that signature at the call; its name, docstring and return annotation are the decorated function's. Type
+    checkers see the same parameters (`Settings`, the step generator's after the spec)."""
     def wrap(fn: Callable) -> Callable:
         first, *rest = inspect.signature(steps_of).parameters.values()
         signature = inspect.Signature([first.replace(name="model", annotation="torch.nn.Module")]
