@@ -144,9 +144,9 @@ class ARDecoder(Decoder):
         """The forward's output (the model's, or the runner's with the last position's logits):
         sample one token per row, the next forward's feed unless that ends the state. Which rows are
         past their EOS is kept on the host: one sync a step (the engine steps token by token)."""
-        B, at = len(state.finished), state.prompt_len + state.step
+        B, at, fed = len(state.finished), state.prompt_len + state.step, state.fed
         if stats is not None:
-            stats.forward(B, state.fed.stop - state.fed.start)
+            stats.forward(B, fed.stop - fed.start)
         state.cache = output_cache(output)
         raw = logits = output.logits[:, -1:]
         for processor in self.processors:
