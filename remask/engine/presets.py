@@ -25,6 +25,7 @@ from remask.diffusion.families.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDec
 from remask.diffusion.families.llada import BlockDecoder, validate_block_args
 from remask.diffusion.methods.decoders import decoder_steps, end_settings_refusal
 from remask.diffusion.parts.checks import changed, check_instance, refuse_unread
+from remask.diffusion.parts.constrain_loops import structure_for_call
 from remask.diffusion.parts.stepper import StepwiseDecoder
 
 from .sampling_params import SamplingParams
@@ -53,28 +54,17 @@ def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -
                          "scores the logits inside itself")
     if way in ("canvas", "ar", "llada"):   # the others were refused when the params were built, or by the family
         refuse_unread(params, way)
-    structure = structure_for_request(engine, params)
+    if params.structured_outputs is not None and engine.tokenizer is None:
+        raise ValueError("structured_outputs needs the engine's tokenizer (the structure is compiled against its "
+                         "vocabulary): build the LLMEngine with tokenizer=")
+    # compiled against the engine's tokenizer (cached), `max_tokens` checked against the shortest valid answer
+    structure = structure_for_call(params.structured_outputs, engine.model, engine.tokenizer, engine.spec.mask_id,
+                                   params.max_tokens)
     ends = sorted(set(engine.stop_ids) | set(params.stop_token_ids)) if structure is not None else ()
     # the block-causal families' loops, APD and the canvases hold it in their own loops (parts/constrain_loops.py);
     # Dream's sampler and block decoder, FreeDave, dInfer's rules, WINO and the DKVCache / D2Cache /
     # ElasticCache configs in their commits (parts/constrain.py)
     return BUILDERS[way](engine, params, prompt_ids, structure, ends)
-
-
-def structure_for_request(engine: Any, params: SamplingParams) -> Any:
-    """The request's `structured_outputs` compiled against the engine's tokenizer (cached), its
-    `max_tokens` checked against the shortest valid answer; None without one."""
-    if params.structured_outputs is None:
-        return None
-    from remask.structured import compile_structure, model_vocab_size
-
-    if engine.tokenizer is None:
-        raise ValueError("structured_outputs needs the engine's tokenizer (the structure is compiled against its "
-                         "vocabulary): build the LLMEngine with tokenizer=")
-    structure = compile_structure(params.structured_outputs, engine.tokenizer, model_vocab_size(engine.model),
-                                  () if engine.spec.mask_id is None else (engine.spec.mask_id,))
-    structure.check_budget(params.max_tokens)
-    return structure
 
 
 def check_end_settings(engine: Any, params: SamplingParams, way: str) -> None:
