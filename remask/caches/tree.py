@@ -26,20 +26,16 @@ class TreeKVCache(KVCache):
             part = part.index_select(0, self.rows)
         return part.repeat_interleave(self.drafts, dim=0)
 
-    def _keys(self, cached: list[torch.Tensor], layer: int, own: torch.Tensor) -> torch.Tensor:
-        parts = []
-        if self.prefix > 0:
-            parts.append(self._side(cached[layer], 0, self.prefix))
-        parts.append(own)
-        if self.suffix_start < self.total:
-            parts.append(self._side(cached[layer], self.suffix_start, self.total))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    def _keys(self, held: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        """[`held`'s prefix | `own` | `held`'s suffix] along the positions (an empty side left out)."""
+        parts = [self._side(held, 0, self.prefix), own, self._side(held, self.suffix_start, self.total)]
+        return torch.cat([part for part in parts if part.shape[2] > 0], dim=2)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                mask: torch.Tensor | None) -> torch.Tensor:
         """`q`, `k`, `v` `[A·K, H, L, D]`: each draft's own; `mask` (if any) per draft row."""
-        keys = self._keys(self.base.keys, layer, k)
-        values = self._keys(self.base.values, layer, v)
+        keys = self._keys(self.base.keys[layer], k)
+        values = self._keys(self.base.values[layer], v)
         if mask is not None:
             mask = mask.expand(q.shape[0], *mask.shape[1:])
         return attention(q, keys, values, mask)
