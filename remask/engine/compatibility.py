@@ -95,15 +95,12 @@ def layout(name: str, spec: Any) -> dict[str, Any]:
 
 
 def _load(family: str, path: str) -> torch.nn.Module:
+    """The family's tiny checkpoint, written to `path` and loaded as `remask.LLM` loads a folder."""
     from remask.models import tiny
-    from remask.models.registry import family_of
-
-    import transformers
+    from remask.zoo import load
 
     getattr(tiny, FAMILIES[family])(path)
-    found = family_of(family)
-    auto = getattr(transformers, found.load_class if found is not None else "AutoModel")
-    return auto.from_pretrained(path).eval()
+    return load(path)[0]
 
 
 def cell(engine: Any, params: dict[str, Any], prompt: list[int]) -> str:
