@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections import OrderedDict
+from collections import OrderedDict, namedtuple
 from typing import Any, Callable, ContextManager, Hashable, Protocol
 
 import torch
@@ -68,9 +68,8 @@ def buckets_up_to(max_batch: int) -> list[int]:
     return [1 << i for i in range((max_batch - 1).bit_length())] + [max_batch]
 
 
-class _Entry:
-    def __init__(self, graph: Any, static_in: torch.Tensor, static_out: torch.Tensor) -> None:
-        self.graph, self.static_in, self.static_out = graph, static_in, static_out
+# a captured graph with its static input (token ids `[bucket, T]`) and output (logits)
+_Entry = namedtuple("_Entry", "graph static_in static_out")
 
 
 class GraphedForward:
