@@ -11,10 +11,6 @@ from remask.kernels import paged_attention, paged_store
 from .kv import attention
 
 
-# The allocator's old name ("block" now means the semi-autoregressive block only).
-BlockManager = PageManager
-
-
 class PagedKVCache:
     """Fast-dLLM's dual cache kept in pages: `use_cache="paged"` (or an instance, to read its memory
     figures afterwards). After `begin_block`, the full forward stores the K/V of every position
