@@ -50,13 +50,12 @@ def methods() -> dict[str, dict[str, Any]]:
                                                            decoder=remask.HierarchicalDecoding()),
         "dKV-Cache + dInfer ThresholdDecoding": dict(use_cache=remask.DKVCache(), decoder=remask.ThresholdDecoding()),
     }
+    named = {type(config) for kwargs in listed.values() for config in kwargs.values()}
     # Every other registered commit rule (diffusion/methods/registry.py), with its defaults.
-    shipped = (remask.ThresholdDecoding, remask.CreditDecoding, remask.HierarchicalDecoding)
     extra = {f"rule {rule.name} ({rule.__name__})": dict(decoder=rule()) for rule in registry.rules()
-             if rule not in shipped}
+             if rule not in named}
     # Every other registered method with a loop of its own (DAEDAL, ...), by its config's name, with its defaults;
     # APD with a tiny random causal LM as its verifier (its config has no default verifier).
-    named = {type(config) for kwargs in listed.values() for config in kwargs.values()}
     own_loops = {m.config.__name__: {m.field: m.config()} for m in registry.METHODS.values()
                  if not m.is_rule and m.config not in named and m.way != "apd"}
     cached = {"MultiBlock + its KV cache (cache_delay_iter)": dict(decoder=remask.MultiBlock(cache_delay_iter=1))}
