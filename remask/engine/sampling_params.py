@@ -111,10 +111,6 @@ class SamplingParams:
             return "apd" if registry.way_of(self.decoder) == "apd" else "method"
         return "dream" if self.alg is not None else "llada"
 
-    @property
-    def gen_length(self) -> int:
-        return self.max_tokens
-
     def generate_kwargs(self) -> dict[str, Any]:
         """`remask.generate`'s keyword arguments that decode like these params (the engine's block decoder too)."""
         same = ("temperature", "cfg_scale", "remasking", "logits_eos_inf", "confidence_eos_eot_inf", "threshold",
