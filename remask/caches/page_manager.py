@@ -78,10 +78,6 @@ class PageManager:
             sharing = page is not None and self.page_tokens[page] == chunk
             yield h, chunk, page if sharing else None
 
-    def can_allocate(self, token_ids: Sequence[int], extra_positions: int = 0, seed: int | None = None) -> bool:
-        """Whether `allocate(token_ids)` plus pages for `extra_positions` more would succeed now."""
-        return self.pages_needed(token_ids, extra_positions, seed) <= self.num_free
-
     def pages_needed(self, token_ids: Sequence[int], extra_positions: int = 0, seed: int | None = None) -> int:
         """Free pages that `allocate(token_ids)` plus `extra_positions` more positions would take."""
         hits = [page for _, _, page in self._lookup(token_ids, seed, False) if page is not None]
@@ -115,10 +111,6 @@ class PageManager:
             table.append(page)
         self.peak_in_use = max(self.peak_in_use, self.pages_in_use)
         return table
-
-    def num_shared(self, table: Sequence[int]) -> int:
-        """How many leading pages of `table` other sequences hold too."""
-        return next((i for i, page in enumerate(table) if self.ref_count[page] < 2), len(table))
 
     def unshare(self, table: list[int], index: int) -> int:
         """Copy-on-write: give `table[index]` a private page (returned; the caller copies the
