@@ -87,8 +87,7 @@ class LLMEngine:
         self.prompt_cache = PromptCache(max(64, max_num_seqs)) if (
             self.spec.layout == "encoder-decoder" and enable_prefix_caching) else None
         self.requests: dict[str, tuple[str | None, list[int], list[Sequence]]] = {}
-        self.stop_ids = sorted(set(stop_token_ids(tokenizer, model) if tokenizer is not None else
-                                   [i for i in (self.spec.eos_id, self.spec.eot_id) if i is not None]))
+        self.stop_ids = stop_token_ids(tokenizer, model)   # without a tokenizer: the spec's EOS / EOT
         self.state = EngineState.READY
 
     def _page_manager(self, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_pages: int | None,
