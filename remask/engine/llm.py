@@ -129,14 +129,13 @@ class LLM:
         from tqdm.auto import tqdm
 
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         start, tokens = time.perf_counter(), 0
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-                    tokens += sum(len(o.all_token_ids) for o in out.outputs)
-                    bar.update(1)
-                    bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} generated tok/s")
-        bar.close()
+        with tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        tokens += sum(len(o.all_token_ids) for o in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.0f} generated tok/s")
         return [finished[i] for i in ids]
