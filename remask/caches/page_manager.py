@@ -120,11 +120,10 @@ class PageManager:
         table[index] = page
         return page
 
-    def extend(self, table: list[int], new_length: int) -> list[int]:
+    def extend(self, table: list[int], new_length: int) -> None:
         """Append fresh pages to `table` until it covers `new_length` positions (generated tokens)."""
         while len(table) * self.page_size < new_length:
             table.append(self._take_free())
-        return table
 
     def free(self, table: Sequence[int]) -> None:
         """Release a sequence's pages (last first); a page is reusable once nobody holds it."""
