@@ -23,8 +23,8 @@ N = 40
 
 @pytest.fixture(scope="module")
 def task_manager():
-    """lm-eval's task index (its own tasks and the shipped remask_tiny): seconds to build, read only after."""
-    return TaskManager(include_path=task_dir())
+    """The shipped task's index (lm-eval's own tasks left out: their index takes about 30 s of CPU to build)."""
+    return TaskManager(include_path=task_dir(), include_defaults=False)
 
 
 @pytest.mark.parametrize("pretrained,model_args,strategy", [
@@ -46,38 +46,14 @@ def test_accuracy_and_answers_equal_the_zoo_evaluation(pretrained, model_args, s
     assert answers == expected.outputs
 
 
-# `remask eval` with lm-eval's own flags and seeded sampling, on a clean environment without network.
+# `remask eval` with lm-eval's own flags and seeded sampling, on a clean environment without network; beside the
+# shipped task, two user task folders (--include_path given twice, both spellings). Where there is no CUDA the run
+# gives no --device: lm-eval's default is cuda:0, and `remask eval` gives the CPU instead, without a warning.
 EVAL_ARGS = ["-m", "remask", "eval", "--model", "remask", "--model_args",
              "pretrained=tiny-llada,steps=16,block_length=8,max_tokens=16,temperature=0.8,seed=5",
-             "--tasks", "remask_tiny", "--apply_chat_template", "--limit", "16", "--device", "cpu", "--log_samples"]
-
-
-def _run_eval(launcher: list[str], out, home) -> tuple[dict, list[str]]:
-    """One `remask eval` run (EVAL_ARGS) under `launcher`: its results JSON and its sampled answers by doc."""
-    done = subprocess.run([*launcher, *EVAL_ARGS, "--output_path", str(out)], capture_output=True, text=True,
-                          timeout=600, env={"PATH": "/usr/bin:/bin", "HF_DATASETS_OFFLINE": "1",
-                                            "HF_HUB_OFFLINE": "1", "HOME": str(home)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    [result] = list(out.rglob("results_*.json"))
-    [samples] = list(out.rglob("samples_remask_tiny_*.jsonl"))
-    rows = sorted((json.loads(line) for line in samples.read_text().splitlines()), key=lambda r: r["doc_id"])
-    return json.loads(result.read_text()), [r["resps"][0][0] for r in rows]
-
-
-@pytest.fixture(scope="module")
-def one_process_eval(tmp_path_factory):
-    """The one-process run that both the rerun and the torchrun run are compared with."""
-    home = tmp_path_factory.mktemp("eval-home")
-    return _run_eval([sys.executable], home / "one", home)
-
-
-def test_remask_eval_command_runs_offline_and_logs_its_settings(one_process_eval):
-    """`python -m remask eval` without network: an accuracy and remask's settings in the results (a second launch
-    giving the same sampled answers: the torchrun test below, whose two processes equal this one)."""
-    first, answers = one_process_eval
-    assert 0 < first["results"]["remask_tiny"]["exact_match,none"] <= 1 and len(answers) == 16
-    assert "sampling_params" in json.dumps(first)       # remask's settings logged beside the numbers
-
+             "--tasks", "my_task,their_task,remask_tiny", "--apply_chat_template", "--limit", "16", "--log_samples",
+             *(["--device", "cpu"] if torch.cuda.is_available() else [])]
+OFFLINE = {"PATH": "/usr/bin:/bin", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
 USER_TASK = """task: {name}
 dataset_path: json
@@ -99,7 +75,6 @@ metric_list:
 metadata:
   version: 1.0
 """
-OFFLINE = {"PATH": "/usr/bin:/bin", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
 
 def _user_task(folder, name: str) -> None:
@@ -111,27 +86,46 @@ def _user_task(folder, name: str) -> None:
     (folder / f"{name}.yaml").write_text(USER_TASK.format(name=name, data=data))
 
 
-def test_remask_eval_sees_every_include_path_and_the_shipped_task(tmp_path):
-    """Each --include_path (given twice, both spellings) and the shipped remask_tiny are all found
-    (lm-eval's own flag keeps one path, and a comma-joined one is read as a single folder). Where
-    there is no CUDA the run gives no --device: lm-eval's default is cuda:0, and `remask eval` gives
-    the CPU instead, without a warning."""
-    _user_task(tmp_path / "mine", "my_task")
-    _user_task(tmp_path / "theirs", "their_task")
-    out = tmp_path / "out"
-    device = ["--device", "cpu"] if torch.cuda.is_available() else []
-    done = subprocess.run([sys.executable, "-m", "remask", "eval", "--model", "remask", "--model_args",
-                           "pretrained=tiny-llada,steps=16,block_length=8,max_tokens=16",
-                           "--include_path", str(tmp_path / "mine"), f"--include_path={tmp_path / 'theirs'}",
-                           "--tasks", "my_task,their_task,remask_tiny", "--apply_chat_template", "--limit", "2",
-                           "--output_path", str(out), *device], capture_output=True, text=True,
-                          timeout=300, env={**OFFLINE, "HOME": str(tmp_path)})
+def _run_eval(launcher: list[str], out, home, tasks) -> tuple[dict, list[str], subprocess.CompletedProcess]:
+    """One `remask eval` run (EVAL_ARGS, the user tasks in `tasks`, a fresh HOME) under `launcher`: its results
+    JSON, its sampled answers to remask_tiny by doc, and the finished process."""
+    include = ["--include_path", str(tasks / "mine"), f"--include_path={tasks / 'theirs'}"]
+    done = subprocess.run([*launcher, *EVAL_ARGS, *include, "--output_path", str(out)], capture_output=True, text=True,
+                          timeout=600, env={**OFFLINE, "HOME": str(home)})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "remask_tiny" in done.stdout and "CUDA is not available" not in done.stderr
     [result] = list(out.rglob("results_*.json"))
-    results = json.loads(result.read_text())["results"]
+    [samples] = list(out.rglob("samples_remask_tiny_*.jsonl"))
+    rows = sorted((json.loads(line) for line in samples.read_text().splitlines()), key=lambda r: r["doc_id"])
+    return json.loads(result.read_text()), [r["resps"][0][0] for r in rows], done
+
+
+@pytest.fixture(scope="module")
+def one_process_eval(tmp_path_factory):
+    """The one-process run that the checks below read and the torchrun run is compared with (one launch:
+    each pays the imports and lm-eval's task index)."""
+    home = tmp_path_factory.mktemp("eval-home")
+    _user_task(home / "mine", "my_task")
+    _user_task(home / "theirs", "their_task")
+    return home, _run_eval([sys.executable], home / "one", home, home)
+
+
+def test_remask_eval_command_runs_offline_and_logs_its_settings(one_process_eval):
+    """`python -m remask eval` without network: an accuracy and remask's settings in the results (a second launch
+    giving the same sampled answers: the torchrun test below, whose two processes equal this one)."""
+    _, (first, answers, _) = one_process_eval
+    assert 0 < first["results"]["remask_tiny"]["exact_match,none"] <= 1 and len(answers) == 16
+    assert "sampling_params" in json.dumps(first)       # remask's settings logged beside the numbers
+
+
+def test_remask_eval_sees_every_include_path_and_the_shipped_task(one_process_eval):
+    """Each --include_path (given twice, both spellings) and the shipped remask_tiny are all found
+    (lm-eval's own flag keeps one path, and a comma-joined one is read as a single folder); the user
+    tasks' `do_sample: false` decodes greedily whatever the model_args' temperature. Without CUDA no
+    --device was given, and the CPU was used without a warning."""
+    _, (first, _, done) = one_process_eval
+    assert "remask_tiny" in done.stdout and "CUDA is not available" not in done.stderr
+    results = first["results"]
     assert results["my_task"]["exact_match,none"] == results["their_task"]["exact_match,none"] == 1.0
-    assert 0 <= results["remask_tiny"]["exact_match,none"] <= 1
 
 
 def test_a_cuda_device_asked_for_by_name_falls_back_to_the_cpu_with_a_warning():
@@ -183,8 +177,8 @@ def test_data_parallel_under_torchrun_equals_one_process(tmp_path, one_process_e
     torchrun = shutil.which("torchrun", path=str(pathlib.Path(sys.executable).parent))
     if torchrun is None:
         pytest.skip("torchrun not installed beside this python")
-    one, one_answers = one_process_eval
-    two, two_answers = _run_eval([torchrun, "--nproc_per_node", "2"], tmp_path / "two", tmp_path)
+    home, (one, one_answers, _) = one_process_eval
+    two, two_answers, _ = _run_eval([torchrun, "--nproc_per_node", "2"], tmp_path / "two", tmp_path, home)
     assert len(one_answers) == 16 and two_answers == one_answers
     assert two["results"]["remask_tiny"]["exact_match,none"] == one["results"]["remask_tiny"]["exact_match,none"]
 
