@@ -27,9 +27,11 @@ WRITES_PASSED = _python("import json, os; json.dump({'status': 'passed', 'note':
 
 
 def test_the_dry_run_reports_every_part_and_the_cpu_parts_pass(tmp_path):
+    """`--one-process`: the parts' code as the GPU day runs it, one interpreter start for all of them (the
+    subprocess per part and its box: the tests below, on parts that sleep, fail and write)."""
     out = tmp_path / "report.md"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_day.py"), "--dry-run", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)   # each part boxed: bounded
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_day.py"), "--dry-run", "--one-process",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = out.read_text()
     assert "DRY RUN" in text and "No number in this file is a GPU number" in text
