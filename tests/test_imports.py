@@ -120,23 +120,6 @@ def test_import_contracts_hold(tmp_path):
     assert "Analyzed" in done.stdout and " 0 broken" in done.stdout
 
 
-def test_remask_models_registers_configs_without_the_model_classes():
-    """`remask.models` imports the config classes only; a family module (its model classes, which
-    import `transformers.modeling_utils`) comes with the first config of it."""
-    out = json.loads(_run("""
-        import json, sys
-        import remask.models
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-        before = "transformers.modeling_utils" in sys.modules
-        registered = all(t in CONFIG_MAPPING for t in ("llada", "Dream", "sdar", "sdar_moe", "llada2_moe",
-                                                       "Fast_dLLM_Qwen"))
-        remask.models.LLaDAConfig(d_model=32, n_heads=2, n_layers=1)
-        print(json.dumps([before, registered, "remask.models.llada" in sys.modules,
-                          "remask.models.dream" in sys.modules]))
-    """))
-    assert out == [False, True, True, False]
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("imports")
@@ -150,7 +133,9 @@ def checkpoints(tmp_path_factory):
 def test_auto_classes_load_official_checkpoints_after_import_remask(checkpoints, order):
     """A fresh process: LLaDA through `AutoModel`, Fast-dLLM v2 (a Qwen2 configuration subclass)
     through `AutoModelForCausalLM`, no `trust_remote_code`, once `remask.models` is imported; remask
-    imported before transformers, after it, or after its Auto classes."""
+    imported before transformers, after it, or after its Auto classes. `remask.models` registers every
+    family's config class and imports no model class (not even `transformers.modeling_utils`): a family's
+    module comes with the first config of it, and only that family's."""
     head = {"remask first": "import remask\nimport transformers",
             "transformers first": "import transformers\nimport remask",
             "auto classes first": "from transformers import AutoModel\nimport remask"}[order]
@@ -158,14 +143,18 @@ def test_auto_classes_load_official_checkpoints_after_import_remask(checkpoints,
 import json, sys
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 import remask.models
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 assert "remask.models.llada" not in sys.modules
+registered = ["transformers.modeling_utils" in sys.modules,
+              all(t in CONFIG_MAPPING for t in ("llada", "Dream", "sdar", "sdar_moe", "llada2_moe", "Fast_dLLM_Qwen"))]
 llada = AutoModel.from_pretrained({str(checkpoints / "llada")!r})
 fast = AutoModelForCausalLM.from_pretrained({str(checkpoints / "fast_dllm_v2")!r})
 print(json.dumps([type(AutoConfig.from_pretrained({str(checkpoints / "llada")!r})).__name__,
                   isinstance(llada, remask.models.LLaDAModelLM), type(fast).__name__,
-                  remask.get_spec(llada).kind, remask.get_spec(fast).attention]))
+                  remask.get_spec(llada).kind, remask.get_spec(fast).attention,
+                  registered, "remask.models.dream" in sys.modules]))
 """))
-    assert out == ["LLaDAConfig", True, "FastDLLMV2ForCausalLM", "llada", "block-causal"]
+    assert out == ["LLaDAConfig", True, "FastDLLMV2ForCausalLM", "llada", "block-causal", [False, True], False]
 
 
 def test_public_names_and_families_resolve_on_demand(one_fresh_process):
