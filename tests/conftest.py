@@ -68,6 +68,9 @@ LONGEST_FILES = {
 # `make test`; the rest are marked `slow`: `make test-portable` (CI, after `make test`) and `make test-all` run
 # every case. Each fixture is ordered by its settings, so the sample keeps every code path the sweep takes.
 SAMPLED_CASES = 12
+# Other per-case sweeps over a fixture sampled the same way (they carry the `portable` mark: `make test-portable`
+# runs every case).
+SAMPLED_SWEEPS = {"tests/test_sparse_reference.py::test_default_tie_rule_departs_only_at_ties"}
 
 
 def pytest_collection_modifyitems(items):
@@ -80,9 +83,11 @@ def pytest_collection_modifyitems(items):
 
     cases = defaultdict(list)
     for item in items:
-        if item.nodeid.split("[")[0] in REFERENCE_TESTS:
+        name = item.nodeid.split("[")[0]
+        if name in REFERENCE_TESTS:
             item.add_marker(pytest.mark.reference)
-            cases[item.nodeid.split("[")[0]].append(item)
+        if name in REFERENCE_TESTS or name in SAMPLED_SWEEPS:
+            cases[name].append(item)
     for test in cases.values():
         sample = {round(i * len(test) / SAMPLED_CASES) for i in range(SAMPLED_CASES)}
         for index, item in enumerate(test):
