@@ -42,25 +42,25 @@ torch.set_num_threads(1)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-# The files that take longest, longest first, with their test-seconds in a `make test` profile (2026-11-29,
+# The files that take longest, longest first, with their test-seconds in a `make test` profile (2026-11-29, 18:10,
 # `--durations=0`, 2 workers). `make test` runs `--dist loadfile --no-loadscope-reorder`: xdist hands whole
 # files to the two workers in this order (longest processing time first), so the many short files fill in
 # at the end and neither worker runs a long file alone while the other idles (xdist's own order, by test
 # count, would start the subprocess-heavy files last). Refresh from a profile run when files grow.
 LONGEST_FILES = {
-    "tests/test_lmeval.py": 142, "tests/test_gpu_day.py": 108, "tests/test_serve.py": 105,
-    "tests/test_engine.py": 97, "tests/test_zoo.py": 74, "tests/test_structured_methods.py": 70,
-    "tests/test_freedave.py": 64, "tests/test_imports.py": 59, "tests/test_fuzz.py": 58,
-    "tests/test_tensor_parallel.py": 55, "tests/test_kernel_confidence.py": 55,
-    "tests/test_structured_own_loops.py": 54, "tests/test_structured_families.py": 47, "tests/test_cli.py": 45,
-    "tests/test_kernel_unmask.py": 44, "tests/test_freedave_blocks.py": 43, "tests/test_sparse_reference.py": 39,
-    "tests/test_docs.py": 38, "tests/test_klass.py": 37, "tests/test_structured_matrix.py": 35,
-    "tests/test_structured_http.py": 30, "tests/test_ray.py": 26, "tests/test_kernel_dinfer.py": 25,
-    "tests/test_zoo_chat.py": 25, "tests/test_roofline.py": 24, "tests/test_kernel_accept.py": 19,
-    "tests/test_kernel_samplers.py": 18, "tests/test_structured.py": 17, "tests/test_paged_cache.py": 17,
-    "tests/test_sparse.py": 16, "tests/test_diffusion_gemma.py": 16, "tests/test_kernel_paged.py": 15,
-    "tests/test_rules_on_blocks.py": 15, "tests/test_multiblock.py": 15, "tests/test_kernel_invariant.py": 14,
-    "tests/test_validation.py": 13, "tests/test_kernel_sparse.py": 13, "tests/test_portable_random.py": 12,
+    "tests/test_serve.py": 101, "tests/test_lmeval.py": 92, "tests/test_engine.py": 89,
+    "tests/test_kernel_confidence.py": 75, "tests/test_structured_methods.py": 72, "tests/test_zoo.py": 72,
+    "tests/test_freedave.py": 63, "tests/test_tensor_parallel.py": 56, "tests/test_structured_own_loops.py": 54,
+    "tests/test_kernel_unmask.py": 53, "tests/test_gpu_day.py": 49, "tests/test_ray.py": 49,
+    "tests/test_imports.py": 47, "tests/test_klass.py": 46, "tests/test_structured_families.py": 45,
+    "tests/test_fuzz.py": 42, "tests/test_freedave_blocks.py": 40, "tests/test_structured_matrix.py": 38,
+    "tests/test_structured_http.py": 32, "tests/test_cli.py": 26, "tests/test_zoo_chat.py": 25,
+    "tests/test_roofline.py": 23, "tests/test_structured.py": 22, "tests/test_kernel_dinfer.py": 20,
+    "tests/test_docs.py": 18, "tests/test_kernel_samplers.py": 17, "tests/test_paged_cache.py": 16,
+    "tests/test_portable_random.py": 15, "tests/test_kernel_accept.py": 15, "tests/test_rules_on_blocks.py": 15,
+    "tests/test_kernel_invariant.py": 14, "tests/test_sparse.py": 14, "tests/test_kernel_paged.py": 14,
+    "tests/test_validation.py": 14, "tests/test_sparse_reference.py": 14, "tests/test_multiblock.py": 13,
+    "tests/test_diffusion_gemma.py": 13, "tests/test_bench_structured.py": 13
 }
 
 
