@@ -29,8 +29,8 @@ from .methods.decoders import is_dinfer_method, run_decoder
 from .methods.freedave import FreeDave
 from .parts.cache import cache_mode
 from .parts.checks import (check_bool, check_callable, check_generator, check_instance, check_int, check_length,
-                           check_mask_id, check_model_kind, check_optional_token_id, check_prompt, check_stats,
-                           refuse_unread, warn_if_longer_than_trained, warn_if_padded_without_mask)
+                           check_mask_id, check_model_kind, check_optional_token_id, check_prompt, check_real,
+                           check_stats, refuse_unread, warn_if_longer_than_trained, warn_if_padded_without_mask)
 from .parts.constrain_loops import structure_for_call
 from .parts.sparse import SparseConfig
 from .parts.stats import GenerationStats
@@ -168,6 +168,7 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     check_prompt(spec.device, inputs, attention_mask, name="inputs", spec=spec,
                  mask_in_prompt="refuse" if blocks or apd is not None else "allow")
     _validate_config(config, spec)
+    check_real("threshold", threshold, low=0, high=1, low_open=True)   # Dream's threshold has a value: None is refused
     check_bool("finish_blocks", finish_blocks)
     check_bool("reference_ties", reference_ties)
     check_generator(generator, inputs.device)

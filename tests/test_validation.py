@@ -77,7 +77,7 @@ DIFFUSION_GENERATE_BAD = [
     (dict(max_new_tokens=None, max_length=0), "max_length"), (dict(max_new_tokens=None, max_length=5), "max_length"),
     (dict(max_new_tokens=500), "max_length"), (dict(alg="greedy"), "alg"), (dict(alg=None), "alg"),
     (dict(alg="confidence_threshold", threshold=2.0), "threshold"), (dict(threshold=NAN), "threshold"),
-    (dict(finish_blocks="x"), "finish_blocks"), (dict(block_length="8"), "block_length"),
+    (dict(threshold=None), "threshold"), (dict(finish_blocks="x"), "finish_blocks"), (dict(block_length="8"), "block_length"),
     (dict(block_length=3), "block_length"), (dict(use_cache="full"), "use_cache"),
     (dict(generation_tokens_hook_func=3), "generation_tokens_hook_func"), (dict(generator="x"), "generator"),
     (dict(output_history=1), "output_history"), (dict(return_dict_in_generate="yes"), "return_dict_in_generate"),
