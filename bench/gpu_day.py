@@ -8,7 +8,7 @@ Each part runs in its own subprocess with its own time box; a part that fails or
 reported as such (with what it measured before) and the next one runs. `--budget-s` (default 480)
 bounds the whole run: the parts' boxes are scaled down to fit it, and a part with no time left is
 reported skipped. `--one-process` runs the parts one after another in this process instead, with no
-box (the dry run without an interpreter start per part: about 40 s less on a 2-core CPU).
+box (the dry run without an interpreter start per part).
 
   env           device, driver, CUDA / torch / triton / transformers versions, measured copy bandwidth
   kernel-tests  the kernel tests and the GPU-marked tests on CUDA (Triton compiled, never

@@ -30,7 +30,7 @@ import remask  # noqa: F401  (registers the model classes with transformers)
 from helpers import CHECKPOINTS
 
 # Fuzzing (tests/test_fuzz.py, tests/test_fuzz_http.py): "ci" is the default run (50 examples per property,
-# derandomized so CI is repeatable: the same examples every run, about half a minute for both files);
+# derandomized so CI is repeatable: the same examples every run);
 # HYPOTHESIS_PROFILE=nightly runs hundreds of random examples per property.
 settings.register_profile("ci", max_examples=50, deadline=None, derandomize=True, print_blob=True)
 settings.register_profile("nightly", max_examples=400, deadline=None, print_blob=True)

@@ -28,8 +28,10 @@ class TreeKVCache(KVCache):
 
     def _keys(self, held: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
         """[`held`'s prefix | `own` | `held`'s suffix] along the positions (an empty side left out)."""
-        parts = [self._side(held, 0, self.prefix), own, self._side(held, self.suffix_start, self.total)]
-        return torch.cat([part for part in parts if part.shape[2] > 0], dim=2)
+        # an empty side is neither gathered nor copied: with none, the draft's own keys as they are
+        parts = ([self._side(held, 0, self.prefix)] if self.prefix > 0 else []) + [own] + (
+            [self._side(held, self.suffix_start, self.total)] if self.suffix_start < self.total else [])
+        return torch.cat(parts, dim=2) if len(parts) > 1 else own
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                mask: torch.Tensor | None) -> torch.Tensor:
