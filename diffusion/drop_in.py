@@ -168,7 +168,9 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     check_prompt(spec.device, inputs, attention_mask, name="inputs", spec=spec,
                  mask_in_prompt="refuse" if blocks or apd is not None else "allow")
     _validate_config(config, spec)
-    check_real("threshold", threshold, low=0, high=1, low_open=True)   # Dream's threshold has a value: None is refused
+    if threshold is not None or (config.alg == "confidence_threshold" and frechet_margin is None):
+        # upstream reads it under alg="confidence_threshold" only (its None is unread elsewhere, as here)
+        check_real("threshold", threshold, low=0, high=1, low_open=True)
     check_bool("finish_blocks", finish_blocks)
     check_bool("reference_ties", reference_ties)
     check_generator(generator, inputs.device)

@@ -247,7 +247,7 @@ BAD = {
         "steps": bad_int(1), "alg_temp": bad_real(low=0, none_ok=True),
         "alg": st.one_of(st.text(max_size=4), st.none(), st.integers()),
         "num_return_sequences": bad_int(1), "max_new_tokens": bad_int(1, none_ok=True),
-        "threshold": bad_real(low=0, high=1, low_open=True), "block_length": bad_int(1, none_ok=True),
+        "threshold": bad_real(low=0, high=1, low_open=True, none_ok=True), "block_length": bad_int(1, none_ok=True),
         "use_cache": st.one_of(st.text(max_size=5), st.integers()).filter(lambda v: v not in ("prefix", "dual", "paged")),
         "finish_blocks": bad_bool(), "output_history": bad_bool(), "return_dict_in_generate": bad_bool(),
         "generator": bad_object(), "stats": bad_object(), "pad_token_id": bad_int(0, V - 1, none_ok=True),

@@ -77,7 +77,7 @@ DIFFUSION_GENERATE_BAD = [
     (dict(max_new_tokens=None, max_length=0), "max_length"), (dict(max_new_tokens=None, max_length=5), "max_length"),
     (dict(max_new_tokens=500), "max_length"), (dict(alg="greedy"), "alg"), (dict(alg=None), "alg"),
     (dict(alg="confidence_threshold", threshold=2.0), "threshold"), (dict(threshold=NAN), "threshold"),
-    (dict(threshold=None), "threshold"), (dict(finish_blocks="x"), "finish_blocks"), (dict(block_length="8"), "block_length"),
+    (dict(alg="confidence_threshold", threshold=None), "threshold"), (dict(finish_blocks="x"), "finish_blocks"), (dict(block_length="8"), "block_length"),
     (dict(block_length=3), "block_length"), (dict(use_cache="full"), "use_cache"),
     (dict(generation_tokens_hook_func=3), "generation_tokens_hook_func"), (dict(generator="x"), "generator"),
     (dict(output_history=1), "output_history"), (dict(return_dict_in_generate="yes"), "return_dict_in_generate"),
@@ -114,6 +114,17 @@ def test_generate_bad(tiny, kwargs, name):
 def test_diffusion_generate_bad(tiny, kwargs, name):
     model = tiny[0]
     _raises_naming(lambda: remask.diffusion_generate(model, PROMPT, **{**DREAM, **kwargs}), name)
+
+
+def test_diffusion_generate_takes_threshold_none_where_upstream_does_not_read_it(tiny):
+    """Fast-dLLM's Dream code reads `threshold` under alg="confidence_threshold" only, so elsewhere it runs with
+    None: so does the drop-in, in Dream's sampler and in the block decoder (the tokens of the default)."""
+    model = tiny[0]
+    for extra in (dict(alg="origin"), dict(alg="entropy"), dict(alg="maskgit_plus", block_length=4, use_cache="dual")):
+        want, got = (remask.diffusion_generate(model, PROMPT, **DREAM, **extra, **threshold,
+                                               generator=torch.Generator().manual_seed(0))
+                     for threshold in ({}, {"threshold": None}))
+        assert torch.equal(got, want), extra
 
 
 @pytest.mark.parametrize("kwargs,name", AR_GENERATE_BAD, ids=[f"{n}-{i}" for i, (_, n) in enumerate(AR_GENERATE_BAD)])
