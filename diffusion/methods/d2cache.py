@@ -266,8 +266,11 @@ def _group(canvas: torch.Tensor, config: D2Cache, G: int, block_length: int, per
                 "position_ids": positions[active][rows].view(Ba, n)})
             logits = part.new_zeros((Ba, T, part.shape[-1])).masked_scatter(rows[..., None], part)
             for whole, fresh in ((cache.k, sub.k), (cache.v, sub.v)):   # the active rows' K/V written back
-                for layer, t in fresh.items():
-                    whole[layer] = whole[layer].index_put((active,), t) if layer in whole else t
+                for layer, t in fresh.items():   # in place (a copy of the whole cache per step would cost more)
+                    if layer in whole:
+                        whole[layer][active] = t
+                    else:   # the first forward: every row (block 0 is all masks)
+                        whole[layer] = t
             stats.forward(Ba, n, cache.nbytes)
             if group_constraint is not None:   # the frontier masked before the scores (parts/constrain.py)
                 sub_constraint = group_constraint.rows(active.nonzero().flatten().tolist())
