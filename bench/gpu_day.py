@@ -61,12 +61,12 @@ SCRIPT = os.path.abspath(__file__)
 
 PARTS: dict[str, tuple[str, float, float]] = {       # name → (what it measures, box on a GPU, box dry)
     "env": ("device, driver, versions, copy bandwidth", 15, 20),
-    "kernel-tests": ("kernel tests + GPU-marked tests, Triton compiled", 135, 45),
+    "kernel-tests": ("kernel tests + GPU-marked tests, Triton compiled", 100, 45),
     "kernel-bench": ("kernel benchmarks, measured / roofline", 120, 30),
-    "engine-llada": ("engine tokens/s, random LLaDA-8B (bf16)", 70, 30),
-    "engine-dream": ("engine tokens/s, random Dream-7B (bf16)", 70, 30),
-    "bitwise": ("batch invariance, alone vs. in a batch of 16", 35, 30),
-    "cuda-graphs": ("cuda_graphs=True vs. eager, LLaDA-8B cut to 4 layers", 30, 30),
+    "engine-llada": ("engine tokens/s, random LLaDA-8B (bf16)", 60, 30),
+    "engine-dream": ("engine tokens/s, random Dream-7B (bf16)", 60, 30),
+    "bitwise": ("batch invariance, alone vs. in a batch of 16", 55, 30),
+    "cuda-graphs": ("cuda_graphs=True vs. eager, LLaDA-8B cut to 4 layers", 40, 30),
 }
 MIN_BOX_S = 3.0          # a part with less time than this left is skipped, not started
 
