@@ -1,6 +1,7 @@
 """Varlen attention (issue 47: one attention launch per layer for a whole pack of requests):
-`varlen_attention` over 4 requests against what a packed forward does today, one `paged_attention`
-call per request (`PackedAttention`), and against the torch reference `varlen_attention_torch`.
+`varlen_attention` over 4 requests (called with tensors, and with the `VarlenPlan` a runner makes once
+per step) against what a packed forward does today, one `paged_attention` call per request
+(`PackedAttention`), and against the torch reference `varlen_attention_torch`.
 
 Shape (as bench/test_block_attention.py): 4 requests with 61 / 200 / 333 / 517 cached positions in
 pages of 16, a 32-token block each (fresh queries = keys), block-causal with blocks of 32 (SDAR,
@@ -17,6 +18,7 @@ import torch
 
 from conftest import DEVICE, ON_GPU, run
 from remask.kernels import paged_attention, roofline, varlen_attention
+from remask.kernels.varlen_attention import varlen_plan
 from remask.kernels.varlen_attention_ref import varlen_attention_torch
 
 CACHE_LENS, M, HQ, H_KV, D, PAGE, BLOCK = [61, 200, 333, 517], 32, 16, 4, 64, 16, 32
@@ -53,20 +55,28 @@ def per_request(a):
     return out
 
 
+def with_plan(a):
+    """The call as a runner makes it per layer: the pack's `VarlenPlan` made once per step, outside."""
+    plan = varlen_plan([M] * len(CACHE_LENS), CACHE_LENS, [BLOCK] * len(CACHE_LENS), device=DEVICE)
+    rest = {n: t for n, t in a.items() if n not in ("cu_seqlens", "cache_lens", "block_sizes")}
+    return lambda: varlen_attention(**rest, cu_seqlens=plan)
+
+
 IMPLS = {
-    "reference": lambda a: varlen_attention_torch(**a),
-    "per-request paged_attention": per_request,
-    "remask varlen": lambda a: varlen_attention(**a),
+    "reference": lambda a: (lambda: varlen_attention_torch(**a)),
+    "per-request paged_attention": lambda a: (lambda: per_request(a)),
+    "remask varlen": lambda a: (lambda: varlen_attention(**a)),
+    "remask varlen, plan per step": with_plan,
 }
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
 def test_varlen_attention(benchmark, impl):
     args = inputs(torch.bfloat16 if ON_GPU else torch.float32)
-    fn = IMPLS[impl]
+    fn = IMPLS[impl](args)
     cost = roofline.cost_paged_attention(CACHE_LENS, M, HQ, H_KV, D, args["q"].dtype, page_size=PAGE,
                                          block_size=BLOCK)
-    run(benchmark, lambda: fn(args), cost=cost,
+    run(benchmark, fn, cost=cost,
         group=f"varlen attention, {len(CACHE_LENS)} requests × {M} fresh, block-causal {BLOCK}, "
               f"{HQ}/{H_KV} heads × {D}, page {PAGE}",
         kernel="varlen_attention", impl=impl, baseline="reference", cache_lens=CACHE_LENS, block_size=BLOCK)

@@ -37,6 +37,8 @@ float32 as IEEE float32, never TF32), accumulated in float32.
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Sequence
+
 import torch
 
 from .dispatch import HAS_TRITON, next_power_of_2, use_triton
@@ -169,8 +171,10 @@ def varlen_attention_config(head_dim: int, dtype: torch.dtype, low_precision: bo
     page addresses took sm_80 to 255 registers and 48 B of spills at D = 128. 8 warps from D = 128
     on (at 4, sm_90 spilled 12 B with bf16 operands) and for float32 operands, else 4. 16-bit
     launches also cap registers at `MAX_REGISTERS`."""
-    block_m, block_n = 32, (32 if low_precision else 16)
-    return block_m, block_n, 8 if head_dim > 64 or not low_precision else 4
+    return BLOCK_M, (32 if low_precision else 16), 8 if head_dim > 64 or not low_precision else 4
+
+
+BLOCK_M = 32     # query rows per program, whatever the head dim or dtype: `VarlenPlan`'s tiles are built for it
 
 
 def _int_vector(name: str, t: torch.Tensor | None, S: int, device) -> None:
@@ -184,7 +188,8 @@ def _int_vector(name: str, t: torch.Tensor | None, S: int, device) -> None:
         raise ValueError(f"{name} is on {t.device}, q on {device}")
 
 
-def _check(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cache_lens, block_sizes, mask, mask_offsets):
+def _check(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cache_lens, block_sizes, mask, mask_offsets,
+           plan=None):
     if q.dim() != 3:
         raise ValueError(f"q must be [N, Hq, D], got {tuple(q.shape)}")
     N, Hq, D = q.shape
@@ -213,8 +218,11 @@ def _check(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cache_lens, block
     if cu_seqlens.device != q.device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, q on {q.device}")
     S = cu_seqlens.shape[0] - 1
-    bounds = cu_seqlens.long()
-    if int(bounds[0]) != 0 or int(bounds[-1]) != N or bool((bounds[1:] < bounds[:-1]).any()):
+    bounds = cu_seqlens.long() if plan is None or mask is not None else None   # a copy: a launch on a GPU
+    if plan is not None:
+        if plan.num_rows != N:
+            raise ValueError(f"plan covers {plan.num_rows} query rows, q has N={N}")
+    elif int(bounds[0]) != 0 or int(bounds[-1]) != N or bool((bounds[1:] < bounds[:-1]).any()):
         raise ValueError(f"cu_seqlens must rise from 0 to N={N}, got {cu_seqlens.tolist()}")
     if k_cache is not None:
         if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2:] != (H_kv, D):
@@ -231,14 +239,19 @@ def _check(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cache_lens, block
                              f"{block_table.dtype} {tuple(block_table.shape)}")
         _int_vector("cache_lens", cache_lens, S, q.device)
         capacity = block_table.shape[1] * k_cache.shape[1]
-        if S and (int(cache_lens.min()) < 0 or int(cache_lens.max()) > capacity):
+        if plan is not None:
+            if plan.max_cache_len > capacity:
+                raise ValueError(f"plan's cache_lens reach {plan.max_cache_len}, past the block_table capacity "
+                                 f"{block_table.shape[1]} pages × page_size {k_cache.shape[1]}")
+        elif S and (int(cache_lens.min()) < 0 or int(cache_lens.max()) > capacity):
             raise ValueError(f"cache_lens must lie in [0, block_table capacity {block_table.shape[1]} pages × "
                              f"page_size {k_cache.shape[1]}], got {cache_lens.tolist()}")
     _int_vector("block_sizes", block_sizes, S, q.device)
-    if block_sizes is not None and S and int(block_sizes.min()) < 0:
+    if plan is None and block_sizes is not None and S and int(block_sizes.min()) < 0:
         raise ValueError(f"block_sizes must be >= 0 (0 bidirectional, 1 causal, b block-causal), got "
                          f"{block_sizes.tolist()}")
-    if block_sizes is not None and k is None and bool((block_sizes != BIDIRECTIONAL).any()):
+    if k is None and (not plan.all_bidirectional if plan is not None
+                      else block_sizes is not None and bool((block_sizes != BIDIRECTIONAL).any())):
         raise ValueError("block_sizes other than bidirectional need the in-forward keys: pass k and v")
     if (mask is None) != (mask_offsets is None):
         raise ValueError("pass both mask and mask_offsets (pack_masks), or neither")
@@ -256,6 +269,51 @@ def _check(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cache_lens, block
     return S, H_kv
 
 
+class VarlenPlan(NamedTuple):
+    """A pack's segment metadata, checked on the host and moved to the device in one copy, made once
+    per engine step and passed to every layer's `varlen_attention` in place of `cu_seqlens`: the
+    calls then read no value back from the device (no sync) and launch nothing but the kernel. On an
+    H200 the per-call checks and tile table cost 6 syncs and ~10 small launches, 0.5 ms per call
+    against a 29 µs kernel (bench/results/gpu-h200-2026-11-29.md). Made by `varlen_plan`."""
+    cu_seqlens: torch.Tensor           # [S + 1] int32
+    cache_lens: torch.Tensor | None    # [S] int32, None: no cache
+    block_sizes: torch.Tensor          # [S] int32
+    tile_seg: torch.Tensor             # [tiles] int32: each BLOCK_M tile's segment ...
+    tile_row: torch.Tensor             # ... and first row within it
+    num_rows: int                      # N, the pack's query rows
+    max_cache_len: int
+    all_bidirectional: bool
+
+
+def varlen_plan(seq_lens: Sequence[int], cache_lens: Sequence[int] | None = None,
+                block_sizes: Sequence[int] | None = None, *, device: torch.device | str | None = None) -> VarlenPlan:
+    """The `VarlenPlan` of a pack whose segment s has `seq_lens[s]` query rows (and fresh keys),
+    `cache_lens[s]` cached positions (None: no cache) and mask kind `block_sizes[s]` (default all
+    `BIDIRECTIONAL`), on `device`. Every value is checked here, on the host."""
+    S = len(seq_lens)
+    if S == 0:
+        raise ValueError("seq_lens must name at least one segment")
+    for name, values in (("seq_lens", seq_lens), ("cache_lens", cache_lens), ("block_sizes", block_sizes)):
+        if values is None:
+            continue
+        if len(values) != S:
+            raise ValueError(f"{name} must have one entry per segment (S={S}), got {len(values)}")
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in values):
+            raise ValueError(f"{name} must be ints >= 0, got {list(values)}")
+    kinds = [BIDIRECTIONAL] * S if block_sizes is None else list(block_sizes)
+    bounds, tile_seg, tile_row = [0], [], []
+    for s, m in enumerate(seq_lens):
+        bounds.append(bounds[-1] + m)
+        tile_seg += [s] * -(-m // BLOCK_M)
+        tile_row += range(0, m, BLOCK_M)
+    lens = [] if cache_lens is None else list(cache_lens)
+    # One host tensor, one copy: cu_seqlens | cache_lens | block_sizes | tile_seg | tile_row.
+    flat = torch.tensor(bounds + lens + kinds + tile_seg + tile_row, dtype=torch.int32).to(device)
+    parts = flat.split([S + 1, len(lens), S, len(tile_seg), len(tile_row)])
+    return VarlenPlan(parts[0], parts[1] if cache_lens is not None else None, parts[2], parts[3], parts[4],
+                      bounds[-1], max(lens, default=0), all(b == BIDIRECTIONAL for b in kinds))
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, cu_seqlens: torch.Tensor, *,
                      k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
                      block_table: torch.Tensor | None = None, cache_lens: torch.Tensor | None = None,
@@ -271,8 +329,18 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | 
     bf16 or every one fp16, else float32 IEEE dots); `scale` default D^-½. Returns `[N, Hq, D]` in
     q's dtype; a query with no visible key gets zeros. Each row's output is bitwise independent of
     the other segments of the pack (both paths). Triton on CUDA (or `REMASK_TRITON=1`), else the
-    torch reference."""
-    S, H_kv = _check(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cache_lens, block_sizes, mask, mask_offsets)
+    torch reference. `cu_seqlens` may be a `VarlenPlan` (`varlen_plan`), which carries the
+    segments' cache_lens and block_sizes too: pass neither then."""
+    plan, tiles = None, None
+    if isinstance(cu_seqlens, VarlenPlan):
+        if cache_lens is not None or block_sizes is not None:
+            raise ValueError("a VarlenPlan carries cache_lens and block_sizes: pass neither with it")
+        if (k_cache is None) != (cu_seqlens.cache_lens is None):
+            raise ValueError("k_cache, v_cache and block_table go with a plan made with cache_lens, and only with one")
+        plan, tiles = cu_seqlens, (cu_seqlens.tile_seg, cu_seqlens.tile_row)
+        cu_seqlens, cache_lens, block_sizes = plan.cu_seqlens, plan.cache_lens, plan.block_sizes
+    S, H_kv = _check(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cache_lens, block_sizes, mask, mask_offsets,
+                     plan)
     N, Hq, D = q.shape
     scale = D ** -0.5 if scale is None else float(scale)
     if not use_triton(q):
@@ -280,7 +348,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | 
                                       cache_lens=cache_lens, block_sizes=block_sizes, mask=mask,
                                       mask_offsets=mask_offsets, scale=scale)
     return varlen_attention_triton(q, k, v, cu_seqlens, k_cache, v_cache, block_table, cache_lens, block_sizes,
-                                   mask, mask_offsets, scale)
+                                   mask, mask_offsets, scale, tiles)
 
 
 def query_tiles(cu_seqlens: torch.Tensor, n_rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,8 +371,10 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor | None, v: torch.Te
                             k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
                             block_table: torch.Tensor | None, cache_lens: torch.Tensor | None,
                             block_sizes: torch.Tensor | None, mask: torch.Tensor | None,
-                            mask_offsets: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """The Triton launch of `varlen_attention` (arguments validated by it)."""
+                            mask_offsets: torch.Tensor | None, scale: float,
+                            tiles: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The Triton launch of `varlen_attention` (arguments validated by it); `tiles`: a plan's
+    (tile_seg, tile_row), else `query_tiles` makes them."""
     N, Hq, D = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     S = cu_seqlens.shape[0] - 1
@@ -319,7 +389,7 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor | None, v: torch.Te
     operands = (q,) + ((k, v) if has_new else ()) + ((k_cache, v_cache) if has_cache else ())
     low_precision = low_precision_dot(varlen_attention_kernel, *operands)
     block_m, block_n, warps = varlen_attention_config(D, q.dtype, low_precision)
-    tile_seg, tile_row = query_tiles(cu_seqlens, N, block_m)
+    tile_seg, tile_row = tiles if tiles is not None else query_tiles(cu_seqlens, N, block_m)
     # Absent operands: any tensor of the right kind (never read: the constexpr flags drop their loads).
     kn, vn = (k, v) if has_new else (q, q)
     kc, vc = (k_cache, v_cache) if has_cache else (q[None], q[None])
@@ -340,5 +410,5 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor | None, v: torch.Te
     return out
 
 
-__all__ = ["BIDIRECTIONAL", "CAUSAL", "pack_masks", "query_tiles", "varlen_attention", "varlen_attention_config",
-           "varlen_attention_torch", "varlen_attention_triton"]
+__all__ = ["BIDIRECTIONAL", "CAUSAL", "VarlenPlan", "pack_masks", "query_tiles", "varlen_attention",
+           "varlen_attention_config", "varlen_attention_torch", "varlen_attention_triton", "varlen_plan"]

@@ -11,8 +11,10 @@ import torch
 
 from conftest import DEVICE
 from remask.kernels.paged_ref import paged_gather_torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from remask.kernels.varlen_attention import (BIDIRECTIONAL, CAUSAL, pack_masks, query_tiles, varlen_attention,
-                                             varlen_attention_torch)
+                                             varlen_attention_torch, varlen_plan)
 
 varlen_module = importlib.import_module("remask.kernels.varlen_attention")   # the package exports the function
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -211,6 +213,104 @@ def test_other_segments_are_never_read(triton_path, poisoned_outputs):
     out = varlen_attention(**on_device(bad)).cpu()
     assert not out[7:17].isnan().any()
     assert torch.equal(out[7:17], clean[7:17])
+
+
+# --- a plan per step (VarlenPlan): the same bits, nothing read back, only the kernel launched ------------
+
+def planned(args: dict, kinds=None) -> dict:
+    """`args` with cu_seqlens / cache_lens / block_sizes replaced by their `varlen_plan`."""
+    cu = args["cu_seqlens"].tolist()
+    cache = args.get("cache_lens")
+    plan = varlen_plan([b - a for a, b in zip(cu, cu[1:])], None if cache is None else cache.tolist(), kinds,
+                       device=DEVICE)
+    rest = {name: t for name, t in args.items() if name not in ("cu_seqlens", "cache_lens", "block_sizes")}
+    return dict(rest, cu_seqlens=plan)
+
+
+@pytest.mark.parametrize("layout", ["cache and fresh", "no cache", "cache only", "own masks"])
+@pytest.mark.parametrize("impl", ["kernel", "torch"])
+def test_a_plan_gives_the_bits_of_the_tensors(layout, impl, monkeypatch, poisoned_outputs):
+    monkeypatch.setenv("REMASK_TRITON", "1" if impl == "kernel" else "0")
+    rows, lens = [3, 37, 0, 8], [5, 23, 4, 0]
+    args = make_pack(5, lens, rows, page_size=6, fresh=layout != "cache only", cache=layout != "no cache")
+    kinds = [BIDIRECTIONAL] * 4 if layout == "cache only" else [BIDIRECTIONAL, 4, CAUSAL, 2]
+    args["block_sizes"] = torch.tensor(kinds, dtype=torch.int32)
+    if layout == "own masks":
+        gen = torch.Generator().manual_seed(6)
+        args["mask"], args["mask_offsets"] = pack_masks(
+            [torch.rand(m, c + m, generator=gen) < 0.7 if s % 2 else None for s, (m, c) in enumerate(zip(rows, lens))])
+    by_tensors = varlen_attention(**on_device(args)).cpu()
+    by_plan = varlen_attention(**planned(on_device(args), kinds)).cpu()
+    assert not by_plan.isnan().any()
+    assert torch.equal(by_plan, by_tensors)
+
+
+class AtenOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="counts the ops of the CPU launch with the kernel stubbed")
+def test_a_planned_call_reads_nothing_back_and_launches_only_the_kernel(monkeypatch):
+    # On an H200 each value read back is a sync and each small op a launch: per layer, the call with
+    # tensors cost 6 syncs and ~10 metadata ops (bench/results/gpu-h200-2026-11-29.md). With a plan,
+    # the launcher may allocate its output and take views, nothing else; the kernel is stubbed here.
+    monkeypatch.setenv("REMASK_TRITON", "1")
+    grids = []
+
+    class Stub:
+        def __getitem__(self, grid):
+            return lambda *a, **k: grids.append(grid)
+
+    monkeypatch.setattr(varlen_module, "varlen_attention_kernel", Stub())
+    args = make_pack(4, [5, 23, 0], [3, 37, 8], page_size=6)
+    kinds = [BIDIRECTIONAL, 4, CAUSAL]
+    args["block_sizes"] = torch.tensor(kinds, dtype=torch.int32)
+    plan_args = planned(args, kinds)
+    with AtenOps() as planned_ops:
+        varlen_attention(**plan_args)
+    with AtenOps() as tensor_ops:
+        varlen_attention(**args)
+    assert grids == [(1 + 2 + 1, 4), (3 + 48 // 32, 4)]     # the plan's exact tiles; query_tiles' upper bound
+    assert set(planned_ops.names) <= {"empty", "view", "unsqueeze", "alias", "detach"}, planned_ops.names
+    assert "_local_scalar_dense" in tensor_ops.names          # the check the plan made once on the host
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: varlen_plan([]), "at least one segment"),
+    (lambda: varlen_plan([3, -1]), "seq_lens must be ints >= 0"),
+    (lambda: varlen_plan([3, 2], [1]), "cache_lens must have one entry per segment"),
+    (lambda: varlen_plan([3, 2], [1, 2], [0, True]), "block_sizes must be ints"),
+    (lambda: varlen_plan([3, 2.0]), "seq_lens must be ints"),
+])
+def test_a_plan_checks_its_values_on_the_host(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(seq_lens=[6, 4]), "plan covers 10 query rows, q has N=9"),
+    (dict(cache_lens=[5, 9]), "past the block_table capacity"),
+    (dict(cache_lens=None), "go with a plan made with cache_lens"),
+    (dict(block_sizes=[0, 3], fresh=False), "need the in-forward keys"),
+    (dict(extra=dict(cache_lens=torch.tensor([5, 2], dtype=torch.int32))), "pass neither"),
+])
+@pytest.mark.parametrize("impl", ["dispatch", "torch-forced"])
+def test_a_plan_that_does_not_fit_the_call_is_refused(change, match, impl, monkeypatch):
+    monkeypatch.setenv("REMASK_TRITON", "0" if impl == "torch-forced" else "1")
+    plan = varlen_plan(change.get("seq_lens", [6, 3]), change.get("cache_lens", [5, 2]), change.get("block_sizes"))
+    fresh = change.get("fresh", True)
+    args = dict(q=torch.randn(9, 4, 16), k=torch.randn(9, 2, 16) if fresh else None,
+                v=torch.randn(9, 2, 16) if fresh else None, cu_seqlens=plan, k_cache=torch.randn(4, 4, 2, 16),
+                v_cache=torch.randn(4, 4, 2, 16), block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+                **change.get("extra", {}))
+    with pytest.raises(ValueError, match=match):
+        varlen_attention(**args)
 
 
 # --- the reference, dispatch, layout, errors --------------------------------------------------------
