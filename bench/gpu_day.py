@@ -15,7 +15,7 @@ box (the dry run without an interpreter start per part).
                 TRITON_INTERPRET), each kernel against its torch reference
   kernel-bench  the kernel benchmarks of bench/ (pytest-benchmark JSON → bench/report.py's tables)
                 and each case's measured time over its roofline on this device (kernels/roofline.py)
-  engine-llada  LLMEngine tokens/s at 1, 8 and 16 requests for LLaDA's low_confidence rule,
+  engine-llada  LLMEngine tokens/s at 1, 8 and 64 requests for LLaDA's low_confidence rule,
   engine-dream  Fast-dLLM threshold + dual cache, FreeDave + dual cache and dInfer's threshold rule,
                 on random bf16 models of LLaDA-8B's / Dream-7B's official configs (built on the
                 device, nothing downloaded); model calls and host ms per engine step beside a bare
@@ -92,7 +92,7 @@ DRY_BENCH = (("bench/test_unmask.py", "bench/test_philox.py", "-k", "(test_unmas
 @dataclass(frozen=True)
 class Sizes:
     """The shapes a run uses: the GPU's (official model configs) or the dry run's (tiny)."""
-    requests: tuple[int, ...] = (1, 8, 16)
+    requests: tuple[int, ...] = (1, 8, 64)      # issue 47's cells
     prompt: int = 32
     gen: int = 32
     block: int = 32
@@ -430,7 +430,9 @@ def drive(engine, prompts: list[list[int]], params: list, model=None, device=Non
     generated ids."""
     base_calls = engine.runner.forwards
     timer = forward_timer(model, device) if model is not None else None
+    launches = AttentionLaunches()
     try:
+        launches.__enter__()
         _sync(engine.device)
         start = time.perf_counter()
         for i, (ids, p) in enumerate(zip(prompts, params)):
@@ -445,12 +447,66 @@ def drive(engine, prompts: list[list[int]], params: list, model=None, device=Non
         wall = time.perf_counter() - start
         inside = timer.total if timer is not None else 0.0
     finally:
+        launches.__exit__(None, None, None)
         if timer is not None:
             timer.close()
     outs = [done[i] for i in range(len(prompts))]
     errors = [o.error for o in outs if o.error]
     return dict(wall=wall, steps=steps, calls=engine.runner.forwards - base_calls, inside=inside,
+                attention_launches=launches.count,
                 rows=[o.all_token_ids for o in outs], tokens=sum(len(o.all_token_ids) for o in outs), errors=errors)
+
+
+ATTENTION_KERNELS = (("remask.kernels.paged", "paged_attention_kernel"),
+                     ("remask.kernels.sparse_attention", "block_sparse_attention_kernel"),
+                     ("remask.kernels.varlen_attention", "varlen_attention_kernel"))
+
+
+class AttentionLaunches:
+    """Counts the attention launches of a run (issue 47: per layer per engine step): torch's SDPA
+    calls (a torch function mode) and every launch of remask's Triton attention kernels (their
+    module names proxied while it is open)."""
+
+    def __enter__(self):
+        import importlib
+
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        counter = self
+        self.count, self._patched = 0, []
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func is torch.nn.functional.scaled_dot_product_attention:
+                    counter.count += 1
+                return func(*args, **(kwargs or {}))
+
+        class Launches:
+            def __init__(self, kernel):
+                self.kernel = kernel
+
+            def __getitem__(self, grid):
+                counter.count += 1
+                return self.kernel[grid]
+
+            def __getattr__(self, name):
+                return getattr(self.kernel, name)
+
+        for module_name, name in ATTENTION_KERNELS:
+            module = importlib.import_module(module_name)
+            if hasattr(module, name):
+                self._patched.append((module, name, getattr(module, name)))
+                setattr(module, name, Launches(getattr(module, name)))
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        for module, name, kernel in self._patched:
+            setattr(module, name, kernel)
+        return False
 
 
 def bare_forward_s(model, rows: int, length: int, device, repeats: int = 5) -> float:
@@ -746,7 +802,10 @@ def part_engine(ctx: Context, family: str) -> None:
             drive(_engine(model, 1), *requests(1, kw))
     rows, cells = [], []
     header = ["rule", "requests", "tokens", "tokens/s", "engine steps", "model calls", "calls / step", "ms / step",
-              "in forwards ms / step", "host ms / step", f"bare forward [n, {T}] ms"]
+              "in forwards ms / step", "host ms / step", f"bare forward [n, {T}] ms", "attention launches / layer / step",
+              "ms / step ÷ weight floor"]
+    layers = getattr(model.config, "num_hidden_layers", None) or model.config.n_layers
+    floor_ms = cost.bytes / GPUS[key].hbm_bytes_per_s * 1e3 if key is not None else None
     order = {label: i for i, (label, _) in enumerate(rules)}
     for n in sizes.requests:            # every rule at 1 request first: a cut-short run keeps the small ones
         for label, kw in rules:
@@ -758,14 +817,17 @@ def part_engine(ctx: Context, family: str) -> None:
                 if r["errors"]:
                     ctx.result.fail(f"{label}, {n} requests: {r['errors'][0]}")
                 ms_step, fwd_step = r["wall"] / r["steps"] * 1e3, r["inside"] / r["steps"] * 1e3
+                per_layer = r["attention_launches"] / (r["steps"] * layers)
                 cells.append(dict(rule=label, requests=n, tokens=r["tokens"], seconds=r["wall"], steps=r["steps"],
-                                  calls=r["calls"], inside_s=r["inside"]))
+                                  calls=r["calls"], inside_s=r["inside"], attention_launches=r["attention_launches"],
+                                  layers=layers))
                 rows.append([label, n, r["tokens"], f"{r['tokens'] / r['wall']:.1f}", r["steps"], r["calls"],
                              f"{r['calls'] / r['steps']:.2f}", f"{ms_step:.2f}", f"{fwd_step:.2f}",
-                             f"{ms_step - fwd_step:.2f}", f"{bare[n] * 1e3:.2f}"])
+                             f"{ms_step - fwd_step:.2f}", f"{bare[n] * 1e3:.2f}", f"{per_layer:.2f}",
+                             f"{ms_step / floor_ms:.1f}×" if floor_ms else ""])
             ctx.result.data["cells"] = cells
             ctx.result.section("table", _md_table(header, sorted(rows, key=lambda row: (order[row[0]], row[1])),
-                                                  "llrrrrrrrrr"))
+                                                  "llrrrrrrrrrrr"))
 
 
 def part_engine_llada(ctx: Context) -> None:

@@ -4,6 +4,7 @@ selections name every test that asks for CUDA and every kernel benchmark."""
 from __future__ import annotations
 
 import glob
+import importlib
 import json
 import os
 import re
@@ -42,6 +43,7 @@ def test_the_dry_run_reports_every_part_and_the_cpu_parts_pass(tmp_path):
     for part in gpu_day.PARTS:
         assert re.search(rf"^## {part}\b", text, flags=re.M), part
     for figure in ("tokens/s", "calls / step", "host ms / step", "Bare forward", "Weight-streaming floor",
+                   "attention launches / layer / step", "ms / step ÷ weight floor",
                    "measured / bound", "checked alone", "logits of one", "FreeDave", "dInfer threshold 0.9"):
         assert figure in text, figure
     assert (tmp_path / "report.log").read_text().count("=====") >= 2 * len(gpu_day.PARTS)
@@ -192,10 +194,28 @@ def test_roofline_picks_the_device_by_its_cuda_name():
 
 def test_the_gpu_sizes_fit_their_boxes_and_layers_cut_only_the_depth():
     """The sizes that 2026-11-28's H200 run showed to fit: bitwise 16 requests of 16 tokens with 8
-    re-run alone (64 of 32 never finished its batch), cuda-graphs on 4 of LLaDA-8B's 32 layers."""
+    re-run alone (64 of 32 never finished its batch), cuda-graphs on 4 of LLaDA-8B's 32 layers. The
+    engine cells are issue 47's 1, 8 and 64 requests, every rule at 1 first (a box cuts the large ones)."""
     full = gpu_day.FULL
     assert (full.bitwise_requests, full.bitwise_alone, full.bitwise_gen, full.graph_layers) == (16, 8, 16, 4)
-    assert max(full.requests) <= 16 and gpu_day.DRY.bitwise_alone >= gpu_day.DRY.bitwise_requests
+    assert full.requests == (1, 8, 64) and gpu_day.DRY.bitwise_alone >= gpu_day.DRY.bitwise_requests
+
+
+def test_attention_launches_counts_sdpa_calls_and_triton_attention_launches(monkeypatch):
+    import torch
+    import torch.nn.functional as F
+
+    from remask.kernels.varlen_attention import varlen_attention
+
+    monkeypatch.setenv("REMASK_TRITON", "1")     # the Triton kernel (the interpreter here)
+    q = torch.randn(5, 2, 16)
+    with gpu_day.AttentionLaunches() as launches:
+        F.scaled_dot_product_attention(q[None], q[None], q[None])
+        varlen_attention(q, q, q, torch.tensor([0, 2, 5], dtype=torch.int32))
+        varlen_attention(q, q, q, torch.tensor([0, 5], dtype=torch.int32))
+    assert launches.count == 3
+    module = importlib.import_module("remask.kernels.varlen_attention")   # the package exports the function
+    assert type(module.varlen_attention_kernel).__name__ != "Launches"      # put back
     import torch
 
     model = gpu_day.build_model("llada", torch.device("cpu"), tiny=True, layers=1)
