@@ -201,6 +201,16 @@ def test_the_gpu_sizes_fit_their_boxes_and_layers_cut_only_the_depth():
     assert full.requests == (1, 8, 64) and gpu_day.DRY.bitwise_alone >= gpu_day.DRY.bitwise_requests
 
 
+def test_the_varlen_call_time_script_runs():
+    """bench/varlen_call_time.py, the next GPU session's measurement of the planned call (CPU: the torch paths)."""
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "varlen_call_time.py")], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env={k: v for k, v in os.environ.items()
+                                                                 if k not in ("TRITON_INTERPRET", "REMASK_TRITON")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    for piece in ("varlen_attention, tensors", "varlen_attention, plan per step", "four paged_attention calls"):
+        assert piece in done.stdout, done.stdout
+
+
 def test_attention_launches_counts_sdpa_calls_and_triton_attention_launches(monkeypatch):
     import torch
     import torch.nn.functional as F
