@@ -243,7 +243,8 @@ def _group(canvas: torch.Tensor, config: D2Cache, G: int, block_length: int, per
             # structure a position never reopens; with one, a revoked position does)
             block = span & masked
             active = block.any(dim=-1)
-            if not bool(active.any()):
+            n_active = int(active.sum())
+            if n_active == 0:
                 break
             block_steps += 1
             allow_mask = commit_mask_token and block_steps <= 4 * block_length   # guard against endless loops
@@ -254,8 +255,11 @@ def _group(canvas: torch.Tensor, config: D2Cache, G: int, block_length: int, per
                 for r, f in open_frontiers(group_constraint, active.nonzero().flatten().tolist(), T):
                     selector.next_rows[r, f] = True
             rows = selector.rows_for(active)
-            sub = D2KVCache(None if cache.key_bias is None else cache.key_bias[active])
-            sub.k, sub.v = ({layer: t[active] for layer, t in kv.items()} for kv in (cache.k, cache.v))
+            if n_active == N:   # every row (a request alone: always): the cache itself, nothing gathered or written back
+                sub = cache
+            else:
+                sub = D2KVCache(None if cache.key_bias is None else cache.key_bias[active])
+                sub.k, sub.v = ({layer: t[active] for layer, t in kv.items()} for kv in (cache.k, cache.v))
             if rows is None:   # the first forward: every position (of every row: block 0 is all masks)
                 sub.full()
                 rows = torch.ones_like(xa, dtype=torch.bool)
@@ -265,12 +269,9 @@ def _group(canvas: torch.Tensor, config: D2Cache, G: int, block_length: int, per
             part = yield ForwardRequest(xa[rows].view(Ba, n), cache=sub, per_row={
                 "position_ids": positions[active][rows].view(Ba, n)})
             logits = part.new_zeros((Ba, T, part.shape[-1])).masked_scatter(rows[..., None], part)
-            for whole, fresh in ((cache.k, sub.k), (cache.v, sub.v)):   # the active rows' K/V written back
-                for layer, t in fresh.items():   # in place (a copy of the whole cache per step would cost more)
-                    if layer in whole:
-                        whole[layer][active] = t
-                    else:   # the first forward: every row (block 0 is all masks)
-                        whole[layer] = t
+            for whole, fresh in ((cache.k, sub.k), (cache.v, sub.v)) if sub is not cache else ():
+                for layer, t in fresh.items():   # the active rows' K/V written back in place
+                    whole[layer][active] = t
             stats.forward(Ba, n, cache.nbytes)
             if group_constraint is not None:   # the frontier masked before the scores (parts/constrain.py)
                 sub_constraint = group_constraint.rows(active.nonzero().flatten().tolist())
