@@ -430,24 +430,22 @@ def drive(engine, prompts: list[list[int]], params: list, model=None, device=Non
     generated ids."""
     base_calls = engine.runner.forwards
     timer = forward_timer(model, device) if model is not None else None
-    launches = AttentionLaunches()
     try:
-        launches.__enter__()
-        _sync(engine.device)
-        start = time.perf_counter()
-        for i, (ids, p) in enumerate(zip(prompts, params)):
-            engine.add_request(str(i), ids, p)
-        steps, done = 0, {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[int(out.request_id)] = out.outputs[0]
-            steps += 1
-        _sync(engine.device)
-        wall = time.perf_counter() - start
+        with AttentionLaunches() as launches:
+            _sync(engine.device)
+            start = time.perf_counter()
+            for i, (ids, p) in enumerate(zip(prompts, params)):
+                engine.add_request(str(i), ids, p)
+            steps, done = 0, {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[int(out.request_id)] = out.outputs[0]
+                steps += 1
+            _sync(engine.device)
+            wall = time.perf_counter() - start
         inside = timer.total if timer is not None else 0.0
     finally:
-        launches.__exit__(None, None, None)
         if timer is not None:
             timer.close()
     outs = [done[i] for i in range(len(prompts))]

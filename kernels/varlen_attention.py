@@ -314,7 +314,8 @@ def varlen_plan(seq_lens: Sequence[int], cache_lens: Sequence[int] | None = None
                       bounds[-1], max(lens, default=0), all(b == BIDIRECTIONAL for b in kinds))
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, cu_seqlens: torch.Tensor, *,
+def varlen_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                     cu_seqlens: torch.Tensor | VarlenPlan, *,
                      k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
                      block_table: torch.Tensor | None = None, cache_lens: torch.Tensor | None = None,
                      block_sizes: torch.Tensor | None = None, mask: torch.Tensor | None = None,

@@ -269,9 +269,10 @@ def _group(canvas: torch.Tensor, config: D2Cache, G: int, block_length: int, per
             part = yield ForwardRequest(xa[rows].view(Ba, n), cache=sub, per_row={
                 "position_ids": positions[active][rows].view(Ba, n)})
             logits = part.new_zeros((Ba, T, part.shape[-1])).masked_scatter(rows[..., None], part)
-            for whole, fresh in ((cache.k, sub.k), (cache.v, sub.v)) if sub is not cache else ():
-                for layer, t in fresh.items():   # the active rows' K/V written back in place
-                    whole[layer][active] = t
+            if sub is not cache:   # the active rows' K/V written back in place
+                for whole, fresh in ((cache.k, sub.k), (cache.v, sub.v)):
+                    for layer, t in fresh.items():
+                        whole[layer][active] = t
             stats.forward(Ba, n, cache.nbytes)
             if group_constraint is not None:   # the frontier masked before the scores (parts/constrain.py)
                 sub_constraint = group_constraint.rows(active.nonzero().flatten().tolist())
