@@ -1,5 +1,6 @@
-"""Batched commits after a shared forward (issue 31): `BlockDecoder.commit_shared` gives every row
-the tokens its own `commit` gives, and the engine uses it for requests of one commit key."""
+"""Batched commits after a shared forward (issue 31): `BlockDecoder.commit_together` over several
+decoders gives every row the tokens its own `commit` gives, and the engine uses it
+(`receive_together`) for requests of one commit key."""
 from __future__ import annotations
 
 import copy
@@ -44,17 +45,15 @@ def test_each_row_commits_what_its_own_commit_would(tiny, rule):
         while not all(s.done for s in states):
             live = [i for i, s in enumerate(states) if not s.done]
             answers = [run_forwards(model, [decoders[i].next_forward(states[i])])[0] for i in live]
-            logits = torch.cat([decoders[i].finish_forward(states[i], a)[0] for i, a in zip(live, answers)])
+            logits = [decoders[i].finish_forward(states[i], a)[0] for i, a in zip(live, answers)]
             alone = [copy.deepcopy(states[i]) for i in live]
             alone_stats = [GenerationStats() for _ in live]
             for j, i in enumerate(live):
-                decoders[i].commit(alone[j], logits[j:j + 1], 0, stats=alone_stats[j])
+                decoders[i].commit(alone[j], logits[j], 0, stats=alone_stats[j])
             stats = [GenerationStats() for _ in live]
             with SyncCounter() as counter:
-                L = logits.shape[1]
-                BlockDecoder.commit_shared([decoders[i] for i in live], [states[i] for i in live],
-                                           logits.reshape(-1, logits.shape[-1]), [j * L for j in range(len(live))],
-                                           [L] * len(live), 0, stats)
+                BlockDecoder.commit_together([decoders[i] for i in live], [states[i] for i in live], logits,
+                                             [0] * len(live), stats)
             assert counter.total <= 1       # one host read for the whole group (a parallel rule's)
             for j, i in enumerate(live):
                 assert torch.equal(states[i].x, alone[j].x), (rule, steps, i)
@@ -79,13 +78,13 @@ def test_commit_keys_keep_apart_what_cannot_batch(tiny):
 def test_the_engine_batches_commits_and_keeps_each_requests_tokens(tiny, monkeypatch):
     model, tokenizer = tiny
     calls = []
-    shared = BlockDecoder.commit_shared
+    shared = BlockDecoder.commit_together
 
     def spy(decoders, states, *args):
         calls.append(len(states))
         return shared(decoders, states, *args)
 
-    monkeypatch.setattr(BlockDecoder, "commit_shared", staticmethod(spy))
+    monkeypatch.setattr(BlockDecoder, "commit_together", staticmethod(spy))
     params = [SamplingParams(max_tokens=16, steps=16, block_length=8),
               SamplingParams(max_tokens=16, steps=16, block_length=8, threshold=0.6),
               SamplingParams(max_tokens=16, steps=16, block_length=8, min_tokens=4)]   # min_tokens: alone

@@ -7,7 +7,7 @@ step: forward (`ModelSpec.logits`) → `score_rows` (the block's rows) → `rema
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Generator, Sequence
 
 import torch
@@ -118,7 +118,6 @@ class BlockState:
     step: int = 0
     schedule: torch.Tensor | None = None
     done: bool = False
-    block_rows_for: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     pending: Any = None               # the forward asked for and not yet answered (a sub-generator)
     constraint: Any = None            # structured output: a `CommitFilter` (one matcher per row), or None
     first: int = 0                    # the first block's start (the prompt's end, or aligned down: `align_blocks`)
@@ -269,7 +268,6 @@ class BlockDecoder(BlockwiseDecoder):
             self._next_group(state)
             return
         state.schedule = schedule_counts(state.x[:, start:end] == self.spec.mask_id, self.steps_per_block)
-        state.block_rows_for = {}
 
     def _next_group(self, state: BlockState) -> None:
         """A commit rule's loop at the end of a group of iterations: the block's masks counted (the
@@ -352,70 +350,90 @@ class BlockDecoder(BlockwiseDecoder):
                stats: GenerationStats | None = None, on_step: Callable | None = None) -> None:
         """Score the block's rows of `logits` (positions `fed`… on), commit, and move on to the next
         step, block, or the end."""
-        if self.rule is not None:
-            return self._rule_commit(state, logits, fed, stats)
-        x, mask_id, precision = state.x, self.spec.mask_id, self.precision
-        B, L = state.batch, logits.shape[1]
-        start, end = self.block_span(state)
-        block_x = x[:, start:end]   # a view: unmask writes the committed tokens straight into x
-        block_mask = block_x == mask_id
-        if stats is not None:
-            stats.forward(B * (2 if self.cfg_scale > 0 else 1), L, state.forwards.cache_nbytes)
-        local = start - fed   # the block's first row within the logits
-        constraint = state.constraint
+        self.commit_together([self], [state], [logits], [fed], [stats], generator, on_step)
+
+    @staticmethod
+    def commit_together(decoders: Sequence["BlockDecoder"], states: Sequence[BlockState],
+                        logits: Sequence[torch.Tensor], fed: Sequence[int], stats: Sequence[GenerationStats | None],
+                        generator: torch.Generator | None = None, on_step: Callable | None = None) -> None:
+        """`decoders[i].commit(states[i], logits[i], fed[i], stats=stats[i])` for every i — one decoder alone, or
+        several of one `commit_key` (greedy, one rule) — in one scoring call and one unmask over all their rows, each
+        row's tokens its own commit's; a parallel rule's "block over?" is one host read for the lot."""
+        head, state, alone = decoders[0], states[0], len(states) == 1
+        if head.rule is not None:
+            return head._rule_commit(state, logits[0], fed[0], stats[0])
+        x, mask_id, precision, width = state.x, head.spec.mask_id, head.precision, head.block_length
+        spans = [d.block_span(s) for d, s in zip(decoders, states)]
+        (start, end), (B, L) = spans[0], logits[0].shape[:2]
+        local = start - fed[0]   # the block's first row within the (first) logits
+        # a view when alone: unmask writes the committed tokens straight into x
+        block_x = x[:, start:end] if alone else torch.cat([s.x[:, a:b] for s, (a, b) in zip(states, spans)])
+        constraint = state.constraint   # (a structure commits alone)
         # the first undecided position's logits hold only what the structure allows (before the rule)
-        logits, prior = before_rule(constraint, logits, block_x, start, end, local)
-        if self.reference_sampling and self.mode == "prefix" and state.step > 0 and self.frechet_margin is None:
+        lg, prior = before_rule(constraint, logits[0], block_x, start, end, local)
+        if head.reference_sampling and head.mode == "prefix" and state.step > 0 and head.frechet_margin is None:
             # Fast-dLLM v1's prefix loop draws (and discards) one extra noise tensor per cached step (Fast-dLLM++'s,
             # whose loop `frechet_margin` follows, does not).
-            torch.rand(logits.shape, dtype=torch.float64, device=x.device, generator=generator)
-        if self.reference_sampling or self.reference_ties:
+            torch.rand(lg.shape, dtype=torch.float64, device=x.device, generator=generator)
+        if head.reference_sampling or head.reference_ties:
             # The reference's formulation over the whole [B, T, V] logits: its float64 noise
             # stream, and its softmax rounding (which decides its ties at p = 1.0).
-            x0, conf = score_tokens(logits, temperature=self.temperature, suppress_ids=self.suppress,
-                                    zero_prob_ids=self.zero_prob_ids, softmax_dtype=precision.softmax,
+            x0, conf = score_tokens(lg, temperature=head.temperature, suppress_ids=head.suppress,
+                                    zero_prob_ids=head.zero_prob_ids, softmax_dtype=precision.softmax,
                                     exclude_id=mask_id, generator=generator)
-            x0, conf = x0[:, local:local + self.block_length], conf[:, local:local + self.block_length]
+            x0, conf = x0[:, local:local + width], conf[:, local:local + width]
         else:
-            if (L, local) not in state.block_rows_for:
-                state.block_rows_for[L, local] = (torch.arange(B, device=x.device)[:, None] * L + torch.arange(
-                    local, local + self.block_length, device=x.device)).reshape(-1)
-            x0, conf = score_rows(logits, state.block_rows_for[L, local], temperature=self.temperature,
-                                  suppress_ids=self.suppress, zero_prob_ids=self.zero_prob_ids, exclude_id=mask_id,
-                                  generator=generator, rows_in_bounds=True)
+            # each row's block in the logits flattened: state i's rows one after another, its block `start - fed` on
+            first, offset = [], 0
+            for s, part, f, (a, _) in zip(states, logits, fed, spans):
+                first += [offset + b * part.shape[1] + a - f for b in range(part.shape[0])]
+                offset += part.shape[0] * part.shape[1]
+            rows = (torch.tensor(first, device=x.device)[:, None] + torch.arange(width, device=x.device)).reshape(-1)
+            flat = lg if alone else torch.cat([part.reshape(-1, part.shape[-1]) for part in logits])
+            x0, conf = score_rows(flat, rows, temperature=head.temperature, suppress_ids=head.suppress,
+                                  zero_prob_ids=head.zero_prob_ids, exclude_id=mask_id, generator=generator,
+                                  rows_in_bounds=True)
             # Rounded to the reference's softmax dtype, so its ties (e.g. p = 1.0) are its ties.
-            x0, conf = x0.view(B, -1), conf.view(B, -1).to(precision.softmax or logits.dtype)
-        if self.remasking == "random":
+            x0, conf = x0.view(len(first), width), conf.view(len(first), width).to(precision.softmax or lg.dtype)
+        if head.remasking == "random":
             # Drawn over every position the forward computed, as upstream, then cut to the block.
-            conf = torch.rand((B, L), dtype=precision.random, device=x.device,
-                              generator=generator)[:, local:local + self.block_length]
-        if self.confidence_eos_eot_inf == "corrected":
+            conf = torch.rand((B, L), dtype=precision.random, device=x.device, generator=generator)[:, local:local + width]
+        if head.confidence_eos_eot_inf == "corrected":
             # What the option was meant to do: commit EOS/EOT only when nothing else is left.
             conf = conf.masked_fill(torch.isin(x0, state.stop_ids), -torch.inf)
+        block_mask = block_x == mask_id
         before = block_mask.clone() if on_step is not None else None
-        k = None if self.parallel else self._budget(state)
-        if self.reference_ties and not self.parallel:
+        k = None if head.parallel else torch.cat([d._budget(s) for d, s in zip(decoders, states)])
+        if head.reference_ties and not head.parallel:
             committed = topk_commit(block_x, block_mask, x0, conf, k, L, local)
         else:
-            committed = self._select(block_x, block_mask, x0, conf, k)
+            committed = head._select(block_x, block_mask, x0, conf, k)
         if constraint is not None:
             # keep what the structure accepts, advance the matchers (parts/constrain.py)
-            committed = torch.tensor(constraint.filter(x, prior, x0, logits, start, end, local), device=x.device)
+            committed = torch.tensor(constraint.filter(x, prior, x0, lg, start, end, local), device=x.device)
             block_mask = block_x == mask_id
         if on_step is not None:
             transfer = torch.zeros_like(x, dtype=torch.bool)
             transfer[:, start:end] = before & ~block_mask
             on_step(state.block, x, transfer)
-        if stats is not None:
-            stats.step(committed.sum())
-        state.step += 1
         # unmask cleared the committed positions of block_mask; with a parallel rule (or a structure, whose filter
         # may leave holes the schedule did not plan) the block ends when none is left (the step's one host wait)
-        if constraint is not None and all(constraint.finished):
-            state.done = True
-        elif (not bool(block_mask.any())) if self.parallel or constraint is not None \
-                else state.step == self.steps_per_block:
-            self._end_block(state, block_x, end)
+        left = block_mask.any(dim=1).tolist() if head.parallel or constraint is not None else None
+        offset = 0
+        for i, (decoder, s, (a, b)) in enumerate(zip(decoders, states, spans)):
+            rows = slice(offset, offset + s.batch)
+            offset = rows.stop
+            if not alone:
+                s.x[:, a:b] = block_x[rows]
+            if stats[i] is not None:
+                stats[i].forward(s.batch * (2 if decoder.cfg_scale > 0 else 1), logits[i].shape[1],
+                                 s.forwards.cache_nbytes)
+                stats[i].step(committed[rows].sum())
+            s.step += 1
+            if constraint is not None and all(constraint.finished):
+                s.done = True
+            elif (not any(left[rows])) if left is not None else s.step == decoder.steps_per_block:
+                decoder._end_block(s, s.x[:, a:b], b)
 
     def _budget(self, state: BlockState) -> torch.Tensor:
         """The schedule's commits per row; past it (a structure's filter left holes) one per row."""
@@ -425,7 +443,7 @@ class BlockDecoder(BlockwiseDecoder):
 
     def commit_key(self) -> tuple | None:
         """Equal for decoders whose commits after one shared forward one batched call can make
-        (`commit_shared`: greedy, the same rule and scoring settings); None when it commits alone."""
+        (`commit_together`: greedy, the same rule and scoring settings); None when it commits alone."""
         if self.temperature > 0 or self.reference_sampling or self.reference_ties or self.cfg_scale > 0 \
                 or self.remasking != "low_confidence" or self.confidence_eos_eot_inf == "corrected" \
                 or self.structure is not None or self.processors or self.rule is not None:
@@ -434,36 +452,13 @@ class BlockDecoder(BlockwiseDecoder):
                 tuple(self.suppress or ()), tuple(self.zero_prob_ids or ()), self.precision.softmax)
 
     @staticmethod
-    def commit_shared(decoders: list["BlockDecoder"], states: list[BlockState], logits: torch.Tensor,
-                      first_rows: list[int], lengths: list[int], fed: int | list[int],
-                      stats: list[GenerationStats | None]) -> None:
-        """`decoders[i].commit(states[i], <its logits>, fed, stats=stats[i])` for every i (one
-        `commit_key`, one row per state) in one scoring call and one unmask: state i's logits are
-        the `lengths[i]` rows of `logits` (flat `[N, V]`) from `first_rows[i]` on. Row by row, so each
-        row's tokens are its own commit's; a parallel rule's "block over?" is one host read."""
-        head = decoders[0]
-        mask_id, block = head.spec.mask_id, head.block_length
-        spans = [d.block_span(s) for d, s in zip(decoders, states)]
-        feds = fed if isinstance(fed, list) else [fed] * len(states)   # each state's first fed position
-        first = torch.tensor([r + start - f for r, (start, _), f in zip(first_rows, spans, feds)], device=logits.device)
-        flat_rows = (first[:, None] + torch.arange(block, device=logits.device)).reshape(-1)
-        x0, conf = score_rows(logits, flat_rows, suppress_ids=head.suppress, zero_prob_ids=head.zero_prob_ids,
-                              exclude_id=mask_id, rows_in_bounds=True)
-        G = len(states)
-        x0, conf = x0.view(G, block), conf.view(G, block).to(head.precision.softmax or logits.dtype)
-        block_x = torch.cat([s.x[:, start:end] for s, (start, end) in zip(states, spans)])
-        block_mask = block_x == mask_id
-        committed = head._select(block_x, block_mask, x0, conf,
-                                 None if head.parallel else torch.cat([s.schedule[:, s.step] for s in states]))
-        left = block_mask.any(dim=1).tolist() if head.parallel else None   # the group's one host wait
-        for i, (decoder, state, (start, end)) in enumerate(zip(decoders, states, spans)):
-            state.x[:, start:end] = block_x[i:i + 1]
-            if stats[i] is not None:
-                stats[i].forward(1, lengths[i], state.forwards.cache_nbytes)
-                stats[i].step(committed[i])
-            state.step += 1
-            if (not left[i]) if decoder.parallel else state.step == decoder.steps_per_block:
-                decoder._end_block(state, state.x[:, start:end], end)
+    def receive_together(decoders: Sequence["BlockDecoder"], states: Sequence[BlockState],
+                         answers: Sequence[torch.Tensor], generators: Sequence[torch.Generator | None],
+                         stats: Sequence[GenerationStats | None]) -> None:
+        if len(decoders) == 1:
+            return decoders[0].receive(states[0], answers[0], generators[0], stats[0])
+        logits, fed = zip(*(d.finish_forward(s, a) for d, s, a in zip(decoders, states, answers)))
+        BlockDecoder.commit_together(decoders, states, logits, fed, stats)
 
     def _select(self, block_x: torch.Tensor, block_mask: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor,
                 k: torch.Tensor | None) -> torch.Tensor:

@@ -10,9 +10,9 @@ No decoder is handed the model: what it needs of it comes as values — the mode
 (`get_spec`, resolved by the driver: ids, layout, device, config values, embedding table) — or in the
 answers to its `ForwardRequest`s. Only the drivers (the drop-in functions, the engine's runner) hold it.
 
-* Batched commit: decoders with an equal `commit_key()` (not None) commit together — each
-  `finish_forward`, then one `commit_shared` over all of them (one scoring and one selection for
-  the lot, row by row as each alone); None commits alone through `receive`.
+* Batched commit: decoders with an equal `commit_key()` (not None) receive together — one
+  `receive_together` over all of them (one scoring and one selection for the lot, row by row as
+  each alone); None receives alone.
 * Pages: a decoder whose requests take whole pages of the engine's store when they start says how
   many (`pages_needed`, None: none) and gives them back (`release`).
 * `canvas(state)`: the canvas so far `[1, P + L]` (masks where undecided), for drafts.
@@ -61,21 +61,16 @@ class Decoder(abc.ABC):
         return None
 
     def commit_key(self) -> Any:
-        """Equal for decoders whose commits run together in one `commit_shared`; None: alone."""
+        """Equal for decoders whose commits run together in one `receive_together`; None: alone."""
         return None
 
-    def finish_forward(self, state: Any, logits: torch.Tensor) -> tuple[torch.Tensor, int]:
-        raise NotImplementedError(f"{type(self).__name__} commits alone (commit_key() is None)")
-
-    def commit(self, state: Any, logits: torch.Tensor, fed: int = 0, generator: torch.Generator | None = None,
-               stats: GenerationStats | None = None) -> None:
-        raise NotImplementedError(f"{type(self).__name__} commits alone (commit_key() is None)")
-
     @staticmethod
-    def commit_shared(decoders: Sequence["Decoder"], states: Sequence[Any], logits: torch.Tensor,
-                      offsets: Sequence[int], lengths: Sequence[int], fed: Sequence[int],
-                      stats: Sequence[GenerationStats | None]) -> None:
-        raise NotImplementedError("no batched commit: commit_key() is None")
+    def receive_together(decoders: Sequence["Decoder"], states: Sequence[Any], answers: Sequence[Any],
+                         generators: Sequence[torch.Generator | None], stats: Sequence[GenerationStats | None]) -> None:
+        """`decoders[i].receive(states[i], answers[i], ...)` for every i (decoders of one `commit_key`: it may
+        commit them all in one batched call, each row as alone)."""
+        for decoder, state, answer, generator, counts in zip(decoders, states, answers, generators, stats):
+            decoder.receive(state, answer, generator, counts)
 
     def add_processor(self, processor: Any) -> "Decoder":
         """Edit every forward's logits with `processor(state, logits, fed)` before the commit scores

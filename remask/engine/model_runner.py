@@ -17,7 +17,7 @@ each attending over its own keys through its own cache and mask, its RoPE at its
 (SDAR, LLaDA2, Fast-dLLM v2) stack the requests whose caches pack (`ForwardRequest.stacks`). A
 request of another model (APD's verifier) or of inputs no packed forward takes runs alone. The
 runner hands each its rows (`receive`); each sequence commits with its own rule and generator,
-greedy block decoders of one rule together (`commit_shared`, row by row as alone).
+greedy block decoders of one rule together (`receive_together`, row by row as alone).
 
 With `batch_invariant` each request's linears are the GEMM problems its own forward poses
 (`batch_invariant.py`: one flat GEMM where this CPU's BLAS is measured row-invariant, per-sequence
@@ -116,35 +116,21 @@ class ModelRunner:
                 tuple(sorted(request.shared.items())))
 
     def _receive(self, group: list[Sequence], answers: list[torch.Tensor], failed: dict[Sequence, str]) -> None:
-        """Each sequence takes its answer. Decoders that say their commits batch (equal
-        `commit_key`, the same first fed position) commit together in one call (`commit_shared`:
-        one scoring and one selection for the lot, row by row as each alone); the rest alone."""
-        batched: dict[Any, list[tuple[Sequence, torch.Tensor, int]]] = defaultdict(list)
+        """Each sequence takes its answer. Decoders that say their commits batch (equal `commit_key`)
+        receive together in one call (`receive_together`: one scoring and one selection for the lot,
+        row by row as each alone); the rest alone."""
+        batched: dict[Any, list[tuple[Sequence, torch.Tensor]]] = defaultdict(list)
         for seq, answer in zip(group, answers):
-            try:
-                key = seq.decoder.commit_key()
-                if key is None:
-                    seq.decoder.receive(seq.state, answer, seq.generator, seq.stats)
-                    continue
-                logits, fed = seq.decoder.finish_forward(seq.state, answer)
-                batched[type(seq.decoder), key].append((seq, logits, fed))
-            except Exception as err:  # noqa: BLE001
-                failed[seq] = f"{type(err).__name__}: {err}"
+            key = seq.decoder.commit_key()
+            batched[id(seq) if key is None else (type(seq.decoder), key)].append((seq, answer))
         for members in batched.values():
+            seqs = [seq for seq, _ in members]
             try:
-                if len(members) == 1:
-                    seq, logits, fed = members[0]
-                    seq.decoder.commit(seq.state, logits, fed, seq.generator, seq.stats)
-                    continue
-                seqs, logits, fed = zip(*members)
-                rows = [part.shape[0] * part.shape[1] for part in logits]
-                seqs[0].decoder.commit_shared([seq.decoder for seq in seqs], [seq.state for seq in seqs],
-                                              torch.cat([part.reshape(-1, part.shape[-1]) for part in logits]),
-                                              [sum(rows[:i]) for i in range(len(rows))],
-                                              [part.shape[1] for part in logits], list(fed),
-                                              [seq.stats for seq in seqs])
+                seqs[0].decoder.receive_together([seq.decoder for seq in seqs], [seq.state for seq in seqs],
+                                                 [answer for _, answer in members], [seq.generator for seq in seqs],
+                                                 [seq.stats for seq in seqs])
             except Exception as err:  # noqa: BLE001
-                failed.update({seq: f"{type(err).__name__}: {err}" for seq, _, _ in members})
+                failed.update({seq: f"{type(err).__name__}: {err}" for seq in seqs})
 
     # ---- autoregressive sequences: one flat forward over the paged store ----
 
