@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import remask
-from remask.diffusion.families.apd import APDConfig, accept_length, apd_generate
+from remask.diffusion.families.apd import APDConfig, apd_generate
+from remask.kernels import apd_accept
 from remask.models.spec import get_spec
 from remask.zoo import charset, tasks
 
@@ -17,6 +18,12 @@ def pair():
 
 def _prompts(n):
     return [torch.tensor([charset.encode_chat(p.prompt)]) for p in tasks.problems(n, tasks.EVAL_SEED)]
+
+
+def accept_length(draft, dllm_logits, verifier_logits, mixture_weight):
+    """Longest accepted prefix: token j is accepted iff it is the argmax of R·dllm + (1 − R)·verifier
+    (j = 0 always is)."""
+    return int(apd_accept(draft, dllm_logits, verifier_logits, mixture_weight)[1])
 
 
 def test_accept_length_rule():

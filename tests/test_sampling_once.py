@@ -198,7 +198,7 @@ def test_dream_categorical_equals_its_sampler(temperature, top_k, top_p):
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_apd_draft_is_dreams_filter_then_gumbel(temperature):
     logits = _logits(17, dtype=torch.float32)
-    got = apd.draft_tokens(logits, temperature, 0.8, 6, _gen(2, "cpu"))
+    got = apd.shared_argmax(apd.draft_scores(logits, temperature, 0.8, 6, _gen(2, "cpu")), None)
     scores = ref_dream_filter(logits, temperature, 0.8, 6)
     if temperature > 0:
         noise = torch.rand(scores.shape, dtype=torch.float64, generator=_gen(2, "cpu"))

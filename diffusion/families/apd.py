@@ -102,25 +102,12 @@ def draft_scores(logits: torch.Tensor, temperature: float, top_p: float | None, 
     return gumbel_max_scores(filtered, temperature, generator)
 
 
-def draft_tokens(logits: torch.Tensor, temperature: float, top_p: float | None, top_k: int | None,
-                 generator: torch.Generator | None = None, shared_vocab: int | None = None) -> torch.Tensor:
-    """The reference's draft sample (`draft_scores`' argmax); a draft at or beyond `shared_vocab` is
-    replaced by the best-scoring id below it."""
-    return _shared_argmax(draft_scores(logits, temperature, top_p, top_k, generator), shared_vocab)
-
-
-def _shared_argmax(scores: torch.Tensor, vocab: int | None) -> torch.Tensor:
+def shared_argmax(scores: torch.Tensor, vocab: int | None) -> torch.Tensor:
+    """The draft: the best-scoring id, or below `vocab` (the ids the verifier has) the best one there."""
     draft = torch.argmax(scores, dim=-1)
     if vocab is not None and vocab < scores.shape[-1]:
         draft = torch.where(draft < vocab, draft, torch.argmax(scores[:, :vocab], dim=-1))
     return draft
-
-
-def accept_length(draft: torch.Tensor, dllm_logits: torch.Tensor, verifier_logits: torch.Tensor,
-                  mixture_weight: float) -> int:
-    """Longest accepted prefix of `draft` `[N]`: token j is accepted iff it is the argmax of
-    `R·dllm_logits[j] + (1 − R)·verifier_logits[j]` (both `[N, V]`); j = 0 always is."""
-    return int(apd_accept(draft, dllm_logits, verifier_logits, mixture_weight)[1])
 
 
 def _crop(cache, length: int) -> None:
@@ -226,7 +213,7 @@ class APDDecoder(Constrainable):
             uniforms = torch.rand((right - curr, vocab), dtype=torch.float32, device=x.device, generator=generator)
         scores = draft_scores(proposal, temperature, self.top_p, self.top_k, generator, uniforms, vocab)
         if state.matcher is None:
-            draft = _shared_argmax(scores, vocab)
+            draft = shared_argmax(scores, vocab)
         else:   # the same scores, each draft masked by the lookahead over the drafts before it
             draft = draft_under(state.matcher, scores, vocab)
         # The verifier scores the draft: the whole prefix the first time, then only the draft.

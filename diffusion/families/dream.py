@@ -182,21 +182,29 @@ class _DreamParts:
             counts = per_row.tolist()
             want = counts if last else [min(n, c) for c in counts]
             weights = F.softmax(full_conf / self.config.alg_temp, dim=-1)
-            if all(w == want[0] for w in want) and (last or min(counts) >= n):
-                if want[0] > 0:
-                    index = torch.multinomial(weights, num_samples=want[0], generator=generator)
-                    x.scatter_(1, index, proposal.gather(1, index))
-                return
-            for row, k in enumerate(want):
+            whole = len(set(want)) == 1 and (last or want[0] == n)   # every row has n masks (at the last step all)
+            for rows, k in [(slice(None), want[0])] if whole else enumerate(want):
                 if k > 0:
-                    index = torch.multinomial(weights[row], num_samples=k, generator=generator)
-                    x[row, index] = proposal[row, index]
+                    index = torch.multinomial(weights[rows], num_samples=k, generator=generator)
+                    x[rows].scatter_(-1, index, proposal[rows].gather(-1, index))
         elif ties and not last:
             # a row with fewer masks than n keeps its other positions (upstream would write the mask id over them)
             picked = torch.zeros_like(mask_index).scatter_(1, torch.topk(full_conf, n).indices, True) & mask_index
             x[picked] = proposal[picked]
         else:
             unmask(x, mask_index, proposal, full_conf, k=per_row if last else n)
+
+    def _finish(self, state: DreamState, counted: torch.Tensor, before: torch.Tensor, prior: Any, candidates: Any,
+                logits: torch.Tensor, start: int, end: int, local: int, stats: GenerationStats | None) -> None:
+        """After a commit: the structure's filter keeps what it accepts (a hook's rewrite of a consumed position
+        rolls its matcher back) and advances the matchers; the stats count the masks of `counted` decided since
+        `before`; the history takes the canvas."""
+        if state.constraint is not None:
+            state.constraint.filter(state.x, prior, candidates, logits, start, end, local)
+        if stats is not None:
+            stats.step(int(before - (counted == self.spec.mask_id).sum()))
+        if state.histories is not None:
+            state.histories.append(state.x.clone())
 
 
 class DreamDecoder(_DreamParts, ForwardThenCommit):
@@ -284,13 +292,7 @@ class DreamDecoder(_DreamParts, ForwardThenCommit):
                     self._commit_count(x, mask_index, proposal, full_conf, n, generator, last, self.reference_ties)
             candidates = proposal[:, P:]
         state.x = self.tokens_hook(i, x, logits)
-        if constraint is not None:
-            # keep what the structure accepts (a hook's rewrite of a consumed position rolls its matcher back)
-            constraint.filter(state.x, prior, candidates, logits, P, T, P - fed)
-        if stats is not None:
-            stats.step(int(before - (state.x == mask_id).sum()))
-        if state.histories is not None:
-            state.histories.append(state.x.clone())
+        self._finish(state, state.x, before, prior, candidates, logits, P, T, P - fed, stats)
         state.step += 1
         # under a structure: until every mask is decided (the schedule, then steps for the filter's holes)
         state.done = not bool((state.x == mask_id).any()) if constraint is not None else state.step >= state.steps
@@ -372,13 +374,7 @@ class DreamBlockDecoder(_DreamParts, BlockwiseDecoder):
                 unmask(block_x, block_mask, proposal, full_conf, k=k, threshold=self.threshold if k is None else None)
             elif n > 0:
                 self._commit_count(block_x, block_mask, proposal, full_conf, n, generator)
-        if constraint is not None:
-            # keep what the structure accepts, advance the matchers; the block runs until it is decoded
-            constraint.filter(x, prior, proposal, logits, start, end, local)
-        if stats is not None:
-            stats.step(int(before - (block_x == mask_id).sum()))
-        if state.histories is not None:
-            state.histories.append(x.clone())
+        self._finish(state, block_x, before, prior, proposal, logits, start, end, local, stats)
         if constraint is not None and all(constraint.finished):
             state.done = True   # under a structure: the answer ends when every row's has
         elif (constraint is not None or not refresh) and not bool((block_x == mask_id).any()):
@@ -387,8 +383,5 @@ class DreamBlockDecoder(_DreamParts, BlockwiseDecoder):
 
 def _scatter(x, mask_index, confidence, x0, dtype, mask_id):
     """Per-position confidence (−inf off the masks) and proposals (mask id off the masks)."""
-    full_conf = torch.full_like(x, -torch.inf, dtype=dtype)
-    full_conf[mask_index] = confidence.to(dtype)
-    proposal = torch.zeros_like(x) + mask_id
-    proposal[mask_index] = x0
-    return full_conf, proposal
+    full_conf = torch.full_like(x, -torch.inf, dtype=dtype).masked_scatter(mask_index, confidence.to(dtype))
+    return full_conf, torch.full_like(x, mask_id).masked_scatter(mask_index, x0.to(x.dtype))

@@ -243,19 +243,18 @@ def _group(canvas: torch.Tensor, config: D2Cache, G: int, block_length: int, per
             # structure a position never reopens; with one, a revoked position does)
             block = span & masked
             active = block.any(dim=-1)
-            n_active = int(active.sum())
-            if n_active == 0:
+            Ba = int(active.sum())
+            if Ba == 0:
                 break
             block_steps += 1
             allow_mask = commit_mask_token and block_steps <= 4 * block_length   # guard against endless loops
             xa = x[active]
-            Ba = xa.shape[0]
             if group_constraint is not None and selector.next_rows is not None:
                 # each row's frontier is recomputed (the top-up below evens the counts again)
                 for r, f in open_frontiers(group_constraint, active.nonzero().flatten().tolist(), T):
                     selector.next_rows[r, f] = True
             rows = selector.rows_for(active)
-            if n_active == N:   # every row (a request alone: always): the cache itself, nothing gathered or written back
+            if Ba == N:   # every row (a request alone: always): the cache itself, nothing gathered or written back
                 sub = cache
             else:
                 sub = D2KVCache(None if cache.key_bias is None else cache.key_bias[active])

@@ -122,8 +122,7 @@ def _daedal_row(config: DAEDAL, spec, prompt: torch.Tensor, keys: torch.Tensor |
         canvas with every prompt position masked (upstream's stage 1 is not guided)."""
         guided, inputs = sample and cfg_scale > 0, spec.forward_inputs(keys, x.shape[1])
         if guided:
-            un_x = x.clone()
-            un_x[:, :P] = mask_id
+            un_x = x.index_fill(1, torch.arange(P, device=device), mask_id)
             logits = yield from guided_forward(spec, x, un_x, inputs, cfg_scale)
         else:
             logits = yield ForwardRequest.call(x, inputs, spec=spec)

@@ -15,7 +15,7 @@ import torch
 
 from remask.models.spec import ModelSpec
 
-from ..parts.checks import CombinationError
+from ..parts.checks import CombinationError, changed
 from ..parts.stats import GenerationStats
 from ..parts.stepper import StepGenerator, drop_in
 from . import registry
@@ -24,21 +24,8 @@ from . import registry
 def is_dinfer_method(decoder: Any, use_cache: Any) -> bool:
     """A request for the block loop that runs commit rules (dInfer's): a commit rule, or the
     `VicinityCache` alone (its threshold rule)."""
-    if decoder is not None:
-        return registry.is_config("decoder", decoder) and registry.method_of(decoder).is_rule
-    return registry.is_config("use_cache", use_cache) and registry.method_of(use_cache).name == "vicinity"
-
-
-def end_settings_refusal(method: Any, *, min_tokens: bool) -> str | None:
-    """Why `method` (a decoder or cache config) cannot honour `ignore_eos` / `min_tokens`, or None.
-    The methods' loops score inside their own step, so no logits hook reaches them (`min_tokens`);
-    some end a row at its first EOS by their own rule (`ignore_eos`: `Method.fills_after_eos`)."""
-    name = type(method).__name__
-    if min_tokens:
-        return f"{name}: its loop scores the logits inside its own step, with no logits hook the engine reaches"
-    if registry.switch(registry.method_of(method).fills_after_eos, method):
-        return f"{name}: it fills the rest of a row with EOS after the first EOS it decodes"
-    return None
+    method = registry.method_of(use_cache if decoder is None else decoder)
+    return method is not None and (method.is_rule if decoder is not None else method.name == "vicinity")
 
 
 def decoder_steps(spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.Tensor | None, decoder: Any, *,
@@ -53,7 +40,7 @@ def decoder_steps(spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.T
     schedule; `ElasticCache` takes a commit rule as `decoder`. `structure` / `end_ids`: structured
     output, enforced in every method's commits (`diffusion/parts/constrain.py`)."""
     registry.check_decoder(decoder)
-    cache = registry.method_of(use_cache) if registry.is_config("use_cache", use_cache) else None
+    cache = registry.method_of(use_cache, "use_cache")
     if use_cache is not None and not isinstance(use_cache, str) and cache is None:
         raise ValueError(f"use_cache must be None, a cache name or a remask cache config, "
                          f"got {type(use_cache).__name__}")
@@ -73,14 +60,11 @@ def decoder_steps(spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.T
         raise CombinationError(f"{method.field}={name}: {method.unshifted} reads unshifted logits (position i "
                                f"scored from itself, LLaDA's layout); this model shifts its logits by one position "
                                f"(Dream's layout, ModelSpec.logit_shift){hint}")
-    settings = dict(settings or {})
-    steps, steps_default = settings.get("steps", (None, None))
-    if steps == steps_default:   # not given (the entry point's default): one token per step, or the method's own
-        steps = None
-    unread = [key for key, (value, default) in settings.items()
-              # a generator is the randomness of sampling: harmless (unused) with a greedy method
-              if key not in ("steps", "generator") and key not in method.reads and value is not default
-              and value != default]
+    settings = settings or {}
+    # not given (the entry point's default): one token per step, or the method's own
+    steps = settings["steps"][0] if changed(settings, ("steps",)) else None
+    # a generator is the randomness of sampling: harmless (unused) with a greedy method
+    unread = [key for key in changed(settings, settings) if key not in ("steps", "generator", *method.reads)]
     if "steps" not in method.reads and steps is not None and steps != gen_length:
         unread.append("steps")
     if unread:

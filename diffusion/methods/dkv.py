@@ -163,34 +163,14 @@ def _forward(x: torch.Tensor, positions: torch.Tensor, forwarded: torch.Tensor |
     return logits
 
 
-def _delay(store: torch.Tensor | None, x: torch.Tensor, mask_id: int, shift_type: str,
-           constrained: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The delay, after a step: the positions cached during the next forward (this step's `store`;
-    under a structure less the revoked ones) and after it, by `shift_type` (LLaDA's: ``"right"``)."""
-    decoded = x != mask_id
-    if shift_type == "un":
-        decoded = torch.cat([decoded[:, 1:], decoded[:, :1]], dim=1)
-    elif shift_type == "un_right":
-        both = decoded[:, :-1] & decoded[:, 1:]
-        decoded = torch.cat([both, both[:, -1:]], dim=1)
-    if constrained and store is not None:
-        store = store & decoded   # a revoked position (or its scorer) leaves the cached set
-    return store, decoded
-
-
 def _window(chosen: torch.Tensor, around: list[int], masked: torch.Tensor, size: int) -> None:
     """dKV-Cache-Greedy's window, in place on `chosen` `[T]`: for each position of `around` (in its
     order) the `size` nearest masked positions not chosen yet, alternating left and right."""
     T = chosen.shape[0]
     for pos in around:
-        left, right, found, go_left = pos - 1, pos + 1, 0, True
-        while found < size and (left >= 0 or right < T):
-            at = left if go_left else right
-            if 0 <= at < T and not chosen[at] and masked[at]:
-                chosen[at] = True
-                found += 1
-            left, right = (left - 1, right) if go_left else (left, right + 1)
-            go_left = not go_left
+        near = (at for d in range(1, T) for at in (pos - d, pos + d) if 0 <= at < T)   # nearest first, left first
+        for at in list(itertools.islice((at for at in near if not chosen[at] and masked[at]), size)):
+            chosen[at] = True
 
 
 def dkv_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: DKVCache | None = None,
@@ -251,9 +231,8 @@ def dkv_dream_generate(model: torch.nn.Module, input_ids: torch.Tensor, attentio
     structure = structure_for_call(structured_outputs, model, tokenizer, get_spec(model, mask_id=mask_id).mask_id,
                                    max_new_tokens)   # None without structured_outputs
     return run_steps(model, dkv_dream_steps, input_ids, attention_mask, config=config, steps=steps,
-                                 max_new_tokens=max_new_tokens, alg=alg, alg_temp=alg_temp, temperature=temperature,
-                                 top_p=top_p, top_k=top_k, eps=eps, mask_id=mask_id, generator=generator,
-                                 stats=stats, structure=structure)
+                     max_new_tokens=max_new_tokens, alg=alg, alg_temp=alg_temp, temperature=temperature, top_p=top_p,
+                     top_k=top_k, eps=eps, mask_id=mask_id, generator=generator, stats=stats, structure=structure)
 
 
 def dkv_dream_steps(spec: ModelSpec, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -352,20 +331,38 @@ def _loop(rule: Any, positions: torch.Tensor | None, attention_mask: torch.Tenso
     return x
 
 
-class _LLaDARule:
+class _Rule:
+    """What both families' parts of `_loop` share: the delay (`shift_type`; LLaDA's: ``"right"``)."""
+
+    # the delay's shift type; the logit shift (position i − shift scores token i); `Progress.final` (0: none yet)
+    shift_type, shift, final = "right", 0, 0
+
+    def delay(self, prev: torch.Tensor | None, store: torch.Tensor | None) -> tuple[torch.Tensor | None, Any]:
+        """After a step: the positions cached during the next forward (this step's `store`; under a structure less
+        the revoked ones) and after it, by `shift_type`."""
+        decoded = self.x != self.mask_id
+        if self.shift_type == "un":
+            decoded = torch.cat([decoded[:, 1:], decoded[:, :1]], dim=1)
+        elif self.shift_type == "un_right":
+            both = decoded[:, :-1] & decoded[:, 1:]
+            decoded = torch.cat([both, both[:, -1:]], dim=1)
+        if self.constraint is not None and store is not None:
+            store = store & decoded   # a revoked position (or its scorer) leaves the cached set
+        return store, decoded
+
+
+class _LLaDARule(_Rule):
     """LLaDA's part of `_loop`: its blocks, each with its schedule (`schedule_counts`) and new caches; the
     logits scored where forwarded (`score_tokens`; each position scores itself); Decode's top-k commit by
-    confidence or uniforms (`topk_commit`) with the delayed cache (`_delay`, ``"right"``; its forwards
+    confidence or uniforms (`topk_commit`) with the delayed cache (`_Rule.delay`, ``"right"``; its forwards
     hold every masked position, the frontier included), Greedy's commits in the block's drawn order, its
     next forward (the positions decoded then and now, and the window) cached at once."""
-
-    shift = 0
 
     def __init__(self, x: torch.Tensor, P: int, config: DKVCache, mask_id: int, steps: int, block_length: int,
                  remasking: str, generator: torch.Generator | None, constraint: Any) -> None:
         self.x, self.P, self.config, self.mask_id, self.steps = x, P, config, mask_id, steps
         self.block_length, self.remasking, self.generator = block_length, remasking, generator
-        self.constraint, self.reload, self.final = constraint, config.cache_reloading_step, 0
+        self.constraint, self.reload = constraint, config.cache_reloading_step
         self.greedy = self.merge = self.frontier_forwarded = config.variant == "greedy"
         self.everything = torch.ones_like(x, dtype=torch.bool)
 
@@ -443,17 +440,15 @@ class _LLaDARule:
         return committed
 
     def delay(self, prev: torch.Tensor | None, store: torch.Tensor | None) -> tuple[torch.Tensor | None, Any]:
-        if self.greedy:
-            return ~self.chosen, store
-        return _delay(store, self.x, self.mask_id, "right", self.constraint is not None)
+        return (~self.chosen, store) if self.greedy else super().delay(prev, store)
 
 
-class _DreamRule:
+class _DreamRule(_Rule):
     """Dream's part of `_loop`: the whole canvas one span, first caching every position whose next token
     is a prompt token; `DreamDecoder.commit` on the step's logits (−inf where not forwarded, then shifted:
     hidden state i scores token i + 1); the delay by `shift_type` (``"prefill"``: the first store kept)."""
 
-    shift, merge, final, frontier_forwarded = 1, False, 0, True
+    shift, merge, frontier_forwarded = 1, False, True
 
     def __init__(self, decoder: DreamDecoder, state: Any, config: DKVCache, steps: int,
                  generator: torch.Generator | None) -> None:
@@ -490,4 +485,4 @@ class _DreamRule:
     def delay(self, prev: torch.Tensor | None, store: torch.Tensor | None) -> tuple[Any, Any]:
         if self.prefill:
             return (store, None) if prev is None else (prev, store)
-        return _delay(store, self.x, self.mask_id, self.shift_type, self.constraint is not None)
+        return super().delay(prev, store)

@@ -45,6 +45,7 @@ from remask.models.spec import ModelSpec
 from ..parts.cache import valid_positions
 from ..parts.checks import (Checked, changed, check_bool, check_config, check_instance, check_int, check_method_call,
                             check_optional_token_id, check_real, checked)
+from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.rules import check_rule_on_loop
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
@@ -97,9 +98,9 @@ class ElasticLayers:
     def __init__(self, model_config: Any, cache: "ElasticKVCache", x_cache: list, query: torch.Tensor,
                  track: torch.Tensor, window: torch.Tensor, masked: torch.Tensor, start_reset: int,
                  config: ElasticCache, T: int) -> None:
-        self.model_config, self.cache, self.x_cache, self.query, self.track, self.window, self.masked = \
-            model_config, cache, x_cache, query, track, window, masked
-        self.start_reset, self.config = start_reset, config
+        self.model_config, self.cache, self.x_cache, self.query = model_config, cache, x_cache, query
+        self.start_reset, self.plan = start_reset, dict(query=query, track=track, window=window, masked=masked,
+                                                        gamma=config.gamma, track_num=config.track_num)
         self.everything = torch.arange(T, device=query.device)
 
     def before(self, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -112,8 +113,7 @@ class ElasticLayers:
         # upstream's RoPE: the query positions when the rows are as many, else 0..T-1
         rope = self.query if h.shape[1] == self.query.shape[0] else self.everything
         cos, sin = rope_cos_sin(rope[None], self.model_config.head_dim, self.model_config.rope_theta)
-        self.cache.plan(full=layer >= self.start_reset, query=self.query, track=self.track, window=self.window,
-                        masked=self.masked, gamma=self.config.gamma, track_num=self.config.track_num)
+        self.cache.plan(full=layer >= self.start_reset, **self.plan)
         return h, cos, sin
 
     def after(self, layer: int) -> None:
@@ -269,8 +269,6 @@ def elastic_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: ElasticCache
     config.check_request(gen_length=gen_length, prompt_length=P)
     x = masked_canvas(prompt, gen_length, spec.mask_id, spec.device)
     key_ok = valid_positions(attention_mask, P + gen_length)   # False on the left pads
-    from ..parts.constrain import CommitFilter, end_ids_of
-
     filters = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
     decode_row = partial(_elastic_row, spec, x, P, config, spec.mask_id, spec.eos_id, stats, trace, rule, filters)
     return row_by_row(x, decode_row, key_ok, stats, B * gen_length)

@@ -57,24 +57,21 @@ import torch
 from remask.caches import KVCache
 from remask.caches.tree import TreeKVCache
 from remask.kernels import unmask
+from remask.models.parallel import full_logits
 from remask.models.spec import ModelSpec
 
+from ..families.llada import validate_block_args
 from ..parts.cache import BlockForward, cache_mode, valid_positions
-from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.checks import (check_choice, check_config, check_config_bounds, check_int, check_length,
                             check_method_call, check_real, checked, warn_if_longer_than_trained,
                             warn_if_padded_without_mask)
-from ..families.llada import validate_block_args
-from ..parts.scoring import score_rows
-from remask.models.parallel import full_logits
-
+from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.drafts import DraftConfig, verify_chain
+from ..parts.scoring import score_rows
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in
 
-DRAFT_MODES = ("tree_attention", "batch_expanding")
-MATCH_RULES = ("subset", "exact")
 FREEDAVE_CACHES = (None, "prefix", "dual")
 
 
@@ -87,9 +84,9 @@ class FreeDave(DraftConfig):
     """
 
     draft_steps: int = checked(4, check_int, minimum=1)
-    draft_mode: str = checked("tree_attention", check_choice, choices=DRAFT_MODES)
+    draft_mode: str = checked("tree_attention", check_choice, choices=("tree_attention", "batch_expanding"))
     confidence_threshold: float | None = checked(None, check_real, low=0, high=1, low_open=True, allow_none=True)
-    match_rule: str = checked("subset", check_choice, choices=MATCH_RULES)
+    match_rule: str = checked("subset", check_choice, choices=("subset", "exact"))
 
     def check_request(self, *, gen_length: int | None = None, block_length: int | None = None,
                       steps: int | None = None, prompt_length: int | None = None) -> None:
@@ -162,29 +159,6 @@ class _Decoder:
         self.stats.forward(len(canvas), fed_end - fed, self.block_forward.cache_nbytes)
         return logits, start - fed
 
-    def score(self, logits: torch.Tensor, local: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """x0 and confidence of the block rows of `logits` `[N, L, V]` → `[N, block]` each (the
-        baselines' scoring: `score_rows`, greedy, never the mask token, rounded as they round)."""
-        N, L, _ = logits.shape
-        bl = self.block_length
-        rows = (torch.arange(N, device=logits.device)[:, None] * L + local
-                + torch.arange(bl, device=logits.device)).reshape(-1)
-        x0, conf = score_rows(logits, rows, exclude_id=self.spec.mask_id)
-        return x0.view(N, bl), conf.view(N, bl).to(self.conf_dtype or logits.dtype)
-
-    def rule(self, tokens: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
-        """The baseline's step on `tokens` `[N, block]` from its own predictions (a new tensor)."""
-        out, threshold = tokens.clone(), self.config.confidence_threshold
-        unmask(out, out == self.spec.mask_id, x0, conf, k=1 if threshold is None else None, threshold=threshold)
-        return out
-
-    def _count_step(self, before: int, blk: torch.Tensor) -> None:
-        self.stats.step(before - (blk == self.spec.mask_id).sum())   # a device count: no host sync
-
-    def _progress(self, x: torch.Tensor, blk: torch.Tensor, start: int, end: int) -> Progress:
-        done = not bool((blk == self.spec.mask_id).any())
-        return Progress(x, (end if done else start) - self.prompt_len)
-
     def _start(self, x: torch.Tensor, start: int, end: int,
                cf: Any) -> Generator[Any, Any, tuple[torch.Tensor, ...]]:
         """The baseline's block-start forward (`BlockForward.refresh`, a batch's rows computed as alone; its logits
@@ -202,27 +176,33 @@ class _Decoder:
             blk[:, 0] = torch.where(blk[:, 0] == mask_id, x0[:, 0], blk[:, 0])
             if cf is not None:
                 cf.filter(x, prior, x0, lg, start, end, 0)
-            self._count_step(before, blk)
-        yield self._progress(x, blk, start, end)
+            self.stats.step(before - (blk == mask_id).sum())   # a device count: no host sync
+        yield Progress(x, (start if bool((blk == mask_id).any()) else end) - self.prompt_len)
         return x0, conf, lg, fresh
 
     def score_masked(self, cf: Any, logits: torch.Tensor, local: int, start: int,
                      end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """x0, confidence and, under a structure (`cf`: the rows' `CommitFilter`), the block's logits
-        `[N, block, V]`, each row's frontier masked to what its structure allows before scoring."""
-        if cf is None:
-            return (*self.score(logits, local), None)
-        lg = full_logits(logits)[:, local:local + self.block_length]
-        lg = cf.mask_frontier(lg, start, end, 0).contiguous()
-        return (*self.score(lg, 0), lg)
+        """x0 and confidence of the block rows of `logits` `[N, L, V]` (from row `local`) → `[N, block]` each (the
+        baselines' scoring: `score_rows`, greedy, never the mask token, rounded as they round) and, under a structure
+        (`cf`: the rows' `CommitFilter`), the block's logits `[N, block, V]`, each row's frontier masked to what its
+        structure allows before scoring (None without one)."""
+        N, bl, lg = logits.shape[0], self.block_length, None
+        if cf is not None:
+            lg = logits = cf.mask_frontier(full_logits(logits)[:, local:local + bl], start, end, 0).contiguous()
+            local = 0
+        rows = (torch.arange(N, device=logits.device)[:, None] * logits.shape[1] + local
+                + torch.arange(bl, device=logits.device)).reshape(-1)
+        x0, conf = score_rows(logits, rows, exclude_id=self.spec.mask_id)
+        return x0.view(N, bl), conf.view(N, bl).to(self.conf_dtype or logits.dtype), lg
 
     def constrained_step(self, cf: Any, canvas: torch.Tensor, start: int, end: int, x0: torch.Tensor,
                          conf: torch.Tensor, lg: torch.Tensor | None) -> None:
-        """The step F on the rows of `canvas` `[N, T]` in place: the rule on the block, then (under a
-        structure) the commit filter, whose matchers `cf` advance."""
-        blk = canvas[:, start:end]
-        prior = blk.clone()
-        blk.copy_(self.rule(blk, x0, conf))
+        """The step F on the rows of `canvas` `[N, T]` in place: the baseline's step on the block from its own
+        predictions, then (under a structure) the commit filter, whose matchers `cf` advance."""
+        blk, threshold = canvas[:, start:end], self.config.confidence_threshold
+        prior, out = blk.clone(), blk.clone()
+        unmask(out, out == self.spec.mask_id, x0, conf, k=1 if threshold is None else None, threshold=threshold)
+        blk.copy_(out)
         if cf is not None:
             cf.filter(canvas, prior, x0, lg, start, end, 0)
 
@@ -274,9 +254,8 @@ class _Decoder:
                 canvas = x.index_select(0, rep)
                 canvas[:, start:end] = drafts.reshape(A * K, bl)
                 logits, local = yield from self.verify(canvas, rows, x.shape[0], start, end)
-                dcf = None
-                if cf is not None:
-                    dcf = cf.clone_rows(rep.tolist())
+                dcf = None if cf is None else cf.clone_rows(rep.tolist())
+                if dcf is not None:
                     dcf.sync(canvas)   # each draft's matcher at its own frontier
                 dx0, dconf, dlg = self.score_masked(dcf, logits, local, start, end)
                 del logits
@@ -293,9 +272,9 @@ class _Decoder:
                     lg[rows] = dlg[pick]
                 x0[rows], conf[rows] = dx0[pick], dconf[pick]
                 fresh[rows] = True
-            self._count_step(before, blk)
+            self.stats.step(before - (blk == mask_id).sum())
             if cf is not None or bool(run.any()):
-                yield self._progress(x, blk, start, end)
+                yield Progress(x, (start if bool((blk == mask_id).any()) else end) - self.prompt_len)
 
 
 def freedave_steps(spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None, *,

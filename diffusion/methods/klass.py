@@ -41,7 +41,7 @@ from ..families.llada import validate_block_args
 from ..parts.checks import (check_choice, check_config, check_generator, check_int, check_method_call, check_real,
                             checked)
 from ..parts.constrain import CommitFilter, before_rule, end_ids_of
-from ..parts.scoring import draw_categorical
+from ..parts.scoring import draw_categorical, gumbel_max_scores
 from ..parts.selection import schedule_counts
 from ..parts.stats import GenerationStats
 from ..parts.step import CommitRule, masked_canvas
@@ -96,7 +96,7 @@ class KLASS(CommitRule):
             key = torch.where(ready, _drawn(state.generator, ready) if key is None else key, -math.inf)
             ready = ready & torch.zeros_like(ready).scatter(-1, key.argmax(dim=-1, keepdim=True), True)
         budget = torch.ones_like(masked[:, 0], dtype=torch.long) if state.budget is None else state.budget
-        if state.layout is not None:   # upstream's LLaDA loop (one row): torch.topk over the canvas, its order among ties
+        if state.layout is not None:   # upstream's LLaDA loop (one row): torch.topk over the canvas, its tie order
             T, start = state.layout
             canvas = torch.full((T,), -math.inf, dtype=conf.dtype, device=conf.device)
             canvas[start:start + L] = torch.where(masked[0], conf[0], -math.inf)
@@ -106,8 +106,7 @@ class KLASS(CommitRule):
             score = torch.where(masked, conf, -math.inf)
             if state.draw is not None and not bool(ready.any()):   # Dream's loop at T > 0: a drawn token's probability
                 score = score.masked_scatter(masked, state.draw(logits[:, :L][masked]).to(score.dtype))
-            order = score.argsort(dim=-1, descending=True, stable=True)
-            ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(L, device=order.device).expand_as(order))
+            ranks = score.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)   # each position's place
             fallback = (ranks < budget[:, None]) & masked
         commit = torch.where(ready.any(dim=-1, keepdim=True), ready, fallback)
         return commit, torch.where(commit, x0, block)
@@ -187,8 +186,9 @@ def _klass_row(config: KLASS, spec: Any, x: torch.Tensor, P: int, steps_per_bloc
             state.layout = (T, start) if state.llada else None
             logits = yield ForwardRequest.call(row, inputs, spec=spec, rows=slice(start, hi))
             if sampling[0] > 0 and state.llada:   # LLaDA's noise, over every position (the rule reads two blocks)
-                u = torch.rand((1, T, logits.shape[-1]), dtype=torch.float64, device=logits.device, generator=sampling[1])
-                logits = logits.double().exp() / (-torch.log(u[:, start:hi])) ** sampling[0]
+                u = torch.rand((1, T, logits.shape[-1]), dtype=torch.float64, device=logits.device,
+                               generator=sampling[1])
+                logits = gumbel_max_scores(logits, sampling[0], noise=u[:, start:hi])
             # the frontier masked before the rule scores (and keeps its KL memory)
             logits, prior = before_rule(constraint, logits, block, start, start + block_length, 0)
             commit, tokens = config.commit(block, logits, mask_id, state)

@@ -125,8 +125,7 @@ def _prophet_row(config: Prophet, decoder: BlockDecoder, canvas: torch.Tensor, s
     for position, token in (config.constraints or {}).items():
         state.x[:, P + position] = token
     state.prompt_index = state.x != mask_id          # the pinned positions are given, as the prompt
-    start, end = decoder.block_span(state)
-    state.schedule = schedule_counts(state.x[:, start:end] == mask_id, decoder.steps_per_block)
+    state.schedule = schedule_counts(state.x[:, slice(*decoder.block_span(state))] == mask_id, decoder.steps_per_block)
     step = 0
     while not state.done:
         step += 1
@@ -134,10 +133,7 @@ def _prophet_row(config: Prophet, decoder: BlockDecoder, canvas: torch.Tensor, s
         if answer:
             top = logits[0, answer].topk(2, dim=-1).values
             gaps = (top[:, 0] - top[:, 1]).double()   # upstream: each gap a Python float, summed in order
-            total = gaps[0]
-            for gap in gaps[1:]:
-                total = total + gap
-            if bool(total / len(answer) >= config.threshold_at(step, steps)):
+            if bool(sum(gaps) / len(answer) >= config.threshold_at(step, steps)):
                 masked = (state.x[0] == mask_id).nonzero().flatten()
                 state.x[0, masked] = score_rows(logits[0], masked, exclude_id=mask_id)[0]
                 if state.constraint is not None:

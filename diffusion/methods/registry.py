@@ -199,10 +199,9 @@ register("d2cache", D2Cache, "use_cache", reads=("steps",), unshifted="d2Cache's
 register("elastic", ElasticCache, "use_cache", loop=_elastic_loop, unshifted="Elastic-Cache's sliding window",
          takes_rule=True, fills_after_eos=True)
 # the model families' own loops (`Family.engine_decoder`; presets' canvas loop)
-register("sdar", sdar.SDARDecoding, way="family", reads=READS, loop=_family_loop, nested={"rule": "decoder"})
-register("llada2", llada2.LLaDA2Decoding, way="family", reads=READS, loop=_family_loop, nested={"rule": "decoder"})
-register("fast_dllm_v2", fast_dllm_v2.FastDLLMV2Decoding, way="family", reads=READS, loop=_family_loop,
-         nested={"rule": "decoder"})
+for kind, family in (("sdar", sdar.SDARDecoding), ("llada2", llada2.LLaDA2Decoding),
+                    ("fast_dllm_v2", fast_dllm_v2.FastDLLMV2Decoding)):
+    register(kind, family, way="family", reads=READS, loop=_family_loop, nested={"rule": "decoder"})
 register("canvas", canvas.CanvasDecoding, way="canvas", loop=_family_loop, nested={"sampler": canvas.CanvasSampler})
 register("apd", apd.APDConfig, way="apd", reads=("temperature", "top_p", "top_k", "generator", "verifier_stats"),
          loop=_apd_loop)   # its verifier is a model (over HTTP a served model's name: remask.serve)
@@ -220,38 +219,36 @@ def names(field: str) -> dict[str, type]:
     return {m.name: m.config for m in METHODS.values() if m.field == field}
 
 
-def configs(field: str) -> tuple[type, ...]:
-    return tuple(names(field).values())
-
-
 def rules() -> tuple[type, ...]:
     """The registered commit rules."""
     return tuple(m.config for m in METHODS.values() if m.is_rule)
 
 
+def method_of(config: Any, field: str | None = None) -> Method | None:
+    """The registered method of a config object (an instance of its config class, subclasses included), one that
+    goes under `field` when given; None when it is no registered method's config."""
+    return next((m for m in METHODS.values() if isinstance(config, m.config) and field in (None, m.field)), None)
+
+
 def is_config(field: str, value: Any) -> bool:
-    return isinstance(value, configs(field))
+    return method_of(value, field) is not None
 
 
 def way_of(decoder: Any) -> str | None:
     """The way a `decoder=` value decodes (`Method.way`), None when it is no registered decoder config."""
-    return method_of(decoder).way if is_config("decoder", decoder) else None
+    method = method_of(decoder, "decoder")
+    return None if method is None else method.way
+
+
+def listed(field: str) -> str:
+    """The config classes that go under `field`, as a refusal lists them."""
+    return ", ".join(f"remask.{config.__name__}" for config in names(field).values())
 
 
 def check_decoder(decoder: Any) -> None:
     """None, or a registered method's `decoder=` config."""
     if decoder is not None and not is_config("decoder", decoder):
-        names = ", ".join(f"remask.{t.__name__}" for t in configs("decoder"))
-        raise ValueError(f"decoder must be one of {names}, got {type(decoder).__name__}")
-
-
-def method_of(config: Any) -> Method:
-    """The registered method of a config object (an instance of its config class, subclasses included,
-    as `is_config` accepts them)."""
-    for method in METHODS.values():
-        if isinstance(config, method.config):
-            return method
-    raise ValueError(f"{type(config).__name__} is no registered method's config")
+        raise ValueError(f"decoder must be one of {listed('decoder')}, got {type(decoder).__name__}")
 
 
 def from_json(field: str, value: dict) -> Any:
@@ -290,15 +287,14 @@ def check_settings(params: Any) -> None:
     method = params.method
     # blocks tile max_tokens, except for a method whose canvas grows up to it (`Method.length_bound`) or whose last
     # block may be partial (`Method.partial_blocks`: SGLang's multi-block port; its config checks the layout)
-    entry = None if method is None else method_of(method)
+    entry = method_of(method)
     if entry is None or not (entry.length_bound or switch(entry.partial_blocks, method)):
         validate_block_args(params.max_tokens, params.block_length or params.max_tokens,
                             params.steps or params.max_tokens)
     if not (is_config("use_cache", params.use_cache)
             or isinstance(params.use_cache, (str, type(None))) and params.use_cache in CACHE_MODES):
-        names = ", ".join(f"remask.{config.__name__}" for config in configs("use_cache"))
-        raise ValueError(f"use_cache must be one of {list(CACHE_MODES)} or a remask cache config ({names}), "
-                         f"got {params.use_cache!r}")
+        raise ValueError(f"use_cache must be one of {list(CACHE_MODES)} or a remask cache config "
+                         f"({listed('use_cache')}), got {params.use_cache!r}")
     if params.use_cache is not None and params.cfg_scale > 0:
         raise ValueError("cfg_scale > 0 cannot be combined with use_cache")
     for name in ("early_stop", "logits_eos_inf", "reference_rng", "reference_ties"):
@@ -321,7 +317,7 @@ def check_settings(params: Any) -> None:
     # the settings this request's way of decoding does not read (a family's loop refuses its own at add_request)
     if params.way == "method":   # `steps`: max_tokens is one token a step, unless the method reads steps itself
         # a cache method reads what its loop reads; its way: a method's, or a family's
-        entry = method_of(params.use_cache if is_config("use_cache", params.use_cache) else method)
+        entry = method_of(params.use_cache, "use_cache") or entry
         refuse_unread(params, entry.way, entry.reads + (("steps",) if params.steps == params.max_tokens else ()),
                       name=type(method).__name__)
     elif params.way == "dream":   # Dream's own sampler reads reference_ties; its block decoder frechet_margin

@@ -92,22 +92,16 @@ def _decide_row(config: WINO, confidence: torch.Tensor, confidence_back: torch.T
                 max_accept: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One row's commit and re-mask index sets (positions of the block, 0-based) from the block's
     confidences (−inf off the masks) and shadow confidences (+inf off the earlier commits)."""
-    accept = confidence > config.threshold
-    count = int(accept.sum())
-    if count > max_accept:
+    accept = (confidence > config.threshold).nonzero().flatten()
+    if accept.numel() > max_accept:
         accept = torch.topk(confidence, k=max_accept, largest=True).indices
-    elif count == 0:
+    elif accept.numel() == 0:
         accept = torch.argmax(confidence).reshape(1)
-    else:
-        accept = accept.nonzero().flatten()
-    if accept.numel() > 1:
-        remask = confidence_back < config.threshold_back
-        if int(remask.sum()) >= last_accept:
-            remask = torch.topk(confidence_back, k=last_accept - 1, largest=False).indices
-        else:
-            remask = remask.nonzero().flatten()
-    else:
-        remask = accept.new_empty(0)
+    remask = (confidence_back < config.threshold_back).nonzero().flatten()
+    if accept.numel() <= 1:
+        remask = remask[:0]
+    elif remask.numel() >= last_accept:
+        remask = torch.topk(confidence_back, k=last_accept - 1, largest=False).indices
     return accept, remask
 
 

@@ -50,9 +50,8 @@ class BlockForward:
                  valid: torch.Tensor | None, rows_alone: bool = False) -> None:
         self.spec, self.forward_inputs, self.valid, self.rows_alone = spec, forward_inputs, valid, rows_alone
         self.mode = cache_mode(use_cache)
-        self.paged = use_cache if isinstance(use_cache, PagedKVCache) else (
+        self.cache: KVCache | PagedKVCache | None = use_cache if isinstance(use_cache, PagedKVCache) else (
             PagedKVCache() if self.mode == "paged" else None)
-        self.cache: KVCache | PagedKVCache | None = self.paged
 
     @property
     def cache_nbytes(self) -> int:
@@ -60,8 +59,8 @@ class BlockForward:
 
     def refresh(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, torch.Tensor]:
         """The block-start forward: logits `[B, T, V]`."""
-        if self.paged is not None:
-            self.paged.begin_block(x, self.valid, start, end)
+        if self.mode == "paged":
+            self.cache.begin_block(x, self.valid, start, end)
         elif self.mode is not None:
             self.cache = KVCache()
         return (yield from self.step(x, start, end, refresh=True))[0]

@@ -128,9 +128,7 @@ class BlockMaskForward:
         self.hook = BlockMaskAttention(sparse.kv_block_size, sparse.retention_ratio, gen_length, corrected)
         self.global_step = 0
 
-    @property
-    def cache_nbytes(self) -> int:
-        return 0
+    cache_nbytes = 0   # attention through block masks: nothing cached
 
     def refresh(self, x: torch.Tensor, start: int, end: int) -> Generator[ForwardRequest, Any, torch.Tensor]:
         step, self.global_step = self.global_step, self.global_step + 1

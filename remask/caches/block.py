@@ -65,9 +65,7 @@ class BlockKVCache:
         self.shared = self.store.write(layer_idx, self.table, start, key[0].transpose(0, 1),
                                        value[0].transpose(0, 1), self.shared)
         self.lengths[layer_idx] = end
-        if before is None:
-            return key, value
-        return torch.cat([before[0], key], dim=-2), torch.cat([before[1], value], dim=-2)
+        return _joined(before, key, value)
 
     def release(self) -> None:
         """Give the pages back (a finished or aborted request); idempotent."""
@@ -112,12 +110,7 @@ class BlockBatch(PackedRows):
         outputs = []
         for b, (cache, store) in enumerate(zip(self.row_caches, self.store)):
             k, v = key[b:b + 1], value[b:b + 1]
-            if store:
-                k, v = cache.update(k, v, layer_idx)
-            else:
-                cached = _cached(cache, layer_idx)
-                if cached is not None:
-                    k, v = torch.cat([cached[0], k], dim=-2), torch.cat([cached[1], v], dim=-2)
+            k, v = cache.update(k, v, layer_idx) if store else _joined(_cached(cache, layer_idx), k, v)
             outputs.append(attention(query[b:b + 1], k, v))
         return torch.cat(outputs)
 
@@ -129,3 +122,11 @@ def _cached(cache: Any, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | N
     if layer_idx >= len(cache.layers) or cache.layers[layer_idx].keys is None:
         return None
     return cache.layers[layer_idx].keys, cache.layers[layer_idx].values
+
+
+def _joined(cached: tuple[torch.Tensor, torch.Tensor] | None, key: torch.Tensor,
+            value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `cached` K/V (None: none) followed by `key`, `value` along the positions."""
+    if cached is None:
+        return key, value
+    return torch.cat([cached[0], key], dim=-2), torch.cat([cached[1], value], dim=-2)

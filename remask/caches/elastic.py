@@ -53,21 +53,18 @@ class ElasticKVCache(PositionKVCache):
         if plan is None:
             raise RuntimeError("elastic cache: call plan() before each layer")
         self._plan = None
-        if plan["full"]:
+        full, track = plan["full"], plan["track"]
+        if full:
             self.q[layer], self.k[layer], self.v[layer] = q, k, v
-            weights = self._weights(q, k)
-            out = weights @ repeat_kv(v, weights.shape[1])
-            window_rows = weights[:, :, plan["window"], :]
         else:
-            query, track = plan["query"], plan["track"]
-            past_k = self.k[layer].clone()
-            self.k[layer][:, :, query, :] = k
-            self.v[layer][:, :, query, :] = v
-            past_q = self.q[layer][:, :, track, :].clone()
-            self.q[layer][:, :, query, :] = q
-            weights = self._weights(q, self.k[layer])
-            out = weights @ repeat_kv(self.v[layer], weights.shape[1])
-            window_rows = weights[:, :, -plan["window"].shape[0]:, :]
+            past_q, past_k = self.q[layer][:, :, track, :].clone(), self.k[layer].clone()
+            for cached, fresh in ((self.q, q), (self.k, k), (self.v, v)):
+                cached[layer][:, :, plan["query"], :] = fresh
+        weights = self._weights(q, self.k[layer])
+        out = weights @ repeat_kv(self.v[layer], weights.shape[1])
+        # the window's rows: its positions (all positions queried) or the last queried (the window comes last)
+        window_rows = weights[:, :, plan["window"] if full else slice(-plan["window"].shape[0], None), :]
+        if not full:
             sim = F.cosine_similarity(self._weights(past_q, past_k), weights[:, :, :track.shape[0], :], dim=1).mean()
             if sim < plan["gamma"]:
                 self.triggered = True

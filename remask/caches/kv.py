@@ -52,22 +52,19 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer == len(self.keys):
-            if start != 0:
-                raise ValueError(f"cache_position must start at 0 for an empty cache, got {start}")
-            self.keys.append(k)
-            self.values.append(v)
-        else:
-            length = self.keys[layer].shape[-2]
-            end = start + k.shape[-2]
-            if start == length:
-                self.keys[layer] = torch.cat([self.keys[layer], k], dim=-2)
-                self.values[layer] = torch.cat([self.values[layer], v], dim=-2)
-            elif end <= length:
-                self.keys[layer][:, :, start:end] = k
-                self.values[layer][:, :, start:end] = v
-            else:
-                raise ValueError(f"cache_position [{start}, {end}) overruns a cache of length {length}")
+        length = self.keys[layer].shape[-2] if layer < len(self.keys) else 0   # (a subclass counts get_seq_length)
+        end = start + k.shape[-2]
+        if layer == len(self.keys) and start != 0:
+            raise ValueError(f"cache_position must start at 0 for an empty cache, got {start}")
+        if start != length and end > length:
+            raise ValueError(f"cache_position [{start}, {end}) overruns a cache of length {length}")
+        for held, new in ((self.keys, k), (self.values, v)):
+            if layer == len(held):   # the layer's first forward
+                held.append(new)
+            elif start == length:   # appended after what the layer holds (prefix caching)
+                held[layer] = torch.cat([held[layer], new], dim=-2)
+            else:   # overwritten in place (dual caching)
+                held[layer][:, :, start:end] = new
         return self.keys[layer], self.values[layer]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,

@@ -146,11 +146,9 @@ class PageManager:
     def block_tables(self, tables: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> torch.Tensor:
         """Tables of a batch as one int32 `[B, max_pages]` tensor (padded with page 0, never read
         past `seq_lens`) — the layout the paged-attention kernels read."""
-        width = max((len(t) for t in tables), default=0)
-        out = torch.zeros((len(tables), max(width, 1)), dtype=torch.int32)
-        for i, t in enumerate(tables):
-            out[i, :len(t)] = torch.tensor(list(t), dtype=torch.int32)
-        return out.to(device)
+        width = max([1, *map(len, tables)])
+        rows = [[*t, *[0] * (width - len(t))] for t in tables]
+        return torch.tensor(rows, dtype=torch.int32).reshape(len(tables), width).to(device)
 
 
 class PagedKVStore:

@@ -58,8 +58,7 @@ class PagedKVCache:
         whose current block is `[start, end)`; the next forward (over all T positions) fills them."""
         B, T = x.shape
         self.manager = PageManager(self.num_pages or B * -(-T // self.page_size), self.page_size)
-        if valid is None:
-            valid = torch.ones((B, T), dtype=torch.bool, device=x.device)
+        valid = torch.ones_like(x, dtype=torch.bool) if valid is None else valid
         context = valid.clone()
         context[:, start:end] = False
         tokens = x.masked_fill(~context, -1).tolist()
@@ -89,13 +88,12 @@ class PagedKVCache:
         need = self.pages_in_use if self.num_pages is None else self.num_pages
         if layer == len(self.k_pages):
             shape = (need, self.page_size, k.shape[1], k.shape[3])
-            self.k_pages.append(torch.zeros(shape, dtype=k.dtype, device=k.device))
-            self.v_pages.append(torch.zeros(shape, dtype=k.dtype, device=k.device))
+            self.k_pages.append(k.new_zeros(shape))
+            self.v_pages.append(k.new_zeros(shape))
         elif self.k_pages[layer].shape[0] < need:   # more distinct pages than the pool has: grow it
-            extra = need - self.k_pages[layer].shape[0]
-            pad = torch.zeros((extra,) + tuple(self.k_pages[layer].shape[1:]), dtype=k.dtype, device=k.device)
+            pad = k.new_zeros((need - self.k_pages[layer].shape[0], *self.k_pages[layer].shape[1:]))
             self.k_pages[layer] = torch.cat([self.k_pages[layer], pad])
-            self.v_pages[layer] = torch.cat([self.v_pages[layer], pad.clone()])
+            self.v_pages[layer] = torch.cat([self.v_pages[layer], pad])
         return self.k_pages[layer], self.v_pages[layer]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,

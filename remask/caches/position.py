@@ -107,14 +107,12 @@ class D2KVCache(PositionKVCache):
         # head-mean attention of the recomputed rows (identity elsewhere) plus the residual identity,
         # row-normalised, multiplied through the layers
         B, _, _, T = weights.shape
+        eye, step = torch.eye(T, dtype=weights.dtype, device=weights.device), weights.mean(dim=1)
         if layer == 0:
-            self.rollout = torch.eye(T, dtype=weights.dtype, device=weights.device).expand(B, -1, -1)
-        if self.rows is None:
-            step = weights.mean(dim=1)
-        else:
-            step = torch.eye(T, dtype=weights.dtype, device=weights.device).repeat(B, 1, 1)
-            step[self.rows] = weights.mean(dim=1).reshape(-1, T)
-        step = step + torch.eye(T, dtype=weights.dtype, device=weights.device)
+            self.rollout = eye.expand(B, -1, -1)
+        if self.rows is not None:
+            step = eye.repeat(B, 1, 1).index_put_((self.rows,), step.reshape(-1, T))
+        step = step + eye
         step = step / step.sum(dim=-1, keepdim=True)
         self.rollout = step @ self.rollout
 

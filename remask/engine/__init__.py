@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Imported on first use: `remask.models` imports the page allocator from here, and the engine
-# itself imports the models.
+# Imported on first use: `from remask.engine import SamplingParams` (the server's protocol, the
+# integrations) loads that module alone, not the engine with every decoder family.
 _EXPORTS = {
     "LLM": ".llm", "LLMEngine": ".llm_engine", "EngineState": ".llm_engine", "SamplingParams": ".sampling_params",
     "CompletionOutput": ".sequence", "Logprob": ".sequence", "RequestOutput": ".sequence", "SequenceStatus": ".sequence",

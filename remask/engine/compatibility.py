@@ -93,15 +93,6 @@ def layout(name: str, spec: Any) -> dict[str, Any]:
     return out
 
 
-def _load(family: str, path: str) -> torch.nn.Module:
-    """The family's tiny checkpoint, written to `path` and loaded as `remask.LLM` loads a folder."""
-    from remask.models import tiny
-    from remask.zoo import load
-
-    getattr(tiny, FAMILIES[family])(path)
-    return load(path)[0]
-
-
 def cell(engine: Any, params: dict[str, Any], prompt: list[int]) -> str:
     """What `add_request` says of one request: "yes", or "no: " and its refusal."""
     from remask.engine import SamplingParams
@@ -117,14 +108,17 @@ def cell(engine: Any, params: dict[str, Any], prompt: list[int]) -> str:
 def matrix() -> dict[str, dict[str, dict[str, str]]]:
     """Setting (a key of `SETTINGS`) → method → family → "yes" or "no: <the refusal>"."""
     from remask.engine import LLMEngine
+    from remask.models import tiny
     from remask.models.spec import get_spec
-    from remask.zoo import charset
+    from remask.zoo import charset, load
 
     out = {setting: {name: {} for name in methods()} for setting in SETTINGS}
     tokenizer = charset.build_tokenizer()   # a structure is compiled against the engine's tokenizer
     with tempfile.TemporaryDirectory() as root:
         for family in FAMILIES:
-            model = _load(family, f"{root}/{family}")
+            # the family's tiny checkpoint, written and loaded as `remask.LLM` loads a folder
+            getattr(tiny, FAMILIES[family])(f"{root}/{family}")
+            model = load(f"{root}/{family}")[0]
             engine = LLMEngine(model, tokenizer)
             spec = get_spec(model)
             prompt = [i for i in range(5, 13) if i not in (spec.mask_id, spec.eos_id, spec.pad_id)]

@@ -166,7 +166,9 @@ class LLMEngine:
             end_ids = torch.tensor(sorted(set(self.stop_ids) | set(self.eos_ids()) | set(params.stop_token_ids)),
                                     dtype=torch.long, device=self.device)
             decoder.add_processor(HoldEndIds(params.min_tokens, end_ids))
-        base_seed = params.seed if params.seed is not None else self._default_seed(ids)
+        # From the engine seed and the prompt, not the arrival order: the same tokens whenever it arrives.
+        base_seed = params.seed if params.seed is not None else (
+            (self.seed * 1_000_003 + zlib.crc32(str(ids).encode())) % (2**31))
         arrival = now()
         seqs = [Sequence(request_id=request_id, index=i, prompt_ids=prompt_ids, params=params, decoder=decoder,
                          generator=torch.Generator(device=self.device).manual_seed(base_seed + i), arrival_time=arrival,
@@ -274,10 +276,6 @@ class LLMEngine:
         eos = getattr(self.model.config, "eos_token_id", None)
         return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
-    def _default_seed(self, ids: list[int]) -> int:
-        # From the engine seed and the prompt, not the arrival order: the same tokens whenever it arrives.
-        return (self.seed * 1_000_003 + zlib.crc32(str(ids).encode())) % (2**31)
-
     def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         """Stop a request now and free its cache; returns its last output (finish reason `reason`:
         "abort", or "timeout" for a passed deadline), or None for an unknown or finished id."""
@@ -379,14 +377,10 @@ class LLMEngine:
             return None
         recorded = (seq.output_logprobs or [])[:count] if self._stale(seq) else (seq.token_logprobs(count) or [])
         text = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
-        out = []
-        for token, logprob, rank, top in recorded:
-            entry = {token: Logprob(logprob, rank, text(token))}
-            for i, (alt, alt_logprob) in enumerate(top):
-                if alt not in entry:
-                    entry[alt] = Logprob(alt_logprob, i + 1, text(alt))
-            out.append(entry)
-        return out
+        # the sampled token first, then its alternatives ranked from 1 (the sampled one not again)
+        return [{token: Logprob(logprob, rank, text(token))}
+                | {alt: Logprob(alt_lp, i + 1, text(alt)) for i, (alt, alt_lp) in enumerate(top) if alt != token}
+                for token, logprob, rank, top in recorded]
 
     def _draft(self, seq: Sequence) -> list[int | None] | None:
         if seq.state is None or seq.paged:

@@ -23,7 +23,8 @@ from remask.diffusion.families.canvas import CanvasDecoding, CanvasDecoder, chec
 from remask.diffusion.families.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDecoder, DreamDecoder,
                                              DreamGenerationConfig, _validate_config)
 from remask.diffusion.families.llada import BlockDecoder, validate_block_args
-from remask.diffusion.methods.decoders import decoder_steps, end_settings_refusal
+from remask.diffusion.methods import registry
+from remask.diffusion.methods.decoders import decoder_steps
 from remask.diffusion.parts.checks import changed, check_instance, refuse_unread
 from remask.diffusion.parts.constrain_loops import structure_for_call
 from remask.diffusion.parts.stepper import StepwiseDecoder
@@ -72,8 +73,12 @@ def check_end_settings(engine: Any, params: SamplingParams, way: str) -> None:
     it cannot (never ignored): both for AR models, LLaDA's block rule and Dream's sampler and block
     decoder; `ignore_eos` also for the methods with no EOS rule of their own. docs/engine.md has
     the table."""
-    if way == "method":
-        reason = end_settings_refusal(params.method, min_tokens=bool(params.min_tokens))
+    name = type(params.method).__name__
+    if way == "method" and params.min_tokens:   # the methods score inside their own step: no logits hook reaches them
+        reason = f"{name}: its loop scores the logits inside its own step, with no logits hook the engine reaches"
+    elif way == "method":   # some end a row at its first EOS by their own rule (`Method.fills_after_eos`)
+        fills = registry.switch(registry.method_of(params.method).fills_after_eos, params.method)
+        reason = f"{name}: it fills the rest of a row with EOS after the first EOS it decodes" if fills else None
     elif way == "family":
         reason = (f"a block-causal model ({engine.family.model_type}): its loop stops after the block holding EOS, "
                   "and its rule scores inside the family's own step")

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from remask.diffusion.methods import registry
-from remask.diffusion.parts.checks import (MAX_LOGPROBS, MAX_TEMPERATURE, ParameterTypeError, check_bool, check_int,
-                                           check_min_tokens, check_real, check_seed, check_stop)
+from remask.diffusion.parts.checks import (MAX_LOGPROBS, MAX_TEMPERATURE, ParameterTypeError, changed, check_bool,
+                                           check_int, check_min_tokens, check_real, check_seed, check_stop)
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,7 @@ class SamplingParams:
             from remask.structured import StructuredOutputsParams
 
             object.__setattr__(self, "structured_outputs", StructuredOutputsParams.from_json(self.structured_outputs))
-            clashes = [name for name, on in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens > 0),
-                                             ("stop", bool(self.stop))) if on]
+            clashes = changed(self, ("ignore_eos", "min_tokens", "stop"))
             if clashes:
                 raise ValueError(f"structured_outputs does not combine with {clashes}: the answer ends where its "
                                  "structure is complete, and these could end or cut it elsewhere")

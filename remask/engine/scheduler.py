@@ -7,7 +7,7 @@ back and returns to the head of its queue (`Sequence.restart`: same seed, same t
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
 from itertools import count
 
 from remask.caches.page_manager import PageManager
@@ -21,7 +21,7 @@ class Scheduler:
         self.pages, self.cost_stride = pages, cost_stride
         self.running: list[Sequence] = []          # admitted (resident: holding state), in admission order
         self.steps = 0                             # schedule() calls: the clock of "last served"
-        self._waiting: dict[str, deque[Sequence]] = {}   # request id → its waiting sequences
+        self._waiting: defaultdict[str, deque[Sequence]] = defaultdict(deque)   # request id → its waiting sequences
         self._arrival: dict[str, tuple[int, str | None]] = {}   # request id → (its arrival number, its owner)
         self._arrivals = count()
         self._served: dict[str, int] = {}          # request id → the last step it was in the batch
@@ -45,7 +45,7 @@ class Scheduler:
                              f"(kv_cache_pages={self.pages.num_pages})")
         # a request's first sequence sets its place (numbers only order: a skipped one changes nothing)
         self._arrival.setdefault(seq.request_id, (next(self._arrivals), seq.owner))
-        self._queue(seq).append(seq)
+        self._waiting[seq.request_id].append(seq)
 
     @property
     def has_unfinished(self) -> bool:
@@ -74,60 +74,58 @@ class Scheduler:
                 victim.restart(self.pages)
                 self._seq_served.pop(victim, None)
                 preempted.append(victim)
-                self._queue(victim).appendleft(victim)   # newest first: the oldest ends at the head of its queue
-        resident: dict[str, deque[Sequence]] = {}
+                # newest first: the oldest ends at the head of its queue
+                self._waiting[victim.request_id].appendleft(victim)
+        resident: defaultdict[str, deque[Sequence]] = defaultdict(deque)
         resting = self._resting() if self.cost_stride else set()
         # A request's paused sequences go first: its samples progress evenly and finish together,
         # so its next waiting ones are admitted in whole waves (no straggler decoding alone).
         for seq in sorted(self.running, key=lambda s: self._seq_served.get(s, (-1,))[0]):
             if seq not in resting:
-                resident.setdefault(seq.request_id, deque()).append(seq)
+                resident[seq.request_id].append(seq)
         active = set(resident) | {rid for rid, queue in self._waiting.items() if queue} | \
             {seq.request_id for seq in resting}
         for rid in [rid for rid in self._arrival if rid not in active]:
             self._forget(rid)
-        owners: dict[str | None, list[str]] = {}
+        owners: defaultdict[str | None, deque[str]] = defaultdict(deque)
         for rid in sorted(active, key=self._turn):
-            owners.setdefault(self._arrival[rid][1], []).append(rid)
-        # Owners in the order they were last served (never served first), each owner's requests too.
+            owners[self._arrival[rid][1]].append(rid)
+        # Owners in the order they were last served (never served first), each owner's requests too;
+        # each turn takes one sequence from the owner at the head, which then goes to the back.
         self._owner_served = {owner: step for owner, step in self._owner_served.items() if owner in owners}
-        order = sorted(owners, key=lambda owner: (self._owner_served.get(owner, -1), self._turn(owners[owner][0])))
+        order = deque(sorted(owners, key=lambda o: (self._owner_served.get(o, -1), self._turn(owners[o][0]))))
         tokens = sum(seq.num_tokens for seq in self.running)
         admitted: list[Sequence] = []
         picked: set[Sequence] = set()
-        cursor = {owner: 0 for owner in order}
         while len(picked) < self.max_num_seqs and order:
-            for owner in list(order):
-                if len(picked) == self.max_num_seqs:
-                    break
-                rids = owners[owner]
-                seq = None
-                while rids and seq is None:
-                    rid = rids[cursor[owner] % len(rids)]
-                    if resident.get(rid):
-                        seq = resident[rid].popleft()
-                    elif self._waiting.get(rid):   # admitted if it fits; else the request is done this step
-                        candidate = self._waiting[rid][0]
-                        need = self._admission_pages(candidate)
-                        if tokens + candidate.num_tokens <= self.max_num_batched_tokens and \
-                                not (need and reserved + need > self.pages.num_free):
-                            seq = self._waiting[rid].popleft()
-                            reserved += need
-                            tokens += seq.num_tokens
-                            seq.status = SequenceStatus.RUNNING
-                            self.running.append(seq)
-                            admitted.append(seq)
-                    if seq is None:
-                        rids.remove(rid)          # nothing more from this request this step
-                    else:
-                        cursor[owner] += 1
+            owner = order.popleft()
+            rids, seq = owners[owner], None   # the owner's requests, the next one to serve first
+            while rids and seq is None:
+                rid = rids[0]
+                if resident.get(rid):
+                    seq = resident[rid].popleft()
+                elif self._waiting.get(rid):   # admitted if it fits; else the request is done this step
+                    candidate = self._waiting[rid][0]
+                    need = self._admission_pages(candidate)
+                    if tokens + candidate.num_tokens <= self.max_num_batched_tokens and \
+                            not (need and reserved + need > self.pages.num_free):
+                        seq = self._waiting[rid].popleft()
+                        reserved += need
+                        tokens += seq.num_tokens
+                        seq.status = SequenceStatus.RUNNING
+                        self.running.append(seq)
+                        admitted.append(seq)
                 if seq is None:
-                    order.remove(owner)
-                    continue
-                picked.add(seq)
-                self._seq_served[seq] = (self.steps, self._seq_served.get(seq, (0, 0))[1] + 1)
-                self._served[seq.request_id] = self.steps
-                self._owner_served[owner] = self.steps
+                    rids.popleft()          # nothing more from this request this step
+                else:
+                    rids.rotate(-1)
+            if seq is None:
+                continue    # nothing more from this owner this step
+            order.append(owner)
+            picked.add(seq)
+            self._seq_served[seq] = (self.steps, self._seq_served.get(seq, (0, 0))[1] + 1)
+            self._served[seq.request_id] = self.steps
+            self._owner_served[owner] = self.steps
         return admitted, [seq for seq in self.running if seq in picked], preempted
 
     def _resting(self) -> set[Sequence]:
@@ -153,9 +151,6 @@ class Scheduler:
     def _turn(self, request_id: str) -> tuple[int, int]:
         """A request's place in its owner's round: least recently served first, then arrival."""
         return self._served.get(request_id, -1), self._arrival[request_id][0]
-
-    def _queue(self, seq: Sequence) -> deque[Sequence]:
-        return self._waiting.setdefault(seq.request_id, deque())
 
     def _forget(self, request_id: str) -> None:
         """Drop a request's bookkeeping once none of its sequences waits or runs."""
