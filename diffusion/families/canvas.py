@@ -24,7 +24,7 @@ from remask.models.hf_compat import output_cache, with_cache_field
 from remask.models.spec import ModelSpec, get_spec
 
 from ..parts.checks import (MAX_LOOP_STEPS, NoWorkBound, check_at_most, check_bool, check_choice, check_generator,
-                            check_instance, check_int, check_real, check_stats)
+                            check_instance, check_int, check_real, check_stats, checked)
 from ..parts.constrain_loops import Constrainable, compile_for, constrain_canvas
 from ..parts.scoring import draw_categorical, draw_seed
 from ..parts.selection import entropy_bound_accept
@@ -110,23 +110,19 @@ class CanvasDecoding(NoWorkBound):
     max_denoising_steps's loop (canvases are redrawn whole): a cap, ~20x the checkpoint's 48 (`MAX_LOOP_STEPS`);
     stability_threshold at most a canvas's steps (the checkpoint's: at the engine)."""
 
-    max_denoising_steps: int | None = None
-    t_min: float | None = None
-    t_max: float | None = None
-    entropy_bound: float | None = None
-    stability_threshold: int | None = None
-    confidence_threshold: float | None = None
-    sampler: CanvasSampler | None = None
+    qualified = True
+    max_denoising_steps: int | None = checked(None, check_int, minimum=1, maximum=MAX_LOOP_STEPS, allow_none=True)
+    t_min: float | None = checked(None, check_real, low=0, low_open=True, allow_none=True)
+    t_max: float | None = checked(None, check_real, low=0, low_open=True, allow_none=True)
+    entropy_bound: float | None = checked(None, check_real, low=0, low_open=True, allow_none=True)
+    stability_threshold: int | None = checked(None, check_int, minimum=0, allow_none=True)
+    confidence_threshold: float | None = checked(None, check_real, low=0, low_open=True, allow_none=True)
+    sampler: CanvasSampler | None = checked(None, check_instance, cls=CanvasSampler, what="a remask.CanvasSampler")
 
     def __post_init__(self) -> None:
-        check_int("CanvasDecoding.max_denoising_steps", self.max_denoising_steps, minimum=1, maximum=MAX_LOOP_STEPS,
-                  allow_none=True)
-        for name in ("t_min", "t_max", "entropy_bound", "confidence_threshold"):
-            check_real(f"CanvasDecoding.{name}", getattr(self, name), low=0, low_open=True, allow_none=True)
-        check_int("CanvasDecoding.stability_threshold", self.stability_threshold, minimum=0, allow_none=True)
+        super().__post_init__()
         check_stability(self.stability_threshold, self.max_denoising_steps or MAX_LOOP_STEPS,
                         "MAX_LOOP_STEPS" if self.max_denoising_steps is None else "CanvasDecoding.max_denoising_steps")
-        check_instance("CanvasDecoding.sampler", self.sampler, CanvasSampler, "a remask.CanvasSampler")
 
     def generation_kwargs(self, **extra: Any) -> dict[str, Any]:
         """`canvas_generate` keyword arguments of the settings given (`entropy_bound` in a `sampler_config`) and

@@ -35,7 +35,7 @@ from remask.models.spec import ModelSpec, shift_logits
 
 from ..parts.blocks import BlockLoop, check_part, check_prompt, engine_settings, family_config
 from ..parts.checks import (NoWorkBound, ParameterTypeError, check_bool, check_choice, check_generator, check_int,
-                            check_ints, check_real, check_stats)
+                            check_ints, check_real, check_stats, checked)
 from ..parts.constrain import before_rule
 from ..parts.constrain_loops import filter_block, next_token, structure_for_call
 from ..parts.scoring import sample_categorical
@@ -424,18 +424,17 @@ class FastDLLMV2Decoding(NoWorkBound):
     `bd_size`, `small_block_size` 8, no block cache). `rule`: the loop's commit part, remask.FreeDave (`decoder=`
     FreeDave is short for ``FastDLLMV2Decoding(rule=...)``). No setting sizes work past the block (`NoWorkBound`)."""
 
-    block_size: int | None = None
-    small_block_size: int | None = None
-    use_block_cache: bool | None = None
+    qualified = True
+    block_size: int | None = checked(None, check_int, minimum=1, allow_none=True)
+    small_block_size: int | None = checked(None, check_int, minimum=1, allow_none=True)
+    use_block_cache: bool | None = checked(None, check_bool, allow_none=True)
     rule: Any = None
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "small_block_size"):
-            check_int(f"FastDLLMV2Decoding.{name}", getattr(self, name), minimum=1, allow_none=True)
+        super().__post_init__()
         if self.small_block_size is not None and self.small_block_size > (self.block_size or math.inf):
             raise ValueError(f"FastDLLMV2Decoding.small_block_size must be <= FastDLLMV2Decoding.block_size "
                              f"({self.block_size}), got {self.small_block_size}")
-        check_bool("FastDLLMV2Decoding.use_block_cache", self.use_block_cache, allow_none=True)
         check_part(self, "Fast-dLLM v2", (), (), rules=False)
 
 

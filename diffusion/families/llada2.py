@@ -29,7 +29,8 @@ from remask.models.spec import ModelSpec
 
 from ..parts.blocks import (BlockState, StoreKVLoop, check_part, engine_settings, family_config, num_transfer_schedule,
                             sample_block, select_mask_to_token)
-from ..parts.checks import MAX_LOOP_STEPS, NoWorkBound, check_bool, check_int, check_ints, check_real, check_steps
+from ..parts.checks import (MAX_LOOP_STEPS, NoWorkBound, check_bool, check_int, check_ints, check_real, check_steps,
+                            checked)
 from ..parts.constrain_loops import filter_block, keep_valid_edits
 from ..parts.rules import is_rule
 
@@ -206,25 +207,21 @@ class LLaDA2Decoding(NoWorkBound):
     # (`blocks.rule_unread`)
     rule_replaces: ClassVar[tuple] = ("steps", "minimal_topk", "editing_threshold", "max_post_steps", "num_to_transfer")
 
-    block_length: int | None = None
+    qualified = True
+    block_length: int | None = checked(None, check_int, minimum=1, allow_none=True)
     steps: int | None = None
-    minimal_topk: int | None = None
-    eos_early_stop: bool | None = None
-    editing_threshold: float | None = None
-    max_post_steps: int | None = None
+    minimal_topk: int | None = checked(None, check_int, minimum=1, allow_none=True)
+    eos_early_stop: bool | None = checked(None, check_bool, allow_none=True)
+    editing_threshold: float | None = checked(None, check_real, allow_none=True)
+    max_post_steps: int | None = checked(None, check_int, minimum=0, maximum=MAX_LOOP_STEPS, allow_none=True)
     num_to_transfer: int | None = None
     rule: Any = None
 
     def __post_init__(self) -> None:
-        for name in ("block_length", "minimal_topk"):
-            check_int(f"LLaDA2Decoding.{name}", getattr(self, name), minimum=1, allow_none=True)
+        super().__post_init__()
         for name in ("steps", "num_to_transfer"):
             check_steps(f"LLaDA2Decoding.{name}", getattr(self, name), self.block_length or math.inf,
                         "LLaDA2Decoding.block_length")
-        check_bool("LLaDA2Decoding.eos_early_stop", self.eos_early_stop, allow_none=True)
-        check_real("LLaDA2Decoding.editing_threshold", self.editing_threshold, allow_none=True)
-        check_int("LLaDA2Decoding.max_post_steps", self.max_post_steps, minimum=0, maximum=MAX_LOOP_STEPS,
-                  allow_none=True)
         check_part(self, "LLaDA2", self.rule_replaces, (), replaces="threshold rule and schedule")
 
 

@@ -30,7 +30,7 @@ from remask.models.spec import ModelSpec
 from ..parts.blocks import (BlockState, StoreKVLoop, check_part, engine_settings, family_config, num_transfer_schedule,
                             rule_unread, select_mask_to_token)
 from ..parts.checks import (NoWorkBound, check_bool, check_choice, check_generator, check_int, check_ints, check_real,
-                            check_stats, check_steps)
+                            check_stats, check_steps, checked)
 from ..parts.constrain_loops import filter_block, structure_for_call
 from ..parts.rules import check_rule_on_loop, is_rule
 from ..parts.stats import GenerationStats
@@ -146,21 +146,20 @@ class SDARDecoding(NoWorkBound):
     # sampling settings besides (`blocks.rule_unread`)
     rule_replaces: ClassVar[tuple] = ("denoising_steps", "remasking_strategy", "confidence_threshold", "eb_threshold")
 
-    block_length: int | None = None
+    qualified = True
+    block_length: int | None = checked(None, check_int, minimum=1, allow_none=True)
     denoising_steps: int | None = None
     remasking_strategy: str | None = None
-    confidence_threshold: float | None = None
-    eb_threshold: float | None = None
+    confidence_threshold: float | None = checked(None, check_real, low=0, high=1, allow_none=True)
+    eb_threshold: float | None = checked(None, check_real, low=0, low_open=True, allow_none=True)
     rule: Any = None
 
     def __post_init__(self) -> None:
-        check_int("SDARDecoding.block_length", self.block_length, minimum=1, allow_none=True)
+        super().__post_init__()
         check_steps("SDARDecoding.denoising_steps", self.denoising_steps, self.block_length or math.inf,
                     "SDARDecoding.block_length")
         if self.remasking_strategy is not None:
             check_choice("SDARDecoding.remasking_strategy", self.remasking_strategy, REMASKING_STRATEGIES)
-        check_real("SDARDecoding.confidence_threshold", self.confidence_threshold, low=0, high=1, allow_none=True)
-        check_real("SDARDecoding.eb_threshold", self.eb_threshold, low=0, low_open=True, allow_none=True)
         check_part(self, "SDAR", self.rule_replaces, self.rule_replaces[1:], replaces="remasking_strategy")
 
 

@@ -409,13 +409,17 @@ def checked(default: Any, check: Any, **bounds: Any) -> Any:
 
 class Checked:
     """The base of a method's config (a frozen dataclass): its `checked` fields are checked, in field order, when it
-    is built; a config with checks across fields runs them after ``super().__post_init__()``."""
+    is built; a config with checks across fields runs them after ``super().__post_init__()``. `qualified`: refusals
+    name a field as ``ConfigName.field`` (a family's config, whose fields repeat its loop's argument names)."""
+
+    qualified = False
 
     def __post_init__(self) -> None:
+        prefix = f"{type(self).__name__}." if self.qualified else ""
         for field in dataclasses.fields(self):
             if "check" in field.metadata:
                 check, bounds = field.metadata["check"]
-                check(field.name, getattr(self, field.name), **bounds)
+                check(prefix + field.name, getattr(self, field.name), **bounds)
 
 
 class NoWorkBound(Checked):
