@@ -385,7 +385,7 @@ class BlockDecoder(BlockwiseDecoder):
         else:
             # each row's block in the logits flattened: state i's rows one after another, its block `start - fed` on
             first, offset = [], 0
-            for s, part, f, (a, _) in zip(states, logits, fed, spans):
+            for part, f, (a, _) in zip(logits, fed, spans):
                 first += [offset + b * part.shape[1] + a - f for b in range(part.shape[0])]
                 offset += part.shape[0] * part.shape[1]
             rows = (torch.tensor(first, device=x.device)[:, None] + torch.arange(width, device=x.device)).reshape(-1)
@@ -421,18 +421,18 @@ class BlockDecoder(BlockwiseDecoder):
         left = block_mask.any(dim=1).tolist() if head.parallel or constraint is not None else None
         offset = 0
         for i, (decoder, s, (a, b)) in enumerate(zip(decoders, states, spans)):
-            rows = slice(offset, offset + s.batch)
-            offset = rows.stop
+            own = slice(offset, offset + s.batch)   # the state's rows in the stacked blocks
+            offset = own.stop
             if not alone:
-                s.x[:, a:b] = block_x[rows]
+                s.x[:, a:b] = block_x[own]
             if stats[i] is not None:
                 stats[i].forward(s.batch * (2 if decoder.cfg_scale > 0 else 1), logits[i].shape[1],
                                  s.forwards.cache_nbytes)
-                stats[i].step(committed[rows].sum())
+                stats[i].step(committed[own].sum())
             s.step += 1
             if constraint is not None and all(constraint.finished):
                 s.done = True
-            elif (not any(left[rows])) if left is not None else s.step == decoder.steps_per_block:
+            elif (not any(left[own])) if left is not None else s.step == decoder.steps_per_block:
                 decoder._end_block(s, s.x[:, a:b], b)
 
     def _budget(self, state: BlockState) -> torch.Tensor:
