@@ -6,6 +6,7 @@ the requested format. The models' weights are trained separately (`python -m rem
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -214,9 +215,11 @@ def test_chat_training_smoke_resumes_and_reports_every_format(tmp_path):
 
     small = ["--sequential", "--batch-size", "4", "--width", "16", "--layers", "1", "--eval-problems", "1",
              "--log-every", "2"]
-    # the first models (4 steps), which the chat models start from
+    # the models the chat models start from (`CHAT_BASE`): the first models (4 steps), then tiny-ar-chat from tiny-ar
     assert train_main(["--model", "both", "--out", str(tmp_path / "base"), "--llada-steps", "4", "--ar-steps", "4"]
                       + small) == 0
+    assert train_main(["--model", "ar-chat", "--out", str(tmp_path / "base"), "--ar-chat-steps", "2",
+                       "--init-from", str(tmp_path / "base")] + small) == 0
     common = ["--model", "chat", "--llada-chat-steps", "4", "--ar-chat-steps", "4",
               "--init-from", str(tmp_path / "base")] + small
     assert train_main(["--out", str(tmp_path / "a")] + common) == 0
@@ -241,12 +244,14 @@ def test_chat_training_smoke_resumes_and_reports_every_format(tmp_path):
         assert tok.chat_template == charset.CHAT_FORMATS_TEMPLATE and tok.convert_tokens_to_ids("<|tool|>") == 104
     config = json.loads((tmp_path / "a" / "tiny-llada-chat" / "config.json").read_text())
     assert config["trained_gen_length"] == train.CHAT_GEN_LENGTH
-    # started from the first models' weights: 0 steps give them back
+    # started from their base models' weights (tiny-llada-chat: tiny-ar-chat's, renamed): 0 steps give them back
     for name, base in train.CHAT_BASE.items():
         assert train_main(["--out", str(tmp_path / "zero"), "--model", which(name), "--llada-chat-steps", "0",
                            "--ar-chat-steps", "0", "--init-from", str(tmp_path / "base")] + small) == 0
         started = load_file(str(tmp_path / "zero" / name / "model.safetensors"))
         first = load_file(str(tmp_path / "base" / base / "model.safetensors"))
+        if name == "tiny-llada-chat":
+            first = train.llama_to_llada(first)
         assert started.keys() == first.keys() and all(torch.equal(started[k], first[k]) for k in first), name
         metrics = json.loads((tmp_path / "zero" / name / "metrics.json").read_text())
         assert metrics["init_from"] == base
@@ -284,8 +289,13 @@ def test_chat_models_load_by_name_once_trained():
 CHAT_TARGETS = {("plain", "accuracy"): 1.0, ("json_enforced", "correct_stop"): 0.9,
                 ("tool_auto", "right_tool_or_text"): 0.9, ("tool_answer", "accuracy"): 0.9}
 # Not met: asserted to be short, so a model that meets it fails here until the entry is removed and
-# the target holds like the others (none now: tiny-ar-chat's third run met the last, docs/models.md).
-SHORT_OF_TARGET: set[tuple[str, str, str]] = set()
+# the target holds like the others (model, rule, format, figure; docs/models.md: tiny-llada-chat's fourth
+# run, from tiny-ar-chat, is shipped short of these; tiny-ar-chat meets every target).
+LLADA_CHAT_RULES = ("1 token/step", "threshold 0.9 + dual cache")
+SHORT_OF_TARGET: set[tuple[str, str, str, str]] = {
+    ("tiny-llada-chat", rule, kind, key) for rule in LLADA_CHAT_RULES
+    for kind, key in (("json_enforced", "correct_stop"), ("tool_auto", "right_tool_or_text"),
+                      ("tool_answer", "accuracy"))} | {("tiny-llada-chat", LLADA_CHAT_RULES[1], "plain", "accuracy")}
 SHIPPED_CHAT = [n for n in CHAT_MODELS if os.path.exists(os.path.join(CHECKPOINTS, n, "config.json"))]
 RECHECKED = 8   # examples per format decoded again here (the first of the 56 the metrics counted)
 
@@ -303,14 +313,19 @@ def test_shipped_chat_models_meet_the_targets(name):
     for figures in documented:
         for (kind, key), target in CHAT_TARGETS.items():
             met = figures[kind][key] >= target
-            assert met != ((name, kind, key) in SHORT_OF_TARGET), (name, figures["strategy"], kind, key,
-                                                                   figures[kind][key])
+            assert met != ((name, figures["strategy"], kind, key) in SHORT_OF_TARGET), (
+                name, figures["strategy"], kind, key, figures[kind][key])
     model, tok = load(name)
     strategies = chat_strategies(get_spec(model).kind == "ar")
     assert [s.name for s in strategies] == [f["strategy"] for f in documented]
     again = chat_metrics(model, tok, RECHECKED, strategies[-1])   # the fastest rule (threshold + cache, or AR)
+    n = documented[-1]["n_per_format"]
     for (kind, key), _ in CHAT_TARGETS.items():
-        assert again[kind][key] >= documented[-1][kind][key] - 1.5 / RECHECKED, (name, kind, key, again[kind][key])
+        # the first 8 of the 56 spread around the 56's share: up to 1.5 examples off, or three standard deviations
+        # of a draw of 8 from the 56 where the share is far from 0 and 1 (tiny-llada-chat's figures near 60%)
+        p = documented[-1][kind][key]
+        slack = max(1.5, 3 * math.sqrt(RECHECKED * p * (1 - p) * (n - RECHECKED) / (n - 1))) / RECHECKED
+        assert again[kind][key] >= p - slack, (name, kind, key, again[kind][key])
 
 
 # --- the server shows the template the requested format ----------------------------------------

@@ -51,8 +51,9 @@ AR_SIZE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, nu
                intermediate_size=384)
 CHOICES = {"llada": ["tiny-llada"], "ar": ["tiny-ar"], "both": ["tiny-llada", "tiny-ar"],
            "llada-chat": ["tiny-llada-chat"], "ar-chat": ["tiny-ar-chat"], "chat": ["tiny-llada-chat", "tiny-ar-chat"]}
-# The chat models: the first models' shapes (measured: see docs/models.md), a context of 512.
-LLADA_CHAT_SIZE = dict(LLADA_SIZE)
+# The chat models: the first models' shapes (measured: see docs/models.md), a context of 512;
+# tiny-llada-chat has tiny-ar-chat's 3 layers, since it starts from its weights (`CHAT_BASE`).
+LLADA_CHAT_SIZE = dict(LLADA_SIZE, n_layers=AR_SIZE["num_hidden_layers"])
 AR_CHAT_SIZE = dict(AR_SIZE)
 # Chat training: a step's answer length (positions, EOS padding included) → share of steps, and
 # the kinds of `remask.zoo.formats` a step of that length draws (every answer fits with one EOS).
@@ -68,15 +69,23 @@ AR_CHAT_PARALLEL = 0.5
 CHAT_GEN_LENGTH = max(CHAT_LENGTHS)
 CHAT_BATCH_SIZE = 64
 CHAT_CHUNKS = 4           # a chat batch is forwarded in 4 groups of similar prompt length (~30% less padding)
-# Sized to 1 hour per model on one core each (docs/models.md, "The chat models": measured 1.30 / 0.99
-# CPU s per step, and about 12 / 3 minutes of final evaluation).
-LLADA_CHAT_STEPS = 2000
+# Sized to 1 hour per model (docs/models.md, "The chat models": tiny-ar-chat 0.99 CPU s per step on one core;
+# tiny-llada-chat, 3 layers, about 0.8 s per step with both cores, `--threads 2`, after tiny-ar-chat; plus
+# about 12 / 3 minutes of final evaluation).
+LLADA_CHAT_STEPS = 3500
 AR_CHAT_STEPS = 3000
 CHAT_EVAL_PROBLEMS = 56   # per format (8 per task where every task can be asked)
-# A chat model starts from its first model's weights (same shapes; rotary positions, so the longer
+# A chat model starts from trained weights of the same shapes (rotary positions, so the longer
 # context needs no new parameters): the hour goes to the formats, not to relearning the tasks
-# (from scratch, tiny-llada-chat had 32% plain accuracy after its hour). `--from-scratch` skips it.
-CHAT_BASE = {"tiny-llada-chat": "tiny-llada", "tiny-ar-chat": "tiny-ar"}
+# (from scratch, tiny-llada-chat had 32% plain accuracy after its hour). tiny-llada-chat starts
+# from tiny-ar-chat, which already writes the formats (`llama_to_llada`: the AR model adapted to
+# masked diffusion, as Dream and DiffuLLaMA start from AR models); from tiny-llada it learnt their
+# outline but not their content (docs/models.md). `--from-scratch` skips it.
+CHAT_BASE = {"tiny-llada-chat": "tiny-ar-chat", "tiny-ar-chat": "tiny-ar"}
+# a Llama layer's weights → the LLaDA block's (the released LLaDA checkpoint's names)
+LLAMA_TO_LLADA = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ff_norm", "self_attn.q_proj": "q_proj",
+                  "self_attn.k_proj": "k_proj", "self_attn.v_proj": "v_proj", "self_attn.o_proj": "attn_out",
+                  "mlp.gate_proj": "ff_proj", "mlp.up_proj": "up_proj", "mlp.down_proj": "ff_out"}
 CHAT_LR = 1e-3            # peak lr of the chat models' fine-tuning (first models: 2e-3 from scratch)
 
 
@@ -225,6 +234,19 @@ def ar_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, P: in
     return total / (labels[:, 1:] != -100).sum()
 
 
+def llama_to_llada(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A `LlamaForCausalLM` state dict as `LLaDAModelLM`'s of the same sizes: the layers renamed (`LLAMA_TO_LLADA`),
+    the output layer the LM head (the tied embedding when there is none)."""
+    out = {"model.transformer.wte.weight": state["model.embed_tokens.weight"],
+           "model.transformer.ln_f.weight": state["model.norm.weight"],
+           "model.transformer.ff_out.weight": state.get("lm_head.weight", state["model.embed_tokens.weight"])}
+    for key, value in state.items():
+        if key.startswith("model.layers."):
+            layer, name = key[len("model.layers."):].removesuffix(".weight").split(".", 1)
+            out[f"model.transformer.blocks.{layer}.{LLAMA_TO_LLADA[name]}.weight"] = value
+    return {key: value.clone() for key, value in out.items()}
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -255,7 +277,8 @@ def train(name: str, out: str, steps: int, batch_size: int, lr: float, warmup: i
     if init_from is not None:
         from remask.zoo import load
 
-        model.load_state_dict(load(init_from)[0].state_dict())
+        base = load(init_from)[0].state_dict()
+        model.load_state_dict(llama_to_llada(base) if is_llada(name) and "model.embed_tokens.weight" in base else base)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
@@ -328,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"examples per step (default 128; chat models {CHAT_BATCH_SIZE})")
     parser.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default 2e-3; chat models {CHAT_LR})")
     parser.add_argument("--init-from", default=os.path.join(os.path.dirname(__file__), "checkpoints"),
-                        help="chat models: the parent folder of the first models they start from (CHAT_BASE; "
+                        help="chat models: the parent folder of the models they start from (CHAT_BASE; "
                              "default: the shipped ones)")
     parser.add_argument("--from-scratch", action="store_true", help="chat models: start from random weights")
     parser.add_argument("--warmup", type=int, default=100)
