@@ -71,7 +71,7 @@ CHAT_BATCH_SIZE = 64
 CHAT_CHUNKS = 4           # a chat batch is forwarded in 4 groups of similar prompt length (~30% less padding)
 # Sized to 1 hour per model (docs/models.md, "The chat models": tiny-ar-chat 0.99 CPU s per step on one core;
 # tiny-llada-chat, 3 layers, about 0.8 s per step with both cores, `--threads 2`, after tiny-ar-chat; plus
-# about 12 / 3 minutes of final evaluation).
+# about 6 / 3 minutes of final evaluation).
 LLADA_CHAT_STEPS = 3500
 AR_CHAT_STEPS = 3000
 CHAT_EVAL_PROBLEMS = 56   # per format (8 per task where every task can be asked)
