@@ -298,9 +298,7 @@ def _loop(rule: Any, positions: torch.Tensor | None, attention_mask: torch.Tenso
     stats.start()
     for store in rule.spans():
         prev, groups, caches = None, [], []
-        for i in itertools.count():
-            if rule.finished(i):
-                break
+        for i in itertools.takewhile(lambda i: not rule.finished(i), itertools.count()):
             if rule.reload and i % rule.reload == 0:
                 prev = None
             if constraint is not None and prev is not None and rule.frontier_forwarded:
@@ -377,8 +375,7 @@ class _LLaDARule(_Rule):
             if self.greedy:
                 self.done = torch.cat([self.counts.new_zeros((B, 1)), self.counts.cumsum(dim=1)], dim=1)
                 order_p = torch.rand((B, T), generator=self.generator, device=x.device)
-                order_p[:, end:] = -torch.inf
-                order_p[:, :start] = -torch.inf
+                order_p[:, end:] = order_p[:, :start] = -torch.inf   # outside the block: last in the order
                 self.order = torch.sort(order_p, descending=True).indices
                 self.rank = self.order.argsort(dim=1)   # each position's place in the order
             yield self.everything if self.greedy else None   # Decode's step 0: a plain forward
