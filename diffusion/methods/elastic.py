@@ -135,17 +135,6 @@ def _final_prefix(x: torch.Tensor, P: int, masked: torch.Tensor, mask_id: int, e
     return n
 
 
-def _check_rule(rule: Any, config: ElasticCache) -> None:
-    """`rule` with Elastic-Cache: a commit rule without iteration smoothing, and none of Elastic's
-    own commit settings (the rule replaces them), each refused naming both parts (`check_rule_on_loop`)."""
-    if not isinstance(rule, CommitRule):
-        raise ValueError(f"decoder: Elastic-Cache takes a commit rule (a remask CommitRule: ThresholdDecoding, "
-                         f"CreditDecoding, HierarchicalDecoding, MarginDecoding, ...), got {type(rule).__name__}")
-    replaced = ("threshold", "tokens_per_iter", "commit_mask_token")
-    unread = {name: getattr(config, name) for name in changed(config, replaced)}
-    check_rule_on_loop(rule, "Elastic-Cache", temperature=0, unread=unread, replaces="commit rule")
-
-
 @torch.no_grad()
 def _elastic_row(spec: ModelSpec, canvas: torch.Tensor, P: int, config: ElasticCache, mask_id: int,
                  eos_id: int | None, stats: GenerationStats, trace: list | None, rule: Any, filters: Any,
@@ -168,10 +157,8 @@ def _elastic_row(spec: ModelSpec, canvas: torch.Tensor, P: int, config: ElasticC
     new_decoded = None   # the first forward: every position through every layer
     while True:
         window = masked[:W] if config.block_caching else masked
-        if new_decoded is None:
-            query_position, start_reset = everything, -1
-        else:
-            query_position, start_reset = torch.cat([track_position, new_decoded, window]), L
+        query_position, start_reset = (everything, -1) if new_decoded is None else (
+            torch.cat([track_position, new_decoded, window]), L)
         cache.triggered = False
         layers = ElasticLayers(spec.config, cache, x_cache, query_position, track_position, window, masked, start_reset,
                                config, T)
@@ -184,8 +171,7 @@ def _elastic_row(spec: ModelSpec, canvas: torch.Tensor, P: int, config: ElasticC
             trace.append((int(query_position.shape[0]), int(start_reset)))
         logits = logits[:, window, :] if logits.shape[1] == T else logits[:, -window.shape[0]:, :]
         if not config.block_caching:
-            window = window[:W]
-            logits = logits[:, :W]
+            window, logits = window[:W], logits[:, :W]
         track_position = torch.cat([cache.track[layer] for layer in range(L)], dim=0).unique(sorted=False)
 
         if constraint is not None:
@@ -263,8 +249,13 @@ def elastic_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: ElasticCache
         raise ValueError(f"elastic_generate drives LLaDA's layers; got a {spec.kind} model")
     check_optional_token_id(spec, spec.eos_id, "eos_id")
     check_instance("trace", trace, list, "a list")
-    if rule is not None:
-        _check_rule(rule, config)
+    if rule is not None:   # a commit rule without iteration smoothing, and none of Elastic's own commit settings
+        if not isinstance(rule, CommitRule):   # (the rule replaces them), each refused naming both parts
+            raise ValueError(f"decoder: Elastic-Cache takes a commit rule (a remask CommitRule: ThresholdDecoding, "
+                             f"CreditDecoding, HierarchicalDecoding, MarginDecoding, ...), got {type(rule).__name__}")
+        replaced = ("threshold", "tokens_per_iter", "commit_mask_token")
+        unread = {name: getattr(config, name) for name in changed(config, replaced)}
+        check_rule_on_loop(rule, "Elastic-Cache", temperature=0, unread=unread, replaces="commit rule")
     B, P = prompt.shape
     config.check_request(gen_length=gen_length, prompt_length=P)
     x = masked_canvas(prompt, gen_length, spec.mask_id, spec.device)
