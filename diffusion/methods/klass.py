@@ -79,9 +79,10 @@ class KLASS(CommitRule):
         L = block.shape[1]
         p = torch.softmax(logits.to(torch.float64), dim=-1)
         log_p = torch.log(p + EPS)
-        kl = (p * (log_p - state.previous(log_p))).sum(dim=-1)
+        kl = (p * (log_p - _carried(state.log_prev, log_p, math.log(EPS), log_p.dtype))).sum(dim=-1)
         passed = kl < self.kl_threshold
-        state.streak = torch.where(passed, (state.padded(passed) + 1).clamp(max=self.kl_history_length), 0)
+        streak = _carried(state.streak, passed, state.initial, torch.long)
+        state.streak = torch.where(passed, (streak + 1).clamp(max=self.kl_history_length), 0)
         state.log_prev = log_p
         x0 = logits.index_fill(-1, torch.tensor([mask_id], device=logits.device), -math.inf).argmax(dim=-1)[:, :L]
         conf, kl = p[:, :L].gather(-1, x0.unsqueeze(-1)).squeeze(-1), kl[:, :L]
@@ -120,18 +121,6 @@ class Stability:
     def __init__(self, initial_streak: int) -> None:
         self.initial, self.log_prev, self.streak = initial_streak, None, None
         self.calls, self.llada, self.budget, self.layout, self.draw, self.generator = 0, False, None, None, None, None
-
-    def previous(self, log_p: torch.Tensor) -> torch.Tensor:
-        """log(p_prev + eps) for `log_p`'s positions (log(eps) where no forward scored them yet)."""
-        prev = log_p[:, :0] if self.log_prev is None else self.log_prev[:, :log_p.shape[1]]
-        return torch.cat([prev, torch.full_like(log_p[:, prev.shape[1]:], math.log(EPS))], dim=1)
-
-    def padded(self, like: torch.Tensor) -> torch.Tensor:
-        streak = torch.full(like.shape, self.initial, dtype=torch.long, device=like.device)
-        if self.streak is not None:
-            n = min(self.streak.shape[1], like.shape[1])
-            streak[:, :n] = self.streak[:, :n]
-        return streak
 
     def next_block(self, length: int) -> None:
         """Drop the finished block's positions: the memory of the positions after it stays."""
@@ -202,6 +191,16 @@ def _klass_row(config: KLASS, spec: Any, x: torch.Tensor, P: int, steps_per_bloc
             yield Progress(row, start - P)
         state.next_block(block_length)
     return row
+
+
+def _carried(kept: torch.Tensor | None, like: torch.Tensor, fill: float, dtype: torch.dtype) -> torch.Tensor:
+    """The memory `kept` of the previous forward's positions (None: no forward yet) for `like`'s positions, in
+    `like`'s shape: `fill` where no forward scored them yet (log(eps) for log(p_prev + eps), the initial streak)."""
+    out = torch.full(like.shape, fill, dtype=dtype, device=like.device)
+    if kept is not None:
+        n = min(kept.shape[1], like.shape[1])
+        out[:, :n] = kept[:, :n]
+    return out
 
 
 def _sampled_confidence(temperature: float, generator: torch.Generator | None, logits: torch.Tensor) -> torch.Tensor:
