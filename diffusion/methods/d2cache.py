@@ -134,8 +134,7 @@ class _Selector:
         """`open_block` `[Ba, G]`: block positions masked before the step; `confidence` `[Ba, G]`;
         `still_masked` `[Ba, G]` after the step; `committed` `[Ba, G]`: the positions committed."""
         cfg, P = self.config, self.P
-        Ba, G = confidence.shape
-        device = confidence.device
+        (Ba, G), device = confidence.shape, confidence.device
         if self.first_conf is None:
             self.first_conf = confidence
         # 1. up to current_k masked positions of highest step-1 confidence × certainty density, from the block's
@@ -231,17 +230,14 @@ def _group(canvas: torch.Tensor, config: D2Cache, G: int, block_length: int, per
         positions = (key_ok.cumsum(dim=-1) - 1).masked_fill(~key_ok, 0)
     cache, selector = D2KVCache(key_bias(key_ok, torch.float32)), _Selector(config, P)
     group_constraint = None if constraint is None else constraint.rows(range(canvas.shape[0])[group])
-    final = 0
-    for b in range(G // block_length):
-        span = torch.zeros((N, G), dtype=torch.bool, device=device)
-        span[:, b * block_length:(b + 1) * block_length] = True
-        start, end = P + b * block_length, P + (b + 1) * block_length
-        block_steps = 0
+    final, cols = 0, torch.arange(P, T, device=device)
+    for start in range(P, T, block_length):
+        end, block_steps = start + block_length, 0
         while True:
             masked = x[:, P:] == mask_id
             # upstream narrows the block mask to its open positions: the block's masked ones (without a
             # structure a position never reopens; with one, a revoked position does)
-            block = span & masked
+            block = masked & (cols >= start) & (cols < end)
             active = block.any(dim=-1)
             Ba = int(active.sum())
             if Ba == 0:
@@ -292,6 +288,6 @@ def _group(canvas: torch.Tensor, config: D2Cache, G: int, block_length: int, per
             x[active] = new
             stats.step(committed.sum())
             if not bool((x[:, start:end] == mask_id).any()):
-                final = (b + 1) * block_length   # this block is done (earlier blocks are)
+                final = end - P   # this block is done (earlier blocks are)
             yield Progress(x, final)
     return x
