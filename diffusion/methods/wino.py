@@ -24,6 +24,7 @@ waits, not forwarded, until every row has.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -107,8 +108,8 @@ def _decide_row(config: WINO, confidence: torch.Tensor, confidence_back: torch.T
 
 def wino_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: WINO | None = None,
                gen_length: int = 128, block_length: int = 128, attention_mask: torch.Tensor | None = None,
-               mask_id: int | None = None, stats: GenerationStats | None = None, structure=None, end_ids=()
-               ) -> StepGenerator:
+               mask_id: int | None = None, stats: GenerationStats | None = None, structure: Any = None,
+               end_ids: Any = ()) -> StepGenerator:
     """`wino_generate` as a step generator (`diffusion/parts/stepper.py`), its arguments checked at
     the call: it yields a `Progress` after every forward (the canvas without the shadow; `final`: the
     blocks every row has decoded, a block staying revocable until it holds no mask) and returns
@@ -137,7 +138,7 @@ def wino_generate() -> tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
                gen_length: int, block_length: int, mask_id: int, stats: GenerationStats,
-               constraint=None) -> StepGenerator:
+               constraint: CommitFilter | None = None) -> StepGenerator:
     B, device = x.shape[0], x.device
     real = P + gen_length
     forwards = torch.zeros(B, dtype=torch.long)
@@ -161,10 +162,7 @@ def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
         inside = start - lo   # the block's first column in `masked`
         last_accept = [config.initial_last_accept] * B
         block_forwards = [0] * B
-        while True:
-            active = masked.any(dim=1).nonzero().flatten().tolist()
-            if not active:
-                break
+        while active := masked.any(dim=1).nonzero().flatten().tolist():   # the rows with a mask left in the block
             rows = torch.tensor(active, device=device)
             bias = allowed if allowed.shape[0] == 1 else allowed[rows]
             positions = position_ids[None].expand(len(active), -1)
