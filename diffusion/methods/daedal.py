@@ -70,8 +70,8 @@ def eos_confidence(x0: torch.Tensor, conf: torch.Tensor, P: int, eos_id: int, co
 def daedal_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: DAEDAL | None = None,
                  gen_length: int = 2048, block_length: int = 32, temperature: float = 0.0,
                  generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
-                 mask_id: int | None = None, stats: GenerationStats | None = None, structure=None,
-                 end_ids=(), cfg_scale: float = 0.0) -> StepGenerator:
+                 mask_id: int | None = None, stats: GenerationStats | None = None, structure: Any = None,
+                 end_ids: Any = (), cfg_scale: float = 0.0) -> StepGenerator:
     """`daedal_generate` as a step generator, its arguments checked at the call: each forward's
     canvas is as long as the row's canvas then is; a `Progress` after each denoising forward (`final`:
     the blocks before the current one, which no insertion moves)."""
@@ -95,8 +95,8 @@ def daedal_generate() -> torch.Tensor:
 
 
 @torch.no_grad()
-def _daedal_loop(config: DAEDAL, spec, prompt: torch.Tensor, attention_mask: torch.Tensor | None, max_length: int,
-                 block_length: int, stats: GenerationStats, structure: tuple[Any, list[int]],
+def _daedal_loop(config: DAEDAL, spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.Tensor | None,
+                 max_length: int, block_length: int, stats: GenerationStats, structure: tuple[Any, list[int]],
                  sampling: tuple[float, torch.Generator | None, float]) -> StepGenerator:
     stats.start()
     rows = []
@@ -109,7 +109,7 @@ def _daedal_loop(config: DAEDAL, spec, prompt: torch.Tensor, attention_mask: tor
     return pad_sequence([row[0] for row in rows], batch_first=True, padding_value=spec.eos_id)
 
 
-def _daedal_row(config: DAEDAL, spec, prompt: torch.Tensor, keys: torch.Tensor | None, max_length: int,
+def _daedal_row(config: DAEDAL, spec: ModelSpec, prompt: torch.Tensor, keys: torch.Tensor | None, max_length: int,
                 block_length: int, stats: GenerationStats, structure: tuple[Any, list[int]],
                 sampling: tuple[float, torch.Generator | None, float]) -> StepGenerator:
     mask_id, eos_id, P, device = spec.mask_id, spec.eos_id, prompt.shape[1], prompt.device
@@ -186,9 +186,8 @@ def _daedal_row(config: DAEDAL, spec, prompt: torch.Tensor, keys: torch.Tensor |
             low = torch.where((conf < config.low_conf_threshold) & block & (x[0] == mask_id))[0]
             if low.numel():
                 at = int(low[torch.topk(conf[low], 1, largest=False).indices])
-                grown = min(length + config.expansion_factor - 1, max_length)
-                x = torch.cat([x[:, :at], masks(config.expansion_factor), x[:, at + 1:]], dim=1)[:, :P + grown]
-                length = grown
+                length = min(length + config.expansion_factor - 1, max_length)
+                x = torch.cat([x[:, :at], masks(config.expansion_factor), x[:, at + 1:]], dim=1)[:, :P + length]
         if constraint is not None:
             if constraint.frontier(0) >= P + length and not constraint.matchers[0].ended and length < max_length:
                 # the canvas is full and the structure open: it grows, as an insertion would
