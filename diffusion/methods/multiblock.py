@@ -112,16 +112,15 @@ class MultiBlock(Checked):
                       steps: int | None = None, prompt_length: int | None = None) -> None:
         """Upstream never opens the positions past the last whole block and loops to its forward
         guard: a `gen_length` that is no multiple of `block_length` is refused (SGLang's cuts its last block)."""
-        if gen_length is not None and block_length is not None and gen_length % block_length and (
-                self.variant != "sglang"):
+        if self.variant != "sglang" and None not in (gen_length, block_length) and gen_length % block_length:
             raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length}) "
                              f"for MultiBlock")
 
 
 class _Block:
-    def __init__(self, start: int, end: int, masks: int, full: bool) -> None:
+    def __init__(self, start: int, end: int, masks: int, full: bool, completed: int | None = None) -> None:
         self.start, self.end, self.masks, self.full = start, end, masks, full
-        self.completed, self.cached = None, False   # the cache's: the step it was seen decoded; in the cache
+        self.completed, self.cached = completed, False   # the cache's: the step it was seen decoded; in the cache
 
     @property
     def progress(self) -> float:
@@ -138,23 +137,23 @@ class _Row:
         self.sglang = config.variant == "sglang"
         # `kv`: the row's forwards with the cache (or None); `lo`: the first position its step forwarded
         self.sampling, self.kv, self.cached, self.lo = sampling, kv, 0, 0
-        self.blocks = [_Block(0, P, 0, True)]
-        self.blocks[0].completed = 0
+        self.blocks = [_Block(0, P, 0, True, completed=0)]
         self.next, self.nfe, self.done, self.has_eos = 1, 0, False, False
         self._open(masks=min(block_length, gen_length), full=self.sglang or 1.0 >= config.decoded_token_threshold)
 
-    def _open(self, masks: int, full: bool) -> None:
+    def _open(self, masks: int, full: bool) -> _Block:
         start = self.P + (self.next - 1) * self.block_length
         self.blocks.append(_Block(start, min(start + self.block_length, self.T), masks, full))
         self.next += 1
+        return self.blocks[-1]
 
-    def begin_step(self, x: torch.Tensor, mask_id: int, eos_id: int) -> int | None:
+    def begin_step(self, x: torch.Tensor, mask_id: int, eos_id: int, ended: bool = False) -> int | None:
         """Upstream's step up to its forward on row `x` (written in place): the end of the open
-        blocks, or None when the row is done."""
+        blocks, or None when the row is done (or `ended`: its structure ended it)."""
         # upstream takes the step's masks here, before the early stop's fill: the positions it fills
         # with EOS stay candidates of this step's commit (a commit there overwrites the EOS)
         self.masked = x[self.P:] == mask_id
-        if self.done or (not bool(self.masked.any()) and self.next > self.num_blocks):
+        if self.done or ended or (not bool(self.masked.any()) and self.next > self.num_blocks):
             return self._finish()
         self.nfe += 1
         if self.config.early_stop and self._early_stop(x, mask_id, eos_id):
@@ -162,9 +161,8 @@ class _Row:
         for prev, block in zip(self.blocks, self.blocks[1:]):
             block.full = block.full or prev.progress >= self.config.decoded_token_threshold
         while self._opens():   # d3LLM opens one block a step, SGLang each whose predecessor qualifies
-            start, last = self.P + (self.next - 1) * self.block_length, self.blocks[-1]
-            self._open(int((x[start:start + self.block_length] == mask_id).sum()),
-                       last.progress >= self.config.decoded_token_threshold)
+            block = self._open(0, self.blocks[-1].progress >= self.config.decoded_token_threshold)
+            block.masks = int((x[block.start:block.end] == mask_id).sum())
             if not self.sglang:
                 break
         open_ = [b for b in self.blocks[1:] if b.full or b.masks > 0]
@@ -176,13 +174,10 @@ class _Row:
         """The cache's bookkeeping before the forward (module docstring): the blocks cached now (`grow`: the
         positions the cache gains), whether the forward refreshes the cache; returns the first position to forward."""
         delay_iter, grow_to = self.config.cache_delay_iter, self.cached
-        for block in self.blocks:
-            if block.end <= self.cached:
-                continue
+        for block in [b for b in self.blocks if b.end > self.cached]:
             if block.masks != 0:
                 break
-            if block.completed is None:
-                block.completed = self.nfe
+            block.completed = self.nfe if block.completed is None else block.completed
             delay = self.nfe - block.completed
             if delay >= delay_iter and not block.cached:
                 block.cached, grow_to = True, block.end
@@ -195,20 +190,20 @@ class _Row:
         self.cut = waiting[-1].start if waiting else self.cached   # what a refresh keeps
         return min([self.cached] + [b.start for b in self.blocks if b.masks > 0 or b in waiting])
 
-    def forward(self, x: torch.Tensor) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
-        """The step's forward of the row `x` `[1, T]` as `_plan` set it: (the fed positions' logits, the first one)."""
+    def forward(self, x: torch.Tensor) -> Generator[ForwardRequest, Any, torch.Tensor]:
+        """The step's forward of the row `x` `[1, T]` as `_plan` set it: its logits `[1, T, V]`, 0 before the first
+        position fed (`self.lo`; those before it are decoded)."""
         kv, T = self.kv, x.shape[1]
-        if kv.cache is None and not self.grow:   # nothing cached yet: a full forward
-            self.lo = 0
-            return (yield from kv.span(x, 0, T, None)), 0
         self.lo = 0 if kv.cache is None or self.refresh else self.cached
+        if kv.cache is None and not self.grow:   # nothing cached yet: a full forward
+            return (yield from kv.span(x, 0, T, None))
         if self.lo == 0:
             kv.cache = KVCache()
         held = kv.cache.get_seq_length()   # upstream appends the new K/V after what the cache holds
         logits = yield from kv.span(x, self.lo, T, kv.cache, write_at=held)
         kv.cache.crop(self.cut if self.refresh else held + self.grow)
         self.cached += self.grow
-        return logits, self.lo
+        return torch.nn.functional.pad(logits, (0, 0, self.lo, 0))
 
     def _opens(self) -> bool:
         """Upstream opens the next block: the last open one reached `block_add_threshold` or has no mask."""
@@ -233,24 +228,23 @@ class _Row:
                 block.masks, block.full = 0, True
             elif block.start <= first < block.end or self.dream:   # Dream recounts every block
                 masks = int((x[block.start:min(block.end, first + 1)] == mask_id).sum())
-                if masks != block.masks:
-                    block.masks = masks
-                    block.full = block.full or masks == 0
+                block.full = block.full or (masks == 0 and block.masks != 0)   # a changed count of 0
+                block.masks = masks
             if self.dream and block.start > first:   # Dream's cache passes the blocks after the EOS by
                 block.cached, block.completed = True, self.nfe if block.completed is None else block.completed
         while self.next <= self.num_blocks and self.P + (self.next - 1) * self.block_length > first:
-            self._open(masks=0, full=True)
-            self.blocks[-1].completed, self.blocks[-1].cached = self.nfe, True   # the cache's look passes them by
+            block = self._open(masks=0, full=True)
+            block.completed, block.cached = self.nfe, True   # the cache's look passes them by
         return not bool((x[self.P:] == mask_id).any())
 
-    def commit(self, x: torch.Tensor, logits: torch.Tensor, end: int,
-               mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Upstream's commit on row `x` from its logits `[T, V]`, the open blocks ending at `end`: which
-        positions of `x[P:end]` it commits (bool) and their tokens (the mask token excluded by default),
-        drawn as upstream (over the whole canvas) from `self.sampling`: (temperature, remasking, generator)."""
+    def commit(self, x: torch.Tensor, logits: torch.Tensor, end: int, mask_id: int) -> torch.Tensor:
+        """Upstream's commit on row `x` (written in place) from its logits `[T, V]`, the open blocks ending at
+        `end`, and the blocks' counts after it (`count`); returns the candidates of `x[P:end]` (the mask token
+        excluded by default), drawn as upstream (over the whole canvas) from `self.sampling`: (temperature,
+        remasking, generator)."""
         temperature, remasking, generator = self.sampling
         exclude = None if self.config.commit_mask_token else mask_id
-        x0, neg_entropy = score_rows(logits, torch.arange(self.P, end, device=x.device), mode="neg_entropy",
+        x0, neg_entropy = score_rows(logits, torch.arange(self.P, end, device=logits.device), mode="neg_entropy",
                                      exclude_id=exclude)
         masked = self.masked[:end - self.P]
         entropy = torch.where(masked, -neg_entropy, torch.inf)
@@ -278,14 +272,16 @@ class _Row:
             commit[entropy.argmin()] = True
         if self.sglang:   # SGLang recounts the masks: a committed mask token (commit_mask_token) is no commit
             commit &= drawn != mask_id
-        return commit, drawn
+        x[self.P:end][commit] = drawn[commit]
+        self.count(commit)
+        return drawn
 
     def count(self, commit: torch.Tensor) -> None:
         """The blocks' mask counts less the commits (`commit` over `x[P:]`), as upstream counts them."""
         for block in self.blocks[1:]:
             if block.masks > 0:
-                block.masks -= int(commit[block.start - self.P:block.end - self.P].sum())
-                block.masks = block.masks if self.kv is None else max(block.masks, 0)
+                left = block.masks - int(commit[block.start - self.P:block.end - self.P].sum())
+                block.masks = left if self.kv is None else max(left, 0)   # the cache's counts stop at 0
         if self.nfe > (self.T - self.P if self.sglang else MAX_FORWARDS):
             self.done = True   # SGLang forwards once more after its guard when masks are left: counted, not run
             if self.sglang and (self.next <= self.num_blocks or any(b.masks > 0 for b in self.blocks)):
@@ -337,10 +333,9 @@ def _loop(x: torch.Tensor, rows: list[_Row], inputs: dict, spec, eos_id: int | N
     mask_id, P, T = spec.mask_id, rows[0].P, x.shape[1]
 
     def begin() -> dict[int, int]:   # each row's step up to its forward (early stop's fill included)
-        for b, row in enumerate(rows):
-            row.done = row.done or bool(constraint is not None and constraint.finished[b])
-        ends = {b: row.begin_step(x[b], mask_id, eos_id) for b, row in enumerate(rows)}
-        return {b: end for b, end in ends.items() if end is not None}
+        ended = [False] * len(rows) if constraint is None else constraint.finished
+        return {b: end for b, row in enumerate(rows)
+                if (end := row.begin_step(x[b], mask_id, eos_id, ended[b])) is not None}
 
     stats.start()
     ends = begin()
@@ -352,24 +347,17 @@ def _loop(x: torch.Tensor, rows: list[_Row], inputs: dict, spec, eos_id: int | N
                                                           for k, v in inputs.items()}, spec=spec)
             stats.forward(len(active), T)
         else:   # a forward a row, each with its own cache; the (decoded) positions before the fed ones score 0
-            parts, fed = [], 0
+            parts = []
             for b in active:
-                part, lo = yield from rows[b].forward(x[b:b + 1])
-                parts.append(torch.nn.functional.pad(part, (0, 0, lo, 0)))
-                fed += T - lo
-            stats.forward(1, fed, sum(rows[b].kv.cache_nbytes for b in active))
+                parts.append((yield from rows[b].forward(x[b:b + 1])))
+            stats.forward(1, sum(T - rows[b].lo for b in active), sum(rows[b].kv.cache_nbytes for b in active))
             logits = torch.cat(parts)
         before = (x[index, P:] == mask_id).sum()
         sub = None if constraint is None else constraint.rows(active)
         logits, prior = before_rule(sub, logits, x[index, P:], P, T, P)
-        candidates = None if sub is None else torch.full_like(prior, mask_id)
+        candidates = torch.full((len(active), T - P), mask_id, device=x.device)   # the structure's
         for i, b in enumerate(active):
-            commit, x0 = rows[b].commit(x[b], logits[i], ends[b], mask_id)
-            span = x[b, P:ends[b]]
-            span[commit] = x0[commit]
-            rows[b].count(commit)
-            if constraint is not None:
-                candidates[i, :ends[b] - P] = x0
+            candidates[i, :ends[b] - P] = rows[b].commit(x[b], logits[i], ends[b], mask_id)
         if constraint is not None:   # keep what the structure accepts; the blocks count what is left
             canvas = x[index]
             sub.filter(canvas, prior, candidates, logits, P, T, P)
