@@ -250,9 +250,8 @@ class _Row:
         entropy = torch.where(masked, -neg_entropy, torch.inf)
         drawn = x0   # the threshold's tokens; LLaDA's forced position takes the clean argmax x0, Dream's the draw
         if temperature > 0 and self.dream:   # one multinomial of the tempered softmax over the forwarded rows
-            lo = self.lo
-            drawn = x0 = torch.cat([x0[:max(lo - self.P, 0)], sample_categorical(
-                logits[lo:], temperature, generator=generator, exclude_id=exclude)[0][max(self.P - lo, 0):end - lo]])
+            draw = sample_categorical(logits[self.lo:], temperature, generator=generator, exclude_id=exclude)[0]
+            x0[max(self.lo - self.P, 0):] = draw[max(self.P - self.lo, 0):end - self.lo]   # (drawn is x0)
         elif temperature > 0:   # float64 Gumbel-max noise over the canvas; the entropy stays the clean logits'
             drawn = score_tokens(logits[self.P:end], temperature=temperature, exclude_id=exclude, noise=torch.rand(
                 logits.shape, dtype=torch.float64, device=logits.device, generator=generator)[self.P:end])[0]
