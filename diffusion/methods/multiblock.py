@@ -239,7 +239,7 @@ class _Row:
 
     def commit(self, x: torch.Tensor, logits: torch.Tensor, end: int, mask_id: int) -> torch.Tensor:
         """Upstream's commit on row `x` (written in place) from its logits `[T, V]`, the open blocks ending at
-        `end`, and the blocks' counts after it (`count`); returns the candidates of `x[P:end]` (the mask token
+        `end`, then the blocks' counts and the forward guard; returns the candidates of `x[P:end]` (the mask token
         excluded by default), drawn as upstream (over the whole canvas) from `self.sampling`: (temperature,
         remasking, generator)."""
         temperature, remasking, generator = self.sampling
@@ -272,19 +272,14 @@ class _Row:
         if self.sglang:   # SGLang recounts the masks: a committed mask token (commit_mask_token) is no commit
             commit &= drawn != mask_id
         x[self.P:end][commit] = drawn[commit]
-        self.count(commit)
-        return drawn
-
-    def count(self, commit: torch.Tensor) -> None:
-        """The blocks' mask counts less the commits (`commit` over `x[P:]`), as upstream counts them."""
-        for block in self.blocks[1:]:
-            if block.masks > 0:
-                left = block.masks - int(commit[block.start - self.P:block.end - self.P].sum())
-                block.masks = left if self.kv is None else max(left, 0)   # the cache's counts stop at 0
-        if self.nfe > (self.T - self.P if self.sglang else MAX_FORWARDS):
+        for block in [b for b in self.blocks[1:] if b.masks > 0]:   # their counts less the commits, as upstream's
+            left = block.masks - int(commit[block.start - self.P:block.end - self.P].sum())
+            block.masks = left if self.kv is None else max(left, 0)   # the cache's counts stop at 0
+        if self.nfe > (self.T - self.P if self.sglang else MAX_FORWARDS):   # upstream's forward guard
             self.done = True   # SGLang forwards once more after its guard when masks are left: counted, not run
             if self.sglang and (self.next <= self.num_blocks or any(b.masks > 0 for b in self.blocks)):
                 self.nfe += 1
+        return drawn
 
 
 def multiblock_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: MultiBlock | None = None,
