@@ -236,8 +236,7 @@ def is_config(field: str, value: Any) -> bool:
 
 def way_of(decoder: Any) -> str | None:
     """The way a `decoder=` value decodes (`Method.way`), None when it is no registered decoder config."""
-    method = method_of(decoder, "decoder")
-    return None if method is None else method.way
+    return getattr(method_of(decoder, "decoder"), "way", None)
 
 
 def listed(field: str) -> str:

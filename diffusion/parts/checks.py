@@ -12,11 +12,14 @@ import os
 import reprlib
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any, Iterable, Sequence
 
 import torch
 
 from remask.models.spec import ModelSpec
+
+from .stats import GenerationStats
 
 
 class CombinationError(ValueError, NotImplementedError):
@@ -159,9 +162,7 @@ def check_instance(name: str, value: Any, cls: type, what: str | None = None, al
 
 
 def check_callable(name: str, value: Any) -> Any:
-    if value is not None and not callable(value):
-        raise ParameterTypeError(f"{name} must be a callable or None, got {_type_name(value)}")
-    return value
+    return check_instance(name, value, Callable, "a callable")
 
 
 def check_generator(generator: Any, device: torch.device) -> torch.Generator | None:
@@ -174,8 +175,6 @@ def check_generator(generator: Any, device: torch.device) -> torch.Generator | N
 
 
 def check_stats(name: str, stats: Any) -> Any:
-    from .stats import GenerationStats
-
     return check_instance(name, stats, GenerationStats, "a remask.GenerationStats")
 
 
@@ -379,8 +378,6 @@ def check_method_call(spec: ModelSpec, prompt: Any, attention_mask: Any, stats: 
     diffusion model (`entry`: the caller named in the refusal; None: not checked), the model's spec (`ids` override
     its token ids) with a mask token, then `prompt` (named `name`) / `attention_mask`, the mask token refused in the
     prompt."""
-    from .stats import GenerationStats
-
     stats = check_stats("stats", stats) or GenerationStats()
     spec = spec.with_overrides(**ids)
     if entry is not None:

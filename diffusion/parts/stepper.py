@@ -23,7 +23,7 @@ import torch
 
 from remask.models.hf_compat import cache_arg, takes_logits_to_keep
 from remask.models.request import ForwardRequest  # the requests' module (also here for the drivers)
-from remask.models.spec import ModelSpec, shift_logits
+from remask.models.spec import ModelSpec, get_spec, shift_logits
 
 from .protocol import Decoder
 from .stats import GenerationStats
@@ -54,11 +54,7 @@ def call_model(model: torch.nn.Module, request: ForwardRequest, input_ids: torch
         kwargs["logits_to_keep"] = 1
     if request.output == "model":
         return model(input_ids, **kwargs)
-    if request.spec is not None:
-        logits = request.spec.logits(model, input_ids, **kwargs)
-    else:
-        logits = model(input_ids, **kwargs).logits
-    return logits if request.rows is None else logits[:, request.rows]
+    return _own(request, model(input_ids, **kwargs).logits)   # shifted as `ModelSpec.logits` shifts
 
 
 @torch.no_grad()
@@ -93,7 +89,6 @@ def _packed(model: torch.nn.Module, requests: list[ForwardRequest],
     cache and mask (`varlen.PackedAttention`), its linears the GEMM problems its own forward poses
     (`token_groups`: one of rows × length, or one per row with `rows_alone`)."""
     from remask.models.layers import cache_span
-    from remask.models.spec import get_spec
 
     from .varlen import PackedAttention, PackedLayers, Segment, token_groups
 
@@ -152,8 +147,8 @@ def _stacked(model: torch.nn.Module, requests: list[ForwardRequest],
 
 
 def _own(request: ForwardRequest, logits: torch.Tensor) -> torch.Tensor:
-    """A request's answer from its own rows' logits in a shared call: shifted by its `spec` within each row (as
-    `ModelSpec.logits` shifts), cut to its `rows`."""
+    """A request's answer from its own rows' logits (its own call's, or a shared call's): shifted by its `spec`
+    within each row (as `ModelSpec.logits` shifts), cut to its `rows`."""
     if request.spec is not None and request.spec.logit_shift:
         logits = shift_logits(logits)
     return logits if request.rows is None else logits[:, request.rows]
@@ -172,8 +167,6 @@ def guided_forward(spec: Any, x: torch.Tensor, un_x: torch.Tensor, forward_input
 def run_steps(model: torch.nn.Module, steps_of: Callable[..., StepGenerator], *args: Any, **kwargs: Any) -> Any:
     """`drive` the step generator `steps_of(spec, *args, **kwargs)` on `model` (the drop-in functions): the
     decoder gets the model's spec (`get_spec`), never the model; the driver answers its forwards."""
-    from remask.models.spec import get_spec
-
     return drive(steps_of(get_spec(model), *args, **kwargs), model)
 
 
