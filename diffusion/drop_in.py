@@ -137,8 +137,7 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     hooks_given = [k for k in ("generation_tokens_hook_func", "generation_logits_hook_func") if k in kwargs]
     validate_rule(kwargs.get("threshold"), None, kwargs.get("frechet_margin"))   # a threshold given, not its default
     threshold, frechet_margin = kwargs.pop("threshold", 0.9), kwargs.pop("frechet_margin", None)
-    finish_blocks = kwargs.pop("finish_blocks", True)
-    reference_ties = kwargs.pop("reference_ties", True)
+    finish_blocks, reference_ties = kwargs.pop("finish_blocks", True), kwargs.pop("reference_ties", True)
     (tokens_hook, logits_hook, attention_mask, use_cache, block_length, decoder, sparse, apd, verifier_stats,
      generator, stats, structured_outputs, tokenizer) = (kwargs.pop(name, None) for name in (
         "generation_tokens_hook_func", "generation_logits_hook_func", "attention_mask", "use_cache", "block_length",
@@ -214,9 +213,8 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     elif kwargs.get("max_length") is None and config.max_length in (None, DEFAULT_MAX_LENGTH):
         warnings.warn("Using the model-agnostic default `max_length` (=20) to control the generation length; "
                       "set `max_new_tokens`.", UserWarning)
-        config.max_length = DEFAULT_MAX_LENGTH + input_len
-        if spec.max_length is not None:
-            config.max_length = min(config.max_length, spec.max_length)
+        config.max_length = min(DEFAULT_MAX_LENGTH + input_len,
+                                torch.inf if spec.max_length is None else spec.max_length)
     if input_len >= config.max_length:
         raise ValueError(f"input length {input_len} must be smaller than max_length={config.max_length}; "
                          "increase max_length or set max_new_tokens")
@@ -232,7 +230,6 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
             attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
     if blocks and not dinfer:
         validate_block_args(gen_length, block_length, config.steps, length="the generation length")
-    history = None
     if dinfer or apd is not None or decoder is not None:   # a method's config: its loop (`run_decoder`), as generate's
         # what dInfer's rules and FreeDave (greedy, over blocks) do not read: refused by name
         greedy_unread = [name for name, on in (
@@ -264,10 +261,10 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
                    f"alg='confidence_threshold', threshold=1.0, steps=max_new_tokens); it does not read {unread}")
         if unread:
             raise ValueError(why)
-        sequences = run_decoder(model, inputs, attention_mask, decoder, gen_length=gen_length,
-                                block_length=DEFAULT_BLOCK_LENGTH if block_length is None else block_length,
-                                use_cache=use_cache, mask_id=config.mask_token_id, stats=stats, structure=structure,
-                                settings=settings)
+        sequences, history = run_decoder(model, inputs, attention_mask, decoder, gen_length=gen_length,
+                                         block_length=DEFAULT_BLOCK_LENGTH if block_length is None else block_length,
+                                         use_cache=use_cache, mask_id=config.mask_token_id, stats=stats,
+                                         structure=structure, settings=settings), None
     else:
         if stats is not None:
             stats.start()

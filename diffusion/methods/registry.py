@@ -9,7 +9,8 @@ sit beside it: the entry-point settings it `reads`, why its loop needs LLaDA's u
 it fills a row with EOS after the first EOS it decodes (`fills_after_eos`, so `ignore_eos` is refused), and
 whether `gen_length` only bounds a canvas that grows (`length_bound`: its output may be shorter, and blocks
 need not divide it), and whether its last block may be partial (`partial_blocks`, its config checking the
-layout). A model family's own loop (SDAR, LLaDA2, Fast-dLLM v2, DiffusionGemma's canvas) is a method too: its config is the request's `decoder=` there, its `way` the loop's (`parts/checks.py` `WAYS`: what it reads), the
+layout). A model family's own loop (SDAR, LLaDA2, Fast-dLLM v2, DiffusionGemma's canvas) is a method too: its
+config is the request's `decoder=` there, its `way` the loop's (`parts/checks.py` `WAYS`: what it reads), the
 model's family builds it (`Family.engine_decoder`; on any other model its loop refuses it); `nested` names the fields
 whose JSON form is an object of its own (`rule`: a decoder config; `sampler`: its class's keywords).
 
@@ -91,7 +92,8 @@ class Method:
     takes_rule: bool = False
     fills_after_eos: bool | Callable[[Any], bool] = False   # or a function of the config (a switch of its own)
     length_bound: bool = False
-    partial_blocks: bool | Callable[[Any], bool] = False   # its last block may be partial (its config checks the layout)
+    # its last block may be partial (its config checks the layout)
+    partial_blocks: bool | Callable[[Any], bool] = False
     way: str = "method"   # the way it decodes (`parts.checks.WAYS`): "method", or a family's own loop's
     nested: dict[str, Any] | None = None   # field → "decoder" (a config's JSON) or a class
 
@@ -176,7 +178,8 @@ def _family_loop(call: Call) -> StepGenerator:
 register("freedave", FreeDave, loop=_freedave_loop)   # `steps`: only gen_length (one token a step) or unset
 for rule in (ThresholdDecoding, CreditDecoding, HierarchicalDecoding, MarginDecoding, EBSampler, FrechetRule):
     register(rule.name, rule, loop=_rules_loop, fills_after_eos=True)   # dInfer's block loop runs each
-register("klass", KLASS, reads=("steps", "temperature", "generator"), loop=_own_loop(   # its own loop on LLaDA / Dream, a rule elsewhere
+# KLASS: its own loop on LLaDA / Dream, a rule elsewhere
+register("klass", KLASS, reads=("steps", "temperature", "generator"), loop=_own_loop(
     klass_steps, no_cache="KLASS forwards the whole sequence at every step (its KL memory needs every position's "
     "distribution; upstream has no cache)"))
 register("wino", WINO, unshifted="WINO's shadow-block forward", loop=_own_loop(

@@ -198,6 +198,13 @@ def check_model_kind(spec: ModelSpec, *, diffusion: bool, entry: str) -> None:
                          "use remask.generate or remask.diffusion_generate")
 
 
+# What `check_prompt` refuses of an attention mask, in the order of its facts: not 0/1, not left-padded, a row empty.
+_MASK_REFUSALS = ("attention_mask must hold only 0 (pad) and 1 (token)",
+                  "attention_mask must be left-padded (0s, then 1s in every row): remask appends the generation after "
+                  "the last column; set tokenizer.padding_side = 'left'",
+                  "attention_mask has a row with no real token (all 0): every row needs at least one")
+
+
 def check_prompt(device: torch.device, prompt: Any, attention_mask: Any, name: str = "prompt",
                  spec: ModelSpec | None = None, mask_in_prompt: str = "allow") -> None:
     """A `[B, P]` integer tensor of in-vocabulary ids on the model's `device` (`ModelSpec.device`), and an optional
@@ -234,15 +241,9 @@ def check_prompt(device: torch.device, prompt: Any, attention_mask: Any, name: s
     bad = facts[0] if facts[0] < 0 else facts[1]   # the min if negative, else the max
     if spec.vocab_size is not None and not 0 <= bad < spec.vocab_size:
         raise ValueError(f"{name} holds token id {bad}, outside the model's vocabulary [0, {spec.vocab_size})")
-    if mask is not None:
-        not_binary, not_left, empty = facts[2:5]
-        if not_binary:
-            raise ValueError("attention_mask must hold only 0 (pad) and 1 (token)")
-        if not_left:
-            raise ValueError("attention_mask must be left-padded (0s, then 1s in every row): remask appends the "
-                             "generation after the last column; set tokenizer.padding_side = 'left'")
-        if empty:
-            raise ValueError("attention_mask has a row with no real token (all 0): every row needs at least one")
+    for fact, refusal in zip(facts[2:5] if mask is not None else (), _MASK_REFUSALS):
+        if fact:
+            raise ValueError(refusal)
     if mask_in_prompt == "refuse" and spec.mask_id is not None and facts[-1]:
         where = (prompt == spec.mask_id).nonzero()[0].tolist()
         raise ValueError(f"{name} holds the mask token id {spec.mask_id} (row {where[0]}, position {where[1]}); "

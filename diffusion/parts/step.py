@@ -39,8 +39,7 @@ class Decision:
         """Every position the step writes."""
         out = self.commit
         for m in (self.edit, self.renoise):
-            if m is not None:
-                out = out | m
+            out = out if m is None else out | m
         return out
 
 

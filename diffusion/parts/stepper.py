@@ -65,11 +65,9 @@ def run_forwards(model: torch.nn.Module, requests: list[ForwardRequest],
     caches pack (`ForwardRequest.stacks`), into one call on their rows stacked (`_stacked`); `invariant(rows,
     token_groups)`: the runner's batch-invariance context. Without it (the drop-in driver) a
     `rows_alone` request of several rows runs its linears row by row."""
-    if len(requests) > 1:
-        return (_stacked if requests[0].stacks else _packed)(model, requests, invariant)
     request = requests[0]
-    if request.layers is not None:
-        return _packed(model, requests, invariant)
+    if len(requests) > 1 or request.layers is not None:
+        return (_stacked if len(requests) > 1 and request.stacks else _packed)(model, requests, invariant)
     if invariant is not None:
         context = invariant(request.batch if request.rows_alone else 1)
     elif request.rows_alone and request.batch > 1:
@@ -205,12 +203,9 @@ def drive(steps: StepGenerator, model: torch.nn.Module | None = None) -> Any:
             if stop.value is None:
                 raise RuntimeError("a step generator must return its output tensor") from None
             return stop.value
-        if isinstance(item, ForwardRequest):
-            if model is None:
-                raise RuntimeError("drive(steps, model): the generator asked for a forward and no model was given")
-            answer = run_forwards(model, [item])[0]
-        else:
-            answer = None
+        if isinstance(item, ForwardRequest) and model is None:
+            raise RuntimeError("drive(steps, model): the generator asked for a forward and no model was given")
+        answer = run_forwards(model, [item])[0] if isinstance(item, ForwardRequest) else None
 
 
 def row_by_row(canvas: torch.Tensor, decode: Callable[..., StepGenerator], mask: torch.Tensor | None,
@@ -345,13 +340,11 @@ class StepwiseDecoder(Decoder):
         nfe, positions, commits = counted.nfe, counted.forward_positions, counted.num_steps
         state.pending = None
         try:
-            while True:
-                item = state.steps.send(answer)
-                answer = None
-                if isinstance(item, ForwardRequest):
-                    state.pending = item
-                    break
+            item = state.steps.send(answer)
+            while not isinstance(item, ForwardRequest):   # a Progress
                 state.x, state.final = item.x, max(state.final, item.final)
+                item = state.steps.send(None)
+            state.pending = item
         except StopIteration as stop:
             if stop.value is None:
                 raise RuntimeError(f"{self.name or 'a step generator'} returned no output") from None
