@@ -31,7 +31,7 @@ class BlockKVCache:
         self.table = self.manager.allocate(prompt_tokens, seed=self.manager.chain_hash(None, (-1, block_length)))
         self.shared = self.manager.last_hits      # leading pages stored by another request: to verify
         self.manager.extend(self.table, total_positions)
-        self.lengths: list[int] = []              # stored positions, per layer
+        self.lengths: dict[int, int] = {}         # layer → its stored positions
         self.released = False
 
     @staticmethod
@@ -40,7 +40,7 @@ class BlockKVCache:
                                     manager.chain_hash(None, (-1, block_length)))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.lengths[layer_idx] if layer_idx < len(self.lengths) else 0
+        return self.lengths.get(layer_idx, 0)
 
     def cached(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The stored keys and values of a layer `[1, H_kv, n, D]`, or None while there are none."""
@@ -54,10 +54,7 @@ class BlockKVCache:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this forward's K/V `[1, H_kv, n, D]` after the cached ones (the shared prompt pages
         verified: module docstring); return all of them."""
-        before = self.cached(layer_idx)
-        while len(self.lengths) <= layer_idx:
-            self.lengths.append(0)
-        start = self.lengths[layer_idx]
+        before, start = self.cached(layer_idx), self.get_seq_length(layer_idx)
         end = start + key.shape[2]
         if self.manager.pages_for(end) > len(self.table):
             raise RuntimeError(f"the block cache's table covers {len(self.table) * self.manager.page_size} "
