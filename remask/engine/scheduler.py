@@ -62,20 +62,18 @@ class Scheduler:
         returns (newly admitted, this step's batch in admission order, preempted)."""
         self.steps += 1
         preempted: list[Sequence] = []
-        reserved = 0
-        if self.pages is not None:
-            # Every resident sequence's growth is reserved, scheduled this step or not: a paused one
-            # can always go on, and preemption stays the only way a sequence loses its pages.
-            reserved = sum(self._growth(seq) for seq in self.running)
-            while reserved > self.pages.num_free:   # so some running sequence holds pages, to grow
-                victim = next(s for s in reversed(self.running) if s.block_table is not None)
-                reserved -= self._growth(victim)
-                self.running.remove(victim)
-                victim.restart(self.pages)
-                self._seq_served.pop(victim, None)
-                preempted.append(victim)
-                # newest first: the oldest ends at the head of its queue
-                self._waiting[victim.request_id].appendleft(victim)
+        # Every resident sequence's growth is reserved, scheduled this step or not: a paused one
+        # can always go on, and preemption stays the only way a sequence loses its pages.
+        reserved = sum(self._growth(seq) for seq in self.running)   # 0 without a page store
+        while reserved and reserved > self.pages.num_free:   # so some running sequence holds pages, to grow
+            victim = next(s for s in reversed(self.running) if s.block_table is not None)
+            reserved -= self._growth(victim)
+            self.running.remove(victim)
+            victim.restart(self.pages)
+            self._seq_served.pop(victim, None)
+            preempted.append(victim)
+            # newest first: the oldest ends at the head of its queue
+            self._waiting[victim.request_id].appendleft(victim)
         resident: defaultdict[str, deque[Sequence]] = defaultdict(deque)
         resting = self._resting() if self.cost_stride else set()
         # A request's paused sequences go first: its samples progress evenly and finish together,
@@ -83,8 +81,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: self._seq_served.get(s, (-1,))[0]):
             if seq not in resting:
                 resident[seq.request_id].append(seq)
-        active = set(resident) | {rid for rid, queue in self._waiting.items() if queue} | \
-            {seq.request_id for seq in resting}
+        active = {seq.request_id for seq in self.running} | {rid for rid, queue in self._waiting.items() if queue}
         for rid in [rid for rid in self._arrival if rid not in active]:
             self._forget(rid)
         owners: defaultdict[str | None, deque[str]] = defaultdict(deque)
@@ -101,7 +98,7 @@ class Scheduler:
             owner = order.popleft()
             rids, seq = owners[owner], None   # the owner's requests, the next one to serve first
             while rids and seq is None:
-                rid = rids[0]
+                rid = rids.popleft()
                 if resident.get(rid):
                     seq = resident[rid].popleft()
                 elif self._waiting.get(rid):   # admitted if it fits; else the request is done this step
@@ -115,10 +112,8 @@ class Scheduler:
                         seq.status = SequenceStatus.RUNNING
                         self.running.append(seq)
                         admitted.append(seq)
-                if seq is None:
-                    rids.popleft()          # nothing more from this request this step
-                else:
-                    rids.rotate(-1)
+                if seq is not None:   # back of the owner's round (else nothing more from this request this step)
+                    rids.append(rid)
             if seq is None:
                 continue    # nothing more from this owner this step
             order.append(owner)
