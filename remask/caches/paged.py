@@ -43,7 +43,7 @@ class PagedKVCache:
 
     @property
     def pages_in_use(self) -> int:
-        return 0 if self.manager is None else self.manager.num_pages - self.manager.num_free
+        return 0 if self.manager is None else self.manager.pages_in_use
 
     @property
     def nbytes(self) -> int:

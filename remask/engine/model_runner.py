@@ -78,11 +78,10 @@ class ModelRunner:
                 request = seq.decoder.next_forward(seq.state, seq.generator, seq.stats)
                 if request is not None and request.extends and self.store is not None:
                     packed[("paged",)].append((seq, request))   # autoregressive: over the page store
-                elif request is not None:
-                    key = self._graph_key(seq, request)
-                    if key is None:
-                        key = request.pack_key() if self.spec.segmented or request.stacks else None
-                    packed[("pack", key) if key is not None else ("alone", id(seq))].append((seq, request))
+                elif request is not None:   # a CUDA graph's, else a packed forward's, else its own
+                    key = self._graph_key(seq, request) or (
+                        request.pack_key() if self.spec.segmented or request.stacks else None)
+                    packed[("alone", id(seq)) if key is None else ("pack", key)].append((seq, request))
             except Exception as err:  # noqa: BLE001 - one request's failure must not stop the others
                 failed[seq] = f"{type(err).__name__}: {err}"
         for key, members in packed.items():
@@ -141,8 +140,7 @@ class ModelRunner:
         position's logits, as a model output without a cache (`logits` `[1, 1, V]`)."""
         assert self.pages is not None and self.store is not None
         slices: list[SequenceSlice] = []
-        ids: list[int] = []
-        positions: list[int] = []
+        ids, positions = [], []   # the flat forward's token ids and their positions
         for seq, request in members:
             feed = request.input_ids[0].tolist()
             if seq.block_table is None:     # its prompt: pages shared with an equal prompt's where they can be

@@ -13,7 +13,7 @@ from typing import Any
 
 from remask.diffusion.methods import registry
 from remask.diffusion.parts.checks import (MAX_LOGPROBS, MAX_TEMPERATURE, ParameterTypeError, changed, check_bool,
-                                           check_int, check_min_tokens, check_real, check_seed, check_stop)
+                                           check_int, check_ints, check_min_tokens, check_real, check_seed, check_stop)
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,7 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        check_int("max_tokens", self.max_tokens, minimum=1)
-        check_int("n", self.n, minimum=1)
+        check_ints(1, max_tokens=self.max_tokens, n=self.n)
         check_seed(self.seed, self.n)
         check_real("temperature", self.temperature, low=0, high=MAX_TEMPERATURE)
         check_real("top_p", self.top_p, low=0, high=1, low_open=True, allow_none=True)
