@@ -123,11 +123,10 @@ class ModelRunner:
             key = seq.decoder.commit_key()
             batched[id(seq) if key is None else (type(seq.decoder), key)].append((seq, answer))
         for members in batched.values():
-            seqs = [seq for seq, _ in members]
+            seqs, answers = zip(*members)
             try:
-                seqs[0].decoder.receive_together([seq.decoder for seq in seqs], [seq.state for seq in seqs],
-                                                 [answer for _, answer in members], [seq.generator for seq in seqs],
-                                                 [seq.stats for seq in seqs])
+                seqs[0].decoder.receive_together([s.decoder for s in seqs], [s.state for s in seqs], list(answers),
+                                                 [s.generator for s in seqs], [s.stats for s in seqs])
             except Exception as err:  # noqa: BLE001
                 failed.update({seq: f"{type(err).__name__}: {err}" for seq in seqs})
 
