@@ -91,8 +91,7 @@ class Scheduler:
         # each turn takes one sequence from the owner at the head, which then goes to the back.
         self._owner_served = {owner: step for owner, step in self._owner_served.items() if owner in owners}
         order = deque(sorted(owners, key=lambda o: (self._owner_served.get(o, -1), self._turn(owners[o][0]))))
-        tokens = sum(seq.num_tokens for seq in self.running)
-        admitted: list[Sequence] = []
+        tokens, resident_count = sum(seq.num_tokens for seq in self.running), len(self.running)
         picked: set[Sequence] = set()
         while len(picked) < self.max_num_seqs and order:
             owner = order.popleft()
@@ -107,11 +106,9 @@ class Scheduler:
                     if tokens + candidate.num_tokens <= self.max_num_batched_tokens and \
                             not (need and reserved + need > self.pages.num_free):
                         seq = self._waiting[rid].popleft()
-                        reserved += need
-                        tokens += seq.num_tokens
+                        reserved, tokens = reserved + need, tokens + seq.num_tokens
                         seq.status = SequenceStatus.RUNNING
-                        self.running.append(seq)
-                        admitted.append(seq)
+                        self.running.append(seq)   # admitted: after the resident ones
                 if seq is not None:   # back of the owner's round (else nothing more from this request this step)
                     rids.append(rid)
             if seq is None:
@@ -121,7 +118,7 @@ class Scheduler:
             self._seq_served[seq] = (self.steps, self._seq_served.get(seq, (0, 0))[1] + 1)
             self._served[seq.request_id] = self.steps
             self._owner_served[owner] = self.steps
-        return admitted, [seq for seq in self.running if seq in picked], preempted
+        return self.running[resident_count:], [seq for seq in self.running if seq in picked], preempted
 
     def _resting(self) -> set[Sequence]:
         """Cost stride: the resident sequences that sit this step out. One whose forwards computed
