@@ -213,10 +213,9 @@ class LLMEngine:
         return live * one + params.n * book, one + book
 
     def _check_request_bytes(self, prompt_len: int, params: SamplingParams) -> None:
-        if prompt_len + params.max_tokens > self.scheduler.max_num_batched_tokens:
-            return    # the scheduler refuses it by its positions (max_num_batched_tokens), also before allocation
         total, one = self.request_bytes(prompt_len, params)
-        if total <= self.max_request_bytes:
+        # past max_num_batched_tokens the scheduler refuses it by its positions, also before allocation
+        if prompt_len + params.max_tokens > self.scheduler.max_num_batched_tokens or total <= self.max_request_bytes:
             return
         mib = 1 << 20
         if one > self.max_request_bytes:
