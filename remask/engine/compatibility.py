@@ -109,7 +109,6 @@ def matrix() -> dict[str, dict[str, dict[str, str]]]:
     """Setting (a key of `SETTINGS`) → method → family → "yes" or "no: <the refusal>"."""
     from remask.engine import LLMEngine
     from remask.models import tiny
-    from remask.models.spec import get_spec
     from remask.zoo import charset, load
 
     out = {setting: {name: {} for name in methods()} for setting in SETTINGS}
@@ -118,9 +117,8 @@ def matrix() -> dict[str, dict[str, dict[str, str]]]:
         for family in FAMILIES:
             # the family's tiny checkpoint, written and loaded as `remask.LLM` loads a folder
             getattr(tiny, FAMILIES[family])(f"{root}/{family}")
-            model = load(f"{root}/{family}")[0]
-            engine = LLMEngine(model, tokenizer)
-            spec = get_spec(model)
+            engine = LLMEngine(load(f"{root}/{family}")[0], tokenizer)
+            spec = engine.spec
             prompt = [i for i in range(5, 13) if i not in (spec.mask_id, spec.eos_id, spec.pad_id)]
             for setting, extra in SETTINGS.items():
                 for name, params in methods().items():
