@@ -152,9 +152,9 @@ class ModelRunner:
             ids.extend(feed)
             positions.extend(range(seq.kv_len, seq.kv_len + len(feed)))
         batch = ForwardBatch(slices, self.store, self.device)
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
-        last = torch.tensor([s.start + s.q_len - 1 for s in slices], dtype=torch.long, device=self.device)
+        # the flat forward's ids and positions `[1, T]`, and each sequence's last row (the logits kept)
+        input_ids, position_ids, last = (torch.tensor(v, dtype=torch.long, device=self.device)
+                                         for v in ([ids], [positions], [s.start + s.q_len - 1 for s in slices]))
         with self._invariant(len(slices), batch.token_groups), paged_forward(self.model, batch, self.attention_configs):
             logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                 logits_to_keep=last).logits[0]
