@@ -6,7 +6,8 @@ the current state it drafts the next K states (draft k: the state plus its k+1 m
 predictions), runs the model once over all K drafts, applies the one-token rule to each with its
 own logits (target k), and commits the last draft of the longest chain with draft k+1 == target k,
 whose logits are the next round's predictions (no forward spent twice). Draft 0 is exactly the next
-state, so every round advances at least one token.
+state, so every round advances at least one token. The round's core (`draft_chain`, `verify_drafts`, the held
+`Predictions`) is `parts/drafts.py`'s, shared with the block-causal loops' FreeDave (`DraftVerify`).
 
 Baselines, equal token for token under the same cache schedule (a full forward at every block
 start, building the "prefix" / "dual" cache, its logits the first predictions; verification
@@ -66,7 +67,7 @@ from ..parts.checks import (check_choice, check_config, check_config_bounds, che
                             check_method_call, check_real, checked, warn_if_longer_than_trained,
                             warn_if_padded_without_mask)
 from ..parts.constrain import CommitFilter, end_ids_of
-from ..parts.drafts import DraftConfig, verify_chain
+from ..parts.drafts import DraftConfig, Predictions, draft_chain, verify_drafts
 from ..parts.scoring import score_rows
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
@@ -109,18 +110,6 @@ def _draft_rows(value: Any, rows: torch.Tensor | None, batch: int, K: int) -> An
 
 # --- the decoding loop --------------------------------------------------------------------------
 
-def make_drafts(base: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor, K: int, mask_id: int) -> torch.Tensor:
-    """`[N, K, block]`: draft k = `base` plus its k most confident masked predictions (ties: lower
-    position first)."""
-    mask = base == mask_id
-    scores = torch.where(mask, conf.to(torch.float64), -torch.inf)
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices
-    rank = order.argsort(dim=1)   # each position's place in that order (the inverse permutation)
-    k = torch.arange(K, device=base.device)
-    take = mask[:, None, :] & (rank[:, None, :] < k[None, :, None])
-    return torch.where(take, x0[:, None, :], base[:, None, :])
-
-
 class _Decoder:
     """A request's FreeDave loop; its forwards (sub-generators of `ForwardRequest`s) are the block
     start (baseline `BlockForward.refresh`, rows as alone for batches) and the drafts' verification."""
@@ -160,32 +149,31 @@ class _Decoder:
         return logits, start - fed
 
     def _start(self, x: torch.Tensor, start: int, end: int,
-               cf: Any) -> Generator[Any, Any, tuple[torch.Tensor, ...]]:
+               cf: Any) -> Generator[Any, Any, tuple[Predictions, torch.Tensor]]:
         """The baseline's block-start forward (`BlockForward.refresh`, a batch's rows computed as alone; its logits
-        the first predictions: upstream's "stale logits"), then a `Progress`; returns x0, confidence, the block's
-        logits (under a structure) and which rows' predictions are fresh: Dream commits the block's first position
-        from it, so none are."""
+        the first predictions: upstream's "stale logits"), then a `Progress`; returns the predictions (the block's
+        logits under a structure) and which rows' predictions are fresh: Dream commits the block's first position
+        from them, so none are."""
         blk, mask_id = x[:, start:end], self.spec.mask_id
         logits = yield from self.block_forward.refresh(x, start, end)
         self.stats.forward(*x.shape, self.block_forward.cache_nbytes)
-        x0, conf, lg = self.score_masked(cf, logits, start, start, end)
+        pred = self.score_masked(cf, logits, start, start, end)
         del logits
         fresh = torch.full((x.shape[0],), not self.spec.logit_shift, dtype=torch.bool, device=x.device)
         if self.spec.logit_shift:
             before, prior = int((blk == mask_id).sum()), blk.clone()
-            blk[:, 0] = torch.where(blk[:, 0] == mask_id, x0[:, 0], blk[:, 0])
+            blk[:, 0] = torch.where(blk[:, 0] == mask_id, pred.x0[:, 0], blk[:, 0])
             if cf is not None:
-                cf.filter(x, prior, x0, lg, start, end, 0)
+                cf.filter(x, prior, pred.x0, pred.logits, start, end, 0)
             self.stats.step(before - (blk == mask_id).sum())   # a device count: no host sync
         yield Progress(x, (start if bool((blk == mask_id).any()) else end) - self.prompt_len)
-        return x0, conf, lg, fresh
+        return pred, fresh
 
-    def score_masked(self, cf: Any, logits: torch.Tensor, local: int, start: int,
-                     end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """x0 and confidence of the block rows of `logits` `[N, L, V]` (from row `local`) → `[N, block]` each (the
-        baselines' scoring: `score_rows`, greedy, never the mask token, rounded as they round) and, under a structure
-        (`cf`: the rows' `CommitFilter`), the block's logits `[N, block, V]`, each row's frontier masked to what its
-        structure allows before scoring (None without one)."""
+    def score_masked(self, cf: Any, logits: torch.Tensor, local: int, start: int, end: int) -> Predictions:
+        """The predictions for the block rows of `logits` `[N, L, V]` (from row `local`): x0 and confidence
+        `[N, block]` each (the baselines' scoring: `score_rows`, greedy, never the mask token, rounded as they round)
+        and, under a structure (`cf`: the rows' `CommitFilter`), the block's logits `[N, block, V]`, each row's
+        frontier masked to what its structure allows before scoring (None without one)."""
         N, bl, lg = logits.shape[0], self.block_length, None
         if cf is not None:
             lg = logits = cf.mask_frontier(full_logits(logits)[:, local:local + bl], start, end, 0).contiguous()
@@ -193,18 +181,24 @@ class _Decoder:
         rows = (torch.arange(N, device=logits.device)[:, None] * logits.shape[1] + local
                 + torch.arange(bl, device=logits.device)).reshape(-1)
         x0, conf = score_rows(logits, rows, exclude_id=self.spec.mask_id)
-        return x0.view(N, bl), conf.view(N, bl).to(self.conf_dtype or logits.dtype), lg
+        return Predictions(x0.view(N, bl), conf.view(N, bl).to(self.conf_dtype or logits.dtype), lg)
 
-    def constrained_step(self, cf: Any, canvas: torch.Tensor, start: int, end: int, x0: torch.Tensor,
-                         conf: torch.Tensor, lg: torch.Tensor | None) -> None:
+    def rule(self, tokens: torch.Tensor, pred: Predictions, threshold: float | None = None) -> torch.Tensor:
+        """The baseline's step on the block rows `tokens` `[N, block]` from their predictions (a copy): the most
+        confident masked prediction (`threshold`: Fast-dLLM's threshold rule at it)."""
+        out = tokens.clone()
+        unmask(out, out == self.spec.mask_id, pred.x0, pred.conf, k=1 if threshold is None else None,
+               threshold=threshold)
+        return out
+
+    def constrained_step(self, cf: Any, canvas: torch.Tensor, start: int, end: int, pred: Predictions) -> None:
         """The step F on the rows of `canvas` `[N, T]` in place: the baseline's step on the block from its own
         predictions, then (under a structure) the commit filter, whose matchers `cf` advance."""
-        blk, threshold = canvas[:, start:end], self.config.confidence_threshold
-        prior, out = blk.clone(), blk.clone()
-        unmask(out, out == self.spec.mask_id, x0, conf, k=1 if threshold is None else None, threshold=threshold)
-        blk.copy_(out)
+        blk = canvas[:, start:end]
+        prior = blk.clone()
+        blk.copy_(self.rule(blk, pred, self.config.confidence_threshold))
         if cf is not None:
-            cf.filter(canvas, prior, x0, lg, start, end, 0)
+            cf.filter(canvas, prior, pred.x0, pred.logits, start, end, 0)
 
     @torch.no_grad()
     def run(self, x: torch.Tensor, gen_length: int, constraint: Any) -> StepGenerator:
@@ -222,7 +216,7 @@ class _Decoder:
         `CommitFilter`) drafts and targets are states of the constrained step F (module docstring)."""
         mask_id, K_max, bl = self.spec.mask_id, self.config.draft_steps, self.block_length
         blk = x[:, start:end]   # a view: commits write into x
-        x0, conf, lg, fresh = yield from self._start(x, start, end, cf)
+        held, fresh = yield from self._start(x, start, end, cf)
         while True:
             # never a block without holes whose tokens the matcher has not consumed (a subset-rule
             # draft could leave one): they are undecided again
@@ -237,8 +231,7 @@ class _Decoder:
             f = (fresh & active).nonzero().squeeze(1)
             if len(f):   # draft 0 = F(state), always accepted: committed now (the real matchers advance)
                 canvas = x.index_select(0, f)
-                self.constrained_step(None if cf is None else cf.rows(f.tolist()), canvas, start, end, x0[f], conf[f],
-                                      None if lg is None else lg[f])
+                self.constrained_step(None if cf is None else cf.rows(f.tolist()), canvas, start, end, held.rows(f))
                 x[f] = canvas
             left = (blk == mask_id).sum(dim=1)
             # a row whose next state finished the block needs no forward (upstream: the last step)
@@ -248,7 +241,8 @@ class _Decoder:
                 # (without a structure: as many drafts as masks before draft 0, FreeDave++'s included)
                 counts = masks[rows] if cf is None else torch.where(fresh[rows], left[rows] + 1, left[rows])
                 counts = counts.clamp(min=1, max=K_max)
-                drafts = make_drafts(blk[rows], x0[rows], conf[rows], int(counts.max()), mask_id)
+                # draft k: the state plus its k most confident predictions (the one-token rule k times)
+                drafts = draft_chain(blk[rows], held.rows(rows), self.rule, int(counts.max()))
                 A, K, _ = drafts.shape
                 rep = rows.repeat_interleave(K)
                 canvas = x.index_select(0, rep)
@@ -257,20 +251,17 @@ class _Decoder:
                 dcf = None if cf is None else cf.clone_rows(rep.tolist())
                 if dcf is not None:
                     dcf.sync(canvas)   # each draft's matcher at its own frontier
-                dx0, dconf, dlg = self.score_masked(dcf, logits, local, start, end)
+                new = self.score_masked(dcf, logits, local, start, end)
                 del logits
                 targets = canvas.clone()
-                self.constrained_step(None if cf is None else dcf.clone_rows(range(A * K)), targets, start, end, dx0,
-                                      dconf, dlg)
-                best = verify_chain(canvas[:, start:end].view(A, K, bl), targets[:, start:end].view(A, K, bl), counts,
-                                    mask_id, self.config.match_rule)
-                pick = torch.arange(A, device=x.device) * K + best   # each row's accepted draft among the A·K
+                self.constrained_step(None if cf is None else dcf.clone_rows(range(A * K)), targets, start, end, new)
+                pick, accepted = verify_drafts(drafts, new, targets[:, start:end], counts, mask_id,
+                                               self.config.match_rule)
                 x[rows] = canvas.index_select(0, pick)
                 if cf is not None:
                     for r, p in zip(rows.tolist(), pick.tolist()):
                         cf.matchers[r] = dcf.matchers[p]
-                    lg[rows] = dlg[pick]
-                x0[rows], conf[rows] = dx0[pick], dconf[pick]
+                held.hold(rows, accepted)
                 fresh[rows] = True
             self.stats.step(before - (blk == mask_id).sum())
             if cf is not None or bool(run.any()):

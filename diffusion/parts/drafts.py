@@ -1,4 +1,9 @@
-"""Draft-and-verify as a block loop's commit part (FreeDave on SDAR, SDAR-MoE, LLaDA2.0, Fast-dLLM v2): the
+"""FreeDave's draft-and-verify (arXiv 2510.00294), written once for both its users: a round's core over N rows of a
+block (`Predictions` held from the last forward, `draft_chain` from them, `verify_drafts`: the longest verified chain,
+`verify_chain`, and the accepted draft's predictions held) serves `methods/freedave.py`'s batched decoder (LLaDA,
+Dream) and `DraftVerify` below, each supplying its forwards, its scoring and its rule.
+
+Draft-and-verify as a block loop's commit part (FreeDave on SDAR, SDAR-MoE, LLaDA2.0, Fast-dLLM v2): the
 family's own greedy one-token-per-step block loop with FreeDave's draft-and-verify (arXiv 2510.00294, upstream
 `block_decode_with_block_attention_FreeDave`): a block's first forward gives the first predictions;
 each round drafts K next states (draft k: the rule applied k + 1 times with the predictions held)
@@ -16,7 +21,7 @@ over its cache, MoE row by row.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generator
+from typing import Any, Callable, Generator
 
 import torch
 
@@ -56,11 +61,44 @@ def verify_chain(drafts: torch.Tensor, targets: torch.Tensor, counts: torch.Tens
 
 @dataclass(eq=False)
 class Predictions:
-    """What the last forward predicted for the current block `[1, L]`: tokens and confidences."""
+    """What a forward predicted for N rows of a block `[N, L]`: tokens and confidences (the predictions a round's
+    drafts are made from: FreeDave's, `freedave._Decoder` and `DraftVerify` alike)."""
 
     x0: torch.Tensor
     conf: torch.Tensor
-    logits: Any = None   # under a structure: the forward's logits `[1, L, V]` (the filter's lookahead)
+    logits: Any = None   # under a structure: the forward's logits `[N, L, V]` (the filter's lookahead)
+
+    def rows(self, index: torch.Tensor) -> "Predictions":
+        """The predictions of rows `index`."""
+        return Predictions(self.x0[index], self.conf[index], None if self.logits is None else self.logits[index])
+
+    def hold(self, rows: torch.Tensor, new: "Predictions") -> None:
+        """Rows `rows` hold `new` (one row each) from now on."""
+        self.x0[rows], self.conf[rows] = new.x0, new.conf
+        if self.logits is not None:
+            self.logits[rows] = new.logits
+
+
+def draft_chain(first: torch.Tensor, pred: Predictions, rule: Callable[[torch.Tensor, Predictions], torch.Tensor],
+                K: int) -> torch.Tensor:
+    """A round's drafts `[N, K, L]` for N rows of a block: draft 0 `first`, draft k + 1 `rule` applied to draft k
+    with the predictions held, `pred` (a row's chain stops changing once its block is full)."""
+    drafts = [first]
+    for _ in range(K - 1):
+        drafts.append(rule(drafts[-1], pred))
+    return torch.stack(drafts, dim=1)
+
+
+def verify_drafts(drafts: torch.Tensor, new: Predictions, targets: torch.Tensor, counts: torch.Tensor, mask_id: int,
+                  rule: str) -> tuple[torch.Tensor, Predictions]:
+    """A round's verdict on the drafts `[A, K, L]` (`counts` `[A]` of them real per row) from what their forward
+    predicted, `new` (`A·K` rows, K per row), and their targets `[A·K, L]` (the rule on each draft with its own
+    predictions): each row's accepted draft, the end of its longest chain (`verify_chain`), as an index into the
+    `A·K` rows, and its predictions (the next round's: no forward spent twice)."""
+    A, K, L = drafts.shape
+    best = verify_chain(drafts, targets.view(A, K, L), counts, mask_id, rule)
+    pick = torch.arange(A, device=drafts.device) * K + best
+    return pick, new.rows(pick)
 
 
 @dataclass(eq=False)
@@ -104,30 +142,32 @@ class DraftVerify:
         pred = state.predictions
         K = min(self.config.draft_steps, int((block == self.mask_id).sum()))
         # draft k: the rule applied k + 1 times with these predictions (draft 0 is the next state)
-        drafts = [self.rule(block, pred.x0, pred.conf)]
-        for _ in range(K - 1):
-            drafts.append(self.rule(drafts[-1], pred.x0, pred.conf))
-        drafts = torch.cat(drafts)    # [K, L]
+        drafts = draft_chain(self.rule(block, pred), pred, self.rule, K)[0]    # [K, L]
         return (yield from self.loop._fd_forwards(state, drafts)), Drafts(drafts)
 
     def commit(self, state: Any, logits: torch.Tensor, kind: Drafts, stats: GenerationStats | None = None) -> None:
+        """The forward's predictions held (the block's first), or the round verified: each draft's target from its
+        own logits, the longest verified chain committed, its logits the next predictions."""
         loop = self.loop
         start, end = loop._span(state)
         block = state.x[:, start:end]   # a view: commits write into x
         # structured output: every draft's frontier row masked before the rule (each a version of row 0's window)
         rows = None if state.constraint is None else state.constraint.rows([0] * logits.shape[0])
         logits, _ = before_rule(rows, logits, block, start, end, 0)
+        loop._count(stats, logits.shape[0], state)
+        new = Predictions(*loop._fd_scores(logits), logits if rows is not None else None)
         if kind.drafts is None:
-            loop._count(stats, 1, state)
-            x0, conf = loop._fd_scores(logits)
-            state.predictions = Predictions(x0, conf, logits if state.constraint is not None else None)
+            state.predictions = new
         else:
-            self.verify(state, block, kind.drafts, logits, stats)
+            count = torch.tensor([len(kind.drafts)], device=block.device)
+            pick, state.predictions = verify_drafts(kind.drafts[None], new, self.rule(kind.drafts, new), count,
+                                                    self.mask_id, self.config.match_rule)
+            self._write(state, block, kind.drafts[pick], stats)
             loop._fd_committed(state)
             if state.done:
                 return
         # the rule's next state fills the block: committed from the predictions (no forward)
-        nxt = self.rule(block, state.predictions.x0, state.predictions.conf)
+        nxt = self.rule(block, state.predictions)
         if not bool((nxt == self.mask_id).any()):
             self._write(state, block, nxt, stats)
             full = not bool((block == self.mask_id).any())   # else a structure's filter took tokens back: more rounds
@@ -136,20 +176,6 @@ class DraftVerify:
             loop._fd_committed(state)
             if full and not state.done:
                 loop._fd_block_done(state)
-
-    def verify(self, state: Any, block: torch.Tensor, drafts: torch.Tensor, logits: torch.Tensor,
-               stats: GenerationStats | None) -> None:
-        """Each draft's target from its own logits; the longest verified chain committed, its logits
-        the next predictions."""
-        K = drafts.shape[0]
-        self.loop._count(stats, K, state)
-        dx0, dconf = self.loop._fd_scores(logits)
-        targets = self.rule(drafts, dx0, dconf)
-        best = int(verify_chain(drafts[None], targets[None], torch.tensor([K], device=block.device), self.mask_id,
-                                self.config.match_rule)[0])
-        lookahead = logits[best:best + 1] if state.constraint is not None else None
-        state.predictions = Predictions(dx0[best:best + 1], dconf[best:best + 1], lookahead)
-        self._write(state, block, drafts[best:best + 1], stats)
 
     def _write(self, state: Any, block: torch.Tensor, tokens: torch.Tensor, stats: GenerationStats | None) -> None:
         """Commit `tokens` to the block (a view of `state.x`); under a structure the block as it left it filtered
@@ -162,11 +188,12 @@ class DraftVerify:
             filter_block(state.constraint, state.x, prior, state.predictions.x0, state.predictions.logits,
                          *self.loop._span(state))
 
-    def rule(self, tokens: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
-        """The loop's commit on each row of `tokens` `[N, L]` with a count of 1 (its `_fd_select`)."""
+    def rule(self, tokens: torch.Tensor, pred: Predictions) -> torch.Tensor:
+        """The loop's commit on each row of `tokens` `[N, L]` with a count of 1 (its `_fd_select`) from its
+        predictions (`pred`'s row)."""
         out = tokens.clone()
         for n in range(out.shape[0]):
             row = out[n:n + 1]
-            transfer = self.loop._fd_select(row == self.mask_id, conf[n:n + 1])
-            row[transfer] = x0[n:n + 1][transfer]
+            transfer = self.loop._fd_select(row == self.mask_id, pred.conf[n:n + 1])
+            row[transfer] = pred.x0[n:n + 1][transfer]
         return out
