@@ -43,9 +43,7 @@ def verify_chain(drafts: torch.Tensor, targets: torch.Tensor, counts: torch.Tens
     whose draft agrees with target[best] (``"subset"``: every decoded position of the draft equals
     the target there; ``"exact"``: equal) until nothing moves. `drafts`, `targets` `[A, K, L]`."""
     A, K, _ = drafts.shape
-    best = torch.zeros(A, dtype=torch.long, device=drafts.device)
-    if K == 1:
-        return best
+    best = torch.zeros(A, dtype=torch.long, device=drafts.device)   # (one draft: no move)
     same = drafts[:, None, :, :] == targets[:, :, None, :]          # [A, i, j, L]
     if rule == "subset":
         same = same | (drafts[:, None, :, :] == mask_id)
