@@ -242,7 +242,8 @@ class _Decoder:
                 counts = masks[rows] if cf is None else torch.where(fresh[rows], left[rows] + 1, left[rows])
                 counts = counts.clamp(min=1, max=K_max)
                 # draft k: the state plus its k most confident predictions (the one-token rule k times)
-                drafts = draft_chain(blk[rows], held.rows(rows), self.rule, int(counts.max()))
+                pred = Predictions(held.x0[rows], held.conf[rows])   # (the rule reads no logits: none copied)
+                drafts = draft_chain(blk[rows], pred, self.rule, int(counts.max()))
                 A, K, _ = drafts.shape
                 rep = rows.repeat_interleave(K)
                 canvas = x.index_select(0, rep)
