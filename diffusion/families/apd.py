@@ -39,7 +39,7 @@ from remask.models.hf_compat import cache_arg, output_cache
 from remask.models.parallel import full_logits
 from remask.models.spec import ModelSpec, get_spec
 
-from ..parts.checks import NoWorkBound, check_bool, check_int, check_real, model_device
+from ..parts.checks import NoWorkBound, check_bool, check_int, check_real, checked, model_device
 from ..parts.constrain_loops import Constrainable, draft_under
 from ..parts.scoring import filter_logits, gumbel_max_scores
 from ..parts.stats import GenerationStats
@@ -63,21 +63,18 @@ class APDConfig(NoWorkBound):
     of it, and a `kv_window` past the sequence keeps the whole cache."""
 
     verifier: Any
-    mixture_weight: float = 0.7
-    kv_window: int | None = 16
-    max_lookahead: int | None = 100
-    dllm_cache: bool | None = None
-    coupled_gumbel: bool = False
+    mixture_weight: float = checked(0.7, check_real, low=0, high=1)
+    kv_window: int | None = checked(16, check_int, minimum=0, allow_none=True)
+    max_lookahead: int | None = checked(100, check_int, minimum=1, allow_none=True)
+    dllm_cache: bool | None = checked(None, check_bool, allow_none=True)
+    coupled_gumbel: bool = checked(False, check_bool)
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        check_real("mixture_weight", self.mixture_weight, low=0, high=1)
-        check_int("kv_window", self.kv_window, minimum=0, allow_none=True)
-        check_int("max_lookahead", self.max_lookahead, minimum=1, allow_none=True)
-        check_bool("dllm_cache", self.dllm_cache, allow_none=True)
-        check_bool("coupled_gumbel", self.coupled_gumbel)
+        """The fields' checks (`Checked`, again when a decoder is built: the config is mutable), then the verifier."""
+        super().__post_init__()
         if not callable(self.verifier) or getattr(self.verifier, "config", None) is None:
             raise ValueError(f"verifier must be a transformers causal LM (AutoModelForCausalLM), got "
                              f"{type(self.verifier).__name__}")
@@ -108,14 +105,6 @@ def shared_argmax(scores: torch.Tensor, vocab: int | None) -> torch.Tensor:
     if vocab is not None and vocab < scores.shape[-1]:
         draft = torch.where(draft < vocab, draft, torch.argmax(scores[:, :vocab], dim=-1))
     return draft
-
-
-def _crop(cache, length: int) -> None:
-    """Cut a transformers cache to `length` positions. A negative count of positions to remove is
-    what both transformers 4.x and 5.x accept (5.x refuses an absolute length)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
 
 
 @dataclass(eq=False)
@@ -173,12 +162,11 @@ class APDDecoder(Constrainable):
                              f"dLLM's tokenizer")
 
     def start(self, prompt: torch.Tensor) -> APDState:
-        P = prompt.shape[1]
-        x = masked_canvas(prompt, self.gen_length, self.spec.mask_id)
-        apd = self.apd
+        apd, P = self.apd, prompt.shape[1]
         use_dllm_cache = apd.kv_window is not None and (apd.dllm_cache if apd.dllm_cache is not None
                                                         else bool(getattr(self.spec.config, "use_cache", False)))
-        return APDState(x=x, prompt_len=P, curr=P, use_dllm_cache=use_dllm_cache,
+        return APDState(x=masked_canvas(prompt, self.gen_length, self.spec.mask_id), prompt_len=P, curr=P,
+                        use_dllm_cache=use_dllm_cache,
                         matcher=None if self.structure is None else self.structure.matcher(self.end_ids))
 
     def round(self, state: APDState, generator: torch.Generator | None, stats: GenerationStats,
@@ -190,13 +178,12 @@ class APDDecoder(Constrainable):
         mask_id, R, W, M = spec.mask_id, apd.mixture_weight, apd.kv_window, apd.max_lookahead
         temperature, curr = self.temperature, state.curr
         right = T if M is None else min(curr + M, T)
-        cache = state.dllm_cache
-        left = 0 if cache is None else max(curr - W - state.num_accept + 1, 0)
+        cache, left = state.dllm_cache, 0
         if cache is not None:
+            left = max(curr - W - state.num_accept + 1, 0)
             cache.crop(left)
-            positions = torch.arange(left, right, device=x.device)
-            logits = yield ForwardRequest(x[:, left:right], shared=dict(cache_position=positions), cache=cache,
-                                          spec=spec)
+            logits = yield ForwardRequest(x[:, left:right], cache=cache, spec=spec,
+                                          shared=dict(cache_position=torch.arange(left, right, device=x.device)))
         else:   # the first round (or every round without a dLLM cache): from position 0
             state.dllm_cache = KVCache() if state.use_dllm_cache else None
             logits = yield ForwardRequest(x[:, :right], cache=state.dllm_cache, spec=spec)
@@ -208,14 +195,11 @@ class APDDecoder(Constrainable):
         window = full_logits(logits)[0, curr - left:right - left]   # APD's verifier mixes whole rows
         proposal = window.clone()
         proposal[:, mask_id] = torch.finfo(proposal.dtype).min
-        uniforms = None
-        if apd.coupled_gumbel and temperature > 0:
-            uniforms = torch.rand((right - curr, vocab), dtype=torch.float32, device=x.device, generator=generator)
+        uniforms = torch.rand((right - curr, vocab), dtype=torch.float32, device=x.device, generator=generator) \
+            if apd.coupled_gumbel and temperature > 0 else None
         scores = draft_scores(proposal, temperature, self.top_p, self.top_k, generator, uniforms, vocab)
-        if state.matcher is None:
-            draft = shared_argmax(scores, vocab)
-        else:   # the same scores, each draft masked by the lookahead over the drafts before it
-            draft = draft_under(state.matcher, scores, vocab)
+        # under a structure, the same scores, each draft masked by the lookahead over the drafts before it
+        draft = shared_argmax(scores, vocab) if state.matcher is None else draft_under(state.matcher, scores, vocab)
         # The verifier scores the draft: the whole prefix the first time, then only the draft.
         # A model of its own (`module`): the request runs alone, its whole output wanted (the cache).
         if state.verifier_cache is None:
@@ -240,7 +224,11 @@ class APDDecoder(Constrainable):
         if state.matcher is not None:   # the accepted run, cut at the first token the structure refuses
             num_accept = max(1, state.matcher.accepts(draft[:num_accept].tolist()))
             state.matcher.advance(draft[:num_accept].tolist())
-        _crop(state.verifier_cache, curr + num_accept)
+        # the verifier's cache cut after the accepted run, by a negative count of positions: what both
+        # transformers 4.x and 5.x accept (5.x refuses an absolute length)
+        extra = state.verifier_cache.get_seq_length() - (curr + num_accept)
+        if extra > 0:
+            state.verifier_cache.crop(-extra)
         x[0, curr:curr + num_accept] = draft[:num_accept]
         state.curr = curr = curr + num_accept
         state.num_accept = num_accept
