@@ -23,7 +23,7 @@ from ..parts.processors import logprob_entries
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.protocol import Decoder
-from ..parts.stepper import ForwardRequest, decode_alone
+from ..parts.stepper import ForwardRequest, ForwardThenCommit, decode_alone
 
 
 @dataclass
@@ -72,6 +72,9 @@ class ARDecoder(Decoder):
     position's logits. The drop-in driver answers with the model's own cache, the engine's runner
     from its page store, so both decode the same tokens by construction."""
 
+    processors: tuple = ()   # logits processors (`add_processor`), applied in order before `sample`
+    add_processor = ForwardThenCommit.add_processor
+
     def __init__(self, spec: ModelSpec, *, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, eos_token_id: int | list[int] | None = None,
                  pad_token_id: int | None = None, structure: Any = None, logprobs: int | None = None) -> None:
@@ -81,18 +84,16 @@ class ARDecoder(Decoder):
         check_int("top_k", top_k, minimum=1, allow_none=True)
         check_real("top_p", top_p, low=0, high=1, low_open=True, allow_none=True)
         check_int("logprobs", logprobs, minimum=0, maximum=spec.vocab_size, allow_none=True)
-        if eos_token_id is None:
-            eos_token_id = getattr(spec.config, "eos_token_id", None)
+        eos_token_id = getattr(spec.config, "eos_token_id", None) if eos_token_id is None else eos_token_id
         if not (eos_token_id is None or isinstance(eos_token_id, (numbers.Integral, list, tuple))):
             raise ParameterTypeError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
         eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, numbers.Integral) \
             else list(eos_token_id)
         for value in eos_ids:
             check_token_id(spec, value, "eos_token_id")
-        if pad_token_id is None:
+        if pad_token_id is None:   # the config's, else the first EOS id, else 0
             pad_token_id = getattr(spec.config, "pad_token_id", None)
-        if pad_token_id is None:
-            pad_token_id = eos_ids[0] if eos_ids else 0
+            pad_token_id = (eos_ids[0] if eos_ids else 0) if pad_token_id is None else pad_token_id
         check_token_id(spec, pad_token_id, "pad_token_id")
         # structured output (remask/structured.py): a CompiledStructure; the EOS ids end the answer
         if structure is not None and not eos_ids:
@@ -101,7 +102,6 @@ class ARDecoder(Decoder):
         self.max_new_tokens, self.temperature, self.top_k, self.top_p = max_new_tokens, temperature, top_k, top_p
         self.eos_ids, self.pad_token_id, self.logprobs = eos_ids, pad_token_id, logprobs
         self.max_positions = getattr(spec.config, "max_position_embeddings", None)
-        self.processors: tuple = ()
 
     def check_input(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         check_prompt(self.spec.device, input_ids, attention_mask, name="input_ids", spec=self.spec)
@@ -109,12 +109,7 @@ class ARDecoder(Decoder):
             raise ValueError(f"prompt length + max_new_tokens = {input_ids.shape[1] + self.max_new_tokens} exceeds "
                              f"the model's max_position_embeddings {self.max_positions}")
 
-    def add_processor(self, processor: Any) -> "ARDecoder":
-        self.processors = (*self.processors, processor)
-        return self
-
-    def start(self, input_ids: torch.Tensor,
-              attention_mask: torch.Tensor | None = None) -> ARState:
+    def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> ARState:
         B, device, grow = input_ids.shape[0], input_ids.device, (0, self.max_new_tokens)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -145,8 +140,6 @@ class ARDecoder(Decoder):
         sample one token per row, the next forward's feed unless that ends the state. Which rows are
         past their EOS is kept on the host: one sync a step (the engine steps token by token)."""
         B, at, fed = len(state.finished), state.prompt_len + state.step, state.fed
-        if stats is not None:
-            stats.forward(B, fed.stop - fed.start)
         state.cache = output_cache(output)
         raw = logits = output.logits[:, -1:]
         for processor in self.processors:
@@ -160,6 +153,7 @@ class ARDecoder(Decoder):
             self.record_logprobs(state, raw[:, 0], next_token)
         state.generated += B - done_before
         if stats is not None:
+            stats.forward(B, fed.stop - fed.start)
             stats.step(B - done_before)
         state.finished = [done or token in self.eos_ids for done, token in zip(state.finished, next_token.tolist())]
         state.step += 1
