@@ -139,8 +139,7 @@ class FastDLLMV2Decoder(BlockLoop):
         end = state.x.shape[1] if state.done or state.block_start < 0 else state.block_start
         return max(0, end - state.prompt_length)
 
-    def start(self, input_ids: torch.Tensor, skip_first_block: bool | None = None
-              ) -> FastDLLMV2State:
+    def start(self, input_ids: torch.Tensor, skip_first_block: bool | None = None) -> FastDLLMV2State:
         """A state for one prompt `[1, P]`. `skip_first_block`: upstream's prompt whose first block is
         never forwarded (None: decided from `prefill_whole_block_prompt` and P)."""
         check_prompt(input_ids, self.mask_id, self.family, "input_ids")
@@ -410,7 +409,7 @@ def fast_dllm_v2_batch_sample(model: torch.nn.Module, input_ids: torch.Tensor, s
     out: dict[int, torch.Tensor] = {}
     for b in sorted(range(len(states)), key=lambda b: (last[b], b)):
         row = states[b].x[0]
-        if states[b].finished and any(last[r] > last[b] for r in range(len(states)) if r != b):
+        if states[b].finished and max(last) > last[b]:
             row = torch.cat([row, row.new_tensor([pad_token])])
         out[b] = row
     stats.stop(int(sum(len(row) for row in out.values()) - sum(lengths)))

@@ -91,20 +91,6 @@ class LLaDA2Decoder(StoreKVLoop):
         self.block_store = block_store if use_cache else None
         self._take(decoder)
 
-    def _constrain_after(self, state: LLaDA2State, prior: torch.Tensor, tokens: torch.Tensor | None,
-                         logits: torch.Tensor) -> bool:
-        """Structured output, after the rule (and 2.1's edits, kept only where the prefix stays
-        valid): the block filtered. True when the answer is complete (then done, cut after it)."""
-        (start, end), constraint = self._span(state), state.constraint
-        if self.editing:
-            keep_valid_edits(constraint, state.x, prior, start, end)
-        filter_block(constraint, state.x, prior, tokens, logits, start, end)
-        matcher = constraint.matchers[0]
-        if matcher.ended:
-            state.done = True
-            state.end = min(state.prompt_length + matcher._ended_at + 1, state.prompt_length + self.gen_length)
-        return matcher.ended
-
     def output(self, state: LLaDA2State) -> torch.Tensor:
         """The continuation `[1, n]`: up to and including the first EOS, at most `gen_length`."""
         return state.x[:, state.prompt_length:self._end(state)]
@@ -123,12 +109,19 @@ class LLaDA2Decoder(StoreKVLoop):
 
     def _decided(self, state: LLaDA2State, block: torch.Tensor, masked: torch.Tensor, change: torch.Tensor,
                  tokens: torch.Tensor | None, logits: torch.Tensor, prior: torch.Tensor | None) -> None:
-        """After the step's commits: structured output's filter, the EOS stops, the block's end."""
-        if prior is not None and self._constrain_after(state, prior, tokens, logits):
-            return
+        """After the step's commits: structured output's filter (after the rule and 2.1's edits, kept only where
+        the prefix stays valid; a complete answer ends the output after it), the EOS stops, the block's end."""
+        if prior is not None:
+            (start, end), constraint = self._span(state), state.constraint
+            if self.editing:
+                keep_valid_edits(constraint, state.x, prior, start, end)
+            filter_block(constraint, state.x, prior, tokens, logits, start, end)
+            if constraint.matchers[0].ended:
+                state.done, ended_at = True, constraint.matchers[0]._ended_at
+                state.end = min(state.prompt_length + ended_at + 1, state.prompt_length + self.gen_length)
+                return
         if self.editing:
-            finished = (not bool(masked.any()) and not bool((change & ~masked).any())) or \
-                self._post_steps_spent(state)
+            finished = (not bool(masked.any()) and not bool((change & ~masked).any())) or self._post_steps_spent(state)
             if prior is not None:   # a structure's block ends only without holes
                 finished = finished and not bool((block == self.mask_id).any())
         else:
@@ -199,8 +192,8 @@ class LLaDA2Decoding(NoWorkBound):
     """LLaDA2's loop on an engine request (`SamplingParams(decoder=LLaDA2Decoding(...))`, JSON ``{"name": "llada2",
     ...}``): `generate`'s settings, None the loop's default (`block_length` the model's, else 32; `steps` the block
     length; the official ones). `rule`: the loop's commit part, remask.FreeDave or one of dInfer's commit rules
-    (`decoder=` one of them is short for ``LLaDA2Decoding(rule=...)``; neither with 2.1's edits); the settings it replaces
-    are refused. No token count bounds max_post_steps's loop: a cap (docs/parameters.md, work bounds); the steps are
+    (`decoder=` one of them is short for ``LLaDA2Decoding(rule=...)``; neither with 2.1's edits); the settings it
+    replaces are refused. No token count bounds max_post_steps's loop: a cap (docs/parameters.md, work bounds); the steps are
     checked against the model's block at the engine."""
 
     # the settings a commit rule replaces (refused with one); the drop-in's sampling settings besides

@@ -190,12 +190,10 @@ def sdar_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, mask_id: i
     decoder = SDARDecoder(decoder, **kwargs)
     decoder.constrain(structure_for_call(structured_outputs, model, tokenizer, decoder.mask_id, gen_length))
     check_generator(generator, input_ids.device if torch.is_tensor(input_ids) else "cpu")
-    check_stats("stats", stats)
-    if stats is not None:
-        stats.start()
+    stats = check_stats("stats", stats) or GenerationStats()   # None: counted, then dropped
+    stats.start()
     state = decode_alone(decoder, model, decoder.start(input_ids), generator, stats)
-    if stats is not None:
-        stats.stop(int(state.x.shape[1] - state.prompt_length))
+    stats.stop(int(state.x.shape[1] - state.prompt_length))
     return state.x
 
 
