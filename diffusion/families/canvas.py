@@ -155,9 +155,8 @@ def score_canvas(processed_logits: torch.Tensor, *, reference_rng: bool, generat
     B, L, V = processed_logits.shape
     if reference_rng:
         probs = torch.softmax(processed_logits, dim=-1, dtype=torch.float32)
-        sample = draw_categorical(probs, generator)
-        argmax = torch.argmax(processed_logits, dim=-1)
-        return sample, argmax, token_entropy(processed_logits), probs.max(dim=-1).values
+        return (draw_categorical(probs, generator), torch.argmax(processed_logits, dim=-1),
+                token_entropy(processed_logits), probs.max(dim=-1).values)
     out = canvas_score(processed_logits.reshape(B * L, V), 1.0, seed=draw_seed(generator))
     return tuple(t.view(B, L) for t in out)
 
@@ -262,8 +261,7 @@ class CanvasDecoder(Constrainable, Decoder):
               *, decoder_input_ids: torch.Tensor | None = None,
               self_conditioning_logits: torch.Tensor | None = None) -> CanvasState:
         config, L = self.config, self.canvas_model.canvas_length
-        B, cur_len = input_ids.shape
-        device = input_ids.device
+        (B, cur_len), device = input_ids.shape, input_ids.device
         # transformers' rule: max_new_tokens wins, unless it is its default (256) and max_length is set
         max_new_tokens = config.max_length - cur_len if config.max_length and config.max_new_tokens == 256 \
             else config.max_new_tokens
