@@ -193,8 +193,8 @@ class LLaDA2Decoding(NoWorkBound):
     ...}``): `generate`'s settings, None the loop's default (`block_length` the model's, else 32; `steps` the block
     length; the official ones). `rule`: the loop's commit part, remask.FreeDave or one of dInfer's commit rules
     (`decoder=` one of them is short for ``LLaDA2Decoding(rule=...)``; neither with 2.1's edits); the settings it
-    replaces are refused. No token count bounds max_post_steps's loop: a cap (docs/parameters.md, work bounds); the steps are
-    checked against the model's block at the engine."""
+    replaces are refused. No token count bounds max_post_steps's loop: a cap (docs/parameters.md, work bounds); the
+    steps are checked against the model's block at the engine."""
 
     # the settings a commit rule replaces (refused with one); the drop-in's sampling settings besides
     # (`blocks.rule_unread`)
