@@ -53,7 +53,7 @@ from typing import Any, Generator, Iterator
 import torch
 
 from remask.caches.position import DelayedKVCache
-from remask.models.spec import ModelSpec, get_spec, shift_logits
+from remask.models.spec import ModelSpec, shift_logits
 
 from ..families.dream import DreamDecoder, DreamGenerationConfig, _validate_config
 from ..families.llada import validate_block_args
@@ -61,12 +61,12 @@ from ..parts.cache import valid_positions
 from ..parts.checks import (NoWorkBound, check_bool, check_choice, check_config, check_generator, check_int,
                             check_length, check_method_call, checked)
 from ..parts.constrain import CommitFilter, end_ids_of
-from ..parts.constrain_loops import open_frontiers, structure_for_call
+from ..parts.constrain_loops import open_frontiers
 from ..parts.scoring import score_tokens
 from ..parts.selection import schedule_counts, topk_commit
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in, run_steps
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in
 
 REMASKING = ("low_confidence", "random")
 VARIANTS = ("decode", "greedy")
@@ -213,28 +213,6 @@ def dkv_generate() -> torch.Tensor:
     by one, each with its own cache."""
 
 
-def dkv_dream_generate(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                       *, config: DKVCache | None = None, steps: int = 512, max_new_tokens: int,
-                       alg: str = "origin", alg_temp: float | None = None, temperature: float = 0.0,
-                       top_p: float | None = None, top_k: int | None = None, eps: float = 1e-3,
-                       mask_id: int | None = None, generator: torch.Generator | None = None,
-                       stats: GenerationStats | None = None, structured_outputs: Any = None,
-                       tokenizer: Any = None) -> torch.Tensor:
-    """dKV-Cache's Dream sampler (greedy tokens). Returns `[B, P + max_new_tokens]`.
-
-    `config`: a `DKVCache` (`cache_type` None: ``"decoded"``; `shift_type` None: ``"un"``). The other
-    arguments are Dream's `diffusion_generate`'s; `temperature` must be 0 (`top_p` / `top_k` still filter
-    the confidences, as upstream); `alg="origin"` draws from `generator` (None: torch's global one, as
-    upstream). The model must shift its logits (`ModelSpec.logit_shift`). `structured_outputs` (a
-    `remask.StructuredOutputsParams` or its JSON; `tokenizer`: default the checkpoint's): see
-    `dkv_dream_steps`."""
-    structure = structure_for_call(structured_outputs, model, tokenizer, get_spec(model, mask_id=mask_id).mask_id,
-                                   max_new_tokens)   # None without structured_outputs
-    return run_steps(model, dkv_dream_steps, input_ids, attention_mask, config=config, steps=steps,
-                     max_new_tokens=max_new_tokens, alg=alg, alg_temp=alg_temp, temperature=temperature, top_p=top_p,
-                     top_k=top_k, eps=eps, mask_id=mask_id, generator=generator, stats=stats, structure=structure)
-
-
 def dkv_dream_steps(spec: ModelSpec, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                     *, config: DKVCache | None = None, steps: int = 512, max_new_tokens: int,
                     alg: str = "origin", alg_temp: float | None = None, temperature: float = 0.0,
@@ -277,6 +255,18 @@ def dkv_dream_steps(spec: ModelSpec, input_ids: torch.Tensor, attention_mask: to
     positions = state.forward_inputs.get("position_ids")   # Dream's own under left padding
     return _loop(_DreamRule(decoder, state, config, steps, generator),
                  positions if torch.is_tensor(positions) else None, attention_mask, state.prompt_len, stats)
+
+
+@drop_in(dkv_dream_steps, structured="max_new_tokens")
+def dkv_dream_generate() -> torch.Tensor:
+    """dKV-Cache's Dream sampler (greedy tokens). Returns `[B, P + max_new_tokens]`.
+
+    `config`: a `DKVCache` (`cache_type` None: ``"decoded"``; `shift_type` None: ``"un"``). The other
+    arguments are Dream's `diffusion_generate`'s; `temperature` must be 0 (`top_p` / `top_k` still filter
+    the confidences, as upstream); `alg="origin"` draws from `generator` (None: torch's global one, as
+    upstream). The model must shift its logits (`ModelSpec.logit_shift`). `structured_outputs` (a
+    `remask.StructuredOutputsParams` or its JSON; `tokenizer`: default the checkpoint's): see
+    `dkv_dream_steps`."""
 
 
 @torch.no_grad()

@@ -25,6 +25,7 @@ from remask.models.hf_compat import cache_arg, takes_logits_to_keep
 from remask.models.request import ForwardRequest  # the requests' module (also here for the drivers)
 from remask.models.spec import ModelSpec, get_spec, shift_logits
 
+from .constrain_loops import structure_for_call
 from .protocol import Decoder
 from .stats import GenerationStats
 
@@ -169,23 +170,34 @@ def run_steps(model: torch.nn.Module, steps_of: Callable[..., StepGenerator], *a
 
 
 def drop_in(steps_of: Callable[Concatenate[ModelSpec, Settings], StepGenerator],
-            hidden: tuple[str, ...] = ("structure", "end_ids")
+            hidden: tuple[str, ...] = ("structure", "end_ids"), structured: str | None = None
             ) -> Callable[[Callable[..., Any]], Callable[Concatenate[torch.nn.Module, Settings], Any]]:
     """A decorator making a method's drop-in function from its step generator: `fn(model, ...)` is
     `run_steps(model, steps_of, ...)`. Its arguments are `steps_of`'s, the model in place of the spec, less
     `hidden` (structured output's, which the drop-in functions leave to their callers), bound (and refused) by
     that signature at the call; its name, docstring and return annotation are the decorated function's. Type
-    checkers see the same parameters (`Settings`, the step generator's after the spec)."""
+    checkers see the same parameters (`Settings`, the step generator's after the spec). `structured` (the name of
+    the answer's length among them): the function also takes `structured_outputs` and `tokenizer` (keyword-only,
+    last), compiled at the call before anything else (`structure_for_call` against the model's mask id, its
+    `mask_id` argument overriding, and that length) into `steps_of`'s `structure`."""
     def wrap(fn: Callable) -> Callable:
         first, *rest = inspect.signature(steps_of).parameters.values()
+        compiled = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Any")
+                    for name in ("structured_outputs", "tokenizer") if structured is not None]
         signature = inspect.Signature([first.replace(name="model", annotation="torch.nn.Module")]
-                                      + [p for p in rest if p.name not in hidden],
+                                      + [p for p in rest if p.name not in hidden] + compiled,
                                       return_annotation=inspect.signature(fn).return_annotation)
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs)
-            return run_steps(bound.args[0], steps_of, *bound.args[1:], **bound.kwargs)
+            bound.apply_defaults()
+            given, model, extra = bound.arguments, bound.arguments["model"], {}
+            if structured is not None:
+                mask_id = get_spec(model, mask_id=given.get("mask_id")).mask_id
+                extra["structure"] = structure_for_call(given.pop("structured_outputs"), model,
+                                                        given.pop("tokenizer"), mask_id, given[structured])
+            return run_steps(model, steps_of, *bound.args[1:], **bound.kwargs, **extra)
 
         call.__signature__ = signature
         return call
