@@ -34,8 +34,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from remask.models.spec import ModelSpec
 
-from ..parts.checks import (NoWorkBound, check_config, check_generator, check_int, check_ints, check_method_call,
-                            check_real, checked)
+from ..parts.checks import NoWorkBound, check_config, check_int, check_ints, check_method_call, check_real, checked
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.scoring import score_tokens
 from ..parts.stats import GenerationStats
@@ -79,8 +78,7 @@ def daedal_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: DAEDAL | None
     check_ints(1, gen_length=gen_length, block_length=block_length)
     check_real("temperature", temperature, low=0)
     check_real("cfg_scale", cfg_scale, low=0)
-    check_generator(generator, spec.device)
-    spec, stats = check_method_call(spec, prompt, attention_mask, stats, mask_id=mask_id)
+    spec, stats = check_method_call(spec, prompt, attention_mask, stats, generator=generator, mask_id=mask_id)
     if spec.eos_id is None:
         raise ValueError("DAEDAL reads the EOS confidence: the model has no eos id")
     return _daedal_loop(config, spec, prompt.to(spec.device), attention_mask, gen_length, block_length, stats,

@@ -38,8 +38,7 @@ import torch
 from remask.models.spec import ModelSpec
 
 from ..families.llada import validate_block_args
-from ..parts.checks import (check_choice, check_config, check_generator, check_int, check_method_call, check_real,
-                            checked)
+from ..parts.checks import check_choice, check_config, check_int, check_method_call, check_real, checked
 from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.scoring import draw_categorical, gumbel_max_scores
 from ..parts.selection import schedule_counts
@@ -144,8 +143,7 @@ def klass_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: KLASS | None =
     steps = gen_length if steps is None else steps
     validate_block_args(gen_length, block_length, steps)
     check_real("temperature", temperature, low=0)
-    check_generator(generator, spec.device)
-    spec, stats = check_method_call(spec, prompt, attention_mask, stats, mask_id=mask_id)
+    spec, stats = check_method_call(spec, prompt, attention_mask, stats, generator=generator, mask_id=mask_id)
     x = masked_canvas(prompt, gen_length, spec.mask_id)
     decode_row = partial(_klass_row, config, spec, x, prompt.shape[1], steps * block_length // gen_length, block_length,
                          stats, (structure, end_ids_of(spec, end_ids)), (temperature, generator))

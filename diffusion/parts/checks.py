@@ -374,11 +374,12 @@ def refuse_unread(params: Any, way: str, also: Iterable[str] = (), **words: Any)
 
 
 def check_method_call(spec: ModelSpec, prompt: Any, attention_mask: Any, stats: Any, entry: str | None = None,
-                      name: str = "prompt", **ids: Any) -> tuple[ModelSpec, Any]:
-    """What a method's loop checks at its call, in order: `stats` (None: a fresh one, counted, then dropped), a
-    diffusion model (`entry`: the caller named in the refusal; None: not checked), the model's spec (`ids` override
-    its token ids) with a mask token, then `prompt` (named `name`) / `attention_mask`, the mask token refused in the
-    prompt."""
+                      name: str = "prompt", generator: Any = None, **ids: Any) -> tuple[ModelSpec, Any]:
+    """What a method's loop checks at its call, in order: `generator` (on the model's device; None: none given), `stats`
+    (None: a fresh one, counted, then dropped), a diffusion model (`entry`: the caller named in the refusal; None:
+    not checked), the model's spec (`ids` override its token ids) with a mask token, then `prompt` (named `name`) /
+    `attention_mask`, the mask token refused in the prompt."""
+    check_generator(generator, spec.device)
     stats = check_stats("stats", stats) or GenerationStats()
     spec = spec.with_overrides(**ids)
     if entry is not None:
