@@ -182,22 +182,21 @@ def drop_in(steps_of: Callable[Concatenate[ModelSpec, Settings], StepGenerator],
     `mask_id` argument overriding, and that length) into `steps_of`'s `structure`."""
     def wrap(fn: Callable) -> Callable:
         first, *rest = inspect.signature(steps_of).parameters.values()
-        compiled = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Any")
-                    for name in ("structured_outputs", "tokenizer") if structured is not None]
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Any")
+                 for name in ("structured_outputs", "tokenizer") if structured is not None]
         signature = inspect.Signature([first.replace(name="model", annotation="torch.nn.Module")]
-                                      + [p for p in rest if p.name not in hidden] + compiled,
+                                      + [p for p in rest if p.name not in hidden] + added,
                                       return_annotation=inspect.signature(fn).return_annotation)
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
-            given, model, extra = bound.arguments, bound.arguments["model"], {}
-            if structured is not None:
-                mask_id = get_spec(model, mask_id=given.get("mask_id")).mask_id
-                extra["structure"] = structure_for_call(given.pop("structured_outputs"), model,
-                                                        given.pop("tokenizer"), mask_id, given[structured])
-            return run_steps(model, steps_of, *bound.args[1:], **bound.kwargs, **extra)
+            model, given = bound.args[0], bound.arguments
+            compiled = {} if structured is None else {"structure": structure_for_call(   # before steps_of's checks
+                given.pop("structured_outputs"), model, given.pop("tokenizer"),
+                get_spec(model, mask_id=given.get("mask_id")).mask_id, given[structured])}
+            return run_steps(model, steps_of, *bound.args[1:], **bound.kwargs, **compiled)
 
         call.__signature__ = signature
         return call
