@@ -20,7 +20,7 @@ from remask.models.spec import ModelSpec
 from .checks import changed, check_instance, refuse_unread
 from .constrain import CommitFilter, before_rule
 from .constrain_loops import Constrainable
-from .drafts import DraftConfig, DraftVerify, Drafts
+from .drafts import DraftConfig, DraftVerify
 from .rules import check_rule_on_loop, commit_block, is_rule, rule_types
 from .scoring import sample_categorical
 from .selection import schedule_counts
@@ -188,7 +188,7 @@ class BlockLoop(Constrainable, ForwardThenCommit):
 
     def commit(self, state: Any, logits: torch.Tensor | None, kind: Any, generator: torch.Generator | None = None,
                stats: GenerationStats | None = None) -> None:
-        if isinstance(kind, Drafts):
+        if kind is None or torch.is_tensor(kind):   # a draft-verify forward's: its drafts, None the block's first
             self.drafts.commit(state, logits, kind, stats)
         else:
             self._loop_commit(state, logits, kind, generator, stats)

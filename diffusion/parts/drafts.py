@@ -1,6 +1,6 @@
 """FreeDave's draft-and-verify (arXiv 2510.00294), written once for both its users: a round's core over N rows of a
-block (`Predictions` held from the last forward, `draft_chain` from them, `verify_drafts`: the longest verified chain,
-`verify_chain`, and the accepted draft's predictions held) serves `methods/freedave.py`'s batched decoder (LLaDA,
+block (`Predictions` held from the last forward, `draft_chain` from them, `verify_drafts`: the longest verified chain
+and the accepted draft's predictions held) serves `methods/freedave.py`'s batched decoder (LLaDA,
 Dream) and `DraftVerify` below, each supplying its forwards, its scoring and its rule.
 
 Draft-and-verify as a block loop's commit part (FreeDave on SDAR, SDAR-MoE, LLaDA2.0, Fast-dLLM v2): the
@@ -37,26 +37,6 @@ class DraftConfig(Checked):
     `confidence_threshold` and `check_request(block_length=...)`; a block loop given one drafts with `DraftVerify`."""
 
 
-def verify_chain(drafts: torch.Tensor, targets: torch.Tensor, counts: torch.Tensor, mask_id: int,
-                 rule: str) -> torch.Tensor:
-    """Upstream's chain: from best = 0, repeatedly move to the largest j > best (j < counts[a])
-    whose draft agrees with target[best] (``"subset"``: every decoded position of the draft equals
-    the target there; ``"exact"``: equal) until nothing moves. `drafts`, `targets` `[A, K, L]`."""
-    A, K, _ = drafts.shape
-    best = torch.zeros(A, dtype=torch.long, device=drafts.device)   # (one draft: no move)
-    same = drafts[:, None, :, :] == targets[:, :, None, :]          # [A, i, j, L]
-    if rule == "subset":
-        same = same | (drafts[:, None, :, :] == mask_id)
-    agree = same.all(dim=-1)                                          # agree[a, i, j]
-    j = torch.arange(K, device=drafts.device)
-    agree &= (j[None, :, None] < j[None, None, :]) & (j[None, None, :] < counts[:, None, None])
-    for _ in range(K - 1):
-        row = agree.gather(1, best.view(A, 1, 1).expand(A, 1, K)).squeeze(1)
-        cand = torch.where(row, j.expand(A, K), -1).max(dim=1).values
-        best = torch.maximum(best, cand)
-    return best
-
-
 @dataclass(eq=False)
 class Predictions:
     """What a forward predicted for N rows of a block `[N, L]`: tokens and confidences (the predictions a round's
@@ -91,19 +71,24 @@ def verify_drafts(drafts: torch.Tensor, new: Predictions, targets: torch.Tensor,
                   rule: str) -> tuple[torch.Tensor, Predictions]:
     """A round's verdict on the drafts `[A, K, L]` (`counts` `[A]` of them real per row) from what their forward
     predicted, `new` (`A·K` rows, K per row), and their targets `[A·K, L]` (the rule on each draft with its own
-    predictions): each row's accepted draft, the end of its longest chain (`verify_chain`), as an index into the
-    `A·K` rows, and its predictions (the next round's: no forward spent twice)."""
+    predictions): each row's accepted draft, the end of its longest chain, as an index into the `A·K` rows, and its
+    predictions (the next round's: no forward spent twice). Upstream's chain: from best = 0, repeatedly move to the
+    largest j > best (j < counts[a]) whose draft agrees with target[best] (``"subset"``: every decoded position of
+    the draft equals the target there; ``"exact"``: equal) until nothing moves."""
     A, K, L = drafts.shape
-    best = verify_chain(drafts, targets.view(A, K, L), counts, mask_id, rule)
+    best = torch.zeros(A, dtype=torch.long, device=drafts.device)          # (one draft: no move)
+    same = drafts[:, None, :, :] == targets.view(A, K, L)[:, :, None, :]   # [A, i, j, L]
+    if rule == "subset":
+        same = same | (drafts[:, None, :, :] == mask_id)
+    agree = same.all(dim=-1)                                               # agree[a, i, j]
+    j = torch.arange(K, device=drafts.device)
+    agree &= (j[None, :, None] < j[None, None, :]) & (j[None, None, :] < counts[:, None, None])
+    for _ in range(K - 1):
+        row = agree.gather(1, best.view(A, 1, 1).expand(A, 1, K)).squeeze(1)
+        cand = torch.where(row, j.expand(A, K), -1).max(dim=1).values
+        best = torch.maximum(best, cand)
     pick = torch.arange(A, device=drafts.device) * K + best
     return pick, new.rows(pick)
-
-
-@dataclass(eq=False)
-class Drafts:
-    """A draft-verify forward's `kind`: a round's drafts `[K, L]`, or None: the block as it is."""
-
-    drafts: torch.Tensor | None = None
 
 
 class DraftVerify:
@@ -136,14 +121,15 @@ class DraftVerify:
         start, end = self.loop._span(state)
         block = state.x[:, start:end]
         if state.predictions is None:   # the block's first forward: the block as it is
-            return (yield from self.loop._fd_forwards(state, block)), Drafts()
+            return (yield from self.loop._fd_forwards(state, block)), None
         pred = state.predictions
         K = min(self.config.draft_steps, int((block == self.mask_id).sum()))
         # draft k: the rule applied k + 1 times with these predictions (draft 0 is the next state)
         drafts = draft_chain(self.rule(block, pred), pred, self.rule, K)[0]    # [K, L]
-        return (yield from self.loop._fd_forwards(state, drafts)), Drafts(drafts)
+        return (yield from self.loop._fd_forwards(state, drafts)), drafts
 
-    def commit(self, state: Any, logits: torch.Tensor, kind: Drafts, stats: GenerationStats | None = None) -> None:
+    def commit(self, state: Any, logits: torch.Tensor, drafts: torch.Tensor | None,
+               stats: GenerationStats | None = None) -> None:
         """The forward's predictions held (the block's first), or the round verified: each draft's target from its
         own logits, the longest verified chain committed, its logits the next predictions."""
         loop = self.loop
@@ -154,13 +140,13 @@ class DraftVerify:
         logits, _ = before_rule(rows, logits, block, start, end, 0)
         loop._count(stats, logits.shape[0], state)
         new = Predictions(*loop._fd_scores(logits), logits if rows is not None else None)
-        if kind.drafts is None:
+        if drafts is None:
             state.predictions = new
         else:
-            count = torch.tensor([len(kind.drafts)], device=block.device)
-            pick, state.predictions = verify_drafts(kind.drafts[None], new, self.rule(kind.drafts, new), count,
+            count = torch.tensor([len(drafts)], device=block.device)
+            pick, state.predictions = verify_drafts(drafts[None], new, self.rule(drafts, new), count,
                                                     self.mask_id, self.config.match_rule)
-            self._write(state, block, kind.drafts[pick], stats)
+            self._write(state, block, drafts[pick], stats)
             loop._fd_committed(state)
             if state.done:
                 return
