@@ -42,9 +42,9 @@ class FrechetRule(CommitRule):
 
     def commit(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int,
                state: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        # the reference's scoring: argmax, its float64 softmax probability (the mask token never proposed)
-        x0, conf = score_tokens(logits, softmax_dtype=torch.float64,
-                                exclude_id=mask_id if 0 <= mask_id < logits.shape[-1] else None)
+        # the reference's scoring: argmax, its float64 softmax probability (the mask token never proposed; a mask id
+        # past the vocabulary is never the argmax)
+        x0, conf = score_tokens(logits, softmax_dtype=torch.float64, exclude_id=mask_id)
         masked = block == mask_id
         tokens, left = block.clone(), masked.clone()
         unmask(tokens, left, x0, conf, k=frechet_profile_counts(conf, masked, self.frechet_margin))
