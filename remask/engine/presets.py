@@ -50,8 +50,8 @@ def decoder_for(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor) -
         check_end_settings(engine, params, way)
     if params.logprobs is not None and way not in ("ar", "llada", "dream"):
         what = type(params.method).__name__ if way == "method" else engine.spec.kind if way == "family" else way
-        raise ValueError(f"logprobs: reported for autoregressive models, LLaDA's block rule and Dream's sampler / block "
-                         f"decoder (each token from the forward that committed it), not with {what}: its loop "
+        raise ValueError(f"logprobs: reported for autoregressive models, LLaDA's block rule and Dream's sampler / "
+                         f"block decoder (each token from the forward that committed it), not with {what}: its loop "
                          "scores the logits inside itself")
     if way in ("canvas", "ar", "llada"):   # the others were refused when the params were built, or by the family
         refuse_unread(params, way)
@@ -91,8 +91,8 @@ def check_end_settings(engine: Any, params: SamplingParams, way: str) -> None:
         raise ValueError(f"{' / '.join(changed(params, ('ignore_eos', 'min_tokens')))}: not supported with {reason}")
 
 
-def canvas_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
-                   end_ids: Any = ()) -> CanvasDecoder:
+def canvas_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any,
+                   end_ids: Any) -> CanvasDecoder:
     """DiffusionGemma's canvas loop for these params, configured as `remask.diffusion_generate`
     would be with the checkpoint's generation config and the request's `decoder=CanvasDecoding(...)`."""
     canvas = check_instance("decoder", params.decoder, CanvasDecoding, "remask.CanvasDecoding") or CanvasDecoding()
@@ -103,31 +103,29 @@ def canvas_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor
                          prompt_cache=engine.prompt_cache).constrain(structure)
 
 
-def family_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
-                   end_ids: Any = ()) -> Any:
+def family_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any, end_ids: Any) -> Any:
     """The family's own loop (SDAR, LLaDA2, Fast-dLLM v2: `Family.engine_decoder`)."""
     return engine.family.decoder_factory()(engine.spec, params, store=engine.runner.store,
                                            stop_ids=engine.stop_ids).constrain(structure)
 
 
-def ar_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
-               end_ids: Any = ()) -> ARDecoder:
+def ar_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any, *_: Any) -> ARDecoder:
     decoder = ARDecoder(engine.spec, **params.ar_kwargs(engine.eos_ids()), structure=structure,
                         logprobs=params.logprobs)
     decoder.check_input(prompt_ids, None)
     return decoder
 
 
-def llada_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
-                  end_ids: Any = ()) -> BlockDecoder:
+def llada_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any,
+                  end_ids: Any) -> BlockDecoder:
     """LLaDA's block rule (and Fast-dLLM v1's caches and parallel rules), as `remask.generate` runs it."""
     decoder = BlockDecoder(engine.spec, **params.generate_kwargs(), structure=structure, end_ids=end_ids)
     decoder.check_input(prompt_ids, None)
     return decoder
 
 
-def method_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
-                   end_ids: Any = ()) -> StepwiseDecoder:
+def method_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any,
+                   end_ids: Any) -> StepwiseDecoder:
     """`decoder=` / a cache config (APD's `decoder=APDConfig(...)` too: its rounds, as `remask.generate` runs them):
     the method's step generator (`decoder_steps`), advanced one forward per engine step. Its arguments are checked
     here, before the request is queued."""
@@ -147,8 +145,8 @@ def method_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor
     return StepwiseDecoder(make_steps, gen_length=params.max_tokens, name=type(params.method).__name__)
 
 
-def dream_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any = None,
-                  end_ids: Any = ()) -> DreamDecoder | DreamBlockDecoder:
+def dream_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any,
+                  end_ids: Any) -> DreamDecoder | DreamBlockDecoder:
     """Dream's sampler for these params — or, with `block_length` / `use_cache`, Fast-dLLM's
     Dream block decoder — configured as `remask.diffusion_generate` would."""
     decoders = ("max_new_tokens", "threshold", "frechet_margin", "reference_ties", "block_length", "use_cache")
