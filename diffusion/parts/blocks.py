@@ -361,8 +361,10 @@ class StoreKVLoop(BlockLoop):
         block = state.x[:, start:end]   # a view: commits write into x
         masked = block == self.mask_id
         logits, prior = before_rule(state.constraint, logits, block, start, end, 0)
-        if self.rule is not None:
-            tokens, change = None, self._rule_commit(state, block, logits, stats)
+        if self.rule is not None:   # the commit rule's step on the block (a view), its state held per block
+            change, state.rule_state = commit_block(self.rule, block, logits, self.mask_id, state.rule_state,
+                                                    state.block)
+            tokens, committed = None, change
         else:
             tokens, confidence, probs = sample_block(logits, self.temperature, self.top_k, self.top_p, generator,
                                                      self.mask_id)
@@ -370,19 +372,11 @@ class StoreKVLoop(BlockLoop):
             count = self.schedule[state.step] if state.step < len(self.schedule) else 1
             change = self._select(masked, confidence, count, probs, state, block, tokens)
             block[change] = tokens[change]
-            state.step += 1
-            if stats is not None:
-                stats.step((change & masked).sum())
-        self._decided(state, block, masked, change, tokens, logits, prior)
-
-    def _rule_commit(self, state: BlockState, block: torch.Tensor, logits: torch.Tensor,
-                     stats: GenerationStats | None) -> torch.Tensor:
-        """A step of the commit rule on the block (a view); returns what it committed."""
-        commit, state.rule_state = commit_block(self.rule, block, logits, self.mask_id, state.rule_state, state.block)
+            committed = change & masked
         state.step += 1
         if stats is not None:
-            stats.step(commit.sum())
-        return commit
+            stats.step(committed.sum())
+        self._decided(state, block, masked, change, tokens, logits, prior)
 
     def _fd_select(self, masked: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:   # the family's rule, one a step
         return self._select(masked, conf, 1)
