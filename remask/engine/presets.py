@@ -109,7 +109,8 @@ def family_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor
                                            stop_ids=engine.stop_ids).constrain(structure)
 
 
-def ar_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any, *_: Any) -> ARDecoder:
+def ar_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any,
+               end_ids: Any) -> ARDecoder:
     decoder = ARDecoder(engine.spec, **params.ar_kwargs(engine.eos_ids()), structure=structure,
                         logprobs=params.logprobs)
     decoder.check_input(prompt_ids, None)
