@@ -1,7 +1,8 @@
 """FreeDave's draft-and-verify (arXiv 2510.00294), written once for both its users: a round's core over N rows of a
-block (`Predictions` held from the last forward, `draft_chain` from them, `verify_drafts`: the longest verified chain
-and the accepted draft's predictions held) serves `methods/freedave.py`'s batched decoder (LLaDA,
-Dream) and `DraftVerify` below, each supplying its forwards, its scoring and its rule.
+block (`Predictions` held from the last forward, `verify_drafts`: the longest verified chain and the accepted draft's
+predictions held) serves `methods/freedave.py`'s batched decoder (LLaDA, Dream) and `DraftVerify` below, each
+supplying its drafts, forwards, scoring and rule (`draft_chain`: the family's rule applied k times, `DraftVerify`'s;
+the batched decoder drafts its one-token step by one sort, `freedave.make_drafts`, at an eighth of the CPU time).
 
 Draft-and-verify as a block loop's commit part (FreeDave on SDAR, SDAR-MoE, LLaDA2.0, Fast-dLLM v2): the
 family's own greedy one-token-per-step block loop with FreeDave's draft-and-verify (arXiv 2510.00294, upstream
