@@ -366,3 +366,35 @@ def test_wire_in_model_forward_is_bitwise_the_forward_alone(kernel_on_cpu, load_
     assert n > 0 and set(kernel_on_cpu[:n]) == {15}        # every linear one launch over the 3 × 5 rows
     assert torch.equal(batched, alone)
     torch.testing.assert_close(batched, plain, rtol=1e-4, atol=1e-4)
+
+
+def test_the_linear_seam_is_per_thread_nested_and_restored():
+    """`batch_invariant_linear` replaces `F.linear` only while a thread is inside it (not a mode that sees every
+    torch call): that thread's linears run per sequence (a batch's rows the bits of each alone), nested layouts
+    restore the outer one, another thread's `F.linear` meanwhile is the plain one, and on leaving `F.linear` is
+    torch's again."""
+    import threading
+
+    from remask.kernels.batch_invariant import _PerSequenceLinear, _seam, batch_invariant_linear
+
+    raw = F.linear
+    g = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(5, 3, 37, generator=g), torch.randn(45, 37, generator=g), torch.randn(45, generator=g)
+    alone = torch.cat([raw(x[i:i + 1], w, b) for i in range(5)])
+    seen: dict[str, object] = {}
+
+    def other_thread() -> None:
+        seen["mode"] = getattr(_seam.local, "mode", None)
+        seen["y"] = F.linear(x, w, b)
+
+    with batch_invariant_linear(single_thread=False) as outer:
+        assert F.linear is not raw and isinstance(outer, _PerSequenceLinear)
+        assert torch.equal(F.linear(x, w, b), alone)
+        with batch_invariant_linear(single_thread=False, token_groups=[(3, torch.arange(3))]) as inner:
+            assert _seam.local.mode is inner
+        assert _seam.local.mode is outer
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+    assert seen["mode"] is None and torch.equal(seen["y"], raw(x, w, b))
+    assert F.linear is raw and getattr(_seam.local, "mode", None) is None
