@@ -19,7 +19,7 @@ operations, so float32 logits are the reference's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import torch
@@ -60,18 +60,24 @@ def certainty_density(decoded: torch.Tensor, sigma: float) -> torch.Tensor:
     positions, over the kernel's total mass. Outside the row the signal is 1 on the left (the prompt) and
     repeats the last position on the right. Computed by FFT convolution on a 6L circle in float32, as the
     reference does, so that near-equal scores order the same way."""
-    B, L = decoded.shape
-    device = decoded.device
-    n = 6 * L
+    (B, L), device = decoded.shape, decoded.device
     signal = torch.ones((B, 3 * L), device=device)
     signal[:, L:2 * L] = decoded.float()
     signal[~decoded[:, -1], 2 * L:] = 0.0
     signal = torch.cat([signal, torch.zeros((B, 3 * L), device=device)], dim=1)
+    kernel, total = _density_kernel(B, L, sigma, device)
+    weighted = torch.fft.ifft(torch.fft.fft(signal, n=6 * L) * kernel, n=6 * L).real
+    return weighted[:, L:2 * L] / total
+
+
+@lru_cache(maxsize=64)
+def _density_kernel(B: int, L: int, sigma: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`certainty_density`'s parts that depend on the shape alone (the same ops as every call, once per shape: the
+    same bits): the Gaussian's FFT and the kernel's total mass `[B, L]` (clamped)."""
     offsets = torch.cat((torch.arange(3 * L, device=device), torch.arange(-3 * L, 0, device=device)))
-    kernel = torch.fft.fft(torch.exp(-(offsets ** 2) / (2 * sigma ** 2)), n=n)
-    weighted = torch.fft.ifft(torch.fft.fft(signal, n=n) * kernel, n=n).real
-    total = torch.fft.ifft(torch.fft.fft(torch.ones((B, n), device=device), n=n) * kernel, n=n).real
-    return weighted[:, L:2 * L] / total[:, L:2 * L].clamp_min(1e-8)
+    kernel = torch.fft.fft(torch.exp(-(offsets ** 2) / (2 * sigma ** 2)), n=6 * L)
+    total = torch.fft.ifft(torch.fft.fft(torch.ones((B, 6 * L), device=device), n=6 * L) * kernel, n=6 * L).real
+    return kernel, total[:, L:2 * L].clamp_min(1e-8)
 
 
 def nucleus(scores: torch.Tensor, p: float, allowed: torch.Tensor) -> torch.Tensor:
