@@ -232,6 +232,27 @@ class ForwardClock:
             h.remove()
 
 
+class AttentionClock:
+    """Seconds inside the packed forward's attention (`PackedAttention.attend`: every request's attention of a
+    layer, per request, with its cache reads and writes), by wrapping it for the clock's life."""
+
+    def __init__(self) -> None:
+        from remask.diffusion.parts.varlen import PackedAttention
+
+        self.seconds, self.cls, self.attend = 0.0, PackedAttention, PackedAttention.attend
+
+        def timed(attention, *args, **kwargs):
+            start = CLOCK["now"]()
+            try:
+                return self.attend(attention, *args, **kwargs)
+            finally:
+                self.seconds += CLOCK["now"]() - start
+        self.cls.attend = timed
+
+    def close(self) -> None:
+        self.cls.attend = self.attend
+
+
 def per_method(counts: list[int], max_tokens: int, repeats: int, only: str | None = None) -> list[dict[str, Any]]:
     """Each method alone: n requests through the engine (default settings: batch invariance on)
     against the n drop-in calls one by one, in the same run; model calls per engine step."""
@@ -272,6 +293,7 @@ def per_method(counts: list[int], max_tokens: int, repeats: int, only: str | Non
                         engine = LLMEngine(model, tokenizer, max_num_seqs=256, batch_invariant=invariant)
                         clocks = [ForwardClock(m) for m in (model, *([kw["decoder"].verifier] if label == "APD"
                                                                       else []))]
+                        attention = AttentionClock()
                         start = CLOCK["now"]()
                         for i, (ids, params) in enumerate(reqs):
                             engine.add_request(str(i), ids, params)
@@ -283,19 +305,20 @@ def per_method(counts: list[int], max_tokens: int, repeats: int, only: str | Non
                                     done[int(out.request_id)] = out
                         runs[invariant] = (CLOCK["now"]() - start, steps, engine.runner.forwards,
                                            [done[i].outputs[0].all_token_ids for i in range(n)],
-                                           sum(c.seconds for c in clocks))
-                        for c in clocks:
+                                           sum(c.seconds for c in clocks), attention.seconds)
+                        for c in (*clocks, attention):
                             c.close()
-                eng, steps, calls, rows_, inside = runs[True]
+                eng, steps, calls, rows_, inside, attended = runs[True]
                 if not best or seq / eng > best["speedup"]:
                     best = dict(method=label, requests=n, sequential_s=seq, engine_s=eng, speedup=seq / eng,
                                 arithmetic_s=arithmetic, arithmetic_share=arithmetic / seq,
-                                engine_vs_arithmetic=eng / arithmetic, host_share=1 - inside / eng, steps=steps,
+                                engine_vs_arithmetic=eng / arithmetic, host_share=1 - inside / eng,
+                                attention_share=attended / eng, steps=steps,
                                 calls_per_step=calls / steps, identical=rows_ == seq_rows,
                                 loose_s=runs[False][0], invariance_cost=eng / runs[False][0])
             rows.append(best)
             print(f"{label:30s} n={n:3d} seq {best['sequential_s']:6.2f}s engine {best['engine_s']:6.2f}s "
-                  f"x{best['speedup']:.2f} arithmetic {best['arithmetic_share']:.0%} host {best['host_share']:.0%} "
+                  f"x{best['speedup']:.2f} arithmetic {best['arithmetic_share']:.0%} host {best['host_share']:.0%} attention {best['attention_share']:.0%} "
                   f"calls/step {best['calls_per_step']:.2f} invariance x{best['invariance_cost']:.2f} "
                   f"identical={best['identical']}", flush=True)
     return rows
@@ -326,15 +349,17 @@ def per_method_table(rows: list[dict[str, Any]], command: str) -> str:
              "in the same run (best ratio of the repeats). Arithmetic: the seconds the sequential calls spent "
              "inside the models' forwards (APD: the dLLM's and the verifier's). Invariance cost: the engine's time with `batch_invariant=True` "
              "÷ with `batch_invariant=False`, same requests. Host share: the engine's time outside its models' forwards "
-             "÷ its time (issue 47's bar: 10%; a packed forward's per-request attention loop counts as inside).", "",
+             "÷ its time (issue 47's bar: 10%); attention share: its time inside the packed forward's attention "
+             "(`PackedAttention.attend`: each request's attention and cache work, a layer's requests one by one), "
+             "part of the forward.", "",
              "| method | requests | sequential (s) | engine (s) | engine speed-up over sequential | arithmetic share "
-             "of sequential | engine ÷ arithmetic | host share of engine | engine steps | model calls per step "
-             "| invariance cost | tokens identical |",
-             "|" + " --- |" * 12]
+             "of sequential | engine ÷ arithmetic | host share of engine | attention share of engine | engine steps "
+             "| model calls per step | invariance cost | tokens identical |",
+             "|" + " --- |" * 13]
     for r in rows:
         lines.append(f"| {r['method']} | {r['requests']} | {r['sequential_s']:.2f} | {r['engine_s']:.2f} | "
                      f"{r['speedup']:.2f}× | {r['arithmetic_share']:.0%} | {r['engine_vs_arithmetic']:.2f} | "
-                     f"{r['host_share']:.0%} | "
+                     f"{r['host_share']:.0%} | {r['attention_share']:.0%} | "
                      f"{r['steps']} | {r['calls_per_step']:.2f} | {r['invariance_cost']:.2f}× | "
                      f"{'yes' if r['identical'] else 'NO'} |")
     return "\n".join(lines) + "\n"

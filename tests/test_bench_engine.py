@@ -19,8 +19,11 @@ def test_per_method_bench_runs_and_its_tokens_match(monkeypatch):
     rows = bench.per_method([2], 16, 1)
     assert {r["method"] for r in rows} == names | {"AR (tiny-ar)"}
     assert all(r["identical"] and r["calls_per_step"] <= 1.0 + 1e-9 and 0 < r["host_share"] < 1 for r in rows)
+    # the diffusion rows attend in the packed forward (part of it); the AR row's attention is the paged route's
+    assert all(0 < r["attention_share"] < 1 - r["host_share"] for r in rows if r["method"] != "AR (tiny-ar)")
     table = bench.per_method_table(rows, "python bench/engine.py --per-method")
-    assert "model calls per step" in table and "invariance cost" in table and "host share" in table and table.count("\n|") == len(rows) + 2
+    assert all(column in table for column in ("model calls per step", "invariance cost", "host share",
+                                              "attention share")) and table.count("\n|") == len(rows) + 2
 
 
 def test_every_row_of_the_per_method_bench_is_a_valid_request():
