@@ -165,8 +165,8 @@ class _PerSequenceLinear:
 class _LinearSeam:
     """`torch.nn.functional.linear` is `_seam_linear` while any thread is inside `batch_invariant_linear` (restored when
     the last leaves): a thread inside runs its layout's `_PerSequenceLinear.linear`, every other call the original.
-    Not a `TorchFunctionMode`: a mode sees every torch call of the forward in Python (measured: 5–19% of the
-    engine's CPU time at 32 requests on the tiny models), the seam only the linears."""
+    Not a `TorchFunctionMode`: a mode sees every torch call of the forward in Python (in a 32-request d2Cache engine
+    step, about 180 per request), the seam only the linears."""
 
     def __init__(self) -> None:
         self.lock, self.depth, self.local = threading.Lock(), 0, threading.local()
