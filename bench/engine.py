@@ -318,7 +318,8 @@ def per_method(counts: list[int], max_tokens: int, repeats: int, only: str | Non
                                 loose_s=runs[False][0], invariance_cost=eng / runs[False][0])
             rows.append(best)
             print(f"{label:30s} n={n:3d} seq {best['sequential_s']:6.2f}s engine {best['engine_s']:6.2f}s "
-                  f"x{best['speedup']:.2f} arithmetic {best['arithmetic_share']:.0%} host {best['host_share']:.0%} attention {best['attention_share']:.0%} "
+                  f"x{best['speedup']:.2f} arithmetic {best['arithmetic_share']:.0%} host {best['host_share']:.0%} "
+                  f"attention {best['attention_share']:.0%} "
                   f"calls/step {best['calls_per_step']:.2f} invariance x{best['invariance_cost']:.2f} "
                   f"identical={best['identical']}", flush=True)
     return rows
