@@ -1,7 +1,8 @@
 """Train remask's tiny models on CPU: a LLaDA-format masked-diffusion model and a Llama AR model.
 
     python -m remask.zoo.train --model both --out remask/zoo/checkpoints
-    python -m remask.zoo.train --model chat --out remask/zoo/checkpoints     # the chat models
+    python -m remask.zoo.train --model ar-chat --out remask/zoo/checkpoints            # the chat models:
+    python -m remask.zoo.train --model llada-chat --procs 2 --out remask/zoo/checkpoints  # (from tiny-ar-chat)
 
 Both models learn the problems of `remask.zoo.tasks` in the chat format of
 `remask.zoo.charset`, answers padded with EOS to `--gen-length` positions.
@@ -68,11 +69,12 @@ AR_CHAT_KINDS = {**CHAT_KINDS, 128: {"tool_call": 0.3, "tool_answer": 0.55, "too
 AR_CHAT_PARALLEL = 0.5
 CHAT_GEN_LENGTH = max(CHAT_LENGTHS)
 CHAT_BATCH_SIZE = 64
+LLADA_CHAT_BATCH_SIZE = 32   # at equal compute, twice the steps of batch 64 learnt more (docs/models.md, fifth run)
 CHAT_CHUNKS = 4           # a chat batch is forwarded in 4 groups of similar prompt length (~30% less padding)
 # Sized to 1 hour per model (docs/models.md, "The chat models": tiny-ar-chat 0.99 CPU s per step on one core;
-# tiny-llada-chat, 3 layers, about 0.8 s per step with both cores, `--threads 2`, after tiny-ar-chat; plus
+# tiny-llada-chat, 3 layers, 0.30 s per step on both cores with `--procs 2`, after tiny-ar-chat; plus
 # about 6 / 3 minutes of final evaluation).
-LLADA_CHAT_STEPS = 3500
+LLADA_CHAT_STEPS = 10000
 AR_CHAT_STEPS = 3000
 CHAT_EVAL_PROBLEMS = 56   # per format (8 per task where every task can be asked)
 # A chat model starts from trained weights of the same shapes (rotary positions, so the longer
@@ -186,12 +188,15 @@ def row_chunks(mask: torch.Tensor, P: int, chunks: int) -> list[tuple[Any, int]]
 
 
 def llada_sft_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, P: int,
-                   gen: torch.Generator, eps: float = 1e-3, chunks: int = 1, stratified: bool = False) -> torch.Tensor:
+                   gen: torch.Generator, eps: float = 1e-3, chunks: int = 1, stratified: bool = False,
+                   share: tuple[int, int] = (0, 1)) -> torch.Tensor:
     """LLaDA's SFT objective: mask answer positions with probability t ~ U(eps, 1], CE / t.
     `chunks`: forward the rows in groups of similar prompt length (`row_chunks`; less padding,
     the same noise and normalisation). `stratified`: the batch's t spread evenly over (0, 1] (one
     offset drawn, row i at (i + u) / B, rows shuffled): the same expected loss, less variance
-    from the 1/t weight (the chat models)."""
+    from the 1/t weight (the chat models). `share` (rank, processes): this process's part of the chunks
+    (every `processes`-th from `rank`) under the whole batch's noise and normalisation: the ranks' losses
+    add up to the batch's (`--procs`)."""
     B, L = ids.shape
     if stratified:
         u = (torch.arange(B) + torch.rand(1, generator=gen)) / B
@@ -203,7 +208,7 @@ def llada_sft_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
     noisy = torch.where(masked, torch.full_like(ids, charset.MASK_ID), ids)
     weight = t[:, None].expand(B, L)
     total = torch.zeros(())
-    for rows, start in row_chunks(mask, P, chunks):
+    for rows, start in row_chunks(mask, P, chunks)[share[0]::share[1]]:
         m = masked[rows, start:]
         logits = model(noisy[rows, start:], attention_mask=mask[rows, start:]).logits
         token_loss = F.cross_entropy(logits[m], ids[rows, start:][m], reduction="none") / weight[rows, start:][m]
@@ -212,21 +217,22 @@ def llada_sft_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
     return total / (B * answer_length)
 
 
-def ar_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, P: int, chunks: int = 1) -> torch.Tensor:
+def ar_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, P: int, chunks: int = 1,
+            share: tuple[int, int] = (0, 1)) -> torch.Tensor:
     """Next-token cross-entropy on the answer characters and the first EOS (not the EOS padding);
-    `chunks` as in `llada_sft_loss`."""
+    `chunks` and `share` as in `llada_sft_loss`."""
     labels = ids.clone()
     labels[:, :P] = -100
     # counted in the answer only: a chat prompt holds the EOS of earlier assistant turns
     after_first_eos = (ids[:, P:] == charset.EOS_ID).long().cumsum(-1) > 1
     labels[:, P:][after_first_eos] = -100
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    if chunks <= 1:
+    if chunks <= 1 and share[1] == 1:
         logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
                                ignore_index=-100)
     total = torch.zeros(())
-    for rows, start in row_chunks(mask, P, chunks):
+    for rows, start in row_chunks(mask, P, chunks)[share[0]::share[1]]:
         logits = model(input_ids=ids[rows, start:], attention_mask=mask[rows, start:],
                        position_ids=position_ids[rows, start:]).logits
         total = total + F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
@@ -268,9 +274,13 @@ def save_checkpoint(name: str, model: torch.nn.Module, config: Any, folder: str)
 
 def train(name: str, out: str, steps: int, batch_size: int, lr: float, warmup: int, seed: int,
           save_every: int, resume: bool, log_every: int, gen_length: int, stop_after: int | None = None,
-          width: int | None = None, layers: int | None = None, init_from: str | None = None) -> dict[str, Any] | None:
-    """Train one model; returns its record, or None when `stop_after` interrupted it (state saved).
-    `init_from`: a checkpoint folder whose weights the model starts from."""
+          width: int | None = None, layers: int | None = None, init_from: str | None = None,
+          share: tuple[int, int] = (0, 1)) -> dict[str, Any] | None:
+    """Train one model; returns its record, or None when `stop_after` interrupted it (state saved) or on a
+    rank other than 0. `init_from`: a checkpoint folder whose weights the model starts from. `share` (rank,
+    processes): data parallel over a started process group (`--procs`); every rank draws the whole batch, computes
+    its part of the loss and sums the gradients with the others, so the ranks' weights stay equal; rank 0 writes."""
+    rank, procs = share
     folder = os.path.join(out, name)
     state_path = os.path.join(folder, "train_state.pt")
     model, config = build_model(name, seed, width, layers)
@@ -284,15 +294,17 @@ def train(name: str, out: str, steps: int, batch_size: int, lr: float, warmup: i
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=lr, betas=(0.9, 0.98))
     start, log = 0, []
+    say = print if rank == 0 else (lambda *_, **__: None)
     if resume and os.path.exists(state_path):
         state = torch.load(state_path, weights_only=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start, log = state["step"], state["log"]
-        print(f"[{name}] resumed at step {start}", flush=True)
+        say(f"[{name}] resumed at step {start}", flush=True)
     os.makedirs(folder, exist_ok=True)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"[{name}] {n_params / 1e6:.2f}M parameters, steps {start}..{steps}, batch {batch_size}", flush=True)
+    say(f"[{name}] {n_params / 1e6:.2f}M parameters, steps {start}..{steps}, batch {batch_size}, {procs} process(es)",
+        flush=True)
     model.train()
     t0, running = time.time(), 0.0
     end = steps if stop_after is None else min(steps, start + stop_after)
@@ -303,25 +315,29 @@ def train(name: str, out: str, steps: int, batch_size: int, lr: float, warmup: i
             ids, mask, P = chat_batch_at(step, seed, batch_size, ar=not is_llada(name))
         else:
             ids, mask, P = batch_at(step, seed, batch_size, gen_length)
-        chunks = CHAT_CHUNKS if is_chat(name) else 1
+        chunks = max(CHAT_CHUNKS if is_chat(name) else 1, procs)   # each rank at least one chunk
         if is_llada(name):
             noise = torch.Generator().manual_seed(seed * 7_919 + step)
-            loss = llada_sft_loss(model, ids, mask, P, noise, chunks=chunks, stratified=is_chat(name))
+            loss = llada_sft_loss(model, ids, mask, P, noise, chunks=chunks, stratified=is_chat(name), share=share)
         else:
-            loss = ar_loss(model, ids, mask, P, chunks=chunks)
+            loss = ar_loss(model, ids, mask, P, chunks=chunks, share=share)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if procs > 1:
+            loss = _sum_over_ranks(model, loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         running += float(loss.detach())
         if (step + 1) % log_every == 0:
             log.append({"step": step + 1, "loss": running / log_every, "seconds": round(time.time() - t0, 1)})
-            print(f"[{name}] step {step + 1}/{steps} loss {running / log_every:.4f} "
+            say(f"[{name}] step {step + 1}/{steps} loss {running / log_every:.4f} "
                   f"lr {optimizer.param_groups[0]['lr']:.2e} {time.time() - t0:.0f}s", flush=True)
             running = 0.0
-        if (step + 1) % save_every == 0 or step + 1 == end:
+        if rank == 0 and ((step + 1) % save_every == 0 or step + 1 == end):
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1, "log": log},
                        state_path)
+    if rank != 0:
+        return None
     if end < steps:
         print(f"[{name}] stopped at step {end} (--stop-after); continue with --resume", flush=True)
         return None
@@ -330,12 +346,41 @@ def train(name: str, out: str, steps: int, batch_size: int, lr: float, warmup: i
         # Beyond its training answers' length the model is confidently wrong; the samplers warn there.
         config = {**config, "trained_gen_length": CHAT_GEN_LENGTH if is_chat(name) else gen_length}
     save_checkpoint(name, model, config, folder)
-    return {"parameters": n_params, "steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed,
+    return {"parameters": n_params, "steps": steps, "batch_size": batch_size, "processes": procs, "lr": lr, "seed": seed,
             "init_from": None if init_from is None else os.path.basename(init_from),
             "train_seconds_this_run": round(time.time() - t0, 1), "log": log}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _sum_over_ranks(model: torch.nn.Module, loss: torch.Tensor) -> torch.Tensor:
+    """Every parameter's gradient and the loss summed over the process group's ranks (one all-reduce of a flat
+    buffer, the same sum on every rank); returns the summed loss."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads] + [loss.detach().reshape(1)])
+    dist.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return flat[-1]
+
+
+def _rank_main(rank: int, argv: list[str], procs: int, store: str) -> None:
+    """One process of `--procs`: joins the group (gloo over a file store on this machine), then trains its share."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # the group talks over loopback only
+    dist.init_process_group("gloo", store=dist.FileStore(store, procs), rank=rank, world_size=procs)
+    try:
+        code = main(argv, share=(rank, procs))
+    finally:
+        dist.destroy_process_group()
+    if code:
+        raise SystemExit(code)
+
+
+def main(argv: list[str] | None = None, share: tuple[int, int] = (0, 1)) -> int:
     parser = argparse.ArgumentParser(prog="python -m remask.zoo.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=tuple(CHOICES), default="both",
@@ -348,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llada-chat-steps", type=int, default=LLADA_CHAT_STEPS)
     parser.add_argument("--ar-chat-steps", type=int, default=AR_CHAT_STEPS)
     parser.add_argument("--batch-size", type=int, default=None,
-                        help=f"examples per step (default 128; chat models {CHAT_BATCH_SIZE})")
+                        help=f"examples per step (default 128; tiny-ar-chat {CHAT_BATCH_SIZE}, tiny-llada-chat "
+                             f"{LLADA_CHAT_BATCH_SIZE})")
     parser.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default 2e-3; chat models {CHAT_LR})")
     parser.add_argument("--init-from", default=os.path.join(os.path.dirname(__file__), "checkpoints"),
                         help="chat models: the parent folder of the models they start from (CHAT_BASE; "
@@ -372,21 +418,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=None, help="override the hidden size of both models (smoke tests)")
     parser.add_argument("--layers", type=int, default=None, help="override the layer count of both models (smoke tests)")
     parser.add_argument("--keep-state", action="store_true", help="keep train_state.pt (default: delete it at the end)")
+    parser.add_argument("--procs", type=int, default=1,
+                        help="data parallel: train each model in this many processes (each --threads threads), every "
+                             "one on its part of each batch (2 cores: --procs 2 is about twice --threads 2's speed)")
     args = parser.parse_args(argv)
+    if args.procs < 1:
+        parser.error(f"--procs must be at least 1, got {args.procs}")
     torch.set_num_threads(args.threads)
     names = CHOICES[args.model]
     if len(names) > 1 and not args.sequential:
         return _train_both_in_parallel(list(sys.argv[1:] if argv is None else argv), names)
+    if args.procs > 1 and share[1] == 1:
+        return _data_parallel(list(sys.argv[1:] if argv is None else argv), args.procs)
 
     for name in names:
         steps = {"tiny-llada": args.llada_steps, "tiny-ar": args.ar_steps, "tiny-llada-chat": args.llada_chat_steps,
                  "tiny-ar-chat": args.ar_chat_steps}[name]
-        batch_size = args.batch_size or (CHAT_BATCH_SIZE if is_chat(name) else 128)
+        batch_size = args.batch_size or {"tiny-llada-chat": LLADA_CHAT_BATCH_SIZE, "tiny-ar-chat": CHAT_BATCH_SIZE}.get(
+            name, 128)
         lr = args.lr or (CHAT_LR if is_chat(name) else 2e-3)
         init_from = None if args.from_scratch or not is_chat(name) else os.path.join(args.init_from, CHAT_BASE[name])
         record = train(name, args.out, steps, batch_size, lr, args.warmup, args.seed, args.save_every,
                        args.resume, args.log_every, args.gen_length, args.stop_after, args.width, args.layers,
-                       init_from)
+                       init_from, share)
         if record is None:
             continue
         from remask.zoo.evaluate import chat_report, held_out_report
@@ -403,6 +457,25 @@ def main(argv: list[str] | None = None) -> int:
             state_path = os.path.join(folder, "train_state.pt")
             if os.path.exists(state_path):
                 os.remove(state_path)
+    return 0
+
+
+def _data_parallel(argv: list[str], procs: int) -> int:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        context = mp.start_processes(_rank_main, args=(argv, procs, os.path.join(folder, "store")), nprocs=procs,
+                                     join=False, start_method="spawn")
+        try:
+            while not context.join():
+                pass
+        except mp.ProcessRaisedException as error:
+            print(error, file=sys.stderr)
+            return 1
+        except mp.ProcessExitedException as error:
+            return error.exit_code or 1
     return 0
 
 
