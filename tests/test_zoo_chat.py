@@ -317,13 +317,14 @@ def test_chat_models_load_by_name_once_trained():
 CHAT_TARGETS = {("plain", "accuracy"): 1.0, ("json_enforced", "correct_stop"): 0.9,
                 ("tool_auto", "right_tool_or_text"): 0.9, ("tool_answer", "accuracy"): 0.9}
 # Not met: asserted to be short, so a model that meets it fails here until the entry is removed and
-# the target holds like the others (model, rule, format, figure; docs/models.md: tiny-llada-chat's fifth
-# run, from tiny-ar-chat, is shipped short of these; tiny-ar-chat meets every target).
+# the target holds like the others (model, rule, format, figure; docs/models.md: tiny-llada-chat's sixth
+# run, from tiny-ar-chat, is shipped short of these, its plain answers at 100% under both rules; tiny-ar-chat
+# meets every target).
 LLADA_CHAT_RULES = ("1 token/step", "threshold 0.9 + dual cache")
 SHORT_OF_TARGET: set[tuple[str, str, str, str]] = {
     ("tiny-llada-chat", rule, kind, key) for rule in LLADA_CHAT_RULES
     for kind, key in (("json_enforced", "correct_stop"), ("tool_auto", "right_tool_or_text"),
-                      ("tool_answer", "accuracy"))} | {("tiny-llada-chat", LLADA_CHAT_RULES[1], "plain", "accuracy")}
+                      ("tool_answer", "accuracy"))}
 SHIPPED_CHAT = [n for n in CHAT_MODELS if os.path.exists(os.path.join(CHECKPOINTS, n, "config.json"))]
 RECHECKED = 8   # examples per format decoded again here (the first of the 56 the metrics counted)
 

@@ -61,12 +61,14 @@ AR_CHAT_SIZE = dict(AR_SIZE)
 CHAT_LENGTHS = {16: 0.25, 64: 0.3, 128: 0.45}
 CHAT_KINDS = {16: {"plain": 1.0},
               64: {"plain": 0.2, "json": 0.6, "json_object": 0.2},
-              128: {"plain": 0.05, "json": 0.1, "tool_call": 0.3, "tool_answer": 0.4, "tool_text": 0.15}}
-# tiny-ar-chat's 128-position steps: more answers after tool results, half of their conversations with
-# two results (the second run's misses: 10 of 11 copied one of two results wrong), no plain or JSON
-# (plain and JSON are learnt in the shorter steps; the step cost is that of the longest prompt anyway)
+              128: {"plain": 0.05, "json": 0.1, "tool_call": 0.25, "tool_answer": 0.45, "tool_text": 0.15}}
+# tiny-ar-chat's 128-position steps: more answers after tool results, no plain or JSON (plain and JSON
+# are learnt in the shorter steps; the step cost is that of the longest prompt anyway)
 AR_CHAT_KINDS = {**CHAT_KINDS, 128: {"tool_call": 0.3, "tool_answer": 0.55, "tool_text": 0.15}}
-AR_CHAT_PARALLEL = 0.5
+# Both chat models: half of the tool conversations with two problems (the held-out sets: `formats.PARALLEL`),
+# since most misses were two results, one copied wrong (tiny-ar-chat's second run: 10 of 11; tiny-llada-chat's
+# fifth run: 7 of the first 16 answers, all with two results)
+CHAT_PARALLEL = 0.5
 CHAT_GEN_LENGTH = max(CHAT_LENGTHS)
 CHAT_BATCH_SIZE = 64
 LLADA_CHAT_BATCH_SIZE = 32   # at equal compute, twice the steps of batch 64 learnt more (docs/models.md, fifth run)
@@ -156,16 +158,15 @@ def batch_at(step: int, seed: int, batch_size: int, gen_length: int) -> tuple[to
 def chat_batch_at(step: int, seed: int, batch_size: int, ar: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A chat model's training batch of step `step` (`batch_at`'s layout): its answer length drawn
     from `CHAT_LENGTHS`, its examples from that length's `CHAT_KINDS`, every answer EOS-padded to
-    that length (`ar`: `AR_CHAT_KINDS` and `AR_CHAT_PARALLEL`, answers padded to the longest one's
-    length + 1, the AR loss stops at the first EOS)."""
+    that length, `CHAT_PARALLEL` of the tool conversations with two problems (`ar`: `AR_CHAT_KINDS`,
+    answers padded to the longest one's length + 1, the AR loss stops at the first EOS)."""
     from remask.zoo import formats
     from remask.zoo.evaluate import chat_prompt_batch
 
     rng = random.Random(seed * 1_000_003 + step)
     gen_length = rng.choices(tuple(CHAT_LENGTHS), weights=tuple(CHAT_LENGTHS.values()))[0]
     kinds = (AR_CHAT_KINDS if ar else CHAT_KINDS)[gen_length]
-    parallel = AR_CHAT_PARALLEL if ar else formats.PARALLEL
-    examples = [formats.example(rng, rng.choices(tuple(kinds), weights=tuple(kinds.values()))[0], parallel=parallel)
+    examples = [formats.example(rng, rng.choices(tuple(kinds), weights=tuple(kinds.values()))[0], parallel=CHAT_PARALLEL)
                 for _ in range(batch_size)]
     if ar:
         gen_length = max(len(e.target) for e in examples) + 1
