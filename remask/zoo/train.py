@@ -166,8 +166,8 @@ def chat_batch_at(step: int, seed: int, batch_size: int, ar: bool = False) -> tu
     rng = random.Random(seed * 1_000_003 + step)
     gen_length = rng.choices(tuple(CHAT_LENGTHS), weights=tuple(CHAT_LENGTHS.values()))[0]
     kinds = (AR_CHAT_KINDS if ar else CHAT_KINDS)[gen_length]
-    examples = [formats.example(rng, rng.choices(tuple(kinds), weights=tuple(kinds.values()))[0], parallel=CHAT_PARALLEL)
-                for _ in range(batch_size)]
+    examples = [formats.example(rng, rng.choices(tuple(kinds), weights=tuple(kinds.values()))[0],
+                                parallel=CHAT_PARALLEL) for _ in range(batch_size)]
     if ar:
         gen_length = max(len(e.target) for e in examples) + 1
     prompt_ids, prompt_mask = chat_prompt_batch(examples)
@@ -347,8 +347,8 @@ def train(name: str, out: str, steps: int, batch_size: int, lr: float, warmup: i
         # Beyond its training answers' length the model is confidently wrong; the samplers warn there.
         config = {**config, "trained_gen_length": CHAT_GEN_LENGTH if is_chat(name) else gen_length}
     save_checkpoint(name, model, config, folder)
-    return {"parameters": n_params, "steps": steps, "batch_size": batch_size, "processes": procs, "lr": lr, "seed": seed,
-            "init_from": None if init_from is None else os.path.basename(init_from),
+    return {"parameters": n_params, "steps": steps, "batch_size": batch_size, "processes": procs, "lr": lr,
+            "seed": seed, "init_from": None if init_from is None else os.path.basename(init_from),
             "train_seconds_this_run": round(time.time() - t0, 1), "log": log}
 
 
