@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None, share: tuple[int, int] = (0, 1)) -> int:
     parser.add_argument("--keep-state", action="store_true", help="keep train_state.pt (default: delete it at the end)")
     parser.add_argument("--procs", type=int, default=1,
                         help="data parallel: train each model in this many processes (each --threads threads), every "
-                             "one on its part of each batch (2 cores: --procs 2 is about twice --threads 2's speed)")
+                             "one on its part of each batch (measured on 2 cores: as fast as --threads 2)")
     args = parser.parse_args(argv)
     if args.procs < 1:
         parser.error(f"--procs must be at least 1, got {args.procs}")
