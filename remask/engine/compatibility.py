@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import pathlib
 import sys
 import tempfile
 from typing import Any
@@ -157,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     text = markdown(matrix())
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text)
+        pathlib.Path(args.out).write_text(text, encoding="utf-8")
     else:
         print(text, end="")
     return 0

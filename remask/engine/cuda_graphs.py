@@ -31,9 +31,8 @@ class GraphBackend(Protocol):
 class CudaGraphBackend:
     """`torch.cuda.CUDAGraph` captures sharing one memory pool."""
 
-    def __init__(self, device: torch.device, warmup: int = 2) -> None:
-        self.device, self.warmup = device, warmup
-        self.pool = torch.cuda.graph_pool_handle()
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.pool = device, torch.cuda.graph_pool_handle()
 
     def capture(self, body: Callable[[], torch.Tensor]) -> tuple[Any, torch.Tensor]:
         with torch.cuda.device(self.device):
@@ -42,7 +41,7 @@ class CudaGraphBackend:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                for _ in range(self.warmup):
+                for _ in range(2):
                     body()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
@@ -100,8 +99,7 @@ class GraphedForward:
                 return forward(x)
         self.graphs.move_to_end((bucket, T, key))
         entry.static_in[:G].copy_(x)
-        if bucket > G:   # valid token ids, independent of earlier calls' leftovers
-            entry.static_in[G:].copy_(x[:1].expand(bucket - G, T))
+        entry.static_in[G:].copy_(x[:1].expand(bucket - G, T))   # padding: valid ids, not earlier calls' leftovers
         entry.graph.replay()
         self.replays += 1
         return entry.static_out[:G].clone()   # the next replay rewrites static_out

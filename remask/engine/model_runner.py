@@ -51,7 +51,6 @@ class ModelRunner:
         self.model, self.spec, self.batch_invariant = model, spec, batch_invariant
         self.device = next(model.parameters()).device
         self.forwards = 0      # model calls, for the benchmark
-        self.pages = pages
         self.store = PagedKVStore(pages) if pages is not None else None
         self.attention_configs = attention_configs(model) if pages is not None else []
         # make_backend refuses a model off CUDA (ValueError naming cuda_graphs)
@@ -137,16 +136,15 @@ class ModelRunner:
         flat forward `[1, T]`: each feeds its new ids at its own positions over its own page table
         (its prompt's pages found in the prefix cache where they match). Answers: each one's last
         position's logits, as a model output without a cache (`logits` `[1, 1, V]`)."""
-        assert self.pages is not None and self.store is not None
         slices: list[SequenceSlice] = []
         ids, positions = [], []   # the flat forward's token ids and their positions
         for seq, request in members:
             feed = request.input_ids[0].tolist()
             if seq.block_table is None:     # its prompt: pages shared with an equal prompt's where they can be
-                seq.block_table, shared = self.pages.allocate(feed), self.pages.last_hits
+                seq.block_table, shared = self.store.manager.allocate(feed), self.store.manager.last_hits
             else:
                 shared = 0
-                self.pages.extend(seq.block_table, seq.kv_len + len(feed))
+                self.store.manager.extend(seq.block_table, seq.kv_len + len(feed))
             slices.append(SequenceSlice(start=len(ids), q_len=len(feed), ctx_len=seq.kv_len + len(feed),
                                         table=seq.block_table, shared=shared))
             ids.extend(feed)

@@ -163,11 +163,9 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
 
-    def abort(self, request_id: str) -> list[Sequence]:
-        """Remove every sequence of the request, waiting or running (the engine sets their finish reason);
-        returns them."""
+    def abort(self, request_id: str) -> None:
+        """Remove every sequence of the request, waiting or running (the engine sets their finish reason)."""
         hit = [*self._waiting.pop(request_id, ()), *(s for s in self.running if s.request_id == request_id)]
         self._forget(request_id)
         for seq in hit:
             self.finish(seq, SequenceStatus.ABORTED)
-        return hit
