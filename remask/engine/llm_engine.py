@@ -286,9 +286,7 @@ class LLMEngine:
                 seq.output_ids = self._generated(seq)
                 seq.finish_time, seq.finish_reason = now(), reason
         self.scheduler.abort(request_id)
-        out = self.output(request_id)
-        del self.requests[request_id]
-        return out
+        return self.output(request_id)
 
     def set_deadline(self, request_id: str, deadline: float | None) -> None:
         """Abort the request at the next `step` (reason "timeout") once `deadline` (`time.perf_counter()`;
@@ -334,11 +332,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, SequenceStatus.ABORTED)
             if seq in failed or self._advance(seq) or seq.drafts:
                 touched[seq.request_id] = None
-        outputs = [self.output(request_id) for request_id in touched]
-        for out in outputs:
-            if out.finished:
-                del self.requests[out.request_id]
-        return expired + outputs
+        return expired + [self.output(request_id) for request_id in touched]
 
     def _advance(self, seq: Sequence) -> bool:
         """Update what is final; finish the sequence when its decoder is done. True if it changed."""
@@ -403,6 +397,7 @@ class LLMEngine:
         return min(found) if found else None
 
     def output(self, request_id: str) -> RequestOutput:
+        """The request's output now; a finished request leaves `requests` with it."""
         text, ids, seqs = self.requests[request_id]
         outputs = []
         for seq in seqs:
@@ -426,5 +421,7 @@ class LLMEngine:
         metrics = {"arrival_time": arrival, "first_token_time": first,
                    "time_to_first_token": None if first is None else first - arrival, "finish_time": done,
                    "latency": None if done is None else done - arrival, "preemptions": sum(s.preemptions for s in seqs)}
+        if finished:
+            del self.requests[request_id]
         return RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=ids, outputs=outputs,
                              finished=finished, metrics=metrics)
