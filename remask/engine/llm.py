@@ -37,16 +37,15 @@ class LLM:
                  kv_cache_memory_fraction: float | None = None, page_size: int = 16,
                  enable_prefix_caching: bool = True, batch_invariant: bool = True, seed: int = 0,
                  quantization: Any = None, max_request_bytes: int | None = None, cuda_graphs: bool = False) -> None:
-        if isinstance(model, torch.nn.Module):
-            if dtype is not None or device is not None or quantization is not None:
-                raise ValueError("dtype / device / quantization apply when LLM loads the model; prepare a loaded "
-                                 "model yourself")
-        else:
+        if not isinstance(model, torch.nn.Module):
             from remask.zoo import load
 
             model, loaded_tokenizer = load(model, dtype=dtype or torch.float32, device=device or "cpu",
                                            quantization=quantization)
             tokenizer = tokenizer if tokenizer is not None else loaded_tokenizer
+        elif dtype is not None or device is not None or quantization is not None:
+            raise ValueError("dtype / device / quantization apply when LLM loads the model; prepare a loaded "
+                             "model yourself")
         self.tokenizer = tokenizer
         self.engine = LLMEngine(model, tokenizer, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, kv_cache_pages=kv_cache_pages,

@@ -136,13 +136,13 @@ def method_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor
                 "top_k": (params.top_k, None), "temperature": (params.temperature, SamplingParams.temperature)}
     kwargs = dict(gen_length=params.max_tokens, block_length=params.block_length or params.max_tokens,
                   use_cache=params.use_cache, mask_id=engine.spec.mask_id, structure=structure, end_ids=end_ids)
-    # Checked now (the settings as values; SamplingParams refused the unread ones already, add_request the prompt).
-    decoder_steps(engine.spec, prompt_ids, None, params.decoder, stats=None, settings=settings, **kwargs).close()
 
     def make_steps(prompt: torch.Tensor, generator: torch.Generator | None, stats: Any) -> Any:
         return decoder_steps(engine.spec, prompt, None, params.decoder, stats=stats,
                              settings={**settings, "generator": (generator, generator)}, **kwargs)
 
+    # Checked now (the settings as values; SamplingParams refused the unread ones already, add_request the prompt).
+    make_steps(prompt_ids, None, None).close()
     return StepwiseDecoder(make_steps, gen_length=params.max_tokens, name=type(params.method).__name__)
 
 
