@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import pathlib
 import sys
 import tempfile
 from typing import Any
@@ -158,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     text = markdown(matrix())
     if args.out:
-        pathlib.Path(args.out).write_text(text, encoding="utf-8")
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
     else:
         print(text, end="")
     return 0
