@@ -17,8 +17,7 @@ from remask.kernels.dinfer import credit_confidence, dinfer_select
 from .checks import Checked, check_instance, check_real, checked
 from .step import CommitRule
 
-__all__ = ["CommitRule", "CreditDecoding", "HierarchicalDecoding", "IterationSmoothing",
-           "ThresholdDecoding", "is_rule",
+__all__ = ["CommitRule", "CreditDecoding", "HierarchicalDecoding", "IterationSmoothing", "ThresholdDecoding", "is_rule",
            "rule_types", "rule_commit", "commit_block", "check_rule_on_loop"]
 
 
@@ -177,14 +176,21 @@ class CreditDecoding(_DInferRule):
     decay_beta: float = checked(0.8, check_real, low=0, high=1)
     smoothing: IterationSmoothing | None = None
 
-    def new_state(self) -> _Credit:
-        return _Credit(self)
+    def new_state(self) -> dict[str, Any]:
+        """The per-block credit: the matrix C (made at the first decode, remade when the block's shape changes) and
+        the decodes counted since."""
+        return {"matrix": None, "calls": 0}
 
     def _select(self, proposal: torch.Tensor, logits: torch.Tensor, before: torch.Tensor, mask_id: int,
-                state: _Credit | None) -> None:
+                state: dict[str, Any] | None) -> None:
         if state is None:
             raise ValueError("CreditDecoding keeps a credit state over a block's steps: pass state=rule.new_state()")
-        x0, conf = state.step(logits, before)
+        if state["matrix"] is None or state["matrix"].shape != logits.shape:
+            state["matrix"], state["calls"] = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device), 0
+        # update the credit and take (x0, confidence) of the credit-fused logits (one launch on GPU)
+        x0, conf = credit_confidence(logits, state["matrix"], before, state["calls"] == 0, self.credit_alpha,
+                                     self.boost_gamma, self.decay_beta)
+        state["calls"] += 1
         dinfer_select(proposal, x0, conf, mask_id, "threshold", self.threshold)
 
 
@@ -216,23 +222,6 @@ class HierarchicalDecoding(_DInferRule):
         p = F.log_softmax(logits, dim=-1).gather(-1, x0.unsqueeze(-1)).squeeze(-1).exp()
         # a committed mask-token prediction leaves the position masked, as upstream
         dinfer_select(proposal, x0, p, mask_id, "hierarchy", self.threshold, self.low_threshold)
-
-
-class _Credit:
-    """Per-block credit state of `CreditDecoding` (reset on entering a block)."""
-
-    def __init__(self, rule: CreditDecoding) -> None:
-        self.rule, self.matrix, self.calls = rule, None, 0
-
-    def step(self, logits: torch.Tensor, masked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Update the credit and return (x0, confidence) of the credit-fused logits (one launch on GPU)."""
-        r = self.rule
-        if self.matrix is None or self.matrix.shape != logits.shape:
-            self.matrix, self.calls = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device), 0
-        out = credit_confidence(logits, self.matrix, masked, self.calls == 0, r.credit_alpha, r.boost_gamma,
-                                r.decay_beta)
-        self.calls += 1
-        return out
 
 
 def _fallback(x_block: torch.Tensor, before: torch.Tensor, logits: torch.Tensor, mask_id: int) -> None:

@@ -21,6 +21,8 @@ from remask.kernels.confidence import confidence_vocab_parallel
 from remask.kernels.confidence_ref import CONFIDENCE_MODES
 from remask.models.parallel import full_logits, vocab_shard
 
+from .checks import check_choice
+
 
 def draw_seed(generator: torch.Generator | None) -> int:
     """A seed for a kernel's own random stream, drawn from `generator` (torch's global one if None)."""
@@ -98,8 +100,7 @@ TOP_P_ON = ("logits", "probs")
 
 
 def _removed_value(logits: torch.Tensor, removed: str) -> float:
-    if removed not in REMOVED:
-        raise ValueError(f"removed must be one of {list(REMOVED)}, got {removed!r}")
+    check_choice("removed", removed, REMOVED)
     return float("-inf") if removed == "-inf" else torch.finfo(logits.dtype).min
 
 
@@ -140,8 +141,7 @@ def _outside_nucleus(sorted_probs: torch.Tensor, sorted_idx: torch.Tensor, top_p
 def filter_logits(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
                   top_p: float | None = None, *, order: str = "top_k_first", removed: str = "-inf") -> torch.Tensor:
     """``logits / T`` (T > 0), then top-k and top-p in `order`, removed tokens set to `removed` (table above)."""
-    if order not in FILTER_ORDERS:
-        raise ValueError(f"order must be one of {list(FILTER_ORDERS)}, got {order!r}")
+    check_choice("order", order, FILTER_ORDERS)
     _removed_value(logits, removed)
     logits = full_logits(logits)   # top-p sorts whole rows
     if temperature > 0:
@@ -172,8 +172,7 @@ def sample_categorical(logits: torch.Tensor, temperature: float, top_k: int | No
     """(tokens, their probabilities, the distributions `[..., V]`): the tempered, filtered softmax, then a draw (T >
     0) or the argmax; where `exclude_id` (the mask token) is drawn, the most probable other token instead. Defaults
     are SDAR's / LLaDA2's; the flags are tabled above."""
-    if top_p_on not in TOP_P_ON:
-        raise ValueError(f"top_p_on must be one of {list(TOP_P_ON)}, got {top_p_on!r}")
+    check_choice("top_p_on", top_p_on, TOP_P_ON)
     greedy = temperature <= 0
     if greedy and not filter_greedy:
         probs = F.softmax(full_logits(logits), dim=-1)
@@ -211,8 +210,7 @@ def score_tokens(logits: torch.Tensor, *, temperature: float = 0.0, mode: str = 
     as LLaDA; Fast-dLLM: float64). `exclude_id` (the mask token) is replaced only where the reference would choose it,
     by the best other token (the noisy runner-up / the most probable other) with its confidence: all else is the
     reference's, bit for bit. `noise` injects the Gumbel uniforms; `noise_dtype`: the Gumbel score's dtype."""
-    if mode not in CONFIDENCE_MODES:
-        raise ValueError(f"mode must be one of {list(CONFIDENCE_MODES)}, got {mode!r}")
+    check_choice("mode", mode, CONFIDENCE_MODES)
     # The reference formulations need whole rows (their noise is drawn over [.., V]): gathered here.
     logits = full_logits(logits)
     if suppress_ids:
