@@ -22,6 +22,7 @@ there. Callers: LLaDA's, Dream's, dInfer's, WINO's, FreeDave's (`clone_rows`), d
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import torch
@@ -120,7 +121,7 @@ class CommitFilter:
         `[B, end - start]`, `logits` as in `mask_frontier`): take back what the structure refuses, advance the
         matchers, finish ended rows. Returns each row's net new commits."""
         mask_id, answer_end = self.mask_id, self.answer_start + self.answer_len
-        logits = _Rows(logits)   # whole rows on first use (a tensor-parallel DTensor is gathered once)
+        whole = functools.cache(lambda: full_logits(logits))   # on first use (a tensor-parallel DTensor gathered once)
         window = x[:, start:end]
         gained: list[int] = []
         rows = zip(self.matchers, window.tolist(), before.tolist(), x0.tolist())
@@ -151,12 +152,12 @@ class CommitFilter:
                                 continue
                             row[i] = mask_id
                         if i < committed[-1]:
-                            self._best(clone, logits[b, local + i], cand[i])
+                            self._best(clone, whole()[b, local + i], cand[i])
                 if row.count(mask_id) >= prior.count(mask_id) and row[f - start] == mask_id:
                     # progress: a step that did not fill more of the window commits the frontier (the
                     # rule's candidate there was scored from masked logits; else the best allowed id),
                     # the same token the lookahead gave it, so the tail it validated stays valid
-                    row[f - start] = self._best(matcher.clone(), logits[b, local + f - start], cand[f - start])
+                    row[f - start] = self._best(matcher.clone(), whole()[b, local + f - start], cand[f - start])
                 # the real matcher over the contiguous committed run from the frontier
                 i = f - start
                 while i < end - start and row[i] != mask_id:
@@ -179,18 +180,6 @@ def before_rule(constraint: CommitFilter | None, logits: torch.Tensor, window: t
     if constraint is None:
         return logits, None
     return constraint.mask_frontier(logits, start, end, local), window.clone()
-
-
-class _Rows:
-    """`logits[b, r]` of a step's logits as whole-vocabulary rows, gathered on first use."""
-
-    def __init__(self, logits: torch.Tensor) -> None:
-        self.logits, self.full = logits, None
-
-    def __getitem__(self, index: tuple[int, int]) -> torch.Tensor:
-        if self.full is None:
-            self.full = full_logits(self.logits)
-        return self.full[index]
 
 
 def advance_best(matcher: Any, logits_row: torch.Tensor, limit: int | None = None, *, fallback: bool = False) -> int:
