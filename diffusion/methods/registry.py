@@ -191,9 +191,8 @@ register("daedal", DAEDAL, reads=("temperature", "generator", "cfg_scale"), leng
     daedal_steps, no_cache="DAEDAL forwards its whole canvas, whose length changes (no cache)"))
 register("multiblock", MultiBlock, reads=("temperature", "remasking", "generator"),
          fills_after_eos=lambda config: config.early_stop, partial_blocks=lambda config: config.variant == "sglang",
-         loop=_own_loop(
-             multiblock_steps, first=True,
-             no_cache="MultiBlock keeps d3LLM's own delayed KV cache: MultiBlock(cache_delay_iter=...)"))
+         loop=_own_loop(multiblock_steps, first=True,
+                        no_cache="MultiBlock keeps d3LLM's own delayed KV cache: MultiBlock(cache_delay_iter=...)"))
 register("vicinity", VicinityCache, "use_cache", loop=_rules_loop, fills_after_eos=True)
 register("dkv", DKVCache, "use_cache", reads=("steps", "remasking", "generator"),
          unshifted="LLaDA's dKV-Cache schedule", loop=_own_loop(dkv_steps))
@@ -286,11 +285,10 @@ def check_settings(params: Any) -> None:
     validate_rule(params.threshold, params.factor, params.frechet_margin)
     check_real("cfg_scale", params.cfg_scale, low=0)
     check_decoder(params.decoder)
-    method = params.method
     # blocks tile max_tokens, except for a method whose canvas grows up to it (`Method.length_bound`) or whose last
     # block may be partial (`Method.partial_blocks`: SGLang's multi-block port; its config checks the layout)
-    entry = method_of(method)
-    if entry is None or not (entry.length_bound or switch(entry.partial_blocks, method)):
+    entry = method_of(params.method)
+    if entry is None or not (entry.length_bound or switch(entry.partial_blocks, params.method)):
         validate_block_args(params.max_tokens, params.block_length or params.max_tokens,
                             params.steps or params.max_tokens)
     if not (is_config("use_cache", params.use_cache)
@@ -321,7 +319,7 @@ def check_settings(params: Any) -> None:
         # a cache method reads what its loop reads; its way: a method's, or a family's
         entry = method_of(params.use_cache, "use_cache") or entry
         refuse_unread(params, entry.way, entry.reads + (("steps",) if params.steps == params.max_tokens else ()),
-                      name=type(method).__name__)
+                      name=type(params.method).__name__)
     elif params.way == "dream":   # Dream's own sampler reads reference_ties; its block decoder frechet_margin
         refuse_unread(params, "dream", (("threshold",) if params.alg == "confidence_threshold" else ()) + (
             ("reference_ties",) if params.block_length is None and params.use_cache is None else ("frechet_margin",)),

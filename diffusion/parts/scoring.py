@@ -156,8 +156,7 @@ def draw_categorical(probs: torch.Tensor, generator: torch.Generator | None = No
     """One `torch.multinomial` draw per row of `probs` `[..., V]` → `[...]`. `per_row`: one call per index of the
     leading axis, else one over all rows; `renormalize`: divide by the row sums first."""
     if per_row:
-        return torch.stack([draw_categorical(probs[row], generator, renormalize=renormalize)
-                            for row in range(probs.shape[0])])
+        return torch.stack([draw_categorical(row, generator, renormalize=renormalize) for row in probs])
     flat = probs.reshape(-1, probs.shape[-1])
     if renormalize:
         flat = flat / flat.sum(-1, keepdim=True)

@@ -37,10 +37,7 @@ class Decision:
     @property
     def changed(self) -> torch.Tensor:
         """Every position the step writes."""
-        out = self.commit
-        for m in (self.edit, self.renoise):
-            out = out if m is None else out | m
-        return out
+        return torch.stack([m for m in (self.commit, self.edit, self.renoise) if m is not None]).any(0)
 
 
 def masked_canvas(prompt: torch.Tensor, gen_length: int, mask_id: int, device: Any = None) -> torch.Tensor:

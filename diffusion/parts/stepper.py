@@ -109,6 +109,7 @@ def _packed(model: torch.nn.Module, requests: list[ForwardRequest],
         inputs.append(x.reshape(1, B * T, *x.shape[2:]))
         start += B * T
     flat = torch.cat(inputs, dim=1)
+    ids, embeds = (flat, {}) if requests[0].input_ids is not None else (None, {"inputs_embeds": flat})
     # on CUDA, under batch invariance, no request's attention is batched with another's (SDPA's split)
     attend = PackedAttention(segments, batch_calls=invariant is None or flat.device.type != "cuda")
     kwargs = dict(position_ids=torch.cat(positions, dim=1), past_key_values=attend)
@@ -119,10 +120,7 @@ def _packed(model: torch.nn.Module, requests: list[ForwardRequest],
         hooks = PackedLayers(requests, attend, getattr(linear, "regroup", None)).installed(spec.layers(model)) \
             if any(r.layers is not None for r in requests) else contextlib.nullcontext()
         with hooks:
-            if requests[0].input_ids is None:
-                logits = model(None, inputs_embeds=flat, **kwargs).logits[0]
-            else:
-                logits = model(flat, **kwargs).logits[0]
+            logits = model(ids, **embeds, **kwargs).logits[0]
     return [_own(r, logits[s.start:s.end].view(s.rows, s.length, -1)) for r, s in zip(requests, attend.segments)]
 
 

@@ -95,10 +95,8 @@ class PackedAttention(KVCache):
                 continue
             o = attention(*(torch.cat([m[i] for m in members]) for i in (1, 2, 3)),
                           None if masks is None else torch.cat(masks))
-            row = 0
-            for seg, *_ in members:
-                self._put(out, seg, o[row:row + seg.rows])
-                row += seg.rows
+            for (seg, *_), own in zip(members, o.split([m[0].rows for m in members])):
+                self._put(out, seg, own)
         return out
 
     @staticmethod
