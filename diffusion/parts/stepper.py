@@ -303,7 +303,6 @@ class StepwiseState:
     prompt: torch.Tensor
     x: torch.Tensor
     prompt_len: int
-    gen_length: int
     steps: Iterator[Any] | None = None
     pending: ForwardRequest | None = None
     final: int = 0
@@ -327,7 +326,7 @@ class StepwiseDecoder(Decoder):
         self.make_steps, self.gen_length, self.name = make_steps, gen_length, name
 
     def start(self, input_ids: torch.Tensor) -> StepwiseState:
-        return StepwiseState(prompt=input_ids, x=input_ids, prompt_len=input_ids.shape[1], gen_length=self.gen_length)
+        return StepwiseState(prompt=input_ids, x=input_ids, prompt_len=input_ids.shape[1])
 
     def num_final(self, state: StepwiseState) -> int:
         return state.final
@@ -336,20 +335,17 @@ class StepwiseDecoder(Decoder):
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
         if state.steps is None:
             state.steps = self.make_steps(state.prompt, generator, state.counted)
-            self._advance(state, None, stats)
+            self.receive(state, None, generator, stats)
         return state.pending
 
     def receive(self, state: StepwiseState, logits: Any, generator: torch.Generator | None = None,
                 stats: GenerationStats | None = None) -> None:
-        self._advance(state, logits, stats)
-
-    def _advance(self, state: StepwiseState, answer: Any, stats: GenerationStats | None) -> None:
-        """Send `answer` and run the generator to its next forward (or its end)."""
+        """Send `logits` (None to start) and run the generator to its next forward (or its end)."""
         counted = state.counted
         nfe, positions, commits = counted.nfe, counted.forward_positions, counted.num_steps
         state.pending = None
         try:
-            item = state.steps.send(answer)
+            item = state.steps.send(logits)
             while not isinstance(item, ForwardRequest):   # a Progress
                 state.x, state.final = item.x, max(state.final, item.final)
                 item = state.steps.send(None)

@@ -134,19 +134,18 @@ class PackedLayers:
         segments = self.packed.segments
         if self.rope is None:
             self.rope = [(pos.cos[:, :, s.start:s.end], pos.sin[:, :, s.start:s.end]) for s in segments]
-        rows, cos, sin, moved, start = [], [], [], [], 0
+        own_rows, moved, start = [], [], 0   # each request's (rows, RoPE cos, RoPE sin) and segment in the new layout
         for r, seg, (c, s) in zip(self.requests, segments, self.rope):
             own = h[:, seg.start:seg.end]
             if r.layers is not None:   # a copy: what it keeps must not hold the whole batch's rows
                 own, c, s = r.layers.before(layer, own if len(segments) == 1 else own.clone())
-            rows.append(own)
-            cos.append(c)
-            sin.append(s)
+            own_rows.append((own, c, s))
             moved.append(replace(seg, start=start, length=own.shape[1] // seg.rows))
             start += own.shape[1]
         if any(a.length != b.length for a, b in zip(moved, segments)) and self.regroup is not None:
             self.regroup(token_groups(moved, [r.rows_alone for r in self.requests], h.device))
         self.packed.segments = moved
+        rows, cos, sin = zip(*own_rows)
         h = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
         return h, replace(pos, cos=torch.cat(cos, dim=2), sin=torch.cat(sin, dim=2)), mask
 
