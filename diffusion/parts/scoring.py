@@ -11,6 +11,7 @@ and tempered categorical sampling (`filter_logits`, `sample_categorical`, tabled
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
@@ -230,11 +231,9 @@ def score_tokens(logits: torch.Tensor, *, temperature: float = 0.0, mode: str = 
     logits = filter_logits(logits, temperature, top_k, top_p, order="top_p_first", removed="dtype_min")
     probs = torch.softmax(logits, dim=-1)
     x0 = None
-    if temperature > 0:
-        try:   # torch.distributions.Categorical(probs).sample(), spelled out so a generator can be passed
+    if temperature > 0:   # the reference falls back to the argmax when sampling fails (a RuntimeError)
+        with contextlib.suppress(RuntimeError):   # Categorical(probs).sample(), spelled out to take a generator
             x0 = draw_categorical(probs, generator, renormalize=True)
-        except RuntimeError:  # the reference falls back to the argmax when sampling fails
-            pass
     if x0 is None:
         conf, x0 = probs.max(dim=-1)
         if mode == "prob" and (exclude_id is None or not bool((x0 == exclude_id).any())):

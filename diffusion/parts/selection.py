@@ -30,10 +30,9 @@ def frechet_profile_counts(conf: torch.Tensor, mask: torch.Tensor, margin: float
     above `margin` (n = 1 always counts; the score falls as n grows, so the count is the largest such
     prefix). Computed in the confidences' dtype (the reference's float64), the prefix sums in
     sorted order as the reference's cumsum. At least 1 (a row with no mask commits nothing anyway)."""
-    B, L = conf.shape
     ordered = torch.sort(torch.where(mask, conf, torch.zeros((), dtype=conf.dtype, device=conf.device)),
                          dim=1, descending=True).values
-    cols = torch.arange(L, device=conf.device)
+    cols = torch.arange(conf.shape[1], device=conf.device)
     valid = cols[None] < mask.sum(dim=1, keepdim=True)
     # confidences are ≥ 0, so the zeros put off the mask sort after every masked one (ties among zeros change
     # nothing: only the values enter the score)
@@ -54,8 +53,7 @@ def topk_commit(block_x: torch.Tensor, block_mask: torch.Tensor, x0: torch.Tenso
     scores[:, offset:offset + block] = torch.where(block_mask, conf, torch.tensor(-torch.inf, dtype=conf.dtype))
     committed = torch.zeros_like(block_mask)
     for row in range(B):
-        picked = torch.topk(scores[row], k=int(k[row])).indices - offset
-        committed[row, picked] = True
+        committed[row, torch.topk(scores[row], k=int(k[row])).indices - offset] = True
     committed &= block_mask
     block_x[committed] = x0[committed]
     block_mask &= ~committed   # cleared in place, as `unmask` does
