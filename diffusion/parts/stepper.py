@@ -53,9 +53,8 @@ def call_model(model: torch.nn.Module, request: ForwardRequest, input_ids: torch
     if request.extends and takes_logits_to_keep(model.forward):
         # only the last position's logits, as transformers' `generate` and the engine's runner
         kwargs["logits_to_keep"] = 1
-    if request.output == "model":
-        return model(input_ids, **kwargs)
-    return _own(request, model(input_ids, **kwargs).logits)   # shifted as `ModelSpec.logits` shifts
+    out = model(input_ids, **kwargs)
+    return out if request.output == "model" else _own(request, out.logits)   # shifted as `ModelSpec.logits` shifts
 
 
 @torch.no_grad()
@@ -137,8 +136,7 @@ def _stacked(model: torch.nn.Module, requests: list[ForwardRequest],
     per_row = {name: torch.cat([r.per_row[name].expand(r.batch, *r.per_row[name].shape[1:]) for r in requests])
                for name in head.per_row}
     cache = type(head.cache).pack([r.cache for r in requests], sizes)
-    context = invariant(sum(sizes)) if invariant is not None else contextlib.nullcontext()
-    with context:
+    with invariant(sum(sizes)) if invariant is not None else contextlib.nullcontext():
         logits = model(ids, **per_row, **head.shared, past_key_values=cache).logits
     return [_own(r, own) for r, own in zip(requests, logits.split(sizes))]
 
