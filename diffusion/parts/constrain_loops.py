@@ -89,13 +89,12 @@ def keep_valid_edits(constraint: CommitFilter, x: torch.Tensor, prior: torch.Ten
     first, n = edits[0], hi - start - edits[0]   # n: the consumed positions from the first edit on
     base = matcher.clone()
     base.rollback(n)
-    kept, undone = list(old), 0
+    kept = list(old)
     for i in edits:
         trial = kept[:i] + [now[i]] + kept[i + 1:]
         if base.accepts(trial[first:]) == n:
             kept = trial
-        else:
-            undone += 1
+    undone = sum(kept[i] != now[i] for i in edits)   # the edits refused (an edit kept is never undone later)
     x[0, start:hi] = torch.tensor(kept, dtype=x.dtype, device=x.device)
     if kept != old:
         matcher.rollback(n)
