@@ -55,8 +55,7 @@ def decoder_steps(spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.T
     method = registry.method_of(decoder) if cache is None else cache
     name = method.config.__name__
     if method.unshifted is not None and spec.logit_shift:
-        hint = " (Dream's own dKV-Cache: remask.diffusion.methods.dkv.dkv_dream_generate)" if name == "DKVCache" \
-            else ""
+        hint = " (Dream's own dKV-Cache: remask.diffusion.methods.dkv.dkv_dream_generate)" if name == "DKVCache" else ""
         raise CombinationError(f"{method.field}={name}: {method.unshifted} reads unshifted logits (position i "
                                f"scored from itself, LLaDA's layout); this model shifts its logits by one position "
                                f"(Dream's layout, ModelSpec.logit_shift){hint}")

@@ -140,8 +140,7 @@ def _own_loop(steps_of: Callable[..., StepGenerator], *, no_cache: str | None = 
         if "steps" in call.method.reads:
             taken["steps"] = call.gen_length if call.steps is None else call.steps
         config = call.use_cache if call.method.field == "use_cache" else call.decoder
-        steps = steps_of(call.spec, call.prompt, config=config, block_length=call.block_length, **taken,
-                         **call.common)
+        steps = steps_of(call.spec, call.prompt, config=config, block_length=call.block_length, **taken, **call.common)
         return _first(steps) if first else steps
     return loop
 
