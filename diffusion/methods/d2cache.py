@@ -24,8 +24,7 @@ from typing import Any
 
 import torch
 
-from remask.caches.kv import key_bias
-from remask.caches.position import D2KVCache
+from remask.caches import D2KVCache, key_bias
 from remask.models.spec import ModelSpec
 
 from ..parts.cache import valid_positions

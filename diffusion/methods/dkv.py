@@ -52,11 +52,11 @@ from typing import Any, Generator, Iterator
 
 import torch
 
-from remask.caches.position import DelayedKVCache
+from remask.caches import DelayedKVCache, key_bias
 from remask.models.spec import ModelSpec, shift_logits
 
 from ..families.dream import DreamDecoder, DreamGenerationConfig, _validate_config
-from ..families.llada import validate_block_args
+from ..families.llada import REMASKING, validate_block_args
 from ..parts.cache import valid_positions
 from ..parts.checks import (NoWorkBound, check_bool, check_choice, check_config, check_generator, check_int,
                             check_length, check_method_call, checked)
@@ -68,7 +68,6 @@ from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in
 
-REMASKING = ("low_confidence", "random")
 VARIANTS = ("decode", "greedy")
 DREAM_CACHE_TYPES = ("decoded", "prefill")
 DREAM_SHIFT_TYPES = ("un", "un_right", "right")
@@ -151,7 +150,7 @@ def _forward(x: torch.Tensor, positions: torch.Tensor, forwarded: torch.Tensor |
     (``yield from``), the cache told its part before and taking its new positions after. `store`
     None: a plain forward (no cache; `cache.key_ok` hides the pad keys)."""
     if store is None:
-        bias = DelayedKVCache._bias(cache.key_ok, torch.float32)
+        bias = key_bias(cache.key_ok, torch.float32)
         return (yield ForwardRequest(x, per_row={} if bias is None else {"attention_bias": bias}))
     if forwarded is None:
         cache.fill(store)

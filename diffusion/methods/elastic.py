@@ -79,10 +79,9 @@ class ElasticCache(Checked):
         tracks its `track_num` most attended positions, and the official code's `torch.topk` raises
         past them. `prompt_length` None: not known yet (checked again where the loop is built)."""
         if prompt_length is not None and self.track_num > prompt_length + gen_length:
-            T = prompt_length + gen_length
-            raise ValueError(f"use_cache.track_num must be <= {T} (the sequence: prompt + gen_length), got "
-                             f"{self.track_num}: a layer tracks at most every position (the official code's "
-                             "torch.topk raises past them)")
+            raise ValueError(f"use_cache.track_num must be <= {prompt_length + gen_length} (the sequence: prompt + "
+                             f"gen_length), got {self.track_num}: a layer tracks at most every position (the official "
+                             "code's torch.topk raises past them)")
 
 
 class ElasticLayers:

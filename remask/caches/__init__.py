@@ -11,7 +11,7 @@ requests that send it), and the methods' own: `DelayedKVCache` (dKV-Cache), `D2K
 """
 from .block import BlockBatch, BlockKVCache
 from .elastic import ElasticKVCache
-from .kv import KVCache, attention
+from .kv import KVCache, attention, key_bias
 from .paged import PagedKVCache
 from .position import D2KVCache, DelayedKVCache
 from .prompt import PromptCache
@@ -19,4 +19,4 @@ from .sparse import BlockMaskAttention, RetentionKVCache
 from .tree import TreeKVCache
 
 __all__ = ["BlockBatch", "BlockKVCache", "BlockMaskAttention", "D2KVCache", "DelayedKVCache", "ElasticKVCache",
-           "KVCache", "PagedKVCache", "PromptCache", "RetentionKVCache", "TreeKVCache", "attention"]
+           "KVCache", "PagedKVCache", "PromptCache", "RetentionKVCache", "TreeKVCache", "attention", "key_bias"]

@@ -94,8 +94,7 @@ class PageManager:
         table: list[int] = []
         self.last_hits = 0
         for h, chunk, page in self._lookup(token_ids, seed, share_last):
-            if h is not None:
-                self.lookups += 1
+            self.lookups += h is not None
             if page is not None:
                 if self.ref_count[page] == 0:
                     self.free_pages.remove(page)   # a freed page whose content is still valid
@@ -122,8 +121,7 @@ class PageManager:
 
     def extend(self, table: list[int], new_length: int) -> None:
         """Append fresh pages to `table` until it covers `new_length` positions (generated tokens)."""
-        while len(table) * self.page_size < new_length:
-            table.append(self._take_free())
+        table.extend(self._take_free() for _ in range(self.pages_for(new_length) - len(table)))
 
     def free(self, table: Sequence[int]) -> None:
         """Release a sequence's pages (last first); a page is reusable once nobody holds it."""

@@ -86,14 +86,12 @@ class PagedKVCache:
 
     def _pages_for(self, layer: int, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         need = self.pages_in_use if self.num_pages is None else self.num_pages
-        if layer == len(self.k_pages):
-            shape = (need, self.page_size, k.shape[1], k.shape[3])
-            self.k_pages.append(k.new_zeros(shape))
-            self.v_pages.append(k.new_zeros(shape))
-        elif self.k_pages[layer].shape[0] < need:   # more distinct pages than the pool has: grow it
-            pad = k.new_zeros((need - self.k_pages[layer].shape[0], *self.k_pages[layer].shape[1:]))
-            self.k_pages[layer] = torch.cat([self.k_pages[layer], pad])
-            self.v_pages[layer] = torch.cat([self.v_pages[layer], pad])
+        for pages in (self.k_pages, self.v_pages):
+            if layer == len(pages):
+                pages.append(k.new_zeros((need, self.page_size, k.shape[1], k.shape[3])))
+            elif pages[layer].shape[0] < need:   # more distinct pages than the pool has: grow it
+                pad = k.new_zeros((need - len(pages[layer]), *pages[layer].shape[1:]))
+                pages[layer] = torch.cat([pages[layer], pad])
         return self.k_pages[layer], self.v_pages[layer]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,

@@ -36,8 +36,6 @@ class DelayedKVCache(PositionKVCache):
         self.cached: torch.Tensor | None = None          # [B, T] bool: positions held
         self._plan: tuple | None = None   # the next forward's (positions forwarded, None: all; positions kept)
 
-    _bias = staticmethod(key_bias)   # diffusion/methods/dkv.py builds the same bias for its forwards
-
     def fill(self, store: torch.Tensor) -> None:
         self._plan = (None, store)
 
