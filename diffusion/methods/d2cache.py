@@ -165,10 +165,9 @@ class _Selector:
         rows |= nucleus(importance, cfg.rollout_p, ~rows)
         # 4. fill short gaps
         rows = inflate(rows, cfg.inflate_w)
-        if self.next_rows is None:
-            self.next_rows, self.importance, self.density = rows, importance, scores
-        else:
-            self.next_rows[active], self.importance[active], self.density[active] = rows, importance, scores
+        if self.next_rows is None:   # the first step: every row is active (block 0 is all masks)
+            self.next_rows, self.importance, self.density = (torch.empty_like(t) for t in (rows, importance, scores))
+        self.next_rows[active], self.importance[active], self.density[active] = rows, importance, scores
 
 
 def d2cache_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: D2Cache | None = None,
