@@ -66,8 +66,7 @@ class ElasticKVCache(PositionKVCache):
         window_rows = weights[:, :, plan["window"] if full else slice(-plan["window"].shape[0], None), :]
         if not full:
             sim = F.cosine_similarity(self._weights(past_q, past_k), weights[:, :, :track.shape[0], :], dim=1).mean()
-            if sim < plan["gamma"]:
-                self.triggered = True
+            self.triggered |= bool(sim < plan["gamma"])
         mass = window_rows.sum(dim=(0, 1, 2))
         mass[plan["masked"]] = 0.0
         self.track[layer] = mass.topk(k=plan["track_num"], dim=0, largest=True)[1]
