@@ -168,8 +168,7 @@ def _window(chosen: torch.Tensor, around: list[int], masked: torch.Tensor, size:
     T = chosen.shape[0]
     for pos in around:
         near = (at for d in range(1, T) for at in (pos - d, pos + d) if 0 <= at < T)   # nearest first, left first
-        for at in list(itertools.islice((at for at in near if not chosen[at] and masked[at]), size)):
-            chosen[at] = True
+        chosen[list(itertools.islice((at for at in near if not chosen[at] and masked[at]), size))] = True
 
 
 def dkv_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: DKVCache | None = None,
