@@ -163,9 +163,8 @@ class PagedKVStore:
     def layer(self, index: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`like`: this layer's new keys `[n, H_kv, D]`."""
         while len(self.keys) <= index:
-            shape = (self.manager.num_pages * self.manager.page_size, *like.shape[1:])
-            self.keys.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
-            self.values.append(torch.zeros(shape, dtype=like.dtype, device=like.device))
+            for held in (self.keys, self.values):
+                held.append(like.new_zeros((self.manager.num_pages * self.manager.page_size, *like.shape[1:])))
         return self.keys[index], self.values[index]
 
     def write(self, layer: int, table: list[int], start: int, k: torch.Tensor, v: torch.Tensor, shared: int) -> int:
