@@ -172,15 +172,14 @@ class PagedKVStore:
         pages are held with others (found by hash): compared instead, and on the first difference this page
         and every later shared one become private (a page's K/V follow from all before it), the layers below
         (which matched) copied over: copy-on-write. Returns how many leading pages stay shared."""
-        k_store, v_store = self.layer(layer, k)
+        stores = self.layer(layer, k)
         ps, end = self.manager.page_size, start + k.shape[0]
         for index in range(start // ps, self.manager.pages_for(end)):
             lo, hi = max(start, index * ps), min(end, (index + 1) * ps)
-            new_k, new_v = k[lo - start:hi - start], v[lo - start:hi - start]
+            fresh = (k[lo - start:hi - start], v[lo - start:hi - start])
             if index < shared:
                 offset = (table[index] - index) * ps
-                if torch.equal(k_store[offset + lo:offset + hi], new_k) and \
-                        torch.equal(v_store[offset + lo:offset + hi], new_v):
+                if all(torch.equal(held[offset + lo:offset + hi], part) for held, part in zip(stores, fresh)):
                     continue
                 for later in range(index, shared):
                     old, new = table[later], self.manager.unshare(table, later)
@@ -189,6 +188,6 @@ class PagedKVStore:
                 self.unshared_pages += shared - index
                 shared = index
             offset = (table[index] - index) * ps
-            k_store[offset + lo:offset + hi] = new_k
-            v_store[offset + lo:offset + hi] = new_v
+            for held, part in zip(stores, fresh):
+                held[offset + lo:offset + hi] = part
         return shared
