@@ -34,7 +34,6 @@ class PagedKVCache:
         self.manager: PageManager | None = None
         self.k_pages: list[torch.Tensor] = []
         self.v_pages: list[torch.Tensor] = []
-        self.tables: list[list[int]] = []
         self.block_table: torch.Tensor | None = None
         self.seq_lens: torch.Tensor | None = None
         self.slot_mapping: torch.Tensor | None = None
@@ -64,7 +63,7 @@ class PagedKVCache:
         tokens = x.masked_fill(~context, -1).tolist()
         slots = torch.full((B, T), -1, dtype=torch.long)
         written: set[int] = set()
-        self.tables = []
+        tables: list[list[int]] = []
         for b in range(B):
             ids = [t for t in tokens[b] if t >= 0]
             seed = hash((tuple(x[b].tolist()), tuple(valid[b].tolist()), start, end))
@@ -75,11 +74,11 @@ class PagedKVCache:
             fresh = torch.tensor([p not in written for p in page_of.tolist()], dtype=torch.bool)
             slots[b, positions] = torch.where(fresh, row, -1)   # a shared page is written once
             written.update(table)
-            self.tables.append(table)
+            tables.append(table)
         self.peak_pages = max(self.peak_pages, self.pages_in_use)
         self.peak_shared_hits = max(self.peak_shared_hits, self.manager.shared_hits)
         self.slot_mapping = slots.reshape(-1).to(x.device)
-        self.block_table = self.manager.block_tables(self.tables, x.device)
+        self.block_table = self.manager.block_tables(tables, x.device)
         self.seq_lens = context.sum(dim=1).to(torch.int32)
         self.total_len = T
         self.stored = False
