@@ -8,7 +8,7 @@ forward over its paged store for every running sequence.
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ class ARState:
     slice: the prompt, then the token just sampled), the model's own cache (the drop-in driver's; the
     engine keeps K/V in its page store), and which rows are past their EOS, kept on the host."""
 
-    input_ids: torch.Tensor
+    prompt_len: int
     sequence: torch.Tensor         # [B, P + max_new_tokens]: the prompt, then `tokens` (a view of it)
     mask: torch.Tensor             # [B, P + max_new_tokens]: the prompt's attention mask, then ones
     positions: torch.Tensor        # [B, P + max_new_tokens]: each position's id (left pads at 0)
@@ -43,16 +43,9 @@ class ARState:
     generated: int = 0
     done: bool = False
     matchers: Any = None           # structured output: one `remask.structured.Matcher` per row
-    # `logprobs`: per row and step, the sampled token's log-probability and rank under the raw
-    # distribution, and the `logprobs` most likely ids with theirs (None when not asked for)
-    sampled_logprobs: torch.Tensor | None = None   # [B, max_new_tokens] float32
-    sampled_ranks: torch.Tensor | None = None      # [B, max_new_tokens]
-    top_ids: torch.Tensor | None = None            # [B, max_new_tokens, logprobs]
-    top_logprobs: torch.Tensor | None = None       # [B, max_new_tokens, logprobs] float32
-
-    @property
-    def prompt_len(self) -> int:
-        return self.input_ids.shape[1]
+    # `logprobs`: per step, the sampled tokens `[B]`, their log-probabilities and ranks under the raw
+    # distribution, and the `logprobs` most likely ids with theirs `[B, logprobs]` (empty when not asked for)
+    logprobs: list = field(default_factory=list)
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -87,10 +80,8 @@ class ARDecoder(Decoder):
         eos_token_id = getattr(spec.config, "eos_token_id", None) if eos_token_id is None else eos_token_id
         if not (eos_token_id is None or isinstance(eos_token_id, (numbers.Integral, list, tuple))):
             raise ParameterTypeError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
-        eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, numbers.Integral) \
-            else list(eos_token_id)
-        for value in eos_ids:
-            check_token_id(spec, value, "eos_token_id")
+        listed = [eos_token_id] if isinstance(eos_token_id, numbers.Integral) else eos_token_id or []
+        eos_ids = [check_token_id(spec, value, "eos_token_id") for value in listed]
         if pad_token_id is None:   # the config's, else the first EOS id, else 0
             pad_token_id = getattr(spec.config, "pad_token_id", None)
             pad_token_id = (eos_ids[0] if eos_ids else 0) if pad_token_id is None else pad_token_id
@@ -114,16 +105,9 @@ class ARDecoder(Decoder):
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, grow[1] + 1, device=device)], dim=1)
-        state = ARState(input_ids=input_ids, finished=[False] * B, positions=positions,
-                        sequence=torch.nn.functional.pad(input_ids.long(), grow, value=self.pad_token_id),
-                        mask=torch.nn.functional.pad(mask, grow, value=1))
-        if self.logprobs is not None:
-            shape = (B, self.max_new_tokens)
-            state.sampled_logprobs = torch.zeros(shape, dtype=torch.float32, device=device)
-            state.sampled_ranks = torch.zeros(shape, dtype=torch.long, device=device)
-            state.top_ids = torch.zeros((*shape, self.logprobs), dtype=torch.long, device=device)
-            state.top_logprobs = torch.zeros((*shape, self.logprobs), dtype=torch.float32, device=device)
-        return state
+        return ARState(prompt_len=input_ids.shape[1], finished=[False] * B, positions=positions,
+                       sequence=torch.nn.functional.pad(input_ids.long(), grow, value=self.pad_token_id),
+                       mask=torch.nn.functional.pad(mask, grow, value=1))
 
     def next_forward(self, state: ARState, generator: torch.Generator | None = None,
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
@@ -149,8 +133,8 @@ class ARDecoder(Decoder):
         if done_before:   # rows past their EOS go on with the pad token
             next_token.masked_fill_(torch.tensor(state.finished, device=next_token.device), self.pad_token_id)
         state.sequence[:, at] = next_token
-        if self.logprobs is not None:
-            self.record_logprobs(state, raw[:, 0], next_token)
+        if self.logprobs is not None:   # the raw distribution: the model's logits `[B, V]` before any processor
+            state.logprobs.append((next_token, *logprob_entries(raw[:, 0], next_token, self.logprobs)))
         state.generated += B - done_before
         if stats is not None:
             stats.forward(B, fed.stop - fed.start)
@@ -159,24 +143,15 @@ class ARDecoder(Decoder):
         state.step += 1
         state.done = all(state.finished) or state.step == self.max_new_tokens
 
-    def record_logprobs(self, state: ARState, logits: torch.Tensor, tokens: torch.Tensor) -> None:
-        """This step's log-probabilities under the raw distribution, the model's logits `[B, V]`
-        before any processor (min_tokens), structure mask, temperature or top-k / top-p: vLLM's
-        default (`logprobs_mode="raw_logprobs"`). Computed beside the sample, from the same logits,
-        so asking for them never changes a token."""
-        chosen, ranks, top_ids, top_logprobs = logprob_entries(logits, tokens, self.logprobs)
-        state.sampled_logprobs[:, state.step], state.sampled_ranks[:, state.step] = chosen, ranks
-        state.top_ids[:, state.step], state.top_logprobs[:, state.step] = top_ids, top_logprobs
-
     def token_logprobs(self, state: ARState, count: int, row: int = 0) -> list[tuple] | None:
         """Row `row`'s first `count` tokens: `(token id, log-probability, rank, [(id, log-probability)
-        of the most likely], ...)` (`record_logprobs`); None without `logprobs`."""
+        of the most likely], ...)`, recorded by `receive` beside the sample under the raw distribution
+        (before any processor (min_tokens), structure mask, temperature or top-k / top-p: vLLM's default
+        `logprobs_mode="raw_logprobs"`), so asking for them never changes a token; None without `logprobs`."""
         if self.logprobs is None:
             return None
-        count = min(count, state.step)
-        ids, lps, ranks, top_ids, top_lps = (t[row, :count].tolist() for t in (
-            state.tokens, state.sampled_logprobs, state.sampled_ranks, state.top_ids, state.top_logprobs))
-        return [(t, lp, r, list(zip(ti, tl))) for t, lp, r, ti, tl in zip(ids, lps, ranks, top_ids, top_lps)]
+        columns = [torch.stack(steps, dim=1)[row].tolist() for steps in zip(*state.logprobs[:count])]
+        return [(t, lp, r, list(zip(ti, tl))) for t, lp, r, ti, tl in zip(*columns)]
 
     def num_final(self, state: ARState) -> int:
         """Tokens that no later step changes: every token sampled so far."""
