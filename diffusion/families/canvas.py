@@ -52,9 +52,6 @@ class StabilityTracker:
         self.stability_threshold, self.confidence_threshold = stability_threshold, confidence_threshold
         self.history: torch.Tensor | None = None
 
-    def reset(self) -> None:
-        self.history = None
-
     def __call__(self, argmax_canvas: torch.Tensor, mean_entropy: torch.Tensor) -> torch.Tensor:
         if self.stability_threshold == 0:
             stable = torch.ones(argmax_canvas.shape[0], dtype=torch.bool, device=argmax_canvas.device)
@@ -152,13 +149,12 @@ def score_canvas(processed_logits: torch.Tensor, *, reference_rng: bool, generat
     """(sample, argmax, entropy, top_prob) per position of the processed logits `[B, L, V]`: with
     `reference_rng` transformers' formulation (float32 softmax, `torch.multinomial` over the flat
     batch), else the fused `canvas_score` in one pass (Gumbel-max: the same distribution)."""
-    B, L, V = processed_logits.shape
     if reference_rng:
         probs = torch.softmax(processed_logits, dim=-1, dtype=torch.float32)
         return (draw_categorical(probs, generator), torch.argmax(processed_logits, dim=-1),
                 token_entropy(processed_logits), probs.max(dim=-1).values)
-    out = canvas_score(processed_logits.reshape(B * L, V), 1.0, seed=draw_seed(generator))
-    return tuple(t.view(B, L) for t in out)
+    out = canvas_score(processed_logits.flatten(0, 1), 1.0, seed=draw_seed(generator))
+    return tuple(t.view(processed_logits.shape[:2]) for t in out)
 
 
 # --- the loop ----------------------------------------------------------------------------------------
@@ -184,21 +180,21 @@ def resolve_generation_config(model, generation_config, kwargs: dict[str, Any]):
 @dataclass(eq=False)
 class CanvasState:
     """Rows under the canvas loop: `input_ids` (the prompt and the finished canvases), the canvas
-    being denoised and its last argmax, `cur_step` (counting down from `max_denoising_steps`)."""
+    being denoised and its last argmax, `cur_step` (counting down from `max_denoising_steps`). Until the
+    first canvas opens (`masks` None), `canvas` and `self_conditioning` hold the caller's
+    `decoder_input_ids` / `self_conditioning_logits` for it, if any."""
 
     input_ids: torch.Tensor
     prompt_length: int
     max_new_tokens: int
     attention_mask: torch.Tensor
-    decoder_attention_mask: torch.Tensor
     encoder_positions: torch.Tensor
     decoder_positions: torch.Tensor
     cache: Any
     finished_sequences: torch.Tensor
     decoder_forwards: torch.Tensor
-    first_canvas: dict[str, Any]           # decoder_input_ids / self_conditioning_logits for canvas 1
-    tracker: StabilityTracker | None
     canvases_left: int
+    tracker: StabilityTracker | None = None   # a fresh one per canvas (None: no stability stop)
     canvas: torch.Tensor | None = None
     argmax_canvas: torch.Tensor | None = None
     self_conditioning: torch.Tensor | None = None
@@ -270,22 +266,16 @@ class CanvasDecoder(Constrainable, Decoder):
         elif attention_mask.dim() != 2 or tuple(attention_mask.shape) != (B, cur_len):
             raise ValueError(f"attention_mask must be 2-D with input_ids' shape {(B, cur_len)}, "
                              f"got {tuple(attention_mask.shape)}")
-        attention_mask = attention_mask.bool()
-        given = dict(decoder_input_ids=decoder_input_ids, self_conditioning_logits=self_conditioning_logits)
-        first_canvas = {name: value for name, value in given.items() if value is not None}
-        tracker = None if config.stability_threshold is None or config.confidence_threshold is None else \
-            StabilityTracker(config.stability_threshold, config.confidence_threshold)
         state = CanvasState(
-            input_ids=input_ids, prompt_length=cur_len, max_new_tokens=max_new_tokens, attention_mask=attention_mask,
-            decoder_attention_mask=torch.nn.functional.pad(attention_mask, (0, L), value=True),
+            input_ids=input_ids, prompt_length=cur_len, max_new_tokens=max_new_tokens,
+            attention_mask=attention_mask.bool(), canvas=decoder_input_ids, self_conditioning=self_conditioning_logits,
             encoder_positions=torch.arange(0, cur_len, dtype=torch.int32, device=device)[None],
             decoder_positions=torch.arange(cur_len, cur_len + L, dtype=torch.int32, device=device)[None],
-            cache=self.canvas_model.new_cache(), finished_sequences=torch.zeros(B, dtype=torch.bool, device=device),
-            decoder_forwards=torch.zeros(B, dtype=torch.int, device=device), first_canvas=first_canvas,
-            tracker=tracker, canvases_left=math.ceil(max_new_tokens / L))
+            cache=self.canvas_model.new_cache(), canvases_left=math.ceil(max_new_tokens / L),
+            finished_sequences=torch.zeros(B, dtype=torch.bool, device=device),
+            decoder_forwards=torch.zeros(B, dtype=torch.int, device=device),
+            matchers=None if self.structure is None else [self.structure.matcher(self.end_ids) for _ in range(B)])
         state.done = state.canvases_left <= 0
-        if self.structure is not None:
-            state.matchers = [self.structure.matcher(self.end_ids) for _ in range(B)]
         return state   # the first step opens the first canvas (encoder, random canvas: transformers' order)
 
     def next_forward(self, state: CanvasState, generator: torch.Generator | None = None,
@@ -331,12 +321,13 @@ class CanvasDecoder(Constrainable, Decoder):
                 self.prompt_cache.encoding.discard(key)
         # transformers draws the random canvas even when `decoder_input_ids` replaces it (an eager default)
         random_canvas = torch.randint(0, V, (B, L), device=device, generator=generator)
-        state.canvas = state.first_canvas.pop("decoder_input_ids", random_canvas)
-        state.self_conditioning = state.first_canvas.pop("self_conditioning_logits", None)
-        state.masks = self.canvas_model.decoder_masks(state.canvas, state.cache, state.decoder_attention_mask)
+        state.canvas = state.canvas if first and state.canvas is not None else random_canvas
+        state.self_conditioning = state.self_conditioning if first else None
+        state.masks = self.canvas_model.decoder_masks(state.canvas, state.cache,
+                                                      torch.nn.functional.pad(state.attention_mask, (0, L), value=True))
         state.finished_denoising = torch.zeros(B, dtype=torch.bool, device=device)
-        if state.tracker is not None:
-            state.tracker.reset()
+        if self.config.stability_threshold is not None and self.config.confidence_threshold is not None:
+            state.tracker = StabilityTracker(self.config.stability_threshold, self.config.confidence_threshold)
         state.argmax_canvas = state.canvas
         state.frozen = torch.zeros((B, L), dtype=torch.bool, device=device)
         state.stable_steps = torch.zeros((B, L), dtype=torch.long, device=device)
@@ -349,7 +340,7 @@ class CanvasDecoder(Constrainable, Decoder):
         """One denoising step of every row as a step generator; closes (and opens) canvases as they end."""
         cm, sampler = self.canvas_model, self.sampler
         L, V, B, device = cm.canvas_length, cm.vocab_size, state.input_ids.shape[0], state.input_ids.device
-        if state.canvas is None:
+        if state.masks is None:
             yield from self._open_canvas(state, generator, first=True)
         canvas, argmax_canvas, finished = state.canvas, state.argmax_canvas, state.finished_denoising
         running = ~(finished | state.finished_sequences)
@@ -430,20 +421,9 @@ class CanvasDecoder(Constrainable, Decoder):
         if bool(state.finished_sequences.all()) or state.canvases_left == 0:
             state.done = True
             return
-        state.decoder_attention_mask = torch.nn.functional.pad(state.decoder_attention_mask, (0, L), value=True)
         state.attention_mask = torch.nn.functional.pad(state.attention_mask, (0, L), value=True)
         state.encoder_positions, state.decoder_positions = state.decoder_positions, state.decoder_positions + L
         yield from self._open_canvas(state, generator)
-
-    def output(self, state: CanvasState, return_dict: bool = True):
-        """transformers' return value: the sequences, or a `DiffusionGemmaGenerationOutput`."""
-        if not return_dict:
-            return state.input_ids
-        new_tokens = state.input_ids[:, state.prompt_length:]
-        pad = self.config.pad_token_id
-        valid = (new_tokens != pad).sum(dim=-1) if pad is not None else new_tokens.shape[1]
-        return self.module.DiffusionGemmaGenerationOutput(**with_cache_field(dict(
-            sequences=state.input_ids, tokens_per_forward=valid / state.decoder_forwards, cache=state.cache)))
 
 
 def canvas_generate(model: torch.nn.Module, input_ids: torch.Tensor, generation_config: Any = None, *,
@@ -484,6 +464,11 @@ def canvas_generate(model: torch.nn.Module, input_ids: torch.Tensor, generation_
     if streamer is not None:
         streamer.end()
     pad, new_tokens = config.pad_token_id, state.input_ids[:, state.prompt_length:]
-    stats.stop(int((new_tokens != pad).sum()) if pad is not None else new_tokens.numel())
-    return decoder.output(state, getattr(config, "return_dict_in_generate", True))
+    valid = (new_tokens != pad).sum(dim=-1) if pad is not None else new_tokens.shape[1]   # per row
+    stats.stop(int(valid.sum()) if pad is not None else new_tokens.numel())
+    if not getattr(config, "return_dict_in_generate", True):   # transformers' return value: the sequences, ...
+        return state.input_ids
+    # ... or a `DiffusionGemmaGenerationOutput`
+    return decoder.module.DiffusionGemmaGenerationOutput(**with_cache_field(dict(
+        sequences=state.input_ids, tokens_per_forward=valid / state.decoder_forwards, cache=state.cache)))
 
