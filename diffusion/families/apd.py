@@ -70,9 +70,6 @@ class APDConfig(NoWorkBound):
     coupled_gumbel: bool = checked(False, check_bool)
 
     def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
         """The fields' checks (`Checked`, again when a decoder is built: the config is mutable), then the verifier."""
         super().__post_init__()
         if not callable(self.verifier) or getattr(self.verifier, "config", None) is None:
@@ -83,6 +80,8 @@ class APDConfig(NoWorkBound):
             raise ValueError(f"verifier must be an autoregressive (causal) model; got a {kind} diffusion model, "
                              "whose logits do not score a left-to-right continuation")
 
+    validate = __post_init__
+
 
 def draft_scores(logits: torch.Tensor, temperature: float, top_p: float | None, top_k: int | None,
                  generator: torch.Generator | None = None, uniforms: torch.Tensor | None = None,
@@ -92,10 +91,10 @@ def draft_scores(logits: torch.Tensor, temperature: float, top_p: float | None, 
     Gumbel-max score `exp(l) / (−log u)^T` — so the effective temperature is T² (documented quirk);
     T=0: the logits. With `uniforms` `[N, >= vocab]` (the coupled rule, T > 0): ``filtered(l/T) + g``
     over the first `vocab` ids, g = −log(−log u), which the target reuses."""
+    filtered = filter_logits(logits if uniforms is None else logits[:, :vocab], temperature, top_k, top_p,
+                             order="top_p_first", removed="dtype_min")
     if uniforms is not None:
-        scores = filter_logits(logits[:, :vocab], temperature, top_k, top_p, order="top_p_first", removed="dtype_min")
-        return scores.float() + gumbel(uniforms[:, :vocab].float())
-    filtered = filter_logits(logits, temperature, top_k, top_p, order="top_p_first", removed="dtype_min")
+        return filtered.float() + gumbel(uniforms[:, :vocab].float())
     return gumbel_max_scores(filtered, temperature, generator)
 
 
@@ -173,14 +172,12 @@ class APDDecoder(Constrainable):
               verifier_stats: GenerationStats | None = None) -> Generator[ForwardRequest, Any, APDState]:
         """One round as a step generator: the dLLM's forward over the window, the draft, the
         verifier's forward over it, the accepted prefix committed. Returns the state."""
-        apd, spec, x = self.apd, self.spec, state.x
-        verifier, vocab, T, P = apd.verifier, self.vocab, x.shape[1], state.prompt_len
-        mask_id, R, W, M = spec.mask_id, apd.mixture_weight, apd.kv_window, apd.max_lookahead
-        temperature, curr = self.temperature, state.curr
-        right = T if M is None else min(curr + M, T)
+        apd, spec, x, verifier, vocab = self.apd, self.spec, state.x, self.apd.verifier, self.vocab
+        T, temperature, curr = x.shape[1], self.temperature, state.curr
+        right = T if apd.max_lookahead is None else min(curr + apd.max_lookahead, T)
         cache, left = state.dllm_cache, 0
         if cache is not None:
-            left = max(curr - W - state.num_accept + 1, 0)
+            left = max(curr - apd.kv_window - state.num_accept + 1, 0)
             cache.crop(left)
             logits = yield ForwardRequest(x[:, left:right], cache=cache, spec=spec,
                                           shared=dict(cache_position=torch.arange(left, right, device=x.device)))
@@ -194,7 +191,7 @@ class APDDecoder(Constrainable):
         # verifier crashes on one): such a draft becomes the best id of the shared vocabulary.
         window = full_logits(logits)[0, curr - left:right - left]   # APD's verifier mixes whole rows
         proposal = window.clone()
-        proposal[:, mask_id] = torch.finfo(proposal.dtype).min
+        proposal[:, spec.mask_id] = torch.finfo(proposal.dtype).min
         uniforms = torch.rand((right - curr, vocab), dtype=torch.float32, device=x.device, generator=generator) \
             if apd.coupled_gumbel and temperature > 0 else None
         scores = draft_scores(proposal, temperature, self.top_p, self.top_k, generator, uniforms, vocab)
@@ -219,7 +216,7 @@ class APDDecoder(Constrainable):
         state.verifier_cache = output_cache(out)
         if verifier_stats is not None:
             verifier_stats.forward(1, out.logits.shape[1])   # the prefix too on the first round
-        num_accept = int(apd_accept(draft, window, verifier_logits, R, vocab=vocab,
+        num_accept = int(apd_accept(draft, window, verifier_logits, apd.mixture_weight, vocab=vocab,
                                     temperature=temperature if uniforms is not None else 0.0, noise=uniforms)[1])
         if state.matcher is not None:   # the accepted run, cut at the first token the structure refuses
             num_accept = max(1, state.matcher.accepts(draft[:num_accept].tolist()))
@@ -234,11 +231,10 @@ class APDDecoder(Constrainable):
         state.num_accept = num_accept
         stats.step(num_accept)
         # Upstream stops at an EOS anywhere, the prompt included; remask looks at the generated part.
-        eos_seen = spec.eos_id is not None and bool((x[:, P:curr] == spec.eos_id).any())
-        if curr >= T or eos_seen:
-            if curr < T:
-                x[0, curr:] = spec.eos_id   # stopped at an EOS: the rest is EOS, never mask tokens
-            state.done = True
+        eos_seen = spec.eos_id is not None and bool((x[:, state.prompt_len:curr] == spec.eos_id).any())
+        if eos_seen:
+            x[0, curr:] = spec.eos_id   # stopped at an EOS: the rest is EOS, never mask tokens
+        state.done = curr >= T or eos_seen
         return state
 
 
