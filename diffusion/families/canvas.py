@@ -53,15 +53,12 @@ class StabilityTracker:
         self.history: torch.Tensor | None = None
 
     def __call__(self, argmax_canvas: torch.Tensor, mean_entropy: torch.Tensor) -> torch.Tensor:
-        if self.stability_threshold == 0:
-            stable = torch.ones(argmax_canvas.shape[0], dtype=torch.bool, device=argmax_canvas.device)
-        else:
-            if self.history is None:
-                self.history = torch.full((self.stability_threshold, *argmax_canvas.shape), -1,
-                                          dtype=argmax_canvas.dtype, device=argmax_canvas.device)
-            stable = (self.history == argmax_canvas[None]).all(dim=-1).all(dim=0)
-            self.history = torch.roll(self.history, shifts=-1, dims=0)
-            self.history[-1] = argmax_canvas
+        if self.history is None:   # no canvas before: never equal (threshold 0: an empty history, always stable)
+            self.history = torch.full((self.stability_threshold, *argmax_canvas.shape), -1,
+                                      dtype=argmax_canvas.dtype, device=argmax_canvas.device)
+        stable = (self.history == argmax_canvas[None]).all(dim=-1).all(dim=0)
+        if self.stability_threshold > 0:   # the oldest canvas out, this one in
+            self.history = torch.cat([self.history[1:], argmax_canvas[None]])
         return stable & (mean_entropy < self.confidence_threshold)
 
 
@@ -79,7 +76,7 @@ class CanvasSampler:
     freeze_after: int | None = None
 
     def __post_init__(self):
-        check_choice("rule", self.rule, CANVAS_RULES)
+        check_choice("rule", self.rule, ("entropy_bound", "threshold", "top_k"))
         for name, value in (("threshold", self.threshold), ("top_k", self.top_k)):
             if self.rule != name and value is not None:
                 raise ValueError(f"{name} applies to rule={name!r} only (rule={self.rule!r})")
@@ -88,9 +85,6 @@ class CanvasSampler:
         elif self.rule == "top_k":
             check_int("top_k", self.top_k, minimum=1)
         check_int("freeze_after", self.freeze_after, minimum=1, allow_none=True)
-
-
-CANVAS_RULES = ("entropy_bound", "threshold", "top_k")
 
 
 def check_stability(stability_threshold: int | None, max_denoising_steps: int, what: str) -> None:
@@ -139,8 +133,7 @@ def accept_positions(sampler: CanvasSampler, entropy: torch.Tensor, top_prob: to
     if sampler.rule == "threshold":
         best = torch.zeros_like(top_prob, dtype=torch.bool).scatter(-1, top_prob.argmax(-1, keepdim=True), True)
         return (top_prob >= sampler.threshold) | best
-    k = min(sampler.top_k, entropy.shape[-1])
-    order = torch.sort(entropy, dim=-1, stable=True).indices[..., :k]
+    order = torch.sort(entropy, dim=-1, stable=True).indices[..., :sampler.top_k]   # all when top_k > L
     return torch.zeros_like(entropy, dtype=torch.bool).scatter(-1, order, True)
 
 
@@ -337,11 +330,12 @@ class CanvasDecoder(Constrainable, Decoder):
     def denoising_step(self, state: CanvasState, generator: torch.Generator | None = None,
                        stats: GenerationStats | None = None,
                        streamer: Any = None) -> Generator[ForwardRequest | None, Any, CanvasState]:
-        """One denoising step of every row as a step generator; closes (and opens) canvases as they end."""
+        """One denoising step of every row as a step generator: it opens a canvas where none is (the first, or
+        the next after one closed: the encoder's forward first) and closes the canvas as it ends."""
         cm, sampler = self.canvas_model, self.sampler
         L, V, B, device = cm.canvas_length, cm.vocab_size, state.input_ids.shape[0], state.input_ids.device
-        if state.masks is None:
-            yield from self._open_canvas(state, generator, first=True)
+        if state.argmax_canvas is None:
+            yield from self._open_canvas(state, generator, first=state.masks is None)
         canvas, argmax_canvas, finished = state.canvas, state.argmax_canvas, state.finished_denoising
         running = ~(finished | state.finished_sequences)
         state.decoder_forwards += running
@@ -391,12 +385,12 @@ class CanvasDecoder(Constrainable, Decoder):
         if streamer is not None and hasattr(streamer, "put_draft"):
             streamer.put_draft(value=new_argmax.cpu())
         if state.cur_step == 0 or bool(finished.all()):
-            yield from self._close_canvas(state, generator, streamer)
+            self._close_canvas(state, streamer)
         return state
 
-    def _close_canvas(self, state: CanvasState, generator: torch.Generator | None,
-                      streamer: Any = None) -> Generator[ForwardRequest | None, Any, None]:
-        """Append the argmax canvas; unless every row is finished, open the next one (encoding this one)."""
+    def _close_canvas(self, state: CanvasState, streamer: Any = None) -> None:
+        """Append the argmax canvas; unless every row is finished, the next step opens the next one (encoding
+        this one)."""
         L = self.canvas_model.canvas_length
         if state.matchers is not None:   # each running row's matcher consumes its canvas (valid by construction)
             for b, matcher in enumerate(state.matchers):
@@ -413,17 +407,13 @@ class CanvasDecoder(Constrainable, Decoder):
             if self.eos_ids is not None and bool(finished_now.any()):
                 new_tokens = input_ids[:, -L:]
                 is_eos = torch.isin(new_tokens, torch.tensor(self.eos_ids, device=input_ids.device))
-                seen = is_eos.cumsum(dim=-1)
-                new_tokens[(seen > 0) & ~((seen == 1) & is_eos)] = pad
+                new_tokens[is_eos.cumsum(dim=-1) > is_eos.long()] = pad   # after the first EOS
         if streamer is not None:
             streamer.put(state.input_ids[:, -L:].cpu())
         state.argmax_canvas = None   # the sequences so far (`x`) until the next canvas is drawn
-        if bool(state.finished_sequences.all()) or state.canvases_left == 0:
-            state.done = True
-            return
+        state.done = bool(state.finished_sequences.all()) or state.canvases_left == 0
         state.attention_mask = torch.nn.functional.pad(state.attention_mask, (0, L), value=True)
         state.encoder_positions, state.decoder_positions = state.decoder_positions, state.decoder_positions + L
-        yield from self._open_canvas(state, generator)
 
 
 def canvas_generate(model: torch.nn.Module, input_ids: torch.Tensor, generation_config: Any = None, *,
