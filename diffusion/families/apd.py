@@ -162,10 +162,9 @@ class APDDecoder(Constrainable):
 
     def start(self, prompt: torch.Tensor) -> APDState:
         apd, P = self.apd, prompt.shape[1]
-        use_dllm_cache = apd.kv_window is not None and (apd.dllm_cache if apd.dllm_cache is not None
-                                                        else bool(getattr(self.spec.config, "use_cache", False)))
+        cached = apd.dllm_cache if apd.dllm_cache is not None else bool(getattr(self.spec.config, "use_cache", False))
         return APDState(x=masked_canvas(prompt, self.gen_length, self.spec.mask_id), prompt_len=P, curr=P,
-                        use_dllm_cache=use_dllm_cache,
+                        use_dllm_cache=apd.kv_window is not None and cached,
                         matcher=None if self.structure is None else self.structure.matcher(self.end_ids))
 
     def round(self, state: APDState, generator: torch.Generator | None, stats: GenerationStats,
@@ -200,8 +199,7 @@ class APDDecoder(Constrainable):
         # The verifier scores the draft: the whole prefix the first time, then only the draft.
         # A model of its own (`module`): the request runs alone, its whole output wanted (the cache).
         if state.verifier_cache is None:
-            ids = x[:, :right].clone()
-            ids[0, curr:right] = draft
+            ids = torch.cat([x[:, :curr], draft[None]], dim=1)   # the prefix, then the draft
             out = yield ForwardRequest(ids, shared=dict(use_cache=True), output="model", module=verifier)
             verifier_logits = out.logits[0, curr - 1:right - 1]
         else:

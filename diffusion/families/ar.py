@@ -105,9 +105,10 @@ class ARDecoder(Decoder):
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, grow[1] + 1, device=device)], dim=1)
+        matchers = None if self.structure is None else [self.structure.matcher(self.eos_ids) for _ in range(B)]
         return ARState(prompt_len=input_ids.shape[1], finished=[False] * B, positions=positions,
                        sequence=torch.nn.functional.pad(input_ids.long(), grow, value=self.pad_token_id),
-                       mask=torch.nn.functional.pad(mask, grow, value=1))
+                       mask=torch.nn.functional.pad(mask, grow, value=1), matchers=matchers)
 
     def next_forward(self, state: ARState, generator: torch.Generator | None = None,
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
@@ -162,10 +163,8 @@ class ARDecoder(Decoder):
 
     def sample(self, logits: torch.Tensor, generator: torch.Generator | None = None, state: Any = None) -> torch.Tensor:
         """The next token of each row from its logits `[B, V]`; with a structure, masked to what it
-        allows by the matchers `state` carries, which then advance."""
+        allows by the matchers `state` carries (one per row, from `start`), which then advance."""
         if self.structure is not None:
-            if state.matchers is None:
-                state.matchers = [self.structure.matcher(self.eos_ids) for _ in range(logits.shape[0])]
             logits = torch.stack([m.mask_logits(row) for m, row in zip(state.matchers, logits)])
         # never a mask token the config declares (a model sharing a diffusion model's tokenizer)
         tokens = score_tokens(logits.float(), temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
