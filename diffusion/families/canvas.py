@@ -193,8 +193,7 @@ class CanvasState:
     self_conditioning: torch.Tensor | None = None
     masks: Any = None
     finished_denoising: torch.Tensor | None = None
-    frozen: torch.Tensor | None = None
-    stable_steps: torch.Tensor | None = None
+    stable_steps: torch.Tensor | None = None   # per position: steps its argmax stayed (`freeze_after`: frozen)
     cur_step: int = 0
     done: bool = False
     pending: Any = None                    # under the engine: the step under way (a step generator) ...
@@ -259,17 +258,16 @@ class CanvasDecoder(Constrainable, Decoder):
         elif attention_mask.dim() != 2 or tuple(attention_mask.shape) != (B, cur_len):
             raise ValueError(f"attention_mask must be 2-D with input_ids' shape {(B, cur_len)}, "
                              f"got {tuple(attention_mask.shape)}")
-        state = CanvasState(
+        # the first step opens the first canvas (encoder, random canvas: transformers' order)
+        return CanvasState(
             input_ids=input_ids, prompt_length=cur_len, max_new_tokens=max_new_tokens,
             attention_mask=attention_mask.bool(), canvas=decoder_input_ids, self_conditioning=self_conditioning_logits,
             encoder_positions=torch.arange(0, cur_len, dtype=torch.int32, device=device)[None],
             decoder_positions=torch.arange(cur_len, cur_len + L, dtype=torch.int32, device=device)[None],
-            cache=self.canvas_model.new_cache(), canvases_left=math.ceil(max_new_tokens / L),
+            cache=self.canvas_model.new_cache(), canvases_left=math.ceil(max_new_tokens / L), done=max_new_tokens <= 0,
             finished_sequences=torch.zeros(B, dtype=torch.bool, device=device),
             decoder_forwards=torch.zeros(B, dtype=torch.int, device=device),
             matchers=None if self.structure is None else [self.structure.matcher(self.end_ids) for _ in range(B)])
-        state.done = state.canvases_left <= 0
-        return state   # the first step opens the first canvas (encoder, random canvas: transformers' order)
 
     def next_forward(self, state: CanvasState, generator: torch.Generator | None = None,
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
@@ -322,7 +320,6 @@ class CanvasDecoder(Constrainable, Decoder):
         if self.config.stability_threshold is not None and self.config.confidence_threshold is not None:
             state.tracker = StabilityTracker(self.config.stability_threshold, self.config.confidence_threshold)
         state.argmax_canvas = state.canvas
-        state.frozen = torch.zeros((B, L), dtype=torch.bool, device=device)
         state.stable_steps = torch.zeros((B, L), dtype=torch.long, device=device)
         state.cur_step = self.config.max_denoising_steps
         state.canvases_left -= 1
@@ -356,12 +353,13 @@ class CanvasDecoder(Constrainable, Decoder):
             noise_tokens = torch.randint(0, V, (B, L), device=device, generator=generator)
             new_canvas = apply_decision(canvas, sample, Decision(commit=accepted, renoise=~accepted), noise_tokens)
         if sampler.freeze_after is not None:   # early commit: a stable argmax is kept for good
-            new_argmax = torch.where(state.frozen, argmax_canvas, new_argmax)
+            # a frozen position keeps its argmax, so its count only grows: frozen for good
+            new_argmax = torch.where(state.stable_steps >= sampler.freeze_after, argmax_canvas, new_argmax)
             if state.cur_step < self.config.max_denoising_steps:   # from the second step: a previous argmax
                 state.stable_steps = torch.where(new_argmax == argmax_canvas, state.stable_steps + 1, 0)
-                state.frozen = state.frozen | (state.stable_steps >= sampler.freeze_after)
-            new_canvas = torch.where(state.frozen, new_argmax, new_canvas)
-            accepted = accepted | state.frozen
+            frozen = state.stable_steps >= sampler.freeze_after
+            new_canvas = torch.where(frozen, new_argmax, new_canvas)
+            accepted = accepted | frozen
         if finished.any():   # finished rows keep their state (and self-conditioning logits)
             new_argmax = torch.where(finished[:, None], argmax_canvas, new_argmax)
             new_canvas = torch.where(finished[:, None], canvas, new_canvas)
@@ -372,7 +370,7 @@ class CanvasDecoder(Constrainable, Decoder):
         if state.tracker is not None:
             finished |= state.tracker(new_argmax, entropy.mean(dim=-1))
         if sampler.freeze_after is not None:
-            finished |= state.frozen.all(dim=-1)
+            finished |= frozen.all(dim=-1)
         if stats is not None:
             stats.step(accepted[running].sum())
         if state.matchers is not None:   # structured output: the commit checked, the output held valid
