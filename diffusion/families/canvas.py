@@ -353,7 +353,7 @@ class CanvasDecoder(Constrainable, Decoder):
             noise_tokens = torch.randint(0, V, (B, L), device=device, generator=generator)
             new_canvas = apply_decision(canvas, sample, Decision(commit=accepted, renoise=~accepted), noise_tokens)
         if sampler.freeze_after is not None:   # early commit: a stable argmax is kept for good
-            # a frozen position keeps its argmax, so its count only grows: frozen for good
+            # frozen: stable for `freeze_after` steps; its argmax is kept, so its count only grows
             new_argmax = torch.where(state.stable_steps >= sampler.freeze_after, argmax_canvas, new_argmax)
             if state.cur_step < self.config.max_denoising_steps:   # from the second step: a previous argmax
                 state.stable_steps = torch.where(new_argmax == argmax_canvas, state.stable_steps + 1, 0)
