@@ -174,8 +174,7 @@ class FastDLLMV2Decoder(BlockLoop):
             elif state.block_start < 0:   # between blocks
                 self._open_block(state)
             else:
-                if self.stop_mode == "batch_sample" and state.finished and \
-                        not bool((state.x[:, state.block_start:] == self.mask_id).any()):
+                if self.stop_mode == "batch_sample" and state.finished and self._block_full(state):
                     self._finish(state)
                 return
 
@@ -222,12 +221,9 @@ class FastDLLMV2Decoder(BlockLoop):
         logits = shift_logits((yield ForwardRequest.call(block, {}, block_past_key_values=state.block_cache, **kept)))
         return logits[:, start:end], ("denoise", L)
 
-    def _loop_commit(self, state: FastDLLMV2State, logits: torch.Tensor, kind: tuple,
+    def _loop_commit(self, state: FastDLLMV2State, logits: torch.Tensor, what: str,
                      generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> None:
-        """The step's decision from its forward's logits (`kind`: which forward it was, its positions)."""
-        what, positions = kind
-        if stats is not None:
-            stats.forward(1, positions)
+        """The step's decision from its forward's logits (`what`: which forward it was)."""
         if what == "denoise":
             self._denoise(state, logits, generator, stats)
             return
@@ -304,8 +300,7 @@ class FastDLLMV2Decoder(BlockLoop):
         return state.block_start, state.block_start + self.block_size
 
     def _fd_pending(self, state: FastDLLMV2State) -> bool:
-        # after `_settle`: prefilled means inside a block
-        return not state.prefilled or not bool((state.x[:, state.block_start:] == self.mask_id).any())
+        return not state.prefilled or self._block_full(state)   # after `_settle`: prefilled means inside a block
 
     def _fd_scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return choose_tokens(logits, self.top_p, 0.0, self.mask_id, None)[:2]
@@ -321,9 +316,8 @@ class FastDLLMV2Decoder(BlockLoop):
     def _fd_forwards(self, state: FastDLLMV2State, blocks: torch.Tensor
                      ) -> Generator[ForwardRequest, Any, torch.Tensor]:
         """Shifted logits `[K, L, V]` of K versions of the current block, each as the loop's own forward."""
-        if self.use_cache:
-            return shift_logits((yield self._block_rows(state, blocks, False)))
-        return shift_logits((yield self._sequence_request(state, blocks, {})))
+        return shift_logits((yield self._block_rows(state, blocks, False) if self.use_cache else
+                             self._sequence_request(state, blocks, {})))
 
     def _fd_committed(self, state: FastDLLMV2State) -> None:
         if self._stop_reached(state):   # generate's stop: a stop with no mask before it
@@ -406,12 +400,9 @@ def fast_dllm_v2_batch_sample(model: torch.nn.Module, input_ids: torch.Tensor, s
     # upstream's batch: a row finished in block k leaves with the pad appended at k's end when a
     # batch-mate goes on past k; unfinished rows come last
     last = [s.finished_block if s.finished else num_blocks for s in states]
-    out: dict[int, torch.Tensor] = {}
-    for b in sorted(range(len(states)), key=lambda b: (last[b], b)):
-        row = states[b].x[0]
-        if states[b].finished and max(last) > last[b]:
-            row = torch.cat([row, row.new_tensor([pad_token])])
-        out[b] = row
+    pad = input_ids.new_tensor([pad_token])
+    out = {b: torch.cat([states[b].x[0], pad]) if states[b].finished and max(last) > last[b] else states[b].x[0]
+           for b in sorted(range(len(states)), key=lambda b: (last[b], b))}
     stats.stop(int(sum(len(row) for row in out.values()) - sum(lengths)))
     return out
 

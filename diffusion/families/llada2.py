@@ -89,7 +89,8 @@ class LLaDA2Decoder(StoreKVLoop):
         self.steps = min(steps, gen_length // minimal_topk)
         self.schedule = num_transfer_schedule(block_length, self.steps).tolist()
         self.block_store = block_store if use_cache else None
-        self._take(decoder)
+        self._take(decoder, unread={"editing_threshold": editing_threshold} if self.editing else {},
+                   replaces="token editing")
 
     def output(self, state: LLaDA2State) -> torch.Tensor:
         """The continuation `[1, n]`: up to and including the first EOS, at most `gen_length`."""
@@ -170,14 +171,9 @@ class LLaDA2Decoder(StoreKVLoop):
             state.end = state.prompt_length + (self.gen_length if eos is None else eos + 1)
             # positions left masked (a block cut short) become EOS — upstream returns the mask token
             tail = state.x[0, state.prompt_length:state.end]
-            if bool((tail == self.mask_id).any()):
-                tail[tail == self.mask_id] = self.eos_id if self.eos_id is not None else tail[tail != self.mask_id][0]
+            tail[tail == self.mask_id] = self.eos_id if self.eos_id is not None else tail[tail != self.mask_id][0]
         else:
             state.stored = not self.use_cache
-
-    def _rule_replaces(self) -> dict:
-        return dict(unread={"editing_threshold": self.editing_threshold} if self.editing else {},
-                    replaces="token editing")
 
     def _fd_loop(self) -> tuple:
         return (all(n == 1 for n in self.schedule), "steps", not self.editing,

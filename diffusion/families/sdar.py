@@ -105,7 +105,7 @@ class SDARDecoder(StoreKVLoop):
 
     def _loop_forward(self, state: BlockState) -> Generator[ForwardRequest, Any, tuple[torch.Tensor | None, Any]]:
         if state.stored and self.use_cache and self._block_full(state):   # a finished block joins the cache
-            return (yield self._store_request(state, *self._span(state))), "store"
+            return (yield self._store_request(state, *self._span(state))), ("store", self.block_length)
         return (yield from super()._loop_forward(state))
 
     def _select(self, masked: torch.Tensor, confidence: torch.Tensor, count: int, probs: torch.Tensor | None = None,
@@ -122,12 +122,10 @@ class SDARDecoder(StoreKVLoop):
     def _next_block(self, state: BlockState) -> None:
         state.block += 1
         state.step = 0
-        if self.stop_ids and any(stop in state.x[:, state.prompt_length:] for stop in self.stop_ids):
-            if self.fill_after_stop:
-                state.x[:, state.block * self.block_length:] = self.stop_ids[0]
-            state.done = True
-        elif state.block == state.num_blocks:
-            state.done = True
+        stopped = any(stop in state.x[:, state.prompt_length:] for stop in self.stop_ids)
+        if stopped and self.fill_after_stop:
+            state.x[:, state.block * self.block_length:] = self.stop_ids[0]
+        state.done = stopped or state.block == state.num_blocks
 
     def _fd_loop(self) -> tuple:
         return (all(n == 1 for n in self.schedule), "denoising_steps", self.strategy in FREEDAVE_STRATEGIES,

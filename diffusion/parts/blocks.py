@@ -50,16 +50,12 @@ def sample_block(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
 def select_mask_to_token(masked: torch.Tensor, confidence: torch.Tensor, count: int, threshold: float) -> torch.Tensor:
     """Masked positions of a `[1, L]` block to commit: those above `threshold` when there are at
     least `count`, else the `count` most confident (never more than there are masks)."""
-    transfer = torch.zeros_like(masked)
-    masks = int(masked.sum())
-    if masks == 0:
-        return transfer
     conf = torch.where(masked, confidence, -torch.inf)
-    high = (conf[0] > threshold) & masked[0]
+    high = (conf > threshold) & masked
     if int(high.sum()) >= count:
-        transfer[0] = high
-    else:
-        transfer[0, torch.topk(conf[0], k=min(count, masks)).indices] = True
+        return high
+    transfer = torch.zeros_like(masked)
+    transfer[0, torch.topk(conf[0], k=min(count, int(masked.sum()))).indices] = True
     return transfer
 
 
@@ -158,8 +154,9 @@ def engine_settings(spec: ModelSpec, params: Any, config: Any, family: str, *, r
 
 
 class BlockLoop(Constrainable, ForwardThenCommit):
-    """A block-causal family's loop as a `ForwardThenCommit`: the family's `_loop_forward` returns `(logits, kind)`
-    (which forward it was, for its `_loop_commit`); `_settle(state)`: the moves that take no forward, made before
+    """A block-causal family's loop as a `ForwardThenCommit`: the family's `_loop_forward` returns `(logits, (kind,
+    positions))` (which forward it was, for its `_loop_commit`; the positions it computed, counted here);
+    `_settle(state)`: the moves that take no forward, made before
     each forward. With `drafts` (FreeDave) the part forwards and commits inside a block, the loop around it."""
 
     stop_ids: list = []     # the loop's stop ids: a structured output's default end ids (`constrain`)
@@ -167,17 +164,15 @@ class BlockLoop(Constrainable, ForwardThenCommit):
     drafts: Any = None   # ... or FreeDave's draft-verify (`DraftVerify`); neither: the family's own rule
     takes_rules = False
 
-    def _take(self, decoder: Any) -> None:
+    def _take(self, decoder: Any, **replaces: Any) -> None:
         """Set the commit part (after the loop's own settings, which it checks): None, the family's own rule; a
-        commit rule (`takes_rules`); FreeDave's config (`DraftVerify`). Each refusal names the setting."""
+        commit rule (`takes_rules`; `replaces`: `check_rule_on_loop`'s words); FreeDave's config (`DraftVerify`).
+        Each refusal names the setting."""
         if is_rule(check_instance("decoder", decoder, *_parts(self.takes_rules))):
-            check_rule_on_loop(decoder, self.family, temperature=self.temperature, **self._rule_replaces())
+            check_rule_on_loop(decoder, self.family, temperature=self.temperature, **replaces)
             self.rule = decoder
         elif decoder is not None:
             self.drafts = DraftVerify(self, decoder)
-
-    def _rule_replaces(self) -> dict:
-        return {}
 
     def _forward(self, state: Any) -> Generator[ForwardRequest, Any, tuple[torch.Tensor | None, Any]]:
         """The step's forward: the family's own (with `drafts`: its prefill or store), or the part's."""
@@ -189,9 +184,10 @@ class BlockLoop(Constrainable, ForwardThenCommit):
     def commit(self, state: Any, logits: torch.Tensor | None, kind: Any, generator: torch.Generator | None = None,
                stats: GenerationStats | None = None) -> None:
         if kind is None or torch.is_tensor(kind):   # a draft-verify forward's: its drafts, None the block's first
-            self.drafts.commit(state, logits, kind, stats)
-        else:
-            self._loop_commit(state, logits, kind, generator, stats)
+            return self.drafts.commit(state, logits, kind, stats)
+        if stats is not None:
+            stats.forward(1, kind[1])
+        self._loop_commit(state, logits, kind[0], generator, stats)
 
     def _fd_committed(self, state: Any) -> None:
         """After a draft-verify commit: the family's in-block stop, if it has one (sets `state.done`)."""
@@ -221,6 +217,10 @@ class BlockLoop(Constrainable, ForwardThenCommit):
 
     def _span(self, state: Any) -> tuple[int, int]:   # the current block in state.x
         return state.block * self.block_length, (state.block + 1) * self.block_length
+
+    def _block_full(self, state: Any) -> bool:
+        start, end = self._span(state)
+        return not bool((state.x[:, start:end] == self.mask_id).any())
 
     def _count(self, stats: GenerationStats | None, rows: int, state: Any) -> None:
         """Count a forward of `rows` versions of the current block (without a cache: the sequence to its end)."""
@@ -266,8 +266,6 @@ class StoreKVLoop(BlockLoop):
     forward covers the sequence up to the current block under the block-causal mask (the cache's check)."""
 
     takes_rules = True
-
-    family = ""
     mask_dtype: Any = None   # the block-causal mask's dtype and leading dims, as the model's remote code takes it
     mask_lead = (1,)
     prompt_name, empty_prompt_ok = "input_ids", True   # `start`'s prompt, as the family's function names it
@@ -318,10 +316,6 @@ class StoreKVLoop(BlockLoop):
         block's positions past it are decoded, not returned: a request's max_tokens)."""
         return state.end if state.end is not None else min(state.x.shape[1], state.prompt_length + self.gen_length)
 
-    def _block_full(self, state: BlockState) -> bool:
-        start, end = self._span(state)
-        return not bool((state.x[:, start:end] == self.mask_id).any())
-
     def _store_request(self, state: BlockState, start: int, end: int) -> ForwardRequest:
         """The forward storing the whole blocks `x[start:end]` (one block: a block forward like the others)."""
         if end - start == self.block_length:
@@ -332,23 +326,20 @@ class StoreKVLoop(BlockLoop):
 
     def _loop_forward(self, state: BlockState) -> Generator[ForwardRequest, Any, tuple[torch.Tensor | None, Any]]:
         """The store of the blocks before the current one (the prompt's, or the block just decoded),
-        else a decoding step of the current block. Returns (logits, ("stored", positions) or "decide")."""
+        else a decoding step of the current block. Returns (logits, ("stored" or "decide", positions))."""
         start, end = self._span(state)
         if not state.stored:
             cached = state.cache.get_seq_length()
             yield self._store_request(state, cached, start)
             return None, ("stored", start - cached)
-        return (yield from self._fd_forwards(state, state.x[:, start:end])), "decide"
+        logits = yield from self._fd_forwards(state, state.x[:, start:end])
+        return logits, ("decide", self.block_length if self.use_cache else end)
 
-    def _loop_commit(self, state: BlockState, logits: torch.Tensor | None, kind: Any,
+    def _loop_commit(self, state: BlockState, logits: torch.Tensor | None, kind: str,
                      generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> None:
-        if isinstance(kind, tuple):   # the forward stored the blocks before the current one
+        if kind == "stored":   # the forward stored the blocks before the current one
             state.stored = True
-            if stats is not None:
-                stats.forward(1, kind[1])
-            return
-        self._count(stats, 1, state)
-        if kind == "store":
+        elif kind == "store":
             self._next_block(state)
         else:
             self._decide(state, logits, generator, stats)
