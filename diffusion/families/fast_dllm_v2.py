@@ -225,8 +225,7 @@ class FastDLLMV2Decoder(BlockLoop):
                      generator: torch.Generator | None = None, stats: GenerationStats | None = None) -> None:
         """The step's decision from its forward's logits (`what`: which forward it was)."""
         if what == "denoise":
-            self._denoise(state, logits, generator, stats)
-            return
+            return self._denoise(state, logits, generator, stats)
         # the next token, as an AR model picks it: after a stored block (it opens the next block), or
         # after a prompt that ends on a block boundary
         if what == "store" or state.prompt_length % self.block_size == 0:

@@ -159,7 +159,6 @@ class BlockLoop(Constrainable, ForwardThenCommit):
     `_settle(state)`: the moves that take no forward, made before
     each forward. With `drafts` (FreeDave) the part forwards and commits inside a block, the loop around it."""
 
-    stop_ids: list = []     # the loop's stop ids: a structured output's default end ids (`constrain`)
     rule: Any = None     # the commit part: one of dInfer's rules (`StoreKVLoop`), ...
     drafts: Any = None   # ... or FreeDave's draft-verify (`DraftVerify`); neither: the family's own rule
     takes_rules = False
@@ -196,14 +195,14 @@ class BlockLoop(Constrainable, ForwardThenCommit):
         """After draft-verify filled the block (default: the loop's next step stores it and moves on)."""
 
     def _default_end_ids(self) -> tuple[Any, str]:
-        """A structure's answer ends at the loop's stop ids; the current block is the filter's window."""
+        """A structure's answer ends at the loop's stop ids (the family's `stop_ids`); the current block is the
+        filter's window."""
         return self.stop_ids, "the loop has no stop id (pass one)"
 
     def _constraint(self, prompt_length: int, answer_len: int) -> Any:
         """A new state's commit filter (None without a structure)."""
-        if self.structure is None:
-            return None
-        return CommitFilter([self.structure.matcher(self.end_ids)], self.mask_id, prompt_length, answer_len)
+        return None if self.structure is None else \
+            CommitFilter([self.structure.matcher(self.end_ids)], self.mask_id, prompt_length, answer_len)
 
     def _sequence_request(self, state: Any, blocks: torch.Tensor, inputs: dict) -> ForwardRequest:
         """Without a cache: K versions `blocks` `[K, L]` of the current block, each its own forward of the sequence
@@ -221,11 +220,6 @@ class BlockLoop(Constrainable, ForwardThenCommit):
     def _block_full(self, state: Any) -> bool:
         start, end = self._span(state)
         return not bool((state.x[:, start:end] == self.mask_id).any())
-
-    def _count(self, stats: GenerationStats | None, rows: int, state: Any) -> None:
-        """Count a forward of `rows` versions of the current block (without a cache: the sequence to its end)."""
-        if stats is not None:
-            stats.forward(rows, self.block_length if self.use_cache else self._span(state)[1])
 
     def _settle(self, state: Any) -> None:
         pass
@@ -269,7 +263,8 @@ class StoreKVLoop(BlockLoop):
     mask_dtype: Any = None   # the block-causal mask's dtype and leading dims, as the model's remote code takes it
     mask_lead = (1,)
     prompt_name, empty_prompt_ok = "input_ids", True   # `start`'s prompt, as the family's function names it
-    block_store: Any = None   # the engine's `PagedKVStore` (each cache a `BlockKVCache`), or None: a `DynamicCache`
+    # the family sets `block_store`: the engine's `PagedKVStore` (each cache a `BlockKVCache`), or None (a
+    # `DynamicCache`)
 
     def _cache_args(self, ids: torch.Tensor) -> tuple[list[int], int, int]:
         """A `BlockKVCache`'s for the prompt `ids` `[1, P]`: its whole blocks' ids, the whole sequence's positions,

@@ -123,10 +123,9 @@ class DraftVerify:
         block = state.x[:, start:end]
         if state.predictions is None:   # the block's first forward: the block as it is
             return (yield from self.loop._fd_forwards(state, block)), None
-        pred = state.predictions
         K = min(self.config.draft_steps, int((block == self.mask_id).sum()))
         # draft k: the rule applied k + 1 times with these predictions (draft 0 is the next state)
-        drafts = draft_chain(self.rule(block, pred), pred, self.rule, K)[0]    # [K, L]
+        drafts = draft_chain(self.rule(block, state.predictions), state.predictions, self.rule, K)[0]    # [K, L]
         return (yield from self.loop._fd_forwards(state, drafts)), drafts
 
     def commit(self, state: Any, logits: torch.Tensor, drafts: torch.Tensor | None,
@@ -139,7 +138,8 @@ class DraftVerify:
         # structured output: every draft's frontier row masked before the rule (each a version of row 0's window)
         rows = None if state.constraint is None else state.constraint.rows([0] * logits.shape[0])
         logits, _ = before_rule(rows, logits, block, start, end, 0)
-        loop._count(stats, logits.shape[0], state)
+        if stats is not None:   # K versions of the block (without a cache: each the sequence to its end)
+            stats.forward(logits.shape[0], loop.block_length if loop.use_cache else end)
         new = Predictions(*loop._fd_scores(logits), logits if rows is not None else None)
         if drafts is None:
             state.predictions = new
@@ -177,8 +177,7 @@ class DraftVerify:
         """The loop's commit on each row of `tokens` `[N, L]` with a count of 1 (its `_fd_select`) from its
         predictions (`pred`'s row)."""
         out = tokens.clone()
-        for n in range(out.shape[0]):
-            row = out[n:n + 1]
-            transfer = self.loop._fd_select(row == self.mask_id, pred.conf[n:n + 1])
-            row[transfer] = pred.x0[n:n + 1][transfer]
+        for row, conf, x0 in zip(out.split(1), pred.conf.split(1), pred.x0.split(1)):
+            transfer = self.loop._fd_select(row == self.mask_id, conf)
+            row[transfer] = x0[transfer]
         return out
