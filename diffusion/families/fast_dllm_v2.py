@@ -86,7 +86,6 @@ class FastDLLMV2State:
     prefilled: bool = False
     done: bool = False
     finished: bool = False
-    finished_block: int | None = None
     predictions: Any = None   # FreeDave's predictions for the current block (`DraftVerify`)
     pending: Any = None       # the forward asked for and not yet answered (a sub-generator)
     constraint: Any = None    # structured output: a `CommitFilter` of one row (`BlockLoop.constrain`)
@@ -254,9 +253,8 @@ class FastDLLMV2Decoder(BlockLoop):
         if prior is not None:   # structured output: the sub-block filtered after the rule
             filter_block(state.constraint, state.x, prior, tokens, logits, *window)
             commit = (sub != self.mask_id) & masked
-        if bool(((tokens == self.stop_token) & commit).any()) and not state.finished:
+        if bool(((tokens == self.stop_token) & commit).any()):
             state.finished = True
-            state.finished_block = state.block_start // self.block_size
         if self.stop_mode == "generate" and self._stop_reached(state):
             self._finish(state)
 
@@ -348,8 +346,7 @@ def fast_dllm_v2_generate(model: torch.nn.Module, input_ids: torch.Tensor, *, ma
                              prefill_whole_block_prompt=prefill_whole_block_prompt, use_cache=use_cache)
     loop.constrain(structure_for_call(structured_outputs, model, tokenizer, loop.mask_id, max_new_tokens))
     stats.start()
-    rows = [decode_alone(loop, model, loop.start(input_ids[b:b + 1]), generator, stats).x[0]
-            for b in range(input_ids.shape[0])]
+    rows = [decode_alone(loop, model, loop.start(prompt), generator, stats).x[0] for prompt in input_ids.split(1)]
     stats.stop(int(sum(len(row) for row in rows) - input_ids.numel()))
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=stop_token)
 
@@ -396,9 +393,9 @@ def fast_dllm_v2_batch_sample(model: torch.nn.Module, input_ids: torch.Tensor, s
                                     prefill_whole_block_prompt=prefill_whole_block_prompt)
         state = decoder.start(input_ids[b:b + 1, :length], skip_first_block=skip)
         states.append(decode_alone(decoder, model, state, generator, stats))
-    # upstream's batch: a row finished in block k leaves with the pad appended at k's end when a
-    # batch-mate goes on past k; unfinished rows come last
-    last = [s.finished_block if s.finished else num_blocks for s in states]
+    # upstream's batch: a row finished in block k (its last: x ends there) leaves with the pad appended at k's end
+    # when a batch-mate goes on past k; unfinished rows come last
+    last = [s.x.shape[1] // block_size - 1 if s.finished else num_blocks for s in states]
     pad = input_ids.new_tensor([pad_token])
     out = {b: torch.cat([states[b].x[0], pad]) if states[b].finished and max(last) > last[b] else states[b].x[0]
            for b in sorted(range(len(states)), key=lambda b: (last[b], b))}
