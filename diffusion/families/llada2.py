@@ -121,15 +121,13 @@ class LLaDA2Decoder(StoreKVLoop):
                 state.done, ended_at = True, constraint.matchers[0]._ended_at
                 state.end = min(state.prompt_length + ended_at + 1, state.prompt_length + self.gen_length)
                 return
-        if self.editing:
-            finished = (not bool(masked.any()) and not bool((change & ~masked).any())) or self._post_steps_spent(state)
-            if prior is not None:   # a structure's block ends only without holes
-                finished = finished and not bool((block == self.mask_id).any())
+        if self.editing:   # no mask and no edit (or the post steps spent); a structure's block ends only without holes
+            finished = (not bool((masked | change).any()) or self._post_steps_spent(state)) and \
+                (prior is None or self._block_full(state))
         else:
             if self._eos_stop(state, block[change] if tokens is None else tokens[change]):
                 return
-            finished = not bool((block == self.mask_id).any()) or \
-                (self.rule is None and prior is None and state.step >= self.steps)
+            finished = self._block_full(state) or (self.rule is None and prior is None and state.step >= self.steps)
         if finished:
             self._finish_block(state)
 
