@@ -255,8 +255,8 @@ class FastDLLMV2Decoder(BlockLoop):
             commit = (sub != self.mask_id) & masked
         if bool(((tokens == self.stop_token) & commit).any()):
             state.finished = True
-        if self.stop_mode == "generate" and self._stop_reached(state):
-            self._finish(state)
+        if self.stop_mode == "generate":
+            self._fd_committed(state)
 
     def _open_block(self, state: FastDLLMV2State) -> None:
         """The next block: masks up to the block boundary (a whole block when x ends on one)."""
@@ -271,11 +271,13 @@ class FastDLLMV2Decoder(BlockLoop):
         state.block_start = state.x.shape[1] - L
         state.sub_block, state.block_cache = 0, None
 
-    def _stop_reached(self, state: FastDLLMV2State) -> bool:
-        """`generate`'s test: a stop in the block's new part with no mask before the first one."""
+    def _fd_committed(self, state: FastDLLMV2State) -> None:
+        """`generate`'s stop (after each commit, FreeDave's too): the end once the block's new part holds a stop with
+        no mask before the first one."""
         new = state.x[0, state.new_start:]
         stops = (new == self.stop_token).nonzero()
-        return len(stops) > 0 and not bool((new[:int(stops[0])] == self.mask_id).any())
+        if len(stops) > 0 and not bool((new[:int(stops[0])] == self.mask_id).any()):
+            self._finish(state)
 
     def _finish(self, state: FastDLLMV2State) -> None:
         state.done = True
@@ -315,10 +317,6 @@ class FastDLLMV2Decoder(BlockLoop):
         """Shifted logits `[K, L, V]` of K versions of the current block, each as the loop's own forward."""
         return shift_logits((yield self._block_rows(state, blocks, False) if self.use_cache else
                              self._sequence_request(state, blocks, {})))
-
-    def _fd_committed(self, state: FastDLLMV2State) -> None:
-        if self._stop_reached(state):   # generate's stop: a stop with no mask before it
-            self._finish(state)
 
 
 @torch.no_grad()
