@@ -304,7 +304,8 @@ class FastDLLMV2Decoder(BlockLoop):
     def _fd_scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return choose_tokens(logits, self.top_p, 0.0, self.mask_id, None)[:2]
 
-    def _fd_select(self, masked: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
+    def _select(self, masked: torch.Tensor, conf: torch.Tensor, count: int = 1) -> torch.Tensor:
+        """FreeDave's rule on a `[1, L]` row (`DraftVerify`; `count` 1: the official rule commits at least one)."""
         transfer, S = torch.zeros_like(masked), self.small_block_size
         if bool(masked.any()):   # the loop's step: the first sub-block holding a mask
             start = int(masked[0].nonzero()[0]) // S * S

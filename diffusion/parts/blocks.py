@@ -156,8 +156,8 @@ def engine_settings(spec: ModelSpec, params: Any, config: Any, family: str, *, r
 class BlockLoop(Constrainable, ForwardThenCommit):
     """A block-causal family's loop as a `ForwardThenCommit`: the family's `_loop_forward` returns `(logits, (kind,
     positions))` (which forward it was, for its `_loop_commit`; the positions it computed, counted here);
-    `_settle(state)`: the moves that take no forward, made before
-    each forward. With `drafts` (FreeDave) the part forwards and commits inside a block, the loop around it."""
+    `_settle(state)`: the moves that take no forward, made before each forward. With `drafts` (FreeDave) the part
+    forwards and commits inside a block, the loop around it."""
 
     rule: Any = None     # the commit part: one of dInfer's rules (`StoreKVLoop`), ...
     drafts: Any = None   # ... or FreeDave's draft-verify (`DraftVerify`); neither: the family's own rule
@@ -363,9 +363,6 @@ class StoreKVLoop(BlockLoop):
         if stats is not None:
             stats.step(committed.sum())
         self._decided(state, block, masked, change, tokens, logits, prior)
-
-    def _fd_select(self, masked: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:   # the family's rule, one a step
-        return self._select(masked, conf, 1)
 
     def _fd_pending(self, state: BlockState) -> bool:   # the prefill or store of the blocks before
         return not state.stored or self._block_full(state)

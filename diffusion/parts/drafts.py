@@ -94,8 +94,8 @@ def verify_drafts(drafts: torch.Tensor, new: Predictions, targets: torch.Tensor,
 
 class DraftVerify:
     """A block loop's commit part (`BlockLoop.drafts`). The loop supplies `_fd_loop()` (whether its steps commit
-    one token, the steps' setting, whether FreeDave can draft its rule, the refusal if not), `_fd_select(masked,
-    conf)` (its selection on a `[1, L]` row with a count of 1), `_fd_pending(state)` (its own prefill or store
+    one token, the steps' setting, whether FreeDave can draft its rule, the refusal if not), `_select(masked,
+    conf, 1)` (its selection on a `[1, L]` row with a count of 1), `_fd_pending(state)` (its own prefill or store
     forward is due), `_fd_scores`, `_fd_forwards`, `_fd_committed(state)` (an in-block stop) and
     `_fd_block_done(state)`. `state.predictions` is None at a block's start."""
 
@@ -174,10 +174,10 @@ class DraftVerify:
                          *self.loop._span(state))
 
     def rule(self, tokens: torch.Tensor, pred: Predictions) -> torch.Tensor:
-        """The loop's commit on each row of `tokens` `[N, L]` with a count of 1 (its `_fd_select`) from its
+        """The loop's commit on each row of `tokens` `[N, L]` with a count of 1 (its `_select`) from its
         predictions (`pred`'s row)."""
         out = tokens.clone()
         for row, conf, x0 in zip(out.split(1), pred.conf.split(1), pred.x0.split(1)):
-            transfer = self.loop._fd_select(row == self.mask_id, conf)
+            transfer = self.loop._select(row == self.mask_id, conf, 1)
             row[transfer] = x0[transfer]
         return out
