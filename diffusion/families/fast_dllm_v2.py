@@ -33,7 +33,7 @@ from remask.caches.block import PackedRows
 from remask.models.fast_dllm_v2 import RowBatch
 from remask.models.spec import ModelSpec, shift_logits
 
-from ..parts.blocks import BlockLoop, check_part, check_prompt, engine_settings, family_config
+from ..parts.blocks import BlockLoop, LoopState, check_part, check_prompt, engine_settings, family_config
 from ..parts.checks import (NoWorkBound, ParameterTypeError, check_bool, check_choice, check_generator, check_int,
                             check_ints, check_real, check_stats, checked)
 from ..parts.constrain import before_rule
@@ -70,12 +70,10 @@ class BlockRows(PackedRows, RowBatch):
 
 
 @dataclass(eq=False)
-class FastDLLMV2State:
+class FastDLLMV2State(LoopState):
     """One prompt under the loop: `x` `[1, n]` (prompt, decoded blocks, the current block), its caches,
     where the current block (-1: none) and its new part start; `finished`: a stop was committed."""
 
-    x: torch.Tensor
-    prompt_length: int
     blocks_left: int
     skip_first_block: bool
     cache: Any = None
@@ -84,11 +82,7 @@ class FastDLLMV2State:
     new_start: int = -1
     sub_block: int = 0
     prefilled: bool = False
-    done: bool = False
     finished: bool = False
-    predictions: Any = None   # FreeDave's predictions for the current block (`DraftVerify`)
-    pending: Any = None       # the forward asked for and not yet answered (a sub-generator)
-    constraint: Any = None    # structured output: a `CommitFilter` of one row (`BlockLoop.constrain`)
 
 
 class FastDLLMV2Decoder(BlockLoop):

@@ -8,7 +8,7 @@ per family and method.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, fields, replace
+from dataclasses import KW_ONLY, dataclass, fields, replace
 from typing import Any, Callable, Generator, Mapping
 
 import torch
@@ -230,14 +230,25 @@ class BlockLoop(Constrainable, ForwardThenCommit):
         return super().next_forward(state, generator, stats)
 
 
-
 @dataclass(eq=False)
-class BlockState:
-    """One prompt under a `StoreKVLoop`: `x` `[1, total]` (prompt, then masks), the cache (or None),
-    the block being decoded and its step; `stored` once the blocks before it are in the cache."""
+class LoopState:
+    """What the state of every block loop holds (`BlockLoop` reads it): `x` `[1, n]`, the prompt then the blocks;
+    keyword-only, `done` and the parts' fields."""
 
     x: torch.Tensor
     prompt_length: int
+    _: KW_ONLY
+    done: bool = False
+    predictions: Any = None   # FreeDave's predictions for the current block (`DraftVerify`)
+    pending: Any = None       # the forward asked for and not yet answered (a sub-generator)
+    constraint: Any = None    # structured output: a `CommitFilter` of one row (`BlockLoop.constrain`)
+
+
+@dataclass(eq=False)
+class BlockState(LoopState):
+    """One prompt under a `StoreKVLoop`: `x` `[1, total]` (prompt, then masks), the cache (or None),
+    the block being decoded and its step; `stored` once the blocks before it are in the cache."""
+
     cache: Any
     attention: torch.Tensor
     position_ids: torch.Tensor
@@ -245,13 +256,9 @@ class BlockState:
     num_blocks: int
     stored: bool = False
     step: int = 0
-    done: bool = False
     post_steps: int = 0       # LLaDA2.1: the forwards since the block's masks were gone
     end: int | None = None    # where the output ends (LLaDA2: after the first EOS), once done; None: `_end`
-    predictions: Any = None   # FreeDave's predictions for the current block (`DraftVerify`)
     rule_state: Any = None    # (block, the commit rule's per-block state), `commit_block`'s (`StoreKVLoop.rule`)
-    pending: Any = None       # the forward asked for and not yet answered (a sub-generator)
-    constraint: Any = None    # structured output: a `CommitFilter` of one row (`BlockLoop.constrain`)
 
 
 class StoreKVLoop(BlockLoop):
