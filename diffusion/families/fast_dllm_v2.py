@@ -239,7 +239,7 @@ class FastDLLMV2Decoder(BlockLoop):
         sub = state.x[:, window[0]:window[1]]
         masked = sub == self.mask_id
         logits, prior = before_rule(state.constraint, logits, sub, *window, 0)
-        tokens, token_probs, _ = choose_tokens(logits, self.top_p, self.temperature, self.mask_id, generator)
+        tokens, token_probs, _ = self._sample(logits, self.temperature, generator)
         commit = select_to_commit(token_probs, masked, self.threshold)
         sub[commit] = tokens[commit]
         if stats is not None:
@@ -295,8 +295,8 @@ class FastDLLMV2Decoder(BlockLoop):
     def _fd_pending(self, state: FastDLLMV2State) -> bool:
         return not state.prefilled or self._block_full(state)   # after `_settle`: prefilled means inside a block
 
-    def _fd_scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return choose_tokens(logits, self.top_p, 0.0, self.mask_id, None)[:2]
+    def _sample(self, logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> tuple:
+        return choose_tokens(logits, self.top_p, temperature, self.mask_id, generator)
 
     def _select(self, masked: torch.Tensor, conf: torch.Tensor, count: int = 1) -> torch.Tensor:
         """FreeDave's rule on a `[1, L]` row (`DraftVerify`; `count` 1: the official rule commits at least one)."""

@@ -359,8 +359,7 @@ class StoreKVLoop(BlockLoop):
                                                     state.block)
             tokens, committed = None, change
         else:
-            tokens, confidence, probs = sample_block(logits, self.temperature, self.top_k, self.top_p, generator,
-                                                     self.mask_id)
+            tokens, confidence, probs = self._sample(logits, self.temperature, generator)
             # past the schedule (SDAR's entropy_bounded, a structure's filter leaving holes): one position per step
             count = self.schedule[state.step] if state.step < len(self.schedule) else 1
             change = self._select(masked, confidence, count, probs, state, block, tokens)
@@ -374,8 +373,8 @@ class StoreKVLoop(BlockLoop):
     def _fd_pending(self, state: BlockState) -> bool:   # the prefill or store of the blocks before
         return not state.stored or self._block_full(state)
 
-    def _fd_scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return sample_block(logits, 0.0, self.top_k, self.top_p, None, self.mask_id)[:2]
+    def _sample(self, logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> tuple:
+        return sample_block(logits, temperature, self.top_k, self.top_p, generator, self.mask_id)
 
     def _fd_forwards(self, state: BlockState, blocks: torch.Tensor) -> Generator[ForwardRequest, Any, torch.Tensor]:
         """Logits `[K, L, V]` of K versions of the current block (the loop's forward: K = 1): without the cache the

@@ -96,7 +96,7 @@ class DraftVerify:
     """A block loop's commit part (`BlockLoop.drafts`). The loop supplies `_fd_loop()` (whether its steps commit
     one token, the steps' setting, whether FreeDave can draft its rule, the refusal if not), `_select(masked,
     conf, 1)` (its selection on a `[1, L]` row with a count of 1), `_fd_pending(state)` (its own prefill or store
-    forward is due), `_fd_scores`, `_fd_forwards`, `_fd_committed(state)` (an in-block stop) and
+    forward is due), `_sample` (its sampler: greedy here), `_fd_forwards`, `_fd_committed(state)` (an in-block stop) and
     `_fd_block_done(state)`. `state.predictions` is None at a block's start."""
 
     def __init__(self, loop: Any, config: Any) -> None:
@@ -140,7 +140,7 @@ class DraftVerify:
         logits, _ = before_rule(rows, logits, block, start, end, 0)
         if stats is not None:   # K versions of the block (without a cache: each the sequence to its end)
             stats.forward(logits.shape[0], loop.block_length if loop.use_cache else end)
-        new = Predictions(*loop._fd_scores(logits), logits if rows is not None else None)
+        new = Predictions(*loop._sample(logits, 0.0, None)[:2], logits if rows is not None else None)
         if drafts is None:
             state.predictions = new
         else:
