@@ -217,12 +217,11 @@ class BlockLoop(Constrainable, ForwardThenCommit):
     def _span(self, state: Any) -> tuple[int, int]:   # the current block in state.x
         return state.block * self.block_length, (state.block + 1) * self.block_length
 
-    def _block_full(self, state: Any) -> bool:
-        start, end = self._span(state)
-        return not bool((state.x[:, start:end] == self.mask_id).any())
+    def _block_full(self, state: Any) -> bool:   # the current block holds no mask
+        return not bool((state.x[:, slice(*self._span(state))] == self.mask_id).any())
 
     def _settle(self, state: Any) -> None:
-        pass
+        """The moves that take no forward, made before each forward (default: none)."""
 
     def next_forward(self, state: Any, generator: torch.Generator | None = None,
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
@@ -263,8 +262,8 @@ class BlockState(LoopState):
 
 class StoreKVLoop(BlockLoop):
     """The loop of the `store_kv` models (SDAR, LLaDA2); the family supplies `_select` and `_decided` (`_decide`'s
-    hooks) and its block's end. `use_cache=False`: each
-    forward covers the sequence up to the current block under the block-causal mask (the cache's check)."""
+    hooks) and its block's end. `use_cache=False`: each forward covers the sequence up to the current block under
+    the block-causal mask (the cache's check)."""
 
     takes_rules = True
     mask_dtype: Any = None   # the block-causal mask's dtype and leading dims, as the model's remote code takes it
