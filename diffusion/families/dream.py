@@ -83,9 +83,8 @@ def _validate_config(config: DreamGenerationConfig, spec) -> None:
     """Every `DreamGenerationConfig` field, whichever way it was given (keyword or config object)."""
     check_real("temperature", config.temperature, low=0)
     check_real("top_p", config.top_p, low=0, high=1, low_open=True, allow_none=True)
-    check_int("top_k", config.top_k, minimum=1, allow_none=True)
-    check_int("max_length", config.max_length, minimum=1, allow_none=True)
-    check_int("max_new_tokens", config.max_new_tokens, minimum=1, allow_none=True)
+    for name in ("top_k", "max_length", "max_new_tokens"):
+        check_int(name, getattr(config, name), minimum=1, allow_none=True)
     check_real("eps", config.eps, low=0, high=1, high_open=True)
     check_int("steps", config.steps, minimum=1)
     check_choice("alg", config.alg, ALGORITHMS)

@@ -92,9 +92,7 @@ class BlockwiseDecoder(ForwardThenCommit):
 
     def num_final(self, state: Any) -> int:
         """Generated positions that no later step changes: the blocks already decoded."""
-        if state.done:
-            return state.x.shape[1] - state.prompt_len
-        return max(self.block_span(state)[0] - state.prompt_len, 0)
+        return max((state.x.shape[1] if state.done else self.block_span(state)[0]) - state.prompt_len, 0)
 
     def _forward(self, state: Any) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
         start, end = self.block_span(state)
@@ -131,10 +129,6 @@ class BlockState:
     cache_block: tuple[int, int] | None = None
     embeds: torch.Tensor | None = None
     embed_table: Any = None
-
-    @property
-    def batch(self) -> int:
-        return self.x.shape[0]
 
 
 class BlockDecoder(BlockwiseDecoder):
@@ -198,16 +192,11 @@ class BlockDecoder(BlockwiseDecoder):
             precision = FAST_DLLM_FACTOR_PRECISION if factor is not None else (
                 LLADA_PRECISION if threshold is None and frechet_margin is None else FAST_DLLM_PRECISION)
         self.suppress = [check_token_id(spec, spec.eos_id, "eos_id")] if logits_eos_inf else None
-        self.zero_prob_ids = None
-        stop_ids: list[int] = []
-        if confidence_eos_eot_inf:
-            eos = check_token_id(spec, spec.eos_id, "eos_id")
-            eot = check_token_id(spec, spec.eot_id, "eot_id")
-            if confidence_eos_eot_inf is True:
-                # As implemented upstream: the chained assignment after the argmax zeroes p(EOT) in the
-                # confidence softmax; at T=0 the noisy logits alias the logits, so p(EOS) too.
-                self.zero_prob_ids = [eos, eot] if temperature == 0 else [eot]
-            stop_ids = [eos, eot]
+        stop_ids = [check_token_id(spec, spec.eos_id, "eos_id"), check_token_id(spec, spec.eot_id, "eot_id")
+                    ] if confidence_eos_eot_inf else []
+        # As implemented upstream: the chained assignment after the argmax zeroes p(EOT) in the
+        # confidence softmax; at T=0 the noisy logits alias the logits, so p(EOS) too.
+        self.zero_prob_ids = stop_ids[0 if temperature == 0 else 1:] if confidence_eos_eot_inf is True else None
         if early_stop:   # a commit rule's loop (dInfer's) stops on EOS alone
             stop_ids = [i for i in (spec.eos_id, spec.eot_id)[:1 if rule is not None else 2] if i is not None]
             if not stop_ids:
@@ -311,7 +300,7 @@ class BlockDecoder(BlockwiseDecoder):
         x, mask_id, rule, smoothing = state.x, self.spec.mask_id, self.rule, self.rule.smoothing
         start, end = self.block_span(state)
         if stats is not None:
-            stats.forward(state.batch, logits.shape[1], state.forwards.cache_nbytes)
+            stats.forward(len(x), logits.shape[1], state.forwards.cache_nbytes)
         if smoothing is not None:   # this iteration's weight and threshold
             weight, threshold = smoothing.at(state.iter_no, rule.threshold)
             rule = replace(rule, threshold=threshold)
@@ -403,11 +392,15 @@ class BlockDecoder(BlockwiseDecoder):
             conf = conf.masked_fill(torch.isin(x0, state.stop_ids), -torch.inf)
         block_mask = block_x == mask_id
         before = block_mask.clone() if on_step is not None else None
+        # the schedule's budget `k` per row, or Fast-dLLM++'s Fréchet profile budget (a threshold or factor rule is
+        # parallel: no budget)
         k = None if head.parallel else torch.cat([d._budget(s) for d, s in zip(decoders, states)])
+        if head.frechet_margin is not None:
+            k = frechet_profile_counts(conf, block_mask, head.frechet_margin)
         if head.reference_ties and not head.parallel:
             committed = topk_commit(block_x, block_mask, x0, conf, k, L, local)
-        else:
-            committed = head._select(block_x, block_mask, x0, conf, k)
+        else:   # commit into `block_x` (clearing `block_mask`); the counts `[B]`
+            committed = unmask(block_x, block_mask, x0, conf, k=k, threshold=head.threshold, factor=head.factor)
         if constraint is not None:
             # keep what the structure accepts, advance the matchers (parts/constrain.py)
             committed = torch.tensor(constraint.filter(x, prior, x0, lg, start, end, local), device=x.device)
@@ -421,12 +414,12 @@ class BlockDecoder(BlockwiseDecoder):
         left = block_mask.any(dim=1).tolist() if head.parallel or constraint is not None else None
         offset = 0
         for i, (decoder, s, (a, b)) in enumerate(zip(decoders, states, spans)):
-            own = slice(offset, offset + s.batch)   # the state's rows in the stacked blocks
+            own = slice(offset, offset + len(s.x))   # the state's rows in the stacked blocks
             offset = own.stop
             if not alone:
                 s.x[:, a:b] = block_x[own]
             if stats[i] is not None:
-                stats[i].forward(s.batch * (2 if decoder.cfg_scale > 0 else 1), logits[i].shape[1],
+                stats[i].forward(len(s.x) * (2 if decoder.cfg_scale > 0 else 1), logits[i].shape[1],
                                  s.forwards.cache_nbytes)
                 stats[i].step(committed[own].sum())
             s.step += 1
@@ -439,7 +432,7 @@ class BlockDecoder(BlockwiseDecoder):
         """The schedule's commits per row; past it (a structure's filter left holes) one per row."""
         if state.step < self.steps_per_block:
             return state.schedule[:, state.step]
-        return torch.ones(state.batch, dtype=state.schedule.dtype, device=state.schedule.device)
+        return torch.ones_like(state.schedule[:, 0])
 
     def commit_key(self) -> tuple | None:
         """Equal for decoders whose commits after one shared forward one batched call can make
@@ -459,15 +452,6 @@ class BlockDecoder(BlockwiseDecoder):
             return decoders[0].receive(states[0], answers[0], generators[0], stats[0])
         logits, fed = zip(*(d.finish_forward(s, a) for d, s, a in zip(decoders, states, answers)))
         BlockDecoder.commit_together(decoders, states, logits, fed, stats)
-
-    def _select(self, block_x: torch.Tensor, block_mask: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor,
-                k: torch.Tensor | None) -> torch.Tensor:
-        """Commit into `block_x` (clearing `block_mask`) by Fast-dLLM's threshold or factor rule or
-        Fast-dLLM++'s Fréchet profile budget, else the budget `k` per row; returns the counts `[B]`."""
-        if self.frechet_margin is not None:
-            k = frechet_profile_counts(conf, block_mask, self.frechet_margin)
-        # (a threshold or factor rule is parallel: no budget `k`)
-        return unmask(block_x, block_mask, x0, conf, k=k, threshold=self.threshold, factor=self.factor)
 
     def _end_block(self, state: BlockState, block_x: torch.Tensor, end: int) -> None:
         if self.early_stop:
@@ -515,5 +499,5 @@ def block_diffusion_generate(model: torch.nn.Module, prompt: torch.Tensor, atten
         answer = run_forwards(model, [decoder.next_forward(state)])[0]
         decoder.commit(state, *decoder.finish_forward(state, answer), generator, stats, on_step)
     if stats is not None:
-        stats.stop(int(state.batch * decoder.gen_length))
+        stats.stop(len(state.x) * decoder.gen_length)
     return state.x
