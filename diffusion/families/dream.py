@@ -131,6 +131,7 @@ class DreamState:
 
     x: torch.Tensor
     prompt_len: int
+    first: int   # the first block's start (the prompt's end)
     timesteps: torch.Tensor
     steps: int
     forward_inputs: dict[str, Any] | None = None
@@ -164,7 +165,7 @@ class _DreamParts:
         (B, P), mask_id = input_ids.shape, self.spec.mask_id
         x = F.pad(input_ids, (0, self.config.max_length - P), value=mask_id)
         history = self.config.return_dict_in_generate and self.config.output_history
-        return DreamState(x=x, prompt_len=P, steps=steps,
+        return DreamState(x=x, prompt_len=P, first=P, steps=steps,
                           timesteps=torch.linspace(1, self.config.eps, steps + 1, device=x.device),
                           constraint=CommitFilter.start(self.structure, self.end_ids, B, mask_id, P, x.shape[1] - P),
                           histories=[] if history else None, **fields)
@@ -178,8 +179,7 @@ class _DreamParts:
         row by row, each asked for no more than it has (upstream's single draw fails there)."""
         per_row = mask_index.sum(dim=1)
         if self.config.alg_temp:
-            counts = per_row.tolist()
-            want = counts if last else [min(n, c) for c in counts]
+            want = [c if last else min(n, c) for c in per_row.tolist()]
             weights = F.softmax(full_conf / self.config.alg_temp, dim=-1)
             whole = len(set(want)) == 1 and (last or want[0] == n)   # every row has n masks (at the last step all)
             for rows, k in [(slice(None), want[0])] if whole else enumerate(want):
@@ -217,8 +217,7 @@ class DreamDecoder(_DreamParts, ForwardThenCommit):
         self.tokens_hook = tokens_hook or (lambda step, x, logits: x)
         self.logits_hook = logits_hook or (lambda step, x, logits: logits)
 
-    def start(self, input_ids: torch.Tensor,
-              attention_mask: torch.Tensor | None = None) -> DreamState:
+    def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DreamState:
         config, mask_id = self.config, self.spec.mask_id
         inputs = self.spec.forward_inputs(attention_mask, config.max_length)
         state = self._state(input_ids, config.steps, forward_inputs=inputs)
@@ -320,8 +319,7 @@ class DreamBlockDecoder(_DreamParts, BlockwiseDecoder):
         self.confidence_mode = "prob" if self.parallel else CONFIDENCE_OF[config.alg] if sparse is not None else (
             "neg_entropy")
 
-    def start(self, input_ids: torch.Tensor,
-              attention_mask: torch.Tensor | None = None) -> DreamState:
+    def start(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> DreamState:
         (B, P), T = input_ids.shape, self.config.max_length
         num_blocks = (T - P) // self.block_length
         forwards = block_forwards(self.spec, self.use_cache, self.sparse,

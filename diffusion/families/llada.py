@@ -45,8 +45,7 @@ FAST_DLLM_PRECISION = Precision(softmax=torch.float64, random=torch.float64)  # 
 FAST_DLLM_FACTOR_PRECISION = Precision(softmax=torch.float64, random=torch.float32)  # ..._dynamic
 
 
-def validate_block_args(gen_length: int, block_length: int, steps: int, length: str = "gen_length"
-                        ) -> tuple[int, int]:
+def validate_block_args(gen_length: int, block_length: int, steps: int, length: str = "gen_length") -> tuple[int, int]:
     """Return (num_blocks, steps_per_block) or raise a ValueError naming the bad parameter (`length`: the name
     of the generation length, Dream's "the generation length")."""
     check_ints(1, **{length: gen_length, "block_length": block_length, "steps": steps})
@@ -83,12 +82,12 @@ def block_forwards(spec: ModelSpec, use_cache: Any, sparse: SparseConfig | None,
 
 
 class BlockwiseDecoder(ForwardThenCommit):
-    """What LLaDA's and Dream's block decoders share (a `block_length`; states with `x`, `prompt_len`,
-    `forwards`, `block` and the `step` within it, 0: the block's refresh forward is next)."""
+    """What LLaDA's and Dream's block decoders share (a `block_length`; states with `x`, `prompt_len`, the first
+    block's start `first`, `forwards`, `block` and the `step` within it, 0: the block's refresh forward is next)."""
 
     def block_span(self, state: Any) -> tuple[int, int]:
-        start = state.prompt_len + state.block * self.block_length
-        return start, start + self.block_length
+        start = state.first + state.block * self.block_length
+        return start, min(start + self.block_length, state.x.shape[1])
 
     def num_final(self, state: Any) -> int:
         """Generated positions that no later step changes: the blocks already decoded."""
@@ -225,8 +224,7 @@ class BlockDecoder(BlockwiseDecoder):
                 raise ValueError("sparse method 'block_mask' decodes unpadded rows (SparseD's block masks cover the "
                                  "whole sequence); pass rows of equal length or decode them one at a time")
 
-    def start(self, prompt: torch.Tensor,
-              attention_mask: torch.Tensor | None = None) -> BlockState:
+    def start(self, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None) -> BlockState:
         spec, mask_id = self.spec, self.spec.mask_id
         B, P = prompt.shape
         T = P + self.gen_length
@@ -244,10 +242,6 @@ class BlockDecoder(BlockwiseDecoder):
             state.embeds = self.rule.smoothing.embed(state.embed_table, x, mask_id)
         self._begin_block(state)
         return state
-
-    def block_span(self, state: BlockState) -> tuple[int, int]:
-        start = state.first + state.block * self.block_length
-        return start, min(start + self.block_length, state.x.shape[1])
 
     def _begin_block(self, state: BlockState) -> None:
         start, end = self.block_span(state)
