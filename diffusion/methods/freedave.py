@@ -168,10 +168,8 @@ class _Decoder:
         logits under a structure) and which rows' predictions are fresh: Dream commits the block's first position
         from them, so none are."""
         blk, mask_id = x[:, start:end], self.spec.mask_id
-        logits = yield from self.block_forward.refresh(x, start, end)
+        pred = self.score_masked(cf, (yield from self.block_forward.refresh(x, start, end)), start, start, end)
         self.stats.forward(*x.shape, self.block_forward.cache_nbytes)
-        pred = self.score_masked(cf, logits, start, start, end)
-        del logits
         fresh = torch.full((x.shape[0],), not self.spec.logit_shift, dtype=torch.bool, device=x.device)
         if self.spec.logit_shift:
             before, prior = int((blk == mask_id).sum()), blk.clone()
