@@ -127,7 +127,6 @@ class BlockState:
     iter_no: int = 0
     cache_block: tuple[int, int] | None = None
     embeds: torch.Tensor | None = None
-    embed_table: Any = None
 
 
 class BlockDecoder(BlockwiseDecoder):
@@ -238,8 +237,7 @@ class BlockDecoder(BlockwiseDecoder):
                            constraint=CommitFilter.start(self.structure, self.end_ids, B, mask_id, P, self.gen_length),
                            first=(P // self.block_length) * self.block_length if self.align_blocks else P)
         if self.rule is not None and self.rule.smoothing is not None:
-            state.embed_table = spec.embeddings
-            state.embeds = self.rule.smoothing.embed(state.embed_table, x, mask_id)
+            state.embeds = self.rule.smoothing.embed(spec.embeddings, x, mask_id)
         self._begin_block(state)
         return state
 
@@ -311,7 +309,7 @@ class BlockDecoder(BlockwiseDecoder):
                        else int(commit.sum()))
         if smoothing is not None:
             hi = fed + logits.shape[1]
-            state.embeds[:, fed:hi] = smoothing.embed(state.embed_table, x[:, fed:hi], mask_id, logits, weight)
+            state.embeds[:, fed:hi] = smoothing.embed(self.spec.embeddings, x[:, fed:hi], mask_id, logits, weight)
         state.step += 1
         if not state.main_next:   # the iteration's last forward
             state.group -= 1
