@@ -145,50 +145,47 @@ def klass_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: KLASS | None =
     check_real("temperature", temperature, low=0)
     spec, stats = check_method_call(spec, prompt, attention_mask, stats, generator=generator, mask_id=mask_id)
     x = masked_canvas(prompt, gen_length, spec.mask_id)
-    decode_row = partial(_klass_row, config, spec, x, prompt.shape[1], steps * block_length // gen_length, block_length,
-                         stats, (structure, end_ids_of(spec, end_ids)), (temperature, generator))
+    P, T, mask_id, ends = prompt.shape[1], x.shape[1], spec.mask_id, end_ids_of(spec, end_ids)
+    steps_per_block = steps * block_length // gen_length
+
+    @torch.no_grad()
+    def decode_row(rows: slice, mask: torch.Tensor | None) -> StepGenerator:
+        """The KLASS loop of `x[rows]`, one row alone (upstream's LLaDA loop is one row; its Dream fallback mixes
+        rows), the structure held by `parts/constrain.py`'s filter."""
+        row, constraint = x[rows], CommitFilter.start(structure, ends, 1, mask_id, P, T - P)
+        inputs = spec.forward_inputs(mask, T)
+        state = config.new_state()
+        state.llada = not spec.logit_shift
+        if temperature > 0 and not state.llada:
+            state.draw = partial(_sampled_confidence, temperature, generator)
+        state.generator = generator   # unmask_strategy="random"
+        for start in range(P, T, block_length):
+            block, hi = row[:, start:start + block_length], min(start + 2 * block_length, T)
+            schedule = schedule_counts(block == mask_id, steps_per_block) if state.llada else None
+            step = 0
+            while bool((block == mask_id).any()):
+                state.budget = schedule[:, step] if schedule is not None and step < steps_per_block else None
+                state.layout = (T, start) if state.llada else None
+                logits = yield ForwardRequest.call(row, inputs, spec=spec, rows=slice(start, hi))
+                if temperature > 0 and state.llada:   # LLaDA's noise, over every position (the rule reads two blocks)
+                    u = torch.rand((1, T, logits.shape[-1]), dtype=torch.float64, device=logits.device,
+                                   generator=generator)
+                    logits = gumbel_max_scores(logits, temperature, noise=u[:, start:hi])
+                # the frontier masked before the rule scores (and keeps its KL memory)
+                logits, prior = before_rule(constraint, logits, block, start, start + block_length, 0)
+                commit, tokens = config.commit(block, logits, mask_id, state)
+                block[commit] = tokens[commit]
+                if constraint is not None:   # keep what the structure accepts; an end token fills the rest
+                    constraint.filter(row, prior, tokens, logits, start, start + block_length, 0)
+                    commit = (prior == mask_id) & (block != mask_id)
+                stats.forward(1, T)
+                stats.step(commit.sum())
+                step += 1
+                yield Progress(row, start - P)
+            state.next_block(block_length)
+        return row
+
     return row_by_row(x, decode_row, attention_mask, stats, prompt.shape[0] * gen_length)
-
-
-@torch.no_grad()
-def _klass_row(config: KLASS, spec: Any, x: torch.Tensor, P: int, steps_per_block: int, block_length: int,
-               stats: GenerationStats, structure: tuple[Any, list[int]], sampling: tuple[float, Any], rows: slice,
-               attention_mask: torch.Tensor | None) -> StepGenerator:
-    """The KLASS loop of `x[rows]`, one row alone (upstream's LLaDA loop is one row; its Dream fallback mixes rows).
-    `structure`: (a compiled structure or None, its end ids), held by `parts/constrain.py`'s filter."""
-    row, T, mask_id = x[rows], x.shape[1], spec.mask_id
-    constraint = CommitFilter.start(*structure, 1, mask_id, P, T - P)
-    inputs = spec.forward_inputs(attention_mask, T)
-    state = config.new_state()
-    state.llada = not spec.logit_shift
-    if sampling[0] > 0 and not state.llada:
-        state.draw = partial(_sampled_confidence, *sampling)
-    state.generator = sampling[1]   # unmask_strategy="random"
-    for start in range(P, T, block_length):
-        block, hi = row[:, start:start + block_length], min(start + 2 * block_length, T)
-        schedule = schedule_counts(block == mask_id, steps_per_block) if state.llada else None
-        step = 0
-        while bool((block == mask_id).any()):
-            state.budget = schedule[:, step] if schedule is not None and step < steps_per_block else None
-            state.layout = (T, start) if state.llada else None
-            logits = yield ForwardRequest.call(row, inputs, spec=spec, rows=slice(start, hi))
-            if sampling[0] > 0 and state.llada:   # LLaDA's noise, over every position (the rule reads two blocks)
-                u = torch.rand((1, T, logits.shape[-1]), dtype=torch.float64, device=logits.device,
-                               generator=sampling[1])
-                logits = gumbel_max_scores(logits, sampling[0], noise=u[:, start:hi])
-            # the frontier masked before the rule scores (and keeps its KL memory)
-            logits, prior = before_rule(constraint, logits, block, start, start + block_length, 0)
-            commit, tokens = config.commit(block, logits, mask_id, state)
-            block[commit] = tokens[commit]
-            if constraint is not None:   # keep what the structure accepts; an end token fills the rest
-                constraint.filter(row, prior, tokens, logits, start, start + block_length, 0)
-                commit = (prior == mask_id) & (block != mask_id)
-            stats.forward(1, T)
-            stats.step(commit.sum())
-            step += 1
-            yield Progress(row, start - P)
-        state.next_block(block_length)
-    return row
 
 
 def _carried(kept: torch.Tensor | None, like: torch.Tensor, fill: float, dtype: torch.dtype) -> torch.Tensor:

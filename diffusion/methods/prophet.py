@@ -21,7 +21,6 @@ then held to it from the frontier on (`_hold_to_structure`), so the answer ends 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
@@ -102,8 +101,38 @@ def prophet_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: Prophet | No
     for position, token in (config.constraints or {}).items():
         if check_token_id(spec, token, f"constraints[{position}]") == spec.mask_id:
             raise ValueError(f"constraints[{position}] is the mask token {token}: it would stay in the output")
-    canvas = masked_canvas(prompt, gen_length, decoder.spec.mask_id)
-    decode_row = partial(_prophet_row, config, decoder, canvas, steps, generator, stats)
+    canvas, mask_id = masked_canvas(prompt, gen_length, spec.mask_id), spec.mask_id
+    T = canvas.shape[1]
+    answer = [] if start is None else list(range(max(start, P), min(T, start + config.answer_length)))
+
+    @torch.no_grad()
+    def decode_row(rows: slice, mask: torch.Tensor | None) -> StepGenerator:
+        """Prophet's loop on the row `canvas[rows]` alone: it stops at its own exit."""
+        state = decoder.start(canvas[rows, :P], mask)
+        for position, token in (config.constraints or {}).items():
+            state.x[:, P + position] = token
+        state.prompt_index = state.x != mask_id          # the pinned positions are given, as the prompt
+        state.schedule = schedule_counts(state.x[:, slice(*decoder.block_span(state))] == mask_id,
+                                         decoder.steps_per_block)
+        step = 0
+        while not state.done:
+            step += 1
+            logits, fed = decoder.finish_forward(state, (yield decoder.next_forward(state)))
+            if answer:
+                top = logits[0, answer].topk(2, dim=-1).values
+                gaps = (top[:, 0] - top[:, 1]).double()   # upstream: each gap a Python float, summed in order
+                if bool(sum(gaps) / len(answer) >= config.threshold_at(step, steps)):
+                    masked = (state.x[0] == mask_id).nonzero().flatten()
+                    state.x[0, masked] = score_rows(logits[0], masked, exclude_id=mask_id)[0]
+                    if state.constraint is not None:
+                        _hold_to_structure(state.constraint, state.x, logits[0])
+                    stats.forward(2 if decoder.cfg_scale > 0 else 1, T)
+                    stats.step(masked.numel())
+                    break
+            decoder.commit(state, logits, fed, generator, stats)
+            yield Progress(state.x, decoder.num_final(state))
+        return state.x
+
     return row_by_row(canvas, decode_row, attention_mask, stats, prompt.shape[0] * gen_length)
 
 
@@ -111,39 +140,6 @@ def prophet_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: Prophet | No
 def prophet_generate() -> torch.LongTensor:
     """Prophet decoding (greedy; module docstring): `[B, P + gen_length]`, no mask left. `stats.nfe`
     counts the forwards (upstream's `exit_decision_step` when a row exits, else `steps`)."""
-
-
-@torch.no_grad()
-def _prophet_row(config: Prophet, decoder: BlockDecoder, canvas: torch.Tensor, steps: int,
-                 generator: torch.Generator | None, stats: GenerationStats, rows: slice,
-                 attention_mask: torch.Tensor | None) -> StepGenerator:
-    """Prophet's loop on the row `canvas[rows]` alone: it stops at its own exit."""
-    mask_id, P, T = decoder.spec.mask_id, canvas.shape[1] - decoder.gen_length, canvas.shape[1]
-    answer = [] if config.answer_start_pos is None else list(
-        range(max(config.answer_start_pos, P), min(T, config.answer_start_pos + config.answer_length)))
-    state = decoder.start(canvas[rows, :P], attention_mask)
-    for position, token in (config.constraints or {}).items():
-        state.x[:, P + position] = token
-    state.prompt_index = state.x != mask_id          # the pinned positions are given, as the prompt
-    state.schedule = schedule_counts(state.x[:, slice(*decoder.block_span(state))] == mask_id, decoder.steps_per_block)
-    step = 0
-    while not state.done:
-        step += 1
-        logits, fed = decoder.finish_forward(state, (yield decoder.next_forward(state)))
-        if answer:
-            top = logits[0, answer].topk(2, dim=-1).values
-            gaps = (top[:, 0] - top[:, 1]).double()   # upstream: each gap a Python float, summed in order
-            if bool(sum(gaps) / len(answer) >= config.threshold_at(step, steps)):
-                masked = (state.x[0] == mask_id).nonzero().flatten()
-                state.x[0, masked] = score_rows(logits[0], masked, exclude_id=mask_id)[0]
-                if state.constraint is not None:
-                    _hold_to_structure(state.constraint, state.x, logits[0])
-                stats.forward(2 if decoder.cfg_scale > 0 else 1, T)
-                stats.step(masked.numel())
-                break
-        decoder.commit(state, logits, fed, generator, stats)
-        yield Progress(state.x, decoder.num_final(state))
-    return state.x
 
 
 def _hold_to_structure(constraint: CommitFilter, x: torch.Tensor, logits: torch.Tensor) -> None:
