@@ -24,7 +24,6 @@ The rules are described on their classes, the departures from upstream in `dinfe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
@@ -84,8 +83,18 @@ def dinfer_steps(spec: ModelSpec, prompt: torch.Tensor, *, decoder: CommitRule =
     # iteration smoothing's iteration count): each row as alone, in its row of the canvas
     alone = vicinity is not None or decoder.smoothing is not None
     canvas = masked_canvas(prompt, gen_length, spec.mask_id)
-    return row_by_row(canvas, partial(_dinfer_rows, block_decoder, canvas, stats), attention_mask, stats,
-                      gen_length * prompt.shape[0], None if alone else [slice(None)])
+
+    @torch.no_grad()
+    def decode_rows(rows: slice, mask: torch.Tensor | None) -> StepGenerator:
+        """The rows `canvas[rows]` to their end, one forward at a time."""
+        state = block_decoder.start(canvas[rows, :prompt.shape[1]], mask)
+        while (request := block_decoder.next_forward(state)) is not None:
+            block_decoder.receive(state, (yield request), None, stats)
+            yield Progress(state.x, block_decoder.num_final(state))
+        return state.x
+
+    return row_by_row(canvas, decode_rows, attention_mask, stats, gen_length * prompt.shape[0],
+                      None if alone else [slice(None)])
 
 
 @drop_in(dinfer_steps)
@@ -109,14 +118,3 @@ def dinfer_generate() -> torch.LongTensor:
         * the credit state lives for one call (upstream's can leak into the next call when a
           generation ends with masks left in later blocks).
     """
-
-
-@torch.no_grad()
-def _dinfer_rows(decoder: BlockDecoder, canvas: torch.Tensor, stats: GenerationStats, rows: slice,
-                 attention_mask: torch.Tensor | None) -> StepGenerator:
-    """The rows `canvas[rows]` to their end, one forward at a time."""
-    state = decoder.start(canvas[rows, :canvas.shape[1] - decoder.gen_length], attention_mask)
-    while (request := decoder.next_forward(state)) is not None:
-        decoder.receive(state, (yield request), None, stats)
-        yield Progress(state.x, decoder.num_final(state))
-    return state.x
