@@ -190,8 +190,8 @@ class BlockDecoder(BlockwiseDecoder):
             precision = FAST_DLLM_FACTOR_PRECISION if factor is not None else (
                 LLADA_PRECISION if threshold is None and frechet_margin is None else FAST_DLLM_PRECISION)
         self.suppress = [check_token_id(spec, spec.eos_id, "eos_id")] if logits_eos_inf else None
-        stop_ids = [check_token_id(spec, spec.eos_id, "eos_id"), check_token_id(spec, spec.eot_id, "eot_id")
-                    ] if confidence_eos_eot_inf else []
+        stop_ids = ([check_token_id(spec, spec.eos_id, "eos_id"), check_token_id(spec, spec.eot_id, "eot_id")]
+                    if confidence_eos_eot_inf else [])
         # As implemented upstream: the chained assignment after the argmax zeroes p(EOT) in the
         # confidence softmax; at T=0 the noisy logits alias the logits, so p(EOS) too.
         self.zero_prob_ids = stop_ids[0 if temperature == 0 else 1:] if confidence_eos_eot_inf is True else None
