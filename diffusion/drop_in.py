@@ -28,7 +28,7 @@ from .methods import registry
 from .methods.decoders import is_dinfer_method, run_decoder
 from .methods.freedave import FreeDave
 from .parts.cache import cache_mode
-from .parts.checks import (check_bool, check_callable, check_generator, check_instance, check_int, check_length,
+from .parts.checks import (check_bools, check_callable, check_generator, check_instance, check_int, check_length,
                            check_mask_id, check_model_kind, check_optional_token_id, check_prompt, check_real,
                            check_stats, refuse_unread, warn_if_longer_than_trained, warn_if_padded_without_mask)
 from .parts.constrain_loops import structure_for_call
@@ -170,8 +170,7 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     if threshold is not None or (config.alg == "confidence_threshold" and frechet_margin is None):
         # upstream reads it under alg="confidence_threshold" only (its None is unread elsewhere, as here)
         check_real("threshold", threshold, low=0, high=1, low_open=True)
-    check_bool("finish_blocks", finish_blocks)
-    check_bool("reference_ties", reference_ties)
+    check_bools(finish_blocks=finish_blocks, reference_ties=reference_ties)
     check_generator(generator, inputs.device)
     check_stats("stats", stats)
     check_stats("verifier_stats", verifier_stats)

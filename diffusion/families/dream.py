@@ -21,7 +21,7 @@ from remask.models.parallel import full_logits
 
 from .llada import BlockwiseDecoder, block_forwards
 from ..parts.sparse import BlockMaskForward, SparseConfig
-from ..parts.checks import check_bool, check_choice, check_int, check_optional_token_id, check_real
+from ..parts.checks import check_bools, check_choice, check_int, check_optional_token_id, check_real
 from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.scoring import score_rows, score_tokens
 from ..parts.selection import frechet_profile_counts
@@ -90,8 +90,7 @@ def _validate_config(config: DreamGenerationConfig, spec) -> None:
     check_choice("alg", config.alg, ALGORITHMS)
     check_real("alg_temp", config.alg_temp, low=0, allow_none=True)
     check_int("num_return_sequences", config.num_return_sequences, minimum=1)
-    check_bool("return_dict_in_generate", config.return_dict_in_generate)
-    check_bool("output_history", config.output_history)
+    check_bools(return_dict_in_generate=config.return_dict_in_generate, output_history=config.output_history)
     for name in ("pad_token_id", "bos_token_id"):
         check_optional_token_id(spec, getattr(config, name), name)
     eos = config.eos_token_id

@@ -18,9 +18,9 @@ from remask.models.spec import ModelSpec
 
 from ..parts.sparse import BlockMaskForward, RetentionForward, SparseConfig
 from ..parts.cache import BlockForward, cache_mode, valid_positions
-from ..parts.checks import (CombinationError, check_bool, check_callable, check_choice, check_generator, check_instance,
-                            check_ints, check_length, check_mask_id, check_prompt, check_real, check_stats,
-                            check_token_id, warn_if_longer_than_trained, warn_if_padded_without_mask)
+from ..parts.checks import (CombinationError, check_bools, check_callable, check_choice, check_generator,
+                            check_instance, check_ints, check_length, check_mask_id, check_prompt, check_real,
+                            check_stats, check_token_id, warn_if_longer_than_trained, warn_if_padded_without_mask)
 from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.scoring import score_rows, score_tokens
 from ..parts.selection import frechet_profile_counts, schedule_counts, topk_commit
@@ -157,7 +157,7 @@ class BlockDecoder(BlockwiseDecoder):
                        "HierarchicalDecoding or another CommitRule)")
         if rule is not None:
             rule.check_greedy("dInfer")
-        check_bool("align_blocks", align_blocks)
+        check_bools(align_blocks=align_blocks)
         if rule is None:
             self.num_blocks, self.steps_per_block = validate_block_args(gen_length, block_length, steps)
         check_ints(1, gen_length=gen_length, block_length=block_length, maximum_unroll=maximum_unroll,
@@ -167,9 +167,8 @@ class BlockDecoder(BlockwiseDecoder):
         check_real("temperature", temperature, low=0)
         check_choice("confidence_eos_eot_inf", confidence_eos_eot_inf, (False, True, "corrected"))
         check_real("cfg_scale", cfg_scale, low=0)
-        for name, flag in (("logits_eos_inf", logits_eos_inf), ("early_stop", early_stop),
-                           ("reference_rng", reference_rng), ("reference_ties", reference_ties)):
-            check_bool(name, flag)
+        check_bools(logits_eos_inf=logits_eos_inf, early_stop=early_stop, reference_rng=reference_rng,
+                    reference_ties=reference_ties)
         mode = cache_mode(use_cache)
         if mode is not None and cfg_scale > 0:
             raise ValueError("cfg_scale > 0 cannot be combined with use_cache (Fast-dLLM's caches have no CFG pass); "

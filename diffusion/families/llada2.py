@@ -29,8 +29,8 @@ from remask.models.spec import ModelSpec
 
 from ..parts.blocks import (BlockState, StoreKVLoop, check_part, engine_settings, family_config, num_transfer_schedule,
                             sample_block, select_mask_to_token)
-from ..parts.checks import (MAX_LOOP_STEPS, NoWorkBound, check_bool, check_int, check_ints, check_real, check_steps,
-                            checked)
+from ..parts.checks import (MAX_LOOP_STEPS, NoWorkBound, check_bool, check_bools, check_int, check_ints, check_real,
+                            check_steps, checked)
 from ..parts.constrain_loops import filter_block, keep_valid_edits
 from ..parts.rules import is_rule
 
@@ -78,8 +78,7 @@ class LLaDA2Decoder(StoreKVLoop):
                              f"runs min(steps, gen_length // minimal_topk) steps per block")
         check_real("threshold", threshold)
         check_real("editing_threshold", editing_threshold, allow_none=True)
-        check_bool("eos_early_stop", eos_early_stop)
-        check_bool("use_cache", use_cache)
+        check_bools(eos_early_stop=eos_early_stop, use_cache=use_cache)
         self.mask_id, self.eos_id, self.gen_length, self.block_length = mask_id, eos_id, gen_length, block_length
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.threshold, self.editing_threshold, self.use_cache = threshold, editing_threshold, use_cache

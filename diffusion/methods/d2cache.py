@@ -28,8 +28,8 @@ from remask.caches import D2KVCache, key_bias
 from remask.models.spec import ModelSpec
 
 from ..parts.cache import valid_positions
-from ..parts.checks import (NoWorkBound, check_bool, check_config, check_int, check_ints, check_method_call, check_real,
-                            checked)
+from ..parts.checks import (NoWorkBound, check_bools, check_config, check_int, check_ints, check_method_call,
+                            check_real, checked)
 from ..parts.constrain import CommitFilter, end_ids_of
 from ..parts.constrain_loops import open_frontiers
 from ..parts.scoring import score_tokens
@@ -186,8 +186,7 @@ def d2cache_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: D2Cache | No
     spec, stats = check_method_call(spec, prompt, attention_mask, stats, mask_id=mask_id)
     check_ints(1, steps=steps, gen_length=gen_length, block_length=block_length)
     check_real("prior_sigma", prior_sigma, low=0.0, low_open=True, allow_none=True)
-    check_bool("commit_mask_token", commit_mask_token)
-    check_bool("independent_rows", independent_rows)
+    check_bools(commit_mask_token=commit_mask_token, independent_rows=independent_rows)
     if gen_length % block_length:
         raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
     if gen_length % steps:

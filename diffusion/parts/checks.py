@@ -41,6 +41,12 @@ def check_bool(name: str, value: Any, allow_none: bool = False) -> bool | None:
     return value
 
 
+def check_bools(**flags: Any) -> None:
+    """`check_bool` of each named flag, in order."""
+    for name, value in flags.items():
+        check_bool(name, value)
+
+
 def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
               allow_none: bool = False) -> int | None:
     """An integer (not a bool, float or tensor) in [minimum, maximum]."""

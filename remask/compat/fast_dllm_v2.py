@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from remask.diffusion.parts.checks import ParameterTypeError, check_bool, check_int
+from remask.diffusion.parts.checks import ParameterTypeError, check_bool, check_bools, check_int
 from remask.diffusion.families.fast_dllm_v2 import fast_dllm_v2_batch_sample, fast_dllm_v2_generate
 
 
@@ -89,9 +89,8 @@ def generate(model: torch.nn.Module, input_ids: torch.LongTensor, max_new_tokens
     if max_new_tokens is None:
         check_int("max_length", max_length, minimum=input_ids.shape[1])
         max_new_tokens = max_length - input_ids.shape[1]
-    for name, flag in (("return_dict_in_generate", return_dict_in_generate), ("output_scores", output_scores),
-                       ("output_hidden_states", output_hidden_states), ("use_block_cache", use_block_cache)):
-        check_bool(name, flag)
+    check_bools(return_dict_in_generate=return_dict_in_generate, output_scores=output_scores,
+                output_hidden_states=output_hidden_states, use_block_cache=use_block_cache)
     if output_scores or output_hidden_states:
         raise ValueError("output_scores / output_hidden_states are not supported by remask's Fast-dLLM v2 generate")
     model.eval()

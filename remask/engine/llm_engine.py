@@ -19,7 +19,7 @@ from typing import Any, Sequence as Seq
 import torch
 
 from remask.caches import PromptCache
-from remask.diffusion.parts.checks import (ParameterTypeError, check_bool, check_choice, check_context, check_instance,
+from remask.diffusion.parts.checks import (ParameterTypeError, check_bools, check_choice, check_context, check_instance,
                                            check_int, check_ints, check_prompt, check_real, check_token_id)
 from remask.diffusion.parts.processors import HoldEndIds, RecordLogprobs
 from remask.engine.presets import decoder_for
@@ -63,9 +63,8 @@ class LLMEngine:
                    allow_none=True)
         check_int("seed", seed, minimum=0)
         check_int("max_request_bytes", max_request_bytes, minimum=1, allow_none=True)
-        for name, value in (("enable_prefix_caching", enable_prefix_caching), ("batch_invariant", batch_invariant),
-                            ("cost_stride", cost_stride), ("cuda_graphs", cuda_graphs)):
-            check_bool(name, value)
+        check_bools(enable_prefix_caching=enable_prefix_caching, batch_invariant=batch_invariant,
+                    cost_stride=cost_stride, cuda_graphs=cuda_graphs)
         self.model, self.tokenizer, self.seed = model.eval(), tokenizer, seed
         self.spec = get_spec(model)
         self.family = family_of(getattr(model.config, "model_type", ""))
@@ -142,7 +141,7 @@ class LLMEngine:
         reports the provisional canvas (diffusion models); `owner`: who asked, the fairness unit."""
         if self.state is not EngineState.READY:
             raise RuntimeError(f"the engine is {self.state.value}: it admits no new request")
-        check_bool("drafts", drafts)
+        check_bools(drafts=drafts)
         check_instance("owner", owner, str, "a str")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
