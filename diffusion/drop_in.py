@@ -28,9 +28,9 @@ from .methods import registry
 from .methods.decoders import is_dinfer_method, run_decoder
 from .methods.freedave import FreeDave
 from .parts.cache import cache_mode
-from .parts.checks import (check_bools, check_callable, check_generator, check_instance, check_int, check_length,
-                           check_mask_id, check_model_kind, check_optional_token_id, check_prompt, check_real,
-                           check_stats, refuse_unread, warn_if_longer_than_trained, warn_if_padded_without_mask)
+from .parts.checks import (check_bools, check_generator, check_instance, check_int, check_length, check_mask_id,
+                           check_model_kind, check_optional_token_id, check_prompt, check_real, check_stats,
+                           refuse_unread, warn_if_longer_than_trained, warn_if_padded_without_mask)
 from .parts.constrain_loops import structure_for_call
 from .parts.sparse import SparseConfig
 from .parts.stats import GenerationStats
@@ -175,8 +175,8 @@ def diffusion_generate(model: torch.nn.Module, inputs: torch.Tensor, generation_
     check_stats("stats", stats)
     check_stats("verifier_stats", verifier_stats)
     check_instance("apd", apd, APDConfig, "a remask.APDConfig")
-    check_callable("generation_tokens_hook_func", tokens_hook)
-    check_callable("generation_logits_hook_func", logits_hook)
+    check_instance("generation_tokens_hook_func", tokens_hook, Callable, "a callable")
+    check_instance("generation_logits_hook_func", logits_hook, Callable, "a callable")
     if sparse is not None:   # what it does not combine with in Dream's sampler, each named
         clashes = [name for name, value in (("use_cache", cache_mode(use_cache) is not None), ("apd", apd is not None),
                                             ("decoder", decoder is not None)) if value]

@@ -18,9 +18,9 @@ from remask.models.spec import ModelSpec
 
 from ..parts.sparse import BlockMaskForward, RetentionForward, SparseConfig
 from ..parts.cache import BlockForward, cache_mode, valid_positions
-from ..parts.checks import (CombinationError, check_bools, check_callable, check_choice, check_generator,
-                            check_instance, check_ints, check_length, check_mask_id, check_prompt, check_real,
-                            check_stats, check_token_id, warn_if_longer_than_trained, warn_if_padded_without_mask)
+from ..parts.checks import (CombinationError, check_bools, check_choice, check_generator, check_instance, check_ints,
+                            check_length, check_mask_id, check_prompt, check_real, check_stats, check_token_id,
+                            warn_if_longer_than_trained, warn_if_padded_without_mask)
 from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.scoring import score_rows, score_tokens
 from ..parts.selection import frechet_profile_counts, schedule_counts, topk_commit
@@ -480,7 +480,7 @@ def block_diffusion_generate(model: torch.nn.Module, prompt: torch.Tensor, atten
     decoder.check_input(prompt, attention_mask)
     check_generator(generator, prompt.device)
     check_stats("stats", stats)
-    check_callable("on_step", on_step)
+    check_instance("on_step", on_step, Callable, "a callable")
     warn_if_padded_without_mask(prompt, attention_mask, spec.pad_id)
     warn_if_longer_than_trained(spec, decoder.gen_length)
     if stats is not None:

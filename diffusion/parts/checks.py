@@ -12,7 +12,6 @@ import os
 import reprlib
 import sys
 import warnings
-from collections.abc import Callable
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -165,10 +164,6 @@ def check_instance(name: str, value: Any, cls: type, what: str | None = None, al
         raise ParameterTypeError(f"{name} must be {what or cls.__name__}{' or None' if allow_none else ''}, "
                                  f"got {_type_name(value)}")
     return value
-
-
-def check_callable(name: str, value: Any) -> Any:
-    return check_instance(name, value, Callable, "a callable")
 
 
 def check_generator(generator: Any, device: torch.device) -> torch.Generator | None:
