@@ -125,83 +125,7 @@ def wino_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: WINO | None = N
     padded = attention_mask is not None and bool((attention_mask == 0).any())
     keys = valid_positions(attention_mask, x.shape[1]) if padded else None   # False on the left pads
     constraint = CommitFilter.start(structure, end_ids_of(spec, end_ids), B, spec.mask_id, P, gen_length)
-    mask_id, device, real = spec.mask_id, x.device, P + gen_length
-
-    @torch.no_grad()
-    def loop() -> StepGenerator:
-        forwards = torch.zeros(B, dtype=torch.long)
-        stats.start()
-        for start in range(P, real, block_length):
-            end = start + block_length
-            position_ids = torch.cat([torch.arange(real, device=device), torch.arange(start, end, device=device)])
-            allowed = shadow_attention(P, gen_length, start, block_length, device)
-            if keys is not None:
-                allowed = allowed & keys[:, None, None, :]
-            # Per row: which block positions are decoded-and-revocable (their shadow twin is scored).
-            decoded = torch.zeros((B, block_length), dtype=torch.bool, device=device)
-            # The undecided positions, kept apart from the tokens as upstream keeps them (with
-            # commit_mask_token a committed mask token counts as decoded, as upstream). Upstream's mask
-            # index covers everything before the block's end, so with commit_mask_token an earlier
-            # block's committed mask token is decoded again here (committed, never narrowed out); `lo`
-            # is where the region starts. Without it no earlier position holds the mask token.
-            reopen = config.commit_mask_token and constraint is None
-            lo = P if reopen else start
-            masked = x[:, lo:end] == mask_id
-            inside = start - lo   # the block's first column in `masked`
-            last_accept = [config.initial_last_accept] * B
-            block_forwards = [0] * B
-            while active := masked.any(dim=1).nonzero().flatten().tolist():   # the rows with a mask left in the block
-                rows = torch.tensor(active, device=device)
-                bias = allowed if allowed.shape[0] == 1 else allowed[rows]
-                positions = position_ids[None].expand(len(active), -1)
-                logits = yield ForwardRequest(x[rows], per_row=dict(attention_bias=bias, position_ids=positions))
-                stats.forward(len(active), x.shape[1])
-                committed = 0
-                sub = None if constraint is None else constraint.rows(active)
-                # the real block's rows
-                logits, prior = before_rule(sub, logits, x[rows, start:end], start, end, start)
-                candidates = None if sub is None else torch.full_like(prior, mask_id)
-                for i, b in enumerate(active):
-                    max_accept = config.max_accept(int(masked[b].sum()))
-                    x0, p = predict(logits[i], mask_id, config.commit_mask_token)
-                    x0[real:] = torch.where(decoded[b], x[b, start:end], x0[real:])
-                    x0_p = torch.gather(p, -1, x0[:, None]).squeeze(-1)
-                    confidence = torch.where(masked[b], x0_p[lo:end], -torch.inf)
-                    confidence_back = torch.where(decoded[b], x0_p[real:], torch.inf)
-                    accept, remask = _decide_row(config, confidence, confidence_back, last_accept[b], max_accept)
-                    if constraint is not None:
-                        candidates[i] = x0[start:end]
-                        block_forwards[b] += 1
-                        if block_forwards[b] > 2 * block_length:   # no cycle with the filter (docstring)
-                            remask = remask[:0]
-                    x[b, lo + accept] = x0[lo + accept]
-                    x[b, start + remask] = mask_id
-                    masked[b, accept], masked[b, inside + remask] = False, True
-                    in_block = accept[accept >= inside] - inside   # earlier positions have no shadow twin
-                    decoded[b, in_block], decoded[b, remask] = True, False
-                    last_accept[b] = int(accept.numel())
-                    forwards[b] += 1
-                    committed += int(accept.numel()) - int(remask.numel())
-                if constraint is not None:
-                    # keep what the structure accepts; a remasked consumed position rolls its matcher back
-                    canvas = x[rows]
-                    sub.filter(canvas, prior, candidates, logits, start, end, start)
-                    x[rows] = canvas
-                    now = canvas[:, start:end] == mask_id
-                    committed = int((prior == mask_id).sum() - now.sum())
-                    masked[rows], decoded[rows] = now, ~now
-                stats.step(committed)
-                # a block is final once no row holds a mask in it, and with commit_mask_token once none
-                # holds the mask token before it either (the next block decodes those again)
-                pending = masked.any(dim=0)
-                if reopen:
-                    pending |= (x[:, lo:end] == mask_id).any(dim=0)
-                final = min(start, lo + int(pending.nonzero()[0])) if bool(pending.any()) else end
-                yield Progress(x[:, :real], final - P)
-        stats.stop(B * gen_length)
-        return x[:, :real], forwards
-
-    return loop()
+    return _wino_loop(config, x, keys, P, gen_length, block_length, spec.mask_id, stats, constraint)
 
 
 @drop_in(wino_steps)
@@ -209,3 +133,81 @@ def wino_generate() -> tuple[torch.Tensor, torch.Tensor]:
     """WINO decoding (greedy). Returns `(x [B, P + gen_length], forwards [B])`: each row's forward
     count is upstream's returned `step`. `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad
     keys; RoPE positions stay absolute."""
+
+
+@torch.no_grad()
+def _wino_loop(config: WINO, x: torch.Tensor, keys: torch.Tensor | None, P: int,
+               gen_length: int, block_length: int, mask_id: int, stats: GenerationStats,
+               constraint: CommitFilter | None = None) -> StepGenerator:
+    B, device = x.shape[0], x.device
+    real = P + gen_length
+    forwards = torch.zeros(B, dtype=torch.long)
+    stats.start()
+    for start in range(P, real, block_length):
+        end = start + block_length
+        position_ids = torch.cat([torch.arange(real, device=device), torch.arange(start, end, device=device)])
+        allowed = shadow_attention(P, gen_length, start, block_length, device)
+        if keys is not None:
+            allowed = allowed & keys[:, None, None, :]
+        # Per row: which block positions are decoded-and-revocable (their shadow twin is scored).
+        decoded = torch.zeros((B, block_length), dtype=torch.bool, device=device)
+        # The undecided positions, kept apart from the tokens as upstream keeps them (with
+        # commit_mask_token a committed mask token counts as decoded, as upstream). Upstream's mask
+        # index covers everything before the block's end, so with commit_mask_token an earlier
+        # block's committed mask token is decoded again here (committed, never narrowed out); `lo`
+        # is where the region starts. Without it no earlier position holds the mask token.
+        reopen = config.commit_mask_token and constraint is None
+        lo = P if reopen else start
+        masked = x[:, lo:end] == mask_id
+        inside = start - lo   # the block's first column in `masked`
+        last_accept = [config.initial_last_accept] * B
+        block_forwards = [0] * B
+        while active := masked.any(dim=1).nonzero().flatten().tolist():   # the rows with a mask left in the block
+            rows = torch.tensor(active, device=device)
+            bias = allowed if allowed.shape[0] == 1 else allowed[rows]
+            positions = position_ids[None].expand(len(active), -1)
+            logits = yield ForwardRequest(x[rows], per_row=dict(attention_bias=bias, position_ids=positions))
+            stats.forward(len(active), x.shape[1])
+            committed = 0
+            sub = None if constraint is None else constraint.rows(active)
+            logits, prior = before_rule(sub, logits, x[rows, start:end], start, end, start)   # the real block's rows
+            candidates = None if sub is None else torch.full_like(prior, mask_id)
+            for i, b in enumerate(active):
+                max_accept = config.max_accept(int(masked[b].sum()))
+                x0, p = predict(logits[i], mask_id, config.commit_mask_token)
+                x0[real:] = torch.where(decoded[b], x[b, start:end], x0[real:])
+                x0_p = torch.gather(p, -1, x0[:, None]).squeeze(-1)
+                confidence = torch.where(masked[b], x0_p[lo:end], -torch.inf)
+                confidence_back = torch.where(decoded[b], x0_p[real:], torch.inf)
+                accept, remask = _decide_row(config, confidence, confidence_back, last_accept[b], max_accept)
+                if constraint is not None:
+                    candidates[i] = x0[start:end]
+                    block_forwards[b] += 1
+                    if block_forwards[b] > 2 * block_length:   # no cycle with the filter (docstring)
+                        remask = remask[:0]
+                x[b, lo + accept] = x0[lo + accept]
+                x[b, start + remask] = mask_id
+                masked[b, accept], masked[b, inside + remask] = False, True
+                in_block = accept[accept >= inside] - inside   # earlier positions have no shadow twin
+                decoded[b, in_block], decoded[b, remask] = True, False
+                last_accept[b] = int(accept.numel())
+                forwards[b] += 1
+                committed += int(accept.numel()) - int(remask.numel())
+            if constraint is not None:
+                # keep what the structure accepts; a remasked consumed position rolls its matcher back
+                canvas = x[rows]
+                sub.filter(canvas, prior, candidates, logits, start, end, start)
+                x[rows] = canvas
+                now = canvas[:, start:end] == mask_id
+                committed = int((prior == mask_id).sum() - now.sum())
+                masked[rows], decoded[rows] = now, ~now
+            stats.step(committed)
+            # a block is final once no row holds a mask in it, and with commit_mask_token once none
+            # holds the mask token before it either (the next block decodes those again)
+            pending = masked.any(dim=0)
+            if reopen:
+                pending |= (x[:, lo:end] == mask_id).any(dim=0)
+            final = min(start, lo + int(pending.nonzero()[0])) if bool(pending.any()) else end
+            yield Progress(x[:, :real], final - P)
+    stats.stop(B * gen_length)
+    return x[:, :real], forwards
