@@ -166,7 +166,7 @@ class _Selector:
         # 4. fill short gaps
         rows = inflate(rows, cfg.inflate_w)
         if self.next_rows is None:   # the first step: every row is active (block 0 is all masks)
-            self.next_rows, self.importance, self.density = (torch.empty_like(t) for t in (rows, importance, scores))
+            self.next_rows, self.importance, self.density = (torch.zeros_like(t) for t in (rows, importance, scores))
         self.next_rows[active], self.importance[active], self.density[active] = rows, importance, scores
 
 
