@@ -297,6 +297,32 @@ def chat_metrics(model: torch.nn.Module, tokenizer: Any, n: int, strategy: Strat
     return report
 
 
+@torch.no_grad()
+def tool_lean(model: torch.nn.Module, tokenizer: Any, n: int) -> dict[str, list[float]]:
+    """A diffusion chat model's first decision when tools are offered, before any decoding order
+    acts. For `n` held-out `tool_call` conversations (a tool fits) and `n` `tool_text` ones (none
+    fits), it takes the probability of a call's first character at the answer's first position,
+    with all 128 answer positions masked. Above 0.5 the model leans to a call. Returns the
+    probabilities per kind.
+
+        >>> from remask.zoo import load
+        >>> lean = tool_lean(*load("tiny-llada-chat"), 8)
+        >>> sum(lean["tool_call"]) > sum(lean["tool_text"])
+        True
+    """
+    from remask.zoo.formats import CALL_TAG, examples as make
+    from remask.zoo.tasks import EVAL_SEED
+
+    mask_id, call_start = get_spec(model).mask_id, charset.CHAR_TO_ID[CALL_TAG[0]]
+    lean = {}
+    for kind in ("tool_call", "tool_text"):
+        ids, mask = chat_prompt_batch(make(n, EVAL_SEED, kinds=(kind,)), tokenizer)
+        answer = torch.full((n, CHAT_GEN_LENGTHS[kind]), mask_id)
+        logits = model(torch.cat([ids, answer], 1), attention_mask=torch.cat([mask, torch.ones_like(answer)], 1)).logits
+        lean[kind] = logits[:, ids.shape[1]].float().softmax(-1)[:, call_start].tolist()
+    return lean
+
+
 def chat_report(folder: str, n: int) -> dict[str, Any]:
     """`chat_metrics` of the chat model in `folder` under each of `chat_strategies`."""
     from remask.zoo import load
