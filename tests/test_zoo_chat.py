@@ -88,9 +88,10 @@ def test_targets_are_what_the_server_enforces(tok):
 
 def test_training_batches_are_seeded_and_fit_the_context():
     for ar in (False, True):
-        ids, mask, P = train.chat_batch_at(5, 0, 16, ar=ar)
+        ids, mask, P, whole = train.chat_batch_at(5, 0, 16, ar=ar)
         again = train.chat_batch_at(5, 0, 16, ar=ar)
         assert torch.equal(ids, again[0]) and torch.equal(mask, again[1]) and P == again[2]
+        assert torch.equal(whole, again[3]) and whole.shape == (16,)
         assert ids.shape[1] <= charset.CHAT_CONTEXT and bool((ids[:, P:] == charset.EOS_ID).any(1).all())
     lengths = {train.chat_batch_at(step, 0, 4)[0].shape[1] - train.chat_batch_at(step, 0, 4)[2] for step in range(30)}
     assert lengths == set(train.CHAT_LENGTHS)
@@ -264,7 +265,7 @@ def which(name: str) -> str:
 def test_chunked_losses_equal_the_whole_batch():
     for name in ("tiny-llada-chat", "tiny-ar-chat"):
         model, _ = train.build_model(name, 0, width=16, layers=1)
-        ids, mask, P = train.chat_batch_at(3, 0, 12, ar=name == "tiny-ar-chat")
+        ids, mask, P, _ = train.chat_batch_at(3, 0, 12, ar=name == "tiny-ar-chat")
         with torch.no_grad():
             if name == "tiny-llada-chat":
                 whole = train.llada_sft_loss(model, ids, mask, P, torch.Generator().manual_seed(1))
@@ -277,6 +278,25 @@ def test_chunked_losses_equal_the_whole_batch():
         assert torch.allclose(whole, chunked, rtol=1e-5), name
         # `--procs 2`: each rank's part of the chunks, the batch's normalisation: the parts add up to the batch
         assert 0 < shares[0] < chunked and torch.allclose(shares[0] + shares[1], chunked, rtol=1e-5), name
+
+
+def test_rows_drawn_whole_are_trained_with_every_answer_position_masked(monkeypatch):
+    """`CHAT_WHOLE_MASKED`: the tool conversations' share of rows at t = 1 (every answer position masked, the
+    state decoding starts from); the other rows' noise is the noise without it."""
+    model, _ = train.build_model("tiny-llada-chat", 0, width=16, layers=1)
+    step = next(s for s in range(20) if train.chat_batch_at(s, 0, 12)[3].any())
+    ids, mask, P, whole = train.chat_batch_at(step, 0, 12)
+    assert set(whole.tolist()) <= set(torch.tensor([0.0, *train.CHAT_WHOLE_MASKED.values()]).tolist())
+    fed = []
+    monkeypatch.setattr(model, "forward", lambda x, attention_mask: fed.append(x) or
+                        type("Out", (), {"logits": torch.zeros(*x.shape, charset.VOCAB_SIZE)})())
+    shares = {"none": None, "all": torch.where(whole > 0, 1.0, 0.0), "never": torch.zeros(12)}
+    for share in shares.values():
+        train.llada_sft_loss(model, ids, mask, P, torch.Generator().manual_seed(1), whole=share)
+    masked = {name: (x[:, P:] == charset.MASK_ID) for name, x in zip(shares, fed)}
+    rows = whole > 0
+    assert bool(masked["all"][rows].all()) and not bool(masked["none"][rows].all())
+    assert torch.equal(masked["all"][~rows], masked["none"][~rows]) and torch.equal(masked["never"], masked["none"])
 
 
 def test_data_parallel_training_is_the_single_process_run_and_resumes(tmp_path):
@@ -317,14 +337,11 @@ def test_chat_models_load_by_name_once_trained():
 CHAT_TARGETS = {("plain", "accuracy"): 1.0, ("json_enforced", "correct_stop"): 0.9,
                 ("tool_auto", "right_tool_or_text"): 0.9, ("tool_answer", "accuracy"): 0.9}
 # Not met: asserted to be short, so a model that meets it fails here until the entry is removed and
-# the target holds like the others (model, rule, format, figure; docs/models.md: tiny-llada-chat's sixth
-# run, from tiny-ar-chat, is shipped short of these, its plain answers at 100% under both rules; tiny-ar-chat
-# meets every target).
+# the target holds like the others (model, rule, format, figure; docs/models.md: tiny-llada-chat's ninth
+# run is shipped short of the answers after tool results, 73-75%, under both rules; tiny-ar-chat meets every target).
 LLADA_CHAT_RULES = ("1 token/step", "threshold 0.9 + dual cache")
 SHORT_OF_TARGET: set[tuple[str, str, str, str]] = {
-    ("tiny-llada-chat", rule, kind, key) for rule in LLADA_CHAT_RULES
-    for kind, key in (("json_enforced", "correct_stop"), ("tool_auto", "right_tool_or_text"),
-                      ("tool_answer", "accuracy"))}
+    ("tiny-llada-chat", rule, "tool_answer", "accuracy") for rule in LLADA_CHAT_RULES}
 SHIPPED_CHAT = [n for n in CHAT_MODELS if os.path.exists(os.path.join(CHECKPOINTS, n, "config.json"))]
 RECHECKED = 8   # examples per format decoded again here (the first of the 56 the metrics counted)
 

@@ -69,6 +69,11 @@ AR_CHAT_KINDS = {**CHAT_KINDS, 128: {"tool_call": 0.3, "tool_answer": 0.55, "too
 # since most misses were two results, one copied wrong (tiny-ar-chat's second run: 10 of 11; tiny-llada-chat's
 # fifth run: 7 of the first 16 answers, all with two results)
 CHAT_PARALLEL = 0.5
+# tiny-llada-chat: per kind, the share of its examples trained with the whole answer masked (t = 1), the state
+# decoding starts from. With t ~ U(0, 1] a tools conversation reached it about 0.2 times a step, and the call-or-text
+# decision from the prompt alone stayed at 70-74% over three mixtures (`evaluate.tool_lean`); with these rows it
+# reached 98% and `auto` 96-100% (docs/models.md, ninth run)
+CHAT_WHOLE_MASKED = {"tool_call": 0.3, "tool_text": 0.3}
 CHAT_GEN_LENGTH = max(CHAT_LENGTHS)
 CHAT_BATCH_SIZE = 64
 LLADA_CHAT_BATCH_SIZE = 32   # at equal compute, twice the steps of batch 64 learnt more (docs/models.md, fifth run)
@@ -155,11 +160,13 @@ def batch_at(step: int, seed: int, batch_size: int, gen_length: int) -> tuple[to
     return ids, mask, prompt_ids.shape[1]
 
 
-def chat_batch_at(step: int, seed: int, batch_size: int, ar: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """A chat model's training batch of step `step` (`batch_at`'s layout): its answer length drawn
-    from `CHAT_LENGTHS`, its examples from that length's `CHAT_KINDS`, every answer EOS-padded to
-    that length, `CHAT_PARALLEL` of the tool conversations with two problems (`ar`: `AR_CHAT_KINDS`,
-    answers padded to the longest one's length + 1, the AR loss stops at the first EOS)."""
+def chat_batch_at(step: int, seed: int, batch_size: int, ar: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """A chat model's training batch of step `step` (`batch_at`'s layout, then each row's share of whole-answer
+    masking, `CHAT_WHOLE_MASKED` of its kind): its answer length drawn from `CHAT_LENGTHS`, its examples from that
+    length's `CHAT_KINDS`, every answer EOS-padded to that length, `CHAT_PARALLEL` of the tool conversations with
+    two problems (`ar`: `AR_CHAT_KINDS`, answers padded to the longest one's length + 1, the AR loss stops at the
+    first EOS)."""
     from remask.zoo import formats
     from remask.zoo.evaluate import chat_prompt_batch
 
@@ -174,7 +181,7 @@ def chat_batch_at(step: int, seed: int, batch_size: int, ar: bool = False) -> tu
     answers = torch.tensor([charset.encode_answer(e.target, gen_length) for e in examples], dtype=torch.long)
     ids = torch.cat([prompt_ids, answers], dim=1)
     mask = torch.cat([prompt_mask, torch.ones_like(answers)], dim=1)
-    return ids, mask, prompt_ids.shape[1]
+    return ids, mask, prompt_ids.shape[1], torch.tensor([CHAT_WHOLE_MASKED.get(e.kind, 0.0) for e in examples])
 
 
 def row_chunks(mask: torch.Tensor, P: int, chunks: int) -> list[tuple[Any, int]]:
@@ -190,14 +197,15 @@ def row_chunks(mask: torch.Tensor, P: int, chunks: int) -> list[tuple[Any, int]]
 
 def llada_sft_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, P: int,
                    gen: torch.Generator, eps: float = 1e-3, chunks: int = 1, stratified: bool = False,
-                   share: tuple[int, int] = (0, 1)) -> torch.Tensor:
+                   share: tuple[int, int] = (0, 1), whole: torch.Tensor | None = None) -> torch.Tensor:
     """LLaDA's SFT objective: mask answer positions with probability t ~ U(eps, 1], CE / t.
     `chunks`: forward the rows in groups of similar prompt length (`row_chunks`; less padding,
     the same noise and normalisation). `stratified`: the batch's t spread evenly over (0, 1] (one
     offset drawn, row i at (i + u) / B, rows shuffled): the same expected loss, less variance
     from the 1/t weight (the chat models). `share` (rank, processes): this process's part of the chunks
     (every `processes`-th from `rank`) under the whole batch's noise and normalisation: the ranks' losses
-    add up to the batch's (`--procs`)."""
+    add up to the batch's (`--procs`). `whole` `[B]`: each row's probability of t = 1, every answer position
+    masked (drawn after the other noise, which stays as without it)."""
     B, L = ids.shape
     if stratified:
         u = (torch.arange(B) + torch.rand(1, generator=gen)) / B
@@ -205,6 +213,9 @@ def llada_sft_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
     else:
         t = (1 - eps) * torch.rand(B, generator=gen) + eps
     masked = torch.rand((B, L), generator=gen) < t[:, None]
+    if whole is not None:
+        chosen = torch.rand(B, generator=gen) < whole
+        masked[chosen], t = True, torch.where(chosen, 1.0, t)
     masked[:, :P] = False
     noisy = torch.where(masked, torch.full_like(ids, charset.MASK_ID), ids)
     weight = t[:, None].expand(B, L)
@@ -313,13 +324,14 @@ def train(name: str, out: str, steps: int, batch_size: int, lr: float, warmup: i
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
         if is_chat(name):
-            ids, mask, P = chat_batch_at(step, seed, batch_size, ar=not is_llada(name))
+            ids, mask, P, whole = chat_batch_at(step, seed, batch_size, ar=not is_llada(name))
         else:
-            ids, mask, P = batch_at(step, seed, batch_size, gen_length)
+            (ids, mask, P), whole = batch_at(step, seed, batch_size, gen_length), None
         chunks = max(CHAT_CHUNKS if is_chat(name) else 1, procs)   # each rank at least one chunk
         if is_llada(name):
             noise = torch.Generator().manual_seed(seed * 7_919 + step)
-            loss = llada_sft_loss(model, ids, mask, P, noise, chunks=chunks, stratified=is_chat(name), share=share)
+            loss = llada_sft_loss(model, ids, mask, P, noise, chunks=chunks, stratified=is_chat(name), share=share,
+                                  whole=whole)
         else:
             loss = ar_loss(model, ids, mask, P, chunks=chunks, share=share)
         optimizer.zero_grad(set_to_none=True)
