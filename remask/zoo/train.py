@@ -70,9 +70,9 @@ AR_CHAT_KINDS = {**CHAT_KINDS, 128: {"tool_call": 0.3, "tool_answer": 0.55, "too
 # fifth run: 7 of the first 16 answers, all with two results)
 CHAT_PARALLEL = 0.5
 # tiny-llada-chat: per kind, the share of its examples trained with the whole answer masked (t = 1), the state
-# decoding starts from. With t ~ U(0, 1] a tools conversation reached it about 0.2 times a step, and the call-or-text
-# decision from the prompt alone stayed at 70-74% over three mixtures (`evaluate.tool_lean`); with these rows it
-# reached 98% and `auto` 96-100% (docs/models.md, ninth run)
+# decoding starts from. With t ~ U(0, 1] a tools conversation reached it about once in 20 steps, and the call-or-text
+# decision from the prompt alone stayed at 70-74% over three mixtures (`evaluate.tool_lean`); with these rows (about
+# 1.7 a step) it reached 99% and `auto` 96-100% (docs/models.md, ninth run)
 CHAT_WHOLE_MASKED = {"tool_call": 0.3, "tool_text": 0.3}
 CHAT_GEN_LENGTH = max(CHAT_LENGTHS)
 CHAT_BATCH_SIZE = 64
