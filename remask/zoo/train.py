@@ -163,7 +163,7 @@ def batch_at(step: int, seed: int, batch_size: int, gen_length: int) -> tuple[to
 def chat_batch_at(step: int, seed: int, batch_size: int, ar: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
     """A chat model's training batch of step `step` (`batch_at`'s layout, then each row's share of whole-answer
-    masking, `CHAT_WHOLE_MASKED` of its kind): its answer length drawn from `CHAT_LENGTHS`, its examples from that
+    masking, `CHAT_WHOLE_MASKED` of its kind; the AR loss reads none): its answer length drawn from `CHAT_LENGTHS`, its examples from that
     length's `CHAT_KINDS`, every answer EOS-padded to that length, `CHAT_PARALLEL` of the tool conversations with
     two problems (`ar`: `AR_CHAT_KINDS`, answers padded to the longest one's length + 1, the AR loss stops at the
     first EOS)."""
