@@ -66,6 +66,14 @@ def cache_arg(fn: Callable, cache: Any) -> dict[str, Any]:
     return {cache_parameter(fn): cache}
 
 
+def dynamic_cache(model: Any) -> Any:
+    """A new, empty KV cache of the kind `model`'s forward makes itself when given none (transformers'
+    `DynamicCache` for its config)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
 def output_cache(output: Any) -> Any:
     """The KV cache a model output carries (None when it has none), under either name."""
     return getattr(output, output_cache_field(), None)

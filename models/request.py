@@ -32,11 +32,13 @@ class ForwardRequest:
       the rows the layer runs on and their RoPE tables, `after(layer)`; the driver finds the layers
       through `ModelSpec.layers`); one row, a segmented model; it packs with the others (`varlen.PackedLayers`).
     * `output`: "logits", or "model" for the whole model output (its `past_key_values`).
-    * `module`: a model other than the driver's to call (APD's verifier); such a request runs alone.
+    * `module`: a model other than the driver's to call (APD's verifier); such a request runs alone,
+      unless it `extends`.
     * `extends`: a causal continuation (autoregressive): `input_ids` follow every id fed before, whose
-      K/V are the model's own cache in `shared` (the drop-in driver) or the engine's page store (its
-      runner answers all such requests in one flat forward with the last position's logits, as
-      `output="model"` with no cache).
+      K/V are the model's own cache in `cache` (the drop-in driver; the engine's for a `module`'s) or
+      the engine's page store. The answer holds the last position's logits (`rows` None) or those of
+      `rows`; the engine's runner answers all such requests of one model in one flat forward, as
+      `output="model"` (with its cache for a `module`'s).
     """
 
     input_ids: torch.Tensor | None

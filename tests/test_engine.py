@@ -4,13 +4,16 @@ prompt alone with the same seed, whether it is submitted with 63 others, in shuf
 alone; requests join and leave between steps; bad requests and failing requests stay local."""
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
 import torch
 
 import remask
+from remask.diffusion.parts.stepper import ForwardRequest, run_forwards
 from remask.engine import EngineState, LLMEngine, SamplingParams, SequenceStatus
+from remask.models.hf_compat import output_cache
 from remask.models import tiny
 from transformers import AutoModel
 from remask.zoo import charset, tasks
@@ -506,10 +509,11 @@ def test_cached_block_steps_are_shared(llada, use_cache):
     assert engine.runner.forwards * 3 < nfe     # shared: far fewer model calls than forwards counted
 
 
-def test_apd_requests_run_in_the_engine_as_their_own_sub_batch(llada, ar):
+def test_apd_requests_run_in_the_engine_and_share_their_model_calls(llada, ar):
     """APD (a verifier, one sequence at a time) beside block-rule requests: each APD request's
     tokens equal `remask.generate(apd=...)` alone, its accepted tokens are reported as they are
-    final, and it refuses the settings it does not read."""
+    final, and it refuses the settings it does not read. Every step is at most two model calls, the
+    dLLM's (every request's forward of that model) and the verifier's (every APD request's)."""
     model, tokenizer = llada
     verifier = ar[0]
     configs = [remask.APDConfig(verifier, 0.7, kv_window=4, max_lookahead=8),
@@ -523,8 +527,14 @@ def test_apd_requests_run_in_the_engine_as_their_own_sub_batch(llada, ar):
         engine.add_request(*request)
     seen: dict[str, list[int]] = {}
     done = {}
+    verifier_calls = []
+    hook = verifier.register_forward_hook(lambda *_: verifier_calls.append(1))
+    calls_per_step = []
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        before, verified = engine.runner.forwards, len(verifier_calls)
+        outputs = engine.step()
+        calls_per_step.append((engine.runner.forwards - before, len(verifier_calls) - verified))
+        for out in outputs:
             ids = out.outputs[0].all_token_ids
             assert ids[:len(seen.get(out.request_id, []))] == seen.get(out.request_id, [])
             seen[out.request_id] = ids
@@ -538,10 +548,44 @@ def test_apd_requests_run_in_the_engine_as_their_own_sub_batch(llada, ar):
         else:
             alone = alone_llada(model, ids, p)
         assert done[rid].outputs[0].all_token_ids == alone, rid
+    hook.remove()
+    assert all(calls <= 2 and verified <= 1 for calls, verified in calls_per_step), calls_per_step
+    assert calls_per_step[1] == (2, 1)   # the six APD requests' first verifier forwards: one call
     with pytest.raises(ValueError, match="block_length"):
         engine.add_request("bad", PROBLEMS[0], SamplingParams(max_tokens=16, block_length=8, decoder=configs[0]))
     with pytest.raises(ValueError, match="autoregressive.*decoder"):
         LLMEngine(*ar).add_request("bad", PROBLEMS[0], SamplingParams(max_tokens=8, decoder=configs[0]))
+
+
+def test_causal_continuations_of_another_model_share_one_forward_each_as_alone(ar):
+    """The runner's flat forward of a verifier's continuations (APD's): prompts of different lengths, then
+    drafts of several tokens over each one's own cache: each gets bitwise the logits and cache contents of
+    its own forward, as the drop-in driver runs it."""
+    from remask.engine.model_runner import ModelRunner
+
+    verifier = ar[0]
+    g = torch.Generator().manual_seed(0)
+    runner = ModelRunner(verifier, remask.get_spec(verifier))
+    prompts = [torch.randint(5, 100, (1, n), generator=g) for n in (7, 12, 3)]
+    drafts = [torch.randint(5, 100, (1, n), generator=g) for n in (4, 1, 6)]
+
+    def request(ids, cache, past):
+        positions = torch.arange(past, past + ids.shape[1])[None]
+        return ForwardRequest(ids, per_row=dict(position_ids=positions), shared=dict(use_cache=True), cache=cache,
+                              output="model", module=verifier, extends=True, rows=slice(None))
+
+    alone = [run_forwards(verifier, [request(p, None, 0)])[0] for p in prompts]
+    packed = runner._causal_forward([(None, request(p, None, 0)) for p in prompts])
+    for a, p in zip(alone, packed):
+        assert torch.equal(a.logits, p.logits)
+    alone = [run_forwards(verifier, [request(d, copy.deepcopy(output_cache(a)), n.shape[1])])[0]
+             for d, a, n in zip(drafts, alone, prompts)]
+    packed = runner._causal_forward([(None, request(d, output_cache(p), n.shape[1]))
+                                     for d, p, n in zip(drafts, packed, prompts)])
+    for a, p in zip(alone, packed):
+        assert torch.equal(a.logits, p.logits)
+        for held, own in zip(output_cache(p).layers, output_cache(a).layers):
+            assert torch.equal(held.keys, own.keys) and torch.equal(held.values, own.values)
 
 
 def test_apd_params_refuse_the_settings_apd_does_not_read_when_built(ar):

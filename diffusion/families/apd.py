@@ -35,7 +35,7 @@ import torch
 from remask.kernels import apd_accept
 from remask.kernels.confidence_ref import gumbel
 from remask.caches import KVCache
-from remask.models.hf_compat import cache_arg, output_cache
+from remask.models.hf_compat import output_cache
 from remask.models.parallel import full_logits
 from remask.models.spec import ModelSpec, get_spec
 
@@ -196,19 +196,19 @@ class APDDecoder(Constrainable):
         scores = draft_scores(proposal, temperature, self.top_p, self.top_k, generator, uniforms, vocab)
         # under a structure, the same scores, each draft masked by the lookahead over the drafts before it
         draft = shared_argmax(scores, vocab) if state.matcher is None else draft_under(state.matcher, scores, vocab)
-        # The verifier scores the draft: the whole prefix the first time, then only the draft.
-        # A model of its own (`module`): the request runs alone, its whole output wanted (the cache).
+        # The verifier scores the draft: the whole prefix the first time, then only the draft. A causal
+        # continuation of a model of its own (`module`; its whole output wanted: its cache), every position's
+        # logits: the engine answers all APD requests' in one forward.
         if state.verifier_cache is None:
             ids = torch.cat([x[:, :curr], draft[None]], dim=1)   # the prefix, then the draft
-            out = yield ForwardRequest(ids, shared=dict(use_cache=True), output="model", module=verifier)
+            out = yield ForwardRequest(ids, shared=dict(use_cache=True), output="model", module=verifier,
+                                       extends=True, rows=slice(None))
             verifier_logits = out.logits[0, curr - 1:right - 1]
         else:
             positions = torch.arange(curr, right, device=x.device)
-            # the cache under the keyword the verifier's forward declares (`cache` or `past_key_values`)
             out = yield ForwardRequest(draft[None], per_row=dict(position_ids=positions[None]),
-                                       shared=dict(cache_arg(verifier.forward, state.verifier_cache), use_cache=True,
-                                                   cache_position=positions),
-                                       output="model", module=verifier)
+                                       shared=dict(use_cache=True, cache_position=positions), cache=state.verifier_cache,
+                                       output="model", module=verifier, extends=True, rows=slice(None))
             # Row j predicts draft j + 1; row 0's own prediction is never needed (j = 0 is accepted).
             verifier_logits = torch.cat([out.logits[0, :1], out.logits[0, :-1]])
         state.verifier_cache = output_cache(out)

@@ -50,7 +50,7 @@ def call_model(model: torch.nn.Module, request: ForwardRequest, input_ids: torch
     kwargs = {**(per_row or {}), **request.shared}
     if cache is not None:   # under the keyword the forward declares (`cache` or `past_key_values`)
         kwargs.update(cache_arg(model.forward, cache))
-    if request.extends and takes_logits_to_keep(model.forward):
+    if request.extends and request.rows is None and takes_logits_to_keep(model.forward):
         # only the last position's logits, as transformers' `generate` and the engine's runner
         kwargs["logits_to_keep"] = 1
     out = model(input_ids, **kwargs)

@@ -15,7 +15,8 @@ sequence go into **one packed forward** `[1, N]` (`stepper.run_forwards`, `varle
 each attending over its own keys through its own cache and mask, its RoPE at its own positions
 (Elastic-Cache's rows change between layers: `varlen.PackedLayers`); the block-causal models
 (SDAR, LLaDA2, Fast-dLLM v2) stack the requests whose caches pack (`ForwardRequest.stacks`). A
-request of another model (APD's verifier) or of inputs no packed forward takes runs alone. The
+request of inputs no packed forward takes runs alone; APD's verifier forwards (causal continuations of
+another model) run as one flat forward of that model, each over its own cache. The
 runner hands each its rows (`receive`); each sequence commits with its own rule and generator,
 greedy block decoders of one rule together (`receive_together`, row by row as alone).
 
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 
+from remask.models.hf_compat import dynamic_cache, lm_output
 from remask.models.spec import ModelSpec
 
 from remask.diffusion.parts.stepper import ForwardRequest, call_model, run_forwards
@@ -75,8 +77,10 @@ class ModelRunner:
                     seq.state = seq.decoder.start(seq.prompt_ids)
                 # The decoder describes its forward; the requests that pack share one model call.
                 request = seq.decoder.next_forward(seq.state, seq.generator, seq.stats)
-                if request is not None and request.extends and self.store is not None:
-                    packed[("paged",)].append((seq, request))   # autoregressive: over the page store
+                if request is not None and request.extends and (self.store is not None or request.module is not None):
+                    # causal continuations of one model in one flat forward: over the page store (autoregressive)
+                    # or each over its own cache (APD's verifier)
+                    packed[("causal", id(request.module))].append((seq, request))
                 elif request is not None:   # a CUDA graph's, else a packed forward's, else its own
                     key = self._graph_key(seq, request) or (
                         request.pack_key() if self.spec.segmented or request.stacks else None)
@@ -86,8 +90,8 @@ class ModelRunner:
         for key, members in packed.items():
             try:
                 requests = [request for _, request in members]
-                if key[0] == "paged":
-                    answers = self._paged_forward(members)
+                if key[0] == "causal":
+                    answers = self._causal_forward(members)
                 elif key[0] == "pack" and key[1][0] == "graph":
                     # uncached full forwards of one length: one captured graph per (bucket, length)
                     x = torch.cat([r.input_ids for r in requests])
@@ -129,34 +133,45 @@ class ModelRunner:
             except Exception as err:  # noqa: BLE001
                 failed.update({seq: f"{type(err).__name__}: {err}" for seq in seqs})
 
-    # ---- autoregressive sequences: one flat forward over the paged store ----
+    # ---- causal continuations: one flat forward over the paged store or the sequences' own caches ----
 
-    def _paged_forward(self, members: list[tuple[Sequence, ForwardRequest]]) -> list[Any]:
-        """The causal continuations (`ForwardRequest.extends`) of every autoregressive sequence in one
-        flat forward `[1, T]`: each feeds its new ids at its own positions over its own page table
-        (its prompt's pages found in the prefix cache where they match). Answers: each one's last
-        position's logits, as a model output without a cache (`logits` `[1, 1, V]`)."""
+    def _causal_forward(self, members: list[tuple[Sequence, ForwardRequest]]) -> list[Any]:
+        """The causal continuations (`ForwardRequest.extends`) of one model in one flat forward `[1, T]`, each
+        sequence's new ids at its own positions. The engine's model: over each one's page table (its prompt's pages
+        found in the prefix cache where they match). Another model (APD's verifier, `module`): over each request's
+        own cache (a new one at its first forward), appended to as its own forward appends. Answers: a model output
+        with each one's logits `[1, k, V]` (its last position, or the positions its `rows` asks for) and its own cache."""
+        module = members[0][1].module
+        model = self.model if module is None else module
         slices: list[SequenceSlice] = []
-        ids, positions = [], []   # the flat forward's token ids and their positions
+        ids, positions, keep = [], [], []   # the flat forward's token ids, their positions, the rows kept
         for seq, request in members:
-            feed = request.input_ids[0].tolist()
-            if seq.block_table is None:     # its prompt: pages shared with an equal prompt's where they can be
-                seq.block_table, shared = self.store.manager.allocate(feed), self.store.manager.last_hits
+            feed, cache, shared = request.input_ids[0].tolist(), None, 0
+            if module is not None:   # its own cache (a new one at its first forward)
+                cache = request.cache if request.cache is not None else dynamic_cache(module)
+                past, table = cache.get_seq_length(), []
+            elif seq.block_table is None:   # its prompt: pages shared with an equal prompt's where they can be
+                past, table = seq.kv_len, self.store.manager.allocate(feed)
+                seq.block_table, shared = table, self.store.manager.last_hits
             else:
-                shared = 0
-                self.store.manager.extend(seq.block_table, seq.kv_len + len(feed))
-            slices.append(SequenceSlice(start=len(ids), q_len=len(feed), ctx_len=seq.kv_len + len(feed),
-                                        table=seq.block_table, shared=shared))
+                past, table = seq.kv_len, seq.block_table
+                self.store.manager.extend(table, past + len(feed))
+            slices.append(SequenceSlice(start=len(ids), q_len=len(feed), ctx_len=past + len(feed), table=table,
+                                        shared=shared, cache=cache))
+            keep.append([len(ids) + row for row in range(len(feed))[request.rows or slice(-1, None)]])
             ids.extend(feed)
-            positions.extend(range(seq.kv_len, seq.kv_len + len(feed)))
-        batch = ForwardBatch(slices, self.store, self.device)
-        # the flat forward's ids and positions `[1, T]`, and each sequence's last row (the logits kept)
-        input_ids, position_ids, last = (torch.tensor(v, dtype=torch.long, device=self.device)
-                                         for v in ([ids], [positions], [s.start + s.q_len - 1 for s in slices]))
-        with self._invariant(len(slices), batch.token_groups), paged_forward(self.model, batch, self.attention_configs):
-            logits = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                logits_to_keep=last).logits[0]
-        for (seq, _), s in zip(members, slices):
-            seq.kv_len = s.ctx_len
-        # the model output's one field `receive` reads (a transformers output per row costs more than its sample)
-        return [SimpleNamespace(logits=row[None, None]) for row in logits]
+            positions.extend(range(past, past + len(feed)))
+        batch = ForwardBatch(slices, self.store if module is None else None, self.device)
+        input_ids, position_ids, rows = (torch.tensor(v, dtype=torch.long, device=self.device)
+                                         for v in ([ids], [positions], [r for k in keep for r in k]))
+        configs = self.attention_configs if module is None else attention_configs(module)
+        with self._invariant(len(slices), batch.token_groups), paged_forward(model, batch, configs):
+            logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                           logits_to_keep=rows).logits[0]
+        if module is None:
+            for (seq, _), s in zip(members, slices):
+                seq.kv_len = s.ctx_len
+            # the model output's one field `receive` reads (a transformers output per row costs more than its sample)
+            return [SimpleNamespace(logits=row[None, None]) for row in logits]
+        return [lm_output(logits=part[None], cache=s.cache)
+                for part, s in zip(logits.split([len(k) for k in keep]), slices)]

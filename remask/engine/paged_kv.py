@@ -8,6 +8,8 @@ keys; a new token: one query over its gathered keys), so its tokens equal `remas
 alone. Prefix sharing keeps a prompt page only where its K/V are bitwise those the sequence computes
 (kernels may round a row differently for another prompt length): the sequence still computes its
 whole prompt, compares layer by layer and goes copy-on-write on the first difference (docs/engine.md).
+The same flat forward serves another model's causal continuations without pages (APD's verifier): each
+sequence appends its new K/V to its own cache and attends over it as its own forward does.
 """
 from __future__ import annotations
 
@@ -35,6 +37,10 @@ class SequenceSlice:
     table: list[int]            # its pages (may be rewritten by copy-on-write)
     shared: int = 0             # leading prompt pages held with others, to verify (prefill only)
     new_slots: torch.Tensor | None = None   # where a decode's new K/V go
+    # a sequence with a cache of its own (APD's verifier; no pages): its K/V appended there and attended over as in
+    # its own forward, under the mask that forward has (`own_cache_mask`, set by `ForwardBatch`)
+    cache: Any = None
+    mask: torch.Tensor | None = None
 
     @property
     def is_prefill(self) -> bool:
@@ -46,7 +52,7 @@ class ForwardBatch:
     """The layout of one flat forward: the sequences' slices in order, the store and allocator."""
 
     slices: list[SequenceSlice]
-    store: PagedKVStore
+    store: PagedKVStore | None   # None: every slice has its own cache
     device: torch.device
     # decodes grouped by context length: (slice indices, slots of their context `[G, ctx]`)
     decode_groups: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
@@ -58,7 +64,9 @@ class ForwardBatch:
         by_ctx: dict[int, list[int]] = {}   # a decode's ctx_len → slice indices
         for i, s in enumerate(self.slices):
             by_len.setdefault(s.q_len, []).extend(range(s.start, s.start + s.q_len))
-            if not s.is_prefill:
+            if s.cache is not None:
+                s.mask = own_cache_mask(s.ctx_len - s.q_len, s.q_len, self.device)
+            elif not s.is_prefill:
                 by_ctx.setdefault(s.ctx_len, []).append(i)
         self.token_groups = [(length, torch.tensor(rows, dtype=torch.long, device=self.device))
                              for length, rows in by_len.items()]
@@ -84,11 +92,14 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         return sdpa(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     layer = module.layer_idx
     new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)        # [T, H_kv, D]
-    k_store, v_store = batch.store.layer(layer, new_k)
+    k_store, v_store = batch.store.layer(layer, new_k) if batch.store is not None else (None, None)
     outputs: list[torch.Tensor | None] = [None] * len(batch.slices)
     for i, s in enumerate(batch.slices):
         rows = slice(s.start, s.start + s.q_len)
-        if s.is_prefill:   # shared prompt pages are verified (module docstring)
+        if s.cache is not None:   # its own cache: appended to, then attended over as its own forward does
+            k, v = s.cache.update(key[:, :, rows], value[:, :, rows], layer)
+            outputs[i] = sdpa(module, query[:, :, rows], k, v, s.mask, scaling=scaling, dropout=0.0)[0]
+        elif s.is_prefill:   # shared prompt pages are verified (module docstring)
             s.shared = batch.store.write(layer, s.table, 0, new_k[rows], new_v[rows], s.shared)
             # The prompt attends over its own fresh keys, exactly as it does alone.
             outputs[i] = sdpa(module, query[:, :, rows], key[:, :, rows], value[:, :, rows], None,
@@ -106,6 +117,15 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         for j, i in enumerate(members):
             outputs[i] = out[j:j + 1]
     return torch.cat(outputs, dim=1), None
+
+
+def own_cache_mask(past: int, q_len: int, device: Any) -> torch.Tensor | None:
+    """The mask transformers gives SDPA for `q_len` new tokens after `past` cached ones: none for one token or no
+    past (a new token attends to all; a prompt is causal), else causal from `past` `[1, 1, q_len, past + q_len]`."""
+    if q_len == 1 or past == 0:
+        return None
+    keys, queries = torch.arange(past + q_len, device=device), torch.arange(past, past + q_len, device=device)
+    return (keys[None, :] <= queries[:, None])[None, None]
 
 
 def _mask(*args: Any, **kwargs: Any) -> Any:
