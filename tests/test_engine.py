@@ -588,6 +588,33 @@ def test_causal_continuations_of_another_model_share_one_forward_each_as_alone(a
             assert torch.equal(held.keys, own.keys) and torch.equal(held.values, own.values)
 
 
+def test_a_model_shared_by_two_engine_threads_keeps_the_paged_attention_until_both_leave(ar):
+    """The server's engines run on threads of their own and may share a model (an AR engine's, an APD
+    verifier's): one thread leaving its flat forward must not restore the model's attention setting
+    under the other, still inside; the last one out restores it."""
+    import threading
+
+    from remask.engine.paged_kv import ATTN_IMPLEMENTATION, ForwardBatch, paged_forward
+
+    model = ar[0]
+    original = model.config._attn_implementation
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with paged_forward(model, ForwardBatch([], None, torch.device("cpu"))):
+            inside.set()
+            leave.wait(10)
+
+    other = threading.Thread(target=hold)
+    other.start()
+    assert inside.wait(10)
+    with paged_forward(model, ForwardBatch([], None, torch.device("cpu"))):
+        leave.set()   # the first one in leaves first
+        other.join(10)
+        assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+    assert model.config._attn_implementation == original
+
+
 def test_apd_params_refuse_the_settings_apd_does_not_read_when_built(ar):
     config = remask.APDConfig(ar[0], 0.7)
     for name, value in [("threshold", 0.9), ("steps", 16), ("use_cache", "dual"), ("alg", "entropy"),
