@@ -188,10 +188,28 @@ def method_settings(verifier) -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
+def canvas_model() -> tuple[Any, Any]:
+    """A random tiny DiffusionGemma in the official format on the zoo's character tokenizer (none is shipped: its
+    answers are noise, its forwards and steps are the method's), or (None, None) where transformers lacks it."""
+    import tempfile
+
+    from remask.models import tiny
+
+    if not hasattr(__import__("transformers"), "DiffusionGemmaForBlockDiffusion"):
+        return None, None
+    path = tempfile.mkdtemp(prefix="remask-bench-dg-")
+    tiny.write_tiny_diffusion_gemma(path, seed=1, charset=charset, generation={"max_denoising_steps": 8})
+    return remask.load(path)
+
+
 def drop_in(model, ids: list[int], params: SamplingParams, ar: bool) -> list[int]:
     """The drop-in call whose tokens the engine's request has (one request, alone)."""
     prompt = torch.tensor([ids])
     generator = torch.Generator().manual_seed(params.seed)
+    if remask.models.get_spec(model).layout == "encoder-decoder":   # DiffusionGemma's canvases (pad after an EOS)
+        settings = params.decoder.generation_kwargs() if params.decoder is not None else {}
+        return remask.diffusion_generate(model, prompt, max_new_tokens=params.max_tokens, generator=generator,
+                                         **settings).sequences[0, len(ids):len(ids) + params.max_tokens].tolist()
     if ar:
         out = remask.ar_generate(model, prompt, generator=generator, **params.ar_kwargs([charset.EOS_ID]))
         row = out[0, len(ids):].tolist()
@@ -263,9 +281,12 @@ def per_method(counts: list[int], max_tokens: int, repeats: int, only: str | Non
     rows = []
     settings = [(label, kw, llada, llada_tok, False) for label, kw in method_settings(ar)]
     settings.append(("AR (tiny-ar)", dict(), ar, ar_tok, True))
+    dg, dg_tok = canvas_model()
+    if dg is not None:
+        settings.append(("DiffusionGemma canvas (random tiny)", dict(), dg, dg_tok, False))
     if only:
         settings = [s for s in settings if any(word.lower() in s[0].lower() for word in only.split(","))]
-    for model, tokenizer in ((llada, llada_tok), (ar, ar_tok)):   # once per process: the GEMM probe, allocations
+    for model, tokenizer in ((llada, llada_tok), (ar, ar_tok), *([(dg, dg_tok)] if dg is not None else [])):   # once per process: the GEMM probe, allocations
         warm = LLMEngine(model, tokenizer)
         for i in range(2):
             warm.add_request(str(i), charset.encode_chat("sort 5281" + str(i)), SamplingParams(max_tokens=16))
@@ -385,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each measurement (the fastest is kept)")
     parser.add_argument("--out", default=None, help="markdown table to write (default: print only)")
     parser.add_argument("--per-method", action="store_true",
-                        help="each method alone (docs/compatibility.md's rows, APD, AR): engine ÷ sequential "
+                        help="each method alone (docs/compatibility.md's rows, APD, AR, DiffusionGemma's canvas on a "
+                             "random tiny checkpoint): engine ÷ sequential "
                              "and model calls per engine step (default --requests 8,32,64 --max-tokens 32)")
     parser.add_argument("--methods", default=None,
                         help="with --per-method: only the rows whose label contains one of these comma-separated words")

@@ -206,16 +206,18 @@ _seam = _LinearSeam()
 @contextlib.contextmanager
 def batch_invariant_linear(enabled: bool = True, single_thread: bool = True,
                            token_groups: list[tuple[int, torch.Tensor]] | None = None) -> Iterator[None]:
-    """Run the block's forwards with per-sequence linear layers (and, on CPU, one intra-op thread).
+    """Run the block's forwards with per-sequence linear layers (`enabled`) and, with `single_thread` (on CPU),
+    at one intra-op thread, a lone forward too: the thread count can set a kernel's bits (measured: transformers'
+    eager MoE experts at 2 threads), so a request alone must run as it does batched.
     `token_groups`: the layout of a flat forward (see `_PerSequenceLinear`)."""
-    if not enabled:
-        yield
-        return
     if single_thread:
         _one_thread.enter()
     try:
-        with _seam.active(_PerSequenceLinear(token_groups)) as mode:   # per thread: other threads are untouched
-            yield mode
+        if enabled:
+            with _seam.active(_PerSequenceLinear(token_groups)) as mode:   # per thread: other threads are untouched
+                yield mode
+        else:
+            yield None
     finally:
         if single_thread:
             _one_thread.exit()

@@ -2,17 +2,24 @@
 reimplementation. This module holds what remask needs to know about it: its spec (uniform noise,
 no mask token, an encoder–decoder layout with canvases of `config.canvas_length`) and the adapter
 the canvas loop (`remask.diffusion.families.canvas`) drives — encoder into the KV cache, decoder over a
-canvas against it — so the loop itself never touches the model's classes.
+canvas against it — so the loop itself never touches the model's classes; and `CanvasRows`, through which
+the engine stacks several requests' forwards into one call, each over its own cache.
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import contextvars
+import functools
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 
-from .hf_compat import cache_arg
+from .hf_compat import cache_arg, own_setting, swapped_setting
 from .registry import Family, register_family
-from .request import ForwardRequest
+from .request import ForwardRequest, ScopedCache
 from .spec import ModelSpec, config_id
 
 MODEL_TYPE = "diffusion_gemma"
@@ -63,7 +70,7 @@ class CanvasModel:
     are described, not run: `encoder_forward` and `decoder_forward` return the
     `ForwardRequest` (`remask.models.request`) a driver computes. Built from the model's spec (its
     config, `encoder` and `embeddings`, the table the decoder shares with the encoder), never the model:
-    the decoder's mask builder and the model's forward signature are transformers' class functions."""
+    the decoder's mask builder is transformers' class function."""
 
     def __init__(self, spec: ModelSpec):
         from transformers.models.diffusion_gemma import modeling_diffusion_gemma as modeling
@@ -72,7 +79,6 @@ class CanvasModel:
         self.canvas_length = int(self.config.canvas_length)
         self.vocab_size = int(self.config.get_text_config().vocab_size)
         self.create_decoder_masks = modeling.DiffusionGemmaDecoderModel.create_diffusion_decoder_attention_mask
-        self.model_forward = modeling.DiffusionGemmaForBlockDiffusion.forward
 
     @property
     def embedding_dtype(self) -> torch.dtype:
@@ -85,9 +91,9 @@ class CanvasModel:
 
     def encoder_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                         cache):
-        """The encoder over `input_ids` (uncached tokens), writing their keys and values into
-        `cache`: a request for the encoder's whole output (`output_cache(answer)` is the cache).
-        The encoder is a module of its own (`module=`), so the request runs alone."""
+        """The encoder over `input_ids` (uncached tokens), writing their keys and values into `cache` (in
+        place: the answer is the encoder's output). Its cache is a `CanvasRows`: the engine stacks the encoder
+        forwards of its requests of one length into one call, each into its own cache."""
 
         encoder = self.encoder
         input_ids = input_ids.clone(memory_format=torch.contiguous_format)
@@ -97,8 +103,8 @@ class CanvasModel:
                                                   attention_mask=attention_mask, position_ids=position_ids,
                                                   mm_token_type_ids=None,
                                                   **cache_arg(encoder.create_masks_for_generate, cache))
-        return ForwardRequest(input_ids, per_row=dict(position_ids=position_ids),
-                              shared=dict(attention_mask=masks, **cache_arg(encoder.forward, cache)),
+        return ForwardRequest(input_ids, per_row=dict(position_ids=position_ids), shared=dict(attention_mask=OWN_MASKS),
+                              cache=CanvasRows([cache], [masks], [input_ids.shape[0]], input_ids.shape[1]),
                               output="model", module=encoder)
 
     def decoder_masks(self, canvas: torch.Tensor, cache, decoder_attention_mask: torch.Tensor) -> dict:
@@ -110,12 +116,186 @@ class CanvasModel:
     def decoder_forward(self, canvas: torch.Tensor, self_conditioning_logits: torch.Tensor | None, masks: dict,
                         cache, position_ids: torch.Tensor):
         """One decoder forward of the model (no encoder input): a request answered with the logits
-        `[B, canvas_length, V]` (float32, soft-capped)."""
+        `[B, canvas_length, V]` (float32, soft-capped). Its cache is a `CanvasRows`: the engine stacks the
+        decoder forwards of its requests into one call, each over its own encoder cache."""
 
         per_row = dict(decoder_input_ids=canvas, decoder_position_ids=position_ids)
-        shared = dict(decoder_attention_mask=masks, **cache_arg(self.model_forward, cache))
+        shared = {}
         if self_conditioning_logits is None:
             shared["self_conditioning_logits"] = None
         else:
             per_row["self_conditioning_logits"] = self_conditioning_logits
-        return ForwardRequest(None, per_row=per_row, shared=shared)
+        return ForwardRequest(None, per_row=per_row, shared=shared,
+                              cache=CanvasRows([cache], [masks], [canvas.shape[0]], canvas.shape[1]))
+
+
+# ---- the forwards of several requests in one call ------------------------------------------------------------
+
+ROWS_IMPLEMENTATION = "remask_canvas_rows"
+_ROWS: contextvars.ContextVar["CanvasRows | None"] = contextvars.ContextVar("remask_canvas_rows", default=None)
+
+
+class LayerMasks(dict):
+    """A mask per layer type, given to the model so that it builds none (hashable: requests stack by their shared
+    inputs)."""
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self.items())))
+
+
+OWN_MASKS = LayerMasks(full_attention=None, sliding_attention=None)   # each request's own: `CanvasRows.masks`
+
+
+@dataclass(eq=False)
+class CanvasRows(ScopedCache):
+    """The cache argument of an encoder or decoder forward over the rows of one or more requests stacked in
+    order, `length` positions each: request i has `sizes[i]` rows, its cache `caches[i]` and masks `masks[i]`
+    (those its own forward has). Inside `forward_scope` each request's rows attend with its own mask through its
+    own cache, exactly as transformers' attention does (the encoder's `update`, the decoder's read-only
+    `append_to_cache`, then the model's attention implementation); its experts and the products that mix rows
+    (`F.linear` over flattened tokens, `matmul`) run on its rows alone: a request's answer is bitwise that of
+    its own forward. To the model it is a cache of no positions that stores nothing."""
+
+    caches: list[Any]
+    masks: list[dict]
+    sizes: list[int]
+    length: int
+    is_compileable = False
+
+    def pack_key(self) -> tuple:
+        return ("canvas", self.length)
+
+    @classmethod
+    def pack(cls, members: list["CanvasRows"], sizes: list[int]) -> "CanvasRows":
+        return cls([c for m in members for c in m.caches], [k for m in members for k in m.masks],
+                   [s for m in members for s in m.sizes], members[0].length)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        """The encoder's write: nothing here (each request's own cache is written in the attention)."""
+        return key, value
+
+    @functools.cached_property
+    def layers(self) -> list[Any]:
+        """What the decoder's `append_to_cache` reads: no positions for the stacked rows (each request's own
+        are joined in the attention)."""
+        def empty(t: torch.Tensor) -> torch.Tensor:
+            return t.new_empty((sum(self.sizes), t.shape[1], 0, t.shape[3]))
+        return [_NoPositions(empty(layer.keys), empty(layer.values)) for layer in self.caches[0].layers]
+
+    @functools.cached_property
+    def bounds(self) -> list[slice]:
+        """Each request's rows."""
+        ends = torch.tensor(self.sizes).cumsum(0).tolist()
+        return [slice(end - size, end) for size, end in zip(self.sizes, ends)]
+
+    def token_bounds(self) -> list[slice]:
+        """Each request's part of the flattened tokens."""
+        return [slice(b.start * self.length, b.stop * self.length) for b in self.bounds]
+
+    @contextlib.contextmanager
+    def forward_scope(self, model: Any) -> Iterator[None]:
+        register_rows()
+        attention, experts = _implementation_configs(model)
+        token = _ROWS.set(self)
+        try:
+            with swapped_setting(attention, "_attn_implementation", ROWS_IMPLEMENTATION), \
+                    swapped_setting(experts, "_experts_implementation", ROWS_IMPLEMENTATION), \
+                    (_PerRequest(self) if len(self.sizes) > 1 else contextlib.nullcontext()):
+                yield
+        finally:
+            _ROWS.reset(token)
+
+
+_CONFIGS: "weakref.WeakKeyDictionary[Any, tuple[list[Any], list[Any]]]" = weakref.WeakKeyDictionary()
+
+
+def _implementation_configs(model: Any) -> tuple[list[Any], list[Any]]:
+    """The configs the model's (or its encoder's) attention layers and experts read their implementations from."""
+    if model not in _CONFIGS:
+        from transformers.models.diffusion_gemma import modeling_diffusion_gemma as modeling
+
+        attention = (modeling.DiffusionGemmaEncoderTextAttention, modeling.DiffusionGemmaDecoderTextAttention)
+        _CONFIGS[model] = tuple(list({id(m.config): m.config for m in model.modules() if isinstance(m, kind)}.values())
+                                for kind in (attention, modeling.DiffusionGemmaTextExperts))
+    return _CONFIGS[model]
+
+
+@dataclass
+class _NoPositions:
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+def _rows_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Each request's rows over its own encoder cache with its own mask (`CanvasRows`), through the config's own
+    implementation (which alone runs where this thread has no rows)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.diffusion_gemma import modeling_diffusion_gemma as modeling
+
+    own = ALL_ATTENTION_FUNCTIONS.get_interface(own_setting(module.config, "_attn_implementation"),
+                                                modeling.eager_attention_forward)
+    rows = _ROWS.get()
+    if rows is None:
+        return own(module, query, key, value, attention_mask, **kwargs)
+    outputs = []
+    for part, cache, masks in zip(rows.bounds, rows.caches, rows.masks):
+        if isinstance(module, modeling.DiffusionGemmaDecoderTextAttention):   # reads the encoder's cache
+            k, v = module.append_to_cache(cache, key[part], value[part])
+        else:                                                               # the encoder writes it
+            k, v = cache.update(key[part], value[part], module.layer_idx)
+        outputs.append(own(module, query[part], k, v, masks[module.config.layer_types[module.layer_idx]],
+                           **kwargs)[0])
+    return torch.cat(outputs), None
+
+
+def _rows_experts(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts over each request's tokens alone (the tokens that meet in an expert's GEMM set its bits)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    own = ALL_EXPERTS_FUNCTIONS.get_interface(own_setting(module.config, "_experts_implementation"),
+                                              type(module).forward.__wrapped__)   # the eager forward
+    rows = _ROWS.get()
+    if rows is None:
+        return own(module, hidden_states, top_k_index, top_k_weights)
+    return torch.cat([own(module, hidden_states[part], top_k_index[part], top_k_weights[part])
+                      for part in rows.token_bounds()])
+
+
+class _PerRequest(TorchFunctionMode):
+    """Inside a stacked call of several requests: `F.linear` over the flattened tokens `[rows × length, K]` (the
+    router's) and `matmul` over the stacked rows `[rows, ...]` (the self-conditioning embedding's, RoPE's)
+    computed per request, with the shapes its own forward has (a GEMM's bits may depend on its row count)."""
+
+    def __init__(self, rows: CanvasRows):
+        super().__init__()
+        self.rows, self.total, self.tokens = rows, sum(rows.sizes), sum(rows.sizes) * rows.length
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _ROW_MIXING and torch.is_tensor(args[0]):
+            x = args[0]
+            if x.dim() == 3 and x.shape[0] == self.total:
+                parts = self.rows.bounds
+            elif x.dim() == 2 and x.shape[0] == self.tokens:
+                parts = self.rows.token_bounds()
+            else:
+                return func(*args, **kwargs)
+            return torch.cat([func(x[part], *args[1:], **kwargs) for part in parts])
+        return func(*args, **kwargs)
+
+
+_ROW_MIXING = (torch.matmul, torch._C._nn.linear)
+
+
+@functools.cache
+def register_rows() -> None:
+    from transformers import AttentionInterface
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ROWS_IMPLEMENTATION, _rows_attention)
+    AttentionMaskInterface.register(ROWS_IMPLEMENTATION, sdpa_mask)   # another thread's masks meanwhile
+    ALL_EXPERTS_FUNCTIONS.register(ROWS_IMPLEMENTATION, _rows_experts)

@@ -12,10 +12,12 @@ callee the name it declares, whichever family it is.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
-from typing import Any, Callable
+import threading
+from typing import Any, Callable, Iterator
 
 CACHE_NAMES = ("cache", "past_key_values")   # the current name first
 
@@ -93,3 +95,36 @@ def with_cache_field(fields: dict[str, Any]) -> dict[str, Any]:
     if "cache" in fields:
         fields[output_cache_field()] = fields.pop("cache")
     return fields
+
+
+_SWAP_LOCK = threading.Lock()
+_SWAPPED: dict[tuple[int, str], list[Any]] = {}   # (id(config), attribute) → [threads inside, the value it had]
+
+
+@contextlib.contextmanager
+def swapped_setting(configs: list[Any], attribute: str, value: str) -> Iterator[None]:
+    """Set `attribute` (`_attn_implementation`, `_experts_implementation`) of each config to `value` (an
+    implementation registered with transformers) inside, restoring it when the last thread inside leaves: the
+    server's engines, each on its thread, may share a model."""
+    with _SWAP_LOCK:
+        for config in configs:
+            held = _SWAPPED.setdefault((id(config), attribute), [0, getattr(config, attribute)])
+            held[0] += 1
+            setattr(config, attribute, value)
+    try:
+        yield
+    finally:
+        with _SWAP_LOCK:
+            for config in configs:
+                held = _SWAPPED[(id(config), attribute)]
+                held[0] -= 1
+                if held[0] == 0:
+                    setattr(config, attribute, _SWAPPED.pop((id(config), attribute))[1])
+
+
+def own_setting(config: Any, attribute: str) -> Any:
+    """`config`'s `attribute` as it was before `swapped_setting` (what an implementation registered in its place
+    runs where its thread has no work of its own)."""
+    with _SWAP_LOCK:
+        held = _SWAPPED.get((id(config), attribute))
+        return getattr(config, attribute) if held is None else held[1]

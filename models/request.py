@@ -5,6 +5,7 @@ builds them, and the drivers (`remask.diffusion.parts.stepper`) answer them, alo
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,9 +32,10 @@ class ForwardRequest:
     * `layers`: work of its own between the model's layers (Elastic-Cache: `before(layer, h)` →
       the rows the layer runs on and their RoPE tables, `after(layer)`; the driver finds the layers
       through `ModelSpec.layers`); one row, a segmented model; it packs with the others (`varlen.PackedLayers`).
-    * `output`: "logits", or "model" for the whole model output (its `past_key_values`).
-    * `module`: a model other than the driver's to call (APD's verifier); such a request runs alone,
-      unless it `extends`.
+    * `output`: "logits", or "model" for the whole model output (its `past_key_values`; a stacked call's
+      output is the call's, each request's cache written in place).
+    * `module`: a model other than the driver's to call (APD's verifier, DiffusionGemma's encoder); such a
+      request runs alone, unless it `extends` or its cache stacks.
     * `extends`: a causal continuation (autoregressive): `input_ids` follow every id fed before, whose
       K/V are the model's own cache in `cache` (the drop-in driver; the engine's for a `module`'s) or
       the engine's page store. The answer holds the last position's logits (`rows` None) or those of
@@ -65,8 +67,9 @@ class ForwardRequest:
 
     @property
     def batch(self) -> int:
-        x = self.input_ids if self.input_ids is not None else self.per_row["inputs_embeds"]
-        return x.shape[0]
+        if self.input_ids is not None:
+            return self.input_ids.shape[0]
+        return max(t.shape[0] for t in self.per_row.values())   # inputs_embeds, or an encoder-decoder's canvas
 
     @property
     def stacks(self) -> bool:
@@ -79,10 +82,10 @@ class ForwardRequest:
         None: this one runs alone (another model, the whole output wanted, inputs the packed
         forward does not take). A request whose cache packs (`stacks`) gets a stacked key
         (`stacked_key`), which models without the flat route (not `spec.segmented`) take too."""
-        if self.output != "logits" or self.module is not None:
-            return None
         if self.stacks:
             return stacked_key(self)
+        if self.output != "logits" or self.module is not None:
+            return None
         if not set(self.per_row) <= PACKED_PER_ROW or not set(self.shared) <= PACKED_SHARED:
             return None
         if isinstance(self.shared.get("attention_mask"), torch.Tensor):
@@ -93,6 +96,20 @@ class ForwardRequest:
             embeds = self.per_row["inputs_embeds"]
             return ("embeds", embeds.dtype, embeds.shape[-1])
         return ("ids",)
+
+
+class ScopedCache:
+    """A cache argument the model call must run inside `forward_scope(model)` of (transformers' attention and
+    experts set to implementations that answer each request of a stacked call through its own cache:
+    DiffusionGemma's `CanvasRows`). The drivers enter it around every call they pass the cache to."""
+
+    def forward_scope(self, model: Any) -> contextlib.AbstractContextManager:
+        raise NotImplementedError
+
+
+def cache_scope(cache: Any, model: Any) -> contextlib.AbstractContextManager:
+    """The context the model call with `cache` runs in: its `forward_scope`, or none."""
+    return cache.forward_scope(model) if isinstance(cache, ScopedCache) else contextlib.nullcontext()
 
 
 # What a packed forward takes: per-row positions and masks (each request's own, through its
@@ -117,4 +134,5 @@ def stacked_key(request: ForwardRequest) -> tuple | None:
         return None
     inputs = {"input_ids": request.input_ids, **request.per_row}
     shapes = tuple((name, tuple(t.shape[1:]), t.dtype, t.device) for name, t in sorted(inputs.items()) if t is not None)
-    return ("stacked", type(request.cache), request.cache.pack_key(), shapes, shared)
+    return ("stacked", type(request.cache), request.cache.pack_key(), id(request.module), request.output, shapes,
+            shared)

@@ -253,6 +253,82 @@ def test_engine_request_equals_model_generate_and_ignores_its_batch(model):
     assert direct.sequences[0, 5:17].tolist() == together[0].outputs[0].all_token_ids
 
 
+def test_forwards_of_several_requests_share_one_call_each_as_alone(model):
+    """The encoder forwards (a closed canvas each) and then the decoder forwards of four requests (other prompt
+    lengths, caches and masks) stacked in one call each: every request's cache is written and its logits are
+    computed bitwise as by its own forward, under the engine's invariance context (each request's attention
+    over its own cache, its experts over its own tokens: those would mix the requests' rows)."""
+    import copy
+
+    from remask.diffusion.parts.stepper import run_forwards
+    from remask.kernels.batch_invariant import batch_invariant_linear
+
+    def invariant(rows, groups=None):   # the engine runner's on CPU
+        return batch_invariant_linear(rows > 1, single_thread=True, token_groups=groups)
+
+    canvas_model = remask.models.diffusion_gemma.CanvasModel(get_spec(model))
+    g = torch.Generator().manual_seed(0)
+    caches, encodes = [], []
+    for n in (5, 3, 12, 7):
+        caches.append(canvas_model.new_cache())
+        run_forwards(model, [canvas_model.encoder_forward(torch.randint(3, V - 3, (1, n), generator=g),
+                                                          torch.ones(1, n, dtype=torch.bool), torch.arange(n)[None],
+                                                          caches[-1])], invariant)
+        encodes.append((torch.randint(3, V - 3, (1, L), generator=g), torch.ones(1, n + L, dtype=torch.bool),
+                        torch.arange(n, n + L)[None]))
+    alone = [copy.deepcopy(cache) for cache in caches]
+    for cache, (ids, mask, positions) in zip(alone, encodes):
+        run_forwards(model, [canvas_model.encoder_forward(ids, mask, positions, cache)], invariant)
+    run_forwards(model, [canvas_model.encoder_forward(ids, mask, positions, cache)
+                         for cache, (ids, mask, positions) in zip(caches, encodes)], invariant)
+    for own, shared in zip(alone, caches):
+        assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+                   for a, b in zip(own.layers, shared.layers))
+    requests = []
+    for cache, (_, mask, positions) in zip(caches, encodes):
+        canvas = torch.randint(0, V, (1, L), generator=g)
+        masks = canvas_model.decoder_masks(canvas, cache, torch.nn.functional.pad(mask, (0, L), value=True))
+        requests.append(canvas_model.decoder_forward(canvas, torch.randn(1, L, V, generator=g) * 3, masks, cache,
+                                                     positions + L))
+    alone = [run_forwards(model, [request], invariant)[0] for request in requests]
+    together = run_forwards(model, requests, invariant)
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))
+
+
+def test_engine_runs_its_requests_forwards_in_shared_calls(model):
+    """In the engine, every step's decoder forwards are one model call per kind (with self-conditioning logits
+    or without: transformers' forward takes them for every row or none), and its encoder forwards one call per
+    input length (each closed canvas has the same); the tokens are each request's alone."""
+    prompts = [[2, 17, 42, 99, 5], [2, 9, 8], [2, 5, 6, 7, 8, 9, 10], [2, 11, 12, 13]]
+    params = [remask.SamplingParams(max_tokens=16, seed=3, reference_rng=True),
+              remask.SamplingParams(max_tokens=24, seed=4, decoder=remask.CanvasDecoding(
+                  entropy_bound=1.0, max_denoising_steps=5, sampler=remask.CanvasSampler(freeze_after=2)))]
+    calls: list[list[tuple[str, int]]] = []   # per step: (part, rows) of each call
+
+    def record(part, key):   # the encoder takes its ids positionally, the decoder by keyword
+        return lambda _m, args, kwargs, _o: calls[-1].append((part, (args[0] if args else kwargs[key]).shape[0]))
+    hooks = [model.get_decoder().register_forward_hook(record("decoder", "decoder_input_ids"), with_kwargs=True),
+             model.get_encoder().register_forward_hook(record("encoder", "input_ids"), with_kwargs=True)]
+    llm = remask.LLM(model)
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(f"r{i}", prompt, params[i % 2])
+    done = {}
+    try:
+        while llm.engine.has_unfinished_requests():
+            calls.append([])
+            done.update({out.request_id: out.outputs[0].all_token_ids for out in llm.engine.step() if out.finished})
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert calls[0] == [("encoder", 1)] * 4   # four prompt lengths
+    assert calls[1] == [("decoder", 4)]       # every request's first decoder forward: one call
+    assert all(sum(part == "decoder" for part, _ in step) <= 2 and sum(part == "encoder" for part, _ in step) <= 1
+               for step in calls[1:]), calls
+    assert ("encoder", 2) in calls[6]         # the first canvases closed: their encoder forwards in one call
+    for i, prompt in enumerate(prompts):
+        assert done[f"r{i}"] == llm.generate([prompt], params[i % 2], use_tqdm=False)[0].outputs[0].all_token_ids
+
+
 def test_engine_refuses_what_the_model_does_not_read(model):
     llm = remask.LLM(model)
     with pytest.raises(ValueError, match="temperature"):

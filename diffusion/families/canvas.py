@@ -20,7 +20,7 @@ import torch
 
 from remask.kernels.canvas import canvas_score, canvas_update
 from remask.models.diffusion_gemma import CanvasModel, require_diffusion_gemma
-from remask.models.hf_compat import output_cache, with_cache_field
+from remask.models.hf_compat import with_cache_field
 from remask.models.spec import ModelSpec, get_spec
 
 from ..parts.checks import (MAX_LOOP_STEPS, NoWorkBound, check_at_most, check_bool, check_choice, check_generator,
@@ -304,9 +304,8 @@ class CanvasDecoder(Constrainable, Decoder):
             else:
                 self.prompt_cache.encoding.add(key)
         if not first or state.cache.get_seq_length() == 0:
-            out = yield self.canvas_model.encoder_forward(state.input_ids if first else state.input_ids[:, -L:],
-                                                          state.attention_mask, state.encoder_positions, state.cache)
-            state.cache = output_cache(out)
+            yield self.canvas_model.encoder_forward(state.input_ids if first else state.input_ids[:, -L:],
+                                                    state.attention_mask, state.encoder_positions, state.cache)
             if key is not None:
                 self.prompt_cache.put(key, state.cache)
                 self.prompt_cache.encoding.discard(key)

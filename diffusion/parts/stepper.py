@@ -22,7 +22,7 @@ from typing import Any, Callable, Concatenate, ContextManager, Generator, Iterat
 import torch
 
 from remask.models.hf_compat import cache_arg, takes_logits_to_keep
-from remask.models.request import ForwardRequest  # the requests' module (also here for the drivers)
+from remask.models.request import ForwardRequest, cache_scope  # the requests' module (also here for the drivers)
 from remask.models.spec import ModelSpec, get_spec, shift_logits
 
 from .constrain_loops import structure_for_call
@@ -53,7 +53,8 @@ def call_model(model: torch.nn.Module, request: ForwardRequest, input_ids: torch
     if request.extends and request.rows is None and takes_logits_to_keep(model.forward):
         # only the last position's logits, as transformers' `generate` and the engine's runner
         kwargs["logits_to_keep"] = 1
-    out = model(input_ids, **kwargs)
+    with cache_scope(cache, model):
+        out = model(input_ids, **kwargs)
     return out if request.output == "model" else _own(request, out.logits)   # shifted as `ModelSpec.logits` shifts
 
 
@@ -136,9 +137,12 @@ def _stacked(model: torch.nn.Module, requests: list[ForwardRequest],
     per_row = {name: torch.cat([r.per_row[name].expand(r.batch, *r.per_row[name].shape[1:]) for r in requests])
                for name in head.per_row}
     cache = type(head.cache).pack([r.cache for r in requests], sizes)
-    with invariant(sum(sizes)) if invariant is not None else contextlib.nullcontext():
-        logits = model(ids, **per_row, **head.shared, past_key_values=cache).logits
-    return [_own(r, own) for r, own in zip(requests, logits.split(sizes))]
+    model = head.module if head.module is not None else model
+    with invariant(sum(sizes)) if invariant is not None else contextlib.nullcontext(), cache_scope(cache, model):
+        out = model(ids, **per_row, **head.shared, **cache_arg(model.forward, cache))
+    if head.output == "model":   # the call's output (each request's own cache was written in place)
+        return [out] * len(requests)
+    return [_own(r, own) for r, own in zip(requests, out.logits.split(sizes))]
 
 
 def _own(request: ForwardRequest, logits: torch.Tensor) -> torch.Tensor:

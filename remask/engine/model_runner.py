@@ -16,7 +16,8 @@ each attending over its own keys through its own cache and mask, its RoPE at its
 (Elastic-Cache's rows change between layers: `varlen.PackedLayers`); the block-causal models
 (SDAR, LLaDA2, Fast-dLLM v2) stack the requests whose caches pack (`ForwardRequest.stacks`). A
 request of inputs no packed forward takes runs alone; APD's verifier forwards (causal continuations of
-another model) run as one flat forward of that model, each over its own cache. The
+another model) run as one flat forward of that model, each over its own cache; DiffusionGemma's decoder
+forwards (and its encoder forwards of one length) stack, each over its own cache (`CanvasRows`). The
 runner hands each its rows (`receive`); each sequence commits with its own rule and generator,
 greedy block decoders of one rule together (`receive_together`, row by row as alone).
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 
 from remask.caches.page_manager import PagedKVStore
+from remask.models.hf_compat import swapped_setting
 
 ATTN_IMPLEMENTATION = "remask_paged"
 _CURRENT: contextvars.ContextVar["ForwardBatch | None"] = contextvars.ContextVar("remask_forward_batch", default=None)
@@ -153,10 +153,6 @@ def attention_configs(model: torch.nn.Module) -> list[Any]:
     return list({id(c): c for c in configs}.values())
 
 
-_SWAP_LOCK = threading.Lock()
-_SWAPPED: dict[int, list[Any]] = {}   # id(config) → [threads inside, the attention setting it had]
-
-
 @contextlib.contextmanager
 def paged_forward(model: torch.nn.Module, batch: ForwardBatch, configs: list[Any] | None = None) -> Iterator[None]:
     """Run the model's forwards inside with `paged_attention_forward` over `batch`, restoring its
@@ -164,20 +160,10 @@ def paged_forward(model: torch.nn.Module, batch: ForwardBatch, configs: list[Any
     share a model: an AR engine's and an APD verifier's; a thread with no batch gets transformers' SDPA).
     `configs`: `attention_configs(model)`, computed once by the caller."""
     register()
-    configs = attention_configs(model) if configs is None else configs
     token = _CURRENT.set(batch)
-    with _SWAP_LOCK:
-        for c in configs:
-            held = _SWAPPED.setdefault(id(c), [0, c._attn_implementation])
-            held[0] += 1
-            c._attn_implementation = ATTN_IMPLEMENTATION
     try:
-        yield
+        with swapped_setting(attention_configs(model) if configs is None else configs, "_attn_implementation",
+                             ATTN_IMPLEMENTATION):
+            yield
     finally:
         _CURRENT.reset(token)
-        with _SWAP_LOCK:
-            for c in configs:
-                held = _SWAPPED[id(c)]
-                held[0] -= 1
-                if held[0] == 0:
-                    c._attn_implementation = _SWAPPED.pop(id(c))[1]
