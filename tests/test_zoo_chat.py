@@ -258,6 +258,20 @@ def test_chat_training_smoke_resumes_and_reports_every_format(tmp_path):
         assert metrics["init_from"] == base
 
 
+def test_a_grown_model_starts_as_its_base():
+    """`load_grown`: a model with a layer more than its start weights computes exactly what they did (the new
+    layer's output projections are zero: the residual stream passes it unchanged); weights it cannot hold are
+    refused."""
+    base, _ = train.build_model("tiny-llada-chat", 0, width=16, layers=1)
+    grown, _ = train.build_model("tiny-llada-chat", 1, width=16, layers=2)
+    train.load_grown(grown, base.state_dict())
+    ids = torch.randint(5, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(base(ids).logits, grown(ids).logits)
+    with pytest.raises(ValueError, match="do not fit"):
+        train.load_grown(base, grown.state_dict())
+
+
 def which(name: str) -> str:
     return {"tiny-llada-chat": "llada-chat", "tiny-ar-chat": "ar-chat"}[name]
 
@@ -337,11 +351,12 @@ def test_chat_models_load_by_name_once_trained():
 CHAT_TARGETS = {("plain", "accuracy"): 1.0, ("json_enforced", "correct_stop"): 0.9,
                 ("tool_auto", "right_tool_or_text"): 0.9, ("tool_answer", "accuracy"): 0.9}
 # Not met: asserted to be short, so a model that meets it fails here until the entry is removed and
-# the target holds like the others (model, rule, format, figure; docs/models.md: tiny-llada-chat's ninth
-# run is shipped short of the answers after tool results, 73-75%, under both rules; tiny-ar-chat meets every target).
+# the target holds like the others (model, rule, format, figure; docs/models.md: tiny-llada-chat's eleventh
+# run is shipped short of enforced JSON's correct answers, 86% / 81%, under both rules; tiny-ar-chat meets every
+# target).
 LLADA_CHAT_RULES = ("1 token/step", "threshold 0.9 + dual cache")
 SHORT_OF_TARGET: set[tuple[str, str, str, str]] = {
-    ("tiny-llada-chat", rule, "tool_answer", "accuracy") for rule in LLADA_CHAT_RULES}
+    ("tiny-llada-chat", rule, "json_enforced", "correct_stop") for rule in LLADA_CHAT_RULES}
 SHIPPED_CHAT = [n for n in CHAT_MODELS if os.path.exists(os.path.join(CHECKPOINTS, n, "config.json"))]
 RECHECKED = 8   # examples per format decoded again here (the first of the 56 the metrics counted)
 

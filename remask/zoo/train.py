@@ -53,8 +53,9 @@ AR_SIZE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4, nu
 CHOICES = {"llada": ["tiny-llada"], "ar": ["tiny-ar"], "both": ["tiny-llada", "tiny-ar"],
            "llada-chat": ["tiny-llada-chat"], "ar-chat": ["tiny-ar-chat"], "chat": ["tiny-llada-chat", "tiny-ar-chat"]}
 # The chat models: the first models' shapes (measured: see docs/models.md), a context of 512;
-# tiny-llada-chat has tiny-ar-chat's 3 layers, since it starts from its weights (`CHAT_BASE`).
-LLADA_CHAT_SIZE = dict(LLADA_SIZE, n_layers=AR_SIZE["num_hidden_layers"])
+# tiny-llada-chat starts from tiny-ar-chat's weights (`CHAT_BASE`), its 3 layers and a fourth that starts as the
+# identity (`load_grown`)
+LLADA_CHAT_SIZE = dict(LLADA_SIZE)
 AR_CHAT_SIZE = dict(AR_SIZE)
 # Chat training: a step's answer length (positions, EOS padding included) → share of steps, and
 # the kinds of `remask.zoo.formats` a step of that length draws (every answer fits with one EOS).
@@ -69,6 +70,8 @@ AR_CHAT_KINDS = {**CHAT_KINDS, 128: {"tool_call": 0.3, "tool_answer": 0.55, "too
 # since most misses were two results, one copied wrong (tiny-ar-chat's second run: 10 of 11; tiny-llada-chat's
 # fifth run: 7 of the first 16 answers, all with two results)
 CHAT_PARALLEL = 0.5
+# tiny-llada-chat: the share of its answers after tool results that have two (every miss of the ninth run had two)
+LLADA_CHAT_PARALLEL_AFTER_TOOL = 0.8
 # tiny-llada-chat: per kind, the share of its examples trained with the whole answer masked (t = 1), the state
 # decoding starts from. With t ~ U(0, 1] a tools conversation reached it about once in 20 steps, and the call-or-text
 # decision from the prompt alone stayed at 70-74% over three mixtures (`evaluate.tool_lean`); with these rows (about
@@ -79,8 +82,8 @@ CHAT_BATCH_SIZE = 64
 LLADA_CHAT_BATCH_SIZE = 32   # at equal compute, twice the steps of batch 64 learnt more (docs/models.md, fifth run)
 CHAT_CHUNKS = 4           # a chat batch is forwarded in 4 groups of similar prompt length (~30% less padding)
 # Sized to 1 hour per model (docs/models.md, "The chat models": tiny-ar-chat 0.99 CPU s per step on one core;
-# tiny-llada-chat, 3 layers, 0.30 s per step on both cores with `--procs 2`, after tiny-ar-chat; plus
-# about 6 / 3 minutes of final evaluation).
+# tiny-llada-chat, 4 layers, 0.32-0.40 s per step on both cores with `--procs 2` (an AVX-512 EPYC), after
+# tiny-ar-chat; plus about 6 / 5 minutes of final evaluation).
 LLADA_CHAT_STEPS = 10000
 AR_CHAT_STEPS = 3000
 CHAT_EVAL_PROBLEMS = 56   # per format (8 per task where every task can be asked)
@@ -173,8 +176,11 @@ def chat_batch_at(step: int, seed: int, batch_size: int, ar: bool = False
     rng = random.Random(seed * 1_000_003 + step)
     gen_length = rng.choices(tuple(CHAT_LENGTHS), weights=tuple(CHAT_LENGTHS.values()))[0]
     kinds = (AR_CHAT_KINDS if ar else CHAT_KINDS)[gen_length]
-    examples = [formats.example(rng, rng.choices(tuple(kinds), weights=tuple(kinds.values()))[0],
-                                parallel=CHAT_PARALLEL) for _ in range(batch_size)]
+    parallel = {"tool_answer": CHAT_PARALLEL if ar else LLADA_CHAT_PARALLEL_AFTER_TOOL}
+    examples = []
+    for _ in range(batch_size):   # the kind and its example drawn in turn from one stream
+        kind = rng.choices(tuple(kinds), weights=tuple(kinds.values()))[0]
+        examples.append(formats.example(rng, kind, parallel=parallel.get(kind, CHAT_PARALLEL)))
     if ar:
         gen_length = max(len(e.target) for e in examples) + 1
     prompt_ids, prompt_mask = chat_prompt_batch(examples)
@@ -265,6 +271,21 @@ def llama_to_llada(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: value.clone() for key, value in out.items()}
 
 
+def load_grown(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load `state` into `model`, which may have more layers: each layer the state lacks keeps its seeded
+    initialisation with its attention and MLP output projections zero, so it starts as the identity (the residual
+    stream passes it unchanged) and the grown model computes what the state's did."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    new = [key for key in missing if ".blocks." in key]
+    if unexpected or len(new) != len(missing):
+        raise ValueError(f"the start weights do not fit the model: missing {sorted(missing)}, unexpected "
+                         f"{sorted(unexpected)}")
+    with torch.no_grad():
+        for key in new:
+            if key.endswith((".attn_out.weight", ".ff_out.weight")):
+                model.get_parameter(key).zero_()
+
+
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -300,7 +321,7 @@ def train(name: str, out: str, steps: int, batch_size: int, lr: float, warmup: i
         from remask.zoo import load
 
         base = load(init_from)[0].state_dict()
-        model.load_state_dict(llama_to_llada(base) if is_llada(name) and "model.embed_tokens.weight" in base else base)
+        load_grown(model, llama_to_llada(base) if is_llada(name) and "model.embed_tokens.weight" in base else base)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
