@@ -518,7 +518,7 @@ def bare_forward_s(model, rows: int, length: int, device, repeats: int = 5) -> f
     spec = get_spec(model)
     x = torch.tensor(random_prompts(rows, [length], model.config.vocab_size, seed=1), device=device)
     times = []
-    with torch.no_grad(), batch_invariant_linear(rows > 1, single_thread=device.type == "cpu"):
+    with torch.no_grad(), batch_invariant_linear(rows > 1, single_thread=device.type == "cpu" and rows > 1):
         for i in range(repeats + 2):
             _sync(device)
             start = time.perf_counter()
@@ -919,7 +919,7 @@ def part_cuda_graphs(ctx: Context) -> None:
         graphs = graphed_engine.runner.graphs
         T = sizes.prompt + sizes.gen
         x = torch.tensor(random_prompts(3, [T], model.config.vocab_size, seed=5), device=device)
-        context = lambda rows: batch_invariant_linear(rows > 1, single_thread=device.type == "cpu")  # noqa: E731
+        context = lambda rows: batch_invariant_linear(rows > 1, single_thread=device.type == "cpu" and rows > 1)  # noqa: E731
         with context(3):
             want = spec.logits(model, x)
         direct = graphing.GraphedForward(graphing.make_backend(device), 8)

@@ -207,9 +207,8 @@ _seam = _LinearSeam()
 def batch_invariant_linear(enabled: bool = True, single_thread: bool = True,
                            token_groups: list[tuple[int, torch.Tensor]] | None = None) -> Iterator[None]:
     """Run the block's forwards with per-sequence linear layers (`enabled`) and, with `single_thread` (on CPU),
-    at one intra-op thread, a lone forward too: the thread count can set a kernel's bits (measured: transformers'
-    eager MoE experts at 2 threads), so a request alone must run as it does batched.
-    `token_groups`: the layout of a flat forward (see `_PerSequenceLinear`)."""
+    at one intra-op thread, whether or not `enabled` (a lone forward of a model whose bits depend on the thread
+    count: `ModelSpec.thread_sensitive`). `token_groups`: the layout of a flat forward (see `_PerSequenceLinear`)."""
     if single_thread:
         _one_thread.enter()
     try:

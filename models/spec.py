@@ -32,6 +32,8 @@ class ModelSpec:
     mask its layers attend with, from a forward's mask inputs (`attention_mask`, `attention_bias`),
     so a packed forward gives each sequence the mask its own forward would. layers: `model` → its
     decoder blocks, for a driver that runs a request's work between them (`ForwardRequest.layers`).
+    thread_sensitive: its forward's bits on CPU depend on the intra-op thread count (measured), so the
+    engine runs even a lone request's forward on one thread, as it runs a batched one.
 
     What a decoder needs of the model itself comes here, set by `get_spec` (decoders are never handed
     the model): `device` (its parameters'), `config` (its config's values), `embeddings` (its input
@@ -53,6 +55,7 @@ class ModelSpec:
     layout: str = "decoder-only"
     block_length: int | None = None
     segmented: bool = False
+    thread_sensitive: bool = False
     attend_mask: Callable[[dict, int, int, torch.dtype], torch.Tensor | None] | None = field(
         default=None, repr=False, compare=False)
     _inputs: Callable[["ModelSpec", torch.Tensor | None, int], dict[str, Any]] = field(

@@ -295,6 +295,25 @@ def test_forwards_of_several_requests_share_one_call_each_as_alone(model):
     assert all(torch.equal(a, b) for a, b in zip(alone, together))
 
 
+def test_engine_runs_even_a_lone_forward_on_one_thread(model):
+    """DiffusionGemma's bits depend on the intra-op thread count (`ModelSpec.thread_sensitive`), so the engine's
+    runner computes a lone request's forward on one CPU thread, as a batched one; a LLaDA's keeps all threads."""
+    from remask.engine.model_runner import ModelRunner
+
+    llada, _ = remask.load("tiny-llada")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for m, lone in ((model, 1), (llada, 2)):
+            runner = ModelRunner(m, get_spec(m))
+            with runner._invariant(1):
+                assert torch.get_num_threads() == lone
+            with runner._invariant(3):
+                assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_engine_runs_its_requests_forwards_in_shared_calls(model):
     """In the engine, every step's decoder forwards are one model call per kind (with self-conditioning logits
     or without: transformers' forward takes them for every row or none), and its encoder forwards one call per

@@ -64,7 +64,9 @@ class ModelRunner:
         # on CUDA a lone sequence runs the invariant GEMM too: cuBLAS and it differ in their bits,
         # so a request alone and the same request batched must take the same kernel
         on = self.batch_invariant and (batch > 1 or self.device.type == "cuda")
-        return batch_invariant_linear(on, single_thread=self.device.type == "cpu", token_groups=token_groups)
+        # batched forwards on one CPU thread; a lone one too where the thread count sets the model's bits
+        one_thread = self.device.type == "cpu" and (on or (self.batch_invariant and self.spec.thread_sensitive))
+        return batch_invariant_linear(on, single_thread=one_thread, token_groups=token_groups)
 
     @torch.no_grad()
     def step(self, seqs: list[Sequence]) -> dict[Sequence, str]:
