@@ -193,9 +193,11 @@ def canvas_model() -> tuple[Any, Any]:
     answers are noise, its forwards and steps are the method's), or (None, None) where transformers lacks it."""
     import tempfile
 
+    import transformers
+
     from remask.models import tiny
 
-    if not hasattr(__import__("transformers"), "DiffusionGemmaForBlockDiffusion"):
+    if not hasattr(transformers, "DiffusionGemmaForBlockDiffusion"):
         return None, None
     path = tempfile.mkdtemp(prefix="remask-bench-dg-")
     tiny.write_tiny_diffusion_gemma(path, seed=1, charset=charset, generation={"max_denoising_steps": 8})

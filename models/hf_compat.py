@@ -6,6 +6,10 @@ in 5.40); 5.23 and older know only `past_key_values`. remask binds by what the i
 declares — the parameter names of the function it calls, the fields of the output class — never by
 comparing version strings, so a backport or a later rename of one function is followed too.
 
+It also holds `swapped_setting`: a config's implementation setting (`_attn_implementation`,
+`_experts_implementation`) set to one remask registered with transformers for the forwards inside, shared by
+threads and restored when the last leaves (the engine's paged attention, DiffusionGemma's `CanvasRows`).
+
 remask's own model families (LLaDA, Dream, SDAR, LLaDA2, Fast-dLLM v2) keep the official remote
 code's `past_key_values` keyword in their `forward`; `cache_arg(model.forward, cache)` gives each
 callee the name it declares, whichever family it is.
