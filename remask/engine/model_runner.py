@@ -44,7 +44,7 @@ from remask.diffusion.parts.stepper import ForwardRequest, call_model, run_forwa
 from . import cuda_graphs as graphing
 from remask.kernels.batch_invariant import batch_invariant_linear
 from remask.caches.page_manager import PageManager
-from .paged_kv import ForwardBatch, PagedKVStore, SequenceSlice, attention_configs, paged_forward
+from .paged_kv import ForwardBatch, PagedKVStore, SequenceSlice, paged_forward
 from .sequence import Sequence
 
 
@@ -55,7 +55,6 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.forwards = 0      # model calls, for the benchmark
         self.store = PagedKVStore(pages) if pages is not None else None
-        self.attention_configs = attention_configs(model) if pages is not None else []
         # make_backend refuses a model off CUDA (ValueError naming cuda_graphs)
         self.graphs = graphing.GraphedForward(graphing.make_backend(self.device), max_num_seqs) \
             if cuda_graphs else None
@@ -167,8 +166,7 @@ class ModelRunner:
         batch = ForwardBatch(slices, self.store if module is None else None, self.device)
         input_ids, position_ids, rows = (torch.tensor(v, dtype=torch.long, device=self.device)
                                          for v in ([ids], [positions], [r for k in keep for r in k]))
-        configs = self.attention_configs if module is None else attention_configs(module)
-        with self._invariant(len(slices), batch.token_groups), paged_forward(model, batch, configs):
+        with self._invariant(len(slices), batch.token_groups), paged_forward(model, batch):
             logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                            logits_to_keep=rows).logits[0]
         if module is None:

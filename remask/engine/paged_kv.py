@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -147,23 +148,26 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _mask)
 
 
+_CONFIGS: "weakref.WeakKeyDictionary[torch.nn.Module, list[Any]]" = weakref.WeakKeyDictionary()
+
+
 def attention_configs(model: torch.nn.Module) -> list[Any]:
-    """The distinct configs whose `_attn_implementation` the model's attention layers read."""
-    configs = [m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")]
-    return list({id(c): c for c in configs}.values())
+    """The distinct configs whose `_attn_implementation` the model's attention layers read (found once per model)."""
+    if model not in _CONFIGS:
+        configs = [m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")]
+        _CONFIGS[model] = list({id(c): c for c in configs}.values())
+    return _CONFIGS[model]
 
 
 @contextlib.contextmanager
-def paged_forward(model: torch.nn.Module, batch: ForwardBatch, configs: list[Any] | None = None) -> Iterator[None]:
+def paged_forward(model: torch.nn.Module, batch: ForwardBatch) -> Iterator[None]:
     """Run the model's forwards inside with `paged_attention_forward` over `batch`, restoring its
     attention setting when the last thread inside leaves (the server's engines, each on its thread, may
-    share a model: an AR engine's and an APD verifier's; a thread with no batch gets transformers' SDPA).
-    `configs`: `attention_configs(model)`, computed once by the caller."""
+    share a model: an AR engine's and an APD verifier's; a thread with no batch gets transformers' SDPA)."""
     register()
     token = _CURRENT.set(batch)
     try:
-        with swapped_setting(attention_configs(model) if configs is None else configs, "_attn_implementation",
-                             ATTN_IMPLEMENTATION):
+        with swapped_setting(attention_configs(model), "_attn_implementation", ATTN_IMPLEMENTATION):
             yield
     finally:
         _CURRENT.reset(token)
