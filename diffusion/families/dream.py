@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Generator
+from typing import Any, Callable, Generator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -213,6 +213,7 @@ class DreamDecoder(_DreamParts, ForwardThenCommit):
                  logits_hook: Callable | None = None, reference_ties: bool = False,
                  sparse: SparseConfig | None = None, structure: Any = None, end_ids: Any = ()) -> None:
         self._setup(spec, config, threshold, sparse, reference_ties, structure, end_ids)
+        self.hooked = tokens_hook is not None or logits_hook is not None
         self.tokens_hook = tokens_hook or (lambda step, x, logits: x)
         self.logits_hook = logits_hook or (lambda step, x, logits: logits)
 
@@ -293,6 +294,59 @@ class DreamDecoder(_DreamParts, ForwardThenCommit):
         state.step += 1
         # under a structure: until every mask is decided (the schedule, then steps for the filter's holes)
         state.done = not bool((state.x == mask_id).any()) if constraint is not None else state.step >= state.steps
+
+    def commit_key(self) -> tuple | None:
+        """Equal for decoders whose commits one batched call can make (`commit_together`): greedy, unfiltered scoring
+        by an algorithm's confidence (not origin's draws, confidence_threshold's deferrals or `alg_temp`'s), with no
+        hooks, ties, sparse forwards, structure, history or processors; None when it commits alone."""
+        config = self.config
+        greedy = config.temperature == 0 and (config.top_p is None or config.top_p >= 1) and config.top_k is None
+        if not greedy or config.alg_temp or config.alg not in ("maskgit_plus", "topk_margin", "entropy") \
+                or self.hooked or self.reference_ties or self.sparse is not None or self.structure is not None \
+                or self.processors or (config.return_dict_in_generate and config.output_history):
+            return None
+        return DreamDecoder, self.spec.mask_id, config.alg
+
+    @staticmethod
+    def commit_together(decoders: Sequence["DreamDecoder"], states: Sequence[DreamState],
+                        logits: Sequence[torch.Tensor], fed: Sequence[int],
+                        stats: Sequence[GenerationStats | None]) -> None:
+        """`commit` of several states of one `commit_key`, each row's tokens its own commit's: their canvases
+        right-padded into one `[ΣB, T]` (the padding never masked), one scoring call over every masked position, each
+        state's count from its own masks and schedule (Dream's float32 arithmetic, elementwise), one unmask."""
+        head, mask_id = decoders[0], decoders[0].spec.mask_id
+        width, sizes = max(s.x.shape[1] for s in states), [len(s.x) for s in states]
+        x = torch.cat([F.pad(s.x, (0, width - s.x.shape[1])) for s in states])
+        mask_index = torch.cat([F.pad(s.x == mask_id, (0, width - s.x.shape[1])) for s in states])
+        # each stacked row's first position in the states' logits flattened one after another
+        starts, offset = [], 0
+        for s in states:
+            starts += [offset + b * s.x.shape[1] for b in range(len(s.x))]
+            offset += s.x.numel()
+        rows, cols = mask_index.nonzero(as_tuple=True)
+        flat = torch.cat([part.reshape(-1, part.shape[-1]) for part in logits])
+        positions = torch.tensor(starts, device=x.device)[rows] + cols
+        x0, confidence = head.score(flat, positions, CONFIDENCE_OF[head.config.alg])
+        full_conf, proposal = _scatter(x, mask_index, confidence, x0, flat.dtype, mask_id)
+        # each state's count (`_count`): its mean masks per row times 1 − s/t, every mask at its last step
+        owner = torch.repeat_interleave(torch.arange(len(states), device=x.device),
+                                        torch.tensor(sizes, device=x.device))
+        per_row = mask_index.sum(dim=1)
+        before = torch.zeros(len(states), dtype=per_row.dtype, device=x.device).index_add_(0, owner, per_row)
+        timesteps = torch.nn.utils.rnn.pad_sequence([s.timesteps for s in states], batch_first=True)
+        at = torch.tensor([[s.step, s.step + 1] for s in states], device=x.device)
+        t, s_next = timesteps.gather(1, at).unbind(1)
+        count = (before / torch.tensor(sizes, device=x.device) * (1 - s_next / t)).to(per_row.dtype)
+        last = torch.tensor([s.step == s.steps - 1 for s in states], device=x.device)
+        unmask(x, mask_index, proposal, full_conf, k=torch.where(last[owner], per_row, count[owner]))
+        committed = before - torch.zeros_like(before).index_add_(0, owner, (x == mask_id).sum(dim=1))
+        for i, (state, own) in enumerate(zip(states, x.split(sizes))):
+            state.x.copy_(own[:, :state.x.shape[1]])
+            if stats[i] is not None:
+                stats[i].forward(*state.x.shape)
+                stats[i].step(committed[i])
+            state.step += 1
+            state.done = state.step >= state.steps
 
 
 class DreamBlockDecoder(_DreamParts, BlockwiseDecoder):

@@ -25,7 +25,7 @@ from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.scoring import score_rows, score_tokens
 from ..parts.selection import frechet_profile_counts, schedule_counts, topk_commit
 from ..parts.stats import GenerationStats
-from ..parts.step import CommitRule, masked_canvas
+from ..parts.step import CommitRule, masked_canvas, rule_commits
 from ..parts.stepper import ForwardRequest, ForwardThenCommit, guided_forward, run_forwards
 
 REMASKING = ("low_confidence", "random")
@@ -295,7 +295,6 @@ class BlockDecoder(BlockwiseDecoder):
         if smoothing is not None:   # this iteration's weight and threshold
             weight, threshold = smoothing.at(state.iter_no, rule.threshold)
             rule = replace(rule, threshold=threshold)
-        state.iter_no += 1
         block, block_logits = x[:, start:end], logits[:, start - fed:end - fed]
         constraint = state.constraint   # the frontier masked before the rule scores (parts/constrain.py)
         block_logits, prior = before_rule(constraint, block_logits, block, start, end, 0)
@@ -309,6 +308,32 @@ class BlockDecoder(BlockwiseDecoder):
         if smoothing is not None:
             hi = fed + logits.shape[1]
             state.embeds[:, fed:hi] = smoothing.embed(self.spec.embeddings, x[:, fed:hi], mask_id, logits, weight)
+        self._end_iteration(state)
+
+    @staticmethod
+    def _rules_together(decoders: Sequence["BlockDecoder"], states: Sequence[BlockState],
+                        logits: Sequence[torch.Tensor], fed: Sequence[int], stats: Sequence[GenerationStats | None]
+                        ) -> None:
+        """`_rule_commit` of several states of one `commit_key` (one rule, no smoothing, no structure): the blocks of
+        one width (a last block may be shorter) stacked into one `rule.commit_rows`, each row's commit its own."""
+        spans = [d.block_span(s) for d, s in zip(decoders, states)]
+        widths: dict[int, list[int]] = {}
+        for i, (a, b) in enumerate(spans):
+            widths.setdefault(b - a, []).append(i)
+        head = decoders[0]
+        for members in widths.values():
+            blocks = [states[i].x[:, spans[i][0]:spans[i][1]] for i in members]
+            items = [(head.rule, block, logits[i][:, spans[i][0] - fed[i]:spans[i][1] - fed[i]], head.spec.mask_id,
+                      states[i].rule_state) for i, block in zip(members, blocks)]
+            for i, block, (commit, tokens) in zip(members, blocks, rule_commits(items)):
+                block[commit] = tokens[commit]
+                if stats[i] is not None:
+                    stats[i].forward(len(block), logits[i].shape[1], states[i].forwards.cache_nbytes)
+                    stats[i].step(commit.sum())
+                decoders[i]._end_iteration(states[i])
+
+    def _end_iteration(self, state: BlockState) -> None:
+        state.iter_no += 1
         state.step += 1
         if not state.main_next:   # the iteration's last forward
             state.group -= 1
@@ -338,10 +363,13 @@ class BlockDecoder(BlockwiseDecoder):
                         generator: torch.Generator | None = None, on_step: Callable | None = None) -> None:
         """`decoders[i].commit(states[i], logits[i], fed[i], stats=stats[i])` for every i — one decoder alone, or
         several of one `commit_key` (greedy, one rule) — in one scoring call and one unmask over all their rows, each
-        row's tokens its own commit's; a parallel rule's "block over?" is one host read for the lot."""
+        row's tokens its own commit's; a parallel rule's "block over?" is one host read for the lot. A commit rule's
+        (`rule=`): `_rules_together`."""
         head, state, alone = decoders[0], states[0], len(states) == 1
         if head.rule is not None:
-            return head._rule_commit(state, logits[0], fed[0], stats[0])
+            if alone:
+                return head._rule_commit(state, logits[0], fed[0], stats[0])
+            return BlockDecoder._rules_together(decoders, states, logits, fed, stats)
         x, mask_id, precision, width = state.x, head.spec.mask_id, head.precision, head.block_length
         spans = [d.block_span(s) for d, s in zip(decoders, states)]
         (start, end), (B, L) = spans[0], logits[0].shape[:2]
@@ -427,22 +455,15 @@ class BlockDecoder(BlockwiseDecoder):
 
     def commit_key(self) -> tuple | None:
         """Equal for decoders whose commits after one shared forward one batched call can make
-        (`commit_together`: greedy, the same rule and scoring settings); None when it commits alone."""
+        (`commit_together`: greedy, the same rule and scoring settings — a commit rule (`rule=`, dInfer's) the same
+        rule, without iteration smoothing); None when it commits alone."""
         if self.temperature > 0 or self.reference_sampling or self.reference_ties or self.cfg_scale > 0 \
                 or self.remasking != "low_confidence" or self.confidence_eos_eot_inf == "corrected" \
-                or self.structure is not None or self.processors or self.rule is not None:
+                or self.structure is not None or self.processors \
+                or (self.rule is not None and self.rule.smoothing is not None):
             return None
         return (BlockDecoder, self.spec.mask_id, self.block_length, self.threshold, self.factor, self.frechet_margin,
-                tuple(self.suppress or ()), tuple(self.zero_prob_ids or ()), self.precision.softmax)
-
-    @staticmethod
-    def receive_together(decoders: Sequence["BlockDecoder"], states: Sequence[BlockState],
-                         answers: Sequence[torch.Tensor], generators: Sequence[torch.Generator | None],
-                         stats: Sequence[GenerationStats | None]) -> None:
-        if len(decoders) == 1:
-            return decoders[0].receive(states[0], answers[0], generators[0], stats[0])
-        logits, fed = zip(*(d.finish_forward(s, a) for d, s, a in zip(decoders, states, answers)))
-        BlockDecoder.commit_together(decoders, states, logits, fed, stats)
+                tuple(self.suppress or ()), tuple(self.zero_prob_ids or ()), self.precision.softmax, self.rule)
 
     def _end_block(self, state: BlockState, block_x: torch.Tensor, end: int) -> None:
         if self.early_stop:

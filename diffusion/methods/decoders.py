@@ -39,6 +39,17 @@ def decoder_steps(spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.T
     Without a decoder `VicinityCache` runs dInfer's threshold rule (0.9), `DKVCache` LLaDA's own
     schedule; `ElasticCache` takes a commit rule as `decoder`. `structure` / `end_ids`: structured
     output, enforced in every method's commits (`diffusion/parts/constrain.py`)."""
+    call = method_call(spec, prompt, attention_mask, decoder, gen_length=gen_length, block_length=block_length,
+                       use_cache=use_cache, mask_id=mask_id, stats=stats, settings=settings, structure=structure,
+                       end_ids=end_ids)
+    return call.method.loop(call)
+
+
+def method_call(spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.Tensor | None, decoder: Any, *,
+                gen_length: int, block_length: int, use_cache: Any, mask_id: int | None,
+                stats: GenerationStats | None, settings: dict[str, tuple[Any, Any]] | None = None,
+                structure: Any = None, end_ids: Any = ()) -> registry.Call:
+    """`decoder_steps`' arguments, checked, as the call its method's `loop` (or `decoder`, the engine's) takes."""
     registry.check_decoder(decoder)
     cache = registry.method_of(use_cache, "use_cache")
     if use_cache is not None and not isinstance(use_cache, str) and cache is None:
@@ -70,8 +81,8 @@ def decoder_steps(spec: ModelSpec, prompt: torch.Tensor, attention_mask: torch.T
         raise ValueError(f"{name} runs its own rule (greedy) and does not read {sorted(set(unread))}")
     common = dict(gen_length=gen_length, attention_mask=attention_mask, mask_id=mask_id, stats=stats,
                   structure=structure, end_ids=end_ids)
-    return method.loop(registry.Call(spec, prompt, decoder, use_cache, steps, block_length,
-                                     {key: value for key, (value, _) in settings.items()}, common, method))
+    return registry.Call(spec, prompt, decoder, use_cache, steps, block_length,
+                         {key: value for key, (value, _) in settings.items()}, common, method)
 
 
 @drop_in(decoder_steps, hidden=())

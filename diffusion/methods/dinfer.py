@@ -38,7 +38,7 @@ from ..parts.step import CommitRule, masked_canvas
 from ..parts.stepper import Progress, StepGenerator, drop_in, row_by_row
 
 __all__ = ["ThresholdDecoding", "CreditDecoding", "HierarchicalDecoding", "VicinityCache", "IterationSmoothing",
-           "dinfer_generate", "dinfer_steps"]
+           "dinfer_decoder", "dinfer_generate", "dinfer_steps"]
 
 
 @dataclass(frozen=True)
@@ -55,15 +55,13 @@ class VicinityCache(NoWorkBound):
     warmup_steps: int = checked(4, check_int, minimum=0)
 
 
-def dinfer_steps(spec: ModelSpec, prompt: torch.Tensor, *, decoder: CommitRule = ThresholdDecoding(),
-                 gen_length: int = 128, block_length: int = 128, use_cache: str | VicinityCache | None = None,
-                 early_stop: bool = True, attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
-                 eos_id: int | None = None, maximum_unroll: int = 4, expected_tpf: int = 8,
-                 stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = ()) -> StepGenerator:
-    """`dinfer_generate` as a step generator (`remask.diffusion.parts.stepper`), its arguments checked at
-    the call: it yields a `ForwardRequest` per forward and a `Progress` after each (`final`: the
-    decoded blocks), and returns the tokens. `structure` / `end_ids`: structured output, held at
-    every decode (`diffusion/parts/constrain.py`: commits filtered, a block iterated until full)."""
+def dinfer_decoder(spec: ModelSpec, prompt: torch.Tensor, *, decoder: CommitRule, use_cache: Any = None,
+                   early_stop: bool = True, attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
+                   eos_id: int | None = None, stats: GenerationStats | None = None,
+                   **block: Any) -> tuple[BlockDecoder, GenerationStats]:
+    """dInfer's loop as LLaDA's `BlockDecoder` with the rule as its commit part (`block`: its layout, unrolling and
+    structure), its arguments checked (`dinfer_steps`' arguments), and the stats it counts into. The engine steps it
+    as a request's decoder (one row: its commits batch with the other requests' of one rule, `commit_key`)."""
     check_instance("decoder", decoder, CommitRule, "a remask commit rule (ThresholdDecoding, CreditDecoding, "
                    "HierarchicalDecoding or another CommitRule)", allow_none=False)
     vicinity = use_cache if isinstance(use_cache, VicinityCache) else None
@@ -75,14 +73,24 @@ def dinfer_steps(spec: ModelSpec, prompt: torch.Tensor, *, decoder: CommitRule =
                                     eos_id=eos_id)
     if spec.eos_id is None and early_stop:
         raise ValueError("early_stop needs an EOS id: the model has none, pass eos_id=")
-    block_decoder = BlockDecoder(spec, gen_length=gen_length, block_length=block_length, early_stop=early_stop,
-                                 use_cache=None if vicinity is not None else use_cache, structure=structure,
-                                 end_ids=end_ids, rule=decoder, align_blocks=True, window=vicinity,
-                                 maximum_unroll=maximum_unroll, expected_tpf=expected_tpf)
+    return BlockDecoder(spec, early_stop=early_stop, use_cache=None if vicinity is not None else use_cache,
+                        rule=decoder, align_blocks=True, window=vicinity, **block), stats
+
+
+def dinfer_steps(spec: ModelSpec, prompt: torch.Tensor, *, decoder: CommitRule = ThresholdDecoding(),
+                 gen_length: int = 128, block_length: int = 128, use_cache: str | VicinityCache | None = None,
+                 early_stop: bool = True, attention_mask: torch.Tensor | None = None, mask_id: int | None = None,
+                 eos_id: int | None = None, maximum_unroll: int = 4, expected_tpf: int = 8,
+                 stats: GenerationStats | None = None, structure: Any = None, end_ids: Any = ()) -> StepGenerator:
+    """`dinfer_generate` as a step generator (`remask.diffusion.parts.stepper`), its arguments checked at
+    the call: it yields a `ForwardRequest` per forward and a `Progress` after each (`final`: the
+    decoded blocks), and returns the tokens. `structure` / `end_ids`: structured output, held at
+    every decode (`diffusion/parts/constrain.py`: commits filtered, a block iterated until full)."""
+    block_decoder, stats = dinfer_decoder(**locals())   # the arguments as given
     # decoded row by row where upstream couples a batch's rows (the vicinity warmup and unrolling,
     # iteration smoothing's iteration count): each row as alone, in its row of the canvas
-    alone = vicinity is not None or decoder.smoothing is not None
-    canvas = masked_canvas(prompt, gen_length, spec.mask_id)
+    alone = block_decoder.window is not None or decoder.smoothing is not None
+    canvas = masked_canvas(prompt, gen_length, block_decoder.spec.mask_id)
 
     @torch.no_grad()
     def decode_rows(rows: slice, mask: torch.Tensor | None) -> StepGenerator:

@@ -186,7 +186,7 @@ def _elastic_row(spec: ModelSpec, canvas: torch.Tensor, P: int, config: ElasticC
             logits = span[:, window - lo]
             before = x.clone()
         if rule is not None:   # a commit rule over the window (all masked): its commits and tokens
-            commit, candidates = rule.commit(x[:, window], logits, mask_id, rule_state)
+            commit, candidates = yield rule.commit_later(x[:, window], logits, mask_id, rule_state)   # (batched)
             keep = commit[0]
         else:   # the float64 softmax's most probable token (the mask token only with commit_mask_token)
             candidates, conf = score_tokens(logits.to(torch.float64), sampler="categorical",

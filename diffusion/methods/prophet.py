@@ -129,7 +129,7 @@ def prophet_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: Prophet | No
                     stats.forward(2 if decoder.cfg_scale > 0 else 1, T)
                     stats.step(masked.numel())
                     break
-            decoder.commit(state, logits, fed, generator, stats)
+            yield decoder.commit_later(state, logits, fed, generator, stats)   # (the engine batches it)
             yield Progress(state.x, decoder.num_final(state))
         return state.x
 

@@ -42,7 +42,7 @@ from ..parts.step import CommitRule
 from ..parts.stepper import StepGenerator
 from .d2cache import D2Cache, d2cache_steps
 from .daedal import DAEDAL, daedal_steps
-from .dinfer import VicinityCache, dinfer_steps
+from .dinfer import VicinityCache, dinfer_decoder, dinfer_steps
 from .dkv import DKVCache, dkv_steps
 from .eb_sampler import EBSampler
 from .elastic import ElasticCache, elastic_steps
@@ -87,6 +87,9 @@ class Method:
     config: type
     field: str = "decoder"
     loop: Callable[[Call], StepGenerator] | None = None
+    # the engine's decoder of one request where the loop is one `Decoder`'s over its row (its commits batch with
+    # other requests', `Decoder.commit_key`); None: the loop's step generator, one forward per engine step
+    decoder: Callable[[Call], Any] | None = None
     reads: tuple[str, ...] = ()
     unshifted: str | None = None
     takes_rule: bool = False
@@ -119,6 +122,11 @@ def register(name: str, config: type, field: str = "decoder", **capabilities: An
 def _rules_loop(call: Call) -> StepGenerator:   # dInfer's block loop: any commit rule
     return dinfer_steps(call.spec, call.prompt, decoder=call.decoder, block_length=call.block_length,
                         use_cache=call.use_cache, **call.common)
+
+
+def _rules_decoder(call: Call) -> Any:   # the same loop as one request's BlockDecoder
+    return dinfer_decoder(call.spec, call.prompt, decoder=call.decoder, block_length=call.block_length,
+                          use_cache=call.use_cache, **call.common)[0]
 
 
 def _freedave_loop(call: Call) -> StepGenerator:
@@ -176,7 +184,8 @@ def _family_loop(call: Call) -> StepGenerator:
 
 register("freedave", FreeDave, loop=_freedave_loop)   # `steps`: only gen_length (one token a step) or unset
 for rule in (ThresholdDecoding, CreditDecoding, HierarchicalDecoding, MarginDecoding, EBSampler, FrechetRule):
-    register(rule.name, rule, loop=_rules_loop, fills_after_eos=True)   # dInfer's block loop runs each
+    # dInfer's block loop runs each (in the engine: one request's BlockDecoder, its commits batched)
+    register(rule.name, rule, loop=_rules_loop, decoder=_rules_decoder, fills_after_eos=True)
 # KLASS: its own loop on LLaDA / Dream, a rule elsewhere
 register("klass", KLASS, reads=("steps", "temperature", "generator"), loop=_own_loop(
     klass_steps, no_cache="KLASS forwards the whole sequence at every step (its KL memory needs every position's "

@@ -13,6 +13,8 @@ answers to its `ForwardRequest`s. Only the drivers (the drop-in functions, the e
 * Batched commit: decoders with an equal `commit_key()` (not None) receive together — one
   `receive_together` over all of them (one scoring and one selection for the lot, row by row as
   each alone); None receives alone.
+* Work between forwards: a step generator asks for what the engine may batch across requests (a commit) as
+  `Together` work, answered one key at a time (`StepwiseDecoder.receive_together`).
 * Pages: a decoder whose requests take whole pages of the engine's store when they start says how
   many (`pages_needed`, None: none) and gives them back (`release`).
 * `canvas(state)`: the canvas so far `[1, P + L]` (masks where undecided), for drafts.
@@ -21,7 +23,8 @@ answers to its `ForwardRequest`s. Only the drivers (the drop-in functions, the e
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -84,3 +87,18 @@ class Decoder(abc.ABC):
 
     def release(self, state: Any) -> None:
         """Give back what `pages_needed` counted."""
+
+
+@dataclass(eq=False)
+class Together:
+    """Work a step generator asks for between its forwards that the engine may do together with other requests'
+    (`answer = yield Together(key, run, args)`): `run(several args)` answers every one of one `key` in one batched
+    call, each as alone; key None: alone. The drivers answer it alone (`drive`), or gather the requests' of one key
+    (`StepwiseDecoder.receive_together`). A decoder's commit: `ForwardThenCommit.commit_later`."""
+
+    key: Any
+    run: Callable[[list[tuple]], list[Any]]
+    args: tuple
+
+    def alone(self) -> Any:
+        return self.run([self.args])[0]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -180,6 +180,19 @@ class CreditDecoding(_DInferRule):
         """The per-block credit: the matrix C (made at the first decode, remade when the block's shape changes) and
         the decodes counted since."""
         return {"matrix": None, "calls": 0}
+
+    stacks_state = True
+
+    def commit_rows(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int, states: Sequence[Any],
+                    sizes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        # the requests' credits stacked: a block's first decode skips the decay of its zeros, which changes no bit
+        shape = (logits.shape[1], logits.shape[2])
+        credit = torch.cat([s["matrix"] if s["matrix"] is not None and s["matrix"].shape == (n, *shape)
+                            else logits.new_zeros((n, *shape), dtype=torch.float32) for s, n in zip(states, sizes)])
+        out = self.commit(block, logits, mask_id, {"matrix": credit, "calls": 1})
+        for state, matrix in zip(states, credit.split(list(sizes))):
+            state["matrix"], state["calls"] = matrix, state["calls"] + 1
+        return out
 
     def _select(self, proposal: torch.Tensor, logits: torch.Tensor, before: torch.Tensor, mask_id: int,
                 state: dict[str, Any] | None) -> None:

@@ -10,11 +10,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import torch
 
 from .checks import NoWorkBound
+from .protocol import Together
 
 
 @dataclass
@@ -84,3 +85,31 @@ class CommitRule(NoWorkBound):
     def commit(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int,
                state: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    stacks_state: ClassVar[bool] = False   # its `commit_rows` stacks its requests' states (`CreditDecoding`)
+
+    def commit_rows(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int, states: Sequence[Any],
+                    sizes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`commit` over several requests' blocks stacked (request i: `sizes[i]` rows, its `new_state()` `states[i]`:
+        None, or stacked by a rule that `stacks_state`), each row committing what its own request's `commit` would (a
+        rule decides row by row): the engine's batched commit."""
+        return self.commit(block, logits, mask_id, None)
+
+    def commit_later(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int, state: Any = None) -> Together:
+        """`commit(...)` as a step generator asks for it (``commit, tokens = yield rule.commit_later(...)``): in the
+        engine one `commit_rows` with the other requests' blocks of this rule and width."""
+        batches = state is None or self.stacks_state
+        return Together((CommitRule, self, block.shape[1:]) if batches else None, rule_commits,
+                        (self, block, logits, mask_id, state))
+
+
+def rule_commits(items: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`(rule, block, logits, mask_id, state)` items of one rule and block width: each its `(commit, tokens)`, as
+    `rule.commit` gives them; several in one `commit_rows` over their blocks stacked."""
+    rule, _, _, mask_id, state = items[0]
+    if len(items) == 1:
+        return [rule.commit(items[0][1], items[0][2], mask_id, state)]
+    sizes = [len(block) for _, block, _, _, _ in items]
+    commit, tokens = rule.commit_rows(torch.cat([item[1] for item in items]), torch.cat([item[2] for item in items]),
+                                      mask_id, [item[4] for item in items], sizes)
+    return list(zip(commit.split(sizes), tokens.split(sizes)))

@@ -17,7 +17,7 @@ import contextlib
 import functools
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Concatenate, ContextManager, Generator, Iterator, ParamSpec
+from typing import Any, Callable, Concatenate, ContextManager, Generator, Iterator, ParamSpec, Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ from remask.models.request import ForwardRequest, cache_scope  # the requests' m
 from remask.models.spec import ModelSpec, get_spec, shift_logits
 
 from .constrain_loops import structure_for_call
-from .protocol import Decoder
+from .protocol import Decoder, Together
 from .stats import GenerationStats
 
 
@@ -40,7 +40,7 @@ class Progress:
     final: int = 0
 
 
-StepGenerator = Generator["ForwardRequest | Progress", Any, Any]
+StepGenerator = Generator["ForwardRequest | Progress | Together", Any, Any]
 Settings = ParamSpec("Settings")   # a step generator's parameters after the spec (`drop_in`)
 
 
@@ -216,7 +216,8 @@ def drive(steps: StepGenerator, model: torch.nn.Module | None = None) -> Any:
             return stop.value
         if isinstance(item, ForwardRequest) and model is None:
             raise RuntimeError("drive(steps, model): the generator asked for a forward and no model was given")
-        answer = run_forwards(model, [item])[0] if isinstance(item, ForwardRequest) else None
+        answer = run_forwards(model, [item])[0] if isinstance(item, ForwardRequest) else \
+            item.alone() if isinstance(item, Together) else None
 
 
 def row_by_row(canvas: torch.Tensor, decode: Callable[..., StepGenerator], mask: torch.Tensor | None,
@@ -295,6 +296,33 @@ class ForwardThenCommit(Decoder):
             logits = processor(state, logits, fed)
         self.commit(state, logits, fed, generator, stats)
 
+    @staticmethod
+    def receive_together(decoders: Sequence["ForwardThenCommit"], states: Sequence[Any], answers: Sequence[Any],
+                         generators: Sequence[torch.Generator | None], stats: Sequence[GenerationStats | None]) -> None:
+        if len(decoders) == 1:
+            return decoders[0].receive(states[0], answers[0], generators[0], stats[0])
+        # one with a `commit_key` (so no processors) has `commit_together(decoders, states, logits, fed, stats)`
+        logits, fed = zip(*(d.finish_forward(s, a) for d, s, a in zip(decoders, states, answers)))
+        type(decoders[0]).commit_together(decoders, states, logits, fed, stats)
+
+    def commit_later(self, state: Any, logits: torch.Tensor, fed: int, generator: torch.Generator | None = None,
+                     stats: GenerationStats | None = None) -> Together:
+        """`commit(...)` as a step generator asks for it (`yield decoder.commit_later(...)`): batched with other
+        requests' commits of its `commit_key` in the engine."""
+        key = self.commit_key()
+        return Together(None if key is None else (type(self), key), _commit_all, (self, state, logits, fed, generator,
+                                                                                  stats))
+
+
+def _commit_all(items: list[tuple]) -> list[None]:
+    """`ForwardThenCommit.commit_later`'s commits: one alone, several of one key in one `commit_together`."""
+    decoders, states, logits, fed, generators, stats = zip(*items)
+    if len(items) == 1:
+        decoders[0].commit(states[0], logits[0], fed[0], generators[0], stats[0])
+    else:
+        type(decoders[0]).commit_together(decoders, states, logits, fed, stats)
+    return [None] * len(items)
+
 
 @dataclass(eq=False)
 class StepwiseState:
@@ -312,6 +340,7 @@ class StepwiseState:
     # The generator's own counts (it starts and stops them as the drop-in call does); each step
     # adds what it counted to the engine's stats, which time the request themselves.
     counted: GenerationStats = field(default_factory=GenerationStats)
+    error: Exception | None = None   # raised by its generator while receiving with others: failed at its next step
 
 
 class StepwiseDecoder(Decoder):
@@ -335,6 +364,8 @@ class StepwiseDecoder(Decoder):
 
     def next_forward(self, state: StepwiseState, generator: torch.Generator | None = None,
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
+        if state.error is not None:
+            raise state.error
         if state.steps is None:
             state.steps = self.make_steps(state.prompt, generator, state.counted)
             self.receive(state, None, generator, stats)
@@ -342,16 +373,55 @@ class StepwiseDecoder(Decoder):
 
     def receive(self, state: StepwiseState, logits: Any, generator: torch.Generator | None = None,
                 stats: GenerationStats | None = None) -> None:
-        """Send `logits` (None to start) and run the generator to its next forward (or its end)."""
+        """Send `logits` (None to start) and run the generator to its next forward (or its end), answering
+        what it asks between them (`Together`) alone."""
+        work = self._advance(state, logits, stats)
+        while work is not None:
+            work = self._advance(state, work.alone(), stats)
+
+    def commit_key(self) -> Any:
+        return "steps"   # every step generator receives with the others: their `Together` work is gathered by key
+
+    @staticmethod
+    def receive_together(decoders: Sequence["StepwiseDecoder"], states: Sequence[StepwiseState],
+                         answers: Sequence[Any], generators: Sequence[torch.Generator | None],
+                         stats: Sequence[GenerationStats | None]) -> None:
+        """Each generator run to its next forward; what they ask between (`Together`) done together by key, one
+        batched call a key, and sent back, until every one waits for its forward or has ended. A generator that
+        raises fails alone (at its next step: `next_forward` raises it)."""
+        sends: dict[int, Any] = dict(enumerate(answers))
+        while sends:
+            asked: dict[Any, list[tuple[int, Together]]] = {}
+            for i, answer in sends.items():
+                try:
+                    work = decoders[i]._advance(states[i], answer, stats[i])
+                except Exception as err:  # noqa: BLE001 - one request's failure must not stop the others
+                    states[i].error, states[i].pending = err, None
+                    continue
+                if work is not None:
+                    asked.setdefault(("alone", i) if work.key is None else work.key, []).append((i, work))
+            sends = {}
+            for members in asked.values():
+                try:
+                    results = members[0][1].run([work.args for _, work in members])
+                except Exception as err:  # noqa: BLE001 - thrown into each generator that asked
+                    results = [err] * len(members)
+                sends.update((i, result) for (i, _), result in zip(members, results))
+
+    def _advance(self, state: StepwiseState, answer: Any, stats: GenerationStats | None) -> Together | None:
+        """Send `answer` and run the generator to its next forward, its end, or work it asks for (returned)."""
         counted = state.counted
         nfe, positions, commits = counted.nfe, counted.forward_positions, counted.num_steps
-        state.pending = None
+        state.pending, work = None, None
         try:
-            item = state.steps.send(logits)
-            while not isinstance(item, ForwardRequest):   # a Progress
+            item = state.steps.throw(answer) if isinstance(answer, Exception) else state.steps.send(answer)
+            while isinstance(item, Progress):
                 state.x, state.final = item.x, max(state.final, item.final)
                 item = state.steps.send(None)
-            state.pending = item
+            if isinstance(item, Together):
+                work = item
+            else:
+                state.pending = item
         except StopIteration as stop:
             if stop.value is None:
                 raise RuntimeError(f"{self.name or 'a step generator'} returned no output") from None
@@ -363,6 +433,8 @@ class StepwiseDecoder(Decoder):
             stats.forward_positions += counted.forward_positions - positions
             stats.add_steps(counted, commits)
             stats.kv_cache_bytes = max(stats.kv_cache_bytes, counted.kv_cache_bytes)
+        return work
 
     def __repr__(self) -> str:
         return f"StepwiseDecoder({self.name})"
+

@@ -13,6 +13,7 @@ request's tokens are bitwise those of `remask.generate` / `remask.ar_generate` o
 from __future__ import annotations
 
 import enum
+import functools
 import zlib
 from typing import Any, Sequence as Seq
 
@@ -181,6 +182,12 @@ class LLMEngine:
     def _position_bytes(self, cached: bool) -> int:
         """Estimated bytes one position holds during a step: its id, logits and the rule's probabilities
         (2 × vocabulary float32), activations in the model's dtype and with `cached` every layer's K/V."""
+        plain, kv = self._position_sizes
+        return plain + (kv if cached else 0)
+
+    @functools.cached_property
+    def _position_sizes(self) -> tuple[int, int]:
+        """`_position_bytes` without and of the K/V, read from the model's config once."""
         config = self.model.config
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
 
@@ -194,8 +201,7 @@ class LLMEngine:
         kv_width = read("num_key_value_heads", "n_kv_heads", default=heads) * read("head_dim", default=hidden // heads)
         width = torch.empty((), dtype=next(self.model.parameters()).dtype).element_size()
         vocab = self.spec.vocab_size or read("vocab_size", "embedding_size", default=hidden)
-        plain = 8 + 2 * vocab * 4 + (5 * hidden + intermediate) * width
-        return plain + (2 * layers * kv_width * width if cached else 0)
+        return 8 + 2 * vocab * 4 + (5 * hidden + intermediate) * width, 2 * layers * kv_width * width
 
     def _sample_bytes(self, max_tokens: int) -> int:
         """A sample's bookkeeping: its generator's state, the `Sequence` and its token ids."""

@@ -24,9 +24,10 @@ from remask.diffusion.families.dream import (DEFAULT_BLOCK_LENGTH, DreamBlockDec
                                              DreamGenerationConfig, _validate_config)
 from remask.diffusion.families.llada import BlockDecoder, validate_block_args
 from remask.diffusion.methods import registry
-from remask.diffusion.methods.decoders import decoder_steps
+from remask.diffusion.methods.decoders import decoder_steps, method_call
 from remask.diffusion.parts.checks import changed, check_instance, refuse_unread
 from remask.diffusion.parts.constrain_loops import structure_for_call
+from remask.diffusion.parts.protocol import Decoder
 from remask.diffusion.parts.stepper import StepwiseDecoder
 
 from .sampling_params import SamplingParams
@@ -126,10 +127,11 @@ def llada_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor,
 
 
 def method_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor, structure: Any,
-                   end_ids: Any) -> StepwiseDecoder:
+                   end_ids: Any) -> Decoder:
     """`decoder=` / a cache config (APD's `decoder=APDConfig(...)` too: its rounds, as `remask.generate` runs them):
-    the method's step generator (`decoder_steps`), advanced one forward per engine step. Its arguments are checked
-    here, before the request is queued."""
+    the method's step generator (`decoder_steps`), advanced one forward per engine step — or, where the method's
+    loop is one decoder's over the request's row (`Method.decoder`: dInfer's rules), that decoder. Its arguments are
+    checked here, before the request is queued."""
     # the settings as (value, default): refused unless the method reads them
     settings = {"steps": (params.steps, None), "remasking": (params.remasking, params.remasking),
                 "cfg_scale": (params.cfg_scale, SamplingParams.cfg_scale), "top_p": (params.top_p, None),
@@ -142,7 +144,11 @@ def method_decoder(engine: Any, params: SamplingParams, prompt_ids: torch.Tensor
                              settings={**settings, "generator": (generator, generator)}, **kwargs)
 
     # Checked now (the settings as values; SamplingParams refused the unread ones already, add_request the prompt).
-    make_steps(prompt_ids, None, None).close()
+    call = method_call(engine.spec, prompt_ids, None, params.decoder, stats=None,
+                       settings={**settings, "generator": (None, None)}, **kwargs)
+    if call.method.decoder is not None:
+        return call.method.decoder(call)
+    call.method.loop(call).close()
     return StepwiseDecoder(make_steps, gen_length=params.max_tokens, name=type(params.method).__name__)
 
 
