@@ -28,7 +28,9 @@ def credit_confidence_torch(logits: torch.Tensor, credit: torch.Tensor, masked: 
     if not first:
         credit.mul_(beta)
     top_p, top_i = F.softmax(logits.to(torch.float32), dim=-1).max(dim=-1)
-    boost = top_p.pow(gamma) * masked.to(torch.float32)
+    # row by row: a vectorised pow's bits depend on where an element falls in the tensor (a row alone, a row stacked)
+    boost = torch.stack([row.pow(gamma) for row in top_p.reshape(-1, top_p.shape[-1])]).view_as(top_p) \
+        * masked.to(torch.float32)
     credit.scatter_add_(2, top_i.unsqueeze(-1), boost.unsqueeze(-1))
     fused = logits + alpha * torch.log(credit + 1)
     x0 = fused.argmax(dim=-1)

@@ -33,6 +33,7 @@ def tiny():
     return remask.load("tiny-llada")
 
 
+@pytest.mark.portable   # a row stacked with others computes as alone on every CPU (make test-portable)
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_each_row_commits_what_its_own_commit_would(tiny, rule):
     model, _ = tiny
@@ -118,6 +119,7 @@ RULE_CASES["credit, dual cache"] = dict(decoder=remask.CreditDecoding(), use_cac
 RULE_CASES["vicinity"] = dict(decoder=remask.ThresholdDecoding(), use_cache=VicinityCache(warmup_steps=1))
 
 
+@pytest.mark.portable   # a row stacked with others computes as alone on every CPU (make test-portable)
 @pytest.mark.parametrize("case", sorted(RULE_CASES))
 def test_rule_commits_of_several_requests_batch_each_row_as_alone(tiny, case):
     """dInfer's rules in the engine: `commit_together` over requests at different blocks and steps (their blocks
@@ -194,6 +196,7 @@ DREAM_CASES = [(model, alg) for model in ("tiny-llada", "dream_small")
                for alg in ("maskgit_plus", "topk_margin", "entropy")]
 
 
+@pytest.mark.portable   # a row stacked with others computes as alone on every CPU (make test-portable)
 @pytest.mark.parametrize("model_name, alg", DREAM_CASES)
 def test_dream_sampler_commits_of_several_requests_batch_each_row_as_alone(tiny, load_model, model_name, alg):
     """Dream's sampler in the engine: `DreamDecoder.commit_together` over requests of other canvas lengths, step counts

@@ -191,3 +191,19 @@ def test_select_kernel_hierarchy_writes_only_its_block(poisoned_outputs, L):
         want = dinfer_select_torch(x.clone(), x0, conf, MASK, "hierarchy", threshold, low)
         assert torch.equal(got, want) and torch.equal(row[:, 5:5 + L], want)
         assert bool((row[:, :5] == sentinel).all()) and bool((row[:, 5 + L:] == sentinel).all())
+
+
+@pytest.mark.portable
+def test_credit_confidence_of_a_row_is_the_same_alone_and_stacked():
+    """The credit update of a row (its boost's pow included) does not depend on the rows stacked with it: the
+    engine's batched commits stack requests' credits (`CreditDecoding.commit_rows`)."""
+    torch.manual_seed(0)
+    logits, masked = torch.randn(5, 7, 33), torch.rand(5, 7) < 0.7
+    credit = torch.rand(5, 7, 33)
+    stacked_credit = credit.clone()
+    stacked = credit_confidence_torch(logits, stacked_credit, masked, False, 0.7, 0.2, 0.8)
+    for b in range(5):
+        own = credit[b:b + 1].clone()
+        x0, conf = credit_confidence_torch(logits[b:b + 1], own, masked[b:b + 1], False, 0.7, 0.2, 0.8)
+        assert torch.equal(x0[0], stacked[0][b]) and torch.equal(conf[0], stacked[1][b])
+        assert torch.equal(own[0], stacked_credit[b])
