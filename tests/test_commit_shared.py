@@ -161,6 +161,7 @@ def test_rule_commit_keys_keep_apart_what_cannot_batch(tiny):
     assert key(decoder=remask.ThresholdDecoding(threshold=0.8)) != key(decoder=remask.ThresholdDecoding())
     assert key(decoder=remask.CreditDecoding()) != key(decoder=remask.ThresholdDecoding())
     assert key(decoder=remask.ThresholdDecoding(smoothing=remask.IterationSmoothing())) is None
+    assert key(decoder=remask.KLASS()) is None   # its KL memory does not stack
 
 
 def test_the_engine_batches_rule_commits_and_keeps_each_requests_tokens(tiny, monkeypatch):

@@ -209,6 +209,8 @@ class BlockDecoder(BlockwiseDecoder):
         # structured output (remask/structured.py): a CompiledStructure, and the ids that end an answer
         self.structure, self.end_ids = structure, end_ids_of(spec, end_ids)
         self.rule, self.align_blocks, self.window = rule, align_blocks, window
+        # a rule's commits batch across requests unless they smooth or keep a state that does not stack (`commit_key`)
+        self.rule_alone = rule is not None and (rule.smoothing is not None or not rule.batches(rule.new_state()))
         self.maximum_unroll, self.expected_tpf = maximum_unroll, expected_tpf
 
     def check_input(self, prompt: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
@@ -456,11 +458,10 @@ class BlockDecoder(BlockwiseDecoder):
     def commit_key(self) -> tuple | None:
         """Equal for decoders whose commits after one shared forward one batched call can make
         (`commit_together`: greedy, the same rule and scoring settings — a commit rule (`rule=`, dInfer's) the same
-        rule, without iteration smoothing); None when it commits alone."""
+        rule, without iteration smoothing, its state stacking); None when it commits alone."""
         if self.temperature > 0 or self.reference_sampling or self.reference_ties or self.cfg_scale > 0 \
                 or self.remasking != "low_confidence" or self.confidence_eos_eot_inf == "corrected" \
-                or self.structure is not None or self.processors \
-                or (self.rule is not None and self.rule.smoothing is not None):
+                or self.structure is not None or self.processors or self.rule_alone:
             return None
         return (BlockDecoder, self.spec.mask_id, self.block_length, self.threshold, self.factor, self.frechet_margin,
                 tuple(self.suppress or ()), tuple(self.zero_prob_ids or ()), self.precision.softmax, self.rule)

@@ -98,9 +98,12 @@ class CommitRule(NoWorkBound):
     def commit_later(self, block: torch.Tensor, logits: torch.Tensor, mask_id: int, state: Any = None) -> Together:
         """`commit(...)` as a step generator asks for it (``commit, tokens = yield rule.commit_later(...)``): in the
         engine one `commit_rows` with the other requests' blocks of this rule and width."""
-        batches = state is None or self.stacks_state
-        return Together((CommitRule, self, block.shape[1:]) if batches else None, rule_commits,
+        return Together((CommitRule, self, block.shape[1:]) if self.batches(state) else None, rule_commits,
                         (self, block, logits, mask_id, state))
+
+    def batches(self, state: Any) -> bool:
+        """Whether commits with this `new_state()` batch across requests (`commit_rows`): no state, or one it stacks."""
+        return state is None or self.stacks_state
 
 
 def rule_commits(items: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -301,9 +301,9 @@ class ForwardThenCommit(Decoder):
                          generators: Sequence[torch.Generator | None], stats: Sequence[GenerationStats | None]) -> None:
         if len(decoders) == 1:
             return decoders[0].receive(states[0], answers[0], generators[0], stats[0])
-        # one with a `commit_key` (so no processors) has `commit_together(decoders, states, logits, fed, stats)`
-        logits, fed = zip(*(d.finish_forward(s, a) for d, s, a in zip(decoders, states, answers)))
-        type(decoders[0]).commit_together(decoders, states, logits, fed, stats)
+        # decoders of one `commit_key` (so without processors): one `commit_together`
+        _commit_all([(d, s, *d.finish_forward(s, a), None, counts)
+                     for d, s, a, counts in zip(decoders, states, answers, stats)])
 
     def commit_later(self, state: Any, logits: torch.Tensor, fed: int, generator: torch.Generator | None = None,
                      stats: GenerationStats | None = None) -> Together:
@@ -315,7 +315,8 @@ class ForwardThenCommit(Decoder):
 
 
 def _commit_all(items: list[tuple]) -> list[None]:
-    """`ForwardThenCommit.commit_later`'s commits: one alone, several of one key in one `commit_together`."""
+    """`(decoder, state, logits, fed, generator, stats)` commits: one alone, several of one `commit_key` in one
+    `commit_together(decoders, states, logits, fed, stats)` (which a decoder with a key has)."""
     decoders, states, logits, fed, generators, stats = zip(*items)
     if len(items) == 1:
         decoders[0].commit(states[0], logits[0], fed[0], generators[0], stats[0])
