@@ -113,8 +113,9 @@ def count_calls(monkeypatch, cls, name):
 
 
 RULE_PROMPTS = ["sort 52814", "add 3 and 4", "sort 9", "reverse abcdefg"]   # four lengths: blocks of other widths
-RULE_CASES = {name: dict(decoder=method.config()) for name, method in registry.METHODS.items() if name in
-              ("threshold", "credit", "hierarchical", "margin", "eb_sampler", "frechet")}
+# every rule the engine steps as a BlockDecoder (`Method.decoder`): a new one is checked here with no edit
+RULE_CASES = {name: dict(decoder=method.config()) for name, method in registry.METHODS.items()
+              if method.decoder is not None}
 RULE_CASES["credit, dual cache"] = dict(decoder=remask.CreditDecoding(), use_cache="dual")
 RULE_CASES["vicinity"] = dict(decoder=remask.ThresholdDecoding(), use_cache=VicinityCache(warmup_steps=1))
 
