@@ -323,6 +323,15 @@ def _canvas_scenarios():
     for L in BLOCK_LENGTHS:
         yield "canvas", f"L={L},philox", \
             lambda L=L: canvas.canvas_update(_t((1, L), torch.long), _t((1, L)), 0.1, vocab_size=GEMMA_VOCAB, seed=SEED)
+    # the engine's requests scored together, a seed each (4 canvases of 256 positions)
+    seeds = torch.arange(4, dtype=torch.long)
+    for dtype in (torch.float32, torch.bfloat16):
+        yield "canvas", f"gemma,V={GEMMA_VOCAB},{DTYPE_NAMES[dtype]},philox,seed per request", \
+            lambda d=dtype: canvas.canvas_score(_t((4 * 256, GEMMA_VOCAB), d), 1.0, seed=seeds)
+    for L in BLOCK_LENGTHS:
+        yield "canvas", f"L={L},philox,seed per request", \
+            lambda L=L: canvas.canvas_update(_t((4, L), torch.long), _t((4, L)), 0.1, vocab_size=GEMMA_VOCAB,
+                                             seed=seeds)
 
 
 def _paged_scenarios():

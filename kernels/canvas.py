@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .canvas_ref import canvas_score_torch, canvas_update_torch
+from .canvas_ref import canvas_score_torch, canvas_update_torch, seed_groups
 from .dispatch import HAS_TRITON, next_power_of_2, use_triton
 
 LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -37,14 +37,19 @@ if HAS_TRITON:
     @triton.jit
     def canvas_score_kernel(
         logits_ptr, stride_row, V, temperature,
-        noise_ptr, stride_noise, seed,
+        noise_ptr, stride_noise, seed, seeds_ptr, rows_per_seed,
         sample_ptr, argmax_ptr, entropy_ptr, top_prob_ptr,
         BLOCK: tl.constexpr, NOISE: tl.constexpr,
     ):
         """Program i: row i of logits `[N, V]` (V contiguous). NOISE: 1 injected uniforms `[N, V]`,
-        2 Philox from `seed`. Writes sample, argmax (int64), entropy and the argmax's probability
+        2 Philox from `seed`, 3 Philox from `seeds[i // rows_per_seed]` at the row's place in its
+        group (counted as alone). Writes sample, argmax (int64), entropy and the argmax's probability
         (float32) of row i."""
         row = tl.program_id(0).to(tl.int64)
+        counter_row = row
+        if NOISE == 3:
+            seed = tl.load(seeds_ptr + row // rows_per_seed)
+            counter_row = row % rows_per_seed
         p_row = logits_ptr + row * stride_row
         neg_inf = float("-inf")
         m = tl.full((), neg_inf, tl.float32)
@@ -61,7 +66,7 @@ if HAS_TRITON:
             if NOISE == 1:
                 u = tl.load(noise_ptr + row * stride_noise + cols, mask=in_v, other=0.5).to(tl.float32)
             else:
-                u = tl.rand(seed, row * V + cols)
+                u = tl.rand(seed, counter_row * V + cols)
             score = tl.where(in_v, x - tl.log(-tl.log(u)), neg_inf)
             # running Gumbel-max and plain argmax, the lower index first (strict > across chunks)
             c_best, c_idx = argmax_lowest(score, cols, in_v)
@@ -77,11 +82,12 @@ if HAS_TRITON:
     @triton.jit
     def canvas_update_kernel(
         sample_ptr, entropy_ptr, noise_ptr, out_ptr, accepted_ptr,
-        L, entropy_bound, seed, V,
+        L, entropy_bound, seed, seeds_ptr, V,
         BLOCK_L: tl.constexpr, NOISE: tl.constexpr,
     ):
         """Program b: row b of the `[B, L]` canvas (all contiguous). NOISE: 1 injected token ids
-        `[B, L]`, 2 Philox from `seed` at offset ``b·L + position``."""
+        `[B, L]`, 2 Philox from `seed` at offset ``b·L + position``, 3 from `seeds[b]` at ``position``
+        (row b as alone)."""
         row = tl.program_id(0).to(tl.int64)
         pos = tl.arange(0, BLOCK_L)
         valid = pos < L
@@ -99,8 +105,11 @@ if HAS_TRITON:
         sample = tl.load(sample_ptr + offs, mask=live, other=0)
         if NOISE == 1:
             noise = tl.load(noise_ptr + offs, mask=live, other=0)
-        else:
+        elif NOISE == 2:
             r = tl.randint(seed, offs).to(tl.int64) & 0xFFFFFFFF
+            noise = r % V
+        else:
+            r = tl.randint(tl.load(seeds_ptr + row), idx.to(tl.int64)).to(tl.int64) & 0xFFFFFFFF
             noise = r % V
         tl.store(out_ptr + offs, tl.where(accepted, sample.to(tl.int64), noise.to(tl.int64)), mask=live)
         tl.store(accepted_ptr + offs, accepted.to(tl.int8), mask=live)
@@ -117,8 +126,8 @@ def _check_score(logits, temperature, noise, seed):
         raise ValueError(f"temperature must be > 0, got {float(temperature)}")
     if noise is not None and (noise.shape != logits.shape or noise.device != logits.device or noise.stride(1) != 1):
         raise ValueError(f"noise must be uniforms of logits' shape {tuple(logits.shape)} on its device, V contiguous")
-    if seed is not None and not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if seed is not None and not isinstance(seed, int) and not torch.is_tensor(seed):
+        raise TypeError(f"seed must be an int or an int64 tensor of seeds, got {type(seed).__name__}")
 
 
 def canvas_score(
@@ -126,7 +135,7 @@ def canvas_score(
     temperature: float | torch.Tensor = 1.0,
     *,
     noise: torch.Tensor | None = None,
-    seed: int | None = None,
+    seed: int | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sample, argmax, entropy, top_prob) per row of `logits` `[N, V]` under softmax(l / T), one pass.
 
@@ -135,7 +144,9 @@ def canvas_score(
         temperature: T > 0 (a float, or a 0-dim tensor as transformers' schedule makes it).
         noise: uniforms in (0, 1) of logits' shape for exact tests; otherwise Philox noise from
             `seed` at ``row·V + col`` (`tl.rand`, or its torch twin on the torch path: the same
-            draws and float32 score). None draws a seed from torch's global generator.
+            draws and float32 score). None draws a seed from torch's global generator. An int64
+            tensor `[G]` (G dividing N): G equal groups of rows, each drawing from its own seed as
+            a call on its rows alone (requests scored in one call, each its own numbers).
 
     Returns:
         sample, argmax (int64 `[N]`; the lower index on ties), entropy and the argmax's
@@ -144,10 +155,12 @@ def canvas_score(
     _check_score(logits, temperature, noise, seed)
     if noise is None and seed is None:
         seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    seed = seed_groups(seed, logits.shape[0], logits.device) if noise is None else seed
     temperature = float(temperature) if not torch.is_tensor(temperature) else temperature
     if not use_triton(logits):
         return canvas_score_torch(logits, temperature, noise=noise, seed=seed)
     n_rows, V = logits.shape
+    seeds = seed if torch.is_tensor(seed) else None
     sample = torch.empty(n_rows, dtype=torch.long, device=logits.device)
     argmax = torch.empty(n_rows, dtype=torch.long, device=logits.device)
     entropy = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
@@ -157,8 +170,9 @@ def canvas_score(
         canvas_score_kernel[(n_rows,)](
             logits, logits.stride(0), V, float(temperature),
             noise if noise is not None else logits, noise.stride(0) if noise is not None else 0,
-            int(seed) if noise is None else 0,
-            sample, argmax, entropy, top_prob, BLOCK=block, NOISE=1 if noise is not None else 2,
+            int(seed) if noise is None and seeds is None else 0, seeds if seeds is not None else sample,
+            n_rows // seeds.numel() if seeds is not None else 1,
+            sample, argmax, entropy, top_prob, BLOCK=block, NOISE=1 if noise is not None else 2 if seeds is None else 3,
             num_warps=8 if block >= 2048 else 4)
     return sample, argmax, entropy, top_prob
 
@@ -170,7 +184,7 @@ def canvas_update(
     *,
     vocab_size: int,
     noise_tokens: torch.Tensor | None = None,
-    seed: int | None = None,
+    seed: int | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The EB-sampler's accept and the renoise of a `[B, L]` canvas in one launch.
 
@@ -181,7 +195,8 @@ def canvas_update(
             before each one sum to ≤ this (> 0).
         vocab_size: renoised positions draw uniformly from [0, vocab_size).
         noise_tokens: `[B, L]` ids to use instead of draws (exact tests); otherwise Philox from
-            `seed`, ``randint(seed, b·L + position) % V`` on either path.
+            `seed`, ``randint(seed, b·L + position) % V`` on either path; an int64 tensor `[B]` of
+            seeds: ``randint(seed[b], position) % V``, row b as alone.
 
     Returns:
         the new canvas (int64 `[B, L]`) and the accepted mask (bool `[B, L]`).
@@ -197,6 +212,10 @@ def canvas_update(
         raise ValueError(f"noise_tokens must have sample's shape {tuple(sample.shape)}, got {tuple(noise_tokens.shape)}")
     if noise_tokens is None and seed is None:
         seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    if noise_tokens is None:
+        seed = seed_groups(seed, sample.shape[0], sample.device)
+        if torch.is_tensor(seed) and seed.numel() != sample.shape[0]:
+            raise ValueError(f"seed: one per row of the canvas ({sample.shape[0]}), got {seed.numel()}")
     if not use_triton(sample):
         return canvas_update_torch(sample, entropy, entropy_bound, vocab_size=vocab_size, noise_tokens=noise_tokens,
                                    seed=seed)
@@ -207,6 +226,7 @@ def canvas_update(
     if B and L:
         canvas_update_kernel[(B,)](
             sample, entropy, noise_tokens.contiguous() if noise_tokens is not None else sample, out, accepted,
-            L, float(entropy_bound), int(seed) if noise_tokens is None else 0, vocab_size,
-            BLOCK_L=next_power_of_2(L), NOISE=1 if noise_tokens is not None else 2)
+            L, float(entropy_bound), int(seed) if noise_tokens is None and not torch.is_tensor(seed) else 0,
+            seed if torch.is_tensor(seed) else sample, vocab_size,
+            BLOCK_L=next_power_of_2(L), NOISE=1 if noise_tokens is not None else 2 if not torch.is_tensor(seed) else 3)
     return out, accepted.bool()

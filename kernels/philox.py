@@ -54,13 +54,20 @@ def split_seed(seed: int) -> tuple[int, int]:
     return seed & UINT32_MASK, seed >> 32
 
 
-def philox4x32(seed: int, offsets: torch.Tensor, n_rounds: int = N_ROUNDS
+def philox4x32(seed: int | torch.Tensor, offsets: torch.Tensor, n_rounds: int = N_ROUNDS
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`tl.randint4x(seed, offsets)`: four uint32 words (as int64 tensors of `offsets`' shape) per
-    int64 offset."""
+    int64 offset. `seed`: an int, or an int64 tensor broadcast against `offsets` (a seed per row, as
+    a kernel that loads its row's seed draws: each row's words are those of its seed alone)."""
     if offsets.dtype != torch.int64:
         raise TypeError(f"offsets must be int64 (the kernels' offsets are), got {offsets.dtype}")
-    k0, k1 = split_seed(seed)
+    if torch.is_tensor(seed):
+        if seed.dtype != torch.int64:
+            raise TypeError(f"a seed tensor must be int64, got {seed.dtype}")
+        # the low and high words of each seed's uint64 (an arithmetic shift, then masked: two's complement)
+        k0, k1 = seed & UINT32_MASK, (seed >> 32) & UINT32_MASK
+    else:
+        k0, k1 = split_seed(seed)
     c0 = offsets & UINT32_MASK
     c1 = (offsets >> 32).bitwise_and_(UINT32_MASK)   # arithmetic shift, then the low 32 bits: Triton's truncation
     c2 = torch.zeros_like(c0)
@@ -84,7 +91,7 @@ def philox4x32(seed: int, offsets: torch.Tensor, n_rounds: int = N_ROUNDS
     return c0, c1, c2, c3
 
 
-def philox_randint(seed: int, offsets: torch.Tensor, n_rounds: int = N_ROUNDS) -> torch.Tensor:
+def philox_randint(seed: int | torch.Tensor, offsets: torch.Tensor, n_rounds: int = N_ROUNDS) -> torch.Tensor:
     """`tl.randint(seed, offsets)`: uint32 values in an int64 tensor of `offsets`' shape."""
     return philox4x32(seed, offsets, n_rounds)[0]
 
@@ -101,7 +108,7 @@ def uint_to_uniform_float(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32).mul_(UNIFORM_SCALE_F32)
 
 
-def philox_uniform(seed: int, offsets: torch.Tensor, n_rounds: int = N_ROUNDS) -> torch.Tensor:
+def philox_uniform(seed: int | torch.Tensor, offsets: torch.Tensor, n_rounds: int = N_ROUNDS) -> torch.Tensor:
     """`tl.rand(seed, offsets)`: float32 uniforms in [0, 1) of `offsets`' shape."""
     return uint_to_uniform_float(philox_randint(seed, offsets, n_rounds))
 

@@ -433,3 +433,47 @@ def test_requests_with_one_prompt_share_its_encoder_cache(model):
     alone = remask.LLM(model, enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
     for a, b in zip(shared, alone):
         assert [o.all_token_ids for o in a.outputs] == [o.all_token_ids for o in b.outputs]
+
+
+@pytest.mark.portable
+def test_engine_scores_its_requests_canvases_in_one_call_each_as_alone(model, monkeypatch):
+    """On the fused kernels, a step's canvas requests are scored in one `canvas_score` call and renoised in one
+    `canvas_update` call per setting (the entropy bound, or a rule that decides in torch), each request drawing
+    from its own seeds: its tokens are `diffusion_generate`'s on it alone with its seed. `reference_rng` requests
+    (transformers' draws) are scored alone."""
+    rows_per_call: dict[str, list[list[int]]] = {"canvas_score": [], "canvas_update": []}
+    for name, calls in rows_per_call.items():
+        real = getattr(canvas, name)
+
+        def counted(first, *args, _real=real, _calls=calls, **kwargs):
+            _calls[-1].append(first.shape[0])
+            return _real(first, *args, **kwargs)
+        monkeypatch.setattr(canvas, name, counted)
+    settings = [remask.CanvasDecoding(max_denoising_steps=5),
+                remask.CanvasDecoding(max_denoising_steps=4, entropy_bound=1.5),
+                remask.CanvasDecoding(max_denoising_steps=4, sampler=remask.CanvasSampler(rule="threshold",
+                                                                                          threshold=0.3))]
+    prompts = [[2, 17, 42, 99, 5], [2, 9, 8], [2, 5, 6, 7, 8, 9, 10], [2, 11, 12, 13], [2, 40, 41], [2, 3]]
+    requests = [(f"r{i}", prompt, remask.SamplingParams(max_tokens=16, seed=10 + i, decoder=settings[i % 3]))
+                for i, prompt in enumerate(prompts)]
+    requests.append(("ref", prompts[0], remask.SamplingParams(max_tokens=16, seed=3, reference_rng=True)))
+    engine = remask.LLM(model).engine
+    for request in requests:
+        engine.add_request(*request)
+    done = {}
+    while engine.has_unfinished_requests():
+        for calls in rows_per_call.values():
+            calls.append([])
+        done.update({out.request_id: out.outputs[0].all_token_ids for out in engine.step() if out.finished})
+    scores, updates = rows_per_call["canvas_score"], rows_per_call["canvas_update"]
+    assert max(len(step) for step in scores) <= 3 and max(len(step) for step in updates) <= 2
+    assert max(rows for step in scores for rows in step) == 2 * L     # the two requests of a setting: one call
+    assert max(rows for step in updates for rows in step) == 2        # the two EB-sampler bounds: a call each
+    for rid, prompt, params in requests:
+        kw = dict(reference_rng=True) if params.reference_rng else params.decoder.generation_kwargs(
+            canvas_sampler=params.decoder.sampler)
+        if params.reference_rng:
+            torch.manual_seed(params.seed)
+        alone = remask.diffusion_generate(model, torch.tensor([prompt]), max_new_tokens=16,
+                                          generator=torch.Generator().manual_seed(params.seed), **kw)
+        assert done[rid] == alone.sequences[0, len(prompt):len(prompt) + 16].tolist(), rid

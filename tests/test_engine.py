@@ -445,6 +445,29 @@ def test_a_shared_page_that_differs_is_never_used(ar):
     assert_ar_equal(done["b"].outputs[0], alone_ar(model, SYSTEM + PROBLEMS[2], params), "b")
 
 
+def test_the_page_store_is_never_read_where_nothing_was_written(ar, tmp_path):
+    """The store is allocated uninitialised: every slot a sequence reads, it wrote first. Poisoned with NaN
+    after its allocation (no prefix hit to verify), an AR and a block-causal engine give the same tokens."""
+    from transformers import AutoModelForCausalLM
+    from remask.models import tiny
+
+    tiny.write_tiny_sdar(str(tmp_path), seed=0)
+    sdar = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    for (model, tokenizer), params in ((ar, SamplingParams(max_tokens=12, seed=3, temperature=0.8)),
+                                       ((sdar, None), SamplingParams(max_tokens=8, seed=3))):
+        requests = [(f"r{i}", PROBLEMS[i], params.replace(seed=i)) for i in range(5)]
+        clean = run_engine(LLMEngine(model, tokenizer, enable_prefix_caching=False), requests)
+        engine = LLMEngine(model, tokenizer, enable_prefix_caching=False)
+        run_engine(engine, [("first", PROBLEMS[20], params)])       # allocates the store's layers
+        store = engine.runner.store
+        assert store.keys and all(t.numel() for t in store.keys)
+        for held in store.keys + store.values:
+            held.fill_(float("nan"))
+        poisoned = run_engine(engine, requests)
+        for rid, _, _ in requests:
+            assert poisoned[rid].outputs[0].token_ids == clean[rid].outputs[0].token_ids, rid
+
+
 def test_ar_preemption_when_pages_run_out_recomputes_the_same_tokens(ar):
     """A store too small for every request at once: the newest running sequences give their
     pages back and start again later from their seed; nothing reported ever changes, every

@@ -109,7 +109,34 @@ def test_philox_renoise_is_uniform_and_seeded(triton_path):
     assert torch.equal(out, canvas_update(sample, entropy, 0.1, vocab_size=V, seed=5)[0])
 
 
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_a_seed_per_group_of_rows_draws_as_each_group_alone(poisoned_outputs, monkeypatch, path):
+    """Requests scored in one call (`canvas_score` over their stacked rows, `canvas_update` over their canvases)
+    with a seed each: every request's rows get the numbers its own call draws, whatever stands beside it."""
+    if path == "triton":
+        monkeypatch.setenv("REMASK_TRITON", "1")
+    G, L, V = 3, 7, 1001
+    logits = _logits(G * L, V, torch.float32, 5, row_pad=3)
+    seeds = torch.tensor([11, 2**40 + 3, -5], dtype=torch.int64, device=DEVICE)
+    together = canvas_score(logits, 0.8, seed=seeds)
+    sample, entropy = together[0].view(G, L), together[2].view(G, L)
+    canvas, accepted = canvas_update(sample, entropy, 0.4, vocab_size=V, seed=seeds)
+    for g in range(G):
+        rows = slice(g * L, (g + 1) * L)
+        alone = canvas_score(logits[rows], 0.8, seed=int(seeds[g]))
+        for got, want in zip(together, alone):
+            assert torch.equal(got[rows].cpu(), want.cpu()), g
+        alone = canvas_update(sample[g:g + 1], entropy[g:g + 1], 0.4, vocab_size=V, seed=int(seeds[g]))
+        assert torch.equal(canvas[g:g + 1].cpu(), alone[0].cpu()) and torch.equal(accepted[g:g + 1], alone[1])
+    assert not bool(accepted.all())   # some positions renoised: the draws are compared
+
+
 @pytest.mark.parametrize("call, match", [
+    (lambda: canvas_score(torch.zeros(4, 3), 1.0, seed=torch.tensor([1, 2, 3])), "seed"),
+    (lambda: canvas_score(torch.zeros(4, 3), 1.0, seed=torch.tensor([1.0, 2.0])), "seed"),
+    (lambda: canvas_score(torch.zeros(4, 3), 1.0, seed=2.5), "seed"),
+    (lambda: canvas_update(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3), 0.1, vocab_size=5,
+                           seed=torch.tensor([1])), "seed"),
     (lambda: canvas_score(torch.zeros(3), 1.0), "2-D"),
     (lambda: canvas_score(torch.zeros(2, 3, dtype=torch.long), 1.0), "dtype"),
     (lambda: canvas_score(torch.zeros(2, 3), 0.0), "temperature"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Generator
+from typing import Any, Generator, Sequence
 
 import torch
 
@@ -28,7 +28,7 @@ from ..parts.checks import (MAX_LOOP_STEPS, NoWorkBound, check_at_most, check_bo
 from ..parts.constrain_loops import Constrainable, compile_for, constrain_canvas
 from ..parts.scoring import draw_categorical, draw_seed
 from ..parts.selection import entropy_bound_accept
-from ..parts.protocol import Decoder
+from ..parts.protocol import Decoder, Together, answer_alone, answer_together
 from ..parts.stats import GenerationStats
 from ..parts.step import Decision, apply_decision
 from ..parts.stepper import ForwardRequest, drive
@@ -137,17 +137,35 @@ def accept_positions(sampler: CanvasSampler, entropy: torch.Tensor, top_prob: to
     return torch.zeros_like(entropy, dtype=torch.bool).scatter(-1, order, True)
 
 
-def score_canvas(processed_logits: torch.Tensor, *, reference_rng: bool, generator: torch.Generator | None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sample, argmax, entropy, top_prob) per position of the processed logits `[B, L, V]`: with
-    `reference_rng` transformers' formulation (float32 softmax, `torch.multinomial` over the flat
-    batch), else the fused `canvas_score` in one pass (Gumbel-max: the same distribution)."""
-    if reference_rng:
-        probs = torch.softmax(processed_logits, dim=-1, dtype=torch.float32)
-        return (draw_categorical(probs, generator), torch.argmax(processed_logits, dim=-1),
-                token_entropy(processed_logits), probs.max(dim=-1).values)
-    out = canvas_score(processed_logits.flatten(0, 1), 1.0, seed=draw_seed(generator))
-    return tuple(t.view(processed_logits.shape[:2]) for t in out)
+def reference_score(processed_logits: torch.Tensor, generator: torch.Generator | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sample, argmax, entropy, top_prob) per position of the processed logits `[B, L, V]` in transformers'
+    formulation (float32 softmax, `torch.multinomial` over the flat batch: its draws, `reference_rng`)."""
+    probs = torch.softmax(processed_logits, dim=-1, dtype=torch.float32)
+    return (draw_categorical(probs, generator), torch.argmax(processed_logits, dim=-1),
+            token_entropy(processed_logits), probs.max(dim=-1).values)
+
+
+def score_and_update(items: list[tuple]) -> list[tuple]:
+    """`Together` work of canvas steps on the fused kernels, each item `(processed logits [B, L, V], score seed,
+    update seed or None, entropy bound, V)`: (sample, argmax, entropy, top_prob) per position from `canvas_score` in
+    one pass (Gumbel-max: the reference's distribution), then with an update seed the EB-sampler's `canvas_update`
+    (new canvas, accepted; else None, None). One item draws from its int seeds; several (one row each: their key)
+    are scored and updated in one call each, every row from its own seeds, as alone."""
+    if len(items) == 1:
+        processed, score_seed, update_seed, bound, V = items[0]
+        scored = tuple(t.view(processed.shape[:2]) for t in canvas_score(processed.flatten(0, 1), 1.0, seed=score_seed))
+        updated = canvas_update(scored[0], scored[2], bound, vocab_size=V, seed=update_seed) \
+            if update_seed is not None else (None, None)
+        return [(*scored, *updated)]
+    processed, score_seeds, update_seeds, bounds, vocab_sizes = zip(*items)
+    stacked = torch.cat(processed)   # [n, L, V]
+    seeds = lambda values: torch.tensor(values, dtype=torch.int64, device=stacked.device)
+    scored = tuple(t.view(stacked.shape[:2]) for t in canvas_score(stacked.flatten(0, 1), 1.0,
+                                                                  seed=seeds(score_seeds)))
+    updated = canvas_update(scored[0], scored[2], bounds[0], vocab_size=vocab_sizes[0], seed=seeds(update_seeds)) \
+        if update_seeds[0] is not None else (None, None)
+    return [tuple(None if t is None else t[i:i + 1] for t in (*scored, *updated)) for i in range(len(items))]
 
 
 # --- the loop ----------------------------------------------------------------------------------------
@@ -199,6 +217,7 @@ class CanvasState:
     pending: Any = None                    # under the engine: the step under way (a step generator) ...
     request: ForwardRequest | None = None  # ... and the forward it waits for (None: a pause)
     matchers: Any = None                   # structured output: one matcher per row (`CanvasDecoder.constrain`)
+    error: Exception | None = None         # raised by its step while receiving with others: failed at its next step
 
     @property
     def x(self) -> torch.Tensor:
@@ -273,6 +292,8 @@ class CanvasDecoder(Constrainable, Decoder):
                      stats: GenerationStats | None = None) -> ForwardRequest | None:
         """The forward `state` waits for; None once decoded, or for one engine step while another
         request encodes this prompt."""
+        if state.error is not None:
+            raise state.error
         if state.pending is None and not state.done:
             state.pending = self.denoising_step(state, generator, stats)
         if state.pending is not None and state.request is None:   # a new step, or one paused a step
@@ -281,11 +302,38 @@ class CanvasDecoder(Constrainable, Decoder):
 
     def receive(self, state: CanvasState, answer: Any, generator: torch.Generator | None = None,
                 stats: GenerationStats | None = None) -> None:
-        """Hand the pending forward its answer and run the step to its next forward (or its end)."""
+        """Hand the pending forward its answer and run the step to its next forward (or its end), its scoring done
+        alone."""
+        answer_alone(lambda sent: self._advance(state, sent), answer)
+
+    def commit_key(self) -> Any:
+        """Canvas steps score together (`score_and_update`) unless they replay transformers' draws."""
+        return None if self.reference_rng else "canvas"
+
+    @staticmethod
+    def receive_together(decoders: Sequence["CanvasDecoder"], states: Sequence[CanvasState], answers: Sequence[Any],
+                         generators: Sequence[torch.Generator | None],
+                         stats: Sequence[GenerationStats | None]) -> None:
+        """Each request's step run on; their scorings done together (`answer_together`); a failing step fails its
+        request alone (at its next step)."""
+        def fail(i: int, err: Exception) -> None:
+            states[i].error, states[i].pending, states[i].request = err, None, None
+
+        answer_together(lambda i, sent: decoders[i]._advance(states[i], sent), answers, fail)
+
+    @staticmethod
+    def _advance(state: CanvasState, answer: Any) -> Together | None:
+        """Send `answer` into the step: its next forward (`state.request`; None: a pause or its end), or the
+        scoring it asks for (returned)."""
         try:
-            state.request = state.pending.send(answer)
+            item = state.pending.throw(answer) if isinstance(answer, Exception) else state.pending.send(answer)
         except StopIteration:
             state.pending = state.request = None
+            return None
+        if isinstance(item, Together):
+            return item
+        state.request = item
+        return None
 
     def _open_canvas(self, state: CanvasState, generator: torch.Generator | None,
                      first: bool = False) -> Generator[ForwardRequest | None, Any, None]:
@@ -342,12 +390,16 @@ class CanvasDecoder(Constrainable, Decoder):
         # transformers passes the step as an int32 tensor: the temperature is computed in float32
         processed = self.processors(state.input_ids, logits,
                                     cur_step=torch.tensor(state.cur_step, dtype=torch.int32, device=device))
-        sample, new_argmax, entropy, top_prob = score_canvas(processed, reference_rng=self.reference_rng,
-                                                             generator=generator)
-        if sampler.rule == "entropy_bound" and not self.reference_rng:   # decide + renoise: one launch
-            new_canvas, accepted = canvas_update(sample, entropy, self.entropy_bound, vocab_size=V,
-                                                 seed=draw_seed(generator))
-        else:
+        if self.reference_rng:
+            sample, new_argmax, entropy, top_prob = reference_score(processed, generator)
+            new_canvas = None
+        else:   # the fused kernels (the EB-sampler: decide + renoise in one launch), with other requests' in the engine
+            update = sampler.rule == "entropy_bound"
+            seeds = (draw_seed(generator), draw_seed(generator) if update else None)
+            key = ("canvas", *processed.shape[1:], processed.dtype, processed.device, update and self.entropy_bound)
+            sample, new_argmax, entropy, top_prob, new_canvas, accepted = yield Together(
+                key if B == 1 else None, score_and_update, (processed, *seeds, self.entropy_bound, V))
+        if new_canvas is None:
             accepted = accept_positions(sampler, entropy, top_prob, self.entropy_bound)
             noise_tokens = torch.randint(0, V, (B, L), device=device, generator=generator)
             new_canvas = apply_decision(canvas, sample, Decision(commit=accepted, renoise=~accepted), noise_tokens)

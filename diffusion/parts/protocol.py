@@ -102,3 +102,37 @@ class Together:
 
     def alone(self) -> Any:
         return self.run([self.args])[0]
+
+
+def answer_alone(advance: Callable[[Any], Together | None], answer: Any) -> None:
+    """Run one request to its next forward: `advance(answer)` (send it; returns the `Together` work the request
+    asks for, or None once it waits for a forward or has ended), each asked work done alone and sent back."""
+    work = advance(answer)
+    while work is not None:
+        work = advance(work.alone())
+
+
+def answer_together(advance: Callable[[int, Any], Together | None], answers: Sequence[Any],
+                    fail: Callable[[int, Exception], None]) -> None:
+    """`answer_alone` for several requests at once (`advance(i, answer)`): what they ask between their forwards is
+    done together by key, one batched call a key, until every one waits for its forward or has ended. A request
+    whose `advance` raises fails alone (`fail(i, error)`); a batched call that raises is sent, as the error, to
+    each request that asked (its generator gets it thrown)."""
+    sends: dict[int, Any] = dict(enumerate(answers))
+    while sends:
+        asked: dict[Any, list[tuple[int, Together]]] = {}
+        for i, answer in sends.items():
+            try:
+                work = advance(i, answer)
+            except Exception as err:  # noqa: BLE001 - one request's failure must not stop the others
+                fail(i, err)
+                continue
+            if work is not None:
+                asked.setdefault(("alone", i) if work.key is None else work.key, []).append((i, work))
+        sends = {}
+        for members in asked.values():
+            try:
+                results = members[0][1].run([work.args for _, work in members])
+            except Exception as err:  # noqa: BLE001 - thrown into each generator that asked
+                results = [err] * len(members)
+            sends.update((i, result) for (i, _), result in zip(members, results))

@@ -26,7 +26,7 @@ from remask.models.request import ForwardRequest, cache_scope  # the requests' m
 from remask.models.spec import ModelSpec, get_spec, shift_logits
 
 from .constrain_loops import structure_for_call
-from .protocol import Decoder, Together
+from .protocol import Decoder, Together, answer_alone, answer_together
 from .stats import GenerationStats
 
 
@@ -376,9 +376,7 @@ class StepwiseDecoder(Decoder):
                 stats: GenerationStats | None = None) -> None:
         """Send `logits` (None to start) and run the generator to its next forward (or its end), answering
         what it asks between them (`Together`) alone."""
-        work = self._advance(state, logits, stats)
-        while work is not None:
-            work = self._advance(state, work.alone(), stats)
+        answer_alone(lambda answer: self._advance(state, answer, stats), logits)
 
     def commit_key(self) -> Any:
         return "steps"   # every step generator receives with the others: their `Together` work is gathered by key
@@ -387,27 +385,12 @@ class StepwiseDecoder(Decoder):
     def receive_together(decoders: Sequence["StepwiseDecoder"], states: Sequence[StepwiseState],
                          answers: Sequence[Any], generators: Sequence[torch.Generator | None],
                          stats: Sequence[GenerationStats | None]) -> None:
-        """Each generator run to its next forward; what they ask between (`Together`) done together by key, one
-        batched call a key, and sent back, until every one waits for its forward or has ended. A generator that
-        raises fails alone (at its next step: `next_forward` raises it)."""
-        sends: dict[int, Any] = dict(enumerate(answers))
-        while sends:
-            asked: dict[Any, list[tuple[int, Together]]] = {}
-            for i, answer in sends.items():
-                try:
-                    work = decoders[i]._advance(states[i], answer, stats[i])
-                except Exception as err:  # noqa: BLE001 - one request's failure must not stop the others
-                    states[i].error, states[i].pending = err, None
-                    continue
-                if work is not None:
-                    asked.setdefault(("alone", i) if work.key is None else work.key, []).append((i, work))
-            sends = {}
-            for members in asked.values():
-                try:
-                    results = members[0][1].run([work.args for _, work in members])
-                except Exception as err:  # noqa: BLE001 - thrown into each generator that asked
-                    results = [err] * len(members)
-                sends.update((i, result) for (i, _), result in zip(members, results))
+        """Each generator run to its next forward, what they ask between (`Together`) done together by key
+        (`answer_together`). A generator that raises fails alone (at its next step: `next_forward` raises it)."""
+        def fail(i: int, err: Exception) -> None:
+            states[i].error, states[i].pending = err, None
+
+        answer_together(lambda i, answer: decoders[i]._advance(states[i], answer, stats[i]), answers, fail)
 
     def _advance(self, state: StepwiseState, answer: Any, stats: GenerationStats | None) -> Together | None:
         """Send `answer` and run the generator to its next forward, its end, or work it asks for (returned)."""

@@ -152,7 +152,9 @@ class PageManager:
 class PagedKVStore:
     """The engine's page store: per-layer key/value pages `[num_pages · page_size, H_kv, D]` of `manager`'s
     pages (autoregressive sequences, block-causal blocks: `BlockKVCache`), allocated at the first write
-    (the layer shapes come from the model's own projections)."""
+    (the layer shapes come from the model's own projections), uninitialised: a slot is read only after its
+    sequence wrote it (`seq_lens`, `slot_mapping`), so zeroing the whole store would only cost time (on a CPU,
+    faulting in every page of it at once)."""
 
     def __init__(self, manager: PageManager) -> None:
         self.manager = manager
@@ -164,7 +166,7 @@ class PagedKVStore:
         """`like`: this layer's new keys `[n, H_kv, D]`."""
         while len(self.keys) <= index:
             for held in (self.keys, self.values):
-                held.append(like.new_zeros((self.manager.num_pages * self.manager.page_size, *like.shape[1:])))
+                held.append(like.new_empty((self.manager.num_pages * self.manager.page_size, *like.shape[1:])))
         return self.keys[index], self.values[index]
 
     def write(self, layer: int, table: list[int], start: int, k: torch.Tensor, v: torch.Tensor, shared: int) -> int:
