@@ -234,22 +234,37 @@ CLOCK = {"now": time.perf_counter}
 
 
 class ForwardClock:
-    """Seconds spent inside the model's forward (its own arithmetic), by hooks on the top module."""
+    """Seconds spent inside the models' forwards (their own arithmetic), by hooks on the modules a request runs
+    (`forward_modules`); a call nested in another clocked one (an encoder inside its model's forward) counts once."""
 
-    def __init__(self, model) -> None:
-        self.seconds, self.calls, self._t = 0.0, 0, 0.0
-        self.handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+    def __init__(self, modules) -> None:
+        self.seconds, self.calls, self._t, self._depth = 0.0, 0, 0.0, 0
+        self.handles = [hook for m in modules for hook in (m.register_forward_pre_hook(self._pre),
+                                                           m.register_forward_hook(self._post))]
 
     def _pre(self, *_):
-        self._t = CLOCK["now"]()
+        if self._depth == 0:
+            self._t = CLOCK["now"]()
+        self._depth += 1
 
     def _post(self, *_):
-        self.seconds += CLOCK["now"]() - self._t
-        self.calls += 1
+        self._depth -= 1
+        if self._depth == 0:
+            self.seconds += CLOCK["now"]() - self._t
+            self.calls += 1
 
     def close(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def forward_modules(model, params: dict[str, Any]) -> list:
+    """The modules whose forwards a method's requests run: the model, its encoder where its loop calls the
+    encoder alone (DiffusionGemma's canvases: `ModelSpec.encoder`), APD's verifier."""
+    encoder = remask.models.get_spec(model).encoder
+    decoder = params.get("decoder")
+    verifier = decoder.verifier if isinstance(decoder, remask.APDConfig) else None
+    return [model, *[m for m in (encoder, verifier) if m is not None]]
 
 
 class AttentionClock:
@@ -304,18 +319,16 @@ def per_method(counts: list[int], max_tokens: int, repeats: int, only: str | Non
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     # a method's own arithmetic: its models' forwards (APD: the dLLM's and the verifier's)
-                    clocks = [ForwardClock(m) for m in (model, *([kw["decoder"].verifier] if label == "APD" else []))]
+                    clock = ForwardClock(forward_modules(model, kw))
                     start = CLOCK["now"]()
                     seq_rows = [drop_in(model, ids, params, is_ar) for ids, params in reqs]
                     seq = CLOCK["now"]() - start
-                    arithmetic = sum(c.seconds for c in clocks)
-                    for c in clocks:
-                        c.close()
+                    arithmetic = clock.seconds
+                    clock.close()
                     runs = {}
                     for invariant in (True, False):
                         engine = LLMEngine(model, tokenizer, max_num_seqs=256, batch_invariant=invariant)
-                        clocks = [ForwardClock(m) for m in (model, *([kw["decoder"].verifier] if label == "APD"
-                                                                      else []))]
+                        clock = ForwardClock(forward_modules(model, kw))
                         attention = AttentionClock()
                         start = CLOCK["now"]()
                         for i, (ids, params) in enumerate(reqs):
@@ -328,8 +341,8 @@ def per_method(counts: list[int], max_tokens: int, repeats: int, only: str | Non
                                     done[int(out.request_id)] = out
                         runs[invariant] = (CLOCK["now"]() - start, steps, engine.runner.forwards,
                                            [done[i].outputs[0].all_token_ids for i in range(n)],
-                                           sum(c.seconds for c in clocks), attention.seconds)
-                        for c in (*clocks, attention):
+                                           clock.seconds, attention.seconds)
+                        for c in (clock, attention):
                             c.close()
                 eng, steps, calls, rows_, inside, attended = runs[True]
                 if not best or seq / eng > best["speedup"]:
@@ -371,7 +384,8 @@ def per_method_table(rows: list[dict[str, Any]], command: str) -> str:
              "", f"torch {torch.__version__}; command: `{command}`. Each method alone: n requests through "
              "`LLMEngine` (default settings, batch invariance on) against the n drop-in calls one by one, "
              "in the same run (best ratio of the repeats). Arithmetic: the seconds the sequential calls spent "
-             "inside the models' forwards (APD: the dLLM's and the verifier's). Invariance cost: the engine's time with `batch_invariant=True` "
+             "inside the models' forwards (APD: the dLLM's and the verifier's; DiffusionGemma: its encoder's, called alone, "
+             "too). Invariance cost: the engine's time with `batch_invariant=True` "
              "÷ with `batch_invariant=False`, same requests. Host share: the engine's time outside its models' forwards "
              "÷ its time (issue 47's bar: 10%); attention share: its time inside the packed forward's attention "
              "(`PackedAttention.attend`: each request's attention and cache work, a layer's requests one by one), "

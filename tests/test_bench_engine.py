@@ -41,3 +41,23 @@ def test_every_row_of_the_per_method_bench_is_a_valid_request():
     labels = [label for label, _ in settings]
     assert len(labels) == len(set(labels)) and "KLASS" in labels and "APD" in labels
     assert not {"SDARDecoding", "LLaDA2Decoding", "FastDLLMV2Decoding", "CanvasDecoding"} & set(labels)
+
+
+def test_the_forward_clock_counts_each_outermost_call_once(monkeypatch):
+    """A module called inside another clocked one (an encoder in its model's forward) is not counted twice; called
+    alone (DiffusionGemma's canvas loop runs its encoder so), it is counted."""
+    import torch
+
+    ticks = iter(range(100))
+    monkeypatch.setitem(bench.CLOCK, "now", lambda: float(next(ticks)))
+    inner = torch.nn.Linear(2, 2)
+    outer = torch.nn.Sequential(inner, torch.nn.ReLU())
+    clock = bench.ForwardClock([outer, inner])
+    outer(torch.zeros(1, 2))      # pre(outer)=0, [inner nested: no reads], post(outer)=1
+    inner(torch.zeros(1, 2))      # 2 → 3
+    clock.close()
+    outer(torch.zeros(1, 2))      # not clocked
+    assert clock.calls == 2 and clock.seconds == 2.0
+    canvas_model, _ = bench.canvas_model()
+    if canvas_model is not None:
+        assert remask.models.get_spec(canvas_model).encoder in bench.forward_modules(canvas_model, {})
