@@ -327,3 +327,38 @@ def test_elastic_cache_requests_batch_their_rule_commits_in_the_engine(tiny, mon
         want = remask.generate(model, torch.tensor([charset.encode_chat(prompt)]), gen_length=16, block_length=16,
                                use_cache=remask.ElasticCache(), decoder=remask.CreditDecoding())
         assert got[str(i)][0] == want[0, -16:].tolist(), i
+
+
+@pytest.mark.portable
+def test_greedy_ar_requests_sample_together_each_as_ar_generate_alone(monkeypatch):
+    """The AR decoder's greedy requests (no processor, no structure) take their next tokens from one `sample` over
+    their stacked last positions; sampled ones and those with a processor (min_tokens) sample alone. Every request's
+    tokens are `ar_generate`'s on it alone (min_tokens: its own, alone in the engine)."""
+    from remask.diffusion.families.ar import ARDecoder
+
+    model, tokenizer = remask.load("tiny-ar")
+    rows: list[int] = []
+    real = ARDecoder.sample
+
+    def sample(self, logits, *args, **kwargs):
+        rows.append(logits.shape[0])
+        return real(self, logits, *args, **kwargs)
+    monkeypatch.setattr(ARDecoder, "sample", sample)
+    params = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, top_k=3),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=5), SamplingParams(max_tokens=12, min_tokens=6)]
+    requests = [(f"{i}-{j}", p, sp) for j, sp in enumerate(params) for i, p in enumerate(RULE_PROMPTS)]
+    engine = LLMEngine(model, tokenizer)
+    for rid, prompt, sp in requests:
+        engine.add_request(rid, charset.encode_chat(prompt), sp)
+    got = {}
+    while engine.has_unfinished_requests():
+        got.update({out.request_id: out.outputs[0] for out in engine.step() if out.finished})
+    assert max(rows) == len(RULE_PROMPTS)   # the greedy ones of one key in one call
+    for rid, prompt, sp in requests:
+        if sp.min_tokens:   # (ar_generate has no min_tokens: the request alone in the engine)
+            assert got[rid].all_token_ids == run_all(model, tokenizer, [("solo", prompt, sp)])["solo"][0], rid
+            continue
+        ids = torch.tensor([charset.encode_chat(prompt)])
+        alone = remask.ar_generate(model, ids, generator=torch.Generator().manual_seed(sp.seed or 0),
+                                   **sp.ar_kwargs([charset.EOS_ID]))[0, ids.shape[1]:].tolist()
+        assert got[rid].all_token_ids == alone[:len(got[rid].all_token_ids)], rid

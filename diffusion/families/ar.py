@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -124,12 +124,32 @@ class ARDecoder(Decoder):
         """The forward's output (the model's, or the runner's with the last position's logits):
         sample one token per row, the next forward's feed unless that ends the state. Which rows are
         past their EOS is kept on the host: one sync a step (the engine steps token by token)."""
-        B, at, fed = len(state.finished), state.prompt_len + state.step, state.fed
-        state.cache = output_cache(output)
         raw = logits = output.logits[:, -1:]
         for processor in self.processors:
-            logits = processor(state, logits, at)
-        next_token = self.sample(logits[:, 0], generator, state)
+            logits = processor(state, logits, state.prompt_len + state.step)
+        self._take(state, output, raw, self.sample(logits[:, 0], generator, state), stats)
+
+    def commit_key(self) -> Any:
+        """Greedy decoders without processors or a structure sample together: one argmax over their rows."""
+        greedy = self.temperature == 0 and not self.processors and self.structure is None
+        return ("greedy", self.top_k, self.top_p, self.spec.mask_id) if greedy else None
+
+    @staticmethod
+    def receive_together(decoders: Sequence["ARDecoder"], states: Sequence[ARState], answers: Sequence[Any],
+                         generators: Sequence[torch.Generator | None], stats: Sequence[GenerationStats | None]) -> None:
+        """Greedy decoders of one key: their last positions' logits stacked, one `sample` (row by row as alone)."""
+        if len(decoders) == 1:   # alone (without a key too): its own generator and processors
+            return decoders[0].receive(states[0], answers[0], generators[0], stats[0])
+        raws = [output.logits[:, -1:] for output in answers]
+        tokens = decoders[0].sample(torch.cat(raws)[:, 0]).split([raw.shape[0] for raw in raws])
+        for decoder, state, output, raw, token, counts in zip(decoders, states, answers, raws, tokens, stats):
+            decoder._take(state, output, raw, token, counts)
+
+    def _take(self, state: ARState, output: Any, raw: torch.Tensor, next_token: torch.Tensor,
+              stats: GenerationStats | None) -> None:
+        """The sampled tokens into the state: the next forward's feed unless they end it."""
+        B, at, fed = len(state.finished), state.prompt_len + state.step, state.fed
+        state.cache = output_cache(output)
         done_before = sum(state.finished)
         if done_before:   # rows past their EOS go on with the pad token
             next_token.masked_fill_(torch.tensor(state.finished, device=next_token.device), self.pad_token_id)

@@ -72,11 +72,15 @@ class ForwardBatch:
                 by_ctx.setdefault(s.ctx_len, []).append(i)
         self.token_groups = [(length, torch.tensor(rows, dtype=torch.long, device=self.device))
                              for length, rows in by_len.items()]
-        # Slots are computed once per forward, not once per layer.
+        # Slots are computed once per forward, not once per layer: one gather over the group's page tables.
+        manager = self.store.manager if self.store is not None else None
         for ctx_len, members in by_ctx.items():
+            tables = [self.slices[i].table for i in members]
+            if any(len(table) < manager.pages_for(ctx_len) for table in tables):
+                raise ValueError(f"a page table covers fewer than its {ctx_len} positions")
             pos = torch.arange(ctx_len)
-            slots = torch.stack([self.store.manager.slot_mapping(self.slices[i].table, pos)
-                                 for i in members]).to(self.device)
+            pages = manager.block_tables(tables)[:, pos // manager.page_size].long()
+            slots = (pages * manager.page_size + pos % manager.page_size).to(self.device)
             for j, i in enumerate(members):
                 self.slices[i].new_slots = slots[j, ctx_len - self.slices[i].q_len:]
             self.decode_groups.append((members, slots))
