@@ -67,41 +67,45 @@ class PackedAttention(KVCache):
 
     @staticmethod
     def _rows(t: torch.Tensor, seg: Segment) -> torch.Tensor:
-        # flat [1, H, N, D] → the request's [rows, H, length, D]
-        return t[0, :, seg.start:seg.end].unflatten(1, (seg.rows, seg.length)).transpose(0, 1)
+        # the request's part of the flat [1, H, N, D] (a view, `split`) → its [rows, H, length, D]
+        return t if seg.rows == 1 else t[0].unflatten(1, (seg.rows, seg.length)).transpose(0, 1)
+
+    @staticmethod
+    def _flat(o: torch.Tensor, seg: Segment) -> torch.Tensor:
+        # its [rows, H, length, D] output → its part of the flat [1, H, rows · length, D]
+        return o if seg.rows == 1 else o.transpose(0, 1).flatten(1, 2)[None]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                mask: torch.Tensor | None) -> torch.Tensor:
         if mask is not None:
             raise ValueError("a packed forward takes each request's mask through its segment")
-        out = torch.empty_like(q)
-        batched: dict[tuple, list[tuple[Segment, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-        for seg in self.segments:
-            q_, k_, v_ = (self._rows(t, seg) for t in (q, k, v))
+        # the segments lie one after another: each request's q, k, v are views of one split each
+        sizes = [seg.end - seg.start for seg in self.segments]
+        parts = [t.split(sizes, dim=2) for t in (q, k, v)]
+        outs: list[torch.Tensor | None] = [None] * len(self.segments)
+        batched: dict[tuple, list[tuple[int, Segment, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        for i, seg in enumerate(self.segments):
+            q_, k_, v_ = (self._rows(t[i], seg) for t in parts)
             if seg.cache is not None and type(seg.cache) is not KVCache:   # its own attention
-                self._put(out, seg, seg.cache.attend(layer, q_, k_, v_, seg.cache_start, seg.mask))
+                outs[i] = seg.cache.attend(layer, q_, k_, v_, seg.cache_start, seg.mask)
                 continue
             if seg.cache is not None:
                 k_, v_ = seg.cache.update(layer, k_, v_, seg.cache_start)
             shape = None if seg.mask is None else (seg.mask.dtype, tuple(seg.mask.shape[1:]))
             key = (seg.length, k_.shape[-2], shape) if self.batch_calls else (id(seg),)
-            batched.setdefault(key, []).append((seg, q_, k_, v_))
+            batched.setdefault(key, []).append((i, seg, q_, k_, v_))
         for members in batched.values():
-            masks = None if members[0][0].mask is None else \
-                [m[0].mask.expand(m[0].rows, *m[0].mask.shape[1:]) for m in members]
             if len(members) == 1:
-                seg, q_, k_, v_ = members[0]
-                self._put(out, seg, attention(q_, k_, v_, seg.mask))
+                i, seg, q_, k_, v_ = members[0]
+                outs[i] = attention(q_, k_, v_, seg.mask)
                 continue
-            o = attention(*(torch.cat([m[i] for m in members]) for i in (1, 2, 3)),
+            masks = None if members[0][1].mask is None else \
+                [m[1].mask.expand(m[1].rows, *m[1].mask.shape[1:]) for m in members]
+            o = attention(*(torch.cat([m[j] for m in members]) for j in (2, 3, 4)),
                           None if masks is None else torch.cat(masks))
-            for (seg, *_), own in zip(members, o.split([m[0].rows for m in members])):
-                self._put(out, seg, own)
-        return out
-
-    @staticmethod
-    def _put(out: torch.Tensor, seg: Segment, o: torch.Tensor) -> None:
-        out[0, :, seg.start:seg.end] = o.transpose(0, 1).flatten(1, 2)
+            for (i, *_), own in zip(members, o.split([m[1].rows for m in members])):
+                outs[i] = own
+        return torch.cat([self._flat(o, seg) for o, seg in zip(outs, self.segments)], dim=2)
 
 
 class PackedLayers:
