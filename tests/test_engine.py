@@ -171,6 +171,42 @@ def test_step_reports_final_blocks_as_they_complete(llada):
     assert seen == [4, 8, 12, 16]   # a block's tokens are reported once the block is decoded
 
 
+def test_final_only_reports_each_request_once_at_its_end_with_the_cumulative_tokens(llada, ar, monkeypatch):
+    requests = [("d", PROBLEMS[4], dict(max_tokens=16, steps=16, block_length=4, seed=0, n=2, temperature=0.7)),
+                ("t", PROBLEMS[5], dict(max_tokens=16, steps=16, block_length=8, threshold=0.9, use_cache="dual"))]
+    runs = {}
+    for kind in ("cumulative", "final_only"):
+        engine = LLMEngine(*llada)
+        for request_id, ids, kwargs in requests:
+            engine.add_request(request_id, ids, SamplingParams(output_kind=kind, **kwargs))
+        reports = []
+        while engine.has_unfinished_requests():
+            reports += engine.step()
+        runs[kind] = reports
+    assert len(runs["cumulative"]) > 2                                  # the block rule reports as blocks finish
+    assert sorted(o.request_id for o in runs["final_only"]) == ["d", "t"] and all(o.finished for o in runs["final_only"])
+    last = {o.request_id: [c.all_token_ids for c in o.outputs] for o in runs["cumulative"] if o.finished}
+    assert {o.request_id: [c.all_token_ids for c in o.outputs] for o in runs["final_only"]} == last
+    ar_engine = LLMEngine(*ar)
+    ar_engine.add_request("a", PROBLEMS[0], SamplingParams(max_tokens=6, output_kind="final_only"))
+    seen = []
+    while ar_engine.has_unfinished_requests():
+        seen += ar_engine.step()
+    assert [o.finished for o in seen] == [True] and len(seen[0].outputs[0].all_token_ids) >= 1
+    kinds = []                                                          # LLM.generate asks for final outputs only
+    add = LLMEngine.add_request
+    monkeypatch.setattr(LLMEngine, "add_request",
+                        lambda self, request_id, prompt, params=None, **kw: (kinds.append(params.output_kind),
+                                                                             add(self, request_id, prompt, params, **kw)))
+    llm = remask.LLM(*llada)
+    out = llm.generate([PROBLEMS[5]], SamplingParams(**requests[1][2]), use_tqdm=False)
+    assert kinds == ["final_only"] and [c.all_token_ids for c in out[0].outputs] == last["t"]
+    with pytest.raises(ValueError, match="output_kind"):
+        engine.add_request("x", PROBLEMS[0], SamplingParams(output_kind="final_only"), drafts=True)
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta")
+
+
 @pytest.mark.parametrize("make,match", [
     (lambda: SamplingParams(max_tokens=0), "max_tokens"),
     (lambda: SamplingParams(max_tokens=16, block_length=5), "block_length"),

@@ -114,6 +114,10 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        # only finished outputs are returned: the engine builds none before (vLLM's LLM does the same)
+        final_only = {id(p): p.replace(output_kind="final_only") if isinstance(p, SamplingParams) else p
+                      for p in params}
+        params = [final_only[id(p)] for p in params]
         ids = []
         try:
             for prompt, p in zip(prompts, params):

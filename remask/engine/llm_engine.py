@@ -143,6 +143,9 @@ class LLMEngine:
         if self.state is not EngineState.READY:
             raise RuntimeError(f"the engine is {self.state.value}: it admits no new request")
         check_bools(drafts=drafts)
+        if drafts and params is not None and params.output_kind == "final_only":
+            raise ValueError("drafts=True reports the canvas every step; output_kind='final_only' reports nothing "
+                             "before the end: ask for output_kind='cumulative'")
         check_instance("owner", owner, str, "a str")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -337,7 +340,12 @@ class LLMEngine:
                 self.scheduler.finish(seq, SequenceStatus.ABORTED)
             if seq in failed or self._advance(seq) or seq.drafts:
                 touched[seq.request_id] = None
-        return expired + [self.output(request_id) for request_id in touched]
+        return expired + [self.output(request_id) for request_id in touched if self._reports(request_id)]
+
+    def _reports(self, request_id: str) -> bool:
+        """Whether `step` gives the request's output now: always, but at its end only with output_kind='final_only'."""
+        seqs = self.requests[request_id][2]
+        return seqs[0].params.output_kind == "cumulative" or all(seq.is_finished for seq in seqs)
 
     def _advance(self, seq: Sequence) -> bool:
         """Update what is final; finish the sequence when its decoder is done. True if it changed."""

@@ -13,7 +13,10 @@ from typing import Any
 
 from remask.diffusion.methods import registry
 from remask.diffusion.parts.checks import (MAX_LOGPROBS, MAX_TEMPERATURE, ParameterTypeError, changed, check_bool,
-                                           check_int, check_ints, check_min_tokens, check_real, check_seed, check_stop)
+                                           check_choice, check_int, check_ints, check_min_tokens, check_real,
+                                           check_seed, check_stop)
+
+OUTPUT_KINDS = ("cumulative", "final_only")
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,9 @@ class SamplingParams:
     # the log-probability of each generated token and its `logprobs` most likely alternatives
     # (vLLM's field; autoregressive models: docs/engine.md)
     logprobs: int | None = None
+    # what `LLMEngine.step` reports of the request (vLLM's `output_kind`): "cumulative", its output whenever its
+    # final tokens grow; "final_only", one output when it finishes (`LLM.generate`'s: no per-step text or lists)
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         check_ints(1, max_tokens=self.max_tokens, n=self.n)
@@ -79,6 +85,7 @@ class SamplingParams:
         check_bool("ignore_eos", self.ignore_eos)
         check_min_tokens(self.min_tokens, self.max_tokens)
         check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS, allow_none=True)
+        check_choice("output_kind", self.output_kind, OUTPUT_KINDS)
         if self.structured_outputs is not None:
             from remask.structured import StructuredOutputsParams
 
