@@ -78,8 +78,9 @@ def case_key(case: dict) -> str:
 def as_progress(steps, model):
     """A step generator seen as before forwards became requests: it yields each `Progress` (one
     forward at most between two of them) and returns the output; every `ForwardRequest` is answered
-    alone by the drop-in driver (`stepper.run_forwards`), so a hook on the model counts forwards."""
-    from remask.diffusion.parts.stepper import ForwardRequest, run_forwards
+    alone by the drop-in driver (`stepper.run_forwards`), so a hook on the model counts forwards, and `Together`
+    work alone (as `stepper.drive` does)."""
+    from remask.diffusion.parts.stepper import ForwardRequest, Together, run_forwards
 
     answer = None
     while True:
@@ -89,6 +90,8 @@ def as_progress(steps, model):
             return stop.value
         if isinstance(item, ForwardRequest):
             answer = run_forwards(model, [item])[0]
+        elif isinstance(item, Together):
+            answer = item.alone()
         else:
             answer = None
             yield item

@@ -362,3 +362,25 @@ def test_greedy_ar_requests_sample_together_each_as_ar_generate_alone(monkeypatc
         alone = remask.ar_generate(model, ids, generator=torch.Generator().manual_seed(sp.seed or 0),
                                    **sp.ar_kwargs([charset.EOS_ID]))[0, ids.shape[1]:].tolist()
         assert got[rid].all_token_ids == alone[:len(got[rid].all_token_ids)], rid
+
+
+@pytest.mark.portable   # stacked rows (FFT density, sums, sorts) compute as alone on every CPU (make test-portable)
+def test_d2cache_requests_settle_their_steps_together_each_as_alone(tiny, monkeypatch):
+    """d2Cache's step ends (scores, commit, the next forward's rows) of its requests in one `_settle` per setting, the
+    sequence-wide part stacked per prompt length: each request's tokens the drop-in's, and its tokens per step."""
+    from remask.diffusion.methods import d2cache
+
+    model, tokenizer = tiny
+    sizes, real = [], d2cache._settle
+    monkeypatch.setattr(d2cache, "_settle", lambda *args: sizes.append(len(args[-1])) or real(*args))
+    prompts = RULE_PROMPTS + ["sort 52815", "sort 7"]   # lengths shared by two requests, and alone
+    for config in (remask.D2Cache(current_k=4), remask.D2Cache(rollout_p=0.5, inflate_w=0)):
+        sizes.clear()
+        sp = SamplingParams(max_tokens=16, steps=16, block_length=8, use_cache=config)
+        got = run_all(model, tokenizer, [(str(i), p, sp) for i, p in enumerate(prompts)])
+        assert max(sizes) == len(prompts)
+        for i, prompt in enumerate(prompts):
+            stats = remask.GenerationStats()
+            want = remask.generate(model, torch.tensor([charset.encode_chat(prompt)]), steps=16, gen_length=16,
+                                   block_length=8, use_cache=config, stats=stats)
+            assert got[str(i)] == (want[0, -16:].tolist(), stats.tokens_per_step), (config, i)

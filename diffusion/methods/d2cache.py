@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache, partial
-from typing import Any
+from itertools import accumulate
+from typing import Any, Callable
 
 import torch
 
@@ -36,7 +37,7 @@ from ..parts.scoring import score_tokens
 from ..parts.selection import topk_commit
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in, row_by_row
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, Together, drop_in, row_by_row
 
 
 @dataclass(frozen=True)
@@ -115,11 +116,11 @@ def top_up(rows: torch.Tensor, priority: torch.Tensor, count: int) -> torch.Tens
 
 
 class _Selector:
-    """The rows each forward recomputes (upstream `d2Cache.on_step_end` / `top_up_mask`); rows with
-    fewer are topped up by masked positions' step-1 score first, then rollout importance."""
+    """The rows each forward recomputes (chosen at the previous step's end: `_settle`; upstream `top_up_mask`): rows
+    with fewer are topped up by masked positions' step-1 score first, then rollout importance."""
 
-    def __init__(self, config: D2Cache, prompt_length: int) -> None:
-        self.config, self.P = config, prompt_length
+    def __init__(self, config: D2Cache) -> None:
+        self.config = config
         self.first_conf: torch.Tensor | None = None   # [B, G] step-1 confidence (never refreshed upstream)
         self.next_rows: torch.Tensor | None = None    # [B, T]
         self.importance: torch.Tensor | None = None   # [B, T]
@@ -129,45 +130,92 @@ class _Selector:
         if self.next_rows is None:
             return None
         rows = self.next_rows[active]
+        if rows.shape[0] == 1:   # a row alone has the most: nothing to top up
+            return rows
         G = self.density.shape[1]
         priority = torch.where(rows, -torch.inf, self.importance[active])
         priority[:, -G:] += priority.max() + self.density[active]
         return top_up(rows, priority, int(rows.sum(dim=-1).max()))   # rows with fewer topped up to the most
 
-    def step_end(self, active: torch.Tensor, open_block: torch.Tensor, confidence: torch.Tensor,
-                 still_masked: torch.Tensor, committed: torch.Tensor, rollout: torch.Tensor) -> None:
-        """`open_block` `[Ba, G]`: block positions masked before the step; `confidence` `[Ba, G]`;
-        `still_masked` `[Ba, G]` after the step; `committed` `[Ba, G]`: the positions committed."""
-        cfg, P = self.config, self.P
-        (Ba, G), device = confidence.shape, confidence.device
-        if self.first_conf is None:
-            self.first_conf = confidence
-        # 1. up to current_k masked positions of highest step-1 confidence × certainty density, from the block's
-        # first open position to a boundary covering current_k masks (a multiple of the block's open count:
-        # upstream narrows the block mask in place), the open block positions first
-        size = open_block.sum(dim=1, keepdim=True)
-        enough = torch.cumsum(still_masked.int(), dim=1) >= cfg.current_k
-        end = torch.argmax(enough.int(), dim=1, keepdim=True)
-        end[~enough.any(dim=1, keepdim=True)] = G - 1
-        end = (end // size + 1) * size - 1
-        begin = torch.argmax(open_block.int(), dim=1, keepdim=True)
-        cols = torch.arange(G, device=device)
-        window = (cols >= begin) & (cols <= end)
-        scores = self.first_conf[active] * certainty_density(~still_masked, cfg.sigma)
-        scores[open_block] += scores.max()
-        top = torch.topk(torch.where(window & still_masked, scores, -torch.inf),
-                         k=min(cfg.current_k, G), dim=-1).indices
-        # 2. and the positions just committed
-        rows = (torch.zeros_like(still_masked).scatter_(1, top, True) & still_masked) | committed
-        rows = torch.cat([torch.zeros((Ba, P), dtype=torch.bool, device=device), rows], dim=1)
+    def keep(self, active: torch.Tensor, rows: torch.Tensor, importance: torch.Tensor, scores: torch.Tensor) -> None:
+        """Store what the step's end chose for the `active` rows."""
+        if self.next_rows is None or len(active) == len(rows):   # every row (the first step: block 0 is all masks)
+            self.next_rows, self.importance, self.density = rows, importance, scores
+        else:
+            self.next_rows[active], self.importance[active], self.density[active] = rows, importance, scores
+
+
+@dataclass(eq=False)
+class _Step:
+    """One group's step after its forward, for `_settle`: its `selector`, its `active` rows `[N]`, their canvas `x`
+    `[Ba, T]` before the step, `logits` `[Ba, G, V]` of the generated positions, `open_` `[Ba, G]` (masked before
+    the step), `block` `[Ba, G]` (the block's masked positions), the cache's attention `rollout` `[Ba, T, T]` and a
+    structure's `keep(new, x0)` (the positions it kept committed; None: no structure)."""
+
+    selector: _Selector
+    active: torch.Tensor
+    x: torch.Tensor
+    logits: torch.Tensor
+    open_: torch.Tensor
+    block: torch.Tensor
+    rollout: torch.Tensor
+    keep: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+
+
+def _settle(per_step: int, prior_sigma: float | None, allow_mask: bool, mask_id: int,
+            items: list[tuple[_Step]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Score, commit and choose the next forward's rows (upstream `d2Cache.on_step_end`) for one group's step, or for
+    the steps of several one-row groups at once (`Together`: each row as alone, stacked along the batch); returns
+    each step's `(new canvas [Ba, T], committed [Ba, G])`. One group couples its rows as upstream (the block bias's
+    maximum over them); stacked one-row groups take each their own."""
+    steps = [item[0] for item in items]
+    cfg, alone = steps[0].selector.config, len(steps) == 1
+    bounds = list(accumulate((s.x.shape[0] for s in steps), initial=0))
+    stack = lambda get: torch.cat([get(s) for s in steps])   # noqa: E731
+    logits, open_, open_block = stack(lambda s: s.logits), stack(lambda s: s.open_), stack(lambda s: s.block)
+    new = stack(lambda s: s.x[:, -s.open_.shape[1]:]).clone()
+    G, device = open_.shape[1], open_.device
+    # greedy: the softmax's most probable token (the mask token allowed, as upstream, or its runner-up)
+    x0, conf = score_tokens(logits, sampler="categorical", exclude_id=None if allow_mask else mask_id)
+    conf = torch.where(open_, conf, -torch.inf)
+    scores = conf if prior_sigma is None else conf * certainty_density(~open_, prior_sigma)
+    left = open_block.clone()   # cleared where committed
+    topk_commit(new, left, x0, scores, open_block.sum(dim=1).clamp(max=per_step), G, 0)
+    committed = open_block & ~left
+    out = []
+    for s, a, b in zip(steps, bounds, bounds[1:]):
+        row = s.x.clone()
+        row[:, -G:] = new[a:b]
+        if s.keep is not None:   # what the structure accepts (it advances its matchers)
+            committed[a:b] = s.keep(row, x0[a:b])
+        out.append((row, committed[a:b]))
+        if s.selector.first_conf is None:   # step-1 confidence (never refreshed upstream)
+            s.selector.first_conf = conf[a:b]
+    still_masked = torch.cat([row[:, -G:] for row, _ in out]) == mask_id
+    # 1. up to current_k masked positions of highest step-1 confidence × certainty density, from the block's first
+    # open position to a boundary covering current_k masks (a multiple of the block's open count: upstream narrows
+    # the block mask in place), the open block positions first
+    size = open_block.sum(dim=1, keepdim=True)
+    enough = torch.cumsum(still_masked.int(), dim=1) >= cfg.current_k
+    end = torch.argmax(enough.int(), dim=1, keepdim=True)
+    end[~enough.any(dim=1, keepdim=True)] = G - 1
+    end = (end // size + 1) * size - 1
+    begin = torch.argmax(open_block.int(), dim=1, keepdim=True)
+    cols = torch.arange(G, device=device)
+    window = (cols >= begin) & (cols <= end)
+    scores = stack(lambda s: s.selector.first_conf[s.active]) * certainty_density(~still_masked, cfg.sigma)
+    scores = torch.where(open_block, scores + (scores.max() if alone else scores.amax(dim=1, keepdim=True)), scores)
+    top = torch.topk(torch.where(window & still_masked, scores, -torch.inf), k=min(cfg.current_k, G), dim=-1).indices
+    # 2. and the positions just committed
+    chosen = (torch.zeros_like(still_masked).scatter_(1, top, True) & still_masked) | committed
+    for s, a, b in zip(steps, bounds, bounds[1:]):   # 3-4 over each one's whole sequence
+        rows = torch.cat([torch.zeros((b - a, s.x.shape[1] - G), dtype=torch.bool, device=device), chosen[a:b]], dim=1)
         # 3. the rollout-importance nucleus of the rest (the rollout summed over queries)
-        importance = rollout.sum(dim=1)
+        importance = s.rollout.sum(dim=1)
         rows |= nucleus(importance, cfg.rollout_p, ~rows)
         # 4. fill short gaps
-        rows = inflate(rows, cfg.inflate_w)
-        if self.next_rows is None:   # the first step: every row is active (block 0 is all masks)
-            self.next_rows, self.importance, self.density = (torch.zeros_like(t) for t in (rows, importance, scores))
-        self.next_rows[active], self.importance[active], self.density[active] = rows, importance, scores
+        s.selector.keep(s.active, inflate(rows, cfg.inflate_w), importance, scores[a:b])
+    return out
 
 
 def d2cache_steps(spec: ModelSpec, prompt: torch.Tensor, *, config: D2Cache | None = None,
@@ -231,7 +279,7 @@ def _group(canvas: torch.Tensor, config: D2Cache, G: int, block_length: int, per
     positions = torch.arange(T, device=device)[None].expand(N, T)
     if key_ok is not None:   # pad keys hidden, positions counted over real tokens
         positions = (key_ok.cumsum(dim=-1) - 1).masked_fill(~key_ok, 0)
-    cache, selector = D2KVCache(key_bias(key_ok, torch.float32)), _Selector(config, P)
+    cache, selector = D2KVCache(key_bias(key_ok, torch.float32)), _Selector(config)
     group_constraint = None if constraint is None else constraint.rows(range(canvas.shape[0])[group])
     final, cols = 0, torch.arange(P, T, device=device)
     for start in range(P, T, block_length):
@@ -272,25 +320,25 @@ def _group(canvas: torch.Tensor, config: D2Cache, G: int, block_length: int, per
                     for layer, t in fresh.items():
                         whole[layer][active] = t
             stats.forward(Ba, n, cache.nbytes)
+            keep = None
             if group_constraint is not None:   # the frontier masked before the scores (parts/constrain.py)
                 sub_constraint = group_constraint.rows(active.nonzero().flatten().tolist())
                 logits = sub_constraint.mask_frontier(logits, P, T, P)
-            # greedy: the softmax's most probable token (the mask token allowed, as upstream, or its runner-up)
-            x0, conf = score_tokens(logits[:, P:], sampler="categorical", exclude_id=None if allow_mask else mask_id)
-            open_ = masked[active]
-            conf = torch.where(open_, conf, -torch.inf)
-            scores = conf if prior_sigma is None else conf * certainty_density(~open_, prior_sigma)
-            open_block, left = block[active], block[active]   # `left`: cleared where committed
-            new = xa.clone()
-            topk_commit(new[:, P:], left, x0, scores, open_block.sum(dim=1).clamp(max=per_step), G, 0)
-            committed = open_block & ~left   # [Ba, G]
-            if group_constraint is not None:   # keep what the structure accepts, advance the matchers
-                sub_constraint.filter(new, xa[:, start:end], x0[:, start - P:end - P], logits, start, end, start)
-                committed = open_block & (new[:, P:] != mask_id)   # the block's positions the filter kept decided
-            selector.step_end(active, open_block, conf, new[:, P:] == mask_id, committed, sub.rollout)
+                keep = partial(_keep_accepted, sub_constraint, xa, logits, block[active], start, end, P, mask_id)
+            step = _Step(selector, active, xa, logits[:, P:], masked[active], block[active], sub.rollout, keep)
+            # one request's step (a group of one row, no structure) settles with the others' of one setting
+            key = None if N > 1 or keep is not None else (_Step, config, G, per_step, prior_sigma, allow_mask, mask_id)
+            new, committed = yield Together(key, partial(_settle, per_step, prior_sigma, allow_mask, mask_id), (step,))
             x[active] = new
             stats.step(committed.sum())
             if not bool((x[:, start:end] == mask_id).any()):
                 final = end - P   # this block is done (earlier blocks are)
             yield Progress(x, final)
     return x
+
+
+def _keep_accepted(constraint: Any, x: torch.Tensor, logits: torch.Tensor, open_block: torch.Tensor, start: int,
+                   end: int, P: int, mask_id: int, new: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    """Keep in `new` what the structure accepts and advance its matchers; the block's positions it kept committed."""
+    constraint.filter(new, x[:, start:end], x0[:, start - P:end - P], logits, start, end, start)
+    return open_block & (new[:, P:] != mask_id)
