@@ -384,3 +384,30 @@ def test_d2cache_requests_settle_their_steps_together_each_as_alone(tiny, monkey
             want = remask.generate(model, torch.tensor([charset.encode_chat(prompt)]), steps=16, gen_length=16,
                                    block_length=8, use_cache=config, stats=stats)
             assert got[str(i)] == (want[0, -16:].tolist(), stats.tokens_per_step), (config, i)
+
+
+@pytest.mark.portable   # stacked drafts score and step as alone on every CPU (make test-portable)
+@pytest.mark.parametrize("cache,config", [("dual", remask.FreeDave()), (None, remask.FreeDave(draft_steps=3)),
+                                          ("prefix", remask.FreeDave(confidence_threshold=0.9, match_rule="exact"))])
+def test_freedave_requests_take_their_verdicts_together_each_as_alone(tiny, monkeypatch, cache, config):
+    """FreeDave's round verdicts (the drafts scored, each draft's target, the chain) of its requests in one `_verdicts`
+    per setting, their drafts padded to the most any request has: each request's tokens and rounds the drop-in's."""
+    from remask.diffusion.methods import freedave
+
+    model, tokenizer = tiny
+    sizes, drafts, real = [], [], freedave._verdicts
+    monkeypatch.setattr(freedave, "_verdicts", lambda *args: (sizes.append(len(args[-1])),
+                                                               drafts.append({d.shape[1] for *_, d, _ in args[-1]}),
+                                                               real(*args))[-1])
+    prompts = RULE_PROMPTS + ["sort 52815"]
+    sp = SamplingParams(max_tokens=16, block_length=8, decoder=config, use_cache=cache)
+    got = run_all(model, tokenizer, [(str(i), p, sp) for i, p in enumerate(prompts)])
+    if config.confidence_threshold is None:   # every request drafts in every step; some with fewer drafts (padded)
+        assert max(sizes) == len(prompts) and any(len(k) > 1 for k in drafts)
+    else:   # FreeDave++ decodes a block in a step or two: the requests' rounds part
+        assert max(sizes) > 1
+    for i, prompt in enumerate(prompts):
+        stats = remask.GenerationStats()
+        want = remask.generate(model, torch.tensor([charset.encode_chat(prompt)]), gen_length=16, block_length=8,
+                               decoder=config, use_cache=cache, stats=stats)
+        assert got[str(i)] == (want[0, -16:].tolist(), stats.tokens_per_step), (cache, i)

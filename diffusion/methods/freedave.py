@@ -52,6 +52,7 @@ too). docs/quirks.md has the departure.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generator
 
 import torch
@@ -72,7 +73,7 @@ from ..parts.drafts import DraftConfig, Predictions, verify_drafts
 from ..parts.scoring import score_rows
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in
+from ..parts.stepper import ForwardRequest, Progress, StepGenerator, Together, drop_in
 
 FREEDAVE_CACHES = (None, "prefix", "dual")
 
@@ -123,6 +124,54 @@ def make_drafts(base: torch.Tensor, x0: torch.Tensor, conf: torch.Tensor, K: int
     return torch.where(take, x0[:, None, :], base[:, None, :])
 
 
+def _padded(t: torch.Tensor, K: int, fill: float | int) -> torch.Tensor:
+    """`t` `[A, k, ...]` padded with `fill` to `[A, K, ...]`."""
+    return t if t.shape[1] == K else torch.cat([t, t.new_full((t.shape[0], K - t.shape[1], *t.shape[2:]), fill)], 1)
+
+
+def _verdicts(mask_id: int, block_length: int, threshold: float | None, conf_dtype: torch.dtype | None,
+              match_rule: str, items: list[tuple]) -> list[tuple[torch.Tensor, Predictions]]:
+    """Rounds' verdicts (without a structure) from their drafts' forwards, each item `(logits [A·K, L, V], the
+    block's first row in them, drafts [A, K, block], counts [A])`: the drafts' predictions (the baselines' scoring),
+    each draft's target (the one-token step, or FreeDave++'s threshold rule, with its own predictions) and
+    `verify_drafts`; returns each item's accepted draft (an index into its A·K rows) and its predictions. Several
+    items (requests of one setting, `Together`) in one scoring, one step and one verdict over their stacked rows,
+    the drafts padded to the most any has (a padded draft is never reached: a chain stays below its row's count)."""
+    x0, conf = _scored([(lg, local) for lg, local, _, _ in items], mask_id, block_length)
+    conf = conf.to(conf_dtype or items[0][0].dtype)
+    drafts = [d for _, _, d, _ in items]
+    targets = torch.cat([d.reshape(-1, block_length) for d in drafts]).clone()
+    unmask(targets, targets == mask_id, x0, conf, k=1 if threshold is None else None, threshold=threshold)
+    K = max(d.shape[1] for d in drafts)
+    sizes = [d.shape[0] * d.shape[1] for d in drafts]
+    pad = lambda t, fill: torch.cat([_padded(part.view(d.shape), K, fill).reshape(-1, block_length)  # noqa: E731
+                                     for part, d in zip(t.split(sizes), drafts)])
+    pick, accepted = verify_drafts(torch.cat([_padded(d, K, mask_id) for d in drafts]),
+                                   Predictions(pad(x0, mask_id), pad(conf, 0)), pad(targets, mask_id),
+                                   torch.cat([c for *_, c in items]), mask_id, match_rule)
+    out, at = [], 0
+    for d in drafts:   # each item's pick in its own A·K rows
+        A, k = d.shape[:2]
+        best = pick[at:at + A] - torch.arange(at, at + A, device=pick.device) * K
+        out.append((torch.arange(A, device=pick.device) * k + best, accepted.rows(slice(at, at + A))))
+        at += A
+    return out
+
+
+def _scored(parts: list[tuple[torch.Tensor, int]], mask_id: int, block_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x0 and confidence `[ΣN, block]` of the block rows of each `(logits [N, L, V], first block row)` (`score_rows`,
+    greedy, never the mask token; several logits flattened into one call)."""
+    first, offset, bl = [], 0, block_length
+    for logits, local in parts:
+        N, L = logits.shape[:2]
+        first.append(offset + local + L * torch.arange(N, device=logits.device))
+        offset += N * L
+    rows = (torch.cat(first)[:, None] + torch.arange(bl, device=parts[0][0].device)).reshape(-1)
+    flat = parts[0][0] if len(parts) == 1 else torch.cat([lg.reshape(-1, lg.shape[-1]) for lg, _ in parts])
+    x0, conf = score_rows(flat, rows, exclude_id=mask_id)
+    return x0.view(-1, bl), conf.view(-1, bl)
+
+
 class _Decoder:
     """A request's FreeDave loop; its forwards (sub-generators of `ForwardRequest`s) are the block
     start (baseline `BlockForward.refresh`, rows as alone for batches) and the drafts' verification."""
@@ -138,6 +187,9 @@ class _Decoder:
         # The baselines' confidence dtypes: LLaDA's loop keeps float64 under a threshold (Fast-dLLM's
         # precision) and the logits' dtype (None) otherwise; Dream's block decoder the logits' dtype.
         self.conf_dtype = torch.float64 if config.confidence_threshold is not None and not spec.logit_shift else None
+        settings = (spec.mask_id, block_length, config.confidence_threshold, self.conf_dtype, config.match_rule)
+        # a round's verdict without a structure: the engine gives those of one setting in one call (`Together`)
+        self.verdicts_key, self.verdicts = (_verdicts, *settings), partial(_verdicts, *settings)
 
     def verify(self, canvas: torch.Tensor, rows: torch.Tensor, B: int, start: int,
                end: int) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
@@ -185,14 +237,12 @@ class _Decoder:
         `[N, block]` each (the baselines' scoring: `score_rows`, greedy, never the mask token, rounded as they round)
         and, under a structure (`cf`: the rows' `CommitFilter`), the block's logits `[N, block, V]`, each row's
         frontier masked to what its structure allows before scoring (None without one)."""
-        N, bl, lg = logits.shape[0], self.block_length, None
+        bl, lg = self.block_length, None
         if cf is not None:
             lg = logits = cf.mask_frontier(full_logits(logits)[:, local:local + bl], start, end, 0).contiguous()
             local = 0
-        rows = (torch.arange(N, device=logits.device)[:, None] * logits.shape[1] + local
-                + torch.arange(bl, device=logits.device)).reshape(-1)
-        x0, conf = score_rows(logits, rows, exclude_id=self.spec.mask_id)
-        return Predictions(x0.view(N, bl), conf.view(N, bl).to(self.conf_dtype or logits.dtype), lg)
+        x0, conf = _scored([(logits, local)], self.spec.mask_id, bl)
+        return Predictions(x0, conf.to(self.conf_dtype or logits.dtype), lg)
 
     def constrained_step(self, cf: Any, canvas: torch.Tensor, start: int, end: int, pred: Predictions) -> None:
         """The step F on the rows of `canvas` `[N, T]` in place: the baseline's step on the block from its own
@@ -252,15 +302,17 @@ class _Decoder:
                 canvas = x.index_select(0, rep)
                 canvas[:, start:end] = drafts.reshape(A * K, bl)
                 logits, local = yield from self.verify(canvas, rows, x.shape[0], start, end)
-                dcf = None if cf is None else cf.clone_rows(rep.tolist())
-                if dcf is not None:
+                if cf is None:
+                    pick, accepted = yield Together(self.verdicts_key, self.verdicts, (logits, local, drafts, counts))
+                else:
+                    dcf = cf.clone_rows(rep.tolist())
                     dcf.sync(canvas)   # each draft's matcher at its own frontier
-                new = self.score_masked(dcf, logits, local, start, end)
+                    new = self.score_masked(dcf, logits, local, start, end)
+                    targets = canvas.clone()
+                    self.constrained_step(dcf.clone_rows(range(A * K)), targets, start, end, new)
+                    pick, accepted = verify_drafts(drafts, new, targets[:, start:end], counts, mask_id,
+                                                   self.config.match_rule)
                 del logits
-                targets = canvas.clone()
-                self.constrained_step(None if cf is None else dcf.clone_rows(range(A * K)), targets, start, end, new)
-                pick, accepted = verify_drafts(drafts, new, targets[:, start:end], counts, mask_id,
-                                               self.config.match_rule)
                 x[rows] = canvas.index_select(0, pick)
                 if cf is not None:
                     for r, p in zip(rows.tolist(), pick.tolist()):

@@ -89,6 +89,8 @@ class ModelRunner:
                     packed[("alone", id(seq)) if key is None else ("pack", key)].append((seq, request))
             except Exception as err:  # noqa: BLE001 - one request's failure must not stop the others
                 failed[seq] = f"{type(err).__name__}: {err}"
+        received: list[Sequence] = []   # every forward first, then one `_receive`: commits batch across packs
+        answered: list[Any] = []
         for key, members in packed.items():
             try:
                 requests = [request for _, request in members]
@@ -106,7 +108,9 @@ class ModelRunner:
             except Exception as err:  # noqa: BLE001
                 failed.update({seq: f"{type(err).__name__}: {err}" for seq, _ in members})
                 continue
-            self._receive([seq for seq, _ in members], answers, failed)
+            received += [seq for seq, _ in members]
+            answered += answers
+        self._receive(received, answered, failed)
         return failed
 
     def _graph_key(self, seq: Sequence, request: ForwardRequest) -> tuple | None:
