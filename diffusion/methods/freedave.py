@@ -130,11 +130,12 @@ def _padded(t: torch.Tensor, K: int, fill: float | int) -> torch.Tensor:
 
 
 def _verdicts(mask_id: int, block_length: int, threshold: float | None, conf_dtype: torch.dtype | None,
-              match_rule: str, items: list[tuple]) -> list[tuple[torch.Tensor, Predictions]]:
+              match_rule: str, items: list[tuple]) -> list[tuple[torch.Tensor, Predictions, torch.Tensor]]:
     """Rounds' verdicts (without a structure) from their drafts' forwards, each item `(logits [A·K, L, V], the
     block's first row in them, drafts [A, K, block], counts [A])`: the drafts' predictions (the baselines' scoring),
     each draft's target (the one-token step, or FreeDave++'s threshold rule, with its own predictions) and
-    `verify_drafts`; returns each item's accepted draft (an index into its A·K rows) and its predictions. Several
+    `verify_drafts`; returns each item's accepted draft (an index into its A·K rows), its predictions and its target
+    `[A, block]` (the step from it: the next round's draft 0). Several
     items (requests of one setting, `Together`) in one scoring, one step and one verdict over their stacked rows,
     the drafts padded to the most any has (a padded draft is never reached: a chain stays below its row's count)."""
     x0, conf = _scored([(lg, local) for lg, local, _, _ in items], mask_id, block_length)
@@ -150,10 +151,11 @@ def _verdicts(mask_id: int, block_length: int, threshold: float | None, conf_dty
                                    Predictions(pad(x0, mask_id), pad(conf, 0)), pad(targets, mask_id),
                                    torch.cat([c for *_, c in items]), mask_id, match_rule)
     out, at = [], 0
-    for d in drafts:   # each item's pick in its own A·K rows
+    for d, own in zip(drafts, targets.split(sizes)):   # each item's pick in its own A·K rows
         A, k = d.shape[:2]
         best = pick[at:at + A] - torch.arange(at, at + A, device=pick.device) * K
-        out.append((torch.arange(A, device=pick.device) * k + best, accepted.rows(slice(at, at + A))))
+        mine = torch.arange(A, device=pick.device) * k + best
+        out.append((mine, accepted.rows(slice(at, at + A)), own[mine]))
         at += A
     return out
 
@@ -272,6 +274,7 @@ class _Decoder:
         mask_id, K_max, bl = self.spec.mask_id, self.config.draft_steps, self.block_length
         blk = x[:, start:end]   # a view: commits write into x
         held, fresh = yield from self._start(x, start, end, cf)
+        stepped = None   # [B, block]: the last verdict's rows' next state (the step from their accepted drafts)
         while True:
             # never a block without holes whose tokens the matcher has not consumed (a subset-rule
             # draft could leave one): they are undecided again
@@ -284,7 +287,9 @@ class _Decoder:
                 return
             before = int(masks.sum())
             f = (fresh & active).nonzero().squeeze(1)
-            if len(f):   # draft 0 = F(state), always accepted: committed now (the real matchers advance)
+            if len(f) and stepped is not None:   # (no structure: only the last verdict's rows can be fresh here)
+                blk[f] = stepped[f]
+            elif len(f):   # draft 0 = F(state), always accepted: committed now (the real matchers advance)
                 canvas = x.index_select(0, f)
                 self.constrained_step(None if cf is None else cf.rows(f.tolist()), canvas, start, end, held.rows(f))
                 x[f] = canvas
@@ -303,7 +308,10 @@ class _Decoder:
                 canvas[:, start:end] = drafts.reshape(A * K, bl)
                 logits, local = yield from self.verify(canvas, rows, x.shape[0], start, end)
                 if cf is None:
-                    pick, accepted = yield Together(self.verdicts_key, self.verdicts, (logits, local, drafts, counts))
+                    pick, accepted, targets = yield Together(self.verdicts_key, self.verdicts,
+                                                             (logits, local, drafts, counts))
+                    stepped = blk.clone()
+                    stepped[rows] = targets
                 else:
                     dcf = cf.clone_rows(rep.tolist())
                     dcf.sync(canvas)   # each draft's matcher at its own frontier
