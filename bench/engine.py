@@ -289,7 +289,8 @@ class AttentionClock:
 
 
 def per_method(counts: list[int], max_tokens: int, repeats: int, only: str | None = None) -> list[dict[str, Any]]:
-    """Each method alone: n requests through the engine (default settings: batch invariance on)
+    """Each method alone: n requests through the engine (default settings: batch invariance on; each reported at its
+    end, as `LLM.generate` asks)
     against the n drop-in calls one by one, in the same run; model calls per engine step."""
     import warnings
 
@@ -312,7 +313,9 @@ def per_method(counts: list[int], max_tokens: int, repeats: int, only: str | Non
     for label, kw, model, tokenizer, is_ar in settings:
         for n in counts:
             problems = tasks.problems(n, tasks.EVAL_SEED)
-            reqs = [(charset.encode_chat(p.prompt), SamplingParams(max_tokens=max_tokens, seed=i, **kw))
+            # each request reported once, at its end (`LLM.generate`'s setting: only finished outputs are read here)
+            reqs = [(charset.encode_chat(p.prompt),
+                     SamplingParams(max_tokens=max_tokens, seed=i, output_kind="final_only", **kw))
                     for i, p in enumerate(problems)]
             best: dict[str, Any] = {}
             for _ in range(repeats):
@@ -382,7 +385,7 @@ def gemm_thresholds() -> str:
 def per_method_table(rows: list[dict[str, Any]], command: str) -> str:
     lines = [f"# Engine throughput per method: {platform.machine()} CPU, 1 thread, {datetime.date.today().isoformat()}",
              "", f"torch {torch.__version__}; command: `{command}`. Each method alone: n requests through "
-             "`LLMEngine` (default settings, batch invariance on) against the n drop-in calls one by one, "
+             "`LLMEngine` (default settings, batch invariance on; `output_kind=\"final_only\"`, as `LLM.generate`) against the n drop-in calls one by one, "
              "in the same run (best ratio of the repeats). Arithmetic: the seconds the sequential calls spent "
              "inside the models' forwards (APD: the dLLM's and the verifier's; DiffusionGemma: its encoder's, called alone, "
              "too). Invariance cost: the engine's time with `batch_invariant=True` "
