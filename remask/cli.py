@@ -28,7 +28,8 @@ DECODERS = ("freedave", "threshold", "credit", "hierarchical", "margin", "eb_sam
 
 # One `remask generate` flag per plain `SamplingParams` field: (field, kind, help). Written out for
 # the same reason (the dataclass lives behind torch); tests/test_cli.py checks the names and kinds
-# against `SamplingParams`. `sparse` takes a config object and has no flag.
+# against `SamplingParams`. `sparse` takes a config object and has no flag; `output_kind` is how the engine
+# reports a request, and the CLI reads finished outputs only (LLM.generate sets it).
 # Kinds: int, float, str; bool (--x / --no-x); ints / strs (repeatable); json (a JSON object);
 # cache (a name or a JSON object); bool_or_str (false / true / a word).
 SAMPLING_FLAGS: tuple[tuple[str, str, str], ...] = (
