@@ -25,7 +25,7 @@ from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.scoring import score_rows, score_tokens
 from ..parts.selection import frechet_profile_counts, schedule_counts, topk_commit
 from ..parts.stats import GenerationStats
-from ..parts.step import CommitRule, masked_canvas, rule_commits
+from ..parts.step import CommitRule, masked_canvas, stacked_rule_commit
 from ..parts.stepper import ForwardRequest, ForwardThenCommit, guided_forward, run_forwards
 
 REMASKING = ("low_confidence", "random")
@@ -251,11 +251,12 @@ class BlockDecoder(BlockwiseDecoder):
             return
         state.schedule = schedule_counts(state.x[:, start:end] == self.spec.mask_id, self.steps_per_block)
 
-    def _next_group(self, state: BlockState) -> None:
+    def _next_group(self, state: BlockState, left: int | None = None) -> None:
         """A commit rule's loop at the end of a group of iterations: the block's masks counted (the
-        step's host wait); none left ends the block, else the next group's size."""
+        step's host wait; `left` where counted already); none left ends the block, else the next group's size."""
         start, end = self.block_span(state)
-        left = int((state.x[:, start:end] == self.spec.mask_id).sum())
+        if left is None:
+            left = int((state.x[:, start:end] == self.spec.mask_id).sum())
         if left == 0:
             self._end_block(state, state.x[:, start:end], end)
         else:
@@ -327,20 +328,28 @@ class BlockDecoder(BlockwiseDecoder):
             blocks = [states[i].x[:, spans[i][0]:spans[i][1]] for i in members]
             items = [(head.rule, block, logits[i][:, spans[i][0] - fed[i]:spans[i][1] - fed[i]], head.spec.mask_id,
                       states[i].rule_state) for i, block in zip(members, blocks)]
-            for i, block, (commit, tokens) in zip(members, blocks, rule_commits(items)):
-                block[commit] = tokens[commit]
+            stacked, commit, tokens = stacked_rule_commit(items)
+            stacked = torch.where(commit, tokens, stacked)
+            # one host read for the lot: each row's commits and the masks its block has left
+            counts = torch.stack([commit.sum(1), (stacked == head.spec.mask_id).sum(1)]).tolist()
+            row = 0
+            for i, block, rows in zip(members, blocks, stacked.split([len(b) for b in blocks])):
+                block.copy_(rows)
+                committed, left = (sum(c[row:row + len(block)]) for c in counts)
+                row += len(block)
                 if stats[i] is not None:
                     stats[i].forward(len(block), logits[i].shape[1], states[i].forwards.cache_nbytes)
-                    stats[i].step(commit.sum())
-                decoders[i]._end_iteration(states[i])
+                    stats[i].step(committed)
+                decoders[i]._end_iteration(states[i], left)
 
-    def _end_iteration(self, state: BlockState) -> None:
+    def _end_iteration(self, state: BlockState, left: int | None = None) -> None:
+        """`left`: the block's masks after this iteration where the caller has counted them."""
         state.iter_no += 1
         state.step += 1
         if not state.main_next:   # the iteration's last forward
             state.group -= 1
             if state.group == 0:
-                self._next_group(state)
+                self._next_group(state, left)
 
     def _forward(self, state: BlockState) -> Generator[ForwardRequest, Any, tuple[torch.Tensor, int]]:
         if self.rule is not None:

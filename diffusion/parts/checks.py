@@ -206,6 +206,9 @@ _MASK_REFUSALS = ("attention_mask must hold only 0 (pad) and 1 (token)",
                   "attention_mask has a row with no real token (all 0): every row needs at least one")
 
 
+_PROMPT_READ_WHOLE = 4096   # ids of a CPU prompt without attention mask that `check_prompt` reads in Python
+
+
 def check_prompt(device: torch.device, prompt: Any, attention_mask: Any, name: str = "prompt",
                  spec: ModelSpec | None = None, mask_in_prompt: str = "allow") -> None:
     """A `[B, P]` integer tensor of in-vocabulary ids on the model's `device` (`ModelSpec.device`), and an optional
@@ -231,21 +234,26 @@ def check_prompt(device: torch.device, prompt: Any, attention_mask: Any, name: s
             raise ValueError(f"attention_mask must hold 0/1 values, got dtype {attention_mask.dtype}")
     if spec is None or prompt.device.type == "meta":
         return
-    # One host sync for every tensor check.
-    facts = [prompt.min(), prompt.max()]
     mask = attention_mask
-    if mask is not None:
-        facts += [((mask != 0) & (mask != 1)).any(), (mask[:, 1:] < mask[:, :-1]).any(), (mask[:, -1] != 1).any()]
-    if mask_in_prompt == "refuse" and spec.mask_id is not None:
-        facts.append((prompt == spec.mask_id).any())
-    facts = [int(f) for f in torch.stack([f.to(device=prompt.device, dtype=torch.long) for f in facts]).tolist()]
+    refuse_mask = mask_in_prompt == "refuse" and spec.mask_id is not None
+    if mask is None and prompt.device.type == "cpu" and prompt.numel() <= _PROMPT_READ_WHOLE:
+        # an engine request's prompt: its ids read once beat five tensor calls
+        ids = prompt.reshape(-1).tolist()
+        facts = [min(ids), max(ids), *([int(spec.mask_id in ids)] if refuse_mask else [])]
+    else:   # one host sync for every tensor check
+        facts = [prompt.min(), prompt.max()]
+        if mask is not None:
+            facts += [((mask != 0) & (mask != 1)).any(), (mask[:, 1:] < mask[:, :-1]).any(), (mask[:, -1] != 1).any()]
+        if refuse_mask:
+            facts.append((prompt == spec.mask_id).any())
+        facts = [int(f) for f in torch.stack([f.to(device=prompt.device, dtype=torch.long) for f in facts]).tolist()]
     bad = facts[0] if facts[0] < 0 else facts[1]   # the min if negative, else the max
     if spec.vocab_size is not None and not 0 <= bad < spec.vocab_size:
         raise ValueError(f"{name} holds token id {bad}, outside the model's vocabulary [0, {spec.vocab_size})")
     for fact, refusal in zip(facts[2:5] if mask is not None else (), _MASK_REFUSALS):
         if fact:
             raise ValueError(refusal)
-    if mask_in_prompt == "refuse" and spec.mask_id is not None and facts[-1]:
+    if refuse_mask and facts[-1]:
         where = (prompt == spec.mask_id).nonzero()[0].tolist()
         raise ValueError(f"{name} holds the mask token id {spec.mask_id} (row {where[0]}, position {where[1]}); "
                          "this sampler decodes only the positions after the prompt and would return it: remove it, "

@@ -109,10 +109,18 @@ class CommitRule(NoWorkBound):
 def rule_commits(items: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`(rule, block, logits, mask_id, state)` items of one rule and block width: each its `(commit, tokens)`, as
     `rule.commit` gives them; several in one `commit_rows` over their blocks stacked."""
-    rule, _, _, mask_id, state = items[0]
     if len(items) == 1:
-        return [rule.commit(items[0][1], items[0][2], mask_id, state)]
+        return [stacked_rule_commit(items)[1:]]
     sizes = [len(block) for _, block, _, _, _ in items]
-    commit, tokens = rule.commit_rows(torch.cat([item[1] for item in items]), torch.cat([item[2] for item in items]),
-                                      mask_id, [item[4] for item in items], sizes)
+    _, commit, tokens = stacked_rule_commit(items)
     return list(zip(commit.split(sizes), tokens.split(sizes)))
+
+
+def stacked_rule_commit(items: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rule_commits` with the items' rows stacked: (their blocks, commit, tokens), each `[Σ rows, L]`."""
+    rule, block, logits, mask_id, state = items[0]
+    if len(items) == 1:
+        return block, *rule.commit(block, logits, mask_id, state)
+    blocks = torch.cat([item[1] for item in items])
+    return blocks, *rule.commit_rows(blocks, torch.cat([item[2] for item in items]), mask_id,
+                                     [item[4] for item in items], [len(item[1]) for item in items])

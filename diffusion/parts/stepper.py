@@ -60,15 +60,17 @@ def call_model(model: torch.nn.Module, request: ForwardRequest, input_ids: torch
 
 @torch.no_grad()
 def run_forwards(model: torch.nn.Module, requests: list[ForwardRequest],
-                 invariant: Callable[..., ContextManager] | None = None) -> list[Any]:
+                 invariant: Callable[..., ContextManager] | None = None, spec: ModelSpec | None = None) -> list[Any]:
     """Answer `requests` (one `pack_key`, or a single one) with ONE model call, each with what its
     own forward gives it. Several go into one flat forward `[1, N]` (`_packed`), or, where their
     caches pack (`ForwardRequest.stacks`), into one call on their rows stacked (`_stacked`); `invariant(rows,
     token_groups)`: the runner's batch-invariance context. Without it (the drop-in driver) a
-    `rows_alone` request of several rows runs its linears row by row."""
+    `rows_alone` request of several rows runs its linears row by row. `spec`: `model`'s, where the caller holds it."""
     request = requests[0]
     if len(requests) > 1 or request.layers is not None:
-        return (_stacked if len(requests) > 1 and request.stacks else _packed)(model, requests, invariant)
+        if len(requests) > 1 and request.stacks:
+            return _stacked(model, requests, invariant)
+        return _packed(model, requests, invariant, spec or get_spec(model))
     if invariant is not None:
         context = invariant(request.batch if request.rows_alone else 1)
     elif request.rows_alone and request.batch > 1:
@@ -82,7 +84,7 @@ def run_forwards(model: torch.nn.Module, requests: list[ForwardRequest],
 
 
 def _packed(model: torch.nn.Module, requests: list[ForwardRequest],
-            invariant: Callable[..., ContextManager] | None) -> list[torch.Tensor]:
+            invariant: Callable[..., ContextManager] | None, spec: ModelSpec) -> list[torch.Tensor]:
     """Requests of different lengths, caches and masks in one flat forward: each request's rows
     one after another, RoPE at the positions its own forward uses, its attention through its own
     cache and mask (`varlen.PackedAttention`), its linears the GEMM problems its own forward poses
@@ -91,7 +93,6 @@ def _packed(model: torch.nn.Module, requests: list[ForwardRequest],
 
     from .varlen import PackedAttention, PackedLayers, Segment, token_groups
 
-    spec = get_spec(model)
     if not spec.segmented:
         raise ValueError(f"the {spec.kind!r} model does not run packed forwards (spec.segmented is False)")
     param = next(model.parameters())

@@ -103,7 +103,8 @@ class ModelRunner:
                                          context=self._invariant)
                     answers = list(logits.split([r.batch for r in requests]))
                 else:
-                    answers = run_forwards(self.model, requests, self._invariant if self.batch_invariant else None)
+                    answers = run_forwards(self.model, requests, self._invariant if self.batch_invariant else None,
+                                           self.spec)
                 self.forwards += 1
             except Exception as err:  # noqa: BLE001
                 failed.update({seq: f"{type(err).__name__}: {err}" for seq, _ in members})
