@@ -109,10 +109,8 @@ class CommitRule(NoWorkBound):
 def rule_commits(items: list[tuple]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`(rule, block, logits, mask_id, state)` items of one rule and block width: each its `(commit, tokens)`, as
     `rule.commit` gives them; several in one `commit_rows` over their blocks stacked."""
-    if len(items) == 1:
-        return [stacked_rule_commit(items)[1:]]
-    sizes = [len(block) for _, block, _, _, _ in items]
     _, commit, tokens = stacked_rule_commit(items)
+    sizes = [len(block) for _, block, _, _, _ in items]
     return list(zip(commit.split(sizes), tokens.split(sizes)))
 
 
