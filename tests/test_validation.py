@@ -135,6 +135,8 @@ def test_ar_generate_bad(tiny, kwargs, name):
 
 BAD_TENSORS = [
     (torch.tensor([[1, 500]]), None, "vocabulary"), (torch.tensor([[1, -3]]), None, "vocabulary"),
+    # with an attention mask check_prompt reads the ids on the device (without one, a small CPU prompt in Python)
+    (torch.tensor([[1, 500]]), torch.tensor([[1, 1]]), "vocabulary"),
     (torch.tensor([[1, 5, 0]]), torch.tensor([[1, 1, 0]]), "left-padded"),
     (torch.tensor([[1, 5]]), torch.tensor([[1, 2]]), "attention_mask"),
     (torch.tensor([[0, 5]]), torch.tensor([[0.5, 1.0]]), "attention_mask"),
@@ -451,6 +453,7 @@ def test_masks_in_the_prompt_bad(tiny):
     ids = PROMPT.clone()
     ids[0, 3] = MASK
     _raises_naming(lambda: remask.generate(model, ids, **LLADA), "mask token")
+    _raises_naming(lambda: remask.generate(model, ids, torch.ones_like(ids), **LLADA), "mask token")   # device path
     _raises_naming(lambda: fast_dllm.generate_with_dual_cache(model, ids, mask_id=MASK, **LLADA), "mask token")
     _raises_naming(lambda: remask.diffusion_generate(model, ids, use_cache="dual", block_length=8, **DREAM), "mask token")
     _raises_naming(lambda: remask.generate(model, ids, gen_length=8, apd=remask.APDConfig(ar)), "mask token")
