@@ -64,6 +64,12 @@ def unmask_torch(x: torch.Tensor, mask: torch.Tensor, x0: torch.Tensor, conf: to
     """
     B, L = conf.shape
     scores = torch.where(mask, conf, -torch.inf)
+    if threshold is not None and k is None and factor is None:
+        # No budget: every masked position is a candidate (the ranking of `select_top` with limit n keeps all but
+        # NaN, which the threshold's comparisons drop too), so the sort is skipped; the same selection.
+        selected = mask & (_row_best(mask, scores) | (conf.to(torch.float64) >= _threshold(conf.dtype, conf.device,
+                                                                                           threshold)))
+        return _write(x, mask, x0, selected)
     ordered = torch.sort(scores, dim=1, descending=True).values
     n = mask.sum(dim=1, keepdim=True)
     limit = n if k is None else torch.minimum(n, k.reshape(B, 1).clamp_min(0))
@@ -76,9 +82,17 @@ def unmask_torch(x: torch.Tensor, mask: torch.Tensor, x0: torch.Tensor, conf: to
         limit = torch.where(first_fail >= n - 1, n, first_fail)
     selected = select_top(scores, mask, limit, ordered)
     if threshold is not None:
-        tau = _threshold(conf.dtype, conf.device, threshold)
-        best = _first_true(mask & (scores == scores.amax(dim=1, keepdim=True)))
-        selected &= best | (conf.to(torch.float64) >= tau)
+        selected &= _row_best(mask, scores) | (conf.to(torch.float64) >= _threshold(conf.dtype, conf.device, threshold))
+    return _write(x, mask, x0, selected)
+
+
+def _row_best(mask: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Each row's first masked position of the highest score (none in a row holding a NaN)."""
+    return _first_true(mask & (scores == scores.amax(dim=1, keepdim=True)))
+
+
+def _write(x: torch.Tensor, mask: torch.Tensor, x0: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """Commit `selected` (x ← x0 there, mask cleared); the per-row count."""
     x.copy_(torch.where(selected, x0, x))
     mask.masked_fill_(selected, False)
     return selected.sum(dim=1)

@@ -393,6 +393,32 @@ def test_budget_rule_matches_llada_per_row_topk_loop():
         assert torch.equal(u, v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_threshold_alone_equals_threshold_under_a_budget_that_never_binds(dtype):
+    """The threshold without a budget skips the sort; it must select as the ranked path does with a budget of
+    more than the masked count, on rows with ties, NaN, ±inf, ±0 and nothing masked."""
+    g = torch.Generator().manual_seed(5)
+    B, L = 40, 23
+    conf = (torch.rand(B, L, generator=g, dtype=torch.float64) * 4).round() / 4
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.0], dtype=torch.float64)
+    spots = torch.rand(B, L, generator=g) < 0.15
+    conf[spots] = specials[torch.randint(0, len(specials), (int(spots.sum()),), generator=g)]
+    conf[3] = -float("inf")
+    conf[4] = float("nan")
+    mask = torch.rand(B, L, generator=g) < 0.6
+    mask[0] = False
+    mask[1] = True
+    x0 = torch.arange(B * L).reshape(B, L) + 1000
+    never_binds = torch.full((B,), L + 1)
+    for tau in (0.0, 0.5, 0.9, 1.0):
+        a = _run(unmask_torch, torch.zeros(B, L, dtype=torch.long), mask, x0, conf.to(dtype), threshold=tau)
+        b = _run(unmask_torch, torch.zeros(B, L, dtype=torch.long), mask, x0, conf.to(dtype), threshold=tau,
+                 k=never_binds)
+        for u, v in zip(a, b):
+            assert torch.equal(u, v)
+        assert int(a[2][0]) == 0 and int(a[2][4]) == 0 and int(a[2].sum()) > 0   # nothing masked, all NaN; commits
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(), "one of k"),
     (dict(k=1, factor=1.0), "factor"),

@@ -441,7 +441,9 @@ class BlockDecoder(BlockwiseDecoder):
             on_step(state.block, x, transfer)
         # unmask cleared the committed positions of block_mask; with a parallel rule (or a structure, whose filter
         # may leave holes the schedule did not plan) the block ends when none is left (the step's one host wait)
-        left = block_mask.any(dim=1).tolist() if head.parallel or constraint is not None else None
+        left = counts = None
+        if head.parallel or constraint is not None:   # each row's masks left and commits in that one read
+            left, counts = torch.stack([block_mask.any(dim=1).long(), committed.long()]).tolist()
         offset = 0
         for i, (decoder, s, (a, b)) in enumerate(zip(decoders, states, spans)):
             own = slice(offset, offset + len(s.x))   # the state's rows in the stacked blocks
@@ -451,7 +453,7 @@ class BlockDecoder(BlockwiseDecoder):
             if stats[i] is not None:
                 stats[i].forward(len(s.x) * (2 if decoder.cfg_scale > 0 else 1), logits[i].shape[1],
                                  s.forwards.cache_nbytes)
-                stats[i].step(committed[own].sum())
+                stats[i].step(committed[own].sum() if counts is None else sum(counts[own]))
             s.step += 1
             if constraint is not None and all(constraint.finished):
                 s.done = True

@@ -6,6 +6,7 @@ what is allowed. A wrong type raises `ParameterTypeError`, both a `TypeError` an
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import os
@@ -339,8 +340,14 @@ def changed(obj: Any, names: Iterable[str]) -> list[str]:
     fields' defaults) or a drop-in call's arguments, name → (value, default); names it lacks are skipped."""
     if isinstance(obj, dict):
         return [name for name in names if name in obj and obj[name][0] != obj[name][1]]
-    defaults = {f.name: f.default for f in dataclasses.fields(obj)}
+    defaults = _defaults(type(obj))
     return [name for name in names if name in defaults and getattr(obj, name) != defaults[name]]
+
+
+@functools.lru_cache(maxsize=None)
+def _defaults(cls: type) -> dict[str, Any]:
+    """A dataclass's field defaults by name, read once per class (every request's admission asks)."""
+    return {f.name: f.default for f in dataclasses.fields(cls)}
 
 
 # The settings that choose and steer a request's decoding (`SamplingParams` fields, `remask.generate`'s keywords)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -32,13 +33,8 @@ class GenerationStats:
     @property
     def tokens_per_step(self) -> list[int]:
         """Positions committed at each step (read from the device here, once, not at every step)."""
-        counts = self._tokens_per_step
-        pending = [i for i, c in enumerate(counts) if isinstance(c, torch.Tensor)]
-        if pending:
-            values = torch.stack([counts[i].reshape(()) for i in pending]).tolist()
-            for i, value in zip(pending, values):
-                counts[i] = int(value)
-        return counts
+        read_counts([self])
+        return self._tokens_per_step
 
     @property
     def mean_tokens_per_step(self) -> float:
@@ -68,6 +64,16 @@ class GenerationStats:
     def step(self, committed: int | torch.Tensor) -> None:
         """Count one step's commits: an int, or a tensor left on its device until `tokens_per_step` is read."""
         self._tokens_per_step.append(committed.detach() if isinstance(committed, torch.Tensor) else int(committed))
+
+
+def read_counts(stats: Iterable[GenerationStats]) -> None:
+    """Read the step counts that `stats` still hold on the device, all of them in one host read."""
+    pending = [(counts, i) for one in stats for counts in (one._tokens_per_step,)
+               for i, c in enumerate(counts) if isinstance(c, torch.Tensor)]
+    if pending:
+        values = torch.stack([counts[i].reshape(()) for counts, i in pending]).tolist()
+        for (counts, i), value in zip(pending, values):
+            counts[i] = int(value)
 
 
 # The calls that make the host wait for the device, by kind (a round trip each; a step making one is no CUDA graph).

@@ -34,7 +34,7 @@ class ElasticKVCache(PositionKVCache):
 
     @property
     def nbytes(self) -> int:
-        return super().nbytes + sum(t.numel() * t.element_size() for t in self.q.values())
+        return super().nbytes + sum(t.nbytes for t in self.q.values())
 
     def plan(self, *, full: bool, query: torch.Tensor, track: torch.Tensor, window: torch.Tensor,
              masked: torch.Tensor, gamma: float, track_num: int) -> None:

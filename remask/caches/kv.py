@@ -49,7 +49,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes of K/V held (all layers)."""
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return sum(t.nbytes for t in self.keys + self.values)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         length = self.keys[layer].shape[-2] if layer < len(self.keys) else 0   # (a subclass counts get_seq_length)

@@ -20,7 +20,7 @@ class PositionKVCache(KVCache):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in list(self.k.values()) + list(self.v.values()))
+        return sum(t.nbytes for t in list(self.k.values()) + list(self.v.values()))
 
 
 class DelayedKVCache(PositionKVCache):

@@ -100,7 +100,7 @@ class RetentionKVCache(KVCache):
 
     @property
     def nbytes(self) -> int:
-        return super().nbytes + sum(t.numel() * t.element_size() for kv in self.compact.values() for t in kv[:2])
+        return super().nbytes + sum(t.nbytes for kv in self.compact.values() for t in kv[:2])
 
     def begin_select(self, start: int, end: int) -> None:
         """The next forward (all T positions) stores the K/V and selects what to keep outside

@@ -23,6 +23,7 @@ from remask.caches import PromptCache
 from remask.diffusion.parts.checks import (ParameterTypeError, check_bools, check_choice, check_context, check_instance,
                                            check_int, check_ints, check_prompt, check_real, check_token_id)
 from remask.diffusion.parts.processors import HoldEndIds, RecordLogprobs
+from remask.diffusion.parts.stats import read_counts
 from remask.engine.presets import decoder_for
 from remask.models.registry import family_of
 from remask.models.spec import get_spec
@@ -340,7 +341,10 @@ class LLMEngine:
                 self.scheduler.finish(seq, SequenceStatus.ABORTED)
             if seq in failed or self._advance(seq) or seq.drafts:
                 touched[seq.request_id] = None
-        return expired + [self.output(request_id) for request_id in touched if self._reports(request_id)]
+        reported = [request_id for request_id in touched if self._reports(request_id)]
+        # their step counts (held on the device, unread) in one host read rather than one per output
+        read_counts(seq.stats for request_id in reported for seq in self.requests[request_id][2])
+        return expired + [self.output(request_id) for request_id in reported]
 
     def _reports(self, request_id: str) -> bool:
         """Whether `step` gives the request's output now: always, but at its end only with output_kind='final_only'."""

@@ -60,6 +60,9 @@ class ForwardBatch:
     decode_groups: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
     # rows of equal-length slices, for the batch-invariant linear layers (one batched GEMM each)
     token_groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # every decode's new K/V: their rows in the flat batch and their slots in the store (one scatter per layer)
+    decode_rows: torch.Tensor | None = None
+    decode_slots: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         by_len: dict[int, list[int]] = {}   # q_len → rows
@@ -84,6 +87,11 @@ class ForwardBatch:
             for j, i in enumerate(members):
                 self.slices[i].new_slots = slots[j, ctx_len - self.slices[i].q_len:]
             self.decode_groups.append((members, slots))
+        decodes = [s for s in self.slices if s.new_slots is not None]
+        if decodes:
+            self.decode_rows = torch.tensor([row for s in decodes for row in range(s.start, s.start + s.q_len)],
+                                            dtype=torch.long, device=self.device)
+            self.decode_slots = torch.cat([s.new_slots for s in decodes])
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -110,9 +118,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             # The prompt attends over its own fresh keys, exactly as it does alone.
             outputs[i] = sdpa(module, query[:, :, rows], key[:, :, rows], value[:, :, rows], None,
                               scaling=scaling, dropout=0.0)[0]
-        else:
-            k_store.index_copy_(0, s.new_slots, new_k[rows])
-            v_store.index_copy_(0, s.new_slots, new_v[rows])
+    if batch.decode_rows is not None:   # every decode's new K/V in one scatter (distinct slots: any order)
+        k_store.index_copy_(0, batch.decode_slots, new_k[batch.decode_rows])
+        v_store.index_copy_(0, batch.decode_slots, new_v[batch.decode_rows])
     for members, slots in batch.decode_groups:
         # Sequences with as many positions attend together: SDPA's rows are independent.
         k = k_store[slots].permute(0, 2, 1, 3)                                                # [G, H_kv, ctx, D]
