@@ -411,3 +411,25 @@ def test_freedave_requests_take_their_verdicts_together_each_as_alone(tiny, monk
         want = remask.generate(model, torch.tensor([charset.encode_chat(prompt)]), gen_length=16, block_length=8,
                                decoder=config, use_cache=cache, stats=stats)
         assert got[str(i)] == (want[0, -16:].tolist(), stats.tokens_per_step), (cache, i)
+
+
+@pytest.mark.portable   # spans scored with other requests' score as alone on every CPU (make test-portable)
+@pytest.mark.parametrize("config", [remask.MultiBlock(), remask.MultiBlock(cache_delay_iter=1),
+                                    remask.MultiBlock.sglang()], ids=["default", "kv cache", "sglang"])
+def test_multiblock_requests_score_their_spans_together_each_as_alone(tiny, monkeypatch, config):
+    """MultiBlock's scoring (each row's open span: greedy token, negative entropy) of its requests in one `_score_spans`
+    call a step: each request's tokens and tokens per step the drop-in's."""
+    from remask.diffusion.methods import multiblock
+
+    model, tokenizer = tiny
+    sizes, real = [], multiblock._score_spans
+    monkeypatch.setattr(multiblock, "_score_spans", lambda *args: sizes.append(len(args[-1])) or real(*args))
+    prompts = RULE_PROMPTS + ["sort 52815"]
+    sp = SamplingParams(max_tokens=16, block_length=8, decoder=config)
+    got = run_all(model, tokenizer, [(str(i), p, sp) for i, p in enumerate(prompts)])
+    assert max(sizes) == len(prompts)
+    for i, prompt in enumerate(prompts):
+        stats = remask.GenerationStats()
+        want = remask.generate(model, torch.tensor([charset.encode_chat(prompt)]), gen_length=16, block_length=8,
+                               decoder=config, stats=stats)
+        assert got[str(i)] == (want[0, -16:].tolist(), stats.tokens_per_step), (config, i)

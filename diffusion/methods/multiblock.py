@@ -51,6 +51,7 @@ reference counts it). Rows of a batch are decided alone; a finished row is not f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generator
 
 import torch
@@ -65,6 +66,7 @@ from ..parts.constrain import CommitFilter, before_rule, end_ids_of
 from ..parts.scoring import sample_categorical, score_rows, score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
+from ..parts.protocol import Together
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in
 
 MAX_FORWARDS = 10000   # d3LLM's loop guard (reached only when the mask token is committed)
@@ -237,15 +239,15 @@ class _Row:
             block.completed, block.cached = self.nfe, True   # the cache's look passes them by
         return not bool((x[self.P:] == mask_id).any())
 
-    def commit(self, x: torch.Tensor, logits: torch.Tensor, end: int, mask_id: int) -> torch.Tensor:
-        """Upstream's commit on row `x` (written in place) from its logits `[T, V]`, the open blocks ending at
-        `end`, then the blocks' counts and the forward guard; returns the candidates of `x[P:end]` (the mask token
-        excluded by default), drawn as upstream (over the whole canvas) from `self.sampling`: (temperature,
-        remasking, generator)."""
+    def commit(self, x: torch.Tensor, logits: torch.Tensor, end: int, mask_id: int,
+               scored: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Upstream's commit on row `x` (written in place) from its logits `[T, V]` and `scored`, the greedy token
+        and negative entropy of `logits[P:end]` (`_score_spans`), the open blocks ending at `end`, then the blocks'
+        counts and the forward guard; returns the candidates of `x[P:end]` (the mask token excluded by default),
+        drawn as upstream (over the whole canvas) from `self.sampling`: (temperature, remasking, generator)."""
         temperature, remasking, generator = self.sampling
         exclude = None if self.config.commit_mask_token else mask_id
-        x0, neg_entropy = score_rows(logits, torch.arange(self.P, end, device=logits.device), mode="neg_entropy",
-                                     exclude_id=exclude)
+        x0, neg_entropy = scored
         masked = self.masked[:end - self.P]
         entropy = torch.where(masked, -neg_entropy, torch.inf)
         drawn = x0   # the threshold's tokens; LLaDA's forced position takes the clean argmax x0, Dream's the draw
@@ -321,6 +323,16 @@ def multiblock_generate() -> tuple[torch.Tensor, torch.Tensor]:
     it. `attention_mask` `[B, P]` (left padding, 0 = pad) hides pad keys; `sampling`: `multiblock_steps`'."""
 
 
+def _score_spans(exclude_id: int | None, items: list[tuple[torch.Tensor, ...]]) -> list[list[tuple[torch.Tensor, ...]]]:
+    """`items`' logits spans `[n, V]` (per request, per row) scored in one call: each span's greedy token and
+    negative entropy, a row's scores its own whatever else is scored with it."""
+    spans = [span for item in items for span in item]
+    x0, neg_entropy = score_rows(torch.cat(spans), mode="neg_entropy", exclude_id=exclude_id)
+    sizes = [len(span) for span in spans]
+    parts = iter(zip(x0.split(sizes), neg_entropy.split(sizes)))
+    return [[next(parts) for _ in item] for item in items]
+
+
 @torch.no_grad()
 def _loop(x: torch.Tensor, rows: list[_Row], inputs: dict, spec, eos_id: int | None,
           stats: GenerationStats, constraint: CommitFilter | None) -> StepGenerator:
@@ -350,8 +362,12 @@ def _loop(x: torch.Tensor, rows: list[_Row], inputs: dict, spec, eos_id: int | N
         sub = None if constraint is None else constraint.rows(active)
         logits, prior = before_rule(sub, logits, x[index, P:], P, T, P)
         candidates = torch.full((len(active), T - P), mask_id, device=x.device)   # the structure's
+        # every row's span scored in one call, with the other requests' in the engine (each row as alone)
+        exclude = None if rows[0].config.commit_mask_token else mask_id
+        scored = yield Together((_score_spans, exclude, logits.dtype, logits.shape[-1], logits.device),
+                                partial(_score_spans, exclude), tuple(logits[i, P:ends[b]] for i, b in enumerate(active)))
         for i, b in enumerate(active):
-            candidates[i, :ends[b] - P] = rows[b].commit(x[b], logits[i], ends[b], mask_id)
+            candidates[i, :ends[b] - P] = rows[b].commit(x[b], logits[i], ends[b], mask_id, scored[i])
         if constraint is not None:   # keep what the structure accepts; the blocks count what is left
             canvas = x[index]
             sub.filter(canvas, prior, candidates, logits, P, T, P)
