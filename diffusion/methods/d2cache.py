@@ -208,13 +208,22 @@ def _settle(per_step: int, prior_sigma: float | None, allow_mask: bool, mask_id:
     top = torch.topk(torch.where(window & still_masked, scores, -torch.inf), k=min(cfg.current_k, G), dim=-1).indices
     # 2. and the positions just committed
     chosen = (torch.zeros_like(still_masked).scatter_(1, top, True) & still_masked) | committed
-    for s, a, b in zip(steps, bounds, bounds[1:]):   # 3-4 over each one's whole sequence
-        rows = torch.cat([torch.zeros((b - a, s.x.shape[1] - G), dtype=torch.bool, device=device), chosen[a:b]], dim=1)
+    by_length: dict[int, list[int]] = {}   # 3-4 over each one's whole sequence, the steps of one length stacked
+    for j, s in enumerate(steps):
+        by_length.setdefault(s.x.shape[1], []).append(j)
+    for T, members in by_length.items():
+        spans = [slice(bounds[j], bounds[j + 1]) for j in members]
+        picked = torch.cat([chosen[span] for span in spans])
+        rows = torch.cat([torch.zeros((len(picked), T - G), dtype=torch.bool, device=device), picked], dim=1)
         # 3. the rollout-importance nucleus of the rest (the rollout summed over queries)
-        importance = s.rollout.sum(dim=1)
+        importance = torch.cat([steps[j].rollout.sum(dim=1) for j in members])
         rows |= nucleus(importance, cfg.rollout_p, ~rows)
         # 4. fill short gaps
-        s.selector.keep(s.active, inflate(rows, cfg.inflate_w), importance, scores[a:b])
+        rows, start = inflate(rows, cfg.inflate_w), 0
+        for j, span in zip(members, spans):
+            own = slice(start, start + span.stop - span.start)
+            steps[j].selector.keep(steps[j].active, rows[own], importance[own], scores[span])
+            start = own.stop
     return out
 
 
