@@ -8,7 +8,9 @@ import os
 # row's bits depended on its place in the tile, which the GPU's dot does not (the batch-invariance tests
 # failed on AMD EPYC). Its Sandybridge kernels compute every row alike and run on any x86-64 with AVX. Read when
 # numpy first loads OpenBLAS, so before anything imports numpy (tests/test_kernel_invariant.py checks it held).
-os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+# Set, not defaulted: a machine whose environment names another core type (OPENBLAS_CORETYPE=Haswell was seen
+# on one) would otherwise give the interpreter's dot the FMA kernels again.
+os.environ["OPENBLAS_CORETYPE"] = "Sandybridge"
 # One thread a process: `make test` runs two workers on two cores, and the servers, CLIs and torchrun ranks
 # the tests start would otherwise each spin two OpenMP threads against the other worker (this process
 # sets torch's count itself, below).
