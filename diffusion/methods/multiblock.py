@@ -63,10 +63,10 @@ from ..parts.cache import BlockForward
 from ..parts.checks import (Checked, check_bool, check_choice, check_config, check_generator, check_int,
                             check_method_call, check_real, check_token_id, checked)
 from ..parts.constrain import CommitFilter, before_rule, end_ids_of
+from ..parts.protocol import Together
 from ..parts.scoring import sample_categorical, score_rows, score_tokens
 from ..parts.stats import GenerationStats
 from ..parts.step import masked_canvas
-from ..parts.protocol import Together
 from ..parts.stepper import ForwardRequest, Progress, StepGenerator, drop_in
 
 MAX_FORWARDS = 10000   # d3LLM's loop guard (reached only when the mask token is committed)

@@ -68,8 +68,8 @@ class GenerationStats:
 
 def read_counts(stats: Iterable[GenerationStats]) -> None:
     """Read the step counts that `stats` still hold on the device, all of them in one host read."""
-    pending = [(counts, i) for one in stats for counts in (one._tokens_per_step,)
-               for i, c in enumerate(counts) if isinstance(c, torch.Tensor)]
+    pending = [(one._tokens_per_step, i) for one in stats
+               for i, c in enumerate(one._tokens_per_step) if isinstance(c, torch.Tensor)]
     if pending:
         values = torch.stack([counts[i].reshape(()) for counts, i in pending]).tolist()
         for (counts, i), value in zip(pending, values):
