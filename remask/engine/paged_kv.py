@@ -87,7 +87,7 @@ class ForwardBatch:
             for j, i in enumerate(members):
                 self.slices[i].new_slots = slots[j, ctx_len - self.slices[i].q_len:]
             self.decode_groups.append((members, slots))
-        decodes = [s for s in self.slices if s.new_slots is not None]
+        decodes = [self.slices[i] for members, _ in self.decode_groups for i in members]
         if decodes:
             self.decode_rows = torch.tensor([row for s in decodes for row in range(s.start, s.start + s.q_len)],
                                             dtype=torch.long, device=self.device)
