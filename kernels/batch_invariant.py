@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -122,7 +122,7 @@ class _PerSequenceLinear:
         self.total = sum(len(rows) for _, rows in token_groups) if token_groups else 0
         self.num_seqs = sum(len(rows) // length for length, rows in token_groups) if token_groups else 0
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = _invariant_kernel_linear(x, weight, bias)
         if y is not None:          # CUDA: every row in one launch, whatever the layout
             return y
@@ -162,45 +162,53 @@ class _PerSequenceLinear:
         return out
 
 
-class _LinearSeam:
-    """`torch.nn.functional.linear` is `_seam_linear` while any thread is inside `batch_invariant_linear` (restored when
-    the last leaves): a thread inside runs its layout's `_PerSequenceLinear.linear`, every other call the original.
-    Not a `TorchFunctionMode`: a mode sees every torch call of the forward in Python (in a 32-request d2Cache engine
-    step, about 180 per request), the seam only the linears."""
+class Seam:
+    """`namespace.name` (a torch function) made a seam while any thread is inside `active` (torch's own again when
+    the last leaves): a call runs that thread's innermost handler, whose own calls of the function run the handler
+    outside it, the outermost's torch's (`raw`); another thread's calls meanwhile are torch's. Not a
+    `TorchFunctionMode`: a mode sees every torch call of the forward in Python (in a 32-request d2Cache engine
+    step, about 180 per request), a seam only its function's."""
 
-    def __init__(self) -> None:
+    def __init__(self, namespace: Any, name: str) -> None:
+        self.namespace, self.name, self.raw = namespace, name, getattr(namespace, name)
         self.lock, self.depth, self.local = threading.Lock(), 0, threading.local()
 
+        def seamed(*args: Any, **kwargs: Any) -> Any:
+            handlers = getattr(self.local, "handlers", None)
+            if not handlers:
+                return self.raw(*args, **kwargs)
+            handler = handlers.pop()
+            try:
+                return handler(*args, **kwargs)
+            finally:
+                handlers.append(handler)
+        self.seamed = seamed
+
+    def handler(self) -> Any:
+        """This thread's innermost handler (None outside)."""
+        handlers = getattr(self.local, "handlers", None)
+        return handlers[-1] if handlers else None
+
     @contextlib.contextmanager
-    def active(self, mode: _PerSequenceLinear) -> Iterator[_PerSequenceLinear]:
+    def active(self, handler: Callable[..., Any]) -> Iterator[Any]:
         with self.lock:
             if self.depth == 0:
-                F.linear = _seam_linear
+                setattr(self.namespace, self.name, self.seamed)
             self.depth += 1
-        outer, self.local.mode = getattr(self.local, "mode", None), mode
+        handlers = self.local.__dict__.setdefault("handlers", [])
+        handlers.append(handler)
         try:
-            yield mode
+            yield handler
         finally:
-            self.local.mode = outer
+            handlers.pop()
             with self.lock:
                 self.depth -= 1
-                if self.depth == 0 and F.linear is _seam_linear:
-                    F.linear = _RAW_LINEAR
-
-
-def _seam_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    mode = getattr(_seam.local, "mode", None)
-    if mode is None:
-        return _RAW_LINEAR(input, weight, bias)
-    _seam.local.mode = None   # its own linears (per-problem GEMMs, a quantized weight's kernel) run as they are
-    try:
-        return mode.linear(input, weight, bias)
-    finally:
-        _seam.local.mode = mode
+                if self.depth == 0 and getattr(self.namespace, self.name) is self.seamed:
+                    setattr(self.namespace, self.name, self.raw)
 
 
 _RAW_LINEAR = F.linear
-_seam = _LinearSeam()
+linear_seam = Seam(F, "linear")   # the linears of a thread inside `batch_invariant_linear` run per sequence
 
 
 @contextlib.contextmanager
@@ -213,7 +221,7 @@ def batch_invariant_linear(enabled: bool = True, single_thread: bool = True,
         _one_thread.enter()
     try:
         if enabled:
-            with _seam.active(_PerSequenceLinear(token_groups)) as mode:   # per thread: other threads are untouched
+            with linear_seam.active(_PerSequenceLinear(token_groups)) as mode:   # per thread: other threads are untouched
                 yield mode
         else:
             yield None

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-from torch.overrides import TorchFunctionMode
+
+from remask.kernels.batch_invariant import Seam, linear_seam
 
 from .hf_compat import cache_arg, own_setting, swapped_setting
 from .registry import Family, register_family
@@ -203,10 +204,14 @@ class CanvasRows(ScopedCache):
         try:
             with swapped_setting(attention, "_attn_implementation", ROWS_IMPLEMENTATION), \
                     swapped_setting(experts, "_experts_implementation", ROWS_IMPLEMENTATION), \
-                    (_PerRequest(self) if len(self.sizes) > 1 else contextlib.nullcontext()):
+                    self._per_request(linear_seam), self._per_request(_MATMUL):
                 yield
         finally:
             _ROWS.reset(token)
+
+    def _per_request(self, seam: Seam) -> contextlib.AbstractContextManager:
+        """Several requests: the seam's products that mix rows computed per request (`_PerRequest`)."""
+        return seam.active(_PerRequest(self, seam)) if len(self.sizes) > 1 else contextlib.nullcontext()
 
 
 _CONFIGS: "weakref.WeakKeyDictionary[Any, tuple[list[Any], list[Any]]]" = weakref.WeakKeyDictionary()
@@ -266,30 +271,29 @@ def _rows_experts(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_in
                       for part in rows.token_bounds()])
 
 
-class _PerRequest(TorchFunctionMode):
-    """Inside a stacked call of several requests: `F.linear` over the flattened tokens `[rows × length, K]` (the
-    router's) and `matmul` over the stacked rows `[rows, ...]` (the self-conditioning embedding's, RoPE's)
-    computed per request, with the shapes its own forward has (a GEMM's bits may depend on its row count)."""
+class _PerRequest:
+    """A seam's handler inside a stacked call of several requests: `F.linear` over the flattened tokens
+    `[rows × length, K]` (the router's) and `F.linear` / `matmul` over the stacked rows `[rows, ...]` (the
+    self-conditioning embedding's) computed per request, with the shapes its own forward has (a GEMM's bits may
+    depend on its row count), by the next handler (the batch-invariant linears, as a request alone has them on
+    CUDA), else torch's own function. Any other call, and stacked rows under the batch-invariant linears (which
+    pose each row's problem as alone, in one GEMM where the bits allow), go on to the next handler whole."""
 
-    def __init__(self, rows: CanvasRows):
-        super().__init__()
-        self.rows, self.total, self.tokens = rows, sum(rows.sizes), sum(rows.sizes) * rows.length
+    def __init__(self, rows: CanvasRows, seam: Seam):
+        self.rows, self.seam, self.total = rows, seam, sum(rows.sizes)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _ROW_MIXING and torch.is_tensor(args[0]):
-            x = args[0]
-            if x.dim() == 3 and x.shape[0] == self.total:
-                parts = self.rows.bounds
-            elif x.dim() == 2 and x.shape[0] == self.tokens:
-                parts = self.rows.token_bounds()
-            else:
-                return func(*args, **kwargs)
-            return torch.cat([func(x[part], *args[1:], **kwargs) for part in parts])
-        return func(*args, **kwargs)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        x = args[0] if args else None
+        if torch.is_tensor(x) and x.dim() == 3 and x.shape[0] == self.total and self.seam.handler() is None:
+            parts = self.rows.bounds
+        elif torch.is_tensor(x) and x.dim() == 2 and x.shape[0] == self.total * self.rows.length:
+            parts = self.rows.token_bounds()
+        else:
+            return self.seam.seamed(*args, **kwargs)
+        return torch.cat([self.seam.seamed(x[part], *args[1:], **kwargs) for part in parts])   # each as alone
 
 
-_ROW_MIXING = (torch.matmul, torch._C._nn.linear)
+_MATMUL = Seam(torch, "matmul")
 
 
 @functools.cache

@@ -372,10 +372,10 @@ def test_the_linear_seam_is_per_thread_nested_and_restored():
     """`batch_invariant_linear` replaces `F.linear` only while a thread is inside it (not a mode that sees every
     torch call): that thread's linears run per sequence (a batch's rows the bits of each alone), nested layouts
     restore the outer one, another thread's `F.linear` meanwhile is the plain one, and on leaving `F.linear` is
-    torch's again."""
+    torch's again. A handler inside another (DiffusionGemma's per-request split) hands its own calls to the outer one."""
     import threading
 
-    from remask.kernels.batch_invariant import _PerSequenceLinear, _seam, batch_invariant_linear
+    from remask.kernels.batch_invariant import _PerSequenceLinear, batch_invariant_linear, linear_seam
 
     raw = F.linear
     g = torch.Generator().manual_seed(3)
@@ -384,17 +384,25 @@ def test_the_linear_seam_is_per_thread_nested_and_restored():
     seen: dict[str, object] = {}
 
     def other_thread() -> None:
-        seen["mode"] = getattr(_seam.local, "mode", None)
+        seen["mode"] = linear_seam.handler()
         seen["y"] = F.linear(x, w, b)
 
     with batch_invariant_linear(single_thread=False) as outer:
         assert F.linear is not raw and isinstance(outer, _PerSequenceLinear)
         assert torch.equal(F.linear(x, w, b), alone)
         with batch_invariant_linear(single_thread=False, token_groups=[(3, torch.arange(3))]) as inner:
-            assert _seam.local.mode is inner
-        assert _seam.local.mode is outer
+            assert linear_seam.handler() is inner
+        assert linear_seam.handler() is outer
         thread = threading.Thread(target=other_thread)
         thread.start()
         thread.join()
     assert seen["mode"] is None and torch.equal(seen["y"], raw(x, w, b))
-    assert F.linear is raw and getattr(_seam.local, "mode", None) is None
+    assert F.linear is raw and linear_seam.handler() is None
+    seen_inside: list[object] = []
+
+    def tracing(*args):   # a handler's own call of the function runs the handler outside it
+        seen_inside.append(linear_seam.handler())
+        return F.linear(*args)
+    with batch_invariant_linear(single_thread=False) as outer, linear_seam.active(tracing):
+        assert torch.equal(F.linear(x, w, b), alone) and seen_inside == [outer]
+    assert F.linear is raw
