@@ -281,10 +281,12 @@ class _PerRequest:
 
     def __init__(self, rows: CanvasRows, seam: Seam):
         self.rows, self.seam, self.total = rows, seam, sum(rows.sizes)
+        self.rows_posed_below = seam is linear_seam   # a handler below it is the batch-invariant linears'
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         x = args[0] if args else None
-        if torch.is_tensor(x) and x.dim() == 3 and x.shape[0] == self.total and self.seam.handler() is None:
+        if torch.is_tensor(x) and x.dim() == 3 and x.shape[0] == self.total and not (
+                self.rows_posed_below and self.seam.handler() is not None):
             parts = self.rows.bounds
         elif torch.is_tensor(x) and x.dim() == 2 and x.shape[0] == self.total * self.rows.length:
             parts = self.rows.token_bounds()

@@ -295,6 +295,38 @@ def test_forwards_of_several_requests_share_one_call_each_as_alone(model):
     assert all(torch.equal(a, b) for a, b in zip(alone, together))
 
 
+def test_stacked_calls_split_the_products_that_mix_requests_rows():
+    """Inside a stacked call of three requests (1, 2 and 1 rows of `L` positions), `F.linear` over the flattened
+    tokens and `torch.matmul` over the stacked rows reach the function below (here a recorder; in the engine the
+    batch-invariant linears or torch's) one request at a time, and give what the whole call would; stacked rows
+    under a handler below go to it whole (it poses each row's problem), other shapes pass through."""
+    import torch.nn.functional as F
+
+    from remask.kernels.batch_invariant import linear_seam
+    from remask.models.diffusion_gemma import _MATMUL, CanvasRows
+
+    rows = CanvasRows([None] * 3, [{}] * 3, [1, 2, 1], L)
+    seen: list[tuple[str, tuple[int, ...]]] = []
+
+    def recorder(name, seam):
+        def record(x, *args, **kwargs):
+            seen.append((name, tuple(x.shape)))
+            return seam.raw(x, *args, **kwargs)
+        return record
+    g = torch.Generator().manual_seed(0)
+    tokens, stacked, w = torch.randn(4 * L, 6, generator=g), torch.randn(4, L, 6, generator=g), torch.randn(5, 6)
+    with linear_seam.active(recorder("linear", linear_seam)), _MATMUL.active(recorder("matmul", _MATMUL)):
+        with rows._per_request(linear_seam), rows._per_request(_MATMUL):
+            assert torch.allclose(F.linear(tokens, w), tokens @ w.T)
+            assert torch.allclose(torch.matmul(stacked, w.T), stacked @ w.T)
+            F.linear(stacked, w)
+            F.linear(tokens[:3], w)
+    assert seen == [("linear", (L, 6)), ("linear", (2 * L, 6)), ("linear", (L, 6)),
+                    ("matmul", (1, L, 6)), ("matmul", (2, L, 6)), ("matmul", (1, L, 6)),
+                    ("linear", (4, L, 6)), ("linear", (3, 6))]
+    assert F.linear is linear_seam.raw and torch.matmul is _MATMUL.raw
+
+
 def test_engine_runs_even_a_lone_forward_on_one_thread(model):
     """DiffusionGemma's bits depend on the intra-op thread count (`ModelSpec.thread_sensitive`), so the engine's
     runner computes a lone request's forward on one CPU thread, as a batched one; a LLaDA's keeps all threads."""
