@@ -105,6 +105,29 @@ def test_decoder_input_ids_and_return_dict_off(model):
     assert torch.is_tensor(got) and torch.equal(got, want)
 
 
+def test_the_callers_logits_processors_run_before_the_schedule_as_in_model_generate(model):
+    """A `logits_processor` list — transformers' two-argument warper and a processor that reads the step — is applied
+    as `model.generate` applies it, before the checkpoint's temperature schedule: the same tokens under one seed."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper
+
+    class SharperOnOddSteps:   # reads the step (counting down), as the schedule does
+        def __call__(self, input_ids, scores, cur_step):
+            return scores * (3.0 if int(cur_step) % 2 else 1.0)
+
+    def processors():   # a fresh list for each call: `model.generate` appends its schedule to the caller's
+        return LogitsProcessorList([TemperatureLogitsWarper(0.7), SharperOnOddSteps()])
+    torch.manual_seed(5)
+    want = model.generate(PADDED, attention_mask=PADDED_MASK, max_new_tokens=16, logits_processor=processors())
+    torch.manual_seed(5)
+    got = remask.diffusion_generate(model, PADDED, attention_mask=PADDED_MASK, max_new_tokens=16, reference_rng=True,
+                                    logits_processor=processors())
+    assert_same(want, got)
+    torch.manual_seed(5)
+    plain = remask.diffusion_generate(model, PADDED, attention_mask=PADDED_MASK, max_new_tokens=16,
+                                      reference_rng=True)
+    assert not torch.equal(plain.sequences, got.sequences)   # the processors changed the draws
+
+
 def test_generation_config_round_trip(model, checkpoint):
     """The checkpoint's generation_config.json (with the sampler config) drives both loops alike."""
     assert model.generation_config.max_denoising_steps == 6 and model.generation_config.t_max == 0.9

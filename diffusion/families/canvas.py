@@ -12,6 +12,7 @@ kernels (`remask.kernels.canvas`). See docs/diffusion-gemma.md.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from dataclasses import dataclass, fields
 from typing import Any, Generator, Sequence
@@ -237,15 +238,17 @@ class CanvasDecoder(Constrainable, Decoder):
                  reference_rng: bool = False, logits_processor: Any = None, stopping_criteria: Any = None,
                  prompt_cache: Any = None):
         module = require_diffusion_gemma()
-        from transformers.generation.logits_process import LogitsProcessorList
         from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria,
                                                                StoppingCriteriaList)
         self.module, self.config, self.sampler = module, config, sampler or CanvasSampler()
         self.reference_rng, self.canvas_model = reference_rng, CanvasModel(spec)
-        self.processors = LogitsProcessorList(logits_processor or [])
+        processors = list(logits_processor or [])   # the caller's first, then the schedule (transformers' order)
         if config.t_min is not None and config.t_max is not None:
-            self.processors.append(module.LinearTemperatureScheduleLogitsProcessor(config.t_min, config.t_max,
-                                                                                   config.max_denoising_steps))
+            processors.append(module.LinearTemperatureScheduleLogitsProcessor(config.t_min, config.t_max,
+                                                                              config.max_denoising_steps))
+        # as `LogitsProcessorList` calls them (those with more than two parameters get the step), each signature
+        # read once here rather than at every step
+        self.processors = [(p, len(inspect.signature(p.__call__).parameters) > 2) for p in processors]
         self.criteria = StoppingCriteriaList(stopping_criteria or [])
         if config.max_length is not None:
             self.criteria.append(MaxLengthCriteria(config.max_length))
@@ -388,8 +391,9 @@ class CanvasDecoder(Constrainable, Decoder):
         if stats is not None:
             stats.forward(B, L)
         # transformers passes the step as an int32 tensor: the temperature is computed in float32
-        processed = self.processors(state.input_ids, logits,
-                                    cur_step=torch.tensor(state.cur_step, dtype=torch.int32, device=device))
+        cur_step, processed = torch.tensor(state.cur_step, dtype=torch.int32, device=device), logits
+        for processor, takes_step in self.processors:
+            processed = processor(state.input_ids, processed, **({"cur_step": cur_step} if takes_step else {}))
         if self.reference_rng:
             sample, new_argmax, entropy, top_prob = reference_score(processed, generator)
             new_canvas = None
