@@ -238,8 +238,7 @@ class CanvasDecoder(Constrainable, Decoder):
                  reference_rng: bool = False, logits_processor: Any = None, stopping_criteria: Any = None,
                  prompt_cache: Any = None):
         module = require_diffusion_gemma()
-        from transformers.generation.stopping_criteria import (EosTokenCriteria, MaxLengthCriteria,
-                                                               StoppingCriteriaList)
+        from transformers.generation import stopping_criteria as stopping
         self.module, self.config, self.sampler = module, config, sampler or CanvasSampler()
         self.reference_rng, self.canvas_model = reference_rng, CanvasModel(spec)
         processors = list(logits_processor or [])   # the caller's first, then the schedule (transformers' order)
@@ -249,12 +248,12 @@ class CanvasDecoder(Constrainable, Decoder):
         # as `LogitsProcessorList` calls them (those with more than two parameters get the step), each signature
         # read once here rather than at every step
         self.processors = [(p, len(inspect.signature(p.__call__).parameters) > 2) for p in processors]
-        self.criteria = StoppingCriteriaList(stopping_criteria or [])
+        self.criteria = stopping.StoppingCriteriaList(stopping_criteria or [])
         if config.max_length is not None:
-            self.criteria.append(MaxLengthCriteria(config.max_length))
+            self.criteria.append(stopping.MaxLengthCriteria(config.max_length))
         self.eos_ids = config.eos_token_id
         if self.eos_ids is not None:
-            self.criteria.append(EosTokenCriteria(self.eos_ids))
+            self.criteria.append(stopping.EosTokenCriteria(self.eos_ids))
         self.entropy_bound = config.sampler_config.entropy_bound
         self.prompt_cache = prompt_cache
 
@@ -333,10 +332,9 @@ class CanvasDecoder(Constrainable, Decoder):
         except StopIteration:
             state.pending = state.request = None
             return None
-        if isinstance(item, Together):
-            return item
-        state.request = item
-        return None
+        if not isinstance(item, Together):   # a forward (None: a pause) is the state's; a scoring is returned
+            state.request, item = item, None
+        return item
 
     def _open_canvas(self, state: CanvasState, generator: torch.Generator | None,
                      first: bool = False) -> Generator[ForwardRequest | None, Any, None]:
