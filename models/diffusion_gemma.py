@@ -156,8 +156,9 @@ class CanvasRows(ScopedCache):
     (those its own forward has). Inside `forward_scope` each request's rows attend with its own mask through its
     own cache, exactly as transformers' attention does (the encoder's `update`, the decoder's read-only
     `append_to_cache`, then the model's attention implementation); its experts and the products that mix rows
-    (`F.linear` over flattened tokens, `matmul`) run on its rows alone: a request's answer is bitwise that of
-    its own forward. To the model it is a cache of no positions that stores nothing."""
+    (`F.linear` over flattened tokens, `matmul`) run on its rows alone: with the engine's batch-invariant linears
+    (its `nn.Linear` layers) a request's answer is bitwise that of its own forward. To the model it is a cache of
+    no positions that stores nothing."""
 
     caches: list[Any]
     masks: list[dict]
@@ -273,20 +274,20 @@ def _rows_experts(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_in
 
 class _PerRequest:
     """A seam's handler inside a stacked call of several requests: `F.linear` over the flattened tokens
-    `[rows × length, K]` (the router's) and `F.linear` / `matmul` over the stacked rows `[rows, ...]` (the
-    self-conditioning embedding's) computed per request, with the shapes its own forward has (a GEMM's bits may
-    depend on its row count), by the next handler (the batch-invariant linears, as a request alone has them on
-    CUDA), else torch's own function. Any other call, and stacked rows under the batch-invariant linears (which
-    pose each row's problem as alone, in one GEMM where the bits allow), go on to the next handler whole."""
+    `[rows × length, K]` (the router's) and `matmul` over the stacked rows `[rows, ...]` (the self-conditioning
+    embedding's) computed per request, with the shapes its own forward has (a GEMM's bits may depend on its row
+    count), by the next handler (the batch-invariant linears, as a request alone has them on CUDA), else torch's own
+    function. Any other call goes on to the next handler whole: `F.linear` over stacked rows is an `nn.Linear`'s,
+    whose rows the batch-invariant linears pose each as alone (in one GEMM where the bits allow; without them, under
+    `batch_invariant=False`, rows share a GEMM as in any packed forward)."""
 
     def __init__(self, rows: CanvasRows, seam: Seam):
         self.rows, self.seam, self.total = rows, seam, sum(rows.sizes)
-        self.rows_posed_below = seam is linear_seam   # a handler below it is the batch-invariant linears'
+        self.split_rows = seam is not linear_seam
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         x = args[0] if args else None
-        if torch.is_tensor(x) and x.dim() == 3 and x.shape[0] == self.total and not (
-                self.rows_posed_below and self.seam.handler() is not None):
+        if self.split_rows and torch.is_tensor(x) and x.dim() == 3 and x.shape[0] == self.total:
             parts = self.rows.bounds
         elif torch.is_tensor(x) and x.dim() == 2 and x.shape[0] == self.total * self.rows.length:
             parts = self.rows.token_bounds()

@@ -321,8 +321,9 @@ def test_forwards_of_several_requests_share_one_call_each_as_alone(model):
 def test_stacked_calls_split_the_products_that_mix_requests_rows():
     """Inside a stacked call of three requests (1, 2 and 1 rows of `L` positions), `F.linear` over the flattened
     tokens and `torch.matmul` over the stacked rows reach the function below (here a recorder; in the engine the
-    batch-invariant linears or torch's) one request at a time, and give what the whole call would; stacked rows
-    under a handler below go to it whole (it poses each row's problem), other shapes pass through."""
+    batch-invariant linears or torch's) one request at a time, and give what the whole call would; `F.linear` over
+    stacked rows (an `nn.Linear`'s: the batch-invariant linears pose each row's problem) and other shapes pass on
+    whole."""
     import torch.nn.functional as F
 
     from remask.kernels.batch_invariant import linear_seam
