@@ -221,7 +221,7 @@ def batch_invariant_linear(enabled: bool = True, single_thread: bool = True,
         _one_thread.enter()
     try:
         if enabled:
-            with linear_seam.active(_PerSequenceLinear(token_groups)) as mode:   # per thread: other threads are untouched
+            with linear_seam.active(_PerSequenceLinear(token_groups)) as mode:   # this thread's; others untouched
                 yield mode
         else:
             yield None

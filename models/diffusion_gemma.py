@@ -205,14 +205,14 @@ class CanvasRows(ScopedCache):
         try:
             with swapped_setting(attention, "_attn_implementation", ROWS_IMPLEMENTATION), \
                     swapped_setting(experts, "_experts_implementation", ROWS_IMPLEMENTATION), \
-                    self._per_request(linear_seam), self._per_request(_MATMUL):
+                    self._per_request(linear_seam, split_rows=False), self._per_request(_MATMUL, split_rows=True):
                 yield
         finally:
             _ROWS.reset(token)
 
-    def _per_request(self, seam: Seam) -> contextlib.AbstractContextManager:
+    def _per_request(self, seam: Seam, split_rows: bool) -> contextlib.AbstractContextManager:
         """Several requests: the seam's products that mix rows computed per request (`_PerRequest`)."""
-        return seam.active(_PerRequest(self, seam)) if len(self.sizes) > 1 else contextlib.nullcontext()
+        return seam.active(_PerRequest(self, seam, split_rows)) if len(self.sizes) > 1 else contextlib.nullcontext()
 
 
 _CONFIGS: "weakref.WeakKeyDictionary[Any, tuple[list[Any], list[Any]]]" = weakref.WeakKeyDictionary()
@@ -277,13 +277,12 @@ class _PerRequest:
     `[rows × length, K]` (the router's) and `matmul` over the stacked rows `[rows, ...]` (the self-conditioning
     embedding's) computed per request, with the shapes its own forward has (a GEMM's bits may depend on its row
     count), by the next handler (the batch-invariant linears, as a request alone has them on CUDA), else torch's own
-    function. Any other call goes on to the next handler whole: `F.linear` over stacked rows is an `nn.Linear`'s,
-    whose rows the batch-invariant linears pose each as alone (in one GEMM where the bits allow; without them, under
-    `batch_invariant=False`, rows share a GEMM as in any packed forward)."""
+    function (`split_rows`: stacked rows too). Any other call goes on to the next handler whole: `F.linear` over
+    stacked rows is an `nn.Linear`'s, whose rows the batch-invariant linears pose each as alone (in one GEMM where the
+    bits allow; without them, under `batch_invariant=False`, rows share a GEMM as in any packed forward)."""
 
-    def __init__(self, rows: CanvasRows, seam: Seam):
-        self.rows, self.seam, self.total = rows, seam, sum(rows.sizes)
-        self.split_rows = seam is not linear_seam
+    def __init__(self, rows: CanvasRows, seam: Seam, split_rows: bool):
+        self.rows, self.seam, self.total, self.split_rows = rows, seam, sum(rows.sizes), split_rows
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         x = args[0] if args else None

@@ -106,7 +106,7 @@ def test_decoder_input_ids_and_return_dict_off(model):
 
 
 def test_the_callers_logits_processors_run_before_the_schedule_as_in_model_generate(model):
-    """A `logits_processor` list — transformers' two-argument warper and a processor that reads the step — is applied
+    """A `logits_processor` list (transformers' two-argument warper and a processor that reads the step) is applied
     as `model.generate` applies it, before the checkpoint's temperature schedule: the same tokens under one seed."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper
 
@@ -318,7 +318,7 @@ def test_forwards_of_several_requests_share_one_call_each_as_alone(model):
     assert all(torch.equal(a, b) for a, b in zip(alone, together))
 
 
-def test_stacked_calls_split_the_products_that_mix_requests_rows():
+def test_stacked_calls_split_the_products_that_mix_requests_rows(model):
     """Inside a stacked call of three requests (1, 2 and 1 rows of `L` positions), `F.linear` over the flattened
     tokens and `torch.matmul` over the stacked rows reach the function below (here a recorder; in the engine the
     batch-invariant linears or torch's) one request at a time, and give what the whole call would; `F.linear` over
@@ -340,7 +340,7 @@ def test_stacked_calls_split_the_products_that_mix_requests_rows():
     g = torch.Generator().manual_seed(0)
     tokens, stacked, w = torch.randn(4 * L, 6, generator=g), torch.randn(4, L, 6, generator=g), torch.randn(5, 6)
     with linear_seam.active(recorder("linear", linear_seam)), _MATMUL.active(recorder("matmul", _MATMUL)):
-        with rows._per_request(linear_seam), rows._per_request(_MATMUL):
+        with rows.forward_scope(model):
             assert torch.allclose(F.linear(tokens, w), tokens @ w.T)
             assert torch.allclose(torch.matmul(stacked, w.T), stacked @ w.T)
             F.linear(stacked, w)

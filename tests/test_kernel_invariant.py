@@ -372,7 +372,8 @@ def test_the_linear_seam_is_per_thread_nested_and_restored():
     """`batch_invariant_linear` replaces `F.linear` only while a thread is inside it (not a mode that sees every
     torch call): that thread's linears run per sequence (a batch's rows the bits of each alone), nested layouts
     restore the outer one, another thread's `F.linear` meanwhile is the plain one, and on leaving `F.linear` is
-    torch's again. A handler inside another (DiffusionGemma's per-request split) hands its own calls to the outer one."""
+    torch's again. A handler inside another (DiffusionGemma's per-request split) hands its own calls to the outer
+    one."""
     import threading
 
     from remask.kernels.batch_invariant import _PerSequenceLinear, batch_invariant_linear, linear_seam
