@@ -288,10 +288,12 @@ class AttentionClock:
         self.cls.attend = self.attend
 
 
-def per_method(counts: list[int], max_tokens: int, repeats: int, only: str | None = None) -> list[dict[str, Any]]:
+def per_method(counts: list[int], max_tokens: int, repeats: int, only: str | None = None,
+               varlen: bool = False) -> list[dict[str, Any]]:
     """Each method alone: n requests through the engine (default settings: batch invariance on; each reported at its
     end, as `LLM.generate` asks)
-    against the n drop-in calls one by one, in the same run; model calls per engine step."""
+    against the n drop-in calls one by one, in the same run; model calls per engine step. `varlen`: the engine with
+    `varlen_attention=True` (the models with packed forwards only: AR and DiffusionGemma rows are left out)."""
     import warnings
 
     llada, llada_tok = remask.load("tiny-llada")
@@ -304,6 +306,8 @@ def per_method(counts: list[int], max_tokens: int, repeats: int, only: str | Non
         settings.append(("DiffusionGemma canvas (random tiny)", dict(), dg, dg_tok, False))
     if only:
         settings = [s for s in settings if any(word.lower() in s[0].lower() for word in only.split(","))]
+    if varlen:
+        settings = [s for s in settings if remask.get_spec(s[2]).segmented]
     for model, tokenizer in ((llada, llada_tok), (ar, ar_tok), *([(dg, dg_tok)] if dg is not None else [])):   # once per process: the GEMM probe, allocations
         warm = LLMEngine(model, tokenizer)
         for i in range(2):
@@ -330,7 +334,8 @@ def per_method(counts: list[int], max_tokens: int, repeats: int, only: str | Non
                     clock.close()
                     runs = {}
                     for invariant in (True, False):
-                        engine = LLMEngine(model, tokenizer, max_num_seqs=256, batch_invariant=invariant)
+                        engine = LLMEngine(model, tokenizer, max_num_seqs=256, batch_invariant=invariant,
+                                           **({"varlen_attention": True} if varlen else {}))
                         clock = ForwardClock(forward_modules(model, kw))
                         attention = AttentionClock()
                         start = CLOCK["now"]()
@@ -433,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-time", action="store_true",
                         help="with --per-method: CPU seconds of this process instead of wall seconds (A/B runs on a "
                              "machine with other load)")
+    parser.add_argument("--varlen-attention", action="store_true",
+                        help="with --per-method: LLMEngine(varlen_attention=True), one varlen attention call per "
+                             "layer for the whole pack (LLaDA / Dream rows only)")
     parser.add_argument("--gemm-thresholds", action="store_true",
                         help="the flat-GEMM row-invariance threshold measured for each weight of the shipped models")
     args = parser.parse_args(argv)
@@ -443,19 +451,22 @@ def main(argv: list[str] | None = None) -> int:
                 f"`python bench/engine.py --gemm-thresholds --threads {args.threads}`\n\n" + gemm_thresholds())
         write_markdown(text, args.out)
         return 0
-    if args.cpu_time and not args.per_method:
-        parser.error("--cpu-time: the per-method rows only (--per-method)")
+    for flag in ("cpu_time", "varlen_attention"):
+        if getattr(args, flag) and not args.per_method:
+            parser.error(f"--{flag.replace('_', '-')}: the per-method rows only (--per-method)")
     if args.per_method:
         CLOCK["now"] = time.process_time if args.cpu_time else time.perf_counter
         counts = [int(c) for c in (args.requests if args.requests != parser.get_default("requests")
                                    else "8,32,64").split(",")]
         max_tokens = args.max_tokens if args.max_tokens != parser.get_default("max_tokens") else 32
-        rows = per_method(counts, max_tokens, args.repeats, args.methods)
+        rows = per_method(counts, max_tokens, args.repeats, args.methods, args.varlen_attention)
         command = (f"python bench/engine.py --per-method --requests {','.join(map(str, counts))} "
                    f"--max-tokens {max_tokens} --repeats {args.repeats}"
-                   + (f" --methods {args.methods}" if args.methods else "") + (" --cpu-time" if args.cpu_time else ""))
+                   + (f" --methods {args.methods}" if args.methods else "") + (" --cpu-time" if args.cpu_time else "")
+                   + (" --varlen-attention" if args.varlen_attention else ""))
         write_markdown(per_method_table(rows, command), args.out)
-        return 0 if all(r["identical"] for r in rows) else 1
+        # the varlen route sums attention in another order than the drop-in's SDPA: its tokens may differ
+        return 0 if args.varlen_attention or all(r["identical"] for r in rows) else 1
     counts = [int(c) for c in args.requests.split(",")]
     llada, llada_tok = remask.load("tiny-llada")
     ar, ar_tok = remask.load("tiny-ar")

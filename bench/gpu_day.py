@@ -72,7 +72,8 @@ MIN_BOX_S = 3.0          # a part with less time than this left is skipped, not 
 
 KERNEL_TESTS = ("tests/test_kernel_*.py", "tests/test_attention_bf16_mma.py", "tests/test_step_decision.py")
 GPU_TESTS = ("tests/test_cuda_graphs.py", "tests/test_sampling_once.py",
-             "tests/test_zoo.py::test_load_puts_the_model_on_an_existing_gpu")
+             "tests/test_zoo.py::test_load_puts_the_model_on_an_existing_gpu",
+             "tests/test_varlen.py::test_varlen_route_on_gpu_gives_each_request_its_tokens_alone_or_among_eight")
 # Test files that ask for CUDA but have nothing to run on a GPU (tests/test_gpu_day.py holds the list complete).
 NOTHING_FOR_A_GPU = {"tests/test_lmeval.py": "its CUDA branch only skips a CPU-only test"}
 # The dry run's CPU form: kernels under the Triton interpreter, and a GPU-marked test (skipped on a CPU).
@@ -458,12 +459,14 @@ def drive(engine, prompts: list[list[int]], params: list, model=None, device=Non
 ATTENTION_KERNELS = (("remask.kernels.paged", "paged_attention_kernel"),
                      ("remask.kernels.sparse_attention", "block_sparse_attention_kernel"),
                      ("remask.kernels.varlen_attention", "varlen_attention_kernel"))
+# torch paths that stand for one launch off CUDA (the dry run): the varlen reference, one call per pack
+ATTENTION_FUNCTIONS = (("remask.kernels.varlen_attention", "varlen_attention_torch"),)
 
 
 class AttentionLaunches:
     """Counts the attention launches of a run (issue 47: per layer per engine step): torch's SDPA
-    calls (a torch function mode) and every launch of remask's Triton attention kernels (their
-    module names proxied while it is open)."""
+    calls (a torch function mode), every launch of remask's Triton attention kernels (their
+    module names proxied while it is open) and, off CUDA, each call of the varlen reference."""
 
     def __enter__(self):
         import importlib
@@ -491,11 +494,18 @@ class AttentionLaunches:
             def __getattr__(self, name):
                 return getattr(self.kernel, name)
 
-        for module_name, name in ATTENTION_KERNELS:
+        def called(function):
+            def count(*args, **kwargs):
+                counter.count += 1
+                return function(*args, **kwargs)
+            return count
+
+        for (module_name, name), wrap in [(kernel, Launches) for kernel in ATTENTION_KERNELS] + [
+                (function, called) for function in ATTENTION_FUNCTIONS]:
             module = importlib.import_module(module_name)
             if hasattr(module, name):
                 self._patched.append((module, name, getattr(module, name)))
-                setattr(module, name, Launches(getattr(module, name)))
+                setattr(module, name, wrap(getattr(module, name)))
         self._mode = Mode()
         self._mode.__enter__()
         return self
@@ -727,7 +737,8 @@ def part_kernel_bench(ctx: Context) -> None:
 
 
 def engine_rules(family: str, block: int) -> list[tuple[str, dict[str, Any]]]:
-    """The four rules of the engine parts, as `SamplingParams` settings for `family`."""
+    """The rules of the engine parts, as `SamplingParams` settings for `family` (and `LLMEngine`'s
+    `varlen_attention`: `split_engine_settings`)."""
     import remask
 
     fast = dict(threshold=0.9, use_cache="dual") if family == "llada" else \
@@ -736,7 +747,17 @@ def engine_rules(family: str, block: int) -> list[tuple[str, dict[str, Any]]]:
             ("Fast-dLLM threshold 0.9 + dual cache", dict(block_length=block, **fast)),
             ("FreeDave (4 drafts) + dual cache", dict(block_length=block, use_cache="dual",
                                                       decoder=remask.FreeDave(draft_steps=4))),
-            ("dInfer threshold 0.9", dict(block_length=block, decoder=remask.ThresholdDecoding(threshold=0.9)))]
+            ("dInfer threshold 0.9", dict(block_length=block, decoder=remask.ThresholdDecoding(threshold=0.9))),
+            # the same two rules with one varlen attention launch per layer for the whole pack (issue 47)
+            ("LLaDA low_confidence, varlen attention", dict(block_length=block, varlen_attention=True)),
+            ("Fast-dLLM threshold 0.9 + dual cache, varlen attention",
+             dict(block_length=block, varlen_attention=True, **fast))]
+
+
+def split_engine_settings(kw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A rule's settings → (`LLMEngine` keywords, `SamplingParams` keywords)."""
+    engine = {k: kw[k] for k in ("varlen_attention",) if k in kw}
+    return engine, {k: v for k, v in kw.items() if k not in engine}
 
 
 def _engine(model, n: int, **kw):
@@ -793,11 +814,12 @@ def part_engine(ctx: Context, family: str) -> None:
 
     def requests(n: int, kw: dict[str, Any]):
         prompts = random_prompts(n, [sizes.prompt], vocab, seed=n)
-        return prompts, [SamplingParams(max_tokens=sizes.gen, seed=i, **kw) for i in range(n)]
+        return prompts, [SamplingParams(max_tokens=sizes.gen, seed=i, **split_engine_settings(kw)[1])
+                         for i in range(n)]
 
     with torch.no_grad():
         for _, kw in rules:          # warm-up: kernels compiled, allocator and cuBLAS ready
-            drive(_engine(model, 1), *requests(1, kw))
+            drive(_engine(model, 1, **split_engine_settings(kw)[0]), *requests(1, kw))
     rows, cells = [], []
     header = ["rule", "requests", "tokens", "tokens/s", "engine steps", "model calls", "calls / step", "ms / step",
               "in forwards ms / step", "host ms / step", f"bare forward [n, {T}] ms", "attention launches / layer / step",
@@ -811,7 +833,8 @@ def part_engine(ctx: Context, family: str) -> None:
                 rows.append([label, n, "not run: the part's box"] + [""] * (len(header) - 3))
                 ctx.result.note = "some cells not run: the part's box"
             else:
-                r = drive(_engine(model, n), *requests(n, kw), model=model, device=device)
+                r = drive(_engine(model, n, **split_engine_settings(kw)[0]), *requests(n, kw), model=model,
+                          device=device)
                 if r["errors"]:
                     ctx.result.fail(f"{label}, {n} requests: {r['errors'][0]}")
                 ms_step, fwd_step = r["wall"] / r["steps"] * 1e3, r["inside"] / r["steps"] * 1e3

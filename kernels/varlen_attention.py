@@ -411,5 +411,39 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor | None, v: torch.Te
     return out
 
 
-__all__ = ["BIDIRECTIONAL", "CAUSAL", "VarlenPlan", "pack_masks", "query_tiles", "varlen_attention",
-           "varlen_attention_config", "varlen_attention_torch", "varlen_attention_triton", "varlen_plan"]
+class PooledPlan(NamedTuple):
+    """`varlen_attention_each`'s metadata of one layout, reusable by every layer of a forward."""
+    layout: tuple                      # ((M_s, T_s), ...): each set's queries and keys
+    plan: VarlenPlan
+    block_table: torch.Tensor          # [S, max T_s] int32: set s's keys are pool rows first_s … first_s + T_s − 1
+    mask: torch.Tensor | None          # pack_masks' layout
+    mask_offsets: torch.Tensor | None
+
+
+def varlen_attention_each(queries: Sequence[torch.Tensor], keys: Sequence[torch.Tensor],
+                          values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor | None] | None = None,
+                          plan: PooledPlan | None = None, scale: float | None = None
+                          ) -> tuple[list[torch.Tensor], PooledPlan]:
+    """Several attentions in ONE `varlen_attention` call: set s's queries `[M_s, Hq, D]` attend its own keys and
+    values `[T_s, H_kv, D]`, every key visible unless `masks[s]` (a bool `[M_s, T_s]`, or None) hides it. The keys
+    are gathered into one pool `[ΣT, 1, H_kv, D]` read through a block table of one-slot pages (each set a
+    cache-only segment), so each row's reduction order is its own whatever the other sets (batch invariance).
+    `plan`: a previous call's, reused where the layout is the same (the layers of one forward: its masks are then
+    the plan's). Returns each set's output `[M_s, Hq, D]` and the plan."""
+    layout = tuple((q.shape[0], k.shape[0]) for q, k in zip(queries, keys))
+    if plan is None or plan.layout != layout:
+        device, lengths = queries[0].device, [T for _, T in layout]
+        first = torch.tensor([0] + lengths[:-1]).cumsum(0)
+        table = (first[:, None] + torch.arange(max(lengths))).to(torch.int32).to(device)
+        masks = [None] * len(layout) if masks is None else list(masks)
+        mask, offsets = pack_masks(masks, device) if any(m is not None for m in masks) else (None, None)
+        plan = PooledPlan(layout, varlen_plan([M for M, _ in layout], lengths, device=device), table, mask, offsets)
+    out = varlen_attention(torch.cat(list(queries)), None, None, plan.plan, k_cache=torch.cat(list(keys))[:, None],
+                           v_cache=torch.cat(list(values))[:, None], block_table=plan.block_table, mask=plan.mask,
+                           mask_offsets=plan.mask_offsets, scale=scale)
+    return list(out.split([M for M, _ in layout])), plan
+
+
+__all__ = ["BIDIRECTIONAL", "CAUSAL", "PooledPlan", "VarlenPlan", "pack_masks", "query_tiles", "varlen_attention",
+           "varlen_attention_config", "varlen_attention_each", "varlen_attention_torch", "varlen_attention_triton",
+           "varlen_plan"]

@@ -170,7 +170,9 @@ class CanvasRows(ScopedCache):
         return ("canvas", self.length)
 
     @classmethod
-    def pack(cls, members: list["CanvasRows"], sizes: list[int]) -> "CanvasRows":
+    def pack(cls, members: list["CanvasRows"], sizes: list[int], varlen: bool = False) -> "CanvasRows":
+        if varlen:   # (the engine refuses varlen_attention for this model before any forward)
+            raise ValueError("varlen_attention: DiffusionGemma's canvases attend through transformers, not varlen")
         return cls([c for m in members for c in m.caches], [k for m in members for k in m.masks],
                    [s for m in members for s in m.sizes], members[0].length)
 

@@ -119,21 +119,29 @@ class RowBatch:
     stores: list[bool]
     block_sizes: list[int]
     masks: list[torch.Tensor] | None = None
+    varlen: bool = False   # the engine's varlen_attention: every row in one `varlen_attention_each` call
+    plan: Any = None       # (its plan, the same for every layer)
 
 
 def rows_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """The attention of a `RowBatch` forward: per row, the cache rule (`OfficialCacheView`'s
-    prefix part) and transformers' SDPA attention with the row's own mask — its alone call."""
+    prefix part) and transformers' SDPA attention with the row's own mask — its alone call; with `varlen`
+    (no sliding window) every row's in one `varlen_attention_each` call, under the same masks and scale."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from remask.kernels.varlen_attention import varlen_attention_each
+
     batch = _ROWS.get()
-    outputs = []
-    for b, (cache, store) in enumerate(zip(batch.caches, batch.stores)):
-        view = OfficialCacheView(cache, store, None, None)
-        k, v = view.update(key[b:b + 1], value[b:b + 1], module.layer_idx)
-        outputs.append(sdpa_attention_forward(module, query[b:b + 1], k, v, batch.masks[b], **kwargs)[0])
-    return torch.cat(outputs), None
+    rows = [OfficialCacheView(cache, store, None, None).update(key[b:b + 1], value[b:b + 1], module.layer_idx)
+            for b, (cache, store) in enumerate(zip(batch.caches, batch.stores))]
+    if batch.varlen and kwargs.get("sliding_window") is None:
+        outputs, batch.plan = varlen_attention_each(
+            [q.transpose(0, 1) for q in query], [k[0].transpose(0, 1) for k, _ in rows],
+            [v[0].transpose(0, 1) for _, v in rows], batch.masks, batch.plan, kwargs.get("scaling"))
+        return torch.stack(outputs), None
+    return torch.cat([sdpa_attention_forward(module, query[b:b + 1], k, v, batch.masks[b], **kwargs)[0]
+                      for b, (k, v) in enumerate(rows)]), None
 
 
 class FastDLLMV2Backbone(nn.Module):

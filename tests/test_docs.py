@@ -21,7 +21,7 @@ def test_readme_runnable_example(tmp_path, monkeypatch):
 def test_kernel_docs_examples_run():
     text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "kernels.md")).read()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) == 8, "docs/kernels.md lost its examples"
+    assert len(blocks) == 9, "docs/kernels.md lost its examples"
     for block in blocks:
         exec(compile(block, "docs/kernels.md", "exec"), {})
 

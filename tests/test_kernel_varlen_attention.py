@@ -368,3 +368,32 @@ def test_bad_input_names_the_parameter(change, match, impl, monkeypatch):
     args.update(change)
     with pytest.raises(ValueError, match=match):
         varlen_attention(**args)
+
+
+# --- several attentions in one call (`varlen_attention_each`: the engine's varlen route) ------------------------
+
+@pytest.mark.parametrize("impl", ["kernel", "torch"])
+def test_each_set_attends_its_own_keys_in_one_call(impl, monkeypatch, poisoned_outputs):
+    """Sets of 5 / 1 / 37 queries over 9 / 3 / 40 keys of their own (GQA 4 / 2), one with a boolean mask: each
+    output is SDPA over the set alone, bitwise the same alone and with the others, and a plan made for the layout
+    gives the same bits on the next call (a forward's next layer)."""
+    monkeypatch.setenv("REMASK_TRITON", "1" if impl == "kernel" else "0")
+    from remask.kernels.varlen_attention import varlen_attention_each
+
+    gen = torch.Generator().manual_seed(9)
+    shapes = [(5, 9), (1, 3), (37, 40)]
+    qs = [torch.randn(m, 4, 24, generator=gen).to(DEVICE) for m, _ in shapes]
+    ks = [torch.randn(t, 2, 24, generator=gen).to(DEVICE) for _, t in shapes]
+    vs = [torch.randn(t, 2, 24, generator=gen).to(DEVICE) for _, t in shapes]
+    masks = [None, None, (torch.rand(37, 40, generator=gen) < 0.7).to(DEVICE)]
+    masks[2][:, 0] = True                     # every query sees a key
+    outs, plan = varlen_attention_each(qs, ks, vs, masks)
+    for (q, k, v, mask), out in zip(zip(qs, ks, vs, masks), outs):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1).cpu(), k.repeat_interleave(2, 1).transpose(0, 1).cpu(),
+            v.repeat_interleave(2, 1).transpose(0, 1).cpu(), attn_mask=None if mask is None else mask.cpu())
+        assert rel_rms(out.cpu(), want.transpose(0, 1)) < 1e-5
+    for s in range(3):
+        assert torch.equal(varlen_attention_each([qs[s]], [ks[s]], [vs[s]], [masks[s]])[0][0], outs[s])
+    again, same_plan = varlen_attention_each(qs, ks, vs, masks, plan)
+    assert same_plan is plan and all(torch.equal(a, b) for a, b in zip(again, outs))

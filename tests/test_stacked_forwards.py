@@ -103,3 +103,29 @@ def test_engine_runs_one_call_per_step(models, name, settings):
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         alone = llm.generate([prompt], p, use_tqdm=False)[0].outputs[0].all_token_ids
         assert outputs[str(i)].outputs[0].all_token_ids == alone, i
+
+
+@pytest.mark.parametrize("name", ["sdar", "llada2", "fast_dllm_v2"])
+def test_engine_varlen_route_is_one_attention_call_per_layer(models, monkeypatch, name):
+    """`LLMEngine(varlen_attention=True)` on a block-causal model: every stacked forward (plain block steps, stores,
+    FreeDave's drafts) attends in ONE `varlen_attention` call per layer (SDAR, LLaDA2: each row's cache read in
+    place from the page store; Fast-dLLM v2: its prefix caches pooled, under its block masks), and each request's
+    tokens are the same alone as among the others."""
+    from test_varlen import varlen_calls, varlen_engine_tokens
+
+    model = models(name)
+    layers = model.config.num_hidden_layers
+    prompts = [torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in range(3, 8)]
+    config = {"sdar": remask.SDARDecoding, "llada2": remask.LLaDA2Decoding, "fast_dllm_v2": remask.FastDLLMV2Decoding}
+    settings = {} if name == "fast_dllm_v2" else dict(block_length=4)
+    params = [remask.SamplingParams(max_tokens=8, temperature=0.0, decoder=config[name](**settings, **(
+        {} if i % 2 else dict(rule=remask.FreeDave(draft_steps=3))))) for i in range(len(prompts))]
+    calls = varlen_calls(monkeypatch)
+
+    run = lambda indices: varlen_engine_tokens(model, None, prompts, params, indices)   # noqa: E731
+    together, forwards = run(range(len(prompts)))
+    assert len(calls) == layers * forwards and max(calls) > 4   # several requests' blocks in one call
+    for i in (0, 3):
+        calls.clear()
+        alone, forwards = run([i])
+        assert alone[i] == together[i] and len(calls) == layers * forwards

@@ -3,6 +3,8 @@
 forward's, and the engine's tokens stay each request's drop-in tokens."""
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -179,3 +181,129 @@ def test_attention_calls_are_the_requests_own_when_not_batched(monkeypatch):
     own = PackedAttention(segments, batch_calls=False).attend(0, q, k, v, 0, None)
     assert sorted(calls) == [(1, 2, 3, 8), (1, 2, 7, 8), (1, 2, 7, 8), (2, 2, 5, 8)]
     assert torch.equal(batched, own)
+
+
+def varlen_calls(monkeypatch) -> list[int]:
+    """Each `varlen_attention` call's query rows, while the test runs."""
+    kernel = importlib.import_module("remask.kernels.varlen_attention")   # (the package exports the function)
+    calls, real = [], kernel.varlen_attention
+    monkeypatch.setattr(kernel, "varlen_attention", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    return calls
+
+
+def _with_attention_counted(monkeypatch):
+    """Count `varlen_attention` calls of the packed route; any per-request SDPA call fails the test."""
+    import remask.diffusion.parts.varlen as varlen
+
+    monkeypatch.setattr(varlen, "attention", lambda *a: pytest.fail("a request attended alone on the varlen route"))
+    return varlen_calls(monkeypatch)
+
+
+@pytest.mark.parametrize("which", ["llada", "dream"])
+def test_varlen_route_gives_each_request_its_bits_alone_or_packed_with_1_7_63(request, which):
+    """`varlen=True`: a request's logits are bitwise the same alone (a pack of one) and packed with 1, 7 and 63
+    others of other lengths (the kernel's per-row reduction order), and close to the per-request SDPA route."""
+    model = request.getfixturevalue(which)
+    model = model[0] if isinstance(model, tuple) else model
+    spec = get_spec(model)
+    g = torch.Generator().manual_seed(7)
+    high = min(spec.vocab_size, 290) - 2
+    xs = [torch.randint(0, high, (1, int(n)), generator=g) for n in torch.randint(1, 48, (64,), generator=g)]
+    alone = run_forwards(model, _requests(spec, xs[:1]), invariant, varlen=True)[0]
+    # another float32 summation order than SDPA's: close, not equal
+    torch.testing.assert_close(alone, run_forwards(model, _requests(spec, xs[:1]), invariant)[0], atol=1e-4, rtol=1e-4)
+    for n in (2, 8, 64):
+        packed = run_forwards(model, _requests(spec, xs[:n]), invariant, varlen=True)
+        assert torch.equal(packed[0], alone), n
+    for x, own in zip(xs[:8], packed):
+        assert torch.equal(own, run_forwards(model, _requests(spec, [x]), invariant, varlen=True)[0])
+
+
+def test_varlen_route_leaves_the_other_caches_and_float_masks_their_own_attention(llada, monkeypatch):
+    """A request whose attention cannot be a varlen segment (here a float bias) attends alone, as on the
+    per-request route, bit for bit; the others of its pack share the one call."""
+    model, _ = llada
+    spec = get_spec(model)
+    xs = _canvases(90)[:3]
+    bias = torch.zeros(1, 1, xs[1].shape[1], xs[1].shape[1])
+    bias[..., 0] = -1.0e4                                   # a real additive bias: no boolean mask says it
+    requests = lambda: [*_requests(spec, xs[:1]), ForwardRequest(xs[1], per_row=dict(attention_bias=bias)),
+                        *_requests(spec, xs[2:])]
+    plain = run_forwards(model, requests(), invariant)
+    calls = varlen_calls(monkeypatch)
+    routed = run_forwards(model, requests(), invariant, varlen=True)
+    assert torch.equal(routed[1], plain[1])
+    for i in (0, 2):
+        torch.testing.assert_close(routed[i], plain[i], atol=1e-4, rtol=1e-4)
+    assert calls == [xs[0].shape[1] + xs[2].shape[1]] * len(model.model.transformer.blocks)
+
+
+def varlen_engine_tokens(model, tokenizer, prompts, params, indices) -> tuple[dict[int, list[int]], int]:
+    """`LLMEngine(varlen_attention=True)` on requests `indices`: each one's generated ids, and the model calls."""
+    engine = LLMEngine(model, tokenizer, varlen_attention=True)
+    for i in indices:
+        engine.add_request(str(i), prompts[i], params[i])
+    got = {}
+    while engine.has_unfinished_requests():
+        got.update({int(o.request_id): o.outputs[0].token_ids for o in engine.step() if o.finished})
+    return got, engine.runner.forwards
+
+
+ROUTED = {   # LLaDA's and Dream's settings whose caches join the varlen route: none, prefix, dual, methods' own KVCache
+    "low-confidence": dict(block_length=8, steps=16),
+    "threshold + prefix cache": dict(block_length=8, threshold=0.9, use_cache="prefix"),
+    "threshold + dual cache": dict(block_length=8, threshold=0.9, use_cache="dual"),
+    "FreeDave + dual cache": dict(block_length=8, decoder=remask.FreeDave(), use_cache="dual"),
+    "dInfer threshold": dict(block_length=8, decoder=remask.ThresholdDecoding()),
+    "MultiBlock + its KV cache": dict(block_length=8, decoder=remask.MultiBlock(cache_delay_iter=1)),
+    "Dream's sampler": dict(alg="entropy"),
+    "Dream block decoder + dual cache": dict(alg="entropy", block_length=8, use_cache="dual"),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(ROUTED))
+def test_engine_varlen_route_is_one_attention_call_per_layer_whatever_the_requests(llada, monkeypatch, setting):
+    """`LLMEngine(varlen_attention=True)`: every layer of every engine step attends in ONE call, for one request or
+    five of different lengths, and each request's tokens are the same alone as among the five."""
+    model, tokenizer = llada
+    layers = len(model.model.transformer.blocks)
+    problems = tasks.problems(5, tasks.EVAL_SEED)
+    prompts = [charset.encode_chat(p.prompt) for p in problems]
+    assert len({len(p) for p in prompts}) > 1
+
+    params = [SamplingParams(max_tokens=16, seed=i, **ROUTED[setting]) for i in range(5)]
+    run = lambda indices: varlen_engine_tokens(model, tokenizer, prompts, params, indices)   # noqa: E731
+    calls = _with_attention_counted(monkeypatch)
+    together, forwards = run(range(5))
+    assert len(calls) == layers * forwards
+    for i in (0, 3):
+        calls.clear()
+        alone, forwards = run([i])
+        assert alone[i] == together[i] and charset.MASK_ID not in alone[i]
+        assert len(calls) == layers * forwards
+
+
+def test_varlen_attention_refused_where_there_is_no_packed_forward():
+    ar_model, ar_tokenizer = remask.load("tiny-ar")
+    with pytest.raises(ValueError, match="varlen_attention"):
+        LLMEngine(ar_model, ar_tokenizer, varlen_attention=True)
+    with pytest.raises((TypeError, ValueError), match="varlen_attention"):
+        LLMEngine(*remask.load("tiny-llada"), varlen_attention="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_varlen_route_on_gpu_gives_each_request_its_tokens_alone_or_among_eight(monkeypatch):
+    """On CUDA the route's attention is the Triton kernel (compiled): one launch per layer per step, and each
+    request's tokens the same alone as among eight of mixed settings and lengths."""
+    model, tokenizer = remask.load("tiny-llada", device="cuda")
+    layers = len(model.model.transformer.blocks)
+    prompts = [charset.encode_chat(p.prompt) for p in tasks.problems(8, tasks.EVAL_SEED)]
+    settings = [ROUTED[name] for name in sorted(ROUTED)]
+
+    params = [SamplingParams(max_tokens=16, seed=i, **settings[i]) for i in range(8)]
+    run = lambda indices: varlen_engine_tokens(model, tokenizer, prompts, params, indices)   # noqa: E731
+    calls = _with_attention_counted(monkeypatch)
+    together, forwards = run(range(8))
+    assert len(calls) == layers * forwards
+    for i in range(8):
+        assert run([i])[0][i] == together[i], sorted(ROUTED)[i]

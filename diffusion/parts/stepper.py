@@ -60,17 +60,23 @@ def call_model(model: torch.nn.Module, request: ForwardRequest, input_ids: torch
 
 @torch.no_grad()
 def run_forwards(model: torch.nn.Module, requests: list[ForwardRequest],
-                 invariant: Callable[..., ContextManager] | None = None, spec: ModelSpec | None = None) -> list[Any]:
+                 invariant: Callable[..., ContextManager] | None = None, spec: ModelSpec | None = None,
+                 varlen: bool = False) -> list[Any]:
     """Answer `requests` (one `pack_key`, or a single one) with ONE model call, each with what its
     own forward gives it. Several go into one flat forward `[1, N]` (`_packed`), or, where their
     caches pack (`ForwardRequest.stacks`), into one call on their rows stacked (`_stacked`); `invariant(rows,
     token_groups)`: the runner's batch-invariance context. Without it (the drop-in driver) a
-    `rows_alone` request of several rows runs its linears row by row. `spec`: `model`'s, where the caller holds it."""
+    `rows_alone` request of several rows runs its linears row by row. `spec`: `model`'s, where the caller holds it.
+    `varlen`: a segmented model's attention through `varlen_attention` (`varlen.PackedAttention`), a packable
+    request alone as a pack of one, so that its bits do not depend on having batch-mates."""
     request = requests[0]
-    if len(requests) > 1 or request.layers is not None:
-        if len(requests) > 1 and request.stacks:
-            return _stacked(model, requests, invariant)
-        return _packed(model, requests, invariant, spec or get_spec(model))
+    alone_packed = varlen and len(requests) == 1 and request.pack_key() is not None
+    if len(requests) > 1 or request.layers is not None or alone_packed:
+        spec = spec or get_spec(model)
+        if request.stacks:
+            return _stacked(model, requests, invariant, varlen)
+        if spec.segmented or not alone_packed:
+            return _packed(model, requests, invariant, spec, varlen)
     if invariant is not None:
         context = invariant(request.batch if request.rows_alone else 1)
     elif request.rows_alone and request.batch > 1:
@@ -84,7 +90,8 @@ def run_forwards(model: torch.nn.Module, requests: list[ForwardRequest],
 
 
 def _packed(model: torch.nn.Module, requests: list[ForwardRequest],
-            invariant: Callable[..., ContextManager] | None, spec: ModelSpec) -> list[torch.Tensor]:
+            invariant: Callable[..., ContextManager] | None, spec: ModelSpec, varlen: bool = False
+            ) -> list[torch.Tensor]:
     """Requests of different lengths, caches and masks in one flat forward: each request's rows
     one after another, RoPE at the positions its own forward uses, its attention through its own
     cache and mask (`varlen.PackedAttention`), its linears the GEMM problems its own forward poses
@@ -112,7 +119,7 @@ def _packed(model: torch.nn.Module, requests: list[ForwardRequest],
     flat = torch.cat(inputs, dim=1)
     ids, embeds = (flat, {}) if requests[0].input_ids is not None else (None, {"inputs_embeds": flat})
     # on CUDA, under batch invariance, no request's attention is batched with another's (SDPA's split)
-    attend = PackedAttention(segments, batch_calls=invariant is None or flat.device.type != "cuda")
+    attend = PackedAttention(segments, batch_calls=invariant is None or flat.device.type != "cuda", varlen=varlen)
     kwargs = dict(position_ids=torch.cat(positions, dim=1), past_key_values=attend)
     groups = token_groups(segments, [r.rows_alone for r in requests], flat.device)
     context = invariant(sum(s.rows for s in segments), groups) if invariant is not None else contextlib.nullcontext()
@@ -126,18 +133,19 @@ def _packed(model: torch.nn.Module, requests: list[ForwardRequest],
 
 
 def _stacked(model: torch.nn.Module, requests: list[ForwardRequest],
-             invariant: Callable[..., ContextManager] | None) -> list[torch.Tensor]:
+             invariant: Callable[..., ContextManager] | None, varlen: bool = False) -> list[torch.Tensor]:
     """Requests of one `stacked_key` in one call on their rows stacked `[ΣB, T]` (non-segmented
     models: SDAR, LLaDA2, Fast-dLLM v2): the call's cache is `type(cache).pack(caches, batches)`,
     through which each row attends over its own request's cache as in that request's own forward;
     each row's linears are the problem it poses alone (`invariant(rows)`: the runner's batch
-    invariance). Each request gets its rows, shifted by its `spec`, cut to its `rows`."""
+    invariance). Each request gets its rows, shifted by its `spec`, cut to its `rows`. `varlen`: the packed
+    cache's (`PackedRows.varlen`)."""
     head = requests[0]
     sizes = [r.batch for r in requests]
     ids = None if head.input_ids is None else torch.cat([r.input_ids for r in requests])
     per_row = {name: torch.cat([r.per_row[name].expand(r.batch, *r.per_row[name].shape[1:]) for r in requests])
                for name in head.per_row}
-    cache = type(head.cache).pack([r.cache for r in requests], sizes)
+    cache = type(head.cache).pack([r.cache for r in requests], sizes, varlen)
     model = head.module if head.module is not None else model
     with invariant(sum(sizes)) if invariant is not None else contextlib.nullcontext(), cache_scope(cache, model):
         out = model(ids, **per_row, **head.shared, **cache_arg(model.forward, cache))

@@ -9,6 +9,12 @@ model changes). With the engine's `batch_invariant` the linear layers compute ea
 as the GEMM problems its own forward poses (`token_groups`), so a request's logits are bit for bit
 its own forward's (`tests/test_varlen.py`). Only models whose spec says `segmented` (their attention
 goes through `cache.attend` and they take `position_ids`) are run this way.
+
+With `varlen` (the engine's `varlen_attention=True`) a layer's attention is ONE `varlen_attention` call for
+every request whose keys are its in-forward K/V or those of a cache that attends as `KVCache` does (prefix, dual,
+FreeDave's drafts' tree): each request's keys (its cache written first) are gathered into one pool read through a
+block table of one-slot pages, and each row's reduction order is its own whatever else is packed (the kernel's
+batch invariance). The other caches (dKV, d2Cache, Elastic, paged, sparse) and float masks attend per request.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from remask.caches.kv import KVCache, attention
+from remask.kernels.varlen_attention import varlen_attention_each
 
 
 @dataclass(eq=False)
@@ -53,14 +60,17 @@ class PackedAttention(KVCache):
     """The cache seam of a packed forward `[1, N]` holding several requests: each layer's attention
     runs per request, as its own forward runs it — over its own keys, through its own cache's
     `attend` (which writes its K/V) with its own mask. Requests whose attention is the same call
-    (no cache or a contiguous `KVCache`, one query and key length, no mask) attend as one batch,
+    (no cache or one that attends as `KVCache` does, one query and key length, no mask) attend as one batch,
     unless `batch_calls` is False: then each request's attention is its own forward's call, of its
     own shape and strides, so a kernel whose split depends on the batch (CUDA's SDPA) splits each
-    request's rows as it does alone (the runner's batch invariance on CUDA)."""
+    request's rows as it does alone (the runner's batch invariance on CUDA). With `varlen` the requests whose
+    cache attends as `KVCache` does, with no mask or a boolean one, attend in one `varlen_attention` call per
+    layer (module docstring)."""
 
-    def __init__(self, segments: list[Segment], batch_calls: bool = True) -> None:
+    def __init__(self, segments: list[Segment], batch_calls: bool = True, varlen: bool = False) -> None:
         super().__init__()
-        self.segments, self.batch_calls = segments, batch_calls
+        self.segments, self.batch_calls, self.varlen = segments, batch_calls, varlen
+        self._plan: Any = None   # varlen_attention_each's, the same for every layer
 
     def get_seq_length(self, layer: int = 0) -> int:
         return 0
@@ -84,13 +94,17 @@ class PackedAttention(KVCache):
         parts = [t.split(sizes, dim=2) for t in (q, k, v)]
         outs: list[torch.Tensor | None] = [None] * len(self.segments)
         batched: dict[tuple, list[tuple[int, Segment, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        joined: list[tuple[int, Segment, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for i, seg in enumerate(self.segments):
             q_, k_, v_ = (self._rows(t[i], seg) for t in parts)
-            if seg.cache is not None and type(seg.cache) is not KVCache:   # its own attention
+            if seg.cache is not None and type(seg.cache).attend is not KVCache.attend:   # its own attention
                 outs[i] = seg.cache.attend(layer, q_, k_, v_, seg.cache_start, seg.mask)
                 continue
-            if seg.cache is not None:
+            if seg.cache is not None:   # (a `TreeKVCache` writes nothing: it gives each draft's keys)
                 k_, v_ = seg.cache.update(layer, k_, v_, seg.cache_start)
+            if self.varlen and (seg.mask is None or seg.mask.dtype == torch.bool and seg.mask.shape[1] == 1):
+                joined.append((i, seg, q_, k_, v_))
+                continue
             shape = None if seg.mask is None else (seg.mask.dtype, tuple(seg.mask.shape[1:]))
             key = (seg.length, k_.shape[-2], shape) if self.batch_calls else (id(seg),)
             batched.setdefault(key, []).append((i, seg, q_, k_, v_))
@@ -105,7 +119,22 @@ class PackedAttention(KVCache):
                           None if masks is None else torch.cat(masks))
             for (i, *_), own in zip(members, o.split([m[1].rows for m in members])):
                 outs[i] = own
+        if joined:
+            self._attend_joined(joined, outs)
         return torch.cat([self._flat(o, seg) for o, seg in zip(outs, self.segments)], dim=2)
+
+    def _attend_joined(self, members: list[tuple[int, Segment, torch.Tensor, torch.Tensor, torch.Tensor]],
+                       outs: list) -> None:
+        """`varlen_attention_each` for `members` (i, segment, q `[rows, Hq, L, D]`, its keys and values `[rows,
+        H_kv, T, D]`): each row of each member a set of queries over its own keys, under its boolean mask."""
+        sets = [(q_[r].transpose(0, 1), k_[r].transpose(0, 1), v_[r].transpose(0, 1),
+                 None if seg.mask is None else seg.mask[r % seg.mask.shape[0], 0])
+                for _, seg, q_, k_, v_ in members for r in range(seg.rows)]
+        own, self._plan = varlen_attention_each(*zip(*sets), plan=self._plan)
+        first = 0
+        for i, seg, *_ in members:
+            outs[i] = torch.stack(own[first:first + seg.rows]).transpose(1, 2)
+            first += seg.rows
 
 
 class PackedLayers:

@@ -52,9 +52,15 @@ class BlockKVCache:
         return keys[slots].transpose(0, 1)[None], values[slots].transpose(0, 1)[None]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this forward's K/V `[1, H_kv, n, D]` after the cached ones (`store_block`); return all of them."""
+        before = self.cached(layer_idx)
+        self.store_block(key, value, layer_idx)
+        return _joined(before, key, value)
+
+    def store_block(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> None:
         """Store this forward's K/V `[1, H_kv, n, D]` after the cached ones (the shared prompt pages
-        verified: module docstring); return all of them."""
-        before, start = self.cached(layer_idx), self.get_seq_length(layer_idx)
+        verified: module docstring)."""
+        start = self.get_seq_length(layer_idx)
         end = start + key.shape[2]
         if self.manager.pages_for(end) > len(self.table):
             raise RuntimeError(f"the block cache's table covers {len(self.table) * self.manager.page_size} "
@@ -62,7 +68,6 @@ class BlockKVCache:
         self.shared = self.store.write(layer_idx, self.table, start, key[0].transpose(0, 1),
                                        value[0].transpose(0, 1), self.shared)
         self.lengths[layer_idx] = end
-        return _joined(before, key, value)
 
     def release(self) -> None:
         """Give the pages back (a finished or aborted request); idempotent."""
@@ -74,21 +79,25 @@ class BlockKVCache:
 class PackedRows:
     """A forward's cache argument of per-row lists (the fields in `ROWS`): those of one class join in
     one stacked forward (`stepper.run_forwards`), rows in order, each keeping its own cache and store
-    flag (`BlockBatch`; Fast-dLLM v2's `BlockRows`)."""
+    flag (`BlockBatch`; Fast-dLLM v2's `BlockRows`). `varlen` (the driver's, `LLMEngine(varlen_attention=True)`):
+    a `BlockBatch` over the engine's page store attends in one `varlen_attention` call per layer."""
 
     ROWS: tuple = ()
+    varlen = False
 
     def pack_key(self) -> tuple:
         return ()
 
     @classmethod
-    def pack(cls, members: list[Any], sizes: list[int]) -> Any:
+    def pack(cls, members: list[Any], sizes: list[int], varlen: bool = False) -> Any:
         """The argument of one forward over the members' rows stacked in order (`sizes[i]` rows of member i)."""
         for member, size in zip(members, sizes):
             rows = len(getattr(member, cls.ROWS[0]))
             if rows != size:
                 raise ValueError(f"a {cls.__name__} of {rows} rows packed as {size}")
-        return cls(*([row for m in members for row in getattr(m, name)] for name in cls.ROWS))
+        packed = cls(*([row for m in members for row in getattr(m, name)] for name in cls.ROWS))
+        packed.varlen = varlen
+        return packed
 
 
 @dataclass(eq=False)
@@ -103,13 +112,41 @@ class BlockBatch(PackedRows):
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention: Any) -> torch.Tensor:
         """`attention(q, k, v)` (the model's unmasked attention over `[1, H, n, D]` tensors) for
-        each row against its cache, as that row's own forward calls it; rows stacked back."""
+        each row against its cache, as that row's own forward calls it; rows stacked back. With `varlen` and every
+        row's cache in the engine's page store: `_attend_varlen`."""
+        if self.varlen and all(isinstance(cache, BlockKVCache) for cache in self.row_caches):
+            return self._attend_varlen(layer_idx, query, key, value)
         outputs = []
         for b, (cache, store) in enumerate(zip(self.row_caches, self.store)):
             k, v = key[b:b + 1], value[b:b + 1]
             k, v = cache.update(k, v, layer_idx) if store else _joined(_cached(cache, layer_idx), k, v)
             outputs.append(attention(query[b:b + 1], k, v))
         return torch.cat(outputs)
+
+
+    def _attend_varlen(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+                       value: torch.Tensor) -> torch.Tensor:
+        """Every row in ONE `varlen_attention` call: its block's queries over its stored positions, read in place
+        from the page store through its table, then its block's own K/V, all visible (the unmasked attention of a
+        block over its cache, at the default scale 1/√D the block-causal families use); the storing rows' K/V
+        written first. Each row's reduction order is its own whatever else is stacked (the kernel's)."""
+        from remask.kernels.varlen_attention import varlen_attention, varlen_plan
+
+        caches, (B, Hq, L, D) = self.row_caches, query.shape
+        lengths = [cache.get_seq_length(layer_idx) for cache in caches]
+        for b, (cache, store) in enumerate(zip(caches, self.store)):
+            if store:
+                cache.store_block(key[b:b + 1], value[b:b + 1], layer_idx)
+        plan = varlen_plan([L] * B, lengths if any(lengths) else None, device=query.device)
+        paged = {}
+        if any(lengths):   # the tables read after the writes: a shared page found different was made private
+            store, manager = caches[0].store, caches[0].manager
+            pages = [t.view(-1, manager.page_size, *t.shape[1:]) for t in (store.keys[layer_idx],
+                                                                            store.values[layer_idx])]
+            paged = dict(k_cache=pages[0], v_cache=pages[1],
+                         block_table=manager.block_tables([cache.table for cache in caches], query.device))
+        rows = [t.transpose(1, 2).flatten(0, 1) for t in (query, key, value)]   # [B · L, H, D]
+        return varlen_attention(*rows, plan, **paged).view(B, L, Hq, D).transpose(1, 2)
 
 
 def _cached(cache: Any, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv import KVCache, attention
+from .kv import KVCache
 
 
 class TreeKVCache(KVCache):
@@ -33,11 +33,7 @@ class TreeKVCache(KVCache):
             [self._side(held, self.suffix_start, self.total)] if self.suffix_start < self.total else [])
         return torch.cat(parts, dim=2) if len(parts) > 1 else own
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-               mask: torch.Tensor | None) -> torch.Tensor:
-        """`q`, `k`, `v` `[A·K, H, L, D]`: each draft's own; `mask` (if any) per draft row."""
-        keys = self._keys(self.base.keys[layer], k)
-        values = self._keys(self.base.values[layer], v)
-        if mask is not None:
-            mask = mask.expand(q.shape[0], *mask.shape[1:])
-        return attention(q, keys, values, mask)
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values each draft row attends (`k`, `v` `[A·K, H, L, D]`: each draft's own), nothing
+        written; `attend` (KVCache's) attends over them with the drafts' mask, broadcast over their rows."""
+        return self._keys(self.base.keys[layer], k), self._keys(self.base.values[layer], v)

@@ -36,7 +36,8 @@ class LLM:
                  max_num_batched_tokens: int = 16384, kv_cache_pages: int | None = None,
                  kv_cache_memory_fraction: float | None = None, page_size: int = 16,
                  enable_prefix_caching: bool = True, batch_invariant: bool = True, seed: int = 0,
-                 quantization: Any = None, max_request_bytes: int | None = None, cuda_graphs: bool = False) -> None:
+                 quantization: Any = None, max_request_bytes: int | None = None, cuda_graphs: bool = False,
+                 varlen_attention: bool = False) -> None:
         if not isinstance(model, torch.nn.Module):
             from remask.zoo import load
 
@@ -51,7 +52,8 @@ class LLM:
                                 max_num_batched_tokens=max_num_batched_tokens, kv_cache_pages=kv_cache_pages,
                                 kv_cache_memory_fraction=kv_cache_memory_fraction, page_size=page_size,
                                 enable_prefix_caching=enable_prefix_caching, batch_invariant=batch_invariant,
-                                seed=seed, max_request_bytes=max_request_bytes, cuda_graphs=cuda_graphs)
+                                seed=seed, max_request_bytes=max_request_bytes, cuda_graphs=cuda_graphs,
+                                varlen_attention=varlen_attention)
         self._counter = 0
 
     def generate(self, prompts: Prompt | Seq[Prompt],

@@ -57,7 +57,8 @@ class LLMEngine:
                  max_num_batched_tokens: int = 16384, kv_cache_pages: int | None = None,
                  kv_cache_memory_fraction: float | None = None, page_size: int = 16,
                  enable_prefix_caching: bool = True, batch_invariant: bool = True, seed: int = 0,
-                 max_request_bytes: int | None = None, cost_stride: bool = True, cuda_graphs: bool = False) -> None:
+                 max_request_bytes: int | None = None, cost_stride: bool = True, cuda_graphs: bool = False,
+                 varlen_attention: bool = False) -> None:
         self.state = EngineState.LOADING
         check_ints(1, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, page_size=page_size)
         check_int("kv_cache_pages", kv_cache_pages, minimum=1, allow_none=True)
@@ -66,7 +67,7 @@ class LLMEngine:
         check_int("seed", seed, minimum=0)
         check_int("max_request_bytes", max_request_bytes, minimum=1, allow_none=True)
         check_bools(enable_prefix_caching=enable_prefix_caching, batch_invariant=batch_invariant,
-                    cost_stride=cost_stride, cuda_graphs=cuda_graphs)
+                    cost_stride=cost_stride, cuda_graphs=cuda_graphs, varlen_attention=varlen_attention)
         self.model, self.tokenizer, self.seed = model.eval(), tokenizer, seed
         self.spec = get_spec(model)
         self.family = family_of(getattr(model.config, "model_type", ""))
@@ -77,7 +78,7 @@ class LLMEngine:
         self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.pages, cost_stride)
         # cuda_graphs (engine/cuda_graphs.py): refused (ValueError) for a model off CUDA
         self.runner = ModelRunner(model, self.spec, batch_invariant, self.pages, cuda_graphs=cuda_graphs,
-                                  max_num_seqs=max_num_seqs)
+                                  max_num_seqs=max_num_seqs, varlen_attention=varlen_attention)
         self._generator_bytes = torch.Generator(device=self.device).get_state().numel()
         # Admission's memory budget per request (`request_bytes`; docs/engine.md, Admission): one full
         # step at this engine's limits plus 1024 samples' bookkeeping at the model's context length.

@@ -50,8 +50,13 @@ from .sequence import Sequence
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, batch_invariant: bool = True,
-                 pages: PageManager | None = None, cuda_graphs: bool = False, max_num_seqs: int = 64) -> None:
+                 pages: PageManager | None = None, cuda_graphs: bool = False, max_num_seqs: int = 64,
+                 varlen_attention: bool = False) -> None:
+        if varlen_attention and not (spec.segmented or spec.attention == "block-causal"):
+            raise ValueError(f"varlen_attention=True: the {spec.kind!r} model's forwards do not pack through "
+                             "remask's attention seams; use varlen_attention=False")
         self.model, self.spec, self.batch_invariant = model, spec, batch_invariant
+        self.varlen_attention = varlen_attention
         self.device = next(model.parameters()).device
         self.forwards = 0      # model calls, for the benchmark
         self.store = PagedKVStore(pages) if pages is not None else None
@@ -104,7 +109,7 @@ class ModelRunner:
                     answers = list(logits.split([r.batch for r in requests]))
                 else:
                     answers = run_forwards(self.model, requests, self._invariant if self.batch_invariant else None,
-                                           self.spec)
+                                           self.spec, self.varlen_attention)
                 self.forwards += 1
             except Exception as err:  # noqa: BLE001
                 failed.update({seq: f"{type(err).__name__}: {err}" for seq, _ in members})
