@@ -108,6 +108,7 @@ class BlockBatch(PackedRows):
     row_caches: list[Any]
     store: list[bool]
     ROWS = ("row_caches", "store")
+    _plan = (None, None)   # the varlen route's (cache lengths, VarlenPlan): one for the forward's layers
 
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention: Any) -> torch.Tensor:
@@ -123,7 +124,6 @@ class BlockBatch(PackedRows):
             outputs.append(attention(query[b:b + 1], k, v))
         return torch.cat(outputs)
 
-
     def _attend_varlen(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                        value: torch.Tensor) -> torch.Tensor:
         """Every row in ONE `varlen_attention` call: its block's queries over its stored positions, read in place
@@ -137,7 +137,9 @@ class BlockBatch(PackedRows):
         for b, (cache, store) in enumerate(zip(caches, self.store)):
             if store:
                 cache.store_block(key[b:b + 1], value[b:b + 1], layer_idx)
-        plan = varlen_plan([L] * B, lengths if any(lengths) else None, device=query.device)
+        if self._plan[0] != lengths:
+            self._plan = (lengths, varlen_plan([L] * B, lengths if any(lengths) else None, device=query.device))
+        plan = self._plan[1]
         paged = {}
         if any(lengths):   # the tables read after the writes: a shared page found different was made private
             store, manager = caches[0].store, caches[0].manager
