@@ -293,7 +293,7 @@ def per_method(counts: list[int], max_tokens: int, repeats: int, only: str | Non
     """Each method alone: n requests through the engine (default settings: batch invariance on; each reported at its
     end, as `LLM.generate` asks)
     against the n drop-in calls one by one, in the same run; model calls per engine step. `varlen`: the engine with
-    `varlen_attention=True` (the models with packed forwards only: AR and DiffusionGemma rows are left out)."""
+    `varlen_attention=True` (the DiffusionGemma row is left out: refused there)."""
     import warnings
 
     llada, llada_tok = remask.load("tiny-llada")
@@ -306,8 +306,8 @@ def per_method(counts: list[int], max_tokens: int, repeats: int, only: str | Non
         settings.append(("DiffusionGemma canvas (random tiny)", dict(), dg, dg_tok, False))
     if only:
         settings = [s for s in settings if any(word.lower() in s[0].lower() for word in only.split(","))]
-    if varlen:
-        settings = [s for s in settings if remask.get_spec(s[2]).segmented]
+    if varlen:   # (DiffusionGemma's canvases do not take it)
+        settings = [s for s in settings if remask.get_spec(s[2]).layout != "encoder-decoder"]
     for model, tokenizer in ((llada, llada_tok), (ar, ar_tok), *([(dg, dg_tok)] if dg is not None else [])):   # once per process: the GEMM probe, allocations
         warm = LLMEngine(model, tokenizer)
         for i in range(2):
@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
                              "machine with other load)")
     parser.add_argument("--varlen-attention", action="store_true",
                         help="with --per-method: LLMEngine(varlen_attention=True), one varlen attention call per "
-                             "layer for the whole pack (LLaDA / Dream rows only)")
+                             "layer for the whole model call (not the DiffusionGemma row)")
     parser.add_argument("--gemm-thresholds", action="store_true",
                         help="the flat-GEMM row-invariance threshold measured for each weight of the shipped models")
     args = parser.parse_args(argv)

@@ -283,12 +283,41 @@ def test_engine_varlen_route_is_one_attention_call_per_layer_whatever_the_reques
         assert len(calls) == layers * forwards
 
 
-def test_varlen_attention_refused_where_there_is_no_packed_forward():
-    ar_model, ar_tokenizer = remask.load("tiny-ar")
-    with pytest.raises(ValueError, match="varlen_attention"):
-        LLMEngine(ar_model, ar_tokenizer, varlen_attention=True)
+def test_engine_varlen_route_on_an_autoregressive_model_reads_the_page_store_in_place(monkeypatch):
+    """tiny-ar with `varlen_attention=True`: each layer of each step (new prompts — some sharing a system prompt's
+    pages — and one token of every running sequence) is ONE call over the page store; each request's tokens are
+    the same alone as among the others, and, greedy or seeded, the default route's."""
+    model, tokenizer = remask.load("tiny-ar")
+    layers = model.config.num_hidden_layers
+    system = charset.encode_chat("You are a careful assistant. Answer briefly and exactly.")[:-2]
+    prompts = [(system if i % 2 else []) + charset.encode_chat(p.prompt)
+               for i, p in enumerate(tasks.problems(8, tasks.EVAL_SEED))]
+    params = [SamplingParams(max_tokens=16, seed=i, temperature=0.0 if i % 3 else 0.8) for i in range(8)]
+    default = LLMEngine(model, tokenizer)
+    for i in range(8):
+        default.add_request(str(i), prompts[i], params[i])
+    want = {}
+    while default.has_unfinished_requests():
+        want.update({int(o.request_id): o.outputs[0].token_ids for o in default.step() if o.finished})
+    calls = varlen_calls(monkeypatch)
+    together, forwards = varlen_engine_tokens(model, tokenizer, prompts, params, range(8))
+    assert len(calls) == layers * forwards and together == want
+    for i in (0, 5):
+        calls.clear()
+        alone, forwards = varlen_engine_tokens(model, tokenizer, prompts, params, [i])
+        assert alone[i] == together[i] and len(calls) == layers * forwards
+
+
+def test_varlen_attention_refused_where_there_is_no_packed_forward(tmp_path):
+    import transformers
+
     with pytest.raises((TypeError, ValueError), match="varlen_attention"):
         LLMEngine(*remask.load("tiny-llada"), varlen_attention="yes")
+    if not hasattr(transformers, "DiffusionGemmaForBlockDiffusion"):
+        pytest.skip("this transformers has no DiffusionGemma")
+    tiny.write_tiny_diffusion_gemma(str(tmp_path), seed=1, charset=charset)
+    with pytest.raises(ValueError, match="varlen_attention=True: the 'diffusion_gemma' model"):
+        LLMEngine(*remask.load(str(tmp_path)), varlen_attention=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -52,7 +52,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, batch_invariant: bool = True,
                  pages: PageManager | None = None, cuda_graphs: bool = False, max_num_seqs: int = 64,
                  varlen_attention: bool = False) -> None:
-        if varlen_attention and not (spec.segmented or spec.attention == "block-causal"):
+        if varlen_attention and not spec.segmented and spec.attention == "bidirectional":   # DiffusionGemma
             raise ValueError(f"varlen_attention=True: the {spec.kind!r} model's forwards do not pack through "
                              "remask's attention seams; use varlen_attention=False")
         self.model, self.spec, self.batch_invariant = model, spec, batch_invariant
@@ -173,7 +173,7 @@ class ModelRunner:
             keep.append([len(ids) + row for row in range(len(feed))[request.rows or slice(-1, None)]])
             ids.extend(feed)
             positions.extend(range(past, past + len(feed)))
-        batch = ForwardBatch(slices, self.store if module is None else None, self.device)
+        batch = ForwardBatch(slices, self.store if module is None else None, self.device, self.varlen_attention)
         input_ids, position_ids, rows = (torch.tensor(v, dtype=torch.long, device=self.device)
                                          for v in ([ids], [positions], [r for k in keep for r in k]))
         with self._invariant(len(slices), batch.token_groups), paged_forward(model, batch):

@@ -9,7 +9,9 @@ alone. Prefix sharing keeps a prompt page only where its K/V are bitwise those t
 (kernels may round a row differently for another prompt length): the sequence still computes its
 whole prompt, compares layer by layer and goes copy-on-write on the first difference (docs/engine.md).
 The same flat forward serves another model's causal continuations without pages (APD's verifier): each
-sequence appends its new K/V to its own cache and attends over it as its own forward does.
+sequence appends its new K/V to its own cache and attends over it as its own forward does. With
+`LLMEngine(varlen_attention=True)` a layer's attention over the store is one `varlen_attention` call instead
+(`_varlen_layer`: the pages read in place; its bits its own alone or batched, not SDPA's).
 """
 from __future__ import annotations
 
@@ -56,6 +58,11 @@ class ForwardBatch:
     slices: list[SequenceSlice]
     store: PagedKVStore | None   # None: every slice has its own cache
     device: torch.device
+    # `LLMEngine(varlen_attention=True)` over the store: each layer one `varlen_attention` call (`_varlen_layer`),
+    # with this forward's plan and page tables
+    varlen: bool = False
+    plan: Any = None
+    block_table: torch.Tensor | None = None
     # decodes grouped by context length: (slice indices, slots of their context `[G, ctx]`)
     decode_groups: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
     # rows of equal-length slices, for the batch-invariant linear layers (one batched GEMM each)
@@ -87,6 +94,12 @@ class ForwardBatch:
             for j, i in enumerate(members):
                 self.slices[i].new_slots = slots[j, ctx_len - self.slices[i].q_len:]
             self.decode_groups.append((members, slots))
+        if self.varlen and self.store is not None:   # each slice: its cached positions, then its new rows, causal
+            from remask.kernels.varlen_attention import CAUSAL, varlen_plan
+
+            self.plan = varlen_plan([s.q_len for s in self.slices], [s.ctx_len - s.q_len for s in self.slices],
+                                    [CAUSAL] * len(self.slices), device=self.device)
+            self.block_table = manager.block_tables([s.table for s in self.slices], self.device)
         decodes = [self.slices[i] for members, _ in self.decode_groups for i in members]
         if decodes:
             self.decode_rows = torch.tensor([row for s in decodes for row in range(s.start, s.start + s.q_len)],
@@ -115,12 +128,16 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             outputs[i] = sdpa(module, query[:, :, rows], k, v, s.mask, scaling=scaling, dropout=0.0)[0]
         elif s.is_prefill:   # shared prompt pages are verified (module docstring)
             s.shared = batch.store.write(layer, s.table, 0, new_k[rows], new_v[rows], s.shared)
+            if batch.plan is not None:   # it attends in the varlen call
+                continue
             # The prompt attends over its own fresh keys, exactly as it does alone.
             outputs[i] = sdpa(module, query[:, :, rows], key[:, :, rows], value[:, :, rows], None,
                               scaling=scaling, dropout=0.0)[0]
     if batch.decode_rows is not None:   # every decode's new K/V in one scatter (distinct slots: any order)
         k_store.index_copy_(0, batch.decode_slots, new_k[batch.decode_rows])
         v_store.index_copy_(0, batch.decode_slots, new_v[batch.decode_rows])
+    if batch.plan is not None:
+        return _varlen_layer(batch, query, new_k, new_v, k_store, v_store, scaling), None
     for members, slots in batch.decode_groups:
         # Sequences with as many positions attend together: SDPA's rows are independent.
         k = k_store[slots].permute(0, 2, 1, 3)                                                # [G, H_kv, ctx, D]
@@ -131,6 +148,18 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         for j, i in enumerate(members):
             outputs[i] = out[j:j + 1]
     return torch.cat(outputs, dim=1), None
+
+
+def _varlen_layer(batch: ForwardBatch, query: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor,
+                  k_store: torch.Tensor, v_store: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Every slice's attention in ONE `varlen_attention` call (`varlen_attention=True`): its new rows over its
+    cached positions, read in place from the store through its page table, and over its new K/V, causally —
+    `[1, T, Hq, D]`. Each row's reduction order is its own whatever else is in the forward (the kernel's)."""
+    from remask.kernels.varlen_attention import varlen_attention
+
+    pages = [t.view(-1, batch.store.manager.page_size, *t.shape[1:]) for t in (k_store, v_store)]
+    return varlen_attention(query[0].transpose(0, 1), new_k, new_v, batch.plan, k_cache=pages[0], v_cache=pages[1],
+                            block_table=batch.block_table, scale=scaling)[None]
 
 
 def own_cache_mask(past: int, q_len: int, device: Any) -> torch.Tensor | None:
