@@ -308,6 +308,26 @@ def test_engine_varlen_route_on_an_autoregressive_model_reads_the_page_store_in_
         assert alone[i] == together[i] and len(calls) == layers * forwards
 
 
+def test_engine_varlen_route_takes_apds_verifier_too(llada, monkeypatch):
+    """APD with `varlen_attention=True`: the dLLM's packed forwards and the verifier's flat forwards over the
+    sequences' own caches each attend in ONE call per layer; tokens the same alone as among six."""
+    model, tokenizer = llada
+    verifier = remask.load("tiny-ar")[0]
+    prompts = [charset.encode_chat(p.prompt) for p in tasks.problems(6, tasks.EVAL_SEED)]
+    params = [SamplingParams(max_tokens=24, seed=i, decoder=remask.APDConfig(verifier=verifier)) for i in range(6)]
+    forwards = {model: 0, verifier: 0}
+    for module in forwards:
+        monkeypatch.setattr(module, "forward", lambda *a, _f=module.forward, _m=module, **k: (
+            forwards.__setitem__(_m, forwards[_m] + 1), _f(*a, **k))[1])
+    calls = varlen_calls(monkeypatch)
+    together, _ = varlen_engine_tokens(model, tokenizer, prompts, params, range(6))
+    assert forwards[verifier] > 0
+    layers = {model: len(model.model.transformer.blocks), verifier: verifier.config.num_hidden_layers}
+    assert len(calls) == sum(n * layers[m] for m, n in forwards.items())
+    for i in (0, 4):
+        assert varlen_engine_tokens(model, tokenizer, prompts, params, [i])[0][i] == together[i]
+
+
 def test_varlen_attention_refused_where_there_is_no_packed_forward(tmp_path):
     import transformers
 

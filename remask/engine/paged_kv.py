@@ -10,8 +10,8 @@ alone. Prefix sharing keeps a prompt page only where its K/V are bitwise those t
 whole prompt, compares layer by layer and goes copy-on-write on the first difference (docs/engine.md).
 The same flat forward serves another model's causal continuations without pages (APD's verifier): each
 sequence appends its new K/V to its own cache and attends over it as its own forward does. With
-`LLMEngine(varlen_attention=True)` a layer's attention over the store is one `varlen_attention` call instead
-(`_varlen_layer`: the pages read in place; its bits its own alone or batched, not SDPA's).
+`LLMEngine(varlen_attention=True)` a layer's attention is one `varlen_attention` call instead (over the store:
+`_varlen_layer`, the pages read in place; over own caches: pooled): its bits its own alone or batched, not SDPA's.
 """
 from __future__ import annotations
 
@@ -63,6 +63,7 @@ class ForwardBatch:
     varlen: bool = False
     plan: Any = None
     block_table: torch.Tensor | None = None
+    pooled: Any = None   # the own-cache slices' `varlen_attention_each` plan (APD's verifier)
     # decodes grouped by context length: (slice indices, slots of their context `[G, ctx]`)
     decode_groups: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
     # rows of equal-length slices, for the batch-invariant linear layers (one batched GEMM each)
@@ -121,10 +122,15 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)        # [T, H_kv, D]
     k_store, v_store = batch.store.layer(layer, new_k) if batch.store is not None else (None, None)
     outputs: list[torch.Tensor | None] = [None] * len(batch.slices)
+    pooled = []   # with `varlen`: the own-cache slices' (index, queries, keys, values, causal mask) for one call
     for i, s in enumerate(batch.slices):
         rows = slice(s.start, s.start + s.q_len)
         if s.cache is not None:   # its own cache: appended to, then attended over as its own forward does
             k, v = s.cache.update(key[:, :, rows], value[:, :, rows], layer)
+            if batch.varlen:   # causal: new row r sees the positions up to its own
+                causal = torch.ones(s.q_len, s.ctx_len, dtype=torch.bool, device=k.device).tril(s.ctx_len - s.q_len)
+                pooled.append((i, query[0, :, rows].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), causal))
+                continue
             outputs[i] = sdpa(module, query[:, :, rows], k, v, s.mask, scaling=scaling, dropout=0.0)[0]
         elif s.is_prefill:   # shared prompt pages are verified (module docstring)
             s.shared = batch.store.write(layer, s.table, 0, new_k[rows], new_v[rows], s.shared)
@@ -138,6 +144,13 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         v_store.index_copy_(0, batch.decode_slots, new_v[batch.decode_rows])
     if batch.plan is not None:
         return _varlen_layer(batch, query, new_k, new_v, k_store, v_store, scaling), None
+    if pooled:
+        from remask.kernels.varlen_attention import varlen_attention_each
+
+        index, *sets = zip(*pooled)
+        own, batch.pooled = varlen_attention_each(*sets, plan=batch.pooled, scale=scaling)
+        for i, out in zip(index, own):
+            outputs[i] = out[None]
     for members, slots in batch.decode_groups:
         # Sequences with as many positions attend together: SDPA's rows are independent.
         k = k_store[slots].permute(0, 2, 1, 3)                                                # [G, H_kv, ctx, D]
