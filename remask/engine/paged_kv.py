@@ -129,7 +129,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             k, v = s.cache.update(key[:, :, rows], value[:, :, rows], layer)
             if batch.varlen:   # causal: new row r sees the positions up to its own
                 causal = torch.ones(s.q_len, s.ctx_len, dtype=torch.bool, device=k.device).tril(s.ctx_len - s.q_len)
-                pooled.append((i, query[0, :, rows].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), causal))
+                pooled.append((i, query[0, :, rows].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                               causal))
                 continue
             outputs[i] = sdpa(module, query[:, :, rows], k, v, s.mask, scaling=scaling, dropout=0.0)[0]
         elif s.is_prefill:   # shared prompt pages are verified (module docstring)
