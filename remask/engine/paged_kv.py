@@ -42,7 +42,8 @@ class SequenceSlice:
     shared: int = 0             # leading prompt pages held with others, to verify (prefill only)
     new_slots: torch.Tensor | None = None   # where a decode's new K/V go
     # a sequence with a cache of its own (APD's verifier; no pages): its K/V appended there and attended over as in
-    # its own forward, under the mask that forward has (`own_cache_mask`, set by `ForwardBatch`)
+    # its own forward, under the mask that forward has (`own_cache_mask`, set by `ForwardBatch`; with `varlen` the
+    # boolean causal mask `[q_len, ctx_len]` its varlen segment takes)
     cache: Any = None
     mask: torch.Tensor | None = None
 
@@ -78,7 +79,8 @@ class ForwardBatch:
         for i, s in enumerate(self.slices):
             by_len.setdefault(s.q_len, []).extend(range(s.start, s.start + s.q_len))
             if s.cache is not None:
-                s.mask = own_cache_mask(s.ctx_len - s.q_len, s.q_len, self.device)
+                s.mask = own_cache_mask(s.ctx_len - s.q_len, s.q_len, self.device) if not self.varlen else \
+                    torch.ones(s.q_len, s.ctx_len, dtype=torch.bool, device=self.device).tril(s.ctx_len - s.q_len)
             elif not s.is_prefill:
                 by_ctx.setdefault(s.ctx_len, []).append(i)
         self.token_groups = [(length, torch.tensor(rows, dtype=torch.long, device=self.device))
@@ -127,10 +129,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         rows = slice(s.start, s.start + s.q_len)
         if s.cache is not None:   # its own cache: appended to, then attended over as its own forward does
             k, v = s.cache.update(key[:, :, rows], value[:, :, rows], layer)
-            if batch.varlen:   # causal: new row r sees the positions up to its own
-                causal = torch.ones(s.q_len, s.ctx_len, dtype=torch.bool, device=k.device).tril(s.ctx_len - s.q_len)
+            if batch.varlen:   # (its mask: causal, new row r sees the positions up to its own)
                 pooled.append((i, query[0, :, rows].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
-                               causal))
+                               s.mask))
                 continue
             outputs[i] = sdpa(module, query[:, :, rows], k, v, s.mask, scaling=scaling, dropout=0.0)[0]
         elif s.is_prefill:   # shared prompt pages are verified (module docstring)
